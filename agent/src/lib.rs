@@ -1,0 +1,2 @@
+//! The Inferyes agent: one per GPU host.
+pub mod sim;

@@ -1,0 +1,207 @@
+//! The controller's configuration: defaults, then a TOML file, then
+//! `INFERYES_*` environment variables, then flags. Only this module reads
+//! the environment (through clap).
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use serde::{Deserialize, Serialize};
+
+#[derive(Clone, Debug, clap::Parser)]
+#[command(name = "inferyes-controller", version, about = "Inferyes controller: fleet state in etcd, routing snapshots, fleet API")]
+pub struct Args {
+    /// TOML configuration file.
+    #[arg(long, env = "INFERYES_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Print the effective configuration as TOML and exit.
+    #[arg(long)]
+    pub print_config: bool,
+    /// This controller's name in logs and records (default: controller-<hostname>).
+    #[arg(long, env = "INFERYES_CONTROLLER_ID")]
+    pub controller_id: Option<String>,
+    /// etcd endpoints, comma separated.
+    #[arg(long, env = "INFERYES_ETCD_ENDPOINTS", value_delimiter = ',')]
+    pub etcd_endpoints: Option<Vec<String>>,
+    /// Key prefix of this fleet in etcd.
+    #[arg(long, env = "INFERYES_ETCD_PREFIX")]
+    pub etcd_prefix: Option<String>,
+    /// gRPC listen address (AgentService, RoutingService, FleetService).
+    #[arg(long, env = "INFERYES_GRPC_LISTEN")]
+    pub grpc_listen: Option<SocketAddr>,
+    /// HTTP listen address (health, dashboard, metrics).
+    #[arg(long, env = "INFERYES_HTTP_LISTEN")]
+    pub http_listen: Option<SocketAddr>,
+    /// Lease TTL of each node in milliseconds: a dead agent's node leaves the fleet within it.
+    #[arg(long, env = "INFERYES_LEASE_TTL_MS")]
+    pub lease_ttl_ms: Option<u64>,
+    /// Log format: text or json.
+    #[arg(long, env = "INFERYES_LOG_FORMAT")]
+    pub log_format: Option<LogFormat>,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    #[default]
+    Text,
+    Json,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    /// Version of this file's format.
+    pub version: u32,
+    pub controller_id: String,
+    pub etcd_endpoints: Vec<String>,
+    pub etcd_prefix: String,
+    pub grpc_listen: SocketAddr,
+    pub http_listen: SocketAddr,
+    pub lease_ttl_ms: u64,
+    /// How often agents must be heard from; must be well under the lease TTL.
+    pub heartbeat_interval_ms: u64,
+    /// Per node: writes closer together than this are coalesced.
+    pub min_write_interval_ms: u64,
+    /// Changes arriving within this window are published as one snapshot.
+    pub snapshot_debounce_ms: u64,
+    pub log_format: LogFormat,
+}
+
+impl Default for Config {
+    fn default() -> Config {
+        Config {
+            version: 1,
+            controller_id: String::new(),
+            etcd_endpoints: vec!["http://127.0.0.1:2379".into()],
+            etcd_prefix: "/inferyes/v1/".into(),
+            grpc_listen: SocketAddr::from(([127, 0, 0, 1], 7070)),
+            http_listen: SocketAddr::from(([127, 0, 0, 1], 7071)),
+            lease_ttl_ms: 6000,
+            heartbeat_interval_ms: 1000,
+            min_write_interval_ms: 100,
+            snapshot_debounce_ms: 10,
+            log_format: LogFormat::Text,
+        }
+    }
+}
+
+impl Config {
+    pub fn load(args: &Args) -> anyhow::Result<Config> {
+        let mut config = match &args.config {
+            Some(path) => {
+                let text = std::fs::read_to_string(path).with_context(|| format!("cannot read config file {}", path.display()))?;
+                toml::from_str(&text).with_context(|| format!("invalid config file {}", path.display()))?
+            }
+            None => Config::default(),
+        };
+        if let Some(v) = &args.controller_id {
+            config.controller_id.clone_from(v);
+        }
+        if let Some(v) = &args.etcd_endpoints {
+            config.etcd_endpoints.clone_from(v);
+        }
+        if let Some(v) = &args.etcd_prefix {
+            config.etcd_prefix.clone_from(v);
+        }
+        if let Some(v) = args.grpc_listen {
+            config.grpc_listen = v;
+        }
+        if let Some(v) = args.http_listen {
+            config.http_listen = v;
+        }
+        if let Some(v) = args.lease_ttl_ms {
+            config.lease_ttl_ms = v;
+        }
+        if let Some(v) = args.log_format {
+            config.log_format = v;
+        }
+        if config.controller_id.is_empty() {
+            config.controller_id = format!("controller-{}", hostname());
+        }
+        config.validate()?;
+        Ok(config)
+    }
+
+    pub fn validate(&self) -> anyhow::Result<()> {
+        if self.version != 1 {
+            bail!("config version {} is not supported: set `version = 1`", self.version);
+        }
+        if self.etcd_endpoints.is_empty() {
+            bail!("etcd_endpoints is empty: list at least one, e.g. [\"http://127.0.0.1:2379\"]");
+        }
+        if !self.etcd_prefix.starts_with('/') {
+            bail!("etcd_prefix `{}` must start with `/`", self.etcd_prefix);
+        }
+        if self.lease_ttl_ms < 2000 {
+            bail!("lease_ttl_ms = {} is below etcd's minimum lease TTL of 2000", self.lease_ttl_ms);
+        }
+        if self.heartbeat_interval_ms == 0 || self.heartbeat_interval_ms * 2 > self.lease_ttl_ms {
+            bail!(
+                "heartbeat_interval_ms = {} must be positive and at most half of lease_ttl_ms = {}",
+                self.heartbeat_interval_ms,
+                self.lease_ttl_ms
+            );
+        }
+        Ok(())
+    }
+
+    pub fn lease_ttl(&self) -> Duration {
+        Duration::from_millis(self.lease_ttl_ms)
+    }
+
+    pub fn heartbeat_interval(&self) -> Duration {
+        Duration::from_millis(self.heartbeat_interval_ms)
+    }
+
+    pub fn min_write_interval(&self) -> Duration {
+        Duration::from_millis(self.min_write_interval_ms)
+    }
+
+    pub fn snapshot_debounce(&self) -> Duration {
+        Duration::from_millis(self.snapshot_debounce_ms)
+    }
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .ok()
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "unknown".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[test]
+    fn flags_override_the_file_which_overrides_defaults() {
+        let dir = std::env::temp_dir().join(format!("inferyes-ctl-config-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("controller.toml");
+        std::fs::write(&path, "version = 1\nlease_ttl_ms = 9000\netcd_prefix = \"/file/\"\n").unwrap();
+        let args = Args::try_parse_from([
+            "inferyes-controller",
+            "--config",
+            path.to_str().unwrap(),
+            "--etcd-prefix",
+            "/flag/",
+        ])
+        .unwrap();
+        let config = Config::load(&args).unwrap();
+        assert_eq!(config.etcd_prefix, "/flag/");
+        assert_eq!(config.lease_ttl_ms, 9000);
+        assert_eq!(config.heartbeat_interval_ms, Config::default().heartbeat_interval_ms);
+    }
+
+    #[test]
+    fn unknown_keys_and_bad_values_are_rejected() {
+        assert!(toml::from_str::<Config>("lease_ttl = 5").is_err());
+        let config = Config { lease_ttl_ms: 500, ..Config::default() };
+        assert!(config.validate().unwrap_err().to_string().contains("lease_ttl_ms"));
+    }
+}

@@ -1,0 +1,250 @@
+use std::pin::Pin;
+use std::time::Duration;
+
+use inferyes_proto::ErrorKind;
+use inferyes_proto::v1::agent_message::Msg;
+use inferyes_proto::v1::agent_service_server::{AgentService, AgentServiceServer};
+use inferyes_proto::v1::{
+    AgentMessage, ControllerMessage, DrainState, NodeRecord, NodeStatus, Registered, controller_message,
+};
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+use tokio_stream::Stream;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::CancellationToken;
+use tonic::{Request, Response, Status, Streaming};
+use tracing::Instrument;
+
+use super::status;
+use crate::reconcile::SnapshotRx;
+use crate::store::{EtcdStore, Lease, StoreError};
+
+/// Serves agent streams. Each stream is the one writer of its node's etcd
+/// key: it holds the node's lease, keeps it alive while the agent is heard
+/// from, and writes the node's status when (and only when) it changed.
+#[derive(Clone)]
+pub struct AgentSvc {
+    pub store: EtcdStore,
+    pub snapshots: SnapshotRx,
+    pub controller_id: String,
+    pub lease_ttl: Duration,
+    pub heartbeat_interval: Duration,
+    pub min_write_interval: Duration,
+    pub shutdown: CancellationToken,
+}
+
+impl AgentSvc {
+    pub fn svc(self) -> AgentServiceServer<Self> {
+        AgentServiceServer::new(self)
+    }
+}
+
+type JoinStream = Pin<Box<dyn Stream<Item = Result<ControllerMessage, Status>> + Send>>;
+
+const REGISTER_TIMEOUT: Duration = Duration::from_secs(10);
+
+#[tonic::async_trait]
+impl AgentService for AgentSvc {
+    type JoinStream = JoinStream;
+
+    async fn join(&self, request: Request<Streaming<AgentMessage>>) -> Result<Response<JoinStream>, Status> {
+        let peer = request.remote_addr();
+        let mut inbound = request.into_inner();
+        let first = tokio::time::timeout(REGISTER_TIMEOUT, inbound.message())
+            .await
+            .map_err(|_| status(ErrorKind::Timeout, "no register message within 10s"))??;
+        let Some(AgentMessage { msg: Some(Msg::Register(register)) }) = first else {
+            return Err(status(ErrorKind::BadRequest, "the first message on a join stream must be `register`"));
+        };
+        let node = register
+            .status
+            .ok_or_else(|| status(ErrorKind::BadRequest, "register carries no node status"))?;
+        validate(&node)?;
+
+        let (tx, rx) = mpsc::channel(8);
+        let registered = ControllerMessage {
+            msg: Some(controller_message::Msg::Registered(Registered {
+                controller_id: self.controller_id.clone(),
+                lease_ttl_ms: millis(self.lease_ttl),
+                heartbeat_interval_ms: millis(self.heartbeat_interval),
+            })),
+        };
+        // The channel is empty and ours: this cannot fail.
+        let _ = tx.try_send(Ok(registered));
+        let span = tracing::info_span!("agent", node = %node.node_id, peer = ?peer);
+        tracing::info!(parent: &span, "agent joined");
+        tokio::spawn(self.clone().session(node, inbound, tx).instrument(span));
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+}
+
+fn validate(node: &NodeStatus) -> Result<(), Status> {
+    let id_ok = !node.node_id.is_empty()
+        && node.node_id.len() <= 128
+        && node.node_id.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c));
+    if !id_ok {
+        return Err(status(
+            ErrorKind::BadRequest,
+            "node_id must be 1-128 characters of [A-Za-z0-9._-]",
+        ));
+    }
+    if !(node.proxy_url.starts_with("http://") || node.proxy_url.starts_with("https://")) {
+        return Err(status(ErrorKind::BadRequest, "proxy_url must be an http:// or https:// URL"));
+    }
+    Ok(())
+}
+
+fn millis(d: Duration) -> u32 {
+    u32::try_from(d.as_millis()).unwrap_or(u32::MAX)
+}
+
+/// Why an agent session ended.
+enum End {
+    AgentLeft,
+    AgentSilent,
+    Shutdown,
+}
+
+impl AgentSvc {
+    async fn session(
+        self,
+        node: NodeStatus,
+        mut inbound: Streaming<AgentMessage>,
+        tx: mpsc::Sender<Result<ControllerMessage, Status>>,
+    ) {
+        let node_id = node.node_id.clone();
+        let registered_unix_ms = inferyes_proto::unix_ms();
+        let mut lease: Option<Lease> = None;
+        let mut pending: Option<NodeStatus> = Some(node);
+        let mut written: Option<NodeStatus> = None;
+        let mut write_at = Instant::now();
+        let mut write_backoff = Duration::from_millis(100);
+        let mut last_heard = Instant::now();
+        let mut keepalive = tokio::time::interval(self.lease_ttl / 3);
+        keepalive.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut snapshots = self.snapshots.clone();
+        let mut draining_sent: Option<bool> = None;
+
+        let end = loop {
+            let due = pending.as_ref().map(|_| write_at);
+            tokio::select! {
+                () = self.shutdown.cancelled() => break End::Shutdown,
+                message = inbound.message() => match message {
+                    Ok(Some(AgentMessage { msg: Some(msg) })) => {
+                        last_heard = Instant::now();
+                        match msg {
+                            Msg::Status(status) | Msg::Register(inferyes_proto::v1::Register { status: Some(status), .. }) => {
+                                if status.node_id != node_id {
+                                    tracing::warn!(reported = %status.node_id, "agent changed its node id; ignoring the report");
+                                } else if written.as_ref() != Some(&status) {
+                                    pending = Some(status);
+                                } else {
+                                    pending = None;
+                                }
+                            }
+                            Msg::Register(_) | Msg::Heartbeat(_) => {}
+                        }
+                    }
+                    Ok(Some(AgentMessage { msg: None })) => last_heard = Instant::now(),
+                    Ok(None) | Err(_) => break End::AgentLeft,
+                },
+                () = sleep_until(due) => {
+                    let Some(status) = pending.clone() else { continue };
+                    match self.write(&mut lease, status.clone(), registered_unix_ms).await {
+                        Ok(revision) => {
+                            tracing::debug!(revision, "node status written");
+                            written = Some(status);
+                            pending = None;
+                            write_at = Instant::now() + self.min_write_interval;
+                            write_backoff = Duration::from_millis(100);
+                        }
+                        Err(error) => {
+                            tracing::warn!(%error, "node status not written; holding it for retry");
+                            write_at = Instant::now() + write_backoff;
+                            write_backoff = (write_backoff * 2).min(Duration::from_secs(2));
+                        }
+                    }
+                }
+                _ = keepalive.tick() => {
+                    if last_heard.elapsed() > self.lease_ttl {
+                        break End::AgentSilent;
+                    }
+                    if let Some(current) = lease.as_mut() {
+                        match self.store.keep_alive(current).await {
+                            Ok(()) => {}
+                            Err(StoreError::LeaseExpired(id)) => {
+                                // etcd was away longer than the TTL: the node's
+                                // key is gone. Write it again under a new lease.
+                                tracing::warn!(lease = id, "node lease expired; re-registering");
+                                lease = None;
+                                pending = written.take().or(pending);
+                            }
+                            Err(error) => tracing::warn!(%error, "lease keep-alive failed"),
+                        }
+                    }
+                }
+                changed = snapshots.changed() => {
+                    if changed.is_err() {
+                        break End::Shutdown;
+                    }
+                    let draining = snapshots
+                        .borrow_and_update()
+                        .as_ref()
+                        .and_then(|s| s.node(&node_id).map(|n| n.draining));
+                    if let Some(draining) = draining
+                        && draining_sent != Some(draining)
+                    {
+                        draining_sent = Some(draining);
+                        let message = ControllerMessage {
+                            msg: Some(controller_message::Msg::Drain(DrainState { draining, reason: String::new() })),
+                        };
+                        if tx.send(Ok(message)).await.is_err() {
+                            break End::AgentLeft;
+                        }
+                    }
+                }
+            }
+        };
+
+        match end {
+            End::Shutdown => {
+                // Leave the lease to run out: the agent moves to another
+                // controller, whose write replaces the key before then.
+                tracing::info!("controller shutting down; agent stream closed");
+            }
+            End::AgentLeft | End::AgentSilent => {
+                if matches!(end, End::AgentSilent) {
+                    tracing::warn!("agent silent for longer than the lease ttl; dropping its node");
+                    let _ = tx.send(Err(status(ErrorKind::Timeout, "no heartbeat within the lease ttl"))).await;
+                } else {
+                    tracing::info!("agent left");
+                }
+                if let Some(lease) = lease
+                    && let Err(error) = self.store.revoke(lease).await
+                {
+                    tracing::warn!(%error, "lease revoke failed; the node leaves when it expires");
+                }
+            }
+        }
+    }
+
+    async fn write(&self, lease: &mut Option<Lease>, status: NodeStatus, registered_unix_ms: u64) -> Result<u64, StoreError> {
+        let current = match lease.take() {
+            Some(current) => current,
+            None => self.store.grant_lease(self.lease_ttl).await?,
+        };
+        let record = NodeRecord { status: Some(status), controller_id: self.controller_id.clone(), registered_unix_ms };
+        // On failure the lease is dropped with the error: it may be gone
+        // (etcd restarted, TTL passed), and the next try starts afresh.
+        let revision = self.store.put_node(&record, &current).await?;
+        *lease = Some(current);
+        Ok(revision)
+    }
+}
+
+async fn sleep_until(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}

@@ -1,0 +1,78 @@
+use std::pin::Pin;
+use std::sync::Arc;
+
+use inferyes_proto::v1::routing_service_server::{RoutingService, RoutingServiceServer};
+use inferyes_proto::v1::{SnapshotUpdate, SubscribeRequest, snapshot_update};
+use tokio::sync::mpsc;
+use tokio_stream::Stream;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::CancellationToken;
+use tonic::{Request, Response, Status};
+use tracing::Instrument;
+
+use crate::reconcile::SnapshotRx;
+use crate::snapshot::{self, Snapshot};
+
+/// Streams routing snapshots to data planes: one full snapshot, then a delta
+/// per published change. Slow subscribers skip intermediate snapshots: each
+/// delta is computed against what that subscriber last received.
+#[derive(Clone)]
+pub struct RoutingSvc {
+    pub snapshots: SnapshotRx,
+    pub controller_id: String,
+    pub shutdown: CancellationToken,
+}
+
+impl RoutingSvc {
+    pub fn svc(self) -> RoutingServiceServer<Self> {
+        RoutingServiceServer::new(self)
+    }
+}
+
+type UpdateStream = Pin<Box<dyn Stream<Item = Result<SnapshotUpdate, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl RoutingService for RoutingSvc {
+    type SubscribeStream = UpdateStream;
+
+    async fn subscribe(&self, request: Request<SubscribeRequest>) -> Result<Response<UpdateStream>, Status> {
+        let dataplane = request.into_inner().dataplane_id;
+        let (tx, rx) = mpsc::channel(4);
+        let span = tracing::info_span!("subscriber", %dataplane);
+        tokio::spawn(self.clone().feed(tx).instrument(span));
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+}
+
+impl RoutingSvc {
+    async fn feed(self, tx: mpsc::Sender<Result<SnapshotUpdate, Status>>) {
+        let mut snapshots = self.snapshots.clone();
+        let mut sent: Option<Arc<Snapshot>> = None;
+        loop {
+            let current = snapshots.borrow_and_update().clone();
+            if let Some(current) = current {
+                let update = match &sent {
+                    None => Some(snapshot_update::Update::Full(current.to_full())),
+                    Some(last) if current.version() < last.version() => {
+                        // Only after a reload from a lagging etcd member: start over.
+                        Some(snapshot_update::Update::Full(current.to_full()))
+                    }
+                    Some(last) if Arc::ptr_eq(last, &current) || **last == *current => None,
+                    Some(last) => Some(snapshot_update::Update::Delta(snapshot::delta(last, &current))),
+                };
+                if let Some(update) = update {
+                    let message = SnapshotUpdate { controller_id: self.controller_id.clone(), update: Some(update) };
+                    if tx.send(Ok(message)).await.is_err() {
+                        return;
+                    }
+                    sent = Some(current);
+                }
+            }
+            tokio::select! {
+                () = self.shutdown.cancelled() => return,
+                () = tx.closed() => return,
+                changed = snapshots.changed() => if changed.is_err() { return },
+            }
+        }
+    }
+}

@@ -1,0 +1,88 @@
+//! The Inferyes controller: keeps fleet state in etcd, builds routing
+//! snapshots from it, and serves agents, data planes and operators.
+
+pub mod config;
+pub mod fleet;
+pub mod grpc;
+pub mod http;
+pub mod reconcile;
+pub mod snapshot;
+pub mod store;
+
+use std::time::Duration;
+
+use anyhow::Context;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+pub use config::Config;
+
+/// Sockets bound by the caller, so tests can bind port 0.
+pub struct Listeners {
+    pub grpc: TcpListener,
+    pub http: TcpListener,
+}
+
+impl Listeners {
+    pub async fn bind(config: &Config) -> anyhow::Result<Listeners> {
+        let grpc = TcpListener::bind(config.grpc_listen)
+            .await
+            .with_context(|| format!("cannot listen on grpc_listen {}", config.grpc_listen))?;
+        let http = TcpListener::bind(config.http_listen)
+            .await
+            .with_context(|| format!("cannot listen on http_listen {}", config.http_listen))?;
+        Ok(Listeners { grpc, http })
+    }
+}
+
+/// Runs until `shutdown` is cancelled; every stream it serves ends then.
+pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationToken) -> anyhow::Result<()> {
+    let keys = store::Keys::new(&config.etcd_prefix);
+    let store = store::EtcdStore::connect(&config.etcd_endpoints, keys)
+        .await
+        .context("cannot set up the etcd client")?;
+    let (snapshot_tx, snapshots) = watch::channel(None);
+
+    let reconciler = tokio::spawn(
+        reconcile::run(store.clone(), snapshot_tx, config.snapshot_debounce(), shutdown.clone())
+            .instrument(tracing::info_span!("reconciler")),
+    );
+
+    let agents = grpc::AgentSvc {
+        store: store.clone(),
+        snapshots: snapshots.clone(),
+        controller_id: config.controller_id.clone(),
+        lease_ttl: config.lease_ttl(),
+        heartbeat_interval: config.heartbeat_interval(),
+        min_write_interval: config.min_write_interval(),
+        shutdown: shutdown.clone(),
+    };
+    let routing = grpc::RoutingSvc {
+        snapshots: snapshots.clone(),
+        controller_id: config.controller_id.clone(),
+        shutdown: shutdown.clone(),
+    };
+    let fleet = grpc::FleetSvc { store, snapshots: snapshots.clone() };
+
+    let incoming = tonic::transport::server::TcpIncoming::from(listeners.grpc).with_nodelay(Some(true));
+    let grpc_server = tonic::transport::Server::builder()
+        .http2_keepalive_interval(Some(Duration::from_secs(2)))
+        .http2_keepalive_timeout(Some(Duration::from_secs(4)))
+        .add_service(agents.svc())
+        .add_service(routing.svc())
+        .add_service(fleet.svc())
+        .serve_with_incoming_shutdown(incoming, shutdown.clone().cancelled_owned());
+
+    let http_server = axum::serve(listeners.http, http::router(snapshots))
+        .with_graceful_shutdown(shutdown.clone().cancelled_owned());
+
+    tracing::info!(id = %config.controller_id, "controller running");
+    let (grpc_result, http_result) = tokio::join!(grpc_server, http_server);
+    shutdown.cancel();
+    let _ = reconciler.await;
+    grpc_result.context("gRPC server failed")?;
+    http_result.context("HTTP server failed")?;
+    Ok(())
+}

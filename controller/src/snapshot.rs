@@ -1,0 +1,163 @@
+//! Routing snapshots: built from the fleet state, served to data planes as a
+//! full message followed by deltas. Pure: no I/O.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use inferyes_proto::v1::{RoutingSnapshot, SnapshotDelta, SnapshotNode};
+
+use crate::fleet::FleetState;
+
+/// An immutable routing snapshot. Nodes are shared between consecutive
+/// snapshots when they did not change, so diffing is mostly pointer checks.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Snapshot {
+    version: u64,
+    nodes: BTreeMap<String, Arc<SnapshotNode>>,
+}
+
+impl Snapshot {
+    pub fn version(&self) -> u64 {
+        self.version
+    }
+
+    pub fn nodes(&self) -> impl Iterator<Item = &SnapshotNode> {
+        self.nodes.values().map(|n| n.as_ref())
+    }
+
+    pub fn node(&self, node_id: &str) -> Option<&SnapshotNode> {
+        self.nodes.get(node_id).map(|n| n.as_ref())
+    }
+
+    pub fn to_full(&self) -> RoutingSnapshot {
+        RoutingSnapshot {
+            version: self.version,
+            nodes: self.nodes.values().map(|n| SnapshotNode::clone(n)).collect(),
+        }
+    }
+}
+
+/// Builds the snapshot for `state`, reusing `previous`'s unchanged nodes.
+pub fn build(state: &FleetState, previous: Option<&Snapshot>) -> Snapshot {
+    let nodes = state
+        .nodes()
+        .filter_map(|(id, record)| {
+            let status = record.status.clone()?;
+            let node = SnapshotNode { status: Some(status), draining: state.drain(id).is_some() };
+            let shared = match previous.and_then(|p| p.nodes.get(id)) {
+                Some(old) if **old == node => Arc::clone(old),
+                _ => Arc::new(node),
+            };
+            Some((id.to_string(), shared))
+        })
+        .collect();
+    Snapshot { version: state.revision(), nodes }
+}
+
+/// What a receiver holding `from` needs to arrive at `to`.
+pub fn delta(from: &Snapshot, to: &Snapshot) -> SnapshotDelta {
+    let upserted = to
+        .nodes
+        .iter()
+        .filter(|(id, node)| match from.nodes.get(*id) {
+            Some(old) => !Arc::ptr_eq(old, node) && old != *node,
+            None => true,
+        })
+        .map(|(_, node)| SnapshotNode::clone(node))
+        .collect();
+    let removed = from.nodes.keys().filter(|id| !to.nodes.contains_key(*id)).cloned().collect();
+    SnapshotDelta { version: to.version, base_version: from.version, upserted, removed }
+}
+
+/// Applies a delta to a full snapshot message: the receiver's side of
+/// [`delta`], kept here so the two cannot drift. Data planes have their own
+/// decoder; this one backs the tests and `inferyesctl`.
+pub fn apply_delta(full: &mut RoutingSnapshot, delta: SnapshotDelta) {
+    let mut nodes: BTreeMap<String, SnapshotNode> = std::mem::take(&mut full.nodes)
+        .into_iter()
+        .map(|n| (node_id(&n).to_string(), n))
+        .collect();
+    for id in &delta.removed {
+        nodes.remove(id);
+    }
+    for node in delta.upserted {
+        nodes.insert(node_id(&node).to_string(), node);
+    }
+    full.nodes = nodes.into_values().collect();
+    full.version = delta.version;
+}
+
+fn node_id(node: &SnapshotNode) -> &str {
+    node.status.as_ref().map(|s| s.node_id.as_str()).unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use inferyes_proto::v1::{DrainRecord, NodeRecord, NodeStatus};
+
+    use super::*;
+    use crate::store::{WatchBatch, WatchEvent};
+
+    fn put(id: &str, proxy: &str) -> WatchEvent {
+        WatchEvent::NodePut(
+            id.into(),
+            NodeRecord {
+                status: Some(NodeStatus {
+                    node_id: id.into(),
+                    proxy_url: proxy.into(),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            },
+        )
+    }
+
+    fn state(revision: u64, events: Vec<WatchEvent>) -> FleetState {
+        FleetState::from_load(WatchBatch { revision, events })
+    }
+
+    #[test]
+    fn build_is_deterministic_and_marks_drains() {
+        let s = state(
+            7,
+            vec![put("b", "http://b"), put("a", "http://a"), WatchEvent::DrainPut("b".into(), DrainRecord::default())],
+        );
+        let one = build(&s, None);
+        let two = build(&s, None);
+        assert_eq!(one, two);
+        assert_eq!(one.version(), 7);
+        let full = one.to_full();
+        let ids: Vec<_> = full.nodes.iter().map(|n| node_id(n)).collect();
+        assert_eq!(ids, ["a", "b"]);
+        assert_eq!(full.nodes.iter().map(|n| n.draining).collect::<Vec<_>>(), [false, true]);
+    }
+
+    #[test]
+    fn delta_applied_to_the_old_snapshot_gives_the_new_one() {
+        let old = build(&state(5, vec![put("a", "http://a"), put("b", "http://b")]), None);
+        let mut next_state = state(5, vec![put("a", "http://a"), put("b", "http://b")]);
+        next_state.apply(WatchBatch {
+            revision: 9,
+            events: vec![WatchEvent::NodeDeleted("a".into()), put("b", "http://b2"), put("c", "http://c")],
+        });
+        let new = build(&next_state, Some(&old));
+        let d = delta(&old, &new);
+        assert_eq!(d.removed, ["a"]);
+        assert_eq!(d.upserted.len(), 2);
+        assert_eq!((d.base_version, d.version), (5, 9));
+        let mut full = old.to_full();
+        apply_delta(&mut full, d);
+        assert_eq!(full, new.to_full());
+    }
+
+    #[test]
+    fn unchanged_nodes_are_shared_and_not_resent() {
+        let s = state(3, vec![put("a", "http://a")]);
+        let old = build(&s, None);
+        let mut s2 = s.clone();
+        s2.apply(WatchBatch { revision: 4, events: vec![put("a", "http://a")] });
+        let new = build(&s2, Some(&old));
+        assert!(Arc::ptr_eq(&old.nodes["a"], &new.nodes["a"]));
+        assert!(delta(&old, &new).upserted.is_empty());
+    }
+}

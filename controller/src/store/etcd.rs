@@ -1,0 +1,215 @@
+use std::time::Duration;
+
+use etcd_client::{
+    Client, ConnectOptions, EventType, GetOptions, KeyValue, LeaseKeepAliveStream, LeaseKeeper,
+    PutOptions, WatchOptions, WatchStream,
+};
+use inferyes_proto::ErrorKind;
+use inferyes_proto::v1::{DrainRecord, NodeRecord};
+use prost::Message;
+
+use super::keys::{Key, Keys};
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("etcd is unreachable or failed: {0}")]
+    Etcd(#[from] etcd_client::Error),
+    #[error("etcd lease {0:x} has expired")]
+    LeaseExpired(i64),
+    #[error("etcd watch was compacted at revision {0}; a full reload is needed")]
+    Compacted(i64),
+    #[error("etcd watch ended")]
+    WatchEnded,
+}
+
+impl StoreError {
+    pub fn kind(&self) -> ErrorKind {
+        ErrorKind::Unavailable
+    }
+}
+
+/// One change under the prefix, decoded. Values that fail to decode are
+/// logged and dropped: a corrupt record must not stop the fleet.
+#[derive(Clone, Debug, PartialEq)]
+pub enum WatchEvent {
+    NodePut(String, NodeRecord),
+    NodeDeleted(String),
+    DrainPut(String, DrainRecord),
+    DrainDeleted(String),
+}
+
+/// The events of one etcd revision range, and the revision they bring the
+/// reader to.
+#[derive(Debug)]
+pub struct WatchBatch {
+    pub revision: u64,
+    pub events: Vec<WatchEvent>,
+}
+
+/// A lease with its keep-alive stream. Dropping it stops the keep-alives, so
+/// the lease runs out on its own; [`EtcdStore::revoke`] ends it at once.
+pub struct Lease {
+    pub id: i64,
+    keeper: LeaseKeeper,
+    responses: LeaseKeepAliveStream,
+}
+
+#[derive(Clone)]
+pub struct EtcdStore {
+    client: Client,
+    keys: Keys,
+}
+
+impl EtcdStore {
+    /// Connects lazily: an etcd that is down at start is retried by each
+    /// call, so a controller can start before its store.
+    pub async fn connect(endpoints: &[String], keys: Keys) -> Result<EtcdStore, StoreError> {
+        let options = ConnectOptions::new()
+            .with_connect_timeout(Duration::from_secs(2))
+            .with_timeout(Duration::from_secs(5))
+            .with_keep_alive(Duration::from_secs(2), Duration::from_secs(2))
+            .with_keep_alive_while_idle(true);
+        let client = Client::connect(endpoints, Some(options)).await?;
+        Ok(EtcdStore { client, keys })
+    }
+
+    pub fn keys(&self) -> &Keys {
+        &self.keys
+    }
+
+    pub async fn grant_lease(&self, ttl: Duration) -> Result<Lease, StoreError> {
+        let mut client = self.client.clone();
+        let ttl_s = i64::try_from(ttl.as_secs().max(1)).unwrap_or(i64::MAX);
+        let id = client.lease_grant(ttl_s, None).await?.id();
+        let (keeper, responses) = client.lease_keep_alive(id).await?;
+        Ok(Lease { id, keeper, responses })
+    }
+
+    /// One keep-alive round trip. `LeaseExpired` means the keys bound to the
+    /// lease are gone and must be written again under a new one.
+    pub async fn keep_alive(&self, lease: &mut Lease) -> Result<(), StoreError> {
+        lease.keeper.keep_alive().await?;
+        match lease.responses.message().await? {
+            Some(response) if response.ttl() > 0 => Ok(()),
+            _ => Err(StoreError::LeaseExpired(lease.id)),
+        }
+    }
+
+    pub async fn revoke(&self, lease: Lease) -> Result<(), StoreError> {
+        self.client.clone().lease_revoke(lease.id).await?;
+        Ok(())
+    }
+
+    /// Writes a node's record bound to its lease; returns the revision.
+    pub async fn put_node(&self, record: &NodeRecord, lease: &Lease) -> Result<u64, StoreError> {
+        let node_id = record.status.as_ref().map(|s| s.node_id.as_str()).unwrap_or_default();
+        let key = self.keys.node(node_id);
+        let options = PutOptions::new().with_lease(lease.id);
+        let response = self.client.clone().put(key, record.encode_to_vec(), Some(options)).await?;
+        Ok(revision(response.header()))
+    }
+
+    pub async fn put_drain(&self, node_id: &str, record: &DrainRecord) -> Result<u64, StoreError> {
+        let key = self.keys.drain(node_id);
+        let response = self.client.clone().put(key, record.encode_to_vec(), None).await?;
+        Ok(revision(response.header()))
+    }
+
+    pub async fn delete_drain(&self, node_id: &str) -> Result<u64, StoreError> {
+        let response = self.client.clone().delete(self.keys.drain(node_id), None).await?;
+        Ok(revision(response.header()))
+    }
+
+    /// Everything under the prefix, as events, at one revision.
+    pub async fn load(&self) -> Result<WatchBatch, StoreError> {
+        let options = GetOptions::new().with_prefix();
+        let response = self.client.clone().get(self.keys.prefix(), Some(options)).await?;
+        let events = response
+            .kvs()
+            .iter()
+            .filter_map(|kv| self.decode(EventType::Put, kv))
+            .collect();
+        Ok(WatchBatch { revision: revision(response.header()), events })
+    }
+
+    /// Watches the prefix from `from_revision` on.
+    pub async fn watch(&self, from_revision: u64) -> Result<Watch, StoreError> {
+        let start = i64::try_from(from_revision).unwrap_or(i64::MAX);
+        let options = WatchOptions::new().with_prefix().with_start_revision(start);
+        let stream = self.client.clone().watch(self.keys.prefix(), Some(options)).await?;
+        Ok(Watch { stream, keys: self.keys.clone() })
+    }
+
+    fn decode(&self, event_type: EventType, kv: &KeyValue) -> Option<WatchEvent> {
+        decode(&self.keys, event_type, kv)
+    }
+}
+
+pub struct Watch {
+    stream: WatchStream,
+    keys: Keys,
+}
+
+impl Watch {
+    /// The next batch of events. Batches without events (the watch's
+    /// "created" message, progress notifications) are skipped.
+    pub async fn next(&mut self) -> Result<WatchBatch, StoreError> {
+        loop {
+            let Some(response) = self.stream.message().await? else {
+                return Err(StoreError::WatchEnded);
+            };
+            if response.compact_revision() > 0 {
+                return Err(StoreError::Compacted(response.compact_revision()));
+            }
+            if response.canceled() {
+                return Err(StoreError::WatchEnded);
+            }
+            if response.events().is_empty() {
+                continue;
+            }
+            // The revision of the last event, not the header's: the header
+            // may be newer, and every controller must derive the same
+            // version from the same events.
+            let revision = response
+                .events()
+                .iter()
+                .filter_map(|e| e.kv())
+                .map(|kv| u64::try_from(kv.mod_revision()).unwrap_or(0))
+                .max()
+                .unwrap_or(0);
+            let events = response
+                .events()
+                .iter()
+                .filter_map(|e| e.kv().and_then(|kv| decode(&self.keys, e.event_type(), kv)))
+                .collect();
+            return Ok(WatchBatch { revision, events });
+        }
+    }
+}
+
+fn revision(header: Option<&etcd_client::ResponseHeader>) -> u64 {
+    header.map(|h| u64::try_from(h.revision()).unwrap_or(0)).unwrap_or(0)
+}
+
+fn decode(keys: &Keys, event_type: EventType, kv: &KeyValue) -> Option<WatchEvent> {
+    let key = keys.parse(kv.key())?;
+    let event = match (key, event_type) {
+        (Key::Node(id), EventType::Delete) => WatchEvent::NodeDeleted(id),
+        (Key::Drain(id), EventType::Delete) => WatchEvent::DrainDeleted(id),
+        (Key::Node(id), EventType::Put) => match NodeRecord::decode(kv.value()) {
+            Ok(record) => WatchEvent::NodePut(id, record),
+            Err(error) => {
+                tracing::warn!(node = %id, %error, "ignoring undecodable node record");
+                return None;
+            }
+        },
+        (Key::Drain(id), EventType::Put) => match DrainRecord::decode(kv.value()) {
+            Ok(record) => WatchEvent::DrainPut(id, record),
+            Err(error) => {
+                tracing::warn!(node = %id, %error, "ignoring undecodable drain record");
+                return None;
+            }
+        },
+    };
+    Some(event)
+}

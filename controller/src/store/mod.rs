@@ -1,0 +1,12 @@
+//! Everything the controller keeps in etcd, and the only code that talks to
+//! it. Keys live under a configurable prefix (default `/inferyes/v1/`):
+//!
+//! * `nodes/<node_id>`: a `NodeRecord`, bound to the lease of the agent's
+//!   stream, so a node disappears when its agent does;
+//! * `config/drain/<node_id>`: a `DrainRecord`, persistent.
+
+mod etcd;
+mod keys;
+
+pub use etcd::{EtcdStore, Lease, StoreError, Watch, WatchBatch, WatchEvent};
+pub use keys::{Key, Keys};
