@@ -1,2 +1,141 @@
-//! The Inferyes agent: one per GPU host.
+//! The Inferyes agent: one per GPU host. It polls the host's inference
+//! servers and GPUs, fronts the servers with a thin proxy that sees every
+//! request, and keeps one stream to a controller with the node's status.
+
+pub mod config;
+pub mod poll;
+pub mod probe;
+pub mod proxy;
+pub mod report;
+pub mod residency;
 pub mod sim;
+pub mod state;
+
+use std::sync::Arc;
+use std::sync::Mutex;
+use std::sync::atomic::AtomicU32;
+use std::time::Duration;
+
+use anyhow::Context;
+use inferyes_proto::v1::EndpointKind;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+pub use config::Config;
+
+use crate::probe::{BackendProbe, GpuReader, ProbeClient};
+use crate::state::{AgentState, BackendHandle, Observations};
+
+/// How many conversations each backend is assumed to hold at most until
+/// the residency model learns the backend's real capacity.
+const SESSIONS_PER_BACKEND: usize = 256;
+const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
+
+pub struct Listeners {
+    pub proxy: TcpListener,
+}
+
+impl Listeners {
+    pub async fn bind(config: &Config) -> anyhow::Result<Listeners> {
+        let proxy = TcpListener::bind(config.proxy_listen)
+            .await
+            .with_context(|| format!("cannot listen on proxy_listen {}", config.proxy_listen))?;
+        Ok(Listeners { proxy })
+    }
+}
+
+/// Runs the agent until `shutdown` is cancelled.
+pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationToken) -> anyhow::Result<()> {
+    let mut probes: Vec<BackendProbe> = config
+        .backends
+        .iter()
+        .map(|b| BackendProbe {
+            id: b.id.clone(),
+            url: b.url.clone(),
+            kind: b.kind,
+            weight: b.weight,
+            endpoints: b.endpoints.iter().filter_map(|e| probe::endpoint_kind(e)).collect(),
+            api_key: b.api_key.clone(),
+        })
+        .collect();
+    let mut simulators = Vec::new();
+    for simulated in &config.simulated {
+        let listener = TcpListener::bind(simulated.listen)
+            .await
+            .with_context(|| format!("simulated backend `{}`: cannot listen on {}", simulated.id, simulated.listen))?;
+        let url = format!("http://{}", listener.local_addr()?);
+        let simulator = sim::Simulator::new(simulated.server.clone())
+            .with_context(|| format!("simulated backend `{}`", simulated.id))?;
+        let kind = match simulated.server.mode {
+            sim::SimMode::LlamaServer => config::BackendKind::LlamaServer,
+            sim::SimMode::LlamaSwap => config::BackendKind::LlamaSwap,
+        };
+        let embedding = simulated.server.models.iter().all(|m| m.embedding);
+        let endpoints =
+            if embedding { vec![EndpointKind::Embedding] } else { vec![EndpointKind::Chat, EndpointKind::Completion] };
+        tracing::info!(backend = %simulated.id, %url, "simulated backend listening");
+        probes.push(BackendProbe {
+            id: simulated.id.clone(),
+            url,
+            kind,
+            weight: simulated.weight,
+            endpoints,
+            api_key: String::new(),
+        });
+        let token = shutdown.clone();
+        let span = tracing::info_span!("simulator", backend = %simulated.id);
+        simulators.push(tokio::spawn(simulator.serve(listener, token).instrument(span)));
+    }
+
+    let proxy_addr = listeners.proxy.local_addr()?;
+    let proxy_url =
+        if config.advertise_url.is_empty() { format!("http://{proxy_addr}") } else { config.advertise_url.clone() };
+    let backend_urls: Vec<String> = probes.iter().map(|p| p.url.clone()).collect();
+    let state = Arc::new(AgentState {
+        node_id: config.node_id.clone(),
+        hostname: config::hostname(),
+        proxy_url,
+        started_unix_ms: inferyes_proto::unix_ms(),
+        backends: probes.into_iter().map(|probe| BackendHandle { probe, in_flight: AtomicU32::new(0) }).collect(),
+        observations: Mutex::new(Observations::default()),
+        residency: Mutex::new(residency::Residency::new(SESSIONS_PER_BACKEND)),
+        changed: tokio::sync::Notify::new(),
+    });
+
+    let client = ProbeClient::new(PROBE_TIMEOUT);
+    let gpus = GpuReader::detect(&config.gpu, backend_urls).await.context("GPU source unavailable")?;
+    tracing::info!(source = gpus.source_name(), "reading GPUs");
+    // The first report carries real readings, not an empty node.
+    poll::poll_once(&state, &client, &gpus).await;
+
+    let poller = tokio::spawn(
+        poll::run(Arc::clone(&state), client, gpus, config.poll_interval(), shutdown.clone())
+            .instrument(tracing::info_span!("poller")),
+    );
+    let (connection, _) = watch::channel(report::Connection::default());
+    let reporter = tokio::spawn(
+        report::run(
+            Arc::clone(&state),
+            config.controllers.clone(),
+            config.join_token.clone(),
+            config.min_report_interval(),
+            connection,
+            shutdown.clone(),
+        )
+        .instrument(tracing::info_span!("reporter")),
+    );
+
+    tracing::info!(node = %config.node_id, proxy = %proxy_addr, "agent running");
+    let served = axum::serve(listeners.proxy, proxy::router(Arc::clone(&state)))
+        .with_graceful_shutdown(shutdown.clone().cancelled_owned())
+        .await;
+    shutdown.cancel();
+    let _ = poller.await;
+    let _ = reporter.await;
+    for simulator in simulators {
+        let _ = simulator.await;
+    }
+    served.context("agent proxy failed")
+}

@@ -10,7 +10,11 @@ use anyhow::{Context, bail};
 use serde::{Deserialize, Serialize};
 
 #[derive(Clone, Debug, clap::Parser)]
-#[command(name = "inferyes-controller", version, about = "Inferyes controller: fleet state in etcd, routing snapshots, fleet API")]
+#[command(
+    name = "inferyes-controller",
+    version,
+    about = "Inferyes controller: fleet state in etcd, routing snapshots, fleet API"
+)]
 pub struct Args {
     /// TOML configuration file.
     #[arg(long, env = "INFERYES_CONFIG")]
@@ -91,7 +95,8 @@ impl Config {
     pub fn load(args: &Args) -> anyhow::Result<Config> {
         let mut config = match &args.config {
             Some(path) => {
-                let text = std::fs::read_to_string(path).with_context(|| format!("cannot read config file {}", path.display()))?;
+                let text = std::fs::read_to_string(path)
+                    .with_context(|| format!("cannot read config file {}", path.display()))?;
                 toml::from_str(&text).with_context(|| format!("invalid config file {}", path.display()))?
             }
             None => Config::default(),

@@ -63,10 +63,7 @@ mod tests {
     use super::*;
 
     fn record(id: &str) -> NodeRecord {
-        NodeRecord {
-            status: Some(NodeStatus { node_id: id.into(), ..Default::default() }),
-            ..Default::default()
-        }
+        NodeRecord { status: Some(NodeStatus { node_id: id.into(), ..Default::default() }), ..Default::default() }
     }
 
     #[test]

@@ -8,10 +8,7 @@ use axum::routing::get;
 use crate::reconcile::SnapshotRx;
 
 pub fn router(snapshots: SnapshotRx) -> Router {
-    Router::new()
-        .route("/healthz", get(|| async { "ok\n" }))
-        .route("/readyz", get(readyz))
-        .with_state(snapshots)
+    Router::new().route("/healthz", get(|| async { "ok\n" })).route("/readyz", get(readyz)).with_state(snapshots)
 }
 
 /// Ready once the fleet has been read from etcd at least once.

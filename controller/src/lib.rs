@@ -40,9 +40,8 @@ impl Listeners {
 /// Runs until `shutdown` is cancelled; every stream it serves ends then.
 pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationToken) -> anyhow::Result<()> {
     let keys = store::Keys::new(&config.etcd_prefix);
-    let store = store::EtcdStore::connect(&config.etcd_endpoints, keys)
-        .await
-        .context("cannot set up the etcd client")?;
+    let store =
+        store::EtcdStore::connect(&config.etcd_endpoints, keys).await.context("cannot set up the etcd client")?;
     let (snapshot_tx, snapshots) = watch::channel(None);
 
     let reconciler = tokio::spawn(
@@ -75,8 +74,8 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         .add_service(fleet.svc())
         .serve_with_incoming_shutdown(incoming, shutdown.clone().cancelled_owned());
 
-    let http_server = axum::serve(listeners.http, http::router(snapshots))
-        .with_graceful_shutdown(shutdown.clone().cancelled_owned());
+    let http_server =
+        axum::serve(listeners.http, http::router(snapshots)).with_graceful_shutdown(shutdown.clone().cancelled_owned());
 
     tracing::info!(id = %config.controller_id, "controller running");
     let (grpc_result, http_result) = tokio::join!(grpc_server, http_server);

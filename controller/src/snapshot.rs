@@ -30,10 +30,7 @@ impl Snapshot {
     }
 
     pub fn to_full(&self) -> RoutingSnapshot {
-        RoutingSnapshot {
-            version: self.version,
-            nodes: self.nodes.values().map(|n| SnapshotNode::clone(n)).collect(),
-        }
+        RoutingSnapshot { version: self.version, nodes: self.nodes.values().map(|n| SnapshotNode::clone(n)).collect() }
     }
 }
 
@@ -73,10 +70,8 @@ pub fn delta(from: &Snapshot, to: &Snapshot) -> SnapshotDelta {
 /// [`delta`], kept here so the two cannot drift. Data planes have their own
 /// decoder; this one backs the tests and `inferyesctl`.
 pub fn apply_delta(full: &mut RoutingSnapshot, delta: SnapshotDelta) {
-    let mut nodes: BTreeMap<String, SnapshotNode> = std::mem::take(&mut full.nodes)
-        .into_iter()
-        .map(|n| (node_id(&n).to_string(), n))
-        .collect();
+    let mut nodes: BTreeMap<String, SnapshotNode> =
+        std::mem::take(&mut full.nodes).into_iter().map(|n| (node_id(&n).to_string(), n)).collect();
     for id in &delta.removed {
         nodes.remove(id);
     }
@@ -102,11 +97,7 @@ mod tests {
         WatchEvent::NodePut(
             id.into(),
             NodeRecord {
-                status: Some(NodeStatus {
-                    node_id: id.into(),
-                    proxy_url: proxy.into(),
-                    ..Default::default()
-                }),
+                status: Some(NodeStatus { node_id: id.into(), proxy_url: proxy.into(), ..Default::default() }),
                 ..Default::default()
             },
         )

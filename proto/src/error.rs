@@ -51,16 +51,13 @@ impl ErrorKind {
     /// The OpenAI error `type` field.
     pub fn openai_type(self) -> &'static str {
         match self {
-            ErrorKind::BadRequest
-            | ErrorKind::NotFound
-            | ErrorKind::PayloadTooLarge
-            | ErrorKind::NotImplemented => "invalid_request_error",
+            ErrorKind::BadRequest | ErrorKind::NotFound | ErrorKind::PayloadTooLarge | ErrorKind::NotImplemented => {
+                "invalid_request_error"
+            }
             ErrorKind::Unauthenticated => "authentication_error",
             ErrorKind::PermissionDenied => "permission_error",
             ErrorKind::RateLimited => "rate_limit_error",
-            ErrorKind::Overloaded | ErrorKind::Unavailable | ErrorKind::Timeout => {
-                "service_unavailable_error"
-            }
+            ErrorKind::Overloaded | ErrorKind::Unavailable | ErrorKind::Timeout => "service_unavailable_error",
             ErrorKind::Upstream | ErrorKind::Internal => "server_error",
         }
     }
@@ -104,4 +101,18 @@ mod tests {
             assert_eq!(ErrorKind::from_http_status(kind.http_status()), kind);
         }
     }
+}
+
+/// The OpenAI error envelope, `{"error":{"message","type","param","code"}}`,
+/// the one shape every client-facing error takes.
+pub fn openai_error_body(kind: ErrorKind, message: &str, code: Option<&str>, param: Option<&str>) -> String {
+    serde_json::json!({
+        "error": {
+            "message": message,
+            "type": kind.openai_type(),
+            "param": param,
+            "code": code,
+        }
+    })
+    .to_string()
 }

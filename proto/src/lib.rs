@@ -8,7 +8,7 @@ pub mod v1 {
 
 mod error;
 
-pub use error::ErrorKind;
+pub use error::{ErrorKind, openai_error_body};
 
 /// Milliseconds since the Unix epoch; 0 if the clock is before it.
 pub fn unix_ms() -> u64 {

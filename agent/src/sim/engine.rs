@@ -59,9 +59,7 @@ async fn pause(d: Duration) {
 /// Why a request cannot be admitted at all (as opposed to having to wait).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub(crate) enum AdmitError {
-    #[error(
-        "request ({n_prompt} tokens) exceeds the available context size ({n_ctx} tokens), try increasing it"
-    )]
+    #[error("request ({n_prompt} tokens) exceeds the available context size ({n_ctx} tokens), try increasing it")]
     ExceedContext { n_prompt: usize, n_ctx: usize },
     #[error("invalid id_slot {id_slot}: the server has {slots} slots")]
     InvalidSlot { id_slot: usize, slots: usize },
@@ -98,11 +96,7 @@ struct HostCache {
 
 impl HostCache {
     fn new(capacity: u64) -> HostCache {
-        HostCache {
-            capacity,
-            used: 0,
-            entries: VecDeque::new(),
-        }
+        HostCache { capacity, used: 0, entries: VecDeque::new() }
     }
 
     fn save(&mut self, tokens: Vec<u32>) {
@@ -150,6 +144,7 @@ impl HostCache {
         Some((entry, lcp))
     }
 
+    #[cfg(test)]
     fn tokens(&self) -> u64 {
         self.used
     }
@@ -227,24 +222,14 @@ impl EngineState {
 
     /// Puts a prompt into a slot. `Ok(None)` means no suitable slot is idle and
     /// the request has to wait.
-    pub(crate) fn admit(
-        &mut self,
-        prompt: &[u32],
-        id_slot: Option<usize>,
-    ) -> Result<Option<Admission>, AdmitError> {
+    pub(crate) fn admit(&mut self, prompt: &[u32], id_slot: Option<usize>) -> Result<Option<Admission>, AdmitError> {
         let n_ctx = self.params.n_ctx_slot;
         if prompt.len() > n_ctx {
-            return Err(AdmitError::ExceedContext {
-                n_prompt: prompt.len(),
-                n_ctx,
-            });
+            return Err(AdmitError::ExceedContext { n_prompt: prompt.len(), n_ctx });
         }
         let idx = match id_slot {
             Some(id) if id >= self.slots.len() => {
-                return Err(AdmitError::InvalidSlot {
-                    id_slot: id,
-                    slots: self.slots.len(),
-                });
+                return Err(AdmitError::InvalidSlot { id_slot: id, slots: self.slots.len() });
             }
             // A pinned slot that is busy makes the request wait even when
             // other slots are idle, as llama-server does.
@@ -284,12 +269,7 @@ impl EngineState {
         slot.n_remain = n_ctx - prompt.len();
         self.metrics.requests_processing += 1;
         self.metrics.n_tokens_max = self.metrics.n_tokens_max.max(prompt.len() as u64);
-        Ok(Some(Admission {
-            slot: idx,
-            cached,
-            id_task,
-            restored: restored.is_some(),
-        }))
+        Ok(Some(Admission { slot: idx, cached, id_task, restored: restored.is_some() }))
     }
 
     /// llama-server's rule: the idle slot sharing the longest prefix with the
@@ -303,9 +283,7 @@ impl EngineState {
         if best_lcp as f64 > 0.1 * prompt.len() as f64 {
             return Some(best);
         }
-        idle()
-            .min_by_key(|(i, s)| (s.last_used, *i))
-            .map(|(i, _)| i)
+        idle().min_by_key(|(i, s)| (s.last_used, *i)).map(|(i, _)| i)
     }
 
     pub(crate) fn record_prompt(&mut self, processed: usize, cached: usize, seconds: f64) {
@@ -358,10 +336,12 @@ impl EngineState {
         self.slots.len()
     }
 
+    #[cfg(test)]
     pub(crate) fn slot_tokens(&self, slot: usize) -> &[u32] {
         self.slots.get(slot).map_or(&[], |s| s.tokens.as_slice())
     }
 
+    #[cfg(test)]
     pub(crate) fn host_cache_tokens(&self) -> u64 {
         self.host.tokens()
     }
@@ -402,10 +382,8 @@ pub(crate) struct StatCounters {
 impl StatCounters {
     pub(crate) fn add_request(&self, prompt_tokens: usize, cached_tokens: usize) {
         self.requests.fetch_add(1, Ordering::Relaxed);
-        self.prompt_tokens
-            .fetch_add(prompt_tokens as u64, Ordering::Relaxed);
-        self.cached_tokens
-            .fetch_add(cached_tokens as u64, Ordering::Relaxed);
+        self.prompt_tokens.fetch_add(prompt_tokens as u64, Ordering::Relaxed);
+        self.cached_tokens.fetch_add(cached_tokens as u64, Ordering::Relaxed);
     }
 
     fn add_completion_token(&self) {
@@ -435,12 +413,7 @@ pub(crate) struct Engine {
 }
 
 impl Engine {
-    pub(crate) fn new(
-        model: SimModel,
-        params: EngineParams,
-        timing: Timing,
-        stats: Arc<StatCounters>,
-    ) -> Arc<Engine> {
+    pub(crate) fn new(model: SimModel, params: EngineParams, timing: Timing, stats: Arc<StatCounters>) -> Arc<Engine> {
         Arc::new(Engine {
             model,
             params,
@@ -533,9 +506,7 @@ impl Engine {
                 }
                 Ok(None) => {
                     if deferred.is_none() {
-                        deferred = Some(DeferredGuard {
-                            engine: Arc::clone(self),
-                        });
+                        deferred = Some(DeferredGuard { engine: Arc::clone(self) });
                     }
                 }
             }
@@ -595,6 +566,7 @@ impl Lease {
         self.admission.cached
     }
 
+    #[cfg(test)]
     pub(crate) fn n_predict(&self) -> usize {
         self.n_predict
     }
@@ -608,9 +580,7 @@ impl Lease {
         let processed = self.prompt_tokens - self.cached();
         let d = self.engine.timing.prefill(processed);
         pause(d).await;
-        self.engine
-            .lock()
-            .record_prompt(processed, self.cached(), d.as_secs_f64());
+        self.engine.lock().record_prompt(processed, self.cached(), d.as_secs_f64());
     }
 
     /// Decodes the next token; `None` once `n_predict` tokens were produced.
@@ -621,9 +591,7 @@ impl Lease {
         let d = self.engine.timing.per_token();
         pause(d).await;
         let piece = self.generator.piece(self.generated);
-        self.engine
-            .lock()
-            .record_token(self.admission.slot, self.pending.take(), d.as_secs_f64());
+        self.engine.lock().record_token(self.admission.slot, self.pending.take(), d.as_secs_f64());
         self.pending = Some(token_id(piece));
         self.generated += 1;
         self.engine.stats.add_completion_token();
@@ -656,11 +624,7 @@ mod tests {
     use crate::sim::tokens::{ChatMessage, render_chatml, tokenize};
 
     fn params(slots: usize, n_ctx_slot: usize, cache_ram_tokens: u64) -> EngineParams {
-        EngineParams {
-            slots,
-            n_ctx_slot,
-            cache_ram_tokens,
-        }
+        EngineParams { slots, n_ctx_slot, cache_ram_tokens }
     }
 
     fn model() -> SimModel {
@@ -669,21 +633,13 @@ mod tests {
 
     fn fast_engine(p: EngineParams) -> Arc<Engine> {
         // Rates this high round every simulated duration down to zero.
-        let timing = Timing {
-            prefill_tokens_per_second: 1e15,
-            decode_tokens_per_second: 1e15,
-        };
+        let timing = Timing { prefill_tokens_per_second: 1e15, decode_tokens_per_second: 1e15 };
         Engine::new(model(), p, timing, Arc::new(StatCounters::default()))
     }
 
     fn chat(turns: &[(&str, &str)]) -> Vec<u32> {
-        let msgs: Vec<ChatMessage> = turns
-            .iter()
-            .map(|(r, c)| ChatMessage {
-                role: (*r).into(),
-                content: (*c).into(),
-            })
-            .collect();
+        let msgs: Vec<ChatMessage> =
+            turns.iter().map(|(r, c)| ChatMessage { role: (*r).into(), content: (*c).into() }).collect();
         tokenize(&render_chatml(&msgs))
     }
 
@@ -711,11 +667,7 @@ mod tests {
         let reply_tokens = tokenize(&reply).len();
         assert_eq!(reply_tokens, 16);
 
-        let turn2 = chat(&[
-            ("user", "tell me about routing"),
-            ("assistant", &reply),
-            ("user", "and caching?"),
-        ]);
+        let turn2 = chat(&[("user", "tell me about routing"), ("assistant", &reply), ("user", "and caching?")]);
         let (cached2, _) = run(&engine, turn2, 8).await;
         // The final sampled token of turn one never entered the KV cache.
         assert_eq!(cached2, turn1.len() + reply_tokens - 1);
@@ -831,13 +783,7 @@ mod tests {
     fn context_overflow_is_rejected() {
         let mut st = EngineState::new(params(2, 64, 0));
         let err = st.admit(&toks(65, 0), None).unwrap_err();
-        assert_eq!(
-            err,
-            AdmitError::ExceedContext {
-                n_prompt: 65,
-                n_ctx: 64
-            }
-        );
+        assert_eq!(err, AdmitError::ExceedContext { n_prompt: 65, n_ctx: 64 });
         assert_eq!(
             err.to_string(),
             "request (65 tokens) exceeds the available context size (64 tokens), try increasing it"
@@ -851,10 +797,7 @@ mod tests {
         let a = st.admit(&toks(5, 0), Some(1)).unwrap().unwrap();
         assert_eq!(a.slot, 1);
         assert_eq!(st.admit(&toks(5, 0), Some(1)).unwrap(), None);
-        assert!(matches!(
-            st.admit(&toks(5, 0), Some(2)),
-            Err(AdmitError::InvalidSlot { .. })
-        ));
+        assert!(matches!(st.admit(&toks(5, 0), Some(2)), Err(AdmitError::InvalidSlot { .. })));
     }
 
     #[test]

@@ -12,10 +12,9 @@ pub(crate) const CHATML_TEMPLATE: &str = "{% for message in messages %}{{'<|im_s
 
 /// Lowercase ASCII words, so each one tokenizes to a single token.
 const WORDS: [&str; 32] = [
-    "the", "model", "token", "cache", "slot", "prefix", "server", "fleet", "route", "quick",
-    "brown", "fox", "jumps", "over", "lazy", "dog", "river", "stone", "light", "cloud", "green",
-    "paper", "music", "field", "north", "south", "piano", "tiger", "amber", "delta", "orbit",
-    "pixel",
+    "the", "model", "token", "cache", "slot", "prefix", "server", "fleet", "route", "quick", "brown", "fox", "jumps",
+    "over", "lazy", "dog", "river", "stone", "light", "cloud", "green", "paper", "music", "field", "north", "south",
+    "piano", "tiger", "amber", "delta", "orbit", "pixel",
 ];
 
 const FNV32_OFFSET: u32 = 0x811c_9dc5;
@@ -24,15 +23,11 @@ const FNV64_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
 const FNV64_PRIME: u64 = 0x0000_0100_0000_01b3;
 
 fn fnv1a32(bytes: &[u8]) -> u32 {
-    bytes.iter().fold(FNV32_OFFSET, |h, b| {
-        (h ^ u32::from(*b)).wrapping_mul(FNV32_PRIME)
-    })
+    bytes.iter().fold(FNV32_OFFSET, |h, b| (h ^ u32::from(*b)).wrapping_mul(FNV32_PRIME))
 }
 
 fn fnv1a64_step(h: u64, bytes: &[u8]) -> u64 {
-    bytes
-        .iter()
-        .fold(h, |h, b| (h ^ u64::from(*b)).wrapping_mul(FNV64_PRIME))
+    bytes.iter().fold(h, |h, b| (h ^ u64::from(*b)).wrapping_mul(FNV64_PRIME))
 }
 
 /// The id of one token piece.
@@ -93,9 +88,7 @@ pub(crate) struct Generator {
 
 impl Generator {
     pub(crate) fn new(prompt: &[u32]) -> Generator {
-        let seed = prompt
-            .iter()
-            .fold(FNV64_OFFSET, |h, t| fnv1a64_step(h, &t.to_le_bytes()));
+        let seed = prompt.iter().fold(FNV64_OFFSET, |h, t| fnv1a64_step(h, &t.to_le_bytes()));
         Generator { seed }
     }
 
@@ -167,14 +160,8 @@ mod tests {
 
     #[test]
     fn chatml_rendering() {
-        let m = [ChatMessage {
-            role: "user".into(),
-            content: "hi".into(),
-        }];
-        assert_eq!(
-            render_chatml(&m),
-            "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
-        );
+        let m = [ChatMessage { role: "user".into(), content: "hi".into() }];
+        assert_eq!(render_chatml(&m), "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n");
     }
 
     #[test]

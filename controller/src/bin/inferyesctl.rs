@@ -73,18 +73,24 @@ async fn main() {
 
 async fn run(cli: Cli) -> anyhow::Result<String> {
     let channel = Channel::from_shared(cli.controller.clone())
-        .with_context(|| format!("`{}` is not a valid controller address (e.g. http://127.0.0.1:7070)", cli.controller))?
+        .with_context(|| {
+            format!("`{}` is not a valid controller address (e.g. http://127.0.0.1:7070)", cli.controller)
+        })?
         .connect_timeout(std::time::Duration::from_secs(3))
         .connect()
         .await
-        .with_context(|| format!("cannot reach the controller at {} (set --controller or INFERYES_CONTROLLER)", cli.controller))?;
+        .with_context(|| {
+            format!("cannot reach the controller at {} (set --controller or INFERYES_CONTROLLER)", cli.controller)
+        })?;
     let mut client = FleetServiceClient::new(channel);
     let json_out = cli.output == Output::Json;
     let text = match cli.command {
         Command::Nodes => {
             let response = client.list_nodes(ListNodesRequest {}).await.map_err(rpc_error)?.into_inner();
             if json_out {
-                render_json(&json!({"version": response.version, "nodes": response.nodes.iter().map(node_json).collect::<Vec<_>>()}))
+                render_json(
+                    &json!({"version": response.version, "nodes": response.nodes.iter().map(node_json).collect::<Vec<_>>()}),
+                )
             } else {
                 nodes_table(&response.nodes)
             }

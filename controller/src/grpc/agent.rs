@@ -56,9 +56,7 @@ impl AgentService for AgentSvc {
         let Some(AgentMessage { msg: Some(Msg::Register(register)) }) = first else {
             return Err(status(ErrorKind::BadRequest, "the first message on a join stream must be `register`"));
         };
-        let node = register
-            .status
-            .ok_or_else(|| status(ErrorKind::BadRequest, "register carries no node status"))?;
+        let node = register.status.ok_or_else(|| status(ErrorKind::BadRequest, "register carries no node status"))?;
         validate(&node)?;
 
         let (tx, rx) = mpsc::channel(8);
@@ -83,10 +81,7 @@ fn validate(node: &NodeStatus) -> Result<(), Status> {
         && node.node_id.len() <= 128
         && node.node_id.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c));
     if !id_ok {
-        return Err(status(
-            ErrorKind::BadRequest,
-            "node_id must be 1-128 characters of [A-Za-z0-9._-]",
-        ));
+        return Err(status(ErrorKind::BadRequest, "node_id must be 1-128 characters of [A-Za-z0-9._-]"));
     }
     if !(node.proxy_url.starts_with("http://") || node.proxy_url.starts_with("https://")) {
         return Err(status(ErrorKind::BadRequest, "proxy_url must be an http:// or https:// URL"));
@@ -228,7 +223,12 @@ impl AgentSvc {
         }
     }
 
-    async fn write(&self, lease: &mut Option<Lease>, status: NodeStatus, registered_unix_ms: u64) -> Result<u64, StoreError> {
+    async fn write(
+        &self,
+        lease: &mut Option<Lease>,
+        status: NodeStatus,
+        registered_unix_ms: u64,
+    ) -> Result<u64, StoreError> {
         let current = match lease.take() {
             Some(current) => current,
             None => self.store.grant_lease(self.lease_ttl).await?,

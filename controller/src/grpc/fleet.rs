@@ -3,9 +3,9 @@ use std::collections::BTreeMap;
 use inferyes_proto::ErrorKind;
 use inferyes_proto::v1::fleet_service_server::{FleetService, FleetServiceServer};
 use inferyes_proto::v1::{
-    DrainRecord, DrainRequest, DrainResponse, GetNodeRequest, ListModelsRequest, ListModelsResponse,
-    ListNodesRequest, ListNodesResponse, ListSessionsRequest, ListSessionsResponse, ModelState, ModelSummary,
-    SessionInfo, SnapshotNode, UndrainRequest,
+    DrainRecord, DrainRequest, DrainResponse, GetNodeRequest, ListModelsRequest, ListModelsResponse, ListNodesRequest,
+    ListNodesResponse, ListSessionsRequest, ListSessionsResponse, ModelState, ModelSummary, SessionInfo, SnapshotNode,
+    UndrainRequest,
 };
 use tonic::{Request, Response, Status};
 
@@ -57,7 +57,10 @@ impl FleetService for FleetSvc {
         Ok(Response::new(ListModelsResponse { version: snapshot.version(), models: model_summaries(&snapshot) }))
     }
 
-    async fn list_sessions(&self, request: Request<ListSessionsRequest>) -> Result<Response<ListSessionsResponse>, Status> {
+    async fn list_sessions(
+        &self,
+        request: Request<ListSessionsRequest>,
+    ) -> Result<Response<ListSessionsResponse>, Status> {
         let filter = request.into_inner().node_id;
         let snapshot = self.snapshot()?;
         let sessions = snapshot
@@ -65,7 +68,9 @@ impl FleetService for FleetSvc {
             .filter_map(|n| n.status.as_ref())
             .filter(|s| filter.is_empty() || s.node_id == filter)
             .flat_map(|s| {
-                s.sessions.iter().map(|session| SessionInfo { node_id: s.node_id.clone(), session: Some(session.clone()) })
+                s.sessions
+                    .iter()
+                    .map(|session| SessionInfo { node_id: s.node_id.clone(), session: Some(session.clone()) })
             })
             .collect();
         Ok(Response::new(ListSessionsResponse { version: snapshot.version(), sessions }))
@@ -100,7 +105,8 @@ pub fn model_summaries(snapshot: &Snapshot) -> Vec<ModelSummary> {
     let mut models: BTreeMap<&str, ModelSummary> = BTreeMap::new();
     for status in snapshot.nodes().filter_map(|n| n.status.as_ref()) {
         for model in status.backends.iter().flat_map(|b| &b.models) {
-            let summary = models.entry(&model.id).or_insert_with(|| ModelSummary { id: model.id.clone(), ..Default::default() });
+            let summary =
+                models.entry(&model.id).or_insert_with(|| ModelSummary { id: model.id.clone(), ..Default::default() });
             if !summary.available_on.contains(&status.node_id) {
                 summary.available_on.push(status.node_id.clone());
             }

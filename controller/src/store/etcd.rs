@@ -1,8 +1,8 @@
 use std::time::Duration;
 
 use etcd_client::{
-    Client, ConnectOptions, EventType, GetOptions, KeyValue, LeaseKeepAliveStream, LeaseKeeper,
-    PutOptions, WatchOptions, WatchStream,
+    Client, ConnectOptions, EventType, GetOptions, KeyValue, LeaseKeepAliveStream, LeaseKeeper, PutOptions,
+    WatchOptions, WatchStream,
 };
 use inferyes_proto::ErrorKind;
 use inferyes_proto::v1::{DrainRecord, NodeRecord};
@@ -124,11 +124,7 @@ impl EtcdStore {
     pub async fn load(&self) -> Result<WatchBatch, StoreError> {
         let options = GetOptions::new().with_prefix();
         let response = self.client.clone().get(self.keys.prefix(), Some(options)).await?;
-        let events = response
-            .kvs()
-            .iter()
-            .filter_map(|kv| self.decode(EventType::Put, kv))
-            .collect();
+        let events = response.kvs().iter().filter_map(|kv| self.decode(EventType::Put, kv)).collect();
         Ok(WatchBatch { revision: revision(response.header()), events })
     }
 

@@ -1,0 +1,328 @@
+//! The agent's configuration: defaults, then a TOML file, then `INFERYES_*`
+//! environment variables, then flags. Only this module reads the
+//! environment (through clap).
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use serde::{Deserialize, Serialize};
+
+use crate::sim::SimConfig;
+
+#[derive(Clone, Debug, clap::Parser)]
+#[command(name = "inferyes-agent", version, about = "Inferyes agent: watches one host's GPUs and inference servers")]
+pub struct Args {
+    #[command(subcommand)]
+    pub command: Option<Command>,
+    /// TOML configuration file.
+    #[arg(long, env = "INFERYES_CONFIG", global = true)]
+    pub config: Option<PathBuf>,
+    /// Print the effective configuration as TOML and exit.
+    #[arg(long)]
+    pub print_config: bool,
+    /// This node's id in the fleet (default: the hostname).
+    #[arg(long, env = "INFERYES_NODE_ID")]
+    pub node_id: Option<String>,
+    /// Controller gRPC addresses, comma separated; tried in turn.
+    #[arg(long, env = "INFERYES_CONTROLLERS", value_delimiter = ',')]
+    pub controllers: Option<Vec<String>>,
+    /// Listen address of the local proxy that fronts the backends.
+    #[arg(long, env = "INFERYES_PROXY_LISTEN")]
+    pub proxy_listen: Option<SocketAddr>,
+    /// URL at which data planes reach the proxy (default: http://<proxy_listen>).
+    #[arg(long, env = "INFERYES_ADVERTISE_URL")]
+    pub advertise_url: Option<String>,
+    /// Log format: text or json.
+    #[arg(long, env = "INFERYES_LOG_FORMAT")]
+    pub log_format: Option<LogFormat>,
+}
+
+#[derive(Clone, Debug, clap::Subcommand)]
+pub enum Command {
+    /// Run a simulated inference server (llama-server or llama-swap API) on its own.
+    Simulate {
+        /// Listen address.
+        #[arg(long, default_value = "127.0.0.1:8081")]
+        listen: SocketAddr,
+        /// TOML file with the simulator's settings (a `[simulator]`-style table at top level).
+        #[arg(long)]
+        sim_config: Option<PathBuf>,
+        /// Model id, when no file is given.
+        #[arg(long, default_value = "sim-chat")]
+        model: String,
+    },
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    #[default]
+    Text,
+    Json,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    pub version: u32,
+    pub node_id: String,
+    pub controllers: Vec<String>,
+    pub proxy_listen: SocketAddr,
+    pub advertise_url: String,
+    /// How often backends and GPUs are polled.
+    pub poll_interval_ms: u64,
+    /// The shortest gap between two reports; changes inside it are merged.
+    pub min_report_interval_ms: u64,
+    /// Sent with the join request, when the controller requires one.
+    pub join_token: String,
+    pub log_format: LogFormat,
+    pub gpu: GpuConfig,
+    pub backends: Vec<BackendConfig>,
+    /// Simulated backends this agent starts itself (for machines without
+    /// GPUs, demos and tests). Each is added as a backend.
+    pub simulated: Vec<SimulatedBackend>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BackendConfig {
+    /// Unique within this node.
+    pub id: String,
+    pub url: String,
+    #[serde(default)]
+    pub kind: BackendKind,
+    #[serde(default = "default_weight")]
+    pub weight: u32,
+    /// Endpoint kinds its models serve (chat, completion, embedding, rerank,
+    /// responses). Empty: not known, any is tried.
+    #[serde(default)]
+    pub endpoints: Vec<String>,
+    /// Credential the proxy adds to every request to this backend (e.g.
+    /// llama-server's --api-key). It never leaves this host.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub api_key: String,
+}
+
+fn default_weight() -> u32 {
+    1
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum BackendKind {
+    #[default]
+    LlamaServer,
+    LlamaSwap,
+    Openai,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SimulatedBackend {
+    pub id: String,
+    /// Listen address; port 0 picks a free one.
+    #[serde(default = "default_sim_listen")]
+    pub listen: SocketAddr,
+    #[serde(default = "default_weight")]
+    pub weight: u32,
+    /// The simulated server's settings.
+    pub server: SimConfig,
+}
+
+fn default_sim_listen() -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], 0))
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct GpuConfig {
+    pub source: GpuSourceConfig,
+    /// GPUs this host declares (for `source = "declared"`, or as the
+    /// fallback of `auto` when neither NVML nor nvidia-smi answers).
+    pub declared: Vec<DeclaredGpu>,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum GpuSourceConfig {
+    /// NVML, else nvidia-smi, else the declared GPUs, else the simulated
+    /// backends' GPUs, else none (a CPU node).
+    #[default]
+    Auto,
+    Nvml,
+    NvidiaSmi,
+    Declared,
+    Simulated,
+    None,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DeclaredGpu {
+    pub name: String,
+    pub memory_total_bytes: u64,
+}
+
+impl Default for Config {
+    fn default() -> Config {
+        Config {
+            version: 1,
+            node_id: String::new(),
+            controllers: vec!["http://127.0.0.1:7070".into()],
+            proxy_listen: SocketAddr::from(([127, 0, 0, 1], 9100)),
+            advertise_url: String::new(),
+            poll_interval_ms: 1000,
+            min_report_interval_ms: 50,
+            join_token: String::new(),
+            log_format: LogFormat::Text,
+            gpu: GpuConfig::default(),
+            backends: Vec::new(),
+            simulated: Vec::new(),
+        }
+    }
+}
+
+impl Config {
+    pub fn load(args: &Args) -> anyhow::Result<Config> {
+        let mut config: Config = match &args.config {
+            Some(path) => {
+                let text = std::fs::read_to_string(path)
+                    .with_context(|| format!("cannot read config file {}", path.display()))?;
+                toml::from_str(&text).with_context(|| format!("invalid config file {}", path.display()))?
+            }
+            None => Config::default(),
+        };
+        if let Some(v) = &args.node_id {
+            config.node_id.clone_from(v);
+        }
+        if let Some(v) = &args.controllers {
+            config.controllers.clone_from(v);
+        }
+        if let Some(v) = args.proxy_listen {
+            config.proxy_listen = v;
+        }
+        if let Some(v) = &args.advertise_url {
+            config.advertise_url.clone_from(v);
+        }
+        if let Some(v) = args.log_format {
+            config.log_format = v;
+        }
+        if config.node_id.is_empty() {
+            config.node_id = hostname();
+        }
+        config.validate()?;
+        Ok(config)
+    }
+
+    pub fn validate(&self) -> anyhow::Result<()> {
+        if self.version != 1 {
+            bail!("config version {} is not supported: set `version = 1`", self.version);
+        }
+        if self.controllers.is_empty() {
+            bail!("controllers is empty: list at least one controller address, e.g. [\"http://127.0.0.1:7070\"]");
+        }
+        if self.backends.is_empty() && self.simulated.is_empty() {
+            bail!("no backends: add a [[backends]] entry (url and kind) or a [[simulated]] backend");
+        }
+        let mut ids: Vec<&str> = self.backends.iter().map(|b| b.id.as_str()).collect();
+        ids.extend(self.simulated.iter().map(|s| s.id.as_str()));
+        for (i, id) in ids.iter().enumerate() {
+            if id.is_empty() {
+                bail!("every backend needs a non-empty `id`");
+            }
+            if ids[..i].contains(id) {
+                bail!("backend id `{id}` is used twice: backend ids must be unique on a node");
+            }
+        }
+        for backend in &self.backends {
+            if !(backend.url.starts_with("http://") || backend.url.starts_with("https://")) {
+                bail!("backend `{}`: url `{}` must start with http:// or https://", backend.id, backend.url);
+            }
+            for endpoint in &backend.endpoints {
+                if crate::probe::endpoint_kind(endpoint).is_none() {
+                    bail!(
+                        "backend `{}`: unknown endpoint kind `{endpoint}` (use chat, completion, embedding, rerank or responses)",
+                        backend.id
+                    );
+                }
+            }
+        }
+        if self.gpu.source == GpuSourceConfig::Declared && self.gpu.declared.is_empty() {
+            bail!("gpu.source = \"declared\" but no [[gpu.declared]] entry (name, memory_total_bytes)");
+        }
+        if self.poll_interval_ms == 0 {
+            bail!("poll_interval_ms must be positive");
+        }
+        Ok(())
+    }
+
+    pub fn poll_interval(&self) -> Duration {
+        Duration::from_millis(self.poll_interval_ms)
+    }
+
+    pub fn min_report_interval(&self) -> Duration {
+        Duration::from_millis(self.min_report_interval_ms)
+    }
+}
+
+pub fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .ok()
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "unknown".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[test]
+    fn flags_override_the_file_which_overrides_defaults() {
+        let dir = std::env::temp_dir().join(format!("inferyes-agent-config-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("agent.toml");
+        std::fs::write(
+            &path,
+            r#"
+version = 1
+node_id = "from-file"
+poll_interval_ms = 250
+[[backends]]
+id = "main"
+url = "http://127.0.0.1:8081"
+kind = "llama-swap"
+"#,
+        )
+        .unwrap();
+        let args =
+            Args::try_parse_from(["inferyes-agent", "--config", path.to_str().unwrap(), "--node-id", "from-flag"])
+                .unwrap();
+        let config = Config::load(&args).unwrap();
+        assert_eq!(config.node_id, "from-flag");
+        assert_eq!(config.poll_interval_ms, 250);
+        assert_eq!(config.backends[0].kind, BackendKind::LlamaSwap);
+        assert_eq!(config.proxy_listen, Config::default().proxy_listen);
+    }
+
+    #[test]
+    fn invalid_configs_say_what_to_fix() {
+        assert!(toml::from_str::<Config>("polling = 3").is_err());
+        let config = Config::default();
+        assert!(config.validate().unwrap_err().to_string().contains("no backends"));
+        let twice = BackendConfig {
+            id: "a".into(),
+            url: "http://x".into(),
+            kind: BackendKind::LlamaServer,
+            weight: 1,
+            endpoints: vec![],
+            api_key: String::new(),
+        };
+        let config = Config { backends: vec![twice.clone(), twice], ..Config::default() };
+        assert!(config.validate().unwrap_err().to_string().contains("used twice"));
+    }
+}

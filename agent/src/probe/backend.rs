@@ -1,0 +1,279 @@
+use inferyes_proto::v1::{Backend, BackendKind, EndpointKind, Health, Model, ModelState};
+use serde_json::Value;
+
+use super::client::ProbeClient;
+use crate::config;
+
+/// Everything needed to poll one backend.
+#[derive(Clone, Debug)]
+pub struct BackendProbe {
+    pub id: String,
+    pub url: String,
+    pub kind: config::BackendKind,
+    pub weight: u32,
+    pub endpoints: Vec<EndpointKind>,
+    pub api_key: String,
+}
+
+impl BackendProbe {
+    /// One poll. Failures are part of the result (health and
+    /// `probe_error`), never an error: a backend that cannot be read is a
+    /// fact to report.
+    pub async fn probe(&self, client: &ProbeClient) -> Backend {
+        let mut backend = Backend {
+            id: self.id.clone(),
+            kind: match self.kind {
+                config::BackendKind::LlamaServer => BackendKind::LlamaServer,
+                config::BackendKind::LlamaSwap => BackendKind::LlamaSwap,
+                config::BackendKind::Openai => BackendKind::Openai,
+            } as i32,
+            weight: self.weight,
+            ..Default::default()
+        };
+        let result = match self.kind {
+            config::BackendKind::LlamaServer => self.probe_llama_server(client, &mut backend).await,
+            config::BackendKind::LlamaSwap => self.probe_llama_swap(client, &mut backend).await,
+            config::BackendKind::Openai => self.probe_openai(client, &mut backend).await,
+        };
+        if let Err(error) = result {
+            backend.probe_error = error;
+            if backend.health() == Health::Unknown {
+                backend.set_health(Health::Down);
+            }
+        }
+        for model in &mut backend.models {
+            if model.endpoints.is_empty() {
+                model.endpoints = self.endpoints.iter().map(|e| *e as i32).collect();
+            }
+        }
+        backend
+    }
+
+    async fn probe_llama_server(&self, client: &ProbeClient, backend: &mut Backend) -> Result<(), String> {
+        let (status, body) =
+            client.get(&self.url, "/health", &self.api_key).await.map_err(|e| format!("health: {e}"))?;
+        match status.as_u16() {
+            200 => backend.set_health(Health::Ready),
+            503 => {
+                backend.set_health(Health::Loading);
+                return Ok(());
+            }
+            code => {
+                backend.set_health(Health::Down);
+                return Err(format!("health: HTTP {code}: {}", String::from_utf8_lossy(&body)));
+            }
+        }
+        let (_, body) = client.get(&self.url, "/v1/models", &self.api_key).await.map_err(|e| format!("models: {e}"))?;
+        backend.models = parse_openai_models(&body, ModelState::Loaded);
+        // Optional endpoints: llama-server answers 501 without --slots or
+        // --metrics, and that is not a fault.
+        if let Ok((status, body)) = client.get(&self.url, "/props", &self.api_key).await
+            && status.is_success()
+            && let Ok(props) = serde_json::from_slice::<Value>(&body)
+        {
+            let n_ctx = props.pointer("/default_generation_settings/n_ctx").and_then(Value::as_u64).unwrap_or(0);
+            for model in &mut backend.models {
+                model.context_window = u32::try_from(n_ctx).unwrap_or(u32::MAX);
+            }
+            backend.slots_total = u32_at(&props, "/total_slots");
+        }
+        if let Ok((status, body)) = client.get(&self.url, "/slots", &self.api_key).await
+            && status.is_success()
+            && let Ok(Value::Array(slots)) = serde_json::from_slice::<Value>(&body)
+        {
+            backend.slots_total = u32::try_from(slots.len()).unwrap_or(u32::MAX);
+            let busy = slots.iter().filter(|s| s.get("is_processing").and_then(Value::as_bool) == Some(true)).count();
+            backend.slots_busy = u32::try_from(busy).unwrap_or(u32::MAX);
+        }
+        if let Ok((status, body)) = client.get(&self.url, "/metrics", &self.api_key).await
+            && status.is_success()
+        {
+            let metrics = parse_llamacpp_metrics(&String::from_utf8_lossy(&body));
+            backend.requests_deferred = metrics.requests_deferred;
+            backend.tokens_per_second = metrics.predicted_tokens_seconds;
+        }
+        Ok(())
+    }
+
+    async fn probe_llama_swap(&self, client: &ProbeClient, backend: &mut Backend) -> Result<(), String> {
+        let (status, _) = client.get(&self.url, "/health", &self.api_key).await.map_err(|e| format!("health: {e}"))?;
+        if !status.is_success() {
+            backend.set_health(Health::Down);
+            return Err(format!("health: HTTP {}", status.as_u16()));
+        }
+        backend.set_health(Health::Ready);
+        let (status, body) =
+            client.get(&self.url, "/v1/models", &self.api_key).await.map_err(|e| format!("models: {e}"))?;
+        if !status.is_success() {
+            // Catalog unreadable: nothing listed; the node is "possibly warm"
+            // for nothing, which routing treats as not serving.
+            return Err(format!("models: HTTP {}", status.as_u16()));
+        }
+        let (mut models, has_status) = parse_llamaswap_models(&body);
+        if !has_status {
+            // Older llama-swap: /v1/models has no status; /running does.
+            match client.get(&self.url, "/running", &self.api_key).await {
+                Ok((status, body)) if status.is_success() => {
+                    let running = parse_running(&body);
+                    for model in &mut models {
+                        let state = if running.contains(&model.id) { ModelState::Loaded } else { ModelState::Unloaded };
+                        model.set_state(state);
+                    }
+                }
+                _ => {}
+            }
+        }
+        backend.models = models;
+        Ok(())
+    }
+
+    async fn probe_openai(&self, client: &ProbeClient, backend: &mut Backend) -> Result<(), String> {
+        let (status, body) =
+            client.get(&self.url, "/v1/models", &self.api_key).await.map_err(|e| format!("models: {e}"))?;
+        if !status.is_success() {
+            backend.set_health(Health::Down);
+            return Err(format!("models: HTTP {}", status.as_u16()));
+        }
+        backend.set_health(Health::Ready);
+        // An upstream provider holds its models ready; nothing loads.
+        backend.models = parse_openai_models(&body, ModelState::Loaded);
+        Ok(())
+    }
+}
+
+fn u32_at(value: &Value, pointer: &str) -> u32 {
+    value.pointer(pointer).and_then(Value::as_u64).map(|v| u32::try_from(v).unwrap_or(u32::MAX)).unwrap_or(0)
+}
+
+/// An OpenAI-style `/v1/models` list. llama-server adds `meta` with the
+/// weights' size and training context.
+pub fn parse_openai_models(body: &[u8], state: ModelState) -> Vec<Model> {
+    let Ok(value) = serde_json::from_slice::<Value>(body) else { return Vec::new() };
+    let Some(data) = value.get("data").and_then(Value::as_array) else { return Vec::new() };
+    let mut models: Vec<Model> = data
+        .iter()
+        .filter_map(|m| {
+            let id = m.get("id")?.as_str()?.to_string();
+            let mut model = Model {
+                id,
+                size_bytes: m.pointer("/meta/size").and_then(Value::as_u64).unwrap_or(0),
+                context_window: u32_at(m, "/meta/n_ctx_train"),
+                ..Default::default()
+            };
+            model.set_state(state);
+            Some(model)
+        })
+        .collect();
+    models.sort_by(|a, b| a.id.cmp(&b.id));
+    models.dedup_by(|a, b| a.id == b.id);
+    models
+}
+
+/// llama-swap's `/v1/models`: every configured model, with `status.value`
+/// (`loaded`, `unloaded`, `loading`, ...) on builds since mid-2026. Returns
+/// whether any status was present.
+pub fn parse_llamaswap_models(body: &[u8]) -> (Vec<Model>, bool) {
+    let Ok(value) = serde_json::from_slice::<Value>(body) else { return (Vec::new(), false) };
+    let Some(data) = value.get("data").and_then(Value::as_array) else { return (Vec::new(), false) };
+    let mut has_status = false;
+    let mut models: Vec<Model> = data
+        .iter()
+        .filter_map(|m| {
+            let id = m.get("id")?.as_str()?.to_string();
+            let status = m.pointer("/status/value").and_then(Value::as_str);
+            has_status |= status.is_some();
+            let state = match status {
+                Some("loaded" | "ready") => ModelState::Loaded,
+                Some("loading" | "starting") => ModelState::Loading,
+                Some(_) => ModelState::Unloaded,
+                None => ModelState::Unknown,
+            };
+            let mut model = Model { id, ..Default::default() };
+            model.set_state(state);
+            Some(model)
+        })
+        .collect();
+    models.sort_by(|a, b| a.id.cmp(&b.id));
+    models.dedup_by(|a, b| a.id == b.id);
+    (models, has_status)
+}
+
+fn parse_running(body: &[u8]) -> Vec<String> {
+    let Ok(value) = serde_json::from_slice::<Value>(body) else { return Vec::new() };
+    value
+        .get("running")
+        .and_then(Value::as_array)
+        .map(|running| {
+            running.iter().filter_map(|r| r.get("model").and_then(Value::as_str).map(str::to_string)).collect()
+        })
+        .unwrap_or_default()
+}
+
+/// The llama-server gauges the agent reports.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct LlamaCppMetrics {
+    pub requests_processing: u32,
+    pub requests_deferred: u32,
+    pub predicted_tokens_seconds: f64,
+}
+
+/// Parses llama-server's Prometheus text (`llamacpp:*` series).
+pub fn parse_llamacpp_metrics(text: &str) -> LlamaCppMetrics {
+    let mut metrics = LlamaCppMetrics::default();
+    for line in text.lines().filter(|l| !l.starts_with('#')) {
+        let mut parts = line.split_whitespace();
+        let (Some(name), Some(value)) = (parts.next(), parts.next()) else { continue };
+        let Ok(value) = value.parse::<f64>() else { continue };
+        // Names may carry labels in future builds: match the bare name.
+        let name = name.split('{').next().unwrap_or(name);
+        let whole = if value.is_finite() && value >= 0.0 { value.min(f64::from(u32::MAX)) as u32 } else { 0 };
+        match name {
+            "llamacpp:requests_processing" => metrics.requests_processing = whole,
+            "llamacpp:requests_deferred" => metrics.requests_deferred = whole,
+            "llamacpp:predicted_tokens_seconds" => metrics.predicted_tokens_seconds = value,
+            _ => {}
+        }
+    }
+    metrics
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn llama_server_models_carry_size_and_context() {
+        let body = br#"{"models":[{"name":"m"}],"object":"list","data":[{"id":"qwen","object":"model","owned_by":"llamacpp","meta":{"n_ctx_train":32768,"size":123456}}]}"#;
+        let models = parse_openai_models(body, ModelState::Loaded);
+        assert_eq!(models.len(), 1);
+        assert_eq!(models[0].id, "qwen");
+        assert_eq!(models[0].size_bytes, 123456);
+        assert_eq!(models[0].context_window, 32768);
+        assert_eq!(models[0].state(), ModelState::Loaded);
+    }
+
+    #[test]
+    fn llama_swap_status_is_read_and_its_absence_noticed() {
+        let modern = br#"{"object":"list","data":[{"id":"b","status":{"value":"unloaded"}},{"id":"a","status":{"value":"loaded"}},{"id":"c","status":{"value":"loading"}}]}"#;
+        let (models, has_status) = parse_llamaswap_models(modern);
+        assert!(has_status);
+        let states: Vec<_> = models.iter().map(|m| (m.id.as_str(), m.state())).collect();
+        assert_eq!(states, [("a", ModelState::Loaded), ("b", ModelState::Unloaded), ("c", ModelState::Loading)]);
+        let old = br#"{"object":"list","data":[{"id":"a","object":"model"}]}"#;
+        let (models, has_status) = parse_llamaswap_models(old);
+        assert!(!has_status);
+        assert_eq!(models[0].state(), ModelState::Unknown);
+        assert_eq!(parse_running(br#"{"running":[{"model":"a","state":"ready"}]}"#), ["a"]);
+    }
+
+    #[test]
+    fn llamacpp_metrics_are_parsed_by_name() {
+        let text = "# HELP llamacpp:requests_deferred Number of requests deferred.\n# TYPE llamacpp:requests_deferred gauge\nllamacpp:requests_deferred 3\nllamacpp:requests_processing 2\nllamacpp:predicted_tokens_seconds 41.5\nllamacpp:tokens_predicted_total 900\n";
+        let metrics = parse_llamacpp_metrics(text);
+        assert_eq!(
+            metrics,
+            LlamaCppMetrics { requests_processing: 2, requests_deferred: 3, predicted_tokens_seconds: 41.5 }
+        );
+        assert_eq!(parse_llamacpp_metrics("garbage\nllamacpp:requests_deferred NaN"), LlamaCppMetrics::default());
+    }
+}

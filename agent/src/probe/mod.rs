@@ -1,0 +1,24 @@
+//! Reading the host: what each backend serves and how busy it is, and what
+//! each GPU holds. The parsers are pure; `client` does the I/O.
+
+mod backend;
+mod client;
+mod gpu;
+
+pub use backend::{BackendProbe, parse_llamacpp_metrics, parse_llamaswap_models, parse_openai_models};
+pub use client::ProbeClient;
+pub use gpu::{GpuReader, GpuReading};
+
+use inferyes_proto::v1::EndpointKind;
+
+/// The table of endpoint kinds as they are named in configuration.
+pub fn endpoint_kind(name: &str) -> Option<EndpointKind> {
+    Some(match name {
+        "chat" => EndpointKind::Chat,
+        "completion" => EndpointKind::Completion,
+        "embedding" => EndpointKind::Embedding,
+        "rerank" => EndpointKind::Rerank,
+        "responses" => EndpointKind::Responses,
+        _ => return None,
+    })
+}

@@ -1,0 +1,186 @@
+//! The thin local proxy in front of the backends. Data planes send every
+//! request here; the proxy picks the backend the data plane chose, adds the
+//! backend's credential, and on the way sees what llama-server cannot tell
+//! anyone: which conversation runs where, how many requests are in flight,
+//! and the time to first token.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::task::{Context, Poll};
+use std::time::Instant;
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use bytes::Bytes;
+use http::{HeaderMap, HeaderValue, Request, StatusCode, Uri, header};
+use http_body::{Frame, SizeHint};
+use hyper::body::Incoming;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use inferyes_proto::{ErrorKind, openai_error_body};
+
+use crate::state::AgentState;
+
+/// Headers the data plane sets for the agent; never forwarded to backends.
+pub const BACKEND_HEADER: &str = "x-inferyes-backend";
+pub const MODEL_HEADER: &str = "x-inferyes-model";
+pub const SESSION_HEADER: &str = "x-inferyes-session";
+
+#[derive(Clone)]
+struct Proxy {
+    state: Arc<AgentState>,
+    client: Client<HttpConnector, Body>,
+}
+
+pub fn router(state: Arc<AgentState>) -> Router {
+    let mut connector = HttpConnector::new();
+    connector.set_nodelay(true);
+    connector.set_connect_timeout(Some(std::time::Duration::from_secs(2)));
+    let client = Client::builder(TokioExecutor::new()).build(connector);
+    Router::new().route("/healthz", get(|| async { "ok\n" })).fallback(forward).with_state(Proxy { state, client })
+}
+
+fn error(kind: ErrorKind, message: &str, code: &str) -> Response {
+    let status = StatusCode::from_u16(kind.http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let body = openai_error_body(kind, message, Some(code), None);
+    (status, [(header::CONTENT_TYPE, "application/json")], body).into_response()
+}
+
+async fn forward(State(proxy): State<Proxy>, request: Request<Body>) -> Response {
+    let (mut parts, body) = request.into_parts();
+    let text = |name: &str| parts.headers.get(name).and_then(|v| v.to_str().ok()).map(str::to_string);
+    let model = text(MODEL_HEADER);
+    let session = text(SESSION_HEADER);
+    let handle = match text(BACKEND_HEADER) {
+        Some(id) => proxy.state.backend(&id),
+        None => proxy.state.backend_for_model(model.as_deref()),
+    };
+    let Some(handle) = handle else {
+        return error(ErrorKind::NotFound, "no backend on this node serves the request", "backend_not_found");
+    };
+    let index = proxy.state.backends.iter().position(|b| std::ptr::eq(b, handle)).unwrap_or(0);
+    let backend_id = handle.probe.id.clone();
+
+    let path = parts.uri.path_and_query().map(|p| p.as_str()).unwrap_or("/");
+    let target = format!("{}{path}", handle.probe.url.trim_end_matches('/'));
+    let Ok(uri) = target.parse::<Uri>() else {
+        return error(ErrorKind::BadRequest, "request path cannot be forwarded", "invalid_path");
+    };
+    parts.uri = uri;
+    strip_headers(&mut parts.headers);
+    if !handle.probe.api_key.is_empty()
+        && let Ok(value) = HeaderValue::from_str(&format!("Bearer {}", handle.probe.api_key))
+    {
+        parts.headers.insert(header::AUTHORIZATION, value);
+    }
+
+    if let (Some(session), Some(model)) = (&session, &model)
+        && let Ok(mut residency) = proxy.state.residency.lock()
+    {
+        residency.touch(session, &backend_id, model, inferyes_proto::unix_ms() / 1000);
+        drop(residency);
+        proxy.state.changed.notify_one();
+    }
+
+    let guard = InFlight::enter(Arc::clone(&proxy.state), index);
+    let started = Instant::now();
+    match proxy.client.request(Request::from_parts(parts, body)).await {
+        Ok(response) => {
+            let (parts, body) = response.into_parts();
+            let tracked = Tracked { inner: body, _guard: guard, started, first_byte: false, backend: backend_id };
+            Response::from_parts(parts, Body::new(tracked))
+        }
+        Err(err) => {
+            tracing::warn!(backend = %backend_id, error = %err, "backend request failed");
+            error(ErrorKind::Upstream, &format!("backend `{backend_id}` is unreachable"), "backend_unreachable")
+        }
+    }
+}
+
+/// Hop-by-hop headers, the data plane's routing headers and the client's
+/// credential stay behind.
+fn strip_headers(headers: &mut HeaderMap) {
+    for name in [
+        header::CONNECTION,
+        header::HOST,
+        header::PROXY_AUTHORIZATION,
+        header::TE,
+        header::TRAILER,
+        header::TRANSFER_ENCODING,
+        header::UPGRADE,
+        header::AUTHORIZATION,
+    ] {
+        headers.remove(name);
+    }
+    headers.remove("keep-alive");
+    headers.remove(BACKEND_HEADER);
+    headers.remove(MODEL_HEADER);
+    headers.remove(SESSION_HEADER);
+}
+
+/// Counts a request in flight until its response body is done or dropped
+/// (a client that went away drops it, which also closes the backend
+/// connection and so stops the generation).
+struct InFlight {
+    state: Arc<AgentState>,
+    index: usize,
+}
+
+impl InFlight {
+    fn enter(state: Arc<AgentState>, index: usize) -> InFlight {
+        if let Some(b) = state.backends.get(index) {
+            b.in_flight.fetch_add(1, Ordering::Relaxed);
+        }
+        InFlight { state, index }
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        if let Some(b) = self.state.backends.get(self.index) {
+            b.in_flight.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+}
+
+/// The backend's response body, passed through frame by frame, noting the
+/// time to the first data frame.
+struct Tracked {
+    inner: Incoming,
+    _guard: InFlight,
+    started: Instant,
+    first_byte: bool,
+    backend: String,
+}
+
+impl http_body::Body for Tracked {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        let this = self.get_mut();
+        let poll = Pin::new(&mut this.inner).poll_frame(cx);
+        if !this.first_byte
+            && let Poll::Ready(Some(Ok(frame))) = &poll
+            && frame.is_data()
+        {
+            this.first_byte = true;
+            let ttft_ms = this.started.elapsed().as_secs_f64() * 1000.0;
+            tracing::debug!(backend = %this.backend, ttft_ms, "first byte from backend");
+        }
+        poll
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}

@@ -1,0 +1,156 @@
+//! The agent's one stream to a controller: register, then report the node's
+//! status whenever it changed (and heartbeat while it does not), moving to
+//! the next controller with jittered backoff when the stream breaks.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use inferyes_proto::v1::agent_service_client::AgentServiceClient;
+use inferyes_proto::v1::{AgentMessage, Heartbeat, NodeStatus, Register, agent_message, controller_message};
+use tokio::sync::{mpsc, watch};
+use tokio::time::Instant;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::CancellationToken;
+use tonic::transport::{Channel, Endpoint};
+
+use crate::state::AgentState;
+
+const BACKOFF_MIN: Duration = Duration::from_millis(100);
+const BACKOFF_MAX: Duration = Duration::from_secs(5);
+
+/// What the reporter tells the rest of the agent (and tests).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Connection {
+    /// The controller currently holding the stream, if any.
+    pub controller_id: Option<String>,
+    pub draining: bool,
+}
+
+pub async fn run(
+    state: Arc<AgentState>,
+    controllers: Vec<String>,
+    join_token: String,
+    min_interval: Duration,
+    connection: watch::Sender<Connection>,
+    shutdown: CancellationToken,
+) {
+    let mut backoff = BACKOFF_MIN;
+    let mut next = 0usize;
+    loop {
+        let address = &controllers[next % controllers.len()];
+        next += 1;
+        match session(&state, address, &join_token, min_interval, &connection, &shutdown).await {
+            Ok(()) => return,
+            Err(Failure { error, registered }) => {
+                connection.send_modify(|c| c.controller_id = None);
+                if registered {
+                    backoff = BACKOFF_MIN;
+                }
+                tracing::warn!(controller = %address, %error, "controller stream lost; trying the next one");
+            }
+        }
+        let jittered = backoff.mul_f64(0.5 + fastrand::f64());
+        backoff = (backoff * 2).min(BACKOFF_MAX);
+        tokio::select! {
+            () = shutdown.cancelled() => return,
+            () = tokio::time::sleep(jittered) => {}
+        }
+    }
+}
+
+struct Failure {
+    error: String,
+    registered: bool,
+}
+
+fn fail(error: impl std::fmt::Display, registered: bool) -> Failure {
+    Failure { error: error.to_string(), registered }
+}
+
+async fn connect(address: &str) -> Result<Channel, Failure> {
+    Endpoint::from_shared(address.to_string())
+        .map_err(|e| fail(e, false))?
+        .connect_timeout(Duration::from_secs(2))
+        .tcp_nodelay(true)
+        .http2_keep_alive_interval(Duration::from_secs(2))
+        .keep_alive_timeout(Duration::from_secs(4))
+        .keep_alive_while_idle(true)
+        .connect()
+        .await
+        .map_err(|e| fail(e, false))
+}
+
+/// One stream's life. Returns `Ok` only on shutdown.
+async fn session(
+    state: &AgentState,
+    address: &str,
+    join_token: &str,
+    min_interval: Duration,
+    connection: &watch::Sender<Connection>,
+    shutdown: &CancellationToken,
+) -> Result<(), Failure> {
+    let channel = connect(address).await?;
+    let (tx, rx) = mpsc::channel(16);
+    let mut sent: NodeStatus = state.status();
+    let register = Register { status: Some(sent.clone()), join_token: join_token.to_string() };
+    // Queued before the call: the controller answers once it has read it.
+    let _ = tx.try_send(AgentMessage { msg: Some(agent_message::Msg::Register(register)) });
+    let mut inbound = AgentServiceClient::new(channel)
+        .join(ReceiverStream::new(rx))
+        .await
+        .map_err(|status| fail(status.message(), false))?
+        .into_inner();
+
+    let registered = match inbound.message().await.map_err(|s| fail(s.message(), false))? {
+        Some(inferyes_proto::v1::ControllerMessage { msg: Some(controller_message::Msg::Registered(r)) }) => r,
+        _ => return Err(fail("controller did not confirm the registration", false)),
+    };
+    tracing::info!(controller = %registered.controller_id, "registered with controller");
+    connection.send_modify(|c| c.controller_id = Some(registered.controller_id.clone()));
+    let heartbeat_every = Duration::from_millis(u64::from(registered.heartbeat_interval_ms.max(100)));
+    let mut last_sent = Instant::now();
+
+    loop {
+        let heartbeat_at = last_sent + heartbeat_every;
+        tokio::select! {
+            () = shutdown.cancelled() => return Ok(()),
+            message = inbound.message() => match message {
+                Ok(Some(message)) => {
+                    if let Some(controller_message::Msg::Drain(drain)) = message.msg {
+                        tracing::info!(draining = drain.draining, "drain state from controller");
+                        connection.send_modify(|c| c.draining = drain.draining);
+                    }
+                }
+                Ok(None) => return Err(fail("controller closed the stream", true)),
+                Err(status) => return Err(fail(status.message(), true)),
+            },
+            () = state.changed.notified() => {
+                // Merge a burst of changes into one report.
+                tokio::time::sleep_until(last_sent + min_interval).await;
+                let status = state.status();
+                if status != sent {
+                    send(&tx, agent_message::Msg::Status(status.clone())).await?;
+                    sent = status;
+                    last_sent = Instant::now();
+                }
+            }
+            () = tokio::time::sleep_until(heartbeat_at) => {
+                // In-flight counts change without a notification: the
+                // heartbeat tick picks them up.
+                let status = state.status();
+                let message = if status != sent {
+                    sent = status.clone();
+                    agent_message::Msg::Status(status)
+                } else {
+                    agent_message::Msg::Heartbeat(Heartbeat {})
+                };
+                send(&tx, message).await?;
+                last_sent = Instant::now();
+            }
+        }
+    }
+}
+
+async fn send(tx: &mpsc::Sender<AgentMessage>, msg: agent_message::Msg) -> Result<(), Failure> {
+    tx.send(AgentMessage { msg: Some(msg) }).await.map_err(|_| fail("stream to controller closed", true))
+}

@@ -1,0 +1,95 @@
+//! The agent's shared state. Each piece has one writer: the poller writes
+//! observations, the proxy writes in-flight counts and residency; the
+//! reporter only reads, through [`AgentState::status`].
+
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use inferyes_proto::v1::{Backend, Gpu, ModelState, NodeStatus};
+use tokio::sync::Notify;
+
+use crate::probe::BackendProbe;
+use crate::residency::Residency;
+
+pub struct BackendHandle {
+    pub probe: BackendProbe,
+    pub in_flight: AtomicU32,
+}
+
+#[derive(Default)]
+pub struct Observations {
+    pub backends: Vec<Backend>,
+    pub gpus: Vec<Gpu>,
+}
+
+pub struct AgentState {
+    pub node_id: String,
+    pub hostname: String,
+    pub proxy_url: String,
+    pub started_unix_ms: u64,
+    pub backends: Vec<BackendHandle>,
+    pub observations: Mutex<Observations>,
+    pub residency: Mutex<Residency>,
+    /// Woken when something worth reporting changed.
+    pub changed: Notify,
+}
+
+impl AgentState {
+    pub fn backend(&self, id: &str) -> Option<&BackendHandle> {
+        self.backends.iter().find(|b| b.probe.id == id)
+    }
+
+    /// The backend to use when a request names none: the only one, or the
+    /// first healthy one that lists `model` (loaded first).
+    pub fn backend_for_model(&self, model: Option<&str>) -> Option<&BackendHandle> {
+        if self.backends.len() == 1 {
+            return self.backends.first();
+        }
+        let model = model?;
+        let observations = self.observations.lock().ok()?;
+        let serving = |loaded_only: bool| {
+            observations
+                .backends
+                .iter()
+                .find(|b| b.models.iter().any(|m| m.id == model && (!loaded_only || m.state() == ModelState::Loaded)))
+        };
+        let id = serving(true).or_else(|| serving(false))?.id.clone();
+        drop(observations);
+        self.backend(&id)
+    }
+
+    pub fn loaded_model_bytes(&self) -> u64 {
+        let Ok(observations) = self.observations.lock() else { return 0 };
+        observations
+            .backends
+            .iter()
+            .flat_map(|b| &b.models)
+            .filter(|m| m.state() == ModelState::Loaded)
+            .map(|m| m.size_bytes)
+            .sum()
+    }
+
+    /// The node's status as reported to the controller.
+    pub fn status(&self) -> NodeStatus {
+        let (mut backends, gpus) = match self.observations.lock() {
+            Ok(o) => (o.backends.clone(), o.gpus.clone()),
+            Err(_) => (Vec::new(), Vec::new()),
+        };
+        for backend in &mut backends {
+            if let Some(handle) = self.backend(&backend.id) {
+                backend.in_flight = handle.in_flight.load(Ordering::Relaxed);
+            }
+        }
+        let sessions = self.residency.lock().map(|r| r.sessions()).unwrap_or_default();
+        NodeStatus {
+            node_id: self.node_id.clone(),
+            hostname: self.hostname.clone(),
+            proxy_url: self.proxy_url.clone(),
+            gpus,
+            backends,
+            sessions,
+            agent_version: env!("CARGO_PKG_VERSION").to_string(),
+            started_unix_ms: self.started_unix_ms,
+        }
+    }
+}

@@ -1,0 +1,165 @@
+//! The data plane's configuration: defaults, then a TOML file, then
+//! `INFERYES_*` environment variables, then flags. Only this module reads
+//! the environment (through clap).
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use serde::{Deserialize, Serialize};
+
+#[derive(Clone, Debug, clap::Parser)]
+#[command(
+    name = "inferyes-dataplane",
+    version,
+    about = "Inferyes data plane: the OpenAI-compatible gateway of the fleet"
+)]
+pub struct Args {
+    /// TOML configuration file.
+    #[arg(long, env = "INFERYES_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Print the effective configuration as TOML and exit.
+    #[arg(long)]
+    pub print_config: bool,
+    /// HTTP listen address for /v1/*.
+    #[arg(long, env = "INFERYES_LISTEN")]
+    pub listen: Option<SocketAddr>,
+    /// Controller gRPC addresses, comma separated; the data plane fails over between them.
+    #[arg(long, env = "INFERYES_CONTROLLERS", value_delimiter = ',')]
+    pub controllers: Option<Vec<String>>,
+    /// This data plane's name in logs (default: dataplane-<hostname>).
+    #[arg(long, env = "INFERYES_DATAPLANE_ID")]
+    pub dataplane_id: Option<String>,
+    /// Largest request body accepted, in bytes.
+    #[arg(long, env = "INFERYES_MAX_BODY_BYTES")]
+    pub max_body_bytes: Option<usize>,
+    /// Log format: text or json.
+    #[arg(long, env = "INFERYES_LOG_FORMAT")]
+    pub log_format: Option<LogFormat>,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    #[default]
+    Text,
+    Json,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    pub version: u32,
+    pub listen: SocketAddr,
+    pub controllers: Vec<String>,
+    pub dataplane_id: String,
+    pub max_body_bytes: usize,
+    /// Connecting to a node's agent must succeed within this.
+    pub connect_timeout_ms: u64,
+    /// A node must start answering within this; generous, because a cold
+    /// load can take minutes.
+    pub response_header_timeout_ms: u64,
+    pub log_format: LogFormat,
+}
+
+impl Default for Config {
+    fn default() -> Config {
+        Config {
+            version: 1,
+            listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
+            controllers: vec!["http://127.0.0.1:7070".into()],
+            dataplane_id: String::new(),
+            max_body_bytes: 32 << 20,
+            connect_timeout_ms: 2000,
+            response_header_timeout_ms: 600_000,
+            log_format: LogFormat::Text,
+        }
+    }
+}
+
+impl Config {
+    pub fn load(args: &Args) -> anyhow::Result<Config> {
+        let mut config: Config = match &args.config {
+            Some(path) => {
+                let text = std::fs::read_to_string(path)
+                    .with_context(|| format!("cannot read config file {}", path.display()))?;
+                toml::from_str(&text).with_context(|| format!("invalid config file {}", path.display()))?
+            }
+            None => Config::default(),
+        };
+        if let Some(v) = args.listen {
+            config.listen = v;
+        }
+        if let Some(v) = &args.controllers {
+            config.controllers.clone_from(v);
+        }
+        if let Some(v) = &args.dataplane_id {
+            config.dataplane_id.clone_from(v);
+        }
+        if let Some(v) = args.max_body_bytes {
+            config.max_body_bytes = v;
+        }
+        if let Some(v) = args.log_format {
+            config.log_format = v;
+        }
+        if config.dataplane_id.is_empty() {
+            let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+            config.dataplane_id = format!("dataplane-{}-{}", host.trim(), std::process::id());
+        }
+        config.validate()?;
+        Ok(config)
+    }
+
+    pub fn validate(&self) -> anyhow::Result<()> {
+        if self.version != 1 {
+            bail!("config version {} is not supported: set `version = 1`", self.version);
+        }
+        if self.controllers.is_empty() {
+            bail!("controllers is empty: list at least one controller address, e.g. [\"http://127.0.0.1:7070\"]");
+        }
+        if self.max_body_bytes == 0 {
+            bail!("max_body_bytes must be positive");
+        }
+        if self.connect_timeout_ms == 0 || self.response_header_timeout_ms == 0 {
+            bail!("connect_timeout_ms and response_header_timeout_ms must be positive");
+        }
+        Ok(())
+    }
+
+    pub fn connect_timeout(&self) -> Duration {
+        Duration::from_millis(self.connect_timeout_ms)
+    }
+
+    pub fn response_header_timeout(&self) -> Duration {
+        Duration::from_millis(self.response_header_timeout_ms)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[test]
+    fn flags_override_the_file_which_overrides_defaults() {
+        let dir = std::env::temp_dir().join(format!("inferyes-dp-config-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("dataplane.toml");
+        std::fs::write(&path, "version = 1\nmax_body_bytes = 1024\nlisten = \"127.0.0.1:9999\"\n").unwrap();
+        let args =
+            Args::try_parse_from(["inferyes-dataplane", "--config", path.to_str().unwrap(), "--listen", "127.0.0.1:1"])
+                .unwrap();
+        let config = Config::load(&args).unwrap();
+        assert_eq!(config.listen.port(), 1);
+        assert_eq!(config.max_body_bytes, 1024);
+        assert_eq!(config.controllers, Config::default().controllers);
+    }
+
+    #[test]
+    fn unknown_keys_are_rejected() {
+        let error = toml::from_str::<Config>("listen_addr = \"127.0.0.1:1\"").unwrap_err();
+        assert!(error.to_string().contains("listen_addr"));
+    }
+}

@@ -1,0 +1,237 @@
+//! Sending a routed request to a node's agent proxy and streaming the
+//! answer back frame by frame.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::response::Response;
+use bytes::Bytes;
+use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, header};
+use http_body::{Frame, SizeHint};
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Incoming;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use inferyes_proto::ErrorKind;
+
+use super::ApiError;
+use super::upstream;
+use crate::routing::{Route, RouteReason};
+use crate::snapshot::RoutingSnapshot;
+
+pub const NODE_HEADER: HeaderName = HeaderName::from_static("x-inferyes-node");
+pub const ROUTE_HEADER: HeaderName = HeaderName::from_static("x-inferyes-route");
+const BACKEND_HEADER: HeaderName = HeaderName::from_static("x-inferyes-backend");
+const MODEL_HEADER: HeaderName = HeaderName::from_static("x-inferyes-model");
+const SESSION_HEADER: HeaderName = HeaderName::from_static("x-inferyes-session");
+
+/// Error bodies are small; a backend sending a huge one is cut off.
+const MAX_ERROR_BODY: usize = 64 << 10;
+
+#[derive(Clone)]
+pub struct Forwarder {
+    client: Client<HttpConnector, Full<Bytes>>,
+    header_timeout: Duration,
+}
+
+/// What the forwarder needs to know about one request.
+pub struct Outbound<'a> {
+    pub path_and_query: &'a str,
+    pub headers: &'a HeaderMap,
+    pub body: Bytes,
+    pub model: &'a str,
+    pub session: Option<&'a str>,
+    pub request_id: &'a HeaderValue,
+}
+
+impl Forwarder {
+    pub fn new(connect_timeout: Duration, header_timeout: Duration) -> Forwarder {
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        connector.set_connect_timeout(Some(connect_timeout));
+        let client = Client::builder(TokioExecutor::new()).pool_idle_timeout(Duration::from_secs(90)).build(connector);
+        Forwarder { client, header_timeout }
+    }
+
+    /// Tries the route's targets in order. A target that cannot be reached,
+    /// or answers 502/503 before anything reached the client, is skipped
+    /// for the next; once a response is passed on there is no retry.
+    pub async fn forward(
+        &self,
+        snapshot: &RoutingSnapshot,
+        route: &Route,
+        out: Outbound<'_>,
+    ) -> Result<Response, ApiError> {
+        let mut last_error: Option<ApiError> = None;
+        for (attempt, target) in route.targets.iter().enumerate() {
+            let Some(node) = snapshot.node(target.node) else { continue };
+            let Some(backend) = node.backends.get(target.backend) else { continue };
+            let request = build_request(&node.proxy_url, &backend.id, &out)?;
+            let guard = InFlight::enter(Arc::clone(&node.local_in_flight));
+            let is_last = attempt + 1 == route.targets.len();
+            let response = match tokio::time::timeout(self.header_timeout, self.client.request(request)).await {
+                Err(_) => {
+                    return Err(ApiError::new(
+                        ErrorKind::Timeout,
+                        format!("node `{}` did not answer within {:?}", node.id, self.header_timeout),
+                        "upstream_timeout",
+                    ));
+                }
+                Ok(Err(error)) => {
+                    tracing::warn!(node = %node.id, %error, "node unreachable; trying the next candidate");
+                    last_error = Some(ApiError::new(
+                        ErrorKind::Upstream,
+                        format!("node `{}` is unreachable", node.id),
+                        "upstream_unreachable",
+                    ));
+                    continue;
+                }
+                Ok(Ok(response)) => response,
+            };
+            let status = response.status();
+            let reason = if attempt == 0 { route.reason.as_str() } else { "failover" };
+            if (status == http::StatusCode::BAD_GATEWAY || status == http::StatusCode::SERVICE_UNAVAILABLE) && !is_last
+            {
+                tracing::warn!(node = %node.id, %status, "node refused before the first byte; trying the next candidate");
+                last_error = Some(read_error(response).await);
+                continue;
+            }
+            if status.is_client_error() || status.is_server_error() {
+                let mut error = read_error(response).await;
+                if status == http::StatusCode::SERVICE_UNAVAILABLE && error.retry_after.is_none() {
+                    error.retry_after = Some(1);
+                }
+                return Err(error);
+            }
+            let (mut parts, body) = response.into_parts();
+            strip_hop_by_hop(&mut parts.headers);
+            if let Ok(value) = HeaderValue::from_str(&node.id) {
+                parts.headers.insert(NODE_HEADER, value);
+            }
+            parts.headers.insert(ROUTE_HEADER, HeaderValue::from_static(reason));
+            let body = Guarded { inner: body, _guard: guard };
+            return Ok(Response::from_parts(parts, Body::new(body)));
+        }
+        Err(last_error.unwrap_or_else(|| {
+            ApiError::new(ErrorKind::Unavailable, "no node could take the request", "no_capacity").retry_after(1)
+        }))
+    }
+}
+
+fn build_request(proxy_url: &str, backend_id: &str, out: &Outbound<'_>) -> Result<Request<Full<Bytes>>, ApiError> {
+    let uri = format!("{proxy_url}{}", out.path_and_query);
+    let mut builder = Request::builder().method(Method::POST).uri(uri);
+    if let Some(headers) = builder.headers_mut() {
+        for (name, value) in out.headers {
+            if forwardable(name) {
+                headers.append(name, value.clone());
+            }
+        }
+        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        headers.insert("x-request-id", out.request_id.clone());
+        if let Ok(v) = HeaderValue::from_str(backend_id) {
+            headers.insert(BACKEND_HEADER, v);
+        }
+        if let Ok(v) = HeaderValue::from_str(out.model) {
+            headers.insert(MODEL_HEADER, v);
+        }
+        if let Some(v) = out.session.and_then(|s| HeaderValue::from_str(s).ok()) {
+            headers.insert(SESSION_HEADER, v);
+        }
+    }
+    builder
+        .body(Full::new(out.body.clone()))
+        .map_err(|_| ApiError::new(ErrorKind::Internal, "cannot build the upstream request", "internal_error"))
+}
+
+/// Client headers that travel on: not hop-by-hop, not the client's
+/// credential (the agent adds the backend's own), not our routing headers.
+fn forwardable(name: &HeaderName) -> bool {
+    !matches!(
+        *name,
+        header::CONNECTION
+            | header::HOST
+            | header::CONTENT_LENGTH
+            | header::TRANSFER_ENCODING
+            | header::TE
+            | header::TRAILER
+            | header::UPGRADE
+            | header::PROXY_AUTHORIZATION
+            | header::AUTHORIZATION
+    ) && name != "keep-alive"
+        && !name.as_str().starts_with("x-inferyes-")
+}
+
+fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    for name in [header::CONNECTION, header::TRANSFER_ENCODING, header::TE, header::TRAILER, header::UPGRADE] {
+        headers.remove(name);
+    }
+    headers.remove("keep-alive");
+}
+
+async fn read_error(response: http::Response<Incoming>) -> ApiError {
+    let status = response.status();
+    let retry_after =
+        response.headers().get(header::RETRY_AFTER).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u32>().ok());
+    let body = match Limited::new(response.into_body(), MAX_ERROR_BODY).collect().await {
+        Ok(collected) => collected.to_bytes(),
+        Err(_) => Bytes::new(),
+    };
+    let mut error = upstream::normalize(status, &body);
+    error.retry_after = retry_after;
+    error
+}
+
+/// Counts a request against its node until the response body is finished
+/// or dropped.
+struct InFlight(Arc<AtomicU32>);
+
+impl InFlight {
+    fn enter(counter: Arc<AtomicU32>) -> InFlight {
+        counter.fetch_add(1, Ordering::Relaxed);
+        InFlight(counter)
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+struct Guarded {
+    inner: Incoming,
+    _guard: InFlight,
+}
+
+impl http_body::Body for Guarded {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        Pin::new(&mut self.get_mut().inner).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// The route reason for logging.
+pub fn reason_label(route: &Route) -> &'static str {
+    match route.reason {
+        RouteReason::Resident => "resident",
+        RouteReason::Placed => "placed",
+        RouteReason::Warm => "warm",
+        RouteReason::Cold => "cold",
+    }
+}

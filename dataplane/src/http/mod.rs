@@ -1,0 +1,17 @@
+//! The OpenAI-compatible HTTP surface. Requests are parsed only as far as
+//! routing needs ([`view`]); the original bytes are what is forwarded.
+
+mod error;
+mod forward;
+mod server;
+mod upstream;
+mod view;
+
+pub use error::ApiError;
+pub use server::{AppState, ENDPOINTS, Endpoint, router};
+pub use view::{RoutingView, parse_view, session_key};
+
+/// The pooled client to agents, as configured.
+pub fn forward_client(config: &crate::Config) -> forward::Forwarder {
+    forward::Forwarder::new(config.connect_timeout(), config.response_header_timeout())
+}

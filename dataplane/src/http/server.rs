@@ -1,0 +1,195 @@
+use std::sync::Arc;
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::{Path, Request, State};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use bytes::Bytes;
+use http::{HeaderValue, StatusCode, header};
+use inferyes_proto::ErrorKind;
+use inferyes_proto::v1::EndpointKind;
+use serde_json::json;
+
+use super::forward::{Forwarder, Outbound};
+use super::{ApiError, parse_view, session_key};
+use crate::routing::{self, RouteRequest};
+use crate::snapshot::{CatalogEntry, SnapshotStore};
+
+/// The OpenAI endpoints the data plane routes, one row per kind of job. A
+/// new kind is a row here (and a variant of `EndpointKind`), not a new
+/// code path.
+#[derive(Clone, Copy, Debug)]
+pub struct Endpoint {
+    pub path: &'static str,
+    pub kind: EndpointKind,
+}
+
+pub const ENDPOINTS: &[Endpoint] = &[
+    Endpoint { path: "/v1/chat/completions", kind: EndpointKind::Chat },
+    Endpoint { path: "/v1/completions", kind: EndpointKind::Completion },
+    Endpoint { path: "/v1/embeddings", kind: EndpointKind::Embedding },
+    Endpoint { path: "/v1/responses", kind: EndpointKind::Responses },
+    Endpoint { path: "/v1/rerank", kind: EndpointKind::Rerank },
+];
+
+#[derive(Clone)]
+pub struct AppState {
+    pub snapshots: Arc<SnapshotStore>,
+    pub forwarder: Forwarder,
+    pub max_body_bytes: usize,
+}
+
+pub fn router(state: AppState) -> Router {
+    let mut router = Router::new()
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(readyz))
+        .route("/v1/models", get(list_models))
+        .route("/v1/models/{*id}", get(get_model));
+    for endpoint in ENDPOINTS {
+        let kind = endpoint.kind;
+        router = router.route(
+            endpoint.path,
+            post(move |state: State<AppState>, request: Request| inference(state, kind, request)),
+        );
+    }
+    router
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .with_state(state)
+        .layer(middleware::from_fn(request_id))
+}
+
+/// Every response carries `x-request-id`: the client's own when it sent a
+/// usable one, else a fresh one.
+async fn request_id(mut request: Request, next: Next) -> Response {
+    let id = request
+        .headers()
+        .get("x-request-id")
+        .filter(|v| !v.is_empty() && v.len() <= 128)
+        .cloned()
+        .unwrap_or_else(new_request_id);
+    request.extensions_mut().insert(RequestId(id.clone()));
+    let mut response = next.run(request).await;
+    response.headers_mut().insert("x-request-id", id);
+    response
+}
+
+#[derive(Clone)]
+struct RequestId(HeaderValue);
+
+fn new_request_id() -> HeaderValue {
+    let id = format!("req_{:032x}", fastrand::u128(..));
+    HeaderValue::from_str(&id).unwrap_or_else(|_| HeaderValue::from_static("req_unknown"))
+}
+
+async fn readyz(State(state): State<AppState>) -> Response {
+    match state.snapshots.version() {
+        Some(version) => (StatusCode::OK, format!("ready, snapshot version {version}\n")).into_response(),
+        None => (StatusCode::SERVICE_UNAVAILABLE, "no routing snapshot yet\n").into_response(),
+    }
+}
+
+async fn not_found(request: Request) -> ApiError {
+    ApiError::new(ErrorKind::NotFound, format!("unknown path {}", request.uri().path()), "unknown_url")
+}
+
+async fn method_not_allowed(request: Request) -> ApiError {
+    let mut error = ApiError::new(
+        ErrorKind::BadRequest,
+        format!("{} is not allowed on {}", request.method(), request.uri().path()),
+        "method_not_allowed",
+    );
+    error.status = Some(StatusCode::METHOD_NOT_ALLOWED);
+    error
+}
+
+fn not_ready() -> ApiError {
+    ApiError::new(ErrorKind::Unavailable, "the data plane has no routing snapshot yet", "not_ready").retry_after(1)
+}
+
+fn model_object(entry: &CatalogEntry) -> serde_json::Value {
+    json!({
+        "id": entry.id,
+        "object": "model",
+        "created": 0,
+        "owned_by": "inferyes",
+        "inferyes": {
+            "state": if entry.warm_nodes > 0 { "warm" } else { "cold" },
+            "warm_nodes": entry.warm_nodes,
+            "nodes": entry.nodes,
+            "context_window": entry.context_window,
+        }
+    })
+}
+
+async fn list_models(State(state): State<AppState>) -> Result<Response, ApiError> {
+    let snapshot = state.snapshots.current().ok_or_else(not_ready)?;
+    let data: Vec<_> = snapshot.catalog().iter().map(model_object).collect();
+    Ok(axum::Json(json!({"object": "list", "data": data})).into_response())
+}
+
+async fn get_model(State(state): State<AppState>, Path(id): Path<String>) -> Result<Response, ApiError> {
+    let snapshot = state.snapshots.current().ok_or_else(not_ready)?;
+    let entry = snapshot.model(&id).ok_or_else(|| {
+        ApiError::new(ErrorKind::NotFound, format!("the model `{id}` does not exist"), "model_not_found").param("model")
+    })?;
+    Ok(axum::Json(model_object(entry)).into_response())
+}
+
+async fn inference(State(state): State<AppState>, kind: EndpointKind, request: Request) -> Result<Response, ApiError> {
+    let (parts, body) = request.into_parts();
+    let request_id = parts.extensions.get::<RequestId>().map(|r| r.0.clone()).unwrap_or_else(new_request_id);
+    let body = read_body(body, &parts.headers, state.max_body_bytes).await?;
+    let view = parse_view(&body)?;
+    let session = session_key(&parts.headers, &view);
+    let snapshot = state.snapshots.current().ok_or_else(not_ready)?;
+    let route = routing::select(&snapshot, &RouteRequest { model: &view.model, kind, session: session.as_deref() })?;
+    let path_and_query = parts.uri.path_and_query().map(|p| p.as_str()).unwrap_or(parts.uri.path());
+    let outbound = Outbound {
+        path_and_query,
+        headers: &parts.headers,
+        body,
+        model: &view.model,
+        session: session.as_deref(),
+        request_id: &request_id,
+    };
+    let result = state.forwarder.forward(&snapshot, &route, outbound).await;
+    match &result {
+        Ok(response) => tracing::debug!(
+            model = %view.model,
+            route = super::forward::reason_label(&route),
+            status = %response.status(),
+            "request routed"
+        ),
+        Err(error) => tracing::debug!(model = %view.model, code = ?error.code, "request failed"),
+    }
+    result
+}
+
+/// Reads the whole body, refusing more than `limit` bytes with 413 before
+/// reading it when the client announced its length.
+async fn read_body(body: Body, headers: &http::HeaderMap, limit: usize) -> Result<Bytes, ApiError> {
+    let too_large = || {
+        ApiError::new(
+            ErrorKind::PayloadTooLarge,
+            format!("the request body is larger than the limit of {limit} bytes"),
+            "request_too_large",
+        )
+    };
+    let announced =
+        headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
+    if announced.is_some_and(|n| n > limit as u64) {
+        return Err(too_large());
+    }
+    axum::body::to_bytes(body, limit).await.map_err(|error| {
+        let over_limit =
+            std::error::Error::source(&error).is_some_and(|source| source.is::<http_body_util::LengthLimitError>());
+        if over_limit {
+            too_large()
+        } else {
+            ApiError::new(ErrorKind::BadRequest, "the request body could not be read", "invalid_body")
+        }
+    })
+}

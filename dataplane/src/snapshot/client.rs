@@ -1,0 +1,105 @@
+//! Follows a controller's snapshot stream, failing over between controllers
+//! with jittered backoff. While none is reachable the store keeps its last
+//! snapshot and requests go on being routed on it.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use inferyes_proto::v1::routing_service_client::RoutingServiceClient;
+use inferyes_proto::v1::{SnapshotNode, SubscribeRequest, snapshot_update};
+use tokio_util::sync::CancellationToken;
+use tonic::transport::Endpoint;
+
+use super::{SnapshotStore, decode};
+
+const BACKOFF_MIN: Duration = Duration::from_millis(100);
+const BACKOFF_MAX: Duration = Duration::from_secs(2);
+
+pub async fn run(
+    store: Arc<SnapshotStore>,
+    controllers: Vec<String>,
+    dataplane_id: String,
+    shutdown: CancellationToken,
+) {
+    let mut backoff = BACKOFF_MIN;
+    let mut next = 0usize;
+    loop {
+        let address = &controllers[next % controllers.len()];
+        next += 1;
+        tokio::select! {
+            () = shutdown.cancelled() => return,
+            result = follow(&store, address, &dataplane_id) => {
+                match result {
+                    Ok(received) => {
+                        if received {
+                            backoff = BACKOFF_MIN;
+                        }
+                        tracing::warn!(controller = %address, "snapshot stream ended; trying the next controller");
+                    }
+                    Err(error) => tracing::warn!(controller = %address, %error, "snapshot stream failed; trying the next controller"),
+                }
+            }
+        }
+        let jittered = backoff.mul_f64(0.5 + fastrand::f64());
+        backoff = (backoff * 2).min(BACKOFF_MAX);
+        tokio::select! {
+            () = shutdown.cancelled() => return,
+            () = tokio::time::sleep(jittered) => {}
+        }
+    }
+}
+
+/// One subscription. Returns whether any update arrived, once the stream
+/// ends or breaks.
+async fn follow(store: &SnapshotStore, address: &str, dataplane_id: &str) -> anyhow::Result<bool> {
+    let channel = Endpoint::from_shared(address.to_string())?
+        .connect_timeout(Duration::from_secs(2))
+        .tcp_nodelay(true)
+        .http2_keep_alive_interval(Duration::from_secs(2))
+        .keep_alive_timeout(Duration::from_secs(4))
+        .keep_alive_while_idle(true)
+        .connect()
+        .await?;
+    let mut stream = RoutingServiceClient::new(channel)
+        .max_decoding_message_size(256 << 20)
+        .subscribe(SubscribeRequest { dataplane_id: dataplane_id.to_string() })
+        .await?
+        .into_inner();
+    // The wire form of this stream's view, to apply deltas to.
+    let mut version = 0u64;
+    let mut nodes: BTreeMap<String, SnapshotNode> = BTreeMap::new();
+    let mut received = false;
+    while let Some(update) = stream.message().await? {
+        match update.update {
+            Some(snapshot_update::Update::Full(full)) => {
+                version = full.version;
+                nodes = full.nodes.into_iter().map(|n| (node_id(&n), n)).collect();
+            }
+            Some(snapshot_update::Update::Delta(delta)) => {
+                if delta.base_version != version {
+                    anyhow::bail!("delta for version {} but holding {version}; resubscribing", delta.base_version);
+                }
+                for id in &delta.removed {
+                    nodes.remove(id);
+                }
+                for node in delta.upserted {
+                    nodes.insert(node_id(&node), node);
+                }
+                version = delta.version;
+            }
+            None => continue,
+        }
+        received = true;
+        if store.publish(decode(version, &nodes, store.counters())) {
+            tracing::debug!(version, nodes = nodes.len(), controller = %update.controller_id, "snapshot installed");
+        } else {
+            tracing::debug!(version, "snapshot older than the one held; waiting for this controller to catch up");
+        }
+    }
+    Ok(received)
+}
+
+fn node_id(node: &SnapshotNode) -> String {
+    node.status.as_ref().map(|s| s.node_id.clone()).unwrap_or_default()
+}
