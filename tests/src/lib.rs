@@ -1,1 +1,11 @@
+//! The test harness: starts a real etcd, controllers, agents (in front of
+//! simulated llama-servers) and data planes in one process, each on its own
+//! port-0 listener, and offers waits on conditions instead of sleeps.
 
+pub mod client;
+pub mod etcd;
+pub mod fleet;
+
+pub use client::{HttpClient, TestResponse};
+pub use etcd::Etcd;
+pub use fleet::{AgentHandle, ControllerHandle, DataplaneHandle, SimHandle, eventually};

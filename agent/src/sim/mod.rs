@@ -421,6 +421,10 @@ impl Simulator {
             .await
     }
 
+    pub fn config(&self) -> &SimConfig {
+        &self.inner.config
+    }
+
     /// Totals since start, across all models.
     pub fn stats(&self) -> SimStats {
         self.inner.stats.snapshot()

@@ -1,0 +1,95 @@
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+/// A real etcd server on free loopback ports with a throwaway data dir,
+/// killed when dropped.
+pub struct Etcd {
+    child: Child,
+    dir: PathBuf,
+    client_url: String,
+}
+
+fn etcd_binary() -> PathBuf {
+    let from_env = std::env::var_os("INFERYES_ETCD_BIN").map(PathBuf::from);
+    let found = from_env.or_else(|| {
+        std::env::var_os("PATH")?.to_str()?.split(':').map(|dir| PathBuf::from(dir).join("etcd")).find(|p| p.is_file())
+    });
+    match found {
+        Some(path) => path,
+        None => panic!(
+            "etcd is required by the integration tests and was not found: install Debian's etcd-server \
+             (`apt-get install -y etcd-server`) or set INFERYES_ETCD_BIN to an etcd binary"
+        ),
+    }
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("a free loopback port")
+}
+
+impl Etcd {
+    pub async fn start() -> Etcd {
+        let binary = etcd_binary();
+        // An external process needs its ports up front; a port taken in the
+        // meantime makes etcd exit, and then we try new ones.
+        for _ in 0..5 {
+            let client_port = free_port();
+            let peer_port = free_port();
+            let dir = std::env::temp_dir().join(format!("inferyes-etcd-{}-{client_port}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&dir);
+            std::fs::create_dir_all(&dir).expect("etcd data dir");
+            let client_url = format!("http://127.0.0.1:{client_port}");
+            let peer_url = format!("http://127.0.0.1:{peer_port}");
+            let log = std::fs::File::create(dir.join("etcd.log")).expect("etcd log file");
+            let child = Command::new(&binary)
+                .arg("--name=test")
+                .arg(format!("--data-dir={}", dir.join("data").display()))
+                .arg(format!("--listen-client-urls={client_url}"))
+                .arg(format!("--advertise-client-urls={client_url}"))
+                .arg(format!("--listen-peer-urls={peer_url}"))
+                .arg(format!("--initial-advertise-peer-urls={peer_url}"))
+                .arg(format!("--initial-cluster=test={peer_url}"))
+                .stdout(Stdio::null())
+                .stderr(log)
+                .spawn()
+                .unwrap_or_else(|e| panic!("cannot start {}: {e}", binary.display()));
+            let mut etcd = Etcd { child, dir, client_url };
+            if etcd.wait_ready().await {
+                return etcd;
+            }
+        }
+        panic!("etcd did not become ready on any of 5 port pairs");
+    }
+
+    async fn wait_ready(&mut self) -> bool {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        while tokio::time::Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return false;
+            }
+            let options = etcd_client::ConnectOptions::new().with_connect_timeout(Duration::from_millis(500));
+            if let Ok(mut client) = etcd_client::Client::connect([self.client_url.as_str()], Some(options)).await
+                && client.status().await.is_ok()
+            {
+                return true;
+            }
+            // etcd has no readiness event to await from outside the process.
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        false
+    }
+
+    pub fn endpoint(&self) -> String {
+        self.client_url.clone()
+    }
+}
+
+impl Drop for Etcd {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}

@@ -1,0 +1,242 @@
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use inferyes_agent::config::{BackendConfig, BackendKind, GpuConfig, GpuSourceConfig};
+use inferyes_agent::sim::{SimConfig, Simulator};
+use inferyes_dataplane::SnapshotStore;
+use inferyes_dataplane::snapshot::RoutingSnapshot;
+use inferyes_proto::v1::fleet_service_client::FleetServiceClient;
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use tonic::transport::Channel;
+
+/// Lease TTL used in tests: etcd's minimum.
+pub const LEASE_TTL: Duration = Duration::from_secs(2);
+
+async fn local_listener(addr: Option<SocketAddr>) -> TcpListener {
+    let addr = addr.unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 0)));
+    TcpListener::bind(addr).await.unwrap_or_else(|e| panic!("bind {addr}: {e}"))
+}
+
+/// Polls `check` until it holds, failing the test with `what` after
+/// `timeout`. For conditions that have no event to await (another
+/// process's state seen through its API).
+pub async fn eventually<F, Fut>(what: &str, timeout: Duration, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        if check().await {
+            return;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "timed out after {timeout:?} waiting for: {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A simulated llama-server (or llama-swap) on its own port.
+pub struct SimHandle {
+    pub url: String,
+    pub sim: Simulator,
+    token: CancellationToken,
+    task: JoinHandle<std::io::Result<()>>,
+}
+
+impl SimHandle {
+    pub async fn start(config: SimConfig) -> SimHandle {
+        let listener = local_listener(None).await;
+        let url = format!("http://{}", listener.local_addr().expect("bound"));
+        let sim = Simulator::new(config).expect("valid simulator config");
+        let token = CancellationToken::new();
+        let task = tokio::spawn(sim.clone().serve(listener, token.clone()));
+        SimHandle { url, sim, token, task }
+    }
+
+    pub async fn stop(self) {
+        self.token.cancel();
+        let _ = self.task.await;
+    }
+}
+
+pub struct ControllerHandle {
+    pub grpc_addr: SocketAddr,
+    pub http_addr: SocketAddr,
+    token: CancellationToken,
+    task: JoinHandle<anyhow::Result<()>>,
+}
+
+impl ControllerHandle {
+    pub async fn start(etcd: &str, id: &str) -> ControllerHandle {
+        Self::start_on(etcd, id, None).await
+    }
+
+    /// Starts a controller, on a given gRPC address when restarting one.
+    pub async fn start_on(etcd: &str, id: &str, grpc_addr: Option<SocketAddr>) -> ControllerHandle {
+        let grpc = local_listener(grpc_addr).await;
+        let http = local_listener(None).await;
+        let grpc_addr = grpc.local_addr().expect("bound");
+        let http_addr = http.local_addr().expect("bound");
+        let config = inferyes_controller::Config {
+            controller_id: id.to_string(),
+            etcd_endpoints: vec![etcd.to_string()],
+            grpc_listen: grpc_addr,
+            http_listen: http_addr,
+            lease_ttl_ms: u64::try_from(LEASE_TTL.as_millis()).expect("small"),
+            heartbeat_interval_ms: 300,
+            min_write_interval_ms: 20,
+            snapshot_debounce_ms: 5,
+            ..Default::default()
+        };
+        config.validate().expect("valid controller config");
+        let token = CancellationToken::new();
+        let listeners = inferyes_controller::Listeners { grpc, http };
+        let task = tokio::spawn(inferyes_controller::run(config, listeners, token.clone()));
+        ControllerHandle { grpc_addr, http_addr, token, task }
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.grpc_addr)
+    }
+
+    pub async fn fleet(&self) -> FleetServiceClient<Channel> {
+        FleetServiceClient::connect(self.url()).await.expect("controller reachable")
+    }
+
+    /// Graceful stop: every stream it serves ends.
+    pub async fn stop(self) {
+        self.token.cancel();
+        let result = tokio::time::timeout(Duration::from_secs(10), self.task).await;
+        let outcome = result.expect("controller stops within 10s").expect("controller task");
+        outcome.expect("controller exits cleanly");
+    }
+}
+
+pub struct AgentHandle {
+    pub node_id: String,
+    pub proxy_addr: SocketAddr,
+    token: CancellationToken,
+    task: JoinHandle<anyhow::Result<()>>,
+}
+
+impl AgentHandle {
+    /// An agent fronting the given simulated backends, reading their GPUs.
+    pub async fn start(node_id: &str, controllers: &[String], backends: &[(&str, &SimHandle)]) -> AgentHandle {
+        let proxy = local_listener(None).await;
+        let proxy_addr = proxy.local_addr().expect("bound");
+        let config = inferyes_agent::Config {
+            node_id: node_id.to_string(),
+            controllers: controllers.to_vec(),
+            proxy_listen: proxy_addr,
+            poll_interval_ms: 200,
+            min_report_interval_ms: 10,
+            gpu: GpuConfig { source: GpuSourceConfig::Simulated, declared: Vec::new() },
+            backends: backends
+                .iter()
+                .map(|(id, sim)| BackendConfig {
+                    id: (*id).to_string(),
+                    url: sim.url.clone(),
+                    kind: match sim.sim.config().mode {
+                        inferyes_agent::sim::SimMode::LlamaServer => BackendKind::LlamaServer,
+                        inferyes_agent::sim::SimMode::LlamaSwap => BackendKind::LlamaSwap,
+                    },
+                    weight: 1,
+                    endpoints: Vec::new(),
+                    api_key: String::new(),
+                })
+                .collect(),
+            ..Default::default()
+        };
+        config.validate().expect("valid agent config");
+        let token = CancellationToken::new();
+        let listeners = inferyes_agent::Listeners { proxy };
+        let task = tokio::spawn(inferyes_agent::run(config, listeners, token.clone()));
+        AgentHandle { node_id: node_id.to_string(), proxy_addr, token, task }
+    }
+
+    /// Kills the agent as a crash would: its tasks are dropped mid-flight,
+    /// its sockets close, nothing is said to the controller.
+    pub fn kill(self) {
+        self.task.abort();
+        // Spawned sub-tasks (poller, reporter, proxy connections) end with
+        // the token; the reporter's stream breaks when they do.
+        self.token.cancel();
+    }
+
+    pub async fn stop(self) {
+        self.token.cancel();
+        let _ = tokio::time::timeout(Duration::from_secs(10), self.task).await;
+    }
+}
+
+pub struct DataplaneHandle {
+    pub url: String,
+    pub store: Arc<SnapshotStore>,
+    token: CancellationToken,
+    task: JoinHandle<anyhow::Result<()>>,
+}
+
+impl DataplaneHandle {
+    pub async fn start(controllers: &[String]) -> DataplaneHandle {
+        Self::start_with(controllers, |_| {}).await
+    }
+
+    pub async fn start_with(
+        controllers: &[String],
+        tweak: impl FnOnce(&mut inferyes_dataplane::Config),
+    ) -> DataplaneHandle {
+        let listener = local_listener(None).await;
+        let url = format!("http://{}", listener.local_addr().expect("bound"));
+        let mut config = inferyes_dataplane::Config {
+            controllers: controllers.to_vec(),
+            dataplane_id: "test-dataplane".into(),
+            ..Default::default()
+        };
+        tweak(&mut config);
+        config.validate().expect("valid data plane config");
+        let store = Arc::new(SnapshotStore::default());
+        let token = CancellationToken::new();
+        let task = tokio::spawn(inferyes_dataplane::run(config, listener, Arc::clone(&store), token.clone()));
+        DataplaneHandle { url, store, token, task }
+    }
+
+    /// Waits, on snapshot installs, until `check` holds for the current one.
+    pub async fn wait_for(&self, what: &str, timeout: Duration, check: impl Fn(&RoutingSnapshot) -> bool) {
+        let mut versions = self.store.versions();
+        let wait = async {
+            loop {
+                if self.store.current().is_some_and(|s| check(&s)) {
+                    return;
+                }
+                if versions.changed().await.is_err() {
+                    return;
+                }
+            }
+        };
+        if tokio::time::timeout(timeout, wait).await.is_err() {
+            panic!("timed out after {timeout:?} waiting for the data plane to see: {what}");
+        }
+    }
+
+    /// Waits until the data plane routes over exactly these nodes.
+    pub async fn wait_for_nodes(&self, nodes: &[&str]) {
+        let mut expected: Vec<&str> = nodes.to_vec();
+        expected.sort_unstable();
+        self.wait_for(&format!("nodes {expected:?}"), Duration::from_secs(15), |s| {
+            let mut ids: Vec<&str> = s.nodes().iter().map(|n| n.id.as_ref()).collect();
+            ids.sort_unstable();
+            ids == expected
+                && s.nodes().iter().all(|n| n.backends.iter().all(|b| b.health == inferyes_proto::v1::Health::Ready))
+        })
+        .await;
+    }
+
+    pub async fn stop(self) {
+        self.token.cancel();
+        let _ = tokio::time::timeout(Duration::from_secs(10), self.task).await;
+    }
+}

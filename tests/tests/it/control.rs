@@ -1,0 +1,148 @@
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Method, StatusCode};
+use inferyes_proto::v1::{DrainRequest, ListNodesRequest, UndrainRequest};
+use inferyes_tests::{AgentHandle, ControllerHandle, DataplaneHandle, Etcd, HttpClient, SimHandle, eventually};
+
+use crate::support::{Fleet, chat_body, chat_sim};
+
+async fn chat(fleet: &Fleet, session: &str) -> inferyes_tests::TestResponse {
+    fleet
+        .http
+        .send(
+            Method::POST,
+            &fleet.url("/v1/chat/completions"),
+            Bytes::from(chat_body("chat", "hi").to_string()),
+            &[("x-session-id", session)],
+        )
+        .await
+}
+
+#[tokio::test]
+async fn the_data_plane_keeps_serving_without_controllers_and_catches_up_after() {
+    let mut fleet = Fleet::start(vec![chat_sim("chat"), chat_sim("chat")]).await;
+    let version_before = fleet.dataplane.store.version().expect("a snapshot");
+    let grpc_addr = fleet.controller().grpc_addr;
+    let etcd = fleet.etcd.endpoint();
+    fleet.controller.take().expect("running").stop().await;
+
+    // No controller anywhere: requests are still routed on the last snapshot.
+    for i in 0..6 {
+        let response = chat(&fleet, &format!("offline-{i}")).await;
+        assert_eq!(response.status, StatusCode::OK, "{}", String::from_utf8_lossy(&response.body));
+    }
+    let ready = fleet.http.get(&fleet.url("/readyz")).await;
+    assert_eq!(ready.status, StatusCode::OK);
+    assert_eq!(fleet.dataplane.store.version(), Some(version_before));
+
+    // A controller comes back at the same address: agents re-register, the
+    // data plane resubscribes, and a change made now reaches it.
+    fleet.controller = Some(ControllerHandle::start_on(&etcd, "controller-2", Some(grpc_addr)).await);
+    fleet
+        .dataplane
+        .wait_for("a newer snapshot with both nodes", Duration::from_secs(15), |s| {
+            s.version() > version_before && s.nodes().len() == 2
+        })
+        .await;
+    let mut admin = fleet.controller().fleet().await;
+    admin.drain(DrainRequest { node_id: "node-a".into(), reason: "test".into(), force: false }).await.unwrap();
+    fleet
+        .dataplane
+        .wait_for("node-a draining", Duration::from_secs(10), |s| {
+            s.nodes().iter().any(|n| n.id.as_ref() == "node-a" && n.draining)
+        })
+        .await;
+    for i in 0..4 {
+        let response = chat(&fleet, &format!("after-{i}")).await;
+        assert_eq!(response.header("x-inferyes-node"), Some("node-b"));
+    }
+}
+
+#[tokio::test]
+async fn two_controllers_serve_the_same_snapshot_version() {
+    let etcd = Etcd::start().await;
+    let one = ControllerHandle::start(&etcd.endpoint(), "controller-1").await;
+    let two = ControllerHandle::start(&etcd.endpoint(), "controller-2").await;
+    let sim_a = SimHandle::start(chat_sim("chat")).await;
+    let sim_b = SimHandle::start(chat_sim("chat")).await;
+    // Each agent reports to a different controller.
+    let _a = AgentHandle::start("node-a", &[one.url()], &[("main", &sim_a)]).await;
+    let _b = AgentHandle::start("node-b", &[two.url()], &[("main", &sim_b)]).await;
+    let dp_one = DataplaneHandle::start(&[one.url()]).await;
+    let dp_two = DataplaneHandle::start(&[two.url()]).await;
+    dp_one.wait_for_nodes(&["node-a", "node-b"]).await;
+    dp_two.wait_for_nodes(&["node-a", "node-b"]).await;
+
+    let mut fleet_one = one.fleet().await;
+    let mut fleet_two = two.fleet().await;
+    // Drain through one controller; both must serve it at one version.
+    let drained = fleet_one
+        .drain(DrainRequest { node_id: "node-b".into(), reason: String::new(), force: false })
+        .await
+        .unwrap()
+        .into_inner();
+    for dp in [&dp_one, &dp_two] {
+        dp.wait_for("drain revision", Duration::from_secs(10), |s| s.version() >= drained.revision).await;
+    }
+    eventually("both controllers at one version", Duration::from_secs(10), || {
+        let (mut f1, mut f2) = (fleet_one.clone(), fleet_two.clone());
+        async move {
+            let v1 = f1.list_nodes(ListNodesRequest {}).await.unwrap().into_inner();
+            let v2 = f2.list_nodes(ListNodesRequest {}).await.unwrap().into_inner();
+            v1.version == v2.version && v1.nodes == v2.nodes && v1.nodes.iter().any(|n| n.draining)
+        }
+    })
+    .await;
+    let listed = fleet_two.list_nodes(ListNodesRequest {}).await.unwrap().into_inner();
+    assert!(listed.version >= drained.revision);
+    assert_eq!(dp_one.store.version(), dp_two.store.version());
+
+    fleet_two.undrain(UndrainRequest { node_id: "node-b".into() }).await.unwrap();
+    dp_one.wait_for("node-b undrained", Duration::from_secs(10), |s| s.nodes().iter().all(|n| !n.draining)).await;
+}
+
+#[tokio::test]
+async fn draining_stops_new_sessions_and_is_persisted() {
+    let fleet = Fleet::start(vec![chat_sim("chat"), chat_sim("chat")]).await;
+    let mut admin = fleet.controller().fleet().await;
+    let unknown = admin.drain(DrainRequest { node_id: "node-z".into(), reason: String::new(), force: false }).await;
+    assert_eq!(unknown.unwrap_err().code(), tonic::Code::NotFound);
+
+    admin.drain(DrainRequest { node_id: "node-a".into(), reason: "maintenance".into(), force: false }).await.unwrap();
+    fleet
+        .dataplane
+        .wait_for("node-a draining", Duration::from_secs(10), |s| {
+            s.nodes().iter().any(|n| n.id.as_ref() == "node-a" && n.draining)
+        })
+        .await;
+    for i in 0..6 {
+        assert_eq!(chat(&fleet, &format!("new-{i}")).await.header("x-inferyes-node"), Some("node-b"));
+    }
+    let nodes = admin.list_nodes(ListNodesRequest {}).await.unwrap().into_inner();
+    let a = nodes.nodes.iter().find(|n| n.status.as_ref().unwrap().node_id == "node-a").unwrap();
+    assert!(a.draining);
+
+    // Everything drained: no capacity, said at once with Retry-After.
+    admin.drain(DrainRequest { node_id: "node-b".into(), reason: String::new(), force: false }).await.unwrap();
+    fleet.dataplane.wait_for("all drained", Duration::from_secs(10), |s| s.nodes().iter().all(|n| n.draining)).await;
+    let refused = chat(&fleet, "refused").await;
+    assert_eq!(refused.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(refused.header("retry-after"), Some("1"));
+    assert_eq!(refused.openai_error()["code"], "no_capacity");
+}
+
+#[tokio::test]
+async fn the_data_plane_is_not_ready_before_its_first_snapshot() {
+    // A controller address nobody listens on.
+    let dataplane = DataplaneHandle::start(&["http://127.0.0.1:9".to_string()]).await;
+    let http = HttpClient::default();
+    let ready = http.get(&format!("{}/readyz", dataplane.url)).await;
+    assert_eq!(ready.status, StatusCode::SERVICE_UNAVAILABLE);
+    let health = http.get(&format!("{}/healthz", dataplane.url)).await;
+    assert_eq!(health.status, StatusCode::OK);
+    let chat = http.post_json(&format!("{}/v1/chat/completions", dataplane.url), &chat_body("chat", "hi")).await;
+    assert_eq!(chat.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(chat.header("retry-after"), Some("1"));
+    assert_eq!(chat.openai_error()["code"], "not_ready");
+}

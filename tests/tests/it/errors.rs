@@ -1,0 +1,72 @@
+use bytes::Bytes;
+use http::{Method, StatusCode};
+use serde_json::json;
+
+use crate::support::{Fleet, chat_body, chat_sim};
+
+#[tokio::test]
+async fn every_error_is_openai_shaped_with_the_right_status() {
+    let fleet = Fleet::start_with(vec![chat_sim("chat")], |config| config.max_body_bytes = 4096).await;
+    let chat_url = fleet.url("/v1/chat/completions");
+    let post = |body: &'static [u8]| {
+        let http = fleet.http.clone();
+        let url = chat_url.clone();
+        async move { http.send(Method::POST, &url, Bytes::from_static(body), &[]).await }
+    };
+
+    let unknown = fleet.http.post_json(&chat_url, &chat_body("no-such-model", "hi")).await;
+    assert_eq!(unknown.status, StatusCode::NOT_FOUND);
+    let error = unknown.openai_error();
+    assert_eq!(error["code"], "model_not_found");
+    assert_eq!(error["param"], "model");
+    assert!(error["message"].as_str().unwrap().contains("available models: chat"), "{error}");
+
+    let malformed = post(b"{\"model\": \"chat\", \"messages\": [").await;
+    assert_eq!(malformed.status, StatusCode::BAD_REQUEST);
+    assert_eq!(malformed.openai_error()["type"], "invalid_request_error");
+
+    let not_object = post(b"[1, 2, 3]").await;
+    assert_eq!(not_object.status, StatusCode::BAD_REQUEST);
+    not_object.openai_error();
+
+    let no_model = post(b"{\"messages\": []}").await;
+    assert_eq!(no_model.status, StatusCode::BAD_REQUEST);
+    assert_eq!(no_model.openai_error()["param"], "model");
+
+    let big = json!({"model": "chat", "messages": [{"role": "user", "content": "x".repeat(8000)}]});
+    let too_large = fleet.http.post_json(&chat_url, &big).await;
+    assert_eq!(too_large.status, StatusCode::PAYLOAD_TOO_LARGE);
+    assert_eq!(too_large.openai_error()["code"], "request_too_large");
+
+    let unknown_path = fleet.http.get(&fleet.url("/v1/nope")).await;
+    assert_eq!(unknown_path.status, StatusCode::NOT_FOUND);
+    unknown_path.openai_error();
+
+    let wrong_method = fleet.http.get(&chat_url).await;
+    assert_eq!(wrong_method.status, StatusCode::METHOD_NOT_ALLOWED);
+    wrong_method.openai_error();
+
+    // Every error response still names the request.
+    for response in [&unknown, &malformed, &too_large, &unknown_path] {
+        assert!(response.header("x-request-id").is_some());
+    }
+    // Nothing above reached the backend.
+    assert_eq!(fleet.sims[0].sim.stats().requests, 0);
+}
+
+#[tokio::test]
+async fn backend_errors_are_rewritten_into_the_openai_shape() {
+    let small = inferyes_agent::sim::SimConfig { context: 256, slots: 1, ..chat_sim("chat") };
+    let fleet = Fleet::start(vec![small]).await;
+    let long = "word ".repeat(400);
+    let overflow = fleet.http.post_json(&fleet.url("/v1/chat/completions"), &chat_body("chat", &long)).await;
+    assert_eq!(overflow.status, StatusCode::BAD_REQUEST);
+    let error = overflow.openai_error();
+    assert_eq!(error["code"], "context_length_exceeded");
+    assert!(error["message"].as_str().unwrap().contains("context size"), "{error}");
+
+    // A chat model asked for embeddings: llama-server's 501, reshaped.
+    let embeddings = fleet.http.post_json(&fleet.url("/v1/embeddings"), &json!({"model": "chat", "input": "x"})).await;
+    assert_eq!(embeddings.status, StatusCode::NOT_IMPLEMENTED, "{}", String::from_utf8_lossy(&embeddings.body));
+    assert_eq!(embeddings.openai_error()["code"], "unsupported_endpoint");
+}

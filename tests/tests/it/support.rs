@@ -1,0 +1,68 @@
+use inferyes_agent::sim::{SimConfig, SimModel};
+use inferyes_tests::{AgentHandle, ControllerHandle, DataplaneHandle, Etcd, HttpClient, SimHandle};
+use serde_json::{Value, json};
+
+/// etcd, one controller, one agent per simulator (node ids `node-a`,
+/// `node-b`, ...), and a data plane that sees them all.
+pub struct Fleet {
+    pub etcd: Etcd,
+    /// `None` while a test has it stopped.
+    pub controller: Option<ControllerHandle>,
+    pub sims: Vec<SimHandle>,
+    pub agents: Vec<AgentHandle>,
+    pub dataplane: DataplaneHandle,
+    pub http: HttpClient,
+}
+
+pub fn node_id(i: usize) -> String {
+    format!("node-{}", (b'a' + u8::try_from(i).expect("few nodes")) as char)
+}
+
+/// A fast simulated llama-server with one chat model.
+pub fn chat_sim(model: &str) -> SimConfig {
+    SimConfig { prefill_tokens_per_second: 1e6, decode_tokens_per_second: 1e5, ..SimConfig::llama_server(model) }
+}
+
+impl Fleet {
+    pub async fn start(sims: Vec<SimConfig>) -> Fleet {
+        Self::start_with(sims, |_| {}).await
+    }
+
+    pub async fn start_with(sims: Vec<SimConfig>, tweak: impl FnOnce(&mut inferyes_dataplane::Config)) -> Fleet {
+        let etcd = Etcd::start().await;
+        let controller = ControllerHandle::start(&etcd.endpoint(), "controller-1").await;
+        let mut handles = Vec::new();
+        for config in sims {
+            handles.push(SimHandle::start(config).await);
+        }
+        let mut agents = Vec::new();
+        for (i, sim) in handles.iter().enumerate() {
+            agents.push(AgentHandle::start(&node_id(i), &[controller.url()], &[("main", sim)]).await);
+        }
+        let dataplane = DataplaneHandle::start_with(&[controller.url()], tweak).await;
+        let ids: Vec<String> = (0..handles.len()).map(node_id).collect();
+        let ids: Vec<&str> = ids.iter().map(String::as_str).collect();
+        dataplane.wait_for_nodes(&ids).await;
+        Fleet { etcd, controller: Some(controller), sims: handles, agents, dataplane, http: HttpClient::default() }
+    }
+
+    pub fn controller(&self) -> &ControllerHandle {
+        self.controller.as_ref().expect("the controller is running")
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.dataplane.url)
+    }
+}
+
+pub fn chat_body(model: &str, text: &str) -> Value {
+    json!({
+        "model": model,
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": 8,
+    })
+}
+
+pub fn embedding_model(id: &str) -> SimConfig {
+    SimConfig { models: vec![SimModel::embedding(id)], ..chat_sim(id) }
+}

@@ -1,0 +1,172 @@
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::{Method, StatusCode};
+use inferyes_agent::sim::SimConfig;
+use inferyes_tests::client::next_chunk;
+use inferyes_tests::fleet::LEASE_TTL;
+use serde_json::{Value, json};
+
+use crate::support::{Fleet, chat_body, chat_sim, embedding_model};
+
+#[tokio::test]
+async fn a_chat_request_is_answered_through_the_data_plane() {
+    let fleet = Fleet::start(vec![chat_sim("chat"), chat_sim("chat")]).await;
+    let response = fleet.http.post_json(&fleet.url("/v1/chat/completions"), &chat_body("chat", "hello there")).await;
+    assert_eq!(response.status, StatusCode::OK, "{}", String::from_utf8_lossy(&response.body));
+    let body = response.json();
+    assert_eq!(body["object"], "chat.completion");
+    assert_eq!(body["model"], "chat");
+    assert!(body["choices"][0]["message"]["content"].as_str().is_some_and(|c| !c.is_empty()));
+    assert_eq!(body["usage"]["completion_tokens"], 8);
+    assert!(response.header("x-request-id").is_some_and(|id| id.starts_with("req_")));
+    let node = response.header("x-inferyes-node").expect("node header");
+    assert!(["node-a", "node-b"].contains(&node), "{node}");
+    assert!(response.header("x-inferyes-route").is_some());
+
+    // A client's own request id is kept.
+    let response = fleet
+        .http
+        .send(
+            Method::POST,
+            &fleet.url("/v1/chat/completions"),
+            Bytes::from(chat_body("chat", "hi").to_string()),
+            &[("x-request-id", "client-42")],
+        )
+        .await;
+    assert_eq!(response.header("x-request-id"), Some("client-42"));
+}
+
+#[tokio::test]
+async fn completions_and_embeddings_reach_the_models_that_serve_them() {
+    let fleet = Fleet::start(vec![chat_sim("chat"), embedding_model("embed")]).await;
+    let completion = fleet
+        .http
+        .post_json(&fleet.url("/v1/completions"), &json!({"model": "chat", "prompt": "once upon", "max_tokens": 4}))
+        .await;
+    assert_eq!(completion.status, StatusCode::OK);
+    assert_eq!(completion.json()["object"], "text_completion");
+    assert_eq!(completion.header("x-inferyes-node"), Some("node-a"));
+
+    let embedding =
+        fleet.http.post_json(&fleet.url("/v1/embeddings"), &json!({"model": "embed", "input": ["a", "b"]})).await;
+    assert_eq!(embedding.status, StatusCode::OK);
+    let body = embedding.json();
+    assert_eq!(body["data"].as_array().map(Vec::len), Some(2));
+    assert_eq!(embedding.header("x-inferyes-node"), Some("node-b"));
+}
+
+#[tokio::test]
+async fn a_streamed_reply_reaches_the_client_before_the_backend_has_finished() {
+    // 20 tokens at 10 tokens/s: two seconds of generation.
+    let slow = SimConfig { decode_tokens_per_second: 10.0, ..chat_sim("chat") };
+    let fleet = Fleet::start(vec![slow]).await;
+    let request = json!({
+        "model": "chat",
+        "stream": true,
+        "stream_options": {"include_usage": true},
+        "max_tokens": 20,
+        "messages": [{"role": "user", "content": "tell me a story"}],
+    });
+    let response =
+        fleet.http.start(Method::POST, &fleet.url("/v1/chat/completions"), Bytes::from(request.to_string()), &[]).await;
+    assert_eq!(response.status(), StatusCode::OK);
+    assert!(response.headers()["content-type"].to_str().unwrap().starts_with("text/event-stream"));
+    let mut body = response.into_body();
+
+    let first = next_chunk(&mut body).await.expect("a first chunk");
+    assert!(first.starts_with(b"data: "), "{first:?}");
+    // The backend is still generating: the chunk was passed on, not buffered.
+    let slots = fleet.http.get(&format!("{}/slots", fleet.sims[0].url)).await.json();
+    let busy = slots.as_array().unwrap().iter().filter(|s| s["is_processing"] == true).count();
+    assert_eq!(busy, 1, "the backend finished before the client saw its first chunk: {slots}");
+
+    let mut text = String::from_utf8(first.to_vec()).unwrap();
+    while let Some(chunk) = next_chunk(&mut body).await {
+        text.push_str(std::str::from_utf8(&chunk).unwrap());
+    }
+    let events: Vec<&str> = text.split("\n\n").filter(|e| !e.is_empty()).collect();
+    assert_eq!(events.last(), Some(&"data: [DONE]"));
+    let usage: Value = serde_json::from_str(events[events.len() - 2].trim_start_matches("data: ")).unwrap();
+    assert_eq!(usage["usage"]["completion_tokens"], 20);
+}
+
+#[tokio::test]
+async fn models_are_the_union_of_the_fleet() {
+    let swap = SimConfig {
+        models: vec![inferyes_agent::sim::SimModel::chat("alpha"), inferyes_agent::sim::SimModel::chat("beta")],
+        preload: vec!["alpha".into()],
+        ..SimConfig::llama_swap(["alpha", "beta"])
+    };
+    let fleet = Fleet::start(vec![chat_sim("alpha"), swap]).await;
+    let models = fleet.http.get(&fleet.url("/v1/models")).await;
+    assert_eq!(models.status, StatusCode::OK);
+    let body = models.json();
+    assert_eq!(body["object"], "list");
+    let ids: Vec<&str> = body["data"].as_array().unwrap().iter().map(|m| m["id"].as_str().unwrap()).collect();
+    assert_eq!(ids, ["alpha", "beta"]);
+    assert_eq!(body["data"][0]["inferyes"]["warm_nodes"], 2);
+    assert_eq!(body["data"][1]["inferyes"]["state"], "cold");
+
+    let beta = fleet.http.get(&fleet.url("/v1/models/beta")).await;
+    assert_eq!(beta.status, StatusCode::OK);
+    assert_eq!(beta.json()["id"], "beta");
+    let missing = fleet.http.get(&fleet.url("/v1/models/gamma")).await;
+    assert_eq!(missing.status, StatusCode::NOT_FOUND);
+    assert_eq!(missing.openai_error()["code"], "model_not_found");
+}
+
+#[tokio::test]
+async fn a_session_stays_on_its_node() {
+    let fleet = Fleet::start(vec![chat_sim("chat"), chat_sim("chat"), chat_sim("chat")]).await;
+    for session in ["s-1", "s-2", "s-3", "s-4"] {
+        let mut nodes = Vec::new();
+        for turn in 0..4 {
+            let response = fleet
+                .http
+                .send(
+                    Method::POST,
+                    &fleet.url("/v1/chat/completions"),
+                    Bytes::from(chat_body("chat", &format!("turn {turn}")).to_string()),
+                    &[("x-session-id", session)],
+                )
+                .await;
+            assert_eq!(response.status, StatusCode::OK);
+            nodes.push(response.header("x-inferyes-node").unwrap().to_string());
+        }
+        assert!(nodes.windows(2).all(|w| w[0] == w[1]), "session {session} moved: {nodes:?}");
+    }
+}
+
+#[tokio::test]
+async fn a_killed_agent_leaves_the_fleet_within_the_lease_ttl_and_traffic_moves() {
+    let mut fleet = Fleet::start(vec![chat_sim("chat"), chat_sim("chat")]).await;
+    let send = |fleet: &Fleet| {
+        let url = fleet.url("/v1/chat/completions");
+        let http = fleet.http.clone();
+        async move {
+            http.send(
+                Method::POST,
+                &url,
+                Bytes::from(chat_body("chat", "hi").to_string()),
+                &[("x-session-id", "sticky")],
+            )
+            .await
+        }
+    };
+    let before = send(&fleet).await;
+    assert_eq!(before.status, StatusCode::OK);
+    let home = before.header("x-inferyes-node").unwrap().to_string();
+    let other = if home == "node-a" { "node-b" } else { "node-a" };
+
+    let index = fleet.agents.iter().position(|a| a.node_id == home).unwrap();
+    let killed_at = Instant::now();
+    fleet.agents.remove(index).kill();
+    fleet.dataplane.wait_for_nodes(&[other]).await;
+    let gone_after = killed_at.elapsed();
+    assert!(gone_after <= LEASE_TTL + Duration::from_secs(1), "node left after {gone_after:?}");
+
+    let after = send(&fleet).await;
+    assert_eq!(after.status, StatusCode::OK, "{}", String::from_utf8_lossy(&after.body));
+    assert_eq!(after.header("x-inferyes-node"), Some(other));
+}
