@@ -118,7 +118,7 @@ mod tests {
         assert_eq!(one, two);
         assert_eq!(one.version(), 7);
         let full = one.to_full();
-        let ids: Vec<_> = full.nodes.iter().map(|n| node_id(n)).collect();
+        let ids: Vec<_> = full.nodes.iter().map(node_id).collect();
         assert_eq!(ids, ["a", "b"]);
         assert_eq!(full.nodes.iter().map(|n| n.draining).collect::<Vec<_>>(), [false, true]);
     }

@@ -81,6 +81,20 @@ impl ErrorKind {
     }
 }
 
+/// The OpenAI error envelope, `{"error":{"message","type","param","code"}}`,
+/// the one shape every client-facing error takes.
+pub fn openai_error_body(kind: ErrorKind, message: &str, code: Option<&str>, param: Option<&str>) -> String {
+    serde_json::json!({
+        "error": {
+            "message": message,
+            "type": kind.openai_type(),
+            "param": param,
+            "code": code,
+        }
+    })
+    .to_string()
+}
+
 #[cfg(test)]
 mod tests {
     use super::ErrorKind;
@@ -101,18 +115,4 @@ mod tests {
             assert_eq!(ErrorKind::from_http_status(kind.http_status()), kind);
         }
     }
-}
-
-/// The OpenAI error envelope, `{"error":{"message","type","param","code"}}`,
-/// the one shape every client-facing error takes.
-pub fn openai_error_body(kind: ErrorKind, message: &str, code: Option<&str>, param: Option<&str>) -> String {
-    serde_json::json!({
-        "error": {
-            "message": message,
-            "type": kind.openai_type(),
-            "param": param,
-            "code": code,
-        }
-    })
-    .to_string()
 }
