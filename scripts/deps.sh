@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Installs the system packages Inferyes builds and tests with, if missing:
+# etcd (the fleet store) and protoc (needed by the etcd client's build).
+# Debian/Ubuntu only; everything else comes from crates.io.
+set -euo pipefail
+
+need=()
+command -v etcd >/dev/null 2>&1 || need+=(etcd-server)
+command -v protoc >/dev/null 2>&1 || need+=(protobuf-compiler)
+command -v curl >/dev/null 2>&1 || need+=(curl)
+[ ${#need[@]} -eq 0 ] && exit 0
+
+sudo=""
+[ "$(id -u)" -eq 0 ] || sudo="sudo"
+echo "installing: ${need[*]}" >&2
+$sudo apt-get update -qq
+DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+# Debian's package may start a system etcd on 2379; the project never uses
+# that port, so the two do not meet.

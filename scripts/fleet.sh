@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# Brings up a whole local fleet on this machine and serves the OpenAI API on
+# http://127.0.0.1:8080/v1: etcd (data under .fleet/), one controller, two
+# agents with simulated GPUs and inference servers, one data plane.
+# Ctrl-C stops everything. Logs: .fleet/logs/.
+#
+#   INFERYES_PROFILE=debug  build and run debug binaries (default: release)
+set -euo pipefail
+
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+profile=${INFERYES_PROFILE:-release}
+state="$root/.fleet"
+logs="$state/logs"
+mkdir -p "$logs"
+
+"$root/scripts/deps.sh"
+
+echo "building ($profile)..." >&2
+if [ "$profile" = release ]; then
+  cargo build --release --bins -q
+else
+  cargo build --bins -q
+fi
+bin="${CARGO_TARGET_DIR:-$root/target}/$profile"
+
+pids=()
+stop() {
+  trap - INT TERM EXIT
+  echo >&2
+  echo "stopping the fleet..." >&2
+  # Data plane first, etcd last: each stops while what it talks to is up.
+  for (( i=${#pids[@]}-1; i>=0; i-- )); do
+    kill -TERM "${pids[$i]}" 2>/dev/null || true
+    wait "${pids[$i]}" 2>/dev/null || true
+  done
+  echo "stopped." >&2
+}
+trap 'stop; exit 0' INT TERM
+trap stop EXIT
+
+wait_http() { # url, name
+  for _ in $(seq 1 150); do
+    if curl -fsS -o /dev/null "$1" 2>/dev/null; then return 0; fi
+    sleep 0.2
+  done
+  echo "$2 did not come up; see $logs/" >&2
+  exit 1
+}
+
+etcd --name inferyes-local --data-dir "$state/etcd" \
+  --listen-client-urls http://127.0.0.1:23790 --advertise-client-urls http://127.0.0.1:23790 \
+  --listen-peer-urls http://127.0.0.1:23800 --initial-advertise-peer-urls http://127.0.0.1:23800 \
+  --initial-cluster inferyes-local=http://127.0.0.1:23800 >"$logs/etcd.log" 2>&1 &
+pids+=($!)
+wait_http http://127.0.0.1:23790/health etcd
+
+"$bin/inferyes-controller" --config deploy/local/controller.toml >"$logs/controller.log" 2>&1 &
+pids+=($!)
+wait_http http://127.0.0.1:7071/readyz controller
+
+"$bin/inferyes-agent" --config deploy/local/agent-a.toml >"$logs/agent-a.log" 2>&1 &
+pids+=($!)
+"$bin/inferyes-agent" --config deploy/local/agent-b.toml >"$logs/agent-b.log" 2>&1 &
+pids+=($!)
+
+"$bin/inferyes-dataplane" --config deploy/local/dataplane.toml >"$logs/dataplane.log" 2>&1 &
+pids+=($!)
+wait_http http://127.0.0.1:8080/readyz "data plane"
+# Ready means "has a snapshot"; wait until both nodes are in it.
+for _ in $(seq 1 100); do
+  if [ "$(curl -fsS http://127.0.0.1:8080/v1/models | grep -o '"id"' | wc -l)" -ge 3 ]; then break; fi
+  sleep 0.2
+done
+
+cat <<MSG
+
+Inferyes is serving the OpenAI API on http://127.0.0.1:8080/v1
+
+  curl http://127.0.0.1:8080/v1/models
+  curl http://127.0.0.1:8080/v1/chat/completions -H 'content-type: application/json' \\
+    -H 'x-session-id: my-chat' \\
+    -d '{"model":"qwen2.5-7b-instruct","messages":[{"role":"user","content":"hello"}],"max_tokens":16}'
+
+  # OpenAI SDK (pip install openai):
+  python3 -c 'from openai import OpenAI; c = OpenAI(base_url="http://127.0.0.1:8080/v1", api_key="none"); \\
+    print(c.chat.completions.create(model="qwen2.5-7b-instruct", messages=[{"role":"user","content":"hi"}]).choices[0].message.content)'
+
+  # The fleet:
+  $bin/inferyesctl nodes
+  $bin/inferyesctl models
+
+Logs in $logs/. Ctrl-C stops the fleet.
+MSG
+
+wait -n "${pids[@]}" || true
+echo "a fleet process exited unexpectedly; see $logs/" >&2
+exit 1

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The whole test suite: formatting, lints, unit and integration tests (real
+# etcd, real sockets), and the quickstart run end to end.
+set -euo pipefail
+
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+"$root/scripts/deps.sh"
+
+echo "== cargo fmt" >&2
+cargo fmt --all --check
+echo "== cargo clippy" >&2
+cargo clippy --workspace --all-targets --locked -- -D warnings
+echo "== unit and integration tests" >&2
+if cargo nextest --version >/dev/null 2>&1; then
+  cargo nextest run --workspace --locked --no-fail-fast
+else
+  cargo test --workspace --locked --no-fail-fast
+fi
+echo "== quickstart" >&2
+"$root/scripts/smoke-quickstart.sh"
