@@ -2,6 +2,7 @@
 //! snapshots from it, and serves agents, data planes and operators.
 
 pub mod config;
+pub mod ctl;
 pub mod fleet;
 pub mod grpc;
 pub mod http;

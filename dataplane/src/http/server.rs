@@ -58,7 +58,41 @@ pub fn router(state: AppState) -> Router {
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(state)
+        .layer(middleware::from_fn(catch_panic))
         .layer(middleware::from_fn(request_id))
+}
+
+/// A bug must not reach a client as a dropped connection: a panicking
+/// handler answers 500 in the OpenAI shape, and the panic is logged.
+async fn catch_panic(request: Request, next: Next) -> Response {
+    match CatchUnwind(Box::pin(next.run(request))).await {
+        Ok(response) => response,
+        Err(panic) => {
+            let what = panic
+                .downcast_ref::<&str>()
+                .map(|s| (*s).to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_default();
+            tracing::error!(panic = %what, "request handler panicked");
+            ApiError::new(ErrorKind::Internal, "internal error; the request was not completed", "internal_error")
+                .into_response()
+        }
+    }
+}
+
+struct CatchUnwind<F>(std::pin::Pin<Box<F>>);
+
+impl<F: std::future::Future> std::future::Future for CatchUnwind<F> {
+    type Output = Result<F::Output, Box<dyn std::any::Any + Send>>;
+
+    fn poll(mut self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<Self::Output> {
+        let future = self.0.as_mut();
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| future.poll(cx))) {
+            Ok(std::task::Poll::Pending) => std::task::Poll::Pending,
+            Ok(std::task::Poll::Ready(output)) => std::task::Poll::Ready(Ok(output)),
+            Err(panic) => std::task::Poll::Ready(Err(panic)),
+        }
+    }
 }
 
 /// Every response carries `x-request-id`: the client's own when it sent a
@@ -192,4 +226,33 @@ async fn read_body(body: Body, headers: &http::HeaderMap, limit: usize) -> Resul
             ApiError::new(ErrorKind::BadRequest, "the request body could not be read", "invalid_body")
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use axum::body::Body;
+    use axum::routing::get;
+    use http_body_util::BodyExt;
+    use tower::ServiceExt;
+
+    use super::*;
+
+    async fn boom() -> &'static str {
+        panic!("bug")
+    }
+
+    #[tokio::test]
+    async fn a_panicking_handler_answers_500_in_the_openai_shape() {
+        let app = Router::new()
+            .route("/boom", get(boom))
+            .layer(middleware::from_fn(catch_panic))
+            .layer(middleware::from_fn(request_id));
+        let request = http::Request::builder().uri("/boom").body(Body::empty()).unwrap();
+        let response = app.oneshot(request).await.unwrap();
+        assert_eq!(response.status(), StatusCode::INTERNAL_SERVER_ERROR);
+        assert!(response.headers().contains_key("x-request-id"));
+        let body = response.into_body().collect().await.unwrap().to_bytes();
+        let body: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(body["error"]["code"], "internal_error");
+    }
 }

@@ -2,6 +2,7 @@
 //! own fleet, so tests are independent and can run in parallel.
 
 mod control;
+mod ctl;
 mod errors;
 mod support;
 mod walking;

@@ -1,0 +1,330 @@
+//! `inferyesctl`: the operator's command line over the controller's
+//! FleetService. The binary only parses arguments and prints what
+//! [`run`] returns, so tests drive the same code.
+
+use std::fmt::Write as _;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand, ValueEnum};
+use inferyes_proto::v1::fleet_service_client::FleetServiceClient;
+use inferyes_proto::v1::{
+    Backend, DrainRequest, GetNodeRequest, Gpu, ListModelsRequest, ListNodesRequest, ListSessionsRequest, ModelState,
+    SnapshotNode, UndrainRequest,
+};
+use serde_json::{Value, json};
+use tonic::transport::Channel;
+
+#[derive(Debug, Parser)]
+#[command(name = "inferyesctl", version, about = "Inspect and operate an Inferyes fleet")]
+pub struct Cli {
+    /// Controller gRPC address.
+    #[arg(long, global = true, env = "INFERYES_CONTROLLER", default_value = "http://127.0.0.1:7070")]
+    pub controller: String,
+    /// Output format.
+    #[arg(short, long, global = true, value_enum, default_value_t = Output::Table)]
+    pub output: Output,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Output {
+    Table,
+    Json,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// List the fleet's nodes with their GPUs, backends and load.
+    Nodes,
+    /// Show one node in full.
+    Node { node_id: String },
+    /// List the fleet's models and where they are loaded.
+    Models,
+    /// List the conversations resident on the fleet's backends.
+    Sessions {
+        /// Only this node's sessions.
+        #[arg(long)]
+        node: Option<String>,
+    },
+    /// Stop sending new sessions to a node; in-flight requests finish.
+    Drain {
+        node_id: String,
+        #[arg(long, default_value = "")]
+        reason: String,
+        /// Drain a node that is not in the fleet right now.
+        #[arg(long)]
+        force: bool,
+    },
+    /// Let a drained node take new sessions again.
+    Undrain { node_id: String },
+}
+
+pub async fn run(cli: Cli) -> anyhow::Result<String> {
+    let channel = Channel::from_shared(cli.controller.clone())
+        .with_context(|| {
+            format!("`{}` is not a valid controller address (e.g. http://127.0.0.1:7070)", cli.controller)
+        })?
+        .connect_timeout(std::time::Duration::from_secs(3))
+        .connect()
+        .await
+        .with_context(|| {
+            format!("cannot reach the controller at {} (set --controller or INFERYES_CONTROLLER)", cli.controller)
+        })?;
+    let mut client = FleetServiceClient::new(channel);
+    let json_out = cli.output == Output::Json;
+    let text = match cli.command {
+        Command::Nodes => {
+            let response = client.list_nodes(ListNodesRequest {}).await.map_err(rpc_error)?.into_inner();
+            if json_out {
+                render_json(
+                    &json!({"version": response.version, "nodes": response.nodes.iter().map(node_json).collect::<Vec<_>>()}),
+                )
+            } else {
+                nodes_table(&response.nodes)
+            }
+        }
+        Command::Node { node_id } => {
+            let node = client.get_node(GetNodeRequest { node_id }).await.map_err(rpc_error)?.into_inner();
+            if json_out { render_json(&node_json(&node)) } else { node_detail(&node) }
+        }
+        Command::Models => {
+            let response = client.list_models(ListModelsRequest {}).await.map_err(rpc_error)?.into_inner();
+            if json_out {
+                let models: Vec<Value> = response
+                    .models
+                    .iter()
+                    .map(|m| {
+                        json!({
+                            "id": m.id,
+                            "loaded_on": m.loaded_on,
+                            "available_on": m.available_on,
+                            "context_window": m.context_window,
+                            "endpoints": m.endpoints().map(|e| e.as_str_name()).collect::<Vec<_>>(),
+                        })
+                    })
+                    .collect();
+                render_json(&json!({"version": response.version, "models": models}))
+            } else {
+                let rows = response
+                    .models
+                    .iter()
+                    .map(|m| {
+                        vec![
+                            m.id.clone(),
+                            m.loaded_on.len().to_string(),
+                            m.available_on.len().to_string(),
+                            if m.context_window == 0 { "-".into() } else { m.context_window.to_string() },
+                            m.loaded_on.join(","),
+                        ]
+                    })
+                    .collect();
+                table(&["MODEL", "LOADED", "NODES", "CONTEXT", "LOADED ON"], rows)
+            }
+        }
+        Command::Sessions { node } => {
+            let request = ListSessionsRequest { node_id: node.unwrap_or_default() };
+            let response = client.list_sessions(request).await.map_err(rpc_error)?.into_inner();
+            let now = inferyes_proto::unix_ms() / 1000;
+            if json_out {
+                let sessions: Vec<Value> = response
+                    .sessions
+                    .iter()
+                    .filter_map(|s| s.session.as_ref().map(|r| (s, r)))
+                    .map(|(s, r)| {
+                        json!({"node": s.node_id, "key": r.key, "backend": r.backend_id, "model": r.model,
+                               "first_seen_unix_s": r.first_seen_unix_s, "last_seen_unix_s": r.last_seen_unix_s, "requests": r.requests})
+                    })
+                    .collect();
+                render_json(&json!({"version": response.version, "sessions": sessions}))
+            } else {
+                let rows = response
+                    .sessions
+                    .iter()
+                    .filter_map(|s| s.session.as_ref().map(|r| (s, r)))
+                    .map(|(s, r)| {
+                        vec![
+                            r.key.clone(),
+                            s.node_id.clone(),
+                            r.backend_id.clone(),
+                            r.model.clone(),
+                            format!("{}s", now.saturating_sub(r.first_seen_unix_s)),
+                            format!("{}s", now.saturating_sub(r.last_seen_unix_s)),
+                            r.requests.to_string(),
+                        ]
+                    })
+                    .collect();
+                table(&["SESSION", "NODE", "BACKEND", "MODEL", "AGE", "IDLE", "REQUESTS"], rows)
+            }
+        }
+        Command::Drain { node_id, reason, force } => {
+            let response = client.drain(DrainRequest { node_id, reason, force }).await.map_err(rpc_error)?.into_inner();
+            if json_out {
+                render_json(&json!({"node": response.node_id, "draining": true, "revision": response.revision}))
+            } else {
+                format!("node {} draining (revision {})\n", response.node_id, response.revision)
+            }
+        }
+        Command::Undrain { node_id } => {
+            let response = client.undrain(UndrainRequest { node_id }).await.map_err(rpc_error)?.into_inner();
+            if json_out {
+                render_json(&json!({"node": response.node_id, "draining": false, "revision": response.revision}))
+            } else {
+                format!("node {} accepting new sessions (revision {})\n", response.node_id, response.revision)
+            }
+        }
+    };
+    Ok(text)
+}
+
+fn rpc_error(status: tonic::Status) -> anyhow::Error {
+    let hint = match status.code() {
+        tonic::Code::Unavailable => " (is the controller running and reachable?)",
+        tonic::Code::Unauthenticated | tonic::Code::PermissionDenied => " (check the admin token)",
+        _ => "",
+    };
+    anyhow::anyhow!("{}{hint}", status.message())
+}
+
+fn render_json(value: &Value) -> String {
+    let mut text = serde_json::to_string_pretty(value).unwrap_or_default();
+    text.push('\n');
+    text
+}
+
+fn gpu_json(g: &Gpu) -> Value {
+    json!({"index": g.index, "uuid": g.uuid, "name": g.name, "memory_total_bytes": g.memory_total_bytes,
+           "memory_used_bytes": g.memory_used_bytes, "utilization_percent": g.utilization_percent,
+           "source": g.source().as_str_name()})
+}
+
+fn backend_json(b: &Backend) -> Value {
+    let models: Vec<Value> = b
+        .models
+        .iter()
+        .map(|m| {
+            json!({"id": m.id, "state": m.state().as_str_name(), "context_window": m.context_window,
+                   "size_bytes": m.size_bytes, "endpoints": m.endpoints().map(|e| e.as_str_name()).collect::<Vec<_>>()})
+        })
+        .collect();
+    json!({"id": b.id, "kind": b.kind().as_str_name(), "health": b.health().as_str_name(), "weight": b.weight,
+           "slots_total": b.slots_total, "slots_busy": b.slots_busy, "requests_deferred": b.requests_deferred,
+           "in_flight": b.in_flight, "tokens_per_second": b.tokens_per_second, "probe_error": b.probe_error,
+           "models": models})
+}
+
+fn node_json(node: &SnapshotNode) -> Value {
+    let Some(s) = node.status.as_ref() else { return Value::Null };
+    json!({"node_id": s.node_id, "hostname": s.hostname, "proxy_url": s.proxy_url, "draining": node.draining,
+           "agent_version": s.agent_version, "gpus": s.gpus.iter().map(gpu_json).collect::<Vec<_>>(),
+           "backends": s.backends.iter().map(backend_json).collect::<Vec<_>>(), "sessions": s.sessions.len()})
+}
+
+fn gib(bytes: u64) -> String {
+    format!("{:.1}", bytes as f64 / f64::from(1u32 << 30))
+}
+
+fn vram(gpus: &[Gpu]) -> String {
+    let used: u64 = gpus.iter().map(|g| g.memory_used_bytes).sum();
+    let total: u64 = gpus.iter().map(|g| g.memory_total_bytes).sum();
+    if total == 0 {
+        return "-".into();
+    }
+    format!("{}/{} GiB ({:.0}%)", gib(used), gib(total), used as f64 * 100.0 / total as f64)
+}
+
+fn nodes_table(nodes: &[SnapshotNode]) -> String {
+    let rows = nodes
+        .iter()
+        .filter_map(|n| n.status.as_ref().map(|s| (n, s)))
+        .map(|(n, s)| {
+            let loaded: Vec<&str> = s
+                .backends
+                .iter()
+                .flat_map(|b| &b.models)
+                .filter(|m| m.state() == ModelState::Loaded)
+                .map(|m| m.id.as_str())
+                .collect();
+            let slots_busy: u32 = s.backends.iter().map(|b| b.slots_busy).sum();
+            let slots_total: u32 = s.backends.iter().map(|b| b.slots_total).sum();
+            let healthy = s.backends.iter().filter(|b| b.health() == inferyes_proto::v1::Health::Ready).count();
+            vec![
+                s.node_id.clone(),
+                if n.draining { "draining".into() } else { "active".into() },
+                s.gpus.first().map(|g| g.name.clone()).unwrap_or_else(|| "-".into()),
+                vram(&s.gpus),
+                format!("{slots_busy}/{slots_total}"),
+                format!("{healthy}/{}", s.backends.len()),
+                s.sessions.len().to_string(),
+                loaded.join(","),
+            ]
+        })
+        .collect();
+    table(&["NODE", "STATE", "GPU", "VRAM", "SLOTS", "BACKENDS", "SESSIONS", "LOADED MODELS"], rows)
+}
+
+fn node_detail(node: &SnapshotNode) -> String {
+    let Some(s) = node.status.as_ref() else { return String::new() };
+    let mut out = String::new();
+    let _ = writeln!(out, "node:      {}{}", s.node_id, if node.draining { " (draining)" } else { "" });
+    let _ = writeln!(out, "host:      {}", s.hostname);
+    let _ = writeln!(out, "proxy:     {}", s.proxy_url);
+    let _ = writeln!(out, "agent:     {}", s.agent_version);
+    for g in &s.gpus {
+        let _ = writeln!(
+            out,
+            "gpu {}:     {} {} GiB used of {} ({}% busy, {})",
+            g.index,
+            g.name,
+            gib(g.memory_used_bytes),
+            gib(g.memory_total_bytes),
+            g.utilization_percent,
+            g.source().as_str_name()
+        );
+    }
+    for b in &s.backends {
+        let _ = writeln!(
+            out,
+            "backend {}: {} {} slots {}/{} deferred {} in-flight {}",
+            b.id,
+            b.kind().as_str_name(),
+            b.health().as_str_name(),
+            b.slots_busy,
+            b.slots_total,
+            b.requests_deferred,
+            b.in_flight
+        );
+        for m in &b.models {
+            let _ = writeln!(out, "  model {} {} ctx {}", m.id, m.state().as_str_name(), m.context_window);
+        }
+    }
+    let _ = writeln!(out, "sessions:  {}", s.sessions.len());
+    out
+}
+
+fn table(headers: &[&str], rows: Vec<Vec<String>>) -> String {
+    let mut widths: Vec<usize> = headers.iter().map(|h| h.len()).collect();
+    for row in &rows {
+        for (w, cell) in widths.iter_mut().zip(row) {
+            *w = (*w).max(cell.chars().count());
+        }
+    }
+    let mut out = String::new();
+    let mut line = |cells: Vec<&str>| {
+        let mut text = String::new();
+        for (i, (cell, w)) in cells.iter().zip(&widths).enumerate() {
+            if i + 1 == cells.len() {
+                text.push_str(cell);
+            } else {
+                let _ = write!(text, "{cell:<w$}  ");
+            }
+        }
+        out.push_str(text.trim_end());
+        out.push('\n');
+    };
+    line(headers.to_vec());
+    for row in &rows {
+        line(row.iter().map(String::as_str).collect());
+    }
+    out
+}
