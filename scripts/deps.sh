@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs the system packages Inferyes builds and tests with, if missing:
-# etcd (the fleet store) and protoc (needed by the etcd client's build).
+# etcd (the fleet store), protoc (needed by the etcd client's build), curl,
+# and Python's venv (the end-to-end suite).
 # Debian/Ubuntu only; everything else comes from crates.io.
 set -euo pipefail
 
@@ -8,6 +9,7 @@ need=()
 command -v etcd >/dev/null 2>&1 || need+=(etcd-server)
 command -v protoc >/dev/null 2>&1 || need+=(protobuf-compiler)
 command -v curl >/dev/null 2>&1 || need+=(curl)
+python3 -m venv --help >/dev/null 2>&1 || need+=(python3-venv python3-pip)
 [ ${#need[@]} -eq 0 ] && exit 0
 
 sudo=""

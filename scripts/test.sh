@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite: formatting, lints, unit and integration tests (real
-# etcd, real sockets), and the quickstart run end to end.
+# etcd, real sockets), the end-to-end suite (real llama-server nodes, the
+# OpenAI Python client), and the quickstart run end to end.
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -17,5 +18,7 @@ if cargo nextest --version >/dev/null 2>&1; then
 else
   cargo test --workspace --locked --no-fail-fast
 fi
+echo "== end to end: real llama-server nodes, the OpenAI client" >&2
+"$root/scripts/e2e.sh"
 echo "== quickstart" >&2
 "$root/scripts/smoke-quickstart.sh"

@@ -60,6 +60,9 @@ pub struct Config {
     /// A node must start answering within this; generous, because a cold
     /// load can take minutes.
     pub response_header_timeout_ms: u64,
+    /// How requests are spread: `session-affinity` (the product) or
+    /// `round-robin` (a baseline, to measure what affinity saves).
+    pub routing_strategy: crate::routing::Strategy,
     pub log_format: LogFormat,
 }
 
@@ -73,6 +76,7 @@ impl Default for Config {
             max_body_bytes: 32 << 20,
             connect_timeout_ms: 2000,
             response_header_timeout_ms: 600_000,
+            routing_strategy: crate::routing::Strategy::SessionAffinity,
             log_format: LogFormat::Text,
         }
     }

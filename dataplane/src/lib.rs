@@ -34,8 +34,13 @@ pub async fn run(
         )
         .instrument(tracing::info_span!("snapshots")),
     );
-    let state =
-        http::AppState { snapshots, forwarder: http::forward_client(&config), max_body_bytes: config.max_body_bytes };
+    let state = http::AppState {
+        snapshots,
+        forwarder: http::forward_client(&config),
+        max_body_bytes: config.max_body_bytes,
+        strategy: config.routing_strategy,
+        tickets: Arc::default(),
+    };
     tracing::info!(listen = %listener.local_addr()?, id = %config.dataplane_id, "data plane running");
     let served =
         axum::serve(listener, http::router(state)).with_graceful_shutdown(shutdown.clone().cancelled_owned()).await;

@@ -96,6 +96,13 @@ impl ControllerHandle {
         let token = CancellationToken::new();
         let listeners = inferyes_controller::Listeners { grpc, http };
         let task = tokio::spawn(inferyes_controller::run(config, listeners, token.clone()));
+        let ready = format!("http://{http_addr}/readyz");
+        let http = crate::HttpClient::default();
+        eventually("the controller read the fleet from etcd", Duration::from_secs(10), || {
+            let (http, ready) = (http.clone(), ready.clone());
+            async move { http.get(&ready).await.status == http::StatusCode::OK }
+        })
+        .await;
         ControllerHandle { grpc_addr, http_addr, token, task }
     }
 

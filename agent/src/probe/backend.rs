@@ -79,11 +79,10 @@ impl BackendProbe {
         }
         if let Ok((status, body)) = client.get(&self.url, "/slots", &self.api_key).await
             && status.is_success()
-            && let Ok(Value::Array(slots)) = serde_json::from_slice::<Value>(&body)
+            && let Some(slots) = parse_slots(&body)
         {
-            backend.slots_total = u32::try_from(slots.len()).unwrap_or(u32::MAX);
-            let busy = slots.iter().filter(|s| s.get("is_processing").and_then(Value::as_bool) == Some(true)).count();
-            backend.slots_busy = u32::try_from(busy).unwrap_or(u32::MAX);
+            backend.slots_total = slots.total;
+            backend.slots_busy = slots.busy;
         }
         if let Ok((status, body)) = client.get(&self.url, "/metrics", &self.api_key).await
             && status.is_success()
@@ -209,6 +208,21 @@ fn parse_running(body: &[u8]) -> Vec<String> {
         .unwrap_or_default()
 }
 
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Slots {
+    pub total: u32,
+    pub busy: u32,
+}
+
+/// llama-server's `/slots`: one object per slot. Only `is_processing` is
+/// read: other fields changed shape across builds (`next_token` is an array
+/// now, an object before).
+pub fn parse_slots(body: &[u8]) -> Option<Slots> {
+    let Value::Array(slots) = serde_json::from_slice::<Value>(body).ok()? else { return None };
+    let busy = slots.iter().filter(|s| s.get("is_processing").and_then(Value::as_bool) == Some(true)).count();
+    Some(Slots { total: u32::try_from(slots.len()).unwrap_or(u32::MAX), busy: u32::try_from(busy).unwrap_or(u32::MAX) })
+}
+
 /// The llama-server gauges the agent reports.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct LlamaCppMetrics {
@@ -264,6 +278,16 @@ mod tests {
         assert!(!has_status);
         assert_eq!(models[0].state(), ModelState::Unknown);
         assert_eq!(parse_running(br#"{"running":[{"model":"a","state":"ready"}]}"#), ["a"]);
+    }
+
+    #[test]
+    fn slots_of_old_and_new_builds_are_counted() {
+        let new = br#"[{"id":0,"n_ctx":512,"is_processing":true,"next_token":[{"has_next_token":true,"n_remain":3}]},
+                       {"id":1,"n_ctx":512,"is_processing":false,"next_token":[]}]"#;
+        assert_eq!(parse_slots(new), Some(Slots { total: 2, busy: 1 }));
+        let old = br#"[{"id":0,"n_ctx":512,"is_processing":false,"next_token":{"has_next_token":true,"n_remain":-1}}]"#;
+        assert_eq!(parse_slots(old), Some(Slots { total: 1, busy: 0 }));
+        assert_eq!(parse_slots(br#"{"error":{"code":501}}"#), None);
     }
 
     #[test]

@@ -5,7 +5,7 @@ mod backend;
 mod client;
 mod gpu;
 
-pub use backend::{BackendProbe, parse_llamacpp_metrics, parse_llamaswap_models, parse_openai_models};
+pub use backend::{BackendProbe, parse_llamacpp_metrics, parse_llamaswap_models, parse_openai_models, parse_slots};
 pub use client::ProbeClient;
 pub use gpu::{GpuReader, GpuReading};
 

@@ -39,6 +39,9 @@ pub struct AppState {
     pub snapshots: Arc<SnapshotStore>,
     pub forwarder: Forwarder,
     pub max_body_bytes: usize,
+    pub strategy: routing::Strategy,
+    /// Request counter for rotating strategies.
+    pub tickets: Arc<std::sync::atomic::AtomicU64>,
 }
 
 pub fn router(state: AppState) -> Router {
@@ -179,7 +182,10 @@ async fn inference(State(state): State<AppState>, kind: EndpointKind, request: R
     let view = parse_view(&body)?;
     let session = session_key(&parts.headers, &view);
     let snapshot = state.snapshots.current().ok_or_else(not_ready)?;
-    let route = routing::select(&snapshot, &RouteRequest { model: &view.model, kind, session: session.as_deref() })?;
+    let ticket = state.tickets.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let request =
+        RouteRequest { model: &view.model, kind, session: session.as_deref(), strategy: state.strategy, ticket };
+    let route = routing::select(&snapshot, &request)?;
     let path_and_query = parts.uri.path_and_query().map(|p| p.as_str()).unwrap_or(parts.uri.path());
     let outbound = Outbound {
         path_and_query,

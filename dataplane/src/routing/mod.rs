@@ -19,6 +19,23 @@ pub struct RouteRequest<'a> {
     pub model: &'a str,
     pub kind: EndpointKind,
     pub session: Option<&'a str>,
+    pub strategy: Strategy,
+    /// A number that differs between consecutive requests (a counter), for
+    /// strategies that rotate. Passed in so routing stays pure.
+    pub ticket: u64,
+}
+
+/// How the warm nodes are ordered.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Strategy {
+    /// A session goes where its KV cache is, a new session to its
+    /// rendezvous-hash home; requests without a session to the least loaded.
+    #[default]
+    SessionAffinity,
+    /// Ignore sessions and load; rotate over the warm nodes. Exists to
+    /// measure what affinity saves.
+    RoundRobin,
 }
 
 /// Why the first target was chosen; echoed as `x-inferyes-route`.
@@ -110,9 +127,14 @@ pub fn select(snapshot: &RoutingSnapshot, request: &RouteRequest<'_>) -> Result<
         return Err(RouteError::NoCapacity { model: request.model.to_string() });
     }
 
-    let resident = request.session.and_then(|s| snapshot.resident(s)).filter(|t| warm.iter().any(|p| p.target == *t));
+    let affinity = request.strategy == Strategy::SessionAffinity;
+    let resident = request
+        .session
+        .filter(|_| affinity)
+        .and_then(|s| snapshot.resident(s))
+        .filter(|t| warm.iter().any(|p| p.target == *t));
 
-    match request.session {
+    match request.session.filter(|_| affinity) {
         // Highest rendezvous score first: every data plane agrees on it.
         Some(session) => {
             let key = stable_hash(session.as_bytes());
@@ -121,7 +143,14 @@ pub fn select(snapshot: &RoutingSnapshot, request: &RouteRequest<'_>) -> Result<
                 std::cmp::Reverse(rendezvous_score(key, stable_hash(node.id.as_bytes()) ^ p.target.backend as u64))
             });
         }
-        None => warm.sort_by_key(|p| (load(snapshot, p.target), p.target.node, p.target.backend)),
+        None if affinity => warm.sort_by_key(|p| (load(snapshot, p.target), p.target.node, p.target.backend)),
+        None => {
+            warm.sort_by_key(|p| (p.target.node, p.target.backend));
+            if !warm.is_empty() {
+                let turn = usize::try_from(request.ticket % warm.len() as u64).unwrap_or(0);
+                warm.rotate_left(turn);
+            }
+        }
     }
     cold.sort_by_key(|p| (std::cmp::Reverse(p.free_vram_bytes), p.target.node, p.target.backend));
 
@@ -139,7 +168,7 @@ pub fn select(snapshot: &RoutingSnapshot, request: &RouteRequest<'_>) -> Result<
         RouteReason::Resident
     } else if warm.is_empty() {
         RouteReason::Cold
-    } else if request.session.is_some() {
+    } else if affinity && request.session.is_some() {
         RouteReason::Placed
     } else {
         RouteReason::Warm

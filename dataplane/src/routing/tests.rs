@@ -53,7 +53,7 @@ fn snapshot(specs: &[Spec]) -> RoutingSnapshot {
 }
 
 fn chat(session: Option<&str>) -> RouteRequest<'_> {
-    RouteRequest { model: "chat", kind: EndpointKind::Chat, session }
+    RouteRequest { model: "chat", kind: EndpointKind::Chat, session, strategy: Strategy::SessionAffinity, ticket: 0 }
 }
 
 fn first_node(snapshot: &RoutingSnapshot, route: &Route) -> String {
@@ -124,11 +124,25 @@ fn keyless_traffic_goes_to_the_least_loaded_node() {
 #[test]
 fn errors_name_what_is_wrong() {
     let s = snapshot(&[spec("a")]);
-    let missing = select(&s, &RouteRequest { model: "gpt-9", kind: EndpointKind::Chat, session: None }).unwrap_err();
+    let missing = select(&s, &RouteRequest { model: "gpt-9", ..chat(None) }).unwrap_err();
     assert_eq!(missing.kind(), ErrorKind::NotFound);
     assert!(missing.to_string().contains("available models: chat"));
-    let embed = select(&s, &RouteRequest { model: "chat", kind: EndpointKind::Embedding, session: None }).unwrap_err();
+    let embed = select(&s, &RouteRequest { kind: EndpointKind::Embedding, ..chat(None) }).unwrap_err();
     assert_eq!(embed.kind(), ErrorKind::BadRequest);
     let down = snapshot(&[Spec { health: Health::Down, ..spec("a") }]);
     assert_eq!(select(&down, &chat(None)).unwrap_err().kind(), ErrorKind::Overloaded);
+}
+
+#[test]
+fn round_robin_ignores_sessions_and_rotates() {
+    let s = snapshot(&[Spec { sessions: &["conv"], ..spec("a") }, spec("b"), spec("c")]);
+    let nodes: Vec<String> = (0..6)
+        .map(|ticket| {
+            let request = RouteRequest { strategy: Strategy::RoundRobin, ticket, ..chat(Some("conv")) };
+            let route = select(&s, &request).unwrap();
+            assert_eq!(route.reason, RouteReason::Warm);
+            first_node(&s, &route)
+        })
+        .collect();
+    assert_eq!(nodes, ["a", "b", "c", "a", "b", "c"]);
 }

@@ -146,3 +146,47 @@ async fn the_data_plane_is_not_ready_before_its_first_snapshot() {
     assert_eq!(chat.header("retry-after"), Some("1"));
     assert_eq!(chat.openai_error()["code"], "not_ready");
 }
+
+#[tokio::test]
+async fn a_silent_agent_is_dropped_after_the_lease_ttl() {
+    use inferyes_proto::v1::agent_service_client::AgentServiceClient;
+    use inferyes_proto::v1::{AgentMessage, NodeStatus, Register, agent_message};
+    use inferyes_tests::fleet::LEASE_TTL;
+
+    let etcd = Etcd::start().await;
+    let controller = ControllerHandle::start(&etcd.endpoint(), "controller-1").await;
+    // An agent whose host hangs: it registers, then the connection stays
+    // open but nothing more is ever sent.
+    let (tx, rx) = tokio::sync::mpsc::channel(1);
+    let status = NodeStatus { node_id: "hung".into(), proxy_url: "http://127.0.0.1:9".into(), ..Default::default() };
+    let register = Register { status: Some(status), join_token: String::new() };
+    tx.send(AgentMessage { msg: Some(agent_message::Msg::Register(register)) }).await.unwrap();
+    let mut agents = AgentServiceClient::connect(controller.url()).await.unwrap();
+    let mut inbound = agents.join(tokio_stream::wrappers::ReceiverStream::new(rx)).await.unwrap().into_inner();
+    assert!(inbound.message().await.unwrap().is_some(), "registration confirmed");
+    let last_heard = std::time::Instant::now();
+
+    let mut admin = controller.fleet().await;
+    eventually("the node joined", Duration::from_secs(5), || {
+        let mut admin = admin.clone();
+        async move { admin.list_nodes(ListNodesRequest {}).await.unwrap().into_inner().nodes.len() == 1 }
+    })
+    .await;
+    eventually("the silent node left", LEASE_TTL * 3, || {
+        let mut admin = admin.clone();
+        async move { admin.list_nodes(ListNodesRequest {}).await.unwrap().into_inner().nodes.is_empty() }
+    })
+    .await;
+    let gone_after = last_heard.elapsed();
+    assert!(gone_after >= LEASE_TTL, "dropped after {gone_after:?}, before the TTL");
+    assert!(gone_after <= LEASE_TTL * 4 / 3 + Duration::from_secs(1), "dropped only after {gone_after:?}");
+    // The controller ended the stream and told the agent why.
+    let ended = loop {
+        match inbound.message().await {
+            Ok(Some(_)) => continue,
+            other => break other,
+        }
+    };
+    assert_eq!(ended.unwrap_err().code(), tonic::Code::DeadlineExceeded);
+    drop(tx);
+}

@@ -1,0 +1,102 @@
+"""The OpenAI client against a fleet of real llama-server nodes."""
+
+import openai
+import pytest
+from openai import OpenAI
+
+
+@pytest.fixture(scope="module")
+def client(fleet):
+    return OpenAI(base_url=f"{fleet.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def ask(text):
+    return [{"role": "system", "content": "You are terse."}, {"role": "user", "content": text}]
+
+
+def test_models_list_and_retrieve(client):
+    ids = sorted(model.id for model in client.models.list())
+    assert ids == ["tiny-chat", "tiny-embed"]
+    assert client.models.retrieve("tiny-chat").id == "tiny-chat"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+
+
+def test_chat_runs_to_max_tokens_and_is_deterministic(client):
+    first = client.chat.completions.create(model="tiny-chat", messages=ask("tell me a story"),
+                                           max_tokens=12, temperature=0)
+    second = client.chat.completions.create(model="tiny-chat", messages=ask("tell me a story"),
+                                            max_tokens=12, temperature=0)
+    choice = first.choices[0]
+    assert choice.finish_reason == "length"
+    assert choice.message.role == "assistant"
+    assert choice.message.content
+    assert first.usage.completion_tokens == 12
+    assert first.usage.prompt_tokens > 5
+    assert second.choices[0].message.content == choice.message.content
+
+
+def test_a_logit_bias_on_end_of_sequence_stops_the_reply(client):
+    # </s> is token 2 in the generated vocabulary.
+    reply = client.chat.completions.create(model="tiny-chat", messages=ask("hi"), max_tokens=12,
+                                           temperature=0, logit_bias={"2": 100})
+    assert reply.choices[0].finish_reason == "stop"
+    assert reply.usage.completion_tokens < 12
+
+
+def test_streaming_chat_with_and_without_usage(client):
+    stream = client.chat.completions.create(model="tiny-chat", messages=ask("count"), max_tokens=10,
+                                            temperature=0, stream=True)
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text
+    assert all(c.usage is None for c in chunks)
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+    stream = client.chat.completions.create(model="tiny-chat", messages=ask("count"), max_tokens=10,
+                                            temperature=0, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage.completion_tokens == 10
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == text, "greedy decoding gives the same reply streamed or not"
+
+
+def test_completions(client):
+    reply = client.completions.create(model="tiny-chat", prompt="once upon a time", max_tokens=6, temperature=0)
+    assert reply.choices[0].text
+    assert reply.usage.completion_tokens == 6
+    assert reply.choices[0].finish_reason == "length"
+
+
+def test_embeddings(client):
+    reply = client.embeddings.create(model="tiny-embed", input=["hello world", "the story"])
+    assert [d.index for d in reply.data] == [0, 1]
+    vectors = [d.embedding for d in reply.data]
+    assert len(vectors[0]) == 64
+    assert vectors[0] != vectors[1]
+    norm = sum(x * x for x in vectors[0]) ** 0.5
+    assert abs(norm - 1.0) < 1e-3, "llama-server normalises embeddings"
+
+
+def test_errors_are_the_ones_the_openai_client_expects(client):
+    with pytest.raises(openai.NotFoundError) as unknown:
+        client.chat.completions.create(model="gpt-9", messages=ask("hi"), max_tokens=4)
+    assert unknown.value.code == "model_not_found"
+
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="tiny-chat", messages="not a list", max_tokens=4)
+
+    # llama-server's own error (an integer code, no param) comes back in
+    # OpenAI's shape: the prompt does not fit a slot's 512-token window.
+    with pytest.raises(openai.BadRequestError) as too_long:
+        client.chat.completions.create(model="tiny-chat", messages=ask("hello " * 800), max_tokens=4)
+    assert too_long.value.code == "context_length_exceeded"
+    assert "context" in too_long.value.message
+
+
+def test_the_gateway_names_the_node_and_the_request(client):
+    raw = client.chat.completions.with_raw_response.create(model="tiny-chat", messages=ask("hi"), max_tokens=2)
+    assert raw.headers["x-inferyes-node"] in ("node-a", "node-b")
+    assert raw.headers["x-request-id"]
+    assert raw.headers["x-inferyes-route"] in ("placed", "resident", "warm")
