@@ -166,7 +166,7 @@ async fn a_silent_agent_is_dropped_after_the_lease_ttl() {
     assert!(inbound.message().await.unwrap().is_some(), "registration confirmed");
     let last_heard = std::time::Instant::now();
 
-    let mut admin = controller.fleet().await;
+    let admin = controller.fleet().await;
     eventually("the node joined", Duration::from_secs(5), || {
         let mut admin = admin.clone();
         async move { admin.list_nodes(ListNodesRequest {}).await.unwrap().into_inner().nodes.len() == 1 }
