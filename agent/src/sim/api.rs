@@ -122,7 +122,12 @@ fn shutting_down() -> Response {
 }
 
 /// llama-swap's own error envelope.
-fn swap_error(status: StatusCode, kind: &str, code: &str, message: impl Into<String>) -> Response {
+/// llama-swap's own error: the envelope of builds since 2026-05, or the
+/// bare string of older ones (`legacy`).
+fn swap_error(legacy: bool, status: StatusCode, kind: &str, code: &str, message: impl Into<String>) -> Response {
+    if legacy {
+        return json_response(status, json!({"error": message.into()}));
+    }
     json_response(
         status,
         json!({"src": "llama-swap", "error": {
@@ -131,19 +136,28 @@ fn swap_error(status: StatusCode, kind: &str, code: &str, message: impl Into<Str
     )
 }
 
-fn swap_error_response(err: &SwapError) -> Response {
+fn swap_error_response(legacy: bool, err: &SwapError) -> Response {
     match err {
+        // Older builds answered an unknown model with 400.
+        SwapError::NotFound(_) if legacy => {
+            swap_error(legacy, StatusCode::BAD_REQUEST, "invalid_request_error", "model_not_found", err.to_string())
+        }
         SwapError::NotFound(_) => {
-            swap_error(StatusCode::NOT_FOUND, "invalid_request_error", "model_not_found", err.to_string())
+            swap_error(legacy, StatusCode::NOT_FOUND, "invalid_request_error", "model_not_found", err.to_string())
         }
         SwapError::ConcurrencyLimit(_) => {
-            let mut resp =
-                swap_error(StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", "concurrency_limit", err.to_string());
+            let mut resp = swap_error(
+                legacy,
+                StatusCode::TOO_MANY_REQUESTS,
+                "rate_limit_error",
+                "concurrency_limit",
+                err.to_string(),
+            );
             resp.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
             resp
         }
         SwapError::LoadAborted(_) => {
-            swap_error(StatusCode::SERVICE_UNAVAILABLE, "server_error", "model_unavailable", err.to_string())
+            swap_error(legacy, StatusCode::SERVICE_UNAVAILABLE, "server_error", "model_unavailable", err.to_string())
         }
     }
 }
@@ -404,10 +418,12 @@ async fn swap_models(State(s): State<Shared>) -> Response {
         .statuses()
         .into_iter()
         .map(|(id, st)| {
-            json!({
-                "id": id, "object": "model", "created": s.created, "owned_by": "llama-swap",
-                "status": {"value": st.as_str()},
-            })
+            let mut model = json!({"id": id, "object": "model", "created": s.created, "owned_by": "llama-swap"});
+            // Builds before 2026-07 list no status; clients read /running.
+            if !s.config.llama_swap_legacy {
+                model["status"] = json!({"value": st.as_str()});
+            }
+            model
         })
         .collect();
     json_response(StatusCode::OK, json!({"object": "list", "data": data}))
@@ -444,7 +460,7 @@ async fn swap_upstream(State(s): State<Shared>, Path((model, rest)): Path<(Strin
     };
     let engine = match engine {
         Ok(e) => e,
-        Err(e) => return swap_error_response(&e),
+        Err(e) => return swap_error_response(s.config.llama_swap_legacy, &e),
     };
     match rest.trim_start_matches('/') {
         "health" | "v1/health" => health().await,
@@ -505,6 +521,7 @@ async fn dispatch(s: Shared, headers: &HeaderMap, body: &[u8], kind: Kind) -> Re
                     Ok(v) => (v.get("model").and_then(Value::as_str).unwrap_or_default().to_owned(), Some(v)),
                     Err(e) => {
                         return swap_error(
+                            s.config.llama_swap_legacy,
                             StatusCode::BAD_REQUEST,
                             "invalid_request_error",
                             "invalid_json",
@@ -517,7 +534,7 @@ async fn dispatch(s: Shared, headers: &HeaderMap, body: &[u8], kind: Kind) -> Re
             };
             let in_flight = match swap.enter(&model) {
                 Ok(g) => g,
-                Err(e) => return swap_error_response(&e),
+                Err(e) => return swap_error_response(s.config.llama_swap_legacy, &e),
             };
             let engine = tokio::select! {
                 r = swap.engine(&model) => r,
@@ -525,7 +542,7 @@ async fn dispatch(s: Shared, headers: &HeaderMap, body: &[u8], kind: Kind) -> Re
             };
             let engine = match engine {
                 Ok(e) => e,
-                Err(e) => return swap_error_response(&e),
+                Err(e) => return swap_error_response(s.config.llama_swap_legacy, &e),
             };
             if let Some(resp) = unsupported(&engine, kind) {
                 return resp;

@@ -76,6 +76,11 @@ pub struct SimConfig {
     /// llama-swap mode: models loaded at start, without a load delay.
     #[serde(default)]
     pub preload: Vec<String>,
+    /// llama-swap mode: behave like builds before mid-2026: `/v1/models`
+    /// without `status` (clients must read `/running`), errors as a bare
+    /// string `{"error":"..."}`, and 400 for an unknown model.
+    #[serde(default)]
+    pub llama_swap_legacy: bool,
     /// llama-swap mode: concurrent requests per model before 429.
     #[serde(default = "default_concurrency_limit")]
     pub concurrency_limit: u32,
@@ -146,6 +151,7 @@ impl SimConfig {
             max_loaded_models: default_max_loaded_models(),
             preload: Vec::new(),
             concurrency_limit: default_concurrency_limit(),
+            llama_swap_legacy: false,
             default_max_tokens: default_max_tokens(),
         }
     }

@@ -5,4 +5,5 @@ mod control;
 mod ctl;
 mod errors;
 mod support;
+mod swap;
 mod walking;

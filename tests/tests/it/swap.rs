@@ -1,0 +1,84 @@
+//! A llama-swap backend (the simulator's faithful fake of its HTTP API)
+//! behind an agent: models loaded on demand, their state in the catalog,
+//! its errors reshaped.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Method, StatusCode};
+use inferyes_agent::sim::{SimConfig, SimModel};
+use inferyes_proto::v1::ModelState;
+use inferyes_tests::client::next_chunk;
+use serde_json::json;
+
+use crate::support::{Fleet, chat_body};
+
+fn swap(legacy: bool) -> SimConfig {
+    SimConfig {
+        models: vec![SimModel::chat("alpha"), SimModel::chat("beta")],
+        preload: vec!["alpha".into()],
+        max_loaded_models: 1,
+        load_delay_ms: 300,
+        prefill_tokens_per_second: 1e6,
+        decode_tokens_per_second: 1e5,
+        llama_swap_legacy: legacy,
+        ..SimConfig::llama_swap(["alpha", "beta"])
+    }
+}
+
+fn state_of(fleet: &Fleet, model: &str) -> Option<ModelState> {
+    let snapshot = fleet.dataplane.store.current()?;
+    snapshot.placements(model)?.first().map(|p| p.state)
+}
+
+#[tokio::test]
+async fn a_cold_model_is_loaded_on_demand_and_the_catalog_follows() {
+    for legacy in [false, true] {
+        let fleet = Fleet::start(vec![swap(legacy)]).await;
+        // Modern builds say so in /v1/models; older ones through /running.
+        fleet
+            .dataplane
+            .wait_for("alpha loaded, beta not", Duration::from_secs(5), |_| {
+                state_of(&fleet, "alpha") == Some(ModelState::Loaded)
+                    && state_of(&fleet, "beta") == Some(ModelState::Unloaded)
+            })
+            .await;
+
+        let response = fleet.http.post_json(&fleet.url("/v1/chat/completions"), &chat_body("beta", "hi")).await;
+        assert_eq!(response.status, StatusCode::OK, "{}", String::from_utf8_lossy(&response.body));
+        assert_eq!(response.header("x-inferyes-route"), Some("cold"));
+        assert_eq!(response.json()["model"], "beta");
+        fleet
+            .dataplane
+            .wait_for("beta loaded, alpha swapped out", Duration::from_secs(5), |_| {
+                state_of(&fleet, "beta") == Some(ModelState::Loaded)
+                    && state_of(&fleet, "alpha") == Some(ModelState::Unloaded)
+            })
+            .await;
+        let warm = fleet.http.post_json(&fleet.url("/v1/chat/completions"), &chat_body("beta", "again")).await;
+        assert_eq!(warm.header("x-inferyes-route"), Some("warm"));
+    }
+}
+
+#[tokio::test]
+async fn the_concurrency_limit_reaches_the_client_as_an_openai_429() {
+    let limited = SimConfig { concurrency_limit: 1, decode_tokens_per_second: 20.0, ..swap(false) };
+    let fleet = Fleet::start(vec![limited]).await;
+    let streaming = json!({"model": "alpha", "stream": true, "max_tokens": 40,
+                           "messages": [{"role": "user", "content": "a long story"}]});
+    let first = fleet
+        .http
+        .start(Method::POST, &fleet.url("/v1/chat/completions"), Bytes::from(streaming.to_string()), &[])
+        .await;
+    assert_eq!(first.status(), StatusCode::OK);
+    let mut body = first.into_body();
+    next_chunk(&mut body).await.expect("the first request is generating");
+
+    let second = fleet.http.post_json(&fleet.url("/v1/chat/completions"), &chat_body("alpha", "me too")).await;
+    assert_eq!(second.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(second.header("retry-after"), Some("1"));
+    let error = second.openai_error();
+    assert_eq!(error["code"], "concurrency_limit");
+    assert_eq!(error["type"], "rate_limit_error");
+    drop(body);
+}
