@@ -8,6 +8,8 @@ import urllib.request
 
 from openai import OpenAI
 
+from harness import wait_until
+
 
 def converse(base_url, session, system, turns=4):
     client = OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=60)
@@ -21,7 +23,8 @@ def converse(base_url, session, system, turns=4):
         reply = raw.parse()
         messages.append({"role": "assistant", "content": reply.choices[0].message.content})
         cached = reply.usage.prompt_tokens_details.cached_tokens
-        served.append((raw.headers["x-inferyes-node"], cached, reply.usage.prompt_tokens))
+        served.append((raw.headers["x-inferyes-node"], cached, reply.usage.prompt_tokens,
+                       reply.usage.completion_tokens))
     return served
 
 
@@ -32,35 +35,41 @@ def slots(url):
 
 def test_a_conversation_stays_on_its_node_and_reuses_its_cache(fleet):
     served = converse(fleet.url, "kv-affinity", "You are a storyteller of the affinity test.")
-    nodes = {node for node, _, _ in served}
+    nodes = {node for node, *_ in served}
     assert len(nodes) == 1, served
-    cached = [c for _, c, _ in served]
+    cached = [c for _, c, *_ in served]
     assert cached[0] == 0, served
     # Every later turn finds the previous prompt and reply in the slot.
     assert all(c > 0 for c in cached[1:]), served
     assert cached[1] < cached[2] < cached[3], served
-    for (_, c, _), (_, _, previous_prompt) in zip(served[1:], served):
+    for (_, c, *_), (_, _, previous_prompt, _) in zip(served[1:], served):
         assert c >= previous_prompt, served
 
     # The agent's residency estimate agrees with the server: the session is
     # resident where a slot holds its last prompt.
     node = nodes.pop()
-    sessions = fleet.ctl("sessions")["sessions"]
-    mine = [s for s in sessions if s["key"] == "kv-affinity"]
-    assert [s["node"] for s in mine] == [node]
-    assert mine[0]["requests"] == 4
-    last_prompt = served[-1][2]
-    holding = [s for s in slots(fleet.llama[node]) if s.get("n_prompt_tokens") == last_prompt]
-    assert holding, slots(fleet.llama[node])
-    assert holding[0]["n_prompt_tokens_cache"] > 0
+    def mine():
+        return [s for s in fleet.ctl("sessions")["sessions"] if s["key"] == "kv-affinity"]
+
+    # Reports reach the controller within a poll interval or so.
+    wait_until("the agent reported all four turns", lambda: mine() and mine()[0]["requests"] == 4, timeout=10)
+    assert [s["node"] for s in mine()] == [node]
+    # A slot holds the last prompt and reply, less the last token, which
+    # never enters the cache; `n_prompt_tokens` is that slot's token count.
+    _, _, prompt, completion = served[-1]
+    held = prompt + completion - 1
+    here = [s for s in slots(fleet.llama[node]) if s.get("n_prompt_tokens") == held]
+    assert here, slots(fleet.llama[node])
+    other = "node-b" if node == "node-a" else "node-a"
+    assert not [s for s in slots(fleet.llama[other]) if s.get("n_prompt_tokens") == held]
 
 
 def test_round_robin_loses_the_cache(fleet):
     served = converse(fleet.round_robin_url, "kv-round-robin", "You are a storyteller of the round-robin test.")
-    nodes = [node for node, _, _ in served]
+    nodes = [node for node, *_ in served]
     assert len(set(nodes)) == 2, served
     # Turn 2 lands on the other node, which has never seen the conversation.
     assert nodes[1] != nodes[0]
     assert served[1][1] == 0, served
-    affinity_like_hits = sum(1 for _, c, _ in served[1:] if c > 0)
+    affinity_like_hits = sum(1 for _, c, *_ in served[1:] if c > 0)
     assert affinity_like_hits < 3, served
