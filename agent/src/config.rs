@@ -99,6 +99,11 @@ pub struct BackendConfig {
     /// responses). Empty: not known, any is tried.
     #[serde(default)]
     pub endpoints: Vec<String>,
+    /// Models this backend serves, as reported while its own catalog cannot
+    /// be read (e.g. while llama-server loads). Optional: once read, the
+    /// backend's catalog is what counts.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub models: Vec<String>,
     /// Credential the proxy adds to every request to this backend (e.g.
     /// llama-server's --api-key). It never leaves this host.
     #[serde(default, skip_serializing_if = "String::is_empty")]
@@ -320,6 +325,7 @@ kind = "llama-swap"
             kind: BackendKind::LlamaServer,
             weight: 1,
             endpoints: vec![],
+            models: vec![],
             api_key: String::new(),
         };
         let config = Config { backends: vec![twice.clone(), twice], ..Config::default() };

@@ -58,6 +58,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
             weight: b.weight,
             endpoints: b.endpoints.iter().filter_map(|e| probe::endpoint_kind(e)).collect(),
             api_key: b.api_key.clone(),
+            declared_models: b.models.clone(),
         })
         .collect();
     let mut simulators = Vec::new();
@@ -83,6 +84,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
             weight: simulated.weight,
             endpoints,
             api_key: String::new(),
+            declared_models: simulated.server.models.iter().map(|m| m.id.clone()).collect(),
         });
         let token = shutdown.clone();
         let span = tracing::info_span!("simulator", backend = %simulated.id);

@@ -56,10 +56,14 @@ pub async fn poll_once(state: &AgentState, client: &ProbeClient, gpus: &GpuReade
 /// Probes every backend concurrently, keeping the configured order.
 async fn probe_all(state: &AgentState, client: &ProbeClient) -> Vec<Backend> {
     let mut set = tokio::task::JoinSet::new();
-    for (i, handle) in state.backends.iter().enumerate() {
+    let previous: Vec<Option<Backend>> = match state.observations.lock() {
+        Ok(o) => state.backends.iter().map(|h| o.backends.iter().find(|b| b.id == h.probe.id).cloned()).collect(),
+        Err(_) => vec![None; state.backends.len()],
+    };
+    for ((i, handle), previous) in state.backends.iter().enumerate().zip(previous) {
         let probe = handle.probe.clone();
         let client = client.clone();
-        set.spawn(async move { (i, probe.probe(&client).await) });
+        set.spawn(async move { (i, probe.probe(&client, previous.as_ref()).await) });
     }
     let mut results: Vec<(usize, Backend)> = Vec::with_capacity(state.backends.len());
     while let Some(done) = set.join_next().await {

@@ -153,6 +153,7 @@ impl AgentHandle {
                     },
                     weight: 1,
                     endpoints: Vec::new(),
+                    models: sim.sim.config().models.iter().map(|m| m.id.clone()).collect(),
                     api_key: String::new(),
                 })
                 .collect(),

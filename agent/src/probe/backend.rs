@@ -13,13 +13,22 @@ pub struct BackendProbe {
     pub weight: u32,
     pub endpoints: Vec<EndpointKind>,
     pub api_key: String,
+    /// Models the operator declared, reported while the backend's own
+    /// catalog cannot be read (a llama-server still loading answers 503
+    /// everywhere).
+    pub declared_models: Vec<String>,
 }
 
 impl BackendProbe {
     /// One poll. Failures are part of the result (health and
     /// `probe_error`), never an error: a backend that cannot be read is a
     /// fact to report.
-    pub async fn probe(&self, client: &ProbeClient) -> Backend {
+    ///
+    /// `previous` is this backend's last observation: while the catalog
+    /// cannot be read, the models last seen (else the declared ones) are
+    /// still reported, as loading or of unknown state, so the fleet knows the
+    /// model exists and says "not now" rather than "no such model".
+    pub async fn probe(&self, client: &ProbeClient, previous: Option<&Backend>) -> Backend {
         let mut backend = Backend {
             id: self.id.clone(),
             kind: match self.kind {
@@ -40,6 +49,10 @@ impl BackendProbe {
             if backend.health() == Health::Unknown {
                 backend.set_health(Health::Down);
             }
+        }
+        if backend.models.is_empty() && backend.health() != Health::Ready {
+            let state = if backend.health() == Health::Loading { ModelState::Loading } else { ModelState::Unknown };
+            backend.models = remembered_models(previous, &self.declared_models, state);
         }
         for model in &mut backend.models {
             if model.endpoints.is_empty() {
@@ -138,6 +151,17 @@ impl BackendProbe {
         backend.models = parse_openai_models(&body, ModelState::Loaded);
         Ok(())
     }
+}
+
+fn remembered_models(previous: Option<&Backend>, declared: &[String], state: ModelState) -> Vec<Model> {
+    let mut models: Vec<Model> = match previous.filter(|p| !p.models.is_empty()) {
+        Some(previous) => previous.models.clone(),
+        None => declared.iter().map(|id| Model { id: id.clone(), ..Default::default() }).collect(),
+    };
+    for model in &mut models {
+        model.set_state(state);
+    }
+    models
 }
 
 fn u32_at(value: &Value, pointer: &str) -> u32 {
@@ -278,6 +302,26 @@ mod tests {
         assert!(!has_status);
         assert_eq!(models[0].state(), ModelState::Unknown);
         assert_eq!(parse_running(br#"{"running":[{"model":"a","state":"ready"}]}"#), ["a"]);
+    }
+
+    #[test]
+    fn an_unreadable_catalog_keeps_the_models_last_seen_else_the_declared_ones() {
+        let previous = Backend {
+            models: parse_openai_models(br#"{"data":[{"id":"seen"}]}"#, ModelState::Loaded),
+            ..Default::default()
+        };
+        let declared = vec!["declared".to_string()];
+        let models = remembered_models(Some(&previous), &declared, ModelState::Loading);
+        assert_eq!(
+            models.iter().map(|m| (m.id.as_str(), m.state())).collect::<Vec<_>>(),
+            [("seen", ModelState::Loading)]
+        );
+        let models = remembered_models(None, &declared, ModelState::Unknown);
+        assert_eq!(
+            models.iter().map(|m| (m.id.as_str(), m.state())).collect::<Vec<_>>(),
+            [("declared", ModelState::Unknown)]
+        );
+        assert!(remembered_models(None, &[], ModelState::Unknown).is_empty());
     }
 
     #[test]

@@ -170,3 +170,28 @@ async fn a_killed_agent_leaves_the_fleet_within_the_lease_ttl_and_traffic_moves(
     assert_eq!(after.status, StatusCode::OK, "{}", String::from_utf8_lossy(&after.body));
     assert_eq!(after.header("x-inferyes-node"), Some(other));
 }
+
+#[tokio::test]
+async fn a_loading_server_is_seen_as_loading_and_gets_no_traffic_until_ready() {
+    use inferyes_proto::v1::Health;
+    use inferyes_tests::{AgentHandle, ControllerHandle, DataplaneHandle, Etcd, HttpClient, SimHandle};
+
+    let etcd = Etcd::start().await;
+    let controller = ControllerHandle::start(&etcd.endpoint(), "controller-1").await;
+    // llama-server answers 503 "Loading model" until its model is in memory.
+    let loading = SimHandle::start(SimConfig { load_delay_ms: 1500, ..chat_sim("chat") }).await;
+    let _agent = AgentHandle::start("node-a", &[controller.url()], &[("main", &loading)]).await;
+    let dataplane = DataplaneHandle::start(&[controller.url()]).await;
+    let health = |s: &inferyes_dataplane::snapshot::RoutingSnapshot| s.nodes().first().map(|n| n.backends[0].health);
+    dataplane.wait_for("the node, loading", Duration::from_secs(5), |s| health(s) == Some(Health::Loading)).await;
+
+    let http = HttpClient::default();
+    let url = format!("{}/v1/chat/completions", dataplane.url);
+    let refused = http.post_json(&url, &chat_body("chat", "hi")).await;
+    assert_eq!(refused.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(refused.openai_error()["code"], "no_capacity");
+    assert_eq!(loading.sim.stats().requests, 0, "nothing was sent to a loading server");
+
+    dataplane.wait_for("the node, ready", Duration::from_secs(5), |s| health(s) == Some(Health::Ready)).await;
+    assert_eq!(http.post_json(&url, &chat_body("chat", "hi")).await.status, StatusCode::OK);
+}
