@@ -104,6 +104,12 @@ pub struct BackendConfig {
     /// backend's catalog is what counts.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub models: Vec<String>,
+    /// Tokens the backend's host prompt cache holds (llama-server's
+    /// `--cache-ram` divided by the model's KV bytes per token; 0 when it
+    /// runs with `--cache-ram 0`). Sessions beyond the slots are believed
+    /// resident while they fit in it.
+    #[serde(default = "default_host_cache_tokens")]
+    pub host_cache_tokens: u64,
     /// Credential the proxy adds to every request to this backend (e.g.
     /// llama-server's --api-key). It never leaves this host.
     #[serde(default, skip_serializing_if = "String::is_empty")]
@@ -112,6 +118,10 @@ pub struct BackendConfig {
 
 fn default_weight() -> u32 {
     1
+}
+
+fn default_host_cache_tokens() -> u64 {
+    crate::residency::Capacity::default().host_cache_tokens
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -326,6 +336,7 @@ kind = "llama-swap"
             weight: 1,
             endpoints: vec![],
             models: vec![],
+            host_cache_tokens: 0,
             api_key: String::new(),
         };
         let config = Config { backends: vec![twice.clone(), twice], ..Config::default() };

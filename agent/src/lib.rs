@@ -10,6 +10,7 @@ pub mod report;
 pub mod residency;
 pub mod sim;
 pub mod state;
+pub mod usage;
 
 use std::sync::Arc;
 use std::sync::Mutex;
@@ -28,9 +29,6 @@ pub use config::Config;
 use crate::probe::{BackendProbe, GpuReader, ProbeClient};
 use crate::state::{AgentState, BackendHandle, Observations};
 
-/// How many conversations each backend is assumed to hold at most until
-/// the residency model learns the backend's real capacity.
-const SESSIONS_PER_BACKEND: usize = 256;
 const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
 
 pub struct Listeners {
@@ -59,6 +57,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
             endpoints: b.endpoints.iter().filter_map(|e| probe::endpoint_kind(e)).collect(),
             api_key: b.api_key.clone(),
             declared_models: b.models.clone(),
+            host_cache_tokens: b.host_cache_tokens,
         })
         .collect();
     let mut simulators = Vec::new();
@@ -85,6 +84,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
             endpoints,
             api_key: String::new(),
             declared_models: simulated.server.models.iter().map(|m| m.id.clone()).collect(),
+            host_cache_tokens: simulated.server.cache_ram_tokens,
         });
         let token = shutdown.clone();
         let span = tracing::info_span!("simulator", backend = %simulated.id);
@@ -102,7 +102,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         started_unix_ms: inferyes_proto::unix_ms(),
         backends: probes.into_iter().map(|probe| BackendHandle { probe, in_flight: AtomicU32::new(0) }).collect(),
         observations: Mutex::new(Observations::default()),
-        residency: Mutex::new(residency::Residency::new(SESSIONS_PER_BACKEND)),
+        residency: Mutex::new(residency::Residency::default()),
         changed: tokio::sync::Notify::new(),
     });
 

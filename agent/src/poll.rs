@@ -30,6 +30,17 @@ pub async fn run(
 /// when anything changed.
 pub async fn poll_once(state: &AgentState, client: &ProbeClient, gpus: &GpuReader) {
     let backends = probe_all(state, client).await;
+    if let Ok(mut residency) = state.residency.lock() {
+        for (handle, backend) in state.backends.iter().zip(&backends) {
+            let slots = if backend.slots_total > 0 {
+                usize::try_from(backend.slots_total).unwrap_or(usize::MAX)
+            } else {
+                crate::residency::Capacity::default().slots
+            };
+            let capacity = crate::residency::Capacity { slots, host_cache_tokens: handle.probe.host_cache_tokens };
+            residency.set_capacity(&handle.probe.id, capacity);
+        }
+    }
     let changed_backends = match state.observations.lock() {
         Ok(mut o) if o.backends != backends => {
             o.backends = backends;

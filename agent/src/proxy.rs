@@ -92,7 +92,16 @@ async fn forward(State(proxy): State<Proxy>, request: Request<Body>) -> Response
     match proxy.client.request(Request::from_parts(parts, body)).await {
         Ok(response) => {
             let (parts, body) = response.into_parts();
-            let tracked = Tracked { inner: body, _guard: guard, started, first_byte: false, backend: backend_id };
+            let tracked = Tracked {
+                inner: body,
+                _guard: guard,
+                started,
+                first_byte: false,
+                backend: backend_id,
+                session,
+                tail: Vec::new(),
+                state: Arc::clone(&proxy.state),
+            };
             Response::from_parts(parts, Body::new(tracked))
         }
         Err(err) => {
@@ -156,6 +165,40 @@ struct Tracked {
     started: Instant,
     first_byte: bool,
     backend: String,
+    /// The request's session, whose residency the response's usage updates.
+    session: Option<String>,
+    /// The last bytes of the body, where usage and timings are.
+    tail: Vec<u8>,
+    state: Arc<AgentState>,
+}
+
+impl Tracked {
+    fn keep_tail(&mut self, data: &[u8]) {
+        if self.session.is_none() {
+            return;
+        }
+        self.tail.extend_from_slice(data);
+        if self.tail.len() > 2 * crate::usage::TAIL_BYTES {
+            let cut = self.tail.len() - crate::usage::TAIL_BYTES;
+            self.tail.drain(..cut);
+        }
+    }
+
+    fn finished(&mut self) {
+        let Some(session) = self.session.take() else { return };
+        let Some(usage) = crate::usage::parse_usage(&self.tail) else { return };
+        if let Ok(mut residency) = self.state.residency.lock() {
+            residency.record(&session, &self.backend, usage);
+        }
+        self.state.changed.notify_one();
+    }
+}
+
+impl Drop for Tracked {
+    fn drop(&mut self) {
+        // Bodies that end with their last data frame are not polled again.
+        self.finished();
+    }
 }
 
 impl http_body::Body for Tracked {
@@ -165,13 +208,22 @@ impl http_body::Body for Tracked {
     fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
         let this = self.get_mut();
         let poll = Pin::new(&mut this.inner).poll_frame(cx);
-        if !this.first_byte
-            && let Poll::Ready(Some(Ok(frame))) = &poll
-            && frame.is_data()
-        {
-            this.first_byte = true;
-            let ttft_ms = this.started.elapsed().as_secs_f64() * 1000.0;
-            tracing::debug!(backend = %this.backend, ttft_ms, "first byte from backend");
+        match &poll {
+            Poll::Ready(Some(Ok(frame))) => {
+                if let Some(data) = frame.data_ref() {
+                    if !this.first_byte {
+                        this.first_byte = true;
+                        let ttft_ms = this.started.elapsed().as_secs_f64() * 1000.0;
+                        tracing::debug!(backend = %this.backend, ttft_ms, "first byte from backend");
+                    }
+                    this.keep_tail(data);
+                }
+                if this.inner.is_end_stream() {
+                    this.finished();
+                }
+            }
+            Poll::Ready(None) => this.finished(),
+            _ => {}
         }
         poll
     }

@@ -101,6 +101,8 @@ async fn session(
         .map_err(|status| fail(status.message(), false))?
         .into_inner();
 
+    // A new stream starts from the whole residency table.
+    send_residency(state, &tx, true).await?;
     let registered = match inbound.message().await.map_err(|s| fail(s.message(), false))? {
         Some(inferyes_proto::v1::ControllerMessage { msg: Some(controller_message::Msg::Registered(r)) }) => r,
         _ => return Err(fail("controller did not confirm the registration", false)),
@@ -115,12 +117,17 @@ async fn session(
         tokio::select! {
             () = shutdown.cancelled() => return Ok(()),
             message = inbound.message() => match message {
-                Ok(Some(message)) => {
-                    if let Some(controller_message::Msg::Drain(drain)) = message.msg {
+                Ok(Some(message)) => match message.msg {
+                    Some(controller_message::Msg::Drain(drain)) => {
                         tracing::info!(draining = drain.draining, "drain state from controller");
                         connection.send_modify(|c| c.draining = drain.draining);
                     }
-                }
+                    Some(controller_message::Msg::Resync(_)) => {
+                        send_residency(state, &tx, true).await?;
+                    }
+
+                    _ => {}
+                },
                 Ok(None) => return Err(fail("controller closed the stream", true)),
                 Err(status) => return Err(fail(status.message(), true)),
             },
@@ -131,6 +138,9 @@ async fn session(
                 if status != sent {
                     send(&tx, agent_message::Msg::Status(status.clone())).await?;
                     sent = status;
+                    last_sent = Instant::now();
+                }
+                if send_residency(state, &tx, false).await? {
                     last_sent = Instant::now();
                 }
             }
@@ -149,6 +159,17 @@ async fn session(
             }
         }
     }
+}
+
+/// Sends the residency table's changes (or all of it); returns whether
+/// anything was sent.
+async fn send_residency(state: &AgentState, tx: &mpsc::Sender<AgentMessage>, full: bool) -> Result<bool, Failure> {
+    let update = match state.residency.lock() {
+        Ok(mut residency) if full || residency.has_changes() => residency.take_update(full),
+        _ => return Ok(false),
+    };
+    send(tx, agent_message::Msg::Residency(update)).await?;
+    Ok(true)
 }
 
 async fn send(tx: &mpsc::Sender<AgentMessage>, msg: agent_message::Msg) -> Result<(), Failure> {

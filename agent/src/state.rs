@@ -1,6 +1,8 @@
 //! The agent's shared state. Each piece has one writer: the poller writes
-//! observations, the proxy writes in-flight counts and residency; the
-//! reporter only reads, through [`AgentState::status`].
+//! observations (and tells the residency table each backend's capacity),
+//! the proxy writes in-flight counts and the sessions in the residency
+//! table; the reporter reads, through [`AgentState::status`], and takes
+//! numbered residency updates.
 
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -80,14 +82,14 @@ impl AgentState {
                 backend.in_flight = handle.in_flight.load(Ordering::Relaxed);
             }
         }
-        let sessions = self.residency.lock().map(|r| r.sessions()).unwrap_or_default();
         NodeStatus {
             node_id: self.node_id.clone(),
             hostname: self.hostname.clone(),
             proxy_url: self.proxy_url.clone(),
             gpus,
             backends,
-            sessions,
+            // Sessions travel as numbered residency updates.
+            sessions: Vec::new(),
             agent_version: env!("CARGO_PKG_VERSION").to_string(),
             started_unix_ms: self.started_unix_ms,
         }

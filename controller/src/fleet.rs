@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use inferyes_proto::v1::{DrainRecord, NodeRecord};
+use inferyes_proto::v1::{DrainRecord, NodePolicy, NodeRecord, RoutingPolicy};
 
 use crate::store::{WatchBatch, WatchEvent};
 
@@ -13,6 +13,10 @@ pub struct FleetState {
     revision: u64,
     nodes: BTreeMap<String, Arc<NodeRecord>>,
     drains: BTreeMap<String, DrainRecord>,
+    policy: RoutingPolicy,
+    node_policies: BTreeMap<String, NodePolicy>,
+    /// Alias → model id.
+    aliases: BTreeMap<String, String>,
 }
 
 impl FleetState {
@@ -38,6 +42,20 @@ impl FleetState {
                 WatchEvent::DrainDeleted(id) => {
                     self.drains.remove(&id);
                 }
+                WatchEvent::PolicyPut(policy) => self.policy = policy,
+                WatchEvent::PolicyDeleted => self.policy = RoutingPolicy::default(),
+                WatchEvent::NodePolicyPut(id, policy) => {
+                    self.node_policies.insert(id, policy);
+                }
+                WatchEvent::NodePolicyDeleted(id) => {
+                    self.node_policies.remove(&id);
+                }
+                WatchEvent::AliasPut(alias, record) => {
+                    self.aliases.insert(alias, record.model);
+                }
+                WatchEvent::AliasDeleted(alias) => {
+                    self.aliases.remove(&alias);
+                }
             }
         }
         self.revision = self.revision.max(batch.revision);
@@ -53,6 +71,18 @@ impl FleetState {
 
     pub fn drain(&self, node_id: &str) -> Option<&DrainRecord> {
         self.drains.get(node_id)
+    }
+
+    pub fn policy(&self) -> &RoutingPolicy {
+        &self.policy
+    }
+
+    pub fn node_policy(&self, node_id: &str) -> Option<&NodePolicy> {
+        self.node_policies.get(node_id)
+    }
+
+    pub fn aliases(&self) -> impl Iterator<Item = (&str, &str)> {
+        self.aliases.iter().map(|(a, m)| (a.as_str(), m.as_str()))
     }
 }
 

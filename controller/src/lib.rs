@@ -7,6 +7,8 @@ pub mod fleet;
 pub mod grpc;
 pub mod http;
 pub mod reconcile;
+pub mod residency;
+
 pub mod snapshot;
 pub mod store;
 

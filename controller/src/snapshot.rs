@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use inferyes_proto::v1::{RoutingSnapshot, SnapshotDelta, SnapshotNode};
+use inferyes_proto::v1::{Alias, RoutingPolicy, RoutingSnapshot, SnapshotDelta, SnapshotNode};
 
 use crate::fleet::FleetState;
 
@@ -14,6 +14,9 @@ use crate::fleet::FleetState;
 pub struct Snapshot {
     version: u64,
     nodes: BTreeMap<String, Arc<SnapshotNode>>,
+    policy: RoutingPolicy,
+    /// Sorted by alias.
+    aliases: Vec<Alias>,
 }
 
 impl Snapshot {
@@ -29,8 +32,21 @@ impl Snapshot {
         self.nodes.get(node_id).map(|n| n.as_ref())
     }
 
+    pub fn policy(&self) -> &RoutingPolicy {
+        &self.policy
+    }
+
+    pub fn aliases(&self) -> &[Alias] {
+        &self.aliases
+    }
+
     pub fn to_full(&self) -> RoutingSnapshot {
-        RoutingSnapshot { version: self.version, nodes: self.nodes.values().map(|n| SnapshotNode::clone(n)).collect() }
+        RoutingSnapshot {
+            version: self.version,
+            nodes: self.nodes.values().map(|n| SnapshotNode::clone(n)).collect(),
+            policy: Some(self.policy.clone()),
+            aliases: self.aliases.clone(),
+        }
     }
 }
 
@@ -40,7 +56,11 @@ pub fn build(state: &FleetState, previous: Option<&Snapshot>) -> Snapshot {
         .nodes()
         .filter_map(|(id, record)| {
             let status = record.status.clone()?;
-            let node = SnapshotNode { status: Some(status), draining: state.drain(id).is_some() };
+            let node = SnapshotNode {
+                status: Some(status),
+                draining: state.drain(id).is_some(),
+                policy: state.node_policy(id).cloned(),
+            };
             let shared = match previous.and_then(|p| p.nodes.get(id)) {
                 Some(old) if **old == node => Arc::clone(old),
                 _ => Arc::new(node),
@@ -48,7 +68,8 @@ pub fn build(state: &FleetState, previous: Option<&Snapshot>) -> Snapshot {
             Some((id.to_string(), shared))
         })
         .collect();
-    Snapshot { version: state.revision(), nodes }
+    let aliases = state.aliases().map(|(alias, model)| Alias { alias: alias.into(), model: model.into() }).collect();
+    Snapshot { version: state.revision(), nodes, policy: state.policy().clone(), aliases }
 }
 
 /// What a receiver holding `from` needs to arrive at `to`.
@@ -63,7 +84,14 @@ pub fn delta(from: &Snapshot, to: &Snapshot) -> SnapshotDelta {
         .map(|(_, node)| SnapshotNode::clone(node))
         .collect();
     let removed = from.nodes.keys().filter(|id| !to.nodes.contains_key(*id)).cloned().collect();
-    SnapshotDelta { version: to.version, base_version: from.version, upserted, removed }
+    SnapshotDelta {
+        version: to.version,
+        base_version: from.version,
+        upserted,
+        removed,
+        policy: Some(to.policy.clone()),
+        aliases: to.aliases.clone(),
+    }
 }
 
 /// Applies a delta to a full snapshot message: the receiver's side of
@@ -80,6 +108,8 @@ pub fn apply_delta(full: &mut RoutingSnapshot, delta: SnapshotDelta) {
     }
     full.nodes = nodes.into_values().collect();
     full.version = delta.version;
+    full.policy = delta.policy;
+    full.aliases = delta.aliases;
 }
 
 fn node_id(node: &SnapshotNode) -> &str {

@@ -60,9 +60,10 @@ pub struct Config {
     /// A node must start answering within this; generous, because a cold
     /// load can take minutes.
     pub response_header_timeout_ms: u64,
-    /// How requests are spread: `session-affinity` (the product) or
-    /// `round-robin` (a baseline, to measure what affinity saves).
-    pub routing_strategy: crate::routing::Strategy,
+    /// `policy` (the product: sessions stay with their KV cache, the fleet's
+    /// routing policy for the rest), or a baseline that ignores sessions,
+    /// `round-robin` or `least-outstanding`, to measure what affinity saves.
+    pub routing_mode: crate::routing::Mode,
     pub log_format: LogFormat,
 }
 
@@ -76,7 +77,8 @@ impl Default for Config {
             max_body_bytes: 32 << 20,
             connect_timeout_ms: 2000,
             response_header_timeout_ms: 600_000,
-            routing_strategy: crate::routing::Strategy::SessionAffinity,
+            routing_mode: crate::routing::Mode::Policy,
+
             log_format: LogFormat::Text,
         }
     }

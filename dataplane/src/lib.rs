@@ -38,7 +38,7 @@ pub async fn run(
         snapshots,
         forwarder: http::forward_client(&config),
         max_body_bytes: config.max_body_bytes,
-        strategy: config.routing_strategy,
+        mode: config.routing_mode,
         tickets: Arc::default(),
     };
     tracing::info!(listen = %listener.local_addr()?, id = %config.dataplane_id, "data plane running");

@@ -110,7 +110,7 @@ version = 1
 listen = "127.0.0.1:{port}"
 controllers = ["{fleet.controller_url}"]
 dataplane_id = "{name}"
-routing_strategy = "{strategy}"
+routing_mode = "{strategy}"
 """)
             fleet.spawn(name, [str(fleet.bin / "inferyes-dataplane"), "--config", str(config)])
             url = f"http://127.0.0.1:{port}"
@@ -123,7 +123,7 @@ routing_strategy = "{strategy}"
             wait_until(f"{name} routing over both nodes", ready)
             return url
 
-        fleet.url = dataplane("dataplane", "session-affinity")
+        fleet.url = dataplane("dataplane", "policy")
         fleet.round_robin_url = dataplane("dataplane-rr", "round-robin")
         yield fleet
     finally:

@@ -154,6 +154,8 @@ impl AgentHandle {
                     weight: 1,
                     endpoints: Vec::new(),
                     models: sim.sim.config().models.iter().map(|m| m.id.clone()).collect(),
+                    host_cache_tokens: sim.sim.config().cache_ram_tokens,
+
                     api_key: String::new(),
                 })
                 .collect(),

@@ -17,6 +17,9 @@ pub struct BackendProbe {
     /// catalog cannot be read (a llama-server still loading answers 503
     /// everywhere).
     pub declared_models: Vec<String>,
+    /// Tokens the backend's host prompt cache holds (llama-server
+    /// `--cache-ram`), for the residency estimate.
+    pub host_cache_tokens: u64,
 }
 
 impl BackendProbe {

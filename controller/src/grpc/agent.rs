@@ -5,7 +5,8 @@ use inferyes_proto::ErrorKind;
 use inferyes_proto::v1::agent_message::Msg;
 use inferyes_proto::v1::agent_service_server::{AgentService, AgentServiceServer};
 use inferyes_proto::v1::{
-    AgentMessage, ControllerMessage, DrainState, NodeRecord, NodeStatus, Registered, controller_message,
+    AgentMessage, ControllerMessage, DrainState, NodeRecord, NodeStatus, Registered, ResyncResidency,
+    controller_message,
 };
 use tokio::sync::mpsc;
 use tokio::time::Instant;
@@ -17,6 +18,8 @@ use tracing::Instrument;
 
 use super::status;
 use crate::reconcile::SnapshotRx;
+use crate::residency::{Applied, SessionTable};
+
 use crate::store::{EtcdStore, Lease, StoreError};
 
 /// Serves agent streams. Each stream is the one writer of its node's etcd
@@ -110,7 +113,9 @@ impl AgentSvc {
         let node_id = node.node_id.clone();
         let registered_unix_ms = inferyes_proto::unix_ms();
         let mut lease: Option<Lease> = None;
-        let mut pending: Option<NodeStatus> = Some(node);
+        let mut reported: NodeStatus = node;
+        let mut table = SessionTable::default();
+        let mut pending: Option<NodeStatus> = Some(table.merged(&reported));
         let mut written: Option<NodeStatus> = None;
         let mut write_at = Instant::now();
         let mut write_backoff = Duration::from_millis(100);
@@ -127,18 +132,37 @@ impl AgentSvc {
                 message = inbound.message() => match message {
                     Ok(Some(AgentMessage { msg: Some(msg) })) => {
                         last_heard = Instant::now();
-                        match msg {
+                        let changed = match msg {
                             Msg::Status(status) | Msg::Register(inferyes_proto::v1::Register { status: Some(status), .. }) => {
-                                if status.node_id != node_id {
-                                    tracing::warn!(reported = %status.node_id, "agent changed its node id; ignoring the report");
-                                } else if written.as_ref() != Some(&status) {
-                                    pending = Some(status);
+                                if status.node_id == node_id {
+                                    reported = status;
+                                    true
                                 } else {
-                                    pending = None;
+                                    tracing::warn!(reported = %status.node_id, "agent changed its node id; ignoring the report");
+                                    false
                                 }
                             }
-                            Msg::Register(_) | Msg::Heartbeat(_) => {}
+                            Msg::Residency(update) => match table.apply(update) {
+                                Applied::Changed => true,
+                                Applied::Unchanged => false,
+                                Applied::Resync { expected_seq } => {
+                                    tracing::debug!(expected_seq, "residency numbering broken; asking for a full table");
+                                    let resync = ControllerMessage {
+                                        msg: Some(controller_message::Msg::Resync(ResyncResidency { expected_seq })),
+                                    };
+                                    if tx.send(Ok(resync)).await.is_err() {
+                                        break End::AgentLeft;
+                                    }
+                                    false
+                                }
+                            },
+                            Msg::Register(_) | Msg::Heartbeat(_) => false,
+                        };
+                        if changed {
+                            let desired = table.merged(&reported);
+                            pending = (written.as_ref() != Some(&desired)).then_some(desired);
                         }
+
                     }
                     Ok(Some(AgentMessage { msg: None })) => last_heard = Instant::now(),
                     Ok(None) | Err(_) => break End::AgentLeft,

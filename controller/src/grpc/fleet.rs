@@ -3,9 +3,10 @@ use std::collections::BTreeMap;
 use inferyes_proto::ErrorKind;
 use inferyes_proto::v1::fleet_service_server::{FleetService, FleetServiceServer};
 use inferyes_proto::v1::{
-    DrainRecord, DrainRequest, DrainResponse, GetNodeRequest, ListModelsRequest, ListModelsResponse, ListNodesRequest,
-    ListNodesResponse, ListSessionsRequest, ListSessionsResponse, ModelState, ModelSummary, SessionInfo, SnapshotNode,
-    UndrainRequest,
+    Alias, AliasRecord, DeleteAliasRequest, DrainRecord, DrainRequest, DrainResponse, GetNodeRequest, GetPolicyRequest,
+    ListAliasesRequest, ListAliasesResponse, ListModelsRequest, ListModelsResponse, ListNodesRequest,
+    ListNodesResponse, ListSessionsRequest, ListSessionsResponse, ModelState, ModelSummary, NodePolicy, RoutingPolicy,
+    SessionInfo, SetNodePolicyRequest, SnapshotNode, UndrainRequest, WriteResponse,
 };
 use tonic::{Request, Response, Status};
 
@@ -86,17 +87,103 @@ impl FleetService for FleetSvc {
             ));
         }
         let record = DrainRecord { reason: request.reason, since_unix_ms: inferyes_proto::unix_ms() };
-        let revision = self.store.put_drain(&request.node_id, &record).await?;
+        let revision = self.store.put(self.store.keys().drain(&request.node_id), &record).await?;
         tracing::info!(node = %request.node_id, revision, "node drained");
         Ok(Response::new(DrainResponse { node_id: request.node_id, draining: true, revision }))
     }
 
     async fn undrain(&self, request: Request<UndrainRequest>) -> Result<Response<DrainResponse>, Status> {
         let node_id = request.into_inner().node_id;
-        let revision = self.store.delete_drain(&node_id).await?;
+        let revision = self.store.delete(self.store.keys().drain(&node_id)).await?;
         tracing::info!(node = %node_id, revision, "node undrained");
         Ok(Response::new(DrainResponse { node_id, draining: false, revision }))
     }
+
+    async fn list_aliases(&self, _: Request<ListAliasesRequest>) -> Result<Response<ListAliasesResponse>, Status> {
+        let snapshot = self.snapshot()?;
+        Ok(Response::new(ListAliasesResponse { version: snapshot.version(), aliases: snapshot.aliases().to_vec() }))
+    }
+
+    async fn set_alias(&self, request: Request<Alias>) -> Result<Response<WriteResponse>, Status> {
+        let Alias { alias, model } = request.into_inner();
+        validate_name("alias", &alias)?;
+        validate_name("model", &model)?;
+        if alias == model {
+            return Err(status(ErrorKind::BadRequest, "an alias cannot name itself"));
+        }
+        let snapshot = self.snapshot()?;
+        if snapshot.aliases().iter().any(|a| a.alias == model) {
+            return Err(status(ErrorKind::BadRequest, format!("`{model}` is itself an alias: aliases name models")));
+        }
+        if model_summaries(&snapshot).iter().any(|m| m.id == alias) {
+            return Err(status(
+                ErrorKind::BadRequest,
+                format!("`{alias}` is a model of the fleet; an alias cannot hide it"),
+            ));
+        }
+        let revision = self.store.put(self.store.keys().alias(&alias), &AliasRecord { model: model.clone() }).await?;
+        tracing::info!(%alias, %model, revision, "alias set");
+        Ok(Response::new(WriteResponse { revision }))
+    }
+
+    async fn delete_alias(&self, request: Request<DeleteAliasRequest>) -> Result<Response<WriteResponse>, Status> {
+        let alias = request.into_inner().alias;
+        if !self.snapshot()?.aliases().iter().any(|a| a.alias == alias) {
+            return Err(status(ErrorKind::NotFound, format!("no alias `{alias}`")));
+        }
+        let revision = self.store.delete(self.store.keys().alias(&alias)).await?;
+        tracing::info!(%alias, revision, "alias deleted");
+        Ok(Response::new(WriteResponse { revision }))
+    }
+
+    async fn get_policy(&self, _: Request<GetPolicyRequest>) -> Result<Response<RoutingPolicy>, Status> {
+        Ok(Response::new(self.snapshot()?.policy().clone()))
+    }
+
+    async fn set_policy(&self, request: Request<RoutingPolicy>) -> Result<Response<WriteResponse>, Status> {
+        let policy = request.into_inner();
+        validate_thresholds(policy.admission_threshold, policy.hard_limit)?;
+        if policy.load_bound != 0.0 && !(1.0..=100.0).contains(&policy.load_bound) {
+            return Err(status(ErrorKind::BadRequest, "load_bound must be at least 1 (0: the default, 1.25)"));
+        }
+        let revision = self.store.put(self.store.keys().policy(), &policy).await?;
+        tracing::info!(revision, "routing policy set");
+        Ok(Response::new(WriteResponse { revision }))
+    }
+
+    async fn set_node_policy(&self, request: Request<SetNodePolicyRequest>) -> Result<Response<WriteResponse>, Status> {
+        let SetNodePolicyRequest { node_id, policy } = request.into_inner();
+        validate_name("node_id", &node_id)?;
+        let policy = policy.unwrap_or_default();
+        validate_thresholds(policy.admission_threshold, policy.hard_limit)?;
+        let key = self.store.keys().node_policy(&node_id);
+        let revision = if policy == NodePolicy::default() {
+            self.store.delete(key).await?
+        } else {
+            self.store.put(key, &policy).await?
+        };
+        tracing::info!(node = %node_id, revision, "node policy set");
+        Ok(Response::new(WriteResponse { revision }))
+    }
+}
+
+fn validate_name(what: &str, name: &str) -> Result<(), Status> {
+    if name.is_empty() || name.len() > 256 || name.chars().any(char::is_control) {
+        return Err(status(ErrorKind::BadRequest, format!("{what} must be 1-256 printable characters")));
+    }
+    Ok(())
+}
+
+/// Fractions of GPU memory; 0 means "inherit".
+fn validate_thresholds(admission: f64, hard: f64) -> Result<(), Status> {
+    let fraction = |v: f64| v == 0.0 || (v > 0.0 && v <= 1.0);
+    if !fraction(admission) || !fraction(hard) {
+        return Err(status(ErrorKind::BadRequest, "thresholds are fractions of GPU memory in (0, 1], e.g. 0.92"));
+    }
+    if admission != 0.0 && hard != 0.0 && admission > hard {
+        return Err(status(ErrorKind::BadRequest, "admission_threshold must not exceed hard_limit"));
+    }
+    Ok(())
 }
 
 /// The fleet's model catalog: one entry per model id, with where it is

@@ -5,7 +5,7 @@ use etcd_client::{
     WatchOptions, WatchStream,
 };
 use inferyes_proto::ErrorKind;
-use inferyes_proto::v1::{DrainRecord, NodeRecord};
+use inferyes_proto::v1::{AliasRecord, DrainRecord, NodePolicy, NodeRecord, RoutingPolicy};
 use prost::Message;
 
 use super::keys::{Key, Keys};
@@ -36,6 +36,12 @@ pub enum WatchEvent {
     NodeDeleted(String),
     DrainPut(String, DrainRecord),
     DrainDeleted(String),
+    PolicyPut(RoutingPolicy),
+    PolicyDeleted,
+    NodePolicyPut(String, NodePolicy),
+    NodePolicyDeleted(String),
+    AliasPut(String, AliasRecord),
+    AliasDeleted(String),
 }
 
 /// The events of one etcd revision range, and the revision they bring the
@@ -109,14 +115,14 @@ impl EtcdStore {
         Ok(revision(response.header()))
     }
 
-    pub async fn put_drain(&self, node_id: &str, record: &DrainRecord) -> Result<u64, StoreError> {
-        let key = self.keys.drain(node_id);
-        let response = self.client.clone().put(key, record.encode_to_vec(), None).await?;
+    /// Writes a persistent (unleased) value; returns the revision.
+    pub async fn put(&self, key: String, value: &impl Message) -> Result<u64, StoreError> {
+        let response = self.client.clone().put(key, value.encode_to_vec(), None).await?;
         Ok(revision(response.header()))
     }
 
-    pub async fn delete_drain(&self, node_id: &str) -> Result<u64, StoreError> {
-        let response = self.client.clone().delete(self.keys.drain(node_id), None).await?;
+    pub async fn delete(&self, key: String) -> Result<u64, StoreError> {
+        let response = self.client.clone().delete(key, None).await?;
         Ok(revision(response.header()))
     }
 
@@ -189,23 +195,28 @@ fn revision(header: Option<&etcd_client::ResponseHeader>) -> u64 {
 
 fn decode(keys: &Keys, event_type: EventType, kv: &KeyValue) -> Option<WatchEvent> {
     let key = keys.parse(kv.key())?;
-    let event = match (key, event_type) {
-        (Key::Node(id), EventType::Delete) => WatchEvent::NodeDeleted(id),
-        (Key::Drain(id), EventType::Delete) => WatchEvent::DrainDeleted(id),
-        (Key::Node(id), EventType::Put) => match NodeRecord::decode(kv.value()) {
-            Ok(record) => WatchEvent::NodePut(id, record),
-            Err(error) => {
-                tracing::warn!(node = %id, %error, "ignoring undecodable node record");
-                return None;
-            }
-        },
-        (Key::Drain(id), EventType::Put) => match DrainRecord::decode(kv.value()) {
-            Ok(record) => WatchEvent::DrainPut(id, record),
-            Err(error) => {
-                tracing::warn!(node = %id, %error, "ignoring undecodable drain record");
-                return None;
-            }
-        },
+    if event_type == EventType::Delete {
+        return Some(match key {
+            Key::Node(id) => WatchEvent::NodeDeleted(id),
+            Key::Drain(id) => WatchEvent::DrainDeleted(id),
+            Key::Policy => WatchEvent::PolicyDeleted,
+            Key::NodePolicy(id) => WatchEvent::NodePolicyDeleted(id),
+            Key::Alias(alias) => WatchEvent::AliasDeleted(alias),
+        });
+    }
+    let value = kv.value();
+    let decoded = match &key {
+        Key::Node(id) => NodeRecord::decode(value).map(|r| WatchEvent::NodePut(id.clone(), r)),
+        Key::Drain(id) => DrainRecord::decode(value).map(|r| WatchEvent::DrainPut(id.clone(), r)),
+        Key::Policy => RoutingPolicy::decode(value).map(WatchEvent::PolicyPut),
+        Key::NodePolicy(id) => NodePolicy::decode(value).map(|r| WatchEvent::NodePolicyPut(id.clone(), r)),
+        Key::Alias(alias) => AliasRecord::decode(value).map(|r| WatchEvent::AliasPut(alias.clone(), r)),
     };
-    Some(event)
+    match decoded {
+        Ok(event) => Some(event),
+        Err(error) => {
+            tracing::warn!(key = ?key, %error, "ignoring an undecodable record");
+            None
+        }
+    }
 }

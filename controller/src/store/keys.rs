@@ -10,10 +10,16 @@ pub struct Keys {
 pub enum Key {
     Node(String),
     Drain(String),
+    Policy,
+    NodePolicy(String),
+    Alias(String),
 }
 
 const NODES: &str = "nodes/";
 const DRAIN: &str = "config/drain/";
+const POLICY: &str = "config/policy";
+const NODE_POLICY: &str = "config/node/";
+const ALIAS: &str = "config/alias/";
 
 impl Keys {
     pub fn new(prefix: &str) -> Keys {
@@ -36,6 +42,18 @@ impl Keys {
         format!("{}{DRAIN}{node_id}", self.prefix)
     }
 
+    pub fn policy(&self) -> String {
+        format!("{}{POLICY}", self.prefix)
+    }
+
+    pub fn node_policy(&self, node_id: &str) -> String {
+        format!("{}{NODE_POLICY}{node_id}", self.prefix)
+    }
+
+    pub fn alias(&self, alias: &str) -> String {
+        format!("{}{ALIAS}{alias}", self.prefix)
+    }
+
     /// `None` for keys under the prefix that this version does not know:
     /// a newer controller may have written them, and they are ignored.
     pub fn parse(&self, key: &[u8]) -> Option<Key> {
@@ -45,6 +63,15 @@ impl Keys {
         }
         if let Some(id) = key.strip_prefix(DRAIN) {
             return (!id.is_empty()).then(|| Key::Drain(id.to_string()));
+        }
+        if key == POLICY {
+            return Some(Key::Policy);
+        }
+        if let Some(id) = key.strip_prefix(NODE_POLICY) {
+            return (!id.is_empty()).then(|| Key::NodePolicy(id.to_string()));
+        }
+        if let Some(alias) = key.strip_prefix(ALIAS) {
+            return (!alias.is_empty()).then(|| Key::Alias(alias.to_string()));
         }
         None
     }
@@ -59,6 +86,9 @@ mod tests {
         let keys = Keys::new("/inferyes/v1");
         assert_eq!(keys.parse(keys.node("gpu-1").as_bytes()), Some(Key::Node("gpu-1".into())));
         assert_eq!(keys.parse(keys.drain("gpu-1").as_bytes()), Some(Key::Drain("gpu-1".into())));
+        assert_eq!(keys.parse(keys.policy().as_bytes()), Some(Key::Policy));
+        assert_eq!(keys.parse(keys.node_policy("n").as_bytes()), Some(Key::NodePolicy("n".into())));
+        assert_eq!(keys.parse(keys.alias("org/model").as_bytes()), Some(Key::Alias("org/model".into())));
         assert_eq!(keys.parse(b"/inferyes/v1/nodes/"), None);
         assert_eq!(keys.parse(b"/inferyes/v1/usage/x"), None);
         assert_eq!(keys.parse(b"/other/nodes/gpu-1"), None);

@@ -53,6 +53,7 @@ impl From<RouteError> for ApiError {
         match error {
             RouteError::NoCapacity { .. } => api.retry_after(1),
             RouteError::ModelNotFound { .. } | RouteError::NotServed { .. } => api.param("model"),
+            RouteError::ContextTooLong { .. } => api.param("messages"),
         }
     }
 }

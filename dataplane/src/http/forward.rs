@@ -3,7 +3,7 @@
 
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::Ordering;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -21,8 +21,8 @@ use inferyes_proto::ErrorKind;
 
 use super::ApiError;
 use super::upstream;
-use crate::routing::{Route, RouteReason};
-use crate::snapshot::RoutingSnapshot;
+use crate::routing::Route;
+use crate::snapshot::{LocalCounters, RoutingSnapshot};
 
 pub const NODE_HEADER: HeaderName = HeaderName::from_static("x-inferyes-node");
 pub const ROUTE_HEADER: HeaderName = HeaderName::from_static("x-inferyes-route");
@@ -47,6 +47,8 @@ pub struct Outbound<'a> {
     pub model: &'a str,
     pub session: Option<&'a str>,
     pub request_id: &'a HeaderValue,
+    /// Bytes to hold against the first target while it loads the model.
+    pub reserve_bytes: u64,
 }
 
 impl Forwarder {
@@ -72,7 +74,8 @@ impl Forwarder {
             let Some(node) = snapshot.node(target.node) else { continue };
             let Some(backend) = node.backends.get(target.backend) else { continue };
             let request = build_request(&node.proxy_url, &backend.id, &out)?;
-            let guard = InFlight::enter(Arc::clone(&node.local_in_flight));
+            let reserve = if attempt == 0 { out.reserve_bytes } else { 0 };
+            let guard = InFlight::enter(Arc::clone(&node.local), reserve);
             let is_last = attempt + 1 == route.targets.len();
             let response = match tokio::time::timeout(self.header_timeout, self.client.request(request)).await {
                 Err(_) => {
@@ -187,20 +190,25 @@ async fn read_error(response: http::Response<Incoming>) -> ApiError {
     error
 }
 
-/// Counts a request against its node until the response body is finished
-/// or dropped.
-struct InFlight(Arc<AtomicU32>);
+/// Counts a request (and the memory of a cold load it started) against its
+/// node until the response body is finished or dropped.
+struct InFlight {
+    local: Arc<LocalCounters>,
+    reserved: u64,
+}
 
 impl InFlight {
-    fn enter(counter: Arc<AtomicU32>) -> InFlight {
-        counter.fetch_add(1, Ordering::Relaxed);
-        InFlight(counter)
+    fn enter(local: Arc<LocalCounters>, reserved: u64) -> InFlight {
+        local.in_flight.fetch_add(1, Ordering::Relaxed);
+        local.reserved_vram_bytes.fetch_add(reserved, Ordering::Relaxed);
+        InFlight { local, reserved }
     }
 }
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
+        self.local.in_flight.fetch_sub(1, Ordering::Relaxed);
+        self.local.reserved_vram_bytes.fetch_sub(self.reserved, Ordering::Relaxed);
     }
 }
 
@@ -223,15 +231,5 @@ impl http_body::Body for Guarded {
 
     fn size_hint(&self) -> SizeHint {
         self.inner.size_hint()
-    }
-}
-
-/// The route reason for logging.
-pub fn reason_label(route: &Route) -> &'static str {
-    match route.reason {
-        RouteReason::Resident => "resident",
-        RouteReason::Placed => "placed",
-        RouteReason::Warm => "warm",
-        RouteReason::Cold => "cold",
     }
 }

@@ -13,6 +13,7 @@ use inferyes_proto::v1::EndpointKind;
 use serde_json::json;
 
 use super::forward::{Forwarder, Outbound};
+use super::view::{estimated_prompt_tokens, with_model};
 use super::{ApiError, parse_view, session_key};
 use crate::routing::{self, RouteRequest};
 use crate::snapshot::{CatalogEntry, SnapshotStore};
@@ -39,7 +40,7 @@ pub struct AppState {
     pub snapshots: Arc<SnapshotStore>,
     pub forwarder: Forwarder,
     pub max_body_bytes: usize,
-    pub strategy: routing::Strategy,
+    pub mode: routing::Mode,
     /// Request counter for rotating strategies.
     pub tickets: Arc<std::sync::atomic::AtomicU64>,
 }
@@ -147,7 +148,7 @@ fn not_ready() -> ApiError {
 }
 
 fn model_object(entry: &CatalogEntry) -> serde_json::Value {
-    json!({
+    let mut object = json!({
         "id": entry.id,
         "object": "model",
         "created": 0,
@@ -158,7 +159,11 @@ fn model_object(entry: &CatalogEntry) -> serde_json::Value {
             "nodes": entry.nodes,
             "context_window": entry.context_window,
         }
-    })
+    });
+    if let Some(model) = &entry.alias_of {
+        object["inferyes"]["alias_of"] = json!(model);
+    }
+    object
 }
 
 async fn list_models(State(state): State<AppState>) -> Result<Response, ApiError> {
@@ -180,30 +185,50 @@ async fn inference(State(state): State<AppState>, kind: EndpointKind, request: R
     let request_id = parts.extensions.get::<RequestId>().map(|r| r.0.clone()).unwrap_or_else(new_request_id);
     let body = read_body(body, &parts.headers, state.max_body_bytes).await?;
     let view = parse_view(&body)?;
-    let session = session_key(&parts.headers, &view);
     let snapshot = state.snapshots.current().ok_or_else(not_ready)?;
+    let model = snapshot.resolve(&view.model);
+    let body = if model == view.model { body } else { with_model(&body, &view, model)? };
+    let session = session_key(&parts.headers, &view);
     let ticket = state.tickets.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let request =
-        RouteRequest { model: &view.model, kind, session: session.as_deref(), strategy: state.strategy, ticket };
-    let route = routing::select(&snapshot, &request)?;
+    let route = routing::select(
+        &snapshot,
+        &RouteRequest {
+            model,
+            kind,
+            session: session.as_deref(),
+            prompt_tokens: estimated_prompt_tokens(body.len(), &view),
+            mode: state.mode,
+            ticket,
+        },
+    )?;
+    // A cold load holds the model's size against the node until it answers.
+    let reserve_bytes = if route.cold {
+        snapshot
+            .placements(model)
+            .and_then(|ps| ps.iter().find(|p| Some(&p.target) == route.targets.first()))
+            .map_or(0, |p| p.size_bytes)
+    } else {
+        0
+    };
     let path_and_query = parts.uri.path_and_query().map(|p| p.as_str()).unwrap_or(parts.uri.path());
     let outbound = Outbound {
         path_and_query,
         headers: &parts.headers,
         body,
-        model: &view.model,
+        model,
         session: session.as_deref(),
         request_id: &request_id,
+        reserve_bytes,
     };
     let result = state.forwarder.forward(&snapshot, &route, outbound).await;
     match &result {
         Ok(response) => tracing::debug!(
-            model = %view.model,
-            route = super::forward::reason_label(&route),
+            model,
+            route = route.reason.as_str(),
             status = %response.status(),
             "request routed"
         ),
-        Err(error) => tracing::debug!(model = %view.model, code = ?error.code, "request failed"),
+        Err(error) => tracing::debug!(model, code = ?error.code, "request failed"),
     }
     result
 }

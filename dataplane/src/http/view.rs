@@ -1,28 +1,64 @@
 //! The routing view of a request body: the few fields routing reads. The
 //! rest of the body is never materialised; it is forwarded as received.
 
+use std::borrow::Cow;
+use std::ops::Range;
+
 use http::HeaderMap;
 use inferyes_proto::ErrorKind;
 use serde::Deserialize;
+use serde_json::value::RawValue;
 
 use super::ApiError;
+use crate::routing::stable_hash;
 
 #[derive(Debug, Deserialize)]
 struct Wire<'a> {
     #[serde(borrow, default)]
-    model: Option<std::borrow::Cow<'a, str>>,
+    model: Option<Cow<'a, str>>,
     #[serde(default)]
     stream: Option<bool>,
     #[serde(borrow, default)]
-    prompt_cache_key: Option<std::borrow::Cow<'a, str>>,
+    prompt_cache_key: Option<Cow<'a, str>>,
+    /// Chat: the conversation, for its root.
+    #[serde(borrow, default)]
+    messages: Option<Vec<Message<'a>>>,
+    /// Completions: the prompt, whose beginning is the conversation's root.
+    #[serde(borrow, default)]
+    prompt: Option<&'a RawValue>,
+    /// Responses API: instructions and input.
+    #[serde(borrow, default)]
+    instructions: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    input: Option<&'a RawValue>,
+}
+
+#[derive(Debug, Deserialize)]
+struct Message<'a> {
+    #[serde(borrow, default)]
+    role: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    content: Option<&'a RawValue>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RoutingView {
     pub model: String,
+    /// Where the model's name sits in the body (inside its quotes), when it
+    /// was written without escapes: an alias is rewritten there.
+    pub model_span: Option<Range<usize>>,
     pub stream: bool,
     pub prompt_cache_key: Option<String>,
+    /// A hash of the conversation's beginning (system prompt and first user
+    /// message, or the prompt's first bytes), stable across its turns.
+    pub root: Option<u64>,
+    /// Whether the body carries images or audio, which make its size a poor
+    /// measure of its tokens.
+    pub has_media: bool,
 }
+
+/// Bytes of a completion prompt that make up its root.
+const PROMPT_ROOT_BYTES: usize = 512;
 
 pub fn parse_view(body: &[u8]) -> Result<RoutingView, ApiError> {
     let wire: Wire<'_> = serde_json::from_slice(body).map_err(|error| {
@@ -33,28 +69,99 @@ pub fn parse_view(body: &[u8]) -> Result<RoutingView, ApiError> {
         };
         ApiError::new(ErrorKind::BadRequest, message, "invalid_json")
     })?;
+    let root = conversation_root(&wire);
     let model = wire.model.filter(|m| !m.is_empty()).ok_or_else(|| {
         ApiError::new(ErrorKind::BadRequest, "you must provide a model parameter", "missing_required_parameter")
             .param("model")
     })?;
+    let model_span = match &model {
+        Cow::Borrowed(name) => span_of(body, name.as_bytes()),
+        Cow::Owned(_) => None,
+    };
     Ok(RoutingView {
         model: model.into_owned(),
+        model_span,
         stream: wire.stream.unwrap_or(false),
-        prompt_cache_key: wire.prompt_cache_key.filter(|k| !k.is_empty()).map(|k| k.into_owned()),
+        prompt_cache_key: wire.prompt_cache_key.filter(|k| !k.is_empty()).map(Cow::into_owned),
+        root,
+        has_media: contains(body, b"\"image_url\"") || contains(body, b"\"input_audio\""),
     })
+}
+
+/// The position of `part`, a slice borrowed from `whole`.
+fn span_of(whole: &[u8], part: &[u8]) -> Option<Range<usize>> {
+    let start = (part.as_ptr() as usize).checked_sub(whole.as_ptr() as usize)?;
+    let end = start.checked_add(part.len())?;
+    (end <= whole.len() && &whole[start..end] == part).then_some(start..end)
+}
+
+fn contains(haystack: &[u8], needle: &[u8]) -> bool {
+    haystack.windows(needle.len()).any(|w| w == needle)
+}
+
+fn conversation_root(wire: &Wire<'_>) -> Option<u64> {
+    let mut root = Vec::new();
+    if let Some(messages) = &wire.messages {
+        let first = |role: &str| {
+            messages.iter().find(|m| m.role.as_deref() == Some(role)).and_then(|m| m.content).map(RawValue::get)
+        };
+        let user = first("user")?;
+        root.extend_from_slice(first("system").or_else(|| first("developer")).unwrap_or("").as_bytes());
+        root.push(0);
+        root.extend_from_slice(user.as_bytes());
+    } else if let Some(input) = wire.input {
+        root.extend_from_slice(wire.instructions.map(RawValue::get).unwrap_or("").as_bytes());
+        root.push(0);
+        let input = input.get().as_bytes();
+        root.extend_from_slice(&input[..input.len().min(PROMPT_ROOT_BYTES)]);
+    } else if let Some(prompt) = wire.prompt {
+        let prompt = prompt.get().as_bytes();
+        root.extend_from_slice(&prompt[..prompt.len().min(PROMPT_ROOT_BYTES)]);
+    } else {
+        return None;
+    }
+    Some(stable_hash(&root))
 }
 
 /// Headers that name a conversation, in order of precedence.
 const SESSION_HEADERS: &[&str] = &["x-session-id", "x-claude-code-session-id", "session-id", "x-session_id"];
 
 /// The request's session key: an explicit header, else the body's
-/// `prompt_cache_key` (OpenAI's own field for this), else none.
+/// `prompt_cache_key` (OpenAI's own field for this), else a hash of the
+/// model and the conversation's root, so a multi-turn chat sticks without
+/// any change on the client.
 pub fn session_key(headers: &HeaderMap, view: &RoutingView) -> Option<String> {
     SESSION_HEADERS
         .iter()
         .find_map(|name| headers.get(*name).and_then(|v| v.to_str().ok()).filter(|v| !v.is_empty()))
         .map(str::to_string)
         .or_else(|| view.prompt_cache_key.clone())
+        .or_else(|| view.root.map(|root| format!("root-{:016x}", root ^ stable_hash(view.model.as_bytes()))))
+}
+
+/// A low estimate of a body's prompt tokens, for the context-window check:
+/// an English token is about four bytes and JSON adds framing, so a fifth
+/// of the bytes rarely overestimates. Bodies with media are not estimated.
+pub fn estimated_prompt_tokens(body_len: usize, view: &RoutingView) -> u32 {
+    if view.has_media { 0 } else { u32::try_from(body_len / 5).unwrap_or(u32::MAX) }
+}
+
+/// The body with `model` replaced (an alias resolved), the rest untouched.
+pub fn with_model(body: &bytes::Bytes, view: &RoutingView, model: &str) -> Result<bytes::Bytes, ApiError> {
+    let quoted = serde_json::to_string(model).unwrap_or_default();
+    let escaped = quoted.trim_start_matches('"').trim_end_matches('"');
+    if let Some(span) = &view.model_span {
+        let mut out = Vec::with_capacity(body.len() + escaped.len());
+        out.extend_from_slice(&body[..span.start]);
+        out.extend_from_slice(escaped.as_bytes());
+        out.extend_from_slice(&body[span.end..]);
+        return Ok(out.into());
+    }
+    // The name had escapes: rewrite the document.
+    let mut value: serde_json::Value = serde_json::from_slice(body)
+        .map_err(|_| ApiError::new(ErrorKind::BadRequest, "the request body is not valid JSON", "invalid_json"))?;
+    value["model"] = serde_json::Value::String(model.to_string());
+    Ok(value.to_string().into())
 }
 
 #[cfg(test)]
@@ -67,7 +174,10 @@ mod tests {
             br#"{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}],"prompt_cache_key":"k"}"#,
         )
         .unwrap();
-        assert_eq!(view, RoutingView { model: "m".into(), stream: true, prompt_cache_key: Some("k".into()) });
+        assert_eq!(view.model, "m");
+        assert!(view.stream);
+        assert_eq!(view.prompt_cache_key.as_deref(), Some("k"));
+        assert!(view.root.is_some() && !view.has_media);
     }
 
     #[test]
@@ -84,13 +194,58 @@ mod tests {
     }
 
     #[test]
-    fn session_headers_win_over_the_body() {
-        let view = parse_view(br#"{"model":"m","prompt_cache_key":"body"}"#).unwrap();
+    fn session_headers_win_over_the_body_which_wins_over_the_root() {
+        let view = parse_view(br#"{"model":"m","prompt_cache_key":"body","messages":[{"role":"user","content":"x"}]}"#)
+            .unwrap();
         let mut headers = HeaderMap::new();
         assert_eq!(session_key(&headers, &view).as_deref(), Some("body"));
         headers.insert("session-id", "agent".parse().unwrap());
         assert_eq!(session_key(&headers, &view).as_deref(), Some("agent"));
         headers.insert("x-session-id", "explicit".parse().unwrap());
         assert_eq!(session_key(&headers, &view).as_deref(), Some("explicit"));
+        let rootless = parse_view(br#"{"model":"m","messages":[{"role":"user","content":"x"}]}"#).unwrap();
+        assert!(session_key(&HeaderMap::new(), &rootless).unwrap().starts_with("root-"));
+    }
+
+    #[test]
+    fn later_turns_of_a_conversation_share_its_root() {
+        let turn1 =
+            br#"{"model":"m","messages":[{"role":"system","content":"be brief"},{"role":"user","content":"hello"}]}"#;
+        let turn2 =
+            br#"{"model":"m","messages":[{"role":"system","content":"be brief"},{"role":"user","content":"hello"},
+            {"role":"assistant","content":"hi!"},{"role":"user","content":"how are you?"}],"temperature":0.2}"#;
+        let other =
+            br#"{"model":"m","messages":[{"role":"system","content":"be brief"},{"role":"user","content":"bye"}]}"#;
+        let root = |b: &[u8]| session_key(&HeaderMap::new(), &parse_view(b).unwrap());
+        assert_eq!(root(turn1), root(turn2));
+        assert_ne!(root(turn1), root(other));
+        let other_model =
+            br#"{"model":"n","messages":[{"role":"system","content":"be brief"},{"role":"user","content":"hello"}]}"#;
+        assert_ne!(root(turn1), root(other_model), "the model is part of the root");
+        let completion = |p: &str| root(format!(r#"{{"model":"m","prompt":"{p}"}}"#).as_bytes());
+        assert_eq!(completion("Once upon a time"), completion("Once upon a time"));
+        assert_eq!(root(br#"{"model":"m","messages":[]}"#), None);
+    }
+
+    #[test]
+    fn an_alias_is_rewritten_in_place() {
+        let body = bytes::Bytes::from_static(br#"{"messages":[],"model":"gpt-4o","stream":false}"#);
+        let view = parse_view(&body).unwrap();
+        let rewritten = with_model(&body, &view, "qwen/\"7b\"").unwrap();
+        assert_eq!(&rewritten[..], br#"{"messages":[],"model":"qwen/\"7b\"","stream":false}"#);
+        let escaped = bytes::Bytes::from_static(br#"{"model":"gpt\u002d4o"}"#);
+        let view = parse_view(&escaped).unwrap();
+        assert_eq!(view.model, "gpt-4o");
+        assert_eq!(view.model_span, None);
+        let rewritten: serde_json::Value =
+            serde_json::from_slice(&with_model(&escaped, &view, "qwen").unwrap()).unwrap();
+        assert_eq!(rewritten["model"], "qwen");
+    }
+
+    #[test]
+    fn media_bodies_are_not_estimated() {
+        let view = parse_view(br#"{"model":"m","messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"data:"}}]}]}"#).unwrap();
+        assert!(view.has_media);
+        assert_eq!(estimated_prompt_tokens(1_000_000, &view), 0);
     }
 }

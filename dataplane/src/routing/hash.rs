@@ -23,6 +23,11 @@ fn mix(mut z: u64) -> u64 {
     z ^ (z >> 31)
 }
 
+/// Maps a 64-bit hash into the open interval (0, 1).
+pub fn unit_interval(hash: u64) -> f64 {
+    ((hash >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

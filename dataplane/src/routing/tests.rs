@@ -2,67 +2,118 @@ use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
 
 use inferyes_proto::v1::{
-    Backend, EndpointKind, Gpu, Health, Model, ModelState, NodeStatus, ResidentSession, SnapshotNode,
+    Backend, EndpointKind, Gpu, Health, Model, ModelState, NodePolicy, NodeStatus, ResidentSession, RoutingPolicy,
+    SnapshotNode,
 };
+use proptest::prelude::{Just, any, prop, prop_assert, prop_assert_eq, prop_oneof, proptest};
+use proptest::strategy::Strategy as Generator;
 
 use super::*;
 use crate::snapshot::{Counters, decode};
 
+const GIB: u64 = 1 << 30;
+
+#[derive(Clone, Debug)]
 struct Spec {
-    id: &'static str,
+    id: String,
     state: ModelState,
     health: Health,
     draining: bool,
-    sessions: &'static [&'static str],
-    free_gib: u64,
+    sessions: Vec<String>,
+    /// GPU memory used, percent of 80 GiB.
+    used_percent: u64,
+    in_flight: u32,
+    deferred: u32,
+    weight: u32,
+    context: u32,
+    size_gib: u64,
+    admission_override: f64,
 }
 
-fn spec(id: &'static str) -> Spec {
-    Spec { id, state: ModelState::Loaded, health: Health::Ready, draining: false, sessions: &[], free_gib: 10 }
+fn spec(id: &str) -> Spec {
+    Spec {
+        id: id.into(),
+        state: ModelState::Loaded,
+        health: Health::Ready,
+        draining: false,
+        sessions: Vec::new(),
+        used_percent: 50,
+        in_flight: 0,
+        deferred: 0,
+        weight: 1,
+        context: 4096,
+        size_gib: 5,
+        admission_override: 0.0,
+    }
+}
+
+fn wire(s: &Spec) -> SnapshotNode {
+    let mut model = Model {
+        id: "chat".into(),
+        endpoints: vec![EndpointKind::Chat as i32],
+        context_window: s.context,
+        size_bytes: s.size_gib * GIB,
+        ..Default::default()
+    };
+    model.set_state(s.state);
+    let mut backend = Backend {
+        id: "b0".into(),
+        models: vec![model],
+        in_flight: s.in_flight,
+        requests_deferred: s.deferred,
+        weight: s.weight,
+        ..Default::default()
+    };
+    backend.set_health(s.health);
+    let status = NodeStatus {
+        node_id: s.id.clone(),
+        proxy_url: format!("http://{}", s.id),
+        gpus: vec![Gpu {
+            memory_total_bytes: 80 * GIB,
+            memory_used_bytes: s.used_percent * 80 * GIB / 100,
+            ..Default::default()
+        }],
+        backends: vec![backend],
+        sessions: s
+            .sessions
+            .iter()
+            .map(|k| ResidentSession { key: k.clone(), backend_id: "b0".into(), ..Default::default() })
+            .collect(),
+        ..Default::default()
+    };
+    let policy = (s.admission_override > 0.0)
+        .then_some(NodePolicy { admission_threshold: s.admission_override, hard_limit: 0.0 });
+    SnapshotNode { status: Some(status), draining: s.draining, policy }
+}
+
+fn snapshot_with(specs: &[Spec], policy: Option<RoutingPolicy>) -> RoutingSnapshot {
+    let nodes: BTreeMap<String, SnapshotNode> = specs.iter().map(|s| (s.id.clone(), wire(s))).collect();
+    decode(1, &nodes, policy.as_ref(), &[], &Counters::default())
 }
 
 fn snapshot(specs: &[Spec]) -> RoutingSnapshot {
-    let nodes: BTreeMap<String, SnapshotNode> = specs
-        .iter()
-        .map(|s| {
-            let mut model =
-                Model { id: "chat".into(), endpoints: vec![EndpointKind::Chat as i32], ..Default::default() };
-            model.set_state(s.state);
-            let mut backend = Backend { id: "b0".into(), models: vec![model], ..Default::default() };
-            backend.set_health(s.health);
-            let status = NodeStatus {
-                node_id: s.id.into(),
-                proxy_url: format!("http://{}", s.id),
-                gpus: vec![Gpu {
-                    memory_total_bytes: 80 << 30,
-                    memory_used_bytes: (80 - s.free_gib) << 30,
-                    ..Default::default()
-                }],
-                backends: vec![backend],
-                sessions: s
-                    .sessions
-                    .iter()
-                    .map(|k| ResidentSession { key: (*k).into(), backend_id: "b0".into(), ..Default::default() })
-                    .collect(),
-                ..Default::default()
-            };
-            (s.id.to_string(), SnapshotNode { status: Some(status), draining: s.draining })
-        })
-        .collect();
-    decode(1, &nodes, &Counters::default())
+    snapshot_with(specs, None)
 }
 
 fn chat(session: Option<&str>) -> RouteRequest<'_> {
-    RouteRequest { model: "chat", kind: EndpointKind::Chat, session, strategy: Strategy::SessionAffinity, ticket: 0 }
+    RouteRequest { model: "chat", kind: EndpointKind::Chat, session, prompt_tokens: 0, mode: Mode::Policy, ticket: 0 }
+}
+
+fn node_of(snapshot: &RoutingSnapshot, target: Target) -> String {
+    snapshot.nodes()[target.node].id.to_string()
 }
 
 fn first_node(snapshot: &RoutingSnapshot, route: &Route) -> String {
-    snapshot.nodes()[route.targets[0].node].id.to_string()
+    node_of(snapshot, route.targets[0])
+}
+
+fn nodes(snapshot: &RoutingSnapshot, route: &Route) -> Vec<String> {
+    route.targets.iter().map(|t| node_of(snapshot, *t)).collect()
 }
 
 #[test]
 fn a_resident_session_goes_home() {
-    let s = snapshot(&[spec("a"), Spec { sessions: &["conv-1"], ..spec("b") }, spec("c")]);
+    let s = snapshot(&[spec("a"), Spec { sessions: vec!["conv-1".into()], ..spec("b") }, spec("c")]);
     let route = select(&s, &chat(Some("conv-1"))).unwrap();
     assert_eq!(route.reason, RouteReason::Resident);
     assert_eq!(first_node(&s, &route), "b");
@@ -70,9 +121,9 @@ fn a_resident_session_goes_home() {
 
 #[test]
 fn new_sessions_land_on_the_same_node_in_every_data_plane() {
-    let specs = || [spec("a"), spec("b"), spec("c"), spec("d")];
-    let one = snapshot(&specs());
-    let two = snapshot(&specs());
+    let specs = [spec("a"), spec("b"), spec("c"), spec("d")];
+    let one = snapshot(&specs);
+    let two = snapshot(&specs);
     let mut homes = std::collections::HashSet::new();
     for i in 0..64 {
         let key = format!("conversation-{i}");
@@ -88,37 +139,138 @@ fn new_sessions_land_on_the_same_node_in_every_data_plane() {
 #[test]
 fn drained_unhealthy_and_cold_nodes_are_avoided() {
     let s = snapshot(&[
-        Spec { draining: true, sessions: &["conv"], ..spec("a") },
+        Spec { draining: true, sessions: vec!["conv".into()], ..spec("a") },
         Spec { health: Health::Loading, ..spec("b") },
-        Spec { state: ModelState::Unloaded, free_gib: 70, ..spec("c") },
+        Spec { state: ModelState::Unloaded, used_percent: 10, ..spec("c") },
         spec("d"),
     ]);
     for session in [None, Some("conv"), Some("other")] {
         let route = select(&s, &chat(session)).unwrap();
-        assert_eq!(first_node(&s, &route), "d");
-        let nodes: Vec<_> = route.targets.iter().map(|t| s.nodes()[t.node].id.to_string()).collect();
-        assert_eq!(nodes, ["d", "c"], "cold node only as the failover");
+        assert_eq!(nodes(&s, &route), ["d", "c"], "cold node only as the failover");
     }
 }
 
 #[test]
-fn cold_placement_prefers_free_vram() {
-    let s = snapshot(&[
-        Spec { state: ModelState::Unloaded, free_gib: 5, ..spec("a") },
-        Spec { state: ModelState::Unloaded, free_gib: 50, ..spec("b") },
-    ]);
-    let route = select(&s, &chat(None)).unwrap();
-    assert_eq!(route.reason, RouteReason::Cold);
-    assert_eq!(first_node(&s, &route), "b");
+fn over_the_admission_threshold_only_resident_sessions_continue() {
+    let s = snapshot(&[Spec { used_percent: 95, sessions: vec!["old".into()], ..spec("full") }, spec("free")]);
+    let resident = select(&s, &chat(Some("old"))).unwrap();
+    assert_eq!((first_node(&s, &resident).as_str(), resident.reason), ("full", RouteReason::Resident));
+    for session in [None, Some("new")] {
+        let route = select(&s, &chat(session)).unwrap();
+        assert_eq!(nodes(&s, &route), ["free"]);
+    }
+    // Past the hard limit, not even resident sessions.
+    let s = snapshot(&[Spec { used_percent: 99, sessions: vec!["old".into()], ..spec("full") }, spec("free")]);
+    assert_eq!(nodes(&s, &select(&s, &chat(Some("old"))).unwrap()), ["free"]);
+    // Everything full: a clear refusal.
+    let s = snapshot(&[Spec { used_percent: 93, ..spec("full") }]);
+    let error = select(&s, &chat(Some("new"))).unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::Overloaded);
+    assert!(error.to_string().contains("admission threshold"), "{error}");
 }
 
 #[test]
-fn keyless_traffic_goes_to_the_least_loaded_node() {
-    let s = snapshot(&[spec("a"), spec("b")]);
-    s.nodes()[0].local_in_flight.fetch_add(3, Ordering::Relaxed);
+fn thresholds_come_from_the_node_then_the_fleet() {
+    let strict = Spec { used_percent: 85, admission_override: 0.8, ..spec("a") };
+    let s = snapshot(&[strict.clone(), Spec { used_percent: 85, ..spec("b") }]);
+    assert_eq!(nodes(&s, &select(&s, &chat(None)).unwrap()), ["b"]);
+    let fleet = RoutingPolicy { admission_threshold: 0.5, ..Default::default() };
+    let s =
+        snapshot_with(&[Spec { used_percent: 60, ..spec("a") }, Spec { used_percent: 40, ..spec("b") }], Some(fleet));
+    assert_eq!(nodes(&s, &select(&s, &chat(None)).unwrap()), ["b"]);
+}
+
+#[test]
+fn a_saturated_home_is_passed_over_but_kept_as_failover() {
+    let s = snapshot(&[Spec { deferred: 2, sessions: vec!["conv".into()], ..spec("busy") }, spec("idle")]);
+    let route = select(&s, &chat(Some("conv"))).unwrap();
+    assert_eq!(nodes(&s, &route), ["idle", "busy"]);
+    assert_eq!(route.reason, RouteReason::Placed);
+}
+
+#[test]
+fn placement_respects_the_load_bound() {
+    // Find a session whose home is "a", then load "a" far above average.
+    let specs = [spec("a"), spec("b"), spec("c"), spec("d")];
+    let s = snapshot(&specs);
+    let key = (0..100).map(|i| format!("s{i}")).find(|k| first_node(&s, &select(&s, &chat(Some(k))).unwrap()) == "a");
+    let key = key.expect("some session lives on a");
+    let loaded = snapshot(&[Spec { in_flight: 8, ..spec("a") }, spec("b"), spec("c"), spec("d")]);
+    let route = select(&loaded, &chat(Some(&key))).unwrap();
+    assert_ne!(first_node(&loaded, &route), "a", "8 in flight is over 1.25 × the average of 2.25");
+    // Within the bound (everyone equally busy) it stays home.
+    let busy = |id| Spec { in_flight: 1, ..spec(id) };
+    let mildly = snapshot(&[busy("a"), busy("b"), busy("c"), busy("d")]);
+
+    assert_eq!(first_node(&mildly, &select(&mildly, &chat(Some(&key))).unwrap()), "a");
+}
+
+#[test]
+fn cold_placement_prefers_free_memory_and_counts_loads_in_progress() {
+    let s = snapshot(&[
+        Spec { state: ModelState::Unloaded, used_percent: 50, ..spec("a") },
+        Spec { state: ModelState::Unloaded, used_percent: 20, ..spec("b") },
+        // Would not stay under 92% with 10 GiB more.
+        Spec { state: ModelState::Unloaded, used_percent: 85, size_gib: 10, ..spec("c") },
+    ]);
     let route = select(&s, &chat(None)).unwrap();
-    assert_eq!(route.reason, RouteReason::Warm);
-    assert_eq!(first_node(&s, &route), "b");
+    assert_eq!(route.reason, RouteReason::Cold);
+    assert!(route.cold);
+    assert_eq!(nodes(&s, &route), ["b", "a"]);
+    // This data plane started a 30 GiB load on b: a has more room now.
+    s.nodes()[1].local.reserved_vram_bytes.fetch_add(40 * GIB, Ordering::Relaxed);
+    assert_eq!(first_node(&s, &select(&s, &chat(None)).unwrap()), "a");
+    // A load already under way is joined.
+    let joining = snapshot(&[
+        Spec { state: ModelState::Unloaded, used_percent: 10, ..spec("a") },
+        Spec { state: ModelState::Loading, used_percent: 60, ..spec("b") },
+    ]);
+    assert_eq!(first_node(&joining, &select(&joining, &chat(None)).unwrap()), "b");
+}
+
+#[test]
+fn keyless_strategies() {
+    let specs = [
+        Spec { in_flight: 3, ..spec("a") },
+        Spec { in_flight: 1, weight: 1, ..spec("b") },
+        Spec { in_flight: 2, weight: 8, ..spec("c") },
+    ];
+    let s = snapshot(&specs);
+    assert_eq!(first_node(&s, &select(&s, &chat(None)).unwrap()), "b", "least outstanding");
+    let weighted = snapshot_with(
+        &specs,
+        Some(RoutingPolicy { default_strategy: Strategy::Weighted as i32, ..Default::default() }),
+    );
+    assert_eq!(first_node(&weighted, &select(&weighted, &chat(None)).unwrap()), "c", "2/8 beats 1/1");
+    let rr = snapshot_with(
+        &specs,
+        Some(RoutingPolicy { default_strategy: Strategy::RoundRobin as i32, ..Default::default() }),
+    );
+    let order: Vec<String> =
+        (0..3).map(|ticket| first_node(&rr, &select(&rr, &RouteRequest { ticket, ..chat(None) }).unwrap())).collect();
+    assert_eq!(order, ["a", "b", "c"]);
+    let p2 = snapshot_with(
+        &specs,
+        Some(RoutingPolicy { default_strategy: Strategy::PowerOfTwo as i32, ..Default::default() }),
+    );
+    for ticket in 0..20 {
+        let route = select(&p2, &RouteRequest { ticket, ..chat(None) }).unwrap();
+        assert_ne!(first_node(&p2, &route), "a", "the most loaded never wins a pair");
+    }
+}
+
+#[test]
+fn baselines_ignore_sessions() {
+    let s = snapshot(&[Spec { sessions: vec!["conv".into()], ..spec("a") }, spec("b"), spec("c")]);
+    let order: Vec<String> = (0..3)
+        .map(|ticket| {
+            let request = RouteRequest { mode: Mode::RoundRobin, ticket, ..chat(Some("conv")) };
+            let route = select(&s, &request).unwrap();
+            assert_eq!(route.reason, RouteReason::Warm);
+            first_node(&s, &route)
+        })
+        .collect();
+    assert_eq!(order, ["a", "b", "c"]);
 }
 
 #[test]
@@ -129,20 +281,88 @@ fn errors_name_what_is_wrong() {
     assert!(missing.to_string().contains("available models: chat"));
     let embed = select(&s, &RouteRequest { kind: EndpointKind::Embedding, ..chat(None) }).unwrap_err();
     assert_eq!(embed.kind(), ErrorKind::BadRequest);
+    let long = select(&s, &RouteRequest { prompt_tokens: 5000, ..chat(None) }).unwrap_err();
+    assert_eq!((long.kind(), long.code()), (ErrorKind::BadRequest, "context_length_exceeded"));
+    assert!(long.to_string().contains("4096"), "{long}");
     let down = snapshot(&[Spec { health: Health::Down, ..spec("a") }]);
     assert_eq!(select(&down, &chat(None)).unwrap_err().kind(), ErrorKind::Overloaded);
 }
 
 #[test]
-fn round_robin_ignores_sessions_and_rotates() {
-    let s = snapshot(&[Spec { sessions: &["conv"], ..spec("a") }, spec("b"), spec("c")]);
-    let nodes: Vec<String> = (0..6)
-        .map(|ticket| {
-            let request = RouteRequest { strategy: Strategy::RoundRobin, ticket, ..chat(Some("conv")) };
-            let route = select(&s, &request).unwrap();
-            assert_eq!(route.reason, RouteReason::Warm);
-            first_node(&s, &route)
+fn a_long_prompt_goes_where_it_fits() {
+    let s = snapshot(&[Spec { context: 2048, ..spec("small") }, Spec { context: 32768, in_flight: 5, ..spec("big") }]);
+    let route = select(&s, &RouteRequest { prompt_tokens: 3000, ..chat(None) }).unwrap();
+    assert_eq!(nodes(&s, &route), ["big"]);
+}
+
+fn arb_spec() -> impl Generator<Value = Spec> {
+    (
+        prop_oneof![
+            Just(ModelState::Loaded),
+            Just(ModelState::Unloaded),
+            Just(ModelState::Unknown),
+            Just(ModelState::Loading)
+        ],
+        prop_oneof![Just(Health::Ready), Just(Health::Loading), Just(Health::Down)],
+        any::<bool>(),
+        0u64..100,
+        0u32..20,
+        0u32..3,
+        any::<bool>(),
+    )
+        .prop_map(|(state, health, draining, used_percent, in_flight, deferred, resident)| Spec {
+            state,
+            health,
+            draining,
+            used_percent,
+            in_flight,
+            deferred,
+            sessions: if resident { vec!["conv".into()] } else { Vec::new() },
+            ..spec("x")
         })
-        .collect();
-    assert_eq!(nodes, ["a", "b", "c", "a", "b", "c"]);
+}
+
+fn arb_fleet() -> impl Generator<Value = Vec<Spec>> {
+    proptest::collection::vec(arb_spec(), 1..12)
+        .prop_map(|specs| specs.into_iter().enumerate().map(|(i, s)| Spec { id: format!("n{i:02}"), ..s }).collect())
+}
+
+proptest! {
+    #[test]
+    fn never_a_drained_unhealthy_or_overfull_node(specs in arb_fleet(), session in prop::option::of("[a-z]{1,8}|conv")) {
+        let s = snapshot(&specs);
+        if let Ok(route) = select(&s, &chat(session.as_deref())) {
+            prop_assert!(!route.targets.is_empty());
+            for target in &route.targets {
+                let node = &s.nodes()[target.node];
+                let spec = specs.iter().find(|sp| sp.id == *node.id).unwrap();
+                prop_assert!(!spec.draining);
+                prop_assert_eq!(spec.health, Health::Ready);
+                prop_assert!(node.vram_fraction < node.hard_limit);
+                let resident_here = session.as_deref() == Some("conv") && spec.sessions.iter().any(|k| k == "conv");
+                if !resident_here {
+                    prop_assert!(node.vram_fraction < node.admission_threshold);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_same_snapshot_and_session_give_the_same_node(specs in arb_fleet(), session in "[a-z]{1,12}") {
+        let one = snapshot(&specs);
+        let two = snapshot(&specs);
+        prop_assert_eq!(select(&one, &chat(Some(&session))), select(&two, &chat(Some(&session))));
+    }
+
+    #[test]
+    fn new_sessions_never_go_above_the_load_bound(loads in proptest::collection::vec(0u32..30, 2..10), session in "[a-z]{1,12}") {
+        let specs: Vec<Spec> =
+            loads.iter().enumerate().map(|(i, l)| Spec { in_flight: *l, ..spec(&format!("n{i}")) }).collect();
+        let s = snapshot(&specs);
+        let route = select(&s, &chat(Some(&session))).unwrap();
+        let total: u32 = loads.iter().sum();
+        let bound = (1.25 * f64::from(total + 1) / loads.len() as f64).ceil();
+        let chosen = &specs[route.targets[0].node];
+        prop_assert!(f64::from(chosen.in_flight) + 1.0 <= bound, "{} in flight, bound {}", chosen.in_flight, bound);
+    }
 }

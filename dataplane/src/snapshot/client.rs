@@ -7,7 +7,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use inferyes_proto::v1::routing_service_client::RoutingServiceClient;
-use inferyes_proto::v1::{SnapshotNode, SubscribeRequest, snapshot_update};
+use inferyes_proto::v1::{Alias, RoutingPolicy, SnapshotNode, SubscribeRequest, snapshot_update};
+
 use tokio_util::sync::CancellationToken;
 use tonic::transport::Endpoint;
 
@@ -69,12 +70,16 @@ async fn follow(store: &SnapshotStore, address: &str, dataplane_id: &str) -> any
     // The wire form of this stream's view, to apply deltas to.
     let mut version = 0u64;
     let mut nodes: BTreeMap<String, SnapshotNode> = BTreeMap::new();
+    let mut policy: Option<RoutingPolicy>;
+    let mut aliases: Vec<Alias>;
     let mut received = false;
     while let Some(update) = stream.message().await? {
         match update.update {
             Some(snapshot_update::Update::Full(full)) => {
                 version = full.version;
                 nodes = full.nodes.into_iter().map(|n| (node_id(&n), n)).collect();
+                policy = full.policy;
+                aliases = full.aliases;
             }
             Some(snapshot_update::Update::Delta(delta)) => {
                 if delta.base_version != version {
@@ -87,11 +92,13 @@ async fn follow(store: &SnapshotStore, address: &str, dataplane_id: &str) -> any
                     nodes.insert(node_id(&node), node);
                 }
                 version = delta.version;
+                policy = delta.policy;
+                aliases = delta.aliases;
             }
             None => continue,
         }
         received = true;
-        if store.publish(decode(version, &nodes, store.counters())) {
+        if store.publish(decode(version, &nodes, policy.as_ref(), &aliases, store.counters())) {
             tracing::debug!(version, nodes = nodes.len(), controller = %update.controller_id, "snapshot installed");
         } else {
             tracing::debug!(version, "snapshot older than the one held; waiting for this controller to catch up");

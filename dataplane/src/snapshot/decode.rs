@@ -1,20 +1,19 @@
 use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::AtomicU32;
 use std::sync::{Arc, Mutex};
 
-use inferyes_proto::v1::{ModelState, SnapshotNode};
+use inferyes_proto::v1::{Alias, ModelState, RoutingPolicy, SnapshotNode, Strategy};
 
-use super::{BackendView, CatalogEntry, Node, Placement, RoutingSnapshot, Target};
+use super::{BackendView, CatalogEntry, LocalCounters, Node, Placement, Policy, RoutingSnapshot, Target};
 
-/// Per-node in-flight counters that survive snapshot swaps, so a request
-/// that started under one snapshot is still counted under the next.
+/// Per-node counters that survive snapshot swaps, so a request that started
+/// under one snapshot is still counted under the next.
 #[derive(Debug, Default)]
 pub struct Counters {
-    by_node: Mutex<HashMap<Arc<str>, Arc<AtomicU32>>>,
+    by_node: Mutex<HashMap<Arc<str>, Arc<LocalCounters>>>,
 }
 
 impl Counters {
-    fn for_node(&self, id: &Arc<str>) -> Arc<AtomicU32> {
+    fn for_node(&self, id: &Arc<str>) -> Arc<LocalCounters> {
         match self.by_node.lock() {
             Ok(mut map) => Arc::clone(map.entry(Arc::clone(id)).or_default()),
             Err(_) => Arc::default(),
@@ -24,34 +23,66 @@ impl Counters {
     /// Forgets nodes that left the fleet and have nothing in flight.
     fn retain(&self, present: &[Node]) {
         if let Ok(mut map) = self.by_node.lock() {
-            map.retain(|id, count| {
-                present.iter().any(|n| n.id == *id) || count.load(std::sync::atomic::Ordering::Relaxed) > 0
+            map.retain(|id, counters| {
+                present.iter().any(|n| n.id == *id) || counters.in_flight.load(std::sync::atomic::Ordering::Relaxed) > 0
             });
         }
     }
 }
 
+fn resolve_policy(wire: Option<&RoutingPolicy>) -> Policy {
+    let defaults = Policy::default();
+    let Some(wire) = wire else { return defaults };
+    let or = |value: f64, default: f64| if value > 0.0 { value } else { default };
+    let strategy = |value: i32| Strategy::try_from(value).ok().filter(|s| *s != Strategy::Unspecified);
+    Policy {
+        admission_threshold: or(wire.admission_threshold, defaults.admission_threshold),
+        hard_limit: or(wire.hard_limit, defaults.hard_limit),
+        load_bound: or(wire.load_bound, defaults.load_bound).max(1.0),
+        default_strategy: strategy(wire.default_strategy).unwrap_or(defaults.default_strategy),
+        model_strategies: wire
+            .model_strategies
+            .iter()
+            .filter_map(|(model, s)| strategy(*s).map(|s| (model.clone(), s)))
+            .collect(),
+    }
+}
+
 /// Builds the routing indices from the wire form. Nodes come sorted by id
 /// (a `BTreeMap`), so equal inputs give equal snapshots.
-pub fn decode(version: u64, nodes: &BTreeMap<String, SnapshotNode>, counters: &Counters) -> RoutingSnapshot {
+pub fn decode(
+    version: u64,
+    nodes: &BTreeMap<String, SnapshotNode>,
+    policy: Option<&RoutingPolicy>,
+    aliases: &[Alias],
+    counters: &Counters,
+) -> RoutingSnapshot {
+    let policy = resolve_policy(policy);
     let mut snapshot = RoutingSnapshot { version, ..Default::default() };
     for wire in nodes.values() {
         let Some(status) = wire.status.as_ref() else { continue };
         let node_index = snapshot.nodes.len();
         let id: Arc<str> = Arc::from(status.node_id.as_str());
-        let total: u64 = status.gpus.iter().map(|g| g.memory_total_bytes).sum();
-        let used: u64 = status.gpus.iter().map(|g| g.memory_used_bytes).sum();
-        let free_vram_bytes = total.saturating_sub(used);
+        let vram_fraction = status
+            .gpus
+            .iter()
+            .filter(|g| g.memory_total_bytes > 0)
+            .map(|g| g.memory_used_bytes as f64 / g.memory_total_bytes as f64)
+            .fold(0.0, f64::max);
         let mut backends = Vec::with_capacity(status.backends.len());
+        let mut vram_loading_bytes = 0u64;
         for (backend_index, backend) in status.backends.iter().enumerate() {
             let target = Target { node: node_index, backend: backend_index };
             for model in &backend.models {
+                if model.state() == ModelState::Loading {
+                    vram_loading_bytes = vram_loading_bytes.saturating_add(model.size_bytes);
+                }
                 snapshot.models.entry(model.id.clone()).or_default().push(Placement {
                     target,
                     state: model.state(),
                     context_window: model.context_window,
                     endpoints: model.endpoints().collect(),
-                    free_vram_bytes,
+                    size_bytes: model.size_bytes,
                 });
             }
             backends.push(BackendView {
@@ -69,45 +100,74 @@ pub fn decode(version: u64, nodes: &BTreeMap<String, SnapshotNode>, counters: &C
                 snapshot.sessions.insert(session.key.clone(), Target { node: node_index, backend });
             }
         }
+        let own = wire.policy.as_ref();
+        let or = |value: Option<f64>, default: f64| value.filter(|v| *v > 0.0).unwrap_or(default);
         snapshot.nodes.push(Node {
-            local_in_flight: counters.for_node(&id),
+            local: counters.for_node(&id),
             id,
             proxy_url: Arc::from(status.proxy_url.trim_end_matches('/')),
             draining: wire.draining,
             backends,
+            vram_fraction,
+            vram_total_bytes: status.gpus.iter().map(|g| g.memory_total_bytes).sum(),
+            vram_used_bytes: status.gpus.iter().map(|g| g.memory_used_bytes).sum(),
+            vram_loading_bytes,
+            admission_threshold: or(own.map(|p| p.admission_threshold), policy.admission_threshold),
+            hard_limit: or(own.map(|p| p.hard_limit), policy.hard_limit),
         });
     }
     let mut catalog: Vec<CatalogEntry> = snapshot
         .models
         .iter()
         .map(|(id, placements)| {
-            let mut nodes: Vec<usize> = placements.iter().map(|p| p.target.node).collect();
-            nodes.sort_unstable();
-            nodes.dedup();
-            let mut warm: Vec<usize> = placements
-                .iter()
-                .filter(|p| matches!(p.state, ModelState::Loaded | ModelState::Unknown))
-                .map(|p| p.target.node)
-                .collect();
-            warm.sort_unstable();
-            warm.dedup();
+            let distinct = |warm_only: bool| {
+                let mut nodes: Vec<usize> = placements
+                    .iter()
+                    .filter(|p| !warm_only || matches!(p.state, ModelState::Loaded | ModelState::Unknown))
+                    .map(|p| p.target.node)
+                    .collect();
+                nodes.sort_unstable();
+                nodes.dedup();
+                u32::try_from(nodes.len()).unwrap_or(u32::MAX)
+            };
             CatalogEntry {
                 id: id.clone(),
-                warm_nodes: u32::try_from(warm.len()).unwrap_or(u32::MAX),
-                nodes: u32::try_from(nodes.len()).unwrap_or(u32::MAX),
+                alias_of: None,
+                warm_nodes: distinct(true),
+                nodes: distinct(false),
                 context_window: placements.iter().map(|p| p.context_window).max().unwrap_or(0),
             }
         })
         .collect();
+    for alias in aliases {
+        // An alias of a model the fleet does not serve right now is still
+        // listed: a request for it gets the model's own error.
+        let target = catalog.iter().find(|e| e.id == alias.model).cloned();
+        if snapshot.models.contains_key(&alias.alias) {
+            continue;
+        }
+        snapshot.aliases.insert(alias.alias.clone(), alias.model.clone());
+        let mut entry = target.unwrap_or(CatalogEntry {
+            id: String::new(),
+            alias_of: None,
+            warm_nodes: 0,
+            nodes: 0,
+            context_window: 0,
+        });
+        entry.id = alias.alias.clone();
+        entry.alias_of = Some(alias.model.clone());
+        catalog.push(entry);
+    }
     catalog.sort_by(|a, b| a.id.cmp(&b.id));
     snapshot.catalog = catalog;
+    snapshot.policy = policy;
     counters.retain(&snapshot.nodes);
     snapshot
 }
 
 #[cfg(test)]
 mod tests {
-    use inferyes_proto::v1::{Backend, Model, NodeStatus, ResidentSession};
+    use inferyes_proto::v1::{Backend, Gpu, Model, NodePolicy, NodeStatus, ResidentSession};
 
     use super::*;
 
@@ -116,12 +176,16 @@ mod tests {
             status: Some(NodeStatus {
                 node_id: id.into(),
                 proxy_url: format!("http://{id}/"),
+                gpus: vec![
+                    Gpu { memory_total_bytes: 100, memory_used_bytes: 50, ..Default::default() },
+                    Gpu { memory_total_bytes: 100, memory_used_bytes: 90, ..Default::default() },
+                ],
                 backends: vec![Backend {
                     id: "b0".into(),
                     models: models
                         .iter()
                         .map(|(m, s)| {
-                            let mut model = Model { id: (*m).into(), ..Default::default() };
+                            let mut model = Model { id: (*m).into(), size_bytes: 7, ..Default::default() };
                             model.set_state(*s);
                             model
                         })
@@ -135,23 +199,46 @@ mod tests {
                 ..Default::default()
             }),
             draining: false,
+            policy: None,
         }
     }
 
     #[test]
-    fn indices_cover_models_sessions_and_catalog() {
+    fn indices_cover_models_sessions_aliases_and_catalog() {
         let mut nodes = BTreeMap::new();
         nodes.insert("a".to_string(), node("a", &[("chat", ModelState::Loaded)], &["s1"]));
-        nodes.insert("b".to_string(), node("b", &[("chat", ModelState::Unloaded), ("embed", ModelState::Loaded)], &[]));
-        let counters = Counters::default();
-        let snapshot = decode(4, &nodes, &counters);
+        nodes
+            .insert("b".to_string(), node("b", &[("chat", ModelState::Unloaded), ("embed", ModelState::Loading)], &[]));
+        let aliases = [Alias { alias: "gpt-4o".into(), model: "chat".into() }];
+        let snapshot = decode(4, &nodes, None, &aliases, &Counters::default());
         assert_eq!(snapshot.version(), 4);
         assert_eq!(snapshot.placements("chat").map(<[Placement]>::len), Some(2));
         assert_eq!(snapshot.resident("s1"), Some(Target { node: 0, backend: 0 }));
         assert_eq!(snapshot.nodes()[0].proxy_url.as_ref(), "http://a");
+        assert!((snapshot.nodes()[0].vram_fraction - 0.9).abs() < 1e-9, "the fullest GPU counts");
+        assert_eq!(snapshot.nodes()[1].vram_loading_bytes, 7);
         let chat = snapshot.model("chat").unwrap();
         assert_eq!((chat.warm_nodes, chat.nodes), (1, 2));
+        assert_eq!(snapshot.resolve("gpt-4o"), "chat");
+        assert_eq!(snapshot.resolve("chat"), "chat");
+        let alias = snapshot.model("gpt-4o").unwrap();
+        assert_eq!((alias.alias_of.as_deref(), alias.nodes), (Some("chat"), 2));
         assert!(snapshot.model("nope").is_none());
+    }
+
+    #[test]
+    fn policies_fill_in_defaults_and_node_overrides_win() {
+        let mut nodes = BTreeMap::new();
+        nodes.insert("a".to_string(), node("a", &[], &[]));
+        let mut b = node("b", &[], &[]);
+        b.policy = Some(NodePolicy { admission_threshold: 0.8, hard_limit: 0.0 });
+        nodes.insert("b".to_string(), b);
+        let policy = RoutingPolicy { hard_limit: 0.95, ..Default::default() };
+        let snapshot = decode(1, &nodes, Some(&policy), &[], &Counters::default());
+        let thresholds: Vec<(f64, f64)> =
+            snapshot.nodes().iter().map(|n| (n.admission_threshold, n.hard_limit)).collect();
+        assert_eq!(thresholds, [(0.92, 0.95), (0.8, 0.95)]);
+        assert_eq!(snapshot.policy().load_bound, 1.25);
     }
 
     #[test]
@@ -159,9 +246,9 @@ mod tests {
         let mut nodes = BTreeMap::new();
         nodes.insert("a".to_string(), node("a", &[], &[]));
         let counters = Counters::default();
-        let first = decode(1, &nodes, &counters);
-        first.nodes()[0].local_in_flight.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let second = decode(2, &nodes, &counters);
-        assert!(Arc::ptr_eq(&first.nodes()[0].local_in_flight, &second.nodes()[0].local_in_flight));
+        let first = decode(1, &nodes, None, &[], &counters);
+        first.nodes()[0].local.in_flight.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let second = decode(2, &nodes, None, &[], &counters);
+        assert!(Arc::ptr_eq(&first.nodes()[0].local, &second.nodes()[0].local));
     }
 }

@@ -11,9 +11,9 @@ pub use store::SnapshotStore;
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::AtomicU32;
+use std::sync::atomic::{AtomicU32, AtomicU64};
 
-use inferyes_proto::v1::{EndpointKind, Health, ModelState};
+use inferyes_proto::v1::{EndpointKind, Health, ModelState, Strategy};
 
 /// An immutable routing snapshot. Built only by [`decode`].
 #[derive(Debug, Default)]
@@ -22,10 +22,41 @@ pub struct RoutingSnapshot {
     pub(crate) nodes: Vec<Node>,
     /// Model id → every backend that lists it.
     pub(crate) models: HashMap<String, Vec<Placement>>,
-    /// Model ids, sorted: the fleet's catalog.
+    /// The fleet's catalog, models and aliases, sorted by id.
     pub(crate) catalog: Vec<CatalogEntry>,
+    /// Alias → model id.
+    pub(crate) aliases: HashMap<String, String>,
     /// Session key → where its KV cache is resident.
     pub(crate) sessions: HashMap<String, Target>,
+    pub(crate) policy: Policy,
+}
+
+/// The fleet's routing policy with every default filled in.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Policy {
+    pub admission_threshold: f64,
+    pub hard_limit: f64,
+    pub load_bound: f64,
+    pub default_strategy: Strategy,
+    pub model_strategies: HashMap<String, Strategy>,
+}
+
+impl Default for Policy {
+    fn default() -> Policy {
+        Policy {
+            admission_threshold: 0.92,
+            hard_limit: 0.98,
+            load_bound: 1.25,
+            default_strategy: Strategy::LeastOutstanding,
+            model_strategies: HashMap::new(),
+        }
+    }
+}
+
+impl Policy {
+    pub fn strategy(&self, model: &str) -> Strategy {
+        self.model_strategies.get(model).copied().unwrap_or(self.default_strategy)
+    }
 }
 
 #[derive(Debug)]
@@ -35,10 +66,31 @@ pub struct Node {
     pub proxy_url: Arc<str>,
     pub draining: bool,
     pub backends: Vec<BackendView>,
-    /// This data plane's own requests in flight to the node: snapshots lag,
-    /// and a burst must not all land on one node between two reports. The
-    /// counter outlives snapshots (see [`Counters`]).
-    pub local_in_flight: Arc<AtomicU32>,
+    /// The fullest GPU's used memory as a fraction of its total; 0 on a node
+    /// without GPUs.
+    pub vram_fraction: f64,
+    pub vram_total_bytes: u64,
+    pub vram_used_bytes: u64,
+    /// Models loading on the node right now: memory they will take that the
+    /// GPU readings may not show yet.
+    pub vram_loading_bytes: u64,
+    /// This node's thresholds: its own override, else the fleet's.
+    pub admission_threshold: f64,
+    pub hard_limit: f64,
+    /// This data plane's own counters for the node, which outlive snapshots
+    /// (see [`Counters`]): snapshots lag, and a burst must not all land on
+    /// one node between two reports.
+    pub local: Arc<LocalCounters>,
+}
+
+#[derive(Debug, Default)]
+pub struct LocalCounters {
+    /// Requests this data plane has in flight to the node.
+    pub in_flight: AtomicU32,
+    /// Bytes of models this data plane has sent cold loads for, until those
+    /// requests finish: two cold loads must not both fit into the same
+    /// free memory.
+    pub reserved_vram_bytes: AtomicU64,
 }
 
 #[derive(Debug)]
@@ -50,6 +102,13 @@ pub struct BackendView {
     pub slots_busy: u32,
     pub requests_deferred: u32,
     pub in_flight: u32,
+}
+
+impl BackendView {
+    /// Queueing already: requests deferred, or every slot busy.
+    pub fn saturated(&self) -> bool {
+        self.requests_deferred > 0 || (self.slots_total > 0 && self.slots_busy >= self.slots_total)
+    }
 }
 
 /// Where a model can run: a backend of a node.
@@ -66,13 +125,14 @@ pub struct Placement {
     pub context_window: u32,
     /// Empty: not known, so any kind is tried.
     pub endpoints: Vec<EndpointKind>,
-    /// Free VRAM on the node, for cold placement.
-    pub free_vram_bytes: u64,
+    pub size_bytes: u64,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CatalogEntry {
     pub id: String,
+    /// For an alias, the model it names.
+    pub alias_of: Option<String>,
     /// Nodes with the model loaded (or possibly loaded).
     pub warm_nodes: u32,
     pub nodes: u32,
@@ -106,5 +166,14 @@ impl RoutingSnapshot {
 
     pub fn model(&self, id: &str) -> Option<&CatalogEntry> {
         self.catalog.binary_search_by(|e| e.id.as_str().cmp(id)).ok().map(|i| &self.catalog[i])
+    }
+
+    /// The model an id names: itself, or the model behind an alias.
+    pub fn resolve<'a>(&'a self, id: &'a str) -> &'a str {
+        self.aliases.get(id).map(String::as_str).unwrap_or(id)
+    }
+
+    pub fn policy(&self) -> &Policy {
+        &self.policy
     }
 }

@@ -58,12 +58,25 @@ async fn every_error_is_openai_shaped_with_the_right_status() {
 async fn backend_errors_are_rewritten_into_the_openai_shape() {
     let small = inferyes_agent::sim::SimConfig { context: 256, slots: 1, ..chat_sim("chat") };
     let fleet = Fleet::start(vec![small]).await;
-    let long = "word ".repeat(400);
+    // Small enough for the gateway's estimate, too long for the server: the
+    // server's own error, reshaped.
+    let long = "a ".repeat(300);
     let overflow = fleet.http.post_json(&fleet.url("/v1/chat/completions"), &chat_body("chat", &long)).await;
     assert_eq!(overflow.status, StatusCode::BAD_REQUEST);
     let error = overflow.openai_error();
     assert_eq!(error["code"], "context_length_exceeded");
-    assert!(error["message"].as_str().unwrap().contains("context size"), "{error}");
+    // llama-server's wording, not the gateway's.
+    assert!(error["message"].as_str().unwrap().contains("exceeds the available context size"), "{error}");
+
+    // Far too long for any window: the gateway says so without a round trip.
+    let requests_before = fleet.sims[0].sim.stats().requests;
+    let huge = "word ".repeat(2000);
+    let refused = fleet.http.post_json(&fleet.url("/v1/chat/completions"), &chat_body("chat", &huge)).await;
+    assert_eq!(refused.status, StatusCode::BAD_REQUEST);
+    let error = refused.openai_error();
+    assert_eq!(error["code"], "context_length_exceeded");
+    assert!(error["message"].as_str().unwrap().contains("at most 256 tokens"), "{error}");
+    assert_eq!(fleet.sims[0].sim.stats().requests, requests_before);
 
     // A chat model asked for embeddings: llama-server's 501, reshaped.
     let embeddings = fleet.http.post_json(&fleet.url("/v1/embeddings"), &json!({"model": "chat", "input": "x"})).await;

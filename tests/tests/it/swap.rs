@@ -56,7 +56,8 @@ async fn a_cold_model_is_loaded_on_demand_and_the_catalog_follows() {
             })
             .await;
         let warm = fleet.http.post_json(&fleet.url("/v1/chat/completions"), &chat_body("beta", "again")).await;
-        assert_eq!(warm.header("x-inferyes-route"), Some("warm"));
+        // A new conversation, placed on the node now warm.
+        assert_eq!(warm.header("x-inferyes-route"), Some("placed"));
     }
 }
 
