@@ -8,6 +8,10 @@ use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
 use inferyes_proto::v1::fleet_service_client::FleetServiceClient;
 use inferyes_proto::v1::{
+    Alias, DeleteAliasRequest, GetPolicyRequest, ListAliasesRequest, NodePolicy, RoutingPolicy, SetNodePolicyRequest,
+    Strategy,
+};
+use inferyes_proto::v1::{
     Backend, DrainRequest, GetNodeRequest, Gpu, ListModelsRequest, ListNodesRequest, ListSessionsRequest, ModelState,
     SnapshotNode, UndrainRequest,
 };
@@ -58,6 +62,73 @@ pub enum Command {
     },
     /// Let a drained node take new sessions again.
     Undrain { node_id: String },
+    /// Model aliases: names clients may use for a model.
+    #[command(subcommand)]
+    Alias(AliasCommand),
+    /// The fleet's routing policy and per-node overrides.
+    #[command(subcommand)]
+    Policy(PolicyCommand),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum AliasCommand {
+    /// List the aliases.
+    List,
+    /// Make ALIAS name MODEL (replacing what it named before).
+    Set { alias: String, model: String },
+    /// Remove an alias.
+    Rm { alias: String },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum PolicyCommand {
+    /// Show the fleet's routing policy (zero: the default).
+    Show,
+    /// Change the fleet's routing policy; options not given keep their value.
+    Set {
+        /// GPU memory fraction at which a node takes no new sessions (default 0.92).
+        #[arg(long)]
+        admission: Option<f64>,
+        /// GPU memory fraction at which a node takes nothing (default 0.98).
+        #[arg(long)]
+        hard_limit: Option<f64>,
+        /// No node gets more than this times the average load from new sessions (default 1.25).
+        #[arg(long)]
+        load_bound: Option<f64>,
+        /// Order of warm nodes for requests without a session.
+        #[arg(long, value_enum)]
+        strategy: Option<StrategyArg>,
+        /// Per-model strategy, MODEL=STRATEGY; repeatable. STRATEGY `default` removes it.
+        #[arg(long = "model-strategy", value_name = "MODEL=STRATEGY")]
+        model_strategies: Vec<String>,
+    },
+    /// Override a node's thresholds (0 or omitted: the fleet's).
+    Node {
+        node_id: String,
+        #[arg(long, default_value_t = 0.0)]
+        admission: f64,
+        #[arg(long, default_value_t = 0.0)]
+        hard_limit: f64,
+    },
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum StrategyArg {
+    LeastOutstanding,
+    Weighted,
+    RoundRobin,
+    PowerOfTwo,
+}
+
+impl StrategyArg {
+    fn wire(self) -> Strategy {
+        match self {
+            StrategyArg::LeastOutstanding => Strategy::LeastOutstanding,
+            StrategyArg::Weighted => Strategy::Weighted,
+            StrategyArg::RoundRobin => Strategy::RoundRobin,
+            StrategyArg::PowerOfTwo => Strategy::PowerOfTwo,
+        }
+    }
 }
 
 pub async fn run(cli: Cli) -> anyhow::Result<String> {
@@ -173,8 +244,108 @@ pub async fn run(cli: Cli) -> anyhow::Result<String> {
                 format!("node {} accepting new sessions (revision {})\n", response.node_id, response.revision)
             }
         }
+        Command::Alias(AliasCommand::List) => {
+            let response = client.list_aliases(ListAliasesRequest {}).await.map_err(rpc_error)?.into_inner();
+            if json_out {
+                let aliases: Vec<Value> =
+                    response.aliases.iter().map(|a| json!({"alias": a.alias, "model": a.model})).collect();
+                render_json(&json!({"version": response.version, "aliases": aliases}))
+            } else {
+                let rows = response.aliases.iter().map(|a| vec![a.alias.clone(), a.model.clone()]).collect();
+                table(&["ALIAS", "MODEL"], rows)
+            }
+        }
+        Command::Alias(AliasCommand::Set { alias, model }) => {
+            let request = Alias { alias: alias.clone(), model: model.clone() };
+            let response = client.set_alias(request).await.map_err(rpc_error)?.into_inner();
+            written(json_out, &format!("alias {alias} -> {model}"), response.revision)
+        }
+        Command::Alias(AliasCommand::Rm { alias }) => {
+            let request = DeleteAliasRequest { alias: alias.clone() };
+            let response = client.delete_alias(request).await.map_err(rpc_error)?.into_inner();
+            written(json_out, &format!("alias {alias} removed"), response.revision)
+        }
+        Command::Policy(PolicyCommand::Show) => {
+            let policy = client.get_policy(GetPolicyRequest {}).await.map_err(rpc_error)?.into_inner();
+            render_policy(&policy, json_out)
+        }
+        Command::Policy(PolicyCommand::Set { admission, hard_limit, load_bound, strategy, model_strategies }) => {
+            let mut policy = client.get_policy(GetPolicyRequest {}).await.map_err(rpc_error)?.into_inner();
+            if let Some(v) = admission {
+                policy.admission_threshold = v;
+            }
+            if let Some(v) = hard_limit {
+                policy.hard_limit = v;
+            }
+            if let Some(v) = load_bound {
+                policy.load_bound = v;
+            }
+            if let Some(v) = strategy {
+                policy.set_default_strategy(v.wire());
+            }
+            for pair in model_strategies {
+                let (model, name) = pair
+                    .split_once('=')
+                    .with_context(|| format!("`{pair}`: write MODEL=STRATEGY, e.g. qwen=weighted"))?;
+                if name == "default" {
+                    policy.model_strategies.remove(model);
+                } else {
+                    let value = StrategyArg::from_str(name, true).map_err(|e| anyhow::anyhow!("`{name}`: {e}"))?;
+                    policy.model_strategies.insert(model.to_string(), value.wire() as i32);
+                }
+            }
+            let response = client.set_policy(policy.clone()).await.map_err(rpc_error)?.into_inner();
+            if json_out {
+                render_policy(&policy, true)
+            } else {
+                format!("{}(revision {})\n", render_policy(&policy, false), response.revision)
+            }
+        }
+        Command::Policy(PolicyCommand::Node { node_id, admission, hard_limit }) => {
+            let request = SetNodePolicyRequest {
+                node_id: node_id.clone(),
+                policy: Some(NodePolicy { admission_threshold: admission, hard_limit }),
+            };
+            let response = client.set_node_policy(request).await.map_err(rpc_error)?.into_inner();
+            written(json_out, &format!("node {node_id} thresholds set"), response.revision)
+        }
     };
     Ok(text)
+}
+
+fn written(json_out: bool, what: &str, revision: u64) -> String {
+    if json_out {
+        render_json(&json!({"result": what, "revision": revision}))
+    } else {
+        format!("{what} (revision {revision})\n")
+    }
+}
+
+fn render_policy(policy: &RoutingPolicy, json_out: bool) -> String {
+    let or_default = |v: f64, d: &str| if v == 0.0 { format!("{d} (default)") } else { v.to_string() };
+    let strategy_name = |s: i32| Strategy::try_from(s).map(|s| s.as_str_name()).unwrap_or("STRATEGY_UNSPECIFIED");
+    if json_out {
+        let models: serde_json::Map<String, Value> =
+            policy.model_strategies.iter().map(|(m, s)| (m.clone(), json!(strategy_name(*s)))).collect();
+        return render_json(&json!({
+            "admission_threshold": policy.admission_threshold,
+            "hard_limit": policy.hard_limit,
+            "load_bound": policy.load_bound,
+            "default_strategy": strategy_name(policy.default_strategy),
+            "model_strategies": models,
+        }));
+    }
+    let mut out = String::new();
+    let _ = writeln!(out, "admission threshold: {}", or_default(policy.admission_threshold, "0.92"));
+    let _ = writeln!(out, "hard limit:          {}", or_default(policy.hard_limit, "0.98"));
+    let _ = writeln!(out, "load bound:          {}", or_default(policy.load_bound, "1.25"));
+    let _ = writeln!(out, "strategy:            {}", strategy_name(policy.default_strategy));
+    let mut models: Vec<_> = policy.model_strategies.iter().collect();
+    models.sort();
+    for (model, strategy) in models {
+        let _ = writeln!(out, "  {model}: {}", strategy_name(*strategy));
+    }
+    out
 }
 
 fn rpc_error(status: tonic::Status) -> anyhow::Error {

@@ -382,7 +382,9 @@ fn gpu_body(s: &Inner) -> Value {
         "name": s.config.gpu.name,
         "memory_total_bytes": s.config.gpu.memory_total_bytes,
         "memory_used_bytes": used,
+        "extra_used_bytes": s.extra_used_bytes.load(Ordering::Relaxed),
         "utilization_percent": utilization,
+
     })
 }
 

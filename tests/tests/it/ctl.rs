@@ -45,3 +45,48 @@ async fn inferyesctl_lists_and_drains_in_tables_and_json() {
     let unreachable = ctl("http://127.0.0.1:9", &["nodes"]).await.unwrap_err();
     assert!(format!("{unreachable:#}").contains("cannot reach the controller"), "{unreachable:#}");
 }
+
+#[tokio::test]
+async fn inferyesctl_manages_aliases_and_the_routing_policy() {
+    let fleet = Fleet::start(vec![chat_sim("chat")]).await;
+    let url = fleet.controller().url();
+    let set = ctl(&url, &["alias", "set", "gpt-4o", "chat"]).await.unwrap();
+    assert!(set.starts_with("alias gpt-4o -> chat"), "{set}");
+    inferyes_tests::eventually("the alias listed", std::time::Duration::from_secs(5), || {
+        let url = url.clone();
+        async move { ctl(&url, &["alias", "list"]).await.unwrap().contains("gpt-4o  chat") }
+    })
+    .await;
+    let refused = ctl(&url, &["alias", "set", "chat", "other"]).await.unwrap_err();
+    assert!(refused.to_string().contains("cannot hide"), "{refused}");
+
+    let shown = ctl(&url, &["policy", "show"]).await.unwrap();
+    assert!(shown.contains("admission threshold: 0.92 (default)"), "{shown}");
+    ctl(
+        &url,
+        &["policy", "set", "--admission", "0.85", "--strategy", "weighted", "--model-strategy", "chat=round-robin"],
+    )
+    .await
+    .unwrap();
+    inferyes_tests::eventually("the policy applied", std::time::Duration::from_secs(5), || {
+        let url = url.clone();
+        async move {
+            let policy: Value =
+                serde_json::from_str(&ctl(&url, &["policy", "show", "-o", "json"]).await.unwrap()).unwrap();
+            policy["admission_threshold"] == 0.85
+                && policy["default_strategy"] == "STRATEGY_WEIGHTED"
+                && policy["model_strategies"]["chat"] == "STRATEGY_ROUND_ROBIN"
+        }
+    })
+    .await;
+    let bad = ctl(&url, &["policy", "set", "--admission", "0.99", "--hard-limit", "0.9"]).await.unwrap_err();
+    assert!(bad.to_string().contains("must not exceed"), "{bad}");
+    let node = ctl(&url, &["policy", "node", "node-a", "--admission", "0.5"]).await.unwrap();
+    assert!(node.starts_with("node node-a thresholds set"), "{node}");
+    fleet
+        .dataplane
+        .wait_for("node-a's own threshold", std::time::Duration::from_secs(5), |s| {
+            s.nodes().first().is_some_and(|n| n.admission_threshold == 0.5)
+        })
+        .await;
+}

@@ -1,0 +1,162 @@
+//! Routing by state across a fleet of simulated nodes and two data planes.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Method, StatusCode};
+use inferyes_agent::sim::{SimConfig, SimModel};
+use inferyes_tests::{DataplaneHandle, HttpClient, TestResponse};
+use serde_json::{Value, json};
+
+use crate::support::{Fleet, chat_body, chat_sim};
+
+async fn chat(http: &HttpClient, dataplane: &str, body: &Value, session: Option<&str>) -> TestResponse {
+    let headers: Vec<(&str, &str)> = session.map(|s| vec![("x-session-id", s)]).unwrap_or_default();
+    let url = format!("{dataplane}/v1/chat/completions");
+    let response = http.send(Method::POST, &url, Bytes::from(body.to_string()), &headers).await;
+    assert_eq!(response.status, StatusCode::OK, "{}", String::from_utf8_lossy(&response.body));
+    response
+}
+
+fn node(response: &TestResponse) -> String {
+    response.header("x-inferyes-node").expect("x-inferyes-node").to_string()
+}
+
+async fn set_used_fraction(http: &HttpClient, sim_url: &str, fraction: f64) {
+    let gpu = http.get(&format!("{sim_url}/sim/gpu")).await.json();
+    let total = gpu["memory_total_bytes"].as_f64().unwrap();
+    let extra = gpu["extra_used_bytes"].as_u64().unwrap_or(0) as f64;
+    let base = gpu["memory_used_bytes"].as_f64().unwrap() - extra;
+    let wanted = (fraction * total - base).max(0.0) as u64;
+    let response = http.post_json(&format!("{sim_url}/sim/gpu"), &json!({"extra_used_bytes": wanted})).await;
+    assert!(response.status.is_success(), "{}", String::from_utf8_lossy(&response.body));
+}
+
+#[tokio::test]
+async fn a_multi_turn_chat_stays_on_one_node_whichever_data_plane_serves_it() {
+    let fleet = Fleet::start(vec![chat_sim("chat"), chat_sim("chat"), chat_sim("chat"), chat_sim("chat")]).await;
+    let second = DataplaneHandle::start(&[fleet.controller().url()]).await;
+    second.wait_for_nodes(&["node-a", "node-b", "node-c", "node-d"]).await;
+    let dataplanes = [fleet.dataplane.url.clone(), second.url.clone()];
+
+    for conversation in 0..3 {
+        // No session header: the conversation's root keeps it together.
+        let mut messages = vec![
+            json!({"role": "system", "content": format!("you are assistant number {conversation}")}),
+            json!({"role": "user", "content": "hello"}),
+        ];
+        let mut served = Vec::new();
+        for turn in 0..6 {
+            let body = json!({"model": "chat", "messages": messages, "max_tokens": 6});
+            let response = chat(&fleet.http, &dataplanes[turn % 2], &body, None).await;
+            let reply = response.json();
+            served.push((node(&response), reply["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap()));
+            messages.push(reply["choices"][0]["message"].clone());
+            messages.push(json!({"role": "user", "content": format!("and then {turn}?")}));
+        }
+        let home = &served[0].0;
+        assert!(served.iter().all(|(n, _)| n == home), "conversation {conversation} moved: {served:?}");
+        assert!(served[1..].iter().all(|(_, cached)| *cached > 0), "every later turn reuses the cache: {served:?}");
+    }
+}
+
+#[tokio::test]
+async fn a_node_over_the_admission_threshold_takes_no_new_sessions_but_keeps_its_own() {
+    let fleet = Fleet::start(vec![chat_sim("chat"), chat_sim("chat"), chat_sim("chat"), chat_sim("chat")]).await;
+    let home = node(&chat(&fleet.http, &fleet.dataplane.url, &chat_body("chat", "hi"), Some("resident")).await);
+    let index = fleet.agents.iter().position(|a| a.node_id == home).unwrap();
+    fleet
+        .dataplane
+        .wait_for("the session resident", Duration::from_secs(5), |s| s.resident("resident").is_some())
+        .await;
+
+    set_used_fraction(&fleet.http, &fleet.sims[index].url, 0.95).await;
+    fleet
+        .dataplane
+        .wait_for("the node over 92%", Duration::from_secs(5), |s| {
+            s.nodes().iter().any(|n| *n.id == *home && n.vram_fraction >= 0.92)
+        })
+        .await;
+
+    for i in 0..24 {
+        let response =
+            chat(&fleet.http, &fleet.dataplane.url, &chat_body("chat", "hi"), Some(&format!("new-{i}"))).await;
+        assert_ne!(node(&response), home, "new session {i} sent to a node over the threshold");
+    }
+    let again = chat(&fleet.http, &fleet.dataplane.url, &chat_body("chat", "more"), Some("resident")).await;
+    assert_eq!((node(&again).as_str(), again.header("x-inferyes-route")), (home.as_str(), Some("resident")));
+
+    // Past the hard limit (98%) not even the resident session stays.
+    set_used_fraction(&fleet.http, &fleet.sims[index].url, 0.99).await;
+    fleet
+        .dataplane
+        .wait_for("the node over 98%", Duration::from_secs(5), |s| {
+            s.nodes().iter().any(|n| *n.id == *home && n.vram_fraction >= 0.98)
+        })
+        .await;
+    let moved = chat(&fleet.http, &fleet.dataplane.url, &chat_body("chat", "more"), Some("resident")).await;
+    assert_ne!(node(&moved), home);
+}
+
+#[tokio::test]
+async fn a_model_loaded_on_one_node_only_goes_there() {
+    let fleet = Fleet::start(vec![chat_sim("chat"), chat_sim("chat"), chat_sim("chat"), chat_sim("special")]).await;
+    for i in 0..12 {
+        let session = format!("s-{i}");
+        let response = chat(&fleet.http, &fleet.dataplane.url, &chat_body("special", "hi"), Some(&session)).await;
+        assert_eq!(node(&response), "node-d");
+    }
+}
+
+#[tokio::test]
+async fn a_cold_load_goes_to_the_node_with_the_most_free_memory() {
+    let swap = || SimConfig {
+        models: vec![SimModel::chat("alpha"), SimModel::chat("beta")],
+        preload: vec!["alpha".into()],
+        max_loaded_models: 2,
+        load_delay_ms: 100,
+        ..chat_sim("alpha")
+    };
+    let swap = || SimConfig { mode: inferyes_agent::sim::SimMode::LlamaSwap, ..swap() };
+    let fleet = Fleet::start(vec![swap(), swap(), swap(), swap()]).await;
+    for (sim, fraction) in fleet.sims.iter().zip([0.6, 0.3, 0.5, 0.7]) {
+        set_used_fraction(&fleet.http, &sim.url, fraction).await;
+    }
+    fleet
+        .dataplane
+        .wait_for("memory readings in", Duration::from_secs(5), |s| s.nodes().iter().all(|n| n.vram_fraction > 0.25))
+        .await;
+    let response = chat(&fleet.http, &fleet.dataplane.url, &chat_body("beta", "hi"), Some("cold")).await;
+    assert_eq!(response.header("x-inferyes-route"), Some("cold"));
+    assert_eq!(node(&response), "node-b");
+}
+
+#[tokio::test]
+async fn aliases_name_models_and_are_resolved_before_routing() {
+    let swap = SimConfig {
+        mode: inferyes_agent::sim::SimMode::LlamaSwap,
+        models: vec![SimModel::chat("alpha"), SimModel::chat("beta")],
+        preload: vec!["alpha".into(), "beta".into()],
+        max_loaded_models: 2,
+        ..chat_sim("alpha")
+    };
+    let fleet = Fleet::start(vec![swap]).await;
+    let mut admin = fleet.controller().fleet().await;
+    use inferyes_proto::v1::{Alias, DeleteAliasRequest};
+    let set = admin.set_alias(Alias { alias: "gpt-4o".into(), model: "beta".into() }).await.unwrap().into_inner();
+    let hidden = admin.set_alias(Alias { alias: "alpha".into(), model: "beta".into() }).await;
+    assert_eq!(hidden.unwrap_err().code(), tonic::Code::InvalidArgument, "an alias cannot hide a model");
+    fleet.dataplane.wait_for("the alias", Duration::from_secs(5), |s| s.version() >= set.revision).await;
+
+    let models = fleet.http.get(&fleet.url("/v1/models")).await.json();
+    let alias = models["data"].as_array().unwrap().iter().find(|m| m["id"] == "gpt-4o").expect("listed").clone();
+    assert_eq!(alias["inferyes"]["alias_of"], "beta");
+    // llama-swap only knows "beta": the body reached it rewritten.
+    let response = chat(&fleet.http, &fleet.dataplane.url, &chat_body("gpt-4o", "hi"), None).await;
+    assert_eq!(response.json()["model"], "beta");
+
+    let removed = admin.delete_alias(DeleteAliasRequest { alias: "gpt-4o".into() }).await.unwrap().into_inner();
+    fleet.dataplane.wait_for("alias gone", Duration::from_secs(5), |s| s.version() >= removed.revision).await;
+    let gone = fleet.http.post_json(&fleet.url("/v1/chat/completions"), &chat_body("gpt-4o", "hi")).await;
+    assert_eq!(gone.status, StatusCode::NOT_FOUND);
+}
