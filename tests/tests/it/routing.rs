@@ -24,9 +24,9 @@ fn node(response: &TestResponse) -> String {
 
 async fn set_used_fraction(http: &HttpClient, sim_url: &str, fraction: f64) {
     let gpu = http.get(&format!("{sim_url}/sim/gpu")).await.json();
-    let total = gpu["memory_total_bytes"].as_f64().unwrap();
+    let total = gpu["memory_total_bytes"].as_f64().expect("total memory");
     let extra = gpu["extra_used_bytes"].as_u64().unwrap_or(0) as f64;
-    let base = gpu["memory_used_bytes"].as_f64().unwrap() - extra;
+    let base = gpu["memory_used_bytes"].as_f64().expect("used memory") - extra;
     let wanted = (fraction * total - base).max(0.0) as u64;
     let response = http.post_json(&format!("{sim_url}/sim/gpu"), &json!({"extra_used_bytes": wanted})).await;
     assert!(response.status.is_success(), "{}", String::from_utf8_lossy(&response.body));
