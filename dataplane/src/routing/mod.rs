@@ -17,15 +17,14 @@
 
 mod hash;
 
-use std::cmp::Reverse;
 use std::sync::atomic::Ordering;
 
 use inferyes_proto::ErrorKind;
-use inferyes_proto::v1::{EndpointKind, Health, ModelState, Strategy};
+use inferyes_proto::v1::{EndpointKind, ModelState, Strategy};
 
 pub use hash::{rendezvous_score, stable_hash, unit_interval};
 
-use crate::snapshot::{Node, Placement, RoutingSnapshot, Target};
+use crate::snapshot::{Placement, RoutingSnapshot, Target};
 
 /// What routing needs to know about a request.
 #[derive(Clone, Copy, Debug)]
@@ -131,20 +130,97 @@ impl RouteError {
 /// At most this many targets are returned: the first plus failovers.
 pub const MAX_TARGETS: usize = 3;
 
-/// One usable placement with what ordering needs.
-#[derive(Clone, Copy)]
-struct Candidate<'a> {
-    placement: &'a Placement,
-    node: &'a Node,
-    load: u32,
-    saturated: bool,
-    weight: u32,
+/// What a placement is to this request.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Class {
+    /// Holds the session's cache; allowed up to the hard limit.
+    Resident,
+    Warm,
+    Cold,
+    /// Refused; `true` when for memory (said in the error).
+    Refused(bool),
 }
 
-impl Candidate<'_> {
-    fn target(&self) -> Target {
-        self.placement.target
+/// The best `MAX_TARGETS` placements by a key, without allocating.
+struct Best {
+    items: [([u64; 3], usize); MAX_TARGETS],
+    len: usize,
+}
+
+impl Best {
+    fn new() -> Best {
+        Best { items: [([u64::MAX; 3], usize::MAX); MAX_TARGETS], len: 0 }
     }
+
+    fn offer(&mut self, key: [u64; 3], index: usize) {
+        let mut at = self.len;
+        if at == MAX_TARGETS {
+            if key >= self.items[MAX_TARGETS - 1].0 {
+                return;
+            }
+            at = MAX_TARGETS - 1;
+        } else {
+            self.len += 1;
+        }
+        self.items[at] = (key, index);
+        while at > 0 && self.items[at].0 < self.items[at - 1].0 {
+            self.items.swap(at, at - 1);
+            at -= 1;
+        }
+    }
+
+    fn indices(&self) -> impl Iterator<Item = usize> + '_ {
+        self.items[..self.len].iter().map(|(_, i)| *i)
+    }
+}
+
+fn load(p: &Placement) -> u32 {
+    // What its agent last reported, plus what this data plane sent since.
+    p.reported_in_flight.saturating_add(p.local.in_flight.load(Ordering::Relaxed))
+}
+
+/// Memory the node can still give: total, less used and loading, less
+/// loads this data plane started.
+fn free_memory(p: &Placement) -> u64 {
+    p.vram_total_bytes
+        .saturating_sub(p.vram_committed_bytes)
+        .saturating_sub(p.local.reserved_vram_bytes.load(Ordering::Relaxed))
+}
+
+/// Whether loading the model keeps the node under its admission threshold.
+/// A node without GPU readings, or a model of unknown size, cannot be
+/// judged and is not refused.
+fn fits_in_memory(p: &Placement) -> bool {
+    if p.vram_total_bytes == 0 || p.size_bytes == 0 {
+        return true;
+    }
+    let after = p.vram_total_bytes - free_memory(p) + p.size_bytes;
+    (after as f64) < p.admission_threshold * p.vram_total_bytes as f64
+}
+
+fn classify(p: &Placement, home: Option<Target>) -> Class {
+    if !p.usable {
+        return Class::Refused(false);
+    }
+    if p.vram_fraction >= p.hard_limit {
+        return Class::Refused(true);
+    }
+    let warm = matches!(p.state, ModelState::Loaded | ModelState::Unknown);
+    if warm && home == Some(p.target) {
+        Class::Resident
+    } else if p.vram_fraction >= p.admission_threshold {
+        Class::Refused(true)
+    } else if warm {
+        Class::Warm
+    } else if fits_in_memory(p) {
+        Class::Cold
+    } else {
+        Class::Refused(true)
+    }
+}
+
+fn place_key(p: &Placement) -> u64 {
+    (p.target.node as u64) << 16 | p.target.backend as u64
 }
 
 pub fn select(snapshot: &RoutingSnapshot, request: &RouteRequest<'_>) -> Result<Route, RouteError> {
@@ -154,84 +230,130 @@ pub fn select(snapshot: &RoutingSnapshot, request: &RouteRequest<'_>) -> Result<
             available: snapshot.catalog().iter().map(|e| e.id.clone()).collect(),
         });
     };
-    let capable: Vec<&Placement> =
-        placements.iter().filter(|p| p.endpoints.is_empty() || p.endpoints.contains(&request.kind)).collect();
-    if capable.is_empty() {
-        return Err(RouteError::NotServed { model: request.model.to_string(), kind: kind_name(request.kind) });
-    }
-    let fits = |p: &&Placement| {
+    let capable = |p: &Placement| p.endpoints.is_empty() || p.endpoints.contains(&request.kind);
+    let fits = |p: &Placement| {
         request.prompt_tokens == 0 || p.context_window == 0 || p.context_window >= request.prompt_tokens
     };
-    let fitting: Vec<&Placement> = capable.iter().copied().filter(fits).collect();
-    if fitting.is_empty() {
+    let affinity = request.mode == Mode::Policy;
+    let session = request.session.filter(|_| affinity);
+    let home = session.and_then(|s| snapshot.resident(s));
+
+    // Pass 1: what is possible, and the totals the keys depend on.
+    let (mut any_capable, mut any_fitting, mut largest_window) = (false, false, 0u32);
+    let (mut warm_count, mut warm_load) = (0u64, 0u64);
+    let mut resident: Option<usize> = None;
+    let mut refused_for_memory = false;
+    for (i, p) in placements.iter().enumerate() {
+        if !capable(p) {
+            continue;
+        }
+        any_capable = true;
+        largest_window = largest_window.max(p.context_window);
+        if !fits(p) {
+            continue;
+        }
+        any_fitting = true;
+        match classify(p, home) {
+            Class::Resident => resident = Some(i),
+            Class::Warm => {
+                warm_count += 1;
+                warm_load += u64::from(load(p));
+            }
+            Class::Cold => {}
+            Class::Refused(memory) => refused_for_memory |= memory,
+        }
+    }
+    if !any_capable {
+        return Err(RouteError::NotServed { model: request.model.to_string(), kind: kind_name(request.kind) });
+    }
+    if !any_fitting {
         return Err(RouteError::ContextTooLong {
             model: request.model.to_string(),
             prompt_tokens: request.prompt_tokens,
-            largest_window: capable.iter().map(|p| p.context_window).max().unwrap_or(0),
+            largest_window,
         });
     }
 
-    let affinity = request.mode == Mode::Policy;
-    let home = request.session.filter(|_| affinity).and_then(|s| snapshot.resident(s));
-    let mut resident: Option<Candidate<'_>> = None;
-    let mut warm: Vec<Candidate<'_>> = Vec::new();
-    let mut cold: Vec<Candidate<'_>> = Vec::new();
-    let mut refused_for_memory = false;
-    for placement in fitting {
-        let Some(candidate) = candidate(snapshot, placement) else { continue };
-        let node = candidate.node;
-        if node.draining || node.vram_fraction >= node.hard_limit {
-            refused_for_memory |= !node.draining;
+    // Pass 2: the best few warm and cold placements by this request's key.
+    let strategy = match request.mode {
+        Mode::Policy => snapshot.policy().strategy(request.model),
+        Mode::RoundRobin => Strategy::RoundRobin,
+        Mode::LeastOutstanding => Strategy::LeastOutstanding,
+    };
+    let session_key = session.map(|s| stable_hash(s.as_bytes()));
+    // No node is given more than `load_bound` times the average load.
+    let bound = (snapshot.policy().load_bound * (warm_load + 1) as f64 / warm_count.max(1) as f64).ceil();
+    let turn = request.ticket % warm_count.max(1);
+    let (pick_a, pick_b) = two_choices(request.ticket, warm_count);
+    let mut warm = Best::new();
+    let mut cold = Best::new();
+    let mut warm_index = 0u64;
+    for (i, p) in placements.iter().enumerate() {
+        if !capable(p) || !fits(p) {
             continue;
         }
-        let is_warm = matches!(placement.state, ModelState::Loaded | ModelState::Unknown);
-        if is_warm && home == Some(placement.target) {
-            // Resident sessions continue up to the hard limit.
-            resident = Some(candidate);
-        } else if node.vram_fraction >= node.admission_threshold {
-            refused_for_memory = true;
-        } else if is_warm {
-            warm.push(candidate);
-        } else if fits_in_memory(&candidate) {
-            cold.push(candidate);
-        } else {
-            refused_for_memory = true;
+        match classify(p, home) {
+            Class::Warm => {
+                let saturated = u64::from(p.saturated);
+                let key = match (session_key, strategy) {
+                    (Some(key), _) => {
+                        let raw = rendezvous_score(key, p.node_key ^ p.target.backend as u64);
+                        let score = if strategy == Strategy::Weighted {
+                            // Weighted rendezvous, -w / ln(u): shares in
+                            // proportion to weight. Positive floats order
+                            // like their bits.
+                            (-f64::from(p.weight) / unit_interval(raw).ln()).to_bits()
+                        } else {
+                            raw
+                        };
+                        let over = p.saturated || f64::from(load(p)) + 1.0 > bound;
+                        [u64::from(over), !score, place_key(p)]
+                    }
+                    (None, Strategy::RoundRobin) => [saturated, (warm_index + warm_count - turn) % warm_count, 0],
+                    (None, Strategy::Weighted) => {
+                        let share = (u64::from(load(p)) << 32) / u64::from(p.weight.max(1));
+                        [saturated, share, u64::from(u32::MAX - p.weight) << 32 | place_key(p)]
+                    }
+                    (None, Strategy::PowerOfTwo) if warm_count > 2 => {
+                        let picked = warm_index == pick_a || warm_index == pick_b;
+                        [saturated, u64::from(!picked) << 32 | u64::from(load(p)), warm_index]
+                    }
+                    (None, _) => [saturated, u64::from(load(p)), place_key(p)],
+                };
+                warm.offer(key, i);
+                warm_index += 1;
+            }
+            Class::Cold => {
+                // A load already under way is joined before another starts.
+                let key = [u64::from(p.state != ModelState::Loading), !free_memory(p), place_key(p)];
+                cold.offer(key, i);
+            }
+            Class::Resident | Class::Refused(_) => {}
         }
     }
 
-    let strategy = snapshot.policy().strategy(request.model);
-    match (request.mode, request.session.filter(|_| affinity)) {
-        (Mode::Policy, Some(session)) => place(&mut warm, session, strategy, snapshot.policy().load_bound),
-        (Mode::Policy, None) => order_keyless(&mut warm, strategy, request.ticket),
-        (Mode::RoundRobin, _) => order_keyless(&mut warm, Strategy::RoundRobin, request.ticket),
-        (Mode::LeastOutstanding, _) => order_keyless(&mut warm, Strategy::LeastOutstanding, request.ticket),
-    }
-    // A load already under way is joined before a new one is started.
-    cold.sort_by_key(|c| {
-        (c.placement.state != ModelState::Loading, Reverse(free_memory(c.node)), c.target().node, c.target().backend)
-    });
-
-    let resident_first = resident.filter(|r| !r.saturated);
+    let resident_first = resident.filter(|r| !placements[*r].saturated);
     let mut targets: Vec<Target> = Vec::with_capacity(MAX_TARGETS);
-    let ordered = resident_first.iter().chain(&warm).chain(resident.iter()).chain(&cold);
-    for candidate in ordered {
+    let ordered = resident_first.into_iter().chain(warm.indices()).chain(resident).chain(cold.indices());
+    for index in ordered {
         if targets.len() == MAX_TARGETS {
             break;
         }
-        if !targets.contains(&candidate.target()) {
-            targets.push(candidate.target());
+        let target = placements[index].target;
+        if !targets.contains(&target) {
+            targets.push(target);
         }
     }
-    let Some(first) = targets.first() else {
+    let Some(first) = targets.first().copied() else {
         let why = if refused_for_memory { "GPU memory above the admission threshold" } else { "none is ready" };
         return Err(RouteError::NoCapacity { model: request.model.to_string(), why });
     };
-    let cold_first = cold.iter().any(|c| c.target() == *first);
-    let reason = if resident.is_some_and(|r| r.target() == *first) {
+    let cold_first = cold.indices().any(|i| placements[i].target == first);
+    let reason = if resident.is_some_and(|r| placements[r].target == first) {
         RouteReason::Resident
     } else if cold_first {
         RouteReason::Cold
-    } else if affinity && request.session.is_some() {
+    } else if session.is_some() {
         RouteReason::Placed
     } else {
         RouteReason::Warm
@@ -239,110 +361,17 @@ pub fn select(snapshot: &RoutingSnapshot, request: &RouteRequest<'_>) -> Result<
     Ok(Route { targets, reason, cold: cold_first })
 }
 
-fn candidate<'a>(snapshot: &'a RoutingSnapshot, placement: &'a Placement) -> Option<Candidate<'a>> {
-    let node = snapshot.node(placement.target.node)?;
-    let backend = node.backends.get(placement.target.backend)?;
-    if backend.health != Health::Ready {
-        return None;
+/// Two distinct indices below `n`, drawn from the ticket.
+fn two_choices(ticket: u64, n: u64) -> (u64, u64) {
+    if n < 2 {
+        return (0, 0);
     }
-    // What its agent last reported, plus what this data plane sent since.
-    let load = backend.in_flight.saturating_add(node.local.in_flight.load(Ordering::Relaxed));
-    Some(Candidate { placement, node, load, saturated: backend.saturated(), weight: backend.weight.max(1) })
-}
-
-/// Memory the node can still give: total, less what is used, less models
-/// loading and loads this data plane started.
-fn free_memory(node: &Node) -> u64 {
-    node.vram_total_bytes
-        .saturating_sub(node.vram_used_bytes)
-        .saturating_sub(node.vram_loading_bytes)
-        .saturating_sub(node.local.reserved_vram_bytes.load(Ordering::Relaxed))
-}
-
-/// Whether loading the model keeps the node under its admission threshold.
-/// A node without GPU readings, or a model of unknown size, cannot be
-/// judged and is not refused.
-fn fits_in_memory(candidate: &Candidate<'_>) -> bool {
-    let node = candidate.node;
-    if node.vram_total_bytes == 0 || candidate.placement.size_bytes == 0 {
-        return true;
+    let a = stable_hash(&ticket.to_le_bytes()) % n;
+    let mut b = stable_hash(&(!ticket).to_le_bytes()) % (n - 1);
+    if b >= a {
+        b += 1;
     }
-    let after = node.vram_total_bytes - free_memory(node) + candidate.placement.size_bytes;
-    (after as f64) < node.admission_threshold * node.vram_total_bytes as f64
-}
-
-/// New sessions: rendezvous order (weighted by the backends' weights under
-/// `Weighted`), skipping homes that are saturated or over `load_bound`
-/// times the average load; they stay as failovers.
-fn place(warm: &mut [Candidate<'_>], session: &str, strategy: Strategy, load_bound: f64) {
-    if warm.is_empty() {
-        return;
-    }
-    let key = stable_hash(session.as_bytes());
-    let score = |c: &Candidate<'_>| {
-        let node_key = stable_hash(c.node.id.as_bytes()) ^ c.target().backend as u64;
-        let raw = rendezvous_score(key, node_key);
-        if strategy == Strategy::Weighted {
-            // Weighted rendezvous: -w / ln(u) keeps each node's share
-            // proportional to its weight.
-            -f64::from(c.weight) / unit_interval(raw).ln()
-        } else {
-            raw as f64
-        }
-    };
-    warm.sort_by(|a, b| score(b).total_cmp(&score(a)).then(a.target().node.cmp(&b.target().node)));
-    let total: u64 = warm.iter().map(|c| u64::from(c.load)).sum();
-    let bound = (load_bound * (total + 1) as f64 / warm.len() as f64).ceil();
-    // Stable: eligible homes first, in rendezvous order, then the rest.
-    warm.sort_by_key(|c| c.saturated || f64::from(c.load) + 1.0 > bound);
-}
-
-/// Requests without a session, by the model's strategy; saturated
-/// backends last whatever the strategy.
-fn order_keyless(warm: &mut [Candidate<'_>], strategy: Strategy, ticket: u64) {
-    let by_place = |c: &Candidate<'_>| (c.target().node, c.target().backend);
-    match strategy {
-        Strategy::RoundRobin => {
-            warm.sort_by_key(by_place);
-            if !warm.is_empty() {
-                let turn = usize::try_from(ticket % warm.len() as u64).unwrap_or(0);
-                warm.rotate_left(turn);
-            }
-        }
-        Strategy::Weighted => warm.sort_by(|a, b| {
-            let share = |c: &Candidate<'_>| f64::from(c.load) / f64::from(c.weight);
-            share(a).total_cmp(&share(b)).then(b.weight.cmp(&a.weight)).then(by_place(a).cmp(&by_place(b)))
-        }),
-        Strategy::PowerOfTwo if warm.len() > 2 => {
-            // Two choices drawn from the ticket, the less loaded first.
-            warm.sort_by_key(by_place);
-            let n = warm.len() as u64;
-            let first = usize::try_from(stable_hash(&ticket.to_le_bytes()) % n).unwrap_or(0);
-            let mut second = usize::try_from(stable_hash(&(!ticket).to_le_bytes()) % (n - 1)).unwrap_or(0);
-            if second >= first {
-                second += 1;
-            }
-            let (best, other) = if warm[second].load < warm[first].load { (second, first) } else { (first, second) };
-            let rank = |i: usize| {
-                if i == best {
-                    0
-                } else if i == other {
-                    1
-                } else {
-                    2
-                }
-            };
-            let mut indexed: Vec<(usize, Candidate<'_>)> = warm.iter().copied().enumerate().collect();
-            indexed.sort_by_key(|(i, c)| (rank(*i), c.load, by_place(c)));
-            for (slot, (_, c)) in warm.iter_mut().zip(indexed) {
-                *slot = c;
-            }
-        }
-        Strategy::LeastOutstanding | Strategy::PowerOfTwo | Strategy::Unspecified => {
-            warm.sort_by_key(|c| (c.load, by_place(c)));
-        }
-    }
-    warm.sort_by_key(|c| c.saturated);
+    (a, b)
 }
 
 pub fn kind_name(kind: EndpointKind) -> &'static str {

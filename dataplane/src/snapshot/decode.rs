@@ -1,9 +1,9 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 
-use inferyes_proto::v1::{Alias, ModelState, RoutingPolicy, SnapshotNode, Strategy};
+use inferyes_proto::v1::{Alias, Health, ModelState, RoutingPolicy, SnapshotNode, Strategy};
 
-use super::{BackendView, CatalogEntry, LocalCounters, Node, Placement, Policy, RoutingSnapshot, Target};
+use super::{BackendView, CatalogEntry, LocalCounters, Node, Placement, Policy, RoutingSnapshot, Target, session_hash};
 
 /// Per-node counters that survive snapshot swaps, so a request that started
 /// under one snapshot is still counted under the next.
@@ -63,29 +63,30 @@ pub fn decode(
         let Some(status) = wire.status.as_ref() else { continue };
         let node_index = snapshot.nodes.len();
         let id: Arc<str> = Arc::from(status.node_id.as_str());
+        let key = crate::routing::stable_hash(id.as_bytes());
+        let local = counters.for_node(&id);
         let vram_fraction = status
             .gpus
             .iter()
             .filter(|g| g.memory_total_bytes > 0)
             .map(|g| g.memory_used_bytes as f64 / g.memory_total_bytes as f64)
             .fold(0.0, f64::max);
+        let vram_total_bytes: u64 = status.gpus.iter().map(|g| g.memory_total_bytes).sum();
+        let vram_used_bytes: u64 = status.gpus.iter().map(|g| g.memory_used_bytes).sum();
+        let vram_loading_bytes: u64 = status
+            .backends
+            .iter()
+            .flat_map(|b| &b.models)
+            .filter(|m| m.state() == ModelState::Loading)
+            .map(|m| m.size_bytes)
+            .fold(0, u64::saturating_add);
+        let own = wire.policy.as_ref();
+        let or = |value: Option<f64>, default: f64| value.filter(|v| *v > 0.0).unwrap_or(default);
+        let admission_threshold = or(own.map(|p| p.admission_threshold), policy.admission_threshold);
+        let hard_limit = or(own.map(|p| p.hard_limit), policy.hard_limit);
         let mut backends = Vec::with_capacity(status.backends.len());
-        let mut vram_loading_bytes = 0u64;
         for (backend_index, backend) in status.backends.iter().enumerate() {
-            let target = Target { node: node_index, backend: backend_index };
-            for model in &backend.models {
-                if model.state() == ModelState::Loading {
-                    vram_loading_bytes = vram_loading_bytes.saturating_add(model.size_bytes);
-                }
-                snapshot.models.entry(model.id.clone()).or_default().push(Placement {
-                    target,
-                    state: model.state(),
-                    context_window: model.context_window,
-                    endpoints: model.endpoints().collect(),
-                    size_bytes: model.size_bytes,
-                });
-            }
-            backends.push(BackendView {
+            let view = BackendView {
                 id: Arc::from(backend.id.as_str()),
                 health: backend.health(),
                 weight: backend.weight.max(1),
@@ -93,27 +94,48 @@ pub fn decode(
                 slots_busy: backend.slots_busy,
                 requests_deferred: backend.requests_deferred,
                 in_flight: backend.in_flight,
-            });
+            };
+            let target = Target { node: node_index, backend: backend_index };
+            for model in &backend.models {
+                snapshot.models.entry(model.id.clone()).or_default().push(Placement {
+                    target,
+                    state: model.state(),
+                    context_window: model.context_window,
+                    endpoints: model.endpoints().collect(),
+                    size_bytes: model.size_bytes,
+                    usable: view.health == Health::Ready && !wire.draining,
+                    saturated: view.saturated(),
+                    reported_in_flight: view.in_flight,
+                    weight: view.weight,
+                    node_key: key,
+                    vram_fraction,
+                    admission_threshold,
+                    hard_limit,
+                    vram_total_bytes,
+                    vram_committed_bytes: vram_used_bytes.saturating_add(vram_loading_bytes),
+                    local: Arc::clone(&local),
+                });
+            }
+            backends.push(view);
         }
         for session in &status.sessions {
             if let Some(backend) = status.backends.iter().position(|b| b.id == session.backend_id) {
-                snapshot.sessions.insert(session.key.clone(), Target { node: node_index, backend });
+                snapshot.sessions.insert(session_hash(&session.key), Target { node: node_index, backend });
             }
         }
-        let own = wire.policy.as_ref();
-        let or = |value: Option<f64>, default: f64| value.filter(|v| *v > 0.0).unwrap_or(default);
         snapshot.nodes.push(Node {
-            local: counters.for_node(&id),
+            local,
+            key,
             id,
             proxy_url: Arc::from(status.proxy_url.trim_end_matches('/')),
             draining: wire.draining,
             backends,
             vram_fraction,
-            vram_total_bytes: status.gpus.iter().map(|g| g.memory_total_bytes).sum(),
-            vram_used_bytes: status.gpus.iter().map(|g| g.memory_used_bytes).sum(),
+            vram_total_bytes,
+            vram_used_bytes,
             vram_loading_bytes,
-            admission_threshold: or(own.map(|p| p.admission_threshold), policy.admission_threshold),
-            hard_limit: or(own.map(|p| p.hard_limit), policy.hard_limit),
+            admission_threshold,
+            hard_limit,
         });
     }
     let mut catalog: Vec<CatalogEntry> = snapshot

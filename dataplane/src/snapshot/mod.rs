@@ -10,6 +10,7 @@ pub use decode::{Counters, decode};
 pub use store::SnapshotStore;
 
 use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicU64};
 
@@ -26,8 +27,10 @@ pub struct RoutingSnapshot {
     pub(crate) catalog: Vec<CatalogEntry>,
     /// Alias → model id.
     pub(crate) aliases: HashMap<String, String>,
-    /// Session key → where its KV cache is resident.
-    pub(crate) sessions: HashMap<String, Target>,
+    /// Session key (hashed, see [`session_hash`]) → where its KV cache is
+    /// resident. Hashes, not strings: a snapshot of 100,000 sessions is
+    /// decoded without 100,000 allocations.
+    pub(crate) sessions: HashMap<u64, Target, BuildHasherDefault<Prehashed>>,
     pub(crate) policy: Policy,
 }
 
@@ -62,6 +65,9 @@ impl Policy {
 #[derive(Debug)]
 pub struct Node {
     pub id: Arc<str>,
+    /// `stable_hash(id)`, computed once: rendezvous placement scores every
+    /// node for every new session.
+    pub key: u64,
     /// Base URL of the node's agent proxy.
     pub proxy_url: Arc<str>,
     pub draining: bool,
@@ -126,6 +132,21 @@ pub struct Placement {
     /// Empty: not known, so any kind is tried.
     pub endpoints: Vec<EndpointKind>,
     pub size_bytes: u64,
+    /// The rest is copied from the node and backend at decode time, so a
+    /// decision reads one contiguous array instead of chasing pointers.
+    /// Backend ready and node not draining.
+    pub usable: bool,
+    pub saturated: bool,
+    pub reported_in_flight: u32,
+    pub weight: u32,
+    pub node_key: u64,
+    pub vram_fraction: f64,
+    pub admission_threshold: f64,
+    pub hard_limit: f64,
+    pub vram_total_bytes: u64,
+    /// Used plus loading.
+    pub vram_committed_bytes: u64,
+    pub local: Arc<LocalCounters>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -157,7 +178,7 @@ impl RoutingSnapshot {
     }
 
     pub fn resident(&self, session: &str) -> Option<Target> {
-        self.sessions.get(session).copied()
+        self.sessions.get(&session_hash(session)).copied()
     }
 
     pub fn catalog(&self) -> &[CatalogEntry] {
@@ -175,5 +196,32 @@ impl RoutingSnapshot {
 
     pub fn policy(&self) -> &Policy {
         &self.policy
+    }
+}
+
+/// The key of the resident-session index: a 64-bit stable hash. Two keys
+/// colliding would at worst send one session to the other's node.
+pub fn session_hash(key: &str) -> u64 {
+    crate::routing::stable_hash(key.as_bytes())
+}
+
+/// A hasher for keys that already are well-mixed hashes.
+#[derive(Default)]
+pub struct Prehashed(u64);
+
+impl Hasher for Prehashed {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        // Only `write_u64` is used by `u64` keys; fold anything else.
+        for byte in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(*byte);
+        }
+    }
+
+    fn write_u64(&mut self, value: u64) {
+        self.0 = value;
     }
 }
