@@ -233,3 +233,120 @@ impl http_body::Body for Guarded {
         self.inner.size_hint()
     }
 }
+
+/// An [`Outbound`] that owns its parts, for work that outlives the handler.
+pub struct OwnedOutbound {
+    pub path_and_query: String,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+    pub model: String,
+    pub session: Option<String>,
+    pub request_id: HeaderValue,
+    pub reserve_bytes: u64,
+}
+
+/// How often a client waiting on a cold load hears about it.
+const LOADING_NOTE_EVERY: Duration = Duration::from_secs(1);
+
+impl Forwarder {
+    /// A streaming request that starts a cold load: the client gets its
+    /// headers at once (`x-inferyes-route: cold`) and an SSE comment each
+    /// second while the model loads, instead of minutes of silence; then
+    /// the backend's stream, or a final error event.
+    pub fn forward_cold_stream(&self, snapshot: Arc<RoutingSnapshot>, route: Route, out: OwnedOutbound) -> Response {
+        let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(16);
+        let node_id =
+            route.targets.first().and_then(|t| snapshot.node(t.node)).map(|n| n.id.to_string()).unwrap_or_default();
+        let forwarder = self.clone();
+        let note_node = node_id.clone();
+        tokio::spawn(async move {
+            let outbound = Outbound {
+                path_and_query: &out.path_and_query,
+                headers: &out.headers,
+                body: out.body.clone(),
+                model: &out.model,
+                session: out.session.as_deref(),
+                request_id: &out.request_id,
+                reserve_bytes: out.reserve_bytes,
+            };
+            let started = tokio::time::Instant::now();
+            let work = forwarder.forward(&snapshot, &route, outbound);
+            tokio::pin!(work);
+            let mut ticker = tokio::time::interval(LOADING_NOTE_EVERY);
+            let result = loop {
+                tokio::select! {
+                    result = &mut work => break result,
+                    _ = ticker.tick() => {
+                        let note = format!(
+                            ": loading model {} on node {} ({}s)\n\n",
+                            out.model,
+                            note_node,
+                            started.elapsed().as_secs()
+                        );
+                        if tx.send(Ok(Bytes::from(note))).await.is_err() {
+                            return;
+                        }
+                    }
+                }
+            };
+            match result {
+                Ok(response) if response.status().is_success() => {
+                    let mut body = response.into_body();
+                    while let Some(frame) = body.frame().await {
+                        match frame {
+                            Ok(frame) => {
+                                if let Ok(data) = frame.into_data()
+                                    && tx.send(Ok(data)).await.is_err()
+                                {
+                                    return;
+                                }
+                            }
+                            Err(error) => {
+                                let error = ApiError::new(
+                                    ErrorKind::Upstream,
+                                    format!("the stream from node `{note_node}` broke: {error}"),
+                                    "upstream_stream_broken",
+                                );
+                                let _ = tx.send(Ok(error_event(&error))).await;
+                                return;
+                            }
+                        }
+                    }
+                }
+                Ok(response) => {
+                    let error = read_error_body(response).await;
+                    let _ = tx.send(Ok(error_event(&error))).await;
+                }
+                Err(error) => {
+                    let _ = tx.send(Ok(error_event(&error))).await;
+                }
+            }
+        });
+        let mut response = Response::new(Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx)));
+        let headers = response.headers_mut();
+        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
+        headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+        if let Ok(value) = HeaderValue::from_str(&node_id) {
+            headers.insert(NODE_HEADER, value);
+        }
+        headers.insert(ROUTE_HEADER, HeaderValue::from_static("cold"));
+        response
+    }
+}
+
+/// A final SSE event carrying an error, the way OpenAI-compatible servers
+/// end a stream that failed after it started.
+fn error_event(error: &ApiError) -> Bytes {
+    let body = inferyes_proto::openai_error_body(error.kind, &error.message, error.code.as_deref(), error.param);
+    Bytes::from(format!("data: {body}\n\n"))
+}
+
+/// The error a non-success response carries, whatever body type it has.
+async fn read_error_body(response: Response) -> ApiError {
+    let status = response.status();
+    let body = match Limited::new(response.into_body(), MAX_ERROR_BODY).collect().await {
+        Ok(collected) => collected.to_bytes(),
+        Err(_) => Bytes::new(),
+    };
+    upstream::normalize(status, &body)
+}

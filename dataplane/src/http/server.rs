@@ -12,7 +12,7 @@ use inferyes_proto::ErrorKind;
 use inferyes_proto::v1::EndpointKind;
 use serde_json::json;
 
-use super::forward::{Forwarder, Outbound};
+use super::forward::{Forwarder, Outbound, OwnedOutbound};
 use super::view::{estimated_prompt_tokens, with_model};
 use super::{ApiError, parse_view, session_key};
 use crate::routing::{self, RouteRequest};
@@ -211,6 +211,19 @@ async fn inference(State(state): State<AppState>, kind: EndpointKind, request: R
         0
     };
     let path_and_query = parts.uri.path_and_query().map(|p| p.as_str()).unwrap_or(parts.uri.path());
+    if route.cold && view.stream {
+        let outbound = OwnedOutbound {
+            path_and_query: path_and_query.to_string(),
+            headers: parts.headers.clone(),
+            body,
+            model: model.to_string(),
+            session,
+            request_id,
+            reserve_bytes,
+        };
+        tracing::debug!(model, "cold load for a stream: answering at once");
+        return Ok(state.forwarder.forward_cold_stream(Arc::clone(&snapshot), route, outbound));
+    }
     let outbound = Outbound {
         path_and_query,
         headers: &parts.headers,

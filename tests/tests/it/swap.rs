@@ -83,3 +83,30 @@ async fn the_concurrency_limit_reaches_the_client_as_an_openai_429() {
     assert_eq!(error["type"], "rate_limit_error");
     drop(body);
 }
+
+#[tokio::test]
+async fn a_stream_that_starts_a_cold_load_hears_about_it_at_once() {
+    let slow_load = SimConfig { load_delay_ms: 2500, ..swap(false) };
+    let fleet = Fleet::start(vec![slow_load]).await;
+    let request = json!({"model": "beta", "stream": true, "max_tokens": 4,
+                         "messages": [{"role": "user", "content": "hi"}]});
+    let started = std::time::Instant::now();
+    let response =
+        fleet.http.start(Method::POST, &fleet.url("/v1/chat/completions"), Bytes::from(request.to_string()), &[]).await;
+    let headers_after = started.elapsed();
+    assert_eq!(response.status(), StatusCode::OK);
+    assert_eq!(response.headers()["x-inferyes-route"], "cold");
+    assert_eq!(response.headers()["x-inferyes-node"], "node-a");
+    assert!(headers_after < Duration::from_millis(2000), "headers took {headers_after:?}, the load takes 2.5 s");
+    let mut body = response.into_body();
+    let first = next_chunk(&mut body).await.expect("a first event");
+    assert!(first.starts_with(b": loading model beta on node node-a"), "{first:?}");
+
+    let mut text = String::from_utf8(first.to_vec()).unwrap();
+    while let Some(chunk) = next_chunk(&mut body).await {
+        text.push_str(std::str::from_utf8(&chunk).unwrap());
+    }
+    assert!(text.matches(": loading model beta").count() >= 2, "a note each second: {text}");
+    assert!(text.contains("\"chat.completion.chunk\""), "{text}");
+    assert!(text.ends_with("data: [DONE]\n\n"), "{text}");
+}
