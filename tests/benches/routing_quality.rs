@@ -100,6 +100,10 @@ struct Tally {
     cached_tokens: u64,
     ttft: Vec<Duration>,
     per_node: BTreeMap<String, u64>,
+    /// Turns served on another node than the conversation's previous turn.
+    moves: u64,
+    /// `x-inferyes-route` of each turn after the first.
+    routes: BTreeMap<String, u64>,
     errors: u64,
 }
 
@@ -108,13 +112,14 @@ async fn turn(
     url: &str,
     body: &Value,
     headers: &[(&str, &str)],
-) -> Option<(Duration, Value, String)> {
+) -> Option<(Duration, Value, String, String)> {
     let started = Instant::now();
     let response = http.start(Method::POST, url, Bytes::from(body.to_string()), headers).await;
     if !response.status().is_success() {
         return None;
     }
-    let node = response.headers().get("x-inferyes-node").and_then(|v| v.to_str().ok()).unwrap_or("").to_string();
+    let header = |name: &str| response.headers().get(name).and_then(|v| v.to_str().ok()).unwrap_or("").to_string();
+    let (node, route) = (header("x-inferyes-node"), header("x-inferyes-route"));
     let mut stream = response.into_body();
     let mut ttft = None;
     let mut text = String::new();
@@ -133,7 +138,7 @@ async fn turn(
             usage = value["usage"].clone();
         }
     }
-    Some((ttft?, json!({"reply": reply, "usage": usage}), node))
+    Some((ttft?, json!({"reply": reply, "usage": usage}), node, route))
 }
 
 async fn conversation(http: HttpClient, c: usize, target: String, oracle_headers: Option<String>) -> Tally {
@@ -145,6 +150,7 @@ async fn conversation(http: HttpClient, c: usize, target: String, oracle_headers
     ];
     // Deterministic think time, 50-250 ms.
     let think = Duration::from_millis(50 + (c as u64 * 37) % 200);
+    let mut previous: Option<String> = None;
     for t in 0..TURNS {
         let body = json!({
             "model": model, "messages": messages, "stream": true,
@@ -155,11 +161,18 @@ async fn conversation(http: HttpClient, c: usize, target: String, oracle_headers
             None => Vec::new(),
         };
         match turn(&http, &target, &body, &headers).await {
-            Some((ttft, result, node)) => {
+            Some((ttft, result, node, route)) => {
+                if t > 0 && !route.is_empty() {
+                    *tally.routes.entry(route).or_default() += 1;
+                }
                 tally.ttft.push(ttft);
                 tally.prompt_tokens += result["usage"]["prompt_tokens"].as_u64().unwrap_or(0);
                 tally.cached_tokens += result["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0);
                 let node = if node.is_empty() { target.clone() } else { node };
+                if previous.as_ref().is_some_and(|p| *p != node) {
+                    tally.moves += 1;
+                }
+                previous = Some(node.clone());
                 *tally.per_node.entry(node).or_default() += 1;
                 messages.push(json!({"role": "assistant", "content": result["reply"]}));
             }
@@ -211,6 +224,10 @@ async fn run(policy: Policy) -> Tally {
         total.cached_tokens += tally.cached_tokens;
         total.ttft.extend(tally.ttft);
         total.errors += tally.errors;
+        total.moves += tally.moves;
+        for (route, count) in tally.routes {
+            *total.routes.entry(route).or_default() += count;
+        }
         for (node, count) in tally.per_node {
             *total.per_node.entry(node).or_default() += count;
         }
@@ -280,14 +297,14 @@ fn main() {
         CONVERSATIONS, TURNS, NODES
     );
     println!(
-        "{:<18} {:>9} {:>11} {:>10} {:>10} {:>12} {:>14} {:>7}",
-        "policy", "KV reuse", "of oracle", "TTFT p50", "TTFT p99", "p50/oracle", "max/avg load", "errors"
+        "{:<18} {:>9} {:>11} {:>10} {:>10} {:>12} {:>14} {:>7} {:>7}",
+        "policy", "KV reuse", "of oracle", "TTFT p50", "TTFT p99", "p50/oracle", "max/avg load", "moves", "errors"
     );
     for (policy, tally) in &rows {
         let reuse = tally.cached_tokens as f64 / tally.prompt_tokens.max(1) as f64;
         let p50 = percentile(&tally.ttft, 0.5);
         println!(
-            "{:<18} {:>8.1}% {:>10.1}% {:>10.1?} {:>10.1?} {:>12.2} {:>14.2} {:>7}",
+            "{:<18} {:>8.1}% {:>10.1}% {:>10.1?} {:>10.1?} {:>12.2} {:>14.2} {:>7} {:>7}",
             policy.name(),
             reuse * 100.0,
             reuse / oracle_reuse * 100.0,
@@ -295,7 +312,13 @@ fn main() {
             percentile(&tally.ttft, 0.99),
             p50.as_secs_f64() / oracle_p50.as_secs_f64(),
             max_load_ratio(&tally.per_node),
+            tally.moves,
             tally.errors,
         );
+    }
+    for (policy, tally) in &rows {
+        if !tally.routes.is_empty() {
+            println!("{}: routes of turns 2-{TURNS}: {:?}", policy.name(), tally.routes);
+        }
     }
 }

@@ -8,10 +8,12 @@
 //! 2. admitted: not draining, healthy, GPU memory below the node's
 //!    admission threshold (a session already resident there may continue up
 //!    to the hard limit);
-//! 3. resident: the node holding the session's KV cache, unless saturated;
+//! 3. resident: the node holding the session's KV cache, unless a whole
+//!    round of its slots is already queued;
 //! 4. warm: nodes with the model loaded; a new session goes to its
 //!    rendezvous-hash home unless that node is over `load_bound` times the
-//!    average load; keyless requests follow the model's strategy;
+//!    average load (resident sessions plus requests in flight); keyless
+//!    requests follow the model's strategy;
 //! 5. cold: nodes that can load the model, a load already under way first,
 //!    then the most free GPU memory, counting loads in progress.
 
@@ -179,6 +181,12 @@ fn load(p: &Placement) -> u32 {
     p.reported_in_flight.saturating_add(p.local.in_flight.load(Ordering::Relaxed))
 }
 
+/// The load a new session is balanced against: the sessions already living
+/// on the backend (each will come back) and the requests in flight.
+fn session_load(p: &Placement) -> u32 {
+    load(p).saturating_add(p.resident_sessions)
+}
+
 /// Memory the node can still give: total, less used and loading, less
 /// loads this data plane started.
 fn free_memory(p: &Placement) -> u64 {
@@ -257,7 +265,7 @@ pub fn select(snapshot: &RoutingSnapshot, request: &RouteRequest<'_>) -> Result<
             Class::Resident => resident = Some(i),
             Class::Warm => {
                 warm_count += 1;
-                warm_load += u64::from(load(p));
+                warm_load += u64::from(if session.is_some() { session_load(p) } else { load(p) });
             }
             Class::Cold => {}
             Class::Refused(memory) => refused_for_memory |= memory,
@@ -306,7 +314,7 @@ pub fn select(snapshot: &RoutingSnapshot, request: &RouteRequest<'_>) -> Result<
                         } else {
                             raw
                         };
-                        let over = p.saturated || f64::from(load(p)) + 1.0 > bound;
+                        let over = p.saturated || f64::from(session_load(p)) + 1.0 > bound;
                         [u64::from(over), !score, place_key(p)]
                     }
                     (None, Strategy::RoundRobin) => [saturated, (warm_index + warm_count - turn) % warm_count, 0],
@@ -332,7 +340,7 @@ pub fn select(snapshot: &RoutingSnapshot, request: &RouteRequest<'_>) -> Result<
         }
     }
 
-    let resident_first = resident.filter(|r| !placements[*r].saturated);
+    let resident_first = resident.filter(|r| !placements[*r].overloaded);
     let mut targets: Vec<Target> = Vec::with_capacity(MAX_TARGETS);
     let ordered = resident_first.into_iter().chain(warm.indices()).chain(resident).chain(cold.indices());
     for index in ordered {

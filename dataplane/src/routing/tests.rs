@@ -24,6 +24,7 @@ struct Spec {
     used_percent: u64,
     in_flight: u32,
     deferred: u32,
+    slots: u32,
     weight: u32,
     context: u32,
     size_gib: u64,
@@ -40,6 +41,7 @@ fn spec(id: &str) -> Spec {
         used_percent: 50,
         in_flight: 0,
         deferred: 0,
+        slots: 0,
         weight: 1,
         context: 4096,
         size_gib: 5,
@@ -61,6 +63,7 @@ fn wire(s: &Spec) -> SnapshotNode {
         models: vec![model],
         in_flight: s.in_flight,
         requests_deferred: s.deferred,
+        slots_total: s.slots,
         weight: s.weight,
         ..Default::default()
     };
@@ -181,11 +184,24 @@ fn thresholds_come_from_the_node_then_the_fleet() {
 }
 
 #[test]
-fn a_saturated_home_is_passed_over_but_kept_as_failover() {
-    let s = snapshot(&[Spec { deferred: 2, sessions: vec!["conv".into()], ..spec("busy") }, spec("idle")]);
+fn a_busy_home_is_kept_but_an_overloaded_one_is_passed_over() {
+    // All slots busy, one request queued: the cache is worth the wait.
+    let s = snapshot(&[Spec { deferred: 1, slots: 4, sessions: vec!["conv".into()], ..spec("busy") }, spec("idle")]);
+    let route = select(&s, &chat(Some("conv"))).unwrap();
+    assert_eq!(
+        (nodes(&s, &route), route.reason),
+        (vec!["busy".to_string(), "idle".to_string()], RouteReason::Resident)
+    );
+    // A whole round of slots queued.
+    let s = snapshot(&[Spec { deferred: 4, sessions: vec!["conv".into()], slots: 4, ..spec("busy") }, spec("idle")]);
     let route = select(&s, &chat(Some("conv"))).unwrap();
     assert_eq!(nodes(&s, &route), ["idle", "busy"]);
     assert_eq!(route.reason, RouteReason::Placed);
+    // New sessions avoid a merely saturated node.
+    let s = snapshot(&[Spec { deferred: 1, ..spec("busy") }, spec("idle")]);
+    for i in 0..8 {
+        assert_eq!(first_node(&s, &select(&s, &chat(Some(&format!("new-{i}")))).unwrap()), "idle");
+    }
 }
 
 #[test]

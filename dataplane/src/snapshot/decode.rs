@@ -1,3 +1,4 @@
+use std::collections::hash_map::Entry;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 
@@ -96,6 +97,8 @@ pub fn decode(
                 in_flight: backend.in_flight,
             };
             let target = Target { node: node_index, backend: backend_index };
+            let resident_sessions = status.sessions.iter().filter(|s| s.backend_id == backend.id).count();
+            let resident_sessions = u32::try_from(resident_sessions).unwrap_or(u32::MAX);
             for model in &backend.models {
                 snapshot.models.entry(model.id.clone()).or_default().push(Placement {
                     target,
@@ -105,7 +108,9 @@ pub fn decode(
                     size_bytes: model.size_bytes,
                     usable: view.health == Health::Ready && !wire.draining,
                     saturated: view.saturated(),
+                    overloaded: view.overloaded(),
                     reported_in_flight: view.in_flight,
+                    resident_sessions,
                     weight: view.weight,
                     node_key: key,
                     vram_fraction,
@@ -119,8 +124,19 @@ pub fn decode(
             backends.push(view);
         }
         for session in &status.sessions {
-            if let Some(backend) = status.backends.iter().position(|b| b.id == session.backend_id) {
-                snapshot.sessions.insert(session_hash(&session.key), Target { node: node_index, backend });
+            let Some(backend) = status.backends.iter().position(|b| b.id == session.backend_id) else { continue };
+            // A session that moved is reported by both nodes until the old
+            // one evicts it: the most recent use wins.
+            let target = Target { node: node_index, backend };
+            let seen = session.last_seen_unix_s;
+            match snapshot.sessions.entry(session_hash(&session.key)) {
+                Entry::Occupied(mut held) if held.get().1 < seen => {
+                    held.insert((target, seen));
+                }
+                Entry::Occupied(_) => {}
+                Entry::Vacant(slot) => {
+                    slot.insert((target, seen));
+                }
             }
         }
         snapshot.nodes.push(Node {

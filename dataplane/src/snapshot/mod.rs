@@ -30,7 +30,8 @@ pub struct RoutingSnapshot {
     /// Session key (hashed, see [`session_hash`]) → where its KV cache is
     /// resident. Hashes, not strings: a snapshot of 100,000 sessions is
     /// decoded without 100,000 allocations.
-    pub(crate) sessions: HashMap<u64, Target, BuildHasherDefault<Prehashed>>,
+    /// The last-seen time (seconds) settles a session reported twice.
+    pub(crate) sessions: HashMap<u64, (Target, u64), BuildHasherDefault<Prehashed>>,
     pub(crate) policy: Policy,
 }
 
@@ -111,9 +112,17 @@ pub struct BackendView {
 }
 
 impl BackendView {
-    /// Queueing already: requests deferred, or every slot busy.
+    /// No room for one more without waiting: requests deferred, or every
+    /// slot busy. New sessions go elsewhere.
     pub fn saturated(&self) -> bool {
         self.requests_deferred > 0 || (self.slots_total > 0 && self.slots_busy >= self.slots_total)
+    }
+
+    /// A whole round of slots already waiting. Even a session whose cache is
+    /// here moves on: recomputing its prompt elsewhere beats that queue,
+    /// while a shorter wait does not.
+    pub fn overloaded(&self) -> bool {
+        self.requests_deferred >= self.slots_total.max(1)
     }
 }
 
@@ -137,7 +146,11 @@ pub struct Placement {
     /// Backend ready and node not draining.
     pub usable: bool,
     pub saturated: bool,
+    pub overloaded: bool,
     pub reported_in_flight: u32,
+    /// Sessions the backend's agent reports resident: the load a new
+    /// session is balanced against, since each will come back.
+    pub resident_sessions: u32,
     pub weight: u32,
     pub node_key: u64,
     pub vram_fraction: f64,
@@ -178,7 +191,7 @@ impl RoutingSnapshot {
     }
 
     pub fn resident(&self, session: &str) -> Option<Target> {
-        self.sessions.get(&session_hash(session)).copied()
+        self.sessions.get(&session_hash(session)).map(|(target, _)| *target)
     }
 
     pub fn catalog(&self) -> &[CatalogEntry] {
