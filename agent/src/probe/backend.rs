@@ -47,16 +47,21 @@ impl BackendProbe {
             config::BackendKind::LlamaSwap => self.probe_llama_swap(client, &mut backend).await,
             config::BackendKind::Openai => self.probe_openai(client, &mut backend).await,
         };
+        let unread = result.is_err() || backend.health() == Health::Loading;
         if let Err(error) = result {
             backend.probe_error = error;
             if backend.health() == Health::Unknown {
                 backend.set_health(Health::Down);
             }
         }
-        if backend.models.is_empty() && backend.health() != Health::Ready {
+        // The catalog could not be read (the server is loading, or its model
+        // list failed): report what was last seen, as loading or as
+        // possibly warm, never as gone.
+        if backend.models.is_empty() && unread {
             let state = if backend.health() == Health::Loading { ModelState::Loading } else { ModelState::Unknown };
             backend.models = remembered_models(previous, &self.declared_models, state);
         }
+
         for model in &mut backend.models {
             if model.endpoints.is_empty() {
                 model.endpoints = self.endpoints.iter().map(|e| *e as i32).collect();
@@ -325,6 +330,39 @@ mod tests {
             [("declared", ModelState::Unknown)]
         );
         assert!(remembered_models(None, &[], ModelState::Unknown).is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_catalog_that_cannot_be_read_leaves_the_models_possibly_warm() {
+        use axum::routing::get;
+        let app = axum::Router::new()
+            .route("/health", get(|| async { "OK" }))
+            .route("/v1/models", get(|| async { (http::StatusCode::INTERNAL_SERVER_ERROR, "boom") }));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        let probe = BackendProbe {
+            id: "swap".into(),
+            url,
+            kind: config::BackendKind::LlamaSwap,
+            weight: 1,
+            endpoints: Vec::new(),
+            api_key: String::new(),
+            declared_models: Vec::new(),
+            host_cache_tokens: 0,
+        };
+        let client = ProbeClient::new(std::time::Duration::from_secs(2));
+        let previous = Backend {
+            models: parse_llamaswap_models(br#"{"data":[{"id":"alpha","status":{"value":"loaded"}}]}"#).0,
+            ..Default::default()
+        };
+        let backend = probe.probe(&client, Some(&previous)).await;
+        assert_eq!(backend.health(), Health::Ready);
+        assert!(backend.probe_error.contains("HTTP 500"), "{}", backend.probe_error);
+        assert_eq!(
+            backend.models.iter().map(|m| (m.id.as_str(), m.state())).collect::<Vec<_>>(),
+            [("alpha", ModelState::Unknown)]
+        );
     }
 
     #[test]
