@@ -110,7 +110,7 @@ impl BackendProbe {
         {
             let metrics = parse_llamacpp_metrics(&String::from_utf8_lossy(&body));
             backend.requests_deferred = metrics.requests_deferred;
-            backend.tokens_per_second = metrics.predicted_tokens_seconds;
+            backend.tokens_per_second = metrics.decode_tokens_per_second();
         }
         Ok(())
     }
@@ -260,7 +260,24 @@ pub fn parse_slots(body: &[u8]) -> Option<Slots> {
 pub struct LlamaCppMetrics {
     pub requests_processing: u32,
     pub requests_deferred: u32,
+    /// Throughput since the previous scrape: llama-server resets it on each
+    /// read, so it reads 0 whenever nothing was generated in between.
     pub predicted_tokens_seconds: f64,
+    pub tokens_predicted_total: f64,
+    pub tokens_predicted_seconds_total: f64,
+}
+
+impl LlamaCppMetrics {
+    /// Decode speed: tokens generated per second of generation since the
+    /// server started, which stays put between bursts; the per-scrape gauge
+    /// when the counters are missing.
+    pub fn decode_tokens_per_second(&self) -> f64 {
+        if self.tokens_predicted_seconds_total > 0.0 {
+            self.tokens_predicted_total / self.tokens_predicted_seconds_total
+        } else {
+            self.predicted_tokens_seconds
+        }
+    }
 }
 
 /// Parses llama-server's Prometheus text (`llamacpp:*` series).
@@ -277,6 +294,8 @@ pub fn parse_llamacpp_metrics(text: &str) -> LlamaCppMetrics {
             "llamacpp:requests_processing" => metrics.requests_processing = whole,
             "llamacpp:requests_deferred" => metrics.requests_deferred = whole,
             "llamacpp:predicted_tokens_seconds" => metrics.predicted_tokens_seconds = value,
+            "llamacpp:tokens_predicted_total" => metrics.tokens_predicted_total = value,
+            "llamacpp:tokens_predicted_seconds_total" => metrics.tokens_predicted_seconds_total = value,
             _ => {}
         }
     }
@@ -379,10 +398,11 @@ mod tests {
     fn llamacpp_metrics_are_parsed_by_name() {
         let text = "# HELP llamacpp:requests_deferred Number of requests deferred.\n# TYPE llamacpp:requests_deferred gauge\nllamacpp:requests_deferred 3\nllamacpp:requests_processing 2\nllamacpp:predicted_tokens_seconds 41.5\nllamacpp:tokens_predicted_total 900\n";
         let metrics = parse_llamacpp_metrics(text);
-        assert_eq!(
-            metrics,
-            LlamaCppMetrics { requests_processing: 2, requests_deferred: 3, predicted_tokens_seconds: 41.5 }
-        );
+        assert_eq!((metrics.requests_processing, metrics.requests_deferred), (2, 3));
+        assert_eq!(metrics.decode_tokens_per_second(), 41.5, "the gauge, without the counters");
+        let counters = parse_llamacpp_metrics(&format!("{text}llamacpp:tokens_predicted_seconds_total 20\n"));
+        assert_eq!(counters.decode_tokens_per_second(), 45.0, "900 tokens in 20 s of generation");
+
         assert_eq!(parse_llamacpp_metrics("garbage\nllamacpp:requests_deferred NaN"), LlamaCppMetrics::default());
     }
 }
