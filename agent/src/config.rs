@@ -6,7 +6,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use anyhow::{Context, bail};
+use anyhow::bail;
 use serde::{Deserialize, Serialize};
 
 use crate::sim::SimConfig;
@@ -55,13 +55,7 @@ pub enum Command {
     },
 }
 
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
-#[serde(rename_all = "lowercase")]
-pub enum LogFormat {
-    #[default]
-    Text,
-    Json,
-}
+pub use inferyes_proto::process::LogFormat;
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -201,14 +195,7 @@ impl Default for Config {
 
 impl Config {
     pub fn load(args: &Args) -> anyhow::Result<Config> {
-        let mut config: Config = match &args.config {
-            Some(path) => {
-                let text = std::fs::read_to_string(path)
-                    .with_context(|| format!("cannot read config file {}", path.display()))?;
-                toml::from_str(&text).with_context(|| format!("invalid config file {}", path.display()))?
-            }
-            None => Config::default(),
-        };
+        let mut config: Config = inferyes_proto::process::load_toml(args.config.as_deref())?;
         if let Some(v) = &args.node_id {
             config.node_id.clone_from(v);
         }

@@ -1,13 +1,12 @@
 use anyhow::Context;
 use clap::Parser;
 use inferyes_agent::config::{Args, Command, Config, LogFormat};
-use tokio_util::sync::CancellationToken;
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     if let Some(Command::Simulate { listen, sim_config, model }) = &args.command {
-        init_tracing(LogFormat::Text);
+        inferyes_proto::process::init_tracing(LogFormat::Text);
         return simulate(*listen, sim_config.as_deref(), model).await;
     }
     let config = Config::load(&args)?;
@@ -15,10 +14,9 @@ async fn main() -> anyhow::Result<()> {
         print!("{}", toml::to_string(&config)?);
         return Ok(());
     }
-    init_tracing(config.log_format);
+    inferyes_proto::process::init_tracing(config.log_format);
     let listeners = inferyes_agent::Listeners::bind(&config).await?;
-    let shutdown = CancellationToken::new();
-    tokio::spawn(cancel_on_signal(shutdown.clone()));
+    let shutdown = inferyes_proto::process::shutdown_on_signal();
     inferyes_agent::run(config, listeners, shutdown).await
 }
 
@@ -31,34 +29,7 @@ async fn simulate(listen: std::net::SocketAddr, file: Option<&std::path::Path>, 
     let simulator = inferyes_agent::sim::Simulator::new(config)?;
     let listener = tokio::net::TcpListener::bind(listen).await.with_context(|| format!("cannot listen on {listen}"))?;
     tracing::info!(%listen, "simulated backend listening");
-    let shutdown = CancellationToken::new();
-    tokio::spawn(cancel_on_signal(shutdown.clone()));
+    let shutdown = inferyes_proto::process::shutdown_on_signal();
     simulator.serve(listener, shutdown).await?;
     Ok(())
-}
-
-fn init_tracing(format: LogFormat) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter);
-    match format {
-        LogFormat::Text => builder.init(),
-        LogFormat::Json => builder.json().init(),
-    }
-}
-
-async fn cancel_on_signal(shutdown: CancellationToken) {
-    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-        Ok(term) => term,
-        Err(error) => {
-            tracing::error!(%error, "cannot listen for SIGTERM");
-            return;
-        }
-    };
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = term.recv() => {}
-    }
-    tracing::info!("shutting down");
-    shutdown.cancel();
 }

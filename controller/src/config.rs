@@ -6,7 +6,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use anyhow::{Context, bail};
+use anyhow::bail;
 use serde::{Deserialize, Serialize};
 
 #[derive(Clone, Debug, clap::Parser)]
@@ -45,13 +45,7 @@ pub struct Args {
     pub log_format: Option<LogFormat>,
 }
 
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
-#[serde(rename_all = "lowercase")]
-pub enum LogFormat {
-    #[default]
-    Text,
-    Json,
-}
+pub use inferyes_proto::process::LogFormat;
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -93,14 +87,7 @@ impl Default for Config {
 
 impl Config {
     pub fn load(args: &Args) -> anyhow::Result<Config> {
-        let mut config = match &args.config {
-            Some(path) => {
-                let text = std::fs::read_to_string(path)
-                    .with_context(|| format!("cannot read config file {}", path.display()))?;
-                toml::from_str(&text).with_context(|| format!("invalid config file {}", path.display()))?
-            }
-            None => Config::default(),
-        };
+        let mut config: Config = inferyes_proto::process::load_toml(args.config.as_deref())?;
         if let Some(v) = &args.controller_id {
             config.controller_id.clone_from(v);
         }

@@ -1,6 +1,5 @@
 use clap::Parser;
-use inferyes_controller::config::{Args, Config, LogFormat};
-use tokio_util::sync::CancellationToken;
+use inferyes_controller::config::{Args, Config};
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
@@ -10,35 +9,8 @@ async fn main() -> anyhow::Result<()> {
         print!("{}", toml::to_string(&config)?);
         return Ok(());
     }
-    init_tracing(config.log_format);
+    inferyes_proto::process::init_tracing(config.log_format);
     let listeners = inferyes_controller::Listeners::bind(&config).await?;
-    let shutdown = CancellationToken::new();
-    tokio::spawn(cancel_on_signal(shutdown.clone()));
+    let shutdown = inferyes_proto::process::shutdown_on_signal();
     inferyes_controller::run(config, listeners, shutdown).await
-}
-
-fn init_tracing(format: LogFormat) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter);
-    match format {
-        LogFormat::Text => builder.init(),
-        LogFormat::Json => builder.json().init(),
-    }
-}
-
-async fn cancel_on_signal(shutdown: CancellationToken) {
-    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-        Ok(term) => term,
-        Err(error) => {
-            tracing::error!(%error, "cannot listen for SIGTERM");
-            return;
-        }
-    };
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = term.recv() => {}
-    }
-    tracing::info!("shutting down");
-    shutdown.cancel();
 }

@@ -7,6 +7,7 @@ pub mod v1 {
 }
 
 mod error;
+pub mod process;
 
 pub use error::{ErrorKind, openai_error_body};
 

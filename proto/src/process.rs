@@ -1,0 +1,58 @@
+//! What every Inferyes binary does the same way around its `run`: read its
+//! TOML file, set up logging, and turn SIGINT/SIGTERM into a shutdown.
+
+use std::path::Path;
+
+use serde::de::DeserializeOwned;
+use tokio_util::sync::CancellationToken;
+
+/// Log output: human-readable text, or one JSON object per line.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    #[default]
+    Text,
+    Json,
+}
+
+/// Reads a TOML configuration file; `T::default()` when there is none.
+/// Errors name the file and, from the parser, the offending key.
+pub fn load_toml<T: DeserializeOwned + Default>(path: Option<&Path>) -> anyhow::Result<T> {
+    use anyhow::Context;
+    let Some(path) = path else { return Ok(T::default()) };
+    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read config file {}", path.display()))?;
+    toml::from_str(&text).with_context(|| format!("invalid config file {}", path.display()))
+}
+
+/// Logging to stderr; `RUST_LOG` filters (default `info`).
+pub fn init_tracing(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().init(),
+    }
+}
+
+/// A token cancelled on the first SIGINT or SIGTERM.
+pub fn shutdown_on_signal() -> CancellationToken {
+    let shutdown = CancellationToken::new();
+    let token = shutdown.clone();
+    tokio::spawn(async move {
+        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(term) => term,
+            Err(error) => {
+                tracing::error!(%error, "cannot listen for SIGTERM");
+                return;
+            }
+        };
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term.recv() => {}
+        }
+        tracing::info!("shutting down");
+        token.cancel();
+    });
+    shutdown
+}
