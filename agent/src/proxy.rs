@@ -82,7 +82,7 @@ async fn forward(State(proxy): State<Proxy>, request: Request<Body>) -> Response
     if let (Some(session), Some(model)) = (&session, &model)
         && let Ok(mut residency) = proxy.state.residency.lock()
     {
-        residency.touch(session, &backend_id, model, inferyes_proto::unix_ms() / 1000);
+        residency.touch(session, &backend_id, model, inferyes_proto::unix_ms());
         drop(residency);
         proxy.state.changed.notify_one();
     }

@@ -62,14 +62,14 @@ impl Residency {
     }
 
     /// A request of session `key` was sent to `backend_id`.
-    pub fn touch(&mut self, key: &str, backend_id: &str, model: &str, now_s: u64) {
+    pub fn touch(&mut self, key: &str, backend_id: &str, model: &str, now_ms: u64) {
         self.tick += 1;
         let tick = self.tick;
         let entry = self.entries.entry(key.to_string()).or_insert_with(|| Entry {
             session: ResidentSession {
                 key: key.to_string(),
                 backend_id: backend_id.to_string(),
-                first_seen_unix_s: now_s,
+                first_seen_unix_ms: now_ms,
                 ..Default::default()
             },
             tick,
@@ -79,12 +79,12 @@ impl Residency {
             entry.session = ResidentSession {
                 key: key.to_string(),
                 backend_id: backend_id.to_string(),
-                first_seen_unix_s: now_s,
+                first_seen_unix_ms: now_ms,
                 ..Default::default()
             };
         }
         entry.session.model = model.to_string();
-        entry.session.last_seen_unix_s = now_s;
+        entry.session.last_seen_unix_ms = now_ms;
         entry.session.requests = entry.session.requests.saturating_add(1);
         entry.tick = tick;
         self.removed.remove(key);
@@ -251,6 +251,6 @@ mod tests {
         r.touch("a", "b1", "m", 9);
         assert_eq!(r.backend_of("a"), Some("b1"));
         let session = r.take_update(true).upserted.remove(0);
-        assert_eq!((session.requests, session.first_seen_unix_s, session.tokens), (1, 9, 0));
+        assert_eq!((session.requests, session.first_seen_unix_ms, session.tokens), (1, 9, 0));
     }
 }

@@ -204,7 +204,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<String> {
                     .filter_map(|s| s.session.as_ref().map(|r| (s, r)))
                     .map(|(s, r)| {
                         json!({"node": s.node_id, "key": r.key, "backend": r.backend_id, "model": r.model,
-                               "first_seen_unix_s": r.first_seen_unix_s, "last_seen_unix_s": r.last_seen_unix_s, "requests": r.requests})
+                               "first_seen_unix_ms": r.first_seen_unix_ms, "last_seen_unix_ms": r.last_seen_unix_ms, "requests": r.requests})
                     })
                     .collect();
                 render_json(&json!({"version": response.version, "sessions": sessions}))
@@ -219,8 +219,8 @@ pub async fn run(cli: Cli) -> anyhow::Result<String> {
                             s.node_id.clone(),
                             r.backend_id.clone(),
                             r.model.clone(),
-                            format!("{}s", now.saturating_sub(r.first_seen_unix_s)),
-                            format!("{}s", now.saturating_sub(r.last_seen_unix_s)),
+                            format!("{}s", now.saturating_sub(r.first_seen_unix_ms / 1000)),
+                            format!("{}s", now.saturating_sub(r.last_seen_unix_ms / 1000)),
                             r.requests.to_string(),
                         ]
                     })

@@ -12,7 +12,8 @@
 //!    round of its slots is already queued;
 //! 4. warm: nodes with the model loaded; a new session goes to its
 //!    rendezvous-hash home unless that node is over `load_bound` times the
-//!    average load (resident sessions plus requests in flight); keyless
+//!    average load (resident sessions plus this data plane's requests in
+//!    flight); keyless
 //!    requests follow the model's strategy;
 //! 5. cold: nodes that can load the model, a load already under way first,
 //!    then the most free GPU memory, counting loads in progress.
@@ -182,9 +183,13 @@ fn load(p: &Placement) -> u32 {
 }
 
 /// The load a new session is balanced against: the sessions already living
-/// on the backend (each will come back) and the requests in flight.
+/// on the backend (each will come back), and this data plane's requests in
+/// flight there (sessions it placed that no report shows yet). Reported
+/// in-flight counts are left out on purpose: they change with every report,
+/// and a placement must not flip between a conversation's first turns or
+/// between data planes because a count moved.
 fn session_load(p: &Placement) -> u32 {
-    load(p).saturating_add(p.resident_sessions)
+    p.resident_sessions.saturating_add(p.local.in_flight.load(Ordering::Relaxed))
 }
 
 /// Memory the node can still give: total, less used and loading, less
@@ -289,8 +294,11 @@ pub fn select(snapshot: &RoutingSnapshot, request: &RouteRequest<'_>) -> Result<
         Mode::LeastOutstanding => Strategy::LeastOutstanding,
     };
     let session_key = session.map(|s| stable_hash(s.as_bytes()));
-    // No node is given more than `load_bound` times the average load.
-    let bound = (snapshot.policy().load_bound * (warm_load + 1) as f64 / warm_count.max(1) as f64).ceil();
+    // No node is given more than `load_bound` times the average load, plus
+    // one: at small loads the bare bound would refuse a home holding a
+    // single session, and placements would flip between turns and between
+    // data planes as the counts move.
+    let bound = (snapshot.policy().load_bound * (warm_load + 1) as f64 / warm_count.max(1) as f64).ceil() + 1.0;
     let turn = request.ticket % warm_count.max(1);
     let (pick_a, pick_b) = two_choices(request.ticket, warm_count);
     let mut warm = Best::new();

@@ -128,7 +128,7 @@ pub fn decode(
             // A session that moved is reported by both nodes until the old
             // one evicts it: the most recent use wins.
             let target = Target { node: node_index, backend };
-            let seen = session.last_seen_unix_s;
+            let seen = session.last_seen_unix_ms;
             match snapshot.sessions.entry(session_hash(&session.key)) {
                 Entry::Occupied(mut held) if held.get().1 < seen => {
                     held.insert((target, seen));
