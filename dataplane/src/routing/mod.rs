@@ -144,24 +144,24 @@ enum Class {
     Refused(bool),
 }
 
-/// The best `MAX_TARGETS` placements by a key, without allocating.
-struct Best {
-    items: [([u64; 3], usize); MAX_TARGETS],
+/// The best `K` placements by a key (smallest first), without allocating.
+struct Best<const K: usize> {
+    items: [([u64; 3], usize); K],
     len: usize,
 }
 
-impl Best {
-    fn new() -> Best {
-        Best { items: [([u64::MAX; 3], usize::MAX); MAX_TARGETS], len: 0 }
+impl<const K: usize> Best<K> {
+    fn new() -> Best<K> {
+        Best { items: [([u64::MAX; 3], usize::MAX); K], len: 0 }
     }
 
     fn offer(&mut self, key: [u64; 3], index: usize) {
         let mut at = self.len;
-        if at == MAX_TARGETS {
-            if key >= self.items[MAX_TARGETS - 1].0 {
+        if at == K {
+            if key >= self.items[K - 1].0 {
                 return;
             }
-            at = MAX_TARGETS - 1;
+            at = K - 1;
         } else {
             self.len += 1;
         }
@@ -251,11 +251,26 @@ pub fn select(snapshot: &RoutingSnapshot, request: &RouteRequest<'_>) -> Result<
     let session = request.session.filter(|_| affinity);
     let home = session.and_then(|s| snapshot.resident(s));
 
-    // Pass 1: what is possible, and the totals the keys depend on.
+    let strategy = match request.mode {
+        Mode::Policy => snapshot.policy().strategy(request.model),
+        Mode::RoundRobin => Strategy::RoundRobin,
+        Mode::LeastOutstanding => Strategy::LeastOutstanding,
+    };
+    let session_key = session.map(|s| stable_hash(s.as_bytes()));
+    let n = placements.len() as u64;
+    let turn = request.ticket % n.max(1);
+    let (pick_a, pick_b) = two_choices(request.ticket, n);
+
+    // One pass: what is possible, the totals the load bound needs, the
+    // session's best homes by rendezvous score, and the best few keyless
+    // and cold placements.
     let (mut any_capable, mut any_fitting, mut largest_window) = (false, false, 0u32);
     let (mut warm_count, mut warm_load) = (0u64, 0u64);
     let mut resident: Option<usize> = None;
     let mut refused_for_memory = false;
+    let mut homes: Best<HOMES> = Best::new();
+    let mut warm: Best<MAX_TARGETS> = Best::new();
+    let mut cold: Best<MAX_TARGETS> = Best::new();
     for (i, p) in placements.iter().enumerate() {
         if !capable(p) {
             continue;
@@ -270,9 +285,29 @@ pub fn select(snapshot: &RoutingSnapshot, request: &RouteRequest<'_>) -> Result<
             Class::Resident => resident = Some(i),
             Class::Warm => {
                 warm_count += 1;
-                warm_load += u64::from(if session.is_some() { session_load(p) } else { load(p) });
+                let saturated = u64::from(p.saturated);
+                let position = i as u64;
+                match (session_key, strategy) {
+                    (Some(key), _) => {
+                        warm_load += u64::from(session_load(p));
+                        homes.offer([!score(key, p, strategy), place_key(p), 0], i);
+                    }
+                    (None, Strategy::RoundRobin) => warm.offer([saturated, (position + n - turn) % n, 0], i),
+                    (None, Strategy::Weighted) => {
+                        let share = (u64::from(load(p)) << 32) / u64::from(p.weight.max(1));
+                        warm.offer([saturated, share, u64::from(u32::MAX - p.weight) << 32 | place_key(p)], i);
+                    }
+                    (None, Strategy::PowerOfTwo) => {
+                        let picked = position == pick_a || position == pick_b;
+                        warm.offer([saturated, u64::from(!picked) << 32 | u64::from(load(p)), position], i);
+                    }
+                    (None, _) => warm.offer([saturated, u64::from(load(p)), place_key(p)], i),
+                }
             }
-            Class::Cold => {}
+            Class::Cold => {
+                // A load already under way is joined before another starts.
+                cold.offer([u64::from(p.state != ModelState::Loading), !free_memory(p), place_key(p)], i);
+            }
             Class::Refused(memory) => refused_for_memory |= memory,
         }
     }
@@ -286,65 +321,25 @@ pub fn select(snapshot: &RoutingSnapshot, request: &RouteRequest<'_>) -> Result<
             largest_window,
         });
     }
-
-    // Pass 2: the best few warm and cold placements by this request's key.
-    let strategy = match request.mode {
-        Mode::Policy => snapshot.policy().strategy(request.model),
-        Mode::RoundRobin => Strategy::RoundRobin,
-        Mode::LeastOutstanding => Strategy::LeastOutstanding,
-    };
-    let session_key = session.map(|s| stable_hash(s.as_bytes()));
-    // No node is given more than `load_bound` times the average load, plus
-    // one: at small loads the bare bound would refuse a home holding a
-    // single session, and placements would flip between turns and between
-    // data planes as the counts move.
-    let bound = (snapshot.policy().load_bound * (warm_load + 1) as f64 / warm_count.max(1) as f64).ceil() + 1.0;
-    let turn = request.ticket % warm_count.max(1);
-    let (pick_a, pick_b) = two_choices(request.ticket, warm_count);
-    let mut warm = Best::new();
-    let mut cold = Best::new();
-    let mut warm_index = 0u64;
-    for (i, p) in placements.iter().enumerate() {
-        if !capable(p) || !fits(p) {
-            continue;
+    if let Some(key) = session_key {
+        // No node is given more than `load_bound` times the average load,
+        // plus one: at small loads the bare bound would refuse a home holding
+        // a single session, and placements would flip between turns and
+        // between data planes as the counts move.
+        let bound = (snapshot.policy().load_bound * (warm_load + 1) as f64 / warm_count.max(1) as f64).ceil() + 1.0;
+        let over = |p: &Placement| p.saturated || f64::from(session_load(p)) + 1.0 > bound;
+        // The best homes by score, those within the bound first.
+        for index in homes.indices() {
+            warm.offer([u64::from(over(&placements[index])), homes_rank(&homes, index), 0], index);
         }
-        match classify(p, home) {
-            Class::Warm => {
-                let saturated = u64::from(p.saturated);
-                let key = match (session_key, strategy) {
-                    (Some(key), _) => {
-                        let raw = rendezvous_score(key, p.node_key ^ p.target.backend as u64);
-                        let score = if strategy == Strategy::Weighted {
-                            // Weighted rendezvous, -w / ln(u): shares in
-                            // proportion to weight. Positive floats order
-                            // like their bits.
-                            (-f64::from(p.weight) / unit_interval(raw).ln()).to_bits()
-                        } else {
-                            raw
-                        };
-                        let over = p.saturated || f64::from(session_load(p)) + 1.0 > bound;
-                        [u64::from(over), !score, place_key(p)]
-                    }
-                    (None, Strategy::RoundRobin) => [saturated, (warm_index + warm_count - turn) % warm_count, 0],
-                    (None, Strategy::Weighted) => {
-                        let share = (u64::from(load(p)) << 32) / u64::from(p.weight.max(1));
-                        [saturated, share, u64::from(u32::MAX - p.weight) << 32 | place_key(p)]
-                    }
-                    (None, Strategy::PowerOfTwo) if warm_count > 2 => {
-                        let picked = warm_index == pick_a || warm_index == pick_b;
-                        [saturated, u64::from(!picked) << 32 | u64::from(load(p)), warm_index]
-                    }
-                    (None, _) => [saturated, u64::from(load(p)), place_key(p)],
-                };
-                warm.offer(key, i);
-                warm_index += 1;
+        if homes.indices().all(|i| over(&placements[i])) && warm_count > HOMES as u64 {
+            // Every top home is over the bound (heavy imbalance): rank them all.
+            warm = Best::new();
+            for (i, p) in placements.iter().enumerate() {
+                if capable(p) && fits(p) && classify(p, home) == Class::Warm {
+                    warm.offer([u64::from(over(p)), !score(key, p, strategy), place_key(p)], i);
+                }
             }
-            Class::Cold => {
-                // A load already under way is joined before another starts.
-                let key = [u64::from(p.state != ModelState::Loading), !free_memory(p), place_key(p)];
-                cold.offer(key, i);
-            }
-            Class::Resident | Class::Refused(_) => {}
         }
     }
 
@@ -375,6 +370,23 @@ pub fn select(snapshot: &RoutingSnapshot, request: &RouteRequest<'_>) -> Result<
         RouteReason::Warm
     };
     Ok(Route { targets, reason, cold: cold_first })
+}
+
+/// How many of a session's best-scoring homes are kept while scanning; the
+/// load bound is applied to them once the totals are known.
+const HOMES: usize = 8;
+
+/// The position of `index` among the kept homes (they are sorted by score).
+fn homes_rank(homes: &Best<HOMES>, index: usize) -> u64 {
+    homes.indices().position(|i| i == index).unwrap_or(HOMES) as u64
+}
+
+/// A placement's rendezvous score for a session key: the highest wins.
+/// Under `Weighted`, weighted rendezvous (-w / ln u) gives each backend a
+/// share in proportion to its weight; positive floats order like their bits.
+fn score(key: u64, p: &Placement, strategy: Strategy) -> u64 {
+    let raw = rendezvous_score(key, p.node_key ^ p.target.backend as u64);
+    if strategy == Strategy::Weighted { (-f64::from(p.weight) / unit_interval(raw).ln()).to_bits() } else { raw }
 }
 
 /// Two distinct indices below `n`, drawn from the ticket.
