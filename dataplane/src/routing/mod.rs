@@ -256,7 +256,16 @@ pub fn select(snapshot: &RoutingSnapshot, request: &RouteRequest<'_>) -> Result<
         Mode::RoundRobin => Strategy::RoundRobin,
         Mode::LeastOutstanding => Strategy::LeastOutstanding,
     };
-    let session_key = session.map(|s| stable_hash(s.as_bytes()));
+    // A session going home needs failovers only: any good node will do, so
+    // the rendezvous scoring of every node is skipped.
+    let going_home = home.is_some_and(|home| {
+        let at = placements.binary_search_by_key(&(home.node, home.backend), |p| (p.target.node, p.target.backend));
+        at.is_ok_and(|i| {
+            let p = &placements[i];
+            capable(p) && fits(p) && classify(p, Some(home)) == Class::Resident && !p.overloaded
+        })
+    });
+    let session_key = session.filter(|_| !going_home).map(|s| stable_hash(s.as_bytes()));
     let n = placements.len() as u64;
     let turn = request.ticket % n.max(1);
     let (pick_a, pick_b) = two_choices(request.ticket, n);
@@ -364,7 +373,7 @@ pub fn select(snapshot: &RoutingSnapshot, request: &RouteRequest<'_>) -> Result<
         RouteReason::Resident
     } else if cold_first {
         RouteReason::Cold
-    } else if session.is_some() {
+    } else if session_key.is_some() {
         RouteReason::Placed
     } else {
         RouteReason::Warm

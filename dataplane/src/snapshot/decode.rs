@@ -251,6 +251,10 @@ mod tests {
         let snapshot = decode(4, &nodes, None, &aliases, &Counters::default());
         assert_eq!(snapshot.version(), 4);
         assert_eq!(snapshot.placements("chat").map(<[Placement]>::len), Some(2));
+        let chat = snapshot.placements("chat").unwrap();
+        assert!(
+            chat.windows(2).all(|w| (w[0].target.node, w[0].target.backend) < (w[1].target.node, w[1].target.backend))
+        );
         assert_eq!(snapshot.resident("s1"), Some(Target { node: 0, backend: 0 }));
         assert_eq!(snapshot.nodes()[0].proxy_url.as_ref(), "http://a");
         assert!((snapshot.nodes()[0].vram_fraction - 0.9).abs() < 1e-9, "the fullest GPU counts");

@@ -21,7 +21,8 @@ use inferyes_proto::v1::{EndpointKind, Health, ModelState, Strategy};
 pub struct RoutingSnapshot {
     pub(crate) version: u64,
     pub(crate) nodes: Vec<Node>,
-    /// Model id → every backend that lists it.
+    /// Model id → every backend that lists it, sorted by (node, backend):
+    /// routing finds a session's home by binary search.
     pub(crate) models: HashMap<String, Vec<Placement>>,
     /// The fleet's catalog, models and aliases, sorted by id.
     pub(crate) catalog: Vec<CatalogEntry>,
