@@ -256,16 +256,28 @@ pub fn select(snapshot: &RoutingSnapshot, request: &RouteRequest<'_>) -> Result<
         Mode::RoundRobin => Strategy::RoundRobin,
         Mode::LeastOutstanding => Strategy::LeastOutstanding,
     };
-    // A session going home needs failovers only: any good node will do, so
-    // the rendezvous scoring of every node is skipped.
-    let going_home = home.is_some_and(|home| {
+    // A session going home needs failovers only, and any good warm node
+    // will do: the next ones after its home in the placement list. No scan.
+    let going_home = home.and_then(|home| {
         let at = placements.binary_search_by_key(&(home.node, home.backend), |p| (p.target.node, p.target.backend));
-        at.is_ok_and(|i| {
-            let p = &placements[i];
+        at.ok().filter(|i| {
+            let p = &placements[*i];
             capable(p) && fits(p) && classify(p, Some(home)) == Class::Resident && !p.overloaded
         })
     });
-    let session_key = session.filter(|_| !going_home).map(|s| stable_hash(s.as_bytes()));
+    if let Some(at) = going_home {
+        let mut targets = Vec::with_capacity(MAX_TARGETS);
+        targets.push(placements[at].target);
+        let after = placements[at + 1..].iter().chain(&placements[..at]);
+        for p in after.filter(|p| capable(p) && fits(p) && classify(p, home) == Class::Warm && !p.saturated) {
+            if targets.len() == MAX_TARGETS {
+                break;
+            }
+            targets.push(p.target);
+        }
+        return Ok(Route { targets, reason: RouteReason::Resident, cold: false });
+    }
+    let session_key = session.map(|s| stable_hash(s.as_bytes()));
     let n = placements.len() as u64;
     let turn = request.ticket % n.max(1);
     let (pick_a, pick_b) = two_choices(request.ticket, n);
