@@ -62,6 +62,11 @@ pub enum Command {
     },
     /// Let a drained node take new sessions again.
     Undrain { node_id: String },
+    /// Print a shell completion script, e.g. `inferyesctl completions bash > /etc/bash_completion.d/inferyesctl`.
+    Completions {
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
     /// Model aliases: names clients may use for a model.
     #[command(subcommand)]
     Alias(AliasCommand),
@@ -132,6 +137,12 @@ impl StrategyArg {
 }
 
 pub async fn run(cli: Cli) -> anyhow::Result<String> {
+    if let Command::Completions { shell } = cli.command {
+        // Needs no controller.
+        let mut script = Vec::new();
+        clap_complete::generate(shell, &mut <Cli as clap::CommandFactory>::command(), "inferyesctl", &mut script);
+        return Ok(String::from_utf8_lossy(&script).into_owned());
+    }
     let channel = Channel::from_shared(cli.controller.clone())
         .with_context(|| {
             format!("`{}` is not a valid controller address (e.g. http://127.0.0.1:7070)", cli.controller)
@@ -301,6 +312,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<String> {
                 format!("{}(revision {})\n", render_policy(&policy, false), response.revision)
             }
         }
+        Command::Completions { .. } => unreachable!("answered before connecting"),
         Command::Policy(PolicyCommand::Node { node_id, admission, hard_limit }) => {
             let request = SetNodePolicyRequest {
                 node_id: node_id.clone(),

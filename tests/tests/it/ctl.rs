@@ -42,6 +42,8 @@ async fn inferyesctl_lists_and_drains_in_tables_and_json() {
 
     let missing = ctl(&url, &["node", "node-z"]).await.unwrap_err();
     assert!(missing.to_string().contains("no node `node-z`"), "{missing}");
+    let completions = ctl("http://127.0.0.1:9", &["completions", "bash"]).await.unwrap();
+    assert!(completions.contains("_inferyesctl()") && completions.contains("drain"), "needs no controller");
     let unreachable = ctl("http://127.0.0.1:9", &["nodes"]).await.unwrap_err();
     assert!(format!("{unreachable:#}").contains("cannot reach the controller"), "{unreachable:#}");
 }
