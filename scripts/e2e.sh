@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# The end-to-end suite: real llama-server nodes (tiny generated models)
-# behind the real Inferyes binaries, driven by the official OpenAI Python
-# client. llama-server and the Python environment are built once and cached
-# outside the clone, keyed by version.
+# The Python suites: end to end (real llama-server nodes with tiny generated
+# models behind the real Inferyes binaries, driven by the official OpenAI
+# Python client) and the deployment checks (Kubernetes manifests against the
+# API schemas, compose, systemd, example configs, the configuration
+# reference against the code). llama-server and the Python environment are
+# built once and cached outside the clone, keyed by version.
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -19,4 +21,4 @@ if [ ! -x "$venv/bin/pytest" ]; then
 fi
 
 cargo build --bins --locked --quiet
-INFERYES_LLAMA_SERVER="$llama" "$venv/bin/python" -m pytest -p no:cacheprovider -q tests/e2e "$@"
+INFERYES_LLAMA_SERVER="$llama" "$venv/bin/python" -m pytest -p no:cacheprovider -q tests/e2e tests/deploy "$@"

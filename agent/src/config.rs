@@ -69,8 +69,6 @@ pub struct Config {
     pub poll_interval_ms: u64,
     /// The shortest gap between two reports; changes inside it are merged.
     pub min_report_interval_ms: u64,
-    /// Sent with the join request, when the controller requires one.
-    pub join_token: String,
     pub log_format: LogFormat,
     pub gpu: GpuConfig,
     pub backends: Vec<BackendConfig>,
@@ -184,7 +182,6 @@ impl Default for Config {
             advertise_url: String::new(),
             poll_interval_ms: 1000,
             min_report_interval_ms: 50,
-            join_token: String::new(),
             log_format: LogFormat::Text,
             gpu: GpuConfig::default(),
             backends: Vec::new(),

@@ -121,7 +121,6 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         report::run(
             Arc::clone(&state),
             config.controllers.clone(),
-            config.join_token.clone(),
             config.min_report_interval(),
             connection,
             shutdown.clone(),

@@ -1,0 +1,225 @@
+"""The deployment artefacts and the configuration reference, checked: the
+Kubernetes manifests against the API schemas, the compose file and systemd
+units against what the binaries accept, every example config by the binary
+that reads it, and docs/configuration.md against the code."""
+
+import configparser
+import re
+import subprocess
+import tomllib
+from pathlib import Path
+
+import os
+
+import kubernetes_validate
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def binary_dir():
+    if os.environ.get("INFERYES_BIN_DIR"):
+        return Path(os.environ["INFERYES_BIN_DIR"])
+    return Path(os.environ.get("CARGO_TARGET_DIR", ROOT / "target")) / "debug"
+
+DEPLOY = ROOT / "deploy"
+KUBERNETES_VERSION = "1.37.0"
+BINARIES = ("inferyes-controller", "inferyes-dataplane", "inferyes-agent")
+
+
+def binary_for(path):
+    name = Path(path).name
+    if "controller" in name:
+        return "inferyes-controller"
+    if "dataplane" in name:
+        return "inferyes-dataplane"
+    return "inferyes-agent"
+
+
+def print_config(binary, path):
+    return subprocess.run([str(binary_dir() / binary), "--config", str(path), "--print-config"],
+                          capture_output=True, text=True, timeout=30)
+
+
+def env_vars(binary):
+    help_text = subprocess.run([str(binary_dir() / binary), "--help"], capture_output=True, text=True,
+                               check=True).stdout
+    return set(re.findall(r"env: (INFERYES_[A-Z_]+)", help_text))
+
+
+# ------------------------------------------------------------- kubernetes
+
+def kustomization():
+    return yaml.safe_load((DEPLOY / "kubernetes" / "kustomization.yaml").read_text())
+
+
+def test_every_kubernetes_resource_matches_the_api_schema():
+    kinds = set()
+    for name in kustomization()["resources"]:
+        for document in yaml.safe_load_all((DEPLOY / "kubernetes" / name).read_text()):
+            kubernetes_validate.validate(document, KUBERNETES_VERSION, strict=True)
+            kinds.add(document["kind"])
+    assert {"DaemonSet", "Deployment", "Service", "HorizontalPodAutoscaler", "PodDisruptionBudget",
+            "StatefulSet", "Namespace"} <= kinds
+
+
+def test_the_schema_check_catches_a_mistake():
+    broken = yaml.safe_load((DEPLOY / "kubernetes" / "controller.yaml").read_text().split("---")[0])
+    broken["spec"]["replicas"] = "two"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, KUBERNETES_VERSION, strict=True)
+    broken = yaml.safe_load((DEPLOY / "kubernetes" / "controller.yaml").read_text().split("---")[0])
+    broken["spec"]["replica"] = 2
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, KUBERNETES_VERSION, strict=True)
+
+
+def test_kubernetes_configs_are_accepted_by_their_binaries_and_wired_in():
+    k = kustomization()
+    generated = [f.split("=", 1)[1] for g in k["configMapGenerator"] + k["secretGenerator"] for f in g["files"]]
+    for path in generated:
+        result = print_config(binary_for(path), DEPLOY / "kubernetes" / path)
+        assert result.returncode == 0, f"{path}: {result.stderr}"
+    manifests = "\n".join((DEPLOY / "kubernetes" / name).read_text() for name in k["resources"])
+    # Each container runs a binary with a config the generators provide.
+    for binary, config in [("inferyes-controller", "controller.toml"), ("inferyes-dataplane", "dataplane.toml"),
+                           ("inferyes-agent", "agent.toml")]:
+        assert f"command: [{binary}, --config, /etc/inferyes/{config}]" in manifests
+    image = k["images"][0]["name"]
+    assert manifests.count(f"image: {image}\n") == 3
+    # Environment variables set in the manifests are ones the binaries read.
+    known = set().union(*(env_vars(b) for b in BINARIES))
+    used = set(re.findall(r"name: (INFERYES_[A-Z_]+)", manifests))
+    assert used and used <= known, used - known
+
+
+# ---------------------------------------------------------------- compose
+
+def test_the_compose_fleet_is_consistent():
+    compose = yaml.safe_load((DEPLOY / "compose" / "compose.yaml").read_text())
+    services = compose["services"]
+    assert {"etcd", "controller", "agent-a", "agent-b", "dataplane"} <= set(services)
+    known = {b: env_vars(b) for b in BINARIES}
+    for name, service in services.items():
+        assert "image" in service, name
+        for dependency in service.get("depends_on", []):
+            assert dependency in services, f"{name} depends on unknown {dependency}"
+        command = service.get("command", [])
+        if command and command[0] in known:
+            binary = command[0]
+            config = command[command.index("--config") + 1]
+            local = DEPLOY / "local" / Path(config).name
+            assert local.is_file(), f"{name}: {config} is mounted from deploy/local but missing"
+            assert print_config(binary, local).returncode == 0
+            unknown = set(service.get("environment", {})) - known[binary]
+            assert not unknown, f"{name}: {binary} reads no {unknown}"
+    build = compose["x-inferyes"]["build"]
+    assert (DEPLOY / "compose" / build["context"] / build["dockerfile"]).is_file()
+
+
+# ---------------------------------------------------------------- systemd
+
+@pytest.mark.parametrize("binary", BINARIES)
+def test_systemd_units_run_the_binary_hardened(binary):
+    unit = configparser.ConfigParser(strict=False, interpolation=None)
+    unit.optionxform = str
+    unit.read_string((DEPLOY / "systemd" / f"{binary}.service").read_text())
+    assert {"Unit", "Service", "Install"} <= set(unit.sections())
+    service = unit["Service"]
+    exec_start = service["ExecStart"].split()
+    assert exec_start[0] == f"/usr/local/bin/{binary}"
+    assert exec_start[1:3] == ["--config", f"/etc/inferyes/{binary.removeprefix('inferyes-')}.toml"]
+    for key, value in [("NoNewPrivileges", "yes"), ("ProtectSystem", "strict"), ("ProtectHome", "yes"),
+                       ("User", "inferyes"), ("KillSignal", "SIGTERM")]:
+        assert service.get(key) == value, f"{binary}: {key}"
+    assert service.get("CapabilityBoundingSet") == ""
+
+
+# ---------------------------------------------------------------- configs
+
+@pytest.mark.parametrize("path", sorted(str(p.relative_to(ROOT)) for p in (DEPLOY / "examples").rglob("*.toml"))
+                         + sorted(str(p.relative_to(ROOT)) for p in (DEPLOY / "local").glob("*.toml")))
+def test_example_configs_are_accepted(path):
+    result = print_config(binary_for(path), ROOT / path)
+    assert result.returncode == 0, result.stderr
+
+
+def test_a_config_mistake_is_refused_with_what_to_fix(tmp_path):
+    typo = tmp_path / "dataplane.toml"
+    typo.write_text('version = 1\nlisten_addr = "0.0.0.0:8080"\n')
+    result = print_config("inferyes-dataplane", typo)
+    assert result.returncode != 0
+    assert "listen_addr" in result.stderr
+    bad = tmp_path / "controller.toml"
+    bad.write_text("version = 1\nlease_ttl_ms = 500\n")
+    result = print_config("inferyes-controller", bad)
+    assert result.returncode != 0 and "lease_ttl_ms" in result.stderr and "2000" in result.stderr
+
+
+def test_flags_beat_the_environment_which_beats_the_file(tmp_path):
+    config = tmp_path / "dataplane.toml"
+    config.write_text('version = 1\nlisten = "127.0.0.1:1001"\ndataplane_id = "from-file"\nmax_body_bytes = 7\n')
+    run = lambda *flags, env: tomllib.loads(subprocess.run(  # noqa: E731
+        [str(binary_dir() / "inferyes-dataplane"), "--config", str(config), "--print-config", *flags],
+        capture_output=True, text=True, check=True, env={"PATH": "/usr/bin:/bin", **env}).stdout)
+    assert run(env={})["listen"] == "127.0.0.1:1001"
+    from_env = run(env={"INFERYES_LISTEN": "127.0.0.1:1002", "INFERYES_DATAPLANE_ID": "from-env"})
+    assert (from_env["listen"], from_env["dataplane_id"], from_env["max_body_bytes"]) == ("127.0.0.1:1002", "from-env", 7)
+    from_flag = run("--listen", "127.0.0.1:1003", env={"INFERYES_LISTEN": "127.0.0.1:1002"})
+    assert from_flag["listen"] == "127.0.0.1:1003"
+
+
+# ------------------------------------------------- the configuration reference
+
+def key_paths(value, prefix=""):
+    paths = set()
+    for key, item in value.items():
+        path = f"{prefix}{key}"
+        if isinstance(item, dict):
+            paths |= key_paths(item, f"{path}.")
+        elif isinstance(item, list) and item and isinstance(item[0], dict):
+            for element in item:
+                paths |= key_paths(element, f"{path}[].")
+        elif isinstance(item, list) and not item:
+            # Empty: says nothing of its shape; other configs fill it.
+            continue
+        else:
+            paths.add(path)
+    return paths
+
+
+def documented(section):
+    text = (ROOT / "docs" / "configuration.md").read_text()
+    body = text.split(f"## {section}\n", 1)[1].split("\n## ", 1)[0]
+    return set(re.findall(r"^\| `([a-z_.\[\]]+)` \|", body, re.M)), body
+
+
+# Configs that between them use every option of their binary.
+FULL_CONFIGS = {
+    "inferyes-controller": ["deploy/examples/ha/controller.toml"],
+    "inferyes-dataplane": ["deploy/examples/ha/dataplane.toml"],
+    "inferyes-agent": ["deploy/examples/single-box/agent.toml", "deploy/examples/mixed-farm/mid-box-1.toml",
+                       "deploy/local/agent-b.toml", "deploy/local/agent-a.toml"],
+}
+
+
+@pytest.mark.parametrize("binary", BINARIES)
+def test_the_configuration_reference_matches_the_code(binary):
+    in_code = set()
+    for path in FULL_CONFIGS[binary]:
+        result = print_config(binary, ROOT / path)
+        assert result.returncode == 0, result.stderr
+        in_code |= key_paths(tomllib.loads(result.stdout))
+    in_docs, body = documented(binary)
+    assert in_code - in_docs == set(), f"options missing from docs/configuration.md: {in_code - in_docs}"
+    # Documented options the code does not print at all (absent optional
+    # fields print nothing) must still be ones it accepts.
+    for option in in_docs - in_code:
+        assert option in ALWAYS_OPTIONAL, f"docs/configuration.md lists `{option}`, which {binary} does not know"
+    for variable in env_vars(binary) - {"INFERYES_CONFIG"}:
+        assert variable in body, f"{variable} is not documented for {binary}"
+
+
+# Options that --print-config omits when unset or empty.
+ALWAYS_OPTIONAL = {"backends[].api_key", "backends[].models"}
