@@ -133,6 +133,33 @@ pub struct AgentHandle {
 impl AgentHandle {
     /// An agent fronting the given simulated backends, reading their GPUs.
     pub async fn start(node_id: &str, controllers: &[String], backends: &[(&str, &SimHandle)]) -> AgentHandle {
+        let backends = backends
+            .iter()
+            .map(|(id, sim)| BackendConfig {
+                id: (*id).to_string(),
+                url: sim.url.clone(),
+                kind: match sim.sim.config().mode {
+                    inferyes_agent::sim::SimMode::LlamaServer => BackendKind::LlamaServer,
+                    inferyes_agent::sim::SimMode::LlamaSwap => BackendKind::LlamaSwap,
+                },
+                weight: 1,
+                endpoints: Vec::new(),
+                models: sim.sim.config().models.iter().map(|m| m.id.clone()).collect(),
+                host_cache_tokens: sim.sim.config().cache_ram_tokens,
+
+                api_key: String::new(),
+            })
+            .collect();
+        Self::start_with(node_id, controllers, GpuSourceConfig::Simulated, backends).await
+    }
+
+    /// An agent fronting any backends.
+    pub async fn start_with(
+        node_id: &str,
+        controllers: &[String],
+        gpu: GpuSourceConfig,
+        backends: Vec<BackendConfig>,
+    ) -> AgentHandle {
         let proxy = local_listener(None).await;
         let proxy_addr = proxy.local_addr().expect("bound");
         let config = inferyes_agent::Config {
@@ -141,24 +168,8 @@ impl AgentHandle {
             proxy_listen: proxy_addr,
             poll_interval_ms: 200,
             min_report_interval_ms: 10,
-            gpu: GpuConfig { source: GpuSourceConfig::Simulated, declared: Vec::new() },
-            backends: backends
-                .iter()
-                .map(|(id, sim)| BackendConfig {
-                    id: (*id).to_string(),
-                    url: sim.url.clone(),
-                    kind: match sim.sim.config().mode {
-                        inferyes_agent::sim::SimMode::LlamaServer => BackendKind::LlamaServer,
-                        inferyes_agent::sim::SimMode::LlamaSwap => BackendKind::LlamaSwap,
-                    },
-                    weight: 1,
-                    endpoints: Vec::new(),
-                    models: sim.sim.config().models.iter().map(|m| m.id.clone()).collect(),
-                    host_cache_tokens: sim.sim.config().cache_ram_tokens,
-
-                    api_key: String::new(),
-                })
-                .collect(),
+            gpu: GpuConfig { source: gpu, declared: Vec::new() },
+            backends,
             ..Default::default()
         };
         config.validate().expect("valid agent config");

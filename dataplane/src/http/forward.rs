@@ -32,6 +32,8 @@ const SESSION_HEADER: HeaderName = HeaderName::from_static("x-inferyes-session")
 
 /// Error bodies are small; a backend sending a huge one is cut off.
 const MAX_ERROR_BODY: usize = 64 << 10;
+/// Non-streamed answers are read whole before they are passed on.
+const MAX_BUFFERED_BODY: usize = 256 << 20;
 
 #[derive(Clone)]
 pub struct Forwarder {
@@ -49,6 +51,8 @@ pub struct Outbound<'a> {
     pub request_id: &'a HeaderValue,
     /// Bytes to hold against the first target while it loads the model.
     pub reserve_bytes: u64,
+    /// The client asked for a stream.
+    pub stream: bool,
 }
 
 impl Forwarder {
@@ -98,11 +102,17 @@ impl Forwarder {
             };
             let status = response.status();
             let reason = if attempt == 0 { route.reason.as_str() } else { "failover" };
-            if (status == http::StatusCode::BAD_GATEWAY || status == http::StatusCode::SERVICE_UNAVAILABLE) && !is_last
-            {
-                tracing::warn!(node = %node.id, %status, "node refused before the first byte; trying the next candidate");
-                last_error = Some(read_error(response).await);
-                continue;
+            let refused = status == http::StatusCode::BAD_GATEWAY || status == http::StatusCode::SERVICE_UNAVAILABLE;
+            if (refused || status == http::StatusCode::TOO_MANY_REQUESTS) && !is_last {
+                let error = read_error(response).await;
+                // llama-swap's per-model limit is a refusal too; other 429s
+                // (a client's own limit) are the client's to see.
+                if refused || error.code.as_deref() == Some("concurrency_limit") {
+                    tracing::warn!(node = %node.id, %status, "node refused before the first byte; trying the next candidate");
+                    last_error = Some(error);
+                    continue;
+                }
+                return Err(error);
             }
             if status.is_client_error() || status.is_server_error() {
                 let mut error = read_error(response).await;
@@ -117,7 +127,33 @@ impl Forwarder {
                 parts.headers.insert(NODE_HEADER, value);
             }
             parts.headers.insert(ROUTE_HEADER, HeaderValue::from_static(reason));
-            let body = Guarded { inner: body, _guard: guard };
+            if !out.stream {
+                // A whole answer or none: read it before the client sees a
+                // byte, so a node failing mid-answer is a clean 502 (or the
+                // next candidate), never a truncated body.
+                match Limited::new(body, MAX_BUFFERED_BODY).collect().await {
+                    Ok(collected) => {
+                        drop(guard);
+                        parts.headers.remove(header::CONTENT_LENGTH);
+                        return Ok(Response::from_parts(parts, Body::from(collected.to_bytes())));
+                    }
+                    Err(error) => {
+                        tracing::warn!(node = %node.id, %error, "node failed mid-answer; trying the next candidate");
+                        last_error = Some(ApiError::new(
+                            ErrorKind::Upstream,
+                            format!("node `{}` failed in the middle of its answer", node.id),
+                            "upstream_broken",
+                        ));
+                        continue;
+                    }
+                }
+            }
+            let event_stream = parts
+                .headers
+                .get(header::CONTENT_TYPE)
+                .and_then(|v| v.to_str().ok())
+                .is_some_and(|v| v.starts_with("text/event-stream"));
+            let body = Guarded { inner: body, _guard: guard, event_stream, node: Arc::clone(&node.id), ended: false };
             return Ok(Response::from_parts(parts, Body::new(body)));
         }
         Err(last_error.unwrap_or_else(|| {
@@ -212,9 +248,15 @@ impl Drop for InFlight {
     }
 }
 
+/// A streamed answer on its way to the client. When the node fails in the
+/// middle of an event stream, the client gets a final error event and a
+/// clean end instead of a cut connection.
 struct Guarded {
     inner: Incoming,
     _guard: InFlight,
+    event_stream: bool,
+    node: Arc<str>,
+    ended: bool,
 }
 
 impl http_body::Body for Guarded {
@@ -222,11 +264,27 @@ impl http_body::Body for Guarded {
     type Error = hyper::Error;
 
     fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
-        Pin::new(&mut self.get_mut().inner).poll_frame(cx)
+        let this = self.get_mut();
+        if this.ended {
+            return Poll::Ready(None);
+        }
+        match Pin::new(&mut this.inner).poll_frame(cx) {
+            Poll::Ready(Some(Err(error))) if this.event_stream => {
+                tracing::warn!(node = %this.node, %error, "node failed mid-stream; ending the stream with an error event");
+                this.ended = true;
+                let error = ApiError::new(
+                    ErrorKind::Upstream,
+                    format!("node `{}` failed in the middle of the stream", this.node),
+                    "upstream_broken",
+                );
+                Poll::Ready(Some(Ok(Frame::data(error_event(&error)))))
+            }
+            other => other,
+        }
     }
 
     fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
+        self.ended || self.inner.is_end_stream()
     }
 
     fn size_hint(&self) -> SizeHint {
@@ -268,6 +326,7 @@ impl Forwarder {
                 session: out.session.as_deref(),
                 request_id: &out.request_id,
                 reserve_bytes: out.reserve_bytes,
+                stream: true,
             };
             let started = tokio::time::Instant::now();
             let work = forwarder.forward(&snapshot, &route, outbound);

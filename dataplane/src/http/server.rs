@@ -232,6 +232,7 @@ async fn inference(State(state): State<AppState>, kind: EndpointKind, request: R
         session: session.as_deref(),
         request_id: &request_id,
         reserve_bytes,
+        stream: view.stream,
     };
     let result = state.forwarder.forward(&snapshot, &route, outbound).await;
     match &result {

@@ -4,6 +4,7 @@
 mod control;
 mod ctl;
 mod errors;
+mod failover;
 mod routing;
 mod support;
 mod swap;
