@@ -54,6 +54,8 @@ pub struct Config {
     /// A node must start answering within this; generous, because a cold
     /// load can take minutes.
     pub response_header_timeout_ms: u64,
+    /// On SIGTERM, requests in flight get this long to finish.
+    pub shutdown_grace_ms: u64,
     /// `policy` (the product: sessions stay with their KV cache, the fleet's
     /// routing policy for the rest), or a baseline that ignores sessions,
     /// `round-robin` or `least-outstanding`, to measure what affinity saves.
@@ -71,6 +73,7 @@ impl Default for Config {
             max_body_bytes: 32 << 20,
             connect_timeout_ms: 2000,
             response_header_timeout_ms: 600_000,
+            shutdown_grace_ms: 30_000,
             routing_mode: crate::routing::Mode::Policy,
 
             log_format: LogFormat::Text,
@@ -126,6 +129,10 @@ impl Config {
 
     pub fn response_header_timeout(&self) -> Duration {
         Duration::from_millis(self.response_header_timeout_ms)
+    }
+
+    pub fn shutdown_grace(&self) -> Duration {
+        Duration::from_millis(self.shutdown_grace_ms)
     }
 }
 

@@ -34,16 +34,34 @@ pub async fn run(
         )
         .instrument(tracing::info_span!("snapshots")),
     );
+    let hard_stop = CancellationToken::new();
     let state = http::AppState {
         snapshots,
-        forwarder: http::forward_client(&config),
+        forwarder: http::forward_client(&config, hard_stop.clone()),
         max_body_bytes: config.max_body_bytes,
         mode: config.routing_mode,
         tickets: Arc::default(),
     };
     tracing::info!(listen = %listener.local_addr()?, id = %config.dataplane_id, "data plane running");
-    let served =
-        axum::serve(listener, http::router(state)).with_graceful_shutdown(shutdown.clone().cancelled_owned()).await;
+    let grace = config.shutdown_grace();
+    let serve = std::future::IntoFuture::into_future(
+        axum::serve(listener, http::router(state)).with_graceful_shutdown(shutdown.clone().cancelled_owned()),
+    );
+    // On shutdown: stop accepting, let requests in flight finish, but not
+    // for longer than the grace period; then end the streams still running
+    // (with an error event) and give their connections a moment to close.
+    tokio::pin!(serve);
+    let served = tokio::select! {
+        served = &mut serve => served,
+        () = async {
+            shutdown.cancelled().await;
+            tokio::time::sleep(grace).await;
+        } => {
+            tracing::warn!(grace_ms = grace.as_millis(), "requests still in flight after the shutdown grace; ending them");
+            hard_stop.cancel();
+            tokio::time::timeout(std::time::Duration::from_secs(1), serve).await.unwrap_or(Ok(()))
+        }
+    };
     shutdown.cancel();
     let _ = subscription.await;
     served.context("HTTP server failed")

@@ -260,4 +260,17 @@ impl DataplaneHandle {
         self.token.cancel();
         let _ = tokio::time::timeout(Duration::from_secs(10), self.task).await;
     }
+
+    /// Starts a shutdown (as SIGTERM does) without waiting for it.
+    pub fn begin_shutdown(&self) {
+        self.token.cancel();
+    }
+
+    /// Waits for the data plane to exit; how long it took.
+    pub async fn exited(self) -> Duration {
+        let started = tokio::time::Instant::now();
+        let result = tokio::time::timeout(Duration::from_secs(30), self.task).await;
+        result.expect("the data plane exits").expect("data plane task").expect("clean exit");
+        started.elapsed()
+    }
 }

@@ -1,6 +1,7 @@
 //! Sending a routed request to a node's agent proxy and streaming the
 //! answer back frame by frame.
 
+use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -18,6 +19,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use inferyes_proto::ErrorKind;
+use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 
 use super::ApiError;
 use super::upstream;
@@ -39,6 +41,9 @@ const MAX_BUFFERED_BODY: usize = 256 << 20;
 pub struct Forwarder {
     client: Client<HttpConnector, Full<Bytes>>,
     header_timeout: Duration,
+    /// Cancelled when a shutdown's grace period is over: streams still
+    /// running end with an error event.
+    hard_stop: CancellationToken,
 }
 
 /// What the forwarder needs to know about one request.
@@ -56,12 +61,12 @@ pub struct Outbound<'a> {
 }
 
 impl Forwarder {
-    pub fn new(connect_timeout: Duration, header_timeout: Duration) -> Forwarder {
+    pub fn new(connect_timeout: Duration, header_timeout: Duration, hard_stop: CancellationToken) -> Forwarder {
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
         connector.set_connect_timeout(Some(connect_timeout));
         let client = Client::builder(TokioExecutor::new()).pool_idle_timeout(Duration::from_secs(90)).build(connector);
-        Forwarder { client, header_timeout }
+        Forwarder { client, header_timeout, hard_stop }
     }
 
     /// Tries the route's targets in order. A target that cannot be reached,
@@ -153,7 +158,14 @@ impl Forwarder {
                 .get(header::CONTENT_TYPE)
                 .and_then(|v| v.to_str().ok())
                 .is_some_and(|v| v.starts_with("text/event-stream"));
-            let body = Guarded { inner: body, _guard: guard, event_stream, node: Arc::clone(&node.id), ended: false };
+            let body = Guarded {
+                inner: body,
+                _guard: guard,
+                event_stream,
+                node: Arc::clone(&node.id),
+                ended: false,
+                hard_stop: Box::pin(self.hard_stop.clone().cancelled_owned()),
+            };
             return Ok(Response::from_parts(parts, Body::new(body)));
         }
         Err(last_error.unwrap_or_else(|| {
@@ -257,6 +269,7 @@ struct Guarded {
     event_stream: bool,
     node: Arc<str>,
     ended: bool,
+    hard_stop: Pin<Box<WaitForCancellationFutureOwned>>,
 }
 
 impl http_body::Body for Guarded {
@@ -267,6 +280,18 @@ impl http_body::Body for Guarded {
         let this = self.get_mut();
         if this.ended {
             return Poll::Ready(None);
+        }
+        if this.hard_stop.as_mut().poll(cx).is_ready() {
+            this.ended = true;
+            if !this.event_stream {
+                return Poll::Ready(None);
+            }
+            let error = ApiError::new(
+                ErrorKind::Unavailable,
+                "the gateway shut down before the answer was complete",
+                "gateway_shutdown",
+            );
+            return Poll::Ready(Some(Ok(Frame::data(error_event(&error)))));
         }
         match Pin::new(&mut this.inner).poll_frame(cx) {
             Poll::Ready(Some(Err(error))) if this.event_stream => {

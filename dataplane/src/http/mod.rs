@@ -11,7 +11,8 @@ pub use error::ApiError;
 pub use server::{AppState, ENDPOINTS, Endpoint, router};
 pub use view::{RoutingView, parse_view, session_key};
 
-/// The pooled client to agents, as configured.
-pub fn forward_client(config: &crate::Config) -> forward::Forwarder {
-    forward::Forwarder::new(config.connect_timeout(), config.response_header_timeout())
+/// The pooled client to agents, as configured. `hard_stop` ends the streams
+/// still running when a shutdown's grace is over.
+pub fn forward_client(config: &crate::Config, hard_stop: tokio_util::sync::CancellationToken) -> forward::Forwarder {
+    forward::Forwarder::new(config.connect_timeout(), config.response_header_timeout(), hard_stop)
 }

@@ -128,3 +128,91 @@ async fn a_whole_answer_comes_from_another_node_when_one_breaks_mid_answer() {
     assert_eq!(response.openai_error()["code"], "upstream_broken");
     stop.cancel();
 }
+
+#[tokio::test]
+async fn on_shutdown_the_data_plane_finishes_what_it_started_within_its_grace() {
+    let etcd = Etcd::start().await;
+    let controller = ControllerHandle::start(&etcd.endpoint(), "controller-1").await;
+    // 20 tokens at 20 tokens/s: a one-second answer.
+    let slow =
+        SimHandle::start(inferyes_agent::sim::SimConfig { decode_tokens_per_second: 20.0, ..chat_sim("chat") }).await;
+    let _agent = AgentHandle::start("node-a", &[controller.url()], &[("main", &slow)]).await;
+    let request = json!({"model": "chat", "stream": true, "max_tokens": 20,
+                         "messages": [{"role": "user", "content": "a long answer"}]});
+    let http = HttpClient::default();
+
+    for (grace_ms, completes) in [(5_000u64, true), (200, false)] {
+        let dataplane = DataplaneHandle::start_with(&[controller.url()], |c| c.shutdown_grace_ms = grace_ms).await;
+        dataplane.wait_for_nodes(&["node-a"]).await;
+        let url = format!("{}/v1/chat/completions", dataplane.url);
+        let response = http.start(Method::POST, &url, Bytes::from(request.to_string()), &[]).await;
+        let mut body = response.into_body();
+        let mut text = String::from_utf8(next_chunk(&mut body).await.expect("a first chunk").to_vec()).unwrap();
+
+        dataplane.begin_shutdown();
+        let reader = tokio::spawn(async move {
+            while let Some(Ok(frame)) = http_body_util::BodyExt::frame(&mut body).await {
+                if let Ok(data) = frame.into_data() {
+                    text.push_str(std::str::from_utf8(&data).unwrap());
+                }
+            }
+            text
+        });
+        let took = dataplane.exited().await;
+        let text = reader.await.unwrap();
+        if completes {
+            assert!(text.ends_with("data: [DONE]\n\n"), "the stream in flight finished: {text}");
+            assert!(took >= Duration::from_millis(500), "it waited for the stream ({took:?})");
+        } else {
+            assert!(!text.contains("[DONE]"), "cut at the grace: {text}");
+            assert!(text.contains("\"code\":\"gateway_shutdown\""), "told why: {text}");
+            assert!(took < Duration::from_millis(900), "exited {took:?} after the shutdown began");
+        }
+        // Nothing new is accepted once it began.
+        let refused =
+            tokio::net::TcpStream::connect(url.trim_start_matches("http://").split('/').next().unwrap()).await;
+        assert!(refused.is_err(), "still accepting after exit");
+    }
+}
+
+#[tokio::test]
+async fn a_client_that_goes_away_frees_the_backend_at_once() {
+    let etcd = Etcd::start().await;
+    let controller = ControllerHandle::start(&etcd.endpoint(), "controller-1").await;
+    // 200 tokens at 10 tokens/s: twenty seconds, if nobody stopped it.
+    let slow =
+        SimHandle::start(inferyes_agent::sim::SimConfig { decode_tokens_per_second: 10.0, ..chat_sim("chat") }).await;
+    let _agent = AgentHandle::start("node-a", &[controller.url()], &[("main", &slow)]).await;
+    let dataplane = DataplaneHandle::start(&[controller.url()]).await;
+    dataplane.wait_for_nodes(&["node-a"]).await;
+    let http = HttpClient::default();
+    let busy = |slots: Value| slots.as_array().map_or(0, |s| s.iter().filter(|s| s["is_processing"] == true).count());
+    let slots_url = format!("{}/slots", slow.url);
+
+    for stream in [true, false] {
+        let request = json!({"model": "chat", "stream": stream, "max_tokens": 200,
+                             "messages": [{"role": "user", "content": "go on and on"}]});
+        let url = format!("{}/v1/chat/completions", dataplane.url);
+        let client = http.clone();
+        let pending = tokio::spawn(async move {
+            let response = client.start(Method::POST, &url, Bytes::from(request.to_string()), &[]).await;
+            let mut body = response.into_body();
+            next_chunk(&mut body).await;
+        });
+        inferyes_tests::eventually("the backend generating", Duration::from_secs(5), || {
+            let (http, url) = (http.clone(), slots_url.clone());
+            async move { busy(http.get(&url).await.json()) == 1 }
+        })
+        .await;
+        // The client hangs up.
+        pending.abort();
+        let _ = pending.await;
+        let hung_up = std::time::Instant::now();
+        inferyes_tests::eventually("the backend freed", Duration::from_secs(3), || {
+            let (http, url) = (http.clone(), slots_url.clone());
+            async move { busy(http.get(&url).await.json()) == 0 }
+        })
+        .await;
+        assert!(hung_up.elapsed() < Duration::from_secs(2), "stream={stream}: freed after {:?}", hung_up.elapsed());
+    }
+}
