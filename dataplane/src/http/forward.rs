@@ -95,7 +95,8 @@ impl Forwarder {
                     ));
                 }
                 Ok(Err(error)) => {
-                    tracing::warn!(node = %node.id, %error, "node unreachable; trying the next candidate");
+                    let ejected_ms = node.local.eject(inferyes_proto::unix_ms(), snapshot.version());
+                    tracing::warn!(node = %node.id, %error, ejected_ms, "node unreachable; trying the next candidate");
                     last_error = Some(ApiError::new(
                         ErrorKind::Upstream,
                         format!("node `{}` is unreachable", node.id),
@@ -113,7 +114,8 @@ impl Forwarder {
                 // llama-swap's per-model limit is a refusal too; other 429s
                 // (a client's own limit) are the client's to see.
                 if refused || error.code.as_deref() == Some("concurrency_limit") {
-                    tracing::warn!(node = %node.id, %status, "node refused before the first byte; trying the next candidate");
+                    let ejected_ms = node.local.eject(inferyes_proto::unix_ms(), snapshot.version());
+                    tracing::warn!(node = %node.id, %status, ejected_ms, "node refused before the first byte; trying the next candidate");
                     last_error = Some(error);
                     continue;
                 }
@@ -125,6 +127,9 @@ impl Forwarder {
                     error.retry_after = Some(1);
                 }
                 return Err(error);
+            }
+            if status.is_success() {
+                node.local.succeeded();
             }
             let (mut parts, body) = response.into_parts();
             strip_hop_by_hop(&mut parts.headers);
@@ -143,7 +148,8 @@ impl Forwarder {
                         return Ok(Response::from_parts(parts, Body::from(collected.to_bytes())));
                     }
                     Err(error) => {
-                        tracing::warn!(node = %node.id, %error, "node failed mid-answer; trying the next candidate");
+                        let ejected_ms = node.local.eject(inferyes_proto::unix_ms(), snapshot.version());
+                        tracing::warn!(node = %node.id, %error, ejected_ms, "node failed mid-answer; trying the next candidate");
                         last_error = Some(ApiError::new(
                             ErrorKind::Upstream,
                             format!("node `{}` failed in the middle of its answer", node.id),
@@ -160,11 +166,12 @@ impl Forwarder {
                 .is_some_and(|v| v.starts_with("text/event-stream"));
             let body = Guarded {
                 inner: body,
-                _guard: guard,
+                guard,
                 event_stream,
                 node: Arc::clone(&node.id),
                 ended: false,
                 hard_stop: Box::pin(self.hard_stop.clone().cancelled_owned()),
+                version: snapshot.version(),
             };
             return Ok(Response::from_parts(parts, Body::new(body)));
         }
@@ -265,11 +272,13 @@ impl Drop for InFlight {
 /// clean end instead of a cut connection.
 struct Guarded {
     inner: Incoming,
-    _guard: InFlight,
+    guard: InFlight,
     event_stream: bool,
     node: Arc<str>,
     ended: bool,
     hard_stop: Pin<Box<WaitForCancellationFutureOwned>>,
+    /// The snapshot the request was routed on, for an ejection.
+    version: u64,
 }
 
 impl http_body::Body for Guarded {
@@ -295,7 +304,8 @@ impl http_body::Body for Guarded {
         }
         match Pin::new(&mut this.inner).poll_frame(cx) {
             Poll::Ready(Some(Err(error))) if this.event_stream => {
-                tracing::warn!(node = %this.node, %error, "node failed mid-stream; ending the stream with an error event");
+                let ejected_ms = this.guard.local.eject(inferyes_proto::unix_ms(), this.version);
+                tracing::warn!(node = %this.node, %error, ejected_ms, "node failed mid-stream; ending the stream with an error event");
                 this.ended = true;
                 let error = ApiError::new(
                     ErrorKind::Upstream,

@@ -199,6 +199,7 @@ async fn inference(State(state): State<AppState>, kind: EndpointKind, request: R
             prompt_tokens: estimated_prompt_tokens(body.len(), &view),
             mode: state.mode,
             ticket,
+            now_ms: inferyes_proto::unix_ms(),
         },
     )?;
     // A cold load holds the model's size against the node until it answers.

@@ -42,6 +42,8 @@ pub struct RouteRequest<'a> {
     /// A number that differs between consecutive requests (a counter), for
     /// strategies that rotate or sample. Passed in so routing stays pure.
     pub ticket: u64,
+    /// The time, for ejections; passed in so routing stays pure.
+    pub now_ms: u64,
 }
 
 /// The product's policy, or a baseline that ignores sessions (to measure
@@ -142,6 +144,8 @@ enum Class {
     Cold,
     /// Refused; `true` when for memory (said in the error).
     Refused(bool),
+    /// Would do, but failed recently: a last resort.
+    Ejected,
 }
 
 /// The best `K` placements by a key (smallest first), without allocating.
@@ -211,9 +215,13 @@ fn fits_in_memory(p: &Placement) -> bool {
     (after as f64) < p.admission_threshold * p.vram_total_bytes as f64
 }
 
-fn classify(p: &Placement, home: Option<Target>) -> Class {
+fn classify(p: &Placement, home: Option<Target>, now_ms: u64) -> Class {
     if !p.usable {
         return Class::Refused(false);
+    }
+    if p.local.ejected(now_ms) {
+        let warm = matches!(p.state, ModelState::Loaded | ModelState::Unknown);
+        return if warm && p.vram_fraction < p.hard_limit { Class::Ejected } else { Class::Refused(false) };
     }
     if p.vram_fraction >= p.hard_limit {
         return Class::Refused(true);
@@ -262,14 +270,16 @@ pub fn select(snapshot: &RoutingSnapshot, request: &RouteRequest<'_>) -> Result<
         let at = placements.binary_search_by_key(&(home.node, home.backend), |p| (p.target.node, p.target.backend));
         at.ok().filter(|i| {
             let p = &placements[*i];
-            capable(p) && fits(p) && classify(p, Some(home)) == Class::Resident && !p.overloaded
+            capable(p) && fits(p) && classify(p, Some(home), request.now_ms) == Class::Resident && !p.overloaded
         })
     });
     if let Some(at) = going_home {
         let mut targets = Vec::with_capacity(MAX_TARGETS);
         targets.push(placements[at].target);
         let after = placements[at + 1..].iter().chain(&placements[..at]);
-        for p in after.filter(|p| capable(p) && fits(p) && classify(p, home) == Class::Warm && !p.saturated) {
+        for p in
+            after.filter(|p| capable(p) && fits(p) && classify(p, home, request.now_ms) == Class::Warm && !p.saturated)
+        {
             if targets.len() == MAX_TARGETS {
                 break;
             }
@@ -292,6 +302,7 @@ pub fn select(snapshot: &RoutingSnapshot, request: &RouteRequest<'_>) -> Result<
     let mut homes: Best<HOMES> = Best::new();
     let mut warm: Best<MAX_TARGETS> = Best::new();
     let mut cold: Best<MAX_TARGETS> = Best::new();
+    let mut ejected: Best<MAX_TARGETS> = Best::new();
     for (i, p) in placements.iter().enumerate() {
         if !capable(p) {
             continue;
@@ -302,7 +313,7 @@ pub fn select(snapshot: &RoutingSnapshot, request: &RouteRequest<'_>) -> Result<
             continue;
         }
         any_fitting = true;
-        match classify(p, home) {
+        match classify(p, home, request.now_ms) {
             Class::Resident => resident = Some(i),
             Class::Warm => {
                 warm_count += 1;
@@ -330,6 +341,8 @@ pub fn select(snapshot: &RoutingSnapshot, request: &RouteRequest<'_>) -> Result<
                 cold.offer([u64::from(p.state != ModelState::Loading), !free_memory(p), place_key(p)], i);
             }
             Class::Refused(memory) => refused_for_memory |= memory,
+            // The soonest back first.
+            Class::Ejected => ejected.offer([p.local.ejected_until_ms.load(Ordering::Relaxed), place_key(p), 0], i),
         }
     }
     if !any_capable {
@@ -357,7 +370,7 @@ pub fn select(snapshot: &RoutingSnapshot, request: &RouteRequest<'_>) -> Result<
             // Every top home is over the bound (heavy imbalance): rank them all.
             warm = Best::new();
             for (i, p) in placements.iter().enumerate() {
-                if capable(p) && fits(p) && classify(p, home) == Class::Warm {
+                if capable(p) && fits(p) && classify(p, home, request.now_ms) == Class::Warm {
                     warm.offer([u64::from(over(p)), !score(key, p, strategy), place_key(p)], i);
                 }
             }
@@ -366,7 +379,8 @@ pub fn select(snapshot: &RoutingSnapshot, request: &RouteRequest<'_>) -> Result<
 
     let resident_first = resident.filter(|r| !placements[*r].overloaded);
     let mut targets: Vec<Target> = Vec::with_capacity(MAX_TARGETS);
-    let ordered = resident_first.into_iter().chain(warm.indices()).chain(resident).chain(cold.indices());
+    let ordered =
+        resident_first.into_iter().chain(warm.indices()).chain(resident).chain(cold.indices()).chain(ejected.indices());
     for index in ordered {
         if targets.len() == MAX_TARGETS {
             break;

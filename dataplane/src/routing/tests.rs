@@ -104,7 +104,15 @@ fn snapshot(specs: &[Spec]) -> RoutingSnapshot {
 }
 
 fn chat(session: Option<&str>) -> RouteRequest<'_> {
-    RouteRequest { model: "chat", kind: EndpointKind::Chat, session, prompt_tokens: 0, mode: Mode::Policy, ticket: 0 }
+    RouteRequest {
+        model: "chat",
+        kind: EndpointKind::Chat,
+        session,
+        prompt_tokens: 0,
+        mode: Mode::Policy,
+        ticket: 0,
+        now_ms: 1_000_000,
+    }
 }
 
 fn node_of(snapshot: &RoutingSnapshot, target: Target) -> String {
@@ -389,4 +397,46 @@ proptest! {
         let chosen = &specs[route.targets[0].node];
         prop_assert!(f64::from(chosen.resident) + 1.0 <= bound, "{} resident, bound {}", chosen.resident, bound);
     }
+}
+
+#[test]
+fn a_failed_node_is_ejected_and_used_only_as_a_last_resort() {
+    let s = snapshot(&[Spec { sessions: vec!["conv".into()], ..spec("a") }, spec("b")]);
+    let now = chat(None).now_ms;
+    let backoff = s.nodes()[0].local.eject(now, s.version());
+    assert_eq!(backoff, 1_000);
+    for session in [None, Some("conv"), Some("new")] {
+        let route = select(&s, &chat(session)).unwrap();
+        assert_eq!(nodes(&s, &route), ["b", "a"], "session {session:?}: a only as the last failover");
+    }
+    // Once its time is up it is back.
+    let later = RouteRequest { now_ms: now + 1_000, ..chat(Some("conv")) };
+    assert_eq!(select(&s, &later).unwrap().reason, RouteReason::Resident);
+    // Alone, an ejected node still serves: better than refusing.
+    let alone = snapshot(&[spec("a")]);
+    alone.nodes()[0].local.eject(now, alone.version());
+    assert_eq!(nodes(&alone, &select(&alone, &chat(None)).unwrap()), ["a"]);
+}
+
+#[test]
+fn ejections_back_off_and_end_on_success_or_recovery() {
+    let counters = crate::snapshot::LocalCounters::default();
+    let backoffs: Vec<u64> = (0..7).map(|_| counters.eject(0, 1)).collect();
+    assert_eq!(backoffs, [1_000, 2_000, 4_000, 8_000, 16_000, 30_000, 30_000]);
+    counters.succeeded();
+    assert!(!counters.ejected(0));
+    assert_eq!(counters.eject(0, 1), 1_000, "the streak starts over");
+
+    // The node's agent reports it down, then ready again: taken back early.
+    let counters = Counters::default();
+    let mut fleet: BTreeMap<String, SnapshotNode> = [("a".to_string(), wire(&spec("a")))].into();
+    let first = decode(1, &fleet, None, &[], &counters);
+    first.nodes()[0].local.eject(0, 1);
+    assert!(first.nodes()[0].local.ejected(10));
+    fleet.insert("a".into(), wire(&Spec { health: Health::Down, ..spec("a") }));
+    let down = decode(2, &fleet, None, &[], &counters);
+    assert!(down.nodes()[0].local.ejected(10));
+    fleet.insert("a".into(), wire(&spec("a")));
+    let recovered = decode(3, &fleet, None, &[], &counters);
+    assert!(!recovered.nodes()[0].local.ejected(10));
 }

@@ -1,5 +1,6 @@
 use std::collections::hash_map::Entry;
 use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
 use inferyes_proto::v1::{Alias, Health, ModelState, RoutingPolicy, SnapshotNode, Strategy};
@@ -81,6 +82,12 @@ pub fn decode(
             .filter(|m| m.state() == ModelState::Loading)
             .map(|m| m.size_bytes)
             .fold(0, u64::saturating_add);
+        let ready = !wire.draining && status.backends.iter().all(|b| b.health() == Health::Ready);
+        if ready && !local.ready.swap(true, Ordering::Relaxed) {
+            local.ready_since_version.store(version, Ordering::Relaxed);
+        } else if !ready {
+            local.ready.store(false, Ordering::Relaxed);
+        }
         let own = wire.policy.as_ref();
         let or = |value: Option<f64>, default: f64| value.filter(|v| *v > 0.0).unwrap_or(default);
         let admission_threshold = or(own.map(|p| p.admission_threshold), policy.admission_threshold);

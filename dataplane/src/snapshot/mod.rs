@@ -12,7 +12,7 @@ pub use store::SnapshotStore;
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, AtomicU64};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 
 use inferyes_proto::v1::{EndpointKind, Health, ModelState, Strategy};
 
@@ -99,6 +99,46 @@ pub struct LocalCounters {
     /// requests finish: two cold loads must not both fit into the same
     /// free memory.
     pub reserved_vram_bytes: AtomicU64,
+    /// Passive ejection: after a failure the node is skipped (last resort
+    /// only) until this time, with exponential backoff over consecutive
+    /// failures.
+    pub ejected_until_ms: AtomicU64,
+    pub ejected_at_version: AtomicU64,
+    pub failures: AtomicU32,
+    /// Written by decode: whether the node was ready in the latest snapshot,
+    /// and the version since which it has been. A node that turned ready
+    /// after its ejection (its agent saw it fail and recover, or it
+    /// re-joined) is taken back early.
+    pub ready: AtomicBool,
+    pub ready_since_version: AtomicU64,
+}
+
+/// The first ejection lasts this long; each consecutive failure doubles it.
+const EJECTION_BASE_MS: u64 = 1_000;
+const EJECTION_MAX_MS: u64 = 30_000;
+
+impl LocalCounters {
+    /// Records a failure of the node; returns how long it is ejected.
+    pub fn eject(&self, now_ms: u64, version: u64) -> u64 {
+        let failures = self.failures.fetch_add(1, Ordering::Relaxed).saturating_add(1);
+        let backoff = EJECTION_BASE_MS.saturating_mul(1 << (failures - 1).min(5)).min(EJECTION_MAX_MS);
+        self.ejected_at_version.store(version, Ordering::Relaxed);
+        self.ejected_until_ms.store(now_ms.saturating_add(backoff), Ordering::Relaxed);
+        backoff
+    }
+
+    /// Records a success: the failure streak and any ejection end.
+    pub fn succeeded(&self) {
+        if self.failures.load(Ordering::Relaxed) != 0 {
+            self.failures.store(0, Ordering::Relaxed);
+            self.ejected_until_ms.store(0, Ordering::Relaxed);
+        }
+    }
+
+    pub fn ejected(&self, now_ms: u64) -> bool {
+        now_ms < self.ejected_until_ms.load(Ordering::Relaxed)
+            && self.ready_since_version.load(Ordering::Relaxed) <= self.ejected_at_version.load(Ordering::Relaxed)
+    }
 }
 
 #[derive(Debug)]
