@@ -9,6 +9,7 @@ pub struct Etcd {
     child: Child,
     dir: PathBuf,
     client_url: String,
+    command: Vec<String>,
 }
 
 fn etcd_binary() -> PathBuf {
@@ -42,20 +43,18 @@ impl Etcd {
             std::fs::create_dir_all(&dir).expect("etcd data dir");
             let client_url = format!("http://127.0.0.1:{client_port}");
             let peer_url = format!("http://127.0.0.1:{peer_port}");
-            let log = std::fs::File::create(dir.join("etcd.log")).expect("etcd log file");
-            let child = Command::new(&binary)
-                .arg("--name=test")
-                .arg(format!("--data-dir={}", dir.join("data").display()))
-                .arg(format!("--listen-client-urls={client_url}"))
-                .arg(format!("--advertise-client-urls={client_url}"))
-                .arg(format!("--listen-peer-urls={peer_url}"))
-                .arg(format!("--initial-advertise-peer-urls={peer_url}"))
-                .arg(format!("--initial-cluster=test={peer_url}"))
-                .stdout(Stdio::null())
-                .stderr(log)
-                .spawn()
-                .unwrap_or_else(|e| panic!("cannot start {}: {e}", binary.display()));
-            let mut etcd = Etcd { child, dir, client_url };
+            let command = vec![
+                binary.display().to_string(),
+                "--name=test".into(),
+                format!("--data-dir={}", dir.join("data").display()),
+                format!("--listen-client-urls={client_url}"),
+                format!("--advertise-client-urls={client_url}"),
+                format!("--listen-peer-urls={peer_url}"),
+                format!("--initial-advertise-peer-urls={peer_url}"),
+                format!("--initial-cluster=test={peer_url}"),
+            ];
+            let child = spawn(&command, &dir);
+            let mut etcd = Etcd { child, dir, client_url, command };
             if etcd.wait_ready().await {
                 return etcd;
             }
@@ -84,6 +83,28 @@ impl Etcd {
     pub fn endpoint(&self) -> String {
         self.client_url.clone()
     }
+
+    /// Kills etcd, as a crash or a network cut would look to its clients.
+    pub fn stop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Starts etcd again on the same ports and data.
+    pub async fn restart(&mut self) {
+        self.child = spawn(&self.command, &self.dir);
+        assert!(self.wait_ready().await, "etcd did not come back");
+    }
+}
+
+fn spawn(command: &[String], dir: &std::path::Path) -> Child {
+    let log = std::fs::OpenOptions::new().create(true).append(true).open(dir.join("etcd.log")).expect("etcd log file");
+    Command::new(&command[0])
+        .args(&command[1..])
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot start {}: {e}", command[0]))
 }
 
 impl Drop for Etcd {

@@ -190,3 +190,94 @@ async fn a_silent_agent_is_dropped_after_the_lease_ttl() {
     assert_eq!(ended.unwrap_err().code(), tonic::Code::DeadlineExceeded);
     drop(tx);
 }
+
+#[tokio::test]
+async fn when_a_controller_dies_everyone_moves_to_another_without_losing_a_node() {
+    let etcd = Etcd::start().await;
+    let one = ControllerHandle::start(&etcd.endpoint(), "controller-1").await;
+    let two = ControllerHandle::start(&etcd.endpoint(), "controller-2").await;
+    let both = [one.url(), two.url()];
+    let sims = [SimHandle::start(chat_sim("chat")).await, SimHandle::start(chat_sim("chat")).await];
+    let _a = AgentHandle::start("node-a", &both, &[("main", &sims[0])]).await;
+    let _b = AgentHandle::start("node-b", &both, &[("main", &sims[1])]).await;
+    let dataplane = DataplaneHandle::start(&both).await;
+    dataplane.wait_for_nodes(&["node-a", "node-b"]).await;
+
+    // Watch every snapshot the data plane installs from now on.
+    let store = std::sync::Arc::clone(&dataplane.store);
+    let mut versions = store.versions();
+    let done = tokio_util::sync::CancellationToken::new();
+    let watching = done.clone();
+    let watcher = tokio::spawn(async move {
+        let (mut fewest, mut last) = (usize::MAX, 0u64);
+        loop {
+            tokio::select! {
+                () = watching.cancelled() => return fewest,
+                changed = versions.changed() => if changed.is_err() { return fewest },
+            }
+            if let Some(snapshot) = store.current() {
+                fewest = fewest.min(snapshot.nodes().len());
+                assert!(snapshot.version() >= last, "version went back");
+                last = snapshot.version();
+            }
+        }
+    });
+
+    // Everyone starts on the first controller in their list.
+    one.stop().await;
+    // The fleet goes on through the second: a change made there arrives.
+    let mut admin = two.fleet().await;
+    let drained = admin
+        .drain(DrainRequest { node_id: "node-b".into(), reason: String::new(), force: false })
+        .await
+        .unwrap()
+        .into_inner();
+    dataplane
+        .wait_for("the drain, through the second controller", Duration::from_secs(10), |s| {
+            s.version() >= drained.revision && s.nodes().iter().any(|n| n.draining)
+        })
+        .await;
+    let http = HttpClient::default();
+    let response = http.post_json(&format!("{}/v1/chat/completions", dataplane.url), &chat_body("chat", "hi")).await;
+    assert_eq!((response.status, response.header("x-inferyes-node")), (StatusCode::OK, Some("node-a")));
+    done.cancel();
+    let fewest = watcher.await.unwrap();
+    dataplane.stop().await;
+    assert_eq!(fewest, 2, "a node dropped out of the fleet while its agent moved");
+}
+
+#[tokio::test]
+async fn with_etcd_down_routing_goes_on_writes_fail_clearly_and_everything_converges_after() {
+    let mut fleet = Fleet::start(vec![chat_sim("chat"), chat_sim("chat")]).await;
+    fleet.etcd.stop();
+
+    // Requests are routed from memory.
+    for i in 0..4 {
+        let response = chat(&fleet, &format!("outage-{i}")).await;
+        assert_eq!(response.status, StatusCode::OK);
+    }
+    // An admin write says plainly that nothing changed.
+    let mut admin = fleet.controller().fleet().await;
+    let refused = admin.drain(DrainRequest { node_id: "node-a".into(), reason: String::new(), force: false }).await;
+    let status = refused.unwrap_err();
+    assert_eq!(status.code(), tonic::Code::Unavailable);
+    assert!(status.message().contains("nothing was changed"), "{}", status.message());
+    // Something an agent observes meanwhile is held, and arrives later.
+    let http = HttpClient::default();
+    http.post_json(&format!("{}/sim/gpu", fleet.sims[0].url), &serde_json::json!({"extra_used_bytes": 1u64 << 33}))
+        .await;
+
+    fleet.etcd.restart().await;
+    fleet
+        .dataplane
+        .wait_for("the held observation", Duration::from_secs(15), |s| {
+            s.nodes().iter().any(|n| n.id.as_ref() == "node-a" && n.vram_used_bytes > 1 << 33) && s.nodes().len() == 2
+        })
+        .await;
+    admin.drain(DrainRequest { node_id: "node-a".into(), reason: String::new(), force: false }).await.unwrap();
+    fleet
+        .dataplane
+        .wait_for("a write after the outage", Duration::from_secs(10), |s| s.nodes().iter().any(|n| n.draining))
+        .await;
+    assert_eq!(chat(&fleet, "after").await.header("x-inferyes-node"), Some("node-b"));
+}
