@@ -16,7 +16,8 @@ use tonic::transport::{Channel, Endpoint};
 use crate::state::AgentState;
 
 const BACKOFF_MIN: Duration = Duration::from_millis(100);
-const BACKOFF_MAX: Duration = Duration::from_secs(5);
+/// Controllers wait for agents this long after start (`startup_grace_ms`).
+const BACKOFF_MAX: Duration = Duration::from_secs(2);
 
 /// What the reporter tells the rest of the agent (and tests).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]

@@ -64,6 +64,10 @@ pub struct Config {
     pub min_write_interval_ms: u64,
     /// Changes arriving within this window are published as one snapshot.
     pub snapshot_debounce_ms: u64,
+    /// After start, data planes get snapshots only after this long, so the
+    /// agents of a fleet whose controllers were all down have re-registered
+    /// (agents retry at least every 2 s).
+    pub startup_grace_ms: u64,
     pub log_format: LogFormat,
 }
 
@@ -80,6 +84,7 @@ impl Default for Config {
             heartbeat_interval_ms: 1000,
             min_write_interval_ms: 100,
             snapshot_debounce_ms: 10,
+            startup_grace_ms: 3000,
             log_format: LogFormat::Text,
         }
     }
@@ -153,6 +158,10 @@ impl Config {
 
     pub fn snapshot_debounce(&self) -> Duration {
         Duration::from_millis(self.snapshot_debounce_ms)
+    }
+
+    pub fn startup_grace(&self) -> Duration {
+        Duration::from_millis(self.startup_grace_ms)
     }
 }
 

@@ -65,6 +65,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         snapshots: snapshots.clone(),
         controller_id: config.controller_id.clone(),
         shutdown: shutdown.clone(),
+        serve_after: tokio::time::Instant::now() + config.startup_grace(),
     };
     let fleet = grpc::FleetSvc { store, snapshots: snapshots.clone() };
 

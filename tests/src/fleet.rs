@@ -77,11 +77,20 @@ impl ControllerHandle {
 
     /// Starts a controller, on a given gRPC address when restarting one.
     pub async fn start_on(etcd: &str, id: &str, grpc_addr: Option<SocketAddr>) -> ControllerHandle {
+        Self::start_with(etcd, id, grpc_addr, |_| {}).await
+    }
+
+    pub async fn start_with(
+        etcd: &str,
+        id: &str,
+        grpc_addr: Option<SocketAddr>,
+        tweak: impl FnOnce(&mut inferyes_controller::Config),
+    ) -> ControllerHandle {
         let grpc = local_listener(grpc_addr).await;
         let http = local_listener(None).await;
         let grpc_addr = grpc.local_addr().expect("bound");
         let http_addr = http.local_addr().expect("bound");
-        let config = inferyes_controller::Config {
+        let mut config = inferyes_controller::Config {
             controller_id: id.to_string(),
             etcd_endpoints: vec![etcd.to_string()],
             grpc_listen: grpc_addr,
@@ -90,8 +99,11 @@ impl ControllerHandle {
             heartbeat_interval_ms: 300,
             min_write_interval_ms: 20,
             snapshot_debounce_ms: 5,
+            // Tests start fleets from scratch; the restart test sets it.
+            startup_grace_ms: 0,
             ..Default::default()
         };
+        tweak(&mut config);
         config.validate().expect("valid controller config");
         let token = CancellationToken::new();
         let listeners = inferyes_controller::Listeners { grpc, http };

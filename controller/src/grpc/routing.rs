@@ -21,6 +21,11 @@ pub struct RoutingSvc {
     pub snapshots: SnapshotRx,
     pub controller_id: String,
     pub shutdown: CancellationToken,
+    /// Subscribers get their first snapshot no earlier than this: after an
+    /// outage of every controller, node leases may have run out, and the
+    /// fleet in etcd is complete again only once the agents re-registered.
+    /// Meanwhile data planes keep routing on what they hold.
+    pub serve_after: tokio::time::Instant,
 }
 
 impl RoutingSvc {
@@ -46,6 +51,11 @@ impl RoutingService for RoutingSvc {
 
 impl RoutingSvc {
     async fn feed(self, tx: mpsc::Sender<Result<SnapshotUpdate, Status>>) {
+        tokio::select! {
+            () = self.shutdown.cancelled() => return,
+            () = tx.closed() => return,
+            () = tokio::time::sleep_until(self.serve_after) => {}
+        }
         let mut snapshots = self.snapshots.clone();
         let mut sent: Option<Arc<Snapshot>> = None;
         loop {

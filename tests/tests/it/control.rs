@@ -36,15 +36,48 @@ async fn the_data_plane_keeps_serving_without_controllers_and_catches_up_after()
     assert_eq!(ready.status, StatusCode::OK);
     assert_eq!(fleet.dataplane.store.version(), Some(version_before));
 
-    // A controller comes back at the same address: agents re-register, the
-    // data plane resubscribes, and a change made now reaches it.
-    fleet.controller = Some(ControllerHandle::start_on(&etcd, "controller-2", Some(grpc_addr)).await);
+    // Long enough for the nodes' leases to run out: etcd forgets them.
+    eventually("the nodes' leases expired", Duration::from_secs(10), || {
+        let etcd = etcd.clone();
+        async move {
+            let mut client = etcd_client::Client::connect([etcd], None).await.unwrap();
+            let options = etcd_client::GetOptions::new().with_prefix().with_keys_only();
+            client.get("/inferyes/v1/nodes/", Some(options)).await.unwrap().kvs().is_empty()
+        }
+    })
+    .await;
+
+    // Watch every snapshot the data plane installs from now on.
+    let store = std::sync::Arc::clone(&fleet.dataplane.store);
+    let mut versions = store.versions();
+    let done = tokio_util::sync::CancellationToken::new();
+    let watching = done.clone();
+    let watcher = tokio::spawn(async move {
+        let mut fewest = usize::MAX;
+        loop {
+            tokio::select! {
+                () = watching.cancelled() => return fewest,
+                changed = versions.changed() => if changed.is_err() { return fewest },
+            }
+            if let Some(snapshot) = store.current() {
+                fewest = fewest.min(snapshot.nodes().len());
+            }
+        }
+    });
+
+    // A controller comes back at the same address. It waits for the agents
+    // to re-register before it serves data planes, so the data plane never
+    // sees a fleet without them; then a change made now reaches it.
+    fleet.controller =
+        Some(ControllerHandle::start_with(&etcd, "controller-2", Some(grpc_addr), |c| c.startup_grace_ms = 3000).await);
     fleet
         .dataplane
         .wait_for("a newer snapshot with both nodes", Duration::from_secs(15), |s| {
             s.version() > version_before && s.nodes().len() == 2
         })
         .await;
+    done.cancel();
+    assert_eq!(watcher.await.unwrap(), 2, "the data plane saw the fleet without its nodes");
     let mut admin = fleet.controller().fleet().await;
     admin.drain(DrainRequest { node_id: "node-a".into(), reason: "test".into(), force: false }).await.unwrap();
     fleet
