@@ -58,6 +58,8 @@ pub struct Outbound<'a> {
     pub reserve_bytes: u64,
     /// The client asked for a stream.
     pub stream: bool,
+    /// A stream of this kind ends with `data: [DONE]`.
+    pub expects_done: bool,
 }
 
 impl Forwarder {
@@ -172,6 +174,8 @@ impl Forwarder {
                 ended: false,
                 hard_stop: Box::pin(self.hard_stop.clone().cancelled_owned()),
                 version: snapshot.version(),
+                expects_done: out.expects_done,
+                tail: Vec::new(),
             };
             return Ok(Response::from_parts(parts, Body::new(body)));
         }
@@ -279,6 +283,22 @@ struct Guarded {
     hard_stop: Pin<Box<WaitForCancellationFutureOwned>>,
     /// The snapshot the request was routed on, for an ejection.
     version: u64,
+    /// Chat and completion streams end with `data: [DONE]` (or an error
+    /// event); the last bytes tell whether this one did.
+    expects_done: bool,
+    tail: Vec<u8>,
+}
+
+/// Enough of a stream's end to see its last event.
+const TAIL_BYTES: usize = 256;
+
+/// Whether an event stream ended the way a complete one does: `[DONE]`, or
+/// an error event the backend sent itself.
+fn ended_well(tail: &[u8]) -> bool {
+    let text = String::from_utf8_lossy(tail);
+    let text = text.trim_end();
+    let last = text.rsplit("\n\n").next().unwrap_or_default().trim_start();
+    last == "data: [DONE]" || last.starts_with("data: {\"error\"")
 }
 
 impl http_body::Body for Guarded {
@@ -303,6 +323,29 @@ impl http_body::Body for Guarded {
             return Poll::Ready(Some(Ok(Frame::data(error_event(&error)))));
         }
         match Pin::new(&mut this.inner).poll_frame(cx) {
+            Poll::Ready(Some(Ok(frame))) => {
+                if let Some(data) = frame.data_ref()
+                    && this.event_stream
+                {
+                    this.tail.extend_from_slice(data);
+                    if this.tail.len() > 2 * TAIL_BYTES {
+                        this.tail.drain(..this.tail.len() - TAIL_BYTES);
+                    }
+                }
+                Poll::Ready(Some(Ok(frame)))
+            }
+            Poll::Ready(None) if this.event_stream && this.expects_done && !ended_well(&this.tail) => {
+                // The node closed the stream in the middle of the answer
+                // (it shut down, say): say so rather than end as if done.
+                this.ended = true;
+                tracing::warn!(node = %this.node, "stream ended without [DONE]; ending it with an error event");
+                let error = ApiError::new(
+                    ErrorKind::Upstream,
+                    format!("node `{}` ended the stream before the answer was complete", this.node),
+                    "upstream_broken",
+                );
+                Poll::Ready(Some(Ok(Frame::data(error_event(&error)))))
+            }
             Poll::Ready(Some(Err(error))) if this.event_stream => {
                 let ejected_ms = this.guard.local.eject(inferyes_proto::unix_ms(), this.version);
                 tracing::warn!(node = %this.node, %error, ejected_ms, "node failed mid-stream; ending the stream with an error event");
@@ -336,6 +379,7 @@ pub struct OwnedOutbound {
     pub session: Option<String>,
     pub request_id: HeaderValue,
     pub reserve_bytes: u64,
+    pub expects_done: bool,
 }
 
 /// How often a client waiting on a cold load hears about it.
@@ -362,6 +406,7 @@ impl Forwarder {
                 request_id: &out.request_id,
                 reserve_bytes: out.reserve_bytes,
                 stream: true,
+                expects_done: out.expects_done,
             };
             let started = tokio::time::Instant::now();
             let work = forwarder.forward(&snapshot, &route, outbound);
@@ -443,4 +488,17 @@ async fn read_error_body(response: Response) -> ApiError {
         Err(_) => Bytes::new(),
     };
     upstream::normalize(status, &body)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ended_well;
+
+    #[test]
+    fn a_stream_ended_well_with_done_or_its_own_error() {
+        assert!(ended_well(b"data: {\"choices\":[]}\n\ndata: [DONE]\n\n"));
+        assert!(ended_well(b"data: {\"choices\":[]}\n\ndata: {\"error\":{\"message\":\"x\"}}\n\n"));
+        assert!(!ended_well(b"data: {\"choices\":[{\"delta\":{\"content\":\"Hel\"}}]}\n\n"));
+        assert!(!ended_well(b""));
+    }
 }

@@ -221,6 +221,7 @@ async fn inference(State(state): State<AppState>, kind: EndpointKind, request: R
             session,
             request_id,
             reserve_bytes,
+            expects_done: expects_done(kind),
         };
         tracing::debug!(model, "cold load for a stream: answering at once");
         return Ok(state.forwarder.forward_cold_stream(Arc::clone(&snapshot), route, outbound));
@@ -234,6 +235,7 @@ async fn inference(State(state): State<AppState>, kind: EndpointKind, request: R
         request_id: &request_id,
         reserve_bytes,
         stream: view.stream,
+        expects_done: expects_done(kind),
     };
     let result = state.forwarder.forward(&snapshot, &route, outbound).await;
     match &result {
@@ -246,6 +248,12 @@ async fn inference(State(state): State<AppState>, kind: EndpointKind, request: R
         Err(error) => tracing::debug!(model, code = ?error.code, "request failed"),
     }
     result
+}
+
+/// Chat and completion streams end with `data: [DONE]`; others (the
+/// Responses API's typed events) end their own way.
+fn expects_done(kind: EndpointKind) -> bool {
+    matches!(kind, EndpointKind::Chat | EndpointKind::Completion)
 }
 
 /// Reads the whole body, refusing more than `limit` bytes with 413 before
