@@ -106,6 +106,12 @@ pub enum PolicyCommand {
         /// Per-model strategy, MODEL=STRATEGY; repeatable. STRATEGY `default` removes it.
         #[arg(long = "model-strategy", value_name = "MODEL=STRATEGY")]
         model_strategies: Vec<String>,
+        /// Resume chat streams that break mid-answer on another node, for every model.
+        #[arg(long)]
+        continue_streams: Option<bool>,
+        /// Resume broken streams of these models only (replaces the list); repeatable.
+        #[arg(long = "continue-model", value_name = "MODEL")]
+        continue_models: Option<Vec<String>>,
     },
     /// Override a node's thresholds (0 or omitted: the fleet's).
     Node {
@@ -280,7 +286,15 @@ pub async fn run(cli: Cli) -> anyhow::Result<String> {
             let policy = client.get_policy(GetPolicyRequest {}).await.map_err(rpc_error)?.into_inner();
             render_policy(&policy, json_out)
         }
-        Command::Policy(PolicyCommand::Set { admission, hard_limit, load_bound, strategy, model_strategies }) => {
+        Command::Policy(PolicyCommand::Set {
+            admission,
+            hard_limit,
+            load_bound,
+            strategy,
+            model_strategies,
+            continue_streams,
+            continue_models,
+        }) => {
             let mut policy = client.get_policy(GetPolicyRequest {}).await.map_err(rpc_error)?.into_inner();
             if let Some(v) = admission {
                 policy.admission_threshold = v;
@@ -293,6 +307,12 @@ pub async fn run(cli: Cli) -> anyhow::Result<String> {
             }
             if let Some(v) = strategy {
                 policy.set_default_strategy(v.wire());
+            }
+            if let Some(v) = continue_streams {
+                policy.continue_broken_streams = v;
+            }
+            if let Some(v) = continue_models {
+                policy.continue_models = v;
             }
             for pair in model_strategies {
                 let (model, name) = pair
@@ -345,6 +365,8 @@ fn render_policy(policy: &RoutingPolicy, json_out: bool) -> String {
             "load_bound": policy.load_bound,
             "default_strategy": strategy_name(policy.default_strategy),
             "model_strategies": models,
+            "continue_broken_streams": policy.continue_broken_streams,
+            "continue_models": policy.continue_models,
         }));
     }
     let mut out = String::new();
@@ -352,6 +374,14 @@ fn render_policy(policy: &RoutingPolicy, json_out: bool) -> String {
     let _ = writeln!(out, "hard limit:          {}", or_default(policy.hard_limit, "0.98"));
     let _ = writeln!(out, "load bound:          {}", or_default(policy.load_bound, "1.25"));
     let _ = writeln!(out, "strategy:            {}", strategy_name(policy.default_strategy));
+    let continues = if policy.continue_broken_streams {
+        "every model".to_string()
+    } else if policy.continue_models.is_empty() {
+        "off".to_string()
+    } else {
+        policy.continue_models.join(", ")
+    };
+    let _ = writeln!(out, "continue streams:    {continues}");
     let mut models: Vec<_> = policy.model_strategies.iter().collect();
     models.sort();
     for (model, strategy) in models {

@@ -22,6 +22,7 @@ use inferyes_proto::ErrorKind;
 use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 
 use super::ApiError;
+use super::continuation::{self, Hop, Resume};
 use super::upstream;
 use crate::routing::Route;
 use crate::snapshot::{LocalCounters, RoutingSnapshot};
@@ -60,6 +61,8 @@ pub struct Outbound<'a> {
     pub stream: bool,
     /// A stream of this kind ends with `data: [DONE]`.
     pub expects_done: bool,
+    /// Resume this stream on another node if it breaks (see continuation).
+    pub continuation: bool,
 }
 
 impl Forwarder {
@@ -166,6 +169,35 @@ impl Forwarder {
                 .get(header::CONTENT_TYPE)
                 .and_then(|v| v.to_str().ok())
                 .is_some_and(|v| v.starts_with("text/event-stream"));
+            let hops: std::collections::VecDeque<Hop> = route.targets[attempt + 1..]
+                .iter()
+                .filter_map(|t| {
+                    let node = snapshot.node(t.node)?;
+                    let backend = node.backends.get(t.backend)?;
+                    Some(Hop {
+                        node: Arc::clone(&node.id),
+                        proxy_url: Arc::clone(&node.proxy_url),
+                        backend: Arc::clone(&backend.id),
+                        local: Arc::clone(&node.local),
+                    })
+                })
+                .collect();
+            if out.continuation && event_stream && !hops.is_empty() {
+                let resume = Resume {
+                    forwarder: self.clone(),
+                    path_and_query: out.path_and_query.to_string(),
+                    headers: out.headers.clone(),
+                    body: out.body.clone(),
+                    model: out.model.to_string(),
+                    session: out.session.map(str::to_string),
+                    request_id: out.request_id.clone(),
+                    hops,
+                    version: snapshot.version(),
+                    hard_stop: self.hard_stop.clone(),
+                };
+                let body = continuation::spawn(body, guard, Arc::clone(&node.id), resume);
+                return Ok(Response::from_parts(parts, body));
+            }
             let body = Guarded {
                 inner: body,
                 guard,
@@ -182,6 +214,23 @@ impl Forwarder {
         Err(last_error.unwrap_or_else(|| {
             ApiError::new(ErrorKind::Unavailable, "no node could take the request", "no_capacity").retry_after(1)
         }))
+    }
+}
+
+impl Forwarder {
+    /// One request to one node's agent, up to its response headers.
+    pub(crate) async fn send(
+        &self,
+        proxy_url: &str,
+        backend_id: &str,
+        out: &Outbound<'_>,
+    ) -> Result<http::Response<Incoming>, ApiError> {
+        let request = build_request(proxy_url, backend_id, out)?;
+        let unreachable = || ApiError::new(ErrorKind::Upstream, "the node is unreachable", "upstream_unreachable");
+        match tokio::time::timeout(self.header_timeout, self.client.request(request)).await {
+            Ok(Ok(response)) => Ok(response),
+            Ok(Err(_)) | Err(_) => Err(unreachable()),
+        }
     }
 }
 
@@ -251,13 +300,13 @@ async fn read_error(response: http::Response<Incoming>) -> ApiError {
 
 /// Counts a request (and the memory of a cold load it started) against its
 /// node until the response body is finished or dropped.
-struct InFlight {
-    local: Arc<LocalCounters>,
+pub(crate) struct InFlight {
+    pub(crate) local: Arc<LocalCounters>,
     reserved: u64,
 }
 
 impl InFlight {
-    fn enter(local: Arc<LocalCounters>, reserved: u64) -> InFlight {
+    pub(crate) fn enter(local: Arc<LocalCounters>, reserved: u64) -> InFlight {
         local.in_flight.fetch_add(1, Ordering::Relaxed);
         local.reserved_vram_bytes.fetch_add(reserved, Ordering::Relaxed);
         InFlight { local, reserved }
@@ -407,6 +456,7 @@ impl Forwarder {
                 reserve_bytes: out.reserve_bytes,
                 stream: true,
                 expects_done: out.expects_done,
+                continuation: false,
             };
             let started = tokio::time::Instant::now();
             let work = forwarder.forward(&snapshot, &route, outbound);
@@ -475,7 +525,7 @@ impl Forwarder {
 
 /// A final SSE event carrying an error, the way OpenAI-compatible servers
 /// end a stream that failed after it started.
-fn error_event(error: &ApiError) -> Bytes {
+pub(crate) fn error_event(error: &ApiError) -> Bytes {
     let body = inferyes_proto::openai_error_body(error.kind, &error.message, error.code.as_deref(), error.param);
     Bytes::from(format!("data: {body}\n\n"))
 }

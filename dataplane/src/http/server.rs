@@ -212,6 +212,7 @@ async fn inference(State(state): State<AppState>, kind: EndpointKind, request: R
         0
     };
     let path_and_query = parts.uri.path_and_query().map(|p| p.as_str()).unwrap_or(parts.uri.path());
+    let body_for_checks = body.clone();
     if route.cold && view.stream {
         let outbound = OwnedOutbound {
             path_and_query: path_and_query.to_string(),
@@ -236,6 +237,10 @@ async fn inference(State(state): State<AppState>, kind: EndpointKind, request: R
         reserve_bytes,
         stream: view.stream,
         expects_done: expects_done(kind),
+        continuation: view.stream
+            && kind == EndpointKind::Chat
+            && snapshot.policy().continues(model)
+            && !super::continuation::constrained(&body_for_checks),
     };
     let result = state.forwarder.forward(&snapshot, &route, outbound).await;
     match &result {

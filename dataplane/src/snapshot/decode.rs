@@ -47,6 +47,8 @@ fn resolve_policy(wire: Option<&RoutingPolicy>) -> Policy {
             .iter()
             .filter_map(|(model, s)| strategy(*s).map(|s| (model.clone(), s)))
             .collect(),
+        continue_all: wire.continue_broken_streams,
+        continue_models: wire.continue_models.clone(),
     }
 }
 

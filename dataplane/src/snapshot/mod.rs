@@ -44,6 +44,9 @@ pub struct Policy {
     pub load_bound: f64,
     pub default_strategy: Strategy,
     pub model_strategies: HashMap<String, Strategy>,
+    /// Mid-stream continuation for every model, or for these.
+    pub continue_all: bool,
+    pub continue_models: Vec<String>,
 }
 
 impl Default for Policy {
@@ -54,6 +57,8 @@ impl Default for Policy {
             load_bound: 1.25,
             default_strategy: Strategy::LeastOutstanding,
             model_strategies: HashMap::new(),
+            continue_all: false,
+            continue_models: Vec::new(),
         }
     }
 }
@@ -61,6 +66,11 @@ impl Default for Policy {
 impl Policy {
     pub fn strategy(&self, model: &str) -> Strategy {
         self.model_strategies.get(model).copied().unwrap_or(self.default_strategy)
+    }
+
+    /// Whether a broken stream of `model` is resumed on another node.
+    pub fn continues(&self, model: &str) -> bool {
+        self.continue_all || self.continue_models.iter().any(|m| m == model)
     }
 }
 

@@ -219,3 +219,48 @@ async fn a_client_that_goes_away_frees_the_backend_at_once() {
         assert!(hung_up.elapsed() < Duration::from_secs(2), "stream={stream}: freed after {:?}", hung_up.elapsed());
     }
 }
+
+#[tokio::test]
+async fn a_broken_stream_continues_on_another_node_when_the_fleet_says_so() {
+    let etcd = Etcd::start().await;
+    let controller = ControllerHandle::start(&etcd.endpoint(), "controller-1").await;
+    let stop = CancellationToken::new();
+    let url = breaking_backend(stop.clone()).await;
+    let healthy = SimHandle::start(chat_sim("chat")).await;
+    let _broken =
+        AgentHandle::start_with("node-a", &[controller.url()], GpuSourceConfig::None, vec![backend(&url)]).await;
+    let _healthy = AgentHandle::start("node-b", &[controller.url()], &[("main", &healthy)]).await;
+    let dataplane = DataplaneHandle::start(&[controller.url()]).await;
+    dataplane.wait_for_nodes(&["node-a", "node-b"]).await;
+    let mut admin = controller.fleet().await;
+    let policy = inferyes_proto::v1::RoutingPolicy { continue_broken_streams: true, ..Default::default() };
+    let set = admin.set_policy(policy).await.unwrap().into_inner();
+    dataplane.wait_for("the policy", Duration::from_secs(5), |s| s.version() >= set.revision).await;
+
+    // Find a conversation whose first node is the broken one.
+    let http = HttpClient::default();
+    let url = format!("{}/v1/chat/completions", dataplane.url);
+    for i in 0..64 {
+        let request = json!({"model": "chat", "stream": true, "max_tokens": 8,
+                             "messages": [{"role": "user", "content": format!("story {i}")}]});
+        let response = http.start(Method::POST, &url, Bytes::from(request.to_string()), &[]).await;
+        let first_node = response.headers()["x-inferyes-node"].to_str().unwrap().to_string();
+        let mut body = response.into_body();
+        let mut text = String::new();
+        while let Some(chunk) = next_chunk(&mut body).await {
+            text.push_str(std::str::from_utf8(&chunk).unwrap());
+        }
+        if first_node != "node-a" {
+            continue;
+        }
+        assert!(text.contains("Hel"), "the broken node's first words reach the client: {text}");
+        assert!(text.contains(": continued on node node-b after node node-a broke"), "{text}");
+        assert!(!text.contains("\"error\""), "no error: the answer went on: {text}");
+        assert!(text.ends_with("data: [DONE]\n\n"), "{text}");
+        let role_chunks = text.matches("\"role\":\"assistant\"").count();
+        assert_eq!(role_chunks, 0, "the continuation's preamble is not repeated: {text}");
+        stop.cancel();
+        return;
+    }
+    panic!("no request went to the broken node first");
+}

@@ -1,0 +1,268 @@
+//! Mid-stream continuation: when a chat stream breaks in the middle of the
+//! answer, resume it on another node and splice the rest into the same
+//! client stream. The next node gets the conversation plus the partial
+//! reply as a trailing assistant message, which llama-server continues; the
+//! client sees one answer, with an SSE comment where the splice is.
+//!
+//! Opt-in (fleet policy), and never for requests whose output is
+//! constrained (tools, response formats, grammars): a continuation could not
+//! keep those guarantees.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+use axum::body::Body;
+use bytes::Bytes;
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use inferyes_proto::ErrorKind;
+use serde::Deserialize;
+use serde::de::IgnoredAny;
+use serde_json::{Value, json};
+use tokio::sync::mpsc;
+
+use super::ApiError;
+use super::forward::{Forwarder, InFlight, Outbound, error_event};
+use crate::snapshot::LocalCounters;
+
+/// Another node the stream may continue on.
+pub struct Hop {
+    pub node: Arc<str>,
+    pub proxy_url: Arc<str>,
+    pub backend: Arc<str>,
+    pub local: Arc<LocalCounters>,
+}
+
+/// What a continuation request is made of.
+pub struct Resume {
+    pub forwarder: Forwarder,
+    pub path_and_query: String,
+    pub headers: http::HeaderMap,
+    pub body: Bytes,
+    pub model: String,
+    pub session: Option<String>,
+    pub request_id: http::HeaderValue,
+    pub hops: VecDeque<Hop>,
+    pub version: u64,
+    pub hard_stop: tokio_util::sync::CancellationToken,
+}
+
+/// Requests whose output is constrained are not continued.
+pub fn constrained(body: &[u8]) -> bool {
+    #[derive(Deserialize)]
+    struct Constraints {
+        tools: Option<IgnoredAny>,
+        tool_choice: Option<IgnoredAny>,
+        functions: Option<IgnoredAny>,
+        response_format: Option<IgnoredAny>,
+        grammar: Option<IgnoredAny>,
+        json_schema: Option<IgnoredAny>,
+    }
+    match serde_json::from_slice::<Constraints>(body) {
+        Ok(c) => {
+            c.tools.is_some()
+                || c.tool_choice.is_some()
+                || c.functions.is_some()
+                || c.response_format.is_some()
+                || c.grammar.is_some()
+                || c.json_schema.is_some()
+        }
+        Err(_) => true,
+    }
+}
+
+/// Splits a byte stream into whole SSE events (each ending in a blank line).
+#[derive(Default)]
+struct Events {
+    pending: Vec<u8>,
+}
+
+impl Events {
+    fn push(&mut self, data: &[u8]) -> Vec<Bytes> {
+        self.pending.extend_from_slice(data);
+        let mut events = Vec::new();
+        while let Some(end) = self.pending.windows(2).position(|w| w == b"\n\n") {
+            let event: Vec<u8> = self.pending.drain(..end + 2).collect();
+            events.push(Bytes::from(event));
+        }
+        events
+    }
+}
+
+/// What one event says.
+enum Event {
+    Done,
+    Error,
+    /// A chunk of the answer, with its text if any.
+    Chunk {
+        content: Option<String>,
+        preamble: bool,
+    },
+    Other,
+}
+
+fn read(event: &[u8]) -> Event {
+    let text = String::from_utf8_lossy(event);
+    let Some(data) = text.trim().strip_prefix("data: ") else { return Event::Other };
+    if data == "[DONE]" {
+        return Event::Done;
+    }
+    let Ok(value) = serde_json::from_str::<Value>(data) else { return Event::Other };
+    if value.get("error").is_some() {
+        return Event::Error;
+    }
+    let delta = &value["choices"][0]["delta"];
+    let content = delta["content"].as_str().map(str::to_string);
+    let preamble = content.is_none() && delta.get("role").is_some() && value["choices"][0]["finish_reason"].is_null();
+    Event::Chunk { content, preamble }
+}
+
+/// The first node's stream, continued on `resume.hops` if it breaks.
+pub fn spawn(first: Incoming, guard: InFlight, node: Arc<str>, resume: Resume) -> Body {
+    let (tx, rx) = mpsc::channel::<Result<Bytes, std::io::Error>>(16);
+    tokio::spawn(pipe(first, guard, node, resume, tx));
+    Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx))
+}
+
+async fn pipe(
+    mut body: Incoming,
+    mut guard: InFlight,
+    mut node: Arc<str>,
+    mut resume: Resume,
+    tx: mpsc::Sender<Result<Bytes, std::io::Error>>,
+) {
+    let mut partial = String::new();
+    let mut generated: u64 = 0;
+    let mut continued = false;
+    loop {
+        let mut events = Events::default();
+        let mut finished = false;
+        loop {
+            let frame = tokio::select! {
+                frame = body.frame() => frame,
+                () = resume.hard_stop.cancelled() => {
+                    let error = ApiError::new(
+                        ErrorKind::Unavailable,
+                        "the gateway shut down before the answer was complete",
+                        "gateway_shutdown",
+                    );
+                    let _ = tx.send(Ok(error_event(&error))).await;
+                    return;
+                }
+            };
+            let Some(Ok(frame)) = frame else { break };
+            let Ok(data) = frame.into_data() else { continue };
+            for event in events.push(&data) {
+                match read(&event) {
+                    Event::Done => finished = true,
+                    Event::Error => break,
+                    Event::Chunk { preamble: true, .. } if continued => continue,
+                    Event::Chunk { content, .. } => {
+                        if let Some(content) = content {
+                            partial.push_str(&content);
+                            generated += 1;
+                        }
+                    }
+                    Event::Other => {}
+                }
+                if tx.send(Ok(event)).await.is_err() {
+                    return;
+                }
+            }
+            if finished {
+                return;
+            }
+        }
+        if finished {
+            return;
+        }
+        // Broken. Eject the node, and go on elsewhere if there is a place.
+        let ejected_ms = guard.local.eject(inferyes_proto::unix_ms(), resume.version);
+        tracing::warn!(node = %node, ejected_ms, generated, "stream broke mid-answer; continuing elsewhere");
+        let mut next = None;
+        while let Some(hop) = resume.hops.pop_front() {
+            match continue_on(&resume, &hop, &partial, generated).await {
+                Some(stream) => {
+                    next = Some((hop, stream));
+                    break;
+                }
+                None => {
+                    hop.local.eject(inferyes_proto::unix_ms(), resume.version);
+                }
+            }
+        }
+        let Some((hop, stream)) = next else {
+            let error = ApiError::new(
+                ErrorKind::Upstream,
+                format!("node `{node}` failed in the middle of the stream and no node could continue it"),
+                "upstream_broken",
+            );
+            let _ = tx.send(Ok(error_event(&error))).await;
+            return;
+        };
+        let note = format!(": continued on node {} after node {node} broke ({generated} chunks in)\n\n", hop.node);
+        if tx.send(Ok(Bytes::from(note))).await.is_err() {
+            return;
+        }
+        guard = InFlight::enter(Arc::clone(&hop.local), 0);
+        node = hop.node;
+        body = stream;
+        continued = true;
+    }
+}
+
+/// Asks `hop` to continue the answer; its stream when it accepted.
+async fn continue_on(resume: &Resume, hop: &Hop, partial: &str, generated: u64) -> Option<Incoming> {
+    let mut request: Value = serde_json::from_slice(&resume.body).ok()?;
+    request["messages"].as_array_mut()?.push(json!({"role": "assistant", "content": partial}));
+    for limit in ["max_tokens", "max_completion_tokens"] {
+        if let Some(max) = request[limit].as_u64() {
+            request[limit] = json!(max.saturating_sub(generated).max(1));
+        }
+    }
+    let outbound = Outbound {
+        path_and_query: &resume.path_and_query,
+        headers: &resume.headers,
+        body: Bytes::from(request.to_string()),
+        model: &resume.model,
+        session: resume.session.as_deref(),
+        request_id: &resume.request_id,
+        reserve_bytes: 0,
+        stream: true,
+        expects_done: true,
+        continuation: false,
+    };
+    let response = resume.forwarder.send(&hop.proxy_url, &hop.backend, &outbound).await.ok()?;
+    let event_stream = response
+        .headers()
+        .get(http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("text/event-stream"));
+    (response.status().is_success() && event_stream).then(|| response.into_body())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn constrained_requests_are_not_continued() {
+        assert!(!constrained(br#"{"model":"m","messages":[{"role":"user","content":"\"tools\": none"}]}"#));
+        assert!(constrained(br#"{"model":"m","messages":[],"tools":[]}"#));
+        assert!(constrained(br#"{"model":"m","messages":[],"response_format":{"type":"json_object"}}"#));
+        assert!(constrained(b"not json"));
+    }
+
+    #[test]
+    fn events_are_whole_and_read() {
+        let mut events = Events::default();
+        assert!(events.push(b"data: {\"choices\":[{\"delta\":{\"con").is_empty());
+        let whole = events.push(b"tent\":\"Hi\"},\"finish_reason\":null}]}\n\ndata: [DONE]\n\n");
+        assert_eq!(whole.len(), 2);
+        assert!(matches!(read(&whole[0]), Event::Chunk { content: Some(ref c), preamble: false } if c == "Hi"));
+        assert!(matches!(read(&whole[1]), Event::Done));
+        let role = br#"data: {"choices":[{"delta":{"role":"assistant","content":null},"finish_reason":null}]}"#;
+        assert!(matches!(read(role), Event::Chunk { content: None, preamble: true }));
+        assert!(matches!(read(br#"data: {"error":{"message":"x"}}"#), Event::Error));
+    }
+}
