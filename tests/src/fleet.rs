@@ -255,6 +255,31 @@ impl DataplaneHandle {
         }
     }
 
+    /// Starts watching every snapshot the data plane installs; the watch
+    /// reports the fewest nodes any of them had, and checks that versions
+    /// never went back.
+    pub fn watch_snapshots(&self) -> SnapshotWatch {
+        let store = Arc::clone(&self.store);
+        let mut versions = store.versions();
+        let done = CancellationToken::new();
+        let watching = done.clone();
+        let task = tokio::spawn(async move {
+            let (mut fewest, mut last) = (usize::MAX, 0u64);
+            loop {
+                tokio::select! {
+                    () = watching.cancelled() => return fewest,
+                    changed = versions.changed() => if changed.is_err() { return fewest },
+                }
+                if let Some(snapshot) = store.current() {
+                    fewest = fewest.min(snapshot.nodes().len());
+                    assert!(snapshot.version() >= last, "snapshot version went back");
+                    last = snapshot.version();
+                }
+            }
+        });
+        SnapshotWatch { done, task }
+    }
+
     /// Waits until the data plane routes over exactly these nodes.
     pub async fn wait_for_nodes(&self, nodes: &[&str]) {
         let mut expected: Vec<&str> = nodes.to_vec();
@@ -284,5 +309,18 @@ impl DataplaneHandle {
         let result = tokio::time::timeout(Duration::from_secs(30), self.task).await;
         result.expect("the data plane exits").expect("data plane task").expect("clean exit");
         started.elapsed()
+    }
+}
+
+pub struct SnapshotWatch {
+    done: CancellationToken,
+    task: JoinHandle<usize>,
+}
+
+impl SnapshotWatch {
+    /// The fewest nodes any installed snapshot had since the watch began.
+    pub async fn fewest_nodes(self) -> usize {
+        self.done.cancel();
+        self.task.await.expect("snapshot watch")
     }
 }

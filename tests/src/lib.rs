@@ -8,4 +8,4 @@ pub mod fleet;
 
 pub use client::{HttpClient, TestResponse};
 pub use etcd::Etcd;
-pub use fleet::{AgentHandle, ControllerHandle, DataplaneHandle, SimHandle, eventually};
+pub use fleet::{AgentHandle, ControllerHandle, DataplaneHandle, SimHandle, SnapshotWatch, eventually};

@@ -48,22 +48,7 @@ async fn the_data_plane_keeps_serving_without_controllers_and_catches_up_after()
     .await;
 
     // Watch every snapshot the data plane installs from now on.
-    let store = std::sync::Arc::clone(&fleet.dataplane.store);
-    let mut versions = store.versions();
-    let done = tokio_util::sync::CancellationToken::new();
-    let watching = done.clone();
-    let watcher = tokio::spawn(async move {
-        let mut fewest = usize::MAX;
-        loop {
-            tokio::select! {
-                () = watching.cancelled() => return fewest,
-                changed = versions.changed() => if changed.is_err() { return fewest },
-            }
-            if let Some(snapshot) = store.current() {
-                fewest = fewest.min(snapshot.nodes().len());
-            }
-        }
-    });
+    let watch = fleet.dataplane.watch_snapshots();
 
     // A controller comes back at the same address. It waits for the agents
     // to re-register before it serves data planes, so the data plane never
@@ -76,8 +61,7 @@ async fn the_data_plane_keeps_serving_without_controllers_and_catches_up_after()
             s.version() > version_before && s.nodes().len() == 2
         })
         .await;
-    done.cancel();
-    assert_eq!(watcher.await.unwrap(), 2, "the data plane saw the fleet without its nodes");
+    assert_eq!(watch.fewest_nodes().await, 2, "the data plane saw the fleet without its nodes");
     let mut admin = fleet.controller().fleet().await;
     admin.drain(DrainRequest { node_id: "node-a".into(), reason: "test".into(), force: false }).await.unwrap();
     fleet
@@ -237,24 +221,7 @@ async fn when_a_controller_dies_everyone_moves_to_another_without_losing_a_node(
     dataplane.wait_for_nodes(&["node-a", "node-b"]).await;
 
     // Watch every snapshot the data plane installs from now on.
-    let store = std::sync::Arc::clone(&dataplane.store);
-    let mut versions = store.versions();
-    let done = tokio_util::sync::CancellationToken::new();
-    let watching = done.clone();
-    let watcher = tokio::spawn(async move {
-        let (mut fewest, mut last) = (usize::MAX, 0u64);
-        loop {
-            tokio::select! {
-                () = watching.cancelled() => return fewest,
-                changed = versions.changed() => if changed.is_err() { return fewest },
-            }
-            if let Some(snapshot) = store.current() {
-                fewest = fewest.min(snapshot.nodes().len());
-                assert!(snapshot.version() >= last, "version went back");
-                last = snapshot.version();
-            }
-        }
-    });
+    let watch = dataplane.watch_snapshots();
 
     // Everyone starts on the first controller in their list.
     one.stop().await;
@@ -273,8 +240,7 @@ async fn when_a_controller_dies_everyone_moves_to_another_without_losing_a_node(
     let http = HttpClient::default();
     let response = http.post_json(&format!("{}/v1/chat/completions", dataplane.url), &chat_body("chat", "hi")).await;
     assert_eq!((response.status, response.header("x-inferyes-node")), (StatusCode::OK, Some("node-a")));
-    done.cancel();
-    let fewest = watcher.await.unwrap();
+    let fewest = watch.fewest_nodes().await;
     dataplane.stop().await;
     assert_eq!(fewest, 2, "a node dropped out of the fleet while its agent moved");
 }
