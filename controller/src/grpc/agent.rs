@@ -117,7 +117,9 @@ impl AgentSvc {
         let mut table = SessionTable::default();
         let mut pending: Option<NodeStatus> = Some(table.merged(&reported));
         let mut written: Option<NodeStatus> = None;
-        let mut write_at = Instant::now();
+        // The first write waits a moment: the agent sends its residency table
+        // right after registering, and the record should carry it.
+        let mut write_at = Instant::now() + self.min_write_interval;
         let mut write_backoff = Duration::from_millis(100);
         let mut last_heard = Instant::now();
         let mut keepalive = tokio::time::interval(self.lease_ttl / 3);
