@@ -288,6 +288,19 @@ pub fn select(snapshot: &RoutingSnapshot, request: &RouteRequest<'_>) -> Result<
         return Ok(Route { targets, reason: RouteReason::Resident, cold: false });
     }
     let session_key = session.map(|s| stable_hash(s.as_bytes()));
+    // The ring decides unless the session has a home that is only busy (it
+    // stays a failover then, which the full scan keeps).
+    let home_is_busy = home.is_some_and(|home| {
+        placements
+            .binary_search_by_key(&(home.node, home.backend), |p| (p.target.node, p.target.backend))
+            .is_ok_and(|i| classify(&placements[i], Some(home), request.now_ms) == Class::Resident)
+    });
+    if let (Some(key), false, Some(ring)) = (session_key, home_is_busy, snapshot.ring(request.model))
+        && snapshot.policy().strategy(request.model) != Strategy::Weighted
+        && let Some(route) = place_on_ring(snapshot, placements, ring, key, request, &capable, &fits)
+    {
+        return Ok(route);
+    }
     let n = placements.len() as u64;
     let turn = request.ticket % n.max(1);
     let (pick_a, pick_b) = two_choices(request.ticket, n);
@@ -422,6 +435,54 @@ fn homes_rank(homes: &Best<HOMES>, index: usize) -> u64 {
 fn score(key: u64, p: &Placement, strategy: Strategy) -> u64 {
     let raw = rendezvous_score(key, p.node_key ^ p.target.backend as u64);
     if strategy == Strategy::Weighted { (-f64::from(p.weight) / unit_interval(raw).ln()).to_bits() } else { raw }
+}
+
+/// A new session of a model on many nodes: walk the ring from the session's
+/// point, keep the first few distinct warm placements, and take the first
+/// within the load bound (computed from the totals built at decode). `None`
+/// when the walk finds nothing usable: the full scan decides then.
+fn place_on_ring(
+    snapshot: &RoutingSnapshot,
+    placements: &[Placement],
+    ring: &crate::snapshot::Ring,
+    key: u64,
+    request: &RouteRequest<'_>,
+    capable: &impl Fn(&Placement) -> bool,
+    fits: &impl Fn(&Placement) -> bool,
+) -> Option<Route> {
+    const WALK: usize = 8 * crate::snapshot::RING_POINTS as usize;
+    let bound = (snapshot.policy().load_bound * (ring.resident_sessions + 1) as f64
+        / ring.ready_placements.max(1) as f64)
+        .ceil()
+        + 1.0;
+    let start = ring.points.partition_point(|(point, _)| *point < key);
+    let mut seen: [u32; HOMES] = [u32::MAX; HOMES];
+    let mut homes: Vec<usize> = Vec::with_capacity(HOMES);
+    for step in 0..WALK.min(ring.points.len()) {
+        let (_, index) = ring.points[(start + step) % ring.points.len()];
+        if seen.contains(&index) {
+            continue;
+        }
+        if let Some(free) = seen.iter_mut().find(|s| **s == u32::MAX) {
+            *free = index;
+        }
+        let index = index as usize;
+        let p = &placements[index];
+        if capable(p) && fits(p) && classify(p, None, request.now_ms) == Class::Warm {
+            homes.push(index);
+            if homes.len() == HOMES {
+                break;
+            }
+        }
+    }
+    let over = |p: &Placement| p.saturated || f64::from(session_load(p)) + 1.0 > bound;
+    if homes.iter().all(|i| over(&placements[*i])) {
+        return None;
+    }
+    // Within the bound first, ring order otherwise.
+    homes.sort_by_key(|i| over(&placements[*i]));
+    let targets: Vec<Target> = homes.iter().take(MAX_TARGETS).map(|i| placements[*i].target).collect();
+    Some(Route { targets, reason: RouteReason::Placed, cold: false })
 }
 
 /// Two distinct indices below `n`, drawn from the ticket.

@@ -440,3 +440,35 @@ fn ejections_back_off_and_end_on_success_or_recovery() {
     let recovered = decode(3, &fleet, None, &[], &counters);
     assert!(!recovered.nodes()[0].local.ejected(10));
 }
+
+#[test]
+fn large_models_place_new_sessions_on_a_ring_deterministically_and_within_the_bound() {
+    let fleet: Vec<Spec> = (0..100).map(|i| spec(&format!("n{i:03}"))).collect();
+    let one = snapshot(&fleet);
+    let two = snapshot(&fleet);
+    assert!(one.ring("chat").is_some(), "100 placements get a ring");
+    let mut homes = std::collections::HashSet::new();
+    for i in 0..400 {
+        let key = format!("conversation-{i}");
+        let r1 = select(&one, &chat(Some(&key))).unwrap();
+        assert_eq!(r1, select(&two, &chat(Some(&key))).unwrap(), "every data plane agrees");
+        assert_eq!((r1.reason, r1.targets.len()), (RouteReason::Placed, 3));
+        homes.insert(r1.targets[0]);
+    }
+    assert!(homes.len() > 80, "400 sessions spread over {} of 100 nodes", homes.len());
+
+    // A home over the bound is passed over for the next node on the ring.
+    let key = "conversation-7";
+    let home = first_node(&one, &select(&one, &chat(Some(key))).unwrap());
+    let mut loaded = fleet.clone();
+    loaded.iter_mut().find(|s| s.id == home).unwrap().resident = 10;
+    let loaded = snapshot(&loaded);
+    let route = select(&loaded, &chat(Some(key))).unwrap();
+    assert_ne!(first_node(&loaded, &route), home);
+
+    // Nothing usable on the ring walk: the full scan still finds a node.
+    let mut mostly_down: Vec<Spec> = fleet.iter().map(|s| Spec { health: Health::Down, ..s.clone() }).collect();
+    mostly_down[42].health = Health::Ready;
+    let s = snapshot(&mostly_down);
+    assert_eq!(nodes(&s, &select(&s, &chat(Some(key))).unwrap()), ["n042"]);
+}

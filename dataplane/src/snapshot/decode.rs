@@ -5,7 +5,9 @@ use std::sync::{Arc, Mutex};
 
 use inferyes_proto::v1::{Alias, Health, ModelState, RoutingPolicy, SnapshotNode, Strategy};
 
-use super::{BackendView, CatalogEntry, LocalCounters, Node, Placement, Policy, RoutingSnapshot, Target, session_hash};
+use super::{
+    BackendView, CatalogEntry, LocalCounters, Node, Placement, Policy, Ring, RoutingSnapshot, Target, session_hash,
+};
 
 /// Per-node counters that survive snapshot swaps, so a request that started
 /// under one snapshot is still counted under the next.
@@ -162,6 +164,24 @@ pub fn decode(
             admission_threshold,
             hard_limit,
         });
+    }
+    for (model, placements) in &snapshot.models {
+        if placements.len() < super::RING_MIN_PLACEMENTS {
+            continue;
+        }
+        let mut ring = Ring::default();
+        for (index, p) in placements.iter().enumerate() {
+            for v in 0..super::RING_POINTS {
+                let point = crate::routing::rendezvous_score(p.node_key ^ p.target.backend as u64, v);
+                ring.points.push((point, u32::try_from(index).unwrap_or(u32::MAX)));
+            }
+            if p.usable {
+                ring.ready_placements += 1;
+                ring.resident_sessions += u64::from(p.resident_sessions);
+            }
+        }
+        ring.points.sort_unstable();
+        snapshot.rings.insert(model.clone(), ring);
     }
     let mut catalog: Vec<CatalogEntry> = snapshot
         .models

@@ -24,6 +24,10 @@ pub struct RoutingSnapshot {
     /// Model id → every backend that lists it, sorted by (node, backend):
     /// routing finds a session's home by binary search.
     pub(crate) models: HashMap<String, Vec<Placement>>,
+    /// For models on many nodes: a consistent-hash ring over their
+    /// placements and the totals the load bound needs, so placing a new
+    /// session walks a few ring positions instead of scoring every node.
+    pub(crate) rings: HashMap<String, Ring>,
     /// The fleet's catalog, models and aliases, sorted by id.
     pub(crate) catalog: Vec<CatalogEntry>,
     /// Alias → model id.
@@ -35,6 +39,23 @@ pub struct RoutingSnapshot {
     pub(crate) sessions: HashMap<u64, (Target, u64), BuildHasherDefault<Prehashed>>,
     pub(crate) policy: Policy,
 }
+
+/// A model's placements on a hash ring, built at decode.
+#[derive(Debug, Default)]
+pub struct Ring {
+    /// (point, placement index), sorted by point.
+    pub points: Vec<(u64, u32)>,
+    /// Sessions resident on the model's ready placements, and how many
+    /// there are: the average for the load bound.
+    pub resident_sessions: u64,
+    pub ready_placements: u64,
+}
+
+/// Models on fewer placements are placed by scoring every one (rendezvous),
+/// which is exact and cheap at that size.
+pub const RING_MIN_PLACEMENTS: usize = 64;
+/// Points per placement: enough for an even spread.
+pub const RING_POINTS: u64 = 16;
 
 /// The fleet's routing policy with every default filled in.
 #[derive(Clone, Debug, PartialEq)]
@@ -239,6 +260,10 @@ impl RoutingSnapshot {
 
     pub fn placements(&self, model: &str) -> Option<&[Placement]> {
         self.models.get(model).map(Vec::as_slice)
+    }
+
+    pub fn ring(&self, model: &str) -> Option<&Ring> {
+        self.rings.get(model)
     }
 
     pub fn resident(&self, session: &str) -> Option<Target> {
