@@ -4,6 +4,7 @@
 
 pub mod config;
 pub mod http;
+pub mod metrics;
 pub mod routing;
 pub mod snapshot;
 
@@ -35,9 +36,13 @@ pub async fn run(
         .instrument(tracing::info_span!("snapshots")),
     );
     let hard_stop = CancellationToken::new();
+    let mut registry = prometheus_client::registry::Registry::default();
+    let metrics = Arc::new(metrics::Metrics::new(&mut registry));
     let state = http::AppState {
         snapshots,
-        forwarder: http::forward_client(&config, hard_stop.clone()),
+        forwarder: http::forward_client(&config, hard_stop.clone(), Arc::clone(&metrics)),
+        metrics,
+        registry: Arc::new(registry),
         max_body_bytes: config.max_body_bytes,
         mode: config.routing_mode,
         tickets: Arc::default(),

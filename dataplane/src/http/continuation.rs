@@ -200,6 +200,7 @@ async fn pipe(
             let _ = tx.send(Ok(error_event(&error))).await;
             return;
         };
+        resume.forwarder.metrics.continuations.inc();
         let note = format!(": continued on node {} after node {node} broke ({generated} chunks in)\n\n", hop.node);
         if tx.send(Ok(Bytes::from(note))).await.is_err() {
             return;

@@ -45,6 +45,7 @@ pub struct Forwarder {
     /// Cancelled when a shutdown's grace period is over: streams still
     /// running end with an error event.
     hard_stop: CancellationToken,
+    pub(crate) metrics: Arc<crate::metrics::Metrics>,
 }
 
 /// What the forwarder needs to know about one request.
@@ -66,12 +67,17 @@ pub struct Outbound<'a> {
 }
 
 impl Forwarder {
-    pub fn new(connect_timeout: Duration, header_timeout: Duration, hard_stop: CancellationToken) -> Forwarder {
+    pub fn new(
+        connect_timeout: Duration,
+        header_timeout: Duration,
+        hard_stop: CancellationToken,
+        metrics: Arc<crate::metrics::Metrics>,
+    ) -> Forwarder {
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
         connector.set_connect_timeout(Some(connect_timeout));
         let client = Client::builder(TokioExecutor::new()).pool_idle_timeout(Duration::from_secs(90)).build(connector);
-        Forwarder { client, header_timeout, hard_stop }
+        Forwarder { client, header_timeout, hard_stop, metrics }
     }
 
     /// Tries the route's targets in order. A target that cannot be reached,
@@ -87,6 +93,9 @@ impl Forwarder {
         for (attempt, target) in route.targets.iter().enumerate() {
             let Some(node) = snapshot.node(target.node) else { continue };
             let Some(backend) = node.backends.get(target.backend) else { continue };
+            if attempt > 0 {
+                self.metrics.retries.inc();
+            }
             let request = build_request(&node.proxy_url, &backend.id, &out)?;
             let reserve = if attempt == 0 { out.reserve_bytes } else { 0 };
             let guard = InFlight::enter(Arc::clone(&node.local), reserve);

@@ -14,6 +14,10 @@ pub use view::{RoutingView, parse_view, session_key};
 
 /// The pooled client to agents, as configured. `hard_stop` ends the streams
 /// still running when a shutdown's grace is over.
-pub fn forward_client(config: &crate::Config, hard_stop: tokio_util::sync::CancellationToken) -> forward::Forwarder {
-    forward::Forwarder::new(config.connect_timeout(), config.response_header_timeout(), hard_stop)
+pub fn forward_client(
+    config: &crate::Config,
+    hard_stop: tokio_util::sync::CancellationToken,
+    metrics: std::sync::Arc<crate::metrics::Metrics>,
+) -> forward::Forwarder {
+    forward::Forwarder::new(config.connect_timeout(), config.response_header_timeout(), hard_stop, metrics)
 }

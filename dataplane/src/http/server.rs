@@ -39,6 +39,8 @@ pub const ENDPOINTS: &[Endpoint] = &[
 pub struct AppState {
     pub snapshots: Arc<SnapshotStore>,
     pub forwarder: Forwarder,
+    pub metrics: Arc<crate::metrics::Metrics>,
+    pub registry: Arc<prometheus_client::registry::Registry>,
     pub max_body_bytes: usize,
     pub mode: routing::Mode,
     /// Request counter for rotating strategies.
@@ -49,6 +51,7 @@ pub fn router(state: AppState) -> Router {
     let mut router = Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
         .route("/v1/models", get(list_models))
         .route("/v1/models/{*id}", get(get_model));
     for endpoint in ENDPOINTS {
@@ -129,6 +132,16 @@ async fn readyz(State(state): State<AppState>) -> Response {
     }
 }
 
+async fn metrics(State(state): State<AppState>) -> Response {
+    let snapshot = state.snapshots.current();
+    state.metrics.observe(snapshot.as_deref(), state.snapshots.age_seconds());
+    let mut text = String::new();
+    if prometheus_client::encoding::text::encode(&mut text, &state.registry).is_err() {
+        return (StatusCode::INTERNAL_SERVER_ERROR, "metrics could not be encoded\n").into_response();
+    }
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text).into_response()
+}
+
 async fn not_found(request: Request) -> ApiError {
     ApiError::new(ErrorKind::NotFound, format!("unknown path {}", request.uri().path()), "unknown_url")
 }
@@ -180,13 +193,53 @@ async fn get_model(State(state): State<AppState>, Path(id): Path<String>) -> Res
     Ok(axum::Json(model_object(entry)).into_response())
 }
 
-async fn inference(State(state): State<AppState>, kind: EndpointKind, request: Request) -> Result<Response, ApiError> {
+/// Serves one inference request and counts it.
+async fn inference(State(state): State<AppState>, kind: EndpointKind, request: Request) -> Response {
+    let started = std::time::Instant::now();
+    let mut facts = RequestFacts::default();
+    let response = match serve(&state, kind, request, &mut facts).await {
+        Ok(response) => response,
+        Err(error) => error.into_response(),
+    };
+    let snapshot = state.snapshots.current();
+    let model = crate::metrics::Metrics::model_label(snapshot.as_deref(), &facts.model);
+    let header = |name: &str| response.headers().get(name).and_then(|v| v.to_str().ok()).unwrap_or("").to_string();
+    let route = header("x-inferyes-route");
+    let labels = crate::metrics::RequestLabels {
+        model: model.clone(),
+        node: header("x-inferyes-node"),
+        status: response.status().as_u16().to_string(),
+        route: if route.is_empty() { "none".into() } else { route },
+    };
+    state.metrics.requests.get_or_create(&labels).inc();
+    if response.status().is_success() {
+        let histogram = if facts.stream { &state.metrics.first_token_seconds } else { &state.metrics.request_seconds };
+        histogram.get_or_create(&crate::metrics::ModelLabels { model }).observe(started.elapsed().as_secs_f64());
+    }
+    response
+}
+
+/// What the metrics need to know of a request once it is answered.
+#[derive(Default)]
+struct RequestFacts {
+    model: String,
+    stream: bool,
+}
+
+async fn serve(
+    state: &AppState,
+    kind: EndpointKind,
+    request: Request,
+    facts: &mut RequestFacts,
+) -> Result<Response, ApiError> {
     let (parts, body) = request.into_parts();
     let request_id = parts.extensions.get::<RequestId>().map(|r| r.0.clone()).unwrap_or_else(new_request_id);
     let body = read_body(body, &parts.headers, state.max_body_bytes).await?;
     let view = parse_view(&body)?;
     let snapshot = state.snapshots.current().ok_or_else(not_ready)?;
     let model = snapshot.resolve(&view.model);
+    facts.model = model.to_string();
+    facts.stream = view.stream;
     let body = if model == view.model { body } else { with_model(&body, &view, model)? };
     let session = session_key(&parts.headers, &view);
     let ticket = state.tickets.fetch_add(1, std::sync::atomic::Ordering::Relaxed);

@@ -12,11 +12,18 @@ pub struct SnapshotStore {
     current: ArcSwapOption<RoutingSnapshot>,
     versions: watch::Sender<u64>,
     counters: Counters,
+    /// When the current snapshot was installed (read at scrape time only).
+    installed_at: std::sync::Mutex<Option<std::time::Instant>>,
 }
 
 impl Default for SnapshotStore {
     fn default() -> SnapshotStore {
-        SnapshotStore { current: ArcSwapOption::empty(), versions: watch::channel(0).0, counters: Counters::default() }
+        SnapshotStore {
+            current: ArcSwapOption::empty(),
+            versions: watch::channel(0).0,
+            counters: Counters::default(),
+            installed_at: std::sync::Mutex::new(None),
+        }
     }
 }
 
@@ -42,8 +49,16 @@ impl SnapshotStore {
         }
         let version = snapshot.version();
         self.current.store(Some(Arc::new(snapshot)));
+        if let Ok(mut at) = self.installed_at.lock() {
+            *at = Some(std::time::Instant::now());
+        }
         self.versions.send_replace(version);
         true
+    }
+
+    /// Seconds since the current snapshot was installed.
+    pub fn age_seconds(&self) -> f64 {
+        self.installed_at.lock().ok().and_then(|at| *at).map_or(0.0, |at| at.elapsed().as_secs_f64())
     }
 
     /// Versions as they are installed, for whoever must wait for one.

@@ -6,6 +6,7 @@ mod control;
 mod ctl;
 mod errors;
 mod failover;
+mod metrics;
 mod routing;
 mod support;
 mod swap;

@@ -1,0 +1,135 @@
+//! The data plane's Prometheus metrics, registered on a registry the caller
+//! passes in (no globals). Label values come from bounded sets only: models
+//! of the catalog (anything else is `_unknown`), nodes of the fleet, HTTP
+//! status codes and route reasons.
+
+use std::sync::atomic::Ordering;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+use crate::snapshot::RoutingSnapshot;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RequestLabels {
+    pub model: String,
+    pub node: String,
+    pub status: String,
+    pub route: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ModelLabels {
+    pub model: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct NodeLabels {
+    pub node: String,
+}
+
+fn latency_histogram() -> Histogram {
+    // 5 ms to about 20 minutes: a cold load can take minutes.
+    Histogram::new(exponential_buckets(0.005, 2.0, 18))
+}
+
+pub struct Metrics {
+    pub requests: Family<RequestLabels, Counter>,
+    pub request_seconds: Family<ModelLabels, Histogram, fn() -> Histogram>,
+    pub first_token_seconds: Family<ModelLabels, Histogram, fn() -> Histogram>,
+    pub retries: Counter,
+    pub continuations: Counter,
+    snapshot_version: Gauge,
+    snapshot_age_seconds: Gauge<f64, std::sync::atomic::AtomicU64>,
+    node_in_flight: Family<NodeLabels, Gauge>,
+    node_ejected: Family<NodeLabels, Gauge>,
+    node_failures: Family<NodeLabels, Gauge>,
+}
+
+impl Metrics {
+    pub fn new(registry: &mut Registry) -> Metrics {
+        let metrics = Metrics {
+            requests: Family::default(),
+            request_seconds: Family::new_with_constructor(latency_histogram),
+            first_token_seconds: Family::new_with_constructor(latency_histogram),
+            retries: Counter::default(),
+            continuations: Counter::default(),
+            snapshot_version: Gauge::default(),
+            snapshot_age_seconds: Gauge::default(),
+            node_in_flight: Family::default(),
+            node_ejected: Family::default(),
+            node_failures: Family::default(),
+        };
+        let registry = registry.sub_registry_with_prefix("inferyes_dataplane");
+        registry.register(
+            "requests",
+            "Requests answered, by model, node, HTTP status and route",
+            metrics.requests.clone(),
+        );
+        registry.register(
+            "request_seconds",
+            "Time to a complete answer of requests that were not streamed",
+            metrics.request_seconds.clone(),
+        );
+        registry.register(
+            "first_token_seconds",
+            "Time to the start of a streamed answer (the node answers after its first token)",
+            metrics.first_token_seconds.clone(),
+        );
+        registry.register(
+            "retries",
+            "Requests sent to another node after one failed before the first byte",
+            metrics.retries.clone(),
+        );
+        registry.register("continuations", "Broken streams resumed on another node", metrics.continuations.clone());
+        registry.register(
+            "snapshot_version",
+            "Version (etcd revision) of the routing snapshot held",
+            metrics.snapshot_version.clone(),
+        );
+        registry.register(
+            "snapshot_age_seconds",
+            "Time since the routing snapshot held was installed",
+            metrics.snapshot_age_seconds.clone(),
+        );
+        registry.register(
+            "node_in_flight",
+            "This data plane's requests in flight per node",
+            metrics.node_in_flight.clone(),
+        );
+        registry.register("node_ejected", "1 while a node is ejected after failures", metrics.node_ejected.clone());
+        registry.register("node_failures", "Consecutive failures per node", metrics.node_failures.clone());
+        metrics
+    }
+
+    /// The model label: the model when the fleet knows it, else `_unknown`,
+    /// so client-chosen names cannot grow the label set.
+    pub fn model_label(snapshot: Option<&RoutingSnapshot>, model: &str) -> String {
+        match snapshot {
+            Some(s) if s.model(model).is_some() => model.to_string(),
+            _ => "_unknown".to_string(),
+        }
+    }
+
+    /// Gauges read at scrape time from the snapshot held.
+    pub fn observe(&self, snapshot: Option<&RoutingSnapshot>, installed_age_seconds: f64) {
+        self.node_in_flight.clear();
+        self.node_ejected.clear();
+        self.node_failures.clear();
+        let Some(snapshot) = snapshot else { return };
+        self.snapshot_version.set(i64::try_from(snapshot.version()).unwrap_or(i64::MAX));
+        self.snapshot_age_seconds.set(installed_age_seconds);
+        let now = inferyes_proto::unix_ms();
+        for node in snapshot.nodes() {
+            let labels = NodeLabels { node: node.id.to_string() };
+            let local = &node.local;
+            self.node_in_flight.get_or_create(&labels).set(i64::from(local.in_flight.load(Ordering::Relaxed)));
+            self.node_ejected.get_or_create(&labels).set(i64::from(local.ejected(now)));
+            self.node_failures.get_or_create(&labels).set(i64::from(local.failures.load(Ordering::Relaxed)));
+        }
+    }
+}

@@ -1,0 +1,75 @@
+//! The data plane's Prometheus metrics, scraped after real traffic.
+
+use std::collections::HashMap;
+
+use bytes::Bytes;
+use http::{Method, StatusCode};
+use serde_json::json;
+
+use crate::support::{Fleet, chat_body, chat_sim};
+
+/// `name{labels}` → value, for every sample; panics on a malformed line.
+fn parse(text: &str) -> HashMap<String, f64> {
+    let mut samples = HashMap::new();
+    for line in text.lines().filter(|l| !l.is_empty()) {
+        if line.starts_with('#') {
+            assert!(line.starts_with("# HELP ") || line.starts_with("# TYPE ") || line == "# EOF", "{line}");
+            continue;
+        }
+        let (series, value) = line.rsplit_once(' ').unwrap_or_else(|| panic!("no value: {line}"));
+        let value: f64 = value.parse().unwrap_or_else(|_| panic!("bad value: {line}"));
+        let name = series.split('{').next().unwrap_or_default();
+        assert!(name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':'), "bad name: {line}");
+        assert!(!series.contains('{') || series.ends_with('}'), "bad labels: {line}");
+        samples.insert(series.to_string(), value);
+    }
+    samples
+}
+
+fn sum(samples: &HashMap<String, f64>, prefix: &str, contains: &[&str]) -> f64 {
+    samples
+        .iter()
+        .filter(|(k, _)| k.starts_with(prefix) && contains.iter().all(|c| k.contains(c)))
+        .map(|(_, v)| v)
+        .sum()
+}
+
+#[tokio::test]
+async fn the_data_plane_counts_requests_latency_and_its_view_of_the_fleet() {
+    let fleet = Fleet::start(vec![chat_sim("chat"), chat_sim("chat")]).await;
+    let url = fleet.url("/v1/chat/completions");
+    for i in 0..5 {
+        assert_eq!(fleet.http.post_json(&url, &chat_body("chat", &format!("q{i}"))).await.status, StatusCode::OK);
+    }
+    for i in 0..3 {
+        let body = json!({"model": "chat", "stream": true, "max_tokens": 4,
+                          "messages": [{"role": "user", "content": format!("s{i}")}]});
+        let response = fleet.http.send(Method::POST, &url, Bytes::from(body.to_string()), &[]).await;
+        assert_eq!(response.status, StatusCode::OK);
+    }
+    for garbage in ["no-such-model-1", "no-such-model-2"] {
+        assert_eq!(fleet.http.post_json(&url, &chat_body(garbage, "x")).await.status, StatusCode::NOT_FOUND);
+    }
+
+    let scraped = fleet.http.get(&fleet.url("/metrics")).await;
+    assert_eq!(scraped.status, StatusCode::OK);
+    assert!(scraped.header("content-type").unwrap().starts_with("text/plain"));
+    let text = String::from_utf8(scraped.body.to_vec()).unwrap();
+    assert!(text.contains("# TYPE inferyes_dataplane_requests counter"), "{text}");
+    let samples = parse(&text);
+
+    let ok = sum(&samples, "inferyes_dataplane_requests_total{", &["model=\"chat\"", "status=\"200\""]);
+    assert_eq!(ok, 8.0, "{text}");
+    // Client-chosen names do not become labels.
+    let unknown = sum(&samples, "inferyes_dataplane_requests_total{", &["model=\"_unknown\"", "status=\"404\""]);
+    assert_eq!(unknown, 2.0, "{text}");
+    assert!(!text.contains("no-such-model"));
+    assert_eq!(sum(&samples, "inferyes_dataplane_request_seconds_count{", &["model=\"chat\""]), 5.0);
+    assert_eq!(sum(&samples, "inferyes_dataplane_first_token_seconds_count{", &["model=\"chat\""]), 3.0);
+    let version = fleet.dataplane.store.version().unwrap() as f64;
+    assert_eq!(samples["inferyes_dataplane_snapshot_version"], version);
+    for node in ["node-a", "node-b"] {
+        assert_eq!(samples[&format!("inferyes_dataplane_node_in_flight{{node=\"{node}\"}}")], 0.0);
+        assert_eq!(samples[&format!("inferyes_dataplane_node_ejected{{node=\"{node}\"}}")], 0.0);
+    }
+}
