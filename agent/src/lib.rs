@@ -3,6 +3,7 @@
 //! request, and keeps one stream to a controller with the node's status.
 
 pub mod config;
+pub mod metrics;
 pub mod poll;
 pub mod probe;
 pub mod proxy;
@@ -129,7 +130,10 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
     );
 
     tracing::info!(node = %config.node_id, proxy = %proxy_addr, "agent running");
-    let served = axum::serve(listeners.proxy, proxy::router(Arc::clone(&state)))
+    let mut registry = prometheus_client::registry::Registry::default();
+    let metrics = metrics::Metrics::new(&mut registry);
+    let scrape = Arc::new(proxy::Scrape { registry, metrics });
+    let served = axum::serve(listeners.proxy, proxy::router(Arc::clone(&state), scrape))
         .with_graceful_shutdown(shutdown.clone().cancelled_owned())
         .await;
     shutdown.cancel();

@@ -35,14 +35,36 @@ pub const SESSION_HEADER: &str = "x-inferyes-session";
 struct Proxy {
     state: Arc<AgentState>,
     client: Client<HttpConnector, Body>,
+    scrape: Arc<Scrape>,
 }
 
-pub fn router(state: Arc<AgentState>) -> Router {
+/// The agent's metrics and the registry they are encoded from.
+pub struct Scrape {
+    pub registry: prometheus_client::registry::Registry,
+    pub metrics: crate::metrics::Metrics,
+}
+
+/// Prometheus text, read from the agent's current view. Data planes only
+/// forward `/v1/*` here, so this path never shadows a backend's.
+async fn metrics(State(proxy): State<Proxy>) -> Response {
+    proxy.scrape.metrics.observe(&proxy.state);
+    let mut text = String::new();
+    if prometheus_client::encoding::text::encode(&mut text, &proxy.scrape.registry).is_err() {
+        return (StatusCode::INTERNAL_SERVER_ERROR, "metrics could not be encoded\n").into_response();
+    }
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text).into_response()
+}
+
+pub fn router(state: Arc<AgentState>, scrape: Arc<Scrape>) -> Router {
     let mut connector = HttpConnector::new();
     connector.set_nodelay(true);
     connector.set_connect_timeout(Some(std::time::Duration::from_secs(2)));
     let client = Client::builder(TokioExecutor::new()).build(connector);
-    Router::new().route("/healthz", get(|| async { "ok\n" })).fallback(forward).with_state(Proxy { state, client })
+    Router::new()
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/metrics", get(metrics))
+        .fallback(forward)
+        .with_state(Proxy { state, client, scrape })
 }
 
 fn error(kind: ErrorKind, message: &str, code: &str) -> Response {

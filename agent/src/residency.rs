@@ -159,6 +159,11 @@ impl Residency {
         update
     }
 
+    /// Every session believed resident.
+    pub fn sessions(&self) -> Vec<ResidentSession> {
+        self.entries.values().map(|e| e.session.clone()).collect()
+    }
+
     /// Which backend holds `key`, if any.
     pub fn backend_of(&self, key: &str) -> Option<&str> {
         self.entries.get(key).map(|e| e.session.backend_id.as_str())

@@ -6,6 +6,7 @@ pub mod ctl;
 pub mod fleet;
 pub mod grpc;
 pub mod http;
+pub mod metrics;
 pub mod reconcile;
 pub mod residency;
 
@@ -46,10 +47,18 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
     let store =
         store::EtcdStore::connect(&config.etcd_endpoints, keys).await.context("cannot set up the etcd client")?;
     let (snapshot_tx, snapshots) = watch::channel(None);
+    let mut registry = prometheus_client::registry::Registry::default();
+    let metrics = std::sync::Arc::new(metrics::Metrics::new(&mut registry));
 
     let reconciler = tokio::spawn(
-        reconcile::run(store.clone(), snapshot_tx, config.snapshot_debounce(), shutdown.clone())
-            .instrument(tracing::info_span!("reconciler")),
+        reconcile::run(
+            store.clone(),
+            snapshot_tx,
+            config.snapshot_debounce(),
+            std::sync::Arc::clone(&metrics),
+            shutdown.clone(),
+        )
+        .instrument(tracing::info_span!("reconciler")),
     );
 
     let agents = grpc::AgentSvc {
@@ -60,6 +69,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         heartbeat_interval: config.heartbeat_interval(),
         min_write_interval: config.min_write_interval(),
         shutdown: shutdown.clone(),
+        metrics: std::sync::Arc::clone(&metrics),
     };
     let routing = grpc::RoutingSvc {
         snapshots: snapshots.clone(),
@@ -78,8 +88,9 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         .add_service(fleet.svc())
         .serve_with_incoming_shutdown(incoming, shutdown.clone().cancelled_owned());
 
-    let http_server =
-        axum::serve(listeners.http, http::router(snapshots)).with_graceful_shutdown(shutdown.clone().cancelled_owned());
+    let scrape = std::sync::Arc::new(http::Scrape { registry, metrics });
+    let http_server = axum::serve(listeners.http, http::router(snapshots, scrape))
+        .with_graceful_shutdown(shutdown.clone().cancelled_owned());
 
     tracing::info!(id = %config.controller_id, "controller running");
     let (grpc_result, http_result) = tokio::join!(grpc_server, http_server);

@@ -20,7 +20,13 @@ pub type SnapshotRx = watch::Receiver<Option<Arc<Snapshot>>>;
 const RETRY_MIN: Duration = Duration::from_millis(100);
 const RETRY_MAX: Duration = Duration::from_secs(2);
 
-pub async fn run(store: EtcdStore, tx: SnapshotTx, debounce: Duration, shutdown: CancellationToken) {
+pub async fn run(
+    store: EtcdStore,
+    tx: SnapshotTx,
+    debounce: Duration,
+    metrics: std::sync::Arc<crate::metrics::Metrics>,
+    shutdown: CancellationToken,
+) {
     let mut backoff = RETRY_MIN;
     loop {
         let state = match store.load().await {
@@ -34,7 +40,7 @@ pub async fn run(store: EtcdStore, tx: SnapshotTx, debounce: Duration, shutdown:
             }
         };
         backoff = RETRY_MIN;
-        match follow(&store, state, &tx, debounce, &shutdown).await {
+        match follow(&store, state, &tx, debounce, &metrics, &shutdown).await {
             Ok(()) => return,
             Err(error) => {
                 tracing::warn!(%error, "fleet watch lost; reloading");
@@ -54,9 +60,10 @@ async fn follow(
     mut state: FleetState,
     tx: &SnapshotTx,
     debounce: Duration,
+    metrics: &crate::metrics::Metrics,
     shutdown: &CancellationToken,
 ) -> Result<(), StoreError> {
-    publish(tx, &state);
+    publish(tx, &state, metrics);
     let mut watch = store.watch(state.revision() + 1).await?;
     let mut rebuild_at: Option<Instant> = None;
     loop {
@@ -72,7 +79,7 @@ async fn follow(
                     Err(error) => {
                         tracing::warn!(%error, revision = state.revision(), "fleet watch interrupted; resuming");
                         if rebuild_at.take().is_some() {
-                            publish(tx, &state);
+                            publish(tx, &state, metrics);
                         }
                         watch = resume(store, &state, shutdown).await?;
                     }
@@ -80,7 +87,7 @@ async fn follow(
             }
             () = sleep_until(rebuild_at) => {
                 rebuild_at = None;
-                publish(tx, &state);
+                publish(tx, &state, metrics);
             }
         }
     }
@@ -107,9 +114,11 @@ async fn resume(
     }
 }
 
-fn publish(tx: &SnapshotTx, state: &FleetState) {
+fn publish(tx: &SnapshotTx, state: &FleetState, metrics: &crate::metrics::Metrics) {
     tx.send_if_modified(|current| {
+        let started = std::time::Instant::now();
         let next = snapshot::build(state, current.as_deref());
+        metrics.snapshot_build_seconds.observe(started.elapsed().as_secs_f64());
         if current.as_deref() == Some(&next) {
             return false;
         }

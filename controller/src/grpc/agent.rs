@@ -34,6 +34,7 @@ pub struct AgentSvc {
     pub heartbeat_interval: Duration,
     pub min_write_interval: Duration,
     pub shutdown: CancellationToken,
+    pub metrics: std::sync::Arc<crate::metrics::Metrics>,
 }
 
 impl AgentSvc {
@@ -112,6 +113,7 @@ impl AgentSvc {
     ) {
         let node_id = node.node_id.clone();
         let registered_unix_ms = inferyes_proto::unix_ms();
+        self.metrics.agent_streams.inc();
         let mut lease: Option<Lease> = None;
         let mut reported: NodeStatus = node;
         let mut table = SessionTable::default();
@@ -227,6 +229,7 @@ impl AgentSvc {
             }
         };
 
+        self.metrics.agent_streams.dec();
         match end {
             End::Shutdown => {
                 // Leave the lease to run out: the agent moves to another
@@ -262,7 +265,17 @@ impl AgentSvc {
         let record = NodeRecord { status: Some(status), controller_id: self.controller_id.clone(), registered_unix_ms };
         // On failure the lease is dropped with the error: it may be gone
         // (etcd restarted, TTL passed), and the next try starts afresh.
-        let revision = self.store.put_node(&record, &current).await?;
+        let started = std::time::Instant::now();
+        let written = self.store.put_node(&record, &current).await;
+        self.metrics.node_write_seconds.observe(started.elapsed().as_secs_f64());
+        let revision = match written {
+            Ok(revision) => revision,
+            Err(error) => {
+                self.metrics.node_write_failures.inc();
+                return Err(error);
+            }
+        };
+        self.metrics.node_writes.inc();
         *lease = Some(current);
         Ok(revision)
     }

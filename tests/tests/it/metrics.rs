@@ -66,10 +66,49 @@ async fn the_data_plane_counts_requests_latency_and_its_view_of_the_fleet() {
     assert!(!text.contains("no-such-model"));
     assert_eq!(sum(&samples, "inferyes_dataplane_request_seconds_count{", &["model=\"chat\""]), 5.0);
     assert_eq!(sum(&samples, "inferyes_dataplane_first_token_seconds_count{", &["model=\"chat\""]), 3.0);
-    let version = fleet.dataplane.store.version().unwrap() as f64;
-    assert_eq!(samples["inferyes_dataplane_snapshot_version"], version);
+    // Snapshots keep coming (agents report): the scraped one is the one
+    // held then, no newer than the one held now.
+    let version = samples["inferyes_dataplane_snapshot_version"];
+    assert!(version > 0.0 && version <= fleet.dataplane.store.version().unwrap() as f64);
     for node in ["node-a", "node-b"] {
         assert_eq!(samples[&format!("inferyes_dataplane_node_in_flight{{node=\"{node}\"}}")], 0.0);
         assert_eq!(samples[&format!("inferyes_dataplane_node_ejected{{node=\"{node}\"}}")], 0.0);
     }
+}
+
+#[tokio::test]
+async fn agents_and_controllers_expose_what_they_see() {
+    let fleet = Fleet::start(vec![chat_sim("chat"), chat_sim("chat")]).await;
+    let url = fleet.url("/v1/chat/completions");
+    for turn in 0..3 {
+        let body = Bytes::from(chat_body("chat", "same conversation").to_string());
+        let response = fleet.http.send(Method::POST, &url, body, &[("x-session-id", "metered")]).await;
+        assert_eq!(response.status, StatusCode::OK, "turn {turn}");
+    }
+    let home = fleet
+        .http
+        .send(Method::POST, &url, Bytes::from(chat_body("chat", "x").to_string()), &[("x-session-id", "metered")])
+        .await
+        .header("x-inferyes-node")
+        .unwrap()
+        .to_string();
+    let agent = fleet.agents.iter().find(|a| a.node_id == home).unwrap();
+
+    let scraped = fleet.http.get(&format!("http://{}/metrics", agent.proxy_addr)).await;
+    assert_eq!(scraped.status, StatusCode::OK);
+    let text = String::from_utf8(scraped.body.to_vec()).unwrap();
+    let samples = parse(&text);
+    assert_eq!(samples["inferyes_agent_backend_up{backend=\"main\"}"], 1.0, "{text}");
+    assert_eq!(samples["inferyes_agent_slots_total{backend=\"main\"}"], 4.0);
+    assert!(samples["inferyes_agent_resident_sessions{backend=\"main\"}"] >= 1.0);
+    assert!(samples["inferyes_agent_residency_hits{backend=\"main\"}"] >= 2.0, "turns 2-4 found their prefix: {text}");
+    assert!(sum(&samples, "inferyes_agent_gpu_memory_total_bytes{", &[]) > 0.0);
+
+    let scraped = fleet.http.get(&format!("http://{}/metrics", fleet.controller().http_addr)).await;
+    let text = String::from_utf8(scraped.body.to_vec()).unwrap();
+    let samples = parse(&text);
+    assert_eq!(samples["inferyes_controller_nodes{state=\"active\"}"], 2.0, "{text}");
+    assert_eq!(samples["inferyes_controller_agent_streams"], 2.0);
+    assert!(samples["inferyes_controller_node_writes_total"] >= 2.0);
+    assert!(samples["inferyes_controller_snapshot_build_seconds_count"] >= 1.0);
 }

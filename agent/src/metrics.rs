@@ -1,0 +1,108 @@
+//! The agent's Prometheus metrics, read at scrape time from what the agent
+//! already observes: per GPU and per backend, plus its residency estimate.
+//! Registered on a registry the caller passes in.
+
+use std::sync::atomic::AtomicU64;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+
+use crate::state::AgentState;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct GpuLabels {
+    pub gpu: String,
+    pub name: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct BackendLabels {
+    pub backend: String,
+}
+
+pub struct Metrics {
+    gpu_memory_used_bytes: Family<GpuLabels, Gauge>,
+    gpu_memory_total_bytes: Family<GpuLabels, Gauge>,
+    gpu_utilization_percent: Family<GpuLabels, Gauge>,
+    backend_up: Family<BackendLabels, Gauge>,
+    slots_busy: Family<BackendLabels, Gauge>,
+    slots_total: Family<BackendLabels, Gauge>,
+    requests_deferred: Family<BackendLabels, Gauge>,
+    in_flight: Family<BackendLabels, Gauge>,
+    tokens_per_second: Family<BackendLabels, Gauge<f64, AtomicU64>>,
+    resident_sessions: Family<BackendLabels, Gauge>,
+    residency_hits: Family<BackendLabels, Gauge>,
+    residency_misses: Family<BackendLabels, Gauge>,
+}
+
+impl Metrics {
+    pub fn new(registry: &mut Registry) -> Metrics {
+        let m = Metrics {
+            gpu_memory_used_bytes: Family::default(),
+            gpu_memory_total_bytes: Family::default(),
+            gpu_utilization_percent: Family::default(),
+            backend_up: Family::default(),
+            slots_busy: Family::default(),
+            slots_total: Family::default(),
+            requests_deferred: Family::default(),
+            in_flight: Family::default(),
+            tokens_per_second: Family::default(),
+            resident_sessions: Family::default(),
+            residency_hits: Family::default(),
+            residency_misses: Family::default(),
+        };
+        let r = registry.sub_registry_with_prefix("inferyes_agent");
+        r.register("gpu_memory_used_bytes", "GPU memory in use", m.gpu_memory_used_bytes.clone());
+        r.register("gpu_memory_total_bytes", "GPU memory in all", m.gpu_memory_total_bytes.clone());
+        r.register("gpu_utilization_percent", "GPU busy time", m.gpu_utilization_percent.clone());
+        r.register("backend_up", "1 when the backend answers ready", m.backend_up.clone());
+        r.register("slots_busy", "Backend slots processing a request", m.slots_busy.clone());
+        r.register("slots_total", "Backend slots", m.slots_total.clone());
+        r.register("requests_deferred", "Requests the backend queued for a slot", m.requests_deferred.clone());
+        r.register("in_flight", "Requests in flight through the agent's proxy", m.in_flight.clone());
+        r.register("tokens_per_second", "Backend decode speed", m.tokens_per_second.clone());
+        r.register("resident_sessions", "Conversations believed resident on the backend", m.resident_sessions.clone());
+        r.register("residency_hits", "Requests that found their session's prefix cached", m.residency_hits.clone());
+        r.register(
+            "residency_misses",
+            "Requests that found nothing cached although their session was believed resident",
+            m.residency_misses.clone(),
+        );
+        m
+    }
+
+    /// Sets every gauge from the agent's current view.
+    pub fn observe(&self, state: &AgentState) {
+        for family in [&self.gpu_memory_used_bytes, &self.gpu_memory_total_bytes, &self.gpu_utilization_percent] {
+            family.clear();
+        }
+        let status = state.status();
+        for gpu in &status.gpus {
+            let labels = GpuLabels { gpu: gpu.index.to_string(), name: gpu.name.clone() };
+            let bytes = |b: u64| i64::try_from(b).unwrap_or(i64::MAX);
+            self.gpu_memory_used_bytes.get_or_create(&labels).set(bytes(gpu.memory_used_bytes));
+            self.gpu_memory_total_bytes.get_or_create(&labels).set(bytes(gpu.memory_total_bytes));
+            self.gpu_utilization_percent.get_or_create(&labels).set(i64::from(gpu.utilization_percent));
+        }
+        let sessions = state.residency.lock().map(|r| r.sessions()).unwrap_or_default();
+        for backend in &status.backends {
+            let labels = BackendLabels { backend: backend.id.clone() };
+            let ready = backend.health() == inferyes_proto::v1::Health::Ready;
+            self.backend_up.get_or_create(&labels).set(i64::from(ready));
+            self.slots_busy.get_or_create(&labels).set(i64::from(backend.slots_busy));
+            self.slots_total.get_or_create(&labels).set(i64::from(backend.slots_total));
+            self.requests_deferred.get_or_create(&labels).set(i64::from(backend.requests_deferred));
+            self.in_flight.get_or_create(&labels).set(i64::from(backend.in_flight));
+            self.tokens_per_second.get_or_create(&labels).set(backend.tokens_per_second);
+            let mine = sessions.iter().filter(|s| s.backend_id == backend.id);
+            let (count, hits, misses) = mine.fold((0i64, 0i64, 0i64), |(n, h, m), s| {
+                (n + 1, h + i64::from(s.cache_hits), m + i64::from(s.cache_misses))
+            });
+            self.resident_sessions.get_or_create(&labels).set(count);
+            self.residency_hits.get_or_create(&labels).set(hits);
+            self.residency_misses.get_or_create(&labels).set(misses);
+        }
+    }
+}
