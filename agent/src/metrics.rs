@@ -7,6 +7,7 @@ use std::sync::atomic::AtomicU64;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
 use crate::state::AgentState;
@@ -35,6 +36,12 @@ pub struct Metrics {
     resident_sessions: Family<BackendLabels, Gauge>,
     residency_hits: Family<BackendLabels, Gauge>,
     residency_misses: Family<BackendLabels, Gauge>,
+    /// Time from a request reaching the proxy to the backend's first byte.
+    pub first_byte_seconds: Family<BackendLabels, Histogram, fn() -> Histogram>,
+}
+
+fn latency_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(0.005, 2.0, 18))
 }
 
 impl Metrics {
@@ -52,6 +59,7 @@ impl Metrics {
             resident_sessions: Family::default(),
             residency_hits: Family::default(),
             residency_misses: Family::default(),
+            first_byte_seconds: Family::new_with_constructor(latency_histogram),
         };
         let r = registry.sub_registry_with_prefix("inferyes_agent");
         r.register("gpu_memory_used_bytes", "GPU memory in use", m.gpu_memory_used_bytes.clone());
@@ -69,6 +77,11 @@ impl Metrics {
             "residency_misses",
             "Requests that found nothing cached although their session was believed resident",
             m.residency_misses.clone(),
+        );
+        r.register(
+            "first_byte_seconds",
+            "Time from a request reaching the proxy to the backend's first byte (for llama-server: the first token)",
+            m.first_byte_seconds.clone(),
         );
         m
     }

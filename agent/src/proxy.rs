@@ -123,6 +123,7 @@ async fn forward(State(proxy): State<Proxy>, request: Request<Body>) -> Response
                 session,
                 tail: Vec::new(),
                 state: Arc::clone(&proxy.state),
+                scrape: Arc::clone(&proxy.scrape),
             };
             Response::from_parts(parts, Body::new(tracked))
         }
@@ -192,6 +193,7 @@ struct Tracked {
     /// The last bytes of the body, where usage and timings are.
     tail: Vec<u8>,
     state: Arc<AgentState>,
+    scrape: Arc<Scrape>,
 }
 
 impl Tracked {
@@ -235,8 +237,10 @@ impl http_body::Body for Tracked {
                 if let Some(data) = frame.data_ref() {
                     if !this.first_byte {
                         this.first_byte = true;
-                        let ttft_ms = this.started.elapsed().as_secs_f64() * 1000.0;
-                        tracing::debug!(backend = %this.backend, ttft_ms, "first byte from backend");
+                        let ttft = this.started.elapsed().as_secs_f64();
+                        let labels = crate::metrics::BackendLabels { backend: this.backend.clone() };
+                        this.scrape.metrics.first_byte_seconds.get_or_create(&labels).observe(ttft);
+                        tracing::debug!(backend = %this.backend, ttft_ms = ttft * 1000.0, "first byte from backend");
                     }
                     this.keep_tail(data);
                 }

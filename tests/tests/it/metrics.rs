@@ -103,6 +103,7 @@ async fn agents_and_controllers_expose_what_they_see() {
     assert!(samples["inferyes_agent_resident_sessions{backend=\"main\"}"] >= 1.0);
     assert!(samples["inferyes_agent_residency_hits{backend=\"main\"}"] >= 2.0, "turns 2-4 found their prefix: {text}");
     assert!(sum(&samples, "inferyes_agent_gpu_memory_total_bytes{", &[]) > 0.0);
+    assert!(samples["inferyes_agent_first_byte_seconds_count{backend=\"main\"}"] >= 4.0, "{text}");
 
     let scraped = fleet.http.get(&format!("http://{}/metrics", fleet.controller().http_addr)).await;
     let text = String::from_utf8(scraped.body.to_vec()).unwrap();
