@@ -223,3 +223,40 @@ def test_the_configuration_reference_matches_the_code(binary):
 
 # Options that --print-config omits when unset or empty.
 ALWAYS_OPTIONAL = {"backends[].api_key", "backends[].models"}
+
+
+# ---------------------------------------------------------------- grafana
+
+def exposed_metrics():
+    """Every series name the components register, with the suffixes the
+    exposition adds (`_total` for counters, `_bucket`/`_sum`/`_count` for
+    histograms)."""
+    names = set()
+    for component in ("dataplane", "agent", "controller"):
+        source = (ROOT / component / "src" / "metrics.rs").read_text()
+        prefix = re.search(r'sub_registry_with_prefix\("([a-z_]+)"\)', source).group(1)
+        for name, field in re.findall(r'\.register\(\s*"([a-z_]+)",\s*"[^"]*",\s*(?:m|metrics)\.([a-z_]+)\.clone\(\)', source):
+            declared = re.search(rf"\b{field}: (.+),\n", source).group(1)
+            base = f"{prefix}_{name}"
+            if "Histogram" in declared:
+                names |= {f"{base}_bucket", f"{base}_sum", f"{base}_count"}
+            elif re.search(r"\bCounter\b", declared):
+                names.add(f"{base}_total")
+            else:
+                names.add(base)
+    return names
+
+
+def test_the_grafana_dashboard_uses_only_metrics_that_exist():
+    import json
+    dashboard = json.loads((DEPLOY / "grafana" / "inferyes-fleet.json").read_text())
+    known = exposed_metrics()
+    assert "inferyes_dataplane_requests_total" in known and "inferyes_agent_slots_busy" in known
+    used = set()
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            used |= set(re.findall(r"\binferyes_[a-z_]+", target["expr"]))
+    assert used, "the dashboard queries nothing"
+    assert used <= known, f"the dashboard queries series no component exposes: {used - known}"
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids))
