@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# Proxy overhead, side by side in one run: wrk against a fast fake backend
+# (nginx serving fixed JSON and a fixed SSE body), directly, through an
+# nginx reverse proxy (upstream keepalive), through an Inferyes agent's
+# proxy, and through a data plane (which goes through the agent too).
+# Reports req/s at 32 connections and latency percentiles at 1 and 32.
+#
+#   ./scripts/bench-proxy.sh            # 5 s per run
+#   DURATION=10s ./scripts/bench-proxy.sh
+set -euo pipefail
+
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+duration=${DURATION:-5s}
+need=()
+command -v wrk >/dev/null 2>&1 || need+=(wrk)
+command -v nginx >/dev/null 2>&1 || need+=(nginx-light)
+if [ ${#need[@]} -gt 0 ]; then
+  sudo=""; [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  $sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${need[@]}" >/dev/null
+fi
+"$root/scripts/deps.sh"
+cargo build --release --bins -q
+bin="${CARGO_TARGET_DIR:-$root/target}/release"
+
+work=$(mktemp -d)
+pids=()
+cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$work"; }
+trap cleanup EXIT
+
+port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+backend=$(port); nginx_proxy=$(port); etcd_client=$(port); etcd_peer=$(port)
+grpc=$(port); http=$(port); agent=$(port); dataplane=$(port)
+
+json='{"id":"chatcmpl-bench","object":"chat.completion","created":0,"model":"bench","choices":[{"index":0,"message":{"role":"assistant","content":"hello there"},"finish_reason":"stop"}],"usage":{"prompt_tokens":9,"completion_tokens":2,"total_tokens":11}}'
+sse='data: {"id":"cmpl-bench","object":"text_completion","choices":[{"index":0,"text":"hello","finish_reason":null}]}\n\ndata: {"id":"cmpl-bench","object":"text_completion","choices":[{"index":0,"text":" there","finish_reason":"stop"}]}\n\ndata: [DONE]\n\n'
+mkdir -p "$work/nginx"
+cat > "$work/nginx/nginx.conf" <<CONF
+worker_processes 1;
+pid $work/nginx/nginx.pid;
+error_log $work/nginx/error.log warn;
+events { worker_connections 4096; }
+http {
+  access_log off;
+  client_body_temp_path $work/nginx/body;
+  proxy_temp_path $work/nginx/proxy;
+  upstream fake { server 127.0.0.1:$backend; keepalive 64; }
+  server {
+    listen 127.0.0.1:$backend;
+    location = /health { default_type application/json; return 200 '{"status":"ok"}'; }
+    location = /v1/models { default_type application/json; return 200 '{"object":"list","data":[{"id":"bench"}]}'; }
+    location = /v1/chat/completions { default_type application/json; return 200 '$json'; }
+    location = /v1/completions { default_type text/event-stream; return 200 '$(printf "$sse")'; }
+    location / { return 404; }
+  }
+  server {
+    listen 127.0.0.1:$nginx_proxy;
+    location / { proxy_pass http://fake; proxy_http_version 1.1; proxy_set_header Connection ""; proxy_buffering off; }
+  }
+}
+CONF
+nginx -c "$work/nginx/nginx.conf" -g 'daemon off;' & pids+=($!)
+
+etcd --name bench --data-dir "$work/etcd" --listen-client-urls "http://127.0.0.1:$etcd_client" \
+  --advertise-client-urls "http://127.0.0.1:$etcd_client" --listen-peer-urls "http://127.0.0.1:$etcd_peer" \
+  --initial-advertise-peer-urls "http://127.0.0.1:$etcd_peer" --initial-cluster "bench=http://127.0.0.1:$etcd_peer" \
+  >"$work/etcd.log" 2>&1 & pids+=($!)
+until curl -fsS "http://127.0.0.1:$etcd_client/health" >/dev/null 2>&1; do sleep 0.1; done
+
+"$bin/inferyes-controller" --etcd-endpoints "http://127.0.0.1:$etcd_client" \
+  --grpc-listen "127.0.0.1:$grpc" --http-listen "127.0.0.1:$http" >"$work/controller.log" 2>&1 & pids+=($!)
+cat > "$work/agent.toml" <<CONF
+version = 1
+node_id = "bench-node"
+controllers = ["http://127.0.0.1:$grpc"]
+proxy_listen = "127.0.0.1:$agent"
+[gpu]
+source = "none"
+[[backends]]
+id = "main"
+url = "http://127.0.0.1:$backend"
+kind = "llama-server"
+CONF
+"$bin/inferyes-agent" --config "$work/agent.toml" >"$work/agent.log" 2>&1 & pids+=($!)
+RUST_LOG=warn "$bin/inferyes-dataplane" --listen "127.0.0.1:$dataplane" --controllers "http://127.0.0.1:$grpc" \
+  >"$work/dataplane.log" 2>&1 & pids+=($!)
+dp_pid=$!
+until curl -fsS "http://127.0.0.1:$dataplane/v1/models" 2>/dev/null | grep -q bench; do sleep 0.2; done
+
+cat > "$work/chat.lua" <<'LUA'
+wrk.method = "POST"
+wrk.headers["Content-Type"] = "application/json"
+wrk.headers["x-inferyes-backend"] = "main"
+wrk.body = '{"model":"bench","messages":[{"role":"user","content":"hello"}],"max_tokens":2}'
+LUA
+sed 's/"messages":\[{"role":"user","content":"hello"}\]/"prompt":"hello","stream":true/' "$work/chat.lua" > "$work/stream.lua"
+
+run() { # name url script connections
+  local out
+  out=$(wrk -t "$([ "$4" -eq 1 ] && echo 1 || echo 2)" -c "$4" -d "$duration" --latency -s "$3" "$2" 2>&1)
+  local rps p50 p99
+  rps=$(awk '/Requests\/sec/ {print $2}' <<<"$out")
+  p50=$(awk '$1=="50%" {print $2}' <<<"$out")
+  p99=$(awk '$1=="99%" {print $2}' <<<"$out")
+  printf '%-12s %-7s %3s conns %12s req/s   p50 %9s   p99 %9s\n' "$1" "$5" "$4" "$rps" "$p50" "$p99"
+}
+
+echo "wrk, $duration per run, on $(nproc) cores"
+for kind in json sse; do
+  if [ $kind = json ]; then path=/v1/chat/completions; script=$work/chat.lua; else path=/v1/completions; script=$work/stream.lua; fi
+  for conns in 1 32; do
+    run direct "http://127.0.0.1:$backend$path" "$script" $conns $kind
+    run nginx "http://127.0.0.1:$nginx_proxy$path" "$script" $conns $kind
+    run agent "http://127.0.0.1:$agent$path" "$script" $conns $kind
+    run dataplane "http://127.0.0.1:$dataplane$path" "$script" $conns $kind
+  done
+done
+echo "data plane RSS after the runs: $(( $(ps -o rss= -p "$dp_pid") / 1024 )) MiB"
