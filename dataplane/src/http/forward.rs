@@ -294,7 +294,13 @@ fn strip_hop_by_hop(headers: &mut HeaderMap) {
     headers.remove("keep-alive");
 }
 
-async fn read_error(response: http::Response<Incoming>) -> ApiError {
+/// The error a non-success response carries, in the OpenAI shape, with its
+/// `Retry-After` kept; whatever the body type.
+async fn read_error<B>(response: http::Response<B>) -> ApiError
+where
+    B: http_body::Body<Data = Bytes>,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
     let status = response.status();
     let retry_after =
         response.headers().get(header::RETRY_AFTER).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u32>().ok());
@@ -512,7 +518,7 @@ impl Forwarder {
                     }
                 }
                 Ok(response) => {
-                    let error = read_error_body(response).await;
+                    let error = read_error(response).await;
                     let _ = tx.send(Ok(error_event(&error))).await;
                 }
                 Err(error) => {
@@ -537,16 +543,6 @@ impl Forwarder {
 pub(crate) fn error_event(error: &ApiError) -> Bytes {
     let body = inferyes_proto::openai_error_body(error.kind, &error.message, error.code.as_deref(), error.param);
     Bytes::from(format!("data: {body}\n\n"))
-}
-
-/// The error a non-success response carries, whatever body type it has.
-async fn read_error_body(response: Response) -> ApiError {
-    let status = response.status();
-    let body = match Limited::new(response.into_body(), MAX_ERROR_BODY).collect().await {
-        Ok(collected) => collected.to_bytes(),
-        Err(_) => Bytes::new(),
-    };
-    upstream::normalize(status, &body)
 }
 
 #[cfg(test)]
