@@ -63,21 +63,54 @@ fn backend(url: &str) -> BackendConfig {
     }
 }
 
+/// A fleet whose `node-a` breaks every answer after its first bytes, and,
+/// with `healthy`, a `node-b` that answers well.
+struct Breaking {
+    _etcd: Etcd,
+    controller: ControllerHandle,
+    stop: CancellationToken,
+    _broken: AgentHandle,
+    healthy: Option<(AgentHandle, SimHandle)>,
+    dataplane: DataplaneHandle,
+}
+
+impl Breaking {
+    async fn start(healthy: bool) -> Breaking {
+        let etcd = Etcd::start().await;
+        let controller = ControllerHandle::start(&etcd.endpoint(), "controller-1").await;
+        let stop = CancellationToken::new();
+        let url = breaking_backend(stop.clone()).await;
+        let broken =
+            AgentHandle::start_with("node-a", &[controller.url()], GpuSourceConfig::None, vec![backend(&url)]).await;
+        let healthy = if healthy {
+            let sim = SimHandle::start(chat_sim("chat")).await;
+            Some((AgentHandle::start("node-b", &[controller.url()], &[("main", &sim)]).await, sim))
+        } else {
+            None
+        };
+        let dataplane = DataplaneHandle::start(&[controller.url()]).await;
+        let nodes: &[&str] = if healthy.is_some() { &["node-a", "node-b"] } else { &["node-a"] };
+        dataplane.wait_for_nodes(nodes).await;
+        Breaking { _etcd: etcd, controller, stop, _broken: broken, healthy, dataplane }
+    }
+
+    fn url(&self) -> String {
+        format!("{}/v1/chat/completions", self.dataplane.url)
+    }
+}
+
+impl Drop for Breaking {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
 #[tokio::test]
 async fn a_stream_cut_by_its_node_ends_with_an_error_event() {
-    let etcd = Etcd::start().await;
-    let controller = ControllerHandle::start(&etcd.endpoint(), "controller-1").await;
-    let stop = CancellationToken::new();
-    let url = breaking_backend(stop.clone()).await;
-    let _agent =
-        AgentHandle::start_with("node-a", &[controller.url()], GpuSourceConfig::None, vec![backend(&url)]).await;
-    let dataplane = DataplaneHandle::start(&[controller.url()]).await;
-    dataplane.wait_for_nodes(&["node-a"]).await;
+    let fleet = Breaking::start(false).await;
 
     let request = json!({"model": "chat", "stream": true, "messages": [{"role": "user", "content": "hi"}]});
-    let response = HttpClient::default()
-        .start(Method::POST, &format!("{}/v1/chat/completions", dataplane.url), Bytes::from(request.to_string()), &[])
-        .await;
+    let response = HttpClient::default().start(Method::POST, &fleet.url(), Bytes::from(request.to_string()), &[]).await;
     assert_eq!(response.status(), StatusCode::OK);
     let mut body = response.into_body();
     let mut text = String::new();
@@ -89,27 +122,15 @@ async fn a_stream_cut_by_its_node_ends_with_an_error_event() {
     let last: Value = serde_json::from_str(events.last().unwrap().trim_start_matches("data: ")).unwrap();
     assert_eq!(last["error"]["code"], "upstream_broken", "{text}");
     assert!(last["error"]["message"].as_str().unwrap().contains("node-a"));
-    stop.cancel();
 }
 
 #[tokio::test]
 async fn a_whole_answer_comes_from_another_node_when_one_breaks_mid_answer() {
-    let etcd = Etcd::start().await;
-    let controller = ControllerHandle::start(&etcd.endpoint(), "controller-1").await;
-    let stop = CancellationToken::new();
-    let url = breaking_backend(stop.clone()).await;
-    let healthy = SimHandle::start(chat_sim("chat")).await;
-    let _broken =
-        AgentHandle::start_with("node-a", &[controller.url()], GpuSourceConfig::None, vec![backend(&url)]).await;
-    let healthy_agent = AgentHandle::start("node-b", &[controller.url()], &[("main", &healthy)]).await;
-    let dataplane = DataplaneHandle::start(&[controller.url()]).await;
-    dataplane.wait_for_nodes(&["node-a", "node-b"]).await;
-
+    let mut fleet = Breaking::start(true).await;
     let http = HttpClient::default();
     let mut failovers = 0;
     for i in 0..12 {
-        let url = format!("{}/v1/chat/completions", dataplane.url);
-        let response = http.post_json(&url, &chat_body("chat", &format!("question {i}"))).await;
+        let response = http.post_json(&fleet.url(), &chat_body("chat", &format!("question {i}"))).await;
         assert_eq!(response.status, StatusCode::OK, "{}", String::from_utf8_lossy(&response.body));
         assert_eq!(response.header("x-inferyes-node"), Some("node-b"));
         assert_eq!(response.json()["object"], "chat.completion");
@@ -123,13 +144,13 @@ async fn a_whole_answer_comes_from_another_node_when_one_breaks_mid_answer() {
     assert!(failovers <= 2, "{failovers} requests tried the broken node first");
 
     // Alone, the broken node gives an explicit 502.
-    healthy_agent.kill();
-    healthy.stop().await;
-    dataplane.wait_for_nodes(&["node-a"]).await;
-    let response = http.post_json(&format!("{}/v1/chat/completions", dataplane.url), &chat_body("chat", "x")).await;
+    let (agent, sim) = fleet.healthy.take().expect("a healthy node");
+    agent.kill();
+    sim.stop().await;
+    fleet.dataplane.wait_for_nodes(&["node-a"]).await;
+    let response = http.post_json(&fleet.url(), &chat_body("chat", "x")).await;
     assert_eq!(response.status, StatusCode::BAD_GATEWAY);
     assert_eq!(response.openai_error()["code"], "upstream_broken");
-    stop.cancel();
 }
 
 #[tokio::test]
@@ -222,24 +243,15 @@ async fn a_client_that_goes_away_frees_the_backend_at_once() {
 
 #[tokio::test]
 async fn a_broken_stream_continues_on_another_node_when_the_fleet_says_so() {
-    let etcd = Etcd::start().await;
-    let controller = ControllerHandle::start(&etcd.endpoint(), "controller-1").await;
-    let stop = CancellationToken::new();
-    let url = breaking_backend(stop.clone()).await;
-    let healthy = SimHandle::start(chat_sim("chat")).await;
-    let _broken =
-        AgentHandle::start_with("node-a", &[controller.url()], GpuSourceConfig::None, vec![backend(&url)]).await;
-    let _healthy = AgentHandle::start("node-b", &[controller.url()], &[("main", &healthy)]).await;
-    let dataplane = DataplaneHandle::start(&[controller.url()]).await;
-    dataplane.wait_for_nodes(&["node-a", "node-b"]).await;
-    let mut admin = controller.fleet().await;
+    let fleet = Breaking::start(true).await;
+    let mut admin = fleet.controller.fleet().await;
     let policy = inferyes_proto::v1::RoutingPolicy { continue_broken_streams: true, ..Default::default() };
     let set = admin.set_policy(policy).await.unwrap().into_inner();
-    dataplane.wait_for("the policy", Duration::from_secs(5), |s| s.version() >= set.revision).await;
+    fleet.dataplane.wait_for("the policy", Duration::from_secs(5), |s| s.version() >= set.revision).await;
 
     // Find a conversation whose first node is the broken one.
     let http = HttpClient::default();
-    let url = format!("{}/v1/chat/completions", dataplane.url);
+    let url = fleet.url();
     for i in 0..64 {
         let request = json!({"model": "chat", "stream": true, "max_tokens": 8,
                              "messages": [{"role": "user", "content": format!("story {i}")}]});
@@ -259,7 +271,6 @@ async fn a_broken_stream_continues_on_another_node_when_the_fleet_says_so() {
         assert!(text.ends_with("data: [DONE]\n\n"), "{text}");
         let role_chunks = text.matches("\"role\":\"assistant\"").count();
         assert_eq!(role_chunks, 0, "the continuation's preamble is not repeated: {text}");
-        stop.cancel();
         return;
     }
     panic!("no request went to the broken node first");
