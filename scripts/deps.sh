@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs the system packages Inferyes builds and tests with, if missing:
 # etcd (the fleet store), protoc (needed by the etcd client's build), curl,
-# and Python's venv (the end-to-end suite).
+# Python's venv (the end-to-end suite), and Chromium with its WebDriver (the
+# dashboard test).
 # Debian/Ubuntu only; everything else comes from crates.io.
 set -euo pipefail
 
@@ -10,6 +11,9 @@ command -v etcd >/dev/null 2>&1 || need+=(etcd-server)
 command -v protoc >/dev/null 2>&1 || need+=(protobuf-compiler)
 command -v curl >/dev/null 2>&1 || need+=(curl)
 python3 -m venv --help >/dev/null 2>&1 || need+=(python3-venv python3-pip)
+# The dashboard test drives a real headless Chromium over WebDriver.
+command -v chromium >/dev/null 2>&1 || need+=(chromium)
+command -v chromedriver >/dev/null 2>&1 || need+=(chromium-driver)
 [ ${#need[@]} -eq 0 ] && exit 0
 
 sudo=""

@@ -112,6 +112,10 @@ pub enum PolicyCommand {
         /// Resume broken streams of these models only (replaces the list); repeatable.
         #[arg(long = "continue-model", value_name = "MODEL")]
         continue_models: Option<Vec<String>>,
+        /// Models that must stay warm on two nodes or more (replaces the list); repeatable.
+        /// `--latency-critical ''` clears it.
+        #[arg(long = "latency-critical", value_name = "MODEL")]
+        latency_critical: Option<Vec<String>>,
     },
     /// Override a node's thresholds (0 or omitted: the fleet's).
     Node {
@@ -294,6 +298,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<String> {
             model_strategies,
             continue_streams,
             continue_models,
+            latency_critical,
         }) => {
             let mut policy = client.get_policy(GetPolicyRequest {}).await.map_err(rpc_error)?.into_inner();
             if let Some(v) = admission {
@@ -313,6 +318,9 @@ pub async fn run(cli: Cli) -> anyhow::Result<String> {
             }
             if let Some(v) = continue_models {
                 policy.continue_models = v;
+            }
+            if let Some(v) = latency_critical {
+                policy.latency_critical_models = v.into_iter().filter(|m| !m.is_empty()).collect();
             }
             for pair in model_strategies {
                 let (model, name) = pair
@@ -367,6 +375,7 @@ fn render_policy(policy: &RoutingPolicy, json_out: bool) -> String {
             "model_strategies": models,
             "continue_broken_streams": policy.continue_broken_streams,
             "continue_models": policy.continue_models,
+            "latency_critical_models": policy.latency_critical_models,
         }));
     }
     let mut out = String::new();
@@ -382,6 +391,12 @@ fn render_policy(policy: &RoutingPolicy, json_out: bool) -> String {
         policy.continue_models.join(", ")
     };
     let _ = writeln!(out, "continue streams:    {continues}");
+    let critical = if policy.latency_critical_models.is_empty() {
+        "none".into()
+    } else {
+        policy.latency_critical_models.join(", ")
+    };
+    let _ = writeln!(out, "latency-critical:    {critical}");
     let mut models: Vec<_> = policy.model_strategies.iter().collect();
     models.sort();
     for (model, strategy) in models {

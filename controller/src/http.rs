@@ -1,5 +1,5 @@
 //! The controller's HTTP port: health for load balancers and orchestrators,
-//! and Prometheus metrics.
+//! Prometheus metrics, and the live dashboard.
 
 use axum::Router;
 use axum::extract::State;
@@ -20,12 +20,13 @@ struct HttpState {
     scrape: std::sync::Arc<Scrape>,
 }
 
-pub fn router(snapshots: SnapshotRx, scrape: std::sync::Arc<Scrape>) -> Router {
+pub fn router(snapshots: SnapshotRx, scrape: std::sync::Arc<Scrape>, dashboard: crate::dashboard::Dashboard) -> Router {
     Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
         .with_state(HttpState { snapshots, scrape })
+        .merge(crate::dashboard::router(dashboard))
 }
 
 async fn metrics(State(state): State<HttpState>) -> (StatusCode, [(axum::http::HeaderName, &'static str); 1], String) {

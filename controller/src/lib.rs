@@ -1,8 +1,10 @@
 //! The Inferyes controller: keeps fleet state in etcd, builds routing
 //! snapshots from it, and serves agents, data planes and operators.
 
+pub mod activity;
 pub mod config;
 pub mod ctl;
+pub mod dashboard;
 pub mod fleet;
 pub mod grpc;
 pub mod http;
@@ -50,6 +52,8 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
     let mut registry = prometheus_client::registry::Registry::default();
     let metrics = std::sync::Arc::new(metrics::Metrics::new(&mut registry));
 
+    let activity = std::sync::Arc::new(activity::Activity::default());
+
     let reconciler = tokio::spawn(
         reconcile::run(
             store.clone(),
@@ -76,6 +80,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         controller_id: config.controller_id.clone(),
         shutdown: shutdown.clone(),
         serve_after: tokio::time::Instant::now() + config.startup_grace(),
+        activity: std::sync::Arc::clone(&activity),
     };
     let fleet = grpc::FleetSvc { store, snapshots: snapshots.clone() };
 
@@ -89,7 +94,13 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         .serve_with_incoming_shutdown(incoming, shutdown.clone().cancelled_owned());
 
     let scrape = std::sync::Arc::new(http::Scrape { registry, metrics });
-    let http_server = axum::serve(listeners.http, http::router(snapshots, scrape))
+    let dashboard = dashboard::Dashboard {
+        controller_id: config.controller_id.clone(),
+        snapshots: snapshots.clone(),
+        activity,
+        shutdown: shutdown.clone(),
+    };
+    let http_server = axum::serve(listeners.http, http::router(snapshots, scrape, dashboard))
         .with_graceful_shutdown(shutdown.clone().cancelled_owned());
 
     tracing::info!(id = %config.controller_id, "controller running");

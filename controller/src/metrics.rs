@@ -14,9 +14,16 @@ pub struct StateLabels {
     pub state: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ModelLabels {
+    pub model: String,
+}
+
 pub struct Metrics {
     nodes: Family<StateLabels, Gauge>,
     snapshot_version: Gauge,
+    model_warm_nodes: Family<ModelLabels, Gauge>,
+    critical_models_short: Gauge,
     pub agent_streams: Gauge,
     pub node_writes: Counter,
     pub node_write_failures: Counter,
@@ -29,6 +36,8 @@ impl Metrics {
         let m = Metrics {
             nodes: Family::default(),
             snapshot_version: Gauge::default(),
+            model_warm_nodes: Family::default(),
+            critical_models_short: Gauge::default(),
             agent_streams: Gauge::default(),
             node_writes: Counter::default(),
             node_write_failures: Counter::default(),
@@ -38,6 +47,16 @@ impl Metrics {
         let r = registry.sub_registry_with_prefix("inferyes_controller");
         r.register("nodes", "Nodes in the snapshot, by state (active, draining)", m.nodes.clone());
         r.register("snapshot_version", "Version (etcd revision) of the snapshot served", m.snapshot_version.clone());
+        r.register(
+            "model_warm_nodes",
+            "Nodes with the model loaded, per model of the catalog",
+            m.model_warm_nodes.clone(),
+        );
+        r.register(
+            "critical_models_short",
+            "Latency-critical models (routing policy) warm on fewer than two nodes",
+            m.critical_models_short.clone(),
+        );
         r.register("agent_streams", "Agent streams this controller holds", m.agent_streams.clone());
         r.register("node_writes", "Node records written to etcd", m.node_writes.clone());
         r.register(
@@ -58,5 +77,21 @@ impl Metrics {
         self.nodes.get_or_create(&StateLabels { state: "active".into() }).set(count(active));
         self.nodes.get_or_create(&StateLabels { state: "draining".into() }).set(count(draining));
         self.snapshot_version.set(i64::try_from(snapshot.version()).unwrap_or(i64::MAX));
+        // Rebuilt whole, so a model that left the catalog leaves the scrape.
+        self.model_warm_nodes.clear();
+        let critical = &snapshot.policy().latency_critical_models;
+        let mut short = 0;
+        let models = crate::snapshot::model_summaries(snapshot);
+        for model in &models {
+            self.model_warm_nodes
+                .get_or_create(&ModelLabels { model: model.id.clone() })
+                .set(count(model.loaded_on.len()));
+        }
+        for id in critical {
+            if models.iter().find(|m| &m.id == id).is_none_or(|m| m.loaded_on.len() < 2) {
+                short += 1;
+            }
+        }
+        self.critical_models_short.set(short);
     }
 }

@@ -4,7 +4,9 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use inferyes_proto::v1::{Alias, RoutingPolicy, RoutingSnapshot, SnapshotDelta, SnapshotNode};
+use inferyes_proto::v1::{
+    Alias, ModelState, ModelSummary, RoutingPolicy, RoutingSnapshot, SnapshotDelta, SnapshotNode,
+};
 
 use crate::fleet::FleetState;
 
@@ -114,6 +116,31 @@ pub fn apply_delta(full: &mut RoutingSnapshot, delta: SnapshotDelta) {
 
 fn node_id(node: &SnapshotNode) -> &str {
     node.status.as_ref().map(|s| s.node_id.as_str()).unwrap_or_default()
+}
+
+/// The fleet's model catalog: one entry per model id, with where it is
+/// loaded and where it could be.
+pub fn model_summaries(snapshot: &Snapshot) -> Vec<ModelSummary> {
+    let mut models: BTreeMap<&str, ModelSummary> = BTreeMap::new();
+    for status in snapshot.nodes().filter_map(|n| n.status.as_ref()) {
+        for model in status.backends.iter().flat_map(|b| &b.models) {
+            let summary =
+                models.entry(&model.id).or_insert_with(|| ModelSummary { id: model.id.clone(), ..Default::default() });
+            if !summary.available_on.contains(&status.node_id) {
+                summary.available_on.push(status.node_id.clone());
+            }
+            if model.state() == ModelState::Loaded && !summary.loaded_on.contains(&status.node_id) {
+                summary.loaded_on.push(status.node_id.clone());
+            }
+            summary.context_window = summary.context_window.max(model.context_window);
+            for endpoint in &model.endpoints {
+                if !summary.endpoints.contains(endpoint) {
+                    summary.endpoints.push(*endpoint);
+                }
+            }
+        }
+    }
+    models.into_values().collect()
 }
 
 #[cfg(test)]

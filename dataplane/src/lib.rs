@@ -5,6 +5,7 @@
 pub mod config;
 pub mod http;
 pub mod metrics;
+pub mod report;
 pub mod routing;
 pub mod snapshot;
 
@@ -35,6 +36,18 @@ pub async fn run(
         )
         .instrument(tracing::info_span!("snapshots")),
     );
+    let (decisions, decision_rx) = report::DecisionLog::new();
+    let reporter = tokio::spawn(
+        report::run(
+            Arc::clone(&decisions),
+            decision_rx,
+            Arc::clone(&snapshots),
+            config.controllers.clone(),
+            config.dataplane_id.clone(),
+            shutdown.clone(),
+        )
+        .instrument(tracing::info_span!("report")),
+    );
     let hard_stop = CancellationToken::new();
     let mut registry = prometheus_client::registry::Registry::default();
     let metrics = Arc::new(metrics::Metrics::new(&mut registry));
@@ -46,6 +59,7 @@ pub async fn run(
         max_body_bytes: config.max_body_bytes,
         mode: config.routing_mode,
         tickets: Arc::default(),
+        decisions,
     };
     tracing::info!(listen = %listener.local_addr()?, id = %config.dataplane_id, "data plane running");
     let grace = config.shutdown_grace();
@@ -69,5 +83,6 @@ pub async fn run(
     };
     shutdown.cancel();
     let _ = subscription.await;
+    let _ = reporter.await;
     served.context("HTTP server failed")
 }

@@ -18,3 +18,26 @@ pub fn unix_ms() -> u64 {
         .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
         .unwrap_or(0)
 }
+
+/// A short tag for a session key, the same in every component: enough to
+/// follow one conversation across the dashboard's lists, without showing
+/// (or letting anyone recover) the key itself. FNV-1a, 32 bits, as hex.
+pub fn session_tag(key: &str) -> String {
+    let mut hash: u32 = 0x811c_9dc5;
+    for byte in key.bytes() {
+        hash ^= u32::from(byte);
+        hash = hash.wrapping_mul(0x0100_0193);
+    }
+    format!("{hash:08x}")
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn session_tags_are_pinned_and_short() {
+        // Pinned: data planes and controllers of different builds must agree.
+        assert_eq!(super::session_tag(""), "811c9dc5");
+        assert_eq!(super::session_tag("a"), "e40c292c");
+        assert_ne!(super::session_tag("conversation-1"), super::session_tag("conversation-2"));
+    }
+}

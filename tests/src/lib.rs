@@ -2,10 +2,12 @@
 //! simulated llama-servers) and data planes in one process, each on its own
 //! port-0 listener, and offers waits on conditions instead of sleeps.
 
+pub mod browser;
 pub mod client;
 pub mod etcd;
 pub mod fleet;
 
+pub use browser::Browser;
 pub use client::{HttpClient, TestResponse};
 pub use etcd::Etcd;
 pub use fleet::{AgentHandle, ControllerHandle, DataplaneHandle, SimHandle, SnapshotWatch, eventually};

@@ -1,12 +1,10 @@
-use std::collections::BTreeMap;
-
 use inferyes_proto::ErrorKind;
 use inferyes_proto::v1::fleet_service_server::{FleetService, FleetServiceServer};
 use inferyes_proto::v1::{
     Alias, AliasRecord, DeleteAliasRequest, DrainRecord, DrainRequest, DrainResponse, GetNodeRequest, GetPolicyRequest,
     ListAliasesRequest, ListAliasesResponse, ListModelsRequest, ListModelsResponse, ListNodesRequest,
-    ListNodesResponse, ListSessionsRequest, ListSessionsResponse, ModelState, ModelSummary, NodePolicy, RoutingPolicy,
-    SessionInfo, SetNodePolicyRequest, SnapshotNode, UndrainRequest, WriteResponse,
+    ListNodesResponse, ListSessionsRequest, ListSessionsResponse, NodePolicy, RoutingPolicy, SessionInfo,
+    SetNodePolicyRequest, SnapshotNode, UndrainRequest, WriteResponse,
 };
 use tonic::{Request, Response, Status};
 
@@ -55,7 +53,10 @@ impl FleetService for FleetSvc {
 
     async fn list_models(&self, _: Request<ListModelsRequest>) -> Result<Response<ListModelsResponse>, Status> {
         let snapshot = self.snapshot()?;
-        Ok(Response::new(ListModelsResponse { version: snapshot.version(), models: model_summaries(&snapshot) }))
+        Ok(Response::new(ListModelsResponse {
+            version: snapshot.version(),
+            models: crate::snapshot::model_summaries(&snapshot),
+        }))
     }
 
     async fn list_sessions(
@@ -115,7 +116,7 @@ impl FleetService for FleetSvc {
         if snapshot.aliases().iter().any(|a| a.alias == model) {
             return Err(status(ErrorKind::BadRequest, format!("`{model}` is itself an alias: aliases name models")));
         }
-        if model_summaries(&snapshot).iter().any(|m| m.id == alias) {
+        if crate::snapshot::model_summaries(&snapshot).iter().any(|m| m.id == alias) {
             return Err(status(
                 ErrorKind::BadRequest,
                 format!("`{alias}` is a model of the fleet; an alias cannot hide it"),
@@ -184,29 +185,4 @@ fn validate_thresholds(admission: f64, hard: f64) -> Result<(), Status> {
         return Err(status(ErrorKind::BadRequest, "admission_threshold must not exceed hard_limit"));
     }
     Ok(())
-}
-
-/// The fleet's model catalog: one entry per model id, with where it is
-/// loaded and where it could be.
-pub fn model_summaries(snapshot: &Snapshot) -> Vec<ModelSummary> {
-    let mut models: BTreeMap<&str, ModelSummary> = BTreeMap::new();
-    for status in snapshot.nodes().filter_map(|n| n.status.as_ref()) {
-        for model in status.backends.iter().flat_map(|b| &b.models) {
-            let summary =
-                models.entry(&model.id).or_insert_with(|| ModelSummary { id: model.id.clone(), ..Default::default() });
-            if !summary.available_on.contains(&status.node_id) {
-                summary.available_on.push(status.node_id.clone());
-            }
-            if model.state() == ModelState::Loaded && !summary.loaded_on.contains(&status.node_id) {
-                summary.loaded_on.push(status.node_id.clone());
-            }
-            summary.context_window = summary.context_window.max(model.context_window);
-            for endpoint in &model.endpoints {
-                if !summary.endpoints.contains(endpoint) {
-                    summary.endpoints.push(*endpoint);
-                }
-            }
-        }
-    }
-    models.into_values().collect()
 }

@@ -2,7 +2,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 
 use inferyes_proto::v1::routing_service_server::{RoutingService, RoutingServiceServer};
-use inferyes_proto::v1::{SnapshotUpdate, SubscribeRequest, snapshot_update};
+use inferyes_proto::v1::{DataPlaneReport, ReportAck, SnapshotUpdate, SubscribeRequest, snapshot_update};
 use tokio::sync::mpsc;
 use tokio_stream::Stream;
 use tokio_stream::wrappers::ReceiverStream;
@@ -26,6 +26,7 @@ pub struct RoutingSvc {
     /// fleet in etcd is complete again only once the agents re-registered.
     /// Meanwhile data planes keep routing on what they hold.
     pub serve_after: tokio::time::Instant,
+    pub activity: Arc<crate::activity::Activity>,
 }
 
 impl RoutingSvc {
@@ -46,6 +47,15 @@ impl RoutingService for RoutingSvc {
         let span = tracing::info_span!("subscriber", %dataplane);
         tokio::spawn(self.clone().feed(tx).instrument(span));
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    async fn report(&self, request: Request<DataPlaneReport>) -> Result<Response<ReportAck>, Status> {
+        let report = request.into_inner();
+        if report.dataplane_id.is_empty() {
+            return Err(Status::invalid_argument("a report needs the data plane's id"));
+        }
+        self.activity.record(report, tokio::time::Instant::now());
+        Ok(Response::new(ReportAck {}))
     }
 }
 

@@ -9,7 +9,7 @@ use axum::routing::{get, post};
 use bytes::Bytes;
 use http::{HeaderValue, StatusCode, header};
 use inferyes_proto::ErrorKind;
-use inferyes_proto::v1::EndpointKind;
+use inferyes_proto::v1::{EndpointKind, RoutingDecision};
 use serde_json::json;
 
 use super::forward::{Forwarder, Outbound, OwnedOutbound};
@@ -45,6 +45,8 @@ pub struct AppState {
     pub mode: routing::Mode,
     /// Request counter for rotating strategies.
     pub tickets: Arc<std::sync::atomic::AtomicU64>,
+    /// Where answered requests are told, for the dashboard's tail.
+    pub decisions: Arc<crate::report::DecisionLog>,
 }
 
 pub fn router(state: AppState) -> Router {
@@ -197,9 +199,14 @@ async fn get_model(State(state): State<AppState>, Path(id): Path<String>) -> Res
 async fn inference(State(state): State<AppState>, kind: EndpointKind, request: Request) -> Response {
     let started = std::time::Instant::now();
     let mut facts = RequestFacts::default();
+    let request_id =
+        request.extensions().get::<RequestId>().and_then(|r| r.0.to_str().ok()).map(str::to_string).unwrap_or_default();
     let response = match serve(&state, kind, request, &mut facts).await {
         Ok(response) => response,
-        Err(error) => error.into_response(),
+        Err(error) => {
+            facts.error_code = error.code.clone();
+            error.into_response()
+        }
     };
     let snapshot = state.snapshots.current();
     let model = crate::metrics::Metrics::model_label(snapshot.as_deref(), &facts.model);
@@ -212,18 +219,34 @@ async fn inference(State(state): State<AppState>, kind: EndpointKind, request: R
         route: if route.is_empty() { "none".into() } else { route },
     };
     state.metrics.requests.get_or_create(&labels).inc();
+    let elapsed = started.elapsed();
     if response.status().is_success() {
         let histogram = if facts.stream { &state.metrics.first_token_seconds } else { &state.metrics.request_seconds };
-        histogram.get_or_create(&crate::metrics::ModelLabels { model }).observe(started.elapsed().as_secs_f64());
+        histogram.get_or_create(&crate::metrics::ModelLabels { model }).observe(elapsed.as_secs_f64());
     }
+    state.decisions.record(RoutingDecision {
+        request_id,
+        unix_ms: inferyes_proto::unix_ms(),
+        model: facts.model,
+        node_id: labels.node,
+        route: labels.route,
+        status: u32::from(response.status().as_u16()),
+        error_code: facts.error_code.unwrap_or_default(),
+        latency_ms: u32::try_from(elapsed.as_millis()).unwrap_or(u32::MAX),
+        stream: facts.stream,
+        session_tag: facts.session.as_deref().map(inferyes_proto::session_tag).unwrap_or_default(),
+    });
     response
 }
 
-/// What the metrics need to know of a request once it is answered.
+/// What the metrics and the decision tail need to know of a request once
+/// it is answered.
 #[derive(Default)]
 struct RequestFacts {
     model: String,
     stream: bool,
+    session: Option<String>,
+    error_code: Option<String>,
 }
 
 async fn serve(
@@ -242,6 +265,7 @@ async fn serve(
     facts.stream = view.stream;
     let body = if model == view.model { body } else { with_model(&body, &view, model)? };
     let session = session_key(&parts.headers, &view);
+    facts.session.clone_from(&session);
     let ticket = state.tickets.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let route = routing::select(
         &snapshot,

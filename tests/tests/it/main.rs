@@ -4,6 +4,7 @@
 mod chaos;
 mod control;
 mod ctl;
+mod dashboard;
 mod errors;
 mod failover;
 mod metrics;

@@ -1,0 +1,140 @@
+//! What data planes report they did lately: their routing decisions and the
+//! nodes they hold ejected. Kept in memory for the dashboard, bounded, and
+//! fed only by the `Report` RPC. A data plane reports to one controller at a
+//! time, so each controller shows the data planes reporting to it.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use inferyes_proto::v1::{DataPlaneReport, RoutingDecision};
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+/// Decisions kept, newest first: a tail for eyes, not a ledger.
+const TAIL: usize = 200;
+/// A data plane silent this long no longer vouches for its ejections (it
+/// reports at least every 10 s).
+const STALE_AFTER: Duration = Duration::from_secs(30);
+
+pub struct Activity {
+    inner: Mutex<Inner>,
+    changed: watch::Sender<u64>,
+}
+
+#[derive(Default)]
+struct Inner {
+    decisions: VecDeque<Decision>,
+    ejections: BTreeMap<String, (Vec<String>, Instant)>,
+    dropped: u64,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Decision {
+    pub dataplane_id: String,
+    pub decision: RoutingDecision,
+}
+
+/// A copy of the activity at one moment.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Recent {
+    /// Newest first.
+    pub decisions: Vec<Decision>,
+    /// Node → the data planes that hold it ejected.
+    pub ejected: BTreeMap<String, BTreeSet<String>>,
+    /// Decisions data planes dropped before reporting them (queue full).
+    pub dropped: u64,
+}
+
+impl Default for Activity {
+    fn default() -> Self {
+        Activity { inner: Mutex::default(), changed: watch::Sender::new(0) }
+    }
+}
+
+impl Activity {
+    pub fn record(&self, report: DataPlaneReport, now: Instant) {
+        {
+            let mut inner = self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            for decision in report.decisions {
+                inner.decisions.push_front(Decision { dataplane_id: report.dataplane_id.clone(), decision });
+            }
+            inner.decisions.truncate(TAIL);
+            inner.dropped += report.dropped;
+            inner.ejections.insert(report.dataplane_id, (report.ejected_nodes, now));
+        }
+        self.changed.send_modify(|n| *n += 1);
+    }
+
+    pub fn recent(&self, now: Instant) -> Recent {
+        let inner = self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut ejected: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+        for (dataplane, (nodes, at)) in &inner.ejections {
+            if now.saturating_duration_since(*at) < STALE_AFTER {
+                for node in nodes {
+                    ejected.entry(node.clone()).or_default().insert(dataplane.clone());
+                }
+            }
+        }
+        Recent { decisions: inner.decisions.iter().cloned().collect(), ejected, dropped: inner.dropped }
+    }
+
+    /// Ticks on every report.
+    pub fn subscribe(&self) -> watch::Receiver<u64> {
+        self.changed.subscribe()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn report(dataplane: &str, requests: &[&str], ejected: &[&str]) -> DataPlaneReport {
+        DataPlaneReport {
+            dataplane_id: dataplane.into(),
+            decisions: requests
+                .iter()
+                .map(|id| RoutingDecision { request_id: (*id).into(), ..Default::default() })
+                .collect(),
+            ejected_nodes: ejected.iter().map(|s| (*s).into()).collect(),
+            dropped: 0,
+        }
+    }
+
+    #[test]
+    fn the_tail_is_newest_first_and_bounded() {
+        let activity = Activity::default();
+        let now = Instant::now();
+        let ids: Vec<String> = (0..TAIL + 10).map(|i| format!("r{i}")).collect();
+        let refs: Vec<&str> = ids.iter().map(String::as_str).collect();
+        activity.record(report("dp-1", &refs, &[]), now);
+        let recent = activity.recent(now);
+        assert_eq!(recent.decisions.len(), TAIL);
+        assert_eq!(recent.decisions[0].decision.request_id, format!("r{}", TAIL + 9));
+        assert_eq!(recent.decisions[TAIL - 1].decision.request_id, "r10");
+    }
+
+    #[test]
+    fn ejections_are_the_latest_word_of_each_data_plane_until_it_goes_silent() {
+        let activity = Activity::default();
+        let start = Instant::now();
+        activity.record(report("dp-1", &[], &["n1", "n2"]), start);
+        activity.record(report("dp-2", &[], &["n1"]), start);
+        let recent = activity.recent(start);
+        assert_eq!(recent.ejected["n1"], BTreeSet::from(["dp-1".to_string(), "dp-2".to_string()]));
+        activity.record(report("dp-1", &[], &[]), start + Duration::from_secs(1));
+        let recent = activity.recent(start + Duration::from_secs(1));
+        assert_eq!(recent.ejected.keys().collect::<Vec<_>>(), ["n1"]);
+        // dp-2 went silent: what it said no longer counts.
+        assert!(activity.recent(start + STALE_AFTER + Duration::from_secs(1)).ejected.is_empty());
+    }
+
+    #[test]
+    fn every_report_wakes_subscribers() {
+        let activity = Activity::default();
+        let mut rx = activity.subscribe();
+        rx.mark_unchanged();
+        activity.record(report("dp-1", &["r"], &[]), Instant::now());
+        assert!(rx.has_changed().unwrap());
+    }
+}

@@ -1,0 +1,99 @@
+//! The live fleet dashboard on the controller's HTTP port: one static page
+//! (no build step), the fleet as JSON, and a server-sent event stream that
+//! pushes the same JSON whenever the snapshot or the data planes' activity
+//! changes.
+
+pub mod view;
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::header;
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{Html, IntoResponse, Response};
+use axum::routing::get;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::CancellationToken;
+
+use crate::activity::Activity;
+use crate::reconcile::SnapshotRx;
+
+const PAGE: &str = include_str!("index.html");
+/// At most this many pushes per second per viewer: a busy fleet changes
+/// every few milliseconds, eyes do not.
+const PUSH_EVERY: Duration = Duration::from_millis(500);
+
+#[derive(Clone)]
+pub struct Dashboard {
+    pub controller_id: String,
+    pub snapshots: SnapshotRx,
+    pub activity: Arc<Activity>,
+    /// Event streams end with it, so a graceful shutdown is not held up.
+    pub shutdown: CancellationToken,
+}
+
+pub fn router(dashboard: Dashboard) -> Router {
+    Router::new()
+        .route("/", get(|| async { Html(PAGE) }))
+        .route("/api/v1/fleet", get(fleet))
+        .route("/api/v1/events", get(events))
+        .with_state(dashboard)
+}
+
+impl Dashboard {
+    fn view(&self) -> Option<serde_json::Value> {
+        let snapshot = self.snapshots.borrow().clone()?;
+        let recent = self.activity.recent(tokio::time::Instant::now());
+        Some(view::build(&self.controller_id, &snapshot, &recent, inferyes_proto::unix_ms()))
+    }
+}
+
+async fn fleet(State(dashboard): State<Dashboard>) -> Response {
+    match dashboard.view() {
+        Some(view) => axum::Json(view).into_response(),
+        None => (
+            axum::http::StatusCode::SERVICE_UNAVAILABLE,
+            [(header::RETRY_AFTER, "1")],
+            axum::Json(serde_json::json!({ "error": "fleet not loaded from etcd yet" })),
+        )
+            .into_response(),
+    }
+}
+
+/// One `fleet` event at once, then one per change, at most every
+/// [`PUSH_EVERY`]. The browser's `EventSource` reconnects by itself.
+async fn events(State(dashboard): State<Dashboard>) -> impl IntoResponse {
+    let (tx, rx) = mpsc::channel(2);
+    tokio::spawn(push(dashboard, tx));
+    Sse::new(ReceiverStream::new(rx)).keep_alive(KeepAlive::default())
+}
+
+async fn push(dashboard: Dashboard, tx: mpsc::Sender<Result<Event, Infallible>>) {
+    let mut snapshots = dashboard.snapshots.clone();
+    let mut activity = dashboard.activity.subscribe();
+    loop {
+        snapshots.mark_unchanged();
+        activity.mark_unchanged();
+        if let Some(view) = dashboard.view() {
+            let event = Event::default().event("fleet").data(view.to_string());
+            if tx.send(Ok(event)).await.is_err() {
+                return;
+            }
+        }
+        tokio::select! {
+            () = dashboard.shutdown.cancelled() => return,
+            () = tx.closed() => return,
+            changed = snapshots.changed() => if changed.is_err() { return },
+            changed = activity.changed() => if changed.is_err() { return },
+        }
+        tokio::select! {
+            () = dashboard.shutdown.cancelled() => return,
+            () = tx.closed() => return,
+            () = tokio::time::sleep(PUSH_EVERY) => {}
+        }
+    }
+}

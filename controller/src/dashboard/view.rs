@@ -1,0 +1,228 @@
+//! The dashboard's picture of the fleet: one JSON document built from a
+//! routing snapshot and the recent activity of data planes. Pure: the page
+//! renders exactly this, and tests read exactly this.
+
+use inferyes_proto::v1::{GpuSource, Health, ModelState, SnapshotNode};
+use serde_json::{Value, json};
+
+use crate::activity::Recent;
+use crate::snapshot::Snapshot;
+
+/// Sessions listed, most recently active first; the total is always given.
+pub const SESSIONS_SHOWN: usize = 50;
+/// Session keys are cut to this many characters on the page.
+const KEY_SHOWN: usize = 24;
+
+const DEFAULT_ADMISSION: f64 = 0.92;
+const DEFAULT_HARD_LIMIT: f64 = 0.98;
+
+pub fn build(controller_id: &str, snapshot: &Snapshot, recent: &Recent, now_ms: u64) -> Value {
+    let policy = snapshot.policy();
+    let fleet_admission = or(policy.admission_threshold, DEFAULT_ADMISSION);
+    let fleet_hard = or(policy.hard_limit, DEFAULT_HARD_LIMIT);
+
+    let mut gpus: Vec<Value> = Vec::new();
+    for node in snapshot.nodes() {
+        let Some(status) = node.status.as_ref() else { continue };
+        let admission = node.policy.as_ref().map_or(fleet_admission, |p| or(p.admission_threshold, fleet_admission));
+        let hard = node.policy.as_ref().map_or(fleet_hard, |p| or(p.hard_limit, fleet_hard));
+        let backends = &status.backends;
+        let slots_total: u32 = backends.iter().map(|b| b.slots_total).sum();
+        let slots_busy: u32 = backends.iter().map(|b| b.slots_busy).sum();
+        let deferred: u32 = backends.iter().map(|b| b.requests_deferred).sum();
+        let in_flight: u32 = backends.iter().map(|b| b.in_flight).sum();
+        let tokens_per_second: f64 = backends.iter().map(|b| b.tokens_per_second).sum();
+        let models: Vec<Value> = backends
+            .iter()
+            .flat_map(|b| b.models.iter().map(move |m| (b, m)))
+            .map(|(backend, model)| json!({ "id": model.id, "backend": backend.id, "state": model_state(model.state()) }))
+            .collect();
+        let mut badges: Vec<String> = Vec::new();
+        if node.draining {
+            badges.push("draining".into());
+        }
+        if let Some(by) = recent.ejected.get(&status.node_id) {
+            badges.push(format!("ejected by {}", by.iter().cloned().collect::<Vec<_>>().join(", ")));
+        }
+        for backend in backends {
+            match backend.health() {
+                Health::Down => badges.push(format!("{} down", backend.id)),
+                Health::Loading => badges.push(format!("{} loading", backend.id)),
+                Health::Unknown => badges.push(format!("{} unknown", backend.id)),
+                Health::Ready => {}
+            }
+        }
+        if slots_total > 0 && slots_busy >= slots_total && deferred > 0 {
+            badges.push("queueing".into());
+        }
+        let sessions = status.sessions.len();
+        let node_fields = |gpu: Value| {
+            let fraction = gpu["fraction"].as_f64().unwrap_or(0.0);
+            let mut badges = badges.clone();
+            if fraction >= hard {
+                badges.push("over hard limit".into());
+            } else if fraction >= admission {
+                badges.push("no new sessions".into());
+            }
+            json!({
+                "node": status.node_id,
+                "host": status.hostname,
+                "gpu": gpu,
+                "pressure": pressure(fraction, admission, hard),
+                "admission": admission,
+                "hard_limit": hard,
+                "slots_busy": slots_busy,
+                "slots_total": slots_total,
+                "deferred": deferred,
+                "in_flight": in_flight,
+                "tokens_per_second": tokens_per_second,
+                "sessions": sessions,
+                "models": models,
+                "badges": badges,
+            })
+        };
+        if status.gpus.is_empty() {
+            gpus.push(node_fields(json!({ "index": null, "name": "no GPU reported", "fraction": 0.0 })));
+        }
+        for gpu in &status.gpus {
+            let fraction = if gpu.memory_total_bytes == 0 {
+                0.0
+            } else {
+                gpu.memory_used_bytes as f64 / gpu.memory_total_bytes as f64
+            };
+            gpus.push(node_fields(json!({
+                "index": gpu.index,
+                "name": gpu.name,
+                "used_bytes": gpu.memory_used_bytes,
+                "total_bytes": gpu.memory_total_bytes,
+                "fraction": fraction,
+                "utilization_percent": gpu.utilization_percent,
+                "source": gpu_source(gpu.source()),
+            })));
+        }
+    }
+    // Pressure first: the cards an operator must look at lead.
+    gpus.sort_by(|a, b| {
+        let f = |v: &Value| v["gpu"]["fraction"].as_f64().unwrap_or(0.0);
+        f(b).total_cmp(&f(a)).then_with(|| a["node"].as_str().cmp(&b["node"].as_str()))
+    });
+
+    json!({
+        "controller": controller_id,
+        "version": snapshot.version(),
+        "now_ms": now_ms,
+        "policy": { "admission": fleet_admission, "hard_limit": fleet_hard },
+        "gpus": gpus,
+        "sessions": sessions(snapshot.nodes(), now_ms),
+        "models": models(snapshot),
+        "decisions": decisions(recent),
+        "dropped_decisions": recent.dropped,
+    })
+}
+
+fn sessions<'a>(nodes: impl Iterator<Item = &'a SnapshotNode>, now_ms: u64) -> Value {
+    let mut all: Vec<(&str, &inferyes_proto::v1::ResidentSession)> = nodes
+        .filter_map(|n| n.status.as_ref())
+        .flat_map(|s| s.sessions.iter().map(move |session| (s.node_id.as_str(), session)))
+        .collect();
+    let total = all.len();
+    all.sort_by(|a, b| b.1.last_seen_unix_ms.cmp(&a.1.last_seen_unix_ms).then_with(|| a.1.key.cmp(&b.1.key)));
+    let shown: Vec<Value> = all
+        .iter()
+        .take(SESSIONS_SHOWN)
+        .map(|(node, s)| {
+            json!({
+                "tag": inferyes_proto::session_tag(&s.key),
+                "key": s.key.chars().take(KEY_SHOWN).collect::<String>(),
+                "node": node,
+                "backend": s.backend_id,
+                "model": s.model,
+                "age_ms": now_ms.saturating_sub(s.first_seen_unix_ms),
+                "idle_ms": now_ms.saturating_sub(s.last_seen_unix_ms),
+                "turns": s.requests,
+                "tokens": s.tokens,
+                "cache_hits": s.cache_hits,
+                "cache_misses": s.cache_misses,
+            })
+        })
+        .collect();
+    json!({ "total": total, "shown": shown })
+}
+
+fn models(snapshot: &Snapshot) -> Vec<Value> {
+    let critical = &snapshot.policy().latency_critical_models;
+    crate::snapshot::model_summaries(snapshot)
+        .into_iter()
+        .map(|m| {
+            let is_critical = critical.contains(&m.id);
+            let warning = (is_critical && m.loaded_on.len() < 2)
+                .then(|| format!("latency-critical but warm on {} node(s): no failover", m.loaded_on.len()));
+            json!({
+                "id": m.id,
+                "warm_on": m.loaded_on,
+                "available_on": m.available_on,
+                "context_window": m.context_window,
+                "latency_critical": is_critical,
+                "warning": warning,
+            })
+        })
+        .collect()
+}
+
+fn decisions(recent: &Recent) -> Vec<Value> {
+    recent
+        .decisions
+        .iter()
+        .map(|d| {
+            let r = &d.decision;
+            json!({
+                "at_ms": r.unix_ms,
+                "dataplane": d.dataplane_id,
+                "request_id": r.request_id,
+                "model": r.model,
+                "node": r.node_id,
+                "route": r.route,
+                "status": r.status,
+                "error": r.error_code,
+                "latency_ms": r.latency_ms,
+                "stream": r.stream,
+                "session": r.session_tag,
+            })
+        })
+        .collect()
+}
+
+fn or(value: f64, default: f64) -> f64 {
+    if value > 0.0 { value } else { default }
+}
+
+fn pressure(fraction: f64, admission: f64, hard: f64) -> &'static str {
+    if fraction >= hard {
+        "critical"
+    } else if fraction >= admission {
+        "full"
+    } else if fraction >= admission - 0.10 {
+        "high"
+    } else {
+        "ok"
+    }
+}
+
+fn model_state(state: ModelState) -> &'static str {
+    match state {
+        ModelState::Loaded => "warm",
+        ModelState::Unloaded => "cold",
+        ModelState::Loading => "loading",
+        ModelState::Unknown => "unknown",
+    }
+}
+
+fn gpu_source(source: GpuSource) -> &'static str {
+    match source {
+        GpuSource::Nvml => "nvml",
+        GpuSource::NvidiaSmi => "nvidia-smi",
+        GpuSource::Declared => "declared",
+        GpuSource::Simulated => "simulated",
+        GpuSource::Unspecified => "unknown",
+    }
+}

@@ -1,0 +1,125 @@
+//! Tells a controller what this data plane did lately: its routing
+//! decisions and the nodes it holds ejected, for the fleet dashboard.
+//!
+//! Best effort by design. The request path only offers a decision to a
+//! bounded queue (never waits, never allocates a connection); a full queue
+//! or an unreachable controller loses lines of a tail, and the next report
+//! says how many.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use inferyes_proto::v1::routing_service_client::RoutingServiceClient;
+use inferyes_proto::v1::{DataPlaneReport, RoutingDecision};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+use tonic::transport::{Channel, Endpoint};
+
+use crate::SnapshotStore;
+
+/// How often decisions go out.
+const REPORT_EVERY: Duration = Duration::from_secs(1);
+/// With nothing new, a report still goes out this often, so the controller
+/// knows the ejections it shows are current.
+const KEEPALIVE_EVERY: Duration = Duration::from_secs(10);
+/// Decisions waiting for the next report; more are dropped and counted.
+const QUEUE: usize = 4096;
+/// Decisions in one report: the dashboard shows a tail, not a ledger.
+const MAX_PER_REPORT: usize = 512;
+const SEND_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// The request path's end of the queue.
+pub struct DecisionLog {
+    tx: mpsc::Sender<RoutingDecision>,
+    dropped: AtomicU64,
+}
+
+impl DecisionLog {
+    pub fn new() -> (Arc<DecisionLog>, mpsc::Receiver<RoutingDecision>) {
+        let (tx, rx) = mpsc::channel(QUEUE);
+        (Arc::new(DecisionLog { tx, dropped: AtomicU64::new(0) }), rx)
+    }
+
+    pub fn record(&self, decision: RoutingDecision) {
+        if self.tx.try_send(decision).is_err() {
+            self.dropped.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+pub async fn run(
+    log: Arc<DecisionLog>,
+    mut rx: mpsc::Receiver<RoutingDecision>,
+    store: Arc<SnapshotStore>,
+    controllers: Vec<String>,
+    dataplane_id: String,
+    shutdown: CancellationToken,
+) {
+    let clients: Vec<RoutingServiceClient<Channel>> = controllers
+        .iter()
+        .filter_map(|address| match Endpoint::from_shared(address.clone()) {
+            Ok(endpoint) => {
+                Some(RoutingServiceClient::new(endpoint.connect_timeout(SEND_TIMEOUT).tcp_nodelay(true).connect_lazy()))
+            }
+            Err(error) => {
+                tracing::warn!(controller = %address, %error, "not a controller address; not reporting to it");
+                None
+            }
+        })
+        .collect();
+    if clients.is_empty() {
+        return;
+    }
+    let mut next = 0usize;
+    let mut last_ejected: Vec<String> = Vec::new();
+    let mut last_sent = tokio::time::Instant::now();
+    let mut ticker = tokio::time::interval(REPORT_EVERY);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            () = shutdown.cancelled() => return,
+            _ = ticker.tick() => {}
+        }
+        let mut decisions = Vec::new();
+        while decisions.len() < MAX_PER_REPORT {
+            match rx.try_recv() {
+                Ok(decision) => decisions.push(decision),
+                Err(_) => break,
+            }
+        }
+        let ejected = ejected_nodes(&store);
+        let dropped = log.dropped.swap(0, Ordering::Relaxed);
+        let quiet = decisions.is_empty() && dropped == 0 && ejected == last_ejected;
+        if quiet && last_sent.elapsed() < KEEPALIVE_EVERY {
+            continue;
+        }
+        let report =
+            DataPlaneReport { dataplane_id: dataplane_id.clone(), decisions, ejected_nodes: ejected.clone(), dropped };
+        let mut client = clients[next % clients.len()].clone();
+        match tokio::time::timeout(SEND_TIMEOUT, client.report(report)).await {
+            Ok(Ok(_)) => {
+                last_ejected = ejected;
+                last_sent = tokio::time::Instant::now();
+            }
+            Ok(Err(status)) => {
+                tracing::debug!(code = ?status.code(), "report refused; trying the next controller next time");
+                next += 1;
+            }
+            Err(_) => {
+                tracing::debug!("report timed out; trying the next controller next time");
+                next += 1;
+            }
+        }
+    }
+}
+
+fn ejected_nodes(store: &SnapshotStore) -> Vec<String> {
+    let now = inferyes_proto::unix_ms();
+    store
+        .current()
+        .map(|snapshot| {
+            snapshot.nodes().iter().filter(|node| node.local.ejected(now)).map(|node| node.id.to_string()).collect()
+        })
+        .unwrap_or_default()
+}

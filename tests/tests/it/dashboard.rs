@@ -1,0 +1,191 @@
+//! The controller's live dashboard: its JSON and event stream, and the page
+//! itself in a real headless Chromium against a running fleet.
+
+use std::time::Duration;
+
+use http::StatusCode;
+use inferyes_proto::v1::GetPolicyRequest;
+use inferyes_tests::{Browser, eventually};
+use serde_json::{Value, json};
+
+use crate::support::{Fleet, chat_body, chat_sim};
+
+fn dashboard_url(fleet: &Fleet, path: &str) -> String {
+    format!("http://{}{path}", fleet.controller().http_addr)
+}
+
+async fn fleet_view(fleet: &Fleet) -> Value {
+    let response = fleet.http.get(&dashboard_url(fleet, "/api/v1/fleet")).await;
+    assert_eq!(response.status, StatusCode::OK);
+    response.json()
+}
+
+async fn chat_in_session(fleet: &Fleet, session: &str, text: &str) {
+    let body = chat_body("chat", text).to_string();
+    let response = fleet
+        .http
+        .send(http::Method::POST, &fleet.url("/v1/chat/completions"), body.into(), &[("x-session-id", session)])
+        .await;
+    assert_eq!(response.status, StatusCode::OK);
+}
+
+#[tokio::test]
+async fn the_fleet_view_shows_gpus_sessions_decisions_and_short_models() {
+    let mut fleet = Fleet::start(vec![chat_sim("chat"), chat_sim("chat")]).await;
+    chat_in_session(&fleet, "conversation-1", "hello").await;
+    let missing = fleet.http.post_json(&fleet.url("/v1/chat/completions"), &chat_body("no-such-model", "x")).await;
+    assert_eq!(missing.status, StatusCode::NOT_FOUND);
+    let tag = inferyes_proto::session_tag("conversation-1");
+
+    // The session reaches the controller through its agent's residency
+    // report, the decisions through the data plane's activity report.
+    eventually("the session and both decisions are on the dashboard", Duration::from_secs(10), || async {
+        let view = fleet_view(&fleet).await;
+        let session = view["sessions"]["shown"].as_array().unwrap().iter().any(|s| s["tag"] == tag.as_str());
+        let decisions = view["decisions"].as_array().unwrap();
+        session && decisions.len() >= 2
+    })
+    .await;
+    let view = fleet_view(&fleet).await;
+    assert_eq!(view["controller"], "controller-1");
+    let gpus = view["gpus"].as_array().unwrap();
+    assert_eq!(gpus.len(), 2, "{view}");
+    for card in gpus {
+        assert!(card["gpu"]["total_bytes"].as_u64().unwrap() > 0, "{card}");
+        assert_eq!(card["admission"], 0.92);
+        assert!(card["slots_total"].as_u64().unwrap() > 0, "{card}");
+        assert_eq!(card["models"][0]["state"], "warm", "{card}");
+        assert_eq!(card["pressure"], "ok", "{card}");
+    }
+    let session = view["sessions"]["shown"].as_array().unwrap().iter().find(|s| s["tag"] == tag.as_str()).unwrap();
+    let decisions = view["decisions"].as_array().unwrap();
+    let routed = decisions.iter().find(|d| d["status"] == 200).expect("the chat's decision");
+    assert_eq!(routed["session"], tag.as_str());
+    assert_eq!(routed["node"], session["node"], "the decision names the node the session lives on");
+    assert_eq!(routed["dataplane"], "test-dataplane");
+    let failed = decisions.iter().find(|d| d["status"] == 404).expect("the failure's decision");
+    assert_eq!(failed["error"], "model_not_found");
+    assert_eq!(view["models"][0]["warning"], Value::Null);
+
+    // A latency-critical model on fewer than two warm nodes is flagged.
+    let mut admin = fleet.controller().fleet().await;
+    let mut policy = admin.get_policy(GetPolicyRequest {}).await.unwrap().into_inner();
+    policy.latency_critical_models = vec!["chat".into()];
+    admin.set_policy(policy).await.unwrap();
+    fleet.agents.pop().expect("two agents").stop().await;
+    eventually("the short model is flagged", Duration::from_secs(10), || async {
+        let view = fleet_view(&fleet).await;
+        view["gpus"].as_array().unwrap().len() == 1
+            && view["models"][0]["warning"].as_str().is_some_and(|w| w.contains("warm on 1 node"))
+    })
+    .await;
+    let metrics = fleet.http.get(&dashboard_url(&fleet, "/metrics")).await;
+    let text = String::from_utf8_lossy(&metrics.body);
+    assert!(text.contains("inferyes_controller_critical_models_short 1"), "{text}");
+    assert!(text.contains("inferyes_controller_model_warm_nodes{model=\"chat\"} 1"), "{text}");
+}
+
+#[tokio::test]
+async fn the_event_stream_pushes_the_fleet_when_it_changes() {
+    let fleet = Fleet::start(vec![chat_sim("chat")]).await;
+    let mut response =
+        fleet.http.start(http::Method::GET, &dashboard_url(&fleet, "/api/v1/events"), bytes::Bytes::new(), &[]).await;
+    assert_eq!(response.status(), StatusCode::OK);
+    assert_eq!(response.headers()["content-type"], "text/event-stream");
+    let body = response.body_mut();
+    let mut buffer = String::new();
+    let mut next_event = async || -> Value {
+        loop {
+            if let Some(end) = buffer.find("\n\n") {
+                let event: String = buffer.drain(..end + 2).collect();
+                if let Some(data) = event.lines().find_map(|l| l.strip_prefix("data: ")) {
+                    assert!(event.starts_with("event: fleet\n"), "{event}");
+                    return serde_json::from_str(data).unwrap();
+                }
+                continue;
+            }
+            let chunk = inferyes_tests::client::next_chunk(body).await.expect("the stream stays open");
+            buffer.push_str(std::str::from_utf8(&chunk).unwrap());
+        }
+    };
+    let first = next_event().await;
+    assert_eq!(first["gpus"].as_array().unwrap().len(), 1);
+    assert_eq!(first["sessions"]["total"], 0);
+    chat_in_session(&fleet, "pushed", "hi").await;
+    // Pushed, not polled: each event is a change.
+    let tag = inferyes_proto::session_tag("pushed");
+    loop {
+        let event = next_event().await;
+        if event["sessions"]["shown"].as_array().unwrap().iter().any(|s| s["tag"] == tag.as_str()) {
+            break;
+        }
+    }
+}
+
+#[tokio::test]
+async fn the_dashboard_page_updates_live_in_a_real_browser() {
+    let fleet = Fleet::start(vec![chat_sim("chat"), chat_sim("chat")]).await;
+    let browser = Browser::start().await;
+    browser.goto(&dashboard_url(&fleet, "/")).await;
+    browser
+        .wait_for(
+            "two GPU cards",
+            Duration::from_secs(15),
+            "return document.querySelectorAll('.gpu-card').length === 2",
+        )
+        .await;
+    assert_eq!(browser.eval("return document.getElementById('live').textContent").await, "live");
+    // Whatever happens next must arrive without a reload: this survives
+    // only while the page stays the same document.
+    browser.eval("window.loadedOnce = 'still here'; return true").await;
+
+    chat_in_session(&fleet, "browser-session", "hello from the dashboard test").await;
+    let tag = inferyes_proto::session_tag("browser-session");
+    browser
+        .wait_for(
+            "the session row",
+            Duration::from_secs(15),
+            &format!("return document.querySelector('#sessions tr[data-tag=\"{tag}\"]') !== null"),
+        )
+        .await;
+    browser
+        .wait_for(
+            "the routing decision",
+            Duration::from_secs(15),
+            "return [...document.querySelectorAll('#decisions tr')].some(r => r.textContent.includes('chat'))",
+        )
+        .await;
+    let node: String = browser
+        .eval(&format!("return document.querySelector('#sessions tr[data-tag=\"{tag}\"]').dataset.node"))
+        .await
+        .as_str()
+        .unwrap()
+        .to_string();
+    let index = node.strip_prefix("node-").map(|c| usize::from(c.as_bytes()[0] - b'a')).unwrap();
+
+    // Fill that node's GPU past the admission line: its card turns.
+    let sim_gpu = format!("{}/sim/gpu", fleet.sims[index].url);
+    let gpu = fleet.http.get(&sim_gpu).await.json();
+    let (total, used) = (gpu["memory_total_bytes"].as_u64().unwrap(), gpu["memory_used_bytes"].as_u64().unwrap());
+    let filled = fleet.http.post_json(&sim_gpu, &json!({ "extra_used_bytes": total / 100 * 95 - used })).await;
+    assert_eq!(filled.status, StatusCode::OK);
+    browser
+        .wait_for(
+            "the filled GPU's card to show pressure",
+            Duration::from_secs(15),
+            &format!(
+                "const c = document.querySelector('.gpu-card[data-node=\"{node}\"]'); \
+                 return c !== null && c.dataset.pressure === 'full' && c.textContent.includes('no new sessions')"
+            ),
+        )
+        .await;
+    // Most pressure first.
+    let first = browser.eval("return document.querySelector('.gpu-card').dataset.node").await;
+    assert_eq!(first, node.as_str());
+    assert_eq!(browser.eval("return window.loadedOnce").await, "still here");
+    assert!(browser.eval("return window.inferyesUpdates").await.as_u64().unwrap() >= 3);
+
+    let shot = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("dashboard.png");
+    browser.screenshot(&shot).await;
+    eprintln!("dashboard screenshot: {}", shot.display());
+}
