@@ -6,18 +6,22 @@ use inferyes_agent::config::{Args, Command, Config, LogFormat};
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     if let Some(Command::Simulate { listen, sim_config, model }) = &args.command {
-        inferyes_proto::process::init_tracing(LogFormat::Text);
-        return simulate(*listen, sim_config.as_deref(), model).await;
+        let telemetry = inferyes_proto::telemetry::init(LogFormat::Text, "inferyes-simulator")?;
+        let result = simulate(*listen, sim_config.as_deref(), model).await;
+        telemetry.shutdown().await;
+        return result;
     }
     let config = Config::load(&args)?;
     if args.print_config {
         print!("{}", toml::to_string(&config)?);
         return Ok(());
     }
-    inferyes_proto::process::init_tracing(config.log_format);
+    let telemetry = inferyes_proto::telemetry::init(config.log_format, "inferyes-agent")?;
     let listeners = inferyes_agent::Listeners::bind(&config).await?;
     let shutdown = inferyes_proto::process::shutdown_on_signal();
-    inferyes_agent::run(config, listeners, shutdown).await
+    let result = inferyes_agent::run(config, listeners, shutdown).await;
+    telemetry.shutdown().await;
+    result
 }
 
 async fn simulate(listen: std::net::SocketAddr, file: Option<&std::path::Path>, model: &str) -> anyhow::Result<()> {

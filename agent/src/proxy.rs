@@ -74,6 +74,20 @@ fn error(kind: ErrorKind, message: &str, code: &str) -> Response {
 }
 
 async fn forward(State(proxy): State<Proxy>, request: Request<Body>) -> Response {
+    let span = tracing::info_span!(
+        target: inferyes_proto::telemetry::SPAN_TARGET,
+        "proxy",
+        otel.name = request.uri().path(),
+        otel.kind = "server",
+        backend = tracing::field::Empty,
+        http.response.status_code = tracing::field::Empty,
+    );
+    inferyes_proto::telemetry::continue_trace(&span, request.headers());
+    tracing::Instrument::instrument(forward_in_span(proxy, request), span).await
+}
+
+async fn forward_in_span(proxy: Proxy, request: Request<Body>) -> Response {
+    let span = tracing::Span::current();
     let (mut parts, body) = request.into_parts();
     let text = |name: &str| parts.headers.get(name).and_then(|v| v.to_str().ok()).map(str::to_string);
     let model = text(MODEL_HEADER);
@@ -95,6 +109,8 @@ async fn forward(State(proxy): State<Proxy>, request: Request<Body>) -> Response
     };
     parts.uri = uri;
     strip_headers(&mut parts.headers);
+    span.record("backend", backend_id.as_str());
+    inferyes_proto::telemetry::inject(&span, &mut parts.headers);
     if !handle.probe.api_key.is_empty()
         && let Ok(value) = HeaderValue::from_str(&format!("Bearer {}", handle.probe.api_key))
     {
@@ -114,7 +130,9 @@ async fn forward(State(proxy): State<Proxy>, request: Request<Body>) -> Response
     match proxy.client.request(Request::from_parts(parts, body)).await {
         Ok(response) => {
             let (parts, body) = response.into_parts();
+            span.record("http.response.status_code", parts.status.as_u16());
             let tracked = Tracked {
+                _span: span.clone(),
                 inner: body,
                 _guard: guard,
                 started,
@@ -194,6 +212,8 @@ struct Tracked {
     tail: Vec<u8>,
     state: Arc<AgentState>,
     scrape: Arc<Scrape>,
+    /// The hop's span ends with the body, not with its headers.
+    _span: tracing::Span,
 }
 
 impl Tracked {

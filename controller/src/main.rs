@@ -9,8 +9,10 @@ async fn main() -> anyhow::Result<()> {
         print!("{}", toml::to_string(&config)?);
         return Ok(());
     }
-    inferyes_proto::process::init_tracing(config.log_format);
+    let telemetry = inferyes_proto::telemetry::init(config.log_format, "inferyes-controller")?;
     let listeners = inferyes_controller::Listeners::bind(&config).await?;
     let shutdown = inferyes_proto::process::shutdown_on_signal();
-    inferyes_controller::run(config, listeners, shutdown).await
+    let result = inferyes_controller::run(config, listeners, shutdown).await;
+    telemetry.shutdown().await;
+    result
 }

@@ -12,10 +12,12 @@ async fn main() -> anyhow::Result<()> {
         print!("{}", toml::to_string(&config)?);
         return Ok(());
     }
-    inferyes_proto::process::init_tracing(config.log_format);
+    let telemetry = inferyes_proto::telemetry::init(config.log_format, "inferyes-dataplane")?;
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("cannot listen on {}", config.listen))?;
     let shutdown = inferyes_proto::process::shutdown_on_signal();
-    inferyes_dataplane::run(config, listener, Arc::default(), shutdown).await
+    let result = inferyes_dataplane::run(config, listener, Arc::default(), shutdown).await;
+    telemetry.shutdown().await;
+    result
 }

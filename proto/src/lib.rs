@@ -8,6 +8,7 @@ pub mod v1 {
 
 mod error;
 pub mod process;
+pub mod telemetry;
 
 pub use error::{ErrorKind, openai_error_body};
 

@@ -1,5 +1,6 @@
 //! What every Inferyes binary does the same way around its `run`: read its
-//! TOML file, set up logging, and turn SIGINT/SIGTERM into a shutdown.
+//! TOML file and turn SIGINT/SIGTERM into a shutdown (logs and traces:
+//! [`crate::telemetry`]).
 
 use std::path::Path;
 
@@ -22,17 +23,6 @@ pub fn load_toml<T: DeserializeOwned + Default>(path: Option<&Path>) -> anyhow::
     let Some(path) = path else { return Ok(T::default()) };
     let text = std::fs::read_to_string(path).with_context(|| format!("cannot read config file {}", path.display()))?;
     toml::from_str(&text).with_context(|| format!("invalid config file {}", path.display()))
-}
-
-/// Logging to stderr; `RUST_LOG` filters (default `info`).
-pub fn init_tracing(format: LogFormat) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
-    match format {
-        LogFormat::Text => builder.init(),
-        LogFormat::Json => builder.json().init(),
-    }
 }
 
 /// A token cancelled on the first SIGINT or SIGTERM.

@@ -120,7 +120,8 @@ fn read(event: &[u8]) -> Event {
 /// The first node's stream, continued on `resume.hops` if it breaks.
 pub fn spawn(first: Incoming, guard: InFlight, node: Arc<str>, resume: Resume) -> Body {
     let (tx, rx) = mpsc::channel::<Result<Bytes, std::io::Error>>(16);
-    tokio::spawn(pipe(first, guard, node, resume, tx));
+    // The request's span lives as long as the stream, resumed hops included.
+    tokio::spawn(tracing::Instrument::in_current_span(pipe(first, guard, node, resume, tx)));
     Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx))
 }
 

@@ -217,6 +217,7 @@ impl Forwarder {
                 version: snapshot.version(),
                 expects_done: out.expects_done,
                 tail: Vec::new(),
+                _span: tracing::Span::current(),
             };
             return Ok(Response::from_parts(parts, Body::new(body)));
         }
@@ -263,6 +264,7 @@ fn build_request(proxy_url: &str, backend_id: &str, out: &Outbound<'_>) -> Resul
         if let Some(v) = out.session.and_then(|s| HeaderValue::from_str(s).ok()) {
             headers.insert(SESSION_HEADER, v);
         }
+        inferyes_proto::telemetry::inject(&tracing::Span::current(), headers);
     }
     builder
         .body(Full::new(out.body.clone()))
@@ -351,6 +353,8 @@ struct Guarded {
     /// event); the last bytes tell whether this one did.
     expects_done: bool,
     tail: Vec<u8>,
+    /// The request's span ends with the stream, not with its headers.
+    _span: tracing::Span,
 }
 
 /// Enough of a stream's end to see its last event.
@@ -460,72 +464,76 @@ impl Forwarder {
             route.targets.first().and_then(|t| snapshot.node(t.node)).map(|n| n.id.to_string()).unwrap_or_default();
         let forwarder = self.clone();
         let note_node = node_id.clone();
-        tokio::spawn(async move {
-            let outbound = Outbound {
-                path_and_query: &out.path_and_query,
-                headers: &out.headers,
-                body: out.body.clone(),
-                model: &out.model,
-                session: out.session.as_deref(),
-                request_id: &out.request_id,
-                reserve_bytes: out.reserve_bytes,
-                stream: true,
-                expects_done: out.expects_done,
-                continuation: false,
-            };
-            let started = tokio::time::Instant::now();
-            let work = forwarder.forward(&snapshot, &route, outbound);
-            tokio::pin!(work);
-            let mut ticker = tokio::time::interval(LOADING_NOTE_EVERY);
-            let result = loop {
-                tokio::select! {
-                    result = &mut work => break result,
-                    _ = ticker.tick() => {
-                        let note = format!(
-                            ": loading model {} on node {} ({}s)\n\n",
-                            out.model,
-                            note_node,
-                            started.elapsed().as_secs()
-                        );
-                        if tx.send(Ok(Bytes::from(note))).await.is_err() {
-                            return;
-                        }
-                    }
-                }
-            };
-            match result {
-                Ok(response) if response.status().is_success() => {
-                    let mut body = response.into_body();
-                    while let Some(frame) = body.frame().await {
-                        match frame {
-                            Ok(frame) => {
-                                if let Ok(data) = frame.into_data()
-                                    && tx.send(Ok(data)).await.is_err()
-                                {
-                                    return;
-                                }
-                            }
-                            Err(error) => {
-                                let error = ApiError::new(
-                                    ErrorKind::Upstream,
-                                    format!("the stream from node `{note_node}` broke: {error}"),
-                                    "upstream_stream_broken",
-                                );
-                                let _ = tx.send(Ok(error_event(&error))).await;
+        let span = tracing::Span::current();
+        tokio::spawn(tracing::Instrument::instrument(
+            async move {
+                let outbound = Outbound {
+                    path_and_query: &out.path_and_query,
+                    headers: &out.headers,
+                    body: out.body.clone(),
+                    model: &out.model,
+                    session: out.session.as_deref(),
+                    request_id: &out.request_id,
+                    reserve_bytes: out.reserve_bytes,
+                    stream: true,
+                    expects_done: out.expects_done,
+                    continuation: false,
+                };
+                let started = tokio::time::Instant::now();
+                let work = forwarder.forward(&snapshot, &route, outbound);
+                tokio::pin!(work);
+                let mut ticker = tokio::time::interval(LOADING_NOTE_EVERY);
+                let result = loop {
+                    tokio::select! {
+                        result = &mut work => break result,
+                        _ = ticker.tick() => {
+                            let note = format!(
+                                ": loading model {} on node {} ({}s)\n\n",
+                                out.model,
+                                note_node,
+                                started.elapsed().as_secs()
+                            );
+                            if tx.send(Ok(Bytes::from(note))).await.is_err() {
                                 return;
                             }
                         }
                     }
+                };
+                match result {
+                    Ok(response) if response.status().is_success() => {
+                        let mut body = response.into_body();
+                        while let Some(frame) = body.frame().await {
+                            match frame {
+                                Ok(frame) => {
+                                    if let Ok(data) = frame.into_data()
+                                        && tx.send(Ok(data)).await.is_err()
+                                    {
+                                        return;
+                                    }
+                                }
+                                Err(error) => {
+                                    let error = ApiError::new(
+                                        ErrorKind::Upstream,
+                                        format!("the stream from node `{note_node}` broke: {error}"),
+                                        "upstream_stream_broken",
+                                    );
+                                    let _ = tx.send(Ok(error_event(&error))).await;
+                                    return;
+                                }
+                            }
+                        }
+                    }
+                    Ok(response) => {
+                        let error = read_error(response).await;
+                        let _ = tx.send(Ok(error_event(&error))).await;
+                    }
+                    Err(error) => {
+                        let _ = tx.send(Ok(error_event(&error))).await;
+                    }
                 }
-                Ok(response) => {
-                    let error = read_error(response).await;
-                    let _ = tx.send(Ok(error_event(&error))).await;
-                }
-                Err(error) => {
-                    let _ = tx.send(Ok(error_event(&error))).await;
-                }
-            }
-        });
+            },
+            span,
+        ));
         let mut response = Response::new(Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx)));
         let headers = response.headers_mut();
         headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));

@@ -201,7 +201,19 @@ async fn inference(State(state): State<AppState>, kind: EndpointKind, request: R
     let mut facts = RequestFacts::default();
     let request_id =
         request.extensions().get::<RequestId>().and_then(|r| r.0.to_str().ok()).map(str::to_string).unwrap_or_default();
-    let response = match serve(&state, kind, request, &mut facts).await {
+    let span = tracing::info_span!(
+        target: inferyes_proto::telemetry::SPAN_TARGET,
+        "request",
+        otel.name = request.uri().path(),
+        otel.kind = "server",
+        request_id = %request_id,
+        model = tracing::field::Empty,
+        node = tracing::field::Empty,
+        route = tracing::field::Empty,
+        http.response.status_code = tracing::field::Empty,
+    );
+    inferyes_proto::telemetry::continue_trace(&span, request.headers());
+    let response = match tracing::Instrument::instrument(serve(&state, kind, request, &mut facts), span.clone()).await {
         Ok(response) => response,
         Err(error) => {
             facts.error_code = error.code.clone();
@@ -219,6 +231,10 @@ async fn inference(State(state): State<AppState>, kind: EndpointKind, request: R
         route: if route.is_empty() { "none".into() } else { route },
     };
     state.metrics.requests.get_or_create(&labels).inc();
+    span.record("model", facts.model.as_str());
+    span.record("node", labels.node.as_str());
+    span.record("route", labels.route.as_str());
+    span.record("http.response.status_code", response.status().as_u16());
     let elapsed = started.elapsed();
     if response.status().is_success() {
         let histogram = if facts.stream { &state.metrics.first_token_seconds } else { &state.metrics.request_seconds };
