@@ -11,9 +11,12 @@ command -v etcd >/dev/null 2>&1 || need+=(etcd-server)
 command -v protoc >/dev/null 2>&1 || need+=(protobuf-compiler)
 command -v curl >/dev/null 2>&1 || need+=(curl)
 python3 -m venv --help >/dev/null 2>&1 || need+=(python3-venv python3-pip)
-# The dashboard test drives a real headless Chromium over WebDriver.
-command -v chromium >/dev/null 2>&1 || need+=(chromium)
-command -v chromedriver >/dev/null 2>&1 || need+=(chromium-driver)
+# `deps.sh test`: the dashboard test drives a real headless Chromium over
+# WebDriver; the fleet itself does not need it.
+if [ "${1:-}" = test ]; then
+  command -v chromium >/dev/null 2>&1 || need+=(chromium)
+  command -v chromedriver >/dev/null 2>&1 || need+=(chromium-driver)
+fi
 [ ${#need[@]} -eq 0 ] && exit 0
 
 sudo=""

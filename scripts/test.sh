@@ -6,7 +6,7 @@ set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
-"$root/scripts/deps.sh"
+"$root/scripts/deps.sh" test
 
 echo "== cargo fmt" >&2
 cargo fmt --all --check
