@@ -5,20 +5,39 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use inferyes_proto::v1::{
-    Alias, ModelState, ModelSummary, RoutingPolicy, RoutingSnapshot, SnapshotDelta, SnapshotNode,
+    Alias, ModelState, ModelSummary, NodeRecord, RoutingPolicy, RoutingSnapshot, SnapshotDelta, SnapshotNode,
 };
 
 use crate::fleet::FleetState;
 
 /// An immutable routing snapshot. Nodes are shared between consecutive
-/// snapshots when they did not change, so diffing is mostly pointer checks.
-#[derive(Clone, Debug, Default, PartialEq)]
+/// snapshots when they did not change, so building, comparing and diffing
+/// them is mostly pointer checks: with a thousand nodes a change to one
+/// costs one node's copy, not a thousand.
+#[derive(Clone, Debug, Default)]
 pub struct Snapshot {
     version: u64,
     nodes: BTreeMap<String, Arc<SnapshotNode>>,
+    /// The fleet state's record each node was built from: an unchanged
+    /// record (the same `Arc`) means an unchanged node.
+    sources: BTreeMap<String, Arc<NodeRecord>>,
     policy: RoutingPolicy,
     /// Sorted by alias.
     aliases: Vec<Alias>,
+}
+
+impl PartialEq for Snapshot {
+    fn eq(&self, other: &Snapshot) -> bool {
+        self.version == other.version
+            && self.policy == other.policy
+            && self.aliases == other.aliases
+            && self.nodes.len() == other.nodes.len()
+            && self.nodes.iter().zip(&other.nodes).all(|((a_id, a), (b_id, b))| a_id == b_id && same_node(a, b))
+    }
+}
+
+fn same_node(a: &Arc<SnapshotNode>, b: &Arc<SnapshotNode>) -> bool {
+    Arc::ptr_eq(a, b) || a == b
 }
 
 impl Snapshot {
@@ -54,24 +73,37 @@ impl Snapshot {
 
 /// Builds the snapshot for `state`, reusing `previous`'s unchanged nodes.
 pub fn build(state: &FleetState, previous: Option<&Snapshot>) -> Snapshot {
-    let nodes = state
-        .nodes()
-        .filter_map(|(id, record)| {
-            let status = record.status.clone()?;
-            let node = SnapshotNode {
-                status: Some(status),
-                draining: state.drain(id).is_some(),
-                policy: state.node_policy(id).cloned(),
-            };
-            let shared = match previous.and_then(|p| p.nodes.get(id)) {
-                Some(old) if **old == node => Arc::clone(old),
-                _ => Arc::new(node),
-            };
-            Some((id.to_string(), shared))
-        })
-        .collect();
+    let mut nodes = BTreeMap::new();
+    let mut sources = BTreeMap::new();
+    for (id, record) in state.nodes() {
+        if record.status.is_none() {
+            continue;
+        }
+        let draining = state.drain(id).is_some();
+        let policy = state.node_policy(id);
+        let old = previous.and_then(|p| Some((p.nodes.get(id)?, p.sources.get(id)?)));
+        let shared = match old {
+            // The same record, drain and override: the same node.
+            Some((node, source))
+                if Arc::ptr_eq(source, record) && node.draining == draining && node.policy.as_ref() == policy =>
+            {
+                Arc::clone(node)
+            }
+            _ => {
+                let node = SnapshotNode { status: record.status.clone(), draining, policy: policy.cloned() };
+                match old {
+                    // Rewritten but equal (a lease renewal, a controller
+                    // restart): keep the old one, so deltas skip it.
+                    Some((previous, _)) if **previous == node => Arc::clone(previous),
+                    _ => Arc::new(node),
+                }
+            }
+        };
+        nodes.insert(id.to_string(), shared);
+        sources.insert(id.to_string(), Arc::clone(record));
+    }
     let aliases = state.aliases().map(|(alias, model)| Alias { alias: alias.into(), model: model.into() }).collect();
-    Snapshot { version: state.revision(), nodes, policy: state.policy().clone(), aliases }
+    Snapshot { version: state.revision(), nodes, sources, policy: state.policy().clone(), aliases }
 }
 
 /// What a receiver holding `from` needs to arrive at `to`.
@@ -79,10 +111,7 @@ pub fn delta(from: &Snapshot, to: &Snapshot) -> SnapshotDelta {
     let upserted = to
         .nodes
         .iter()
-        .filter(|(id, node)| match from.nodes.get(*id) {
-            Some(old) => !Arc::ptr_eq(old, node) && old != *node,
-            None => true,
-        })
+        .filter(|(id, node)| from.nodes.get(*id).is_none_or(|old| !same_node(old, node)))
         .map(|(_, node)| SnapshotNode::clone(node))
         .collect();
     let removed = from.nodes.keys().filter(|id| !to.nodes.contains_key(*id)).cloned().collect();
@@ -178,6 +207,26 @@ mod tests {
         let ids: Vec<_> = full.nodes.iter().map(node_id).collect();
         assert_eq!(ids, ["a", "b"]);
         assert_eq!(full.nodes.iter().map(|n| n.draining).collect::<Vec<_>>(), [false, true]);
+    }
+
+    #[test]
+    fn a_rebuild_copies_only_the_nodes_whose_records_changed() {
+        let mut fleet = state(3, vec![put("a", "http://a"), put("b", "http://b")]);
+        let first = build(&fleet, None);
+        fleet.apply(WatchBatch { revision: 4, events: vec![put("b", "http://b2")] });
+        let second = build(&fleet, Some(&first));
+        assert!(Arc::ptr_eq(&first.nodes["a"], &second.nodes["a"]));
+        assert!(!Arc::ptr_eq(&first.nodes["b"], &second.nodes["b"]));
+        // A drain changes the node without a new record.
+        fleet.apply(WatchBatch { revision: 5, events: vec![WatchEvent::DrainPut("a".into(), DrainRecord::default())] });
+        let third = build(&fleet, Some(&second));
+        assert!(third.nodes["a"].draining);
+        assert!(Arc::ptr_eq(&second.nodes["b"], &third.nodes["b"]));
+        // A record rewritten with the same content keeps its node: no delta.
+        fleet.apply(WatchBatch { revision: 6, events: vec![put("b", "http://b2")] });
+        let fourth = build(&fleet, Some(&third));
+        assert!(Arc::ptr_eq(&third.nodes["b"], &fourth.nodes["b"]));
+        assert!(delta(&third, &fourth).upserted.is_empty());
     }
 
     #[test]

@@ -80,6 +80,11 @@ impl Etcd {
         false
     }
 
+    /// The etcd process, to read its CPU time.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     pub fn endpoint(&self) -> String {
         self.client_url.clone()
     }

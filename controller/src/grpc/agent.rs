@@ -46,6 +46,9 @@ impl AgentSvc {
 type JoinStream = Pin<Box<dyn Stream<Item = Result<ControllerMessage, Status>> + Send>>;
 
 const REGISTER_TIMEOUT: Duration = Duration::from_secs(10);
+/// A first change waits this long for the rest of its batch before it is
+/// written.
+const COALESCE: Duration = Duration::from_millis(5);
 
 #[tonic::async_trait]
 impl AgentService for AgentSvc {
@@ -164,6 +167,11 @@ impl AgentSvc {
                         };
                         if changed {
                             let desired = table.merged(&reported);
+                            if pending.is_none() {
+                                // An agent's status and its residency delta
+                                // come as a pair: one write for both.
+                                write_at = write_at.max(Instant::now() + COALESCE);
+                            }
                             pending = (written.as_ref() != Some(&desired)).then_some(desired);
                         }
 

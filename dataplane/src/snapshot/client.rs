@@ -67,44 +67,80 @@ async fn follow(store: &SnapshotStore, address: &str, dataplane_id: &str) -> any
         .subscribe(SubscribeRequest { dataplane_id: dataplane_id.to_string() })
         .await?
         .into_inner();
-    // The wire form of this stream's view, to apply deltas to.
-    let mut version = 0u64;
-    let mut nodes: BTreeMap<String, SnapshotNode> = BTreeMap::new();
-    let mut policy: Option<RoutingPolicy>;
-    let mut aliases: Vec<Alias>;
+    let mut view = WireView::default();
     let mut received = false;
-    while let Some(update) = stream.message().await? {
-        match update.update {
-            Some(snapshot_update::Update::Full(full)) => {
-                version = full.version;
-                nodes = full.nodes.into_iter().map(|n| (node_id(&n), n)).collect();
-                policy = full.policy;
-                aliases = full.aliases;
+    let mut ended = false;
+    while !ended {
+        let Some(update) = stream.message().await? else { break };
+        let mut controller = update.controller_id.clone();
+        view.apply(update)?;
+        // Updates that arrived while the last decode ran are folded in
+        // first: a busy data plane decodes the latest state once instead of
+        // falling behind decoding every intermediate one.
+        while let Ok(next) = tokio::time::timeout(Duration::ZERO, stream.message()).await {
+            match next? {
+                Some(update) => {
+                    controller.clone_from(&update.controller_id);
+                    view.apply(update)?;
+                }
+                None => {
+                    ended = true;
+                    break;
+                }
             }
-            Some(snapshot_update::Update::Delta(delta)) => {
-                if delta.base_version != version {
-                    anyhow::bail!("delta for version {} but holding {version}; resubscribing", delta.base_version);
-                }
-                for id in &delta.removed {
-                    nodes.remove(id);
-                }
-                for node in delta.upserted {
-                    nodes.insert(node_id(&node), node);
-                }
-                version = delta.version;
-                policy = delta.policy;
-                aliases = delta.aliases;
-            }
-            None => continue,
         }
         received = true;
-        if store.publish(decode(version, &nodes, policy.as_ref(), &aliases, store.counters())) {
-            tracing::debug!(version, nodes = nodes.len(), controller = %update.controller_id, "snapshot installed");
+        let version = view.version;
+        let snapshot = decode(version, &view.nodes, view.policy.as_ref(), &view.aliases, store.counters());
+        if store.publish(snapshot) {
+            tracing::debug!(version, nodes = view.nodes.len(), %controller, "snapshot installed");
         } else {
             tracing::debug!(version, "snapshot older than the one held; waiting for this controller to catch up");
         }
     }
     Ok(received)
+}
+
+/// The wire form of one stream's view, which deltas apply to.
+#[derive(Default)]
+struct WireView {
+    version: u64,
+    nodes: BTreeMap<String, SnapshotNode>,
+    policy: Option<RoutingPolicy>,
+    aliases: Vec<Alias>,
+}
+
+impl WireView {
+    fn apply(&mut self, update: inferyes_proto::v1::SnapshotUpdate) -> anyhow::Result<()> {
+        match update.update {
+            Some(snapshot_update::Update::Full(full)) => {
+                self.version = full.version;
+                self.nodes = full.nodes.into_iter().map(|n| (node_id(&n), n)).collect();
+                self.policy = full.policy;
+                self.aliases = full.aliases;
+            }
+            Some(snapshot_update::Update::Delta(delta)) => {
+                if delta.base_version != self.version {
+                    anyhow::bail!(
+                        "delta for version {} but holding {}; resubscribing",
+                        delta.base_version,
+                        self.version
+                    );
+                }
+                for id in &delta.removed {
+                    self.nodes.remove(id);
+                }
+                for node in delta.upserted {
+                    self.nodes.insert(node_id(&node), node);
+                }
+                self.version = delta.version;
+                self.policy = delta.policy;
+                self.aliases = delta.aliases;
+            }
+            None => {}
+        }
+        Ok(())
+    }
 }
 
 fn node_id(node: &SnapshotNode) -> String {
