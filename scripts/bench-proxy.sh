@@ -2,7 +2,9 @@
 # Proxy overhead, side by side in one run: wrk against a fast fake backend
 # (nginx serving fixed JSON and a fixed SSE body), directly, through an
 # nginx reverse proxy (upstream keepalive), through an Inferyes agent's
-# proxy, and through a data plane (which goes through the agent too).
+# proxy, through a data plane alone (to a node whose advertised proxy URL is
+# the backend itself), and through a data plane and an agent: the path
+# requests take in a fleet.
 # Reports req/s at 32 connections and latency percentiles at 1 and 32.
 #
 #   ./scripts/bench-proxy.sh            # 5 s per run
@@ -51,6 +53,8 @@ http {
     location = /v1/models { default_type application/json; return 200 '{"object":"list","data":[{"id":"bench"}]}'; }
     location = /v1/chat/completions { default_type application/json; return 200 '$json'; }
     location = /v1/completions { default_type text/event-stream; return 200 '$(printf "$sse")'; }
+    location = /direct/health { default_type application/json; return 200 '{"status":"ok"}'; }
+    location = /direct/v1/models { default_type application/json; return 200 '{"object":"list","data":[{"id":"bench-direct"}]}'; }
     location / { return 404; }
   }
   server {
@@ -82,10 +86,26 @@ url = "http://127.0.0.1:$backend"
 kind = "llama-server"
 CONF
 "$bin/inferyes-agent" --config "$work/agent.toml" >"$work/agent.log" 2>&1 & pids+=($!)
+# A second node whose advertised proxy is the backend itself: requests for
+# its model go from the data plane straight to the backend.
+cat > "$work/direct.toml" <<CONF
+version = 1
+node_id = "bench-direct"
+controllers = ["http://127.0.0.1:$grpc"]
+proxy_listen = "127.0.0.1:$(port)"
+advertise_url = "http://127.0.0.1:$backend"
+[gpu]
+source = "none"
+[[backends]]
+id = "main"
+url = "http://127.0.0.1:$backend/direct"
+kind = "llama-server"
+CONF
+"$bin/inferyes-agent" --config "$work/direct.toml" >"$work/direct.log" 2>&1 & pids+=($!)
 RUST_LOG=warn "$bin/inferyes-dataplane" --listen "127.0.0.1:$dataplane" --controllers "http://127.0.0.1:$grpc" \
   >"$work/dataplane.log" 2>&1 & pids+=($!)
 dp_pid=$!
-until curl -fsS "http://127.0.0.1:$dataplane/v1/models" 2>/dev/null | grep -q bench; do sleep 0.2; done
+until curl -fsS "http://127.0.0.1:$dataplane/v1/models" 2>/dev/null | grep -q bench-direct; do sleep 0.2; done
 
 cat > "$work/chat.lua" <<'LUA'
 wrk.method = "POST"
@@ -94,6 +114,8 @@ wrk.headers["x-inferyes-backend"] = "main"
 wrk.body = '{"model":"bench","messages":[{"role":"user","content":"hello"}],"max_tokens":2}'
 LUA
 sed 's/"messages":\[{"role":"user","content":"hello"}\]/"prompt":"hello","stream":true/' "$work/chat.lua" > "$work/stream.lua"
+sed 's/"model":"bench"/"model":"bench-direct"/' "$work/chat.lua" > "$work/chat-direct.lua"
+sed 's/"model":"bench"/"model":"bench-direct"/' "$work/stream.lua" > "$work/stream-direct.lua"
 
 run() { # name url script connections
   local out
@@ -112,7 +134,8 @@ for kind in json sse; do
     run direct "http://127.0.0.1:$backend$path" "$script" $conns $kind
     run nginx "http://127.0.0.1:$nginx_proxy$path" "$script" $conns $kind
     run agent "http://127.0.0.1:$agent$path" "$script" $conns $kind
-    run dataplane "http://127.0.0.1:$dataplane$path" "$script" $conns $kind
+    run dataplane "http://127.0.0.1:$dataplane$path" "${script%.lua}-direct.lua" $conns $kind
+    run dp+agent "http://127.0.0.1:$dataplane$path" "$script" $conns $kind
   done
 done
 echo "data plane RSS after the runs: $(( $(ps -o rss= -p "$dp_pid") / 1024 )) MiB"

@@ -23,9 +23,8 @@ const REPORT_EVERY: Duration = Duration::from_secs(1);
 /// With nothing new, a report still goes out this often, so the controller
 /// knows the ejections it shows are current.
 const KEEPALIVE_EVERY: Duration = Duration::from_secs(10);
-/// Decisions waiting for the next report; more are dropped and counted.
-const QUEUE: usize = 4096;
-/// Decisions in one report: the dashboard shows a tail, not a ledger.
+/// Decisions in one report, and waiting for it: the dashboard shows a
+/// tail, not a ledger. Beyond that, decisions are counted, not built.
 const MAX_PER_REPORT: usize = 512;
 const SEND_TIMEOUT: Duration = Duration::from_secs(2);
 
@@ -37,12 +36,21 @@ pub struct DecisionLog {
 
 impl DecisionLog {
     pub fn new() -> (Arc<DecisionLog>, mpsc::Receiver<RoutingDecision>) {
-        let (tx, rx) = mpsc::channel(QUEUE);
+        let (tx, rx) = mpsc::channel(MAX_PER_REPORT);
         (Arc::new(DecisionLog { tx, dropped: AtomicU64::new(0) }), rx)
     }
 
-    pub fn record(&self, decision: RoutingDecision) {
-        if self.tx.try_send(decision).is_err() {
+    /// Queues the decision `build` makes, or, when the queue is full (a
+    /// busy second), only counts it: the record is not even built.
+    pub fn record(&self, build: impl FnOnce() -> RoutingDecision) {
+        let sent = match self.tx.try_reserve() {
+            Ok(permit) => {
+                permit.send(build());
+                true
+            }
+            Err(_) => false,
+        };
+        if !sent {
             self.dropped.fetch_add(1, Ordering::Relaxed);
         }
     }

@@ -240,7 +240,7 @@ async fn inference(State(state): State<AppState>, kind: EndpointKind, request: R
         let histogram = if facts.stream { &state.metrics.first_token_seconds } else { &state.metrics.request_seconds };
         histogram.get_or_create(&crate::metrics::ModelLabels { model }).observe(elapsed.as_secs_f64());
     }
-    state.decisions.record(RoutingDecision {
+    state.decisions.record(|| RoutingDecision {
         request_id,
         unix_ms: inferyes_proto::unix_ms(),
         model: facts.model,
