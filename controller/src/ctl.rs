@@ -8,8 +8,8 @@ use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
 use inferyes_proto::v1::fleet_service_client::FleetServiceClient;
 use inferyes_proto::v1::{
-    Alias, DeleteAliasRequest, GetPolicyRequest, ListAliasesRequest, NodePolicy, RoutingPolicy, SetNodePolicyRequest,
-    Strategy,
+    Alias, ApiKey, CreateKeyRequest, DeleteAliasRequest, GetKeyRequest, GetPolicyRequest, ListAliasesRequest,
+    ListKeysRequest, NodePolicy, RevokeKeyRequest, RoutingPolicy, SetNodePolicyRequest, Strategy,
 };
 use inferyes_proto::v1::{
     Backend, DrainRequest, GetNodeRequest, Gpu, ListModelsRequest, ListNodesRequest, ListSessionsRequest, ModelState,
@@ -73,6 +73,36 @@ pub enum Command {
     /// The fleet's routing policy and per-node overrides.
     #[command(subcommand)]
     Policy(PolicyCommand),
+    /// API keys for the OpenAI API.
+    #[command(subcommand)]
+    Keys(KeysCommand),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum KeysCommand {
+    /// Create a key. Its secret is printed once and stored nowhere.
+    Create {
+        /// Who or what the key is for.
+        name: String,
+        /// Models the key may use: an id, or a prefix ending in `*`; repeatable. None: every model.
+        #[arg(long = "model", value_name = "PATTERN")]
+        models: Vec<String>,
+        /// Requests per minute (none: no limit).
+        #[arg(long)]
+        rpm: Option<u32>,
+        /// Tokens (prompt plus completion) per day (none: no limit).
+        #[arg(long)]
+        tokens_per_day: Option<u64>,
+        /// Expire after this long: 90m, 12h, 30d (none: never).
+        #[arg(long, value_name = "DURATION")]
+        expires_in: Option<String>,
+    },
+    /// List the keys (never their secrets).
+    List,
+    /// Show one key.
+    Show { key_id: String },
+    /// Revoke a key: every data plane refuses it from its next snapshot on.
+    Revoke { key_id: String },
 }
 
 #[derive(Debug, Subcommand)]
@@ -286,6 +316,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<String> {
             let response = client.delete_alias(request).await.map_err(rpc_error)?.into_inner();
             written(json_out, &format!("alias {alias} removed"), response.revision)
         }
+        Command::Keys(command) => keys(&mut client, command, json_out).await?,
         Command::Policy(PolicyCommand::Show) => {
             let policy = client.get_policy(GetPolicyRequest {}).await.map_err(rpc_error)?.into_inner();
             render_policy(&policy, json_out)
@@ -359,6 +390,131 @@ fn written(json_out: bool, what: &str, revision: u64) -> String {
     } else {
         format!("{what} (revision {revision})\n")
     }
+}
+
+async fn keys(
+    client: &mut FleetServiceClient<Channel>,
+    command: KeysCommand,
+    json_out: bool,
+) -> anyhow::Result<String> {
+    Ok(match command {
+        KeysCommand::Create { name, models, rpm, tokens_per_day, expires_in } => {
+            let expires_unix_ms = match expires_in {
+                Some(text) => inferyes_proto::unix_ms() + parse_duration_ms(&text)?,
+                None => 0,
+            };
+            let request = CreateKeyRequest {
+                name,
+                allowed_models: models,
+                requests_per_minute: rpm.unwrap_or(0),
+                tokens_per_day: tokens_per_day.unwrap_or(0),
+                expires_unix_ms,
+            };
+            let created = client.create_key(request).await.map_err(rpc_error)?.into_inner();
+            let key = created.key.unwrap_or_default();
+            if json_out {
+                let mut value = key_json(&key);
+                value["secret"] = json!(created.secret);
+                value["revision"] = json!(created.revision);
+                render_json(&value)
+            } else {
+                format!(
+                    "key {} ({}) created:\n\n  {}\n\nStore it now: it is not shown again. Clients send it as `Authorization: Bearer <key>`.\n",
+                    key.key_id, key.name, created.secret
+                )
+            }
+        }
+        KeysCommand::List => {
+            let response = client.list_keys(ListKeysRequest {}).await.map_err(rpc_error)?.into_inner();
+            if json_out {
+                let keys: Vec<Value> = response.keys.iter().map(key_json).collect();
+                render_json(&json!({"version": response.version, "keys": keys}))
+            } else {
+                let rows = response.keys.iter().map(key_row).collect();
+                table(&["KEY ID", "NAME", "STATE", "MODELS", "RPM", "TOKENS/DAY", "EXPIRES"], rows)
+            }
+        }
+        KeysCommand::Show { key_id } => {
+            let key = client.get_key(GetKeyRequest { key_id }).await.map_err(rpc_error)?.into_inner();
+            if json_out {
+                render_json(&key_json(&key))
+            } else {
+                table(&["KEY ID", "NAME", "STATE", "MODELS", "RPM", "TOKENS/DAY", "EXPIRES"], vec![key_row(&key)])
+            }
+        }
+        KeysCommand::Revoke { key_id } => {
+            let response =
+                client.revoke_key(RevokeKeyRequest { key_id: key_id.clone() }).await.map_err(rpc_error)?.into_inner();
+            written(json_out, &format!("key {key_id} revoked"), response.revision)
+        }
+    })
+}
+
+fn key_state(key: &ApiKey) -> &'static str {
+    if key.revoked {
+        "revoked"
+    } else if key.expires_unix_ms != 0 && key.expires_unix_ms <= inferyes_proto::unix_ms() {
+        "expired"
+    } else {
+        "active"
+    }
+}
+
+fn key_json(key: &ApiKey) -> Value {
+    json!({
+        "key_id": key.key_id,
+        "name": key.name,
+        "state": key_state(key),
+        "allowed_models": key.allowed_models,
+        "requests_per_minute": key.requests_per_minute,
+        "tokens_per_day": key.tokens_per_day,
+        "expires_unix_ms": key.expires_unix_ms,
+        "created_unix_ms": key.created_unix_ms,
+        "revoked_unix_ms": key.revoked_unix_ms,
+    })
+}
+
+fn key_row(key: &ApiKey) -> Vec<String> {
+    let or_none = |v: u64| if v == 0 { "-".to_string() } else { v.to_string() };
+    let expires = if key.expires_unix_ms == 0 {
+        "never".to_string()
+    } else {
+        let left_ms = key.expires_unix_ms.saturating_sub(inferyes_proto::unix_ms());
+        if left_ms == 0 { "expired".to_string() } else { format!("in {}", human_duration(left_ms)) }
+    };
+    vec![
+        key.key_id.clone(),
+        key.name.clone(),
+        key_state(key).to_string(),
+        if key.allowed_models.is_empty() { "*".to_string() } else { key.allowed_models.join(",") },
+        or_none(u64::from(key.requests_per_minute)),
+        or_none(key.tokens_per_day),
+        expires,
+    ]
+}
+
+fn human_duration(ms: u64) -> String {
+    match ms / 1000 {
+        s if s < 3600 => format!("{}m", s.div_ceil(60)),
+        s if s < 86_400 => format!("{}h", s / 3600),
+        s => format!("{}d", s / 86_400),
+    }
+}
+
+/// `90m`, `12h`, `30d`, `45s` → milliseconds.
+fn parse_duration_ms(text: &str) -> anyhow::Result<u64> {
+    let text = text.trim();
+    let (number, unit) = text.split_at(text.find(|c: char| !c.is_ascii_digit()).unwrap_or(text.len()));
+    let number: u64 = number.parse().with_context(|| format!("`{text}`: write a number and a unit, e.g. 30d"))?;
+    let unit_ms = match unit {
+        "s" => 1_000,
+        "m" => 60_000,
+        "h" => 3_600_000,
+        "d" => 86_400_000,
+        _ => anyhow::bail!("`{text}`: the unit must be s, m, h or d"),
+    };
+    anyhow::ensure!(number > 0, "`{text}`: the duration must be positive");
+    Ok(number.saturating_mul(unit_ms))
 }
 
 fn render_policy(policy: &RoutingPolicy, json_out: bool) -> String {

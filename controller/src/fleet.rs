@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use inferyes_proto::v1::{DrainRecord, NodePolicy, NodeRecord, RoutingPolicy};
+use inferyes_proto::v1::{ApiKey, DrainRecord, NodePolicy, NodeRecord, RoutingPolicy};
 
 use crate::store::{WatchBatch, WatchEvent};
 
@@ -17,6 +17,9 @@ pub struct FleetState {
     node_policies: BTreeMap<String, NodePolicy>,
     /// Alias → model id.
     aliases: BTreeMap<String, String>,
+    /// Key id → API key. Changed as a whole value, so snapshots can tell
+    /// "no key changed" by pointer.
+    api_keys: Arc<BTreeMap<String, ApiKey>>,
 }
 
 impl FleetState {
@@ -56,6 +59,14 @@ impl FleetState {
                 WatchEvent::AliasDeleted(alias) => {
                     self.aliases.remove(&alias);
                 }
+                WatchEvent::ApiKeyPut(id, key) => {
+                    Arc::make_mut(&mut self.api_keys).insert(id, key);
+                }
+                WatchEvent::ApiKeyDeleted(id) => {
+                    if self.api_keys.contains_key(&id) {
+                        Arc::make_mut(&mut self.api_keys).remove(&id);
+                    }
+                }
             }
         }
         self.revision = self.revision.max(batch.revision);
@@ -79,6 +90,10 @@ impl FleetState {
 
     pub fn node_policy(&self, node_id: &str) -> Option<&NodePolicy> {
         self.node_policies.get(node_id)
+    }
+
+    pub fn api_keys(&self) -> &Arc<BTreeMap<String, ApiKey>> {
+        &self.api_keys
     }
 
     pub fn aliases(&self) -> impl Iterator<Item = (&str, &str)> {

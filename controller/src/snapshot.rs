@@ -5,7 +5,8 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use inferyes_proto::v1::{
-    Alias, ModelState, ModelSummary, NodeRecord, RoutingPolicy, RoutingSnapshot, SnapshotDelta, SnapshotNode,
+    Alias, ApiKey, KeySet, ModelState, ModelSummary, NodeRecord, RoutingPolicy, RoutingSnapshot, SnapshotDelta,
+    SnapshotNode,
 };
 
 use crate::fleet::FleetState;
@@ -24,6 +25,8 @@ pub struct Snapshot {
     policy: RoutingPolicy,
     /// Sorted by alias.
     aliases: Vec<Alias>,
+    /// By key id; the fleet state's own map, shared.
+    api_keys: Arc<BTreeMap<String, ApiKey>>,
 }
 
 impl PartialEq for Snapshot {
@@ -31,6 +34,7 @@ impl PartialEq for Snapshot {
         self.version == other.version
             && self.policy == other.policy
             && self.aliases == other.aliases
+            && (Arc::ptr_eq(&self.api_keys, &other.api_keys) || self.api_keys == other.api_keys)
             && self.nodes.len() == other.nodes.len()
             && self.nodes.iter().zip(&other.nodes).all(|((a_id, a), (b_id, b))| a_id == b_id && same_node(a, b))
     }
@@ -61,12 +65,21 @@ impl Snapshot {
         &self.aliases
     }
 
+    pub fn api_keys(&self) -> impl Iterator<Item = &ApiKey> {
+        self.api_keys.values()
+    }
+
+    pub fn api_key(&self, key_id: &str) -> Option<&ApiKey> {
+        self.api_keys.get(key_id)
+    }
+
     pub fn to_full(&self) -> RoutingSnapshot {
         RoutingSnapshot {
             version: self.version,
             nodes: self.nodes.values().map(|n| SnapshotNode::clone(n)).collect(),
             policy: Some(self.policy.clone()),
             aliases: self.aliases.clone(),
+            keys: self.api_keys.values().cloned().collect(),
         }
     }
 }
@@ -103,7 +116,14 @@ pub fn build(state: &FleetState, previous: Option<&Snapshot>) -> Snapshot {
         sources.insert(id.to_string(), Arc::clone(record));
     }
     let aliases = state.aliases().map(|(alias, model)| Alias { alias: alias.into(), model: model.into() }).collect();
-    Snapshot { version: state.revision(), nodes, sources, policy: state.policy().clone(), aliases }
+    Snapshot {
+        version: state.revision(),
+        nodes,
+        sources,
+        policy: state.policy().clone(),
+        aliases,
+        api_keys: Arc::clone(state.api_keys()),
+    }
 }
 
 /// What a receiver holding `from` needs to arrive at `to`.
@@ -122,6 +142,8 @@ pub fn delta(from: &Snapshot, to: &Snapshot) -> SnapshotDelta {
         removed,
         policy: Some(to.policy.clone()),
         aliases: to.aliases.clone(),
+        keys: (!Arc::ptr_eq(&from.api_keys, &to.api_keys) && from.api_keys != to.api_keys)
+            .then(|| KeySet { keys: to.api_keys.values().cloned().collect() }),
     }
 }
 
@@ -141,6 +163,9 @@ pub fn apply_delta(full: &mut RoutingSnapshot, delta: SnapshotDelta) {
     full.version = delta.version;
     full.policy = delta.policy;
     full.aliases = delta.aliases;
+    if let Some(keys) = delta.keys {
+        full.keys = keys.keys;
+    }
 }
 
 fn node_id(node: &SnapshotNode) -> &str {

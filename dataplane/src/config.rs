@@ -37,6 +37,9 @@ pub struct Args {
     /// Log format: text or json.
     #[arg(long, env = "INFERYES_LOG_FORMAT")]
     pub log_format: Option<LogFormat>,
+    /// API keys required (`keys`, the default) or not (`none`: trusted networks only).
+    #[arg(long, env = "INFERYES_AUTH")]
+    pub auth: Option<crate::auth::AuthMode>,
 }
 
 pub use inferyes_proto::process::LogFormat;
@@ -61,6 +64,12 @@ pub struct Config {
     /// `round-robin` or `least-outstanding`, to measure what affinity saves.
     pub routing_mode: crate::routing::Mode,
     pub log_format: LogFormat,
+    /// `keys`: every `/v1/*` request needs an API key. `none`: no keys, for
+    /// a trusted network; say so explicitly.
+    pub auth: crate::auth::AuthMode,
+    /// Failed key checks a client address may make per minute before
+    /// unknown keys from it are refused unchecked (429).
+    pub auth_failures_per_minute: u32,
 }
 
 impl Default for Config {
@@ -75,8 +84,9 @@ impl Default for Config {
             response_header_timeout_ms: 600_000,
             shutdown_grace_ms: 30_000,
             routing_mode: crate::routing::Mode::Policy,
-
             log_format: LogFormat::Text,
+            auth: crate::auth::AuthMode::Keys,
+            auth_failures_per_minute: 10,
         }
     }
 }
@@ -99,6 +109,9 @@ impl Config {
         if let Some(v) = args.log_format {
             config.log_format = v;
         }
+        if let Some(v) = args.auth {
+            config.auth = v;
+        }
         if config.dataplane_id.is_empty() {
             let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
             config.dataplane_id = format!("dataplane-{}-{}", host.trim(), std::process::id());
@@ -113,6 +126,9 @@ impl Config {
         }
         if self.controllers.is_empty() {
             bail!("controllers is empty: list at least one controller address, e.g. [\"http://127.0.0.1:7070\"]");
+        }
+        if self.auth_failures_per_minute == 0 {
+            bail!("auth_failures_per_minute must be positive");
         }
         if self.max_body_bytes == 0 {
             bail!("max_body_bytes must be positive");

@@ -2,6 +2,7 @@
 //! the latest routing snapshot in memory, picks a node per request, and
 //! streams the answer through.
 
+pub mod auth;
 pub mod config;
 pub mod http;
 pub mod metrics;
@@ -60,11 +61,16 @@ pub async fn run(
         mode: config.routing_mode,
         tickets: Arc::default(),
         decisions,
+        auth: Arc::new(auth::Auth::new(config.auth, config.auth_failures_per_minute)),
     };
+    if config.auth == auth::AuthMode::None {
+        tracing::warn!("auth = \"none\": the API is open to anyone who can reach it");
+    }
     tracing::info!(listen = %listener.local_addr()?, id = %config.dataplane_id, "data plane running");
     let grace = config.shutdown_grace();
     let serve = std::future::IntoFuture::into_future(
-        axum::serve(listener, http::router(state)).with_graceful_shutdown(shutdown.clone().cancelled_owned()),
+        axum::serve(listener, http::router(state).into_make_service_with_connect_info::<std::net::SocketAddr>())
+            .with_graceful_shutdown(shutdown.clone().cancelled_owned()),
     );
     // On shutdown: stop accepting, let requests in flight finish, but not
     // for longer than the grace period; then end the streams still running

@@ -23,6 +23,11 @@ pub struct RequestLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabels {
+    pub reason: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ModelLabels {
     pub model: String,
 }
@@ -42,6 +47,7 @@ pub struct Metrics {
     pub request_seconds: Family<ModelLabels, Histogram, fn() -> Histogram>,
     pub first_token_seconds: Family<ModelLabels, Histogram, fn() -> Histogram>,
     pub retries: Counter,
+    pub auth_refusals: Family<ReasonLabels, Counter>,
     pub continuations: Counter,
     snapshot_version: Gauge,
     snapshot_age_seconds: Gauge<f64, std::sync::atomic::AtomicU64>,
@@ -57,6 +63,7 @@ impl Metrics {
             request_seconds: Family::new_with_constructor(latency_histogram),
             first_token_seconds: Family::new_with_constructor(latency_histogram),
             retries: Counter::default(),
+            auth_refusals: Family::default(),
             continuations: Counter::default(),
             snapshot_version: Gauge::default(),
             snapshot_age_seconds: Gauge::default(),
@@ -84,6 +91,11 @@ impl Metrics {
             "retries",
             "Requests sent to another node after one failed before the first byte",
             metrics.retries.clone(),
+        );
+        registry.register(
+            "auth_refusals",
+            "Requests refused by API key checks and limits, by reason (missing, invalid, revoked, expired, too_many_failures, rate_limited)",
+            metrics.auth_refusals.clone(),
         );
         registry.register("continuations", "Broken streams resumed on another node", metrics.continuations.clone());
         registry.register(

@@ -6,6 +6,7 @@ pub mod v1 {
     tonic::include_proto!("inferyes.v1");
 }
 
+pub mod apikey;
 mod error;
 pub mod process;
 pub mod telemetry;

@@ -10,6 +10,7 @@ Environment:
 
 import json
 import shutil
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -62,6 +63,10 @@ heartbeat_interval_ms = 500
 """)
         fleet.spawn("controller", [str(fleet.bin / "inferyes-controller"), "--config", str(controller)])
         wait_until("controller ready", lambda: http_get(f"http://127.0.0.1:{http_port}/readyz")[0] == 200)
+        fleet.ctl = [str(fleet.bin / "inferyesctl"), "--controller", fleet.controller_url]
+        created = subprocess.run(fleet.ctl + ["keys", "create", "e2e", "-o", "json"],
+                                 check=True, capture_output=True, text=True)
+        fleet.api_key = json.loads(created.stdout)["secret"]
 
         chat = models / "tiny-chat.gguf"
         embed = models / "tiny-embed.gguf"
@@ -116,7 +121,8 @@ routing_mode = "{strategy}"
             url = f"http://127.0.0.1:{port}"
 
             def ready():
-                models = json.loads(http_get(f"{url}/v1/models")[1])["data"]
+                auth = {"Authorization": f"Bearer {fleet.api_key}"}
+                models = json.loads(http_get(f"{url}/v1/models", headers=auth)[1])["data"]
                 warm = {m["id"]: m["inferyes"]["warm_nodes"] for m in models}
                 return warm.get("tiny-chat") == 2 and warm.get("tiny-embed") == 1
 

@@ -37,8 +37,9 @@ def llama_server():
     return path
 
 
-def http_get(url, timeout=2.0):
-    with urllib.request.urlopen(url, timeout=timeout) as response:
+def http_get(url, timeout=2.0, headers=None):
+    request = urllib.request.Request(url, headers=headers or {})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
         return response.status, response.read()
 
 

@@ -30,10 +30,10 @@ def test_the_agent_reports_what_the_server_says(fleet):
 
 
 def test_decode_throughput_comes_from_the_server_metrics(fleet):
-    client = OpenAI(base_url=f"{fleet.url}/v1", api_key="unused", max_retries=0)
+    client = OpenAI(base_url=f"{fleet.url}/v1", api_key=fleet.api_key, max_retries=0)
     for node in ("node-a", "node-b"):
         # Round-robin reaches both nodes.
-        OpenAI(base_url=f"{fleet.round_robin_url}/v1", api_key="unused").chat.completions.create(
+        OpenAI(base_url=f"{fleet.round_robin_url}/v1", api_key=fleet.api_key).chat.completions.create(
             model="tiny-chat", messages=[{"role": "user", "content": node}], max_tokens=8)
     client.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "x"}], max_tokens=8)
     # llamacpp:predicted_tokens_seconds, read from /metrics on the next poll.

@@ -11,8 +11,8 @@ from openai import OpenAI
 from harness import wait_until
 
 
-def converse(base_url, session, system, turns=4):
-    client = OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+def converse(base_url, api_key, session, system, turns=4):
+    client = OpenAI(base_url=f"{base_url}/v1", api_key=api_key, max_retries=0, timeout=60)
     messages = [{"role": "system", "content": system}]
     served = []
     for turn in range(turns):
@@ -34,7 +34,7 @@ def slots(url):
 
 
 def test_a_conversation_stays_on_its_node_and_reuses_its_cache(fleet):
-    served = converse(fleet.url, "kv-affinity", "You are a storyteller of the affinity test.")
+    served = converse(fleet.url, fleet.api_key, "kv-affinity", "You are a storyteller of the affinity test.")
     nodes = {node for node, *_ in served}
     assert len(nodes) == 1, served
     cached = [c for _, c, *_ in served]
@@ -65,7 +65,7 @@ def test_a_conversation_stays_on_its_node_and_reuses_its_cache(fleet):
 
 
 def test_round_robin_loses_the_cache(fleet):
-    served = converse(fleet.round_robin_url, "kv-round-robin", "You are a storyteller of the round-robin test.")
+    served = converse(fleet.round_robin_url, fleet.api_key, "kv-round-robin", "You are a storyteller of the round-robin test.")
     nodes = [node for node, *_ in served]
     assert len(set(nodes)) == 2, served
     # Turn 2 lands on the other node, which has never seen the conversation.

@@ -1,13 +1,18 @@
 """The OpenAI client against a fleet of real llama-server nodes."""
 
+import json
+import subprocess
+
 import openai
 import pytest
 from openai import OpenAI
 
+from harness import wait_until
+
 
 @pytest.fixture(scope="module")
 def client(fleet):
-    return OpenAI(base_url=f"{fleet.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    return OpenAI(base_url=f"{fleet.url}/v1", api_key=fleet.api_key, max_retries=0, timeout=60)
 
 
 def ask(text):
@@ -100,3 +105,18 @@ def test_the_gateway_names_the_node_and_the_request(client):
     assert raw.headers["x-inferyes-node"] in ("node-a", "node-b")
     assert raw.headers["x-request-id"]
     assert raw.headers["x-inferyes-route"] in ("placed", "resident", "warm")
+
+
+def test_keys_are_checked_and_limited_to_their_models(fleet):
+    with pytest.raises(openai.AuthenticationError) as refused:
+        OpenAI(base_url=f"{fleet.url}/v1", api_key="ify_wrong", max_retries=0).models.list()
+    assert refused.value.code == "invalid_api_key"
+    created = subprocess.run(fleet.ctl + ["keys", "create", "embed-only", "--model", "tiny-embed", "-o", "json"],
+                             check=True, capture_output=True, text=True)
+    narrow = OpenAI(base_url=f"{fleet.url}/v1", api_key=json.loads(created.stdout)["secret"], max_retries=0)
+    # The key reaches the data plane with the next snapshot.
+    wait_until("the new key is known", lambda: [m.id for m in narrow.models.list()] == ["tiny-embed"])
+    assert narrow.embeddings.create(model="tiny-embed", input="hello").data
+    with pytest.raises(openai.NotFoundError):
+        narrow.chat.completions.create(model="tiny-chat", messages=ask("hi"), max_tokens=2)
+

@@ -227,6 +227,8 @@ impl DataplaneHandle {
         let mut config = inferyes_dataplane::Config {
             controllers: controllers.to_vec(),
             dataplane_id: "test-dataplane".into(),
+            // Most tests are about routing; the auth tests turn keys on.
+            auth: inferyes_dataplane::auth::AuthMode::None,
             ..Default::default()
         };
         tweak(&mut config);

@@ -187,6 +187,7 @@ fn decisions(recent: &Recent) -> Vec<Value> {
                 "latency_ms": r.latency_ms,
                 "stream": r.stream,
                 "session": r.session_tag,
+                "key": r.key_id,
             })
         })
         .collect()

@@ -1,9 +1,10 @@
 use inferyes_proto::ErrorKind;
 use inferyes_proto::v1::fleet_service_server::{FleetService, FleetServiceServer};
 use inferyes_proto::v1::{
-    Alias, AliasRecord, DeleteAliasRequest, DrainRecord, DrainRequest, DrainResponse, GetNodeRequest, GetPolicyRequest,
-    ListAliasesRequest, ListAliasesResponse, ListModelsRequest, ListModelsResponse, ListNodesRequest,
-    ListNodesResponse, ListSessionsRequest, ListSessionsResponse, NodePolicy, RoutingPolicy, SessionInfo,
+    Alias, AliasRecord, ApiKey, CreateKeyRequest, CreatedKey, DeleteAliasRequest, DrainRecord, DrainRequest,
+    DrainResponse, GetKeyRequest, GetNodeRequest, GetPolicyRequest, ListAliasesRequest, ListAliasesResponse,
+    ListKeysRequest, ListKeysResponse, ListModelsRequest, ListModelsResponse, ListNodesRequest, ListNodesResponse,
+    ListSessionsRequest, ListSessionsResponse, NodePolicy, RevokeKeyRequest, RoutingPolicy, SessionInfo,
     SetNodePolicyRequest, SnapshotNode, UndrainRequest, WriteResponse,
 };
 use tonic::{Request, Response, Status};
@@ -166,6 +167,77 @@ impl FleetService for FleetSvc {
         tracing::info!(node = %node_id, revision, "node policy set");
         Ok(Response::new(WriteResponse { revision }))
     }
+
+    async fn create_key(&self, request: Request<CreateKeyRequest>) -> Result<Response<CreatedKey>, Status> {
+        let request = request.into_inner();
+        let name = request.name.trim();
+        if name.is_empty() || name.len() > 128 || name.chars().any(char::is_control) {
+            return Err(status(ErrorKind::BadRequest, "a key needs a name of 1-128 printable characters"));
+        }
+        for pattern in &request.allowed_models {
+            validate_name("model pattern", pattern)?;
+        }
+        let now = inferyes_proto::unix_ms();
+        if request.expires_unix_ms != 0 && request.expires_unix_ms <= now {
+            return Err(status(ErrorKind::BadRequest, "expires_unix_ms is in the past"));
+        }
+        // Hashing takes tens of milliseconds: off the async threads.
+        let generated = tokio::task::spawn_blocking(inferyes_proto::apikey::generate)
+            .await
+            .map_err(|_| status(ErrorKind::Internal, "key generation failed"))?
+            .map_err(|e| status(ErrorKind::Internal, e.to_string()))?;
+        let key = ApiKey {
+            key_id: generated.key_id,
+            name: name.to_string(),
+            secret_hash: generated.secret_hash,
+            allowed_models: request.allowed_models,
+            requests_per_minute: request.requests_per_minute,
+            tokens_per_day: request.tokens_per_day,
+            expires_unix_ms: request.expires_unix_ms,
+            revoked: false,
+            created_unix_ms: now,
+            revoked_unix_ms: 0,
+        };
+        let revision = self.store.put(self.store.keys().api_key(&key.key_id), &key).await?;
+        // The id and name are logged; the secret never is.
+        tracing::info!(key_id = %key.key_id, name = %key.name, revision, "API key created");
+        Ok(Response::new(CreatedKey { key: Some(without_hash(&key)), secret: generated.token, revision }))
+    }
+
+    async fn list_keys(&self, _: Request<ListKeysRequest>) -> Result<Response<ListKeysResponse>, Status> {
+        let snapshot = self.snapshot()?;
+        let keys = snapshot.api_keys().map(without_hash).collect();
+        Ok(Response::new(ListKeysResponse { version: snapshot.version(), keys }))
+    }
+
+    async fn get_key(&self, request: Request<GetKeyRequest>) -> Result<Response<ApiKey>, Status> {
+        let key_id = request.into_inner().key_id;
+        let snapshot = self.snapshot()?;
+        let key = snapshot.api_key(&key_id).ok_or_else(|| status(ErrorKind::NotFound, format!("no key `{key_id}`")))?;
+        Ok(Response::new(without_hash(key)))
+    }
+
+    async fn revoke_key(&self, request: Request<RevokeKeyRequest>) -> Result<Response<WriteResponse>, Status> {
+        let key_id = request.into_inner().key_id;
+        let snapshot = self.snapshot()?;
+        let mut key = snapshot
+            .api_key(&key_id)
+            .cloned()
+            .ok_or_else(|| status(ErrorKind::NotFound, format!("no key `{key_id}`")))?;
+        if key.revoked {
+            return Ok(Response::new(WriteResponse { revision: snapshot.version() }));
+        }
+        key.revoked = true;
+        key.revoked_unix_ms = inferyes_proto::unix_ms();
+        let revision = self.store.put(self.store.keys().api_key(&key_id), &key).await?;
+        tracing::info!(%key_id, revision, "API key revoked");
+        Ok(Response::new(WriteResponse { revision }))
+    }
+}
+
+/// A key as operators see it: everything but the hash.
+fn without_hash(key: &ApiKey) -> ApiKey {
+    ApiKey { secret_hash: String::new(), ..key.clone() }
 }
 
 fn validate_name(what: &str, name: &str) -> Result<(), Status> {

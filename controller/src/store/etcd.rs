@@ -5,7 +5,7 @@ use etcd_client::{
     WatchOptions, WatchStream,
 };
 use inferyes_proto::ErrorKind;
-use inferyes_proto::v1::{AliasRecord, DrainRecord, NodePolicy, NodeRecord, RoutingPolicy};
+use inferyes_proto::v1::{AliasRecord, ApiKey, DrainRecord, NodePolicy, NodeRecord, RoutingPolicy};
 use prost::Message;
 
 use super::keys::{Key, Keys};
@@ -42,6 +42,8 @@ pub enum WatchEvent {
     NodePolicyDeleted(String),
     AliasPut(String, AliasRecord),
     AliasDeleted(String),
+    ApiKeyPut(String, ApiKey),
+    ApiKeyDeleted(String),
 }
 
 /// The events of one etcd revision range, and the revision they bring the
@@ -202,6 +204,7 @@ fn decode(keys: &Keys, event_type: EventType, kv: &KeyValue) -> Option<WatchEven
             Key::Policy => WatchEvent::PolicyDeleted,
             Key::NodePolicy(id) => WatchEvent::NodePolicyDeleted(id),
             Key::Alias(alias) => WatchEvent::AliasDeleted(alias),
+            Key::ApiKey(id) => WatchEvent::ApiKeyDeleted(id),
         });
     }
     let value = kv.value();
@@ -211,6 +214,7 @@ fn decode(keys: &Keys, event_type: EventType, kv: &KeyValue) -> Option<WatchEven
         Key::Policy => RoutingPolicy::decode(value).map(WatchEvent::PolicyPut),
         Key::NodePolicy(id) => NodePolicy::decode(value).map(|r| WatchEvent::NodePolicyPut(id.clone(), r)),
         Key::Alias(alias) => AliasRecord::decode(value).map(|r| WatchEvent::AliasPut(alias.clone(), r)),
+        Key::ApiKey(id) => ApiKey::decode(value).map(|r| WatchEvent::ApiKeyPut(id.clone(), r)),
     };
     match decoded {
         Ok(event) => Some(event),

@@ -13,6 +13,7 @@ pub enum Key {
     Policy,
     NodePolicy(String),
     Alias(String),
+    ApiKey(String),
 }
 
 const NODES: &str = "nodes/";
@@ -20,6 +21,7 @@ const DRAIN: &str = "config/drain/";
 const POLICY: &str = "config/policy";
 const NODE_POLICY: &str = "config/node/";
 const ALIAS: &str = "config/alias/";
+const API_KEY: &str = "keys/";
 
 impl Keys {
     pub fn new(prefix: &str) -> Keys {
@@ -54,6 +56,10 @@ impl Keys {
         format!("{}{ALIAS}{alias}", self.prefix)
     }
 
+    pub fn api_key(&self, key_id: &str) -> String {
+        format!("{}{API_KEY}{key_id}", self.prefix)
+    }
+
     /// `None` for keys under the prefix that this version does not know:
     /// a newer controller may have written them, and they are ignored.
     pub fn parse(&self, key: &[u8]) -> Option<Key> {
@@ -73,6 +79,9 @@ impl Keys {
         if let Some(alias) = key.strip_prefix(ALIAS) {
             return (!alias.is_empty()).then(|| Key::Alias(alias.to_string()));
         }
+        if let Some(id) = key.strip_prefix(API_KEY) {
+            return (!id.is_empty()).then(|| Key::ApiKey(id.to_string()));
+        }
         None
     }
 }
@@ -89,6 +98,7 @@ mod tests {
         assert_eq!(keys.parse(keys.policy().as_bytes()), Some(Key::Policy));
         assert_eq!(keys.parse(keys.node_policy("n").as_bytes()), Some(Key::NodePolicy("n".into())));
         assert_eq!(keys.parse(keys.alias("org/model").as_bytes()), Some(Key::Alias("org/model".into())));
+        assert_eq!(keys.parse(keys.api_key("abc").as_bytes()), Some(Key::ApiKey("abc".into())));
         assert_eq!(keys.parse(b"/inferyes/v1/nodes/"), None);
         assert_eq!(keys.parse(b"/inferyes/v1/usage/x"), None);
         assert_eq!(keys.parse(b"/other/nodes/gpu-1"), None);

@@ -16,6 +16,8 @@ pub struct ApiError {
     pub retry_after: Option<u32>,
     /// Overrides the status [`ErrorKind`] implies (a backend's own status).
     pub status: Option<StatusCode>,
+    /// Sent with the error (rate-limit headers).
+    pub headers: Vec<(http::HeaderName, HeaderValue)>,
 }
 
 impl ApiError {
@@ -27,6 +29,7 @@ impl ApiError {
             param: None,
             retry_after: None,
             status: None,
+            headers: Vec::new(),
         }
     }
 
@@ -64,6 +67,9 @@ impl IntoResponse for ApiError {
         let mut response = (self.status(), [(header::CONTENT_TYPE, "application/json")], body).into_response();
         if let Some(seconds) = self.retry_after {
             response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+        }
+        for (name, value) in self.headers {
+            response.headers_mut().insert(name, value);
         }
         response
     }

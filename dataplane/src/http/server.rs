@@ -15,8 +15,9 @@ use serde_json::json;
 use super::forward::{Forwarder, Outbound, OwnedOutbound};
 use super::view::{estimated_prompt_tokens, with_model};
 use super::{ApiError, parse_view, session_key};
+use crate::auth::Caller;
 use crate::routing::{self, RouteRequest};
-use crate::snapshot::{CatalogEntry, SnapshotStore};
+use crate::snapshot::{CatalogEntry, RoutingSnapshot, SnapshotStore};
 
 /// The OpenAI endpoints the data plane routes, one row per kind of job. A
 /// new kind is a row here (and a variant of `EndpointKind`), not a new
@@ -47,6 +48,40 @@ pub struct AppState {
     pub tickets: Arc<std::sync::atomic::AtomicU64>,
     /// Where answered requests are told, for the dashboard's tail.
     pub decisions: Arc<crate::report::DecisionLog>,
+    pub auth: Arc<crate::auth::Auth>,
+}
+
+impl AppState {
+    /// The caller of a request, or the error that refuses it (counted).
+    async fn authenticate(
+        &self,
+        headers: &http::HeaderMap,
+        extensions: &http::Extensions,
+        snapshot: &RoutingSnapshot,
+    ) -> Result<Caller, ApiError> {
+        // Without the connection's address (never, when served), failures
+        // share one bucket.
+        let peer = extensions
+            .get::<axum::extract::ConnectInfo<std::net::SocketAddr>>()
+            .map_or(std::net::IpAddr::from([0, 0, 0, 0]), |c| c.0.ip());
+        self.auth.authenticate(headers, peer, snapshot).await.map_err(|(refusal, error)| self.refused(refusal, error))
+    }
+
+    fn refused(&self, refusal: crate::auth::Refusal, error: ApiError) -> ApiError {
+        self.metrics.auth_refusals.get_or_create(&crate::metrics::ReasonLabels { reason: refusal.as_str() }).inc();
+        error
+    }
+}
+
+/// A model the caller may not use is, to the caller, a model that does not
+/// exist: the answer OpenAI gives, and no catalog leaks to a narrow key.
+fn no_such_model(id: &str) -> ApiError {
+    ApiError::new(
+        ErrorKind::NotFound,
+        format!("The model `{id}` does not exist or you do not have access to it."),
+        "model_not_found",
+    )
+    .param("model")
 }
 
 pub fn router(state: AppState) -> Router {
@@ -181,17 +216,29 @@ fn model_object(entry: &CatalogEntry) -> serde_json::Value {
     object
 }
 
-async fn list_models(State(state): State<AppState>) -> Result<Response, ApiError> {
+async fn list_models(State(state): State<AppState>, request: Request) -> Result<Response, ApiError> {
     let snapshot = state.snapshots.current().ok_or_else(not_ready)?;
-    let data: Vec<_> = snapshot.catalog().iter().map(model_object).collect();
+    let caller = state.authenticate(request.headers(), request.extensions(), &snapshot).await?;
+    let data: Vec<_> = snapshot
+        .catalog()
+        .iter()
+        .filter(|entry| caller.may_use(&entry.id) || entry.alias_of.as_ref().is_some_and(|m| caller.may_use(m)))
+        .map(model_object)
+        .collect();
     Ok(axum::Json(json!({"object": "list", "data": data})).into_response())
 }
 
-async fn get_model(State(state): State<AppState>, Path(id): Path<String>) -> Result<Response, ApiError> {
+async fn get_model(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+    request: Request,
+) -> Result<Response, ApiError> {
     let snapshot = state.snapshots.current().ok_or_else(not_ready)?;
-    let entry = snapshot.model(&id).ok_or_else(|| {
-        ApiError::new(ErrorKind::NotFound, format!("the model `{id}` does not exist"), "model_not_found").param("model")
-    })?;
+    let caller = state.authenticate(request.headers(), request.extensions(), &snapshot).await?;
+    let entry = snapshot
+        .model(&id)
+        .filter(|entry| caller.may_use(&entry.id) || entry.alias_of.as_ref().is_some_and(|m| caller.may_use(m)))
+        .ok_or_else(|| no_such_model(&id))?;
     Ok(axum::Json(model_object(entry)).into_response())
 }
 
@@ -251,6 +298,7 @@ async fn inference(State(state): State<AppState>, kind: EndpointKind, request: R
         latency_ms: u32::try_from(elapsed.as_millis()).unwrap_or(u32::MAX),
         stream: facts.stream,
         session_tag: facts.session.as_deref().map(inferyes_proto::session_tag).unwrap_or_default(),
+        key_id: facts.key_id.unwrap_or_default(),
     });
     response
 }
@@ -263,6 +311,7 @@ struct RequestFacts {
     stream: bool,
     session: Option<String>,
     error_code: Option<String>,
+    key_id: Option<String>,
 }
 
 async fn serve(
@@ -273,9 +322,41 @@ async fn serve(
 ) -> Result<Response, ApiError> {
     let (parts, body) = request.into_parts();
     let request_id = parts.extensions.get::<RequestId>().map(|r| r.0.clone()).unwrap_or_else(new_request_id);
+    let snapshot = state.snapshots.current().ok_or_else(not_ready)?;
+    let caller = state.authenticate(&parts.headers, &parts.extensions, &snapshot).await?;
+    facts.key_id = caller.key_id().map(str::to_string);
     let body = read_body(body, &parts.headers, state.max_body_bytes).await?;
     let view = parse_view(&body)?;
-    let snapshot = state.snapshots.current().ok_or_else(not_ready)?;
+    let model = snapshot.resolve(&view.model);
+    if !caller.may_use(&view.model) && !caller.may_use(model) {
+        return Err(no_such_model(&view.model));
+    }
+    let rate = state.auth.admit(&caller, std::time::Instant::now()).map_err(|(r, e)| state.refused(r, e))?;
+    let result = route_and_forward(state, kind, parts, body, view, &snapshot, request_id, facts).await;
+    let rate = rate.to_vec();
+    match result {
+        Ok(mut response) => {
+            response.headers_mut().extend(rate);
+            Ok(response)
+        }
+        Err(mut error) => {
+            error.headers.extend(rate);
+            Err(error)
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn route_and_forward(
+    state: &AppState,
+    kind: EndpointKind,
+    parts: http::request::Parts,
+    body: Bytes,
+    view: super::RoutingView,
+    snapshot: &Arc<RoutingSnapshot>,
+    request_id: HeaderValue,
+    facts: &mut RequestFacts,
+) -> Result<Response, ApiError> {
     let model = snapshot.resolve(&view.model);
     facts.model = model.to_string();
     facts.stream = view.stream;
@@ -284,7 +365,7 @@ async fn serve(
     facts.session.clone_from(&session);
     let ticket = state.tickets.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let route = routing::select(
-        &snapshot,
+        snapshot,
         &RouteRequest {
             model,
             kind,
@@ -318,7 +399,7 @@ async fn serve(
             expects_done: expects_done(kind),
         };
         tracing::debug!(model, "cold load for a stream: answering at once");
-        return Ok(state.forwarder.forward_cold_stream(Arc::clone(&snapshot), route, outbound));
+        return Ok(state.forwarder.forward_cold_stream(Arc::clone(snapshot), route, outbound));
     }
     let outbound = Outbound {
         path_and_query,
@@ -335,7 +416,7 @@ async fn serve(
             && snapshot.policy().continues(model)
             && !super::continuation::constrained(&body_for_checks),
     };
-    let result = state.forwarder.forward(&snapshot, &route, outbound).await;
+    let result = state.forwarder.forward(snapshot, &route, outbound).await;
     match &result {
         Ok(response) => tracing::debug!(
             model,

@@ -38,7 +38,8 @@ pub fn normalize(status: StatusCode, body: &[u8]) -> ApiError {
         let cut = (0..=MAX_MESSAGE).rev().find(|i| message.is_char_boundary(*i)).unwrap_or(0);
         message.truncate(cut);
     }
-    let mut api = ApiError { kind, message, code, param: None, retry_after: None, status: Some(status) };
+    let mut api =
+        ApiError { kind, message, code, param: None, retry_after: None, status: Some(status), headers: Vec::new() };
     // `param` is static in our own errors; the backend's is only kept when
     // it names the one field a client can fix here.
     if param.as_deref() == Some("model") {

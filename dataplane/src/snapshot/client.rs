@@ -91,7 +91,8 @@ async fn follow(store: &SnapshotStore, address: &str, dataplane_id: &str) -> any
         }
         received = true;
         let version = view.version;
-        let snapshot = decode(version, &view.nodes, view.policy.as_ref(), &view.aliases, store.counters());
+        let snapshot = decode(version, &view.nodes, view.policy.as_ref(), &view.aliases, store.counters())
+            .with_api_keys(Arc::clone(&view.api_keys));
         if store.publish(snapshot) {
             tracing::debug!(version, nodes = view.nodes.len(), %controller, "snapshot installed");
         } else {
@@ -108,6 +109,7 @@ struct WireView {
     nodes: BTreeMap<String, SnapshotNode>,
     policy: Option<RoutingPolicy>,
     aliases: Vec<Alias>,
+    api_keys: Arc<super::ApiKeys>,
 }
 
 impl WireView {
@@ -118,6 +120,7 @@ impl WireView {
                 self.nodes = full.nodes.into_iter().map(|n| (node_id(&n), n)).collect();
                 self.policy = full.policy;
                 self.aliases = full.aliases;
+                self.api_keys = Arc::new(full.keys.into_iter().map(|k| (k.key_id.clone(), k)).collect());
             }
             Some(snapshot_update::Update::Delta(delta)) => {
                 if delta.base_version != self.version {
@@ -136,6 +139,9 @@ impl WireView {
                 self.version = delta.version;
                 self.policy = delta.policy;
                 self.aliases = delta.aliases;
+                if let Some(keys) = delta.keys {
+                    self.api_keys = Arc::new(keys.keys.into_iter().map(|k| (k.key_id.clone(), k)).collect());
+                }
             }
             None => {}
         }

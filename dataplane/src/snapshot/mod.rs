@@ -38,7 +38,12 @@ pub struct RoutingSnapshot {
     /// The last-seen time (seconds) settles a session reported twice.
     pub(crate) sessions: HashMap<u64, (Target, u64), BuildHasherDefault<Prehashed>>,
     pub(crate) policy: Policy,
+    /// API keys by id, shared between snapshots until a key changes.
+    pub(crate) api_keys: Arc<ApiKeys>,
 }
+
+/// API keys by key id, hashes included.
+pub type ApiKeys = HashMap<String, inferyes_proto::v1::ApiKey>;
 
 /// A model's placements on a hash ring, built at decode.
 #[derive(Debug, Default)]
@@ -285,6 +290,16 @@ impl RoutingSnapshot {
 
     pub fn policy(&self) -> &Policy {
         &self.policy
+    }
+
+    pub fn api_key(&self, key_id: &str) -> Option<&inferyes_proto::v1::ApiKey> {
+        self.api_keys.get(key_id)
+    }
+
+    /// This snapshot with the fleet's API keys.
+    pub fn with_api_keys(mut self, keys: Arc<ApiKeys>) -> RoutingSnapshot {
+        self.api_keys = keys;
+        self
     }
 }
 

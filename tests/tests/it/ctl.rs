@@ -92,3 +92,42 @@ async fn inferyesctl_manages_aliases_and_the_routing_policy() {
         })
         .await;
 }
+
+#[tokio::test]
+async fn inferyesctl_creates_lists_and_revokes_keys_showing_the_secret_once() {
+    let fleet = Fleet::start(vec![chat_sim("chat")]).await;
+    let url = fleet.controller().url();
+    let created: Value = serde_json::from_str(
+        &ctl(&url, &["keys", "create", "ci", "--model", "chat", "--rpm", "60", "--expires-in", "30d", "-o", "json"])
+            .await
+            .unwrap(),
+    )
+    .unwrap();
+    let key_id = created["key_id"].as_str().unwrap().to_string();
+    let secret = created["secret"].as_str().unwrap().to_string();
+    assert!(secret.starts_with(&format!("ify_{key_id}_")), "{created}");
+    assert_eq!(created["requests_per_minute"], 60);
+    let expires_in_days = (created["expires_unix_ms"].as_u64().unwrap() - inferyes_proto::unix_ms()) / 86_400_000;
+    assert_eq!(expires_in_days, 29, "{created}");
+
+    inferyes_tests::eventually("the key is listed", std::time::Duration::from_secs(10), || {
+        let url = url.clone();
+        async move { ctl(&url, &["keys", "list"]).await.unwrap().lines().count() == 2 }
+    })
+    .await;
+    let listed = ctl(&url, &["keys", "list"]).await.unwrap();
+    assert!(listed.contains(&key_id) && listed.contains("active") && listed.contains("in 29d"), "{listed}");
+    // The secret, and even its hash, never come back.
+    let shown = ctl(&url, &["keys", "show", &key_id, "-o", "json"]).await.unwrap();
+    assert!(!shown.contains(&secret[4..]) && !shown.contains("argon2"), "{shown}");
+
+    let revoked = ctl(&url, &["keys", "revoke", &key_id]).await.unwrap();
+    assert!(revoked.contains("revoked"), "{revoked}");
+    inferyes_tests::eventually("the key shows as revoked", std::time::Duration::from_secs(10), || {
+        let (url, key_id) = (url.clone(), key_id.clone());
+        async move { ctl(&url, &["keys", "show", &key_id]).await.unwrap().contains("revoked") }
+    })
+    .await;
+    let bad = ctl(&url, &["keys", "create", "x", "--expires-in", "soon"]).await.unwrap_err();
+    assert!(bad.to_string().contains("unit"), "{bad}");
+}

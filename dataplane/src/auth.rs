@@ -1,0 +1,370 @@
+//! Who may use the fleet, and how much: API keys checked against the
+//! snapshot's key records, and per-key request rates.
+//!
+//! A key is verified with argon2 (tens of milliseconds) once; the verdict is
+//! cached under a keyed 128-bit digest of the presented key and compared in
+//! constant time, so a request with a known key costs a hash and a map
+//! lookup. Revocation and expiry are read from the snapshot on every
+//! request, so they take effect with the next snapshot. Failed attempts are
+//! counted per client address: past the limit, unknown keys are refused
+//! without being verified, so guessing cannot burn the CPU.
+
+use std::collections::HashMap;
+use std::hash::{BuildHasher, Hasher};
+use std::net::IpAddr;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use http::{HeaderMap, HeaderName, HeaderValue, header};
+use inferyes_proto::ErrorKind;
+use inferyes_proto::apikey;
+use inferyes_proto::v1::ApiKey;
+use serde::{Deserialize, Serialize};
+
+use crate::http::ApiError;
+use crate::snapshot::RoutingSnapshot;
+
+/// `keys` (the default): every `/v1/*` request needs a key. `none`: open,
+/// for a trusted network only.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum AuthMode {
+    #[default]
+    Keys,
+    None,
+}
+
+/// The caller of a request, once authenticated.
+#[derive(Clone, Debug)]
+pub enum Caller {
+    /// Auth is off.
+    Open,
+    Key(Arc<KeyGrant>),
+}
+
+/// What a key allows, copied from its record.
+#[derive(Debug)]
+pub struct KeyGrant {
+    pub key_id: String,
+    pub allowed_models: Vec<String>,
+    pub requests_per_minute: u32,
+}
+
+impl Caller {
+    pub fn key_id(&self) -> Option<&str> {
+        match self {
+            Caller::Open => None,
+            Caller::Key(grant) => Some(&grant.key_id),
+        }
+    }
+
+    pub fn may_use(&self, model: &str) -> bool {
+        match self {
+            Caller::Open => true,
+            Caller::Key(grant) => apikey::model_allowed(&grant.allowed_models, model),
+        }
+    }
+}
+
+/// Why a request was refused, for the metrics.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Refusal {
+    Missing,
+    Invalid,
+    Revoked,
+    Expired,
+    TooManyFailures,
+    RateLimited,
+}
+
+impl Refusal {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Refusal::Missing => "missing",
+            Refusal::Invalid => "invalid",
+            Refusal::Revoked => "revoked",
+            Refusal::Expired => "expired",
+            Refusal::TooManyFailures => "too_many_failures",
+            Refusal::RateLimited => "rate_limited",
+        }
+    }
+}
+
+const FAILURE_WINDOW: Duration = Duration::from_secs(60);
+/// Argon2 verifications at once: each holds 19 MiB and a core for tens of
+/// milliseconds.
+const CONCURRENT_VERIFICATIONS: usize = 2;
+
+pub struct Auth {
+    mode: AuthMode,
+    /// Two independently keyed SipHashes: a 128-bit digest no one outside
+    /// this process can compute.
+    digest: (std::collections::hash_map::RandomState, std::collections::hash_map::RandomState),
+    /// Key id → the presented key's digest and the hash it was verified
+    /// against (a re-created record with a new hash is verified again).
+    verified: Mutex<HashMap<String, Verified>>,
+    failures: Mutex<HashMap<IpAddr, Window>>,
+    failures_per_minute: u32,
+    buckets: Mutex<HashMap<String, Bucket>>,
+    verifying: tokio::sync::Semaphore,
+}
+
+struct Verified {
+    digest: [u8; 16],
+    secret_hash: String,
+}
+
+struct Window {
+    started: Instant,
+    count: u32,
+}
+
+struct Bucket {
+    tokens: f64,
+    at: Instant,
+}
+
+impl Auth {
+    pub fn new(mode: AuthMode, failures_per_minute: u32) -> Auth {
+        Auth {
+            mode,
+            digest: Default::default(),
+            verified: Mutex::default(),
+            failures: Mutex::default(),
+            failures_per_minute,
+            buckets: Mutex::default(),
+            verifying: tokio::sync::Semaphore::new(CONCURRENT_VERIFICATIONS),
+        }
+    }
+
+    pub fn mode(&self) -> AuthMode {
+        self.mode
+    }
+
+    /// The caller of a request with these headers, from `peer`.
+    pub async fn authenticate(
+        &self,
+        headers: &HeaderMap,
+        peer: IpAddr,
+        snapshot: &RoutingSnapshot,
+    ) -> Result<Caller, (Refusal, ApiError)> {
+        if self.mode == AuthMode::None {
+            return Ok(Caller::Open);
+        }
+        let Some(token) = bearer(headers) else {
+            return Err((
+                Refusal::Missing,
+                unauthorized(
+                    "You didn't provide an API key. Send it in the Authorization header: `Authorization: Bearer ify_...`.",
+                ),
+            ));
+        };
+        let incorrect = || (Refusal::Invalid, unauthorized("Incorrect API key provided."));
+        let Some((key_id, secret)) = apikey::parse(token) else {
+            self.failed(peer);
+            return Err(incorrect());
+        };
+        let Some(key) = snapshot.api_key(key_id) else {
+            self.failed(peer);
+            return Err(incorrect());
+        };
+        let digest = self.digest_of(token);
+        if !self.known(key, &digest) {
+            if let Some(retry) = self.blocked(peer) {
+                return Err((
+                    Refusal::TooManyFailures,
+                    ApiError::new(
+                        ErrorKind::RateLimited,
+                        "Too many failed authentication attempts from this address; try again later.",
+                        "rate_limit_exceeded",
+                    )
+                    .retry_after(retry),
+                ));
+            }
+            if !self.verify(secret, &key.secret_hash).await {
+                self.failed(peer);
+                return Err(incorrect());
+            }
+            self.remember(key, digest);
+        }
+        let now = inferyes_proto::unix_ms();
+        if key.revoked {
+            return Err((Refusal::Revoked, unauthorized("This API key has been revoked.")));
+        }
+        if key.expires_unix_ms != 0 && key.expires_unix_ms <= now {
+            return Err((Refusal::Expired, unauthorized("This API key has expired.")));
+        }
+        Ok(Caller::Key(Arc::new(KeyGrant {
+            key_id: key.key_id.clone(),
+            allowed_models: key.allowed_models.clone(),
+            requests_per_minute: key.requests_per_minute,
+        })))
+    }
+
+    /// Takes one request from the caller's per-minute allowance. The
+    /// headers describe the allowance either way (OpenAI's
+    /// `x-ratelimit-*`).
+    pub fn admit(&self, caller: &Caller, now: Instant) -> Result<RateHeaders, (Refusal, ApiError)> {
+        let Caller::Key(grant) = caller else { return Ok(RateHeaders::default()) };
+        let limit = grant.requests_per_minute;
+        if limit == 0 {
+            return Ok(RateHeaders::default());
+        }
+        let per_second = f64::from(limit) / 60.0;
+        let mut buckets = self.buckets.lock().unwrap_or_else(PoisonError::into_inner);
+        let bucket =
+            buckets.entry(grant.key_id.clone()).or_insert_with(|| Bucket { tokens: f64::from(limit), at: now });
+        let elapsed = now.saturating_duration_since(bucket.at).as_secs_f64();
+        bucket.tokens = (bucket.tokens + elapsed * per_second).min(f64::from(limit));
+        bucket.at = now;
+        let admitted = bucket.tokens >= 1.0;
+        if admitted {
+            bucket.tokens -= 1.0;
+        }
+        let headers = RateHeaders {
+            limit: Some(limit),
+            remaining: bucket.tokens.floor() as u32,
+            reset_seconds: ((f64::from(limit) - bucket.tokens) / per_second).ceil() as u32,
+        };
+        if admitted {
+            return Ok(headers);
+        }
+        let retry = ((1.0 - bucket.tokens) / per_second).ceil().max(1.0) as u32;
+        let mut error = ApiError::new(
+            ErrorKind::RateLimited,
+            format!("Rate limit reached for requests: {limit} per minute for this key. Try again in {retry}s."),
+            "rate_limit_exceeded",
+        )
+        .retry_after(retry);
+        error.headers = headers.to_vec();
+        Err((Refusal::RateLimited, error))
+    }
+
+    fn digest_of(&self, token: &str) -> [u8; 16] {
+        let half = |state: &std::collections::hash_map::RandomState| {
+            let mut hasher = state.build_hasher();
+            hasher.write(token.as_bytes());
+            hasher.finish().to_le_bytes()
+        };
+        let mut digest = [0u8; 16];
+        digest[..8].copy_from_slice(&half(&self.digest.0));
+        digest[8..].copy_from_slice(&half(&self.digest.1));
+        digest
+    }
+
+    fn known(&self, key: &ApiKey, digest: &[u8; 16]) -> bool {
+        let verified = self.verified.lock().unwrap_or_else(PoisonError::into_inner);
+        verified
+            .get(&key.key_id)
+            .is_some_and(|v| v.secret_hash == key.secret_hash && apikey::constant_time_eq(&v.digest, digest))
+    }
+
+    fn remember(&self, key: &ApiKey, digest: [u8; 16]) {
+        let mut verified = self.verified.lock().unwrap_or_else(PoisonError::into_inner);
+        verified.insert(key.key_id.clone(), Verified { digest, secret_hash: key.secret_hash.clone() });
+    }
+
+    async fn verify(&self, secret: &str, secret_hash: &str) -> bool {
+        let Ok(_permit) = self.verifying.acquire().await else { return false };
+        let (secret, secret_hash) = (secret.to_string(), secret_hash.to_string());
+        tokio::task::spawn_blocking(move || apikey::verify(&secret, &secret_hash)).await.unwrap_or(false)
+    }
+
+    fn failed(&self, peer: IpAddr) {
+        let now = Instant::now();
+        let mut failures = self.failures.lock().unwrap_or_else(PoisonError::into_inner);
+        if failures.len() > 100_000 {
+            failures.retain(|_, w| now.duration_since(w.started) < FAILURE_WINDOW);
+        }
+        let window = failures.entry(peer).or_insert(Window { started: now, count: 0 });
+        if now.duration_since(window.started) >= FAILURE_WINDOW {
+            *window = Window { started: now, count: 0 };
+        }
+        window.count += 1;
+    }
+
+    /// Seconds until `peer` may try an unknown key again, if it is blocked.
+    fn blocked(&self, peer: IpAddr) -> Option<u32> {
+        let failures = self.failures.lock().unwrap_or_else(PoisonError::into_inner);
+        let window = failures.get(&peer)?;
+        let age = window.started.elapsed();
+        (age < FAILURE_WINDOW && window.count >= self.failures_per_minute)
+            .then(|| (FAILURE_WINDOW - age).as_secs().max(1) as u32)
+    }
+}
+
+/// OpenAI's request-rate headers.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct RateHeaders {
+    /// `None`: the caller has no limit, and no headers are sent.
+    pub limit: Option<u32>,
+    pub remaining: u32,
+    pub reset_seconds: u32,
+}
+
+impl RateHeaders {
+    pub fn to_vec(self) -> Vec<(HeaderName, HeaderValue)> {
+        let Some(limit) = self.limit else { return Vec::new() };
+        vec![
+            (HeaderName::from_static("x-ratelimit-limit-requests"), HeaderValue::from(limit)),
+            (HeaderName::from_static("x-ratelimit-remaining-requests"), HeaderValue::from(self.remaining)),
+            (
+                HeaderName::from_static("x-ratelimit-reset-requests"),
+                HeaderValue::from_str(&format!("{}s", self.reset_seconds)).unwrap_or(HeaderValue::from_static("0s")),
+            ),
+        ]
+    }
+}
+
+fn bearer(headers: &HeaderMap) -> Option<&str> {
+    let value = headers.get(header::AUTHORIZATION)?.to_str().ok()?.trim();
+    let (scheme, token) = value.split_once(' ')?;
+    scheme.eq_ignore_ascii_case("bearer").then(|| token.trim()).filter(|t| !t.is_empty())
+}
+
+fn unauthorized(message: &str) -> ApiError {
+    ApiError::new(ErrorKind::Unauthenticated, message, "invalid_api_key")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn caller(rpm: u32) -> Caller {
+        Caller::Key(Arc::new(KeyGrant { key_id: "k".into(), allowed_models: Vec::new(), requests_per_minute: rpm }))
+    }
+
+    #[test]
+    fn the_request_rate_refills_continuously_and_refuses_with_retry_after() {
+        let auth = Auth::new(AuthMode::Keys, 10);
+        let start = Instant::now();
+        let caller = caller(60);
+        for i in 0..60 {
+            let headers = auth.admit(&caller, start).unwrap_or_else(|_| panic!("request {i} within the limit"));
+            assert_eq!(headers.remaining, 59 - i);
+        }
+        let (refusal, error) = auth.admit(&caller, start).unwrap_err();
+        assert_eq!(refusal, Refusal::RateLimited);
+        assert_eq!(error.retry_after, Some(1));
+        assert_eq!(error.status(), http::StatusCode::TOO_MANY_REQUESTS);
+        assert!(error.headers.iter().any(|(n, v)| n == "x-ratelimit-remaining-requests" && v == "0"));
+        // 60 per minute is one a second.
+        assert!(auth.admit(&caller, start + Duration::from_millis(1_001)).is_ok());
+        assert!(auth.admit(&Caller::Open, start).is_ok());
+        assert!(auth.admit(&self::caller(0), start).unwrap().limit.is_none());
+    }
+
+    #[test]
+    fn the_authorization_header_is_read_as_a_bearer_token() {
+        let mut headers = HeaderMap::new();
+        assert_eq!(bearer(&headers), None);
+        headers.insert(header::AUTHORIZATION, HeaderValue::from_static("Bearer ify_abc_def"));
+        assert_eq!(bearer(&headers), Some("ify_abc_def"));
+        headers.insert(header::AUTHORIZATION, HeaderValue::from_static("bearer   tok "));
+        assert_eq!(bearer(&headers), Some("tok"));
+        headers.insert(header::AUTHORIZATION, HeaderValue::from_static("Basic dXNlcg=="));
+        assert_eq!(bearer(&headers), None);
+        headers.insert(header::AUTHORIZATION, HeaderValue::from_static("Bearer "));
+        assert_eq!(bearer(&headers), None);
+    }
+}

@@ -1,0 +1,176 @@
+//! API keys at the data plane: every refusal path, revocation reaching two
+//! data planes, expiry, model limits, request rates and failed attempts.
+
+use std::time::Duration;
+
+use http::{Method, StatusCode};
+use inferyes_dataplane::auth::AuthMode;
+use inferyes_proto::v1::{ApiKey, CreateKeyRequest, RevokeKeyRequest};
+use inferyes_tests::{DataplaneHandle, TestResponse};
+use prost::Message;
+
+use crate::support::{Fleet, chat_body, chat_sim};
+
+async fn keyed_fleet(tweak: impl FnOnce(&mut inferyes_dataplane::Config)) -> Fleet {
+    Fleet::start_with(vec![chat_sim("chat"), chat_sim("other")], |config| {
+        config.auth = AuthMode::Keys;
+        tweak(config);
+    })
+    .await
+}
+
+async fn create(fleet: &Fleet, request: CreateKeyRequest) -> (String, String) {
+    let created = fleet.controller().fleet().await.create_key(request).await.expect("key created").into_inner();
+    let key_id = created.key.expect("the created key").key_id;
+    let id = key_id.clone();
+    fleet.dataplane.wait_for("the key", Duration::from_secs(10), move |s| s.api_key(&id).is_some()).await;
+    (key_id, created.secret)
+}
+
+async fn chat(fleet: &Fleet, url: &str, key: Option<&str>, model: &str) -> TestResponse {
+    let bearer = key.map(|k| format!("Bearer {k}"));
+    let headers: Vec<(&str, &str)> = bearer.iter().map(|b| ("authorization", b.as_str())).collect();
+    let body = chat_body(model, "hello").to_string();
+    fleet.http.send(Method::POST, &format!("{url}/v1/chat/completions"), body.into(), &headers).await
+}
+
+fn refused_as(response: &TestResponse, status: StatusCode, code: &str) {
+    assert_eq!(response.status, status, "{}", String::from_utf8_lossy(&response.body));
+    assert_eq!(response.openai_error()["code"], code);
+}
+
+#[tokio::test]
+async fn requests_need_a_valid_key_and_get_only_its_models() {
+    let fleet = keyed_fleet(|_| {}).await;
+    let url = fleet.dataplane.url.clone();
+    let (key_id, secret) = create(
+        &fleet,
+        CreateKeyRequest { name: "team-a".into(), allowed_models: vec!["ch*".into()], ..Default::default() },
+    )
+    .await;
+    assert!(secret.starts_with(&format!("ify_{key_id}_")));
+
+    let ok = chat(&fleet, &url, Some(&secret), "chat").await;
+    assert_eq!(ok.status, StatusCode::OK);
+    assert!(ok.header("x-ratelimit-limit-requests").is_none(), "no limit, no headers");
+
+    refused_as(&chat(&fleet, &url, None, "chat").await, StatusCode::UNAUTHORIZED, "invalid_api_key");
+    refused_as(&chat(&fleet, &url, Some("sk-not-ours"), "chat").await, StatusCode::UNAUTHORIZED, "invalid_api_key");
+    let unknown_id = format!("ify_aaaaaaaaaaaa_{}", &secret[secret.len() - 32..]);
+    refused_as(&chat(&fleet, &url, Some(&unknown_id), "chat").await, StatusCode::UNAUTHORIZED, "invalid_api_key");
+    let wrong_secret = format!("ify_{key_id}_{}", "a".repeat(32));
+    refused_as(&chat(&fleet, &url, Some(&wrong_secret), "chat").await, StatusCode::UNAUTHORIZED, "invalid_api_key");
+
+    // Another model is, to this key, no model at all.
+    let hidden = chat(&fleet, &url, Some(&secret), "other").await;
+    refused_as(&hidden, StatusCode::NOT_FOUND, "model_not_found");
+    assert!(hidden.openai_error()["message"].as_str().unwrap().contains("do not have access"));
+    let auth = format!("Bearer {secret}");
+    let listed = fleet
+        .http
+        .send(Method::GET, &format!("{url}/v1/models"), Default::default(), &[("authorization", &auth)])
+        .await;
+    let ids: Vec<String> =
+        listed.json()["data"].as_array().unwrap().iter().map(|m| m["id"].as_str().unwrap().to_string()).collect();
+    assert_eq!(ids, ["chat"]);
+    let one = fleet
+        .http
+        .send(Method::GET, &format!("{url}/v1/models/other"), Default::default(), &[("authorization", &auth)])
+        .await;
+    assert_eq!(one.status, StatusCode::NOT_FOUND);
+    refused_as(&fleet.http.get(&format!("{url}/v1/models")).await, StatusCode::UNAUTHORIZED, "invalid_api_key");
+
+    // Refusals are counted by reason; no secret reaches the metrics.
+    let metrics = String::from_utf8(fleet.http.get(&format!("{url}/metrics")).await.body.to_vec()).unwrap();
+    assert!(metrics.contains("inferyes_dataplane_auth_refusals_total{reason=\"missing\"} 2"), "{metrics}");
+    assert!(metrics.contains("inferyes_dataplane_auth_refusals_total{reason=\"invalid\"} 3"), "{metrics}");
+    assert!(!metrics.contains(&secret[4..]));
+}
+
+#[tokio::test]
+async fn a_revoked_key_is_refused_by_every_data_plane_from_its_next_snapshot() {
+    let fleet = keyed_fleet(|_| {}).await;
+    let second = DataplaneHandle::start_with(&[fleet.controller().url()], |c| c.auth = AuthMode::Keys).await;
+    second.wait_for_nodes(&["node-a", "node-b"]).await;
+    let (key_id, secret) = create(&fleet, CreateKeyRequest { name: "leaving".into(), ..Default::default() }).await;
+    let id = key_id.clone();
+    second.wait_for("the key", Duration::from_secs(10), move |s| s.api_key(&id).is_some()).await;
+    for url in [&fleet.dataplane.url, &second.url] {
+        assert_eq!(chat(&fleet, url, Some(&secret), "chat").await.status, StatusCode::OK);
+    }
+
+    let revision = fleet
+        .controller()
+        .fleet()
+        .await
+        .revoke_key(RevokeKeyRequest { key_id: key_id.clone() })
+        .await
+        .unwrap()
+        .into_inner()
+        .revision;
+    for dataplane in [&fleet.dataplane, &second] {
+        dataplane.wait_for("the revocation", Duration::from_secs(10), move |s| s.version() >= revision).await;
+        let refused = chat(&fleet, &dataplane.url, Some(&secret), "chat").await;
+        refused_as(&refused, StatusCode::UNAUTHORIZED, "invalid_api_key");
+        assert!(refused.openai_error()["message"].as_str().unwrap().contains("revoked"));
+    }
+    second.stop().await;
+}
+
+#[tokio::test]
+async fn an_expired_key_is_refused() {
+    let fleet = keyed_fleet(|_| {}).await;
+    // Written straight to etcd: the API refuses to create a key that is
+    // already expired, and waiting for one to expire would be a sleep.
+    let generated = inferyes_proto::apikey::generate().unwrap();
+    let record = ApiKey {
+        key_id: generated.key_id.clone(),
+        name: "old".into(),
+        secret_hash: generated.secret_hash,
+        expires_unix_ms: inferyes_proto::unix_ms() - 1000,
+        ..Default::default()
+    };
+    let mut etcd = etcd_client::Client::connect([fleet.etcd.endpoint()], None).await.unwrap();
+    etcd.put(format!("/inferyes/v1/keys/{}", record.key_id), record.encode_to_vec(), None).await.unwrap();
+    let id = record.key_id.clone();
+    fleet.dataplane.wait_for("the key", Duration::from_secs(10), move |s| s.api_key(&id).is_some()).await;
+    let refused = chat(&fleet, &fleet.dataplane.url, Some(&generated.token), "chat").await;
+    refused_as(&refused, StatusCode::UNAUTHORIZED, "invalid_api_key");
+    assert!(refused.openai_error()["message"].as_str().unwrap().contains("expired"));
+}
+
+#[tokio::test]
+async fn a_key_over_its_request_rate_gets_429_with_the_rate_headers() {
+    let fleet = keyed_fleet(|_| {}).await;
+    let (_, secret) =
+        create(&fleet, CreateKeyRequest { name: "slow".into(), requests_per_minute: 2, ..Default::default() }).await;
+    let url = fleet.dataplane.url.clone();
+    let first = chat(&fleet, &url, Some(&secret), "chat").await;
+    assert_eq!(first.status, StatusCode::OK);
+    assert_eq!(first.header("x-ratelimit-limit-requests"), Some("2"));
+    assert_eq!(first.header("x-ratelimit-remaining-requests"), Some("1"));
+    assert_eq!(chat(&fleet, &url, Some(&secret), "chat").await.status, StatusCode::OK);
+    let limited = chat(&fleet, &url, Some(&secret), "chat").await;
+    refused_as(&limited, StatusCode::TOO_MANY_REQUESTS, "rate_limit_exceeded");
+    assert_eq!(limited.header("x-ratelimit-remaining-requests"), Some("0"));
+    let retry: u32 = limited.header("retry-after").unwrap().parse().unwrap();
+    assert!((1..=30).contains(&retry), "{retry}");
+}
+
+#[tokio::test]
+async fn failed_attempts_from_one_address_are_cut_off_but_known_keys_still_pass() {
+    let fleet = keyed_fleet(|c| c.auth_failures_per_minute = 3).await;
+    let url = fleet.dataplane.url.clone();
+    let (key_id, secret) = create(&fleet, CreateKeyRequest { name: "good".into(), ..Default::default() }).await;
+    assert_eq!(chat(&fleet, &url, Some(&secret), "chat").await.status, StatusCode::OK);
+    for i in 0..3 {
+        let guess = format!("ify_{key_id}_{}", char::from(b'a' + i).to_string().repeat(32));
+        refused_as(&chat(&fleet, &url, Some(&guess), "chat").await, StatusCode::UNAUTHORIZED, "invalid_api_key");
+    }
+    let guess = format!("ify_{key_id}_{}", "z".repeat(32));
+    let cut_off = chat(&fleet, &url, Some(&guess), "chat").await;
+    refused_as(&cut_off, StatusCode::TOO_MANY_REQUESTS, "rate_limit_exceeded");
+    assert!(cut_off.header("retry-after").is_some());
+    // A key this data plane has verified is not a guess.
+    assert_eq!(chat(&fleet, &url, Some(&secret), "chat").await.status, StatusCode::OK);
+}
