@@ -24,6 +24,14 @@ else
 fi
 bin="${CARGO_TARGET_DIR:-$root/target}/$profile"
 
+# The fleet's shared secrets, made once: the admin token (inferyesctl
+# changes) and the agents' join token.
+for token in admin-token join-token; do
+  if [ ! -s "$state/$token" ]; then
+    (umask 077; head -c 24 /dev/urandom | base64 | tr -d '=+/' > "$state/$token")
+  fi
+done
+
 pids=()
 stop() {
   trap - INT TERM EXIT
@@ -86,9 +94,12 @@ Inferyes is serving the OpenAI API on http://127.0.0.1:8080/v1
   python3 -c 'from openai import OpenAI; c = OpenAI(base_url="http://127.0.0.1:8080/v1", api_key="none"); \\
     print(c.chat.completions.create(model="qwen2.5-7b-instruct", messages=[{"role":"user","content":"hi"}]).choices[0].message.content)'
 
-  # The fleet:
+  # The fleet (the dashboard: http://127.0.0.1:7071/):
   $bin/inferyesctl nodes
   $bin/inferyesctl models
+  # Changes need the admin token:
+  export INFERYES_ADMIN_TOKEN_FILE=$state/admin-token
+  $bin/inferyesctl drain gpu-a
 
 Logs in $logs/. Ctrl-C stops the fleet.
 MSG

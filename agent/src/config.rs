@@ -37,6 +37,9 @@ pub struct Args {
     /// Log format: text or json.
     #[arg(long, env = "INFERYES_LOG_FORMAT")]
     pub log_format: Option<LogFormat>,
+    /// The fleet's join token itself (prefer join_token_file in the config file).
+    #[arg(long, env = "INFERYES_JOIN_TOKEN", hide_env_values = true)]
+    pub join_token: Option<String>,
 }
 
 #[derive(Clone, Debug, clap::Subcommand)]
@@ -75,6 +78,12 @@ pub struct Config {
     /// Simulated backends this agent starts itself (for machines without
     /// GPUs, demos and tests). Each is added as a backend.
     pub simulated: Vec<SimulatedBackend>,
+    /// A file holding the fleet's join token, presented to controllers.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub join_token_file: Option<PathBuf>,
+    /// From the environment or a flag; never written out.
+    #[serde(skip)]
+    pub join_token: Option<String>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -186,6 +195,8 @@ impl Default for Config {
             gpu: GpuConfig::default(),
             backends: Vec::new(),
             simulated: Vec::new(),
+            join_token_file: None,
+            join_token: None,
         }
     }
 }
@@ -201,6 +212,9 @@ impl Config {
         }
         if let Some(v) = args.proxy_listen {
             config.proxy_listen = v;
+        }
+        if let Some(v) = &args.join_token {
+            config.join_token = Some(v.clone());
         }
         if let Some(v) = &args.advertise_url {
             config.advertise_url.clone_from(v);

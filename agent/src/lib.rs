@@ -122,6 +122,12 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         report::run(
             Arc::clone(&state),
             config.controllers.clone(),
+            inferyes_proto::process::read_token(
+                config.join_token.as_deref(),
+                config.join_token_file.as_deref(),
+                "join token",
+            )?
+            .map(Arc::from),
             config.min_report_interval(),
             connection,
             shutdown.clone(),

@@ -30,6 +30,7 @@ pub struct Connection {
 pub async fn run(
     state: Arc<AgentState>,
     controllers: Vec<String>,
+    join_token: Option<Arc<str>>,
     min_interval: Duration,
     connection: watch::Sender<Connection>,
     shutdown: CancellationToken,
@@ -39,7 +40,7 @@ pub async fn run(
     loop {
         let address = &controllers[next % controllers.len()];
         next += 1;
-        match session(&state, address, min_interval, &connection, &shutdown).await {
+        match session(&state, address, join_token.as_deref(), min_interval, &connection, &shutdown).await {
             Ok(()) => return,
             Err(Failure { error, registered }) => {
                 connection.send_modify(|c| c.controller_id = None);
@@ -84,6 +85,7 @@ async fn connect(address: &str) -> Result<Channel, Failure> {
 async fn session(
     state: &AgentState,
     address: &str,
+    join_token: Option<&str>,
     min_interval: Duration,
     connection: &watch::Sender<Connection>,
     shutdown: &CancellationToken,
@@ -91,7 +93,8 @@ async fn session(
     let channel = connect(address).await?;
     let (tx, rx) = mpsc::channel(16);
     let mut sent: NodeStatus = state.status();
-    let register = Register { status: Some(sent.clone()), join_token: String::new() };
+    let register =
+        Register { status: Some(sent.clone()), join_token: join_token.map(str::to_string).unwrap_or_default() };
     // Queued before the call: the controller answers once it has read it.
     let _ = tx.try_send(AgentMessage { msg: Some(agent_message::Msg::Register(register)) });
     let mut inbound = AgentServiceClient::new(channel)

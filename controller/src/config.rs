@@ -43,9 +43,16 @@ pub struct Args {
     /// Log format: text or json.
     #[arg(long, env = "INFERYES_LOG_FORMAT")]
     pub log_format: Option<LogFormat>,
+    /// The admin token itself (prefer admin_token_file in the config file).
+    #[arg(long, env = "INFERYES_ADMIN_TOKEN", hide_env_values = true)]
+    pub admin_token: Option<String>,
+    /// The agents' join token itself (prefer join_token_file in the config file).
+    #[arg(long, env = "INFERYES_JOIN_TOKEN", hide_env_values = true)]
+    pub join_token: Option<String>,
 }
 
-pub use inferyes_proto::process::LogFormat;
+use inferyes_proto::process::read_token;
+pub use inferyes_proto::process::{LogFormat, TokenAuth};
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -69,6 +76,21 @@ pub struct Config {
     /// (agents retry at least every 2 s).
     pub startup_grace_ms: u64,
     pub log_format: LogFormat,
+    /// `token`: FleetService writes and everything about API keys need the
+    /// admin token. `none`: open, for trusted networks only.
+    pub admin_auth: TokenAuth,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub admin_token_file: Option<PathBuf>,
+    /// `token`: agents must present the join token. `none`: any agent that
+    /// reaches the controller may join.
+    pub join_auth: TokenAuth,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub join_token_file: Option<PathBuf>,
+    /// From the environment or a flag; never written out.
+    #[serde(skip)]
+    pub admin_token: Option<String>,
+    #[serde(skip)]
+    pub join_token: Option<String>,
 }
 
 impl Default for Config {
@@ -86,6 +108,12 @@ impl Default for Config {
             snapshot_debounce_ms: 10,
             startup_grace_ms: 3000,
             log_format: LogFormat::Text,
+            admin_auth: TokenAuth::Token,
+            admin_token_file: None,
+            join_auth: TokenAuth::Token,
+            join_token_file: None,
+            admin_token: None,
+            join_token: None,
         }
     }
 }
@@ -114,6 +142,12 @@ impl Config {
         if let Some(v) = args.log_format {
             config.log_format = v;
         }
+        if let Some(v) = &args.admin_token {
+            config.admin_token = Some(v.clone());
+        }
+        if let Some(v) = &args.join_token {
+            config.join_token = Some(v.clone());
+        }
         if config.controller_id.is_empty() {
             config.controller_id = format!("controller-{}", hostname());
         }
@@ -141,7 +175,37 @@ impl Config {
                 self.lease_ttl_ms
             );
         }
+        if self.admin_auth == TokenAuth::Token && self.admin_token.is_none() && self.admin_token_file.is_none() {
+            bail!(
+                "admin_auth = \"token\" (the default) needs the admin token: set admin_token_file (or \
+                 INFERYES_ADMIN_TOKEN), or admin_auth = \"none\" to leave fleet writes open on a trusted network"
+            );
+        }
+        if self.join_auth == TokenAuth::Token && self.join_token.is_none() && self.join_token_file.is_none() {
+            bail!(
+                "join_auth = \"token\" (the default) needs the agents' join token: set join_token_file (or \
+                 INFERYES_JOIN_TOKEN), or join_auth = \"none\" to let any agent join on a trusted network"
+            );
+        }
         Ok(())
+    }
+
+    /// The admin token, read now; `None` when admin_auth is `none`.
+    pub fn admin_token(&self) -> anyhow::Result<Option<std::sync::Arc<str>>> {
+        if self.admin_auth == TokenAuth::None {
+            return Ok(None);
+        }
+        let token = read_token(self.admin_token.as_deref(), self.admin_token_file.as_deref(), "admin token")?;
+        Ok(token.map(std::sync::Arc::from))
+    }
+
+    /// The join token, read now; `None` when join_auth is `none`.
+    pub fn join_token(&self) -> anyhow::Result<Option<std::sync::Arc<str>>> {
+        if self.join_auth == TokenAuth::None {
+            return Ok(None);
+        }
+        let token = read_token(self.join_token.as_deref(), self.join_token_file.as_deref(), "join token")?;
+        Ok(token.map(std::sync::Arc::from))
     }
 
     pub fn lease_ttl(&self) -> Duration {
@@ -184,7 +248,11 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("inferyes-ctl-config-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("controller.toml");
-        std::fs::write(&path, "version = 1\nlease_ttl_ms = 9000\netcd_prefix = \"/file/\"\n").unwrap();
+        std::fs::write(
+            &path,
+            "version = 1\nlease_ttl_ms = 9000\netcd_prefix = \"/file/\"\nadmin_token_file = \"/a\"\njoin_auth = \"none\"\n",
+        )
+        .unwrap();
         let args = Args::try_parse_from([
             "inferyes-controller",
             "--config",
@@ -197,6 +265,22 @@ mod tests {
         assert_eq!(config.etcd_prefix, "/flag/");
         assert_eq!(config.lease_ttl_ms, 9000);
         assert_eq!(config.heartbeat_interval_ms, Config::default().heartbeat_interval_ms);
+    }
+
+    #[test]
+    fn tokens_are_required_unless_switched_off_and_are_never_written_out() {
+        let error = Config::default().validate().unwrap_err().to_string();
+        assert!(error.contains("admin_token_file") && error.contains("admin_auth = \"none\""), "{error}");
+        let open = Config { admin_auth: TokenAuth::None, join_auth: TokenAuth::None, ..Config::default() };
+        open.validate().unwrap();
+        assert_eq!(open.admin_token().unwrap(), None);
+        let secret = "s3cret-token-0123456789";
+        let set = Config { admin_token: Some(secret.into()), join_token: Some(secret.into()), ..Config::default() };
+        set.validate().unwrap();
+        assert_eq!(set.admin_token().unwrap().as_deref(), Some(secret));
+        assert!(!toml::to_string(&set).unwrap().contains(secret));
+        let short = Config { admin_token: Some("short".into()), ..set };
+        assert!(short.admin_token().unwrap_err().to_string().contains("at least 16"));
     }
 
     #[test]

@@ -16,6 +16,7 @@ use inferyes_proto::v1::{
     SnapshotNode, UndrainRequest,
 };
 use serde_json::{Value, json};
+use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
 
 #[derive(Debug, Parser)]
@@ -27,6 +28,12 @@ pub struct Cli {
     /// Output format.
     #[arg(short, long, global = true, value_enum, default_value_t = Output::Table)]
     pub output: Output,
+    /// The admin token, for changes and keys (prefer --admin-token-file).
+    #[arg(long, global = true, env = "INFERYES_ADMIN_TOKEN", hide_env_values = true)]
+    pub admin_token: Option<String>,
+    /// A file holding the admin token.
+    #[arg(long, global = true, env = "INFERYES_ADMIN_TOKEN_FILE")]
+    pub admin_token_file: Option<std::path::PathBuf>,
     #[command(subcommand)]
     pub command: Command,
 }
@@ -193,7 +200,12 @@ pub async fn run(cli: Cli) -> anyhow::Result<String> {
         .with_context(|| {
             format!("cannot reach the controller at {} (set --controller or INFERYES_CONTROLLER)", cli.controller)
         })?;
-    let mut client = FleetServiceClient::new(channel);
+    let token = inferyes_proto::process::read_token(
+        cli.admin_token.as_deref(),
+        cli.admin_token_file.as_deref(),
+        "admin token",
+    )?;
+    let mut client = admin_client(channel, token.as_deref())?;
     let json_out = cli.output == Output::Json;
     let text = match cli.command {
         Command::Nodes => {
@@ -392,11 +404,7 @@ fn written(json_out: bool, what: &str, revision: u64) -> String {
     }
 }
 
-async fn keys(
-    client: &mut FleetServiceClient<Channel>,
-    command: KeysCommand,
-    json_out: bool,
-) -> anyhow::Result<String> {
+async fn keys(client: &mut AdminClient, command: KeysCommand, json_out: bool) -> anyhow::Result<String> {
     Ok(match command {
         KeysCommand::Create { name, models, rpm, tokens_per_day, expires_in } => {
             let expires_unix_ms = match expires_in {
@@ -448,6 +456,30 @@ async fn keys(
             written(json_out, &format!("key {key_id} revoked"), response.revision)
         }
     })
+}
+
+/// A FleetService client that sends the admin token, when it has one, with
+/// every call.
+pub type AdminClient = FleetServiceClient<InterceptedService<Channel, AdminToken>>;
+
+#[derive(Clone)]
+pub struct AdminToken(Option<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>);
+
+impl tonic::service::Interceptor for AdminToken {
+    fn call(&mut self, mut request: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
+        if let Some(value) = &self.0 {
+            request.metadata_mut().insert("authorization", value.clone());
+        }
+        Ok(request)
+    }
+}
+
+pub fn admin_client(channel: Channel, token: Option<&str>) -> anyhow::Result<AdminClient> {
+    let value = token
+        .map(|t| format!("Bearer {t}").parse())
+        .transpose()
+        .map_err(|_| anyhow::anyhow!("the admin token must be printable ASCII"))?;
+    Ok(FleetServiceClient::with_interceptor(channel, AdminToken(value)))
 }
 
 fn key_state(key: &ApiKey) -> &'static str {

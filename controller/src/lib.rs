@@ -45,6 +45,14 @@ impl Listeners {
 
 /// Runs until `shutdown` is cancelled; every stream it serves ends then.
 pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationToken) -> anyhow::Result<()> {
+    let admin_token = config.admin_token()?;
+    let join_token = config.join_token()?;
+    if admin_token.is_none() {
+        tracing::warn!("admin_auth = \"none\": anyone who reaches the gRPC port can change the fleet and its keys");
+    }
+    if join_token.is_none() {
+        tracing::warn!("join_auth = \"none\": any agent that reaches the gRPC port can join the fleet");
+    }
     let keys = store::Keys::new(&config.etcd_prefix);
     let store =
         store::EtcdStore::connect(&config.etcd_endpoints, keys).await.context("cannot set up the etcd client")?;
@@ -74,6 +82,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         min_write_interval: config.min_write_interval(),
         shutdown: shutdown.clone(),
         metrics: std::sync::Arc::clone(&metrics),
+        join_token,
     };
     let routing = grpc::RoutingSvc {
         snapshots: snapshots.clone(),
@@ -82,7 +91,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         serve_after: tokio::time::Instant::now() + config.startup_grace(),
         activity: std::sync::Arc::clone(&activity),
     };
-    let fleet = grpc::FleetSvc { store, snapshots: snapshots.clone() };
+    let fleet = grpc::FleetSvc { store, snapshots: snapshots.clone(), admin_token };
 
     let incoming = tonic::transport::server::TcpIncoming::from(listeners.grpc).with_nodelay(Some(true));
     let grpc_server = tonic::transport::Server::builder()

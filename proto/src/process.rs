@@ -46,3 +46,39 @@ pub fn shutdown_on_signal() -> CancellationToken {
     });
     shutdown
 }
+
+/// Whether a shared-secret check is on (`token`, the default) or
+/// explicitly off (`none`, for trusted networks).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum TokenAuth {
+    #[default]
+    Token,
+    None,
+}
+
+/// Tokens shorter than this are refused: they would be guessable.
+const MIN_TOKEN_CHARS: usize = 16;
+
+/// A shared secret (admin or join token): the value given directly (from
+/// the environment), else the first line of `file`. Never logged.
+pub fn read_token(value: Option<&str>, file: Option<&Path>, what: &str) -> anyhow::Result<Option<String>> {
+    use anyhow::Context;
+    let token = match (value, file) {
+        (Some(value), _) => value.trim().to_string(),
+        (None, Some(file)) => std::fs::read_to_string(file)
+            .with_context(|| format!("cannot read the {what} from {}", file.display()))?
+            .lines()
+            .next()
+            .unwrap_or_default()
+            .trim()
+            .to_string(),
+        (None, None) => return Ok(None),
+    };
+    anyhow::ensure!(
+        token.len() >= MIN_TOKEN_CHARS && token.chars().all(|c| c.is_ascii_graphic()),
+        "the {what} must be at least {MIN_TOKEN_CHARS} printable ASCII characters without spaces \
+         (e.g. `head -c 32 /dev/urandom | base64 | tr -d '=+/'`)"
+    );
+    Ok(Some(token))
+}

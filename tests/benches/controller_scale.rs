@@ -91,6 +91,8 @@ fn main() {
             grpc_listen: grpc_addr,
             http_listen: http_addr,
             startup_grace_ms: 0,
+            admin_token: Some(inferyes_tests::fleet::ADMIN_TOKEN.into()),
+            join_token: Some(inferyes_tests::fleet::JOIN_TOKEN.into()),
             ..Default::default()
         };
         config.validate().expect("valid controller config");
@@ -248,7 +250,10 @@ async fn agent(
     };
     let _ = tx
         .send(AgentMessage {
-            msg: Some(Msg::Register(Register { status: Some(status.clone()), join_token: String::new() })),
+            msg: Some(Msg::Register(Register {
+                status: Some(status.clone()),
+                join_token: inferyes_tests::fleet::JOIN_TOKEN.into(),
+            })),
         })
         .await;
     let mut sessions: Vec<String> = (0..SESSIONS_PER_NODE).map(|s| format!("n{index}-s{s}")).collect();

@@ -37,9 +37,9 @@ def binary_for(path):
     return "inferyes-agent"
 
 
-def print_config(binary, path):
+def print_config(binary, path, env=None):
     return subprocess.run([str(binary_dir() / binary), "--config", str(path), "--print-config"],
-                          capture_output=True, text=True, timeout=30)
+                          capture_output=True, text=True, timeout=30, env={**os.environ, **(env or {})})
 
 
 def env_vars(binary):
@@ -78,8 +78,10 @@ def test_the_schema_check_catches_a_mistake():
 def test_kubernetes_configs_are_accepted_by_their_binaries_and_wired_in():
     k = kustomization()
     generated = [f.split("=", 1)[1] for g in k["configMapGenerator"] + k["secretGenerator"] for f in g["files"]]
+    # The manifests give the tokens from the inferyes-tokens Secret.
+    tokens = {"INFERYES_ADMIN_TOKEN": "a-token-from-the-secret", "INFERYES_JOIN_TOKEN": "a-token-from-the-secret"}
     for path in generated:
-        result = print_config(binary_for(path), DEPLOY / "kubernetes" / path)
+        result = print_config(binary_for(path), DEPLOY / "kubernetes" / path, env=tokens)
         assert result.returncode == 0, f"{path}: {result.stderr}"
     manifests = "\n".join((DEPLOY / "kubernetes" / name).read_text() for name in k["resources"])
     # Each container runs a binary with a config the generators provide.

@@ -9,8 +9,8 @@ Environment:
 """
 
 import json
+import secrets
 import shutil
-import subprocess
 import tempfile
 from pathlib import Path
 
@@ -50,6 +50,9 @@ def fleet():
         ])
         wait_until("etcd healthy", lambda: http_get(f"{etcd_url}/health")[0] == 200)
 
+        # Tokens on, as in production: every ctl call and agent presents one.
+        fleet.admin_token_file = fleet.write("admin-token", secrets.token_urlsafe(24) + "\n")
+        fleet.join_token_file = fleet.write("join-token", secrets.token_urlsafe(24) + "\n")
         grpc_port, http_port = free_port(), free_port()
         fleet.controller_url = f"http://127.0.0.1:{grpc_port}"
         controller = fleet.write("controller.toml", f"""
@@ -60,13 +63,12 @@ grpc_listen = "127.0.0.1:{grpc_port}"
 http_listen = "127.0.0.1:{http_port}"
 lease_ttl_ms = 3000
 heartbeat_interval_ms = 500
+admin_token_file = "{fleet.admin_token_file}"
+join_token_file = "{fleet.join_token_file}"
 """)
         fleet.spawn("controller", [str(fleet.bin / "inferyes-controller"), "--config", str(controller)])
         wait_until("controller ready", lambda: http_get(f"http://127.0.0.1:{http_port}/readyz")[0] == 200)
-        fleet.ctl = [str(fleet.bin / "inferyesctl"), "--controller", fleet.controller_url]
-        created = subprocess.run(fleet.ctl + ["keys", "create", "e2e", "-o", "json"],
-                                 check=True, capture_output=True, text=True)
-        fleet.api_key = json.loads(created.stdout)["secret"]
+        fleet.api_key = fleet.ctl("keys", "create", "e2e")["secret"]
 
         chat = models / "tiny-chat.gguf"
         embed = models / "tiny-embed.gguf"
@@ -85,6 +87,7 @@ node_id = "{node}"
 controllers = ["{fleet.controller_url}"]
 proxy_listen = "127.0.0.1:{port}"
 poll_interval_ms = 250
+join_token_file = "{fleet.join_token_file}"
 [gpu]
 source = "declared"
 [[gpu.declared]]

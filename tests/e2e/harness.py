@@ -82,7 +82,8 @@ class Fleet:
 
     def ctl(self, *args):
         out = subprocess.run(
-            [str(self.bin / "inferyesctl"), "--controller", self.controller_url, "-o", "json", *args],
+            [str(self.bin / "inferyesctl"), "--controller", self.controller_url,
+             "--admin-token-file", str(self.admin_token_file), "-o", "json", *args],
             check=True, capture_output=True, text=True, timeout=30,
         )
         return json.loads(out.stdout)

@@ -1,8 +1,5 @@
 """The OpenAI client against a fleet of real llama-server nodes."""
 
-import json
-import subprocess
-
 import openai
 import pytest
 from openai import OpenAI
@@ -111,9 +108,8 @@ def test_keys_are_checked_and_limited_to_their_models(fleet):
     with pytest.raises(openai.AuthenticationError) as refused:
         OpenAI(base_url=f"{fleet.url}/v1", api_key="ify_wrong", max_retries=0).models.list()
     assert refused.value.code == "invalid_api_key"
-    created = subprocess.run(fleet.ctl + ["keys", "create", "embed-only", "--model", "tiny-embed", "-o", "json"],
-                             check=True, capture_output=True, text=True)
-    narrow = OpenAI(base_url=f"{fleet.url}/v1", api_key=json.loads(created.stdout)["secret"], max_retries=0)
+    created = fleet.ctl("keys", "create", "embed-only", "--model", "tiny-embed")
+    narrow = OpenAI(base_url=f"{fleet.url}/v1", api_key=created["secret"], max_retries=0)
     # The key reaches the data plane with the next snapshot.
     wait_until("the new key is known", lambda: [m.id for m in narrow.models.list()] == ["tiny-embed"])
     assert narrow.embeddings.create(model="tiny-embed", input="hello").data

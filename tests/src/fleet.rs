@@ -15,6 +15,9 @@ use tonic::transport::Channel;
 
 /// Lease TTL used in tests: etcd's minimum.
 pub const LEASE_TTL: Duration = Duration::from_secs(2);
+/// The test fleets' admin and join tokens: on, as by default.
+pub const ADMIN_TOKEN: &str = "test-admin-token-0123456789";
+pub const JOIN_TOKEN: &str = "test-join-token-0123456789";
 
 async fn local_listener(addr: Option<SocketAddr>) -> TcpListener {
     let addr = addr.unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 0)));
@@ -101,6 +104,8 @@ impl ControllerHandle {
             snapshot_debounce_ms: 5,
             // Tests start fleets from scratch; the restart test sets it.
             startup_grace_ms: 0,
+            admin_token: Some(ADMIN_TOKEN.into()),
+            join_token: Some(JOIN_TOKEN.into()),
             ..Default::default()
         };
         tweak(&mut config);
@@ -122,7 +127,14 @@ impl ControllerHandle {
         format!("http://{}", self.grpc_addr)
     }
 
-    pub async fn fleet(&self) -> FleetServiceClient<Channel> {
+    /// A FleetService client holding the admin token.
+    pub async fn fleet(&self) -> inferyes_controller::ctl::AdminClient {
+        let channel = Channel::from_shared(self.url()).expect("url").connect().await.expect("controller reachable");
+        inferyes_controller::ctl::admin_client(channel, Some(ADMIN_TOKEN)).expect("admin client")
+    }
+
+    /// A FleetService client without the admin token.
+    pub async fn fleet_anonymous(&self) -> FleetServiceClient<Channel> {
         FleetServiceClient::connect(self.url()).await.expect("controller reachable")
     }
 
@@ -182,6 +194,7 @@ impl AgentHandle {
             min_report_interval_ms: 10,
             gpu: GpuConfig { source: gpu, declared: Vec::new() },
             backends,
+            join_token: Some(JOIN_TOKEN.into()),
             ..Default::default()
         };
         config.validate().expect("valid agent config");

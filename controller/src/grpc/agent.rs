@@ -35,6 +35,8 @@ pub struct AgentSvc {
     pub min_write_interval: Duration,
     pub shutdown: CancellationToken,
     pub metrics: std::sync::Arc<crate::metrics::Metrics>,
+    /// Agents must present it to join; `None`: any agent may.
+    pub join_token: Option<std::sync::Arc<str>>,
 }
 
 impl AgentSvc {
@@ -63,6 +65,16 @@ impl AgentService for AgentSvc {
         let Some(AgentMessage { msg: Some(Msg::Register(register)) }) = first else {
             return Err(status(ErrorKind::BadRequest, "the first message on a join stream must be `register`"));
         };
+        if let Some(expected) = &self.join_token
+            && !inferyes_proto::apikey::constant_time_eq(register.join_token.as_bytes(), expected.as_bytes())
+        {
+            let reason = if register.join_token.is_empty() { "needs" } else { "refused the agent's" };
+            tracing::warn!(peer = ?peer, "agent refused: wrong or missing join token");
+            return Err(status(
+                ErrorKind::PermissionDenied,
+                format!("this controller {reason} join token (agent: join_token_file or INFERYES_JOIN_TOKEN)"),
+            ));
+        }
         let node = register.status.ok_or_else(|| status(ErrorKind::BadRequest, "register carries no node status"))?;
         validate(&node)?;
 

@@ -20,11 +20,31 @@ use crate::store::EtcdStore;
 pub struct FleetSvc {
     pub store: EtcdStore,
     pub snapshots: SnapshotRx,
+    /// Writes and everything about API keys need it; `None`: open.
+    pub admin_token: Option<std::sync::Arc<str>>,
 }
 
 impl FleetSvc {
     pub fn svc(self) -> FleetServiceServer<Self> {
         FleetServiceServer::new(self)
+    }
+
+    /// Refuses a call without the admin token (when one is configured).
+    fn admin<T>(&self, request: &Request<T>) -> Result<(), Status> {
+        let Some(expected) = &self.admin_token else { return Ok(()) };
+        let presented = request
+            .metadata()
+            .get("authorization")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "));
+        match presented {
+            Some(token) if inferyes_proto::apikey::constant_time_eq(token.as_bytes(), expected.as_bytes()) => Ok(()),
+            Some(_) => Err(status(ErrorKind::PermissionDenied, "the admin token is not this fleet's")),
+            None => Err(status(
+                ErrorKind::Unauthenticated,
+                "this call needs the admin token (inferyesctl: --admin-token-file or INFERYES_ADMIN_TOKEN)",
+            )),
+        }
     }
 
     fn snapshot(&self) -> Result<std::sync::Arc<Snapshot>, Status> {
@@ -80,6 +100,7 @@ impl FleetService for FleetSvc {
     }
 
     async fn drain(&self, request: Request<DrainRequest>) -> Result<Response<DrainResponse>, Status> {
+        self.admin(&request)?;
         let request = request.into_inner();
         let known = self.snapshot()?.node(&request.node_id).is_some();
         if !known && !request.force {
@@ -95,6 +116,7 @@ impl FleetService for FleetSvc {
     }
 
     async fn undrain(&self, request: Request<UndrainRequest>) -> Result<Response<DrainResponse>, Status> {
+        self.admin(&request)?;
         let node_id = request.into_inner().node_id;
         let revision = self.store.delete(self.store.keys().drain(&node_id)).await?;
         tracing::info!(node = %node_id, revision, "node undrained");
@@ -107,6 +129,7 @@ impl FleetService for FleetSvc {
     }
 
     async fn set_alias(&self, request: Request<Alias>) -> Result<Response<WriteResponse>, Status> {
+        self.admin(&request)?;
         let Alias { alias, model } = request.into_inner();
         validate_name("alias", &alias)?;
         validate_name("model", &model)?;
@@ -129,6 +152,7 @@ impl FleetService for FleetSvc {
     }
 
     async fn delete_alias(&self, request: Request<DeleteAliasRequest>) -> Result<Response<WriteResponse>, Status> {
+        self.admin(&request)?;
         let alias = request.into_inner().alias;
         if !self.snapshot()?.aliases().iter().any(|a| a.alias == alias) {
             return Err(status(ErrorKind::NotFound, format!("no alias `{alias}`")));
@@ -143,6 +167,7 @@ impl FleetService for FleetSvc {
     }
 
     async fn set_policy(&self, request: Request<RoutingPolicy>) -> Result<Response<WriteResponse>, Status> {
+        self.admin(&request)?;
         let policy = request.into_inner();
         validate_thresholds(policy.admission_threshold, policy.hard_limit)?;
         if policy.load_bound != 0.0 && !(1.0..=100.0).contains(&policy.load_bound) {
@@ -154,6 +179,7 @@ impl FleetService for FleetSvc {
     }
 
     async fn set_node_policy(&self, request: Request<SetNodePolicyRequest>) -> Result<Response<WriteResponse>, Status> {
+        self.admin(&request)?;
         let SetNodePolicyRequest { node_id, policy } = request.into_inner();
         validate_name("node_id", &node_id)?;
         let policy = policy.unwrap_or_default();
@@ -169,6 +195,7 @@ impl FleetService for FleetSvc {
     }
 
     async fn create_key(&self, request: Request<CreateKeyRequest>) -> Result<Response<CreatedKey>, Status> {
+        self.admin(&request)?;
         let request = request.into_inner();
         let name = request.name.trim();
         if name.is_empty() || name.len() > 128 || name.chars().any(char::is_control) {
@@ -204,13 +231,15 @@ impl FleetService for FleetSvc {
         Ok(Response::new(CreatedKey { key: Some(without_hash(&key)), secret: generated.token, revision }))
     }
 
-    async fn list_keys(&self, _: Request<ListKeysRequest>) -> Result<Response<ListKeysResponse>, Status> {
+    async fn list_keys(&self, request: Request<ListKeysRequest>) -> Result<Response<ListKeysResponse>, Status> {
+        self.admin(&request)?;
         let snapshot = self.snapshot()?;
         let keys = snapshot.api_keys().map(without_hash).collect();
         Ok(Response::new(ListKeysResponse { version: snapshot.version(), keys }))
     }
 
     async fn get_key(&self, request: Request<GetKeyRequest>) -> Result<Response<ApiKey>, Status> {
+        self.admin(&request)?;
         let key_id = request.into_inner().key_id;
         let snapshot = self.snapshot()?;
         let key = snapshot.api_key(&key_id).ok_or_else(|| status(ErrorKind::NotFound, format!("no key `{key_id}`")))?;
@@ -218,6 +247,7 @@ impl FleetService for FleetSvc {
     }
 
     async fn revoke_key(&self, request: Request<RevokeKeyRequest>) -> Result<Response<WriteResponse>, Status> {
+        self.admin(&request)?;
         let key_id = request.into_inner().key_id;
         let snapshot = self.snapshot()?;
         let mut key = snapshot

@@ -176,7 +176,7 @@ async fn a_silent_agent_is_dropped_after_the_lease_ttl() {
     // open but nothing more is ever sent.
     let (tx, rx) = tokio::sync::mpsc::channel(1);
     let status = NodeStatus { node_id: "hung".into(), proxy_url: "http://127.0.0.1:9".into(), ..Default::default() };
-    let register = Register { status: Some(status), join_token: String::new() };
+    let register = Register { status: Some(status), join_token: inferyes_tests::fleet::JOIN_TOKEN.into() };
     tx.send(AgentMessage { msg: Some(agent_message::Msg::Register(register)) }).await.unwrap();
     let mut agents = AgentServiceClient::connect(controller.url()).await.unwrap();
     let mut inbound = agents.join(tokio_stream::wrappers::ReceiverStream::new(rx)).await.unwrap().into_inner();
@@ -279,4 +279,43 @@ async fn with_etcd_down_routing_goes_on_writes_fail_clearly_and_everything_conve
         .wait_for("a write after the outage", Duration::from_secs(10), |s| s.nodes().iter().any(|n| n.draining))
         .await;
     assert_eq!(chat(&fleet, "after").await.header("x-inferyes-node"), Some("node-b"));
+}
+
+#[tokio::test]
+async fn fleet_writes_and_keys_need_the_admin_token_and_agents_the_join_token() {
+    use inferyes_proto::v1::agent_service_client::AgentServiceClient;
+    use inferyes_proto::v1::{
+        AgentMessage, CreateKeyRequest, DrainRequest, ListKeysRequest, NodeStatus, Register, agent_message,
+    };
+
+    let etcd = Etcd::start().await;
+    let controller = ControllerHandle::start(&etcd.endpoint(), "controller-1").await;
+    let mut anonymous = controller.fleet_anonymous().await;
+    let drain = DrainRequest { node_id: "n".into(), reason: String::new(), force: true };
+    let refused = anonymous.drain(drain.clone()).await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::Unauthenticated, "{refused:?}");
+    assert!(refused.message().contains("admin token"));
+    let refused = anonymous.create_key(CreateKeyRequest { name: "x".into(), ..Default::default() }).await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::Unauthenticated);
+    assert_eq!(anonymous.list_keys(ListKeysRequest {}).await.unwrap_err().code(), tonic::Code::Unauthenticated);
+    // Reads of the fleet stay open.
+    assert!(anonymous.list_nodes(ListNodesRequest {}).await.is_ok());
+    let channel = tonic::transport::Channel::from_shared(controller.url()).unwrap().connect().await.unwrap();
+    let mut wrong = inferyes_controller::ctl::admin_client(channel, Some("not-the-admin-token-at-all")).unwrap();
+    assert_eq!(wrong.drain(drain.clone()).await.unwrap_err().code(), tonic::Code::PermissionDenied);
+    assert!(controller.fleet().await.drain(drain).await.is_ok());
+
+    for token in ["", "not-the-join-token-at-all"] {
+        let (tx, rx) = tokio::sync::mpsc::channel(1);
+        let status =
+            NodeStatus { node_id: "intruder".into(), proxy_url: "http://127.0.0.1:9".into(), ..Default::default() };
+        let register = Register { status: Some(status), join_token: token.into() };
+        tx.send(AgentMessage { msg: Some(agent_message::Msg::Register(register)) }).await.unwrap();
+        let mut agents = AgentServiceClient::connect(controller.url()).await.unwrap();
+        let refused = agents.join(tokio_stream::wrappers::ReceiverStream::new(rx)).await.unwrap_err();
+        assert_eq!(refused.code(), tonic::Code::PermissionDenied, "{refused:?}");
+        assert!(refused.message().contains("join token"));
+    }
+    let nodes = controller.fleet().await.list_nodes(ListNodesRequest {}).await.unwrap().into_inner().nodes;
+    assert!(nodes.is_empty(), "no intruder joined");
 }
