@@ -11,7 +11,6 @@ pub mod report;
 pub mod residency;
 pub mod sim;
 pub mod state;
-pub mod usage;
 
 use std::sync::Arc;
 use std::sync::Mutex;

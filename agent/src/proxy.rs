@@ -222,15 +222,15 @@ impl Tracked {
             return;
         }
         self.tail.extend_from_slice(data);
-        if self.tail.len() > 2 * crate::usage::TAIL_BYTES {
-            let cut = self.tail.len() - crate::usage::TAIL_BYTES;
+        if self.tail.len() > 2 * inferyes_proto::usage::TAIL_BYTES {
+            let cut = self.tail.len() - inferyes_proto::usage::TAIL_BYTES;
             self.tail.drain(..cut);
         }
     }
 
     fn finished(&mut self) {
         let Some(session) = self.session.take() else { return };
-        let Some(usage) = crate::usage::parse_usage(&self.tail) else { return };
+        let Some(usage) = inferyes_proto::usage::parse_usage(&self.tail) else { return };
         if let Ok(mut residency) = self.state.residency.lock() {
             residency.record(&session, &self.backend, usage);
         }

@@ -35,13 +35,7 @@ struct Entry {
     tick: u64,
 }
 
-/// What the server said about one finished request.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Usage {
-    pub prompt_tokens: u32,
-    pub completion_tokens: u32,
-    pub cached_tokens: u32,
-}
+pub use inferyes_proto::usage::Usage;
 
 #[derive(Clone, Debug, Default)]
 pub struct Residency {

@@ -86,6 +86,10 @@ pub struct Config {
     pub join_auth: TokenAuth,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub join_token_file: Option<PathBuf>,
+    /// Hourly usage roll-ups are kept this long.
+    pub usage_retention_days: u64,
+    /// Raw usage records (for export) are kept this long.
+    pub raw_usage_retention_days: u64,
     /// From the environment or a flag; never written out.
     #[serde(skip)]
     pub admin_token: Option<String>,
@@ -112,6 +116,8 @@ impl Default for Config {
             admin_token_file: None,
             join_auth: TokenAuth::Token,
             join_token_file: None,
+            usage_retention_days: 400,
+            raw_usage_retention_days: 7,
             admin_token: None,
             join_token: None,
         }
@@ -158,6 +164,9 @@ impl Config {
     pub fn validate(&self) -> anyhow::Result<()> {
         if self.version != 1 {
             bail!("config version {} is not supported: set `version = 1`", self.version);
+        }
+        if self.usage_retention_days == 0 || self.raw_usage_retention_days == 0 {
+            bail!("usage_retention_days and raw_usage_retention_days must be at least 1");
         }
         if self.etcd_endpoints.is_empty() {
             bail!("etcd_endpoints is empty: list at least one, e.g. [\"http://127.0.0.1:2379\"]");

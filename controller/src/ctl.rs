@@ -13,7 +13,7 @@ use inferyes_proto::v1::{
 };
 use inferyes_proto::v1::{
     Backend, DrainRequest, GetNodeRequest, Gpu, ListModelsRequest, ListNodesRequest, ListSessionsRequest, ModelState,
-    SnapshotNode, UndrainRequest,
+    SnapshotNode, UndrainRequest, UsageQuery, UsageRecord, UsageReport, UsageRow,
 };
 use serde_json::{Value, json};
 use tonic::service::interceptor::InterceptedService;
@@ -83,6 +83,21 @@ pub enum Command {
     /// API keys for the OpenAI API.
     #[command(subcommand)]
     Keys(KeysCommand),
+    /// Token usage per hour, key and model, from the usage ledger.
+    Usage {
+        /// Only this key id.
+        #[arg(long)]
+        key: Option<String>,
+        /// Only this model.
+        #[arg(long)]
+        model: Option<String>,
+        /// From this long ago: 90m, 24h, 7d (default 24h).
+        #[arg(long, value_name = "DURATION")]
+        since: Option<String>,
+        /// Print the raw records as JSON lines instead.
+        #[arg(long)]
+        export: bool,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -329,6 +344,25 @@ pub async fn run(cli: Cli) -> anyhow::Result<String> {
             written(json_out, &format!("alias {alias} removed"), response.revision)
         }
         Command::Keys(command) => keys(&mut client, command, json_out).await?,
+        Command::Usage { key, model, since, export } => {
+            let since_unix_ms = match since {
+                Some(text) => inferyes_proto::unix_ms().saturating_sub(parse_duration_ms(&text)?),
+                None => 0,
+            };
+            let query = UsageQuery { key_id: key.unwrap_or_default(), model: model.unwrap_or_default(), since_unix_ms };
+            if export {
+                let mut stream = client.export_usage(query).await.map_err(rpc_error)?.into_inner();
+                let mut out = String::new();
+                while let Some(record) = stream.message().await.map_err(rpc_error)? {
+                    out.push_str(&usage_record_json(&record).to_string());
+                    out.push('\n');
+                }
+                out
+            } else {
+                let report = client.get_usage(query).await.map_err(rpc_error)?.into_inner();
+                render_usage(&report, json_out)
+            }
+        }
         Command::Policy(PolicyCommand::Show) => {
             let policy = client.get_policy(GetPolicyRequest {}).await.map_err(rpc_error)?.into_inner();
             render_policy(&policy, json_out)
@@ -480,6 +514,75 @@ pub fn admin_client(channel: Channel, token: Option<&str>) -> anyhow::Result<Adm
         .transpose()
         .map_err(|_| anyhow::anyhow!("the admin token must be printable ASCII"))?;
     Ok(FleetServiceClient::with_interceptor(channel, AdminToken(value)))
+}
+
+fn usage_record_json(r: &UsageRecord) -> Value {
+    json!({
+        "request_id": r.request_id, "unix_ms": r.unix_ms, "key_id": r.key_id, "model": r.model,
+        "node_id": r.node_id, "status": r.status, "outcome": r.outcome, "prompt_tokens": r.prompt_tokens,
+        "cached_tokens": r.cached_tokens, "completion_tokens": r.completion_tokens, "estimated": r.estimated,
+        "latency_ms": r.latency_ms, "ttft_ms": r.ttft_ms, "stream": r.stream,
+    })
+}
+
+fn render_usage(report: &UsageReport, json_out: bool) -> String {
+    let usage = |row: &UsageRow| row.usage.clone().unwrap_or_default();
+    if json_out {
+        let rows: Vec<Value> = report
+            .rows
+            .iter()
+            .map(|row| {
+                let u = usage(row);
+                json!({
+                    "hour_unix_ms": row.hour_unix_ms, "key_id": row.key_id, "model": row.model,
+                    "requests": u.requests, "errors": u.errors, "prompt_tokens": u.prompt_tokens,
+                    "cached_tokens": u.cached_tokens, "completion_tokens": u.completion_tokens,
+                    "estimated_requests": u.estimated_requests, "latency_ms_sum": u.latency_ms_sum,
+                })
+            })
+            .collect();
+        return render_json(&json!({"rows": rows, "pending_batches": report.pending_batches}));
+    }
+    let mut total = inferyes_proto::v1::UsageRollup::default();
+    let mut rows: Vec<Vec<String>> = report
+        .rows
+        .iter()
+        .map(|row| {
+            let u = usage(row);
+            crate::ledger::merge(&mut total, &u);
+            let hour = crate::ledger::hour_of(row.hour_unix_ms);
+            vec![
+                format!("{}-{}-{} {}:00", &hour[0..4], &hour[4..6], &hour[6..8], &hour[8..10]),
+                if row.key_id.is_empty() { "-".into() } else { row.key_id.clone() },
+                row.model.clone(),
+                u.requests.to_string(),
+                u.errors.to_string(),
+                u.prompt_tokens.to_string(),
+                u.cached_tokens.to_string(),
+                u.completion_tokens.to_string(),
+                u.estimated_requests.to_string(),
+            ]
+        })
+        .collect();
+    rows.push(vec![
+        "total".into(),
+        String::new(),
+        String::new(),
+        total.requests.to_string(),
+        total.errors.to_string(),
+        total.prompt_tokens.to_string(),
+        total.cached_tokens.to_string(),
+        total.completion_tokens.to_string(),
+        total.estimated_requests.to_string(),
+    ]);
+    let mut out = table(
+        &["HOUR (UTC)", "KEY", "MODEL", "REQUESTS", "ERRORS", "PROMPT", "CACHED", "COMPLETION", "ESTIMATED"],
+        rows,
+    );
+    if report.pending_batches > 0 {
+        let _ = writeln!(out, "({} batches received and not rolled up yet)", report.pending_batches);
+    }
+    out
 }
 
 fn key_state(key: &ApiKey) -> &'static str {

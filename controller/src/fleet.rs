@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use inferyes_proto::v1::{ApiKey, DrainRecord, NodePolicy, NodeRecord, RoutingPolicy};
+use inferyes_proto::v1::{ApiKey, DrainRecord, KeyUsageToday, NodePolicy, NodeRecord, RoutingPolicy};
 
 use crate::store::{WatchBatch, WatchEvent};
 
@@ -20,6 +20,7 @@ pub struct FleetState {
     /// Key id → API key. Changed as a whole value, so snapshots can tell
     /// "no key changed" by pointer.
     api_keys: Arc<BTreeMap<String, ApiKey>>,
+    usage_today: Arc<KeyUsageToday>,
 }
 
 impl FleetState {
@@ -62,6 +63,8 @@ impl FleetState {
                 WatchEvent::ApiKeyPut(id, key) => {
                     Arc::make_mut(&mut self.api_keys).insert(id, key);
                 }
+                WatchEvent::UsageTodayPut(usage) => self.usage_today = Arc::new(usage),
+                WatchEvent::UsageTodayDeleted => self.usage_today = Arc::default(),
                 WatchEvent::ApiKeyDeleted(id) => {
                     if self.api_keys.contains_key(&id) {
                         Arc::make_mut(&mut self.api_keys).remove(&id);
@@ -90,6 +93,10 @@ impl FleetState {
 
     pub fn node_policy(&self, node_id: &str) -> Option<&NodePolicy> {
         self.node_policies.get(node_id)
+    }
+
+    pub fn usage_today(&self) -> &Arc<KeyUsageToday> {
+        &self.usage_today
     }
 
     pub fn api_keys(&self) -> &Arc<BTreeMap<String, ApiKey>> {

@@ -8,6 +8,7 @@ pub mod dashboard;
 pub mod fleet;
 pub mod grpc;
 pub mod http;
+pub mod ledger;
 pub mod metrics;
 pub mod reconcile;
 pub mod residency;
@@ -90,7 +91,17 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         shutdown: shutdown.clone(),
         serve_after: tokio::time::Instant::now() + config.startup_grace(),
         activity: std::sync::Arc::clone(&activity),
+        store: store.clone(),
     };
+    let ledger = tokio::spawn(
+        ledger::run(
+            store.clone(),
+            config.controller_id.clone(),
+            ledger::Retention { rollup_days: config.usage_retention_days, raw_days: config.raw_usage_retention_days },
+            shutdown.clone(),
+        )
+        .instrument(tracing::info_span!("ledger")),
+    );
     let fleet = grpc::FleetSvc { store, snapshots: snapshots.clone(), admin_token };
 
     let incoming = tonic::transport::server::TcpIncoming::from(listeners.grpc).with_nodelay(Some(true));
@@ -116,6 +127,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
     let (grpc_result, http_result) = tokio::join!(grpc_server, http_server);
     shutdown.cancel();
     let _ = reconciler.await;
+    let _ = ledger.await;
     grpc_result.context("gRPC server failed")?;
     http_result.context("HTTP server failed")?;
     Ok(())

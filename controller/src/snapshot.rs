@@ -5,8 +5,8 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use inferyes_proto::v1::{
-    Alias, ApiKey, KeySet, ModelState, ModelSummary, NodeRecord, RoutingPolicy, RoutingSnapshot, SnapshotDelta,
-    SnapshotNode,
+    Alias, ApiKey, KeySet, KeyUsageToday, ModelState, ModelSummary, NodeRecord, RoutingPolicy, RoutingSnapshot,
+    SnapshotDelta, SnapshotNode,
 };
 
 use crate::fleet::FleetState;
@@ -27,6 +27,7 @@ pub struct Snapshot {
     aliases: Vec<Alias>,
     /// By key id; the fleet state's own map, shared.
     api_keys: Arc<BTreeMap<String, ApiKey>>,
+    usage_today: Arc<KeyUsageToday>,
 }
 
 impl PartialEq for Snapshot {
@@ -35,6 +36,7 @@ impl PartialEq for Snapshot {
             && self.policy == other.policy
             && self.aliases == other.aliases
             && (Arc::ptr_eq(&self.api_keys, &other.api_keys) || self.api_keys == other.api_keys)
+            && self.usage_today == other.usage_today
             && self.nodes.len() == other.nodes.len()
             && self.nodes.iter().zip(&other.nodes).all(|((a_id, a), (b_id, b))| a_id == b_id && same_node(a, b))
     }
@@ -80,6 +82,7 @@ impl Snapshot {
             policy: Some(self.policy.clone()),
             aliases: self.aliases.clone(),
             keys: self.api_keys.values().cloned().collect(),
+            usage_today: Some(KeyUsageToday::clone(&self.usage_today)),
         }
     }
 }
@@ -123,6 +126,7 @@ pub fn build(state: &FleetState, previous: Option<&Snapshot>) -> Snapshot {
         policy: state.policy().clone(),
         aliases,
         api_keys: Arc::clone(state.api_keys()),
+        usage_today: Arc::clone(state.usage_today()),
     }
 }
 
@@ -144,6 +148,7 @@ pub fn delta(from: &Snapshot, to: &Snapshot) -> SnapshotDelta {
         aliases: to.aliases.clone(),
         keys: (!Arc::ptr_eq(&from.api_keys, &to.api_keys) && from.api_keys != to.api_keys)
             .then(|| KeySet { keys: to.api_keys.values().cloned().collect() }),
+        usage_today: (from.usage_today != to.usage_today).then(|| KeyUsageToday::clone(&to.usage_today)),
     }
 }
 
@@ -165,6 +170,9 @@ pub fn apply_delta(full: &mut RoutingSnapshot, delta: SnapshotDelta) {
     full.aliases = delta.aliases;
     if let Some(keys) = delta.keys {
         full.keys = keys.keys;
+    }
+    if let Some(usage) = delta.usage_today {
+        full.usage_today = Some(usage);
     }
 }
 

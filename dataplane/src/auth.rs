@@ -48,6 +48,7 @@ pub struct KeyGrant {
     pub key_id: String,
     pub allowed_models: Vec<String>,
     pub requests_per_minute: u32,
+    pub tokens_per_day: u64,
 }
 
 impl Caller {
@@ -75,6 +76,7 @@ pub enum Refusal {
     Expired,
     TooManyFailures,
     RateLimited,
+    TokenBudget,
 }
 
 impl Refusal {
@@ -86,6 +88,7 @@ impl Refusal {
             Refusal::Expired => "expired",
             Refusal::TooManyFailures => "too_many_failures",
             Refusal::RateLimited => "rate_limited",
+            Refusal::TokenBudget => "token_budget",
         }
     }
 }
@@ -198,6 +201,7 @@ impl Auth {
             key_id: key.key_id.clone(),
             allowed_models: key.allowed_models.clone(),
             requests_per_minute: key.requests_per_minute,
+            tokens_per_day: key.tokens_per_day,
         })))
     }
 
@@ -331,7 +335,12 @@ mod tests {
     use super::*;
 
     fn caller(rpm: u32) -> Caller {
-        Caller::Key(Arc::new(KeyGrant { key_id: "k".into(), allowed_models: Vec::new(), requests_per_minute: rpm }))
+        Caller::Key(Arc::new(KeyGrant {
+            key_id: "k".into(),
+            allowed_models: Vec::new(),
+            requests_per_minute: rpm,
+            tokens_per_day: 0,
+        }))
     }
 
     #[test]

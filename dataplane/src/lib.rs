@@ -9,6 +9,7 @@ pub mod metrics;
 pub mod report;
 pub mod routing;
 pub mod snapshot;
+pub mod usage;
 
 use std::sync::Arc;
 
@@ -62,7 +63,15 @@ pub async fn run(
         tickets: Arc::default(),
         decisions,
         auth: Arc::new(auth::Auth::new(config.auth, config.auth_failures_per_minute)),
+        ledger: usage::Ledger::new(&config.dataplane_id),
     };
+    // Cancelled once no request can record usage any more: the ledger then
+    // flushes what is left and ends.
+    let drained = CancellationToken::new();
+    let ledger = tokio::spawn(
+        usage::run(Arc::clone(&state.ledger), config.controllers.clone(), drained.clone())
+            .instrument(tracing::info_span!("usage")),
+    );
     if config.auth == auth::AuthMode::None {
         tracing::warn!("auth = \"none\": the API is open to anyone who can reach it");
     }
@@ -88,6 +97,8 @@ pub async fn run(
         }
     };
     shutdown.cancel();
+    drained.cancel();
+    let _ = ledger.await;
     let _ = subscription.await;
     let _ = reporter.await;
     served.context("HTTP server failed")

@@ -5,7 +5,7 @@ use inferyes_proto::v1::{
     DrainResponse, GetKeyRequest, GetNodeRequest, GetPolicyRequest, ListAliasesRequest, ListAliasesResponse,
     ListKeysRequest, ListKeysResponse, ListModelsRequest, ListModelsResponse, ListNodesRequest, ListNodesResponse,
     ListSessionsRequest, ListSessionsResponse, NodePolicy, RevokeKeyRequest, RoutingPolicy, SessionInfo,
-    SetNodePolicyRequest, SnapshotNode, UndrainRequest, WriteResponse,
+    SetNodePolicyRequest, SnapshotNode, UndrainRequest, UsageQuery, UsageRecord, UsageReport, UsageRow, WriteResponse,
 };
 use tonic::{Request, Response, Status};
 
@@ -263,6 +263,59 @@ impl FleetService for FleetSvc {
         tracing::info!(%key_id, revision, "API key revoked");
         Ok(Response::new(WriteResponse { revision }))
     }
+
+    async fn get_usage(&self, request: Request<UsageQuery>) -> Result<Response<UsageReport>, Status> {
+        self.admin(&request)?;
+        let query = request.into_inner();
+        let since = usage_since(&query);
+        let rows = self
+            .store
+            .usage_rollups(&format!("hourly/{}", crate::ledger::hour_of(since)))
+            .await?
+            .into_iter()
+            .filter_map(|(key, usage)| {
+                // hourly/<hour>/<key>/<model>; models may hold `/`.
+                let mut parts = key.strip_prefix("hourly/")?.splitn(3, '/');
+                let (hour, key_id, model) = (parts.next()?, parts.next()?, parts.next()?);
+                let key_id = if key_id == "-" { "" } else { key_id };
+                let wanted = (query.key_id.is_empty() || query.key_id == key_id)
+                    && (query.model.is_empty() || query.model == model);
+                wanted.then(|| UsageRow {
+                    hour_unix_ms: crate::ledger::hour_start_ms(hour).unwrap_or(0),
+                    key_id: key_id.to_string(),
+                    model: model.to_string(),
+                    usage: Some(usage),
+                })
+            })
+            .collect();
+        let pending_batches = self.store.pending_usage_count().await?;
+        Ok(Response::new(UsageReport { rows, pending_batches }))
+    }
+
+    type ExportUsageStream = std::pin::Pin<Box<dyn tokio_stream::Stream<Item = Result<UsageRecord, Status>> + Send>>;
+
+    async fn export_usage(&self, request: Request<UsageQuery>) -> Result<Response<Self::ExportUsageStream>, Status> {
+        self.admin(&request)?;
+        let query = request.into_inner();
+        let since = usage_since(&query);
+        let batches = self.store.usage_raw(&format!("raw/{}", crate::ledger::hour_of(since))).await?;
+        let records: Vec<Result<UsageRecord, Status>> = batches
+            .into_iter()
+            .flat_map(|b| b.records)
+            .filter(|r| {
+                r.unix_ms >= since
+                    && (query.key_id.is_empty() || query.key_id == r.key_id)
+                    && (query.model.is_empty() || query.model == r.model)
+            })
+            .map(Ok)
+            .collect();
+        Ok(Response::new(Box::pin(tokio_stream::iter(records))))
+    }
+}
+
+/// The start of a usage query: its own, else the last 24 hours.
+fn usage_since(query: &UsageQuery) -> u64 {
+    if query.since_unix_ms > 0 { query.since_unix_ms } else { inferyes_proto::unix_ms().saturating_sub(86_400_000) }
 }
 
 /// A key as operators see it: everything but the hash.

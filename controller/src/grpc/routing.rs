@@ -2,7 +2,9 @@ use std::pin::Pin;
 use std::sync::Arc;
 
 use inferyes_proto::v1::routing_service_server::{RoutingService, RoutingServiceServer};
-use inferyes_proto::v1::{DataPlaneReport, ReportAck, SnapshotUpdate, SubscribeRequest, snapshot_update};
+use inferyes_proto::v1::{
+    DataPlaneReport, ReportAck, SnapshotUpdate, SubscribeRequest, UsageAck, UsageBatch, snapshot_update,
+};
 use tokio::sync::mpsc;
 use tokio_stream::Stream;
 use tokio_stream::wrappers::ReceiverStream;
@@ -27,6 +29,7 @@ pub struct RoutingSvc {
     /// Meanwhile data planes keep routing on what they hold.
     pub serve_after: tokio::time::Instant,
     pub activity: Arc<crate::activity::Activity>,
+    pub store: crate::store::EtcdStore,
 }
 
 impl RoutingSvc {
@@ -34,6 +37,9 @@ impl RoutingSvc {
         RoutingServiceServer::new(self)
     }
 }
+
+/// Keeps one batch well inside etcd's request size limit (1.5 MiB).
+const MAX_RECORDS_PER_BATCH: usize = 2000;
 
 type UpdateStream = Pin<Box<dyn Stream<Item = Result<SnapshotUpdate, Status>> + Send>>;
 
@@ -56,6 +62,25 @@ impl RoutingService for RoutingSvc {
         }
         self.activity.record(report, tokio::time::Instant::now());
         Ok(Response::new(ReportAck {}))
+    }
+
+    async fn record_usage(&self, request: Request<UsageBatch>) -> Result<Response<UsageAck>, Status> {
+        let batch = request.into_inner();
+        let id_ok = !batch.batch_id.is_empty()
+            && batch.batch_id.len() <= 256
+            && batch.batch_id.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c));
+        if !id_ok {
+            return Err(Status::invalid_argument("batch_id must be 1-256 characters of [A-Za-z0-9._-]"));
+        }
+        if batch.records.len() > MAX_RECORDS_PER_BATCH {
+            return Err(Status::invalid_argument(format!("at most {MAX_RECORDS_PER_BATCH} records per batch")));
+        }
+        // Acknowledged only once it is in etcd: from then on it is counted
+        // exactly once. A resend of a batch already here is acknowledged
+        // without being stored again.
+        let new = self.store.put_usage_batch(&batch).await?;
+        tracing::debug!(batch = %batch.batch_id, records = batch.records.len(), new, "usage batch received");
+        Ok(Response::new(UsageAck {}))
     }
 }
 

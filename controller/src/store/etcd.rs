@@ -5,7 +5,7 @@ use etcd_client::{
     WatchOptions, WatchStream,
 };
 use inferyes_proto::ErrorKind;
-use inferyes_proto::v1::{AliasRecord, ApiKey, DrainRecord, NodePolicy, NodeRecord, RoutingPolicy};
+use inferyes_proto::v1::{AliasRecord, ApiKey, DrainRecord, KeyUsageToday, NodePolicy, NodeRecord, RoutingPolicy};
 use prost::Message;
 
 use super::keys::{Key, Keys};
@@ -44,6 +44,8 @@ pub enum WatchEvent {
     AliasDeleted(String),
     ApiKeyPut(String, ApiKey),
     ApiKeyDeleted(String),
+    UsageTodayPut(KeyUsageToday),
+    UsageTodayDeleted,
 }
 
 /// The events of one etcd revision range, and the revision they bring the
@@ -64,7 +66,7 @@ pub struct Lease {
 
 #[derive(Clone)]
 pub struct EtcdStore {
-    client: Client,
+    pub(super) client: Client,
     keys: Keys,
 }
 
@@ -205,6 +207,7 @@ fn decode(keys: &Keys, event_type: EventType, kv: &KeyValue) -> Option<WatchEven
             Key::NodePolicy(id) => WatchEvent::NodePolicyDeleted(id),
             Key::Alias(alias) => WatchEvent::AliasDeleted(alias),
             Key::ApiKey(id) => WatchEvent::ApiKeyDeleted(id),
+            Key::UsageToday => WatchEvent::UsageTodayDeleted,
         });
     }
     let value = kv.value();
@@ -215,6 +218,7 @@ fn decode(keys: &Keys, event_type: EventType, kv: &KeyValue) -> Option<WatchEven
         Key::NodePolicy(id) => NodePolicy::decode(value).map(|r| WatchEvent::NodePolicyPut(id.clone(), r)),
         Key::Alias(alias) => AliasRecord::decode(value).map(|r| WatchEvent::AliasPut(alias.clone(), r)),
         Key::ApiKey(id) => ApiKey::decode(value).map(|r| WatchEvent::ApiKeyPut(id.clone(), r)),
+        Key::UsageToday => KeyUsageToday::decode(value).map(WatchEvent::UsageTodayPut),
     };
     match decoded {
         Ok(event) => Some(event),

@@ -3,6 +3,9 @@
 #[derive(Clone, Debug)]
 pub struct Keys {
     prefix: String,
+    /// The usage ledger's keys live beside the fleet's, not under them: the
+    /// fleet watch must not see a write per batch.
+    usage: String,
 }
 
 /// A key the controller understands, parsed from its etcd form.
@@ -14,6 +17,7 @@ pub enum Key {
     NodePolicy(String),
     Alias(String),
     ApiKey(String),
+    UsageToday,
 }
 
 const NODES: &str = "nodes/";
@@ -22,6 +26,7 @@ const POLICY: &str = "config/policy";
 const NODE_POLICY: &str = "config/node/";
 const ALIAS: &str = "config/alias/";
 const API_KEY: &str = "keys/";
+const USAGE_TODAY: &str = "usage/today";
 
 impl Keys {
     pub fn new(prefix: &str) -> Keys {
@@ -29,7 +34,8 @@ impl Keys {
         if !prefix.ends_with('/') {
             prefix.push('/');
         }
-        Keys { prefix }
+        let usage = format!("{}-usage/", prefix.trim_end_matches('/'));
+        Keys { prefix, usage }
     }
 
     pub fn prefix(&self) -> &str {
@@ -60,6 +66,19 @@ impl Keys {
         format!("{}{API_KEY}{key_id}", self.prefix)
     }
 
+    /// Tokens per key today: in the fleet's prefix, so snapshots carry it.
+    pub fn usage_today(&self) -> String {
+        format!("{}{USAGE_TODAY}", self.prefix)
+    }
+
+    /// The ledger's own prefix (`<prefix>-usage/`): batches waiting to be
+    /// rolled up (`pending/`), batches already counted (`applied/`), hourly
+    /// roll-ups (`hourly/<YYYYMMDDHH>/<key>/<model>`), raw records
+    /// (`raw/<YYYYMMDDHH>/<batch>`) and the leader election (`leader`).
+    pub fn usage(&self, rest: &str) -> String {
+        format!("{}{rest}", self.usage)
+    }
+
     /// `None` for keys under the prefix that this version does not know:
     /// a newer controller may have written them, and they are ignored.
     pub fn parse(&self, key: &[u8]) -> Option<Key> {
@@ -82,6 +101,9 @@ impl Keys {
         if let Some(id) = key.strip_prefix(API_KEY) {
             return (!id.is_empty()).then(|| Key::ApiKey(id.to_string()));
         }
+        if key == USAGE_TODAY {
+            return Some(Key::UsageToday);
+        }
         None
     }
 }
@@ -99,6 +121,10 @@ mod tests {
         assert_eq!(keys.parse(keys.node_policy("n").as_bytes()), Some(Key::NodePolicy("n".into())));
         assert_eq!(keys.parse(keys.alias("org/model").as_bytes()), Some(Key::Alias("org/model".into())));
         assert_eq!(keys.parse(keys.api_key("abc").as_bytes()), Some(Key::ApiKey("abc".into())));
+        assert_eq!(keys.parse(keys.usage_today().as_bytes()), Some(Key::UsageToday));
+        // The ledger is outside the fleet's prefix, so outside its watch.
+        assert!(!keys.usage("pending/x").starts_with(keys.prefix()));
+        assert_eq!(keys.usage("pending/x"), "/inferyes/v1-usage/pending/x");
         assert_eq!(keys.parse(b"/inferyes/v1/nodes/"), None);
         assert_eq!(keys.parse(b"/inferyes/v1/usage/x"), None);
         assert_eq!(keys.parse(b"/other/nodes/gpu-1"), None);

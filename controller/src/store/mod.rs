@@ -7,6 +7,8 @@
 
 mod etcd;
 mod keys;
+mod usage;
 
 pub use etcd::{EtcdStore, Lease, StoreError, Watch, WatchBatch, WatchEvent};
 pub use keys::{Key, Keys};
+pub use usage::{Application, Versioned};

@@ -45,6 +45,7 @@ pub struct Resume {
     pub hops: VecDeque<Hop>,
     pub version: u64,
     pub hard_stop: tokio_util::sync::CancellationToken,
+    pub meter: Option<crate::usage::Meter>,
 }
 
 /// Requests whose output is constrained are not continued.
@@ -135,6 +136,14 @@ async fn pipe(
     let mut partial = String::new();
     let mut generated: u64 = 0;
     let mut continued = false;
+    let mut usage = None;
+    // A continued answer's usage is partly the first node's: it is
+    // estimated (prompt from the request, one token per event).
+    let finish = |outcome: crate::usage::Outcome, usage: Option<inferyes_proto::usage::Usage>, continued: bool| {
+        if let Some(meter) = &resume.meter {
+            meter.finish(200, outcome, if continued { None } else { usage });
+        }
+    };
     loop {
         let mut events = Events::default();
         let mut finished = false;
@@ -148,12 +157,22 @@ async fn pipe(
                         "gateway_shutdown",
                     );
                     let _ = tx.send(Ok(error_event(&error))).await;
+                    finish(crate::usage::Outcome::Broken, usage, continued);
                     return;
                 }
             };
             let Some(Ok(frame)) = frame else { break };
             let Ok(data) = frame.into_data() else { continue };
             for event in events.push(&data) {
+                if let Some(meter) = &resume.meter {
+                    meter.first_byte();
+                    if event.starts_with(b"data: {") {
+                        meter.data_event();
+                    }
+                    if let Some(found) = inferyes_proto::usage::parse_usage(&event) {
+                        usage = Some(found);
+                    }
+                }
                 match read(&event) {
                     Event::Done => finished = true,
                     Event::Error => break,
@@ -171,10 +190,12 @@ async fn pipe(
                 }
             }
             if finished {
+                finish(crate::usage::Outcome::Ok, usage, continued);
                 return;
             }
         }
         if finished {
+            finish(crate::usage::Outcome::Ok, usage, continued);
             return;
         }
         // Broken. Eject the node, and go on elsewhere if there is a place.
@@ -199,6 +220,7 @@ async fn pipe(
                 "upstream_broken",
             );
             let _ = tx.send(Ok(error_event(&error))).await;
+            finish(crate::usage::Outcome::Broken, usage, continued);
             return;
         };
         resume.forwarder.metrics.continuations.inc();
@@ -233,6 +255,7 @@ async fn continue_on(resume: &Resume, hop: &Hop, partial: &str, generated: u64) 
         stream: true,
         expects_done: true,
         continuation: false,
+        meter: None,
     };
     let response = resume.forwarder.send(&hop.proxy_url, &hop.backend, &outbound).await.ok()?;
     let event_stream = response

@@ -26,6 +26,7 @@ use super::continuation::{self, Hop, Resume};
 use super::upstream;
 use crate::routing::Route;
 use crate::snapshot::{LocalCounters, RoutingSnapshot};
+use crate::usage::{Meter, Outcome};
 
 pub const NODE_HEADER: HeaderName = HeaderName::from_static("x-inferyes-node");
 pub const ROUTE_HEADER: HeaderName = HeaderName::from_static("x-inferyes-route");
@@ -64,6 +65,8 @@ pub struct Outbound<'a> {
     pub expects_done: bool,
     /// Resume this stream on another node if it breaks (see continuation).
     pub continuation: bool,
+    /// Records the request's usage once, when its answer ends.
+    pub meter: Option<Meter>,
 }
 
 impl Forwarder {
@@ -95,6 +98,9 @@ impl Forwarder {
             let Some(backend) = node.backends.get(target.backend) else { continue };
             if attempt > 0 {
                 self.metrics.retries.inc();
+            }
+            if let Some(meter) = &out.meter {
+                meter.node(&node.id);
             }
             let request = build_request(&node.proxy_url, &backend.id, &out)?;
             let reserve = if attempt == 0 { out.reserve_bytes } else { 0 };
@@ -158,8 +164,14 @@ impl Forwarder {
                 match Limited::new(body, MAX_BUFFERED_BODY).collect().await {
                     Ok(collected) => {
                         drop(guard);
+                        let bytes = collected.to_bytes();
+                        if let Some(meter) = &out.meter {
+                            let tail = &bytes[bytes.len().saturating_sub(inferyes_proto::usage::TAIL_BYTES)..];
+                            let outcome = if status.is_success() { Outcome::Ok } else { Outcome::Error };
+                            meter.finish(status.as_u16(), outcome, inferyes_proto::usage::parse_usage(tail));
+                        }
                         parts.headers.remove(header::CONTENT_LENGTH);
-                        return Ok(Response::from_parts(parts, Body::from(collected.to_bytes())));
+                        return Ok(Response::from_parts(parts, Body::from(bytes)));
                     }
                     Err(error) => {
                         let ejected_ms = node.local.eject(inferyes_proto::unix_ms(), snapshot.version());
@@ -203,6 +215,7 @@ impl Forwarder {
                     hops,
                     version: snapshot.version(),
                     hard_stop: self.hard_stop.clone(),
+                    meter: out.meter.clone(),
                 };
                 let body = continuation::spawn(body, guard, Arc::clone(&node.id), resume);
                 return Ok(Response::from_parts(parts, body));
@@ -218,6 +231,8 @@ impl Forwarder {
                 expects_done: out.expects_done,
                 tail: Vec::new(),
                 _span: tracing::Span::current(),
+                meter: out.meter.clone(),
+                status: status.as_u16(),
             };
             return Ok(Response::from_parts(parts, Body::new(body)));
         }
@@ -355,10 +370,20 @@ struct Guarded {
     tail: Vec<u8>,
     /// The request's span ends with the stream, not with its headers.
     _span: tracing::Span,
+    meter: Option<Meter>,
+    status: u16,
 }
 
-/// Enough of a stream's end to see its last event.
-const TAIL_BYTES: usize = 256;
+/// Enough of a stream's end to see its last events, usage included.
+const TAIL_BYTES: usize = inferyes_proto::usage::TAIL_BYTES;
+
+impl Guarded {
+    fn finish(&self, outcome: Outcome) {
+        if let Some(meter) = &self.meter {
+            meter.finish(self.status, outcome, inferyes_proto::usage::parse_usage(&self.tail));
+        }
+    }
+}
 
 /// Whether an event stream ended the way a complete one does: `[DONE]`, or
 /// an error event the backend sent itself.
@@ -380,6 +405,7 @@ impl http_body::Body for Guarded {
         }
         if this.hard_stop.as_mut().poll(cx).is_ready() {
             this.ended = true;
+            this.finish(Outcome::Broken);
             if !this.event_stream {
                 return Poll::Ready(None);
             }
@@ -392,9 +418,15 @@ impl http_body::Body for Guarded {
         }
         match Pin::new(&mut this.inner).poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => {
-                if let Some(data) = frame.data_ref()
-                    && this.event_stream
-                {
+                if let Some(data) = frame.data_ref() {
+                    if let Some(meter) = &this.meter {
+                        meter.first_byte();
+                        // One event, one token: an estimate for streams
+                        // that say nothing of their usage.
+                        for _ in memchr_events(data) {
+                            meter.data_event();
+                        }
+                    }
                     this.tail.extend_from_slice(data);
                     if this.tail.len() > 2 * TAIL_BYTES {
                         this.tail.drain(..this.tail.len() - TAIL_BYTES);
@@ -402,10 +434,16 @@ impl http_body::Body for Guarded {
                 }
                 Poll::Ready(Some(Ok(frame)))
             }
+            Poll::Ready(None) if !(this.event_stream && this.expects_done && !ended_well(&this.tail)) => {
+                this.ended = true;
+                this.finish(Outcome::Ok);
+                Poll::Ready(None)
+            }
             Poll::Ready(None) if this.event_stream && this.expects_done && !ended_well(&this.tail) => {
                 // The node closed the stream in the middle of the answer
                 // (it shut down, say): say so rather than end as if done.
                 this.ended = true;
+                this.finish(Outcome::Broken);
                 tracing::warn!(node = %this.node, "stream ended without [DONE]; ending it with an error event");
                 let error = ApiError::new(
                     ErrorKind::Upstream,
@@ -418,6 +456,7 @@ impl http_body::Body for Guarded {
                 let ejected_ms = this.guard.local.eject(inferyes_proto::unix_ms(), this.version);
                 tracing::warn!(node = %this.node, %error, ejected_ms, "node failed mid-stream; ending the stream with an error event");
                 this.ended = true;
+                this.finish(Outcome::Broken);
                 let error = ApiError::new(
                     ErrorKind::Upstream,
                     format!("node `{}` failed in the middle of the stream", this.node),
@@ -448,6 +487,7 @@ pub struct OwnedOutbound {
     pub request_id: HeaderValue,
     pub reserve_bytes: u64,
     pub expects_done: bool,
+    pub meter: Option<Meter>,
 }
 
 /// How often a client waiting on a cold load hears about it.
@@ -478,6 +518,7 @@ impl Forwarder {
                     stream: true,
                     expects_done: out.expects_done,
                     continuation: false,
+                    meter: out.meter.clone(),
                 };
                 let started = tokio::time::Instant::now();
                 let work = forwarder.forward(&snapshot, &route, outbound);
@@ -544,6 +585,11 @@ impl Forwarder {
         headers.insert(ROUTE_HEADER, HeaderValue::from_static("cold"));
         response
     }
+}
+
+/// The data events (`data: ...`) that start in `bytes`.
+fn memchr_events(bytes: &[u8]) -> impl Iterator<Item = usize> + '_ {
+    bytes.windows(6).enumerate().filter(|(i, w)| *w == b"data: " && (*i == 0 || bytes[i - 1] == b'\n')).map(|(i, _)| i)
 }
 
 /// A final SSE event carrying an error, the way OpenAI-compatible servers

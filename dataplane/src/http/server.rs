@@ -49,6 +49,7 @@ pub struct AppState {
     /// Where answered requests are told, for the dashboard's tail.
     pub decisions: Arc<crate::report::DecisionLog>,
     pub auth: Arc<crate::auth::Auth>,
+    pub ledger: Arc<crate::usage::Ledger>,
 }
 
 impl AppState {
@@ -277,6 +278,11 @@ async fn inference(State(state): State<AppState>, kind: EndpointKind, request: R
         status: response.status().as_u16().to_string(),
         route: if route.is_empty() { "none".into() } else { route },
     };
+    if let Some(meter) = facts.meter.take()
+        && !response.status().is_success()
+    {
+        meter.finish(response.status().as_u16(), crate::usage::Outcome::Error, None);
+    }
     state.metrics.requests.get_or_create(&labels).inc();
     span.record("model", facts.model.as_str());
     span.record("node", labels.node.as_str());
@@ -312,6 +318,14 @@ struct RequestFacts {
     session: Option<String>,
     error_code: Option<String>,
     key_id: Option<String>,
+    /// Once the request is accepted: its usage record.
+    meter: Option<crate::usage::Meter>,
+}
+
+/// Seconds until the next UTC midnight, when daily token budgets start over.
+fn seconds_to_utc_midnight() -> u32 {
+    let now_s = inferyes_proto::unix_ms() / 1000;
+    u32::try_from(86_400 - now_s % 86_400).unwrap_or(86_400)
 }
 
 async fn serve(
@@ -332,7 +346,33 @@ async fn serve(
         return Err(no_such_model(&view.model));
     }
     let rate = state.auth.admit(&caller, std::time::Instant::now()).map_err(|(r, e)| state.refused(r, e))?;
-    let result = route_and_forward(state, kind, parts, body, view, &snapshot, request_id, facts).await;
+    if let Caller::Key(grant) = &caller
+        && grant.tokens_per_day > 0
+    {
+        let used = snapshot.tokens_today(&grant.key_id) + state.ledger.unacknowledged_tokens(&grant.key_id);
+        if used >= grant.tokens_per_day {
+            let error = ApiError::new(
+                ErrorKind::RateLimited,
+                format!(
+                    "Rate limit reached for tokens: {} per day for this key, {used} used today (UTC).",
+                    grant.tokens_per_day
+                ),
+                "rate_limit_exceeded",
+            )
+            .retry_after(seconds_to_utc_midnight());
+            return Err(state.refused(crate::auth::Refusal::TokenBudget, error));
+        }
+    }
+    let meter = crate::usage::Meter::new(
+        Arc::clone(&state.ledger),
+        request_id.to_str().unwrap_or_default().to_string(),
+        caller.key_id().map(str::to_string),
+        snapshot.resolve(&view.model).to_string(),
+        view.stream,
+        u64::from(estimated_prompt_tokens(body.len(), &view)),
+    );
+    facts.meter = Some(meter.clone());
+    let result = route_and_forward(state, kind, parts, body, view, &snapshot, request_id, facts, meter).await;
     let rate = rate.to_vec();
     match result {
         Ok(mut response) => {
@@ -356,6 +396,7 @@ async fn route_and_forward(
     snapshot: &Arc<RoutingSnapshot>,
     request_id: HeaderValue,
     facts: &mut RequestFacts,
+    meter: crate::usage::Meter,
 ) -> Result<Response, ApiError> {
     let model = snapshot.resolve(&view.model);
     facts.model = model.to_string();
@@ -397,6 +438,7 @@ async fn route_and_forward(
             request_id,
             reserve_bytes,
             expects_done: expects_done(kind),
+            meter: Some(meter),
         };
         tracing::debug!(model, "cold load for a stream: answering at once");
         return Ok(state.forwarder.forward_cold_stream(Arc::clone(snapshot), route, outbound));
@@ -415,6 +457,7 @@ async fn route_and_forward(
             && kind == EndpointKind::Chat
             && snapshot.policy().continues(model)
             && !super::continuation::constrained(&body_for_checks),
+        meter: Some(meter),
     };
     let result = state.forwarder.forward(snapshot, &route, outbound).await;
     match &result {

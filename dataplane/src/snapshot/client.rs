@@ -92,7 +92,7 @@ async fn follow(store: &SnapshotStore, address: &str, dataplane_id: &str) -> any
         received = true;
         let version = view.version;
         let snapshot = decode(version, &view.nodes, view.policy.as_ref(), &view.aliases, store.counters())
-            .with_api_keys(Arc::clone(&view.api_keys));
+            .with_api_keys(Arc::clone(&view.api_keys), Arc::clone(&view.usage_today));
         if store.publish(snapshot) {
             tracing::debug!(version, nodes = view.nodes.len(), %controller, "snapshot installed");
         } else {
@@ -110,6 +110,7 @@ struct WireView {
     policy: Option<RoutingPolicy>,
     aliases: Vec<Alias>,
     api_keys: Arc<super::ApiKeys>,
+    usage_today: Arc<inferyes_proto::v1::KeyUsageToday>,
 }
 
 impl WireView {
@@ -121,6 +122,7 @@ impl WireView {
                 self.policy = full.policy;
                 self.aliases = full.aliases;
                 self.api_keys = Arc::new(full.keys.into_iter().map(|k| (k.key_id.clone(), k)).collect());
+                self.usage_today = Arc::new(full.usage_today.unwrap_or_default());
             }
             Some(snapshot_update::Update::Delta(delta)) => {
                 if delta.base_version != self.version {
@@ -139,6 +141,9 @@ impl WireView {
                 self.version = delta.version;
                 self.policy = delta.policy;
                 self.aliases = delta.aliases;
+                if let Some(usage) = delta.usage_today {
+                    self.usage_today = Arc::new(usage);
+                }
                 if let Some(keys) = delta.keys {
                     self.api_keys = Arc::new(keys.keys.into_iter().map(|k| (k.key_id.clone(), k)).collect());
                 }

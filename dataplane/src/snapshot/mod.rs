@@ -40,6 +40,8 @@ pub struct RoutingSnapshot {
     pub(crate) policy: Policy,
     /// API keys by id, shared between snapshots until a key changes.
     pub(crate) api_keys: Arc<ApiKeys>,
+    /// Tokens each key used today, as the ledger's roll-up says.
+    pub(crate) usage_today: Arc<inferyes_proto::v1::KeyUsageToday>,
 }
 
 /// API keys by key id, hashes included.
@@ -296,10 +298,24 @@ impl RoutingSnapshot {
         self.api_keys.get(key_id)
     }
 
-    /// This snapshot with the fleet's API keys.
-    pub fn with_api_keys(mut self, keys: Arc<ApiKeys>) -> RoutingSnapshot {
+    /// This snapshot with the fleet's API keys and their usage today.
+    pub fn with_api_keys(
+        mut self,
+        keys: Arc<ApiKeys>,
+        usage_today: Arc<inferyes_proto::v1::KeyUsageToday>,
+    ) -> RoutingSnapshot {
         self.api_keys = keys;
+        self.usage_today = usage_today;
         self
+    }
+
+    /// Tokens `key_id` used today (UTC), per the fleet's roll-up.
+    pub fn tokens_today(&self, key_id: &str) -> u64 {
+        let today = &inferyes_proto::usage::hour_of(inferyes_proto::unix_ms())[..8];
+        if self.usage_today.day != today {
+            return 0;
+        }
+        self.usage_today.tokens.get(key_id).copied().unwrap_or(0)
     }
 }
 

@@ -1,0 +1,229 @@
+//! The usage ledger's leader: one controller at a time (an etcd election)
+//! rolls pending batches up into hourly per-key, per-model totals and
+//! today's tokens per key, and prunes what is past retention.
+//!
+//! Correctness does not rest on the election: a batch is applied in one
+//! transaction that deletes it from `pending` and is guarded by the
+//! revisions it was computed from, so two controllers that both believe
+//! they lead can waste work but never count a batch twice or lose an
+//! update. The election keeps them from wasting it.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use inferyes_proto::v1::{KeyUsageToday, UsageBatch, UsageRecord, UsageRollup};
+use tokio_util::sync::CancellationToken;
+
+pub use inferyes_proto::usage::{hour_of, hour_start_ms};
+
+use crate::store::{Application, EtcdStore, StoreError};
+
+/// How long raw records and roll-ups are kept.
+#[derive(Clone, Copy, Debug)]
+pub struct Retention {
+    pub rollup_days: u64,
+    pub raw_days: u64,
+}
+
+/// `applied` markers outlive any resend of their batch by far.
+const APPLIED_DAYS: u64 = 2;
+const LEADER_TTL: Duration = Duration::from_secs(6);
+const POLL: Duration = Duration::from_millis(250);
+const PRUNE_EVERY: Duration = Duration::from_secs(600);
+const BATCHES_PER_ROUND: i64 = 64;
+
+/// The roll-up key of a record: `hourly/<hour>/<key or ->/<model>`.
+pub fn rollup_key(record: &UsageRecord) -> String {
+    let key = if record.key_id.is_empty() { "-" } else { record.key_id.as_str() };
+    format!("hourly/{}/{key}/{}", hour_of(record.unix_ms), record.model)
+}
+
+pub fn add(rollup: &mut UsageRollup, record: &UsageRecord) {
+    rollup.requests += 1;
+    rollup.errors += u64::from(record.outcome != "ok");
+    rollup.prompt_tokens += record.prompt_tokens;
+    rollup.cached_tokens += record.cached_tokens;
+    rollup.completion_tokens += record.completion_tokens;
+    rollup.estimated_requests += u64::from(record.estimated);
+    rollup.latency_ms_sum += u64::from(record.latency_ms);
+}
+
+pub fn merge(into: &mut UsageRollup, from: &UsageRollup) {
+    into.requests += from.requests;
+    into.errors += from.errors;
+    into.prompt_tokens += from.prompt_tokens;
+    into.cached_tokens += from.cached_tokens;
+    into.completion_tokens += from.completion_tokens;
+    into.estimated_requests += from.estimated_requests;
+    into.latency_ms_sum += from.latency_ms_sum;
+}
+
+/// A batch's contribution, per roll-up key.
+pub fn rollup_deltas(batch: &UsageBatch) -> BTreeMap<String, UsageRollup> {
+    let mut deltas: BTreeMap<String, UsageRollup> = BTreeMap::new();
+    for record in &batch.records {
+        add(deltas.entry(rollup_key(record)).or_default(), record);
+    }
+    deltas
+}
+
+/// Adds a batch's tokens to today's per-key totals; a new day starts over.
+pub fn add_today(today: &mut KeyUsageToday, batch: &UsageBatch, now_ms: u64) {
+    let day = hour_of(now_ms)[..8].to_string();
+    if today.day != day {
+        *today = KeyUsageToday { day: day.clone(), tokens: Default::default() };
+    }
+    for record in &batch.records {
+        if record.key_id.is_empty() || hour_of(record.unix_ms)[..8] != day {
+            continue;
+        }
+        *today.tokens.entry(record.key_id.clone()).or_default() += record.prompt_tokens + record.completion_tokens;
+    }
+}
+
+/// Campaigns, then leads until shutdown or until etcd takes the lead away.
+pub async fn run(store: EtcdStore, controller_id: String, retention: Retention, shutdown: CancellationToken) {
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        let result = tokio::select! {
+            () = shutdown.cancelled() => return,
+            result = lead(&store, &controller_id, retention, &shutdown) => result,
+        };
+        match result {
+            Ok(()) => return,
+            Err(error) => tracing::warn!(%error, "usage ledger leadership lost; campaigning again"),
+        }
+        if crate::reconcile::sleep_or_shutdown(&mut backoff, &shutdown).await {
+            return;
+        }
+    }
+}
+
+async fn lead(
+    store: &EtcdStore,
+    controller_id: &str,
+    retention: Retention,
+    shutdown: &CancellationToken,
+) -> Result<(), StoreError> {
+    let mut lease = store.grant_lease(LEADER_TTL).await?;
+    // Campaigning waits for the current leader to go; the lease must stay
+    // alive meanwhile, or this controller would lead with a dead lease.
+    let campaign = store.campaign_usage_leader(controller_id, lease.id);
+    tokio::pin!(campaign);
+    let mut keepalive = tokio::time::interval(LEADER_TTL / 3);
+    loop {
+        tokio::select! {
+            result = &mut campaign => { result?; break; }
+            _ = keepalive.tick() => store.keep_alive(&mut lease).await?,
+        }
+    }
+    tracing::info!("leading the usage ledger");
+    let mut last_prune: Option<tokio::time::Instant> = None;
+    let mut ticker = tokio::time::interval(POLL);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            () = shutdown.cancelled() => {
+                let _ = store.revoke(lease).await;
+                return Ok(());
+            }
+            _ = keepalive.tick() => store.keep_alive(&mut lease).await?,
+            _ = ticker.tick() => {
+                for (batch, revision) in store.pending_usage(BATCHES_PER_ROUND).await? {
+                    apply(store, batch, revision).await?;
+                }
+                if last_prune.is_none_or(|at| at.elapsed() >= PRUNE_EVERY) {
+                    prune(store, retention).await?;
+                    last_prune = Some(tokio::time::Instant::now());
+                }
+            }
+        }
+    }
+}
+
+/// Rolls one batch up, retrying while what it read changes underneath.
+async fn apply(store: &EtcdStore, batch: UsageBatch, pending_revision: i64) -> Result<(), StoreError> {
+    let deltas = rollup_deltas(&batch);
+    let hour = batch.records.first().map_or_else(|| hour_of(inferyes_proto::unix_ms()), |r| hour_of(r.unix_ms));
+    for _ in 0..10 {
+        let mut rollups = Vec::with_capacity(deltas.len());
+        for (suffix, delta) in &deltas {
+            let mut current = store.usage_rollup(suffix).await?;
+            merge(&mut current.value, delta);
+            rollups.push((suffix.clone(), current));
+        }
+        let mut today = store.usage_today().await?;
+        add_today(&mut today.value, &batch, inferyes_proto::unix_ms());
+        let application = Application {
+            batch_id: batch.batch_id.clone(),
+            pending_revision,
+            rollups,
+            today,
+            raw_key: format!("raw/{hour}/{}", batch.batch_id),
+            raw: batch.clone(),
+        };
+        if store.apply_usage(application).await? {
+            tracing::debug!(batch = %batch.batch_id, records = batch.records.len(), "usage rolled up");
+            return Ok(());
+        }
+        if store.pending_usage(BATCHES_PER_ROUND).await?.iter().all(|(b, _)| b.batch_id != batch.batch_id) {
+            // Applied by another controller meanwhile.
+            return Ok(());
+        }
+    }
+    tracing::warn!(batch = %batch.batch_id, "usage batch kept conflicting; leaving it for the next round");
+    Ok(())
+}
+
+async fn prune(store: &EtcdStore, retention: Retention) -> Result<(), StoreError> {
+    let now = inferyes_proto::unix_ms();
+    let days_ago = |days: u64| hour_of(now.saturating_sub(days * 86_400_000));
+    store.delete_usage_before("hourly", &days_ago(retention.rollup_days)).await?;
+    store.delete_usage_before("raw", &days_ago(retention.raw_days)).await?;
+    store.delete_usage_before("applied", &days_ago(APPLIED_DAYS)).await?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(key: &str, model: &str, unix_ms: u64, tokens: (u64, u64), outcome: &str) -> UsageRecord {
+        UsageRecord {
+            key_id: key.into(),
+            model: model.into(),
+            unix_ms,
+            prompt_tokens: tokens.0,
+            completion_tokens: tokens.1,
+            outcome: outcome.into(),
+            latency_ms: 10,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_batch_rolls_up_per_hour_key_and_model() {
+        let hour = 1_795_948_925_000;
+        let batch = UsageBatch {
+            batch_id: "b".into(),
+            dataplane_id: "dp".into(),
+            records: vec![
+                record("k1", "chat", hour, (10, 5), "ok"),
+                record("k1", "chat", hour + 1, (20, 5), "error"),
+                record("", "org/model", hour, (1, 1), "ok"),
+                record("k1", "chat", hour + 3_600_000, (1, 1), "ok"),
+            ],
+        };
+        let deltas = rollup_deltas(&batch);
+        let k1 = &deltas["hourly/2026112910/k1/chat"];
+        assert_eq!((k1.requests, k1.errors, k1.prompt_tokens, k1.completion_tokens), (2, 1, 30, 10));
+        assert_eq!(deltas["hourly/2026112910/-/org/model"].requests, 1);
+        assert_eq!(deltas["hourly/2026112911/k1/chat"].requests, 1);
+
+        let mut today = KeyUsageToday { day: "20261128".into(), tokens: [("old".to_string(), 99)].into() };
+        add_today(&mut today, &batch, hour + 3_600_000);
+        assert_eq!(today.day, "20261129");
+        assert_eq!(today.tokens.get("k1"), Some(&42), "15 + 25 + 2");
+        assert!(!today.tokens.contains_key("old") && !today.tokens.contains_key(""));
+    }
+}

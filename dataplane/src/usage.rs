@@ -1,0 +1,391 @@
+//! The data plane's side of the usage ledger: one record per served
+//! request, made by the data plane that served it (whatever retries and
+//! failovers happened on the way), batched to a controller and resent
+//! under the same batch id until acknowledged.
+//!
+//! Loss window: records are sent once a second; a graceful shutdown flushes
+//! what is left (for up to [`FLUSH_ON_SHUTDOWN`]). A crash loses the
+//! records of the last second, and of any batch a controller had not yet
+//! acknowledged.
+
+use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use inferyes_proto::usage::{Usage, hour_of};
+use inferyes_proto::v1::routing_service_client::RoutingServiceClient;
+use inferyes_proto::v1::{UsageBatch, UsageRecord};
+use tokio_util::sync::CancellationToken;
+use tonic::transport::{Channel, Endpoint};
+
+const SEND_EVERY: Duration = Duration::from_secs(1);
+const MAX_RECORDS_PER_BATCH: usize = 500;
+/// Each distinct hour, key and model is one roll-up in the controller's
+/// transaction; etcd allows 128 operations in one.
+const MAX_ROLLUPS_PER_BATCH: usize = 64;
+const SEND_TIMEOUT: Duration = Duration::from_secs(5);
+pub const FLUSH_ON_SHUTDOWN: Duration = Duration::from_secs(10);
+/// Held while no controller acknowledges; past it the oldest are dropped
+/// (and logged): memory is finite.
+const MAX_QUEUED: usize = 1_000_000;
+
+pub struct Ledger {
+    dataplane_id: String,
+    /// Makes batch ids unique across restarts of the same data plane.
+    nonce: u64,
+    next_seq: AtomicU64,
+    queue: Mutex<VecDeque<UsageRecord>>,
+    /// Tokens recorded per key and not yet acknowledged: held against the
+    /// key's daily budget until the roll-up shows them.
+    unacknowledged: Mutex<HashMap<String, u64>>,
+    dropped: AtomicU64,
+}
+
+impl Ledger {
+    pub fn new(dataplane_id: &str) -> Arc<Ledger> {
+        let id: String =
+            dataplane_id.chars().map(|c| if c.is_ascii_alphanumeric() || "-_".contains(c) { c } else { '-' }).collect();
+        Arc::new(Ledger {
+            dataplane_id: id,
+            nonce: fastrand::u64(..),
+            next_seq: AtomicU64::new(0),
+            queue: Mutex::default(),
+            unacknowledged: Mutex::default(),
+            dropped: AtomicU64::new(0),
+        })
+    }
+
+    pub fn record(&self, record: UsageRecord) {
+        if !record.key_id.is_empty() {
+            let tokens = record.prompt_tokens + record.completion_tokens;
+            *self
+                .unacknowledged
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .entry(record.key_id.clone())
+                .or_default() += tokens;
+        }
+        let mut queue = self.queue.lock().unwrap_or_else(PoisonError::into_inner);
+        if queue.len() >= MAX_QUEUED {
+            queue.pop_front();
+            if self.dropped.fetch_add(1, Ordering::Relaxed) % 10_000 == 0 {
+                tracing::error!("no controller takes usage records; dropping the oldest");
+            }
+        }
+        queue.push_back(record);
+    }
+
+    /// Tokens of `key_id` this data plane counted that the fleet's roll-up
+    /// may not show yet.
+    pub fn unacknowledged_tokens(&self, key_id: &str) -> u64 {
+        self.unacknowledged.lock().unwrap_or_else(PoisonError::into_inner).get(key_id).copied().unwrap_or(0)
+    }
+
+    /// The next batch: up to the record and roll-up limits, oldest first.
+    fn next_batch(&self) -> Option<UsageBatch> {
+        let mut queue = self.queue.lock().unwrap_or_else(PoisonError::into_inner);
+        if queue.is_empty() {
+            return None;
+        }
+        let mut rollups: BTreeSet<(String, String, String)> = BTreeSet::new();
+        let mut records = Vec::new();
+        while let Some(record) = queue.front() {
+            let rollup = (hour_of(record.unix_ms), record.key_id.clone(), record.model.clone());
+            if records.len() == MAX_RECORDS_PER_BATCH
+                || (!rollups.contains(&rollup) && rollups.len() == MAX_ROLLUPS_PER_BATCH)
+            {
+                break;
+            }
+            rollups.insert(rollup);
+            records.extend(queue.pop_front());
+        }
+        let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
+        // The hour first: the controller prunes its markers by name.
+        let batch_id =
+            format!("{}.{}.{:016x}.{seq}", hour_of(inferyes_proto::unix_ms()), self.dataplane_id, self.nonce);
+        Some(UsageBatch { batch_id, dataplane_id: self.dataplane_id.clone(), records })
+    }
+
+    fn acknowledged(&self, batch: &UsageBatch) {
+        let mut unacknowledged = self.unacknowledged.lock().unwrap_or_else(PoisonError::into_inner);
+        for record in batch.records.iter().filter(|r| !r.key_id.is_empty()) {
+            if let Some(tokens) = unacknowledged.get_mut(&record.key_id) {
+                *tokens = tokens.saturating_sub(record.prompt_tokens + record.completion_tokens);
+            }
+        }
+        unacknowledged.retain(|_, tokens| *tokens > 0);
+    }
+}
+
+/// Sends batches until shutdown, then flushes for up to
+/// [`FLUSH_ON_SHUTDOWN`]. `drained` is cancelled by the caller once no
+/// request can add records any more.
+pub async fn run(ledger: Arc<Ledger>, controllers: Vec<String>, drained: CancellationToken) {
+    let clients: Vec<RoutingServiceClient<Channel>> = controllers
+        .iter()
+        .filter_map(|address| Endpoint::from_shared(address.clone()).ok())
+        .map(|e| RoutingServiceClient::new(e.connect_timeout(Duration::from_secs(2)).tcp_nodelay(true).connect_lazy()))
+        .collect();
+    if clients.is_empty() {
+        return;
+    }
+    let mut next = 0usize;
+    // A batch stays current until acknowledged, so a resend carries the
+    // same id and is counted once.
+    let mut current: Option<UsageBatch> = None;
+    let mut ticker = tokio::time::interval(SEND_EVERY);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut deadline: Option<Instant> = None;
+    loop {
+        if deadline.is_none() {
+            tokio::select! {
+                () = drained.cancelled() => deadline = Some(Instant::now() + FLUSH_ON_SHUTDOWN),
+                _ = ticker.tick() => {}
+            }
+        }
+        // Send everything queued, one batch after another.
+        loop {
+            if current.is_none() {
+                current = ledger.next_batch();
+            }
+            let Some(batch) = &current else { break };
+            let mut client = clients[next % clients.len()].clone();
+            match tokio::time::timeout(SEND_TIMEOUT, client.record_usage(batch.clone())).await {
+                Ok(Ok(_)) => {
+                    ledger.acknowledged(batch);
+                    current = None;
+                }
+                Ok(Err(status)) => {
+                    tracing::warn!(code = ?status.code(), message = status.message(), "usage batch not taken; retrying");
+                    next += 1;
+                    break;
+                }
+                Err(_) => {
+                    tracing::warn!("usage batch not acknowledged in time; retrying");
+                    next += 1;
+                    break;
+                }
+            }
+        }
+        if let Some(at) = deadline {
+            let empty = current.is_none() && ledger.queue.lock().unwrap_or_else(PoisonError::into_inner).is_empty();
+            if empty {
+                return;
+            }
+            if Instant::now() >= at {
+                let left = ledger.queue.lock().unwrap_or_else(PoisonError::into_inner).len()
+                    + current.as_ref().map_or(0, |b| b.records.len());
+                tracing::error!(records = left, "shutdown: usage records could not be delivered");
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+}
+
+/// One request's usage record, made once: by whoever finishes it first
+/// (the answer's end, an error) or, if nothing did, when the last handle
+/// goes (the client went away).
+#[derive(Clone)]
+pub struct Meter(Arc<MeterInner>);
+
+struct MeterInner {
+    ledger: Arc<Ledger>,
+    started: Instant,
+    template: UsageRecord,
+    /// Prompt tokens estimated from the request, for answers without usage.
+    prompt_estimate: u64,
+    done: AtomicBool,
+    node: Mutex<String>,
+    first_byte: Mutex<Option<Instant>>,
+    /// Data events seen in a stream: one token each, for an estimate.
+    events: AtomicU64,
+}
+
+/// How a request ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    Ok,
+    Error,
+    Broken,
+    Cancelled,
+}
+
+impl Outcome {
+    fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Ok => "ok",
+            Outcome::Error => "error",
+            Outcome::Broken => "broken",
+            Outcome::Cancelled => "cancelled",
+        }
+    }
+}
+
+impl Meter {
+    pub fn new(
+        ledger: Arc<Ledger>,
+        request_id: String,
+        key_id: Option<String>,
+        model: String,
+        stream: bool,
+        prompt_estimate: u64,
+    ) -> Meter {
+        Meter(Arc::new(MeterInner {
+            ledger,
+            started: Instant::now(),
+            template: UsageRecord {
+                request_id,
+                unix_ms: inferyes_proto::unix_ms(),
+                key_id: key_id.unwrap_or_default(),
+                model,
+                stream,
+                ..Default::default()
+            },
+            prompt_estimate,
+            done: AtomicBool::new(false),
+            node: Mutex::default(),
+            first_byte: Mutex::default(),
+            events: AtomicU64::new(0),
+        }))
+    }
+
+    /// The node that answers (the last one tried).
+    pub fn node(&self, node: &str) {
+        let mut current = self.0.node.lock().unwrap_or_else(PoisonError::into_inner);
+        current.clear();
+        current.push_str(node);
+    }
+
+    pub fn first_byte(&self) {
+        let mut first = self.0.first_byte.lock().unwrap_or_else(PoisonError::into_inner);
+        first.get_or_insert_with(Instant::now);
+    }
+
+    pub fn data_event(&self) {
+        self.0.events.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Records the request; later calls do nothing.
+    pub fn finish(&self, status: u16, outcome: Outcome, usage: Option<Usage>) {
+        self.0.finish(status, outcome, usage);
+    }
+}
+
+impl MeterInner {
+    fn finish(&self, status: u16, outcome: Outcome, usage: Option<Usage>) {
+        if self.done.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let ttft = (*self.first_byte.lock().unwrap_or_else(PoisonError::into_inner))
+            .filter(|_| self.template.stream)
+            .map_or(0, |at| millis(at.duration_since(self.started)));
+        let mut record = UsageRecord {
+            node_id: self.node.lock().unwrap_or_else(PoisonError::into_inner).clone(),
+            status: u32::from(status),
+            outcome: outcome.as_str().to_string(),
+            latency_ms: millis(self.started.elapsed()),
+            ttft_ms: ttft,
+            ..self.template.clone()
+        };
+        match usage {
+            Some(usage) => {
+                record.prompt_tokens = u64::from(usage.prompt_tokens);
+                record.cached_tokens = u64::from(usage.cached_tokens);
+                record.completion_tokens = u64::from(usage.completion_tokens);
+            }
+            // Nothing reached the backend's model: nothing to count.
+            None if outcome == Outcome::Error => {}
+            None => {
+                record.estimated = true;
+                record.prompt_tokens = self.prompt_estimate;
+                record.completion_tokens = self.events.load(Ordering::Relaxed);
+            }
+        }
+        self.ledger.record(record);
+    }
+}
+
+impl Drop for MeterInner {
+    fn drop(&mut self) {
+        // The client went away before the answer ended.
+        self.finish(499, Outcome::Cancelled, None);
+    }
+}
+
+fn millis(d: Duration) -> u32 {
+    u32::try_from(d.as_millis()).unwrap_or(u32::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(key: &str, model: &str, tokens: u64) -> UsageRecord {
+        UsageRecord {
+            key_id: key.into(),
+            model: model.into(),
+            unix_ms: inferyes_proto::unix_ms(),
+            prompt_tokens: tokens,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn batches_respect_the_record_and_rollup_limits_and_ids_are_unique() {
+        let ledger = Ledger::new("dp/1 test");
+        for i in 0..(MAX_RECORDS_PER_BATCH + 10) {
+            ledger.record(record("k", "m", 1 + (i as u64 % 2)));
+        }
+        let first = ledger.next_batch().unwrap();
+        assert_eq!(first.records.len(), MAX_RECORDS_PER_BATCH);
+        assert!(first.batch_id.contains(".dp-1-test."), "{}", first.batch_id);
+        let second = ledger.next_batch().unwrap();
+        assert_eq!(second.records.len(), 10);
+        assert_ne!(first.batch_id, second.batch_id);
+        assert!(ledger.next_batch().is_none());
+
+        for m in 0..(MAX_ROLLUPS_PER_BATCH + 1) {
+            ledger.record(record("k", &format!("model-{m}"), 1));
+        }
+        assert_eq!(ledger.next_batch().unwrap().records.len(), MAX_ROLLUPS_PER_BATCH);
+        assert_eq!(ledger.next_batch().unwrap().records.len(), 1);
+    }
+
+    #[test]
+    fn unacknowledged_tokens_count_until_their_batch_is_acknowledged() {
+        let ledger = Ledger::new("dp");
+        ledger.record(record("k", "m", 30));
+        ledger.record(record("", "m", 50));
+        assert_eq!(ledger.unacknowledged_tokens("k"), 30);
+        let batch = ledger.next_batch().unwrap();
+        assert_eq!(ledger.unacknowledged_tokens("k"), 30, "sent is not acknowledged");
+        ledger.acknowledged(&batch);
+        assert_eq!(ledger.unacknowledged_tokens("k"), 0);
+    }
+
+    #[test]
+    fn a_meter_records_once_and_a_dropped_one_as_cancelled() {
+        let ledger = Ledger::new("dp");
+        let meter = Meter::new(Arc::clone(&ledger), "r1".into(), Some("k".into()), "m".into(), true, 12);
+        meter.node("node-a");
+        let clone = meter.clone();
+        meter.finish(200, Outcome::Ok, Some(Usage { prompt_tokens: 10, completion_tokens: 4, cached_tokens: 6 }));
+        clone.finish(500, Outcome::Error, None);
+        drop((meter, clone));
+        let unfinished = Meter::new(Arc::clone(&ledger), "r2".into(), None, "m".into(), true, 12);
+        unfinished.data_event();
+        unfinished.data_event();
+        drop(unfinished);
+
+        let batch = ledger.next_batch().unwrap();
+        assert_eq!(batch.records.len(), 2);
+        let (done, cancelled) = (&batch.records[0], &batch.records[1]);
+        assert_eq!((done.request_id.as_str(), done.outcome.as_str(), done.status), ("r1", "ok", 200));
+        assert_eq!((done.prompt_tokens, done.completion_tokens, done.cached_tokens), (10, 4, 6));
+        assert_eq!((done.node_id.as_str(), done.estimated), ("node-a", false));
+        assert_eq!((cancelled.outcome.as_str(), cancelled.estimated), ("cancelled", true));
+        assert_eq!((cancelled.prompt_tokens, cancelled.completion_tokens), (12, 2));
+    }
+}

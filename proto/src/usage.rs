@@ -1,0 +1,131 @@
+//! What a backend's response says about its tokens and prompt cache, read
+//! from the last bytes of the response (JSON or the final SSE events)
+//! without parsing the body. Pure. The agent reads it for residency, the
+//! data plane for the usage ledger.
+
+/// What the server said about one finished request.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Usage {
+    pub prompt_tokens: u32,
+    pub completion_tokens: u32,
+    pub cached_tokens: u32,
+}
+
+/// The tail of a response kept for [`parse_usage`]: usage and timings are
+/// in the last event or the last fields of a JSON body.
+pub const TAIL_BYTES: usize = 4096;
+
+/// Reads OpenAI `usage` (`prompt_tokens`, `completion_tokens`,
+/// `prompt_tokens_details.cached_tokens`), else llama-server's `timings`
+/// (`prompt_n` + `cache_n`, `predicted_n`), from the end of a response.
+pub fn parse_usage(tail: &[u8]) -> Option<Usage> {
+    if let Some(prompt) = last_number(tail, b"\"prompt_tokens\":") {
+        return Some(Usage {
+            prompt_tokens: prompt,
+            completion_tokens: last_number(tail, b"\"completion_tokens\":").unwrap_or(0),
+            cached_tokens: last_number(tail, b"\"cached_tokens\":")
+                .or_else(|| last_number(tail, b"\"cache_n\":"))
+                .unwrap_or(0),
+        });
+    }
+    let processed = last_number(tail, b"\"prompt_n\":")?;
+    let cached = last_number(tail, b"\"cache_n\":").unwrap_or(0);
+    Some(Usage {
+        prompt_tokens: processed.saturating_add(cached),
+        completion_tokens: last_number(tail, b"\"predicted_n\":").unwrap_or(0),
+        cached_tokens: cached,
+    })
+}
+
+fn last_number(haystack: &[u8], key: &[u8]) -> Option<u32> {
+    let at = haystack.windows(key.len()).rposition(|w| w == key)? + key.len();
+    let digits: Vec<u8> = haystack[at..]
+        .iter()
+        .skip_while(|b| b.is_ascii_whitespace())
+        .take_while(|b| b.is_ascii_digit())
+        .copied()
+        .collect();
+    std::str::from_utf8(&digits).ok()?.parse().ok()
+}
+
+/// The hour a record falls in, as `YYYYMMDDHH` (UTC): keys sort by time.
+pub fn hour_of(unix_ms: u64) -> String {
+    let secs = unix_ms / 1000;
+    let (y, m, d) = civil_from_days(i64::try_from(secs / 86_400).unwrap_or(0));
+    format!("{y:04}{m:02}{d:02}{:02}", (secs % 86_400) / 3600)
+}
+
+/// The start of an hour key, back in milliseconds.
+pub fn hour_start_ms(hour: &str) -> Option<u64> {
+    if hour.len() != 10 {
+        return None;
+    }
+    let (y, m, d, h) = (
+        hour[0..4].parse().ok()?,
+        hour[4..6].parse().ok()?,
+        hour[6..8].parse().ok()?,
+        hour[8..10].parse::<u64>().ok()?,
+    );
+    let days = u64::try_from(days_from_civil(y, m, d)).ok()?;
+    Some((days * 86_400 + h * 3600) * 1000)
+}
+
+/// Howard Hinnant's days-from-civil and back: the proleptic Gregorian
+/// calendar without a date crate.
+fn civil_from_days(z: i64) -> (i64, u32, u32) {
+    let z = z + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = u32::try_from(doy - (153 * mp + 2) / 5 + 1).unwrap_or(1);
+    let m = u32::try_from(if mp < 10 { mp + 3 } else { mp - 9 }).unwrap_or(1);
+    (yoe + era * 400 + i64::from(m <= 2), m, d)
+}
+
+fn days_from_civil(y: i64, m: u32, d: u32) -> i64 {
+    let y = if m <= 2 { y - 1 } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y.rem_euclid(400);
+    let m = i64::from(m);
+    let doy = (153 * (if m > 2 { m - 3 } else { m + 9 }) + 2) / 5 + i64::from(d) - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    era * 146_097 + doe - 719_468
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hours_are_utc_and_round_trip() {
+        assert_eq!(hour_of(0), "1970010100");
+        // 2026-11-29 10:42:05 UTC.
+        assert_eq!(hour_of(1_795_948_925_000), "2026112910");
+        assert_eq!(hour_of(951_782_400_000), "2000022900");
+        for ms in [0, 951_782_400_000, 1_795_948_925_000] {
+            let hour = hour_of(ms);
+            assert_eq!(hour_of(hour_start_ms(&hour).unwrap()), hour);
+            assert!(hour_start_ms(&hour).unwrap() <= ms && ms - hour_start_ms(&hour).unwrap() < 3_600_000);
+        }
+    }
+
+    #[test]
+    fn usage_is_read_from_a_json_body() {
+        let body = br#"{"choices":[],"usage":{"completion_tokens":8,"prompt_tokens":106,"total_tokens":114,"prompt_tokens_details":{"cached_tokens":63}},"timings":{"cache_n":63,"prompt_n":43}}"#;
+        assert_eq!(parse_usage(body), Some(Usage { prompt_tokens: 106, completion_tokens: 8, cached_tokens: 63 }));
+    }
+
+    #[test]
+    fn timings_serve_when_a_stream_carries_no_usage() {
+        let tail = b"data: {\"choices\":[{\"finish_reason\":\"length\",\"delta\":{}}],\"timings\":{\"cache_n\": 20,\"prompt_n\":5,\"predicted_n\":7}}\n\ndata: [DONE]\n\n";
+        assert_eq!(parse_usage(tail), Some(Usage { prompt_tokens: 25, completion_tokens: 7, cached_tokens: 20 }));
+    }
+
+    #[test]
+    fn nothing_is_made_up() {
+        assert_eq!(parse_usage(b"{\"data\":[{\"embedding\":[0.1]}]}"), None);
+        assert_eq!(parse_usage(b""), None);
+    }
+}
