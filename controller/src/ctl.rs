@@ -526,7 +526,7 @@ fn usage_record_json(r: &UsageRecord) -> Value {
 }
 
 fn render_usage(report: &UsageReport, json_out: bool) -> String {
-    let usage = |row: &UsageRow| row.usage.clone().unwrap_or_default();
+    let usage = |row: &UsageRow| row.usage.unwrap_or_default();
     if json_out {
         let rows: Vec<Value> = report
             .rows

@@ -69,7 +69,7 @@ impl Ledger {
         let mut queue = self.queue.lock().unwrap_or_else(PoisonError::into_inner);
         if queue.len() >= MAX_QUEUED {
             queue.pop_front();
-            if self.dropped.fetch_add(1, Ordering::Relaxed) % 10_000 == 0 {
+            if self.dropped.fetch_add(1, Ordering::Relaxed).is_multiple_of(10_000) {
                 tracing::error!("no controller takes usage records; dropping the oldest");
             }
         }
