@@ -131,3 +131,24 @@ async fn inferyesctl_creates_lists_and_revokes_keys_showing_the_secret_once() {
     let bad = ctl(&url, &["keys", "create", "x", "--expires-in", "soon"]).await.unwrap_err();
     assert!(bad.to_string().contains("unit"), "{bad}");
 }
+
+#[tokio::test]
+async fn inferyesctl_shows_usage_per_hour_key_and_model_and_exports_records() {
+    let fleet = Fleet::start(vec![chat_sim("chat")]).await;
+    let url = fleet.controller().url();
+    let chat = fleet.url("/v1/chat/completions");
+    for i in 0..3 {
+        let response = fleet.http.post_json(&chat, &crate::support::chat_body("chat", &format!("q{i}"))).await;
+        assert_eq!(response.status, http::StatusCode::OK);
+    }
+    crate::usage::rolled_up(fleet.controller(), "", 3).await;
+    let table = ctl(&url, &["usage", "--since", "2h"]).await.unwrap();
+    let lines: Vec<&str> = table.lines().collect();
+    assert!(lines[0].starts_with("HOUR (UTC)") && lines[0].contains("COMPLETION"), "{table}");
+    assert!(lines[1].contains(" chat ") && lines[1].contains(" 3 "), "{table}");
+    assert!(lines.last().unwrap().starts_with("total"), "{table}");
+    let exported = ctl(&url, &["usage", "--export"]).await.unwrap();
+    let records: Vec<Value> = exported.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(records.len(), 3, "{exported}");
+    assert!(records.iter().all(|r| r["model"] == "chat" && r["outcome"] == "ok" && r["completion_tokens"] == 8));
+}

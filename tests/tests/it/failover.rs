@@ -142,6 +142,12 @@ async fn a_whole_answer_comes_from_another_node_when_one_breaks_mid_answer() {
     // After its first failure the broken node is ejected (1 s, then longer):
     // later requests go straight to the healthy one.
     assert!(failovers <= 2, "{failovers} requests tried the broken node first");
+    // Each request is in the usage ledger once, served by node-b, however
+    // many nodes it went through.
+    let total = crate::usage::rolled_up(&fleet.controller, "", 12).await;
+    assert_eq!((total.requests, total.errors), (12, 0), "{total:?}");
+    let served = fleet.healthy.as_ref().expect("a healthy node").1.sim.stats();
+    assert_eq!((total.prompt_tokens, total.completion_tokens), (served.prompt_tokens, served.completion_tokens));
 
     // Alone, the broken node gives an explicit 502.
     let (agent, sim) = fleet.healthy.take().expect("a healthy node");

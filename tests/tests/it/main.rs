@@ -12,4 +12,5 @@ mod metrics;
 mod routing;
 mod support;
 mod swap;
+mod usage;
 mod walking;

@@ -1,0 +1,215 @@
+//! The usage ledger: what data planes record reaches the roll-ups exactly
+//! once, equals what the backends counted, survives several data planes
+//! and controllers writing at once, and drives daily token budgets.
+
+use std::time::Duration;
+
+use http::{Method, StatusCode};
+use inferyes_dataplane::auth::AuthMode;
+use inferyes_proto::v1::routing_service_client::RoutingServiceClient;
+use inferyes_proto::v1::{CreateKeyRequest, UsageBatch, UsageQuery, UsageRecord, UsageRollup};
+use inferyes_tests::{ControllerHandle, DataplaneHandle, HttpClient, TestResponse, eventually};
+use serde_json::json;
+
+use crate::support::{Fleet, chat_sim};
+
+/// The fleet's usage totals over the last day, for `key_id` (empty: all).
+pub async fn usage_total(controller: &ControllerHandle, key_id: &str) -> UsageRollup {
+    let report = controller
+        .fleet()
+        .await
+        .get_usage(UsageQuery { key_id: key_id.into(), ..Default::default() })
+        .await
+        .expect("usage query")
+        .into_inner();
+    let mut total = UsageRollup::default();
+    for row in report.rows {
+        inferyes_controller::ledger::merge(&mut total, &row.usage.unwrap_or_default());
+    }
+    total
+}
+
+/// Waits until the roll-up shows `requests` requests.
+pub async fn rolled_up(controller: &ControllerHandle, key_id: &str, requests: u64) -> UsageRollup {
+    eventually(&format!("{requests} requests rolled up"), Duration::from_secs(20), || async {
+        usage_total(controller, key_id).await.requests >= requests
+    })
+    .await;
+    usage_total(controller, key_id).await
+}
+
+async fn ask(http: &HttpClient, url: &str, key: Option<&str>, stream: bool, text: &str) -> TestResponse {
+    let body = json!({"model": "chat", "stream": stream, "max_tokens": 6,
+                      "messages": [{"role": "user", "content": text}]});
+    let bearer = key.map(|k| format!("Bearer {k}"));
+    let headers: Vec<(&str, &str)> = bearer.iter().map(|b| ("authorization", b.as_str())).collect();
+    let response =
+        http.send(Method::POST, &format!("{url}/v1/chat/completions"), body.to_string().into(), &headers).await;
+    assert_eq!(response.status, StatusCode::OK, "{}", String::from_utf8_lossy(&response.body));
+    response
+}
+
+#[tokio::test]
+async fn usage_of_plain_and_streamed_answers_is_what_the_backends_counted() {
+    let fleet = Fleet::start_with(vec![chat_sim("chat"), chat_sim("chat")], |c| c.auth = AuthMode::Keys).await;
+    let created = fleet
+        .controller()
+        .fleet()
+        .await
+        .create_key(CreateKeyRequest { name: "metered".into(), ..Default::default() })
+        .await
+        .expect("key")
+        .into_inner();
+    let (key_id, secret) = (created.key.expect("key").key_id, created.secret);
+    let id = key_id.clone();
+    fleet.dataplane.wait_for("the key", Duration::from_secs(10), move |s| s.api_key(&id).is_some()).await;
+    for i in 0..4 {
+        ask(&fleet.http, &fleet.dataplane.url, Some(&secret), false, &format!("plain {i}")).await;
+        ask(&fleet.http, &fleet.dataplane.url, Some(&secret), true, &format!("streamed {i}")).await;
+    }
+    let total = rolled_up(fleet.controller(), &key_id, 8).await;
+    let backends = fleet
+        .sims
+        .iter()
+        .map(|s| s.sim.stats())
+        .fold((0, 0, 0), |acc, s| (acc.0 + s.requests, acc.1 + s.prompt_tokens, acc.2 + s.completion_tokens));
+    assert_eq!(total.requests, 8);
+    assert_eq!(backends.0, 8);
+    assert_eq!((total.prompt_tokens, total.completion_tokens), (backends.1, backends.2), "{total:?}");
+    assert_eq!(total.completion_tokens, 8 * 6);
+    assert_eq!((total.errors, total.estimated_requests), (0, 0));
+
+    // Today's tokens reach the data plane with the snapshot.
+    let expected = total.prompt_tokens + total.completion_tokens;
+    let id = key_id.clone();
+    fleet.dataplane.wait_for("today's tokens", Duration::from_secs(10), move |s| s.tokens_today(&id) == expected).await;
+
+    // The raw records export, one per request.
+    let mut export = fleet
+        .controller()
+        .fleet()
+        .await
+        .export_usage(UsageQuery { key_id: key_id.clone(), ..Default::default() })
+        .await
+        .expect("export")
+        .into_inner();
+    let mut records: Vec<UsageRecord> = Vec::new();
+    while let Some(record) = export.message().await.expect("record") {
+        records.push(record);
+    }
+    assert_eq!(records.len(), 8);
+    assert_eq!(records.iter().filter(|r| r.stream).count(), 4);
+    assert!(records.iter().all(|r| r.outcome == "ok" && r.node_id.starts_with("node-") && r.status == 200));
+    assert!(records.iter().filter(|r| r.stream).all(|r| r.ttft_ms <= r.latency_ms));
+}
+
+#[tokio::test]
+async fn a_resent_batch_is_counted_once() {
+    let fleet = Fleet::start(vec![chat_sim("chat")]).await;
+    let batch = UsageBatch {
+        batch_id: "2026112900.test.0000000000000001.0".into(),
+        dataplane_id: "test".into(),
+        records: vec![UsageRecord {
+            request_id: "r1".into(),
+            unix_ms: inferyes_proto::unix_ms(),
+            model: "chat".into(),
+            outcome: "ok".into(),
+            prompt_tokens: 7,
+            ..Default::default()
+        }],
+    };
+    let mut client = RoutingServiceClient::connect(fleet.controller().url()).await.expect("controller");
+    client.record_usage(batch.clone()).await.expect("accepted");
+    // Resent while pending, and again once rolled up: acknowledged, not counted.
+    client.record_usage(batch.clone()).await.expect("accepted again");
+    let total = rolled_up(fleet.controller(), "", 1).await;
+    client.record_usage(batch).await.expect("accepted once more");
+    let report = fleet.controller().fleet().await.get_usage(UsageQuery::default()).await.expect("usage").into_inner();
+    assert_eq!(report.pending_batches, 0, "the resend was not stored again");
+    assert_eq!((total.requests, total.prompt_tokens), (1, 7));
+    assert_eq!(usage_total(fleet.controller(), "").await.requests, 1);
+}
+
+#[tokio::test]
+async fn two_data_planes_and_two_controllers_writing_at_once_lose_nothing() {
+    let fleet = Fleet::start(vec![chat_sim("chat"), chat_sim("chat")]).await;
+    let second = ControllerHandle::start(&fleet.etcd.endpoint(), "controller-2").await;
+    // Each data plane reports to its own controller.
+    let other = DataplaneHandle::start_with(&[second.url()], |c| c.dataplane_id = "dataplane-2".into()).await;
+    other.wait_for_nodes(&["node-a", "node-b"]).await;
+    let per_plane = 20;
+    let mut tasks = Vec::new();
+    for url in [fleet.dataplane.url.clone(), other.url.clone()] {
+        for worker in 0..2 {
+            let url = url.clone();
+            tasks.push(tokio::spawn(async move {
+                let http = HttpClient::default();
+                for i in 0..per_plane / 2 {
+                    ask(&http, &url, None, i % 2 == 0, &format!("w{worker} q{i}")).await;
+                }
+            }));
+        }
+    }
+    for task in tasks {
+        task.await.expect("client");
+    }
+    let total = rolled_up(fleet.controller(), "", 2 * per_plane).await;
+    let prompt: u64 = fleet.sims.iter().map(|s| s.sim.stats().prompt_tokens).sum();
+    let completion: u64 = fleet.sims.iter().map(|s| s.sim.stats().completion_tokens).sum();
+    assert_eq!(total.requests, 2 * per_plane);
+    assert_eq!((total.prompt_tokens, total.completion_tokens), (prompt, completion));
+    // Both controllers answer the same from etcd.
+    assert_eq!(usage_total(&second, "").await, total);
+    other.stop().await;
+    second.stop().await;
+}
+
+#[tokio::test]
+async fn a_graceful_shutdown_flushes_every_record() {
+    let fleet = Fleet::start(vec![chat_sim("chat")]).await;
+    let http = HttpClient::default();
+    for i in 0..5 {
+        ask(&http, &fleet.dataplane.url, None, false, &format!("last words {i}")).await;
+    }
+    // Stopped right away: its records are still queued, and go out on the
+    // way down.
+    let Fleet { dataplane, controller, etcd, sims, agents, .. } = fleet;
+    dataplane.stop().await;
+    let controller = controller.expect("running");
+    assert_eq!(rolled_up(&controller, "", 5).await.requests, 5);
+    drop((etcd, sims, agents));
+}
+
+#[tokio::test]
+async fn a_key_over_its_daily_tokens_is_refused_until_tomorrow() {
+    let fleet = Fleet::start_with(vec![chat_sim("chat")], |c| c.auth = AuthMode::Keys).await;
+    let created = fleet
+        .controller()
+        .fleet()
+        .await
+        .create_key(CreateKeyRequest { name: "budget".into(), tokens_per_day: 20, ..Default::default() })
+        .await
+        .expect("key")
+        .into_inner();
+    let (key_id, secret) = (created.key.expect("key").key_id, created.secret);
+    let id = key_id.clone();
+    fleet.dataplane.wait_for("the key", Duration::from_secs(10), move |s| s.api_key(&id).is_some()).await;
+    // One answer uses more than 20 tokens (prompt and 6 completion tokens).
+    ask(&fleet.http, &fleet.dataplane.url, Some(&secret), false, "a question long enough to matter").await;
+    let body = json!({"model": "chat", "max_tokens": 6, "messages": [{"role": "user", "content": "more"}]});
+    let auth = format!("Bearer {secret}");
+    let refused = fleet
+        .http
+        .send(
+            Method::POST,
+            &format!("{}/v1/chat/completions", fleet.dataplane.url),
+            body.to_string().into(),
+            &[("authorization", &auth)],
+        )
+        .await;
+    assert_eq!(refused.status, StatusCode::TOO_MANY_REQUESTS, "{}", String::from_utf8_lossy(&refused.body));
+    assert_eq!(refused.openai_error()["code"], "rate_limit_exceeded");
+    assert!(refused.openai_error()["message"].as_str().expect("message").contains("per day"));
+    let retry: u64 = refused.header("retry-after").expect("retry-after").parse().expect("seconds");
+    assert!((1..=86_400).contains(&retry));
+}
