@@ -46,6 +46,8 @@ pub struct Resume {
     pub version: u64,
     pub hard_stop: tokio_util::sync::CancellationToken,
     pub meter: Option<crate::usage::Meter>,
+    /// Take the usage-only chunk out (the data plane asked for it).
+    pub strip_usage: bool,
 }
 
 /// Requests whose output is constrained are not continued.
@@ -173,6 +175,9 @@ async fn pipe(
                         usage = Some(found);
                     }
                 }
+                if resume.strip_usage && super::view::is_usage_only_event(&event) {
+                    continue;
+                }
                 match read(&event) {
                     Event::Done => finished = true,
                     Event::Error => break,
@@ -256,6 +261,7 @@ async fn continue_on(resume: &Resume, hop: &Hop, partial: &str, generated: u64) 
         expects_done: true,
         continuation: false,
         meter: None,
+        strip_usage: false,
     };
     let response = resume.forwarder.send(&hop.proxy_url, &hop.backend, &outbound).await.ok()?;
     let event_stream = response

@@ -67,6 +67,9 @@ pub struct Outbound<'a> {
     pub continuation: bool,
     /// Records the request's usage once, when its answer ends.
     pub meter: Option<Meter>,
+    /// The body asks for usage the client did not ask for: take its chunk
+    /// out of the stream.
+    pub strip_usage: bool,
 }
 
 impl Forwarder {
@@ -216,6 +219,7 @@ impl Forwarder {
                     version: snapshot.version(),
                     hard_stop: self.hard_stop.clone(),
                     meter: out.meter.clone(),
+                    strip_usage: out.strip_usage,
                 };
                 let body = continuation::spawn(body, guard, Arc::clone(&node.id), resume);
                 return Ok(Response::from_parts(parts, body));
@@ -233,6 +237,8 @@ impl Forwarder {
                 _span: tracing::Span::current(),
                 meter: out.meter.clone(),
                 status: status.as_u16(),
+                strip_usage: out.strip_usage,
+                held: Vec::new(),
             };
             return Ok(Response::from_parts(parts, Body::new(body)));
         }
@@ -372,6 +378,10 @@ struct Guarded {
     _span: tracing::Span,
     meter: Option<Meter>,
     status: u16,
+    /// The data plane asked for usage the client did not: its chunk is
+    /// taken out, which needs whole events (`held` keeps a partial one).
+    strip_usage: bool,
+    held: Vec<u8>,
 }
 
 /// Enough of a stream's end to see its last events, usage included.
@@ -416,60 +426,80 @@ impl http_body::Body for Guarded {
             );
             return Poll::Ready(Some(Ok(Frame::data(error_event(&error)))));
         }
-        match Pin::new(&mut this.inner).poll_frame(cx) {
-            Poll::Ready(Some(Ok(frame))) => {
-                if let Some(data) = frame.data_ref() {
-                    if let Some(meter) = &this.meter {
-                        meter.first_byte();
-                        // One event, one token: an estimate for streams
-                        // that say nothing of their usage.
-                        for _ in memchr_events(data) {
-                            meter.data_event();
+        loop {
+            match Pin::new(&mut this.inner).poll_frame(cx) {
+                Poll::Ready(Some(Ok(frame))) => {
+                    if let Some(data) = frame.data_ref() {
+                        if let Some(meter) = &this.meter {
+                            meter.first_byte();
+                            // One event, one token: an estimate for streams
+                            // that say nothing of their usage.
+                            for _ in memchr_events(data) {
+                                meter.data_event();
+                            }
+                        }
+                        this.tail.extend_from_slice(data);
+                        if this.tail.len() > 2 * TAIL_BYTES {
+                            this.tail.drain(..this.tail.len() - TAIL_BYTES);
+                        }
+                        if this.strip_usage && this.event_stream {
+                            // Whole events only, without the usage chunk the
+                            // client did not ask for.
+                            this.held.extend_from_slice(data);
+                            let Some(end) = this.held.windows(2).rposition(|w| w == b"\n\n").map(|i| i + 2) else {
+                                continue;
+                            };
+                            let complete: Vec<u8> = this.held.drain(..end).collect();
+                            let kept = without_usage_events(&complete);
+                            if kept.is_empty() {
+                                continue;
+                            }
+                            return Poll::Ready(Some(Ok(Frame::data(Bytes::from(kept)))));
                         }
                     }
-                    this.tail.extend_from_slice(data);
-                    if this.tail.len() > 2 * TAIL_BYTES {
-                        this.tail.drain(..this.tail.len() - TAIL_BYTES);
-                    }
+                    return Poll::Ready(Some(Ok(frame)));
                 }
-                Poll::Ready(Some(Ok(frame)))
+                Poll::Ready(None) if !this.held.is_empty() => {
+                    // A last event without its blank line: passed on as it is.
+                    return Poll::Ready(Some(Ok(Frame::data(Bytes::from(std::mem::take(&mut this.held))))));
+                }
+                Poll::Ready(None) if !(this.event_stream && this.expects_done && !ended_well(&this.tail)) => {
+                    this.ended = true;
+                    this.finish(Outcome::Ok);
+                    return Poll::Ready(None);
+                }
+                Poll::Ready(None) if this.event_stream && this.expects_done && !ended_well(&this.tail) => {
+                    // The node closed the stream in the middle of the answer
+                    // (it shut down, say): say so rather than end as if done.
+                    this.ended = true;
+                    this.finish(Outcome::Broken);
+                    tracing::warn!(node = %this.node, "stream ended without [DONE]; ending it with an error event");
+                    let error = ApiError::new(
+                        ErrorKind::Upstream,
+                        format!("node `{}` ended the stream before the answer was complete", this.node),
+                        "upstream_broken",
+                    );
+                    return Poll::Ready(Some(Ok(Frame::data(error_event(&error)))));
+                }
+                Poll::Ready(Some(Err(error))) if this.event_stream => {
+                    let ejected_ms = this.guard.local.eject(inferyes_proto::unix_ms(), this.version);
+                    tracing::warn!(node = %this.node, %error, ejected_ms, "node failed mid-stream; ending the stream with an error event");
+                    this.ended = true;
+                    this.finish(Outcome::Broken);
+                    let error = ApiError::new(
+                        ErrorKind::Upstream,
+                        format!("node `{}` failed in the middle of the stream", this.node),
+                        "upstream_broken",
+                    );
+                    return Poll::Ready(Some(Ok(Frame::data(error_event(&error)))));
+                }
+                other => return other,
             }
-            Poll::Ready(None) if !(this.event_stream && this.expects_done && !ended_well(&this.tail)) => {
-                this.ended = true;
-                this.finish(Outcome::Ok);
-                Poll::Ready(None)
-            }
-            Poll::Ready(None) if this.event_stream && this.expects_done && !ended_well(&this.tail) => {
-                // The node closed the stream in the middle of the answer
-                // (it shut down, say): say so rather than end as if done.
-                this.ended = true;
-                this.finish(Outcome::Broken);
-                tracing::warn!(node = %this.node, "stream ended without [DONE]; ending it with an error event");
-                let error = ApiError::new(
-                    ErrorKind::Upstream,
-                    format!("node `{}` ended the stream before the answer was complete", this.node),
-                    "upstream_broken",
-                );
-                Poll::Ready(Some(Ok(Frame::data(error_event(&error)))))
-            }
-            Poll::Ready(Some(Err(error))) if this.event_stream => {
-                let ejected_ms = this.guard.local.eject(inferyes_proto::unix_ms(), this.version);
-                tracing::warn!(node = %this.node, %error, ejected_ms, "node failed mid-stream; ending the stream with an error event");
-                this.ended = true;
-                this.finish(Outcome::Broken);
-                let error = ApiError::new(
-                    ErrorKind::Upstream,
-                    format!("node `{}` failed in the middle of the stream", this.node),
-                    "upstream_broken",
-                );
-                Poll::Ready(Some(Ok(Frame::data(error_event(&error)))))
-            }
-            other => other,
         }
     }
 
     fn is_end_stream(&self) -> bool {
-        self.ended || self.inner.is_end_stream()
+        self.ended || (self.inner.is_end_stream() && self.held.is_empty())
     }
 
     fn size_hint(&self) -> SizeHint {
@@ -488,6 +518,7 @@ pub struct OwnedOutbound {
     pub reserve_bytes: u64,
     pub expects_done: bool,
     pub meter: Option<Meter>,
+    pub strip_usage: bool,
 }
 
 /// How often a client waiting on a cold load hears about it.
@@ -519,6 +550,7 @@ impl Forwarder {
                     expects_done: out.expects_done,
                     continuation: false,
                     meter: out.meter.clone(),
+                    strip_usage: out.strip_usage,
                 };
                 let started = tokio::time::Instant::now();
                 let work = forwarder.forward(&snapshot, &route, outbound);
@@ -585,6 +617,21 @@ impl Forwarder {
         headers.insert(ROUTE_HEADER, HeaderValue::from_static("cold"));
         response
     }
+}
+
+/// Whole SSE events without the usage-only ones.
+fn without_usage_events(events: &[u8]) -> Vec<u8> {
+    let mut kept = Vec::with_capacity(events.len());
+    let mut rest = events;
+    while let Some(i) = rest.windows(2).position(|w| w == b"\n\n") {
+        let (event, after) = rest.split_at(i + 2);
+        if !super::view::is_usage_only_event(event.trim_ascii_start()) {
+            kept.extend_from_slice(event);
+        }
+        rest = after;
+    }
+    kept.extend_from_slice(rest);
+    kept
 }
 
 /// The data events (`data: ...`) that start in `bytes`.

@@ -402,6 +402,14 @@ async fn route_and_forward(
     facts.model = model.to_string();
     facts.stream = view.stream;
     let body = if model == view.model { body } else { with_model(&body, &view, model)? };
+    // A stream that would end without usage is asked for it; the client,
+    // which did not ask, does not see the extra chunk.
+    let wants_usage =
+        view.stream && matches!(kind, EndpointKind::Chat | EndpointKind::Completion) && !view.has_stream_options;
+    let (body, strip_usage) = match wants_usage.then(|| super::view::with_usage_requested(&body)).flatten() {
+        Some(spliced) => (spliced, true),
+        None => (body, false),
+    };
     let session = session_key(&parts.headers, &view);
     facts.session.clone_from(&session);
     let ticket = state.tickets.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -439,6 +447,7 @@ async fn route_and_forward(
             reserve_bytes,
             expects_done: expects_done(kind),
             meter: Some(meter),
+            strip_usage,
         };
         tracing::debug!(model, "cold load for a stream: answering at once");
         return Ok(state.forwarder.forward_cold_stream(Arc::clone(snapshot), route, outbound));
@@ -458,6 +467,7 @@ async fn route_and_forward(
             && snapshot.policy().continues(model)
             && !super::continuation::constrained(&body_for_checks),
         meter: Some(meter),
+        strip_usage,
     };
     let result = state.forwarder.forward(snapshot, &route, outbound).await;
     match &result {

@@ -31,6 +31,9 @@ struct Wire<'a> {
     instructions: Option<&'a RawValue>,
     #[serde(borrow, default)]
     input: Option<&'a RawValue>,
+    /// Whether the client set stream options itself.
+    #[serde(borrow, default)]
+    stream_options: Option<&'a RawValue>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -55,6 +58,8 @@ pub struct RoutingView {
     /// Whether the body carries images or audio, which make its size a poor
     /// measure of its tokens.
     pub has_media: bool,
+    /// The client set `stream_options` (and so said whether it wants usage).
+    pub has_stream_options: bool,
 }
 
 /// Bytes of a completion prompt that make up its root.
@@ -85,7 +90,32 @@ pub fn parse_view(body: &[u8]) -> Result<RoutingView, ApiError> {
         prompt_cache_key: wire.prompt_cache_key.filter(|k| !k.is_empty()).map(Cow::into_owned),
         root,
         has_media: contains(body, b"\"image_url\"") || contains(body, b"\"input_audio\""),
+        has_stream_options: wire.stream_options.is_some(),
     })
+}
+
+/// The body with `"stream_options":{"include_usage":true}` added, so the
+/// backend ends its stream with the usage the ledger needs. Spliced in
+/// after the opening brace: the rest of the bytes are untouched. `None` when
+/// the body does not start with an object.
+pub fn with_usage_requested(body: &bytes::Bytes) -> Option<bytes::Bytes> {
+    let at = body.iter().position(|b| !b.is_ascii_whitespace())?;
+    if body[at] != b'{' {
+        return None;
+    }
+    const MEMBER: &[u8] = br#""stream_options":{"include_usage":true},"#;
+    let mut out = Vec::with_capacity(body.len() + MEMBER.len());
+    out.extend_from_slice(&body[..=at]);
+    out.extend_from_slice(MEMBER);
+    out.extend_from_slice(&body[at + 1..]);
+    Some(out.into())
+}
+
+/// Whether an SSE event is the usage-only chunk `include_usage` adds
+/// (`"choices":[]` with `usage`), which a client that did not ask for it
+/// must not see.
+pub fn is_usage_only_event(event: &[u8]) -> bool {
+    event.starts_with(b"data: {") && contains(event, b"\"choices\":[]") && contains(event, b"\"usage\":")
 }
 
 /// The position of `part`, a slice borrowed from `whole`.
@@ -167,6 +197,21 @@ pub fn with_model(body: &bytes::Bytes, view: &RoutingView, model: &str) -> Resul
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn usage_is_requested_by_splicing_and_its_chunk_is_recognised() {
+        let body = bytes::Bytes::from_static(br#" {"model":"m","stream":true,"messages":[]}"#);
+        let spliced = with_usage_requested(&body).unwrap();
+        let value: serde_json::Value = serde_json::from_slice(&spliced).unwrap();
+        assert_eq!(value["stream_options"]["include_usage"], true);
+        assert_eq!(value["model"], "m");
+        assert!(with_usage_requested(&bytes::Bytes::from_static(b"[1]")).is_none());
+        assert!(parse_view(&spliced).unwrap().has_stream_options);
+        assert!(!parse_view(&body).unwrap().has_stream_options);
+        assert!(is_usage_only_event(br#"data: {"choices":[],"usage":{"prompt_tokens":3}}"#));
+        assert!(!is_usage_only_event(br#"data: {"choices":[{"delta":{"content":"usage"}}],"usage":null}"#));
+        assert!(!is_usage_only_event(b"data: [DONE]"));
+    }
 
     #[test]
     fn only_routing_fields_are_read() {

@@ -213,3 +213,21 @@ async fn a_key_over_its_daily_tokens_is_refused_until_tomorrow() {
     let retry: u64 = refused.header("retry-after").expect("retry-after").parse().expect("seconds");
     assert!((1..=86_400).contains(&retry));
 }
+
+#[tokio::test]
+async fn streams_are_asked_for_usage_and_clients_that_did_not_ask_do_not_see_it() {
+    let fleet = Fleet::start(vec![chat_sim("chat")]).await;
+    let url = format!("{}/v1/chat/completions", fleet.dataplane.url);
+    let plain = json!({"model": "chat", "stream": true, "max_tokens": 5, "messages": [{"role": "user", "content": "a"}]});
+    let asked = json!({"model": "chat", "stream": true, "max_tokens": 5, "stream_options": {"include_usage": true},
+                       "messages": [{"role": "user", "content": "b"}]});
+    let plain = fleet.http.send(Method::POST, &url, plain.to_string().into(), &[]).await;
+    let asked = fleet.http.send(Method::POST, &url, asked.to_string().into(), &[]).await;
+    let (plain, asked) = (String::from_utf8_lossy(&plain.body), String::from_utf8_lossy(&asked.body));
+    assert!(plain.trim_end().ends_with("data: [DONE]"), "{plain}");
+    assert!(!plain.contains("\"usage\":{"), "the client did not ask for usage: {plain}");
+    assert!(asked.contains("\"choices\":[]") && asked.contains("\"usage\":{"), "the client asked: {asked}");
+    let total = rolled_up(fleet.controller(), "", 2).await;
+    assert_eq!((total.completion_tokens, total.estimated_requests), (10, 0), "{total:?}");
+    assert_eq!(total.prompt_tokens, fleet.sims[0].sim.stats().prompt_tokens);
+}
