@@ -16,6 +16,9 @@ use std::sync::Arc;
 use anyhow::Context;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
+// Background tasks end with `run`, however it ends (a dropped `run` is a
+// crashed data plane, in tests).
+use tokio_util::task::AbortOnDropHandle;
 use tracing::Instrument;
 
 pub use config::Config;
@@ -29,7 +32,7 @@ pub async fn run(
     snapshots: Arc<SnapshotStore>,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
-    let subscription = tokio::spawn(
+    let subscription = AbortOnDropHandle::new(tokio::spawn(
         snapshot::subscribe(
             Arc::clone(&snapshots),
             config.controllers.clone(),
@@ -37,9 +40,9 @@ pub async fn run(
             shutdown.clone(),
         )
         .instrument(tracing::info_span!("snapshots")),
-    );
+    ));
     let (decisions, decision_rx) = report::DecisionLog::new();
-    let reporter = tokio::spawn(
+    let reporter = AbortOnDropHandle::new(tokio::spawn(
         report::run(
             Arc::clone(&decisions),
             decision_rx,
@@ -49,7 +52,7 @@ pub async fn run(
             shutdown.clone(),
         )
         .instrument(tracing::info_span!("report")),
-    );
+    ));
     let hard_stop = CancellationToken::new();
     let mut registry = prometheus_client::registry::Registry::default();
     let metrics = Arc::new(metrics::Metrics::new(&mut registry));
@@ -68,10 +71,10 @@ pub async fn run(
     // Cancelled once no request can record usage any more: the ledger then
     // flushes what is left and ends.
     let drained = CancellationToken::new();
-    let ledger = tokio::spawn(
+    let ledger = AbortOnDropHandle::new(tokio::spawn(
         usage::run(Arc::clone(&state.ledger), config.controllers.clone(), drained.clone())
             .instrument(tracing::info_span!("usage")),
-    );
+    ));
     if config.auth == auth::AuthMode::None {
         tracing::warn!("auth = \"none\": the API is open to anyone who can reach it");
     }

@@ -313,6 +313,12 @@ impl DataplaneHandle {
         let _ = tokio::time::timeout(Duration::from_secs(10), self.task).await;
     }
 
+    /// Kills the data plane as a crash would: nothing is flushed, its
+    /// background tasks end with it.
+    pub fn kill(self) {
+        self.task.abort();
+    }
+
     /// Starts a shutdown (as SIGTERM does) without waiting for it.
     pub fn begin_shutdown(&self) {
         self.token.cancel();

@@ -218,7 +218,8 @@ async fn a_key_over_its_daily_tokens_is_refused_until_tomorrow() {
 async fn streams_are_asked_for_usage_and_clients_that_did_not_ask_do_not_see_it() {
     let fleet = Fleet::start(vec![chat_sim("chat")]).await;
     let url = format!("{}/v1/chat/completions", fleet.dataplane.url);
-    let plain = json!({"model": "chat", "stream": true, "max_tokens": 5, "messages": [{"role": "user", "content": "a"}]});
+    let plain =
+        json!({"model": "chat", "stream": true, "max_tokens": 5, "messages": [{"role": "user", "content": "a"}]});
     let asked = json!({"model": "chat", "stream": true, "max_tokens": 5, "stream_options": {"include_usage": true},
                        "messages": [{"role": "user", "content": "b"}]});
     let plain = fleet.http.send(Method::POST, &url, plain.to_string().into(), &[]).await;
@@ -230,4 +231,28 @@ async fn streams_are_asked_for_usage_and_clients_that_did_not_ask_do_not_see_it(
     let total = rolled_up(fleet.controller(), "", 2).await;
     assert_eq!((total.completion_tokens, total.estimated_requests), (10, 0), "{total:?}");
     assert_eq!(total.prompt_tokens, fleet.sims[0].sim.stats().prompt_tokens);
+}
+
+#[tokio::test]
+async fn a_crash_loses_only_what_no_controller_acknowledged() {
+    let mut fleet = Fleet::start(vec![chat_sim("chat")]).await;
+    let http = HttpClient::default();
+    for i in 0..5 {
+        ask(&http, &fleet.dataplane.url, None, false, &format!("kept {i}")).await;
+    }
+    assert_eq!(rolled_up(fleet.controller(), "", 5).await.requests, 5);
+    // With no controller to take them, records wait in the data plane's
+    // memory; served all the same, from its last snapshot.
+    fleet.controller.take().expect("running").stop().await;
+    for i in 0..3 {
+        ask(&http, &fleet.dataplane.url, None, false, &format!("lost {i}")).await;
+    }
+    let Fleet { dataplane, etcd, sims, agents, .. } = fleet;
+    dataplane.kill();
+    let controller = ControllerHandle::start(&etcd.endpoint(), "controller-2").await;
+    let report = controller.fleet().await.get_usage(UsageQuery::default()).await.expect("usage").into_inner();
+    assert_eq!(report.pending_batches, 0);
+    assert_eq!(usage_total(&controller, "").await.requests, 5, "the acknowledged five, not the three after");
+    assert_eq!(sims[0].sim.stats().requests, 8, "all eight were served");
+    drop((agents, sims));
 }
