@@ -81,6 +81,9 @@ pub struct Config {
     /// A file holding the fleet's join token, presented to controllers.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub join_token_file: Option<PathBuf>,
+    /// TLS to `https://` controllers, and on the proxy when a certificate
+    /// is given (see `inferyes_proto::tls`).
+    pub tls: inferyes_proto::tls::Tls,
     /// From the environment or a flag; never written out.
     #[serde(skip)]
     pub join_token: Option<String>,
@@ -197,6 +200,7 @@ impl Default for Config {
             simulated: Vec::new(),
             join_token_file: None,
             join_token: None,
+            tls: inferyes_proto::tls::Tls::default(),
         }
     }
 }

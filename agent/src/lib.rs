@@ -92,8 +92,10 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
     }
 
     let proxy_addr = listeners.proxy.local_addr()?;
+    let tls_server = config.tls.http_server().context("invalid TLS settings for the proxy")?;
+    let scheme = if tls_server.is_some() { "https" } else { "http" };
     let proxy_url =
-        if config.advertise_url.is_empty() { format!("http://{proxy_addr}") } else { config.advertise_url.clone() };
+        if config.advertise_url.is_empty() { format!("{scheme}://{proxy_addr}") } else { config.advertise_url.clone() };
     let backend_urls: Vec<String> = probes.iter().map(|p| p.url.clone()).collect();
     let state = Arc::new(AgentState {
         node_id: config.node_id.clone(),
@@ -121,6 +123,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         report::run(
             Arc::clone(&state),
             config.controllers.clone(),
+            config.tls.clone(),
             inferyes_proto::process::read_token(
                 config.join_token.as_deref(),
                 config.join_token_file.as_deref(),
@@ -138,9 +141,11 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
     let mut registry = prometheus_client::registry::Registry::default();
     let metrics = metrics::Metrics::new(&mut registry);
     let scrape = Arc::new(proxy::Scrape { registry, metrics });
-    let served = axum::serve(listeners.proxy, proxy::router(Arc::clone(&state), scrape))
-        .with_graceful_shutdown(shutdown.clone().cancelled_owned())
-        .await;
+    let router = proxy::router(Arc::clone(&state), scrape);
+    let served = match tls_server {
+        Some(tls) => proxy::serve_tls(listeners.proxy, router, tls, shutdown.clone()).await,
+        None => axum::serve(listeners.proxy, router).with_graceful_shutdown(shutdown.clone().cancelled_owned()).await,
+    };
     shutdown.cancel();
     let _ = poller.await;
     let _ = reporter.await;

@@ -11,7 +11,7 @@ use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 
 use crate::state::AgentState;
 
@@ -30,6 +30,7 @@ pub struct Connection {
 pub async fn run(
     state: Arc<AgentState>,
     controllers: Vec<String>,
+    tls: inferyes_proto::tls::Tls,
     join_token: Option<Arc<str>>,
     min_interval: Duration,
     connection: watch::Sender<Connection>,
@@ -40,7 +41,7 @@ pub async fn run(
     loop {
         let address = &controllers[next % controllers.len()];
         next += 1;
-        match session(&state, address, join_token.as_deref(), min_interval, &connection, &shutdown).await {
+        match session(&state, address, &tls, join_token.as_deref(), min_interval, &connection, &shutdown).await {
             Ok(()) => return,
             Err(Failure { error, registered }) => {
                 connection.send_modify(|c| c.controller_id = None);
@@ -68,9 +69,9 @@ fn fail(error: impl std::fmt::Display, registered: bool) -> Failure {
     Failure { error: error.to_string(), registered }
 }
 
-async fn connect(address: &str) -> Result<Channel, Failure> {
-    Endpoint::from_shared(address.to_string())
-        .map_err(|e| fail(e, false))?
+async fn connect(address: &str, tls: &inferyes_proto::tls::Tls) -> Result<Channel, Failure> {
+    inferyes_proto::tls::grpc_endpoint(address, tls)
+        .map_err(|e| fail(format!("{e:#}"), false))?
         .connect_timeout(Duration::from_secs(2))
         .tcp_nodelay(true)
         .http2_keep_alive_interval(Duration::from_secs(2))
@@ -85,12 +86,13 @@ async fn connect(address: &str) -> Result<Channel, Failure> {
 async fn session(
     state: &AgentState,
     address: &str,
+    tls: &inferyes_proto::tls::Tls,
     join_token: Option<&str>,
     min_interval: Duration,
     connection: &watch::Sender<Connection>,
     shutdown: &CancellationToken,
 ) -> Result<(), Failure> {
-    let channel = connect(address).await?;
+    let channel = connect(address, tls).await?;
     let (tx, rx) = mpsc::channel(16);
     let mut sent: NodeStatus = state.status();
     let register =

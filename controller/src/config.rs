@@ -90,6 +90,8 @@ pub struct Config {
     pub usage_retention_days: u64,
     /// Raw usage records (for export) are kept this long.
     pub raw_usage_retention_days: u64,
+    /// TLS on the gRPC port (see `inferyes_proto::tls`).
+    pub tls: inferyes_proto::tls::Tls,
     /// From the environment or a flag; never written out.
     #[serde(skip)]
     pub admin_token: Option<String>,
@@ -118,6 +120,7 @@ impl Default for Config {
             join_token_file: None,
             usage_retention_days: 400,
             raw_usage_retention_days: 7,
+            tls: inferyes_proto::tls::Tls::default(),
             admin_token: None,
             join_token: None,
         }
@@ -165,6 +168,7 @@ impl Config {
         if self.version != 1 {
             bail!("config version {} is not supported: set `version = 1`", self.version);
         }
+        self.tls.validate()?;
         if self.usage_retention_days == 0 || self.raw_usage_retention_days == 0 {
             bail!("usage_retention_days and raw_usage_retention_days must be at least 1");
         }

@@ -34,6 +34,14 @@ pub struct Cli {
     /// A file holding the admin token.
     #[arg(long, global = true, env = "INFERYES_ADMIN_TOKEN_FILE")]
     pub admin_token_file: Option<std::path::PathBuf>,
+    /// CA that signs an `https://` controller's certificate (default: the system's).
+    #[arg(long, global = true, env = "INFERYES_TLS_CA_FILE")]
+    pub tls_ca_file: Option<std::path::PathBuf>,
+    /// Client certificate, for a controller that requires one (with --tls-key-file).
+    #[arg(long, global = true, env = "INFERYES_TLS_CERT_FILE")]
+    pub tls_cert_file: Option<std::path::PathBuf>,
+    #[arg(long, global = true, env = "INFERYES_TLS_KEY_FILE")]
+    pub tls_key_file: Option<std::path::PathBuf>,
     #[command(subcommand)]
     pub command: Command,
 }
@@ -205,10 +213,14 @@ pub async fn run(cli: Cli) -> anyhow::Result<String> {
         clap_complete::generate(shell, &mut <Cli as clap::CommandFactory>::command(), "inferyesctl", &mut script);
         return Ok(String::from_utf8_lossy(&script).into_owned());
     }
-    let channel = Channel::from_shared(cli.controller.clone())
-        .with_context(|| {
-            format!("`{}` is not a valid controller address (e.g. http://127.0.0.1:7070)", cli.controller)
-        })?
+    let tls = inferyes_proto::tls::Tls {
+        ca_file: cli.tls_ca_file.clone(),
+        cert_file: cli.tls_cert_file.clone(),
+        key_file: cli.tls_key_file.clone(),
+        client_ca_file: None,
+    };
+    tls.validate()?;
+    let channel = inferyes_proto::tls::grpc_endpoint(&cli.controller, &tls)?
         .connect_timeout(std::time::Duration::from_secs(3))
         .connect()
         .await

@@ -105,7 +105,12 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
     let fleet = grpc::FleetSvc { store, snapshots: snapshots.clone(), admin_token };
 
     let incoming = tonic::transport::server::TcpIncoming::from(listeners.grpc).with_nodelay(Some(true));
-    let grpc_server = tonic::transport::Server::builder()
+    let mut server = tonic::transport::Server::builder();
+    if let Some(tls) = config.tls.grpc_server()? {
+        server = server.tls_config(tls).context("invalid TLS settings for the gRPC port")?;
+        tracing::info!(mutual = config.tls.client_ca_file.is_some(), "gRPC over TLS");
+    }
+    let grpc_server = server
         .http2_keepalive_interval(Some(Duration::from_secs(2)))
         .http2_keepalive_timeout(Some(Duration::from_secs(4)))
         .add_service(agents.svc())

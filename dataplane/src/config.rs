@@ -70,6 +70,8 @@ pub struct Config {
     /// Failed key checks a client address may make per minute before
     /// unknown keys from it are refused unchecked (429).
     pub auth_failures_per_minute: u32,
+    /// TLS to `https://` controllers and agents (see `inferyes_proto::tls`).
+    pub tls: inferyes_proto::tls::Tls,
 }
 
 impl Default for Config {
@@ -87,6 +89,7 @@ impl Default for Config {
             log_format: LogFormat::Text,
             auth: crate::auth::AuthMode::Keys,
             auth_failures_per_minute: 10,
+            tls: inferyes_proto::tls::Tls::default(),
         }
     }
 }
@@ -127,6 +130,7 @@ impl Config {
         if self.controllers.is_empty() {
             bail!("controllers is empty: list at least one controller address, e.g. [\"http://127.0.0.1:7070\"]");
         }
+        self.tls.validate()?;
         if self.auth_failures_per_minute == 0 {
             bail!("auth_failures_per_minute must be positive");
         }

@@ -37,6 +37,7 @@ pub async fn run(
             Arc::clone(&snapshots),
             config.controllers.clone(),
             config.dataplane_id.clone(),
+            config.tls.clone(),
             shutdown.clone(),
         )
         .instrument(tracing::info_span!("snapshots")),
@@ -49,6 +50,7 @@ pub async fn run(
             Arc::clone(&snapshots),
             config.controllers.clone(),
             config.dataplane_id.clone(),
+            config.tls.clone(),
             shutdown.clone(),
         )
         .instrument(tracing::info_span!("report")),
@@ -58,7 +60,7 @@ pub async fn run(
     let metrics = Arc::new(metrics::Metrics::new(&mut registry));
     let state = http::AppState {
         snapshots,
-        forwarder: http::forward_client(&config, hard_stop.clone(), Arc::clone(&metrics)),
+        forwarder: http::forward_client(&config, hard_stop.clone(), Arc::clone(&metrics))?,
         metrics,
         registry: Arc::new(registry),
         max_body_bytes: config.max_body_bytes,
@@ -72,7 +74,7 @@ pub async fn run(
     // flushes what is left and ends.
     let drained = CancellationToken::new();
     let ledger = AbortOnDropHandle::new(tokio::spawn(
-        usage::run(Arc::clone(&state.ledger), config.controllers.clone(), drained.clone())
+        usage::run(Arc::clone(&state.ledger), config.controllers.clone(), config.tls.clone(), drained.clone())
             .instrument(tracing::info_span!("usage")),
     ));
     if config.auth == auth::AuthMode::None {

@@ -14,7 +14,7 @@ use inferyes_proto::v1::routing_service_client::RoutingServiceClient;
 use inferyes_proto::v1::{DataPlaneReport, RoutingDecision};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 
 use crate::SnapshotStore;
 
@@ -62,16 +62,17 @@ pub async fn run(
     store: Arc<SnapshotStore>,
     controllers: Vec<String>,
     dataplane_id: String,
+    tls: inferyes_proto::tls::Tls,
     shutdown: CancellationToken,
 ) {
     let clients: Vec<RoutingServiceClient<Channel>> = controllers
         .iter()
-        .filter_map(|address| match Endpoint::from_shared(address.clone()) {
+        .filter_map(|address| match inferyes_proto::tls::grpc_endpoint(address, &tls) {
             Ok(endpoint) => {
                 Some(RoutingServiceClient::new(endpoint.connect_timeout(SEND_TIMEOUT).tcp_nodelay(true).connect_lazy()))
             }
             Err(error) => {
-                tracing::warn!(controller = %address, %error, "not a controller address; not reporting to it");
+                tracing::warn!(controller = %address, error = format!("{error:#}"), "not reporting to this controller");
                 None
             }
         })

@@ -17,7 +17,7 @@ use inferyes_proto::usage::{Usage, hour_of};
 use inferyes_proto::v1::routing_service_client::RoutingServiceClient;
 use inferyes_proto::v1::{UsageBatch, UsageRecord};
 use tokio_util::sync::CancellationToken;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 
 const SEND_EVERY: Duration = Duration::from_secs(1);
 const MAX_RECORDS_PER_BATCH: usize = 500;
@@ -121,10 +121,21 @@ impl Ledger {
 /// Sends batches until shutdown, then flushes for up to
 /// [`FLUSH_ON_SHUTDOWN`]. `drained` is cancelled by the caller once no
 /// request can add records any more.
-pub async fn run(ledger: Arc<Ledger>, controllers: Vec<String>, drained: CancellationToken) {
+pub async fn run(
+    ledger: Arc<Ledger>,
+    controllers: Vec<String>,
+    tls: inferyes_proto::tls::Tls,
+    drained: CancellationToken,
+) {
     let clients: Vec<RoutingServiceClient<Channel>> = controllers
         .iter()
-        .filter_map(|address| Endpoint::from_shared(address.clone()).ok())
+        .filter_map(|address| match inferyes_proto::tls::grpc_endpoint(address, &tls) {
+            Ok(endpoint) => Some(endpoint),
+            Err(error) => {
+                tracing::error!(controller = %address, error = format!("{error:#}"), "cannot send usage to this controller");
+                None
+            }
+        })
         .map(|e| RoutingServiceClient::new(e.connect_timeout(Duration::from_secs(2)).tcp_nodelay(true).connect_lazy()))
         .collect();
     if clients.is_empty() {

@@ -10,6 +10,7 @@ pub mod apikey;
 mod error;
 pub mod process;
 pub mod telemetry;
+pub mod tls;
 pub mod usage;
 
 pub use error::{ErrorKind, openai_error_body};

@@ -126,6 +126,7 @@ fn main() {
                 Arc::clone(&store),
                 vec![controller_url.clone()],
                 format!("dataplane-{i}"),
+                inferyes_proto::tls::Tls::default(),
                 shutdown.clone(),
             ));
             dataplane_rt.spawn(watch_changes(

@@ -202,6 +202,7 @@ FULL_CONFIGS = {
     "inferyes-controller": ["deploy/examples/ha/controller.toml"],
     "inferyes-dataplane": ["deploy/examples/ha/dataplane.toml"],
     "inferyes-agent": ["deploy/examples/single-box/agent.toml", "deploy/examples/mixed-farm/mid-box-1.toml",
+                       "deploy/examples/ha/agent.toml",
                        "deploy/local/agent-b.toml", "deploy/local/agent-a.toml"],
 }
 

@@ -127,6 +127,11 @@ impl ControllerHandle {
         format!("http://{}", self.grpc_addr)
     }
 
+    /// The gRPC address for clients, when the controller serves TLS.
+    pub fn https_url(&self) -> String {
+        format!("https://{}", self.grpc_addr)
+    }
+
     /// A FleetService client holding the admin token.
     pub async fn fleet(&self) -> inferyes_controller::ctl::AdminClient {
         let channel = Channel::from_shared(self.url()).expect("url").connect().await.expect("controller reachable");
@@ -184,9 +189,20 @@ impl AgentHandle {
         gpu: GpuSourceConfig,
         backends: Vec<BackendConfig>,
     ) -> AgentHandle {
+        Self::start_tweaked(node_id, controllers, gpu, backends, |_| {}).await
+    }
+
+    /// An agent fronting any backends, its configuration adjusted.
+    pub async fn start_tweaked(
+        node_id: &str,
+        controllers: &[String],
+        gpu: GpuSourceConfig,
+        backends: Vec<BackendConfig>,
+        tweak: impl FnOnce(&mut inferyes_agent::Config),
+    ) -> AgentHandle {
         let proxy = local_listener(None).await;
         let proxy_addr = proxy.local_addr().expect("bound");
-        let config = inferyes_agent::Config {
+        let mut config = inferyes_agent::Config {
             node_id: node_id.to_string(),
             controllers: controllers.to_vec(),
             proxy_listen: proxy_addr,
@@ -197,6 +213,7 @@ impl AgentHandle {
             join_token: Some(JOIN_TOKEN.into()),
             ..Default::default()
         };
+        tweak(&mut config);
         config.validate().expect("valid agent config");
         let token = CancellationToken::new();
         let listeners = inferyes_agent::Listeners { proxy };

@@ -41,7 +41,8 @@ const MAX_BUFFERED_BODY: usize = 256 << 20;
 
 #[derive(Clone)]
 pub struct Forwarder {
-    client: Client<HttpConnector, Full<Bytes>>,
+    /// To agents at `http://` and, with TLS, `https://` proxy URLs.
+    client: Client<hyper_rustls::HttpsConnector<HttpConnector>, Full<Bytes>>,
     header_timeout: Duration,
     /// Cancelled when a shutdown's grace period is over: streams still
     /// running end with an error event.
@@ -76,12 +77,20 @@ impl Forwarder {
     pub fn new(
         connect_timeout: Duration,
         header_timeout: Duration,
+        tls: rustls::ClientConfig,
         hard_stop: CancellationToken,
         metrics: Arc<crate::metrics::Metrics>,
     ) -> Forwarder {
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
         connector.set_connect_timeout(Some(connect_timeout));
+        // The TCP connector passes `https://` on to rustls.
+        connector.enforce_http(false);
+        let connector = hyper_rustls::HttpsConnectorBuilder::new()
+            .with_tls_config(tls)
+            .https_or_http()
+            .enable_http1()
+            .wrap_connector(connector);
         let client = Client::builder(TokioExecutor::new()).pool_idle_timeout(Duration::from_secs(90)).build(connector);
         Forwarder { client, header_timeout, hard_stop, metrics }
     }

@@ -18,6 +18,7 @@ pub fn forward_client(
     config: &crate::Config,
     hard_stop: tokio_util::sync::CancellationToken,
     metrics: std::sync::Arc<crate::metrics::Metrics>,
-) -> forward::Forwarder {
-    forward::Forwarder::new(config.connect_timeout(), config.response_header_timeout(), hard_stop, metrics)
+) -> anyhow::Result<forward::Forwarder> {
+    let tls = config.tls.http_client()?;
+    Ok(forward::Forwarder::new(config.connect_timeout(), config.response_header_timeout(), tls, hard_stop, metrics))
 }

@@ -10,7 +10,6 @@ use inferyes_proto::v1::routing_service_client::RoutingServiceClient;
 use inferyes_proto::v1::{Alias, RoutingPolicy, SnapshotNode, SubscribeRequest, snapshot_update};
 
 use tokio_util::sync::CancellationToken;
-use tonic::transport::Endpoint;
 
 use super::{SnapshotStore, decode};
 
@@ -21,6 +20,7 @@ pub async fn run(
     store: Arc<SnapshotStore>,
     controllers: Vec<String>,
     dataplane_id: String,
+    tls: inferyes_proto::tls::Tls,
     shutdown: CancellationToken,
 ) {
     let mut backoff = BACKOFF_MIN;
@@ -30,7 +30,7 @@ pub async fn run(
         next += 1;
         tokio::select! {
             () = shutdown.cancelled() => return,
-            result = follow(&store, address, &dataplane_id) => {
+            result = follow(&store, address, &dataplane_id, &tls) => {
                 match result {
                     Ok(received) => {
                         if received {
@@ -53,8 +53,13 @@ pub async fn run(
 
 /// One subscription. Returns whether any update arrived, once the stream
 /// ends or breaks.
-async fn follow(store: &SnapshotStore, address: &str, dataplane_id: &str) -> anyhow::Result<bool> {
-    let channel = Endpoint::from_shared(address.to_string())?
+async fn follow(
+    store: &SnapshotStore,
+    address: &str,
+    dataplane_id: &str,
+    tls: &inferyes_proto::tls::Tls,
+) -> anyhow::Result<bool> {
+    let channel = inferyes_proto::tls::grpc_endpoint(address, tls)?
         .connect_timeout(Duration::from_secs(2))
         .tcp_nodelay(true)
         .http2_keep_alive_interval(Duration::from_secs(2))

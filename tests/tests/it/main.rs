@@ -12,5 +12,6 @@ mod metrics;
 mod routing;
 mod support;
 mod swap;
+mod tls;
 mod usage;
 mod walking;

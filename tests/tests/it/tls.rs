@@ -1,0 +1,129 @@
+//! TLS between the components, mutual: controller gRPC, agent proxy, and
+//! a data plane reaching both, with certificates from a test CA.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use http::StatusCode;
+use inferyes_agent::config::{BackendConfig, BackendKind, GpuSourceConfig};
+use inferyes_proto::tls::Tls;
+use inferyes_proto::v1::SubscribeRequest;
+use inferyes_proto::v1::routing_service_client::RoutingServiceClient;
+use inferyes_tests::{AgentHandle, ControllerHandle, DataplaneHandle, Etcd, HttpClient, SimHandle};
+use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, DnType, ExtendedKeyUsagePurpose, IsCa, KeyPair};
+
+use crate::support::{chat_body, chat_sim};
+
+/// A CA and one certificate it signed, for `localhost` and 127.0.0.1,
+/// good for serving and for client authentication.
+struct Pki {
+    dir: PathBuf,
+}
+
+impl Pki {
+    fn create() -> Pki {
+        let dir = std::env::temp_dir().join(format!("inferyes-pki-{}-{}", std::process::id(), fastrand::u32(..)));
+        std::fs::create_dir_all(&dir).expect("pki dir");
+        let mut ca_params = CertificateParams::new(Vec::<String>::new()).expect("ca params");
+        ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        ca_params.distinguished_name.push(DnType::CommonName, "Inferyes test CA");
+        let ca = CertifiedIssuer::self_signed(ca_params, KeyPair::generate().expect("ca key")).expect("ca");
+        let key = KeyPair::generate().expect("key");
+        let mut params =
+            CertificateParams::new(vec!["localhost".to_string(), "127.0.0.1".to_string()]).expect("params");
+        params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth, ExtendedKeyUsagePurpose::ClientAuth];
+        let cert = params.signed_by(&key, &ca).expect("cert");
+        std::fs::write(dir.join("ca.pem"), ca.pem()).expect("write");
+        std::fs::write(dir.join("cert.pem"), cert.pem()).expect("write");
+        std::fs::write(dir.join("key.pem"), key.serialize_pem()).expect("write");
+        Pki { dir }
+    }
+
+    fn file(&self, name: &str) -> Option<PathBuf> {
+        Some(self.dir.join(name))
+    }
+
+    /// Identity plus trust, mutual.
+    fn full(&self) -> Tls {
+        Tls {
+            cert_file: self.file("cert.pem"),
+            key_file: self.file("key.pem"),
+            ca_file: self.file("ca.pem"),
+            client_ca_file: self.file("ca.pem"),
+        }
+    }
+
+    fn path(&self) -> &Path {
+        &self.dir
+    }
+}
+
+impl Drop for Pki {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+#[tokio::test]
+async fn the_fleet_runs_over_mutual_tls_and_refuses_clients_without_a_certificate() {
+    let pki = Pki::create();
+    let etcd = Etcd::start().await;
+    let tls = pki.full();
+    let server_tls = tls.clone();
+    let controller =
+        ControllerHandle::start_with(&etcd.endpoint(), "controller-1", None, move |c| c.tls = server_tls).await;
+    let sim = SimHandle::start(chat_sim("chat")).await;
+    let backend = BackendConfig {
+        id: "main".into(),
+        url: sim.url.clone(),
+        kind: BackendKind::LlamaServer,
+        weight: 1,
+        endpoints: Vec::new(),
+        models: vec!["chat".into()],
+        host_cache_tokens: 0,
+        api_key: String::new(),
+    };
+    let agent_tls = tls.clone();
+    let _agent = AgentHandle::start_tweaked(
+        "node-a",
+        &[controller.https_url()],
+        GpuSourceConfig::Simulated,
+        vec![backend],
+        move |c| c.tls = agent_tls,
+    )
+    .await;
+    let client_tls = Tls { client_ca_file: None, ..tls.clone() };
+    let dataplane = DataplaneHandle::start_with(&[controller.https_url()], move |c| c.tls = client_tls).await;
+    dataplane.wait_for_nodes(&["node-a"]).await;
+    let snapshot = dataplane.store.current().expect("a snapshot over TLS");
+    assert!(snapshot.nodes()[0].proxy_url.starts_with("https://"), "the agent's proxy serves TLS");
+
+    // The data plane reaches the agent over TLS, presenting its certificate.
+    let response = HttpClient::default()
+        .post_json(&format!("{}/v1/chat/completions", dataplane.url), &chat_body("chat", "over tls"))
+        .await;
+    assert_eq!(response.status, StatusCode::OK, "{}", String::from_utf8_lossy(&response.body));
+    assert_eq!(response.header("x-inferyes-node"), Some("node-a"));
+
+    // Without a client certificate the controller refuses the connection.
+    let anonymous = Tls { ca_file: pki.file("ca.pem"), ..Tls::default() };
+    let endpoint = inferyes_proto::tls::grpc_endpoint(&controller.https_url(), &anonymous).expect("endpoint");
+    let refused = match tokio::time::timeout(Duration::from_secs(10), endpoint.connect()).await.expect("in time") {
+        Err(_) => true,
+        Ok(channel) => RoutingServiceClient::new(channel)
+            .subscribe(SubscribeRequest { dataplane_id: "anonymous".into() })
+            .await
+            .is_err(),
+    };
+    assert!(refused, "a client without a certificate got through");
+    // And plain HTTP to the agent's proxy gets nowhere.
+    let proxy = snapshot.nodes()[0].proxy_url.replace("https://", "http://");
+    let plain = tokio::time::timeout(
+        Duration::from_secs(10),
+        tokio::spawn(async move { HttpClient::default().get(&format!("{proxy}/healthz")).await }),
+    )
+    .await
+    .expect("in time");
+    assert!(plain.is_err() || plain.as_ref().is_ok_and(|r| r.status != StatusCode::OK), "plain HTTP was served");
+    assert!(pki.path().exists());
+}
