@@ -3,8 +3,8 @@
 # (nginx serving fixed JSON and a fixed SSE body), directly, through an
 # nginx reverse proxy (upstream keepalive), through an Inferyes agent's
 # proxy, through a data plane alone (to a node whose advertised proxy URL is
-# the backend itself), and through a data plane and an agent: the path
-# requests take in a fleet.
+# the backend itself), the same with API keys checked, and through a data
+# plane and an agent: the path requests take in a fleet.
 # Reports req/s at 32 connections and latency percentiles at 1 and 32.
 #
 #   ./scripts/bench-proxy.sh            # 5 s per run
@@ -71,6 +71,8 @@ etcd --name bench --data-dir "$work/etcd" --listen-client-urls "http://127.0.0.1
   >"$work/etcd.log" 2>&1 & pids+=($!)
 until curl -fsS "http://127.0.0.1:$etcd_client/health" >/dev/null 2>&1; do sleep 0.1; done
 
+# The fleet's tokens, read by every component from the environment.
+export INFERYES_ADMIN_TOKEN=bench-admin-token-0123456789 INFERYES_JOIN_TOKEN=bench-join-token-0123456789
 "$bin/inferyes-controller" --etcd-endpoints "http://127.0.0.1:$etcd_client" \
   --grpc-listen "127.0.0.1:$grpc" --http-listen "127.0.0.1:$http" >"$work/controller.log" 2>&1 & pids+=($!)
 cat > "$work/agent.toml" <<CONF
@@ -103,9 +105,17 @@ kind = "llama-server"
 CONF
 "$bin/inferyes-agent" --config "$work/direct.toml" >"$work/direct.log" 2>&1 & pids+=($!)
 RUST_LOG=warn "$bin/inferyes-dataplane" --listen "127.0.0.1:$dataplane" --controllers "http://127.0.0.1:$grpc" \
-  >"$work/dataplane.log" 2>&1 & pids+=($!)
+  --auth none --dataplane-id bench-open >"$work/dataplane.log" 2>&1 & pids+=($!)
 dp_pid=$!
+keyed=$(port)
+RUST_LOG=warn "$bin/inferyes-dataplane" --listen "127.0.0.1:$keyed" --controllers "http://127.0.0.1:$grpc" \
+  --dataplane-id bench-keys >"$work/dataplane-keys.log" 2>&1 & pids+=($!)
 until curl -fsS "http://127.0.0.1:$dataplane/v1/models" 2>/dev/null | grep -q bench-direct; do sleep 0.2; done
+key=$("$bin/inferyesctl" --controller "http://127.0.0.1:$grpc" keys create bench -o json |
+  python3 -c 'import json, sys; print(json.load(sys.stdin)["secret"])')
+until curl -fsS -H "Authorization: Bearer $key" "http://127.0.0.1:$keyed/v1/models" 2>/dev/null | grep -q bench-direct; do
+  sleep 0.2
+done
 
 cat > "$work/chat.lua" <<'LUA'
 wrk.method = "POST"
@@ -116,6 +126,9 @@ LUA
 sed 's/"messages":\[{"role":"user","content":"hello"}\]/"prompt":"hello","stream":true/' "$work/chat.lua" > "$work/stream.lua"
 sed 's/"model":"bench"/"model":"bench-direct"/' "$work/chat.lua" > "$work/chat-direct.lua"
 sed 's/"model":"bench"/"model":"bench-direct"/' "$work/stream.lua" > "$work/stream-direct.lua"
+for kind in chat stream; do
+  { cat "$work/$kind-direct.lua"; echo "wrk.headers[\"Authorization\"] = \"Bearer $key\""; } > "$work/$kind-direct-key.lua"
+done
 
 run() { # name url script connections
   local out
@@ -124,7 +137,10 @@ run() { # name url script connections
   rps=$(awk '/Requests\/sec/ {print $2}' <<<"$out")
   p50=$(awk '$1=="50%" {print $2}' <<<"$out")
   p99=$(awk '$1=="99%" {print $2}' <<<"$out")
-  printf '%-12s %-7s %3s conns %12s req/s   p50 %9s   p99 %9s\n' "$1" "$5" "$4" "$rps" "$p50" "$p99"
+  local failed
+  failed=$(awk '/Non-2xx/ {print $NF}' <<<"$out")
+  printf '%-12s %-7s %3s conns %12s req/s   p50 %9s   p99 %9s%s\n' "$1" "$5" "$4" "$rps" "$p50" "$p99" \
+    "${failed:+   FAILED RESPONSES: $failed}"
 }
 
 echo "wrk, $duration per run, on $(nproc) cores"
@@ -135,6 +151,7 @@ for kind in json sse; do
     run nginx "http://127.0.0.1:$nginx_proxy$path" "$script" $conns $kind
     run agent "http://127.0.0.1:$agent$path" "$script" $conns $kind
     run dataplane "http://127.0.0.1:$dataplane$path" "${script%.lua}-direct.lua" $conns $kind
+    run dp+keys "http://127.0.0.1:$keyed$path" "${script%.lua}-direct-key.lua" $conns $kind
     run dp+agent "http://127.0.0.1:$dataplane$path" "$script" $conns $kind
   done
 done

@@ -12,9 +12,10 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use inferyes_proto::v1::{KeyUsageToday, UsageBatch, UsageRecord, UsageRollup};
+
 use tokio_util::sync::CancellationToken;
 
-pub use inferyes_proto::usage::{hour_of, hour_start_ms};
+pub use inferyes_proto::usage::{add, hour_of, hour_start_ms, merge};
 
 use crate::store::{Application, EtcdStore, StoreError};
 
@@ -38,31 +39,19 @@ pub fn rollup_key(record: &UsageRecord) -> String {
     format!("hourly/{}/{key}/{}", hour_of(record.unix_ms), record.model)
 }
 
-pub fn add(rollup: &mut UsageRollup, record: &UsageRecord) {
-    rollup.requests += 1;
-    rollup.errors += u64::from(record.outcome != "ok");
-    rollup.prompt_tokens += record.prompt_tokens;
-    rollup.cached_tokens += record.cached_tokens;
-    rollup.completion_tokens += record.completion_tokens;
-    rollup.estimated_requests += u64::from(record.estimated);
-    rollup.latency_ms_sum += u64::from(record.latency_ms);
-}
-
-pub fn merge(into: &mut UsageRollup, from: &UsageRollup) {
-    into.requests += from.requests;
-    into.errors += from.errors;
-    into.prompt_tokens += from.prompt_tokens;
-    into.cached_tokens += from.cached_tokens;
-    into.completion_tokens += from.completion_tokens;
-    into.estimated_requests += from.estimated_requests;
-    into.latency_ms_sum += from.latency_ms_sum;
-}
-
-/// A batch's contribution, per roll-up key.
+/// A batch's contribution, per roll-up key: its deltas (summed by the data
+/// plane), or, from data planes that send only records, its records.
 pub fn rollup_deltas(batch: &UsageBatch) -> BTreeMap<String, UsageRollup> {
     let mut deltas: BTreeMap<String, UsageRollup> = BTreeMap::new();
-    for record in &batch.records {
-        add(deltas.entry(rollup_key(record)).or_default(), record);
+    if batch.deltas.is_empty() {
+        for record in &batch.records {
+            add(deltas.entry(rollup_key(record)).or_default(), record);
+        }
+    }
+    for delta in &batch.deltas {
+        let key = if delta.key_id.is_empty() { "-" } else { delta.key_id.as_str() };
+        let usage = delta.usage.unwrap_or_default();
+        merge(deltas.entry(format!("hourly/{}/{key}/{}", delta.hour, delta.model)).or_default(), &usage);
     }
     deltas
 }
@@ -73,11 +62,14 @@ pub fn add_today(today: &mut KeyUsageToday, batch: &UsageBatch, now_ms: u64) {
     if today.day != day {
         *today = KeyUsageToday { day: day.clone(), tokens: Default::default() };
     }
-    for record in &batch.records {
-        if record.key_id.is_empty() || hour_of(record.unix_ms)[..8] != day {
+    for (suffix, usage) in rollup_deltas(batch) {
+        // hourly/<YYYYMMDDHH>/<key>/<model>
+        let mut parts = suffix.splitn(4, '/').skip(1);
+        let (Some(hour), Some(key)) = (parts.next(), parts.next()) else { continue };
+        if key == "-" || !hour.starts_with(&day) {
             continue;
         }
-        *today.tokens.entry(record.key_id.clone()).or_default() += record.prompt_tokens + record.completion_tokens;
+        *today.tokens.entry(key.to_string()).or_default() += usage.prompt_tokens + usage.completion_tokens;
     }
 }
 
@@ -144,7 +136,9 @@ async fn lead(
 /// Rolls one batch up, retrying while what it read changes underneath.
 async fn apply(store: &EtcdStore, batch: UsageBatch, pending_revision: i64) -> Result<(), StoreError> {
     let deltas = rollup_deltas(&batch);
-    let hour = batch.records.first().map_or_else(|| hour_of(inferyes_proto::unix_ms()), |r| hour_of(r.unix_ms));
+    let hour = batch.deltas.first().map(|d| d.hour.clone()).unwrap_or_else(|| {
+        batch.records.first().map_or_else(|| hour_of(inferyes_proto::unix_ms()), |r| hour_of(r.unix_ms))
+    });
     for _ in 0..10 {
         let mut rollups = Vec::with_capacity(deltas.len());
         for (suffix, delta) in &deltas {
@@ -159,8 +153,8 @@ async fn apply(store: &EtcdStore, batch: UsageBatch, pending_revision: i64) -> R
             pending_revision,
             rollups,
             today,
-            raw_key: format!("raw/{hour}/{}", batch.batch_id),
-            raw: batch.clone(),
+            // Raw records only when the data plane kept them.
+            raw: (!batch.records.is_empty()).then(|| (format!("raw/{hour}/{}", batch.batch_id), batch.clone())),
         };
         if store.apply_usage(application).await? {
             tracing::debug!(batch = %batch.batch_id, records = batch.records.len(), "usage rolled up");
@@ -213,8 +207,28 @@ mod tests {
                 record("", "org/model", hour, (1, 1), "ok"),
                 record("k1", "chat", hour + 3_600_000, (1, 1), "ok"),
             ],
+            deltas: Vec::new(),
         };
         let deltas = rollup_deltas(&batch);
+        // The same requests summed by a data plane roll up the same.
+        let summed = UsageBatch {
+            records: Vec::new(),
+            deltas: deltas
+                .iter()
+                .map(|(suffix, usage)| {
+                    let mut parts = suffix.splitn(4, '/').skip(1);
+                    let (hour, key, model) = (parts.next().unwrap(), parts.next().unwrap(), parts.next().unwrap());
+                    inferyes_proto::v1::UsageDelta {
+                        hour: hour.into(),
+                        key_id: if key == "-" { String::new() } else { key.into() },
+                        model: model.into(),
+                        usage: Some(*usage),
+                    }
+                })
+                .collect(),
+            ..batch.clone()
+        };
+        assert_eq!(rollup_deltas(&summed), deltas);
         let k1 = &deltas["hourly/2026112910/k1/chat"];
         assert_eq!((k1.requests, k1.errors, k1.prompt_tokens, k1.completion_tokens), (2, 1, 30, 10));
         assert_eq!(deltas["hourly/2026112910/-/org/model"].requests, 1);

@@ -68,7 +68,7 @@ pub async fn run(
         tickets: Arc::default(),
         decisions,
         auth: Arc::new(auth::Auth::new(config.auth, config.auth_failures_per_minute)),
-        ledger: usage::Ledger::new(&config.dataplane_id),
+        ledger: usage::Ledger::new(&config.dataplane_id, config.usage_records),
     };
     // Cancelled once no request can record usage any more: the ledger then
     // flushes what is left and ends.

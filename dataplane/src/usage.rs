@@ -8,19 +8,23 @@
 //! records of the last second, and of any batch a controller had not yet
 //! acknowledged.
 
-use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use inferyes_proto::usage::{Usage, hour_of};
 use inferyes_proto::v1::routing_service_client::RoutingServiceClient;
-use inferyes_proto::v1::{UsageBatch, UsageRecord};
+use inferyes_proto::v1::{UsageBatch, UsageDelta, UsageRecord, UsageRollup};
 use tokio_util::sync::CancellationToken;
 use tonic::transport::Channel;
 
 const SEND_EVERY: Duration = Duration::from_secs(1);
+/// Raw records in one batch, when they are kept (the controller stores
+/// them): keeps a batch well inside etcd's request size limit.
 const MAX_RECORDS_PER_BATCH: usize = 500;
+/// Requests summed into one batch when only sums are sent.
+const MAX_SUMMED_PER_BATCH: usize = 100_000;
 /// Each distinct hour, key and model is one roll-up in the controller's
 /// transaction; etcd allows 128 operations in one.
 const MAX_ROLLUPS_PER_BATCH: usize = 64;
@@ -32,6 +36,8 @@ const MAX_QUEUED: usize = 1_000_000;
 
 pub struct Ledger {
     dataplane_id: String,
+    /// Send each request's record, for export, besides the sums.
+    keep_records: bool,
     /// Makes batch ids unique across restarts of the same data plane.
     nonce: u64,
     next_seq: AtomicU64,
@@ -43,11 +49,12 @@ pub struct Ledger {
 }
 
 impl Ledger {
-    pub fn new(dataplane_id: &str) -> Arc<Ledger> {
+    pub fn new(dataplane_id: &str, keep_records: bool) -> Arc<Ledger> {
         let id: String =
             dataplane_id.chars().map(|c| if c.is_ascii_alphanumeric() || "-_".contains(c) { c } else { '-' }).collect();
         Arc::new(Ledger {
             dataplane_id: id,
+            keep_records,
             nonce: fastrand::u64(..),
             next_seq: AtomicU64::new(0),
             queue: Mutex::default(),
@@ -88,30 +95,40 @@ impl Ledger {
         if queue.is_empty() {
             return None;
         }
-        let mut rollups: BTreeSet<(String, String, String)> = BTreeSet::new();
+        let limit = if self.keep_records { MAX_RECORDS_PER_BATCH } else { MAX_SUMMED_PER_BATCH };
+        let mut sums: BTreeMap<(String, String, String), UsageRollup> = BTreeMap::new();
         let mut records = Vec::new();
+        let mut taken = 0;
         while let Some(record) = queue.front() {
             let rollup = (hour_of(record.unix_ms), record.key_id.clone(), record.model.clone());
-            if records.len() == MAX_RECORDS_PER_BATCH
-                || (!rollups.contains(&rollup) && rollups.len() == MAX_ROLLUPS_PER_BATCH)
-            {
+            if taken == limit || (!sums.contains_key(&rollup) && sums.len() == MAX_ROLLUPS_PER_BATCH) {
                 break;
             }
-            rollups.insert(rollup);
-            records.extend(queue.pop_front());
+            inferyes_proto::usage::add(sums.entry(rollup).or_default(), record);
+            taken += 1;
+            if let Some(record) = queue.pop_front()
+                && self.keep_records
+            {
+                records.push(record);
+            }
         }
+        let deltas = sums
+            .into_iter()
+            .map(|((hour, key_id, model), usage)| UsageDelta { hour, key_id, model, usage: Some(usage) })
+            .collect();
         let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
         // The hour first: the controller prunes its markers by name.
         let batch_id =
             format!("{}.{}.{:016x}.{seq}", hour_of(inferyes_proto::unix_ms()), self.dataplane_id, self.nonce);
-        Some(UsageBatch { batch_id, dataplane_id: self.dataplane_id.clone(), records })
+        Some(UsageBatch { batch_id, dataplane_id: self.dataplane_id.clone(), records, deltas })
     }
 
     fn acknowledged(&self, batch: &UsageBatch) {
         let mut unacknowledged = self.unacknowledged.lock().unwrap_or_else(PoisonError::into_inner);
-        for record in batch.records.iter().filter(|r| !r.key_id.is_empty()) {
-            if let Some(tokens) = unacknowledged.get_mut(&record.key_id) {
-                *tokens = tokens.saturating_sub(record.prompt_tokens + record.completion_tokens);
+        for delta in batch.deltas.iter().filter(|d| !d.key_id.is_empty()) {
+            let usage = delta.usage.unwrap_or_default();
+            if let Some(tokens) = unacknowledged.get_mut(&delta.key_id) {
+                *tokens = tokens.saturating_sub(usage.prompt_tokens + usage.completion_tokens);
             }
         }
         unacknowledged.retain(|_, tokens| *tokens > 0);
@@ -345,12 +362,15 @@ mod tests {
 
     #[test]
     fn batches_respect_the_record_and_rollup_limits_and_ids_are_unique() {
-        let ledger = Ledger::new("dp/1 test");
+        let ledger = Ledger::new("dp/1 test", true);
         for i in 0..(MAX_RECORDS_PER_BATCH + 10) {
             ledger.record(record("k", "m", 1 + (i as u64 % 2)));
         }
         let first = ledger.next_batch().unwrap();
         assert_eq!(first.records.len(), MAX_RECORDS_PER_BATCH);
+        assert_eq!(first.deltas.len(), 1);
+        let sum = first.deltas[0].usage.unwrap();
+        assert_eq!((sum.requests, sum.prompt_tokens), (500, 750));
         assert!(first.batch_id.contains(".dp-1-test."), "{}", first.batch_id);
         let second = ledger.next_batch().unwrap();
         assert_eq!(second.records.len(), 10);
@@ -360,13 +380,23 @@ mod tests {
         for m in 0..(MAX_ROLLUPS_PER_BATCH + 1) {
             ledger.record(record("k", &format!("model-{m}"), 1));
         }
-        assert_eq!(ledger.next_batch().unwrap().records.len(), MAX_ROLLUPS_PER_BATCH);
-        assert_eq!(ledger.next_batch().unwrap().records.len(), 1);
+        assert_eq!(ledger.next_batch().unwrap().deltas.len(), MAX_ROLLUPS_PER_BATCH);
+        assert_eq!(ledger.next_batch().unwrap().deltas.len(), 1);
+
+        // Without records, only sums travel, many requests to a batch.
+        let summing = Ledger::new("dp", false);
+        for _ in 0..(MAX_RECORDS_PER_BATCH * 3) {
+            summing.record(record("k", "m", 2));
+        }
+        let batch = summing.next_batch().unwrap();
+        assert!(batch.records.is_empty());
+        assert_eq!(batch.deltas[0].usage.unwrap().requests, 1500);
+        assert!(summing.next_batch().is_none());
     }
 
     #[test]
     fn unacknowledged_tokens_count_until_their_batch_is_acknowledged() {
-        let ledger = Ledger::new("dp");
+        let ledger = Ledger::new("dp", true);
         ledger.record(record("k", "m", 30));
         ledger.record(record("", "m", 50));
         assert_eq!(ledger.unacknowledged_tokens("k"), 30);
@@ -378,7 +408,7 @@ mod tests {
 
     #[test]
     fn a_meter_records_once_and_a_dropped_one_as_cancelled() {
-        let ledger = Ledger::new("dp");
+        let ledger = Ledger::new("dp", true);
         let meter = Meter::new(Arc::clone(&ledger), "r1".into(), Some("k".into()), "m".into(), true, 12);
         meter.node("node-a");
         let clone = meter.clone();

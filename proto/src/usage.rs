@@ -3,6 +3,8 @@
 //! without parsing the body. Pure. The agent reads it for residency, the
 //! data plane for the usage ledger.
 
+use crate::v1::{UsageRecord, UsageRollup};
+
 /// What the server said about one finished request.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Usage {
@@ -92,6 +94,28 @@ fn days_from_civil(y: i64, m: u32, d: u32) -> i64 {
     let doy = (153 * (if m > 2 { m - 3 } else { m + 9 }) + 2) / 5 + i64::from(d) - 1;
     let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
     era * 146_097 + doe - 719_468
+}
+
+/// Counts one request into a roll-up.
+pub fn add(rollup: &mut UsageRollup, record: &UsageRecord) {
+    rollup.requests += 1;
+    rollup.errors += u64::from(record.outcome != "ok");
+    rollup.prompt_tokens += record.prompt_tokens;
+    rollup.cached_tokens += record.cached_tokens;
+    rollup.completion_tokens += record.completion_tokens;
+    rollup.estimated_requests += u64::from(record.estimated);
+    rollup.latency_ms_sum += u64::from(record.latency_ms);
+}
+
+/// Adds one roll-up to another.
+pub fn merge(into: &mut UsageRollup, from: &UsageRollup) {
+    into.requests += from.requests;
+    into.errors += from.errors;
+    into.prompt_tokens += from.prompt_tokens;
+    into.cached_tokens += from.cached_tokens;
+    into.completion_tokens += from.completion_tokens;
+    into.estimated_requests += from.estimated_requests;
+    into.latency_ms_sum += from.latency_ms_sum;
 }
 
 #[cfg(test)]

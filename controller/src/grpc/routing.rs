@@ -40,6 +40,7 @@ impl RoutingSvc {
 
 /// Keeps one batch well inside etcd's request size limit (1.5 MiB).
 const MAX_RECORDS_PER_BATCH: usize = 2000;
+const MAX_DELTAS_PER_BATCH: usize = 100;
 
 type UpdateStream = Pin<Box<dyn Stream<Item = Result<SnapshotUpdate, Status>> + Send>>;
 
@@ -74,6 +75,15 @@ impl RoutingService for RoutingSvc {
         }
         if batch.records.len() > MAX_RECORDS_PER_BATCH {
             return Err(Status::invalid_argument(format!("at most {MAX_RECORDS_PER_BATCH} records per batch")));
+        }
+        // Each delta is one roll-up write in the transaction that applies
+        // the batch; etcd allows 128 operations in one.
+        if batch.deltas.len() > MAX_DELTAS_PER_BATCH
+            || (batch.deltas.is_empty() && crate::ledger::rollup_deltas(&batch).len() > MAX_DELTAS_PER_BATCH)
+        {
+            return Err(Status::invalid_argument(format!(
+                "at most {MAX_DELTAS_PER_BATCH} distinct hours, keys and models per batch"
+            )));
         }
         // Acknowledged only once it is in etcd: from then on it is counted
         // exactly once. A resend of a batch already here is acknowledged

@@ -25,9 +25,9 @@ pub struct Application {
     /// Hourly roll-ups: key suffix (`hourly/...`) → new value and guard.
     pub rollups: Vec<(String, Versioned<UsageRollup>)>,
     pub today: Versioned<KeyUsageToday>,
-    /// `raw/<hour>/<batch_id>`, for export.
-    pub raw_key: String,
-    pub raw: UsageBatch,
+    /// `raw/<hour>/<batch_id>` and the batch, for export, when it carries
+    /// records.
+    pub raw: Option<(String, UsageBatch)>,
 }
 
 impl EtcdStore {
@@ -95,8 +95,10 @@ impl EtcdStore {
         let mut then = vec![
             TxnOp::delete(pending, None),
             TxnOp::put(keys.usage(&format!("applied/{}", application.batch_id)), Vec::new(), None),
-            TxnOp::put(keys.usage(&application.raw_key), application.raw.encode_to_vec(), None),
         ];
+        if let Some((raw_key, raw)) = &application.raw {
+            then.push(TxnOp::put(keys.usage(raw_key), raw.encode_to_vec(), None));
+        }
         for (suffix, rollup) in &application.rollups {
             let key = keys.usage(suffix);
             when.push(Compare::mod_revision(key.clone(), CompareOp::Equal, rollup.mod_revision));

@@ -134,7 +134,7 @@ async fn inferyesctl_creates_lists_and_revokes_keys_showing_the_secret_once() {
 
 #[tokio::test]
 async fn inferyesctl_shows_usage_per_hour_key_and_model_and_exports_records() {
-    let fleet = Fleet::start(vec![chat_sim("chat")]).await;
+    let fleet = Fleet::start_with(vec![chat_sim("chat")], |c| c.usage_records = true).await;
     let url = fleet.controller().url();
     let chat = fleet.url("/v1/chat/completions");
     for i in 0..3 {

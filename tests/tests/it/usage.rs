@@ -51,7 +51,11 @@ async fn ask(http: &HttpClient, url: &str, key: Option<&str>, stream: bool, text
 
 #[tokio::test]
 async fn usage_of_plain_and_streamed_answers_is_what_the_backends_counted() {
-    let fleet = Fleet::start_with(vec![chat_sim("chat"), chat_sim("chat")], |c| c.auth = AuthMode::Keys).await;
+    let fleet = Fleet::start_with(vec![chat_sim("chat"), chat_sim("chat")], |c| {
+        c.auth = AuthMode::Keys;
+        c.usage_records = true;
+    })
+    .await;
     let created = fleet
         .controller()
         .fleet()
@@ -117,6 +121,8 @@ async fn a_resent_batch_is_counted_once() {
             prompt_tokens: 7,
             ..Default::default()
         }],
+        // Records only: the controller sums them itself.
+        deltas: Vec::new(),
     };
     let mut client = RoutingServiceClient::connect(fleet.controller().url()).await.expect("controller");
     client.record_usage(batch.clone()).await.expect("accepted");
@@ -255,4 +261,17 @@ async fn a_crash_loses_only_what_no_controller_acknowledged() {
     assert_eq!(usage_total(&controller, "").await.requests, 5, "the acknowledged five, not the three after");
     assert_eq!(sims[0].sim.stats().requests, 8, "all eight were served");
     drop((agents, sims));
+}
+
+#[tokio::test]
+async fn without_raw_records_only_sums_travel_and_nothing_is_exported() {
+    let fleet = Fleet::start(vec![chat_sim("chat")]).await;
+    for i in 0..3 {
+        ask(&fleet.http, &fleet.dataplane.url, None, i % 2 == 0, &format!("summed {i}")).await;
+    }
+    let total = rolled_up(fleet.controller(), "", 3).await;
+    assert_eq!(total.prompt_tokens, fleet.sims[0].sim.stats().prompt_tokens);
+    let mut export =
+        fleet.controller().fleet().await.export_usage(UsageQuery::default()).await.expect("export").into_inner();
+    assert!(export.message().await.expect("stream").is_none(), "no raw records were kept");
 }
