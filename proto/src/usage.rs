@@ -40,7 +40,17 @@ pub fn parse_usage(tail: &[u8]) -> Option<Usage> {
 }
 
 fn last_number(haystack: &[u8], key: &[u8]) -> Option<u32> {
-    let at = haystack.windows(key.len()).rposition(|w| w == key)? + key.len();
+    // Backwards from the end, comparing only where the key's first byte
+    // (a quote) is: a byte-by-byte window scan costs a comparison per byte.
+    let first = *key.first()?;
+    let mut end = haystack.len();
+    let at = loop {
+        let i = haystack[..end].iter().rposition(|&b| b == first)?;
+        if haystack[i..].starts_with(key) {
+            break i + key.len();
+        }
+        end = i;
+    };
     let digits: Vec<u8> = haystack[at..]
         .iter()
         .skip_while(|b| b.is_ascii_whitespace())
