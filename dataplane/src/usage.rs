@@ -90,32 +90,46 @@ impl Ledger {
     }
 
     /// The next batch: up to the record and roll-up limits, oldest first.
+    /// The queue's lock is held only to move records out (and, rarely, to
+    /// put back those past the roll-up limit): requests finishing meanwhile
+    /// must not wait for a batch to be summed.
     fn next_batch(&self) -> Option<UsageBatch> {
-        let mut queue = self.queue.lock().unwrap_or_else(PoisonError::into_inner);
-        if queue.is_empty() {
+        let limit = if self.keep_records { MAX_RECORDS_PER_BATCH } else { MAX_SUMMED_PER_BATCH };
+        let mut taken: Vec<UsageRecord> = {
+            let mut queue = self.queue.lock().unwrap_or_else(PoisonError::into_inner);
+            let n = queue.len().min(limit);
+            queue.drain(..n).collect()
+        };
+        if taken.is_empty() {
             return None;
         }
-        let limit = if self.keep_records { MAX_RECORDS_PER_BATCH } else { MAX_SUMMED_PER_BATCH };
-        let mut sums: BTreeMap<(String, String, String), UsageRollup> = BTreeMap::new();
-        let mut records = Vec::new();
-        let mut taken = 0;
-        while let Some(record) = queue.front() {
-            let rollup = (hour_of(record.unix_ms), record.key_id.clone(), record.model.clone());
-            if taken == limit || (!sums.contains_key(&rollup) && sums.len() == MAX_ROLLUPS_PER_BATCH) {
+        let mut sums: BTreeMap<(u64, &str, &str), UsageRollup> = BTreeMap::new();
+        let mut cut = taken.len();
+        for (i, record) in taken.iter().enumerate() {
+            let rollup = (record.unix_ms / 3_600_000, record.key_id.as_str(), record.model.as_str());
+            if !sums.contains_key(&rollup) && sums.len() == MAX_ROLLUPS_PER_BATCH {
+                cut = i;
                 break;
             }
             inferyes_proto::usage::add(sums.entry(rollup).or_default(), record);
-            taken += 1;
-            if let Some(record) = queue.pop_front()
-                && self.keep_records
-            {
-                records.push(record);
+        }
+        let deltas: Vec<UsageDelta> = sums
+            .into_iter()
+            .map(|((hour, key_id, model), usage)| UsageDelta {
+                hour: hour_of(hour * 3_600_000),
+                key_id: key_id.to_string(),
+                model: model.to_string(),
+                usage: Some(usage),
+            })
+            .collect();
+        if cut < taken.len() {
+            let rest = taken.split_off(cut);
+            let mut queue = self.queue.lock().unwrap_or_else(PoisonError::into_inner);
+            for record in rest.into_iter().rev() {
+                queue.push_front(record);
             }
         }
-        let deltas = sums
-            .into_iter()
-            .map(|((hour, key_id, model), usage)| UsageDelta { hour, key_id, model, usage: Some(usage) })
-            .collect();
+        let records = if self.keep_records { taken } else { Vec::new() };
         let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
         // The hour first: the controller prunes its markers by name.
         let batch_id =
