@@ -83,6 +83,10 @@ impl Ledger {
         queue.push_back(record);
     }
 
+    fn queued(&self) -> usize {
+        self.queue.lock().unwrap_or_else(PoisonError::into_inner).len()
+    }
+
     /// Tokens of `key_id` this data plane counted that the fleet's roll-up
     /// may not show yet.
     pub fn unacknowledged_tokens(&self, key_id: &str) -> u64 {
@@ -93,11 +97,11 @@ impl Ledger {
     /// The queue's lock is held only to move records out (and, rarely, to
     /// put back those past the roll-up limit): requests finishing meanwhile
     /// must not wait for a batch to be summed.
-    fn next_batch(&self) -> Option<UsageBatch> {
+    fn next_batch(&self, at_most: usize) -> Option<UsageBatch> {
         let limit = if self.keep_records { MAX_RECORDS_PER_BATCH } else { MAX_SUMMED_PER_BATCH };
         let mut taken: Vec<UsageRecord> = {
             let mut queue = self.queue.lock().unwrap_or_else(PoisonError::into_inner);
-            let n = queue.len().min(limit);
+            let n = queue.len().min(limit).min(at_most);
             queue.drain(..n).collect()
         };
         if taken.is_empty() {
@@ -186,10 +190,18 @@ pub async fn run(
                 _ = ticker.tick() => {}
             }
         }
-        // Send everything queued, one batch after another.
+        // Send what was queued when the tick came, one batch after another;
+        // what arrives meanwhile waits for the next tick (else a busy data
+        // plane would send a batch per round trip, not per second).
+        let mut left = if deadline.is_some() { usize::MAX } else { ledger.queued() };
         loop {
-            if current.is_none() {
-                current = ledger.next_batch();
+            if current.is_none() && left > 0 {
+                current = ledger.next_batch(left);
+                left = left.saturating_sub(
+                    current
+                        .as_ref()
+                        .map_or(left, |b| b.deltas.iter().map(|d| d.usage.map_or(0, |u| u.requests as usize)).sum()),
+                );
             }
             let Some(batch) = &current else { break };
             let mut client = clients[next % clients.len()].clone();
@@ -380,32 +392,40 @@ mod tests {
         for i in 0..(MAX_RECORDS_PER_BATCH + 10) {
             ledger.record(record("k", "m", 1 + (i as u64 % 2)));
         }
-        let first = ledger.next_batch().unwrap();
+        let first = ledger.next_batch(usize::MAX).unwrap();
         assert_eq!(first.records.len(), MAX_RECORDS_PER_BATCH);
         assert_eq!(first.deltas.len(), 1);
         let sum = first.deltas[0].usage.unwrap();
         assert_eq!((sum.requests, sum.prompt_tokens), (500, 750));
         assert!(first.batch_id.contains(".dp-1-test."), "{}", first.batch_id);
-        let second = ledger.next_batch().unwrap();
+        let second = ledger.next_batch(usize::MAX).unwrap();
         assert_eq!(second.records.len(), 10);
         assert_ne!(first.batch_id, second.batch_id);
-        assert!(ledger.next_batch().is_none());
+        assert!(ledger.next_batch(usize::MAX).is_none());
 
         for m in 0..(MAX_ROLLUPS_PER_BATCH + 1) {
             ledger.record(record("k", &format!("model-{m}"), 1));
         }
-        assert_eq!(ledger.next_batch().unwrap().deltas.len(), MAX_ROLLUPS_PER_BATCH);
-        assert_eq!(ledger.next_batch().unwrap().deltas.len(), 1);
+        assert_eq!(ledger.next_batch(usize::MAX).unwrap().deltas.len(), MAX_ROLLUPS_PER_BATCH);
+        assert_eq!(ledger.next_batch(usize::MAX).unwrap().deltas.len(), 1);
+
+        // A tick sends what was queued when it came, no more.
+        for _ in 0..5 {
+            ledger.record(record("k", "m", 1));
+        }
+        assert_eq!(ledger.next_batch(3).unwrap().deltas[0].usage.unwrap().requests, 3);
+        assert_eq!(ledger.queued(), 2);
+        assert_eq!(ledger.next_batch(usize::MAX).unwrap().deltas[0].usage.unwrap().requests, 2);
 
         // Without records, only sums travel, many requests to a batch.
         let summing = Ledger::new("dp", false);
         for _ in 0..(MAX_RECORDS_PER_BATCH * 3) {
             summing.record(record("k", "m", 2));
         }
-        let batch = summing.next_batch().unwrap();
+        let batch = summing.next_batch(usize::MAX).unwrap();
         assert!(batch.records.is_empty());
         assert_eq!(batch.deltas[0].usage.unwrap().requests, 1500);
-        assert!(summing.next_batch().is_none());
+        assert!(summing.next_batch(usize::MAX).is_none());
     }
 
     #[test]
@@ -414,7 +434,7 @@ mod tests {
         ledger.record(record("k", "m", 30));
         ledger.record(record("", "m", 50));
         assert_eq!(ledger.unacknowledged_tokens("k"), 30);
-        let batch = ledger.next_batch().unwrap();
+        let batch = ledger.next_batch(usize::MAX).unwrap();
         assert_eq!(ledger.unacknowledged_tokens("k"), 30, "sent is not acknowledged");
         ledger.acknowledged(&batch);
         assert_eq!(ledger.unacknowledged_tokens("k"), 0);
@@ -434,7 +454,7 @@ mod tests {
         unfinished.data_event();
         drop(unfinished);
 
-        let batch = ledger.next_batch().unwrap();
+        let batch = ledger.next_batch(usize::MAX).unwrap();
         assert_eq!(batch.records.len(), 2);
         let (done, cancelled) = (&batch.records[0], &batch.records[1]);
         assert_eq!((done.request_id.as_str(), done.outcome.as_str(), done.status), ("r1", "ok", 200));
