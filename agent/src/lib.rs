@@ -22,6 +22,8 @@ use inferyes_proto::v1::EndpointKind;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
+// Background tasks end with `run`, however it ends.
+use tokio_util::task::AbortOnDropHandle;
 use tracing::Instrument;
 
 pub use config::Config;
@@ -88,7 +90,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         });
         let token = shutdown.clone();
         let span = tracing::info_span!("simulator", backend = %simulated.id);
-        simulators.push(tokio::spawn(simulator.serve(listener, token).instrument(span)));
+        simulators.push(AbortOnDropHandle::new(tokio::spawn(simulator.serve(listener, token).instrument(span))));
     }
 
     let proxy_addr = listeners.proxy.local_addr()?;
@@ -114,12 +116,12 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
     // The first report carries real readings, not an empty node.
     poll::poll_once(&state, &client, &gpus).await;
 
-    let poller = tokio::spawn(
+    let poller = AbortOnDropHandle::new(tokio::spawn(
         poll::run(Arc::clone(&state), client, gpus, config.poll_interval(), shutdown.clone())
             .instrument(tracing::info_span!("poller")),
-    );
+    ));
     let (connection, _) = watch::channel(report::Connection::default());
-    let reporter = tokio::spawn(
+    let reporter = AbortOnDropHandle::new(tokio::spawn(
         report::run(
             Arc::clone(&state),
             config.controllers.clone(),
@@ -135,7 +137,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
             shutdown.clone(),
         )
         .instrument(tracing::info_span!("reporter")),
-    );
+    ));
 
     tracing::info!(node = %config.node_id, proxy = %proxy_addr, "agent running");
     let mut registry = prometheus_client::registry::Registry::default();
