@@ -23,16 +23,19 @@ const SEND_EVERY: Duration = Duration::from_secs(1);
 /// Raw records in one batch, when they are kept (the controller stores
 /// them): keeps a batch well inside etcd's request size limit.
 const MAX_RECORDS_PER_BATCH: usize = 500;
-/// Requests summed into one batch when only sums are sent.
-const MAX_SUMMED_PER_BATCH: usize = 100_000;
 /// Each distinct hour, key and model is one roll-up in the controller's
 /// transaction; etcd allows 128 operations in one.
 const MAX_ROLLUPS_PER_BATCH: usize = 64;
 const SEND_TIMEOUT: Duration = Duration::from_secs(5);
 pub const FLUSH_ON_SHUTDOWN: Duration = Duration::from_secs(10);
-/// Held while no controller acknowledges; past it the oldest are dropped
-/// (and logged): memory is finite.
+/// Records held (with `usage_records`) while no controller acknowledges;
+/// past it the oldest are dropped (and logged): memory is finite. Sums,
+/// kept otherwise, need no bound: they grow with keys and models, not
+/// requests.
 const MAX_QUEUED: usize = 1_000_000;
+
+/// Key → model → hour (since the epoch) → what those requests add up to.
+type Sums = HashMap<String, HashMap<String, BTreeMap<u64, UsageRollup>>>;
 
 pub struct Ledger {
     dataplane_id: String,
@@ -41,7 +44,12 @@ pub struct Ledger {
     /// Makes batch ids unique across restarts of the same data plane.
     nonce: u64,
     next_seq: AtomicU64,
+    /// Records waiting to be sent, when they are kept.
     queue: Mutex<VecDeque<UsageRecord>>,
+    /// Otherwise only sums wait, per key, model and hour: memory grows with
+    /// the keys and models in use, not with the requests, even while no
+    /// controller takes them.
+    sums: Mutex<Sums>,
     /// Tokens recorded per key and not yet acknowledged: held against the
     /// key's daily budget until the roll-up shows them.
     unacknowledged: Mutex<HashMap<String, u64>>,
@@ -58,6 +66,7 @@ impl Ledger {
             nonce: fastrand::u64(..),
             next_seq: AtomicU64::new(0),
             queue: Mutex::default(),
+            sums: Mutex::default(),
             unacknowledged: Mutex::default(),
             dropped: AtomicU64::new(0),
         })
@@ -73,6 +82,20 @@ impl Ledger {
                 .entry(record.key_id.clone())
                 .or_default() += tokens;
         }
+        if !self.keep_records {
+            let mut sums = self.sums.lock().unwrap_or_else(PoisonError::into_inner);
+            // Looked up before inserting: the common case allocates nothing.
+            if !sums.contains_key(&record.key_id) {
+                sums.insert(record.key_id.clone(), HashMap::new());
+            }
+            let Some(models) = sums.get_mut(&record.key_id) else { return };
+            if !models.contains_key(&record.model) {
+                models.insert(record.model.clone(), BTreeMap::new());
+            }
+            let Some(hours) = models.get_mut(&record.model) else { return };
+            inferyes_proto::usage::add(hours.entry(record.unix_ms / 3_600_000).or_default(), &record);
+            return;
+        }
         let mut queue = self.queue.lock().unwrap_or_else(PoisonError::into_inner);
         if queue.len() >= MAX_QUEUED {
             queue.pop_front();
@@ -83,8 +106,40 @@ impl Ledger {
         queue.push_back(record);
     }
 
+    /// Requests waiting to be sent.
     fn queued(&self) -> usize {
-        self.queue.lock().unwrap_or_else(PoisonError::into_inner).len()
+        if self.keep_records {
+            return self.queue.lock().unwrap_or_else(PoisonError::into_inner).len();
+        }
+        let sums = self.sums.lock().unwrap_or_else(PoisonError::into_inner);
+        let requests: u64 = sums.values().flat_map(|m| m.values()).flat_map(|h| h.values()).map(|u| u.requests).sum();
+        usize::try_from(requests).unwrap_or(usize::MAX)
+    }
+
+    /// Up to [`MAX_ROLLUPS_PER_BATCH`] waiting sums, taken out.
+    fn take_sums(&self) -> Vec<UsageDelta> {
+        let mut sums = self.sums.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut deltas = Vec::new();
+        'keys: for (key_id, models) in sums.iter_mut() {
+            for (model, hours) in models.iter_mut() {
+                while let Some((hour, usage)) = hours.pop_first() {
+                    deltas.push(UsageDelta {
+                        hour: hour_of(hour * 3_600_000),
+                        key_id: key_id.clone(),
+                        model: model.clone(),
+                        usage: Some(usage),
+                    });
+                    if deltas.len() == MAX_ROLLUPS_PER_BATCH {
+                        break 'keys;
+                    }
+                }
+            }
+        }
+        sums.retain(|_, models| {
+            models.retain(|_, hours| !hours.is_empty());
+            !models.is_empty()
+        });
+        deltas
     }
 
     /// Tokens of `key_id` this data plane counted that the fleet's roll-up
@@ -98,7 +153,11 @@ impl Ledger {
     /// put back those past the roll-up limit): requests finishing meanwhile
     /// must not wait for a batch to be summed.
     fn next_batch(&self, at_most: usize) -> Option<UsageBatch> {
-        let limit = if self.keep_records { MAX_RECORDS_PER_BATCH } else { MAX_SUMMED_PER_BATCH };
+        if !self.keep_records {
+            let deltas = self.take_sums();
+            return (!deltas.is_empty()).then(|| self.batch(Vec::new(), deltas));
+        }
+        let limit = MAX_RECORDS_PER_BATCH;
         let mut taken: Vec<UsageRecord> = {
             let mut queue = self.queue.lock().unwrap_or_else(PoisonError::into_inner);
             let n = queue.len().min(limit).min(at_most);
@@ -133,12 +192,15 @@ impl Ledger {
                 queue.push_front(record);
             }
         }
-        let records = if self.keep_records { taken } else { Vec::new() };
+        Some(self.batch(taken, deltas))
+    }
+
+    fn batch(&self, records: Vec<UsageRecord>, deltas: Vec<UsageDelta>) -> UsageBatch {
         let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
         // The hour first: the controller prunes its markers by name.
         let batch_id =
             format!("{}.{}.{:016x}.{seq}", hour_of(inferyes_proto::unix_ms()), self.dataplane_id, self.nonce);
-        Some(UsageBatch { batch_id, dataplane_id: self.dataplane_id.clone(), records, deltas })
+        UsageBatch { batch_id, dataplane_id: self.dataplane_id.clone(), records, deltas }
     }
 
     fn acknowledged(&self, batch: &UsageBatch) {
@@ -223,13 +285,15 @@ pub async fn run(
             }
         }
         if let Some(at) = deadline {
-            let empty = current.is_none() && ledger.queue.lock().unwrap_or_else(PoisonError::into_inner).is_empty();
+            let empty = current.is_none() && ledger.queued() == 0;
             if empty {
                 return;
             }
             if Instant::now() >= at {
-                let left = ledger.queue.lock().unwrap_or_else(PoisonError::into_inner).len()
-                    + current.as_ref().map_or(0, |b| b.records.len());
+                let left = ledger.queued()
+                    + current.as_ref().map_or(0, |b| {
+                        b.deltas.iter().map(|d| d.usage.map_or(0, |u| u.requests as usize)).sum::<usize>()
+                    });
                 tracing::error!(records = left, "shutdown: usage records could not be delivered");
                 return;
             }
