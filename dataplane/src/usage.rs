@@ -316,7 +316,8 @@ struct MeterInner {
     prompt_estimate: u64,
     done: AtomicBool,
     node: Mutex<String>,
-    first_byte: Mutex<Option<Instant>>,
+    /// Set by the first frame of the answer; read once, at the end.
+    first_byte: std::sync::OnceLock<Instant>,
     /// Data events seen in a stream: one token each, for an estimate.
     events: AtomicU64,
 }
@@ -364,7 +365,7 @@ impl Meter {
             prompt_estimate,
             done: AtomicBool::new(false),
             node: Mutex::default(),
-            first_byte: Mutex::default(),
+            first_byte: std::sync::OnceLock::new(),
             events: AtomicU64::new(0),
         }))
     }
@@ -376,13 +377,17 @@ impl Meter {
         current.push_str(node);
     }
 
+    /// Called for every frame: after the first, a load and nothing more.
     pub fn first_byte(&self) {
-        let mut first = self.0.first_byte.lock().unwrap_or_else(PoisonError::into_inner);
-        first.get_or_insert_with(Instant::now);
+        if self.0.first_byte.get().is_none() {
+            let _ = self.0.first_byte.set(Instant::now());
+        }
     }
 
-    pub fn data_event(&self) {
-        self.0.events.fetch_add(1, Ordering::Relaxed);
+    pub fn data_events(&self, events: usize) {
+        if events > 0 {
+            self.0.events.fetch_add(events as u64, Ordering::Relaxed);
+        }
     }
 
     /// Records the request; later calls do nothing.
@@ -396,7 +401,9 @@ impl MeterInner {
         if self.done.swap(true, Ordering::AcqRel) {
             return;
         }
-        let ttft = (*self.first_byte.lock().unwrap_or_else(PoisonError::into_inner))
+        let ttft = self
+            .first_byte
+            .get()
             .filter(|_| self.template.stream)
             .map_or(0, |at| millis(at.duration_since(self.started)));
         let mut record = UsageRecord {
@@ -514,8 +521,7 @@ mod tests {
         clone.finish(500, Outcome::Error, None);
         drop((meter, clone));
         let unfinished = Meter::new(Arc::clone(&ledger), "r2".into(), None, "m".into(), true, 12);
-        unfinished.data_event();
-        unfinished.data_event();
+        unfinished.data_events(2);
         drop(unfinished);
 
         let batch = ledger.next_batch(usize::MAX).unwrap();

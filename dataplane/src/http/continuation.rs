@@ -74,24 +74,6 @@ pub fn constrained(body: &[u8]) -> bool {
     }
 }
 
-/// Splits a byte stream into whole SSE events (each ending in a blank line).
-#[derive(Default)]
-struct Events {
-    pending: Vec<u8>,
-}
-
-impl Events {
-    fn push(&mut self, data: &[u8]) -> Vec<Bytes> {
-        self.pending.extend_from_slice(data);
-        let mut events = Vec::new();
-        while let Some(end) = self.pending.windows(2).position(|w| w == b"\n\n") {
-            let event: Vec<u8> = self.pending.drain(..end + 2).collect();
-            events.push(Bytes::from(event));
-        }
-        events
-    }
-}
-
 /// What one event says.
 enum Event {
     Done,
@@ -147,7 +129,7 @@ async fn pipe(
         }
     };
     loop {
-        let mut events = Events::default();
+        let mut events = super::sse::Events::default();
         let mut finished = false;
         loop {
             let frame = tokio::select! {
@@ -168,14 +150,12 @@ async fn pipe(
             for event in events.push(&data) {
                 if let Some(meter) = &resume.meter {
                     meter.first_byte();
-                    if event.starts_with(b"data: {") {
-                        meter.data_event();
-                    }
+                    meter.data_events(super::sse::count_data_events(&event));
                     if let Some(found) = inferyes_proto::usage::parse_usage(&event) {
                         usage = Some(found);
                     }
                 }
-                if resume.strip_usage && super::view::is_usage_only_event(&event) {
+                if resume.strip_usage && super::sse::is_usage_only_event(&event) {
                     continue;
                 }
                 match read(&event) {
@@ -286,7 +266,7 @@ mod tests {
 
     #[test]
     fn events_are_whole_and_read() {
-        let mut events = Events::default();
+        let mut events = crate::http::sse::Events::default();
         assert!(events.push(b"data: {\"choices\":[{\"delta\":{\"con").is_empty());
         let whole = events.push(b"tent\":\"Hi\"},\"finish_reason\":null}]}\n\ndata: [DONE]\n\n");
         assert_eq!(whole.len(), 2);

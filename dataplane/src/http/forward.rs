@@ -247,7 +247,7 @@ impl Forwarder {
                 meter: out.meter.clone(),
                 status: status.as_u16(),
                 strip_usage: out.strip_usage,
-                held: Vec::new(),
+                events: super::sse::Events::default(),
             };
             return Ok(Response::from_parts(parts, Body::new(body)));
         }
@@ -388,9 +388,9 @@ struct Guarded {
     meter: Option<Meter>,
     status: u16,
     /// The data plane asked for usage the client did not: its chunk is
-    /// taken out, which needs whole events (`held` keeps a partial one).
+    /// taken out, which needs whole events (`events` keeps a partial one).
     strip_usage: bool,
-    held: Vec<u8>,
+    events: super::sse::Events,
 }
 
 /// Enough of a stream's end to see its last events, usage included.
@@ -443,9 +443,7 @@ impl http_body::Body for Guarded {
                             meter.first_byte();
                             // One event, one token: an estimate for streams
                             // that say nothing of their usage.
-                            for _ in memchr_events(data) {
-                                meter.data_event();
-                            }
+                            meter.data_events(super::sse::count_data_events(data));
                         }
                         this.tail.extend_from_slice(data);
                         if this.tail.len() > 2 * TAIL_BYTES {
@@ -454,12 +452,12 @@ impl http_body::Body for Guarded {
                         if this.strip_usage && this.event_stream {
                             // Whole events only, without the usage chunk the
                             // client did not ask for.
-                            this.held.extend_from_slice(data);
-                            let Some(end) = this.held.windows(2).rposition(|w| w == b"\n\n").map(|i| i + 2) else {
-                                continue;
-                            };
-                            let complete: Vec<u8> = this.held.drain(..end).collect();
-                            let kept = without_usage_events(&complete);
+                            let mut kept = Vec::with_capacity(data.len());
+                            for event in this.events.push(data) {
+                                if !super::sse::is_usage_only_event(&event) {
+                                    kept.extend_from_slice(&event);
+                                }
+                            }
                             if kept.is_empty() {
                                 continue;
                             }
@@ -468,9 +466,9 @@ impl http_body::Body for Guarded {
                     }
                     return Poll::Ready(Some(Ok(frame)));
                 }
-                Poll::Ready(None) if !this.held.is_empty() => {
+                Poll::Ready(None) if !this.events.is_empty() => {
                     // A last event without its blank line: passed on as it is.
-                    return Poll::Ready(Some(Ok(Frame::data(Bytes::from(std::mem::take(&mut this.held))))));
+                    return Poll::Ready(Some(Ok(Frame::data(this.events.take_rest()))));
                 }
                 Poll::Ready(None) if !(this.event_stream && this.expects_done && !ended_well(&this.tail)) => {
                     this.ended = true;
@@ -508,7 +506,7 @@ impl http_body::Body for Guarded {
     }
 
     fn is_end_stream(&self) -> bool {
-        self.ended || (self.inner.is_end_stream() && self.held.is_empty())
+        self.ended || (self.inner.is_end_stream() && self.events.is_empty())
     }
 
     fn size_hint(&self) -> SizeHint {
@@ -626,26 +624,6 @@ impl Forwarder {
         headers.insert(ROUTE_HEADER, HeaderValue::from_static("cold"));
         response
     }
-}
-
-/// Whole SSE events without the usage-only ones.
-fn without_usage_events(events: &[u8]) -> Vec<u8> {
-    let mut kept = Vec::with_capacity(events.len());
-    let mut rest = events;
-    while let Some(i) = rest.windows(2).position(|w| w == b"\n\n") {
-        let (event, after) = rest.split_at(i + 2);
-        if !super::view::is_usage_only_event(event.trim_ascii_start()) {
-            kept.extend_from_slice(event);
-        }
-        rest = after;
-    }
-    kept.extend_from_slice(rest);
-    kept
-}
-
-/// The data events (`data: ...`) that start in `bytes`.
-fn memchr_events(bytes: &[u8]) -> impl Iterator<Item = usize> + '_ {
-    bytes.windows(6).enumerate().filter(|(i, w)| *w == b"data: " && (*i == 0 || bytes[i - 1] == b'\n')).map(|(i, _)| i)
 }
 
 /// A final SSE event carrying an error, the way OpenAI-compatible servers

@@ -5,6 +5,7 @@ mod continuation;
 mod error;
 mod forward;
 mod server;
+mod sse;
 mod upstream;
 mod view;
 

@@ -111,13 +111,6 @@ pub fn with_usage_requested(body: &bytes::Bytes) -> Option<bytes::Bytes> {
     Some(out.into())
 }
 
-/// Whether an SSE event is the usage-only chunk `include_usage` adds
-/// (`"choices":[]` with `usage`), which a client that did not ask for it
-/// must not see.
-pub fn is_usage_only_event(event: &[u8]) -> bool {
-    event.starts_with(b"data: {") && contains(event, b"\"choices\":[]") && contains(event, b"\"usage\":")
-}
-
 /// The position of `part`, a slice borrowed from `whole`.
 fn span_of(whole: &[u8], part: &[u8]) -> Option<Range<usize>> {
     let start = (part.as_ptr() as usize).checked_sub(whole.as_ptr() as usize)?;
@@ -199,7 +192,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn usage_is_requested_by_splicing_and_its_chunk_is_recognised() {
+    fn usage_is_requested_by_splicing() {
         let body = bytes::Bytes::from_static(br#" {"model":"m","stream":true,"messages":[]}"#);
         let spliced = with_usage_requested(&body).unwrap();
         let value: serde_json::Value = serde_json::from_slice(&spliced).unwrap();
@@ -208,9 +201,6 @@ mod tests {
         assert!(with_usage_requested(&bytes::Bytes::from_static(b"[1]")).is_none());
         assert!(parse_view(&spliced).unwrap().has_stream_options);
         assert!(!parse_view(&body).unwrap().has_stream_options);
-        assert!(is_usage_only_event(br#"data: {"choices":[],"usage":{"prompt_tokens":3}}"#));
-        assert!(!is_usage_only_event(br#"data: {"choices":[{"delta":{"content":"usage"}}],"usage":null}"#));
-        assert!(!is_usage_only_event(b"data: [DONE]"));
     }
 
     #[test]
