@@ -11,7 +11,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use inferyes_proto::v1::{KeyUsageToday, UsageBatch, UsageRecord, UsageRollup};
+use inferyes_proto::v1::{KeyUsageToday, UsageBatch, UsageRollup};
 
 use tokio_util::sync::CancellationToken;
 
@@ -33,25 +33,45 @@ const POLL: Duration = Duration::from_millis(250);
 const PRUNE_EVERY: Duration = Duration::from_secs(600);
 const BATCHES_PER_ROUND: i64 = 64;
 
-/// The roll-up key of a record: `hourly/<hour>/<key or ->/<model>`.
-pub fn rollup_key(record: &UsageRecord) -> String {
-    let key = if record.key_id.is_empty() { "-" } else { record.key_id.as_str() };
-    format!("hourly/{}/{key}/{}", hour_of(record.unix_ms), record.model)
+/// One roll-up: an hour (`YYYYMMDDHH`), a key (empty: auth off) and a
+/// model. Stored at `hourly/<hour>/<key or ->/<model>`: written and read in
+/// this one place.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct RollupKey {
+    pub hour: String,
+    pub key_id: String,
+    pub model: String,
 }
 
-/// A batch's contribution, per roll-up key: its deltas (summed by the data
+impl RollupKey {
+    pub fn suffix(&self) -> String {
+        let key = if self.key_id.is_empty() { "-" } else { self.key_id.as_str() };
+        format!("hourly/{}/{key}/{}", self.hour, self.model)
+    }
+
+    /// The key a stored suffix names; models may hold `/`.
+    pub fn parse(suffix: &str) -> Option<RollupKey> {
+        let mut parts = suffix.strip_prefix("hourly/")?.splitn(3, '/');
+        let (hour, key, model) = (parts.next()?, parts.next()?, parts.next()?);
+        let key_id = if key == "-" { String::new() } else { key.to_string() };
+        Some(RollupKey { hour: hour.to_string(), key_id, model: model.to_string() })
+    }
+}
+
+/// A batch's contribution, per roll-up: its deltas (summed by the data
 /// plane), or, from data planes that send only records, its records.
-pub fn rollup_deltas(batch: &UsageBatch) -> BTreeMap<String, UsageRollup> {
-    let mut deltas: BTreeMap<String, UsageRollup> = BTreeMap::new();
+pub fn rollup_deltas(batch: &UsageBatch) -> BTreeMap<RollupKey, UsageRollup> {
+    let mut deltas: BTreeMap<RollupKey, UsageRollup> = BTreeMap::new();
     if batch.deltas.is_empty() {
         for record in &batch.records {
-            add(deltas.entry(rollup_key(record)).or_default(), record);
+            let key =
+                RollupKey { hour: hour_of(record.unix_ms), key_id: record.key_id.clone(), model: record.model.clone() };
+            add(deltas.entry(key).or_default(), record);
         }
     }
     for delta in &batch.deltas {
-        let key = if delta.key_id.is_empty() { "-" } else { delta.key_id.as_str() };
-        let usage = delta.usage.unwrap_or_default();
-        merge(deltas.entry(format!("hourly/{}/{key}/{}", delta.hour, delta.model)).or_default(), &usage);
+        let key = RollupKey { hour: delta.hour.clone(), key_id: delta.key_id.clone(), model: delta.model.clone() };
+        merge(deltas.entry(key).or_default(), &delta.usage.unwrap_or_default());
     }
     deltas
 }
@@ -62,14 +82,11 @@ pub fn add_today(today: &mut KeyUsageToday, batch: &UsageBatch, now_ms: u64) {
     if today.day != day {
         *today = KeyUsageToday { day: day.clone(), tokens: Default::default() };
     }
-    for (suffix, usage) in rollup_deltas(batch) {
-        // hourly/<YYYYMMDDHH>/<key>/<model>
-        let mut parts = suffix.splitn(4, '/').skip(1);
-        let (Some(hour), Some(key)) = (parts.next(), parts.next()) else { continue };
-        if key == "-" || !hour.starts_with(&day) {
+    for (key, usage) in rollup_deltas(batch) {
+        if key.key_id.is_empty() || !key.hour.starts_with(&day) {
             continue;
         }
-        *today.tokens.entry(key.to_string()).or_default() += usage.prompt_tokens + usage.completion_tokens;
+        *today.tokens.entry(key.key_id).or_default() += usage.prompt_tokens + usage.completion_tokens;
     }
 }
 
@@ -141,10 +158,11 @@ async fn apply(store: &EtcdStore, batch: UsageBatch, pending_revision: i64) -> R
     });
     for _ in 0..10 {
         let mut rollups = Vec::with_capacity(deltas.len());
-        for (suffix, delta) in &deltas {
-            let mut current = store.usage_rollup(suffix).await?;
+        for (key, delta) in &deltas {
+            let suffix = key.suffix();
+            let mut current = store.usage_rollup(&suffix).await?;
             merge(&mut current.value, delta);
-            rollups.push((suffix.clone(), current));
+            rollups.push((suffix, current));
         }
         let mut today = store.usage_today().await?;
         add_today(&mut today.value, &batch, inferyes_proto::unix_ms());
@@ -180,6 +198,8 @@ async fn prune(store: &EtcdStore, retention: Retention) -> Result<(), StoreError
 
 #[cfg(test)]
 mod tests {
+    use inferyes_proto::v1::UsageRecord;
+
     use super::*;
 
     fn record(key: &str, model: &str, unix_ms: u64, tokens: (u64, u64), outcome: &str) -> UsageRecord {
@@ -215,24 +235,24 @@ mod tests {
             records: Vec::new(),
             deltas: deltas
                 .iter()
-                .map(|(suffix, usage)| {
-                    let mut parts = suffix.splitn(4, '/').skip(1);
-                    let (hour, key, model) = (parts.next().unwrap(), parts.next().unwrap(), parts.next().unwrap());
-                    inferyes_proto::v1::UsageDelta {
-                        hour: hour.into(),
-                        key_id: if key == "-" { String::new() } else { key.into() },
-                        model: model.into(),
-                        usage: Some(*usage),
-                    }
+                .map(|(key, usage)| inferyes_proto::v1::UsageDelta {
+                    hour: key.hour.clone(),
+                    key_id: key.key_id.clone(),
+                    model: key.model.clone(),
+                    usage: Some(*usage),
                 })
                 .collect(),
             ..batch.clone()
         };
         assert_eq!(rollup_deltas(&summed), deltas);
-        let k1 = &deltas["hourly/2026112910/k1/chat"];
+        let at = |suffix: &str| deltas[&RollupKey::parse(suffix).unwrap()];
+        let k1 = at("hourly/2026112910/k1/chat");
         assert_eq!((k1.requests, k1.errors, k1.prompt_tokens, k1.completion_tokens), (2, 1, 30, 10));
-        assert_eq!(deltas["hourly/2026112910/-/org/model"].requests, 1);
-        assert_eq!(deltas["hourly/2026112911/k1/chat"].requests, 1);
+        assert_eq!(at("hourly/2026112910/-/org/model").requests, 1);
+        assert_eq!(at("hourly/2026112911/k1/chat").requests, 1);
+        for key in deltas.keys() {
+            assert_eq!(RollupKey::parse(&key.suffix()).as_ref(), Some(key), "stored and read the same");
+        }
 
         let mut today = KeyUsageToday { day: "20261128".into(), tokens: [("old".to_string(), 99)].into() };
         add_today(&mut today, &batch, hour + 3_600_000);

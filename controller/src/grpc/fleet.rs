@@ -273,17 +273,14 @@ impl FleetService for FleetSvc {
             .usage_rollups(&format!("hourly/{}", crate::ledger::hour_of(since)))
             .await?
             .into_iter()
-            .filter_map(|(key, usage)| {
-                // hourly/<hour>/<key>/<model>; models may hold `/`.
-                let mut parts = key.strip_prefix("hourly/")?.splitn(3, '/');
-                let (hour, key_id, model) = (parts.next()?, parts.next()?, parts.next()?);
-                let key_id = if key_id == "-" { "" } else { key_id };
-                let wanted = (query.key_id.is_empty() || query.key_id == key_id)
-                    && (query.model.is_empty() || query.model == model);
+            .filter_map(|(suffix, usage)| {
+                let key = crate::ledger::RollupKey::parse(&suffix)?;
+                let wanted = (query.key_id.is_empty() || query.key_id == key.key_id)
+                    && (query.model.is_empty() || query.model == key.model);
                 wanted.then(|| UsageRow {
-                    hour_unix_ms: crate::ledger::hour_start_ms(hour).unwrap_or(0),
-                    key_id: key_id.to_string(),
-                    model: model.to_string(),
+                    hour_unix_ms: crate::ledger::hour_start_ms(&key.hour).unwrap_or(0),
+                    key_id: key.key_id,
+                    model: key.model,
                     usage: Some(usage),
                 })
             })
