@@ -39,16 +39,8 @@ pub enum AuthMode {
 pub enum Caller {
     /// Auth is off.
     Open,
-    Key(Arc<KeyGrant>),
-}
-
-/// What a key allows, copied from its record.
-#[derive(Debug)]
-pub struct KeyGrant {
-    pub key_id: String,
-    pub allowed_models: Vec<String>,
-    pub requests_per_minute: u32,
-    pub tokens_per_day: u64,
+    /// The key's record, as the snapshot holds it (shared, not copied).
+    Key(Arc<ApiKey>),
 }
 
 impl Caller {
@@ -62,8 +54,14 @@ impl Caller {
     pub fn may_use(&self, model: &str) -> bool {
         match self {
             Caller::Open => true,
-            Caller::Key(grant) => apikey::model_allowed(&grant.allowed_models, model),
+            Caller::Key(key) => apikey::model_allowed(&key.allowed_models, model),
         }
+    }
+
+    /// Whether the catalog shows this entry to the caller: a model it may
+    /// use, or an alias of one.
+    pub fn may_see(&self, entry: &crate::snapshot::CatalogEntry) -> bool {
+        self.may_use(&entry.id) || entry.alias_of.as_ref().is_some_and(|model| self.may_use(model))
     }
 }
 
@@ -197,12 +195,7 @@ impl Auth {
         if key.expires_unix_ms != 0 && key.expires_unix_ms <= now {
             return Err((Refusal::Expired, unauthorized("This API key has expired.")));
         }
-        Ok(Caller::Key(Arc::new(KeyGrant {
-            key_id: key.key_id.clone(),
-            allowed_models: key.allowed_models.clone(),
-            requests_per_minute: key.requests_per_minute,
-            tokens_per_day: key.tokens_per_day,
-        })))
+        Ok(Caller::Key(Arc::clone(key)))
     }
 
     /// Takes one request from the caller's per-minute allowance. The
@@ -335,12 +328,7 @@ mod tests {
     use super::*;
 
     fn caller(rpm: u32) -> Caller {
-        Caller::Key(Arc::new(KeyGrant {
-            key_id: "k".into(),
-            allowed_models: Vec::new(),
-            requests_per_minute: rpm,
-            tokens_per_day: 0,
-        }))
+        Caller::Key(Arc::new(ApiKey { key_id: "k".into(), requests_per_minute: rpm, ..Default::default() }))
     }
 
     #[test]

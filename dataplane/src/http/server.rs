@@ -220,12 +220,7 @@ fn model_object(entry: &CatalogEntry) -> serde_json::Value {
 async fn list_models(State(state): State<AppState>, request: Request) -> Result<Response, ApiError> {
     let snapshot = state.snapshots.current().ok_or_else(not_ready)?;
     let caller = state.authenticate(request.headers(), request.extensions(), &snapshot).await?;
-    let data: Vec<_> = snapshot
-        .catalog()
-        .iter()
-        .filter(|entry| caller.may_use(&entry.id) || entry.alias_of.as_ref().is_some_and(|m| caller.may_use(m)))
-        .map(model_object)
-        .collect();
+    let data: Vec<_> = snapshot.catalog().iter().filter(|entry| caller.may_see(entry)).map(model_object).collect();
     Ok(axum::Json(json!({"object": "list", "data": data})).into_response())
 }
 
@@ -236,10 +231,7 @@ async fn get_model(
 ) -> Result<Response, ApiError> {
     let snapshot = state.snapshots.current().ok_or_else(not_ready)?;
     let caller = state.authenticate(request.headers(), request.extensions(), &snapshot).await?;
-    let entry = snapshot
-        .model(&id)
-        .filter(|entry| caller.may_use(&entry.id) || entry.alias_of.as_ref().is_some_and(|m| caller.may_use(m)))
-        .ok_or_else(|| no_such_model(&id))?;
+    let entry = snapshot.model(&id).filter(|entry| caller.may_see(entry)).ok_or_else(|| no_such_model(&id))?;
     Ok(axum::Json(model_object(entry)).into_response())
 }
 

@@ -126,7 +126,7 @@ impl WireView {
                 self.nodes = full.nodes.into_iter().map(|n| (node_id(&n), n)).collect();
                 self.policy = full.policy;
                 self.aliases = full.aliases;
-                self.api_keys = Arc::new(full.keys.into_iter().map(|k| (k.key_id.clone(), k)).collect());
+                self.api_keys = Arc::new(full.keys.into_iter().map(|k| (k.key_id.clone(), Arc::new(k))).collect());
                 self.usage_today = Arc::new(full.usage_today.unwrap_or_default());
             }
             Some(snapshot_update::Update::Delta(delta)) => {
@@ -150,7 +150,7 @@ impl WireView {
                     self.usage_today = Arc::new(usage);
                 }
                 if let Some(keys) = delta.keys {
-                    self.api_keys = Arc::new(keys.keys.into_iter().map(|k| (k.key_id.clone(), k)).collect());
+                    self.api_keys = Arc::new(keys.keys.into_iter().map(|k| (k.key_id.clone(), Arc::new(k))).collect());
                 }
             }
             None => {}

@@ -45,7 +45,7 @@ pub struct RoutingSnapshot {
 }
 
 /// API keys by key id, hashes included.
-pub type ApiKeys = HashMap<String, inferyes_proto::v1::ApiKey>;
+pub type ApiKeys = HashMap<String, Arc<inferyes_proto::v1::ApiKey>>;
 
 /// A model's placements on a hash ring, built at decode.
 #[derive(Debug, Default)]
@@ -294,7 +294,7 @@ impl RoutingSnapshot {
         &self.policy
     }
 
-    pub fn api_key(&self, key_id: &str) -> Option<&inferyes_proto::v1::ApiKey> {
+    pub fn api_key(&self, key_id: &str) -> Option<&Arc<inferyes_proto::v1::ApiKey>> {
         self.api_keys.get(key_id)
     }
 
