@@ -9,7 +9,7 @@ use inferyes_proto::v1::{ApiKey, CreateKeyRequest, RevokeKeyRequest};
 use inferyes_tests::{DataplaneHandle, TestResponse};
 use prost::Message;
 
-use crate::support::{Fleet, chat_body, chat_sim};
+use crate::support::{Fleet, chat_body, chat_sim, create_key as create};
 
 async fn keyed_fleet(tweak: impl FnOnce(&mut inferyes_dataplane::Config)) -> Fleet {
     Fleet::start_with(vec![chat_sim("chat"), chat_sim("other")], |config| {
@@ -17,14 +17,6 @@ async fn keyed_fleet(tweak: impl FnOnce(&mut inferyes_dataplane::Config)) -> Fle
         tweak(config);
     })
     .await
-}
-
-async fn create(fleet: &Fleet, request: CreateKeyRequest) -> (String, String) {
-    let created = fleet.controller().fleet().await.create_key(request).await.expect("key created").into_inner();
-    let key_id = created.key.expect("the created key").key_id;
-    let id = key_id.clone();
-    fleet.dataplane.wait_for("the key", Duration::from_secs(10), move |s| s.api_key(&id).is_some()).await;
-    (key_id, created.secret)
 }
 
 async fn chat(fleet: &Fleet, url: &str, key: Option<&str>, model: &str) -> TestResponse {

@@ -66,3 +66,13 @@ pub fn chat_body(model: &str, text: &str) -> Value {
 pub fn embedding_model(id: &str) -> SimConfig {
     SimConfig { models: vec![SimModel::embedding(id)], ..chat_sim(id) }
 }
+
+/// Creates an API key and waits until the fleet's data plane knows it:
+/// `(key_id, secret)`.
+pub async fn create_key(fleet: &Fleet, request: inferyes_proto::v1::CreateKeyRequest) -> (String, String) {
+    let created = fleet.controller().fleet().await.create_key(request).await.expect("key created").into_inner();
+    let key_id = created.key.expect("the created key").key_id;
+    let id = key_id.clone();
+    fleet.dataplane.wait_for("the key", std::time::Duration::from_secs(10), move |s| s.api_key(&id).is_some()).await;
+    (key_id, created.secret)
+}

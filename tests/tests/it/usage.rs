@@ -11,7 +11,7 @@ use inferyes_proto::v1::{CreateKeyRequest, UsageBatch, UsageQuery, UsageRecord, 
 use inferyes_tests::{ControllerHandle, DataplaneHandle, HttpClient, TestResponse, eventually};
 use serde_json::json;
 
-use crate::support::{Fleet, chat_sim};
+use crate::support::{Fleet, chat_sim, create_key};
 
 /// The fleet's usage totals over the last day, for `key_id` (empty: all).
 pub async fn usage_total(controller: &ControllerHandle, key_id: &str) -> UsageRollup {
@@ -56,17 +56,7 @@ async fn usage_of_plain_and_streamed_answers_is_what_the_backends_counted() {
         c.usage_records = true;
     })
     .await;
-    let created = fleet
-        .controller()
-        .fleet()
-        .await
-        .create_key(CreateKeyRequest { name: "metered".into(), ..Default::default() })
-        .await
-        .expect("key")
-        .into_inner();
-    let (key_id, secret) = (created.key.expect("key").key_id, created.secret);
-    let id = key_id.clone();
-    fleet.dataplane.wait_for("the key", Duration::from_secs(10), move |s| s.api_key(&id).is_some()).await;
+    let (key_id, secret) = create_key(&fleet, CreateKeyRequest { name: "metered".into(), ..Default::default() }).await;
     for i in 0..4 {
         ask(&fleet.http, &fleet.dataplane.url, Some(&secret), false, &format!("plain {i}")).await;
         ask(&fleet.http, &fleet.dataplane.url, Some(&secret), true, &format!("streamed {i}")).await;
@@ -189,17 +179,8 @@ async fn a_graceful_shutdown_flushes_every_record() {
 #[tokio::test]
 async fn a_key_over_its_daily_tokens_is_refused_until_tomorrow() {
     let fleet = Fleet::start_with(vec![chat_sim("chat")], |c| c.auth = AuthMode::Keys).await;
-    let created = fleet
-        .controller()
-        .fleet()
-        .await
-        .create_key(CreateKeyRequest { name: "budget".into(), tokens_per_day: 20, ..Default::default() })
-        .await
-        .expect("key")
-        .into_inner();
-    let (key_id, secret) = (created.key.expect("key").key_id, created.secret);
-    let id = key_id.clone();
-    fleet.dataplane.wait_for("the key", Duration::from_secs(10), move |s| s.api_key(&id).is_some()).await;
+    let (_, secret) =
+        create_key(&fleet, CreateKeyRequest { name: "budget".into(), tokens_per_day: 20, ..Default::default() }).await;
     // One answer uses more than 20 tokens (prompt and 6 completion tokens).
     ask(&fleet.http, &fleet.dataplane.url, Some(&secret), false, "a question long enough to matter").await;
     let body = json!({"model": "chat", "max_tokens": 6, "messages": [{"role": "user", "content": "more"}]});
