@@ -15,6 +15,11 @@ pub mod usage;
 
 pub use error::{ErrorKind, openai_error_body};
 
+/// The routing policy's defaults for its zero values (see `RoutingPolicy`):
+/// data planes route by them, the dashboard draws them.
+pub const DEFAULT_ADMISSION_THRESHOLD: f64 = 0.92;
+pub const DEFAULT_HARD_LIMIT: f64 = 0.98;
+
 /// Milliseconds since the Unix epoch; 0 if the clock is before it.
 pub fn unix_ms() -> u64 {
     std::time::SystemTime::now()

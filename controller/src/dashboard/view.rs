@@ -13,8 +13,7 @@ pub const SESSIONS_SHOWN: usize = 50;
 /// Session keys are cut to this many characters on the page.
 const KEY_SHOWN: usize = 24;
 
-const DEFAULT_ADMISSION: f64 = 0.92;
-const DEFAULT_HARD_LIMIT: f64 = 0.98;
+use inferyes_proto::{DEFAULT_ADMISSION_THRESHOLD as DEFAULT_ADMISSION, DEFAULT_HARD_LIMIT};
 
 pub fn build(controller_id: &str, snapshot: &Snapshot, recent: &Recent, now_ms: u64) -> Value {
     let policy = snapshot.policy();

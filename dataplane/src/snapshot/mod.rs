@@ -80,8 +80,8 @@ pub struct Policy {
 impl Default for Policy {
     fn default() -> Policy {
         Policy {
-            admission_threshold: 0.92,
-            hard_limit: 0.98,
+            admission_threshold: inferyes_proto::DEFAULT_ADMISSION_THRESHOLD,
+            hard_limit: inferyes_proto::DEFAULT_HARD_LIMIT,
             load_bound: 1.25,
             default_strategy: Strategy::LeastOutstanding,
             model_strategies: HashMap::new(),
