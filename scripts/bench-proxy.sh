@@ -9,6 +9,7 @@
 #
 #   ./scripts/bench-proxy.sh            # 5 s per run
 #   DURATION=10s ./scripts/bench-proxy.sh
+#   HOLD=1 ./scripts/bench-proxy.sh     # set up, print pids and wrk lines, wait (for profiling)
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -36,7 +37,9 @@ grpc=$(port); http=$(port); agent=$(port); dataplane=$(port)
 
 json='{"id":"chatcmpl-bench","object":"chat.completion","created":0,"model":"bench","choices":[{"index":0,"message":{"role":"assistant","content":"hello there"},"finish_reason":"stop"}],"usage":{"prompt_tokens":9,"completion_tokens":2,"total_tokens":11}}'
 sse='data: {"id":"cmpl-bench","object":"text_completion","choices":[{"index":0,"text":"hello","finish_reason":null}]}\n\ndata: {"id":"cmpl-bench","object":"text_completion","choices":[{"index":0,"text":" there","finish_reason":"stop"}]}\n\ndata: [DONE]\n\n'
-mkdir -p "$work/nginx"
+# Two nginx processes, one worker each: the fake backend, and the reverse
+# proxy compared with the data plane (so each one's CPU can be read apart).
+mkdir -p "$work/nginx" "$work/nginx-proxy"
 cat > "$work/nginx/nginx.conf" <<CONF
 worker_processes 1;
 pid $work/nginx/nginx.pid;
@@ -45,8 +48,6 @@ events { worker_connections 4096; }
 http {
   access_log off;
   client_body_temp_path $work/nginx/body;
-  proxy_temp_path $work/nginx/proxy;
-  upstream fake { server 127.0.0.1:$backend; keepalive 64; }
   server {
     listen 127.0.0.1:$backend;
     location = /health { default_type application/json; return 200 '{"status":"ok"}'; }
@@ -57,6 +58,18 @@ http {
     location = /direct/v1/models { default_type application/json; return 200 '{"object":"list","data":[{"id":"bench-direct"}]}'; }
     location / { return 404; }
   }
+}
+CONF
+cat > "$work/nginx-proxy/nginx.conf" <<CONF
+worker_processes 1;
+pid $work/nginx-proxy/nginx.pid;
+error_log $work/nginx-proxy/error.log warn;
+events { worker_connections 4096; }
+http {
+  access_log off;
+  client_body_temp_path $work/nginx-proxy/body;
+  proxy_temp_path $work/nginx-proxy/proxy;
+  upstream fake { server 127.0.0.1:$backend; keepalive 64; }
   server {
     listen 127.0.0.1:$nginx_proxy;
     location / { proxy_pass http://fake; proxy_http_version 1.1; proxy_set_header Connection ""; proxy_buffering off; }
@@ -64,6 +77,9 @@ http {
 }
 CONF
 nginx -c "$work/nginx/nginx.conf" -g 'daemon off;' & pids+=($!)
+backend_pid=$!
+nginx -c "$work/nginx-proxy/nginx.conf" -g 'daemon off;' & pids+=($!)
+nginx_pid=$!
 
 etcd --name bench --data-dir "$work/etcd" --listen-client-urls "http://127.0.0.1:$etcd_client" \
   --advertise-client-urls "http://127.0.0.1:$etcd_client" --listen-peer-urls "http://127.0.0.1:$etcd_peer" \
@@ -88,6 +104,7 @@ url = "http://127.0.0.1:$backend"
 kind = "llama-server"
 CONF
 "$bin/inferyes-agent" --config "$work/agent.toml" >"$work/agent.log" 2>&1 & pids+=($!)
+agent_pid=$!
 # A second node whose advertised proxy is the backend itself: requests for
 # its model go from the data plane straight to the backend.
 cat > "$work/direct.toml" <<CONF
@@ -110,6 +127,7 @@ dp_pid=$!
 keyed=$(port)
 RUST_LOG=warn "$bin/inferyes-dataplane" --listen "127.0.0.1:$keyed" --controllers "http://127.0.0.1:$grpc" \
   --dataplane-id bench-keys >"$work/dataplane-keys.log" 2>&1 & pids+=($!)
+keyed_pid=$!
 until curl -fsS "http://127.0.0.1:$dataplane/v1/models" 2>/dev/null | grep -q bench-direct; do sleep 0.2; done
 key=$("$bin/inferyesctl" --controller "http://127.0.0.1:$grpc" keys create bench -o json |
   python3 -c 'import json, sys; print(json.load(sys.stdin)["secret"])')
@@ -130,29 +148,55 @@ for kind in chat stream; do
   { cat "$work/$kind-direct.lua"; echo "wrk.headers[\"Authorization\"] = \"Bearer $key\""; } > "$work/$kind-direct-key.lua"
 done
 
-run() { # name url script connections
-  local out
-  out=$(wrk -t "$([ "$4" -eq 1 ] && echo 1 || echo 2)" -c "$4" -d "$duration" --latency -s "$3" "$2" 2>&1)
-  local rps p50 p99
+if [ "${HOLD:-}" = 1 ]; then
+  # Keep the fleet up for profiling, e.g. perf record -g -p <data plane>.
+  echo "data plane $dp_pid (keys: $keyed_pid), agent $agent_pid, nginx proxy $nginx_pid, backend $backend_pid"
+  echo "wrk -c 32 -d 10s -s $work/chat-direct.lua http://127.0.0.1:$dataplane/v1/chat/completions"
+  echo "wrk -c 32 -d 10s -s $work/chat.lua http://127.0.0.1:$dataplane/v1/chat/completions   # through the agent"
+  echo "wrk -c 32 -d 10s -s $work/chat.lua http://127.0.0.1:$nginx_proxy/v1/chat/completions"
+  echo "Ctrl-C ends it."
+  wait
+fi
+
+# CPU time (user + system, in clock ticks) of processes and their threads
+# and children (an nginx master's worker).
+ticks() {
+  local total=0 pid
+  for pid in "$@" $(for p in "$@"; do pgrep -P "$p"; done); do
+    total=$((total + $(awk '{print $14 + $15}' "/proc/$pid/stat")))
+  done
+  echo $total
+}
+hz=$(getconf CLK_TCK)
+
+run() { # name url script connections kind pids-on-the-path...
+  local name=$1 url=$2 script=$3 conns=$4 kind=$5
+  shift 5
+  local out before after
+  before=$(ticks "$@")
+  out=$(wrk -t "$([ "$conns" -eq 1 ] && echo 1 || echo 2)" -c "$conns" -d "$duration" --latency -s "$script" "$url" 2>&1)
+  after=$(ticks "$@")
+  local rps p50 p99 requests failed cpu
   rps=$(awk '/Requests\/sec/ {print $2}' <<<"$out")
   p50=$(awk '$1=="50%" {print $2}' <<<"$out")
   p99=$(awk '$1=="99%" {print $2}' <<<"$out")
-  local failed
+  requests=$(awk '/requests in/ {print $1}' <<<"$out")
   failed=$(awk '/Non-2xx/ {print $NF}' <<<"$out")
-  printf '%-12s %-7s %3s conns %12s req/s   p50 %9s   p99 %9s%s\n' "$1" "$5" "$4" "$rps" "$p50" "$p99" \
-    "${failed:+   FAILED RESPONSES: $failed}"
+  cpu=$(awk -v t=$((after - before)) -v hz="$hz" -v n="$requests" 'BEGIN { printf "%.1f", (n > 0 ? t / hz * 1e6 / n : 0) }')
+  printf '%-10s %-5s %3s conns %10s req/s   p50 %9s   p99 %9s   CPU %6s µs/req%s\n' "$name" "$kind" "$conns" \
+    "$rps" "$p50" "$p99" "$cpu" "${failed:+   FAILED RESPONSES: $failed}"
 }
 
-echo "wrk, $duration per run, on $(nproc) cores"
+echo "wrk, $duration per run, on $(nproc) cores; CPU is the proxy's (the backend's for direct), per request"
 for kind in json sse; do
   if [ $kind = json ]; then path=/v1/chat/completions; script=$work/chat.lua; else path=/v1/completions; script=$work/stream.lua; fi
   for conns in 1 32; do
-    run direct "http://127.0.0.1:$backend$path" "$script" $conns $kind
-    run nginx "http://127.0.0.1:$nginx_proxy$path" "$script" $conns $kind
-    run agent "http://127.0.0.1:$agent$path" "$script" $conns $kind
-    run dataplane "http://127.0.0.1:$dataplane$path" "${script%.lua}-direct.lua" $conns $kind
-    run dp+keys "http://127.0.0.1:$keyed$path" "${script%.lua}-direct-key.lua" $conns $kind
-    run dp+agent "http://127.0.0.1:$dataplane$path" "$script" $conns $kind
+    run direct "http://127.0.0.1:$backend$path" "$script" $conns $kind "$backend_pid"
+    run nginx "http://127.0.0.1:$nginx_proxy$path" "$script" $conns $kind "$nginx_pid"
+    run agent "http://127.0.0.1:$agent$path" "$script" $conns $kind "$agent_pid"
+    run dataplane "http://127.0.0.1:$dataplane$path" "${script%.lua}-direct.lua" $conns $kind "$dp_pid"
+    run dp+keys "http://127.0.0.1:$keyed$path" "${script%.lua}-direct-key.lua" $conns $kind "$keyed_pid"
+    run dp+agent "http://127.0.0.1:$dataplane$path" "$script" $conns $kind "$dp_pid" "$agent_pid"
   done
 done
 echo "data plane RSS after the runs: $(( $(ps -o rss= -p "$dp_pid") / 1024 )) MiB"

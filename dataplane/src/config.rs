@@ -40,6 +40,9 @@ pub struct Args {
     /// API keys required (`keys`, the default) or not (`none`: trusted networks only).
     #[arg(long, env = "INFERYES_AUTH")]
     pub auth: Option<crate::auth::AuthMode>,
+    /// Threads serving requests (default: one per core).
+    #[arg(long, env = "INFERYES_WORKERS")]
+    pub workers: Option<usize>,
 }
 
 pub use inferyes_proto::process::LogFormat;
@@ -76,6 +79,9 @@ pub struct Config {
     pub usage_records: bool,
     /// TLS to `https://` controllers and agents (see `inferyes_proto::tls`).
     pub tls: inferyes_proto::tls::Tls,
+    /// Threads serving requests, each with its own connections and its own
+    /// pool of connections to agents; 0 is one per core.
+    pub workers: usize,
 }
 
 impl Default for Config {
@@ -95,6 +101,7 @@ impl Default for Config {
             auth_failures_per_minute: 10,
             usage_records: false,
             tls: inferyes_proto::tls::Tls::default(),
+            workers: 0,
         }
     }
 }
@@ -119,6 +126,9 @@ impl Config {
         }
         if let Some(v) = args.auth {
             config.auth = v;
+        }
+        if let Some(v) = args.workers {
+            config.workers = v;
         }
         if config.dataplane_id.is_empty() {
             let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
@@ -154,6 +164,11 @@ impl Config {
 
     pub fn response_header_timeout(&self) -> Duration {
         Duration::from_millis(self.response_header_timeout_ms)
+    }
+
+    /// Request-serving threads: as configured, or one per core.
+    pub fn workers(&self) -> usize {
+        if self.workers == 0 { inferyes_proto::serve::default_workers() } else { self.workers }
     }
 
     pub fn shutdown_grace(&self) -> Duration {

@@ -80,12 +80,16 @@ pub async fn run(
     if config.auth == auth::AuthMode::None {
         tracing::warn!("auth = \"none\": the API is open to anyone who can reach it");
     }
-    tracing::info!(listen = %listener.local_addr()?, id = %config.dataplane_id, "data plane running");
+    // One router per worker thread, each with its own pool of connections
+    // to agents (a pooled connection is driven by the thread that opened it).
+    let mut routers = vec![http::router(state.clone())];
+    for _ in 1..config.workers() {
+        let forwarder = http::forward_client(&config, hard_stop.clone(), Arc::clone(&state.metrics))?;
+        routers.push(http::router(http::AppState { forwarder, ..state.clone() }));
+    }
+    tracing::info!(listen = %listener.local_addr()?, id = %config.dataplane_id, workers = routers.len(), "data plane running");
     let grace = config.shutdown_grace();
-    let serve = std::future::IntoFuture::into_future(
-        axum::serve(listener, http::router(state).into_make_service_with_connect_info::<std::net::SocketAddr>())
-            .with_graceful_shutdown(shutdown.clone().cancelled_owned()),
-    );
+    let serve = inferyes_proto::serve::serve(listener, routers, None, "dataplane", shutdown.clone());
     // On shutdown: stop accepting, let requests in flight finish, but not
     // for longer than the grace period; then end the streams still running
     // (with an error event) and give their connections a moment to close.

@@ -4,7 +4,10 @@ use anyhow::Context;
 use clap::Parser;
 use inferyes_dataplane::config::{Args, Config};
 
-#[tokio::main]
+// This runtime runs the acceptor and the background work (snapshots,
+// reports, the usage ledger); requests are served on worker threads of
+// their own (`inferyes_proto::serve`).
+#[tokio::main(flavor = "current_thread")]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let config = Config::load(&args)?;

@@ -9,6 +9,7 @@ pub mod v1 {
 pub mod apikey;
 mod error;
 pub mod process;
+pub mod serve;
 pub mod telemetry;
 pub mod tls;
 pub mod usage;

@@ -63,8 +63,8 @@ impl AppState {
         // Without the connection's address (never, when served), failures
         // share one bucket.
         let peer = extensions
-            .get::<axum::extract::ConnectInfo<std::net::SocketAddr>>()
-            .map_or(std::net::IpAddr::from([0, 0, 0, 0]), |c| c.0.ip());
+            .get::<inferyes_proto::serve::Peer>()
+            .map_or(std::net::IpAddr::from([0, 0, 0, 0]), |peer| peer.0.ip());
         self.auth.authenticate(headers, peer, snapshot).await.map_err(|(refusal, error)| self.refused(refusal, error))
     }
 

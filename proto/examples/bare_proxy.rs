@@ -1,0 +1,80 @@
+//! The floor of the proxy benchmark (`scripts/bench-proxy.sh`): a reverse
+//! proxy with nothing but the HTTP stack the data plane and the agent are
+//! built on (hyper, the pooled hyper-util client, `inferyes_proto::serve`),
+//! forwarding every request to one upstream. What the data plane costs
+//! above this row is its own work: parsing, routing, keys, metering.
+//!
+//! ```sh
+//! cargo run --release -p inferyes-proto --example bare_proxy -- 127.0.0.1:8081 http://127.0.0.1:9000
+//! ```
+
+use std::convert::Infallible;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use http::{Request, Response, StatusCode, Uri};
+use hyper::body::Incoming;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+
+#[derive(Clone)]
+struct Forward {
+    client: Client<HttpConnector, Incoming>,
+    upstream: Uri,
+}
+
+type Body = http_body_util::Either<Incoming, String>;
+
+impl tower::Service<Request<Incoming>> for Forward {
+    type Response = Response<Body>;
+    type Error = Infallible;
+    type Future = Pin<Box<dyn Future<Output = Result<Response<Body>, Infallible>> + Send>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, mut request: Request<Incoming>) -> Self::Future {
+        let client = self.client.clone();
+        let mut parts = self.upstream.clone().into_parts();
+        parts.path_and_query = request.uri().path_and_query().cloned();
+        Box::pin(async move {
+            let Ok(uri) = Uri::from_parts(parts) else {
+                return Ok(error(StatusCode::BAD_REQUEST));
+            };
+            *request.uri_mut() = uri;
+            request.headers_mut().remove(http::header::HOST);
+            Ok(match client.request(request).await {
+                Ok(response) => response.map(http_body_util::Either::Left),
+                Err(_) => error(StatusCode::BAD_GATEWAY),
+            })
+        })
+    }
+}
+
+fn error(status: StatusCode) -> Response<Body> {
+    let mut response = Response::new(http_body_util::Either::Right(String::new()));
+    *response.status_mut() = status;
+    response
+}
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() -> std::io::Result<()> {
+    let mut args = std::env::args().skip(1);
+    let (Some(listen), Some(upstream)) = (args.next(), args.next()) else {
+        eprintln!("usage: bare_proxy LISTEN_ADDR UPSTREAM_URL");
+        std::process::exit(2);
+    };
+    let upstream: Uri = upstream.parse().map_err(std::io::Error::other)?;
+    let listener = tokio::net::TcpListener::bind(&listen).await?;
+    let services = (0..inferyes_proto::serve::default_workers())
+        .map(|_| {
+            let mut connector = HttpConnector::new();
+            connector.set_nodelay(true);
+            Forward { client: Client::builder(TokioExecutor::new()).build(connector), upstream: upstream.clone() }
+        })
+        .collect();
+    let shutdown = inferyes_proto::process::shutdown_on_signal();
+    inferyes_proto::serve::serve(listener, services, None, "bare-proxy", shutdown).await
+}

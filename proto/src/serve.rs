@@ -1,0 +1,319 @@
+//! HTTP serving for the proxies on the request path (the data plane and the
+//! agent): one single-threaded runtime per worker thread, each owning the
+//! connections it is handed for their whole life.
+//!
+//! Why not the work-stealing runtime: a proxied request is a few socket
+//! reads and writes and two hand-offs between tasks (the task serving the
+//! client's connection and the task driving the pooled upstream
+//! connection). On a work-stealing runtime those tasks often run on
+//! different threads, and every hand-off is then a futex wake and cold
+//! caches. Here a client connection, the upstream connections its requests
+//! open (each worker keeps its own client pool: give each its own service)
+//! and every wake-up between them stay on one thread; see
+//! docs/performance.md for what it measured.
+//!
+//! One acceptor, on the caller's runtime, hands each accepted connection to
+//! the worker with the fewest open connections. Speaks HTTP/1.1 and, on the
+//! same port, HTTP/2 with prior knowledge (h2c); with a TLS configuration,
+//! both over TLS (ALPN).
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, Response};
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::server::conn::auto::Builder;
+use hyper_util::server::graceful::GracefulShutdown;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{mpsc, oneshot};
+use tokio_util::sync::CancellationToken;
+
+/// The client's address, in every request's extensions.
+#[derive(Clone, Copy, Debug)]
+pub struct Peer(pub SocketAddr);
+
+/// How long a TLS client may take over its handshake.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The number of workers to run when none is configured: one per core.
+pub fn default_workers() -> usize {
+    std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
+}
+
+/// Serves until `shutdown` is cancelled and every connection has finished
+/// its requests (idle ones are closed at once). One worker thread per
+/// service given; dropping the returned future stops the workers and cuts
+/// their connections.
+pub async fn serve<S, B>(
+    listener: TcpListener,
+    services: Vec<S>,
+    tls: Option<Arc<rustls::ServerConfig>>,
+    name: &str,
+    shutdown: CancellationToken,
+) -> std::io::Result<()>
+where
+    S: tower::Service<Request<Incoming>, Response = Response<B>, Error = Infallible> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+    B: http_body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    if services.is_empty() {
+        return Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, "no workers to serve with"));
+    }
+    let tls = tls.map(tokio_rustls::TlsAcceptor::from);
+    // Cancelled when this future ends or is dropped: workers stop at once.
+    let stop_now = CancellationToken::new();
+    let _stop_on_drop = stop_now.clone().drop_guard();
+    let mut workers = Vec::with_capacity(services.len());
+    for (index, service) in services.into_iter().enumerate() {
+        let (connections, inbox) = mpsc::unbounded_channel();
+        let (done, finished) = oneshot::channel::<()>();
+        let open = Arc::new(AtomicUsize::new(0));
+        let worker = Worker { inbox, service, tls: tls.clone(), open: Arc::clone(&open), stop_now: stop_now.clone() };
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+        std::thread::Builder::new().name(format!("{name}-{index}")).spawn(move || {
+            runtime.block_on(worker.run());
+            // Dropping the runtime here ends whatever it still runs.
+            drop(runtime);
+            let _ = done.send(());
+        })?;
+        workers.push((connections, open, finished));
+    }
+    loop {
+        let (stream, peer) = tokio::select! {
+            () = shutdown.cancelled() => break,
+            accepted = listener.accept() => match accepted {
+                Ok(accepted) => accepted,
+                Err(error) => {
+                    // Out of descriptors, say: don't spin on it.
+                    tracing::warn!(%error, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+        };
+        let _ = stream.set_nodelay(true);
+        let Ok(stream) = stream.into_std() else { continue };
+        let Some((connections, open, _)) = workers.iter().min_by_key(|(_, open, _)| open.load(Ordering::Relaxed))
+        else {
+            break;
+        };
+        open.fetch_add(1, Ordering::Relaxed);
+        if connections.send((stream, peer)).is_err() {
+            open.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+    drop(listener);
+    // Closing the inboxes tells each worker to finish its connections.
+    let finished: Vec<_> = workers.into_iter().map(|(_, _, finished)| finished).collect();
+    for finished in finished {
+        let _ = finished.await;
+    }
+    Ok(())
+}
+
+struct Worker<S> {
+    inbox: mpsc::UnboundedReceiver<(std::net::TcpStream, SocketAddr)>,
+    service: S,
+    tls: Option<tokio_rustls::TlsAcceptor>,
+    open: Arc<AtomicUsize>,
+    stop_now: CancellationToken,
+}
+
+impl<S, B> Worker<S>
+where
+    S: tower::Service<Request<Incoming>, Response = Response<B>, Error = Infallible> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+    B: http_body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    async fn run(mut self) {
+        // Tokio wakes its I/O driver (an eventfd write, and one more return
+        // from epoll) whenever a timer is set while no earlier one is
+        // pending, as between two requests on an idle worker: every request's
+        // header timeout would cost that. A one-second tick keeps an earlier
+        // timer pending at all times.
+        tokio::spawn(async {
+            let mut tick = tokio::time::interval(Duration::from_secs(1));
+            loop {
+                tick.tick().await;
+            }
+        });
+        let builder = Builder::new(TokioExecutor::new());
+        let graceful = GracefulShutdown::new();
+        loop {
+            let (stream, peer) = tokio::select! {
+                () = self.stop_now.cancelled() => return,
+                next = self.inbox.recv() => match next {
+                    Some(next) => next,
+                    None => break,
+                },
+            };
+            let Ok(tcp) = TcpStream::from_std(stream) else {
+                self.open.fetch_sub(1, Ordering::Relaxed);
+                continue;
+            };
+            let service = self.service.clone();
+            let service = hyper::service::service_fn(move |mut request: Request<Incoming>| {
+                request.extensions_mut().insert(Peer(peer));
+                tower::ServiceExt::oneshot(service.clone(), request)
+            });
+            let (builder, watcher, tls, open) =
+                (builder.clone(), graceful.watcher(), self.tls.clone(), Arc::clone(&self.open));
+            tokio::spawn(async move {
+                match tls {
+                    None => {
+                        let connection = builder.serve_connection_with_upgrades(TokioIo::new(tcp), service);
+                        let _ = watcher.watch(connection.into_owned()).await;
+                    }
+                    Some(acceptor) => match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
+                        Ok(Ok(tls)) => {
+                            let connection = builder.serve_connection_with_upgrades(TokioIo::new(tls), service);
+                            let _ = watcher.watch(connection.into_owned()).await;
+                        }
+                        Ok(Err(error)) => tracing::debug!(%error, %peer, "TLS handshake failed"),
+                        Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
+                    },
+                }
+                open.fetch_sub(1, Ordering::Relaxed);
+            });
+        }
+        // Shutdown: idle connections close, busy ones finish their requests.
+        tokio::select! {
+            () = graceful.shutdown() => {}
+            () = self.stop_now.cancelled() => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashSet;
+
+    use http_body_util::{BodyExt, Full};
+    use hyper_util::client::legacy::Client;
+    use hyper_util::client::legacy::connect::HttpConnector;
+
+    use super::*;
+
+    /// Answers with the worker's index, its thread and the peer it was
+    /// told of; `/slow` says it has started, then waits until released.
+    #[derive(Clone)]
+    struct Echo {
+        worker: usize,
+        entered: Arc<tokio::sync::Notify>,
+        release: Arc<tokio::sync::Notify>,
+    }
+
+    impl tower::Service<Request<Incoming>> for Echo {
+        type Response = Response<Full<Bytes>>;
+        type Error = Infallible;
+        type Future = std::pin::Pin<Box<dyn Future<Output = Result<Self::Response, Infallible>> + Send>>;
+
+        fn poll_ready(&mut self, _: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), Infallible>> {
+            std::task::Poll::Ready(Ok(()))
+        }
+
+        fn call(&mut self, request: Request<Incoming>) -> Self::Future {
+            let (worker, entered, release) = (self.worker, Arc::clone(&self.entered), Arc::clone(&self.release));
+            Box::pin(async move {
+                if request.uri().path() == "/slow" {
+                    entered.notify_one();
+                    release.notified().await;
+                }
+                let peer = request.extensions().get::<Peer>().map(|p| p.0.to_string()).unwrap_or_default();
+                let thread = std::thread::current().name().unwrap_or_default().to_string();
+                Ok(Response::new(Full::new(Bytes::from(format!("{worker} {thread} {peer}")))))
+            })
+        }
+    }
+
+    struct Server {
+        addr: SocketAddr,
+        entered: Arc<tokio::sync::Notify>,
+        release: Arc<tokio::sync::Notify>,
+        shutdown: CancellationToken,
+        served: tokio::task::JoinHandle<std::io::Result<()>>,
+    }
+
+    async fn start(workers: usize) -> Server {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (entered, release) = (Arc::new(tokio::sync::Notify::new()), Arc::new(tokio::sync::Notify::new()));
+        let services = (0..workers)
+            .map(|worker| Echo { worker, entered: Arc::clone(&entered), release: Arc::clone(&release) })
+            .collect();
+        let shutdown = CancellationToken::new();
+        let served = tokio::spawn(serve(listener, services, None, "test", shutdown.clone()));
+        Server { addr, entered, release, shutdown, served }
+    }
+
+    async fn get(client: &Client<HttpConnector, Full<Bytes>>, url: String) -> String {
+        let response = client.get(url.parse().unwrap()).await.unwrap();
+        String::from_utf8(response.into_body().collect().await.unwrap().to_bytes().to_vec()).unwrap()
+    }
+
+    #[tokio::test]
+    async fn connections_are_spread_over_the_workers_each_on_its_own_thread() {
+        let Server { addr, shutdown, served, .. } = start(2).await;
+        // Eight connections at once, each held open by the others' requests.
+        let mut answers = Vec::new();
+        let mut streams = Vec::new();
+        for _ in 0..8 {
+            let stream = TcpStream::connect(addr).await.unwrap();
+            let local = stream.local_addr().unwrap();
+            let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.unwrap();
+            tokio::spawn(connection);
+            let request = Request::get("/").body(Full::new(Bytes::new())).unwrap();
+            let body = sender.send_request(request).await.unwrap().into_body().collect().await.unwrap().to_bytes();
+            let answer = String::from_utf8(body.to_vec()).unwrap();
+            assert!(answer.ends_with(&local.to_string()), "the service is told its client: {answer} for {local}");
+            answers.push(answer);
+            streams.push(sender);
+        }
+        let workers: HashSet<_> = answers.iter().map(|a| a.split(' ').next().unwrap().to_string()).collect();
+        assert_eq!(workers.len(), 2, "both workers serve: {answers:?}");
+        for answer in &answers {
+            let mut fields = answer.split(' ');
+            let (worker, thread) = (fields.next().unwrap(), fields.next().unwrap());
+            assert_eq!(thread, format!("test-{worker}"), "a worker's service runs on its own thread");
+        }
+        let per_worker = answers.iter().filter(|a| a.starts_with("0 ")).count();
+        assert_eq!(per_worker, 4, "the fewest-connections pick balances: {answers:?}");
+        shutdown.cancel();
+        drop(streams);
+        served.await.unwrap().unwrap();
+    }
+
+    #[tokio::test]
+    async fn h2c_with_prior_knowledge_is_served_on_the_same_port() {
+        let Server { addr, shutdown, served, .. } = start(1).await;
+        let client = Client::builder(TokioExecutor::new()).http2_only(true).build_http();
+        assert!(get(&client, format!("http://{addr}/")).await.starts_with("0 test-0"));
+        drop(client);
+        shutdown.cancel();
+        served.await.unwrap().unwrap();
+    }
+
+    #[tokio::test]
+    async fn shutdown_lets_a_request_in_flight_finish_and_refuses_new_connections() {
+        let Server { addr, entered, release, shutdown, served } = start(2).await;
+        let client: Client<HttpConnector, Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
+        let slow = tokio::spawn(async move { get(&client, format!("http://{addr}/slow")).await });
+        entered.notified().await;
+        shutdown.cancel();
+        // The listener closes; the request in its handler is not cut.
+        while TcpStream::connect(addr).await.is_ok() {
+            tokio::task::yield_now().await;
+        }
+        assert!(!served.is_finished(), "the server waits for the request in flight");
+        release.notify_one();
+        assert!(slow.await.unwrap().starts_with(['0', '1']), "the request in flight is answered");
+        served.await.unwrap().unwrap();
+    }
+}
