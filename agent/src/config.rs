@@ -40,6 +40,9 @@ pub struct Args {
     /// The fleet's join token itself (prefer join_token_file in the config file).
     #[arg(long, env = "INFERYES_JOIN_TOKEN", hide_env_values = true)]
     pub join_token: Option<String>,
+    /// Threads serving the proxy (default: one per core).
+    #[arg(long, env = "INFERYES_WORKERS")]
+    pub workers: Option<usize>,
 }
 
 #[derive(Clone, Debug, clap::Subcommand)]
@@ -84,6 +87,9 @@ pub struct Config {
     /// TLS to `https://` controllers, and on the proxy when a certificate
     /// is given (see `inferyes_proto::tls`).
     pub tls: inferyes_proto::tls::Tls,
+    /// Threads serving the proxy, each with its own connections and its
+    /// own pool of connections to the backends; 0 is one per core.
+    pub workers: usize,
     /// From the environment or a flag; never written out.
     #[serde(skip)]
     pub join_token: Option<String>,
@@ -201,6 +207,7 @@ impl Default for Config {
             join_token_file: None,
             join_token: None,
             tls: inferyes_proto::tls::Tls::default(),
+            workers: 0,
         }
     }
 }
@@ -226,11 +233,19 @@ impl Config {
         if let Some(v) = args.log_format {
             config.log_format = v;
         }
+        if let Some(v) = args.workers {
+            config.workers = v;
+        }
         if config.node_id.is_empty() {
             config.node_id = hostname();
         }
         config.validate()?;
         Ok(config)
+    }
+
+    /// Proxy threads: as configured, or one per core.
+    pub fn workers(&self) -> usize {
+        if self.workers == 0 { inferyes_proto::serve::default_workers() } else { self.workers }
     }
 
     pub fn validate(&self) -> anyhow::Result<()> {

@@ -143,11 +143,10 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
     let mut registry = prometheus_client::registry::Registry::default();
     let metrics = metrics::Metrics::new(&mut registry);
     let scrape = Arc::new(proxy::Scrape { registry, metrics });
-    let router = proxy::router(Arc::clone(&state), scrape);
-    let served = match tls_server {
-        Some(tls) => proxy::serve_tls(listeners.proxy, router, tls, shutdown.clone()).await,
-        None => axum::serve(listeners.proxy, router).with_graceful_shutdown(shutdown.clone().cancelled_owned()).await,
-    };
+    // One router per worker thread, each with its own pool of connections
+    // to the backends.
+    let routers = (0..config.workers()).map(|_| proxy::router(Arc::clone(&state), Arc::clone(&scrape))).collect();
+    let served = inferyes_proto::serve::serve(listeners.proxy, routers, tls_server, "proxy", shutdown.clone()).await;
     shutdown.cancel();
     let _ = poller.await;
     let _ = reporter.await;

@@ -67,53 +67,6 @@ pub fn router(state: Arc<AgentState>, scrape: Arc<Scrape>) -> Router {
         .with_state(Proxy { state, client, scrape })
 }
 
-/// Serves the proxy over TLS (rustls): one task per connection, HTTP/1.1
-/// or HTTP/2 as the client offers. On shutdown, no new connections; those
-/// open get up to 10 s to finish their requests.
-pub async fn serve_tls(
-    listener: tokio::net::TcpListener,
-    router: Router,
-    config: Arc<rustls::ServerConfig>,
-    shutdown: tokio_util::sync::CancellationToken,
-) -> std::io::Result<()> {
-    let acceptor = tokio_rustls::TlsAcceptor::from(config);
-    let builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
-    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
-    loop {
-        let tcp = tokio::select! {
-            () = shutdown.cancelled() => break,
-            accepted = listener.accept() => match accepted {
-                Ok((tcp, _)) => tcp,
-                Err(error) => {
-                    tracing::warn!(%error, "proxy accept failed");
-                    continue;
-                }
-            },
-        };
-        let _ = tcp.set_nodelay(true);
-        let (acceptor, builder) = (acceptor.clone(), builder.clone());
-        let service = hyper_util::service::TowerToHyperService::new(router.clone());
-        let watcher = graceful.watcher();
-        tokio::spawn(async move {
-            let tls = match tokio::time::timeout(std::time::Duration::from_secs(10), acceptor.accept(tcp)).await {
-                Ok(Ok(tls)) => tls,
-                Ok(Err(error)) => {
-                    tracing::debug!(%error, "TLS handshake failed");
-                    return;
-                }
-                Err(_) => return,
-            };
-            let connection = builder.serve_connection_with_upgrades(hyper_util::rt::TokioIo::new(tls), service);
-            let _ = watcher.watch(connection.into_owned()).await;
-        });
-    }
-    tokio::select! {
-        () = graceful.shutdown() => {}
-        () = tokio::time::sleep(std::time::Duration::from_secs(10)) => {}
-    }
-    Ok(())
-}
-
 fn error(kind: ErrorKind, message: &str, code: &str) -> Response {
     let status = StatusCode::from_u16(kind.http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     let body = openai_error_body(kind, message, Some(code), None);
