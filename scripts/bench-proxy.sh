@@ -10,6 +10,7 @@
 #   ./scripts/bench-proxy.sh            # 5 s per run
 #   DURATION=10s ./scripts/bench-proxy.sh
 #   HOLD=1 ./scripts/bench-proxy.sh     # set up, print pids and wrk lines, wait (for profiling)
+#   FLEET=0 ./scripts/bench-proxy.sh    # without the last part: the data plane with 1,000 more nodes
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -24,6 +25,17 @@ if [ ${#need[@]} -gt 0 ]; then
 fi
 "$root/scripts/deps.sh"
 cargo build --release --bins -q
+fleet_size=${FLEET:-1000}
+if [ "$fleet_size" -gt 0 ]; then
+  # Simulated agents (the controller-scale harness's), joined later to route
+  # with a fleet-sized snapshot.
+  fleet_bin=$(cargo bench -q -p inferyes-tests --bench controller_scale --no-run --message-format=json 2>/dev/null |
+    python3 -c 'import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "controller_scale":
+        print(m["executable"])')
+fi
 bin="${CARGO_TARGET_DIR:-$root/target}/release"
 
 work=$(mktemp -d)
@@ -200,3 +212,23 @@ for kind in json sse; do
   done
 done
 echo "data plane RSS after the runs: $(( $(ps -o rss= -p "$dp_pid") / 1024 )) MiB"
+
+if [ "$fleet_size" -gt 0 ]; then
+  # The same data plane with a fleet-sized snapshot: $fleet_size more nodes,
+  # 32 sessions each, reporting each second; FLEET_CHURN of them (default 0)
+  # change each second, which makes the data plane decode deltas too.
+  CONTROLLER="http://127.0.0.1:$grpc" JOIN_TOKEN="$INFERYES_JOIN_TOKEN" AGENTS=$fleet_size CHURN=${FLEET_CHURN:-0} SECONDS=3600 \
+    "$fleet_bin" >"$work/fleet.log" 2>&1 & pids+=($!)
+  nodes=$((fleet_size + 2))
+  for _ in $(seq 300); do
+    held=$(curl -fsS "http://127.0.0.1:$dataplane/metrics" 2>/dev/null | grep -c '^inferyes_dataplane_node_in_flight{' || true)
+    [ "$held" -ge "$nodes" ] && break
+    sleep 1
+  done
+  [ "$held" -ge "$nodes" ] || { echo "the data plane holds $held of $nodes nodes"; cat "$work/fleet.log"; exit 1; }
+  echo "with $nodes nodes in the snapshot:"
+  run dataplane "http://127.0.0.1:$dataplane/v1/chat/completions" "$work/chat-direct.lua" 1 json "$dp_pid"
+  run dataplane "http://127.0.0.1:$dataplane/v1/chat/completions" "$work/chat-direct.lua" 32 json "$dp_pid"
+  run dp+agent "http://127.0.0.1:$dataplane/v1/chat/completions" "$work/chat.lua" 32 json "$dp_pid" "$agent_pid"
+  echo "data plane RSS with $nodes nodes: $(( $(ps -o rss= -p "$dp_pid") / 1024 )) MiB"
+fi

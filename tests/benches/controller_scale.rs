@@ -4,6 +4,8 @@
 //! ```sh
 //! cargo bench -p inferyes-tests --bench controller_scale
 //! AGENTS=2000 CHURN=0.3 SECONDS=30 cargo bench -p inferyes-tests --bench controller_scale
+//! # Only the agents, joined to a fleet running elsewhere, for SECONDS:
+//! CONTROLLER=http://127.0.0.1:7070 JOIN_TOKEN=... cargo bench -p inferyes-tests --bench controller_scale
 //! ```
 //!
 //! The agents are light: each is one real `AgentService.Join` stream on its
@@ -59,6 +61,11 @@ fn main() {
     let agents: usize = env("AGENTS", 1000);
     let churn: f64 = env("CHURN", 0.3);
     let seconds: u64 = env("SECONDS", 20);
+    if let Ok(controller) = std::env::var("CONTROLLER") {
+        let token: String = env("JOIN_TOKEN", inferyes_tests::fleet::JOIN_TOKEN.to_string());
+        join_only(&controller, &token, agents, churn, seconds);
+        return;
+    }
     let quiet_seconds: u64 = 5;
 
     // Three runtimes, so the controller's CPU can be told apart: its own
@@ -145,6 +152,7 @@ fn main() {
             tokio::spawn(agent(
                 index,
                 controller_url.clone(),
+                Arc::from(inferyes_tests::fleet::JOIN_TOKEN),
                 churn,
                 Arc::clone(&sent),
                 Arc::clone(&quiet),
@@ -230,10 +238,43 @@ fn main() {
     });
 }
 
+/// Joins the agents to a fleet running elsewhere (the proxy benchmark's,
+/// say, to route with a 1,000-node snapshot) and keeps them reporting for
+/// `seconds`.
+fn join_only(controller: &str, token: &str, agents: usize, churn: f64, seconds: u64) {
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().expect("runtime");
+    runtime.block_on(async {
+        let shutdown = CancellationToken::new();
+        let joined = Arc::new(AtomicU64::new(0));
+        for index in 0..agents {
+            tokio::spawn(agent(
+                index,
+                controller.to_string(),
+                Arc::from(token),
+                churn,
+                Sent::default(),
+                Arc::new(AtomicBool::new(false)),
+                Arc::clone(&joined),
+                shutdown.clone(),
+            ));
+        }
+        inferyes_tests::eventually("every agent joined", Duration::from_secs(120), || {
+            let joined = Arc::clone(&joined);
+            async move { joined.load(Ordering::Relaxed) == agents as u64 }
+        })
+        .await;
+        println!("{agents} agents joined {controller}; reporting for {seconds} s");
+        tokio::time::sleep(Duration::from_secs(seconds)).await;
+        shutdown.cancel();
+    });
+}
+
 /// One agent: a join stream with the real protocol, one report a second.
+#[allow(clippy::too_many_arguments)]
 async fn agent(
     index: usize,
     controller: String,
+    join_token: Arc<str>,
     churn: f64,
     sent: Sent,
     quiet: Arc<AtomicBool>,
@@ -253,7 +294,7 @@ async fn agent(
         .send(AgentMessage {
             msg: Some(Msg::Register(Register {
                 status: Some(status.clone()),
-                join_token: inferyes_tests::fleet::JOIN_TOKEN.into(),
+                join_token: join_token.to_string(),
             })),
         })
         .await;

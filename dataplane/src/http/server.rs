@@ -96,13 +96,15 @@ pub fn router(state: AppState) -> Router {
         let kind = endpoint.kind;
         router = router.route(
             endpoint.path,
-            post(move |state: State<AppState>, request: Request| inference(state, kind, request)),
+            post(move |state: State<Arc<AppState>>, request: Request| inference(state, kind, request)),
         );
     }
     router
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
-        .with_state(state)
+        // One `Arc` for the whole state: extracting it per request is one
+        // reference count, not one per field.
+        .with_state(Arc::new(state))
         .layer(middleware::from_fn(catch_panic))
         .layer(middleware::from_fn(request_id))
 }
@@ -163,14 +165,14 @@ fn new_request_id() -> HeaderValue {
     HeaderValue::from_str(&id).unwrap_or_else(|_| HeaderValue::from_static("req_unknown"))
 }
 
-async fn readyz(State(state): State<AppState>) -> Response {
+async fn readyz(State(state): State<Arc<AppState>>) -> Response {
     match state.snapshots.version() {
         Some(version) => (StatusCode::OK, format!("ready, snapshot version {version}\n")).into_response(),
         None => (StatusCode::SERVICE_UNAVAILABLE, "no routing snapshot yet\n").into_response(),
     }
 }
 
-async fn metrics(State(state): State<AppState>) -> Response {
+async fn metrics(State(state): State<Arc<AppState>>) -> Response {
     let snapshot = state.snapshots.current();
     state.metrics.observe(snapshot.as_deref(), state.snapshots.age_seconds());
     let mut text = String::new();
@@ -217,7 +219,7 @@ fn model_object(entry: &CatalogEntry) -> serde_json::Value {
     object
 }
 
-async fn list_models(State(state): State<AppState>, request: Request) -> Result<Response, ApiError> {
+async fn list_models(State(state): State<Arc<AppState>>, request: Request) -> Result<Response, ApiError> {
     let snapshot = state.snapshots.current().ok_or_else(not_ready)?;
     let caller = state.authenticate(request.headers(), request.extensions(), &snapshot).await?;
     let data: Vec<_> = snapshot.catalog().iter().filter(|entry| caller.may_see(entry)).map(model_object).collect();
@@ -225,7 +227,7 @@ async fn list_models(State(state): State<AppState>, request: Request) -> Result<
 }
 
 async fn get_model(
-    State(state): State<AppState>,
+    State(state): State<Arc<AppState>>,
     Path(id): Path<String>,
     request: Request,
 ) -> Result<Response, ApiError> {
@@ -236,7 +238,7 @@ async fn get_model(
 }
 
 /// Serves one inference request and counts it.
-async fn inference(State(state): State<AppState>, kind: EndpointKind, request: Request) -> Response {
+async fn inference(State(state): State<Arc<AppState>>, kind: EndpointKind, request: Request) -> Response {
     let started = std::time::Instant::now();
     let mut facts = RequestFacts::default();
     let request_id =
