@@ -18,7 +18,7 @@ use crate::snapshot::RoutingSnapshot;
 pub struct RequestLabels {
     pub model: String,
     pub node: String,
-    pub status: String,
+    pub status: u16,
     pub route: String,
 }
 

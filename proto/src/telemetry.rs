@@ -113,6 +113,11 @@ where
 /// Continues the trace the request's `traceparent` names in `span`. Call
 /// before the span is first entered.
 pub fn continue_trace(span: &tracing::Span, headers: &http::HeaderMap) {
+    // Most spans are not exported (no exporter, or filtered out): nothing
+    // to read then, on every request's path.
+    if span.is_disabled() {
+        return;
+    }
     let parent = TraceContextPropagator::new().extract(&HeaderExtractor(headers));
     // Fails only when traces are not exported or the span is filtered out:
     // then there is no trace to continue.
@@ -123,6 +128,9 @@ pub fn continue_trace(span: &tracing::Span, headers: &http::HeaderMap) {
 /// caller's. Without an exporter there is none, and a client's own
 /// `traceparent` travels on untouched.
 pub fn inject(span: &tracing::Span, headers: &mut http::HeaderMap) {
+    if span.is_disabled() {
+        return;
+    }
     let context = span.context();
     TraceContextPropagator::new().inject_context(&context, &mut HeaderInjector(headers));
 }

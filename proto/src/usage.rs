@@ -51,13 +51,9 @@ fn last_number(haystack: &[u8], key: &[u8]) -> Option<u32> {
         }
         end = i;
     };
-    let digits: Vec<u8> = haystack[at..]
-        .iter()
-        .skip_while(|b| b.is_ascii_whitespace())
-        .take_while(|b| b.is_ascii_digit())
-        .copied()
-        .collect();
-    std::str::from_utf8(&digits).ok()?.parse().ok()
+    let mut digits = haystack[at..].iter().skip_while(|b| b.is_ascii_whitespace()).take_while(|b| b.is_ascii_digit());
+    let first = digits.next()?;
+    digits.try_fold(u32::from(first - b'0'), |n, b| n.checked_mul(10)?.checked_add(u32::from(b - b'0')))
 }
 
 /// The hour a record falls in, as `YYYYMMDDHH` (UTC): keys sort by time.
@@ -161,5 +157,9 @@ mod tests {
     fn nothing_is_made_up() {
         assert_eq!(parse_usage(b"{\"data\":[{\"embedding\":[0.1]}]}"), None);
         assert_eq!(parse_usage(b""), None);
+        // No digits, or more than a u32 holds: no number.
+        assert_eq!(parse_usage(b"{\"usage\":{\"prompt_tokens\":null}}"), None);
+        assert_eq!(parse_usage(b"{\"usage\":{\"prompt_tokens\":4294967296}}"), None);
+        assert_eq!(parse_usage(b"{\"usage\":{\"prompt_tokens\":4294967295}}").map(|u| u.prompt_tokens), Some(u32::MAX));
     }
 }

@@ -292,10 +292,7 @@ async fn agent(
     };
     let _ = tx
         .send(AgentMessage {
-            msg: Some(Msg::Register(Register {
-                status: Some(status.clone()),
-                join_token: join_token.to_string(),
-            })),
+            msg: Some(Msg::Register(Register { status: Some(status.clone()), join_token: join_token.to_string() })),
         })
         .await;
     let mut sessions: Vec<String> = (0..SESSIONS_PER_NODE).map(|s| format!("n{index}-s{s}")).collect();

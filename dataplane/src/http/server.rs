@@ -105,14 +105,23 @@ pub fn router(state: AppState) -> Router {
         // One `Arc` for the whole state: extracting it per request is one
         // reference count, not one per field.
         .with_state(Arc::new(state))
-        .layer(middleware::from_fn(catch_panic))
-        .layer(middleware::from_fn(request_id))
+        .layer(middleware::from_fn(edge))
 }
 
-/// A bug must not reach a client as a dropped connection: a panicking
-/// handler answers 500 in the OpenAI shape, and the panic is logged.
-async fn catch_panic(request: Request, next: Next) -> Response {
-    match CatchUnwind(Box::pin(next.run(request))).await {
+/// Around every request, in one layer:
+/// - it carries `x-request-id`: the client's own when it sent a usable one,
+///   else a fresh one;
+/// - a bug does not reach the client as a dropped connection: a panicking
+///   handler answers 500 in the OpenAI shape, and the panic is logged.
+async fn edge(mut request: Request, next: Next) -> Response {
+    let id = request
+        .headers()
+        .get("x-request-id")
+        .filter(|v| !v.is_empty() && v.len() <= 128)
+        .cloned()
+        .unwrap_or_else(new_request_id);
+    request.extensions_mut().insert(RequestId(id.clone()));
+    let mut response = match CatchUnwind(Box::pin(next.run(request))).await {
         Ok(response) => response,
         Err(panic) => {
             let what = panic
@@ -124,7 +133,9 @@ async fn catch_panic(request: Request, next: Next) -> Response {
             ApiError::new(ErrorKind::Internal, "internal error; the request was not completed", "internal_error")
                 .into_response()
         }
-    }
+    };
+    response.headers_mut().insert("x-request-id", id);
+    response
 }
 
 struct CatchUnwind<F>(std::pin::Pin<Box<F>>);
@@ -140,21 +151,6 @@ impl<F: std::future::Future> std::future::Future for CatchUnwind<F> {
             Err(panic) => std::task::Poll::Ready(Err(panic)),
         }
     }
-}
-
-/// Every response carries `x-request-id`: the client's own when it sent a
-/// usable one, else a fresh one.
-async fn request_id(mut request: Request, next: Next) -> Response {
-    let id = request
-        .headers()
-        .get("x-request-id")
-        .filter(|v| !v.is_empty() && v.len() <= 128)
-        .cloned()
-        .unwrap_or_else(new_request_id);
-    request.extensions_mut().insert(RequestId(id.clone()));
-    let mut response = next.run(request).await;
-    response.headers_mut().insert("x-request-id", id);
-    response
 }
 
 #[derive(Clone)]
@@ -269,7 +265,7 @@ async fn inference(State(state): State<Arc<AppState>>, kind: EndpointKind, reque
     let labels = crate::metrics::RequestLabels {
         model: model.clone(),
         node: header("x-inferyes-node"),
-        status: response.status().as_u16().to_string(),
+        status: response.status().as_u16(),
         route: if route.is_empty() { "none".into() } else { route },
     };
     if let Some(meter) = facts.meter.take()
@@ -523,10 +519,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_panicking_handler_answers_500_in_the_openai_shape() {
-        let app = Router::new()
-            .route("/boom", get(boom))
-            .layer(middleware::from_fn(catch_panic))
-            .layer(middleware::from_fn(request_id));
+        let app = Router::new().route("/boom", get(boom)).layer(middleware::from_fn(edge));
         let request = http::Request::builder().uri("/boom").body(Body::empty()).unwrap();
         let response = app.oneshot(request).await.unwrap();
         assert_eq!(response.status(), StatusCode::INTERNAL_SERVER_ERROR);
