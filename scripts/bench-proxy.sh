@@ -1,16 +1,20 @@
 #!/usr/bin/env bash
 # Proxy overhead, side by side in one run: wrk against a fast fake backend
 # (nginx serving fixed JSON and a fixed SSE body), directly, through an
-# nginx reverse proxy (upstream keepalive), through an Inferyes agent's
-# proxy, through a data plane alone (to a node whose advertised proxy URL is
-# the backend itself), the same with API keys checked, and through a data
-# plane and an agent: the path requests take in a fleet.
-# Reports req/s at 32 connections and latency percentiles at 1 and 32.
+# nginx reverse proxy (upstream keepalive), through a bare hyper proxy (the
+# stack's floor), through an Inferyes agent's proxy, through a data plane
+# alone (to a node whose advertised proxy URL is the backend itself), the
+# same with API keys checked, and through a data plane and an agent: the
+# path requests take in a fleet. Then the data plane again, with 1,000
+# simulated agents joined. Reports req/s at 32 connections, latency
+# percentiles at 1 and 32, the proxy's CPU per request, and its RSS.
 #
 #   ./scripts/bench-proxy.sh            # 5 s per run
 #   DURATION=10s ./scripts/bench-proxy.sh
 #   HOLD=1 ./scripts/bench-proxy.sh     # set up, print pids and wrk lines, wait (for profiling)
 #   FLEET=0 ./scripts/bench-proxy.sh    # without the last part: the data plane with 1,000 more nodes
+#   BASELINE=/path/to/earlier/release ./scripts/bench-proxy.sh
+#                                       # adds rows for an earlier build's data plane and agent
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -25,6 +29,7 @@ if [ ${#need[@]} -gt 0 ]; then
 fi
 "$root/scripts/deps.sh"
 cargo build --release --bins -q
+cargo build --release -q -p inferyes-proto --example bare_proxy
 fleet_size=${FLEET:-1000}
 if [ "$fleet_size" -gt 0 ]; then
   # Simulated agents (the controller-scale harness's), joined later to route
@@ -68,6 +73,10 @@ http {
     location = /v1/completions { default_type text/event-stream; return 200 '$(printf "$sse")'; }
     location = /direct/health { default_type application/json; return 200 '{"status":"ok"}'; }
     location = /direct/v1/models { default_type application/json; return 200 '{"object":"list","data":[{"id":"bench-direct"}]}'; }
+    location = /base/health { default_type application/json; return 200 '{"status":"ok"}'; }
+    location = /base/v1/models { default_type application/json; return 200 '{"object":"list","data":[{"id":"bench-base"}]}'; }
+    location = /base/v1/chat/completions { default_type application/json; return 200 '$json'; }
+    location = /base/v1/completions { default_type text/event-stream; return 200 '$(printf "$sse")'; }
     location / { return 404; }
   }
 }
@@ -92,6 +101,11 @@ nginx -c "$work/nginx/nginx.conf" -g 'daemon off;' & pids+=($!)
 backend_pid=$!
 nginx -c "$work/nginx-proxy/nginx.conf" -g 'daemon off;' & pids+=($!)
 nginx_pid=$!
+# The floor: a proxy with nothing but the HTTP stack the data plane and the
+# agent are built on (proto/examples/bare_proxy.rs).
+bare=$(port)
+"$bin/examples/bare_proxy" "127.0.0.1:$bare" "http://127.0.0.1:$backend" >"$work/bare.log" 2>&1 & pids+=($!)
+bare_pid=$!
 
 etcd --name bench --data-dir "$work/etcd" --listen-client-urls "http://127.0.0.1:$etcd_client" \
   --advertise-client-urls "http://127.0.0.1:$etcd_client" --listen-peer-urls "http://127.0.0.1:$etcd_peer" \
@@ -140,6 +154,20 @@ keyed=$(port)
 RUST_LOG=warn "$bin/inferyes-dataplane" --listen "127.0.0.1:$keyed" --controllers "http://127.0.0.1:$grpc" \
   --dataplane-id bench-keys >"$work/dataplane-keys.log" 2>&1 & pids+=($!)
 keyed_pid=$!
+if [ -n "${BASELINE:-}" ]; then
+  # An earlier build's data plane and agent, in the same fleet: its agent is
+  # a node of its own (model bench-base), so the other rows are unchanged.
+  base=$(port)
+  RUST_LOG=warn "$BASELINE/inferyes-dataplane" --listen "127.0.0.1:$base" --controllers "http://127.0.0.1:$grpc" \
+    --auth none --dataplane-id bench-baseline >"$work/dataplane-base.log" 2>&1 & pids+=($!)
+  base_pid=$!
+  base_agent=$(port)
+  sed -e "s/bench-node/bench-base/" -e "s/127.0.0.1:$agent/127.0.0.1:$base_agent/" \
+    -e "s|127.0.0.1:$backend\"|127.0.0.1:$backend/base\"|" "$work/agent.toml" >"$work/base.toml"
+  "$BASELINE/inferyes-agent" --config "$work/base.toml" >"$work/agent-base.log" 2>&1 & pids+=($!)
+  base_agent_pid=$!
+  until curl -fsS "http://127.0.0.1:$base/v1/models" 2>/dev/null | grep -q bench-base; do sleep 0.2; done
+fi
 until curl -fsS "http://127.0.0.1:$dataplane/v1/models" 2>/dev/null | grep -q bench-direct; do sleep 0.2; done
 key=$("$bin/inferyesctl" --controller "http://127.0.0.1:$grpc" keys create bench -o json |
   python3 -c 'import json, sys; print(json.load(sys.stdin)["secret"])')
@@ -158,6 +186,7 @@ sed 's/"model":"bench"/"model":"bench-direct"/' "$work/chat.lua" > "$work/chat-d
 sed 's/"model":"bench"/"model":"bench-direct"/' "$work/stream.lua" > "$work/stream-direct.lua"
 for kind in chat stream; do
   { cat "$work/$kind-direct.lua"; echo "wrk.headers[\"Authorization\"] = \"Bearer $key\""; } > "$work/$kind-direct-key.lua"
+  sed 's/"model":"bench"/"model":"bench-base"/' "$work/$kind.lua" > "$work/$kind-base.lua"
 done
 
 if [ "${HOLD:-}" = 1 ]; then
@@ -195,7 +224,7 @@ run() { # name url script connections kind pids-on-the-path...
   requests=$(awk '/requests in/ {print $1}' <<<"$out")
   failed=$(awk '/Non-2xx/ {print $NF}' <<<"$out")
   cpu=$(awk -v t=$((after - before)) -v hz="$hz" -v n="$requests" 'BEGIN { printf "%.1f", (n > 0 ? t / hz * 1e6 / n : 0) }')
-  printf '%-10s %-5s %3s conns %10s req/s   p50 %9s   p99 %9s   CPU %6s µs/req%s\n' "$name" "$kind" "$conns" \
+  printf '%-14s %-5s %3s conns %10s req/s   p50 %9s   p99 %9s   CPU %6s µs/req%s\n' "$name" "$kind" "$conns" \
     "$rps" "$p50" "$p99" "$cpu" "${failed:+   FAILED RESPONSES: $failed}"
 }
 
@@ -205,10 +234,16 @@ for kind in json sse; do
   for conns in 1 32; do
     run direct "http://127.0.0.1:$backend$path" "$script" $conns $kind "$backend_pid"
     run nginx "http://127.0.0.1:$nginx_proxy$path" "$script" $conns $kind "$nginx_pid"
+    run hyper-floor "http://127.0.0.1:$bare$path" "$script" $conns $kind "$bare_pid"
     run agent "http://127.0.0.1:$agent$path" "$script" $conns $kind "$agent_pid"
     run dataplane "http://127.0.0.1:$dataplane$path" "${script%.lua}-direct.lua" $conns $kind "$dp_pid"
     run dp+keys "http://127.0.0.1:$keyed$path" "${script%.lua}-direct-key.lua" $conns $kind "$keyed_pid"
     run dp+agent "http://127.0.0.1:$dataplane$path" "$script" $conns $kind "$dp_pid" "$agent_pid"
+    if [ -n "${BASELINE:-}" ]; then
+      run agent@base "http://127.0.0.1:$base_agent$path" "$script" $conns $kind "$base_agent_pid"
+      run dp@base "http://127.0.0.1:$base$path" "${script%.lua}-direct.lua" $conns $kind "$base_pid"
+      run dp+agent@base "http://127.0.0.1:$base$path" "${script%.lua}-base.lua" $conns $kind "$base_pid" "$base_agent_pid"
+    fi
   done
 done
 echo "data plane RSS after the runs: $(( $(ps -o rss= -p "$dp_pid") / 1024 )) MiB"
