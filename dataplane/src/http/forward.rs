@@ -275,30 +275,33 @@ impl Forwarder {
 }
 
 fn build_request(proxy_url: &str, backend_id: &str, out: &Outbound<'_>) -> Result<Request<Full<Bytes>>, ApiError> {
-    let uri = format!("{proxy_url}{}", out.path_and_query);
-    let mut builder = Request::builder().method(Method::POST).uri(uri);
-    if let Some(headers) = builder.headers_mut() {
-        for (name, value) in out.headers {
-            if forwardable(name) {
-                headers.append(name, value.clone());
-            }
+    let internal = || ApiError::new(ErrorKind::Internal, "cannot build the upstream request", "internal_error");
+    let uri: http::Uri = format!("{proxy_url}{}", out.path_and_query).parse().map_err(|_| internal())?;
+    // Sized once: the client's headers plus the few added here (growing a
+    // header map rehashes it).
+    let mut headers = HeaderMap::with_capacity(out.headers.len() + 6);
+    for (name, value) in out.headers {
+        if forwardable(name) {
+            headers.append(name, value.clone());
         }
-        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
-        headers.insert("x-request-id", out.request_id.clone());
-        if let Ok(v) = HeaderValue::from_str(backend_id) {
-            headers.insert(BACKEND_HEADER, v);
-        }
-        if let Ok(v) = HeaderValue::from_str(out.model) {
-            headers.insert(MODEL_HEADER, v);
-        }
-        if let Some(v) = out.session.and_then(|s| HeaderValue::from_str(s).ok()) {
-            headers.insert(SESSION_HEADER, v);
-        }
-        inferyes_proto::telemetry::inject(&tracing::Span::current(), headers);
     }
-    builder
-        .body(Full::new(out.body.clone()))
-        .map_err(|_| ApiError::new(ErrorKind::Internal, "cannot build the upstream request", "internal_error"))
+    headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    headers.insert("x-request-id", out.request_id.clone());
+    if let Ok(v) = HeaderValue::from_str(backend_id) {
+        headers.insert(BACKEND_HEADER, v);
+    }
+    if let Ok(v) = HeaderValue::from_str(out.model) {
+        headers.insert(MODEL_HEADER, v);
+    }
+    if let Some(v) = out.session.and_then(|s| HeaderValue::from_str(s).ok()) {
+        headers.insert(SESSION_HEADER, v);
+    }
+    inferyes_proto::telemetry::inject(&tracing::Span::current(), &mut headers);
+    let mut request = Request::new(Full::new(out.body.clone()));
+    *request.method_mut() = Method::POST;
+    *request.uri_mut() = uri;
+    *request.headers_mut() = headers;
+    Ok(request)
 }
 
 /// Client headers that travel on: not hop-by-hop, not the client's

@@ -156,9 +156,17 @@ impl<F: std::future::Future> std::future::Future for CatchUnwind<F> {
 #[derive(Clone)]
 struct RequestId(HeaderValue);
 
+/// `req_` and 32 random hex digits, written in place (every request that
+/// comes without an id needs one).
 fn new_request_id() -> HeaderValue {
-    let id = format!("req_{:032x}", fastrand::u128(..));
-    HeaderValue::from_str(&id).unwrap_or_else(|_| HeaderValue::from_static("req_unknown"))
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let mut id = *b"req_00000000000000000000000000000000";
+    let mut bits = fastrand::u128(..);
+    for digit in id[4..].iter_mut().rev() {
+        *digit = HEX[(bits & 0xf) as usize];
+        bits >>= 4;
+    }
+    HeaderValue::from_bytes(&id).unwrap_or_else(|_| HeaderValue::from_static("req_unknown"))
 }
 
 async fn readyz(State(state): State<Arc<AppState>>) -> Response {
@@ -515,6 +523,19 @@ mod tests {
 
     async fn boom() -> &'static str {
         panic!("bug")
+    }
+
+    #[test]
+    fn request_ids_are_req_and_32_hex_digits_and_differ() {
+        let (a, b) = (new_request_id(), new_request_id());
+        for id in [&a, &b] {
+            let id = id.to_str().unwrap();
+            assert_eq!(id.len(), 36);
+            assert!(
+                id.starts_with("req_") && id[4..].bytes().all(|c| c.is_ascii_hexdigit() && !c.is_ascii_uppercase())
+            );
+        }
+        assert_ne!(a, b);
     }
 
     #[tokio::test]
