@@ -43,6 +43,9 @@ pub struct Args {
     /// Threads serving requests (default: one per core).
     #[arg(long, env = "INFERYES_WORKERS")]
     pub workers: Option<usize>,
+    /// How requests travel to agents: http2 (the default) or http1.
+    #[arg(long, env = "INFERYES_AGENT_PROTOCOL")]
+    pub agent_protocol: Option<AgentProtocol>,
 }
 
 pub use inferyes_proto::process::LogFormat;
@@ -82,6 +85,18 @@ pub struct Config {
     /// Threads serving requests, each with its own connections and its own
     /// pool of connections to agents; 0 is one per core.
     pub workers: usize,
+    /// How requests travel to agents: `http2` (h2c, or h2 over TLS), one
+    /// connection per worker and agent carrying every request as a stream;
+    /// or `http1`, a pool of connections, one request each at a time.
+    pub agent_protocol: AgentProtocol,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum AgentProtocol {
+    Http1,
+    #[default]
+    Http2,
 }
 
 impl Default for Config {
@@ -102,6 +117,7 @@ impl Default for Config {
             usage_records: false,
             tls: inferyes_proto::tls::Tls::default(),
             workers: 0,
+            agent_protocol: AgentProtocol::Http2,
         }
     }
 }
@@ -129,6 +145,9 @@ impl Config {
         }
         if let Some(v) = args.workers {
             config.workers = v;
+        }
+        if let Some(v) = args.agent_protocol {
+            config.agent_protocol = v;
         }
         if config.dataplane_id.is_empty() {
             let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();

@@ -37,6 +37,10 @@ use tokio_util::sync::CancellationToken;
 #[derive(Clone, Copy, Debug)]
 pub struct Peer(pub SocketAddr);
 
+/// Concurrent requests one HTTP/2 connection may carry; past it a client
+/// waits for a stream to end.
+pub const MAX_STREAMS_PER_CONNECTION: u32 = 10_000;
+
 /// How long a TLS client may take over its handshake.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -144,7 +148,11 @@ where
                 tick.tick().await;
             }
         });
-        let builder = Builder::new(TokioExecutor::new());
+        let mut builder = Builder::new(TokioExecutor::new());
+        // A data plane sends all its requests to an agent as streams of one
+        // HTTP/2 connection per worker: hyper's default of 200 at a time
+        // would queue long generations behind each other.
+        builder.http2().max_concurrent_streams(MAX_STREAMS_PER_CONNECTION);
         let graceful = GracefulShutdown::new();
         loop {
             let (stream, peer) = tokio::select! {

@@ -78,20 +78,34 @@ impl Forwarder {
         connect_timeout: Duration,
         header_timeout: Duration,
         tls: rustls::ClientConfig,
+        protocol: crate::config::AgentProtocol,
         hard_stop: CancellationToken,
         metrics: Arc<crate::metrics::Metrics>,
     ) -> Forwarder {
-        let mut connector = HttpConnector::new();
-        connector.set_nodelay(true);
-        connector.set_connect_timeout(Some(connect_timeout));
+        let mut tcp = HttpConnector::new();
+        tcp.set_nodelay(true);
+        tcp.set_connect_timeout(Some(connect_timeout));
         // The TCP connector passes `https://` on to rustls.
-        connector.enforce_http(false);
-        let connector = hyper_rustls::HttpsConnectorBuilder::new()
-            .with_tls_config(tls)
-            .https_or_http()
-            .enable_http1()
-            .wrap_connector(connector);
-        let client = Client::builder(TokioExecutor::new()).pool_idle_timeout(Duration::from_secs(90)).build(connector);
+        tcp.enforce_http(false);
+        let connector = hyper_rustls::HttpsConnectorBuilder::new().with_tls_config(tls).https_or_http();
+        let mut builder = Client::builder(TokioExecutor::new());
+        builder.pool_idle_timeout(Duration::from_secs(90));
+        let connector = match protocol {
+            crate::config::AgentProtocol::Http1 => connector.enable_http1().wrap_connector(tcp),
+            crate::config::AgentProtocol::Http2 => {
+                // One connection carries every request to an agent, so a
+                // dead one must be noticed without waiting for a request's
+                // header timeout: pings, answered within a few seconds.
+                builder
+                    .http2_only(true)
+                    .timer(hyper_util::rt::TokioTimer::new())
+                    .http2_keep_alive_interval(Duration::from_secs(10))
+                    .http2_keep_alive_timeout(Duration::from_secs(5))
+                    .http2_keep_alive_while_idle(true);
+                connector.enable_http2().wrap_connector(tcp)
+            }
+        };
+        let client = builder.build(connector);
         Forwarder { client, header_timeout, hard_stop, metrics }
     }
 
@@ -509,7 +523,11 @@ impl http_body::Body for Guarded {
     }
 
     fn is_end_stream(&self) -> bool {
-        self.ended || (self.inner.is_end_stream() && self.events.is_empty())
+        // Only once `poll_frame` has seen the end: an HTTP/2 answer says it
+        // ends with its last data frame, and a body taken as ended is not
+        // polled again, so its usage would never be recorded nor a missing
+        // `[DONE]` noticed.
+        self.ended
     }
 
     fn size_hint(&self) -> SizeHint {

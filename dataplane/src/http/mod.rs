@@ -21,5 +21,12 @@ pub fn forward_client(
     metrics: std::sync::Arc<crate::metrics::Metrics>,
 ) -> anyhow::Result<forward::Forwarder> {
     let tls = config.tls.http_client()?;
-    Ok(forward::Forwarder::new(config.connect_timeout(), config.response_header_timeout(), tls, hard_stop, metrics))
+    Ok(forward::Forwarder::new(
+        config.connect_timeout(),
+        config.response_header_timeout(),
+        tls,
+        config.agent_protocol,
+        hard_stop,
+        metrics,
+    ))
 }

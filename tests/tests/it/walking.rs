@@ -38,6 +38,24 @@ async fn a_chat_request_is_answered_through_the_data_plane() {
 }
 
 #[tokio::test]
+async fn answers_and_streams_reach_agents_over_http1_and_http2() {
+    use inferyes_dataplane::config::AgentProtocol;
+    for protocol in [AgentProtocol::Http1, AgentProtocol::Http2] {
+        let fleet = Fleet::start_with(vec![chat_sim("chat")], |config| config.agent_protocol = protocol).await;
+        let response = fleet.http.post_json(&fleet.url("/v1/chat/completions"), &chat_body("chat", "hello")).await;
+        assert_eq!(response.status, StatusCode::OK, "{protocol:?}: {}", String::from_utf8_lossy(&response.body));
+        assert_eq!(response.json()["usage"]["completion_tokens"], 8, "{protocol:?}");
+        let mut body = chat_body("chat", "hello again");
+        body["stream"] = json!(true);
+        let response = fleet.http.post_json(&fleet.url("/v1/chat/completions"), &body).await;
+        let text = String::from_utf8_lossy(&response.body);
+        assert_eq!(response.status, StatusCode::OK, "{protocol:?}: {text}");
+        assert!(text.trim_end().ends_with("data: [DONE]"), "{protocol:?}: {text}");
+        assert_eq!(text.matches("\"delta\":{\"content\":\"").count(), 8, "{protocol:?}: a token per event: {text}");
+    }
+}
+
+#[tokio::test]
 async fn completions_and_embeddings_reach_the_models_that_serve_them() {
     let fleet = Fleet::start(vec![chat_sim("chat"), embedding_model("embed")]).await;
     let completion = fleet
