@@ -92,6 +92,8 @@ impl AgentState {
             sessions: Vec::new(),
             agent_version: env!("CARGO_PKG_VERSION").to_string(),
             started_unix_ms: self.started_unix_ms,
+            // Served by `inferyes_proto::serve`, which takes both.
+            proxy_http2: true,
         }
     }
 }

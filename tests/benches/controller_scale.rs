@@ -391,6 +391,7 @@ fn node_status(index: usize, change: u64) -> NodeStatus {
         sessions: Vec::new(),
         agent_version: "scale".into(),
         started_unix_ms: 1,
+        proxy_http2: true,
     }
 }
 

@@ -29,6 +29,7 @@ use crate::snapshot::LocalCounters;
 pub struct Hop {
     pub node: Arc<str>,
     pub proxy_url: Arc<str>,
+    pub proxy_http2: bool,
     pub backend: Arc<str>,
     pub local: Arc<LocalCounters>,
 }
@@ -243,7 +244,7 @@ async fn continue_on(resume: &Resume, hop: &Hop, partial: &str, generated: u64) 
         meter: None,
         strip_usage: false,
     };
-    let response = resume.forwarder.send(&hop.proxy_url, &hop.backend, &outbound).await.ok()?;
+    let response = resume.forwarder.send(&hop.proxy_url, hop.proxy_http2, &hop.backend, &outbound).await.ok()?;
     let event_stream = response
         .headers()
         .get(http::header::CONTENT_TYPE)

@@ -39,10 +39,16 @@ const MAX_ERROR_BODY: usize = 64 << 10;
 /// Non-streamed answers are read whole before they are passed on.
 const MAX_BUFFERED_BODY: usize = 256 << 20;
 
+type AgentClient = Client<hyper_rustls::HttpsConnector<HttpConnector>, Full<Bytes>>;
+
 #[derive(Clone)]
 pub struct Forwarder {
-    /// To agents at `http://` and, with TLS, `https://` proxy URLs.
-    client: Client<hyper_rustls::HttpsConnector<HttpConnector>, Full<Bytes>>,
+    /// To agents at `http://` and, with TLS, `https://` proxy URLs, over
+    /// HTTP/1.1: a pool of connections.
+    http1: AgentClient,
+    /// The same over HTTP/2, for agents that take it (unless configured
+    /// off): one connection per agent carries every request.
+    http2: Option<AgentClient>,
     header_timeout: Duration,
     /// Cancelled when a shutdown's grace period is over: streams still
     /// running end with an error event.
@@ -87,26 +93,32 @@ impl Forwarder {
         tcp.set_connect_timeout(Some(connect_timeout));
         // The TCP connector passes `https://` on to rustls.
         tcp.enforce_http(false);
-        let connector = hyper_rustls::HttpsConnectorBuilder::new().with_tls_config(tls).https_or_http();
-        let mut builder = Client::builder(TokioExecutor::new());
-        builder.pool_idle_timeout(Duration::from_secs(90));
-        let connector = match protocol {
-            crate::config::AgentProtocol::Http1 => connector.enable_http1().wrap_connector(tcp),
-            crate::config::AgentProtocol::Http2 => {
-                // One connection carries every request to an agent, so a
-                // dead one must be noticed without waiting for a request's
-                // header timeout: pings, answered within a few seconds.
-                builder
-                    .http2_only(true)
-                    .timer(hyper_util::rt::TokioTimer::new())
-                    .http2_keep_alive_interval(Duration::from_secs(10))
-                    .http2_keep_alive_timeout(Duration::from_secs(5))
-                    .http2_keep_alive_while_idle(true);
-                connector.enable_http2().wrap_connector(tcp)
-            }
-        };
-        let client = builder.build(connector);
-        Forwarder { client, header_timeout, hard_stop, metrics }
+        let tls_connector = || hyper_rustls::HttpsConnectorBuilder::new().with_tls_config(tls.clone()).https_or_http();
+        let http1 = Client::builder(TokioExecutor::new())
+            .pool_idle_timeout(Duration::from_secs(90))
+            .build(tls_connector().enable_http1().wrap_connector(tcp.clone()));
+        let http2 = (protocol == crate::config::AgentProtocol::Http2).then(|| {
+            // One connection carries every request to an agent, so a dead
+            // one must be noticed without waiting for a request's header
+            // timeout: pings, answered within a few seconds.
+            Client::builder(TokioExecutor::new())
+                .http2_only(true)
+                .timer(hyper_util::rt::TokioTimer::new())
+                .http2_keep_alive_interval(Duration::from_secs(10))
+                .http2_keep_alive_timeout(Duration::from_secs(5))
+                .http2_keep_alive_while_idle(true)
+                .pool_idle_timeout(Duration::from_secs(90))
+                .build(tls_connector().enable_http2().wrap_connector(tcp))
+        });
+        Forwarder { http1, http2, header_timeout, hard_stop, metrics }
+    }
+
+    /// The client for a node's proxy: HTTP/2 where it takes it.
+    fn client(&self, proxy_http2: bool) -> &AgentClient {
+        match &self.http2 {
+            Some(http2) if proxy_http2 => http2,
+            _ => &self.http1,
+        }
     }
 
     /// Tries the route's targets in order. A target that cannot be reached,
@@ -132,7 +144,8 @@ impl Forwarder {
             let reserve = if attempt == 0 { out.reserve_bytes } else { 0 };
             let guard = InFlight::enter(Arc::clone(&node.local), reserve);
             let is_last = attempt + 1 == route.targets.len();
-            let response = match tokio::time::timeout(self.header_timeout, self.client.request(request)).await {
+            let client = self.client(node.proxy_http2);
+            let response = match tokio::time::timeout(self.header_timeout, client.request(request)).await {
                 Err(_) => {
                     return Err(ApiError::new(
                         ErrorKind::Timeout,
@@ -224,6 +237,7 @@ impl Forwarder {
                     Some(Hop {
                         node: Arc::clone(&node.id),
                         proxy_url: Arc::clone(&node.proxy_url),
+                        proxy_http2: node.proxy_http2,
                         backend: Arc::clone(&backend.id),
                         local: Arc::clone(&node.local),
                     })
@@ -276,12 +290,13 @@ impl Forwarder {
     pub(crate) async fn send(
         &self,
         proxy_url: &str,
+        proxy_http2: bool,
         backend_id: &str,
         out: &Outbound<'_>,
     ) -> Result<http::Response<Incoming>, ApiError> {
         let request = build_request(proxy_url, backend_id, out)?;
         let unreachable = || ApiError::new(ErrorKind::Upstream, "the node is unreachable", "upstream_unreachable");
-        match tokio::time::timeout(self.header_timeout, self.client.request(request)).await {
+        match tokio::time::timeout(self.header_timeout, self.client(proxy_http2).request(request)).await {
             Ok(Ok(response)) => Ok(response),
             Ok(Err(_)) | Err(_) => Err(unreachable()),
         }

@@ -155,6 +155,7 @@ pub fn decode(
             key,
             id,
             proxy_url: Arc::from(status.proxy_url.trim_end_matches('/')),
+            proxy_http2: status.proxy_http2,
             draining: wire.draining,
             backends,
             vram_fraction,

@@ -110,6 +110,8 @@ pub struct Node {
     pub key: u64,
     /// Base URL of the node's agent proxy.
     pub proxy_url: Arc<str>,
+    /// The proxy takes HTTP/2.
+    pub proxy_http2: bool,
     pub draining: bool,
     pub backends: Vec<BackendView>,
     /// The fullest GPU's used memory as a fraction of its total; 0 on a node

@@ -1,3 +1,4 @@
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -212,4 +213,101 @@ async fn a_loading_server_is_seen_as_loading_and_gets_no_traffic_until_ready() {
 
     dataplane.wait_for("the node, ready", Duration::from_secs(5), |s| health(s) == Some(Health::Ready)).await;
     assert_eq!(http.post_json(&url, &chat_body("chat", "hi")).await.status, StatusCode::OK);
+}
+
+/// An HTTP/1.1-only proxy (as agents were before they took HTTP/2) that
+/// answers every request with a chat completion and notes each request's
+/// HTTP version.
+async fn http1_only_proxy() -> (String, Arc<Mutex<Vec<http::Version>>>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let url = format!("http://{}", listener.local_addr().expect("bound"));
+    let seen: Arc<Mutex<Vec<http::Version>>> = Arc::default();
+    let versions = Arc::clone(&seen);
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            let versions = Arc::clone(&versions);
+            let service = hyper::service::service_fn(move |request: http::Request<hyper::body::Incoming>| {
+                versions.lock().expect("lock").push(request.version());
+                let body = r#"{"object":"chat.completion","model":"chat","choices":[{"index":0,"message":{"role":"assistant","content":"hi"},"finish_reason":"stop"}],"usage":{"prompt_tokens":3,"completion_tokens":1,"total_tokens":4}}"#;
+                let response = http::Response::builder()
+                    .header("content-type", "application/json")
+                    .body(http_body_util::Full::new(Bytes::from_static(body.as_bytes())))
+                    .expect("a response");
+                async move { Ok::<_, std::convert::Infallible>(response) }
+            });
+            let io = hyper_util::rt::TokioIo::new(stream);
+            tokio::spawn(hyper::server::conn::http1::Builder::new().serve_connection(io, service));
+        }
+    });
+    (url, seen)
+}
+
+/// Joins a node the way an agent does, with `proxy_url` and whether it
+/// says its proxy takes HTTP/2; it stays while the returned stream lives.
+async fn join_node(
+    controller: &str,
+    node_id: &str,
+    proxy_url: &str,
+    proxy_http2: bool,
+) -> (
+    tokio::sync::mpsc::Sender<inferyes_proto::v1::AgentMessage>,
+    tonic::Streaming<inferyes_proto::v1::ControllerMessage>,
+) {
+    use inferyes_proto::v1::agent_service_client::AgentServiceClient;
+    use inferyes_proto::v1::{AgentMessage, Backend, BackendKind, Health, Model, ModelState, NodeStatus, Register};
+    let status = NodeStatus {
+        node_id: node_id.into(),
+        proxy_url: proxy_url.into(),
+        proxy_http2,
+        backends: vec![Backend {
+            id: "main".into(),
+            kind: BackendKind::LlamaServer as i32,
+            health: Health::Ready as i32,
+            models: vec![Model {
+                id: "chat".into(),
+                state: ModelState::Loaded as i32,
+                context_window: 8192,
+                ..Default::default()
+            }],
+            weight: 1,
+            slots_total: 4,
+            ..Default::default()
+        }],
+        ..Default::default()
+    };
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    let register = Register { status: Some(status), join_token: inferyes_tests::fleet::JOIN_TOKEN.into() };
+    tx.send(AgentMessage { msg: Some(inferyes_proto::v1::agent_message::Msg::Register(register)) })
+        .await
+        .expect("queued");
+    let mut agents = AgentServiceClient::connect(controller.to_string()).await.expect("the controller");
+    let inbound = agents.join(tokio_stream::wrappers::ReceiverStream::new(rx)).await.expect("joined").into_inner();
+    (tx, inbound)
+}
+
+#[tokio::test]
+async fn an_agent_that_does_not_take_http2_is_reached_over_http1() {
+    use inferyes_tests::{ControllerHandle, DataplaneHandle, Etcd};
+    let etcd = Etcd::start().await;
+    let controller = ControllerHandle::start(&etcd.endpoint(), "controller-1").await;
+    let dataplane = DataplaneHandle::start(&[controller.url()]).await;
+    let http = inferyes_tests::HttpClient::default();
+    let (url, seen) = http1_only_proxy().await;
+
+    // Said so: HTTP/1.1, though the data plane prefers HTTP/2.
+    let old = join_node(&controller.url(), "old", &url, false).await;
+    dataplane.wait_for_nodes(&["old"]).await;
+    let response = http.post_json(&format!("{}/v1/chat/completions", dataplane.url), &chat_body("chat", "hi")).await;
+    assert_eq!(response.status, StatusCode::OK, "{}", String::from_utf8_lossy(&response.body));
+    assert_eq!(response.json()["choices"][0]["message"]["content"], "hi");
+    assert_eq!(*seen.lock().unwrap(), vec![http::Version::HTTP_11]);
+    drop(old);
+
+    // Had it claimed HTTP/2, the data plane would have spoken it, and this
+    // proxy would not have understood: the claim is what decides.
+    let _wrong = join_node(&controller.url(), "claims-http2", &url, true).await;
+    dataplane.wait_for_nodes(&["claims-http2"]).await;
+    let response = http.post_json(&format!("{}/v1/chat/completions", dataplane.url), &chat_body("chat", "hi")).await;
+    assert!(response.status.is_server_error(), "{}", response.status);
+    assert_eq!(seen.lock().unwrap().len(), 1, "no request reached it over HTTP/1.1");
 }
