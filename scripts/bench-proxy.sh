@@ -147,19 +147,19 @@ url = "http://127.0.0.1:$backend/direct"
 kind = "llama-server"
 CONF
 "$bin/inferyes-agent" --config "$work/direct.toml" >"$work/direct.log" 2>&1 & pids+=($!)
-# The data planes measured alone speak HTTP/1.1 upstream (the "agent" of
-# their node is nginx); the one in front of a real agent speaks the default,
-# HTTP/2, and the first also shows that path over HTTP/1.1.
+# The data planes speak HTTP/1.1 to agents (the default; for the rows
+# measured alone the "agent" of their node is nginx); a third speaks HTTP/2
+# to agents that take it, for the data plane + agent path.
 RUST_LOG=warn "$bin/inferyes-dataplane" --listen "127.0.0.1:$dataplane" --controllers "http://127.0.0.1:$grpc" \
-  --auth none --agent-protocol http1 --dataplane-id bench-open >"$work/dataplane.log" 2>&1 & pids+=($!)
+  --auth none --dataplane-id bench-open >"$work/dataplane.log" 2>&1 & pids+=($!)
 dp_pid=$!
 keyed=$(port)
 RUST_LOG=warn "$bin/inferyes-dataplane" --listen "127.0.0.1:$keyed" --controllers "http://127.0.0.1:$grpc" \
-  --agent-protocol http1 --dataplane-id bench-keys >"$work/dataplane-keys.log" 2>&1 & pids+=($!)
+  --dataplane-id bench-keys >"$work/dataplane-keys.log" 2>&1 & pids+=($!)
 keyed_pid=$!
 fleet_dp=$(port)
 RUST_LOG=warn "$bin/inferyes-dataplane" --listen "127.0.0.1:$fleet_dp" --controllers "http://127.0.0.1:$grpc" \
-  --auth none --dataplane-id bench-h2 >"$work/dataplane-h2.log" 2>&1 & pids+=($!)
+  --auth none --agent-protocol http2 --dataplane-id bench-h2 >"$work/dataplane-h2.log" 2>&1 & pids+=($!)
 fleet_dp_pid=$!
 if [ -n "${BASELINE:-}" ]; then
   # An earlier build's data plane and agent, in the same fleet: its agent is
@@ -246,8 +246,8 @@ for kind in json sse; do
     run agent "http://127.0.0.1:$agent$path" "$script" $conns $kind "$agent_pid"
     run dataplane "http://127.0.0.1:$dataplane$path" "${script%.lua}-direct.lua" $conns $kind "$dp_pid"
     run dp+keys "http://127.0.0.1:$keyed$path" "${script%.lua}-direct-key.lua" $conns $kind "$keyed_pid"
-    run dp+agent "http://127.0.0.1:$fleet_dp$path" "$script" $conns $kind "$fleet_dp_pid" "$agent_pid"
-    run dp+agent/h1 "http://127.0.0.1:$dataplane$path" "$script" $conns $kind "$dp_pid" "$agent_pid"
+    run dp+agent "http://127.0.0.1:$dataplane$path" "$script" $conns $kind "$dp_pid" "$agent_pid"
+    run dp+agent/h2 "http://127.0.0.1:$fleet_dp$path" "$script" $conns $kind "$fleet_dp_pid" "$agent_pid"
     if [ -n "${BASELINE:-}" ]; then
       run agent@base "http://127.0.0.1:$base_agent$path" "$script" $conns $kind "$base_agent_pid"
       run dp@base "http://127.0.0.1:$base$path" "${script%.lua}-direct.lua" $conns $kind "$base_pid"
@@ -273,6 +273,6 @@ if [ "$fleet_size" -gt 0 ]; then
   echo "with $nodes nodes in the snapshot:"
   run dataplane "http://127.0.0.1:$dataplane/v1/chat/completions" "$work/chat-direct.lua" 1 json "$dp_pid"
   run dataplane "http://127.0.0.1:$dataplane/v1/chat/completions" "$work/chat-direct.lua" 32 json "$dp_pid"
-  run dp+agent "http://127.0.0.1:$fleet_dp/v1/chat/completions" "$work/chat.lua" 32 json "$fleet_dp_pid" "$agent_pid"
+  run dp+agent "http://127.0.0.1:$dataplane/v1/chat/completions" "$work/chat.lua" 32 json "$dp_pid" "$agent_pid"
   echo "data plane RSS with $nodes nodes: $(( $(ps -o rss= -p "$dp_pid") / 1024 )) MiB"
 fi

@@ -108,8 +108,7 @@ async fn forward_in_span(proxy: Proxy, request: Request<Body>) -> Response {
         return error(ErrorKind::BadRequest, "request path cannot be forwarded", "invalid_path");
     };
     parts.uri = uri;
-    // Backends speak HTTP/1.1, whatever a data plane spoke to this proxy
-    // (HTTP/2, by default).
+    // Backends speak HTTP/1.1, whatever a data plane spoke to this proxy.
     parts.version = http::Version::HTTP_11;
     strip_headers(&mut parts.headers);
     span.record("backend", backend_id.as_str());

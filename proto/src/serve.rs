@@ -149,9 +149,9 @@ where
             }
         });
         let mut builder = Builder::new(TokioExecutor::new());
-        // A data plane sends all its requests to an agent as streams of one
-        // HTTP/2 connection per worker: hyper's default of 200 at a time
-        // would queue long generations behind each other.
+        // Over HTTP/2 a data plane sends all its requests to an agent as
+        // streams of one connection per worker: hyper's default of 200 at a
+        // time would queue long generations behind each other.
         builder.http2().max_concurrent_streams(MAX_STREAMS_PER_CONNECTION);
         let graceful = GracefulShutdown::new();
         loop {

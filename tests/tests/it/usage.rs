@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use http::{Method, StatusCode};
 use inferyes_dataplane::auth::AuthMode;
+use inferyes_dataplane::config::AgentProtocol;
 use inferyes_proto::v1::routing_service_client::RoutingServiceClient;
 use inferyes_proto::v1::{CreateKeyRequest, UsageBatch, UsageQuery, UsageRecord, UsageRollup};
 use inferyes_tests::{ControllerHandle, DataplaneHandle, HttpClient, TestResponse, eventually};
@@ -203,7 +204,15 @@ async fn a_key_over_its_daily_tokens_is_refused_until_tomorrow() {
 
 #[tokio::test]
 async fn streams_are_asked_for_usage_and_clients_that_did_not_ask_do_not_see_it() {
-    let fleet = Fleet::start(vec![chat_sim("chat")]).await;
+    // Over HTTP/2 an answer says it is over with its last data frame; the
+    // usage must be recorded all the same.
+    for protocol in [AgentProtocol::Http1, AgentProtocol::Http2] {
+        streams_are_asked_for_usage(protocol).await;
+    }
+}
+
+async fn streams_are_asked_for_usage(protocol: AgentProtocol) {
+    let fleet = Fleet::start_with(vec![chat_sim("chat")], |config| config.agent_protocol = protocol).await;
     let url = format!("{}/v1/chat/completions", fleet.dataplane.url);
     let plain =
         json!({"model": "chat", "stream": true, "max_tokens": 5, "messages": [{"role": "user", "content": "a"}]});
@@ -216,7 +225,11 @@ async fn streams_are_asked_for_usage_and_clients_that_did_not_ask_do_not_see_it(
     assert!(!plain.contains("\"usage\":{"), "the client did not ask for usage: {plain}");
     assert!(asked.contains("\"choices\":[]") && asked.contains("\"usage\":{"), "the client asked: {asked}");
     let total = rolled_up(fleet.controller(), "", 2).await;
-    assert_eq!((total.completion_tokens, total.estimated_requests), (10, 0), "{total:?}");
+    assert_eq!(
+        (total.completion_tokens, total.estimated_requests, total.errors),
+        (10, 0, 0),
+        "{protocol:?}: {total:?}"
+    );
     assert_eq!(total.prompt_tokens, fleet.sims[0].sim.stats().prompt_tokens);
 }
 

@@ -290,11 +290,14 @@ async fn an_agent_that_does_not_take_http2_is_reached_over_http1() {
     use inferyes_tests::{ControllerHandle, DataplaneHandle, Etcd};
     let etcd = Etcd::start().await;
     let controller = ControllerHandle::start(&etcd.endpoint(), "controller-1").await;
-    let dataplane = DataplaneHandle::start(&[controller.url()]).await;
+    let dataplane = DataplaneHandle::start_with(&[controller.url()], |config| {
+        config.agent_protocol = inferyes_dataplane::config::AgentProtocol::Http2;
+    })
+    .await;
     let http = inferyes_tests::HttpClient::default();
     let (url, seen) = http1_only_proxy().await;
 
-    // Said so: HTTP/1.1, though the data plane prefers HTTP/2.
+    // Said so: HTTP/1.1, though this data plane prefers HTTP/2.
     let old = join_node(&controller.url(), "old", &url, false).await;
     dataplane.wait_for_nodes(&["old"]).await;
     let response = http.post_json(&format!("{}/v1/chat/completions", dataplane.url), &chat_body("chat", "hi")).await;
