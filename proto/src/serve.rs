@@ -103,13 +103,23 @@ where
         };
         let _ = stream.set_nodelay(true);
         let Ok(stream) = stream.into_std() else { continue };
-        let Some((connections, open, _)) = workers.iter().min_by_key(|(_, open, _)| open.load(Ordering::Relaxed))
-        else {
-            break;
-        };
-        open.fetch_add(1, Ordering::Relaxed);
-        if connections.send((stream, peer)).is_err() {
-            open.fetch_sub(1, Ordering::Relaxed);
+        let mut connection = (stream, peer);
+        loop {
+            let Some(index) = (0..workers.len()).min_by_key(|&i| workers[i].1.load(Ordering::Relaxed)) else {
+                return Err(std::io::Error::other("every worker thread has stopped"));
+            };
+            let (connections, open, _) = &workers[index];
+            open.fetch_add(1, Ordering::Relaxed);
+            match connections.send(connection) {
+                Ok(()) => break,
+                Err(mpsc::error::SendError(returned)) => {
+                    // A worker that stopped (a bug panicked it) would have
+                    // the fewest connections forever: it takes none again.
+                    tracing::error!("a {name} worker thread stopped; serving on the others");
+                    workers.swap_remove(index);
+                    connection = returned;
+                }
+            }
         }
     }
     drop(listener);
@@ -295,6 +305,63 @@ mod tests {
         assert_eq!(per_worker, 4, "the fewest-connections pick balances: {answers:?}");
         shutdown.cancel();
         drop(streams);
+        served.await.unwrap().unwrap();
+    }
+
+    /// A service whose worker dies (its clone panics, outside any task)
+    /// when `boom` is set; the clone that panics clears it.
+    struct Fragile {
+        boom: Arc<std::sync::atomic::AtomicBool>,
+    }
+
+    impl Clone for Fragile {
+        fn clone(&self) -> Fragile {
+            assert!(!self.boom.swap(false, Ordering::SeqCst), "worker bug");
+            Fragile { boom: Arc::clone(&self.boom) }
+        }
+    }
+
+    impl tower::Service<Request<Incoming>> for Fragile {
+        type Response = Response<Full<Bytes>>;
+        type Error = Infallible;
+        type Future = std::future::Ready<Result<Self::Response, Infallible>>;
+
+        fn poll_ready(&mut self, _: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), Infallible>> {
+            std::task::Poll::Ready(Ok(()))
+        }
+
+        fn call(&mut self, _: Request<Incoming>) -> Self::Future {
+            std::future::ready(Ok(Response::new(Full::new(Bytes::from_static(b"ok")))))
+        }
+    }
+
+    #[tokio::test]
+    async fn a_worker_that_died_gets_no_more_connections() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let boom = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let services = (0..2).map(|_| Fragile { boom: Arc::clone(&boom) }).collect();
+        let shutdown = CancellationToken::new();
+        let served = tokio::spawn(serve(listener, services, None, "fragile", shutdown.clone()));
+        // The first connection kills the worker it is handed to.
+        boom.store(true, Ordering::SeqCst);
+        let mut first = TcpStream::connect(addr).await.unwrap();
+        let mut byte = [0u8; 1];
+        let closed = tokio::io::AsyncReadExt::read(&mut first, &mut byte).await;
+        assert!(matches!(closed, Ok(0) | Err(_)), "the dead worker's connection is closed");
+        // Every later connection is served, none handed to the dead worker
+        // (which, with the fewest open, would otherwise get every other one).
+        let mut senders = Vec::new();
+        for _ in 0..4 {
+            let stream = TcpStream::connect(addr).await.unwrap();
+            let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.unwrap();
+            tokio::spawn(connection);
+            let response = sender.send_request(Request::get("/").body(Full::new(Bytes::new())).unwrap()).await;
+            assert_eq!(response.unwrap().status(), http::StatusCode::OK);
+            senders.push(sender);
+        }
+        shutdown.cancel();
+        drop(senders);
         served.await.unwrap().unwrap();
     }
 
