@@ -86,7 +86,7 @@ where
             drop(runtime);
             let _ = done.send(());
         })?;
-        workers.push((connections, open, finished));
+        workers.push(WorkerHandle { connections, open, finished });
     }
     loop {
         let (stream, peer) = tokio::select! {
@@ -105,12 +105,12 @@ where
         let Ok(stream) = stream.into_std() else { continue };
         let mut connection = (stream, peer);
         loop {
-            let Some(index) = (0..workers.len()).min_by_key(|&i| workers[i].1.load(Ordering::Relaxed)) else {
+            let Some(index) = (0..workers.len()).min_by_key(|&i| workers[i].open.load(Ordering::Relaxed)) else {
                 return Err(std::io::Error::other("every worker thread has stopped"));
             };
-            let (connections, open, _) = &workers[index];
-            open.fetch_add(1, Ordering::Relaxed);
-            match connections.send(connection) {
+            let worker = &workers[index];
+            worker.open.fetch_add(1, Ordering::Relaxed);
+            match worker.connections.send(connection) {
                 Ok(()) => break,
                 Err(mpsc::error::SendError(returned)) => {
                     // A worker that stopped (a bug panicked it) would have
@@ -124,11 +124,21 @@ where
     }
     drop(listener);
     // Closing the inboxes tells each worker to finish its connections.
-    let finished: Vec<_> = workers.into_iter().map(|(_, _, finished)| finished).collect();
+    let finished: Vec<_> = workers.into_iter().map(|worker| worker.finished).collect();
     for finished in finished {
         let _ = finished.await;
     }
     Ok(())
+}
+
+/// The acceptor's end of a worker.
+struct WorkerHandle {
+    /// Accepted connections, handed over.
+    connections: mpsc::UnboundedSender<(std::net::TcpStream, SocketAddr)>,
+    /// Its connections still open, counted by the worker.
+    open: Arc<AtomicUsize>,
+    /// Resolves once its thread has ended.
+    finished: oneshot::Receiver<()>,
 }
 
 struct Worker<S> {
