@@ -46,6 +46,13 @@ impl Listeners {
     }
 }
 
+/// A data plane worker may send every request for this node as a stream of
+/// one HTTP/2 connection: hyper's default of 200 at a time would queue long
+/// generations behind each other.
+const PROXY_HTTP2_STREAMS: u32 = 10_000;
+/// On shutdown, how long requests in flight through the proxy may go on.
+const SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// Runs the agent until `shutdown` is cancelled.
 pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationToken) -> anyhow::Result<()> {
     let mut probes: Vec<BackendProbe> = config
@@ -103,6 +110,9 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         node_id: config.node_id.clone(),
         hostname: config::hostname(),
         proxy_url,
+        // `inferyes_proto::serve` takes HTTP/1.1 and HTTP/2; what listens at
+        // an advertised address may not.
+        proxy_http2: config.advertise_url.is_empty(),
         started_unix_ms: inferyes_proto::unix_ms(),
         backends: probes.into_iter().map(|probe| BackendHandle { probe, in_flight: AtomicU32::new(0) }).collect(),
         observations: Mutex::new(Observations::default()),
@@ -146,7 +156,21 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
     // One router per worker thread, each with its own pool of connections
     // to the backends.
     let routers = (0..config.workers()).map(|_| proxy::router(Arc::clone(&state), Arc::clone(&scrape))).collect();
-    let served = inferyes_proto::serve::serve(listeners.proxy, routers, tls_server, "proxy", shutdown.clone()).await;
+    let options = inferyes_proto::serve::Options { name: "proxy", tls: tls_server, http2_streams: PROXY_HTTP2_STREAMS };
+    let serve = inferyes_proto::serve::serve(listeners.proxy, routers, options, shutdown.clone());
+    // On shutdown, requests in flight get a grace period; then the rest are
+    // cut (dropping `serve` stops its workers).
+    tokio::pin!(serve);
+    let served = tokio::select! {
+        served = &mut serve => served,
+        () = async {
+            shutdown.cancelled().await;
+            tokio::time::sleep(SHUTDOWN_GRACE).await;
+        } => {
+            tracing::warn!(grace_s = SHUTDOWN_GRACE.as_secs(), "requests still in flight after the shutdown grace; ending them");
+            Ok(())
+        }
+    };
     shutdown.cancel();
     let _ = poller.await;
     let _ = reporter.await;

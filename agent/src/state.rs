@@ -28,6 +28,9 @@ pub struct AgentState {
     pub node_id: String,
     pub hostname: String,
     pub proxy_url: String,
+    /// Whether data planes may speak HTTP/2 to `proxy_url`: only when it is
+    /// this proxy itself, not an address in front of it that may not.
+    pub proxy_http2: bool,
     pub started_unix_ms: u64,
     pub backends: Vec<BackendHandle>,
     pub observations: Mutex<Observations>,
@@ -92,8 +95,7 @@ impl AgentState {
             sessions: Vec::new(),
             agent_version: env!("CARGO_PKG_VERSION").to_string(),
             started_unix_ms: self.started_unix_ms,
-            // Served by `inferyes_proto::serve`, which takes both.
-            proxy_http2: true,
+            proxy_http2: self.proxy_http2,
         }
     }
 }

@@ -89,7 +89,12 @@ pub async fn run(
     }
     tracing::info!(listen = %listener.local_addr()?, id = %config.dataplane_id, workers = routers.len(), "data plane running");
     let grace = config.shutdown_grace();
-    let serve = inferyes_proto::serve::serve(listener, routers, None, "dataplane", shutdown.clone());
+    let options = inferyes_proto::serve::Options {
+        name: "dataplane",
+        tls: None,
+        http2_streams: inferyes_proto::serve::DEFAULT_HTTP2_STREAMS,
+    };
+    let serve = inferyes_proto::serve::serve(listener, routers, options, shutdown.clone());
     // On shutdown: stop accepting, let requests in flight finish, but not
     // for longer than the grace period; then end the streams still running
     // (with an error event) and give their connections a moment to close.

@@ -76,5 +76,10 @@ async fn main() -> std::io::Result<()> {
         })
         .collect();
     let shutdown = inferyes_proto::process::shutdown_on_signal();
-    inferyes_proto::serve::serve(listener, services, None, "bare-proxy", shutdown).await
+    let options = inferyes_proto::serve::Options {
+        name: "bare-proxy",
+        tls: None,
+        http2_streams: inferyes_proto::serve::DEFAULT_HTTP2_STREAMS,
+    };
+    inferyes_proto::serve::serve(listener, services, options, shutdown).await
 }

@@ -37,12 +37,25 @@ use tokio_util::sync::CancellationToken;
 #[derive(Clone, Copy, Debug)]
 pub struct Peer(pub SocketAddr);
 
-/// Concurrent requests one HTTP/2 connection may carry; past it a client
-/// waits for a stream to end.
-pub const MAX_STREAMS_PER_CONNECTION: u32 = 10_000;
+/// How a server is run.
+pub struct Options {
+    /// Worker threads are named `<name>-<index>`.
+    pub name: &'static str,
+    /// Serve TLS (HTTP/1.1 and h2 by ALPN) instead of plain HTTP.
+    pub tls: Option<Arc<rustls::ServerConfig>>,
+    /// Concurrent requests one HTTP/2 connection may carry; past it the
+    /// client waits for a stream to end.
+    pub http2_streams: u32,
+}
+
+/// hyper's own limit of concurrent HTTP/2 streams, for listeners open to
+/// any client.
+pub const DEFAULT_HTTP2_STREAMS: u32 = 200;
 
 /// How long a TLS client may take over its handshake.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a client may take to send a request's head (HTTP/1.1).
+const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// The number of workers to run when none is configured: one per core.
 pub fn default_workers() -> usize {
@@ -56,8 +69,7 @@ pub fn default_workers() -> usize {
 pub async fn serve<S, B>(
     listener: TcpListener,
     services: Vec<S>,
-    tls: Option<Arc<rustls::ServerConfig>>,
-    name: &str,
+    options: Options,
     shutdown: CancellationToken,
 ) -> std::io::Result<()>
 where
@@ -69,6 +81,7 @@ where
     if services.is_empty() {
         return Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, "no workers to serve with"));
     }
+    let Options { name, tls, http2_streams } = options;
     let tls = tls.map(tokio_rustls::TlsAcceptor::from);
     // Cancelled when this future ends or is dropped: workers stop at once.
     let stop_now = CancellationToken::new();
@@ -78,7 +91,14 @@ where
         let (connections, inbox) = mpsc::unbounded_channel();
         let (done, finished) = oneshot::channel::<()>();
         let open = Arc::new(AtomicUsize::new(0));
-        let worker = Worker { inbox, service, tls: tls.clone(), open: Arc::clone(&open), stop_now: stop_now.clone() };
+        let worker = Worker {
+            inbox,
+            service,
+            tls: tls.clone(),
+            http2_streams,
+            open: Arc::clone(&open),
+            stop_now: stop_now.clone(),
+        };
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
         std::thread::Builder::new().name(format!("{name}-{index}")).spawn(move || {
             runtime.block_on(worker.run());
@@ -145,8 +165,19 @@ struct Worker<S> {
     inbox: mpsc::UnboundedReceiver<(std::net::TcpStream, SocketAddr)>,
     service: S,
     tls: Option<tokio_rustls::TlsAcceptor>,
+    http2_streams: u32,
     open: Arc<AtomicUsize>,
     stop_now: CancellationToken,
+}
+
+/// One open connection of a worker, counted until it is dropped, however
+/// its task ends.
+struct Open(Arc<AtomicUsize>);
+
+impl Drop for Open {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 impl<S, B> Worker<S>
@@ -169,10 +200,10 @@ where
             }
         });
         let mut builder = Builder::new(TokioExecutor::new());
-        // Over HTTP/2 a data plane sends all its requests to an agent as
-        // streams of one connection per worker: hyper's default of 200 at a
-        // time would queue long generations behind each other.
-        builder.http2().max_concurrent_streams(MAX_STREAMS_PER_CONNECTION);
+        // Without a timer hyper has no header read timeout at all: a client
+        // could hold a connection (and a shutdown) with half a request.
+        builder.http1().timer(hyper_util::rt::TokioTimer::new()).header_read_timeout(HEADER_READ_TIMEOUT);
+        builder.http2().max_concurrent_streams(self.http2_streams);
         let graceful = GracefulShutdown::new();
         loop {
             let (stream, peer) = tokio::select! {
@@ -182,18 +213,16 @@ where
                     None => break,
                 },
             };
-            let Ok(tcp) = TcpStream::from_std(stream) else {
-                self.open.fetch_sub(1, Ordering::Relaxed);
-                continue;
-            };
+            let open = Open(Arc::clone(&self.open));
+            let Ok(tcp) = TcpStream::from_std(stream) else { continue };
             let service = self.service.clone();
             let service = hyper::service::service_fn(move |mut request: Request<Incoming>| {
                 request.extensions_mut().insert(Peer(peer));
                 tower::ServiceExt::oneshot(service.clone(), request)
             });
-            let (builder, watcher, tls, open) =
-                (builder.clone(), graceful.watcher(), self.tls.clone(), Arc::clone(&self.open));
+            let (builder, watcher, tls) = (builder.clone(), graceful.watcher(), self.tls.clone());
             tokio::spawn(async move {
+                let _open = open;
                 match tls {
                     None => {
                         let connection = builder.serve_connection_with_upgrades(TokioIo::new(tcp), service);
@@ -208,7 +237,6 @@ where
                         Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
                     },
                 }
-                open.fetch_sub(1, Ordering::Relaxed);
             });
         }
         // Shutdown: idle connections close, busy ones finish their requests.
@@ -277,7 +305,8 @@ mod tests {
             .map(|worker| Echo { worker, entered: Arc::clone(&entered), release: Arc::clone(&release) })
             .collect();
         let shutdown = CancellationToken::new();
-        let served = tokio::spawn(serve(listener, services, None, "test", shutdown.clone()));
+        let options = Options { name: "test", tls: None, http2_streams: DEFAULT_HTTP2_STREAMS };
+        let served = tokio::spawn(serve(listener, services, options, shutdown.clone()));
         Server { addr, entered, release, shutdown, served }
     }
 
@@ -352,7 +381,8 @@ mod tests {
         let boom = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let services = (0..2).map(|_| Fragile { boom: Arc::clone(&boom) }).collect();
         let shutdown = CancellationToken::new();
-        let served = tokio::spawn(serve(listener, services, None, "fragile", shutdown.clone()));
+        let options = Options { name: "fragile", tls: None, http2_streams: DEFAULT_HTTP2_STREAMS };
+        let served = tokio::spawn(serve(listener, services, options, shutdown.clone()));
         // The first connection kills the worker it is handed to.
         boom.store(true, Ordering::SeqCst);
         let mut first = TcpStream::connect(addr).await.unwrap();

@@ -107,6 +107,11 @@ impl Forwarder {
                 .http2_keep_alive_interval(Duration::from_secs(10))
                 .http2_keep_alive_timeout(Duration::from_secs(5))
                 .http2_keep_alive_while_idle(true)
+                // Credit for what clients have not read yet: a stream holds
+                // at most 1 MiB, and a few clients that stop reading must not
+                // use up the whole connection's (every request to the node).
+                .http2_initial_stream_window_size(1 << 20)
+                .http2_initial_connection_window_size(64 << 20)
                 .pool_idle_timeout(Duration::from_secs(90))
                 .build(tls_connector().enable_http2().wrap_connector(tcp))
         });
@@ -224,6 +229,11 @@ impl Forwarder {
                     }
                 }
             }
+            // A streamed answer is passed on frame by frame and may change on
+            // the way (usage taken out, an error event added): its length is
+            // not the node's. Without one, the client's connection also
+            // reads to the end, where the answer is metered and checked.
+            parts.headers.remove(header::CONTENT_LENGTH);
             let event_stream = parts
                 .headers
                 .get(header::CONTENT_TYPE)
@@ -546,7 +556,8 @@ impl http_body::Body for Guarded {
     }
 
     fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
+        // Not the node's: frames may be taken out or added.
+        SizeHint::default()
     }
 }
 

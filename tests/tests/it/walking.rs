@@ -215,10 +215,18 @@ async fn a_loading_server_is_seen_as_loading_and_gets_no_traffic_until_ready() {
     assert_eq!(http.post_json(&url, &chat_body("chat", "hi")).await.status, StatusCode::OK);
 }
 
+const CHAT_COMPLETION: &str = r#"{"object":"chat.completion","model":"chat","choices":[{"index":0,"message":{"role":"assistant","content":"hi"},"finish_reason":"stop"}],"usage":{"prompt_tokens":3,"completion_tokens":1,"total_tokens":4}}"#;
+
 /// An HTTP/1.1-only proxy (as agents were before they took HTTP/2) that
 /// answers every request with a chat completion and notes each request's
 /// HTTP version.
 async fn http1_only_proxy() -> (String, Arc<Mutex<Vec<http::Version>>>) {
+    fixed_proxy("application/json", CHAT_COMPLETION).await
+}
+
+/// An HTTP/1.1-only proxy answering every request with `body` (sent with
+/// its `content-length`), noting each request's HTTP version.
+async fn fixed_proxy(content_type: &'static str, body: &'static str) -> (String, Arc<Mutex<Vec<http::Version>>>) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let url = format!("http://{}", listener.local_addr().expect("bound"));
     let seen: Arc<Mutex<Vec<http::Version>>> = Arc::default();
@@ -228,9 +236,8 @@ async fn http1_only_proxy() -> (String, Arc<Mutex<Vec<http::Version>>>) {
             let versions = Arc::clone(&versions);
             let service = hyper::service::service_fn(move |request: http::Request<hyper::body::Incoming>| {
                 versions.lock().expect("lock").push(request.version());
-                let body = r#"{"object":"chat.completion","model":"chat","choices":[{"index":0,"message":{"role":"assistant","content":"hi"},"finish_reason":"stop"}],"usage":{"prompt_tokens":3,"completion_tokens":1,"total_tokens":4}}"#;
                 let response = http::Response::builder()
-                    .header("content-type", "application/json")
+                    .header("content-type", content_type)
                     .body(http_body_util::Full::new(Bytes::from_static(body.as_bytes())))
                     .expect("a response");
                 async move { Ok::<_, std::convert::Infallible>(response) }
@@ -313,4 +320,33 @@ async fn an_agent_that_does_not_take_http2_is_reached_over_http1() {
     let response = http.post_json(&format!("{}/v1/chat/completions", dataplane.url), &chat_body("chat", "hi")).await;
     assert!(response.status.is_server_error(), "{}", response.status);
     assert_eq!(seen.lock().unwrap().len(), 1, "no request reached it over HTTP/1.1");
+}
+
+#[tokio::test]
+async fn a_stream_sent_with_a_length_reaches_the_client_whole_and_changed_without_it() {
+    use inferyes_tests::{ControllerHandle, DataplaneHandle, Etcd};
+    // A node that sends its event stream with a content-length, the usage
+    // chunk included, though the client did not ask for it: the data plane
+    // takes that chunk out, so the node's length is not the answer's.
+    const STREAM: &str = concat!(
+        "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"hi\"}}]}\n\n",
+        "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":1,\"total_tokens\":4}}\n\n",
+        "data: [DONE]\n\n",
+    );
+    let etcd = Etcd::start().await;
+    let controller = ControllerHandle::start(&etcd.endpoint(), "controller-1").await;
+    let dataplane = DataplaneHandle::start(&[controller.url()]).await;
+    let (url, seen) = fixed_proxy("text/event-stream", STREAM).await;
+    let _node = join_node(&controller.url(), "lengthy", &url, false).await;
+    dataplane.wait_for_nodes(&["lengthy"]).await;
+    let mut body = chat_body("chat", "hi");
+    body["stream"] = json!(true);
+    let http = inferyes_tests::HttpClient::default();
+    let response = http.post_json(&format!("{}/v1/chat/completions", dataplane.url), &body).await;
+    let text = String::from_utf8_lossy(&response.body);
+    assert_eq!(response.status, StatusCode::OK, "{text}");
+    assert!(text.contains("\"content\":\"hi\"") && text.trim_end().ends_with("data: [DONE]"), "{text}");
+    assert!(!text.contains("\"usage\""), "the usage chunk the client did not ask for is taken out: {text}");
+    assert!(response.header("content-length").is_none_or(|n| n == text.len().to_string()), "{text}");
+    assert_eq!(seen.lock().unwrap().len(), 1);
 }
