@@ -105,6 +105,22 @@ async fn the_fleet_runs_over_mutual_tls_and_refuses_clients_without_a_certificat
     assert_eq!(response.status, StatusCode::OK, "{}", String::from_utf8_lossy(&response.body));
     assert_eq!(response.header("x-inferyes-node"), Some("node-a"));
 
+    // And over HTTP/2 (h2 by ALPN), which the agent says its proxy takes.
+    assert!(snapshot.nodes()[0].proxy_http2);
+    let h2_tls = Tls { client_ca_file: None, ..tls.clone() };
+    let h2_dataplane = DataplaneHandle::start_with(&[controller.https_url()], move |c| {
+        c.tls = h2_tls;
+        c.agent_protocol = inferyes_dataplane::config::AgentProtocol::Http2;
+    })
+    .await;
+    h2_dataplane.wait_for_nodes(&["node-a"]).await;
+    let mut stream = chat_body("chat", "over h2");
+    stream["stream"] = serde_json::json!(true);
+    let response = HttpClient::default().post_json(&format!("{}/v1/chat/completions", h2_dataplane.url), &stream).await;
+    let text = String::from_utf8_lossy(&response.body);
+    assert_eq!(response.status, StatusCode::OK, "{text}");
+    assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+
     // Without a client certificate the controller refuses the connection.
     let anonymous = Tls { ca_file: pki.file("ca.pem"), ..Tls::default() };
     let endpoint = inferyes_proto::tls::grpc_endpoint(&controller.https_url(), &anonymous).expect("endpoint");
