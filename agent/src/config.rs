@@ -90,6 +90,9 @@ pub struct Config {
     /// Threads serving the proxy, each with its own connections and its
     /// own pool of connections to the backends; 0 is one per core.
     pub workers: usize,
+    /// On shutdown, requests in flight through the proxy get this long to
+    /// finish; then they are cut.
+    pub shutdown_grace_ms: u64,
     /// From the environment or a flag; never written out.
     #[serde(skip)]
     pub join_token: Option<String>,
@@ -208,6 +211,7 @@ impl Default for Config {
             join_token: None,
             tls: inferyes_proto::tls::Tls::default(),
             workers: 0,
+            shutdown_grace_ms: 10_000,
         }
     }
 }
@@ -241,6 +245,10 @@ impl Config {
         }
         config.validate()?;
         Ok(config)
+    }
+
+    pub fn shutdown_grace(&self) -> std::time::Duration {
+        std::time::Duration::from_millis(self.shutdown_grace_ms)
     }
 
     /// Proxy threads: as configured, or one per core.

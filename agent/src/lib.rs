@@ -50,8 +50,6 @@ impl Listeners {
 /// one HTTP/2 connection: hyper's default of 200 at a time would queue long
 /// generations behind each other.
 const PROXY_HTTP2_STREAMS: u32 = 10_000;
-/// On shutdown, how long requests in flight through the proxy may go on.
-const SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Runs the agent until `shutdown` is cancelled.
 pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationToken) -> anyhow::Result<()> {
@@ -161,13 +159,14 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
     // On shutdown, requests in flight get a grace period; then the rest are
     // cut (dropping `serve` stops its workers).
     tokio::pin!(serve);
+    let grace = config.shutdown_grace();
     let served = tokio::select! {
         served = &mut serve => served,
         () = async {
             shutdown.cancelled().await;
-            tokio::time::sleep(SHUTDOWN_GRACE).await;
+            tokio::time::sleep(grace).await;
         } => {
-            tracing::warn!(grace_s = SHUTDOWN_GRACE.as_secs(), "requests still in flight after the shutdown grace; ending them");
+            tracing::warn!(grace_ms = grace.as_millis(), "requests still in flight after the shutdown grace; ending them");
             Ok(())
         }
     };

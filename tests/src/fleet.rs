@@ -231,8 +231,13 @@ impl AgentHandle {
     }
 
     pub async fn stop(self) {
+        self.stop_within(Duration::from_secs(10)).await;
+    }
+
+    /// Stops the agent as SIGTERM would; whether it ended within `limit`.
+    pub async fn stop_within(self, limit: Duration) -> bool {
         self.token.cancel();
-        let _ = tokio::time::timeout(Duration::from_secs(10), self.task).await;
+        tokio::time::timeout(limit, self.task).await.is_ok()
     }
 }
 

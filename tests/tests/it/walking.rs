@@ -111,6 +111,49 @@ async fn a_streamed_reply_reaches_the_client_before_the_backend_has_finished() {
 }
 
 #[tokio::test]
+async fn an_agent_stops_within_its_grace_with_a_generation_still_running() {
+    use inferyes_agent::config::GpuSourceConfig;
+    use inferyes_tests::{AgentHandle, ControllerHandle, Etcd, SimHandle};
+    // A token a second: this answer would take a quarter of an hour.
+    let sim = SimHandle::start(SimConfig { decode_tokens_per_second: 1.0, ..chat_sim("chat") }).await;
+    let etcd = Etcd::start().await;
+    let controller = ControllerHandle::start(&etcd.endpoint(), "controller-1").await;
+    let backend = inferyes_agent::config::BackendConfig {
+        id: "main".into(),
+        url: sim.url.clone(),
+        kind: inferyes_agent::config::BackendKind::LlamaServer,
+        weight: 1,
+        endpoints: Vec::new(),
+        models: vec!["chat".into()],
+        host_cache_tokens: 0,
+        api_key: String::new(),
+    };
+    let grace = Duration::from_millis(300);
+    let agent =
+        AgentHandle::start_tweaked("node-a", &[controller.url()], GpuSourceConfig::Simulated, vec![backend], |c| {
+            c.shutdown_grace_ms = u64::try_from(grace.as_millis()).unwrap();
+        })
+        .await;
+    let request =
+        json!({"model": "chat", "stream": true, "max_tokens": 900, "messages": [{"role": "user", "content": "go"}]});
+    let http = inferyes_tests::HttpClient::default();
+    let response = http
+        .start(
+            Method::POST,
+            &format!("http://{}/v1/chat/completions", agent.proxy_addr),
+            Bytes::from(request.to_string()),
+            &[],
+        )
+        .await;
+    assert_eq!(response.status(), StatusCode::OK);
+    let mut body = response.into_body();
+    next_chunk(&mut body).await.expect("the generation has started");
+    let stopping = Instant::now();
+    assert!(agent.stop_within(grace + Duration::from_secs(5)).await, "the agent waited on the generation");
+    assert!(stopping.elapsed() >= grace, "the generation was cut before its grace: {:?}", stopping.elapsed());
+}
+
+#[tokio::test]
 async fn models_are_the_union_of_the_fleet() {
     let swap = SimConfig {
         models: vec![inferyes_agent::sim::SimModel::chat("alpha"), inferyes_agent::sim::SimModel::chat("beta")],
