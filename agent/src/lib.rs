@@ -154,22 +154,16 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
     // One router per worker thread, each with its own pool of connections
     // to the backends.
     let routers = (0..config.workers()).map(|_| proxy::router(Arc::clone(&state), Arc::clone(&scrape))).collect();
-    let options = inferyes_proto::serve::Options { name: "proxy", tls: tls_server, http2_streams: PROXY_HTTP2_STREAMS };
-    let serve = inferyes_proto::serve::serve(listeners.proxy, routers, options, shutdown.clone());
     // On shutdown, requests in flight get a grace period; then the rest are
-    // cut (dropping `serve` stops its workers).
-    tokio::pin!(serve);
-    let grace = config.shutdown_grace();
-    let served = tokio::select! {
-        served = &mut serve => served,
-        () = async {
-            shutdown.cancelled().await;
-            tokio::time::sleep(grace).await;
-        } => {
-            tracing::warn!(grace_ms = grace.as_millis(), "requests still in flight after the shutdown grace; ending them");
-            Ok(())
-        }
+    // cut.
+    let options = inferyes_proto::serve::Options {
+        name: "proxy",
+        tls: tls_server,
+        http2_streams: PROXY_HTTP2_STREAMS,
+        shutdown_grace: config.shutdown_grace(),
+        past_grace: CancellationToken::new(),
     };
+    let served = inferyes_proto::serve::serve(listeners.proxy, routers, options, shutdown.clone()).await;
     shutdown.cancel();
     let _ = poller.await;
     let _ = reporter.await;

@@ -88,28 +88,17 @@ pub async fn run(
         routers.push(http::router(http::AppState { forwarder, ..state.clone() }));
     }
     tracing::info!(listen = %listener.local_addr()?, id = %config.dataplane_id, workers = routers.len(), "data plane running");
-    let grace = config.shutdown_grace();
+    // On shutdown: stop accepting, let requests in flight finish, but not
+    // for longer than the grace period; then end the streams still running
+    // (with an error event) and give their connections a moment to close.
     let options = inferyes_proto::serve::Options {
         name: "dataplane",
         tls: None,
         http2_streams: inferyes_proto::serve::DEFAULT_HTTP2_STREAMS,
+        shutdown_grace: config.shutdown_grace(),
+        past_grace: hard_stop,
     };
-    let serve = inferyes_proto::serve::serve(listener, routers, options, shutdown.clone());
-    // On shutdown: stop accepting, let requests in flight finish, but not
-    // for longer than the grace period; then end the streams still running
-    // (with an error event) and give their connections a moment to close.
-    tokio::pin!(serve);
-    let served = tokio::select! {
-        served = &mut serve => served,
-        () = async {
-            shutdown.cancelled().await;
-            tokio::time::sleep(grace).await;
-        } => {
-            tracing::warn!(grace_ms = grace.as_millis(), "requests still in flight after the shutdown grace; ending them");
-            hard_stop.cancel();
-            tokio::time::timeout(std::time::Duration::from_secs(1), serve).await.unwrap_or(Ok(()))
-        }
-    };
+    let served = inferyes_proto::serve::serve(listener, routers, options, shutdown.clone()).await;
     shutdown.cancel();
     drained.cancel();
     let _ = ledger.await;

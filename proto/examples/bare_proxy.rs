@@ -80,6 +80,8 @@ async fn main() -> std::io::Result<()> {
         name: "bare-proxy",
         tls: None,
         http2_streams: inferyes_proto::serve::DEFAULT_HTTP2_STREAMS,
+        shutdown_grace: std::time::Duration::from_secs(10),
+        past_grace: tokio_util::sync::CancellationToken::new(),
     };
     inferyes_proto::serve::serve(listener, services, options, shutdown).await
 }

@@ -46,6 +46,11 @@ pub struct Options {
     /// Concurrent requests one HTTP/2 connection may carry; past it the
     /// client waits for a stream to end.
     pub http2_streams: u32,
+    /// On shutdown, how long requests in flight may go on.
+    pub shutdown_grace: Duration,
+    /// Cancelled when the grace is over, for bodies that can end themselves
+    /// cleanly (a stream's final error event); they get one more second.
+    pub past_grace: CancellationToken,
 }
 
 /// hyper's own limit of concurrent HTTP/2 streams, for listeners open to
@@ -63,9 +68,10 @@ pub fn default_workers() -> usize {
 }
 
 /// Serves until `shutdown` is cancelled and every connection has finished
-/// its requests (idle ones are closed at once). One worker thread per
-/// service given; dropping the returned future stops the workers and cuts
-/// their connections.
+/// its requests (idle ones are closed at once), or the shutdown grace is
+/// over: then what still runs is cut. One worker thread per service given;
+/// dropping the returned future stops the workers and cuts their
+/// connections.
 pub async fn serve<S, B>(
     listener: TcpListener,
     services: Vec<S>,
@@ -81,7 +87,7 @@ where
     if services.is_empty() {
         return Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, "no workers to serve with"));
     }
-    let Options { name, tls, http2_streams } = options;
+    let Options { name, tls, http2_streams, shutdown_grace, past_grace } = options;
     let tls = tls.map(tokio_rustls::TlsAcceptor::from);
     // Cancelled when this future ends or is dropped: workers stop at once.
     let stop_now = CancellationToken::new();
@@ -145,9 +151,21 @@ where
     drop(listener);
     // Closing the inboxes tells each worker to finish its connections.
     let finished: Vec<_> = workers.into_iter().map(|worker| worker.finished).collect();
-    for finished in finished {
-        let _ = finished.await;
+    let all_finished = async {
+        for finished in finished {
+            let _ = finished.await;
+        }
+    };
+    tokio::pin!(all_finished);
+    if tokio::time::timeout(shutdown_grace, &mut all_finished).await.is_err() {
+        tracing::warn!(
+            grace_ms = shutdown_grace.as_millis(),
+            "requests still in flight after the shutdown grace; ending them"
+        );
+        past_grace.cancel();
+        let _ = tokio::time::timeout(Duration::from_secs(1), all_finished).await;
     }
+    // Returning drops `stop_now`'s guard: workers still running stop.
     Ok(())
 }
 
@@ -305,7 +323,13 @@ mod tests {
             .map(|worker| Echo { worker, entered: Arc::clone(&entered), release: Arc::clone(&release) })
             .collect();
         let shutdown = CancellationToken::new();
-        let options = Options { name: "test", tls: None, http2_streams: DEFAULT_HTTP2_STREAMS };
+        let options = Options {
+            name: "test",
+            tls: None,
+            http2_streams: DEFAULT_HTTP2_STREAMS,
+            shutdown_grace: Duration::from_secs(60),
+            past_grace: CancellationToken::new(),
+        };
         let served = tokio::spawn(serve(listener, services, options, shutdown.clone()));
         Server { addr, entered, release, shutdown, served }
     }
@@ -381,7 +405,13 @@ mod tests {
         let boom = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let services = (0..2).map(|_| Fragile { boom: Arc::clone(&boom) }).collect();
         let shutdown = CancellationToken::new();
-        let options = Options { name: "fragile", tls: None, http2_streams: DEFAULT_HTTP2_STREAMS };
+        let options = Options {
+            name: "fragile",
+            tls: None,
+            http2_streams: DEFAULT_HTTP2_STREAMS,
+            shutdown_grace: Duration::from_secs(60),
+            past_grace: CancellationToken::new(),
+        };
         let served = tokio::spawn(serve(listener, services, options, shutdown.clone()));
         // The first connection kills the worker it is handed to.
         boom.store(true, Ordering::SeqCst);
