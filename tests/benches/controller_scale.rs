@@ -124,7 +124,7 @@ fn main() {
 
         // The data planes: the real subscription and decode, each into its
         // own store, each with a watcher that reads change numbers back.
-        let sent: Sent = Arc::default();
+        let swarm = Swarm::new(&controller_url, inferyes_tests::fleet::JOIN_TOKEN, churn, shutdown.clone());
         let latencies: Arc<Mutex<Vec<Duration>>> = Arc::default();
         let measuring = Arc::new(AtomicBool::new(false));
         for i in 0..DATA_PLANES {
@@ -138,33 +138,15 @@ fn main() {
             ));
             dataplane_rt.spawn(watch_changes(
                 store,
-                Arc::clone(&sent),
+                Arc::clone(&swarm.sent),
                 Arc::clone(&latencies),
                 Arc::clone(&measuring),
                 shutdown.clone(),
             ));
         }
 
-        let quiet = Arc::new(AtomicBool::new(false));
         let started = Instant::now();
-        let joined = Arc::new(AtomicU64::new(0));
-        for index in 0..agents {
-            tokio::spawn(agent(
-                index,
-                controller_url.clone(),
-                Arc::from(inferyes_tests::fleet::JOIN_TOKEN),
-                churn,
-                Arc::clone(&sent),
-                Arc::clone(&quiet),
-                Arc::clone(&joined),
-                shutdown.clone(),
-            ));
-        }
-        inferyes_tests::eventually("every agent joined", Duration::from_secs(120), || {
-            let joined = Arc::clone(&joined);
-            async move { joined.load(Ordering::Relaxed) == agents as u64 }
-        })
-        .await;
+        swarm.join(agents).await;
         inferyes_tests::eventually("every node in the snapshot", Duration::from_secs(120), || {
             let (client, url) = (client.clone(), metrics_url.clone());
             async move {
@@ -187,7 +169,7 @@ fn main() {
         let after = Sample::take(&client, &metrics_url, &etcd).await;
         measuring.store(false, Ordering::Relaxed);
         // Quiet: every agent only heartbeats.
-        quiet.store(true, Ordering::Relaxed);
+        swarm.quiet.store(true, Ordering::Relaxed);
         tokio::time::sleep(Duration::from_secs(2)).await;
         let quiet_before = Sample::take(&client, &metrics_url, &etcd).await;
         tokio::time::sleep(Duration::from_secs(quiet_seconds)).await;
@@ -245,54 +227,71 @@ fn join_only(controller: &str, token: &str, agents: usize, churn: f64, seconds: 
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().expect("runtime");
     runtime.block_on(async {
         let shutdown = CancellationToken::new();
-        let joined = Arc::new(AtomicU64::new(0));
-        for index in 0..agents {
-            tokio::spawn(agent(
-                index,
-                controller.to_string(),
-                Arc::from(token),
-                churn,
-                Sent::default(),
-                Arc::new(AtomicBool::new(false)),
-                Arc::clone(&joined),
-                shutdown.clone(),
-            ));
-        }
-        inferyes_tests::eventually("every agent joined", Duration::from_secs(120), || {
-            let joined = Arc::clone(&joined);
-            async move { joined.load(Ordering::Relaxed) == agents as u64 }
-        })
-        .await;
+        Swarm::new(controller, token, churn, shutdown.clone()).join(agents).await;
         println!("{agents} agents joined {controller}; reporting for {seconds} s");
         tokio::time::sleep(Duration::from_secs(seconds)).await;
         shutdown.cancel();
     });
 }
 
-/// One agent: a join stream with the real protocol, one report a second.
-#[allow(clippy::too_many_arguments)]
-async fn agent(
-    index: usize,
+/// What the simulated agents share.
+#[derive(Clone)]
+struct Swarm {
     controller: String,
     join_token: Arc<str>,
+    /// The share of agents whose status changes each second.
     churn: f64,
+    /// When each change was sent, for propagation times.
     sent: Sent,
+    /// Set: every agent only heartbeats.
     quiet: Arc<AtomicBool>,
     joined: Arc<AtomicU64>,
     shutdown: CancellationToken,
-) {
+}
+
+impl Swarm {
+    fn new(controller: &str, join_token: &str, churn: f64, shutdown: CancellationToken) -> Swarm {
+        Swarm {
+            controller: controller.to_string(),
+            join_token: Arc::from(join_token),
+            churn,
+            sent: Sent::default(),
+            quiet: Arc::default(),
+            joined: Arc::default(),
+            shutdown,
+        }
+    }
+
+    /// Starts `agents` agents and waits until every one has joined.
+    async fn join(&self, agents: usize) {
+        for index in 0..agents {
+            tokio::spawn(agent(index, self.clone()));
+        }
+        inferyes_tests::eventually("every agent joined", Duration::from_secs(120), || {
+            let joined = Arc::clone(&self.joined);
+            async move { joined.load(Ordering::Relaxed) == agents as u64 }
+        })
+        .await;
+    }
+}
+
+/// One agent: a join stream with the real protocol, one report a second.
+async fn agent(index: usize, swarm: Swarm) {
     let mut rng = fastrand::Rng::with_seed(index as u64);
     let mut status = node_status(index, 0);
     let (tx, rx) = mpsc::channel::<AgentMessage>(8);
     let mut client = loop {
-        match AgentServiceClient::connect(controller.clone()).await {
+        match AgentServiceClient::connect(swarm.controller.clone()).await {
             Ok(client) => break client,
             Err(_) => tokio::time::sleep(Duration::from_millis(200 + rng.u64(..300))).await,
         }
     };
     let _ = tx
         .send(AgentMessage {
-            msg: Some(Msg::Register(Register { status: Some(status.clone()), join_token: join_token.to_string() })),
+            msg: Some(Msg::Register(Register {
+                status: Some(status.clone()),
+                join_token: swarm.join_token.to_string(),
+            })),
         })
         .await;
     let mut sessions: Vec<String> = (0..SESSIONS_PER_NODE).map(|s| format!("n{index}-s{s}")).collect();
@@ -308,7 +307,7 @@ async fn agent(
         Ok(response) => response.into_inner(),
         Err(status) => panic!("agent {index} could not join: {status}"),
     };
-    joined.fetch_add(1, Ordering::Relaxed);
+    swarm.joined.fetch_add(1, Ordering::Relaxed);
     // Spread the reports over the second, as independent agents would be.
     tokio::time::sleep(Duration::from_millis(rng.u64(..1000))).await;
     let mut ticker = tokio::time::interval(Duration::from_secs(1));
@@ -316,14 +315,14 @@ async fn agent(
     let mut next_session = SESSIONS_PER_NODE;
     loop {
         tokio::select! {
-            () = shutdown.cancelled() => return,
+            () = swarm.shutdown.cancelled() => return,
             message = inbound.message() => match message {
                 Ok(Some(_)) => continue,
                 _ => return,
             },
             _ = ticker.tick() => {}
         }
-        let message = if !quiet.load(Ordering::Relaxed) && rng.f64() < churn {
+        let message = if !swarm.quiet.load(Ordering::Relaxed) && rng.f64() < swarm.churn {
             change += 1;
             status = node_status(index, change);
             let backend = &mut status.backends[0];
@@ -340,7 +339,7 @@ async fn agent(
             if tx.send(AgentMessage { msg: Some(Msg::Residency(delta)) }).await.is_err() {
                 return;
             }
-            sent.lock().expect("lock").insert((index, change), Instant::now());
+            swarm.sent.lock().expect("lock").insert((index, change), Instant::now());
             AgentMessage { msg: Some(Msg::Status(status.clone())) }
         } else {
             AgentMessage { msg: Some(Msg::Heartbeat(Heartbeat {})) }
