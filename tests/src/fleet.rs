@@ -159,6 +159,21 @@ pub struct AgentHandle {
     task: JoinHandle<anyhow::Result<()>>,
 }
 
+/// A llama-server backend `main` at `url`, declaring `models` (none: the
+/// agent reads them from the server).
+pub fn llama_server(url: &str, models: &[&str]) -> BackendConfig {
+    BackendConfig {
+        id: "main".into(),
+        url: url.into(),
+        kind: BackendKind::LlamaServer,
+        weight: 1,
+        endpoints: Vec::new(),
+        models: models.iter().map(|m| (*m).to_string()).collect(),
+        host_cache_tokens: 0,
+        api_key: String::new(),
+    }
+}
+
 impl AgentHandle {
     /// An agent fronting the given simulated backends, reading their GPUs.
     pub async fn start(node_id: &str, controllers: &[String], backends: &[(&str, &SimHandle)]) -> AgentHandle {
@@ -166,17 +181,13 @@ impl AgentHandle {
             .iter()
             .map(|(id, sim)| BackendConfig {
                 id: (*id).to_string(),
-                url: sim.url.clone(),
                 kind: match sim.sim.config().mode {
                     inferyes_agent::sim::SimMode::LlamaServer => BackendKind::LlamaServer,
                     inferyes_agent::sim::SimMode::LlamaSwap => BackendKind::LlamaSwap,
                 },
-                weight: 1,
-                endpoints: Vec::new(),
                 models: sim.sim.config().models.iter().map(|m| m.id.clone()).collect(),
                 host_cache_tokens: sim.sim.config().cache_ram_tokens,
-
-                api_key: String::new(),
+                ..llama_server(&sim.url, &[])
             })
             .collect();
         Self::start_with(node_id, controllers, GpuSourceConfig::Simulated, backends).await

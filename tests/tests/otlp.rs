@@ -7,8 +7,9 @@ use std::time::Duration;
 
 use axum::extract::Request;
 use axum::middleware::Next;
-use inferyes_agent::config::{BackendConfig, BackendKind, GpuSourceConfig};
+use inferyes_agent::config::GpuSourceConfig;
 use inferyes_agent::sim::{SimConfig, Simulator};
+use inferyes_tests::fleet::llama_server;
 use inferyes_tests::{AgentHandle, ControllerHandle, DataplaneHandle, Etcd, HttpClient};
 use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{TraceService, TraceServiceServer};
 use opentelemetry_proto::tonic::collector::trace::v1::{ExportTraceServiceRequest, ExportTraceServiceResponse};
@@ -109,16 +110,7 @@ async fn a_request_is_one_trace_across_data_plane_agent_and_backend() {
         "node-a",
         &[controller.url()],
         GpuSourceConfig::Simulated,
-        vec![BackendConfig {
-            id: "main".into(),
-            url: backend_url,
-            kind: BackendKind::LlamaServer,
-            weight: 1,
-            endpoints: Vec::new(),
-            models: vec!["chat".into()],
-            host_cache_tokens: 0,
-            api_key: String::new(),
-        }],
+        vec![llama_server(&backend_url, &["chat"])],
     )
     .await;
     let dataplane = DataplaneHandle::start(&[controller.url()]).await;

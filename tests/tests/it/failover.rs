@@ -9,8 +9,9 @@ use axum::body::Body;
 use axum::routing::{get, post};
 use bytes::Bytes;
 use http::{Method, StatusCode};
-use inferyes_agent::config::{BackendConfig, BackendKind, GpuSourceConfig};
+use inferyes_agent::config::GpuSourceConfig;
 use inferyes_tests::client::next_chunk;
+use inferyes_tests::fleet::llama_server;
 use inferyes_tests::{AgentHandle, ControllerHandle, DataplaneHandle, Etcd, HttpClient, SimHandle};
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
@@ -50,19 +51,6 @@ async fn breaking_backend(shutdown: CancellationToken) -> String {
     url
 }
 
-fn backend(url: &str) -> BackendConfig {
-    BackendConfig {
-        id: "main".into(),
-        url: url.into(),
-        kind: BackendKind::LlamaServer,
-        weight: 1,
-        endpoints: Vec::new(),
-        models: Vec::new(),
-        host_cache_tokens: 0,
-        api_key: String::new(),
-    }
-}
-
 /// A fleet whose `node-a` breaks every answer after its first bytes, and,
 /// with `healthy`, a `node-b` that answers well.
 struct Breaking {
@@ -80,8 +68,13 @@ impl Breaking {
         let controller = ControllerHandle::start(&etcd.endpoint(), "controller-1").await;
         let stop = CancellationToken::new();
         let url = breaking_backend(stop.clone()).await;
-        let broken =
-            AgentHandle::start_with("node-a", &[controller.url()], GpuSourceConfig::None, vec![backend(&url)]).await;
+        let broken = AgentHandle::start_with(
+            "node-a",
+            &[controller.url()],
+            GpuSourceConfig::None,
+            vec![llama_server(&url, &[])],
+        )
+        .await;
         let healthy = if healthy {
             let sim = SimHandle::start(chat_sim("chat")).await;
             Some((AgentHandle::start("node-b", &[controller.url()], &[("main", &sim)]).await, sim))

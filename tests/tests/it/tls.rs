@@ -5,10 +5,11 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use http::StatusCode;
-use inferyes_agent::config::{BackendConfig, BackendKind, GpuSourceConfig};
+use inferyes_agent::config::GpuSourceConfig;
 use inferyes_proto::tls::Tls;
 use inferyes_proto::v1::SubscribeRequest;
 use inferyes_proto::v1::routing_service_client::RoutingServiceClient;
+use inferyes_tests::fleet::llama_server;
 use inferyes_tests::{AgentHandle, ControllerHandle, DataplaneHandle, Etcd, HttpClient, SimHandle};
 use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, DnType, ExtendedKeyUsagePurpose, IsCa, KeyPair};
 
@@ -73,16 +74,7 @@ async fn the_fleet_runs_over_mutual_tls_and_refuses_clients_without_a_certificat
     let controller =
         ControllerHandle::start_with(&etcd.endpoint(), "controller-1", None, move |c| c.tls = server_tls).await;
     let sim = SimHandle::start(chat_sim("chat")).await;
-    let backend = BackendConfig {
-        id: "main".into(),
-        url: sim.url.clone(),
-        kind: BackendKind::LlamaServer,
-        weight: 1,
-        endpoints: Vec::new(),
-        models: vec!["chat".into()],
-        host_cache_tokens: 0,
-        api_key: String::new(),
-    };
+    let backend = llama_server(&sim.url, &["chat"]);
     let agent_tls = tls.clone();
     let _agent = AgentHandle::start_tweaked(
         "node-a",

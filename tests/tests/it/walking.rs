@@ -118,16 +118,7 @@ async fn an_agent_stops_within_its_grace_with_a_generation_still_running() {
     let sim = SimHandle::start(SimConfig { decode_tokens_per_second: 1.0, ..chat_sim("chat") }).await;
     let etcd = Etcd::start().await;
     let controller = ControllerHandle::start(&etcd.endpoint(), "controller-1").await;
-    let backend = inferyes_agent::config::BackendConfig {
-        id: "main".into(),
-        url: sim.url.clone(),
-        kind: inferyes_agent::config::BackendKind::LlamaServer,
-        weight: 1,
-        endpoints: Vec::new(),
-        models: vec!["chat".into()],
-        host_cache_tokens: 0,
-        api_key: String::new(),
-    };
+    let backend = inferyes_tests::fleet::llama_server(&sim.url, &["chat"]);
     let grace = Duration::from_millis(300);
     let agent =
         AgentHandle::start_tweaked("node-a", &[controller.url()], GpuSourceConfig::Simulated, vec![backend], |c| {
