@@ -365,7 +365,7 @@ async fn serve(
         Arc::clone(&state.ledger),
         request_id.to_str().unwrap_or_default().to_string(),
         caller.key_id().map(str::to_string),
-        snapshot.resolve(&view.model).to_string(),
+        model.to_string(),
         view.stream,
         u64::from(estimated_prompt_tokens(body.len(), &view)),
     );
