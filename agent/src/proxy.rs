@@ -127,6 +127,8 @@ async fn forward_in_span(proxy: Proxy, request: Request<Body>) -> Response {
         proxy.state.changed.notify_one();
     }
 
+    // For a log line: the request's span is a trace, not log context.
+    let request_id = parts.headers.get("x-request-id").cloned();
     let guard = InFlight::enter(Arc::clone(&proxy.state), index);
     let started = Instant::now();
     match proxy.client.request(Request::from_parts(parts, body)).await {
@@ -148,7 +150,8 @@ async fn forward_in_span(proxy: Proxy, request: Request<Body>) -> Response {
             Response::from_parts(parts, Body::new(tracked))
         }
         Err(err) => {
-            tracing::warn!(backend = %backend_id, error = %err, "backend request failed");
+            let request_id = request_id.as_ref().and_then(|v| v.to_str().ok()).unwrap_or_default();
+            tracing::warn!(request_id, backend = %backend_id, error = %err, "backend request failed");
             error(ErrorKind::Upstream, &format!("backend `{backend_id}` is unreachable"), "backend_unreachable")
         }
     }

@@ -186,7 +186,13 @@ async fn pipe(
         }
         // Broken. Eject the node, and go on elsewhere if there is a place.
         let ejected_ms = guard.local.eject(inferyes_proto::unix_ms(), resume.version);
-        tracing::warn!(node = %node, ejected_ms, generated, "stream broke mid-answer; continuing elsewhere");
+        tracing::warn!(
+            request_id = resume.request_id.to_str().unwrap_or_default(),
+            node = %node,
+            ejected_ms,
+            generated,
+            "stream broke mid-answer; continuing elsewhere"
+        );
         let mut next = None;
         while let Some(hop) = resume.hops.pop_front() {
             match continue_on(&resume, &hop, &partial, generated).await {

@@ -79,6 +79,13 @@ pub struct Outbound<'a> {
     pub strip_usage: bool,
 }
 
+impl Outbound<'_> {
+    /// For log lines: the request's span is a trace, not log context.
+    fn request_id(&self) -> &str {
+        self.request_id.to_str().unwrap_or_default()
+    }
+}
+
 impl Forwarder {
     pub fn new(
         connect_timeout: Duration,
@@ -160,7 +167,7 @@ impl Forwarder {
                 }
                 Ok(Err(error)) => {
                     let ejected_ms = node.local.eject(inferyes_proto::unix_ms(), snapshot.version());
-                    tracing::warn!(node = %node.id, %error, ejected_ms, "node unreachable; trying the next candidate");
+                    tracing::warn!(request_id = out.request_id(), node = %node.id, %error, ejected_ms, "node unreachable; trying the next candidate");
                     last_error = Some(ApiError::new(
                         ErrorKind::Upstream,
                         format!("node `{}` is unreachable", node.id),
@@ -179,7 +186,7 @@ impl Forwarder {
                 // (a client's own limit) are the client's to see.
                 if refused || error.code.as_deref() == Some("concurrency_limit") {
                     let ejected_ms = node.local.eject(inferyes_proto::unix_ms(), snapshot.version());
-                    tracing::warn!(node = %node.id, %status, ejected_ms, "node refused before the first byte; trying the next candidate");
+                    tracing::warn!(request_id = out.request_id(), node = %node.id, %status, ejected_ms, "node refused before the first byte; trying the next candidate");
                     last_error = Some(error);
                     continue;
                 }
@@ -219,7 +226,7 @@ impl Forwarder {
                     }
                     Err(error) => {
                         let ejected_ms = node.local.eject(inferyes_proto::unix_ms(), snapshot.version());
-                        tracing::warn!(node = %node.id, %error, ejected_ms, "node failed mid-answer; trying the next candidate");
+                        tracing::warn!(request_id = out.request_id(), node = %node.id, %error, ejected_ms, "node failed mid-answer; trying the next candidate");
                         last_error = Some(ApiError::new(
                             ErrorKind::Upstream,
                             format!("node `{}` failed in the middle of its answer", node.id),
@@ -282,6 +289,7 @@ impl Forwarder {
                 expects_done: out.expects_done,
                 tail: Vec::new(),
                 _span: tracing::Span::current(),
+                request_id: out.request_id.clone(),
                 meter: out.meter.clone(),
                 status: status.as_u16(),
                 strip_usage: out.strip_usage,
@@ -427,6 +435,7 @@ struct Guarded {
     tail: Vec<u8>,
     /// The request's span ends with the stream, not with its headers.
     _span: tracing::Span,
+    request_id: HeaderValue,
     meter: Option<Meter>,
     status: u16,
     /// The data plane asked for usage the client did not: its chunk is
@@ -439,6 +448,10 @@ struct Guarded {
 const TAIL_BYTES: usize = inferyes_proto::usage::TAIL_BYTES;
 
 impl Guarded {
+    fn request_id(&self) -> &str {
+        self.request_id.to_str().unwrap_or_default()
+    }
+
     fn finish(&self, outcome: Outcome) {
         if let Some(meter) = &self.meter {
             meter.finish(self.status, outcome, inferyes_proto::usage::parse_usage(&self.tail));
@@ -522,7 +535,7 @@ impl http_body::Body for Guarded {
                     // (it shut down, say): say so rather than end as if done.
                     this.ended = true;
                     this.finish(Outcome::Broken);
-                    tracing::warn!(node = %this.node, "stream ended without [DONE]; ending it with an error event");
+                    tracing::warn!(request_id = this.request_id(), node = %this.node, "stream ended without [DONE]; ending it with an error event");
                     let error = ApiError::new(
                         ErrorKind::Upstream,
                         format!("node `{}` ended the stream before the answer was complete", this.node),
@@ -532,7 +545,7 @@ impl http_body::Body for Guarded {
                 }
                 Poll::Ready(Some(Err(error))) if this.event_stream => {
                     let ejected_ms = this.guard.local.eject(inferyes_proto::unix_ms(), this.version);
-                    tracing::warn!(node = %this.node, %error, ejected_ms, "node failed mid-stream; ending the stream with an error event");
+                    tracing::warn!(request_id = this.request_id(), node = %this.node, %error, ejected_ms, "node failed mid-stream; ending the stream with an error event");
                     this.ended = true;
                     this.finish(Outcome::Broken);
                     let error = ApiError::new(

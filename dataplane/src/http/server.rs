@@ -129,7 +129,7 @@ async fn edge(mut request: Request, next: Next) -> Response {
                 .map(|s| (*s).to_string())
                 .or_else(|| panic.downcast_ref::<String>().cloned())
                 .unwrap_or_default();
-            tracing::error!(panic = %what, "request handler panicked");
+            tracing::error!(request_id = id.to_str().unwrap_or_default(), panic = %what, "request handler panicked");
             ApiError::new(ErrorKind::Internal, "internal error; the request was not completed", "internal_error")
                 .into_response()
         }
@@ -435,6 +435,11 @@ async fn route_and_forward(
     let path_and_query = parts.uri.path_and_query().map(|p| p.as_str()).unwrap_or(parts.uri.path());
     let body_for_checks = body.clone();
     if route.cold && view.stream {
+        tracing::debug!(
+            request_id = request_id.to_str().unwrap_or_default(),
+            model,
+            "cold load for a stream: answering at once"
+        );
         let outbound = OwnedOutbound {
             path_and_query: path_and_query.to_string(),
             headers: parts.headers.clone(),
@@ -447,7 +452,6 @@ async fn route_and_forward(
             meter: Some(meter),
             strip_usage,
         };
-        tracing::debug!(model, "cold load for a stream: answering at once");
         return Ok(state.forwarder.forward_cold_stream(Arc::clone(snapshot), route, outbound));
     }
     let outbound = Outbound {
@@ -468,14 +472,16 @@ async fn route_and_forward(
         strip_usage,
     };
     let result = state.forwarder.forward(snapshot, &route, outbound).await;
+    let request_id = request_id.to_str().unwrap_or_default();
     match &result {
         Ok(response) => tracing::debug!(
+            request_id,
             model,
             route = route.reason.as_str(),
             status = %response.status(),
             "request routed"
         ),
-        Err(error) => tracing::debug!(model, code = ?error.code, "request failed"),
+        Err(error) => tracing::debug!(request_id, model, code = ?error.code, "request failed"),
     }
     result
 }
