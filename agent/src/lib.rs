@@ -153,7 +153,12 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
     let scrape = Arc::new(proxy::Scrape { registry, metrics });
     // One router per worker thread, each with its own pool of connections
     // to the backends.
-    let routers = (0..config.workers()).map(|_| proxy::router(Arc::clone(&state), Arc::clone(&scrape))).collect();
+    let routers = (0..config.workers())
+        .map(|_| {
+            let router = proxy::router(Arc::clone(&state), Arc::clone(&scrape));
+            move |_| hyper_util::service::TowerToHyperService::new(router.clone())
+        })
+        .collect();
     // On shutdown, requests in flight get a grace period; then the rest are
     // cut.
     let options = inferyes_proto::serve::Options {

@@ -82,12 +82,12 @@ pub async fn run(
     }
     // One router per worker thread, each with its own pool of connections
     // to agents (a pooled connection is driven by the thread that opened it).
-    let mut routers = vec![http::router(state.clone())];
+    let mut gateways = vec![http::Gateway::new(state.clone())];
     for _ in 1..config.workers() {
         let forwarder = http::forward_client(&config, hard_stop.clone(), Arc::clone(&state.metrics))?;
-        routers.push(http::router(http::AppState { forwarder, ..state.clone() }));
+        gateways.push(http::Gateway::new(http::AppState { forwarder, ..state.clone() }));
     }
-    tracing::info!(listen = %listener.local_addr()?, id = %config.dataplane_id, workers = routers.len(), "data plane running");
+    tracing::info!(listen = %listener.local_addr()?, id = %config.dataplane_id, workers = gateways.len(), "data plane running");
     // On shutdown: stop accepting, let requests in flight finish, but not
     // for longer than the grace period; then end the streams still running
     // (with an error event) and give their connections a moment to close.
@@ -98,7 +98,8 @@ pub async fn run(
         shutdown_grace: config.shutdown_grace(),
         past_grace: hard_stop,
     };
-    let served = inferyes_proto::serve::serve(listener, routers, options, shutdown.clone()).await;
+    let connections = gateways.into_iter().map(|gateway| move |peer| gateway.connection(peer)).collect();
+    let served = inferyes_proto::serve::serve(listener, connections, options, shutdown.clone()).await;
     shutdown.cancel();
     drained.cancel();
     let _ = ledger.await;

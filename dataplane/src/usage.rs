@@ -311,11 +311,12 @@ pub struct Meter(Arc<MeterInner>);
 struct MeterInner {
     ledger: Arc<Ledger>,
     started: Instant,
-    template: UsageRecord,
+    stream: bool,
+    /// The record as far as it is known; taken (not copied) when finished.
+    record: Mutex<UsageRecord>,
     /// Prompt tokens estimated from the request, for answers without usage.
     prompt_estimate: u64,
     done: AtomicBool,
-    node: Mutex<String>,
     /// Set by the first frame of the answer; read once, at the end.
     first_byte: std::sync::OnceLock<Instant>,
     /// Data events seen in a stream: one token each, for an estimate.
@@ -354,17 +355,17 @@ impl Meter {
         Meter(Arc::new(MeterInner {
             ledger,
             started: Instant::now(),
-            template: UsageRecord {
+            stream,
+            record: Mutex::new(UsageRecord {
                 request_id,
                 unix_ms: inferyes_proto::unix_ms(),
                 key_id: key_id.unwrap_or_default(),
                 model,
                 stream,
                 ..Default::default()
-            },
+            }),
             prompt_estimate,
             done: AtomicBool::new(false),
-            node: Mutex::default(),
             first_byte: std::sync::OnceLock::new(),
             events: AtomicU64::new(0),
         }))
@@ -372,9 +373,9 @@ impl Meter {
 
     /// The node that answers (the last one tried).
     pub fn node(&self, node: &str) {
-        let mut current = self.0.node.lock().unwrap_or_else(PoisonError::into_inner);
-        current.clear();
-        current.push_str(node);
+        let mut record = self.0.record.lock().unwrap_or_else(PoisonError::into_inner);
+        record.node_id.clear();
+        record.node_id.push_str(node);
     }
 
     /// Called for every frame: after the first, a load and nothing more.
@@ -401,19 +402,13 @@ impl MeterInner {
         if self.done.swap(true, Ordering::AcqRel) {
             return;
         }
-        let ttft = self
-            .first_byte
-            .get()
-            .filter(|_| self.template.stream)
-            .map_or(0, |at| millis(at.duration_since(self.started)));
-        let mut record = UsageRecord {
-            node_id: self.node.lock().unwrap_or_else(PoisonError::into_inner).clone(),
-            status: u32::from(status),
-            outcome: outcome.as_str().to_string(),
-            latency_ms: millis(self.started.elapsed()),
-            ttft_ms: ttft,
-            ..self.template.clone()
-        };
+        let ttft =
+            self.first_byte.get().filter(|_| self.stream).map_or(0, |at| millis(at.duration_since(self.started)));
+        let mut record = std::mem::take(&mut *self.record.lock().unwrap_or_else(PoisonError::into_inner));
+        record.status = u32::from(status);
+        record.outcome = outcome.as_str().to_string();
+        record.latency_ms = millis(self.started.elapsed());
+        record.ttft_ms = ttft;
         match usage {
             Some(usage) => {
                 record.prompt_tokens = u64::from(usage.prompt_tokens);

@@ -10,7 +10,6 @@
 
 use std::convert::Infallible;
 use std::pin::Pin;
-use std::task::{Context, Poll};
 
 use http::{Request, Response, StatusCode, Uri};
 use hyper::body::Incoming;
@@ -26,16 +25,12 @@ struct Forward {
 
 type Body = http_body_util::Either<Incoming, String>;
 
-impl tower::Service<Request<Incoming>> for Forward {
+impl hyper::service::Service<Request<Incoming>> for Forward {
     type Response = Response<Body>;
     type Error = Infallible;
     type Future = Pin<Box<dyn Future<Output = Result<Response<Body>, Infallible>> + Send>>;
 
-    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
-        Poll::Ready(Ok(()))
-    }
-
-    fn call(&mut self, mut request: Request<Incoming>) -> Self::Future {
+    fn call(&self, mut request: Request<Incoming>) -> Self::Future {
         let client = self.client.clone();
         let mut parts = self.upstream.clone().into_parts();
         parts.path_and_query = request.uri().path_and_query().cloned();
@@ -72,7 +67,9 @@ async fn main() -> std::io::Result<()> {
         .map(|_| {
             let mut connector = HttpConnector::new();
             connector.set_nodelay(true);
-            Forward { client: Client::builder(TokioExecutor::new()).build(connector), upstream: upstream.clone() }
+            let forward =
+                Forward { client: Client::builder(TokioExecutor::new()).build(connector), upstream: upstream.clone() };
+            move |_| forward.clone()
         })
         .collect();
     let shutdown = inferyes_proto::process::shutdown_on_signal();

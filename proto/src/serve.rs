@@ -13,7 +13,9 @@
 //! docs/performance.md for what it measured.
 //!
 //! One acceptor, on the caller's runtime, hands each accepted connection to
-//! the worker with the fewest open connections. Speaks HTTP/1.1 and, on the
+//! the worker with the fewest open connections. A worker makes one service
+//! per connection, told the client's address: requests then carry nothing
+//! for it (an extension map costs two allocations per request). Speaks HTTP/1.1 and, on the
 //! same port, HTTP/2 with prior knowledge (h2c); with a TLS configuration,
 //! both over TLS (ALPN).
 
@@ -32,10 +34,6 @@ use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
-
-/// The client's address, in every request's extensions.
-#[derive(Clone, Copy, Debug)]
-pub struct Peer(pub SocketAddr);
 
 /// How a server is run.
 pub struct Options {
@@ -69,17 +67,22 @@ pub fn default_workers() -> usize {
 
 /// Serves until `shutdown` is cancelled and every connection has finished
 /// its requests (idle ones are closed at once), or the shutdown grace is
-/// over: then what still runs is cut. One worker thread per service given;
-/// dropping the returned future stops the workers and cuts their
-/// connections.
-pub async fn serve<S, B>(
+/// over: then what still runs is cut. One worker thread per service maker
+/// given, which makes the service of each connection it serves from the
+/// client's address. Dropping the returned future stops the workers and
+/// cuts their connections.
+///
+/// A tower service (an axum `Router`) is served as
+/// `move |_| TowerToHyperService::new(router.clone())`.
+pub async fn serve<M, S, B>(
     listener: TcpListener,
-    services: Vec<S>,
+    services: Vec<M>,
     options: Options,
     shutdown: CancellationToken,
 ) -> std::io::Result<()>
 where
-    S: tower::Service<Request<Incoming>, Response = Response<B>, Error = Infallible> + Clone + Send + 'static,
+    M: Fn(SocketAddr) -> S + Send + 'static,
+    S: hyper::service::Service<Request<Incoming>, Response = Response<B>, Error = Infallible> + Send + 'static,
     S::Future: Send + 'static,
     B: http_body::Body<Data = Bytes> + Send + 'static,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
@@ -93,13 +96,13 @@ where
     let stop_now = CancellationToken::new();
     let _stop_on_drop = stop_now.clone().drop_guard();
     let mut workers = Vec::with_capacity(services.len());
-    for (index, service) in services.into_iter().enumerate() {
+    for (index, make_service) in services.into_iter().enumerate() {
         let (connections, inbox) = mpsc::unbounded_channel();
         let (done, finished) = oneshot::channel::<()>();
         let open = Arc::new(AtomicUsize::new(0));
         let worker = Worker {
             inbox,
-            service,
+            make_service,
             tls: tls.clone(),
             http2_streams,
             open: Arc::clone(&open),
@@ -179,9 +182,9 @@ struct WorkerHandle {
     finished: oneshot::Receiver<()>,
 }
 
-struct Worker<S> {
+struct Worker<M> {
     inbox: mpsc::UnboundedReceiver<(std::net::TcpStream, SocketAddr)>,
-    service: S,
+    make_service: M,
     tls: Option<tokio_rustls::TlsAcceptor>,
     http2_streams: u32,
     open: Arc<AtomicUsize>,
@@ -198,9 +201,10 @@ impl Drop for Open {
     }
 }
 
-impl<S, B> Worker<S>
+impl<M, S, B> Worker<M>
 where
-    S: tower::Service<Request<Incoming>, Response = Response<B>, Error = Infallible> + Clone + Send + 'static,
+    M: Fn(SocketAddr) -> S,
+    S: hyper::service::Service<Request<Incoming>, Response = Response<B>, Error = Infallible> + Send + 'static,
     S::Future: Send + 'static,
     B: http_body::Body<Data = Bytes> + Send + 'static,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
@@ -233,11 +237,7 @@ where
             };
             let open = Open(Arc::clone(&self.open));
             let Ok(tcp) = TcpStream::from_std(stream) else { continue };
-            let service = self.service.clone();
-            let service = hyper::service::service_fn(move |mut request: Request<Incoming>| {
-                request.extensions_mut().insert(Peer(peer));
-                tower::ServiceExt::oneshot(service.clone(), request)
-            });
+            let service = (self.make_service)(peer);
             let (builder, watcher, tls) = (builder.clone(), graceful.watcher(), self.tls.clone());
             tokio::spawn(async move {
                 let _open = open;
@@ -275,32 +275,29 @@ mod tests {
 
     use super::*;
 
-    /// Answers with the worker's index, its thread and the peer it was
-    /// told of; `/slow` says it has started, then waits until released.
-    #[derive(Clone)]
+    /// Answers with the worker's index, its thread and the peer its
+    /// connection was made for; `/slow` says it has started, then waits
+    /// until released.
     struct Echo {
         worker: usize,
+        peer: SocketAddr,
         entered: Arc<tokio::sync::Notify>,
         release: Arc<tokio::sync::Notify>,
     }
 
-    impl tower::Service<Request<Incoming>> for Echo {
+    impl hyper::service::Service<Request<Incoming>> for Echo {
         type Response = Response<Full<Bytes>>;
         type Error = Infallible;
         type Future = std::pin::Pin<Box<dyn Future<Output = Result<Self::Response, Infallible>> + Send>>;
 
-        fn poll_ready(&mut self, _: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), Infallible>> {
-            std::task::Poll::Ready(Ok(()))
-        }
-
-        fn call(&mut self, request: Request<Incoming>) -> Self::Future {
-            let (worker, entered, release) = (self.worker, Arc::clone(&self.entered), Arc::clone(&self.release));
+        fn call(&self, request: Request<Incoming>) -> Self::Future {
+            let (worker, peer) = (self.worker, self.peer);
+            let (entered, release) = (Arc::clone(&self.entered), Arc::clone(&self.release));
             Box::pin(async move {
                 if request.uri().path() == "/slow" {
                     entered.notify_one();
                     release.notified().await;
                 }
-                let peer = request.extensions().get::<Peer>().map(|p| p.0.to_string()).unwrap_or_default();
                 let thread = std::thread::current().name().unwrap_or_default().to_string();
                 Ok(Response::new(Full::new(Bytes::from(format!("{worker} {thread} {peer}")))))
             })
@@ -320,7 +317,10 @@ mod tests {
         let addr = listener.local_addr().unwrap();
         let (entered, release) = (Arc::new(tokio::sync::Notify::new()), Arc::new(tokio::sync::Notify::new()));
         let services = (0..workers)
-            .map(|worker| Echo { worker, entered: Arc::clone(&entered), release: Arc::clone(&release) })
+            .map(|worker| {
+                let (entered, release) = (Arc::clone(&entered), Arc::clone(&release));
+                move |peer| Echo { worker, peer, entered: Arc::clone(&entered), release: Arc::clone(&release) }
+            })
             .collect();
         let shutdown = CancellationToken::new();
         let options = Options {
@@ -371,30 +371,25 @@ mod tests {
         served.await.unwrap().unwrap();
     }
 
-    /// A service whose worker dies (its clone panics, outside any task)
-    /// when `boom` is set; the clone that panics clears it.
-    struct Fragile {
-        boom: Arc<std::sync::atomic::AtomicBool>,
-    }
+    /// Answers 200.
+    struct Ok200;
 
-    impl Clone for Fragile {
-        fn clone(&self) -> Fragile {
-            assert!(!self.boom.swap(false, Ordering::SeqCst), "worker bug");
-            Fragile { boom: Arc::clone(&self.boom) }
-        }
-    }
-
-    impl tower::Service<Request<Incoming>> for Fragile {
+    impl hyper::service::Service<Request<Incoming>> for Ok200 {
         type Response = Response<Full<Bytes>>;
         type Error = Infallible;
         type Future = std::future::Ready<Result<Self::Response, Infallible>>;
 
-        fn poll_ready(&mut self, _: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), Infallible>> {
-            std::task::Poll::Ready(Ok(()))
-        }
-
-        fn call(&mut self, _: Request<Incoming>) -> Self::Future {
+        fn call(&self, _: Request<Incoming>) -> Self::Future {
             std::future::ready(Ok(Response::new(Full::new(Bytes::from_static(b"ok")))))
+        }
+    }
+
+    /// A service maker that kills its worker (it panics, outside any
+    /// task) when `boom` is set; the one that panics clears it.
+    fn fragile(boom: Arc<std::sync::atomic::AtomicBool>) -> impl Fn(SocketAddr) -> Ok200 + Send + 'static {
+        move |_| {
+            assert!(!boom.swap(false, Ordering::SeqCst), "worker bug");
+            Ok200
         }
     }
 
@@ -403,7 +398,7 @@ mod tests {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let boom = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let services = (0..2).map(|_| Fragile { boom: Arc::clone(&boom) }).collect();
+        let services = (0..2).map(|_| fragile(Arc::clone(&boom))).collect();
         let shutdown = CancellationToken::new();
         let options = Options {
             name: "fragile",

@@ -21,37 +21,62 @@ pub const TAIL_BYTES: usize = 4096;
 /// `prompt_tokens_details.cached_tokens`), else llama-server's `timings`
 /// (`prompt_n` + `cache_n`, `predicted_n`), from the end of a response.
 pub fn parse_usage(tail: &[u8]) -> Option<Usage> {
-    if let Some(prompt) = last_number(tail, b"\"prompt_tokens\":") {
+    let [prompt, completion, cached, cache_n, processed, predicted] = last_numbers(tail);
+    if let Some(prompt) = prompt {
         return Some(Usage {
             prompt_tokens: prompt,
-            completion_tokens: last_number(tail, b"\"completion_tokens\":").unwrap_or(0),
-            cached_tokens: last_number(tail, b"\"cached_tokens\":")
-                .or_else(|| last_number(tail, b"\"cache_n\":"))
-                .unwrap_or(0),
+            completion_tokens: completion.unwrap_or(0),
+            cached_tokens: cached.or(cache_n).unwrap_or(0),
         });
     }
-    let processed = last_number(tail, b"\"prompt_n\":")?;
-    let cached = last_number(tail, b"\"cache_n\":").unwrap_or(0);
+    let processed = processed?;
+    let cached = cache_n.unwrap_or(0);
     Some(Usage {
         prompt_tokens: processed.saturating_add(cached),
-        completion_tokens: last_number(tail, b"\"predicted_n\":").unwrap_or(0),
+        completion_tokens: predicted.unwrap_or(0),
         cached_tokens: cached,
     })
 }
 
-fn last_number(haystack: &[u8], key: &[u8]) -> Option<u32> {
-    // Backwards from the end, comparing only where the key's first byte
-    // (a quote) is: a byte-by-byte window scan costs a comparison per byte.
-    let first = *key.first()?;
-    let mut end = haystack.len();
-    let at = loop {
-        let i = haystack[..end].iter().rposition(|&b| b == first)?;
-        if haystack[i..].starts_with(key) {
-            break i + key.len();
+/// The keys [`parse_usage`] reads, in the order [`last_numbers`] answers.
+const KEYS: [&[u8]; 6] = [
+    b"\"prompt_tokens\":",
+    b"\"completion_tokens\":",
+    b"\"cached_tokens\":",
+    b"\"cache_n\":",
+    b"\"prompt_n\":",
+    b"\"predicted_n\":",
+];
+
+/// The number after the last occurrence of each of [`KEYS`] (`None` where
+/// the key is missing or no number follows it). One pass from the end,
+/// stopping only at quotes (found with `memrchr`), and comparing keys only
+/// where the quote is followed by their first letter: every response pays
+/// for this.
+fn last_numbers(haystack: &[u8]) -> [Option<u32>; 6] {
+    let mut seen = [false; 6];
+    let mut numbers = [None; 6];
+    for at in memchr::memrchr_iter(b'"', haystack) {
+        let rest = &haystack[at..];
+        if !matches!(rest.get(1), Some(b'p' | b'c')) {
+            continue;
         }
-        end = i;
-    };
-    let mut digits = haystack[at..].iter().skip_while(|b| b.is_ascii_whitespace()).take_while(|b| b.is_ascii_digit());
+        let Some(k) = KEYS.iter().position(|key| rest.starts_with(key)) else { continue };
+        if seen[k] {
+            continue;
+        }
+        seen[k] = true;
+        numbers[k] = number(&rest[KEYS[k].len()..]);
+        if seen.iter().all(|s| *s) {
+            break;
+        }
+    }
+    numbers
+}
+
+/// The unsigned integer at the start of `text`, after any whitespace.
+fn number(text: &[u8]) -> Option<u32> {
+    let mut digits = text.iter().skip_while(|b| b.is_ascii_whitespace()).take_while(|b| b.is_ascii_digit());
     let first = digits.next()?;
     digits.try_fold(u32::from(first - b'0'), |n, b| n.checked_mul(10)?.checked_add(u32::from(b - b'0')))
 }
@@ -151,6 +176,19 @@ mod tests {
     fn timings_serve_when_a_stream_carries_no_usage() {
         let tail = b"data: {\"choices\":[{\"finish_reason\":\"length\",\"delta\":{}}],\"timings\":{\"cache_n\": 20,\"prompt_n\":5,\"predicted_n\":7}}\n\ndata: [DONE]\n\n";
         assert_eq!(parse_usage(tail), Some(Usage { prompt_tokens: 25, completion_tokens: 7, cached_tokens: 20 }));
+    }
+
+    #[test]
+    fn the_last_value_of_each_key_counts_and_quoted_text_is_not_a_key() {
+        let tail = concat!(
+            "data: {\"usage\":{\"prompt_tokens\":1,\"completion_tokens\":1}}\n\n",
+            "data: {\"usage\":{\"prompt_tokens\":12,\"completion_tokens\":30}}\n\n",
+            "data: {\"choices\":[{\"delta\":{\"content\":\"\\\"prompt_tokens\\\":9\"}}]}\n\n",
+        );
+        assert_eq!(
+            parse_usage(tail.as_bytes()),
+            Some(Usage { prompt_tokens: 12, completion_tokens: 30, cached_tokens: 0 })
+        );
     }
 
     #[test]

@@ -370,10 +370,21 @@ fn forwardable(name: &HeaderName) -> bool {
 }
 
 fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    for name in [header::CONNECTION, header::TRANSFER_ENCODING, header::TE, header::TRAILER, header::UPGRADE] {
-        headers.remove(name);
+    const HOP_BY_HOP: [HeaderName; 6] = [
+        header::CONNECTION,
+        header::TRANSFER_ENCODING,
+        header::TE,
+        header::TRAILER,
+        header::UPGRADE,
+        HeaderName::from_static("keep-alive"),
+    ];
+    // Usually there are none: a look at the few names is cheaper than six
+    // removals, each hashing its name.
+    if headers.keys().any(|name| HOP_BY_HOP.contains(name)) {
+        for name in HOP_BY_HOP {
+            headers.remove(name);
+        }
     }
-    headers.remove("keep-alive");
 }
 
 /// The error a non-success response carries, in the OpenAI shape, with its

@@ -10,7 +10,7 @@ mod upstream;
 mod view;
 
 pub use error::ApiError;
-pub use server::{AppState, ENDPOINTS, Endpoint, router};
+pub use server::{AppState, ENDPOINTS, Endpoint, Gateway, Peer, router};
 pub use view::{RoutingView, parse_view, session_key};
 
 /// The pooled client to agents, as configured. `hard_stop` ends the streams

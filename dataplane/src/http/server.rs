@@ -1,13 +1,14 @@
+use std::future::Future;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 
 use axum::Router;
 use axum::body::Body;
 use axum::extract::{Path, Request, State};
-use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use bytes::Bytes;
-use http::{HeaderValue, StatusCode, header};
+use http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, header};
 use inferyes_proto::ErrorKind;
 use inferyes_proto::v1::{EndpointKind, RoutingDecision};
 use serde_json::json;
@@ -53,18 +54,14 @@ pub struct AppState {
 }
 
 impl AppState {
-    /// The caller of a request, or the error that refuses it (counted).
+    /// The caller of a request from `peer`, or the error that refuses it
+    /// (counted).
     async fn authenticate(
         &self,
-        headers: &http::HeaderMap,
-        extensions: &http::Extensions,
+        headers: &HeaderMap,
+        peer: IpAddr,
         snapshot: &RoutingSnapshot,
     ) -> Result<Caller, ApiError> {
-        // Without the connection's address (never, when served), failures
-        // share one bucket.
-        let peer = extensions
-            .get::<inferyes_proto::serve::Peer>()
-            .map_or(std::net::IpAddr::from([0, 0, 0, 0]), |peer| peer.0.ip());
         self.auth.authenticate(headers, peer, snapshot).await.map_err(|(refusal, error)| self.refused(refusal, error))
     }
 
@@ -85,7 +82,71 @@ fn no_such_model(id: &str) -> ApiError {
     .param("model")
 }
 
-pub fn router(state: AppState) -> Router {
+/// The data plane's HTTP service for one client connection. Inference
+/// requests go straight to their handler; everything else (models, health,
+/// metrics, and any request the fast path does not take) goes through the
+/// axum [`router`], which routes every path, inference included. Both are
+/// wrapped by [`edge`].
+///
+/// Why a fast path: axum's routing, middleware and boxed services cost
+/// several allocations and about a tenth of the data plane's instructions
+/// per request, for a choice among five fixed paths.
+#[derive(Clone)]
+pub struct Gateway {
+    state: Arc<AppState>,
+    router: Router,
+    peer: SocketAddr,
+}
+
+impl Gateway {
+    pub fn new(state: AppState) -> Gateway {
+        let state = Arc::new(state);
+        Gateway { router: router(Arc::clone(&state)), state, peer: SocketAddr::from(([0, 0, 0, 0], 0)) }
+    }
+
+    /// The service of one connection from `peer`.
+    pub fn connection(&self, peer: SocketAddr) -> Gateway {
+        Gateway { peer, ..self.clone() }
+    }
+}
+
+impl hyper::service::Service<http::Request<hyper::body::Incoming>> for Gateway {
+    type Response = Response;
+    type Error = std::convert::Infallible;
+    type Future = std::pin::Pin<Box<dyn Future<Output = Result<Response, Self::Error>> + Send>>;
+
+    fn call(&self, request: http::Request<hyper::body::Incoming>) -> Self::Future {
+        let id = request_id(request.headers());
+        let endpoint = match *request.method() {
+            Method::POST => ENDPOINTS.iter().find(|endpoint| endpoint.path == request.uri().path()),
+            _ => None,
+        };
+        let peer = self.peer;
+        match endpoint {
+            Some(endpoint) => {
+                let state = Arc::clone(&self.state);
+                let kind = endpoint.kind;
+                let request = request.map(Body::new);
+                Box::pin(async move { Ok(edge(id.clone(), inference(&state, kind, request, id, peer.ip())).await) })
+            }
+            None => {
+                let router = self.router.clone();
+                let mut request = request.map(Body::new);
+                request.extensions_mut().insert(Peer(peer));
+                request.extensions_mut().insert(RequestId(id.clone()));
+                Box::pin(async move {
+                    let routed =
+                        async move { tower::ServiceExt::oneshot(router, request).await.unwrap_or_else(|e| match e {}) };
+                    Ok(edge(id, routed).await)
+                })
+            }
+        }
+    }
+}
+
+/// Every route, inference included. Requests reach it through a
+/// [`Gateway`], which gives them a [`RequestId`] and their [`Peer`].
+pub fn router(state: Arc<AppState>) -> Router {
     let mut router = Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
@@ -96,32 +157,40 @@ pub fn router(state: AppState) -> Router {
         let kind = endpoint.kind;
         router = router.route(
             endpoint.path,
-            post(move |state: State<Arc<AppState>>, request: Request| inference(state, kind, request)),
+            post(move |State(state): State<Arc<AppState>>, request: Request| async move {
+                let id = request.extensions().get::<RequestId>().map_or_else(new_request_id, |id| id.0.clone());
+                let peer = peer_of(request.extensions());
+                inference(&state, kind, request, id, peer).await
+            }),
         );
     }
-    router
-        .fallback(not_found)
-        .method_not_allowed_fallback(method_not_allowed)
-        // One `Arc` for the whole state: extracting it per request is one
-        // reference count, not one per field.
-        .with_state(Arc::new(state))
-        .layer(middleware::from_fn(edge))
+    router.fallback(not_found).method_not_allowed_fallback(method_not_allowed).with_state(state)
 }
 
-/// Around every request, in one layer:
-/// - it carries `x-request-id`: the client's own when it sent a usable one,
-///   else a fresh one;
+/// The client's address, for requests that go through the router.
+#[derive(Clone, Copy, Debug)]
+pub struct Peer(pub SocketAddr);
+
+/// Without the connection's address (never, when served), failures share
+/// one bucket.
+fn peer_of(extensions: &http::Extensions) -> IpAddr {
+    extensions.get::<Peer>().map_or(IpAddr::from([0, 0, 0, 0]), |peer| peer.0.ip())
+}
+
+const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+
+/// The request's id: the client's own when it sent a usable one, else a
+/// fresh one.
+fn request_id(headers: &HeaderMap) -> HeaderValue {
+    headers.get(REQUEST_ID).filter(|v| !v.is_empty() && v.len() <= 128).cloned().unwrap_or_else(new_request_id)
+}
+
+/// Around every request:
+/// - the answer carries the request's `x-request-id`;
 /// - a bug does not reach the client as a dropped connection: a panicking
 ///   handler answers 500 in the OpenAI shape, and the panic is logged.
-async fn edge(mut request: Request, next: Next) -> Response {
-    let id = request
-        .headers()
-        .get("x-request-id")
-        .filter(|v| !v.is_empty() && v.len() <= 128)
-        .cloned()
-        .unwrap_or_else(new_request_id);
-    request.extensions_mut().insert(RequestId(id.clone()));
-    let mut response = match CatchUnwind(Box::pin(next.run(request))).await {
+async fn edge(id: HeaderValue, handler: impl Future<Output = Response>) -> Response {
+    let mut response = match CatchUnwind(std::pin::pin!(handler)).await {
         Ok(response) => response,
         Err(panic) => {
             let what = panic
@@ -134,13 +203,13 @@ async fn edge(mut request: Request, next: Next) -> Response {
                 .into_response()
         }
     };
-    response.headers_mut().insert("x-request-id", id);
+    response.headers_mut().insert(REQUEST_ID, id);
     response
 }
 
-struct CatchUnwind<F>(std::pin::Pin<Box<F>>);
+struct CatchUnwind<'a, F>(std::pin::Pin<&'a mut F>);
 
-impl<F: std::future::Future> std::future::Future for CatchUnwind<F> {
+impl<F: Future> Future for CatchUnwind<'_, F> {
     type Output = Result<F::Output, Box<dyn std::any::Any + Send>>;
 
     fn poll(mut self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<Self::Output> {
@@ -153,6 +222,7 @@ impl<F: std::future::Future> std::future::Future for CatchUnwind<F> {
     }
 }
 
+/// The request's id, for requests that go through the router.
 #[derive(Clone)]
 struct RequestId(HeaderValue);
 
@@ -225,7 +295,7 @@ fn model_object(entry: &CatalogEntry) -> serde_json::Value {
 
 async fn list_models(State(state): State<Arc<AppState>>, request: Request) -> Result<Response, ApiError> {
     let snapshot = state.snapshots.current().ok_or_else(not_ready)?;
-    let caller = state.authenticate(request.headers(), request.extensions(), &snapshot).await?;
+    let caller = state.authenticate(request.headers(), peer_of(request.extensions()), &snapshot).await?;
     let data: Vec<_> = snapshot.catalog().iter().filter(|entry| caller.may_see(entry)).map(model_object).collect();
     Ok(axum::Json(json!({"object": "list", "data": data})).into_response())
 }
@@ -236,30 +306,35 @@ async fn get_model(
     request: Request,
 ) -> Result<Response, ApiError> {
     let snapshot = state.snapshots.current().ok_or_else(not_ready)?;
-    let caller = state.authenticate(request.headers(), request.extensions(), &snapshot).await?;
+    let caller = state.authenticate(request.headers(), peer_of(request.extensions()), &snapshot).await?;
     let entry = snapshot.model(&id).filter(|entry| caller.may_see(entry)).ok_or_else(|| no_such_model(&id))?;
     Ok(axum::Json(model_object(entry)).into_response())
 }
 
 /// Serves one inference request and counts it.
-async fn inference(State(state): State<Arc<AppState>>, kind: EndpointKind, request: Request) -> Response {
+async fn inference(
+    state: &AppState,
+    kind: EndpointKind,
+    request: Request,
+    request_id: HeaderValue,
+    peer: IpAddr,
+) -> Response {
     let started = std::time::Instant::now();
     let mut facts = RequestFacts::default();
-    let request_id =
-        request.extensions().get::<RequestId>().and_then(|r| r.0.to_str().ok()).map(str::to_string).unwrap_or_default();
     let span = tracing::info_span!(
         target: inferyes_proto::telemetry::SPAN_TARGET,
         "request",
         otel.name = request.uri().path(),
         otel.kind = "server",
-        request_id = %request_id,
+        request_id = request_id.to_str().unwrap_or_default(),
         model = tracing::field::Empty,
         node = tracing::field::Empty,
         route = tracing::field::Empty,
         http.response.status_code = tracing::field::Empty,
     );
     inferyes_proto::telemetry::continue_trace(&span, request.headers());
-    let response = match tracing::Instrument::instrument(serve(&state, kind, request, &mut facts), span.clone()).await {
+    let served = serve(state, kind, request, request_id.clone(), peer, &mut facts);
+    let response = match tracing::Instrument::instrument(served, span.clone()).await {
         Ok(response) => response,
         Err(error) => {
             facts.error_code = error.code.clone();
@@ -292,7 +367,7 @@ async fn inference(State(state): State<Arc<AppState>>, kind: EndpointKind, reque
         histogram.get_or_create(&crate::metrics::ModelLabels { model }).observe(elapsed.as_secs_f64());
     }
     state.decisions.record(|| RoutingDecision {
-        request_id,
+        request_id: request_id.to_str().unwrap_or_default().to_string(),
         unix_ms: inferyes_proto::unix_ms(),
         model: facts.model,
         node_id: labels.node,
@@ -330,12 +405,13 @@ async fn serve(
     state: &AppState,
     kind: EndpointKind,
     request: Request,
+    request_id: HeaderValue,
+    peer: IpAddr,
     facts: &mut RequestFacts,
 ) -> Result<Response, ApiError> {
     let (parts, body) = request.into_parts();
-    let request_id = parts.extensions.get::<RequestId>().map(|r| r.0.clone()).unwrap_or_else(new_request_id);
     let snapshot = state.snapshots.current().ok_or_else(not_ready)?;
-    let caller = state.authenticate(&parts.headers, &parts.extensions, &snapshot).await?;
+    let caller = state.authenticate(&parts.headers, peer, &snapshot).await?;
     facts.key_id = caller.key_id().map(str::to_string);
     let body = read_body(body, &parts.headers, state.max_body_bytes).await?;
     let view = parse_view(&body)?;
@@ -520,16 +596,9 @@ async fn read_body(body: Body, headers: &http::HeaderMap, limit: usize) -> Resul
 
 #[cfg(test)]
 mod tests {
-    use axum::body::Body;
-    use axum::routing::get;
     use http_body_util::BodyExt;
-    use tower::ServiceExt;
 
     use super::*;
-
-    async fn boom() -> &'static str {
-        panic!("bug")
-    }
 
     #[test]
     fn request_ids_are_req_and_32_hex_digits_and_differ() {
@@ -546,11 +615,10 @@ mod tests {
 
     #[tokio::test]
     async fn a_panicking_handler_answers_500_in_the_openai_shape() {
-        let app = Router::new().route("/boom", get(boom)).layer(middleware::from_fn(edge));
-        let request = http::Request::builder().uri("/boom").body(Body::empty()).unwrap();
-        let response = app.oneshot(request).await.unwrap();
+        let id = HeaderValue::from_static("req_boom");
+        let response = edge(id.clone(), async { panic!("bug") }).await;
         assert_eq!(response.status(), StatusCode::INTERNAL_SERVER_ERROR);
-        assert!(response.headers().contains_key("x-request-id"));
+        assert_eq!(response.headers()["x-request-id"], id);
         let body = response.into_body().collect().await.unwrap().to_bytes();
         let body: serde_json::Value = serde_json::from_slice(&body).unwrap();
         assert_eq!(body["error"]["code"], "internal_error");

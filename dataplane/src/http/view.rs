@@ -4,7 +4,7 @@
 use std::borrow::Cow;
 use std::ops::Range;
 
-use http::HeaderMap;
+use http::{HeaderMap, HeaderName};
 use inferyes_proto::ErrorKind;
 use serde::Deserialize;
 use serde_json::value::RawValue;
@@ -119,7 +119,7 @@ fn span_of(whole: &[u8], part: &[u8]) -> Option<Range<usize>> {
 }
 
 fn contains(haystack: &[u8], needle: &[u8]) -> bool {
-    haystack.windows(needle.len()).any(|w| w == needle)
+    memchr::memmem::find(haystack, needle).is_some()
 }
 
 fn conversation_root(wire: &Wire<'_>) -> Option<u64> {
@@ -147,7 +147,13 @@ fn conversation_root(wire: &Wire<'_>) -> Option<u64> {
 }
 
 /// Headers that name a conversation, in order of precedence.
-const SESSION_HEADERS: &[&str] = &["x-session-id", "x-claude-code-session-id", "session-id", "x-session_id"];
+/// Names, not strings: a lookup by string parses and hashes it first.
+const SESSION_HEADERS: [HeaderName; 4] = [
+    HeaderName::from_static("x-session-id"),
+    HeaderName::from_static("x-claude-code-session-id"),
+    HeaderName::from_static("session-id"),
+    HeaderName::from_static("x-session_id"),
+];
 
 /// The request's session key: an explicit header, else the body's
 /// `prompt_cache_key` (OpenAI's own field for this), else a hash of the
@@ -156,7 +162,7 @@ const SESSION_HEADERS: &[&str] = &["x-session-id", "x-claude-code-session-id", "
 pub fn session_key(headers: &HeaderMap, view: &RoutingView) -> Option<String> {
     SESSION_HEADERS
         .iter()
-        .find_map(|name| headers.get(*name).and_then(|v| v.to_str().ok()).filter(|v| !v.is_empty()))
+        .find_map(|name| headers.get(name).and_then(|v| v.to_str().ok()).filter(|v| !v.is_empty()))
         .map(str::to_string)
         .or_else(|| view.prompt_cache_key.clone())
         .or_else(|| view.root.map(|root| format!("root-{:016x}", root ^ stable_hash(view.model.as_bytes()))))

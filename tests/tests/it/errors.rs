@@ -46,9 +46,15 @@ async fn every_error_is_openai_shaped_with_the_right_status() {
     assert_eq!(wrong_method.status, StatusCode::METHOD_NOT_ALLOWED);
     wrong_method.openai_error();
 
-    // Every error response still names the request.
+    // Every error response still names the request: a client's own id
+    // when it sent one, on the inference path and the others alike.
     for response in [&unknown, &malformed, &too_large, &unknown_path] {
         assert!(response.header("x-request-id").is_some());
+    }
+    for (method, path) in [(Method::POST, "/v1/chat/completions"), (Method::GET, "/v1/nope")] {
+        let url = fleet.url(path);
+        let response = fleet.http.send(method, &url, Bytes::from_static(b"{}"), &[("x-request-id", "client-7")]).await;
+        assert_eq!(response.header("x-request-id"), Some("client-7"), "{path}");
     }
     // Nothing above reached the backend.
     assert_eq!(fleet.sims[0].sim.stats().requests, 0);
