@@ -28,7 +28,7 @@ use crate::snapshot::LocalCounters;
 /// Another node the stream may continue on.
 pub struct Hop {
     pub node: Arc<str>,
-    pub proxy_url: Arc<str>,
+    pub proxy_url: crate::snapshot::ProxyUrl,
     pub proxy_http2: bool,
     pub backend: Arc<str>,
     pub local: Arc<LocalCounters>,
@@ -37,7 +37,7 @@ pub struct Hop {
 /// What a continuation request is made of.
 pub struct Resume {
     pub forwarder: Forwarder,
-    pub path_and_query: String,
+    pub path_and_query: http::uri::PathAndQuery,
     pub headers: http::HeaderMap,
     pub body: Bytes,
     pub model: String,

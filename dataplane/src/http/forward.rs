@@ -11,9 +11,10 @@ use std::time::Duration;
 use axum::body::Body;
 use axum::response::Response;
 use bytes::Bytes;
+use http::uri::PathAndQuery;
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, header};
 use http_body::{Frame, SizeHint};
-use http_body_util::{BodyExt, Full, Limited};
+use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -25,7 +26,7 @@ use super::ApiError;
 use super::continuation::{self, Hop, Resume};
 use super::upstream;
 use crate::routing::Route;
-use crate::snapshot::{LocalCounters, RoutingSnapshot};
+use crate::snapshot::{LocalCounters, ProxyUrl, RoutingSnapshot};
 use crate::usage::{Meter, Outcome};
 
 pub const NODE_HEADER: HeaderName = HeaderName::from_static("x-inferyes-node");
@@ -58,7 +59,7 @@ pub struct Forwarder {
 
 /// What the forwarder needs to know about one request.
 pub struct Outbound<'a> {
-    pub path_and_query: &'a str,
+    pub path_and_query: &'a PathAndQuery,
     pub headers: &'a HeaderMap,
     pub body: Bytes,
     pub model: &'a str,
@@ -212,10 +213,9 @@ impl Forwarder {
                 // A whole answer or none: read it before the client sees a
                 // byte, so a node failing mid-answer is a clean 502 (or the
                 // next candidate), never a truncated body.
-                match Limited::new(body, MAX_BUFFERED_BODY).collect().await {
-                    Ok(collected) => {
+                match super::body::read_whole(body, MAX_BUFFERED_BODY).await {
+                    Ok(bytes) => {
                         drop(guard);
-                        let bytes = collected.to_bytes();
                         if let Some(meter) = &out.meter {
                             let tail = &bytes[bytes.len().saturating_sub(inferyes_proto::usage::TAIL_BYTES)..];
                             let outcome = if status.is_success() { Outcome::Ok } else { Outcome::Error };
@@ -253,7 +253,7 @@ impl Forwarder {
                     let backend = node.backends.get(t.backend)?;
                     Some(Hop {
                         node: Arc::clone(&node.id),
-                        proxy_url: Arc::clone(&node.proxy_url),
+                        proxy_url: node.proxy_url.clone(),
                         proxy_http2: node.proxy_http2,
                         backend: Arc::clone(&backend.id),
                         local: Arc::clone(&node.local),
@@ -263,7 +263,7 @@ impl Forwarder {
             if out.continuation && event_stream && !hops.is_empty() {
                 let resume = Resume {
                     forwarder: self.clone(),
-                    path_and_query: out.path_and_query.to_string(),
+                    path_and_query: out.path_and_query.clone(),
                     headers: out.headers.clone(),
                     body: out.body.clone(),
                     model: out.model.to_string(),
@@ -307,7 +307,7 @@ impl Forwarder {
     /// One request to one node's agent, up to its response headers.
     pub(crate) async fn send(
         &self,
-        proxy_url: &str,
+        proxy_url: &ProxyUrl,
         proxy_http2: bool,
         backend_id: &str,
         out: &Outbound<'_>,
@@ -321,9 +321,9 @@ impl Forwarder {
     }
 }
 
-fn build_request(proxy_url: &str, backend_id: &str, out: &Outbound<'_>) -> Result<Request<Full<Bytes>>, ApiError> {
+fn build_request(proxy_url: &ProxyUrl, backend_id: &str, out: &Outbound<'_>) -> Result<Request<Full<Bytes>>, ApiError> {
     let internal = || ApiError::new(ErrorKind::Internal, "cannot build the upstream request", "internal_error");
-    let uri: http::Uri = format!("{proxy_url}{}", out.path_and_query).parse().map_err(|_| internal())?;
+    let (uri, host) = proxy_url.uri(out.path_and_query).ok_or_else(internal)?;
     // Sized once: the client's headers plus the few added here (growing a
     // header map rehashes it).
     let mut headers = HeaderMap::with_capacity(out.headers.len() + 6);
@@ -331,6 +331,9 @@ fn build_request(proxy_url: &str, backend_id: &str, out: &Outbound<'_>) -> Resul
         if forwardable(name) {
             headers.append(name, value.clone());
         }
+    }
+    if let Some(host) = host {
+        headers.insert(header::HOST, host);
     }
     headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
     headers.insert("x-request-id", out.request_id.clone());
@@ -397,10 +400,7 @@ where
     let status = response.status();
     let retry_after =
         response.headers().get(header::RETRY_AFTER).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u32>().ok());
-    let body = match Limited::new(response.into_body(), MAX_ERROR_BODY).collect().await {
-        Ok(collected) => collected.to_bytes(),
-        Err(_) => Bytes::new(),
-    };
+    let body = super::body::read_whole(response.into_body(), MAX_ERROR_BODY).await.unwrap_or_default();
     let mut error = upstream::normalize(status, &body);
     error.retry_after = retry_after;
     error
@@ -587,7 +587,7 @@ impl http_body::Body for Guarded {
 
 /// An [`Outbound`] that owns its parts, for work that outlives the handler.
 pub struct OwnedOutbound {
-    pub path_and_query: String,
+    pub path_and_query: PathAndQuery,
     pub headers: HeaderMap,
     pub body: Bytes,
     pub model: String,

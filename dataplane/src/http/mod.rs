@@ -1,6 +1,7 @@
 //! The OpenAI-compatible HTTP surface. Requests are parsed only as far as
 //! routing needs ([`view`]); the original bytes are what is forwarded.
 
+mod body;
 mod continuation;
 mod error;
 mod forward;

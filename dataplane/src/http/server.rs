@@ -8,6 +8,7 @@ use axum::extract::{Path, Request, State};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use bytes::Bytes;
+use http::uri::PathAndQuery;
 use http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, header};
 use inferyes_proto::ErrorKind;
 use inferyes_proto::v1::{EndpointKind, RoutingDecision};
@@ -86,7 +87,7 @@ fn no_such_model(id: &str) -> ApiError {
 /// requests go straight to their handler; everything else (models, health,
 /// metrics, and any request the fast path does not take) goes through the
 /// axum [`router`], which routes every path, inference included. Both are
-/// wrapped by [`edge`].
+/// wrapped by [`Edge`].
 ///
 /// Why a fast path: axum's routing, middleware and boxed services cost
 /// several allocations and about a tenth of the data plane's instructions
@@ -121,24 +122,16 @@ impl hyper::service::Service<http::Request<hyper::body::Incoming>> for Gateway {
             Method::POST => ENDPOINTS.iter().find(|endpoint| endpoint.path == request.uri().path()),
             _ => None,
         };
-        let peer = self.peer;
+        let mut request = request.map(Body::new);
         match endpoint {
             Some(endpoint) => {
-                let state = Arc::clone(&self.state);
-                let kind = endpoint.kind;
-                let request = request.map(Body::new);
-                Box::pin(async move { Ok(edge(id.clone(), inference(&state, kind, request, id, peer.ip())).await) })
+                let handler = inference(Arc::clone(&self.state), endpoint.kind, request, id.clone(), self.peer.ip());
+                Box::pin(Edge::new(id, handler))
             }
             None => {
-                let router = self.router.clone();
-                let mut request = request.map(Body::new);
-                request.extensions_mut().insert(Peer(peer));
+                request.extensions_mut().insert(Peer(self.peer));
                 request.extensions_mut().insert(RequestId(id.clone()));
-                Box::pin(async move {
-                    let routed =
-                        async move { tower::ServiceExt::oneshot(router, request).await.unwrap_or_else(|e| match e {}) };
-                    Ok(edge(id, routed).await)
-                })
+                Box::pin(Edge::new(id, tower::ServiceExt::oneshot(self.router.clone(), request)))
             }
         }
     }
@@ -157,10 +150,10 @@ pub fn router(state: Arc<AppState>) -> Router {
         let kind = endpoint.kind;
         router = router.route(
             endpoint.path,
-            post(move |State(state): State<Arc<AppState>>, request: Request| async move {
+            post(move |State(state): State<Arc<AppState>>, request: Request| {
                 let id = request.extensions().get::<RequestId>().map_or_else(new_request_id, |id| id.0.clone());
                 let peer = peer_of(request.extensions());
-                inference(&state, kind, request, id, peer).await
+                inference(state, kind, request, id, peer)
             }),
         );
     }
@@ -185,40 +178,58 @@ fn request_id(headers: &HeaderMap) -> HeaderValue {
     headers.get(REQUEST_ID).filter(|v| !v.is_empty() && v.len() <= 128).cloned().unwrap_or_else(new_request_id)
 }
 
-/// Around every request:
-/// - the answer carries the request's `x-request-id`;
-/// - a bug does not reach the client as a dropped connection: a panicking
-///   handler answers 500 in the OpenAI shape, and the panic is logged.
-async fn edge(id: HeaderValue, handler: impl Future<Output = Response>) -> Response {
-    let mut response = match CatchUnwind(std::pin::pin!(handler)).await {
-        Ok(response) => response,
-        Err(panic) => {
-            let what = panic
-                .downcast_ref::<&str>()
-                .map(|s| (*s).to_string())
-                .or_else(|| panic.downcast_ref::<String>().cloned())
-                .unwrap_or_default();
-            tracing::error!(request_id = id.to_str().unwrap_or_default(), panic = %what, "request handler panicked");
-            ApiError::new(ErrorKind::Internal, "internal error; the request was not completed", "internal_error")
-                .into_response()
-        }
-    };
-    response.headers_mut().insert(REQUEST_ID, id);
-    response
+pin_project_lite::pin_project! {
+    /// Around every request:
+    /// - the answer carries the request's `x-request-id`;
+    /// - a bug does not reach the client as a dropped connection: a
+    ///   panicking handler answers 500 in the OpenAI shape, and the panic is
+    ///   logged.
+    ///
+    /// A future of its own, not an `async fn`: an async function keeps its
+    /// argument and what it awaits apart, and the handler's future (a few
+    /// kilobytes) would be held, and moved, twice.
+    struct Edge<F> {
+        id: Option<HeaderValue>,
+        #[pin]
+        handler: F,
+    }
 }
 
-struct CatchUnwind<'a, F>(std::pin::Pin<&'a mut F>);
+impl<F> Edge<F> {
+    fn new(id: HeaderValue, handler: F) -> Edge<F> {
+        Edge { id: Some(id), handler }
+    }
+}
 
-impl<F: Future> Future for CatchUnwind<'_, F> {
-    type Output = Result<F::Output, Box<dyn std::any::Any + Send>>;
+impl<F, R> Future for Edge<F>
+where
+    F: Future<Output = R>,
+    R: IntoResponse,
+{
+    type Output = Result<Response, std::convert::Infallible>;
 
-    fn poll(mut self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<Self::Output> {
-        let future = self.0.as_mut();
-        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| future.poll(cx))) {
-            Ok(std::task::Poll::Pending) => std::task::Poll::Pending,
-            Ok(std::task::Poll::Ready(output)) => std::task::Poll::Ready(Ok(output)),
-            Err(panic) => std::task::Poll::Ready(Err(panic)),
+    fn poll(self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<Self::Output> {
+        let this = self.project();
+        let handler = this.handler;
+        let mut response = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| handler.poll(cx))) {
+            Ok(std::task::Poll::Pending) => return std::task::Poll::Pending,
+            Ok(std::task::Poll::Ready(answer)) => answer.into_response(),
+            Err(panic) => {
+                let what = panic
+                    .downcast_ref::<&str>()
+                    .map(|s| (*s).to_string())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_default();
+                let id = this.id.as_ref().and_then(|id| id.to_str().ok()).unwrap_or_default();
+                tracing::error!(request_id = id, panic = %what, "request handler panicked");
+                ApiError::new(ErrorKind::Internal, "internal error; the request was not completed", "internal_error")
+                    .into_response()
+            }
+        };
+        if let Some(id) = this.id.take() {
+            response.headers_mut().insert(REQUEST_ID, id);
         }
+        std::task::Poll::Ready(Ok(response))
     }
 }
 
@@ -313,7 +324,7 @@ async fn get_model(
 
 /// Serves one inference request and counts it.
 async fn inference(
-    state: &AppState,
+    state: Arc<AppState>,
     kind: EndpointKind,
     request: Request,
     request_id: HeaderValue,
@@ -333,7 +344,7 @@ async fn inference(
         http.response.status_code = tracing::field::Empty,
     );
     inferyes_proto::telemetry::continue_trace(&span, request.headers());
-    let served = serve(state, kind, request, request_id.clone(), peer, &mut facts);
+    let served = serve(&state, kind, request, request_id.clone(), peer, &mut facts);
     let response = match tracing::Instrument::instrument(served, span.clone()).await {
         Ok(response) => response,
         Err(error) => {
@@ -508,7 +519,7 @@ async fn route_and_forward(
     } else {
         0
     };
-    let path_and_query = parts.uri.path_and_query().map(|p| p.as_str()).unwrap_or(parts.uri.path());
+    let path_and_query = parts.uri.path_and_query().cloned().unwrap_or_else(|| PathAndQuery::from_static("/"));
     let body_for_checks = body.clone();
     if route.cold && view.stream {
         tracing::debug!(
@@ -517,7 +528,7 @@ async fn route_and_forward(
             "cold load for a stream: answering at once"
         );
         let outbound = OwnedOutbound {
-            path_and_query: path_and_query.to_string(),
+            path_and_query,
             headers: parts.headers.clone(),
             body,
             model: model.to_string(),
@@ -531,7 +542,7 @@ async fn route_and_forward(
         return Ok(state.forwarder.forward_cold_stream(Arc::clone(snapshot), route, outbound));
     }
     let outbound = Outbound {
-        path_and_query,
+        path_and_query: &path_and_query,
         headers: &parts.headers,
         body,
         model,
@@ -583,12 +594,9 @@ async fn read_body(body: Body, headers: &http::HeaderMap, limit: usize) -> Resul
     if announced.is_some_and(|n| n > limit as u64) {
         return Err(too_large());
     }
-    axum::body::to_bytes(body, limit).await.map_err(|error| {
-        let over_limit =
-            std::error::Error::source(&error).is_some_and(|source| source.is::<http_body_util::LengthLimitError>());
-        if over_limit {
-            too_large()
-        } else {
+    super::body::read_whole(body, limit).await.map_err(|error| match error {
+        super::body::ReadError::TooLarge => too_large(),
+        super::body::ReadError::Body(_) => {
             ApiError::new(ErrorKind::BadRequest, "the request body could not be read", "invalid_body")
         }
     })
@@ -616,7 +624,13 @@ mod tests {
     #[tokio::test]
     async fn a_panicking_handler_answers_500_in_the_openai_shape() {
         let id = HeaderValue::from_static("req_boom");
-        let response = edge(id.clone(), async { panic!("bug") }).await;
+        let boom = async {
+            if id.len() > 1 {
+                panic!("bug");
+            }
+            "unreachable"
+        };
+        let response = Edge::new(id.clone(), boom).await.unwrap();
         assert_eq!(response.status(), StatusCode::INTERNAL_SERVER_ERROR);
         assert_eq!(response.headers()["x-request-id"], id);
         let body = response.into_body().collect().await.unwrap().to_bytes();

@@ -89,7 +89,7 @@ pub fn parse_view(body: &[u8]) -> Result<RoutingView, ApiError> {
         stream: wire.stream.unwrap_or(false),
         prompt_cache_key: wire.prompt_cache_key.filter(|k| !k.is_empty()).map(Cow::into_owned),
         root,
-        has_media: contains(body, b"\"image_url\"") || contains(body, b"\"input_audio\""),
+        has_media: MEDIA.iter().any(|media| media.find(body).is_some()),
         has_stream_options: wire.stream_options.is_some(),
     })
 }
@@ -118,9 +118,11 @@ fn span_of(whole: &[u8], part: &[u8]) -> Option<Range<usize>> {
     (end <= whole.len() && &whole[start..end] == part).then_some(start..end)
 }
 
-fn contains(haystack: &[u8], needle: &[u8]) -> bool {
-    memchr::memmem::find(haystack, needle).is_some()
-}
+/// What marks a body with images or audio; searchers built once (building
+/// one costs more than searching a small body).
+static MEDIA: std::sync::LazyLock<[memchr::memmem::Finder<'static>; 2]> = std::sync::LazyLock::new(|| {
+    [memchr::memmem::Finder::new(b"\"image_url\""), memchr::memmem::Finder::new(b"\"input_audio\"")]
+});
 
 fn conversation_root(wire: &Wire<'_>) -> Option<u64> {
     let mut root = Vec::new();
@@ -165,7 +167,19 @@ pub fn session_key(headers: &HeaderMap, view: &RoutingView) -> Option<String> {
         .find_map(|name| headers.get(name).and_then(|v| v.to_str().ok()).filter(|v| !v.is_empty()))
         .map(str::to_string)
         .or_else(|| view.prompt_cache_key.clone())
-        .or_else(|| view.root.map(|root| format!("root-{:016x}", root ^ stable_hash(view.model.as_bytes()))))
+        .or_else(|| view.root.map(|root| root_key(root ^ stable_hash(view.model.as_bytes()))))
+}
+
+/// `root-` and the hash in 16 hex digits, written without the formatting
+/// machinery (every request without a session of its own has one).
+fn root_key(hash: u64) -> String {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let mut key = String::with_capacity(21);
+    key.push_str("root-");
+    for shift in (0..16).rev() {
+        key.push(char::from(HEX[((hash >> (shift * 4)) & 0xf) as usize]));
+    }
+    key
 }
 
 /// A low estimate of a body's prompt tokens, for the context-window check:
@@ -196,6 +210,12 @@ pub fn with_model(body: &bytes::Bytes, view: &RoutingView, model: &str) -> Resul
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn root_keys_are_the_hash_in_hex() {
+        assert_eq!(root_key(0x0123_4567_89ab_cdef), format!("root-{:016x}", 0x0123_4567_89ab_cdef_u64));
+        assert_eq!(root_key(7), "root-0000000000000007");
+    }
 
     #[test]
     fn usage_is_requested_by_splicing() {

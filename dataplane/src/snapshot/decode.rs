@@ -154,7 +154,7 @@ pub fn decode(
             local,
             key,
             id,
-            proxy_url: Arc::from(status.proxy_url.trim_end_matches('/')),
+            proxy_url: super::ProxyUrl::new(&status.proxy_url),
             proxy_http2: status.proxy_http2,
             draining: wire.draining,
             backends,
@@ -286,7 +286,7 @@ mod tests {
             chat.windows(2).all(|w| (w[0].target.node, w[0].target.backend) < (w[1].target.node, w[1].target.backend))
         );
         assert_eq!(snapshot.resident("s1"), Some(Target { node: 0, backend: 0 }));
-        assert_eq!(snapshot.nodes()[0].proxy_url.as_ref(), "http://a");
+        assert_eq!(snapshot.nodes()[0].proxy_url.as_str(), "http://a");
         assert!((snapshot.nodes()[0].vram_fraction - 0.9).abs() < 1e-9, "the fullest GPU counts");
         assert_eq!(snapshot.nodes()[1].vram_loading_bytes, 7);
         let chat = snapshot.model("chat").unwrap();
