@@ -21,7 +21,10 @@ pub const TAIL_BYTES: usize = 4096;
 /// `prompt_tokens_details.cached_tokens`), else llama-server's `timings`
 /// (`prompt_n` + `cache_n`, `predicted_n`), from the end of a response.
 pub fn parse_usage(tail: &[u8]) -> Option<Usage> {
-    let [prompt, completion, cached, cache_n, processed, predicted] = last_numbers(tail);
+    // Only from the last `usage` or `timings` object on: a stream's tail
+    // holds hundreds of quotes before them.
+    let from = OBJECTS.iter().filter_map(|object| object.find_iter(tail).last()).min()?;
+    let [prompt, completion, cached, cache_n, processed, predicted] = last_numbers(&tail[from..]);
     if let Some(prompt) = prompt {
         return Some(Usage {
             prompt_tokens: prompt,
@@ -37,6 +40,11 @@ pub fn parse_usage(tail: &[u8]) -> Option<Usage> {
         cached_tokens: cached,
     })
 }
+
+/// The objects that hold the keys; searchers built once.
+static OBJECTS: std::sync::LazyLock<[memchr::memmem::Finder<'static>; 2]> = std::sync::LazyLock::new(|| {
+    [memchr::memmem::Finder::new(b"\"usage\":"), memchr::memmem::Finder::new(b"\"timings\":")]
+});
 
 /// The keys [`parse_usage`] reads, in the order [`last_numbers`] answers.
 const KEYS: [&[u8]; 6] = [

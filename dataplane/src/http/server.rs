@@ -354,11 +354,12 @@ async fn inference(
     };
     let snapshot = state.snapshots.current();
     let model = crate::metrics::Metrics::model_label(snapshot.as_deref(), &facts.model);
-    let header = |name: &str| response.headers().get(name).and_then(|v| v.to_str().ok()).unwrap_or("").to_string();
-    let route = header("x-inferyes-route");
+    let header =
+        |name: HeaderName| response.headers().get(name).and_then(|v| v.to_str().ok()).unwrap_or("").to_string();
+    let route = header(super::forward::ROUTE_HEADER);
     let labels = crate::metrics::RequestLabels {
         model: model.clone(),
-        node: header("x-inferyes-node"),
+        node: header(super::forward::NODE_HEADER),
         status: response.status().as_u16(),
         route: if route.is_empty() { "none".into() } else { route },
     };

@@ -10,7 +10,7 @@ use serde::Deserialize;
 use serde_json::value::RawValue;
 
 use super::ApiError;
-use crate::routing::stable_hash;
+use crate::routing::{stable_hash, stable_hash_of};
 
 #[derive(Debug, Deserialize)]
 struct Wire<'a> {
@@ -20,9 +20,9 @@ struct Wire<'a> {
     stream: Option<bool>,
     #[serde(borrow, default)]
     prompt_cache_key: Option<Cow<'a, str>>,
-    /// Chat: the conversation, for its root.
+    /// Chat: the conversation's opening, for its root.
     #[serde(borrow, default)]
-    messages: Option<Vec<Message<'a>>>,
+    messages: Option<Opening<'a>>,
     /// Completions: the prompt, whose beginning is the conversation's root.
     #[serde(borrow, default)]
     prompt: Option<&'a RawValue>,
@@ -42,6 +42,46 @@ struct Message<'a> {
     role: Option<Cow<'a, str>>,
     #[serde(borrow, default)]
     content: Option<&'a RawValue>,
+}
+
+/// What a conversation's root needs of its messages: the content of the
+/// first message of each opening role (`None` inside: that message had
+/// none). Read message by message: a long conversation is not kept.
+#[derive(Debug, Default)]
+struct Opening<'a> {
+    system: Option<Option<&'a RawValue>>,
+    developer: Option<Option<&'a RawValue>>,
+    user: Option<Option<&'a RawValue>>,
+}
+
+impl<'de: 'a, 'a> Deserialize<'de> for Opening<'a> {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Messages<'a>(std::marker::PhantomData<&'a ()>);
+
+        impl<'de: 'a, 'a> serde::de::Visitor<'de> for Messages<'a> {
+            type Value = Opening<'a>;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a list of messages")
+            }
+
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut messages: A) -> Result<Opening<'a>, A::Error> {
+                let mut opening = Opening::default();
+                while let Some(message) = messages.next_element::<Message<'a>>()? {
+                    let first = match message.role.as_deref() {
+                        Some("system") => &mut opening.system,
+                        Some("developer") => &mut opening.developer,
+                        Some("user") => &mut opening.user,
+                        _ => continue,
+                    };
+                    first.get_or_insert(message.content);
+                }
+                Ok(opening)
+            }
+        }
+
+        deserializer.deserialize_seq(Messages(std::marker::PhantomData))
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -125,27 +165,26 @@ static MEDIA: std::sync::LazyLock<[memchr::memmem::Finder<'static>; 2]> = std::s
 });
 
 fn conversation_root(wire: &Wire<'_>) -> Option<u64> {
-    let mut root = Vec::new();
-    if let Some(messages) = &wire.messages {
-        let first = |role: &str| {
-            messages.iter().find(|m| m.role.as_deref() == Some(role)).and_then(|m| m.content).map(RawValue::get)
-        };
-        let user = first("user")?;
-        root.extend_from_slice(first("system").or_else(|| first("developer")).unwrap_or("").as_bytes());
-        root.push(0);
-        root.extend_from_slice(user.as_bytes());
+    if let Some(opening) = &wire.messages {
+        let user = opening.user.flatten()?;
+        let system = opening.system.flatten().or(opening.developer.flatten());
+        Some(stable_hash_of(&[text(system), b"\0", text(Some(user))]))
     } else if let Some(input) = wire.input {
-        root.extend_from_slice(wire.instructions.map(RawValue::get).unwrap_or("").as_bytes());
-        root.push(0);
-        let input = input.get().as_bytes();
-        root.extend_from_slice(&input[..input.len().min(PROMPT_ROOT_BYTES)]);
-    } else if let Some(prompt) = wire.prompt {
-        let prompt = prompt.get().as_bytes();
-        root.extend_from_slice(&prompt[..prompt.len().min(PROMPT_ROOT_BYTES)]);
+        Some(stable_hash_of(&[text(wire.instructions), b"\0", head(input)]))
     } else {
-        return None;
+        wire.prompt.map(|prompt| stable_hash_of(&[head(prompt)]))
     }
-    Some(stable_hash(&root))
+}
+
+/// A JSON value's text, or nothing.
+fn text(value: Option<&RawValue>) -> &[u8] {
+    value.map_or(&[], |value| value.get().as_bytes())
+}
+
+/// The first bytes of a JSON value's text that make up a root.
+fn head(value: &RawValue) -> &[u8] {
+    let bytes = value.get().as_bytes();
+    &bytes[..bytes.len().min(PROMPT_ROOT_BYTES)]
 }
 
 /// Headers that name a conversation, in order of precedence.

@@ -3,8 +3,13 @@
 
 /// FNV-1a over the bytes, finished with a SplitMix64 mix for avalanche.
 pub fn stable_hash(bytes: &[u8]) -> u64 {
+    stable_hash_of(&[bytes])
+}
+
+/// [`stable_hash`] of the parts joined, without joining them.
+pub fn stable_hash_of(parts: &[&[u8]]) -> u64 {
     let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
-    for byte in bytes {
+    for byte in parts.iter().flat_map(|part| part.iter()) {
         hash ^= u64::from(*byte);
         hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
     }
@@ -31,6 +36,12 @@ pub fn unit_interval(hash: u64) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_hash_of_parts_is_the_hash_of_them_joined() {
+        assert_eq!(stable_hash_of(&[b"sys", b"\0", b"hello"]), stable_hash(b"sys\0hello"));
+        assert_eq!(stable_hash_of(&[]), stable_hash(b""));
+    }
 
     #[test]
     fn hashes_are_pinned() {
