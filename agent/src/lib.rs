@@ -112,7 +112,14 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         // an advertised address may not.
         proxy_http2: config.advertise_url.is_empty(),
         started_unix_ms: inferyes_proto::unix_ms(),
-        backends: probes.into_iter().map(|probe| BackendHandle { probe, in_flight: AtomicU32::new(0) }).collect(),
+        backends: probes
+            .into_iter()
+            .map(|probe| BackendHandle {
+                url: inferyes_proto::base_url::BaseUrl::new(&probe.url),
+                probe,
+                in_flight: AtomicU32::new(0),
+            })
+            .collect(),
         observations: Mutex::new(Observations::default()),
         residency: Mutex::new(residency::Residency::default()),
         changed: tokio::sync::Notify::new(),

@@ -16,7 +16,8 @@ use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use bytes::Bytes;
-use http::{HeaderMap, HeaderValue, Request, StatusCode, Uri, header};
+use http::uri::PathAndQuery;
+use http::{HeaderMap, HeaderName, HeaderValue, Request, StatusCode, header};
 use http_body::{Frame, SizeHint};
 use hyper::body::Incoming;
 use hyper_util::client::legacy::Client;
@@ -27,9 +28,9 @@ use inferyes_proto::{ErrorKind, openai_error_body};
 use crate::state::AgentState;
 
 /// Headers the data plane sets for the agent; never forwarded to backends.
-pub const BACKEND_HEADER: &str = "x-inferyes-backend";
-pub const MODEL_HEADER: &str = "x-inferyes-model";
-pub const SESSION_HEADER: &str = "x-inferyes-session";
+pub const BACKEND_HEADER: HeaderName = HeaderName::from_static("x-inferyes-backend");
+pub const MODEL_HEADER: HeaderName = HeaderName::from_static("x-inferyes-model");
+pub const SESSION_HEADER: HeaderName = HeaderName::from_static("x-inferyes-session");
 
 #[derive(Clone)]
 struct Proxy {
@@ -89,7 +90,7 @@ async fn forward(State(proxy): State<Proxy>, request: Request<Body>) -> Response
 async fn forward_in_span(proxy: Proxy, request: Request<Body>) -> Response {
     let span = tracing::Span::current();
     let (mut parts, body) = request.into_parts();
-    let text = |name: &str| parts.headers.get(name).and_then(|v| v.to_str().ok()).map(str::to_string);
+    let text = |name: HeaderName| parts.headers.get(name).and_then(|v| v.to_str().ok()).map(str::to_string);
     let model = text(MODEL_HEADER);
     let session = text(SESSION_HEADER);
     let handle = match text(BACKEND_HEADER) {
@@ -102,15 +103,17 @@ async fn forward_in_span(proxy: Proxy, request: Request<Body>) -> Response {
     let index = proxy.state.backends.iter().position(|b| std::ptr::eq(b, handle)).unwrap_or(0);
     let backend_id = handle.probe.id.clone();
 
-    let path = parts.uri.path_and_query().map(|p| p.as_str()).unwrap_or("/");
-    let target = format!("{}{path}", handle.probe.url.trim_end_matches('/'));
-    let Ok(uri) = target.parse::<Uri>() else {
+    let path = parts.uri.path_and_query().cloned().unwrap_or_else(|| PathAndQuery::from_static("/"));
+    let Some((uri, host)) = handle.url.uri(&path) else {
         return error(ErrorKind::BadRequest, "request path cannot be forwarded", "invalid_path");
     };
     parts.uri = uri;
     // Backends speak HTTP/1.1, whatever a data plane spoke to this proxy.
     parts.version = http::Version::HTTP_11;
     strip_headers(&mut parts.headers);
+    if let Some(host) = host {
+        parts.headers.insert(header::HOST, host);
+    }
     span.record("backend", backend_id.as_str());
     inferyes_proto::telemetry::inject(&span, &mut parts.headers);
     if !handle.probe.api_key.is_empty()
@@ -160,7 +163,7 @@ async fn forward_in_span(proxy: Proxy, request: Request<Body>) -> Response {
 /// Hop-by-hop headers, the data plane's routing headers and the client's
 /// credential stay behind.
 fn strip_headers(headers: &mut HeaderMap) {
-    for name in [
+    const STRIPPED: [HeaderName; 12] = [
         header::CONNECTION,
         header::HOST,
         header::PROXY_AUTHORIZATION,
@@ -169,13 +172,12 @@ fn strip_headers(headers: &mut HeaderMap) {
         header::TRANSFER_ENCODING,
         header::UPGRADE,
         header::AUTHORIZATION,
-    ] {
-        headers.remove(name);
-    }
-    headers.remove("keep-alive");
-    headers.remove(BACKEND_HEADER);
-    headers.remove(MODEL_HEADER);
-    headers.remove(SESSION_HEADER);
+        HeaderName::from_static("keep-alive"),
+        BACKEND_HEADER,
+        MODEL_HEADER,
+        SESSION_HEADER,
+    ];
+    inferyes_proto::remove_headers(headers, &STRIPPED);
 }
 
 /// Counts a request in flight until its response body is done or dropped

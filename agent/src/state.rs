@@ -15,6 +15,8 @@ use crate::residency::Residency;
 
 pub struct BackendHandle {
     pub probe: BackendProbe,
+    /// The probe's URL, read once for the proxy's requests.
+    pub url: inferyes_proto::base_url::BaseUrl,
     pub in_flight: AtomicU32,
 }
 

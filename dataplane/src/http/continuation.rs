@@ -28,7 +28,7 @@ use crate::snapshot::LocalCounters;
 /// Another node the stream may continue on.
 pub struct Hop {
     pub node: Arc<str>,
-    pub proxy_url: crate::snapshot::ProxyUrl,
+    pub proxy_url: inferyes_proto::base_url::BaseUrl,
     pub proxy_http2: bool,
     pub backend: Arc<str>,
     pub local: Arc<LocalCounters>,

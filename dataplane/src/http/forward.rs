@@ -26,8 +26,9 @@ use super::ApiError;
 use super::continuation::{self, Hop, Resume};
 use super::upstream;
 use crate::routing::Route;
-use crate::snapshot::{LocalCounters, ProxyUrl, RoutingSnapshot};
+use crate::snapshot::{LocalCounters, RoutingSnapshot};
 use crate::usage::{Meter, Outcome};
+use inferyes_proto::base_url::BaseUrl;
 
 pub const NODE_HEADER: HeaderName = HeaderName::from_static("x-inferyes-node");
 pub const ROUTE_HEADER: HeaderName = HeaderName::from_static("x-inferyes-route");
@@ -307,7 +308,7 @@ impl Forwarder {
     /// One request to one node's agent, up to its response headers.
     pub(crate) async fn send(
         &self,
-        proxy_url: &ProxyUrl,
+        proxy_url: &BaseUrl,
         proxy_http2: bool,
         backend_id: &str,
         out: &Outbound<'_>,
@@ -321,7 +322,7 @@ impl Forwarder {
     }
 }
 
-fn build_request(proxy_url: &ProxyUrl, backend_id: &str, out: &Outbound<'_>) -> Result<Request<Full<Bytes>>, ApiError> {
+fn build_request(proxy_url: &BaseUrl, backend_id: &str, out: &Outbound<'_>) -> Result<Request<Full<Bytes>>, ApiError> {
     let internal = || ApiError::new(ErrorKind::Internal, "cannot build the upstream request", "internal_error");
     let (uri, host) = proxy_url.uri(out.path_and_query).ok_or_else(internal)?;
     // Sized once: the client's headers plus the few added here (growing a
@@ -381,13 +382,7 @@ fn strip_hop_by_hop(headers: &mut HeaderMap) {
         header::UPGRADE,
         HeaderName::from_static("keep-alive"),
     ];
-    // Usually there are none: a look at the few names is cheaper than six
-    // removals, each hashing its name.
-    if headers.keys().any(|name| HOP_BY_HOP.contains(name)) {
-        for name in HOP_BY_HOP {
-            headers.remove(name);
-        }
-    }
+    inferyes_proto::remove_headers(headers, &HOP_BY_HOP);
 }
 
 /// The error a non-success response carries, in the OpenAI shape, with its

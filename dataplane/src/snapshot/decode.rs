@@ -154,7 +154,7 @@ pub fn decode(
             local,
             key,
             id,
-            proxy_url: super::ProxyUrl::new(&status.proxy_url),
+            proxy_url: inferyes_proto::base_url::BaseUrl::new(&status.proxy_url),
             proxy_http2: status.proxy_http2,
             draining: wire.draining,
             backends,

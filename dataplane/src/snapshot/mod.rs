@@ -14,6 +14,7 @@ use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 
+use inferyes_proto::base_url::BaseUrl;
 use inferyes_proto::v1::{EndpointKind, Health, ModelState, Strategy};
 
 /// An immutable routing snapshot. Built only by [`decode`].
@@ -102,67 +103,14 @@ impl Policy {
     }
 }
 
-/// A node's proxy URL, read once per snapshot: every request to the node
-/// is built from it, and parsing a URL (and formatting a `Host` header) per
-/// request cost more than the rest of the request's head.
-#[derive(Clone, Debug)]
-pub struct ProxyUrl {
-    /// As advertised, without a trailing slash.
-    url: Arc<str>,
-    /// Scheme, authority and `Host` header, when the URL is a plain origin
-    /// (no path of its own): requests are then put together from parts.
-    origin: Option<(http::uri::Scheme, http::uri::Authority, http::HeaderValue)>,
-}
-
-impl ProxyUrl {
-    pub fn new(url: &str) -> ProxyUrl {
-        let url = url.trim_end_matches('/');
-        let origin = url.parse::<http::Uri>().ok().and_then(|uri| {
-            let parts = uri.into_parts();
-            if parts.path_and_query.as_ref().is_some_and(|p| p.as_str() != "/") {
-                return None;
-            }
-            let (scheme, authority) = (parts.scheme?, parts.authority?);
-            // What the HTTP client would send: the port only when it is not
-            // the scheme's own.
-            let default_port = if scheme == http::uri::Scheme::HTTPS { 443 } else { 80 };
-            let host = match authority.port_u16() {
-                Some(port) if port != default_port => format!("{}:{port}", authority.host()),
-                _ => authority.host().to_string(),
-            };
-            Some((scheme, authority.clone(), http::HeaderValue::from_str(&host).ok()?))
-        });
-        ProxyUrl { url: Arc::from(url), origin }
-    }
-
-    pub fn as_str(&self) -> &str {
-        &self.url
-    }
-
-    /// The URI of `path_and_query` on this proxy, and the `Host` header to
-    /// send with it when it is known already.
-    pub fn uri(&self, path_and_query: &http::uri::PathAndQuery) -> Option<(http::Uri, Option<http::HeaderValue>)> {
-        match &self.origin {
-            Some((scheme, authority, host)) => {
-                let mut parts = http::uri::Parts::default();
-                parts.scheme = Some(scheme.clone());
-                parts.authority = Some(authority.clone());
-                parts.path_and_query = Some(path_and_query.clone());
-                Some((http::Uri::from_parts(parts).ok()?, Some(host.clone())))
-            }
-            None => Some((format!("{}{path_and_query}", self.url).parse().ok()?, None)),
-        }
-    }
-}
-
 #[derive(Debug)]
 pub struct Node {
     pub id: Arc<str>,
     /// `stable_hash(id)`, computed once: rendezvous placement scores every
     /// node for every new session.
     pub key: u64,
-    /// Base URL of the node's agent proxy.
-    pub proxy_url: ProxyUrl,
+    /// Base URL of the node's agent proxy, read once per snapshot.
+    pub proxy_url: BaseUrl,
     /// The proxy takes HTTP/2.
     pub proxy_http2: bool,
     pub draining: bool,
@@ -398,30 +346,5 @@ impl Hasher for Prehashed {
 
     fn write_u64(&mut self, value: u64) {
         self.0 = value;
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::ProxyUrl;
-
-    fn uri(url: &str, path: &'static str) -> (String, Option<String>) {
-        let (uri, host) = ProxyUrl::new(url).uri(&http::uri::PathAndQuery::from_static(path)).unwrap();
-        (uri.to_string(), host.map(|h| h.to_str().unwrap().to_string()))
-    }
-
-    #[test]
-    fn requests_to_a_proxy_are_built_from_its_parts_with_the_host_a_client_would_send() {
-        let at = |uri: &str, host: &str| (uri.to_string(), Some(host.to_string()));
-        assert_eq!(
-            uri("http://10.0.0.7:8090/", "/v1/chat/completions"),
-            at("http://10.0.0.7:8090/v1/chat/completions", "10.0.0.7:8090")
-        );
-        assert_eq!(uri("http://gpu-1:80", "/v1/models?x=1"), at("http://gpu-1:80/v1/models?x=1", "gpu-1"));
-        assert_eq!(uri("https://gpu-1:443", "/v1/completions"), at("https://gpu-1:443/v1/completions", "gpu-1"));
-        assert_eq!(uri("https://gpu-1:8443", "/v1/completions"), at("https://gpu-1:8443/v1/completions", "gpu-1:8443"));
-        // A proxy behind a path prefix: joined as written, Host left to the client.
-        assert_eq!(uri("http://lb/gpu-1/", "/v1/completions"), ("http://lb/gpu-1/v1/completions".to_string(), None));
-        assert_eq!(ProxyUrl::new("http://gpu-1:8090/").as_str(), "http://gpu-1:8090");
     }
 }
