@@ -15,6 +15,8 @@
 #   FLEET=0 ./scripts/bench-proxy.sh    # without the last part: the data plane with 1,000 more nodes
 #   BASELINE=/path/to/earlier/release ./scripts/bench-proxy.sh
 #                                       # adds rows for an earlier build's data plane and agent
+#   INSTRUCTIONS=1 ./scripts/bench-proxy.sh
+#                                       # instead: user-space instructions per request (callgrind)
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -23,6 +25,7 @@ duration=${DURATION:-5s}
 need=()
 command -v wrk >/dev/null 2>&1 || need+=(wrk)
 command -v nginx >/dev/null 2>&1 || need+=(nginx-light)
+[ "${INSTRUCTIONS:-}" != 1 ] || command -v valgrind >/dev/null 2>&1 || need+=(valgrind)
 if [ ${#need[@]} -gt 0 ]; then
   sudo=""; [ "$(id -u)" -eq 0 ] || sudo="sudo"
   $sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${need[@]}" >/dev/null
@@ -205,6 +208,46 @@ if [ "${HOLD:-}" = 1 ]; then
   echo "wrk -c 32 -d 10s -s $work/chat.lua http://127.0.0.1:$nginx_proxy/v1/chat/completions"
   echo "Ctrl-C ends it."
   wait
+fi
+
+if [ "${INSTRUCTIONS:-}" = 1 ]; then
+  # Instructions are exact where times are noisy: each proxy again, one
+  # worker, under callgrind; counted over 8 s of two connections after a
+  # warm-up, divided by the requests served. User space only.
+  count() { # name port wrk-script command...
+    local name=$1 port=$2 script=$3
+    shift 3
+    valgrind --tool=callgrind --callgrind-out-file="$work/cg.$name" "$@" >"$work/cg.$name.log" 2>&1 &
+    local pid=$!
+    until curl -s -o /dev/null "http://127.0.0.1:$port/"; do sleep 0.5; done
+    wrk -t 1 -c 2 -d 3s -s "$script" "http://127.0.0.1:$port/v1/chat/completions" >/dev/null
+    callgrind_control -z "$pid" >/dev/null 2>&1
+    local requests
+    requests=$(wrk -t 1 -c 2 -d 8s -s "$script" "http://127.0.0.1:$port/v1/chat/completions" |
+      awk '/requests in/ {print $1}')
+    callgrind_control -d "$pid" >/dev/null 2>&1
+    kill "$pid"
+    wait "$pid" 2>/dev/null || true
+    awk -v name="$name" -v n="$requests" '/^summary:/ { printf "%-14s %8.0f instructions/request (%d requests)\n", name, $2 / n, n }' \
+      "$(ls -S "$work"/cg."$name".* | grep -v log | head -1)"
+  }
+  export RUST_LOG=warn
+  echo "user-space instructions per request, JSON, callgrind"
+  floor=$(port)
+  count hyper-floor "$floor" "$work/chat.lua" "$bin/examples/bare_proxy" "127.0.0.1:$floor" "http://127.0.0.1:$backend"
+  for build in "$bin" ${BASELINE:+"$BASELINE"}; do
+    suffix=""
+    [ "$build" = "$bin" ] || suffix=@base
+    proxy=$(port)
+    sed -e "s/^node_id = .*/node_id = \"bench-instructions-$proxy\"/" \
+      -e "s/^proxy_listen = .*/proxy_listen = \"127.0.0.1:$proxy\"/" "$work/agent.toml" >"$work/agent-$proxy.toml"
+    count "agent$suffix" "$proxy" "$work/chat.lua" "$build/inferyes-agent" --config "$work/agent-$proxy.toml" --workers 1
+    name=dataplane$suffix
+    listen=$(port)
+    count "$name" "$listen" "$work/chat-direct.lua" "$build/inferyes-dataplane" --listen "127.0.0.1:$listen" \
+      --controllers "http://127.0.0.1:$grpc" --auth none --dataplane-id "bench-instructions-$listen" --workers 1
+  done
+  exit 0
 fi
 
 # CPU time (user + system, in clock ticks) of processes and their threads

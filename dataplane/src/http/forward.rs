@@ -513,16 +513,10 @@ impl http_body::Body for Guarded {
                         if this.strip_usage && this.event_stream {
                             // Whole events only, without the usage chunk the
                             // client did not ask for.
-                            let mut kept = Vec::with_capacity(data.len());
-                            for event in this.events.push(data) {
-                                if !super::sse::is_usage_only_event(&event) {
-                                    kept.extend_from_slice(&event);
-                                }
+                            match this.events.without_usage(data.clone()) {
+                                Some(kept) => return Poll::Ready(Some(Ok(Frame::data(kept)))),
+                                None => continue,
                             }
-                            if kept.is_empty() {
-                                continue;
-                            }
-                            return Poll::Ready(Some(Ok(Frame::data(Bytes::from(kept)))));
                         }
                     }
                     return Poll::Ready(Some(Ok(frame)));

@@ -1,7 +1,17 @@
 //! Server-sent events as they pass through: whole events out of frames
 //! that may split them, and the few facts the data plane reads from them.
 
+use std::sync::LazyLock;
+
 use bytes::Bytes;
+use memchr::memmem::Finder;
+
+/// The fixed strings looked for in every frame of a stream; searchers built
+/// once.
+static EVENT_END: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\n\n"));
+static DATA: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"data: "));
+static NO_CHOICES: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\"choices\":[]"));
+static USAGE: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\"usage\":"));
 
 /// Frames in, whole events (each ending in its blank line) out; a partial
 /// event waits for the rest.
@@ -14,11 +24,34 @@ impl Events {
     pub fn push(&mut self, data: &[u8]) -> Vec<Bytes> {
         self.pending.extend_from_slice(data);
         let mut events = Vec::new();
-        while let Some(end) = self.pending.windows(2).position(|w| w == b"\n\n") {
+        while let Some(end) = EVENT_END.find(&self.pending) {
             let event: Vec<u8> = self.pending.drain(..end + 2).collect();
             events.push(Bytes::from(event));
         }
         events
+    }
+
+    /// What of `data` goes on to a client that did not ask for usage: the
+    /// whole events in it (a partial one waits for the rest), without the
+    /// usage-only chunk. `None`: nothing to pass on yet.
+    pub fn without_usage(&mut self, data: Bytes) -> Option<Bytes> {
+        // Most frames are whole events, none of them the usage chunk: they
+        // go on as they are, not copied.
+        if self.pending.is_empty() && data.ends_with(b"\n\n") && NO_CHOICES.find(&data).is_none() {
+            return Some(data);
+        }
+        self.pending.extend_from_slice(&data);
+        let mut kept = Vec::with_capacity(self.pending.len());
+        let mut start = 0;
+        while let Some(end) = EVENT_END.find(&self.pending[start..]) {
+            let event = &self.pending[start..start + end + 2];
+            if !is_usage_only_event(event) {
+                kept.extend_from_slice(event);
+            }
+            start += end + 2;
+        }
+        self.pending.drain(..start);
+        (!kept.is_empty()).then(|| Bytes::from(kept))
     }
 
     /// Whether a partial event is waiting.
@@ -37,16 +70,12 @@ impl Events {
 /// must not see.
 pub fn is_usage_only_event(event: &[u8]) -> bool {
     let event = event.trim_ascii_start();
-    event.starts_with(b"data: {") && contains(event, b"\"choices\":[]") && contains(event, b"\"usage\":")
+    event.starts_with(b"data: {") && NO_CHOICES.find(event).is_some() && USAGE.find(event).is_some()
 }
 
 /// The data events (`data: ...` at a line start) that begin in `bytes`.
 pub fn count_data_events(bytes: &[u8]) -> usize {
-    bytes.windows(6).enumerate().filter(|(i, w)| *w == b"data: " && (*i == 0 || bytes[i - 1] == b'\n')).count()
-}
-
-fn contains(haystack: &[u8], needle: &[u8]) -> bool {
-    haystack.windows(needle.len()).any(|w| w == needle)
+    DATA.find_iter(bytes).filter(|&i| i == 0 || bytes[i - 1] == b'\n').count()
 }
 
 #[cfg(test)]
@@ -63,6 +92,23 @@ mod tests {
         assert!(!events.is_empty());
         assert_eq!(&events.take_rest()[..], b"data: par");
         assert!(events.is_empty());
+    }
+
+    #[test]
+    fn without_usage_passes_whole_events_on_and_takes_the_usage_chunk_out() {
+        let mut events = Events::default();
+        let plain = Bytes::from_static(b"data: {\"choices\":[{\"delta\":{}}]}\n\n");
+        let passed = events.without_usage(plain.clone()).unwrap();
+        assert_eq!(passed.as_ptr(), plain.as_ptr(), "a frame of whole events is not copied");
+        assert_eq!(events.without_usage(Bytes::from_static(b"data: {\"cho")), None);
+        let rest = b"ices\":[{}]}\n\ndata: {\"choices\":[],\"usage\":{\"prompt_tokens\":3}}\n\ndata: [DONE]\n\n";
+        assert_eq!(
+            &events.without_usage(Bytes::from_static(rest)).unwrap()[..],
+            b"data: {\"choices\":[{}]}\n\ndata: [DONE]\n\n"
+        );
+        assert!(events.is_empty());
+        let usage_only = Bytes::from_static(b"data: {\"choices\":[],\"usage\":{}}\n\n");
+        assert_eq!(events.without_usage(usage_only), None);
     }
 
     #[test]
