@@ -15,6 +15,7 @@
 #   FLEET=0 ./scripts/bench-proxy.sh    # without the last part: the data plane with 1,000 more nodes
 #   BASELINE=/path/to/earlier/release ./scripts/bench-proxy.sh
 #                                       # adds rows for an earlier build's data plane and agent
+#   ROUNDS=3 ./scripts/bench-proxy.sh   # every row three times, apart in time, and each row's median
 #   INSTRUCTIONS=1 ./scripts/bench-proxy.sh
 #                                       # instead: user-space instructions per request (callgrind)
 set -euo pipefail
@@ -279,7 +280,10 @@ run() { # name url script connections kind pids-on-the-path...
     "$rps" "$p50" "$p99" "$cpu" "${failed:+   FAILED RESPONSES: $failed}"
 }
 
+rounds=${ROUNDS:-1}
 echo "wrk, $duration per run, on $(nproc) cores; CPU is the proxy's (the backend's for direct), per request"
+for round in $(seq "$rounds"); do
+[ "$rounds" -eq 1 ] || echo "round $round of $rounds"
 for kind in json sse; do
   if [ $kind = json ]; then path=/v1/chat/completions; script=$work/chat.lua; else path=/v1/completions; script=$work/stream.lua; fi
   for conns in 1 32; do
@@ -298,6 +302,29 @@ for kind in json sse; do
     fi
   done
 done
+done | tee "$work/runs.txt"
+if [ "$rounds" -gt 1 ]; then
+  # A disturbance on a shared machine hits the rows running at that moment:
+  # the median of each row over the rounds, which ran apart in time.
+  echo "median of $rounds rounds:"
+  python3 - "$work/runs.txt" <<'PY'
+import re, statistics, sys
+rows = {}
+for line in open(sys.argv[1]):
+    m = re.match(r"(\S+)\s+(\S+)\s+(\d+) conns\s+([\d.]+) req/s\s+p50\s+(\S+)\s+p99\s+(\S+)\s+CPU\s+([\d.]+)", line)
+    if m:
+        rows.setdefault(m.group(1, 2, 3), []).append(m.groups()[3:])
+def seconds(t):
+    value = float(re.match(r"[\d.]+", t).group())
+    return value * {"us": 1e-6, "ms": 1e-3, "s": 1}[re.search(r"[a-z]+$", t).group()]
+def shown(s):
+    return f"{s * 1e6:.0f}us" if s < 1e-3 else f"{s * 1e3:.2f}ms"
+for (name, kind, conns), runs in rows.items():
+    rps, p50, p99, cpu = (statistics.median(float(r[0]) for r in runs), statistics.median(seconds(r[1]) for r in runs),
+                          statistics.median(seconds(r[2]) for r in runs), statistics.median(float(r[3]) for r in runs))
+    print(f"{name:<14} {kind:<5} {conns:>3} conns {rps:10.0f} req/s   p50 {shown(p50):>9}   p99 {shown(p99):>9}   CPU {cpu:6.1f} µs/req")
+PY
+fi
 echo "data plane RSS after the runs: $(( $(ps -o rss= -p "$dp_pid") / 1024 )) MiB"
 
 if [ "$fleet_size" -gt 0 ]; then
