@@ -8,14 +8,16 @@
 //! all. "every node" places one model on all nodes (the worst case for a
 //! decision); "5% of nodes" spreads 20 models, each on a twentieth of the
 //! fleet. After criterion's runs, a percentile pass prints p50/p99/max per
-//! decision, the figures the targets are stated in.
+//! decision, the figures the targets are stated in. Then the routing view
+//! of a long conversation, and the hash of its root.
 
 use std::collections::BTreeMap;
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use criterion::{BenchmarkId, Criterion};
-use inferyes_dataplane::routing::{Mode, RouteRequest, select};
+use inferyes_dataplane::http::{parse_view, session_key};
+use inferyes_dataplane::routing::{Mode, RouteRequest, select, stable_hash, text_hash};
 use inferyes_dataplane::snapshot::{Counters, RoutingSnapshot, decode};
 use inferyes_proto::v1::{
     Backend, EndpointKind, Gpu, Health, Model, ModelState, NodeStatus, ResidentSession, SnapshotNode,
@@ -140,6 +142,34 @@ fn bench(c: &mut Criterion, cases: &[Case]) {
         });
     }
     group.finish();
+    // The routing view of a long conversation (a 10 KB system prompt and
+    // twenty turns, as coding agents send), and its root hashed the way
+    // session keys are, next to FNV-1a over the same bytes.
+    let mut group = c.benchmark_group("view");
+    group.measurement_time(Duration::from_secs(2)).warm_up_time(Duration::from_millis(500));
+    let body = long_conversation();
+    group.bench_function("parse_view + session_key, 10 KB system prompt, 20 turns", |b| {
+        b.iter(|| {
+            let view = parse_view(black_box(&body)).expect("a valid body");
+            black_box(session_key(&http::HeaderMap::new(), &view))
+        })
+    });
+    let text = vec![b'a'; 10_000];
+    group.bench_function("text_hash, 10 KB", |b| b.iter(|| black_box(text_hash(&[black_box(&text)]))));
+    group.bench_function("stable_hash (FNV-1a), 10 KB", |b| b.iter(|| black_box(stable_hash(black_box(&text)))));
+    group.finish();
+}
+
+fn long_conversation() -> Vec<u8> {
+    let mut messages =
+        vec![serde_json::json!({"role": "system", "content": "You are a careful assistant. ".repeat(345)})];
+    for turn in 0..20 {
+        let role = if turn % 2 == 0 { "user" } else { "assistant" };
+        messages
+            .push(serde_json::json!({"role": role, "content": format!("turn {turn}: {}", "some words ".repeat(40))}));
+    }
+    serde_json::to_vec(&serde_json::json!({"model": "model-0", "stream": true, "messages": messages}))
+        .expect("serialisable")
 }
 
 /// p50/p99/max of single decisions, timed one by one.

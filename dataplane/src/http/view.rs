@@ -10,7 +10,7 @@ use serde::Deserialize;
 use serde_json::value::RawValue;
 
 use super::ApiError;
-use crate::routing::{stable_hash, stable_hash_of};
+use crate::routing::{stable_hash, text_hash};
 
 #[derive(Debug, Deserialize)]
 struct Wire<'a> {
@@ -168,11 +168,11 @@ fn conversation_root(wire: &Wire<'_>) -> Option<u64> {
     if let Some(opening) = &wire.messages {
         let user = opening.user.flatten()?;
         let system = opening.system.flatten().or(opening.developer.flatten());
-        Some(stable_hash_of(&[text(system), b"\0", text(Some(user))]))
+        Some(text_hash(&[text(system), text(Some(user))]))
     } else if let Some(input) = wire.input {
-        Some(stable_hash_of(&[text(wire.instructions), b"\0", head(input)]))
+        Some(text_hash(&[text(wire.instructions), head(input)]))
     } else {
-        wire.prompt.map(|prompt| stable_hash_of(&[head(prompt)]))
+        wire.prompt.map(|prompt| text_hash(&[head(prompt)]))
     }
 }
 

@@ -3,15 +3,31 @@
 
 /// FNV-1a over the bytes, finished with a SplitMix64 mix for avalanche.
 pub fn stable_hash(bytes: &[u8]) -> u64 {
-    stable_hash_of(&[bytes])
-}
-
-/// [`stable_hash`] of the parts joined, without joining them.
-pub fn stable_hash_of(parts: &[&[u8]]) -> u64 {
     let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
-    for byte in parts.iter().flat_map(|part| part.iter()) {
+    for byte in bytes {
         hash ^= u64::from(*byte);
         hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    mix(hash)
+}
+
+/// A stable hash of long texts (a conversation's opening: a system prompt
+/// runs to tens of kilobytes), eight bytes a step: FNV-1a, a multiply per
+/// byte, took 11 µs for 10 KB, a third of the data plane's CPU for a whole
+/// request. Each part's length is mixed in, so parts need no separator.
+pub fn text_hash(parts: &[&[u8]]) -> u64 {
+    const K: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for part in parts {
+        let mut words = part.chunks_exact(8);
+        for word in &mut words {
+            let word = u64::from_le_bytes([word[0], word[1], word[2], word[3], word[4], word[5], word[6], word[7]]);
+            hash = (hash ^ word).wrapping_mul(K).rotate_left(29);
+        }
+        let mut last = [0u8; 8];
+        last[..words.remainder().len()].copy_from_slice(words.remainder());
+        hash = (hash ^ u64::from_le_bytes(last)).wrapping_mul(K).rotate_left(29);
+        hash = (hash ^ part.len() as u64).wrapping_mul(K);
     }
     mix(hash)
 }
@@ -38,9 +54,19 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_hash_of_parts_is_the_hash_of_them_joined() {
-        assert_eq!(stable_hash_of(&[b"sys", b"\0", b"hello"]), stable_hash(b"sys\0hello"));
-        assert_eq!(stable_hash_of(&[]), stable_hash(b""));
+    fn text_hashes_are_pinned_and_tell_parts_apart() {
+        // Pinned: data planes of different builds must derive the same
+        // session key from the same conversation.
+        assert_eq!(text_hash(&[b"You are helpful.", b"hello"]), 0x09a6_fc1b_8136_1f6e);
+        assert_eq!(text_hash(&[]), mix(0xcbf2_9ce4_8422_2325));
+        // Where one part ends and the next starts counts, and every byte.
+        assert_ne!(text_hash(&[b"ab", b"c"]), text_hash(&[b"a", b"bc"]));
+        assert_ne!(text_hash(&[b"", b"abc"]), text_hash(&[b"abc", b""]));
+        let long = vec![b'x'; 10_000];
+        let mut other = long.clone();
+        other[9_999] = b'y';
+        assert_ne!(text_hash(&[&long]), text_hash(&[&other]));
+        assert_ne!(text_hash(&[b"abcdefgh"]), text_hash(&[b"abcdefgh\0"]));
     }
 
     #[test]

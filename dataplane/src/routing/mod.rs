@@ -25,7 +25,7 @@ use std::sync::atomic::Ordering;
 use inferyes_proto::ErrorKind;
 use inferyes_proto::v1::{EndpointKind, ModelState, Strategy};
 
-pub use hash::{rendezvous_score, stable_hash, stable_hash_of, unit_interval};
+pub use hash::{rendezvous_score, stable_hash, text_hash, unit_interval};
 
 use crate::snapshot::{Placement, RoutingSnapshot, Target};
 
