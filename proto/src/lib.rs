@@ -45,6 +45,8 @@ pub fn session_tag(key: &str) -> String {
 /// Removes those of `names` that `headers` has: one look at the few names
 /// a request carries costs less than a removal (a hash) per name.
 pub fn remove_headers(headers: &mut http::HeaderMap, names: &[http::HeaderName]) {
+    // One bit per name (past 64 names, bits are shared: a shared bit only
+    // removes a listed name that is not there, which does nothing).
     let mut found = 0u64;
     for name in headers.keys() {
         if let Some(i) = names.iter().position(|n| n == name) {
