@@ -20,6 +20,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use inferyes_proto::ErrorKind;
+use inferyes_proto::base_url::BaseUrl;
 use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 
 use super::ApiError;
@@ -28,7 +29,6 @@ use super::upstream;
 use crate::routing::Route;
 use crate::snapshot::{LocalCounters, RoutingSnapshot};
 use crate::usage::{Meter, Outcome};
-use inferyes_proto::base_url::BaseUrl;
 
 pub const NODE_HEADER: HeaderName = HeaderName::from_static("x-inferyes-node");
 pub const ROUTE_HEADER: HeaderName = HeaderName::from_static("x-inferyes-route");
@@ -337,7 +337,7 @@ fn build_request(proxy_url: &BaseUrl, backend_id: &str, out: &Outbound<'_>) -> R
         headers.insert(header::HOST, host);
     }
     headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
-    headers.insert("x-request-id", out.request_id.clone());
+    headers.insert(super::server::REQUEST_ID, out.request_id.clone());
     if let Ok(v) = HeaderValue::from_str(backend_id) {
         headers.insert(BACKEND_HEADER, v);
     }

@@ -170,7 +170,7 @@ fn peer_of(extensions: &http::Extensions) -> IpAddr {
     extensions.get::<Peer>().map_or(IpAddr::from([0, 0, 0, 0]), |peer| peer.0.ip())
 }
 
-const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+pub(crate) const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 
 /// The request's id: the client's own when it sent a usable one, else a
 /// fresh one.
