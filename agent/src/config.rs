@@ -251,9 +251,8 @@ impl Config {
         std::time::Duration::from_millis(self.shutdown_grace_ms)
     }
 
-    /// Proxy threads: as configured, or one per core.
     pub fn workers(&self) -> usize {
-        if self.workers == 0 { inferyes_proto::serve::default_workers() } else { self.workers }
+        inferyes_proto::serve::workers(self.workers)
     }
 
     pub fn validate(&self) -> anyhow::Result<()> {

@@ -31,6 +31,7 @@ use crate::state::AgentState;
 pub const BACKEND_HEADER: HeaderName = HeaderName::from_static("x-inferyes-backend");
 pub const MODEL_HEADER: HeaderName = HeaderName::from_static("x-inferyes-model");
 pub const SESSION_HEADER: HeaderName = HeaderName::from_static("x-inferyes-session");
+const REQUEST_ID_HEADER: HeaderName = HeaderName::from_static("x-request-id");
 
 #[derive(Clone)]
 struct Proxy {
@@ -131,7 +132,7 @@ async fn forward_in_span(proxy: Proxy, request: Request<Body>) -> Response {
     }
 
     // For a log line: the request's span is a trace, not log context.
-    let request_id = parts.headers.get("x-request-id").cloned();
+    let request_id = parts.headers.get(REQUEST_ID_HEADER).cloned();
     let guard = InFlight::enter(Arc::clone(&proxy.state), index);
     let started = Instant::now();
     match proxy.client.request(Request::from_parts(parts, body)).await {

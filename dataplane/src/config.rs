@@ -187,9 +187,8 @@ impl Config {
         Duration::from_millis(self.response_header_timeout_ms)
     }
 
-    /// Request-serving threads: as configured, or one per core.
     pub fn workers(&self) -> usize {
-        if self.workers == 0 { inferyes_proto::serve::default_workers() } else { self.workers }
+        inferyes_proto::serve::workers(self.workers)
     }
 
     pub fn shutdown_grace(&self) -> Duration {

@@ -80,7 +80,7 @@ pub async fn run(
     if config.auth == auth::AuthMode::None {
         tracing::warn!("auth = \"none\": the API is open to anyone who can reach it");
     }
-    // One router per worker thread, each with its own pool of connections
+    // One gateway per worker thread, each with its own pool of connections
     // to agents (a pooled connection is driven by the thread that opened it).
     let mut gateways = vec![http::Gateway::new(state.clone())];
     for _ in 1..config.workers() {

@@ -65,6 +65,12 @@ pub fn default_workers() -> usize {
     std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
 }
 
+/// The workers to run for a `workers` setting: as configured, 0 being one
+/// per core.
+pub fn workers(configured: usize) -> usize {
+    if configured == 0 { default_workers() } else { configured }
+}
+
 /// Serves until `shutdown` is cancelled and every connection has finished
 /// its requests (idle ones are closed at once), or the shutdown grace is
 /// over: then what still runs is cut. One worker thread per service maker
@@ -312,6 +318,17 @@ mod tests {
         served: tokio::task::JoinHandle<std::io::Result<()>>,
     }
 
+    /// Plain HTTP, a grace long enough never to cut a test's request.
+    fn options(name: &'static str) -> Options {
+        Options {
+            name,
+            tls: None,
+            http2_streams: DEFAULT_HTTP2_STREAMS,
+            shutdown_grace: Duration::from_secs(60),
+            past_grace: CancellationToken::new(),
+        }
+    }
+
     async fn start(workers: usize) -> Server {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
@@ -323,14 +340,7 @@ mod tests {
             })
             .collect();
         let shutdown = CancellationToken::new();
-        let options = Options {
-            name: "test",
-            tls: None,
-            http2_streams: DEFAULT_HTTP2_STREAMS,
-            shutdown_grace: Duration::from_secs(60),
-            past_grace: CancellationToken::new(),
-        };
-        let served = tokio::spawn(serve(listener, services, options, shutdown.clone()));
+        let served = tokio::spawn(serve(listener, services, options("test"), shutdown.clone()));
         Server { addr, entered, release, shutdown, served }
     }
 
@@ -400,14 +410,7 @@ mod tests {
         let boom = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let services = (0..2).map(|_| fragile(Arc::clone(&boom))).collect();
         let shutdown = CancellationToken::new();
-        let options = Options {
-            name: "fragile",
-            tls: None,
-            http2_streams: DEFAULT_HTTP2_STREAMS,
-            shutdown_grace: Duration::from_secs(60),
-            past_grace: CancellationToken::new(),
-        };
-        let served = tokio::spawn(serve(listener, services, options, shutdown.clone()));
+        let served = tokio::spawn(serve(listener, services, options("fragile"), shutdown.clone()));
         // The first connection kills the worker it is handed to.
         boom.store(true, Ordering::SeqCst);
         let mut first = TcpStream::connect(addr).await.unwrap();

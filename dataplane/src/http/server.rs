@@ -458,7 +458,7 @@ async fn serve(
         u64::from(estimated_prompt_tokens(body.len(), &view)),
     );
     facts.meter = Some(meter.clone());
-    let result = route_and_forward(state, kind, parts, body, view, &snapshot, request_id, facts, meter).await;
+    let result = route_and_forward(state, kind, parts, body, &view, model, &snapshot, request_id, facts, meter).await;
     let rate = rate.to_vec();
     match result {
         Ok(mut response) => {
@@ -478,16 +478,17 @@ async fn route_and_forward(
     kind: EndpointKind,
     parts: http::request::Parts,
     body: Bytes,
-    view: super::RoutingView,
+    view: &super::RoutingView,
+    // The model the view names, an alias resolved.
+    model: &str,
     snapshot: &Arc<RoutingSnapshot>,
     request_id: HeaderValue,
     facts: &mut RequestFacts,
     meter: crate::usage::Meter,
 ) -> Result<Response, ApiError> {
-    let model = snapshot.resolve(&view.model);
     facts.model = model.to_string();
     facts.stream = view.stream;
-    let body = if model == view.model { body } else { with_model(&body, &view, model)? };
+    let body = if model == view.model { body } else { with_model(&body, view, model)? };
     // A stream that would end without usage is asked for it; the client,
     // which did not ask, does not see the extra chunk.
     let wants_usage =
@@ -496,7 +497,7 @@ async fn route_and_forward(
         Some(spliced) => (spliced, true),
         None => (body, false),
     };
-    let session = session_key(&parts.headers, &view);
+    let session = session_key(&parts.headers, view);
     facts.session.clone_from(&session);
     let ticket = state.tickets.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let route = routing::select(
@@ -505,7 +506,7 @@ async fn route_and_forward(
             model,
             kind,
             session: session.as_deref(),
-            prompt_tokens: estimated_prompt_tokens(body.len(), &view),
+            prompt_tokens: estimated_prompt_tokens(body.len(), view),
             mode: state.mode,
             ticket,
             now_ms: inferyes_proto::unix_ms(),
