@@ -19,10 +19,7 @@ use bytes::Bytes;
 use http::uri::PathAndQuery;
 use http::{HeaderMap, HeaderName, HeaderValue, Request, StatusCode, header};
 use http_body::{Frame, SizeHint};
-use hyper::body::Incoming;
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioExecutor;
+use inferyes_proto::pool::{self, Pool};
 use inferyes_proto::{ErrorKind, openai_error_body};
 
 use crate::state::AgentState;
@@ -33,10 +30,16 @@ pub const MODEL_HEADER: HeaderName = HeaderName::from_static("x-inferyes-model")
 pub const SESSION_HEADER: HeaderName = HeaderName::from_static("x-inferyes-session");
 const REQUEST_ID_HEADER: HeaderName = HeaderName::from_static("x-request-id");
 
+/// How long a connection to a backend may sit idle in the pool: below
+/// llama-server's keep-alive timeout (5 s), so that the backend never
+/// closes one as a request goes out.
+const BACKEND_IDLE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(4);
+
 #[derive(Clone)]
 struct Proxy {
     state: Arc<AgentState>,
-    client: Client<HttpConnector, Body>,
+    /// This worker's connections to the backends.
+    client: Pool<Body>,
     scrape: Arc<Scrape>,
 }
 
@@ -58,10 +61,11 @@ async fn metrics(State(proxy): State<Proxy>) -> Response {
 }
 
 pub fn router(state: Arc<AgentState>, scrape: Arc<Scrape>) -> Router {
-    let mut connector = HttpConnector::new();
-    connector.set_nodelay(true);
-    connector.set_connect_timeout(Some(std::time::Duration::from_secs(2)));
-    let client = Client::builder(TokioExecutor::new()).build(connector);
+    let client = Pool::new(pool::Settings {
+        connect_timeout: std::time::Duration::from_secs(2),
+        idle_timeout: BACKEND_IDLE_TIMEOUT,
+        tls: None,
+    });
     Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/metrics", get(metrics))
@@ -105,16 +109,14 @@ async fn forward_in_span(proxy: Proxy, request: Request<Body>) -> Response {
     let backend_id = handle.probe.id.clone();
 
     let path = parts.uri.path_and_query().cloned().unwrap_or_else(|| PathAndQuery::from_static("/"));
-    let Some((uri, host)) = handle.url.uri(&path) else {
+    let Some((uri, host, origin)) = handle.url.origin_form(&path) else {
         return error(ErrorKind::BadRequest, "request path cannot be forwarded", "invalid_path");
     };
     parts.uri = uri;
     // Backends speak HTTP/1.1, whatever a data plane spoke to this proxy.
     parts.version = http::Version::HTTP_11;
     strip_headers(&mut parts.headers);
-    if let Some(host) = host {
-        parts.headers.insert(header::HOST, host);
-    }
+    parts.headers.insert(header::HOST, host);
     span.record("backend", backend_id.as_str());
     inferyes_proto::telemetry::inject(&span, &mut parts.headers);
     if !handle.probe.api_key.is_empty()
@@ -135,7 +137,7 @@ async fn forward_in_span(proxy: Proxy, request: Request<Body>) -> Response {
     let request_id = parts.headers.get(REQUEST_ID_HEADER).cloned();
     let guard = InFlight::enter(Arc::clone(&proxy.state), index);
     let started = Instant::now();
-    match proxy.client.request(Request::from_parts(parts, body)).await {
+    match proxy.client.send(origin, Request::from_parts(parts, body)).await {
         Ok(response) => {
             let (parts, body) = response.into_parts();
             span.record("http.response.status_code", parts.status.as_u16());
@@ -209,7 +211,7 @@ impl Drop for InFlight {
 /// The backend's response body, passed through frame by frame, noting the
 /// time to the first data frame.
 struct Tracked {
-    inner: Incoming,
+    inner: pool::Incoming<Body>,
     _guard: InFlight,
     started: Instant,
     first_byte: bool,

@@ -1,6 +1,6 @@
 //! The floor of the proxy benchmark (`scripts/bench-proxy.sh`): a reverse
 //! proxy with nothing but the HTTP stack the data plane and the agent are
-//! built on (hyper, the pooled hyper-util client, `inferyes_proto::serve`),
+//! built on (hyper, `inferyes_proto::pool` and `inferyes_proto::serve`),
 //! forwarding every request to one upstream. What the data plane costs
 //! above this row is its own work: parsing, routing, keys, metering.
 //!
@@ -11,19 +11,19 @@
 use std::convert::Infallible;
 use std::pin::Pin;
 
-use http::{Request, Response, StatusCode, Uri};
+use http::uri::PathAndQuery;
+use http::{Request, Response, StatusCode, header};
 use hyper::body::Incoming;
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioExecutor;
+use inferyes_proto::base_url::BaseUrl;
+use inferyes_proto::pool::{self, Pool};
 
 #[derive(Clone)]
 struct Forward {
-    client: Client<HttpConnector, Incoming>,
-    upstream: Uri,
+    pool: Pool<Incoming>,
+    upstream: BaseUrl,
 }
 
-type Body = http_body_util::Either<Incoming, String>;
+type Body = http_body_util::Either<pool::Incoming<Incoming>, String>;
 
 impl hyper::service::Service<Request<Incoming>> for Forward {
     type Response = Response<Body>;
@@ -31,16 +31,15 @@ impl hyper::service::Service<Request<Incoming>> for Forward {
     type Future = Pin<Box<dyn Future<Output = Result<Response<Body>, Infallible>> + Send>>;
 
     fn call(&self, mut request: Request<Incoming>) -> Self::Future {
-        let client = self.client.clone();
-        let mut parts = self.upstream.clone().into_parts();
-        parts.path_and_query = request.uri().path_and_query().cloned();
+        let Forward { pool, upstream } = self.clone();
         Box::pin(async move {
-            let Ok(uri) = Uri::from_parts(parts) else {
+            let path = request.uri().path_and_query().cloned().unwrap_or_else(|| PathAndQuery::from_static("/"));
+            let Some((uri, host, origin)) = upstream.origin_form(&path) else {
                 return Ok(error(StatusCode::BAD_REQUEST));
             };
             *request.uri_mut() = uri;
-            request.headers_mut().remove(http::header::HOST);
-            Ok(match client.request(request).await {
+            request.headers_mut().insert(header::HOST, host);
+            Ok(match pool.send(origin, request).await {
                 Ok(response) => response.map(http_body_util::Either::Left),
                 Err(_) => error(StatusCode::BAD_GATEWAY),
             })
@@ -61,14 +60,20 @@ async fn main() -> std::io::Result<()> {
         eprintln!("usage: bare_proxy LISTEN_ADDR UPSTREAM_URL");
         std::process::exit(2);
     };
-    let upstream: Uri = upstream.parse().map_err(std::io::Error::other)?;
+    let upstream = BaseUrl::new(&upstream);
+    if upstream.origin().is_none() {
+        eprintln!("bare_proxy: {} is not an http URL", upstream.as_str());
+        std::process::exit(2);
+    }
     let listener = tokio::net::TcpListener::bind(&listen).await?;
     let services = (0..inferyes_proto::serve::default_workers())
         .map(|_| {
-            let mut connector = HttpConnector::new();
-            connector.set_nodelay(true);
-            let forward =
-                Forward { client: Client::builder(TokioExecutor::new()).build(connector), upstream: upstream.clone() };
+            let settings = pool::Settings {
+                connect_timeout: std::time::Duration::from_secs(2),
+                idle_timeout: std::time::Duration::from_secs(20),
+                tls: None,
+            };
+            let forward = Forward { pool: Pool::new(settings), upstream: upstream.clone() };
             move |_| forward.clone()
         })
         .collect();

@@ -14,7 +14,6 @@ use std::sync::Arc;
 use axum::body::Body;
 use bytes::Bytes;
 use http_body_util::BodyExt;
-use hyper::body::Incoming;
 use inferyes_proto::ErrorKind;
 use serde::Deserialize;
 use serde::de::IgnoredAny;
@@ -22,7 +21,7 @@ use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
 use super::ApiError;
-use super::forward::{Forwarder, InFlight, Outbound, error_event};
+use super::forward::{Answer, Forwarder, InFlight, Outbound, error_event};
 use crate::snapshot::LocalCounters;
 
 /// Another node the stream may continue on.
@@ -104,7 +103,7 @@ fn read(event: &[u8]) -> Event {
 }
 
 /// The first node's stream, continued on `resume.hops` if it breaks.
-pub fn spawn(first: Incoming, guard: InFlight, node: Arc<str>, resume: Resume) -> Body {
+pub fn spawn(first: Answer, guard: InFlight, node: Arc<str>, resume: Resume) -> Body {
     let (tx, rx) = mpsc::channel::<Result<Bytes, std::io::Error>>(16);
     // The request's span lives as long as the stream, resumed hops included.
     tokio::spawn(tracing::Instrument::in_current_span(pipe(first, guard, node, resume, tx)));
@@ -112,7 +111,7 @@ pub fn spawn(first: Incoming, guard: InFlight, node: Arc<str>, resume: Resume) -
 }
 
 async fn pipe(
-    mut body: Incoming,
+    mut body: Answer,
     mut guard: InFlight,
     mut node: Arc<str>,
     mut resume: Resume,
@@ -228,7 +227,7 @@ async fn pipe(
 }
 
 /// Asks `hop` to continue the answer; its stream when it accepted.
-async fn continue_on(resume: &Resume, hop: &Hop, partial: &str, generated: u64) -> Option<Incoming> {
+async fn continue_on(resume: &Resume, hop: &Hop, partial: &str, generated: u64) -> Option<Answer> {
     let mut request: Value = serde_json::from_slice(&resume.body).ok()?;
     request["messages"].as_array_mut()?.push(json!({"role": "assistant", "content": partial}));
     for limit in ["max_tokens", "max_completion_tokens"] {

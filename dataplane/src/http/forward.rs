@@ -15,7 +15,6 @@ use http::uri::PathAndQuery;
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, header};
 use http_body::{Frame, SizeHint};
 use http_body_util::{BodyExt, Full};
-use hyper::body::Incoming;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
@@ -41,16 +40,24 @@ const MAX_ERROR_BODY: usize = 64 << 10;
 /// Non-streamed answers are read whole before they are passed on.
 const MAX_BUFFERED_BODY: usize = 256 << 20;
 
-type AgentClient = Client<hyper_rustls::HttpsConnector<HttpConnector>, Full<Bytes>>;
+type Http2Client = Client<hyper_rustls::HttpsConnector<HttpConnector>, Full<Bytes>>;
+
+/// An agent's answer, as it comes.
+pub(crate) type Answer = inferyes_proto::pool::Incoming<Full<Bytes>>;
+
+/// How long a connection to an agent may sit idle in the pool: below the
+/// agents' own 30 s (they close a connection that sends no request head
+/// for that long), so that they never close one as a request goes out.
+const IDLE_TIMEOUT: Duration = Duration::from_secs(20);
 
 #[derive(Clone)]
 pub struct Forwarder {
     /// To agents at `http://` and, with TLS, `https://` proxy URLs, over
-    /// HTTP/1.1: a pool of connections.
-    http1: AgentClient,
+    /// HTTP/1.1: this worker's pool of connections.
+    http1: inferyes_proto::pool::Pool<Full<Bytes>>,
     /// The same over HTTP/2, for agents that take it (unless configured
     /// off): one connection per agent carries every request.
-    http2: Option<AgentClient>,
+    http2: Option<Http2Client>,
     header_timeout: Duration,
     /// Cancelled when a shutdown's grace period is over: streams still
     /// running end with an error event.
@@ -97,15 +104,16 @@ impl Forwarder {
         hard_stop: CancellationToken,
         metrics: Arc<crate::metrics::Metrics>,
     ) -> Forwarder {
+        let http1 = inferyes_proto::pool::Pool::new(inferyes_proto::pool::Settings {
+            connect_timeout,
+            idle_timeout: IDLE_TIMEOUT,
+            tls: Some(Arc::new(tls.clone())),
+        });
         let mut tcp = HttpConnector::new();
         tcp.set_nodelay(true);
         tcp.set_connect_timeout(Some(connect_timeout));
         // The TCP connector passes `https://` on to rustls.
         tcp.enforce_http(false);
-        let tls_connector = || hyper_rustls::HttpsConnectorBuilder::new().with_tls_config(tls.clone()).https_or_http();
-        let http1 = Client::builder(TokioExecutor::new())
-            .pool_idle_timeout(Duration::from_secs(90))
-            .build(tls_connector().enable_http1().wrap_connector(tcp.clone()));
         let http2 = (protocol == crate::config::AgentProtocol::Http2).then(|| {
             // One connection carries every request to an agent, so a dead
             // one must be noticed without waiting for a request's header
@@ -122,17 +130,40 @@ impl Forwarder {
                 .http2_initial_stream_window_size(1 << 20)
                 .http2_initial_connection_window_size(64 << 20)
                 .pool_idle_timeout(Duration::from_secs(90))
-                .build(tls_connector().enable_http2().wrap_connector(tcp))
+                .build(
+                    hyper_rustls::HttpsConnectorBuilder::new()
+                        .with_tls_config(tls)
+                        .https_or_http()
+                        .enable_http2()
+                        .wrap_connector(tcp),
+                )
         });
         Forwarder { http1, http2, header_timeout, hard_stop, metrics }
     }
 
-    /// The client for a node's proxy: HTTP/2 where it takes it.
-    fn client(&self, proxy_http2: bool) -> &AgentClient {
-        match &self.http2 {
-            Some(http2) if proxy_http2 => http2,
-            _ => &self.http1,
+    /// One request to a node's proxy, up to its answer's head: over HTTP/2
+    /// where the node takes it, else on a pooled HTTP/1.1 connection.
+    async fn request(
+        &self,
+        proxy_url: &BaseUrl,
+        proxy_http2: bool,
+        backend_id: &str,
+        out: &Outbound<'_>,
+    ) -> Result<Result<http::Response<Answer>, Unreachable>, ApiError> {
+        let internal = || ApiError::new(ErrorKind::Internal, "cannot build the upstream request", "internal_error");
+        let headers = upstream_headers(backend_id, out);
+        let body = Full::new(out.body.clone());
+        if let Some(http2) = self.http2.as_ref().filter(|_| proxy_http2) {
+            let (uri, host) = proxy_url.uri(out.path_and_query).ok_or_else(internal)?;
+            let request = upstream_request(uri, host, headers, body);
+            return Ok(match http2.request(request).await {
+                Ok(response) => Ok(response.map(Answer::unpooled)),
+                Err(error) => Err(Unreachable(error.into())),
+            });
         }
+        let (uri, host, origin) = proxy_url.origin_form(out.path_and_query).ok_or_else(internal)?;
+        let request = upstream_request(uri, host, headers, body);
+        Ok(self.http1.send(origin, request).await.map_err(|error| Unreachable(error.into())))
     }
 
     /// Tries the route's targets in order. A target that cannot be reached,
@@ -154,20 +185,19 @@ impl Forwarder {
             if let Some(meter) = &out.meter {
                 meter.node(&node.id);
             }
-            let request = build_request(&node.proxy_url, &backend.id, &out)?;
             let reserve = if attempt == 0 { out.reserve_bytes } else { 0 };
             let guard = InFlight::enter(Arc::clone(&node.local), reserve);
             let is_last = attempt + 1 == route.targets.len();
-            let client = self.client(node.proxy_http2);
-            let response = match tokio::time::timeout(self.header_timeout, client.request(request)).await {
-                Err(_) => {
-                    return Err(ApiError::new(
-                        ErrorKind::Timeout,
-                        format!("node `{}` did not answer within {:?}", node.id, self.header_timeout),
-                        "upstream_timeout",
-                    ));
-                }
-                Ok(Err(error)) => {
+            let request = self.request(&node.proxy_url, node.proxy_http2, &backend.id, &out);
+            let Ok(sent) = tokio::time::timeout(self.header_timeout, request).await else {
+                return Err(ApiError::new(
+                    ErrorKind::Timeout,
+                    format!("node `{}` did not answer within {:?}", node.id, self.header_timeout),
+                    "upstream_timeout",
+                ));
+            };
+            let response = match sent? {
+                Err(error) => {
                     let ejected_ms = node.local.eject(inferyes_proto::unix_ms(), snapshot.version());
                     tracing::warn!(request_id = out.request_id(), node = %node.id, %error, ejected_ms, "node unreachable; trying the next candidate");
                     last_error = Some(ApiError::new(
@@ -177,7 +207,7 @@ impl Forwarder {
                     ));
                     continue;
                 }
-                Ok(Ok(response)) => response,
+                Ok(response) => response,
             };
             let status = response.status();
             let reason = if attempt == 0 { route.reason.as_str() } else { "failover" };
@@ -312,19 +342,28 @@ impl Forwarder {
         proxy_http2: bool,
         backend_id: &str,
         out: &Outbound<'_>,
-    ) -> Result<http::Response<Incoming>, ApiError> {
-        let request = build_request(proxy_url, backend_id, out)?;
+    ) -> Result<http::Response<Answer>, ApiError> {
         let unreachable = || ApiError::new(ErrorKind::Upstream, "the node is unreachable", "upstream_unreachable");
-        match tokio::time::timeout(self.header_timeout, self.client(proxy_http2).request(request)).await {
-            Ok(Ok(response)) => Ok(response),
-            Ok(Err(_)) | Err(_) => Err(unreachable()),
+        let request = self.request(proxy_url, proxy_http2, backend_id, out);
+        match tokio::time::timeout(self.header_timeout, request).await {
+            Ok(result) => result?.map_err(|_| unreachable()),
+            Err(_) => Err(unreachable()),
         }
     }
 }
 
-fn build_request(proxy_url: &BaseUrl, backend_id: &str, out: &Outbound<'_>) -> Result<Request<Full<Bytes>>, ApiError> {
-    let internal = || ApiError::new(ErrorKind::Internal, "cannot build the upstream request", "internal_error");
-    let (uri, host) = proxy_url.uri(out.path_and_query).ok_or_else(internal)?;
+/// Why a node's proxy gave no answer.
+#[derive(Debug)]
+struct Unreachable(Box<dyn std::error::Error + Send + Sync>);
+
+impl std::fmt::Display for Unreachable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+/// The request's headers as they go to the agent (without `Host`).
+fn upstream_headers(backend_id: &str, out: &Outbound<'_>) -> HeaderMap {
     // Sized once: the client's headers plus the few added here (growing a
     // header map rehashes it).
     let mut headers = HeaderMap::with_capacity(out.headers.len() + 6);
@@ -332,9 +371,6 @@ fn build_request(proxy_url: &BaseUrl, backend_id: &str, out: &Outbound<'_>) -> R
         if forwardable(name) {
             headers.append(name, value.clone());
         }
-    }
-    if let Some(host) = host {
-        headers.insert(header::HOST, host);
     }
     headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
     headers.insert(super::server::REQUEST_ID, out.request_id.clone());
@@ -348,11 +384,21 @@ fn build_request(proxy_url: &BaseUrl, backend_id: &str, out: &Outbound<'_>) -> R
         headers.insert(SESSION_HEADER, v);
     }
     inferyes_proto::telemetry::inject(&tracing::Span::current(), &mut headers);
-    let mut request = Request::new(Full::new(out.body.clone()));
+    headers
+}
+
+fn upstream_request(
+    uri: http::Uri,
+    host: HeaderValue,
+    mut headers: HeaderMap,
+    body: Full<Bytes>,
+) -> Request<Full<Bytes>> {
+    headers.insert(header::HOST, host);
+    let mut request = Request::new(body);
     *request.method_mut() = Method::POST;
     *request.uri_mut() = uri;
     *request.headers_mut() = headers;
-    Ok(request)
+    request
 }
 
 /// Client headers that travel on: not hop-by-hop, not the client's
@@ -427,7 +473,7 @@ impl Drop for InFlight {
 /// middle of an event stream, the client gets a final error event and a
 /// clean end instead of a cut connection.
 struct Guarded {
-    inner: Incoming,
+    inner: Answer,
     guard: InFlight,
     event_stream: bool,
     node: Arc<str>,

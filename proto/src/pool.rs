@@ -1,0 +1,545 @@
+//! The proxies' HTTP/1.1 client: a pool of keep-alive connections to
+//! upstreams (agents, backends), one pool per worker thread.
+//!
+//! Why not hyper-util's pooled client: per request it clones its connector,
+//! boxes a future, races a checkout against a connect, and spawns a task
+//! that waits for the connection to be idle again; about a sixth of a
+//! proxied request's instructions (docs/performance.md). Here a request
+//! takes the most recently used idle connection of its origin, and its
+//! answer's body puts the connection back when it reaches its end.
+//!
+//! A connection is driven by a task on the runtime that opened it: give
+//! each worker thread its own pool, so that a request, its connection and
+//! every wake-up between them stay on one thread.
+//!
+//! Retries: a request is sent again, on another connection, only when the
+//! connection it was given turned out closed before the request was
+//! written (an idle connection the upstream closed at that moment); never
+//! once a byte of it may have reached the upstream.
+
+use std::collections::HashMap;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::{Request, Response};
+use http_body::{Body, Frame, SizeHint};
+use hyper::client::conn::http1::SendRequest;
+use hyper_util::rt::TokioIo;
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::net::TcpStream;
+
+/// Where connections go: scheme, host and port, read once from a URL.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Origin {
+    /// `scheme://host:port`, the pool's key.
+    key: Arc<str>,
+    /// To connect to, and the name a TLS certificate must carry (an IPv6
+    /// address without its brackets).
+    host: Arc<str>,
+    port: u16,
+    tls: bool,
+}
+
+impl Origin {
+    /// `None` for a scheme other than `http` and `https`.
+    pub fn new(scheme: &http::uri::Scheme, authority: &http::uri::Authority) -> Option<Origin> {
+        let tls = match scheme.as_str() {
+            "http" => false,
+            "https" => true,
+            _ => return None,
+        };
+        let port = authority.port_u16().unwrap_or(if tls { 443 } else { 80 });
+        let host = authority.host();
+        let key = format!("{scheme}://{host}:{port}");
+        let host = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')).unwrap_or(host);
+        Some(Origin { key: Arc::from(key), host: Arc::from(host), port, tls })
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.key
+    }
+}
+
+/// Why a request got no response.
+#[derive(Debug)]
+pub enum Error {
+    /// No TCP connection within the connect timeout.
+    ConnectTimeout,
+    Connect(std::io::Error),
+    /// An `https` origin, and the pool has no TLS configuration.
+    NoTls,
+    Tls(std::io::Error),
+    /// The connection broke, or the upstream answered something that is
+    /// not HTTP/1.1.
+    Http(hyper::Error),
+}
+
+impl std::fmt::Display for Error {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Error::ConnectTimeout => f.write_str("connect timed out"),
+            Error::Connect(error) => write!(f, "connect failed: {error}"),
+            Error::NoTls => f.write_str("an https upstream, and no TLS configured for it"),
+            Error::Tls(error) => write!(f, "TLS handshake failed: {error}"),
+            Error::Http(error) => write!(f, "{error}"),
+        }
+    }
+}
+
+impl std::error::Error for Error {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Error::Connect(error) | Error::Tls(error) => Some(error),
+            Error::Http(error) => Some(error),
+            Error::ConnectTimeout | Error::NoTls => None,
+        }
+    }
+}
+
+/// How a pool connects.
+#[derive(Clone)]
+pub struct Settings {
+    pub connect_timeout: Duration,
+    /// An idle connection older than this is closed rather than used. Keep
+    /// it below the upstream's own idle timeout, so that the upstream is not
+    /// the one closing it as a request goes out.
+    pub idle_timeout: Duration,
+    /// For `https` origins. Its ALPN protocols are set to HTTP/1.1.
+    pub tls: Option<Arc<rustls::ClientConfig>>,
+}
+
+/// One worker's connections, by origin. Cloning it shares them.
+pub struct Pool<B> {
+    shared: Arc<Shared<B>>,
+}
+
+impl<B> Clone for Pool<B> {
+    fn clone(&self) -> Self {
+        Pool { shared: Arc::clone(&self.shared) }
+    }
+}
+
+struct Shared<B> {
+    /// Per origin, oldest first.
+    idle: Mutex<HashMap<Arc<str>, Vec<Idle<B>>>>,
+    connect_timeout: Duration,
+    idle_timeout: Duration,
+    tls: Option<tokio_rustls::TlsConnector>,
+}
+
+struct Idle<B> {
+    sender: SendRequest<B>,
+    since: Instant,
+}
+
+impl<B> Pool<B>
+where
+    B: Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    pub fn new(settings: Settings) -> Pool<B> {
+        let tls = settings.tls.map(|config| {
+            let mut config = Arc::unwrap_or_clone(config);
+            config.alpn_protocols = vec![b"http/1.1".to_vec()];
+            tokio_rustls::TlsConnector::from(Arc::new(config))
+        });
+        Pool {
+            shared: Arc::new(Shared {
+                idle: Mutex::default(),
+                connect_timeout: settings.connect_timeout,
+                idle_timeout: settings.idle_timeout,
+                tls,
+            }),
+        }
+    }
+
+    /// Sends `request` to `origin` and resolves with the response's head.
+    /// The request's URI is what goes on the request line (origin-form:
+    /// `/v1/chat/completions`), and it must carry its `Host` header.
+    ///
+    /// Dropping the future before the head has come closes the connection
+    /// the request went out on.
+    pub async fn send(&self, origin: &Origin, mut request: Request<B>) -> Result<Response<Incoming<B>>, Error> {
+        loop {
+            let (mut sender, reused) = match self.checkout(&origin.key) {
+                Some(sender) => (sender, true),
+                None => (self.connect(origin).await?, false),
+            };
+            // A connection is ready once its task has taken up the previous
+            // answer's end (or, new, its first poll); an error means closed.
+            if let Err(error) = sender.ready().await {
+                if reused {
+                    continue;
+                }
+                return Err(Error::Http(error));
+            }
+            match sender.try_send_request(request).await {
+                Ok(response) => {
+                    // An answer without a body (a 204, a `content-length: 0`)
+                    // may never be read: its connection goes back at once.
+                    let home = if response.body().is_end_stream() {
+                        self.give_back(Arc::clone(&origin.key), sender);
+                        None
+                    } else {
+                        Some(Home { sender, pool: self.clone(), key: Arc::clone(&origin.key) })
+                    };
+                    return Ok(response.map(|inner| Incoming { inner, home }));
+                }
+                Err(mut error) => match error.take_message() {
+                    // Not written: the idle connection was closed under it.
+                    Some(returned) if reused => request = returned,
+                    _ => return Err(Error::Http(error.into_error())),
+                },
+            }
+        }
+    }
+
+    /// The most recently used idle connection to `key` that is still open
+    /// and not past the idle timeout.
+    fn checkout(&self, key: &str) -> Option<SendRequest<B>> {
+        // A poisoned lock (a panic elsewhere) costs a new connection, never
+        // a request.
+        let mut idle = self.shared.idle.lock().ok()?;
+        let list = idle.get_mut(key)?;
+        let now = Instant::now();
+        let expired = list.partition_point(|entry| now.duration_since(entry.since) > self.shared.idle_timeout);
+        list.drain(..expired);
+        while let Some(entry) = list.pop() {
+            if !entry.sender.is_closed() {
+                return Some(entry.sender);
+            }
+        }
+        None
+    }
+
+    fn give_back(&self, key: Arc<str>, sender: SendRequest<B>) {
+        if sender.is_closed() {
+            return;
+        }
+        let Ok(mut idle) = self.shared.idle.lock() else { return };
+        let entry = Idle { sender, since: Instant::now() };
+        match idle.get_mut(&key) {
+            Some(list) => list.push(entry),
+            None => {
+                idle.insert(key, vec![entry]);
+            }
+        }
+    }
+
+    /// Opens a connection to `origin`. Connections are opened far less
+    /// often than requests are sent: each time, closed and expired idle
+    /// ones (of upstreams gone from the fleet, say) are let go.
+    async fn connect(&self, origin: &Origin) -> Result<SendRequest<B>, Error> {
+        self.sweep();
+        let connecting = TcpStream::connect((&*origin.host, origin.port));
+        let tcp = tokio::time::timeout(self.shared.connect_timeout, connecting)
+            .await
+            .map_err(|_| Error::ConnectTimeout)?
+            .map_err(Error::Connect)?;
+        let _ = tcp.set_nodelay(true);
+        if !origin.tls {
+            return handshake(tcp).await;
+        }
+        let tls = self.shared.tls.as_ref().ok_or(Error::NoTls)?;
+        let name = rustls::pki_types::ServerName::try_from(origin.host.to_string())
+            .map_err(|error| Error::Tls(std::io::Error::new(std::io::ErrorKind::InvalidInput, error)))?;
+        let stream = tls.connect(name, tcp).await.map_err(Error::Tls)?;
+        handshake(stream).await
+    }
+
+    fn sweep(&self) {
+        let Ok(mut idle) = self.shared.idle.lock() else { return };
+        let now = Instant::now();
+        idle.retain(|_, list| {
+            list.retain(|entry| {
+                !entry.sender.is_closed() && now.duration_since(entry.since) <= self.shared.idle_timeout
+            });
+            !list.is_empty()
+        });
+    }
+
+    /// Idle connections held, all origins together.
+    pub fn idle_connections(&self) -> usize {
+        self.shared.idle.lock().map_or(0, |idle| idle.values().map(Vec::len).sum())
+    }
+}
+
+async fn handshake<S, B>(io: S) -> Result<SendRequest<B>, Error>
+where
+    S: AsyncRead + AsyncWrite + Send + Unpin + 'static,
+    B: Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let (sender, connection) =
+        hyper::client::conn::http1::Builder::new().handshake(TokioIo::new(io)).await.map_err(Error::Http)?;
+    tokio::spawn(async move {
+        if let Err(error) = connection.await {
+            tracing::debug!(%error, "upstream connection ended");
+        }
+    });
+    Ok(sender)
+}
+
+/// A pooled connection, on its way home with the answer's body.
+struct Home<B> {
+    sender: SendRequest<B>,
+    pool: Pool<B>,
+    key: Arc<str>,
+}
+
+pin_project_lite::pin_project! {
+    /// An answer's body. Read to its end, it puts its connection back in the
+    /// pool; dropped before, it closes it (an HTTP/1.1 connection cannot be
+    /// reused in the middle of an answer), which also tells the upstream to
+    /// stop generating.
+    pub struct Incoming<B> {
+        #[pin]
+        inner: hyper::body::Incoming,
+        home: Option<Home<B>>,
+    }
+}
+
+impl<B> Incoming<B>
+where
+    B: Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    /// A body of a connection the pool does not own (an HTTP/2 one).
+    pub fn unpooled(inner: hyper::body::Incoming) -> Incoming<B> {
+        Incoming { inner, home: None }
+    }
+}
+
+impl<B> std::fmt::Debug for Incoming<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Incoming").field("pooled", &self.home.is_some()).finish_non_exhaustive()
+    }
+}
+
+impl<B> Body for Incoming<B>
+where
+    B: Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        let mut this = self.project();
+        let polled = this.inner.as_mut().poll_frame(cx);
+        match &polled {
+            Poll::Ready(Some(Ok(_))) if !this.inner.is_end_stream() => {}
+            Poll::Ready(Some(Ok(_)) | None) => {
+                if let Some(Home { sender, pool, key }) = this.home.take() {
+                    pool.give_back(key, sender);
+                }
+            }
+            Poll::Ready(Some(Err(_))) => *this.home = None,
+            Poll::Pending => {}
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::convert::Infallible;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use http_body_util::{BodyExt, Empty, Full};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpListener;
+    use tokio::sync::mpsc;
+
+    use super::*;
+
+    type Client = Pool<Empty<Bytes>>;
+
+    fn pool(idle_timeout: Duration) -> Client {
+        Pool::new(Settings { connect_timeout: Duration::from_secs(2), idle_timeout, tls: None })
+    }
+
+    fn origin(addr: std::net::SocketAddr) -> Origin {
+        let authority = addr.to_string().parse().unwrap();
+        Origin::new(&http::uri::Scheme::HTTP, &authority).unwrap()
+    }
+
+    fn request(path: &'static str) -> Request<Empty<Bytes>> {
+        Request::builder().uri(path).header(http::header::HOST, "upstream").body(Empty::new()).unwrap()
+    }
+
+    /// A body that sends one chunk and then never ends.
+    struct Endless(bool);
+
+    impl Body for Endless {
+        type Data = Bytes;
+        type Error = Infallible;
+        fn poll_frame(mut self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+            if std::mem::replace(&mut self.0, true) {
+                Poll::Pending
+            } else {
+                Poll::Ready(Some(Ok(Frame::data(Bytes::from_static(b"data: 1\n\n")))))
+            }
+        }
+    }
+
+    /// An upstream that counts its connections and says when each ends:
+    /// `/hello` answers with a body, `/empty` with none, `/endless` with a
+    /// body that never ends.
+    struct Upstream {
+        addr: std::net::SocketAddr,
+        accepted: Arc<AtomicUsize>,
+        ended: mpsc::UnboundedReceiver<usize>,
+    }
+
+    async fn upstream() -> Upstream {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let (ended_tx, ended) = mpsc::unbounded_channel();
+        let counter = Arc::clone(&accepted);
+        tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                let index = counter.fetch_add(1, Ordering::SeqCst);
+                let ended_tx = ended_tx.clone();
+                tokio::spawn(async move {
+                    let service = hyper::service::service_fn(|request: Request<hyper::body::Incoming>| async move {
+                        let body: http_body_util::Either<Full<Bytes>, Endless> = match request.uri().path() {
+                            "/hello" => http_body_util::Either::Left(Full::new(Bytes::from_static(b"hello"))),
+                            "/endless" => http_body_util::Either::Right(Endless(false)),
+                            _ => http_body_util::Either::Left(Full::default()),
+                        };
+                        Ok::<_, Infallible>(Response::new(body))
+                    });
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), service)
+                        .await;
+                    let _ = ended_tx.send(index);
+                });
+            }
+        });
+        Upstream { addr, accepted, ended }
+    }
+
+    async fn text(response: Response<Incoming<Empty<Bytes>>>) -> String {
+        String::from_utf8(response.into_body().collect().await.unwrap().to_bytes().to_vec()).unwrap()
+    }
+
+    #[tokio::test]
+    async fn an_answer_read_to_its_end_gives_its_connection_to_the_next_request() {
+        let upstream = upstream().await;
+        let (pool, origin) = (pool(Duration::from_secs(60)), origin(upstream.addr));
+        for _ in 0..3 {
+            assert_eq!(text(pool.send(&origin, request("/hello")).await.unwrap()).await, "hello");
+            assert_eq!(pool.idle_connections(), 1);
+        }
+        // Bodiless answers go back without being read.
+        for _ in 0..2 {
+            let response = pool.send(&origin, request("/empty")).await.unwrap();
+            assert_eq!(response.status(), http::StatusCode::OK);
+            assert_eq!(pool.idle_connections(), 1);
+        }
+        assert_eq!(upstream.accepted.load(Ordering::SeqCst), 1);
+    }
+
+    #[tokio::test]
+    async fn concurrent_requests_each_get_a_connection_and_all_come_back() {
+        let upstream = upstream().await;
+        let (pool, origin) = (pool(Duration::from_secs(60)), origin(upstream.addr));
+        let first = pool.send(&origin, request("/hello")).await.unwrap();
+        let second = pool.send(&origin, request("/hello")).await.unwrap();
+        assert_eq!(pool.idle_connections(), 0);
+        assert_eq!((text(first).await, text(second).await), ("hello".to_string(), "hello".to_string()));
+        assert_eq!(pool.idle_connections(), 2);
+        assert_eq!(upstream.accepted.load(Ordering::SeqCst), 2);
+    }
+
+    #[tokio::test]
+    async fn an_answer_dropped_in_the_middle_closes_its_connection() {
+        let mut upstream = upstream().await;
+        let (pool, origin) = (pool(Duration::from_secs(60)), origin(upstream.addr));
+        let mut body = pool.send(&origin, request("/endless")).await.unwrap().into_body();
+        let first = body.frame().await.unwrap().unwrap().into_data().unwrap();
+        assert_eq!(first, Bytes::from_static(b"data: 1\n\n"));
+        drop(body);
+        // The upstream sees its connection end: the generation stops.
+        assert_eq!(upstream.ended.recv().await, Some(0));
+        assert_eq!(pool.idle_connections(), 0);
+        assert_eq!(text(pool.send(&origin, request("/hello")).await.unwrap()).await, "hello");
+        assert_eq!(upstream.accepted.load(Ordering::SeqCst), 2);
+    }
+
+    #[tokio::test]
+    async fn idle_connections_past_the_idle_timeout_are_not_used() {
+        let mut upstream = upstream().await;
+        let (pool, origin) = (pool(Duration::ZERO), origin(upstream.addr));
+        for _ in 0..2 {
+            assert_eq!(text(pool.send(&origin, request("/hello")).await.unwrap()).await, "hello");
+        }
+        assert_eq!(upstream.accepted.load(Ordering::SeqCst), 2);
+        // ...and are closed.
+        assert_eq!(upstream.ended.recv().await, Some(0));
+    }
+
+    #[tokio::test]
+    async fn an_idle_connection_the_upstream_closed_costs_a_new_one_not_an_error() {
+        // Answers one request per connection, then, when told to, closes the
+        // connection without having said so (no `connection: close`), as an
+        // upstream's idle timeout does.
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (close_tx, mut close) = mpsc::unbounded_channel::<()>();
+        let (closed_tx, mut closed) = mpsc::unbounded_channel::<()>();
+        tokio::spawn(async move {
+            while let Ok((mut stream, _)) = listener.accept().await {
+                let mut head = Vec::new();
+                let mut buf = [0u8; 1024];
+                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                    let n = stream.read(&mut buf).await.unwrap();
+                    assert!(n > 0, "the client closed before sending a whole head");
+                    head.extend_from_slice(&buf[..n]);
+                }
+                stream.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok").await.unwrap();
+                close.recv().await;
+                drop(stream);
+                closed_tx.send(()).unwrap();
+            }
+        });
+        let (pool, origin) = (pool(Duration::from_secs(60)), origin(addr));
+        assert_eq!(text(pool.send(&origin, request("/")).await.unwrap()).await, "ok");
+        for _ in 0..20 {
+            assert_eq!(pool.idle_connections(), 1);
+            close_tx.send(()).unwrap();
+            closed.recv().await.unwrap();
+            // The pool has not looked at the connection since it closed.
+            assert_eq!(text(pool.send(&origin, request("/")).await.unwrap()).await, "ok");
+        }
+    }
+
+    #[tokio::test]
+    async fn unreachable_upstreams_and_https_without_tls_are_errors() {
+        let closed = TcpListener::bind("127.0.0.1:0").await.unwrap().local_addr().unwrap();
+        let pool = pool(Duration::from_secs(60));
+        let error = pool.send(&origin(closed), request("/")).await.unwrap_err();
+        assert!(matches!(error, Error::Connect(_)), "{error}");
+        let upstream = upstream().await;
+        let https = Origin::new(&http::uri::Scheme::HTTPS, &upstream.addr.to_string().parse().unwrap()).unwrap();
+        let error = pool.send(&https, request("/")).await.unwrap_err();
+        assert!(matches!(error, Error::NoTls), "{error}");
+    }
+}
