@@ -15,6 +15,7 @@
 #   FLEET=0 ./scripts/bench-proxy.sh    # without the last part: the data plane with 1,000 more nodes
 #   BASELINE=/path/to/earlier/release ./scripts/bench-proxy.sh
 #                                       # adds rows for an earlier build's data plane and agent
+#                                       # (and its floor, where the directory has a bare_proxy)
 #   ROUNDS=3 ./scripts/bench-proxy.sh   # every row three times, apart in time, and each row's median
 #   INSTRUCTIONS=1 ./scripts/bench-proxy.sh
 #                                       # instead: user-space instructions per request (callgrind)
@@ -110,6 +111,12 @@ nginx_pid=$!
 bare=$(port)
 "$bin/examples/bare_proxy" "127.0.0.1:$bare" "http://127.0.0.1:$backend" >"$work/bare.log" 2>&1 & pids+=($!)
 bare_pid=$!
+base_bare=""
+if [ -x "${BASELINE:-}/bare_proxy" ]; then
+  base_bare=$(port)
+  "$BASELINE/bare_proxy" "127.0.0.1:$base_bare" "http://127.0.0.1:$backend" >"$work/bare-base.log" 2>&1 & pids+=($!)
+  base_bare_pid=$!
+fi
 
 etcd --name bench --data-dir "$work/etcd" --listen-client-urls "http://127.0.0.1:$etcd_client" \
   --advertise-client-urls "http://127.0.0.1:$etcd_client" --listen-peer-urls "http://127.0.0.1:$etcd_peer" \
@@ -236,6 +243,10 @@ if [ "${INSTRUCTIONS:-}" = 1 ]; then
   echo "user-space instructions per request, JSON, callgrind"
   floor=$(port)
   count hyper-floor "$floor" "$work/chat.lua" "$bin/examples/bare_proxy" "127.0.0.1:$floor" "http://127.0.0.1:$backend"
+  if [ -n "$base_bare" ]; then
+    floor=$(port)
+    count hyper-floor@base "$floor" "$work/chat.lua" "$BASELINE/bare_proxy" "127.0.0.1:$floor" "http://127.0.0.1:$backend"
+  fi
   for build in "$bin" ${BASELINE:+"$BASELINE"}; do
     suffix=""
     [ "$build" = "$bin" ] || suffix=@base
@@ -295,6 +306,9 @@ for kind in json sse; do
     run dp+keys "http://127.0.0.1:$keyed$path" "${script%.lua}-direct-key.lua" $conns $kind "$keyed_pid"
     run dp+agent "http://127.0.0.1:$dataplane$path" "$script" $conns $kind "$dp_pid" "$agent_pid"
     run dp+agent/h2 "http://127.0.0.1:$fleet_dp$path" "$script" $conns $kind "$fleet_dp_pid" "$agent_pid"
+    if [ -n "$base_bare" ]; then
+      run floor@base "http://127.0.0.1:$base_bare$path" "$script" $conns $kind "$base_bare_pid"
+    fi
     if [ -n "${BASELINE:-}" ]; then
       run agent@base "http://127.0.0.1:$base_agent$path" "$script" $conns $kind "$base_agent_pid"
       run dp@base "http://127.0.0.1:$base$path" "${script%.lua}-direct.lua" $conns $kind "$base_pid"
