@@ -110,6 +110,10 @@ async fn forward_in_span(proxy: Proxy, request: Request<Body>) -> Response {
 
     let path = parts.uri.path_and_query().cloned().unwrap_or_else(|| PathAndQuery::from_static("/"));
     let Some((uri, host, origin)) = handle.url.origin_form(&path) else {
+        if handle.url.origin().is_none() {
+            let message = format!("backend `{backend_id}` has a URL this agent cannot reach");
+            return error(ErrorKind::Upstream, &message, "backend_unreachable");
+        }
         return error(ErrorKind::BadRequest, "request path cannot be forwarded", "invalid_path");
     };
     parts.uri = uri;

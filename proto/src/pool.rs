@@ -18,6 +18,7 @@
 //! once a byte of it may have reached the upstream.
 
 use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
@@ -182,7 +183,7 @@ where
                     // An answer without a body (a 204, a `content-length: 0`)
                     // may never be read: its connection goes back at once.
                     let home = if response.body().is_end_stream() {
-                        self.give_back(Arc::clone(&origin.key), sender);
+                        self.finished(Arc::clone(&origin.key), sender);
                         None
                     } else {
                         Some(Home { sender, pool: self.clone(), key: Arc::clone(&origin.key) })
@@ -216,30 +217,12 @@ where
         None
     }
 
-    fn give_back(&self, key: Arc<str>, sender: SendRequest<B>) {
-        if sender.is_closed() {
-            return;
-        }
-        let Ok(mut idle) = self.shared.idle.lock() else { return };
-        let entry = Idle { sender, since: Instant::now() };
-        match idle.get_mut(&key) {
-            Some(list) => list.push(entry),
-            None => {
-                idle.insert(key, vec![entry]);
-            }
-        }
-    }
-
     /// Opens a connection to `origin`. Connections are opened far less
     /// often than requests are sent: each time, closed and expired idle
     /// ones (of upstreams gone from the fleet, say) are let go.
     async fn connect(&self, origin: &Origin) -> Result<SendRequest<B>, Error> {
         self.sweep();
-        let connecting = TcpStream::connect((&*origin.host, origin.port));
-        let tcp = tokio::time::timeout(self.shared.connect_timeout, connecting)
-            .await
-            .map_err(|_| Error::ConnectTimeout)?
-            .map_err(Error::Connect)?;
+        let tcp = self.tcp(origin).await?;
         let _ = tcp.set_nodelay(true);
         if !origin.tls {
             return handshake(tcp).await;
@@ -249,6 +232,31 @@ where
             .map_err(|error| Error::Tls(std::io::Error::new(std::io::ErrorKind::InvalidInput, error)))?;
         let stream = tls.connect(name, tcp).await.map_err(Error::Tls)?;
         handshake(stream).await
+    }
+
+    /// A TCP connection to one of the origin's addresses, tried in turn,
+    /// each with its share of the connect timeout: one that never answers
+    /// (an IPv6 address without a route, say) leaves time for the next.
+    async fn tcp(&self, origin: &Origin) -> Result<TcpStream, Error> {
+        let timeout = self.shared.connect_timeout;
+        let addresses: Vec<SocketAddr> = match origin.host.parse::<IpAddr>() {
+            Ok(ip) => vec![SocketAddr::new(ip, origin.port)],
+            Err(_) => tokio::time::timeout(timeout, tokio::net::lookup_host((&*origin.host, origin.port)))
+                .await
+                .map_err(|_| Error::ConnectTimeout)?
+                .map_err(Error::Connect)?
+                .collect(),
+        };
+        let share = timeout / u32::try_from(addresses.len().max(1)).unwrap_or(u32::MAX);
+        let mut last = Error::Connect(std::io::Error::new(std::io::ErrorKind::NotFound, "the name has no address"));
+        for address in addresses {
+            match tokio::time::timeout(share, TcpStream::connect(address)).await {
+                Ok(Ok(tcp)) => return Ok(tcp),
+                Ok(Err(error)) => last = Error::Connect(error),
+                Err(_) => last = Error::ConnectTimeout,
+            }
+        }
+        Err(last)
     }
 
     fn sweep(&self) {
@@ -265,6 +273,30 @@ where
     /// Idle connections held, all origins together.
     pub fn idle_connections(&self) -> usize {
         self.shared.idle.lock().map_or(0, |idle| idle.values().map(Vec::len).sum())
+    }
+}
+
+impl<B> Pool<B> {
+    /// Takes back a connection whose answer has ended.
+    fn finished(&self, key: Arc<str>, sender: SendRequest<B>) {
+        // A connection that cannot take a request now (closed, or, were an
+        // upload still going on, busy) is let go: a request handed it would
+        // wait, or fail. hyper makes a connection ready by the time its
+        // answer has ended, an early answer to an upload included.
+        if sender.is_ready() {
+            self.keep(key, sender);
+        }
+    }
+
+    fn keep(&self, key: Arc<str>, sender: SendRequest<B>) {
+        let Ok(mut idle) = self.shared.idle.lock() else { return };
+        let entry = Idle { sender, since: Instant::now() };
+        match idle.get_mut(&key) {
+            Some(list) => list.push(entry),
+            None => {
+                idle.insert(key, vec![entry]);
+            }
+        }
     }
 }
 
@@ -302,6 +334,21 @@ pin_project_lite::pin_project! {
         inner: hyper::body::Incoming,
         home: Option<Home<B>>,
     }
+
+    impl<B> PinnedDrop for Incoming<B> {
+        fn drop(this: Pin<&mut Self>) {
+            let this = this.project();
+            // A reader that stopped at the last event (`data: [DONE]`) may
+            // have left only the answer's end unread; if it is here already,
+            // the connection is still good.
+            if let Some(Home { sender, pool, key }) = this.home.take() {
+                let mut cx = Context::from_waker(std::task::Waker::noop());
+                if let Poll::Ready(None) = this.inner.poll_frame(&mut cx) {
+                    pool.finished(key, sender);
+                }
+            }
+        }
+    }
 }
 
 impl<B> Incoming<B>
@@ -335,10 +382,11 @@ where
         let mut this = self.project();
         let polled = this.inner.as_mut().poll_frame(cx);
         match &polled {
-            Poll::Ready(Some(Ok(_))) if !this.inner.is_end_stream() => {}
+            // Trailers, when they come, are an answer's last frame.
+            Poll::Ready(Some(Ok(frame))) if frame.is_data() && !this.inner.is_end_stream() => {}
             Poll::Ready(Some(Ok(_)) | None) => {
                 if let Some(Home { sender, pool, key }) = this.home.take() {
-                    pool.give_back(key, sender);
+                    pool.finished(key, sender);
                 }
             }
             Poll::Ready(Some(Err(_))) => *this.home = None,
@@ -361,14 +409,40 @@ mod tests {
     use std::convert::Infallible;
     use std::sync::atomic::{AtomicUsize, Ordering};
 
-    use http_body_util::{BodyExt, Empty, Full};
+    use http_body_util::{BodyExt, Full};
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     use tokio::net::TcpListener;
     use tokio::sync::mpsc;
 
     use super::*;
 
-    type Client = Pool<Empty<Bytes>>;
+    type Client = Pool<Upload>;
+
+    /// A request body: none, or an upload that never goes on.
+    enum Upload {
+        Empty,
+        Stalled,
+    }
+
+    impl Body for Upload {
+        type Data = Bytes;
+        type Error = Infallible;
+        fn poll_frame(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+            match *self {
+                Upload::Empty => Poll::Ready(None),
+                Upload::Stalled => Poll::Pending,
+            }
+        }
+        fn is_end_stream(&self) -> bool {
+            matches!(self, Upload::Empty)
+        }
+        fn size_hint(&self) -> SizeHint {
+            match self {
+                Upload::Empty => SizeHint::with_exact(0),
+                Upload::Stalled => SizeHint::default(),
+            }
+        }
+    }
 
     fn pool(idle_timeout: Duration) -> Client {
         Pool::new(Settings { connect_timeout: Duration::from_secs(2), idle_timeout, tls: None })
@@ -379,8 +453,13 @@ mod tests {
         Origin::new(&http::uri::Scheme::HTTP, &authority).unwrap()
     }
 
-    fn request(path: &'static str) -> Request<Empty<Bytes>> {
-        Request::builder().uri(path).header(http::header::HOST, "upstream").body(Empty::new()).unwrap()
+    fn request(path: &'static str) -> Request<Upload> {
+        Request::builder().uri(path).header(http::header::HOST, "upstream").body(Upload::Empty).unwrap()
+    }
+
+    /// Waits for an event the test expects, failing rather than hanging.
+    async fn soon<T>(event: impl Future<Output = T>) -> T {
+        tokio::time::timeout(Duration::from_secs(10), event).await.expect("the event did not come")
     }
 
     /// A body that sends one chunk and then never ends.
@@ -400,7 +479,7 @@ mod tests {
 
     /// An upstream that counts its connections and says when each ends:
     /// `/hello` answers with a body, `/empty` with none, `/endless` with a
-    /// body that never ends.
+    /// body that never ends; none reads the request's body first.
     struct Upstream {
         addr: std::net::SocketAddr,
         accepted: Arc<AtomicUsize>,
@@ -436,7 +515,7 @@ mod tests {
         Upstream { addr, accepted, ended }
     }
 
-    async fn text(response: Response<Incoming<Empty<Bytes>>>) -> String {
+    async fn text(response: Response<Incoming<Upload>>) -> String {
         String::from_utf8(response.into_body().collect().await.unwrap().to_bytes().to_vec()).unwrap()
     }
 
@@ -458,7 +537,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn concurrent_requests_each_get_a_connection_and_all_come_back() {
+    async fn answers_open_at_once_each_hold_a_connection_and_all_come_back() {
         let upstream = upstream().await;
         let (pool, origin) = (pool(Duration::from_secs(60)), origin(upstream.addr));
         let first = pool.send(&origin, request("/hello")).await.unwrap();
@@ -478,7 +557,7 @@ mod tests {
         assert_eq!(first, Bytes::from_static(b"data: 1\n\n"));
         drop(body);
         // The upstream sees its connection end: the generation stops.
-        assert_eq!(upstream.ended.recv().await, Some(0));
+        assert_eq!(soon(upstream.ended.recv()).await, Some(0));
         assert_eq!(pool.idle_connections(), 0);
         assert_eq!(text(pool.send(&origin, request("/hello")).await.unwrap()).await, "hello");
         assert_eq!(upstream.accepted.load(Ordering::SeqCst), 2);
@@ -487,13 +566,26 @@ mod tests {
     #[tokio::test]
     async fn idle_connections_past_the_idle_timeout_are_not_used() {
         let mut upstream = upstream().await;
-        let (pool, origin) = (pool(Duration::ZERO), origin(upstream.addr));
+        let (pool, origin) = (pool(Duration::from_nanos(1)), origin(upstream.addr));
         for _ in 0..2 {
             assert_eq!(text(pool.send(&origin, request("/hello")).await.unwrap()).await, "hello");
         }
         assert_eq!(upstream.accepted.load(Ordering::SeqCst), 2);
         // ...and are closed.
-        assert_eq!(upstream.ended.recv().await, Some(0));
+        assert_eq!(soon(upstream.ended.recv()).await, Some(0));
+    }
+
+    #[tokio::test]
+    async fn an_answer_that_ends_before_its_upload_does_not_hold_up_the_next_request() {
+        // The upstream answers before the request's body has come (as one
+        // refusing an upload does); the upload never ends.
+        let upstream = upstream().await;
+        let (pool, origin) = (pool(Duration::from_secs(60)), origin(upstream.addr));
+        let mut upload = request("/hello");
+        *upload.body_mut() = Upload::Stalled;
+        assert_eq!(text(pool.send(&origin, upload).await.unwrap()).await, "hello");
+        // The next request is answered at once, not after the upload.
+        assert_eq!(text(soon(pool.send(&origin, request("/hello"))).await.unwrap()).await, "hello");
     }
 
     #[tokio::test]
@@ -505,13 +597,17 @@ mod tests {
         let addr = listener.local_addr().unwrap();
         let (close_tx, mut close) = mpsc::unbounded_channel::<()>();
         let (closed_tx, mut closed) = mpsc::unbounded_channel::<()>();
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let counter = Arc::clone(&accepted);
         tokio::spawn(async move {
             while let Ok((mut stream, _)) = listener.accept().await {
+                counter.fetch_add(1, Ordering::SeqCst);
                 let mut head = Vec::new();
                 let mut buf = [0u8; 1024];
                 while !head.windows(4).any(|w| w == b"\r\n\r\n") {
-                    let n = stream.read(&mut buf).await.unwrap();
-                    assert!(n > 0, "the client closed before sending a whole head");
+                    // A client that closes early gets no answer: the test's
+                    // own assertions then fail.
+                    let Ok(n @ 1..) = stream.read(&mut buf).await else { return };
                     head.extend_from_slice(&buf[..n]);
                 }
                 stream.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok").await.unwrap();
@@ -525,10 +621,11 @@ mod tests {
         for _ in 0..20 {
             assert_eq!(pool.idle_connections(), 1);
             close_tx.send(()).unwrap();
-            closed.recv().await.unwrap();
+            soon(closed.recv()).await.unwrap();
             // The pool has not looked at the connection since it closed.
             assert_eq!(text(pool.send(&origin, request("/")).await.unwrap()).await, "ok");
         }
+        assert_eq!(accepted.load(Ordering::SeqCst), 21);
     }
 
     #[tokio::test]
