@@ -276,8 +276,14 @@ impl Config {
             }
         }
         for backend in &self.backends {
-            if !(backend.url.starts_with("http://") || backend.url.starts_with("https://")) {
-                bail!("backend `{}`: url `{}` must start with http:// or https://", backend.id, backend.url);
+            // Backends sit next to the agent (the same host or network):
+            // it speaks plain HTTP to them.
+            if !backend.url.starts_with("http://") {
+                bail!(
+                    "backend `{}`: url `{}` must start with http:// (the agent speaks plain HTTP to its backends)",
+                    backend.id,
+                    backend.url
+                );
             }
             for endpoint in &backend.endpoints {
                 if crate::probe::endpoint_kind(endpoint).is_none() {
@@ -363,7 +369,10 @@ kind = "llama-swap"
             host_cache_tokens: 0,
             api_key: String::new(),
         };
-        let config = Config { backends: vec![twice.clone(), twice], ..Config::default() };
+        let config = Config { backends: vec![twice.clone(), twice.clone()], ..Config::default() };
         assert!(config.validate().unwrap_err().to_string().contains("used twice"));
+        let https = BackendConfig { url: "https://x".into(), ..twice };
+        let config = Config { backends: vec![https], ..Config::default() };
+        assert!(config.validate().unwrap_err().to_string().contains("must start with http://"));
     }
 }
