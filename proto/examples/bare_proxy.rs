@@ -70,7 +70,7 @@ async fn main() -> std::io::Result<()> {
         .map(|_| {
             let settings = pool::Settings {
                 connect_timeout: std::time::Duration::from_secs(2),
-                idle_timeout: std::time::Duration::from_secs(20),
+                idle_timeout: inferyes_proto::serve::CLIENT_IDLE_TIMEOUT,
                 tls: None,
             };
             let forward = Forward { pool: Pool::new(settings), upstream: upstream.clone() };

@@ -136,6 +136,12 @@ struct Idle<B> {
     since: Instant,
 }
 
+impl<B> Shared<B> {
+    fn expired(&self, entry: &Idle<B>, now: Instant) -> bool {
+        now.duration_since(entry.since) > self.idle_timeout
+    }
+}
+
 impl<B> Pool<B>
 where
     B: Body + Send + 'static,
@@ -207,7 +213,8 @@ where
         let mut idle = self.shared.idle.lock().ok()?;
         let list = idle.get_mut(key)?;
         let now = Instant::now();
-        let expired = list.partition_point(|entry| now.duration_since(entry.since) > self.shared.idle_timeout);
+        // Oldest first: the expired ones are a prefix.
+        let expired = list.partition_point(|entry| self.shared.expired(entry, now));
         list.drain(..expired);
         while let Some(entry) = list.pop() {
             if !entry.sender.is_closed() {
@@ -263,9 +270,7 @@ where
         let Ok(mut idle) = self.shared.idle.lock() else { return };
         let now = Instant::now();
         idle.retain(|_, list| {
-            list.retain(|entry| {
-                !entry.sender.is_closed() && now.duration_since(entry.since) <= self.shared.idle_timeout
-            });
+            list.retain(|entry| !entry.sender.is_closed() && !self.shared.expired(entry, now));
             !list.is_empty()
         });
     }

@@ -57,8 +57,15 @@ pub const DEFAULT_HTTP2_STREAMS: u32 = 200;
 
 /// How long a TLS client may take over its handshake.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
-/// How long a client may take to send a request's head (HTTP/1.1).
+/// How long a client may take to send a request's head (HTTP/1.1). hyper
+/// counts an idle keep-alive connection's wait for its next request too: a
+/// connection idle this long is closed.
 const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// How long a client of these servers (a data plane's pool of connections
+/// to agents) keeps a connection idle: well inside [`HEADER_READ_TIMEOUT`],
+/// so that the server never closes one as a request goes out.
+pub const CLIENT_IDLE_TIMEOUT: Duration = Duration::from_secs(HEADER_READ_TIMEOUT.as_secs() * 2 / 3);
 
 /// The number of workers to run when none is configured: one per core.
 pub fn default_workers() -> usize {

@@ -45,11 +45,6 @@ type Http2Client = Client<hyper_rustls::HttpsConnector<HttpConnector>, Full<Byte
 /// An agent's answer, as it comes.
 pub(crate) type Answer = inferyes_proto::pool::Incoming<Full<Bytes>>;
 
-/// How long a connection to an agent may sit idle in the pool: below the
-/// agents' own 30 s (they close a connection that sends no request head
-/// for that long), so that they never close one as a request goes out.
-const IDLE_TIMEOUT: Duration = Duration::from_secs(20);
-
 #[derive(Clone)]
 pub struct Forwarder {
     /// To agents at `http://` and, with TLS, `https://` proxy URLs, over
@@ -106,7 +101,7 @@ impl Forwarder {
     ) -> Forwarder {
         let http1 = inferyes_proto::pool::Pool::new(inferyes_proto::pool::Settings {
             connect_timeout,
-            idle_timeout: IDLE_TIMEOUT,
+            idle_timeout: inferyes_proto::serve::CLIENT_IDLE_TIMEOUT,
             tls: Some(Arc::new(tls.clone())),
         });
         let mut tcp = HttpConnector::new();
