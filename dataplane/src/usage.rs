@@ -311,7 +311,6 @@ pub struct Meter(Arc<MeterInner>);
 struct MeterInner {
     ledger: Arc<Ledger>,
     started: Instant,
-    stream: bool,
     /// The record as far as it is known; taken (not copied) when finished.
     record: Mutex<UsageRecord>,
     /// Prompt tokens estimated from the request, for answers without usage.
@@ -355,7 +354,6 @@ impl Meter {
         Meter(Arc::new(MeterInner {
             ledger,
             started: Instant::now(),
-            stream,
             record: Mutex::new(UsageRecord {
                 request_id,
                 unix_ms: inferyes_proto::unix_ms(),
@@ -402,9 +400,9 @@ impl MeterInner {
         if self.done.swap(true, Ordering::AcqRel) {
             return;
         }
-        let ttft =
-            self.first_byte.get().filter(|_| self.stream).map_or(0, |at| millis(at.duration_since(self.started)));
         let mut record = std::mem::take(&mut *self.record.lock().unwrap_or_else(PoisonError::into_inner));
+        let ttft =
+            self.first_byte.get().filter(|_| record.stream).map_or(0, |at| millis(at.duration_since(self.started)));
         record.status = u32::from(status);
         record.outcome = outcome.as_str().to_string();
         record.latency_ms = millis(self.started.elapsed());

@@ -6,7 +6,7 @@ use axum::Router;
 use axum::body::Body;
 use axum::extract::{Path, Request, State};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::get;
 use bytes::Bytes;
 use http::uri::PathAndQuery;
 use http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, header};
@@ -118,46 +118,35 @@ impl hyper::service::Service<http::Request<hyper::body::Incoming>> for Gateway {
 
     fn call(&self, request: http::Request<hyper::body::Incoming>) -> Self::Future {
         let id = request_id(request.headers());
-        let endpoint = match *request.method() {
-            Method::POST => ENDPOINTS.iter().find(|endpoint| endpoint.path == request.uri().path()),
-            _ => None,
-        };
+        let endpoint = ENDPOINTS.iter().find(|endpoint| endpoint.path == request.uri().path());
         let mut request = request.map(Body::new);
         match endpoint {
-            Some(endpoint) => {
+            Some(endpoint) if request.method() == Method::POST => {
                 let handler = inference(Arc::clone(&self.state), endpoint.kind, request, id.clone(), self.peer.ip());
                 Box::pin(Edge::new(id, handler))
             }
+            Some(_) => Box::pin(Edge::new(id, method_not_allowed(request))),
             None => {
                 request.extensions_mut().insert(Peer(self.peer));
-                request.extensions_mut().insert(RequestId(id.clone()));
                 Box::pin(Edge::new(id, tower::ServiceExt::oneshot(self.router.clone(), request)))
             }
         }
     }
 }
 
-/// Every route, inference included. Requests reach it through a
-/// [`Gateway`], which gives them a [`RequestId`] and their [`Peer`].
+/// Every route but the inference endpoints, which a [`Gateway`] serves
+/// itself. Requests reach it through a [`Gateway`], which gives them their
+/// [`Peer`].
 pub fn router(state: Arc<AppState>) -> Router {
-    let mut router = Router::new()
+    Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
         .route("/v1/models", get(list_models))
-        .route("/v1/models/{*id}", get(get_model));
-    for endpoint in ENDPOINTS {
-        let kind = endpoint.kind;
-        router = router.route(
-            endpoint.path,
-            post(move |State(state): State<Arc<AppState>>, request: Request| {
-                let id = request.extensions().get::<RequestId>().map_or_else(new_request_id, |id| id.0.clone());
-                let peer = peer_of(request.extensions());
-                inference(state, kind, request, id, peer)
-            }),
-        );
-    }
-    router.fallback(not_found).method_not_allowed_fallback(method_not_allowed).with_state(state)
+        .route("/v1/models/{*id}", get(get_model))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .with_state(state)
 }
 
 /// The client's address, for requests that go through the router.
@@ -232,10 +221,6 @@ where
         std::task::Poll::Ready(Ok(response))
     }
 }
-
-/// The request's id, for requests that go through the router.
-#[derive(Clone)]
-struct RequestId(HeaderValue);
 
 /// `req_` and 32 random hex digits, written in place (every request that
 /// comes without an id needs one).
