@@ -170,9 +170,9 @@ async fn forward_in_span(proxy: Proxy, request: Request<Body>) -> Response {
 /// Hop-by-hop headers, the data plane's routing headers and the client's
 /// credential stay behind.
 fn strip_headers(headers: &mut HeaderMap) {
-    const STRIPPED: [HeaderName; 12] = [
+    // `Host` is not here: the backend's own replaces it.
+    const STRIPPED: [HeaderName; 11] = [
         header::CONNECTION,
-        header::HOST,
         header::PROXY_AUTHORIZATION,
         header::TE,
         header::TRAILER,

@@ -1,6 +1,8 @@
 //! Reading a whole body, up to a limit. Every request body is read whole
 //! (routing reads its view) and so is every answer that is not streamed;
-//! most arrive as one frame, which is then passed on as it is, not copied.
+//! most arrive as one frame, which is passed on as it is. What this saves
+//! over `Limited` and `collect` is their wrapper and buffer list (an
+//! allocation per body), on every request.
 
 use bytes::{Bytes, BytesMut};
 use http_body_util::BodyExt;
@@ -42,7 +44,7 @@ where
         if let Some(joined) = &mut joined {
             joined.extend_from_slice(&data);
         } else if let Some(before) = first.take() {
-            let mut both = BytesMut::with_capacity(length.max(before.len() + data.len()));
+            let mut both = BytesMut::with_capacity(length);
             both.extend_from_slice(&before);
             both.extend_from_slice(&data);
             joined = Some(both);

@@ -175,19 +175,18 @@ async fn pipe(
                 }
             }
             if finished {
-                finish(crate::usage::Outcome::Ok, usage, continued);
-                drop(tx);
-                // What follows `[DONE]` is the answer's end: read, it gives
-                // the connection back to the pool instead of closing it.
-                let _ = tokio::time::timeout(std::time::Duration::from_secs(1), async {
-                    while let Some(Ok(_)) = body.frame().await {}
-                })
-                .await;
-                return;
+                break;
             }
         }
         if finished {
             finish(crate::usage::Outcome::Ok, usage, continued);
+            drop(tx);
+            // What follows `[DONE]` is the answer's end: read, it gives the
+            // connection back to the pool instead of closing it.
+            let _ = tokio::time::timeout(std::time::Duration::from_secs(1), async {
+                while let Some(Ok(_)) = body.frame().await {}
+            })
+            .await;
             return;
         }
         // Broken. Eject the node, and go on elsewhere if there is a place.

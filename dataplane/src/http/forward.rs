@@ -144,7 +144,7 @@ impl Forwarder {
         proxy_http2: bool,
         backend_id: &str,
         out: &Outbound<'_>,
-    ) -> Result<Result<http::Response<Answer>, Unreachable>, ApiError> {
+    ) -> Result<Result<http::Response<Answer>, BoxError>, ApiError> {
         let internal = || ApiError::new(ErrorKind::Internal, "cannot build the upstream request", "internal_error");
         let headers = upstream_headers(backend_id, out);
         let body = Full::new(out.body.clone());
@@ -153,12 +153,12 @@ impl Forwarder {
             let request = upstream_request(uri, host, headers, body);
             return Ok(match http2.request(request).await {
                 Ok(response) => Ok(response.map(Answer::unpooled)),
-                Err(error) => Err(Unreachable(error.into())),
+                Err(error) => Err(error.into()),
             });
         }
         let (uri, host, origin) = proxy_url.origin_form(out.path_and_query).ok_or_else(internal)?;
         let request = upstream_request(uri, host, headers, body);
-        Ok(self.http1.send(origin, request).await.map_err(|error| Unreachable(error.into())))
+        Ok(self.http1.send(origin, request).await.map_err(BoxError::from))
     }
 
     /// Tries the route's targets in order. A target that cannot be reached,
@@ -348,14 +348,7 @@ impl Forwarder {
 }
 
 /// Why a node's proxy gave no answer.
-#[derive(Debug)]
-struct Unreachable(Box<dyn std::error::Error + Send + Sync>);
-
-impl std::fmt::Display for Unreachable {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        self.0.fmt(f)
-    }
-}
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// The request's headers as they go to the agent (without `Host`).
 fn upstream_headers(backend_id: &str, out: &Outbound<'_>) -> HeaderMap {

@@ -225,13 +225,8 @@ where
 /// `req_` and 32 random hex digits, written in place (every request that
 /// comes without an id needs one).
 fn new_request_id() -> HeaderValue {
-    const HEX: &[u8; 16] = b"0123456789abcdef";
     let mut id = *b"req_00000000000000000000000000000000";
-    let mut bits = fastrand::u128(..);
-    for digit in id[4..].iter_mut().rev() {
-        *digit = HEX[(bits & 0xf) as usize];
-        bits >>= 4;
-    }
+    super::write_hex(&mut id[4..], fastrand::u128(..));
     HeaderValue::from_bytes(&id).unwrap_or_else(|_| HeaderValue::from_static("req_unknown"))
 }
 

@@ -212,13 +212,9 @@ pub fn session_key(headers: &HeaderMap, view: &RoutingView) -> Option<String> {
 /// `root-` and the hash in 16 hex digits, written without the formatting
 /// machinery (every request without a session of its own has one).
 fn root_key(hash: u64) -> String {
-    const HEX: &[u8; 16] = b"0123456789abcdef";
-    let mut key = String::with_capacity(21);
-    key.push_str("root-");
-    for shift in (0..16).rev() {
-        key.push(char::from(HEX[((hash >> (shift * 4)) & 0xf) as usize]));
-    }
-    key
+    let mut key = *b"root-0000000000000000";
+    super::write_hex(&mut key[5..], u128::from(hash));
+    String::from_utf8_lossy(&key).into_owned()
 }
 
 /// A low estimate of a body's prompt tokens, for the context-window check:
