@@ -25,10 +25,8 @@ use inferyes_proto::{ErrorKind, openai_error_body};
 use crate::state::AgentState;
 
 /// Headers the data plane sets for the agent; never forwarded to backends.
-pub const BACKEND_HEADER: HeaderName = HeaderName::from_static("x-inferyes-backend");
-pub const MODEL_HEADER: HeaderName = HeaderName::from_static("x-inferyes-model");
-pub const SESSION_HEADER: HeaderName = HeaderName::from_static("x-inferyes-session");
-const REQUEST_ID_HEADER: HeaderName = HeaderName::from_static("x-request-id");
+pub use inferyes_proto::headers::{BACKEND as BACKEND_HEADER, MODEL as MODEL_HEADER, SESSION as SESSION_HEADER};
+use inferyes_proto::headers::{HOP_BY_HOP, REQUEST_ID as REQUEST_ID_HEADER};
 
 /// How long a connection to a backend may sit idle in the pool: below
 /// llama-server's keep-alive timeout (5 s), so that the backend never
@@ -171,19 +169,9 @@ async fn forward_in_span(proxy: Proxy, request: Request<Body>) -> Response {
 /// credential stay behind.
 fn strip_headers(headers: &mut HeaderMap) {
     // `Host` is not here: the backend's own replaces it.
-    const STRIPPED: [HeaderName; 11] = [
-        header::CONNECTION,
-        header::PROXY_AUTHORIZATION,
-        header::TE,
-        header::TRAILER,
-        header::TRANSFER_ENCODING,
-        header::UPGRADE,
-        header::AUTHORIZATION,
-        HeaderName::from_static("keep-alive"),
-        BACKEND_HEADER,
-        MODEL_HEADER,
-        SESSION_HEADER,
-    ];
+    const STRIPPED: [HeaderName; 5] =
+        [header::PROXY_AUTHORIZATION, header::AUTHORIZATION, BACKEND_HEADER, MODEL_HEADER, SESSION_HEADER];
+    inferyes_proto::remove_headers(headers, &HOP_BY_HOP);
     inferyes_proto::remove_headers(headers, &STRIPPED);
 }
 

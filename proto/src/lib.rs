@@ -9,6 +9,7 @@ pub mod v1 {
 pub mod apikey;
 pub mod base_url;
 mod error;
+pub mod headers;
 pub mod pool;
 pub mod process;
 pub mod serve;

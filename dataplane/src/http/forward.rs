@@ -31,9 +31,7 @@ use crate::usage::{Meter, Outcome};
 
 pub const NODE_HEADER: HeaderName = HeaderName::from_static("x-inferyes-node");
 pub const ROUTE_HEADER: HeaderName = HeaderName::from_static("x-inferyes-route");
-const BACKEND_HEADER: HeaderName = HeaderName::from_static("x-inferyes-backend");
-const MODEL_HEADER: HeaderName = HeaderName::from_static("x-inferyes-model");
-const SESSION_HEADER: HeaderName = HeaderName::from_static("x-inferyes-session");
+use inferyes_proto::headers::{BACKEND as BACKEND_HEADER, MODEL as MODEL_HEADER, SESSION as SESSION_HEADER};
 
 /// Error bodies are small; a backend sending a huge one is cut off.
 const MAX_ERROR_BODY: usize = 64 << 10;
@@ -397,26 +395,14 @@ fn forwardable(name: &HeaderName) -> bool {
         header::CONNECTION
             | header::HOST
             | header::CONTENT_LENGTH
-            | header::TRANSFER_ENCODING
-            | header::TE
-            | header::TRAILER
-            | header::UPGRADE
             | header::PROXY_AUTHORIZATION
             | header::AUTHORIZATION
-    ) && name != "keep-alive"
+    ) && !inferyes_proto::headers::HOP_BY_HOP.contains(name)
         && !name.as_str().starts_with("x-inferyes-")
 }
 
 fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    const HOP_BY_HOP: [HeaderName; 6] = [
-        header::CONNECTION,
-        header::TRANSFER_ENCODING,
-        header::TE,
-        header::TRAILER,
-        header::UPGRADE,
-        HeaderName::from_static("keep-alive"),
-    ];
-    inferyes_proto::remove_headers(headers, &HOP_BY_HOP);
+    inferyes_proto::remove_headers(headers, &inferyes_proto::headers::HOP_BY_HOP);
 }
 
 /// The error a non-success response carries, in the OpenAI shape, with its

@@ -159,7 +159,7 @@ fn peer_of(extensions: &http::Extensions) -> IpAddr {
     extensions.get::<Peer>().map_or(IpAddr::from([0, 0, 0, 0]), |peer| peer.0.ip())
 }
 
-pub(crate) const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+pub(crate) use inferyes_proto::headers::REQUEST_ID;
 
 /// The request's id: the client's own when it sent a usable one, else a
 /// fresh one.
