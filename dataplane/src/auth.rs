@@ -10,6 +10,8 @@
 //! without being verified, so guessing cannot burn the CPU.
 
 use std::collections::HashMap;
+
+use inferyes_proto::FastMap;
 use std::hash::{BuildHasher, Hasher};
 use std::net::IpAddr;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -103,10 +105,10 @@ pub struct Auth {
     digest: (std::collections::hash_map::RandomState, std::collections::hash_map::RandomState),
     /// Key id → the presented key's digest and the hash it was verified
     /// against (a re-created record with a new hash is verified again).
-    verified: Mutex<HashMap<String, Verified>>,
+    verified: Mutex<FastMap<String, Verified>>,
     failures: Mutex<HashMap<IpAddr, Window>>,
     failures_per_minute: u32,
-    buckets: Mutex<HashMap<String, Bucket>>,
+    buckets: Mutex<FastMap<String, Bucket>>,
     verifying: tokio::sync::Semaphore,
 }
 

@@ -8,11 +8,12 @@
 //! records of the last second, and of any batch a controller had not yet
 //! acknowledged.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
+use inferyes_proto::FastMap;
 use inferyes_proto::usage::{Usage, hour_of};
 use inferyes_proto::v1::routing_service_client::RoutingServiceClient;
 use inferyes_proto::v1::{UsageBatch, UsageDelta, UsageRecord, UsageRollup};
@@ -35,7 +36,7 @@ pub const FLUSH_ON_SHUTDOWN: Duration = Duration::from_secs(10);
 const MAX_QUEUED: usize = 1_000_000;
 
 /// Key → model → hour (since the epoch) → what those requests add up to.
-type Sums = HashMap<String, HashMap<String, BTreeMap<u64, UsageRollup>>>;
+type Sums = FastMap<String, FastMap<String, BTreeMap<u64, UsageRollup>>>;
 
 pub struct Ledger {
     dataplane_id: String,
@@ -52,7 +53,7 @@ pub struct Ledger {
     sums: Mutex<Sums>,
     /// Tokens recorded per key and not yet acknowledged: held against the
     /// key's daily budget until the roll-up shows them.
-    unacknowledged: Mutex<HashMap<String, u64>>,
+    unacknowledged: Mutex<FastMap<String, u64>>,
     dropped: AtomicU64,
 }
 
@@ -86,7 +87,7 @@ impl Ledger {
             let mut sums = self.sums.lock().unwrap_or_else(PoisonError::into_inner);
             // Looked up before inserting: the common case allocates nothing.
             if !sums.contains_key(&record.key_id) {
-                sums.insert(record.key_id.clone(), HashMap::new());
+                sums.insert(record.key_id.clone(), FastMap::default());
             }
             let Some(models) = sums.get_mut(&record.key_id) else { return };
             if !models.contains_key(&record.model) {

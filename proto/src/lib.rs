@@ -62,6 +62,12 @@ pub fn remove_headers(headers: &mut http::HeaderMap, names: &[http::HeaderName])
     }
 }
 
+/// A hash map for keys looked up on the request path (model names, key
+/// ids, upstream origins): foldhash instead of the standard SipHash, about a
+/// fifth of the instructions per lookup. Seeded per process, so keys a
+/// client chooses cannot be picked to collide.
+pub type FastMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
+
 #[cfg(test)]
 mod tests {
     #[test]

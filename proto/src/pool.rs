@@ -17,7 +17,6 @@
 //! written (an idle connection the upstream closed at that moment); never
 //! once a byte of it may have reached the upstream.
 
-use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
@@ -125,7 +124,7 @@ impl<B> Clone for Pool<B> {
 
 struct Shared<B> {
     /// Per origin, oldest first.
-    idle: Mutex<HashMap<Arc<str>, Vec<Idle<B>>>>,
+    idle: Mutex<crate::FastMap<Arc<str>, Vec<Idle<B>>>>,
     connect_timeout: Duration,
     idle_timeout: Duration,
     tls: Option<tokio_rustls::TlsConnector>,

@@ -14,6 +14,7 @@ use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 
+use inferyes_proto::FastMap;
 use inferyes_proto::base_url::BaseUrl;
 use inferyes_proto::v1::{EndpointKind, Health, ModelState, Strategy};
 
@@ -24,15 +25,15 @@ pub struct RoutingSnapshot {
     pub(crate) nodes: Vec<Node>,
     /// Model id → every backend that lists it, sorted by (node, backend):
     /// routing finds a session's home by binary search.
-    pub(crate) models: HashMap<String, Vec<Placement>>,
+    pub(crate) models: FastMap<String, Vec<Placement>>,
     /// For models on many nodes: a consistent-hash ring over their
     /// placements and the totals the load bound needs, so placing a new
     /// session walks a few ring positions instead of scoring every node.
-    pub(crate) rings: HashMap<String, Ring>,
+    pub(crate) rings: FastMap<String, Ring>,
     /// The fleet's catalog, models and aliases, sorted by id.
     pub(crate) catalog: Vec<CatalogEntry>,
     /// Alias → model id.
-    pub(crate) aliases: HashMap<String, String>,
+    pub(crate) aliases: FastMap<String, String>,
     /// Session key (hashed, see [`session_hash`]) → where its KV cache is
     /// resident. Hashes, not strings: a snapshot of 100,000 sessions is
     /// decoded without 100,000 allocations.
@@ -46,7 +47,7 @@ pub struct RoutingSnapshot {
 }
 
 /// API keys by key id, hashes included.
-pub type ApiKeys = HashMap<String, Arc<inferyes_proto::v1::ApiKey>>;
+pub type ApiKeys = FastMap<String, Arc<inferyes_proto::v1::ApiKey>>;
 
 /// A model's placements on a hash ring, built at decode.
 #[derive(Debug, Default)]
@@ -72,7 +73,7 @@ pub struct Policy {
     pub hard_limit: f64,
     pub load_bound: f64,
     pub default_strategy: Strategy,
-    pub model_strategies: HashMap<String, Strategy>,
+    pub model_strategies: FastMap<String, Strategy>,
     /// Mid-stream continuation for every model, or for these.
     pub continue_all: bool,
     pub continue_models: Vec<String>,
@@ -85,7 +86,7 @@ impl Default for Policy {
             hard_limit: inferyes_proto::DEFAULT_HARD_LIMIT,
             load_bound: 1.25,
             default_strategy: Strategy::LeastOutstanding,
-            model_strategies: HashMap::new(),
+            model_strategies: FastMap::default(),
             continue_all: false,
             continue_models: Vec::new(),
         }
