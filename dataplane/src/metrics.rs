@@ -19,7 +19,7 @@ pub struct RequestLabels {
     pub model: String,
     pub node: String,
     pub status: u16,
-    pub route: String,
+    pub route: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -116,15 +116,6 @@ impl Metrics {
         registry.register("node_ejected", "1 while a node is ejected after failures", metrics.node_ejected.clone());
         registry.register("node_failures", "Consecutive failures per node", metrics.node_failures.clone());
         metrics
-    }
-
-    /// The model label: the model when the fleet knows it, else `_unknown`,
-    /// so client-chosen names cannot grow the label set.
-    pub fn model_label(snapshot: Option<&RoutingSnapshot>, model: &str) -> String {
-        match snapshot {
-            Some(s) if s.model(model).is_some() => model.to_string(),
-            _ => "_unknown".to_string(),
-        }
     }
 
     /// Gauges read at scrape time from the snapshot held.

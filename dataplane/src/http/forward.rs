@@ -25,12 +25,14 @@ use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 use super::ApiError;
 use super::continuation::{self, Hop, Resume};
 use super::upstream;
-use crate::routing::Route;
+use crate::routing::{Route, RouteReason};
 use crate::snapshot::{LocalCounters, RoutingSnapshot};
 use crate::usage::{Meter, Outcome};
 
 pub const NODE_HEADER: HeaderName = HeaderName::from_static("x-inferyes-node");
 pub const ROUTE_HEADER: HeaderName = HeaderName::from_static("x-inferyes-route");
+/// The route of an answer from a node other than the first choice.
+const FAILOVER: &str = "failover";
 use inferyes_proto::headers::{BACKEND as BACKEND_HEADER, MODEL as MODEL_HEADER, SESSION as SESSION_HEADER};
 
 /// Error bodies are small; a backend sending a huge one is cut off.
@@ -203,7 +205,7 @@ impl Forwarder {
                 Ok(response) => response,
             };
             let status = response.status();
-            let reason = if attempt == 0 { route.reason.as_str() } else { "failover" };
+            let reason = if attempt == 0 { route.reason.as_str() } else { FAILOVER };
             let refused = status == http::StatusCode::BAD_GATEWAY || status == http::StatusCode::SERVICE_UNAVAILABLE;
             if (refused || status == http::StatusCode::TOO_MANY_REQUESTS) && !is_last {
                 let error = read_error(response).await;
@@ -385,6 +387,15 @@ fn upstream_request(
     *request.uri_mut() = uri;
     *request.headers_mut() = headers;
     request
+}
+
+/// The route label of an answer: the reason its [`ROUTE_HEADER`] gives, one
+/// of a fixed set; `none` for an answer no node gave (an error of ours).
+pub(crate) fn route_label(headers: &HeaderMap) -> &'static str {
+    let Some(route) = headers.get(ROUTE_HEADER) else { return "none" };
+    let reasons =
+        [RouteReason::Resident, RouteReason::Placed, RouteReason::Warm, RouteReason::Cold].map(RouteReason::as_str);
+    reasons.into_iter().chain([FAILOVER]).find(|reason| reason.as_bytes() == route.as_bytes()).unwrap_or("none")
 }
 
 /// Client headers that travel on: not hop-by-hop, not the client's

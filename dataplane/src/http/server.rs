@@ -9,7 +9,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use bytes::Bytes;
 use http::uri::PathAndQuery;
-use http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, header};
+use http::{HeaderMap, HeaderValue, Method, StatusCode, header};
 use inferyes_proto::ErrorKind;
 use inferyes_proto::v1::{EndpointKind, RoutingDecision};
 use serde_json::json;
@@ -332,38 +332,40 @@ async fn inference(
             error.into_response()
         }
     };
-    let snapshot = state.snapshots.current();
-    let model = crate::metrics::Metrics::model_label(snapshot.as_deref(), &facts.model);
-    let header =
-        |name: HeaderName| response.headers().get(name).and_then(|v| v.to_str().ok()).unwrap_or("").to_string();
-    let route = header(super::forward::ROUTE_HEADER);
-    let labels = crate::metrics::RequestLabels {
-        model: model.clone(),
-        node: header(super::forward::NODE_HEADER),
-        status: response.status().as_u16(),
-        route: if route.is_empty() { "none".into() } else { route },
-    };
     if let Some(meter) = facts.meter.take()
         && !response.status().is_success()
     {
         meter.finish(response.status().as_u16(), crate::usage::Outcome::Error, None);
     }
-    state.metrics.requests.get_or_create(&labels).inc();
     span.record("model", facts.model.as_str());
+    // Label values are moved in and out of the label sets, not copied: a
+    // family is looked up by reference.
+    let labels = crate::metrics::RequestLabels {
+        model: if facts.model_known { std::mem::take(&mut facts.model) } else { "_unknown".to_string() },
+        node: response.headers().get(super::forward::NODE_HEADER).and_then(|v| v.to_str().ok()).unwrap_or("").into(),
+        status: response.status().as_u16(),
+        route: super::forward::route_label(response.headers()),
+    };
+    state.metrics.requests.get_or_create(&labels).inc();
     span.record("node", labels.node.as_str());
-    span.record("route", labels.route.as_str());
+    span.record("route", labels.route);
     span.record("http.response.status_code", response.status().as_u16());
+    let crate::metrics::RequestLabels { model: label, node, route, .. } = labels;
     let elapsed = started.elapsed();
-    if response.status().is_success() {
+    let label = if response.status().is_success() {
         let histogram = if facts.stream { &state.metrics.first_token_seconds } else { &state.metrics.request_seconds };
-        histogram.get_or_create(&crate::metrics::ModelLabels { model }).observe(elapsed.as_secs_f64());
-    }
+        let labels = crate::metrics::ModelLabels { model: label };
+        histogram.get_or_create(&labels).observe(elapsed.as_secs_f64());
+        labels.model
+    } else {
+        label
+    };
     state.decisions.record(|| RoutingDecision {
         request_id: request_id.to_str().unwrap_or_default().to_string(),
         unix_ms: inferyes_proto::unix_ms(),
-        model: facts.model,
-        node_id: labels.node,
-        route: labels.route,
+        model: if facts.model_known { label } else { facts.model },
+        node_id: node,
+        route: route.to_string(),
         status: u32::from(response.status().as_u16()),
         error_code: facts.error_code.unwrap_or_default(),
         latency_ms: u32::try_from(elapsed.as_millis()).unwrap_or(u32::MAX),
@@ -378,7 +380,11 @@ async fn inference(
 /// it is answered.
 #[derive(Default)]
 struct RequestFacts {
+    /// The model asked for, resolved where it is an alias.
     model: String,
+    /// The fleet knows it (else its metrics label is `_unknown`, so client
+    /// chosen names cannot grow the label set).
+    model_known: bool,
     stream: bool,
     session: Option<String>,
     error_code: Option<String>,
@@ -411,6 +417,14 @@ async fn serve(
     if !caller.may_use(&view.model) && !caller.may_use(model) {
         return Err(no_such_model(&view.model));
     }
+    facts.model = model.to_string();
+    facts.stream = view.stream;
+    if snapshot.model(model).is_none() {
+        // Before the meter: the usage ledger holds the fleet's models only,
+        // not every name a client sends.
+        return Err(routing::model_not_found(&snapshot, model).into());
+    }
+    facts.model_known = true;
     let rate = state.auth.admit(&caller, std::time::Instant::now()).map_err(|(r, e)| state.refused(r, e))?;
     if let Caller::Key(grant) = &caller
         && grant.tokens_per_day > 0
@@ -466,8 +480,6 @@ async fn route_and_forward(
     facts: &mut RequestFacts,
     meter: crate::usage::Meter,
 ) -> Result<Response, ApiError> {
-    facts.model = model.to_string();
-    facts.stream = view.stream;
     let body = if model == view.model { body } else { with_model(&body, view, model)? };
     // A stream that would end without usage is asked for it; the client,
     // which did not ask, does not see the extra chunk.

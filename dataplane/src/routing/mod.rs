@@ -244,12 +244,17 @@ fn place_key(p: &Placement) -> u64 {
     (p.target.node as u64) << 16 | p.target.backend as u64
 }
 
+/// The error for a model the fleet does not have, naming those it has.
+pub fn model_not_found(snapshot: &RoutingSnapshot, model: &str) -> RouteError {
+    RouteError::ModelNotFound {
+        model: model.to_string(),
+        available: snapshot.catalog().iter().map(|e| e.id.clone()).collect(),
+    }
+}
+
 pub fn select(snapshot: &RoutingSnapshot, request: &RouteRequest<'_>) -> Result<Route, RouteError> {
     let Some(placements) = snapshot.placements(request.model) else {
-        return Err(RouteError::ModelNotFound {
-            model: request.model.to_string(),
-            available: snapshot.catalog().iter().map(|e| e.id.clone()).collect(),
-        });
+        return Err(model_not_found(snapshot, request.model));
     };
     let capable = |p: &Placement| p.endpoints.is_empty() || p.endpoints.contains(&request.kind);
     let fits = |p: &Placement| {

@@ -269,3 +269,22 @@ async fn without_raw_records_only_sums_travel_and_nothing_is_exported() {
         fleet.controller().fleet().await.export_usage(UsageQuery::default()).await.expect("export").into_inner();
     assert!(export.message().await.expect("stream").is_none(), "no raw records were kept");
 }
+
+#[tokio::test]
+async fn requests_for_models_the_fleet_lacks_are_refused_and_not_metered() {
+    // Else any name a client sends would be a row of the ledger, held in
+    // memory while no controller takes it.
+    let fleet = Fleet::start(vec![chat_sim("chat")]).await;
+    for i in 0..3 {
+        let body = json!({"model": format!("no-such-model-{i}"), "messages": [{"role": "user", "content": "hi"}]});
+        let url = format!("{}/v1/chat/completions", fleet.dataplane.url);
+        let response = fleet.http.send(Method::POST, &url, body.to_string().into(), &[]).await;
+        assert_eq!(response.status, StatusCode::NOT_FOUND);
+        let error: serde_json::Value = serde_json::from_slice(&response.body).expect("JSON error");
+        assert_eq!(error["error"]["code"], "model_not_found", "{error}");
+        assert!(error["error"]["message"].as_str().unwrap_or_default().contains("available models: chat"), "{error}");
+    }
+    ask(&fleet.http, &fleet.dataplane.url, None, false, "known").await;
+    let total = rolled_up(fleet.controller(), "", 1).await;
+    assert_eq!((total.requests, total.errors), (1, 0), "{total:?}");
+}
