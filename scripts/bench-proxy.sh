@@ -19,6 +19,8 @@
 #   ROUNDS=3 ./scripts/bench-proxy.sh   # every row three times, apart in time, and each row's median
 #   INSTRUCTIONS=1 ./scripts/bench-proxy.sh
 #                                       # instead: user-space instructions per request (callgrind)
+#   CALLGRIND_DIR=/tmp/cg INSTRUCTIONS=1 ./scripts/bench-proxy.sh
+#                                       # and keep the profiles there (callgrind_annotate --inclusive=yes)
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -236,6 +238,10 @@ if [ "${INSTRUCTIONS:-}" = 1 ]; then
     callgrind_control -d "$pid" >/dev/null 2>&1
     kill "$pid"
     wait "$pid" 2>/dev/null || true
+    if [ -n "${CALLGRIND_DIR:-}" ]; then
+      mkdir -p "$CALLGRIND_DIR"
+      cp "$(ls -S "$work"/cg."$name".* | grep -v log | head -1)" "$CALLGRIND_DIR/$name.callgrind"
+    fi
     awk -v name="$name" -v n="$requests" '/^summary:/ { printf "%-14s %8.0f instructions/request (%d requests)\n", name, $2 / n, n }' \
       "$(ls -S "$work"/cg."$name".* | grep -v log | head -1)"
   }

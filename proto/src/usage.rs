@@ -200,6 +200,14 @@ mod tests {
     }
 
     #[test]
+    fn keys_before_the_last_usage_object_do_not_count() {
+        let tail = b"data: {\"prompt_tokens\":5}\n\ndata: {\"usage\":{\"completion_tokens\":3}}\n\n";
+        assert_eq!(parse_usage(tail), None);
+        let tail = b"{\"timings\":{\"prompt_n\":4},\"usage\":{\"prompt_tokens\":6}}";
+        assert_eq!(parse_usage(tail), Some(Usage { prompt_tokens: 6, completion_tokens: 0, cached_tokens: 0 }));
+    }
+
+    #[test]
     fn nothing_is_made_up() {
         assert_eq!(parse_usage(b"{\"data\":[{\"embedding\":[0.1]}]}"), None);
         assert_eq!(parse_usage(b""), None);
