@@ -173,7 +173,11 @@ where
         loop {
             let (mut sender, reused) = match self.checkout(&origin.key) {
                 Some(sender) => (sender, true),
-                None => (self.connect(origin).await?, false),
+                // Boxed: connecting (resolve, TCP, TLS, handshake) is most of
+                // this future's size, and every request's future would
+                // carry it, moved and allocated with the handler's, for the
+                // few requests that open a connection.
+                None => (Box::pin(self.connect(origin)).await?, false),
             };
             // A connection is ready once its task has taken up the previous
             // answer's end (or, new, its first poll); an error means closed.
