@@ -119,14 +119,15 @@ impl hyper::service::Service<http::Request<hyper::body::Incoming>> for Gateway {
     fn call(&self, request: http::Request<hyper::body::Incoming>) -> Self::Future {
         let id = request_id(request.headers());
         let endpoint = ENDPOINTS.iter().find(|endpoint| endpoint.path == request.uri().path());
-        let mut request = request.map(Body::new);
         match endpoint {
+            // Its body read as hyper's own type: no boxing per request.
             Some(endpoint) if request.method() == Method::POST => {
                 let handler = inference(Arc::clone(&self.state), endpoint.kind, request, id.clone(), self.peer.ip());
                 Box::pin(Edge::new(id, handler))
             }
-            Some(_) => Box::pin(Edge::new(id, method_not_allowed(request))),
+            Some(_) => Box::pin(Edge::new(id, method_not_allowed(request.map(Body::new)))),
             None => {
+                let mut request = request.map(Body::new);
                 request.extensions_mut().insert(Peer(self.peer));
                 Box::pin(Edge::new(id, tower::ServiceExt::oneshot(self.router.clone(), request)))
             }
@@ -306,7 +307,7 @@ async fn get_model(
 async fn inference(
     state: Arc<AppState>,
     kind: EndpointKind,
-    request: Request,
+    request: http::Request<hyper::body::Incoming>,
     request_id: HeaderValue,
     peer: IpAddr,
 ) -> Response {
@@ -402,7 +403,7 @@ fn seconds_to_utc_midnight() -> u32 {
 async fn serve(
     state: &AppState,
     kind: EndpointKind,
-    request: Request,
+    request: http::Request<hyper::body::Incoming>,
     request_id: HeaderValue,
     peer: IpAddr,
     facts: &mut RequestFacts,
@@ -575,7 +576,7 @@ fn expects_done(kind: EndpointKind) -> bool {
 
 /// Reads the whole body, refusing more than `limit` bytes with 413 before
 /// reading it when the client announced its length.
-async fn read_body(body: Body, headers: &http::HeaderMap, limit: usize) -> Result<Bytes, ApiError> {
+async fn read_body(body: hyper::body::Incoming, headers: &http::HeaderMap, limit: usize) -> Result<Bytes, ApiError> {
     let too_large = || {
         ApiError::new(
             ErrorKind::PayloadTooLarge,
