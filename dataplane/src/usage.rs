@@ -346,17 +346,20 @@ impl Outcome {
 impl Meter {
     pub fn new(
         ledger: Arc<Ledger>,
-        request_id: String,
+        request_id: &str,
         key_id: Option<String>,
         model: String,
         stream: bool,
         prompt_estimate: u64,
     ) -> Meter {
+        let keep_records = ledger.keep_records;
         Meter(Arc::new(MeterInner {
             ledger,
             started: Instant::now(),
             record: Mutex::new(UsageRecord {
-                request_id,
+                // Only a kept record travels with its id and node; sums need
+                // neither.
+                request_id: if keep_records { request_id.to_string() } else { String::new() },
                 unix_ms: inferyes_proto::unix_ms(),
                 key_id: key_id.unwrap_or_default(),
                 model,
@@ -372,6 +375,9 @@ impl Meter {
 
     /// The node that answers (the last one tried).
     pub fn node(&self, node: &str) {
+        if !self.0.ledger.keep_records {
+            return;
+        }
         let mut record = self.0.record.lock().unwrap_or_else(PoisonError::into_inner);
         record.node_id.clear();
         record.node_id.push_str(node);
@@ -508,13 +514,13 @@ mod tests {
     #[test]
     fn a_meter_records_once_and_a_dropped_one_as_cancelled() {
         let ledger = Ledger::new("dp", true);
-        let meter = Meter::new(Arc::clone(&ledger), "r1".into(), Some("k".into()), "m".into(), true, 12);
+        let meter = Meter::new(Arc::clone(&ledger), "r1", Some("k".into()), "m".into(), true, 12);
         meter.node("node-a");
         let clone = meter.clone();
         meter.finish(200, Outcome::Ok, Some(Usage { prompt_tokens: 10, completion_tokens: 4, cached_tokens: 6 }));
         clone.finish(500, Outcome::Error, None);
         drop((meter, clone));
-        let unfinished = Meter::new(Arc::clone(&ledger), "r2".into(), None, "m".into(), true, 12);
+        let unfinished = Meter::new(Arc::clone(&ledger), "r2", None, "m".into(), true, 12);
         unfinished.data_events(2);
         drop(unfinished);
 

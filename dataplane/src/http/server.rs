@@ -446,7 +446,7 @@ async fn serve(
     }
     let meter = crate::usage::Meter::new(
         Arc::clone(&state.ledger),
-        request_id.to_str().unwrap_or_default().to_string(),
+        request_id.to_str().unwrap_or_default(),
         caller.key_id().map(str::to_string),
         model.to_string(),
         view.stream,
