@@ -84,7 +84,7 @@ impl RouteReason {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Route {
     /// In order of preference; later ones are for failover.
-    pub targets: Vec<Target>,
+    pub targets: Targets,
     pub reason: RouteReason,
     /// Whether the first target must load the model first.
     pub cold: bool,
@@ -134,6 +134,49 @@ impl RouteError {
 
 /// At most this many targets are returned: the first plus failovers.
 pub const MAX_TARGETS: usize = 3;
+
+/// A route's targets, best first: at most [`MAX_TARGETS`], held inline (a
+/// route is made for every request, and a `Vec` would be an allocation).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Targets {
+    items: [Target; MAX_TARGETS],
+    len: usize,
+}
+
+impl Targets {
+    /// Adds a target; past [`MAX_TARGETS`] there is no room, and it is not.
+    pub fn push(&mut self, target: Target) {
+        if let Some(slot) = self.items.get_mut(self.len) {
+            *slot = target;
+            self.len += 1;
+        }
+    }
+}
+
+impl std::ops::Deref for Targets {
+    type Target = [Target];
+
+    fn deref(&self) -> &[Target] {
+        &self.items[..self.len]
+    }
+}
+
+impl<'a> IntoIterator for &'a Targets {
+    type Item = &'a Target;
+    type IntoIter = std::slice::Iter<'a, Target>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        self.iter()
+    }
+}
+
+impl FromIterator<Target> for Targets {
+    fn from_iter<I: IntoIterator<Item = Target>>(targets: I) -> Targets {
+        let mut all = Targets::default();
+        targets.into_iter().take(MAX_TARGETS).for_each(|target| all.push(target));
+        all
+    }
+}
 
 /// What a placement is to this request.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -279,7 +322,7 @@ pub fn select(snapshot: &RoutingSnapshot, request: &RouteRequest<'_>) -> Result<
         })
     });
     if let Some(at) = going_home {
-        let mut targets = Vec::with_capacity(MAX_TARGETS);
+        let mut targets = Targets::default();
         targets.push(placements[at].target);
         let after = placements[at + 1..].iter().chain(&placements[..at]);
         for p in
@@ -396,7 +439,7 @@ pub fn select(snapshot: &RoutingSnapshot, request: &RouteRequest<'_>) -> Result<
     }
 
     let resident_first = resident.filter(|r| !placements[*r].overloaded);
-    let mut targets: Vec<Target> = Vec::with_capacity(MAX_TARGETS);
+    let mut targets = Targets::default();
     let ordered =
         resident_first.into_iter().chain(warm.indices()).chain(resident).chain(cold.indices()).chain(ejected.indices());
     for index in ordered {
@@ -486,7 +529,7 @@ fn place_on_ring(
     }
     // Within the bound first, ring order otherwise.
     homes.sort_by_key(|i| over(&placements[*i]));
-    let targets: Vec<Target> = homes.iter().take(MAX_TARGETS).map(|i| placements[*i].target).collect();
+    let targets: Targets = homes.iter().map(|i| placements[*i].target).collect();
     Some(Route { targets, reason: RouteReason::Placed, cold: false })
 }
 

@@ -472,3 +472,17 @@ fn large_models_place_new_sessions_on_a_ring_deterministically_and_within_the_bo
     let s = snapshot(&mostly_down);
     assert_eq!(nodes(&s, &select(&s, &chat(Some(key))).unwrap()), ["n042"]);
 }
+
+#[test]
+fn targets_keep_the_first_three_in_order() {
+    let target = |node| Target { node, backend: 0 };
+    let targets: Targets = (0..5).map(target).collect();
+    assert_eq!(&targets[..], &[target(0), target(1), target(2)]);
+    let mut pushed = Targets::default();
+    assert!(pushed.is_empty());
+    for node in [7, 8, 9, 10] {
+        pushed.push(target(node));
+    }
+    assert_eq!(pushed.len(), MAX_TARGETS);
+    assert_eq!(pushed.iter().map(|t| t.node).collect::<Vec<_>>(), [7, 8, 9]);
+}

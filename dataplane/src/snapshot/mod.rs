@@ -210,7 +210,7 @@ impl BackendView {
 }
 
 /// Where a model can run: a backend of a node.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct Target {
     pub node: usize,
     pub backend: usize,
