@@ -726,7 +726,21 @@ pub(crate) fn error_event(error: &ApiError) -> Bytes {
 
 #[cfg(test)]
 mod tests {
-    use super::ended_well;
+    use super::*;
+
+    #[test]
+    fn route_labels_are_the_reasons_answers_carry_and_nothing_else() {
+        let reasons = [RouteReason::Resident, RouteReason::Placed, RouteReason::Warm, RouteReason::Cold];
+        for reason in reasons.map(RouteReason::as_str).into_iter().chain([FAILOVER]) {
+            let mut headers = HeaderMap::new();
+            headers.insert(ROUTE_HEADER, HeaderValue::from_static(reason));
+            assert_eq!(route_label(&headers), reason);
+        }
+        let mut headers = HeaderMap::new();
+        assert_eq!(route_label(&headers), "none");
+        headers.insert(ROUTE_HEADER, HeaderValue::from_static("made-up"));
+        assert_eq!(route_label(&headers), "none", "label values come from a fixed set");
+    }
 
     #[test]
     fn a_stream_ended_well_with_done_or_its_own_error() {
