@@ -238,12 +238,14 @@ if [ "${INSTRUCTIONS:-}" = 1 ]; then
     callgrind_control -d "$pid" >/dev/null 2>&1
     kill "$pid"
     wait "$pid" 2>/dev/null || true
+    local profile
+    profile=$(ls -S "$work"/cg."$name".* | grep -v log | head -1)
     if [ -n "${CALLGRIND_DIR:-}" ]; then
       mkdir -p "$CALLGRIND_DIR"
-      cp "$(ls -S "$work"/cg."$name".* | grep -v log | head -1)" "$CALLGRIND_DIR/$name.callgrind"
+      cp "$profile" "$CALLGRIND_DIR/$name.callgrind"
     fi
     awk -v name="$name" -v n="$requests" '/^summary:/ { printf "%-14s %8.0f instructions/request (%d requests)\n", name, $2 / n, n }' \
-      "$(ls -S "$work"/cg."$name".* | grep -v log | head -1)"
+      "$profile"
   }
   export RUST_LOG=warn
   echo "user-space instructions per request, JSON, callgrind"

@@ -10,8 +10,6 @@
 //! without being verified, so guessing cannot burn the CPU.
 
 use std::collections::HashMap;
-
-use inferyes_proto::FastMap;
 use std::hash::{BuildHasher, Hasher};
 use std::net::IpAddr;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -19,6 +17,7 @@ use std::time::{Duration, Instant};
 
 use http::{HeaderMap, HeaderName, HeaderValue, header};
 use inferyes_proto::ErrorKind;
+use inferyes_proto::FastMap;
 use inferyes_proto::apikey;
 use inferyes_proto::v1::ApiKey;
 use serde::{Deserialize, Serialize};

@@ -298,13 +298,7 @@ impl<B> Pool<B> {
 
     fn keep(&self, key: Arc<str>, sender: SendRequest<B>) {
         let Ok(mut idle) = self.shared.idle.lock() else { return };
-        let entry = Idle { sender, since: Instant::now() };
-        match idle.get_mut(&key) {
-            Some(list) => list.push(entry),
-            None => {
-                idle.insert(key, vec![entry]);
-            }
-        }
+        idle.entry(key).or_default().push(Idle { sender, since: Instant::now() });
     }
 }
 

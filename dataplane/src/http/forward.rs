@@ -393,9 +393,12 @@ fn upstream_request(
 /// of a fixed set; `none` for an answer no node gave (an error of ours).
 pub(crate) fn route_label(headers: &HeaderMap) -> &'static str {
     let Some(route) = headers.get(ROUTE_HEADER) else { return "none" };
-    let reasons =
-        [RouteReason::Resident, RouteReason::Placed, RouteReason::Warm, RouteReason::Cold].map(RouteReason::as_str);
-    reasons.into_iter().chain([FAILOVER]).find(|reason| reason.as_bytes() == route.as_bytes()).unwrap_or("none")
+    RouteReason::ALL
+        .map(RouteReason::as_str)
+        .into_iter()
+        .chain([FAILOVER])
+        .find(|reason| reason.as_bytes() == route.as_bytes())
+        .unwrap_or("none")
 }
 
 /// Client headers that travel on: not hop-by-hop, not the client's
@@ -730,8 +733,7 @@ mod tests {
 
     #[test]
     fn route_labels_are_the_reasons_answers_carry_and_nothing_else() {
-        let reasons = [RouteReason::Resident, RouteReason::Placed, RouteReason::Warm, RouteReason::Cold];
-        for reason in reasons.map(RouteReason::as_str).into_iter().chain([FAILOVER]) {
+        for reason in RouteReason::ALL.map(RouteReason::as_str).into_iter().chain([FAILOVER]) {
             let mut headers = HeaderMap::new();
             headers.insert(ROUTE_HEADER, HeaderValue::from_static(reason));
             assert_eq!(route_label(&headers), reason);

@@ -11,6 +11,8 @@ mod upstream;
 mod view;
 
 pub use error::ApiError;
+pub use server::{AppState, ENDPOINTS, Endpoint, Gateway, Peer, router};
+pub use view::{RoutingView, parse_view, session_key};
 
 /// Writes the low digits of `bits` into `out` as lowercase hex, the last
 /// digit last: ids and keys on the request path, without the formatting
@@ -22,8 +24,6 @@ fn write_hex(out: &mut [u8], mut bits: u128) {
         bits >>= 4;
     }
 }
-pub use server::{AppState, ENDPOINTS, Endpoint, Gateway, Peer, router};
-pub use view::{RoutingView, parse_view, session_key};
 
 /// The pooled client to agents, as configured. `hard_stop` ends the streams
 /// still running when a shutdown's grace is over.

@@ -71,6 +71,9 @@ pub enum RouteReason {
 }
 
 impl RouteReason {
+    pub const ALL: [RouteReason; 4] =
+        [RouteReason::Resident, RouteReason::Placed, RouteReason::Warm, RouteReason::Cold];
+
     pub fn as_str(self) -> &'static str {
         match self {
             RouteReason::Resident => "resident",
