@@ -420,9 +420,9 @@ async fn serve(
     }
     facts.model = model.to_string();
     facts.stream = view.stream;
-    if snapshot.model(model).is_none() {
-        // Before the meter: the usage ledger holds the fleet's models only,
-        // not every name a client sends.
+    if snapshot.placements(model).is_none() {
+        // Before the meter, by the test routing makes: the usage ledger
+        // holds the fleet's models only, not every name a client sends.
         return Err(routing::model_not_found(&snapshot, model).into());
     }
     facts.model_known = true;
