@@ -21,6 +21,8 @@
 #                                       # instead: user-space instructions per request (callgrind)
 #   CALLGRIND_DIR=/tmp/cg INSTRUCTIONS=1 ./scripts/bench-proxy.sh
 #                                       # and keep the profiles there (callgrind_annotate --inclusive=yes)
+#   ONLY=dataplane INSTRUCTIONS=1 ./scripts/bench-proxy.sh
+#                                       # count only the proxies whose name starts so
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -227,6 +229,7 @@ if [ "${INSTRUCTIONS:-}" = 1 ]; then
   count() { # name port wrk-script command...
     local name=$1 port=$2 script=$3
     shift 3
+    [[ "$name" == "${ONLY:-}"* ]] || return 0
     valgrind --tool=callgrind --callgrind-out-file="$work/cg.$name" "$@" >"$work/cg.$name.log" 2>&1 &
     local pid=$!
     until curl -s -o /dev/null "http://127.0.0.1:$port/"; do sleep 0.5; done
