@@ -9,7 +9,8 @@
 //! decision); "5% of nodes" spreads 20 models, each on a twentieth of the
 //! fleet. After criterion's runs, a percentile pass prints p50/p99/max per
 //! decision, the figures the targets are stated in. Then the routing view
-//! of a long conversation, and the hash of its root.
+//! of a long conversation and of a one-line request, and the hash of a
+//! conversation's root.
 
 use std::collections::BTreeMap;
 use std::hint::black_box;
@@ -151,6 +152,13 @@ fn bench(c: &mut Criterion, cases: &[Case]) {
     group.bench_function("parse_view + session_key, 10 KB system prompt, 20 turns", |b| {
         b.iter(|| {
             let view = parse_view(black_box(&body)).expect("a valid body");
+            black_box(session_key(&http::HeaderMap::new(), &view))
+        })
+    });
+    let small = br#"{"model":"model-0","messages":[{"role":"user","content":"hello"}],"max_tokens":2}"#;
+    group.bench_function("parse_view + session_key, a one-line chat request", |b| {
+        b.iter(|| {
+            let view = parse_view(black_box(small)).expect("a valid body");
             black_box(session_key(&http::HeaderMap::new(), &view))
         })
     });

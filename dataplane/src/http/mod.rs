@@ -5,6 +5,7 @@ mod body;
 mod continuation;
 mod error;
 mod forward;
+mod scan;
 mod server;
 mod sse;
 mod upstream;

@@ -6,83 +6,10 @@ use std::ops::Range;
 
 use http::{HeaderMap, HeaderName};
 use inferyes_proto::ErrorKind;
-use serde::Deserialize;
-use serde_json::value::RawValue;
 
 use super::ApiError;
+use super::scan::{Fields, Raw, ScanError, scan};
 use crate::routing::{stable_hash, text_hash};
-
-#[derive(Debug, Deserialize)]
-struct Wire<'a> {
-    #[serde(borrow, default)]
-    model: Option<Cow<'a, str>>,
-    #[serde(default)]
-    stream: Option<bool>,
-    #[serde(borrow, default)]
-    prompt_cache_key: Option<Cow<'a, str>>,
-    /// Chat: the conversation's opening, for its root.
-    #[serde(borrow, default)]
-    messages: Option<Opening<'a>>,
-    /// Completions: the prompt, whose beginning is the conversation's root.
-    #[serde(borrow, default)]
-    prompt: Option<&'a RawValue>,
-    /// Responses API: instructions and input.
-    #[serde(borrow, default)]
-    instructions: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    input: Option<&'a RawValue>,
-    /// Whether the client set stream options itself.
-    #[serde(borrow, default)]
-    stream_options: Option<&'a RawValue>,
-}
-
-#[derive(Debug, Deserialize)]
-struct Message<'a> {
-    #[serde(borrow, default)]
-    role: Option<Cow<'a, str>>,
-    #[serde(borrow, default)]
-    content: Option<&'a RawValue>,
-}
-
-/// What a conversation's root needs of its messages: the content of the
-/// first message of each opening role (`None` inside: that message had
-/// none). Read message by message: a long conversation is not kept.
-#[derive(Debug, Default)]
-struct Opening<'a> {
-    system: Option<Option<&'a RawValue>>,
-    developer: Option<Option<&'a RawValue>>,
-    user: Option<Option<&'a RawValue>>,
-}
-
-impl<'de: 'a, 'a> Deserialize<'de> for Opening<'a> {
-    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        struct Messages<'a>(std::marker::PhantomData<&'a ()>);
-
-        impl<'de: 'a, 'a> serde::de::Visitor<'de> for Messages<'a> {
-            type Value = Opening<'a>;
-
-            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                f.write_str("a list of messages")
-            }
-
-            fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut messages: A) -> Result<Opening<'a>, A::Error> {
-                let mut opening = Opening::default();
-                while let Some(message) = messages.next_element::<Message<'a>>()? {
-                    let first = match message.role.as_deref() {
-                        Some("system") => &mut opening.system,
-                        Some("developer") => &mut opening.developer,
-                        Some("user") => &mut opening.user,
-                        _ => continue,
-                    };
-                    first.get_or_insert(message.content);
-                }
-                Ok(opening)
-            }
-        }
-
-        deserializer.deserialize_seq(Messages(std::marker::PhantomData))
-    }
-}
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RoutingView {
@@ -106,16 +33,14 @@ pub struct RoutingView {
 const PROMPT_ROOT_BYTES: usize = 512;
 
 pub fn parse_view(body: &[u8]) -> Result<RoutingView, ApiError> {
-    let wire: Wire<'_> = serde_json::from_slice(body).map_err(|error| {
-        let message = if error.is_data() {
-            format!("the request body must be a JSON object: {error}")
-        } else {
-            format!("the request body is not valid JSON: {error}")
-        };
-        ApiError::new(ErrorKind::BadRequest, message, "invalid_json")
-    })?;
-    let root = conversation_root(&wire);
-    let model = wire.model.filter(|m| !m.is_empty()).ok_or_else(|| {
+    let fields = scan(body).map_err(|error| refusal(body, error))?;
+    view_of(body, fields)
+}
+
+/// The view of a body from its fields.
+fn view_of<'a>(body: &'a [u8], fields: Fields<'a>) -> Result<RoutingView, ApiError> {
+    let root = conversation_root(&fields);
+    let model = fields.model.filter(|m| !m.is_empty()).ok_or_else(|| {
         ApiError::new(ErrorKind::BadRequest, "you must provide a model parameter", "missing_required_parameter")
             .param("model")
     })?;
@@ -126,12 +51,43 @@ pub fn parse_view(body: &[u8]) -> Result<RoutingView, ApiError> {
     Ok(RoutingView {
         model: model.into_owned(),
         model_span,
-        stream: wire.stream.unwrap_or(false),
-        prompt_cache_key: wire.prompt_cache_key.filter(|k| !k.is_empty()).map(Cow::into_owned),
+        stream: fields.stream.unwrap_or(false),
+        prompt_cache_key: fields.prompt_cache_key.filter(|k| !k.is_empty()).map(Cow::into_owned),
         root,
-        has_media: MEDIA.iter().any(|media| media.find(body).is_some()),
-        has_stream_options: wire.stream_options.is_some(),
+        has_media: fields.has_media,
+        has_stream_options: fields.stream_options.is_some(),
     })
+}
+
+/// A refused body's error, in the words OpenAI uses where it has them.
+fn refusal(body: &[u8], error: ScanError) -> ApiError {
+    match error {
+        ScanError::Syntax { what, at } => {
+            let (line, column) = ScanError::line_and_column(body, at);
+            ApiError::new(
+                ErrorKind::BadRequest,
+                format!("the request body is not valid JSON: {what} at line {line} column {column}"),
+                "invalid_json",
+            )
+        }
+        ScanError::NotObject { found } => ApiError::new(
+            ErrorKind::BadRequest,
+            format!("the request body must be a JSON object, not {found}"),
+            "invalid_json",
+        ),
+        ScanError::Type { path, param, expected, found } => ApiError::new(
+            ErrorKind::BadRequest,
+            format!("Invalid type for '{path}': expected {expected}, but got {found} instead."),
+            "invalid_type",
+        )
+        .param(param),
+        ScanError::Duplicate { path, param } => ApiError::new(
+            ErrorKind::BadRequest,
+            format!("the request body gives '{path}' more than once"),
+            "invalid_json",
+        )
+        .param(param),
+    }
 }
 
 /// The body with `"stream_options":{"include_usage":true}` added, so the
@@ -158,32 +114,26 @@ fn span_of(whole: &[u8], part: &[u8]) -> Option<Range<usize>> {
     (end <= whole.len() && &whole[start..end] == part).then_some(start..end)
 }
 
-/// What marks a body with images or audio; searchers built once (building
-/// one costs more than searching a small body).
-static MEDIA: std::sync::LazyLock<[memchr::memmem::Finder<'static>; 2]> = std::sync::LazyLock::new(|| {
-    [memchr::memmem::Finder::new(b"\"image_url\""), memchr::memmem::Finder::new(b"\"input_audio\"")]
-});
-
-fn conversation_root(wire: &Wire<'_>) -> Option<u64> {
-    if let Some(opening) = &wire.messages {
+fn conversation_root(fields: &Fields<'_>) -> Option<u64> {
+    if let Some(opening) = &fields.messages {
         let user = opening.user.flatten()?;
         let system = opening.system.flatten().or(opening.developer.flatten());
         Some(text_hash(&[text(system), text(Some(user))]))
-    } else if let Some(input) = wire.input {
-        Some(text_hash(&[text(wire.instructions), head(input)]))
+    } else if let Some(input) = fields.input {
+        Some(text_hash(&[text(fields.instructions), head(input)]))
     } else {
-        wire.prompt.map(|prompt| text_hash(&[head(prompt)]))
+        fields.prompt.map(|prompt| text_hash(&[head(prompt)]))
     }
 }
 
 /// A JSON value's text, or nothing.
-fn text(value: Option<&RawValue>) -> &[u8] {
-    value.map_or(&[], |value| value.get().as_bytes())
+fn text(value: Option<Raw<'_>>) -> &[u8] {
+    value.map_or(&[], str::as_bytes)
 }
 
 /// The first bytes of a JSON value's text that make up a root.
-fn head(value: &RawValue) -> &[u8] {
-    let bytes = value.get().as_bytes();
+fn head(value: Raw<'_>) -> &[u8] {
+    let bytes = value.as_bytes();
     &bytes[..bytes.len().min(PROMPT_ROOT_BYTES)]
 }
 
@@ -227,7 +177,8 @@ pub fn estimated_prompt_tokens(body_len: usize, view: &RoutingView) -> u32 {
 /// The body with `model` replaced (an alias resolved), the rest untouched.
 pub fn with_model(body: &bytes::Bytes, view: &RoutingView, model: &str) -> Result<bytes::Bytes, ApiError> {
     let quoted = serde_json::to_string(model).unwrap_or_default();
-    let escaped = quoted.trim_start_matches('"').trim_end_matches('"');
+    // Inside its quotes (a name can end with an escaped quote of its own).
+    let escaped = quoted.get(1..quoted.len().saturating_sub(1)).unwrap_or_default();
     if let Some(span) = &view.model_span {
         let mut out = Vec::with_capacity(body.len() + escaped.len());
         out.extend_from_slice(&body[..span.start]);
@@ -287,6 +238,12 @@ mod tests {
         assert_eq!(no_model.param, Some("model"));
         let wrong_type = parse_view(br#"{"model":3}"#).unwrap_err();
         assert_eq!(wrong_type.kind, ErrorKind::BadRequest);
+        assert_eq!((wrong_type.code.as_deref(), wrong_type.param), (Some("invalid_type"), Some("model")));
+        assert_eq!(wrong_type.message, "Invalid type for 'model': expected a string, but got a number instead.");
+        let broken = parse_view(b"{\"model\":\"m\",\n \"messages\": [}").unwrap_err();
+        assert_eq!(broken.message, "the request body is not valid JSON: expected value at line 2 column 15");
+        let twice = parse_view(br#"{"model":"a","model":"b"}"#).unwrap_err();
+        assert_eq!((twice.code.as_deref(), twice.param), (Some("invalid_json"), Some("model")));
     }
 
     #[test]
