@@ -29,7 +29,8 @@ pub struct Hop {
     pub node: Arc<str>,
     pub proxy_url: inferyes_proto::base_url::BaseUrl,
     pub proxy_http2: bool,
-    pub backend: Arc<str>,
+    /// The backend's id, as a header value.
+    pub backend: Option<http::HeaderValue>,
     pub local: Arc<LocalCounters>,
 }
 
@@ -255,7 +256,8 @@ async fn continue_on(resume: &Resume, hop: &Hop, partial: &str, generated: u64) 
         meter: None,
         strip_usage: false,
     };
-    let response = resume.forwarder.send(&hop.proxy_url, hop.proxy_http2, &hop.backend, &outbound).await.ok()?;
+    let response =
+        resume.forwarder.send(&hop.proxy_url, hop.proxy_http2, hop.backend.as_ref(), &outbound).await.ok()?;
     let event_stream = response
         .headers()
         .get(http::header::CONTENT_TYPE)

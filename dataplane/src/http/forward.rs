@@ -142,11 +142,11 @@ impl Forwarder {
         &self,
         proxy_url: &BaseUrl,
         proxy_http2: bool,
-        backend_id: &str,
+        backend: Option<&HeaderValue>,
         out: &Outbound<'_>,
     ) -> Result<Result<http::Response<Answer>, BoxError>, ApiError> {
         let internal = || ApiError::new(ErrorKind::Internal, "cannot build the upstream request", "internal_error");
-        let headers = upstream_headers(backend_id, out);
+        let headers = upstream_headers(backend, out);
         let body = Full::new(out.body.clone());
         if let Some(http2) = self.http2.as_ref().filter(|_| proxy_http2) {
             let (uri, host) = proxy_url.uri(out.path_and_query).ok_or_else(internal)?;
@@ -183,7 +183,7 @@ impl Forwarder {
             let reserve = if attempt == 0 { out.reserve_bytes } else { 0 };
             let guard = InFlight::enter(Arc::clone(&node.local), reserve);
             let is_last = attempt + 1 == route.targets.len();
-            let request = self.request(&node.proxy_url, node.proxy_http2, &backend.id, &out);
+            let request = self.request(&node.proxy_url, node.proxy_http2, backend.id_header.as_ref(), &out);
             let Ok(sent) = tokio::time::timeout(self.header_timeout, request).await else {
                 return Err(ApiError::new(
                     ErrorKind::Timeout,
@@ -231,8 +231,8 @@ impl Forwarder {
             }
             let (mut parts, body) = response.into_parts();
             strip_hop_by_hop(&mut parts.headers);
-            if let Ok(value) = HeaderValue::from_str(&node.id) {
-                parts.headers.insert(NODE_HEADER, value);
+            if let Some(value) = &node.id_header {
+                parts.headers.insert(NODE_HEADER, value.clone());
             }
             parts.headers.insert(ROUTE_HEADER, HeaderValue::from_static(reason));
             if !out.stream {
@@ -247,7 +247,13 @@ impl Forwarder {
                             let outcome = if status.is_success() { Outcome::Ok } else { Outcome::Error };
                             meter.finish(status.as_u16(), outcome, inferyes_proto::usage::parse_usage(tail));
                         }
-                        parts.headers.remove(header::CONTENT_LENGTH);
+                        // The node's length stands where it is the body's (the
+                        // usual case: its header is passed on, not written
+                        // anew); hyper writes the body's own otherwise.
+                        let announced = parts.headers.get(header::CONTENT_LENGTH).map(HeaderValue::as_bytes);
+                        if announced.is_none_or(|length| !is_decimal(length, bytes.len())) {
+                            parts.headers.remove(header::CONTENT_LENGTH);
+                        }
                         return Ok(Response::from_parts(parts, Body::from(bytes)));
                     }
                     Err(error) => {
@@ -281,7 +287,7 @@ impl Forwarder {
                         node: Arc::clone(&node.id),
                         proxy_url: node.proxy_url.clone(),
                         proxy_http2: node.proxy_http2,
-                        backend: Arc::clone(&backend.id),
+                        backend: backend.id_header.clone(),
                         local: Arc::clone(&node.local),
                     })
                 })
@@ -335,11 +341,11 @@ impl Forwarder {
         &self,
         proxy_url: &BaseUrl,
         proxy_http2: bool,
-        backend_id: &str,
+        backend: Option<&HeaderValue>,
         out: &Outbound<'_>,
     ) -> Result<http::Response<Answer>, ApiError> {
         let unreachable = || ApiError::new(ErrorKind::Upstream, "the node is unreachable", "upstream_unreachable");
-        let request = self.request(proxy_url, proxy_http2, backend_id, out);
+        let request = self.request(proxy_url, proxy_http2, backend, out);
         match tokio::time::timeout(self.header_timeout, request).await {
             Ok(result) => result?.map_err(|_| unreachable()),
             Err(_) => Err(unreachable()),
@@ -347,11 +353,20 @@ impl Forwarder {
     }
 }
 
+/// Whether `text` is `n`, in decimal digits only.
+fn is_decimal(text: &[u8], n: usize) -> bool {
+    !text.is_empty()
+        && text.iter().try_fold(0usize, |value, &digit| {
+            digit.is_ascii_digit().then_some(())?;
+            value.checked_mul(10)?.checked_add(usize::from(digit - b'0'))
+        }) == Some(n)
+}
+
 /// Why a node's proxy gave no answer.
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// The request's headers as they go to the agent (without `Host`).
-fn upstream_headers(backend_id: &str, out: &Outbound<'_>) -> HeaderMap {
+fn upstream_headers(backend: Option<&HeaderValue>, out: &Outbound<'_>) -> HeaderMap {
     // Sized once: the client's headers plus the few added here (growing a
     // header map rehashes it).
     let mut headers = HeaderMap::with_capacity(out.headers.len() + 6);
@@ -362,8 +377,8 @@ fn upstream_headers(backend_id: &str, out: &Outbound<'_>) -> HeaderMap {
     }
     headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
     headers.insert(super::server::REQUEST_ID, out.request_id.clone());
-    if let Ok(v) = HeaderValue::from_str(backend_id) {
-        headers.insert(BACKEND_HEADER, v);
+    if let Some(v) = backend {
+        headers.insert(BACKEND_HEADER, v.clone());
     }
     if let Ok(v) = HeaderValue::from_str(out.model) {
         headers.insert(MODEL_HEADER, v);
@@ -730,6 +745,17 @@ pub(crate) fn error_event(error: &ApiError) -> Bytes {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_length_is_passed_on_only_where_it_is_the_body_s() {
+        assert!(is_decimal(b"240", 240));
+        assert!(is_decimal(b"0", 0));
+        assert!(!is_decimal(b"241", 240));
+        assert!(!is_decimal(b"", 0));
+        assert!(!is_decimal(b"+240", 240));
+        assert!(!is_decimal(b"24 0", 240));
+        assert!(!is_decimal(b"99999999999999999999999", 0), "too long for a length");
+    }
 
     #[test]
     fn route_labels_are_the_reasons_answers_carry_and_nothing_else() {

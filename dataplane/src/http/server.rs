@@ -491,7 +491,6 @@ async fn route_and_forward(
         None => (body, false),
     };
     let session = session_key(&parts.headers, view);
-    facts.session.clone_from(&session);
     let ticket = state.tickets.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let route = routing::select(
         snapshot,
@@ -504,7 +503,15 @@ async fn route_and_forward(
             ticket,
             now_ms: inferyes_proto::unix_ms(),
         },
-    )?;
+    );
+    let route = match route {
+        Ok(route) => route,
+        Err(error) => {
+            // The decision tail shows the session of a request no node took.
+            facts.session = session;
+            return Err(error.into());
+        }
+    };
     // A cold load holds the model's size against the node until it answers.
     let reserve_bytes = if route.cold {
         snapshot
@@ -522,6 +529,7 @@ async fn route_and_forward(
             model,
             "cold load for a stream: answering at once"
         );
+        facts.session.clone_from(&session);
         let outbound = OwnedOutbound {
             path_and_query,
             headers: parts.headers.clone(),
@@ -554,6 +562,7 @@ async fn route_and_forward(
         strip_usage,
     };
     let result = state.forwarder.forward(snapshot, &route, outbound).await;
+    facts.session = session;
     let request_id = request_id.to_str().unwrap_or_default();
     match &result {
         Ok(response) => tracing::debug!(

@@ -100,6 +100,7 @@ pub fn decode(
         for (backend_index, backend) in status.backends.iter().enumerate() {
             let view = BackendView {
                 id: Arc::from(backend.id.as_str()),
+                id_header: http::HeaderValue::from_str(&backend.id).ok(),
                 health: backend.health(),
                 weight: backend.weight.max(1),
                 slots_total: backend.slots_total,
@@ -153,6 +154,7 @@ pub fn decode(
         snapshot.nodes.push(Node {
             local,
             key,
+            id_header: http::HeaderValue::from_str(&id).ok(),
             id,
             proxy_url: inferyes_proto::base_url::BaseUrl::new(&status.proxy_url),
             proxy_http2: status.proxy_http2,

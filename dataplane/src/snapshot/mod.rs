@@ -107,6 +107,9 @@ impl Policy {
 #[derive(Debug)]
 pub struct Node {
     pub id: Arc<str>,
+    /// The id as a header value, made once: every answer from the node
+    /// names it. `None` where the id cannot be one.
+    pub id_header: Option<http::HeaderValue>,
     /// `stable_hash(id)`, computed once: rendezvous placement scores every
     /// node for every new session.
     pub key: u64,
@@ -186,6 +189,9 @@ impl LocalCounters {
 #[derive(Debug)]
 pub struct BackendView {
     pub id: Arc<str>,
+    /// The id as a header value, made once: every request to the backend
+    /// names it. `None` where the id cannot be one.
+    pub id_header: Option<http::HeaderValue>,
     pub health: Health,
     pub weight: u32,
     pub slots_total: u32,

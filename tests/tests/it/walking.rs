@@ -344,6 +344,8 @@ async fn an_agent_that_does_not_take_http2_is_reached_over_http1() {
     let response = http.post_json(&format!("{}/v1/chat/completions", dataplane.url), &chat_body("chat", "hi")).await;
     assert_eq!(response.status, StatusCode::OK, "{}", String::from_utf8_lossy(&response.body));
     assert_eq!(response.json()["choices"][0]["message"]["content"], "hi");
+    let length = response.header("content-length").map(|n| n.to_string());
+    assert_eq!(length, Some(response.body.len().to_string()), "a whole answer is sent with its length");
     assert_eq!(*seen.lock().unwrap(), vec![http::Version::HTTP_11]);
     drop(old);
 
