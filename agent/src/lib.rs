@@ -116,6 +116,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
             .into_iter()
             .map(|probe| BackendHandle {
                 url: inferyes_proto::base_url::BaseUrl::new(&probe.url),
+                authorization: bearer(&probe.api_key),
                 probe,
                 in_flight: AtomicU32::new(0),
             })
@@ -158,12 +159,12 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
     let mut registry = prometheus_client::registry::Registry::default();
     let metrics = metrics::Metrics::new(&mut registry);
     let scrape = Arc::new(proxy::Scrape { registry, metrics });
-    // One router per worker thread, each with its own pool of connections
+    // One service per worker thread, each with its own pool of connections
     // to the backends.
-    let routers = (0..config.workers())
+    let services = (0..config.workers())
         .map(|_| {
-            let router = proxy::router(Arc::clone(&state), Arc::clone(&scrape));
-            move |_| hyper_util::service::TowerToHyperService::new(router.clone())
+            let service = proxy::Service::new(Arc::clone(&state), Arc::clone(&scrape));
+            move |_| service.clone()
         })
         .collect();
     // On shutdown, requests in flight get a grace period; then the rest are
@@ -175,7 +176,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         shutdown_grace: config.shutdown_grace(),
         past_grace: CancellationToken::new(),
     };
-    let served = inferyes_proto::serve::serve(listeners.proxy, routers, options, shutdown.clone()).await;
+    let served = inferyes_proto::serve::serve(listeners.proxy, services, options, shutdown.clone()).await;
     shutdown.cancel();
     let _ = poller.await;
     let _ = reporter.await;
@@ -183,4 +184,27 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         let _ = simulator.await;
     }
     served.context("agent proxy failed")
+}
+
+/// The `Authorization` value for a backend's API key (none without one):
+/// marked sensitive, so it is never logged or indexed.
+fn bearer(api_key: &str) -> Option<http::HeaderValue> {
+    if api_key.is_empty() {
+        return None;
+    }
+    let mut value = http::HeaderValue::from_str(&format!("Bearer {api_key}")).ok()?;
+    value.set_sensitive(true);
+    Some(value)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_backend_key_is_sent_as_a_sensitive_bearer_token() {
+        let value = super::bearer("sk-local").expect("a key makes a value");
+        assert_eq!(value, "Bearer sk-local");
+        assert!(value.is_sensitive(), "never logged or indexed");
+        assert_eq!(super::bearer(""), None, "no key, no header");
+        assert_eq!(super::bearer("bad\nkey"), None, "a key that cannot be a header is not sent");
+    }
 }

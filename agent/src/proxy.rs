@@ -17,8 +17,9 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use bytes::Bytes;
 use http::uri::PathAndQuery;
-use http::{HeaderMap, HeaderName, HeaderValue, Request, StatusCode, header};
+use http::{HeaderMap, HeaderName, Request, StatusCode, header};
 use http_body::{Frame, SizeHint};
+use hyper::body::Incoming;
 use inferyes_proto::pool::{self, Pool};
 use inferyes_proto::{ErrorKind, openai_error_body};
 
@@ -37,7 +38,7 @@ const BACKEND_IDLE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs
 struct Proxy {
     state: Arc<AgentState>,
     /// This worker's connections to the backends.
-    client: Pool<Body>,
+    client: Pool<Incoming>,
     scrape: Arc<Scrape>,
 }
 
@@ -58,17 +59,52 @@ async fn metrics(State(proxy): State<Proxy>) -> Response {
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text).into_response()
 }
 
-pub fn router(state: Arc<AgentState>, scrape: Arc<Scrape>) -> Router {
-    let client = Pool::new(pool::Settings {
-        connect_timeout: std::time::Duration::from_secs(2),
-        idle_timeout: BACKEND_IDLE_TIMEOUT,
-        tls: None,
-    });
-    Router::new()
-        .route("/healthz", get(|| async { "ok\n" }))
-        .route("/metrics", get(metrics))
-        .fallback(forward)
-        .with_state(Proxy { state, client, scrape })
+/// The proxy's HTTP service, one per worker thread (each with its own pool
+/// of connections to the backends). Every request is forwarded straight
+/// to a backend, with its body as hyper read it; only the agent's own two
+/// paths go through an axum router. Why not a router for all: its
+/// routing, boxed services and boxed bodies cost several allocations and
+/// thousands of instructions per request, for a choice between two paths.
+#[derive(Clone)]
+pub struct Service {
+    proxy: Proxy,
+    router: Router,
+}
+
+impl Service {
+    pub fn new(state: Arc<AgentState>, scrape: Arc<Scrape>) -> Service {
+        let client = Pool::new(pool::Settings {
+            connect_timeout: std::time::Duration::from_secs(2),
+            idle_timeout: BACKEND_IDLE_TIMEOUT,
+            tls: None,
+        });
+        let proxy = Proxy { state, client, scrape };
+        let router = Router::new()
+            .route(HEALTH, get(|| async { "ok\n" }))
+            .route(METRICS, get(metrics))
+            .with_state(proxy.clone());
+        Service { proxy, router }
+    }
+}
+
+/// The agent's own paths. Data planes only forward `/v1/*` here, so these
+/// never shadow a backend's.
+const HEALTH: &str = "/healthz";
+const METRICS: &str = "/metrics";
+
+impl hyper::service::Service<Request<Incoming>> for Service {
+    type Response = Response;
+    type Error = std::convert::Infallible;
+    type Future = Pin<Box<dyn std::future::Future<Output = Result<Response, Self::Error>> + Send>>;
+
+    fn call(&self, request: Request<Incoming>) -> Self::Future {
+        if matches!(request.uri().path(), HEALTH | METRICS) {
+            let router = hyper_util::service::TowerToHyperService::new(self.router.clone());
+            return Box::pin(hyper::service::Service::call(&router, request));
+        }
+        let proxy = self.proxy.clone();
+        Box::pin(async move { Ok(forward(proxy, request).await) })
+    }
 }
 
 fn error(kind: ErrorKind, message: &str, code: &str) -> Response {
@@ -77,7 +113,7 @@ fn error(kind: ErrorKind, message: &str, code: &str) -> Response {
     (status, [(header::CONTENT_TYPE, "application/json")], body).into_response()
 }
 
-async fn forward(State(proxy): State<Proxy>, request: Request<Body>) -> Response {
+async fn forward(proxy: Proxy, request: Request<Incoming>) -> Response {
     let span = tracing::info_span!(
         target: inferyes_proto::telemetry::SPAN_TARGET,
         "proxy",
@@ -90,7 +126,7 @@ async fn forward(State(proxy): State<Proxy>, request: Request<Body>) -> Response
     tracing::Instrument::instrument(forward_in_span(proxy, request), span).await
 }
 
-async fn forward_in_span(proxy: Proxy, request: Request<Body>) -> Response {
+async fn forward_in_span(proxy: Proxy, request: Request<Incoming>) -> Response {
     let span = tracing::Span::current();
     let (mut parts, body) = request.into_parts();
     let text = |name: HeaderName| parts.headers.get(name).and_then(|v| v.to_str().ok()).map(str::to_string);
@@ -121,10 +157,8 @@ async fn forward_in_span(proxy: Proxy, request: Request<Body>) -> Response {
     parts.headers.insert(header::HOST, host);
     span.record("backend", backend_id.as_str());
     inferyes_proto::telemetry::inject(&span, &mut parts.headers);
-    if !handle.probe.api_key.is_empty()
-        && let Ok(value) = HeaderValue::from_str(&format!("Bearer {}", handle.probe.api_key))
-    {
-        parts.headers.insert(header::AUTHORIZATION, value);
+    if let Some(value) = &handle.authorization {
+        parts.headers.insert(header::AUTHORIZATION, value.clone());
     }
 
     if let (Some(session), Some(model)) = (&session, &model)
@@ -203,7 +237,7 @@ impl Drop for InFlight {
 /// The backend's response body, passed through frame by frame, noting the
 /// time to the first data frame.
 struct Tracked {
-    inner: pool::Incoming<Body>,
+    inner: pool::Incoming<Incoming>,
     _guard: InFlight,
     started: Instant,
     first_byte: bool,

@@ -17,6 +17,8 @@ pub struct BackendHandle {
     pub probe: BackendProbe,
     /// The probe's URL, read once for the proxy's requests.
     pub url: inferyes_proto::base_url::BaseUrl,
+    /// `Bearer <api key>`, made once, where the backend has a key.
+    pub authorization: Option<http::HeaderValue>,
     pub in_flight: AtomicU32,
 }
 
