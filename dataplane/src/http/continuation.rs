@@ -15,8 +15,6 @@ use axum::body::Body;
 use bytes::Bytes;
 use http_body_util::BodyExt;
 use inferyes_proto::ErrorKind;
-use serde::Deserialize;
-use serde::de::IgnoredAny;
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
@@ -49,30 +47,6 @@ pub struct Resume {
     pub meter: Option<crate::usage::Meter>,
     /// Take the usage-only chunk out (the data plane asked for it).
     pub strip_usage: bool,
-}
-
-/// Requests whose output is constrained are not continued.
-pub fn constrained(body: &[u8]) -> bool {
-    #[derive(Deserialize)]
-    struct Constraints {
-        tools: Option<IgnoredAny>,
-        tool_choice: Option<IgnoredAny>,
-        functions: Option<IgnoredAny>,
-        response_format: Option<IgnoredAny>,
-        grammar: Option<IgnoredAny>,
-        json_schema: Option<IgnoredAny>,
-    }
-    match serde_json::from_slice::<Constraints>(body) {
-        Ok(c) => {
-            c.tools.is_some()
-                || c.tool_choice.is_some()
-                || c.functions.is_some()
-                || c.response_format.is_some()
-                || c.grammar.is_some()
-                || c.json_schema.is_some()
-        }
-        Err(_) => true,
-    }
 }
 
 /// What one event says.
@@ -269,14 +243,6 @@ async fn continue_on(resume: &Resume, hop: &Hop, partial: &str, generated: u64) 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn constrained_requests_are_not_continued() {
-        assert!(!constrained(br#"{"model":"m","messages":[{"role":"user","content":"\"tools\": none"}]}"#));
-        assert!(constrained(br#"{"model":"m","messages":[],"tools":[]}"#));
-        assert!(constrained(br#"{"model":"m","messages":[],"response_format":{"type":"json_object"}}"#));
-        assert!(constrained(b"not json"));
-    }
 
     #[test]
     fn events_are_whole_and_read() {

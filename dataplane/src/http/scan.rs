@@ -14,8 +14,9 @@
 //! refuses it only in the strings it reads.
 
 use std::borrow::Cow;
+use std::ops::Range;
 
-/// Containers open at once, at most (serde_json's limit for what it reads).
+/// Containers open at once, at most.
 pub const MAX_DEPTH: u32 = 128;
 
 /// A JSON value's text, as it stands in the body.
@@ -25,6 +26,9 @@ pub type Raw<'a> = &'a str;
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct Fields<'a> {
     pub model: Option<Cow<'a, str>>,
+    /// Where the model's name stands in the body, inside its quotes, as
+    /// written (escapes and all): an alias is rewritten there.
+    pub model_span: Option<Range<usize>>,
     pub stream: Option<bool>,
     pub prompt_cache_key: Option<Cow<'a, str>>,
     /// Chat: the conversation's opening, for its root.
@@ -39,6 +43,9 @@ pub struct Fields<'a> {
     /// A string in the body (a part's type or key) is `image_url` or
     /// `input_audio`: its size is a poor measure of its tokens.
     pub has_media: bool,
+    /// The output is constrained (tools, a response format, a grammar): a
+    /// stream of it cannot be continued on another node.
+    pub constrained: bool,
 }
 
 /// What a conversation's root needs of its messages: the content of the
@@ -149,11 +156,14 @@ impl<'a> Scanner<'a> {
     fn top(&mut self) -> Scanned<Fields<'a>> {
         let mut fields = Fields::default();
         let mut seen = Seen::default();
+        let mut constraints = Seen::default();
         self.members(|scanner, key| {
             match &*key {
                 "model" => {
                     seen.first(0, || "model".into(), "model")?;
+                    let start = scanner.at;
                     fields.model = scanner.nullable_string(1, || "model".into(), "model")?;
+                    fields.model_span = fields.model.is_some().then(|| start + 1..scanner.at - 1);
                 }
                 "stream" => {
                     seen.first(1, || "stream".into(), "stream")?;
@@ -184,9 +194,17 @@ impl<'a> Scanner<'a> {
                     seen.first(7, || "stream_options".into(), "stream_options")?;
                     fields.stream_options = scanner.nullable_value(1)?;
                 }
-                _ => {
-                    scanner.value_at(1)?;
-                }
+                other => match CONSTRAINTS.iter().position(|name| *name == other) {
+                    Some(constraint) => {
+                        // Given twice, it is not known which one a backend
+                        // reads: constrained, to be safe.
+                        let twice = constraints.again(constraint);
+                        fields.constrained |= scanner.nullable_value(1)?.is_some() || twice;
+                    }
+                    None => {
+                        scanner.value_at(1)?;
+                    }
+                },
             }
             Ok(())
         })?;
@@ -495,8 +513,10 @@ impl<'a> Scanner<'a> {
         if !escaped {
             return Ok(Cow::Borrowed(inside));
         }
-        let at = self.at - inside.len() - 1;
-        unescape(inside).map(Cow::Owned).map_err(|what| Box::new(ScanError::Syntax { what, at }))
+        let start = self.at - inside.len() - 1;
+        unescape(inside)
+            .map(Cow::Owned)
+            .map_err(|(what, offset)| Box::new(ScanError::Syntax { what, at: start + offset }))
     }
 
     #[inline(always)]
@@ -521,7 +541,13 @@ impl<'a> Scanner<'a> {
         }
         self.at = start + end;
         self.escaped_string_end()?;
-        Ok((&self.text[start..self.at - 1], true))
+        let inside = &self.text[start..self.at - 1];
+        // A media name written with escapes is one too: decoded where the
+        // string is short enough to be one (most escaped strings are text).
+        if inside.len() <= 6 * "input_audio".len() {
+            self.media |= unescape(inside).is_ok_and(|text| matches!(text.as_str(), "image_url" | "input_audio"));
+        }
+        Ok((inside, true))
     }
 
     /// The rest of a string from its first escape (or a byte that is not
@@ -585,13 +611,15 @@ fn special(bytes: &[u8]) -> usize {
 
 /// A string's text with its escapes decoded (their syntax already
 /// checked). A UTF-16 surrogate must come in a pair, as serde_json requires
-/// of the strings it decodes.
-fn unescape(escaped: &str) -> Result<String, &'static str> {
+/// of the strings it decodes. An error says what, and where in `escaped`.
+fn unescape(escaped: &str) -> Result<String, (&'static str, usize)> {
     let mut out = String::with_capacity(escaped.len());
     let mut rest = escaped;
     while let Some(at) = rest.find('\\') {
         out.push_str(&rest[..at]);
-        let code = rest.as_bytes().get(at + 1).copied().ok_or("invalid escape")?;
+        let here = escaped.len() - rest.len() + at;
+        let wrong = |what| (what, here);
+        let code = rest.as_bytes().get(at + 1).copied().ok_or(wrong("invalid escape"))?;
         rest = &rest[at + 2..];
         let decoded = match code {
             b'"' => '"',
@@ -603,22 +631,23 @@ fn unescape(escaped: &str) -> Result<String, &'static str> {
             b'r' => '\r',
             b't' => '\t',
             b'u' => {
-                let high = hex4(rest)?;
+                let high = hex4(rest).map_err(wrong)?;
                 rest = &rest[4..];
                 match high {
                     0xD800..=0xDBFF => {
-                        let low = rest.strip_prefix("\\u").map(hex4).transpose()?;
+                        let low = rest.strip_prefix("\\u").map(hex4).transpose().map_err(wrong)?;
                         let Some(low @ 0xDC00..=0xDFFF) = low else {
-                            return Err("lone leading surrogate in hex escape");
+                            return Err(wrong("lone leading surrogate in hex escape"));
                         };
                         rest = &rest[6..];
-                        char::from_u32(0x1_0000 + ((high - 0xD800) << 10) + (low - 0xDC00)).ok_or("invalid escape")?
+                        char::from_u32(0x1_0000 + ((high - 0xD800) << 10) + (low - 0xDC00))
+                            .ok_or(wrong("invalid escape"))?
                     }
-                    0xDC00..=0xDFFF => return Err("lone trailing surrogate in hex escape"),
-                    _ => char::from_u32(high).ok_or("invalid escape")?,
+                    0xDC00..=0xDFFF => return Err(wrong("lone trailing surrogate in hex escape")),
+                    _ => char::from_u32(high).ok_or(wrong("invalid escape"))?,
                 }
             }
-            _ => return Err("invalid escape"),
+            _ => return Err(wrong("invalid escape")),
         };
         out.push(decoded);
     }
@@ -632,18 +661,28 @@ fn hex4(text: &str) -> Result<u32, &'static str> {
     u32::from_str_radix(hex, 16).map_err(|_| "invalid escape")
 }
 
-/// Which of an object's fields (by number) were given: the second of one
-/// is refused.
+/// Top-level keys that constrain the output: a stream of it cannot be
+/// continued on another node.
+const CONSTRAINTS: [&str; 6] = ["tools", "tool_choice", "functions", "response_format", "grammar", "json_schema"];
+
+/// Which of an object's fields (by number, below 16) were given.
 #[derive(Default)]
 struct Seen(u16);
 
 impl Seen {
-    fn first(&mut self, field: u8, path: impl FnOnce() -> String, param: &'static str) -> Scanned<()> {
+    /// Marks `field` given; says whether it was before.
+    fn again(&mut self, field: usize) -> bool {
         let bit = 1 << field;
-        if self.0 & bit != 0 {
+        let before = self.0 & bit != 0;
+        self.0 |= bit;
+        before
+    }
+
+    /// The first of a field read; the second refused.
+    fn first(&mut self, field: usize, path: impl FnOnce() -> String, param: &'static str) -> Scanned<()> {
+        if self.again(field) {
             return Err(Box::new(ScanError::Duplicate { path: path(), param }));
         }
-        self.0 |= bit;
         Ok(())
     }
 }
@@ -709,8 +748,24 @@ mod tests {
         // Where serde builds a document of the whole body (not where a
         // string nothing reads holds a lone surrogate), its strings tell.
         let has_media = serde_json::from_slice(body).is_ok_and(|Media(media)| media);
+        // A key given twice is an error to serde: constrained, to be safe.
+        let constrained = serde_json::from_slice::<Constraints>(body).map_or(true, |constraints| {
+            [
+                constraints.tools,
+                constraints.tool_choice,
+                constraints.functions,
+                constraints.response_format,
+                constraints.grammar,
+                constraints.json_schema,
+            ]
+            .iter()
+            .any(Option::is_some)
+        });
         Ok(Fields {
             has_media,
+            constrained,
+            // Not serde's to say: checked on its own below.
+            model_span: None,
             model: wire.model,
             stream: wire.stream,
             prompt_cache_key: wire.prompt_cache_key,
@@ -720,6 +775,16 @@ mod tests {
             input: raw(wire.input),
             stream_options: raw(wire.stream_options),
         })
+    }
+
+    #[derive(Deserialize)]
+    struct Constraints {
+        tools: Option<serde::de::IgnoredAny>,
+        tool_choice: Option<serde::de::IgnoredAny>,
+        functions: Option<serde::de::IgnoredAny>,
+        response_format: Option<serde::de::IgnoredAny>,
+        grammar: Option<serde::de::IgnoredAny>,
+        json_schema: Option<serde::de::IgnoredAny>,
     }
 
     /// Whether a key or a string anywhere in a value is a media part's:
@@ -788,11 +853,23 @@ mod tests {
     fn agrees_with_serde(body: &[u8]) -> Result<(), TestCaseError> {
         let ours = scan(body);
         let theirs = by_serde(body);
+        if let Ok(ours) = &ours {
+            // The model's span is its text as written: read as a JSON
+            // string, it is the model.
+            let span = ours.model_span.clone();
+            let written = span.map(|span| format!("\"{}\"", String::from_utf8_lossy(&body[span])));
+            let read = written.map(|text| serde_json::from_str::<String>(&text).expect("a JSON string"));
+            prop_assert_eq!(read.as_deref(), ours.model.as_deref());
+        }
         match (&ours, &theirs) {
             (Ok(ours), Ok(theirs)) if serde_json::from_slice::<Media>(body).is_err() => {
-                prop_assert_eq!(ours, &Fields { has_media: ours.has_media, ..theirs.clone() })
+                let theirs =
+                    Fields { has_media: ours.has_media, model_span: ours.model_span.clone(), ..theirs.clone() };
+                prop_assert_eq!(ours, &theirs)
             }
-            (Ok(ours), Ok(theirs)) => prop_assert_eq!(ours, theirs),
+            (Ok(ours), Ok(theirs)) => {
+                prop_assert_eq!(ours, &Fields { model_span: ours.model_span.clone(), ..theirs.clone() })
+            }
             (Ok(_), Err(error)) => prop_assert!(false, "scanned, but serde refused: {error}"),
             (Err(ScanError::NotObject { .. }), Ok(_)) => {}
             (Err(ScanError::Type { path, expected: "an object", .. }), Ok(_)) if path.starts_with("messages[") => {}
@@ -821,6 +898,7 @@ mod tests {
             "model",
             "image_url",
             "input_audio",
+            "image\\u005furl",
             " ",
             "é",
             "😀",
@@ -899,7 +977,14 @@ mod tests {
             maybe(value().prop_map(key("input")).boxed()),
             maybe(value().prop_map(key("stream_options")).boxed()),
         );
-        let others = prop::collection::vec((string(), value()).prop_map(|(k, v)| format!("{k}:{v}")), 0..3);
+        let others = prop::collection::vec(
+            prop_oneof![
+                4 => (string(), value()).prop_map(|(k, v)| format!("{k}:{v}")),
+                1 => (pick(&["\"tools\"", "\"response_format\"", "\"grammar\""]), value())
+                    .prop_map(|(k, v)| format!("{k}:{v}")),
+            ],
+            0..3,
+        );
         (known, others, prop::option::weighted(0.1, any::<prop::sample::Index>())).prop_flat_map(
             |((a, b, c, d, e, f, g, h), others, again)| {
                 let mut members: Vec<String> = [a, b, c, d, e, f, g, h].into_iter().flatten().chain(others).collect();
@@ -965,6 +1050,15 @@ mod tests {
     }
 
     #[test]
+    fn media_names_are_seen_however_written() {
+        assert!(
+            scan(br#"{"model":"m","messages":[{"role":"user","content":[{"type":"image_url"}]}]}"#).unwrap().has_media
+        );
+        assert!(scan(br#"{"model":"m","input":[{"type":"input\u005faudio"}]}"#).unwrap().has_media);
+        assert!(!scan(br#"{"model":"m","input":"an image_url, as text"}"#).unwrap().has_media);
+    }
+
+    #[test]
     fn escaped_keys_and_names_are_decoded() {
         let fields =
             scan(br#"{"mod\u0065l":"q\u0077en\ud83d\ude00","messages":[{"r\u006fle":"us\u0065r","content":"x"}]}"#)
@@ -1004,6 +1098,11 @@ mod tests {
             Err(ScanError::Duplicate { path: "model".into(), param: "model" })
         );
         assert!(matches!(scan(br#"{"model":"\ud800"}"#), Err(ScanError::Syntax { .. })), "a lone surrogate in a name");
+        assert_eq!(
+            scan(br#"{"model":"abcdef\ud800"}"#),
+            Err(ScanError::Syntax { what: "lone leading surrogate in hex escape", at: 16 }),
+            "said at its escape"
+        );
         assert!(scan(br#"{"model":"m","other":"\ud800"}"#).is_ok(), "but not where nothing reads it (as serde)");
     }
 

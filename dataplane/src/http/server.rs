@@ -481,7 +481,7 @@ async fn route_and_forward(
     facts: &mut RequestFacts,
     meter: crate::usage::Meter,
 ) -> Result<Response, ApiError> {
-    let body = if model == view.model { body } else { with_model(&body, view, model)? };
+    let body = if model == view.model { body } else { with_model(&body, view, model) };
     // A stream that would end without usage is asked for it; the client,
     // which did not ask, does not see the extra chunk.
     let wants_usage =
@@ -522,7 +522,6 @@ async fn route_and_forward(
         0
     };
     let path_and_query = parts.uri.path_and_query().cloned().unwrap_or_else(|| PathAndQuery::from_static("/"));
-    let body_for_checks = body.clone();
     if route.cold && view.stream {
         tracing::debug!(
             request_id = request_id.to_str().unwrap_or_default(),
@@ -557,7 +556,7 @@ async fn route_and_forward(
         continuation: view.stream
             && kind == EndpointKind::Chat
             && snapshot.policy().continues(model)
-            && !super::continuation::constrained(&body_for_checks),
+            && !view.constrained,
         meter: Some(meter),
         strip_usage,
     };

@@ -14,9 +14,9 @@ use crate::routing::{stable_hash, text_hash};
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RoutingView {
     pub model: String,
-    /// Where the model's name sits in the body (inside its quotes), when it
-    /// was written without escapes: an alias is rewritten there.
-    pub model_span: Option<Range<usize>>,
+    /// Where the model's name sits in the body, inside its quotes, as
+    /// written: an alias is rewritten there.
+    pub model_span: Range<usize>,
     pub stream: bool,
     pub prompt_cache_key: Option<String>,
     /// A hash of the conversation's beginning (system prompt and first user
@@ -27,6 +27,8 @@ pub struct RoutingView {
     pub has_media: bool,
     /// The client set `stream_options` (and so said whether it wants usage).
     pub has_stream_options: bool,
+    /// The output is constrained (tools, a response format, a grammar).
+    pub constrained: bool,
 }
 
 /// Bytes of a completion prompt that make up its root.
@@ -34,19 +36,19 @@ const PROMPT_ROOT_BYTES: usize = 512;
 
 pub fn parse_view(body: &[u8]) -> Result<RoutingView, ApiError> {
     let fields = scan(body).map_err(|error| refusal(body, error))?;
-    view_of(body, fields)
+    view_of(fields)
 }
 
 /// The view of a body from its fields.
-fn view_of<'a>(body: &'a [u8], fields: Fields<'a>) -> Result<RoutingView, ApiError> {
+fn view_of(fields: Fields<'_>) -> Result<RoutingView, ApiError> {
     let root = conversation_root(&fields);
-    let model = fields.model.filter(|m| !m.is_empty()).ok_or_else(|| {
-        ApiError::new(ErrorKind::BadRequest, "you must provide a model parameter", "missing_required_parameter")
-            .param("model")
-    })?;
-    let model_span = match &model {
-        Cow::Borrowed(name) => span_of(body, name.as_bytes()),
-        Cow::Owned(_) => None,
+    let (Some(model), Some(model_span)) = (fields.model.filter(|m| !m.is_empty()), fields.model_span) else {
+        return Err(ApiError::new(
+            ErrorKind::BadRequest,
+            "you must provide a model parameter",
+            "missing_required_parameter",
+        )
+        .param("model"));
     };
     Ok(RoutingView {
         model: model.into_owned(),
@@ -56,6 +58,7 @@ fn view_of<'a>(body: &'a [u8], fields: Fields<'a>) -> Result<RoutingView, ApiErr
         root,
         has_media: fields.has_media,
         has_stream_options: fields.stream_options.is_some(),
+        constrained: fields.constrained,
     })
 }
 
@@ -105,13 +108,6 @@ pub fn with_usage_requested(body: &bytes::Bytes) -> Option<bytes::Bytes> {
     out.extend_from_slice(MEMBER);
     out.extend_from_slice(&body[at + 1..]);
     Some(out.into())
-}
-
-/// The position of `part`, a slice borrowed from `whole`.
-fn span_of(whole: &[u8], part: &[u8]) -> Option<Range<usize>> {
-    let start = (part.as_ptr() as usize).checked_sub(whole.as_ptr() as usize)?;
-    let end = start.checked_add(part.len())?;
-    (end <= whole.len() && &whole[start..end] == part).then_some(start..end)
 }
 
 fn conversation_root(fields: &Fields<'_>) -> Option<u64> {
@@ -174,23 +170,22 @@ pub fn estimated_prompt_tokens(body_len: usize, view: &RoutingView) -> u32 {
     if view.has_media { 0 } else { u32::try_from(body_len / 5).unwrap_or(u32::MAX) }
 }
 
-/// The body with `model` replaced (an alias resolved), the rest untouched.
-pub fn with_model(body: &bytes::Bytes, view: &RoutingView, model: &str) -> Result<bytes::Bytes, ApiError> {
+/// The body with `model` replaced (an alias resolved) where the view found
+/// the name, the rest untouched.
+pub fn with_model(body: &bytes::Bytes, view: &RoutingView, model: &str) -> bytes::Bytes {
     let quoted = serde_json::to_string(model).unwrap_or_default();
     // Inside its quotes (a name can end with an escaped quote of its own).
     let escaped = quoted.get(1..quoted.len().saturating_sub(1)).unwrap_or_default();
-    if let Some(span) = &view.model_span {
-        let mut out = Vec::with_capacity(body.len() + escaped.len());
-        out.extend_from_slice(&body[..span.start]);
-        out.extend_from_slice(escaped.as_bytes());
-        out.extend_from_slice(&body[span.end..]);
-        return Ok(out.into());
-    }
-    // The name had escapes: rewrite the document.
-    let mut value: serde_json::Value = serde_json::from_slice(body)
-        .map_err(|_| ApiError::new(ErrorKind::BadRequest, "the request body is not valid JSON", "invalid_json"))?;
-    value["model"] = serde_json::Value::String(model.to_string());
-    Ok(value.to_string().into())
+    let span = &view.model_span;
+    let (Some(before), Some(after)) = (body.get(..span.start), body.get(span.end..)) else {
+        // Not this body's view: nothing is cut blind.
+        return body.clone();
+    };
+    let mut out = Vec::with_capacity(body.len() + escaped.len());
+    out.extend_from_slice(before);
+    out.extend_from_slice(escaped.as_bytes());
+    out.extend_from_slice(after);
+    out.into()
 }
 
 #[cfg(test)]
@@ -284,15 +279,24 @@ mod tests {
     fn an_alias_is_rewritten_in_place() {
         let body = bytes::Bytes::from_static(br#"{"messages":[],"model":"gpt-4o","stream":false}"#);
         let view = parse_view(&body).unwrap();
-        let rewritten = with_model(&body, &view, "qwen/\"7b\"").unwrap();
+        let rewritten = with_model(&body, &view, "qwen/\"7b\"");
         assert_eq!(&rewritten[..], br#"{"messages":[],"model":"qwen/\"7b\"","stream":false}"#);
-        let escaped = bytes::Bytes::from_static(br#"{"model":"gpt\u002d4o"}"#);
+        // Written with escapes, the name is replaced as written; nothing
+        // else is parsed again (a lone surrogate elsewhere, which no reader
+        // of the name minds, stays as it was).
+        let escaped = bytes::Bytes::from_static(br#"{"model" : "gpt\u002d4o", "x":"\ud800"}"#);
         let view = parse_view(&escaped).unwrap();
         assert_eq!(view.model, "gpt-4o");
-        assert_eq!(view.model_span, None);
-        let rewritten: serde_json::Value =
-            serde_json::from_slice(&with_model(&escaped, &view, "qwen").unwrap()).unwrap();
-        assert_eq!(rewritten["model"], "qwen");
+        assert_eq!(&with_model(&escaped, &view, "qwen")[..], br#"{"model" : "qwen", "x":"\ud800"}"#);
+    }
+
+    #[test]
+    fn constrained_output_is_seen() {
+        let constrained = |body: &[u8]| parse_view(body).unwrap().constrained;
+        assert!(!constrained(br#"{"model":"m","messages":[{"role":"user","content":"\"tools\": none"}]}"#));
+        assert!(constrained(br#"{"model":"m","messages":[],"tools":[]}"#));
+        assert!(constrained(br#"{"model":"m","messages":[],"response_format":{"type":"json_object"}}"#));
+        assert!(!constrained(br#"{"model":"m","messages":[],"tool_choice":null}"#), "null is no constraint");
     }
 
     #[test]
