@@ -129,18 +129,20 @@ async fn forward(proxy: Proxy, request: Request<Incoming>) -> Response {
 async fn forward_in_span(proxy: Proxy, request: Request<Incoming>) -> Response {
     let span = tracing::Span::current();
     let (mut parts, body) = request.into_parts();
-    let text = |name: HeaderName| parts.headers.get(name).and_then(|v| v.to_str().ok()).map(str::to_string);
-    let model = text(MODEL_HEADER);
-    let session = text(SESSION_HEADER);
-    let handle = match text(BACKEND_HEADER) {
-        Some(id) => proxy.state.backend(&id),
-        None => proxy.state.backend_for_model(model.as_deref()),
+    // Header values are shared, not copied; the session outlives the
+    // request (its residency is updated when the answer ends).
+    let model_header = parts.headers.get(MODEL_HEADER).cloned();
+    let model = model_header.as_ref().and_then(|v| v.to_str().ok());
+    let session = parts.headers.get(SESSION_HEADER).and_then(|v| v.to_str().ok()).map(str::to_string);
+    let handle = match parts.headers.get(BACKEND_HEADER).and_then(|v| v.to_str().ok()) {
+        Some(id) => proxy.state.backend(id),
+        None => proxy.state.backend_for_model(model),
     };
     let Some(handle) = handle else {
         return error(ErrorKind::NotFound, "no backend on this node serves the request", "backend_not_found");
     };
     let index = proxy.state.backends.iter().position(|b| std::ptr::eq(b, handle)).unwrap_or(0);
-    let backend_id = handle.probe.id.clone();
+    let backend_id = handle.probe.id.as_str();
 
     let path = parts.uri.path_and_query().cloned().unwrap_or_else(|| PathAndQuery::from_static("/"));
     let Some((uri, host, origin)) = handle.url.origin_form(&path) else {
@@ -155,16 +157,16 @@ async fn forward_in_span(proxy: Proxy, request: Request<Incoming>) -> Response {
     parts.version = http::Version::HTTP_11;
     strip_headers(&mut parts.headers);
     parts.headers.insert(header::HOST, host);
-    span.record("backend", backend_id.as_str());
+    span.record("backend", backend_id);
     inferyes_proto::telemetry::inject(&span, &mut parts.headers);
     if let Some(value) = &handle.authorization {
         parts.headers.insert(header::AUTHORIZATION, value.clone());
     }
 
-    if let (Some(session), Some(model)) = (&session, &model)
+    if let (Some(session), Some(model)) = (&session, model)
         && let Ok(mut residency) = proxy.state.residency.lock()
     {
-        residency.touch(session, &backend_id, model, inferyes_proto::unix_ms());
+        residency.touch(session, backend_id, model, inferyes_proto::unix_ms());
         drop(residency);
         proxy.state.changed.notify_one();
     }
@@ -183,7 +185,7 @@ async fn forward_in_span(proxy: Proxy, request: Request<Incoming>) -> Response {
                 _guard: guard,
                 started,
                 first_byte: false,
-                backend: backend_id,
+                backend: backend_id.to_string(),
                 session,
                 tail: Vec::new(),
                 state: Arc::clone(&proxy.state),
@@ -294,8 +296,10 @@ impl http_body::Body for Tracked {
                     if !this.first_byte {
                         this.first_byte = true;
                         let ttft = this.started.elapsed().as_secs_f64();
-                        let labels = crate::metrics::BackendLabels { backend: this.backend.clone() };
+                        // The label moved in and back, not copied.
+                        let labels = crate::metrics::BackendLabels { backend: std::mem::take(&mut this.backend) };
                         this.scrape.metrics.first_byte_seconds.get_or_create(&labels).observe(ttft);
+                        this.backend = labels.backend;
                         tracing::debug!(backend = %this.backend, ttft_ms = ttft * 1000.0, "first byte from backend");
                     }
                     this.keep_tail(data);

@@ -59,15 +59,18 @@ impl Residency {
     pub fn touch(&mut self, key: &str, backend_id: &str, model: &str, now_ms: u64) {
         self.tick += 1;
         let tick = self.tick;
-        let entry = self.entries.entry(key.to_string()).or_insert_with(|| Entry {
-            session: ResidentSession {
+        // Looked up before inserting: a session's later turns (most
+        // requests) allocate nothing here.
+        if !self.entries.contains_key(key) {
+            let session = ResidentSession {
                 key: key.to_string(),
                 backend_id: backend_id.to_string(),
                 first_seen_unix_ms: now_ms,
                 ..Default::default()
-            },
-            tick,
-        });
+            };
+            self.entries.insert(key.to_string(), Entry { session, tick });
+        }
+        let Some(entry) = self.entries.get_mut(key) else { return };
         if entry.session.backend_id != backend_id {
             // The conversation moved: its cache is rebuilt there from scratch.
             entry.session = ResidentSession {
@@ -77,12 +80,16 @@ impl Residency {
                 ..Default::default()
             };
         }
-        entry.session.model = model.to_string();
+        if entry.session.model != model {
+            entry.session.model = model.to_string();
+        }
         entry.session.last_seen_unix_ms = now_ms;
         entry.session.requests = entry.session.requests.saturating_add(1);
         entry.tick = tick;
         self.removed.remove(key);
-        self.changed.insert(key.to_string());
+        if !self.changed.contains(key) {
+            self.changed.insert(key.to_string());
+        }
         self.evict(backend_id);
     }
 
