@@ -9,7 +9,7 @@
 //! until it is full, so further sessions are kept while their tokens fit
 //! in `host_cache_tokens`; beyond that, a session is gone.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use inferyes_proto::v1::{ResidencyUpdate, ResidentSession};
 
@@ -37,10 +37,21 @@ struct Entry {
 
 pub use inferyes_proto::usage::Usage;
 
+/// One backend's sessions by recency, and the tokens they hold together:
+/// eviction reads the few newest, and the whole line only when something
+/// must go (it ran over every session on every request).
+#[derive(Clone, Debug, Default)]
+struct Lineup {
+    /// Tick → session key, oldest first.
+    by_tick: BTreeMap<u64, String>,
+    tokens: u64,
+}
+
 #[derive(Clone, Debug, Default)]
 pub struct Residency {
     capacity: HashMap<String, Capacity>,
     entries: HashMap<String, Entry>,
+    lineups: HashMap<String, Lineup>,
     tick: u64,
     seq: u64,
     changed: BTreeSet<String>,
@@ -59,33 +70,46 @@ impl Residency {
     pub fn touch(&mut self, key: &str, backend_id: &str, model: &str, now_ms: u64) {
         self.tick += 1;
         let tick = self.tick;
-        // Looked up before inserting: a session's later turns (most
-        // requests) allocate nothing here.
-        if !self.entries.contains_key(key) {
+        let Residency { entries, lineups, .. } = self;
+        // Its place in its backend's line is taken out, to be put back as
+        // the newest: the key's string is reused.
+        let mut key_in_line = None;
+        if let Some(entry) = entries.get_mut(key) {
+            let moved = entry.session.backend_id != backend_id;
+            if let Some(lineup) = lineups.get_mut(&entry.session.backend_id) {
+                key_in_line = lineup.by_tick.remove(&entry.tick);
+                if moved {
+                    lineup.tokens = lineup.tokens.saturating_sub(u64::from(entry.session.tokens));
+                }
+            }
+            if moved {
+                // The conversation moved: its cache is rebuilt there from scratch.
+                entry.session = ResidentSession {
+                    key: key.to_string(),
+                    backend_id: backend_id.to_string(),
+                    first_seen_unix_ms: now_ms,
+                    ..Default::default()
+                };
+            }
+        } else {
             let session = ResidentSession {
                 key: key.to_string(),
                 backend_id: backend_id.to_string(),
                 first_seen_unix_ms: now_ms,
                 ..Default::default()
             };
-            self.entries.insert(key.to_string(), Entry { session, tick });
+            entries.insert(key.to_string(), Entry { session, tick });
         }
-        let Some(entry) = self.entries.get_mut(key) else { return };
-        if entry.session.backend_id != backend_id {
-            // The conversation moved: its cache is rebuilt there from scratch.
-            entry.session = ResidentSession {
-                key: key.to_string(),
-                backend_id: backend_id.to_string(),
-                first_seen_unix_ms: now_ms,
-                ..Default::default()
-            };
-        }
+        let Some(entry) = entries.get_mut(key) else { return };
         if entry.session.model != model {
             entry.session.model = model.to_string();
         }
         entry.session.last_seen_unix_ms = now_ms;
         entry.session.requests = entry.session.requests.saturating_add(1);
         entry.tick = tick;
+        if let Some(lineup) = lineup_of(lineups, backend_id) {
+            lineup.by_tick.insert(tick, key_in_line.unwrap_or_else(|| key.to_string()));
+        }
         self.removed.remove(key);
         if !self.changed.contains(key) {
             self.changed.insert(key.to_string());
@@ -106,35 +130,46 @@ impl Residency {
         } else if believed_resident {
             entry.session.cache_misses = entry.session.cache_misses.saturating_add(1);
         }
+        let before = u64::from(entry.session.tokens);
         entry.session.tokens = usage.prompt_tokens.saturating_add(usage.completion_tokens);
-        self.changed.insert(key.to_string());
+        if let Some(lineup) = lineup_of(&mut self.lineups, backend_id) {
+            lineup.tokens = lineup.tokens.saturating_sub(before).saturating_add(u64::from(entry.session.tokens));
+        }
+        if !self.changed.contains(key) {
+            self.changed.insert(key.to_string());
+        }
         self.evict(backend_id);
     }
 
+    /// The newest `slots` sessions of a backend are in its slots; older ones
+    /// stay while their tokens, newest first, fit its host cache.
     fn evict(&mut self, backend_id: &str) {
         let capacity = self.capacity.get(backend_id).copied().unwrap_or_default();
-        let mut on_backend: Vec<(u64, &String, u64)> = self
-            .entries
-            .iter()
-            .filter(|(_, e)| e.session.backend_id == backend_id)
-            .map(|(k, e)| (e.tick, k, u64::from(e.session.tokens)))
-            .collect();
-        if on_backend.len() <= capacity.slots {
+        let Residency { entries, lineups, changed, removed, .. } = self;
+        let Some(lineup) = lineups.get_mut(backend_id) else { return };
+        if lineup.by_tick.len() <= capacity.slots {
             return;
         }
-        on_backend.sort_unstable_by_key(|e| std::cmp::Reverse(e.0));
-        let mut host_cache_used = 0u64;
-        let mut evicted = Vec::new();
-        for (_, key, tokens) in on_backend.into_iter().skip(capacity.slots) {
-            host_cache_used = host_cache_used.saturating_add(tokens);
-            if host_cache_used > capacity.host_cache_tokens {
-                evicted.push(key.clone());
-            }
+        let tokens = |key: &String| entries.get(key).map_or(0, |e| u64::from(e.session.tokens));
+        let in_slots: u64 = lineup.by_tick.values().rev().take(capacity.slots).map(tokens).sum();
+        if lineup.tokens.saturating_sub(in_slots) <= capacity.host_cache_tokens {
+            return;
         }
-        for key in evicted {
-            self.entries.remove(&key);
-            self.changed.remove(&key);
-            self.removed.insert(key);
+        // The first, newest first, that no longer fits goes, with all older.
+        let mut host_cache_used = 0u64;
+        let newest_gone = lineup.by_tick.iter().rev().skip(capacity.slots).find_map(|(tick, key)| {
+            host_cache_used = host_cache_used.saturating_add(tokens(key));
+            (host_cache_used > capacity.host_cache_tokens).then_some(*tick)
+        });
+        let Some(newest_gone) = newest_gone else { return };
+        let kept = lineup.by_tick.split_off(&(newest_gone + 1));
+        let gone = std::mem::replace(&mut lineup.by_tick, kept);
+        for key in gone.into_values() {
+            if let Some(entry) = entries.remove(&key) {
+                lineup.tokens = lineup.tokens.saturating_sub(u64::from(entry.session.tokens));
+            }
+            changed.remove(&key);
+            removed.insert(key);
         }
     }
 
@@ -177,6 +212,15 @@ impl Residency {
     pub fn is_empty(&self) -> bool {
         self.entries.is_empty()
     }
+}
+
+/// A backend's line, made on first use (looked up first: the common case
+/// allocates nothing).
+fn lineup_of<'a>(lineups: &'a mut HashMap<String, Lineup>, backend_id: &str) -> Option<&'a mut Lineup> {
+    if !lineups.contains_key(backend_id) {
+        lineups.insert(backend_id.to_string(), Lineup::default());
+    }
+    lineups.get_mut(backend_id)
 }
 
 #[cfg(test)]
@@ -258,5 +302,121 @@ mod tests {
         assert_eq!(r.backend_of("a"), Some("b1"));
         let session = r.take_update(true).upserted.remove(0);
         assert_eq!((session.requests, session.first_seen_unix_ms, session.tokens), (1, 9, 0));
+    }
+}
+
+/// The table held to the plain reading of its rule: every session of a
+/// backend sorted by recency on every change.
+#[cfg(test)]
+mod against_a_full_sort {
+    use std::collections::HashMap;
+
+    use proptest::prelude::*;
+
+    use super::*;
+
+    #[derive(Default)]
+    struct Plain {
+        capacity: HashMap<&'static str, Capacity>,
+        /// Key → (backend, tick, tokens).
+        sessions: HashMap<&'static str, (&'static str, u64, u64)>,
+        tick: u64,
+    }
+
+    impl Plain {
+        fn touch(&mut self, key: &'static str, backend: &'static str) {
+            self.tick += 1;
+            let session = self.sessions.entry(key).or_insert((backend, 0, 0));
+            if session.0 != backend {
+                *session = (backend, 0, 0);
+            }
+            session.1 = self.tick;
+            self.evict(backend);
+        }
+
+        fn record(&mut self, key: &'static str, backend: &'static str, tokens: u64) {
+            match self.sessions.get_mut(key) {
+                Some(session) if session.0 == backend => session.2 = tokens,
+                _ => return,
+            }
+            self.evict(backend);
+        }
+
+        fn evict(&mut self, backend: &'static str) {
+            let capacity = self.capacity.get(backend).copied().unwrap_or_default();
+            let mut on_backend: Vec<_> = self.sessions.iter().filter(|(_, s)| s.0 == backend).collect();
+            on_backend.sort_unstable_by_key(|(_, s)| std::cmp::Reverse(s.1));
+            let mut used = 0;
+            let gone: Vec<&'static str> = on_backend
+                .into_iter()
+                .skip(capacity.slots)
+                .filter(|(_, s)| {
+                    used += s.2;
+                    used > capacity.host_cache_tokens
+                })
+                .map(|(key, _)| *key)
+                .collect();
+            for key in gone {
+                self.sessions.remove(key);
+            }
+        }
+    }
+
+    #[derive(Clone, Debug)]
+    enum Op {
+        Touch(&'static str, &'static str),
+        Record(&'static str, &'static str, u32),
+        Capacity(&'static str, usize, u64),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        let key = prop::sample::select(vec!["a", "b", "c", "d", "e", "f", "g"]);
+        let backend = prop::sample::select(vec!["b0", "b1"]);
+        prop_oneof![
+            4 => (key.clone(), backend.clone()).prop_map(|(k, b)| Op::Touch(k, b)),
+            4 => (key, backend.clone(), 0..120u32).prop_map(|(k, b, t)| Op::Record(k, b, t)),
+            1 => (backend, 0..4usize, 0..300u64).prop_map(|(b, s, h)| Op::Capacity(b, s, h)),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(500))]
+
+        #[test]
+        fn the_table_keeps_what_a_full_sort_keeps(ops in prop::collection::vec(op(), 1..60)) {
+            let mut table = Residency::default();
+            let mut plain = Plain::default();
+            for op in ops {
+                match op {
+                    Op::Touch(key, backend) => {
+                        table.touch(key, backend, "m", 1);
+                        plain.touch(key, backend);
+                    }
+                    Op::Record(key, backend, tokens) => {
+                        table.record(key, backend, Usage { prompt_tokens: tokens, completion_tokens: 0, cached_tokens: 0 });
+                        plain.record(key, backend, u64::from(tokens));
+                    }
+                    Op::Capacity(backend, slots, host_cache_tokens) => {
+                        let capacity = Capacity { slots, host_cache_tokens };
+                        table.set_capacity(backend, capacity);
+                        plain.capacity.insert(backend, capacity);
+                        plain.evict(backend);
+                    }
+                }
+                let mut kept: Vec<_> =
+                    table.sessions().into_iter().map(|s| (s.key, s.backend_id, u64::from(s.tokens))).collect();
+                kept.sort();
+                let mut expected: Vec<_> =
+                    plain.sessions.iter().map(|(k, s)| (k.to_string(), s.0.to_string(), s.2)).collect();
+                expected.sort();
+                prop_assert_eq!(kept, expected);
+                // Each line holds its backend's sessions and their tokens.
+                for (backend, lineup) in &table.lineups {
+                    let on_backend = table.entries.values().filter(|e| &e.session.backend_id == backend);
+                    let tokens: u64 = on_backend.clone().map(|e| u64::from(e.session.tokens)).sum();
+                    prop_assert_eq!((lineup.by_tick.len(), lineup.tokens), (on_backend.count(), tokens));
+                }
+            }
+        }
     }
 }
