@@ -9,8 +9,9 @@
 //! until it is full, so further sessions are kept while their tokens fit
 //! in `host_cache_tokens`; beyond that, a session is gone.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 
+use inferyes_proto::FastMap;
 use inferyes_proto::v1::{ResidencyUpdate, ResidentSession};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -42,16 +43,16 @@ pub use inferyes_proto::usage::Usage;
 /// must go (it ran over every session on every request).
 #[derive(Clone, Debug, Default)]
 struct Lineup {
-    /// Tick → session key, oldest first.
-    by_tick: BTreeMap<u64, String>,
+    /// Tick → session key and its tokens, oldest first.
+    by_tick: BTreeMap<u64, (String, u64)>,
     tokens: u64,
 }
 
 #[derive(Clone, Debug, Default)]
 pub struct Residency {
-    capacity: HashMap<String, Capacity>,
-    entries: HashMap<String, Entry>,
-    lineups: HashMap<String, Lineup>,
+    capacity: FastMap<String, Capacity>,
+    entries: FastMap<String, Entry>,
+    lineups: FastMap<String, Lineup>,
     tick: u64,
     seq: u64,
     changed: BTreeSet<String>,
@@ -77,7 +78,7 @@ impl Residency {
         if let Some(entry) = entries.get_mut(key) {
             let moved = entry.session.backend_id != backend_id;
             if let Some(lineup) = lineups.get_mut(&entry.session.backend_id) {
-                key_in_line = lineup.by_tick.remove(&entry.tick);
+                key_in_line = lineup.by_tick.remove(&entry.tick).map(|(key, _)| key);
                 if moved {
                     lineup.tokens = lineup.tokens.saturating_sub(u64::from(entry.session.tokens));
                 }
@@ -108,7 +109,8 @@ impl Residency {
         entry.session.requests = entry.session.requests.saturating_add(1);
         entry.tick = tick;
         if let Some(lineup) = lineup_of(lineups, backend_id) {
-            lineup.by_tick.insert(tick, key_in_line.unwrap_or_else(|| key.to_string()));
+            let tokens = u64::from(entry.session.tokens);
+            lineup.by_tick.insert(tick, (key_in_line.unwrap_or_else(|| key.to_string()), tokens));
         }
         self.removed.remove(key);
         if !self.changed.contains(key) {
@@ -133,7 +135,11 @@ impl Residency {
         let before = u64::from(entry.session.tokens);
         entry.session.tokens = usage.prompt_tokens.saturating_add(usage.completion_tokens);
         if let Some(lineup) = lineup_of(&mut self.lineups, backend_id) {
-            lineup.tokens = lineup.tokens.saturating_sub(before).saturating_add(u64::from(entry.session.tokens));
+            let after = u64::from(entry.session.tokens);
+            lineup.tokens = lineup.tokens.saturating_sub(before).saturating_add(after);
+            if let Some((_, tokens)) = lineup.by_tick.get_mut(&entry.tick) {
+                *tokens = after;
+            }
         }
         if !self.changed.contains(key) {
             self.changed.insert(key.to_string());
@@ -150,24 +156,22 @@ impl Residency {
         if lineup.by_tick.len() <= capacity.slots {
             return;
         }
-        let tokens = |key: &String| entries.get(key).map_or(0, |e| u64::from(e.session.tokens));
-        let in_slots: u64 = lineup.by_tick.values().rev().take(capacity.slots).map(tokens).sum();
+        let in_slots: u64 = lineup.by_tick.values().rev().take(capacity.slots).map(|(_, tokens)| tokens).sum();
         if lineup.tokens.saturating_sub(in_slots) <= capacity.host_cache_tokens {
             return;
         }
         // The first, newest first, that no longer fits goes, with all older.
         let mut host_cache_used = 0u64;
-        let newest_gone = lineup.by_tick.iter().rev().skip(capacity.slots).find_map(|(tick, key)| {
-            host_cache_used = host_cache_used.saturating_add(tokens(key));
+        let newest_gone = lineup.by_tick.iter().rev().skip(capacity.slots).find_map(|(tick, (_, tokens))| {
+            host_cache_used = host_cache_used.saturating_add(*tokens);
             (host_cache_used > capacity.host_cache_tokens).then_some(*tick)
         });
         let Some(newest_gone) = newest_gone else { return };
         let kept = lineup.by_tick.split_off(&(newest_gone + 1));
         let gone = std::mem::replace(&mut lineup.by_tick, kept);
-        for key in gone.into_values() {
-            if let Some(entry) = entries.remove(&key) {
-                lineup.tokens = lineup.tokens.saturating_sub(u64::from(entry.session.tokens));
-            }
+        for (key, tokens) in gone.into_values() {
+            lineup.tokens = lineup.tokens.saturating_sub(tokens);
+            entries.remove(&key);
             changed.remove(&key);
             removed.insert(key);
         }
@@ -216,7 +220,7 @@ impl Residency {
 
 /// A backend's line, made on first use (looked up first: the common case
 /// allocates nothing).
-fn lineup_of<'a>(lineups: &'a mut HashMap<String, Lineup>, backend_id: &str) -> Option<&'a mut Lineup> {
+fn lineup_of<'a>(lineups: &'a mut FastMap<String, Lineup>, backend_id: &str) -> Option<&'a mut Lineup> {
     if !lineups.contains_key(backend_id) {
         lineups.insert(backend_id.to_string(), Lineup::default());
     }
@@ -415,6 +419,8 @@ mod against_a_full_sort {
                     let on_backend = table.entries.values().filter(|e| &e.session.backend_id == backend);
                     let tokens: u64 = on_backend.clone().map(|e| u64::from(e.session.tokens)).sum();
                     prop_assert_eq!((lineup.by_tick.len(), lineup.tokens), (on_backend.count(), tokens));
+                    let in_line: u64 = lineup.by_tick.values().map(|(_, tokens)| tokens).sum();
+                    prop_assert_eq!(in_line, tokens);
                 }
             }
         }
