@@ -158,41 +158,38 @@ impl<'a> Scanner<'a> {
         let mut seen = Seen::default();
         let mut constraints = Seen::default();
         self.members(|scanner, key| {
+            // Each field routing reads is read once; a second is refused.
+            let mut once = |field, name: &'static str| seen.first(field, || name.into(), name);
             match &*key {
                 "model" => {
-                    seen.first(0, || "model".into(), "model")?;
+                    once(0, "model")?;
                     let start = scanner.at;
                     fields.model = scanner.nullable_string(1, || "model".into(), "model")?;
                     fields.model_span = fields.model.is_some().then(|| start + 1..scanner.at - 1);
                 }
                 "stream" => {
-                    seen.first(1, || "stream".into(), "stream")?;
+                    once(1, "stream")?;
                     fields.stream = scanner.nullable_bool("stream")?;
                 }
                 "prompt_cache_key" => {
-                    seen.first(2, || "prompt_cache_key".into(), "prompt_cache_key")?;
+                    once(2, "prompt_cache_key")?;
                     fields.prompt_cache_key =
                         scanner.nullable_string(1, || "prompt_cache_key".into(), "prompt_cache_key")?;
                 }
                 "messages" => {
-                    seen.first(3, || "messages".into(), "messages")?;
+                    once(3, "messages")?;
                     fields.messages = scanner.opening()?;
                 }
-                "prompt" => {
-                    seen.first(4, || "prompt".into(), "prompt")?;
-                    fields.prompt = scanner.nullable_value(1)?;
-                }
-                "instructions" => {
-                    seen.first(5, || "instructions".into(), "instructions")?;
-                    fields.instructions = scanner.nullable_value(1)?;
-                }
-                "input" => {
-                    seen.first(6, || "input".into(), "input")?;
-                    fields.input = scanner.nullable_value(1)?;
-                }
-                "stream_options" => {
-                    seen.first(7, || "stream_options".into(), "stream_options")?;
-                    fields.stream_options = scanner.nullable_value(1)?;
+                raw @ ("prompt" | "instructions" | "input" | "stream_options") => {
+                    // Kept as written: their text is hashed, or only seen.
+                    let (field, name, slot) = match raw {
+                        "prompt" => (4, "prompt", &mut fields.prompt),
+                        "instructions" => (5, "instructions", &mut fields.instructions),
+                        "input" => (6, "input", &mut fields.input),
+                        _ => (7, "stream_options", &mut fields.stream_options),
+                    };
+                    once(field, name)?;
+                    *slot = scanner.nullable_value(1)?;
                 }
                 other => match CONSTRAINTS.iter().position(|name| *name == other) {
                     Some(constraint) => {
@@ -514,19 +511,27 @@ impl<'a> Scanner<'a> {
             return Ok(Cow::Borrowed(inside));
         }
         let start = self.at - inside.len() - 1;
-        unescape(inside)
-            .map(Cow::Owned)
-            .map_err(|(what, offset)| Box::new(ScanError::Syntax { what, at: start + offset }))
+        let text =
+            unescape(inside).map_err(|(what, offset)| Box::new(ScanError::Syntax { what, at: start + offset }))?;
+        self.media |= is_media(&text);
+        Ok(Cow::Owned(text))
     }
 
     #[inline(always)]
     fn skip_string(&mut self) -> Scanned<()> {
-        self.string_text().map(|_| ())
+        let (inside, escaped) = self.string_text()?;
+        // A media name written with escapes is one too: decoded where the
+        // string is short enough to be one (most escaped strings are text).
+        if escaped && inside.len() <= 6 * "input_audio".len() {
+            self.media |= unescape(inside).is_ok_and(|text| is_media(&text));
+        }
+        Ok(())
     }
 
     /// Moves past a string (from its opening quote), checking its escapes
     /// and that it holds no control characters; gives its text inside the
-    /// quotes, and whether it has escapes.
+    /// quotes, and whether it has escapes (then it is the caller's to see
+    /// whether it names media).
     #[inline(always)]
     fn string_text(&mut self) -> Scanned<(&'a str, bool)> {
         let start = self.at + 1;
@@ -536,18 +541,12 @@ impl<'a> Scanner<'a> {
             // Most strings: nothing escaped.
             self.at = start + end + 1;
             let inside = &self.text[start..start + end];
-            self.media |= matches!(inside, "image_url" | "input_audio");
+            self.media |= is_media(inside);
             return Ok((inside, false));
         }
         self.at = start + end;
         self.escaped_string_end()?;
-        let inside = &self.text[start..self.at - 1];
-        // A media name written with escapes is one too: decoded where the
-        // string is short enough to be one (most escaped strings are text).
-        if inside.len() <= 6 * "input_audio".len() {
-            self.media |= unescape(inside).is_ok_and(|text| matches!(text.as_str(), "image_url" | "input_audio"));
-        }
-        Ok((inside, true))
+        Ok((&self.text[start..self.at - 1], true))
     }
 
     /// The rest of a string from its first escape (or a byte that is not
@@ -577,6 +576,11 @@ impl<'a> Scanner<'a> {
             self.at += special(self.bytes().get(self.at..).unwrap_or_default());
         }
     }
+}
+
+/// A string that names an image or audio part (a part's type or key).
+fn is_media(text: &str) -> bool {
+    matches!(text, "image_url" | "input_audio")
 }
 
 /// The offset of the first quote, backslash or control character in

@@ -36,11 +36,6 @@ const PROMPT_ROOT_BYTES: usize = 512;
 
 pub fn parse_view(body: &[u8]) -> Result<RoutingView, ApiError> {
     let fields = scan(body).map_err(|error| refusal(body, error))?;
-    view_of(fields)
-}
-
-/// The view of a body from its fields.
-fn view_of(fields: Fields<'_>) -> Result<RoutingView, ApiError> {
     let root = conversation_root(&fields);
     let (Some(model), Some(model_span)) = (fields.model.filter(|m| !m.is_empty()), fields.model_span) else {
         return Err(ApiError::new(
