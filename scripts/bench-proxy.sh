@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Proxy overhead, side by side in one run: wrk against a fast fake backend
 # (nginx serving fixed JSON and a fixed SSE body), directly, through an
-# nginx reverse proxy (upstream keepalive), through a bare hyper proxy (the
-# stack's floor), through an Inferyes agent's proxy, through a data plane
-# alone (to a node whose advertised proxy URL is the backend itself), the
-# same with API keys checked, and through a data plane and an agent: the
-# path requests take in a fleet. Then the data plane again, with 1,000
-# simulated agents joined. Reports req/s at 32 connections, latency
-# percentiles at 1 and 32, the proxy's CPU per request, and its RSS.
+# nginx reverse proxy (upstream keepalive; one worker, and a worker per
+# core), through a bare hyper proxy (the stack's floor), through an
+# Inferyes agent's proxy, through a data plane alone (to a node whose
+# advertised proxy URL is the backend itself), the same with API keys
+# checked, and through a data plane and an agent: the path requests take
+# in a fleet. Then the data plane again, with 1,000 simulated agents
+# joined. Reports req/s at 32 connections, latency percentiles at 1 and
+# 32, the proxy's CPU per request, and its RSS.
 #
 #   ./scripts/bench-proxy.sh            # 5 s per run
 #   DURATION=10s ./scripts/bench-proxy.sh
@@ -63,9 +64,10 @@ grpc=$(port); http=$(port); agent=$(port); dataplane=$(port)
 
 json='{"id":"chatcmpl-bench","object":"chat.completion","created":0,"model":"bench","choices":[{"index":0,"message":{"role":"assistant","content":"hello there"},"finish_reason":"stop"}],"usage":{"prompt_tokens":9,"completion_tokens":2,"total_tokens":11}}'
 sse='data: {"id":"cmpl-bench","object":"text_completion","choices":[{"index":0,"text":"hello","finish_reason":null}]}\n\ndata: {"id":"cmpl-bench","object":"text_completion","choices":[{"index":0,"text":" there","finish_reason":"stop"}]}\n\ndata: [DONE]\n\n'
-# Two nginx processes, one worker each: the fake backend, and the reverse
-# proxy compared with the data plane (so each one's CPU can be read apart).
-mkdir -p "$work/nginx" "$work/nginx-proxy"
+# nginx processes of their own: the fake backend (one worker), and the
+# reverse proxies compared with the data plane (so each one's CPU can be
+# read apart).
+mkdir -p "$work/nginx"
 cat > "$work/nginx/nginx.conf" <<CONF
 worker_processes 1;
 pid $work/nginx/nginx.pid;
@@ -90,26 +92,36 @@ http {
   }
 }
 CONF
-cat > "$work/nginx-proxy/nginx.conf" <<CONF
-worker_processes 1;
-pid $work/nginx-proxy/nginx.pid;
-error_log $work/nginx-proxy/error.log warn;
+# The reverse proxy twice: with one worker, and with a worker per core as
+# the data plane and the agent have (nginx's `worker_processes auto`, the
+# configuration Debian ships). The second is the like-for-like comparison.
+nginx_proxy_auto=$(port)
+for variant in nginx-proxy:1:$nginx_proxy nginx-proxy-auto:auto:$nginx_proxy_auto; do
+  IFS=: read -r dir workers listen <<<"$variant"
+  mkdir -p "$work/$dir"
+  cat > "$work/$dir/nginx.conf" <<CONF
+worker_processes $workers;
+pid $work/$dir/nginx.pid;
+error_log $work/$dir/error.log warn;
 events { worker_connections 4096; }
 http {
   access_log off;
-  client_body_temp_path $work/nginx-proxy/body;
-  proxy_temp_path $work/nginx-proxy/proxy;
+  client_body_temp_path $work/$dir/body;
+  proxy_temp_path $work/$dir/proxy;
   upstream fake { server 127.0.0.1:$backend; keepalive 64; }
   server {
-    listen 127.0.0.1:$nginx_proxy;
+    listen 127.0.0.1:$listen;
     location / { proxy_pass http://fake; proxy_http_version 1.1; proxy_set_header Connection ""; proxy_buffering off; }
   }
 }
 CONF
+done
 nginx -c "$work/nginx/nginx.conf" -g 'daemon off;' & pids+=($!)
 backend_pid=$!
 nginx -c "$work/nginx-proxy/nginx.conf" -g 'daemon off;' & pids+=($!)
 nginx_pid=$!
+nginx -c "$work/nginx-proxy-auto/nginx.conf" -g 'daemon off;' & pids+=($!)
+nginx_auto_pid=$!
 # The floor: a proxy with nothing but the HTTP stack the data plane and the
 # agent are built on (proto/examples/bare_proxy.rs).
 bare=$(port)
@@ -214,10 +226,11 @@ done
 
 if [ "${HOLD:-}" = 1 ]; then
   # Keep the fleet up for profiling, e.g. perf record -g -p <data plane>.
-  echo "data plane $dp_pid (keys: $keyed_pid), agent $agent_pid, nginx proxy $nginx_pid, backend $backend_pid"
+  echo "data plane $dp_pid (keys: $keyed_pid), agent $agent_pid, nginx proxy $nginx_pid (a worker per core: $nginx_auto_pid), backend $backend_pid"
   echo "wrk -c 32 -d 10s -s $work/chat-direct.lua http://127.0.0.1:$dataplane/v1/chat/completions"
   echo "wrk -c 32 -d 10s -s $work/chat.lua http://127.0.0.1:$dataplane/v1/chat/completions   # through the agent"
   echo "wrk -c 32 -d 10s -s $work/chat.lua http://127.0.0.1:$nginx_proxy/v1/chat/completions"
+  echo "wrk -c 32 -d 10s -s $work/chat.lua http://127.0.0.1:$nginx_proxy_auto/v1/chat/completions   # nginx, a worker per core"
   echo "Ctrl-C ends it."
   wait
 fi
@@ -311,6 +324,7 @@ for kind in json sse; do
   for conns in 1 32; do
     run direct "http://127.0.0.1:$backend$path" "$script" $conns $kind "$backend_pid"
     run nginx "http://127.0.0.1:$nginx_proxy$path" "$script" $conns $kind "$nginx_pid"
+    run nginx-auto "http://127.0.0.1:$nginx_proxy_auto$path" "$script" $conns $kind "$nginx_auto_pid"
     run hyper-floor "http://127.0.0.1:$bare$path" "$script" $conns $kind "$bare_pid"
     run agent "http://127.0.0.1:$agent$path" "$script" $conns $kind "$agent_pid"
     run dataplane "http://127.0.0.1:$dataplane$path" "${script%.lua}-direct.lua" $conns $kind "$dp_pid"
