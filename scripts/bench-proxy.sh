@@ -282,6 +282,10 @@ if [ "${INSTRUCTIONS:-}" = 1 ]; then
     listen=$(port)
     count "$name" "$listen" "$work/chat-direct.lua" "$build/inferyes-dataplane" --listen "127.0.0.1:$listen" \
       --controllers "http://127.0.0.1:$grpc" --auth none --dataplane-id "bench-instructions-$listen" --workers 1
+    listen=$(port)
+    count "dataplane+keys$suffix" "$listen" "$work/chat-direct-key.lua" "$build/inferyes-dataplane" \
+      --listen "127.0.0.1:$listen" --controllers "http://127.0.0.1:$grpc" --dataplane-id "bench-instructions-$listen" \
+      --workers 1
   done
   exit 0
 fi

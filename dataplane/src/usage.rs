@@ -76,12 +76,15 @@ impl Ledger {
     pub fn record(&self, record: UsageRecord) {
         if !record.key_id.is_empty() {
             let tokens = record.prompt_tokens + record.completion_tokens;
-            *self
-                .unacknowledged
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .entry(record.key_id.clone())
-                .or_default() += tokens;
+            let mut unacknowledged = self.unacknowledged.lock().unwrap_or_else(PoisonError::into_inner);
+            // Looked up before inserting: a key's later requests allocate
+            // nothing.
+            match unacknowledged.get_mut(&record.key_id) {
+                Some(sum) => *sum += tokens,
+                None => {
+                    unacknowledged.insert(record.key_id.clone(), tokens);
+                }
+            }
         }
         if !self.keep_records {
             let mut sums = self.sums.lock().unwrap_or_else(PoisonError::into_inner);

@@ -34,13 +34,20 @@ pub fn generate() -> anyhow::Result<NewKey> {
 /// `(key_id, secret)` of a presented key; `None` when it is not one.
 pub fn parse(token: &str) -> Option<(&str, &str)> {
     let (key_id, secret) = token.strip_prefix(PREFIX)?.split_once('_')?;
-    let valid = |part: &str, len: usize| part.len() == len && part.bytes().all(|b| ALPHABET.contains(&b));
+    let valid = |part: &str, len: usize| part.len() == len && part.bytes().all(in_alphabet);
     (valid(key_id, ID_CHARS) && valid(secret, SECRET_CHARS)).then_some((key_id, secret))
+}
+
+/// Whether `b` is in [`ALPHABET`], as two ranges: every keyed request asks
+/// this of 44 bytes, and searching the alphabet for each was 4k
+/// instructions of the request's 64k.
+fn in_alphabet(b: u8) -> bool {
+    matches!(b, b'a'..=b'z' | b'2'..=b'7')
 }
 
 /// Whether `key_id` has the shape of a key id (for input validation).
 pub fn valid_key_id(key_id: &str) -> bool {
-    key_id.len() == ID_CHARS && key_id.bytes().all(|b| ALPHABET.contains(&b))
+    key_id.len() == ID_CHARS && key_id.bytes().all(in_alphabet)
 }
 
 /// Argon2id with the crate's default parameters (19 MiB, 2 passes): tens
@@ -104,6 +111,13 @@ mod tests {
             assert!(parse(bad).is_none(), "{bad}");
         }
         assert_ne!(generate().unwrap().token, key.token);
+    }
+
+    #[test]
+    fn the_alphabet_test_is_the_alphabet() {
+        for b in 0..=u8::MAX {
+            assert_eq!(in_alphabet(b), ALPHABET.contains(&b), "{b}");
+        }
     }
 
     #[test]
