@@ -24,6 +24,8 @@
 #                                       # and keep the profiles there (callgrind_annotate --inclusive=yes)
 #   ONLY=dataplane INSTRUCTIONS=1 ./scripts/bench-proxy.sh
 #                                       # count only the proxies whose name starts so
+#   KIND=sse INSTRUCTIONS=1 ./scripts/bench-proxy.sh
+#                                       # count streamed completions, not JSON chat
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -246,10 +248,10 @@ if [ "${INSTRUCTIONS:-}" = 1 ]; then
     valgrind --tool=callgrind --callgrind-out-file="$work/cg.$name" "$@" >"$work/cg.$name.log" 2>&1 &
     local pid=$!
     until curl -s -o /dev/null "http://127.0.0.1:$port/"; do sleep 0.5; done
-    wrk -t 1 -c 2 -d 3s -s "$script" "http://127.0.0.1:$port/v1/chat/completions" >/dev/null
+    wrk -t 1 -c 2 -d 3s -s "$script" "http://127.0.0.1:$port$path" >/dev/null
     callgrind_control -z "$pid" >/dev/null 2>&1
     local requests
-    requests=$(wrk -t 1 -c 2 -d 8s -s "$script" "http://127.0.0.1:$port/v1/chat/completions" |
+    requests=$(wrk -t 1 -c 2 -d 8s -s "$script" "http://127.0.0.1:$port$path" |
       awk '/requests in/ {print $1}')
     callgrind_control -d "$pid" >/dev/null 2>&1
     kill "$pid"
@@ -264,12 +266,17 @@ if [ "${INSTRUCTIONS:-}" = 1 ]; then
       "$profile"
   }
   export RUST_LOG=warn
-  echo "user-space instructions per request, JSON, callgrind"
+  if [ "${KIND:-json}" = sse ]; then
+    path=/v1/completions chat=stream
+  else
+    path=/v1/chat/completions chat=chat
+  fi
+  echo "user-space instructions per request, ${KIND:-json}, callgrind"
   floor=$(port)
-  count hyper-floor "$floor" "$work/chat.lua" "$bin/examples/bare_proxy" "127.0.0.1:$floor" "http://127.0.0.1:$backend"
+  count hyper-floor "$floor" "$work/$chat.lua" "$bin/examples/bare_proxy" "127.0.0.1:$floor" "http://127.0.0.1:$backend"
   if [ -n "$base_bare" ]; then
     floor=$(port)
-    count hyper-floor@base "$floor" "$work/chat.lua" "$BASELINE/bare_proxy" "127.0.0.1:$floor" "http://127.0.0.1:$backend"
+    count hyper-floor@base "$floor" "$work/$chat.lua" "$BASELINE/bare_proxy" "127.0.0.1:$floor" "http://127.0.0.1:$backend"
   fi
   for build in "$bin" ${BASELINE:+"$BASELINE"}; do
     suffix=""
@@ -277,13 +284,13 @@ if [ "${INSTRUCTIONS:-}" = 1 ]; then
     proxy=$(port)
     sed -e "s/^node_id = .*/node_id = \"bench-instructions-$proxy\"/" \
       -e "s/^proxy_listen = .*/proxy_listen = \"127.0.0.1:$proxy\"/" "$work/agent.toml" >"$work/agent-$proxy.toml"
-    count "agent$suffix" "$proxy" "$work/chat.lua" "$build/inferyes-agent" --config "$work/agent-$proxy.toml" --workers 1
+    count "agent$suffix" "$proxy" "$work/$chat.lua" "$build/inferyes-agent" --config "$work/agent-$proxy.toml" --workers 1
     name=dataplane$suffix
     listen=$(port)
-    count "$name" "$listen" "$work/chat-direct.lua" "$build/inferyes-dataplane" --listen "127.0.0.1:$listen" \
+    count "$name" "$listen" "$work/$chat-direct.lua" "$build/inferyes-dataplane" --listen "127.0.0.1:$listen" \
       --controllers "http://127.0.0.1:$grpc" --auth none --dataplane-id "bench-instructions-$listen" --workers 1
     listen=$(port)
-    count "dataplane+keys$suffix" "$listen" "$work/chat-direct-key.lua" "$build/inferyes-dataplane" \
+    count "dataplane+keys$suffix" "$listen" "$work/$chat-direct-key.lua" "$build/inferyes-dataplane" \
       --listen "127.0.0.1:$listen" --controllers "http://127.0.0.1:$grpc" --dataplane-id "bench-instructions-$listen" \
       --workers 1
   done

@@ -514,15 +514,6 @@ impl Guarded {
     }
 }
 
-/// Whether an event stream ended the way a complete one does: `[DONE]`, or
-/// an error event the backend sent itself.
-fn ended_well(tail: &[u8]) -> bool {
-    let text = String::from_utf8_lossy(tail);
-    let text = text.trim_end();
-    let last = text.rsplit("\n\n").next().unwrap_or_default().trim_start();
-    last == "data: [DONE]" || last.starts_with("data: {\"error\"")
-}
-
 impl http_body::Body for Guarded {
     type Data = Bytes;
     type Error = hyper::Error;
@@ -574,12 +565,14 @@ impl http_body::Body for Guarded {
                     // A last event without its blank line: passed on as it is.
                     return Poll::Ready(Some(Ok(Frame::data(this.events.take_rest()))));
                 }
-                Poll::Ready(None) if !(this.event_stream && this.expects_done && !ended_well(&this.tail)) => {
+                Poll::Ready(None)
+                    if !(this.event_stream && this.expects_done) || super::sse::ended_well(&this.tail) =>
+                {
                     this.ended = true;
                     this.finish(Outcome::Ok);
                     return Poll::Ready(None);
                 }
-                Poll::Ready(None) if this.event_stream && this.expects_done && !ended_well(&this.tail) => {
+                Poll::Ready(None) => {
                     // The node closed the stream in the middle of the answer
                     // (it shut down, say): say so rather than end as if done.
                     this.ended = true;
@@ -768,13 +761,5 @@ mod tests {
         assert_eq!(route_label(&headers), "none");
         headers.insert(ROUTE_HEADER, HeaderValue::from_static("made-up"));
         assert_eq!(route_label(&headers), "none", "label values come from a fixed set");
-    }
-
-    #[test]
-    fn a_stream_ended_well_with_done_or_its_own_error() {
-        assert!(ended_well(b"data: {\"choices\":[]}\n\ndata: [DONE]\n\n"));
-        assert!(ended_well(b"data: {\"choices\":[]}\n\ndata: {\"error\":{\"message\":\"x\"}}\n\n"));
-        assert!(!ended_well(b"data: {\"choices\":[{\"delta\":{\"content\":\"Hel\"}}]}\n\n"));
-        assert!(!ended_well(b""));
     }
 }

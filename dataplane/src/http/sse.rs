@@ -78,9 +78,40 @@ pub fn count_data_events(bytes: &[u8]) -> usize {
     DATA.find_iter(bytes).filter(|&i| i == 0 || bytes[i - 1] == b'\n').count()
 }
 
+/// Whether an event stream ended the way a complete one does: its last
+/// event `data: [DONE]`, or an error event the backend sent itself. `tail`
+/// is the stream's last bytes; events end with a blank line, `\n\n` or
+/// `\r\n\r\n`.
+pub fn ended_well(tail: &[u8]) -> bool {
+    let text = tail.trim_ascii_end();
+    // The last event starts after the last blank line: found from the end,
+    // so only that event is read, however long the tail.
+    let start = memchr::memrchr_iter(b'\n', text)
+        .find(|&at| text[..at].ends_with(b"\n") || text[..at].ends_with(b"\n\r"))
+        .map_or(0, |at| at + 1);
+    let last = text[start..].trim_ascii_start();
+    last == b"data: [DONE]" || last.starts_with(b"data: {\"error\"")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_stream_ended_well_with_done_or_its_own_error() {
+        let done = b"data: {\"choices\":[]}\n\ndata: [DONE]\n\n";
+        assert!(ended_well(done));
+        assert!(ended_well(b"data: {\"choices\":[]}\r\n\r\ndata: [DONE]\r\n\r\n"));
+        assert!(ended_well(b"data: [DONE]"), "a tail that is the last event alone");
+        assert!(ended_well(b"ices\":[]}\n\n\ndata: [DONE]\n\n"), "a tail that starts inside an event");
+        assert!(ended_well(b"data: {\"choices\":[]}\n\ndata: {\"error\":{\"message\":\"x\"}}\n\n"));
+        assert!(!ended_well(b"data: {\"choices\":[{\"delta\":{\"content\":\"Hel\"}}]}\n\n"));
+        assert!(!ended_well(b"data: [DONE]\n\ndata: {\"choices\":[]}\n\n"), "[DONE], then more");
+        assert!(!ended_well(b"data: {\"choices\":[]}\ndata: [DONE]\n\n"), "[DONE] inside an event");
+        assert!(!ended_well(b"data: [DONE"), "cut in the middle");
+        assert!(!ended_well(b""));
+        assert!(!ended_well(b"\xff\xfe\n\n"), "not UTF-8, and not an end");
+    }
 
     #[test]
     fn events_come_out_whole() {
