@@ -223,6 +223,10 @@ sed 's/"model":"bench"/"model":"bench-direct"/' "$work/chat.lua" > "$work/chat-d
 sed 's/"model":"bench"/"model":"bench-direct"/' "$work/stream.lua" > "$work/stream-direct.lua"
 for kind in chat stream; do
   { cat "$work/$kind-direct.lua"; echo "wrk.headers[\"Authorization\"] = \"Bearer $key\""; } > "$work/$kind-direct-key.lua"
+  # An agent's requests as a data plane sends them: the model and the
+  # session named, so the agent keeps the session's residency.
+  { cat "$work/$kind.lua"; echo 'wrk.headers["x-inferyes-model"] = "bench"'
+    echo 'wrk.headers["x-inferyes-session"] = "bench-session"'; } > "$work/$kind-routed.lua"
   sed 's/"model":"bench"/"model":"bench-base"/' "$work/$kind.lua" > "$work/$kind-base.lua"
 done
 
@@ -285,6 +289,8 @@ if [ "${INSTRUCTIONS:-}" = 1 ]; then
     sed -e "s/^node_id = .*/node_id = \"bench-instructions-$proxy\"/" \
       -e "s/^proxy_listen = .*/proxy_listen = \"127.0.0.1:$proxy\"/" "$work/agent.toml" >"$work/agent-$proxy.toml"
     count "agent$suffix" "$proxy" "$work/$chat.lua" "$build/inferyes-agent" --config "$work/agent-$proxy.toml" --workers 1
+    count "agent+session$suffix" "$proxy" "$work/$chat-routed.lua" "$build/inferyes-agent" \
+      --config "$work/agent-$proxy.toml" --workers 1
     name=dataplane$suffix
     listen=$(port)
     count "$name" "$listen" "$work/$chat-direct.lua" "$build/inferyes-dataplane" --listen "127.0.0.1:$listen" \
