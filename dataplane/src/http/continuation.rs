@@ -167,7 +167,7 @@ async fn pipe(
         // Broken. Eject the node, and go on elsewhere if there is a place.
         let ejected_ms = guard.local.eject(inferyes_proto::unix_ms(), resume.version);
         tracing::warn!(
-            request_id = resume.request_id.to_str().unwrap_or_default(),
+            request_id = super::id_text(&resume.request_id),
             node = %node,
             ejected_ms,
             generated,

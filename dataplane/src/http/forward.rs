@@ -83,13 +83,6 @@ pub struct Outbound<'a> {
     pub strip_usage: bool,
 }
 
-impl Outbound<'_> {
-    /// For log lines: the request's span is a trace, not log context.
-    fn request_id(&self) -> &str {
-        self.request_id.to_str().unwrap_or_default()
-    }
-}
-
 impl Forwarder {
     pub fn new(
         connect_timeout: Duration,
@@ -194,7 +187,7 @@ impl Forwarder {
             let response = match sent? {
                 Err(error) => {
                     let ejected_ms = node.local.eject(inferyes_proto::unix_ms(), snapshot.version());
-                    tracing::warn!(request_id = out.request_id(), node = %node.id, %error, ejected_ms, "node unreachable; trying the next candidate");
+                    tracing::warn!(request_id = super::id_text(out.request_id), node = %node.id, %error, ejected_ms, "node unreachable; trying the next candidate");
                     last_error = Some(ApiError::new(
                         ErrorKind::Upstream,
                         format!("node `{}` is unreachable", node.id),
@@ -213,7 +206,7 @@ impl Forwarder {
                 // (a client's own limit) are the client's to see.
                 if refused || error.code.as_deref() == Some("concurrency_limit") {
                     let ejected_ms = node.local.eject(inferyes_proto::unix_ms(), snapshot.version());
-                    tracing::warn!(request_id = out.request_id(), node = %node.id, %status, ejected_ms, "node refused before the first byte; trying the next candidate");
+                    tracing::warn!(request_id = super::id_text(out.request_id), node = %node.id, %status, ejected_ms, "node refused before the first byte; trying the next candidate");
                     last_error = Some(error);
                     continue;
                 }
@@ -258,7 +251,7 @@ impl Forwarder {
                     }
                     Err(error) => {
                         let ejected_ms = node.local.eject(inferyes_proto::unix_ms(), snapshot.version());
-                        tracing::warn!(request_id = out.request_id(), node = %node.id, %error, ejected_ms, "node failed mid-answer; trying the next candidate");
+                        tracing::warn!(request_id = super::id_text(out.request_id), node = %node.id, %error, ejected_ms, "node failed mid-answer; trying the next candidate");
                         last_error = Some(ApiError::new(
                             ErrorKind::Upstream,
                             format!("node `{}` failed in the middle of its answer", node.id),
@@ -503,10 +496,6 @@ struct Guarded {
 const TAIL_BYTES: usize = inferyes_proto::usage::TAIL_BYTES;
 
 impl Guarded {
-    fn request_id(&self) -> &str {
-        self.request_id.to_str().unwrap_or_default()
-    }
-
     fn finish(&self, outcome: Outcome) {
         if let Some(meter) = &self.meter {
             meter.finish(self.status, outcome, inferyes_proto::usage::parse_usage(&self.tail));
@@ -577,7 +566,7 @@ impl http_body::Body for Guarded {
                     // (it shut down, say): say so rather than end as if done.
                     this.ended = true;
                     this.finish(Outcome::Broken);
-                    tracing::warn!(request_id = this.request_id(), node = %this.node, "stream ended without [DONE]; ending it with an error event");
+                    tracing::warn!(request_id = super::id_text(&this.request_id), node = %this.node, "stream ended without [DONE]; ending it with an error event");
                     let error = ApiError::new(
                         ErrorKind::Upstream,
                         format!("node `{}` ended the stream before the answer was complete", this.node),
@@ -587,7 +576,7 @@ impl http_body::Body for Guarded {
                 }
                 Poll::Ready(Some(Err(error))) if this.event_stream => {
                     let ejected_ms = this.guard.local.eject(inferyes_proto::unix_ms(), this.version);
-                    tracing::warn!(request_id = this.request_id(), node = %this.node, %error, ejected_ms, "node failed mid-stream; ending the stream with an error event");
+                    tracing::warn!(request_id = super::id_text(&this.request_id), node = %this.node, %error, ejected_ms, "node failed mid-stream; ending the stream with an error event");
                     this.ended = true;
                     this.finish(Outcome::Broken);
                     let error = ApiError::new(

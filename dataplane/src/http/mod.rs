@@ -15,6 +15,13 @@ pub use error::ApiError;
 pub use server::{AppState, ENDPOINTS, Endpoint, Gateway, Peer, router};
 pub use view::{RoutingView, parse_view, session_key};
 
+/// A request's id as text, for log lines and records. Always the whole id:
+/// the data plane takes a client's id only where it is text
+/// (`server::request_id`), and makes its own of hex digits otherwise.
+fn id_text(id: &http::HeaderValue) -> &str {
+    id.to_str().unwrap_or_default()
+}
+
 /// Writes the low digits of `bits` into `out` as lowercase hex, the last
 /// digit last: ids and keys on the request path, without the formatting
 /// machinery.

@@ -162,10 +162,14 @@ fn peer_of(extensions: &http::Extensions) -> IpAddr {
 
 pub(crate) use inferyes_proto::headers::REQUEST_ID;
 
-/// The request's id: the client's own when it sent a usable one, else a
-/// fresh one.
+/// The request's id: the client's own when it sent a usable one (text, at
+/// most 128 bytes: it goes into log lines and records), else a fresh one.
 fn request_id(headers: &HeaderMap) -> HeaderValue {
-    headers.get(REQUEST_ID).filter(|v| !v.is_empty() && v.len() <= 128).cloned().unwrap_or_else(new_request_id)
+    headers
+        .get(REQUEST_ID)
+        .filter(|v| !v.is_empty() && v.len() <= 128 && v.to_str().is_ok())
+        .cloned()
+        .unwrap_or_else(new_request_id)
 }
 
 pin_project_lite::pin_project! {
@@ -318,7 +322,7 @@ async fn inference(
         "request",
         otel.name = request.uri().path(),
         otel.kind = "server",
-        request_id = request_id.to_str().unwrap_or_default(),
+        request_id = super::id_text(&request_id),
         model = tracing::field::Empty,
         node = tracing::field::Empty,
         route = tracing::field::Empty,
@@ -362,7 +366,7 @@ async fn inference(
         label
     };
     state.decisions.record(|| RoutingDecision {
-        request_id: request_id.to_str().unwrap_or_default().to_string(),
+        request_id: super::id_text(&request_id).to_string(),
         unix_ms: inferyes_proto::unix_ms(),
         model: if facts.model_known { label } else { facts.model },
         node_id: node,
@@ -446,7 +450,7 @@ async fn serve(
     }
     let meter = crate::usage::Meter::new(
         Arc::clone(&state.ledger),
-        request_id.to_str().unwrap_or_default(),
+        super::id_text(&request_id),
         caller.key_id().map(str::to_string),
         model.to_string(),
         view.stream,
@@ -523,11 +527,7 @@ async fn route_and_forward(
     };
     let path_and_query = parts.uri.path_and_query().cloned().unwrap_or_else(|| PathAndQuery::from_static("/"));
     if route.cold && view.stream {
-        tracing::debug!(
-            request_id = request_id.to_str().unwrap_or_default(),
-            model,
-            "cold load for a stream: answering at once"
-        );
+        tracing::debug!(request_id = super::id_text(&request_id), model, "cold load for a stream: answering at once");
         facts.session.clone_from(&session);
         let outbound = OwnedOutbound {
             path_and_query,
@@ -562,7 +562,7 @@ async fn route_and_forward(
     };
     let result = state.forwarder.forward(snapshot, &route, outbound).await;
     facts.session = session;
-    let request_id = request_id.to_str().unwrap_or_default();
+    let request_id = super::id_text(&request_id);
     match &result {
         Ok(response) => tracing::debug!(
             request_id,
@@ -622,6 +622,22 @@ mod tests {
             );
         }
         assert_ne!(a, b);
+    }
+
+    #[test]
+    fn a_client_id_is_kept_only_where_it_is_text_and_short() {
+        let id_of = |value: &[u8]| {
+            let mut headers = HeaderMap::new();
+            headers.insert(REQUEST_ID, HeaderValue::from_bytes(value).unwrap());
+            request_id(&headers)
+        };
+        assert_eq!(id_of(b"client-7"), "client-7");
+        assert_eq!(id_of(&[b'x'; 128]).len(), 128);
+        for unusable in [&b""[..], &[b'x'; 129], b"caf\xc3\xa9"] {
+            let id = id_of(unusable);
+            assert!(id.to_str().unwrap().starts_with("req_"), "{unusable:?} gave {id:?}");
+        }
+        assert!(request_id(&HeaderMap::new()).to_str().unwrap().starts_with("req_"));
     }
 
     #[tokio::test]
