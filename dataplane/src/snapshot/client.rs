@@ -11,7 +11,7 @@ use inferyes_proto::v1::{Alias, RoutingPolicy, SnapshotNode, SubscribeRequest, s
 
 use tokio_util::sync::CancellationToken;
 
-use super::{SnapshotStore, decode};
+use super::{RoutingSnapshot, SnapshotStore, decode};
 
 const BACKOFF_MIN: Duration = Duration::from_millis(100);
 const BACKOFF_MAX: Duration = Duration::from_secs(2);
@@ -73,12 +73,15 @@ async fn follow(
         .await?
         .into_inner();
     let mut view = WireView::default();
+    // How this stream's last snapshot routes: a next one that changes only
+    // keys, usage or the version shares its indices, not decoded again.
+    let mut routing: Option<RoutingSnapshot> = None;
     let mut received = false;
     let mut ended = false;
     while !ended {
         let Some(update) = stream.message().await? else { break };
         let mut controller = update.controller_id.clone();
-        view.apply(update)?;
+        let mut reroutes = view.apply(update)?;
         // Updates that arrived while the last decode ran are folded in
         // first: a busy data plane decodes the latest state once instead of
         // falling behind decoding every intermediate one.
@@ -86,7 +89,7 @@ async fn follow(
             match next? {
                 Some(update) => {
                     controller.clone_from(&update.controller_id);
-                    view.apply(update)?;
+                    reroutes |= view.apply(update)?;
                 }
                 None => {
                     ended = true;
@@ -96,8 +99,13 @@ async fn follow(
         }
         received = true;
         let version = view.version;
-        let snapshot = decode(version, &view.nodes, view.policy.as_ref(), &view.aliases, store.counters())
-            .with_api_keys(Arc::clone(&view.api_keys), Arc::clone(&view.usage_today));
+        let routed = match routing.as_ref().filter(|_| !reroutes) {
+            Some(routing) => routing.same_routing(version),
+            None => decode(version, &view.nodes, view.policy.as_ref(), &view.aliases, store.counters()),
+        };
+        let snapshot =
+            routed.same_routing(version).with_api_keys(Arc::clone(&view.api_keys), Arc::clone(&view.usage_today));
+        routing = Some(routed);
         if store.publish(snapshot) {
             tracing::debug!(version, nodes = view.nodes.len(), %controller, "snapshot installed");
         } else {
@@ -119,8 +127,10 @@ struct WireView {
 }
 
 impl WireView {
-    fn apply(&mut self, update: inferyes_proto::v1::SnapshotUpdate) -> anyhow::Result<()> {
-        match update.update {
+    /// Applies an update; returns whether it changed what routing is built
+    /// from (nodes, policy, aliases), not only keys, usage or the version.
+    fn apply(&mut self, update: inferyes_proto::v1::SnapshotUpdate) -> anyhow::Result<bool> {
+        let reroutes = match update.update {
             Some(snapshot_update::Update::Full(full)) => {
                 self.version = full.version;
                 self.nodes = full.nodes.into_iter().map(|n| (node_id(&n), n)).collect();
@@ -128,6 +138,7 @@ impl WireView {
                 self.aliases = full.aliases;
                 self.api_keys = Arc::new(full.keys.into_iter().map(|k| (k.key_id.clone(), Arc::new(k))).collect());
                 self.usage_today = Arc::new(full.usage_today.unwrap_or_default());
+                true
             }
             Some(snapshot_update::Update::Delta(delta)) => {
                 if delta.base_version != self.version {
@@ -137,6 +148,10 @@ impl WireView {
                         self.version
                     );
                 }
+                let reroutes = !delta.removed.is_empty()
+                    || !delta.upserted.is_empty()
+                    || self.policy != delta.policy
+                    || self.aliases != delta.aliases;
                 for id in &delta.removed {
                     self.nodes.remove(id);
                 }
@@ -152,13 +167,78 @@ impl WireView {
                 if let Some(keys) = delta.keys {
                     self.api_keys = Arc::new(keys.keys.into_iter().map(|k| (k.key_id.clone(), Arc::new(k))).collect());
                 }
+                reroutes
             }
-            None => {}
-        }
-        Ok(())
+            None => false,
+        };
+        Ok(reroutes)
     }
 }
 
 fn node_id(node: &SnapshotNode) -> String {
     node.status.as_ref().map(|s| s.node_id.clone()).unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use inferyes_proto::v1::{KeyUsageToday, NodeStatus, SnapshotDelta, SnapshotUpdate};
+
+    use super::*;
+
+    fn node(id: &str) -> SnapshotNode {
+        SnapshotNode {
+            status: Some(NodeStatus { node_id: id.into(), proxy_url: format!("http://{id}/"), ..Default::default() }),
+            ..Default::default()
+        }
+    }
+
+    fn delta(view: &WireView, change: impl FnOnce(&mut SnapshotDelta)) -> SnapshotUpdate {
+        let mut delta = SnapshotDelta {
+            version: view.version + 1,
+            base_version: view.version,
+            policy: view.policy.clone(),
+            aliases: view.aliases.clone(),
+            ..Default::default()
+        };
+        change(&mut delta);
+        SnapshotUpdate { update: Some(snapshot_update::Update::Delta(delta)), ..Default::default() }
+    }
+
+    #[test]
+    fn only_nodes_policy_and_aliases_change_how_requests_are_routed() {
+        let mut view = WireView::default();
+        let full = inferyes_proto::v1::RoutingSnapshot { version: 1, nodes: vec![node("a")], ..Default::default() };
+        assert!(
+            view.apply(SnapshotUpdate { update: Some(snapshot_update::Update::Full(full)), ..Default::default() })
+                .unwrap()
+        );
+        let usage = KeyUsageToday { day: "20261130".into(), tokens: [("k".to_string(), 9)].into() };
+        let keys_and_usage = delta(&view, |d| {
+            d.usage_today = Some(usage.clone());
+            d.keys = Some(Default::default());
+        });
+        assert!(!view.apply(keys_and_usage).unwrap());
+        assert_eq!((view.version, view.usage_today.tokens["k"]), (2, 9));
+        assert!(!view.apply(delta(&view, |_| {})).unwrap(), "the version alone");
+        assert!(view.apply(delta(&view, |d| d.upserted = vec![node("b")])).unwrap());
+        assert!(view.apply(delta(&view, |d| d.removed = vec!["b".into()])).unwrap());
+        assert!(
+            view.apply(delta(&view, |d| d.policy = Some(RoutingPolicy { hard_limit: 0.5, ..Default::default() })))
+                .unwrap()
+        );
+        let alias = Alias { alias: "fast".into(), model: "m".into() };
+        assert!(view.apply(delta(&view, |d| d.aliases = vec![alias])).unwrap());
+        assert!(view.apply(delta(&view, |d| d.base_version = 0)).is_err(), "a delta for another version");
+    }
+
+    #[test]
+    fn a_snapshot_that_routes_the_same_shares_the_indices_and_takes_the_new_keys() {
+        let nodes: BTreeMap<String, SnapshotNode> = [("a".to_string(), node("a"))].into();
+        let decoded = decode(1, &nodes, None, &[], &super::super::Counters::default());
+        let usage = Arc::new(KeyUsageToday { day: "20261130".into(), tokens: [("k".to_string(), 9)].into() });
+        let next = decoded.same_routing(2).with_api_keys(Arc::default(), Arc::clone(&usage));
+        assert!(Arc::ptr_eq(&decoded.indices, &next.indices));
+        assert_eq!((next.version(), next.nodes().len()), (2, 1));
+        assert!(Arc::ptr_eq(&next.usage_today, &usage));
+    }
 }

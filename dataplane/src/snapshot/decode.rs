@@ -6,7 +6,8 @@ use std::sync::{Arc, Mutex};
 use inferyes_proto::v1::{Alias, Health, ModelState, RoutingPolicy, SnapshotNode, Strategy};
 
 use super::{
-    BackendView, CatalogEntry, LocalCounters, Node, Placement, Policy, Ring, RoutingSnapshot, Target, session_hash,
+    BackendView, CatalogEntry, Indices, LocalCounters, Node, Placement, Policy, Ring, RoutingSnapshot, Target,
+    session_hash,
 };
 
 /// Per-node counters that survive snapshot swaps, so a request that started
@@ -64,10 +65,10 @@ pub fn decode(
     counters: &Counters,
 ) -> RoutingSnapshot {
     let policy = resolve_policy(policy);
-    let mut snapshot = RoutingSnapshot { version, ..Default::default() };
+    let mut indices = Indices::default();
     for wire in nodes.values() {
         let Some(status) = wire.status.as_ref() else { continue };
-        let node_index = snapshot.nodes.len();
+        let node_index = indices.nodes.len();
         let id: Arc<str> = Arc::from(status.node_id.as_str());
         let key = crate::routing::stable_hash(id.as_bytes());
         let local = counters.for_node(&id);
@@ -112,7 +113,7 @@ pub fn decode(
             let resident_sessions = status.sessions.iter().filter(|s| s.backend_id == backend.id).count();
             let resident_sessions = u32::try_from(resident_sessions).unwrap_or(u32::MAX);
             for model in &backend.models {
-                snapshot.models.entry(model.id.clone()).or_default().push(Placement {
+                indices.models.entry(model.id.clone()).or_default().push(Placement {
                     target,
                     state: model.state(),
                     context_window: model.context_window,
@@ -141,7 +142,7 @@ pub fn decode(
             // one evicts it: the most recent use wins.
             let target = Target { node: node_index, backend };
             let seen = session.last_seen_unix_ms;
-            match snapshot.sessions.entry(session_hash(&session.key)) {
+            match indices.sessions.entry(session_hash(&session.key)) {
                 Entry::Occupied(mut held) if held.get().1 < seen => {
                     held.insert((target, seen));
                 }
@@ -151,7 +152,7 @@ pub fn decode(
                 }
             }
         }
-        snapshot.nodes.push(Node {
+        indices.nodes.push(Node {
             local,
             key,
             id_header: http::HeaderValue::from_str(&id).ok(),
@@ -168,7 +169,7 @@ pub fn decode(
             hard_limit,
         });
     }
-    for (model, placements) in &snapshot.models {
+    for (model, placements) in &indices.models {
         if placements.len() < super::RING_MIN_PLACEMENTS {
             continue;
         }
@@ -184,9 +185,9 @@ pub fn decode(
             }
         }
         ring.points.sort_unstable();
-        snapshot.rings.insert(model.clone(), ring);
+        indices.rings.insert(model.clone(), ring);
     }
-    let mut catalog: Vec<CatalogEntry> = snapshot
+    let mut catalog: Vec<CatalogEntry> = indices
         .models
         .iter()
         .map(|(id, placements)| {
@@ -213,10 +214,10 @@ pub fn decode(
         // An alias of a model the fleet does not serve right now is still
         // listed: a request for it gets the model's own error.
         let target = catalog.iter().find(|e| e.id == alias.model).cloned();
-        if snapshot.models.contains_key(&alias.alias) {
+        if indices.models.contains_key(&alias.alias) {
             continue;
         }
-        snapshot.aliases.insert(alias.alias.clone(), alias.model.clone());
+        indices.aliases.insert(alias.alias.clone(), alias.model.clone());
         let mut entry = target.unwrap_or(CatalogEntry {
             id: String::new(),
             alias_of: None,
@@ -229,10 +230,10 @@ pub fn decode(
         catalog.push(entry);
     }
     catalog.sort_by(|a, b| a.id.cmp(&b.id));
-    snapshot.catalog = catalog;
-    snapshot.policy = policy;
-    counters.retain(&snapshot.nodes);
-    snapshot
+    indices.catalog = catalog;
+    indices.policy = policy;
+    counters.retain(&indices.nodes);
+    RoutingSnapshot { version, indices: Arc::new(indices), ..Default::default() }
 }
 
 #[cfg(test)]
