@@ -79,12 +79,14 @@ pub fn rollup_deltas(batch: &UsageBatch) -> BTreeMap<RollupKey, UsageRollup> {
 /// Adds a batch's tokens to today's per-key totals; a new day starts over.
 pub fn add_today(today: &mut KeyUsageToday, batch: &UsageBatch, now_ms: u64) {
     let day = hour_of(now_ms)[..8].to_string();
-    if today.day != day {
-        *today = KeyUsageToday { day: day.clone(), tokens: Default::default() };
-    }
     for (key, usage) in rollup_deltas(batch) {
         if key.key_id.is_empty() || !key.hour.starts_with(&day) {
             continue;
+        }
+        // A new day starts over, once there is something to count in it: a
+        // batch without keys changes nothing (and so writes nothing).
+        if today.day != day {
+            *today = KeyUsageToday { day: day.clone(), tokens: Default::default() };
         }
         *today.tokens.entry(key.key_id).or_default() += usage.prompt_tokens + usage.completion_tokens;
     }
@@ -165,12 +167,15 @@ async fn apply(store: &EtcdStore, batch: UsageBatch, pending_revision: i64) -> R
             rollups.push((suffix, current));
         }
         let mut today = store.usage_today().await?;
+        let read = today.value.clone();
         add_today(&mut today.value, &batch, inferyes_proto::unix_ms());
         let application = Application {
             batch_id: batch.batch_id.clone(),
             pending_revision,
             rollups,
-            today,
+            // Written only when it changed: nothing is written when nothing
+            // changed.
+            today: (today.value != read).then_some(today),
             // Raw records only when the data plane kept them.
             raw: (!batch.records.is_empty()).then(|| (format!("raw/{hour}/{}", batch.batch_id), batch.clone())),
         };

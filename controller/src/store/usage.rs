@@ -24,7 +24,10 @@ pub struct Application {
     pub pending_revision: i64,
     /// Hourly roll-ups: key suffix (`hourly/...`) → new value and guard.
     pub rollups: Vec<(String, Versioned<UsageRollup>)>,
-    pub today: Versioned<KeyUsageToday>,
+    /// Today's tokens per key, and its guard; `None` when the batch leaves
+    /// them as they were (no key's tokens): `today` is in the fleet's watch,
+    /// and a write would make a new snapshot version for every data plane.
+    pub today: Option<Versioned<KeyUsageToday>>,
     /// `raw/<hour>/<batch_id>` and the batch, for export, when it carries
     /// records.
     pub raw: Option<(String, UsageBatch)>,
@@ -104,9 +107,11 @@ impl EtcdStore {
             when.push(Compare::mod_revision(key.clone(), CompareOp::Equal, rollup.mod_revision));
             then.push(TxnOp::put(key, rollup.value.encode_to_vec(), None));
         }
-        let today = keys.usage_today();
-        when.push(Compare::mod_revision(today.clone(), CompareOp::Equal, application.today.mod_revision));
-        then.push(TxnOp::put(today, application.today.value.encode_to_vec(), None));
+        if let Some(today) = &application.today {
+            let key = keys.usage_today();
+            when.push(Compare::mod_revision(key.clone(), CompareOp::Equal, today.mod_revision));
+            then.push(TxnOp::put(key, today.value.encode_to_vec(), None));
+        }
         let txn = Txn::new().when(when).and_then(then);
         Ok(self.client.clone().txn(txn).await?.succeeded())
     }

@@ -265,6 +265,12 @@ async fn without_raw_records_only_sums_travel_and_nothing_is_exported() {
     }
     let total = rolled_up(fleet.controller(), "", 3).await;
     assert_eq!(total.prompt_tokens, fleet.sims[0].sim.stats().prompt_tokens);
+    // Usage without keys leaves today's tokens per key as they were, so
+    // nothing is written in the fleet's watch: no new snapshot goes to
+    // every data plane for it.
+    let mut etcd = etcd_client::Client::connect([fleet.etcd.endpoint()], None).await.expect("etcd");
+    let today = etcd.get("/inferyes/v1/usage/today", None).await.expect("read");
+    assert!(today.kvs().is_empty(), "today's tokens were written for usage without keys");
     let mut export =
         fleet.controller().fleet().await.export_usage(UsageQuery::default()).await.expect("export").into_inner();
     assert!(export.message().await.expect("stream").is_none(), "no raw records were kept");
