@@ -271,21 +271,28 @@ impl Forwarder {
                 .get(header::CONTENT_TYPE)
                 .and_then(|v| v.to_str().ok())
                 .is_some_and(|v| v.starts_with("text/event-stream"));
-            let hops: std::collections::VecDeque<Hop> = route.targets[attempt + 1..]
-                .iter()
-                .filter_map(|t| {
-                    let node = snapshot.node(t.node)?;
-                    let backend = node.backends.get(t.backend)?;
-                    Some(Hop {
-                        node: Arc::clone(&node.id),
-                        proxy_url: node.proxy_url.clone(),
-                        proxy_http2: node.proxy_http2,
-                        backend: backend.id_header.clone(),
-                        local: Arc::clone(&node.local),
+            // The nodes a broken stream may go on at: listed only for a
+            // stream that may be continued (each costs a few counts shared
+            // between the workers).
+            let hops: std::collections::VecDeque<Hop> = if out.continuation && event_stream {
+                route.targets[attempt + 1..]
+                    .iter()
+                    .filter_map(|t| {
+                        let node = snapshot.node(t.node)?;
+                        let backend = node.backends.get(t.backend)?;
+                        Some(Hop {
+                            node: Arc::clone(&node.id),
+                            proxy_url: node.proxy_url.clone(),
+                            proxy_http2: node.proxy_http2,
+                            backend: backend.id_header.clone(),
+                            local: Arc::clone(&node.local),
+                        })
                     })
-                })
-                .collect();
-            if out.continuation && event_stream && !hops.is_empty() {
+                    .collect()
+            } else {
+                std::collections::VecDeque::new()
+            };
+            if !hops.is_empty() {
                 let resume = Resume {
                     forwarder: self.clone(),
                     path_and_query: out.path_and_query.clone(),
