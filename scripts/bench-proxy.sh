@@ -300,6 +300,26 @@ if [ "${INSTRUCTIONS:-}" = 1 ]; then
       --listen "127.0.0.1:$listen" --controllers "http://127.0.0.1:$grpc" --dataplane-id "bench-instructions-$listen" \
       --workers 1
   done
+  # The model on two replicas, as models are in a fleet: a second node
+  # advertising the backend. Routing weighs both, and a stream may list
+  # the other for continuation.
+  [[ "dataplane+replicas" == "${ONLY:-}"* ]] || exit 0
+  replica=$(port)
+  sed -e 's/^node_id = .*/node_id = "bench-direct-2"/' -e "s/^proxy_listen = .*/proxy_listen = \"127.0.0.1:$replica\"/" \
+    "$work/direct.toml" >"$work/direct-2.toml"
+  "$bin/inferyes-agent" --config "$work/direct-2.toml" >"$work/direct-2.log" 2>&1 & pids+=($!)
+  until curl -fsS "http://127.0.0.1:$dataplane/v1/models" 2>/dev/null | python3 -c 'import json, sys
+models = json.load(sys.stdin)["data"]
+sys.exit(not any(m["id"] == "bench-direct" and m["inferyes"]["nodes"] == 2 for m in models))'; do
+    sleep 0.2
+  done
+  for build in "$bin" ${BASELINE:+"$BASELINE"}; do
+    suffix=""
+    [ "$build" = "$bin" ] || suffix=@base
+    listen=$(port)
+    count "dataplane+replicas$suffix" "$listen" "$work/$chat-direct.lua" "$build/inferyes-dataplane" --listen "127.0.0.1:$listen" \
+      --controllers "http://127.0.0.1:$grpc" --auth none --dataplane-id "bench-instructions-$listen" --workers 1
+  done
   exit 0
 fi
 
