@@ -11,8 +11,8 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use inferyes_proto::FastMap;
 use inferyes_proto::v1::{ResidencyUpdate, ResidentSession};
+use inferyes_proto::{FastMap, value_for};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Capacity {
@@ -108,10 +108,10 @@ impl Residency {
         entry.session.last_seen_unix_ms = now_ms;
         entry.session.requests = entry.session.requests.saturating_add(1);
         entry.tick = tick;
-        if let Some(lineup) = lineup_of(lineups, backend_id) {
-            let tokens = u64::from(entry.session.tokens);
-            lineup.by_tick.insert(tick, (key_in_line.unwrap_or_else(|| key.to_string()), tokens));
-        }
+        let tokens = u64::from(entry.session.tokens);
+        value_for(lineups, backend_id, Lineup::default)
+            .by_tick
+            .insert(tick, (key_in_line.unwrap_or_else(|| key.to_string()), tokens));
         self.removed.remove(key);
         if !self.changed.contains(key) {
             self.changed.insert(key.to_string());
@@ -134,12 +134,11 @@ impl Residency {
         }
         let before = u64::from(entry.session.tokens);
         entry.session.tokens = usage.prompt_tokens.saturating_add(usage.completion_tokens);
-        if let Some(lineup) = lineup_of(&mut self.lineups, backend_id) {
-            let after = u64::from(entry.session.tokens);
-            lineup.tokens = lineup.tokens.saturating_sub(before).saturating_add(after);
-            if let Some((_, tokens)) = lineup.by_tick.get_mut(&entry.tick) {
-                *tokens = after;
-            }
+        let lineup = value_for(&mut self.lineups, backend_id, Lineup::default);
+        let after = u64::from(entry.session.tokens);
+        lineup.tokens = lineup.tokens.saturating_sub(before).saturating_add(after);
+        if let Some((_, tokens)) = lineup.by_tick.get_mut(&entry.tick) {
+            *tokens = after;
         }
         if !self.changed.contains(key) {
             self.changed.insert(key.to_string());
@@ -216,15 +215,6 @@ impl Residency {
     pub fn is_empty(&self) -> bool {
         self.entries.is_empty()
     }
-}
-
-/// A backend's line, made on first use (looked up first: the common case
-/// allocates nothing).
-fn lineup_of<'a>(lineups: &'a mut FastMap<String, Lineup>, backend_id: &str) -> Option<&'a mut Lineup> {
-    if !lineups.contains_key(backend_id) {
-        lineups.insert(backend_id.to_string(), Lineup::default());
-    }
-    lineups.get_mut(backend_id)
 }
 
 #[cfg(test)]

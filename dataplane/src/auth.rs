@@ -210,11 +210,8 @@ impl Auth {
         }
         let per_second = f64::from(limit) / 60.0;
         let mut buckets = self.buckets.lock().unwrap_or_else(PoisonError::into_inner);
-        // Looked up before inserting: a key's later requests allocate nothing.
-        if !buckets.contains_key(&grant.key_id) {
-            buckets.insert(grant.key_id.clone(), Bucket { tokens: f64::from(limit), at: now });
-        }
-        let Some(bucket) = buckets.get_mut(&grant.key_id) else { return Ok(RateHeaders::default()) };
+        let bucket =
+            inferyes_proto::value_for(&mut buckets, &grant.key_id, || Bucket { tokens: f64::from(limit), at: now });
         let elapsed = now.saturating_duration_since(bucket.at).as_secs_f64();
         bucket.tokens = (bucket.tokens + elapsed * per_second).min(f64::from(limit));
         bucket.at = now;

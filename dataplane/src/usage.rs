@@ -13,10 +13,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use inferyes_proto::FastMap;
 use inferyes_proto::usage::{Usage, hour_of};
 use inferyes_proto::v1::routing_service_client::RoutingServiceClient;
 use inferyes_proto::v1::{UsageBatch, UsageDelta, UsageRecord, UsageRollup};
+use inferyes_proto::{FastMap, value_for};
 use tokio_util::sync::CancellationToken;
 use tonic::transport::Channel;
 
@@ -77,26 +77,12 @@ impl Ledger {
         if !record.key_id.is_empty() {
             let tokens = record.prompt_tokens + record.completion_tokens;
             let mut unacknowledged = self.unacknowledged.lock().unwrap_or_else(PoisonError::into_inner);
-            // Looked up before inserting: a key's later requests allocate
-            // nothing.
-            match unacknowledged.get_mut(&record.key_id) {
-                Some(sum) => *sum += tokens,
-                None => {
-                    unacknowledged.insert(record.key_id.clone(), tokens);
-                }
-            }
+            *value_for(&mut unacknowledged, &record.key_id, || 0) += tokens;
         }
         if !self.keep_records {
             let mut sums = self.sums.lock().unwrap_or_else(PoisonError::into_inner);
-            // Looked up before inserting: the common case allocates nothing.
-            if !sums.contains_key(&record.key_id) {
-                sums.insert(record.key_id.clone(), FastMap::default());
-            }
-            let Some(models) = sums.get_mut(&record.key_id) else { return };
-            if !models.contains_key(&record.model) {
-                models.insert(record.model.clone(), BTreeMap::new());
-            }
-            let Some(hours) = models.get_mut(&record.model) else { return };
+            let models = value_for(&mut sums, &record.key_id, FastMap::default);
+            let hours = value_for(models, &record.model, BTreeMap::new);
             inferyes_proto::usage::add(hours.entry(record.unix_ms / 3_600_000).or_default(), &record);
             return;
         }

@@ -68,8 +68,27 @@ pub fn remove_headers(headers: &mut http::HeaderMap, names: &[http::HeaderName])
 /// client chooses cannot be picked to collide.
 pub type FastMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
 
+/// `map`'s value for `key`, made by `make` where there is none. Looked up
+/// first: `entry` takes the key owned, a copy on every call, where the
+/// common case (the key is there) needs none.
+pub fn value_for<'a, V>(map: &'a mut FastMap<String, V>, key: &str, make: impl FnOnce() -> V) -> &'a mut V {
+    if !map.contains_key(key) {
+        map.insert(key.to_string(), make());
+    }
+    map.get_mut(key).expect("the value is there: inserted just above when missing")
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn value_for_makes_a_value_once_and_then_finds_it() {
+        let mut map = super::FastMap::default();
+        *super::value_for(&mut map, "a", || 1) += 10;
+        *super::value_for(&mut map, "a", || unreachable!("made once")) += 100;
+        assert_eq!(*super::value_for(&mut map, "b", || 2), 2);
+        assert_eq!((map["a"], map.len()), (111, 2));
+    }
+
     #[test]
     fn session_tags_are_pinned_and_short() {
         // Pinned: data planes and controllers of different builds must agree.
