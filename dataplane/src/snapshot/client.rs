@@ -11,7 +11,7 @@ use inferyes_proto::v1::{Alias, RoutingPolicy, SnapshotNode, SubscribeRequest, s
 
 use tokio_util::sync::CancellationToken;
 
-use super::{RoutingSnapshot, SnapshotStore, decode};
+use super::{Indices, RoutingSnapshot, SnapshotStore, decode};
 
 const BACKOFF_MIN: Duration = Duration::from_millis(100);
 const BACKOFF_MAX: Duration = Duration::from_secs(2);
@@ -73,9 +73,9 @@ async fn follow(
         .await?
         .into_inner();
     let mut view = WireView::default();
-    // How this stream's last snapshot routes: a next one that changes only
-    // keys, usage or the version shares its indices, not decoded again.
-    let mut routing: Option<RoutingSnapshot> = None;
+    // This stream's last decoded indices: a next snapshot that changes only
+    // keys, usage or the version shares them, not decoded again.
+    let mut decoded: Option<Arc<Indices>> = None;
     let mut received = false;
     let mut ended = false;
     while !ended {
@@ -99,13 +99,17 @@ async fn follow(
         }
         received = true;
         let version = view.version;
-        let routed = match routing.as_ref().filter(|_| !reroutes) {
-            Some(routing) => routing.same_routing(version),
-            None => decode(version, &view.nodes, view.policy.as_ref(), &view.aliases, store.counters()),
+        let indices = match decoded.filter(|_| !reroutes) {
+            Some(indices) => indices,
+            None => decode(version, &view.nodes, view.policy.as_ref(), &view.aliases, store.counters()).indices,
         };
-        let snapshot =
-            routed.same_routing(version).with_api_keys(Arc::clone(&view.api_keys), Arc::clone(&view.usage_today));
-        routing = Some(routed);
+        decoded = Some(Arc::clone(&indices));
+        let snapshot = RoutingSnapshot {
+            version,
+            indices,
+            api_keys: Arc::clone(&view.api_keys),
+            usage_today: Arc::clone(&view.usage_today),
+        };
         if store.publish(snapshot) {
             tracing::debug!(version, nodes = view.nodes.len(), %controller, "snapshot installed");
         } else {
@@ -236,7 +240,12 @@ mod tests {
         let nodes: BTreeMap<String, SnapshotNode> = [("a".to_string(), node("a"))].into();
         let decoded = decode(1, &nodes, None, &[], &super::super::Counters::default());
         let usage = Arc::new(KeyUsageToday { day: "20261130".into(), tokens: [("k".to_string(), 9)].into() });
-        let next = decoded.same_routing(2).with_api_keys(Arc::default(), Arc::clone(&usage));
+        let next = RoutingSnapshot {
+            version: 2,
+            indices: Arc::clone(&decoded.indices),
+            api_keys: Arc::default(),
+            usage_today: Arc::clone(&usage),
+        };
         assert!(Arc::ptr_eq(&decoded.indices, &next.indices));
         assert_eq!((next.version(), next.nodes().len()), (2, 1));
         assert!(Arc::ptr_eq(&next.usage_today, &usage));

@@ -329,23 +329,6 @@ impl RoutingSnapshot {
         self.api_keys.get(key_id)
     }
 
-    /// A snapshot of `version` that routes as this one does: nothing the
-    /// indices are built from changed since.
-    pub(crate) fn same_routing(&self, version: u64) -> RoutingSnapshot {
-        RoutingSnapshot { version, indices: Arc::clone(&self.indices), ..Default::default() }
-    }
-
-    /// This snapshot with the fleet's API keys and their usage today.
-    pub fn with_api_keys(
-        mut self,
-        keys: Arc<ApiKeys>,
-        usage_today: Arc<inferyes_proto::v1::KeyUsageToday>,
-    ) -> RoutingSnapshot {
-        self.api_keys = keys;
-        self.usage_today = usage_today;
-        self
-    }
-
     /// Tokens `key_id` used today (UTC), per the fleet's roll-up.
     pub fn tokens_today(&self, key_id: &str) -> u64 {
         let today = &inferyes_proto::usage::hour_of(inferyes_proto::unix_ms())[..8];
