@@ -9,6 +9,7 @@ use memchr::memmem::Finder;
 /// The fixed strings looked for in every frame of a stream; searchers built
 /// once.
 static EVENT_END: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\n\n"));
+static CRLF_EVENT_END: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\r\n\r\n"));
 static DATA: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"data: "));
 static NO_CHOICES: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\"choices\":[]"));
 static USAGE: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\"usage\":"));
@@ -24,8 +25,8 @@ impl Events {
     pub fn push(&mut self, data: &[u8]) -> Vec<Bytes> {
         self.pending.extend_from_slice(data);
         let mut events = Vec::new();
-        while let Some(end) = EVENT_END.find(&self.pending) {
-            let event: Vec<u8> = self.pending.drain(..end + 2).collect();
+        while let Some(end) = event_end(&self.pending) {
+            let event: Vec<u8> = self.pending.drain(..end).collect();
             events.push(Bytes::from(event));
         }
         events
@@ -37,18 +38,18 @@ impl Events {
     pub fn without_usage(&mut self, data: Bytes) -> Option<Bytes> {
         // Most frames are whole events, none of them the usage chunk: they
         // go on as they are, not copied.
-        if self.pending.is_empty() && data.ends_with(b"\n\n") && NO_CHOICES.find(&data).is_none() {
+        if self.pending.is_empty() && ends_an_event(&data) && NO_CHOICES.find(&data).is_none() {
             return Some(data);
         }
         self.pending.extend_from_slice(&data);
         let mut kept = Vec::with_capacity(self.pending.len());
         let mut start = 0;
-        while let Some(end) = EVENT_END.find(&self.pending[start..]) {
-            let event = &self.pending[start..start + end + 2];
+        while let Some(end) = event_end(&self.pending[start..]) {
+            let event = &self.pending[start..start + end];
             if !is_usage_only_event(event) {
                 kept.extend_from_slice(event);
             }
-            start += end + 2;
+            start += end;
         }
         self.pending.drain(..start);
         (!kept.is_empty()).then(|| Bytes::from(kept))
@@ -63,6 +64,22 @@ impl Events {
     pub fn take_rest(&mut self) -> Bytes {
         Bytes::from(std::mem::take(&mut self.pending))
     }
+}
+
+/// Where the first whole event in `bytes` ends, its blank line included.
+/// Events end with `\n\n`, or `\r\n\r\n` from a server that ends its
+/// lines so (the two are not mixed within a stream).
+fn event_end(bytes: &[u8]) -> Option<usize> {
+    let lf = EVENT_END.find(bytes).map(|at| at + 2);
+    // Searched only before the first `\n\n`: one that ends earlier is
+    // there, and a stream's frames are not read over and over.
+    let before = lf.unwrap_or(bytes.len());
+    CRLF_EVENT_END.find(&bytes[..before]).map(|at| at + 4).or(lf)
+}
+
+/// Whether `bytes` end where an event does.
+fn ends_an_event(bytes: &[u8]) -> bool {
+    bytes.ends_with(b"\n\n") || bytes.ends_with(b"\r\n\r\n")
 }
 
 /// Whether an event is the usage-only chunk `include_usage` adds
@@ -140,6 +157,24 @@ mod tests {
         assert!(events.is_empty());
         let usage_only = Bytes::from_static(b"data: {\"choices\":[],\"usage\":{}}\n\n");
         assert_eq!(events.without_usage(usage_only), None);
+    }
+
+    #[test]
+    fn events_ending_in_crlf_come_out_whole_and_lose_the_usage_chunk() {
+        let mut events = Events::default();
+        let whole = events.push(b"data: {\"choices\":[{}]}\r\n\r\ndata: [DONE]\r\n\r\ndata: par");
+        assert_eq!(whole.len(), 2);
+        assert_eq!(&whole[1][..], b"data: [DONE]\r\n\r\n");
+        assert_eq!(&events.take_rest()[..], b"data: par");
+        let plain = Bytes::from_static(b"data: {\"choices\":[{}]}\r\n\r\n");
+        assert_eq!(events.without_usage(plain.clone()).unwrap().as_ptr(), plain.as_ptr(), "passed on uncopied");
+        let rest = b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":3}}\r\n\r\ndata: [DONE]\r\n\r\n";
+        assert_eq!(&events.without_usage(Bytes::from_static(rest)).unwrap()[..], b"data: [DONE]\r\n\r\n");
+        assert!(events.is_empty());
+        // An LF event after a CRLF one in the same frame: each ends where it does.
+        assert_eq!(event_end(b"a\r\n\r\nb\n\n"), Some(5));
+        assert_eq!(event_end(b"a\n\nb\r\n\r\n"), Some(3));
+        assert_eq!(event_end(b"a\r\n"), None);
     }
 
     #[test]
