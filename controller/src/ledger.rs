@@ -76,20 +76,28 @@ pub fn rollup_deltas(batch: &UsageBatch) -> BTreeMap<RollupKey, UsageRollup> {
     deltas
 }
 
-/// Adds a batch's tokens to today's per-key totals; a new day starts over.
-pub fn add_today(today: &mut KeyUsageToday, batch: &UsageBatch, now_ms: u64) {
-    let day = hour_of(now_ms)[..8].to_string();
-    for (key, usage) in rollup_deltas(batch) {
-        if key.key_id.is_empty() || !key.hour.starts_with(&day) {
+/// Adds a batch's tokens (its [`rollup_deltas`]) to today's per-key totals;
+/// a new day starts over. Returns whether the totals changed: a batch
+/// without keys changes nothing, and so is not written.
+pub fn add_today(today: &mut KeyUsageToday, deltas: &BTreeMap<RollupKey, UsageRollup>, now_ms: u64) -> bool {
+    let day = &hour_of(now_ms)[..8];
+    let mut changed = false;
+    for (key, usage) in deltas {
+        if key.key_id.is_empty() || !key.hour.starts_with(day) {
             continue;
         }
-        // A new day starts over, once there is something to count in it: a
-        // batch without keys changes nothing (and so writes nothing).
+        // A new day starts over, once there is something to count in it.
         if today.day != day {
-            *today = KeyUsageToday { day: day.clone(), tokens: Default::default() };
+            *today = KeyUsageToday { day: day.to_string(), tokens: Default::default() };
+            changed = true;
         }
-        *today.tokens.entry(key.key_id).or_default() += usage.prompt_tokens + usage.completion_tokens;
+        let tokens = usage.prompt_tokens + usage.completion_tokens;
+        if tokens > 0 {
+            *today.tokens.entry(key.key_id.clone()).or_default() += tokens;
+            changed = true;
+        }
     }
+    changed
 }
 
 /// Campaigns, then leads until shutdown or until etcd takes the lead away.
@@ -166,16 +174,19 @@ async fn apply(store: &EtcdStore, batch: UsageBatch, pending_revision: i64) -> R
             merge(&mut current.value, delta);
             rollups.push((suffix, current));
         }
-        let mut today = store.usage_today().await?;
-        let read = today.value.clone();
-        add_today(&mut today.value, &batch, inferyes_proto::unix_ms());
+        // Read (and written) only for a batch with keys: today's totals are
+        // in the fleet's watch, and a write is a new snapshot version.
+        let today = if deltas.keys().any(|key| !key.key_id.is_empty()) {
+            let mut today = store.usage_today().await?;
+            add_today(&mut today.value, &deltas, inferyes_proto::unix_ms()).then_some(today)
+        } else {
+            None
+        };
         let application = Application {
             batch_id: batch.batch_id.clone(),
             pending_revision,
             rollups,
-            // Written only when it changed: nothing is written when nothing
-            // changed.
-            today: (today.value != read).then_some(today),
+            today,
             // Raw records only when the data plane kept them.
             raw: (!batch.records.is_empty()).then(|| (format!("raw/{hour}/{}", batch.batch_id), batch.clone())),
         };
@@ -260,9 +271,14 @@ mod tests {
         }
 
         let mut today = KeyUsageToday { day: "20261128".into(), tokens: [("old".to_string(), 99)].into() };
-        add_today(&mut today, &batch, hour + 3_600_000);
+        assert!(add_today(&mut today, &deltas, hour + 3_600_000));
         assert_eq!(today.day, "20261129");
         assert_eq!(today.tokens.get("k1"), Some(&42), "15 + 25 + 2");
         assert!(!today.tokens.contains_key("old") && !today.tokens.contains_key(""));
+        // Without keys, nothing changes, not even tomorrow's start.
+        let keyless: BTreeMap<_, _> = deltas.into_iter().filter(|(key, _)| key.key_id.is_empty()).collect();
+        let before = today.clone();
+        assert!(!add_today(&mut today, &keyless, hour + 86_400_000));
+        assert_eq!(today, before);
     }
 }
