@@ -117,6 +117,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
             .map(|probe| BackendHandle {
                 url: inferyes_proto::base_url::BaseUrl::new(&probe.url),
                 authorization: bearer(&probe.api_key),
+                labels: metrics::BackendLabels { backend: probe.id.clone() },
                 probe,
                 in_flight: AtomicU32::new(0),
             })
@@ -188,7 +189,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
 
 /// The `Authorization` value for a backend's API key (none without one):
 /// marked sensitive, so it is never logged or indexed.
-fn bearer(api_key: &str) -> Option<http::HeaderValue> {
+pub(crate) fn bearer(api_key: &str) -> Option<http::HeaderValue> {
     if api_key.is_empty() {
         return None;
     }

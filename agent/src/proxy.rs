@@ -23,7 +23,7 @@ use hyper::body::Incoming;
 use inferyes_proto::pool::{self, Pool};
 use inferyes_proto::{ErrorKind, openai_error_body};
 
-use crate::state::AgentState;
+use crate::state::{AgentState, BackendHandle};
 
 /// Headers the data plane sets for the agent; never forwarded to backends.
 pub use inferyes_proto::headers::{BACKEND as BACKEND_HEADER, MODEL as MODEL_HEADER, SESSION as SESSION_HEADER};
@@ -182,13 +182,11 @@ async fn forward_in_span(proxy: Proxy, request: Request<Incoming>) -> Response {
             let tracked = Tracked {
                 _span: span.clone(),
                 inner: body,
-                _guard: guard,
+                guard,
                 started,
                 first_byte: false,
-                backend: backend_id.to_string(),
                 session,
                 tail: Vec::new(),
-                state: Arc::clone(&proxy.state),
                 scrape: Arc::clone(&proxy.scrape),
             };
             Response::from_parts(parts, Body::new(tracked))
@@ -240,21 +238,24 @@ impl Drop for InFlight {
 /// time to the first data frame.
 struct Tracked {
     inner: pool::Incoming<Incoming>,
-    _guard: InFlight,
+    /// Also says which backend answers.
+    guard: InFlight,
     started: Instant,
     first_byte: bool,
-    backend: String,
     /// The request's session, whose residency the response's usage updates.
     session: Option<String>,
     /// The last bytes of the body, where usage and timings are.
     tail: Vec<u8>,
-    state: Arc<AgentState>,
     scrape: Arc<Scrape>,
     /// The hop's span ends with the body, not with its headers.
     _span: tracing::Span,
 }
 
 impl Tracked {
+    fn backend(&self) -> Option<&BackendHandle> {
+        self.guard.state.backends.get(self.guard.index)
+    }
+
     fn keep_tail(&mut self, data: &[u8]) {
         if self.session.is_none() {
             return;
@@ -269,10 +270,11 @@ impl Tracked {
     fn finished(&mut self) {
         let Some(session) = self.session.take() else { return };
         let Some(usage) = inferyes_proto::usage::parse_usage(&self.tail) else { return };
-        if let Ok(mut residency) = self.state.residency.lock() {
-            residency.record(&session, &self.backend, usage);
+        let state = &self.guard.state;
+        if let (Some(backend), Ok(mut residency)) = (self.backend(), state.residency.lock()) {
+            residency.record(&session, &backend.probe.id, usage);
         }
-        self.state.changed.notify_one();
+        state.changed.notify_one();
     }
 }
 
@@ -296,11 +298,10 @@ impl http_body::Body for Tracked {
                     if !this.first_byte {
                         this.first_byte = true;
                         let ttft = this.started.elapsed().as_secs_f64();
-                        // The label moved in and back, not copied.
-                        let labels = crate::metrics::BackendLabels { backend: std::mem::take(&mut this.backend) };
-                        this.scrape.metrics.first_byte_seconds.get_or_create(&labels).observe(ttft);
-                        this.backend = labels.backend;
-                        tracing::debug!(backend = %this.backend, ttft_ms = ttft * 1000.0, "first byte from backend");
+                        if let Some(backend) = this.backend() {
+                            this.scrape.metrics.first_byte_seconds.get_or_create(&backend.labels).observe(ttft);
+                            tracing::debug!(backend = %backend.probe.id, ttft_ms = ttft * 1000.0, "first byte from backend");
+                        }
                     }
                     this.keep_tail(data);
                 }

@@ -19,6 +19,9 @@ pub struct BackendHandle {
     pub url: inferyes_proto::base_url::BaseUrl,
     /// `Bearer <api key>`, made once, where the backend has a key.
     pub authorization: Option<http::HeaderValue>,
+    /// Its metrics labels, made once: the proxy's first-byte histogram is
+    /// observed under them on every request.
+    pub labels: crate::metrics::BackendLabels,
     pub in_flight: AtomicU32,
 }
 
