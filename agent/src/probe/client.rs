@@ -61,8 +61,8 @@ impl ProbeClient {
     ) -> Result<(StatusCode, Bytes), ProbeError> {
         let url = format!("{}{path}", base.trim_end_matches('/'));
         let mut builder = Request::builder().method(method).uri(&url);
-        if !api_key.is_empty() {
-            builder = builder.header(header::AUTHORIZATION, format!("Bearer {api_key}"));
+        if let Some(authorization) = crate::bearer(api_key) {
+            builder = builder.header(header::AUTHORIZATION, authorization);
         }
         if !body.is_empty() {
             builder = builder.header(header::CONTENT_TYPE, "application/json");

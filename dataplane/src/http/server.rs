@@ -214,7 +214,7 @@ where
                     .map(|s| (*s).to_string())
                     .or_else(|| panic.downcast_ref::<String>().cloned())
                     .unwrap_or_default();
-                let id = this.id.as_ref().and_then(|id| id.to_str().ok()).unwrap_or_default();
+                let id = this.id.as_ref().map(super::id_text).unwrap_or_default();
                 tracing::error!(request_id = id, panic = %what, "request handler panicked");
                 ApiError::new(ErrorKind::Internal, "internal error; the request was not completed", "internal_error")
                     .into_response()
