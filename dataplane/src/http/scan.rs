@@ -520,9 +520,10 @@ impl<'a> Scanner<'a> {
     #[inline(always)]
     fn skip_string(&mut self) -> Scanned<()> {
         let (inside, escaped) = self.string_text()?;
-        // A media name written with escapes is one too: decoded where the
-        // string is short enough to be one (most escaped strings are text).
-        if escaped && inside.len() <= 6 * "input_audio".len() {
+        // A media name written with escapes is one too: decoded where it
+        // could be one, short and with `\u` escapes only (only they give
+        // letters and `_`). Most escaped strings are text with a `\n`.
+        if escaped && inside.len() <= 6 * "input_audio".len() && only_unicode_escapes(inside) {
             self.media |= unescape(inside).is_ok_and(|text| is_media(&text));
         }
         Ok(())
@@ -576,6 +577,12 @@ impl<'a> Scanner<'a> {
             self.at += special(self.bytes().get(self.at..).unwrap_or_default());
         }
     }
+}
+
+/// Whether every escape in a string's text is a `\u` escape.
+fn only_unicode_escapes(escaped: &str) -> bool {
+    let bytes = escaped.as_bytes();
+    memchr::memchr_iter(b'\\', bytes).all(|at| bytes.get(at + 1) == Some(&b'u'))
 }
 
 /// A string that names an image or audio part (a part's type or key).
@@ -1060,6 +1067,11 @@ mod tests {
         );
         assert!(scan(br#"{"model":"m","input":[{"type":"input\u005faudio"}]}"#).unwrap().has_media);
         assert!(!scan(br#"{"model":"m","input":"an image_url, as text"}"#).unwrap().has_media);
+        assert!(!scan(br#"{"model":"m","input":[{"type":"input\u005faudio\n"}]}"#).unwrap().has_media);
+        // Only `\u` escapes can spell a media name: other escaped text is
+        // not decoded to look.
+        assert!(only_unicode_escapes(r"input\u005faudio") && only_unicode_escapes("plain"));
+        assert!(!only_unicode_escapes(r"a\nb") && !only_unicode_escapes(r"\\u005f") && !only_unicode_escapes(r"x\"));
     }
 
     #[test]
