@@ -494,28 +494,24 @@ async fn route_and_forward(
         Some(spliced) => (spliced, true),
         None => (body, false),
     };
-    let session = session_key(&parts.headers, view);
+    // Kept in the request's facts (the decision tail shows it, whatever
+    // becomes of the request) and read from there.
+    facts.session = session_key(&parts.headers, view);
+    let session = facts.session.as_deref();
     let ticket = state.tickets.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let route = routing::select(
         snapshot,
         &RouteRequest {
             model,
             kind,
-            session: session.as_deref(),
+            session,
             prompt_tokens: estimated_prompt_tokens(body.len(), view),
             mode: state.mode,
             ticket,
             now_ms: inferyes_proto::unix_ms(),
         },
     );
-    let route = match route {
-        Ok(route) => route,
-        Err(error) => {
-            // The decision tail shows the session of a request no node took.
-            facts.session = session;
-            return Err(error.into());
-        }
-    };
+    let route = route?;
     // A cold load holds the model's size against the node until it answers.
     let reserve_bytes = if route.cold {
         snapshot
@@ -528,13 +524,12 @@ async fn route_and_forward(
     let path_and_query = parts.uri.path_and_query().cloned().unwrap_or_else(|| PathAndQuery::from_static("/"));
     if route.cold && view.stream {
         tracing::debug!(request_id = super::id_text(&request_id), model, "cold load for a stream: answering at once");
-        facts.session.clone_from(&session);
         let outbound = OwnedOutbound {
             path_and_query,
             headers: parts.headers.clone(),
             body,
             model: model.to_string(),
-            session,
+            session: session.map(str::to_string),
             request_id,
             reserve_bytes,
             expects_done: expects_done(kind),
@@ -548,7 +543,7 @@ async fn route_and_forward(
         headers: &parts.headers,
         body,
         model,
-        session: session.as_deref(),
+        session,
         request_id: &request_id,
         reserve_bytes,
         stream: view.stream,
@@ -561,7 +556,6 @@ async fn route_and_forward(
         strip_usage,
     };
     let result = state.forwarder.forward(snapshot, &route, outbound).await;
-    facts.session = session;
     let request_id = super::id_text(&request_id);
     match &result {
         Ok(response) => tracing::debug!(
