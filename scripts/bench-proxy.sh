@@ -26,6 +26,9 @@
 #                                       # count only the proxies whose name starts so
 #   KIND=sse INSTRUCTIONS=1 ./scripts/bench-proxy.sh
 #                                       # count streamed completions, not JSON chat
+#   HEADERS=openai ./scripts/bench-proxy.sh
+#                                       # every request with the 17 headers the OpenAI Python
+#                                       # client sends, not wrk's few
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -218,6 +221,27 @@ wrk.headers["Content-Type"] = "application/json"
 wrk.headers["x-inferyes-backend"] = "main"
 wrk.body = '{"model":"bench","messages":[{"role":"user","content":"hello"}],"max_tokens":2}'
 LUA
+if [ "${HEADERS:-}" = openai ]; then
+  # The headers the OpenAI Python client (3.x) sends, with Host and
+  # Content-Length (wrk's own): what a proxy parses, copies and forwards
+  # with every request.
+  cat >> "$work/chat.lua" <<'LUA'
+wrk.headers["Accept-Encoding"] = "gzip, deflate"
+wrk.headers["Connection"] = "keep-alive"
+wrk.headers["Authorization"] = "Bearer sk-no-key"
+wrk.headers["Accept"] = "application/json"
+wrk.headers["User-Agent"] = "OpenAI/Python 3.57.0"
+wrk.headers["X-Stainless-Lang"] = "python"
+wrk.headers["X-Stainless-Package-Version"] = "3.57.0"
+wrk.headers["X-Stainless-OS"] = "Linux"
+wrk.headers["X-Stainless-Arch"] = "x64"
+wrk.headers["X-Stainless-Runtime"] = "CPython"
+wrk.headers["X-Stainless-Runtime-Version"] = "3.11.7"
+wrk.headers["X-Stainless-Async"] = "false"
+wrk.headers["x-stainless-retry-count"] = "0"
+wrk.headers["x-stainless-read-timeout"] = "600"
+LUA
+fi
 sed 's/"messages":\[{"role":"user","content":"hello"}\]/"prompt":"hello","stream":true/' "$work/chat.lua" > "$work/stream.lua"
 sed 's/"model":"bench"/"model":"bench-direct"/' "$work/chat.lua" > "$work/chat-direct.lua"
 sed 's/"model":"bench"/"model":"bench-direct"/' "$work/stream.lua" > "$work/stream-direct.lua"

@@ -36,6 +36,7 @@ pub struct Hop {
 pub struct Resume {
     pub forwarder: Forwarder,
     pub path_and_query: http::uri::PathAndQuery,
+    /// The client's.
     pub headers: http::HeaderMap,
     pub body: Bytes,
     pub model: String,
@@ -218,7 +219,7 @@ async fn continue_on(resume: &Resume, hop: &Hop, partial: &str, generated: u64) 
     }
     let outbound = Outbound {
         path_and_query: &resume.path_and_query,
-        headers: &resume.headers,
+        headers: resume.headers.clone(),
         body: Bytes::from(request.to_string()),
         model: &resume.model,
         session: resume.session.as_deref(),
@@ -230,8 +231,7 @@ async fn continue_on(resume: &Resume, hop: &Hop, partial: &str, generated: u64) 
         meter: None,
         strip_usage: false,
     };
-    let response =
-        resume.forwarder.send(&hop.proxy_url, hop.proxy_http2, hop.backend.as_ref(), &outbound).await.ok()?;
+    let response = resume.forwarder.send(&hop.proxy_url, hop.proxy_http2, hop.backend.as_ref(), outbound).await.ok()?;
     let event_stream = response
         .headers()
         .get(http::header::CONTENT_TYPE)

@@ -63,7 +63,9 @@ pub struct Forwarder {
 /// What the forwarder needs to know about one request.
 pub struct Outbound<'a> {
     pub path_and_query: &'a PathAndQuery,
-    pub headers: &'a HeaderMap,
+    /// The client's: each attempt makes its own from them
+    /// ([`upstream_headers`]), the last one in place.
+    pub headers: HeaderMap,
     pub body: Bytes,
     pub model: &'a str,
     pub session: Option<&'a str>,
@@ -137,20 +139,21 @@ impl Forwarder {
         proxy_http2: bool,
         backend: Option<&HeaderValue>,
         out: &Outbound<'_>,
+        headers: HeaderMap,
+        body: Bytes,
     ) -> Result<Result<http::Response<Answer>, BoxError>, ApiError> {
         let internal = || ApiError::new(ErrorKind::Internal, "cannot build the upstream request", "internal_error");
-        let headers = upstream_headers(backend, out);
-        let body = Full::new(out.body.clone());
+        let body = Full::new(body);
         if let Some(http2) = self.http2.as_ref().filter(|_| proxy_http2) {
             let (uri, host) = proxy_url.uri(out.path_and_query).ok_or_else(internal)?;
-            let request = upstream_request(uri, host, headers, body);
+            let request = upstream_request(uri, host, backend, headers, body);
             return Ok(match http2.request(request).await {
                 Ok(response) => Ok(response.map(Answer::unpooled)),
                 Err(error) => Err(error.into()),
             });
         }
         let (uri, host, origin) = proxy_url.origin_form(out.path_and_query).ok_or_else(internal)?;
-        let request = upstream_request(uri, host, headers, body);
+        let request = upstream_request(uri, host, backend, headers, body);
         Ok(self.http1.send(origin, request).await.map_err(BoxError::from))
     }
 
@@ -161,7 +164,7 @@ impl Forwarder {
         &self,
         snapshot: &RoutingSnapshot,
         route: &Route,
-        out: Outbound<'_>,
+        mut out: Outbound<'_>,
     ) -> Result<Response, ApiError> {
         let mut last_error: Option<ApiError> = None;
         for (attempt, target) in route.targets.iter().enumerate() {
@@ -176,7 +179,16 @@ impl Forwarder {
             let reserve = if attempt == 0 { out.reserve_bytes } else { 0 };
             let guard = InFlight::enter(Arc::clone(&node.local), reserve);
             let is_last = attempt + 1 == route.targets.len();
-            let request = self.request(&node.proxy_url, node.proxy_http2, backend.id_header.as_ref(), &out);
+            // The last attempt makes its headers of the client's, in place,
+            // and takes the body; one before it, copies (a failover needs
+            // them again; the body's first copy allocates).
+            let (headers, body) = if is_last {
+                (upstream_headers(std::mem::take(&mut out.headers), &out), std::mem::take(&mut out.body))
+            } else {
+                (copied_upstream_headers(&out.headers, &out), out.body.clone())
+            };
+            let backend = backend.id_header.as_ref();
+            let request = self.request(&node.proxy_url, node.proxy_http2, backend, &out, headers, body);
             let Ok(sent) = tokio::time::timeout(self.header_timeout, request).await else {
                 return Err(ApiError::new(
                     ErrorKind::Timeout,
@@ -296,8 +308,8 @@ impl Forwarder {
                 let resume = Resume {
                     forwarder: self.clone(),
                     path_and_query: out.path_and_query.clone(),
-                    headers: out.headers.clone(),
-                    body: out.body.clone(),
+                    headers: std::mem::take(&mut out.headers),
+                    body: std::mem::take(&mut out.body),
                     model: out.model.to_string(),
                     session: out.session.map(str::to_string),
                     request_id: out.request_id.clone(),
@@ -342,10 +354,12 @@ impl Forwarder {
         proxy_url: &BaseUrl,
         proxy_http2: bool,
         backend: Option<&HeaderValue>,
-        out: &Outbound<'_>,
+        mut out: Outbound<'_>,
     ) -> Result<http::Response<Answer>, ApiError> {
         let unreachable = || ApiError::new(ErrorKind::Upstream, "the node is unreachable", "upstream_unreachable");
-        let request = self.request(proxy_url, proxy_http2, backend, out);
+        let headers = upstream_headers(std::mem::take(&mut out.headers), &out);
+        let body = std::mem::take(&mut out.body);
+        let request = self.request(proxy_url, proxy_http2, backend, &out, headers, body);
         match tokio::time::timeout(self.header_timeout, request).await {
             Ok(result) => result?.map_err(|_| unreachable()),
             Err(_) => Err(unreachable()),
@@ -365,38 +379,66 @@ fn is_decimal(text: &[u8], n: usize) -> bool {
 /// Why a node's proxy gave no answer.
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
-/// The request's headers as they go to the agent (without `Host`).
-fn upstream_headers(backend: Option<&HeaderValue>, out: &Outbound<'_>) -> HeaderMap {
-    // Sized once: the client's headers plus the few added here (growing a
-    // header map rehashes it).
-    let mut headers = HeaderMap::with_capacity(out.headers.len() + 6);
-    for (name, value) in out.headers {
-        if forwardable(name) {
+/// The client's headers made into those a node is sent, in place: what
+/// stays behind taken out, ours put in. A client sends a dozen headers or
+/// more (the OpenAI SDKs, 17) and few of them stay behind: taking those out
+/// is much cheaper than copying all the others into a new map. `Host`, the
+/// length and the backend are the attempt's own ([`upstream_request`]).
+fn upstream_headers(mut headers: HeaderMap, out: &Outbound<'_>) -> HeaderMap {
+    let behind: Vec<HeaderName> = headers.keys().filter(|name| stays_behind(name)).cloned().collect();
+    for name in &behind {
+        headers.remove(name);
+    }
+    add_ours(&mut headers, out);
+    headers
+}
+
+/// What [`upstream_headers`] makes, made in a new map, leaving the client's
+/// as they are for the next attempt.
+fn copied_upstream_headers(client: &HeaderMap, out: &Outbound<'_>) -> HeaderMap {
+    // Sized once: the client's headers plus ours (growing a map rehashes it).
+    let mut headers = HeaderMap::with_capacity(client.len() + 6);
+    for (name, value) in client {
+        if !stays_behind(name) {
             headers.append(name, value.clone());
         }
     }
+    add_ours(&mut headers, out);
+    headers
+}
+
+fn add_ours(headers: &mut HeaderMap, out: &Outbound<'_>) {
     headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
     headers.insert(super::server::REQUEST_ID, out.request_id.clone());
-    if let Some(v) = backend {
-        headers.insert(BACKEND_HEADER, v.clone());
-    }
     if let Ok(v) = HeaderValue::from_str(out.model) {
         headers.insert(MODEL_HEADER, v);
     }
     if let Some(v) = out.session.and_then(|s| HeaderValue::from_str(s).ok()) {
         headers.insert(SESSION_HEADER, v);
     }
-    inferyes_proto::telemetry::inject(&tracing::Span::current(), &mut headers);
-    headers
+    inferyes_proto::telemetry::inject(&tracing::Span::current(), headers);
 }
 
+/// One attempt's request: `headers` from [`upstream_headers`], with this
+/// node's `Host` and backend, and the body's length.
 fn upstream_request(
     uri: http::Uri,
     host: HeaderValue,
+    backend: Option<&HeaderValue>,
     mut headers: HeaderMap,
     body: Full<Bytes>,
 ) -> Request<Full<Bytes>> {
     headers.insert(header::HOST, host);
+    match backend {
+        Some(v) => headers.insert(BACKEND_HEADER, v.clone()),
+        None => headers.remove(BACKEND_HEADER),
+    };
+    // The client's length stands where it is the body's (the usual case; an
+    // alias or a usage request rewritten in the body changes it).
+    let length = http_body::Body::size_hint(&body).exact().and_then(|n| usize::try_from(n).ok()).unwrap_or(0);
+    if !headers.get(header::CONTENT_LENGTH).is_some_and(|v| is_decimal(v.as_bytes(), length)) {
+        headers.insert(header::CONTENT_LENGTH, HeaderValue::from(length));
+    }
     let mut request = Request::new(body);
     *request.method_mut() = Method::POST;
     *request.uri_mut() = uri;
@@ -416,18 +458,13 @@ pub(crate) fn route_label(headers: &HeaderMap) -> &'static str {
         .unwrap_or("none")
 }
 
-/// Client headers that travel on: not hop-by-hop, not the client's
-/// credential (the agent adds the backend's own), not our routing headers.
-fn forwardable(name: &HeaderName) -> bool {
-    !matches!(
-        *name,
-        header::CONNECTION
-            | header::HOST
-            | header::CONTENT_LENGTH
-            | header::PROXY_AUTHORIZATION
-            | header::AUTHORIZATION
-    ) && !inferyes_proto::headers::HOP_BY_HOP.contains(name)
-        && !name.as_str().starts_with("x-inferyes-")
+/// Client headers that do not travel on: hop-by-hop ones, the client's
+/// credential (the agent adds the backend's own), and our routing headers.
+/// `Host` and `Content-Length` are written anew for each attempt.
+fn stays_behind(name: &HeaderName) -> bool {
+    matches!(*name, header::PROXY_AUTHORIZATION | header::AUTHORIZATION)
+        || inferyes_proto::headers::HOP_BY_HOP.contains(name)
+        || name.as_str().starts_with("x-inferyes-")
 }
 
 fn strip_hop_by_hop(headers: &mut HeaderMap) {
@@ -634,7 +671,12 @@ impl Forwarder {
     /// headers at once (`x-inferyes-route: cold`) and an SSE comment each
     /// second while the model loads, instead of minutes of silence; then
     /// the backend's stream, or a final error event.
-    pub fn forward_cold_stream(&self, snapshot: Arc<RoutingSnapshot>, route: Route, out: OwnedOutbound) -> Response {
+    pub fn forward_cold_stream(
+        &self,
+        snapshot: Arc<RoutingSnapshot>,
+        route: Route,
+        mut out: OwnedOutbound,
+    ) -> Response {
         let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(16);
         let node_id =
             route.targets.first().and_then(|t| snapshot.node(t.node)).map(|n| n.id.to_string()).unwrap_or_default();
@@ -644,9 +686,9 @@ impl Forwarder {
         tokio::spawn(tracing::Instrument::instrument(
             async move {
                 let outbound = Outbound {
+                    headers: std::mem::take(&mut out.headers),
                     path_and_query: &out.path_and_query,
-                    headers: &out.headers,
-                    body: out.body.clone(),
+                    body: std::mem::take(&mut out.body),
                     model: &out.model,
                     session: out.session.as_deref(),
                     request_id: &out.request_id,
@@ -744,6 +786,86 @@ mod tests {
         assert!(!is_decimal(b"+240", 240));
         assert!(!is_decimal(b"24 0", 240));
         assert!(!is_decimal(b"99999999999999999999999", 0), "too long for a length");
+    }
+
+    /// The headers a client's request reaches a node with, made in place
+    /// (a last attempt) and as a copy (one before it): the same.
+    fn sent(client: HeaderMap, backend: Option<&'static str>, body: &'static [u8]) -> HeaderMap {
+        let path = PathAndQuery::from_static("/v1/chat/completions");
+        let request_id = HeaderValue::from_static("req_1");
+        let out = Outbound {
+            path_and_query: &path,
+            headers: HeaderMap::new(),
+            body: Bytes::from_static(body),
+            model: "llama",
+            session: Some("chat-1"),
+            request_id: &request_id,
+            reserve_bytes: 0,
+            stream: false,
+            expects_done: false,
+            continuation: false,
+            meter: None,
+            strip_usage: false,
+        };
+        let copied = copied_upstream_headers(&client, &out);
+        let in_place = upstream_headers(client, &out);
+        assert_eq!(in_place, copied, "both ways make the same headers");
+        let backend = backend.map(HeaderValue::from_static);
+        let request = upstream_request(
+            http::Uri::from_static("/v1/chat/completions"),
+            HeaderValue::from_static("node-a:9100"),
+            backend.as_ref(),
+            in_place,
+            Full::new(out.body.clone()),
+        );
+        request.into_parts().0.headers
+    }
+
+    #[test]
+    fn a_client_s_headers_travel_on_but_its_credential_hop_by_hop_and_routing_headers_stay_behind() {
+        let mut client = HeaderMap::new();
+        client.insert(header::HOST, HeaderValue::from_static("gateway:8080"));
+        client.insert(header::AUTHORIZATION, HeaderValue::from_static("Bearer sk-client"));
+        client.insert(header::PROXY_AUTHORIZATION, HeaderValue::from_static("Basic cHJveHk="));
+        client.insert(header::CONNECTION, HeaderValue::from_static("keep-alive"));
+        client.insert(HeaderName::from_static("keep-alive"), HeaderValue::from_static("timeout=5"));
+        client.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain"));
+        client.insert(header::CONTENT_LENGTH, HeaderValue::from_static("61"));
+        client.insert(BACKEND_HEADER, HeaderValue::from_static("chosen-by-the-client"));
+        client.insert(HeaderName::from_static("x-inferyes-anything"), HeaderValue::from_static("1"));
+        client.insert(HeaderName::from_static("x-stainless-lang"), HeaderValue::from_static("python"));
+        client.append(HeaderName::from_static("x-trace"), HeaderValue::from_static("a"));
+        client.append(HeaderName::from_static("x-trace"), HeaderValue::from_static("b"));
+        client.insert(HeaderName::from_static("x-session-id"), HeaderValue::from_static("chat-1"));
+
+        let headers = sent(client, Some("main"), b"{}");
+        for gone in ["authorization", "proxy-authorization", "connection", "keep-alive", "x-inferyes-anything"] {
+            assert!(!headers.contains_key(gone), "{gone} stays behind");
+        }
+        assert_eq!(headers[header::HOST], "node-a:9100");
+        assert_eq!(headers[header::CONTENT_TYPE], "application/json");
+        assert_eq!(headers[header::CONTENT_LENGTH], "2", "the body's length, not the client's");
+        assert_eq!(headers[BACKEND_HEADER], "main", "the route's backend, not the client's");
+        assert_eq!(headers[MODEL_HEADER], "llama");
+        assert_eq!(headers[SESSION_HEADER], "chat-1");
+        assert_eq!(headers[super::super::server::REQUEST_ID], "req_1");
+        assert_eq!(headers["x-stainless-lang"], "python");
+        assert_eq!(headers["x-session-id"], "chat-1");
+        let trace: Vec<_> = headers.get_all("x-trace").iter().collect();
+        assert_eq!(trace, ["a", "b"], "every value of a header, in order");
+        assert_eq!(headers.len(), 11);
+    }
+
+    #[test]
+    fn a_route_without_a_backend_sends_none_and_a_right_length_is_kept() {
+        let mut client = HeaderMap::new();
+        client.insert(header::CONTENT_LENGTH, HeaderValue::from_static("2"));
+        client.insert(BACKEND_HEADER, HeaderValue::from_static("chosen-by-the-client"));
+        let headers = sent(client, None, b"{}");
+        assert!(!headers.contains_key(BACKEND_HEADER));
+        assert_eq!(headers[header::CONTENT_LENGTH], "2");
+        let headers = sent(HeaderMap::new(), None, b"{\"a\":1}");
+        assert_eq!(headers[header::CONTENT_LENGTH], "7", "written where the client sent none (a chunked upload)");
     }
 
     #[test]

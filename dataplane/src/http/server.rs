@@ -526,7 +526,7 @@ async fn route_and_forward(
         tracing::debug!(request_id = super::id_text(&request_id), model, "cold load for a stream: answering at once");
         let outbound = OwnedOutbound {
             path_and_query,
-            headers: parts.headers.clone(),
+            headers: parts.headers,
             body,
             model: model.to_string(),
             session: session.map(str::to_string),
@@ -540,7 +540,7 @@ async fn route_and_forward(
     }
     let outbound = Outbound {
         path_and_query: &path_and_query,
-        headers: &parts.headers,
+        headers: parts.headers,
         body,
         model,
         session,

@@ -155,7 +155,8 @@ pub fn session_key(headers: &HeaderMap, view: &RoutingView) -> Option<String> {
 fn root_key(hash: u64) -> String {
     let mut key = *b"root-0000000000000000";
     super::write_hex(&mut key[5..], u128::from(hash));
-    String::from_utf8_lossy(&key).into_owned()
+    // ASCII throughout: the check is a few word compares, not a lossy copy.
+    String::from_utf8(key.to_vec()).unwrap_or_default()
 }
 
 /// A low estimate of a body's prompt tokens, for the context-window check:
