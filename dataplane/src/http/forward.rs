@@ -433,10 +433,13 @@ fn upstream_request(
         Some(v) => headers.insert(BACKEND_HEADER, v.clone()),
         None => headers.remove(BACKEND_HEADER),
     };
-    // The client's length stands where it is the body's (the usual case; an
-    // alias or a usage request rewritten in the body changes it).
+    // The client's length stands where it is the body's, alone (the usual
+    // case; an alias or a usage request rewritten in the body changes it,
+    // and an HTTP/2 client may repeat it, which a proxy must not pass on).
     let length = http_body::Body::size_hint(&body).exact().and_then(|n| usize::try_from(n).ok()).unwrap_or(0);
-    if !headers.get(header::CONTENT_LENGTH).is_some_and(|v| is_decimal(v.as_bytes(), length)) {
+    let mut lengths = headers.get_all(header::CONTENT_LENGTH).iter();
+    let single = lengths.next().filter(|_| lengths.next().is_none());
+    if !single.is_some_and(|v| is_decimal(v.as_bytes(), length)) {
         headers.insert(header::CONTENT_LENGTH, HeaderValue::from(length));
     }
     let mut request = Request::new(body);
@@ -866,6 +869,12 @@ mod tests {
         assert_eq!(headers[header::CONTENT_LENGTH], "2");
         let headers = sent(HeaderMap::new(), None, b"{\"a\":1}");
         assert_eq!(headers[header::CONTENT_LENGTH], "7", "written where the client sent none (a chunked upload)");
+        let mut client = HeaderMap::new();
+        client.append(header::CONTENT_LENGTH, HeaderValue::from_static("2"));
+        client.append(header::CONTENT_LENGTH, HeaderValue::from_static("2"));
+        let headers = sent(client, None, b"{}");
+        let lengths: Vec<_> = headers.get_all(header::CONTENT_LENGTH).iter().collect();
+        assert_eq!(lengths, ["2"], "a repeated length goes on once");
     }
 
     #[test]

@@ -51,6 +51,37 @@ async fn breaking_backend(shutdown: CancellationToken) -> String {
     url
 }
 
+/// A llama-server look-alike whose every chat answer is the request's
+/// `x-client-tag` header (`none` without one).
+async fn echoing_backend(shutdown: CancellationToken) -> String {
+    let app = Router::new()
+        .route("/health", get(|| async { axum::Json(json!({"status": "ok"})) }))
+        .route("/v1/models", get(|| async { axum::Json(json!({"object": "list", "data": [{"id": "chat"}]})) }))
+        .route(
+            "/v1/chat/completions",
+            post(|headers: http::HeaderMap| async move {
+                let tag = headers.get("x-client-tag").and_then(|v| v.to_str().ok()).unwrap_or("none").to_string();
+                axum::Json(json!({
+                    "object": "chat.completion",
+                    "model": "chat",
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": tag}, "finish_reason": "stop"}],
+                    "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+                }))
+            }),
+        );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let url = format!("http://{}", listener.local_addr().expect("bound"));
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, app).with_graceful_shutdown(shutdown.cancelled_owned()).await;
+    });
+    url
+}
+
+/// A node whose agent serves the llama-server look-alike at `url`.
+async fn node_of(id: &str, controller: &ControllerHandle, url: &str) -> AgentHandle {
+    AgentHandle::start_with(id, &[controller.url()], GpuSourceConfig::None, vec![llama_server(url, &[])]).await
+}
+
 /// A fleet whose `node-a` breaks every answer after its first bytes, and,
 /// with `healthy`, a `node-b` that answers well.
 struct Breaking {
@@ -67,14 +98,7 @@ impl Breaking {
         let etcd = Etcd::start().await;
         let controller = ControllerHandle::start(&etcd.endpoint(), "controller-1").await;
         let stop = CancellationToken::new();
-        let url = breaking_backend(stop.clone()).await;
-        let broken = AgentHandle::start_with(
-            "node-a",
-            &[controller.url()],
-            GpuSourceConfig::None,
-            vec![llama_server(&url, &[])],
-        )
-        .await;
+        let broken = node_of("node-a", &controller, &breaking_backend(stop.clone()).await).await;
         let healthy = if healthy {
             let sim = SimHandle::start(chat_sim("chat")).await;
             Some((AgentHandle::start("node-b", &[controller.url()], &[("main", &sim)]).await, sim))
@@ -150,6 +174,36 @@ async fn a_whole_answer_comes_from_another_node_when_one_breaks_mid_answer() {
     let response = http.post_json(&fleet.url(), &chat_body("chat", "x")).await;
     assert_eq!(response.status, StatusCode::BAD_GATEWAY);
     assert_eq!(response.openai_error()["code"], "upstream_broken");
+}
+
+#[tokio::test]
+async fn a_failover_carries_the_client_s_headers_to_the_next_node() {
+    let etcd = Etcd::start().await;
+    let controller = ControllerHandle::start(&etcd.endpoint(), "controller-1").await;
+    let stop = CancellationToken::new();
+    let _stop = stop.clone().drop_guard();
+    let _a = node_of("node-a", &controller, &breaking_backend(stop.clone()).await).await;
+    let _b = node_of("node-b", &controller, &echoing_backend(stop.clone()).await).await;
+    let dataplane = DataplaneHandle::start(&[controller.url()]).await;
+    dataplane.wait_for_nodes(&["node-a", "node-b"]).await;
+    let url = format!("{}/v1/chat/completions", dataplane.url);
+    let http = HttpClient::default();
+
+    // A request placed on the broken node first goes on to the other with
+    // the headers its client sent, as one placed there first does.
+    let mut failovers = 0;
+    for i in 0..12 {
+        let tag = format!("tag-{i}");
+        let body = Bytes::from(chat_body("chat", &format!("question {i}")).to_string());
+        let response = http.send(Method::POST, &url, body, &[("x-client-tag", &tag)]).await;
+        assert_eq!(response.status, StatusCode::OK, "{}", String::from_utf8_lossy(&response.body));
+        assert_eq!(response.header("x-inferyes-node"), Some("node-b"));
+        assert_eq!(response.json()["choices"][0]["message"]["content"], tag.as_str());
+        if response.header("x-inferyes-route") == Some("failover") {
+            failovers += 1;
+        }
+    }
+    assert!(failovers > 0, "some requests were placed on the broken node first");
 }
 
 #[tokio::test]
