@@ -180,12 +180,12 @@ impl Forwarder {
             let guard = InFlight::enter(Arc::clone(&node.local), reserve);
             let is_last = attempt + 1 == route.targets.len();
             // The last attempt makes its headers of the client's, in place,
-            // and takes the body; one before it, copies (a failover needs
+            // and takes the body; one before it, of copies (a failover needs
             // them again; the body's first copy allocates).
             let (headers, body) = if is_last {
                 (upstream_headers(std::mem::take(&mut out.headers), &out), std::mem::take(&mut out.body))
             } else {
-                (copied_upstream_headers(&out.headers, &out), out.body.clone())
+                (upstream_headers(out.headers.clone(), &out), out.body.clone())
             };
             let backend = backend.id_header.as_ref();
             let request = self.request(&node.proxy_url, node.proxy_http2, backend, &out, headers, body);
@@ -382,32 +382,15 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 /// The client's headers made into those a node is sent, in place: what
 /// stays behind taken out, ours put in. A client sends a dozen headers or
 /// more (the OpenAI SDKs, 17) and few of them stay behind: taking those out
-/// is much cheaper than copying all the others into a new map. `Host`, the
-/// length and the backend are the attempt's own ([`upstream_request`]).
+/// is much cheaper than copying all the others into a new map, and a copy
+/// (for an attempt a failover may follow) is cheapest as a clone, whose
+/// names are not hashed again. `Host`, the length and the backend are the
+/// attempt's own ([`upstream_request`]).
 fn upstream_headers(mut headers: HeaderMap, out: &Outbound<'_>) -> HeaderMap {
     let behind: Vec<HeaderName> = headers.keys().filter(|name| stays_behind(name)).cloned().collect();
     for name in &behind {
         headers.remove(name);
     }
-    add_ours(&mut headers, out);
-    headers
-}
-
-/// What [`upstream_headers`] makes, made in a new map, leaving the client's
-/// as they are for the next attempt.
-fn copied_upstream_headers(client: &HeaderMap, out: &Outbound<'_>) -> HeaderMap {
-    // Sized once: the client's headers plus ours (growing a map rehashes it).
-    let mut headers = HeaderMap::with_capacity(client.len() + 6);
-    for (name, value) in client {
-        if !stays_behind(name) {
-            headers.append(name, value.clone());
-        }
-    }
-    add_ours(&mut headers, out);
-    headers
-}
-
-fn add_ours(headers: &mut HeaderMap, out: &Outbound<'_>) {
     headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
     headers.insert(super::server::REQUEST_ID, out.request_id.clone());
     if let Ok(v) = HeaderValue::from_str(out.model) {
@@ -416,7 +399,8 @@ fn add_ours(headers: &mut HeaderMap, out: &Outbound<'_>) {
     if let Some(v) = out.session.and_then(|s| HeaderValue::from_str(s).ok()) {
         headers.insert(SESSION_HEADER, v);
     }
-    inferyes_proto::telemetry::inject(&tracing::Span::current(), headers);
+    inferyes_proto::telemetry::inject(&tracing::Span::current(), &mut headers);
+    headers
 }
 
 /// One attempt's request: `headers` from [`upstream_headers`], with this
@@ -791,8 +775,7 @@ mod tests {
         assert!(!is_decimal(b"99999999999999999999999", 0), "too long for a length");
     }
 
-    /// The headers a client's request reaches a node with, made in place
-    /// (a last attempt) and as a copy (one before it): the same.
+    /// The headers a client's request reaches a node with.
     fn sent(client: HeaderMap, backend: Option<&'static str>, body: &'static [u8]) -> HeaderMap {
         let path = PathAndQuery::from_static("/v1/chat/completions");
         let request_id = HeaderValue::from_static("req_1");
@@ -810,15 +793,13 @@ mod tests {
             meter: None,
             strip_usage: false,
         };
-        let copied = copied_upstream_headers(&client, &out);
-        let in_place = upstream_headers(client, &out);
-        assert_eq!(in_place, copied, "both ways make the same headers");
+        let headers = upstream_headers(client, &out);
         let backend = backend.map(HeaderValue::from_static);
         let request = upstream_request(
             http::Uri::from_static("/v1/chat/completions"),
             HeaderValue::from_static("node-a:9100"),
             backend.as_ref(),
-            in_place,
+            headers,
             Full::new(out.body.clone()),
         );
         request.into_parts().0.headers
