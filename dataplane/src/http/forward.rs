@@ -413,10 +413,10 @@ fn upstream_request(
     body: Full<Bytes>,
 ) -> Request<Full<Bytes>> {
     headers.insert(header::HOST, host);
-    match backend {
-        Some(v) => headers.insert(BACKEND_HEADER, v.clone()),
-        None => headers.remove(BACKEND_HEADER),
-    };
+    // A client's own `x-inferyes-*` stayed behind: only the route's backend.
+    if let Some(v) = backend {
+        headers.insert(BACKEND_HEADER, v.clone());
+    }
     // The client's length stands where it is the body's, alone (the usual
     // case; an alias or a usage request rewritten in the body changes it,
     // and an HTTP/2 client may repeat it, which a proxy must not pass on).
