@@ -205,6 +205,9 @@ fn strip_headers(headers: &mut HeaderMap) {
     // `Host` is not here: the backend's own replaces it.
     const STRIPPED: [HeaderName; 5] =
         [header::PROXY_AUTHORIZATION, header::AUTHORIZATION, BACKEND_HEADER, MODEL_HEADER, SESSION_HEADER];
+    for name in inferyes_proto::headers::connection_options(headers) {
+        headers.remove(name);
+    }
     inferyes_proto::remove_headers(headers, &HOP_BY_HOP);
     inferyes_proto::remove_headers(headers, &STRIPPED);
 }
@@ -321,5 +324,29 @@ impl http_body::Body for Tracked {
 
     fn size_hint(&self) -> SizeHint {
         self.inner.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use http::HeaderValue;
+
+    use super::*;
+
+    #[test]
+    fn hop_by_hop_routing_and_credential_headers_stay_behind_and_the_rest_go_on() {
+        let mut headers = HeaderMap::new();
+        headers.insert(header::CONNECTION, HeaderValue::from_static("keep-alive, x-hop"));
+        headers.insert(HeaderName::from_static("x-hop"), HeaderValue::from_static("1"));
+        headers.insert(header::TRANSFER_ENCODING, HeaderValue::from_static("chunked"));
+        headers.insert(header::AUTHORIZATION, HeaderValue::from_static("Bearer sk-client"));
+        headers.insert(BACKEND_HEADER, HeaderValue::from_static("main"));
+        headers.insert(MODEL_HEADER, HeaderValue::from_static("llama"));
+        headers.insert(SESSION_HEADER, HeaderValue::from_static("chat-1"));
+        headers.insert(header::USER_AGENT, HeaderValue::from_static("OpenAI/Python"));
+        headers.insert(HeaderName::from_static("x-stainless-lang"), HeaderValue::from_static("python"));
+        strip_headers(&mut headers);
+        let left: std::collections::BTreeSet<&str> = headers.keys().map(HeaderName::as_str).collect();
+        assert_eq!(left, ["user-agent", "x-stainless-lang"].into());
     }
 }

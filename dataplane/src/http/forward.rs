@@ -387,7 +387,8 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 /// names are not hashed again. `Host`, the length and the backend are the
 /// attempt's own ([`upstream_request`]).
 fn upstream_headers(mut headers: HeaderMap, out: &Outbound<'_>) -> HeaderMap {
-    let behind: Vec<HeaderName> = headers.keys().filter(|name| stays_behind(name)).cloned().collect();
+    let mut behind = inferyes_proto::headers::connection_options(&headers);
+    behind.extend(headers.keys().filter(|name| stays_behind(name)).cloned());
     for name in &behind {
         headers.remove(name);
     }
@@ -455,6 +456,9 @@ fn stays_behind(name: &HeaderName) -> bool {
 }
 
 fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    for name in inferyes_proto::headers::connection_options(headers) {
+        headers.remove(name);
+    }
     inferyes_proto::remove_headers(headers, &inferyes_proto::headers::HOP_BY_HOP);
 }
 
@@ -811,7 +815,8 @@ mod tests {
         client.insert(header::HOST, HeaderValue::from_static("gateway:8080"));
         client.insert(header::AUTHORIZATION, HeaderValue::from_static("Bearer sk-client"));
         client.insert(header::PROXY_AUTHORIZATION, HeaderValue::from_static("Basic cHJveHk="));
-        client.insert(header::CONNECTION, HeaderValue::from_static("keep-alive"));
+        client.insert(header::CONNECTION, HeaderValue::from_static("keep-alive, X-Hop"));
+        client.insert(HeaderName::from_static("x-hop"), HeaderValue::from_static("for the gateway only"));
         client.insert(HeaderName::from_static("keep-alive"), HeaderValue::from_static("timeout=5"));
         client.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain"));
         client.insert(header::CONTENT_LENGTH, HeaderValue::from_static("61"));
@@ -823,7 +828,8 @@ mod tests {
         client.insert(HeaderName::from_static("x-session-id"), HeaderValue::from_static("chat-1"));
 
         let headers = sent(client, Some("main"), b"{}");
-        for gone in ["authorization", "proxy-authorization", "connection", "keep-alive", "x-inferyes-anything"] {
+        for gone in ["authorization", "proxy-authorization", "connection", "keep-alive", "x-hop", "x-inferyes-anything"]
+        {
             assert!(!headers.contains_key(gone), "{gone} stays behind");
         }
         assert_eq!(headers[header::HOST], "node-a:9100");
