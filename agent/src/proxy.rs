@@ -25,9 +25,9 @@ use inferyes_proto::{ErrorKind, openai_error_body};
 
 use crate::state::{AgentState, BackendHandle};
 
+use inferyes_proto::headers::REQUEST_ID as REQUEST_ID_HEADER;
 /// Headers the data plane sets for the agent; never forwarded to backends.
 pub use inferyes_proto::headers::{BACKEND as BACKEND_HEADER, MODEL as MODEL_HEADER, SESSION as SESSION_HEADER};
-use inferyes_proto::headers::{HOP_BY_HOP, REQUEST_ID as REQUEST_ID_HEADER};
 
 /// How long a connection to a backend may sit idle in the pool: below
 /// llama-server's keep-alive timeout (5 s), so that the backend never
@@ -205,10 +205,7 @@ fn strip_headers(headers: &mut HeaderMap) {
     // `Host` is not here: the backend's own replaces it.
     const STRIPPED: [HeaderName; 5] =
         [header::PROXY_AUTHORIZATION, header::AUTHORIZATION, BACKEND_HEADER, MODEL_HEADER, SESSION_HEADER];
-    for name in inferyes_proto::headers::connection_options(headers) {
-        headers.remove(name);
-    }
-    inferyes_proto::remove_headers(headers, &HOP_BY_HOP);
+    inferyes_proto::headers::remove_hop_by_hop(headers);
     inferyes_proto::remove_headers(headers, &STRIPPED);
 }
 

@@ -44,6 +44,18 @@ pub fn connection_options(headers: &HeaderMap) -> Vec<HeaderName> {
     names
 }
 
+/// Takes out the hop-by-hop headers, those its `Connection` header names
+/// included. The header map is looked into only where there is one (a
+/// lookup costs a hash; a look at the few names a message has does not).
+pub fn remove_hop_by_hop(headers: &mut HeaderMap) {
+    if headers.keys().any(|name| *name == header::CONNECTION) {
+        for name in connection_options(headers) {
+            headers.remove(name);
+        }
+    }
+    crate::remove_headers(headers, &HOP_BY_HOP);
+}
+
 #[cfg(test)]
 mod tests {
     use http::HeaderValue;
@@ -61,5 +73,26 @@ mod tests {
         headers.append(header::CONNECTION, HeaderValue::from_static("bad header, te"));
         let names: Vec<String> = connection_options(&headers).iter().map(ToString::to_string).collect();
         assert_eq!(names, ["x-hop", "x-other", "te"], "every Connection header, names lowercased, bad tokens skipped");
+    }
+
+    #[test]
+    fn hop_by_hop_headers_and_those_connection_names_are_taken_out() {
+        let mut headers = HeaderMap::new();
+        headers.insert(header::CONNECTION, HeaderValue::from_static("keep-alive, x-hop"));
+        headers.insert(HeaderName::from_static("x-hop"), HeaderValue::from_static("1"));
+        headers.insert(HeaderName::from_static("keep-alive"), HeaderValue::from_static("timeout=5"));
+        headers.insert(header::TRANSFER_ENCODING, HeaderValue::from_static("chunked"));
+        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        headers.insert(HeaderName::from_static("x-kept"), HeaderValue::from_static("1"));
+        remove_hop_by_hop(&mut headers);
+        let left: Vec<&str> = headers.keys().map(HeaderName::as_str).collect();
+        assert_eq!(left.len(), 2);
+        assert!(left.contains(&"content-type") && left.contains(&"x-kept"), "{left:?}");
+        // Without a Connection header, a header of the same name as an
+        // option elsewhere is nobody's option.
+        let mut headers = HeaderMap::new();
+        headers.insert(HeaderName::from_static("x-hop"), HeaderValue::from_static("1"));
+        remove_hop_by_hop(&mut headers);
+        assert!(headers.contains_key("x-hop"));
     }
 }

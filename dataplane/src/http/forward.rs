@@ -235,7 +235,7 @@ impl Forwarder {
                 node.local.succeeded();
             }
             let (mut parts, body) = response.into_parts();
-            strip_hop_by_hop(&mut parts.headers);
+            inferyes_proto::headers::remove_hop_by_hop(&mut parts.headers);
             if let Some(value) = &node.id_header {
                 parts.headers.insert(NODE_HEADER, value.clone());
             }
@@ -387,8 +387,10 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 /// names are not hashed again. `Host`, the length and the backend are the
 /// attempt's own ([`upstream_request`]).
 fn upstream_headers(mut headers: HeaderMap, out: &Outbound<'_>) -> HeaderMap {
-    let mut behind = inferyes_proto::headers::connection_options(&headers);
-    behind.extend(headers.keys().filter(|name| stays_behind(name)).cloned());
+    let mut behind: Vec<HeaderName> = headers.keys().filter(|name| stays_behind(name)).cloned().collect();
+    if behind.contains(&header::CONNECTION) {
+        behind.extend(inferyes_proto::headers::connection_options(&headers));
+    }
     for name in &behind {
         headers.remove(name);
     }
@@ -453,13 +455,6 @@ fn stays_behind(name: &HeaderName) -> bool {
     matches!(*name, header::PROXY_AUTHORIZATION | header::AUTHORIZATION)
         || inferyes_proto::headers::HOP_BY_HOP.contains(name)
         || name.as_str().starts_with("x-inferyes-")
-}
-
-fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    for name in inferyes_proto::headers::connection_options(headers) {
-        headers.remove(name);
-    }
-    inferyes_proto::remove_headers(headers, &inferyes_proto::headers::HOP_BY_HOP);
 }
 
 /// The error a non-success response carries, in the OpenAI shape, with its
