@@ -28,7 +28,7 @@ pub const HOP_BY_HOP: [HeaderName; 6] = [
 /// [`HOP_BY_HOP`]. Nothing is allocated for the usual options, `close` and
 /// `keep-alive`, which name no header of their own to take out (a
 /// `Keep-Alive` header is in [`HOP_BY_HOP`]).
-pub fn connection_options(headers: &HeaderMap) -> Vec<HeaderName> {
+fn connection_options(headers: &HeaderMap) -> Vec<HeaderName> {
     let mut names = Vec::new();
     for value in headers.get_all(header::CONNECTION) {
         let Ok(value) = value.to_str() else { continue };

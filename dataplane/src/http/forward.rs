@@ -387,10 +387,8 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 /// names are not hashed again. `Host`, the length and the backend are the
 /// attempt's own ([`upstream_request`]).
 fn upstream_headers(mut headers: HeaderMap, out: &Outbound<'_>) -> HeaderMap {
-    let mut behind: Vec<HeaderName> = headers.keys().filter(|name| stays_behind(name)).cloned().collect();
-    if behind.contains(&header::CONNECTION) {
-        behind.extend(inferyes_proto::headers::connection_options(&headers));
-    }
+    inferyes_proto::headers::remove_hop_by_hop(&mut headers);
+    let behind: Vec<HeaderName> = headers.keys().filter(|name| stays_behind(name)).cloned().collect();
     for name in &behind {
         headers.remove(name);
     }
@@ -448,13 +446,11 @@ pub(crate) fn route_label(headers: &HeaderMap) -> &'static str {
         .unwrap_or("none")
 }
 
-/// Client headers that do not travel on: hop-by-hop ones, the client's
-/// credential (the agent adds the backend's own), and our routing headers.
-/// `Host` and `Content-Length` are written anew for each attempt.
+/// Client headers that do not travel on, besides the hop-by-hop ones: the
+/// client's credential (the agent adds the backend's own), and our routing
+/// headers. `Host` and `Content-Length` are written anew for each attempt.
 fn stays_behind(name: &HeaderName) -> bool {
-    matches!(*name, header::PROXY_AUTHORIZATION | header::AUTHORIZATION)
-        || inferyes_proto::headers::HOP_BY_HOP.contains(name)
-        || name.as_str().starts_with("x-inferyes-")
+    matches!(*name, header::PROXY_AUTHORIZATION | header::AUTHORIZATION) || name.as_str().starts_with("x-inferyes-")
 }
 
 /// The error a non-success response carries, in the OpenAI shape, with its
