@@ -99,17 +99,8 @@ async fn follow(
         }
         received = true;
         let version = view.version;
-        let indices = match decoded.filter(|_| !reroutes) {
-            Some(indices) => indices,
-            None => decode(version, &view.nodes, view.policy.as_ref(), &view.aliases, store.counters()).indices,
-        };
-        decoded = Some(Arc::clone(&indices));
-        let snapshot = RoutingSnapshot {
-            version,
-            indices,
-            api_keys: Arc::clone(&view.api_keys),
-            usage_today: Arc::clone(&view.usage_today),
-        };
+        let snapshot = view.snapshot(decoded.take().filter(|_| !reroutes), store.counters());
+        decoded = Some(Arc::clone(&snapshot.indices));
         if store.publish(snapshot) {
             tracing::debug!(version, nodes = view.nodes.len(), %controller, "snapshot installed");
         } else {
@@ -179,6 +170,23 @@ impl WireView {
     }
 }
 
+impl WireView {
+    /// The routing snapshot of this view: routed by `indices` where given
+    /// (nothing they are made of changed since), else by indices decoded
+    /// anew; with the view's keys and usage either way.
+    fn snapshot(&self, indices: Option<Arc<Indices>>, counters: &super::Counters) -> RoutingSnapshot {
+        let indices = indices.unwrap_or_else(|| {
+            decode(self.version, &self.nodes, self.policy.as_ref(), &self.aliases, counters).indices
+        });
+        RoutingSnapshot {
+            version: self.version,
+            indices,
+            api_keys: Arc::clone(&self.api_keys),
+            usage_today: Arc::clone(&self.usage_today),
+        }
+    }
+}
+
 fn node_id(node: &SnapshotNode) -> String {
     node.status.as_ref().map(|s| s.node_id.clone()).unwrap_or_default()
 }
@@ -237,17 +245,22 @@ mod tests {
 
     #[test]
     fn a_snapshot_that_routes_the_same_shares_the_indices_and_takes_the_new_keys() {
-        let nodes: BTreeMap<String, SnapshotNode> = [("a".to_string(), node("a"))].into();
-        let decoded = decode(1, &nodes, None, &[], &super::super::Counters::default());
-        let usage = Arc::new(KeyUsageToday { day: "20261130".into(), tokens: [("k".to_string(), 9)].into() });
-        let next = RoutingSnapshot {
-            version: 2,
-            indices: Arc::clone(&decoded.indices),
-            api_keys: Arc::default(),
-            usage_today: Arc::clone(&usage),
-        };
-        assert!(Arc::ptr_eq(&decoded.indices, &next.indices));
-        assert_eq!((next.version(), next.nodes().len()), (2, 1));
-        assert!(Arc::ptr_eq(&next.usage_today, &usage));
+        let counters = super::super::Counters::default();
+        let mut view = WireView::default();
+        let full = inferyes_proto::v1::RoutingSnapshot { version: 1, nodes: vec![node("a")], ..Default::default() };
+        view.apply(SnapshotUpdate { update: Some(snapshot_update::Update::Full(full)), ..Default::default() }).unwrap();
+        let first = view.snapshot(None, &counters);
+        assert_eq!((first.version(), first.nodes().len()), (1, 1));
+
+        let usage = KeyUsageToday { day: "20261130".into(), tokens: [("k".to_string(), 9)].into() };
+        let reroutes = view.apply(delta(&view, |d| d.usage_today = Some(usage.clone()))).unwrap();
+        let second = view.snapshot(Some(Arc::clone(&first.indices)).filter(|_| !reroutes), &counters);
+        assert!(Arc::ptr_eq(&first.indices, &second.indices), "not decoded again");
+        assert_eq!((second.version(), second.usage_today.tokens["k"]), (2, 9), "the new version and usage");
+
+        let reroutes = view.apply(delta(&view, |d| d.upserted = vec![node("b")])).unwrap();
+        let third = view.snapshot(Some(Arc::clone(&second.indices)).filter(|_| !reroutes), &counters);
+        assert!(!Arc::ptr_eq(&second.indices, &third.indices));
+        assert_eq!((third.version(), third.nodes().len()), (3, 2), "a node more: decoded anew");
     }
 }
