@@ -214,6 +214,21 @@ impl Drop for Open {
     }
 }
 
+/// Closes a worker's inbox if dropped while its thread unwinds. A panic
+/// outside any task (a bug) ends the worker's thread, and with it the
+/// inbox; but the runtime unwinds first, closing the connection in hand,
+/// and a connection handed over in between would be lost. Closed at once,
+/// the inbox refuses it, and the acceptor gives it to another worker.
+struct CloseOnPanic<'a, T>(&'a mut mpsc::UnboundedReceiver<T>);
+
+impl<T> Drop for CloseOnPanic<'_, T> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.0.close();
+        }
+    }
+}
+
 impl<M, S, B> Worker<M>
 where
     M: Fn(SocketAddr) -> S,
@@ -250,7 +265,12 @@ where
             };
             let open = Open(Arc::clone(&self.open));
             let Ok(tcp) = TcpStream::from_std(stream) else { continue };
+            // Declared after the connection, so dropped before it: a client
+            // that sees its connection closed by a panic here knows the
+            // acceptor can hand this worker nothing more.
+            let closes_if_panicking = CloseOnPanic(&mut self.inbox);
             let service = (self.make_service)(peer);
+            drop(closes_if_panicking);
             let (builder, watcher, tls) = (builder.clone(), graceful.watcher(), self.tls.clone());
             tokio::spawn(async move {
                 let _open = open;
