@@ -177,8 +177,13 @@ async fn forward_in_span(proxy: Proxy, request: Request<Incoming>) -> Response {
     let started = Instant::now();
     match proxy.client.send(origin, Request::from_parts(parts, body)).await {
         Ok(response) => {
-            let (parts, body) = response.into_parts();
+            let (mut parts, body) = response.into_parts();
             span.record("http.response.status_code", parts.status.as_u16());
+            // The backend's connection options are its connection's: passed
+            // on, a `Connection: close` (llama-server's on every hundredth
+            // answer of a connection) would close the data plane's pooled
+            // connection to this proxy too.
+            inferyes_proto::headers::remove_hop_by_hop(&mut parts.headers);
             let tracked = Tracked {
                 _span: span.clone(),
                 inner: body,

@@ -13,14 +13,16 @@ pub const SESSION: HeaderName = HeaderName::from_static("x-inferyes-session");
 pub const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 
 /// Hop-by-hop headers (RFC 9110, 7.6.1): they describe one connection and
-/// stop at every proxy.
-pub const HOP_BY_HOP: [HeaderName; 6] = [
+/// stop at every proxy. `Proxy-Connection` is no standard's, but older
+/// clients still send it as a `Connection` meant for the proxy.
+pub const HOP_BY_HOP: [HeaderName; 7] = [
     header::CONNECTION,
     header::TRANSFER_ENCODING,
     header::TE,
     header::TRAILER,
     header::UPGRADE,
     HeaderName::from_static("keep-alive"),
+    HeaderName::from_static("proxy-connection"),
 ];
 
 /// The headers a message's `Connection` header names (RFC 9110, 7.6.1):
@@ -82,6 +84,7 @@ mod tests {
         headers.insert(HeaderName::from_static("x-hop"), HeaderValue::from_static("1"));
         headers.insert(HeaderName::from_static("keep-alive"), HeaderValue::from_static("timeout=5"));
         headers.insert(header::TRANSFER_ENCODING, HeaderValue::from_static("chunked"));
+        headers.insert(HeaderName::from_static("proxy-connection"), HeaderValue::from_static("keep-alive"));
         headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
         headers.insert(HeaderName::from_static("x-kept"), HeaderValue::from_static("1"));
         remove_hop_by_hop(&mut headers);

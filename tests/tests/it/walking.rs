@@ -386,3 +386,59 @@ async fn a_stream_sent_with_a_length_reaches_the_client_whole_and_changed_withou
     assert!(response.header("content-length").is_none_or(|n| n == text.len().to_string()), "{text}");
     assert_eq!(seen.lock().unwrap().len(), 1);
 }
+
+/// A llama-server look-alike that closes its connection after every answer,
+/// as llama-server does on each connection's hundredth, saying so with
+/// `Connection: close` and options of its own.
+async fn closing_backend() -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let url = format!("http://{}", listener.local_addr().expect("bound"));
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            let service = hyper::service::service_fn(|_: http::Request<hyper::body::Incoming>| async {
+                let response = http::Response::builder()
+                    .header("content-type", "application/json")
+                    .header("connection", "close, x-hop")
+                    .header("x-hop", "1")
+                    .header("keep-alive", "timeout=5, max=1")
+                    .body(http_body_util::Full::new(Bytes::from_static(CHAT_COMPLETION.as_bytes())))
+                    .expect("a response");
+                Ok::<_, std::convert::Infallible>(response)
+            });
+            let io = hyper_util::rt::TokioIo::new(stream);
+            tokio::spawn(hyper::server::conn::http1::Builder::new().serve_connection(io, service));
+        }
+    });
+    url
+}
+
+#[tokio::test]
+async fn a_backend_closing_its_connection_leaves_the_connection_to_its_agent_open() {
+    use http_body_util::BodyExt;
+    use inferyes_agent::config::GpuSourceConfig;
+    use inferyes_tests::AgentHandle;
+    let backend = inferyes_tests::fleet::llama_server(&closing_backend().await, &["chat"]);
+    // No controller is needed to reach the proxy.
+    let agent =
+        AgentHandle::start_with("node-a", &["http://127.0.0.1:9".into()], GpuSourceConfig::None, vec![backend]).await;
+    let stream = tokio::net::TcpStream::connect(agent.proxy_addr).await.expect("the agent's proxy");
+    let (mut sender, connection) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream)).await.expect("handshake");
+    tokio::spawn(connection);
+    for turn in 0..3 {
+        sender.ready().await.unwrap_or_else(|e| panic!("turn {turn}: the connection to the agent was closed: {e}"));
+        let request = http::Request::post("/v1/chat/completions")
+            .header("host", "agent")
+            .header(inferyes_proto::headers::BACKEND, "main")
+            .body(http_body_util::Full::new(Bytes::from(chat_body("chat", "hi").to_string())))
+            .expect("a request");
+        let response = sender.send_request(request).await.expect("an answer");
+        assert_eq!(response.status(), StatusCode::OK);
+        for name in ["connection", "keep-alive", "x-hop"] {
+            assert!(!response.headers().contains_key(name), "turn {turn}: the backend's `{name}` came through");
+        }
+        let body = response.into_body().collect().await.expect("the body").to_bytes();
+        assert_eq!(body, CHAT_COMPLETION.as_bytes());
+    }
+    agent.stop().await;
+}
