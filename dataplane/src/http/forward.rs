@@ -725,11 +725,20 @@ impl Forwarder {
                             }
                         }
                     }
+                    // The client's status was 200 long ago: the meter is
+                    // told of the failure here, or its drop would count a
+                    // cancelled request and estimate its tokens.
                     Ok(response) => {
                         let error = read_error(response).await;
+                        if let Some(meter) = &out.meter {
+                            meter.finish(error.status().as_u16(), Outcome::Error, None);
+                        }
                         let _ = tx.send(Ok(error_event(&error))).await;
                     }
                     Err(error) => {
+                        if let Some(meter) = &out.meter {
+                            meter.finish(error.status().as_u16(), Outcome::Error, None);
+                        }
                         let _ = tx.send(Ok(error_event(&error))).await;
                     }
                 }

@@ -294,3 +294,48 @@ async fn requests_for_models_the_fleet_lacks_are_refused_and_not_metered() {
     let total = rolled_up(fleet.controller(), "", 1).await;
     assert_eq!((total.requests, total.errors), (1, 0), "{total:?}");
 }
+
+#[tokio::test]
+async fn a_cold_stream_that_fails_is_counted_as_an_error_without_tokens() {
+    use inferyes_agent::sim::{SimConfig, SimModel};
+    use inferyes_tests::client::next_chunk;
+    // One request at a time per model: a second stream for the model
+    // being loaded is refused (429) once its 200 and first note are out.
+    let swap = SimConfig {
+        models: vec![SimModel::chat("alpha"), SimModel::chat("beta")],
+        preload: vec!["alpha".into()],
+        max_loaded_models: 1,
+        load_delay_ms: 1500,
+        concurrency_limit: 1,
+        prefill_tokens_per_second: 1e6,
+        decode_tokens_per_second: 1e5,
+        ..SimConfig::llama_swap(["alpha", "beta"])
+    };
+    let fleet = Fleet::start(vec![swap]).await;
+    let url = fleet.url("/v1/chat/completions");
+    let stream = |text: &str| {
+        let body = json!({"model": "beta", "stream": true, "max_tokens": 4,
+                          "messages": [{"role": "user", "content": text}]});
+        fleet.http.start(Method::POST, &url, body.to_string().into(), &[])
+    };
+    let loading = stream("load beta").await;
+    assert_eq!(loading.headers()["x-inferyes-route"], "cold");
+    let mut loading = loading.into_body();
+    next_chunk(&mut loading).await.expect("the load has started");
+
+    let refused = stream("me too").await;
+    assert_eq!(refused.status(), StatusCode::OK, "a cold stream answers at once");
+    let mut refused = refused.into_body();
+    let mut text = String::new();
+    while let Some(chunk) = next_chunk(&mut refused).await {
+        text.push_str(std::str::from_utf8(&chunk).expect("text"));
+    }
+    assert!(text.contains("\"concurrency_limit\""), "{text}");
+    while next_chunk(&mut loading).await.is_some() {}
+
+    let total = rolled_up(fleet.controller(), "", 2).await;
+    assert_eq!(total.requests, 2);
+    assert_eq!(total.errors, 1, "{total:?}");
+    assert_eq!(total.estimated_requests, 0, "the refused stream was counted as cancelled: {total:?}");
+    assert_eq!(total.prompt_tokens, fleet.sims[0].sim.stats().prompt_tokens, "{total:?}");
+}
