@@ -13,7 +13,8 @@ use serde_json::json;
 
 use crate::support::{Fleet, chat_body};
 
-fn swap(legacy: bool) -> SimConfig {
+/// A llama-swap serving `alpha` (loaded) and `beta`, one at a time.
+pub fn swap(legacy: bool) -> SimConfig {
     SimConfig {
         models: vec![SimModel::chat("alpha"), SimModel::chat("beta")],
         preload: vec!["alpha".into()],

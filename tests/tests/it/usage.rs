@@ -297,20 +297,10 @@ async fn requests_for_models_the_fleet_lacks_are_refused_and_not_metered() {
 
 #[tokio::test]
 async fn a_cold_stream_that_fails_is_counted_as_an_error_without_tokens() {
-    use inferyes_agent::sim::{SimConfig, SimModel};
     use inferyes_tests::client::next_chunk;
     // One request at a time per model: a second stream for the model
     // being loaded is refused (429) once its 200 and first note are out.
-    let swap = SimConfig {
-        models: vec![SimModel::chat("alpha"), SimModel::chat("beta")],
-        preload: vec!["alpha".into()],
-        max_loaded_models: 1,
-        load_delay_ms: 1500,
-        concurrency_limit: 1,
-        prefill_tokens_per_second: 1e6,
-        decode_tokens_per_second: 1e5,
-        ..SimConfig::llama_swap(["alpha", "beta"])
-    };
+    let swap = inferyes_agent::sim::SimConfig { load_delay_ms: 1500, concurrency_limit: 1, ..crate::swap::swap(false) };
     let fleet = Fleet::start(vec![swap]).await;
     let url = fleet.url("/v1/chat/completions");
     let stream = |text: &str| {
