@@ -133,7 +133,14 @@ async fn forward_in_span(proxy: Proxy, request: Request<Incoming>) -> Response {
     // request (its residency is updated when the answer ends).
     let model_header = parts.headers.get(MODEL_HEADER).cloned();
     let model = model_header.as_ref().and_then(|v| v.to_str().ok());
-    let session = parts.headers.get(SESSION_HEADER).and_then(|v| v.to_str().ok()).map(str::to_string);
+    // A data plane sends no longer key; a client reaching this proxy some
+    // other way gets no place in the session table for one.
+    let session = parts
+        .headers
+        .get(SESSION_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .filter(|v| v.len() <= inferyes_proto::headers::MAX_SESSION_KEY_BYTES)
+        .map(str::to_string);
     let handle = match parts.headers.get(BACKEND_HEADER).and_then(|v| v.to_str().ok()) {
         Some(id) => proxy.state.backend(id),
         None => proxy.state.backend_for_model(model),

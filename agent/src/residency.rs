@@ -14,6 +14,13 @@ use std::collections::{BTreeMap, BTreeSet};
 use inferyes_proto::v1::{ResidencyUpdate, ResidentSession};
 use inferyes_proto::{FastMap, value_for};
 
+/// Sessions a backend's host cache is believed to hold at most, whatever
+/// their tokens. A session whose usage never came (its requests failed, or
+/// their clients left) counts no tokens: without a bound, such sessions
+/// would pile up in the table, in the node's record and in every routing
+/// snapshot.
+pub const MAX_HOST_CACHED_SESSIONS: usize = 1024;
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Capacity {
     pub slots: usize,
@@ -147,7 +154,8 @@ impl Residency {
     }
 
     /// The newest `slots` sessions of a backend are in its slots; older ones
-    /// stay while their tokens, newest first, fit its host cache.
+    /// stay while their tokens, newest first, fit its host cache, and while
+    /// they number no more than [`MAX_HOST_CACHED_SESSIONS`].
     fn evict(&mut self, backend_id: &str) {
         let capacity = self.capacity.get(backend_id).copied().unwrap_or_default();
         let Residency { entries, lineups, changed, removed, .. } = self;
@@ -155,17 +163,22 @@ impl Residency {
         if lineup.by_tick.len() <= capacity.slots {
             return;
         }
+        // The newest of those past the count, if any, oldest first.
+        let past_count = lineup.by_tick.len().saturating_sub(capacity.slots + MAX_HOST_CACHED_SESSIONS);
+        let newest_past_count = past_count.checked_sub(1).and_then(|i| lineup.by_tick.keys().nth(i).copied());
         let in_slots: u64 = lineup.by_tick.values().rev().take(capacity.slots).map(|(_, tokens)| tokens).sum();
-        if lineup.tokens.saturating_sub(in_slots) <= capacity.host_cache_tokens {
-            return;
-        }
-        // The first, newest first, that no longer fits goes, with all older.
-        let mut host_cache_used = 0u64;
-        let newest_gone = lineup.by_tick.iter().rev().skip(capacity.slots).find_map(|(tick, (_, tokens))| {
-            host_cache_used = host_cache_used.saturating_add(*tokens);
-            (host_cache_used > capacity.host_cache_tokens).then_some(*tick)
-        });
-        let Some(newest_gone) = newest_gone else { return };
+        let newest_past_tokens = if lineup.tokens.saturating_sub(in_slots) <= capacity.host_cache_tokens {
+            None
+        } else {
+            // The first, newest first, that no longer fits.
+            let mut host_cache_used = 0u64;
+            lineup.by_tick.iter().rev().skip(capacity.slots).find_map(|(tick, (_, tokens))| {
+                host_cache_used = host_cache_used.saturating_add(*tokens);
+                (host_cache_used > capacity.host_cache_tokens).then_some(*tick)
+            })
+        };
+        // It goes, with all older.
+        let Some(newest_gone) = newest_past_count.max(newest_past_tokens) else { return };
         let kept = lineup.by_tick.split_off(&(newest_gone + 1));
         let gone = std::mem::replace(&mut lineup.by_tick, kept);
         for (key, tokens) in gone.into_values() {
@@ -249,6 +262,23 @@ mod tests {
         assert_eq!(keys(&mut r), ["b", "c", "d"]);
         used(&mut r, "x", "b1", 500);
         assert_eq!(keys(&mut r), ["b", "c", "d", "x"], "backends are independent");
+    }
+
+    #[test]
+    fn sessions_that_hold_no_tokens_are_bounded_by_count() {
+        let mut r = table(2, 1 << 40);
+        let sent = 2 + MAX_HOST_CACHED_SESSIONS + 10;
+        for i in 0..sent {
+            // Usage never came: no tokens held.
+            r.touch(&format!("s{i:05}"), "b0", "m", 1);
+        }
+        used(&mut r, "big", "b1", 100);
+        assert_eq!(r.len(), 2 + MAX_HOST_CACHED_SESSIONS + 1);
+        let kept = keys(&mut r);
+        assert!(!kept.contains(&"s00009".to_string()) && kept.contains(&"s00010".to_string()), "the oldest go");
+        assert!(kept.contains(&"big".to_string()), "other backends keep theirs");
+        let line = &r.lineups["b0"];
+        assert_eq!((line.by_tick.len(), line.tokens), (2 + MAX_HOST_CACHED_SESSIONS, 0));
     }
 
     #[test]
@@ -344,10 +374,12 @@ mod against_a_full_sort {
             let gone: Vec<&'static str> = on_backend
                 .into_iter()
                 .skip(capacity.slots)
-                .filter(|(_, s)| {
+                .enumerate()
+                .filter(|(i, (_, s))| {
                     used += s.2;
-                    used > capacity.host_cache_tokens
+                    used > capacity.host_cache_tokens || *i >= MAX_HOST_CACHED_SESSIONS
                 })
+                .map(|(_, session)| session)
                 .map(|(key, _)| *key)
                 .collect();
             for key in gone {

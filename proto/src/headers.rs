@@ -10,6 +10,9 @@ pub const BACKEND: HeaderName = HeaderName::from_static("x-inferyes-backend");
 pub const MODEL: HeaderName = HeaderName::from_static("x-inferyes-model");
 /// The request's session key, for the agent's residency.
 pub const SESSION: HeaderName = HeaderName::from_static("x-inferyes-session");
+/// The longest session key a data plane passes on as the client sent it
+/// (a longer one travels as a hash of itself) and an agent keeps.
+pub const MAX_SESSION_KEY_BYTES: usize = 128;
 pub const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 
 /// Hop-by-hop headers (RFC 9110, 7.6.1): they describe one connection and

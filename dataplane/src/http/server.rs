@@ -496,7 +496,7 @@ async fn route_and_forward(
     };
     // Kept in the request's facts (the decision tail shows it, whatever
     // becomes of the request) and read from there.
-    facts.session = session_key(&parts.headers, view);
+    facts.session = if keeps_conversations(kind) { session_key(&parts.headers, view) } else { None };
     let session = facts.session.as_deref();
     let ticket = state.tickets.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let route = routing::select(
@@ -568,6 +568,14 @@ async fn route_and_forward(
         Err(error) => tracing::debug!(request_id, model, code = ?error.code, "request failed"),
     }
     result
+}
+
+/// Whether a kind's requests continue conversations, whose KV cache a node
+/// keeps between turns. An embedding or a rerank leaves nothing worth
+/// coming back to: a session key for it would only push conversations out
+/// of its node's session table.
+fn keeps_conversations(kind: EndpointKind) -> bool {
+    matches!(kind, EndpointKind::Chat | EndpointKind::Completion | EndpointKind::Responses)
 }
 
 /// Chat and completion streams end with `data: [DONE]`; others (the

@@ -6,6 +6,7 @@ use std::ops::Range;
 
 use http::{HeaderMap, HeaderName};
 use inferyes_proto::ErrorKind;
+use inferyes_proto::headers::MAX_SESSION_KEY_BYTES;
 
 use super::ApiError;
 use super::scan::{Fields, Raw, ScanError, scan};
@@ -128,32 +129,50 @@ fn head(value: Raw<'_>) -> &[u8] {
     &bytes[..bytes.len().min(PROMPT_ROOT_BYTES)]
 }
 
-/// Headers that name a conversation, in order of precedence.
-/// Names, not strings: a lookup by string parses and hashes it first.
-const SESSION_HEADERS: [HeaderName; 4] = [
-    HeaderName::from_static("x-session-id"),
+/// The header a client names its conversation with, first of all.
+const SESSION_HEADER: HeaderName = HeaderName::from_static("x-session-id");
+
+/// Headers coding agents name their conversations with, after the body's
+/// `prompt_cache_key`: the client's own field says more than a tool's
+/// header. Names, not strings: a lookup by string parses and hashes it
+/// first.
+const AGENT_SESSION_HEADERS: [HeaderName; 3] = [
     HeaderName::from_static("x-claude-code-session-id"),
     HeaderName::from_static("session-id"),
     HeaderName::from_static("x-session_id"),
 ];
 
-/// The request's session key: an explicit header, else the body's
-/// `prompt_cache_key` (OpenAI's own field for this), else a hash of the
-/// model and the conversation's root, so a multi-turn chat sticks without
-/// any change on the client.
+/// The request's session key: the `X-Session-ID` header, else the body's
+/// `prompt_cache_key` (OpenAI's own field for this), else a coding agent's
+/// session header, else a hash of the model and the conversation's root,
+/// so a multi-turn chat sticks without any change on the client.
 pub fn session_key(headers: &HeaderMap, view: &RoutingView) -> Option<String> {
-    SESSION_HEADERS
-        .iter()
-        .find_map(|name| headers.get(name).and_then(|v| v.to_str().ok()).filter(|v| !v.is_empty()))
-        .map(str::to_string)
-        .or_else(|| view.prompt_cache_key.clone())
-        .or_else(|| view.root.map(|root| root_key(root ^ stable_hash(view.model.as_bytes()))))
+    let header = |name: &HeaderName| headers.get(name).and_then(|v| v.to_str().ok()).filter(|v| !v.is_empty());
+    header(&SESSION_HEADER)
+        .or(view.prompt_cache_key.as_deref().filter(|v| !v.is_empty()))
+        .or_else(|| AGENT_SESSION_HEADERS.iter().find_map(header))
+        .map(bounded_key)
+        .or_else(|| view.root.map(|root| hashed_key(*b"root-", root ^ stable_hash(view.model.as_bytes()))))
 }
 
-/// `root-` and the hash in 16 hex digits, written without the formatting
+/// A client's key as it is where it is short and can travel in a header as
+/// it is, else `sess-` and a hash of it. Every data plane derives the same;
+/// and a client cannot fill its node's session table, the node's record in
+/// etcd and every routing snapshot with megabytes of key.
+fn bounded_key(key: &str) -> String {
+    let bytes = key.as_bytes();
+    let travels = bytes.len() <= MAX_SESSION_KEY_BYTES
+        && bytes.iter().all(|b| (b' '..=b'~').contains(b))
+        && bytes.first() != Some(&b' ')
+        && bytes.last() != Some(&b' ');
+    if travels { key.to_string() } else { hashed_key(*b"sess-", text_hash(&[bytes])) }
+}
+
+/// A prefix and the hash in 16 hex digits, written without the formatting
 /// machinery (every request without a session of its own has one).
-fn root_key(hash: u64) -> String {
-    let mut key = *b"root-0000000000000000";
+fn hashed_key(prefix: [u8; 5], hash: u64) -> String {
+    let mut key = [0u8; 21];
+    key[..5].copy_from_slice(&prefix);
     super::write_hex(&mut key[5..], u128::from(hash));
     // ASCII throughout: the check is a few word compares, not a lossy copy.
     String::from_utf8(key.to_vec()).unwrap_or_default()
@@ -189,9 +208,38 @@ mod tests {
     use super::*;
 
     #[test]
-    fn root_keys_are_the_hash_in_hex() {
-        assert_eq!(root_key(0x0123_4567_89ab_cdef), format!("root-{:016x}", 0x0123_4567_89ab_cdef_u64));
-        assert_eq!(root_key(7), "root-0000000000000007");
+    fn hashed_keys_are_the_prefix_and_the_hash_in_hex() {
+        assert_eq!(hashed_key(*b"root-", 0x0123_4567_89ab_cdef), format!("root-{:016x}", 0x0123_4567_89ab_cdef_u64));
+        assert_eq!(hashed_key(*b"sess-", 7), "sess-0000000000000007");
+    }
+
+    #[test]
+    fn keys_too_long_or_that_cannot_travel_in_a_header_are_hashed() {
+        let key = |k: &str| {
+            let view = parse_view(format!(r#"{{"model":"m","prompt_cache_key":{}}}"#, serde_json::json!(k)).as_bytes())
+                .unwrap();
+            session_key(&HeaderMap::new(), &view).unwrap()
+        };
+        let longest = "k".repeat(MAX_SESSION_KEY_BYTES);
+        assert_eq!(key(&longest), longest);
+        assert_eq!(key("chat 1"), "chat 1");
+        for sent in [
+            "k".repeat(MAX_SESSION_KEY_BYTES + 1),
+            "k".repeat(400_000),
+            "café".into(),
+            " padded".into(),
+            "tab\t".into(),
+        ] {
+            let kept = key(&sent);
+            assert!(kept.starts_with("sess-") && kept.len() == 21, "{sent:?} became {kept:?}");
+            assert_eq!(kept, key(&sent), "the same key hashes the same");
+        }
+        assert_ne!(key(&"a".repeat(200)), key(&"b".repeat(200)));
+        // Headers are bounded the same way.
+        let view = parse_view(br#"{"model":"m"}"#).unwrap();
+        let mut headers = HeaderMap::new();
+        headers.insert("x-session-id", "s".repeat(4096).parse().unwrap());
+        assert!(session_key(&headers, &view).unwrap().starts_with("sess-"));
     }
 
     #[test]
@@ -238,17 +286,20 @@ mod tests {
     }
 
     #[test]
-    fn session_headers_win_over_the_body_which_wins_over_the_root() {
+    fn the_session_header_wins_over_the_body_which_wins_over_agent_headers_and_the_root() {
         let view = parse_view(br#"{"model":"m","prompt_cache_key":"body","messages":[{"role":"user","content":"x"}]}"#)
             .unwrap();
+        let bare = parse_view(br#"{"model":"m","messages":[{"role":"user","content":"x"}]}"#).unwrap();
         let mut headers = HeaderMap::new();
-        assert_eq!(session_key(&headers, &view).as_deref(), Some("body"));
+        assert!(session_key(&headers, &bare).unwrap().starts_with("root-"));
         headers.insert("session-id", "agent".parse().unwrap());
-        assert_eq!(session_key(&headers, &view).as_deref(), Some("agent"));
+        assert_eq!(session_key(&headers, &bare).as_deref(), Some("agent"));
+        assert_eq!(session_key(&headers, &view).as_deref(), Some("body"));
         headers.insert("x-session-id", "explicit".parse().unwrap());
         assert_eq!(session_key(&headers, &view).as_deref(), Some("explicit"));
-        let rootless = parse_view(br#"{"model":"m","messages":[{"role":"user","content":"x"}]}"#).unwrap();
-        assert!(session_key(&HeaderMap::new(), &rootless).unwrap().starts_with("root-"));
+        // An empty name names nothing.
+        headers.insert("x-session-id", "".parse().unwrap());
+        assert_eq!(session_key(&headers, &view).as_deref(), Some("body"));
     }
 
     #[test]

@@ -73,6 +73,21 @@ async fn completions_and_embeddings_reach_the_models_that_serve_them() {
     let body = embedding.json();
     assert_eq!(body["data"].as_array().map(Vec::len), Some(2));
     assert_eq!(embedding.header("x-inferyes-node"), Some("node-b"));
+    // A conversation's turns come back to its cache; an embedding's input,
+    // named or not, is no conversation.
+    assert_eq!(completion.header("x-inferyes-route"), Some("placed"));
+    let named = fleet
+        .http
+        .send(
+            Method::POST,
+            &fleet.url("/v1/embeddings"),
+            json!({"model": "embed", "input": "c"}).to_string().into(),
+            &[("x-session-id", "not-a-conversation")],
+        )
+        .await;
+    for embedding in [&embedding, &named] {
+        assert_eq!(embedding.header("x-inferyes-route"), Some("warm"));
+    }
 }
 
 #[tokio::test]
