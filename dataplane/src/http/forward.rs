@@ -189,12 +189,27 @@ impl Forwarder {
             };
             let backend = backend.id_header.as_ref();
             let request = self.request(&node.proxy_url, node.proxy_http2, backend, &out, headers, body);
+            let reason = if attempt == 0 { route.reason.as_str() } else { FAILOVER };
+            // An error from this node says which node it was, as an answer would.
+            let from_node = |mut error: ApiError| {
+                if let Some(value) = &node.id_header {
+                    error.headers.push((NODE_HEADER, value.clone()));
+                }
+                error.headers.push((ROUTE_HEADER, HeaderValue::from_static(reason)));
+                error
+            };
             let Ok(sent) = tokio::time::timeout(self.header_timeout, request).await else {
-                return Err(ApiError::new(
+                // The timeout is the request's whole wait for an answer to
+                // start (a non-streamed generation can take minutes): no
+                // time is left to try another node. This one is held out of
+                // routing for a while, as an unreachable one is.
+                let ejected_ms = node.local.eject(inferyes_proto::unix_ms(), snapshot.version());
+                tracing::warn!(request_id = super::id_text(out.request_id), node = %node.id, ejected_ms, "node did not answer in time");
+                return Err(from_node(ApiError::new(
                     ErrorKind::Timeout,
                     format!("node `{}` did not answer within {:?}", node.id, self.header_timeout),
                     "upstream_timeout",
-                ));
+                )));
             };
             let response = match sent? {
                 Err(error) => {
@@ -210,26 +225,28 @@ impl Forwarder {
                 Ok(response) => response,
             };
             let status = response.status();
-            let reason = if attempt == 0 { route.reason.as_str() } else { FAILOVER };
             let refused = status == http::StatusCode::BAD_GATEWAY || status == http::StatusCode::SERVICE_UNAVAILABLE;
-            if (refused || status == http::StatusCode::TOO_MANY_REQUESTS) && !is_last {
-                let error = read_error(response).await;
-                // llama-swap's per-model limit is a refusal too; other 429s
-                // (a client's own limit) are the client's to see.
-                if refused || error.code.as_deref() == Some("concurrency_limit") {
+            if refused || status == http::StatusCode::TOO_MANY_REQUESTS {
+                let mut error = read_error(response).await;
+                // llama-swap's per-model limit is a refusal too, passed on
+                // where no other node is left; other 429s (a client's own
+                // limit) are the client's to see.
+                let busy = error.code.as_deref() == Some("concurrency_limit");
+                if refused {
                     let ejected_ms = node.local.eject(inferyes_proto::unix_ms(), snapshot.version());
-                    tracing::warn!(request_id = super::id_text(out.request_id), node = %node.id, %status, ejected_ms, "node refused before the first byte; trying the next candidate");
+                    tracing::warn!(request_id = super::id_text(out.request_id), node = %node.id, %status, ejected_ms, "node refused before the first byte");
+                }
+                if (refused || busy) && !is_last {
                     last_error = Some(error);
                     continue;
                 }
-                return Err(error);
-            }
-            if status.is_client_error() || status.is_server_error() {
-                let mut error = read_error(response).await;
                 if status == http::StatusCode::SERVICE_UNAVAILABLE && error.retry_after.is_none() {
                     error.retry_after = Some(1);
                 }
-                return Err(error);
+                return Err(from_node(error));
+            }
+            if status.is_client_error() || status.is_server_error() {
+                return Err(from_node(read_error(response).await));
             }
             if status.is_success() {
                 node.local.succeeded();
@@ -260,6 +277,19 @@ impl Forwarder {
                             parts.headers.remove(header::CONTENT_LENGTH);
                         }
                         return Ok(Response::from_parts(parts, Body::from(bytes)));
+                    }
+                    Err(super::body::ReadError::TooLarge) => {
+                        // The node is well; the answer is too big to hold.
+                        // Another node would give as big a one.
+                        return Err(from_node(ApiError::new(
+                            ErrorKind::Upstream,
+                            format!(
+                                "the answer from node `{}` is over {} MiB; ask for it streamed",
+                                node.id,
+                                MAX_BUFFERED_BODY >> 20
+                            ),
+                            "upstream_answer_too_large",
+                        )));
                     }
                     Err(error) => {
                         let ejected_ms = node.local.eject(inferyes_proto::unix_ms(), snapshot.version());

@@ -1,12 +1,11 @@
 //! A node failing in the middle of an answer: the client gets a whole
 //! answer from another node, or an explicit error, never a cut body.
 
-use std::convert::Infallible;
 use std::time::Duration;
 
 use axum::Router;
 use axum::body::Body;
-use axum::routing::{get, post};
+use axum::routing::{MethodRouter, get, post};
 use bytes::Bytes;
 use http::{Method, StatusCode};
 use inferyes_agent::config::GpuSourceConfig;
@@ -17,6 +16,21 @@ use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 
 use crate::support::{chat_body, chat_sim};
+
+/// A llama-server look-alike serving the model `chat`, whose chat answers
+/// are `chat`'s; its URL.
+async fn look_alike(chat: MethodRouter, shutdown: CancellationToken) -> String {
+    let app = Router::new()
+        .route("/health", get(|| async { axum::Json(json!({"status": "ok"})) }))
+        .route("/v1/models", get(|| async { axum::Json(json!({"object": "list", "data": [{"id": "chat"}]})) }))
+        .route("/v1/chat/completions", chat);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let url = format!("http://{}", listener.local_addr().expect("bound"));
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, app).with_graceful_shutdown(shutdown.cancelled_owned()).await;
+    });
+    url
+}
 
 /// A llama-server look-alike that breaks every answer after its first bytes.
 async fn breaking_backend(shutdown: CancellationToken) -> String {
@@ -31,50 +45,27 @@ async fn breaking_backend(shutdown: CancellationToken) -> String {
         });
         Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx))
     };
-    let app = Router::new()
-        .route("/health", get(|| async { axum::Json(json!({"status": "ok"})) }))
-        .route("/v1/models", get(|| async { axum::Json(json!({"object": "list", "data": [{"id": "chat"}]})) }))
-        .route(
-            "/v1/chat/completions",
-            post(move |body: Bytes| async move {
-                let request: Value = serde_json::from_slice(&body).unwrap_or_default();
-                let content_type = if request["stream"] == true { "text/event-stream" } else { "application/json" };
-                ([(http::header::CONTENT_TYPE, content_type)], broken())
-            }),
-        );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let url = format!("http://{}", listener.local_addr().expect("bound"));
-    tokio::spawn(async move {
-        let _ = axum::serve(listener, app).with_graceful_shutdown(shutdown.cancelled_owned()).await;
-        Ok::<(), Infallible>(())
+    let chat = post(move |body: Bytes| async move {
+        let request: Value = serde_json::from_slice(&body).unwrap_or_default();
+        let content_type = if request["stream"] == true { "text/event-stream" } else { "application/json" };
+        ([(http::header::CONTENT_TYPE, content_type)], broken())
     });
-    url
+    look_alike(chat, shutdown).await
 }
 
 /// A llama-server look-alike whose every chat answer is the request's
 /// `x-client-tag` header (`none` without one).
 async fn echoing_backend(shutdown: CancellationToken) -> String {
-    let app = Router::new()
-        .route("/health", get(|| async { axum::Json(json!({"status": "ok"})) }))
-        .route("/v1/models", get(|| async { axum::Json(json!({"object": "list", "data": [{"id": "chat"}]})) }))
-        .route(
-            "/v1/chat/completions",
-            post(|headers: http::HeaderMap| async move {
-                let tag = headers.get("x-client-tag").and_then(|v| v.to_str().ok()).unwrap_or("none").to_string();
-                axum::Json(json!({
-                    "object": "chat.completion",
-                    "model": "chat",
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": tag}, "finish_reason": "stop"}],
-                    "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
-                }))
-            }),
-        );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let url = format!("http://{}", listener.local_addr().expect("bound"));
-    tokio::spawn(async move {
-        let _ = axum::serve(listener, app).with_graceful_shutdown(shutdown.cancelled_owned()).await;
+    let chat = post(|headers: http::HeaderMap| async move {
+        let tag = headers.get("x-client-tag").and_then(|v| v.to_str().ok()).unwrap_or("none").to_string();
+        axum::Json(json!({
+            "object": "chat.completion",
+            "model": "chat",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": tag}, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+        }))
     });
-    url
+    look_alike(chat, shutdown).await
 }
 
 /// A node whose agent serves the llama-server look-alike at `url`.
@@ -327,4 +318,73 @@ async fn a_broken_stream_continues_on_another_node_when_the_fleet_says_so() {
         return;
     }
     panic!("no request went to the broken node first");
+}
+
+#[tokio::test]
+async fn a_node_that_does_not_answer_in_time_is_named_in_the_timeout_and_held_out() {
+    let etcd = Etcd::start().await;
+    let controller = ControllerHandle::start(&etcd.endpoint(), "controller-1").await;
+    let stop = CancellationToken::new();
+    let _stop = stop.clone().drop_guard();
+    let hung = look_alike(post(std::future::pending::<()>), stop.clone()).await;
+    let _a = node_of("node-a", &controller, &hung).await;
+    let _b = node_of("node-b", &controller, &echoing_backend(stop.clone()).await).await;
+    let dataplane = DataplaneHandle::start_with(&[controller.url()], |c| c.response_header_timeout_ms = 300).await;
+    dataplane.wait_for_nodes(&["node-a", "node-b"]).await;
+    let url = format!("{}/v1/chat/completions", dataplane.url);
+    let http = HttpClient::default();
+
+    // Conversations are spread over both nodes: one placed on the hung node
+    // waits out the timeout.
+    let mut timed_out = None;
+    for i in 0..32 {
+        let body = chat_body("chat", &format!("question {i}"));
+        let response = http.post_json(&url, &body).await;
+        if response.status == StatusCode::GATEWAY_TIMEOUT {
+            assert_eq!(response.openai_error()["code"], "upstream_timeout");
+            assert_eq!(response.header("x-inferyes-node"), Some("node-a"), "the timeout names its node");
+            assert!(response.header("x-inferyes-route").is_some());
+            timed_out = Some(body);
+            break;
+        }
+        assert_eq!(response.status, StatusCode::OK, "{}", String::from_utf8_lossy(&response.body));
+        assert_eq!(response.header("x-inferyes-node"), Some("node-b"));
+    }
+    let body = timed_out.expect("a conversation was placed on the hung node");
+    // Its next turn goes where an answer comes from.
+    let response = http.post_json(&url, &body).await;
+    assert_eq!(response.status, StatusCode::OK, "{}", String::from_utf8_lossy(&response.body));
+    assert_eq!(response.header("x-inferyes-node"), Some("node-b"));
+}
+
+#[tokio::test]
+async fn a_node_that_refuses_is_named_counted_and_held_out_with_no_other_to_go_to() {
+    let etcd = Etcd::start().await;
+    let controller = ControllerHandle::start(&etcd.endpoint(), "controller-1").await;
+    let stop = CancellationToken::new();
+    let _stop = stop.clone().drop_guard();
+    let refusing = post(|| async {
+        let error = json!({"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}});
+        (StatusCode::SERVICE_UNAVAILABLE, axum::Json(error))
+    });
+    let _a = node_of("node-a", &controller, &look_alike(refusing, stop.clone()).await).await;
+    let dataplane = DataplaneHandle::start(&[controller.url()]).await;
+    dataplane.wait_for_nodes(&["node-a"]).await;
+    let http = HttpClient::default();
+    for i in 0..2 {
+        let response =
+            http.post_json(&format!("{}/v1/chat/completions", dataplane.url), &chat_body("chat", &i.to_string())).await;
+        assert_eq!(response.status, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(response.header("retry-after"), Some("1"));
+        assert_eq!(response.header("x-inferyes-node"), Some("node-a"));
+        assert_eq!(response.openai_error()["message"], "Loading model");
+    }
+    let metrics = http.get(&format!("{}/metrics", dataplane.url)).await;
+    let text = String::from_utf8_lossy(&metrics.body);
+    assert!(text.contains("inferyes_dataplane_node_ejected{node=\"node-a\"} 1"), "{text}");
+    let counted = text
+        .lines()
+        .find(|l| l.starts_with("inferyes_dataplane_requests_total{") && l.contains("status=\"503\""))
+        .unwrap_or_default();
+    assert!(counted.contains("node=\"node-a\"") && counted.ends_with(" 2"), "{text}");
 }
