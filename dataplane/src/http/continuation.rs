@@ -136,7 +136,14 @@ async fn pipe(
                 }
                 match read(&event) {
                     Event::Done => finished = true,
-                    Event::Error => break,
+                    Event::Error => {
+                        // The backend's own word on why its answer ends (the
+                        // request's context is full, say): another node would
+                        // say the same. Passed on, as without continuation.
+                        let _ = tx.send(Ok(event)).await;
+                        finish(crate::usage::Outcome::Error, usage, continued);
+                        return;
+                    }
                     Event::Chunk { preamble: true, .. } if continued => continue,
                     Event::Chunk { content, .. } => {
                         if let Some(content) = content {

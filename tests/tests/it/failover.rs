@@ -285,6 +285,20 @@ async fn a_client_that_goes_away_frees_the_backend_at_once() {
     }
 }
 
+/// Streams a story `i`: the node that answered and the text.
+async fn story(url: &str, i: usize) -> (String, String) {
+    let request = json!({"model": "chat", "stream": true, "max_tokens": 8,
+                         "messages": [{"role": "user", "content": format!("story {i}")}]});
+    let response = HttpClient::default().start(Method::POST, url, Bytes::from(request.to_string()), &[]).await;
+    let node = response.headers()["x-inferyes-node"].to_str().expect("a node id").to_string();
+    let mut body = response.into_body();
+    let mut text = String::new();
+    while let Some(chunk) = next_chunk(&mut body).await {
+        text.push_str(std::str::from_utf8(&chunk).expect("text"));
+    }
+    (node, text)
+}
+
 #[tokio::test]
 async fn a_broken_stream_continues_on_another_node_when_the_fleet_says_so() {
     let fleet = Breaking::start(true).await;
@@ -294,18 +308,8 @@ async fn a_broken_stream_continues_on_another_node_when_the_fleet_says_so() {
     fleet.dataplane.wait_for("the policy", Duration::from_secs(5), |s| s.version() >= set.revision).await;
 
     // Find a conversation whose first node is the broken one.
-    let http = HttpClient::default();
-    let url = fleet.url();
     for i in 0..64 {
-        let request = json!({"model": "chat", "stream": true, "max_tokens": 8,
-                             "messages": [{"role": "user", "content": format!("story {i}")}]});
-        let response = http.start(Method::POST, &url, Bytes::from(request.to_string()), &[]).await;
-        let first_node = response.headers()["x-inferyes-node"].to_str().unwrap().to_string();
-        let mut body = response.into_body();
-        let mut text = String::new();
-        while let Some(chunk) = next_chunk(&mut body).await {
-            text.push_str(std::str::from_utf8(&chunk).unwrap());
-        }
+        let (first_node, text) = story(&fleet.url(), i).await;
         if first_node != "node-a" {
             continue;
         }
@@ -318,6 +322,45 @@ async fn a_broken_stream_continues_on_another_node_when_the_fleet_says_so() {
         return;
     }
     panic!("no request went to the broken node first");
+}
+
+#[tokio::test]
+async fn a_stream_a_node_ends_with_an_error_of_its_own_is_not_continued_elsewhere() {
+    let etcd = Etcd::start().await;
+    let controller = ControllerHandle::start(&etcd.endpoint(), "controller-1").await;
+    let stop = CancellationToken::new();
+    let _stop = stop.clone().drop_guard();
+    let erring = post(|| async {
+        let events = concat!(
+            "data: {\"choices\":[{\"delta\":{\"content\":\"Hel\"},\"index\":0}],\"object\":\"chat.completion.chunk\"}\n\n",
+            "data: {\"error\":{\"code\":500,\"message\":\"context full\",\"type\":\"server_error\"}}\n\n",
+        );
+        ([(http::header::CONTENT_TYPE, "text/event-stream")], events)
+    });
+    let _a = node_of("node-a", &controller, &look_alike(erring, stop.clone()).await).await;
+    let sim = SimHandle::start(chat_sim("chat")).await;
+    let _b = AgentHandle::start("node-b", &[controller.url()], &[("main", &sim)]).await;
+    let dataplane = DataplaneHandle::start(&[controller.url()]).await;
+    dataplane.wait_for_nodes(&["node-a", "node-b"]).await;
+    let mut admin = controller.fleet().await;
+    let policy = inferyes_proto::v1::RoutingPolicy { continue_broken_streams: true, ..Default::default() };
+    let set = admin.set_policy(policy).await.unwrap().into_inner();
+    dataplane.wait_for("the policy", Duration::from_secs(5), |s| s.version() >= set.revision).await;
+
+    let url = format!("{}/v1/chat/completions", dataplane.url);
+    for i in 0..64 {
+        let (node, text) = story(&url, i).await;
+        if node != "node-a" {
+            continue;
+        }
+        assert!(text.ends_with("\"message\":\"context full\",\"type\":\"server_error\"}}\n\n"), "{text}");
+        assert!(!text.contains(": continued"), "{text}");
+        // The node said what went wrong; it did not fail: the conversation
+        // stays with it.
+        assert_eq!(story(&url, i).await.0, "node-a");
+        return;
+    }
+    panic!("no request went to node-a first");
 }
 
 #[tokio::test]
