@@ -507,6 +507,8 @@ fn place_on_ring(
         .ceil()
         + 1.0;
     let start = ring.points.partition_point(|(point, _)| *point < key);
+    // The first few placements met, not judged again at their other points
+    // (past those, a placement may be judged twice: the homes are checked).
     let mut seen: [u32; HOMES] = [u32::MAX; HOMES];
     let mut homes: Vec<usize> = Vec::with_capacity(HOMES);
     for step in 0..WALK.min(ring.points.len()) {
@@ -518,6 +520,9 @@ fn place_on_ring(
             *free = index;
         }
         let index = index as usize;
+        if homes.contains(&index) {
+            continue;
+        }
         let p = &placements[index];
         if capable(p) && fits(p) && classify(p, None, request.now_ms) == Class::Warm {
             homes.push(index);

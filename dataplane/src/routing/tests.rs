@@ -474,6 +474,24 @@ fn large_models_place_new_sessions_on_a_ring_deterministically_and_within_the_bo
 }
 
 #[test]
+fn a_ring_walk_lists_each_node_once_however_many_it_passes_over() {
+    // A quarter of the nodes ready: the walk meets more than its first few
+    // placements, and each ready one at several of its points.
+    let fleet: Vec<Spec> = (0..64)
+        .map(|i| Spec { health: if i % 4 == 0 { Health::Ready } else { Health::Down }, ..spec(&format!("n{i:03}")) })
+        .collect();
+    let s = snapshot(&fleet);
+    assert!(s.ring("chat").is_some());
+    for i in 0..200 {
+        let route = select(&s, &chat(Some(&format!("conversation-{i}")))).unwrap();
+        let listed = nodes(&s, &route);
+        let distinct: std::collections::HashSet<_> = listed.iter().collect();
+        assert_eq!(distinct.len(), listed.len(), "conversation-{i}: {listed:?}");
+        assert_eq!(listed.len(), 3);
+    }
+}
+
+#[test]
 fn targets_keep_the_first_three_in_order() {
     let target = |node| Target { node, backend: 0 };
     let targets: Targets = (0..5).map(target).collect();
