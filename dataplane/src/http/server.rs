@@ -298,9 +298,17 @@ async fn list_models(State(state): State<Arc<AppState>>, request: Request) -> Re
 
 async fn get_model(
     State(state): State<Arc<AppState>>,
-    Path(id): Path<String>,
+    id: Result<Path<String>, axum::extract::rejection::PathRejection>,
     request: Request,
 ) -> Result<Response, ApiError> {
+    // axum's own rejection is plain text.
+    let Path(id) = id.map_err(|rejection| {
+        ApiError::new(
+            ErrorKind::BadRequest,
+            format!("the model id in the path is not usable: {rejection}"),
+            "invalid_path",
+        )
+    })?;
     let snapshot = state.snapshots.current().ok_or_else(not_ready)?;
     let caller = state.authenticate(request.headers(), peer_of(request.extensions()), &snapshot).await?;
     let entry = snapshot.model(&id).filter(|entry| caller.may_see(entry)).ok_or_else(|| no_such_model(&id))?;

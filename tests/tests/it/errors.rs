@@ -46,6 +46,11 @@ async fn every_error_is_openai_shaped_with_the_right_status() {
     assert_eq!(wrong_method.status, StatusCode::METHOD_NOT_ALLOWED);
     wrong_method.openai_error();
 
+    // A percent-escape that is no UTF-8.
+    let bad_id = fleet.http.get(&fleet.url("/v1/models/%FF")).await;
+    assert_eq!(bad_id.status, StatusCode::BAD_REQUEST);
+    assert_eq!(bad_id.openai_error()["code"], "invalid_path");
+
     // Every error response still names the request: a client's own id
     // when it sent one, on the inference path and the others alike.
     for response in [&unknown, &malformed, &too_large, &unknown_path] {
