@@ -34,6 +34,12 @@ pub use inferyes_proto::headers::{BACKEND as BACKEND_HEADER, MODEL as MODEL_HEAD
 /// closes one as a request goes out.
 const BACKEND_IDLE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(4);
 
+/// How long a backend's answer may go without a byte before the agent
+/// breaks it off. A data plane has its own, configurable (`read_timeout_ms`,
+/// ten minutes by default); this one is only there so that a backend that
+/// hangs mid-answer holds none of the agent's requests and counts for ever.
+const BACKEND_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(15 * 60);
+
 #[derive(Clone)]
 struct Proxy {
     state: Arc<AgentState>,
@@ -77,6 +83,7 @@ impl Service {
             connect_timeout: std::time::Duration::from_secs(2),
             idle_timeout: BACKEND_IDLE_TIMEOUT,
             tls: None,
+            read_timeout: BACKEND_READ_TIMEOUT,
         });
         let proxy = Proxy { state, client, scrape };
         let router = Router::new()
@@ -299,9 +306,9 @@ impl Drop for Tracked {
 
 impl http_body::Body for Tracked {
     type Data = Bytes;
-    type Error = hyper::Error;
+    type Error = inferyes_proto::pool::BodyError;
 
-    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
         let this = self.get_mut();
         let poll = Pin::new(&mut this.inner).poll_frame(cx);
         match &poll {

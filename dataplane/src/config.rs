@@ -63,6 +63,10 @@ pub struct Config {
     /// A node must start answering within this; generous, because a cold
     /// load can take minutes.
     pub response_header_timeout_ms: u64,
+    /// A node's answer, once started, may go this long without a byte
+    /// (a long prompt is read before the first token); past it, the answer
+    /// is broken off as a node failing would break it.
+    pub read_timeout_ms: u64,
     /// On SIGTERM, requests in flight get this long to finish.
     pub shutdown_grace_ms: u64,
     /// `policy` (the product: sessions stay with their KV cache, the fleet's
@@ -111,6 +115,7 @@ impl Default for Config {
             max_body_bytes: 32 << 20,
             connect_timeout_ms: 2000,
             response_header_timeout_ms: 600_000,
+            read_timeout_ms: 600_000,
             shutdown_grace_ms: 30_000,
             routing_mode: crate::routing::Mode::Policy,
             log_format: LogFormat::Text,
@@ -173,8 +178,8 @@ impl Config {
         if self.max_body_bytes == 0 {
             bail!("max_body_bytes must be positive");
         }
-        if self.connect_timeout_ms == 0 || self.response_header_timeout_ms == 0 {
-            bail!("connect_timeout_ms and response_header_timeout_ms must be positive");
+        if self.connect_timeout_ms == 0 || self.response_header_timeout_ms == 0 || self.read_timeout_ms == 0 {
+            bail!("connect_timeout_ms, response_header_timeout_ms and read_timeout_ms must be positive");
         }
         Ok(())
     }
@@ -185,6 +190,10 @@ impl Config {
 
     pub fn response_header_timeout(&self) -> Duration {
         Duration::from_millis(self.response_header_timeout_ms)
+    }
+
+    pub fn read_timeout(&self) -> Duration {
+        Duration::from_millis(self.read_timeout_ms)
     }
 
     pub fn workers(&self) -> usize {

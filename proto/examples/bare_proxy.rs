@@ -72,6 +72,7 @@ async fn main() -> std::io::Result<()> {
                 connect_timeout: std::time::Duration::from_secs(2),
                 idle_timeout: inferyes_proto::serve::CLIENT_IDLE_TIMEOUT,
                 tls: None,
+                read_timeout: std::time::Duration::from_secs(600),
             };
             let forward = Forward { pool: Pool::new(settings), upstream: upstream.clone() };
             move |_| forward.clone()

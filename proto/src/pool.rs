@@ -109,7 +109,34 @@ pub struct Settings {
     pub idle_timeout: Duration,
     /// For `https` origins. Its ALPN protocols are set to HTTP/1.1.
     pub tls: Option<Arc<rustls::ClientConfig>>,
+    /// The longest an answer's body may go without a byte: past it, the
+    /// body ends with [`ReadTimeout`], as a broken connection's would. An
+    /// upstream that hangs (its process stuck, its host gone without a
+    /// word) holds no request for ever.
+    pub read_timeout: Duration,
 }
+
+/// TCP keep-alive probes on every connection: an upstream whose host went
+/// away without a word (power lost, cable pulled) is found out within about
+/// a minute of silence, not when the read timeout is over.
+const KEEPALIVE_IDLE: Duration = Duration::from_secs(30);
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
+const KEEPALIVE_PROBES: u32 = 3;
+
+/// An answer's body went without a byte for longer than the read timeout.
+#[derive(Debug)]
+pub struct ReadTimeout(pub Duration);
+
+impl std::fmt::Display for ReadTimeout {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "no bytes from the upstream for {:?}", self.0)
+    }
+}
+
+impl std::error::Error for ReadTimeout {}
+
+/// What an answer's body ends with when it breaks.
+pub type BodyError = Box<dyn std::error::Error + Send + Sync>;
 
 /// One worker's connections, by origin. Cloning it shares them.
 pub struct Pool<B> {
@@ -128,6 +155,7 @@ struct Shared<B> {
     connect_timeout: Duration,
     idle_timeout: Duration,
     tls: Option<tokio_rustls::TlsConnector>,
+    read_timeout: Duration,
 }
 
 struct Idle<B> {
@@ -159,6 +187,7 @@ where
                 connect_timeout: settings.connect_timeout,
                 idle_timeout: settings.idle_timeout,
                 tls,
+                read_timeout: settings.read_timeout,
             }),
         }
     }
@@ -197,7 +226,8 @@ where
                     } else {
                         Some(Home { sender, pool: self.clone(), key: Arc::clone(&origin.key) })
                     };
-                    return Ok(response.map(|inner| Incoming { inner, home }));
+                    let read_timeout = self.shared.read_timeout;
+                    return Ok(response.map(|inner| Incoming::new(inner, home, read_timeout)));
                 }
                 Err(mut error) => match error.take_message() {
                     // Not written: the idle connection was closed under it.
@@ -234,6 +264,11 @@ where
         self.sweep();
         let tcp = self.tcp(origin).await?;
         let _ = tcp.set_nodelay(true);
+        let keepalive = socket2::TcpKeepalive::new()
+            .with_time(KEEPALIVE_IDLE)
+            .with_interval(KEEPALIVE_INTERVAL)
+            .with_retries(KEEPALIVE_PROBES);
+        let _ = socket2::SockRef::from(&tcp).set_tcp_keepalive(&keepalive);
         if !origin.tls {
             return handshake(tcp).await;
         }
@@ -335,6 +370,12 @@ pin_project_lite::pin_project! {
         #[pin]
         inner: hyper::body::Incoming,
         home: Option<Home<B>>,
+        read_timeout: Duration,
+        // Set when the body starts waiting for bytes, not at every byte:
+        // answers that come whole never set a timer. Boxed, as a timer is
+        // large and most answers need none.
+        silence: Option<Pin<Box<tokio::time::Sleep>>>,
+        waiting: bool,
     }
 
     impl<B> PinnedDrop for Incoming<B> {
@@ -360,8 +401,12 @@ where
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
     /// A body of a connection the pool does not own (an HTTP/2 one).
-    pub fn unpooled(inner: hyper::body::Incoming) -> Incoming<B> {
-        Incoming { inner, home: None }
+    pub fn unpooled(inner: hyper::body::Incoming, read_timeout: Duration) -> Incoming<B> {
+        Incoming::new(inner, None, read_timeout)
+    }
+
+    fn new(inner: hyper::body::Incoming, home: Option<Home<B>>, read_timeout: Duration) -> Incoming<B> {
+        Incoming { inner, home, read_timeout, silence: None, waiting: false }
     }
 }
 
@@ -378,11 +423,30 @@ where
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
     type Data = Bytes;
-    type Error = hyper::Error;
+    type Error = BodyError;
 
-    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
         let mut this = self.project();
         let polled = this.inner.as_mut().poll_frame(cx);
+        if polled.is_pending() {
+            let deadline = tokio::time::Instant::now() + *this.read_timeout;
+            let silence = match this.silence {
+                Some(silence) if *this.waiting => silence,
+                Some(silence) => {
+                    silence.as_mut().reset(deadline);
+                    silence
+                }
+                None => this.silence.insert(Box::pin(tokio::time::sleep_until(deadline))),
+            };
+            *this.waiting = true;
+            if silence.as_mut().poll(cx).is_ready() {
+                // The connection cannot be used again: it closes.
+                *this.home = None;
+                return Poll::Ready(Some(Err(Box::new(ReadTimeout(*this.read_timeout)))));
+            }
+            return Poll::Pending;
+        }
+        *this.waiting = false;
         match &polled {
             // Trailers, when they come, are an answer's last frame.
             Poll::Ready(Some(Ok(frame))) if frame.is_data() && !this.inner.is_end_stream() => {}
@@ -394,7 +458,7 @@ where
             Poll::Ready(Some(Err(_))) => *this.home = None,
             Poll::Pending => {}
         }
-        polled
+        polled.map_err(BodyError::from)
     }
 
     fn is_end_stream(&self) -> bool {
@@ -447,7 +511,11 @@ mod tests {
     }
 
     fn pool(idle_timeout: Duration) -> Client {
-        Pool::new(Settings { connect_timeout: Duration::from_secs(2), idle_timeout, tls: None })
+        pool_reading(idle_timeout, Duration::from_secs(60))
+    }
+
+    fn pool_reading(idle_timeout: Duration, read_timeout: Duration) -> Client {
+        Pool::new(Settings { connect_timeout: Duration::from_secs(2), idle_timeout, tls: None, read_timeout })
     }
 
     fn origin(addr: std::net::SocketAddr) -> Origin {
@@ -479,9 +547,29 @@ mod tests {
         }
     }
 
+    /// A body of twenty chunks, one every 25 ms.
+    struct Drip(tokio::time::Interval, u32);
+
+    impl Body for Drip {
+        type Data = Bytes;
+        type Error = Infallible;
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+            if self.1 == 20 {
+                return Poll::Ready(None);
+            }
+            std::task::ready!(self.0.poll_tick(cx));
+            self.1 += 1;
+            Poll::Ready(Some(Ok(Frame::data(Bytes::from_static(b".")))))
+        }
+    }
+
     /// An upstream that counts its connections and says when each ends:
     /// `/hello` answers with a body, `/empty` with none, `/endless` with a
-    /// body that never ends; none reads the request's body first.
+    /// body that never ends, `/drip` with one that takes its time; none
+    /// reads the request's body first.
     struct Upstream {
         addr: std::net::SocketAddr,
         accepted: Arc<AtomicUsize>,
@@ -500,10 +588,11 @@ mod tests {
                 let ended_tx = ended_tx.clone();
                 tokio::spawn(async move {
                     let service = hyper::service::service_fn(|request: Request<hyper::body::Incoming>| async move {
-                        let body: http_body_util::Either<Full<Bytes>, Endless> = match request.uri().path() {
-                            "/hello" => http_body_util::Either::Left(Full::new(Bytes::from_static(b"hello"))),
-                            "/endless" => http_body_util::Either::Right(Endless(false)),
-                            _ => http_body_util::Either::Left(Full::default()),
+                        let body = match request.uri().path() {
+                            "/hello" => Full::new(Bytes::from_static(b"hello")).boxed(),
+                            "/endless" => Endless(false).boxed(),
+                            "/drip" => Drip(tokio::time::interval(Duration::from_millis(25)), 0).boxed(),
+                            _ => Full::default().boxed(),
                         };
                         Ok::<_, Infallible>(Response::new(body))
                     });
@@ -563,6 +652,22 @@ mod tests {
         assert_eq!(pool.idle_connections(), 0);
         assert_eq!(text(pool.send(&origin, request("/hello")).await.unwrap()).await, "hello");
         assert_eq!(upstream.accepted.load(Ordering::SeqCst), 2);
+    }
+
+    #[tokio::test]
+    async fn an_answer_silent_past_the_read_timeout_ends_with_an_error_and_its_connection() {
+        let mut upstream = upstream().await;
+        let (pool, origin) = (pool_reading(Duration::from_secs(60), Duration::from_millis(300)), origin(upstream.addr));
+        // Bytes every 25 ms: the timeout counts from the last.
+        assert_eq!(text(pool.send(&origin, request("/drip")).await.unwrap()).await, ".".repeat(20));
+        assert_eq!(pool.idle_connections(), 1);
+        let mut body = pool.send(&origin, request("/endless")).await.unwrap().into_body();
+        assert!(body.frame().await.unwrap().unwrap().is_data());
+        let error = soon(body.frame()).await.expect("a frame").expect_err("the silence is an error");
+        assert!(error.downcast_ref::<ReadTimeout>().is_some(), "{error}");
+        drop(body);
+        assert_eq!(soon(upstream.ended.recv()).await, Some(0));
+        assert_eq!(pool.idle_connections(), 0);
     }
 
     #[tokio::test]

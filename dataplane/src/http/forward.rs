@@ -54,6 +54,8 @@ pub struct Forwarder {
     /// off): one connection per agent carries every request.
     http2: Option<Http2Client>,
     header_timeout: Duration,
+    /// An answer's bodies may go this long without a byte.
+    read_timeout: Duration,
     /// Cancelled when a shutdown's grace period is over: streams still
     /// running end with an error event.
     hard_stop: CancellationToken,
@@ -89,6 +91,7 @@ impl Forwarder {
     pub fn new(
         connect_timeout: Duration,
         header_timeout: Duration,
+        read_timeout: Duration,
         tls: rustls::ClientConfig,
         protocol: crate::config::AgentProtocol,
         hard_stop: CancellationToken,
@@ -98,6 +101,7 @@ impl Forwarder {
             connect_timeout,
             idle_timeout: inferyes_proto::serve::CLIENT_IDLE_TIMEOUT,
             tls: Some(Arc::new(tls.clone())),
+            read_timeout,
         });
         let mut tcp = HttpConnector::new();
         tcp.set_nodelay(true);
@@ -128,7 +132,7 @@ impl Forwarder {
                         .wrap_connector(tcp),
                 )
         });
-        Forwarder { http1, http2, header_timeout, hard_stop, metrics }
+        Forwarder { http1, http2, header_timeout, read_timeout, hard_stop, metrics }
     }
 
     /// One request to a node's proxy, up to its answer's head: over HTTP/2
@@ -148,7 +152,7 @@ impl Forwarder {
             let (uri, host) = proxy_url.uri(out.path_and_query).ok_or_else(internal)?;
             let request = upstream_request(uri, host, backend, headers, body);
             return Ok(match http2.request(request).await {
-                Ok(response) => Ok(response.map(Answer::unpooled)),
+                Ok(response) => Ok(response.map(|body| Answer::unpooled(body, self.read_timeout))),
                 Err(error) => Err(error.into()),
             });
         }
@@ -561,9 +565,9 @@ impl Guarded {
 
 impl http_body::Body for Guarded {
     type Data = Bytes;
-    type Error = hyper::Error;
+    type Error = inferyes_proto::pool::BodyError;
 
-    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
         let this = self.get_mut();
         if this.ended {
             return Poll::Ready(None);

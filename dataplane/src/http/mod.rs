@@ -44,6 +44,7 @@ pub fn forward_client(
     Ok(forward::Forwarder::new(
         config.connect_timeout(),
         config.response_header_timeout(),
+        config.read_timeout(),
         tls,
         config.agent_protocol,
         hard_stop,

@@ -68,6 +68,25 @@ async fn echoing_backend(shutdown: CancellationToken) -> String {
     look_alike(chat, shutdown).await
 }
 
+/// etcd and a controller, for nodes of look-alikes that stop with `stop`
+/// (cancelled when this is dropped).
+struct Control {
+    _etcd: Etcd,
+    controller: ControllerHandle,
+    stop: CancellationToken,
+    _stop: tokio_util::sync::DropGuard,
+}
+
+impl Control {
+    async fn start() -> Control {
+        let etcd = Etcd::start().await;
+        let controller = ControllerHandle::start(&etcd.endpoint(), "controller-1").await;
+        let stop = CancellationToken::new();
+        let _stop = stop.clone().drop_guard();
+        Control { _etcd: etcd, controller, stop, _stop }
+    }
+}
+
 /// A node whose agent serves the llama-server look-alike at `url`.
 async fn node_of(id: &str, controller: &ControllerHandle, url: &str) -> AgentHandle {
     AgentHandle::start_with(id, &[controller.url()], GpuSourceConfig::None, vec![llama_server(url, &[])]).await
@@ -169,12 +188,9 @@ async fn a_whole_answer_comes_from_another_node_when_one_breaks_mid_answer() {
 
 #[tokio::test]
 async fn a_failover_carries_the_client_s_headers_to_the_next_node() {
-    let etcd = Etcd::start().await;
-    let controller = ControllerHandle::start(&etcd.endpoint(), "controller-1").await;
-    let stop = CancellationToken::new();
-    let _stop = stop.clone().drop_guard();
-    let _a = node_of("node-a", &controller, &breaking_backend(stop.clone()).await).await;
-    let _b = node_of("node-b", &controller, &echoing_backend(stop.clone()).await).await;
+    let Control { controller, stop, .. } = &Control::start().await;
+    let _a = node_of("node-a", controller, &breaking_backend(stop.clone()).await).await;
+    let _b = node_of("node-b", controller, &echoing_backend(stop.clone()).await).await;
     let dataplane = DataplaneHandle::start(&[controller.url()]).await;
     dataplane.wait_for_nodes(&["node-a", "node-b"]).await;
     let url = format!("{}/v1/chat/completions", dataplane.url);
@@ -326,10 +342,7 @@ async fn a_broken_stream_continues_on_another_node_when_the_fleet_says_so() {
 
 #[tokio::test]
 async fn a_stream_a_node_ends_with_an_error_of_its_own_is_not_continued_elsewhere() {
-    let etcd = Etcd::start().await;
-    let controller = ControllerHandle::start(&etcd.endpoint(), "controller-1").await;
-    let stop = CancellationToken::new();
-    let _stop = stop.clone().drop_guard();
+    let Control { controller, stop, .. } = &Control::start().await;
     let erring = post(|| async {
         let events = concat!(
             "data: {\"choices\":[{\"delta\":{\"content\":\"Hel\"},\"index\":0}],\"object\":\"chat.completion.chunk\"}\n\n",
@@ -337,7 +350,7 @@ async fn a_stream_a_node_ends_with_an_error_of_its_own_is_not_continued_elsewher
         );
         ([(http::header::CONTENT_TYPE, "text/event-stream")], events)
     });
-    let _a = node_of("node-a", &controller, &look_alike(erring, stop.clone()).await).await;
+    let _a = node_of("node-a", controller, &look_alike(erring, stop.clone()).await).await;
     let sim = SimHandle::start(chat_sim("chat")).await;
     let _b = AgentHandle::start("node-b", &[controller.url()], &[("main", &sim)]).await;
     let dataplane = DataplaneHandle::start(&[controller.url()]).await;
@@ -365,13 +378,10 @@ async fn a_stream_a_node_ends_with_an_error_of_its_own_is_not_continued_elsewher
 
 #[tokio::test]
 async fn a_node_that_does_not_answer_in_time_is_named_in_the_timeout_and_held_out() {
-    let etcd = Etcd::start().await;
-    let controller = ControllerHandle::start(&etcd.endpoint(), "controller-1").await;
-    let stop = CancellationToken::new();
-    let _stop = stop.clone().drop_guard();
+    let Control { controller, stop, .. } = &Control::start().await;
     let hung = look_alike(post(std::future::pending::<()>), stop.clone()).await;
-    let _a = node_of("node-a", &controller, &hung).await;
-    let _b = node_of("node-b", &controller, &echoing_backend(stop.clone()).await).await;
+    let _a = node_of("node-a", controller, &hung).await;
+    let _b = node_of("node-b", controller, &echoing_backend(stop.clone()).await).await;
     let dataplane = DataplaneHandle::start_with(&[controller.url()], |c| c.response_header_timeout_ms = 300).await;
     dataplane.wait_for_nodes(&["node-a", "node-b"]).await;
     let url = format!("{}/v1/chat/completions", dataplane.url);
@@ -402,15 +412,12 @@ async fn a_node_that_does_not_answer_in_time_is_named_in_the_timeout_and_held_ou
 
 #[tokio::test]
 async fn a_node_that_refuses_is_named_counted_and_held_out_with_no_other_to_go_to() {
-    let etcd = Etcd::start().await;
-    let controller = ControllerHandle::start(&etcd.endpoint(), "controller-1").await;
-    let stop = CancellationToken::new();
-    let _stop = stop.clone().drop_guard();
+    let Control { controller, stop, .. } = &Control::start().await;
     let refusing = post(|| async {
         let error = json!({"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}});
         (StatusCode::SERVICE_UNAVAILABLE, axum::Json(error))
     });
-    let _a = node_of("node-a", &controller, &look_alike(refusing, stop.clone()).await).await;
+    let _a = node_of("node-a", controller, &look_alike(refusing, stop.clone()).await).await;
     let dataplane = DataplaneHandle::start(&[controller.url()]).await;
     dataplane.wait_for_nodes(&["node-a"]).await;
     let http = HttpClient::default();
@@ -430,4 +437,34 @@ async fn a_node_that_refuses_is_named_counted_and_held_out_with_no_other_to_go_t
         .find(|l| l.starts_with("inferyes_dataplane_requests_total{") && l.contains("status=\"503\""))
         .unwrap_or_default();
     assert!(counted.contains("node=\"node-a\"") && counted.ends_with(" 2"), "{text}");
+}
+
+#[tokio::test]
+async fn an_answer_its_node_stops_sending_in_the_middle_of_ends_after_the_read_timeout() {
+    let Control { controller, stop, .. } = &Control::start().await;
+    // First bytes, then silence on a connection that stays open.
+    let stalling = post(|body: Bytes| async move {
+        let request: Value = serde_json::from_slice(&body).unwrap_or_default();
+        let content_type = if request["stream"] == true { "text/event-stream" } else { "application/json" };
+        let first = b"data: {\"choices\":[{\"delta\":{\"content\":\"Hel\"},\"index\":0}],\"object\":\"chat.completion.chunk\"}\n\n";
+        let silent = tokio_stream::StreamExt::chain(
+            tokio_stream::once(Ok::<_, std::io::Error>(Bytes::from_static(first))),
+            tokio_stream::pending(),
+        );
+        ([(http::header::CONTENT_TYPE, content_type)], Body::from_stream(silent))
+    });
+    let _a = node_of("node-a", controller, &look_alike(stalling, stop.clone()).await).await;
+    let dataplane = DataplaneHandle::start_with(&[controller.url()], |c| c.read_timeout_ms = 300).await;
+    dataplane.wait_for_nodes(&["node-a"]).await;
+    let url = format!("{}/v1/chat/completions", dataplane.url);
+
+    let (node, text) = story(&url, 0).await;
+    assert_eq!(node, "node-a");
+    assert!(text.contains("Hel"), "{text}");
+    let last = text.trim_end().rsplit("\n\n").next().unwrap_or_default();
+    assert!(last.contains("\"upstream_broken\""), "the stream ends with an error event: {text}");
+
+    let response = HttpClient::default().post_json(&url, &chat_body("chat", "hi")).await;
+    assert_eq!(response.status, StatusCode::BAD_GATEWAY);
+    assert_eq!(response.openai_error()["code"], "upstream_broken");
 }
