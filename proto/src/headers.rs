@@ -18,7 +18,7 @@ pub const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 /// Hop-by-hop headers (RFC 9110, 7.6.1): they describe one connection and
 /// stop at every proxy. `Proxy-Connection` is no standard's, but older
 /// clients still send it as a `Connection` meant for the proxy.
-pub const HOP_BY_HOP: [HeaderName; 7] = [
+pub static HOP_BY_HOP: [HeaderName; 7] = [
     header::CONNECTION,
     header::TRANSFER_ENCODING,
     header::TE,

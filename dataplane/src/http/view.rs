@@ -136,7 +136,7 @@ const SESSION_HEADER: HeaderName = HeaderName::from_static("x-session-id");
 /// `prompt_cache_key`: the client's own field says more than a tool's
 /// header. Names, not strings: a lookup by string parses and hashes it
 /// first.
-const AGENT_SESSION_HEADERS: [HeaderName; 3] = [
+static AGENT_SESSION_HEADERS: [HeaderName; 3] = [
     HeaderName::from_static("x-claude-code-session-id"),
     HeaderName::from_static("session-id"),
     HeaderName::from_static("x-session_id"),
