@@ -242,6 +242,10 @@ wrk.headers["x-stainless-retry-count"] = "0"
 wrk.headers["x-stainless-read-timeout"] = "600"
 LUA
 fi
+# Agents take requests that carry the fleet's join token, as data planes
+# send them (a data plane with keys off takes this one as a client's and
+# drops it).
+echo "wrk.headers[\"Authorization\"] = \"Bearer $INFERYES_JOIN_TOKEN\"" >> "$work/chat.lua"
 sed 's/"messages":\[{"role":"user","content":"hello"}\]/"prompt":"hello","stream":true/' "$work/chat.lua" > "$work/stream.lua"
 sed 's/"model":"bench"/"model":"bench-direct"/' "$work/chat.lua" > "$work/chat-direct.lua"
 sed 's/"model":"bench"/"model":"bench-direct"/' "$work/stream.lua" > "$work/stream-direct.lua"

@@ -137,18 +137,25 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         poll::run(Arc::clone(&state), client, gpus, config.poll_interval(), shutdown.clone())
             .instrument(tracing::info_span!("poller")),
     ));
+    // Presented to controllers: the first; taken from data planes: any.
+    let join_tokens = inferyes_proto::process::read_tokens(
+        config.join_token.as_deref(),
+        config.join_token_file.as_deref(),
+        "join token",
+    )?;
+    let join_token: Option<Arc<str>> =
+        join_tokens.as_ref().and_then(|tokens| tokens.first()).map(|t| Arc::from(t.as_str()));
+    let accepted = join_tokens.map(inferyes_proto::bearer::Accepted::new);
+    if join_token.is_none() {
+        tracing::warn!("no join token: the proxy forwards anyone's requests to the backends");
+    }
     let (connection, _) = watch::channel(report::Connection::default());
     let reporter = AbortOnDropHandle::new(tokio::spawn(
         report::run(
             Arc::clone(&state),
             config.controllers.clone(),
             config.tls.clone(),
-            inferyes_proto::process::read_token(
-                config.join_token.as_deref(),
-                config.join_token_file.as_deref(),
-                "join token",
-            )?
-            .map(Arc::from),
+            join_token.clone(),
             config.min_report_interval(),
             connection,
             shutdown.clone(),
@@ -164,7 +171,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
     // to the backends.
     let services = (0..config.workers())
         .map(|_| {
-            let service = proxy::Service::new(Arc::clone(&state), Arc::clone(&scrape));
+            let service = proxy::Service::new(Arc::clone(&state), Arc::clone(&scrape), accepted.clone());
             move |_| service.clone()
         })
         .collect();

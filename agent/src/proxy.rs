@@ -46,6 +46,10 @@ struct Proxy {
     /// This worker's connections to the backends.
     client: Pool<Incoming>,
     scrape: Arc<Scrape>,
+    /// The fleet's join token, which data planes present with every request
+    /// (the backends' GPUs are not open to whoever reaches this port).
+    /// `None`: open.
+    join_token: Option<inferyes_proto::bearer::Accepted>,
 }
 
 /// The agent's metrics and the registry they are encoded from.
@@ -78,14 +82,18 @@ pub struct Service {
 }
 
 impl Service {
-    pub fn new(state: Arc<AgentState>, scrape: Arc<Scrape>) -> Service {
+    pub fn new(
+        state: Arc<AgentState>,
+        scrape: Arc<Scrape>,
+        join_token: Option<inferyes_proto::bearer::Accepted>,
+    ) -> Service {
         let client = Pool::new(pool::Settings {
             connect_timeout: std::time::Duration::from_secs(2),
             idle_timeout: BACKEND_IDLE_TIMEOUT,
             tls: None,
             read_timeout: BACKEND_READ_TIMEOUT,
         });
-        let proxy = Proxy { state, client, scrape };
+        let proxy = Proxy { state, client, scrape, join_token };
         let router = Router::new()
             .route(HEALTH, get(|| async { "ok\n" }))
             .route(METRICS, get(metrics))
@@ -108,6 +116,20 @@ impl hyper::service::Service<Request<Incoming>> for Service {
         if matches!(request.uri().path(), HEALTH | METRICS) {
             let router = hyper_util::service::TowerToHyperService::new(self.router.clone());
             return Box::pin(hyper::service::Service::call(&router, request));
+        }
+        if let Some(expected) = &self.proxy.join_token
+            && inferyes_proto::bearer::check(
+                request.headers().get(header::AUTHORIZATION).map(|v| v.as_bytes()),
+                expected,
+            )
+            .is_err()
+        {
+            let message = "this node takes requests from the fleet's data planes only (their join token)";
+            return Box::pin(std::future::ready(Ok(error(
+                ErrorKind::Unauthenticated,
+                message,
+                "fleet_token_required",
+            ))));
         }
         let proxy = self.proxy.clone();
         Box::pin(async move { Ok(forward(proxy, request).await) })
@@ -222,7 +244,7 @@ async fn forward_in_span(proxy: Proxy, request: Request<Incoming>) -> Response {
 /// credential stay behind.
 fn strip_headers(headers: &mut HeaderMap) {
     // `Host` is not here: the backend's own replaces it.
-    const STRIPPED: [HeaderName; 5] =
+    static STRIPPED: [HeaderName; 5] =
         [header::PROXY_AUTHORIZATION, header::AUTHORIZATION, BACKEND_HEADER, MODEL_HEADER, SESSION_HEADER];
     inferyes_proto::headers::remove_hop_by_hop(headers);
     inferyes_proto::remove_headers(headers, &STRIPPED);

@@ -51,7 +51,8 @@ pub struct Args {
     pub join_token: Option<String>,
 }
 
-use inferyes_proto::process::read_token;
+use inferyes_proto::bearer::Accepted;
+use inferyes_proto::process::read_tokens;
 pub use inferyes_proto::process::{LogFormat, TokenAuth};
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -203,22 +204,22 @@ impl Config {
         Ok(())
     }
 
-    /// The admin token, read now; `None` when admin_auth is `none`.
-    pub fn admin_token(&self) -> anyhow::Result<Option<std::sync::Arc<str>>> {
+    /// The admin tokens taken, read now; `None` when admin_auth is `none`.
+    pub fn admin_token(&self) -> anyhow::Result<Option<Accepted>> {
         if self.admin_auth == TokenAuth::None {
             return Ok(None);
         }
-        let token = read_token(self.admin_token.as_deref(), self.admin_token_file.as_deref(), "admin token")?;
-        Ok(token.map(std::sync::Arc::from))
+        let tokens = read_tokens(self.admin_token.as_deref(), self.admin_token_file.as_deref(), "admin token")?;
+        Ok(tokens.map(Accepted::new))
     }
 
-    /// The join token, read now; `None` when join_auth is `none`.
-    pub fn join_token(&self) -> anyhow::Result<Option<std::sync::Arc<str>>> {
+    /// The join tokens taken, read now; `None` when join_auth is `none`.
+    pub fn join_token(&self) -> anyhow::Result<Option<Accepted>> {
         if self.join_auth == TokenAuth::None {
             return Ok(None);
         }
-        let token = read_token(self.join_token.as_deref(), self.join_token_file.as_deref(), "join token")?;
-        Ok(token.map(std::sync::Arc::from))
+        let tokens = read_tokens(self.join_token.as_deref(), self.join_token_file.as_deref(), "join token")?;
+        Ok(tokens.map(Accepted::new))
     }
 
     pub fn lease_ttl(&self) -> Duration {
@@ -286,12 +287,24 @@ mod tests {
         assert!(error.contains("admin_token_file") && error.contains("admin_auth = \"none\""), "{error}");
         let open = Config { admin_auth: TokenAuth::None, join_auth: TokenAuth::None, ..Config::default() };
         open.validate().unwrap();
-        assert_eq!(open.admin_token().unwrap(), None);
+        assert!(open.admin_token().unwrap().is_none());
         let secret = "s3cret-token-0123456789";
         let set = Config { admin_token: Some(secret.into()), join_token: Some(secret.into()), ..Config::default() };
         set.validate().unwrap();
-        assert_eq!(set.admin_token().unwrap().as_deref(), Some(secret));
+        assert!(set.admin_token().unwrap().expect("a token").accepts(secret.as_bytes()));
         assert!(!toml::to_string(&set).unwrap().contains(secret));
+        // A file lists the tokens taken while one is rotated.
+        let dir = std::env::temp_dir().join(format!("inferyes-tokens-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("join-token");
+        std::fs::write(&file, "the-new-join-token-0123\n\nthe-old-join-token-0123\n").unwrap();
+        let rotating = Config { join_token_file: Some(file.clone()), join_token: None, ..set.clone() };
+        let accepted = rotating.join_token().unwrap().expect("tokens");
+        assert!(accepted.accepts(b"the-new-join-token-0123") && accepted.accepts(b"the-old-join-token-0123"));
+        assert!(!accepted.accepts(b"s3cret-token-0123456789"));
+        let presented = inferyes_proto::process::read_token(None, Some(&file), "join token").unwrap();
+        assert_eq!(presented.as_deref(), Some("the-new-join-token-0123"), "the first line is presented");
+        std::fs::remove_dir_all(&dir).unwrap();
         let short = Config { admin_token: Some("short".into()), ..set };
         assert!(short.admin_token().unwrap_err().to_string().contains("at least 16"));
     }

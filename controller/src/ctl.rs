@@ -506,26 +506,12 @@ async fn keys(client: &mut AdminClient, command: KeysCommand, json_out: bool) ->
 
 /// A FleetService client that sends the admin token, when it has one, with
 /// every call.
-pub type AdminClient = FleetServiceClient<InterceptedService<Channel, AdminToken>>;
-
-#[derive(Clone)]
-pub struct AdminToken(Option<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>);
-
-impl tonic::service::Interceptor for AdminToken {
-    fn call(&mut self, mut request: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
-        if let Some(value) = &self.0 {
-            request.metadata_mut().insert("authorization", value.clone());
-        }
-        Ok(request)
-    }
-}
+pub type AdminClient = FleetServiceClient<InterceptedService<Channel, inferyes_proto::bearer::Bearer>>;
 
 pub fn admin_client(channel: Channel, token: Option<&str>) -> anyhow::Result<AdminClient> {
-    let value = token
-        .map(|t| format!("Bearer {t}").parse())
-        .transpose()
+    let bearer = inferyes_proto::bearer::Bearer::new(token)
         .map_err(|_| anyhow::anyhow!("the admin token must be printable ASCII"))?;
-    Ok(FleetServiceClient::with_interceptor(channel, AdminToken(value)))
+    Ok(FleetServiceClient::with_interceptor(channel, bearer))
 }
 
 fn usage_record_json(r: &UsageRecord) -> Value {

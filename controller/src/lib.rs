@@ -52,7 +52,10 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         tracing::warn!("admin_auth = \"none\": anyone who reaches the gRPC port can change the fleet and its keys");
     }
     if join_token.is_none() {
-        tracing::warn!("join_auth = \"none\": any agent that reaches the gRPC port can join the fleet");
+        tracing::warn!(
+            "join_auth = \"none\": any agent that reaches the gRPC port can join the fleet, and anyone can \
+             read its routing snapshots and write usage"
+        );
     }
     let keys = store::Keys::new(&config.etcd_prefix);
     let store =
@@ -83,7 +86,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         min_write_interval: config.min_write_interval(),
         shutdown: shutdown.clone(),
         metrics: std::sync::Arc::clone(&metrics),
-        join_token,
+        join_token: join_token.clone(),
     };
     let routing = grpc::RoutingSvc {
         snapshots: snapshots.clone(),
@@ -92,6 +95,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         serve_after: tokio::time::Instant::now() + config.startup_grace(),
         activity: std::sync::Arc::clone(&activity),
         store: store.clone(),
+        join_token,
     };
     let ledger = tokio::spawn(
         ledger::run(

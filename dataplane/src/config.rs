@@ -46,6 +46,9 @@ pub struct Args {
     /// How requests travel to agents: http1 (the default) or http2.
     #[arg(long, env = "INFERYES_AGENT_PROTOCOL")]
     pub agent_protocol: Option<AgentProtocol>,
+    /// The fleet's join token itself (prefer join_token_file in the config file).
+    #[arg(long, env = "INFERYES_JOIN_TOKEN", hide_env_values = true)]
+    pub join_token: Option<String>,
 }
 
 pub use inferyes_proto::process::LogFormat;
@@ -95,6 +98,13 @@ pub struct Config {
     /// request as a stream. HTTP/1.1 is the default: HTTP/2 cost about 60 µs
     /// more per request at low concurrency (docs/performance.md).
     pub agent_protocol: AgentProtocol,
+    /// A file holding the fleet's join token, presented to controllers and
+    /// to agents; without one, both must be open to this data plane.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub join_token_file: Option<PathBuf>,
+    /// From the environment or a flag; never written out.
+    #[serde(skip)]
+    pub join_token: Option<String>,
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
@@ -125,6 +135,8 @@ impl Default for Config {
             tls: inferyes_proto::tls::Tls::default(),
             workers: 0,
             agent_protocol: AgentProtocol::Http1,
+            join_token_file: None,
+            join_token: None,
         }
     }
 }
@@ -155,6 +167,9 @@ impl Config {
         }
         if let Some(v) = args.agent_protocol {
             config.agent_protocol = v;
+        }
+        if let Some(v) = &args.join_token {
+            config.join_token = Some(v.clone());
         }
         if config.dataplane_id.is_empty() {
             let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
@@ -190,6 +205,11 @@ impl Config {
 
     pub fn response_header_timeout(&self) -> Duration {
         Duration::from_millis(self.response_header_timeout_ms)
+    }
+
+    /// The fleet's join token, read from where it was given.
+    pub fn join_token(&self) -> anyhow::Result<Option<String>> {
+        inferyes_proto::process::read_token(self.join_token.as_deref(), self.join_token_file.as_deref(), "join token")
     }
 
     pub fn read_timeout(&self) -> Duration {

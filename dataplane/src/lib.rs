@@ -24,6 +24,33 @@ use tracing::Instrument;
 pub use config::Config;
 pub use snapshot::SnapshotStore;
 
+/// A client of a controller's `RoutingService`, sending the fleet's join
+/// token with every call.
+pub type RoutingClient = inferyes_proto::v1::routing_service_client::RoutingServiceClient<
+    tonic::service::interceptor::InterceptedService<tonic::transport::Channel, inferyes_proto::bearer::Bearer>,
+>;
+
+/// How this data plane reaches its controllers.
+#[derive(Clone)]
+pub struct Controllers {
+    /// gRPC addresses, tried in turn.
+    pub addresses: Vec<String>,
+    pub tls: inferyes_proto::tls::Tls,
+    /// The fleet's join token, sent with every call.
+    pub bearer: inferyes_proto::bearer::Bearer,
+}
+
+impl Controllers {
+    /// The endpoint of the controller at `address`, to configure and connect.
+    pub fn endpoint(&self, address: &str) -> anyhow::Result<tonic::transport::Endpoint> {
+        inferyes_proto::tls::grpc_endpoint(address, &self.tls)
+    }
+
+    pub fn client(&self, channel: tonic::transport::Channel) -> RoutingClient {
+        inferyes_proto::v1::routing_service_client::RoutingServiceClient::with_interceptor(channel, self.bearer.clone())
+    }
+}
+
 /// Runs until `shutdown` is cancelled. The caller binds the listener (tests
 /// bind port 0) and may pass in the store to watch snapshot versions.
 pub async fn run(
@@ -32,15 +59,19 @@ pub async fn run(
     snapshots: Arc<SnapshotStore>,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
+    let join_token = config.join_token()?;
+    if join_token.is_none() {
+        tracing::warn!("no join token: controllers and agents must be open to any data plane");
+    }
+    let controllers = Controllers {
+        addresses: config.controllers.clone(),
+        tls: config.tls.clone(),
+        bearer: inferyes_proto::bearer::Bearer::new(join_token.as_deref())?,
+    };
+    let agent_authorization = join_token.as_deref().map(http::agent_authorization).transpose()?;
     let subscription = AbortOnDropHandle::new(tokio::spawn(
-        snapshot::subscribe(
-            Arc::clone(&snapshots),
-            config.controllers.clone(),
-            config.dataplane_id.clone(),
-            config.tls.clone(),
-            shutdown.clone(),
-        )
-        .instrument(tracing::info_span!("snapshots")),
+        snapshot::subscribe(Arc::clone(&snapshots), controllers.clone(), config.dataplane_id.clone(), shutdown.clone())
+            .instrument(tracing::info_span!("snapshots")),
     ));
     let (decisions, decision_rx) = report::DecisionLog::new();
     let reporter = AbortOnDropHandle::new(tokio::spawn(
@@ -48,9 +79,8 @@ pub async fn run(
             Arc::clone(&decisions),
             decision_rx,
             Arc::clone(&snapshots),
-            config.controllers.clone(),
+            controllers.clone(),
             config.dataplane_id.clone(),
-            config.tls.clone(),
             shutdown.clone(),
         )
         .instrument(tracing::info_span!("report")),
@@ -60,7 +90,7 @@ pub async fn run(
     let metrics = Arc::new(metrics::Metrics::new(&mut registry));
     let state = http::AppState {
         snapshots,
-        forwarder: http::forward_client(&config, hard_stop.clone(), Arc::clone(&metrics))?,
+        forwarder: http::forward_client(&config, agent_authorization.clone(), hard_stop.clone(), Arc::clone(&metrics))?,
         metrics,
         registry: Arc::new(registry),
         max_body_bytes: config.max_body_bytes,
@@ -74,8 +104,7 @@ pub async fn run(
     // flushes what is left and ends.
     let drained = CancellationToken::new();
     let ledger = AbortOnDropHandle::new(tokio::spawn(
-        usage::run(Arc::clone(&state.ledger), config.controllers.clone(), config.tls.clone(), drained.clone())
-            .instrument(tracing::info_span!("usage")),
+        usage::run(Arc::clone(&state.ledger), controllers, drained.clone()).instrument(tracing::info_span!("usage")),
     ));
     if config.auth == auth::AuthMode::None {
         tracing::warn!("auth = \"none\": the API is open to anyone who can reach it");
@@ -84,7 +113,8 @@ pub async fn run(
     // to agents (a pooled connection is driven by the thread that opened it).
     let mut gateways = vec![http::Gateway::new(state.clone())];
     for _ in 1..config.workers() {
-        let forwarder = http::forward_client(&config, hard_stop.clone(), Arc::clone(&state.metrics))?;
+        let forwarder =
+            http::forward_client(&config, agent_authorization.clone(), hard_stop.clone(), Arc::clone(&state.metrics))?;
         gateways.push(http::Gateway::new(http::AppState { forwarder, ..state.clone() }));
     }
     tracing::info!(listen = %listener.local_addr()?, id = %config.dataplane_id, workers = gateways.len(), "data plane running");

@@ -10,11 +10,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use inferyes_proto::v1::routing_service_client::RoutingServiceClient;
 use inferyes_proto::v1::{DataPlaneReport, RoutingDecision};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
-use tonic::transport::Channel;
 
 use crate::SnapshotStore;
 
@@ -60,16 +58,16 @@ pub async fn run(
     log: Arc<DecisionLog>,
     mut rx: mpsc::Receiver<RoutingDecision>,
     store: Arc<SnapshotStore>,
-    controllers: Vec<String>,
+    controllers: crate::Controllers,
     dataplane_id: String,
-    tls: inferyes_proto::tls::Tls,
     shutdown: CancellationToken,
 ) {
-    let clients: Vec<RoutingServiceClient<Channel>> = controllers
+    let clients: Vec<crate::RoutingClient> = controllers
+        .addresses
         .iter()
-        .filter_map(|address| match inferyes_proto::tls::grpc_endpoint(address, &tls) {
+        .filter_map(|address| match controllers.endpoint(address) {
             Ok(endpoint) => {
-                Some(RoutingServiceClient::new(endpoint.connect_timeout(SEND_TIMEOUT).tcp_nodelay(true).connect_lazy()))
+                Some(controllers.client(endpoint.connect_timeout(SEND_TIMEOUT).tcp_nodelay(true).connect_lazy()))
             }
             Err(error) => {
                 tracing::warn!(controller = %address, error = format!("{error:#}"), "not reporting to this controller");

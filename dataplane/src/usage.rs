@@ -14,11 +14,9 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use inferyes_proto::usage::{Usage, hour_of};
-use inferyes_proto::v1::routing_service_client::RoutingServiceClient;
 use inferyes_proto::v1::{UsageBatch, UsageDelta, UsageRecord, UsageRollup};
 use inferyes_proto::{FastMap, value_for};
 use tokio_util::sync::CancellationToken;
-use tonic::transport::Channel;
 
 const SEND_EVERY: Duration = Duration::from_secs(1);
 /// Raw records in one batch, when they are kept (the controller stores
@@ -208,22 +206,18 @@ impl Ledger {
 /// Sends batches until shutdown, then flushes for up to
 /// [`FLUSH_ON_SHUTDOWN`]. `drained` is cancelled by the caller once no
 /// request can add records any more.
-pub async fn run(
-    ledger: Arc<Ledger>,
-    controllers: Vec<String>,
-    tls: inferyes_proto::tls::Tls,
-    drained: CancellationToken,
-) {
-    let clients: Vec<RoutingServiceClient<Channel>> = controllers
+pub async fn run(ledger: Arc<Ledger>, controllers: crate::Controllers, drained: CancellationToken) {
+    let clients: Vec<crate::RoutingClient> = controllers
+        .addresses
         .iter()
-        .filter_map(|address| match inferyes_proto::tls::grpc_endpoint(address, &tls) {
+        .filter_map(|address| match controllers.endpoint(address) {
             Ok(endpoint) => Some(endpoint),
             Err(error) => {
                 tracing::error!(controller = %address, error = format!("{error:#}"), "cannot send usage to this controller");
                 None
             }
         })
-        .map(|e| RoutingServiceClient::new(e.connect_timeout(Duration::from_secs(2)).tcp_nodelay(true).connect_lazy()))
+        .map(|e| controllers.client(e.connect_timeout(Duration::from_secs(2)).tcp_nodelay(true).connect_lazy()))
         .collect();
     if clients.is_empty() {
         return;

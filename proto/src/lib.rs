@@ -8,6 +8,7 @@ pub mod v1 {
 
 pub mod apikey;
 pub mod base_url;
+pub mod bearer;
 mod error;
 pub mod headers;
 pub mod pool;

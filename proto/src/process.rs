@@ -60,25 +60,38 @@ pub enum TokenAuth {
 /// Tokens shorter than this are refused: they would be guessable.
 const MIN_TOKEN_CHARS: usize = 16;
 
-/// A shared secret (admin or join token): the value given directly (from
-/// the environment), else the first line of `file`. Never logged.
+/// A shared secret (admin or join token) to present: the value given
+/// directly (from the environment), else the first line of `file`. Never
+/// logged.
 pub fn read_token(value: Option<&str>, file: Option<&Path>, what: &str) -> anyhow::Result<Option<String>> {
+    Ok(read_tokens(value, file, what)?.and_then(|tokens| tokens.into_iter().next()))
+}
+
+/// The tokens a shared secret may be: the value given directly, else every
+/// line of `file`, the first being the one presented. Several lines let a
+/// token be rotated without a moment in which two parts of the fleet refuse
+/// each other: add the new one below, then move it to the top, then remove
+/// the old one, restarting everything between steps.
+pub fn read_tokens(value: Option<&str>, file: Option<&Path>, what: &str) -> anyhow::Result<Option<Vec<String>>> {
     use anyhow::Context;
-    let token = match (value, file) {
-        (Some(value), _) => value.trim().to_string(),
+    let tokens: Vec<String> = match (value, file) {
+        (Some(value), _) => vec![value.trim().to_string()],
         (None, Some(file)) => std::fs::read_to_string(file)
             .with_context(|| format!("cannot read the {what} from {}", file.display()))?
             .lines()
-            .next()
-            .unwrap_or_default()
-            .trim()
-            .to_string(),
+            .map(str::trim)
+            .filter(|line| !line.is_empty())
+            .map(str::to_string)
+            .collect(),
         (None, None) => return Ok(None),
     };
-    anyhow::ensure!(
-        token.len() >= MIN_TOKEN_CHARS && token.chars().all(|c| c.is_ascii_graphic()),
-        "the {what} must be at least {MIN_TOKEN_CHARS} printable ASCII characters without spaces \
-         (e.g. `head -c 32 /dev/urandom | base64 | tr -d '=+/'`)"
-    );
-    Ok(Some(token))
+    anyhow::ensure!(!tokens.is_empty(), "the {what} file is empty");
+    for token in &tokens {
+        anyhow::ensure!(
+            token.len() >= MIN_TOKEN_CHARS && token.chars().all(|c| c.is_ascii_graphic()),
+            "the {what} must be at least {MIN_TOKEN_CHARS} printable ASCII characters without spaces \
+             (e.g. `head -c 32 /dev/urandom | base64 | tr -d '=+/'`)"
+        );
+    }
+    Ok(Some(tokens))
 }

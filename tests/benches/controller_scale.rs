@@ -129,11 +129,15 @@ fn main() {
         let measuring = Arc::new(AtomicBool::new(false));
         for i in 0..DATA_PLANES {
             let store = Arc::new(SnapshotStore::default());
+            let controllers = inferyes_dataplane::Controllers {
+                addresses: vec![controller_url.clone()],
+                tls: inferyes_proto::tls::Tls::default(),
+                bearer: inferyes_proto::bearer::Bearer::new(Some(inferyes_tests::fleet::JOIN_TOKEN)).expect("a token"),
+            };
             dataplane_rt.spawn(inferyes_dataplane::snapshot::subscribe(
                 Arc::clone(&store),
-                vec![controller_url.clone()],
+                controllers,
                 format!("dataplane-{i}"),
-                inferyes_proto::tls::Tls::default(),
                 shutdown.clone(),
             ));
             dataplane_rt.spawn(watch_changes(
@@ -450,8 +454,10 @@ async fn watch_changes(
 }
 
 async fn measure_sizes(controller: String, sizes: Arc<Mutex<(usize, Vec<usize>)>>, measuring: Arc<AtomicBool>) {
-    let Ok(client) = RoutingServiceClient::connect(controller).await else { return };
-    let mut client = client.max_decoding_message_size(256 << 20);
+    let Ok(channel) = tonic::transport::Endpoint::from_shared(controller) else { return };
+    let Ok(channel) = channel.connect().await else { return };
+    let bearer = inferyes_proto::bearer::Bearer::new(Some(inferyes_tests::fleet::JOIN_TOKEN)).expect("a token");
+    let mut client = RoutingServiceClient::with_interceptor(channel, bearer).max_decoding_message_size(256 << 20);
     let Ok(response) = client.subscribe(SubscribeRequest { dataplane_id: "sizes".into() }).await else { return };
     let mut stream = response.into_inner();
     while let Ok(Some(update)) = stream.message().await {

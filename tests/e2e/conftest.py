@@ -119,6 +119,7 @@ listen = "127.0.0.1:{port}"
 controllers = ["{fleet.controller_url}"]
 dataplane_id = "{name}"
 routing_mode = "{strategy}"
+join_token_file = "{fleet.join_token_file}"
 """)
             fleet.spawn(name, [str(fleet.bin / "inferyes-dataplane"), "--config", str(config)])
             url = f"http://127.0.0.1:{port}"

@@ -138,6 +138,13 @@ impl ControllerHandle {
         inferyes_controller::ctl::admin_client(channel, Some(ADMIN_TOKEN)).expect("admin client")
     }
 
+    /// A RoutingService client presenting `token` (a data plane's: the
+    /// fleet's join token).
+    pub async fn routing(&self, token: Option<&str>) -> inferyes_dataplane::RoutingClient {
+        let channel = Channel::from_shared(self.url()).expect("url").connect().await.expect("controller reachable");
+        routing_client(channel, token)
+    }
+
     /// A FleetService client without the admin token.
     pub async fn fleet_anonymous(&self) -> FleetServiceClient<Channel> {
         FleetServiceClient::connect(self.url()).await.expect("controller reachable")
@@ -151,6 +158,15 @@ impl ControllerHandle {
         outcome.expect("controller exits cleanly");
     }
 }
+
+/// A RoutingService client on `channel` presenting `token`.
+pub fn routing_client(channel: Channel, token: Option<&str>) -> inferyes_dataplane::RoutingClient {
+    let bearer = inferyes_proto::bearer::Bearer::new(token).expect("a token");
+    inferyes_proto::v1::routing_service_client::RoutingServiceClient::with_interceptor(channel, bearer)
+}
+
+/// The `Authorization` a data plane sends agents.
+pub const AGENT_AUTHORIZATION: &str = "Bearer test-join-token-0123456789";
 
 pub struct AgentHandle {
     pub node_id: String,
@@ -275,6 +291,7 @@ impl DataplaneHandle {
             dataplane_id: "test-dataplane".into(),
             // Most tests are about routing; the auth tests turn keys on.
             auth: inferyes_dataplane::auth::AuthMode::None,
+            join_token: Some(JOIN_TOKEN.into()),
             ..Default::default()
         };
         tweak(&mut config);

@@ -36,7 +36,7 @@ pub struct AgentSvc {
     pub shutdown: CancellationToken,
     pub metrics: std::sync::Arc<crate::metrics::Metrics>,
     /// Agents must present it to join; `None`: any agent may.
-    pub join_token: Option<std::sync::Arc<str>>,
+    pub join_token: Option<inferyes_proto::bearer::Accepted>,
 }
 
 impl AgentSvc {
@@ -65,8 +65,8 @@ impl AgentService for AgentSvc {
         let Some(AgentMessage { msg: Some(Msg::Register(register)) }) = first else {
             return Err(status(ErrorKind::BadRequest, "the first message on a join stream must be `register`"));
         };
-        if let Some(expected) = &self.join_token
-            && !inferyes_proto::apikey::constant_time_eq(register.join_token.as_bytes(), expected.as_bytes())
+        if let Some(accepted) = &self.join_token
+            && !accepted.accepts(register.join_token.as_bytes())
         {
             let reason = if register.join_token.is_empty() { "needs" } else { "refused the agent's" };
             tracing::warn!(peer = ?peer, "agent refused: wrong or missing join token");

@@ -21,7 +21,7 @@ pub struct FleetSvc {
     pub store: EtcdStore,
     pub snapshots: SnapshotRx,
     /// Writes and everything about API keys need it; `None`: open.
-    pub admin_token: Option<std::sync::Arc<str>>,
+    pub admin_token: Option<inferyes_proto::bearer::Accepted>,
 }
 
 impl FleetSvc {
@@ -31,20 +31,15 @@ impl FleetSvc {
 
     /// Refuses a call without the admin token (when one is configured).
     fn admin<T>(&self, request: &Request<T>) -> Result<(), Status> {
-        let Some(expected) = &self.admin_token else { return Ok(()) };
-        let presented = request
-            .metadata()
-            .get("authorization")
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "));
-        match presented {
-            Some(token) if inferyes_proto::apikey::constant_time_eq(token.as_bytes(), expected.as_bytes()) => Ok(()),
-            Some(_) => Err(status(ErrorKind::PermissionDenied, "the admin token is not this fleet's")),
-            None => Err(status(
+        inferyes_proto::bearer::check_call(request, self.admin_token.as_ref()).map_err(|refusal| match refusal {
+            inferyes_proto::bearer::Refusal::Wrong => {
+                status(ErrorKind::PermissionDenied, "the admin token is not this fleet's")
+            }
+            inferyes_proto::bearer::Refusal::Missing => status(
                 ErrorKind::Unauthenticated,
                 "this call needs the admin token (inferyesctl: --admin-token-file or INFERYES_ADMIN_TOKEN)",
-            )),
-        }
+            ),
+        })
     }
 
     fn snapshot(&self) -> Result<std::sync::Arc<Snapshot>, Status> {

@@ -30,11 +30,25 @@ pub struct RoutingSvc {
     pub serve_after: tokio::time::Instant,
     pub activity: Arc<crate::activity::Activity>,
     pub store: crate::store::EtcdStore,
+    /// The fleet's join token, which data planes present with every call:
+    /// snapshots carry the keys' hashes and the fleet's sessions, and usage
+    /// written here is billed. `None`: open.
+    pub join_token: Option<inferyes_proto::bearer::Accepted>,
 }
 
 impl RoutingSvc {
     pub fn svc(self) -> RoutingServiceServer<Self> {
         RoutingServiceServer::new(self)
+    }
+
+    /// Refuses a call without the fleet's join token (when one is set).
+    fn member<T>(&self, request: &Request<T>) -> Result<(), Status> {
+        inferyes_proto::bearer::check_call(request, self.join_token.as_ref()).map_err(|refusal| match refusal {
+            inferyes_proto::bearer::Refusal::Missing => Status::unauthenticated(
+                "data planes present the fleet's join token (join_token_file or INFERYES_JOIN_TOKEN)",
+            ),
+            inferyes_proto::bearer::Refusal::Wrong => Status::permission_denied("the join token is not this fleet's"),
+        })
     }
 }
 
@@ -49,6 +63,7 @@ impl RoutingService for RoutingSvc {
     type SubscribeStream = UpdateStream;
 
     async fn subscribe(&self, request: Request<SubscribeRequest>) -> Result<Response<UpdateStream>, Status> {
+        self.member(&request)?;
         let dataplane = request.into_inner().dataplane_id;
         let (tx, rx) = mpsc::channel(4);
         let span = tracing::info_span!("subscriber", %dataplane);
@@ -57,6 +72,7 @@ impl RoutingService for RoutingSvc {
     }
 
     async fn report(&self, request: Request<DataPlaneReport>) -> Result<Response<ReportAck>, Status> {
+        self.member(&request)?;
         let report = request.into_inner();
         if report.dataplane_id.is_empty() {
             return Err(Status::invalid_argument("a report needs the data plane's id"));
@@ -66,6 +82,7 @@ impl RoutingService for RoutingSvc {
     }
 
     async fn record_usage(&self, request: Request<UsageBatch>) -> Result<Response<UsageAck>, Status> {
+        self.member(&request)?;
         let batch = request.into_inner();
         let id_ok = !batch.batch_id.is_empty()
             && batch.batch_id.len() <= 256

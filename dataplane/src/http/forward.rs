@@ -56,6 +56,8 @@ pub struct Forwarder {
     header_timeout: Duration,
     /// An answer's bodies may go this long without a byte.
     read_timeout: Duration,
+    /// The fleet's join token, which agents ask of every request.
+    agent_authorization: Option<HeaderValue>,
     /// Cancelled when a shutdown's grace period is over: streams still
     /// running end with an error event.
     hard_stop: CancellationToken,
@@ -88,15 +90,16 @@ pub struct Outbound<'a> {
 }
 
 impl Forwarder {
+    /// A forwarder as `config` says, with `tls` made of its settings.
     pub fn new(
-        connect_timeout: Duration,
-        header_timeout: Duration,
-        read_timeout: Duration,
+        config: &crate::Config,
         tls: rustls::ClientConfig,
-        protocol: crate::config::AgentProtocol,
+        agent_authorization: Option<HeaderValue>,
         hard_stop: CancellationToken,
         metrics: Arc<crate::metrics::Metrics>,
     ) -> Forwarder {
+        let (connect_timeout, header_timeout) = (config.connect_timeout(), config.response_header_timeout());
+        let (read_timeout, protocol) = (config.read_timeout(), config.agent_protocol);
         let http1 = inferyes_proto::pool::Pool::new(inferyes_proto::pool::Settings {
             connect_timeout,
             idle_timeout: inferyes_proto::serve::CLIENT_IDLE_TIMEOUT,
@@ -132,7 +135,7 @@ impl Forwarder {
                         .wrap_connector(tcp),
                 )
         });
-        Forwarder { http1, http2, header_timeout, read_timeout, hard_stop, metrics }
+        Forwarder { http1, http2, header_timeout, read_timeout, agent_authorization, hard_stop, metrics }
     }
 
     /// One request to a node's proxy, up to its answer's head: over HTTP/2
@@ -143,9 +146,13 @@ impl Forwarder {
         proxy_http2: bool,
         backend: Option<&HeaderValue>,
         out: &Outbound<'_>,
-        headers: HeaderMap,
+        mut headers: HeaderMap,
         body: Bytes,
     ) -> Result<Result<http::Response<Answer>, BoxError>, ApiError> {
+        // The client's own stayed behind ([`upstream_headers`]).
+        if let Some(value) = &self.agent_authorization {
+            headers.insert(header::AUTHORIZATION, value.clone());
+        }
         let internal = || ApiError::new(ErrorKind::Internal, "cannot build the upstream request", "internal_error");
         let body = Full::new(body);
         if let Some(http2) = self.http2.as_ref().filter(|_| proxy_http2) {

@@ -33,21 +33,22 @@ fn write_hex(out: &mut [u8], mut bits: u128) {
     }
 }
 
+/// The `Authorization` a data plane sends agents: the fleet's join token.
+pub fn agent_authorization(join_token: &str) -> anyhow::Result<http::HeaderValue> {
+    let mut value = http::HeaderValue::try_from(format!("Bearer {join_token}"))
+        .map_err(|_| anyhow::anyhow!("the join token must be printable ASCII"))?;
+    value.set_sensitive(true);
+    Ok(value)
+}
+
 /// The pooled client to agents, as configured. `hard_stop` ends the streams
 /// still running when a shutdown's grace is over.
 pub fn forward_client(
     config: &crate::Config,
+    agent_authorization: Option<http::HeaderValue>,
     hard_stop: tokio_util::sync::CancellationToken,
     metrics: std::sync::Arc<crate::metrics::Metrics>,
 ) -> anyhow::Result<forward::Forwarder> {
     let tls = config.tls.http_client()?;
-    Ok(forward::Forwarder::new(
-        config.connect_timeout(),
-        config.response_header_timeout(),
-        config.read_timeout(),
-        tls,
-        config.agent_protocol,
-        hard_stop,
-        metrics,
-    ))
+    Ok(forward::Forwarder::new(config, tls, agent_authorization, hard_stop, metrics))
 }

@@ -6,7 +6,6 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use inferyes_proto::v1::routing_service_client::RoutingServiceClient;
 use inferyes_proto::v1::{Alias, RoutingPolicy, SnapshotNode, SubscribeRequest, snapshot_update};
 
 use tokio_util::sync::CancellationToken;
@@ -18,19 +17,18 @@ const BACKOFF_MAX: Duration = Duration::from_secs(2);
 
 pub async fn run(
     store: Arc<SnapshotStore>,
-    controllers: Vec<String>,
+    controllers: crate::Controllers,
     dataplane_id: String,
-    tls: inferyes_proto::tls::Tls,
     shutdown: CancellationToken,
 ) {
     let mut backoff = BACKOFF_MIN;
     let mut next = 0usize;
     loop {
-        let address = &controllers[next % controllers.len()];
+        let address = &controllers.addresses[next % controllers.addresses.len()];
         next += 1;
         tokio::select! {
             () = shutdown.cancelled() => return,
-            result = follow(&store, address, &dataplane_id, &tls) => {
+            result = follow(&store, &controllers, address, &dataplane_id) => {
                 match result {
                     Ok(received) => {
                         if received {
@@ -55,11 +53,12 @@ pub async fn run(
 /// ends or breaks.
 async fn follow(
     store: &SnapshotStore,
+    controllers: &crate::Controllers,
     address: &str,
     dataplane_id: &str,
-    tls: &inferyes_proto::tls::Tls,
 ) -> anyhow::Result<bool> {
-    let channel = inferyes_proto::tls::grpc_endpoint(address, tls)?
+    let channel = controllers
+        .endpoint(address)?
         .connect_timeout(Duration::from_secs(2))
         .tcp_nodelay(true)
         .http2_keep_alive_interval(Duration::from_secs(2))
@@ -67,7 +66,8 @@ async fn follow(
         .keep_alive_while_idle(true)
         .connect()
         .await?;
-    let mut stream = RoutingServiceClient::new(channel)
+    let mut stream = controllers
+        .client(channel)
         .max_decoding_message_size(256 << 20)
         .subscribe(SubscribeRequest { dataplane_id: dataplane_id.to_string() })
         .await?

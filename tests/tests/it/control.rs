@@ -282,10 +282,11 @@ async fn with_etcd_down_routing_goes_on_writes_fail_clearly_and_everything_conve
 }
 
 #[tokio::test]
-async fn fleet_writes_and_keys_need_the_admin_token_and_agents_the_join_token() {
+async fn fleet_writes_and_keys_need_the_admin_token_and_agents_and_data_planes_the_join_token() {
     use inferyes_proto::v1::agent_service_client::AgentServiceClient;
     use inferyes_proto::v1::{
-        AgentMessage, CreateKeyRequest, DrainRequest, ListKeysRequest, NodeStatus, Register, agent_message,
+        AgentMessage, CreateKeyRequest, DataPlaneReport, DrainRequest, ListKeysRequest, NodeStatus, Register,
+        SubscribeRequest, UsageBatch, agent_message,
     };
 
     let etcd = Etcd::start().await;
@@ -318,4 +319,40 @@ async fn fleet_writes_and_keys_need_the_admin_token_and_agents_the_join_token() 
     }
     let nodes = controller.fleet().await.list_nodes(ListNodesRequest {}).await.unwrap().into_inner().nodes;
     assert!(nodes.is_empty(), "no intruder joined");
+
+    // Snapshots (keys' hashes, sessions) and usage (billed) are the fleet's
+    // data planes' only.
+    let refusals =
+        [(None, tonic::Code::Unauthenticated), (Some("not-the-join-token-at-all"), tonic::Code::PermissionDenied)];
+    for (token, code) in refusals {
+        let mut routing = controller.routing(token).await;
+        let subscribe = routing.subscribe(SubscribeRequest { dataplane_id: "intruder".into() }).await;
+        assert_eq!(subscribe.err().map(|e| e.code()), Some(code));
+        let batch = UsageBatch { batch_id: "forged".into(), ..Default::default() };
+        assert_eq!(routing.record_usage(batch).await.unwrap_err().code(), code);
+        let report = DataPlaneReport { dataplane_id: "intruder".into(), ..Default::default() };
+        assert_eq!(routing.report(report).await.unwrap_err().code(), code);
+    }
+    let mut member = controller.routing(Some(inferyes_tests::fleet::JOIN_TOKEN)).await;
+    assert!(member.subscribe(SubscribeRequest { dataplane_id: "member".into() }).await.is_ok());
+}
+
+#[tokio::test]
+async fn an_agent_forwards_only_what_the_fleet_s_data_planes_send() {
+    let fleet = Fleet::start(vec![chat_sim("chat")]).await;
+    let url = format!("http://{}/v1/chat/completions", fleet.agents[0].proxy_addr);
+    let body = Bytes::from(chat_body("chat", "hi").to_string());
+    for authorization in [None, Some("Bearer not-the-join-token-at-all"), Some("test-join-token-0123456789")] {
+        let headers: Vec<(&str, &str)> = authorization.iter().map(|a| ("authorization", *a)).collect();
+        let refused = fleet.http.send(Method::POST, &url, body.clone(), &headers).await;
+        assert_eq!(refused.status, StatusCode::UNAUTHORIZED, "{authorization:?}");
+        assert_eq!(refused.openai_error()["code"], "fleet_token_required");
+    }
+    assert_eq!(fleet.sims[0].sim.stats().requests, 0, "nothing reached the backend");
+    let authorization = [("authorization", inferyes_tests::fleet::AGENT_AUTHORIZATION)];
+    let answered = fleet.http.send(Method::POST, &url, body, &authorization).await;
+    assert_eq!(answered.status, StatusCode::OK);
+    // Its own health and metrics stay open.
+    let health = fleet.http.get(&format!("http://{}/healthz", fleet.agents[0].proxy_addr)).await;
+    assert_eq!(health.status, StatusCode::OK);
 }

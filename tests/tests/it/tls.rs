@@ -8,7 +8,6 @@ use http::StatusCode;
 use inferyes_agent::config::GpuSourceConfig;
 use inferyes_proto::tls::Tls;
 use inferyes_proto::v1::SubscribeRequest;
-use inferyes_proto::v1::routing_service_client::RoutingServiceClient;
 use inferyes_tests::fleet::llama_server;
 use inferyes_tests::{AgentHandle, ControllerHandle, DataplaneHandle, Etcd, HttpClient, SimHandle};
 use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, DnType, ExtendedKeyUsagePurpose, IsCa, KeyPair};
@@ -118,7 +117,8 @@ async fn the_fleet_runs_over_mutual_tls_and_refuses_clients_without_a_certificat
     let endpoint = inferyes_proto::tls::grpc_endpoint(&controller.https_url(), &anonymous).expect("endpoint");
     let refused = match tokio::time::timeout(Duration::from_secs(10), endpoint.connect()).await.expect("in time") {
         Err(_) => true,
-        Ok(channel) => RoutingServiceClient::new(channel)
+        // The join token, so that only the missing certificate is wrong.
+        Ok(channel) => inferyes_tests::fleet::routing_client(channel, Some(inferyes_tests::fleet::JOIN_TOKEN))
             .subscribe(SubscribeRequest { dataplane_id: "anonymous".into() })
             .await
             .is_err(),

@@ -7,7 +7,6 @@ use std::time::Duration;
 use http::{Method, StatusCode};
 use inferyes_dataplane::auth::AuthMode;
 use inferyes_dataplane::config::AgentProtocol;
-use inferyes_proto::v1::routing_service_client::RoutingServiceClient;
 use inferyes_proto::v1::{CreateKeyRequest, UsageBatch, UsageQuery, UsageRecord, UsageRollup};
 use inferyes_tests::{ControllerHandle, DataplaneHandle, HttpClient, TestResponse, eventually};
 use serde_json::json;
@@ -115,7 +114,7 @@ async fn a_resent_batch_is_counted_once() {
         // Records only: the controller sums them itself.
         deltas: Vec::new(),
     };
-    let mut client = RoutingServiceClient::connect(fleet.controller().url()).await.expect("controller");
+    let mut client = fleet.controller().routing(Some(inferyes_tests::fleet::JOIN_TOKEN)).await;
     client.record_usage(batch.clone()).await.expect("accepted");
     // Resent while pending, and again once rolled up: acknowledged, not counted.
     client.record_usage(batch.clone()).await.expect("accepted again");

@@ -1,0 +1,93 @@
+//! Shared secrets on the wire, as `Authorization: Bearer <token>`: the
+//! admin token on `FleetService` calls, and the fleet's join token, which
+//! data planes present to controllers (every `RoutingService` call) and to
+//! agents (every request they forward).
+
+use tonic::metadata::{Ascii, MetadataValue};
+
+/// A tonic interceptor that sends a token, when it has one, with every call.
+#[derive(Clone, Default)]
+pub struct Bearer(Option<MetadataValue<Ascii>>);
+
+impl Bearer {
+    pub fn new(token: Option<&str>) -> anyhow::Result<Bearer> {
+        let value = token
+            .map(|t| format!("Bearer {t}").parse::<MetadataValue<Ascii>>())
+            .transpose()
+            .map_err(|_| anyhow::anyhow!("a token must be printable ASCII"))?;
+        Ok(Bearer(value))
+    }
+}
+
+impl tonic::service::Interceptor for Bearer {
+    fn call(&mut self, mut request: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
+        if let Some(value) = &self.0 {
+            request.metadata_mut().insert("authorization", value.clone());
+        }
+        Ok(request)
+    }
+}
+
+/// The tokens a secret may be (see [`crate::process::read_tokens`]).
+#[derive(Clone, Debug)]
+pub struct Accepted(std::sync::Arc<[String]>);
+
+impl Accepted {
+    pub fn new(tokens: Vec<String>) -> Accepted {
+        Accepted(tokens.into())
+    }
+
+    /// Whether `token` is one of them, compared in constant time with each.
+    pub fn accepts(&self, token: &[u8]) -> bool {
+        self.0.iter().fold(false, |found, expected| found | crate::apikey::constant_time_eq(token, expected.as_bytes()))
+    }
+}
+
+/// Why a token was not accepted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Refusal {
+    /// No `Bearer` token at all.
+    Missing,
+    /// A token, not the expected one.
+    Wrong,
+}
+
+/// Checks an `Authorization` value against the accepted tokens.
+pub fn check(authorization: Option<&[u8]>, accepted: &Accepted) -> Result<(), Refusal> {
+    match authorization.and_then(|value| value.strip_prefix(b"Bearer ")) {
+        Some(token) if accepted.accepts(token) => Ok(()),
+        Some(_) => Err(Refusal::Wrong),
+        None => Err(Refusal::Missing),
+    }
+}
+
+/// Checks a gRPC call's token, when one is expected.
+pub fn check_call<T>(request: &tonic::Request<T>, accepted: Option<&Accepted>) -> Result<(), Refusal> {
+    let Some(accepted) = accepted else { return Ok(()) };
+    check(request.metadata().get("authorization").map(MetadataValue::as_bytes), accepted)
+}
+
+#[cfg(test)]
+mod tests {
+    use tonic::service::Interceptor;
+
+    use super::*;
+
+    #[test]
+    fn the_token_sent_is_the_token_checked() {
+        let expected = "a-token-of-the-fleet";
+        let accepted = |tokens: &[&str]| Accepted::new(tokens.iter().map(ToString::to_string).collect());
+        let mut sent = Bearer::new(Some(expected)).unwrap().call(tonic::Request::new(())).unwrap();
+        assert_eq!(check_call(&sent, Some(&accepted(&[expected]))), Ok(()));
+        assert_eq!(check_call(&sent, Some(&accepted(&["another-token-entirely"]))), Err(Refusal::Wrong));
+        // While a token is rotated, the old and the new are both taken.
+        assert_eq!(check_call(&sent, Some(&accepted(&["the-new-token-of-the-fleet", expected]))), Ok(()));
+        assert_eq!(check_call(&sent, None), Ok(()), "nothing expected, nothing checked");
+        sent.metadata_mut().remove("authorization");
+        assert_eq!(check_call(&sent, Some(&accepted(&[expected]))), Err(Refusal::Missing));
+        let unsent = Bearer::new(None).unwrap().call(tonic::Request::new(())).unwrap();
+        assert!(unsent.metadata().get("authorization").is_none());
+        assert_eq!(check(Some(b"Basic a-token-of-the-fleet"), &accepted(&[expected])), Err(Refusal::Missing));
+        assert!(Bearer::new(Some("line\nbreak")).is_err());
+    }
+}
