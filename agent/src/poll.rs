@@ -3,11 +3,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use inferyes_proto::v1::Backend;
+use inferyes_proto::v1::{Backend, Gpu};
 use tokio_util::sync::CancellationToken;
 
-use crate::probe::{GpuReader, ProbeClient};
-use crate::state::AgentState;
+use crate::probe::{GpuReader, GpuReading, ProbeClient};
+use crate::state::{AgentState, Observations};
 
 pub async fn run(
     state: Arc<AgentState>,
@@ -53,15 +53,40 @@ pub async fn poll_once(state: &AgentState, client: &ProbeClient, gpus: &GpuReade
         tracing::warn!(source = gpus.source_name(), %error, "GPU reading failed");
     }
     let changed_gpus = match state.observations.lock() {
-        Ok(mut o) if o.gpus != reading.gpus => {
-            o.gpus = reading.gpus;
-            true
+        Ok(mut o) => {
+            let Observations { gpus, gpu_failures, .. } = &mut *o;
+            let reported = reported_gpus(gpus, reading, gpu_failures);
+            let changed = *gpus != reported;
+            *gpus = reported;
+            changed
         }
-        _ => false,
+        Err(_) => false,
     };
     if changed_backends || changed_gpus {
         state.changed.notify_one();
     }
+}
+
+/// Failed readings in a row after which the last values are reported stale:
+/// one failure is a blip, not worth two writes of the node's record.
+const STALE_AFTER_FAILURES: u32 = 3;
+
+/// The GPUs to report after `reading`. A failed reading keeps the last
+/// values, marked stale once readings have failed a few times in a row:
+/// reported empty, a node whose driver hiccuped would look like a node with
+/// all its memory free, and take any model load.
+fn reported_gpus(last: &[Gpu], reading: GpuReading, failures: &mut u32) -> Vec<Gpu> {
+    if reading.error.is_none() {
+        *failures = 0;
+        return reading.gpus;
+    }
+    if last.is_empty() {
+        // Nothing read yet: whatever this reading got is all there is.
+        return reading.gpus;
+    }
+    *failures = failures.saturating_add(1);
+    let stale = *failures >= STALE_AFTER_FAILURES;
+    last.iter().map(|gpu| Gpu { stale, ..gpu.clone() }).collect()
 }
 
 /// Probes every backend concurrently, keeping the configured order.
@@ -85,4 +110,38 @@ async fn probe_all(state: &AgentState, client: &ProbeClient) -> Vec<Backend> {
     }
     results.sort_by_key(|(i, _)| *i);
     results.into_iter().map(|(_, backend)| backend).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn gpu(used: u64) -> Gpu {
+        Gpu { name: "L4".into(), memory_total_bytes: 100, memory_used_bytes: used, ..Default::default() }
+    }
+
+    fn failed() -> GpuReading {
+        GpuReading { gpus: Vec::new(), error: Some("NVML: GPU is lost".into()) }
+    }
+
+    #[test]
+    fn a_failed_reading_keeps_the_last_values_and_marks_them_stale_after_a_few() {
+        let mut failures = 0;
+        let read = reported_gpus(&[], GpuReading { gpus: vec![gpu(90)], error: None }, &mut failures);
+        assert_eq!(read, [gpu(90)]);
+        // A blip: the last values, not an empty (all free) node.
+        let mut last = read;
+        for _ in 1..STALE_AFTER_FAILURES {
+            last = reported_gpus(&last, failed(), &mut failures);
+            assert_eq!(last, [gpu(90)]);
+        }
+        last = reported_gpus(&last, failed(), &mut failures);
+        assert_eq!(last, [Gpu { stale: true, ..gpu(90) }], "failed {failures} times in a row");
+        // A good reading ends it.
+        let back = reported_gpus(&last, GpuReading { gpus: vec![gpu(40)], error: None }, &mut failures);
+        assert_eq!((back, failures), (vec![gpu(40)], 0));
+        // Before any good reading there is nothing to keep.
+        let mut failures = 0;
+        assert!(reported_gpus(&[], failed(), &mut failures).is_empty());
+    }
 }

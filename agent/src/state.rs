@@ -29,6 +29,8 @@ pub struct BackendHandle {
 pub struct Observations {
     pub backends: Vec<Backend>,
     pub gpus: Vec<Gpu>,
+    /// GPU readings failed in a row, up to now.
+    pub gpu_failures: u32,
 }
 
 pub struct AgentState {

@@ -374,6 +374,7 @@ fn node_status(index: usize, change: u64) -> NodeStatus {
             memory_used_bytes: GPU_BASE_USED + change,
             utilization_percent: 50,
             source: GpuSource::Nvml as i32,
+            stale: false,
         }],
         backends: vec![Backend {
             id: "main".into(),

@@ -130,6 +130,7 @@ fn read_nvml(nvml: &Nvml) -> Result<Vec<Gpu>, String> {
             memory_used_bytes: memory.used,
             utilization_percent: device.utilization_rates().map(|u| u.gpu).unwrap_or(0),
             source: GpuSource::Nvml as i32,
+            stale: false,
         });
     }
     Ok(gpus)
@@ -174,6 +175,7 @@ pub fn parse_nvidia_smi(text: &str) -> Vec<Gpu> {
                 memory_used_bytes: number(used).unwrap_or(0) * MIB,
                 utilization_percent: util.parse().unwrap_or(0),
                 source: GpuSource::NvidiaSmi as i32,
+                stale: false,
             })
         })
         .collect()
@@ -195,6 +197,7 @@ fn declared_gpus(declared: &[DeclaredGpu], mut loaded_model_bytes: u64) -> Vec<G
                 memory_used_bytes: used,
                 utilization_percent: 0,
                 source: GpuSource::Declared as i32,
+                stale: false,
             }
         })
         .collect()
@@ -214,6 +217,7 @@ fn parse_sim_gpu(body: &[u8], index: usize) -> Option<Gpu> {
             .map(|u| u32::try_from(u.min(100)).unwrap_or(100))
             .unwrap_or(0),
         source: GpuSource::Simulated as i32,
+        stale: false,
     })
 }
 

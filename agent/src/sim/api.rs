@@ -363,6 +363,9 @@ async fn metrics(State(s): State<Shared>) -> Response {
 /// Simulator-only: not a llama.cpp or llama-swap route. Reports the simulated
 /// GPU, standing in for what the agent reads from NVML on a real host.
 async fn gpu_get(State(s): State<Shared>) -> Response {
+    if s.gpu_lost.load(Ordering::Relaxed) {
+        return json_response(StatusCode::INTERNAL_SERVER_ERROR, json!({"error": "GPU is lost"}));
+    }
     json_response(StatusCode::OK, gpu_body(&s))
 }
 
@@ -391,15 +394,22 @@ fn gpu_body(s: &Inner) -> Value {
 #[derive(serde::Deserialize)]
 #[serde(deny_unknown_fields)]
 struct GpuUpdate {
-    extra_used_bytes: u64,
+    extra_used_bytes: Option<u64>,
+    lost: Option<bool>,
 }
 
 /// Simulator-only: not a llama.cpp or llama-swap route. Sets memory used
-/// beyond the loaded models, so tests can push a node over a VRAM threshold.
+/// beyond the loaded models, so tests can push a node over a VRAM threshold,
+/// or makes the GPU unreadable.
 async fn gpu_post(State(s): State<Shared>, body: Bytes) -> Response {
     match serde_json::from_slice::<GpuUpdate>(&body) {
         Ok(u) => {
-            s.extra_used_bytes.store(u.extra_used_bytes, Ordering::Relaxed);
+            if let Some(bytes) = u.extra_used_bytes {
+                s.extra_used_bytes.store(bytes, Ordering::Relaxed);
+            }
+            if let Some(lost) = u.lost {
+                s.gpu_lost.store(lost, Ordering::Relaxed);
+            }
             json_response(StatusCode::OK, gpu_body(&s))
         }
         Err(e) => bad_request(e.to_string()),

@@ -347,6 +347,9 @@ struct Inner {
     stats: Arc<StatCounters>,
     /// Set through `POST /sim/gpu`.
     extra_used_bytes: AtomicU64,
+    /// Set through `POST /sim/gpu`: the GPU cannot be read (NVML's "GPU is
+    /// lost").
+    gpu_lost: std::sync::atomic::AtomicBool,
     /// Ends streams and waits when [`Simulator::serve`] shuts down.
     shutdown: CancellationToken,
 }
@@ -404,6 +407,7 @@ impl Simulator {
                 backend,
                 stats,
                 extra_used_bytes: AtomicU64::new(0),
+                gpu_lost: std::sync::atomic::AtomicBool::new(false),
                 shutdown,
             }),
         })

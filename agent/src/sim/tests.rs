@@ -319,6 +319,11 @@ async fn informational_endpoints() {
     let (status, v) = r.post("/sim/gpu", json!({"extra_used_bytes": 1000})).await;
     assert_eq!(status, StatusCode::OK);
     assert_eq!(v["memory_used_bytes"], per_model + 1000);
+    r.post("/sim/gpu", json!({"lost": true})).await;
+    assert_eq!(r.get("/sim/gpu").await.0, StatusCode::INTERNAL_SERVER_ERROR, "a lost GPU cannot be read");
+    let (_, v) = r.post("/sim/gpu", json!({"lost": false})).await;
+    assert_eq!(v["memory_used_bytes"], per_model + 1000, "the memory figure stays as set");
+    assert_eq!(r.get("/sim/gpu").await.0, StatusCode::OK);
     r.stop().await;
 }
 

@@ -58,6 +58,9 @@ pub fn build(controller_id: &str, snapshot: &Snapshot, recent: &Recent, now_ms: 
         let node_fields = |gpu: Value| {
             let fraction = gpu["fraction"].as_f64().unwrap_or(0.0);
             let mut badges = badges.clone();
+            if gpu["stale"] == true {
+                badges.push("GPU not read lately: no loads".into());
+            }
             if fraction >= hard {
                 badges.push("over hard limit".into());
             } else if fraction >= admission {
@@ -97,6 +100,7 @@ pub fn build(controller_id: &str, snapshot: &Snapshot, recent: &Recent, now_ms: 
                 "fraction": fraction,
                 "utilization_percent": gpu.utilization_percent,
                 "source": gpu_source(gpu.source()),
+                "stale": gpu.stale,
             })));
         }
     }

@@ -251,9 +251,13 @@ fn free_memory(p: &Placement) -> u64 {
 }
 
 /// Whether loading the model keeps the node under its admission threshold.
-/// A node without GPU readings, or a model of unknown size, cannot be
-/// judged and is not refused.
+/// A node without GPUs, or a model of unknown size, cannot be judged and is
+/// not refused; a node whose GPUs could not be read lately is: its memory
+/// may have filled since.
 fn fits_in_memory(p: &Placement) -> bool {
+    if p.vram_stale {
+        return false;
+    }
     if p.vram_total_bytes == 0 || p.size_bytes == 0 {
         return true;
     }
@@ -455,7 +459,11 @@ pub fn select(snapshot: &RoutingSnapshot, request: &RouteRequest<'_>) -> Result<
         }
     }
     let Some(first) = targets.first().copied() else {
-        let why = if refused_for_memory { "GPU memory above the admission threshold" } else { "none is ready" };
+        let why = if refused_for_memory {
+            "GPU memory above the admission threshold, or not read lately"
+        } else {
+            "none is ready"
+        };
         return Err(RouteError::NoCapacity { model: request.model.to_string(), why });
     };
     let cold_first = cold.indices().any(|i| placements[i].target == first);

@@ -31,6 +31,8 @@ struct Spec {
     context: u32,
     size_gib: u64,
     admission_override: f64,
+    /// The GPU readings are the last ones read.
+    stale: bool,
 }
 
 fn spec(id: &str) -> Spec {
@@ -49,6 +51,7 @@ fn spec(id: &str) -> Spec {
         context: 4096,
         size_gib: 5,
         admission_override: 0.0,
+        stale: false,
     }
 }
 
@@ -77,6 +80,7 @@ fn wire(s: &Spec) -> SnapshotNode {
         gpus: vec![Gpu {
             memory_total_bytes: 80 * GIB,
             memory_used_bytes: s.used_percent * 80 * GIB / 100,
+            stale: s.stale,
             ..Default::default()
         }],
         backends: vec![backend],
@@ -258,6 +262,24 @@ fn cold_placement_prefers_free_memory_and_counts_loads_in_progress() {
         Spec { state: ModelState::Loading, used_percent: 60, ..spec("b") },
     ]);
     assert_eq!(first_node(&joining, &select(&joining, &chat(None)).unwrap()), "b");
+}
+
+#[test]
+fn a_node_whose_memory_is_not_read_lately_starts_no_load_but_serves_what_it_holds() {
+    let cold = [
+        Spec { state: ModelState::Unloaded, used_percent: 50, ..spec("a") },
+        // The emptiest, as last read: it may have filled since.
+        Spec { state: ModelState::Unloaded, used_percent: 10, stale: true, ..spec("b") },
+    ];
+    let s = snapshot(&cold);
+    assert_eq!(nodes(&s, &select(&s, &chat(None)).unwrap()), ["a"]);
+    let alone = snapshot(&cold[1..]);
+    let refused = select(&alone, &chat(None)).unwrap_err();
+    assert_eq!(refused.code(), "no_capacity", "{refused:?}");
+    // Loaded there, the model goes on serving, its sessions included.
+    let warm = snapshot(&[Spec { stale: true, sessions: vec!["conv".into()], ..spec("b") }]);
+    let route = select(&warm, &chat(Some("conv"))).unwrap();
+    assert_eq!((first_node(&warm, &route), route.reason), ("b".to_string(), RouteReason::Resident));
 }
 
 #[test]

@@ -80,6 +80,7 @@ pub fn decode(
             .fold(0.0, f64::max);
         let vram_total_bytes: u64 = status.gpus.iter().map(|g| g.memory_total_bytes).sum();
         let vram_used_bytes: u64 = status.gpus.iter().map(|g| g.memory_used_bytes).sum();
+        let vram_stale = status.gpus.iter().any(|g| g.stale);
         let vram_loading_bytes: u64 = status
             .backends
             .iter()
@@ -131,6 +132,7 @@ pub fn decode(
                     hard_limit,
                     vram_total_bytes,
                     vram_committed_bytes: vram_used_bytes.saturating_add(vram_loading_bytes),
+                    vram_stale,
                     local: Arc::clone(&local),
                 });
             }

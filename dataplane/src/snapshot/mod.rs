@@ -269,6 +269,9 @@ pub struct Placement {
     pub vram_total_bytes: u64,
     /// Used plus loading.
     pub vram_committed_bytes: u64,
+    /// The node's GPUs could not be read lately: its memory figures are the
+    /// last ones read.
+    pub vram_stale: bool,
     pub local: Arc<LocalCounters>,
 }
 

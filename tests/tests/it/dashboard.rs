@@ -14,7 +14,7 @@ fn dashboard_url(fleet: &Fleet, path: &str) -> String {
     format!("http://{}{path}", fleet.controller().http_addr)
 }
 
-async fn fleet_view(fleet: &Fleet) -> Value {
+pub async fn fleet_view(fleet: &Fleet) -> Value {
     let response = fleet.http.get(&dashboard_url(fleet, "/api/v1/fleet")).await;
     assert_eq!(response.status, StatusCode::OK);
     response.json()

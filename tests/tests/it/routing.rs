@@ -132,6 +132,40 @@ async fn a_cold_load_goes_to_the_node_with_the_most_free_memory() {
 }
 
 #[tokio::test]
+async fn a_node_whose_gpu_cannot_be_read_starts_no_load_and_serves_what_it_holds() {
+    let swap = SimConfig {
+        mode: inferyes_agent::sim::SimMode::LlamaSwap,
+        models: vec![SimModel::chat("alpha"), SimModel::chat("beta")],
+        preload: vec!["alpha".into()],
+        max_loaded_models: 2,
+        load_delay_ms: 100,
+        ..chat_sim("alpha")
+    };
+    let fleet = Fleet::start(vec![swap]).await;
+    let sim_gpu = format!("{}/sim/gpu", fleet.sims[0].url);
+    let stale = |s: &inferyes_dataplane::snapshot::RoutingSnapshot| {
+        s.placements("beta").is_some_and(|ps| ps.iter().all(|p| p.vram_stale))
+    };
+    fleet.http.post_json(&sim_gpu, &json!({"lost": true})).await;
+    fleet.dataplane.wait_for("the GPU reported stale", Duration::from_secs(10), stale).await;
+    let refused = fleet.http.post_json(&fleet.url("/v1/chat/completions"), &chat_body("beta", "hi")).await;
+    assert_eq!(refused.status, StatusCode::SERVICE_UNAVAILABLE, "{}", String::from_utf8_lossy(&refused.body));
+    assert_eq!(refused.openai_error()["code"], "no_capacity");
+    let served = fleet.http.post_json(&fleet.url("/v1/chat/completions"), &chat_body("alpha", "hi")).await;
+    assert_eq!(served.status, StatusCode::OK, "the loaded model goes on");
+    let view = crate::dashboard::fleet_view(&fleet).await;
+    assert_eq!(view["gpus"][0]["gpu"]["stale"], true, "{view}");
+    let badges = view["gpus"][0]["badges"].to_string();
+    assert!(badges.contains("GPU not read lately"), "the dashboard says so: {badges}");
+
+    fleet.http.post_json(&sim_gpu, &json!({"lost": false})).await;
+    fleet.dataplane.wait_for("the GPU read again", Duration::from_secs(10), |s| !stale(s)).await;
+    let loaded = fleet.http.post_json(&fleet.url("/v1/chat/completions"), &chat_body("beta", "hi")).await;
+    assert_eq!(loaded.status, StatusCode::OK);
+    assert_eq!(loaded.header("x-inferyes-route"), Some("cold"));
+}
+
+#[tokio::test]
 async fn aliases_name_models_and_are_resolved_before_routing() {
     let swap = SimConfig {
         mode: inferyes_agent::sim::SimMode::LlamaSwap,
