@@ -101,15 +101,28 @@ async fn probe_all(state: &AgentState, client: &ProbeClient) -> Vec<Backend> {
         let client = client.clone();
         set.spawn(async move { (i, probe.probe(&client, previous.as_ref()).await) });
     }
-    let mut results: Vec<(usize, Backend)> = Vec::with_capacity(state.backends.len());
+    let mut results: Vec<Option<Backend>> = vec![None; state.backends.len()];
     while let Some(done) = set.join_next().await {
         match done {
-            Ok(done) => results.push(done),
+            Ok((i, backend)) => results[i] = Some(backend),
             Err(error) => tracing::error!(%error, "backend probe task failed"),
         }
     }
-    results.sort_by_key(|(i, _)| *i);
-    results.into_iter().map(|(_, backend)| backend).collect()
+    // One per backend, in order, whatever became of its probe: the list is
+    // read side by side with the configured backends.
+    results
+        .into_iter()
+        .zip(&state.backends)
+        .map(|(backend, handle)| backend.unwrap_or_else(|| unprobed(&handle.probe.id)))
+        .collect()
+}
+
+/// A backend whose probe failed to report (a bug panicked it): not known
+/// to serve anything.
+fn unprobed(id: &str) -> Backend {
+    let mut backend = Backend { id: id.to_string(), ..Default::default() };
+    backend.set_health(inferyes_proto::v1::Health::Unknown);
+    backend
 }
 
 #[cfg(test)]
