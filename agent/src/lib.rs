@@ -183,6 +183,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         http2_streams: PROXY_HTTP2_STREAMS,
         shutdown_grace: config.shutdown_grace(),
         past_grace: CancellationToken::new(),
+        header_read_timeout: inferyes_proto::serve::HEADER_READ_TIMEOUT,
     };
     let served = inferyes_proto::serve::serve(listeners.proxy, services, options, shutdown.clone()).await;
     shutdown.cancel();

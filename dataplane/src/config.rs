@@ -61,6 +61,9 @@ pub struct Config {
     pub controllers: Vec<String>,
     pub dataplane_id: String,
     pub max_body_bytes: usize,
+    /// A client must send its whole request body within this: one that
+    /// trickles holds a connection and up to `max_body_bytes` of memory.
+    pub request_body_timeout_ms: u64,
     /// Connecting to a node's agent must succeed within this.
     pub connect_timeout_ms: u64,
     /// A node must start answering within this; generous, because a cold
@@ -123,6 +126,7 @@ impl Default for Config {
             controllers: vec!["http://127.0.0.1:7070".into()],
             dataplane_id: String::new(),
             max_body_bytes: 32 << 20,
+            request_body_timeout_ms: 60_000,
             connect_timeout_ms: 2000,
             response_header_timeout_ms: 600_000,
             read_timeout_ms: 600_000,
@@ -193,6 +197,9 @@ impl Config {
         if self.max_body_bytes == 0 {
             bail!("max_body_bytes must be positive");
         }
+        if self.request_body_timeout_ms == 0 {
+            bail!("request_body_timeout_ms must be positive");
+        }
         if self.connect_timeout_ms == 0 || self.response_header_timeout_ms == 0 || self.read_timeout_ms == 0 {
             bail!("connect_timeout_ms, response_header_timeout_ms and read_timeout_ms must be positive");
         }
@@ -210,6 +217,10 @@ impl Config {
     /// The fleet's join token, read from where it was given.
     pub fn join_token(&self) -> anyhow::Result<Option<String>> {
         inferyes_proto::process::read_token(self.join_token.as_deref(), self.join_token_file.as_deref(), "join token")
+    }
+
+    pub fn request_body_timeout(&self) -> Duration {
+        Duration::from_millis(self.request_body_timeout_ms)
     }
 
     pub fn read_timeout(&self) -> Duration {

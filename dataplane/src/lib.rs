@@ -94,6 +94,7 @@ pub async fn run(
         metrics,
         registry: Arc::new(registry),
         max_body_bytes: config.max_body_bytes,
+        request_body_timeout: config.request_body_timeout(),
         mode: config.routing_mode,
         tickets: Arc::default(),
         decisions,
@@ -127,6 +128,7 @@ pub async fn run(
         http2_streams: inferyes_proto::serve::DEFAULT_HTTP2_STREAMS,
         shutdown_grace: config.shutdown_grace(),
         past_grace: hard_stop,
+        header_read_timeout: inferyes_proto::serve::HEADER_READ_TIMEOUT,
     };
     let connections = gateways.into_iter().map(|gateway| move |peer| gateway.connection(peer)).collect();
     let served = inferyes_proto::serve::serve(listener, connections, options, shutdown.clone()).await;

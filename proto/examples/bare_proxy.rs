@@ -85,6 +85,7 @@ async fn main() -> std::io::Result<()> {
         http2_streams: inferyes_proto::serve::DEFAULT_HTTP2_STREAMS,
         shutdown_grace: std::time::Duration::from_secs(10),
         past_grace: tokio_util::sync::CancellationToken::new(),
+        header_read_timeout: inferyes_proto::serve::HEADER_READ_TIMEOUT,
     };
     inferyes_proto::serve::serve(listener, services, options, shutdown).await
 }

@@ -49,6 +49,10 @@ pub struct Options {
     /// Cancelled when the grace is over, for bodies that can end themselves
     /// cleanly (a stream's final error event); they get one more second.
     pub past_grace: CancellationToken,
+    /// How long a client may take to send a request's head, and a new
+    /// connection its first byte ([`HEADER_READ_TIMEOUT`] unless a test
+    /// needs it short).
+    pub header_read_timeout: Duration,
 }
 
 /// hyper's own limit of concurrent HTTP/2 streams, for listeners open to
@@ -59,8 +63,14 @@ pub const DEFAULT_HTTP2_STREAMS: u32 = 200;
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long a client may take to send a request's head (HTTP/1.1). hyper
 /// counts an idle keep-alive connection's wait for its next request too: a
-/// connection idle this long is closed.
-const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
+/// connection idle this long is closed. A new connection must send its
+/// first byte within it too.
+pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// HTTP/2 clients are pinged this often when quiet, and closed when a ping
+/// goes unanswered this long: a client gone without a word holds nothing.
+const HTTP2_PING_INTERVAL: Duration = Duration::from_secs(20);
+const HTTP2_PING_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// How long a client of these servers (a data plane's pool of connections
 /// to agents) keeps a connection idle: well inside [`HEADER_READ_TIMEOUT`],
@@ -103,7 +113,7 @@ where
     if services.is_empty() {
         return Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, "no workers to serve with"));
     }
-    let Options { name, tls, http2_streams, shutdown_grace, past_grace } = options;
+    let Options { name, tls, http2_streams, shutdown_grace, past_grace, header_read_timeout } = options;
     let tls = tls.map(tokio_rustls::TlsAcceptor::from);
     // Cancelled when this future ends or is dropped: workers stop at once.
     let stop_now = CancellationToken::new();
@@ -118,6 +128,7 @@ where
             make_service,
             tls: tls.clone(),
             http2_streams,
+            header_read_timeout,
             open: Arc::clone(&open),
             stop_now: stop_now.clone(),
         };
@@ -200,6 +211,7 @@ struct Worker<M> {
     make_service: M,
     tls: Option<tokio_rustls::TlsAcceptor>,
     http2_streams: u32,
+    header_read_timeout: Duration,
     open: Arc<AtomicUsize>,
     stop_now: CancellationToken,
 }
@@ -252,8 +264,14 @@ where
         let mut builder = Builder::new(TokioExecutor::new());
         // Without a timer hyper has no header read timeout at all: a client
         // could hold a connection (and a shutdown) with half a request.
-        builder.http1().timer(hyper_util::rt::TokioTimer::new()).header_read_timeout(HEADER_READ_TIMEOUT);
-        builder.http2().max_concurrent_streams(self.http2_streams);
+        builder.http1().timer(hyper_util::rt::TokioTimer::new()).header_read_timeout(self.header_read_timeout);
+        builder
+            .http2()
+            .max_concurrent_streams(self.http2_streams)
+            .timer(hyper_util::rt::TokioTimer::new())
+            .keep_alive_interval(HTTP2_PING_INTERVAL)
+            .keep_alive_timeout(HTTP2_PING_TIMEOUT);
+        let first_byte_timeout = self.header_read_timeout;
         let graceful = GracefulShutdown::new();
         loop {
             let (stream, peer) = tokio::select! {
@@ -276,6 +294,13 @@ where
                 let _open = open;
                 match tls {
                     None => {
+                        // hyper reads the first bytes (HTTP/1.1 or HTTP/2?)
+                        // with no timeout of its own: a connection that sends
+                        // nothing would be held for ever.
+                        if tokio::time::timeout(first_byte_timeout, tcp.readable()).await.is_err() {
+                            tracing::debug!(%peer, "no request on a new connection; closed");
+                            return;
+                        }
                         let connection = builder.serve_connection_with_upgrades(TokioIo::new(tcp), service);
                         let _ = watcher.watch(connection.into_owned()).await;
                     }
@@ -353,6 +378,7 @@ mod tests {
             http2_streams: DEFAULT_HTTP2_STREAMS,
             shutdown_grace: Duration::from_secs(60),
             past_grace: CancellationToken::new(),
+            header_read_timeout: HEADER_READ_TIMEOUT,
         }
     }
 
@@ -457,6 +483,29 @@ mod tests {
         }
         shutdown.cancel();
         drop(senders);
+        served.await.unwrap().unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_connection_that_sends_nothing_is_closed_after_the_header_timeout() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let services = vec![|_| Ok200];
+        let options = Options { header_read_timeout: Duration::from_millis(200), ..options("quiet") };
+        let shutdown = CancellationToken::new();
+        let served = tokio::spawn(serve(listener, services, options, shutdown.clone()));
+        let mut silent = TcpStream::connect(addr).await.unwrap();
+        let mut byte = [0u8; 1];
+        let read = tokio::time::timeout(Duration::from_secs(10), tokio::io::AsyncReadExt::read(&mut silent, &mut byte));
+        assert!(matches!(read.await, Ok(Ok(0) | Err(_))), "the silent connection is closed");
+        // One that speaks is served.
+        let stream = TcpStream::connect(addr).await.unwrap();
+        let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.unwrap();
+        tokio::spawn(connection);
+        let response = sender.send_request(Request::get("/").body(Full::new(Bytes::new())).unwrap()).await;
+        assert_eq!(response.unwrap().status(), http::StatusCode::OK);
+        shutdown.cancel();
+        drop(sender);
         served.await.unwrap().unwrap();
     }
 

@@ -45,6 +45,7 @@ pub struct AppState {
     pub metrics: Arc<crate::metrics::Metrics>,
     pub registry: Arc<prometheus_client::registry::Registry>,
     pub max_body_bytes: usize,
+    pub request_body_timeout: std::time::Duration,
     pub mode: routing::Mode,
     /// Request counter for rotating strategies.
     pub tickets: Arc<std::sync::atomic::AtomicU64>,
@@ -424,7 +425,7 @@ async fn serve(
     let snapshot = state.snapshots.current().ok_or_else(not_ready)?;
     let caller = state.authenticate(&parts.headers, peer, &snapshot).await?;
     facts.key_id = caller.key_id().map(str::to_string);
-    let body = read_body(body, &parts.headers, state.max_body_bytes).await?;
+    let body = read_body(body, &parts.headers, state.max_body_bytes, state.request_body_timeout).await?;
     let view = parse_view(&body)?;
     let model = snapshot.resolve(&view.model);
     if !caller.may_use(&view.model) && !caller.may_use(model) {
@@ -594,7 +595,12 @@ fn expects_done(kind: EndpointKind) -> bool {
 
 /// Reads the whole body, refusing more than `limit` bytes with 413 before
 /// reading it when the client announced its length.
-async fn read_body(body: hyper::body::Incoming, headers: &http::HeaderMap, limit: usize) -> Result<Bytes, ApiError> {
+async fn read_body(
+    body: hyper::body::Incoming,
+    headers: &http::HeaderMap,
+    limit: usize,
+    timeout: std::time::Duration,
+) -> Result<Bytes, ApiError> {
     let too_large = || {
         ApiError::new(
             ErrorKind::PayloadTooLarge,
@@ -607,7 +613,17 @@ async fn read_body(body: hyper::body::Incoming, headers: &http::HeaderMap, limit
     if announced.is_some_and(|n| n > limit as u64) {
         return Err(too_large());
     }
-    super::body::read_whole(body, limit).await.map_err(|error| match error {
+    // A body that came with its head is read without a timer ever being set.
+    let Ok(read) = tokio::time::timeout(timeout, super::body::read_whole(body, limit)).await else {
+        let mut error = ApiError::new(
+            ErrorKind::BadRequest,
+            format!("the request body did not arrive within {} s", timeout.as_secs_f32()),
+            "request_timeout",
+        );
+        error.status = Some(http::StatusCode::REQUEST_TIMEOUT);
+        return Err(error);
+    };
+    read.map_err(|error| match error {
         super::body::ReadError::TooLarge => too_large(),
         super::body::ReadError::Body(_) => {
             ApiError::new(ErrorKind::BadRequest, "the request body could not be read", "invalid_body")

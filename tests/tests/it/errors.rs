@@ -94,3 +94,21 @@ async fn backend_errors_are_rewritten_into_the_openai_shape() {
     assert_eq!(embeddings.status, StatusCode::NOT_IMPLEMENTED, "{}", String::from_utf8_lossy(&embeddings.body));
     assert_eq!(embeddings.openai_error()["code"], "unsupported_endpoint");
 }
+
+#[tokio::test]
+async fn a_body_that_does_not_arrive_in_time_gets_an_openai_shaped_408() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let fleet = Fleet::start_with(vec![chat_sim("chat")], |config| config.request_body_timeout_ms = 300).await;
+    let address = fleet.dataplane.url.trim_start_matches("http://").to_string();
+    let mut client = tokio::net::TcpStream::connect(address).await.expect("the data plane");
+    // Its head, and ten bytes of the hundred it announces.
+    let head = "POST /v1/chat/completions HTTP/1.1\r\nhost: dp\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n";
+    client.write_all(format!("{head}{{\"model\":\"").as_bytes()).await.expect("sent");
+    let mut answer = Vec::new();
+    let read = tokio::time::timeout(std::time::Duration::from_secs(10), client.read_to_end(&mut answer)).await;
+    assert!(read.is_ok(), "the data plane answered and closed");
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(answer.contains("\"code\":\"request_timeout\""), "{answer}");
+    assert_eq!(fleet.sims[0].sim.stats().requests, 0);
+}
