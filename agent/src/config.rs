@@ -117,6 +117,12 @@ pub struct BackendConfig {
     /// backend's catalog is what counts.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub models: Vec<String>,
+    /// GPU memory each model takes once loaded (weights and KV cache), by
+    /// model id, where the backend does not say: llama-swap does not.
+    /// Routing holds a cold load to the node's admission threshold with it,
+    /// and two loads never start at once on a GPU that holds one.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub model_sizes: std::collections::BTreeMap<String, u64>,
     /// Tokens the backend's host prompt cache holds (llama-server's
     /// `--cache-ram` divided by the model's KV bytes per token; 0 when it
     /// runs with `--cache-ram 0`). Sessions beyond the slots are believed
@@ -366,6 +372,7 @@ kind = "llama-swap"
             weight: 1,
             endpoints: vec![],
             models: vec![],
+            model_sizes: std::collections::BTreeMap::new(),
             host_cache_tokens: 0,
             api_key: String::new(),
         };

@@ -65,6 +65,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
             api_key: b.api_key.clone(),
             declared_models: b.models.clone(),
             host_cache_tokens: b.host_cache_tokens,
+            model_sizes: b.model_sizes.clone(),
         })
         .collect();
     let mut simulators = Vec::new();
@@ -92,6 +93,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
             api_key: String::new(),
             declared_models: simulated.server.models.iter().map(|m| m.id.clone()).collect(),
             host_cache_tokens: simulated.server.cache_ram_tokens,
+            model_sizes: std::collections::BTreeMap::new(),
         });
         let token = shutdown.clone();
         let span = tracing::info_span!("simulator", backend = %simulated.id);

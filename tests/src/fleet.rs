@@ -185,6 +185,7 @@ pub fn llama_server(url: &str, models: &[&str]) -> BackendConfig {
         weight: 1,
         endpoints: Vec::new(),
         models: models.iter().map(|m| (*m).to_string()).collect(),
+        model_sizes: std::collections::BTreeMap::new(),
         host_cache_tokens: 0,
         api_key: String::new(),
     }

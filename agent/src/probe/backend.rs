@@ -20,6 +20,9 @@ pub struct BackendProbe {
     /// Tokens the backend's host prompt cache holds (llama-server
     /// `--cache-ram`), for the residency estimate.
     pub host_cache_tokens: u64,
+    /// Model sizes the operator declared, for models the backend reports
+    /// none for.
+    pub model_sizes: std::collections::BTreeMap<String, u64>,
 }
 
 impl BackendProbe {
@@ -65,6 +68,11 @@ impl BackendProbe {
         for model in &mut backend.models {
             if model.endpoints.is_empty() {
                 model.endpoints = self.endpoints.iter().map(|e| *e as i32).collect();
+            }
+            if model.size_bytes == 0
+                && let Some(size) = self.model_sizes.get(&model.id)
+            {
+                model.size_bytes = *size;
             }
         }
         backend
@@ -351,6 +359,21 @@ mod tests {
         assert!(remembered_models(None, &[], ModelState::Unknown).is_empty());
     }
 
+    /// A llama-swap backend at `url`, with `model_sizes` declared.
+    fn swap_probe(url: String, model_sizes: std::collections::BTreeMap<String, u64>) -> BackendProbe {
+        BackendProbe {
+            id: "swap".into(),
+            url,
+            kind: config::BackendKind::LlamaSwap,
+            weight: 1,
+            endpoints: Vec::new(),
+            api_key: String::new(),
+            declared_models: Vec::new(),
+            host_cache_tokens: 0,
+            model_sizes,
+        }
+    }
+
     #[tokio::test]
     async fn a_catalog_that_cannot_be_read_leaves_the_models_possibly_warm() {
         use axum::routing::get;
@@ -360,16 +383,7 @@ mod tests {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
         tokio::spawn(async move { axum::serve(listener, app).await });
-        let probe = BackendProbe {
-            id: "swap".into(),
-            url,
-            kind: config::BackendKind::LlamaSwap,
-            weight: 1,
-            endpoints: Vec::new(),
-            api_key: String::new(),
-            declared_models: Vec::new(),
-            host_cache_tokens: 0,
-        };
+        let probe = swap_probe(url, std::collections::BTreeMap::new());
         let client = ProbeClient::new(std::time::Duration::from_secs(2));
         let previous = Backend {
             models: parse_llamaswap_models(br#"{"data":[{"id":"alpha","status":{"value":"loaded"}}]}"#).0,
@@ -382,6 +396,22 @@ mod tests {
             backend.models.iter().map(|m| (m.id.as_str(), m.state())).collect::<Vec<_>>(),
             [("alpha", ModelState::Unknown)]
         );
+    }
+
+    #[tokio::test]
+    async fn models_a_backend_gives_no_size_for_take_the_declared_one() {
+        use axum::routing::get;
+        let catalog = r#"{"object":"list","data":[{"id":"alpha","status":{"value":"loaded"}},{"id":"beta","status":{"value":"unloaded"}}]}"#;
+        let app = axum::Router::new()
+            .route("/health", get(|| async { "OK" }))
+            .route("/v1/models", get(move || async move { catalog }));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        let probe = swap_probe(url, [("beta".to_string(), 7 << 30)].into());
+        let backend = probe.probe(&ProbeClient::new(std::time::Duration::from_secs(2)), None).await;
+        let sizes: Vec<(&str, u64)> = backend.models.iter().map(|m| (m.id.as_str(), m.size_bytes)).collect();
+        assert_eq!(sizes, [("alpha", 0), ("beta", 7 << 30)]);
     }
 
     #[test]
