@@ -203,6 +203,8 @@ impl AgentHandle {
                     inferyes_agent::sim::SimMode::LlamaSwap => BackendKind::LlamaSwap,
                 },
                 models: sim.sim.config().models.iter().map(|m| m.id.clone()).collect(),
+                // What an operator declares for llama-swap, which says none.
+                model_sizes: sim.sim.config().models.iter().map(|m| (m.id.clone(), m.size_bytes)).collect(),
                 host_cache_tokens: sim.sim.config().cache_ram_tokens,
                 ..llama_server(&sim.url, &[])
             })

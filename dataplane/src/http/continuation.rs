@@ -231,7 +231,6 @@ async fn continue_on(resume: &Resume, hop: &Hop, partial: &str, generated: u64) 
         model: &resume.model,
         session: resume.session.as_deref(),
         request_id: &resume.request_id,
-        reserve_bytes: 0,
         stream: true,
         expects_done: true,
         continuation: false,

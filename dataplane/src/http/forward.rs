@@ -74,8 +74,6 @@ pub struct Outbound<'a> {
     pub model: &'a str,
     pub session: Option<&'a str>,
     pub request_id: &'a HeaderValue,
-    /// Bytes to hold against the first target while it loads the model.
-    pub reserve_bytes: u64,
     /// The client asked for a stream.
     pub stream: bool,
     /// A stream of this kind ends with `data: [DONE]`.
@@ -187,7 +185,9 @@ impl Forwarder {
             if let Some(meter) = &out.meter {
                 meter.node(&node.id);
             }
-            let reserve = if attempt == 0 { out.reserve_bytes } else { 0 };
+            // A cold load holds the model's size against the node until it
+            // answers: the first target's, or one a failover goes on to.
+            let reserve = if route.cold { cold_load_bytes(snapshot, out.model, *target) } else { 0 };
             let guard = InFlight::enter(Arc::clone(&node.local), reserve);
             let is_last = attempt + 1 == route.targets.len();
             // The last attempt makes its headers of the client's, in place,
@@ -406,6 +406,18 @@ impl Forwarder {
             Err(_) => Err(unreachable()),
         }
     }
+}
+
+/// The memory `model` will take on `target`, where it is not loaded yet
+/// (0 where it is, or its size is not known).
+fn cold_load_bytes(snapshot: &RoutingSnapshot, model: &str, target: crate::snapshot::Target) -> u64 {
+    snapshot
+        .placements(model)
+        .and_then(|ps| ps.iter().find(|p| p.target == target))
+        .filter(|p| {
+            !matches!(p.state, inferyes_proto::v1::ModelState::Loaded | inferyes_proto::v1::ModelState::Unknown)
+        })
+        .map_or(0, |p| p.size_bytes)
 }
 
 /// Whether `text` is `n`, in decimal digits only.
@@ -680,7 +692,6 @@ pub struct OwnedOutbound {
     pub model: String,
     pub session: Option<String>,
     pub request_id: HeaderValue,
-    pub reserve_bytes: u64,
     pub expects_done: bool,
     pub meter: Option<Meter>,
     pub strip_usage: bool,
@@ -715,7 +726,6 @@ impl Forwarder {
                     model: &out.model,
                     session: out.session.as_deref(),
                     request_id: &out.request_id,
-                    reserve_bytes: out.reserve_bytes,
                     stream: true,
                     expects_done: out.expects_done,
                     continuation: false,
@@ -831,7 +841,6 @@ mod tests {
             model: "llama",
             session: Some("chat-1"),
             request_id: &request_id,
-            reserve_bytes: 0,
             stream: false,
             expects_done: false,
             continuation: false,

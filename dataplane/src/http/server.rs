@@ -521,15 +521,6 @@ async fn route_and_forward(
         },
     );
     let route = route?;
-    // A cold load holds the model's size against the node until it answers.
-    let reserve_bytes = if route.cold {
-        snapshot
-            .placements(model)
-            .and_then(|ps| ps.iter().find(|p| Some(&p.target) == route.targets.first()))
-            .map_or(0, |p| p.size_bytes)
-    } else {
-        0
-    };
     let path_and_query = parts.uri.path_and_query().cloned().unwrap_or_else(|| PathAndQuery::from_static("/"));
     if route.cold && view.stream {
         tracing::debug!(request_id = super::id_text(&request_id), model, "cold load for a stream: answering at once");
@@ -540,7 +531,6 @@ async fn route_and_forward(
             model: model.to_string(),
             session: session.map(str::to_string),
             request_id,
-            reserve_bytes,
             expects_done: expects_done(kind),
             meter: Some(meter),
             strip_usage,
@@ -554,7 +544,6 @@ async fn route_and_forward(
         model,
         session,
         request_id: &request_id,
-        reserve_bytes,
         stream: view.stream,
         expects_done: expects_done(kind),
         continuation: view.stream

@@ -111,3 +111,30 @@ async fn a_stream_that_starts_a_cold_load_hears_about_it_at_once() {
     assert!(text.contains("\"chat.completion.chunk\""), "{text}");
     assert!(text.ends_with("data: [DONE]\n\n"), "{text}");
 }
+
+#[tokio::test]
+async fn a_cold_load_holds_the_model_s_size_against_its_node_until_it_answers() {
+    let slow_load = SimConfig { load_delay_ms: 1500, ..swap(false) };
+    let size = slow_load.models.iter().find(|m| m.id == "beta").expect("beta").size_bytes;
+    let fleet = Fleet::start(vec![slow_load]).await;
+    let reserved = |fleet: &Fleet| {
+        let snapshot = fleet.dataplane.store.current().expect("a snapshot");
+        snapshot.nodes()[0].local.reserved_vram_bytes.load(std::sync::atomic::Ordering::Relaxed)
+    };
+    fleet
+        .dataplane
+        .wait_for("beta's size known", Duration::from_secs(5), |s| {
+            s.placements("beta").is_some_and(|ps| ps.iter().all(|p| p.size_bytes == size))
+        })
+        .await;
+    let request = json!({"model": "beta", "stream": true, "max_tokens": 4,
+                         "messages": [{"role": "user", "content": "hi"}]});
+    let response =
+        fleet.http.start(Method::POST, &fleet.url("/v1/chat/completions"), Bytes::from(request.to_string()), &[]).await;
+    assert_eq!(response.headers()["x-inferyes-route"], "cold");
+    let mut body = response.into_body();
+    next_chunk(&mut body).await.expect("the load has started");
+    assert_eq!(reserved(&fleet), size, "held while the model loads");
+    while next_chunk(&mut body).await.is_some() {}
+    assert_eq!(reserved(&fleet), 0, "given back once the node answered");
+}
