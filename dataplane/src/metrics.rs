@@ -84,7 +84,7 @@ impl Metrics {
         );
         registry.register(
             "first_token_seconds",
-            "Time to the start of a streamed answer (the node answers after its first token)",
+            "Time to the first bytes of a streamed answer, from its admission (the node sends them with its first token)",
             metrics.first_token_seconds.clone(),
         );
         registry.register(

@@ -302,6 +302,10 @@ struct MeterInner {
     done: AtomicBool,
     /// Set by the first frame of the answer; read once, at the end.
     first_byte: std::sync::OnceLock<Instant>,
+    /// Where a stream's time to its first byte is observed, at its end: its
+    /// headers may come long before (a stream that starts a cold load is
+    /// answered at once).
+    first_token: Option<prometheus_client::metrics::histogram::Histogram>,
     /// Data events seen in a stream: one token each, for an estimate.
     events: AtomicU64,
 }
@@ -334,6 +338,7 @@ impl Meter {
         model: String,
         stream: bool,
         prompt_estimate: u64,
+        first_token: Option<prometheus_client::metrics::histogram::Histogram>,
     ) -> Meter {
         let keep_records = ledger.keep_records;
         Meter(Arc::new(MeterInner {
@@ -352,6 +357,7 @@ impl Meter {
             prompt_estimate,
             done: AtomicBool::new(false),
             first_byte: std::sync::OnceLock::new(),
+            first_token,
             events: AtomicU64::new(0),
         }))
     }
@@ -391,8 +397,11 @@ impl MeterInner {
             return;
         }
         let mut record = std::mem::take(&mut *self.record.lock().unwrap_or_else(PoisonError::into_inner));
-        let ttft =
-            self.first_byte.get().filter(|_| record.stream).map_or(0, |at| millis(at.duration_since(self.started)));
+        let first_byte = self.first_byte.get().filter(|_| record.stream).map(|at| at.duration_since(self.started));
+        if let (Some(histogram), Some(elapsed)) = (&self.first_token, first_byte) {
+            histogram.observe(elapsed.as_secs_f64());
+        }
+        let ttft = first_byte.map_or(0, millis);
         record.status = u32::from(status);
         record.outcome = outcome.as_str().to_string();
         record.latency_ms = millis(self.started.elapsed());
@@ -497,13 +506,13 @@ mod tests {
     #[test]
     fn a_meter_records_once_and_a_dropped_one_as_cancelled() {
         let ledger = Ledger::new("dp", true);
-        let meter = Meter::new(Arc::clone(&ledger), "r1", Some("k".into()), "m".into(), true, 12);
+        let meter = Meter::new(Arc::clone(&ledger), "r1", Some("k".into()), "m".into(), true, 12, None);
         meter.node("node-a");
         let clone = meter.clone();
         meter.finish(200, Outcome::Ok, Some(Usage { prompt_tokens: 10, completion_tokens: 4, cached_tokens: 6 }));
         clone.finish(500, Outcome::Error, None);
         drop((meter, clone));
-        let unfinished = Meter::new(Arc::clone(&ledger), "r2", None, "m".into(), true, 12);
+        let unfinished = Meter::new(Arc::clone(&ledger), "r2", None, "m".into(), true, 12, None);
         unfinished.data_events(2);
         drop(unfinished);
 

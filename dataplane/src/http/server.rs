@@ -366,10 +366,10 @@ async fn inference(
     span.record("http.response.status_code", response.status().as_u16());
     let crate::metrics::RequestLabels { model: label, node, route, .. } = labels;
     let elapsed = started.elapsed();
-    let label = if response.status().is_success() {
-        let histogram = if facts.stream { &state.metrics.first_token_seconds } else { &state.metrics.request_seconds };
+    // A stream's time to its first byte is observed by its meter.
+    let label = if response.status().is_success() && !facts.stream {
         let labels = crate::metrics::ModelLabels { model: label };
-        histogram.get_or_create(&labels).observe(elapsed.as_secs_f64());
+        state.metrics.request_seconds.get_or_create(&labels).observe(elapsed.as_secs_f64());
         labels.model
     } else {
         label
@@ -464,6 +464,10 @@ async fn serve(
         model.to_string(),
         view.stream,
         u64::from(estimated_prompt_tokens(body.len(), &view)),
+        view.stream.then(|| {
+            let labels = crate::metrics::ModelLabels { model: model.to_string() };
+            state.metrics.first_token_seconds.get_or_create(&labels).clone()
+        }),
     );
     facts.meter = Some(meter.clone());
     let result = route_and_forward(state, kind, parts, body, &view, model, &snapshot, request_id, facts, meter).await;

@@ -110,6 +110,15 @@ async fn a_stream_that_starts_a_cold_load_hears_about_it_at_once() {
     assert!(text.matches(": loading model beta").count() >= 2, "a note each second: {text}");
     assert!(text.contains("\"chat.completion.chunk\""), "{text}");
     assert!(text.ends_with("data: [DONE]\n\n"), "{text}");
+    // Its time to the first token is the load's and more, not its headers'.
+    let metrics = fleet.http.get(&fleet.url("/metrics")).await;
+    let metrics = String::from_utf8_lossy(&metrics.body);
+    let first_token = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("inferyes_dataplane_first_token_seconds_sum{model=\"beta\"} "))
+        .and_then(|v| v.parse::<f64>().ok())
+        .unwrap_or_else(|| panic!("no first-token time for beta: {metrics}"));
+    assert!(first_token >= 2.5, "{first_token} s to the first token of a 2.5 s load");
 }
 
 #[tokio::test]
