@@ -187,7 +187,7 @@ impl Forwarder {
             }
             // A cold load holds the model's size against the node until it
             // answers: the first target's, or one a failover goes on to.
-            let reserve = if route.cold { cold_load_bytes(snapshot, out.model, *target) } else { 0 };
+            let reserve = if route.loads_at(attempt) { cold_load_bytes(snapshot, out.model, *target) } else { 0 };
             let guard = InFlight::enter(Arc::clone(&node.local), reserve);
             let is_last = attempt + 1 == route.targets.len();
             // The last attempt makes its headers of the client's, in place,
@@ -408,15 +408,14 @@ impl Forwarder {
     }
 }
 
-/// The memory `model` will take on `target`, where it is not loaded yet
-/// (0 where it is, or its size is not known).
+/// The memory `model` will take on `target`, where no load of it has
+/// started (0 where one has, which the node's report counts already, or
+/// where its size is not known).
 fn cold_load_bytes(snapshot: &RoutingSnapshot, model: &str, target: crate::snapshot::Target) -> u64 {
     snapshot
         .placements(model)
         .and_then(|ps| ps.iter().find(|p| p.target == target))
-        .filter(|p| {
-            !matches!(p.state, inferyes_proto::v1::ModelState::Loaded | inferyes_proto::v1::ModelState::Unknown)
-        })
+        .filter(|p| p.state == inferyes_proto::v1::ModelState::Unloaded)
         .map_or(0, |p| p.size_bytes)
 }
 

@@ -91,6 +91,16 @@ pub struct Route {
     pub reason: RouteReason,
     /// Whether the first target must load the model first.
     pub cold: bool,
+    /// Which targets must load the model first, a bit each (bit 0 the
+    /// first): a failover may go on to a cold node after a warm one.
+    pub loads: u8,
+}
+
+impl Route {
+    /// Whether the target tried at `attempt` must load the model first.
+    pub fn loads_at(&self, attempt: usize) -> bool {
+        attempt < 8 && self.loads & (1 << attempt) != 0
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -261,7 +271,9 @@ fn fits_in_memory(p: &Placement) -> bool {
     if p.vram_total_bytes == 0 || p.size_bytes == 0 {
         return true;
     }
-    let after = p.vram_total_bytes - free_memory(p) + p.size_bytes;
+    // A load under way is counted already, in the node's committed memory.
+    let loading = if p.state == ModelState::Loading { 0 } else { p.size_bytes };
+    let after = p.vram_total_bytes - free_memory(p) + loading;
     (after as f64) < p.admission_threshold * p.vram_total_bytes as f64
 }
 
@@ -340,7 +352,7 @@ pub fn select(snapshot: &RoutingSnapshot, request: &RouteRequest<'_>) -> Result<
             }
             targets.push(p.target);
         }
-        return Ok(Route { targets, reason: RouteReason::Resident, cold: false });
+        return Ok(Route { targets, reason: RouteReason::Resident, cold: false, loads: 0 });
     }
     let session_key = session.map(|s| stable_hash(s.as_bytes()));
     // The ring decides unless the session has a home that is only busy (it
@@ -447,6 +459,7 @@ pub fn select(snapshot: &RoutingSnapshot, request: &RouteRequest<'_>) -> Result<
 
     let resident_first = resident.filter(|r| !placements[*r].overloaded);
     let mut targets = Targets::default();
+    let mut loads = 0u8;
     let ordered =
         resident_first.into_iter().chain(warm.indices()).chain(resident).chain(cold.indices()).chain(ejected.indices());
     for index in ordered {
@@ -455,6 +468,9 @@ pub fn select(snapshot: &RoutingSnapshot, request: &RouteRequest<'_>) -> Result<
         }
         let target = placements[index].target;
         if !targets.contains(&target) {
+            if cold.indices().any(|i| i == index) {
+                loads |= 1 << targets.len();
+            }
             targets.push(target);
         }
     }
@@ -466,7 +482,7 @@ pub fn select(snapshot: &RoutingSnapshot, request: &RouteRequest<'_>) -> Result<
         };
         return Err(RouteError::NoCapacity { model: request.model.to_string(), why });
     };
-    let cold_first = cold.indices().any(|i| placements[i].target == first);
+    let cold_first = loads & 1 != 0;
     let reason = if resident.is_some_and(|r| placements[r].target == first) {
         RouteReason::Resident
     } else if cold_first {
@@ -476,7 +492,7 @@ pub fn select(snapshot: &RoutingSnapshot, request: &RouteRequest<'_>) -> Result<
     } else {
         RouteReason::Warm
     };
-    Ok(Route { targets, reason, cold: cold_first })
+    Ok(Route { targets, reason, cold: cold_first, loads })
 }
 
 /// How many of a session's best-scoring homes are kept while scanning; the
@@ -546,7 +562,7 @@ fn place_on_ring(
     // Within the bound first, ring order otherwise.
     homes.sort_by_key(|i| over(&placements[*i]));
     let targets: Targets = homes.iter().map(|i| placements[*i].target).collect();
-    Some(Route { targets, reason: RouteReason::Placed, cold: false })
+    Some(Route { targets, reason: RouteReason::Placed, cold: false, loads: 0 })
 }
 
 /// Two distinct indices below `n`, drawn from the ticket.

@@ -265,6 +265,23 @@ fn cold_placement_prefers_free_memory_and_counts_loads_in_progress() {
 }
 
 #[test]
+fn the_targets_that_must_load_the_model_are_marked_and_a_load_under_way_counts_once() {
+    let s = snapshot(&[
+        spec("a"),
+        Spec { state: ModelState::Unloaded, used_percent: 10, ..spec("b") },
+        Spec { state: ModelState::Unloaded, used_percent: 20, ..spec("c") },
+    ]);
+    let route = select(&s, &chat(None)).unwrap();
+    assert_eq!(nodes(&s, &route), ["a", "b", "c"]);
+    assert!(!route.cold && !route.loads_at(0) && route.loads_at(1) && route.loads_at(2), "{route:?}");
+    // 35 GiB loading onto 8 GiB used of 80: 43 committed, under 92% once,
+    // not twice.
+    let joining = snapshot(&[Spec { state: ModelState::Loading, used_percent: 10, size_gib: 35, ..spec("b") }]);
+    let route = select(&joining, &chat(None)).unwrap();
+    assert!(route.cold && route.loads_at(0));
+}
+
+#[test]
 fn a_node_whose_memory_is_not_read_lately_starts_no_load_but_serves_what_it_holds() {
     let cold = [
         Spec { state: ModelState::Unloaded, used_percent: 50, ..spec("a") },
