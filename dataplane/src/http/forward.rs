@@ -35,6 +35,10 @@ pub const ROUTE_HEADER: HeaderName = HeaderName::from_static("x-inferyes-route")
 const FAILOVER: &str = "failover";
 use inferyes_proto::headers::{BACKEND as BACKEND_HEADER, MODEL as MODEL_HEADER, SESSION as SESSION_HEADER};
 
+/// The code of an agent's refusal of a request without the fleet's join
+/// token.
+const FLEET_TOKEN_REQUIRED: &str = "fleet_token_required";
+
 /// Error bodies are small; a backend sending a huge one is cut off.
 const MAX_ERROR_BODY: usize = 64 << 10;
 /// Non-streamed answers are read whole before they are passed on.
@@ -257,7 +261,21 @@ impl Forwarder {
                 return Err(from_node(error));
             }
             if status.is_client_error() || status.is_server_error() {
-                return Err(from_node(read_error(response).await));
+                let error = read_error(response).await;
+                if status == http::StatusCode::UNAUTHORIZED && error.code.as_deref() == Some(FLEET_TOKEN_REQUIRED) {
+                    // The agent does not take this data plane's join token:
+                    // a fault of the fleet's setup, not the client's key (an
+                    // SDK would report a 401 as that). Another node may.
+                    let ejected_ms = node.local.eject(inferyes_proto::unix_ms(), snapshot.version());
+                    tracing::error!(node = %node.id, ejected_ms, "the node's agent refused this data plane's join token: give both the same (join_token_file)");
+                    last_error = Some(ApiError::new(
+                        ErrorKind::Upstream,
+                        format!("node `{}` does not take this gateway's join token", node.id),
+                        "upstream_auth_misconfigured",
+                    ));
+                    continue;
+                }
+                return Err(from_node(error));
             }
             if status.is_success() {
                 node.local.succeeded();

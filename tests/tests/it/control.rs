@@ -356,3 +356,43 @@ async fn an_agent_forwards_only_what_the_fleet_s_data_planes_send() {
     let health = fleet.http.get(&format!("http://{}/healthz", fleet.agents[0].proxy_addr)).await;
     assert_eq!(health.status, StatusCode::OK);
 }
+
+#[tokio::test]
+async fn a_node_that_does_not_take_the_data_plane_s_token_is_passed_over_and_never_a_client_s_401() {
+    let etcd = Etcd::start().await;
+    // A botched rotation: the controller open, node-a's agent on a token
+    // the data plane does not have, node-b's open.
+    let controller = ControllerHandle::start_with(&etcd.endpoint(), "controller-1", None, |c| {
+        c.join_auth = inferyes_controller::config::TokenAuth::None;
+    })
+    .await;
+    let (sim_a, sim_b) = (SimHandle::start(chat_sim("chat")).await, SimHandle::start(chat_sim("chat")).await);
+    let a = AgentHandle::start("node-a", &[controller.url()], &[("main", &sim_a)]).await;
+    let backend = |sim: &SimHandle| inferyes_tests::fleet::llama_server(&sim.url, &["chat"]);
+    let gpu = inferyes_agent::config::GpuSourceConfig::None;
+    let b =
+        AgentHandle::start_tweaked("node-b", &[controller.url()], gpu, vec![backend(&sim_b)], |c| c.join_token = None)
+            .await;
+    let dataplane =
+        DataplaneHandle::start_with(&[controller.url()], |c| c.join_token = Some("another-fleet-token-0123".into()))
+            .await;
+    dataplane.wait_for_nodes(&["node-a", "node-b"]).await;
+    let url = format!("{}/v1/chat/completions", dataplane.url);
+    let http = HttpClient::default();
+    let mut failovers = 0;
+    for i in 0..8 {
+        let response = http.post_json(&url, &chat_body("chat", &format!("question {i}"))).await;
+        assert_eq!(response.status, StatusCode::OK, "{}", String::from_utf8_lossy(&response.body));
+        assert_eq!(response.header("x-inferyes-node"), Some("node-b"));
+        failovers += usize::from(response.header("x-inferyes-route") == Some("failover"));
+    }
+    assert!(failovers > 0, "some conversations were placed on node-a first");
+    assert_eq!(sim_a.sim.stats().requests, 0);
+    // Alone, node-a's refusal is the gateway's fault, said as such.
+    b.kill();
+    dataplane.wait_for_nodes(&["node-a"]).await;
+    let response = http.post_json(&url, &chat_body("chat", "x")).await;
+    assert_eq!(response.status, StatusCode::BAD_GATEWAY);
+    assert_eq!(response.openai_error()["code"], "upstream_auth_misconfigured");
+    drop(a);
+}
