@@ -80,11 +80,19 @@ fn reported_gpus(last: &[Gpu], reading: GpuReading, failures: &mut u32) -> Vec<G
         *failures = 0;
         return reading.gpus;
     }
-    if last.is_empty() {
-        // Nothing read yet: whatever this reading got is all there is.
-        return reading.gpus;
-    }
     *failures = failures.saturating_add(1);
+    if last.is_empty() || last.iter().all(|gpu| gpu.memory_total_bytes == 0 && gpu.stale) {
+        // Nothing read yet (the agent started while its GPUs could not be
+        // read): what this reading got, stale, or a GPU of unknown memory.
+        // Reported as no GPU, the node would look like a CPU node, whose
+        // memory no load is held to.
+        let read = if reading.gpus.is_empty() {
+            vec![Gpu { name: "unreadable GPU".into(), ..Default::default() }]
+        } else {
+            reading.gpus
+        };
+        return read.into_iter().map(|gpu| Gpu { stale: true, ..gpu }).collect();
+    }
     let stale = *failures >= STALE_AFTER_FAILURES;
     last.iter().map(|gpu| Gpu { stale, ..gpu.clone() }).collect()
 }
@@ -153,8 +161,13 @@ mod tests {
         // A good reading ends it.
         let back = reported_gpus(&last, GpuReading { gpus: vec![gpu(40)], error: None }, &mut failures);
         assert_eq!((back, failures), (vec![gpu(40)], 0));
-        // Before any good reading there is nothing to keep.
+        // Before any good reading there is nothing to keep: a GPU of unknown
+        // memory, stale at once, until one is read.
         let mut failures = 0;
-        assert!(reported_gpus(&[], failed(), &mut failures).is_empty());
+        let unknown = reported_gpus(&[], failed(), &mut failures);
+        assert_eq!(unknown.len(), 1);
+        assert!(unknown[0].stale && unknown[0].memory_total_bytes == 0);
+        assert_eq!(reported_gpus(&unknown, failed(), &mut failures), unknown);
+        assert_eq!(reported_gpus(&unknown, GpuReading { gpus: vec![gpu(40)], error: None }, &mut failures), [gpu(40)]);
     }
 }

@@ -273,6 +273,10 @@ where
             .keep_alive_timeout(HTTP2_PING_TIMEOUT);
         let first_byte_timeout = self.header_read_timeout;
         let graceful = GracefulShutdown::new();
+        // Cancelled when shutdown begins: a connection that has sent no
+        // request yet (or not finished its TLS handshake) is idle, and closes
+        // at once rather than holding the shutdown.
+        let draining = CancellationToken::new();
         loop {
             let (stream, peer) = tokio::select! {
                 () = self.stop_now.cancelled() => return,
@@ -290,6 +294,7 @@ where
             let service = (self.make_service)(peer);
             drop(closes_if_panicking);
             let (builder, watcher, tls) = (builder.clone(), graceful.watcher(), self.tls.clone());
+            let draining = draining.clone();
             tokio::spawn(async move {
                 let _open = open;
                 match tls {
@@ -297,24 +302,36 @@ where
                         // hyper reads the first bytes (HTTP/1.1 or HTTP/2?)
                         // with no timeout of its own: a connection that sends
                         // nothing would be held for ever.
-                        if tokio::time::timeout(first_byte_timeout, tcp.readable()).await.is_err() {
-                            tracing::debug!(%peer, "no request on a new connection; closed");
-                            return;
+                        let first_byte = tokio::time::timeout(first_byte_timeout, tcp.readable());
+                        tokio::select! {
+                            sent = first_byte => if sent.is_err() {
+                                tracing::debug!(%peer, "no request on a new connection; closed");
+                                return;
+                            },
+                            () = draining.cancelled() => return,
                         }
                         let connection = builder.serve_connection_with_upgrades(TokioIo::new(tcp), service);
                         let _ = watcher.watch(connection.into_owned()).await;
                     }
-                    Some(acceptor) => match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
-                        Ok(Ok(tls)) => {
-                            let connection = builder.serve_connection_with_upgrades(TokioIo::new(tls), service);
-                            let _ = watcher.watch(connection.into_owned()).await;
+                    Some(acceptor) => {
+                        let handshake = tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp));
+                        let handshake = tokio::select! {
+                            done = handshake => done,
+                            () = draining.cancelled() => return,
+                        };
+                        match handshake {
+                            Ok(Ok(tls)) => {
+                                let connection = builder.serve_connection_with_upgrades(TokioIo::new(tls), service);
+                                let _ = watcher.watch(connection.into_owned()).await;
+                            }
+                            Ok(Err(error)) => tracing::debug!(%error, %peer, "TLS handshake failed"),
+                            Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
                         }
-                        Ok(Err(error)) => tracing::debug!(%error, %peer, "TLS handshake failed"),
-                        Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
-                    },
+                    }
                 }
             });
         }
+        draining.cancel();
         // Shutdown: idle connections close, busy ones finish their requests.
         tokio::select! {
             () = graceful.shutdown() => {}
@@ -486,27 +503,52 @@ mod tests {
         served.await.unwrap().unwrap();
     }
 
-    #[tokio::test]
-    async fn a_connection_that_sends_nothing_is_closed_after_the_header_timeout() {
+    /// One worker answering 200, with `header_read_timeout`.
+    async fn serve_ok(
+        header_read_timeout: Duration,
+    ) -> (SocketAddr, CancellationToken, tokio::task::JoinHandle<std::io::Result<()>>) {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        let services = vec![|_| Ok200];
-        let options = Options { header_read_timeout: Duration::from_millis(200), ..options("quiet") };
+        let options = Options { header_read_timeout, ..options("quiet") };
         let shutdown = CancellationToken::new();
-        let served = tokio::spawn(serve(listener, services, options, shutdown.clone()));
-        let mut silent = TcpStream::connect(addr).await.unwrap();
-        let mut byte = [0u8; 1];
-        let read = tokio::time::timeout(Duration::from_secs(10), tokio::io::AsyncReadExt::read(&mut silent, &mut byte));
-        assert!(matches!(read.await, Ok(Ok(0) | Err(_))), "the silent connection is closed");
-        // One that speaks is served.
+        (addr, shutdown.clone(), tokio::spawn(serve(listener, vec![|_| Ok200], options, shutdown)))
+    }
+
+    /// A request on a new connection is answered 200; its sender.
+    async fn answered(addr: SocketAddr) -> hyper::client::conn::http1::SendRequest<Full<Bytes>> {
         let stream = TcpStream::connect(addr).await.unwrap();
         let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.unwrap();
         tokio::spawn(connection);
         let response = sender.send_request(Request::get("/").body(Full::new(Bytes::new())).unwrap()).await;
         assert_eq!(response.unwrap().status(), http::StatusCode::OK);
+        sender
+    }
+
+    #[tokio::test]
+    async fn a_connection_that_sends_nothing_is_closed_after_the_header_timeout() {
+        let (addr, shutdown, served) = serve_ok(Duration::from_millis(200)).await;
+        let mut silent = TcpStream::connect(addr).await.unwrap();
+        let mut byte = [0u8; 1];
+        let read = tokio::time::timeout(Duration::from_secs(10), tokio::io::AsyncReadExt::read(&mut silent, &mut byte));
+        assert!(matches!(read.await, Ok(Ok(0) | Err(_))), "the silent connection is closed");
+        // One that speaks is served.
+        let sender = answered(addr).await;
         shutdown.cancel();
         drop(sender);
         served.await.unwrap().unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_connection_that_has_sent_nothing_yet_does_not_hold_a_shutdown() {
+        let (addr, shutdown, served) = serve_ok(Duration::from_secs(60)).await;
+        let mut quiet = TcpStream::connect(addr).await.unwrap();
+        // Served a request once, the worker has surely taken the quiet one.
+        drop(answered(addr).await);
+        shutdown.cancel();
+        let ended = tokio::time::timeout(Duration::from_secs(10), served).await;
+        ended.expect("the quiet connection held the shutdown").unwrap().unwrap();
+        let mut byte = [0u8; 1];
+        assert!(matches!(tokio::io::AsyncReadExt::read(&mut quiet, &mut byte).await, Ok(0) | Err(_)));
     }
 
     #[tokio::test]
