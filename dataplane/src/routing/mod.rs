@@ -370,7 +370,10 @@ pub fn select(snapshot: &RoutingSnapshot, request: &RouteRequest<'_>) -> Result<
     }
     let n = placements.len() as u64;
     let turn = request.ticket % n.max(1);
-    let (pick_a, pick_b) = two_choices(request.ticket, n);
+    // Power of two choices: the two warm placements this ticket draws (the
+    // lowest of a hash of the ticket and each one's position), whichever
+    // of all the placements are warm.
+    let mut pair: Best<2> = Best::new();
 
     // One pass: what is possible, the totals the load bound needs, the
     // session's best homes by rendezvous score, and the best few keyless
@@ -410,8 +413,8 @@ pub fn select(snapshot: &RoutingSnapshot, request: &RouteRequest<'_>) -> Result<
                         warm.offer([saturated, share, u64::from(u32::MAX - p.weight) << 32 | place_key(p)], i);
                     }
                     (None, Strategy::PowerOfTwo) => {
-                        let picked = position == pick_a || position == pick_b;
-                        warm.offer([saturated, u64::from(!picked) << 32 | u64::from(load(p)), position], i);
+                        pair.offer([draw(request.ticket, position), 0, 0], i);
+                        warm.offer([saturated, 1 << 32 | u64::from(load(p)), position], i);
                     }
                     (None, _) => warm.offer([saturated, u64::from(load(p)), place_key(p)], i),
                 }
@@ -454,6 +457,21 @@ pub fn select(snapshot: &RoutingSnapshot, request: &RouteRequest<'_>) -> Result<
                     warm.offer([u64::from(over(p)), !score(key, p, strategy), place_key(p)], i);
                 }
             }
+        }
+    }
+
+    if pair.len > 0 {
+        // The pair first, the less loaded leading; then the least loaded
+        // of the rest.
+        let rest = warm;
+        warm = Best::new();
+        for i in pair.indices() {
+            let p = &placements[i];
+            warm.offer([u64::from(p.saturated), u64::from(load(p)), i as u64], i);
+        }
+        for i in rest.indices().filter(|i| !pair.indices().any(|j| j == *i)) {
+            let p = &placements[i];
+            warm.offer([u64::from(p.saturated), 1 << 32 | u64::from(load(p)), i as u64], i);
         }
     }
 
@@ -565,17 +583,10 @@ fn place_on_ring(
     Some(Route { targets, reason: RouteReason::Placed, cold: false, loads: 0 })
 }
 
-/// Two distinct indices below `n`, drawn from the ticket.
-fn two_choices(ticket: u64, n: u64) -> (u64, u64) {
-    if n < 2 {
-        return (0, 0);
-    }
-    let a = stable_hash(&ticket.to_le_bytes()) % n;
-    let mut b = stable_hash(&(!ticket).to_le_bytes()) % (n - 1);
-    if b >= a {
-        b += 1;
-    }
-    (a, b)
+/// A placement's draw for a ticket: the two lowest among the warm ones are
+/// the ticket's pair, any two as likely as any other.
+fn draw(ticket: u64, position: u64) -> u64 {
+    stable_hash(&(ticket ^ position.rotate_left(32)).to_le_bytes())
 }
 
 pub fn kind_name(kind: EndpointKind) -> &'static str {

@@ -331,6 +331,32 @@ fn keyless_strategies() {
 }
 
 #[test]
+fn power_of_two_draws_its_pair_from_the_warm_placements() {
+    // Three warm nodes among thirty that would have to load the model.
+    let mut specs: Vec<Spec> =
+        (0..30).map(|i| Spec { state: ModelState::Unloaded, ..spec(&format!("cold-{i:02}")) }).collect();
+    specs.extend([
+        Spec { in_flight: 1, ..spec("w1") },
+        Spec { in_flight: 2, ..spec("w2") },
+        Spec { in_flight: 3, ..spec("w3") },
+    ]);
+    let p2 = snapshot_with(
+        &specs,
+        Some(RoutingPolicy { default_strategy: Strategy::PowerOfTwo as i32, ..Default::default() }),
+    );
+    let mut wins: BTreeMap<String, usize> = BTreeMap::new();
+    for ticket in 0..300 {
+        let route = select(&p2, &RouteRequest { ticket, ..chat(None) }).unwrap();
+        assert_eq!(route.reason, RouteReason::Warm);
+        *wins.entry(first_node(&p2, &route)).or_default() += 1;
+    }
+    // Pairs {w1,w2} and {w1,w3} go to w1, {w2,w3} to w2: about 2/3 and 1/3.
+    assert_eq!(wins.get("w3"), None, "the most loaded never wins a pair: {wins:?}");
+    let w2 = wins.get("w2").copied().unwrap_or(0);
+    assert!((60..=140).contains(&w2), "w2 wins the pairs without w1: {wins:?}");
+}
+
+#[test]
 fn baselines_ignore_sessions() {
     let s = snapshot(&[Spec { sessions: vec!["conv".into()], ..spec("a") }, spec("b"), spec("c")]);
     let order: Vec<String> = (0..3)
