@@ -105,7 +105,7 @@ pub struct Auth {
     /// Key id → the presented key's digest and the hash it was verified
     /// against (a re-created record with a new hash is verified again).
     verified: Mutex<FastMap<String, Verified>>,
-    failures: Mutex<HashMap<IpAddr, Window>>,
+    failures: Mutex<Failures>,
     failures_per_minute: u32,
     buckets: Mutex<FastMap<String, Bucket>>,
     verifying: tokio::sync::Semaphore,
@@ -119,6 +119,29 @@ struct Verified {
 struct Window {
     started: Instant,
     count: u32,
+}
+
+/// Failed key checks by client: an IPv4 address, or an IPv6 /64 (one
+/// host's allocation: its addresses are one client).
+#[derive(Default)]
+struct Failures {
+    by_client: HashMap<IpAddr, Window>,
+    /// When windows past were last swept out.
+    swept: Option<Instant>,
+}
+
+/// Clients whose failures are remembered at most.
+const MAX_FAILING_CLIENTS: usize = 100_000;
+
+/// The client an address belongs to, for counting failures.
+fn client_of(peer: IpAddr) -> IpAddr {
+    match peer {
+        IpAddr::V4(_) => peer,
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => IpAddr::V4(v4),
+            None => IpAddr::V6(std::net::Ipv6Addr::from(v6.to_bits() & !u128::from(u64::MAX))),
+        },
+    }
 }
 
 struct Bucket {
@@ -270,11 +293,23 @@ impl Auth {
 
     fn failed(&self, peer: IpAddr) {
         let now = Instant::now();
+        let client = client_of(peer);
         let mut failures = self.failures.lock().unwrap_or_else(PoisonError::into_inner);
-        if failures.len() > 100_000 {
-            failures.retain(|_, w| now.duration_since(w.started) < FAILURE_WINDOW);
+        let Failures { by_client, swept } = &mut *failures;
+        if by_client.len() >= MAX_FAILING_CLIENTS && !by_client.contains_key(&client) {
+            // Past windows go, once a second at most: a sweep per failure
+            // would hold the lock for every check of every client.
+            if swept.is_none_or(|at| now.duration_since(at) >= Duration::from_secs(1)) {
+                by_client.retain(|_, w| now.duration_since(w.started) < FAILURE_WINDOW);
+                *swept = Some(now);
+            }
+            if by_client.len() >= MAX_FAILING_CLIENTS {
+                // Full of current windows: this client's failures go
+                // uncounted (it has to get through the checks' own cost).
+                return;
+            }
         }
-        let window = failures.entry(peer).or_insert(Window { started: now, count: 0 });
+        let window = by_client.entry(client).or_insert(Window { started: now, count: 0 });
         if now.duration_since(window.started) >= FAILURE_WINDOW {
             *window = Window { started: now, count: 0 };
         }
@@ -284,7 +319,7 @@ impl Auth {
     /// Seconds until `peer` may try an unknown key again, if it is blocked.
     fn blocked(&self, peer: IpAddr) -> Option<u32> {
         let failures = self.failures.lock().unwrap_or_else(PoisonError::into_inner);
-        let window = failures.get(&peer)?;
+        let window = failures.by_client.get(&client_of(peer))?;
         let age = window.started.elapsed();
         (age < FAILURE_WINDOW && window.count >= self.failures_per_minute)
             .then(|| (FAILURE_WINDOW - age).as_secs().max(1) as u32)
@@ -350,6 +385,23 @@ mod tests {
         assert!(auth.admit(&caller, start + Duration::from_millis(1_001)).is_ok());
         assert!(auth.admit(&Caller::Open, start).is_ok());
         assert!(auth.admit(&self::caller(0), start).unwrap().limit.is_none());
+    }
+
+    #[test]
+    fn failures_are_counted_per_ipv4_address_and_per_ipv6_64() {
+        let auth = Auth::new(AuthMode::Keys, 3);
+        let addr = |s: &str| s.parse::<IpAddr>().unwrap();
+        for host in ["2001:db8:1:2::1", "2001:db8:1:2::2", "2001:db8:1:2:ffff::9"] {
+            assert!(auth.blocked(addr(host)).is_none());
+            auth.failed(addr(host));
+        }
+        assert!(auth.blocked(addr("2001:db8:1:2::77")).is_some(), "one /64, one client");
+        assert!(auth.blocked(addr("2001:db8:1:3::1")).is_none(), "another /64");
+        for _ in 0..3 {
+            auth.failed(addr("192.0.2.1"));
+        }
+        assert!(auth.blocked(addr("::ffff:192.0.2.1")).is_some(), "the same IPv4 client, mapped");
+        assert!(auth.blocked(addr("192.0.2.2")).is_none());
     }
 
     #[test]
