@@ -124,6 +124,7 @@ impl hyper::service::Service<Request<Incoming>> for Service {
             )
             .is_err()
         {
+            refused_without_token();
             let message = "this node takes requests from the fleet's data planes only (their join token)";
             return Box::pin(std::future::ready(Ok(error(
                 ErrorKind::Unauthenticated,
@@ -133,6 +134,20 @@ impl hyper::service::Service<Request<Incoming>> for Service {
         }
         let proxy = self.proxy.clone();
         Box::pin(async move { Ok(forward(proxy, request).await) })
+    }
+}
+
+/// Logs a refusal for want of the join token, once every ten seconds at
+/// most: a data plane given the wrong one would otherwise log a line per
+/// request it sends.
+fn refused_without_token() {
+    static LAST_MS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let now = inferyes_proto::unix_ms();
+    let last = LAST_MS.load(Ordering::Relaxed);
+    if now.saturating_sub(last) >= 10_000
+        && LAST_MS.compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed).is_ok()
+    {
+        tracing::warn!("refused a request without the fleet's join token (a data plane given another?)");
     }
 }
 
