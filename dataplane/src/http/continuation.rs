@@ -208,7 +208,7 @@ async fn pipe(
         if tx.send(Ok(Bytes::from(note))).await.is_err() {
             return;
         }
-        guard = InFlight::enter(Arc::clone(&hop.local), 0);
+        guard = InFlight::enter(Arc::clone(&hop.local));
         node = hop.node;
         body = stream;
         continued = true;

@@ -192,7 +192,11 @@ impl Forwarder {
             // A cold load holds the model's size against the node until it
             // answers: the first target's, or one a failover goes on to.
             let reserve = if route.loads_at(attempt) { cold_load_bytes(snapshot, out.model, *target) } else { 0 };
-            let guard = InFlight::enter(Arc::clone(&node.local), reserve);
+            let guard = if reserve > 0 {
+                InFlight::loading(Arc::clone(&node.local), out.model, reserve)
+            } else {
+                InFlight::enter(Arc::clone(&node.local))
+            };
             let is_last = attempt + 1 == route.targets.len();
             // The last attempt makes its headers of the client's, in place,
             // and takes the body; one before it, of copies (a failover needs
@@ -539,25 +543,35 @@ where
     error
 }
 
-/// Counts a request (and the memory of a cold load it started) against its
-/// node until the response body is finished or dropped.
+/// Counts a request (and the memory of a cold load it waits on) against
+/// its node until the response body is finished or dropped.
 pub(crate) struct InFlight {
     pub(crate) local: Arc<LocalCounters>,
-    reserved: u64,
+    /// The model whose load it waits on.
+    loading: Option<Box<str>>,
 }
 
 impl InFlight {
-    pub(crate) fn enter(local: Arc<LocalCounters>, reserved: u64) -> InFlight {
+    pub(crate) fn enter(local: Arc<LocalCounters>) -> InFlight {
         local.in_flight.fetch_add(1, Ordering::Relaxed);
-        local.reserved_vram_bytes.fetch_add(reserved, Ordering::Relaxed);
-        InFlight { local, reserved }
+        InFlight { local, loading: None }
+    }
+
+    /// A request that waits on `model` loading, of `bytes`.
+    pub(crate) fn loading(local: Arc<LocalCounters>, model: &str, bytes: u64) -> InFlight {
+        local.hold_load(model, bytes);
+        let mut guard = InFlight::enter(local);
+        guard.loading = Some(model.into());
+        guard
     }
 }
 
 impl Drop for InFlight {
     fn drop(&mut self) {
         self.local.in_flight.fetch_sub(1, Ordering::Relaxed);
-        self.local.reserved_vram_bytes.fetch_sub(self.reserved, Ordering::Relaxed);
+        if let Some(model) = &self.loading {
+            self.local.release_load(model);
+        }
     }
 }
 

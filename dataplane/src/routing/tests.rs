@@ -282,6 +282,23 @@ fn the_targets_that_must_load_the_model_are_marked_and_a_load_under_way_counts_o
 }
 
 #[test]
+fn a_model_s_size_is_held_once_however_many_requests_wait_for_its_load() {
+    let local = crate::snapshot::LocalCounters::default();
+    let held = || local.reserved_vram_bytes.load(Ordering::Relaxed);
+    local.hold_load("m", 10);
+    local.hold_load("m", 10);
+    local.hold_load("n", 5);
+    assert_eq!(held(), 15);
+    local.release_load("m");
+    assert_eq!(held(), 15, "one request still waits on m");
+    local.release_load("m");
+    local.release_load("n");
+    assert_eq!(held(), 0);
+    local.release_load("m");
+    assert_eq!(held(), 0, "a release with nothing held changes nothing");
+}
+
+#[test]
 fn a_node_whose_memory_is_not_read_lately_starts_no_load_but_serves_what_it_holds() {
     let cold = [
         Spec { state: ModelState::Unloaded, used_percent: 50, ..spec("a") },

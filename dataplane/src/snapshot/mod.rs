@@ -165,6 +165,10 @@ pub struct LocalCounters {
     /// requests finish: two cold loads must not both fit into the same
     /// free memory.
     pub reserved_vram_bytes: AtomicU64,
+    /// Those loads, by model: the requests waiting on each and the bytes
+    /// held for it. A model's size is held once, however many requests
+    /// wait for it to load.
+    loads: std::sync::Mutex<Vec<(String, u32, u64)>>,
     /// Passive ejection: after a failure the node is skipped (last resort
     /// only) until this time, with exponential backoff over consecutive
     /// failures.
@@ -184,6 +188,31 @@ const EJECTION_BASE_MS: u64 = 1_000;
 const EJECTION_MAX_MS: u64 = 30_000;
 
 impl LocalCounters {
+    /// A request waits on a load of `model`, of `bytes`: held unless a
+    /// request already holds it.
+    pub fn hold_load(&self, model: &str, bytes: u64) {
+        let mut loads = self.loads.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        match loads.iter_mut().find(|(m, ..)| m == model) {
+            Some((_, waiting, _)) => *waiting += 1,
+            None => {
+                loads.push((model.to_string(), 1, bytes));
+                self.reserved_vram_bytes.fetch_add(bytes, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// A request no longer waits on the load of `model`: the last one
+    /// gives its bytes back.
+    pub fn release_load(&self, model: &str) {
+        let mut loads = self.loads.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let Some(at) = loads.iter().position(|(m, ..)| m == model) else { return };
+        loads[at].1 -= 1;
+        if loads[at].1 == 0 {
+            let (_, _, bytes) = loads.swap_remove(at);
+            self.reserved_vram_bytes.fetch_sub(bytes, Ordering::Relaxed);
+        }
+    }
+
     /// Records a failure of the node; returns how long it is ejected.
     pub fn eject(&self, now_ms: u64, version: u64) -> u64 {
         let failures = self.failures.fetch_add(1, Ordering::Relaxed).saturating_add(1);
