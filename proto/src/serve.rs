@@ -226,6 +226,47 @@ impl Drop for Open {
     }
 }
 
+/// What a new plain connection speaks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Sniffed {
+    Http1,
+    Http2,
+}
+
+/// HTTP/2 with prior knowledge (h2c) opens with this.
+const H2_PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
+/// The protocol of a new plain connection, read off its first bytes without
+/// taking them: HTTP/2 if they are the preface, else HTTP/1.1. `None` when
+/// it closes, or sends too little to tell within `timeout` (nothing at all,
+/// or a piece of the preface).
+async fn sniff(tcp: &TcpStream, timeout: Duration) -> Option<Sniffed> {
+    let deadline = tokio::time::Instant::now() + timeout;
+    let mut first = [0u8; H2_PREFACE.len()];
+    loop {
+        let n = tokio::time::timeout_at(deadline, tcp.peek(&mut first)).await.ok()?.ok()?;
+        if n == 0 {
+            return None;
+        }
+        if first[..n] != H2_PREFACE[..n] {
+            return Some(Sniffed::Http1);
+        }
+        if n == H2_PREFACE.len() {
+            return Some(Sniffed::Http2);
+        }
+        // A piece of the preface: the rest is on its way, or never comes.
+        // Peeking sees the same bytes until more arrive, so wait a little.
+        if tokio::time::Instant::now() + SNIFF_RETRY >= deadline {
+            return None;
+        }
+        tokio::time::sleep(SNIFF_RETRY).await;
+    }
+}
+
+/// How often a connection that sent a piece of the HTTP/2 preface is looked
+/// at again.
+const SNIFF_RETRY: Duration = Duration::from_millis(5);
+
 /// Closes a worker's inbox if dropped while its thread unwinds. A panic
 /// outside any task (a bug) ends the worker's thread, and with it the
 /// inbox; but the runtime unwinds first, closing the connection in hand,
@@ -271,6 +312,9 @@ where
             .timer(hyper_util::rt::TokioTimer::new())
             .keep_alive_interval(HTTP2_PING_INTERVAL)
             .keep_alive_timeout(HTTP2_PING_TIMEOUT);
+        // The protocol is chosen before hyper sees the connection (by ALPN,
+        // or by the first bytes): its own sniffing has no timeout.
+        let builders = Arc::new((builder.clone().http1_only(), builder.http2_only()));
         let first_byte_timeout = self.header_read_timeout;
         let graceful = GracefulShutdown::new();
         // Cancelled when shutdown begins: a connection that has sent no
@@ -293,23 +337,22 @@ where
             let closes_if_panicking = CloseOnPanic(&mut self.inbox);
             let service = (self.make_service)(peer);
             drop(closes_if_panicking);
-            let (builder, watcher, tls) = (builder.clone(), graceful.watcher(), self.tls.clone());
+            let (builders, watcher, tls) = (Arc::clone(&builders), graceful.watcher(), self.tls.clone());
             let draining = draining.clone();
             tokio::spawn(async move {
                 let _open = open;
+                let (http1, http2) = &*builders;
                 match tls {
                     None => {
-                        // hyper reads the first bytes (HTTP/1.1 or HTTP/2?)
-                        // with no timeout of its own: a connection that sends
-                        // nothing would be held for ever.
-                        let first_byte = tokio::time::timeout(first_byte_timeout, tcp.readable());
-                        tokio::select! {
-                            sent = first_byte => if sent.is_err() {
-                                tracing::debug!(%peer, "no request on a new connection; closed");
-                                return;
-                            },
+                        let version = tokio::select! {
+                            version = sniff(&tcp, first_byte_timeout) => version,
                             () = draining.cancelled() => return,
-                        }
+                        };
+                        let Some(version) = version else {
+                            tracing::debug!(%peer, "no request on a new connection; closed");
+                            return;
+                        };
+                        let builder = if version == Sniffed::Http2 { http2 } else { http1 };
                         let connection = builder.serve_connection_with_upgrades(TokioIo::new(tcp), service);
                         let _ = watcher.watch(connection.into_owned()).await;
                     }
@@ -321,6 +364,8 @@ where
                         };
                         match handshake {
                             Ok(Ok(tls)) => {
+                                let h2 = tls.get_ref().1.alpn_protocol() == Some(b"h2");
+                                let builder = if h2 { http2 } else { http1 };
                                 let connection = builder.serve_connection_with_upgrades(TokioIo::new(tls), service);
                                 let _ = watcher.watch(connection.into_owned()).await;
                             }
@@ -535,6 +580,25 @@ mod tests {
         let sender = answered(addr).await;
         shutdown.cancel();
         drop(sender);
+        served.await.unwrap().unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_connection_that_sends_a_piece_of_the_http2_preface_and_stops_is_closed() {
+        let (addr, shutdown, served) = serve_ok(Duration::from_millis(200)).await;
+        let mut halting = TcpStream::connect(addr).await.unwrap();
+        tokio::io::AsyncWriteExt::write_all(&mut halting, b"PRI * HTTP").await.unwrap();
+        let mut byte = [0u8; 1];
+        let read =
+            tokio::time::timeout(Duration::from_secs(10), tokio::io::AsyncReadExt::read(&mut halting, &mut byte));
+        assert!(matches!(read.await, Ok(Ok(0) | Err(_))), "the halting connection is closed");
+        // Whole, the preface is HTTP/2's; a request line is HTTP/1.1's.
+        let client = Client::builder(TokioExecutor::new()).http2_only(true).build_http::<Full<Bytes>>();
+        let response = client.get(format!("http://{addr}/").parse().unwrap()).await.unwrap();
+        assert_eq!((response.status(), response.version()), (http::StatusCode::OK, http::Version::HTTP_2));
+        drop(client);
+        drop(answered(addr).await);
+        shutdown.cancel();
         served.await.unwrap().unwrap();
     }
 
