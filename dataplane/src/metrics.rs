@@ -54,6 +54,7 @@ pub struct Metrics {
     node_in_flight: Family<NodeLabels, Gauge>,
     node_ejected: Family<NodeLabels, Gauge>,
     node_failures: Family<NodeLabels, Gauge>,
+    node_ejections: Family<NodeLabels, Counter>,
 }
 
 impl Metrics {
@@ -70,6 +71,7 @@ impl Metrics {
             node_in_flight: Family::default(),
             node_ejected: Family::default(),
             node_failures: Family::default(),
+            node_ejections: Family::default(),
         };
         let registry = registry.sub_registry_with_prefix("inferyes_dataplane");
         registry.register(
@@ -115,6 +117,11 @@ impl Metrics {
         );
         registry.register("node_ejected", "1 while a node is ejected after failures", metrics.node_ejected.clone());
         registry.register("node_failures", "Consecutive failures per node", metrics.node_failures.clone());
+        registry.register(
+            "node_ejections",
+            "Times a node was held out of routing after a failure (for rates and alerts)",
+            metrics.node_ejections.clone(),
+        );
         metrics
     }
 
@@ -123,6 +130,7 @@ impl Metrics {
         self.node_in_flight.clear();
         self.node_ejected.clear();
         self.node_failures.clear();
+        self.node_ejections.clear();
         let Some(snapshot) = snapshot else { return };
         self.snapshot_version.set(i64::try_from(snapshot.version()).unwrap_or(i64::MAX));
         self.snapshot_age_seconds.set(installed_age_seconds);
@@ -133,6 +141,9 @@ impl Metrics {
             self.node_in_flight.get_or_create(&labels).set(i64::from(local.in_flight.load(Ordering::Relaxed)));
             self.node_ejected.get_or_create(&labels).set(i64::from(local.ejected(now)));
             self.node_failures.get_or_create(&labels).set(i64::from(local.failures.load(Ordering::Relaxed)));
+            // Counted by the node's counters, which outlive snapshots: the
+            // series only grows while the node stays in the fleet.
+            self.node_ejections.get_or_create(&labels).inc_by(local.ejections.load(Ordering::Relaxed));
         }
     }
 }

@@ -175,6 +175,8 @@ pub struct LocalCounters {
     pub ejected_until_ms: AtomicU64,
     pub ejected_at_version: AtomicU64,
     pub failures: AtomicU32,
+    /// Ejections since this data plane first saw the node, for a counter.
+    pub ejections: AtomicU64,
     /// Written by decode: whether the node was ready in the latest snapshot,
     /// and the version since which it has been. A node that turned ready
     /// after its ejection (its agent saw it fail and recover, or it
@@ -216,6 +218,7 @@ impl LocalCounters {
     /// Records a failure of the node; returns how long it is ejected.
     pub fn eject(&self, now_ms: u64, version: u64) -> u64 {
         let failures = self.failures.fetch_add(1, Ordering::Relaxed).saturating_add(1);
+        self.ejections.fetch_add(1, Ordering::Relaxed);
         let backoff = EJECTION_BASE_MS.saturating_mul(1 << (failures - 1).min(5)).min(EJECTION_MAX_MS);
         self.ejected_at_version.store(version, Ordering::Relaxed);
         self.ejected_until_ms.store(now_ms.saturating_add(backoff), Ordering::Relaxed);
