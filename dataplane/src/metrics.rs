@@ -46,6 +46,7 @@ pub struct Metrics {
     pub requests: Family<RequestLabels, Counter>,
     pub request_seconds: Family<ModelLabels, Histogram, fn() -> Histogram>,
     pub first_token_seconds: Family<ModelLabels, Histogram, fn() -> Histogram>,
+    pub stream_seconds: Family<ModelLabels, Histogram, fn() -> Histogram>,
     pub retries: Counter,
     pub auth_refusals: Family<ReasonLabels, Counter>,
     pub continuations: Counter,
@@ -63,6 +64,7 @@ impl Metrics {
             requests: Family::default(),
             request_seconds: Family::new_with_constructor(latency_histogram),
             first_token_seconds: Family::new_with_constructor(latency_histogram),
+            stream_seconds: Family::new_with_constructor(latency_histogram),
             retries: Counter::default(),
             auth_refusals: Family::default(),
             continuations: Counter::default(),
@@ -88,6 +90,11 @@ impl Metrics {
             "first_token_seconds",
             "Time to the first bytes of a streamed answer, from its admission (the node sends them with its first token)",
             metrics.first_token_seconds.clone(),
+        );
+        registry.register(
+            "stream_seconds",
+            "Time to the end of a streamed answer that ended well, from its admission",
+            metrics.stream_seconds.clone(),
         );
         registry.register(
             "retries",

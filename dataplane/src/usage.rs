@@ -302,12 +302,18 @@ struct MeterInner {
     done: AtomicBool,
     /// Set by the first frame of the answer; read once, at the end.
     first_byte: std::sync::OnceLock<Instant>,
-    /// Where a stream's time to its first byte is observed, at its end: its
-    /// headers may come long before (a stream that starts a cold load is
-    /// answered at once).
-    first_token: Option<prometheus_client::metrics::histogram::Histogram>,
+    /// Where a stream's times are observed, at its end.
+    stream_timers: Option<StreamTimers>,
     /// Data events seen in a stream: one token each, for an estimate.
     events: AtomicU64,
+}
+
+/// Where a stream's times go: to its first bytes (its headers may come long
+/// before: a stream that starts a cold load is answered at once), and to its
+/// end, for a stream that ended well.
+pub struct StreamTimers {
+    pub first_token: prometheus_client::metrics::histogram::Histogram,
+    pub whole: prometheus_client::metrics::histogram::Histogram,
 }
 
 /// How a request ended.
@@ -338,7 +344,7 @@ impl Meter {
         model: String,
         stream: bool,
         prompt_estimate: u64,
-        first_token: Option<prometheus_client::metrics::histogram::Histogram>,
+        stream_timers: Option<StreamTimers>,
     ) -> Meter {
         let keep_records = ledger.keep_records;
         Meter(Arc::new(MeterInner {
@@ -357,7 +363,7 @@ impl Meter {
             prompt_estimate,
             done: AtomicBool::new(false),
             first_byte: std::sync::OnceLock::new(),
-            first_token,
+            stream_timers,
             events: AtomicU64::new(0),
         }))
     }
@@ -398,8 +404,11 @@ impl MeterInner {
         }
         let mut record = std::mem::take(&mut *self.record.lock().unwrap_or_else(PoisonError::into_inner));
         let first_byte = self.first_byte.get().filter(|_| record.stream).map(|at| at.duration_since(self.started));
-        if let (Some(histogram), Some(elapsed)) = (&self.first_token, first_byte) {
-            histogram.observe(elapsed.as_secs_f64());
+        if let (Some(timers), Some(first_byte)) = (&self.stream_timers, first_byte) {
+            timers.first_token.observe(first_byte.as_secs_f64());
+            if outcome == Outcome::Ok {
+                timers.whole.observe(self.started.elapsed().as_secs_f64());
+            }
         }
         let ttft = first_byte.map_or(0, millis);
         record.status = u32::from(status);

@@ -466,7 +466,10 @@ async fn serve(
         u64::from(estimated_prompt_tokens(body.len(), &view)),
         view.stream.then(|| {
             let labels = crate::metrics::ModelLabels { model: model.to_string() };
-            state.metrics.first_token_seconds.get_or_create(&labels).clone()
+            crate::usage::StreamTimers {
+                first_token: state.metrics.first_token_seconds.get_or_create(&labels).clone(),
+                whole: state.metrics.stream_seconds.get_or_create(&labels).clone(),
+            }
         }),
     );
     facts.meter = Some(meter.clone());

@@ -66,6 +66,12 @@ async fn the_data_plane_counts_requests_latency_and_its_view_of_the_fleet() {
     assert!(!text.contains("no-such-model"));
     assert_eq!(sum(&samples, "inferyes_dataplane_request_seconds_count{", &["model=\"chat\""]), 5.0);
     assert_eq!(sum(&samples, "inferyes_dataplane_first_token_seconds_count{", &["model=\"chat\""]), 3.0);
+    assert_eq!(sum(&samples, "inferyes_dataplane_stream_seconds_count{", &["model=\"chat\""]), 3.0);
+    let (first, whole) = (
+        sum(&samples, "inferyes_dataplane_first_token_seconds_sum{", &["model=\"chat\""]),
+        sum(&samples, "inferyes_dataplane_stream_seconds_sum{", &["model=\"chat\""]),
+    );
+    assert!(whole >= first && whole > 0.0, "a stream ends after its first token: {first} s, {whole} s");
     // Snapshots keep coming (agents report): the scraped one is the one
     // held then, no newer than the one held now.
     let version = samples["inferyes_dataplane_snapshot_version"];
