@@ -56,6 +56,10 @@ pub struct Metrics {
     node_ejected: Family<NodeLabels, Gauge>,
     node_failures: Family<NodeLabels, Gauge>,
     node_ejections: Family<NodeLabels, Counter>,
+    /// Held from [`Metrics::observe`] to the end of the encoding: two
+    /// scrapes at once (workers run in parallel) would clear each other's
+    /// per-node series, or count a node's ejections twice.
+    pub scrape: std::sync::Mutex<()>,
 }
 
 impl Metrics {
@@ -74,6 +78,7 @@ impl Metrics {
             node_ejected: Family::default(),
             node_failures: Family::default(),
             node_ejections: Family::default(),
+            scrape: std::sync::Mutex::new(()),
         };
         let registry = registry.sub_registry_with_prefix("inferyes_dataplane");
         registry.register(

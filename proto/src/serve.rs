@@ -243,6 +243,7 @@ const H2_PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 async fn sniff(tcp: &TcpStream, timeout: Duration) -> Option<Sniffed> {
     let deadline = tokio::time::Instant::now() + timeout;
     let mut first = [0u8; H2_PREFACE.len()];
+    let mut retry = SNIFF_RETRY_MIN;
     loop {
         let n = tokio::time::timeout_at(deadline, tcp.peek(&mut first)).await.ok()?.ok()?;
         if n == 0 {
@@ -255,17 +256,21 @@ async fn sniff(tcp: &TcpStream, timeout: Duration) -> Option<Sniffed> {
             return Some(Sniffed::Http2);
         }
         // A piece of the preface: the rest is on its way, or never comes.
-        // Peeking sees the same bytes until more arrive, so wait a little.
-        if tokio::time::Instant::now() + SNIFF_RETRY >= deadline {
+        // Peeking sees the same bytes until more arrive, so wait a little,
+        // longer each time: a connection that stops there costs a few
+        // wake-ups, not hundreds a second.
+        if tokio::time::Instant::now() + retry >= deadline {
             return None;
         }
-        tokio::time::sleep(SNIFF_RETRY).await;
+        tokio::time::sleep(retry).await;
+        retry = (retry * 2).min(SNIFF_RETRY_MAX);
     }
 }
 
-/// How often a connection that sent a piece of the HTTP/2 preface is looked
-/// at again.
-const SNIFF_RETRY: Duration = Duration::from_millis(5);
+/// How soon, and at most how long after, a connection that sent a piece of
+/// the HTTP/2 preface is looked at again.
+const SNIFF_RETRY_MIN: Duration = Duration::from_millis(5);
+const SNIFF_RETRY_MAX: Duration = Duration::from_millis(500);
 
 /// Closes a worker's inbox if dropped while its thread unwinds. A panic
 /// outside any task (a bug) ends the worker's thread, and with it the
@@ -313,7 +318,10 @@ where
             .keep_alive_interval(HTTP2_PING_INTERVAL)
             .keep_alive_timeout(HTTP2_PING_TIMEOUT);
         // The protocol is chosen before hyper sees the connection (by ALPN,
-        // or by the first bytes): its own sniffing has no timeout.
+        // or by the first bytes): its own sniffing has no timeout. (Plain
+        // `serve_connection` follows a builder's version; the one "with
+        // upgrades" sniffs whatever it is told. Upgrades are hop-by-hop:
+        // no proxy here passes one on.)
         let builders = Arc::new((builder.clone().http1_only(), builder.http2_only()));
         let first_byte_timeout = self.header_read_timeout;
         let graceful = GracefulShutdown::new();
@@ -353,7 +361,7 @@ where
                             return;
                         };
                         let builder = if version == Sniffed::Http2 { http2 } else { http1 };
-                        let connection = builder.serve_connection_with_upgrades(TokioIo::new(tcp), service);
+                        let connection = builder.serve_connection(TokioIo::new(tcp), service);
                         let _ = watcher.watch(connection.into_owned()).await;
                     }
                     Some(acceptor) => {
@@ -366,7 +374,7 @@ where
                             Ok(Ok(tls)) => {
                                 let h2 = tls.get_ref().1.alpn_protocol() == Some(b"h2");
                                 let builder = if h2 { http2 } else { http1 };
-                                let connection = builder.serve_connection_with_upgrades(TokioIo::new(tls), service);
+                                let connection = builder.serve_connection(TokioIo::new(tls), service);
                                 let _ = watcher.watch(connection.into_owned()).await;
                             }
                             Ok(Err(error)) => tracing::debug!(%error, %peer, "TLS handshake failed"),

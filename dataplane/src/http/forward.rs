@@ -193,7 +193,7 @@ impl Forwarder {
             // answers: the first target's, or one a failover goes on to.
             let reserve = if route.loads_at(attempt) { cold_load_bytes(snapshot, out.model, *target) } else { 0 };
             let guard = if reserve > 0 {
-                InFlight::loading(Arc::clone(&node.local), out.model, reserve)
+                InFlight::loading(Arc::clone(&node.local), target.backend, out.model, reserve)
             } else {
                 InFlight::enter(Arc::clone(&node.local))
             };
@@ -547,8 +547,8 @@ where
 /// its node until the response body is finished or dropped.
 pub(crate) struct InFlight {
     pub(crate) local: Arc<LocalCounters>,
-    /// The model whose load it waits on.
-    loading: Option<Box<str>>,
+    /// The backend and model whose load it waits on.
+    loading: Option<(usize, Box<str>)>,
 }
 
 impl InFlight {
@@ -557,11 +557,11 @@ impl InFlight {
         InFlight { local, loading: None }
     }
 
-    /// A request that waits on `model` loading, of `bytes`.
-    pub(crate) fn loading(local: Arc<LocalCounters>, model: &str, bytes: u64) -> InFlight {
-        local.hold_load(model, bytes);
+    /// A request that waits on `model` loading on `backend`, of `bytes`.
+    pub(crate) fn loading(local: Arc<LocalCounters>, backend: usize, model: &str, bytes: u64) -> InFlight {
+        local.hold_load(backend, model, bytes);
         let mut guard = InFlight::enter(local);
-        guard.loading = Some(model.into());
+        guard.loading = Some((backend, model.into()));
         guard
     }
 }
@@ -569,8 +569,8 @@ impl InFlight {
 impl Drop for InFlight {
     fn drop(&mut self) {
         self.local.in_flight.fetch_sub(1, Ordering::Relaxed);
-        if let Some(model) = &self.loading {
-            self.local.release_load(model);
+        if let Some((backend, model)) = &self.loading {
+            self.local.release_load(*backend, model);
         }
     }
 }

@@ -245,9 +245,13 @@ async fn readyz(State(state): State<Arc<AppState>>) -> Response {
 
 async fn metrics(State(state): State<Arc<AppState>>) -> Response {
     let snapshot = state.snapshots.current();
-    state.metrics.observe(snapshot.as_deref(), state.snapshots.age_seconds());
     let mut text = String::new();
-    if prometheus_client::encoding::text::encode(&mut text, &state.registry).is_err() {
+    let encoded = {
+        let _one_at_a_time = state.metrics.scrape.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        state.metrics.observe(snapshot.as_deref(), state.snapshots.age_seconds());
+        prometheus_client::encoding::text::encode(&mut text, &state.registry)
+    };
+    if encoded.is_err() {
         return (StatusCode::INTERNAL_SERVER_ERROR, "metrics could not be encoded\n").into_response();
     }
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text).into_response()

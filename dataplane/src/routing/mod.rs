@@ -147,6 +147,8 @@ impl RouteError {
 
 /// At most this many targets are returned: the first plus failovers.
 pub const MAX_TARGETS: usize = 3;
+// A route marks the targets that must load the model in a byte.
+const _: () = assert!(MAX_TARGETS <= 8);
 
 /// A route's targets, best first: at most [`MAX_TARGETS`], held inline (a
 /// route is made for every request, and a `Vec` would be an allocation).

@@ -285,16 +285,20 @@ fn the_targets_that_must_load_the_model_are_marked_and_a_load_under_way_counts_o
 fn a_model_s_size_is_held_once_however_many_requests_wait_for_its_load() {
     let local = crate::snapshot::LocalCounters::default();
     let held = || local.reserved_vram_bytes.load(Ordering::Relaxed);
-    local.hold_load("m", 10);
-    local.hold_load("m", 10);
-    local.hold_load("n", 5);
+    local.hold_load(0, "m", 10);
+    local.hold_load(0, "m", 10);
+    local.hold_load(0, "n", 5);
     assert_eq!(held(), 15);
-    local.release_load("m");
+    // The same model loading on another backend of the node takes its own.
+    local.hold_load(1, "m", 10);
+    assert_eq!(held(), 25);
+    local.release_load(1, "m");
+    local.release_load(0, "m");
     assert_eq!(held(), 15, "one request still waits on m");
-    local.release_load("m");
-    local.release_load("n");
+    local.release_load(0, "m");
+    local.release_load(0, "n");
     assert_eq!(held(), 0);
-    local.release_load("m");
+    local.release_load(0, "m");
     assert_eq!(held(), 0, "a release with nothing held changes nothing");
 }
 

@@ -165,10 +165,10 @@ pub struct LocalCounters {
     /// requests finish: two cold loads must not both fit into the same
     /// free memory.
     pub reserved_vram_bytes: AtomicU64,
-    /// Those loads, by model: the requests waiting on each and the bytes
-    /// held for it. A model's size is held once, however many requests
-    /// wait for it to load.
-    loads: std::sync::Mutex<Vec<(String, u32, u64)>>,
+    /// Those loads, by backend and model: the requests waiting on each and
+    /// the bytes held for it. A model's size is held once per backend,
+    /// however many requests wait for it to load there.
+    loads: std::sync::Mutex<Vec<Load>>,
     /// Passive ejection: after a failure the node is skipped (last resort
     /// only) until this time, with exponential backoff over consecutive
     /// failures.
@@ -185,29 +185,33 @@ pub struct LocalCounters {
     pub ready_since_version: AtomicU64,
 }
 
+/// A load this data plane waits on: (backend index, model), the requests
+/// waiting, the bytes held.
+type Load = ((usize, String), u32, u64);
+
 /// The first ejection lasts this long; each consecutive failure doubles it.
 const EJECTION_BASE_MS: u64 = 1_000;
 const EJECTION_MAX_MS: u64 = 30_000;
 
 impl LocalCounters {
-    /// A request waits on a load of `model`, of `bytes`: held unless a
-    /// request already holds it.
-    pub fn hold_load(&self, model: &str, bytes: u64) {
+    /// A request waits on a load of `model` on the node's `backend`, of
+    /// `bytes`: held unless a request already holds it.
+    pub fn hold_load(&self, backend: usize, model: &str, bytes: u64) {
         let mut loads = self.loads.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        match loads.iter_mut().find(|(m, ..)| m == model) {
+        match loads.iter_mut().find(|((b, m), ..)| *b == backend && m == model) {
             Some((_, waiting, _)) => *waiting += 1,
             None => {
-                loads.push((model.to_string(), 1, bytes));
+                loads.push(((backend, model.to_string()), 1, bytes));
                 self.reserved_vram_bytes.fetch_add(bytes, Ordering::Relaxed);
             }
         }
     }
 
-    /// A request no longer waits on the load of `model`: the last one
-    /// gives its bytes back.
-    pub fn release_load(&self, model: &str) {
+    /// A request no longer waits on the load of `model` on `backend`: the
+    /// last one gives its bytes back.
+    pub fn release_load(&self, backend: usize, model: &str) {
         let mut loads = self.loads.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        let Some(at) = loads.iter().position(|(m, ..)| m == model) else { return };
+        let Some(at) = loads.iter().position(|((b, m), ..)| *b == backend && m == model) else { return };
         loads[at].1 -= 1;
         if loads[at].1 == 0 {
             let (_, _, bytes) = loads.swap_remove(at);
