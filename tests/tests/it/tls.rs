@@ -135,3 +135,43 @@ async fn the_fleet_runs_over_mutual_tls_and_refuses_clients_without_a_certificat
     assert!(plain.is_err() || plain.as_ref().is_ok_and(|r| r.status != StatusCode::OK), "plain HTTP was served");
     assert!(pki.path().exists());
 }
+
+#[tokio::test]
+async fn a_tls_connection_that_sends_nothing_after_its_handshake_is_closed() {
+    use inferyes_proto::serve::{DEFAULT_HTTP2_STREAMS, Options, serve};
+    let pki = Pki::create();
+    let tls = Tls { client_ca_file: None, ..pki.full() };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("bound");
+    let ok = |_| {
+        hyper::service::service_fn(|_: http::Request<hyper::body::Incoming>| async {
+            Ok::<_, std::convert::Infallible>(http::Response::new(http_body_util::Full::new(
+                bytes::Bytes::from_static(b"ok"),
+            )))
+        })
+    };
+    let options = Options {
+        name: "tls-quiet",
+        tls: tls.http_server().expect("server config"),
+        http2_streams: DEFAULT_HTTP2_STREAMS,
+        shutdown_grace: Duration::from_secs(10),
+        past_grace: tokio_util::sync::CancellationToken::new(),
+        header_read_timeout: Duration::from_millis(300),
+    };
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let served = tokio::spawn(serve(listener, vec![ok], options, shutdown.clone()));
+
+    let client = Tls { ca_file: pki.file("ca.pem"), ..Tls::default() }.http_client().expect("client config");
+    let connector = tokio_rustls::TlsConnector::from(std::sync::Arc::new(client));
+    let tcp = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    let name = rustls::pki_types::ServerName::try_from("localhost").expect("name");
+    let mut quiet = connector.connect(name, tcp).await.expect("the handshake");
+    // Handshaken, it sends nothing: hyper would wait on its first bytes for
+    // ever; the header timeout closes it.
+    let mut byte = [0u8; 1];
+    let read =
+        tokio::time::timeout(Duration::from_secs(10), tokio::io::AsyncReadExt::read(&mut quiet, &mut byte)).await;
+    assert!(matches!(read, Ok(Ok(0) | Err(_))), "the quiet TLS connection is closed: {read:?}");
+    shutdown.cancel();
+    served.await.expect("joined").expect("served");
+}
