@@ -533,7 +533,7 @@ async fn route_and_forward(
     );
     let route = route?;
     let path_and_query = parts.uri.path_and_query().cloned().unwrap_or_else(|| PathAndQuery::from_static("/"));
-    if route.cold && view.stream {
+    if route.cold() && view.stream {
         tracing::debug!(request_id = super::id_text(&request_id), model, "cold load for a stream: answering at once");
         let outbound = OwnedOutbound {
             path_and_query,

@@ -89,14 +89,17 @@ pub struct Route {
     /// In order of preference; later ones are for failover.
     pub targets: Targets,
     pub reason: RouteReason,
-    /// Whether the first target must load the model first.
-    pub cold: bool,
     /// Which targets must load the model first, a bit each (bit 0 the
     /// first): a failover may go on to a cold node after a warm one.
     pub loads: u8,
 }
 
 impl Route {
+    /// Whether the first target must load the model first.
+    pub fn cold(&self) -> bool {
+        self.loads_at(0)
+    }
+
     /// Whether the target tried at `attempt` must load the model first.
     pub fn loads_at(&self, attempt: usize) -> bool {
         attempt < 8 && self.loads & (1 << attempt) != 0
@@ -354,7 +357,7 @@ pub fn select(snapshot: &RoutingSnapshot, request: &RouteRequest<'_>) -> Result<
             }
             targets.push(p.target);
         }
-        return Ok(Route { targets, reason: RouteReason::Resident, cold: false, loads: 0 });
+        return Ok(Route { targets, reason: RouteReason::Resident, loads: 0 });
     }
     let session_key = session.map(|s| stable_hash(s.as_bytes()));
     // The ring decides unless the session has a home that is only busy (it
@@ -502,17 +505,16 @@ pub fn select(snapshot: &RoutingSnapshot, request: &RouteRequest<'_>) -> Result<
         };
         return Err(RouteError::NoCapacity { model: request.model.to_string(), why });
     };
-    let cold_first = loads & 1 != 0;
     let reason = if resident.is_some_and(|r| placements[r].target == first) {
         RouteReason::Resident
-    } else if cold_first {
+    } else if loads & 1 != 0 {
         RouteReason::Cold
     } else if session_key.is_some() {
         RouteReason::Placed
     } else {
         RouteReason::Warm
     };
-    Ok(Route { targets, reason, cold: cold_first, loads })
+    Ok(Route { targets, reason, loads })
 }
 
 /// How many of a session's best-scoring homes are kept while scanning; the
@@ -582,7 +584,7 @@ fn place_on_ring(
     // Within the bound first, ring order otherwise.
     homes.sort_by_key(|i| over(&placements[*i]));
     let targets: Targets = homes.iter().map(|i| placements[*i].target).collect();
-    Some(Route { targets, reason: RouteReason::Placed, cold: false, loads: 0 })
+    Some(Route { targets, reason: RouteReason::Placed, loads: 0 })
 }
 
 /// A placement's draw for a ticket: the two lowest among the warm ones are

@@ -251,7 +251,7 @@ fn cold_placement_prefers_free_memory_and_counts_loads_in_progress() {
     ]);
     let route = select(&s, &chat(None)).unwrap();
     assert_eq!(route.reason, RouteReason::Cold);
-    assert!(route.cold);
+    assert!(route.cold());
     assert_eq!(nodes(&s, &route), ["b", "a"]);
     // This data plane started a 30 GiB load on b: a has more room now.
     s.nodes()[1].local.reserved_vram_bytes.fetch_add(40 * GIB, Ordering::Relaxed);
@@ -273,12 +273,12 @@ fn the_targets_that_must_load_the_model_are_marked_and_a_load_under_way_counts_o
     ]);
     let route = select(&s, &chat(None)).unwrap();
     assert_eq!(nodes(&s, &route), ["a", "b", "c"]);
-    assert!(!route.cold && !route.loads_at(0) && route.loads_at(1) && route.loads_at(2), "{route:?}");
+    assert!(!route.cold() && !route.loads_at(0) && route.loads_at(1) && route.loads_at(2), "{route:?}");
     // 35 GiB loading onto 8 GiB used of 80: 43 committed, under 92% once,
     // not twice.
     let joining = snapshot(&[Spec { state: ModelState::Loading, used_percent: 10, size_gib: 35, ..spec("b") }]);
     let route = select(&joining, &chat(None)).unwrap();
-    assert!(route.cold && route.loads_at(0));
+    assert!(route.cold());
 }
 
 #[test]
