@@ -203,9 +203,7 @@ pub(crate) fn bearer(api_key: &str) -> Option<http::HeaderValue> {
     if api_key.is_empty() {
         return None;
     }
-    let mut value = http::HeaderValue::from_str(&format!("Bearer {api_key}")).ok()?;
-    value.set_sensitive(true);
-    Some(value)
+    inferyes_proto::bearer::header_value(api_key)
 }
 
 #[cfg(test)]

@@ -28,6 +28,14 @@ impl tonic::service::Interceptor for Bearer {
     }
 }
 
+/// `Bearer <token>` as an HTTP header value, marked sensitive (never logged
+/// or indexed); `None` for a token that cannot be one.
+pub fn header_value(token: &str) -> Option<http::HeaderValue> {
+    let mut value = http::HeaderValue::try_from(format!("Bearer {token}")).ok()?;
+    value.set_sensitive(true);
+    Some(value)
+}
+
 /// The tokens a secret may be (see [`crate::process::read_tokens`]).
 #[derive(Clone, Debug)]
 pub struct Accepted(std::sync::Arc<[String]>);
@@ -89,5 +97,9 @@ mod tests {
         assert!(unsent.metadata().get("authorization").is_none());
         assert_eq!(check(Some(b"Basic a-token-of-the-fleet"), &accepted(&[expected])), Err(Refusal::Missing));
         assert!(Bearer::new(Some("line\nbreak")).is_err());
+        let value = header_value(expected).unwrap();
+        assert!(value.is_sensitive());
+        assert_eq!(check(Some(value.as_bytes()), &accepted(&[expected])), Ok(()));
+        assert!(header_value("line\nbreak").is_none());
     }
 }

@@ -35,10 +35,8 @@ fn write_hex(out: &mut [u8], mut bits: u128) {
 
 /// The `Authorization` a data plane sends agents: the fleet's join token.
 pub fn agent_authorization(join_token: &str) -> anyhow::Result<http::HeaderValue> {
-    let mut value = http::HeaderValue::try_from(format!("Bearer {join_token}"))
-        .map_err(|_| anyhow::anyhow!("the join token must be printable ASCII"))?;
-    value.set_sensitive(true);
-    Ok(value)
+    inferyes_proto::bearer::header_value(join_token)
+        .ok_or_else(|| anyhow::anyhow!("the join token must be printable ASCII"))
 }
 
 /// The pooled client to agents, as configured. `hard_stop` ends the streams
