@@ -261,8 +261,7 @@ fn strip_headers(headers: &mut HeaderMap) {
     // `Host` is not here: the backend's own replaces it.
     static STRIPPED: [HeaderName; 5] =
         [header::PROXY_AUTHORIZATION, header::AUTHORIZATION, BACKEND_HEADER, MODEL_HEADER, SESSION_HEADER];
-    inferyes_proto::headers::remove_hop_by_hop(headers);
-    inferyes_proto::remove_headers(headers, &STRIPPED);
+    inferyes_proto::headers::remove_hop_by_hop_and(headers, |name| STRIPPED.contains(name));
 }
 
 /// Counts a request in flight until its response body is done or dropped

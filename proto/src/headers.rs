@@ -50,15 +50,39 @@ fn connection_options(headers: &HeaderMap) -> Vec<HeaderName> {
 }
 
 /// Takes out the hop-by-hop headers, those its `Connection` header names
-/// included. The header map is looked into only where there is one (a
-/// lookup costs a hash; a look at the few names a message has does not).
+/// included.
 pub fn remove_hop_by_hop(headers: &mut HeaderMap) {
-    if headers.keys().any(|name| *name == header::CONNECTION) {
+    remove_hop_by_hop_and(headers, |_| false);
+}
+
+/// Takes out the hop-by-hop headers, those its `Connection` header names
+/// included, and those `also` says stay behind, in one look at the names.
+/// The map is looked into (a lookup costs a hash) only for what is there:
+/// the `Connection` header when there is one, and each name to take out.
+pub fn remove_hop_by_hop_and(headers: &mut HeaderMap, also: impl Fn(&HeaderName) -> bool) {
+    // A bit per entry of HOP_BY_HOP, `Connection` the first.
+    let mut hop_by_hop = 0u32;
+    let mut others: Vec<HeaderName> = Vec::new();
+    for name in headers.keys() {
+        match HOP_BY_HOP.iter().position(|n| n == name) {
+            Some(i) => hop_by_hop |= 1 << i,
+            None if also(name) => others.push(name.clone()),
+            None => {}
+        }
+    }
+    if hop_by_hop & 1 != 0 {
         for name in connection_options(headers) {
             headers.remove(name);
         }
     }
-    crate::remove_headers(headers, &HOP_BY_HOP);
+    for (i, name) in HOP_BY_HOP.iter().enumerate() {
+        if hop_by_hop & (1 << i) != 0 {
+            headers.remove(name);
+        }
+    }
+    for name in &others {
+        headers.remove(name);
+    }
 }
 
 #[cfg(test)]
@@ -78,6 +102,19 @@ mod tests {
         headers.append(header::CONNECTION, HeaderValue::from_static("bad header, te"));
         let names: Vec<String> = connection_options(&headers).iter().map(ToString::to_string).collect();
         assert_eq!(names, ["x-hop", "x-other", "te"], "every Connection header, names lowercased, bad tokens skipped");
+    }
+
+    #[test]
+    fn what_also_says_stays_behind_goes_too_every_value_of_it() {
+        let mut headers = HeaderMap::new();
+        headers.append(header::CONNECTION, HeaderValue::from_static("keep-alive"));
+        headers.append(HeaderName::from_static("x-inferyes-model"), HeaderValue::from_static("m"));
+        headers.append(HeaderName::from_static("x-inferyes-model"), HeaderValue::from_static("n"));
+        headers.append(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        remove_hop_by_hop_and(&mut headers, |name| name.as_str().starts_with("x-inferyes-"));
+        assert_eq!(headers.keys().map(HeaderName::as_str).collect::<Vec<_>>(), ["content-type"]);
+        remove_hop_by_hop_and(&mut headers, |_| true);
+        assert!(headers.is_empty());
     }
 
     #[test]

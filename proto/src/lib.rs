@@ -45,24 +45,6 @@ pub fn session_tag(key: &str) -> String {
     format!("{hash:08x}")
 }
 
-/// Removes those of `names` that `headers` has: one look at the few names
-/// a request carries costs less than a removal (a hash) per name.
-pub fn remove_headers(headers: &mut http::HeaderMap, names: &[http::HeaderName]) {
-    // One bit per name (past 64 names, bits are shared: a shared bit only
-    // removes a listed name that is not there, which does nothing).
-    let mut found = 0u64;
-    for name in headers.keys() {
-        if let Some(i) = names.iter().position(|n| n == name) {
-            found |= 1 << (i % 64);
-        }
-    }
-    for (i, name) in names.iter().enumerate() {
-        if found & (1 << (i % 64)) != 0 {
-            headers.remove(name);
-        }
-    }
-}
-
 /// A hash map for keys looked up on the request path (model names, key
 /// ids, upstream origins): foldhash instead of the standard SipHash, about a
 /// fifth of the instructions per lookup. Seeded per process, so keys a
@@ -96,20 +78,5 @@ mod tests {
         assert_eq!(super::session_tag(""), "811c9dc5");
         assert_eq!(super::session_tag("a"), "e40c292c");
         assert_ne!(super::session_tag("conversation-1"), super::session_tag("conversation-2"));
-    }
-
-    #[test]
-    fn only_the_named_headers_go_every_value_of_them() {
-        let mut headers = http::HeaderMap::new();
-        headers.append("connection", "keep-alive".parse().unwrap());
-        headers.append("x-inferyes-model", "m".parse().unwrap());
-        headers.append("x-inferyes-model", "n".parse().unwrap());
-        headers.append("content-type", "application/json".parse().unwrap());
-        let names =
-            [http::header::CONNECTION, http::header::UPGRADE, http::HeaderName::from_static("x-inferyes-model")];
-        super::remove_headers(&mut headers, &names);
-        assert_eq!(headers.keys().map(|n| n.as_str()).collect::<Vec<_>>(), ["content-type"]);
-        super::remove_headers(&mut headers, &names);
-        assert_eq!(headers.len(), 1);
     }
 }

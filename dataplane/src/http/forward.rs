@@ -180,6 +180,9 @@ impl Forwarder {
         mut out: Outbound<'_>,
     ) -> Result<Response, ApiError> {
         let mut last_error: Option<ApiError> = None;
+        // The client's headers made into a node's once, in place: every
+        // attempt sends the same.
+        out.headers = upstream_headers(std::mem::take(&mut out.headers), &out);
         for (attempt, target) in route.targets.iter().enumerate() {
             let Some(node) = snapshot.node(target.node) else { continue };
             let Some(backend) = node.backends.get(target.backend) else { continue };
@@ -198,13 +201,13 @@ impl Forwarder {
                 InFlight::enter(Arc::clone(&node.local))
             };
             let is_last = attempt + 1 == route.targets.len();
-            // The last attempt makes its headers of the client's, in place,
-            // and takes the body; one before it, of copies (a failover needs
-            // them again; the body's first copy allocates).
+            // The last attempt takes the headers and the body; one before it,
+            // copies (a failover needs them again; the body's first copy
+            // allocates).
             let (headers, body) = if is_last {
-                (upstream_headers(std::mem::take(&mut out.headers), &out), std::mem::take(&mut out.body))
+                (std::mem::take(&mut out.headers), std::mem::take(&mut out.body))
             } else {
-                (upstream_headers(out.headers.clone(), &out), out.body.clone())
+                (out.headers.clone(), out.body.clone())
             };
             let backend = backend.id_header.as_ref();
             let request = self.request(&node.proxy_url, node.proxy_http2, backend, &out, headers, body);
@@ -461,11 +464,7 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 /// names are not hashed again. `Host`, the length and the backend are the
 /// attempt's own ([`upstream_request`]).
 fn upstream_headers(mut headers: HeaderMap, out: &Outbound<'_>) -> HeaderMap {
-    inferyes_proto::headers::remove_hop_by_hop(&mut headers);
-    let behind: Vec<HeaderName> = headers.keys().filter(|name| stays_behind(name)).cloned().collect();
-    for name in &behind {
-        headers.remove(name);
-    }
+    inferyes_proto::headers::remove_hop_by_hop_and(&mut headers, stays_behind);
     headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
     headers.insert(super::server::REQUEST_ID, out.request_id.clone());
     if let Ok(v) = HeaderValue::from_str(out.model) {
