@@ -129,7 +129,7 @@ impl hyper::service::Service<Request<Incoming>> for Service {
             return Box::pin(std::future::ready(Ok(error(
                 ErrorKind::Unauthenticated,
                 message,
-                "fleet_token_required",
+                inferyes_proto::bearer::FLEET_TOKEN_REQUIRED,
             ))));
         }
         let proxy = self.proxy.clone();

@@ -28,6 +28,10 @@ impl tonic::service::Interceptor for Bearer {
     }
 }
 
+/// The error code of an agent's refusal of a request without the fleet's
+/// join token: data planes tell it from a client's own 401.
+pub const FLEET_TOKEN_REQUIRED: &str = "fleet_token_required";
+
 /// `Bearer <token>` as an HTTP header value, marked sensitive (never logged
 /// or indexed); `None` for a token that cannot be one.
 pub fn header_value(token: &str) -> Option<http::HeaderValue> {

@@ -35,10 +35,6 @@ pub const ROUTE_HEADER: HeaderName = HeaderName::from_static("x-inferyes-route")
 const FAILOVER: &str = "failover";
 use inferyes_proto::headers::{BACKEND as BACKEND_HEADER, MODEL as MODEL_HEADER, SESSION as SESSION_HEADER};
 
-/// The code of an agent's refusal of a request without the fleet's join
-/// token.
-const FLEET_TOKEN_REQUIRED: &str = "fleet_token_required";
-
 /// Error bodies are small; a backend sending a huge one is cut off.
 const MAX_ERROR_BODY: usize = 64 << 10;
 /// Non-streamed answers are read whole before they are passed on.
@@ -247,13 +243,29 @@ impl Forwarder {
                 Ok(response) => response,
             };
             let status = response.status();
-            let refused = status == http::StatusCode::BAD_GATEWAY || status == http::StatusCode::SERVICE_UNAVAILABLE;
-            if refused || status == http::StatusCode::TOO_MANY_REQUESTS {
+            if status.is_client_error() || status.is_server_error() {
                 let mut error = read_error(response).await;
+                // An agent that does not take this data plane's join token:
+                // the fleet's setup at fault, not the client's key (an SDK
+                // reads a 401 as that). Another node may take it.
+                let misconfigured = status == http::StatusCode::UNAUTHORIZED
+                    && error.code.as_deref() == Some(inferyes_proto::bearer::FLEET_TOKEN_REQUIRED);
+                if misconfigured {
+                    tracing::error!(node = %node.id, "the node's agent refused this data plane's join token: give both the same (join_token_file)");
+                    error = ApiError::new(
+                        ErrorKind::Upstream,
+                        format!("node `{}` does not take this gateway's join token", node.id),
+                        "upstream_auth_misconfigured",
+                    );
+                }
+                let refused = misconfigured
+                    || status == http::StatusCode::BAD_GATEWAY
+                    || status == http::StatusCode::SERVICE_UNAVAILABLE;
                 // llama-swap's per-model limit is a refusal too, passed on
                 // where no other node is left; other 429s (a client's own
                 // limit) are the client's to see.
-                let busy = error.code.as_deref() == Some("concurrency_limit");
+                let busy =
+                    status == http::StatusCode::TOO_MANY_REQUESTS && error.code.as_deref() == Some("concurrency_limit");
                 if refused {
                     let ejected_ms = node.local.eject(inferyes_proto::unix_ms(), snapshot.version());
                     tracing::warn!(request_id = super::id_text(out.request_id), node = %node.id, %status, ejected_ms, "node refused before the first byte");
@@ -264,23 +276,6 @@ impl Forwarder {
                 }
                 if status == http::StatusCode::SERVICE_UNAVAILABLE && error.retry_after.is_none() {
                     error.retry_after = Some(1);
-                }
-                return Err(from_node(error));
-            }
-            if status.is_client_error() || status.is_server_error() {
-                let error = read_error(response).await;
-                if status == http::StatusCode::UNAUTHORIZED && error.code.as_deref() == Some(FLEET_TOKEN_REQUIRED) {
-                    // The agent does not take this data plane's join token:
-                    // a fault of the fleet's setup, not the client's key (an
-                    // SDK would report a 401 as that). Another node may.
-                    let ejected_ms = node.local.eject(inferyes_proto::unix_ms(), snapshot.version());
-                    tracing::error!(node = %node.id, ejected_ms, "the node's agent refused this data plane's join token: give both the same (join_token_file)");
-                    last_error = Some(ApiError::new(
-                        ErrorKind::Upstream,
-                        format!("node `{}` does not take this gateway's join token", node.id),
-                        "upstream_auth_misconfigured",
-                    ));
-                    continue;
                 }
                 return Err(from_node(error));
             }
