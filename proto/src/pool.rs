@@ -313,6 +313,12 @@ where
         });
     }
 
+    /// A body of a connection the pool does not own (an HTTP/2 one), with
+    /// the pool's read timeout.
+    pub fn unpooled(&self, inner: hyper::body::Incoming) -> Incoming<B> {
+        Incoming::new(inner, None, self.shared.read_timeout)
+    }
+
     /// Idle connections held, all origins together.
     pub fn idle_connections(&self) -> usize {
         self.shared.idle.lock().map_or(0, |idle| idle.values().map(Vec::len).sum())
@@ -400,11 +406,6 @@ where
     B::Data: Send,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
-    /// A body of a connection the pool does not own (an HTTP/2 one).
-    pub fn unpooled(inner: hyper::body::Incoming, read_timeout: Duration) -> Incoming<B> {
-        Incoming::new(inner, None, read_timeout)
-    }
-
     fn new(inner: hyper::body::Incoming, home: Option<Home<B>>, read_timeout: Duration) -> Incoming<B> {
         Incoming { inner, home, read_timeout, silence: None, waiting: false }
     }

@@ -162,11 +162,13 @@ impl ControllerHandle {
 /// A RoutingService client on `channel` presenting `token`.
 pub fn routing_client(channel: Channel, token: Option<&str>) -> inferyes_dataplane::RoutingClient {
     let bearer = inferyes_proto::bearer::Bearer::new(token).expect("a token");
-    inferyes_proto::v1::routing_service_client::RoutingServiceClient::with_interceptor(channel, bearer)
+    inferyes_dataplane::Controllers { addresses: Vec::new(), tls: Default::default(), bearer }.client(channel)
 }
 
 /// The `Authorization` a data plane sends agents.
-pub const AGENT_AUTHORIZATION: &str = "Bearer test-join-token-0123456789";
+pub fn agent_authorization() -> String {
+    format!("Bearer {JOIN_TOKEN}")
+}
 
 pub struct AgentHandle {
     pub node_id: String,

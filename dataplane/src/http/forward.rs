@@ -54,8 +54,6 @@ pub struct Forwarder {
     /// off): one connection per agent carries every request.
     http2: Option<Http2Client>,
     header_timeout: Duration,
-    /// An answer's bodies may go this long without a byte.
-    read_timeout: Duration,
     /// The fleet's join token, which agents ask of every request.
     agent_authorization: Option<HeaderValue>,
     /// Cancelled when a shutdown's grace period is over: streams still
@@ -133,7 +131,7 @@ impl Forwarder {
                         .wrap_connector(tcp),
                 )
         });
-        Forwarder { http1, http2, header_timeout, read_timeout, agent_authorization, hard_stop, metrics }
+        Forwarder { http1, http2, header_timeout, agent_authorization, hard_stop, metrics }
     }
 
     /// One request to a node's proxy, up to its answer's head: over HTTP/2
@@ -157,7 +155,7 @@ impl Forwarder {
             let (uri, host) = proxy_url.uri(out.path_and_query).ok_or_else(internal)?;
             let request = upstream_request(uri, host, backend, headers, body);
             return Ok(match http2.request(request).await {
-                Ok(response) => Ok(response.map(|body| Answer::unpooled(body, self.read_timeout))),
+                Ok(response) => Ok(response.map(|body| self.http1.unpooled(body))),
                 Err(error) => Err(error.into()),
             });
         }

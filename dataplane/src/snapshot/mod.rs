@@ -163,7 +163,8 @@ pub struct LocalCounters {
     pub in_flight: AtomicU32,
     /// Bytes of models this data plane has sent cold loads for, until those
     /// requests finish: two cold loads must not both fit into the same
-    /// free memory.
+    /// free memory. The sum of `loads`, kept beside it so that routing
+    /// reads it without a lock; only `hold_load` and `release_load` write it.
     pub reserved_vram_bytes: AtomicU64,
     /// Those loads, by backend and model: the requests waiting on each and
     /// the bytes held for it. A model's size is held once per backend,

@@ -342,14 +342,15 @@ async fn an_agent_forwards_only_what_the_fleet_s_data_planes_send() {
     let fleet = Fleet::start(vec![chat_sim("chat")]).await;
     let url = format!("http://{}/v1/chat/completions", fleet.agents[0].proxy_addr);
     let body = Bytes::from(chat_body("chat", "hi").to_string());
-    for authorization in [None, Some("Bearer not-the-join-token-at-all"), Some("test-join-token-0123456789")] {
+    for authorization in [None, Some("Bearer not-the-join-token-at-all"), Some(inferyes_tests::fleet::JOIN_TOKEN)] {
         let headers: Vec<(&str, &str)> = authorization.iter().map(|a| ("authorization", *a)).collect();
         let refused = fleet.http.send(Method::POST, &url, body.clone(), &headers).await;
         assert_eq!(refused.status, StatusCode::UNAUTHORIZED, "{authorization:?}");
         assert_eq!(refused.openai_error()["code"], "fleet_token_required");
     }
     assert_eq!(fleet.sims[0].sim.stats().requests, 0, "nothing reached the backend");
-    let authorization = [("authorization", inferyes_tests::fleet::AGENT_AUTHORIZATION)];
+    let authorization = inferyes_tests::fleet::agent_authorization();
+    let authorization = [("authorization", authorization.as_str())];
     let answered = fleet.http.send(Method::POST, &url, body, &authorization).await;
     assert_eq!(answered.status, StatusCode::OK);
     // Its own health and metrics stay open.
