@@ -9,7 +9,7 @@ set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
-"$root/scripts/deps.sh"
+"$root/scripts/deps.sh" test
 
 llama=$("$root/scripts/llama-server.sh")
 cache=${INFERYES_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/inferyes}

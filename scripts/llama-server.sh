@@ -16,17 +16,7 @@ if [ -x "$bin" ]; then
   exit 0
 fi
 
-need=()
-command -v cmake >/dev/null 2>&1 || need+=(cmake)
-command -v ninja >/dev/null 2>&1 || need+=(ninja-build)
-command -v g++ >/dev/null 2>&1 || need+=(g++)
-if [ ${#need[@]} -gt 0 ]; then
-  sudo=""
-  [ "$(id -u)" -eq 0 ] || sudo="sudo"
-  echo "installing: ${need[*]}" >&2
-  $sudo apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
-fi
+"$(dirname "$0")/deps.sh" llama
 
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
