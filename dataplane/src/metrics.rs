@@ -93,7 +93,7 @@ impl Metrics {
         );
         registry.register(
             "first_token_seconds",
-            "Time to the first bytes of a streamed answer, from its admission (the node sends them with its first token)",
+            "Time to the first token of a streamed answer (its first chunk carrying output), from its admission",
             metrics.first_token_seconds.clone(),
         );
         registry.register(

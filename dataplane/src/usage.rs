@@ -300,17 +300,18 @@ struct MeterInner {
     /// Prompt tokens estimated from the request, for answers without usage.
     prompt_estimate: u64,
     done: AtomicBool,
-    /// Set by the first frame of the answer; read once, at the end.
-    first_byte: std::sync::OnceLock<Instant>,
+    /// Set by the answer's first token; read once, at the end.
+    first_token: std::sync::OnceLock<Instant>,
     /// Where a stream's times are observed, at its end.
     stream_timers: Option<StreamTimers>,
     /// Data events seen in a stream: one token each, for an estimate.
     events: AtomicU64,
 }
 
-/// Where a stream's times go: to its first bytes (its headers may come long
-/// before: a stream that starts a cold load is answered at once), and to its
-/// end, for a stream that ended well.
+/// Where a stream's times go: to its first token (its headers and first
+/// bytes may come long before: a stream that starts a cold load is answered
+/// at once, and llama-server sends the role before it reads the prompt),
+/// and to its end, for a stream that ended well.
 pub struct StreamTimers {
     pub first_token: prometheus_client::metrics::histogram::Histogram,
     pub whole: prometheus_client::metrics::histogram::Histogram,
@@ -362,7 +363,7 @@ impl Meter {
             }),
             prompt_estimate,
             done: AtomicBool::new(false),
-            first_byte: std::sync::OnceLock::new(),
+            first_token: std::sync::OnceLock::new(),
             stream_timers,
             events: AtomicU64::new(0),
         }))
@@ -378,10 +379,11 @@ impl Meter {
         record.node_id.push_str(node);
     }
 
-    /// Called for every frame: after the first, a load and nothing more.
-    pub fn first_byte(&self) {
-        if self.0.first_byte.get().is_none() {
-            let _ = self.0.first_byte.set(Instant::now());
+    /// Called with every frame of a stream until its first token: after
+    /// that, a load and nothing more.
+    pub fn frame(&self, data: &[u8]) {
+        if self.0.first_token.get().is_none() && crate::http::sse::carries_output(data) {
+            let _ = self.0.first_token.set(Instant::now());
         }
     }
 
@@ -403,14 +405,14 @@ impl MeterInner {
             return;
         }
         let mut record = std::mem::take(&mut *self.record.lock().unwrap_or_else(PoisonError::into_inner));
-        let first_byte = self.first_byte.get().filter(|_| record.stream).map(|at| at.duration_since(self.started));
-        if let (Some(timers), Some(first_byte)) = (&self.stream_timers, first_byte) {
-            timers.first_token.observe(first_byte.as_secs_f64());
+        let first_token = self.first_token.get().filter(|_| record.stream).map(|at| at.duration_since(self.started));
+        if let (Some(timers), Some(first_token)) = (&self.stream_timers, first_token) {
+            timers.first_token.observe(first_token.as_secs_f64());
             if outcome == Outcome::Ok {
                 timers.whole.observe(self.started.elapsed().as_secs_f64());
             }
         }
-        let ttft = first_byte.map_or(0, millis);
+        let ttft = first_token.map_or(0, millis);
         record.status = u32::from(status);
         record.outcome = outcome.as_str().to_string();
         record.latency_ms = millis(self.started.elapsed());

@@ -632,7 +632,9 @@ impl http_body::Body for Guarded {
                 Poll::Ready(Some(Ok(frame))) => {
                     if let Some(data) = frame.data_ref() {
                         if let Some(meter) = &this.meter {
-                            meter.first_byte();
+                            if this.event_stream {
+                                meter.frame(data);
+                            }
                             // One event, one token: an estimate for streams
                             // that say nothing of their usage.
                             meter.data_events(super::sse::count_data_events(data));

@@ -7,7 +7,7 @@ mod error;
 mod forward;
 mod scan;
 mod server;
-mod sse;
+pub(crate) mod sse;
 mod upstream;
 mod view;
 

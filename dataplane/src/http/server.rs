@@ -370,7 +370,7 @@ async fn inference(
     span.record("http.response.status_code", response.status().as_u16());
     let crate::metrics::RequestLabels { model: label, node, route, .. } = labels;
     let elapsed = started.elapsed();
-    // A stream's time to its first byte is observed by its meter.
+    // A stream's time to its first token is observed by its meter.
     let label = if response.status().is_success() && !facts.stream {
         let labels = crate::metrics::ModelLabels { model: label };
         state.metrics.request_seconds.get_or_create(&labels).observe(elapsed.as_secs_f64());

@@ -13,6 +13,22 @@ static CRLF_EVENT_END: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(
 static DATA: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"data: "));
 static NO_CHOICES: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\"choices\":[]"));
 static USAGE: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\"usage\":"));
+/// Fields that carry generated output, as string values: chat (`content`,
+/// `reasoning_content`, a tool call's `name` and `arguments`), completions
+/// and Anthropic's text deltas (`text`), Anthropic's `thinking` and tool
+/// input (`partial_json`), the Responses API's deltas (`delta`).
+static OUTPUT: LazyLock<[Finder<'static>; 8]> = LazyLock::new(|| {
+    [
+        Finder::new(b"\"content\":"),
+        Finder::new(b"\"text\":"),
+        Finder::new(b"\"reasoning_content\":"),
+        Finder::new(b"\"arguments\":"),
+        Finder::new(b"\"name\":"),
+        Finder::new(b"\"delta\":"),
+        Finder::new(b"\"thinking\":"),
+        Finder::new(b"\"partial_json\":"),
+    ]
+});
 
 /// Frames in, whole events (each ending in its blank line) out; a partial
 /// event waits for the rest.
@@ -95,6 +111,21 @@ pub fn count_data_events(bytes: &[u8]) -> usize {
     DATA.find_iter(bytes).filter(|&i| i == 0 || bytes[i - 1] == b'\n').count()
 }
 
+/// Whether `bytes` carry generated output: a non-empty string in one of the
+/// fields a token arrives in. A stream's first bytes are often not one:
+/// llama-server sends the assistant's role before it reads the prompt, so
+/// time to first token is time to the first chunk this says yes to.
+pub fn carries_output(bytes: &[u8]) -> bool {
+    OUTPUT.iter().any(|field| {
+        field.find_iter(bytes).any(|at| {
+            // The value, after the space some encoders put after a colon:
+            // a string with at least one character.
+            let value = bytes[at + field.needle().len()..].trim_ascii_start();
+            value.len() > 1 && value[0] == b'"' && value[1] != b'"'
+        })
+    })
+}
+
 /// Whether an event stream ended the way a complete one does: its last
 /// event `data: [DONE]`, or an error event the backend sent itself. `tail`
 /// is the stream's last bytes; events end with a blank line, `\n\n` or
@@ -175,6 +206,32 @@ mod tests {
         assert_eq!(event_end(b"a\r\n\r\nb\n\n"), Some(5));
         assert_eq!(event_end(b"a\n\nb\r\n\r\n"), Some(3));
         assert_eq!(event_end(b"a\r\n"), None);
+    }
+
+    #[test]
+    fn output_is_a_non_empty_string_where_tokens_arrive() {
+        // llama-server's first chunk, before it reads the prompt.
+        assert!(!carries_output(
+            br#"data: {"choices":[{"finish_reason":null,"index":0,"delta":{"role":"assistant","content":null}}]}"#
+        ));
+        assert!(!carries_output(br#"data: {"choices":[{"delta":{"role":"assistant","content":""}}]}"#));
+        assert!(carries_output(br#"data: {"choices":[{"index":0,"delta":{"content":" the"}}]}"#));
+        assert!(carries_output(br#"data: {"choices":[{"text":"x","index":0}],"object":"text_completion"}"#));
+        assert!(carries_output(br#"data: {"choices":[{"delta":{"reasoning_content":"Hm"}}]}"#));
+        assert!(carries_output(br#"data: {"choices":[{"delta":{"tool_calls":[{"function":{"arguments":"{\"a"}}]}}]}"#));
+        assert!(carries_output(br#"data: {"type":"response.output_text.delta","delta":"Hi"}"#));
+        assert!(carries_output(br#"data: {"type":"content_block_delta","delta":{"type":"text_delta","text":"Hi"}}"#));
+        assert!(carries_output(br#"data: {"choices": [{"delta": {"content": "x"}}]}"#), "spaces after colons");
+        assert!(carries_output(
+            br#"data: {"choices":[{"delta":{"tool_calls":[{"function":{"name":"f","arguments":""}}]}}]}"#
+        ));
+        assert!(carries_output(
+            br#"data: {"type":"content_block_delta","delta":{"type":"thinking_delta","thinking":"so"}}"#
+        ));
+        // An object, not a string, says nothing; nor a field cut at the
+        // frame's end.
+        assert!(!carries_output(br#"data: {"type":"content_block_delta","delta":{"type":"text_delta","#));
+        assert!(!carries_output(br#"data: {"choices":[{"delta":{"content":""#));
     }
 
     #[test]
