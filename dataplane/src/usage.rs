@@ -14,9 +14,11 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use inferyes_proto::usage::{Usage, hour_of};
-use inferyes_proto::v1::{UsageBatch, UsageDelta, UsageRecord, UsageRollup};
+use inferyes_proto::v1::{RoutingDecision, UsageBatch, UsageDelta, UsageRecord, UsageRollup};
 use inferyes_proto::{FastMap, value_for};
 use tokio_util::sync::CancellationToken;
+
+use crate::report::DecisionLog;
 
 const SEND_EVERY: Duration = Duration::from_secs(1);
 /// Raw records in one batch, when they are kept (the controller stores
@@ -306,6 +308,21 @@ struct MeterInner {
     stream_timers: Option<StreamTimers>,
     /// Data events seen in a stream: one token each, for an estimate.
     events: AtomicU64,
+    /// A stream's routing decision, reported when it ends, with its time
+    /// to first token.
+    decision: Mutex<Decision>,
+}
+
+/// Where a stream's decision stands. The answer may end (its body runs in
+/// a task of its own) before the handler hands the decision over, so
+/// whichever comes second reports it.
+#[derive(Default)]
+enum Decision {
+    #[default]
+    None,
+    Waiting(Box<RoutingDecision>, Arc<DecisionLog>),
+    /// The answer ended first, this long after its start to its first token.
+    Ended(u32),
 }
 
 /// Where a stream's times go: to its first token (its headers and first
@@ -366,7 +383,21 @@ impl Meter {
             first_token: std::sync::OnceLock::new(),
             stream_timers,
             events: AtomicU64::new(0),
+            decision: Mutex::default(),
         }))
+    }
+
+    /// Reports `decision` to `log` when the answer ends, with its time to
+    /// first token, which a stream's head does not know yet.
+    pub fn report_at_end(&self, mut decision: RoutingDecision, log: Arc<DecisionLog>) {
+        let mut slot = self.0.decision.lock().unwrap_or_else(PoisonError::into_inner);
+        match *slot {
+            Decision::Ended(ttft_ms) => {
+                decision.ttft_ms = ttft_ms;
+                log.record(|| decision);
+            }
+            _ => *slot = Decision::Waiting(Box::new(decision), log),
+        }
     }
 
     /// The node that answers (the last one tried).
@@ -413,6 +444,12 @@ impl MeterInner {
             }
         }
         let ttft = first_token.map_or(0, millis);
+        let mut slot = self.decision.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Decision::Waiting(mut decision, log) = std::mem::replace(&mut *slot, Decision::Ended(ttft)) {
+            decision.ttft_ms = ttft;
+            log.record(|| *decision);
+        }
+        drop(slot);
         record.status = u32::from(status);
         record.outcome = outcome.as_str().to_string();
         record.latency_ms = millis(self.started.elapsed());
@@ -449,6 +486,31 @@ fn millis(d: Duration) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn stream_meter() -> Meter {
+        Meter::new(Ledger::new("dp", false), "req", None, "m".into(), true, 10, None)
+    }
+
+    #[test]
+    fn a_stream_decision_is_reported_once_whether_it_or_the_end_comes_first() {
+        for end_first in [false, true] {
+            let (log, mut rx) = DecisionLog::new();
+            let meter = stream_meter();
+            meter.frame(br#"data: {"choices":[{"delta":{"content":"hi"}}]}"#);
+            let decision = RoutingDecision { request_id: "req".into(), ..Default::default() };
+            if end_first {
+                meter.finish(200, Outcome::Ok, None);
+                meter.report_at_end(decision, Arc::clone(&log));
+            } else {
+                meter.report_at_end(decision, Arc::clone(&log));
+                meter.finish(200, Outcome::Ok, None);
+            }
+            drop(meter);
+            let reported = rx.try_recv().expect("reported");
+            assert_eq!(reported.request_id, "req");
+            assert!(rx.try_recv().is_err(), "once");
+        }
+    }
 
     fn record(key: &str, model: &str, tokens: u64) -> UsageRecord {
         UsageRecord {

@@ -188,6 +188,7 @@ fn decisions(recent: &Recent) -> Vec<Value> {
                 "status": r.status,
                 "error": r.error_code,
                 "latency_ms": r.latency_ms,
+                "ttft_ms": r.ttft_ms,
                 "stream": r.stream,
                 "session": r.session_tag,
                 "key": r.key_id,

@@ -350,8 +350,8 @@ async fn inference(
             error.into_response()
         }
     };
-    if let Some(meter) = facts.meter.take()
-        && !response.status().is_success()
+    if !response.status().is_success()
+        && let Some(meter) = facts.meter.take()
     {
         meter.finish(response.status().as_u16(), crate::usage::Outcome::Error, None);
     }
@@ -378,7 +378,8 @@ async fn inference(
     } else {
         label
     };
-    state.decisions.record(|| RoutingDecision {
+    let latency_ms = u32::try_from(elapsed.as_millis()).unwrap_or(u32::MAX);
+    let decision = || RoutingDecision {
         request_id: super::id_text(&request_id).to_string(),
         unix_ms: inferyes_proto::unix_ms(),
         model: if facts.model_known { label } else { facts.model },
@@ -386,11 +387,19 @@ async fn inference(
         route: route.to_string(),
         status: u32::from(response.status().as_u16()),
         error_code: facts.error_code.unwrap_or_default(),
-        latency_ms: u32::try_from(elapsed.as_millis()).unwrap_or(u32::MAX),
+        latency_ms,
         stream: facts.stream,
         session_tag: facts.session.as_deref().map(inferyes_proto::session_tag).unwrap_or_default(),
         key_id: facts.key_id.unwrap_or_default(),
-    });
+        // A whole answer's first token reaches the client with its end.
+        ttft_ms: if response.status().is_success() { latency_ms } else { 0 },
+    };
+    match facts.meter.take() {
+        Some(meter) if facts.stream && response.status().is_success() => {
+            meter.report_at_end(decision(), Arc::clone(&state.decisions));
+        }
+        _ => state.decisions.record(decision),
+    }
     response
 }
 

@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use http::StatusCode;
 use inferyes_proto::v1::GetPolicyRequest;
+use inferyes_agent::sim::SimConfig;
 use inferyes_tests::{Browser, eventually};
 use serde_json::{Value, json};
 
@@ -31,8 +32,17 @@ async fn chat_in_session(fleet: &Fleet, session: &str, text: &str) {
 
 #[tokio::test]
 async fn the_fleet_view_shows_gpus_sessions_decisions_and_short_models() {
-    let mut fleet = Fleet::start(vec![chat_sim("chat"), chat_sim("chat")]).await;
+    // 20 ms a token: a stream's first token comes well after its head.
+    let slow = || SimConfig { decode_tokens_per_second: 50.0, ..chat_sim("chat") };
+    let mut fleet = Fleet::start(vec![slow(), slow()]).await;
     chat_in_session(&fleet, "conversation-1", "hello").await;
+    let mut streamed = chat_body("chat", "a stream");
+    streamed["stream"] = json!(true);
+    let response = fleet
+        .http
+        .send(http::Method::POST, &fleet.url("/v1/chat/completions"), streamed.to_string().into(), &[("x-session-id", "s2")])
+        .await;
+    assert_eq!(response.status, StatusCode::OK);
     let missing = fleet.http.post_json(&fleet.url("/v1/chat/completions"), &chat_body("no-such-model", "x")).await;
     assert_eq!(missing.status, StatusCode::NOT_FOUND);
     let tag = inferyes_proto::session_tag("conversation-1");
@@ -43,7 +53,7 @@ async fn the_fleet_view_shows_gpus_sessions_decisions_and_short_models() {
         let view = fleet_view(&fleet).await;
         let session = view["sessions"]["shown"].as_array().unwrap().iter().any(|s| s["tag"] == tag.as_str());
         let decisions = view["decisions"].as_array().unwrap();
-        session && decisions.len() >= 2
+        session && decisions.len() >= 3
     })
     .await;
     let view = fleet_view(&fleet).await;
@@ -59,12 +69,19 @@ async fn the_fleet_view_shows_gpus_sessions_decisions_and_short_models() {
     }
     let session = view["sessions"]["shown"].as_array().unwrap().iter().find(|s| s["tag"] == tag.as_str()).unwrap();
     let decisions = view["decisions"].as_array().unwrap();
-    let routed = decisions.iter().find(|d| d["status"] == 200).expect("the chat's decision");
-    assert_eq!(routed["session"], tag.as_str());
+    let routed = decisions.iter().find(|d| d["session"] == tag.as_str()).expect("the chat's decision");
+    assert_eq!(routed["status"], 200);
     assert_eq!(routed["node"], session["node"], "the decision names the node the session lives on");
     assert_eq!(routed["dataplane"], "test-dataplane");
     let failed = decisions.iter().find(|d| d["status"] == 404).expect("the failure's decision");
     assert_eq!(failed["error"], "model_not_found");
+    assert_eq!(failed["ttft_ms"], 0, "a failure has no first token");
+    // A whole answer's first token comes with its end; a stream's with its
+    // first token, reported once it ended.
+    assert_eq!(routed["ttft_ms"], routed["latency_ms"]);
+    let stream = decisions.iter().find(|d| d["stream"] == true).expect("the stream's decision");
+    let (head, first_token) = (stream["latency_ms"].as_u64().unwrap(), stream["ttft_ms"].as_u64().unwrap());
+    assert!(first_token >= head + 15, "the first token, not the head nor the role chunk: {stream}");
     assert_eq!(view["models"][0]["warning"], Value::Null);
 
     // A latency-critical model on fewer than two warm nodes is flagged.
