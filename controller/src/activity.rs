@@ -11,6 +11,8 @@ use inferyes_proto::v1::{DataPlaneReport, RoutingDecision};
 use tokio::sync::watch;
 use tokio::time::Instant;
 
+use crate::history::TtftSeries;
+
 /// Decisions kept, newest first: a tail for eyes, not a ledger.
 const TAIL: usize = 200;
 /// A data plane silent this long no longer vouches for its ejections (it
@@ -27,6 +29,7 @@ struct Inner {
     decisions: VecDeque<Decision>,
     ejections: BTreeMap<String, (Vec<String>, Instant)>,
     dropped: u64,
+    ttft: TtftSeries,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -44,6 +47,8 @@ pub struct Recent {
     pub ejected: BTreeMap<String, BTreeSet<String>>,
     /// Decisions data planes dropped before reporting them (queue full).
     pub dropped: u64,
+    /// Time to first token by route over the last minutes, as drawn.
+    pub ttft: serde_json::Value,
 }
 
 impl Default for Activity {
@@ -56,7 +61,9 @@ impl Activity {
     pub fn record(&self, report: DataPlaneReport, now: Instant) {
         {
             let mut inner = self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            let now_ms = inferyes_proto::unix_ms();
             for decision in report.decisions {
+                inner.ttft.record(&decision, now_ms);
                 inner.decisions.push_front(Decision { dataplane_id: report.dataplane_id.clone(), decision });
             }
             inner.decisions.truncate(TAIL);
@@ -76,7 +83,12 @@ impl Activity {
                 }
             }
         }
-        Recent { decisions: inner.decisions.iter().cloned().collect(), ejected, dropped: inner.dropped }
+        Recent {
+            decisions: inner.decisions.iter().cloned().collect(),
+            ejected,
+            dropped: inner.dropped,
+            ttft: inner.ttft.view(inferyes_proto::unix_ms()),
+        }
     }
 
     /// Ticks on every report.

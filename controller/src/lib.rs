@@ -7,6 +7,7 @@ pub mod ctl;
 pub mod dashboard;
 pub mod fleet;
 pub mod grpc;
+pub mod history;
 pub mod http;
 pub mod ledger;
 pub mod metrics;
@@ -127,8 +128,11 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         controller_id: config.controller_id.clone(),
         snapshots: snapshots.clone(),
         activity,
+        pressure: std::sync::Arc::default(),
         shutdown: shutdown.clone(),
     };
+    let sampler =
+        tokio::spawn(dashboard::sample_pressure(dashboard.clone()).instrument(tracing::info_span!("pressure")));
     let http_server = axum::serve(listeners.http, http::router(snapshots, scrape, dashboard))
         .with_graceful_shutdown(shutdown.clone().cancelled_owned());
 
@@ -137,6 +141,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
     shutdown.cancel();
     let _ = reconciler.await;
     let _ = ledger.await;
+    let _ = sampler.await;
     grpc_result.context("gRPC server failed")?;
     http_result.context("HTTP server failed")?;
     Ok(())

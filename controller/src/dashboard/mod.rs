@@ -20,6 +20,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 
 use crate::activity::Activity;
+use crate::history::{Pressure, STEP_MS};
 use crate::reconcile::SnapshotRx;
 
 const PAGE: &str = include_str!("index.html");
@@ -32,6 +33,8 @@ pub struct Dashboard {
     pub controller_id: String,
     pub snapshots: SnapshotRx,
     pub activity: Arc<Activity>,
+    /// Written only by [`sample_pressure`].
+    pub pressure: Arc<std::sync::Mutex<Pressure>>,
     /// Event streams end with it, so a graceful shutdown is not held up.
     pub shutdown: CancellationToken,
 }
@@ -48,7 +51,27 @@ impl Dashboard {
     fn view(&self) -> Option<serde_json::Value> {
         let snapshot = self.snapshots.borrow().clone()?;
         let recent = self.activity.recent(tokio::time::Instant::now());
-        Some(view::build(&self.controller_id, &snapshot, &recent, inferyes_proto::unix_ms()))
+        let pressure = self.pressure.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        Some(view::build(&self.controller_id, &snapshot, &recent, &pressure, inferyes_proto::unix_ms()))
+    }
+}
+
+/// Samples every GPU's pressure once a step, and a node that joins at
+/// once, from the current snapshot, until shutdown: the history is there
+/// before anyone looks.
+pub async fn sample_pressure(dashboard: Dashboard) {
+    let mut every = tokio::time::interval(Duration::from_millis(STEP_MS));
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut snapshots = dashboard.snapshots.clone();
+    loop {
+        tokio::select! {
+            () = dashboard.shutdown.cancelled() => return,
+            _ = every.tick() => {}
+            changed = snapshots.changed() => if changed.is_err() { return },
+        }
+        let Some(snapshot) = dashboard.snapshots.borrow().clone() else { continue };
+        let mut pressure = dashboard.pressure.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        pressure.sample(&snapshot, inferyes_proto::unix_ms());
     }
 }
 

@@ -6,6 +6,7 @@ use inferyes_proto::v1::{GpuSource, Health, ModelState, SnapshotNode};
 use serde_json::{Value, json};
 
 use crate::activity::Recent;
+use crate::history::Pressure;
 use crate::snapshot::Snapshot;
 
 /// Sessions listed, most recently active first; the total is always given.
@@ -15,7 +16,7 @@ const KEY_SHOWN: usize = 24;
 
 use inferyes_proto::{DEFAULT_ADMISSION_THRESHOLD as DEFAULT_ADMISSION, DEFAULT_HARD_LIMIT};
 
-pub fn build(controller_id: &str, snapshot: &Snapshot, recent: &Recent, now_ms: u64) -> Value {
+pub fn build(controller_id: &str, snapshot: &Snapshot, recent: &Recent, history: &Pressure, now_ms: u64) -> Value {
     let policy = snapshot.policy();
     let fleet_admission = or(policy.admission_threshold, DEFAULT_ADMISSION);
     let fleet_hard = or(policy.hard_limit, DEFAULT_HARD_LIMIT);
@@ -55,7 +56,7 @@ pub fn build(controller_id: &str, snapshot: &Snapshot, recent: &Recent, now_ms: 
             badges.push("queueing".into());
         }
         let sessions = status.sessions.len();
-        let node_fields = |gpu: Value| {
+        let node_fields = |gpu: Value, index: Option<u32>| {
             let fraction = gpu["fraction"].as_f64().unwrap_or(0.0);
             let mut badges = badges.clone();
             if gpu["stale"] == true {
@@ -81,10 +82,11 @@ pub fn build(controller_id: &str, snapshot: &Snapshot, recent: &Recent, now_ms: 
                 "sessions": sessions,
                 "models": models,
                 "badges": badges,
+                "history": history.of(&status.node_id, index),
             })
         };
         if status.gpus.is_empty() {
-            gpus.push(node_fields(json!({ "index": null, "name": "no GPU reported", "fraction": 0.0 })));
+            gpus.push(node_fields(json!({ "index": null, "name": "no GPU reported", "fraction": 0.0 }), None));
         }
         for gpu in &status.gpus {
             let fraction = if gpu.memory_total_bytes == 0 {
@@ -92,16 +94,19 @@ pub fn build(controller_id: &str, snapshot: &Snapshot, recent: &Recent, now_ms: 
             } else {
                 gpu.memory_used_bytes as f64 / gpu.memory_total_bytes as f64
             };
-            gpus.push(node_fields(json!({
-                "index": gpu.index,
-                "name": gpu.name,
-                "used_bytes": gpu.memory_used_bytes,
-                "total_bytes": gpu.memory_total_bytes,
-                "fraction": fraction,
-                "utilization_percent": gpu.utilization_percent,
-                "source": gpu_source(gpu.source()),
-                "stale": gpu.stale,
-            })));
+            gpus.push(node_fields(
+                json!({
+                    "index": gpu.index,
+                    "name": gpu.name,
+                    "used_bytes": gpu.memory_used_bytes,
+                    "total_bytes": gpu.memory_total_bytes,
+                    "fraction": fraction,
+                    "utilization_percent": gpu.utilization_percent,
+                    "source": gpu_source(gpu.source()),
+                    "stale": gpu.stale,
+                }),
+                Some(gpu.index),
+            ));
         }
     }
     // Pressure first: the cards an operator must look at lead.
@@ -119,6 +124,7 @@ pub fn build(controller_id: &str, snapshot: &Snapshot, recent: &Recent, now_ms: 
         "sessions": sessions(snapshot.nodes(), now_ms),
         "models": models(snapshot),
         "decisions": decisions(recent),
+        "ttft": recent.ttft,
         "dropped_decisions": recent.dropped,
     })
 }

@@ -4,8 +4,8 @@
 use std::time::Duration;
 
 use http::StatusCode;
-use inferyes_proto::v1::GetPolicyRequest;
 use inferyes_agent::sim::SimConfig;
+use inferyes_proto::v1::GetPolicyRequest;
 use inferyes_tests::{Browser, eventually};
 use serde_json::{Value, json};
 
@@ -40,7 +40,12 @@ async fn the_fleet_view_shows_gpus_sessions_decisions_and_short_models() {
     streamed["stream"] = json!(true);
     let response = fleet
         .http
-        .send(http::Method::POST, &fleet.url("/v1/chat/completions"), streamed.to_string().into(), &[("x-session-id", "s2")])
+        .send(
+            http::Method::POST,
+            &fleet.url("/v1/chat/completions"),
+            streamed.to_string().into(),
+            &[("x-session-id", "s2")],
+        )
         .await;
     assert_eq!(response.status, StatusCode::OK);
     let missing = fleet.http.post_json(&fleet.url("/v1/chat/completions"), &chat_body("no-such-model", "x")).await;
@@ -82,6 +87,13 @@ async fn the_fleet_view_shows_gpus_sessions_decisions_and_short_models() {
     let stream = decisions.iter().find(|d| d["stream"] == true).expect("the stream's decision");
     let (head, first_token) = (stream["latency_ms"].as_u64().unwrap(), stream["ttft_ms"].as_u64().unwrap());
     assert!(first_token >= head + 15, "the first token, not the head nor the role chunk: {stream}");
+    let placed = view["ttft"]["routes"]["placed"].as_array().unwrap();
+    assert_eq!(placed.iter().map(|p| p[3].as_u64().unwrap()).sum::<u64>(), 2, "both chats are drawn: {view}");
+    for card in gpus {
+        let history = card["history"].as_array().unwrap();
+        assert!(!history.is_empty(), "a card's pressure is sampled from the start: {card}");
+        assert!(history.iter().all(|s| s[3].as_u64().unwrap() > 0), "slots in every sample: {card}");
+    }
     assert_eq!(view["models"][0]["warning"], Value::Null);
 
     // A latency-critical model on fewer than two warm nodes is flagged.
@@ -157,6 +169,25 @@ async fn the_dashboard_page_updates_live_in_a_real_browser() {
     browser.eval("window.loadedOnce = 'still here'; return true").await;
 
     chat_in_session(&fleet, "browser-session", "hello from the dashboard test").await;
+    // What routing saved, as pictures: the new session's time to first
+    // token on the route chart, each card's pressure over time.
+    browser
+        .wait_for(
+            "the route chart's first point",
+            Duration::from_secs(15),
+            "const g = document.querySelector('#ttft-chart g.series[data-route=\"placed\"]'); \
+             return g !== null && +g.dataset.points >= 1 && g.querySelectorAll('circle').length >= 1",
+        )
+        .await;
+    browser
+        .wait_for(
+            "two samples of pressure on every card",
+            Duration::from_secs(15),
+            "const h = [...document.querySelectorAll('.gpu-card svg.history')]; \
+             return h.length === 2 && h.every(s => +s.dataset.samples >= 2 \
+               && s.querySelector('path.memory').getAttribute('d').includes('L'))",
+        )
+        .await;
     let tag = inferyes_proto::session_tag("browser-session");
     browser
         .wait_for(
