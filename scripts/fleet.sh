@@ -61,9 +61,12 @@ stop() {
   trap - INT TERM EXIT
   echo >&2
   echo "stopping the fleet..." >&2
-  # Data plane first, etcd last: each stops while what it talks to is up.
+  # Data plane first, etcd last: each stops while what it talks to is up,
+  # within 10 s, else it is killed: nothing is left holding a port.
   for (( i=${#pids[@]}-1; i>=0; i-- )); do
     kill -TERM "${pids[$i]}" 2>/dev/null || true
+    for _ in $(seq 1 100); do kill -0 "${pids[$i]}" 2>/dev/null || break; sleep 0.1; done
+    kill -KILL "${pids[$i]}" 2>/dev/null || true
     wait "${pids[$i]}" 2>/dev/null || true
   done
   echo "stopped." >&2
