@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The real-model routing benchmark (tests/e2e/bench_chat.py): multi-turn
+# chats on real llama-server nodes serving Gemma 3 270M, through a policy, a
+# round-robin and a least-outstanding data plane side by side. Builds the
+# release binaries, llama-server and the Python environment once; fetches
+# the model once. Arguments go to bench_chat.py (--help lists them).
+#
+#   ./scripts/bench-chat.sh                                   # 7 conversations, one request at a time
+#   ./scripts/bench-chat.sh --nodes 2 --conversations 16 --concurrent   # twice as many as slots
+set -euo pipefail
+
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+"$root/scripts/deps.sh" real
+llama=$("$root/scripts/llama-server.sh")
+gguf=$("$root/scripts/real-model.sh")
+venv=$("$root/scripts/venv.sh")
+cargo build --release --bins --locked --quiet
+INFERYES_BIN_DIR="${CARGO_TARGET_DIR:-$root/target}/release" INFERYES_LLAMA_SERVER="$llama" \
+  INFERYES_REAL_MODEL="$gguf" "$venv/bin/python" tests/e2e/bench_chat.py "$@"

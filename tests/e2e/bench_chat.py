@@ -1,0 +1,244 @@
+"""Multi-turn chats on real llama-server nodes serving Gemma 3 270M, through
+three data planes side by side on one fleet: policy routing, round-robin and
+least-outstanding. What it measures is what routing is for: whether a later
+turn finds its conversation's KV cache where it is sent.
+
+    scripts/bench-chat.sh [options]        # builds what it needs, then runs this
+
+Each policy gets a workload of the same shape, with conversations of its own
+(the agents' residency records outlive a server restart, so a policy run
+after another must not meet that one's sessions) on freshly restarted servers
+(so none is helped or slowed by another's caches). A conversation is a long distinct system prompt and a
+few turns; each turn is streamed with the official OpenAI client and
+`stream_options.include_usage`. Reported per policy:
+
+- time to first token (first content chunk), p50 and p99, of first turns and
+  of later turns;
+- KV reuse against an oracle: a later turn can at best reuse the previous
+  turn's prompt plus reply; reuse is the sum of `cached_tokens` (each capped
+  at that) over the sum of that;
+- session moves: later turns served by another node than the turn before;
+- the wall time of the whole workload.
+
+--concurrent runs every conversation as its own user, all at once, each
+sending its next turn as soon as the last is answered; without it, turns go
+one at a time, interleaved across conversations (turn 1 of each, then turn 2
+of each...).
+"""
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from openai import OpenAI
+
+from harness import GEMMA_TEMPLATE, Fleet, http_get, llama_server, real_model, wait_until
+
+MODEL = "gemma-3-270m"
+STRATEGIES = ("policy", "round-robin", "least-outstanding")
+# Gemma 3 270M keeps 18 KiB of KV cache per token (18 layers, one KV head of
+# 256, f16 keys and values): what --cache-ram holds, in tokens.
+KV_BYTES_PER_TOKEN = 18 * 1024
+WORDS = ("stone river path lantern harbour orchard bridge meadow tower garden valley forest island "
+         "mountain village market castle temple desert canyon glacier lagoon cavern summit").split()
+COLOURS = "red amber green blue violet grey white black silver golden".split()
+
+
+def system_prompt(rng, tokens):
+    """A distinct system prompt of about `tokens` tokens (Gemma's tokenizer
+    makes about 18 tokens of each rule)."""
+    rules = []
+    for i in range(max(1, tokens // 18)):
+        rules.append(f"Rule {i}: the {rng.choice(COLOURS)} {rng.choice(WORDS)} {rng.randrange(1000)} "
+                     f"faces the {rng.choice(COLOURS)} {rng.choice(WORDS)}.")
+    return "You keep the atlas of a country. " + " ".join(rules)
+
+
+def percentile(values, p):
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, int(round(p / 100 * len(ordered) + 0.5)) - 1))]
+
+
+class Conversation:
+    def __init__(self, name, system):
+        self.name = name
+        self.messages = [{"role": "system", "content": system}]
+        self.turns = []
+
+    def turn(self, client, index, max_tokens):
+        self.messages.append({"role": "user", "content": f"Question {index}: where does the next road lead?"})
+        started = time.monotonic()
+        raw = client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=self.messages, max_tokens=max_tokens, temperature=0, stream=True,
+            stream_options={"include_usage": True})
+        first, text, usage = None, "", None
+        for chunk in raw.parse():
+            if chunk.choices and chunk.choices[0].delta.content:
+                if first is None:
+                    first = time.monotonic() - started
+                text += chunk.choices[0].delta.content
+            if chunk.usage:
+                usage = chunk.usage
+        self.messages.append({"role": "assistant", "content": text})
+        cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
+        self.turns.append({
+            "conversation": self.name, "turn": index, "node": raw.headers.get("x-inferyes-node"),
+            "route": raw.headers.get("x-inferyes-route"), "ttft_s": first if first is not None else time.monotonic() - started,
+            "seconds": time.monotonic() - started, "prompt_tokens": usage.prompt_tokens,
+            "completion_tokens": usage.completion_tokens, "cached_tokens": cached or 0,
+        })
+
+
+def summarize(strategy, conversations, wall):
+    first, later, moves, reused, best = [], [], 0, 0, 0
+    for conversation in conversations:
+        for previous, turn in zip([None] + conversation.turns, conversation.turns):
+            if previous is None:
+                first.append(turn["ttft_s"])
+                continue
+            later.append(turn["ttft_s"])
+            moves += turn["node"] != previous["node"]
+            oracle = previous["prompt_tokens"] + previous["completion_tokens"]
+            best += oracle
+            reused += min(turn["cached_tokens"], oracle)
+    return {
+        "strategy": strategy,
+        "first_ttft_p50_ms": 1000 * percentile(first, 50), "first_ttft_p99_ms": 1000 * percentile(first, 99),
+        "later_ttft_p50_ms": 1000 * percentile(later, 50), "later_ttft_p99_ms": 1000 * percentile(later, 99),
+        "kv_reuse_of_oracle": reused / best if best else None, "session_moves": moves,
+        "later_turns": len(later), "wall_s": wall,
+    }
+
+
+def run_workload(url, api_key, strategy, args):
+    rng = random.Random(f"{args.seed}-{strategy}")
+    conversations = [Conversation(f"{strategy}-{i}", system_prompt(rng, args.system_tokens))
+                     for i in range(args.conversations)]
+    client = OpenAI(base_url=f"{url}/v1", api_key=api_key, max_retries=0, timeout=600)
+    started = time.monotonic()
+    if args.concurrent:
+        errors = []
+
+        def user(conversation):
+            try:
+                for index in range(args.turns):
+                    conversation.turn(client, index, args.max_tokens)
+            except Exception as error:  # noqa: BLE001 - reported after the run
+                errors.append(error)
+
+        threads = [threading.Thread(target=user, args=(c,)) for c in conversations]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if errors:
+            raise errors[0]
+    else:
+        for index in range(args.turns):
+            for conversation in conversations:
+                conversation.turn(client, index, args.max_tokens)
+    return summarize(strategy, conversations, time.monotonic() - started), conversations
+
+
+def start_fleet(fleet, args):
+    fleet.llama_server = llama_server()
+    fleet.model = real_model()
+    fleet.start_etcd()
+    fleet.start_controller()
+    fleet.llama_args = ["-np", str(args.slots), "--chat-template-file", str(GEMMA_TEMPLATE)]
+    fleet.nodes = [f"node-{chr(ord('a') + i)}" for i in range(args.nodes)]
+    fleet.llama = {}
+    for node in fleet.nodes:
+        fleet.llama[node] = start_server(fleet, node, args)
+        host_cache = args.cache_ram * 1024 * 1024 // KV_BYTES_PER_TOKEN
+        fleet.start_agent(node, [("chat", fleet.llama[node], ["chat", "completion"],
+                                  f"host_cache_tokens = {host_cache}\n")])
+    fleet.urls = {s: fleet.start_dataplane(f"dataplane-{s}", s, {MODEL: args.nodes}) for s in STRATEGIES}
+
+
+def start_server(fleet, node, args, port=None):
+    return fleet.start_llama_server(f"gemma-{node}", fleet.model, MODEL, fleet.llama_args, port=port,
+                                    context=args.slots * args.context, cache_ram=args.cache_ram)
+
+
+def restart_servers(fleet, args):
+    """Empties every slot and host cache: each policy starts from nothing."""
+    for node in fleet.nodes:
+        process = fleet.servers[f"gemma-{node}"]
+        process.terminate()
+        process.wait(timeout=30)
+        start_server(fleet, node, args, port=int(fleet.llama[node].rsplit(":", 1)[1]))
+    auth = {"Authorization": f"Bearer {fleet.api_key}"}
+
+    def all_warm():
+        for url in fleet.urls.values():
+            model = json.loads(http_get(f"{url}/v1/models/{MODEL}", headers=auth)[1])
+            if model["inferyes"]["warm_nodes"] != args.nodes:
+                return False
+        return True
+
+    wait_until("every node warm again", all_warm, timeout=60)
+
+
+def table(results):
+    lines = ["| data plane | first-turn TTFT p50 | p99 | later-turn TTFT p50 | p99 | KV reuse vs oracle "
+             "| session moves | wall |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        lines.append(
+            f"| {r['strategy']} | {r['first_ttft_p50_ms']:,.0f} ms | {r['first_ttft_p99_ms']:,.0f} ms "
+            f"| {r['later_ttft_p50_ms']:,.0f} ms | {r['later_ttft_p99_ms']:,.0f} ms "
+            f"| {100 * r['kv_reuse_of_oracle']:.1f}% | {r['session_moves']} of {r['later_turns']} "
+            f"| {r['wall_s']:.1f} s |")
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nodes", type=int, default=3)
+    parser.add_argument("--slots", type=int, default=4, help="slots per llama-server")
+    parser.add_argument("--context", type=int, default=4096, help="tokens per slot")
+    parser.add_argument("--cache-ram", type=int, default=512, help="llama-server --cache-ram, MiB")
+    parser.add_argument("--conversations", type=int, default=7)
+    parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--system-tokens", type=int, default=1000)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--concurrent", action="store_true", help="every conversation its own user, all at once")
+    parser.add_argument("--strategies", default=",".join(STRATEGIES))
+    parser.add_argument("--seed", default="bench")
+    parser.add_argument("--json", type=Path, help="write the results and every turn here")
+    args = parser.parse_args()
+
+    if args.turns < 2:
+        parser.error("--turns must be 2 or more: later turns are what is measured")
+    fleet = Fleet(Path(tempfile.mkdtemp(prefix="inferyes-bench-chat-")))
+    results, turns = [], []
+    try:
+        start_fleet(fleet, args)
+        for i, strategy in enumerate(args.strategies.split(",")):
+            if i:
+                restart_servers(fleet, args)
+            print(f"running {strategy}...", file=sys.stderr, flush=True)
+            result, conversations = run_workload(fleet.urls[strategy], fleet.api_key, strategy, args)
+            results.append(result)
+            turns += [t for c in conversations for t in c.turns]
+            print(table([result]).splitlines()[-1], file=sys.stderr, flush=True)
+    finally:
+        fleet.stop()
+    mode = "at once" if args.concurrent else "one request at a time"
+    print(f"\n{args.conversations} conversations {mode}, {args.turns} turns, ~{args.system_tokens}-token "
+          f"system prompts; {args.nodes} nodes x {args.slots} slots, --cache-ram {args.cache_ram}\n")
+    print(table(results))
+    if args.json:
+        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "results": results,
+                                         "turns": turns}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
