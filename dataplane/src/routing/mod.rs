@@ -9,7 +9,8 @@
 //!    admission threshold (a session already resident there may continue up
 //!    to the hard limit);
 //! 3. resident: the node holding the session's KV cache, unless a whole
-//!    round of its slots is already queued;
+//!    round of its slots is already queued and the node the session would
+//!    go to instead has room;
 //! 4. warm: nodes with the model loaded; a new session goes to its
 //!    rendezvous-hash home unless that node is over `load_bound` times the
 //!    average load (resident sessions plus this data plane's requests in
@@ -480,7 +481,12 @@ pub fn select(snapshot: &RoutingSnapshot, request: &RouteRequest<'_>) -> Result<
         }
     }
 
-    let resident_first = resident.filter(|r| !placements[*r].overloaded);
+    // An overloaded home is left only for a node with room now: where the
+    // node it would go to is queued or full too, moving buys a whole
+    // prompt's recompute behind a queue as long, and the next turn may
+    // move back.
+    let room_elsewhere = warm.indices().next().is_some_and(|i| !placements[i].saturated);
+    let resident_first = resident.filter(|r| !placements[*r].overloaded || !room_elsewhere);
     let mut targets = Targets::default();
     let mut loads = 0u8;
     let ordered =

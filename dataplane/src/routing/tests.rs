@@ -214,6 +214,17 @@ fn a_busy_home_is_kept_but_an_overloaded_one_is_passed_over() {
     let route = select(&s, &chat(Some("conv"))).unwrap();
     assert_eq!(nodes(&s, &route), ["idle", "busy"]);
     assert_eq!(route.reason, RouteReason::Placed);
+    // ... unless every other node is queued too: moving would recompute
+    // the prompt and wait as well.
+    let s = snapshot(&[
+        Spec { deferred: 4, sessions: vec!["conv".into()], slots: 4, ..spec("busy") },
+        Spec { deferred: 1, slots: 4, ..spec("queued") },
+        Spec { deferred: 3, slots: 4, ..spec("queued-more") },
+    ]);
+    let route = select(&s, &chat(Some("conv"))).unwrap();
+    assert_eq!(route.reason, RouteReason::Resident);
+    assert_eq!(first_node(&s, &route), "busy");
+    assert_eq!(nodes(&s, &route).len(), 3, "the queued nodes stay failovers: {:?}", nodes(&s, &route));
     // New sessions avoid a merely saturated node.
     let s = snapshot(&[Spec { deferred: 1, ..spec("busy") }, spec("idle")]);
     for i in 0..8 {

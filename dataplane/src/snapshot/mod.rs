@@ -266,8 +266,8 @@ impl BackendView {
     }
 
     /// A whole round of slots already waiting. Even a session whose cache is
-    /// here moves on: recomputing its prompt elsewhere beats that queue,
-    /// while a shorter wait does not.
+    /// here moves on, to a node with room: recomputing its prompt there
+    /// beats that queue, while a shorter wait does not.
     pub fn overloaded(&self) -> bool {
         self.requests_deferred >= self.slots_total.max(1)
     }
