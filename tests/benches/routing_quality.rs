@@ -156,8 +156,15 @@ async fn conversation(http: HttpClient, c: usize, target: String, oracle_headers
             "model": model, "messages": messages, "stream": true,
             "stream_options": {"include_usage": true}, "max_tokens": 24,
         });
+        // The oracle goes around the data plane, so it shows the agent the
+        // fleet's join token as a data plane does.
+        let authorization = inferyes_tests::fleet::agent_authorization();
         let headers: Vec<(&str, &str)> = match &oracle_headers {
-            Some(backend) => vec![("x-inferyes-backend", backend.as_str()), ("x-inferyes-model", model)],
+            Some(backend) => vec![
+                ("x-inferyes-backend", backend.as_str()),
+                ("x-inferyes-model", model),
+                ("authorization", authorization.as_str()),
+            ],
             None => Vec::new(),
         };
         match turn(&http, &target, &body, &headers).await {
