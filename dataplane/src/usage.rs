@@ -410,10 +410,11 @@ impl Meter {
         record.node_id.push_str(node);
     }
 
-    /// Called with every frame of a stream until its first token: after
-    /// that, a load and nothing more.
-    pub fn frame(&self, data: &[u8]) {
-        if self.0.first_token.get().is_none() && crate::http::sse::carries_output(data) {
+    /// Called with every frame of a stream: the first for which
+    /// `carries_output` says yes is the first token. Once it came, a load
+    /// and nothing more: the frame is not looked at.
+    pub fn frame(&self, carries_output: impl FnOnce() -> bool) {
+        if self.0.first_token.get().is_none() && carries_output() {
             let _ = self.0.first_token.set(Instant::now());
         }
     }
@@ -496,7 +497,7 @@ mod tests {
         for end_first in [false, true] {
             let (log, mut rx) = DecisionLog::new();
             let meter = stream_meter();
-            meter.frame(br#"data: {"choices":[{"delta":{"content":"hi"}}]}"#);
+            meter.frame(|| true);
             let decision = RoutingDecision { request_id: "req".into(), ..Default::default() };
             if end_first {
                 meter.finish(200, Outcome::Ok, None);

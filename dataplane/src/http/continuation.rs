@@ -125,7 +125,7 @@ async fn pipe(
             let Ok(data) = frame.into_data() else { continue };
             for event in events.push(&data) {
                 if let Some(meter) = &resume.meter {
-                    meter.frame(&event);
+                    meter.frame(|| super::sse::carries_output(&event));
                     meter.data_events(super::sse::count_data_events(&event));
                     if let Some(found) = inferyes_proto::usage::parse_usage(&event) {
                         usage = Some(found);

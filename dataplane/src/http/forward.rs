@@ -633,7 +633,7 @@ impl http_body::Body for Guarded {
                     if let Some(data) = frame.data_ref() {
                         if let Some(meter) = &this.meter {
                             if this.event_stream {
-                                meter.frame(data);
+                                meter.frame(|| super::sse::carries_output(data));
                             }
                             // One event, one token: an estimate for streams
                             // that say nothing of their usage.

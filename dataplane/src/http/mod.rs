@@ -7,7 +7,7 @@ mod error;
 mod forward;
 mod scan;
 mod server;
-pub(crate) mod sse;
+mod sse;
 mod upstream;
 mod view;
 
