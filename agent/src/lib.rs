@@ -14,7 +14,7 @@ pub mod state;
 
 use std::sync::Arc;
 use std::sync::Mutex;
-use std::sync::atomic::AtomicU32;
+use std::sync::atomic::{AtomicU32, AtomicU64};
 use std::time::Duration;
 
 use anyhow::Context;
@@ -122,6 +122,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
                 labels: metrics::BackendLabels { backend: probe.id.clone() },
                 probe,
                 in_flight: AtomicU32::new(0),
+                finished: AtomicU64::new(0),
             })
             .collect(),
         observations: Mutex::new(Observations::default()),

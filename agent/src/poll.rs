@@ -6,7 +6,7 @@ use std::time::Duration;
 use inferyes_proto::v1::{Backend, Gpu};
 use tokio_util::sync::CancellationToken;
 
-use crate::probe::{GpuReader, GpuReading, ProbeClient};
+use crate::probe::{Counters, GpuReader, GpuReading, ProbeClient, Probed, Throughput};
 use crate::state::{AgentState, Observations};
 
 pub async fn run(
@@ -29,7 +29,8 @@ pub async fn run(
 /// Polls every backend (concurrently) and the GPUs once; wakes the reporter
 /// when anything changed.
 pub async fn poll_once(state: &AgentState, client: &ProbeClient, gpus: &GpuReader) {
-    let backends = probe_all(state, client).await;
+    let probed = probe_all(state, client).await;
+    let backends = with_rates(state, probed, inferyes_proto::unix_ms());
     if let Ok(mut residency) = state.residency.lock() {
         for (handle, backend) in state.backends.iter().zip(&backends) {
             let slots = if backend.slots_total > 0 {
@@ -97,8 +98,35 @@ fn reported_gpus(last: &[Gpu], reading: GpuReading, failures: &mut u32) -> Vec<G
     last.iter().map(|gpu| Gpu { stale, ..gpu.clone() }).collect()
 }
 
+/// The backends as probed, with the prompt rate and service time their
+/// counters give over the last readings.
+fn with_rates(state: &AgentState, probed: Vec<Probed>, now_ms: u64) -> Vec<Backend> {
+    let Ok(mut observations) = state.observations.lock() else {
+        return probed.into_iter().map(|p| p.backend).collect();
+    };
+    let windows = &mut observations.throughput;
+    windows.resize_with(state.backends.len(), Throughput::default);
+    probed
+        .into_iter()
+        .zip(state.backends.iter().zip(windows.iter_mut()))
+        .map(|(Probed { mut backend, counters }, (handle, window))| {
+            let rates = match counters {
+                Some(counters) => {
+                    let finished = handle.finished.load(std::sync::atomic::Ordering::Relaxed);
+                    window.observe(now_ms, Counters { finished, ..counters })
+                }
+                // Not read this time: the last rates stand.
+                None => window.rates(),
+            };
+            backend.prefill_tokens_per_second = rates.prefill_tokens_per_second;
+            backend.service_ms = rates.service_ms;
+            backend
+        })
+        .collect()
+}
+
 /// Probes every backend concurrently, keeping the configured order.
-async fn probe_all(state: &AgentState, client: &ProbeClient) -> Vec<Backend> {
+async fn probe_all(state: &AgentState, client: &ProbeClient) -> Vec<Probed> {
     let mut set = tokio::task::JoinSet::new();
     let previous: Vec<Option<Backend>> = match state.observations.lock() {
         Ok(o) => state.backends.iter().map(|h| o.backends.iter().find(|b| b.id == h.probe.id).cloned()).collect(),
@@ -109,7 +137,7 @@ async fn probe_all(state: &AgentState, client: &ProbeClient) -> Vec<Backend> {
         let client = client.clone();
         set.spawn(async move { (i, probe.probe(&client, previous.as_ref()).await) });
     }
-    let mut results: Vec<Option<Backend>> = vec![None; state.backends.len()];
+    let mut results: Vec<Option<Probed>> = vec![None; state.backends.len()];
     while let Some(done) = set.join_next().await {
         match done {
             Ok((i, backend)) => results[i] = Some(backend),
@@ -121,7 +149,9 @@ async fn probe_all(state: &AgentState, client: &ProbeClient) -> Vec<Backend> {
     results
         .into_iter()
         .zip(&state.backends)
-        .map(|(backend, handle)| backend.unwrap_or_else(|| unprobed(&handle.probe.id)))
+        .map(|(probed, handle)| {
+            probed.unwrap_or_else(|| Probed { backend: unprobed(&handle.probe.id), counters: None })
+        })
         .collect()
 }
 

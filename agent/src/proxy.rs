@@ -224,7 +224,7 @@ async fn forward_in_span(proxy: Proxy, request: Request<Incoming>) -> Response {
 
     // For a log line: the request's span is a trace, not log context.
     let request_id = parts.headers.get(REQUEST_ID_HEADER).cloned();
-    let guard = InFlight::enter(Arc::clone(&proxy.state), index);
+    let mut guard = InFlight::enter(Arc::clone(&proxy.state), index);
     let started = Instant::now();
     match proxy.client.send(origin, Request::from_parts(parts, body)).await {
         Ok(response) => {
@@ -235,6 +235,9 @@ async fn forward_in_span(proxy: Proxy, request: Request<Incoming>) -> Response {
             // answer of a connection) would close the data plane's pooled
             // connection to this proxy too.
             inferyes_proto::headers::remove_hop_by_hop(&mut parts.headers);
+            // Only an answer held a slot: refusals and errors would make
+            // the slot time per request look short.
+            guard.served = parts.status.is_success();
             let tracked = Tracked {
                 _span: span.clone(),
                 inner: body,
@@ -270,6 +273,8 @@ fn strip_headers(headers: &mut HeaderMap) {
 struct InFlight {
     state: Arc<AgentState>,
     index: usize,
+    /// The backend answered with a success: counted as finished.
+    served: bool,
 }
 
 impl InFlight {
@@ -277,7 +282,7 @@ impl InFlight {
         if let Some(b) = state.backends.get(index) {
             b.in_flight.fetch_add(1, Ordering::Relaxed);
         }
-        InFlight { state, index }
+        InFlight { state, index, served: false }
     }
 }
 
@@ -285,6 +290,9 @@ impl Drop for InFlight {
     fn drop(&mut self) {
         if let Some(b) = self.state.backends.get(self.index) {
             b.in_flight.fetch_sub(1, Ordering::Relaxed);
+            if self.served {
+                b.finished.fetch_add(1, Ordering::Relaxed);
+            }
         }
     }
 }

@@ -5,7 +5,7 @@
 //! numbered residency updates.
 
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use inferyes_proto::v1::{Backend, Gpu, ModelState, NodeStatus};
 use tokio::sync::Notify;
@@ -23,6 +23,11 @@ pub struct BackendHandle {
     /// observed under them on every request.
     pub labels: crate::metrics::BackendLabels,
     pub in_flight: AtomicU32,
+    /// Requests the backend answered with a success through the proxy,
+    /// once their bodies ended or were dropped: the poller divides slot time
+    /// by it. Requests sent to the backend around the proxy add slot time
+    /// and no count, and make the service time look longer.
+    pub finished: AtomicU64,
 }
 
 #[derive(Default)]
@@ -31,6 +36,8 @@ pub struct Observations {
     pub gpus: Vec<Gpu>,
     /// GPU readings failed in a row, up to now.
     pub gpu_failures: u32,
+    /// Each backend's recent counters, in the configured order.
+    pub throughput: Vec<crate::probe::Throughput>,
 }
 
 pub struct AgentState {

@@ -2,6 +2,7 @@ use inferyes_proto::v1::{Backend, BackendKind, EndpointKind, Health, Model, Mode
 use serde_json::Value;
 
 use super::client::ProbeClient;
+use super::throughput::Counters;
 use crate::config;
 
 /// Everything needed to poll one backend.
@@ -34,7 +35,7 @@ impl BackendProbe {
     /// cannot be read, the models last seen (else the declared ones) are
     /// still reported, as loading or of unknown state, so the fleet knows the
     /// model exists and says "not now" rather than "no such model".
-    pub async fn probe(&self, client: &ProbeClient, previous: Option<&Backend>) -> Backend {
+    pub async fn probe(&self, client: &ProbeClient, previous: Option<&Backend>) -> Probed {
         let mut backend = Backend {
             id: self.id.clone(),
             kind: match self.kind {
@@ -45,11 +46,30 @@ impl BackendProbe {
             weight: self.weight,
             ..Default::default()
         };
+        let mut load = LoadReading::default();
         let result = match self.kind {
-            config::BackendKind::LlamaServer => self.probe_llama_server(client, &mut backend).await,
+            config::BackendKind::LlamaServer => self.probe_llama_server(client, &mut backend, &mut load).await,
             config::BackendKind::LlamaSwap => self.probe_llama_swap(client, &mut backend).await,
             config::BackendKind::Openai => self.probe_openai(client, &mut backend).await,
         };
+        // A llama-server that answers its health but not the rest has counts
+        // no more known than one whose /slots timed out.
+        if result.is_err() && self.kind == config::BackendKind::LlamaServer {
+            (load.slots_unread, load.metrics_unread) = (true, true);
+        }
+        // Taken for idle, a server too busy to answer would draw more work:
+        // what could not be read is the last reading, marked unknown.
+        if let Some(previous) = previous {
+            if load.slots_unread {
+                backend.slots_total = backend.slots_total.max(previous.slots_total);
+                backend.slots_busy = previous.slots_busy;
+            }
+            if load.metrics_unread {
+                backend.requests_deferred = previous.requests_deferred;
+                backend.tokens_per_second = previous.tokens_per_second;
+            }
+        }
+        backend.load_unknown = load.slots_unread || load.metrics_unread;
         let unread = result.is_err() || backend.health() == Health::Loading;
         if let Err(error) = result {
             backend.probe_error = error;
@@ -75,10 +95,15 @@ impl BackendProbe {
                 model.size_bytes = *size;
             }
         }
-        backend
+        Probed { backend, counters: load.counters }
     }
 
-    async fn probe_llama_server(&self, client: &ProbeClient, backend: &mut Backend) -> Result<(), String> {
+    async fn probe_llama_server(
+        &self,
+        client: &ProbeClient,
+        backend: &mut Backend,
+        load: &mut LoadReading,
+    ) -> Result<(), String> {
         let (status, body) =
             client.get(&self.url, "/health", &self.api_key).await.map_err(|e| format!("health: {e}"))?;
         match status.as_u16() {
@@ -106,19 +131,26 @@ impl BackendProbe {
             }
             backend.slots_total = u32_at(&props, "/total_slots");
         }
-        if let Ok((status, body)) = client.get(&self.url, "/slots", &self.api_key).await
-            && status.is_success()
-            && let Some(slots) = parse_slots(&body)
-        {
-            backend.slots_total = slots.total;
-            backend.slots_busy = slots.busy;
+        match client.get(&self.url, "/slots", &self.api_key).await {
+            Ok((status, body)) if status.is_success() => match parse_slots(&body) {
+                Some(slots) => {
+                    backend.slots_total = slots.total;
+                    backend.slots_busy = slots.busy;
+                }
+                None => load.slots_unread = true,
+            },
+            Ok((status, _)) if not_offered(status) => {}
+            _ => load.slots_unread = true,
         }
-        if let Ok((status, body)) = client.get(&self.url, "/metrics", &self.api_key).await
-            && status.is_success()
-        {
-            let metrics = parse_llamacpp_metrics(&String::from_utf8_lossy(&body));
-            backend.requests_deferred = metrics.requests_deferred;
-            backend.tokens_per_second = metrics.decode_tokens_per_second();
+        match client.get(&self.url, "/metrics", &self.api_key).await {
+            Ok((status, body)) if status.is_success() => {
+                let metrics = parse_llamacpp_metrics(&String::from_utf8_lossy(&body));
+                backend.requests_deferred = metrics.requests_deferred;
+                backend.tokens_per_second = metrics.decode_tokens_per_second();
+                load.counters = Some(metrics.counters());
+            }
+            Ok((status, _)) if not_offered(status) => {}
+            _ => load.metrics_unread = true,
         }
         Ok(())
     }
@@ -263,7 +295,31 @@ pub fn parse_slots(body: &[u8]) -> Option<Slots> {
     Some(Slots { total: u32::try_from(slots.len()).unwrap_or(u32::MAX), busy: u32::try_from(busy).unwrap_or(u32::MAX) })
 }
 
-/// The llama-server gauges the agent reports.
+/// One poll of a backend: what is reported, and the counters the poller
+/// measures rates from (llama-server with `--metrics` only).
+#[derive(Clone, Debug)]
+pub struct Probed {
+    pub backend: Backend,
+    pub counters: Option<Counters>,
+}
+
+/// What the slot and queue endpoints gave this poll.
+#[derive(Default)]
+struct LoadReading {
+    /// Each was offered but could not be read: timed out, refused, or an
+    /// answer that is not theirs.
+    slots_unread: bool,
+    metrics_unread: bool,
+    counters: Option<Counters>,
+}
+
+/// llama-server answers 501 for `/slots` and `/metrics` it was not started
+/// with (`--no-slots`, no `--metrics`); older builds 404.
+fn not_offered(status: http::StatusCode) -> bool {
+    matches!(status.as_u16(), 404 | 501)
+}
+
+/// The llama-server gauges and counters the agent reads.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct LlamaCppMetrics {
     pub requests_processing: u32,
@@ -273,9 +329,22 @@ pub struct LlamaCppMetrics {
     pub predicted_tokens_seconds: f64,
     pub tokens_predicted_total: f64,
     pub tokens_predicted_seconds_total: f64,
+    pub prompt_tokens_total: f64,
+    pub prompt_seconds_total: f64,
 }
 
 impl LlamaCppMetrics {
+    /// The counters rates are measured from; `finished` is the proxy's, and
+    /// the poller fills it in.
+    pub fn counters(&self) -> Counters {
+        Counters {
+            prompt_tokens: self.prompt_tokens_total,
+            prompt_seconds: self.prompt_seconds_total,
+            predicted_seconds: self.tokens_predicted_seconds_total,
+            finished: 0,
+        }
+    }
+
     /// Decode speed: tokens generated per second of generation since the
     /// server started, which stays put between bursts; the per-scrape gauge
     /// when the counters are missing.
@@ -297,13 +366,17 @@ pub fn parse_llamacpp_metrics(text: &str) -> LlamaCppMetrics {
         let Ok(value) = value.parse::<f64>() else { continue };
         // Names may carry labels in future builds: match the bare name.
         let name = name.split('{').next().unwrap_or(name);
-        let whole = if value.is_finite() && value >= 0.0 { value.min(f64::from(u32::MAX)) as u32 } else { 0 };
+        // A hostile or broken server's NaN, infinity or negative reads as 0.
+        let value = if value.is_finite() && value >= 0.0 { value } else { 0.0 };
+        let whole = value.min(f64::from(u32::MAX)) as u32;
         match name {
             "llamacpp:requests_processing" => metrics.requests_processing = whole,
             "llamacpp:requests_deferred" => metrics.requests_deferred = whole,
             "llamacpp:predicted_tokens_seconds" => metrics.predicted_tokens_seconds = value,
             "llamacpp:tokens_predicted_total" => metrics.tokens_predicted_total = value,
             "llamacpp:tokens_predicted_seconds_total" => metrics.tokens_predicted_seconds_total = value,
+            "llamacpp:prompt_tokens_total" => metrics.prompt_tokens_total = value,
+            "llamacpp:prompt_seconds_total" => metrics.prompt_seconds_total = value,
             _ => {}
         }
     }
@@ -374,6 +447,61 @@ mod tests {
         }
     }
 
+    /// A llama-server whose `/slots` and `/metrics` answer these (both one
+    /// busy slot of one, two requests deferred, where they answer).
+    async fn server_with_load_endpoints(slots: http::StatusCode, metrics: http::StatusCode) -> BackendProbe {
+        use axum::routing::get;
+        let app = axum::Router::new()
+            .route("/health", get(|| async { "OK" }))
+            .route("/v1/models", get(|| async { r#"{"object":"list","data":[{"id":"m","object":"model"}]}"# }))
+            .route("/slots", get(move || async move { (slots, r#"[{"id":0,"is_processing":true}]"#) }))
+            .route("/metrics", get(move || async move { (metrics, "llamacpp:requests_deferred 2\n") }));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        BackendProbe {
+            id: "server".into(),
+            kind: config::BackendKind::LlamaServer,
+            ..swap_probe(url, Default::default())
+        }
+    }
+
+    #[tokio::test]
+    async fn load_that_cannot_be_read_is_the_last_read_marked_unknown_not_idle() {
+        let client = ProbeClient::new(std::time::Duration::from_secs(2));
+        let previous = Backend { slots_total: 4, slots_busy: 4, requests_deferred: 3, ..Default::default() };
+        let (ok, failed) = (http::StatusCode::OK, http::StatusCode::INTERNAL_SERVER_ERROR);
+        let failing = server_with_load_endpoints(failed, failed).await;
+        let backend = failing.probe(&client, Some(&previous)).await.backend;
+        assert_eq!(backend.health(), Health::Ready);
+        assert!(backend.load_unknown);
+        assert_eq!((backend.slots_total, backend.slots_busy, backend.requests_deferred), (4, 4, 3));
+        // What could be read is fresh, the rest the last reading.
+        let slots_failing = server_with_load_endpoints(failed, ok).await;
+        let backend = slots_failing.probe(&client, Some(&previous)).await.backend;
+        assert!(backend.load_unknown);
+        assert_eq!((backend.slots_total, backend.slots_busy, backend.requests_deferred), (4, 4, 2));
+        let metrics_failing = server_with_load_endpoints(ok, failed).await;
+        let backend = metrics_failing.probe(&client, Some(&previous)).await.backend;
+        assert_eq!((backend.slots_total, backend.slots_busy, backend.requests_deferred), (1, 1, 3));
+
+        // Not offered (started without --slots and --metrics): nothing is
+        // unknown, there is just nothing to read.
+        let absent =
+            server_with_load_endpoints(http::StatusCode::NOT_IMPLEMENTED, http::StatusCode::NOT_IMPLEMENTED).await;
+        let backend = absent.probe(&client, Some(&previous)).await.backend;
+        assert!(!backend.load_unknown);
+        assert_eq!((backend.slots_busy, backend.requests_deferred), (0, 0));
+    }
+
+    #[test]
+    fn hostile_counters_read_as_zero() {
+        let m = parse_llamacpp_metrics("llamacpp:prompt_tokens_total -5\nllamacpp:prompt_seconds_total inf\n");
+        assert_eq!((m.prompt_tokens_total, m.prompt_seconds_total), (0.0, 0.0));
+        let m = parse_llamacpp_metrics("llamacpp:prompt_tokens_total 900\nllamacpp:prompt_seconds_total 3\n");
+        assert_eq!(m.counters(), Counters { prompt_tokens: 900.0, prompt_seconds: 3.0, ..Default::default() });
+    }
+
     #[tokio::test]
     async fn a_catalog_that_cannot_be_read_leaves_the_models_possibly_warm() {
         use axum::routing::get;
@@ -389,7 +517,7 @@ mod tests {
             models: parse_llamaswap_models(br#"{"data":[{"id":"alpha","status":{"value":"loaded"}}]}"#).0,
             ..Default::default()
         };
-        let backend = probe.probe(&client, Some(&previous)).await;
+        let backend = probe.probe(&client, Some(&previous)).await.backend;
         assert_eq!(backend.health(), Health::Ready);
         assert!(backend.probe_error.contains("HTTP 500"), "{}", backend.probe_error);
         assert_eq!(
@@ -409,7 +537,7 @@ mod tests {
         let url = format!("http://{}", listener.local_addr().unwrap());
         tokio::spawn(async move { axum::serve(listener, app).await });
         let probe = swap_probe(url, [("beta".to_string(), 7 << 30)].into());
-        let backend = probe.probe(&ProbeClient::new(std::time::Duration::from_secs(2)), None).await;
+        let backend = probe.probe(&ProbeClient::new(std::time::Duration::from_secs(2)), None).await.backend;
         let sizes: Vec<(&str, u64)> = backend.models.iter().map(|m| (m.id.as_str(), m.size_bytes)).collect();
         assert_eq!(sizes, [("alpha", 0), ("beta", 7 << 30)]);
     }

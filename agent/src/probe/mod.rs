@@ -4,10 +4,14 @@
 mod backend;
 mod client;
 mod gpu;
+mod throughput;
 
-pub use backend::{BackendProbe, parse_llamacpp_metrics, parse_llamaswap_models, parse_openai_models, parse_slots};
+pub use backend::{
+    BackendProbe, Probed, parse_llamacpp_metrics, parse_llamaswap_models, parse_openai_models, parse_slots,
+};
 pub use client::ProbeClient;
 pub use gpu::{GpuReader, GpuReading};
+pub use throughput::{Counters, Rates, Throughput};
 
 use inferyes_proto::v1::EndpointKind;
 
