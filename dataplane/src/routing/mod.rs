@@ -8,14 +8,17 @@
 //! 2. admitted: not draining, healthy, GPU memory below the node's
 //!    admission threshold (a session already resident there may continue up
 //!    to the hard limit);
-//! 3. resident: the node holding the session's KV cache, unless a whole
-//!    round of its slots is already queued and the node the session would
-//!    go to instead has room;
+//! 3. resident: the node holding the session's KV cache, unless a node
+//!    with a free slot would give the first token sooner: each candidate's
+//!    expected time to first token is its wait for a slot plus the prompt
+//!    tokens not cached there over its prompt rate, so a session leaves its
+//!    cache only when its wait at home is longer than a recompute of its
+//!    prompt where a slot is free;
 //! 4. warm: nodes with the model loaded; a new session goes to its
 //!    rendezvous-hash home unless that node is over `load_bound` times the
 //!    average load (resident sessions plus this data plane's requests in
-//!    flight); keyless
-//!    requests follow the model's strategy;
+//!    flight) or would make it wait where another home within the bound
+//!    starts it sooner; keyless requests follow the model's strategy;
 //! 5. cold: nodes that can load the model, a load already under way first,
 //!    then the most free GPU memory, counting loads in progress.
 
@@ -69,11 +72,14 @@ pub enum RouteReason {
     Warm,
     /// No warm node: the model must be loaded first.
     Cold,
+    /// The session's cache is elsewhere, on a node whose queue would cost
+    /// more than reading the prompt again here.
+    Moved,
 }
 
 impl RouteReason {
-    pub const ALL: [RouteReason; 4] =
-        [RouteReason::Resident, RouteReason::Placed, RouteReason::Warm, RouteReason::Cold];
+    pub const ALL: [RouteReason; 5] =
+        [RouteReason::Resident, RouteReason::Placed, RouteReason::Warm, RouteReason::Cold, RouteReason::Moved];
 
     pub fn as_str(self) -> &'static str {
         match self {
@@ -81,6 +87,7 @@ impl RouteReason {
             RouteReason::Placed => "placed",
             RouteReason::Warm => "warm",
             RouteReason::Cold => "cold",
+            RouteReason::Moved => "moved",
         }
     }
 }
@@ -93,6 +100,11 @@ pub struct Route {
     /// Which targets must load the model first, a bit each (bit 0 the
     /// first): a failover may go on to a cold node after a warm one.
     pub loads: u8,
+    /// The expected time to first token that decided, in ms, on the first
+    /// target and, for a session moved, at the home it left (0 where not
+    /// weighed).
+    pub expected_ttft_ms: u32,
+    pub home_expected_ttft_ms: u32,
 }
 
 impl Route {
@@ -243,9 +255,13 @@ impl<const K: usize> Best<K> {
     }
 }
 
+/// Requests in flight to the backend: as its agent last reported them, or
+/// as this data plane has them there now, whichever is more. The own count
+/// is fresh, so a burst between two reports spreads; the report holds the
+/// other data planes' requests, and the own ones it shows are not counted
+/// twice.
 fn load(p: &Placement) -> u32 {
-    // What its agent last reported, plus what this data plane sent since.
-    p.reported_in_flight.saturating_add(p.local.in_flight.load(Ordering::Relaxed))
+    p.reported_in_flight.max(p.local.in_flight.load(Ordering::Relaxed))
 }
 
 /// The load a new session is balanced against: the sessions already living
@@ -256,6 +272,58 @@ fn load(p: &Placement) -> u32 {
 /// between data planes because a count moved.
 fn session_load(p: &Placement) -> u32 {
     p.resident_sessions.saturating_add(p.local.in_flight.load(Ordering::Relaxed))
+}
+
+/// Requests that must leave a slot before one more gets one: the backend's
+/// requests, as reported or as this data plane has in flight there,
+/// whichever is more (a burst between two reports is spread by the own
+/// count, and the own requests a report shows are not counted twice).
+/// Counts that could not be read are taken for a round of every slot
+/// queued: unknown, not idle. Without a slot count, the server's queue.
+fn queue_ahead(p: &Placement) -> u32 {
+    if p.slots == 0 {
+        return if p.load_unknown { p.deferred.max(1) } else { p.deferred };
+    }
+    let mut occupancy = p.occupancy.max(p.local.in_flight.load(Ordering::Relaxed));
+    if p.load_unknown {
+        occupancy = occupancy.max(p.slots.saturating_mul(2));
+    }
+    occupancy.saturating_add(1).saturating_sub(p.slots)
+}
+
+/// Whether one more request would wait for a slot. Judged with the own
+/// count, not the last report's flag: taken from the report alone, every
+/// request until the next one would go to the nodes that looked free in
+/// it, a herd.
+fn waits(p: &Placement) -> bool {
+    queue_ahead(p) > 0
+}
+
+/// Expected seconds to a request's first token on `p`, the first `cached`
+/// of its `prompt` tokens being there already: the wait for a slot (the
+/// requests ahead, a slot freeing every service time over slots) plus the
+/// rest of the prompt at the backend's prompt rate.
+fn expected_ttft(p: &Placement, prompt: u32, cached: u32) -> f64 {
+    let wait = f64::from(queue_ahead(p)) * p.service_seconds / f64::from(p.slots.max(1));
+    wait + f64::from(prompt.saturating_sub(cached)) / p.prefill_tokens_per_second
+}
+
+/// Seconds as whole milliseconds, for reports and headers.
+fn millis(seconds: f64) -> u32 {
+    (seconds * 1e3).round().clamp(0.0, f64::from(u32::MAX)) as u32
+}
+
+/// A new session's key for where it starts soonest: the requests ahead of
+/// it, 0 where it gets a slot at once (the rendezvous order decides among
+/// equals, which spreads sessions and keeps data planes agreeing). A count,
+/// not a time: a node's recent service time swings with the requests it
+/// happened to finish. Still, counts move with every report and differ
+/// between data planes, so a conversation's second turn, sent before its
+/// first one's residency is reported, may land elsewhere where its home
+/// has just begun to queue: the price of sending new sessions where they
+/// start soonest.
+fn start_key(p: &Placement) -> u64 {
+    u64::from(queue_ahead(p))
 }
 
 /// Memory the node can still give: total, less used and loading, less
@@ -330,45 +398,27 @@ pub fn select(snapshot: &RoutingSnapshot, request: &RouteRequest<'_>) -> Result<
     };
     let affinity = request.mode == Mode::Policy;
     let session = request.session.filter(|_| affinity);
-    let home = session.and_then(|s| snapshot.resident(s));
+    let resident = session.and_then(|s| snapshot.resident(s));
+    let home = resident.map(|r| r.target);
 
     let strategy = match request.mode {
         Mode::Policy => snapshot.policy().strategy(request.model),
         Mode::RoundRobin => Strategy::RoundRobin,
         Mode::LeastOutstanding => Strategy::LeastOutstanding,
     };
-    // A session going home needs failovers only, and any good warm node
-    // will do: the next ones after its home in the placement list. No scan.
-    let going_home = home.and_then(|home| {
-        let at = placements.binary_search_by_key(&(home.node, home.backend), |p| (p.target.node, p.target.backend));
+    let at_home = resident.and_then(|r| {
+        let at =
+            placements.binary_search_by_key(&(r.target.node, r.target.backend), |p| (p.target.node, p.target.backend));
         at.ok().filter(|i| {
             let p = &placements[*i];
-            capable(p) && fits(p) && classify(p, Some(home), request.now_ms) == Class::Resident && !p.overloaded
+            capable(p) && fits(p) && classify(p, home, request.now_ms) == Class::Resident
         })
     });
-    if let Some(at) = going_home {
-        let mut targets = Targets::default();
-        targets.push(placements[at].target);
-        let after = placements[at + 1..].iter().chain(&placements[..at]);
-        for p in
-            after.filter(|p| capable(p) && fits(p) && classify(p, home, request.now_ms) == Class::Warm && !p.saturated)
-        {
-            if targets.len() == MAX_TARGETS {
-                break;
-            }
-            targets.push(p.target);
-        }
-        return Ok(Route { targets, reason: RouteReason::Resident, loads: 0 });
+    if let (Some(at), Some(resident)) = (at_home, resident) {
+        return Ok(route_session_home(placements, at, resident, request, &capable, &fits));
     }
     let session_key = session.map(|s| stable_hash(s.as_bytes()));
-    // The ring decides unless the session has a home that is only busy (it
-    // stays a failover then, which the full scan keeps).
-    let home_is_busy = home.is_some_and(|home| {
-        placements
-            .binary_search_by_key(&(home.node, home.backend), |p| (p.target.node, p.target.backend))
-            .is_ok_and(|i| classify(&placements[i], Some(home), request.now_ms) == Class::Resident)
-    });
-    if let (Some(key), false, Some(ring)) = (session_key, home_is_busy, snapshot.ring(request.model))
+    if let (Some(key), Some(ring)) = (session_key, snapshot.ring(request.model))
         && snapshot.policy().strategy(request.model) != Strategy::Weighted
         && let Some(route) = place_on_ring(snapshot, placements, ring, key, request, &capable, &fits)
     {
@@ -386,7 +436,6 @@ pub fn select(snapshot: &RoutingSnapshot, request: &RouteRequest<'_>) -> Result<
     // and cold placements.
     let (mut any_capable, mut any_fitting, mut largest_window) = (false, false, 0u32);
     let (mut warm_count, mut warm_load) = (0u64, 0u64);
-    let mut resident: Option<usize> = None;
     let mut refused_for_memory = false;
     let mut homes: Best<HOMES> = Best::new();
     let mut warm: Best<MAX_TARGETS> = Best::new();
@@ -403,10 +452,10 @@ pub fn select(snapshot: &RoutingSnapshot, request: &RouteRequest<'_>) -> Result<
         }
         any_fitting = true;
         match classify(p, home, request.now_ms) {
-            Class::Resident => resident = Some(i),
-            Class::Warm => {
+            // A usable home took the early return: here it is not one.
+            Class::Resident | Class::Warm => {
                 warm_count += 1;
-                let saturated = u64::from(p.saturated);
+                let saturated = u64::from(waits(p));
                 let position = i as u64;
                 match (session_key, strategy) {
                     (Some(key), _) => {
@@ -450,17 +499,20 @@ pub fn select(snapshot: &RoutingSnapshot, request: &RouteRequest<'_>) -> Result<
         // a single session, and placements would flip between turns and
         // between data planes as the counts move.
         let bound = (snapshot.policy().load_bound * (warm_load + 1) as f64 / warm_count.max(1) as f64).ceil() + 1.0;
-        let over = |p: &Placement| p.saturated || f64::from(session_load(p)) + 1.0 > bound;
-        // The best homes by score, those within the bound first.
+        let over = |p: &Placement| f64::from(session_load(p)) + 1.0 > bound;
+        // The best homes by score, those within the bound first, those that
+        // start it at once before those that queue it, the soonest first.
         for index in homes.indices() {
-            warm.offer([u64::from(over(&placements[index])), homes_rank(&homes, index), 0], index);
+            let p = &placements[index];
+            warm.offer([u64::from(over(p)), start_key(p), homes_rank(&homes, index)], index);
         }
-        if homes.indices().all(|i| over(&placements[i])) && warm_count > HOMES as u64 {
-            // Every top home is over the bound (heavy imbalance): rank them all.
+        if homes.indices().all(|i| over(&placements[i]) || waits(&placements[i])) && warm_count > HOMES as u64 {
+            // Every top home is over the bound (heavy imbalance) or would
+            // queue the session: rank them all, another may have room.
             warm = Best::new();
             for (i, p) in placements.iter().enumerate() {
                 if capable(p) && fits(p) && classify(p, home, request.now_ms) == Class::Warm {
-                    warm.offer([u64::from(over(p)), !score(key, p, strategy), place_key(p)], i);
+                    warm.offer([u64::from(over(p)), start_key(p), !score(key, p, strategy)], i);
                 }
             }
         }
@@ -473,24 +525,17 @@ pub fn select(snapshot: &RoutingSnapshot, request: &RouteRequest<'_>) -> Result<
         warm = Best::new();
         for i in pair.indices() {
             let p = &placements[i];
-            warm.offer([u64::from(p.saturated), u64::from(load(p)), i as u64], i);
+            warm.offer([u64::from(waits(p)), u64::from(load(p)), i as u64], i);
         }
         for i in rest.indices().filter(|i| !pair.indices().any(|j| j == *i)) {
             let p = &placements[i];
-            warm.offer([u64::from(p.saturated), 1 << 32 | u64::from(load(p)), i as u64], i);
+            warm.offer([u64::from(waits(p)), 1 << 32 | u64::from(load(p)), i as u64], i);
         }
     }
 
-    // An overloaded home is left only for a node with room now: where the
-    // node it would go to is queued or full too, moving buys a whole
-    // prompt's recompute behind a queue as long, and the next turn may
-    // move back.
-    let room_elsewhere = warm.indices().next().is_some_and(|i| !placements[i].saturated);
-    let resident_first = resident.filter(|r| !placements[*r].overloaded || !room_elsewhere);
     let mut targets = Targets::default();
     let mut loads = 0u8;
-    let ordered =
-        resident_first.into_iter().chain(warm.indices()).chain(resident).chain(cold.indices()).chain(ejected.indices());
+    let ordered = warm.indices().chain(cold.indices()).chain(ejected.indices());
     for index in ordered {
         if targets.len() == MAX_TARGETS {
             break;
@@ -503,24 +548,94 @@ pub fn select(snapshot: &RoutingSnapshot, request: &RouteRequest<'_>) -> Result<
             targets.push(target);
         }
     }
-    let Some(first) = targets.first().copied() else {
+    if targets.is_empty() {
         let why = if refused_for_memory {
             "GPU memory above the admission threshold, or not read lately"
         } else {
             "none is ready"
         };
         return Err(RouteError::NoCapacity { model: request.model.to_string(), why });
-    };
-    let reason = if resident.is_some_and(|r| placements[r].target == first) {
-        RouteReason::Resident
-    } else if loads & 1 != 0 {
+    }
+    let reason = if loads & 1 != 0 {
         RouteReason::Cold
     } else if session_key.is_some() {
         RouteReason::Placed
     } else {
         RouteReason::Warm
     };
-    Ok(Route { targets, reason, loads })
+    let expected_ttft_ms = match (reason, warm.indices().next()) {
+        (RouteReason::Placed, Some(i)) => millis(expected_ttft(&placements[i], request.prompt_tokens, 0)),
+        _ => 0,
+    };
+    Ok(Route { targets, reason, loads, expected_ttft_ms, home_expected_ttft_ms: 0 })
+}
+
+/// What a move must save, at least. Reports are up to a poll interval (1 s
+/// by default) old: a home that looks busy may hold only this session's
+/// previous turn, just ended, and a smaller gain is within that error.
+const MIN_MOVE_GAIN_SECONDS: f64 = 1.0;
+
+/// A session whose home (`placements[at]`) can take it: home, unless
+/// another warm node gives the first token sooner, reading the whole
+/// prompt, than the home does behind its queue. A home that answers
+/// sooner than the fastest node could read the prompt is kept without a
+/// scan; failovers are then the next warm placements with room.
+fn route_session_home(
+    placements: &[Placement],
+    at: usize,
+    resident: crate::snapshot::Resident,
+    request: &RouteRequest<'_>,
+    capable: &impl Fn(&Placement) -> bool,
+    fits: &impl Fn(&Placement) -> bool,
+) -> Route {
+    let home = &placements[at];
+    // A later turn's prompt holds at least what its cache holds.
+    let prompt = request.prompt_tokens.max(resident.tokens);
+    let at_home = expected_ttft(home, prompt, resident.tokens);
+    let alternative =
+        |p: &Placement| capable(p) && fits(p) && classify(p, Some(resident.target), request.now_ms) == Class::Warm;
+    let after = || placements[at + 1..].iter().chain(&placements[..at]);
+    let mut targets = Targets::default();
+    if at_home > f64::from(prompt) / home.fastest_prefill_tokens_per_second {
+        // Only a free slot is worth a recompute: into a queue, the mover's
+        // prompt is slot time taken from requests that would have had it
+        // (and where slots share a processor, from every request running
+        // there), so the fleet loses what the mover gains; and two queues'
+        // waits are estimated too roughly to trade one for the other
+        // without flapping. Ordered by expected time, microseconds; the
+        // placement breaks ties.
+        let mut best: Best<2> = Best::new();
+        for (i, p) in placements.iter().enumerate().filter(|(_, p)| alternative(p) && !waits(p)) {
+            best.offer([(expected_ttft(p, prompt, 0) * 1e6) as u64, place_key(p), 0], i);
+        }
+        let worth = (at_home - MIN_MOVE_GAIN_SECONDS) * 1e6;
+        if let Some(&(_, moved)) = best.items[..best.len].first().filter(|(key, _)| (key[0] as f64) < worth) {
+            targets.push(placements[moved].target);
+            targets.push(home.target);
+            best.indices().skip(1).for_each(|i| targets.push(placements[i].target));
+            return Route {
+                targets,
+                reason: RouteReason::Moved,
+                loads: 0,
+                expected_ttft_ms: millis(expected_ttft(&placements[moved], prompt, 0)),
+                home_expected_ttft_ms: millis(at_home),
+            };
+        }
+    }
+    targets.push(home.target);
+    for p in after().filter(|p| alternative(p) && !waits(p)) {
+        if targets.len() == MAX_TARGETS {
+            break;
+        }
+        targets.push(p.target);
+    }
+    Route {
+        targets,
+        reason: RouteReason::Resident,
+        loads: 0,
+        expected_ttft_ms: millis(at_home),
+        home_expected_ttft_ms: 0,
+    }
 }
 
 /// How many of a session's best-scoring homes are kept while scanning; the
@@ -583,14 +698,17 @@ fn place_on_ring(
             }
         }
     }
-    let over = |p: &Placement| p.saturated || f64::from(session_load(p)) + 1.0 > bound;
-    if homes.iter().all(|i| over(&placements[*i])) {
+    let over = |p: &Placement| f64::from(session_load(p)) + 1.0 > bound;
+    // None within the bound with room: the full scan looks further.
+    if homes.iter().all(|i| over(&placements[*i]) || waits(&placements[*i])) {
         return None;
     }
-    // Within the bound first, ring order otherwise.
-    homes.sort_by_key(|i| over(&placements[*i]));
+    // Within the bound first, then those that start it at once (in ring
+    // order), then the soonest.
+    homes.sort_by_key(|i| (over(&placements[*i]), start_key(&placements[*i])));
     let targets: Targets = homes.iter().map(|i| placements[*i].target).collect();
-    Some(Route { targets, reason: RouteReason::Placed, loads: 0 })
+    let expected_ttft_ms = millis(expected_ttft(&placements[homes[0]], request.prompt_tokens, 0));
+    Some(Route { targets, reason: RouteReason::Placed, loads: 0, expected_ttft_ms, home_expected_ttft_ms: 0 })
 }
 
 /// A placement's draw for a ticket: the two lowest among the warm ones are

@@ -33,6 +33,12 @@ struct Spec {
     admission_override: f64,
     /// The GPU readings are the last ones read.
     stale: bool,
+    busy: u32,
+    load_unknown: bool,
+    prefill_tokens_per_second: f64,
+    service_ms: u32,
+    /// Tokens each of `sessions` holds.
+    session_tokens: u32,
 }
 
 fn spec(id: &str) -> Spec {
@@ -52,6 +58,11 @@ fn spec(id: &str) -> Spec {
         size_gib: 5,
         admission_override: 0.0,
         stale: false,
+        busy: 0,
+        load_unknown: false,
+        prefill_tokens_per_second: 0.0,
+        service_ms: 0,
+        session_tokens: 0,
     }
 }
 
@@ -70,7 +81,11 @@ fn wire(s: &Spec) -> SnapshotNode {
         in_flight: s.in_flight,
         requests_deferred: s.deferred,
         slots_total: s.slots,
+        slots_busy: s.busy,
         weight: s.weight,
+        load_unknown: s.load_unknown,
+        prefill_tokens_per_second: s.prefill_tokens_per_second,
+        service_ms: s.service_ms,
         ..Default::default()
     };
     backend.set_health(s.health);
@@ -89,7 +104,12 @@ fn wire(s: &Spec) -> SnapshotNode {
             .iter()
             .cloned()
             .chain((0..s.resident).map(|i| format!("{}-other-{i}", s.id)))
-            .map(|k| ResidentSession { key: k, backend_id: "b0".into(), ..Default::default() })
+            .map(|k| ResidentSession {
+                key: k,
+                backend_id: "b0".into(),
+                tokens: s.session_tokens,
+                ..Default::default()
+            })
             .collect(),
         ..Default::default()
     };
@@ -200,32 +220,140 @@ fn thresholds_come_from_the_node_then_the_fleet() {
     assert_eq!(nodes(&s, &select(&s, &chat(None)).unwrap()), ["b"]);
 }
 
+/// A node of 4 slots reading prompts at 100 tokens a second, whose
+/// requests hold a slot 2 s: the real-model fleet's figures, rounded.
+fn slow(id: &str, busy: u32, deferred: u32) -> Spec {
+    Spec { slots: 4, busy, deferred, prefill_tokens_per_second: 100.0, service_ms: 2_000, ..spec(id) }
+}
+
+/// A later turn of `conv`: 1,050 tokens, 1,000 of them cached at home.
+fn later_turn() -> RouteRequest<'static> {
+    RouteRequest { prompt_tokens: 1_050, ..chat(Some("conv")) }
+}
+
+fn home(mut node: Spec) -> Spec {
+    node.sessions = vec!["conv".into()];
+    node.session_tokens = 1_000;
+    node
+}
+
 #[test]
-fn a_busy_home_is_kept_but_an_overloaded_one_is_passed_over() {
-    // All slots busy, one request queued: the cache is worth the wait.
-    let s = snapshot(&[Spec { deferred: 1, slots: 4, sessions: vec!["conv".into()], ..spec("busy") }, spec("idle")]);
-    let route = select(&s, &chat(Some("conv"))).unwrap();
-    assert_eq!(
-        (nodes(&s, &route), route.reason),
-        (vec!["busy".to_string(), "idle".to_string()], RouteReason::Resident)
-    );
-    // A whole round of slots queued.
-    let s = snapshot(&[Spec { deferred: 4, sessions: vec!["conv".into()], slots: 4, ..spec("busy") }, spec("idle")]);
-    let route = select(&s, &chat(Some("conv"))).unwrap();
-    assert_eq!(nodes(&s, &route), ["idle", "busy"]);
-    assert_eq!(route.reason, RouteReason::Placed);
-    // ... unless every other node is queued too: moving would recompute
-    // the prompt and wait as well.
-    let s = snapshot(&[
-        Spec { deferred: 4, sessions: vec!["conv".into()], slots: 4, ..spec("busy") },
-        Spec { deferred: 1, slots: 4, ..spec("queued") },
-        Spec { deferred: 3, slots: 4, ..spec("queued-more") },
-    ]);
-    let route = select(&s, &chat(Some("conv"))).unwrap();
-    assert_eq!(route.reason, RouteReason::Resident);
-    assert_eq!(first_node(&s, &route), "busy");
-    assert_eq!(nodes(&s, &route).len(), 3, "the queued nodes stay failovers: {:?}", nodes(&s, &route));
-    // New sessions avoid a merely saturated node.
+fn a_session_leaves_its_cache_only_for_a_free_slot_that_beats_its_wait_at_home() {
+    // Home: 4 busy, 4 queued, so 5 requests to leave first, a slot freeing
+    // every 0.5 s: 2.5 s, plus 50 new tokens, 0.5 s. Elsewhere, idle: the
+    // whole prompt, 10.5 s. The cache is worth the wait.
+    let s = snapshot(&[home(slow("busy", 4, 4)), slow("idle", 0, 0)]);
+    let route = select(&s, &later_turn()).unwrap();
+    assert_eq!((nodes(&s, &route), route.reason), (vec!["busy".into(), "idle".into()], RouteReason::Resident));
+    assert_eq!(route.expected_ttft_ms, 3_000);
+    // 20 queued: 10.5 s of waiting at home, and 0.5 s more for the new
+    // tokens, against 10.5 s elsewhere: half a second is within the error
+    // of reports a poll interval old, and it stays.
+    let s = snapshot(&[home(slow("busy", 4, 20)), slow("idle", 0, 0)]);
+    assert_eq!(select(&s, &later_turn()).unwrap().reason, RouteReason::Resident);
+    // 22 queued: 12 s at home, a second and a half saved: it moves, home
+    // kept as failover.
+    let s = snapshot(&[home(slow("busy", 4, 22)), slow("idle", 0, 0)]);
+    let route = select(&s, &later_turn()).unwrap();
+    assert_eq!((nodes(&s, &route), route.reason), (vec!["idle".into(), "busy".into()], RouteReason::Moved));
+    assert_eq!((route.expected_ttft_ms, route.home_expected_ttft_ms), (10_500, 12_000));
+    // A node that reads prompts 100 times as fast is worth the recompute
+    // against a short queue already.
+    let fast = Spec { prefill_tokens_per_second: 10_000.0, ..slow("fast", 0, 0) };
+    let s = snapshot(&[home(slow("busy", 4, 4)), fast]);
+    let route = select(&s, &later_turn()).unwrap();
+    assert_eq!((first_node(&s, &route), route.reason), ("fast".into(), RouteReason::Moved));
+    assert_eq!(route.expected_ttft_ms, 105);
+}
+
+#[test]
+fn a_session_moves_only_into_a_free_slot() {
+    // Home: 44 queued, 23 s. Elsewhere every slot is taken, none queued:
+    // 0.5 s of wait and 10.5 s of recompute would beat home for the mover,
+    // but the recompute is slot time others there would have had.
+    let s = snapshot(&[home(slow("busy", 4, 44)), slow("full", 4, 0)]);
+    let route = select(&s, &later_turn()).unwrap();
+    assert_eq!((first_node(&s, &route), route.reason), ("busy".into(), RouteReason::Resident));
+    // One slot free there: the recompute takes nobody's slot.
+    let s = snapshot(&[home(slow("busy", 4, 44)), slow("room", 3, 0)]);
+    let route = select(&s, &later_turn()).unwrap();
+    assert_eq!((first_node(&s, &route), route.reason), ("room".into(), RouteReason::Moved));
+    assert_eq!((route.expected_ttft_ms, route.home_expected_ttft_ms), (10_500, 23_000));
+}
+
+#[test]
+fn where_every_node_is_queued_a_session_stays_home() {
+    // The home's queue is the longest, but not by a recompute of the prompt.
+    let s = snapshot(&[home(slow("busy", 4, 8)), slow("queued", 4, 1), slow("queued-more", 4, 3)]);
+    let route = select(&s, &later_turn()).unwrap();
+    assert_eq!((first_node(&s, &route), route.reason), ("busy".into(), RouteReason::Resident));
+    // Failovers are those with room; none has.
+    assert_eq!(nodes(&s, &route), ["busy"]);
+    // Without a cache to keep (a new session), the shortest queue wins.
+    let route = select(&s, &RouteRequest { prompt_tokens: 1_050, ..chat(Some("new")) }).unwrap();
+    assert_eq!((first_node(&s, &route), route.reason), ("queued".into(), RouteReason::Placed));
+}
+
+#[test]
+fn load_that_could_not_be_read_is_taken_for_busy_not_idle() {
+    // Idle by its last counts, but unread: new sessions go to the node
+    // known to be idle.
+    let unknown = Spec { load_unknown: true, ..slow("unknown", 0, 0) };
+    let s = snapshot(&[unknown.clone(), slow("idle", 0, 0)]);
+    for i in 0..8 {
+        let route = select(&s, &RouteRequest { prompt_tokens: 100, ..chat(Some(&format!("new-{i}"))) }).unwrap();
+        assert_eq!(first_node(&s, &route), "idle");
+    }
+    // A session at home there stays: every slot taken and a round queued
+    // (5 requests ahead, 2.5 s) costs less than recomputing 1,000 tokens
+    // elsewhere (10.5 s).
+    let s = snapshot(&[home(unknown), slow("idle", 0, 0)]);
+    let route = select(&s, &later_turn()).unwrap();
+    assert_eq!((first_node(&s, &route), route.reason), ("unknown".into(), RouteReason::Resident));
+    assert_eq!(route.expected_ttft_ms, 3_000, "5 requests ahead at 0.5 s, then 50 tokens");
+}
+
+#[test]
+fn a_burst_between_two_reports_is_spread_by_the_own_counts() {
+    // Both idle by their reports; the data plane has sent 4 requests to
+    // one of them since, which fills its slots.
+    let s = snapshot(&[slow("a", 0, 0), slow("b", 0, 0)]);
+    let keys: Vec<String> = (0..16).map(|i| format!("new-{i}")).collect();
+    let request = |i: usize| RouteRequest { prompt_tokens: 500, ..chat(Some(&keys[i])) };
+    let home_of = |i: usize| first_node(&s, &select(&s, &request(i)).unwrap());
+    let (on_a, on_b): (Vec<usize>, Vec<usize>) = (0..16).partition(|i| home_of(*i) == "a");
+    assert!(!on_a.is_empty() && !on_b.is_empty(), "both nodes are homes of some sessions");
+    s.nodes()[0].local.in_flight.store(4, Ordering::Relaxed);
+    for i in on_a {
+        assert_eq!(home_of(i), "b", "a's slots are taken by this data plane's own requests");
+    }
+    // A reported count the own count is part of is not added to it.
+    let s = snapshot(&[slow("a", 3, 0), slow("b", 3, 0)]);
+    s.nodes()[0].local.in_flight.store(3, Ordering::Relaxed);
+    let route = select(&s, &request(0)).unwrap();
+    assert_eq!(route.expected_ttft_ms, 5_000, "a free slot: no wait, 500 tokens at 100/s");
+}
+
+#[test]
+fn keyless_requests_do_not_herd_on_the_node_the_last_report_showed_free() {
+    // Reported: "a" has its 4 slots taken, "b" is idle. Since, this data
+    // plane sent 8 requests to "b": by its own count "b" is the busier.
+    let s = snapshot(&[Spec { in_flight: 4, ..slow("a", 4, 0) }, slow("b", 0, 0)]);
+    assert_eq!(first_node(&s, &select(&s, &chat(None)).unwrap()), "b");
+    s.nodes()[1].local.in_flight.store(8, Ordering::Relaxed);
+    for strategy in [Strategy::LeastOutstanding, Strategy::PowerOfTwo, Strategy::Weighted] {
+        let policy = RoutingPolicy { default_strategy: strategy as i32, ..Default::default() };
+        let s = snapshot_with(&[Spec { in_flight: 4, ..slow("a", 4, 0) }, slow("b", 0, 0)], Some(policy));
+        s.nodes()[1].local.in_flight.store(8, Ordering::Relaxed);
+        for ticket in 0..4 {
+            let route = select(&s, &RouteRequest { ticket, ..chat(None) }).unwrap();
+            assert_eq!(first_node(&s, &route), "a", "{strategy:?}, ticket {ticket}");
+        }
+    }
+}
+
+#[test]
+fn new_sessions_avoid_a_saturated_node() {
     let s = snapshot(&[Spec { deferred: 1, ..spec("busy") }, spec("idle")]);
     for i in 0..8 {
         assert_eq!(first_node(&s, &select(&s, &chat(Some(&format!("new-{i}")))).unwrap()), "idle");

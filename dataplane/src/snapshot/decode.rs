@@ -6,8 +6,8 @@ use std::sync::{Arc, Mutex};
 use inferyes_proto::v1::{Alias, Health, ModelState, RoutingPolicy, SnapshotNode, Strategy};
 
 use super::{
-    BackendView, CatalogEntry, Indices, LocalCounters, Node, Placement, Policy, Ring, RoutingSnapshot, Target,
-    session_hash,
+    BackendView, CatalogEntry, DEFAULT_PREFILL_TOKENS_PER_SECOND, DEFAULT_SERVICE_SECONDS, Indices, LocalCounters,
+    Node, Placement, Policy, Resident, Ring, RoutingSnapshot, Target, session_hash,
 };
 
 /// Per-node counters that survive snapshot swaps, so a request that started
@@ -112,6 +112,20 @@ pub fn decode(
                 slots_busy: backend.slots_busy,
                 requests_deferred: backend.requests_deferred,
                 in_flight: backend.in_flight,
+                load_unknown: backend.load_unknown,
+            };
+            // Within what hardware can do: an agent claiming a billion
+            // tokens a second, or a slot freed in no time, would draw every
+            // session to itself.
+            let prefill = backend.prefill_tokens_per_second;
+            let prefill_tokens_per_second = if prefill.is_finite() && prefill > 0.0 {
+                prefill.clamp(1.0, MAX_PREFILL_TOKENS_PER_SECOND)
+            } else {
+                0.0
+            };
+            let service_seconds = match backend.service_ms {
+                0 => 0.0,
+                ms => (f64::from(ms) / 1e3).clamp(MIN_SERVICE_SECONDS, MAX_SERVICE_SECONDS),
             };
             let target = Target { node: node_index, backend: backend_index };
             let resident_sessions = status.sessions.iter().filter(|s| s.backend_id == backend.id).count();
@@ -124,9 +138,14 @@ pub fn decode(
                     endpoints: model.endpoints().collect(),
                     size_bytes: model.size_bytes,
                     usable: view.health == Health::Ready && !wire.draining,
-                    saturated: view.saturated(),
-                    overloaded: view.overloaded(),
                     reported_in_flight: view.in_flight,
+                    slots: view.slots_total,
+                    occupancy: view.occupancy(),
+                    deferred: view.requests_deferred,
+                    load_unknown: view.load_unknown,
+                    prefill_tokens_per_second,
+                    service_seconds,
+                    fastest_prefill_tokens_per_second: 0.0,
                     resident_sessions,
                     weight: view.weight,
                     node_key: key,
@@ -145,15 +164,18 @@ pub fn decode(
             let Some(backend) = status.backends.iter().position(|b| b.id == session.backend_id) else { continue };
             // A session that moved is reported by both nodes until the old
             // one evicts it: the most recent use wins.
-            let target = Target { node: node_index, backend };
-            let seen = session.last_seen_unix_ms;
+            let resident = Resident {
+                target: Target { node: node_index, backend },
+                tokens: session.tokens,
+                last_seen_unix_ms: session.last_seen_unix_ms,
+            };
             match indices.sessions.entry(session_hash(&session.key)) {
-                Entry::Occupied(mut held) if held.get().1 < seen => {
-                    held.insert((target, seen));
+                Entry::Occupied(mut held) if held.get().last_seen_unix_ms < resident.last_seen_unix_ms => {
+                    held.insert(resident);
                 }
                 Entry::Occupied(_) => {}
                 Entry::Vacant(slot) => {
-                    slot.insert((target, seen));
+                    slot.insert(resident);
                 }
             }
         }
@@ -174,6 +196,7 @@ pub fn decode(
             hard_limit,
         });
     }
+    indices.models.values_mut().for_each(|placements| fill_rates(placements));
     for (model, placements) in &indices.models {
         if placements.len() < super::RING_MIN_PLACEMENTS {
             continue;
@@ -241,6 +264,42 @@ pub fn decode(
     RoutingSnapshot { version, indices: Arc::new(indices), ..Default::default() }
 }
 
+/// The bounds reported rates are held to.
+const MAX_PREFILL_TOKENS_PER_SECOND: f64 = 1e6;
+const MIN_SERVICE_SECONDS: f64 = 0.001;
+const MAX_SERVICE_SECONDS: f64 = 3_600.0;
+
+/// Gives every placement of a model a prompt rate and a service time: its
+/// own, else the median of those its peers reported (the same model on
+/// like hardware, most likely), else the defaults; and the fastest rate.
+fn fill_rates(placements: &mut [Placement]) {
+    let median = |mut known: Vec<f64>, default: f64| {
+        known.sort_by(f64::total_cmp);
+        known.get(known.len() / 2).copied().unwrap_or(default)
+    };
+    let known = |rate: fn(&Placement) -> f64| placements.iter().map(rate).filter(|r| *r > 0.0).collect::<Vec<_>>();
+    let prefill = median(known(|p| p.prefill_tokens_per_second), DEFAULT_PREFILL_TOKENS_PER_SECOND);
+    let service = median(known(|p| p.service_seconds), DEFAULT_SERVICE_SECONDS);
+    let mut fastest: f64 = 0.0;
+    for p in placements.iter_mut() {
+        if p.prefill_tokens_per_second <= 0.0 {
+            p.prefill_tokens_per_second = prefill;
+        }
+        if p.service_seconds <= 0.0 {
+            p.service_seconds = service;
+        }
+        // Among those a session could move to: a draining or cold node's
+        // rate would only make every busy home scan for nothing.
+        if p.usable && matches!(p.state, ModelState::Loaded | ModelState::Unknown) {
+            fastest = fastest.max(p.prefill_tokens_per_second);
+        }
+    }
+    if fastest == 0.0 {
+        fastest = prefill;
+    }
+    placements.iter_mut().for_each(|p| p.fastest_prefill_tokens_per_second = fastest);
+}
+
 #[cfg(test)]
 mod tests {
     use inferyes_proto::v1::{Backend, Gpu, Model, NodePolicy, NodeStatus, ResidentSession};
@@ -280,6 +339,44 @@ mod tests {
     }
 
     #[test]
+    fn rates_not_reported_are_the_peers_median_and_claims_past_hardware_are_cut() {
+        let with_rates = |id: &str, prefill: f64, service_ms: u32| {
+            let mut wire = node(id, &[("chat", ModelState::Loaded)], &[]);
+            let backend = &mut wire.status.as_mut().unwrap().backends[0];
+            (backend.prefill_tokens_per_second, backend.service_ms) = (prefill, service_ms);
+            (id.to_string(), wire)
+        };
+        let nodes: BTreeMap<String, SnapshotNode> = [
+            with_rates("a", 100.0, 2_000),
+            with_rates("b", 300.0, 4_000),
+            with_rates("c", 200.0, 3_000),
+            with_rates("unknown", 0.0, 0),
+            with_rates("hostile", f64::INFINITY, 0),
+        ]
+        .into();
+        let snapshot = decode(1, &nodes, None, &[], &Counters::default());
+        let rates: Vec<(f64, f64)> = snapshot
+            .placements("chat")
+            .unwrap()
+            .iter()
+            .map(|p| (p.prefill_tokens_per_second, p.service_seconds))
+            .collect();
+        assert_eq!(rates, [(100.0, 2.0), (300.0, 4.0), (200.0, 3.0), (200.0, 3.0), (200.0, 3.0)]);
+        let nodes: BTreeMap<String, SnapshotNode> = [with_rates("liar", 1e300, 1), with_rates("alone", 0.0, 0)].into();
+        let snapshot = decode(1, &nodes, None, &[], &Counters::default());
+        let chat = snapshot.placements("chat").unwrap();
+        assert_eq!((chat[0].prefill_tokens_per_second, chat[0].service_seconds), (1e6, 0.001));
+        assert_eq!(chat[1].fastest_prefill_tokens_per_second, 1e6);
+        let nodes: BTreeMap<String, SnapshotNode> = [with_rates("new", 0.0, 0)].into();
+        let snapshot = decode(1, &nodes, None, &[], &Counters::default());
+        let p = &snapshot.placements("chat").unwrap()[0];
+        assert_eq!(
+            (p.prefill_tokens_per_second, p.service_seconds),
+            (DEFAULT_PREFILL_TOKENS_PER_SECOND, DEFAULT_SERVICE_SECONDS)
+        );
+    }
+
+    #[test]
     fn indices_cover_models_sessions_aliases_and_catalog() {
         let mut nodes = BTreeMap::new();
         nodes.insert("a".to_string(), node("a", &[("chat", ModelState::Loaded)], &["s1"]));
@@ -293,7 +390,7 @@ mod tests {
         assert!(
             chat.windows(2).all(|w| (w[0].target.node, w[0].target.backend) < (w[1].target.node, w[1].target.backend))
         );
-        assert_eq!(snapshot.resident("s1"), Some(Target { node: 0, backend: 0 }));
+        assert_eq!(snapshot.resident("s1").map(|r| r.target), Some(Target { node: 0, backend: 0 }));
         assert_eq!(snapshot.nodes()[0].proxy_url.as_str(), "http://a");
         assert!((snapshot.nodes()[0].vram_fraction - 0.9).abs() < 1e-9, "the fullest GPU counts");
         assert_eq!(snapshot.nodes()[1].vram_loading_bytes, 7);

@@ -54,8 +54,7 @@ pub struct Indices {
     /// Session key (hashed, see [`session_hash`]) → where its KV cache is
     /// resident. Hashes, not strings: a snapshot of 100,000 sessions is
     /// decoded without 100,000 allocations.
-    /// The last-seen time (seconds) settles a session reported twice.
-    pub(crate) sessions: HashMap<u64, (Target, u64), BuildHasherDefault<Prehashed>>,
+    pub(crate) sessions: HashMap<u64, Resident, BuildHasherDefault<Prehashed>>,
     pub(crate) policy: Policy,
 }
 
@@ -65,6 +64,17 @@ impl std::ops::Deref for RoutingSnapshot {
     fn deref(&self) -> &Indices {
         &self.indices
     }
+}
+
+/// Where a session's KV cache is, and how much of it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Resident {
+    pub target: Target,
+    /// Tokens the cache holds: the part of the next prompt not read again.
+    pub tokens: u32,
+    /// When the session was last used there: settles a session two nodes
+    /// report (it moved; the old node has not evicted it yet).
+    pub last_seen_unix_ms: u64,
 }
 
 /// API keys by key id, hashes included.
@@ -256,22 +266,22 @@ pub struct BackendView {
     pub slots_busy: u32,
     pub requests_deferred: u32,
     pub in_flight: u32,
+    pub load_unknown: bool,
 }
 
 impl BackendView {
-    /// No room for one more without waiting: requests deferred, or every
-    /// slot busy. New sessions go elsewhere.
-    pub fn saturated(&self) -> bool {
-        self.requests_deferred > 0 || (self.slots_total > 0 && self.slots_busy >= self.slots_total)
-    }
-
-    /// A whole round of slots already waiting. Even a session whose cache is
-    /// here moves on, to a node with room: recomputing its prompt there
-    /// beats that queue, while a shorter wait does not.
-    pub fn overloaded(&self) -> bool {
-        self.requests_deferred >= self.slots_total.max(1)
+    /// Requests the backend holds, running or queued: its own counts, or
+    /// the agent proxy's in-flight count where that is more (a server
+    /// without `--slots` and `--metrics` reports none).
+    pub fn occupancy(&self) -> u32 {
+        self.slots_busy.saturating_add(self.requests_deferred).max(self.in_flight)
     }
 }
+
+/// Rates assumed where a backend has reported none yet (and no other
+/// placement of the model has either): a mid-size model on one GPU.
+pub const DEFAULT_PREFILL_TOKENS_PER_SECOND: f64 = 1_000.0;
+pub const DEFAULT_SERVICE_SECONDS: f64 = 1.0;
 
 /// Where a model can run: a backend of a node.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -292,9 +302,23 @@ pub struct Placement {
     /// decision reads one contiguous array instead of chasing pointers.
     /// Backend ready and node not draining.
     pub usable: bool,
-    pub saturated: bool,
-    pub overloaded: bool,
     pub reported_in_flight: u32,
+    /// What the wait for a slot is estimated from: the backend's slots (0:
+    /// not known), the requests it holds, its queue, and whether those
+    /// counts could be read.
+    pub slots: u32,
+    pub occupancy: u32,
+    pub deferred: u32,
+    pub load_unknown: bool,
+    /// Prompt tokens a request is read at, per second, and the seconds a
+    /// request holds a slot: reported, else the model's other placements'
+    /// median, else the defaults. Never zero.
+    pub prefill_tokens_per_second: f64,
+    pub service_seconds: f64,
+    /// The fastest prompt rate among the model's placements: no move can
+    /// read the whole prompt sooner, so a home that answers sooner than
+    /// that is kept without looking further.
+    pub fastest_prefill_tokens_per_second: f64,
     /// Sessions the backend's agent reports resident: the load a new
     /// session is balanced against, since each will come back.
     pub resident_sessions: u32,
@@ -344,8 +368,8 @@ impl RoutingSnapshot {
         self.rings.get(model)
     }
 
-    pub fn resident(&self, session: &str) -> Option<Target> {
-        self.sessions.get(&session_hash(session)).map(|(target, _)| *target)
+    pub fn resident(&self, session: &str) -> Option<Resident> {
+        self.sessions.get(&session_hash(session)).copied()
     }
 
     pub fn catalog(&self) -> &[CatalogEntry] {
