@@ -16,7 +16,7 @@ pub const STEP_MS: u64 = 5_000;
 pub const STEPS: u64 = 60;
 /// Routes drawn, in the legend's order. Decisions with another route
 /// (`failover`, `none`) are not drawn: a failover's time is the failure's.
-pub const ROUTES: [&str; 4] = ["resident", "placed", "warm", "cold"];
+pub const ROUTES: [&str; 5] = ["resident", "moved", "placed", "warm", "cold"];
 /// Times kept per route and step for its median; past that, each new one
 /// replaces the oldest kept, so a busy step's median is its last 64.
 const TIMES_PER_STEP: usize = 64;
@@ -264,7 +264,8 @@ mod tests {
             series.record(&decision("warm", now - 1, i + 1), now);
         }
         assert_eq!(series.view(now)["routes"]["warm"][0], json!([99 * STEP_MS, 968, 1_000, 1_000]));
-        assert_eq!(series.steps[0].routes[2].kept.len(), TIMES_PER_STEP);
+        let warm = ROUTES.iter().position(|r| *r == "warm").unwrap();
+        assert_eq!(series.steps[0].routes[warm].kept.len(), TIMES_PER_STEP);
         // Out of order within the window: inserted in its place.
         series.record(&decision("warm", now - STEP_MS - 1, 7), now);
         assert_eq!(series.steps.iter().map(|s| s.start_ms).collect::<Vec<_>>(), [98 * STEP_MS, 99 * STEP_MS]);

@@ -195,6 +195,8 @@ fn decisions(recent: &Recent) -> Vec<Value> {
                 "error": r.error_code,
                 "latency_ms": r.latency_ms,
                 "ttft_ms": r.ttft_ms,
+                "expected_ttft_ms": r.expected_ttft_ms,
+                "home_expected_ttft_ms": r.home_expected_ttft_ms,
                 "stream": r.stream,
                 "session": r.session_tag,
                 "key": r.key_id,

@@ -33,6 +33,15 @@ pub const NODE_HEADER: HeaderName = HeaderName::from_static("x-inferyes-node");
 pub const ROUTE_HEADER: HeaderName = HeaderName::from_static("x-inferyes-route");
 /// The route of an answer from a node other than the first choice.
 const FAILOVER: &str = "failover";
+
+/// What routing expected the first token to cost, in ms, where it was
+/// weighed: on the node chosen, and at the home a moved session left.
+/// Travels in the answer's extensions to the decision report.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ExpectedTtft {
+    pub ms: u32,
+    pub home_ms: u32,
+}
 use inferyes_proto::headers::{BACKEND as BACKEND_HEADER, MODEL as MODEL_HEADER, SESSION as SESSION_HEADER};
 
 /// Error bodies are small; a backend sending a huge one is cut off.
@@ -286,6 +295,13 @@ impl Forwarder {
                 parts.headers.insert(NODE_HEADER, value.clone());
             }
             parts.headers.insert(ROUTE_HEADER, HeaderValue::from_static(reason));
+            if attempt == 0 {
+                // For the decision's report only: a client is not told how
+                // loaded the fleet is.
+                parts
+                    .extensions
+                    .insert(ExpectedTtft { ms: route.expected_ttft_ms, home_ms: route.home_expected_ttft_ms });
+            }
             if !out.stream {
                 // A whole answer or none: read it before the client sees a
                 // byte, so a node failing mid-answer is a clean 502 (or the

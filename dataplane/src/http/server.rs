@@ -379,6 +379,7 @@ async fn inference(
         label
     };
     let latency_ms = u32::try_from(elapsed.as_millis()).unwrap_or(u32::MAX);
+    let expected = response.extensions().get::<super::forward::ExpectedTtft>().copied().unwrap_or_default();
     let decision = || RoutingDecision {
         request_id: super::id_text(&request_id).to_string(),
         unix_ms: inferyes_proto::unix_ms(),
@@ -393,6 +394,8 @@ async fn inference(
         key_id: facts.key_id.unwrap_or_default(),
         // A whole answer's first token reaches the client with its end.
         ttft_ms: if response.status().is_success() { latency_ms } else { 0 },
+        expected_ttft_ms: expected.ms,
+        home_expected_ttft_ms: expected.home_ms,
     };
     match facts.meter.take() {
         Some(meter) if facts.stream && response.status().is_success() => {

@@ -194,3 +194,90 @@ async fn aliases_name_models_and_are_resolved_before_routing() {
     let gone = fleet.http.post_json(&fleet.url("/v1/chat/completions"), &chat_body("gpt-4o", "hi")).await;
     assert_eq!(gone.status, StatusCode::NOT_FOUND);
 }
+
+/// Streams a long generation straight to a node's agent, as a client of
+/// another data plane would load it; returns once its head arrived or it
+/// was queued (a queued request's head comes only when it gets a slot).
+fn load_node(fleet: &crate::support::Fleet, node: usize, i: usize) -> tokio::task::JoinHandle<()> {
+    let http = fleet.http.clone();
+    let url = format!("http://{}/v1/chat/completions", fleet.agents[node].proxy_addr);
+    tokio::spawn(async move {
+        let mut body = chat_body("chat", &format!("a long answer, please, number {i}"));
+        body["max_tokens"] = json!(2_000);
+        body["stream"] = json!(true);
+        let authorization = inferyes_tests::fleet::agent_authorization();
+        let headers = [("x-inferyes-backend", "main"), ("x-inferyes-model", "chat"), ("authorization", &authorization)];
+        let response = http.start(Method::POST, &url, Bytes::from(body.to_string()), &headers).await;
+        let mut stream = response.into_body();
+        while inferyes_tests::client::next_chunk(&mut stream).await.is_some() {}
+    })
+}
+
+#[tokio::test]
+async fn a_session_whose_home_is_queued_past_a_recompute_moves_and_the_dashboard_says_why() {
+    // One slot a node, prompts read at 200 tokens a second: the session's
+    // ~200-token prompt costs a second to read again elsewhere.
+    let slow = || SimConfig {
+        slots: 1,
+        prefill_tokens_per_second: 200.0,
+        decode_tokens_per_second: 50.0,
+        ..SimConfig::llama_server("chat")
+    };
+    let fleet = crate::support::Fleet::start(vec![slow(), slow()]).await;
+    let mut body = chat_body("chat", &"hello ".repeat(100));
+    body["max_tokens"] = json!(2);
+    let first = chat(&fleet.http, &fleet.dataplane.url, &body, Some("conv")).await;
+    let home = node(&first);
+    let index = fleet.agents.iter().position(|a| a.node_id == home).unwrap();
+    fleet.dataplane.wait_for("the session resident", Duration::from_secs(5), |s| s.resident("conv").is_some()).await;
+
+    // Queue the home: one generation in its slot, three waiting, each of
+    // 40 s. Staying would cost several recomputes of the prompt.
+    let load: Vec<_> = (0..4).map(|i| load_node(&fleet, index, i)).collect();
+    fleet
+        .dataplane
+        .wait_for("the home's queue", Duration::from_secs(10), |s| {
+            s.nodes()
+                .iter()
+                .any(|n| *n.id == *home && n.backends[0].slots_busy == 1 && n.backends[0].requests_deferred == 3)
+        })
+        .await;
+    body["messages"].as_array_mut().unwrap().push(first.json()["choices"][0]["message"].clone());
+    body["messages"].as_array_mut().unwrap().push(json!({"role": "user", "content": "and then?"}));
+    let moved = chat(&fleet.http, &fleet.dataplane.url, &body, Some("conv")).await;
+    assert_eq!(moved.header("x-inferyes-route"), Some("moved"));
+    assert_ne!(node(&moved), home);
+
+    let request_id = moved.header("x-request-id").expect("a request id").to_string();
+    inferyes_tests::eventually("the move on the dashboard with its costs", Duration::from_secs(10), || async {
+        let view = crate::dashboard::fleet_view(&fleet).await;
+        view["decisions"].as_array().unwrap().iter().any(|d| {
+            let (here, at_home) =
+                (d["expected_ttft_ms"].as_u64().unwrap(), d["home_expected_ttft_ms"].as_u64().unwrap());
+            d["request_id"] == request_id.as_str() && d["route"] == "moved" && 0 < here && here < at_home
+        })
+    })
+    .await;
+    load.iter().for_each(tokio::task::JoinHandle::abort);
+}
+
+#[tokio::test]
+async fn the_agent_reports_the_prompt_rate_and_service_time_its_server_shows() {
+    let sim = SimConfig { prefill_tokens_per_second: 20_000.0, decode_tokens_per_second: 1_000.0, ..chat_sim("chat") };
+    let fleet = crate::support::Fleet::start(vec![sim]).await;
+    for i in 0..3 {
+        chat(&fleet.http, &fleet.dataplane.url, &chat_body("chat", &format!("hello {i} ").repeat(50)), None).await;
+    }
+    // 20,000 is the server's, not a default (1,000 where none is known).
+    fleet
+        .dataplane
+        .wait_for("the prompt rate in the snapshot", Duration::from_secs(10), |s| {
+            s.placements("chat").is_some_and(|p| p[0].prefill_tokens_per_second == 20_000.0)
+        })
+        .await;
+    inferyes_tests::eventually("the service time on the dashboard", Duration::from_secs(10), || async {
+        let view = crate::dashboard::fleet_view(&fleet).await;
+        view["gpus"][0]["backends"][0]["service_ms"].as_u64().is_some_and(|ms| ms > 0)
+    })
+    .await;
+}
