@@ -1,14 +1,21 @@
 //! Routing quality: how much KV cache each routing policy reuses, and what
-//! that does to time to first token, on a simulated 8-node fleet.
+//! that does to time to first token and to the workload's wall time, on
+//! simulated fleets from idle to four conversations per slot.
 //!
 //! ```sh
-//! cargo bench -p inferyes-tests --bench routing_quality
+//! cargo bench -p inferyes-tests --bench routing_quality                        # 8 and 64 nodes, 1x 2x 4x
+//! cargo bench -p inferyes-tests --bench routing_quality -- --nodes 8 --load 2  # one scenario
+//! cargo bench -p inferyes-tests --bench routing_quality -- --policies inferyes,round-robin
 //! ```
 //!
-//! Workload: 64 concurrent multi-turn chats of 6 turns with think time
-//! between turns, four shared system prompts, and a skewed mix of three
-//! models (70/20/10) over 8 simulated llama-servers (5 serve the popular
-//! model, 2 the second, 1 the third). Each policy gets a fresh fleet (etcd,
+//! Fleet: simulated llama-servers of 4 slots, reading prompts at 1,000
+//! tokens/s and generating 20 tokens/s per slot, a 64k-token host prompt
+//! cache each. Five eighths of the nodes serve the popular model, a quarter
+//! the second, an eighth the third. Workload: `load` conversations per slot
+//! of the fleet, all at once, each its own user: 6 turns, 50-250 ms of
+//! think time between them, a system prompt shared by a quarter of the
+//! conversations and a document of its own (~1,100 tokens in all), a
+//! 70/20/10 mix of the models. Each policy gets a fresh fleet (etcd,
 //! controller, agents, simulators, data plane) and the same workload:
 //!
 //! - inferyes: the data plane's policy (sessions by conversation root);
@@ -28,12 +35,13 @@ use inferyes_tests::client::next_chunk;
 use inferyes_tests::{AgentHandle, ControllerHandle, DataplaneHandle, Etcd, HttpClient, SimHandle};
 use serde_json::{Value, json};
 
-const NODES: usize = 8;
-const CONVERSATIONS: usize = 64;
+const SLOTS: usize = 4;
 const TURNS: usize = 6;
+const MAX_TOKENS: u32 = 8;
+/// The models, and the eighths of the fleet that serve each.
 const MODELS: [(&str, usize); 3] = [("popular", 5), ("second", 2), ("third", 1)];
 
-#[derive(Clone, Copy, PartialEq, Eq)]
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Policy {
     Inferyes,
     RoundRobin,
@@ -42,6 +50,8 @@ enum Policy {
 }
 
 impl Policy {
+    const ALL: [Policy; 4] = [Policy::Oracle, Policy::Inferyes, Policy::RoundRobin, Policy::LeastOutstanding];
+
     fn name(self) -> &'static str {
         match self {
             Policy::Inferyes => "inferyes",
@@ -52,16 +62,29 @@ impl Policy {
     }
 }
 
-/// Which model node `n` serves.
-fn model_of_node(n: usize) -> &'static str {
-    let mut first = 0;
-    for (model, count) in MODELS {
-        if n < first + count {
-            return model;
-        }
-        first += count;
+/// A fleet size and how many conversations it carries per slot.
+#[derive(Clone, Copy, Debug)]
+struct Scenario {
+    nodes: usize,
+    load: usize,
+}
+
+impl Scenario {
+    fn conversations(self) -> usize {
+        self.nodes * SLOTS * self.load
     }
-    MODELS[0].0
+
+    /// Which model node `n` serves.
+    fn model_of_node(self, n: usize) -> &'static str {
+        let mut first = 0;
+        for (model, eighths) in MODELS {
+            first += self.nodes * eighths / 8;
+            if n < first {
+                return model;
+            }
+        }
+        MODELS[0].0
+    }
 }
 
 /// The model of conversation `c`: 70% popular, 20% second, 10% third.
@@ -75,30 +98,36 @@ fn model_of_conversation(c: usize) -> &'static str {
 
 fn sim(model: &str) -> SimConfig {
     SimConfig {
-        slots: 4,
-        context: 4 * 4096,
-        prefill_tokens_per_second: 3000.0,
-        decode_tokens_per_second: 400.0,
-        cache_ram_tokens: 16_384,
-        default_max_tokens: 24,
+        slots: SLOTS as u32,
+        context: SLOTS as u32 * 4096,
+        prefill_tokens_per_second: 1_000.0,
+        decode_tokens_per_second: 20.0,
+        cache_ram_tokens: 65_536,
+        default_max_tokens: MAX_TOKENS,
         ..SimConfig::llama_server(model)
     }
 }
 
-fn system_prompt(i: usize) -> String {
+fn system_prompt(c: usize) -> String {
     let topics = ["a travel agent", "a code reviewer", "a patient tutor", "a support engineer"];
     format!(
         "You are {}. {}",
-        topics[i % topics.len()],
+        topics[c % topics.len()],
         "Answer carefully, cite what you rely on, keep a friendly tone, and never invent facts. ".repeat(12)
     )
+}
+
+/// The conversation's own material: what makes a lost cache expensive.
+fn document(c: usize) -> String {
+    (0..90).map(|i| format!("record {c} line {i} ")).collect()
 }
 
 #[derive(Default)]
 struct Tally {
     prompt_tokens: u64,
     cached_tokens: u64,
-    ttft: Vec<Duration>,
+    first_ttft: Vec<Duration>,
+    later_ttft: Vec<Duration>,
     per_node: BTreeMap<String, u64>,
     /// Turns served on another node than the conversation's previous turn.
     moves: u64,
@@ -141,12 +170,12 @@ async fn turn(
     Some((ttft?, json!({"reply": reply, "usage": usage}), node, route))
 }
 
-async fn conversation(http: HttpClient, c: usize, target: String, oracle_headers: Option<String>) -> Tally {
+async fn conversation(http: HttpClient, c: usize, target: String, oracle_backend: Option<String>) -> Tally {
     let model = model_of_conversation(c);
     let mut tally = Tally::default();
     let mut messages = vec![
         json!({"role": "system", "content": system_prompt(c)}),
-        json!({"role": "user", "content": format!("Conversation {c}: where do we start?")}),
+        json!({"role": "user", "content": format!("Conversation {c}, about this: {}. Where do we start?", document(c))}),
     ];
     // Deterministic think time, 50-250 ms.
     let think = Duration::from_millis(50 + (c as u64 * 37) % 200);
@@ -154,12 +183,12 @@ async fn conversation(http: HttpClient, c: usize, target: String, oracle_headers
     for t in 0..TURNS {
         let body = json!({
             "model": model, "messages": messages, "stream": true,
-            "stream_options": {"include_usage": true}, "max_tokens": 24,
+            "stream_options": {"include_usage": true}, "max_tokens": MAX_TOKENS,
         });
         // The oracle goes around the data plane, so it shows the agent the
         // fleet's join token as a data plane does.
         let authorization = inferyes_tests::fleet::agent_authorization();
-        let headers: Vec<(&str, &str)> = match &oracle_headers {
+        let headers: Vec<(&str, &str)> = match &oracle_backend {
             Some(backend) => vec![
                 ("x-inferyes-backend", backend.as_str()),
                 ("x-inferyes-model", model),
@@ -172,7 +201,7 @@ async fn conversation(http: HttpClient, c: usize, target: String, oracle_headers
                 if t > 0 && !route.is_empty() {
                     *tally.routes.entry(route).or_default() += 1;
                 }
-                tally.ttft.push(ttft);
+                if t == 0 { &mut tally.first_ttft } else { &mut tally.later_ttft }.push(ttft);
                 tally.prompt_tokens += result["usage"]["prompt_tokens"].as_u64().unwrap_or(0);
                 tally.cached_tokens += result["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0);
                 let node = if node.is_empty() { target.clone() } else { node };
@@ -191,14 +220,28 @@ async fn conversation(http: HttpClient, c: usize, target: String, oracle_headers
     tally
 }
 
-async fn run(policy: Policy) -> Tally {
+async fn run(scenario: Scenario, policy: Policy) -> (Tally, Duration) {
     let etcd = Etcd::start().await;
     let controller = ControllerHandle::start(&etcd.endpoint(), "controller").await;
     let mut sims = Vec::new();
     let mut agents = Vec::new();
-    for n in 0..NODES {
-        let sim = SimHandle::start(sim(model_of_node(n))).await;
-        agents.push(AgentHandle::start(&format!("node-{n}"), &[controller.url()], &[("main", &sim)]).await);
+    for n in 0..scenario.nodes {
+        let sim = SimHandle::start(sim(scenario.model_of_node(n))).await;
+        // Agents poll and report at their default intervals, as deployed.
+        let backends = inferyes_tests::fleet::sim_backends(&[("main", &sim)]);
+        let defaults = inferyes_agent::Config::default();
+        let agent = AgentHandle::start_tweaked(
+            &format!("node-{n}"),
+            &[controller.url()],
+            inferyes_agent::config::GpuSourceConfig::Simulated,
+            backends,
+            |c| {
+                c.poll_interval_ms = defaults.poll_interval_ms;
+                c.min_report_interval_ms = defaults.min_report_interval_ms;
+            },
+        )
+        .await;
+        agents.push(agent);
         sims.push(sim);
     }
     let mode = match policy {
@@ -207,16 +250,18 @@ async fn run(policy: Policy) -> Tally {
         Policy::Inferyes | Policy::Oracle => Mode::Policy,
     };
     let dataplane = DataplaneHandle::start_with(&[controller.url()], |c| c.routing_mode = mode).await;
-    let ids: Vec<String> = (0..NODES).map(|n| format!("node-{n}")).collect();
+    let ids: Vec<String> = (0..scenario.nodes).map(|n| format!("node-{n}")).collect();
     dataplane.wait_for_nodes(&ids.iter().map(String::as_str).collect::<Vec<_>>()).await;
 
     let http = HttpClient::default();
+    let started = Instant::now();
     let mut tasks = Vec::new();
-    for c in 0..CONVERSATIONS {
+    for c in 0..scenario.conversations() {
         let (target, oracle) = if policy == Policy::Oracle {
             // Spread the model's conversations evenly over its nodes.
-            let nodes: Vec<usize> = (0..NODES).filter(|n| model_of_node(*n) == model_of_conversation(c)).collect();
-            let same_model_index = (0..c).filter(|o| model_of_conversation(*o) == model_of_conversation(c)).count();
+            let model = model_of_conversation(c);
+            let nodes: Vec<usize> = (0..scenario.nodes).filter(|n| scenario.model_of_node(*n) == model).collect();
+            let same_model_index = (0..c).filter(|o| model_of_conversation(*o) == model).count();
             let node = nodes[same_model_index % nodes.len()];
             (format!("http://{}/v1/chat/completions", agents[node].proxy_addr), Some("main".to_string()))
         } else {
@@ -226,10 +271,16 @@ async fn run(policy: Policy) -> Tally {
     }
     let mut total = Tally::default();
     for task in tasks {
-        let tally = task.await.expect("conversation task");
+        // A conversation whose request went unanswered past the client's
+        // deadline ended there: an error, not the end of the run.
+        let Ok(tally) = task.await else {
+            total.errors += 1;
+            continue;
+        };
         total.prompt_tokens += tally.prompt_tokens;
         total.cached_tokens += tally.cached_tokens;
-        total.ttft.extend(tally.ttft);
+        total.first_ttft.extend(tally.first_ttft);
+        total.later_ttft.extend(tally.later_ttft);
         total.errors += tally.errors;
         total.moves += tally.moves;
         for (route, count) in tally.routes {
@@ -239,6 +290,7 @@ async fn run(policy: Policy) -> Tally {
             *total.per_node.entry(node).or_default() += count;
         }
     }
+    let wall = started.elapsed();
     if policy == Policy::Oracle {
         // Name nodes like the data plane does.
         total.per_node = total
@@ -258,19 +310,21 @@ async fn run(policy: Policy) -> Tally {
         sim.stop().await;
     }
     controller.stop().await;
-    total
+    total.first_ttft.sort_unstable();
+    total.later_ttft.sort_unstable();
+    (total, wall)
 }
 
 /// Requests per node relative to the average over the nodes serving the
 /// same model: the balance the policy can influence.
-fn max_load_ratio(per_node: &BTreeMap<String, u64>) -> f64 {
+fn max_load_ratio(scenario: Scenario, per_node: &BTreeMap<String, u64>) -> f64 {
     let mut worst: f64 = 0.0;
     for (model, _) in MODELS {
-        let loads: Vec<u64> = (0..NODES)
-            .filter(|n| model_of_node(*n) == model)
+        let loads: Vec<u64> = (0..scenario.nodes)
+            .filter(|n| scenario.model_of_node(*n) == model)
             .map(|n| per_node.get(&format!("node-{n}")).copied().unwrap_or(0))
             .collect();
-        let average = loads.iter().sum::<u64>() as f64 / loads.len() as f64;
+        let average = loads.iter().sum::<u64>() as f64 / loads.len().max(1) as f64;
         if average > 0.0 {
             worst = worst.max(*loads.iter().max().unwrap_or(&0) as f64 / average);
         }
@@ -282,50 +336,104 @@ fn percentile(sorted: &[Duration], q: f64) -> Duration {
     sorted.get(((sorted.len() as f64 * q) as usize).min(sorted.len().saturating_sub(1))).copied().unwrap_or_default()
 }
 
-fn main() {
-    if std::env::args().any(|a| a == "--list") {
-        return;
-    }
-    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("runtime");
-    let policies = [Policy::Oracle, Policy::Inferyes, Policy::RoundRobin, Policy::LeastOutstanding];
-    let mut rows = Vec::new();
-    for policy in policies {
-        let mut tally = runtime.block_on(run(policy));
-        tally.ttft.sort_unstable();
-        rows.push((policy, tally));
-    }
-    let oracle_reuse = {
-        let o = &rows[0].1;
-        o.cached_tokens as f64 / o.prompt_tokens.max(1) as f64
-    };
-    let oracle_p50 = percentile(&rows[0].1.ttft, 0.5);
+fn report(scenario: Scenario, rows: &[(Policy, Tally, Duration)]) {
+    let reuse = |t: &Tally| t.cached_tokens as f64 / t.prompt_tokens.max(1) as f64;
+    let oracle_reuse = rows.iter().find(|(p, ..)| *p == Policy::Oracle).map(|(_, t, _)| reuse(t));
+    let round_robin = rows.iter().find(|(p, ..)| *p == Policy::RoundRobin).map(|(_, t, w)| (t, *w));
+    let conversations = scenario.conversations();
     println!(
-        "\n{} conversations x {} turns, {} nodes; KV reuse = cached prompt tokens / prompt tokens",
-        CONVERSATIONS, TURNS, NODES
+        "\n{} nodes x {SLOTS} slots, {conversations} conversations at once ({}x the slots) x {TURNS} turns; \
+         KV reuse = cached prompt tokens / prompt tokens",
+        scenario.nodes, scenario.load
     );
     println!(
-        "{:<18} {:>9} {:>11} {:>10} {:>10} {:>12} {:>14} {:>7} {:>7}",
-        "policy", "KV reuse", "of oracle", "TTFT p50", "TTFT p99", "p50/oracle", "max/avg load", "moves", "errors"
+        "{:<18} {:>8} {:>9} {:>11} {:>11} {:>11} {:>8} {:>6} {:>8} {:>7} {:>6}",
+        "policy",
+        "KV reuse",
+        "of oracle",
+        "turn 1 p50",
+        "later p50",
+        "later p99",
+        "max/avg",
+        "moves",
+        "wall",
+        "/ RR",
+        "errors"
     );
-    for (policy, tally) in &rows {
-        let reuse = tally.cached_tokens as f64 / tally.prompt_tokens.max(1) as f64;
-        let p50 = percentile(&tally.ttft, 0.5);
+    for (policy, tally, wall) in rows {
+        let of_oracle = oracle_reuse.map_or("-".to_string(), |o| format!("{:.1}%", reuse(tally) / o * 100.0));
+        let of_rr =
+            round_robin.map_or("-".to_string(), |(_, rr)| format!("{:.2}", wall.as_secs_f64() / rr.as_secs_f64()));
         println!(
-            "{:<18} {:>8.1}% {:>10.1}% {:>10.1?} {:>10.1?} {:>12.2} {:>14.2} {:>7} {:>7}",
+            "{:<18} {:>7.1}% {:>9} {:>11.1?} {:>11.1?} {:>11.1?} {:>8.2} {:>6} {:>7.1}s {:>7} {:>6}",
             policy.name(),
-            reuse * 100.0,
-            reuse / oracle_reuse * 100.0,
-            p50,
-            percentile(&tally.ttft, 0.99),
-            p50.as_secs_f64() / oracle_p50.as_secs_f64(),
-            max_load_ratio(&tally.per_node),
+            reuse(tally) * 100.0,
+            of_oracle,
+            percentile(&tally.first_ttft, 0.5),
+            percentile(&tally.later_ttft, 0.5),
+            percentile(&tally.later_ttft, 0.99),
+            max_load_ratio(scenario, &tally.per_node),
             tally.moves,
+            wall.as_secs_f64(),
+            of_rr,
             tally.errors,
         );
     }
-    for (policy, tally) in &rows {
+    for (policy, tally, _) in rows {
         if !tally.routes.is_empty() {
             println!("{}: routes of turns 2-{TURNS}: {:?}", policy.name(), tally.routes);
+        }
+    }
+    if let (Some((_, inferyes, wall)), Some((rr, rr_wall)), Some(oracle)) =
+        (rows.iter().find(|(p, ..)| *p == Policy::Inferyes), round_robin, oracle_reuse)
+    {
+        println!(
+            "targets: reuse {:.1}% of the oracle's (>= 90%), wall {:.2}x round-robin's (<= 0.8), \
+             later-turn p99 {:.2}x round-robin's (<= 1)",
+            reuse(inferyes) / oracle * 100.0,
+            wall.as_secs_f64() / rr_wall.as_secs_f64(),
+            percentile(&inferyes.later_ttft, 0.99).as_secs_f64() / percentile(&rr.later_ttft, 0.99).as_secs_f64(),
+        );
+    }
+}
+
+/// `--name 1,2,3`, else `default`.
+fn list(args: &[String], name: &str, default: &[usize]) -> Vec<usize> {
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1))
+        .map(|v| v.split(',').map(|n| n.trim().parse().expect("a number")).collect())
+        .unwrap_or_else(|| default.to_vec())
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    if args.iter().any(|a| a == "--list") {
+        return;
+    }
+    let sizes = list(&args, "--nodes", &[8, 64]);
+    let loads = list(&args, "--load", &[1, 2, 4]);
+    let policies: Vec<Policy> = match args.iter().position(|a| a == "--policies").and_then(|i| args.get(i + 1)) {
+        Some(names) => names
+            .split(',')
+            .map(|name| *Policy::ALL.iter().find(|p| p.name() == name.trim()).expect("a policy's name"))
+            .collect(),
+        None => Policy::ALL.to_vec(),
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("runtime");
+    for nodes in sizes {
+        assert!(nodes >= 8 && nodes % 8 == 0, "--nodes takes multiples of 8: the models take eighths of the fleet");
+        for &load in &loads {
+            let scenario = Scenario { nodes, load };
+            let rows: Vec<(Policy, Tally, Duration)> = policies
+                .iter()
+                .copied()
+                .map(|policy| {
+                    let (tally, wall) = runtime.block_on(run(scenario, policy));
+                    (policy, tally, wall)
+                })
+                .collect();
+            report(scenario, &rows);
         }
     }
 }

@@ -193,25 +193,30 @@ pub fn llama_server(url: &str, models: &[&str]) -> BackendConfig {
     }
 }
 
+/// The agent's backend configuration for simulated backends, as an
+/// operator would write it.
+pub fn sim_backends(backends: &[(&str, &SimHandle)]) -> Vec<BackendConfig> {
+    backends
+        .iter()
+        .map(|(id, sim)| BackendConfig {
+            id: (*id).to_string(),
+            kind: match sim.sim.config().mode {
+                inferyes_agent::sim::SimMode::LlamaServer => BackendKind::LlamaServer,
+                inferyes_agent::sim::SimMode::LlamaSwap => BackendKind::LlamaSwap,
+            },
+            models: sim.sim.config().models.iter().map(|m| m.id.clone()).collect(),
+            // What an operator declares for llama-swap, which says none.
+            model_sizes: sim.sim.config().models.iter().map(|m| (m.id.clone(), m.size_bytes)).collect(),
+            host_cache_tokens: sim.sim.config().cache_ram_tokens,
+            ..llama_server(&sim.url, &[])
+        })
+        .collect()
+}
+
 impl AgentHandle {
     /// An agent fronting the given simulated backends, reading their GPUs.
     pub async fn start(node_id: &str, controllers: &[String], backends: &[(&str, &SimHandle)]) -> AgentHandle {
-        let backends = backends
-            .iter()
-            .map(|(id, sim)| BackendConfig {
-                id: (*id).to_string(),
-                kind: match sim.sim.config().mode {
-                    inferyes_agent::sim::SimMode::LlamaServer => BackendKind::LlamaServer,
-                    inferyes_agent::sim::SimMode::LlamaSwap => BackendKind::LlamaSwap,
-                },
-                models: sim.sim.config().models.iter().map(|m| m.id.clone()).collect(),
-                // What an operator declares for llama-swap, which says none.
-                model_sizes: sim.sim.config().models.iter().map(|m| (m.id.clone(), m.size_bytes)).collect(),
-                host_cache_tokens: sim.sim.config().cache_ram_tokens,
-                ..llama_server(&sim.url, &[])
-            })
-            .collect();
-        Self::start_with(node_id, controllers, GpuSourceConfig::Simulated, backends).await
+        Self::start_with(node_id, controllers, GpuSourceConfig::Simulated, sim_backends(backends)).await
     }
 
     /// An agent fronting any backends.
