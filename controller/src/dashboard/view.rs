@@ -32,6 +32,18 @@ pub fn build(controller_id: &str, snapshot: &Snapshot, recent: &Recent, history:
         let deferred: u32 = backends.iter().map(|b| b.requests_deferred).sum();
         let in_flight: u32 = backends.iter().map(|b| b.in_flight).sum();
         let tokens_per_second: f64 = backends.iter().map(|b| b.tokens_per_second).sum();
+        // What routing weighs a queue and a recompute with, per backend.
+        let rates: Vec<Value> = backends
+            .iter()
+            .map(|b| {
+                json!({
+                    "id": b.id,
+                    "prefill_tokens_per_second": b.prefill_tokens_per_second,
+                    "service_ms": b.service_ms,
+                    "load_unknown": b.load_unknown,
+                })
+            })
+            .collect();
         let models: Vec<Value> = backends
             .iter()
             .flat_map(|b| b.models.iter().map(move |m| (b, m)))
@@ -79,6 +91,7 @@ pub fn build(controller_id: &str, snapshot: &Snapshot, recent: &Recent, history:
                 "deferred": deferred,
                 "in_flight": in_flight,
                 "tokens_per_second": tokens_per_second,
+                "backends": rates,
                 "sessions": sessions,
                 "models": models,
                 "badges": badges,
