@@ -299,7 +299,10 @@ async fn a_cold_stream_that_fails_is_counted_as_an_error_without_tokens() {
     use inferyes_tests::client::next_chunk;
     // One request at a time per model: a second stream for the model
     // being loaded is refused (429) once its 200 and first note are out.
-    let swap = inferyes_agent::sim::SimConfig { load_delay_ms: 1500, concurrency_limit: 1, ..crate::swap::swap(false) };
+    // The load lasts long enough for the second to reach the server while
+    // it does, on a machine busy with other tests too.
+    let swap =
+        inferyes_agent::sim::SimConfig { load_delay_ms: 4_000, concurrency_limit: 1, ..crate::swap::swap(false) };
     let fleet = Fleet::start(vec![swap]).await;
     let url = fleet.url("/v1/chat/completions");
     let stream = |text: &str| {
