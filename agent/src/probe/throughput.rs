@@ -34,6 +34,9 @@ pub struct Throughput {
 /// The span the rates are measured over: long enough to hold a few
 /// requests of a slow model, short enough to follow a change of load.
 pub const WINDOW_MS: u64 = 30_000;
+/// Readings kept at most: 30 s of polls at 250 ms, and a poll interval of
+/// a millisecond cannot make the window hold 30,000.
+const MAX_READINGS: usize = 128;
 
 impl Throughput {
     /// Takes a reading and returns the rates. Where nothing happened in the
@@ -54,6 +57,11 @@ impl Throughput {
         while self.readings.len() > 1
             && self.readings.front().is_some_and(|(at, _)| at_ms.saturating_sub(*at) > WINDOW_MS)
         {
+            self.readings.pop_front();
+        }
+        // However short the poll interval, the window holds a bounded number
+        // of readings: the oldest kept is as good a start as any.
+        if self.readings.len() >= MAX_READINGS {
             self.readings.pop_front();
         }
         let oldest = self.readings.front().map(|(_, c)| *c);
@@ -119,6 +127,16 @@ mod tests {
         assert_eq!(later, busy, "an empty window keeps the last rates");
         let fast = t.observe(65_000, at(106_000.0, 115.0, 53.0, 6));
         assert_eq!(fast, Rates { prefill_tokens_per_second: 1_000.0, service_ms: 3_000 });
+    }
+
+    #[test]
+    fn the_window_holds_a_bounded_number_of_readings() {
+        let mut t = Throughput::default();
+        for i in 0..1_000u64 {
+            t.observe(i, at(i as f64 * 10.0, i as f64 * 0.01, 0.0, 0));
+        }
+        assert_eq!(t.readings.len(), MAX_READINGS);
+        assert_eq!(t.rates().prefill_tokens_per_second, 1_000.0);
     }
 
     #[test]
