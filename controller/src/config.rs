@@ -49,6 +49,9 @@ pub struct Args {
     /// The agents' join token itself (prefer join_token_file in the config file).
     #[arg(long, env = "INFERYES_JOIN_TOKEN", hide_env_values = true)]
     pub join_token: Option<String>,
+    /// The gRPC address other controllers reach this one at (default: from grpc_listen).
+    #[arg(long, env = "INFERYES_ADVERTISE_URL")]
+    pub advertise_url: Option<String>,
 }
 
 use inferyes_proto::bearer::Accepted;
@@ -65,6 +68,10 @@ pub struct Config {
     pub etcd_prefix: String,
     pub grpc_listen: SocketAddr,
     pub http_listen: SocketAddr,
+    /// The gRPC address other controllers reach this one at, to exchange
+    /// their nodes' live state. Empty: `grpc_listen` (with the hostname
+    /// where it listens on every address).
+    pub advertise_url: String,
     pub lease_ttl_ms: u64,
     /// How often agents must be heard from; must be well under the lease TTL.
     pub heartbeat_interval_ms: u64,
@@ -109,6 +116,7 @@ impl Default for Config {
             etcd_prefix: "/inferyes/v1/".into(),
             grpc_listen: SocketAddr::from(([127, 0, 0, 1], 7070)),
             http_listen: SocketAddr::from(([127, 0, 0, 1], 7071)),
+            advertise_url: String::new(),
             lease_ttl_ms: 6000,
             heartbeat_interval_ms: 1000,
             min_write_interval_ms: 100,
@@ -158,6 +166,9 @@ impl Config {
         if let Some(v) = &args.join_token {
             config.join_token = Some(v.clone());
         }
+        if let Some(v) = &args.advertise_url {
+            config.advertise_url.clone_from(v);
+        }
         if config.controller_id.is_empty() {
             config.controller_id = format!("controller-{}", hostname());
         }
@@ -178,6 +189,10 @@ impl Config {
         }
         if !self.etcd_prefix.starts_with('/') {
             bail!("etcd_prefix `{}` must start with `/`", self.etcd_prefix);
+        }
+        let url = &self.advertise_url;
+        if !(url.is_empty() || url.starts_with("http://") || url.starts_with("https://")) {
+            bail!("advertise_url `{}` must be an http:// or https:// URL", self.advertise_url);
         }
         if self.lease_ttl_ms < 2000 {
             bail!("lease_ttl_ms = {} is below etcd's minimum lease TTL of 2000", self.lease_ttl_ms);
@@ -220,6 +235,18 @@ impl Config {
         }
         let tokens = read_tokens(self.join_token.as_deref(), self.join_token_file.as_deref(), "join token")?;
         Ok(tokens.map(Accepted::new))
+    }
+
+    /// Where peers reach this controller's gRPC port.
+    pub fn grpc_url(&self) -> String {
+        if !self.advertise_url.is_empty() {
+            return self.advertise_url.clone();
+        }
+        let scheme = if self.tls.serves() { "https" } else { "http" };
+        if self.grpc_listen.ip().is_unspecified() {
+            return format!("{scheme}://{}:{}", hostname(), self.grpc_listen.port());
+        }
+        format!("{scheme}://{}", self.grpc_listen)
     }
 
     pub fn lease_ttl(&self) -> Duration {

@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use inferyes_proto::v1::{ApiKey, DrainRecord, KeyUsageToday, NodePolicy, NodeRecord, RoutingPolicy};
+use inferyes_proto::v1::{ApiKey, ControllerRecord, DrainRecord, KeyUsageToday, NodePolicy, NodeRecord, RoutingPolicy};
 
 use crate::store::{WatchBatch, WatchEvent};
 
@@ -21,6 +21,8 @@ pub struct FleetState {
     /// "no key changed" by pointer.
     api_keys: Arc<BTreeMap<String, ApiKey>>,
     usage_today: Arc<KeyUsageToday>,
+    /// Controller id → how its peers reach it.
+    controllers: Arc<BTreeMap<String, ControllerRecord>>,
 }
 
 impl FleetState {
@@ -65,6 +67,14 @@ impl FleetState {
                 }
                 WatchEvent::UsageTodayPut(usage) => self.usage_today = Arc::new(usage),
                 WatchEvent::UsageTodayDeleted => self.usage_today = Arc::default(),
+                WatchEvent::ControllerPut(id, record) => {
+                    Arc::make_mut(&mut self.controllers).insert(id, record);
+                }
+                WatchEvent::ControllerDeleted(id) => {
+                    if self.controllers.contains_key(&id) {
+                        Arc::make_mut(&mut self.controllers).remove(&id);
+                    }
+                }
                 WatchEvent::ApiKeyDeleted(id) => {
                     if self.api_keys.contains_key(&id) {
                         Arc::make_mut(&mut self.api_keys).remove(&id);
@@ -101,6 +111,14 @@ impl FleetState {
 
     pub fn api_keys(&self) -> &Arc<BTreeMap<String, ApiKey>> {
         &self.api_keys
+    }
+
+    pub fn controllers(&self) -> &Arc<BTreeMap<String, ControllerRecord>> {
+        &self.controllers
+    }
+
+    pub fn has_node(&self, node_id: &str) -> bool {
+        self.nodes.contains_key(node_id)
     }
 
     pub fn aliases(&self) -> impl Iterator<Item = (&str, &str)> {

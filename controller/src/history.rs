@@ -201,7 +201,7 @@ mod tests {
                 WatchEvent::NodePut((*id).into(), NodeRecord { status: Some(status), ..Default::default() })
             })
             .collect();
-        crate::snapshot::build(&FleetState::from_load(WatchBatch { revision: 1, events }), None)
+        crate::snapshot::build(&FleetState::from_load(WatchBatch { revision: 1, events }), &Default::default(), None)
     }
 
     #[test]

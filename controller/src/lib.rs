@@ -10,7 +10,9 @@ pub mod grpc;
 pub mod history;
 pub mod http;
 pub mod ledger;
+pub mod live;
 pub mod metrics;
+pub mod peers;
 pub mod reconcile;
 pub mod residency;
 
@@ -67,15 +69,42 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
 
     let activity = std::sync::Arc::new(activity::Activity::default());
 
+    // Bounded: a reconciler that falls behind slows the agent streams
+    // feeding it rather than growing a queue.
+    let (live_tx, live_rx) = tokio::sync::mpsc::channel(4096);
     let reconciler = tokio::spawn(
-        reconcile::run(
-            store.clone(),
-            snapshot_tx,
-            config.snapshot_debounce(),
-            std::sync::Arc::clone(&metrics),
-            shutdown.clone(),
-        )
+        reconcile::Reconciler {
+            store: store.clone(),
+            tx: snapshot_tx,
+            live: live_rx,
+            controller_id: config.controller_id.clone(),
+            debounce: config.snapshot_debounce(),
+            metrics: std::sync::Arc::clone(&metrics),
+            shutdown: shutdown.clone(),
+        }
+        .run()
         .instrument(tracing::info_span!("reconciler")),
+    );
+    let peers = tokio::spawn(
+        peers::Peers {
+            store: store.clone(),
+            snapshots: snapshots.clone(),
+            live: live_tx.clone(),
+            record: inferyes_proto::v1::ControllerRecord {
+                controller_id: config.controller_id.clone(),
+                grpc_url: config.grpc_url(),
+                started_unix_ms: inferyes_proto::unix_ms(),
+            },
+            lease_ttl: config.lease_ttl(),
+            tls: config.tls.clone(),
+            bearer: inferyes_proto::bearer::Bearer::new(
+                join_token.as_ref().and_then(inferyes_proto::bearer::Accepted::presented),
+            )?,
+            metrics: std::sync::Arc::clone(&metrics),
+            shutdown: shutdown.clone(),
+        }
+        .run()
+        .instrument(tracing::info_span!("peers")),
     );
 
     let agents = grpc::AgentSvc {
@@ -88,6 +117,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         shutdown: shutdown.clone(),
         metrics: std::sync::Arc::clone(&metrics),
         join_token: join_token.clone(),
+        live: live_tx,
     };
     let routing = grpc::RoutingSvc {
         snapshots: snapshots.clone(),
@@ -140,6 +170,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
     let (grpc_result, http_result) = tokio::join!(grpc_server, http_server);
     shutdown.cancel();
     let _ = reconciler.await;
+    let _ = peers.await;
     let _ = ledger.await;
     let _ = sampler.await;
     grpc_result.context("gRPC server failed")?;

@@ -29,6 +29,7 @@ pub struct Metrics {
     pub node_write_failures: Counter,
     pub node_write_seconds: Histogram,
     pub snapshot_build_seconds: Histogram,
+    pub peers: Gauge,
 }
 
 impl Metrics {
@@ -43,6 +44,7 @@ impl Metrics {
             node_write_failures: Counter::default(),
             node_write_seconds: Histogram::new(exponential_buckets(0.0005, 2.0, 14)),
             snapshot_build_seconds: Histogram::new(exponential_buckets(0.00001, 2.0, 18)),
+            peers: Gauge::default(),
         };
         let r = registry.sub_registry_with_prefix("inferyes_controller");
         r.register("nodes", "Nodes in the snapshot, by state (active, draining)", m.nodes.clone());
@@ -66,6 +68,7 @@ impl Metrics {
         );
         r.register("node_write_seconds", "Time to write a node record to etcd", m.node_write_seconds.clone());
         r.register("snapshot_build_seconds", "Time to build a routing snapshot", m.snapshot_build_seconds.clone());
+        r.register("peers", "Other controllers this one follows for their nodes' live state", m.peers.clone());
         m
     }
 

@@ -1,17 +1,19 @@
 //! The single writer of the controller's view of the fleet: it reads the
-//! etcd prefix, follows its watch, and publishes a new snapshot when the
-//! state changed. Everything else reads the published snapshots.
+//! etcd prefix, follows its watch, folds in the nodes' live state (from the
+//! agent streams here and from peers), and publishes a new snapshot when
+//! either changed. Everything else reads the published snapshots.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::watch;
+use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::fleet::FleetState;
+use crate::live::{LiveEvent, LiveState};
 use crate::snapshot::{self, Snapshot};
-use crate::store::{EtcdStore, StoreError};
+use crate::store::{EtcdStore, StoreError, WatchEvent};
 
 /// `None` until the first full read of etcd succeeded.
 pub type SnapshotTx = watch::Sender<Option<Arc<Snapshot>>>;
@@ -19,113 +21,146 @@ pub type SnapshotRx = watch::Receiver<Option<Arc<Snapshot>>>;
 
 const RETRY_MIN: Duration = Duration::from_millis(100);
 const RETRY_MAX: Duration = Duration::from_secs(2);
+/// Live changes (load, sessions) arrive all the time from every node: they
+/// are gathered this long into one snapshot, well inside what a session's
+/// next turn needs.
+const LIVE_DEBOUNCE: Duration = Duration::from_millis(50);
 
-pub async fn run(
-    store: EtcdStore,
-    tx: SnapshotTx,
-    debounce: Duration,
-    metrics: std::sync::Arc<crate::metrics::Metrics>,
-    shutdown: CancellationToken,
-) {
-    let mut backoff = RETRY_MIN;
-    loop {
-        let state = match store.load().await {
-            Ok(batch) => FleetState::from_load(batch),
-            Err(error) => {
-                tracing::warn!(%error, "fleet load failed; serving the last snapshot");
-                if sleep_or_shutdown(&mut backoff, &shutdown).await {
-                    return;
+/// What the reconciler reads from and publishes to.
+pub struct Reconciler {
+    pub store: EtcdStore,
+    pub tx: SnapshotTx,
+    pub live: mpsc::Receiver<LiveEvent>,
+    pub controller_id: String,
+    pub debounce: Duration,
+    pub metrics: Arc<crate::metrics::Metrics>,
+    pub shutdown: CancellationToken,
+}
+
+/// The state being reconciled: etcd's (once loaded) and the live state.
+struct View {
+    fleet: Option<FleetState>,
+    live: LiveState,
+    rebuild_at: Option<Instant>,
+}
+
+impl Reconciler {
+    pub async fn run(mut self) {
+        let mut view = View { fleet: None, live: LiveState::default(), rebuild_at: None };
+        let mut backoff = RETRY_MIN;
+        loop {
+            match self.store.load().await {
+                Ok(batch) => view.fleet = Some(FleetState::from_load(batch)),
+                Err(error) => {
+                    tracing::warn!(%error, "fleet load failed; serving the last snapshot");
+                    if self.wait(&mut view, &mut backoff).await {
+                        return;
+                    }
+                    continue;
                 }
-                continue;
             }
-        };
-        backoff = RETRY_MIN;
-        match follow(&store, state, &tx, debounce, &metrics, &shutdown).await {
-            Ok(()) => return,
-            Err(error) => {
-                tracing::warn!(%error, "fleet watch lost; reloading");
-                if sleep_or_shutdown(&mut backoff, &shutdown).await {
-                    return;
+            backoff = RETRY_MIN;
+            match self.follow(&mut view).await {
+                Ok(()) => return,
+                Err(error) => {
+                    tracing::warn!(%error, "fleet watch lost; reloading");
+                    if self.wait(&mut view, &mut backoff).await {
+                        return;
+                    }
                 }
             }
         }
     }
-}
 
-/// Follows the watch from the loaded state on. Returns on shutdown, or with
-/// an error when only a full reload can continue (compaction), or when the
-/// watch cannot be re-established from the last revision.
-async fn follow(
-    store: &EtcdStore,
-    mut state: FleetState,
-    tx: &SnapshotTx,
-    debounce: Duration,
-    metrics: &crate::metrics::Metrics,
-    shutdown: &CancellationToken,
-) -> Result<(), StoreError> {
-    publish(tx, &state, metrics);
-    let mut watch = store.watch(state.revision() + 1).await?;
-    let mut rebuild_at: Option<Instant> = None;
-    loop {
-        tokio::select! {
-            () = shutdown.cancelled() => return Ok(()),
-            batch = watch.next() => {
-                match batch {
+    /// Follows the watch from the loaded state on. Returns on shutdown, or
+    /// with an error when only a full reload can continue (compaction), or
+    /// when the watch cannot be re-established from the last revision.
+    async fn follow(&mut self, view: &mut View) -> Result<(), StoreError> {
+        self.publish(view);
+        let revision = view.fleet.as_ref().map_or(0, FleetState::revision);
+        let mut watch = self.store.watch(revision + 1).await?;
+        loop {
+            tokio::select! {
+                () = self.shutdown.cancelled() => return Ok(()),
+                batch = watch.next() => match batch {
                     Ok(batch) => {
-                        state.apply(batch);
-                        rebuild_at.get_or_insert_with(|| Instant::now() + debounce);
+                        for event in &batch.events {
+                            if let WatchEvent::NodeDeleted(id) = event {
+                                view.live.node_left(id, &self.controller_id);
+                            }
+                        }
+                        if let Some(fleet) = view.fleet.as_mut() {
+                            fleet.apply(batch);
+                        }
+                        view.rebuild_at.get_or_insert_with(|| Instant::now() + self.debounce);
                     }
                     Err(StoreError::Compacted(revision)) => return Err(StoreError::Compacted(revision)),
                     Err(error) => {
-                        tracing::warn!(%error, revision = state.revision(), "fleet watch interrupted; resuming");
-                        if rebuild_at.take().is_some() {
-                            publish(tx, &state, metrics);
-                        }
-                        watch = resume(store, &state, shutdown).await?;
+                        let revision = view.fleet.as_ref().map_or(0, FleetState::revision);
+                        tracing::warn!(%error, revision, "fleet watch interrupted; resuming");
+                        watch = self.resume(view, revision).await?;
+                    }
+                },
+                Some(event) = self.live.recv() => self.live_event(view, event),
+                () = sleep_until(view.rebuild_at) => self.publish(view),
+            }
+        }
+    }
+
+    fn live_event(&self, view: &mut View, event: LiveEvent) {
+        view.live.apply(event);
+        view.rebuild_at.get_or_insert_with(|| Instant::now() + LIVE_DEBOUNCE.max(self.debounce));
+    }
+
+    /// Re-establishes the watch from the last applied revision, retrying
+    /// while etcd is away. Live changes are published meanwhile: routing
+    /// goes on from the last etcd state and the nodes' current load.
+    async fn resume(&mut self, view: &mut View, revision: u64) -> Result<crate::store::Watch, StoreError> {
+        let mut backoff = RETRY_MIN;
+        loop {
+            match self.store.watch(revision + 1).await {
+                Ok(watch) => return Ok(watch),
+                Err(error) => {
+                    tracing::debug!(%error, "fleet watch not yet re-established");
+                    if self.wait(view, &mut backoff).await {
+                        return Err(StoreError::WatchEnded);
                     }
                 }
             }
-            () = sleep_until(rebuild_at) => {
-                rebuild_at = None;
-                publish(tx, &state, metrics);
+        }
+    }
+
+    /// Waits out a jittered, growing backoff while etcd is away, applying
+    /// and publishing live changes meanwhile; true when shutdown came first.
+    async fn wait(&mut self, view: &mut View, backoff: &mut Duration) -> bool {
+        let until = Instant::now() + backoff.mul_f64(0.5 + fastrand::f64());
+        *backoff = (*backoff * 2).min(RETRY_MAX);
+        loop {
+            tokio::select! {
+                () = self.shutdown.cancelled() => return true,
+                () = tokio::time::sleep_until(until) => return false,
+                Some(event) = self.live.recv() => self.live_event(view, event),
+                () = sleep_until(view.rebuild_at) => self.publish(view),
             }
         }
     }
-}
 
-/// Re-establishes the watch from the last applied revision, retrying while
-/// etcd is away. Routing goes on from the last snapshot meanwhile.
-async fn resume(
-    store: &EtcdStore,
-    state: &FleetState,
-    shutdown: &CancellationToken,
-) -> Result<crate::store::Watch, StoreError> {
-    let mut backoff = RETRY_MIN;
-    loop {
-        match store.watch(state.revision() + 1).await {
-            Ok(watch) => return Ok(watch),
-            Err(error) => {
-                tracing::debug!(%error, "fleet watch not yet re-established");
-                if sleep_or_shutdown(&mut backoff, shutdown).await {
-                    return Err(StoreError::WatchEnded);
-                }
+    fn publish(&self, view: &mut View) {
+        view.rebuild_at = None;
+        let Some(fleet) = view.fleet.as_ref() else { return };
+        let metrics = &self.metrics;
+        self.tx.send_if_modified(|current| {
+            let started = std::time::Instant::now();
+            let next = snapshot::build(fleet, &view.live, current.as_deref());
+            metrics.snapshot_build_seconds.observe(started.elapsed().as_secs_f64());
+            if current.as_deref() == Some(&next) {
+                return false;
             }
-        }
+            tracing::debug!(version = next.version(), nodes = next.nodes().count(), "snapshot published");
+            *current = Some(Arc::new(next));
+            true
+        });
     }
-}
-
-fn publish(tx: &SnapshotTx, state: &FleetState, metrics: &crate::metrics::Metrics) {
-    tx.send_if_modified(|current| {
-        let started = std::time::Instant::now();
-        let next = snapshot::build(state, current.as_deref());
-        metrics.snapshot_build_seconds.observe(started.elapsed().as_secs_f64());
-        if current.as_deref() == Some(&next) {
-            return false;
-        }
-        tracing::debug!(version = next.version(), nodes = next.nodes().count(), "snapshot published");
-        *current = Some(Arc::new(next));
-        true
-    });
 }
 
 async fn sleep_until(at: Option<Instant>) {

@@ -3,7 +3,14 @@
 
 use std::collections::BTreeMap;
 
-use inferyes_proto::v1::{NodeStatus, ResidencyUpdate, ResidentSession};
+use inferyes_proto::v1::{ResidencyUpdate, ResidentSession};
+
+/// Sessions one node may have held here, and the longest key taken: a
+/// table is in memory on every controller and in every snapshot, and an
+/// agent claiming a million sessions must not fill them. An agent keeps far
+/// fewer (1,024 past the slots per backend).
+pub const MAX_SESSIONS: usize = 65_536;
+pub const MAX_KEY_BYTES: usize = 256;
 
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct SessionTable {
@@ -30,8 +37,13 @@ impl SessionTable {
     pub fn apply(&mut self, update: ResidencyUpdate) -> Applied {
         self.in_use = true;
         if update.full {
-            let sessions: BTreeMap<String, ResidentSession> =
-                update.upserted.into_iter().map(|s| (s.key.clone(), s)).collect();
+            let sessions: BTreeMap<String, ResidentSession> = update
+                .upserted
+                .into_iter()
+                .filter(|s| s.key.len() <= MAX_KEY_BYTES)
+                .take(MAX_SESSIONS)
+                .map(|s| (s.key.clone(), s))
+                .collect();
             self.next_seq = Some(update.seq + 1);
             if sessions == self.sessions {
                 return Applied::Unchanged;
@@ -54,18 +66,18 @@ impl SessionTable {
             self.sessions.remove(&key);
         }
         for session in update.upserted {
-            self.sessions.insert(session.key.clone(), session);
+            let room = self.sessions.len() < MAX_SESSIONS || self.sessions.contains_key(&session.key);
+            if room && session.key.len() <= MAX_KEY_BYTES {
+                self.sessions.insert(session.key.clone(), session);
+            }
         }
         if before == self.sessions { Applied::Unchanged } else { Applied::Changed }
     }
 
-    /// The agent's status with this table's sessions, sorted by key.
-    pub fn merged(&self, status: &NodeStatus) -> NodeStatus {
-        let mut merged = status.clone();
-        if self.in_use {
-            merged.sessions = self.sessions.values().cloned().collect();
-        }
-        merged
+    /// This table's sessions, sorted by key; `own`, the status's, from an
+    /// agent that sends no updates.
+    pub fn sessions_or(&self, own: &[ResidentSession]) -> Vec<ResidentSession> {
+        if self.in_use { self.sessions.values().cloned().collect() } else { own.to_vec() }
     }
 }
 
@@ -82,7 +94,7 @@ mod tests {
     }
 
     fn keys(table: &SessionTable) -> Vec<String> {
-        table.merged(&NodeStatus::default()).sessions.into_iter().map(|s| s.key).collect()
+        table.sessions_or(&[]).into_iter().map(|s| s.key).collect()
     }
 
     #[test]
@@ -102,9 +114,20 @@ mod tests {
     }
 
     #[test]
+    fn a_table_holds_no_more_than_its_bound() {
+        let mut table = SessionTable::default();
+        let many: Vec<_> = (0..MAX_SESSIONS + 10).map(|i| session(&format!("s{i}"), 1)).collect();
+        table.apply(update(1, true, many, &[]));
+        assert_eq!(keys(&table).len(), MAX_SESSIONS);
+        table.apply(update(2, false, vec![session("new", 1), session(&"k".repeat(MAX_KEY_BYTES + 1), 1)], &[]));
+        assert_eq!(keys(&table).len(), MAX_SESSIONS, "no room for a new one, nor for a key too long");
+        table.apply(update(3, false, vec![session("new", 1)], &["s0"]));
+        assert!(keys(&table).contains(&"new".to_string()));
+    }
+
+    #[test]
     fn statuses_keep_their_own_sessions_until_updates_arrive() {
         let table = SessionTable::default();
-        let status = NodeStatus { sessions: vec![session("own", 1)], ..Default::default() };
-        assert_eq!(table.merged(&status).sessions.len(), 1);
+        assert_eq!(table.sessions_or(&[session("own", 1)]).len(), 1);
     }
 }

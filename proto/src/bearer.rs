@@ -49,6 +49,12 @@ impl Accepted {
         Accepted(tokens.into())
     }
 
+    /// The one to present oneself: the first (a file's first line is the
+    /// current token, later lines are taken during a rotation).
+    pub fn presented(&self) -> Option<&str> {
+        self.0.first().map(String::as_str)
+    }
+
     /// Whether `token` is one of them, compared in constant time with each.
     pub fn accepts(&self, token: &[u8]) -> bool {
         self.0.iter().fold(false, |found, expected| found | crate::apikey::constant_time_eq(token, expected.as_bytes()))

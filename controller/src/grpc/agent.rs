@@ -17,6 +17,7 @@ use tonic::{Request, Response, Status, Streaming};
 use tracing::Instrument;
 
 use super::status;
+use crate::live::{Live, LiveEvent};
 use crate::reconcile::SnapshotRx;
 use crate::residency::{Applied, SessionTable};
 
@@ -24,7 +25,9 @@ use crate::store::{EtcdStore, Lease, StoreError};
 
 /// Serves agent streams. Each stream is the one writer of its node's etcd
 /// key: it holds the node's lease, keeps it alive while the agent is heard
-/// from, and writes the node's status when (and only when) it changed.
+/// from, and writes the durable part of the node's status when (and only
+/// when) it changed. The node's load and sessions, which change with its
+/// traffic, go to the reconciler as live state, never to etcd.
 #[derive(Clone)]
 pub struct AgentSvc {
     pub store: EtcdStore,
@@ -37,6 +40,7 @@ pub struct AgentSvc {
     pub metrics: std::sync::Arc<crate::metrics::Metrics>,
     /// Agents must present it to join; `None`: any agent may.
     pub join_token: Option<inferyes_proto::bearer::Accepted>,
+    pub live: mpsc::Sender<LiveEvent>,
 }
 
 impl AgentSvc {
@@ -127,17 +131,19 @@ impl AgentSvc {
         tx: mpsc::Sender<Result<ControllerMessage, Status>>,
     ) {
         let node_id = node.node_id.clone();
+        let origin: std::sync::Arc<str> = self.controller_id.as_str().into();
         let registered_unix_ms = inferyes_proto::unix_ms();
         self.metrics.agent_streams.inc();
         let mut lease: Option<Lease> = None;
-        let mut reported: NodeStatus = node;
         let mut table = SessionTable::default();
-        let mut pending: Option<NodeStatus> = Some(table.merged(&reported));
+        let mut reported = Reported::new(node);
+        let mut pending: Option<NodeStatus> = Some(reported.durable.clone());
         let mut written: Option<NodeStatus> = None;
-        // The first write waits a moment: the agent sends its residency table
-        // right after registering, and the record should carry it.
-        let mut write_at = Instant::now() + self.min_write_interval;
+        let mut write_at = Instant::now();
         let mut write_backoff = Duration::from_millis(100);
+        // The live state goes to the reconciler a moment after a change: an
+        // agent's status and its residency delta come as a pair.
+        let mut live_at: Option<Instant> = Some(Instant::now() + COALESCE);
         let mut last_heard = Instant::now();
         let mut keepalive = tokio::time::interval(self.lease_ttl / 3);
         keepalive.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -151,19 +157,18 @@ impl AgentSvc {
                 message = inbound.message() => match message {
                     Ok(Some(AgentMessage { msg: Some(msg) })) => {
                         last_heard = Instant::now();
-                        let changed = match msg {
+                        let (durable_changed, live_changed) = match msg {
                             Msg::Status(status) | Msg::Register(inferyes_proto::v1::Register { status: Some(status), .. }) => {
                                 if status.node_id == node_id {
-                                    reported = status;
-                                    true
+                                    reported.update(status)
                                 } else {
                                     tracing::warn!(reported = %status.node_id, "agent changed its node id; ignoring the report");
-                                    false
+                                    (false, false)
                                 }
                             }
                             Msg::Residency(update) => match table.apply(update) {
-                                Applied::Changed => true,
-                                Applied::Unchanged => false,
+                                Applied::Changed => (false, true),
+                                Applied::Unchanged => (false, false),
                                 Applied::Resync { expected_seq } => {
                                     tracing::debug!(expected_seq, "residency numbering broken; asking for a full table");
                                     let resync = ControllerMessage {
@@ -172,25 +177,40 @@ impl AgentSvc {
                                     if tx.send(Ok(resync)).await.is_err() {
                                         break End::AgentLeft;
                                     }
-                                    false
+                                    (false, false)
                                 }
                             },
-                            Msg::Register(_) | Msg::Heartbeat(_) => false,
+                            Msg::Register(_) | Msg::Heartbeat(_) => (false, false),
                         };
-                        if changed {
-                            let desired = table.merged(&reported);
+                        if durable_changed {
+                            let desired = reported.durable.clone();
                             if pending.is_none() {
-                                // An agent's status and its residency delta
-                                // come as a pair: one write for both.
                                 write_at = write_at.max(Instant::now() + COALESCE);
                             }
                             pending = (written.as_ref() != Some(&desired)).then_some(desired);
                         }
-
+                        if live_changed {
+                            live_at.get_or_insert_with(|| Instant::now() + COALESCE);
+                        }
                     }
                     Ok(Some(AgentMessage { msg: None })) => last_heard = Instant::now(),
                     Ok(None) | Err(_) => break End::AgentLeft,
                 },
+                () = sleep_until(live_at) => {
+                    live_at = None;
+                    let live = Live {
+                        origin: std::sync::Arc::clone(&origin),
+                        fresh: true,
+                        node: inferyes_proto::v1::NodeLive {
+                            node_id: node_id.clone(),
+                            load: Some(reported.load.clone()),
+                            sessions: table.sessions_or(&reported.sessions),
+                        },
+                    };
+                    if self.live.send(LiveEvent::Put(std::sync::Arc::new(live))).await.is_err() {
+                        break End::Shutdown;
+                    }
+                }
                 () = sleep_until(due) => {
                     let Some(status) = pending.clone() else { continue };
                     match self.write(&mut lease, status.clone(), registered_unix_ms).await {
@@ -250,6 +270,7 @@ impl AgentSvc {
         };
 
         self.metrics.agent_streams.dec();
+        let _ = self.live.send(LiveEvent::Gone { node_id: node_id.clone(), origin }).await;
         match end {
             End::Shutdown => {
                 // Leave the lease to run out: the agent moves to another
@@ -298,6 +319,39 @@ impl AgentSvc {
         self.metrics.node_writes.inc();
         *lease = Some(current);
         Ok(revision)
+    }
+}
+
+/// The agent's last status, split into what etcd keeps and the load.
+struct Reported {
+    durable: NodeStatus,
+    load: inferyes_proto::v1::NodeLoad,
+    /// Sessions in the status itself, from agents that send no residency
+    /// updates.
+    sessions: Vec<inferyes_proto::v1::ResidentSession>,
+}
+
+impl Reported {
+    fn new(status: NodeStatus) -> Reported {
+        let mut reported = Reported { durable: NodeStatus::default(), load: Default::default(), sessions: Vec::new() };
+        reported.update(status);
+        reported
+    }
+
+    /// Takes a new status; returns whether its durable part and whether
+    /// its live part changed.
+    fn update(&mut self, mut status: NodeStatus) -> (bool, bool) {
+        let sessions = std::mem::take(&mut status.sessions);
+        let (durable, load, dropped) = crate::live::split(status);
+        if dropped > 0 {
+            tracing::warn!(dropped, "node status over the record's bounds; the rest is left out of etcd");
+        }
+        let durable_changed = durable != self.durable;
+        let live_changed = load != self.load || sessions != self.sessions;
+        self.durable = durable;
+        self.load = load;
+        self.sessions = sessions;
+        (durable_changed, live_changed)
     }
 }
 

@@ -3,7 +3,8 @@ use std::sync::Arc;
 
 use inferyes_proto::v1::routing_service_server::{RoutingService, RoutingServiceServer};
 use inferyes_proto::v1::{
-    DataPlaneReport, ReportAck, SnapshotUpdate, SubscribeRequest, UsageAck, UsageBatch, snapshot_update,
+    DataPlaneReport, FollowLiveRequest, LiveUpdate, ReportAck, SnapshotUpdate, SubscribeRequest, UsageAck, UsageBatch,
+    snapshot_update,
 };
 use tokio::sync::mpsc;
 use tokio_stream::Stream;
@@ -57,10 +58,21 @@ const MAX_RECORDS_PER_BATCH: usize = 2000;
 const MAX_DELTAS_PER_BATCH: usize = 100;
 
 type UpdateStream = Pin<Box<dyn Stream<Item = Result<SnapshotUpdate, Status>> + Send>>;
+type LiveStream = Pin<Box<dyn Stream<Item = Result<LiveUpdate, Status>> + Send>>;
 
 #[tonic::async_trait]
 impl RoutingService for RoutingSvc {
     type SubscribeStream = UpdateStream;
+    type FollowLiveStream = LiveStream;
+
+    async fn follow_live(&self, request: Request<FollowLiveRequest>) -> Result<Response<LiveStream>, Status> {
+        self.member(&request)?;
+        let peer = request.into_inner().controller_id;
+        let (tx, rx) = mpsc::channel(4);
+        let span = tracing::info_span!("peer", %peer);
+        tokio::spawn(self.clone().feed_live(tx).instrument(span));
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
 
     async fn subscribe(&self, request: Request<SubscribeRequest>) -> Result<Response<UpdateStream>, Status> {
         self.member(&request)?;
@@ -112,6 +124,57 @@ impl RoutingService for RoutingSvc {
 }
 
 impl RoutingSvc {
+    /// Relays the live state of the nodes whose agents this controller
+    /// serves: all of it first, then what changed, against what this peer
+    /// was last sent.
+    async fn feed_live(self, tx: mpsc::Sender<Result<LiveUpdate, Status>>) {
+        let mut snapshots = self.snapshots.clone();
+        let mut sent: Option<std::collections::BTreeMap<String, Arc<crate::live::Live>>> = None;
+        loop {
+            let current = snapshots.borrow_and_update().clone();
+            if let Some(current) = current {
+                let own: std::collections::BTreeMap<String, Arc<crate::live::Live>> = current
+                    .live()
+                    .from_origin(&self.controller_id)
+                    .map(|l| (l.node.node_id.clone(), Arc::clone(l)))
+                    .collect();
+                let update = match &sent {
+                    None => Some(LiveUpdate {
+                        controller_id: self.controller_id.clone(),
+                        full: true,
+                        nodes: own.values().map(|l| l.node.clone()).collect(),
+                        gone: Vec::new(),
+                    }),
+                    Some(last) => {
+                        let nodes: Vec<_> = own
+                            .iter()
+                            .filter(|(id, l)| last.get(*id).is_none_or(|old| !Arc::ptr_eq(old, l)))
+                            .map(|(_, l)| l.node.clone())
+                            .collect();
+                        let gone: Vec<_> = last.keys().filter(|id| !own.contains_key(*id)).cloned().collect();
+                        (!nodes.is_empty() || !gone.is_empty()).then(|| LiveUpdate {
+                            controller_id: self.controller_id.clone(),
+                            full: false,
+                            nodes,
+                            gone,
+                        })
+                    }
+                };
+                if let Some(update) = update {
+                    if tx.send(Ok(update)).await.is_err() {
+                        return;
+                    }
+                    sent = Some(own);
+                }
+            }
+            tokio::select! {
+                () = self.shutdown.cancelled() => return,
+                () = tx.closed() => return,
+                changed = snapshots.changed() => if changed.is_err() { return },
+            }
+        }
+    }
+
     async fn feed(self, tx: mpsc::Sender<Result<SnapshotUpdate, Status>>) {
         tokio::select! {
             () = self.shutdown.cancelled() => return,

@@ -5,7 +5,9 @@ use etcd_client::{
     WatchOptions, WatchStream,
 };
 use inferyes_proto::ErrorKind;
-use inferyes_proto::v1::{AliasRecord, ApiKey, DrainRecord, KeyUsageToday, NodePolicy, NodeRecord, RoutingPolicy};
+use inferyes_proto::v1::{
+    AliasRecord, ApiKey, ControllerRecord, DrainRecord, KeyUsageToday, NodePolicy, NodeRecord, RoutingPolicy,
+};
 use prost::Message;
 
 use super::keys::{Key, Keys};
@@ -46,6 +48,8 @@ pub enum WatchEvent {
     ApiKeyDeleted(String),
     UsageTodayPut(KeyUsageToday),
     UsageTodayDeleted,
+    ControllerPut(String, ControllerRecord),
+    ControllerDeleted(String),
 }
 
 /// The events of one etcd revision range, and the revision they bring the
@@ -114,6 +118,14 @@ impl EtcdStore {
     pub async fn put_node(&self, record: &NodeRecord, lease: &Lease) -> Result<u64, StoreError> {
         let node_id = record.status.as_ref().map(|s| s.node_id.as_str()).unwrap_or_default();
         let key = self.keys.node(node_id);
+        let options = PutOptions::new().with_lease(lease.id);
+        let response = self.client.clone().put(key, record.encode_to_vec(), Some(options)).await?;
+        Ok(revision(response.header()))
+    }
+
+    /// Writes this controller's address for its peers, bound to `lease`.
+    pub async fn put_controller(&self, record: &ControllerRecord, lease: &Lease) -> Result<u64, StoreError> {
+        let key = self.keys.controller(&record.controller_id);
         let options = PutOptions::new().with_lease(lease.id);
         let response = self.client.clone().put(key, record.encode_to_vec(), Some(options)).await?;
         Ok(revision(response.header()))
@@ -208,6 +220,7 @@ fn decode(keys: &Keys, event_type: EventType, kv: &KeyValue) -> Option<WatchEven
             Key::Alias(alias) => WatchEvent::AliasDeleted(alias),
             Key::ApiKey(id) => WatchEvent::ApiKeyDeleted(id),
             Key::UsageToday => WatchEvent::UsageTodayDeleted,
+            Key::Controller(id) => WatchEvent::ControllerDeleted(id),
         });
     }
     let value = kv.value();
@@ -219,6 +232,7 @@ fn decode(keys: &Keys, event_type: EventType, kv: &KeyValue) -> Option<WatchEven
         Key::Alias(alias) => AliasRecord::decode(value).map(|r| WatchEvent::AliasPut(alias.clone(), r)),
         Key::ApiKey(id) => ApiKey::decode(value).map(|r| WatchEvent::ApiKeyPut(id.clone(), r)),
         Key::UsageToday => KeyUsageToday::decode(value).map(WatchEvent::UsageTodayPut),
+        Key::Controller(id) => ControllerRecord::decode(value).map(|r| WatchEvent::ControllerPut(id.clone(), r)),
     };
     match decoded {
         Ok(event) => Some(event),

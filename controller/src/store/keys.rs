@@ -18,6 +18,7 @@ pub enum Key {
     Alias(String),
     ApiKey(String),
     UsageToday,
+    Controller(String),
 }
 
 const NODES: &str = "nodes/";
@@ -27,6 +28,7 @@ const NODE_POLICY: &str = "config/node/";
 const ALIAS: &str = "config/alias/";
 const API_KEY: &str = "keys/";
 const USAGE_TODAY: &str = "usage/today";
+const CONTROLLERS: &str = "controllers/";
 
 impl Keys {
     pub fn new(prefix: &str) -> Keys {
@@ -64,6 +66,11 @@ impl Keys {
 
     pub fn api_key(&self, key_id: &str) -> String {
         format!("{}{API_KEY}{key_id}", self.prefix)
+    }
+
+    /// A controller's address for its peers, under its own lease.
+    pub fn controller(&self, controller_id: &str) -> String {
+        format!("{}{CONTROLLERS}{controller_id}", self.prefix)
     }
 
     /// Tokens per key today: in the fleet's prefix, so snapshots carry it.
@@ -104,6 +111,9 @@ impl Keys {
         if key == USAGE_TODAY {
             return Some(Key::UsageToday);
         }
+        if let Some(id) = key.strip_prefix(CONTROLLERS) {
+            return (!id.is_empty()).then(|| Key::Controller(id.to_string()));
+        }
         None
     }
 }
@@ -122,6 +132,7 @@ mod tests {
         assert_eq!(keys.parse(keys.alias("org/model").as_bytes()), Some(Key::Alias("org/model".into())));
         assert_eq!(keys.parse(keys.api_key("abc").as_bytes()), Some(Key::ApiKey("abc".into())));
         assert_eq!(keys.parse(keys.usage_today().as_bytes()), Some(Key::UsageToday));
+        assert_eq!(keys.parse(keys.controller("c1").as_bytes()), Some(Key::Controller("c1".into())));
         // The ledger is outside the fleet's prefix, so outside its watch.
         assert!(!keys.usage("pending/x").starts_with(keys.prefix()));
         assert_eq!(keys.usage("pending/x"), "/inferyes/v1-usage/pending/x");

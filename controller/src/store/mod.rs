@@ -3,7 +3,9 @@
 //!
 //! * `nodes/<node_id>`: a `NodeRecord`, bound to the lease of the agent's
 //!   stream, so a node disappears when its agent does;
-//! * `config/drain/<node_id>`: a `DrainRecord`, persistent.
+//! * `config/drain/<node_id>`: a `DrainRecord`, persistent;
+//! * `controllers/<controller_id>`: a `ControllerRecord`, bound to the
+//!   controller's own lease: how its peers reach it.
 
 mod etcd;
 mod keys;

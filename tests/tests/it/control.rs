@@ -397,3 +397,55 @@ async fn a_node_that_does_not_take_the_data_plane_s_token_is_passed_over_and_nev
     assert_eq!(response.openai_error()["code"], "upstream_auth_misconfigured");
     drop(a);
 }
+
+#[tokio::test]
+async fn data_planes_on_either_controller_see_every_node_s_sessions() {
+    let etcd = Etcd::start().await;
+    let one = ControllerHandle::start(&etcd.endpoint(), "controller-1").await;
+    let two = ControllerHandle::start(&etcd.endpoint(), "controller-2").await;
+    let sim_a = SimHandle::start(chat_sim("chat")).await;
+    let sim_b = SimHandle::start(chat_sim("chat")).await;
+    // Each agent reports to a different controller, and each data plane
+    // follows one of them: residency is never in etcd, so the second data
+    // plane learns of node-a's sessions only through the controllers.
+    let _a = AgentHandle::start("node-a", &[one.url()], &[("main", &sim_a)]).await;
+    let _b = AgentHandle::start("node-b", &[two.url()], &[("main", &sim_b)]).await;
+    let dp_one = DataplaneHandle::start(&[one.url()]).await;
+    let dp_two = DataplaneHandle::start(&[two.url()]).await;
+    dp_one.wait_for_nodes(&["node-a", "node-b"]).await;
+    dp_two.wait_for_nodes(&["node-a", "node-b"]).await;
+
+    let http = HttpClient::default();
+    let send = |dataplane: &DataplaneHandle, session: String| {
+        let url = format!("{}/v1/chat/completions", dataplane.url);
+        let http = http.clone();
+        async move {
+            let body = Bytes::from(chat_body("chat", "hi").to_string());
+            let response = http.send(Method::POST, &url, body, &[("x-session-id", &session)]).await;
+            assert_eq!(response.status, StatusCode::OK);
+            response
+        }
+    };
+    let mut homes = Vec::new();
+    for i in 0..8 {
+        let session = format!("conv-{i}");
+        let response = send(&dp_one, session.clone()).await;
+        homes.push((session, response.header("x-inferyes-node").expect("a node").to_string()));
+    }
+    for node in ["node-a", "node-b"] {
+        assert!(homes.iter().any(|(_, n)| n == node), "no session placed on {node}: {homes:?}");
+    }
+    for dp in [&dp_one, &dp_two] {
+        dp.wait_for("every session resident where it was served", Duration::from_secs(10), |s| {
+            homes.iter().all(|(session, home)| {
+                s.resident(session).and_then(|r| s.node(r.target.node)).is_some_and(|n| *n.id == **home)
+            })
+        })
+        .await;
+    }
+    for (session, home) in &homes {
+        let again = send(&dp_two, session.clone()).await;
+        assert_eq!(again.header("x-inferyes-node"), Some(home.as_str()), "{session}");
+        assert_eq!(again.header("x-inferyes-route"), Some("resident"), "{session}");
+    }
+}

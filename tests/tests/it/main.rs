@@ -3,6 +3,7 @@
 
 mod auth;
 mod chaos;
+mod churn;
 mod control;
 mod ctl;
 mod dashboard;
