@@ -142,6 +142,7 @@ fi
 etcd --name bench --data-dir "$work/etcd" --listen-client-urls "http://127.0.0.1:$etcd_client" \
   --advertise-client-urls "http://127.0.0.1:$etcd_client" --listen-peer-urls "http://127.0.0.1:$etcd_peer" \
   --initial-advertise-peer-urls "http://127.0.0.1:$etcd_peer" --initial-cluster "bench=http://127.0.0.1:$etcd_peer" \
+  --auto-compaction-mode=periodic --auto-compaction-retention=5m --quota-backend-bytes=2147483648 \
   >"$work/etcd.log" 2>&1 & pids+=($!)
 until curl -fsS "http://127.0.0.1:$etcd_client/health" >/dev/null 2>&1; do sleep 0.1; done
 

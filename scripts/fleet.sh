@@ -86,7 +86,9 @@ wait_http() { # url, name
 etcd --name inferyes-local --data-dir "$state/etcd" \
   --listen-client-urls http://127.0.0.1:23790 --advertise-client-urls http://127.0.0.1:23790 \
   --listen-peer-urls http://127.0.0.1:23800 --initial-advertise-peer-urls http://127.0.0.1:23800 \
-  --initial-cluster inferyes-local=http://127.0.0.1:23800 >"$logs/etcd.log" 2>&1 &
+  --initial-cluster inferyes-local=http://127.0.0.1:23800 \
+  --auto-compaction-mode=periodic --auto-compaction-retention=5m --quota-backend-bytes=2147483648 \
+  >"$logs/etcd.log" 2>&1 &
 pids+=($!)
 wait_http http://127.0.0.1:23790/health etcd
 

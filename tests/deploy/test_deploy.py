@@ -120,6 +120,38 @@ def test_the_compose_fleet_is_consistent():
     assert (DEPLOY / "compose" / build["context"] / build["dockerfile"]).is_file()
 
 
+# ------------------------------------------------------------------- etcd
+
+ETCD_FLAGS = ("--auto-compaction-mode=periodic", "--auto-compaction-retention=5m",
+              "--quota-backend-bytes=2147483648")
+
+
+def test_every_etcd_the_project_starts_compacts_and_has_a_quota():
+    """Without compaction etcd keeps every revision until its quota, and
+    past the quota it refuses every write: drains, keys, agents joining."""
+    compose = yaml.safe_load((DEPLOY / "compose" / "compose.yaml").read_text())
+    statefulset = next(d for d in yaml.safe_load_all((DEPLOY / "kubernetes" / "etcd.yaml").read_text())
+                       if d and d.get("kind") == "StatefulSet")
+    started = {
+        "compose": " ".join(compose["services"]["etcd"]["command"]),
+        "kubernetes": " ".join(statefulset["spec"]["template"]["spec"]["containers"][0]["command"]),
+    }
+    for path in ("scripts/fleet.sh", "scripts/bench-proxy.sh", "tests/src/etcd.rs", "tests/e2e/harness.py"):
+        text = (ROOT / path).read_text()
+        # Quoted and split across lines in scripts and code: compare the words.
+        started[path] = " ".join(re.sub(r'["\',\\]', " ", text).split())
+    for where, command in started.items():
+        for flag in ETCD_FLAGS:
+            assert flag in command or flag.replace("=", '" "') in command, f"{where}: etcd without {flag}"
+    dropin = configparser.ConfigParser(strict=False, interpolation=None)
+    dropin.optionxform = str
+    dropin.read_string((DEPLOY / "systemd" / "etcd.service.d" / "inferyes.conf").read_text())
+    environment = dropin["Service"]["Environment"]
+    for flag in ETCD_FLAGS:
+        name, value = flag.removeprefix("--").split("=")
+        assert f"ETCD_{name.upper().replace('-', '_')}={value}" in environment, f"systemd drop-in without {flag}"
+
+
 # ---------------------------------------------------------------- systemd
 
 @pytest.mark.parametrize("binary", BINARIES)

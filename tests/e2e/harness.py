@@ -122,6 +122,8 @@ class Fleet:
             "--listen-peer-urls", f"http://127.0.0.1:{peer_port}",
             "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer_port}",
             "--initial-cluster", f"e2e=http://127.0.0.1:{peer_port}",
+            "--auto-compaction-mode=periodic", "--auto-compaction-retention=5m",
+            "--quota-backend-bytes=2147483648",
         ])
         wait_until("etcd healthy", lambda: http_get(f"{self.etcd_url}/health")[0] == 200)
 

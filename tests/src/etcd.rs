@@ -52,6 +52,10 @@ impl Etcd {
                 format!("--listen-peer-urls={peer_url}"),
                 format!("--initial-advertise-peer-urls={peer_url}"),
                 format!("--initial-cluster=test={peer_url}"),
+                // As every etcd the project starts (docs/operations.md).
+                "--auto-compaction-mode=periodic".into(),
+                "--auto-compaction-retention=5m".into(),
+                "--quota-backend-bytes=2147483648".into(),
             ];
             let child = spawn(&command, &dir);
             let mut etcd = Etcd { child, dir, client_url, command };
