@@ -72,6 +72,9 @@ pub struct Config {
     /// their nodes' live state. Empty: `grpc_listen` (with the hostname
     /// where it listens on every address).
     pub advertise_url: String,
+    /// etcd's `--quota-backend-bytes`, against which the database's size is
+    /// reported (etcd 3.6 and later report their own, which wins).
+    pub etcd_quota_bytes: u64,
     pub lease_ttl_ms: u64,
     /// How often agents must be heard from; must be well under the lease TTL.
     pub heartbeat_interval_ms: u64,
@@ -117,6 +120,7 @@ impl Default for Config {
             grpc_listen: SocketAddr::from(([127, 0, 0, 1], 7070)),
             http_listen: SocketAddr::from(([127, 0, 0, 1], 7071)),
             advertise_url: String::new(),
+            etcd_quota_bytes: 2 << 30,
             lease_ttl_ms: 6000,
             heartbeat_interval_ms: 1000,
             min_write_interval_ms: 100,

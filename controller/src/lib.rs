@@ -106,6 +106,12 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         .run()
         .instrument(tracing::info_span!("peers")),
     );
+    let etcd_size = tokio::spawn(sample_etcd_size(
+        store.clone(),
+        std::sync::Arc::clone(&metrics),
+        config.etcd_quota_bytes,
+        shutdown.clone(),
+    ));
 
     let agents = grpc::AgentSvc {
         store: store.clone(),
@@ -171,9 +177,41 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
     shutdown.cancel();
     let _ = reconciler.await;
     let _ = peers.await;
+    let _ = etcd_size.await;
     let _ = ledger.await;
     let _ = sampler.await;
     grpc_result.context("gRPC server failed")?;
     http_result.context("HTTP server failed")?;
     Ok(())
+}
+
+/// How often etcd's database size is read for the metrics.
+const ETCD_SIZE_EVERY: Duration = Duration::from_secs(15);
+
+/// Keeps the etcd size metrics current: what to alert on before the quota
+/// stops every write (see docs/operations.md).
+async fn sample_etcd_size(
+    store: store::EtcdStore,
+    metrics: std::sync::Arc<metrics::Metrics>,
+    quota: u64,
+    shutdown: CancellationToken,
+) {
+    let gauge = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+    metrics.etcd_quota_bytes.set(gauge(quota));
+    let mut every = tokio::time::interval(ETCD_SIZE_EVERY);
+    loop {
+        tokio::select! {
+            () = shutdown.cancelled() => return,
+            _ = every.tick() => match store.db_size().await {
+                Ok(size) => {
+                    metrics.etcd_db_size_bytes.set(gauge(size.size));
+                    metrics.etcd_db_size_in_use_bytes.set(gauge(size.in_use));
+                    if size.quota > 0 {
+                        metrics.etcd_quota_bytes.set(gauge(size.quota));
+                    }
+                }
+                Err(error) => tracing::debug!(%error, "etcd status not read"),
+            },
+        }
+    }
 }

@@ -30,6 +30,9 @@ pub struct Metrics {
     pub node_write_seconds: Histogram,
     pub snapshot_build_seconds: Histogram,
     pub peers: Gauge,
+    pub etcd_db_size_bytes: Gauge,
+    pub etcd_db_size_in_use_bytes: Gauge,
+    pub etcd_quota_bytes: Gauge,
 }
 
 impl Metrics {
@@ -45,6 +48,9 @@ impl Metrics {
             node_write_seconds: Histogram::new(exponential_buckets(0.0005, 2.0, 14)),
             snapshot_build_seconds: Histogram::new(exponential_buckets(0.00001, 2.0, 18)),
             peers: Gauge::default(),
+            etcd_db_size_bytes: Gauge::default(),
+            etcd_db_size_in_use_bytes: Gauge::default(),
+            etcd_quota_bytes: Gauge::default(),
         };
         let r = registry.sub_registry_with_prefix("inferyes_controller");
         r.register("nodes", "Nodes in the snapshot, by state (active, draining)", m.nodes.clone());
@@ -69,6 +75,21 @@ impl Metrics {
         r.register("node_write_seconds", "Time to write a node record to etcd", m.node_write_seconds.clone());
         r.register("snapshot_build_seconds", "Time to build a routing snapshot", m.snapshot_build_seconds.clone());
         r.register("peers", "Other controllers this one follows for their nodes' live state", m.peers.clone());
+        r.register(
+            "etcd_db_size_bytes",
+            "Size of etcd's database file on the member this controller asks",
+            m.etcd_db_size_bytes.clone(),
+        );
+        r.register(
+            "etcd_db_size_in_use_bytes",
+            "Part of etcd's database in use (the rest is free after compaction, given back by a defrag)",
+            m.etcd_db_size_in_use_bytes.clone(),
+        );
+        r.register(
+            "etcd_quota_bytes",
+            "etcd's space quota: past it, etcd refuses every write",
+            m.etcd_quota_bytes.clone(),
+        );
         m
     }
 

@@ -60,6 +60,16 @@ pub struct WatchBatch {
     pub events: Vec<WatchEvent>,
 }
 
+/// etcd's database: the file, the part of it in use (the rest is free
+/// pages a defragmentation gives back), and the quota (0: not reported;
+/// etcd before 3.6).
+#[derive(Clone, Copy, Debug)]
+pub struct DbSize {
+    pub size: u64,
+    pub in_use: u64,
+    pub quota: u64,
+}
+
 /// A lease with its keep-alive stream. Dropping it stops the keep-alives, so
 /// the lease runs out on its own; [`EtcdStore::revoke`] ends it at once.
 pub struct Lease {
@@ -129,6 +139,17 @@ impl EtcdStore {
         let options = PutOptions::new().with_lease(lease.id);
         let response = self.client.clone().put(key, record.encode_to_vec(), Some(options)).await?;
         Ok(revision(response.header()))
+    }
+
+    /// The database's size on the member answering.
+    pub async fn db_size(&self) -> Result<DbSize, StoreError> {
+        let status = self.client.clone().status().await?;
+        let size = |v: i64| u64::try_from(v).unwrap_or(0);
+        Ok(DbSize {
+            size: size(status.db_size()),
+            in_use: size(status.raft_used_db_size()),
+            quota: size(status.db_size_quota()),
+        })
     }
 
     /// Writes a persistent (unleased) value; returns the revision.

@@ -118,4 +118,8 @@ async fn agents_and_controllers_expose_what_they_see() {
     assert_eq!(samples["inferyes_controller_agent_streams"], 2.0);
     assert!(samples["inferyes_controller_node_writes_total"] >= 2.0);
     assert!(samples["inferyes_controller_snapshot_build_seconds_count"] >= 1.0);
+    // Read when the controller starts: what to alert on before etcd's quota.
+    assert!(samples["inferyes_controller_etcd_db_size_bytes"] > 0.0, "{text}");
+    assert!(samples["inferyes_controller_etcd_db_size_in_use_bytes"] > 0.0);
+    assert_eq!(samples["inferyes_controller_etcd_quota_bytes"], 2_147_483_648.0);
 }
