@@ -10,6 +10,7 @@ pub mod apikey;
 pub mod base_url;
 pub mod bearer;
 mod error;
+pub mod hash;
 pub mod headers;
 pub mod pool;
 pub mod process;

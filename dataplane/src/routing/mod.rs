@@ -22,14 +22,12 @@
 //! 5. cold: nodes that can load the model, a load already under way first,
 //!    then the most free GPU memory, counting loads in progress.
 
-mod hash;
-
 use std::sync::atomic::Ordering;
 
 use inferyes_proto::ErrorKind;
 use inferyes_proto::v1::{EndpointKind, ModelState, Strategy};
 
-pub use hash::{rendezvous_score, stable_hash, text_hash, unit_interval};
+pub use inferyes_proto::hash::{rendezvous_score, stable_hash, text_hash, unit_interval};
 
 use crate::snapshot::{Placement, RoutingSnapshot, Target};
 

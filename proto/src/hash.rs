@@ -1,5 +1,6 @@
-//! Hashes that must give the same value in every data plane, on every
-//! build: `std`'s hashers promise neither, so these are spelled out.
+//! Hashes that must give the same value in every data plane and every
+//! controller, on every build: `std`'s hashers promise neither, so these
+//! are spelled out.
 
 /// FNV-1a over the bytes, finished with a SplitMix64 mix for avalanche.
 pub fn stable_hash(bytes: &[u8]) -> u64 {
