@@ -730,11 +730,16 @@ fn backend_json(b: &Backend) -> Value {
            "models": models})
 }
 
+/// Sessions resident on the node, as the controller counted them.
+fn resident(status: &inferyes_proto::v1::NodeStatus) -> u64 {
+    status.backends.iter().map(|b| u64::from(b.resident_sessions)).sum()
+}
+
 fn node_json(node: &SnapshotNode) -> Value {
     let Some(s) = node.status.as_ref() else { return Value::Null };
     json!({"node_id": s.node_id, "hostname": s.hostname, "proxy_url": s.proxy_url, "draining": node.draining,
            "agent_version": s.agent_version, "gpus": s.gpus.iter().map(gpu_json).collect::<Vec<_>>(),
-           "backends": s.backends.iter().map(backend_json).collect::<Vec<_>>(), "sessions": s.sessions.len()})
+           "backends": s.backends.iter().map(backend_json).collect::<Vec<_>>(), "sessions": resident(s)})
 }
 
 fn gib(bytes: u64) -> String {
@@ -772,7 +777,7 @@ fn nodes_table(nodes: &[SnapshotNode]) -> String {
                 vram(&s.gpus),
                 format!("{slots_busy}/{slots_total}"),
                 format!("{healthy}/{}", s.backends.len()),
-                s.sessions.len().to_string(),
+                resident(s).to_string(),
                 loaded.join(","),
             ]
         })
@@ -815,7 +820,7 @@ fn node_detail(node: &SnapshotNode) -> String {
             let _ = writeln!(out, "  model {} {} ctx {}", m.id, m.state().as_str_name(), m.context_window);
         }
     }
-    let _ = writeln!(out, "sessions:  {}", s.sessions.len());
+    let _ = writeln!(out, "sessions:  {}", resident(s));
     out
 }
 

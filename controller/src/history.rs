@@ -45,7 +45,7 @@ impl Pressure {
     pub fn sample(&mut self, snapshot: &Snapshot, now_ms: u64) {
         let step = now_ms / STEP_MS;
         let mut seen = std::collections::BTreeSet::new();
-        for node in snapshot.nodes() {
+        for node in snapshot.merged_nodes() {
             let Some(status) = node.status.as_ref() else { continue };
             let slots_busy = status.backends.iter().fold(0u32, |n, b| n.saturating_add(b.slots_busy));
             let slots_total = status.backends.iter().fold(0u32, |n, b| n.saturating_add(b.slots_total));

@@ -72,11 +72,15 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
     // Bounded: a reconciler that falls behind slows the agent streams
     // feeding it rather than growing a queue.
     let (live_tx, live_rx) = tokio::sync::mpsc::channel(4096);
+    let (requests_tx, requests_rx) = tokio::sync::mpsc::channel(64);
+    let (batches, _) = tokio::sync::broadcast::channel(reconcile::BATCHES_HELD);
     let reconciler = tokio::spawn(
         reconcile::Reconciler {
             store: store.clone(),
             tx: snapshot_tx,
             live: live_rx,
+            requests: requests_rx,
+            batches: batches.clone(),
             controller_id: config.controller_id.clone(),
             debounce: config.snapshot_debounce(),
             metrics: std::sync::Arc::clone(&metrics),
@@ -133,6 +137,8 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         activity: std::sync::Arc::clone(&activity),
         store: store.clone(),
         join_token,
+        batches,
+        live_requests: requests_tx.clone(),
     };
     let ledger = tokio::spawn(
         ledger::run(
@@ -143,7 +149,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         )
         .instrument(tracing::info_span!("ledger")),
     );
-    let fleet = grpc::FleetSvc { store, snapshots: snapshots.clone(), admin_token };
+    let fleet = grpc::FleetSvc { store, snapshots: snapshots.clone(), admin_token, live_requests: requests_tx };
 
     let incoming = tonic::transport::server::TcpIncoming::from(listeners.grpc).with_nodelay(Some(true));
     let mut server = tonic::transport::Server::builder();

@@ -1,14 +1,22 @@
 //! The fleet's soft state: each node's load and resident sessions. It
 //! changes with every request, so it is never written to etcd: the agent
 //! stream that receives it hands it to the reconciler, peers relay it to
-//! each other (`RoutingService.FollowLive`), and snapshots carry it to data
-//! planes. etcd keeps what a node *is* (its models, health, memory steps);
-//! this keeps what it is *doing*. Pure: no I/O.
+//! each other (`RoutingService.FollowLive`), and data planes get it as
+//! deltas beside the snapshot (`LiveDelta`). etcd keeps what a node *is*
+//! (its models, health, memory steps); this keeps what it is *doing*.
+//!
+//! Changes are gathered between two batches per node and key, so a batch
+//! carries each changed session once, and only what changed: a node of a
+//! thousand sessions that gains one sends one. Pure: no I/O.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
-use inferyes_proto::v1::{BackendLoad, GpuLoad, NodeLive, NodeLoad, NodeStatus};
+use inferyes_proto::FastMap;
+use inferyes_proto::v1::{
+    BackendLoad, GpuLoad, LiveDelta, LiveNode, LiveUpdate, NodeLive, NodeLoad, NodeStatus, ResidentSession,
+    SessionEntry, SessionInfo,
+};
 
 /// GPU memory in etcd is rounded up to steps of this fraction of the GPU's
 /// total: a node's record changes when a model is loaded, not when its KV
@@ -23,94 +31,449 @@ pub const MAX_MODELS_PER_BACKEND: usize = 256;
 pub const MAX_GPUS: usize = 64;
 const MAX_TEXT: usize = 256;
 
-/// One node's live state and where it came from.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Live {
-    /// The controller serving the node's agent stream.
-    pub origin: Arc<str>,
-    /// False once the stream it came over is gone (a peer unreachable):
-    /// its counts are the last ones known, and routing takes them for
-    /// unknown.
-    pub fresh: bool,
-    pub node: NodeLive,
-}
+/// Sessions one node may hold here, and the longest key taken: every
+/// controller and every data plane holds them in memory, and an agent
+/// claiming a million must not fill them. An agent keeps far fewer (1,024
+/// past the slots per backend).
+pub const MAX_SESSIONS: usize = 65_536;
+pub const MAX_KEY_BYTES: usize = 256;
+
+/// The most recently used sessions the dashboard lists.
+pub const RECENT_SESSIONS: usize = 50;
 
 /// A change to the live state.
 #[derive(Clone, Debug)]
 pub enum LiveEvent {
-    /// A node's whole live state, from an agent stream here or a peer.
-    Put(Arc<Live>),
+    /// A node's load, from `origin`: this controller's agent stream, or a
+    /// peer's relay.
+    Load { node_id: String, origin: Arc<str>, load: NodeLoad },
+    /// A node's sessions: the whole table (`full`), or what changed.
+    Sessions { node_id: String, origin: Arc<str>, full: bool, upserted: Vec<ResidentSession>, removed: Vec<String> },
     /// The agent stream of `node_id` at `origin` ended.
     Gone { node_id: String, origin: Arc<str> },
     /// A peer's whole set: replaces every node that came from it.
-    PeerFull { origin: Arc<str>, nodes: Vec<Arc<Live>> },
+    PeerFull { origin: Arc<str>, nodes: Vec<NodeLive> },
+    /// A peer's changes.
+    PeerDelta { origin: Arc<str>, nodes: Vec<NodeLive>, gone: Vec<String> },
     /// The stream from a peer ended: what it relayed is kept, not fresh.
     PeerLost { origin: Arc<str> },
 }
 
+/// What the controller's own views (FleetService, the dashboard, metrics)
+/// show of one node's live state.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Summary {
+    /// The controller serving the node's agent stream.
+    pub origin: Arc<str>,
+    /// False once the stream it came over is gone (a peer unreachable):
+    /// the load is the last known, and routing takes it for unknown.
+    pub fresh: bool,
+    pub load: NodeLoad,
+    /// Resident sessions by backend id.
+    pub sessions: BTreeMap<String, u32>,
+}
+
+/// What a snapshot shows of the live state.
 #[derive(Clone, Debug, Default, PartialEq)]
+pub struct LiveView {
+    pub nodes: BTreeMap<String, Arc<Summary>>,
+    /// The most recently used sessions, most recent first, with their node.
+    pub recent: Vec<(String, ResidentSession)>,
+    pub sessions: usize,
+}
+
+/// The changes between two batches, in each receiver's form.
+#[derive(Debug)]
+pub struct LiveBatch {
+    pub seq: u64,
+    /// For data planes: every node's changes.
+    pub delta: LiveDelta,
+    /// For peers: the changes of the nodes whose agents are here.
+    pub own: LiveUpdate,
+}
+
+#[derive(Debug)]
+struct Node {
+    origin: Arc<str>,
+    fresh: bool,
+    load: NodeLoad,
+    sessions: FastMap<String, ResidentSession>,
+    counts: BTreeMap<String, u32>,
+    summary: Arc<Summary>,
+}
+
+/// A node's changes since the last batch.
+#[derive(Debug, Default)]
+struct Pending {
+    /// The load, or its freshness, changed.
+    load: bool,
+    /// The table was replaced: the batch carries all of it.
+    full: bool,
+    upserted: BTreeSet<String>,
+    removed: BTreeSet<String>,
+}
+
+#[derive(Debug, Default)]
 pub struct LiveState {
-    nodes: BTreeMap<String, Arc<Live>>,
+    own_id: Arc<str>,
+    nodes: BTreeMap<String, Node>,
+    pending: BTreeMap<String, Pending>,
+    /// Nodes gone since the last batch, and which of those were this
+    /// controller's.
+    gone: BTreeSet<String>,
+    gone_own: BTreeSet<String>,
+    seq: u64,
+    /// (last use, node, key): the most recent sessions, at most
+    /// [`RECENT_SESSIONS`].
+    recent: BTreeMap<(u64, String, String), ResidentSession>,
+    sessions: usize,
 }
 
 impl LiveState {
+    pub fn new(own_id: &str) -> LiveState {
+        LiveState { own_id: own_id.into(), ..Default::default() }
+    }
+
     pub fn apply(&mut self, event: LiveEvent) {
         match event {
-            LiveEvent::Put(live) => {
-                self.nodes.insert(live.node.node_id.clone(), live);
+            LiveEvent::Load { node_id, origin, load } => self.load(&node_id, &origin, load),
+            LiveEvent::Sessions { node_id, origin, full, upserted, removed } => {
+                self.sessions(&node_id, &origin, full, upserted, removed);
             }
             LiveEvent::Gone { node_id, origin } => {
-                if self.nodes.get(&node_id).is_some_and(|l| l.origin == origin) {
-                    self.nodes.remove(&node_id);
+                if self.nodes.get(&node_id).is_some_and(|n| n.origin == origin) {
+                    self.remove(&node_id);
                 }
             }
             LiveEvent::PeerFull { origin, nodes } => {
-                self.nodes.retain(|_, l| l.origin != origin);
-                for live in nodes {
-                    // A node that moved here meanwhile keeps its stream's state.
-                    match self.nodes.get(&live.node.node_id) {
-                        Some(held) if held.fresh => {}
-                        _ => {
-                            self.nodes.insert(live.node.node_id.clone(), live);
-                        }
-                    }
+                let listed: BTreeSet<&str> = nodes.iter().map(|n| n.node_id.as_str()).collect();
+                let dropped: Vec<String> = self
+                    .nodes
+                    .iter()
+                    .filter(|(id, n)| n.origin == origin && !listed.contains(id.as_str()))
+                    .map(|(id, _)| id.clone())
+                    .collect();
+                dropped.iter().for_each(|id| self.remove(id));
+                for mut node in nodes {
+                    node.sessions_full = true;
+                    self.peer_node(&origin, node);
+                }
+            }
+            LiveEvent::PeerDelta { origin, nodes, gone } => {
+                for node in nodes {
+                    self.peer_node(&origin, node);
+                }
+                for node_id in gone {
+                    self.apply(LiveEvent::Gone { node_id, origin: Arc::clone(&origin) });
                 }
             }
             LiveEvent::PeerLost { origin } => {
-                for live in self.nodes.values_mut().filter(|l| l.origin == origin && l.fresh) {
-                    Arc::make_mut(live).fresh = false;
+                let lost: Vec<String> = self
+                    .nodes
+                    .iter()
+                    .filter(|(_, n)| n.origin == origin && n.fresh)
+                    .map(|(id, _)| id.clone())
+                    .collect();
+                for id in lost {
+                    if let Some(node) = self.nodes.get_mut(&id) {
+                        node.fresh = false;
+                    }
+                    self.pending.entry(id).or_default().load = true;
                 }
             }
         }
     }
 
-    /// A node left the fleet (its etcd record is gone): what a peer relayed
-    /// of it goes. A stream here still open keeps its own.
-    pub fn node_left(&mut self, node_id: &str, own_id: &str) {
-        if self.nodes.get(node_id).is_some_and(|l| &*l.origin != own_id) {
-            self.nodes.remove(node_id);
+    fn peer_node(&mut self, origin: &Arc<str>, node: NodeLive) {
+        let NodeLive { node_id, load, sessions, sessions_full, removed } = node;
+        if let Some(load) = load {
+            self.load(&node_id, origin, load);
+        }
+        if sessions_full || !sessions.is_empty() || !removed.is_empty() {
+            self.sessions(&node_id, origin, sessions_full, sessions, removed);
         }
     }
 
-    /// Equal by the nodes' `Arc`s, without comparing what they hold.
-    pub fn same(&self, other: &LiveState) -> bool {
-        self.nodes.len() == other.nodes.len()
-            && self.nodes.iter().zip(&other.nodes).all(|((a, x), (b, y))| a == b && Arc::ptr_eq(x, y))
+    /// A node's etcd record is gone: what a peer relayed of it goes too.
+    /// An agent stream here still open keeps its own.
+    pub fn node_left(&mut self, node_id: &str) {
+        if self.nodes.get(node_id).is_some_and(|n| n.origin != self.own_id) {
+            self.remove(node_id);
+        }
     }
 
-    pub fn get(&self, node_id: &str) -> Option<&Arc<Live>> {
-        self.nodes.get(node_id)
+    /// The node as `origin` may change it: an agent stream here always may
+    /// (the agent is here now), a peer where the node is its, or where what
+    /// is held is not fresh and the peer has the whole table (`full`).
+    fn claim(&mut self, node_id: &str, origin: &Arc<str>, full: bool) -> bool {
+        let local = *origin == self.own_id;
+        let Some(node) = self.nodes.get_mut(node_id) else {
+            let summary = Arc::new(Summary {
+                origin: Arc::clone(origin),
+                fresh: true,
+                load: NodeLoad::default(),
+                sessions: BTreeMap::new(),
+            });
+            let node = Node {
+                origin: Arc::clone(origin),
+                fresh: true,
+                load: NodeLoad::default(),
+                sessions: FastMap::default(),
+                counts: BTreeMap::new(),
+                summary,
+            };
+            self.nodes.insert(node_id.to_string(), node);
+            self.gone.remove(node_id);
+            self.gone_own.remove(node_id);
+            self.pending.entry(node_id.to_string()).or_default().load = true;
+            return true;
+        };
+        if node.origin == *origin {
+            return true;
+        }
+        if local || (!node.fresh && full) {
+            node.origin = Arc::clone(origin);
+            node.fresh = true;
+            self.pending.entry(node_id.to_string()).or_default().load = true;
+            return true;
+        }
+        false
     }
 
-    /// The nodes whose agents `origin` serves.
-    pub fn from_origin<'a>(&'a self, origin: &'a str) -> impl Iterator<Item = &'a Arc<Live>> + 'a {
-        self.nodes.values().filter(move |l| &*l.origin == origin)
+    fn load(&mut self, node_id: &str, origin: &Arc<str>, load: NodeLoad) {
+        if !self.claim(node_id, origin, false) {
+            return;
+        }
+        let Some(node) = self.nodes.get_mut(node_id) else { return };
+        if node.load != load {
+            node.load = load;
+            self.pending.entry(node_id.to_string()).or_default().load = true;
+        }
+    }
+
+    fn sessions(
+        &mut self,
+        node_id: &str,
+        origin: &Arc<str>,
+        full: bool,
+        upserted: Vec<ResidentSession>,
+        removed: Vec<String>,
+    ) {
+        if !self.claim(node_id, origin, full) {
+            return;
+        }
+        let LiveState { nodes, pending, recent, sessions, .. } = self;
+        let Some(node) = nodes.get_mut(node_id) else { return };
+        let pending = pending.entry(node_id.to_string()).or_default();
+        if full {
+            for (key, session) in node.sessions.drain() {
+                forget_recent(recent, node_id, &key, &session);
+                *sessions -= 1;
+            }
+            node.counts.clear();
+            *pending = Pending { load: pending.load, full: true, ..Pending::default() };
+        }
+        for key in removed {
+            let Some(session) = node.sessions.remove(&key) else { continue };
+            forget_recent(recent, node_id, &key, &session);
+            count(&mut node.counts, &session.backend_id, false);
+            *sessions -= 1;
+            if !pending.full {
+                pending.upserted.remove(&key);
+                pending.removed.insert(key);
+            }
+        }
+        for session in upserted {
+            if session.key.len() > MAX_KEY_BYTES || session.backend_id.len() > MAX_TEXT {
+                continue;
+            }
+            match node.sessions.get(&session.key) {
+                Some(held) if *held == session => continue,
+                Some(held) => {
+                    forget_recent(recent, node_id, &session.key, held);
+                    count(&mut node.counts, &held.backend_id.clone(), false);
+                    *sessions -= 1;
+                }
+                None if node.sessions.len() >= MAX_SESSIONS => continue,
+                None => {}
+            }
+            count(&mut node.counts, &session.backend_id, true);
+            *sessions += 1;
+            let key = session.key.clone();
+            recent.insert((session.last_seen_unix_ms, node_id.to_string(), key.clone()), session.clone());
+            if recent.len() > RECENT_SESSIONS {
+                recent.pop_first();
+            }
+            node.sessions.insert(key.clone(), session);
+            if !pending.full {
+                pending.removed.remove(&key);
+                pending.upserted.insert(key);
+            }
+        }
+    }
+
+    fn remove(&mut self, node_id: &str) {
+        let Some(node) = self.nodes.remove(node_id) else { return };
+        for (key, session) in &node.sessions {
+            forget_recent(&mut self.recent, node_id, key, session);
+        }
+        self.sessions -= node.sessions.len();
+        self.pending.remove(node_id);
+        self.gone.insert(node_id.to_string());
+        if node.origin == self.own_id {
+            self.gone_own.insert(node_id.to_string());
+        }
+    }
+
+    /// The changes since the last batch, if any.
+    pub fn take_batch(&mut self) -> Option<LiveBatch> {
+        if self.pending.is_empty() && self.gone.is_empty() {
+            return None;
+        }
+        self.seq += 1;
+        let mut delta = LiveDelta { nodes: Vec::new(), gone: std::mem::take(&mut self.gone).into_iter().collect() };
+        let mut own = LiveUpdate {
+            controller_id: self.own_id.to_string(),
+            full: false,
+            nodes: Vec::new(),
+            gone: std::mem::take(&mut self.gone_own).into_iter().collect(),
+        };
+        for (id, pending) in std::mem::take(&mut self.pending) {
+            let Some(node) = self.nodes.get_mut(&id) else { continue };
+            let changed: Vec<&ResidentSession> = if pending.full {
+                node.sessions.values().collect()
+            } else {
+                pending.upserted.iter().filter_map(|k| node.sessions.get(k)).collect()
+            };
+            delta.nodes.push(LiveNode {
+                node_id: id.clone(),
+                load: pending.load.then(|| node.load.clone()),
+                stale: !node.fresh,
+                sessions_full: pending.full,
+                upserted: changed.iter().filter_map(|s| entry(&node.load, s)).collect(),
+                removed: pending.removed.iter().map(|k| inferyes_proto::hash::stable_hash(k.as_bytes())).collect(),
+            });
+            if node.origin == self.own_id {
+                own.nodes.push(NodeLive {
+                    node_id: id.clone(),
+                    load: pending.load.then(|| node.load.clone()),
+                    sessions: changed.into_iter().cloned().collect(),
+                    sessions_full: pending.full,
+                    removed: pending.removed.into_iter().collect(),
+                });
+            }
+            node.summary = Arc::new(Summary {
+                origin: Arc::clone(&node.origin),
+                fresh: node.fresh,
+                load: node.load.clone(),
+                sessions: node.counts.clone(),
+            });
+        }
+        Some(LiveBatch { seq: self.seq, delta, own })
+    }
+
+    /// The sequence number of the last batch taken.
+    pub fn seq(&self) -> u64 {
+        self.seq
+    }
+
+    /// Every node's live state, sessions whole, for a new data plane.
+    pub fn full(&self) -> Vec<LiveNode> {
+        self.nodes
+            .iter()
+            .map(|(id, node)| LiveNode {
+                node_id: id.clone(),
+                load: Some(node.load.clone()),
+                stale: !node.fresh,
+                sessions_full: true,
+                upserted: node.sessions.values().filter_map(|s| entry(&node.load, s)).collect(),
+                removed: Vec::new(),
+            })
+            .collect()
+    }
+
+    /// The live state of this controller's own nodes, whole, for a peer.
+    pub fn full_own(&self) -> LiveUpdate {
+        let nodes = self
+            .nodes
+            .iter()
+            .filter(|(_, n)| n.origin == self.own_id)
+            .map(|(id, node)| NodeLive {
+                node_id: id.clone(),
+                load: Some(node.load.clone()),
+                sessions: node.sessions.values().cloned().collect(),
+                sessions_full: true,
+                removed: Vec::new(),
+            })
+            .collect();
+        LiveUpdate { controller_id: self.own_id.to_string(), full: true, nodes, gone: Vec::new() }
+    }
+
+    /// What a snapshot shows: each node's summary as of the last batch.
+    pub fn view(&self) -> LiveView {
+        LiveView {
+            nodes: self.nodes.iter().map(|(id, n)| (id.clone(), Arc::clone(&n.summary))).collect(),
+            recent: self.recent.iter().rev().map(|((_, node, _), s)| (node.clone(), s.clone())).collect(),
+            sessions: self.sessions,
+        }
+    }
+
+    /// The resident sessions of one node or of all, most recent first, at
+    /// most `limit`; true when there were more.
+    pub fn list(&self, node_id: Option<&str>, limit: usize) -> (Vec<SessionInfo>, bool) {
+        let mut all: Vec<SessionInfo> = self
+            .nodes
+            .iter()
+            .filter(|(id, _)| node_id.is_none_or(|wanted| wanted == id.as_str()))
+            .flat_map(|(id, node)| {
+                node.sessions.values().map(|s| SessionInfo { node_id: id.clone(), session: Some(s.clone()) })
+            })
+            .collect();
+        let last_seen = |i: &SessionInfo| i.session.as_ref().map_or(0, |s| s.last_seen_unix_ms);
+        all.sort_by(|a, b| last_seen(b).cmp(&last_seen(a)).then_with(|| a.node_id.cmp(&b.node_id)));
+        let truncated = all.len() > limit;
+        all.truncate(limit);
+        (all, truncated)
+    }
+}
+
+/// A session as data planes route on it; `None` for a backend the node's
+/// load does not list.
+fn entry(load: &NodeLoad, session: &ResidentSession) -> Option<SessionEntry> {
+    let backend = load.backends.iter().position(|b| b.backend_id == session.backend_id)?;
+    Some(SessionEntry {
+        key: inferyes_proto::hash::stable_hash(session.key.as_bytes()),
+        backend: u32::try_from(backend).ok()?,
+        tokens: session.tokens,
+        last_seen_unix_ms: session.last_seen_unix_ms,
+    })
+}
+
+fn count(counts: &mut BTreeMap<String, u32>, backend: &str, add: bool) {
+    if add {
+        *counts.entry(backend.to_string()).or_default() += 1;
+    } else if let Some(n) = counts.get_mut(backend) {
+        *n -= 1;
+        if *n == 0 {
+            counts.remove(backend);
+        }
+    }
+}
+
+fn forget_recent(
+    recent: &mut BTreeMap<(u64, String, String), ResidentSession>,
+    node_id: &str,
+    key: &str,
+    session: &ResidentSession,
+) {
+    if recent.first_key_value().is_some_and(|((oldest, ..), _)| session.last_seen_unix_ms >= *oldest) {
+        recent.remove(&(session.last_seen_unix_ms, node_id.to_string(), key.to_string()));
     }
 }
 
 /// Splits an agent's status into what etcd keeps (bounded, load zeroed,
 /// memory in steps, no sessions) and the load that changes per request.
-/// The second value counts what the bounds dropped.
+/// The third value counts what the bounds dropped.
 pub fn split(mut status: NodeStatus) -> (NodeStatus, NodeLoad, usize) {
     let mut dropped = 0;
     let mut load = NodeLoad::default();
@@ -126,6 +489,7 @@ pub fn split(mut status: NodeStatus) -> (NodeStatus, NodeLoad, usize) {
         for model in &mut backend.models {
             truncate_text(&mut model.id);
         }
+        backend.resident_sessions = 0;
         load.backends.push(BackendLoad {
             backend_id: backend.id.clone(),
             slots_busy: std::mem::take(&mut backend.slots_busy),
@@ -157,38 +521,36 @@ pub fn memory_step(used: u64, total: u64) -> u64 {
     used.div_ceil(step).saturating_mul(step).min(total.max(used))
 }
 
-/// The status the fleet sees: etcd's record with the node's live state.
-/// A node whose live state is unknown or not fresh shows its backends'
-/// load as unknown, so routing neither piles onto it nor moves sessions
-/// to it.
-pub fn merge(durable: &NodeStatus, live: Option<&Live>) -> NodeStatus {
+/// The status as the fleet sees it: etcd's record with the node's load, and
+/// its resident sessions counted per backend (the sessions themselves are
+/// listed by `ListSessions`). A node whose live state is unknown or not
+/// fresh shows its load as unknown.
+pub fn merge(durable: &NodeStatus, summary: Option<&Summary>) -> NodeStatus {
     let mut status = durable.clone();
-    let Some(live) = live else {
-        status.backends.iter_mut().for_each(|b| b.load_unknown = true);
-        return status;
-    };
-    let load = live.node.load.as_ref();
-    for backend in &mut status.backends {
-        match load.and_then(|l| l.backends.iter().find(|b| b.backend_id == backend.id)) {
-            Some(reported) => {
-                backend.slots_busy = reported.slots_busy;
-                backend.requests_deferred = reported.requests_deferred;
-                backend.in_flight = reported.in_flight;
-                backend.tokens_per_second = reported.tokens_per_second;
-                backend.prefill_tokens_per_second = reported.prefill_tokens_per_second;
-                backend.service_ms = reported.service_ms;
-                backend.load_unknown = reported.load_unknown || !live.fresh;
-            }
-            None => backend.load_unknown = true,
+    status.backends.iter_mut().for_each(|b| b.load_unknown = true);
+    let Some(summary) = summary else { return status };
+    for (position, backend) in status.backends.iter_mut().enumerate() {
+        let by_position = summary.load.backends.get(position).filter(|b| b.backend_id == backend.id);
+        let reported = by_position.or_else(|| summary.load.backends.iter().find(|b| b.backend_id == backend.id));
+        if let Some(reported) = reported {
+            backend.slots_busy = reported.slots_busy;
+            backend.requests_deferred = reported.requests_deferred;
+            backend.in_flight = reported.in_flight;
+            backend.tokens_per_second = reported.tokens_per_second;
+            backend.prefill_tokens_per_second = reported.prefill_tokens_per_second;
+            backend.service_ms = reported.service_ms;
+            backend.load_unknown = reported.load_unknown || !summary.fresh;
         }
+        backend.resident_sessions = summary.sessions.get(&backend.id).copied().unwrap_or(0);
     }
-    for gpu in &mut status.gpus {
-        if let Some(reported) = load.and_then(|l| l.gpus.iter().find(|g| g.index == gpu.index)) {
+    for (position, gpu) in status.gpus.iter_mut().enumerate() {
+        // In the record's order (the agent's), else by index.
+        let by_position = summary.load.gpus.get(position).filter(|g| g.index == gpu.index);
+        if let Some(reported) = by_position.or_else(|| summary.load.gpus.iter().find(|g| g.index == gpu.index)) {
             gpu.memory_used_bytes = reported.memory_used_bytes;
             gpu.utilization_percent = reported.utilization_percent;
         }
     }
-    status.sessions.clone_from(&live.node.sessions);
     status
 }
 
@@ -209,125 +571,4 @@ fn truncate_text(text: &mut String) {
 }
 
 #[cfg(test)]
-mod tests {
-    use inferyes_proto::v1::{Backend, Gpu, Model, ResidentSession};
-    use prost::Message;
-
-    use super::*;
-
-    fn status(busy: u32, used: u64, sessions: usize) -> NodeStatus {
-        NodeStatus {
-            node_id: "n".into(),
-            proxy_url: "http://n".into(),
-            gpus: vec![Gpu {
-                index: 0,
-                memory_total_bytes: 80 << 30,
-                memory_used_bytes: used,
-                utilization_percent: 40,
-                ..Default::default()
-            }],
-            backends: (0..8)
-                .map(|b| Backend {
-                    id: format!("b{b}"),
-                    models: vec![Model { id: "gemma".into(), ..Default::default() }],
-                    slots_total: 4,
-                    slots_busy: busy,
-                    in_flight: busy,
-                    prefill_tokens_per_second: 1234.5,
-                    service_ms: 800,
-                    ..Default::default()
-                })
-                .collect(),
-            sessions: (0..sessions)
-                .map(|i| ResidentSession { key: format!("s{i}"), backend_id: "b0".into(), ..Default::default() })
-                .collect(),
-            ..Default::default()
-        }
-    }
-
-    fn live(origin: &str, node_id: &str, load: NodeLoad) -> Arc<Live> {
-        Arc::new(Live {
-            origin: origin.into(),
-            fresh: true,
-            node: NodeLive { node_id: node_id.into(), load: Some(load), sessions: Vec::new() },
-        })
-    }
-
-    #[test]
-    fn traffic_changes_the_load_and_not_the_record() {
-        let (quiet, _, _) = split(status(0, 30 << 30, 0));
-        let (busy, load, _) = split(status(3, (30 << 30) + (50 << 20), 2_000));
-        assert_eq!(quiet, busy, "busy slots, a few MB and sessions leave the record as it was");
-        assert_eq!(load.backends[0].slots_busy, 3);
-        assert_eq!(load.gpus[0].memory_used_bytes, (30 << 30) + (50 << 20));
-        let (loaded, _, _) = split(status(0, 40 << 30, 0));
-        assert_ne!(quiet, loaded, "a model's worth of memory is a new step");
-        assert!(busy.encoded_len() < 16 << 10, "a node of 8 backends fits 16 kB: {}", busy.encoded_len());
-    }
-
-    #[test]
-    fn memory_steps_round_up_and_stay_within_the_total() {
-        assert_eq!(memory_step(0, 100), 0);
-        assert_eq!(memory_step(1, 100), 1);
-        assert_eq!(memory_step(101, 10_000), 200);
-        assert_eq!(memory_step(9_950, 10_000), 10_000);
-        assert_eq!(memory_step(5, 0), 5, "no total: as read");
-    }
-
-    #[test]
-    fn a_hostile_status_is_bounded() {
-        let mut huge = status(0, 0, 0);
-        huge.hostname = "h".repeat(1 << 20);
-        huge.backends = (0..1_000)
-            .map(|b| Backend {
-                id: format!("b{b}"),
-                models: (0..1_000)
-                    .map(|m| Model { id: format!("{m}{}", "é".repeat(500)), ..Default::default() })
-                    .collect(),
-                ..Default::default()
-            })
-            .collect();
-        let (record, _, dropped) = split(huge);
-        assert_eq!(dropped, (1_000 - MAX_BACKENDS) + MAX_BACKENDS * (1_000 - MAX_MODELS_PER_BACKEND));
-        assert!(record.hostname.len() <= MAX_TEXT && record.backends[0].models[0].id.len() <= MAX_TEXT);
-        assert!(record.encoded_len() < 5 << 20);
-    }
-
-    #[test]
-    fn merge_puts_the_live_state_back_and_marks_what_is_not_known() {
-        let full = status(2, 31 << 30, 3);
-        let (durable, load, _) = split(full.clone());
-        let mut node = live("c1", "n", load);
-        Arc::make_mut(&mut node).node.sessions.clone_from(&full.sessions);
-        assert_eq!(merge(&durable, Some(&node)), full);
-        let unknown = merge(&durable, None);
-        assert!(unknown.backends.iter().all(|b| b.load_unknown) && unknown.sessions.is_empty());
-        let mut stale = LiveState::default();
-        stale.apply(LiveEvent::Put(Arc::clone(&node)));
-        stale.apply(LiveEvent::PeerLost { origin: "c1".into() });
-        let merged = merge(&durable, stale.get("n").map(Arc::as_ref));
-        assert!(merged.backends.iter().all(|b| b.load_unknown && b.slots_busy == 2));
-        assert_eq!(merged.sessions, full.sessions, "sessions outlive the stream that brought them");
-    }
-
-    #[test]
-    fn each_origin_replaces_and_removes_only_its_own() {
-        let mut state = LiveState::default();
-        state.apply(LiveEvent::Put(live("c1", "a", NodeLoad::default())));
-        state.apply(LiveEvent::Put(live("c2", "b", NodeLoad::default())));
-        state.apply(LiveEvent::Put(live("c2", "c", NodeLoad::default())));
-        // `a` moved to c2; c1's stream end must not remove it.
-        state.apply(LiveEvent::Put(live("c2", "a", NodeLoad::default())));
-        state.apply(LiveEvent::Gone { node_id: "a".into(), origin: "c1".into() });
-        assert_eq!(state.get("a").map(|l| &*l.origin), Some("c2"));
-        state.apply(LiveEvent::PeerFull { origin: "c2".into(), nodes: vec![live("c2", "b", NodeLoad::default())] });
-        assert!(state.get("a").is_none() && state.get("c").is_none() && state.get("b").is_some());
-        state.apply(LiveEvent::Put(live("me", "d", NodeLoad::default())));
-        state.apply(LiveEvent::PeerFull { origin: "c2".into(), nodes: vec![live("c2", "d", NodeLoad::default())] });
-        assert_eq!(state.get("d").map(|l| &*l.origin), Some("me"), "a stream here wins over a peer's old word");
-        state.node_left("d", "me");
-        state.node_left("b", "me");
-        assert!(state.get("d").is_some() && state.get("b").is_none());
-        assert_eq!(state.from_origin("me").count(), 1);
-    }
-}
+mod tests;

@@ -14,7 +14,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use crate::live::{Live, LiveEvent};
+use crate::live::LiveEvent;
 use crate::reconcile::SnapshotRx;
 use crate::store::{EtcdStore, StoreError};
 
@@ -155,21 +155,13 @@ impl Peers {
                 anyhow::bail!("the peer at {url} calls itself {}", update.controller_id);
             }
             received = true;
-            let live = |mut node: inferyes_proto::v1::NodeLive| {
-                node.sessions.truncate(crate::residency::MAX_SESSIONS);
-                Arc::new(Live { origin: Arc::clone(origin), fresh: true, node })
+            let origin = Arc::clone(origin);
+            let event = if update.full {
+                LiveEvent::PeerFull { origin, nodes: update.nodes }
+            } else {
+                LiveEvent::PeerDelta { origin, nodes: update.nodes, gone: update.gone }
             };
-            if update.full {
-                let nodes = update.nodes.into_iter().map(live).collect();
-                self.live.send(LiveEvent::PeerFull { origin: Arc::clone(origin), nodes }).await?;
-                continue;
-            }
-            for node in update.nodes {
-                self.live.send(LiveEvent::Put(live(node))).await?;
-            }
-            for node_id in update.gone {
-                self.live.send(LiveEvent::Gone { node_id, origin: Arc::clone(origin) }).await?;
-            }
+            self.live.send(event).await?;
         }
         Ok(received)
     }

@@ -6,12 +6,12 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{broadcast, mpsc, oneshot, watch};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::fleet::FleetState;
-use crate::live::{LiveEvent, LiveState};
+use crate::live::{LiveBatch, LiveEvent, LiveState, LiveView};
 use crate::snapshot::{self, Snapshot};
 use crate::store::{EtcdStore, StoreError, WatchEvent};
 
@@ -26,11 +26,33 @@ const RETRY_MAX: Duration = Duration::from_secs(2);
 /// next turn needs.
 const LIVE_DEBOUNCE: Duration = Duration::from_millis(50);
 
+/// The live state's batches, as the reconciler takes them: a receiver
+/// that falls further behind than this many asks for a whole state again.
+pub type Batches = broadcast::Sender<Arc<LiveBatch>>;
+pub const BATCHES_HELD: usize = 64;
+
+/// What is asked of the live state beyond its batches.
+pub enum LiveRequest {
+    /// Every node's live state, for a new data plane, and the batch it is
+    /// as of: later batches apply to it.
+    Full(oneshot::Sender<(u64, Vec<inferyes_proto::v1::LiveNode>)>),
+    /// This controller's own nodes, for a peer.
+    Own(oneshot::Sender<(u64, inferyes_proto::v1::LiveUpdate)>),
+    /// Resident sessions, most recent first, at most `limit`.
+    Sessions {
+        node_id: Option<String>,
+        limit: usize,
+        reply: oneshot::Sender<(Vec<inferyes_proto::v1::SessionInfo>, bool)>,
+    },
+}
+
 /// What the reconciler reads from and publishes to.
 pub struct Reconciler {
     pub store: EtcdStore,
     pub tx: SnapshotTx,
     pub live: mpsc::Receiver<LiveEvent>,
+    pub requests: mpsc::Receiver<LiveRequest>,
+    pub batches: Batches,
     pub controller_id: String,
     pub debounce: Duration,
     pub metrics: Arc<crate::metrics::Metrics>,
@@ -41,12 +63,18 @@ pub struct Reconciler {
 struct View {
     fleet: Option<FleetState>,
     live: LiveState,
+    live_view: Arc<LiveView>,
     rebuild_at: Option<Instant>,
 }
 
 impl Reconciler {
     pub async fn run(mut self) {
-        let mut view = View { fleet: None, live: LiveState::default(), rebuild_at: None };
+        let mut view = View {
+            fleet: None,
+            live: LiveState::new(&self.controller_id),
+            live_view: Arc::default(),
+            rebuild_at: None,
+        };
         let mut backoff = RETRY_MIN;
         loop {
             match self.store.load().await {
@@ -86,7 +114,7 @@ impl Reconciler {
                     Ok(batch) => {
                         for event in &batch.events {
                             if let WatchEvent::NodeDeleted(id) = event {
-                                view.live.node_left(id, &self.controller_id);
+                                view.live.node_left(id);
                             }
                         }
                         if let Some(fleet) = view.fleet.as_mut() {
@@ -102,6 +130,7 @@ impl Reconciler {
                     }
                 },
                 Some(event) = self.live.recv() => self.live_event(view, event),
+                Some(request) = self.requests.recv() => answer(view, request),
                 () = sleep_until(view.rebuild_at) => self.publish(view),
             }
         }
@@ -140,18 +169,28 @@ impl Reconciler {
                 () = self.shutdown.cancelled() => return true,
                 () = tokio::time::sleep_until(until) => return false,
                 Some(event) = self.live.recv() => self.live_event(view, event),
+                Some(request) = self.requests.recv() => answer(view, request),
                 () = sleep_until(view.rebuild_at) => self.publish(view),
             }
         }
     }
 
+    /// Sends the live state's changes to whoever follows them, and the new
+    /// snapshot to everyone.
     fn publish(&self, view: &mut View) {
         view.rebuild_at = None;
+        if let Some(batch) = view.live.take_batch() {
+            // None listening is fine: a follower that comes later asks for
+            // the whole state.
+            let _ = self.batches.send(Arc::new(batch));
+            view.live_view = Arc::new(view.live.view());
+        }
         let Some(fleet) = view.fleet.as_ref() else { return };
         let metrics = &self.metrics;
+        let live = &view.live_view;
         self.tx.send_if_modified(|current| {
             let started = std::time::Instant::now();
-            let next = snapshot::build(fleet, &view.live, current.as_deref());
+            let next = snapshot::build(fleet, live, current.as_deref());
             metrics.snapshot_build_seconds.observe(started.elapsed().as_secs_f64());
             if current.as_deref() == Some(&next) {
                 return false;
@@ -160,6 +199,21 @@ impl Reconciler {
             *current = Some(Arc::new(next));
             true
         });
+    }
+}
+
+fn answer(view: &View, request: LiveRequest) {
+    // A requester that went away meanwhile is no one's concern.
+    match request {
+        LiveRequest::Full(reply) => {
+            let _ = reply.send((view.live.seq(), view.live.full()));
+        }
+        LiveRequest::Own(reply) => {
+            let _ = reply.send((view.live.seq(), view.live.full_own()));
+        }
+        LiveRequest::Sessions { node_id, limit, reply } => {
+            let _ = reply.send(view.live.list(node_id.as_deref(), limit));
+        }
     }
 }
 

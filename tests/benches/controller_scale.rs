@@ -394,6 +394,7 @@ fn node_status(index: usize, change: u64) -> NodeStatus {
             prefill_tokens_per_second: 0.0,
             service_ms: 0,
             load_unknown: false,
+            resident_sessions: 0,
         }],
         sessions: Vec::new(),
         agent_version: "scale".into(),

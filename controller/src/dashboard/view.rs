@@ -2,7 +2,7 @@
 //! routing snapshot and the recent activity of data planes. Pure: the page
 //! renders exactly this, and tests read exactly this.
 
-use inferyes_proto::v1::{GpuSource, Health, ModelState, SnapshotNode};
+use inferyes_proto::v1::{GpuSource, Health, ModelState};
 use serde_json::{Value, json};
 
 use crate::activity::Recent;
@@ -10,7 +10,7 @@ use crate::history::Pressure;
 use crate::snapshot::Snapshot;
 
 /// Sessions listed, most recently active first; the total is always given.
-pub const SESSIONS_SHOWN: usize = 50;
+pub const SESSIONS_SHOWN: usize = crate::live::RECENT_SESSIONS;
 /// Session keys are cut to this many characters on the page.
 const KEY_SHOWN: usize = 24;
 
@@ -22,7 +22,7 @@ pub fn build(controller_id: &str, snapshot: &Snapshot, recent: &Recent, history:
     let fleet_hard = or(policy.hard_limit, DEFAULT_HARD_LIMIT);
 
     let mut gpus: Vec<Value> = Vec::new();
-    for node in snapshot.nodes() {
+    for node in snapshot.merged_nodes() {
         let Some(status) = node.status.as_ref() else { continue };
         let admission = node.policy.as_ref().map_or(fleet_admission, |p| or(p.admission_threshold, fleet_admission));
         let hard = node.policy.as_ref().map_or(fleet_hard, |p| or(p.hard_limit, fleet_hard));
@@ -67,7 +67,7 @@ pub fn build(controller_id: &str, snapshot: &Snapshot, recent: &Recent, history:
         if slots_total > 0 && slots_busy >= slots_total && deferred > 0 {
             badges.push("queueing".into());
         }
-        let sessions = status.sessions.len();
+        let sessions: u32 = backends.iter().map(|b| b.resident_sessions).sum();
         let node_fields = |gpu: Value, index: Option<u32>| {
             let fraction = gpu["fraction"].as_f64().unwrap_or(0.0);
             let mut badges = badges.clone();
@@ -134,7 +134,7 @@ pub fn build(controller_id: &str, snapshot: &Snapshot, recent: &Recent, history:
         "now_ms": now_ms,
         "policy": { "admission": fleet_admission, "hard_limit": fleet_hard },
         "gpus": gpus,
-        "sessions": sessions(snapshot.nodes(), now_ms),
+        "sessions": sessions(snapshot.live(), now_ms),
         "models": models(snapshot),
         "decisions": decisions(recent),
         "ttft": recent.ttft,
@@ -142,14 +142,9 @@ pub fn build(controller_id: &str, snapshot: &Snapshot, recent: &Recent, history:
     })
 }
 
-fn sessions<'a>(nodes: impl Iterator<Item = &'a SnapshotNode>, now_ms: u64) -> Value {
-    let mut all: Vec<(&str, &inferyes_proto::v1::ResidentSession)> = nodes
-        .filter_map(|n| n.status.as_ref())
-        .flat_map(|s| s.sessions.iter().map(move |session| (s.node_id.as_str(), session)))
-        .collect();
-    let total = all.len();
-    all.sort_by(|a, b| b.1.last_seen_unix_ms.cmp(&a.1.last_seen_unix_ms).then_with(|| a.1.key.cmp(&b.1.key)));
-    let shown: Vec<Value> = all
+fn sessions(live: &crate::live::LiveView, now_ms: u64) -> Value {
+    let shown: Vec<Value> = live
+        .recent
         .iter()
         .take(SESSIONS_SHOWN)
         .map(|(node, s)| {
@@ -168,7 +163,7 @@ fn sessions<'a>(nodes: impl Iterator<Item = &'a SnapshotNode>, now_ms: u64) -> V
             })
         })
         .collect();
-    json!({ "total": total, "shown": shown })
+    json!({ "total": live.sessions, "shown": shown })
 }
 
 fn models(snapshot: &Snapshot) -> Vec<Value> {

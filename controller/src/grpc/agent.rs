@@ -17,9 +17,9 @@ use tonic::{Request, Response, Status, Streaming};
 use tracing::Instrument;
 
 use super::status;
-use crate::live::{Live, LiveEvent};
+use crate::live::LiveEvent;
 use crate::reconcile::SnapshotRx;
-use crate::residency::{Applied, SessionTable};
+use crate::residency::{Check, Numbering};
 
 use crate::store::{EtcdStore, Lease, StoreError};
 
@@ -135,15 +135,16 @@ impl AgentSvc {
         let registered_unix_ms = inferyes_proto::unix_ms();
         self.metrics.agent_streams.inc();
         let mut lease: Option<Lease> = None;
-        let mut table = SessionTable::default();
-        let mut reported = Reported::new(node);
+        let mut numbering = Numbering::default();
+        let mut reported = Reported::default();
+        reported.update(node);
+        if self.live.send(reported.load_event(&node_id, &origin)).await.is_err() {
+            return;
+        }
         let mut pending: Option<NodeStatus> = Some(reported.durable.clone());
         let mut written: Option<NodeStatus> = None;
         let mut write_at = Instant::now();
         let mut write_backoff = Duration::from_millis(100);
-        // The live state goes to the reconciler a moment after a change: an
-        // agent's status and its residency delta come as a pair.
-        let mut live_at: Option<Instant> = Some(Instant::now() + COALESCE);
         let mut last_heard = Instant::now();
         let mut keepalive = tokio::time::interval(self.lease_ttl / 3);
         keepalive.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -157,19 +158,43 @@ impl AgentSvc {
                 message = inbound.message() => match message {
                     Ok(Some(AgentMessage { msg: Some(msg) })) => {
                         last_heard = Instant::now();
-                        let (durable_changed, live_changed) = match msg {
+                        // What goes to the node's live state, and whether
+                        // its etcd record changed.
+                        let (live, durable_changed) = match msg {
                             Msg::Status(status) | Msg::Register(inferyes_proto::v1::Register { status: Some(status), .. }) => {
                                 if status.node_id == node_id {
-                                    reported.update(status)
+                                    let changed = reported.update(status);
+                                    let mut live = Vec::new();
+                                    if changed.load {
+                                        live.push(reported.load_event(&node_id, &origin));
+                                    }
+                                    if changed.sessions && !numbering.in_use() {
+                                        live.push(LiveEvent::Sessions {
+                                            node_id: node_id.clone(),
+                                            origin: std::sync::Arc::clone(&origin),
+                                            full: true,
+                                            upserted: reported.sessions.clone(),
+                                            removed: Vec::new(),
+                                        });
+                                    }
+                                    (live, changed.durable)
                                 } else {
                                     tracing::warn!(reported = %status.node_id, "agent changed its node id; ignoring the report");
-                                    (false, false)
+                                    (Vec::new(), false)
                                 }
                             }
-                            Msg::Residency(update) => match table.apply(update) {
-                                Applied::Changed => (false, true),
-                                Applied::Unchanged => (false, false),
-                                Applied::Resync { expected_seq } => {
+                            Msg::Residency(update) => match numbering.check(&update) {
+                                Check::Apply => {
+                                    let event = LiveEvent::Sessions {
+                                        node_id: node_id.clone(),
+                                        origin: std::sync::Arc::clone(&origin),
+                                        full: update.full,
+                                        upserted: update.upserted,
+                                        removed: update.removed,
+                                    };
+                                    (vec![event], false)
+                                }
+                                Check::Resync { expected_seq } => {
                                     tracing::debug!(expected_seq, "residency numbering broken; asking for a full table");
                                     let resync = ControllerMessage {
                                         msg: Some(controller_message::Msg::Resync(ResyncResidency { expected_seq })),
@@ -177,10 +202,10 @@ impl AgentSvc {
                                     if tx.send(Ok(resync)).await.is_err() {
                                         break End::AgentLeft;
                                     }
-                                    (false, false)
+                                    (Vec::new(), false)
                                 }
                             },
-                            Msg::Register(_) | Msg::Heartbeat(_) => (false, false),
+                            Msg::Register(_) | Msg::Heartbeat(_) => (Vec::new(), false),
                         };
                         if durable_changed {
                             let desired = reported.durable.clone();
@@ -189,28 +214,15 @@ impl AgentSvc {
                             }
                             pending = (written.as_ref() != Some(&desired)).then_some(desired);
                         }
-                        if live_changed {
-                            live_at.get_or_insert_with(|| Instant::now() + COALESCE);
+                        for event in live {
+                            if self.live.send(event).await.is_err() {
+                                break;
+                            }
                         }
                     }
                     Ok(Some(AgentMessage { msg: None })) => last_heard = Instant::now(),
                     Ok(None) | Err(_) => break End::AgentLeft,
                 },
-                () = sleep_until(live_at) => {
-                    live_at = None;
-                    let live = Live {
-                        origin: std::sync::Arc::clone(&origin),
-                        fresh: true,
-                        node: inferyes_proto::v1::NodeLive {
-                            node_id: node_id.clone(),
-                            load: Some(reported.load.clone()),
-                            sessions: table.sessions_or(&reported.sessions),
-                        },
-                    };
-                    if self.live.send(LiveEvent::Put(std::sync::Arc::new(live))).await.is_err() {
-                        break End::Shutdown;
-                    }
-                }
                 () = sleep_until(due) => {
                     let Some(status) = pending.clone() else { continue };
                     match self.write(&mut lease, status.clone(), registered_unix_ms).await {
@@ -323,6 +335,7 @@ impl AgentSvc {
 }
 
 /// The agent's last status, split into what etcd keeps and the load.
+#[derive(Default)]
 struct Reported {
     durable: NodeStatus,
     load: inferyes_proto::v1::NodeLoad,
@@ -331,27 +344,30 @@ struct Reported {
     sessions: Vec<inferyes_proto::v1::ResidentSession>,
 }
 
-impl Reported {
-    fn new(status: NodeStatus) -> Reported {
-        let mut reported = Reported { durable: NodeStatus::default(), load: Default::default(), sessions: Vec::new() };
-        reported.update(status);
-        reported
-    }
+/// What a new status changed.
+struct Changed {
+    durable: bool,
+    load: bool,
+    sessions: bool,
+}
 
-    /// Takes a new status; returns whether its durable part and whether
-    /// its live part changed.
-    fn update(&mut self, mut status: NodeStatus) -> (bool, bool) {
+impl Reported {
+    fn update(&mut self, mut status: NodeStatus) -> Changed {
         let sessions = std::mem::take(&mut status.sessions);
         let (durable, load, dropped) = crate::live::split(status);
         if dropped > 0 {
             tracing::warn!(dropped, "node status over the record's bounds; the rest is left out of etcd");
         }
-        let durable_changed = durable != self.durable;
-        let live_changed = load != self.load || sessions != self.sessions;
+        let changed =
+            Changed { durable: durable != self.durable, load: load != self.load, sessions: sessions != self.sessions };
         self.durable = durable;
         self.load = load;
         self.sessions = sessions;
-        (durable_changed, live_changed)
+        changed
+    }
+
+    fn load_event(&self, node_id: &str, origin: &std::sync::Arc<str>) -> LiveEvent {
+        LiveEvent::Load { node_id: node_id.to_string(), origin: std::sync::Arc::clone(origin), load: self.load.clone() }
     }
 }
 

@@ -4,8 +4,8 @@ use inferyes_proto::v1::{
     Alias, AliasRecord, ApiKey, CreateKeyRequest, CreatedKey, DeleteAliasRequest, DrainRecord, DrainRequest,
     DrainResponse, GetKeyRequest, GetNodeRequest, GetPolicyRequest, ListAliasesRequest, ListAliasesResponse,
     ListKeysRequest, ListKeysResponse, ListModelsRequest, ListModelsResponse, ListNodesRequest, ListNodesResponse,
-    ListSessionsRequest, ListSessionsResponse, NodePolicy, RevokeKeyRequest, RoutingPolicy, SessionInfo,
-    SetNodePolicyRequest, SnapshotNode, UndrainRequest, UsageQuery, UsageRecord, UsageReport, UsageRow, WriteResponse,
+    ListSessionsRequest, ListSessionsResponse, NodePolicy, RevokeKeyRequest, RoutingPolicy, SetNodePolicyRequest,
+    SnapshotNode, UndrainRequest, UsageQuery, UsageRecord, UsageReport, UsageRow, WriteResponse,
 };
 use tonic::{Request, Response, Status};
 
@@ -22,7 +22,12 @@ pub struct FleetSvc {
     pub snapshots: SnapshotRx,
     /// Writes and everything about API keys need it; `None`: open.
     pub admin_token: Option<inferyes_proto::bearer::Accepted>,
+    /// Resident sessions are asked of the reconciler, which holds them.
+    pub live_requests: tokio::sync::mpsc::Sender<crate::reconcile::LiveRequest>,
 }
+
+/// The most sessions one `ListSessions` answer holds.
+const SESSIONS_LISTED: usize = 100_000;
 
 impl FleetSvc {
     pub fn svc(self) -> FleetServiceServer<Self> {
@@ -54,15 +59,14 @@ impl FleetSvc {
 impl FleetService for FleetSvc {
     async fn list_nodes(&self, _: Request<ListNodesRequest>) -> Result<Response<ListNodesResponse>, Status> {
         let snapshot = self.snapshot()?;
-        Ok(Response::new(ListNodesResponse { version: snapshot.version(), nodes: snapshot.nodes().cloned().collect() }))
+        Ok(Response::new(ListNodesResponse { version: snapshot.version(), nodes: snapshot.merged_nodes().collect() }))
     }
 
     async fn get_node(&self, request: Request<GetNodeRequest>) -> Result<Response<SnapshotNode>, Status> {
         let node_id = request.into_inner().node_id;
         let snapshot = self.snapshot()?;
         let node = snapshot
-            .node(&node_id)
-            .cloned()
+            .merged(&node_id)
             .ok_or_else(|| status(ErrorKind::NotFound, format!("no node `{node_id}` in the fleet")))?;
         Ok(Response::new(node))
     }
@@ -81,17 +85,13 @@ impl FleetService for FleetSvc {
     ) -> Result<Response<ListSessionsResponse>, Status> {
         let filter = request.into_inner().node_id;
         let snapshot = self.snapshot()?;
-        let sessions = snapshot
-            .nodes()
-            .filter_map(|n| n.status.as_ref())
-            .filter(|s| filter.is_empty() || s.node_id == filter)
-            .flat_map(|s| {
-                s.sessions
-                    .iter()
-                    .map(|session| SessionInfo { node_id: s.node_id.clone(), session: Some(session.clone()) })
-            })
-            .collect();
-        Ok(Response::new(ListSessionsResponse { version: snapshot.version(), sessions }))
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        let node_id = (!filter.is_empty()).then_some(filter);
+        let request = crate::reconcile::LiveRequest::Sessions { node_id, limit: SESSIONS_LISTED, reply };
+        let unavailable = || status(ErrorKind::Unavailable, "the controller is shutting down");
+        self.live_requests.send(request).await.map_err(|_| unavailable())?;
+        let (sessions, truncated) = answer.await.map_err(|_| unavailable())?;
+        Ok(Response::new(ListSessionsResponse { version: snapshot.version(), sessions, truncated }))
     }
 
     async fn drain(&self, request: Request<DrainRequest>) -> Result<Response<DrainResponse>, Status> {

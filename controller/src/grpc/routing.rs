@@ -13,7 +13,7 @@ use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 use tracing::Instrument;
 
-use crate::reconcile::SnapshotRx;
+use crate::reconcile::{LiveRequest, SnapshotRx};
 use crate::snapshot::{self, Snapshot};
 
 /// Streams routing snapshots to data planes: one full snapshot, then a delta
@@ -35,6 +35,9 @@ pub struct RoutingSvc {
     /// snapshots carry the keys' hashes and the fleet's sessions, and usage
     /// written here is billed. `None`: open.
     pub join_token: Option<inferyes_proto::bearer::Accepted>,
+    /// The live state's batches, and the way to ask for all of it.
+    pub batches: crate::reconcile::Batches,
+    pub live_requests: mpsc::Sender<LiveRequest>,
 }
 
 impl RoutingSvc {
@@ -125,56 +128,53 @@ impl RoutingService for RoutingSvc {
 
 impl RoutingSvc {
     /// Relays the live state of the nodes whose agents this controller
-    /// serves: all of it first, then what changed, against what this peer
-    /// was last sent.
+    /// serves: all of it first, then each batch's changes to them.
     async fn feed_live(self, tx: mpsc::Sender<Result<LiveUpdate, Status>>) {
-        let mut snapshots = self.snapshots.clone();
-        let mut sent: Option<std::collections::BTreeMap<String, Arc<crate::live::Live>>> = None;
+        let mut batches = self.batches.subscribe();
+        let Some((mut seq, full)) = self.ask(LiveRequest::Own).await else { return };
+        if tx.send(Ok(full)).await.is_err() {
+            return;
+        }
         loop {
-            let current = snapshots.borrow_and_update().clone();
-            if let Some(current) = current {
-                let own: std::collections::BTreeMap<String, Arc<crate::live::Live>> = current
-                    .live()
-                    .from_origin(&self.controller_id)
-                    .map(|l| (l.node.node_id.clone(), Arc::clone(l)))
-                    .collect();
-                let update = match &sent {
-                    None => Some(LiveUpdate {
-                        controller_id: self.controller_id.clone(),
-                        full: true,
-                        nodes: own.values().map(|l| l.node.clone()).collect(),
-                        gone: Vec::new(),
-                    }),
-                    Some(last) => {
-                        let nodes: Vec<_> = own
-                            .iter()
-                            .filter(|(id, l)| last.get(*id).is_none_or(|old| !Arc::ptr_eq(old, l)))
-                            .map(|(_, l)| l.node.clone())
-                            .collect();
-                        let gone: Vec<_> = last.keys().filter(|id| !own.contains_key(*id)).cloned().collect();
-                        (!nodes.is_empty() || !gone.is_empty()).then(|| LiveUpdate {
-                            controller_id: self.controller_id.clone(),
-                            full: false,
-                            nodes,
-                            gone,
-                        })
-                    }
-                };
-                if let Some(update) = update {
-                    if tx.send(Ok(update)).await.is_err() {
-                        return;
-                    }
-                    sent = Some(own);
-                }
-            }
             tokio::select! {
                 () = self.shutdown.cancelled() => return,
                 () = tx.closed() => return,
-                changed = snapshots.changed() => if changed.is_err() { return },
+                batch = batches.recv() => match batch {
+                    Ok(batch) if batch.seq > seq => {
+                        seq = batch.seq;
+                        if (!batch.own.nodes.is_empty() || !batch.own.gone.is_empty())
+                            && tx.send(Ok(batch.own.clone())).await.is_err()
+                        {
+                            return;
+                        }
+                    }
+                    Ok(_) => {}
+                    Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {
+                        batches = batches.resubscribe();
+                        let Some((now, full)) = self.ask(LiveRequest::Own).await else { return };
+                        seq = now;
+                        if tx.send(Ok(full)).await.is_err() {
+                            return;
+                        }
+                    }
+                    Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
+                },
             }
         }
     }
 
+    /// Asks the reconciler for something of the live state; `None` once it
+    /// is gone (shutdown).
+    async fn ask<T>(&self, request: impl FnOnce(tokio::sync::oneshot::Sender<T>) -> LiveRequest) -> Option<T> {
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        self.live_requests.send(request(reply)).await.ok()?;
+        answer.await.ok()
+    }
+
+    /// A full snapshot with the whole live state, then a delta per change
+    /// of the records (against what this subscriber last received) and the
+    /// live state's batches as they come. A subscriber that falls behind
+    /// the batches gets a full snapshot again.
     async fn feed(self, tx: mpsc::Sender<Result<SnapshotUpdate, Status>>) {
         tokio::select! {
             () = self.shutdown.cancelled() => return,
@@ -182,32 +182,76 @@ impl RoutingSvc {
             () = tokio::time::sleep_until(self.serve_after) => {}
         }
         let mut snapshots = self.snapshots.clone();
+        let mut batches = self.batches.subscribe();
         let mut sent: Option<Arc<Snapshot>> = None;
+        let mut seq = 0;
         loop {
             let current = snapshots.borrow_and_update().clone();
             if let Some(current) = current {
                 let update = match &sent {
-                    None => Some(snapshot_update::Update::Full(current.to_full())),
+                    // The first, after a lag, or after a reload from a
+                    // lagging etcd member: start over.
+                    None => Some(self.full(&current, &mut seq, &mut batches).await),
                     Some(last) if current.version() < last.version() => {
-                        // Only after a reload from a lagging etcd member: start over.
-                        Some(snapshot_update::Update::Full(current.to_full()))
+                        Some(self.full(&current, &mut seq, &mut batches).await)
                     }
-                    Some(last) if Arc::ptr_eq(last, &current) || **last == *current => None,
-                    Some(last) => Some(snapshot_update::Update::Delta(snapshot::delta(last, &current))),
+                    Some(last) if last.same_records(&current) => None,
+                    Some(last) => Some(Some(snapshot_update::Update::Delta(snapshot::delta(last, &current)))),
                 };
-                if let Some(update) = update {
-                    let message = SnapshotUpdate { controller_id: self.controller_id.clone(), update: Some(update) };
-                    if tx.send(Ok(message)).await.is_err() {
-                        return;
+                match update {
+                    Some(Some(update)) => {
+                        let message =
+                            SnapshotUpdate { controller_id: self.controller_id.clone(), update: Some(update) };
+                        if tx.send(Ok(message)).await.is_err() {
+                            return;
+                        }
+                        sent = Some(current);
                     }
-                    sent = Some(current);
+                    Some(None) => return,
+                    None => {}
                 }
             }
             tokio::select! {
                 () = self.shutdown.cancelled() => return,
                 () = tx.closed() => return,
                 changed = snapshots.changed() => if changed.is_err() { return },
+                batch = batches.recv(), if sent.is_some() => match batch {
+                    Ok(batch) if batch.seq > seq => {
+                        seq = batch.seq;
+                        let message = SnapshotUpdate {
+                            controller_id: self.controller_id.clone(),
+                            update: Some(snapshot_update::Update::Live(batch.delta.clone())),
+                        };
+                        if tx.send(Ok(message)).await.is_err() {
+                            return;
+                        }
+                    }
+                    Ok(_) => {}
+                    Err(tokio::sync::broadcast::error::RecvError::Lagged(missed)) => {
+                        tracing::debug!(missed, "subscriber behind the live batches; sending it all again");
+                        sent = None;
+                    }
+                    Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
+                },
             }
         }
+    }
+
+    /// A full snapshot of `current` with the whole live state; `None` once
+    /// the reconciler is gone.
+    async fn full(
+        &self,
+        current: &Snapshot,
+        seq: &mut u64,
+        batches: &mut tokio::sync::broadcast::Receiver<Arc<crate::live::LiveBatch>>,
+    ) -> Option<snapshot_update::Update> {
+        // Subscribed before asking: every batch after the state returned
+        // arrives on it.
+        *batches = batches.resubscribe();
+        let (now, live) = self.ask(LiveRequest::Full).await?;
+        *seq = now;
+        let mut full = current.to_full();
+        full.live = live;
+        Some(snapshot_update::Update::Full(full))
     }
 }

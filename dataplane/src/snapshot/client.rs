@@ -10,7 +10,7 @@ use inferyes_proto::v1::{Alias, RoutingPolicy, SnapshotNode, SubscribeRequest, s
 
 use tokio_util::sync::CancellationToken;
 
-use super::{Indices, RoutingSnapshot, SnapshotStore, decode};
+use super::{Indices, Live, RoutingSnapshot, SnapshotStore, decode_live};
 
 const BACKOFF_MIN: Duration = Duration::from_millis(100);
 const BACKOFF_MAX: Duration = Duration::from_secs(2);
@@ -23,12 +23,15 @@ pub async fn run(
 ) {
     let mut backoff = BACKOFF_MIN;
     let mut next = 0usize;
+    // Outlives each stream: the next controller's full snapshot replaces
+    // what this one held, node by node, in the one session index.
+    let mut view = WireView::new(Arc::clone(store.sessions()));
     loop {
         let address = &controllers.addresses[next % controllers.addresses.len()];
         next += 1;
         tokio::select! {
             () = shutdown.cancelled() => return,
-            result = follow(&store, &controllers, address, &dataplane_id) => {
+            result = follow(&store, &mut view, &controllers, address, &dataplane_id) => {
                 match result {
                     Ok(received) => {
                         if received {
@@ -53,6 +56,7 @@ pub async fn run(
 /// ends or breaks.
 async fn follow(
     store: &SnapshotStore,
+    view: &mut WireView,
     controllers: &crate::Controllers,
     address: &str,
     dataplane_id: &str,
@@ -72,7 +76,6 @@ async fn follow(
         .subscribe(SubscribeRequest { dataplane_id: dataplane_id.to_string() })
         .await?
         .into_inner();
-    let mut view = WireView::default();
     // This stream's last decoded indices: a next snapshot that changes only
     // keys, usage or the version shares them, not decoded again.
     let mut decoded: Option<Arc<Indices>> = None;
@@ -115,6 +118,9 @@ async fn follow(
 struct WireView {
     version: u64,
     nodes: BTreeMap<String, SnapshotNode>,
+    /// The nodes' load and sessions; the sessions' index is the store's,
+    /// shared by every snapshot.
+    live: Live,
     policy: Option<RoutingPolicy>,
     aliases: Vec<Alias>,
     api_keys: Arc<super::ApiKeys>,
@@ -122,6 +128,10 @@ struct WireView {
 }
 
 impl WireView {
+    fn new(sessions: Arc<super::SessionIndex>) -> WireView {
+        WireView { live: Live::new(sessions), ..WireView::default() }
+    }
+
     /// Applies an update; returns whether it changed what routing is built
     /// from (nodes, policy, aliases), not only keys, usage or the version.
     fn apply(&mut self, update: inferyes_proto::v1::SnapshotUpdate) -> anyhow::Result<bool> {
@@ -133,8 +143,11 @@ impl WireView {
                 self.aliases = full.aliases;
                 self.api_keys = Arc::new(full.keys.into_iter().map(|k| (k.key_id.clone(), Arc::new(k))).collect());
                 self.usage_today = Arc::new(full.usage_today.unwrap_or_default());
+                self.live.apply_full(full.live);
                 true
             }
+            // Load and resident counts are read at decode.
+            Some(snapshot_update::Update::Live(delta)) => self.live.apply(delta),
             Some(snapshot_update::Update::Delta(delta)) => {
                 if delta.base_version != self.version {
                     anyhow::bail!(
@@ -176,11 +189,12 @@ impl WireView {
     /// anew; with the view's keys and usage either way.
     fn snapshot(&self, indices: Option<Arc<Indices>>, counters: &super::Counters) -> RoutingSnapshot {
         let indices = indices.unwrap_or_else(|| {
-            decode(self.version, &self.nodes, self.policy.as_ref(), &self.aliases, counters).indices
+            decode_live(self.version, &self.nodes, &self.live, self.policy.as_ref(), &self.aliases, counters).indices
         });
         RoutingSnapshot {
             version: self.version,
             indices,
+            sessions: Arc::clone(self.live.index()),
             api_keys: Arc::clone(&self.api_keys),
             usage_today: Arc::clone(&self.usage_today),
         }
@@ -241,6 +255,70 @@ mod tests {
         let alias = Alias { alias: "fast".into(), model: "m".into() };
         assert!(view.apply(delta(&view, |d| d.aliases = vec![alias])).unwrap());
         assert!(view.apply(delta(&view, |d| d.base_version = 0)).is_err(), "a delta for another version");
+    }
+
+    fn live_node(id: &str, sessions: &[&str]) -> inferyes_proto::v1::LiveNode {
+        use inferyes_proto::v1::{BackendLoad, NodeLoad, SessionEntry};
+        inferyes_proto::v1::LiveNode {
+            node_id: id.into(),
+            load: Some(NodeLoad {
+                backends: vec![BackendLoad { backend_id: "b0".into(), slots_busy: 3, ..Default::default() }],
+                gpus: Vec::new(),
+            }),
+            sessions_full: true,
+            upserted: sessions
+                .iter()
+                .map(|k| SessionEntry { key: super::super::session_hash(k), ..Default::default() })
+                .collect(),
+            ..Default::default()
+        }
+    }
+
+    fn with_backend(id: &str) -> SnapshotNode {
+        let mut node = node(id);
+        node.status.as_mut().unwrap().backends =
+            vec![inferyes_proto::v1::Backend { id: "b0".into(), ..Default::default() }];
+        node
+    }
+
+    #[test]
+    fn live_deltas_route_without_changing_the_version_and_a_new_stream_replaces_them() {
+        let counters = super::super::Counters::default();
+        let index = Arc::new(super::super::SessionIndex::default());
+        let mut view = WireView::new(Arc::clone(&index));
+        let full = inferyes_proto::v1::RoutingSnapshot {
+            version: 5,
+            nodes: vec![with_backend("a"), with_backend("b")],
+            live: vec![live_node("a", &["s1", "s2"])],
+            ..Default::default()
+        };
+        view.apply(SnapshotUpdate { update: Some(snapshot_update::Update::Full(full.clone())), ..Default::default() })
+            .unwrap();
+        let first = view.snapshot(None, &counters);
+        assert_eq!(first.resident("s1").map(|r| r.target.node), Some(0));
+        assert_eq!(first.nodes()[0].backends[0].slots_busy, 3);
+        assert!(first.nodes()[1].backends[0].load_unknown, "no live state: its load is not known");
+
+        let delta = inferyes_proto::v1::LiveDelta {
+            nodes: vec![inferyes_proto::v1::LiveNode {
+                node_id: "a".into(),
+                removed: vec![super::super::session_hash("s1")],
+                ..Default::default()
+            }],
+            gone: Vec::new(),
+        };
+        let update = SnapshotUpdate { update: Some(snapshot_update::Update::Live(delta)), ..Default::default() };
+        assert!(view.apply(update).unwrap(), "decoded again: load and counts may have changed");
+        let second = view.snapshot(None, &counters);
+        assert_eq!((second.version(), second.resident("s1")), (5, None));
+        assert_eq!(first.resident("s2").map(|r| r.target.node), Some(0), "one index, shared by every snapshot");
+
+        // Another controller's first snapshot: b holds s2 now, a is gone.
+        let full = inferyes_proto::v1::RoutingSnapshot { live: vec![live_node("b", &["s2"])], ..full };
+        view.apply(SnapshotUpdate { update: Some(snapshot_update::Update::Full(full)), ..Default::default() }).unwrap();
+        let third = view.snapshot(None, &counters);
+        assert_eq!(third.resident("s2").map(|r| r.target.node), Some(1));
+        assert_eq!(index.len(), 1);
     }
 
     #[test]

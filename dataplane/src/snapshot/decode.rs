@@ -1,13 +1,12 @@
-use std::collections::hash_map::Entry;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
-use inferyes_proto::v1::{Alias, Health, ModelState, RoutingPolicy, SnapshotNode, Strategy};
+use inferyes_proto::v1::{Alias, BackendLoad, Health, ModelState, RoutingPolicy, SnapshotNode, Strategy};
 
 use super::{
-    BackendView, CatalogEntry, DEFAULT_PREFILL_TOKENS_PER_SECOND, DEFAULT_SERVICE_SECONDS, Indices, LocalCounters,
-    Node, Placement, Policy, Resident, Ring, RoutingSnapshot, Target, session_hash,
+    BackendView, CatalogEntry, DEFAULT_PREFILL_TOKENS_PER_SECOND, DEFAULT_SERVICE_SECONDS, Indices, Live,
+    LocalCounters, Node, Placement, Policy, Ring, RoutingSnapshot, Target,
 };
 
 /// Per-node counters that survive snapshot swaps, so a request that started
@@ -58,11 +57,27 @@ fn resolve_policy(wire: Option<&RoutingPolicy>) -> Policy {
     }
 }
 
-/// Builds the routing indices from the wire form. Nodes come sorted by id
-/// (a `BTreeMap`), so equal inputs give equal snapshots.
+/// Builds the routing indices from statuses that carry their own load and
+/// sessions (tests, benchmarks): [`decode_live`] with the live state read
+/// from them.
 pub fn decode(
     version: u64,
     nodes: &BTreeMap<String, SnapshotNode>,
+    policy: Option<&RoutingPolicy>,
+    aliases: &[Alias],
+    counters: &Counters,
+) -> RoutingSnapshot {
+    decode_live(version, nodes, &Live::from_statuses(nodes), policy, aliases, counters)
+}
+
+/// Builds the routing indices from the nodes' records and their live state
+/// (load, resident sessions per backend). Nodes come sorted by id (a
+/// `BTreeMap`), so equal inputs give equal snapshots. A node without live
+/// state, or whose relay lost it, has its load taken for unknown.
+pub fn decode_live(
+    version: u64,
+    nodes: &BTreeMap<String, SnapshotNode>,
+    live: &Live,
     policy: Option<&RoutingPolicy>,
     aliases: &[Alias],
     counters: &Counters,
@@ -75,14 +90,29 @@ pub fn decode(
         let id: Arc<str> = Arc::from(status.node_id.as_str());
         let key = crate::routing::stable_hash(id.as_bytes());
         let local = counters.for_node(&id);
-        let vram_fraction = status
+        let node_live = live.node(&status.node_id);
+        // The GPUs' exact readings where the node's load has them; etcd's
+        // record rounds them up to steps.
+        let gpus: Vec<(u64, u64)> = status
             .gpus
             .iter()
-            .filter(|g| g.memory_total_bytes > 0)
-            .map(|g| g.memory_used_bytes as f64 / g.memory_total_bytes as f64)
+            .enumerate()
+            .map(|(position, g)| {
+                // In the record's order, else by index.
+                let reported = node_live.and_then(|l| {
+                    let by_position = l.load.gpus.get(position).filter(|r| r.index == g.index);
+                    by_position.or_else(|| l.load.gpus.iter().find(|r| r.index == g.index))
+                });
+                (g.memory_total_bytes, reported.map_or(g.memory_used_bytes, |r| r.memory_used_bytes))
+            })
+            .collect();
+        let vram_fraction = gpus
+            .iter()
+            .filter(|(total, _)| *total > 0)
+            .map(|(total, used)| *used as f64 / *total as f64)
             .fold(0.0, f64::max);
-        let vram_total_bytes: u64 = status.gpus.iter().map(|g| g.memory_total_bytes).sum();
-        let vram_used_bytes: u64 = status.gpus.iter().map(|g| g.memory_used_bytes).sum();
+        let vram_total_bytes: u64 = gpus.iter().map(|(total, _)| total).sum();
+        let vram_used_bytes: u64 = gpus.iter().map(|(_, used)| used).sum();
         let vram_stale = status.gpus.iter().any(|g| g.stale);
         let vram_loading_bytes: u64 = status
             .backends
@@ -103,33 +133,44 @@ pub fn decode(
         let hard_limit = or(own.map(|p| p.hard_limit), policy.hard_limit);
         let mut backends = Vec::with_capacity(status.backends.len());
         for (backend_index, backend) in status.backends.iter().enumerate() {
+            // The load the node's live state reports for this backend: in
+            // the same order as the record's backends, else by id.
+            let reported = node_live.and_then(|l| {
+                let by_index = l.load.backends.get(backend_index).filter(|b| b.backend_id == backend.id);
+                by_index.or_else(|| l.load.backends.iter().find(|b| b.backend_id == backend.id))
+            });
+            let unknown = BackendLoad { load_unknown: true, ..BackendLoad::default() };
+            let load = match reported {
+                Some(load) if !node_live.is_some_and(|l| l.stale) => load,
+                Some(load) => &BackendLoad { load_unknown: true, ..load.clone() },
+                None => &unknown,
+            };
             let view = BackendView {
                 id: Arc::from(backend.id.as_str()),
                 id_header: http::HeaderValue::from_str(&backend.id).ok(),
                 health: backend.health(),
                 weight: backend.weight.max(1),
                 slots_total: backend.slots_total,
-                slots_busy: backend.slots_busy,
-                requests_deferred: backend.requests_deferred,
-                in_flight: backend.in_flight,
-                load_unknown: backend.load_unknown,
+                slots_busy: load.slots_busy,
+                requests_deferred: load.requests_deferred,
+                in_flight: load.in_flight,
+                load_unknown: load.load_unknown,
             };
             // Within what hardware can do: an agent claiming a billion
             // tokens a second, or a slot freed in no time, would draw every
             // session to itself.
-            let prefill = backend.prefill_tokens_per_second;
+            let prefill = load.prefill_tokens_per_second;
             let prefill_tokens_per_second = if prefill.is_finite() && prefill > 0.0 {
                 prefill.clamp(1.0, MAX_PREFILL_TOKENS_PER_SECOND)
             } else {
                 0.0
             };
-            let service_seconds = match backend.service_ms {
+            let service_seconds = match load.service_ms {
                 0 => 0.0,
                 ms => (f64::from(ms) / 1e3).clamp(MIN_SERVICE_SECONDS, MAX_SERVICE_SECONDS),
             };
             let target = Target { node: node_index, backend: backend_index };
-            let resident_sessions = status.sessions.iter().filter(|s| s.backend_id == backend.id).count();
-            let resident_sessions = u32::try_from(resident_sessions).unwrap_or(u32::MAX);
+            let resident_sessions = node_live.map_or(0, |l| l.resident_sessions(backend_index));
             for model in &backend.models {
                 indices.models.entry(model.id.clone()).or_default().push(Placement {
                     target,
@@ -160,25 +201,7 @@ pub fn decode(
             }
             backends.push(view);
         }
-        for session in &status.sessions {
-            let Some(backend) = status.backends.iter().position(|b| b.id == session.backend_id) else { continue };
-            // A session that moved is reported by both nodes until the old
-            // one evicts it: the most recent use wins.
-            let resident = Resident {
-                target: Target { node: node_index, backend },
-                tokens: session.tokens,
-                last_seen_unix_ms: session.last_seen_unix_ms,
-            };
-            match indices.sessions.entry(session_hash(&session.key)) {
-                Entry::Occupied(mut held) if held.get().last_seen_unix_ms < resident.last_seen_unix_ms => {
-                    held.insert(resident);
-                }
-                Entry::Occupied(_) => {}
-                Entry::Vacant(slot) => {
-                    slot.insert(resident);
-                }
-            }
-        }
+        indices.node_index.insert(key, node_index);
         indices.nodes.push(Node {
             local,
             key,
@@ -261,7 +284,7 @@ pub fn decode(
     indices.catalog = catalog;
     indices.policy = policy;
     counters.retain(&indices.nodes);
-    RoutingSnapshot { version, indices: Arc::new(indices), ..Default::default() }
+    RoutingSnapshot { version, indices: Arc::new(indices), sessions: Arc::clone(live.index()), ..Default::default() }
 }
 
 /// The bounds reported rates are held to.

@@ -3,10 +3,12 @@
 
 mod client;
 mod decode;
+mod live;
 mod store;
 
 pub use client::run as subscribe;
-pub use decode::{Counters, decode};
+pub use decode::{Counters, decode, decode_live};
+pub use live::{Live, SessionIndex};
 pub use store::SnapshotStore;
 
 use std::collections::HashMap;
@@ -33,6 +35,9 @@ pub struct RoutingSnapshot {
     pub(crate) api_keys: Arc<ApiKeys>,
     /// Tokens each key used today, as the ledger's roll-up says.
     pub(crate) usage_today: Arc<inferyes_proto::v1::KeyUsageToday>,
+    /// Where sessions are resident: one index, shared by every snapshot
+    /// and kept current by the subscription.
+    pub(crate) sessions: Arc<SessionIndex>,
 }
 
 /// What routing reads, decoded from the fleet's nodes, policy and aliases.
@@ -51,10 +56,9 @@ pub struct Indices {
     pub(crate) catalog: Vec<CatalogEntry>,
     /// Alias → model id.
     pub(crate) aliases: FastMap<String, String>,
-    /// Session key (hashed, see [`session_hash`]) → where its KV cache is
-    /// resident. Hashes, not strings: a snapshot of 100,000 sessions is
-    /// decoded without 100,000 allocations.
-    pub(crate) sessions: HashMap<u64, Resident, BuildHasherDefault<Prehashed>>,
+    /// Node key (`stable_hash(node_id)`) → its index in `nodes`: resident
+    /// sessions name their node by key.
+    pub(crate) node_index: HashMap<u64, usize, BuildHasherDefault<Prehashed>>,
     pub(crate) policy: Policy,
 }
 
@@ -369,7 +373,19 @@ impl RoutingSnapshot {
     }
 
     pub fn resident(&self, session: &str) -> Option<Resident> {
-        self.sessions.get(&session_hash(session)).copied()
+        let entry = self.sessions.get(session_hash(session))?;
+        let node = *self.node_index.get(&entry.node)?;
+        let backend = usize::try_from(entry.backend).ok().filter(|b| *b < self.nodes[node].backends.len())?;
+        Some(Resident {
+            target: Target { node, backend },
+            tokens: entry.tokens,
+            last_seen_unix_ms: entry.last_seen_unix_ms,
+        })
+    }
+
+    /// Sessions resident anywhere in the fleet.
+    pub fn resident_sessions(&self) -> usize {
+        self.sessions.len()
     }
 
     pub fn catalog(&self) -> &[CatalogEntry] {

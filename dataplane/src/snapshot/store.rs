@@ -12,6 +12,8 @@ pub struct SnapshotStore {
     current: ArcSwapOption<RoutingSnapshot>,
     versions: watch::Sender<u64>,
     counters: Counters,
+    /// Where sessions are resident, kept across snapshots and controllers.
+    sessions: Arc<super::SessionIndex>,
     /// When the current snapshot was installed (read at scrape time only).
     installed_at: std::sync::Mutex<Option<std::time::Instant>>,
 }
@@ -22,6 +24,7 @@ impl Default for SnapshotStore {
             current: ArcSwapOption::empty(),
             versions: watch::channel(0).0,
             counters: Counters::default(),
+            sessions: Arc::default(),
             installed_at: std::sync::Mutex::new(None),
         }
     }
@@ -39,6 +42,10 @@ impl SnapshotStore {
 
     pub fn counters(&self) -> &Counters {
         &self.counters
+    }
+
+    pub fn sessions(&self) -> &Arc<super::SessionIndex> {
+        &self.sessions
     }
 
     /// Installs `snapshot` unless it is older than the one held: after a
