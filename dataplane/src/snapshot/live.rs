@@ -41,8 +41,11 @@ impl Default for SessionIndex {
 
 impl SessionIndex {
     fn shard(&self, key: u64) -> &RwLock<Map<Entry>> {
-        // The keys are well-mixed hashes: their top bits pick evenly.
-        &self.shards[(key >> 58) as usize % SHARDS]
+        // The keys are well-mixed hashes, and each shard's table takes its
+        // bucket from the low bits and its tags from the top seven: the
+        // shard is picked by bits neither uses, or every key of a shard
+        // would carry the same tag and each lookup probe every slot.
+        &self.shards[(key >> 40) as usize % SHARDS]
     }
 
     pub fn get(&self, key: u64) -> Option<Entry> {
