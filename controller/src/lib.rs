@@ -74,6 +74,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
     let (live_tx, live_rx) = tokio::sync::mpsc::channel(4096);
     let (requests_tx, requests_rx) = tokio::sync::mpsc::channel(64);
     let (batches, _) = tokio::sync::broadcast::channel(reconcile::BATCHES_HELD);
+    let peers_following = std::sync::Arc::default();
     let reconciler = tokio::spawn(
         reconcile::Reconciler {
             store: store.clone(),
@@ -81,6 +82,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
             live: live_rx,
             requests: requests_rx,
             batches: batches.clone(),
+            peers_following: std::sync::Arc::clone(&peers_following),
             controller_id: config.controller_id.clone(),
             debounce: config.snapshot_debounce(),
             metrics: std::sync::Arc::clone(&metrics),
@@ -139,6 +141,8 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         join_token,
         batches,
         live_requests: requests_tx.clone(),
+        peers_following,
+        metrics: std::sync::Arc::clone(&metrics),
     };
     let ledger = tokio::spawn(
         ledger::run(

@@ -97,7 +97,9 @@ struct Node {
     origin: Arc<str>,
     fresh: bool,
     load: NodeLoad,
-    sessions: FastMap<String, ResidentSession>,
+    /// By the key's stable hash, which is also the data planes' key: no
+    /// copy of the key string per change.
+    sessions: FastMap<u64, ResidentSession>,
     counts: BTreeMap<String, u32>,
     summary: Arc<Summary>,
 }
@@ -109,8 +111,13 @@ struct Pending {
     load: bool,
     /// The table was replaced: the batch carries all of it.
     full: bool,
-    upserted: BTreeSet<String>,
-    removed: BTreeSet<String>,
+    upserted: BTreeSet<u64>,
+    /// By hash, with the key for peers.
+    removed: BTreeMap<u64, String>,
+}
+
+fn hash(key: &str) -> u64 {
+    inferyes_proto::hash::stable_hash(key.as_bytes())
 }
 
 #[derive(Debug, Default)]
@@ -123,11 +130,14 @@ pub struct LiveState {
     gone: BTreeSet<String>,
     gone_own: BTreeSet<String>,
     seq: u64,
-    /// (last use, node, key): the most recent sessions, at most
-    /// [`RECENT_SESSIONS`].
-    recent: BTreeMap<(u64, String, String), ResidentSession>,
+    /// (last use, node, key hash) of the most recently used sessions, as
+    /// of the last batch: a few more than shown, for those gone since.
+    recent: BTreeSet<(u64, String, u64)>,
     sessions: usize,
 }
+
+/// Recent sessions kept, so that some removed since still leave enough.
+const RECENT_KEPT: usize = 2 * RECENT_SESSIONS;
 
 impl LiveState {
     pub fn new(own_id: &str) -> LiveState {
@@ -262,36 +272,34 @@ impl LiveState {
         if !self.claim(node_id, origin, full) {
             return;
         }
-        let LiveState { nodes, pending, recent, sessions, .. } = self;
+        let LiveState { nodes, pending, sessions, .. } = self;
         let Some(node) = nodes.get_mut(node_id) else { return };
         let pending = pending.entry(node_id.to_string()).or_default();
         if full {
-            for (key, session) in node.sessions.drain() {
-                forget_recent(recent, node_id, &key, &session);
-                *sessions -= 1;
-            }
+            *sessions -= node.sessions.len();
+            node.sessions.clear();
             node.counts.clear();
             *pending = Pending { load: pending.load, full: true, ..Pending::default() };
         }
         for key in removed {
-            let Some(session) = node.sessions.remove(&key) else { continue };
-            forget_recent(recent, node_id, &key, &session);
+            let h = hash(&key);
+            let Some(session) = node.sessions.remove(&h) else { continue };
             count(&mut node.counts, &session.backend_id, false);
             *sessions -= 1;
             if !pending.full {
-                pending.upserted.remove(&key);
-                pending.removed.insert(key);
+                pending.upserted.remove(&h);
+                pending.removed.insert(h, key);
             }
         }
         for session in upserted {
             if session.key.len() > MAX_KEY_BYTES || session.backend_id.len() > MAX_TEXT {
                 continue;
             }
-            match node.sessions.get(&session.key) {
+            let h = hash(&session.key);
+            match node.sessions.get(&h) {
                 Some(held) if *held == session => continue,
                 Some(held) => {
-                    forget_recent(recent, node_id, &session.key, held);
-                    count(&mut node.counts, &held.backend_id.clone(), false);
+                    count(&mut node.counts, &held.backend_id, false);
                     *sessions -= 1;
                 }
                 None if node.sessions.len() >= MAX_SESSIONS => continue,
@@ -299,24 +307,16 @@ impl LiveState {
             }
             count(&mut node.counts, &session.backend_id, true);
             *sessions += 1;
-            let key = session.key.clone();
-            recent.insert((session.last_seen_unix_ms, node_id.to_string(), key.clone()), session.clone());
-            if recent.len() > RECENT_SESSIONS {
-                recent.pop_first();
-            }
-            node.sessions.insert(key.clone(), session);
+            node.sessions.insert(h, session);
             if !pending.full {
-                pending.removed.remove(&key);
-                pending.upserted.insert(key);
+                pending.removed.remove(&h);
+                pending.upserted.insert(h);
             }
         }
     }
 
     fn remove(&mut self, node_id: &str) {
         let Some(node) = self.nodes.remove(node_id) else { return };
-        for (key, session) in &node.sessions {
-            forget_recent(&mut self.recent, node_id, key, session);
-        }
         self.sessions -= node.sessions.len();
         self.pending.remove(node_id);
         self.gone.insert(node_id.to_string());
@@ -325,49 +325,68 @@ impl LiveState {
         }
     }
 
-    /// The changes since the last batch, if any.
-    pub fn take_batch(&mut self) -> Option<LiveBatch> {
+    /// The changes since the last batch, if any; with the changes of this
+    /// controller's own nodes in peers' form when `for_peers`.
+    pub fn take_batch(&mut self, for_peers: bool) -> Option<LiveBatch> {
         if self.pending.is_empty() && self.gone.is_empty() {
             return None;
         }
         self.seq += 1;
         let mut delta = LiveDelta { nodes: Vec::new(), gone: std::mem::take(&mut self.gone).into_iter().collect() };
+        let gone_own = std::mem::take(&mut self.gone_own);
         let mut own = LiveUpdate {
             controller_id: self.own_id.to_string(),
             full: false,
             nodes: Vec::new(),
-            gone: std::mem::take(&mut self.gone_own).into_iter().collect(),
+            gone: if for_peers { gone_own.into_iter().collect() } else { Vec::new() },
         };
-        for (id, pending) in std::mem::take(&mut self.pending) {
-            let Some(node) = self.nodes.get_mut(&id) else { continue };
-            let changed: Vec<&ResidentSession> = if pending.full {
-                node.sessions.values().collect()
+        // The newest of the batch's sessions, for the recent list.
+        let mut newest: Vec<(u64, &str, u64)> = Vec::new();
+        let pending = std::mem::take(&mut self.pending);
+        for (id, pending) in &pending {
+            let Some(node) = self.nodes.get_mut(id) else { continue };
+            let changed: Vec<(u64, &ResidentSession)> = if pending.full {
+                node.sessions.iter().map(|(h, s)| (*h, s)).collect()
             } else {
-                pending.upserted.iter().filter_map(|k| node.sessions.get(k)).collect()
+                pending.upserted.iter().filter_map(|h| node.sessions.get(h).map(|s| (*h, s))).collect()
             };
+            newest.extend(changed.iter().map(|(h, s)| (s.last_seen_unix_ms, id.as_str(), *h)));
+            if newest.len() > 4 * RECENT_KEPT {
+                newest.select_nth_unstable_by(RECENT_KEPT, |a, b| b.0.cmp(&a.0));
+                newest.truncate(RECENT_KEPT);
+            }
             delta.nodes.push(LiveNode {
                 node_id: id.clone(),
                 load: pending.load.then(|| node.load.clone()),
                 stale: !node.fresh,
                 sessions_full: pending.full,
-                upserted: changed.iter().filter_map(|s| entry(&node.load, s)).collect(),
-                removed: pending.removed.iter().map(|k| inferyes_proto::hash::stable_hash(k.as_bytes())).collect(),
+                upserted: changed.iter().filter_map(|(h, s)| entry(&node.load, *h, s)).collect(),
+                removed: pending.removed.keys().copied().collect(),
             });
-            if node.origin == self.own_id {
+            if for_peers && node.origin == self.own_id {
                 own.nodes.push(NodeLive {
                     node_id: id.clone(),
                     load: pending.load.then(|| node.load.clone()),
-                    sessions: changed.into_iter().cloned().collect(),
+                    sessions: changed.iter().map(|(_, s)| (*s).clone()).collect(),
                     sessions_full: pending.full,
-                    removed: pending.removed.into_iter().collect(),
+                    removed: pending.removed.values().cloned().collect(),
                 });
             }
-            node.summary = Arc::new(Summary {
-                origin: Arc::clone(&node.origin),
-                fresh: node.fresh,
-                load: node.load.clone(),
-                sessions: node.counts.clone(),
-            });
+        }
+        let newest: Vec<(u64, String, u64)> = newest.into_iter().map(|(at, id, h)| (at, id.to_string(), h)).collect();
+        for id in pending.keys() {
+            if let Some(node) = self.nodes.get_mut(id) {
+                node.summary = Arc::new(Summary {
+                    origin: Arc::clone(&node.origin),
+                    fresh: node.fresh,
+                    load: node.load.clone(),
+                    sessions: node.counts.clone(),
+                });
+            }
+        }
+        self.recent.extend(newest);
+        while self.recent.len() > RECENT_KEPT {
+            self.recent.pop_first();
         }
         Some(LiveBatch { seq: self.seq, delta, own })
     }
@@ -386,7 +405,7 @@ impl LiveState {
                 load: Some(node.load.clone()),
                 stale: !node.fresh,
                 sessions_full: true,
-                upserted: node.sessions.values().filter_map(|s| entry(&node.load, s)).collect(),
+                upserted: node.sessions.iter().filter_map(|(h, s)| entry(&node.load, *h, s)).collect(),
                 removed: Vec::new(),
             })
             .collect()
@@ -413,7 +432,16 @@ impl LiveState {
     pub fn view(&self) -> LiveView {
         LiveView {
             nodes: self.nodes.iter().map(|(id, n)| (id.clone(), Arc::clone(&n.summary))).collect(),
-            recent: self.recent.iter().rev().map(|((_, node, _), s)| (node.clone(), s.clone())).collect(),
+            recent: self
+                .recent
+                .iter()
+                .rev()
+                .filter_map(|(at, node, h)| {
+                    let session = self.nodes.get(node)?.sessions.get(h)?;
+                    (session.last_seen_unix_ms == *at).then(|| (node.clone(), session.clone()))
+                })
+                .take(RECENT_SESSIONS)
+                .collect(),
             sessions: self.sessions,
         }
     }
@@ -439,10 +467,10 @@ impl LiveState {
 
 /// A session as data planes route on it; `None` for a backend the node's
 /// load does not list.
-fn entry(load: &NodeLoad, session: &ResidentSession) -> Option<SessionEntry> {
+fn entry(load: &NodeLoad, key: u64, session: &ResidentSession) -> Option<SessionEntry> {
     let backend = load.backends.iter().position(|b| b.backend_id == session.backend_id)?;
     Some(SessionEntry {
-        key: inferyes_proto::hash::stable_hash(session.key.as_bytes()),
+        key,
         backend: u32::try_from(backend).ok()?,
         tokens: session.tokens,
         last_seen_unix_ms: session.last_seen_unix_ms,
@@ -451,23 +479,18 @@ fn entry(load: &NodeLoad, session: &ResidentSession) -> Option<SessionEntry> {
 
 fn count(counts: &mut BTreeMap<String, u32>, backend: &str, add: bool) {
     if add {
-        *counts.entry(backend.to_string()).or_default() += 1;
+        // Looked up first: the backend is almost always counted already.
+        match counts.get_mut(backend) {
+            Some(n) => *n += 1,
+            None => {
+                counts.insert(backend.to_string(), 1);
+            }
+        }
     } else if let Some(n) = counts.get_mut(backend) {
         *n -= 1;
         if *n == 0 {
             counts.remove(backend);
         }
-    }
-}
-
-fn forget_recent(
-    recent: &mut BTreeMap<(u64, String, String), ResidentSession>,
-    node_id: &str,
-    key: &str,
-    session: &ResidentSession,
-) {
-    if recent.first_key_value().is_some_and(|((oldest, ..), _)| session.last_seen_unix_ms >= *oldest) {
-        recent.remove(&(session.last_seen_unix_ms, node_id.to_string(), key.to_string()));
     }
 }
 

@@ -30,6 +30,7 @@ pub struct Metrics {
     pub node_write_seconds: Histogram,
     pub snapshot_build_seconds: Histogram,
     pub peers: Gauge,
+    pub live_resyncs: Counter,
     pub etcd_db_size_bytes: Gauge,
     pub etcd_db_size_in_use_bytes: Gauge,
     pub etcd_quota_bytes: Gauge,
@@ -48,6 +49,7 @@ impl Metrics {
             node_write_seconds: Histogram::new(exponential_buckets(0.0005, 2.0, 14)),
             snapshot_build_seconds: Histogram::new(exponential_buckets(0.00001, 2.0, 18)),
             peers: Gauge::default(),
+            live_resyncs: Counter::default(),
             etcd_db_size_bytes: Gauge::default(),
             etcd_db_size_in_use_bytes: Gauge::default(),
             etcd_quota_bytes: Gauge::default(),
@@ -75,6 +77,11 @@ impl Metrics {
         r.register("node_write_seconds", "Time to write a node record to etcd", m.node_write_seconds.clone());
         r.register("snapshot_build_seconds", "Time to build a routing snapshot", m.snapshot_build_seconds.clone());
         r.register("peers", "Other controllers this one follows for their nodes' live state", m.peers.clone());
+        r.register(
+            "live_resyncs",
+            "Whole live states sent again to a data plane or peer that fell behind the live batches",
+            m.live_resyncs.clone(),
+        );
         r.register(
             "etcd_db_size_bytes",
             "Size of etcd's database file on the member this controller asks",

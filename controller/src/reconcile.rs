@@ -27,9 +27,10 @@ const RETRY_MAX: Duration = Duration::from_secs(2);
 const LIVE_DEBOUNCE: Duration = Duration::from_millis(50);
 
 /// The live state's batches, as the reconciler takes them: a receiver
-/// that falls further behind than this many asks for a whole state again.
+/// that falls further behind than this many (10 s of them) gets the whole
+/// state again.
 pub type Batches = broadcast::Sender<Arc<LiveBatch>>;
-pub const BATCHES_HELD: usize = 64;
+pub const BATCHES_HELD: usize = 200;
 
 /// What is asked of the live state beyond its batches.
 pub enum LiveRequest {
@@ -53,6 +54,9 @@ pub struct Reconciler {
     pub live: mpsc::Receiver<LiveEvent>,
     pub requests: mpsc::Receiver<LiveRequest>,
     pub batches: Batches,
+    /// Peers following this controller's nodes now: only then do batches
+    /// carry those nodes' changes in the peers' form.
+    pub peers_following: Arc<std::sync::atomic::AtomicUsize>,
     pub controller_id: String,
     pub debounce: Duration,
     pub metrics: Arc<crate::metrics::Metrics>,
@@ -179,7 +183,8 @@ impl Reconciler {
     /// snapshot to everyone.
     fn publish(&self, view: &mut View) {
         view.rebuild_at = None;
-        if let Some(batch) = view.live.take_batch() {
+        let for_peers = self.peers_following.load(std::sync::atomic::Ordering::Relaxed) > 0;
+        if let Some(batch) = view.live.take_batch(for_peers) {
             // None listening is fine: a follower that comes later asks for
             // the whole state.
             let _ = self.batches.send(Arc::new(batch));

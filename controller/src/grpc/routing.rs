@@ -38,6 +38,25 @@ pub struct RoutingSvc {
     /// The live state's batches, and the way to ask for all of it.
     pub batches: crate::reconcile::Batches,
     pub live_requests: mpsc::Sender<LiveRequest>,
+    /// How many peers `feed_live` serves now (the reconciler reads it).
+    pub peers_following: Arc<std::sync::atomic::AtomicUsize>,
+    pub metrics: Arc<crate::metrics::Metrics>,
+}
+
+/// Counts a peer as following while it lives.
+struct Following(Arc<std::sync::atomic::AtomicUsize>);
+
+impl Following {
+    fn new(count: &Arc<std::sync::atomic::AtomicUsize>) -> Following {
+        count.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Following(Arc::clone(count))
+    }
+}
+
+impl Drop for Following {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+    }
 }
 
 impl RoutingSvc {
@@ -130,6 +149,9 @@ impl RoutingSvc {
     /// Relays the live state of the nodes whose agents this controller
     /// serves: all of it first, then each batch's changes to them.
     async fn feed_live(self, tx: mpsc::Sender<Result<LiveUpdate, Status>>) {
+        // Counted before the whole state is asked for: every batch after it
+        // carries this controller's changes for peers.
+        let _following = Following::new(&self.peers_following);
         let mut batches = self.batches.subscribe();
         let Some((mut seq, full)) = self.ask(LiveRequest::Own).await else { return };
         if tx.send(Ok(full)).await.is_err() {
@@ -149,7 +171,9 @@ impl RoutingSvc {
                         }
                     }
                     Ok(_) => {}
-                    Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {
+                    Err(tokio::sync::broadcast::error::RecvError::Lagged(missed)) => {
+                        tracing::warn!(missed, "peer behind the live batches; sending it all again");
+                        self.metrics.live_resyncs.inc();
                         batches = batches.resubscribe();
                         let Some((now, full)) = self.ask(LiveRequest::Own).await else { return };
                         seq = now;
@@ -228,7 +252,8 @@ impl RoutingSvc {
                     }
                     Ok(_) => {}
                     Err(tokio::sync::broadcast::error::RecvError::Lagged(missed)) => {
-                        tracing::debug!(missed, "subscriber behind the live batches; sending it all again");
+                        tracing::warn!(missed, "subscriber behind the live batches; sending it all again");
+                        self.metrics.live_resyncs.inc();
                         sent = None;
                     }
                     Err(tokio::sync::broadcast::error::RecvError::Closed) => return,

@@ -108,7 +108,7 @@ fn a_batch_carries_only_what_changed_since_the_last() {
     state.apply(LiveEvent::Load { node_id: "n".into(), origin: origin("me"), load: load(&["b0", "b1"]) });
     let table: Vec<_> = (0..1_000).map(|i| session(&format!("s{i}"), "b0", i)).collect();
     put(&mut state, "n", "me", true, table, &[]);
-    let first = state.take_batch().expect("a batch");
+    let first = state.take_batch(true).expect("a batch");
     let node = &first.delta.nodes[0];
     assert!(node.sessions_full && node.load.is_some());
     assert_eq!((node.upserted.len(), first.own.nodes[0].sessions.len()), (1_000, 1_000));
@@ -116,14 +116,14 @@ fn a_batch_carries_only_what_changed_since_the_last() {
     put(&mut state, "n", "me", false, vec![session("new", "b1", 5_000)], &["s1", "missing"]);
     // The same session again, unchanged: nothing to send.
     put(&mut state, "n", "me", false, vec![session("s2", "b0", 2)], &[]);
-    let second = state.take_batch().expect("a batch");
+    let second = state.take_batch(true).expect("a batch");
     let node = &second.delta.nodes[0];
     assert!(!node.sessions_full && node.load.is_none(), "the load did not change");
     assert_eq!(node.upserted.len(), 1);
     assert_eq!(node.upserted[0].backend, 1, "b1's index in the node's backends");
     assert_eq!(node.removed, [inferyes_proto::hash::stable_hash(b"s1")]);
     assert_eq!(second.own.nodes[0].removed, ["s1"]);
-    assert!(state.take_batch().is_none(), "nothing new");
+    assert!(state.take_batch(true).is_none(), "nothing new");
     assert_eq!(second.seq, first.seq + 1);
 
     let view = state.view();
@@ -146,25 +146,25 @@ fn a_stream_here_wins_and_each_origin_removes_only_its_own() {
             .map(|id| NodeLive { node_id: (*id).into(), load: Some(load(&["b0"])), ..Default::default() })
             .collect(),
     });
-    state.take_batch();
+    state.take_batch(true);
     // `a`'s agent moved here: the stream here takes it over, and a late
     // word from c2 about it changes nothing.
     put(&mut state, "a", "me", true, vec![session("x", "b0", 1)], &[]);
     put(&mut state, "a", "c2", false, vec![], &["x"]);
     state.apply(LiveEvent::Gone { node_id: "a".into(), origin: origin("c2") });
-    state.take_batch();
+    state.take_batch(true);
     assert_eq!(owners(&state), [("a".into(), "me".into()), ("b".into(), "c2".into())]);
     assert_eq!(state.view().nodes["a"].sessions["b0"], 1);
 
     // c2 goes away: its node stays, not fresh, until another has it whole.
     state.apply(LiveEvent::PeerLost { origin: origin("c2") });
-    let batch = state.take_batch().expect("the freshness changed");
+    let batch = state.take_batch(true).expect("the freshness changed");
     assert!(batch.delta.nodes.iter().any(|n| n.node_id == "b" && n.stale));
     assert!(batch.own.nodes.is_empty(), "peers hear only of this controller's own nodes");
     put(&mut state, "b", "c3", false, vec![session("y", "b0", 1)], &[]);
     assert_eq!(state.view().sessions, 1, "a delta from another peer is not the whole table");
     put(&mut state, "b", "c3", true, vec![session("y", "b0", 1)], &[]);
-    state.take_batch();
+    state.take_batch(true);
     assert_eq!(owners(&state)[1], ("b".into(), "c3".into()));
     assert!(state.view().nodes["b"].fresh);
 
@@ -172,11 +172,11 @@ fn a_stream_here_wins_and_each_origin_removes_only_its_own() {
     // drops a peer's, never a stream's here.
     state.apply(LiveEvent::PeerFull { origin: origin("c3"), nodes: Vec::new() });
     state.node_left("a");
-    let batch = state.take_batch().expect("a node gone");
+    let batch = state.take_batch(true).expect("a node gone");
     assert_eq!(batch.delta.gone, ["b"]);
     assert_eq!(owners(&state), [("a".into(), "me".into())]);
     state.apply(LiveEvent::Gone { node_id: "a".into(), origin: origin("me") });
-    let batch = state.take_batch().expect("a node gone");
+    let batch = state.take_batch(true).expect("a node gone");
     assert_eq!(
         (batch.delta.gone.as_slice(), batch.own.gone.as_slice()),
         (["a".to_string()].as_slice(), ["a".to_string()].as_slice())
@@ -246,12 +246,12 @@ fn batches_applied_in_order_give_the_whole_state() {
             }
         }
         if rng.bool()
-            && let Some(batch) = state.take_batch()
+            && let Some(batch) = state.take_batch(true)
         {
             receive(&mut held, &batch.delta);
         }
     }
-    if let Some(batch) = state.take_batch() {
+    if let Some(batch) = state.take_batch(true) {
         receive(&mut held, &batch.delta);
     }
     let mut whole = Held::new();
