@@ -434,9 +434,10 @@ echo "data plane RSS after the runs: $(( $(ps -o rss= -p "$dp_pid") / 1024 )) Mi
 
 if [ "$fleet_size" -gt 0 ]; then
   # The same data plane with a fleet-sized snapshot: $fleet_size more nodes,
-  # 32 sessions each, reporting each second; FLEET_CHURN of them (default 0)
-  # change each second, which makes the data plane decode deltas too.
-  CONTROLLER="http://127.0.0.1:$grpc" JOIN_TOKEN="$INFERYES_JOIN_TOKEN" AGENTS=$fleet_size CHURN=${FLEET_CHURN:-0} SECONDS=3600 \
+  # 32 sessions each; FLEET_NEW new sessions a second per node (default 0)
+  # make the data plane apply live deltas and decode too.
+  CONTROLLER="http://127.0.0.1:$grpc" JOIN_TOKEN="$INFERYES_JOIN_TOKEN" AGENTS=$fleet_size SESSIONS=32 \
+    NEW=${FLEET_NEW:-0} REPEATS=${FLEET_NEW:-0} SECONDS=3600 \
     "$fleet_bin" >"$work/fleet.log" 2>&1 & pids+=($!)
   nodes=$((fleet_size + 2))
   for _ in $(seq 300); do

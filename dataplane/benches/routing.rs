@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use criterion::{BenchmarkId, Criterion};
 use inferyes_dataplane::http::{parse_view, session_key};
 use inferyes_dataplane::routing::{Mode, RouteRequest, select, stable_hash, text_hash};
-use inferyes_dataplane::snapshot::{Counters, RoutingSnapshot, decode};
+use inferyes_dataplane::snapshot::{Counters, Live, RoutingSnapshot, decode, decode_live};
 use inferyes_proto::v1::{
     Backend, EndpointKind, Gpu, Health, Model, ModelState, NodeStatus, ResidentSession, SnapshotNode,
 };
@@ -140,6 +140,13 @@ fn bench(c: &mut Criterion, cases: &[Case]) {
         group.bench_with_input(BenchmarkId::new("full snapshot, 100k sessions", case.nodes), case, |b, case| {
             let counters = Counters::default();
             b.iter(|| black_box(decode(2, &case.wire, None, &[], &counters)))
+        });
+        // What a data plane does per live batch: the records again, with
+        // the loads and session counts of a live state it already holds.
+        let live = Live::from_statuses(&case.wire);
+        group.bench_with_input(BenchmarkId::new("records with live state", case.nodes), case, |b, case| {
+            let counters = Counters::default();
+            b.iter(|| black_box(decode_live(2, &case.wire, &live, None, &[], &counters)))
         });
     }
     group.finish();

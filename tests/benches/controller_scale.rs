@@ -1,41 +1,47 @@
-//! Controller scale: 1,000 agents reporting once a second against one
-//! controller and a real etcd, with four data planes subscribed.
+//! Controller scale: 1,000 agents of 1,000 resident sessions each, every
+//! node gaining 50 new sessions a second and serving 50 repeat turns,
+//! against one controller and a real etcd, with four data planes
+//! subscribed.
 //!
 //! ```sh
 //! cargo bench -p inferyes-tests --bench controller_scale
-//! AGENTS=2000 CHURN=0.3 SECONDS=30 cargo bench -p inferyes-tests --bench controller_scale
+//! SECONDS=600 cargo bench -p inferyes-tests --bench controller_scale   # etcd over 10 minutes
+//! AGENTS=200 SESSIONS=500 NEW=20 cargo bench -p inferyes-tests --bench controller_scale
 //! # Only the agents, joined to a fleet running elsewhere, for SECONDS:
 //! CONTROLLER=http://127.0.0.1:7070 JOIN_TOKEN=... cargo bench -p inferyes-tests --bench controller_scale
 //! ```
 //!
 //! The agents are light: each is one real `AgentService.Join` stream on its
 //! own connection, speaking the protocol the agent speaks (register, a full
-//! residency table, then each second either a changed status with a
-//! residency delta, or a heartbeat when nothing changed), without polling
-//! any backend. Each second a share `CHURN` of them changes (slots, in-flight
-//! requests, GPU memory, one session in and one out); the rest are quiet.
+//! residency table, then every `TICK_MS` a status with its slots' load and
+//! a numbered residency delta: new sessions in, as many of the oldest out,
+//! repeat turns' sessions updated), without polling any backend.
 //!
-//! Measured, in one run:
+//! Two phases, in one run: a tenth of the rate, then the whole rate, to
+//! show etcd's traffic does not follow the requests. Measured:
 //! - controller CPU, from its runtime's threads (`/proc/self/task`), and
 //!   etcd's CPU (`/proc/<pid>`), in cores;
-//! - etcd writes per second (revisions; every put and lease revoke is one)
-//!   and node record writes per second, while churning and while quiet;
-//! - snapshot build time (the controller's histogram), full snapshot and
-//!   delta sizes on the wire;
-//! - propagation: from an agent sending a changed status to each of the four
-//!   data planes holding a decoded snapshot with it (p50, p99, max).
+//! - etcd revisions per second and the bytes its clients send it per second
+//!   (its own `etcd_network_client_grpc_received_bytes_total`), per phase;
+//! - etcd's database size when the fleet has joined and at the end;
+//! - the full snapshot and the live deltas on the wire;
+//! - propagation: from an agent sending a new session to each data plane's
+//!   session index holding it (p50, p99, max), one probe per agent a second;
+//! - the data planes' memory: the process's resident memory before and after
+//!   they subscribed, per data plane.
 
-use std::collections::HashMap;
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use inferyes_dataplane::SnapshotStore;
+use inferyes_proto::hash::stable_hash;
 use inferyes_proto::v1::agent_message::Msg;
 use inferyes_proto::v1::agent_service_client::AgentServiceClient;
 use inferyes_proto::v1::routing_service_client::RoutingServiceClient;
 use inferyes_proto::v1::{
-    AgentMessage, Backend, BackendKind, Gpu, GpuSource, Health, Heartbeat, Model, ModelState, NodeStatus, Register,
+    AgentMessage, Backend, BackendKind, Gpu, GpuSource, Health, Model, ModelState, NodeStatus, Register,
     ResidencyUpdate, ResidentSession, SubscribeRequest, snapshot_update,
 };
 use inferyes_tests::{Etcd, HttpClient};
@@ -43,30 +49,40 @@ use prost::Message;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-const DATA_PLANES: usize = 4;
-const SESSIONS_PER_NODE: usize = 32;
 const GPU_TOTAL: u64 = 80 << 30;
-/// GPU memory used is this plus the node's change counter: the data planes
-/// read the counter back out of their decoded snapshots.
-const GPU_BASE_USED: u64 = 40 << 30;
 
 fn env<T: std::str::FromStr>(name: &str, default: T) -> T {
     std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
 }
 
-/// When each node's change number `n` was sent.
-type Sent = Arc<Mutex<HashMap<(usize, u64), Instant>>>;
+/// What each agent does, per node.
+#[derive(Clone, Copy)]
+struct Profile {
+    sessions: usize,
+    /// New sessions and repeat turns per second, at the whole rate.
+    new: f64,
+    repeats: f64,
+    tick: Duration,
+}
+
+/// Probes: a new session's key hash and when its agent sent it.
+type Probes = Arc<Mutex<Vec<(u64, Instant)>>>;
 
 fn main() {
     let agents: usize = env("AGENTS", 1000);
-    let churn: f64 = env("CHURN", 0.3);
+    let profile = Profile {
+        sessions: env("SESSIONS", 1000),
+        new: env("NEW", 50.0),
+        repeats: env("REPEATS", 50.0),
+        tick: Duration::from_millis(env("TICK_MS", 100)),
+    };
     let seconds: u64 = env("SECONDS", 20);
+    let data_planes: usize = env("DATA_PLANES", 4);
     if let Ok(controller) = std::env::var("CONTROLLER") {
         let token: String = env("JOIN_TOKEN", inferyes_tests::fleet::JOIN_TOKEN.to_string());
-        join_only(&controller, &token, agents, churn, seconds);
+        join_only(&controller, &token, agents, profile, seconds);
         return;
     }
-    let quiet_seconds: u64 = 5;
 
     // Three runtimes, so the controller's CPU can be told apart: its own
     // (threads named `controller`), the data planes', and this harness's.
@@ -122,12 +138,25 @@ fn main() {
         })
         .await;
 
-        // The data planes: the real subscription and decode, each into its
-        // own store, each with a watcher that reads change numbers back.
-        let swarm = Swarm::new(&controller_url, inferyes_tests::fleet::JOIN_TOKEN, churn, shutdown.clone());
+        let swarm = Swarm::new(&controller_url, inferyes_tests::fleet::JOIN_TOKEN, profile, shutdown.clone());
+        let started = Instant::now();
+        swarm.join(agents).await;
+        inferyes_tests::eventually("every node in the snapshot", Duration::from_secs(300), || {
+            let (client, url) = (client.clone(), metrics_url.clone());
+            async move {
+                let text = String::from_utf8_lossy(&client.get(&url).await.body).to_string();
+                metric(&text, "inferyes_controller_nodes{state=\"active\"}") == agents as f64
+            }
+        })
+        .await;
+        println!("{agents} agents of {} sessions joined in {:.1} s", profile.sessions, started.elapsed().as_secs_f64());
+
+        // The data planes: the real subscription, index and decode, each
+        // into its own store, each with a watcher timing the probes.
+        let rss_before = resident_bytes();
         let latencies: Arc<Mutex<Vec<Duration>>> = Arc::default();
-        let measuring = Arc::new(AtomicBool::new(false));
-        for i in 0..DATA_PLANES {
+        let mut stores = Vec::new();
+        for i in 0..data_planes {
             let store = Arc::new(SnapshotStore::default());
             let controllers = inferyes_dataplane::Controllers {
                 addresses: vec![controller_url.clone()],
@@ -140,84 +169,119 @@ fn main() {
                 format!("dataplane-{i}"),
                 shutdown.clone(),
             ));
-            dataplane_rt.spawn(watch_changes(
-                store,
-                Arc::clone(&swarm.sent),
+            // On the harness's runtime: timing is not the data plane's work.
+            tokio::spawn(watch_probes(
+                Arc::clone(&store),
+                Arc::clone(&swarm.probes),
                 Arc::clone(&latencies),
-                Arc::clone(&measuring),
                 shutdown.clone(),
             ));
+            stores.push(store);
         }
-
-        let started = Instant::now();
-        swarm.join(agents).await;
-        inferyes_tests::eventually("every node in the snapshot", Duration::from_secs(120), || {
-            let (client, url) = (client.clone(), metrics_url.clone());
-            async move {
-                let text = String::from_utf8_lossy(&client.get(&url).await.body).to_string();
-                metric(&text, "inferyes_controller_nodes{state=\"active\"}") == agents as f64
-            }
+        let expected = agents * profile.sessions;
+        inferyes_tests::eventually("every data plane holds the fleet's sessions", Duration::from_secs(300), || {
+            let held: Vec<usize> = stores.iter().map(|s| s.sessions().len()).collect();
+            async move { held.iter().all(|n| *n >= expected * 99 / 100) }
         })
         .await;
-        println!("{agents} agents joined in {:.1} s", started.elapsed().as_secs_f64());
+        let rss_after = resident_bytes();
         // One raw subscriber for sizes on the wire.
-        let sizes: Arc<Mutex<(usize, Vec<usize>)>> = Arc::default();
+        let sizes: Arc<Mutex<Sizes>> = Arc::default();
+        let measuring = Arc::new(AtomicBool::new(false));
         tokio::spawn(measure_sizes(controller_url.clone(), Arc::clone(&sizes), Arc::clone(&measuring)));
-        // Settle: first writes, residency tables.
-        tokio::time::sleep(Duration::from_secs(3)).await;
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let db_start = etcd_db_size(&etcd).await;
 
-        // Churning.
+        // A tenth of the rate, then all of it.
+        swarm.rate.store(100, Ordering::Relaxed);
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let low_seconds = seconds.clamp(5, 20);
+        let low_before = Sample::take(&client, &metrics_url, &etcd).await;
+        tokio::time::sleep(Duration::from_secs(low_seconds)).await;
+        let low_after = Sample::take(&client, &metrics_url, &etcd).await;
+
+        swarm.rate.store(1000, Ordering::Relaxed);
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        latencies.lock().expect("lock").clear();
+        swarm.probing.store(true, Ordering::Relaxed);
         measuring.store(true, Ordering::Relaxed);
         let before = Sample::take(&client, &metrics_url, &etcd).await;
         tokio::time::sleep(Duration::from_secs(seconds)).await;
         let after = Sample::take(&client, &metrics_url, &etcd).await;
         measuring.store(false, Ordering::Relaxed);
-        // Quiet: every agent only heartbeats.
-        swarm.quiet.store(true, Ordering::Relaxed);
-        tokio::time::sleep(Duration::from_secs(2)).await;
-        let quiet_before = Sample::take(&client, &metrics_url, &etcd).await;
-        tokio::time::sleep(Duration::from_secs(quiet_seconds)).await;
-        let quiet_after = Sample::take(&client, &metrics_url, &etcd).await;
+        swarm.probing.store(false, Ordering::Relaxed);
+        let db_end = etcd_db_size(&etcd).await;
 
         let window = after.at.duration_since(before.at).as_secs_f64();
-        let quiet_window = quiet_after.at.duration_since(quiet_before.at).as_secs_f64();
+        let low_window = low_after.at.duration_since(low_before.at).as_secs_f64();
         let mut latencies = latencies.lock().expect("lock").clone();
         latencies.sort();
         let percentile = |p: f64| {
             latencies.get(((latencies.len() as f64 * p) as usize).min(latencies.len().saturating_sub(1))).copied()
         };
         let ms = |d: Option<Duration>| d.map_or("n/a".to_string(), |d| format!("{:.1} ms", d.as_secs_f64() * 1e3));
-        let (full_size, deltas) = sizes.lock().expect("lock").clone();
-        let mean_delta = if deltas.is_empty() { 0 } else { deltas.iter().sum::<usize>() / deltas.len() };
-        let builds = after.build_count - before.build_count;
+        let sizes = sizes.lock().expect("lock").clone();
+        let per_second = |rate: f64| rate * agents as f64;
+        let mib = |bytes: f64| bytes / f64::from(1 << 20);
 
-        println!("\n{agents} agents, churn {churn} per second, {seconds} s measured, {DATA_PLANES} data planes\n");
+        println!(
+            "\n{agents} agents of {} sessions, {} new sessions and {} repeat turns a second per node, {seconds} s \
+             measured, {data_planes} data planes\n",
+            profile.sessions, profile.new, profile.repeats
+        );
+        println!("| measure | a tenth of the rate | the whole rate |");
+        println!("|---|---:|---:|");
+        println!(
+            "| session changes sent per second (new + repeat + evicted) | {:.0} | {:.0} |",
+            per_second((2.0 * profile.new + profile.repeats) / 10.0),
+            per_second(2.0 * profile.new + profile.repeats)
+        );
+        println!(
+            "| controller CPU | {:.2} cores | {:.2} cores |",
+            (low_after.controller_cpu - low_before.controller_cpu) / low_window,
+            (after.controller_cpu - before.controller_cpu) / window
+        );
+        println!(
+            "| etcd CPU | {:.2} cores | {:.2} cores |",
+            (low_after.etcd_cpu - low_before.etcd_cpu) / low_window,
+            (after.etcd_cpu - before.etcd_cpu) / window
+        );
+        println!(
+            "| etcd revisions per second | {:.2} | {:.2} |",
+            (low_after.revision - low_before.revision) as f64 / low_window,
+            (after.revision - before.revision) as f64 / window
+        );
+        println!(
+            "| etcd bytes received per second | {:.0} | {:.0} |",
+            (low_after.etcd_received - low_before.etcd_received) / low_window,
+            (after.etcd_received - before.etcd_received) / window
+        );
+        println!(
+            "| node record writes per second | {:.2} | {:.2} |",
+            (low_after.node_writes - low_before.node_writes) / low_window,
+            (after.node_writes - before.node_writes) / window
+        );
+        println!();
         println!("| measure | value |");
         println!("|---|---:|");
-        println!("| controller CPU | {:.2} cores |", (after.controller_cpu - before.controller_cpu) / window);
-        println!("| etcd CPU | {:.2} cores |", (after.etcd_cpu - before.etcd_cpu) / window);
-        println!("| status changes sent per second | {:.0} |", agents as f64 * churn);
-        println!("| node writes per second, churning | {:.0} |", (after.node_writes - before.node_writes) / window);
-        println!("| etcd revisions per second, churning | {:.0} |", (after.revision - before.revision) as f64 / window);
+        println!("| etcd database, fleet joined | {:.2} MiB |", mib(db_start as f64));
+        println!("| etcd database, end | {:.2} MiB |", mib(db_end as f64));
+        println!("| full snapshot on the wire | {:.1} MiB |", mib(sizes.full as f64));
         println!(
-            "| node writes per second, quiet | {:.1} |",
-            (quiet_after.node_writes - quiet_before.node_writes) / quiet_window
+            "| live deltas on the wire, per data plane | {:.2} MiB/s ({:.1} KiB each, {:.1} a second) |",
+            mib(sizes.live_bytes as f64 / window),
+            sizes.live_bytes as f64 / sizes.live_count.max(1) as f64 / 1024.0,
+            sizes.live_count as f64 / window
         );
-        println!(
-            "| etcd revisions per second, quiet | {:.1} |",
-            (quiet_after.revision - quiet_before.revision) as f64 / quiet_window
-        );
-        println!("| snapshots built per second | {:.1} |", builds / window);
-        println!(
-            "| snapshot build, mean | {:.2} ms |",
-            if builds > 0.0 { (after.build_sum - before.build_sum) / builds * 1e3 } else { 0.0 }
-        );
-        println!("| full snapshot on the wire | {:.1} KiB |", full_size as f64 / 1024.0);
-        println!("| delta on the wire, mean | {:.1} KiB ({} deltas) |", mean_delta as f64 / 1024.0, deltas.len());
-        println!("| propagation p50 | {} |", ms(percentile(0.50)));
+        println!("| propagation p50 (agent sends → each data plane's index) | {} |", ms(percentile(0.50)));
         println!("| propagation p99 | {} |", ms(percentile(0.99)));
         println!("| propagation max | {} |", ms(latencies.last().copied()));
         println!("| propagation samples | {} |", latencies.len());
+        println!(
+            "| data plane memory, each ({} sessions) | {:.0} MiB |",
+            stores[0].sessions().len(),
+            mib(rss_after.saturating_sub(rss_before) as f64 / data_planes as f64)
+        );
 
         shutdown.cancel();
         let _ = tokio::time::timeout(Duration::from_secs(10), controller).await;
@@ -227,11 +291,11 @@ fn main() {
 /// Joins the agents to a fleet running elsewhere (the proxy benchmark's,
 /// say, to route with a 1,000-node snapshot) and keeps them reporting for
 /// `seconds`.
-fn join_only(controller: &str, token: &str, agents: usize, churn: f64, seconds: u64) {
+fn join_only(controller: &str, token: &str, agents: usize, profile: Profile, seconds: u64) {
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().expect("runtime");
     runtime.block_on(async {
         let shutdown = CancellationToken::new();
-        Swarm::new(controller, token, churn, shutdown.clone()).join(agents).await;
+        Swarm::new(controller, token, profile, shutdown.clone()).join(agents).await;
         println!("{agents} agents joined {controller}; reporting for {seconds} s");
         tokio::time::sleep(Duration::from_secs(seconds)).await;
         shutdown.cancel();
@@ -243,24 +307,25 @@ fn join_only(controller: &str, token: &str, agents: usize, churn: f64, seconds: 
 struct Swarm {
     controller: String,
     join_token: Arc<str>,
-    /// The share of agents whose status changes each second.
-    churn: f64,
-    /// When each change was sent, for propagation times.
-    sent: Sent,
-    /// Set: every agent only heartbeats.
-    quiet: Arc<AtomicBool>,
+    profile: Profile,
+    /// Thousandths of the profile's rate the agents run at.
+    rate: Arc<AtomicU64>,
+    /// Set: each agent sends a probe a second.
+    probing: Arc<AtomicBool>,
+    probes: Probes,
     joined: Arc<AtomicU64>,
     shutdown: CancellationToken,
 }
 
 impl Swarm {
-    fn new(controller: &str, join_token: &str, churn: f64, shutdown: CancellationToken) -> Swarm {
+    fn new(controller: &str, join_token: &str, profile: Profile, shutdown: CancellationToken) -> Swarm {
         Swarm {
             controller: controller.to_string(),
             join_token: Arc::from(join_token),
-            churn,
-            sent: Sent::default(),
-            quiet: Arc::default(),
+            profile,
+            rate: Arc::new(AtomicU64::new(1000)),
+            probing: Arc::default(),
+            probes: Probes::default(),
             joined: Arc::default(),
             shutdown,
         }
@@ -271,7 +336,7 @@ impl Swarm {
         for index in 0..agents {
             tokio::spawn(agent(index, self.clone()));
         }
-        inferyes_tests::eventually("every agent joined", Duration::from_secs(120), || {
+        inferyes_tests::eventually("every agent joined", Duration::from_secs(300), || {
             let joined = Arc::clone(&self.joined);
             async move { joined.load(Ordering::Relaxed) == agents as u64 }
         })
@@ -279,11 +344,19 @@ impl Swarm {
     }
 }
 
-/// One agent: a join stream with the real protocol, one report a second.
+/// How many of `per_second` fall in one tick: the whole part, and one more
+/// as often as the fraction says.
+fn per_tick(rng: &mut fastrand::Rng, per_second: f64, tick: Duration) -> usize {
+    let expected = per_second * tick.as_secs_f64();
+    expected.floor() as usize + usize::from(rng.f64() < expected.fract())
+}
+
+/// One agent: a join stream with the real protocol, a report every tick.
 async fn agent(index: usize, swarm: Swarm) {
     let mut rng = fastrand::Rng::with_seed(index as u64);
-    let mut status = node_status(index, 0);
-    let (tx, rx) = mpsc::channel::<AgentMessage>(8);
+    let profile = swarm.profile;
+    let mut status = node_status(index);
+    let (tx, rx) = mpsc::channel::<AgentMessage>(64);
     let mut client = loop {
         match AgentServiceClient::connect(swarm.controller.clone()).await {
             Ok(client) => break client,
@@ -298,12 +371,17 @@ async fn agent(index: usize, swarm: Swarm) {
             })),
         })
         .await;
-    let mut sessions: Vec<String> = (0..SESSIONS_PER_NODE).map(|s| format!("n{index}-s{s}")).collect();
+    let mut next = 0usize;
+    let key = |next: &mut usize| {
+        *next += 1;
+        format!("n{index}-s{next}")
+    };
+    let mut sessions: VecDeque<String> = (0..profile.sessions).map(|_| key(&mut next)).collect();
     let mut seq = 1u64;
     let full = ResidencyUpdate {
         seq,
         full: true,
-        upserted: sessions.iter().map(|key| session(key)).collect(),
+        upserted: sessions.iter().map(|key| session(key, 1)).collect(),
         removed: Vec::new(),
     };
     let _ = tx.send(AgentMessage { msg: Some(Msg::Residency(full)) }).await;
@@ -312,11 +390,10 @@ async fn agent(index: usize, swarm: Swarm) {
         Err(status) => panic!("agent {index} could not join: {status}"),
     };
     swarm.joined.fetch_add(1, Ordering::Relaxed);
-    // Spread the reports over the second, as independent agents would be.
-    tokio::time::sleep(Duration::from_millis(rng.u64(..1000))).await;
-    let mut ticker = tokio::time::interval(Duration::from_secs(1));
-    let mut change = 0u64;
-    let mut next_session = SESSIONS_PER_NODE;
+    // Spread the reports over the tick, as independent agents would be.
+    tokio::time::sleep(Duration::from_millis(rng.u64(..profile.tick.as_millis() as u64))).await;
+    let mut ticker = tokio::time::interval(profile.tick);
+    let mut probed_at = Instant::now();
     loop {
         tokio::select! {
             () = swarm.shutdown.cancelled() => return,
@@ -326,35 +403,52 @@ async fn agent(index: usize, swarm: Swarm) {
             },
             _ = ticker.tick() => {}
         }
-        let message = if !swarm.quiet.load(Ordering::Relaxed) && rng.f64() < swarm.churn {
-            change += 1;
-            status = node_status(index, change);
-            let backend = &mut status.backends[0];
-            backend.slots_busy = rng.u32(0..=8);
-            backend.in_flight = backend.slots_busy;
-            backend.requests_deferred = u32::from(rng.f64() < 0.05);
-            // One conversation ends, another starts.
-            seq += 1;
-            let gone = sessions.remove(rng.usize(..sessions.len()));
-            let key = format!("n{index}-s{next_session}");
-            next_session += 1;
-            sessions.push(key.clone());
-            let delta = ResidencyUpdate { seq, full: false, upserted: vec![session(&key)], removed: vec![gone] };
-            if tx.send(AgentMessage { msg: Some(Msg::Residency(delta)) }).await.is_err() {
-                return;
+        let rate = swarm.rate.load(Ordering::Relaxed) as f64 / 1000.0;
+        let new = per_tick(&mut rng, profile.new * rate, profile.tick);
+        let repeats = per_tick(&mut rng, profile.repeats * rate, profile.tick);
+        if new + repeats == 0 {
+            continue;
+        }
+        let now = inferyes_proto::unix_ms();
+        let mut upserted = Vec::with_capacity(new + repeats);
+        let mut removed = Vec::with_capacity(new);
+        for _ in 0..repeats {
+            if let Some(key) = sessions.get(rng.usize(..sessions.len().max(1))) {
+                upserted.push(session(key, now));
             }
-            swarm.sent.lock().expect("lock").insert((index, change), Instant::now());
-            AgentMessage { msg: Some(Msg::Status(status.clone())) }
-        } else {
-            AgentMessage { msg: Some(Msg::Heartbeat(Heartbeat {})) }
-        };
-        if tx.send(message).await.is_err() {
+        }
+        for _ in 0..new {
+            let fresh = key(&mut next);
+            upserted.push(session(&fresh, now));
+            sessions.push_back(fresh);
+            if let Some(oldest) = sessions.pop_front() {
+                removed.push(oldest);
+            }
+        }
+        seq += 1;
+        let probe = (new > 0 && swarm.probing.load(Ordering::Relaxed) && probed_at.elapsed() >= Duration::from_secs(1))
+            .then(|| stable_hash(sessions.back().map(String::as_bytes).unwrap_or_default()));
+        let delta = ResidencyUpdate { seq, full: false, upserted, removed };
+        if tx.send(AgentMessage { msg: Some(Msg::Residency(delta)) }).await.is_err() {
+            return;
+        }
+        if let Some(probe) = probe {
+            probed_at = Instant::now();
+            swarm.probes.lock().expect("lock").push((probe, probed_at));
+        }
+        // Each turn moves the slots: the load changes with the traffic.
+        let backend = &mut status.backends[0];
+        backend.slots_busy = rng.u32(0..=8);
+        backend.in_flight = backend.slots_busy;
+        backend.requests_deferred = u32::from(rng.f64() < 0.05);
+        backend.tokens_per_second = f64::from(rng.u32(100..2000));
+        if tx.send(AgentMessage { msg: Some(Msg::Status(status.clone())) }).await.is_err() {
             return;
         }
     }
 }
 
-fn node_status(index: usize, change: u64) -> NodeStatus {
+fn node_status(index: usize) -> NodeStatus {
     let model = |id: &str, state: ModelState| Model {
         id: id.into(),
         state: state as i32,
@@ -371,7 +465,7 @@ fn node_status(index: usize, change: u64) -> NodeStatus {
             uuid: format!("GPU-{index:08x}"),
             name: "NVIDIA H100 80GB HBM3".into(),
             memory_total_bytes: GPU_TOTAL,
-            memory_used_bytes: GPU_BASE_USED + change,
+            memory_used_bytes: 40 << 30,
             utilization_percent: 50,
             source: GpuSource::Nvml as i32,
             stale: false,
@@ -386,15 +480,7 @@ fn node_status(index: usize, change: u64) -> NodeStatus {
             ],
             weight: 1,
             slots_total: 8,
-            slots_busy: 0,
-            requests_deferred: 0,
-            in_flight: 0,
-            tokens_per_second: 0.0,
-            probe_error: String::new(),
-            prefill_tokens_per_second: 0.0,
-            service_ms: 0,
-            load_unknown: false,
-            resident_sessions: 0,
+            ..Default::default()
         }],
         sessions: Vec::new(),
         agent_version: "scale".into(),
@@ -403,13 +489,13 @@ fn node_status(index: usize, change: u64) -> NodeStatus {
     }
 }
 
-fn session(key: &str) -> ResidentSession {
+fn session(key: &str, now: u64) -> ResidentSession {
     ResidentSession {
         key: key.into(),
         backend_id: "main".into(),
         model: "model-0".into(),
         first_seen_unix_ms: 1,
-        last_seen_unix_ms: 1,
+        last_seen_unix_ms: now,
         requests: 1,
         tokens: 512,
         cache_hits: 0,
@@ -417,60 +503,67 @@ fn session(key: &str) -> ResidentSession {
     }
 }
 
-/// Reads each node's change number out of every snapshot the data plane
-/// installs, and times the first sight of each against its sending.
-async fn watch_changes(
+/// Times each probe from its sending to this data plane's session index
+/// holding it, looking every 5 ms.
+async fn watch_probes(
     store: Arc<SnapshotStore>,
-    sent: Sent,
+    probes: Probes,
     latencies: Arc<Mutex<Vec<Duration>>>,
-    measuring: Arc<AtomicBool>,
     shutdown: CancellationToken,
 ) {
-    let mut versions = store.versions();
-    let mut seen: HashMap<usize, u64> = HashMap::new();
+    let mut taken = 0;
+    let mut pending: Vec<(u64, Instant)> = Vec::new();
+    let mut every = tokio::time::interval(Duration::from_millis(5));
     loop {
         tokio::select! {
             () = shutdown.cancelled() => return,
-            changed = versions.changed() => if changed.is_err() { return },
+            _ = every.tick() => {}
+        }
+        {
+            let probes = probes.lock().expect("lock");
+            if probes.len() < taken {
+                taken = 0;
+            }
+            pending.extend_from_slice(&probes[taken..]);
+            taken = probes.len();
         }
         let now = Instant::now();
-        let Some(snapshot) = store.current() else { continue };
+        let index = store.sessions();
         let mut found = Vec::new();
-        for node in snapshot.nodes() {
-            let Some(index) = node.id.strip_prefix("gpu-").and_then(|i| i.parse::<usize>().ok()) else { continue };
-            let change = node.vram_used_bytes.saturating_sub(GPU_BASE_USED);
-            let last = seen.entry(index).or_insert(0);
-            if change > *last {
-                *last = change;
-                found.push((index, change));
+        pending.retain(|(key, sent)| {
+            let held = index.get(*key).is_some();
+            if held {
+                found.push(now.duration_since(*sent));
             }
-        }
-        if !measuring.load(Ordering::Relaxed) {
-            continue;
-        }
-        let sent = sent.lock().expect("lock");
-        let mut latencies = latencies.lock().expect("lock");
-        for key in found {
-            if let Some(at) = sent.get(&key) {
-                latencies.push(now.duration_since(*at));
-            }
-        }
+            !held && now.duration_since(*sent) < Duration::from_secs(30)
+        });
+        latencies.lock().expect("lock").extend(found);
     }
 }
 
-async fn measure_sizes(controller: String, sizes: Arc<Mutex<(usize, Vec<usize>)>>, measuring: Arc<AtomicBool>) {
+#[derive(Clone, Default)]
+struct Sizes {
+    full: usize,
+    live_bytes: usize,
+    live_count: usize,
+}
+
+async fn measure_sizes(controller: String, sizes: Arc<Mutex<Sizes>>, measuring: Arc<AtomicBool>) {
     let Ok(channel) = tonic::transport::Endpoint::from_shared(controller) else { return };
     let Ok(channel) = channel.connect().await else { return };
     let bearer = inferyes_proto::bearer::Bearer::new(Some(inferyes_tests::fleet::JOIN_TOKEN)).expect("a token");
-    let mut client = RoutingServiceClient::with_interceptor(channel, bearer).max_decoding_message_size(256 << 20);
+    let mut client = RoutingServiceClient::with_interceptor(channel, bearer).max_decoding_message_size(1 << 30);
     let Ok(response) = client.subscribe(SubscribeRequest { dataplane_id: "sizes".into() }).await else { return };
     let mut stream = response.into_inner();
     while let Ok(Some(update)) = stream.message().await {
         let size = update.encoded_len();
         let mut sizes = sizes.lock().expect("lock");
         match update.update {
-            Some(snapshot_update::Update::Full(_)) => sizes.0 = size,
-            Some(snapshot_update::Update::Delta(_)) if measuring.load(Ordering::Relaxed) => sizes.1.push(size),
+            Some(snapshot_update::Update::Full(_)) => sizes.full = size,
+            Some(snapshot_update::Update::Live(_)) if measuring.load(Ordering::Relaxed) => {
+                sizes.live_bytes += size;
+                sizes.live_count += 1;
+            }
             _ => {}
         }
     }
@@ -481,14 +574,15 @@ struct Sample {
     controller_cpu: f64,
     etcd_cpu: f64,
     node_writes: f64,
-    build_sum: f64,
-    build_count: f64,
     revision: i64,
+    etcd_received: f64,
 }
 
 impl Sample {
     async fn take(client: &HttpClient, metrics_url: &str, etcd: &Etcd) -> Sample {
         let text = String::from_utf8_lossy(&client.get(metrics_url).await.body).to_string();
+        let etcd_text =
+            String::from_utf8_lossy(&client.get(&format!("{}/metrics", etcd.endpoint())).await.body).to_string();
         let mut kv = etcd_client::Client::connect([etcd.endpoint()], None).await.expect("etcd");
         let revision = kv.get("/", None).await.expect("etcd get").header().map_or(0, |h| h.revision());
         Sample {
@@ -496,17 +590,30 @@ impl Sample {
             controller_cpu: thread_cpu_seconds("controller"),
             etcd_cpu: process_cpu_seconds(etcd.pid()),
             node_writes: metric(&text, "inferyes_controller_node_writes_total"),
-            build_sum: metric(&text, "inferyes_controller_snapshot_build_seconds_sum"),
-            build_count: metric(&text, "inferyes_controller_snapshot_build_seconds_count"),
             revision,
+            etcd_received: metric(&etcd_text, "etcd_network_client_grpc_received_bytes_total"),
         }
     }
+}
+
+async fn etcd_db_size(etcd: &Etcd) -> i64 {
+    let mut client = etcd_client::Client::connect([etcd.endpoint()], None).await.expect("etcd");
+    client.status().await.expect("etcd status").db_size()
 }
 
 fn metric(text: &str, series: &str) -> f64 {
     text.lines()
         .find_map(|line| line.strip_prefix(series).and_then(|rest| rest.trim().parse::<f64>().ok()))
         .unwrap_or(0.0)
+}
+
+fn resident_bytes() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix("VmRSS:"))
+        .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map_or(0, |kb| kb * 1024)
 }
 
 fn clock_ticks() -> f64 {
