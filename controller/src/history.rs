@@ -42,10 +42,10 @@ impl Pressure {
     /// Takes a sample of every GPU in `snapshot` that has none in this step
     /// yet, so a node is drawn from the snapshot it joins in, and forgets
     /// GPUs no longer in it.
-    pub fn sample(&mut self, snapshot: &Snapshot, now_ms: u64) {
+    pub fn sample(&mut self, snapshot: &Snapshot, live: &crate::live::LiveView, now_ms: u64) {
         let step = now_ms / STEP_MS;
         let mut seen = std::collections::BTreeSet::new();
-        for node in snapshot.merged_nodes() {
+        for node in snapshot.merged_nodes(live) {
             let Some(status) = node.status.as_ref() else { continue };
             let slots_busy = status.backends.iter().fold(0u32, |n, b| n.saturating_add(b.slots_busy));
             let slots_total = status.backends.iter().fold(0u32, |n, b| n.saturating_add(b.slots_total));
@@ -201,21 +201,21 @@ mod tests {
                 WatchEvent::NodePut((*id).into(), NodeRecord { status: Some(status), ..Default::default() })
             })
             .collect();
-        crate::snapshot::build(&FleetState::from_load(WatchBatch { revision: 1, events }), &Default::default(), None)
+        crate::snapshot::build(&FleetState::from_load(WatchBatch { revision: 1, events }), None)
     }
 
     #[test]
     fn each_gpu_keeps_its_last_minutes_of_memory_and_slots() {
         let mut pressure = Pressure::default();
-        pressure.sample(&fleet(&[("a", 500, 1), ("b", 900, 4)]), STEP_MS);
+        pressure.sample(&fleet(&[("a", 500, 1), ("b", 900, 4)]), &Default::default(), STEP_MS);
         // One sample a step: a second look in the same step changes nothing.
-        pressure.sample(&fleet(&[("a", 550, 3), ("b", 900, 4)]), STEP_MS + 10);
-        pressure.sample(&fleet(&[("a", 600, 2), ("b", 900, 4)]), 2 * STEP_MS);
+        pressure.sample(&fleet(&[("a", 550, 3), ("b", 900, 4)]), &Default::default(), STEP_MS + 10);
+        pressure.sample(&fleet(&[("a", 600, 2), ("b", 900, 4)]), &Default::default(), 2 * STEP_MS);
         assert_eq!(pressure.of("a", Some(0)), json!([[STEP_MS, 0.5, 1, 4], [2 * STEP_MS, 0.6, 2, 4]]));
         assert_eq!(pressure.of("b", Some(0)), json!([[STEP_MS, 0.9, 4, 4], [2 * STEP_MS, 0.9, 4, 4]]));
         assert_eq!(pressure.of("a", Some(1)), json!([]));
         // b left: forgotten. a's first samples fall out of the window.
-        pressure.sample(&fleet(&[("a", 700, 3)]), (STEPS + 1) * STEP_MS + 1);
+        pressure.sample(&fleet(&[("a", 700, 3)]), &Default::default(), (STEPS + 1) * STEP_MS + 1);
         assert_eq!(
             pressure.of("a", Some(0)),
             json!([[2 * STEP_MS, 0.6, 2, 4], [(STEPS + 1) * STEP_MS + 1, 0.7, 3, 4]])

@@ -75,6 +75,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
     let (requests_tx, requests_rx) = tokio::sync::mpsc::channel(64);
     let (batches, _) = tokio::sync::broadcast::channel(reconcile::BATCHES_HELD);
     let peers_following = std::sync::Arc::default();
+    let (views_tx, views) = watch::channel(std::sync::Arc::default());
     let reconciler = tokio::spawn(
         reconcile::Reconciler {
             store: store.clone(),
@@ -82,6 +83,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
             live: live_rx,
             requests: requests_rx,
             batches: batches.clone(),
+            views: views_tx,
             peers_following: std::sync::Arc::clone(&peers_following),
             controller_id: config.controller_id.clone(),
             debounce: config.snapshot_debounce(),
@@ -130,6 +132,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         metrics: std::sync::Arc::clone(&metrics),
         join_token: join_token.clone(),
         live: live_tx,
+        streams: std::sync::Arc::default(),
     };
     let routing = grpc::RoutingSvc {
         snapshots: snapshots.clone(),
@@ -153,7 +156,13 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         )
         .instrument(tracing::info_span!("ledger")),
     );
-    let fleet = grpc::FleetSvc { store, snapshots: snapshots.clone(), admin_token, live_requests: requests_tx };
+    let fleet = grpc::FleetSvc {
+        store,
+        snapshots: snapshots.clone(),
+        admin_token,
+        live_requests: requests_tx,
+        views: views.clone(),
+    };
 
     let incoming = tonic::transport::server::TcpIncoming::from(listeners.grpc).with_nodelay(Some(true));
     let mut server = tonic::transport::Server::builder();
@@ -173,6 +182,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
     let dashboard = dashboard::Dashboard {
         controller_id: config.controller_id.clone(),
         snapshots: snapshots.clone(),
+        views,
         activity,
         pressure: std::sync::Arc::default(),
         shutdown: shutdown.clone(),

@@ -37,6 +37,15 @@ const MAX_TEXT: usize = 256;
 /// past the slots per backend).
 pub const MAX_SESSIONS: usize = 65_536;
 pub const MAX_KEY_BYTES: usize = 256;
+/// Sessions the whole fleet may hold here: what a full snapshot carries
+/// to each data plane (some 100 MB at this bound) stays sendable.
+pub const MAX_FLEET_SESSIONS: usize = 4_000_000;
+
+/// Every this many batches, one of this controller's nodes is sent to
+/// peers whole, in turn: a peer that missed a change (a move between
+/// controllers it saw in another order) has it right again within
+/// minutes.
+const REFRESH_EVERY: u64 = 5;
 
 /// The most recently used sessions the dashboard lists.
 pub const RECENT_SESSIONS: usize = 50;
@@ -44,13 +53,20 @@ pub const RECENT_SESSIONS: usize = 50;
 /// A change to the live state.
 #[derive(Clone, Debug)]
 pub enum LiveEvent {
-    /// A node's load, from `origin`: this controller's agent stream, or a
-    /// peer's relay.
-    Load { node_id: String, origin: Arc<str>, load: NodeLoad },
+    /// A node's load, from `origin`: this controller's agent stream number
+    /// `stream`, or a peer's relay (stream 0).
+    Load { node_id: String, origin: Arc<str>, stream: u64, load: NodeLoad },
     /// A node's sessions: the whole table (`full`), or what changed.
-    Sessions { node_id: String, origin: Arc<str>, full: bool, upserted: Vec<ResidentSession>, removed: Vec<String> },
-    /// The agent stream of `node_id` at `origin` ended.
-    Gone { node_id: String, origin: Arc<str> },
+    Sessions {
+        node_id: String,
+        origin: Arc<str>,
+        stream: u64,
+        full: bool,
+        upserted: Vec<ResidentSession>,
+        removed: Vec<String>,
+    },
+    /// That stream ended.
+    Gone { node_id: String, origin: Arc<str>, stream: u64 },
     /// A peer's whole set: replaces every node that came from it.
     PeerFull { origin: Arc<str>, nodes: Vec<NodeLive> },
     /// A peer's changes.
@@ -95,6 +111,9 @@ pub struct LiveBatch {
 #[derive(Debug)]
 struct Node {
     origin: Arc<str>,
+    /// The agent stream here it came over: a later stream of the same node
+    /// (the agent reconnected before the old one was seen to end) wins.
+    stream: u64,
     fresh: bool,
     load: NodeLoad,
     /// By the key's stable hash, which is also the data planes' key: no
@@ -134,6 +153,8 @@ pub struct LiveState {
     /// of the last batch: a few more than shown, for those gone since.
     recent: BTreeSet<(u64, String, u64)>,
     sessions: usize,
+    /// The last node sent to peers whole by the refresh.
+    refreshed: Option<String>,
 }
 
 /// Recent sessions kept, so that some removed since still leave enough.
@@ -146,12 +167,12 @@ impl LiveState {
 
     pub fn apply(&mut self, event: LiveEvent) {
         match event {
-            LiveEvent::Load { node_id, origin, load } => self.load(&node_id, &origin, load),
-            LiveEvent::Sessions { node_id, origin, full, upserted, removed } => {
-                self.sessions(&node_id, &origin, full, upserted, removed);
+            LiveEvent::Load { node_id, origin, stream, load } => self.load(&node_id, &origin, stream, false, load),
+            LiveEvent::Sessions { node_id, origin, stream, full, upserted, removed } => {
+                self.sessions(&node_id, &origin, stream, full, upserted, removed);
             }
-            LiveEvent::Gone { node_id, origin } => {
-                if self.nodes.get(&node_id).is_some_and(|n| n.origin == origin) {
+            LiveEvent::Gone { node_id, origin, stream } => {
+                if self.nodes.get(&node_id).is_some_and(|n| n.origin == origin && n.stream == stream) {
                     self.remove(&node_id);
                 }
             }
@@ -174,7 +195,7 @@ impl LiveState {
                     self.peer_node(&origin, node);
                 }
                 for node_id in gone {
-                    self.apply(LiveEvent::Gone { node_id, origin: Arc::clone(&origin) });
+                    self.apply(LiveEvent::Gone { node_id, origin: Arc::clone(&origin), stream: 0 });
                 }
             }
             LiveEvent::PeerLost { origin } => {
@@ -196,11 +217,18 @@ impl LiveState {
 
     fn peer_node(&mut self, origin: &Arc<str>, node: NodeLive) {
         let NodeLive { node_id, load, sessions, sessions_full, removed } = node;
+        // What agent streams are held to (`grpc::agent`'s `validate`).
+        let id_ok = !node_id.is_empty()
+            && node_id.len() <= 128
+            && node_id.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c));
+        if !id_ok {
+            return;
+        }
         if let Some(load) = load {
-            self.load(&node_id, origin, load);
+            self.load(&node_id, origin, 0, sessions_full, load);
         }
         if sessions_full || !sessions.is_empty() || !removed.is_empty() {
-            self.sessions(&node_id, origin, sessions_full, sessions, removed);
+            self.sessions(&node_id, origin, 0, sessions_full, sessions, removed);
         }
     }
 
@@ -212,12 +240,17 @@ impl LiveState {
         }
     }
 
-    /// The node as `origin` may change it: an agent stream here always may
-    /// (the agent is here now), a peer where the node is its, or where what
-    /// is held is not fresh and the peer has the whole table (`full`).
-    fn claim(&mut self, node_id: &str, origin: &Arc<str>, full: bool) -> bool {
+    /// The node as `origin` (and its agent stream `stream`, when here) may
+    /// change it: an agent stream here always may, the latest one of the
+    /// node (the agent is here now); a peer where the node is its, or where
+    /// what is held is not fresh, and only with the whole table (`full`):
+    /// its changes apply to a table this controller holds, not to none.
+    fn claim(&mut self, node_id: &str, origin: &Arc<str>, stream: u64, full: bool) -> bool {
         let local = *origin == self.own_id;
         let Some(node) = self.nodes.get_mut(node_id) else {
+            if !local && !full {
+                return false;
+            }
             let summary = Arc::new(Summary {
                 origin: Arc::clone(origin),
                 fresh: true,
@@ -226,6 +259,7 @@ impl LiveState {
             });
             let node = Node {
                 origin: Arc::clone(origin),
+                stream,
                 fresh: true,
                 load: NodeLoad::default(),
                 sessions: FastMap::default(),
@@ -234,30 +268,50 @@ impl LiveState {
             };
             self.nodes.insert(node_id.to_string(), node);
             self.gone.remove(node_id);
-            self.gone_own.remove(node_id);
-            self.pending.entry(node_id.to_string()).or_default().load = true;
+            if local {
+                self.gone_own.remove(node_id);
+            }
+            // New to the receivers too: the batch carries all of it.
+            let pending = self.pending.entry(node_id.to_string()).or_default();
+            (pending.load, pending.full) = (true, true);
             return true;
         };
-        if node.origin == *origin {
+        if node.origin == *origin && (!local || stream >= node.stream) {
+            node.stream = stream;
+            if !node.fresh {
+                // The peer's stream is back.
+                node.fresh = true;
+                self.pending.entry(node_id.to_string()).or_default().load = true;
+            }
             return true;
         }
-        if local || (!node.fresh && full) {
+        if (local && node.origin != *origin) || (!local && !node.fresh && full) {
             node.origin = Arc::clone(origin);
+            node.stream = stream;
             node.fresh = true;
-            self.pending.entry(node_id.to_string()).or_default().load = true;
+            let pending = self.pending.entry(node_id.to_string()).or_default();
+            (pending.load, pending.full) = (true, true);
             return true;
         }
         false
     }
 
-    fn load(&mut self, node_id: &str, origin: &Arc<str>, load: NodeLoad) {
-        if !self.claim(node_id, origin, false) {
+    fn load(&mut self, node_id: &str, origin: &Arc<str>, stream: u64, full: bool, load: NodeLoad) {
+        if !self.claim(node_id, origin, stream, full) {
             return;
         }
         let Some(node) = self.nodes.get_mut(node_id) else { return };
         if node.load != load {
+            // Sessions name their backend by its place in the load: a new
+            // list of backends sends the table again, placed anew.
+            let ids = |l: &NodeLoad| l.backends.iter().map(|b| b.backend_id.clone()).collect::<Vec<_>>();
+            let reordered = ids(&node.load) != ids(&load);
             node.load = load;
-            self.pending.entry(node_id.to_string()).or_default().load = true;
+            let pending = self.pending.entry(node_id.to_string()).or_default();
+            pending.load = true;
+            if reordered {
+                *pending = Pending { load: true, full: true, ..Pending::default() };
+            }
         }
     }
 
@@ -265,11 +319,12 @@ impl LiveState {
         &mut self,
         node_id: &str,
         origin: &Arc<str>,
+        stream: u64,
         full: bool,
         upserted: Vec<ResidentSession>,
         removed: Vec<String>,
     ) {
-        if !self.claim(node_id, origin, full) {
+        if !self.claim(node_id, origin, stream, full) {
             return;
         }
         let LiveState { nodes, pending, sessions, .. } = self;
@@ -302,7 +357,7 @@ impl LiveState {
                     count(&mut node.counts, &held.backend_id, false);
                     *sessions -= 1;
                 }
-                None if node.sessions.len() >= MAX_SESSIONS => continue,
+                None if node.sessions.len() >= MAX_SESSIONS || *sessions >= MAX_FLEET_SESSIONS => continue,
                 None => {}
             }
             count(&mut node.counts, &session.backend_id, true);
@@ -373,6 +428,9 @@ impl LiveState {
                 });
             }
         }
+        if for_peers && self.seq.is_multiple_of(REFRESH_EVERY) {
+            self.refresh(&pending, &mut own);
+        }
         let newest: Vec<(u64, String, u64)> = newest.into_iter().map(|(at, id, h)| (at, id.to_string(), h)).collect();
         for id in pending.keys() {
             if let Some(node) = self.nodes.get_mut(id) {
@@ -389,6 +447,27 @@ impl LiveState {
             self.recent.pop_first();
         }
         Some(LiveBatch { seq: self.seq, delta, own })
+    }
+
+    /// Adds the next of this controller's own nodes, whole, to the peers'
+    /// batch, unless the batch has all of it already.
+    fn refresh(&mut self, pending: &BTreeMap<String, Pending>, own: &mut LiveUpdate) {
+        let after = self.refreshed.take().unwrap_or_default();
+        let mut own_nodes = self.nodes.iter().filter(|(_, n)| n.origin == self.own_id);
+        let next = own_nodes.clone().find(|(id, _)| **id > after).or_else(|| own_nodes.next());
+        let Some((id, node)) = next else { return };
+        self.refreshed = Some(id.clone());
+        if pending.get(id).is_some_and(|p| p.full) {
+            return;
+        }
+        own.nodes.retain(|n| n.node_id != *id);
+        own.nodes.push(NodeLive {
+            node_id: id.clone(),
+            load: Some(node.load.clone()),
+            sessions: node.sessions.values().cloned().collect(),
+            sessions_full: true,
+            removed: Vec::new(),
+        });
     }
 
     /// The sequence number of the last batch taken.
@@ -449,19 +528,27 @@ impl LiveState {
     /// The resident sessions of one node or of all, most recent first, at
     /// most `limit`; true when there were more.
     pub fn list(&self, node_id: Option<&str>, limit: usize) -> (Vec<SessionInfo>, bool) {
-        let mut all: Vec<SessionInfo> = self
+        // References first: only the `limit` kept are copied.
+        let mut all: Vec<(&String, &ResidentSession)> = self
             .nodes
             .iter()
             .filter(|(id, _)| node_id.is_none_or(|wanted| wanted == id.as_str()))
-            .flat_map(|(id, node)| {
-                node.sessions.values().map(|s| SessionInfo { node_id: id.clone(), session: Some(s.clone()) })
-            })
+            .flat_map(|(id, node)| node.sessions.values().map(move |s| (id, s)))
             .collect();
-        let last_seen = |i: &SessionInfo| i.session.as_ref().map_or(0, |s| s.last_seen_unix_ms);
-        all.sort_by(|a, b| last_seen(b).cmp(&last_seen(a)).then_with(|| a.node_id.cmp(&b.node_id)));
+        let newest_first = |a: &(&String, &ResidentSession), b: &(&String, &ResidentSession)| {
+            b.1.last_seen_unix_ms
+                .cmp(&a.1.last_seen_unix_ms)
+                .then_with(|| a.0.cmp(b.0))
+                .then_with(|| a.1.key.cmp(&b.1.key))
+        };
         let truncated = all.len() > limit;
-        all.truncate(limit);
-        (all, truncated)
+        if truncated {
+            all.select_nth_unstable_by(limit, newest_first);
+            all.truncate(limit);
+        }
+        all.sort_by(newest_first);
+        let listed = all.into_iter().map(|(id, s)| SessionInfo { node_id: id.clone(), session: Some(s.clone()) });
+        (listed.collect(), truncated)
     }
 }
 

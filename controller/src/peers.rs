@@ -123,7 +123,7 @@ impl Peers {
             match result {
                 Ok(received) if received => backoff = BACKOFF_MIN,
                 Ok(_) => {}
-                Err(error) => tracing::debug!(%error, %url, "peer stream failed"),
+                Err(error) => tracing::warn!(%error, %url, "peer stream failed; retrying"),
             }
             // What it relayed stays, marked not fresh: its agents reconnect
             // elsewhere within seconds and replace it.
@@ -151,6 +151,12 @@ impl Peers {
             .into_inner();
         let mut received = false;
         while let Some(update) = stream.message().await? {
+            if update.controller_id == self.record.controller_id {
+                anyhow::bail!(
+                    "the peer `{origin}` advertises {url}, which reaches this controller: give each controller an \
+                     advertise_url the others reach"
+                );
+            }
             if update.controller_id != **origin {
                 anyhow::bail!("the peer at {url} calls itself {}", update.controller_id);
             }

@@ -18,6 +18,10 @@ use crate::store::{EtcdStore, StoreError, WatchEvent};
 /// `None` until the first full read of etcd succeeded.
 pub type SnapshotTx = watch::Sender<Option<Arc<Snapshot>>>;
 pub type SnapshotRx = watch::Receiver<Option<Arc<Snapshot>>>;
+/// The live state as of the last batch, for this controller's own views:
+/// apart from the snapshot, which changes only with etcd.
+pub type LiveViewTx = watch::Sender<Arc<LiveView>>;
+pub type LiveViewRx = watch::Receiver<Arc<LiveView>>;
 
 const RETRY_MIN: Duration = Duration::from_millis(100);
 const RETRY_MAX: Duration = Duration::from_secs(2);
@@ -54,6 +58,7 @@ pub struct Reconciler {
     pub live: mpsc::Receiver<LiveEvent>,
     pub requests: mpsc::Receiver<LiveRequest>,
     pub batches: Batches,
+    pub views: LiveViewTx,
     /// Peers following this controller's nodes now: only then do batches
     /// carry those nodes' changes in the peers' form.
     pub peers_following: Arc<std::sync::atomic::AtomicUsize>,
@@ -67,18 +72,12 @@ pub struct Reconciler {
 struct View {
     fleet: Option<FleetState>,
     live: LiveState,
-    live_view: Arc<LiveView>,
     rebuild_at: Option<Instant>,
 }
 
 impl Reconciler {
     pub async fn run(mut self) {
-        let mut view = View {
-            fleet: None,
-            live: LiveState::new(&self.controller_id),
-            live_view: Arc::default(),
-            rebuild_at: None,
-        };
+        let mut view = View { fleet: None, live: LiveState::new(&self.controller_id), rebuild_at: None };
         let mut backoff = RETRY_MIN;
         loop {
             match self.store.load().await {
@@ -188,14 +187,13 @@ impl Reconciler {
             // None listening is fine: a follower that comes later asks for
             // the whole state.
             let _ = self.batches.send(Arc::new(batch));
-            view.live_view = Arc::new(view.live.view());
+            self.views.send_replace(Arc::new(view.live.view()));
         }
         let Some(fleet) = view.fleet.as_ref() else { return };
         let metrics = &self.metrics;
-        let live = &view.live_view;
         self.tx.send_if_modified(|current| {
             let started = std::time::Instant::now();
-            let next = snapshot::build(fleet, live, current.as_deref());
+            let next = snapshot::build(fleet, current.as_deref());
             metrics.snapshot_build_seconds.observe(started.elapsed().as_secs_f64());
             if current.as_deref() == Some(&next) {
                 return false;

@@ -12,6 +12,8 @@ pub struct Numbering {
     /// Whether the agent sends residency updates at all (older agents put
     /// sessions in their status instead).
     in_use: bool,
+    /// A full table was asked for and has not come yet: ask once per gap.
+    asked: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -21,26 +23,34 @@ pub enum Check {
     /// A gap in the numbering: dropped, and the table is stale until a full
     /// update.
     Resync { expected_seq: u64 },
+    /// Dropped while the full table asked for is on its way.
+    Drop,
 }
 
 impl Numbering {
     pub fn check(&mut self, update: &ResidencyUpdate) -> Check {
         self.in_use = true;
         if update.full {
-            self.next_seq = Some(update.seq + 1);
+            self.next_seq = Some(update.seq.wrapping_add(1));
+            self.asked = false;
             return Check::Apply;
         }
         match self.next_seq {
             Some(expected) if expected == update.seq => {
-                self.next_seq = Some(update.seq + 1);
+                self.next_seq = Some(update.seq.wrapping_add(1));
                 Check::Apply
             }
             Some(expected) => {
                 self.next_seq = None;
+                self.asked = true;
                 Check::Resync { expected_seq: expected }
             }
             // Waiting for a full table: incremental updates are dropped.
-            None => Check::Resync { expected_seq: 0 },
+            None if self.asked => Check::Drop,
+            None => {
+                self.asked = true;
+                Check::Resync { expected_seq: 0 }
+            }
         }
     }
 
@@ -68,7 +78,7 @@ mod tests {
         assert_eq!(numbering.check(&update(4, true)), Check::Apply);
         assert_eq!(numbering.check(&update(5, false)), Check::Apply);
         assert_eq!(numbering.check(&update(7, false)), Check::Resync { expected_seq: 6 });
-        assert_eq!(numbering.check(&update(8, false)), Check::Resync { expected_seq: 0 }, "nothing across the gap");
+        assert_eq!(numbering.check(&update(8, false)), Check::Drop, "nothing across the gap, and one ask");
         assert_eq!(numbering.check(&update(9, true)), Check::Apply);
         assert_eq!(numbering.check(&update(10, false)), Check::Apply);
     }

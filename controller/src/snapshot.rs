@@ -23,10 +23,6 @@ pub struct Snapshot {
     /// The fleet state's record each node was built from: an unchanged
     /// record (the same `Arc`) means an unchanged node.
     sources: BTreeMap<String, Arc<NodeRecord>>,
-    /// The nodes' live state as of the last batch, for this controller's
-    /// own views; data planes get it as its own stream of deltas, so the
-    /// nodes above are etcd's records only.
-    live: Arc<LiveView>,
     /// The fleet's controllers, this one included.
     controllers: Arc<BTreeMap<String, ControllerRecord>>,
     policy: RoutingPolicy,
@@ -39,7 +35,14 @@ pub struct Snapshot {
 
 impl PartialEq for Snapshot {
     fn eq(&self, other: &Snapshot) -> bool {
-        self.same_records(other) && (Arc::ptr_eq(&self.live, &other.live) || self.live == other.live)
+        self.version == other.version
+            && self.policy == other.policy
+            && self.aliases == other.aliases
+            && (Arc::ptr_eq(&self.api_keys, &other.api_keys) || self.api_keys == other.api_keys)
+            && self.usage_today == other.usage_today
+            && (Arc::ptr_eq(&self.controllers, &other.controllers) || self.controllers == other.controllers)
+            && self.nodes.len() == other.nodes.len()
+            && self.nodes.iter().zip(&other.nodes).all(|((a_id, a), (b_id, b))| a_id == b_id && same_node(a, b))
     }
 }
 
@@ -76,38 +79,15 @@ impl Snapshot {
         self.api_keys.get(key_id)
     }
 
-    pub fn live(&self) -> &LiveView {
-        &self.live
-    }
-
-    /// Whether `other` differs at most in live state: data planes need no
-    /// delta for it.
-    pub fn same_records(&self, other: &Snapshot) -> bool {
-        self.version == other.version
-            && self.policy == other.policy
-            && self.aliases == other.aliases
-            && (Arc::ptr_eq(&self.api_keys, &other.api_keys) || self.api_keys == other.api_keys)
-            && self.usage_today == other.usage_today
-            && (Arc::ptr_eq(&self.controllers, &other.controllers) || self.controllers == other.controllers)
-            && self.nodes.len() == other.nodes.len()
-            && self.nodes.iter().zip(&other.nodes).all(|((a_id, a), (b_id, b))| a_id == b_id && same_node(a, b))
-    }
-
     /// The node as the fleet sees it: its record with its load and its
-    /// resident sessions counted.
-    pub fn merged(&self, node_id: &str) -> Option<SnapshotNode> {
-        self.nodes.get(node_id).map(|node| self.merge(node))
+    /// resident sessions counted, from `live`.
+    pub fn merged(&self, node_id: &str, live: &LiveView) -> Option<SnapshotNode> {
+        self.nodes.get(node_id).map(|node| merge(node, live))
     }
 
     /// Every node as the fleet sees it, sorted by id.
-    pub fn merged_nodes(&self) -> impl Iterator<Item = SnapshotNode> + '_ {
-        self.nodes.values().map(|node| self.merge(node))
-    }
-
-    fn merge(&self, node: &SnapshotNode) -> SnapshotNode {
-        let Some(status) = node.status.as_ref() else { return node.clone() };
-        let summary = self.live.nodes.get(&status.node_id).map(Arc::as_ref);
-        SnapshotNode { status: Some(live::merge(status, summary)), draining: node.draining, policy: node.policy }
+    pub fn merged_nodes<'a>(&'a self, live: &'a LiveView) -> impl Iterator<Item = SnapshotNode> + 'a {
+        self.nodes.values().map(move |node| merge(node, live))
     }
 
     pub fn controllers(&self) -> impl Iterator<Item = &ControllerRecord> {
@@ -123,13 +103,19 @@ impl Snapshot {
             keys: self.api_keys.values().cloned().collect(),
             usage_today: Some(KeyUsageToday::clone(&self.usage_today)),
             live: Vec::new(),
+            live_state: true,
         }
     }
 }
 
-/// Builds the snapshot for `state` and the nodes' `live` state, reusing
-/// `previous`'s unchanged nodes.
-pub fn build(state: &FleetState, live: &Arc<LiveView>, previous: Option<&Snapshot>) -> Snapshot {
+fn merge(node: &SnapshotNode, live: &LiveView) -> SnapshotNode {
+    let Some(status) = node.status.as_ref() else { return node.clone() };
+    let summary = live.nodes.get(&status.node_id).map(Arc::as_ref);
+    SnapshotNode { status: Some(live::merge(status, summary)), draining: node.draining, policy: node.policy }
+}
+
+/// Builds the snapshot for `state`, reusing `previous`'s unchanged nodes.
+pub fn build(state: &FleetState, previous: Option<&Snapshot>) -> Snapshot {
     let mut nodes = BTreeMap::new();
     let mut sources = BTreeMap::new();
     for (id, record) in state.nodes() {
@@ -168,7 +154,6 @@ pub fn build(state: &FleetState, live: &Arc<LiveView>, previous: Option<&Snapsho
         aliases,
         api_keys: Arc::clone(state.api_keys()),
         usage_today: Arc::clone(state.usage_today()),
-        live: Arc::clone(live),
         controllers: Arc::clone(state.controllers()),
     }
 }
@@ -275,8 +260,8 @@ mod tests {
             7,
             vec![put("b", "http://b"), put("a", "http://a"), WatchEvent::DrainPut("b".into(), DrainRecord::default())],
         );
-        let one = build(&s, &Arc::default(), None);
-        let two = build(&s, &Arc::default(), None);
+        let one = build(&s, None);
+        let two = build(&s, None);
         assert_eq!(one, two);
         assert_eq!(one.version(), 7);
         let full = one.to_full();
@@ -288,32 +273,32 @@ mod tests {
     #[test]
     fn a_rebuild_copies_only_the_nodes_whose_records_changed() {
         let mut fleet = state(3, vec![put("a", "http://a"), put("b", "http://b")]);
-        let first = build(&fleet, &Arc::default(), None);
+        let first = build(&fleet, None);
         fleet.apply(WatchBatch { revision: 4, events: vec![put("b", "http://b2")] });
-        let second = build(&fleet, &Arc::default(), Some(&first));
+        let second = build(&fleet, Some(&first));
         assert!(Arc::ptr_eq(&first.nodes["a"], &second.nodes["a"]));
         assert!(!Arc::ptr_eq(&first.nodes["b"], &second.nodes["b"]));
         // A drain changes the node without a new record.
         fleet.apply(WatchBatch { revision: 5, events: vec![WatchEvent::DrainPut("a".into(), DrainRecord::default())] });
-        let third = build(&fleet, &Arc::default(), Some(&second));
+        let third = build(&fleet, Some(&second));
         assert!(third.nodes["a"].draining);
         assert!(Arc::ptr_eq(&second.nodes["b"], &third.nodes["b"]));
         // A record rewritten with the same content keeps its node: no delta.
         fleet.apply(WatchBatch { revision: 6, events: vec![put("b", "http://b2")] });
-        let fourth = build(&fleet, &Arc::default(), Some(&third));
+        let fourth = build(&fleet, Some(&third));
         assert!(Arc::ptr_eq(&third.nodes["b"], &fourth.nodes["b"]));
         assert!(delta(&third, &fourth).upserted.is_empty());
     }
 
     #[test]
     fn delta_applied_to_the_old_snapshot_gives_the_new_one() {
-        let old = build(&state(5, vec![put("a", "http://a"), put("b", "http://b")]), &Arc::default(), None);
+        let old = build(&state(5, vec![put("a", "http://a"), put("b", "http://b")]), None);
         let mut next_state = state(5, vec![put("a", "http://a"), put("b", "http://b")]);
         next_state.apply(WatchBatch {
             revision: 9,
             events: vec![WatchEvent::NodeDeleted("a".into()), put("b", "http://b2"), put("c", "http://c")],
         });
-        let new = build(&next_state, &Arc::default(), Some(&old));
+        let new = build(&next_state, Some(&old));
         let d = delta(&old, &new);
         assert_eq!(d.removed, ["a"]);
         assert_eq!(d.upserted.len(), 2);
@@ -326,10 +311,10 @@ mod tests {
     #[test]
     fn unchanged_nodes_are_shared_and_not_resent() {
         let s = state(3, vec![put("a", "http://a")]);
-        let old = build(&s, &Arc::default(), None);
+        let old = build(&s, None);
         let mut s2 = s.clone();
         s2.apply(WatchBatch { revision: 4, events: vec![put("a", "http://a")] });
-        let new = build(&s2, &Arc::default(), Some(&old));
+        let new = build(&s2, Some(&old));
         assert!(Arc::ptr_eq(&old.nodes["a"], &new.nodes["a"]));
         assert!(delta(&old, &new).upserted.is_empty());
     }

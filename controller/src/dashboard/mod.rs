@@ -32,6 +32,7 @@ const PUSH_EVERY: Duration = Duration::from_millis(500);
 pub struct Dashboard {
     pub controller_id: String,
     pub snapshots: SnapshotRx,
+    pub views: crate::reconcile::LiveViewRx,
     pub activity: Arc<Activity>,
     /// Written only by [`sample_pressure`].
     pub pressure: Arc<std::sync::Mutex<Pressure>>,
@@ -50,9 +51,10 @@ pub fn router(dashboard: Dashboard) -> Router {
 impl Dashboard {
     fn view(&self) -> Option<serde_json::Value> {
         let snapshot = self.snapshots.borrow().clone()?;
+        let live = Arc::clone(&self.views.borrow());
         let recent = self.activity.recent(tokio::time::Instant::now());
         let pressure = self.pressure.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        Some(view::build(&self.controller_id, &snapshot, &recent, &pressure, inferyes_proto::unix_ms()))
+        Some(view::build(&self.controller_id, &snapshot, &live, &recent, &pressure, inferyes_proto::unix_ms()))
     }
 }
 
@@ -70,8 +72,9 @@ pub async fn sample_pressure(dashboard: Dashboard) {
             changed = snapshots.changed() => if changed.is_err() { return },
         }
         let Some(snapshot) = dashboard.snapshots.borrow().clone() else { continue };
+        let live = Arc::clone(&dashboard.views.borrow());
         let mut pressure = dashboard.pressure.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        pressure.sample(&snapshot, inferyes_proto::unix_ms());
+        pressure.sample(&snapshot, &live, inferyes_proto::unix_ms());
     }
 }
 
@@ -97,9 +100,11 @@ async fn events(State(dashboard): State<Dashboard>) -> impl IntoResponse {
 
 async fn push(dashboard: Dashboard, tx: mpsc::Sender<Result<Event, Infallible>>) {
     let mut snapshots = dashboard.snapshots.clone();
+    let mut views = dashboard.views.clone();
     let mut activity = dashboard.activity.subscribe();
     loop {
         snapshots.mark_unchanged();
+        views.mark_unchanged();
         activity.mark_unchanged();
         if let Some(view) = dashboard.view() {
             let event = Event::default().event("fleet").data(view.to_string());
@@ -111,6 +116,7 @@ async fn push(dashboard: Dashboard, tx: mpsc::Sender<Result<Event, Infallible>>)
             () = dashboard.shutdown.cancelled() => return,
             () = tx.closed() => return,
             changed = snapshots.changed() => if changed.is_err() { return },
+            changed = views.changed() => if changed.is_err() { return },
             changed = activity.changed() => if changed.is_err() { return },
         }
         tokio::select! {

@@ -16,13 +16,20 @@ const KEY_SHOWN: usize = 24;
 
 use inferyes_proto::{DEFAULT_ADMISSION_THRESHOLD as DEFAULT_ADMISSION, DEFAULT_HARD_LIMIT};
 
-pub fn build(controller_id: &str, snapshot: &Snapshot, recent: &Recent, history: &Pressure, now_ms: u64) -> Value {
+pub fn build(
+    controller_id: &str,
+    snapshot: &Snapshot,
+    live: &crate::live::LiveView,
+    recent: &Recent,
+    history: &Pressure,
+    now_ms: u64,
+) -> Value {
     let policy = snapshot.policy();
     let fleet_admission = or(policy.admission_threshold, DEFAULT_ADMISSION);
     let fleet_hard = or(policy.hard_limit, DEFAULT_HARD_LIMIT);
 
     let mut gpus: Vec<Value> = Vec::new();
-    for node in snapshot.merged_nodes() {
+    for node in snapshot.merged_nodes(live) {
         let Some(status) = node.status.as_ref() else { continue };
         let admission = node.policy.as_ref().map_or(fleet_admission, |p| or(p.admission_threshold, fleet_admission));
         let hard = node.policy.as_ref().map_or(fleet_hard, |p| or(p.hard_limit, fleet_hard));
@@ -134,7 +141,7 @@ pub fn build(controller_id: &str, snapshot: &Snapshot, recent: &Recent, history:
         "now_ms": now_ms,
         "policy": { "admission": fleet_admission, "hard_limit": fleet_hard },
         "gpus": gpus,
-        "sessions": sessions(snapshot.live(), now_ms),
+        "sessions": sessions(live, now_ms),
         "models": models(snapshot),
         "decisions": decisions(recent),
         "ttft": recent.ttft,

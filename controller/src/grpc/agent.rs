@@ -41,7 +41,14 @@ pub struct AgentSvc {
     /// Agents must present it to join; `None`: any agent may.
     pub join_token: Option<inferyes_proto::bearer::Accepted>,
     pub live: mpsc::Sender<LiveEvent>,
+    /// Numbers this controller's agent streams: a node's later stream wins
+    /// over an earlier one not yet seen to end.
+    pub streams: std::sync::Arc<std::sync::atomic::AtomicU64>,
 }
+
+/// How far in the future an agent's clock may put a session's last use:
+/// further, and it would win every comparison with another node's copy.
+const CLOCK_SKEW_MS: u64 = 60_000;
 
 impl AgentSvc {
     pub fn svc(self) -> AgentServiceServer<Self> {
@@ -132,15 +139,16 @@ impl AgentSvc {
     ) {
         let node_id = node.node_id.clone();
         let origin: std::sync::Arc<str> = self.controller_id.as_str().into();
+        let stream = self.streams.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
         let registered_unix_ms = inferyes_proto::unix_ms();
-        self.metrics.agent_streams.inc();
         let mut lease: Option<Lease> = None;
         let mut numbering = Numbering::default();
         let mut reported = Reported::default();
         reported.update(node);
-        if self.live.send(reported.load_event(&node_id, &origin)).await.is_err() {
+        if self.live.send(reported.load_event(&node_id, &origin, stream)).await.is_err() {
             return;
         }
+        self.metrics.agent_streams.inc();
         let mut pending: Option<NodeStatus> = Some(reported.durable.clone());
         let mut written: Option<NodeStatus> = None;
         let mut write_at = Instant::now();
@@ -166,12 +174,13 @@ impl AgentSvc {
                                     let changed = reported.update(status);
                                     let mut live = Vec::new();
                                     if changed.load {
-                                        live.push(reported.load_event(&node_id, &origin));
+                                        live.push(reported.load_event(&node_id, &origin, stream));
                                     }
                                     if changed.sessions && !numbering.in_use() {
                                         live.push(LiveEvent::Sessions {
                                             node_id: node_id.clone(),
                                             origin: std::sync::Arc::clone(&origin),
+                                            stream,
                                             full: true,
                                             upserted: reported.sessions.clone(),
                                             removed: Vec::new(),
@@ -183,17 +192,23 @@ impl AgentSvc {
                                     (Vec::new(), false)
                                 }
                             }
-                            Msg::Residency(update) => match numbering.check(&update) {
+                            Msg::Residency(mut update) => match numbering.check(&update) {
                                 Check::Apply => {
+                                    let latest = inferyes_proto::unix_ms().saturating_add(CLOCK_SKEW_MS);
+                                    for session in &mut update.upserted {
+                                        session.last_seen_unix_ms = session.last_seen_unix_ms.min(latest);
+                                    }
                                     let event = LiveEvent::Sessions {
                                         node_id: node_id.clone(),
                                         origin: std::sync::Arc::clone(&origin),
+                                        stream,
                                         full: update.full,
                                         upserted: update.upserted,
                                         removed: update.removed,
                                     };
                                     (vec![event], false)
                                 }
+                                Check::Drop => (Vec::new(), false),
                                 Check::Resync { expected_seq } => {
                                     tracing::debug!(expected_seq, "residency numbering broken; asking for a full table");
                                     let resync = ControllerMessage {
@@ -214,10 +229,12 @@ impl AgentSvc {
                             }
                             pending = (written.as_ref() != Some(&desired)).then_some(desired);
                         }
+                        let mut reconciler_gone = false;
                         for event in live {
-                            if self.live.send(event).await.is_err() {
-                                break;
-                            }
+                            reconciler_gone |= self.live.send(event).await.is_err();
+                        }
+                        if reconciler_gone {
+                            break End::Shutdown;
                         }
                     }
                     Ok(Some(AgentMessage { msg: None })) => last_heard = Instant::now(),
@@ -282,7 +299,7 @@ impl AgentSvc {
         };
 
         self.metrics.agent_streams.dec();
-        let _ = self.live.send(LiveEvent::Gone { node_id: node_id.clone(), origin }).await;
+        let _ = self.live.send(LiveEvent::Gone { node_id: node_id.clone(), origin, stream }).await;
         match end {
             End::Shutdown => {
                 // Leave the lease to run out: the agent moves to another
@@ -342,6 +359,9 @@ struct Reported {
     /// Sessions in the status itself, from agents that send no residency
     /// updates.
     sessions: Vec<inferyes_proto::v1::ResidentSession>,
+    /// What the bounds dropped from the last status: said once, not on
+    /// every status.
+    dropped: usize,
 }
 
 /// What a new status changed.
@@ -355,9 +375,10 @@ impl Reported {
     fn update(&mut self, mut status: NodeStatus) -> Changed {
         let sessions = std::mem::take(&mut status.sessions);
         let (durable, load, dropped) = crate::live::split(status);
-        if dropped > 0 {
+        if dropped != self.dropped && dropped > 0 {
             tracing::warn!(dropped, "node status over the record's bounds; the rest is left out of etcd");
         }
+        self.dropped = dropped;
         let changed =
             Changed { durable: durable != self.durable, load: load != self.load, sessions: sessions != self.sessions };
         self.durable = durable;
@@ -366,8 +387,13 @@ impl Reported {
         changed
     }
 
-    fn load_event(&self, node_id: &str, origin: &std::sync::Arc<str>) -> LiveEvent {
-        LiveEvent::Load { node_id: node_id.to_string(), origin: std::sync::Arc::clone(origin), load: self.load.clone() }
+    fn load_event(&self, node_id: &str, origin: &std::sync::Arc<str>, stream: u64) -> LiveEvent {
+        LiveEvent::Load {
+            node_id: node_id.to_string(),
+            origin: std::sync::Arc::clone(origin),
+            stream,
+            load: self.load.clone(),
+        }
     }
 }
 

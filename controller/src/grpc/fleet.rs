@@ -24,6 +24,7 @@ pub struct FleetSvc {
     pub admin_token: Option<inferyes_proto::bearer::Accepted>,
     /// Resident sessions are asked of the reconciler, which holds them.
     pub live_requests: tokio::sync::mpsc::Sender<crate::reconcile::LiveRequest>,
+    pub views: crate::reconcile::LiveViewRx,
 }
 
 /// The most sessions one `ListSessions` answer holds.
@@ -59,14 +60,17 @@ impl FleetSvc {
 impl FleetService for FleetSvc {
     async fn list_nodes(&self, _: Request<ListNodesRequest>) -> Result<Response<ListNodesResponse>, Status> {
         let snapshot = self.snapshot()?;
-        Ok(Response::new(ListNodesResponse { version: snapshot.version(), nodes: snapshot.merged_nodes().collect() }))
+        Ok(Response::new(ListNodesResponse {
+            version: snapshot.version(),
+            nodes: snapshot.merged_nodes(&self.views.borrow()).collect(),
+        }))
     }
 
     async fn get_node(&self, request: Request<GetNodeRequest>) -> Result<Response<SnapshotNode>, Status> {
         let node_id = request.into_inner().node_id;
         let snapshot = self.snapshot()?;
         let node = snapshot
-            .merged(&node_id)
+            .merged(&node_id, &self.views.borrow())
             .ok_or_else(|| status(ErrorKind::NotFound, format!("no node `{node_id}` in the fleet")))?;
         Ok(Response::new(node))
     }
@@ -83,6 +87,9 @@ impl FleetService for FleetSvc {
         &self,
         request: Request<ListSessionsRequest>,
     ) -> Result<Response<ListSessionsResponse>, Status> {
+        // Session keys name conversations, and listing them all is work
+        // for the one task that holds them: for operators only.
+        self.admin(&request)?;
         let filter = request.into_inner().node_id;
         let snapshot = self.snapshot()?;
         let (reply, answer) = tokio::sync::oneshot::channel();

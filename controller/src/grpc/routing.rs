@@ -90,6 +90,17 @@ impl RoutingService for RoutingSvc {
     async fn follow_live(&self, request: Request<FollowLiveRequest>) -> Result<Response<LiveStream>, Status> {
         self.member(&request)?;
         let peer = request.into_inner().controller_id;
+        // Only a controller of this fleet, as its record in etcd says.
+        let registered = self
+            .snapshots
+            .borrow()
+            .as_ref()
+            .is_some_and(|s| s.controllers().any(|c| c.controller_id == peer) && peer != self.controller_id);
+        if !registered {
+            return Err(Status::permission_denied(format!(
+                "`{peer}` is not another controller of this fleet (controllers/ in etcd)"
+            )));
+        }
         let (tx, rx) = mpsc::channel(4);
         let span = tracing::info_span!("peer", %peer);
         tokio::spawn(self.clone().feed_live(tx).instrument(span));
@@ -219,7 +230,7 @@ impl RoutingSvc {
                     Some(last) if current.version() < last.version() => {
                         Some(self.full(&current, &mut seq, &mut batches).await)
                     }
-                    Some(last) if last.same_records(&current) => None,
+                    Some(last) if Arc::ptr_eq(last, &current) || **last == *current => None,
                     Some(last) => Some(Some(snapshot_update::Update::Delta(snapshot::delta(last, &current)))),
                 };
                 match update {

@@ -54,10 +54,16 @@ fn origin(id: &str) -> Arc<str> {
     id.into()
 }
 
+/// The stream of `from`: this controller's first agent stream, or a peer's.
+fn stream(from: &str) -> u64 {
+    u64::from(from == "me")
+}
+
 fn put(state: &mut LiveState, node: &str, from: &str, full: bool, upserted: Vec<ResidentSession>, removed: &[&str]) {
     state.apply(LiveEvent::Sessions {
         node_id: node.into(),
         origin: origin(from),
+        stream: stream(from),
         full,
         upserted,
         removed: removed.iter().map(|k| (*k).to_string()).collect(),
@@ -105,7 +111,7 @@ fn a_hostile_status_is_bounded() {
 #[test]
 fn a_batch_carries_only_what_changed_since_the_last() {
     let mut state = LiveState::new("me");
-    state.apply(LiveEvent::Load { node_id: "n".into(), origin: origin("me"), load: load(&["b0", "b1"]) });
+    state.apply(LiveEvent::Load { node_id: "n".into(), origin: origin("me"), stream: 1, load: load(&["b0", "b1"]) });
     let table: Vec<_> = (0..1_000).map(|i| session(&format!("s{i}"), "b0", i)).collect();
     put(&mut state, "n", "me", true, table, &[]);
     let first = state.take_batch(true).expect("a batch");
@@ -151,7 +157,7 @@ fn a_stream_here_wins_and_each_origin_removes_only_its_own() {
     // word from c2 about it changes nothing.
     put(&mut state, "a", "me", true, vec![session("x", "b0", 1)], &[]);
     put(&mut state, "a", "c2", false, vec![], &["x"]);
-    state.apply(LiveEvent::Gone { node_id: "a".into(), origin: origin("c2") });
+    state.apply(LiveEvent::Gone { node_id: "a".into(), origin: origin("c2"), stream: 0 });
     state.take_batch(true);
     assert_eq!(owners(&state), [("a".into(), "me".into()), ("b".into(), "c2".into())]);
     assert_eq!(state.view().nodes["a"].sessions["b0"], 1);
@@ -175,7 +181,7 @@ fn a_stream_here_wins_and_each_origin_removes_only_its_own() {
     let batch = state.take_batch(true).expect("a node gone");
     assert_eq!(batch.delta.gone, ["b"]);
     assert_eq!(owners(&state), [("a".into(), "me".into())]);
-    state.apply(LiveEvent::Gone { node_id: "a".into(), origin: origin("me") });
+    state.apply(LiveEvent::Gone { node_id: "a".into(), origin: origin("me"), stream: 1 });
     let batch = state.take_batch(true).expect("a node gone");
     assert_eq!(
         (batch.delta.gone.as_slice(), batch.own.gone.as_slice()),
@@ -186,7 +192,7 @@ fn a_stream_here_wins_and_each_origin_removes_only_its_own() {
 #[test]
 fn a_node_holds_no_more_sessions_than_its_bound() {
     let mut state = LiveState::new("me");
-    state.apply(LiveEvent::Load { node_id: "n".into(), origin: origin("me"), load: load(&["b0"]) });
+    state.apply(LiveEvent::Load { node_id: "n".into(), origin: origin("me"), stream: 1, load: load(&["b0"]) });
     let many: Vec<_> = (0..MAX_SESSIONS + 10).map(|i| session(&format!("s{i}"), "b0", 1)).collect();
     put(&mut state, "n", "me", true, many, &[]);
     assert_eq!(state.view().sessions, MAX_SESSIONS);
@@ -233,9 +239,14 @@ fn batches_applied_in_order_give_the_whole_state() {
         let node = format!("n{}", rng.usize(0..4));
         let from = ["me", "me", "c2"][rng.usize(0..3)];
         match rng.u8(0..10) {
-            0 => state.apply(LiveEvent::Gone { node_id: node, origin: origin(from) }),
+            0 => state.apply(LiveEvent::Gone { node_id: node, origin: origin(from), stream: stream(from) }),
             1 => state.apply(LiveEvent::PeerLost { origin: origin("c2") }),
-            2 => state.apply(LiveEvent::Load { node_id: node, origin: origin(from), load: load(&["b0", "b1"]) }),
+            2 => state.apply(LiveEvent::Load {
+                node_id: node,
+                origin: origin(from),
+                stream: stream(from),
+                load: load(&["b0", "b1"]),
+            }),
             _ => {
                 let upserted = (0..rng.usize(0..5))
                     .map(|_| session(&format!("k{}", rng.u8(0..20)), ["b0", "b1"][rng.usize(0..2)], round))
@@ -277,4 +288,90 @@ fn merge_puts_the_load_back_and_marks_what_is_not_known() {
     assert!(merge(&durable, None).backends.iter().all(|b| b.load_unknown));
     let stale = Summary { fresh: false, ..summary };
     assert!(merge(&durable, Some(&stale)).backends.iter().all(|b| b.load_unknown && b.slots_busy == 2));
+}
+
+#[test]
+fn a_peer_that_comes_back_is_fresh_again_and_an_old_stream_here_removes_nothing() {
+    let mut state = LiveState::new("me");
+    let node = |sessions: Vec<ResidentSession>| NodeLive {
+        node_id: "b".into(),
+        load: Some(load(&["b0"])),
+        sessions,
+        sessions_full: true,
+        removed: Vec::new(),
+    };
+    state.apply(LiveEvent::PeerFull { origin: origin("c2"), nodes: vec![node(vec![session("y", "b0", 1)])] });
+    state.apply(LiveEvent::PeerLost { origin: origin("c2") });
+    state.take_batch(true);
+    assert!(!state.view().nodes["b"].fresh);
+    state.apply(LiveEvent::PeerFull { origin: origin("c2"), nodes: vec![node(vec![session("y", "b0", 1)])] });
+    let batch = state.take_batch(true).expect("fresh again");
+    assert!(batch.delta.nodes.iter().any(|n| n.node_id == "b" && !n.stale));
+    assert!(state.view().nodes["b"].fresh);
+
+    // The agent of `n` reconnected here (stream 2) before its old stream
+    // (1) was seen to end: the old one's end and late words change nothing.
+    let sessions = |stream: u64, keys: &[&str]| LiveEvent::Sessions {
+        node_id: "n".into(),
+        origin: origin("me"),
+        stream,
+        full: true,
+        upserted: keys.iter().map(|k| session(k, "b0", 1)).collect(),
+        removed: Vec::new(),
+    };
+    state.apply(LiveEvent::Load { node_id: "n".into(), origin: origin("me"), stream: 1, load: load(&["b0"]) });
+    state.apply(sessions(1, &["old"]));
+    state.apply(LiveEvent::Load { node_id: "n".into(), origin: origin("me"), stream: 2, load: load(&["b0"]) });
+    state.apply(sessions(2, &["new"]));
+    state.apply(sessions(1, &["late"]));
+    state.apply(LiveEvent::Gone { node_id: "n".into(), origin: origin("me"), stream: 1 });
+    state.take_batch(true);
+    let listed: Vec<String> =
+        state.list(Some("n"), 10).0.into_iter().filter_map(|i| i.session).map(|s| s.key).collect();
+    assert_eq!(listed, ["new"]);
+}
+
+#[test]
+fn a_node_new_here_goes_out_whole_and_a_peer_s_changes_need_its_table() {
+    let mut state = LiveState::new("me");
+    // A peer's changes to a node not held: no table to apply them to.
+    state.apply(LiveEvent::PeerDelta {
+        origin: origin("c2"),
+        nodes: vec![NodeLive {
+            node_id: "p".into(),
+            load: Some(load(&["b0"])),
+            sessions: vec![session("x", "b0", 1)],
+            ..Default::default()
+        }],
+        gone: Vec::new(),
+    });
+    assert!(state.take_batch(true).is_none());
+    // A node first heard of through a delta goes out with load and table.
+    put(&mut state, "n", "me", false, vec![session("s", "b0", 1)], &[]);
+    let batch = state.take_batch(true).expect("a batch");
+    assert!(batch.delta.nodes[0].sessions_full && batch.delta.nodes[0].load.is_some());
+    // A new list of backends places every session anew.
+    state.apply(LiveEvent::Load { node_id: "n".into(), origin: origin("me"), stream: 1, load: load(&["bx", "b0"]) });
+    let batch = state.take_batch(true).expect("a batch");
+    let node = &batch.delta.nodes[0];
+    assert!(node.sessions_full);
+    assert_eq!(node.upserted.iter().map(|e| e.backend).collect::<Vec<_>>(), [1]);
+}
+
+#[test]
+fn peers_get_each_node_of_this_controller_whole_in_turn() {
+    let mut state = LiveState::new("me");
+    for id in ["a", "b"] {
+        put(&mut state, id, "me", true, vec![session(&format!("{id}-s"), "b0", 1)], &[]);
+        state.apply(LiveEvent::Load { node_id: id.into(), origin: origin("me"), stream: 1, load: load(&["b0"]) });
+    }
+    state.take_batch(true);
+    let mut refreshed = Vec::new();
+    for _ in 0..(4 * REFRESH_EVERY) {
+        let at = state.seq();
+        put(&mut state, "a", "me", false, vec![session("tick", "b0", at)], &[]);
+        let batch = state.take_batch(true).expect("a batch");
+        refreshed.extend(batch.own.nodes.iter().filter(|n| n.sessions_full).map(|n| n.node_id.clone()));
+    }
+    assert_eq!(refreshed, ["a", "b", "a", "b"]);
 }
