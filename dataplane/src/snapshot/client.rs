@@ -121,6 +121,9 @@ struct WireView {
     /// The nodes' load and sessions; the sessions' index is the store's,
     /// shared by every snapshot.
     live: Live,
+    /// The controller sends no live state (it is from before it): the
+    /// statuses carry their own load and sessions.
+    legacy: bool,
     policy: Option<RoutingPolicy>,
     aliases: Vec<Alias>,
     api_keys: Arc<super::ApiKeys>,
@@ -143,7 +146,9 @@ impl WireView {
                 self.aliases = full.aliases;
                 self.api_keys = Arc::new(full.keys.into_iter().map(|k| (k.key_id.clone(), Arc::new(k))).collect());
                 self.usage_today = Arc::new(full.usage_today.unwrap_or_default());
-                self.live.apply_full(full.live);
+                self.legacy = !full.live_state;
+                let nodes = &self.nodes;
+                self.live.apply_full(full.live, |id| nodes.contains_key(id));
                 true
             }
             // Load and resident counts are read at decode.
@@ -179,6 +184,10 @@ impl WireView {
             }
             None => false,
         };
+        if self.legacy && reroutes {
+            // A controller from before live state: its statuses carry it.
+            self.live.apply_full(super::live::of_statuses(&self.nodes), |_| false);
+        }
         Ok(reroutes)
     }
 }
@@ -290,6 +299,7 @@ mod tests {
             version: 5,
             nodes: vec![with_backend("a"), with_backend("b")],
             live: vec![live_node("a", &["s1", "s2"])],
+            live_state: true,
             ..Default::default()
         };
         view.apply(SnapshotUpdate { update: Some(snapshot_update::Update::Full(full.clone())), ..Default::default() })
@@ -314,10 +324,14 @@ mod tests {
         assert_eq!(first.resident("s2").map(|r| r.target.node), Some(0), "one index, shared by every snapshot");
 
         // Another controller's first snapshot: b holds s2 now, a is gone.
-        let full = inferyes_proto::v1::RoutingSnapshot { live: vec![live_node("b", &["s2"])], ..full };
+        let full = inferyes_proto::v1::RoutingSnapshot {
+            nodes: vec![with_backend("b")],
+            live: vec![live_node("b", &["s2"])],
+            ..full
+        };
         view.apply(SnapshotUpdate { update: Some(snapshot_update::Update::Full(full)), ..Default::default() }).unwrap();
         let third = view.snapshot(None, &counters);
-        assert_eq!(third.resident("s2").map(|r| r.target.node), Some(1));
+        assert_eq!(third.resident("s2").map(|r| r.target.node), Some(0));
         assert_eq!(index.len(), 1);
     }
 

@@ -132,13 +132,17 @@ pub fn decode_live(
         let admission_threshold = or(own.map(|p| p.admission_threshold), policy.admission_threshold);
         let hard_limit = or(own.map(|p| p.hard_limit), policy.hard_limit);
         let mut backends = Vec::with_capacity(status.backends.len());
+        let mut backend_of_load = Vec::new();
         for (backend_index, backend) in status.backends.iter().enumerate() {
             // The load the node's live state reports for this backend: in
             // the same order as the record's backends, else by id.
-            let reported = node_live.and_then(|l| {
+            let load_position = node_live.and_then(|l| {
                 let by_index = l.load.backends.get(backend_index).filter(|b| b.backend_id == backend.id);
-                by_index.or_else(|| l.load.backends.iter().find(|b| b.backend_id == backend.id))
+                by_index
+                    .map(|_| backend_index)
+                    .or_else(|| l.load.backends.iter().position(|b| b.backend_id == backend.id))
             });
+            let reported = node_live.zip(load_position).map(|(l, position)| &l.load.backends[position]);
             let unknown = BackendLoad { load_unknown: true, ..BackendLoad::default() };
             let load = match reported {
                 Some(load) if !node_live.is_some_and(|l| l.stale) => load,
@@ -170,7 +174,12 @@ pub fn decode_live(
                 ms => (f64::from(ms) / 1e3).clamp(MIN_SERVICE_SECONDS, MAX_SERVICE_SECONDS),
             };
             let target = Target { node: node_index, backend: backend_index };
-            let resident_sessions = node_live.map_or(0, |l| l.resident_sessions(backend_index));
+            let resident_sessions =
+                node_live.zip(load_position).map_or(0, |(l, position)| l.resident_sessions(position));
+            if let (Some(l), Some(position)) = (node_live, load_position) {
+                backend_of_load.resize(l.load.backends.len(), u32::MAX);
+                backend_of_load[position] = u32::try_from(backend_index).unwrap_or(u32::MAX);
+            }
             for model in &backend.models {
                 indices.models.entry(model.id.clone()).or_default().push(Placement {
                     target,
@@ -211,6 +220,7 @@ pub fn decode_live(
             proxy_http2: status.proxy_http2,
             draining: wire.draining,
             backends,
+            backend_of_load,
             vram_fraction,
             vram_total_bytes,
             vram_used_bytes,

@@ -116,8 +116,7 @@ impl Live {
     /// of its own.
     pub fn from_statuses(nodes: &BTreeMap<String, SnapshotNode>) -> Live {
         let mut live = Live::default();
-        let full: Vec<LiveNode> = nodes.values().filter_map(|n| n.status.as_ref()).map(live_of_status).collect();
-        live.apply_full(full);
+        live.apply_full(of_statuses(nodes), |_| false);
         live
     }
 
@@ -131,12 +130,17 @@ impl Live {
 
     /// Replaces everything with a full snapshot's live state. Nodes listed
     /// are replaced one by one, so a session resident before and after is
-    /// never missing from the index meanwhile.
-    pub fn apply_full(&mut self, nodes: Vec<LiveNode>) {
+    /// never missing from the index meanwhile. A node it does not list but
+    /// whose record it has (`in_fleet`: a controller that has not heard
+    /// from the node's peer yet) keeps what it had, as stale.
+    pub fn apply_full(&mut self, nodes: Vec<LiveNode>, in_fleet: impl Fn(&str) -> bool) {
         let listed: std::collections::BTreeSet<String> = nodes.iter().map(|n| n.node_id.clone()).collect();
-        let gone: Vec<String> = self.nodes.keys().filter(|id| !listed.contains(*id)).cloned().collect();
-        for id in gone {
-            self.remove(&id);
+        let unlisted: Vec<String> = self.nodes.keys().filter(|id| !listed.contains(*id)).cloned().collect();
+        for id in unlisted {
+            match self.nodes.get_mut(&id) {
+                Some(node) if in_fleet(&id) => node.stale = true,
+                _ => self.remove(&id),
+            }
         }
         for mut node in nodes {
             node.sessions_full = true;
@@ -164,7 +168,21 @@ impl Live {
         }
         node.stale = wire.stale;
         let backends = node.load.backends.len();
-        node.counts.resize(backends, 0);
+        if node.counts.len() != backends {
+            // A new list of backends: sessions on one no longer listed go,
+            // the rest are counted again.
+            node.sessions.retain(|session, backend| {
+                let kept = (*backend as usize) < backends;
+                if !kept {
+                    self.index.remove(*session, key);
+                }
+                kept
+            });
+            node.counts = vec![0; backends];
+            for backend in node.sessions.values() {
+                node.counts[*backend as usize] += 1;
+            }
+        }
         if wire.sessions_full {
             let kept: std::collections::HashSet<u64> = wire.upserted.iter().map(|e| e.key).collect();
             for (session, _) in node.sessions.iter().filter(|(s, _)| !kept.contains(s)) {
@@ -209,6 +227,11 @@ impl Live {
             self.index.remove(*session, key);
         }
     }
+}
+
+/// The live state statuses carry themselves, as full live nodes.
+pub fn of_statuses(nodes: &BTreeMap<String, SnapshotNode>) -> Vec<LiveNode> {
+    nodes.values().filter_map(|n| n.status.as_ref()).map(live_of_status).collect()
 }
 
 /// A status's own load and sessions as a full live node.
@@ -289,7 +312,7 @@ mod tests {
     #[test]
     fn deltas_keep_the_index_and_the_counts() {
         let mut live = Live::default();
-        live.apply_full(vec![node("a", true, vec![entry(1, 0, 1), entry(2, 1, 1)], vec![])]);
+        live.apply_full(vec![node("a", true, vec![entry(1, 0, 1), entry(2, 1, 1)], vec![])], |_| false);
         let a = crate::routing::stable_hash(b"a");
         assert_eq!(live.index().get(1).map(|e| (e.node, e.backend)), Some((a, 0)));
         live.apply(LiveDelta {
@@ -312,14 +335,17 @@ mod tests {
         // A node gone takes its sessions; a full state drops nodes not in it.
         live.apply(LiveDelta { nodes: vec![], gone: vec!["a".into()] });
         assert_eq!(live.index().get(3), None);
-        live.apply_full(vec![node("c", true, vec![entry(4, 0, 1)], vec![])]);
+        live.apply_full(vec![node("c", true, vec![entry(4, 0, 1)], vec![])], |id| id == "b");
+        assert_eq!(live.index().len(), 2, "b is still in the fleet: kept, stale");
+        assert!(live.node("b").is_some_and(|b| b.stale));
+        live.apply_full(vec![node("c", true, vec![entry(4, 0, 1)], vec![])], |_| false);
         assert_eq!((live.index().len(), live.node("b").is_none()), (1, true));
     }
 
     #[test]
     fn a_full_table_replaces_a_node_s_sessions() {
         let mut live = Live::default();
-        live.apply_full(vec![node("a", true, vec![entry(1, 0, 1), entry(2, 0, 1)], vec![])]);
+        live.apply_full(vec![node("a", true, vec![entry(1, 0, 1), entry(2, 0, 1)], vec![])], |_| false);
         live.apply(LiveDelta { nodes: vec![node("a", true, vec![entry(2, 1, 3)], vec![])], gone: vec![] });
         assert_eq!(live.index().get(1), None);
         assert_eq!(live.index().get(2).map(|e| e.backend), Some(1));

@@ -154,6 +154,10 @@ pub struct Node {
     pub proxy_http2: bool,
     pub draining: bool,
     pub backends: Vec<BackendView>,
+    /// A backend's place in the node's live load → its index in
+    /// `backends`: resident sessions name it by the first, which may differ
+    /// while a new list of backends travels (`u32::MAX`: not in the record).
+    pub backend_of_load: Vec<u32>,
     /// The fullest GPU's used memory as a fraction of its total; 0 on a node
     /// without GPUs.
     pub vram_fraction: f64,
@@ -375,7 +379,8 @@ impl RoutingSnapshot {
     pub fn resident(&self, session: &str) -> Option<Resident> {
         let entry = self.sessions.get(session_hash(session))?;
         let node = *self.node_index.get(&entry.node)?;
-        let backend = usize::try_from(entry.backend).ok().filter(|b| *b < self.nodes[node].backends.len())?;
+        let backend = *self.nodes[node].backend_of_load.get(usize::try_from(entry.backend).ok()?)?;
+        let backend = usize::try_from(backend).ok().filter(|b| *b < self.nodes[node].backends.len())?;
         Some(Resident {
             target: Target { node, backend },
             tokens: entry.tokens,
