@@ -70,13 +70,8 @@ fn fail(error: impl std::fmt::Display, registered: bool) -> Failure {
 }
 
 async fn connect(address: &str, tls: &inferyes_proto::tls::Tls) -> Result<Channel, Failure> {
-    inferyes_proto::tls::grpc_endpoint(address, tls)
+    inferyes_proto::tls::grpc_stream_endpoint(address, tls)
         .map_err(|e| fail(format!("{e:#}"), false))?
-        .connect_timeout(Duration::from_secs(2))
-        .tcp_nodelay(true)
-        .http2_keep_alive_interval(Duration::from_secs(2))
-        .keep_alive_timeout(Duration::from_secs(4))
-        .keep_alive_while_idle(true)
         .connect()
         .await
         .map_err(|e| fail(e, false))

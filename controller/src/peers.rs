@@ -136,14 +136,7 @@ impl Peers {
 
     /// One stream; returns whether anything arrived.
     async fn follow_once(&self, origin: &Arc<str>, url: &str) -> anyhow::Result<bool> {
-        let channel = inferyes_proto::tls::grpc_endpoint(url, &self.tls)?
-            .connect_timeout(Duration::from_secs(2))
-            .tcp_nodelay(true)
-            .http2_keep_alive_interval(Duration::from_secs(2))
-            .keep_alive_timeout(Duration::from_secs(4))
-            .keep_alive_while_idle(true)
-            .connect()
-            .await?;
+        let channel = inferyes_proto::tls::grpc_stream_endpoint(url, &self.tls)?.connect().await?;
         let mut stream = RoutingServiceClient::with_interceptor(channel, self.bearer.clone())
             .max_decoding_message_size(256 << 20)
             .follow_live(FollowLiveRequest { controller_id: self.record.controller_id.clone() })

@@ -46,6 +46,11 @@ impl Controllers {
         inferyes_proto::tls::grpc_endpoint(address, &self.tls)
     }
 
+    /// The endpoint of the snapshot stream from the controller at `address`.
+    pub fn stream_endpoint(&self, address: &str) -> anyhow::Result<tonic::transport::Endpoint> {
+        inferyes_proto::tls::grpc_stream_endpoint(address, &self.tls)
+    }
+
     pub fn client(&self, channel: tonic::transport::Channel) -> RoutingClient {
         inferyes_proto::v1::routing_service_client::RoutingServiceClient::with_interceptor(channel, self.bearer.clone())
     }

@@ -152,6 +152,19 @@ fn roots(path: &Path, what: &str) -> anyhow::Result<rustls::RootCertStore> {
     Ok(store)
 }
 
+/// The endpoint of a long-lived stream to a controller (an agent's join, a
+/// data plane's subscription, a peer's follow): quick to give up on a
+/// connect, and pinged, so that a peer gone silent is noticed within
+/// seconds and the caller moves on.
+pub fn grpc_stream_endpoint(address: &str, tls: &Tls) -> anyhow::Result<tonic::transport::Endpoint> {
+    Ok(grpc_endpoint(address, tls)?
+        .connect_timeout(std::time::Duration::from_secs(2))
+        .tcp_nodelay(true)
+        .http2_keep_alive_interval(std::time::Duration::from_secs(2))
+        .keep_alive_timeout(std::time::Duration::from_secs(4))
+        .keep_alive_while_idle(true))
+}
+
 /// A gRPC endpoint for `address`, over TLS when it is `https://`.
 pub fn grpc_endpoint(address: &str, tls: &Tls) -> anyhow::Result<tonic::transport::Endpoint> {
     let endpoint = tonic::transport::Endpoint::from_shared(address.to_string())

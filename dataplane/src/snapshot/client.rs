@@ -61,15 +61,7 @@ async fn follow(
     address: &str,
     dataplane_id: &str,
 ) -> anyhow::Result<bool> {
-    let channel = controllers
-        .endpoint(address)?
-        .connect_timeout(Duration::from_secs(2))
-        .tcp_nodelay(true)
-        .http2_keep_alive_interval(Duration::from_secs(2))
-        .keep_alive_timeout(Duration::from_secs(4))
-        .keep_alive_while_idle(true)
-        .connect()
-        .await?;
+    let channel = controllers.stream_endpoint(address)?.connect().await?;
     let mut stream = controllers
         .client(channel)
         .max_decoding_message_size(256 << 20)
