@@ -159,6 +159,9 @@ impl WireView {
                     || self.aliases != delta.aliases;
                 for id in &delta.removed {
                     self.nodes.remove(id);
+                    // Kept as stale by a full snapshot that did not list
+                    // it, its sessions go with its record.
+                    self.live.remove(id);
                 }
                 for node in delta.upserted {
                     self.nodes.insert(node_id(&node), node);
@@ -301,7 +304,7 @@ mod tests {
         assert_eq!(first.nodes()[0].backends[0].slots_busy, 3);
         assert!(first.nodes()[1].backends[0].load_unknown, "no live state: its load is not known");
 
-        let delta = inferyes_proto::v1::LiveDelta {
+        let removal = inferyes_proto::v1::LiveDelta {
             nodes: vec![inferyes_proto::v1::LiveNode {
                 node_id: "a".into(),
                 removed: vec![super::super::session_hash("s1")],
@@ -309,7 +312,7 @@ mod tests {
             }],
             gone: Vec::new(),
         };
-        let update = SnapshotUpdate { update: Some(snapshot_update::Update::Live(delta)), ..Default::default() };
+        let update = SnapshotUpdate { update: Some(snapshot_update::Update::Live(removal)), ..Default::default() };
         assert!(view.apply(update).unwrap(), "decoded again: load and counts may have changed");
         let second = view.snapshot(None, &counters);
         assert_eq!((second.version(), second.resident("s1")), (5, None));
@@ -324,6 +327,27 @@ mod tests {
         view.apply(SnapshotUpdate { update: Some(snapshot_update::Update::Full(full)), ..Default::default() }).unwrap();
         let third = view.snapshot(None, &counters);
         assert_eq!(third.resident("s2").map(|r| r.target.node), Some(0));
+        assert_eq!(index.len(), 1);
+
+        // A node the new controller does not know yet keeps its sessions,
+        // stale, until its record goes.
+        let full = inferyes_proto::v1::RoutingSnapshot {
+            version: 6,
+            nodes: vec![with_backend("b"), with_backend("c")],
+            live: vec![live_node("b", &["s2"]), live_node("c", &["s3"])],
+            live_state: true,
+            ..Default::default()
+        };
+        view.apply(SnapshotUpdate { update: Some(snapshot_update::Update::Full(full.clone())), ..Default::default() })
+            .unwrap();
+        let without_c = inferyes_proto::v1::RoutingSnapshot { live: vec![live_node("b", &["s2"])], ..full };
+        view.apply(SnapshotUpdate { update: Some(snapshot_update::Update::Full(without_c)), ..Default::default() })
+            .unwrap();
+        let fourth = view.snapshot(None, &counters);
+        assert_eq!(fourth.resident("s3").map(|r| r.target.node), Some(1));
+        assert!(fourth.nodes()[1].backends[0].load_unknown, "its load is not known any more");
+        view.apply(delta(&view, |d| d.removed = vec!["c".into()])).unwrap();
+        assert_eq!(view.snapshot(None, &counters).resident("s3"), None);
         assert_eq!(index.len(), 1);
     }
 

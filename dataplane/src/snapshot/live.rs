@@ -220,7 +220,8 @@ impl Live {
         }
     }
 
-    fn remove(&mut self, node_id: &str) {
+    /// Forgets a node and its sessions: it left the fleet's records.
+    pub fn remove(&mut self, node_id: &str) {
         let Some(node) = self.nodes.remove(node_id) else { return };
         let key = crate::routing::stable_hash(node_id.as_bytes());
         for session in node.sessions.keys() {
