@@ -217,11 +217,7 @@ impl LiveState {
 
     fn peer_node(&mut self, origin: &Arc<str>, node: NodeLive) {
         let NodeLive { node_id, load, sessions, sessions_full, removed } = node;
-        // What agent streams are held to (`grpc::agent`'s `validate`).
-        let id_ok = !node_id.is_empty()
-            && node_id.len() <= 128
-            && node_id.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c));
-        if !id_ok {
+        if !valid_node_id(&node_id) {
             return;
         }
         if let Some(load) = load {
@@ -550,6 +546,12 @@ impl LiveState {
         let listed = all.into_iter().map(|(id, s)| SessionInfo { node_id: id.clone(), session: Some(s.clone()) });
         (listed.collect(), truncated)
     }
+}
+
+/// Node ids are etcd key segments and header values: 1-128 characters of
+/// `[A-Za-z0-9._-]`, from an agent stream or a peer alike.
+pub fn valid_node_id(id: &str) -> bool {
+    !id.is_empty() && id.len() <= 128 && id.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
 }
 
 /// A session as data planes route on it; `None` for a backend the node's

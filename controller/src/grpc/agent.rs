@@ -107,9 +107,7 @@ impl AgentService for AgentSvc {
 }
 
 fn validate(node: &NodeStatus) -> Result<(), Status> {
-    let id_ok = !node.node_id.is_empty()
-        && node.node_id.len() <= 128
-        && node.node_id.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c));
+    let id_ok = crate::live::valid_node_id(&node.node_id);
     if !id_ok {
         return Err(status(ErrorKind::BadRequest, "node_id must be 1-128 characters of [A-Za-z0-9._-]"));
     }
