@@ -76,20 +76,40 @@ async fn the_data_plane_keeps_serving_without_controllers_and_catches_up_after()
     }
 }
 
+/// Two controllers, node-a's agent on the first and node-b's on the
+/// second, and a data plane following each.
+struct Split {
+    _etcd: Etcd,
+    one: ControllerHandle,
+    two: ControllerHandle,
+    _sims: [SimHandle; 2],
+    _agents: [AgentHandle; 2],
+    dp_one: DataplaneHandle,
+    dp_two: DataplaneHandle,
+}
+
+impl Split {
+    async fn start() -> Split {
+        let etcd = Etcd::start().await;
+        let one = ControllerHandle::start(&etcd.endpoint(), "controller-1").await;
+        let two = ControllerHandle::start(&etcd.endpoint(), "controller-2").await;
+        let sims = [SimHandle::start(chat_sim("chat")).await, SimHandle::start(chat_sim("chat")).await];
+        let agents = [
+            AgentHandle::start("node-a", &[one.url()], &[("main", &sims[0])]).await,
+            AgentHandle::start("node-b", &[two.url()], &[("main", &sims[1])]).await,
+        ];
+        let dp_one = DataplaneHandle::start(&[one.url()]).await;
+        let dp_two = DataplaneHandle::start(&[two.url()]).await;
+        dp_one.wait_for_nodes(&["node-a", "node-b"]).await;
+        dp_two.wait_for_nodes(&["node-a", "node-b"]).await;
+        Split { _etcd: etcd, one, two, _sims: sims, _agents: agents, dp_one, dp_two }
+    }
+}
+
 #[tokio::test]
 async fn two_controllers_serve_the_same_snapshot_version() {
-    let etcd = Etcd::start().await;
-    let one = ControllerHandle::start(&etcd.endpoint(), "controller-1").await;
-    let two = ControllerHandle::start(&etcd.endpoint(), "controller-2").await;
-    let sim_a = SimHandle::start(chat_sim("chat")).await;
-    let sim_b = SimHandle::start(chat_sim("chat")).await;
-    // Each agent reports to a different controller.
-    let _a = AgentHandle::start("node-a", &[one.url()], &[("main", &sim_a)]).await;
-    let _b = AgentHandle::start("node-b", &[two.url()], &[("main", &sim_b)]).await;
-    let dp_one = DataplaneHandle::start(&[one.url()]).await;
-    let dp_two = DataplaneHandle::start(&[two.url()]).await;
-    dp_one.wait_for_nodes(&["node-a", "node-b"]).await;
-    dp_two.wait_for_nodes(&["node-a", "node-b"]).await;
+    let split = Split::start().await;
+    let (one, two, dp_one, dp_two) = (&split.one, &split.two, &split.dp_one, &split.dp_two);
 
     let mut fleet_one = one.fleet().await;
     let mut fleet_two = two.fleet().await;
@@ -400,20 +420,10 @@ async fn a_node_that_does_not_take_the_data_plane_s_token_is_passed_over_and_nev
 
 #[tokio::test]
 async fn data_planes_on_either_controller_see_every_node_s_sessions() {
-    let etcd = Etcd::start().await;
-    let one = ControllerHandle::start(&etcd.endpoint(), "controller-1").await;
-    let two = ControllerHandle::start(&etcd.endpoint(), "controller-2").await;
-    let sim_a = SimHandle::start(chat_sim("chat")).await;
-    let sim_b = SimHandle::start(chat_sim("chat")).await;
-    // Each agent reports to a different controller, and each data plane
-    // follows one of them: residency is never in etcd, so the second data
-    // plane learns of node-a's sessions only through the controllers.
-    let _a = AgentHandle::start("node-a", &[one.url()], &[("main", &sim_a)]).await;
-    let _b = AgentHandle::start("node-b", &[two.url()], &[("main", &sim_b)]).await;
-    let dp_one = DataplaneHandle::start(&[one.url()]).await;
-    let dp_two = DataplaneHandle::start(&[two.url()]).await;
-    dp_one.wait_for_nodes(&["node-a", "node-b"]).await;
-    dp_two.wait_for_nodes(&["node-a", "node-b"]).await;
+    // Residency is never in etcd: the second data plane learns of
+    // node-a's sessions only through the controllers.
+    let split = Split::start().await;
+    let (dp_one, dp_two) = (&split.dp_one, &split.dp_two);
 
     let http = HttpClient::default();
     let send = |dataplane: &DataplaneHandle, session: String| {
@@ -429,13 +439,13 @@ async fn data_planes_on_either_controller_see_every_node_s_sessions() {
     let mut homes = Vec::new();
     for i in 0..8 {
         let session = format!("conv-{i}");
-        let response = send(&dp_one, session.clone()).await;
+        let response = send(dp_one, session.clone()).await;
         homes.push((session, response.header("x-inferyes-node").expect("a node").to_string()));
     }
     for node in ["node-a", "node-b"] {
         assert!(homes.iter().any(|(_, n)| n == node), "no session placed on {node}: {homes:?}");
     }
-    for dp in [&dp_one, &dp_two] {
+    for dp in [dp_one, dp_two] {
         dp.wait_for("every session resident where it was served", Duration::from_secs(10), |s| {
             homes.iter().all(|(session, home)| {
                 s.resident(session).and_then(|r| s.node(r.target.node)).is_some_and(|n| *n.id == **home)
@@ -444,7 +454,7 @@ async fn data_planes_on_either_controller_see_every_node_s_sessions() {
         .await;
     }
     for (session, home) in &homes {
-        let again = send(&dp_two, session.clone()).await;
+        let again = send(dp_two, session.clone()).await;
         assert_eq!(again.header("x-inferyes-node"), Some(home.as_str()), "{session}");
         assert_eq!(again.header("x-inferyes-route"), Some("resident"), "{session}");
     }
