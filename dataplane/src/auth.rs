@@ -22,7 +22,7 @@ use inferyes_proto::apikey;
 use inferyes_proto::v1::ApiKey;
 use serde::{Deserialize, Serialize};
 
-use crate::http::ApiError;
+use crate::error::{ApiError, ErrorCode};
 use crate::snapshot::RoutingSnapshot;
 
 /// `keys` (the default): every `/v1/*` request needs a key. `none`: open,
@@ -201,7 +201,7 @@ impl Auth {
                     ApiError::new(
                         ErrorKind::RateLimited,
                         "Too many failed authentication attempts from this address; try again later.",
-                        "rate_limit_exceeded",
+                        ErrorCode::RateLimitExceeded,
                     )
                     .retry_after(retry),
                 ));
@@ -254,7 +254,7 @@ impl Auth {
         let mut error = ApiError::new(
             ErrorKind::RateLimited,
             format!("Rate limit reached for requests: {limit} per minute for this key. Try again in {retry}s."),
-            "rate_limit_exceeded",
+            ErrorCode::RateLimitExceeded,
         )
         .retry_after(retry);
         error.headers = headers.to_vec();
@@ -356,7 +356,7 @@ fn bearer(headers: &HeaderMap) -> Option<&str> {
 }
 
 fn unauthorized(message: &str) -> ApiError {
-    ApiError::new(ErrorKind::Unauthenticated, message, "invalid_api_key")
+    ApiError::new(ErrorKind::Unauthenticated, message, ErrorCode::InvalidApiKey)
 }
 
 #[cfg(test)]

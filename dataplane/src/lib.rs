@@ -4,6 +4,7 @@
 
 pub mod auth;
 pub mod config;
+pub mod error;
 pub mod http;
 pub mod metrics;
 pub mod report;
@@ -93,9 +94,19 @@ pub async fn run(
     let hard_stop = CancellationToken::new();
     let mut registry = prometheus_client::registry::Registry::default();
     let metrics = Arc::new(metrics::Metrics::new(&mut registry));
+    let forwarder_settings = http::ForwarderSettings {
+        connect_timeout: config.connect_timeout(),
+        header_timeout: config.response_header_timeout(),
+        read_timeout: config.read_timeout(),
+        http2: config.agent_protocol == config::AgentProtocol::Http2,
+    };
+    let client_tls = config.tls.http_client()?;
+    let forwarder = || {
+        http::Forwarder::new(&forwarder_settings, client_tls.clone(), agent_authorization.clone(), hard_stop.clone())
+    };
     let state = http::AppState {
         snapshots,
-        forwarder: http::forward_client(&config, agent_authorization.clone(), hard_stop.clone(), Arc::clone(&metrics))?,
+        forwarder: forwarder(),
         metrics,
         registry: Arc::new(registry),
         max_body_bytes: config.max_body_bytes,
@@ -119,9 +130,7 @@ pub async fn run(
     // to agents (a pooled connection is driven by the thread that opened it).
     let mut gateways = vec![http::Gateway::new(state.clone())];
     for _ in 1..config.workers() {
-        let forwarder =
-            http::forward_client(&config, agent_authorization.clone(), hard_stop.clone(), Arc::clone(&state.metrics))?;
-        gateways.push(http::Gateway::new(http::AppState { forwarder, ..state.clone() }));
+        gateways.push(http::Gateway::new(http::AppState { forwarder: forwarder(), ..state.clone() }));
     }
     tracing::info!(listen = %listener.local_addr()?, id = %config.dataplane_id, workers = gateways.len(), "data plane running");
     // On shutdown: stop accepting, let requests in flight finish, but not

@@ -1,23 +1,78 @@
 //! The OpenAI-compatible HTTP surface. Requests are parsed only as far as
 //! routing needs ([`view`]); the original bytes are what is forwarded.
+//!
+//! An inference request goes through [`pipeline`]'s phases; its attempts
+//! at nodes through [`attempt`], each judged by [`classify`] and sent by
+//! [`client`]; a streamed answer through [`answer`]'s one body, which
+//! [`resume`] lets go on at another node.
 
+mod answer;
+mod attempt;
 mod body;
-mod continuation;
-mod error;
-mod forward;
+mod classify;
+mod client;
+mod edge;
+mod pipeline;
+mod resume;
 mod scan;
 mod server;
 mod sse;
 mod upstream;
 mod view;
 
-pub use error::ApiError;
-pub use server::{AppState, ENDPOINTS, Endpoint, Gateway, Peer, router};
+use std::net::IpAddr;
+use std::sync::Arc;
+
+use http::HeaderMap;
+
+pub use client::{Forwarder, Settings as ForwarderSettings};
+pub use server::{ENDPOINTS, Endpoint, Gateway, Peer, router};
 pub use view::{RoutingView, parse_view, session_key};
+
+use crate::auth::Caller;
+use crate::error::ApiError;
+use crate::routing;
+use crate::snapshot::{RoutingSnapshot, SnapshotStore};
+
+/// What every request's handling shares.
+#[derive(Clone)]
+pub struct AppState {
+    pub snapshots: Arc<SnapshotStore>,
+    pub forwarder: Forwarder,
+    pub metrics: Arc<crate::metrics::Metrics>,
+    pub registry: Arc<prometheus_client::registry::Registry>,
+    pub max_body_bytes: usize,
+    pub request_body_timeout: std::time::Duration,
+    pub mode: routing::Mode,
+    /// Request counter for rotating strategies.
+    pub tickets: Arc<std::sync::atomic::AtomicU64>,
+    /// Where answered requests are told, for the dashboard's tail.
+    pub decisions: Arc<crate::report::DecisionLog>,
+    pub auth: Arc<crate::auth::Auth>,
+    pub ledger: Arc<crate::usage::Ledger>,
+}
+
+impl AppState {
+    /// The caller of a request from `peer`, or the error that refuses it
+    /// (counted).
+    pub(crate) async fn authenticate(
+        &self,
+        headers: &HeaderMap,
+        peer: IpAddr,
+        snapshot: &RoutingSnapshot,
+    ) -> Result<Caller, ApiError> {
+        self.auth.authenticate(headers, peer, snapshot).await.map_err(|(refusal, error)| self.refused(refusal, error))
+    }
+
+    pub(crate) fn refused(&self, refusal: crate::auth::Refusal, error: ApiError) -> ApiError {
+        self.metrics.auth_refusals.get_or_create(&crate::metrics::ReasonLabels { reason: refusal.as_str() }).inc();
+        error
+    }
+}
 
 /// A request's id as text, for log lines and records. Always the whole id:
 /// the data plane takes a client's id only where it is text
-/// (`server::request_id`), and makes its own of hex digits otherwise.
+/// (`edge::request_id`), and makes its own of hex digits otherwise.
 fn id_text(id: &http::HeaderValue) -> &str {
     id.to_str().unwrap_or_default()
 }
@@ -37,16 +92,4 @@ fn write_hex(out: &mut [u8], mut bits: u128) {
 pub fn agent_authorization(join_token: &str) -> anyhow::Result<http::HeaderValue> {
     inferyes_proto::bearer::header_value(join_token)
         .ok_or_else(|| anyhow::anyhow!("the join token must be printable ASCII"))
-}
-
-/// The pooled client to agents, as configured. `hard_stop` ends the streams
-/// still running when a shutdown's grace is over.
-pub fn forward_client(
-    config: &crate::Config,
-    agent_authorization: Option<http::HeaderValue>,
-    hard_stop: tokio_util::sync::CancellationToken,
-    metrics: std::sync::Arc<crate::metrics::Metrics>,
-) -> anyhow::Result<forward::Forwarder> {
-    let tls = config.tls.http_client()?;
-    Ok(forward::Forwarder::new(config, tls, agent_authorization, hard_stop, metrics))
 }

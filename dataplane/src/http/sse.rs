@@ -93,6 +93,14 @@ fn event_end(bytes: &[u8]) -> Option<usize> {
     CRLF_EVENT_END.find(&bytes[..before]).map(|at| at + 4).or(lf)
 }
 
+/// Whether an answer with these headers is an event stream.
+pub fn is_event_stream(headers: &http::HeaderMap) -> bool {
+    headers
+        .get(http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("text/event-stream"))
+}
+
 /// Whether `bytes` end where an event does.
 fn ends_an_event(bytes: &[u8]) -> bool {
     bytes.ends_with(b"\n\n") || bytes.ends_with(b"\r\n\r\n")

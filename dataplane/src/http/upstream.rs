@@ -5,7 +5,7 @@ use http::StatusCode;
 use inferyes_proto::ErrorKind;
 use serde_json::Value;
 
-use super::ApiError;
+use crate::error::{ApiError, Code, ErrorCode};
 
 const MAX_MESSAGE: usize = 1000;
 
@@ -19,8 +19,8 @@ pub fn normalize(status: StatusCode, body: &[u8]) -> ApiError {
             let message = fields.get("message").and_then(Value::as_str).unwrap_or("backend error").to_string();
             let backend_type = fields.get("type").and_then(Value::as_str).unwrap_or_default();
             let code = match fields.get("code") {
-                Some(Value::String(code)) => Some(code.clone()),
-                _ => llama_server_code(backend_type).map(str::to_string),
+                Some(Value::String(code)) => Some(Code::Backend(code.as_str().into())),
+                _ => llama_server_code(backend_type).map(Code::Gateway),
             };
             let param = fields.get("param").and_then(Value::as_str).map(str::to_string);
             (message, code, param)
@@ -50,15 +50,15 @@ pub fn normalize(status: StatusCode, body: &[u8]) -> ApiError {
 
 /// llama-server puts its own error class in `type` and an HTTP status in
 /// `code`; OpenAI clients look for a string `code`.
-fn llama_server_code(backend_type: &str) -> Option<&'static str> {
+fn llama_server_code(backend_type: &str) -> Option<ErrorCode> {
     Some(match backend_type {
-        "exceed_context_size_error" => "context_length_exceeded",
-        "not_supported_error" => "unsupported_endpoint",
-        "unavailable_error" => "model_loading",
-        "authentication_error" => "backend_authentication_failed",
-        "not_found_error" => "not_found",
-        "invalid_request_error" => "invalid_request",
-        "server_error" => "backend_error",
+        "exceed_context_size_error" => ErrorCode::ContextLengthExceeded,
+        "not_supported_error" => ErrorCode::UnsupportedEndpoint,
+        "unavailable_error" => ErrorCode::ModelLoading,
+        "authentication_error" => ErrorCode::BackendAuthenticationFailed,
+        "not_found_error" => ErrorCode::NotFound,
+        "invalid_request_error" => ErrorCode::InvalidRequest,
+        "server_error" => ErrorCode::BackendError,
         _ => return None,
     })
 }
@@ -72,7 +72,7 @@ mod tests {
         let body = br#"{"error":{"code":400,"message":"request (5000 tokens) exceeds the available context size (2048 tokens), try increasing it","type":"exceed_context_size_error","n_prompt_tokens":5000,"n_ctx":2048}}"#;
         let error = normalize(StatusCode::BAD_REQUEST, body);
         assert_eq!(error.kind, ErrorKind::BadRequest);
-        assert_eq!(error.code.as_deref(), Some("context_length_exceeded"));
+        assert_eq!(error.code_str(), Some("context_length_exceeded"));
         assert!(error.message.contains("exceeds the available context size"));
         assert_eq!(error.status(), StatusCode::BAD_REQUEST);
     }
@@ -81,7 +81,7 @@ mod tests {
     fn llama_swap_errors_old_and_new_are_understood() {
         let new = br#"{"src":"llama-swap","error":{"message":"too many requests","type":"rate_limit_error","param":null,"code":"concurrency_limit"}}"#;
         let error = normalize(StatusCode::TOO_MANY_REQUESTS, new);
-        assert_eq!((error.kind, error.code.as_deref()), (ErrorKind::RateLimited, Some("concurrency_limit")));
+        assert_eq!((error.kind, error.code_str()), (ErrorKind::RateLimited, Some("concurrency_limit")));
         let old = br#"{"error":"could not find suitable inference handler for x"}"#;
         let error = normalize(StatusCode::NOT_FOUND, old);
         assert_eq!(error.kind, ErrorKind::NotFound);

@@ -8,8 +8,8 @@ use http::{HeaderMap, HeaderName};
 use inferyes_proto::ErrorKind;
 use inferyes_proto::headers::MAX_SESSION_KEY_BYTES;
 
-use super::ApiError;
 use super::scan::{Fields, Raw, ScanError, scan};
+use crate::error::{ApiError, ErrorCode};
 use crate::routing::{stable_hash, text_hash};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -42,7 +42,7 @@ pub fn parse_view(body: &[u8]) -> Result<RoutingView, ApiError> {
         return Err(ApiError::new(
             ErrorKind::BadRequest,
             "you must provide a model parameter",
-            "missing_required_parameter",
+            ErrorCode::MissingRequiredParameter,
         )
         .param("model"));
     };
@@ -66,24 +66,24 @@ fn refusal(body: &[u8], error: ScanError) -> ApiError {
             ApiError::new(
                 ErrorKind::BadRequest,
                 format!("the request body is not valid JSON: {what} at line {line} column {column}"),
-                "invalid_json",
+                ErrorCode::InvalidJson,
             )
         }
         ScanError::NotObject { found } => ApiError::new(
             ErrorKind::BadRequest,
             format!("the request body must be a JSON object, not {found}"),
-            "invalid_json",
+            ErrorCode::InvalidJson,
         ),
         ScanError::Type { path, param, expected, found } => ApiError::new(
             ErrorKind::BadRequest,
             format!("Invalid type for '{path}': expected {expected}, but got {found} instead."),
-            "invalid_type",
+            ErrorCode::InvalidType,
         )
         .param(param),
         ScanError::Duplicate { path, param } => ApiError::new(
             ErrorKind::BadRequest,
             format!("the request body gives '{path}' more than once"),
-            "invalid_json",
+            ErrorCode::InvalidJson,
         )
         .param(param),
     }
@@ -277,12 +277,12 @@ mod tests {
         assert_eq!(no_model.param, Some("model"));
         let wrong_type = parse_view(br#"{"model":3}"#).unwrap_err();
         assert_eq!(wrong_type.kind, ErrorKind::BadRequest);
-        assert_eq!((wrong_type.code.as_deref(), wrong_type.param), (Some("invalid_type"), Some("model")));
+        assert_eq!((wrong_type.code_str(), wrong_type.param), (Some("invalid_type"), Some("model")));
         assert_eq!(wrong_type.message, "Invalid type for 'model': expected a string, but got a number instead.");
         let broken = parse_view(b"{\"model\":\"m\",\n \"messages\": [}").unwrap_err();
         assert_eq!(broken.message, "the request body is not valid JSON: expected value at line 2 column 15");
         let twice = parse_view(br#"{"model":"a","model":"b"}"#).unwrap_err();
-        assert_eq!((twice.code.as_deref(), twice.param), (Some("invalid_json"), Some("model")));
+        assert_eq!((twice.code_str(), twice.param), (Some("invalid_json"), Some("model")));
     }
 
     #[test]

@@ -29,6 +29,7 @@ use inferyes_proto::v1::{EndpointKind, ModelState, Strategy};
 
 pub use inferyes_proto::hash::{rendezvous_score, stable_hash, text_hash, unit_interval};
 
+use crate::error::{ApiError, ErrorCode};
 use crate::snapshot::{Placement, RoutingSnapshot, Target};
 
 /// What routing needs to know about a request.
@@ -149,12 +150,23 @@ impl RouteError {
         }
     }
 
-    pub fn code(&self) -> &'static str {
+    pub fn code(&self) -> ErrorCode {
         match self {
-            RouteError::ModelNotFound { .. } => "model_not_found",
-            RouteError::NotServed { .. } => "unsupported_endpoint",
-            RouteError::ContextTooLong { .. } => "context_length_exceeded",
-            RouteError::NoCapacity { .. } => "no_capacity",
+            RouteError::ModelNotFound { .. } => ErrorCode::ModelNotFound,
+            RouteError::NotServed { .. } => ErrorCode::UnsupportedEndpoint,
+            RouteError::ContextTooLong { .. } => ErrorCode::ContextLengthExceeded,
+            RouteError::NoCapacity { .. } => ErrorCode::NoCapacity,
+        }
+    }
+}
+
+impl From<RouteError> for ApiError {
+    fn from(error: RouteError) -> ApiError {
+        let api = ApiError::new(error.kind(), error.to_string(), error.code());
+        match error {
+            RouteError::NoCapacity { .. } => api.retry_after(1),
+            RouteError::ModelNotFound { .. } | RouteError::NotServed { .. } => api.param("model"),
+            RouteError::ContextTooLong { .. } => api.param("messages"),
         }
     }
 }

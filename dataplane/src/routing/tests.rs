@@ -452,7 +452,7 @@ fn a_node_whose_memory_is_not_read_lately_starts_no_load_but_serves_what_it_hold
     assert_eq!(nodes(&s, &select(&s, &chat(None)).unwrap()), ["a"]);
     let alone = snapshot(&cold[1..]);
     let refused = select(&alone, &chat(None)).unwrap_err();
-    assert_eq!(refused.code(), "no_capacity", "{refused:?}");
+    assert_eq!(refused.code().as_str(), "no_capacity", "{refused:?}");
     // Loaded there, the model goes on serving, its sessions included.
     let warm = snapshot(&[Spec { stale: true, sessions: vec!["conv".into()], ..spec("b") }]);
     let route = select(&warm, &chat(Some("conv"))).unwrap();
@@ -539,7 +539,7 @@ fn errors_name_what_is_wrong() {
     let embed = select(&s, &RouteRequest { kind: EndpointKind::Embedding, ..chat(None) }).unwrap_err();
     assert_eq!(embed.kind(), ErrorKind::BadRequest);
     let long = select(&s, &RouteRequest { prompt_tokens: 5000, ..chat(None) }).unwrap_err();
-    assert_eq!((long.kind(), long.code()), (ErrorKind::BadRequest, "context_length_exceeded"));
+    assert_eq!((long.kind(), long.code().as_str()), (ErrorKind::BadRequest, "context_length_exceeded"));
     assert!(long.to_string().contains("4096"), "{long}");
     let down = snapshot(&[Spec { health: Health::Down, ..spec("a") }]);
     assert_eq!(select(&down, &chat(None)).unwrap_err().kind(), ErrorKind::Overloaded);

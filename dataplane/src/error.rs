@@ -1,0 +1,233 @@
+//! Every error a client can get from the data plane, rendered in exactly
+//! one place, in the OpenAI envelope, with a `code` from one list.
+
+use axum::response::{IntoResponse, Response};
+use http::{HeaderValue, StatusCode, header};
+use inferyes_proto::{ErrorKind, openai_error_body};
+
+/// Declares [`ErrorCode`] from one list: each variant with its text.
+macro_rules! error_codes {
+    ($($(#[$meta:meta])* $name:ident => $text:literal,)*) => {
+        /// The `code` of every error the data plane writes itself.
+        /// `docs/api.md` lists each (a test holds the two to each other).
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+        pub enum ErrorCode {
+            $($(#[$meta])* $name,)*
+        }
+
+        impl ErrorCode {
+            pub const ALL: &[ErrorCode] = &[$(ErrorCode::$name,)*];
+
+            pub fn as_str(self) -> &'static str {
+                match self {
+                    $(ErrorCode::$name => $text,)*
+                }
+            }
+        }
+    };
+}
+
+error_codes! {
+    InvalidApiKey => "invalid_api_key",
+    RateLimitExceeded => "rate_limit_exceeded",
+    ModelNotFound => "model_not_found",
+    InvalidJson => "invalid_json",
+    InvalidType => "invalid_type",
+    MissingRequiredParameter => "missing_required_parameter",
+    InvalidBody => "invalid_body",
+    InvalidPath => "invalid_path",
+    ContextLengthExceeded => "context_length_exceeded",
+    UnsupportedEndpoint => "unsupported_endpoint",
+    UnknownUrl => "unknown_url",
+    MethodNotAllowed => "method_not_allowed",
+    RequestTimeout => "request_timeout",
+    RequestTooLarge => "request_too_large",
+    InternalError => "internal_error",
+    NoCapacity => "no_capacity",
+    NotReady => "not_ready",
+    GatewayShutdown => "gateway_shutdown",
+    UpstreamUnreachable => "upstream_unreachable",
+    UpstreamTimeout => "upstream_timeout",
+    UpstreamBroken => "upstream_broken",
+    UpstreamAuthMisconfigured => "upstream_auth_misconfigured",
+    UpstreamAnswerTooLarge => "upstream_answer_too_large",
+    // llama-server's error classes, in the words OpenAI clients read.
+    ModelLoading => "model_loading",
+    BackendAuthenticationFailed => "backend_authentication_failed",
+    NotFound => "not_found",
+    InvalidRequest => "invalid_request",
+    BackendError => "backend_error",
+}
+
+/// An error's `code`: one of ours, or what a backend wrote in its own
+/// (llama-swap's `concurrency_limit`, say), passed on.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Code {
+    Gateway(ErrorCode),
+    Backend(Box<str>),
+}
+
+impl Code {
+    pub fn as_str(&self) -> &str {
+        match self {
+            Code::Gateway(code) => code.as_str(),
+            Code::Backend(code) => code,
+        }
+    }
+}
+
+/// An error as the client gets it.
+#[derive(Debug, Clone)]
+pub struct ApiError {
+    pub kind: ErrorKind,
+    pub message: String,
+    pub code: Option<Code>,
+    pub param: Option<&'static str>,
+    /// Seconds, for 503s and 429s.
+    pub retry_after: Option<u32>,
+    /// Overrides the status [`ErrorKind`] implies (a backend's own status).
+    pub status: Option<StatusCode>,
+    /// Sent with the error (rate-limit headers).
+    pub headers: Vec<(http::HeaderName, HeaderValue)>,
+}
+
+impl ApiError {
+    pub fn new(kind: ErrorKind, message: impl Into<String>, code: ErrorCode) -> ApiError {
+        ApiError {
+            kind,
+            message: message.into(),
+            code: Some(Code::Gateway(code)),
+            param: None,
+            retry_after: None,
+            status: None,
+            headers: Vec::new(),
+        }
+    }
+
+    pub fn param(mut self, param: &'static str) -> ApiError {
+        self.param = Some(param);
+        self
+    }
+
+    pub fn retry_after(mut self, seconds: u32) -> ApiError {
+        self.retry_after = Some(seconds);
+        self
+    }
+
+    pub fn with_status(mut self, status: StatusCode) -> ApiError {
+        self.status = Some(status);
+        self
+    }
+
+    pub fn status(&self) -> StatusCode {
+        self.status.unwrap_or_else(|| {
+            StatusCode::from_u16(self.kind.http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR)
+        })
+    }
+
+    /// A model the caller may not use is, to the caller, a model that does
+    /// not exist: the answer OpenAI gives, and no catalog leaks to a
+    /// narrow key.
+    pub fn no_such_model(id: &str) -> ApiError {
+        ApiError::new(
+            ErrorKind::NotFound,
+            format!("The model `{id}` does not exist or you do not have access to it."),
+            ErrorCode::ModelNotFound,
+        )
+        .param("model")
+    }
+
+    pub fn not_ready() -> ApiError {
+        ApiError::new(ErrorKind::Unavailable, "the data plane has no routing snapshot yet", ErrorCode::NotReady)
+            .retry_after(1)
+    }
+
+    /// A bug: what the client is told of it.
+    pub fn internal() -> ApiError {
+        ApiError::new(ErrorKind::Internal, "internal error; the request was not completed", ErrorCode::InternalError)
+    }
+
+    pub fn code_str(&self) -> Option<&str> {
+        self.code.as_ref().map(Code::as_str)
+    }
+
+    /// The error's JSON body, `{"error":{...}}`.
+    pub fn body(&self) -> String {
+        openai_error_body(self.kind, &self.message, self.code_str(), self.param)
+    }
+
+    /// A final SSE event carrying the error, the way OpenAI-compatible
+    /// servers end a stream that failed after it started.
+    pub fn event(&self) -> bytes::Bytes {
+        bytes::Bytes::from(format!("data: {}\n\n", self.body()))
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = self.body();
+        let mut response = (self.status(), [(header::CONTENT_TYPE, "application/json")], body).into_response();
+        if let Some(seconds) = self.retry_after {
+            response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+        }
+        for (name, value) in self.headers {
+            response.headers_mut().insert(name, value);
+        }
+        response
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeSet;
+
+    use super::ErrorCode;
+
+    /// The codes `docs/api.md`'s tables give, from every table with a
+    /// `` `code` `` column; a backend's own code ("the backend's, e.g.")
+    /// is not ours to list.
+    fn documented() -> BTreeSet<String> {
+        let doc = include_str!("../../docs/api.md");
+        let mut codes = BTreeSet::new();
+        let mut column = None;
+        for line in doc.lines() {
+            let Some(row) = line.trim().strip_prefix('|') else {
+                column = None;
+                continue;
+            };
+            let cells: Vec<&str> = row.split('|').map(str::trim).collect();
+            if column.is_none() {
+                column = cells.iter().position(|cell| *cell == "`code`");
+                continue;
+            }
+            let Some(cell) = column.and_then(|i| cells.get(i)) else { continue };
+            if cell.starts_with("the backend's") || cell.starts_with("---") {
+                continue;
+            }
+            let code = cell.split('`').nth(1).unwrap_or_default();
+            assert!(!code.is_empty(), "a row of a `code` table without a code: {line}");
+            codes.insert(code.to_string());
+        }
+        codes
+    }
+
+    #[test]
+    fn every_code_is_documented_and_every_documented_code_is_one() {
+        let ours: BTreeSet<String> = ErrorCode::ALL.iter().map(|c| c.as_str().to_string()).collect();
+        let documented = documented();
+        let undocumented: Vec<_> = ours.difference(&documented).collect();
+        let unknown: Vec<_> = documented.difference(&ours).collect();
+        assert!(undocumented.is_empty(), "codes docs/api.md does not list: {undocumented:?}");
+        assert!(unknown.is_empty(), "codes docs/api.md lists that the data plane never writes: {unknown:?}");
+        assert_eq!(ours.len(), ErrorCode::ALL.len(), "each code once");
+    }
+
+    #[test]
+    fn the_reader_of_the_tables_reads_them() {
+        let documented = documented();
+        for code in ["invalid_api_key", "upstream_broken", "no_capacity"] {
+            assert!(documented.contains(code), "{code} in {documented:?}");
+        }
+        assert!(!documented.contains("concurrency_limit"), "a backend's own");
+    }
+}

@@ -1,0 +1,414 @@
+//! The one body every streamed answer reaches its client through. It
+//! meters the stream, keeps its tail, takes out the usage chunk the client
+//! did not ask for, checks the end (`data: [DONE]`), and ends a stream
+//! that failed with an error event rather than a cut connection. Two
+//! states are optional: a prelude, SSE notes while a cold load runs before
+//! the answer's head, and a resume, the stream continued on another node
+//! when it breaks. What each end of a stream means is
+//! [`classify_end`]'s to say.
+
+use std::collections::VecDeque;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use http::HeaderValue;
+use http_body::{Body as _, Frame, SizeHint};
+use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
+
+use super::attempt::{InFlight, Started};
+use super::classify::{EndVerdict, StreamEnd, UpstreamError, classify_end};
+use super::client::Answer;
+use super::resume::{self, Hop};
+use crate::error::{ApiError, ErrorCode};
+use crate::usage::{Meter, Outcome};
+
+/// Enough of a stream's end to see its last events, usage included.
+const TAIL_BYTES: usize = inferyes_proto::usage::TAIL_BYTES;
+/// How often a client waiting on a cold load hears about it.
+const LOADING_NOTE_EVERY: Duration = Duration::from_secs(1);
+
+type Boxed<T> = Pin<Box<dyn Future<Output = T> + Send>>;
+
+/// What a stream's body is passed on with, the same whatever node answers.
+pub(crate) struct Plan {
+    /// Chat and completion streams end with `data: [DONE]` (or an error
+    /// event); the last bytes tell whether this one did.
+    pub expects_done: bool,
+    /// The data plane asked for usage the client did not: its chunk is
+    /// taken out, which needs whole events.
+    pub strip_usage: bool,
+    pub meter: Option<Meter>,
+    pub request_id: HeaderValue,
+    /// The snapshot the request was routed on, for an ejection.
+    pub version: u64,
+    /// Cancelled when a shutdown's grace period is over.
+    pub hard_stop: CancellationToken,
+    /// Where the stream may be continued if it breaks.
+    pub resume: Option<Resuming>,
+}
+
+/// What a stream needs to go on elsewhere.
+pub(crate) struct Resuming {
+    pub request: Arc<resume::Request>,
+    pub metrics: Arc<crate::metrics::Metrics>,
+}
+
+/// A streamed answer on its way to the client.
+pub(crate) struct AnswerBody {
+    state: State,
+}
+
+enum State {
+    Loading(Box<Loading>),
+    Streaming(Box<Streaming>),
+    Ended,
+}
+
+/// A cold load under way: a note each second until the answer's head.
+struct Loading {
+    answer: Boxed<Result<AnswerBody, ApiError>>,
+    ticker: tokio::time::Interval,
+    started: tokio::time::Instant,
+    model: String,
+    node: String,
+    meter: Option<Meter>,
+}
+
+/// A node's stream, passed on.
+struct Streaming {
+    inner: Answer,
+    guard: InFlight,
+    node: Arc<str>,
+    event_stream: bool,
+    status: u16,
+    tail: Vec<u8>,
+    /// A partial event, where events are read whole.
+    events: super::sse::Events,
+    hard_stop: Pin<Box<WaitForCancellationFutureOwned>>,
+    plan: Plan,
+    /// Where the stream may go on: the nodes left, and what it said so far.
+    hops: Option<Box<Hops>>,
+    /// The request's span ends with the stream, not with its headers.
+    span: tracing::Span,
+    ended: bool,
+}
+
+struct Hops {
+    left: VecDeque<Hop>,
+    partial: String,
+    generated: u64,
+    continued: bool,
+    /// The next node being asked to continue.
+    asking: Option<Boxed<Option<resume::Continued>>>,
+}
+
+impl AnswerBody {
+    /// The body of a stream whose head passed, and the head it goes with.
+    /// `hops` are where it may continue, with `plan.resume`.
+    pub(crate) fn streaming(started: Started, plan: Plan, hops: VecDeque<Hop>) -> (http::response::Parts, AnswerBody) {
+        let Started { parts, body, guard, node, .. } = started;
+        let event_stream = super::sse::is_event_stream(&parts.headers);
+        let hops = (plan.resume.is_some() && event_stream && !hops.is_empty()).then(|| {
+            Box::new(Hops { left: hops, partial: String::new(), generated: 0, continued: false, asking: None })
+        });
+        let streaming = Streaming {
+            inner: body,
+            guard,
+            node,
+            event_stream,
+            status: parts.status.as_u16(),
+            tail: Vec::new(),
+            events: super::sse::Events::default(),
+            hard_stop: Box::pin(plan.hard_stop.clone().cancelled_owned()),
+            plan,
+            hops,
+            span: tracing::Span::current(),
+            ended: false,
+        };
+        (parts, AnswerBody { state: State::Streaming(Box::new(streaming)) })
+    }
+
+    /// A stream whose answer is still to come (`answer`, which runs as the
+    /// body is read): a note each second, as SSE comments, that `model` is
+    /// loading on `node`; then the answer, or its error as the last event.
+    pub(crate) fn loading(
+        answer: impl Future<Output = Result<AnswerBody, ApiError>> + Send + 'static,
+        model: String,
+        node: String,
+        meter: Option<Meter>,
+    ) -> AnswerBody {
+        let mut ticker = tokio::time::interval(LOADING_NOTE_EVERY);
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let loading = Loading {
+            answer: Box::pin(tracing::Instrument::in_current_span(answer)),
+            ticker,
+            started: tokio::time::Instant::now(),
+            model,
+            node,
+            meter,
+        };
+        AnswerBody { state: State::Loading(Box::new(loading)) }
+    }
+}
+
+impl http_body::Body for AnswerBody {
+    type Data = Bytes;
+    type Error = inferyes_proto::pool::BodyError;
+
+    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        let this = self.get_mut();
+        loop {
+            let polled = match &mut this.state {
+                State::Ended => return Poll::Ready(None),
+                State::Loading(loading) => loading.poll(cx),
+                State::Streaming(streaming) => return streaming.poll(cx),
+            };
+            match polled {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(Prelude::Note(note)) => return Poll::Ready(Some(Ok(Frame::data(note)))),
+                Poll::Ready(Prelude::Answer(body)) => this.state = body.state,
+                Poll::Ready(Prelude::Failed(event)) => {
+                    this.state = State::Ended;
+                    return Poll::Ready(Some(Ok(Frame::data(event))));
+                }
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        // Only once `poll_frame` has seen the end: an HTTP/2 answer says it
+        // ends with its last data frame, and a body taken as ended is not
+        // polled again, so its usage would never be recorded nor a missing
+        // `[DONE]` noticed.
+        match &self.state {
+            State::Ended => true,
+            State::Streaming(streaming) => streaming.ended,
+            State::Loading(_) => false,
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        // Not the node's: frames may be taken out or added.
+        SizeHint::default()
+    }
+}
+
+/// What the prelude comes to.
+enum Prelude {
+    Note(Bytes),
+    Answer(AnswerBody),
+    /// The answer failed before its head: its error event, the last.
+    Failed(Bytes),
+}
+
+impl Loading {
+    fn poll(&mut self, cx: &mut Context<'_>) -> Poll<Prelude> {
+        match self.answer.as_mut().poll(cx) {
+            Poll::Ready(Ok(body)) => return Poll::Ready(Prelude::Answer(body)),
+            Poll::Ready(Err(error)) => {
+                // The client's status was 200 long ago: the meter is told of
+                // the failure here, or its drop would count a cancelled
+                // request and estimate its tokens.
+                if let Some(meter) = &self.meter {
+                    meter.finish(error.status().as_u16(), Outcome::Error, None);
+                }
+                return Poll::Ready(Prelude::Failed(error.event()));
+            }
+            Poll::Pending => {}
+        }
+        if self.ticker.poll_tick(cx).is_pending() {
+            return Poll::Pending;
+        }
+        let (model, node, seconds) = (&self.model, &self.node, self.started.elapsed().as_secs());
+        Poll::Ready(Prelude::Note(Bytes::from(format!(": loading model {model} on node {node} ({seconds}s)\n\n"))))
+    }
+}
+
+type Polled = Poll<Option<Result<Frame<Bytes>, inferyes_proto::pool::BodyError>>>;
+
+impl Streaming {
+    fn poll(&mut self, cx: &mut Context<'_>) -> Polled {
+        if self.ended {
+            return Poll::Ready(None);
+        }
+        if self.hard_stop.as_mut().poll(cx).is_ready() {
+            return self.end(cx, StreamEnd::Shutdown, None);
+        }
+        if let Some(asking) = self.hops.as_mut().and_then(|hops| hops.asking.as_mut()) {
+            let Poll::Ready(next) = asking.as_mut().poll(cx) else { return Poll::Pending };
+            return match next {
+                Some(continued) => Poll::Ready(Some(Ok(Frame::data(self.continue_on(continued))))),
+                None => {
+                    let error = ApiError::new(
+                        inferyes_proto::ErrorKind::Upstream,
+                        format!(
+                            "node `{}` failed in the middle of the stream and no node could continue it",
+                            self.node
+                        ),
+                        ErrorCode::UpstreamBroken,
+                    );
+                    self.finish(Outcome::Broken);
+                    self.ended = true;
+                    Poll::Ready(Some(Ok(Frame::data(error.event()))))
+                }
+            };
+        }
+        loop {
+            match Pin::new(&mut self.inner).poll_frame(cx) {
+                Poll::Ready(Some(Ok(frame))) => {
+                    let Some(data) = frame.data_ref() else { return Poll::Ready(Some(Ok(frame))) };
+                    if let Some(meter) = &self.plan.meter {
+                        if self.event_stream {
+                            meter.frame(|| super::sse::carries_output(data));
+                        }
+                        // One event, one token: an estimate for streams
+                        // that say nothing of their usage.
+                        meter.data_events(super::sse::count_data_events(data));
+                    }
+                    self.tail.extend_from_slice(data);
+                    if self.tail.len() > 2 * TAIL_BYTES {
+                        self.tail.drain(..self.tail.len() - TAIL_BYTES);
+                    }
+                    if self.hops.is_some() {
+                        // Read event by event, for what was said so far.
+                        match self.read_events(data) {
+                            Some(kept) => return Poll::Ready(Some(Ok(Frame::data(kept)))),
+                            None => continue,
+                        }
+                    }
+                    if self.plan.strip_usage && self.event_stream {
+                        // Whole events only, without the usage chunk the
+                        // client did not ask for.
+                        match self.events.without_usage(data.clone()) {
+                            Some(kept) => return Poll::Ready(Some(Ok(Frame::data(kept)))),
+                            None => continue,
+                        }
+                    }
+                    return Poll::Ready(Some(Ok(frame)));
+                }
+                Poll::Ready(None) if !self.events.is_empty() && self.hops.is_none() => {
+                    // A last event without its blank line: passed on as it is.
+                    return Poll::Ready(Some(Ok(Frame::data(self.events.take_rest()))));
+                }
+                Poll::Ready(None) => {
+                    let complete = !(self.event_stream && self.plan.expects_done) || super::sse::ended_well(&self.tail);
+                    return self.end(cx, StreamEnd::Closed { complete }, None);
+                }
+                Poll::Ready(Some(Err(error))) => return self.end(cx, StreamEnd::Failed, Some(error)),
+                Poll::Pending => return Poll::Pending,
+            }
+        }
+    }
+
+    /// The whole events `data` completes, as passed on to a stream that
+    /// may be continued: what they say kept for a continuation, the
+    /// usage-only chunk and a continued stream's second preamble left out.
+    fn read_events(&mut self, data: &[u8]) -> Option<Bytes> {
+        let hops = self.hops.as_mut()?;
+        let mut kept = BytesMut::new();
+        for event in self.events.push(data) {
+            if self.plan.strip_usage && super::sse::is_usage_only_event(&event) {
+                continue;
+            }
+            match resume::read(&event) {
+                resume::Event::Chunk { preamble: true, .. } if hops.continued => continue,
+                resume::Event::Chunk { content: Some(content), .. } => {
+                    hops.partial.push_str(&content);
+                    hops.generated += 1;
+                }
+                _ => {}
+            }
+            kept.extend_from_slice(&event);
+        }
+        (!kept.is_empty()).then(|| kept.freeze())
+    }
+
+    /// The stream's end, as [`classify_end`] judges it; `failure`, the
+    /// node's connection's, where it failed.
+    fn end(
+        &mut self,
+        cx: &mut Context<'_>,
+        end: StreamEnd,
+        failure: Option<inferyes_proto::pool::BodyError>,
+    ) -> Polled {
+        let span = self.span.clone();
+        let _entered = span.enter();
+        let resumable = self.hops.as_ref().is_some_and(|hops| !hops.left.is_empty());
+        let request_id = super::id_text(&self.plan.request_id);
+        let (eject, error) = match classify_end(end, self.event_stream, resumable) {
+            EndVerdict::Done => {
+                self.ended = true;
+                self.finish(Outcome::Ok);
+                return Poll::Ready(None);
+            }
+            EndVerdict::Resume => {
+                let ejected_ms = self.guard.local.eject(inferyes_proto::unix_ms(), self.plan.version);
+                let (Some(hops), Some(resuming)) = (self.hops.as_mut(), self.plan.resume.as_ref()) else {
+                    unreachable!("a stream is resumable only with somewhere to go")
+                };
+                tracing::warn!(request_id, node = %self.node, ejected_ms, generated = hops.generated, "stream broke mid-answer; continuing elsewhere");
+                let left = std::mem::take(&mut hops.left);
+                let asking =
+                    resume::continue_on(Arc::clone(&resuming.request), left, hops.partial.clone(), hops.generated);
+                hops.asking = Some(Box::pin(tracing::Instrument::instrument(asking, span.clone())));
+                drop(_entered);
+                return self.poll(cx);
+            }
+            EndVerdict::Fail { eject, error } => (eject, Some(error)),
+            EndVerdict::Cut { eject } => (eject, None),
+        };
+        self.ended = true;
+        self.finish(Outcome::Broken);
+        if eject {
+            let ejected_ms = self.guard.local.eject(inferyes_proto::unix_ms(), self.plan.version);
+            tracing::warn!(request_id, node = %self.node, ejected_ms, "node failed mid-stream; held out of routing");
+        } else if matches!(error, Some(UpstreamError::StreamCut)) {
+            tracing::warn!(request_id, node = %self.node, "stream ended without [DONE]; ending it with an error event");
+        }
+        match (error, failure) {
+            (Some(error), _) if self.event_stream => {
+                Poll::Ready(Some(Ok(Frame::data(error.into_api(&self.node).event()))))
+            }
+            // No event can tell the client: the connection is cut, as the
+            // node's was.
+            (_, Some(failure)) => Poll::Ready(Some(Err(failure))),
+            _ => Poll::Ready(None),
+        }
+    }
+
+    /// The stream going on at another node: the note that says so.
+    fn continue_on(&mut self, continued: resume::Continued) -> Bytes {
+        let resume::Continued { hop, answer, left } = continued;
+        let Some(hops) = self.hops.as_mut() else { unreachable!("only a stream with hops goes on") };
+        if let Some(resuming) = &self.plan.resume {
+            resuming.metrics.continuations.inc();
+        }
+        let note = format!(
+            ": continued on node {} after node {} broke ({} chunks in)\n\n",
+            hop.node, self.node, hops.generated
+        );
+        hops.left = left;
+        hops.continued = true;
+        hops.asking = None;
+        self.guard = InFlight::enter(Arc::clone(&hop.local));
+        self.node = hop.node;
+        self.inner = answer;
+        self.events = super::sse::Events::default();
+        self.tail.clear();
+        Bytes::from(note)
+    }
+
+    fn finish(&self, outcome: Outcome) {
+        if let Some(meter) = &self.plan.meter {
+            // A continued answer's usage is partly the first node's: it is
+            // estimated (prompt from the request, one token per event).
+            let continued = self.hops.as_ref().is_some_and(|hops| hops.continued);
+            let usage = if continued { None } else { inferyes_proto::usage::parse_usage(&self.tail) };
+            meter.finish(self.status, outcome, usage);
+        }
+    }
+}

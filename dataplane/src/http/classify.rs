@@ -1,0 +1,312 @@
+//! What an attempt at a node came to, and what follows: the one place the
+//! forwarding path decides to pass an answer on, to try the next node
+//! (and whether to hold this one out of routing), or to fail, before the
+//! answer's head and at a stream's end alike. Pure, so every outcome is
+//! tested without a socket.
+
+use std::time::Duration;
+
+use http::StatusCode;
+use inferyes_proto::ErrorKind;
+
+use crate::error::{ApiError, ErrorCode};
+
+/// Why an attempt failed, as the client is told.
+#[derive(Debug, Clone)]
+pub enum UpstreamError {
+    /// No connection, or it broke before the answer's head.
+    Unreachable,
+    /// No answer's head within the response-header timeout.
+    Timeout(Duration),
+    /// A whole answer broke off in the middle.
+    Broken,
+    /// A stream broke off in the middle, and no node continued it.
+    StreamBroken,
+    /// The node closed a stream without its end (`data: [DONE]`).
+    StreamCut,
+    /// The node's agent does not take this data plane's join token.
+    AuthMisconfigured,
+    /// A whole answer over what the data plane holds in memory.
+    AnswerTooLarge,
+    /// The data plane shut down before the answer was complete.
+    Shutdown,
+    /// The node's own error, passed on.
+    Refused(ApiError),
+}
+
+/// Why a connection failed.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Non-streamed answers are read whole before they are passed on, up to
+/// this.
+pub const MAX_BUFFERED_BODY: usize = 256 << 20;
+
+impl UpstreamError {
+    /// The error the client gets, from `node`.
+    pub fn into_api(self, node: &str) -> ApiError {
+        let (kind, message, code) = match self {
+            UpstreamError::Refused(error) => return error,
+            UpstreamError::Unreachable => {
+                (ErrorKind::Upstream, format!("node `{node}` is unreachable"), ErrorCode::UpstreamUnreachable)
+            }
+            UpstreamError::Timeout(after) => (
+                ErrorKind::Timeout,
+                format!("node `{node}` did not answer within {after:?}"),
+                ErrorCode::UpstreamTimeout,
+            ),
+            UpstreamError::Broken => (
+                ErrorKind::Upstream,
+                format!("node `{node}` failed in the middle of its answer"),
+                ErrorCode::UpstreamBroken,
+            ),
+            UpstreamError::StreamBroken => (
+                ErrorKind::Upstream,
+                format!("node `{node}` failed in the middle of the stream"),
+                ErrorCode::UpstreamBroken,
+            ),
+            UpstreamError::StreamCut => (
+                ErrorKind::Upstream,
+                format!("node `{node}` ended the stream before the answer was complete"),
+                ErrorCode::UpstreamBroken,
+            ),
+            UpstreamError::AuthMisconfigured => (
+                ErrorKind::Upstream,
+                format!("node `{node}` does not take this gateway's join token"),
+                ErrorCode::UpstreamAuthMisconfigured,
+            ),
+            UpstreamError::AnswerTooLarge => (
+                ErrorKind::Upstream,
+                format!("the answer from node `{node}` is over {} MiB; ask for it streamed", MAX_BUFFERED_BODY >> 20),
+                ErrorCode::UpstreamAnswerTooLarge,
+            ),
+            UpstreamError::Shutdown => (
+                ErrorKind::Unavailable,
+                "the gateway shut down before the answer was complete".to_string(),
+                ErrorCode::GatewayShutdown,
+            ),
+        };
+        ApiError::new(kind, message, code)
+    }
+}
+
+/// What one attempt came to, up to its answer's head (and, for an answer
+/// read whole, its body).
+#[derive(Debug)]
+pub enum Attempt {
+    /// No head within the response-header timeout.
+    TimedOut(Duration),
+    /// No connection, or it broke before the head; why, where known.
+    Unreachable(Option<BoxError>),
+    /// An error status, with the node's error read.
+    Refused(ApiError),
+    /// Any other status, head read (and body, for a whole answer).
+    Answered,
+    /// A whole answer's body broke off.
+    BodyBroke,
+    /// A whole answer's body was longer than [`MAX_BUFFERED_BODY`].
+    BodyTooLarge,
+}
+
+/// What follows an attempt.
+#[derive(Debug)]
+pub enum Verdict {
+    /// The answer goes to the client.
+    Pass,
+    /// Try the next target; where none is left, the request fails with
+    /// `error`, told as no node's (none answered). `eject` holds this node
+    /// out of routing for a while.
+    Failover { eject: bool, error: UpstreamError },
+    /// The request ends with `error`, told as this node's.
+    Fail { eject: bool, error: UpstreamError },
+}
+
+/// llama-swap's per-model limit: a refusal for load, which another node
+/// may not share.
+const CONCURRENCY_LIMIT: &str = "concurrency_limit";
+
+/// The verdict on `attempt`; `last` where no target follows it.
+pub fn classify(attempt: Attempt, last: bool) -> Verdict {
+    match attempt {
+        Attempt::Answered => Verdict::Pass,
+        // The timeout is the request's whole wait for an answer to start (a
+        // non-streamed generation can take minutes): no time is left to
+        // try another node.
+        Attempt::TimedOut(after) => Verdict::Fail { eject: true, error: UpstreamError::Timeout(after) },
+        Attempt::Unreachable(_) => Verdict::Failover { eject: true, error: UpstreamError::Unreachable },
+        // Nothing reached the client: the next node answers instead.
+        Attempt::BodyBroke => Verdict::Failover { eject: true, error: UpstreamError::Broken },
+        // The node is well; the answer is too big to hold, and another
+        // node would give as big a one.
+        Attempt::BodyTooLarge => Verdict::Fail { eject: false, error: UpstreamError::AnswerTooLarge },
+        Attempt::Refused(mut error) => {
+            let status = error.status();
+            // An agent that does not take this data plane's join token: the
+            // fleet's setup at fault, not the client's key (an SDK reads a
+            // 401 as that). Another node may take it.
+            let misconfigured = status == StatusCode::UNAUTHORIZED
+                && error.code_str() == Some(inferyes_proto::bearer::FLEET_TOKEN_REQUIRED);
+            let refused =
+                misconfigured || status == StatusCode::BAD_GATEWAY || status == StatusCode::SERVICE_UNAVAILABLE;
+            // llama-swap's per-model limit is a refusal too, passed on
+            // where no other node is left; other 429s (a client's own
+            // limit) are the client's to see.
+            let busy = status == StatusCode::TOO_MANY_REQUESTS && error.code_str() == Some(CONCURRENCY_LIMIT);
+            let error = if misconfigured {
+                UpstreamError::AuthMisconfigured
+            } else {
+                if status == StatusCode::SERVICE_UNAVAILABLE && error.retry_after.is_none() {
+                    error.retry_after = Some(1);
+                }
+                UpstreamError::Refused(error)
+            };
+            if (refused || busy) && !last {
+                Verdict::Failover { eject: refused, error }
+            } else {
+                Verdict::Fail { eject: refused, error }
+            }
+        }
+    }
+}
+
+/// How a streamed answer came to its end.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StreamEnd {
+    /// The node closed it; `complete` where it ended as a whole answer
+    /// does (`data: [DONE]`, or an error event of the backend's own, for
+    /// streams that end so).
+    Closed { complete: bool },
+    /// Its connection failed, or went silent for the read timeout.
+    Failed,
+    /// The data plane is shutting down.
+    Shutdown,
+}
+
+/// What follows a stream's end.
+#[derive(Debug)]
+pub enum EndVerdict {
+    /// It ended as it should.
+    Done,
+    /// Go on at the next node that may continue it; `Fail` with
+    /// [`UpstreamError::StreamBroken`] where none can.
+    Resume,
+    /// End the stream with `error` as its last event, or, for a body that
+    /// is not an event stream, as it is.
+    Fail { eject: bool, error: UpstreamError },
+    /// Not an event stream: no event can say what went wrong, so the
+    /// connection is cut, as the node's was.
+    Cut { eject: bool },
+}
+
+/// The verdict on a stream's `end`. `event_stream` where the answer is
+/// one; `resumable` where it may be continued elsewhere.
+pub fn classify_end(end: StreamEnd, event_stream: bool, resumable: bool) -> EndVerdict {
+    match end {
+        StreamEnd::Closed { complete: true } => EndVerdict::Done,
+        StreamEnd::Shutdown => EndVerdict::Fail { eject: false, error: UpstreamError::Shutdown },
+        StreamEnd::Closed { complete: false } | StreamEnd::Failed if resumable && event_stream => EndVerdict::Resume,
+        // The node shut down, say: said rather than ended as if done.
+        StreamEnd::Closed { complete: false } => EndVerdict::Fail { eject: false, error: UpstreamError::StreamCut },
+        StreamEnd::Failed if event_stream => EndVerdict::Fail { eject: true, error: UpstreamError::StreamBroken },
+        StreamEnd::Failed => EndVerdict::Cut { eject: true },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn refused(status: u16, code: Option<&str>) -> Attempt {
+        let mut error = crate::http::upstream::normalize(StatusCode::from_u16(status).unwrap(), b"{}");
+        error.code = code.map(|c| crate::error::Code::Backend(c.into()));
+        Attempt::Refused(error)
+    }
+
+    fn code(error: UpstreamError) -> String {
+        error.into_api("n").code_str().unwrap_or_default().to_string()
+    }
+
+    #[test]
+    fn a_node_that_cannot_be_reached_is_held_out_and_the_next_one_tried() {
+        for last in [false, true] {
+            let Verdict::Failover { eject: true, error } = classify(Attempt::Unreachable(None), last) else { panic!() };
+            assert_eq!(code(error), "upstream_unreachable");
+            let Verdict::Failover { eject: true, error } = classify(Attempt::BodyBroke, last) else { panic!() };
+            assert_eq!(code(error), "upstream_broken");
+        }
+    }
+
+    #[test]
+    fn a_timeout_ends_the_request_and_holds_the_node_out() {
+        let verdict = classify(Attempt::TimedOut(Duration::from_secs(3)), false);
+        let Verdict::Fail { eject: true, error } = verdict else { panic!("{verdict:?}") };
+        let error = error.into_api("a");
+        assert_eq!((error.code_str(), error.status().as_u16()), (Some("upstream_timeout"), 504));
+        assert!(error.message.contains("node `a`"), "{}", error.message);
+    }
+
+    #[test]
+    fn refusals_for_load_fail_over_until_the_last_node_which_passes_them_on() {
+        for status in [502, 503] {
+            assert!(matches!(classify(refused(status, None), false), Verdict::Failover { eject: true, .. }));
+            let Verdict::Fail { eject: true, error: UpstreamError::Refused(error) } =
+                classify(refused(status, None), true)
+            else {
+                panic!()
+            };
+            assert_eq!(error.status().as_u16(), status);
+            assert_eq!(error.retry_after, (status == 503).then_some(1), "a 503 says when to come back");
+        }
+        let busy = classify(refused(429, Some("concurrency_limit")), false);
+        assert!(matches!(busy, Verdict::Failover { eject: false, .. }), "busy, not broken: {busy:?}");
+        let busy = classify(refused(429, Some("concurrency_limit")), true);
+        assert!(matches!(busy, Verdict::Fail { eject: false, error: UpstreamError::Refused(_) }));
+    }
+
+    #[test]
+    fn a_client_s_own_errors_are_passed_on_at_once() {
+        for (status, code) in [(400, Some("context_length_exceeded")), (429, Some("rate_limit_exceeded")), (404, None)]
+        {
+            let verdict = classify(refused(status, code), false);
+            let Verdict::Fail { eject: false, error: UpstreamError::Refused(error) } = verdict else {
+                panic!("{status}: {verdict:?}")
+            };
+            assert_eq!(error.status().as_u16(), status);
+        }
+    }
+
+    #[test]
+    fn a_join_token_refused_is_the_fleet_s_fault_not_the_client_s() {
+        let verdict = classify(refused(401, Some(inferyes_proto::bearer::FLEET_TOKEN_REQUIRED)), false);
+        let Verdict::Failover { eject: true, error } = verdict else { panic!("{verdict:?}") };
+        let error = error.into_api("n");
+        assert_eq!((error.code_str(), error.status().as_u16()), (Some("upstream_auth_misconfigured"), 502));
+        let key = classify(refused(401, Some("invalid_api_key")), false);
+        assert!(matches!(key, Verdict::Fail { eject: false, .. }), "a backend's own 401 is passed on: {key:?}");
+    }
+
+    #[test]
+    fn an_answer_too_large_to_hold_fails_without_blame() {
+        let Verdict::Fail { eject: false, error } = classify(Attempt::BodyTooLarge, false) else { panic!() };
+        assert_eq!(code(error), "upstream_answer_too_large");
+        assert!(matches!(classify(Attempt::Answered, false), Verdict::Pass));
+    }
+
+    #[test]
+    fn a_stream_s_end_is_done_resumed_or_told() {
+        let complete = StreamEnd::Closed { complete: true };
+        let cut = StreamEnd::Closed { complete: false };
+        for resumable in [false, true] {
+            assert!(matches!(classify_end(complete, true, resumable), EndVerdict::Done));
+            let shutdown = classify_end(StreamEnd::Shutdown, true, resumable);
+            let EndVerdict::Fail { eject: false, error } = shutdown else { panic!("{shutdown:?}") };
+            assert_eq!(code(error), "gateway_shutdown");
+        }
+        assert!(matches!(classify_end(cut, true, true), EndVerdict::Resume));
+        assert!(matches!(classify_end(StreamEnd::Failed, true, true), EndVerdict::Resume));
+        let EndVerdict::Fail { eject: false, error } = classify_end(cut, true, false) else { panic!() };
+        assert_eq!(code(error), "upstream_broken");
+        let EndVerdict::Fail { eject: true, error } = classify_end(StreamEnd::Failed, true, false) else { panic!() };
+        assert_eq!(code(error), "upstream_broken");
+        assert!(matches!(classify_end(StreamEnd::Failed, false, true), EndVerdict::Cut { eject: true }));
+    }
+}

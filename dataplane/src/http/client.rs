@@ -1,0 +1,320 @@
+//! The connection to agents: one request to a node's proxy, made of the
+//! client's, up to its answer's head. Which node, and what follows its
+//! answer, is decided elsewhere ([`super::attempt`]).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::uri::PathAndQuery;
+use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, header};
+use http_body_util::Full;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use inferyes_proto::base_url::BaseUrl;
+use inferyes_proto::headers::{
+    BACKEND as BACKEND_HEADER, MODEL as MODEL_HEADER, REQUEST_ID, SESSION as SESSION_HEADER,
+};
+use tokio_util::sync::CancellationToken;
+
+use super::classify::Attempt;
+
+type Http2Client = Client<hyper_rustls::HttpsConnector<HttpConnector>, Full<Bytes>>;
+
+/// An agent's answer, as it comes.
+pub(crate) type Answer = inferyes_proto::pool::Incoming<Full<Bytes>>;
+
+/// The settings of a [`Forwarder`], from the data plane's configuration.
+pub struct Settings {
+    pub connect_timeout: Duration,
+    pub header_timeout: Duration,
+    pub read_timeout: Duration,
+    pub http2: bool,
+}
+
+#[derive(Clone)]
+pub struct Forwarder {
+    /// To agents at `http://` and, with TLS, `https://` proxy URLs, over
+    /// HTTP/1.1: this worker's pool of connections.
+    http1: inferyes_proto::pool::Pool<Full<Bytes>>,
+    /// The same over HTTP/2, for agents that take it (unless configured
+    /// off): one connection per agent carries every request.
+    http2: Option<Http2Client>,
+    header_timeout: Duration,
+    /// The fleet's join token, which agents ask of every request.
+    agent_authorization: Option<HeaderValue>,
+    /// Cancelled when a shutdown's grace period is over: streams still
+    /// running end with an error event.
+    hard_stop: CancellationToken,
+}
+
+/// What the forwarder needs to know about one request.
+pub struct Outbound<'a> {
+    pub path_and_query: &'a PathAndQuery,
+    /// The client's: each attempt makes its own from them
+    /// ([`upstream_headers`]), the last one in place.
+    pub headers: HeaderMap,
+    pub body: Bytes,
+    pub model: &'a str,
+    pub session: Option<&'a str>,
+    pub request_id: &'a HeaderValue,
+    /// The client asked for a stream.
+    pub stream: bool,
+    /// Records the request's usage once, when its answer ends.
+    pub meter: Option<crate::usage::Meter>,
+}
+
+impl Forwarder {
+    /// A forwarder as `config` says, with `tls` made of its settings.
+    pub fn new(
+        settings: &Settings,
+        tls: rustls::ClientConfig,
+        agent_authorization: Option<HeaderValue>,
+        hard_stop: CancellationToken,
+    ) -> Forwarder {
+        let Settings { connect_timeout, header_timeout, read_timeout, http2 } = *settings;
+        let http1 = inferyes_proto::pool::Pool::new(inferyes_proto::pool::Settings {
+            connect_timeout,
+            idle_timeout: inferyes_proto::serve::CLIENT_IDLE_TIMEOUT,
+            tls: Some(Arc::new(tls.clone())),
+            read_timeout,
+        });
+        let mut tcp = HttpConnector::new();
+        tcp.set_nodelay(true);
+        tcp.set_connect_timeout(Some(connect_timeout));
+        // The TCP connector passes `https://` on to rustls.
+        tcp.enforce_http(false);
+        let http2 = http2.then(|| {
+            // One connection carries every request to an agent, so a dead
+            // one must be noticed without waiting for a request's header
+            // timeout: pings, answered within a few seconds.
+            Client::builder(TokioExecutor::new())
+                .http2_only(true)
+                .timer(hyper_util::rt::TokioTimer::new())
+                .http2_keep_alive_interval(Duration::from_secs(10))
+                .http2_keep_alive_timeout(Duration::from_secs(5))
+                .http2_keep_alive_while_idle(true)
+                // Credit for what clients have not read yet: a stream holds
+                // at most 1 MiB, and a few clients that stop reading must not
+                // use up the whole connection's (every request to the node).
+                .http2_initial_stream_window_size(1 << 20)
+                .http2_initial_connection_window_size(64 << 20)
+                .pool_idle_timeout(Duration::from_secs(90))
+                .build(
+                    hyper_rustls::HttpsConnectorBuilder::new()
+                        .with_tls_config(tls)
+                        .https_or_http()
+                        .enable_http2()
+                        .wrap_connector(tcp),
+                )
+        });
+        Forwarder { http1, http2, header_timeout, agent_authorization, hard_stop }
+    }
+
+    /// One request to a node's proxy, up to its answer's head (or the
+    /// response-header timeout): over HTTP/2 where the node takes it, else
+    /// on a pooled HTTP/1.1 connection.
+    pub(crate) async fn send(
+        &self,
+        proxy_url: &BaseUrl,
+        proxy_http2: bool,
+        backend: Option<&HeaderValue>,
+        out: &Outbound<'_>,
+        mut headers: HeaderMap,
+        body: Bytes,
+    ) -> Result<http::Response<Answer>, Attempt> {
+        // The client's own stayed behind ([`upstream_headers`]).
+        if let Some(value) = &self.agent_authorization {
+            headers.insert(header::AUTHORIZATION, value.clone());
+        }
+        let body = Full::new(body);
+        let sent = async {
+            if let Some(http2) = self.http2.as_ref().filter(|_| proxy_http2) {
+                let (uri, host) = proxy_url.uri(out.path_and_query).ok_or(Attempt::Unreachable(None))?;
+                let request = upstream_request(uri, host, backend, headers, body);
+                return match http2.request(request).await {
+                    Ok(response) => Ok(response.map(|body| self.http1.unpooled(body))),
+                    Err(error) => Err(unreachable(error)),
+                };
+            }
+            let (uri, host, origin) = proxy_url.origin_form(out.path_and_query).ok_or(Attempt::Unreachable(None))?;
+            let request = upstream_request(uri, host, backend, headers, body);
+            self.http1.send(origin, request).await.map_err(unreachable)
+        };
+        tokio::time::timeout(self.header_timeout, sent).await.unwrap_or(Err(Attempt::TimedOut(self.header_timeout)))
+    }
+
+    /// Cancelled when a shutdown's grace period is over.
+    pub(crate) fn hard_stop(&self) -> &CancellationToken {
+        &self.hard_stop
+    }
+}
+
+fn unreachable(error: impl Into<super::classify::BoxError>) -> Attempt {
+    Attempt::Unreachable(Some(error.into()))
+}
+
+/// Whether `text` is `n`, in decimal digits only.
+pub(crate) fn is_decimal(text: &[u8], n: usize) -> bool {
+    !text.is_empty()
+        && text.iter().try_fold(0usize, |value, &digit| {
+            digit.is_ascii_digit().then_some(())?;
+            value.checked_mul(10)?.checked_add(usize::from(digit - b'0'))
+        }) == Some(n)
+}
+
+/// The client's headers made into those a node is sent, in place: what
+/// stays behind taken out, ours put in. A client sends a dozen headers or
+/// more (the OpenAI SDKs, 17) and few of them stay behind: taking those out
+/// is much cheaper than copying all the others into a new map, and a copy
+/// (for an attempt a failover may follow) is cheapest as a clone, whose
+/// names are not hashed again. `Host`, the length and the backend are the
+/// attempt's own ([`upstream_request`]).
+pub(crate) fn upstream_headers(mut headers: HeaderMap, out: &Outbound<'_>) -> HeaderMap {
+    inferyes_proto::headers::remove_hop_by_hop_and(&mut headers, stays_behind);
+    headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    headers.insert(REQUEST_ID, out.request_id.clone());
+    if let Ok(v) = HeaderValue::from_str(out.model) {
+        headers.insert(MODEL_HEADER, v);
+    }
+    if let Some(v) = out.session.and_then(|s| HeaderValue::from_str(s).ok()) {
+        headers.insert(SESSION_HEADER, v);
+    }
+    inferyes_proto::telemetry::inject(&tracing::Span::current(), &mut headers);
+    headers
+}
+
+/// One attempt's request: `headers` from [`upstream_headers`], with this
+/// node's `Host` and backend, and the body's length.
+fn upstream_request(
+    uri: http::Uri,
+    host: HeaderValue,
+    backend: Option<&HeaderValue>,
+    mut headers: HeaderMap,
+    body: Full<Bytes>,
+) -> Request<Full<Bytes>> {
+    headers.insert(header::HOST, host);
+    // A client's own `x-inferyes-*` stayed behind: only the route's backend.
+    if let Some(v) = backend {
+        headers.insert(BACKEND_HEADER, v.clone());
+    }
+    // The client's length stands where it is the body's, alone (the usual
+    // case; an alias or a usage request rewritten in the body changes it,
+    // and an HTTP/2 client may repeat it, which a proxy must not pass on).
+    let length = http_body::Body::size_hint(&body).exact().and_then(|n| usize::try_from(n).ok()).unwrap_or(0);
+    let mut lengths = headers.get_all(header::CONTENT_LENGTH).iter();
+    let single = lengths.next().filter(|_| lengths.next().is_none());
+    if !single.is_some_and(|v| is_decimal(v.as_bytes(), length)) {
+        headers.insert(header::CONTENT_LENGTH, HeaderValue::from(length));
+    }
+    let mut request = Request::new(body);
+    *request.method_mut() = Method::POST;
+    *request.uri_mut() = uri;
+    *request.headers_mut() = headers;
+    request
+}
+
+/// Client headers that do not travel on, besides the hop-by-hop ones: the
+/// client's credential (the agent adds the backend's own), and our routing
+/// headers. `Host` and `Content-Length` are written anew for each attempt.
+fn stays_behind(name: &HeaderName) -> bool {
+    matches!(*name, header::PROXY_AUTHORIZATION | header::AUTHORIZATION) || name.as_str().starts_with("x-inferyes-")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_length_is_passed_on_only_where_it_is_the_body_s() {
+        assert!(is_decimal(b"240", 240));
+        assert!(is_decimal(b"0", 0));
+        assert!(!is_decimal(b"241", 240));
+        assert!(!is_decimal(b"", 0));
+        assert!(!is_decimal(b"+240", 240));
+        assert!(!is_decimal(b"24 0", 240));
+        assert!(!is_decimal(b"99999999999999999999999", 0), "too long for a length");
+    }
+
+    /// The headers a client's request reaches a node with.
+    fn sent(client: HeaderMap, backend: Option<&'static str>, body: &'static [u8]) -> HeaderMap {
+        let path = PathAndQuery::from_static("/v1/chat/completions");
+        let request_id = HeaderValue::from_static("req_1");
+        let out = Outbound {
+            path_and_query: &path,
+            headers: HeaderMap::new(),
+            body: Bytes::from_static(body),
+            model: "llama",
+            session: Some("chat-1"),
+            request_id: &request_id,
+            stream: false,
+            meter: None,
+        };
+        let headers = upstream_headers(client, &out);
+        let backend = backend.map(HeaderValue::from_static);
+        let request = upstream_request(
+            http::Uri::from_static("/v1/chat/completions"),
+            HeaderValue::from_static("node-a:9100"),
+            backend.as_ref(),
+            headers,
+            Full::new(out.body.clone()),
+        );
+        request.into_parts().0.headers
+    }
+
+    #[test]
+    fn a_client_s_headers_travel_on_but_its_credential_hop_by_hop_and_routing_headers_stay_behind() {
+        let mut client = HeaderMap::new();
+        client.insert(header::HOST, HeaderValue::from_static("gateway:8080"));
+        client.insert(header::AUTHORIZATION, HeaderValue::from_static("Bearer sk-client"));
+        client.insert(header::PROXY_AUTHORIZATION, HeaderValue::from_static("Basic cHJveHk="));
+        client.insert(header::CONNECTION, HeaderValue::from_static("keep-alive, X-Hop"));
+        client.insert(HeaderName::from_static("x-hop"), HeaderValue::from_static("for the gateway only"));
+        client.insert(HeaderName::from_static("keep-alive"), HeaderValue::from_static("timeout=5"));
+        client.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain"));
+        client.insert(header::CONTENT_LENGTH, HeaderValue::from_static("61"));
+        client.insert(BACKEND_HEADER, HeaderValue::from_static("chosen-by-the-client"));
+        client.insert(HeaderName::from_static("x-inferyes-anything"), HeaderValue::from_static("1"));
+        client.insert(HeaderName::from_static("x-stainless-lang"), HeaderValue::from_static("python"));
+        client.append(HeaderName::from_static("x-trace"), HeaderValue::from_static("a"));
+        client.append(HeaderName::from_static("x-trace"), HeaderValue::from_static("b"));
+        client.insert(HeaderName::from_static("x-session-id"), HeaderValue::from_static("chat-1"));
+
+        let headers = sent(client, Some("main"), b"{}");
+        for gone in ["authorization", "proxy-authorization", "connection", "keep-alive", "x-hop", "x-inferyes-anything"]
+        {
+            assert!(!headers.contains_key(gone), "{gone} stays behind");
+        }
+        assert_eq!(headers[header::HOST], "node-a:9100");
+        assert_eq!(headers[header::CONTENT_TYPE], "application/json");
+        assert_eq!(headers[header::CONTENT_LENGTH], "2", "the body's length, not the client's");
+        assert_eq!(headers[BACKEND_HEADER], "main", "the route's backend, not the client's");
+        assert_eq!(headers[MODEL_HEADER], "llama");
+        assert_eq!(headers[SESSION_HEADER], "chat-1");
+        assert_eq!(headers[REQUEST_ID], "req_1");
+        assert_eq!(headers["x-stainless-lang"], "python");
+        assert_eq!(headers["x-session-id"], "chat-1");
+        let trace: Vec<_> = headers.get_all("x-trace").iter().collect();
+        assert_eq!(trace, ["a", "b"], "every value of a header, in order");
+        assert_eq!(headers.len(), 11);
+    }
+
+    #[test]
+    fn a_route_without_a_backend_sends_none_and_a_right_length_is_kept() {
+        let mut client = HeaderMap::new();
+        client.insert(header::CONTENT_LENGTH, HeaderValue::from_static("2"));
+        client.insert(BACKEND_HEADER, HeaderValue::from_static("chosen-by-the-client"));
+        let headers = sent(client, None, b"{}");
+        assert!(!headers.contains_key(BACKEND_HEADER));
+        assert_eq!(headers[header::CONTENT_LENGTH], "2");
+        let headers = sent(HeaderMap::new(), None, b"{\"a\":1}");
+        assert_eq!(headers[header::CONTENT_LENGTH], "7", "written where the client sent none (a chunked upload)");
+        let mut client = HeaderMap::new();
+        client.append(header::CONTENT_LENGTH, HeaderValue::from_static("2"));
+        client.append(header::CONTENT_LENGTH, HeaderValue::from_static("2"));
+        let headers = sent(client, None, b"{}");
+        let lengths: Vec<_> = headers.get_all(header::CONTENT_LENGTH).iter().collect();
+        assert_eq!(lengths, ["2"], "a repeated length goes on once");
+    }
+}

@@ -1,0 +1,517 @@
+//! One inference request, through its phases in order: authenticate, read
+//! the routing view, admit (the key's models, rate and budget), route,
+//! attempt each target ([`super::attempt`]), stream the answer
+//! ([`super::answer`]), record. [`Exchange`] is the request's context,
+//! carried through every phase; what it learns on the way is what the
+//! record says.
+
+use std::collections::VecDeque;
+use std::net::IpAddr;
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use http::uri::PathAndQuery;
+use http::{HeaderMap, HeaderValue, header};
+use inferyes_proto::ErrorKind;
+use inferyes_proto::v1::{EndpointKind, RoutingDecision};
+
+use super::answer::{AnswerBody, Plan, Resuming};
+use super::attempt::{Answered, ExpectedTtft, NODE_HEADER, ROUTE_HEADER, Started, attempt_each, route_label};
+use super::client::Outbound;
+use super::view::{RoutingView, estimated_prompt_tokens, parse_view, session_key, with_model, with_usage_requested};
+use super::{AppState, resume};
+use crate::auth::Caller;
+use crate::error::{ApiError, ErrorCode};
+use crate::routing::{self, Route, RouteReason, RouteRequest};
+use crate::snapshot::RoutingSnapshot;
+
+/// Serves one inference request and records it.
+pub(crate) async fn inference(
+    state: Arc<AppState>,
+    kind: EndpointKind,
+    request: http::Request<hyper::body::Incoming>,
+    request_id: HeaderValue,
+    peer: IpAddr,
+) -> Response {
+    let span = tracing::info_span!(
+        target: inferyes_proto::telemetry::SPAN_TARGET,
+        "request",
+        otel.name = request.uri().path(),
+        otel.kind = "server",
+        request_id = super::id_text(&request_id),
+        model = tracing::field::Empty,
+        node = tracing::field::Empty,
+        route = tracing::field::Empty,
+        http.response.status_code = tracing::field::Empty,
+    );
+    inferyes_proto::telemetry::continue_trace(&span, request.headers());
+    let mut exchange = Exchange {
+        state: &state,
+        kind,
+        request_id,
+        peer,
+        started: std::time::Instant::now(),
+        facts: RequestFacts::default(),
+    };
+    let served = tracing::Instrument::instrument(exchange.serve(request), span.clone()).await;
+    let response = match served {
+        Ok(response) => response,
+        Err(error) => {
+            exchange.facts.error_code = error.code_str().map(str::to_string);
+            error.into_response()
+        }
+    };
+    exchange.record(&span, response)
+}
+
+/// One request's context through its phases.
+struct Exchange<'s> {
+    state: &'s Arc<AppState>,
+    kind: EndpointKind,
+    request_id: HeaderValue,
+    peer: IpAddr,
+    started: std::time::Instant,
+    facts: RequestFacts,
+}
+
+/// What the metrics and the decision tail need to know of a request once
+/// it is answered.
+#[derive(Default)]
+struct RequestFacts {
+    /// The model asked for, resolved where it is an alias.
+    model: String,
+    /// The fleet knows it (else its metrics label is `_unknown`, so client
+    /// chosen names cannot grow the label set).
+    model_known: bool,
+    stream: bool,
+    session: Option<String>,
+    error_code: Option<String>,
+    key_id: Option<String>,
+    /// Once the request is admitted: its usage record.
+    meter: Option<crate::usage::Meter>,
+}
+
+/// A request as its nodes are sent it.
+struct Prepared {
+    path_and_query: PathAndQuery,
+    headers: HeaderMap,
+    body: Bytes,
+    /// The body asks for usage the client did not ask for: its chunk is
+    /// taken out of the stream.
+    strip_usage: bool,
+}
+
+impl Exchange<'_> {
+    async fn serve(&mut self, request: http::Request<hyper::body::Incoming>) -> Result<Response, ApiError> {
+        let (parts, body) = request.into_parts();
+        let snapshot = self.state.snapshots.current().ok_or_else(ApiError::not_ready)?;
+        let caller = self.state.authenticate(&parts.headers, self.peer, &snapshot).await?;
+        self.facts.key_id = caller.key_id().map(str::to_string);
+        let body = read_body(body, &parts.headers, self.state.max_body_bytes, self.state.request_body_timeout).await?;
+        let view = parse_view(&body)?;
+        let model = snapshot.resolve(&view.model);
+        let rate = self.admit(&caller, &snapshot, &view, model, body.len())?;
+        let prepared = self.prepare(parts, body, &view, model);
+        let answered = match self.route(&snapshot, &view, model, prepared.body.len()) {
+            Ok(route) => self.answer(&snapshot, route, model, prepared, &view).await,
+            Err(error) => Err(error),
+        };
+        match answered {
+            Ok(mut response) => {
+                response.headers_mut().extend(rate);
+                Ok(response)
+            }
+            Err(mut error) => {
+                error.headers.extend(rate);
+                Err(error)
+            }
+        }
+    }
+
+    /// Whether the caller may have `model` now: it may use it, the fleet
+    /// has it, and the key's rate and budget allow. The rate's headers,
+    /// where it has one; the request's meter, from here on.
+    fn admit(
+        &mut self,
+        caller: &Caller,
+        snapshot: &RoutingSnapshot,
+        view: &RoutingView,
+        model: &str,
+        body_len: usize,
+    ) -> Result<Vec<(http::HeaderName, HeaderValue)>, ApiError> {
+        if !caller.may_use(&view.model) && !caller.may_use(model) {
+            return Err(ApiError::no_such_model(&view.model));
+        }
+        self.facts.model = model.to_string();
+        self.facts.stream = view.stream;
+        if snapshot.placements(model).is_none() {
+            // Before the meter, by the test routing makes: the usage ledger
+            // holds the fleet's models only, not every name a client sends.
+            return Err(routing::model_not_found(snapshot, model).into());
+        }
+        self.facts.model_known = true;
+        let state: &AppState = self.state;
+        let rate = state.auth.admit(caller, std::time::Instant::now()).map_err(|(r, e)| state.refused(r, e))?;
+        if let Caller::Key(grant) = caller
+            && grant.tokens_per_day > 0
+        {
+            let used = snapshot.tokens_today(&grant.key_id) + state.ledger.unacknowledged_tokens(&grant.key_id);
+            if used >= grant.tokens_per_day {
+                let error = ApiError::new(
+                    ErrorKind::RateLimited,
+                    format!(
+                        "Rate limit reached for tokens: {} per day for this key, {used} used today (UTC).",
+                        grant.tokens_per_day
+                    ),
+                    ErrorCode::RateLimitExceeded,
+                )
+                .retry_after(seconds_to_utc_midnight());
+                return Err(state.refused(crate::auth::Refusal::TokenBudget, error));
+            }
+        }
+        self.facts.meter = Some(crate::usage::Meter::new(
+            Arc::clone(&state.ledger),
+            super::id_text(&self.request_id),
+            caller.key_id().map(str::to_string),
+            model.to_string(),
+            view.stream,
+            u64::from(estimated_prompt_tokens(body_len, view)),
+            view.stream.then(|| {
+                let labels = crate::metrics::ModelLabels { model: model.to_string() };
+                crate::usage::StreamTimers {
+                    first_token: state.metrics.first_token_seconds.get_or_create(&labels).clone(),
+                    whole: state.metrics.stream_seconds.get_or_create(&labels).clone(),
+                }
+            }),
+        ));
+        Ok(rate.to_vec())
+    }
+
+    /// The request as nodes get it: an alias resolved in the body, usage
+    /// asked for where a stream would end without it; its session key.
+    fn prepare(&mut self, parts: http::request::Parts, body: Bytes, view: &RoutingView, model: &str) -> Prepared {
+        let body = if model == view.model { body } else { with_model(&body, view, model) };
+        // A stream that would end without usage is asked for it; the
+        // client, which did not ask, does not see the extra chunk.
+        let wants_usage = view.stream
+            && matches!(self.kind, EndpointKind::Chat | EndpointKind::Completion)
+            && !view.has_stream_options;
+        let (body, strip_usage) = match wants_usage.then(|| with_usage_requested(&body)).flatten() {
+            Some(spliced) => (spliced, true),
+            None => (body, false),
+        };
+        // Kept in the request's facts (the decision tail shows it, whatever
+        // becomes of the request) and read from there.
+        self.facts.session = if keeps_conversations(self.kind) { session_key(&parts.headers, view) } else { None };
+        let path_and_query = parts.uri.path_and_query().cloned().unwrap_or_else(|| PathAndQuery::from_static("/"));
+        Prepared { path_and_query, headers: parts.headers, body, strip_usage }
+    }
+
+    fn route(
+        &self,
+        snapshot: &RoutingSnapshot,
+        view: &RoutingView,
+        model: &str,
+        body_len: usize,
+    ) -> Result<Route, ApiError> {
+        let ticket = self.state.tickets.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let request = RouteRequest {
+            model,
+            kind: self.kind,
+            session: self.facts.session.as_deref(),
+            prompt_tokens: estimated_prompt_tokens(body_len, view),
+            mode: self.state.mode,
+            ticket,
+            now_ms: inferyes_proto::unix_ms(),
+        };
+        Ok(routing::select(snapshot, &request)?)
+    }
+
+    /// The answer of the first target that gives one, streamed or whole.
+    async fn answer(
+        &mut self,
+        snapshot: &Arc<RoutingSnapshot>,
+        route: Route,
+        model: &str,
+        prepared: Prepared,
+        view: &RoutingView,
+    ) -> Result<Response, ApiError> {
+        let continues =
+            view.stream && self.kind == EndpointKind::Chat && snapshot.policy().continues(model) && !view.constrained;
+        let stream = Streamed {
+            state: self.state,
+            expects_done: expects_done(self.kind),
+            strip_usage: prepared.strip_usage,
+            meter: self.facts.meter.clone(),
+            request_id: self.request_id.clone(),
+            continues,
+        };
+        if route.cold() && view.stream {
+            tracing::debug!(
+                request_id = super::id_text(&self.request_id),
+                model,
+                "cold load for a stream: answering at once"
+            );
+            return Ok(stream.cold(
+                Arc::clone(snapshot),
+                route,
+                model.to_string(),
+                self.facts.session.clone(),
+                prepared,
+            ));
+        }
+        let Prepared { path_and_query, headers, body, .. } = prepared;
+        let mut out = Outbound {
+            path_and_query: &path_and_query,
+            headers,
+            body,
+            model,
+            session: self.facts.session.as_deref(),
+            request_id: &self.request_id,
+            stream: view.stream,
+            meter: self.facts.meter.clone(),
+        };
+        let answered = attempt_each(&self.state.forwarder, &self.state.metrics, snapshot, &route, &mut out).await;
+        let request_id = super::id_text(&self.request_id);
+        match &answered {
+            Ok(_) => tracing::debug!(request_id, model, route = route.reason.as_str(), "request routed"),
+            Err(error) => tracing::debug!(request_id, model, code = ?error.code_str(), "request failed"),
+        }
+        Ok(match answered? {
+            Answered::Whole(response) => response,
+            Answered::Stream(started) => {
+                let (parts, body) = stream.body(started, snapshot, &route, &mut out);
+                Response::from_parts(parts, Body::new(body))
+            }
+        })
+    }
+
+    /// The request's metrics, span and decision, from its answer.
+    fn record(self, span: &tracing::Span, response: Response) -> Response {
+        let Exchange { state, request_id, started, mut facts, .. } = self;
+        if !response.status().is_success()
+            && let Some(meter) = facts.meter.take()
+        {
+            meter.finish(response.status().as_u16(), crate::usage::Outcome::Error, None);
+        }
+        span.record("model", facts.model.as_str());
+        // Label values are moved in and out of the label sets, not copied: a
+        // family is looked up by reference.
+        let labels = crate::metrics::RequestLabels {
+            model: if facts.model_known { std::mem::take(&mut facts.model) } else { "_unknown".to_string() },
+            node: response.headers().get(NODE_HEADER).and_then(|v| v.to_str().ok()).unwrap_or("").into(),
+            status: response.status().as_u16(),
+            route: route_label(response.headers()),
+        };
+        state.metrics.requests.get_or_create(&labels).inc();
+        span.record("node", labels.node.as_str());
+        span.record("route", labels.route);
+        span.record("http.response.status_code", response.status().as_u16());
+        let crate::metrics::RequestLabels { model: label, node, route, .. } = labels;
+        let elapsed = started.elapsed();
+        // A stream's time to its first token is observed by its meter.
+        let label = if response.status().is_success() && !facts.stream {
+            let labels = crate::metrics::ModelLabels { model: label };
+            state.metrics.request_seconds.get_or_create(&labels).observe(elapsed.as_secs_f64());
+            labels.model
+        } else {
+            label
+        };
+        let latency_ms = u32::try_from(elapsed.as_millis()).unwrap_or(u32::MAX);
+        let expected = response.extensions().get::<ExpectedTtft>().copied().unwrap_or_default();
+        let decision = || RoutingDecision {
+            request_id: super::id_text(&request_id).to_string(),
+            unix_ms: inferyes_proto::unix_ms(),
+            model: if facts.model_known { label } else { facts.model },
+            node_id: node,
+            route: route.to_string(),
+            status: u32::from(response.status().as_u16()),
+            error_code: facts.error_code.unwrap_or_default(),
+            latency_ms,
+            stream: facts.stream,
+            session_tag: facts.session.as_deref().map(inferyes_proto::session_tag).unwrap_or_default(),
+            key_id: facts.key_id.unwrap_or_default(),
+            // A whole answer's first token reaches the client with its end.
+            ttft_ms: if response.status().is_success() { latency_ms } else { 0 },
+            expected_ttft_ms: expected.ms,
+            home_expected_ttft_ms: expected.home_ms,
+        };
+        match facts.meter.take() {
+            Some(meter) if facts.stream && response.status().is_success() => {
+                meter.report_at_end(decision(), Arc::clone(&state.decisions));
+            }
+            _ => state.decisions.record(decision),
+        }
+        response
+    }
+}
+
+/// What a streamed answer's body is made with, whichever node answers.
+struct Streamed<'s> {
+    state: &'s Arc<AppState>,
+    expects_done: bool,
+    strip_usage: bool,
+    meter: Option<crate::usage::Meter>,
+    request_id: HeaderValue,
+    /// The fleet continues this stream on another node if it breaks.
+    continues: bool,
+}
+
+impl Streamed<'_> {
+    /// The body of the stream whose head passed, able to go on at the
+    /// route's later targets where it continues. `out` is what the
+    /// attempts left of the request.
+    fn body(
+        &self,
+        started: Started,
+        snapshot: &RoutingSnapshot,
+        route: &Route,
+        out: &mut Outbound<'_>,
+    ) -> (http::response::Parts, AnswerBody) {
+        // The nodes a broken stream may go on at: listed only for a stream
+        // that may be continued (each costs a few counts shared between
+        // the workers).
+        let hops = if self.continues { resume::hops(snapshot, route, started.index) } else { VecDeque::new() };
+        let resume = (!hops.is_empty()).then(|| Resuming {
+            request: Arc::new(resume::Request {
+                forwarder: self.state.forwarder.clone(),
+                path_and_query: out.path_and_query.clone(),
+                headers: std::mem::take(&mut out.headers),
+                body: std::mem::take(&mut out.body),
+                model: out.model.to_string(),
+                session: out.session.map(str::to_string),
+                request_id: self.request_id.clone(),
+                version: snapshot.version(),
+            }),
+            metrics: Arc::clone(&self.state.metrics),
+        });
+        let plan = Plan {
+            expects_done: self.expects_done,
+            strip_usage: self.strip_usage,
+            meter: self.meter.clone(),
+            request_id: self.request_id.clone(),
+            version: snapshot.version(),
+            hard_stop: self.state.forwarder.hard_stop().clone(),
+            resume,
+        };
+        AnswerBody::streaming(started, plan, hops)
+    }
+
+    /// A streaming request that starts a cold load: the client gets its
+    /// headers at once (`x-inferyes-route: cold`) and a note each second
+    /// while the model loads, instead of minutes of silence; then the
+    /// backend's stream, or a final error event.
+    fn cold(
+        self,
+        snapshot: Arc<RoutingSnapshot>,
+        route: Route,
+        model: String,
+        session: Option<String>,
+        prepared: Prepared,
+    ) -> Response {
+        let node = route.targets.first().and_then(|t| snapshot.node(t.node));
+        let node_header = node.and_then(|n| n.id_header.clone());
+        let node_id = node.map(|n| n.id.to_string()).unwrap_or_default();
+        let meter = self.meter.clone();
+        let state = Arc::clone(self.state);
+        let expected = ExpectedTtft { ms: route.expected_ttft_ms, home_ms: route.home_expected_ttft_ms };
+        let (expects_done, request_id, continues) = (self.expects_done, self.request_id.clone(), self.continues);
+        let answer_model = model.clone();
+        let answer_meter = meter.clone();
+        let answer = async move {
+            let Prepared { path_and_query, headers, body, strip_usage } = prepared;
+            let mut out = Outbound {
+                path_and_query: &path_and_query,
+                headers,
+                body,
+                model: &answer_model,
+                session: session.as_deref(),
+                request_id: &request_id,
+                stream: true,
+                meter: answer_meter.clone(),
+            };
+            let streamed = Streamed {
+                state: &state,
+                expects_done,
+                strip_usage,
+                meter: answer_meter,
+                request_id: request_id.clone(),
+                continues,
+            };
+            match attempt_each(&state.forwarder, &state.metrics, &snapshot, &route, &mut out).await? {
+                Answered::Stream(started) => Ok(streamed.body(started, &snapshot, &route, &mut out).1),
+                Answered::Whole(_) => Err(ApiError::internal()),
+            }
+        };
+        let body = AnswerBody::loading(answer, model, node_id, meter);
+        let mut response = Response::new(Body::new(body));
+        let headers = response.headers_mut();
+        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
+        headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+        if let Some(value) = node_header {
+            headers.insert(NODE_HEADER, value);
+        }
+        headers.insert(ROUTE_HEADER, HeaderValue::from_static(RouteReason::Cold.as_str()));
+        response.extensions_mut().insert(expected);
+        response
+    }
+}
+
+/// Seconds until the next UTC midnight, when daily token budgets start over.
+fn seconds_to_utc_midnight() -> u32 {
+    let now_s = inferyes_proto::unix_ms() / 1000;
+    u32::try_from(86_400 - now_s % 86_400).unwrap_or(86_400)
+}
+
+/// Whether a kind's requests continue conversations, whose KV cache a node
+/// keeps between turns. An embedding or a rerank leaves nothing worth
+/// coming back to: a session key for it would only push conversations out
+/// of its node's session table.
+fn keeps_conversations(kind: EndpointKind) -> bool {
+    matches!(kind, EndpointKind::Chat | EndpointKind::Completion | EndpointKind::Responses)
+}
+
+/// Chat and completion streams end with `data: [DONE]`; others (the
+/// Responses API's typed events) end their own way.
+fn expects_done(kind: EndpointKind) -> bool {
+    matches!(kind, EndpointKind::Chat | EndpointKind::Completion)
+}
+
+/// Reads the whole body, refusing more than `limit` bytes with 413 before
+/// reading it when the client announced its length.
+async fn read_body(
+    body: hyper::body::Incoming,
+    headers: &http::HeaderMap,
+    limit: usize,
+    timeout: std::time::Duration,
+) -> Result<Bytes, ApiError> {
+    let too_large = || {
+        ApiError::new(
+            ErrorKind::PayloadTooLarge,
+            format!("the request body is larger than the limit of {limit} bytes"),
+            ErrorCode::RequestTooLarge,
+        )
+    };
+    let announced =
+        headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
+    if announced.is_some_and(|n| n > limit as u64) {
+        return Err(too_large());
+    }
+    // A body that came with its head is read without a timer ever being set.
+    let Ok(read) = tokio::time::timeout(timeout, super::body::read_whole(body, limit)).await else {
+        return Err(ApiError::new(
+            ErrorKind::BadRequest,
+            format!("the request body did not arrive within {} s", timeout.as_secs_f32()),
+            ErrorCode::RequestTimeout,
+        )
+        .with_status(http::StatusCode::REQUEST_TIMEOUT));
+    };
+    read.map_err(|error| match error {
+        super::body::ReadError::TooLarge => too_large(),
+        super::body::ReadError::Body(_) => {
+            ApiError::new(ErrorKind::BadRequest, "the request body could not be read", ErrorCode::InvalidBody)
+        }
+    })
+}
