@@ -292,7 +292,7 @@ impl Config {
                 );
             }
             for endpoint in &backend.endpoints {
-                if crate::probe::endpoint_kind(endpoint).is_none() {
+                if endpoint_kind(endpoint).is_none() {
                     bail!(
                         "backend `{}`: unknown endpoint kind `{endpoint}` (use chat, completion, embedding, rerank or responses)",
                         backend.id
@@ -324,6 +324,18 @@ pub fn hostname() -> String {
         .ok()
         .filter(|h| !h.is_empty())
         .unwrap_or_else(|| "unknown".into())
+}
+
+/// The table of endpoint kinds as they are named in configuration.
+pub fn endpoint_kind(name: &str) -> Option<inferyes_proto::v1::EndpointKind> {
+    Some(match name {
+        "chat" => inferyes_proto::v1::EndpointKind::Chat,
+        "completion" => inferyes_proto::v1::EndpointKind::Completion,
+        "embedding" => inferyes_proto::v1::EndpointKind::Embedding,
+        "rerank" => inferyes_proto::v1::EndpointKind::Rerank,
+        "responses" => inferyes_proto::v1::EndpointKind::Responses,
+        _ => return None,
+    })
 }
 
 #[cfg(test)]

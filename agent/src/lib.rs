@@ -61,7 +61,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
             url: b.url.clone(),
             kind: b.kind,
             weight: b.weight,
-            endpoints: b.endpoints.iter().filter_map(|e| probe::endpoint_kind(e)).collect(),
+            endpoints: b.endpoints.iter().filter_map(|e| config::endpoint_kind(e)).collect(),
             api_key: b.api_key.clone(),
             declared_models: b.models.clone(),
             host_cache_tokens: b.host_cache_tokens,
@@ -119,7 +119,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
             .map(|probe| BackendHandle {
                 url: inferyes_proto::base_url::BaseUrl::new(&probe.url),
                 authorization: bearer(&probe.api_key),
-                labels: metrics::BackendLabels { backend: probe.id.clone() },
+                labels: state::BackendLabels { backend: probe.id.clone() },
                 probe,
                 in_flight: AtomicU32::new(0),
                 finished: AtomicU64::new(0),

@@ -13,6 +13,12 @@ use tokio::sync::Notify;
 use crate::probe::BackendProbe;
 use crate::residency::Residency;
 
+/// The labels a backend's metrics are kept under.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, prometheus_client::encoding::EncodeLabelSet)]
+pub struct BackendLabels {
+    pub backend: String,
+}
+
 pub struct BackendHandle {
     pub probe: BackendProbe,
     /// The probe's URL, read once for the proxy's requests.
@@ -21,7 +27,7 @@ pub struct BackendHandle {
     pub authorization: Option<http::HeaderValue>,
     /// Its metrics labels, made once: the proxy's first-byte histogram is
     /// observed under them on every request.
-    pub labels: crate::metrics::BackendLabels,
+    pub labels: BackendLabels,
     pub in_flight: AtomicU32,
     /// Requests the backend answered with a success through the proxy,
     /// once their bodies ended or were dropped: the poller divides slot time

@@ -12,17 +12,3 @@ pub use backend::{
 pub use client::ProbeClient;
 pub use gpu::{GpuReader, GpuReading};
 pub use throughput::{Counters, Rates, Throughput};
-
-use inferyes_proto::v1::EndpointKind;
-
-/// The table of endpoint kinds as they are named in configuration.
-pub fn endpoint_kind(name: &str) -> Option<EndpointKind> {
-    Some(match name {
-        "chat" => EndpointKind::Chat,
-        "completion" => EndpointKind::Completion,
-        "embedding" => EndpointKind::Embedding,
-        "rerank" => EndpointKind::Rerank,
-        "responses" => EndpointKind::Responses,
-        _ => return None,
-    })
-}

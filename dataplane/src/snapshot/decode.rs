@@ -88,7 +88,7 @@ pub fn decode_live(
         let Some(status) = wire.status.as_ref() else { continue };
         let node_index = indices.nodes.len();
         let id: Arc<str> = Arc::from(status.node_id.as_str());
-        let key = crate::routing::stable_hash(id.as_bytes());
+        let key = inferyes_proto::hash::stable_hash(id.as_bytes());
         let local = counters.for_node(&id);
         let node_live = live.node(&status.node_id);
         // The GPUs' exact readings where the node's load has them; etcd's
@@ -237,7 +237,7 @@ pub fn decode_live(
         let mut ring = Ring::default();
         for (index, p) in placements.iter().enumerate() {
             for v in 0..super::RING_POINTS {
-                let point = crate::routing::rendezvous_score(p.node_key ^ p.target.backend as u64, v);
+                let point = inferyes_proto::hash::rendezvous_score(p.node_key ^ p.target.backend as u64, v);
                 ring.points.push((point, u32::try_from(index).unwrap_or(u32::MAX)));
             }
             if p.usable {

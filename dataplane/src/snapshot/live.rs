@@ -161,7 +161,7 @@ impl Live {
     }
 
     fn apply_node(&mut self, wire: LiveNode) {
-        let key = crate::routing::stable_hash(wire.node_id.as_bytes());
+        let key = inferyes_proto::hash::stable_hash(wire.node_id.as_bytes());
         let node = self.nodes.entry(wire.node_id).or_default();
         if let Some(load) = wire.load {
             node.load = load;
@@ -223,7 +223,7 @@ impl Live {
     /// Forgets a node and its sessions: it left the fleet's records.
     pub fn remove(&mut self, node_id: &str) {
         let Some(node) = self.nodes.remove(node_id) else { return };
-        let key = crate::routing::stable_hash(node_id.as_bytes());
+        let key = inferyes_proto::hash::stable_hash(node_id.as_bytes());
         for session in node.sessions.keys() {
             self.index.remove(*session, key);
         }
@@ -314,7 +314,7 @@ mod tests {
     fn deltas_keep_the_index_and_the_counts() {
         let mut live = Live::default();
         live.apply_full(vec![node("a", true, vec![entry(1, 0, 1), entry(2, 1, 1)], vec![])], |_| false);
-        let a = crate::routing::stable_hash(b"a");
+        let a = inferyes_proto::hash::stable_hash(b"a");
         assert_eq!(live.index().get(1).map(|e| (e.node, e.backend)), Some((a, 0)));
         live.apply(LiveDelta {
             nodes: vec![node("a", false, vec![entry(3, 1, 2), entry(9, 5, 2)], vec![1])],
@@ -328,7 +328,7 @@ mod tests {
         // A session that moved to b is where it was used last, and a's
         // removal of its old copy leaves b's.
         live.apply(LiveDelta { nodes: vec![node("b", true, vec![entry(2, 0, 5)], vec![])], gone: vec![] });
-        let b = crate::routing::stable_hash(b"b");
+        let b = inferyes_proto::hash::stable_hash(b"b");
         assert_eq!(live.index().get(2).map(|e| e.node), Some(b));
         live.apply(LiveDelta { nodes: vec![node("a", false, vec![], vec![2])], gone: vec![] });
         assert_eq!(live.index().get(2).map(|e| e.node), Some(b));

@@ -427,7 +427,7 @@ impl RoutingSnapshot {
 /// The key of the resident-session index: a 64-bit stable hash. Two keys
 /// colliding would at worst send one session to the other's node.
 pub fn session_hash(key: &str) -> u64 {
-    crate::routing::stable_hash(key.as_bytes())
+    inferyes_proto::hash::stable_hash(key.as_bytes())
 }
 
 /// A hasher for keys that already are well-mixed hashes.
