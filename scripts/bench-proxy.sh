@@ -44,7 +44,7 @@ if [ ${#need[@]} -gt 0 ]; then
 fi
 "$root/scripts/deps.sh"
 cargo build --release --bins -q
-cargo build --release -q -p inferyes-proto --example bare_proxy
+cargo build --release -q -p inferyes-net --example bare_proxy
 fleet_size=${FLEET:-1000}
 if [ "$fleet_size" -gt 0 ]; then
   # Simulated agents (the controller-scale harness's), joined later to route

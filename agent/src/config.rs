@@ -9,7 +9,7 @@ use std::time::Duration;
 use anyhow::bail;
 use serde::{Deserialize, Serialize};
 
-use crate::sim::SimConfig;
+use inferyes_sim::SimConfig;
 
 #[derive(Clone, Debug, clap::Parser)]
 #[command(name = "inferyes-agent", version, about = "Inferyes agent: watches one host's GPUs and inference servers")]
@@ -61,7 +61,7 @@ pub enum Command {
     },
 }
 
-pub use inferyes_proto::process::LogFormat;
+pub use inferyes_net::process::LogFormat;
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -224,7 +224,7 @@ impl Default for Config {
 
 impl Config {
     pub fn load(args: &Args) -> anyhow::Result<Config> {
-        let mut config: Config = inferyes_proto::process::load_toml(args.config.as_deref())?;
+        let mut config: Config = inferyes_proto::files::load_toml(args.config.as_deref())?;
         if let Some(v) = &args.node_id {
             config.node_id.clone_from(v);
         }
@@ -258,7 +258,7 @@ impl Config {
     }
 
     pub fn workers(&self) -> usize {
-        inferyes_proto::serve::workers(self.workers)
+        inferyes_net::serve::workers(self.workers)
     }
 
     pub fn validate(&self) -> anyhow::Result<()> {

@@ -9,7 +9,6 @@ pub mod probe;
 pub mod proxy;
 pub mod report;
 pub mod residency;
-pub mod sim;
 pub mod state;
 
 use std::sync::Arc;
@@ -74,11 +73,11 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
             .await
             .with_context(|| format!("simulated backend `{}`: cannot listen on {}", simulated.id, simulated.listen))?;
         let url = format!("http://{}", listener.local_addr()?);
-        let simulator = sim::Simulator::new(simulated.server.clone())
+        let simulator = inferyes_sim::Simulator::new(simulated.server.clone())
             .with_context(|| format!("simulated backend `{}`", simulated.id))?;
         let kind = match simulated.server.mode {
-            sim::SimMode::LlamaServer => config::BackendKind::LlamaServer,
-            sim::SimMode::LlamaSwap => config::BackendKind::LlamaSwap,
+            inferyes_sim::SimMode::LlamaServer => config::BackendKind::LlamaServer,
+            inferyes_sim::SimMode::LlamaSwap => config::BackendKind::LlamaSwap,
         };
         let embedding = simulated.server.models.iter().all(|m| m.embedding);
         let endpoints =
@@ -101,7 +100,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
     }
 
     let proxy_addr = listeners.proxy.local_addr()?;
-    let tls_server = config.tls.http_server().context("invalid TLS settings for the proxy")?;
+    let tls_server = inferyes_net::tls::http_server(&config.tls).context("invalid TLS settings for the proxy")?;
     let scheme = if tls_server.is_some() { "https" } else { "http" };
     let proxy_url =
         if config.advertise_url.is_empty() { format!("{scheme}://{proxy_addr}") } else { config.advertise_url.clone() };
@@ -110,14 +109,14 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         node_id: config.node_id.clone(),
         hostname: config::hostname(),
         proxy_url,
-        // `inferyes_proto::serve` takes HTTP/1.1 and HTTP/2; what listens at
+        // `inferyes_net::serve` takes HTTP/1.1 and HTTP/2; what listens at
         // an advertised address may not.
         proxy_http2: config.advertise_url.is_empty(),
         started_unix_ms: inferyes_proto::unix_ms(),
         backends: probes
             .into_iter()
             .map(|probe| BackendHandle {
-                url: inferyes_proto::base_url::BaseUrl::new(&probe.url),
+                url: inferyes_net::base_url::BaseUrl::new(&probe.url),
                 authorization: bearer(&probe.api_key),
                 labels: state::BackendLabels { backend: probe.id.clone() },
                 probe,
@@ -141,7 +140,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
             .instrument(tracing::info_span!("poller")),
     ));
     // Presented to controllers: the first; taken from data planes: any.
-    let join_tokens = inferyes_proto::process::read_tokens(
+    let join_tokens = inferyes_proto::files::read_tokens(
         config.join_token.as_deref(),
         config.join_token_file.as_deref(),
         "join token",
@@ -180,15 +179,15 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         .collect();
     // On shutdown, requests in flight get a grace period; then the rest are
     // cut.
-    let options = inferyes_proto::serve::Options {
+    let options = inferyes_net::serve::Options {
         name: "proxy",
         tls: tls_server,
         http2_streams: PROXY_HTTP2_STREAMS,
         shutdown_grace: config.shutdown_grace(),
         past_grace: CancellationToken::new(),
-        header_read_timeout: inferyes_proto::serve::HEADER_READ_TIMEOUT,
+        header_read_timeout: inferyes_net::serve::HEADER_READ_TIMEOUT,
     };
-    let served = inferyes_proto::serve::serve(listeners.proxy, services, options, shutdown.clone()).await;
+    let served = inferyes_net::serve::serve(listeners.proxy, services, options, shutdown.clone()).await;
     shutdown.cancel();
     let _ = poller.await;
     let _ = reporter.await;

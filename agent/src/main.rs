@@ -6,7 +6,7 @@ use inferyes_agent::config::{Args, Command, Config, LogFormat};
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     if let Some(Command::Simulate { listen, sim_config, model }) = &args.command {
-        let telemetry = inferyes_proto::telemetry::init(LogFormat::Text, "inferyes-simulator")?;
+        let telemetry = inferyes_net::telemetry::init(LogFormat::Text, "inferyes-simulator")?;
         let result = simulate(*listen, sim_config.as_deref(), model).await;
         telemetry.shutdown().await;
         return result;
@@ -16,9 +16,9 @@ async fn main() -> anyhow::Result<()> {
         print!("{}", toml::to_string(&config)?);
         return Ok(());
     }
-    let telemetry = inferyes_proto::telemetry::init(config.log_format, "inferyes-agent")?;
+    let telemetry = inferyes_net::telemetry::init(config.log_format, "inferyes-agent")?;
     let listeners = inferyes_agent::Listeners::bind(&config).await?;
-    let shutdown = inferyes_proto::process::shutdown_on_signal();
+    let shutdown = inferyes_net::process::shutdown_on_signal();
     let result = inferyes_agent::run(config, listeners, shutdown).await;
     telemetry.shutdown().await;
     result
@@ -29,11 +29,11 @@ async fn simulate(listen: std::net::SocketAddr, file: Option<&std::path::Path>, 
         Some(path) => std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?,
         None => format!("[[models]]\nid = {model:?}\n"),
     };
-    let config: inferyes_agent::sim::SimConfig = toml::from_str(&text).context("invalid simulator config")?;
-    let simulator = inferyes_agent::sim::Simulator::new(config)?;
+    let config: inferyes_sim::SimConfig = toml::from_str(&text).context("invalid simulator config")?;
+    let simulator = inferyes_sim::Simulator::new(config)?;
     let listener = tokio::net::TcpListener::bind(listen).await.with_context(|| format!("cannot listen on {listen}"))?;
     tracing::info!(%listen, "simulated backend listening");
-    let shutdown = inferyes_proto::process::shutdown_on_signal();
+    let shutdown = inferyes_net::process::shutdown_on_signal();
     simulator.serve(listener, shutdown).await?;
     Ok(())
 }

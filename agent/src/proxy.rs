@@ -20,7 +20,7 @@ use http::uri::PathAndQuery;
 use http::{HeaderMap, HeaderName, Request, StatusCode, header};
 use http_body::{Frame, SizeHint};
 use hyper::body::Incoming;
-use inferyes_proto::pool::{self, Pool};
+use inferyes_net::pool::{self, Pool};
 use inferyes_proto::{ErrorKind, openai_error_body};
 
 use crate::state::{AgentState, BackendHandle};
@@ -159,14 +159,14 @@ fn error(kind: ErrorKind, message: &str, code: &str) -> Response {
 
 async fn forward(proxy: Proxy, request: Request<Incoming>) -> Response {
     let span = tracing::info_span!(
-        target: inferyes_proto::telemetry::SPAN_TARGET,
+        target: inferyes_net::telemetry::SPAN_TARGET,
         "proxy",
         otel.name = request.uri().path(),
         otel.kind = "server",
         backend = tracing::field::Empty,
         http.response.status_code = tracing::field::Empty,
     );
-    inferyes_proto::telemetry::continue_trace(&span, request.headers());
+    inferyes_net::telemetry::continue_trace(&span, request.headers());
     tracing::Instrument::instrument(forward_in_span(proxy, request), span).await
 }
 
@@ -209,7 +209,7 @@ async fn forward_in_span(proxy: Proxy, request: Request<Incoming>) -> Response {
     strip_headers(&mut parts.headers);
     parts.headers.insert(header::HOST, host);
     span.record("backend", backend_id);
-    inferyes_proto::telemetry::inject(&span, &mut parts.headers);
+    inferyes_net::telemetry::inject(&span, &mut parts.headers);
     if let Some(value) = &handle.authorization {
         parts.headers.insert(header::AUTHORIZATION, value.clone());
     }
@@ -350,7 +350,7 @@ impl Drop for Tracked {
 
 impl http_body::Body for Tracked {
     type Data = Bytes;
-    type Error = inferyes_proto::pool::BodyError;
+    type Error = inferyes_net::pool::BodyError;
 
     fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
         let this = self.get_mut();

@@ -22,7 +22,7 @@ pub struct BackendLabels {
 pub struct BackendHandle {
     pub probe: BackendProbe,
     /// The probe's URL, read once for the proxy's requests.
-    pub url: inferyes_proto::base_url::BaseUrl,
+    pub url: inferyes_net::base_url::BaseUrl,
     /// `Bearer <api key>`, made once, where the backend has a key.
     pub authorization: Option<http::HeaderValue>,
     /// Its metrics labels, made once: the proxy's first-byte histogram is

@@ -54,9 +54,10 @@ pub struct Args {
     pub advertise_url: Option<String>,
 }
 
+pub use inferyes_net::process::LogFormat;
 use inferyes_proto::bearer::Accepted;
-use inferyes_proto::process::read_tokens;
-pub use inferyes_proto::process::{LogFormat, TokenAuth};
+pub use inferyes_proto::files::TokenAuth;
+use inferyes_proto::files::read_tokens;
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -142,7 +143,7 @@ impl Default for Config {
 
 impl Config {
     pub fn load(args: &Args) -> anyhow::Result<Config> {
-        let mut config: Config = inferyes_proto::process::load_toml(args.config.as_deref())?;
+        let mut config: Config = inferyes_proto::files::load_toml(args.config.as_deref())?;
         if let Some(v) = &args.controller_id {
             config.controller_id.clone_from(v);
         }
@@ -333,7 +334,7 @@ mod tests {
         let accepted = rotating.join_token().unwrap().expect("tokens");
         assert!(accepted.accepts(b"the-new-join-token-0123") && accepted.accepts(b"the-old-join-token-0123"));
         assert!(!accepted.accepts(b"s3cret-token-0123456789"));
-        let presented = inferyes_proto::process::read_token(None, Some(&file), "join token").unwrap();
+        let presented = inferyes_proto::files::read_token(None, Some(&file), "join token").unwrap();
         assert_eq!(presented.as_deref(), Some("the-new-join-token-0123"), "the first line is presented");
         std::fs::remove_dir_all(&dir).unwrap();
         let short = Config { admin_token: Some("short".into()), ..set };

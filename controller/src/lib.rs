@@ -3,7 +3,6 @@
 
 pub mod activity;
 pub mod config;
-pub mod ctl;
 pub mod dashboard;
 pub mod fleet;
 pub mod grpc;

@@ -9,9 +9,9 @@ async fn main() -> anyhow::Result<()> {
         print!("{}", toml::to_string(&config)?);
         return Ok(());
     }
-    let telemetry = inferyes_proto::telemetry::init(config.log_format, "inferyes-controller")?;
+    let telemetry = inferyes_net::telemetry::init(config.log_format, "inferyes-controller")?;
     let listeners = inferyes_controller::Listeners::bind(&config).await?;
-    let shutdown = inferyes_proto::process::shutdown_on_signal();
+    let shutdown = inferyes_net::process::shutdown_on_signal();
     let result = inferyes_controller::run(config, listeners, shutdown).await;
     telemetry.shutdown().await;
     result

@@ -51,7 +51,7 @@ pub struct Args {
     pub join_token: Option<String>,
 }
 
-pub use inferyes_proto::process::LogFormat;
+pub use inferyes_net::process::LogFormat;
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -147,7 +147,7 @@ impl Default for Config {
 
 impl Config {
     pub fn load(args: &Args) -> anyhow::Result<Config> {
-        let mut config: Config = inferyes_proto::process::load_toml(args.config.as_deref())?;
+        let mut config: Config = inferyes_proto::files::load_toml(args.config.as_deref())?;
         if let Some(v) = args.listen {
             config.listen = v;
         }
@@ -216,7 +216,7 @@ impl Config {
 
     /// The fleet's join token, read from where it was given.
     pub fn join_token(&self) -> anyhow::Result<Option<String>> {
-        inferyes_proto::process::read_token(self.join_token.as_deref(), self.join_token_file.as_deref(), "join token")
+        inferyes_proto::files::read_token(self.join_token.as_deref(), self.join_token_file.as_deref(), "join token")
     }
 
     pub fn request_body_timeout(&self) -> Duration {
@@ -228,7 +228,7 @@ impl Config {
     }
 
     pub fn workers(&self) -> usize {
-        inferyes_proto::serve::workers(self.workers)
+        inferyes_net::serve::workers(self.workers)
     }
 
     pub fn shutdown_grace(&self) -> Duration {

@@ -100,7 +100,7 @@ pub async fn run(
         read_timeout: config.read_timeout(),
         http2: config.agent_protocol == config::AgentProtocol::Http2,
     };
-    let client_tls = config.tls.http_client()?;
+    let client_tls = inferyes_net::tls::http_client(&config.tls)?;
     let forwarder = || {
         http::Forwarder::new(&forwarder_settings, client_tls.clone(), agent_authorization.clone(), hard_stop.clone())
     };
@@ -136,16 +136,16 @@ pub async fn run(
     // On shutdown: stop accepting, let requests in flight finish, but not
     // for longer than the grace period; then end the streams still running
     // (with an error event) and give their connections a moment to close.
-    let options = inferyes_proto::serve::Options {
+    let options = inferyes_net::serve::Options {
         name: "dataplane",
         tls: None,
-        http2_streams: inferyes_proto::serve::DEFAULT_HTTP2_STREAMS,
+        http2_streams: inferyes_net::serve::DEFAULT_HTTP2_STREAMS,
         shutdown_grace: config.shutdown_grace(),
         past_grace: hard_stop,
-        header_read_timeout: inferyes_proto::serve::HEADER_READ_TIMEOUT,
+        header_read_timeout: inferyes_net::serve::HEADER_READ_TIMEOUT,
     };
     let connections = gateways.into_iter().map(|gateway| move |peer| gateway.connection(peer)).collect();
-    let served = inferyes_proto::serve::serve(listener, connections, options, shutdown.clone()).await;
+    let served = inferyes_net::serve::serve(listener, connections, options, shutdown.clone()).await;
     shutdown.cancel();
     drained.cancel();
     let _ = ledger.await;

@@ -6,7 +6,7 @@ use inferyes_dataplane::config::{Args, Config};
 
 // This runtime runs the acceptor and the background work (snapshots,
 // reports, the usage ledger); requests are served on worker threads of
-// their own (`inferyes_proto::serve`).
+// their own (`inferyes_net::serve`).
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
@@ -15,11 +15,11 @@ async fn main() -> anyhow::Result<()> {
         print!("{}", toml::to_string(&config)?);
         return Ok(());
     }
-    let telemetry = inferyes_proto::telemetry::init(config.log_format, "inferyes-dataplane")?;
+    let telemetry = inferyes_net::telemetry::init(config.log_format, "inferyes-dataplane")?;
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("cannot listen on {}", config.listen))?;
-    let shutdown = inferyes_proto::process::shutdown_on_signal();
+    let shutdown = inferyes_net::process::shutdown_on_signal();
     let result = inferyes_dataplane::run(config, listener, Arc::default(), shutdown).await;
     telemetry.shutdown().await;
     result

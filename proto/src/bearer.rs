@@ -40,7 +40,7 @@ pub fn header_value(token: &str) -> Option<http::HeaderValue> {
     Some(value)
 }
 
-/// The tokens a secret may be (see [`crate::process::read_tokens`]).
+/// The tokens a secret may be (see [`crate::files::read_tokens`]).
 #[derive(Clone, Debug)]
 pub struct Accepted(std::sync::Arc<[String]>);
 

@@ -1,5 +1,10 @@
-//! The gRPC contracts of Inferyes (package `inferyes.v1`) and the one error
-//! vocabulary every component maps its failures onto.
+//! The gRPC contracts of Inferyes (package `inferyes.v1`), the one error
+//! vocabulary every component maps its failures onto, and what every
+//! component must agree on to speak them: stable hashes, header names,
+//! usage as backends report it, API keys and tokens, TLS settings. No
+//! networking of its own: the proxies' (their connection pool, serving
+//! loop, telemetry) is `inferyes-net`'s, so a client of the fleet API
+//! (`inferyesctl`) builds without it.
 
 pub mod v1 {
     #![allow(clippy::all, clippy::pedantic)]
@@ -7,15 +12,11 @@ pub mod v1 {
 }
 
 pub mod apikey;
-pub mod base_url;
 pub mod bearer;
 mod error;
+pub mod files;
 pub mod hash;
 pub mod headers;
-pub mod pool;
-pub mod process;
-pub mod serve;
-pub mod telemetry;
 pub mod tls;
 pub mod usage;
 

@@ -29,8 +29,8 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::Method;
-use inferyes_agent::sim::SimConfig;
 use inferyes_dataplane::routing::Mode;
+use inferyes_sim::SimConfig;
 use inferyes_tests::client::next_chunk;
 use inferyes_tests::{AgentHandle, ControllerHandle, DataplaneHandle, Etcd, HttpClient, SimHandle};
 use serde_json::{Value, json};

@@ -137,3 +137,19 @@ def test_the_circle_finder_finds_a_circle(tmp_path):
     assert graph[("http",)] == {("config",)}
     assert graph[("config",)] == {("http",)}
     assert len(circles(graph)) == 2
+
+
+def test_the_command_line_builds_without_the_servers_networking_etcd_or_protoc():
+    """`inferyesctl` is a client of the fleet API: it needs the contracts,
+    not the proxies' pool and serving loop, nor etcd's client, whose build
+    needs `protoc`."""
+    import subprocess
+
+    tree = subprocess.run(
+        ["cargo", "tree", "-p", "inferyes-ctl", "--prefix", "none", "-e", "normal,build", "--offline"],
+        cwd=ROOT, check=True, capture_output=True, text=True,
+    ).stdout
+    crates = {line.split()[0] for line in tree.splitlines() if line.strip()}
+    assert "inferyes-proto" in crates, tree
+    for unwanted in ("etcd-client", "inferyes-net", "inferyes-controller", "inferyes-dataplane", "inferyes-agent"):
+        assert unwanted not in crates, f"inferyesctl depends on {unwanted}"

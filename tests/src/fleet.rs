@@ -4,10 +4,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use inferyes_agent::config::{BackendConfig, BackendKind, GpuConfig, GpuSourceConfig};
-use inferyes_agent::sim::{SimConfig, Simulator};
 use inferyes_dataplane::SnapshotStore;
 use inferyes_dataplane::snapshot::RoutingSnapshot;
 use inferyes_proto::v1::fleet_service_client::FleetServiceClient;
+use inferyes_sim::{SimConfig, Simulator};
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -133,9 +133,9 @@ impl ControllerHandle {
     }
 
     /// A FleetService client holding the admin token.
-    pub async fn fleet(&self) -> inferyes_controller::ctl::AdminClient {
+    pub async fn fleet(&self) -> inferyes_ctl::AdminClient {
         let channel = Channel::from_shared(self.url()).expect("url").connect().await.expect("controller reachable");
-        inferyes_controller::ctl::admin_client(channel, Some(ADMIN_TOKEN)).expect("admin client")
+        inferyes_ctl::admin_client(channel, Some(ADMIN_TOKEN)).expect("admin client")
     }
 
     /// A RoutingService client presenting `token` (a data plane's: the
@@ -201,8 +201,8 @@ pub fn sim_backends(backends: &[(&str, &SimHandle)]) -> Vec<BackendConfig> {
         .map(|(id, sim)| BackendConfig {
             id: (*id).to_string(),
             kind: match sim.sim.config().mode {
-                inferyes_agent::sim::SimMode::LlamaServer => BackendKind::LlamaServer,
-                inferyes_agent::sim::SimMode::LlamaSwap => BackendKind::LlamaSwap,
+                inferyes_sim::SimMode::LlamaServer => BackendKind::LlamaServer,
+                inferyes_sim::SimMode::LlamaSwap => BackendKind::LlamaSwap,
             },
             models: sim.sim.config().models.iter().map(|m| m.id.clone()).collect(),
             // What an operator declares for llama-swap, which says none.

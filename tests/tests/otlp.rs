@@ -8,7 +8,7 @@ use std::time::Duration;
 use axum::extract::Request;
 use axum::middleware::Next;
 use inferyes_agent::config::GpuSourceConfig;
-use inferyes_agent::sim::{SimConfig, Simulator};
+use inferyes_sim::{SimConfig, Simulator};
 use inferyes_tests::fleet::llama_server;
 use inferyes_tests::{AgentHandle, ControllerHandle, DataplaneHandle, Etcd, HttpClient};
 use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{TraceService, TraceServiceServer};
@@ -74,7 +74,7 @@ async fn a_request_is_one_trace_across_data_plane_agent_and_backend() {
             .add_service(TraceServiceServer::new(Receiver(span_tx)))
             .serve_with_incoming(tonic::transport::server::TcpIncoming::from(receiver_listener)),
     );
-    let (layer, provider) = inferyes_proto::telemetry::otlp_layer(
+    let (layer, provider) = inferyes_net::telemetry::otlp_layer(
         "inferyes-test",
         &format!("http://{receiver_addr}"),
         BatchConfigBuilder::default().with_scheduled_delay(Duration::from_millis(50)),

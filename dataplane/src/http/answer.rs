@@ -157,7 +157,7 @@ impl AnswerBody {
 
 impl http_body::Body for AnswerBody {
     type Data = Bytes;
-    type Error = inferyes_proto::pool::BodyError;
+    type Error = inferyes_net::pool::BodyError;
 
     fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
         let this = self.get_mut();
@@ -228,7 +228,7 @@ impl Loading {
     }
 }
 
-type Polled = Poll<Option<Result<Frame<Bytes>, inferyes_proto::pool::BodyError>>>;
+type Polled = Poll<Option<Result<Frame<Bytes>, inferyes_net::pool::BodyError>>>;
 
 impl Streaming {
     fn poll(&mut self, cx: &mut Context<'_>) -> Polled {
@@ -329,12 +329,7 @@ impl Streaming {
 
     /// The stream's end, as [`classify_end`] judges it; `failure`, the
     /// node's connection's, where it failed.
-    fn end(
-        &mut self,
-        cx: &mut Context<'_>,
-        end: StreamEnd,
-        failure: Option<inferyes_proto::pool::BodyError>,
-    ) -> Polled {
+    fn end(&mut self, cx: &mut Context<'_>, end: StreamEnd, failure: Option<inferyes_net::pool::BodyError>) -> Polled {
         let span = self.span.clone();
         let _entered = span.enter();
         let resumable = self.hops.as_ref().is_some_and(|hops| !hops.left.is_empty());

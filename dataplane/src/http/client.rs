@@ -12,7 +12,7 @@ use http_body_util::Full;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use inferyes_proto::base_url::BaseUrl;
+use inferyes_net::base_url::BaseUrl;
 use inferyes_proto::headers::{
     BACKEND as BACKEND_HEADER, MODEL as MODEL_HEADER, REQUEST_ID, SESSION as SESSION_HEADER,
 };
@@ -23,7 +23,7 @@ use super::classify::Attempt;
 type Http2Client = Client<hyper_rustls::HttpsConnector<HttpConnector>, Full<Bytes>>;
 
 /// An agent's answer, as it comes.
-pub(crate) type Answer = inferyes_proto::pool::Incoming<Full<Bytes>>;
+pub(crate) type Answer = inferyes_net::pool::Incoming<Full<Bytes>>;
 
 /// The settings of a [`Forwarder`], from the data plane's configuration.
 pub struct Settings {
@@ -37,7 +37,7 @@ pub struct Settings {
 pub struct Forwarder {
     /// To agents at `http://` and, with TLS, `https://` proxy URLs, over
     /// HTTP/1.1: this worker's pool of connections.
-    http1: inferyes_proto::pool::Pool<Full<Bytes>>,
+    http1: inferyes_net::pool::Pool<Full<Bytes>>,
     /// The same over HTTP/2, for agents that take it (unless configured
     /// off): one connection per agent carries every request.
     http2: Option<Http2Client>,
@@ -74,9 +74,9 @@ impl Forwarder {
         hard_stop: CancellationToken,
     ) -> Forwarder {
         let Settings { connect_timeout, header_timeout, read_timeout, http2 } = *settings;
-        let http1 = inferyes_proto::pool::Pool::new(inferyes_proto::pool::Settings {
+        let http1 = inferyes_net::pool::Pool::new(inferyes_net::pool::Settings {
             connect_timeout,
-            idle_timeout: inferyes_proto::serve::CLIENT_IDLE_TIMEOUT,
+            idle_timeout: inferyes_net::serve::CLIENT_IDLE_TIMEOUT,
             tls: Some(Arc::new(tls.clone())),
             read_timeout,
         });
@@ -181,7 +181,7 @@ pub(crate) fn upstream_headers(mut headers: HeaderMap, out: &Outbound<'_>) -> He
     if let Some(v) = out.session.and_then(|s| HeaderValue::from_str(s).ok()) {
         headers.insert(SESSION_HEADER, v);
     }
-    inferyes_proto::telemetry::inject(&tracing::Span::current(), &mut headers);
+    inferyes_net::telemetry::inject(&tracing::Span::current(), &mut headers);
     headers
 }
 

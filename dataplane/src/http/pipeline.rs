@@ -36,7 +36,7 @@ pub(crate) async fn inference(
     peer: IpAddr,
 ) -> Response {
     let span = tracing::info_span!(
-        target: inferyes_proto::telemetry::SPAN_TARGET,
+        target: inferyes_net::telemetry::SPAN_TARGET,
         "request",
         otel.name = request.uri().path(),
         otel.kind = "server",
@@ -46,7 +46,7 @@ pub(crate) async fn inference(
         route = tracing::field::Empty,
         http.response.status_code = tracing::field::Empty,
     );
-    inferyes_proto::telemetry::continue_trace(&span, request.headers());
+    inferyes_net::telemetry::continue_trace(&span, request.headers());
     let mut exchange = Exchange {
         state: &state,
         kind,

@@ -25,7 +25,7 @@ use crate::snapshot::{LocalCounters, RoutingSnapshot};
 /// Another node the stream may continue on.
 pub struct Hop {
     pub node: Arc<str>,
-    pub proxy_url: inferyes_proto::base_url::BaseUrl,
+    pub proxy_url: inferyes_net::base_url::BaseUrl,
     pub proxy_http2: bool,
     /// The backend's id, as a header value.
     pub backend: Option<HeaderValue>,

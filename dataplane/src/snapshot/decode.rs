@@ -216,7 +216,7 @@ pub fn decode_live(
             key,
             id_header: http::HeaderValue::from_str(&id).ok(),
             id,
-            proxy_url: inferyes_proto::base_url::BaseUrl::new(&status.proxy_url),
+            proxy_url: inferyes_net::base_url::BaseUrl::new(&status.proxy_url),
             proxy_http2: status.proxy_http2,
             draining: wire.draining,
             backends,

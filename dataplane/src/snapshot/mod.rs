@@ -16,8 +16,8 @@ use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 
+use inferyes_net::base_url::BaseUrl;
 use inferyes_proto::FastMap;
-use inferyes_proto::base_url::BaseUrl;
 use inferyes_proto::v1::{EndpointKind, Health, ModelState, Strategy};
 
 /// An immutable routing snapshot: the routing indices, and the fleet's API

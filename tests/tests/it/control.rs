@@ -322,7 +322,7 @@ async fn fleet_writes_and_keys_need_the_admin_token_and_agents_and_data_planes_t
     // Reads of the fleet stay open.
     assert!(anonymous.list_nodes(ListNodesRequest {}).await.is_ok());
     let channel = tonic::transport::Channel::from_shared(controller.url()).unwrap().connect().await.unwrap();
-    let mut wrong = inferyes_controller::ctl::admin_client(channel, Some("not-the-admin-token-at-all")).unwrap();
+    let mut wrong = inferyes_ctl::admin_client(channel, Some("not-the-admin-token-at-all")).unwrap();
     assert_eq!(wrong.drain(drain.clone()).await.unwrap_err().code(), tonic::Code::PermissionDenied);
     assert!(controller.fleet().await.drain(drain).await.is_ok());
 

@@ -1,5 +1,5 @@
 use clap::Parser;
-use inferyes_controller::ctl::{Cli, run};
+use inferyes_ctl::{Cli, run};
 use serde_json::Value;
 
 use crate::support::{Fleet, chat_sim, embedding_model};

@@ -4,8 +4,8 @@
 use std::time::Duration;
 
 use http::StatusCode;
-use inferyes_agent::sim::SimConfig;
 use inferyes_proto::v1::GetPolicyRequest;
+use inferyes_sim::SimConfig;
 use inferyes_tests::{Browser, eventually};
 use serde_json::{Value, json};
 

@@ -67,7 +67,7 @@ async fn every_error_is_openai_shaped_with_the_right_status() {
 
 #[tokio::test]
 async fn backend_errors_are_rewritten_into_the_openai_shape() {
-    let small = inferyes_agent::sim::SimConfig { context: 256, slots: 1, ..chat_sim("chat") };
+    let small = inferyes_sim::SimConfig { context: 256, slots: 1, ..chat_sim("chat") };
     let fleet = Fleet::start(vec![small]).await;
     // Small enough for the gateway's estimate, too long for the server: the
     // server's own error, reshaped.

@@ -218,8 +218,7 @@ async fn on_shutdown_the_data_plane_finishes_what_it_started_within_its_grace() 
     let etcd = Etcd::start().await;
     let controller = ControllerHandle::start(&etcd.endpoint(), "controller-1").await;
     // 20 tokens at 20 tokens/s: a one-second answer.
-    let slow =
-        SimHandle::start(inferyes_agent::sim::SimConfig { decode_tokens_per_second: 20.0, ..chat_sim("chat") }).await;
+    let slow = SimHandle::start(inferyes_sim::SimConfig { decode_tokens_per_second: 20.0, ..chat_sim("chat") }).await;
     let _agent = AgentHandle::start("node-a", &[controller.url()], &[("main", &slow)]).await;
     let request = json!({"model": "chat", "stream": true, "max_tokens": 20,
                          "messages": [{"role": "user", "content": "a long answer"}]});
@@ -264,8 +263,7 @@ async fn a_client_that_goes_away_frees_the_backend_at_once() {
     let etcd = Etcd::start().await;
     let controller = ControllerHandle::start(&etcd.endpoint(), "controller-1").await;
     // 200 tokens at 10 tokens/s: twenty seconds, if nobody stopped it.
-    let slow =
-        SimHandle::start(inferyes_agent::sim::SimConfig { decode_tokens_per_second: 10.0, ..chat_sim("chat") }).await;
+    let slow = SimHandle::start(inferyes_sim::SimConfig { decode_tokens_per_second: 10.0, ..chat_sim("chat") }).await;
     let _agent = AgentHandle::start("node-a", &[controller.url()], &[("main", &slow)]).await;
     let dataplane = DataplaneHandle::start(&[controller.url()]).await;
     dataplane.wait_for_nodes(&["node-a"]).await;

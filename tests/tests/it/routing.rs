@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::{Method, StatusCode};
-use inferyes_agent::sim::{SimConfig, SimModel};
+use inferyes_sim::{SimConfig, SimModel};
 use inferyes_tests::{DataplaneHandle, HttpClient, TestResponse};
 use serde_json::{Value, json};
 
@@ -117,7 +117,7 @@ async fn a_cold_load_goes_to_the_node_with_the_most_free_memory() {
         load_delay_ms: 100,
         ..chat_sim("alpha")
     };
-    let swap = || SimConfig { mode: inferyes_agent::sim::SimMode::LlamaSwap, ..swap() };
+    let swap = || SimConfig { mode: inferyes_sim::SimMode::LlamaSwap, ..swap() };
     let fleet = Fleet::start(vec![swap(), swap(), swap(), swap()]).await;
     for (sim, fraction) in fleet.sims.iter().zip([0.6, 0.3, 0.5, 0.7]) {
         set_used_fraction(&fleet.http, &sim.url, fraction).await;
@@ -134,7 +134,7 @@ async fn a_cold_load_goes_to_the_node_with_the_most_free_memory() {
 #[tokio::test]
 async fn a_node_whose_gpu_cannot_be_read_starts_no_load_and_serves_what_it_holds() {
     let swap = SimConfig {
-        mode: inferyes_agent::sim::SimMode::LlamaSwap,
+        mode: inferyes_sim::SimMode::LlamaSwap,
         models: vec![SimModel::chat("alpha"), SimModel::chat("beta")],
         preload: vec!["alpha".into()],
         max_loaded_models: 2,
@@ -168,7 +168,7 @@ async fn a_node_whose_gpu_cannot_be_read_starts_no_load_and_serves_what_it_holds
 #[tokio::test]
 async fn aliases_name_models_and_are_resolved_before_routing() {
     let swap = SimConfig {
-        mode: inferyes_agent::sim::SimMode::LlamaSwap,
+        mode: inferyes_sim::SimMode::LlamaSwap,
         models: vec![SimModel::chat("alpha"), SimModel::chat("beta")],
         preload: vec!["alpha".into(), "beta".into()],
         max_loaded_models: 2,

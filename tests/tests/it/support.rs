@@ -1,4 +1,4 @@
-use inferyes_agent::sim::{SimConfig, SimModel};
+use inferyes_sim::{SimConfig, SimModel};
 use inferyes_tests::{AgentHandle, ControllerHandle, DataplaneHandle, Etcd, HttpClient, SimHandle};
 use serde_json::{Value, json};
 

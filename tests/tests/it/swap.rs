@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::{Method, StatusCode};
-use inferyes_agent::sim::{SimConfig, SimModel};
 use inferyes_proto::v1::ModelState;
+use inferyes_sim::{SimConfig, SimModel};
 use inferyes_tests::client::next_chunk;
 use serde_json::json;
 

@@ -138,7 +138,7 @@ async fn the_fleet_runs_over_mutual_tls_and_refuses_clients_without_a_certificat
 
 #[tokio::test]
 async fn a_tls_connection_that_sends_nothing_after_its_handshake_is_closed() {
-    use inferyes_proto::serve::{DEFAULT_HTTP2_STREAMS, Options, serve};
+    use inferyes_net::serve::{DEFAULT_HTTP2_STREAMS, Options, serve};
     let pki = Pki::create();
     let tls = Tls { client_ca_file: None, ..pki.full() };
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
@@ -152,7 +152,7 @@ async fn a_tls_connection_that_sends_nothing_after_its_handshake_is_closed() {
     };
     let options = Options {
         name: "tls-quiet",
-        tls: tls.http_server().expect("server config"),
+        tls: inferyes_net::tls::http_server(&tls).expect("server config"),
         http2_streams: DEFAULT_HTTP2_STREAMS,
         shutdown_grace: Duration::from_secs(10),
         past_grace: tokio_util::sync::CancellationToken::new(),
@@ -161,7 +161,8 @@ async fn a_tls_connection_that_sends_nothing_after_its_handshake_is_closed() {
     let shutdown = tokio_util::sync::CancellationToken::new();
     let served = tokio::spawn(serve(listener, vec![ok], options, shutdown.clone()));
 
-    let client = Tls { ca_file: pki.file("ca.pem"), ..Tls::default() }.http_client().expect("client config");
+    let client =
+        inferyes_net::tls::http_client(&Tls { ca_file: pki.file("ca.pem"), ..Tls::default() }).expect("client config");
     let connector = tokio_rustls::TlsConnector::from(std::sync::Arc::new(client));
     let tcp = tokio::net::TcpStream::connect(addr).await.expect("connect");
     let name = rustls::pki_types::ServerName::try_from("localhost").expect("name");

@@ -301,8 +301,7 @@ async fn a_cold_stream_that_fails_is_counted_as_an_error_without_tokens() {
     // being loaded is refused (429) once its 200 and first note are out.
     // The load lasts long enough for the second to reach the server while
     // it does, on a machine busy with other tests too.
-    let swap =
-        inferyes_agent::sim::SimConfig { load_delay_ms: 4_000, concurrency_limit: 1, ..crate::swap::swap(false) };
+    let swap = inferyes_sim::SimConfig { load_delay_ms: 4_000, concurrency_limit: 1, ..crate::swap::swap(false) };
     let fleet = Fleet::start(vec![swap]).await;
     let url = fleet.url("/v1/chat/completions");
     let stream = |text: &str| {

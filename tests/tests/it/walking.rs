@@ -3,7 +3,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::{Method, StatusCode};
-use inferyes_agent::sim::SimConfig;
+use inferyes_sim::SimConfig;
 use inferyes_tests::client::next_chunk;
 use inferyes_tests::fleet::LEASE_TTL;
 use serde_json::{Value, json};
@@ -162,7 +162,7 @@ async fn an_agent_stops_within_its_grace_with_a_generation_still_running() {
 #[tokio::test]
 async fn models_are_the_union_of_the_fleet() {
     let swap = SimConfig {
-        models: vec![inferyes_agent::sim::SimModel::chat("alpha"), inferyes_agent::sim::SimModel::chat("beta")],
+        models: vec![inferyes_sim::SimModel::chat("alpha"), inferyes_sim::SimModel::chat("beta")],
         preload: vec!["alpha".into()],
         ..SimConfig::llama_swap(["alpha", "beta"])
     };

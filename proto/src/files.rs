@@ -1,20 +1,9 @@
-//! What every Inferyes binary does the same way around its `run`: read its
-//! TOML file and turn SIGINT/SIGTERM into a shutdown (logs and traces:
-//! [`crate::telemetry`]).
+//! What every Inferyes binary reads from files the same way: its TOML
+//! configuration, and tokens (the fleet's join token, admin tokens).
 
 use std::path::Path;
 
 use serde::de::DeserializeOwned;
-use tokio_util::sync::CancellationToken;
-
-/// Log output: human-readable text, or one JSON object per line.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize, clap::ValueEnum)]
-#[serde(rename_all = "lowercase")]
-pub enum LogFormat {
-    #[default]
-    Text,
-    Json,
-}
 
 /// Reads a TOML configuration file; `T::default()` when there is none.
 /// Errors name the file and, from the parser, the offending key.
@@ -23,28 +12,6 @@ pub fn load_toml<T: DeserializeOwned + Default>(path: Option<&Path>) -> anyhow::
     let Some(path) = path else { return Ok(T::default()) };
     let text = std::fs::read_to_string(path).with_context(|| format!("cannot read config file {}", path.display()))?;
     toml::from_str(&text).with_context(|| format!("invalid config file {}", path.display()))
-}
-
-/// A token cancelled on the first SIGINT or SIGTERM.
-pub fn shutdown_on_signal() -> CancellationToken {
-    let shutdown = CancellationToken::new();
-    let token = shutdown.clone();
-    tokio::spawn(async move {
-        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(term) => term,
-            Err(error) => {
-                tracing::error!(%error, "cannot listen for SIGTERM");
-                return;
-            }
-        };
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => {}
-            _ = term.recv() => {}
-        }
-        tracing::info!("shutting down");
-        token.cancel();
-    });
-    shutdown
 }
 
 /// Whether a shared-secret check is on (`token`, the default) or

@@ -1,6 +1,6 @@
 //! The floor of the proxy benchmark (`scripts/bench-proxy.sh`): a reverse
 //! proxy with nothing but the HTTP stack the data plane and the agent are
-//! built on (hyper, `inferyes_proto::pool` and `inferyes_proto::serve`),
+//! built on (hyper, `inferyes_net::pool` and `inferyes_net::serve`),
 //! forwarding every request to one upstream. What the data plane costs
 //! above this row is its own work: parsing, routing, keys, metering.
 //!
@@ -14,8 +14,8 @@ use std::pin::Pin;
 use http::uri::PathAndQuery;
 use http::{Request, Response, StatusCode, header};
 use hyper::body::Incoming;
-use inferyes_proto::base_url::BaseUrl;
-use inferyes_proto::pool::{self, Pool};
+use inferyes_net::base_url::BaseUrl;
+use inferyes_net::pool::{self, Pool};
 
 #[derive(Clone)]
 struct Forward {
@@ -66,11 +66,11 @@ async fn main() -> std::io::Result<()> {
         std::process::exit(2);
     }
     let listener = tokio::net::TcpListener::bind(&listen).await?;
-    let services = (0..inferyes_proto::serve::default_workers())
+    let services = (0..inferyes_net::serve::default_workers())
         .map(|_| {
             let settings = pool::Settings {
                 connect_timeout: std::time::Duration::from_secs(2),
-                idle_timeout: inferyes_proto::serve::CLIENT_IDLE_TIMEOUT,
+                idle_timeout: inferyes_net::serve::CLIENT_IDLE_TIMEOUT,
                 tls: None,
                 read_timeout: std::time::Duration::from_secs(600),
             };
@@ -78,14 +78,14 @@ async fn main() -> std::io::Result<()> {
             move |_| forward.clone()
         })
         .collect();
-    let shutdown = inferyes_proto::process::shutdown_on_signal();
-    let options = inferyes_proto::serve::Options {
+    let shutdown = inferyes_net::process::shutdown_on_signal();
+    let options = inferyes_net::serve::Options {
         name: "bare-proxy",
         tls: None,
-        http2_streams: inferyes_proto::serve::DEFAULT_HTTP2_STREAMS,
+        http2_streams: inferyes_net::serve::DEFAULT_HTTP2_STREAMS,
         shutdown_grace: std::time::Duration::from_secs(10),
         past_grace: tokio_util::sync::CancellationToken::new(),
-        header_read_timeout: inferyes_proto::serve::HEADER_READ_TIMEOUT,
+        header_read_timeout: inferyes_net::serve::HEADER_READ_TIMEOUT,
     };
-    inferyes_proto::serve::serve(listener, services, options, shutdown).await
+    inferyes_net::serve::serve(listener, services, options, shutdown).await
 }

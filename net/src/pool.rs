@@ -151,7 +151,7 @@ impl<B> Clone for Pool<B> {
 
 struct Shared<B> {
     /// Per origin, oldest first.
-    idle: Mutex<crate::FastMap<Arc<str>, Vec<Idle<B>>>>,
+    idle: Mutex<inferyes_proto::FastMap<Arc<str>, Vec<Idle<B>>>>,
     connect_timeout: Duration,
     idle_timeout: Duration,
     tls: Option<tokio_rustls::TlsConnector>,

@@ -1,5 +1,5 @@
 use clap::Parser;
-use inferyes_controller::ctl::{Cli, run};
+use inferyes_ctl::{Cli, run};
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() {

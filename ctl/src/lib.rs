@@ -227,11 +227,8 @@ pub async fn run(cli: Cli) -> anyhow::Result<String> {
         .with_context(|| {
             format!("cannot reach the controller at {} (set --controller or INFERYES_CONTROLLER)", cli.controller)
         })?;
-    let token = inferyes_proto::process::read_token(
-        cli.admin_token.as_deref(),
-        cli.admin_token_file.as_deref(),
-        "admin token",
-    )?;
+    let token =
+        inferyes_proto::files::read_token(cli.admin_token.as_deref(), cli.admin_token_file.as_deref(), "admin token")?;
     let mut client = admin_client(channel, token.as_deref())?;
     let json_out = cli.output == Output::Json;
     let text = match cli.command {
@@ -547,8 +544,8 @@ fn render_usage(report: &UsageReport, json_out: bool) -> String {
         .iter()
         .map(|row| {
             let u = usage(row);
-            crate::ledger::merge(&mut total, &u);
-            let hour = crate::ledger::hour_of(row.hour_unix_ms);
+            inferyes_proto::usage::merge(&mut total, &u);
+            let hour = inferyes_proto::usage::hour_of(row.hour_unix_ms);
             vec![
                 format!("{}-{}-{} {}:00", &hour[0..4], &hour[4..6], &hour[6..8], &hour[8..10]),
                 if row.key_id.is_empty() { "-".into() } else { row.key_id.clone() },

@@ -621,7 +621,7 @@ impl Drop for Lease {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sim::tokens::{ChatMessage, render_chatml, tokenize};
+    use crate::tokens::{ChatMessage, render_chatml, tokenize};
 
     fn params(slots: usize, n_ctx_slot: usize, cache_ram_tokens: u64) -> EngineParams {
         EngineParams { slots, n_ctx_slot, cache_ram_tokens }
