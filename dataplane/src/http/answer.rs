@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use http::HeaderValue;
 use http_body::{Body as _, Frame, SizeHint};
 use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
@@ -45,10 +45,6 @@ pub(crate) struct Plan {
     pub request_id: HeaderValue,
     /// The snapshot the request was routed on, for an ejection.
     pub version: u64,
-    /// Cancelled when a shutdown's grace period is over.
-    pub hard_stop: CancellationToken,
-    /// Where the stream may be continued if it breaks.
-    pub resume: Option<Resuming>,
 }
 
 /// What a stream needs to go on elsewhere.
@@ -62,9 +58,12 @@ pub(crate) struct AnswerBody {
     state: State,
 }
 
+// Unboxed: the body is boxed once already, by axum's `Body::new`; a box of
+// the variant would be a second allocation for every stream.
+#[allow(clippy::large_enum_variant)]
 enum State {
     Loading(Box<Loading>),
-    Streaming(Box<Streaming>),
+    Streaming(Streaming),
     Ended,
 }
 
@@ -88,6 +87,8 @@ struct Streaming {
     tail: Vec<u8>,
     /// A partial event, where events are read whole.
     events: super::sse::Events,
+    /// The node's body has ended (what is left of it is being passed on).
+    inner_done: bool,
     hard_stop: Pin<Box<WaitForCancellationFutureOwned>>,
     plan: Plan,
     /// Where the stream may go on: the nodes left, and what it said so far.
@@ -98,6 +99,7 @@ struct Streaming {
 }
 
 struct Hops {
+    resuming: Resuming,
     left: VecDeque<Hop>,
     partial: String,
     generated: u64,
@@ -107,13 +109,19 @@ struct Hops {
 }
 
 impl AnswerBody {
-    /// The body of a stream whose head passed, and the head it goes with.
-    /// `hops` are where it may continue, with `plan.resume`.
-    pub(crate) fn streaming(started: Started, plan: Plan, hops: VecDeque<Hop>) -> (http::response::Parts, AnswerBody) {
+    /// The body of a stream whose head passed, and the head it goes with;
+    /// it ends early when `hard_stop` is cancelled. `resume`: what it needs
+    /// to go on elsewhere, and where, if it breaks.
+    pub(crate) fn streaming(
+        started: Started,
+        plan: Plan,
+        hard_stop: CancellationToken,
+        resume: Option<(Resuming, VecDeque<Hop>)>,
+    ) -> (http::response::Parts, AnswerBody) {
         let Started { parts, body, guard, node, .. } = started;
         let event_stream = super::sse::is_event_stream(&parts.headers);
-        let hops = (plan.resume.is_some() && event_stream && !hops.is_empty()).then(|| {
-            Box::new(Hops { left: hops, partial: String::new(), generated: 0, continued: false, asking: None })
+        let hops = resume.filter(|(_, left)| event_stream && !left.is_empty()).map(|(resuming, left)| {
+            Box::new(Hops { resuming, left, partial: String::new(), generated: 0, continued: false, asking: None })
         });
         let streaming = Streaming {
             inner: body,
@@ -123,13 +131,14 @@ impl AnswerBody {
             status: parts.status.as_u16(),
             tail: Vec::new(),
             events: super::sse::Events::default(),
-            hard_stop: Box::pin(plan.hard_stop.clone().cancelled_owned()),
+            inner_done: false,
+            hard_stop: Box::pin(hard_stop.cancelled_owned()),
             plan,
             hops,
             span: tracing::Span::current(),
             ended: false,
         };
-        (parts, AnswerBody { state: State::Streaming(Box::new(streaming)) })
+        (parts, AnswerBody { state: State::Streaming(streaming) })
     }
 
     /// A stream whose answer is still to come (`answer`, which runs as the
@@ -200,7 +209,7 @@ impl http_body::Body for AnswerBody {
 /// What the prelude comes to.
 enum Prelude {
     Note(Bytes),
-    Answer(AnswerBody),
+    Answer(Box<AnswerBody>),
     /// The answer failed before its head: its error event, the last.
     Failed(Bytes),
 }
@@ -208,7 +217,7 @@ enum Prelude {
 impl Loading {
     fn poll(&mut self, cx: &mut Context<'_>) -> Poll<Prelude> {
         match self.answer.as_mut().poll(cx) {
-            Poll::Ready(Ok(body)) => return Poll::Ready(Prelude::Answer(body)),
+            Poll::Ready(Ok(body)) => return Poll::Ready(Prelude::Answer(Box::new(body))),
             Poll::Ready(Err(error)) => {
                 // The client's status was 200 long ago: the meter is told of
                 // the failure here, or its drop would count a cancelled
@@ -238,24 +247,38 @@ impl Streaming {
         if self.hard_stop.as_mut().poll(cx).is_ready() {
             return self.end(cx, StreamEnd::Shutdown, None);
         }
-        if let Some(asking) = self.hops.as_mut().and_then(|hops| hops.asking.as_mut()) {
+        if let Some(hops) = self.hops.as_mut()
+            && let Some(asking) = hops.asking.as_mut()
+        {
             let Poll::Ready(next) = asking.as_mut().poll(cx) else { return Poll::Pending };
-            return match next {
-                Some(continued) => Poll::Ready(Some(Ok(Frame::data(self.continue_on(continued))))),
-                None => {
-                    let error = ApiError::new(
-                        inferyes_proto::ErrorKind::Upstream,
-                        format!(
-                            "node `{}` failed in the middle of the stream and no node could continue it",
-                            self.node
-                        ),
-                        ErrorCode::UpstreamBroken,
-                    );
-                    self.finish(Outcome::Broken);
-                    self.ended = true;
-                    Poll::Ready(Some(Ok(Frame::data(error.event()))))
-                }
+            hops.asking = None;
+            let Some(resume::Continued { hop, answer, left }) = next else {
+                let error = ApiError::new(
+                    inferyes_proto::ErrorKind::Upstream,
+                    format!("node `{}` failed in the middle of the stream and no node could continue it", self.node),
+                    ErrorCode::UpstreamBroken,
+                );
+                self.finish(Outcome::Broken);
+                self.ended = true;
+                return Poll::Ready(Some(Ok(Frame::data(error.event()))));
             };
+            hops.resuming.metrics.continuations.inc();
+            let note = format!(
+                ": continued on node {} after node {} broke ({} chunks in)\n\n",
+                hop.node, self.node, hops.generated
+            );
+            hops.left = left;
+            hops.continued = true;
+            self.guard = InFlight::enter(Arc::clone(&hop.local));
+            self.node = hop.node;
+            self.inner = answer;
+            self.inner_done = false;
+            self.events = super::sse::Events::default();
+            self.tail.clear();
+            return Poll::Ready(Some(Ok(Frame::data(Bytes::from(note)))));
+        }
+        if self.inner_done {
+            return self.end(cx, StreamEnd::Closed { complete: self.closed_complete() }, None);
         }
         loop {
             match Pin::new(&mut self.inner).poll_frame(cx) {
@@ -290,15 +313,20 @@ impl Streaming {
                     }
                     return Poll::Ready(Some(Ok(frame)));
                 }
-                Poll::Ready(None) if !self.events.is_empty() && self.hops.is_none() => {
-                    // A last event without its blank line: passed on as it is.
-                    return Poll::Ready(Some(Ok(Frame::data(self.events.take_rest()))));
-                }
                 Poll::Ready(None) => {
-                    let complete = !(self.event_stream && self.plan.expects_done) || super::sse::ended_well(&self.tail);
+                    self.inner_done = true;
+                    let complete = self.closed_complete();
+                    // A last event without its blank line: passed on as it
+                    // is, unless the stream goes on elsewhere.
+                    if !self.events.is_empty() && (self.hops.is_none() || complete) {
+                        return Poll::Ready(Some(Ok(Frame::data(self.events.take_rest()))));
+                    }
                     return self.end(cx, StreamEnd::Closed { complete }, None);
                 }
-                Poll::Ready(Some(Err(error))) => return self.end(cx, StreamEnd::Failed, Some(error)),
+                Poll::Ready(Some(Err(error))) => {
+                    let complete = self.event_stream && self.plan.expects_done && super::sse::ended_well(&self.tail);
+                    return self.end(cx, StreamEnd::Failed { complete }, Some(error));
+                }
                 Poll::Pending => return Poll::Pending,
             }
         }
@@ -309,7 +337,7 @@ impl Streaming {
     /// usage-only chunk and a continued stream's second preamble left out.
     fn read_events(&mut self, data: &[u8]) -> Option<Bytes> {
         let hops = self.hops.as_mut()?;
-        let mut kept = BytesMut::new();
+        let mut kept: Vec<Bytes> = Vec::new();
         for event in self.events.push(data) {
             if self.plan.strip_usage && super::sse::is_usage_only_event(&event) {
                 continue;
@@ -322,9 +350,14 @@ impl Streaming {
                 }
                 _ => {}
             }
-            kept.extend_from_slice(&event);
+            kept.push(event);
         }
-        (!kept.is_empty()).then(|| kept.freeze())
+        // A frame is most often one event: passed on without a copy.
+        match kept.len() {
+            0 => None,
+            1 => kept.pop(),
+            _ => Some(kept.concat().into()),
+        }
     }
 
     /// The stream's end, as [`classify_end`] judges it; `failure`, the
@@ -340,19 +373,20 @@ impl Streaming {
                 self.finish(Outcome::Ok);
                 return Poll::Ready(None);
             }
-            EndVerdict::Resume => {
-                let ejected_ms = self.guard.local.eject(inferyes_proto::unix_ms(), self.plan.version);
-                let (Some(hops), Some(resuming)) = (self.hops.as_mut(), self.plan.resume.as_ref()) else {
-                    unreachable!("a stream is resumable only with somewhere to go")
-                };
-                tracing::warn!(request_id, node = %self.node, ejected_ms, generated = hops.generated, "stream broke mid-answer; continuing elsewhere");
-                let left = std::mem::take(&mut hops.left);
-                let asking =
-                    resume::continue_on(Arc::clone(&resuming.request), left, hops.partial.clone(), hops.generated);
-                hops.asking = Some(Box::pin(tracing::Instrument::instrument(asking, span.clone())));
-                drop(_entered);
-                return self.poll(cx);
-            }
+            EndVerdict::Resume => match self.hops.as_mut() {
+                Some(hops) => {
+                    let ejected_ms = self.guard.local.eject(inferyes_proto::unix_ms(), self.plan.version);
+                    tracing::warn!(request_id, node = %self.node, ejected_ms, generated = hops.generated, "stream broke mid-answer; continuing elsewhere");
+                    let left = std::mem::take(&mut hops.left);
+                    let request = Arc::clone(&hops.resuming.request);
+                    let asking = resume::continue_on(request, left, hops.partial.clone(), hops.generated);
+                    hops.asking = Some(Box::pin(tracing::Instrument::instrument(asking, span.clone())));
+                    drop(_entered);
+                    return self.poll(cx);
+                }
+                // Resumable only with hops: never here.
+                None => (true, Some(UpstreamError::StreamBroken)),
+            },
             EndVerdict::Fail { eject, error } => (eject, Some(error)),
             EndVerdict::Cut { eject } => (eject, None),
         };
@@ -375,26 +409,9 @@ impl Streaming {
         }
     }
 
-    /// The stream going on at another node: the note that says so.
-    fn continue_on(&mut self, continued: resume::Continued) -> Bytes {
-        let resume::Continued { hop, answer, left } = continued;
-        let Some(hops) = self.hops.as_mut() else { unreachable!("only a stream with hops goes on") };
-        if let Some(resuming) = &self.plan.resume {
-            resuming.metrics.continuations.inc();
-        }
-        let note = format!(
-            ": continued on node {} after node {} broke ({} chunks in)\n\n",
-            hop.node, self.node, hops.generated
-        );
-        hops.left = left;
-        hops.continued = true;
-        hops.asking = None;
-        self.guard = InFlight::enter(Arc::clone(&hop.local));
-        self.node = hop.node;
-        self.inner = answer;
-        self.events = super::sse::Events::default();
-        self.tail.clear();
-        Bytes::from(note)
+    /// Whether a stream its node closed ended as a whole answer does.
+    fn closed_complete(&self) -> bool {
+        !(self.event_stream && self.plan.expects_done) || super::sse::ended_well(&self.tail)
     }
 
     fn finish(&self, outcome: Outcome) {

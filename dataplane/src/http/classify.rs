@@ -175,8 +175,10 @@ pub enum StreamEnd {
     /// does (`data: [DONE]`, or an error event of the backend's own, for
     /// streams that end so).
     Closed { complete: bool },
-    /// Its connection failed, or went silent for the read timeout.
-    Failed,
+    /// Its connection failed, or went silent for the read timeout;
+    /// `complete` where the answer was whole before that (`data: [DONE]`
+    /// seen), so nothing of it is lost.
+    Failed { complete: bool },
     /// The data plane is shutting down.
     Shutdown,
 }
@@ -201,13 +203,17 @@ pub enum EndVerdict {
 /// one; `resumable` where it may be continued elsewhere.
 pub fn classify_end(end: StreamEnd, event_stream: bool, resumable: bool) -> EndVerdict {
     match end {
-        StreamEnd::Closed { complete: true } => EndVerdict::Done,
+        StreamEnd::Closed { complete: true } | StreamEnd::Failed { complete: true } => EndVerdict::Done,
         StreamEnd::Shutdown => EndVerdict::Fail { eject: false, error: UpstreamError::Shutdown },
-        StreamEnd::Closed { complete: false } | StreamEnd::Failed if resumable && event_stream => EndVerdict::Resume,
+        StreamEnd::Closed { complete: false } | StreamEnd::Failed { .. } if resumable && event_stream => {
+            EndVerdict::Resume
+        }
         // The node shut down, say: said rather than ended as if done.
         StreamEnd::Closed { complete: false } => EndVerdict::Fail { eject: false, error: UpstreamError::StreamCut },
-        StreamEnd::Failed if event_stream => EndVerdict::Fail { eject: true, error: UpstreamError::StreamBroken },
-        StreamEnd::Failed => EndVerdict::Cut { eject: true },
+        StreamEnd::Failed { .. } if event_stream => {
+            EndVerdict::Fail { eject: true, error: UpstreamError::StreamBroken }
+        }
+        StreamEnd::Failed { .. } => EndVerdict::Cut { eject: true },
     }
 }
 
@@ -302,11 +308,16 @@ mod tests {
             assert_eq!(code(error), "gateway_shutdown");
         }
         assert!(matches!(classify_end(cut, true, true), EndVerdict::Resume));
-        assert!(matches!(classify_end(StreamEnd::Failed, true, true), EndVerdict::Resume));
+        let failed = StreamEnd::Failed { complete: false };
+        assert!(matches!(classify_end(failed, true, true), EndVerdict::Resume));
+        for resumable in [false, true] {
+            let after_done = classify_end(StreamEnd::Failed { complete: true }, true, resumable);
+            assert!(matches!(after_done, EndVerdict::Done), "nothing lost, nothing to resume: {after_done:?}");
+        }
         let EndVerdict::Fail { eject: false, error } = classify_end(cut, true, false) else { panic!() };
         assert_eq!(code(error), "upstream_broken");
-        let EndVerdict::Fail { eject: true, error } = classify_end(StreamEnd::Failed, true, false) else { panic!() };
+        let EndVerdict::Fail { eject: true, error } = classify_end(failed, true, false) else { panic!() };
         assert_eq!(code(error), "upstream_broken");
-        assert!(matches!(classify_end(StreamEnd::Failed, false, true), EndVerdict::Cut { eject: true }));
+        assert!(matches!(classify_end(failed, false, true), EndVerdict::Cut { eject: true }));
     }
 }

@@ -103,7 +103,7 @@ struct Prepared {
     strip_usage: bool,
 }
 
-impl Exchange<'_> {
+impl<'s> Exchange<'s> {
     async fn serve(&mut self, request: http::Request<hyper::body::Incoming>) -> Result<Response, ApiError> {
         let (parts, body) = request.into_parts();
         let snapshot = self.state.snapshots.current().ok_or_else(ApiError::not_ready)?;
@@ -240,21 +240,13 @@ impl Exchange<'_> {
     ) -> Result<Response, ApiError> {
         let continues =
             view.stream && self.kind == EndpointKind::Chat && snapshot.policy().continues(model) && !view.constrained;
-        let stream = Streamed {
-            state: self.state,
-            expects_done: expects_done(self.kind),
-            strip_usage: prepared.strip_usage,
-            meter: self.facts.meter.clone(),
-            request_id: self.request_id.clone(),
-            continues,
-        };
         if route.cold() && view.stream {
             tracing::debug!(
                 request_id = super::id_text(&self.request_id),
                 model,
                 "cold load for a stream: answering at once"
             );
-            return Ok(stream.cold(
+            return Ok(self.streamed(prepared.strip_usage, continues).cold(
                 Arc::clone(snapshot),
                 route,
                 model.to_string(),
@@ -262,7 +254,7 @@ impl Exchange<'_> {
                 prepared,
             ));
         }
-        let Prepared { path_and_query, headers, body, .. } = prepared;
+        let Prepared { path_and_query, headers, body, strip_usage } = prepared;
         let mut out = Outbound {
             path_and_query: &path_and_query,
             headers,
@@ -282,10 +274,22 @@ impl Exchange<'_> {
         Ok(match answered? {
             Answered::Whole(response) => response,
             Answered::Stream(started) => {
-                let (parts, body) = stream.body(started, snapshot, &route, &mut out);
+                let (parts, body) = self.streamed(strip_usage, continues).body(started, snapshot, &route, &mut out);
                 Response::from_parts(parts, Body::new(body))
             }
         })
+    }
+
+    /// What its stream's body is made with, once there is one.
+    fn streamed(&self, strip_usage: bool, continues: bool) -> Streamed<'s> {
+        Streamed {
+            state: self.state,
+            expects_done: expects_done(self.kind),
+            strip_usage,
+            meter: self.facts.meter.clone(),
+            request_id: self.request_id.clone(),
+            continues,
+        }
     }
 
     /// The request's metrics, span and decision, from its answer.
@@ -364,7 +368,7 @@ impl Streamed<'_> {
     /// route's later targets where it continues. `out` is what the
     /// attempts left of the request.
     fn body(
-        &self,
+        self,
         started: Started,
         snapshot: &RoutingSnapshot,
         route: &Route,
@@ -374,8 +378,8 @@ impl Streamed<'_> {
         // that may be continued (each costs a few counts shared between
         // the workers).
         let hops = if self.continues { resume::hops(snapshot, route, started.index) } else { VecDeque::new() };
-        let resume = (!hops.is_empty()).then(|| Resuming {
-            request: Arc::new(resume::Request {
+        let resume = (!hops.is_empty()).then(|| {
+            let request = resume::Request {
                 forwarder: self.state.forwarder.clone(),
                 path_and_query: out.path_and_query.clone(),
                 headers: std::mem::take(&mut out.headers),
@@ -384,19 +388,18 @@ impl Streamed<'_> {
                 session: out.session.map(str::to_string),
                 request_id: self.request_id.clone(),
                 version: snapshot.version(),
-            }),
-            metrics: Arc::clone(&self.state.metrics),
+            };
+            (Resuming { request: Arc::new(request), metrics: Arc::clone(&self.state.metrics) }, hops)
         });
+        let hard_stop = self.state.forwarder.hard_stop().clone();
         let plan = Plan {
             expects_done: self.expects_done,
             strip_usage: self.strip_usage,
-            meter: self.meter.clone(),
-            request_id: self.request_id.clone(),
+            meter: self.meter,
+            request_id: self.request_id,
             version: snapshot.version(),
-            hard_stop: self.state.forwarder.hard_stop().clone(),
-            resume,
         };
-        AnswerBody::streaming(started, plan, hops)
+        AnswerBody::streaming(started, plan, hard_stop, resume)
     }
 
     /// A streaming request that starts a cold load: the client gets its

@@ -145,6 +145,13 @@ pub async fn continue_on(
             Ok(response) if response.status().is_success() => Attempt::BodyBroke,
             Ok(response) => Attempt::Refused(super::attempt::read_error(response).await),
         };
+        // A request's timeout ends its wait for an answer to start; a
+        // stream's client has had bytes all along, and the next hop may
+        // answer at once.
+        let attempt = match attempt {
+            Attempt::TimedOut(_) => Attempt::Unreachable(None),
+            attempt => attempt,
+        };
         let (eject, go_on) = match classify(attempt, hops.is_empty()) {
             Verdict::Pass => (false, true),
             Verdict::Failover { eject, .. } => (eject, true),
