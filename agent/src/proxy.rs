@@ -124,7 +124,9 @@ impl hyper::service::Service<Request<Incoming>> for Service {
             )
             .is_err()
         {
-            refused_without_token();
+            // Once in a while: a data plane given the wrong token would
+            // otherwise log a line per request it sends.
+            inferyes_net::warn_every!("refused a request without the fleet's join token (a data plane given another?)");
             let message = "this node takes requests from the fleet's data planes only (their join token)";
             return Box::pin(std::future::ready(Ok(error(
                 ErrorKind::Unauthenticated,
@@ -134,20 +136,6 @@ impl hyper::service::Service<Request<Incoming>> for Service {
         }
         let proxy = self.proxy.clone();
         Box::pin(async move { Ok(forward(proxy, request).await) })
-    }
-}
-
-/// Logs a refusal for want of the join token, once every ten seconds at
-/// most: a data plane given the wrong one would otherwise log a line per
-/// request it sends.
-fn refused_without_token() {
-    static LAST_MS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let now = inferyes_proto::unix_ms();
-    let last = LAST_MS.load(Ordering::Relaxed);
-    if now.saturating_sub(last) >= 10_000
-        && LAST_MS.compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed).is_ok()
-    {
-        tracing::warn!("refused a request without the fleet's join token (a data plane given another?)");
     }
 }
 
@@ -252,7 +240,7 @@ async fn forward_in_span(proxy: Proxy, request: Request<Incoming>) -> Response {
         }
         Err(err) => {
             let request_id = request_id.as_ref().and_then(|v| v.to_str().ok()).unwrap_or_default();
-            tracing::warn!(request_id, backend = %backend_id, error = %err, "backend request failed");
+            inferyes_net::warn_every!(request_id, backend = %backend_id, error = %err, "backend request failed");
             error(ErrorKind::Upstream, &format!("backend `{backend_id}` is unreachable"), "backend_unreachable")
         }
     }

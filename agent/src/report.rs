@@ -15,10 +15,6 @@ use tonic::transport::Channel;
 
 use crate::state::AgentState;
 
-const BACKOFF_MIN: Duration = Duration::from_millis(100);
-/// Controllers wait for agents this long after start (`startup_grace_ms`).
-const BACKOFF_MAX: Duration = Duration::from_secs(2);
-
 /// What the reporter tells the rest of the agent (and tests).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Connection {
@@ -36,7 +32,7 @@ pub async fn run(
     connection: watch::Sender<Connection>,
     shutdown: CancellationToken,
 ) {
-    let mut backoff = BACKOFF_MIN;
+    let mut backoff = inferyes_net::backoff::RECONNECT;
     let mut next = 0usize;
     loop {
         let address = &controllers[next % controllers.len()];
@@ -46,16 +42,13 @@ pub async fn run(
             Err(Failure { error, registered }) => {
                 connection.send_modify(|c| c.controller_id = None);
                 if registered {
-                    backoff = BACKOFF_MIN;
+                    backoff.reset();
                 }
                 tracing::warn!(controller = %address, %error, "controller stream lost; trying the next one");
             }
         }
-        let jittered = backoff.mul_f64(0.5 + fastrand::f64());
-        backoff = (backoff * 2).min(BACKOFF_MAX);
-        tokio::select! {
-            () = shutdown.cancelled() => return,
-            () = tokio::time::sleep(jittered) => {}
+        if backoff.sleep(&shutdown).await {
+            return;
         }
     }
 }

@@ -102,7 +102,7 @@ pub fn add_today(today: &mut KeyUsageToday, deltas: &BTreeMap<RollupKey, UsageRo
 
 /// Campaigns, then leads until shutdown or until etcd takes the lead away.
 pub async fn run(store: EtcdStore, controller_id: String, retention: Retention, shutdown: CancellationToken) {
-    let mut backoff = Duration::from_millis(100);
+    let mut backoff = inferyes_net::backoff::RECONNECT;
     loop {
         let result = tokio::select! {
             () = shutdown.cancelled() => return,
@@ -112,7 +112,7 @@ pub async fn run(store: EtcdStore, controller_id: String, retention: Retention, 
             Ok(()) => return,
             Err(error) => tracing::warn!(%error, "usage ledger leadership lost; campaigning again"),
         }
-        if crate::reconcile::sleep_or_shutdown(&mut backoff, &shutdown).await {
+        if backoff.sleep(&shutdown).await {
             return;
         }
     }

@@ -18,8 +18,6 @@ use crate::live::LiveEvent;
 use crate::reconcile::SnapshotRx;
 use crate::store::{EtcdStore, StoreError};
 
-const BACKOFF_MIN: Duration = Duration::from_millis(100);
-
 pub struct Peers {
     pub store: EtcdStore,
     pub snapshots: SnapshotRx,
@@ -43,13 +41,13 @@ impl Peers {
 
     /// Keeps this controller's record in etcd while it runs.
     async fn register(self: Arc<Self>) {
-        let mut backoff = BACKOFF_MIN;
+        let mut backoff = inferyes_net::backoff::RECONNECT;
         loop {
             match self.hold_record().await {
                 Ok(()) => return,
                 Err(error) => tracing::warn!(%error, "controller record not held; retrying"),
             }
-            if crate::reconcile::sleep_or_shutdown(&mut backoff, &self.shutdown).await {
+            if backoff.sleep(&self.shutdown).await {
                 return;
             }
         }
@@ -114,21 +112,21 @@ impl Peers {
     /// Follows one peer until `stop`, reconnecting with backoff.
     async fn follow(self: Arc<Self>, peer: String, url: String, stop: CancellationToken) {
         let origin: Arc<str> = peer.as_str().into();
-        let mut backoff = BACKOFF_MIN;
+        let mut backoff = inferyes_net::backoff::RECONNECT;
         loop {
             let result = tokio::select! {
                 () = stop.cancelled() => Ok(false),
                 result = self.follow_once(&origin, &url) => result,
             };
             match result {
-                Ok(received) if received => backoff = BACKOFF_MIN,
+                Ok(received) if received => backoff.reset(),
                 Ok(_) => {}
                 Err(error) => tracing::warn!(%error, %url, "peer stream failed; retrying"),
             }
             // What it relayed stays, marked not fresh: its agents reconnect
             // elsewhere within seconds and replace it.
             let _ = self.live.send(LiveEvent::PeerLost { origin: Arc::clone(&origin) }).await;
-            if crate::reconcile::sleep_or_shutdown(&mut backoff, &stop).await {
+            if backoff.sleep(&stop).await {
                 return;
             }
         }

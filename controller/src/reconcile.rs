@@ -3,6 +3,7 @@
 //! agent streams here and from peers), and publishes a new snapshot when
 //! either changed. Everything else reads the published snapshots.
 
+use inferyes_net::backoff::{Backoff, RECONNECT};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -23,8 +24,6 @@ pub type SnapshotRx = watch::Receiver<Option<Arc<Snapshot>>>;
 pub type LiveViewTx = watch::Sender<Arc<LiveView>>;
 pub type LiveViewRx = watch::Receiver<Arc<LiveView>>;
 
-const RETRY_MIN: Duration = Duration::from_millis(100);
-const RETRY_MAX: Duration = Duration::from_secs(2);
 /// Live changes (load, sessions) arrive all the time from every node: they
 /// are gathered this long into one snapshot, well inside what a session's
 /// next turn needs.
@@ -78,7 +77,7 @@ struct View {
 impl Reconciler {
     pub async fn run(mut self) {
         let mut view = View { fleet: None, live: LiveState::new(&self.controller_id), rebuild_at: None };
-        let mut backoff = RETRY_MIN;
+        let mut backoff = RECONNECT;
         loop {
             match self.store.load().await {
                 Ok(batch) => view.fleet = Some(FleetState::from_load(batch)),
@@ -90,7 +89,7 @@ impl Reconciler {
                     continue;
                 }
             }
-            backoff = RETRY_MIN;
+            backoff.reset();
             match self.follow(&mut view).await {
                 Ok(()) => return,
                 Err(error) => {
@@ -148,7 +147,7 @@ impl Reconciler {
     /// while etcd is away. Live changes are published meanwhile: routing
     /// goes on from the last etcd state and the nodes' current load.
     async fn resume(&mut self, view: &mut View, revision: u64) -> Result<crate::store::Watch, StoreError> {
-        let mut backoff = RETRY_MIN;
+        let mut backoff = RECONNECT;
         loop {
             match self.store.watch(revision + 1).await {
                 Ok(watch) => return Ok(watch),
@@ -164,9 +163,8 @@ impl Reconciler {
 
     /// Waits out a jittered, growing backoff while etcd is away, applying
     /// and publishing live changes meanwhile; true when shutdown came first.
-    async fn wait(&mut self, view: &mut View, backoff: &mut Duration) -> bool {
-        let until = Instant::now() + backoff.mul_f64(0.5 + fastrand::f64());
-        *backoff = (*backoff * 2).min(RETRY_MAX);
+    async fn wait(&mut self, view: &mut View, backoff: &mut Backoff) -> bool {
+        let until = Instant::now() + backoff.next_wait();
         loop {
             tokio::select! {
                 () = self.shutdown.cancelled() => return true,
@@ -224,15 +222,5 @@ async fn sleep_until(at: Option<Instant>) {
     match at {
         Some(at) => tokio::time::sleep_until(at).await,
         None => std::future::pending().await,
-    }
-}
-
-/// Sleeps with jittered exponential backoff; true when shutdown came first.
-pub(crate) async fn sleep_or_shutdown(backoff: &mut Duration, shutdown: &CancellationToken) -> bool {
-    let jittered = backoff.mul_f64(0.5 + fastrand::f64());
-    *backoff = (*backoff * 2).min(RETRY_MAX);
-    tokio::select! {
-        () = shutdown.cancelled() => true,
-        () = tokio::time::sleep(jittered) => false,
     }
 }

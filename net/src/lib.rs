@@ -1,9 +1,12 @@
 //! The networking the proxies share (an agent's proxy, a data plane): the
 //! pooled HTTP/1.1 client to upstreams, the serving loop, the rustls
-//! configurations of both, and the process around them (logs, traces,
-//! signals). Wire types and errors are `inferyes-proto`'s.
+//! configurations of both, and what runs around them in every server:
+//! logs and traces, signals, reconnection backoff, and log lines that
+//! would repeat held back. Wire types and errors are `inferyes-proto`'s.
 
+pub mod backoff;
 pub mod base_url;
+pub mod log;
 pub mod pool;
 pub mod process;
 pub mod serve;

@@ -150,7 +150,7 @@ impl AgentSvc {
         let mut pending: Option<NodeStatus> = Some(reported.durable.clone());
         let mut written: Option<NodeStatus> = None;
         let mut write_at = Instant::now();
-        let mut write_backoff = Duration::from_millis(100);
+        let mut write_backoff = inferyes_net::backoff::RECONNECT;
         let mut last_heard = Instant::now();
         let mut keepalive = tokio::time::interval(self.lease_ttl / 3);
         keepalive.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -246,12 +246,11 @@ impl AgentSvc {
                             written = Some(status);
                             pending = None;
                             write_at = Instant::now() + self.min_write_interval;
-                            write_backoff = Duration::from_millis(100);
+                            write_backoff.reset();
                         }
                         Err(error) => {
                             tracing::warn!(%error, "node status not written; holding it for retry");
-                            write_at = Instant::now() + write_backoff;
-                            write_backoff = (write_backoff * 2).min(Duration::from_secs(2));
+                            write_at = Instant::now() + write_backoff.next_wait();
                         }
                     }
                 }

@@ -11,7 +11,7 @@ use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, header};
 use inferyes_proto::ErrorKind;
 
-use super::classify::{Attempt, MAX_BUFFERED_BODY, Verdict, classify};
+use super::classify::{Attempt, MAX_BUFFERED_BODY, UpstreamError, Verdict, classify};
 use super::client::{Answer, Forwarder, Outbound, is_decimal, upstream_headers};
 use crate::error::{ApiError, ErrorCode};
 use crate::routing::{Route, RouteReason};
@@ -162,11 +162,17 @@ pub(crate) async fn attempt_each(
         drop(guard);
         if eject {
             let ejected_ms = node.local.eject(inferyes_proto::unix_ms(), snapshot.version());
-            tracing::warn!(
+            inferyes_net::warn_every!(
                 request_id = super::id_text(out.request_id),
                 node = %node.id,
                 ejected_ms,
                 "node {what}; held out of routing"
+            );
+        }
+        if matches!(error, UpstreamError::AuthMisconfigured) {
+            inferyes_net::error_every!(
+                node = %node.id,
+                "the node's agent refused this data plane's join token: give both the same (join_token_file)"
             );
         }
         let mut error = error.into_api(&node.id);

@@ -12,16 +12,13 @@ use tokio_util::sync::CancellationToken;
 
 use super::{Indices, Live, RoutingSnapshot, SnapshotStore, decode_live};
 
-const BACKOFF_MIN: Duration = Duration::from_millis(100);
-const BACKOFF_MAX: Duration = Duration::from_secs(2);
-
 pub async fn run(
     store: Arc<SnapshotStore>,
     controllers: crate::Controllers,
     dataplane_id: String,
     shutdown: CancellationToken,
 ) {
-    let mut backoff = BACKOFF_MIN;
+    let mut backoff = inferyes_net::backoff::RECONNECT;
     let mut next = 0usize;
     // Outlives each stream: the next controller's full snapshot replaces
     // what this one held, node by node, in the one session index.
@@ -35,7 +32,7 @@ pub async fn run(
                 match result {
                     Ok(received) => {
                         if received {
-                            backoff = BACKOFF_MIN;
+                            backoff.reset();
                         }
                         tracing::warn!(controller = %address, "snapshot stream ended; trying the next controller");
                     }
@@ -43,11 +40,8 @@ pub async fn run(
                 }
             }
         }
-        let jittered = backoff.mul_f64(0.5 + fastrand::f64());
-        backoff = (backoff * 2).min(BACKOFF_MAX);
-        tokio::select! {
-            () = shutdown.cancelled() => return,
-            () = tokio::time::sleep(jittered) => {}
+        if backoff.sleep(&shutdown).await {
+            return;
         }
     }
 }
