@@ -92,6 +92,7 @@ impl Service {
             idle_timeout: BACKEND_IDLE_TIMEOUT,
             tls: None,
             read_timeout: BACKEND_READ_TIMEOUT,
+            idle_limits: pool::IdleLimits::default(),
         });
         let proxy = Proxy { state, client, scrape, join_token };
         let router = Router::new()

@@ -73,6 +73,7 @@ async fn main() -> std::io::Result<()> {
                 idle_timeout: inferyes_net::serve::CLIENT_IDLE_TIMEOUT,
                 tls: None,
                 read_timeout: std::time::Duration::from_secs(600),
+                idle_limits: pool::IdleLimits::default(),
             };
             let forward = Forward { pool: Pool::new(settings), upstream: upstream.clone() };
             move |_| forward.clone()

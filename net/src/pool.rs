@@ -114,6 +114,27 @@ pub struct Settings {
     /// upstream that hangs (its process stuck, its host gone without a
     /// word) holds no request for ever.
     pub read_timeout: Duration,
+    /// How many idle connections are kept.
+    pub idle_limits: IdleLimits,
+}
+
+/// The most idle connections a pool keeps: per origin, and in all. Past
+/// either, the least recently used one is closed. Without bounds a burst
+/// of concurrency to many upstreams would leave its connections (and
+/// their file descriptors, and the upstreams' slots for them) held for
+/// the whole idle timeout.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IdleLimits {
+    pub per_origin: usize,
+    pub total: usize,
+}
+
+impl Default for IdleLimits {
+    /// More than any node's slots (a node serves tens of requests at
+    /// once), per worker thread.
+    fn default() -> IdleLimits {
+        IdleLimits { per_origin: 256, total: 4096 }
+    }
 }
 
 /// TCP keep-alive probes on every connection: an upstream whose host went
@@ -150,8 +171,8 @@ impl<B> Clone for Pool<B> {
 }
 
 struct Shared<B> {
-    /// Per origin, oldest first.
-    idle: Mutex<inferyes_proto::FastMap<Arc<str>, Vec<Idle<B>>>>,
+    idle: Mutex<IdleSet<B>>,
+    limits: IdleLimits,
     connect_timeout: Duration,
     idle_timeout: Duration,
     tls: Option<tokio_rustls::TlsConnector>,
@@ -161,6 +182,58 @@ struct Shared<B> {
 struct Idle<B> {
     sender: SendRequest<B>,
     since: Instant,
+}
+
+/// The idle connections, per origin, each origin's oldest first, and how
+/// many there are in all.
+struct IdleSet<B> {
+    by_origin: inferyes_proto::FastMap<Arc<str>, Vec<Idle<B>>>,
+    total: usize,
+}
+
+impl<B> Default for IdleSet<B> {
+    fn default() -> IdleSet<B> {
+        IdleSet { by_origin: inferyes_proto::FastMap::default(), total: 0 }
+    }
+}
+
+impl<B> IdleSet<B> {
+    /// Keeps `sender` as `key`'s most recently used, closing the least
+    /// recently used where a limit would be passed.
+    fn push(&mut self, key: Arc<str>, sender: SendRequest<B>, now: Instant, limits: IdleLimits) {
+        if limits.per_origin == 0 || limits.total == 0 {
+            return;
+        }
+        let list = self.by_origin.entry(key).or_default();
+        if list.len() >= limits.per_origin {
+            list.remove(0);
+            self.total -= 1;
+        }
+        list.push(Idle { sender, since: now });
+        self.total += 1;
+        if self.total > limits.total {
+            self.evict_oldest();
+        }
+    }
+
+    /// Closes the connection idle the longest, whichever its origin
+    /// (each origin's oldest is its first).
+    fn evict_oldest(&mut self) {
+        let oldest = self
+            .by_origin
+            .iter()
+            .filter_map(|(key, list)| Some((list.first()?.since, key)))
+            .min_by_key(|(since, _)| *since)
+            .map(|(_, key)| Arc::clone(key));
+        let Some(key) = oldest else { return };
+        if let Some(list) = self.by_origin.get_mut(&key) {
+            list.remove(0);
+            self.total -= 1;
+            if list.is_empty() {
+                self.by_origin.remove(&key);
+            }
+        }
+    }
 }
 
 impl<B> Shared<B> {
@@ -184,6 +257,7 @@ where
         Pool {
             shared: Arc::new(Shared {
                 idle: Mutex::default(),
+                limits: settings.idle_limits,
                 connect_timeout: settings.connect_timeout,
                 idle_timeout: settings.idle_timeout,
                 tls,
@@ -244,12 +318,15 @@ where
         // A poisoned lock (a panic elsewhere) costs a new connection, never
         // a request.
         let mut idle = self.shared.idle.lock().ok()?;
-        let list = idle.get_mut(key)?;
+        let IdleSet { by_origin, total } = &mut *idle;
+        let list = by_origin.get_mut(key)?;
         let now = Instant::now();
         // Oldest first: the expired ones are a prefix.
         let expired = list.partition_point(|entry| self.shared.expired(entry, now));
         list.drain(..expired);
+        *total -= expired;
         while let Some(entry) = list.pop() {
+            *total -= 1;
             if !entry.sender.is_closed() {
                 return Some(entry.sender);
             }
@@ -307,10 +384,11 @@ where
     fn sweep(&self) {
         let Ok(mut idle) = self.shared.idle.lock() else { return };
         let now = Instant::now();
-        idle.retain(|_, list| {
+        idle.by_origin.retain(|_, list| {
             list.retain(|entry| !entry.sender.is_closed() && !self.shared.expired(entry, now));
             !list.is_empty()
         });
+        idle.total = idle.by_origin.values().map(Vec::len).sum();
     }
 
     /// A body of a connection the pool does not own (an HTTP/2 one), with
@@ -321,7 +399,7 @@ where
 
     /// Idle connections held, all origins together.
     pub fn idle_connections(&self) -> usize {
-        self.shared.idle.lock().map_or(0, |idle| idle.values().map(Vec::len).sum())
+        self.shared.idle.lock().map_or(0, |idle| idle.total)
     }
 }
 
@@ -339,7 +417,7 @@ impl<B> Pool<B> {
 
     fn keep(&self, key: Arc<str>, sender: SendRequest<B>) {
         let Ok(mut idle) = self.shared.idle.lock() else { return };
-        idle.entry(key).or_default().push(Idle { sender, since: Instant::now() });
+        idle.push(key, sender, Instant::now(), self.shared.limits);
     }
 }
 
@@ -516,7 +594,17 @@ mod tests {
     }
 
     fn pool_reading(idle_timeout: Duration, read_timeout: Duration) -> Client {
-        Pool::new(Settings { connect_timeout: Duration::from_secs(2), idle_timeout, tls: None, read_timeout })
+        pool_limited(idle_timeout, read_timeout, IdleLimits::default())
+    }
+
+    fn pool_limited(idle_timeout: Duration, read_timeout: Duration, idle_limits: IdleLimits) -> Client {
+        Pool::new(Settings {
+            connect_timeout: Duration::from_secs(2),
+            idle_timeout,
+            tls: None,
+            read_timeout,
+            idle_limits,
+        })
     }
 
     fn origin(addr: std::net::SocketAddr) -> Origin {
@@ -638,6 +726,37 @@ mod tests {
         assert_eq!((text(first).await, text(second).await), ("hello".to_string(), "hello".to_string()));
         assert_eq!(pool.idle_connections(), 2);
         assert_eq!(upstream.accepted.load(Ordering::SeqCst), 2);
+    }
+
+    #[tokio::test]
+    async fn idle_connections_are_bounded_per_origin_and_in_all_and_the_least_recent_goes() {
+        let (mut a, mut b) = (upstream().await, upstream().await);
+        let limits = IdleLimits { per_origin: 2, total: 3 };
+        let pool = pool_limited(Duration::from_secs(60), Duration::from_secs(60), limits);
+        let (to_a, to_b) = (origin(a.addr), origin(b.addr));
+        let open = |origin: &Origin, n| {
+            let (pool, origin) = (pool.clone(), origin.clone());
+            async move {
+                let mut answers = Vec::new();
+                for _ in 0..n {
+                    answers.push(pool.send(&origin, request("/hello")).await.unwrap());
+                }
+                for answer in answers {
+                    assert_eq!(text(answer).await, "hello");
+                }
+            }
+        };
+        open(&to_a, 3).await;
+        assert_eq!(pool.idle_connections(), 2, "at most two per origin");
+        assert_eq!(soon(a.ended.recv()).await, Some(0), "the least recently used is closed");
+        open(&to_b, 2).await;
+        assert_eq!(pool.idle_connections(), 3, "at most three in all");
+        // The oldest of all (origin a's first kept) went for b's second.
+        assert_eq!(soon(a.ended.recv()).await, Some(1));
+        assert!(b.ended.try_recv().is_err(), "the newest stay");
+        let before = b.accepted.load(Ordering::SeqCst);
+        open(&to_b, 2).await;
+        assert_eq!(b.accepted.load(Ordering::SeqCst), before, "kept connections are used again");
     }
 
     #[tokio::test]

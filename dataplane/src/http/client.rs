@@ -79,6 +79,7 @@ impl Forwarder {
             idle_timeout: inferyes_net::serve::CLIENT_IDLE_TIMEOUT,
             tls: Some(Arc::new(tls.clone())),
             read_timeout,
+            idle_limits: inferyes_net::pool::IdleLimits::default(),
         });
         let mut tcp = HttpConnector::new();
         tcp.set_nodelay(true);
