@@ -2,20 +2,18 @@
 //! FleetService. The binary only parses arguments and prints what
 //! [`run`] returns, so tests drive the same code.
 
-use std::fmt::Write as _;
+mod render;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
 use inferyes_proto::v1::fleet_service_client::FleetServiceClient;
 use inferyes_proto::v1::{
-    Alias, ApiKey, CreateKeyRequest, DeleteAliasRequest, GetKeyRequest, GetPolicyRequest, ListAliasesRequest,
-    ListKeysRequest, NodePolicy, RevokeKeyRequest, RoutingPolicy, SetNodePolicyRequest, Strategy,
+    Alias, CreateKeyRequest, DeleteAliasRequest, DrainRequest, GetKeyRequest, GetNodeRequest, GetPolicyRequest,
+    ListAliasesRequest, ListKeysRequest, ListModelsRequest, ListNodesRequest, ListSessionsRequest, NodePolicy,
+    RevokeKeyRequest, SetNodePolicyRequest, Strategy, UndrainRequest, UsageQuery,
 };
-use inferyes_proto::v1::{
-    Backend, DrainRequest, GetNodeRequest, Gpu, ListModelsRequest, ListNodesRequest, ListSessionsRequest, ModelState,
-    SnapshotNode, UndrainRequest, UsageQuery, UsageRecord, UsageReport, UsageRow,
-};
-use serde_json::{Value, json};
+pub use render::Render;
+use render::{Drained, Policy, Sessions, Written, render, usage_record_line};
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
 
@@ -230,129 +228,44 @@ pub async fn run(cli: Cli) -> anyhow::Result<String> {
     let token =
         inferyes_proto::files::read_token(cli.admin_token.as_deref(), cli.admin_token_file.as_deref(), "admin token")?;
     let mut client = admin_client(channel, token.as_deref())?;
-    let json_out = cli.output == Output::Json;
+    let output = cli.output;
     let text = match cli.command {
         Command::Nodes => {
-            let response = client.list_nodes(ListNodesRequest {}).await.map_err(rpc_error)?.into_inner();
-            if json_out {
-                render_json(
-                    &json!({"version": response.version, "nodes": response.nodes.iter().map(node_json).collect::<Vec<_>>()}),
-                )
-            } else {
-                nodes_table(&response.nodes)
-            }
+            render(&client.list_nodes(ListNodesRequest {}).await.map_err(rpc_error)?.into_inner(), output)
         }
         Command::Node { node_id } => {
-            let node = client.get_node(GetNodeRequest { node_id }).await.map_err(rpc_error)?.into_inner();
-            if json_out { render_json(&node_json(&node)) } else { node_detail(&node) }
+            render(&client.get_node(GetNodeRequest { node_id }).await.map_err(rpc_error)?.into_inner(), output)
         }
         Command::Models => {
-            let response = client.list_models(ListModelsRequest {}).await.map_err(rpc_error)?.into_inner();
-            if json_out {
-                let models: Vec<Value> = response
-                    .models
-                    .iter()
-                    .map(|m| {
-                        json!({
-                            "id": m.id,
-                            "loaded_on": m.loaded_on,
-                            "available_on": m.available_on,
-                            "context_window": m.context_window,
-                            "endpoints": m.endpoints().map(|e| e.as_str_name()).collect::<Vec<_>>(),
-                        })
-                    })
-                    .collect();
-                render_json(&json!({"version": response.version, "models": models}))
-            } else {
-                let rows = response
-                    .models
-                    .iter()
-                    .map(|m| {
-                        vec![
-                            m.id.clone(),
-                            m.loaded_on.len().to_string(),
-                            m.available_on.len().to_string(),
-                            if m.context_window == 0 { "-".into() } else { m.context_window.to_string() },
-                            m.loaded_on.join(","),
-                        ]
-                    })
-                    .collect();
-                table(&["MODEL", "LOADED", "NODES", "CONTEXT", "LOADED ON"], rows)
-            }
+            render(&client.list_models(ListModelsRequest {}).await.map_err(rpc_error)?.into_inner(), output)
         }
         Command::Sessions { node } => {
             let request = ListSessionsRequest { node_id: node.unwrap_or_default() };
             let response = client.list_sessions(request).await.map_err(rpc_error)?.into_inner();
-            let now = inferyes_proto::unix_ms() / 1000;
-            if json_out {
-                let sessions: Vec<Value> = response
-                    .sessions
-                    .iter()
-                    .filter_map(|s| s.session.as_ref().map(|r| (s, r)))
-                    .map(|(s, r)| {
-                        json!({"node": s.node_id, "key": r.key, "backend": r.backend_id, "model": r.model,
-                               "first_seen_unix_ms": r.first_seen_unix_ms, "last_seen_unix_ms": r.last_seen_unix_ms, "requests": r.requests})
-                    })
-                    .collect();
-                render_json(&json!({"version": response.version, "sessions": sessions}))
-            } else {
-                let rows = response
-                    .sessions
-                    .iter()
-                    .filter_map(|s| s.session.as_ref().map(|r| (s, r)))
-                    .map(|(s, r)| {
-                        vec![
-                            r.key.clone(),
-                            s.node_id.clone(),
-                            r.backend_id.clone(),
-                            r.model.clone(),
-                            format!("{}s", now.saturating_sub(r.first_seen_unix_ms / 1000)),
-                            format!("{}s", now.saturating_sub(r.last_seen_unix_ms / 1000)),
-                            r.requests.to_string(),
-                        ]
-                    })
-                    .collect();
-                table(&["SESSION", "NODE", "BACKEND", "MODEL", "AGE", "IDLE", "REQUESTS"], rows)
-            }
+            render(&Sessions { response, now_s: inferyes_proto::unix_ms() / 1000 }, output)
         }
         Command::Drain { node_id, reason, force } => {
             let response = client.drain(DrainRequest { node_id, reason, force }).await.map_err(rpc_error)?.into_inner();
-            if json_out {
-                render_json(&json!({"node": response.node_id, "draining": true, "revision": response.revision}))
-            } else {
-                format!("node {} draining (revision {})\n", response.node_id, response.revision)
-            }
+            render(&Drained { node_id: response.node_id, draining: true, revision: response.revision }, output)
         }
         Command::Undrain { node_id } => {
             let response = client.undrain(UndrainRequest { node_id }).await.map_err(rpc_error)?.into_inner();
-            if json_out {
-                render_json(&json!({"node": response.node_id, "draining": false, "revision": response.revision}))
-            } else {
-                format!("node {} accepting new sessions (revision {})\n", response.node_id, response.revision)
-            }
+            render(&Drained { node_id: response.node_id, draining: false, revision: response.revision }, output)
         }
         Command::Alias(AliasCommand::List) => {
-            let response = client.list_aliases(ListAliasesRequest {}).await.map_err(rpc_error)?.into_inner();
-            if json_out {
-                let aliases: Vec<Value> =
-                    response.aliases.iter().map(|a| json!({"alias": a.alias, "model": a.model})).collect();
-                render_json(&json!({"version": response.version, "aliases": aliases}))
-            } else {
-                let rows = response.aliases.iter().map(|a| vec![a.alias.clone(), a.model.clone()]).collect();
-                table(&["ALIAS", "MODEL"], rows)
-            }
+            render(&client.list_aliases(ListAliasesRequest {}).await.map_err(rpc_error)?.into_inner(), output)
         }
         Command::Alias(AliasCommand::Set { alias, model }) => {
             let request = Alias { alias: alias.clone(), model: model.clone() };
             let response = client.set_alias(request).await.map_err(rpc_error)?.into_inner();
-            written(json_out, &format!("alias {alias} -> {model}"), response.revision)
+            render(&Written { what: format!("alias {alias} -> {model}"), revision: response.revision }, output)
         }
         Command::Alias(AliasCommand::Rm { alias }) => {
             let request = DeleteAliasRequest { alias: alias.clone() };
             let response = client.delete_alias(request).await.map_err(rpc_error)?.into_inner();
-            written(json_out, &format!("alias {alias} removed"), response.revision)
+            render(&Written { what: format!("alias {alias} removed"), revision: response.revision }, output)
         }
-        Command::Keys(command) => keys(&mut client, command, json_out).await?,
+        Command::Keys(command) => keys(&mut client, command, output).await?,
         Command::Usage { key, model, since, export } => {
             let since_unix_ms = match since {
                 Some(text) => inferyes_proto::unix_ms().saturating_sub(parse_duration_ms(&text)?),
@@ -363,18 +276,16 @@ pub async fn run(cli: Cli) -> anyhow::Result<String> {
                 let mut stream = client.export_usage(query).await.map_err(rpc_error)?.into_inner();
                 let mut out = String::new();
                 while let Some(record) = stream.message().await.map_err(rpc_error)? {
-                    out.push_str(&usage_record_json(&record).to_string());
-                    out.push('\n');
+                    out.push_str(&usage_record_line(&record));
                 }
                 out
             } else {
-                let report = client.get_usage(query).await.map_err(rpc_error)?.into_inner();
-                render_usage(&report, json_out)
+                render(&client.get_usage(query).await.map_err(rpc_error)?.into_inner(), output)
             }
         }
         Command::Policy(PolicyCommand::Show) => {
             let policy = client.get_policy(GetPolicyRequest {}).await.map_err(rpc_error)?.into_inner();
-            render_policy(&policy, json_out)
+            render(&Policy { policy, revision: None }, output)
         }
         Command::Policy(PolicyCommand::Set {
             admission,
@@ -420,11 +331,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<String> {
                 }
             }
             let response = client.set_policy(policy.clone()).await.map_err(rpc_error)?.into_inner();
-            if json_out {
-                render_policy(&policy, true)
-            } else {
-                format!("{}(revision {})\n", render_policy(&policy, false), response.revision)
-            }
+            render(&Policy { policy, revision: Some(response.revision) }, output)
         }
         Command::Completions { .. } => unreachable!("answered before connecting"),
         Command::Policy(PolicyCommand::Node { node_id, admission, hard_limit }) => {
@@ -433,21 +340,13 @@ pub async fn run(cli: Cli) -> anyhow::Result<String> {
                 policy: Some(NodePolicy { admission_threshold: admission, hard_limit }),
             };
             let response = client.set_node_policy(request).await.map_err(rpc_error)?.into_inner();
-            written(json_out, &format!("node {node_id} thresholds set"), response.revision)
+            render(&Written { what: format!("node {node_id} thresholds set"), revision: response.revision }, output)
         }
     };
     Ok(text)
 }
 
-fn written(json_out: bool, what: &str, revision: u64) -> String {
-    if json_out {
-        render_json(&json!({"result": what, "revision": revision}))
-    } else {
-        format!("{what} (revision {revision})\n")
-    }
-}
-
-async fn keys(client: &mut AdminClient, command: KeysCommand, json_out: bool) -> anyhow::Result<String> {
+async fn keys(client: &mut AdminClient, command: KeysCommand, output: Output) -> anyhow::Result<String> {
     Ok(match command {
         KeysCommand::Create { name, models, rpm, tokens_per_day, expires_in } => {
             let expires_unix_ms = match expires_in {
@@ -461,42 +360,18 @@ async fn keys(client: &mut AdminClient, command: KeysCommand, json_out: bool) ->
                 tokens_per_day: tokens_per_day.unwrap_or(0),
                 expires_unix_ms,
             };
-            let created = client.create_key(request).await.map_err(rpc_error)?.into_inner();
-            let key = created.key.unwrap_or_default();
-            if json_out {
-                let mut value = key_json(&key);
-                value["secret"] = json!(created.secret);
-                value["revision"] = json!(created.revision);
-                render_json(&value)
-            } else {
-                format!(
-                    "key {} ({}) created:\n\n  {}\n\nStore it now: it is not shown again. Clients send it as `Authorization: Bearer <key>`.\n",
-                    key.key_id, key.name, created.secret
-                )
-            }
+            render(&client.create_key(request).await.map_err(rpc_error)?.into_inner(), output)
         }
         KeysCommand::List => {
-            let response = client.list_keys(ListKeysRequest {}).await.map_err(rpc_error)?.into_inner();
-            if json_out {
-                let keys: Vec<Value> = response.keys.iter().map(key_json).collect();
-                render_json(&json!({"version": response.version, "keys": keys}))
-            } else {
-                let rows = response.keys.iter().map(key_row).collect();
-                table(&["KEY ID", "NAME", "STATE", "MODELS", "RPM", "TOKENS/DAY", "EXPIRES"], rows)
-            }
+            render(&client.list_keys(ListKeysRequest {}).await.map_err(rpc_error)?.into_inner(), output)
         }
         KeysCommand::Show { key_id } => {
-            let key = client.get_key(GetKeyRequest { key_id }).await.map_err(rpc_error)?.into_inner();
-            if json_out {
-                render_json(&key_json(&key))
-            } else {
-                table(&["KEY ID", "NAME", "STATE", "MODELS", "RPM", "TOKENS/DAY", "EXPIRES"], vec![key_row(&key)])
-            }
+            render(&client.get_key(GetKeyRequest { key_id }).await.map_err(rpc_error)?.into_inner(), output)
         }
         KeysCommand::Revoke { key_id } => {
             let response =
                 client.revoke_key(RevokeKeyRequest { key_id: key_id.clone() }).await.map_err(rpc_error)?.into_inner();
-            written(json_out, &format!("key {key_id} revoked"), response.revision)
+            render(&Written { what: format!("key {key_id} revoked"), revision: response.revision }, output)
         }
     })
 }
@@ -509,126 +384,6 @@ pub fn admin_client(channel: Channel, token: Option<&str>) -> anyhow::Result<Adm
     let bearer = inferyes_proto::bearer::Bearer::new(token)
         .map_err(|_| anyhow::anyhow!("the admin token must be printable ASCII"))?;
     Ok(FleetServiceClient::with_interceptor(channel, bearer))
-}
-
-fn usage_record_json(r: &UsageRecord) -> Value {
-    json!({
-        "request_id": r.request_id, "unix_ms": r.unix_ms, "key_id": r.key_id, "model": r.model,
-        "node_id": r.node_id, "status": r.status, "outcome": r.outcome, "prompt_tokens": r.prompt_tokens,
-        "cached_tokens": r.cached_tokens, "completion_tokens": r.completion_tokens, "estimated": r.estimated,
-        "latency_ms": r.latency_ms, "ttft_ms": r.ttft_ms, "stream": r.stream,
-    })
-}
-
-fn render_usage(report: &UsageReport, json_out: bool) -> String {
-    let usage = |row: &UsageRow| row.usage.unwrap_or_default();
-    if json_out {
-        let rows: Vec<Value> = report
-            .rows
-            .iter()
-            .map(|row| {
-                let u = usage(row);
-                json!({
-                    "hour_unix_ms": row.hour_unix_ms, "key_id": row.key_id, "model": row.model,
-                    "requests": u.requests, "errors": u.errors, "prompt_tokens": u.prompt_tokens,
-                    "cached_tokens": u.cached_tokens, "completion_tokens": u.completion_tokens,
-                    "estimated_requests": u.estimated_requests, "latency_ms_sum": u.latency_ms_sum,
-                })
-            })
-            .collect();
-        return render_json(&json!({"rows": rows, "pending_batches": report.pending_batches}));
-    }
-    let mut total = inferyes_proto::v1::UsageRollup::default();
-    let mut rows: Vec<Vec<String>> = report
-        .rows
-        .iter()
-        .map(|row| {
-            let u = usage(row);
-            inferyes_proto::usage::merge(&mut total, &u);
-            let hour = inferyes_proto::usage::hour_of(row.hour_unix_ms);
-            vec![
-                format!("{}-{}-{} {}:00", &hour[0..4], &hour[4..6], &hour[6..8], &hour[8..10]),
-                if row.key_id.is_empty() { "-".into() } else { row.key_id.clone() },
-                row.model.clone(),
-                u.requests.to_string(),
-                u.errors.to_string(),
-                u.prompt_tokens.to_string(),
-                u.cached_tokens.to_string(),
-                u.completion_tokens.to_string(),
-                u.estimated_requests.to_string(),
-            ]
-        })
-        .collect();
-    rows.push(vec![
-        "total".into(),
-        String::new(),
-        String::new(),
-        total.requests.to_string(),
-        total.errors.to_string(),
-        total.prompt_tokens.to_string(),
-        total.cached_tokens.to_string(),
-        total.completion_tokens.to_string(),
-        total.estimated_requests.to_string(),
-    ]);
-    let mut out = table(
-        &["HOUR (UTC)", "KEY", "MODEL", "REQUESTS", "ERRORS", "PROMPT", "CACHED", "COMPLETION", "ESTIMATED"],
-        rows,
-    );
-    if report.pending_batches > 0 {
-        let _ = writeln!(out, "({} batches received and not rolled up yet)", report.pending_batches);
-    }
-    out
-}
-
-fn key_state(key: &ApiKey) -> &'static str {
-    if key.revoked {
-        "revoked"
-    } else if key.expires_unix_ms != 0 && key.expires_unix_ms <= inferyes_proto::unix_ms() {
-        "expired"
-    } else {
-        "active"
-    }
-}
-
-fn key_json(key: &ApiKey) -> Value {
-    json!({
-        "key_id": key.key_id,
-        "name": key.name,
-        "state": key_state(key),
-        "allowed_models": key.allowed_models,
-        "requests_per_minute": key.requests_per_minute,
-        "tokens_per_day": key.tokens_per_day,
-        "expires_unix_ms": key.expires_unix_ms,
-        "created_unix_ms": key.created_unix_ms,
-        "revoked_unix_ms": key.revoked_unix_ms,
-    })
-}
-
-fn key_row(key: &ApiKey) -> Vec<String> {
-    let or_none = |v: u64| if v == 0 { "-".to_string() } else { v.to_string() };
-    let expires = if key.expires_unix_ms == 0 {
-        "never".to_string()
-    } else {
-        let left_ms = key.expires_unix_ms.saturating_sub(inferyes_proto::unix_ms());
-        if left_ms == 0 { "expired".to_string() } else { format!("in {}", human_duration(left_ms)) }
-    };
-    vec![
-        key.key_id.clone(),
-        key.name.clone(),
-        key_state(key).to_string(),
-        if key.allowed_models.is_empty() { "*".to_string() } else { key.allowed_models.join(",") },
-        or_none(u64::from(key.requests_per_minute)),
-        or_none(key.tokens_per_day),
-        expires,
-    ]
-}
-
-fn human_duration(ms: u64) -> String {
-    match ms / 1000 {
-        s if s < 3600 => format!("{}m", s.div_ceil(60)),
-        s if s < 86_400 => format!("{}h", s / 3600),
-        s => format!("{}d", s / 86_400),
-    }
 }
 
 /// `90m`, `12h`, `30d`, `45s` → milliseconds.
@@ -647,50 +402,6 @@ fn parse_duration_ms(text: &str) -> anyhow::Result<u64> {
     Ok(number.saturating_mul(unit_ms))
 }
 
-fn render_policy(policy: &RoutingPolicy, json_out: bool) -> String {
-    let or_default = |v: f64, d: &str| if v == 0.0 { format!("{d} (default)") } else { v.to_string() };
-    let strategy_name = |s: i32| Strategy::try_from(s).map(|s| s.as_str_name()).unwrap_or("STRATEGY_UNSPECIFIED");
-    if json_out {
-        let models: serde_json::Map<String, Value> =
-            policy.model_strategies.iter().map(|(m, s)| (m.clone(), json!(strategy_name(*s)))).collect();
-        return render_json(&json!({
-            "admission_threshold": policy.admission_threshold,
-            "hard_limit": policy.hard_limit,
-            "load_bound": policy.load_bound,
-            "default_strategy": strategy_name(policy.default_strategy),
-            "model_strategies": models,
-            "continue_broken_streams": policy.continue_broken_streams,
-            "continue_models": policy.continue_models,
-            "latency_critical_models": policy.latency_critical_models,
-        }));
-    }
-    let mut out = String::new();
-    let _ = writeln!(out, "admission threshold: {}", or_default(policy.admission_threshold, "0.92"));
-    let _ = writeln!(out, "hard limit:          {}", or_default(policy.hard_limit, "0.98"));
-    let _ = writeln!(out, "load bound:          {}", or_default(policy.load_bound, "1.25"));
-    let _ = writeln!(out, "strategy:            {}", strategy_name(policy.default_strategy));
-    let continues = if policy.continue_broken_streams {
-        "every model".to_string()
-    } else if policy.continue_models.is_empty() {
-        "off".to_string()
-    } else {
-        policy.continue_models.join(", ")
-    };
-    let _ = writeln!(out, "continue streams:    {continues}");
-    let critical = if policy.latency_critical_models.is_empty() {
-        "none".into()
-    } else {
-        policy.latency_critical_models.join(", ")
-    };
-    let _ = writeln!(out, "latency-critical:    {critical}");
-    let mut models: Vec<_> = policy.model_strategies.iter().collect();
-    models.sort();
-    for (model, strategy) in models {
-        let _ = writeln!(out, "  {model}: {}", strategy_name(*strategy));
-    }
-    out
-}
-
 fn rpc_error(status: tonic::Status) -> anyhow::Error {
     let hint = match status.code() {
         tonic::Code::Unavailable => " (is the controller running and reachable?)",
@@ -698,152 +409,4 @@ fn rpc_error(status: tonic::Status) -> anyhow::Error {
         _ => "",
     };
     anyhow::anyhow!("{}{hint}", status.message())
-}
-
-fn render_json(value: &Value) -> String {
-    let mut text = serde_json::to_string_pretty(value).unwrap_or_default();
-    text.push('\n');
-    text
-}
-
-fn gpu_json(g: &Gpu) -> Value {
-    json!({"index": g.index, "uuid": g.uuid, "name": g.name, "memory_total_bytes": g.memory_total_bytes,
-           "memory_used_bytes": g.memory_used_bytes, "utilization_percent": g.utilization_percent,
-           "source": g.source().as_str_name()})
-}
-
-fn backend_json(b: &Backend) -> Value {
-    let models: Vec<Value> = b
-        .models
-        .iter()
-        .map(|m| {
-            json!({"id": m.id, "state": m.state().as_str_name(), "context_window": m.context_window,
-                   "size_bytes": m.size_bytes, "endpoints": m.endpoints().map(|e| e.as_str_name()).collect::<Vec<_>>()})
-        })
-        .collect();
-    json!({"id": b.id, "kind": b.kind().as_str_name(), "health": b.health().as_str_name(), "weight": b.weight,
-           "slots_total": b.slots_total, "slots_busy": b.slots_busy, "requests_deferred": b.requests_deferred,
-           "in_flight": b.in_flight, "tokens_per_second": b.tokens_per_second, "probe_error": b.probe_error,
-           "models": models})
-}
-
-/// Sessions resident on the node, as the controller counted them.
-fn resident(status: &inferyes_proto::v1::NodeStatus) -> u64 {
-    status.backends.iter().map(|b| u64::from(b.resident_sessions)).sum()
-}
-
-fn node_json(node: &SnapshotNode) -> Value {
-    let Some(s) = node.status.as_ref() else { return Value::Null };
-    json!({"node_id": s.node_id, "hostname": s.hostname, "proxy_url": s.proxy_url, "draining": node.draining,
-           "agent_version": s.agent_version, "gpus": s.gpus.iter().map(gpu_json).collect::<Vec<_>>(),
-           "backends": s.backends.iter().map(backend_json).collect::<Vec<_>>(), "sessions": resident(s)})
-}
-
-fn gib(bytes: u64) -> String {
-    format!("{:.1}", bytes as f64 / f64::from(1u32 << 30))
-}
-
-fn vram(gpus: &[Gpu]) -> String {
-    let used: u64 = gpus.iter().map(|g| g.memory_used_bytes).sum();
-    let total: u64 = gpus.iter().map(|g| g.memory_total_bytes).sum();
-    if total == 0 {
-        return "-".into();
-    }
-    format!("{}/{} GiB ({:.0}%)", gib(used), gib(total), used as f64 * 100.0 / total as f64)
-}
-
-fn nodes_table(nodes: &[SnapshotNode]) -> String {
-    let rows = nodes
-        .iter()
-        .filter_map(|n| n.status.as_ref().map(|s| (n, s)))
-        .map(|(n, s)| {
-            let loaded: Vec<&str> = s
-                .backends
-                .iter()
-                .flat_map(|b| &b.models)
-                .filter(|m| m.state() == ModelState::Loaded)
-                .map(|m| m.id.as_str())
-                .collect();
-            let slots_busy: u32 = s.backends.iter().map(|b| b.slots_busy).sum();
-            let slots_total: u32 = s.backends.iter().map(|b| b.slots_total).sum();
-            let healthy = s.backends.iter().filter(|b| b.health() == inferyes_proto::v1::Health::Ready).count();
-            vec![
-                s.node_id.clone(),
-                if n.draining { "draining".into() } else { "active".into() },
-                s.gpus.first().map(|g| g.name.clone()).unwrap_or_else(|| "-".into()),
-                vram(&s.gpus),
-                format!("{slots_busy}/{slots_total}"),
-                format!("{healthy}/{}", s.backends.len()),
-                resident(s).to_string(),
-                loaded.join(","),
-            ]
-        })
-        .collect();
-    table(&["NODE", "STATE", "GPU", "VRAM", "SLOTS", "BACKENDS", "SESSIONS", "LOADED MODELS"], rows)
-}
-
-fn node_detail(node: &SnapshotNode) -> String {
-    let Some(s) = node.status.as_ref() else { return String::new() };
-    let mut out = String::new();
-    let _ = writeln!(out, "node:      {}{}", s.node_id, if node.draining { " (draining)" } else { "" });
-    let _ = writeln!(out, "host:      {}", s.hostname);
-    let _ = writeln!(out, "proxy:     {}", s.proxy_url);
-    let _ = writeln!(out, "agent:     {}", s.agent_version);
-    for g in &s.gpus {
-        let _ = writeln!(
-            out,
-            "gpu {}:     {} {} GiB used of {} ({}% busy, {})",
-            g.index,
-            g.name,
-            gib(g.memory_used_bytes),
-            gib(g.memory_total_bytes),
-            g.utilization_percent,
-            g.source().as_str_name()
-        );
-    }
-    for b in &s.backends {
-        let _ = writeln!(
-            out,
-            "backend {}: {} {} slots {}/{} deferred {} in-flight {}",
-            b.id,
-            b.kind().as_str_name(),
-            b.health().as_str_name(),
-            b.slots_busy,
-            b.slots_total,
-            b.requests_deferred,
-            b.in_flight
-        );
-        for m in &b.models {
-            let _ = writeln!(out, "  model {} {} ctx {}", m.id, m.state().as_str_name(), m.context_window);
-        }
-    }
-    let _ = writeln!(out, "sessions:  {}", resident(s));
-    out
-}
-
-fn table(headers: &[&str], rows: Vec<Vec<String>>) -> String {
-    let mut widths: Vec<usize> = headers.iter().map(|h| h.len()).collect();
-    for row in &rows {
-        for (w, cell) in widths.iter_mut().zip(row) {
-            *w = (*w).max(cell.chars().count());
-        }
-    }
-    let mut out = String::new();
-    let mut line = |cells: Vec<&str>| {
-        let mut text = String::new();
-        for (i, (cell, w)) in cells.iter().zip(&widths).enumerate() {
-            if i + 1 == cells.len() {
-                text.push_str(cell);
-            } else {
-                let _ = write!(text, "{cell:<w$}  ");
-            }
-        }
-        out.push_str(text.trim_end());
-        out.push('\n');
-    };
-    line(headers.to_vec());
-    for row in &rows {
-        line(row.iter().map(String::as_str).collect());
-    }
-    out
 }

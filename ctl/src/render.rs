@@ -1,0 +1,691 @@
+//! What each command prints, in both forms from the same answer: a text
+//! table or summary for people (`-o table`), JSON for scripts (`-o json`).
+//! Every answer a command prints is a [`Render`]; `run` only makes the
+//! call and picks the form.
+
+use std::fmt::Write as _;
+
+use inferyes_proto::v1::{
+    ApiKey, Backend, CreatedKey, Gpu, ListAliasesResponse, ListKeysResponse, ListModelsResponse, ListNodesResponse,
+    ListSessionsResponse, ModelState, RoutingPolicy, SnapshotNode, Strategy, UsageRecord, UsageReport, UsageRow,
+};
+use serde_json::{Value, json};
+
+use crate::Output;
+
+/// An answer as a command prints it.
+pub trait Render {
+    /// For people: a table, or a line or two.
+    fn text(&self) -> String;
+    /// For scripts.
+    fn json(&self) -> Value;
+}
+
+/// `answer` in the form asked for.
+pub fn render(answer: &impl Render, output: Output) -> String {
+    match output {
+        Output::Table => answer.text(),
+        Output::Json => render_json(&answer.json()),
+    }
+}
+
+impl Render for ListNodesResponse {
+    fn text(&self) -> String {
+        nodes_table(&self.nodes)
+    }
+
+    fn json(&self) -> Value {
+        json!({"version": self.version, "nodes": self.nodes.iter().map(node_json).collect::<Vec<_>>()})
+    }
+}
+
+impl Render for SnapshotNode {
+    fn text(&self) -> String {
+        node_detail(self)
+    }
+
+    fn json(&self) -> Value {
+        node_json(self)
+    }
+}
+
+impl Render for ListModelsResponse {
+    fn text(&self) -> String {
+        let rows = self
+            .models
+            .iter()
+            .map(|m| {
+                vec![
+                    m.id.clone(),
+                    m.loaded_on.len().to_string(),
+                    m.available_on.len().to_string(),
+                    if m.context_window == 0 { "-".into() } else { m.context_window.to_string() },
+                    m.loaded_on.join(","),
+                ]
+            })
+            .collect();
+        table(&["MODEL", "LOADED", "NODES", "CONTEXT", "LOADED ON"], rows)
+    }
+
+    fn json(&self) -> Value {
+        let models: Vec<Value> = self
+            .models
+            .iter()
+            .map(|m| {
+                json!({
+                    "id": m.id,
+                    "loaded_on": m.loaded_on,
+                    "available_on": m.available_on,
+                    "context_window": m.context_window,
+                    "endpoints": m.endpoints().map(|e| e.as_str_name()).collect::<Vec<_>>(),
+                })
+            })
+            .collect();
+        json!({"version": self.version, "models": models})
+    }
+}
+
+/// The fleet's sessions, their ages as of `now_s` (Unix seconds).
+pub struct Sessions {
+    pub response: ListSessionsResponse,
+    pub now_s: u64,
+}
+
+impl Render for Sessions {
+    fn text(&self) -> String {
+        let rows = self
+            .response
+            .sessions
+            .iter()
+            .filter_map(|s| s.session.as_ref().map(|r| (s, r)))
+            .map(|(s, r)| {
+                vec![
+                    r.key.clone(),
+                    s.node_id.clone(),
+                    r.backend_id.clone(),
+                    r.model.clone(),
+                    format!("{}s", self.now_s.saturating_sub(r.first_seen_unix_ms / 1000)),
+                    format!("{}s", self.now_s.saturating_sub(r.last_seen_unix_ms / 1000)),
+                    r.requests.to_string(),
+                ]
+            })
+            .collect();
+        let mut out = table(&["SESSION", "NODE", "BACKEND", "MODEL", "AGE", "IDLE", "REQUESTS"], rows);
+        if self.response.truncated {
+            out.push_str("(more sessions than one answer holds: the most recent shown)\n");
+        }
+        out
+    }
+
+    fn json(&self) -> Value {
+        let sessions: Vec<Value> = self
+            .response
+            .sessions
+            .iter()
+            .filter_map(|s| s.session.as_ref().map(|r| (s, r)))
+            .map(|(s, r)| {
+                json!({"node": s.node_id, "key": r.key, "backend": r.backend_id, "model": r.model,
+                       "first_seen_unix_ms": r.first_seen_unix_ms, "last_seen_unix_ms": r.last_seen_unix_ms, "requests": r.requests})
+            })
+            .collect();
+        json!({"version": self.response.version, "sessions": sessions, "truncated": self.response.truncated})
+    }
+}
+
+/// A node drained, or taking new sessions again.
+pub struct Drained {
+    pub node_id: String,
+    pub draining: bool,
+    pub revision: u64,
+}
+
+impl Render for Drained {
+    fn text(&self) -> String {
+        let state = if self.draining { "draining" } else { "accepting new sessions" };
+        format!("node {} {state} (revision {})\n", self.node_id, self.revision)
+    }
+
+    fn json(&self) -> Value {
+        json!({"node": self.node_id, "draining": self.draining, "revision": self.revision})
+    }
+}
+
+impl Render for ListAliasesResponse {
+    fn text(&self) -> String {
+        let rows = self.aliases.iter().map(|a| vec![a.alias.clone(), a.model.clone()]).collect();
+        table(&["ALIAS", "MODEL"], rows)
+    }
+
+    fn json(&self) -> Value {
+        let aliases: Vec<Value> = self.aliases.iter().map(|a| json!({"alias": a.alias, "model": a.model})).collect();
+        json!({"version": self.version, "aliases": aliases})
+    }
+}
+
+/// A change written, at `revision`.
+pub struct Written {
+    pub what: String,
+    pub revision: u64,
+}
+
+impl Render for Written {
+    fn text(&self) -> String {
+        format!("{} (revision {})\n", self.what, self.revision)
+    }
+
+    fn json(&self) -> Value {
+        json!({"result": self.what, "revision": self.revision})
+    }
+}
+
+impl Render for CreatedKey {
+    fn text(&self) -> String {
+        let key = self.key.clone().unwrap_or_default();
+        format!(
+            "key {} ({}) created:\n\n  {}\n\nStore it now: it is not shown again. Clients send it as `Authorization: Bearer <key>`.\n",
+            key.key_id, key.name, self.secret
+        )
+    }
+
+    fn json(&self) -> Value {
+        let mut value = key_json(&self.key.clone().unwrap_or_default());
+        value["secret"] = json!(self.secret);
+        value["revision"] = json!(self.revision);
+        value
+    }
+}
+
+const KEY_COLUMNS: [&str; 7] = ["KEY ID", "NAME", "STATE", "MODELS", "RPM", "TOKENS/DAY", "EXPIRES"];
+
+impl Render for ListKeysResponse {
+    fn text(&self) -> String {
+        table(&KEY_COLUMNS, self.keys.iter().map(key_row).collect())
+    }
+
+    fn json(&self) -> Value {
+        json!({"version": self.version, "keys": self.keys.iter().map(key_json).collect::<Vec<_>>()})
+    }
+}
+
+impl Render for ApiKey {
+    fn text(&self) -> String {
+        table(&KEY_COLUMNS, vec![key_row(self)])
+    }
+
+    fn json(&self) -> Value {
+        key_json(self)
+    }
+}
+
+impl Render for UsageReport {
+    fn text(&self) -> String {
+        let usage = |row: &UsageRow| row.usage.unwrap_or_default();
+        let mut total = inferyes_proto::v1::UsageRollup::default();
+        let mut rows: Vec<Vec<String>> = self
+            .rows
+            .iter()
+            .map(|row| {
+                let u = usage(row);
+                inferyes_proto::usage::merge(&mut total, &u);
+                let hour = inferyes_proto::usage::hour_of(row.hour_unix_ms);
+                vec![
+                    format!("{}-{}-{} {}:00", &hour[0..4], &hour[4..6], &hour[6..8], &hour[8..10]),
+                    if row.key_id.is_empty() { "-".into() } else { row.key_id.clone() },
+                    row.model.clone(),
+                    u.requests.to_string(),
+                    u.errors.to_string(),
+                    u.prompt_tokens.to_string(),
+                    u.cached_tokens.to_string(),
+                    u.completion_tokens.to_string(),
+                    u.estimated_requests.to_string(),
+                ]
+            })
+            .collect();
+        rows.push(vec![
+            "total".into(),
+            String::new(),
+            String::new(),
+            total.requests.to_string(),
+            total.errors.to_string(),
+            total.prompt_tokens.to_string(),
+            total.cached_tokens.to_string(),
+            total.completion_tokens.to_string(),
+            total.estimated_requests.to_string(),
+        ]);
+        let mut out = table(
+            &["HOUR (UTC)", "KEY", "MODEL", "REQUESTS", "ERRORS", "PROMPT", "CACHED", "COMPLETION", "ESTIMATED"],
+            rows,
+        );
+        if self.pending_batches > 0 {
+            let _ = writeln!(out, "({} batches received and not rolled up yet)", self.pending_batches);
+        }
+        out
+    }
+
+    fn json(&self) -> Value {
+        let rows: Vec<Value> = self
+            .rows
+            .iter()
+            .map(|row| {
+                let u = row.usage.unwrap_or_default();
+                json!({
+                    "hour_unix_ms": row.hour_unix_ms, "key_id": row.key_id, "model": row.model,
+                    "requests": u.requests, "errors": u.errors, "prompt_tokens": u.prompt_tokens,
+                    "cached_tokens": u.cached_tokens, "completion_tokens": u.completion_tokens,
+                    "estimated_requests": u.estimated_requests, "latency_ms_sum": u.latency_ms_sum,
+                })
+            })
+            .collect();
+        json!({"rows": rows, "pending_batches": self.pending_batches})
+    }
+}
+
+/// The routing policy; with the revision it was written at, where it was.
+pub struct Policy {
+    pub policy: RoutingPolicy,
+    pub revision: Option<u64>,
+}
+
+impl Render for Policy {
+    fn text(&self) -> String {
+        let policy = &self.policy;
+        let or_default = |v: f64, d: &str| if v == 0.0 { format!("{d} (default)") } else { v.to_string() };
+        let mut out = String::new();
+        let _ = writeln!(out, "admission threshold: {}", or_default(policy.admission_threshold, "0.92"));
+        let _ = writeln!(out, "hard limit:          {}", or_default(policy.hard_limit, "0.98"));
+        let _ = writeln!(out, "load bound:          {}", or_default(policy.load_bound, "1.25"));
+        let _ = writeln!(out, "strategy:            {}", strategy_name(policy.default_strategy));
+        let continues = if policy.continue_broken_streams {
+            "every model".to_string()
+        } else if policy.continue_models.is_empty() {
+            "off".to_string()
+        } else {
+            policy.continue_models.join(", ")
+        };
+        let _ = writeln!(out, "continue streams:    {continues}");
+        let critical = if policy.latency_critical_models.is_empty() {
+            "none".into()
+        } else {
+            policy.latency_critical_models.join(", ")
+        };
+        let _ = writeln!(out, "latency-critical:    {critical}");
+        let mut models: Vec<_> = policy.model_strategies.iter().collect();
+        models.sort();
+        for (model, strategy) in models {
+            let _ = writeln!(out, "  {model}: {}", strategy_name(*strategy));
+        }
+        if let Some(revision) = self.revision {
+            let _ = writeln!(out, "(revision {revision})");
+        }
+        out
+    }
+
+    fn json(&self) -> Value {
+        let policy = &self.policy;
+        let models: serde_json::Map<String, Value> =
+            policy.model_strategies.iter().map(|(m, s)| (m.clone(), json!(strategy_name(*s)))).collect();
+        json!({
+            "admission_threshold": policy.admission_threshold,
+            "hard_limit": policy.hard_limit,
+            "load_bound": policy.load_bound,
+            "default_strategy": strategy_name(policy.default_strategy),
+            "model_strategies": models,
+            "continue_broken_streams": policy.continue_broken_streams,
+            "continue_models": policy.continue_models,
+            "latency_critical_models": policy.latency_critical_models,
+        })
+    }
+}
+
+fn strategy_name(strategy: i32) -> &'static str {
+    Strategy::try_from(strategy).map(|s| s.as_str_name()).unwrap_or("STRATEGY_UNSPECIFIED")
+}
+
+/// One usage record, a line of `usage --export`.
+pub fn usage_record_line(record: &UsageRecord) -> String {
+    let mut line = usage_record_json(record).to_string();
+    line.push('\n');
+    line
+}
+
+fn usage_record_json(r: &UsageRecord) -> Value {
+    json!({
+        "request_id": r.request_id, "unix_ms": r.unix_ms, "key_id": r.key_id, "model": r.model,
+        "node_id": r.node_id, "status": r.status, "outcome": r.outcome, "prompt_tokens": r.prompt_tokens,
+        "cached_tokens": r.cached_tokens, "completion_tokens": r.completion_tokens, "estimated": r.estimated,
+        "latency_ms": r.latency_ms, "ttft_ms": r.ttft_ms, "stream": r.stream,
+    })
+}
+
+fn key_state(key: &ApiKey) -> &'static str {
+    if key.revoked {
+        "revoked"
+    } else if key.expires_unix_ms != 0 && key.expires_unix_ms <= inferyes_proto::unix_ms() {
+        "expired"
+    } else {
+        "active"
+    }
+}
+
+fn key_json(key: &ApiKey) -> Value {
+    json!({
+        "key_id": key.key_id,
+        "name": key.name,
+        "state": key_state(key),
+        "allowed_models": key.allowed_models,
+        "requests_per_minute": key.requests_per_minute,
+        "tokens_per_day": key.tokens_per_day,
+        "expires_unix_ms": key.expires_unix_ms,
+        "created_unix_ms": key.created_unix_ms,
+        "revoked_unix_ms": key.revoked_unix_ms,
+    })
+}
+
+fn key_row(key: &ApiKey) -> Vec<String> {
+    let or_none = |v: u64| if v == 0 { "-".to_string() } else { v.to_string() };
+    let expires = if key.expires_unix_ms == 0 {
+        "never".to_string()
+    } else {
+        let left_ms = key.expires_unix_ms.saturating_sub(inferyes_proto::unix_ms());
+        if left_ms == 0 { "expired".to_string() } else { format!("in {}", human_duration(left_ms)) }
+    };
+    vec![
+        key.key_id.clone(),
+        key.name.clone(),
+        key_state(key).to_string(),
+        if key.allowed_models.is_empty() { "*".to_string() } else { key.allowed_models.join(",") },
+        or_none(u64::from(key.requests_per_minute)),
+        or_none(key.tokens_per_day),
+        expires,
+    ]
+}
+
+fn human_duration(ms: u64) -> String {
+    match ms / 1000 {
+        s if s < 3600 => format!("{}m", s.div_ceil(60)),
+        s if s < 86_400 => format!("{}h", s / 3600),
+        s => format!("{}d", s / 86_400),
+    }
+}
+
+fn render_json(value: &Value) -> String {
+    let mut text = serde_json::to_string_pretty(value).unwrap_or_default();
+    text.push('\n');
+    text
+}
+
+fn gpu_json(g: &Gpu) -> Value {
+    json!({"index": g.index, "uuid": g.uuid, "name": g.name, "memory_total_bytes": g.memory_total_bytes,
+           "memory_used_bytes": g.memory_used_bytes, "utilization_percent": g.utilization_percent,
+           "source": g.source().as_str_name()})
+}
+
+fn backend_json(b: &Backend) -> Value {
+    let models: Vec<Value> = b
+        .models
+        .iter()
+        .map(|m| {
+            json!({"id": m.id, "state": m.state().as_str_name(), "context_window": m.context_window,
+                   "size_bytes": m.size_bytes, "endpoints": m.endpoints().map(|e| e.as_str_name()).collect::<Vec<_>>()})
+        })
+        .collect();
+    json!({"id": b.id, "kind": b.kind().as_str_name(), "health": b.health().as_str_name(), "weight": b.weight,
+           "slots_total": b.slots_total, "slots_busy": b.slots_busy, "requests_deferred": b.requests_deferred,
+           "in_flight": b.in_flight, "tokens_per_second": b.tokens_per_second, "probe_error": b.probe_error,
+           "models": models})
+}
+
+/// Sessions resident on the node, as the controller counted them.
+fn resident(status: &inferyes_proto::v1::NodeStatus) -> u64 {
+    status.backends.iter().map(|b| u64::from(b.resident_sessions)).sum()
+}
+
+fn node_json(node: &SnapshotNode) -> Value {
+    let Some(s) = node.status.as_ref() else { return Value::Null };
+    json!({"node_id": s.node_id, "hostname": s.hostname, "proxy_url": s.proxy_url, "draining": node.draining,
+           "agent_version": s.agent_version, "gpus": s.gpus.iter().map(gpu_json).collect::<Vec<_>>(),
+           "backends": s.backends.iter().map(backend_json).collect::<Vec<_>>(), "sessions": resident(s)})
+}
+
+fn gib(bytes: u64) -> String {
+    format!("{:.1}", bytes as f64 / f64::from(1u32 << 30))
+}
+
+fn vram(gpus: &[Gpu]) -> String {
+    let used: u64 = gpus.iter().map(|g| g.memory_used_bytes).sum();
+    let total: u64 = gpus.iter().map(|g| g.memory_total_bytes).sum();
+    if total == 0 {
+        return "-".into();
+    }
+    format!("{}/{} GiB ({:.0}%)", gib(used), gib(total), used as f64 * 100.0 / total as f64)
+}
+
+fn nodes_table(nodes: &[SnapshotNode]) -> String {
+    let rows = nodes
+        .iter()
+        .filter_map(|n| n.status.as_ref().map(|s| (n, s)))
+        .map(|(n, s)| {
+            let loaded: Vec<&str> = s
+                .backends
+                .iter()
+                .flat_map(|b| &b.models)
+                .filter(|m| m.state() == ModelState::Loaded)
+                .map(|m| m.id.as_str())
+                .collect();
+            let slots_busy: u32 = s.backends.iter().map(|b| b.slots_busy).sum();
+            let slots_total: u32 = s.backends.iter().map(|b| b.slots_total).sum();
+            let healthy = s.backends.iter().filter(|b| b.health() == inferyes_proto::v1::Health::Ready).count();
+            vec![
+                s.node_id.clone(),
+                if n.draining { "draining".into() } else { "active".into() },
+                s.gpus.first().map(|g| g.name.clone()).unwrap_or_else(|| "-".into()),
+                vram(&s.gpus),
+                format!("{slots_busy}/{slots_total}"),
+                format!("{healthy}/{}", s.backends.len()),
+                resident(s).to_string(),
+                loaded.join(","),
+            ]
+        })
+        .collect();
+    table(&["NODE", "STATE", "GPU", "VRAM", "SLOTS", "BACKENDS", "SESSIONS", "LOADED MODELS"], rows)
+}
+
+fn node_detail(node: &SnapshotNode) -> String {
+    let Some(s) = node.status.as_ref() else { return String::new() };
+    let mut out = String::new();
+    let _ = writeln!(out, "node:      {}{}", s.node_id, if node.draining { " (draining)" } else { "" });
+    let _ = writeln!(out, "host:      {}", s.hostname);
+    let _ = writeln!(out, "proxy:     {}", s.proxy_url);
+    let _ = writeln!(out, "agent:     {}", s.agent_version);
+    for g in &s.gpus {
+        let _ = writeln!(
+            out,
+            "gpu {}:     {} {} GiB used of {} ({}% busy, {})",
+            g.index,
+            g.name,
+            gib(g.memory_used_bytes),
+            gib(g.memory_total_bytes),
+            g.utilization_percent,
+            g.source().as_str_name()
+        );
+    }
+    for b in &s.backends {
+        let _ = writeln!(
+            out,
+            "backend {}: {} {} slots {}/{} deferred {} in-flight {}",
+            b.id,
+            b.kind().as_str_name(),
+            b.health().as_str_name(),
+            b.slots_busy,
+            b.slots_total,
+            b.requests_deferred,
+            b.in_flight
+        );
+        for m in &b.models {
+            let _ = writeln!(out, "  model {} {} ctx {}", m.id, m.state().as_str_name(), m.context_window);
+        }
+    }
+    let _ = writeln!(out, "sessions:  {}", resident(s));
+    out
+}
+
+fn table(headers: &[&str], rows: Vec<Vec<String>>) -> String {
+    let mut widths: Vec<usize> = headers.iter().map(|h| h.len()).collect();
+    for row in &rows {
+        for (w, cell) in widths.iter_mut().zip(row) {
+            *w = (*w).max(cell.chars().count());
+        }
+    }
+    let mut out = String::new();
+    let mut line = |cells: Vec<&str>| {
+        let mut text = String::new();
+        for (i, (cell, w)) in cells.iter().zip(&widths).enumerate() {
+            if i + 1 == cells.len() {
+                text.push_str(cell);
+            } else {
+                let _ = write!(text, "{cell:<w$}  ");
+            }
+        }
+        out.push_str(text.trim_end());
+        out.push('\n');
+    };
+    line(headers.to_vec());
+    for row in &rows {
+        line(row.iter().map(String::as_str).collect());
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use inferyes_proto::v1::{Alias, Health, Model, NodeStatus, ResidentSession, SessionInfo, UsageRollup, UsageRow};
+
+    use super::*;
+
+    fn node(id: &str, draining: bool) -> SnapshotNode {
+        let backend = Backend {
+            id: "main".into(),
+            health: Health::Ready as i32,
+            slots_total: 4,
+            slots_busy: 1,
+            resident_sessions: 3,
+            models: vec![Model { id: "qwen".into(), state: ModelState::Loaded as i32, ..Default::default() }],
+            ..Default::default()
+        };
+        let gpu =
+            Gpu { name: "L4".into(), memory_total_bytes: 24 << 30, memory_used_bytes: 6 << 30, ..Default::default() };
+        let status = NodeStatus { node_id: id.into(), gpus: vec![gpu], backends: vec![backend], ..Default::default() };
+        SnapshotNode { status: Some(status), draining, ..Default::default() }
+    }
+
+    #[test]
+    fn nodes_are_a_table_for_people_and_their_whole_status_for_scripts() {
+        let nodes = ListNodesResponse { version: 7, nodes: vec![node("gpu-a", false), node("gpu-b", true)] };
+        let text = nodes.text();
+        let lines: Vec<&str> = text.lines().collect();
+        assert!(lines[0].starts_with("NODE   STATE     GPU  VRAM"), "{text}");
+        assert!(lines[1].contains("gpu-a  active") && lines[1].contains("6.0/24.0 GiB (25%)"), "{text}");
+        assert!(lines[1].contains("1/4") && lines[1].ends_with("qwen"), "{text}");
+        assert!(lines[2].contains("gpu-b  draining"), "{text}");
+        let json = nodes.json();
+        assert_eq!(json["version"], 7);
+        assert_eq!(json["nodes"][1]["draining"], true);
+        assert_eq!(json["nodes"][0]["sessions"], 3);
+        assert_eq!(json["nodes"][0]["backends"][0]["models"][0]["state"], "MODEL_STATE_LOADED");
+    }
+
+    #[test]
+    fn one_answer_renders_as_the_output_asked_for() {
+        let drained = Drained { node_id: "gpu-a".into(), draining: true, revision: 42 };
+        assert_eq!(render(&drained, Output::Table), "node gpu-a draining (revision 42)\n");
+        let json: Value = serde_json::from_str(&render(&drained, Output::Json)).unwrap();
+        assert_eq!(json, json!({"node": "gpu-a", "draining": true, "revision": 42}));
+        let back = Drained { draining: false, ..drained };
+        assert_eq!(back.text(), "node gpu-a accepting new sessions (revision 42)\n");
+        let written = Written { what: "alias fast -> qwen".into(), revision: 9 };
+        assert_eq!(written.text(), "alias fast -> qwen (revision 9)\n");
+        assert_eq!(written.json(), json!({"result": "alias fast -> qwen", "revision": 9}));
+    }
+
+    #[test]
+    fn a_policy_shows_its_defaults_and_the_revision_it_was_written_at() {
+        let mut policy =
+            RoutingPolicy { admission_threshold: 0.9, continue_models: vec!["qwen".into()], ..Default::default() };
+        policy.model_strategies.insert("qwen".into(), Strategy::Weighted as i32);
+        let shown = Policy { policy: policy.clone(), revision: None };
+        let text = shown.text();
+        assert!(text.contains("admission threshold: 0.9\n"), "{text}");
+        assert!(text.contains("hard limit:          0.98 (default)\n"), "{text}");
+        assert!(text.contains("continue streams:    qwen\n") && text.contains("  qwen: STRATEGY_WEIGHTED\n"), "{text}");
+        assert!(!text.contains("revision"));
+        let set = Policy { policy, revision: Some(5) };
+        assert!(set.text().ends_with("(revision 5)\n"));
+        assert_eq!(set.json()["model_strategies"]["qwen"], "STRATEGY_WEIGHTED");
+        assert_eq!(set.json(), shown.json(), "the JSON is the policy alone");
+    }
+
+    #[test]
+    fn usage_adds_a_total_and_says_what_is_not_rolled_up() {
+        let row = |key: &str, requests| UsageRow {
+            hour_unix_ms: 1_764_590_400_000,
+            key_id: key.into(),
+            model: "qwen".into(),
+            usage: Some(UsageRollup { requests, prompt_tokens: requests * 10, ..Default::default() }),
+        };
+        let report = UsageReport { rows: vec![row("k1", 2), row("", 3)], pending_batches: 1 };
+        let text = report.text();
+        let lines: Vec<&str> = text.lines().collect();
+        assert!(lines[1].starts_with("2025-12-01 12:00  k1"), "{text}");
+        assert!(lines[2].contains("  -  "), "no key shows as -: {text}");
+        assert!(lines[3].starts_with("total") && lines[3].contains("5") && lines[3].contains("50"), "{text}");
+        assert_eq!(lines[4], "(1 batches received and not rolled up yet)");
+        assert_eq!(report.json()["rows"][1]["prompt_tokens"], 30);
+        assert_eq!(report.json()["pending_batches"], 1);
+    }
+
+    #[test]
+    fn sessions_show_their_age_and_idle_time_as_of_now() {
+        let session = ResidentSession {
+            key: "chat-1".into(),
+            backend_id: "main".into(),
+            model: "qwen".into(),
+            first_seen_unix_ms: 1_000_000,
+            last_seen_unix_ms: 1_090_000,
+            requests: 4,
+            ..Default::default()
+        };
+        let sessions = Sessions {
+            response: ListSessionsResponse {
+                version: 3,
+                sessions: vec![SessionInfo { node_id: "gpu-a".into(), session: Some(session) }],
+                truncated: true,
+            },
+            now_s: 1_100,
+        };
+        let text = sessions.text();
+        assert!(
+            text.lines().nth(1).unwrap().split_whitespace().eq(["chat-1", "gpu-a", "main", "qwen", "100s", "10s", "4"]),
+            "{text}"
+        );
+        assert_eq!(text.lines().last(), Some("(more sessions than one answer holds: the most recent shown)"));
+        assert_eq!(sessions.json()["sessions"][0]["key"], "chat-1");
+        assert_eq!(sessions.json()["truncated"], true);
+    }
+
+    #[test]
+    fn a_new_key_s_secret_is_shown_once_in_either_form() {
+        let key = ApiKey { key_id: "abc".into(), name: "ci".into(), ..Default::default() };
+        let created = CreatedKey { key: Some(key.clone()), secret: "ify_abc_s3cret".into(), revision: 2 };
+        assert!(created.text().contains("key abc (ci) created:\n\n  ify_abc_s3cret\n"), "{}", created.text());
+        assert_eq!(
+            (created.json()["secret"].as_str(), created.json()["state"].as_str()),
+            (Some("ify_abc_s3cret"), Some("active"))
+        );
+        let listed = ListKeysResponse { version: 1, keys: vec![ApiKey { revoked: true, ..key }] };
+        assert!(listed.text().lines().nth(1).unwrap().contains("revoked"), "{}", listed.text());
+        assert_eq!(listed.json()["keys"][0]["state"], "revoked");
+        let aliases =
+            ListAliasesResponse { version: 1, aliases: vec![Alias { alias: "fast".into(), model: "qwen".into() }] };
+        assert_eq!(aliases.text(), "ALIAS  MODEL\nfast   qwen\n");
+    }
+}
