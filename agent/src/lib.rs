@@ -122,6 +122,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
                 probe,
                 in_flight: AtomicU32::new(0),
                 finished: AtomicU64::new(0),
+                log: inferyes_net::log::Gate::new(),
             })
             .collect(),
         observations: Mutex::new(Observations::default()),

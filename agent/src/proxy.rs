@@ -241,7 +241,7 @@ async fn forward_in_span(proxy: Proxy, request: Request<Incoming>) -> Response {
         }
         Err(err) => {
             let request_id = request_id.as_ref().and_then(|v| v.to_str().ok()).unwrap_or_default();
-            inferyes_net::warn_every!(request_id, backend = %backend_id, error = %err, "backend request failed");
+            inferyes_net::warn_every!(gate: handle.log; request_id, backend = %backend_id, error = %err, "backend request failed");
             error(ErrorKind::Upstream, &format!("backend `{backend_id}` is unreachable"), "backend_unreachable")
         }
     }

@@ -34,6 +34,9 @@ pub struct BackendHandle {
     /// by it. Requests sent to the backend around the proxy add slot time
     /// and no count, and make the service time look longer.
     pub finished: AtomicU64,
+    /// Lets this backend's failures be logged once in a while, however
+    /// many requests see them.
+    pub log: inferyes_net::log::Gate,
 }
 
 #[derive(Default)]

@@ -9,7 +9,8 @@ use std::time::{Duration, Instant};
 /// How often one call site's repeated event is logged at most.
 pub const EVERY: Duration = Duration::from_secs(10);
 
-/// One call site's gate.
+/// One call site's gate (or one node's, or one backend's).
+#[derive(Debug)]
 pub struct Gate {
     /// Milliseconds since [`START`] plus one of the last event let
     /// through; 0 for none yet.
@@ -52,27 +53,33 @@ impl Default for Gate {
 pub use tracing as __tracing;
 
 /// `tracing::warn!`, at most once per [`log::EVERY`](crate::log::EVERY)
-/// from this call site; the event carries `held_back`, how many were not
-/// logged since the last.
+/// from this call site (or, with `gate: G;` first, per [`Gate`] `G`: one
+/// per node, say, so that one node's failures do not hold back another's).
+/// The line carries `held_back`, how many were not logged since the last;
+/// those go out at debug level.
 #[macro_export]
 macro_rules! warn_every {
-    ($($event:tt)+) => {{
-        static GATE: $crate::log::Gate = $crate::log::Gate::new();
-        if let Some(held_back) = GATE.pass($crate::log::EVERY) {
-            $crate::log::__tracing::warn!(held_back, $($event)+);
-        }
-    }};
+    ($($event:tt)+) => { $crate::__log_every!(warn, $($event)+) };
 }
 
-/// `tracing::error!`, at most once per [`log::EVERY`](crate::log::EVERY)
-/// from this call site.
+/// `tracing::error!`, as [`warn_every!`].
 #[macro_export]
 macro_rules! error_every {
-    ($($event:tt)+) => {{
-        static GATE: $crate::log::Gate = $crate::log::Gate::new();
-        if let Some(held_back) = GATE.pass($crate::log::EVERY) {
-            $crate::log::__tracing::error!(held_back, $($event)+);
+    ($($event:tt)+) => { $crate::__log_every!(error, $($event)+) };
+}
+
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __log_every {
+    ($level:ident, gate: $gate:expr; $($event:tt)+) => {{
+        match $gate.pass($crate::log::EVERY) {
+            Some(held_back) => $crate::log::__tracing::$level!(held_back, $($event)+),
+            None => $crate::log::__tracing::debug!($($event)+),
         }
+    }};
+    ($level:ident, $($event:tt)+) => {{
+        static GATE: $crate::log::Gate = $crate::log::Gate::new();
+        $crate::__log_every!($level, gate: GATE; $($event)+)
     }};
 }
 

@@ -376,7 +376,7 @@ impl Streaming {
             EndVerdict::Resume => match self.hops.as_mut() {
                 Some(hops) => {
                     let ejected_ms = self.guard.local.eject(inferyes_proto::unix_ms(), self.plan.version);
-                    inferyes_net::warn_every!(request_id, node = %self.node, ejected_ms, generated = hops.generated, "stream broke mid-answer; continuing elsewhere");
+                    inferyes_net::warn_every!(gate: self.guard.local.log; request_id, node = %self.node, ejected_ms, generated = hops.generated, "stream broke mid-answer; continuing elsewhere");
                     let left = std::mem::take(&mut hops.left);
                     let request = Arc::clone(&hops.resuming.request);
                     let asking = resume::continue_on(request, left, hops.partial.clone(), hops.generated);
@@ -394,9 +394,9 @@ impl Streaming {
         self.finish(Outcome::Broken);
         if eject {
             let ejected_ms = self.guard.local.eject(inferyes_proto::unix_ms(), self.plan.version);
-            inferyes_net::warn_every!(request_id, node = %self.node, ejected_ms, "node failed mid-stream; held out of routing");
+            inferyes_net::warn_every!(gate: self.guard.local.log; request_id, node = %self.node, ejected_ms, "node failed mid-stream; held out of routing");
         } else if matches!(error, Some(UpstreamError::StreamCut)) {
-            inferyes_net::warn_every!(request_id, node = %self.node, "stream ended without [DONE]; ending it with an error event");
+            inferyes_net::warn_every!(gate: self.guard.local.log; request_id, node = %self.node, "stream ended without [DONE]; ending it with an error event");
         }
         match (error, failure) {
             (Some(error), _) if self.event_stream => {

@@ -163,6 +163,7 @@ pub(crate) async fn attempt_each(
         if eject {
             let ejected_ms = node.local.eject(inferyes_proto::unix_ms(), snapshot.version());
             inferyes_net::warn_every!(
+                gate: node.local.log;
                 request_id = super::id_text(out.request_id),
                 node = %node.id,
                 ejected_ms,

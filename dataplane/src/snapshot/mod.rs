@@ -202,6 +202,9 @@ pub struct LocalCounters {
     /// re-joined) is taken back early.
     pub ready: AtomicBool,
     pub ready_since_version: AtomicU64,
+    /// Lets this node's failures be logged once in a while, however many
+    /// requests see them, without holding back another node's.
+    pub log: inferyes_net::log::Gate,
 }
 
 /// A load this data plane waits on: (backend index, model), the requests
