@@ -128,7 +128,7 @@ nginx_pid=$!
 nginx -c "$work/nginx-proxy-auto/nginx.conf" -g 'daemon off;' & pids+=($!)
 nginx_auto_pid=$!
 # The floor: a proxy with nothing but the HTTP stack the data plane and the
-# agent are built on (proto/examples/bare_proxy.rs).
+# agent are built on (net/examples/bare_proxy.rs).
 bare=$(port)
 "$bin/examples/bare_proxy" "127.0.0.1:$bare" "http://127.0.0.1:$backend" >"$work/bare.log" 2>&1 & pids+=($!)
 bare_pid=$!

@@ -5,7 +5,7 @@
 //! above this row is its own work: parsing, routing, keys, metering.
 //!
 //! ```sh
-//! cargo run --release -p inferyes-proto --example bare_proxy -- 127.0.0.1:8081 http://127.0.0.1:9000
+//! cargo run --release -p inferyes-net --example bare_proxy -- 127.0.0.1:8081 http://127.0.0.1:9000
 //! ```
 
 use std::convert::Infallible;

@@ -22,14 +22,17 @@ pub struct Backoff {
 pub const RECONNECT: Backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(2));
 
 impl Backoff {
+    /// `min` above zero (a loop that waits nothing spins) and at most
+    /// `max`.
     pub const fn new(min: Duration, max: Duration) -> Backoff {
+        assert!(!min.is_zero() && min.as_nanos() <= max.as_nanos(), "backoff from more than zero to at least that");
         Backoff { min, max, step: min }
     }
 
     /// The next wait; the step after it doubles, up to the maximum.
     pub fn next_wait(&mut self) -> Duration {
         let wait = self.step.mul_f64(0.5 + fastrand::f64());
-        self.step = (self.step * 2).min(self.max);
+        self.step = self.step.saturating_mul(2).min(self.max);
         wait
     }
 

@@ -8,7 +8,7 @@
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
-//! use inferyes_agent::sim::{SimConfig, Simulator};
+//! use inferyes_sim::{SimConfig, Simulator};
 //! let sim = Simulator::new(SimConfig::llama_server("qwen"))?;
 //! let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
 //! let shutdown = tokio_util::sync::CancellationToken::new();
