@@ -124,6 +124,10 @@ pub enum KeysCommand {
         /// Expire after this long: 90m, 12h, 30d (none: never).
         #[arg(long, value_name = "DURATION")]
         expires_in: Option<String>,
+        /// The tenant the key belongs to: its keys share their
+        /// conversations' residency (none: the key is a tenant of its own).
+        #[arg(long)]
+        tenant: Option<String>,
     },
     /// List the keys (never their secrets).
     List,
@@ -348,7 +352,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<String> {
 
 async fn keys(client: &mut AdminClient, command: KeysCommand, output: Output) -> anyhow::Result<String> {
     Ok(match command {
-        KeysCommand::Create { name, models, rpm, tokens_per_day, expires_in } => {
+        KeysCommand::Create { name, models, rpm, tokens_per_day, expires_in, tenant } => {
             let expires_unix_ms = match expires_in {
                 Some(text) => inferyes_proto::unix_ms() + parse_duration_ms(&text)?,
                 None => 0,
@@ -359,6 +363,7 @@ async fn keys(client: &mut AdminClient, command: KeysCommand, output: Output) ->
                 requests_per_minute: rpm.unwrap_or(0),
                 tokens_per_day: tokens_per_day.unwrap_or(0),
                 expires_unix_ms,
+                tenant: tenant.unwrap_or_default(),
             };
             render(&client.create_key(request).await.map_err(rpc_error)?.into_inner(), output)
         }

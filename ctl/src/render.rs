@@ -371,6 +371,7 @@ fn key_json(key: &ApiKey) -> Value {
     json!({
         "key_id": key.key_id,
         "name": key.name,
+        "tenant": key.tenant,
         "state": key_state(key),
         "allowed_models": key.allowed_models,
         "requests_per_minute": key.requests_per_minute,

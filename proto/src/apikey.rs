@@ -31,6 +31,13 @@ pub fn generate() -> anyhow::Result<NewKey> {
     Ok(NewKey { token: format!("{PREFIX}{key_id}_{secret}"), key_id, secret_hash })
 }
 
+/// Whether `tenant` may name a tenant of keys: empty (none), or 1-64 of
+/// `A-Z a-z 0-9 . _ -` (it becomes part of session keys, which travel as
+/// header values).
+pub fn valid_tenant(tenant: &str) -> bool {
+    tenant.len() <= 64 && tenant.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+}
+
 /// `(key_id, secret)` of a presented key; `None` when it is not one.
 pub fn parse(token: &str) -> Option<(&str, &str)> {
     let (key_id, secret) = token.strip_prefix(PREFIX)?.split_once('_')?;
@@ -94,6 +101,16 @@ fn random_chars(n: usize) -> anyhow::Result<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tenants_are_short_plain_names_or_none() {
+        for good in ["", "acme", "team-7.prod_eu", &"a".repeat(64)] {
+            assert!(valid_tenant(good), "{good}");
+        }
+        for bad in ["a b", "a/b", "é", "a\n", &"a".repeat(65)] {
+            assert!(!valid_tenant(bad), "{bad:?}");
+        }
+    }
 
     #[test]
     fn a_generated_key_parses_and_verifies_and_nothing_else_does() {

@@ -206,6 +206,9 @@ impl FleetService for FleetSvc {
         for pattern in &request.allowed_models {
             validate_name("model pattern", pattern)?;
         }
+        if !inferyes_proto::apikey::valid_tenant(&request.tenant) {
+            return Err(status(ErrorKind::BadRequest, "a tenant is 1-64 of A-Z a-z 0-9 . _ - (or none)"));
+        }
         let now = inferyes_proto::unix_ms();
         if request.expires_unix_ms != 0 && request.expires_unix_ms <= now {
             return Err(status(ErrorKind::BadRequest, "expires_unix_ms is in the past"));
@@ -226,6 +229,7 @@ impl FleetService for FleetSvc {
             revoked: false,
             created_unix_ms: now,
             revoked_unix_ms: 0,
+            tenant: request.tenant,
         };
         let revision = self.store.put(self.store.keys().api_key(&key.key_id), &key).await?;
         // The id and name are logged; the secret never is.

@@ -113,7 +113,7 @@ impl<'s> Exchange<'s> {
         let view = parse_view(&body)?;
         let model = snapshot.resolve(&view.model);
         let rate = self.admit(&caller, &snapshot, &view, model, body.len())?;
-        let prepared = self.prepare(parts, body, &view, model);
+        let prepared = self.prepare(parts, body, &view, model, &caller);
         let answered = match self.route(&snapshot, &view, model, prepared.body.len()) {
             Ok(route) => self.answer(&snapshot, route, model, prepared, &view).await,
             Err(error) => Err(error),
@@ -190,8 +190,16 @@ impl<'s> Exchange<'s> {
     }
 
     /// The request as nodes get it: an alias resolved in the body, usage
-    /// asked for where a stream would end without it; its session key.
-    fn prepare(&mut self, parts: http::request::Parts, body: Bytes, view: &RoutingView, model: &str) -> Prepared {
+    /// asked for where a stream would end without it; its session key,
+    /// scoped by `caller`.
+    fn prepare(
+        &mut self,
+        parts: http::request::Parts,
+        body: Bytes,
+        view: &RoutingView,
+        model: &str,
+        caller: &Caller,
+    ) -> Prepared {
         let body = if model == view.model { body } else { with_model(&body, view, model) };
         // A stream that would end without usage is asked for it; the
         // client, which did not ask, does not see the extra chunk.
@@ -204,7 +212,13 @@ impl<'s> Exchange<'s> {
         };
         // Kept in the request's facts (the decision tail shows it, whatever
         // becomes of the request) and read from there.
-        self.facts.session = if keeps_conversations(self.kind) { session_key(&parts.headers, view) } else { None };
+        // Scoped by the caller: one tenant's conversation is never
+        // another's, whatever key either sends or derives.
+        self.facts.session = if keeps_conversations(self.kind) {
+            session_key(&parts.headers, view).map(|session| caller.scope_session(session))
+        } else {
+            None
+        };
         let path_and_query = parts.uri.path_and_query().cloned().unwrap_or_else(|| PathAndQuery::from_static("/"));
         Prepared { path_and_query, headers: parts.headers, body, strip_usage }
     }

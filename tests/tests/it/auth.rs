@@ -166,3 +166,54 @@ async fn failed_attempts_from_one_address_are_cut_off_but_known_keys_still_pass(
     // A key this data plane has verified is not a guess.
     assert_eq!(chat(&fleet, &url, Some(&secret), "chat").await.status, StatusCode::OK);
 }
+
+/// The row: tenant A sends a conversation, tenant B the same
+/// opening; B must not be told A's conversation is resident anywhere, nor
+/// be sent to join it. Two keys of one tenant share their conversations.
+#[tokio::test]
+async fn one_tenant_never_learns_of_nor_joins_another_s_conversation() {
+    let fleet = keyed_fleet(|_| {}).await;
+    let key =
+        |name: &str, tenant: &str| CreateKeyRequest { name: name.into(), tenant: tenant.into(), ..Default::default() };
+    let (_, alice) = create(&fleet, key("alice", "")).await;
+    let (_, bob) = create(&fleet, key("bob", "")).await;
+    let (_, acme_one) = create(&fleet, key("acme-1", "acme")).await;
+    let (_, acme_two) = create(&fleet, key("acme-2", "acme")).await;
+    let turn = |key: String, session: Option<&'static str>| {
+        let (fleet, url) = (&fleet, fleet.dataplane.url.clone());
+        async move {
+            let bearer = format!("Bearer {key}");
+            let mut headers = vec![("authorization", bearer.as_str())];
+            if let Some(session) = session {
+                headers.push(("x-session-id", session));
+            }
+            let body = serde_json::json!({"model": "chat", "max_tokens": 4, "messages": [
+                {"role": "system", "content": "the same long system prompt every tenant happens to send"},
+                {"role": "user", "content": "the same first question"},
+            ]});
+            let response = fleet
+                .http
+                .send(Method::POST, &format!("{url}/v1/chat/completions"), body.to_string().into(), &headers)
+                .await;
+            assert_eq!(response.status, StatusCode::OK, "{}", String::from_utf8_lossy(&response.body));
+            response.header("x-inferyes-route").unwrap_or_default().to_string()
+        }
+    };
+    // Derived from the conversation's root, and named by the client.
+    for session in [None, Some("chat-1")] {
+        let base = fleet.dataplane.store.current().map_or(0, |s| s.resident_sessions());
+        assert_eq!(turn(alice.clone(), session).await, "placed", "{session:?}");
+        wait_resident(&fleet, base + 1).await;
+        assert_eq!(turn(alice.clone(), session).await, "resident", "the key's own conversation: {session:?}");
+        assert_eq!(turn(bob.clone(), session).await, "placed", "another key is not told of it: {session:?}");
+        wait_resident(&fleet, base + 2).await;
+        assert_eq!(turn(acme_one.clone(), session).await, "placed", "{session:?}");
+        wait_resident(&fleet, base + 3).await;
+        assert_eq!(turn(acme_two.clone(), session).await, "resident", "one tenant's keys share: {session:?}");
+    }
+}
+
+async fn wait_resident(fleet: &Fleet, count: usize) {
+    let wait = Duration::from_secs(10);
+    fleet.dataplane.wait_for("the sessions resident", wait, move |s| s.resident_sessions() >= count).await;
+}
