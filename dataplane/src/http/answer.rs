@@ -415,12 +415,124 @@ impl Streaming {
     }
 
     fn finish(&self, outcome: Outcome) {
+        self.finish_as(self.status, outcome);
+    }
+
+    fn finish_as(&self, status: u16, outcome: Outcome) {
         if let Some(meter) = &self.plan.meter {
             // A continued answer's usage is partly the first node's: it is
             // estimated (prompt from the request, one token per event).
             let continued = self.hops.as_ref().is_some_and(|hops| hops.continued);
             let usage = if continued { None } else { inferyes_proto::usage::parse_usage(&self.tail) };
-            meter.finish(self.status, outcome, usage);
+            meter.finish(status, outcome, usage);
         }
+    }
+}
+
+impl Drop for Streaming {
+    /// A client that hangs up before the end: what the tail says of the
+    /// usage (a stream's usage chunk may have come before the client went)
+    /// is kept, not estimated from nothing.
+    fn drop(&mut self) {
+        if !self.ended {
+            self.finish_as(499, Outcome::Cancelled);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::convert::Infallible;
+
+    use http_body_util::BodyExt;
+
+    use super::*;
+    use crate::snapshot::LocalCounters;
+    use crate::usage::Ledger;
+
+    const CONTENT: &str = "data: {\"choices\":[{\"delta\":{\"content\":\"Hi\"},\"finish_reason\":null}]}\n\n";
+    const USAGE: &str =
+        "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":9,\"completion_tokens\":2,\"total_tokens\":11}}\n\n";
+    const DONE: &str = "data: [DONE]\n\n";
+
+    /// A node's streamed answer of `frames`, over an in-memory connection.
+    async fn answer(frames: Vec<&'static str>) -> Started {
+        let (client, server) = tokio::io::duplex(1 << 16);
+        tokio::spawn(async move {
+            let service = hyper::service::service_fn(move |_request: http::Request<hyper::body::Incoming>| {
+                let frames = frames.clone();
+                async move {
+                    let chunks: Vec<Result<Frame<Bytes>, Infallible>> =
+                        frames.iter().map(|f| Ok(Frame::data(Bytes::from_static(f.as_bytes())))).collect();
+                    let body = http_body_util::StreamBody::new(tokio_stream::iter(chunks));
+                    Ok::<_, Infallible>(
+                        http::Response::builder().header("content-type", "text/event-stream").body(body).unwrap(),
+                    )
+                }
+            });
+            let io = hyper_util::rt::TokioIo::new(server);
+            let _ = hyper::server::conn::http1::Builder::new().serve_connection(io, service).await;
+        });
+        let (mut sender, connection) =
+            hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(client)).await.unwrap();
+        tokio::spawn(connection);
+        let request = http::Request::builder().uri("/").body(http_body_util::Full::new(Bytes::new())).unwrap();
+        let response = sender.send_request(request).await.unwrap();
+        let pool = inferyes_net::pool::Pool::<http_body_util::Full<Bytes>>::new(inferyes_net::pool::Settings {
+            connect_timeout: Duration::from_secs(1),
+            idle_timeout: Duration::from_secs(1),
+            tls: None,
+            read_timeout: Duration::from_secs(5),
+            idle_limits: inferyes_net::pool::IdleLimits::default(),
+        });
+        let (parts, body) = response.into_parts();
+        let guard = InFlight::enter(Arc::new(LocalCounters::default()));
+        Started { parts, body: pool.unpooled(body), guard, node: "node-a".into(), index: 0 }
+    }
+
+    /// The body of `frames`, metered for key `k` into the ledger returned.
+    async fn body(frames: Vec<&'static str>) -> (AnswerBody, Arc<Ledger>) {
+        let ledger = Ledger::new("test", true);
+        let meter = Meter::new(Arc::clone(&ledger), "req", Some("k".into()), "m".into(), true, 1_000, None);
+        let plan = Plan {
+            expects_done: true,
+            strip_usage: true,
+            meter: Some(meter),
+            request_id: HeaderValue::from_static("req"),
+            version: 1,
+        };
+        let (_, body) = AnswerBody::streaming(answer(frames).await, plan, CancellationToken::new(), None);
+        (body, ledger)
+    }
+
+    async fn text(body: AnswerBody) -> String {
+        String::from_utf8(body.collect().await.unwrap().to_bytes().to_vec()).unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_stream_goes_on_without_the_usage_chunk_it_was_asked_for_and_is_metered_by_it() {
+        let (body, ledger) = body(vec![CONTENT, USAGE, DONE]).await;
+        assert_eq!(text(body).await, format!("{CONTENT}{DONE}"));
+        assert_eq!(ledger.unacknowledged_tokens("k"), 11, "the backend's own count");
+    }
+
+    #[tokio::test]
+    async fn a_stream_its_node_ends_early_ends_with_an_error_event() {
+        let (body, _) = body(vec![CONTENT]).await;
+        let text = text(body).await;
+        assert!(text.starts_with(CONTENT), "{text}");
+        assert!(text.ends_with("\n\n") && text.contains("\"code\":\"upstream_broken\""), "{text}");
+    }
+
+    #[tokio::test]
+    async fn a_client_that_hangs_up_after_the_usage_went_by_is_metered_by_it() {
+        let (mut body, ledger) = body(vec![CONTENT, USAGE, DONE]).await;
+        let mut seen = String::new();
+        while !seen.contains("[DONE]") {
+            let frame = body.frame().await.unwrap().unwrap();
+            seen.push_str(std::str::from_utf8(frame.data_ref().unwrap()).unwrap());
+        }
+        drop(body);
+        assert_eq!(ledger.unacknowledged_tokens("k"), 11, "the usage in the tail, not an estimate");
     }
 }
