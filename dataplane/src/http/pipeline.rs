@@ -60,6 +60,11 @@ pub(crate) async fn inference(
         Ok(response) => response,
         Err(error) => {
             exchange.facts.error_code = error.code_str().map(str::to_string);
+            // A node that timed out or broke off may have generated for
+            // minutes: its work is counted, estimated, not dropped.
+            use crate::error::{Code, ErrorCode};
+            exchange.facts.node_worked =
+                matches!(error.code, Some(Code::Gateway(ErrorCode::UpstreamTimeout | ErrorCode::UpstreamBroken)));
             error.into_response()
         }
     };
@@ -91,6 +96,9 @@ struct RequestFacts {
     key_id: Option<String>,
     /// Once the request is admitted: its usage record.
     meter: Option<crate::usage::Meter>,
+    /// The request failed after a node took it on (a timeout, an answer
+    /// broken off): its prompt was read, and tokens perhaps generated.
+    node_worked: bool,
 }
 
 /// A request as its nodes are sent it.
@@ -312,7 +320,8 @@ impl<'s> Exchange<'s> {
         if !response.status().is_success()
             && let Some(meter) = facts.meter.take()
         {
-            meter.finish(response.status().as_u16(), crate::usage::Outcome::Error, None);
+            let outcome = if facts.node_worked { crate::usage::Outcome::Broken } else { crate::usage::Outcome::Error };
+            meter.finish(response.status().as_u16(), outcome, None);
         }
         span.record("model", facts.model.as_str());
         // Label values are moved in and out of the label sets, not copied: a

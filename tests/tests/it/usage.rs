@@ -330,3 +330,27 @@ async fn a_cold_stream_that_fails_is_counted_as_an_error_without_tokens() {
     assert_eq!(total.estimated_requests, 0, "the refused stream was counted as cancelled: {total:?}");
     assert_eq!(total.prompt_tokens, fleet.sims[0].sim.stats().prompt_tokens, "{total:?}");
 }
+
+/// A whole answer that takes longer than the data plane waits: the node
+/// read the prompt and generated until the timeout, so the request is
+/// counted (estimated, and as an error), not dropped from the key's usage.
+#[tokio::test]
+async fn a_request_that_times_out_while_its_node_generates_is_counted_estimated() {
+    let slow = inferyes_sim::SimConfig { decode_tokens_per_second: 10.0, ..chat_sim("chat") };
+    let fleet = Fleet::start_with(vec![slow], |c| {
+        c.auth = AuthMode::Keys;
+        c.response_header_timeout_ms = 500;
+    })
+    .await;
+    let (key_id, secret) = create_key(&fleet, CreateKeyRequest { name: "slow".into(), ..Default::default() }).await;
+    let body = json!({"model": "chat", "max_tokens": 40,
+                      "messages": [{"role": "user", "content": "a question that takes its time to answer"}]});
+    let bearer = format!("Bearer {secret}");
+    let url = format!("{}/v1/chat/completions", fleet.dataplane.url);
+    let response = fleet.http.send(Method::POST, &url, body.to_string().into(), &[("authorization", &bearer)]).await;
+    assert_eq!(response.status, StatusCode::GATEWAY_TIMEOUT, "{}", String::from_utf8_lossy(&response.body));
+    assert_eq!(response.openai_error()["code"], "upstream_timeout");
+    let total = rolled_up(fleet.controller(), &key_id, 1).await;
+    assert_eq!((total.requests, total.errors, total.estimated_requests), (1, 1, 1), "{total:?}");
+    assert!(total.prompt_tokens > 0, "the prompt the node read is counted: {total:?}");
+}
