@@ -6,7 +6,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use anyhow::bail;
+use anyhow::{Context, bail};
 use serde::{Deserialize, Serialize};
 
 use inferyes_sim::SimConfig;
@@ -130,9 +130,55 @@ pub struct BackendConfig {
     #[serde(default = "default_host_cache_tokens")]
     pub host_cache_tokens: u64,
     /// Credential the proxy adds to every request to this backend (e.g.
-    /// llama-server's --api-key). It never leaves this host.
-    #[serde(default, skip_serializing_if = "String::is_empty")]
+    /// llama-server's --api-key). It never leaves this host, and is never
+    /// printed (`--print-config` leaves it out).
+    #[serde(default, skip_serializing)]
     pub api_key: String,
+    /// The credential read from this file instead, which must not be
+    /// readable by the file's group or others.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub api_key_file: Option<std::path::PathBuf>,
+    /// The credential read from this environment variable instead.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub api_key_env: Option<String>,
+}
+
+impl BackendConfig {
+    /// `api_key` filled in from `api_key_file` or `api_key_env`, at most
+    /// one of the three set.
+    fn read_api_key(&mut self) -> anyhow::Result<()> {
+        let id = &self.id;
+        let sources = usize::from(!self.api_key.is_empty())
+            + usize::from(self.api_key_file.is_some())
+            + usize::from(self.api_key_env.is_some());
+        if sources > 1 {
+            bail!("backend `{id}`: give one of api_key, api_key_file and api_key_env");
+        }
+        if let Some(path) = &self.api_key_file {
+            self.api_key = read_secret_file(path).with_context(|| format!("backend `{id}`: api_key_file"))?;
+        }
+        if let Some(variable) = &self.api_key_env {
+            self.api_key = std::env::var(variable)
+                .map(|value| value.trim().to_string())
+                .with_context(|| format!("backend `{id}`: api_key_env names `{variable}`, which is not set"))?;
+        }
+        if (self.api_key_file.is_some() || self.api_key_env.is_some()) && self.api_key.is_empty() {
+            bail!("backend `{id}`: its api key is empty");
+        }
+        Ok(())
+    }
+}
+
+/// A secret kept in a file only its owner can read: one that the file's
+/// group or everyone may read is refused, as ssh refuses a key file.
+fn read_secret_file(path: &std::path::Path) -> anyhow::Result<String> {
+    use std::os::unix::fs::PermissionsExt as _;
+    let mode = std::fs::metadata(path).with_context(|| format!("cannot read {}", path.display()))?.permissions().mode();
+    if mode & 0o077 != 0 {
+        bail!("{} may be read by its group or others (mode {:o}): chmod 600 it", path.display(), mode & 0o777);
+    }
+    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    Ok(text.trim().to_string())
 }
 
 fn default_weight() -> u32 {
@@ -248,6 +294,9 @@ impl Config {
         }
         if config.node_id.is_empty() {
             config.node_id = hostname();
+        }
+        for backend in &mut config.backends {
+            backend.read_api_key()?;
         }
         config.validate()?;
         Ok(config)
@@ -387,11 +436,45 @@ kind = "llama-swap"
             model_sizes: std::collections::BTreeMap::new(),
             host_cache_tokens: 0,
             api_key: String::new(),
+            api_key_file: None,
+            api_key_env: None,
         };
         let config = Config { backends: vec![twice.clone(), twice.clone()], ..Config::default() };
         assert!(config.validate().unwrap_err().to_string().contains("used twice"));
         let https = BackendConfig { url: "https://x".into(), ..twice };
         let config = Config { backends: vec![https], ..Config::default() };
         assert!(config.validate().unwrap_err().to_string().contains("must start with http://"));
+    }
+
+    #[test]
+    fn a_backend_s_key_comes_from_a_file_only_its_owner_reads_or_the_environment() {
+        use std::os::unix::fs::PermissionsExt as _;
+        let dir = std::env::temp_dir().join(format!("inferyes-secret-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("key");
+        std::fs::write(&file, "sk-local-123\n").unwrap();
+        let backend = |file: Option<std::path::PathBuf>, env: Option<&str>, key: &str| BackendConfig {
+            id: "main".into(),
+            url: "http://127.0.0.1:8080".into(),
+            api_key: key.into(),
+            api_key_file: file,
+            api_key_env: env.map(str::to_string),
+            ..toml::from_str::<BackendConfig>("id = \"main\"\nurl = \"http://127.0.0.1:8080\"").unwrap()
+        };
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let error = backend(Some(file.clone()), None, "").read_api_key().unwrap_err();
+        assert!(format!("{error:#}").contains("chmod 600"), "{error:#}");
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let mut from_file = backend(Some(file.clone()), None, "");
+        from_file.read_api_key().unwrap();
+        assert_eq!(from_file.api_key, "sk-local-123");
+        let printed = toml::to_string(&from_file).unwrap();
+        assert!(!printed.contains("sk-local") && printed.contains("api_key_file"), "never printed: {printed}");
+        assert!(!toml::to_string(&backend(None, None, "sk-inline")).unwrap().contains("sk-inline"));
+        let twice = backend(Some(file), None, "sk-inline").read_api_key().unwrap_err();
+        assert!(twice.to_string().contains("give one of"), "{twice}");
+        let missing = backend(None, Some("INFERYES_TEST_SURELY_UNSET_VARIABLE"), "").read_api_key().unwrap_err();
+        assert!(missing.to_string().contains("not set"), "{missing}");
+        std::fs::remove_dir_all(dir).unwrap();
     }
 }

@@ -262,7 +262,7 @@ def test_the_configuration_reference_matches_the_code(binary):
 
 
 # Options that --print-config omits when unset or empty.
-ALWAYS_OPTIONAL = {"backends[].api_key", "backends[].models"}
+ALWAYS_OPTIONAL = {"backends[].api_key", "backends[].api_key_file", "backends[].api_key_env", "backends[].models"}
 
 
 # ---------------------------------------------------------------- grafana

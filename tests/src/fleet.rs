@@ -190,6 +190,8 @@ pub fn llama_server(url: &str, models: &[&str]) -> BackendConfig {
         model_sizes: std::collections::BTreeMap::new(),
         host_cache_tokens: 0,
         api_key: String::new(),
+        api_key_file: None,
+        api_key_env: None,
     }
 }
 
