@@ -129,7 +129,7 @@ pub(crate) async fn attempt_each(
                 if parts.status.is_success() {
                     node.local.succeeded();
                 }
-                inferyes_proto::headers::remove_hop_by_hop(&mut parts.headers);
+                super::client::answer_headers(&mut parts.headers);
                 if let Some(value) = &node.id_header {
                     parts.headers.insert(NODE_HEADER, value.clone());
                 }

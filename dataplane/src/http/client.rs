@@ -218,9 +218,26 @@ fn upstream_request(
 
 /// Client headers that do not travel on, besides the hop-by-hop ones: the
 /// client's credential (the agent adds the backend's own), and our routing
-/// headers. `Host` and `Content-Length` are written anew for each attempt.
+/// headers; its cookies, and what would speak for the operator's account
+/// at a provider an `openai` backend calls with the operator's key (an
+/// organization or project of the client's choosing); and what a client
+/// could forge of the path it came by (`Forwarded`, `X-Forwarded-*`,
+/// `X-Real-IP`). `Host` and `Content-Length` are written anew for each
+/// attempt.
 fn stays_behind(name: &HeaderName) -> bool {
-    matches!(*name, header::PROXY_AUTHORIZATION | header::AUTHORIZATION) || name.as_str().starts_with("x-inferyes-")
+    matches!(*name, header::PROXY_AUTHORIZATION | header::AUTHORIZATION | header::COOKIE | header::FORWARDED) || {
+        let name = name.as_str();
+        name.starts_with("x-inferyes-")
+            || name.starts_with("x-forwarded-")
+            || matches!(name, "openai-organization" | "openai-project" | "x-real-ip")
+    }
+}
+
+/// An answer's headers as the client gets them: without the hop-by-hop
+/// ones, and without cookies a backend sets (the data plane's origin is
+/// not the backend's: a cookie would be the client's for every node).
+pub(crate) fn answer_headers(headers: &mut HeaderMap) {
+    inferyes_proto::headers::remove_hop_by_hop_and(headers, |name| name == header::SET_COOKIE);
 }
 
 #[cfg(test)]
@@ -299,6 +316,50 @@ mod tests {
         let trace: Vec<_> = headers.get_all("x-trace").iter().collect();
         assert_eq!(trace, ["a", "b"], "every value of a header, in order");
         assert_eq!(headers.len(), 11);
+    }
+
+    #[test]
+    fn cookies_an_organization_of_the_client_s_and_forged_forwarding_stay_behind() {
+        let mut client = HeaderMap::new();
+        for (name, value) in [
+            ("cookie", "session=abc"),
+            ("openai-organization", "org-someone-else"),
+            ("openai-project", "proj-x"),
+            ("x-forwarded-for", "10.0.0.1"),
+            ("x-forwarded-host", "admin.internal"),
+            ("forwarded", "for=10.0.0.1"),
+            ("x-real-ip", "10.0.0.1"),
+            ("x-stainless-lang", "python"),
+            ("openai-beta", "assistants=v2"),
+        ] {
+            client.insert(HeaderName::from_static(name), HeaderValue::from_static(value));
+        }
+        let headers = sent(client, None, b"{}");
+        for gone in [
+            "cookie",
+            "openai-organization",
+            "openai-project",
+            "x-forwarded-for",
+            "x-forwarded-host",
+            "forwarded",
+            "x-real-ip",
+        ] {
+            assert!(!headers.contains_key(gone), "{gone} stays behind");
+        }
+        assert_eq!(headers["x-stainless-lang"], "python", "the rest travel on");
+        assert_eq!(headers["openai-beta"], "assistants=v2", "a feature a client asks of the API travels on");
+    }
+
+    #[test]
+    fn a_backend_s_cookies_do_not_reach_the_client() {
+        let mut headers = HeaderMap::new();
+        headers.append(header::SET_COOKIE, HeaderValue::from_static("a=1"));
+        headers.append(header::SET_COOKIE, HeaderValue::from_static("b=2"));
+        headers.insert(header::CONNECTION, HeaderValue::from_static("close"));
+        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        answer_headers(&mut headers);
+        assert_eq!(headers.len(), 1, "{headers:?}");
+        assert_eq!(headers[header::CONTENT_TYPE], "application/json");
     }
 
     #[test]
