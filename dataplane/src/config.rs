@@ -61,6 +61,9 @@ pub struct Config {
     pub controllers: Vec<String>,
     pub dataplane_id: String,
     pub max_body_bytes: usize,
+    /// Bytes of bodies read whole (requests, answers that are not
+    /// streamed) all requests may hold at once; past it, 503.
+    pub max_buffered_bytes: usize,
     /// A client must send its whole request body within this: one that
     /// trickles holds a connection and up to `max_body_bytes` of memory.
     pub request_body_timeout_ms: u64,
@@ -126,6 +129,7 @@ impl Default for Config {
             controllers: vec!["http://127.0.0.1:7070".into()],
             dataplane_id: String::new(),
             max_body_bytes: 32 << 20,
+            max_buffered_bytes: 256 << 20,
             request_body_timeout_ms: 60_000,
             connect_timeout_ms: 2000,
             response_header_timeout_ms: 600_000,
@@ -193,6 +197,9 @@ impl Config {
         self.tls.validate()?;
         if self.auth_failures_per_minute == 0 {
             bail!("auth_failures_per_minute must be positive");
+        }
+        if self.max_buffered_bytes < self.max_body_bytes {
+            bail!("max_buffered_bytes must be at least max_body_bytes: one request must fit");
         }
         if self.max_body_bytes == 0 {
             bail!("max_body_bytes must be positive");

@@ -46,6 +46,7 @@ error_codes! {
     NoCapacity => "no_capacity",
     NotReady => "not_ready",
     GatewayShutdown => "gateway_shutdown",
+    Overloaded => "overloaded",
     UpstreamUnreachable => "upstream_unreachable",
     UpstreamTimeout => "upstream_timeout",
     UpstreamBroken => "upstream_broken",
@@ -140,6 +141,17 @@ impl ApiError {
     pub fn not_ready() -> ApiError {
         ApiError::new(ErrorKind::Unavailable, "the data plane has no routing snapshot yet", ErrorCode::NotReady)
             .retry_after(1)
+    }
+
+    /// The data plane holds all the bytes of `what` (request bodies,
+    /// answers) it may: a refusal for load, to be tried again.
+    pub fn overloaded(what: &str) -> ApiError {
+        ApiError::new(
+            ErrorKind::Overloaded,
+            format!("the gateway holds all the {what} it may at once; try again in a moment"),
+            ErrorCode::Overloaded,
+        )
+        .retry_after(1)
     }
 
     /// A bug: what the client is told of it.

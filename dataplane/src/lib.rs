@@ -101,8 +101,11 @@ pub async fn run(
         http2: config.agent_protocol == config::AgentProtocol::Http2,
     };
     let client_tls = inferyes_net::tls::http_client(&config.tls)?;
+    // One budget for every worker: the memory is the process's.
+    let budget = http::Budget::new(config.max_buffered_bytes);
     let forwarder = || {
-        http::Forwarder::new(&forwarder_settings, client_tls.clone(), agent_authorization.clone(), hard_stop.clone())
+        let (tls, authorization) = (client_tls.clone(), agent_authorization.clone());
+        http::Forwarder::new(&forwarder_settings, tls, authorization, hard_stop.clone(), Arc::clone(&budget))
     };
     let state = http::AppState {
         snapshots,

@@ -50,6 +50,8 @@ pub struct Metrics {
     pub retries: Counter,
     pub auth_refusals: Family<ReasonLabels, Counter>,
     pub continuations: Counter,
+    /// Bytes of bodies read whole held now (set when scraped).
+    pub buffered_bytes: Gauge,
     snapshot_version: Gauge,
     snapshot_age_seconds: Gauge<f64, std::sync::atomic::AtomicU64>,
     node_in_flight: Family<NodeLabels, Gauge>,
@@ -72,6 +74,7 @@ impl Metrics {
             retries: Counter::default(),
             auth_refusals: Family::default(),
             continuations: Counter::default(),
+            buffered_bytes: Gauge::default(),
             snapshot_version: Gauge::default(),
             snapshot_age_seconds: Gauge::default(),
             node_in_flight: Family::default(),
@@ -112,6 +115,11 @@ impl Metrics {
             metrics.auth_refusals.clone(),
         );
         registry.register("continuations", "Broken streams resumed on another node", metrics.continuations.clone());
+        registry.register(
+            "buffered_bytes",
+            "Bytes of request bodies and whole answers held now, all requests together (limit: max_buffered_bytes)",
+            metrics.buffered_bytes.clone(),
+        );
         registry.register(
             "snapshot_version",
             "Version (etcd revision) of the routing snapshot held",

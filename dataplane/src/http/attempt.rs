@@ -108,9 +108,11 @@ pub(crate) async fn attempt_each(
                     // A whole answer or none: read before the client sees a
                     // byte, so a node failing mid-answer is a clean 502 (or
                     // the next candidate), never a truncated body.
-                    match super::body::read_whole(body, MAX_BUFFERED_BODY).await {
-                        Ok(bytes) => (Attempt::Answered, Some((parts, Read::Whole(bytes)))),
+                    let mut held = super::body::Budget::reservation(forwarder.budget());
+                    match super::body::read_whole_within(body, MAX_BUFFERED_BODY, Some(&mut held)).await {
+                        Ok(bytes) => (Attempt::Answered, Some((parts, Read::Whole(bytes, held)))),
                         Err(super::body::ReadError::TooLarge) => (Attempt::BodyTooLarge, None),
+                        Err(super::body::ReadError::OverBudget) => (Attempt::OverBudget, None),
                         Err(super::body::ReadError::Body(cause)) => {
                             tracing::debug!(node = %node.id, %cause, "the answer broke off");
                             (Attempt::BodyBroke, None)
@@ -141,9 +143,9 @@ pub(crate) async fn attempt_each(
                     parts.extensions.insert(expected);
                 }
                 return Ok(match read {
-                    Read::Whole(bytes) => {
+                    Read::Whole(bytes, held) => {
                         drop(guard);
-                        Answered::Whole(whole_answer(parts, bytes, out.meter.as_ref()))
+                        Answered::Whole(whole_answer(parts, bytes, held, out.meter.as_ref()))
                     }
                     Read::Head(body) => {
                         // A streamed answer is passed on frame by frame and
@@ -195,12 +197,17 @@ pub(crate) async fn attempt_each(
 
 /// A passed answer's body, as far as its attempt read it.
 enum Read {
-    Whole(Bytes),
+    Whole(Bytes, super::body::Reservation),
     Head(Answer),
 }
 
 /// A whole answer as the client gets it, its usage recorded.
-fn whole_answer(mut parts: http::response::Parts, bytes: Bytes, meter: Option<&crate::usage::Meter>) -> Response {
+fn whole_answer(
+    mut parts: http::response::Parts,
+    bytes: Bytes,
+    held: super::body::Reservation,
+    meter: Option<&crate::usage::Meter>,
+) -> Response {
     if let Some(meter) = meter {
         let tail = &bytes[bytes.len().saturating_sub(inferyes_proto::usage::TAIL_BYTES)..];
         let outcome = if parts.status.is_success() { Outcome::Ok } else { Outcome::Error };
@@ -213,7 +220,7 @@ fn whole_answer(mut parts: http::response::Parts, bytes: Bytes, meter: Option<&c
     if announced.is_none_or(|length| !is_decimal(length, bytes.len())) {
         parts.headers.remove(header::CONTENT_LENGTH);
     }
-    Response::from_parts(parts, Body::from(bytes))
+    Response::from_parts(parts, Body::new(super::body::Held::new(bytes, held)))
 }
 
 /// What a log line says an attempt's node did.
@@ -225,6 +232,7 @@ fn attempt_name(attempt: &Attempt) -> &'static str {
         Attempt::Answered => "answered",
         Attempt::BodyBroke => "failed mid-answer",
         Attempt::BodyTooLarge => "answered more than can be held",
+        Attempt::OverBudget => "answered while the data plane's buffers were full",
     }
 }
 

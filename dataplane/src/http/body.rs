@@ -4,14 +4,104 @@
 //! over `Limited` and `collect` is their wrapper and buffer list (an
 //! allocation per body), on every request.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
 use bytes::{Bytes, BytesMut};
 use http_body_util::BodyExt;
+
+/// The bytes a data plane holds of bodies read whole (requests, answers
+/// that are not streamed), all its requests together, up to a limit: past
+/// it a request is refused rather than the process run out of memory,
+/// with every stream on it.
+#[derive(Debug)]
+pub struct Budget {
+    limit: usize,
+    used: AtomicUsize,
+}
+
+impl Budget {
+    pub fn new(limit: usize) -> Arc<Budget> {
+        Arc::new(Budget { limit, used: AtomicUsize::new(0) })
+    }
+
+    /// Bytes held now.
+    pub fn used(&self) -> usize {
+        self.used.load(Ordering::Relaxed)
+    }
+
+    /// Nothing held yet, against `budget`.
+    pub fn reservation(budget: &Arc<Budget>) -> Reservation {
+        Reservation { budget: Arc::clone(budget), bytes: 0 }
+    }
+}
+
+/// Bytes held against a [`Budget`], given back when dropped.
+#[derive(Debug)]
+pub struct Reservation {
+    budget: Arc<Budget>,
+    bytes: usize,
+}
+
+impl Reservation {
+    /// Holds `bytes` more; false, holding nothing more, past the limit.
+    pub fn grow(&mut self, bytes: usize) -> bool {
+        let grown = self.budget.used.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |used| {
+            used.checked_add(bytes).filter(|total| *total <= self.budget.limit)
+        });
+        if grown.is_ok() {
+            self.bytes += bytes;
+        }
+        grown.is_ok()
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        self.budget.used.fetch_sub(self.bytes, Ordering::Relaxed);
+    }
+}
+
+/// A body read whole, as a client is sent it: its bytes stay held against
+/// the budget until they are written out.
+pub struct Held {
+    bytes: Option<Bytes>,
+    _held: Reservation,
+}
+
+impl Held {
+    pub fn new(bytes: Bytes, held: Reservation) -> Held {
+        Held { bytes: Some(bytes).filter(|b| !b.is_empty()), _held: held }
+    }
+}
+
+impl http_body::Body for Held {
+    type Data = Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
+        std::task::Poll::Ready(self.bytes.take().map(|bytes| Ok(http_body::Frame::data(bytes))))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.bytes.is_none()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        http_body::SizeHint::with_exact(self.bytes.as_ref().map_or(0, |b| b.len() as u64))
+    }
+}
 
 /// Why a body could not be read whole.
 #[derive(Debug)]
 pub enum ReadError<E> {
     /// It is longer than the limit.
     TooLarge,
+    /// The data plane holds all the bytes its budget allows.
+    OverBudget,
     /// The connection failed in the middle of it.
     Body(E),
 }
@@ -20,6 +110,7 @@ impl<E: std::fmt::Display> std::fmt::Display for ReadError<E> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             ReadError::TooLarge => f.write_str("the body is longer than the limit"),
+            ReadError::OverBudget => f.write_str("the data plane holds all the bytes it may"),
             ReadError::Body(error) => error.fmt(f),
         }
     }
@@ -28,6 +119,19 @@ impl<E: std::fmt::Display> std::fmt::Display for ReadError<E> {
 /// The whole of `body`, refused once it is longer than `limit` bytes.
 /// Trailers are dropped.
 pub async fn read_whole<B>(body: B, limit: usize) -> Result<Bytes, ReadError<B::Error>>
+where
+    B: http_body::Body<Data = Bytes>,
+{
+    read_whole_within(body, limit, None).await
+}
+
+/// As [`read_whole`], each byte held against `held` as it arrives (so the
+/// body is refused as soon as the budget is spent, not once it is read).
+pub async fn read_whole_within<B>(
+    body: B,
+    limit: usize,
+    mut held: Option<&mut Reservation>,
+) -> Result<Bytes, ReadError<B::Error>>
 where
     B: http_body::Body<Data = Bytes>,
 {
@@ -40,6 +144,11 @@ where
         length += data.len();
         if length > limit {
             return Err(ReadError::TooLarge);
+        }
+        if let Some(held) = held.as_deref_mut()
+            && !held.grow(data.len())
+        {
+            return Err(ReadError::OverBudget);
         }
         if let Some(joined) = &mut joined {
             joined.extend_from_slice(&data);
@@ -110,6 +219,23 @@ mod tests {
     async fn a_body_that_says_it_has_ended_is_not_polled_again() {
         let whole = read_whole(KnownLength(Some(Bytes::from_static(b"{}"))), 64).await.unwrap();
         assert_eq!(whole, "{}");
+    }
+
+    #[tokio::test]
+    async fn bodies_are_held_against_one_budget_and_refused_past_it_and_given_back() {
+        let budget = Budget::new(6);
+        let mut first = Budget::reservation(&budget);
+        assert_eq!(read_whole_within(body(&["abc", "d"]), 64, Some(&mut first)).await.unwrap(), "abcd");
+        assert_eq!(budget.used(), 4);
+        let mut second = Budget::reservation(&budget);
+        let refused = read_whole_within(body(&["ef", "gh"]), 64, Some(&mut second)).await;
+        assert!(matches!(refused, Err(ReadError::OverBudget)), "4 + 4 is past 6");
+        drop(second);
+        assert_eq!(budget.used(), 4, "what the refused body held is given back");
+        drop(first);
+        assert_eq!(budget.used(), 0);
+        let mut third = Budget::reservation(&budget);
+        assert_eq!(read_whole_within(body(&["efgh"]), 64, Some(&mut third)).await.unwrap(), "efgh");
     }
 
     #[tokio::test]

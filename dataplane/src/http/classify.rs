@@ -30,6 +30,8 @@ pub enum UpstreamError {
     AnswerTooLarge,
     /// The data plane shut down before the answer was complete.
     Shutdown,
+    /// The data plane holds all the answers' bytes it may.
+    OverBudget,
     /// The node's own error, passed on.
     Refused(ApiError),
 }
@@ -84,6 +86,9 @@ impl UpstreamError {
                 "the gateway shut down before the answer was complete".to_string(),
                 ErrorCode::GatewayShutdown,
             ),
+            UpstreamError::OverBudget => {
+                return ApiError::overloaded("answers");
+            }
         };
         ApiError::new(kind, message, code)
     }
@@ -105,6 +110,8 @@ pub enum Attempt {
     BodyBroke,
     /// A whole answer's body was longer than [`MAX_BUFFERED_BODY`].
     BodyTooLarge,
+    /// A whole answer's body would pass what the data plane may hold.
+    OverBudget,
 }
 
 /// What follows an attempt.
@@ -138,6 +145,9 @@ pub fn classify(attempt: Attempt, last: bool) -> Verdict {
         // The node is well; the answer is too big to hold, and another
         // node would give as big a one.
         Attempt::BodyTooLarge => Verdict::Fail { eject: false, error: UpstreamError::AnswerTooLarge },
+        // The data plane's own limit: no node is to blame, none would do
+        // better now.
+        Attempt::OverBudget => Verdict::Fail { eject: false, error: UpstreamError::OverBudget },
         Attempt::Refused(mut error) => {
             let status = error.status();
             // An agent that does not take this data plane's join token: the

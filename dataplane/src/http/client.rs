@@ -47,6 +47,8 @@ pub struct Forwarder {
     /// Cancelled when a shutdown's grace period is over: streams still
     /// running end with an error event.
     hard_stop: CancellationToken,
+    /// What every worker's requests may hold of bodies read whole.
+    budget: Arc<super::body::Budget>,
 }
 
 /// What the forwarder needs to know about one request.
@@ -72,6 +74,7 @@ impl Forwarder {
         tls: rustls::ClientConfig,
         agent_authorization: Option<HeaderValue>,
         hard_stop: CancellationToken,
+        budget: Arc<super::body::Budget>,
     ) -> Forwarder {
         let Settings { connect_timeout, header_timeout, read_timeout, http2 } = *settings;
         let http1 = inferyes_net::pool::Pool::new(inferyes_net::pool::Settings {
@@ -110,7 +113,7 @@ impl Forwarder {
                         .wrap_connector(tcp),
                 )
         });
-        Forwarder { http1, http2, header_timeout, agent_authorization, hard_stop }
+        Forwarder { http1, http2, header_timeout, agent_authorization, hard_stop, budget }
     }
 
     /// One request to a node's proxy, up to its answer's head (or the
@@ -149,6 +152,11 @@ impl Forwarder {
     /// Cancelled when a shutdown's grace period is over.
     pub(crate) fn hard_stop(&self) -> &CancellationToken {
         &self.hard_stop
+    }
+
+    /// What bodies read whole may hold, all requests together.
+    pub(crate) fn budget(&self) -> &Arc<super::body::Budget> {
+        &self.budget
     }
 }
 

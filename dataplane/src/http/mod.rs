@@ -25,6 +25,7 @@ use std::sync::Arc;
 
 use http::HeaderMap;
 
+pub use body::Budget;
 pub use client::{Forwarder, Settings as ForwarderSettings};
 pub use server::{ENDPOINTS, Endpoint, Gateway, Peer, router};
 pub use view::{RoutingView, parse_view, session_key};

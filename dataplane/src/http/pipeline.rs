@@ -54,6 +54,7 @@ pub(crate) async fn inference(
         peer,
         started: std::time::Instant::now(),
         facts: RequestFacts::default(),
+        held: None,
     };
     let served = tracing::Instrument::instrument(exchange.serve(request), span.clone()).await;
     let response = match served {
@@ -79,6 +80,8 @@ struct Exchange<'s> {
     peer: IpAddr,
     started: std::time::Instant,
     facts: RequestFacts,
+    /// The request's body, held against the budget until it is answered.
+    held: Option<super::body::Reservation>,
 }
 
 /// What the metrics and the decision tail need to know of a request once
@@ -117,7 +120,10 @@ impl<'s> Exchange<'s> {
         let snapshot = self.state.snapshots.current().ok_or_else(ApiError::not_ready)?;
         let caller = self.state.authenticate(&parts.headers, self.peer, &snapshot).await?;
         self.facts.key_id = caller.key_id().map(str::to_string);
-        let body = read_body(body, &parts.headers, self.state.max_body_bytes, self.state.request_body_timeout).await?;
+        let mut held = super::body::Budget::reservation(self.state.forwarder.budget());
+        let limits = (self.state.max_body_bytes, self.state.request_body_timeout);
+        let body = read_body(body, &parts.headers, limits, &mut held).await?;
+        self.held = Some(held);
         let view = parse_view(&body)?;
         let model = snapshot.resolve(&view.model);
         let rate = self.admit(&caller, &snapshot, &view, model, body.len())?;
@@ -506,12 +512,14 @@ fn expects_done(kind: EndpointKind) -> bool {
 }
 
 /// Reads the whole body, refusing more than `limit` bytes with 413 before
-/// reading it when the client announced its length.
+/// reading it when the client announced its length, and with 503 when the
+/// data plane holds all it may of bodies (`held` takes what this one
+/// holds).
 async fn read_body(
     body: hyper::body::Incoming,
     headers: &http::HeaderMap,
-    limit: usize,
-    timeout: std::time::Duration,
+    (limit, timeout): (usize, std::time::Duration),
+    held: &mut super::body::Reservation,
 ) -> Result<Bytes, ApiError> {
     let too_large = || {
         ApiError::new(
@@ -526,7 +534,8 @@ async fn read_body(
         return Err(too_large());
     }
     // A body that came with its head is read without a timer ever being set.
-    let Ok(read) = tokio::time::timeout(timeout, super::body::read_whole(body, limit)).await else {
+    let read = super::body::read_whole_within(body, limit, Some(held));
+    let Ok(read) = tokio::time::timeout(timeout, read).await else {
         return Err(ApiError::new(
             ErrorKind::BadRequest,
             format!("the request body did not arrive within {} s", timeout.as_secs_f32()),
@@ -536,6 +545,7 @@ async fn read_body(
     };
     read.map_err(|error| match error {
         super::body::ReadError::TooLarge => too_large(),
+        super::body::ReadError::OverBudget => ApiError::overloaded("request bodies"),
         super::body::ReadError::Body(_) => {
             ApiError::new(ErrorKind::BadRequest, "the request body could not be read", ErrorCode::InvalidBody)
         }

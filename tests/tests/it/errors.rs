@@ -112,3 +112,48 @@ async fn a_body_that_does_not_arrive_in_time_gets_an_openai_shaped_408() {
     assert!(answer.contains("\"code\":\"request_timeout\""), "{answer}");
     assert_eq!(fleet.sims[0].sim.stats().requests, 0);
 }
+
+/// Bodies read whole are held against one budget, all requests together:
+/// one that would pass it gets an OpenAI-shaped 503, and the budget comes
+/// back when the holder is done. Both sides: a request body a client is
+/// still sending, and a whole answer read from a node.
+#[tokio::test]
+async fn bodies_past_the_data_plane_s_buffer_budget_get_503_and_the_budget_comes_back() {
+    use tokio::io::AsyncWriteExt;
+    let fleet = Fleet::start_with(vec![chat_sim("chat")], |config| {
+        config.max_body_bytes = 3000;
+        config.max_buffered_bytes = 3000;
+    })
+    .await;
+    let url = format!("{}/v1/chat/completions", fleet.dataplane.url);
+    let padded = |bytes: usize| {
+        let mut body = chat_body("chat", "hi");
+        body["pad"] = json!("x".repeat(bytes));
+        body
+    };
+    // A client sending 2,400 bytes of a body, slowly: they are held.
+    let address = fleet.dataplane.url.trim_start_matches("http://").to_string();
+    let mut slow = tokio::net::TcpStream::connect(address).await.expect("the data plane");
+    let head = "POST /v1/chat/completions HTTP/1.1\r\nhost: dp\r\ncontent-type: application/json\r\ncontent-length: 2600\r\n\r\n";
+    slow.write_all(format!("{head}{{\"model\":\"chat\",\"pad\":\"{}", "x".repeat(2400)).as_bytes()).await.unwrap();
+    // Another request of 1,000 bytes would pass the 3,000 the data plane holds.
+    let refused = inferyes_tests::eventually("the slow body held", std::time::Duration::from_secs(10), || async {
+        fleet.http.post_json(&url, &padded(1000)).await.status == StatusCode::SERVICE_UNAVAILABLE
+    });
+    refused.await;
+    let response = fleet.http.post_json(&url, &padded(1000)).await;
+    assert_eq!(response.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(response.openai_error()["code"], "overloaded");
+    assert_eq!(response.header("retry-after"), Some("1"));
+    drop(slow);
+    let served = inferyes_tests::eventually("the budget back", std::time::Duration::from_secs(10), || async {
+        fleet.http.post_json(&url, &padded(1000)).await.status == StatusCode::OK
+    });
+    served.await;
+    // A whole answer longer than the budget (this one, about 3,500 bytes)
+    // is refused too, not held.
+    let long = json!({"model": "chat", "max_tokens": 2000, "messages": [{"role": "user", "content": "go on"}]});
+    let response = fleet.http.post_json(&url, &long).await;
+    assert_eq!(response.status, StatusCode::SERVICE_UNAVAILABLE, "{}", String::from_utf8_lossy(&response.body));
+    assert_eq!(response.openai_error()["code"], "overloaded");
+}
