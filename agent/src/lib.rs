@@ -187,6 +187,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         shutdown_grace: config.shutdown_grace(),
         past_grace: CancellationToken::new(),
         header_read_timeout: inferyes_net::serve::HEADER_READ_TIMEOUT,
+        limit: inferyes_net::serve::ConnectionLimit::default(),
     };
     let served = inferyes_net::serve::serve(listeners.proxy, services, options, shutdown.clone()).await;
     shutdown.cancel();

@@ -64,6 +64,9 @@ pub struct Config {
     /// Bytes of bodies read whole (requests, answers that are not
     /// streamed) all requests may hold at once; past it, 503.
     pub max_buffered_bytes: usize,
+    /// Client connections held open at once; past it, a new one is sent
+    /// 503 and closed.
+    pub max_connections: usize,
     /// A client must send its whole request body within this: one that
     /// trickles holds a connection and up to `max_body_bytes` of memory.
     pub request_body_timeout_ms: u64,
@@ -130,6 +133,7 @@ impl Default for Config {
             dataplane_id: String::new(),
             max_body_bytes: 32 << 20,
             max_buffered_bytes: 256 << 20,
+            max_connections: 4096,
             request_body_timeout_ms: 60_000,
             connect_timeout_ms: 2000,
             response_header_timeout_ms: 600_000,

@@ -154,6 +154,22 @@ impl ApiError {
         .retry_after(1)
     }
 
+    /// The error as a whole HTTP/1.1 response that closes its connection,
+    /// for a connection refused before any request on it is read.
+    pub fn http1_response(&self) -> bytes::Bytes {
+        let (status, body) = (self.status(), self.body());
+        let mut head = format!(
+            "HTTP/1.1 {} {}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n",
+            status.as_u16(),
+            status.canonical_reason().unwrap_or(""),
+            body.len()
+        );
+        if let Some(seconds) = self.retry_after {
+            head.push_str(&format!("retry-after: {seconds}\r\n"));
+        }
+        bytes::Bytes::from(head + "\r\n" + &body)
+    }
+
     /// A bug: what the client is told of it.
     pub fn internal() -> ApiError {
         ApiError::new(ErrorKind::Internal, "internal error; the request was not completed", ErrorCode::InternalError)

@@ -136,6 +136,7 @@ pub async fn run(
         gateways.push(http::Gateway::new(http::AppState { forwarder: forwarder(), ..state.clone() }));
     }
     tracing::info!(listen = %listener.local_addr()?, id = %config.dataplane_id, workers = gateways.len(), "data plane running");
+    let connections_refused = state.metrics.connections_refused.clone();
     // On shutdown: stop accepting, let requests in flight finish, but not
     // for longer than the grace period; then end the streams still running
     // (with an error event) and give their connections a moment to close.
@@ -146,6 +147,13 @@ pub async fn run(
         shutdown_grace: config.shutdown_grace(),
         past_grace: hard_stop,
         header_read_timeout: inferyes_net::serve::HEADER_READ_TIMEOUT,
+        limit: inferyes_net::serve::ConnectionLimit {
+            max: config.max_connections,
+            refusal: error::ApiError::overloaded("connections").http1_response(),
+            refused: Some(Arc::new(move || {
+                connections_refused.inc();
+            })),
+        },
     };
     let connections = gateways.into_iter().map(|gateway| move |peer| gateway.connection(peer)).collect();
     let served = inferyes_net::serve::serve(listener, connections, options, shutdown.clone()).await;

@@ -52,6 +52,7 @@ pub struct Metrics {
     pub continuations: Counter,
     /// Bytes of bodies read whole held now (set when scraped).
     pub buffered_bytes: Gauge,
+    pub connections_refused: Counter,
     snapshot_version: Gauge,
     snapshot_age_seconds: Gauge<f64, std::sync::atomic::AtomicU64>,
     node_in_flight: Family<NodeLabels, Gauge>,
@@ -75,6 +76,7 @@ impl Metrics {
             auth_refusals: Family::default(),
             continuations: Counter::default(),
             buffered_bytes: Gauge::default(),
+            connections_refused: Counter::default(),
             snapshot_version: Gauge::default(),
             snapshot_age_seconds: Gauge::default(),
             node_in_flight: Family::default(),
@@ -119,6 +121,11 @@ impl Metrics {
             "buffered_bytes",
             "Bytes of request bodies and whole answers held now, all requests together (limit: max_buffered_bytes)",
             metrics.buffered_bytes.clone(),
+        );
+        registry.register(
+            "connections_refused",
+            "Client connections refused at once, past max_connections",
+            metrics.connections_refused.clone(),
         );
         registry.register(
             "snapshot_version",

@@ -87,6 +87,7 @@ async fn main() -> std::io::Result<()> {
         shutdown_grace: std::time::Duration::from_secs(10),
         past_grace: tokio_util::sync::CancellationToken::new(),
         header_read_timeout: inferyes_net::serve::HEADER_READ_TIMEOUT,
+        limit: inferyes_net::serve::ConnectionLimit::default(),
     };
     inferyes_net::serve::serve(listener, services, options, shutdown).await
 }

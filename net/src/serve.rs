@@ -53,6 +53,45 @@ pub struct Options {
     /// connection its first byte ([`HEADER_READ_TIMEOUT`] unless a test
     /// needs it short).
     pub header_read_timeout: Duration,
+    /// How many connections may be open at once.
+    pub limit: ConnectionLimit,
+}
+
+/// The most connections a listener holds open at once, all workers
+/// together. One past it is sent `refusal` (a whole HTTP/1.1 response: the
+/// client's request is not read, so it need not be parsed) and closed, and
+/// `refused` is told: past its descriptors or memory a process would
+/// refuse everyone.
+#[derive(Clone, Default)]
+pub struct ConnectionLimit {
+    /// 0: no limit.
+    pub max: usize,
+    pub refusal: Bytes,
+    pub refused: Option<Arc<dyn Fn() + Send + Sync>>,
+}
+
+/// How long a refused connection is given to take its refusal.
+const REFUSAL_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// Sends `refusal` and closes, reading what the client sent meanwhile (up
+/// to a bound): a socket closed with unread bytes is reset, and a reset
+/// can reach the client before the refusal does.
+async fn refuse(mut stream: TcpStream, refusal: Bytes) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let _ = tokio::time::timeout(REFUSAL_TIMEOUT, async {
+        stream.write_all(&refusal).await?;
+        stream.shutdown().await?;
+        let mut sink = [0u8; 4096];
+        let mut read = 0;
+        while read < 64 << 10 {
+            match stream.read(&mut sink).await? {
+                0 => break,
+                n => read += n,
+            }
+        }
+        Ok::<_, std::io::Error>(())
+    })
+    .await;
 }
 
 /// hyper's own limit of concurrent HTTP/2 streams, for listeners open to
@@ -113,7 +152,7 @@ where
     if services.is_empty() {
         return Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, "no workers to serve with"));
     }
-    let Options { name, tls, http2_streams, shutdown_grace, past_grace, header_read_timeout } = options;
+    let Options { name, tls, http2_streams, shutdown_grace, past_grace, header_read_timeout, limit } = options;
     let tls = tls.map(tokio_rustls::TlsAcceptor::from);
     // Cancelled when this future ends or is dropped: workers stop at once.
     let stop_now = CancellationToken::new();
@@ -155,6 +194,13 @@ where
             },
         };
         let _ = stream.set_nodelay(true);
+        if limit.max > 0 && workers.iter().map(|w| w.open.load(Ordering::Relaxed)).sum::<usize>() >= limit.max {
+            if let Some(refused) = &limit.refused {
+                refused();
+            }
+            tokio::spawn(refuse(stream, limit.refusal.clone()));
+            continue;
+        }
         let Ok(stream) = stream.into_std() else { continue };
         let mut connection = (stream, peer);
         loop {
@@ -449,6 +495,7 @@ mod tests {
             shutdown_grace: Duration::from_secs(60),
             past_grace: CancellationToken::new(),
             header_read_timeout: HEADER_READ_TIMEOUT,
+            limit: ConnectionLimit::default(),
         }
     }
 

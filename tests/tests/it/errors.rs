@@ -157,3 +157,29 @@ async fn bodies_past_the_data_plane_s_buffer_budget_get_503_and_the_budget_comes
     assert_eq!(response.status, StatusCode::SERVICE_UNAVAILABLE, "{}", String::from_utf8_lossy(&response.body));
     assert_eq!(response.openai_error()["code"], "overloaded");
 }
+
+/// Past `max_connections` a new connection is told so, OpenAI-shaped, and
+/// closed; once one closes, a new one is served again.
+#[tokio::test]
+async fn connections_past_the_limit_get_503_and_room_comes_back() {
+    use tokio::io::AsyncReadExt;
+    let fleet = Fleet::start_with(vec![chat_sim("chat")], |config| config.max_connections = 2).await;
+    let address = fleet.dataplane.url.trim_start_matches("http://").to_string();
+    let connect = || tokio::net::TcpStream::connect(address.clone());
+    // Two connections held open, idle: the limit.
+    let (first, _second) = (connect().await.unwrap(), connect().await.unwrap());
+    // The acceptor takes connections in order: by the third, it counts two.
+    let mut third = connect().await.unwrap();
+    let mut answer = Vec::new();
+    let read = tokio::time::timeout(std::time::Duration::from_secs(5), third.read_to_end(&mut answer)).await;
+    assert!(read.is_ok(), "refused and closed at once");
+    let refusal = String::from_utf8_lossy(&answer).into_owned();
+    assert!(refusal.starts_with("HTTP/1.1 503 Service Unavailable"), "{refusal}");
+    assert!(refusal.contains("retry-after: 1") && refusal.contains("\"code\":\"overloaded\""), "{refusal}");
+    drop(first);
+    let url = format!("{}/v1/chat/completions", fleet.dataplane.url);
+    inferyes_tests::eventually("room again", std::time::Duration::from_secs(10), || async {
+        fleet.http.post_json(&url, &chat_body("chat", "hi")).await.status == StatusCode::OK
+    })
+    .await;
+}
