@@ -136,11 +136,16 @@ async fn bodies_past_the_data_plane_s_buffer_budget_get_503_and_the_budget_comes
     let mut slow = tokio::net::TcpStream::connect(address).await.expect("the data plane");
     let head = "POST /v1/chat/completions HTTP/1.1\r\nhost: dp\r\ncontent-type: application/json\r\ncontent-length: 2600\r\n\r\n";
     slow.write_all(format!("{head}{{\"model\":\"chat\",\"pad\":\"{}", "x".repeat(2400)).as_bytes()).await.unwrap();
-    // Another request of 1,000 bytes would pass the 3,000 the data plane holds.
-    let refused = inferyes_tests::eventually("the slow body held", std::time::Duration::from_secs(10), || async {
-        fleet.http.post_json(&url, &padded(1000)).await.status == StatusCode::SERVICE_UNAVAILABLE
-    });
-    refused.await;
+    // Once the data plane holds them (its metrics say so)...
+    let metrics = format!("{}/metrics", fleet.dataplane.url);
+    inferyes_tests::eventually("the slow body held", std::time::Duration::from_secs(10), || async {
+        let text = String::from_utf8_lossy(&fleet.http.get(&metrics).await.body).into_owned();
+        let held =
+            text.lines().find_map(|l| l.strip_prefix("inferyes_dataplane_buffered_bytes ")?.trim().parse::<u64>().ok());
+        held.is_some_and(|bytes| bytes >= 2400)
+    })
+    .await;
+    // ...another request of 1,000 bytes would pass the 3,000 it may hold.
     let response = fleet.http.post_json(&url, &padded(1000)).await;
     assert_eq!(response.status, StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(response.openai_error()["code"], "overloaded");
@@ -169,7 +174,9 @@ async fn connections_past_the_limit_get_503_and_room_comes_back() {
     // Two connections held open, idle: the limit.
     let (first, _second) = (connect().await.unwrap(), connect().await.unwrap());
     // The acceptor takes connections in order: by the third, it counts two.
+    use tokio::io::AsyncWriteExt;
     let mut third = connect().await.unwrap();
+    third.write_all(b"GET /healthz HTTP/1.1\r\nhost: dp\r\n\r\n").await.unwrap();
     let mut answer = Vec::new();
     let read = tokio::time::timeout(std::time::Duration::from_secs(5), third.read_to_end(&mut answer)).await;
     assert!(read.is_ok(), "refused and closed at once");
