@@ -73,15 +73,20 @@ pub struct ConnectionLimit {
 /// How long a refused connection is given to take its refusal.
 const REFUSAL_TIMEOUT: Duration = Duration::from_secs(1);
 
-/// Sends `refusal` and closes, reading what the client sent meanwhile (up
-/// to a bound): a socket closed with unread bytes is reset, and a reset
-/// can reach the client before the refusal does.
+/// Sends `refusal` once the client has sent its request's first bytes
+/// (a client that has not sent its request yet does not take an answer),
+/// and closes, reading what the client sent (up to a bound): a socket
+/// closed with unread bytes is reset, and a reset can reach the client
+/// before the refusal does.
 async fn refuse(mut stream: TcpStream, refusal: Bytes) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let _ = tokio::time::timeout(REFUSAL_TIMEOUT, async {
+        let mut sink = [0u8; 4096];
+        if stream.read(&mut sink).await? == 0 {
+            return Ok(());
+        }
         stream.write_all(&refusal).await?;
         stream.shutdown().await?;
-        let mut sink = [0u8; 4096];
         let mut read = 0;
         while read < 64 << 10 {
             match stream.read(&mut sink).await? {
