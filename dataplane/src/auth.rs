@@ -59,6 +59,11 @@ impl Caller {
         scoped.push_str(scope);
         scoped.push('/');
         scoped.push_str(&session);
+        // Too long for an agent to keep: a hash of it, as a long key of a
+        // client's is (the scope is in the hash, so tenants stay apart).
+        if scoped.len() > inferyes_proto::headers::MAX_SESSION_KEY_BYTES {
+            return format!("sess-{:016x}", inferyes_proto::hash::text_hash(&[scoped.as_bytes()]));
+        }
         scoped
     }
 
@@ -393,6 +398,10 @@ mod tests {
             (key("cccc", "acme").scope_session("chat-1".into()), key("dddd", "acme").scope_session("chat-1".into()));
         assert_eq!((c.as_str(), d.as_str()), ("t:acme/chat-1", "t:acme/chat-1"), "one tenant's keys share them");
         assert_ne!(key("acme", "").scope_session("x".into()), key("other", "acme").scope_session("x".into()));
+        let long = "s".repeat(inferyes_proto::headers::MAX_SESSION_KEY_BYTES);
+        let (long_a, long_b) = (key("aaaa", "").scope_session(long.clone()), key("bbbb", "").scope_session(long));
+        assert!(long_a.len() <= inferyes_proto::headers::MAX_SESSION_KEY_BYTES, "an agent keeps it: {long_a}");
+        assert_ne!(long_a, long_b, "hashed, still apart");
     }
 
     fn caller(rpm: u32) -> Caller {
