@@ -237,15 +237,33 @@ fn stays_behind(name: &HeaderName) -> bool {
         let name = name.as_str();
         name.starts_with("x-inferyes-")
             || name.starts_with("x-forwarded-")
-            || matches!(name, "openai-organization" | "openai-project" | "x-real-ip")
+            || matches!(
+                name,
+                "openai-organization"
+                    | "openai-project"
+                    | "x-real-ip"
+                    | "x-client-ip"
+                    | "x-cluster-client-ip"
+                    | "true-client-ip"
+                    | "cf-connecting-ip"
+                    | "via"
+            )
     }
 }
 
 /// An answer's headers as the client gets them: without the hop-by-hop
-/// ones, and without cookies a backend sets (the data plane's origin is
-/// not the backend's: a cookie would be the client's for every node).
+/// ones; without cookies a backend sets (the data plane's origin is not
+/// the backend's: a cookie would be the client's for every node); and
+/// without what an `openai` backend says of the operator's account at its
+/// provider (organization, project, its rate limits and their use).
 pub(crate) fn answer_headers(headers: &mut HeaderMap) {
-    inferyes_proto::headers::remove_hop_by_hop_and(headers, |name| name == header::SET_COOKIE);
+    inferyes_proto::headers::remove_hop_by_hop_and(headers, |name| {
+        name == header::SET_COOKIE || {
+            let name = name.as_str();
+            name.starts_with("x-ratelimit-")
+                || matches!(name, "openai-organization" | "openai-project" | "openai-processing-ms")
+        }
+    });
 }
 
 #[cfg(test)]
@@ -337,6 +355,8 @@ mod tests {
             ("x-forwarded-host", "admin.internal"),
             ("forwarded", "for=10.0.0.1"),
             ("x-real-ip", "10.0.0.1"),
+            ("cf-connecting-ip", "10.0.0.1"),
+            ("via", "1.1 someone"),
             ("x-stainless-lang", "python"),
             ("openai-beta", "assistants=v2"),
         ] {
@@ -351,6 +371,8 @@ mod tests {
             "x-forwarded-host",
             "forwarded",
             "x-real-ip",
+            "cf-connecting-ip",
+            "via",
         ] {
             assert!(!headers.contains_key(gone), "{gone} stays behind");
         }
@@ -365,6 +387,8 @@ mod tests {
         headers.append(header::SET_COOKIE, HeaderValue::from_static("b=2"));
         headers.insert(header::CONNECTION, HeaderValue::from_static("close"));
         headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        headers.insert(HeaderName::from_static("openai-organization"), HeaderValue::from_static("org-operator"));
+        headers.insert(HeaderName::from_static("x-ratelimit-remaining-tokens"), HeaderValue::from_static("7"));
         answer_headers(&mut headers);
         assert_eq!(headers.len(), 1, "{headers:?}");
         assert_eq!(headers[header::CONTENT_TYPE], "application/json");
