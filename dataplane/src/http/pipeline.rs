@@ -64,8 +64,12 @@ pub(crate) async fn inference(
             // A node that timed out or broke off may have generated for
             // minutes: its work is counted, estimated, not dropped.
             use crate::error::{Code, ErrorCode};
-            exchange.facts.node_worked =
-                matches!(error.code, Some(Code::Gateway(ErrorCode::UpstreamTimeout | ErrorCode::UpstreamBroken)));
+            exchange.facts.node_worked = matches!(
+                error.code,
+                Some(Code::Gateway(
+                    ErrorCode::UpstreamTimeout | ErrorCode::UpstreamBroken | ErrorCode::UpstreamAnswerTooLarge
+                ))
+            );
             error.into_response()
         }
     };
