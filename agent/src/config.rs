@@ -165,6 +165,9 @@ impl BackendConfig {
         if (self.api_key_file.is_some() || self.api_key_env.is_some()) && self.api_key.is_empty() {
             bail!("backend `{id}`: its api key is empty");
         }
+        if !self.api_key.is_empty() && inferyes_proto::bearer::header_value(&self.api_key).is_none() {
+            bail!("backend `{id}`: its api key must be printable ASCII");
+        }
         Ok(())
     }
 }
@@ -172,12 +175,21 @@ impl BackendConfig {
 /// A secret kept in a file only its owner can read: one that the file's
 /// group or everyone may read is refused, as ssh refuses a key file.
 fn read_secret_file(path: &std::path::Path) -> anyhow::Result<String> {
+    use std::io::Read as _;
     use std::os::unix::fs::PermissionsExt as _;
-    let mode = std::fs::metadata(path).with_context(|| format!("cannot read {}", path.display()))?.permissions().mode();
+    // The mode of the file opened, not of what the path names a moment
+    // before it is read.
+    let mut file = std::fs::File::open(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let mode = file.metadata().with_context(|| format!("cannot read {}", path.display()))?.permissions().mode();
     if mode & 0o077 != 0 {
-        bail!("{} may be read by its group or others (mode {:o}): chmod 600 it", path.display(), mode & 0o777);
+        bail!(
+            "{} may be read by its group or others (mode {:o}): chmod 600 it (a Kubernetes Secret: defaultMode 0400)",
+            path.display(),
+            mode & 0o777
+        );
     }
-    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let mut text = String::new();
+    file.read_to_string(&mut text).with_context(|| format!("cannot read {}", path.display()))?;
     Ok(text.trim().to_string())
 }
 
