@@ -45,6 +45,9 @@ pub(crate) struct Plan {
     pub request_id: HeaderValue,
     /// The snapshot the request was routed on, for an ejection.
     pub version: u64,
+    /// What the request's body holds of the budget, while a continuation
+    /// may need it.
+    pub _held: Option<super::body::Reservation>,
 }
 
 /// What a stream needs to go on elsewhere.
@@ -500,6 +503,7 @@ mod tests {
             meter: Some(meter),
             request_id: HeaderValue::from_static("req"),
             version: 1,
+            _held: None,
         };
         let (_, body) = AnswerBody::streaming(answer(frames).await, plan, CancellationToken::new(), None);
         (body, ledger)

@@ -287,6 +287,7 @@ impl<'s> Exchange<'s> {
             ));
         }
         let Prepared { path_and_query, headers, body, strip_usage } = prepared;
+        let streamed = view.stream.then(|| self.streamed(strip_usage, continues));
         let mut out = Outbound {
             path_and_query: &path_and_query,
             headers,
@@ -306,14 +307,18 @@ impl<'s> Exchange<'s> {
         Ok(match answered? {
             Answered::Whole(response) => response,
             Answered::Stream(started) => {
-                let (parts, body) = self.streamed(strip_usage, continues).body(started, snapshot, &route, &mut out);
+                let Some(streamed) = streamed else { return Err(ApiError::internal()) };
+                let (parts, body) = streamed.body(started, snapshot, &route, &mut out);
                 Response::from_parts(parts, Body::new(body))
             }
         })
     }
 
-    /// What its stream's body is made with, once there is one.
-    fn streamed(&self, strip_usage: bool, continues: bool) -> Streamed<'s> {
+    /// What its stream's body is made with, once there is one. The
+    /// request's body goes with the stream where it outlives this
+    /// exchange (a cold load, a stream that may be continued), and so
+    /// does what it holds of the budget.
+    fn streamed(&mut self, strip_usage: bool, continues: bool) -> Streamed<'s> {
         Streamed {
             state: self.state,
             expects_done: expects_done(self.kind),
@@ -321,6 +326,7 @@ impl<'s> Exchange<'s> {
             meter: self.facts.meter.clone(),
             request_id: self.request_id.clone(),
             continues,
+            held: self.held.take(),
         }
     }
 
@@ -394,6 +400,8 @@ struct Streamed<'s> {
     request_id: HeaderValue,
     /// The fleet continues this stream on another node if it breaks.
     continues: bool,
+    /// What the request's body holds of the budget.
+    held: Option<super::body::Reservation>,
 }
 
 impl Streamed<'_> {
@@ -425,7 +433,10 @@ impl Streamed<'_> {
             (Resuming { request: Arc::new(request), metrics: Arc::clone(&self.state.metrics) }, hops)
         });
         let hard_stop = self.state.forwarder.hard_stop().clone();
+        // Only a stream that may be continued keeps the request's body.
+        let held = if resume.is_some() { self.held } else { None };
         let plan = Plan {
+            _held: held,
             expects_done: self.expects_done,
             strip_usage: self.strip_usage,
             meter: self.meter,
@@ -453,7 +464,8 @@ impl Streamed<'_> {
         let meter = self.meter.clone();
         let state = Arc::clone(self.state);
         let expected = ExpectedTtft { ms: route.expected_ttft_ms, home_ms: route.home_expected_ttft_ms };
-        let (expects_done, request_id, continues) = (self.expects_done, self.request_id.clone(), self.continues);
+        let (expects_done, request_id, continues, held) =
+            (self.expects_done, self.request_id.clone(), self.continues, self.held);
         let answer_model = model.clone();
         let answer_meter = meter.clone();
         let answer = async move {
@@ -475,6 +487,7 @@ impl Streamed<'_> {
                 meter: answer_meter,
                 request_id: request_id.clone(),
                 continues,
+                held,
             };
             match attempt_each(&state.forwarder, &state.metrics, &snapshot, &route, &mut out).await? {
                 Answered::Stream(started) => Ok(streamed.body(started, &snapshot, &route, &mut out).1),
