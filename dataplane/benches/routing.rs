@@ -159,14 +159,14 @@ fn bench(c: &mut Criterion, cases: &[Case]) {
     group.bench_function("parse_view + session_key, 10 KB system prompt, 20 turns", |b| {
         b.iter(|| {
             let view = parse_view(black_box(&body)).expect("a valid body");
-            black_box(session_key(&http::HeaderMap::new(), &view))
+            black_box(session_key(&http::HeaderMap::new(), &view, None))
         })
     });
     let small = br#"{"model":"model-0","messages":[{"role":"user","content":"hello"}],"max_tokens":2}"#;
     group.bench_function("parse_view + session_key, a one-line chat request", |b| {
         b.iter(|| {
             let view = parse_view(black_box(small)).expect("a valid body");
-            black_box(session_key(&http::HeaderMap::new(), &view))
+            black_box(session_key(&http::HeaderMap::new(), &view, None))
         })
     });
     let text = vec![b'a'; 10_000];

@@ -44,27 +44,23 @@ pub enum Caller {
     Key(Arc<ApiKey>),
 }
 
+/// Whose a session key is: a tenant's (`t:`) or a key's (`k:`), by id.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SessionScope<'a> {
+    pub kind: &'static str,
+    pub id: &'a str,
+}
+
 impl Caller {
-    /// `session`, scoped by who calls, so that no tenant can learn of, or
-    /// join, another's residency: by the key's tenant (`t:<tenant>/...`),
-    /// or by the key itself (`k:<key id>/...`). As it is with auth off.
-    pub fn scope_session(&self, session: String) -> String {
-        let (kind, scope) = match self {
-            Caller::Open => return session,
-            Caller::Key(grant) if grant.tenant.is_empty() => ("k:", grant.key_id.as_str()),
-            Caller::Key(grant) => ("t:", grant.tenant.as_str()),
-        };
-        let mut scoped = String::with_capacity(kind.len() + scope.len() + 1 + session.len());
-        scoped.push_str(kind);
-        scoped.push_str(scope);
-        scoped.push('/');
-        scoped.push_str(&session);
-        // Too long for an agent to keep: a hash of it, as a long key of a
-        // client's is (the scope is in the hash, so tenants stay apart).
-        if scoped.len() > inferyes_proto::headers::MAX_SESSION_KEY_BYTES {
-            return format!("sess-{:016x}", inferyes_proto::hash::text_hash(&[scoped.as_bytes()]));
+    /// What the caller's session keys are scoped by, so that no tenant can
+    /// learn of, or join, another's residency: the key's tenant, or the key
+    /// itself. None with auth off.
+    pub fn session_scope(&self) -> Option<SessionScope<'_>> {
+        match self {
+            Caller::Open => None,
+            Caller::Key(grant) if grant.tenant.is_empty() => Some(SessionScope { kind: "k:", id: &grant.key_id }),
+            Caller::Key(grant) => Some(SessionScope { kind: "t:", id: &grant.tenant }),
         }
-        scoped
     }
 
     pub fn key_id(&self) -> Option<&str> {
@@ -384,25 +380,6 @@ fn unauthorized(message: &str) -> ApiError {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn sessions_are_scoped_by_tenant_or_key_and_left_alone_with_auth_off() {
-        let key = |id: &str, tenant: &str| {
-            Caller::Key(Arc::new(ApiKey { key_id: id.into(), tenant: tenant.into(), ..Default::default() }))
-        };
-        assert_eq!(Caller::Open.scope_session("chat-1".into()), "chat-1");
-        let (a, b) = (key("aaaa", "").scope_session("chat-1".into()), key("bbbb", "").scope_session("chat-1".into()));
-        assert_eq!(a, "k:aaaa/chat-1");
-        assert_ne!(a, b, "two keys' conversations are apart, whatever their keys say");
-        let (c, d) =
-            (key("cccc", "acme").scope_session("chat-1".into()), key("dddd", "acme").scope_session("chat-1".into()));
-        assert_eq!((c.as_str(), d.as_str()), ("t:acme/chat-1", "t:acme/chat-1"), "one tenant's keys share them");
-        assert_ne!(key("acme", "").scope_session("x".into()), key("other", "acme").scope_session("x".into()));
-        let long = "s".repeat(inferyes_proto::headers::MAX_SESSION_KEY_BYTES);
-        let (long_a, long_b) = (key("aaaa", "").scope_session(long.clone()), key("bbbb", "").scope_session(long));
-        assert!(long_a.len() <= inferyes_proto::headers::MAX_SESSION_KEY_BYTES, "an agent keeps it: {long_a}");
-        assert_ne!(long_a, long_b, "hashed, still apart");
-    }
 
     fn caller(rpm: u32) -> Caller {
         Caller::Key(Arc::new(ApiKey { key_id: "k".into(), requests_per_minute: rpm, ..Default::default() }))

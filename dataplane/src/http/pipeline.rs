@@ -233,7 +233,7 @@ impl<'s> Exchange<'s> {
         // Scoped by the caller: one tenant's conversation is never
         // another's, whatever key either sends or derives.
         self.facts.session = if keeps_conversations(self.kind) {
-            session_key(&parts.headers, view).map(|session| caller.scope_session(session))
+            session_key(&parts.headers, view, caller.session_scope())
         } else {
             None
         };

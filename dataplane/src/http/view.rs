@@ -9,6 +9,7 @@ use inferyes_proto::ErrorKind;
 use inferyes_proto::headers::MAX_SESSION_KEY_BYTES;
 
 use super::scan::{Fields, Raw, ScanError, scan};
+use crate::auth::SessionScope;
 use crate::error::{ApiError, ErrorCode};
 use crate::routing::{stable_hash, text_hash};
 
@@ -145,14 +146,23 @@ static AGENT_SESSION_HEADERS: [HeaderName; 3] = [
 /// The request's session key: the `X-Session-ID` header, else the body's
 /// `prompt_cache_key` (OpenAI's own field for this), else a coding agent's
 /// session header, else a hash of the model and the conversation's root,
-/// so a multi-turn chat sticks without any change on the client.
-pub fn session_key(headers: &HeaderMap, view: &RoutingView) -> Option<String> {
+/// so a multi-turn chat sticks without any change on the client. Scoped
+/// by `scope` where there is one (`k:<key id>/<key>`, or the scope in the
+/// root's hash), before it is bounded: one tenant's conversation is never
+/// another's, whatever key either sends or derives.
+pub fn session_key(headers: &HeaderMap, view: &RoutingView, scope: Option<SessionScope<'_>>) -> Option<String> {
     let header = |name: &HeaderName| headers.get(name).and_then(|v| v.to_str().ok()).filter(|v| !v.is_empty());
-    header(&SESSION_HEADER)
+    let sent = header(&SESSION_HEADER)
         .or(view.prompt_cache_key.as_deref().filter(|v| !v.is_empty()))
-        .or_else(|| AGENT_SESSION_HEADERS.iter().find_map(header))
-        .map(bounded_key)
-        .or_else(|| view.root.map(|root| hashed_key(*b"root-", root ^ stable_hash(view.model.as_bytes()))))
+        .or_else(|| AGENT_SESSION_HEADERS.iter().find_map(header));
+    match (sent, scope) {
+        (Some(key), None) => Some(bounded_key(key)),
+        (Some(key), Some(SessionScope { kind, id })) => Some(bounded_key(&format!("{kind}{id}/{key}"))),
+        (None, scope) => view.root.map(|root| {
+            let scope = scope.map_or(0, |SessionScope { kind, id }| text_hash(&[kind.as_bytes(), id.as_bytes()]));
+            hashed_key(*b"root-", root ^ stable_hash(view.model.as_bytes()) ^ scope)
+        }),
+    }
 }
 
 /// A client's key as it is where it is short and can travel in a header as
@@ -218,7 +228,7 @@ mod tests {
         let key = |k: &str| {
             let view = parse_view(format!(r#"{{"model":"m","prompt_cache_key":{}}}"#, serde_json::json!(k)).as_bytes())
                 .unwrap();
-            session_key(&HeaderMap::new(), &view).unwrap()
+            session_key(&HeaderMap::new(), &view, None).unwrap()
         };
         let longest = "k".repeat(MAX_SESSION_KEY_BYTES);
         assert_eq!(key(&longest), longest);
@@ -239,7 +249,7 @@ mod tests {
         let view = parse_view(br#"{"model":"m"}"#).unwrap();
         let mut headers = HeaderMap::new();
         headers.insert("x-session-id", "s".repeat(4096).parse().unwrap());
-        assert!(session_key(&headers, &view).unwrap().starts_with("sess-"));
+        assert!(session_key(&headers, &view, None).unwrap().starts_with("sess-"));
     }
 
     #[test]
@@ -291,15 +301,15 @@ mod tests {
             .unwrap();
         let bare = parse_view(br#"{"model":"m","messages":[{"role":"user","content":"x"}]}"#).unwrap();
         let mut headers = HeaderMap::new();
-        assert!(session_key(&headers, &bare).unwrap().starts_with("root-"));
+        assert!(session_key(&headers, &bare, None).unwrap().starts_with("root-"));
         headers.insert("session-id", "agent".parse().unwrap());
-        assert_eq!(session_key(&headers, &bare).as_deref(), Some("agent"));
-        assert_eq!(session_key(&headers, &view).as_deref(), Some("body"));
+        assert_eq!(session_key(&headers, &bare, None).as_deref(), Some("agent"));
+        assert_eq!(session_key(&headers, &view, None).as_deref(), Some("body"));
         headers.insert("x-session-id", "explicit".parse().unwrap());
-        assert_eq!(session_key(&headers, &view).as_deref(), Some("explicit"));
+        assert_eq!(session_key(&headers, &view, None).as_deref(), Some("explicit"));
         // An empty name names nothing.
         headers.insert("x-session-id", "".parse().unwrap());
-        assert_eq!(session_key(&headers, &view).as_deref(), Some("body"));
+        assert_eq!(session_key(&headers, &view, None).as_deref(), Some("body"));
     }
 
     #[test]
@@ -311,7 +321,7 @@ mod tests {
             {"role":"assistant","content":"hi!"},{"role":"user","content":"how are you?"}],"temperature":0.2}"#;
         let other =
             br#"{"model":"m","messages":[{"role":"system","content":"be brief"},{"role":"user","content":"bye"}]}"#;
-        let root = |b: &[u8]| session_key(&HeaderMap::new(), &parse_view(b).unwrap());
+        let root = |b: &[u8]| session_key(&HeaderMap::new(), &parse_view(b).unwrap(), None);
         assert_eq!(root(turn1), root(turn2));
         assert_ne!(root(turn1), root(other));
         let other_model =
@@ -351,5 +361,30 @@ mod tests {
         let view = parse_view(br#"{"model":"m","messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"data:"}}]}]}"#).unwrap();
         assert!(view.has_media);
         assert_eq!(estimated_prompt_tokens(1_000_000, &view), 0);
+    }
+
+    #[test]
+    fn sessions_are_scoped_by_tenant_or_key_and_left_alone_with_auth_off() {
+        let mut headers = HeaderMap::new();
+        headers.insert(SESSION_HEADER, http::HeaderValue::from_static("chat-1"));
+        let view = parse_view(br#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#).unwrap();
+        let key = |id: &'static str| Some(SessionScope { kind: "k:", id });
+        let tenant = |id: &'static str| Some(SessionScope { kind: "t:", id });
+        let sent = |scope| session_key(&headers, &view, scope).unwrap();
+        assert_eq!(sent(None), "chat-1");
+        assert_eq!(sent(key("aaaa")), "k:aaaa/chat-1");
+        assert_ne!(sent(key("aaaa")), sent(key("bbbb")), "two keys' conversations are apart, whatever their keys say");
+        assert_eq!(sent(tenant("acme")), "t:acme/chat-1", "one tenant's keys share them");
+        assert_ne!(sent(key("acme")), sent(tenant("acme")));
+        let derived = |scope| session_key(&HeaderMap::new(), &view, scope).unwrap();
+        assert_ne!(derived(key("aaaa")), derived(key("bbbb")), "derived keys are apart too");
+        assert_eq!(derived(tenant("acme")), derived(tenant("acme")));
+        assert_ne!(derived(None), derived(key("aaaa")));
+        let mut long = HeaderMap::new();
+        long.insert(SESSION_HEADER, http::HeaderValue::from_str(&"s".repeat(MAX_SESSION_KEY_BYTES)).unwrap());
+        let (long_a, long_b) =
+            (session_key(&long, &view, key("aaaa")).unwrap(), session_key(&long, &view, key("bbbb")).unwrap());
+        assert!(long_a.len() <= MAX_SESSION_KEY_BYTES, "an agent keeps it: {long_a}");
+        assert_ne!(long_a, long_b, "hashed, still apart");
     }
 }
