@@ -18,7 +18,7 @@ use http::{HeaderMap, HeaderValue};
 use serde_json::{Value, json};
 
 use super::classify::{Attempt, Verdict, classify};
-use super::client::{Answer, Forwarder, Outbound, upstream_headers};
+use super::client::{Answer, Forwarder, Outbound};
 use crate::routing::Route;
 use crate::snapshot::{LocalCounters, RoutingSnapshot};
 
@@ -56,7 +56,8 @@ pub fn hops(snapshot: &RoutingSnapshot, route: &Route, index: usize) -> VecDeque
 pub struct Request {
     pub forwarder: Forwarder,
     pub path_and_query: PathAndQuery,
-    /// The client's.
+    /// The client's, as the attempts made them for a node (what stays
+    /// behind taken out, ours put in).
     pub headers: HeaderMap,
     pub body: Bytes,
     pub model: String,
@@ -134,7 +135,7 @@ pub async fn continue_on(
             stream: true,
             meter: None,
         };
-        let headers = upstream_headers(request.headers.clone(), &out);
+        let headers = request.headers.clone();
         let sent =
             request.forwarder.send(&hop.proxy_url, hop.proxy_http2, hop.backend.as_ref(), &out, headers, body.clone());
         let attempt = match sent.await {
