@@ -72,6 +72,9 @@ pub struct ConnectionLimit {
 
 /// How long a refused connection is given to take its refusal.
 const REFUSAL_TIMEOUT: Duration = Duration::from_secs(1);
+/// Refusals under way at once: past them a connection is closed without
+/// one, so a flood of connections holds no more descriptors than this.
+const REFUSALS_AT_ONCE: usize = 256;
 
 /// Sends `refusal` once the client has sent its request's first bytes
 /// (a client that has not sent its request yet does not take an answer),
@@ -159,6 +162,7 @@ where
     }
     let Options { name, tls, http2_streams, shutdown_grace, past_grace, header_read_timeout, limit } = options;
     let tls = tls.map(tokio_rustls::TlsAcceptor::from);
+    let refusals = Arc::new(tokio::sync::Semaphore::new(REFUSALS_AT_ONCE));
     // Cancelled when this future ends or is dropped: workers stop at once.
     let stop_now = CancellationToken::new();
     let _stop_on_drop = stop_now.clone().drop_guard();
@@ -203,7 +207,13 @@ where
             if let Some(refused) = &limit.refused {
                 refused();
             }
-            tokio::spawn(refuse(stream, limit.refusal.clone()));
+            if let Ok(permit) = Arc::clone(&refusals).try_acquire_owned() {
+                let refusal = limit.refusal.clone();
+                tokio::spawn(async move {
+                    refuse(stream, refusal).await;
+                    drop(permit);
+                });
+            }
             continue;
         }
         let Ok(stream) = stream.into_std() else { continue };
