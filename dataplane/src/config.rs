@@ -89,9 +89,14 @@ pub struct Config {
     /// `keys`: every `/v1/*` request needs an API key. `none`: no keys, for
     /// a trusted network; say so explicitly.
     pub auth: crate::auth::AuthMode,
-    /// Failed key checks a client address may make per minute before
-    /// unknown keys from it are refused unchecked (429).
+    /// Wrong secrets a client may send per minute; past it, its checks of
+    /// key ids that wrong secrets were sent for lately are refused
+    /// unchecked (429). Other key ids are still checked, first.
     pub auth_failures_per_minute: u32,
+    /// Proxies (address blocks) in front of the data plane whose
+    /// `X-Forwarded-For` names the client; from anyone else the header is
+    /// ignored. Without them, a balancer's clients are one client.
+    pub trusted_proxies: Vec<crate::forwarded::Cidr>,
     /// Send each request's usage record to the ledger, for export, besides
     /// the hourly sums. Off: only sums travel and are stored (about 100
     /// bytes of etcd per request saved).
@@ -143,6 +148,7 @@ impl Default for Config {
             log_format: LogFormat::Text,
             auth: crate::auth::AuthMode::Keys,
             auth_failures_per_minute: 10,
+            trusted_proxies: Vec::new(),
             usage_records: false,
             tls: inferyes_proto::tls::Tls::default(),
             workers: 0,

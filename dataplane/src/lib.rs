@@ -5,6 +5,7 @@
 pub mod auth;
 pub mod config;
 pub mod error;
+pub mod forwarded;
 pub mod http;
 pub mod metrics;
 pub mod report;
@@ -118,6 +119,7 @@ pub async fn run(
         tickets: Arc::default(),
         decisions,
         auth: Arc::new(auth::Auth::new(config.auth, config.auth_failures_per_minute)),
+        trusted_proxies: config.trusted_proxies.clone().into(),
         ledger: usage::Ledger::new(&config.dataplane_id, config.usage_records),
     };
     // Cancelled once no request can record usage any more: the ledger then

@@ -27,7 +27,7 @@ use http::HeaderMap;
 
 pub use body::Budget;
 pub use client::{Forwarder, Settings as ForwarderSettings};
-pub use server::{ENDPOINTS, Endpoint, Gateway, Peer, router};
+pub use server::{ENDPOINTS, Endpoint, Gateway, router};
 pub use view::{RoutingView, parse_view, session_key};
 
 use crate::auth::Caller;
@@ -50,19 +50,21 @@ pub struct AppState {
     /// Where answered requests are told, for the dashboard's tail.
     pub decisions: Arc<crate::report::DecisionLog>,
     pub auth: Arc<crate::auth::Auth>,
+    /// Proxies whose `X-Forwarded-For` names the client.
+    pub trusted_proxies: Arc<[crate::forwarded::Cidr]>,
     pub ledger: Arc<crate::usage::Ledger>,
 }
 
 impl AppState {
-    /// The caller of a request from `peer`, or the error that refuses it
-    /// (counted).
+    /// The caller of a request from `client`, or the error that refuses
+    /// it (counted).
     pub(crate) async fn authenticate(
         &self,
         headers: &HeaderMap,
-        peer: IpAddr,
+        client: IpAddr,
         snapshot: &RoutingSnapshot,
     ) -> Result<Caller, ApiError> {
-        self.auth.authenticate(headers, peer, snapshot).await.map_err(|(refusal, error)| self.refused(refusal, error))
+        self.auth.authenticate(headers, client, snapshot).await.map_err(|(refusal, error)| self.refused(refusal, error))
     }
 
     pub(crate) fn refused(&self, refusal: crate::auth::Refusal, error: ApiError) -> ApiError {

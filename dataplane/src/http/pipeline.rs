@@ -33,7 +33,7 @@ pub(crate) async fn inference(
     kind: EndpointKind,
     request: http::Request<hyper::body::Incoming>,
     request_id: HeaderValue,
-    peer: IpAddr,
+    client: IpAddr,
 ) -> Response {
     let span = tracing::info_span!(
         target: inferyes_net::telemetry::SPAN_TARGET,
@@ -51,7 +51,7 @@ pub(crate) async fn inference(
         state: &state,
         kind,
         request_id,
-        peer,
+        client,
         started: std::time::Instant::now(),
         facts: RequestFacts::default(),
         held: None,
@@ -81,7 +81,7 @@ struct Exchange<'s> {
     state: &'s Arc<AppState>,
     kind: EndpointKind,
     request_id: HeaderValue,
-    peer: IpAddr,
+    client: IpAddr,
     started: std::time::Instant,
     facts: RequestFacts,
     /// The request's body, held against the budget until it is answered.
@@ -122,7 +122,7 @@ impl<'s> Exchange<'s> {
     async fn serve(&mut self, request: http::Request<hyper::body::Incoming>) -> Result<Response, ApiError> {
         let (parts, body) = request.into_parts();
         let snapshot = self.state.snapshots.current().ok_or_else(ApiError::not_ready)?;
-        let caller = self.state.authenticate(&parts.headers, self.peer, &snapshot).await?;
+        let caller = self.state.authenticate(&parts.headers, self.client, &snapshot).await?;
         self.facts.key_id = caller.key_id().map(str::to_string);
         let mut held = super::body::Budget::reservation(self.state.forwarder.budget());
         let limits = (self.state.max_body_bytes, self.state.request_body_timeout);

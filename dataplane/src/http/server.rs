@@ -63,6 +63,11 @@ impl Gateway {
     pub fn connection(&self, peer: SocketAddr) -> Gateway {
         Gateway { peer, ..self.clone() }
     }
+
+    /// Who a request on this connection is from.
+    fn client(&self, headers: &http::HeaderMap) -> IpAddr {
+        crate::forwarded::client_address(self.peer.ip(), headers, &self.state.trusted_proxies)
+    }
 }
 
 impl hyper::service::Service<http::Request<hyper::body::Incoming>> for Gateway {
@@ -76,19 +81,16 @@ impl hyper::service::Service<http::Request<hyper::body::Incoming>> for Gateway {
         match endpoint {
             // Its body read as hyper's own type: no boxing per request.
             Some(endpoint) if request.method() == Method::POST => {
-                let handler = super::pipeline::inference(
-                    Arc::clone(&self.state),
-                    endpoint.kind,
-                    request,
-                    id.clone(),
-                    self.peer.ip(),
-                );
+                let client = self.client(request.headers());
+                let handler =
+                    super::pipeline::inference(Arc::clone(&self.state), endpoint.kind, request, id.clone(), client);
                 Box::pin(Edge::new(id, handler))
             }
             Some(_) => Box::pin(Edge::new(id, method_not_allowed(request.map(Body::new)))),
             None => {
+                let client = Client(self.client(request.headers()));
                 let mut request = request.map(Body::new);
-                request.extensions_mut().insert(Peer(self.peer));
+                request.extensions_mut().insert(client);
                 Box::pin(Edge::new(id, tower::ServiceExt::oneshot(self.router.clone(), request)))
             }
         }
@@ -97,7 +99,7 @@ impl hyper::service::Service<http::Request<hyper::body::Incoming>> for Gateway {
 
 /// Every route but the inference endpoints, which a [`Gateway`] serves
 /// itself. Requests reach it through a [`Gateway`], which gives them their
-/// [`Peer`].
+/// [`Client`].
 pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
@@ -112,12 +114,12 @@ pub fn router(state: Arc<AppState>) -> Router {
 
 /// The client's address, for requests that go through the router.
 #[derive(Clone, Copy, Debug)]
-pub struct Peer(pub SocketAddr);
+pub struct Client(pub IpAddr);
 
 /// Without the connection's address (never, when served), failures share
 /// one bucket.
-fn peer_of(extensions: &http::Extensions) -> IpAddr {
-    extensions.get::<Peer>().map_or(IpAddr::from([0, 0, 0, 0]), |peer| peer.0.ip())
+fn client_of(extensions: &http::Extensions) -> IpAddr {
+    extensions.get::<Client>().map_or(IpAddr::from([0, 0, 0, 0]), |client| client.0)
 }
 
 async fn readyz(State(state): State<Arc<AppState>>) -> Response {
@@ -177,7 +179,7 @@ fn model_object(entry: &CatalogEntry) -> serde_json::Value {
 
 async fn list_models(State(state): State<Arc<AppState>>, request: Request) -> Result<Response, ApiError> {
     let snapshot = state.snapshots.current().ok_or_else(ApiError::not_ready)?;
-    let caller = state.authenticate(request.headers(), peer_of(request.extensions()), &snapshot).await?;
+    let caller = state.authenticate(request.headers(), client_of(request.extensions()), &snapshot).await?;
     let data: Vec<_> = snapshot.catalog().iter().filter(|entry| caller.may_see(entry)).map(model_object).collect();
     Ok(axum::Json(json!({"object": "list", "data": data})).into_response())
 }
@@ -196,7 +198,7 @@ async fn get_model(
         )
     })?;
     let snapshot = state.snapshots.current().ok_or_else(ApiError::not_ready)?;
-    let caller = state.authenticate(request.headers(), peer_of(request.extensions()), &snapshot).await?;
+    let caller = state.authenticate(request.headers(), client_of(request.extensions()), &snapshot).await?;
     let entry =
         snapshot.model(&id).filter(|entry| caller.may_see(entry)).ok_or_else(|| ApiError::no_such_model(&id))?;
     Ok(axum::Json(model_object(entry)).into_response())
