@@ -5,9 +5,18 @@
 //! cached under a keyed 128-bit digest of the presented key and compared in
 //! constant time, so a request with a known key costs a hash and a map
 //! lookup. Revocation and expiry are read from the snapshot on every
-//! request, so they take effect with the next snapshot. Failed attempts are
-//! counted per client address: past the limit, unknown keys are refused
-//! without being verified, so guessing cannot burn the CPU.
+//! request, so they take effect with the next snapshot.
+//!
+//! A key that is malformed or names no key id costs no argon2 and is
+//! refused at once. Wrong secrets for a key id that exists are what cost:
+//! they make that key id suspect for a minute, and count against the
+//! client that sent them. The [`verify`] queue checks keys whose id is not
+//! suspect first, so no one's failures hold up or lock out a key no one is
+//! guessing; a client past its failures is refused checks of suspect key
+//! ids (its own guesses, or, behind one address with a holder of the key
+//! it guesses, the holder's too: `trusted_proxies` tells them apart).
+
+mod verify;
 
 use std::collections::HashMap;
 use std::hash::{BuildHasher, Hasher};
@@ -92,6 +101,8 @@ pub enum Refusal {
     Revoked,
     Expired,
     TooManyFailures,
+    /// The key checks' queue is full, for this client or for everyone.
+    ChecksWaiting,
     RateLimited,
     TokenBudget,
 }
@@ -104,6 +115,7 @@ impl Refusal {
             Refusal::Revoked => "revoked",
             Refusal::Expired => "expired",
             Refusal::TooManyFailures => "too_many_failures",
+            Refusal::ChecksWaiting => "checks_waiting",
             Refusal::RateLimited => "rate_limited",
             Refusal::TokenBudget => "token_budget",
         }
@@ -112,7 +124,7 @@ impl Refusal {
 
 const FAILURE_WINDOW: Duration = Duration::from_secs(60);
 /// Argon2 verifications at once: each holds 19 MiB and a core for tens of
-/// milliseconds.
+/// milliseconds; one of them is kept for keys no one is guessing.
 const CONCURRENT_VERIFICATIONS: usize = 2;
 
 pub struct Auth {
@@ -123,10 +135,13 @@ pub struct Auth {
     /// Key id → the presented key's digest and the hash it was verified
     /// against (a re-created record with a new hash is verified again).
     verified: Mutex<FastMap<String, Verified>>,
-    failures: Mutex<Failures>,
+    /// Wrong secrets, by client.
+    failed_clients: Mutex<Failures<IpAddr>>,
+    /// Wrong secrets, by key id: a key id in here is suspect.
+    failed_keys: Mutex<Failures<String>>,
     failures_per_minute: u32,
     buckets: Mutex<FastMap<String, Bucket>>,
-    verifying: tokio::sync::Semaphore,
+    verifier: Arc<verify::Verifier>,
 }
 
 struct Verified {
@@ -139,26 +154,63 @@ struct Window {
     count: u32,
 }
 
-/// Failed key checks by client: an IPv4 address, or an IPv6 /64 (one
-/// host's allocation: its addresses are one client).
-#[derive(Default)]
-struct Failures {
-    by_client: HashMap<IpAddr, Window>,
+/// Failed key checks in the current window, by client or by key id.
+struct Failures<K> {
+    windows: HashMap<K, Window>,
     /// When windows past were last swept out.
     swept: Option<Instant>,
 }
 
-/// Clients whose failures are remembered at most.
-const MAX_FAILING_CLIENTS: usize = 100_000;
+impl<K> Default for Failures<K> {
+    fn default() -> Failures<K> {
+        Failures { windows: HashMap::new(), swept: None }
+    }
+}
 
-/// The client an address belongs to, for counting failures.
+/// Clients (or key ids) whose failures are remembered at most.
+const MAX_FAILING: usize = 100_000;
+
+impl<K: std::hash::Hash + Eq> Failures<K> {
+    fn add(&mut self, key: K, now: Instant) {
+        if self.windows.len() >= MAX_FAILING && !self.windows.contains_key(&key) {
+            // Past windows go, once a second at most: a sweep per failure
+            // would hold the lock for every check of every client.
+            if self.swept.is_none_or(|at| now.duration_since(at) >= Duration::from_secs(1)) {
+                self.windows.retain(|_, w| now.duration_since(w.started) < FAILURE_WINDOW);
+                self.swept = Some(now);
+            }
+            if self.windows.len() >= MAX_FAILING {
+                // Full of current windows: this one goes uncounted (it
+                // still has to get through the checks' own cost).
+                return;
+            }
+        }
+        let window = self.windows.entry(key).or_insert(Window { started: now, count: 0 });
+        if now.duration_since(window.started) >= FAILURE_WINDOW {
+            *window = Window { started: now, count: 0 };
+        }
+        window.count += 1;
+    }
+
+    /// Failures in the current window, and how long it has left.
+    fn current<Q>(&self, key: &Q, now: Instant) -> Option<(u32, Duration)>
+    where
+        K: std::borrow::Borrow<Q>,
+        Q: std::hash::Hash + Eq + ?Sized,
+    {
+        let window = self.windows.get(key)?;
+        let age = now.saturating_duration_since(window.started);
+        (age < FAILURE_WINDOW).then(|| (window.count, FAILURE_WINDOW - age))
+    }
+}
+
+/// The client an address belongs to, for counting failures and taking
+/// turns: an IPv4 address, or an IPv6 /64 (one host's allocation: its
+/// addresses are one client).
 fn client_of(peer: IpAddr) -> IpAddr {
-    match peer {
-        IpAddr::V4(_) => peer,
-        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
-            Some(v4) => IpAddr::V4(v4),
-            None => IpAddr::V6(std::net::Ipv6Addr::from(v6.to_bits() & !u128::from(u64::MAX))),
-        },
+    match peer.to_canonical() {
+        IpAddr::V4(v4) => IpAddr::V4(v4),
+        IpAddr::V6(v6) => IpAddr::V6(std::net::Ipv6Addr::from(v6.to_bits() & !u128::from(u64::MAX))),
     }
 }
 
@@ -173,10 +225,11 @@ impl Auth {
             mode,
             digest: Default::default(),
             verified: Mutex::default(),
-            failures: Mutex::default(),
+            failed_clients: Mutex::default(),
+            failed_keys: Mutex::default(),
             failures_per_minute,
             buckets: Mutex::default(),
-            verifying: tokio::sync::Semaphore::new(CONCURRENT_VERIFICATIONS),
+            verifier: verify::Verifier::new(CONCURRENT_VERIFICATIONS),
         }
     }
 
@@ -184,11 +237,12 @@ impl Auth {
         self.mode
     }
 
-    /// The caller of a request with these headers, from `peer`.
+    /// The caller of a request with these headers, from `client` (its
+    /// address, as the trusted proxies in front tell it).
     pub async fn authenticate(
         &self,
         headers: &HeaderMap,
-        peer: IpAddr,
+        client: IpAddr,
         snapshot: &RoutingSnapshot,
     ) -> Result<Caller, (Refusal, ApiError)> {
         if self.mode == AuthMode::None {
@@ -203,17 +257,14 @@ impl Auth {
             ));
         };
         let incorrect = || (Refusal::Invalid, unauthorized("Incorrect API key provided."));
-        let Some((key_id, secret)) = apikey::parse(token) else {
-            self.failed(peer);
-            return Err(incorrect());
-        };
-        let Some(key) = snapshot.api_key(key_id) else {
-            self.failed(peer);
-            return Err(incorrect());
-        };
+        let Some((key_id, secret)) = apikey::parse(token) else { return Err(incorrect()) };
+        let Some(key) = snapshot.api_key(key_id) else { return Err(incorrect()) };
         let digest = self.digest_of(token);
         if !self.known(key, &digest) {
-            if let Some(retry) = self.blocked(peer) {
+            let client = client_of(client);
+            let now = Instant::now();
+            let suspect = lock(&self.failed_keys).current(key_id, now).is_some();
+            if suspect && let Some(retry) = self.blocked(client, now) {
                 return Err((
                     Refusal::TooManyFailures,
                     ApiError::new(
@@ -224,11 +275,16 @@ impl Auth {
                     .retry_after(retry),
                 ));
             }
-            if !self.verify(secret, &key.secret_hash).await {
-                self.failed(peer);
-                return Err(incorrect());
+            let turn = verify::Turn { client, key_id: (!suspect).then_some(key_id) };
+            let (secret, secret_hash) = (secret.to_string(), key.secret_hash.clone());
+            match self.verifier.check(digest, turn, move || apikey::verify(&secret, &secret_hash)).await {
+                Ok(true) => self.remember(key, digest),
+                Ok(false) => {
+                    self.failed(client, key_id);
+                    return Err(incorrect());
+                }
+                Err(busy) => return Err((Refusal::ChecksWaiting, checks_waiting(busy))),
             }
-            self.remember(key, digest);
         }
         let now = inferyes_proto::unix_ms();
         if key.revoked {
@@ -303,44 +359,33 @@ impl Auth {
         verified.insert(key.key_id.clone(), Verified { digest, secret_hash: key.secret_hash.clone() });
     }
 
-    async fn verify(&self, secret: &str, secret_hash: &str) -> bool {
-        let Ok(_permit) = self.verifying.acquire().await else { return false };
-        let (secret, secret_hash) = (secret.to_string(), secret_hash.to_string());
-        tokio::task::spawn_blocking(move || apikey::verify(&secret, &secret_hash)).await.unwrap_or(false)
-    }
-
-    fn failed(&self, peer: IpAddr) {
+    fn failed(&self, client: IpAddr, key_id: &str) {
         let now = Instant::now();
-        let client = client_of(peer);
-        let mut failures = self.failures.lock().unwrap_or_else(PoisonError::into_inner);
-        let Failures { by_client, swept } = &mut *failures;
-        if by_client.len() >= MAX_FAILING_CLIENTS && !by_client.contains_key(&client) {
-            // Past windows go, once a second at most: a sweep per failure
-            // would hold the lock for every check of every client.
-            if swept.is_none_or(|at| now.duration_since(at) >= Duration::from_secs(1)) {
-                by_client.retain(|_, w| now.duration_since(w.started) < FAILURE_WINDOW);
-                *swept = Some(now);
-            }
-            if by_client.len() >= MAX_FAILING_CLIENTS {
-                // Full of current windows: this client's failures go
-                // uncounted (it has to get through the checks' own cost).
-                return;
-            }
-        }
-        let window = by_client.entry(client).or_insert(Window { started: now, count: 0 });
-        if now.duration_since(window.started) >= FAILURE_WINDOW {
-            *window = Window { started: now, count: 0 };
-        }
-        window.count += 1;
+        lock(&self.failed_clients).add(client, now);
+        lock(&self.failed_keys).add(key_id.to_string(), now);
     }
 
-    /// Seconds until `peer` may try an unknown key again, if it is blocked.
-    fn blocked(&self, peer: IpAddr) -> Option<u32> {
-        let failures = self.failures.lock().unwrap_or_else(PoisonError::into_inner);
-        let window = failures.by_client.get(&client_of(peer))?;
-        let age = window.started.elapsed();
-        (age < FAILURE_WINDOW && window.count >= self.failures_per_minute)
-            .then(|| (FAILURE_WINDOW - age).as_secs().max(1) as u32)
+    /// Seconds until `client` may have suspect keys checked again, if it
+    /// is past its failures.
+    fn blocked(&self, client: IpAddr, now: Instant) -> Option<u32> {
+        let (count, left) = lock(&self.failed_clients).current(&client, now)?;
+        (count >= self.failures_per_minute).then(|| left.as_secs().max(1) as u32)
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+fn checks_waiting(busy: verify::Busy) -> ApiError {
+    match busy {
+        verify::Busy::Client => ApiError::new(
+            ErrorKind::RateLimited,
+            "Too many API key checks from this address are waiting; try again shortly.",
+            ErrorCode::RateLimitExceeded,
+        )
+        .retry_after(1),
+        verify::Busy::Everyone => ApiError::overloaded("API key checks"),
     }
 }
 
@@ -408,18 +453,20 @@ mod tests {
     #[test]
     fn failures_are_counted_per_ipv4_address_and_per_ipv6_64() {
         let auth = Auth::new(AuthMode::Keys, 3);
-        let addr = |s: &str| s.parse::<IpAddr>().unwrap();
+        let now = Instant::now();
+        let client = |s: &str| client_of(s.parse::<IpAddr>().unwrap());
         for host in ["2001:db8:1:2::1", "2001:db8:1:2::2", "2001:db8:1:2:ffff::9"] {
-            assert!(auth.blocked(addr(host)).is_none());
-            auth.failed(addr(host));
+            assert!(auth.blocked(client(host), now).is_none());
+            auth.failed(client(host), "k");
         }
-        assert!(auth.blocked(addr("2001:db8:1:2::77")).is_some(), "one /64, one client");
-        assert!(auth.blocked(addr("2001:db8:1:3::1")).is_none(), "another /64");
+        assert!(auth.blocked(client("2001:db8:1:2::77"), now).is_some(), "one /64, one client");
+        assert!(auth.blocked(client("2001:db8:1:3::1"), now).is_none(), "another /64");
         for _ in 0..3 {
-            auth.failed(addr("192.0.2.1"));
+            auth.failed(client("192.0.2.1"), "k");
         }
-        assert!(auth.blocked(addr("::ffff:192.0.2.1")).is_some(), "the same IPv4 client, mapped");
-        assert!(auth.blocked(addr("192.0.2.2")).is_none());
+        assert!(auth.blocked(client("::ffff:192.0.2.1"), now).is_some(), "the same IPv4 client, mapped");
+        assert!(auth.blocked(client("192.0.2.2"), now).is_none());
+        assert!(auth.blocked(client("192.0.2.1"), now + FAILURE_WINDOW * 2).is_none(), "a minute on");
     }
 
     #[test]

@@ -413,6 +413,12 @@ impl RoutingSnapshot {
         &self.policy
     }
 
+    /// This snapshot with `keys` as its API keys.
+    pub fn with_api_keys(self, keys: impl IntoIterator<Item = inferyes_proto::v1::ApiKey>) -> RoutingSnapshot {
+        let api_keys = keys.into_iter().map(|key| (key.key_id.clone(), Arc::new(key))).collect();
+        RoutingSnapshot { api_keys: Arc::new(api_keys), ..self }
+    }
+
     pub fn api_key(&self, key_id: &str) -> Option<&Arc<inferyes_proto::v1::ApiKey>> {
         self.api_keys.get(key_id)
     }

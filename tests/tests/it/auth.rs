@@ -20,10 +20,22 @@ async fn keyed_fleet(tweak: impl FnOnce(&mut inferyes_dataplane::Config)) -> Fle
 }
 
 async fn chat(fleet: &Fleet, url: &str, key: Option<&str>, model: &str) -> TestResponse {
+    chat_from(fleet, url, key, model, None).await
+}
+
+/// A chat request that says, in `X-Forwarded-For`, it is from `client`.
+async fn chat_from(fleet: &Fleet, url: &str, key: Option<&str>, model: &str, client: Option<&str>) -> TestResponse {
     let bearer = key.map(|k| format!("Bearer {k}"));
-    let headers: Vec<(&str, &str)> = bearer.iter().map(|b| ("authorization", b.as_str())).collect();
+    let mut headers: Vec<(&str, &str)> = bearer.iter().map(|b| ("authorization", b.as_str())).collect();
+    headers.extend(client.map(|client| ("x-forwarded-for", client)));
     let body = chat_body(model, "hello").to_string();
     fleet.http.send(Method::POST, &format!("{url}/v1/chat/completions"), body.into(), &headers).await
+}
+
+/// The `i`th of many well-formed, wrong secrets for `key_id`.
+fn wrong_secret(key_id: &str, i: usize) -> String {
+    let letter = |n: usize| char::from(b'a' + (n % 26) as u8);
+    format!("ify_{key_id}_{}{}{}", "q".repeat(30), letter(i / 26), letter(i))
 }
 
 fn refused_as(response: &TestResponse, status: StatusCode, code: &str) {
@@ -165,6 +177,95 @@ async fn failed_attempts_from_one_address_are_cut_off_but_known_keys_still_pass(
     assert!(cut_off.header("retry-after").is_some());
     // A key this data plane has verified is not a guess.
     assert_eq!(chat(&fleet, &url, Some(&secret), "chat").await.status, StatusCode::OK);
+}
+
+/// The row: junk and wrong secrets from one address, then a key
+/// this data plane has not seen yet, from the same address, is served.
+#[tokio::test]
+async fn a_key_not_seen_yet_is_served_after_failures_from_its_address() {
+    let fleet = keyed_fleet(|c| c.auth_failures_per_minute = 3).await;
+    let url = fleet.dataplane.url.clone();
+    let (victim, _) = create(&fleet, CreateKeyRequest { name: "guessed".into(), ..Default::default() }).await;
+    let (_, fresh) = create(&fleet, CreateKeyRequest { name: "new".into(), ..Default::default() }).await;
+    let mut refused = Vec::new();
+    for i in 0..15 {
+        let junk = match i % 3 {
+            0 => "not-a-key".to_string(),
+            1 => format!("ify_nosuchkey{i}_{}", "a".repeat(32)),
+            _ => wrong_secret(&victim, i),
+        };
+        refused.push(chat(&fleet, &url, Some(&junk), "chat").await.status);
+    }
+    assert!(
+        refused.iter().all(|s| *s == StatusCode::UNAUTHORIZED || *s == StatusCode::TOO_MANY_REQUESTS),
+        "{refused:?}"
+    );
+    assert!(refused.contains(&StatusCode::TOO_MANY_REQUESTS), "the guesses were cut off: {refused:?}");
+    let served = chat(&fleet, &url, Some(&fresh), "chat").await;
+    assert_eq!(served.status, StatusCode::OK, "{}", String::from_utf8_lossy(&served.body));
+}
+
+/// Many wrong secrets at once for one key, and a valid key's first
+/// request among them: it is checked before the flood, not behind it.
+#[tokio::test]
+async fn a_flood_of_wrong_secrets_does_not_lock_out_a_valid_key() {
+    let fleet = keyed_fleet(|c| c.auth_failures_per_minute = 5).await;
+    let url = fleet.dataplane.url.clone();
+    let (victim, _) = create(&fleet, CreateKeyRequest { name: "flooded".into(), ..Default::default() }).await;
+    let (_, valid) = create(&fleet, CreateKeyRequest { name: "valid".into(), ..Default::default() }).await;
+    let mut flood = tokio::task::JoinSet::new();
+    for i in 0..64 {
+        let (http, url) = (fleet.http.clone(), format!("{url}/v1/chat/completions"));
+        let headers = format!("Bearer {}", wrong_secret(&victim, i));
+        let body = chat_body("chat", "hello").to_string();
+        flood.spawn(async move {
+            http.send(Method::POST, &url, body.into(), &[("authorization", headers.as_str())]).await.status
+        });
+    }
+    let served = chat(&fleet, &url, Some(&valid), "chat").await;
+    let flooded = flood.join_all().await;
+    assert_eq!(served.status, StatusCode::OK, "{}", String::from_utf8_lossy(&served.body));
+    assert!(
+        flooded.iter().all(|s| *s == StatusCode::UNAUTHORIZED || *s == StatusCode::TOO_MANY_REQUESTS),
+        "{flooded:?}"
+    );
+    assert!(flooded.contains(&StatusCode::TOO_MANY_REQUESTS), "the flood was cut off: {flooded:?}");
+}
+
+/// Behind trusted proxies, each client's failures are its own; from
+/// anyone else, `X-Forwarded-For` is not believed.
+#[tokio::test]
+async fn failures_are_counted_per_client_behind_trusted_proxies_only() {
+    for trusted in [true, false] {
+        let fleet = keyed_fleet(|c| {
+            c.auth_failures_per_minute = 2;
+            if trusted {
+                c.trusted_proxies = vec!["127.0.0.0/8".parse().unwrap()];
+            }
+        })
+        .await;
+        let url = fleet.dataplane.url.clone();
+        let (key_id, _) = create(&fleet, CreateKeyRequest { name: "guessed".into(), ..Default::default() }).await;
+        let guesser = Some("198.51.100.1, 203.0.113.5");
+        for i in 0..2 {
+            let guess = wrong_secret(&key_id, i);
+            refused_as(
+                &chat_from(&fleet, &url, Some(&guess), "chat", guesser).await,
+                StatusCode::UNAUTHORIZED,
+                "invalid_api_key",
+            );
+        }
+        let guess = wrong_secret(&key_id, 2);
+        let cut_off = chat_from(&fleet, &url, Some(&guess), "chat", guesser).await;
+        refused_as(&cut_off, StatusCode::TOO_MANY_REQUESTS, "rate_limit_exceeded");
+        let guess = wrong_secret(&key_id, 3);
+        let other = chat_from(&fleet, &url, Some(&guess), "chat", Some("203.0.113.6")).await;
+        if trusted {
+            refused_as(&other, StatusCode::UNAUTHORIZED, "invalid_api_key");
+        } else {
+            refused_as(&other, StatusCode::TOO_MANY_REQUESTS, "rate_limit_exceeded");
+        }
+    }
 }
 
 /// The row: tenant A sends a conversation, tenant B the same
