@@ -65,7 +65,10 @@ trap cleanup EXIT
 
 port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 backend=$(port); nginx_proxy=$(port); etcd_client=$(port); etcd_peer=$(port)
-grpc=$(port); http=$(port); agent=$(port); dataplane=$(port)
+grpc=$(port); http=$(port); agent=$(port); dataplane=$(port); dataplane_admin=$(port)
+# Metrics and health on ports of their own, wherever: only the first data
+# plane's are read (older builds have no admin port and ignore this).
+export INFERYES_ADMIN_LISTEN=127.0.0.1:0
 
 json='{"id":"chatcmpl-bench","object":"chat.completion","created":0,"model":"bench","choices":[{"index":0,"message":{"role":"assistant","content":"hello there"},"finish_reason":"stop"}],"usage":{"prompt_tokens":9,"completion_tokens":2,"total_tokens":11}}'
 sse='data: {"id":"cmpl-bench","object":"text_completion","choices":[{"index":0,"text":"hello","finish_reason":null}]}\n\ndata: {"id":"cmpl-bench","object":"text_completion","choices":[{"index":0,"text":" there","finish_reason":"stop"}]}\n\ndata: [DONE]\n\n'
@@ -183,7 +186,7 @@ CONF
 # The data planes speak HTTP/1.1 to agents (the default; for the rows
 # measured alone the "agent" of their node is nginx); a third speaks HTTP/2
 # to agents that take it, for the data plane + agent path.
-RUST_LOG=warn "$bin/inferyes-dataplane" --listen "127.0.0.1:$dataplane" --controllers "http://127.0.0.1:$grpc" \
+RUST_LOG=warn INFERYES_ADMIN_LISTEN="127.0.0.1:$dataplane_admin" "$bin/inferyes-dataplane" --listen "127.0.0.1:$dataplane" --controllers "http://127.0.0.1:$grpc" \
   --auth none --dataplane-id bench-open >"$work/dataplane.log" 2>&1 & pids+=($!)
 dp_pid=$!
 keyed=$(port)
@@ -441,7 +444,7 @@ if [ "$fleet_size" -gt 0 ]; then
     "$fleet_bin" >"$work/fleet.log" 2>&1 & pids+=($!)
   nodes=$((fleet_size + 2))
   for _ in $(seq 300); do
-    held=$(curl -fsS "http://127.0.0.1:$dataplane/metrics" 2>/dev/null | grep -c '^inferyes_dataplane_node_in_flight{' || true)
+    held=$(curl -fsS "http://127.0.0.1:$dataplane_admin/metrics" 2>/dev/null | grep -c '^inferyes_dataplane_node_in_flight{' || true)
     [ "$held" -ge "$nodes" ] && break
     sleep 1
   done

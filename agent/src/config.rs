@@ -31,6 +31,9 @@ pub struct Args {
     /// Listen address of the local proxy that fronts the backends.
     #[arg(long, env = "INFERYES_PROXY_LISTEN")]
     pub proxy_listen: Option<SocketAddr>,
+    /// Listen address for /metrics and health, kept off the proxy's port.
+    #[arg(long, env = "INFERYES_ADMIN_LISTEN")]
+    pub admin_listen: Option<SocketAddr>,
     /// URL at which data planes reach the proxy (default: http://<proxy_listen>).
     #[arg(long, env = "INFERYES_ADVERTISE_URL")]
     pub advertise_url: Option<String>,
@@ -70,6 +73,9 @@ pub struct Config {
     pub node_id: String,
     pub controllers: Vec<String>,
     pub proxy_listen: SocketAddr,
+    /// `/metrics` and health, for scrapers and probes: the proxy's port is
+    /// the data planes'.
+    pub admin_listen: SocketAddr,
     pub advertise_url: String,
     /// How often backends and GPUs are polled.
     pub poll_interval_ms: u64,
@@ -264,6 +270,7 @@ impl Default for Config {
             node_id: String::new(),
             controllers: vec!["http://127.0.0.1:7070".into()],
             proxy_listen: SocketAddr::from(([127, 0, 0, 1], 9100)),
+            admin_listen: SocketAddr::from(([127, 0, 0, 1], 9200)),
             advertise_url: String::new(),
             poll_interval_ms: 1000,
             min_report_interval_ms: 50,
@@ -291,6 +298,9 @@ impl Config {
         }
         if let Some(v) = args.proxy_listen {
             config.proxy_listen = v;
+        }
+        if let Some(v) = args.admin_listen {
+            config.admin_listen = v;
         }
         if let Some(v) = &args.join_token {
             config.join_token = Some(v.clone());

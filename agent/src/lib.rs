@@ -32,8 +32,11 @@ use crate::state::{AgentState, BackendHandle, Observations};
 
 const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
 
+/// The proxy's port, for data planes; the admin port, for scrapers and
+/// probes.
 pub struct Listeners {
     pub proxy: TcpListener,
+    pub admin: TcpListener,
 }
 
 impl Listeners {
@@ -41,7 +44,10 @@ impl Listeners {
         let proxy = TcpListener::bind(config.proxy_listen)
             .await
             .with_context(|| format!("cannot listen on proxy_listen {}", config.proxy_listen))?;
-        Ok(Listeners { proxy })
+        let admin = TcpListener::bind(config.admin_listen)
+            .await
+            .with_context(|| format!("cannot listen on admin_listen {}", config.admin_listen))?;
+        Ok(Listeners { proxy, admin })
     }
 }
 
@@ -189,8 +195,14 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         header_read_timeout: inferyes_net::serve::HEADER_READ_TIMEOUT,
         limit: inferyes_net::serve::ConnectionLimit::default(),
     };
+    let admin = AbortOnDropHandle::new(tokio::spawn(
+        axum::serve(listeners.admin, proxy::admin_router(Arc::clone(&state), scrape))
+            .with_graceful_shutdown(shutdown.clone().cancelled_owned())
+            .into_future(),
+    ));
     let served = inferyes_net::serve::serve(listeners.proxy, services, options, shutdown.clone()).await;
     shutdown.cancel();
+    admin.abort();
     let _ = poller.await;
     let _ = reporter.await;
     for simulator in simulators {

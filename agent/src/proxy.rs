@@ -58,12 +58,16 @@ pub struct Scrape {
     pub metrics: crate::metrics::Metrics,
 }
 
-/// Prometheus text, read from the agent's current view. Data planes only
-/// forward `/v1/*` here, so this path never shadows a backend's.
-async fn metrics(State(proxy): State<Proxy>) -> Response {
-    proxy.scrape.metrics.observe(&proxy.state);
+/// The admin port's routes: metrics for scrapers, health for probes.
+pub fn admin_router(state: Arc<AgentState>, scrape: Arc<Scrape>) -> Router {
+    Router::new().route(HEALTH, get(|| async { "ok\n" })).route("/metrics", get(metrics)).with_state((state, scrape))
+}
+
+/// Prometheus text, read from the agent's current view.
+async fn metrics(State((state, scrape)): State<(Arc<AgentState>, Arc<Scrape>)>) -> Response {
+    scrape.metrics.observe(&state);
     let mut text = String::new();
-    if prometheus_client::encoding::text::encode(&mut text, &proxy.scrape.registry).is_err() {
+    if prometheus_client::encoding::text::encode(&mut text, &scrape.registry).is_err() {
         return (StatusCode::INTERNAL_SERVER_ERROR, "metrics could not be encoded\n").into_response();
     }
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text).into_response()
@@ -71,10 +75,10 @@ async fn metrics(State(proxy): State<Proxy>) -> Response {
 
 /// The proxy's HTTP service, one per worker thread (each with its own pool
 /// of connections to the backends). Every request is forwarded straight
-/// to a backend, with its body as hyper read it; only the agent's own two
-/// paths go through an axum router. Why not a router for all: its
-/// routing, boxed services and boxed bodies cost several allocations and
-/// thousands of instructions per request, for a choice between two paths.
+/// to a backend, with its body as hyper read it; only the agent's health
+/// goes through an axum router. Why not a router for all: its routing,
+/// boxed services and boxed bodies cost several allocations and thousands
+/// of instructions per request, for a choice between two paths.
 #[derive(Clone)]
 pub struct Service {
     proxy: Proxy,
@@ -95,18 +99,14 @@ impl Service {
             idle_limits: pool::IdleLimits::default(),
         });
         let proxy = Proxy { state, client, scrape, join_token };
-        let router = Router::new()
-            .route(HEALTH, get(|| async { "ok\n" }))
-            .route(METRICS, get(metrics))
-            .with_state(proxy.clone());
+        let router = Router::new().route(HEALTH, get(|| async { "ok\n" }));
         Service { proxy, router }
     }
 }
 
-/// The agent's own paths. Data planes only forward `/v1/*` here, so these
-/// never shadow a backend's.
+/// The agent's own path on the proxy's port. Data planes only forward
+/// `/v1/*` here, so it never shadows a backend's.
 const HEALTH: &str = "/healthz";
-const METRICS: &str = "/metrics";
 
 impl hyper::service::Service<Request<Incoming>> for Service {
     type Response = Response;
@@ -114,7 +114,7 @@ impl hyper::service::Service<Request<Incoming>> for Service {
     type Future = Pin<Box<dyn std::future::Future<Output = Result<Response, Self::Error>> + Send>>;
 
     fn call(&self, request: Request<Incoming>) -> Self::Future {
-        if matches!(request.uri().path(), HEALTH | METRICS) {
+        if request.uri().path() == HEALTH {
             let router = hyper_util::service::TowerToHyperService::new(self.router.clone());
             return Box::pin(hyper::service::Service::call(&router, request));
         }

@@ -25,6 +25,9 @@ pub struct Args {
     /// HTTP listen address for /v1/*.
     #[arg(long, env = "INFERYES_LISTEN")]
     pub listen: Option<SocketAddr>,
+    /// HTTP listen address for /metrics and health, kept off the public port.
+    #[arg(long, env = "INFERYES_ADMIN_LISTEN")]
+    pub admin_listen: Option<SocketAddr>,
     /// Controller gRPC addresses, comma separated; the data plane fails over between them.
     #[arg(long, env = "INFERYES_CONTROLLERS", value_delimiter = ',')]
     pub controllers: Option<Vec<String>>,
@@ -58,6 +61,9 @@ pub use inferyes_net::process::LogFormat;
 pub struct Config {
     pub version: u32,
     pub listen: SocketAddr,
+    /// `/metrics` (node ids, models, every key's refusals) and health, for
+    /// scrapers and probes: never on the public port.
+    pub admin_listen: SocketAddr,
     pub controllers: Vec<String>,
     pub dataplane_id: String,
     pub max_body_bytes: usize,
@@ -134,6 +140,7 @@ impl Default for Config {
         Config {
             version: 1,
             listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
+            admin_listen: SocketAddr::from(([127, 0, 0, 1], 9190)),
             controllers: vec!["http://127.0.0.1:7070".into()],
             dataplane_id: String::new(),
             max_body_bytes: 32 << 20,
@@ -164,6 +171,9 @@ impl Config {
         let mut config: Config = inferyes_proto::files::load_toml(args.config.as_deref())?;
         if let Some(v) = args.listen {
             config.listen = v;
+        }
+        if let Some(v) = args.admin_listen {
+            config.admin_listen = v;
         }
         if let Some(v) = &args.controllers {
             config.controllers.clone_from(v);

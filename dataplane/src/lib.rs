@@ -58,11 +58,19 @@ impl Controllers {
     }
 }
 
-/// Runs until `shutdown` is cancelled. The caller binds the listener (tests
-/// bind port 0) and may pass in the store to watch snapshot versions.
+/// Where the data plane listens: `/v1/*` for clients, and `/metrics` with
+/// health on an admin port of its own, so that what the metrics tell (node
+/// ids, models, refusals) is not the public's.
+pub struct Listeners {
+    pub public: TcpListener,
+    pub admin: TcpListener,
+}
+
+/// Runs until `shutdown` is cancelled. The caller binds the listeners
+/// (tests bind port 0) and may pass in the store to watch snapshot versions.
 pub async fn run(
     config: Config,
-    listener: TcpListener,
+    Listeners { public: listener, admin }: Listeners,
     snapshots: Arc<SnapshotStore>,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
@@ -157,6 +165,11 @@ pub async fn run(
             })),
         },
     };
+    let admin = AbortOnDropHandle::new(tokio::spawn(
+        axum::serve(admin, http::admin_router(Arc::new(state.clone())))
+            .with_graceful_shutdown(shutdown.clone().cancelled_owned())
+            .into_future(),
+    ));
     let connections = gateways.into_iter().map(|gateway| move |peer| gateway.connection(peer)).collect();
     let served = inferyes_net::serve::serve(listener, connections, options, shutdown.clone()).await;
     shutdown.cancel();
@@ -164,5 +177,6 @@ pub async fn run(
     let _ = ledger.await;
     let _ = subscription.await;
     let _ = reporter.await;
+    admin.abort();
     served.context("HTTP server failed")
 }

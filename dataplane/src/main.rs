@@ -19,8 +19,12 @@ async fn main() -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("cannot listen on {}", config.listen))?;
+    let admin = tokio::net::TcpListener::bind(config.admin_listen)
+        .await
+        .with_context(|| format!("cannot listen on admin_listen {}", config.admin_listen))?;
     let shutdown = inferyes_net::process::shutdown_on_signal();
-    let result = inferyes_dataplane::run(config, listener, Arc::default(), shutdown).await;
+    let listeners = inferyes_dataplane::Listeners { public: listener, admin };
+    let result = inferyes_dataplane::run(config, listeners, Arc::default(), shutdown).await;
     telemetry.shutdown().await;
     result
 }

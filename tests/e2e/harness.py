@@ -86,6 +86,8 @@ class Fleet:
         # llama-server processes by name, to kill or restart one.
         self.servers = {}
         self.dataplanes = []
+        # Each data plane's admin port, by its public URL.
+        self.admin_urls = {}
         self.bin = binary_dir()
         for name in ("inferyes-controller", "inferyes-agent", "inferyes-dataplane", "inferyesctl"):
             if not (self.bin / name).is_file():
@@ -165,12 +167,13 @@ join_token_file = "{self.join_token_file}"
 
     def start_agent(self, node, backends):
         """`backends`: (id, url, endpoint kinds[, extra TOML lines])."""
-        port = free_port()
+        port, admin_port = free_port(), free_port()
         text = f"""
 version = 1
 node_id = "{node}"
 controllers = ["{self.controller_url}"]
 proxy_listen = "127.0.0.1:{port}"
+admin_listen = "127.0.0.1:{admin_port}"
 poll_interval_ms = 250
 join_token_file = "{self.join_token_file}"
 [gpu]
@@ -194,10 +197,11 @@ endpoints = {json.dumps(endpoints)}
     def start_dataplane(self, name, strategy, warm):
         """A data plane routing by `strategy`, once it sees every model of
         `warm` ({model: warm nodes}) on that many nodes."""
-        port = free_port()
+        port, admin_port = free_port(), free_port()
         config = self.write(f"{name}.toml", f"""
 version = 1
 listen = "127.0.0.1:{port}"
+admin_listen = "127.0.0.1:{admin_port}"
 controllers = ["{self.controller_url}"]
 dataplane_id = "{name}"
 routing_mode = "{strategy}"
@@ -214,7 +218,12 @@ join_token_file = "{self.join_token_file}"
 
         wait_until(f"{name} routing over {warm}", ready)
         self.dataplanes.append(url)
+        self.admin_urls[url] = f"http://127.0.0.1:{admin_port}"
         return url
+
+    def metrics(self, url):
+        """The Prometheus text of the data plane serving `url`."""
+        return http_get(f"{self.admin_urls[url]}/metrics")[1].decode()
 
     def etcd_revision(self):
         request = urllib.request.Request(f"{self.etcd_url}/v3/kv/range", data=b'{"key":"AA=="}', method="POST")
@@ -229,7 +238,7 @@ join_token_file = "{self.join_token_file}"
         version = self.etcd_revision()
 
         def seen(url):
-            metrics = http_get(f"{url}/metrics")[1].decode()
+            metrics = self.metrics(url)
             line = next(l for l in metrics.splitlines() if l.startswith("inferyes_dataplane_snapshot_version "))
             return int(float(line.split()[1])) >= version
 

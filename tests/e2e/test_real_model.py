@@ -119,7 +119,7 @@ def kill_mid_stream(gemma, killed, continued):
 
 
 def continuations(fleet):
-    metrics = http_get(f"{fleet.url}/metrics")[1].decode()
+    metrics = fleet.metrics(fleet.url)
     return sum(float(line.split()[-1]) for line in metrics.splitlines()
                if line.startswith("inferyes_dataplane_continuations_total"))
 

@@ -173,6 +173,8 @@ pub fn agent_authorization() -> String {
 pub struct AgentHandle {
     pub node_id: String,
     pub proxy_addr: SocketAddr,
+    /// Where its `/metrics` is.
+    pub admin_addr: SocketAddr,
     token: CancellationToken,
     task: JoinHandle<anyhow::Result<()>>,
 }
@@ -255,9 +257,11 @@ impl AgentHandle {
         tweak(&mut config);
         config.validate().expect("valid agent config");
         let token = CancellationToken::new();
-        let listeners = inferyes_agent::Listeners { proxy };
+        let admin = local_listener(None).await;
+        let admin_addr = admin.local_addr().expect("bound");
+        let listeners = inferyes_agent::Listeners { proxy, admin };
         let task = tokio::spawn(inferyes_agent::run(config, listeners, token.clone()));
-        AgentHandle { node_id: node_id.to_string(), proxy_addr, token, task }
+        AgentHandle { node_id: node_id.to_string(), proxy_addr, admin_addr, token, task }
     }
 
     /// Kills the agent as a crash would: its tasks are dropped mid-flight,
@@ -282,6 +286,8 @@ impl AgentHandle {
 
 pub struct DataplaneHandle {
     pub url: String,
+    /// Where its `/metrics` is.
+    pub admin_url: String,
     pub store: Arc<SnapshotStore>,
     token: CancellationToken,
     task: JoinHandle<anyhow::Result<()>>,
@@ -310,8 +316,11 @@ impl DataplaneHandle {
         config.validate().expect("valid data plane config");
         let store = Arc::new(SnapshotStore::default());
         let token = CancellationToken::new();
-        let task = tokio::spawn(inferyes_dataplane::run(config, listener, Arc::clone(&store), token.clone()));
-        DataplaneHandle { url, store, token, task }
+        let admin = local_listener(None).await;
+        let admin_url = format!("http://{}", admin.local_addr().expect("bound"));
+        let listeners = inferyes_dataplane::Listeners { public: listener, admin };
+        let task = tokio::spawn(inferyes_dataplane::run(config, listeners, Arc::clone(&store), token.clone()));
+        DataplaneHandle { url, admin_url, store, token, task }
     }
 
     /// Waits, on snapshot installs, until `check` holds for the current one.

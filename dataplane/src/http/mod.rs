@@ -27,7 +27,7 @@ use http::HeaderMap;
 
 pub use body::Budget;
 pub use client::{Forwarder, Settings as ForwarderSettings};
-pub use server::{ENDPOINTS, Endpoint, Gateway, router};
+pub use server::{ENDPOINTS, Endpoint, Gateway, admin_router, router};
 pub use view::{RoutingView, parse_view, session_key};
 
 use crate::auth::Caller;

@@ -97,18 +97,26 @@ impl hyper::service::Service<http::Request<hyper::body::Incoming>> for Gateway {
     }
 }
 
-/// Every route but the inference endpoints, which a [`Gateway`] serves
-/// itself. Requests reach it through a [`Gateway`], which gives them their
-/// [`Client`].
+/// Every public route but the inference endpoints, which a [`Gateway`]
+/// serves itself. Requests reach it through a [`Gateway`], which gives them
+/// their [`Client`].
 pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
-        .route("/metrics", get(metrics))
         .route("/v1/models", get(list_models))
         .route("/v1/models/{*id}", get(get_model))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
+        .with_state(state)
+}
+
+/// The admin port's routes: metrics for scrapers, health for probes.
+pub fn admin_router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
         .with_state(state)
 }
 

@@ -137,7 +137,7 @@ async fn bodies_past_the_data_plane_s_buffer_budget_get_503_and_the_budget_comes
     let head = "POST /v1/chat/completions HTTP/1.1\r\nhost: dp\r\ncontent-type: application/json\r\ncontent-length: 2600\r\n\r\n";
     slow.write_all(format!("{head}{{\"model\":\"chat\",\"pad\":\"{}", "x".repeat(2400)).as_bytes()).await.unwrap();
     // Once the data plane holds them (its metrics say so)...
-    let metrics = format!("{}/metrics", fleet.dataplane.url);
+    let metrics = format!("{}/metrics", fleet.dataplane.admin_url);
     inferyes_tests::eventually("the slow body held", std::time::Duration::from_secs(10), || async {
         let text = String::from_utf8_lossy(&fleet.http.get(&metrics).await.body).into_owned();
         let held =

@@ -427,7 +427,7 @@ async fn a_node_that_refuses_is_named_counted_and_held_out_with_no_other_to_go_t
         assert_eq!(response.header("x-inferyes-node"), Some("node-a"));
         assert_eq!(response.openai_error()["message"], "Loading model");
     }
-    let metrics = http.get(&format!("{}/metrics", dataplane.url)).await;
+    let metrics = http.get(&format!("{}/metrics", dataplane.admin_url)).await;
     let text = String::from_utf8_lossy(&metrics.body);
     assert!(text.contains("inferyes_dataplane_node_ejected{node=\"node-a\"} 1"), "{text}");
     assert!(text.contains("inferyes_dataplane_node_ejections_total{node=\"node-a\"} 2"), "{text}");

@@ -51,7 +51,10 @@ async fn the_data_plane_counts_requests_latency_and_its_view_of_the_fleet() {
         assert_eq!(fleet.http.post_json(&url, &chat_body(garbage, "x")).await.status, StatusCode::NOT_FOUND);
     }
 
-    let scraped = fleet.http.get(&fleet.url("/metrics")).await;
+    // Not on the public port: what the metrics tell is the operator's.
+    let public = fleet.http.get(&fleet.url("/metrics")).await;
+    assert_eq!(public.status, StatusCode::NOT_FOUND);
+    let scraped = fleet.http.get(&format!("{}/metrics", fleet.dataplane.admin_url)).await;
     assert_eq!(scraped.status, StatusCode::OK);
     assert!(scraped.header("content-type").unwrap().starts_with("text/plain"));
     let text = String::from_utf8(scraped.body.to_vec()).unwrap();
@@ -100,7 +103,9 @@ async fn agents_and_controllers_expose_what_they_see() {
         .to_string();
     let agent = fleet.agents.iter().find(|a| a.node_id == home).unwrap();
 
-    let scraped = fleet.http.get(&format!("http://{}/metrics", agent.proxy_addr)).await;
+    let on_proxy = fleet.http.get(&format!("http://{}/metrics", agent.proxy_addr)).await;
+    assert_eq!(on_proxy.status, StatusCode::UNAUTHORIZED, "the proxy's port is the data planes'");
+    let scraped = fleet.http.get(&format!("http://{}/metrics", agent.admin_addr)).await;
     assert_eq!(scraped.status, StatusCode::OK);
     let text = String::from_utf8(scraped.body.to_vec()).unwrap();
     let samples = parse(&text);

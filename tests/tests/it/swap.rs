@@ -111,7 +111,7 @@ async fn a_stream_that_starts_a_cold_load_hears_about_it_at_once() {
     assert!(text.contains("\"chat.completion.chunk\""), "{text}");
     assert!(text.ends_with("data: [DONE]\n\n"), "{text}");
     // Its time to the first token is the load's and more, not its headers'.
-    let metrics = fleet.http.get(&fleet.url("/metrics")).await;
+    let metrics = fleet.http.get(&format!("{}/metrics", fleet.dataplane.admin_url)).await;
     let metrics = String::from_utf8_lossy(&metrics.body);
     let first_token = metrics
         .lines()
