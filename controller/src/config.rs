@@ -49,6 +49,9 @@ pub struct Args {
     /// The agents' join token itself (prefer join_token_file in the config file).
     #[arg(long, env = "INFERYES_JOIN_TOKEN", hide_env_values = true)]
     pub join_token: Option<String>,
+    /// A read-only viewer token itself (prefer viewer_token_file in the config file).
+    #[arg(long, env = "INFERYES_VIEWER_TOKEN", hide_env_values = true)]
+    pub viewer_token: Option<String>,
     /// The gRPC address other controllers reach this one at (default: from grpc_listen).
     #[arg(long, env = "INFERYES_ADVERTISE_URL")]
     pub advertise_url: Option<String>,
@@ -98,6 +101,15 @@ pub struct Config {
     pub join_auth: TokenAuth,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub join_token_file: Option<PathBuf>,
+    /// Read-only tokens: fleet reads (nodes, models, sessions, policy,
+    /// aliases) and the dashboard, nothing that changes the fleet. The
+    /// admin token reads too.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub viewer_token_file: Option<PathBuf>,
+    /// `token`: the dashboard and its data need a viewer or the admin
+    /// token (a login page keeps a session cookie). `none`: open to
+    /// whoever reaches the HTTP port, for a trusted network.
+    pub dashboard_auth: TokenAuth,
     /// Hourly usage roll-ups are kept this long.
     pub usage_retention_days: u64,
     /// Raw usage records (for export) are kept this long.
@@ -109,6 +121,8 @@ pub struct Config {
     pub admin_token: Option<String>,
     #[serde(skip)]
     pub join_token: Option<String>,
+    #[serde(skip)]
+    pub viewer_token: Option<String>,
 }
 
 impl Default for Config {
@@ -132,11 +146,14 @@ impl Default for Config {
             admin_token_file: None,
             join_auth: TokenAuth::Token,
             join_token_file: None,
+            viewer_token_file: None,
+            dashboard_auth: TokenAuth::Token,
             usage_retention_days: 400,
             raw_usage_retention_days: 7,
             tls: inferyes_proto::tls::Tls::default(),
             admin_token: None,
             join_token: None,
+            viewer_token: None,
         }
     }
 }
@@ -170,6 +187,9 @@ impl Config {
         }
         if let Some(v) = &args.join_token {
             config.join_token = Some(v.clone());
+        }
+        if let Some(v) = &args.viewer_token {
+            config.viewer_token = Some(v.clone());
         }
         if let Some(v) = &args.advertise_url {
             config.advertise_url.clone_from(v);
@@ -221,7 +241,50 @@ impl Config {
                  INFERYES_JOIN_TOKEN), or join_auth = \"none\" to let any agent join on a trusted network"
             );
         }
+        let viewer = self.viewer_token.is_some() || self.viewer_token_file.is_some();
+        if self.dashboard_auth == TokenAuth::Token && self.admin_auth == TokenAuth::None && !viewer {
+            bail!(
+                "dashboard_auth = \"token\" (the default) needs a token to take: set viewer_token_file (or \
+                 INFERYES_VIEWER_TOKEN), or dashboard_auth = \"none\" to leave the dashboard open on a trusted network"
+            );
+        }
         Ok(())
+    }
+
+    /// The tokens fleet reads take (the admin's and the viewers'), read
+    /// now; `None` when admin_auth is `none`: reads are as open as writes.
+    pub fn reader_tokens(&self) -> anyhow::Result<Option<Accepted>> {
+        if self.admin_auth == TokenAuth::None {
+            return Ok(None);
+        }
+        self.readers()
+    }
+
+    /// The tokens the dashboard takes, read now; `None` when
+    /// dashboard_auth is `none`.
+    pub fn dashboard_tokens(&self) -> anyhow::Result<Option<Accepted>> {
+        if self.dashboard_auth == TokenAuth::None {
+            return Ok(None);
+        }
+        self.readers()
+    }
+
+    fn readers(&self) -> anyhow::Result<Option<Accepted>> {
+        let mut tokens = Vec::new();
+        if self.admin_auth == TokenAuth::Token {
+            tokens.extend(
+                read_tokens(self.admin_token.as_deref(), self.admin_token_file.as_deref(), "admin token")?
+                    .unwrap_or_default(),
+            );
+        }
+        tokens.extend(
+            read_tokens(self.viewer_token.as_deref(), self.viewer_token_file.as_deref(), "viewer token")?
+                .unwrap_or_default(),
+        );
+        if tokens.is_empty() {
+            anyhow::bail!("no admin or viewer token to take for reads");
+        }
+        Ok(Some(Accepted::new(tokens)))
     }
 
     /// The admin tokens taken, read now; `None` when admin_auth is `none`.

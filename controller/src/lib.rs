@@ -53,6 +53,11 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
     if admin_token.is_none() {
         tracing::warn!("admin_auth = \"none\": anyone who reaches the gRPC port can change the fleet and its keys");
     }
+    if config.dashboard_auth == config::TokenAuth::None {
+        tracing::warn!(
+            "dashboard_auth = \"none\": anyone who reaches the HTTP port sees the fleet, its sessions and keys' ids"
+        );
+    }
     if join_token.is_none() {
         tracing::warn!(
             "join_auth = \"none\": any agent that reaches the gRPC port can join the fleet, and anyone can \
@@ -159,6 +164,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         store,
         snapshots: snapshots.clone(),
         admin_token,
+        reader_tokens: config.reader_tokens()?,
         live_requests: requests_tx,
         views: views.clone(),
     };
@@ -185,6 +191,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         activity,
         pressure: std::sync::Arc::default(),
         shutdown: shutdown.clone(),
+        gate: config.dashboard_tokens()?.map(|tokens| std::sync::Arc::new(dashboard::gate::Gate::new(tokens))),
     };
     let sampler =
         tokio::spawn(dashboard::sample_pressure(dashboard.clone()).instrument(tracing::info_span!("pressure")));

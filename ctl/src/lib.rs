@@ -32,6 +32,10 @@ pub struct Cli {
     /// A file holding the admin token.
     #[arg(long, global = true, env = "INFERYES_ADMIN_TOKEN_FILE")]
     pub admin_token_file: Option<std::path::PathBuf>,
+    /// A file holding a viewer token: reads only (nodes, models, sessions,
+    /// policy, aliases). The admin token, when given, is sent instead.
+    #[arg(long, global = true, env = "INFERYES_VIEWER_TOKEN_FILE")]
+    pub viewer_token_file: Option<std::path::PathBuf>,
     /// CA that signs an `https://` controller's certificate (default: the system's).
     #[arg(long, global = true, env = "INFERYES_TLS_CA_FILE")]
     pub tls_ca_file: Option<std::path::PathBuf>,
@@ -229,8 +233,14 @@ pub async fn run(cli: Cli) -> anyhow::Result<String> {
         .with_context(|| {
             format!("cannot reach the controller at {} (set --controller or INFERYES_CONTROLLER)", cli.controller)
         })?;
-    let token =
-        inferyes_proto::files::read_token(cli.admin_token.as_deref(), cli.admin_token_file.as_deref(), "admin token")?;
+    let token = match inferyes_proto::files::read_token(
+        cli.admin_token.as_deref(),
+        cli.admin_token_file.as_deref(),
+        "admin token",
+    )? {
+        Some(token) => Some(token),
+        None => inferyes_proto::files::read_token(None, cli.viewer_token_file.as_deref(), "viewer token")?,
+    };
     let mut client = admin_client(channel, token.as_deref())?;
     let output = cli.output;
     let text = match cli.command {

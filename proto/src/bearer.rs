@@ -55,6 +55,10 @@ impl Accepted {
         self.0.first().map(String::as_str)
     }
 
+    pub fn tokens(&self) -> impl Iterator<Item = &str> {
+        self.0.iter().map(String::as_str)
+    }
+
     /// Whether `token` is one of them, compared in constant time with each.
     pub fn accepts(&self, token: &[u8]) -> bool {
         self.0.iter().fold(false, |found, expected| found | crate::apikey::constant_time_eq(token, expected.as_bytes()))

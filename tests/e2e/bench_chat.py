@@ -228,7 +228,8 @@ def main():
             result, conversations = run_workload(fleet.urls[strategy], fleet.api_key, strategy, args)
             # What routing saw and decided, from the dashboard: the rates each
             # backend reported and the recent decisions with their costs.
-            result["dashboard"] = json.loads(http_get(f"{fleet.dashboard_url}/api/v1/fleet")[1])
+            admin = {"Authorization": f"Bearer {fleet.admin_token}"}
+            result["dashboard"] = json.loads(http_get(f"{fleet.dashboard_url}/api/v1/fleet", headers=admin)[1])
             results.append(result)
             turns += [t for c in conversations for t in c.turns]
             print(table([result]).splitlines()[-1], file=sys.stderr, flush=True)

@@ -132,7 +132,8 @@ class Fleet:
     def start_controller(self):
         """A controller with tokens on, as in production: every ctl call and
         agent presents one. Creates an API key for the clients."""
-        self.admin_token_file = self.write("admin-token", secrets.token_urlsafe(24) + "\n")
+        self.admin_token = secrets.token_urlsafe(24)
+        self.admin_token_file = self.write("admin-token", self.admin_token + "\n")
         self.join_token_file = self.write("join-token", secrets.token_urlsafe(24) + "\n")
         grpc_port, http_port = free_port(), free_port()
         self.controller_url = f"http://127.0.0.1:{grpc_port}"

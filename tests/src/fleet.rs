@@ -18,6 +18,7 @@ pub const LEASE_TTL: Duration = Duration::from_secs(2);
 /// The test fleets' admin and join tokens: on, as by default.
 pub const ADMIN_TOKEN: &str = "test-admin-token-0123456789";
 pub const JOIN_TOKEN: &str = "test-join-token-0123456789";
+pub const VIEWER_TOKEN: &str = "test-viewer-token-0123456789";
 
 async fn local_listener(addr: Option<SocketAddr>) -> TcpListener {
     let addr = addr.unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 0)));
@@ -106,6 +107,7 @@ impl ControllerHandle {
             startup_grace_ms: 0,
             admin_token: Some(ADMIN_TOKEN.into()),
             join_token: Some(JOIN_TOKEN.into()),
+            viewer_token: Some(VIEWER_TOKEN.into()),
             ..Default::default()
         };
         tweak(&mut config);

@@ -10,4 +10,7 @@ pub mod fleet;
 pub use browser::Browser;
 pub use client::{HttpClient, TestResponse};
 pub use etcd::Etcd;
-pub use fleet::{AgentHandle, ControllerHandle, DataplaneHandle, SimHandle, SnapshotWatch, eventually};
+pub use fleet::{
+    ADMIN_TOKEN, AgentHandle, ControllerHandle, DataplaneHandle, JOIN_TOKEN, SimHandle, SnapshotWatch, VIEWER_TOKEN,
+    eventually,
+};

@@ -1,8 +1,10 @@
 //! The live fleet dashboard on the controller's HTTP port: one static page
 //! (no build step), the fleet as JSON, and a server-sent event stream that
 //! pushes the same JSON whenever the snapshot or the data planes' activity
-//! changes.
+//! changes. With `dashboard_auth = "token"`, all three need a viewer's or
+//! the admin token ([`gate`]); without one, `/` is a login page.
 
+pub mod gate;
 pub mod view;
 
 use std::convert::Infallible;
@@ -11,7 +13,7 @@ use std::time::Duration;
 
 use axum::Router;
 use axum::extract::State;
-use axum::http::header;
+use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{Html, IntoResponse, Response};
 use axum::routing::get;
@@ -24,6 +26,7 @@ use crate::history::{Pressure, STEP_MS};
 use crate::reconcile::SnapshotRx;
 
 const PAGE: &str = include_str!("index.html");
+const LOGIN: &str = include_str!("login.html");
 /// At most this many pushes per second per viewer: a busy fleet changes
 /// every few milliseconds, eyes do not.
 const PUSH_EVERY: Duration = Duration::from_millis(500);
@@ -38,14 +41,49 @@ pub struct Dashboard {
     pub pressure: Arc<std::sync::Mutex<Pressure>>,
     /// Event streams end with it, so a graceful shutdown is not held up.
     pub shutdown: CancellationToken,
+    /// Who may look; `None`: anyone who reaches the port.
+    pub gate: Option<Arc<gate::Gate>>,
 }
 
 pub fn router(dashboard: Dashboard) -> Router {
     Router::new()
-        .route("/", get(|| async { Html(PAGE) }))
+        .route("/", get(page))
         .route("/api/v1/fleet", get(fleet))
         .route("/api/v1/events", get(events))
+        .route("/api/v1/login", axum::routing::post(login))
+        .route(
+            "/api/v1/logout",
+            axum::routing::post(|| async { (StatusCode::NO_CONTENT, [(header::SET_COOKIE, gate::logout())]) }),
+        )
         .with_state(dashboard)
+}
+
+impl Dashboard {
+    fn allows(&self, headers: &HeaderMap) -> bool {
+        self.gate.as_ref().is_none_or(|gate| gate.allows(headers))
+    }
+}
+
+fn refused() -> Response {
+    let error = "the dashboard needs a viewer token or the admin token: sign in at /, or send it as a Bearer token";
+    (StatusCode::UNAUTHORIZED, axum::Json(serde_json::json!({ "error": error }))).into_response()
+}
+
+async fn page(State(dashboard): State<Dashboard>, headers: HeaderMap) -> Html<&'static str> {
+    Html(if dashboard.allows(&headers) { PAGE } else { LOGIN })
+}
+
+#[derive(serde::Deserialize)]
+struct Login {
+    token: String,
+}
+
+async fn login(State(dashboard): State<Dashboard>, axum::Json(login): axum::Json<Login>) -> Response {
+    let Some(gate) = &dashboard.gate else { return StatusCode::NO_CONTENT.into_response() };
+    match gate.login(login.token.trim()) {
+        Some(cookie) => (StatusCode::NO_CONTENT, [(header::SET_COOKIE, cookie)]).into_response(),
+        None => refused(),
+    }
 }
 
 impl Dashboard {
@@ -78,7 +116,10 @@ pub async fn sample_pressure(dashboard: Dashboard) {
     }
 }
 
-async fn fleet(State(dashboard): State<Dashboard>) -> Response {
+async fn fleet(State(dashboard): State<Dashboard>, headers: HeaderMap) -> Response {
+    if !dashboard.allows(&headers) {
+        return refused();
+    }
     match dashboard.view() {
         Some(view) => axum::Json(view).into_response(),
         None => (
@@ -92,10 +133,13 @@ async fn fleet(State(dashboard): State<Dashboard>) -> Response {
 
 /// One `fleet` event at once, then one per change, at most every
 /// [`PUSH_EVERY`]. The browser's `EventSource` reconnects by itself.
-async fn events(State(dashboard): State<Dashboard>) -> impl IntoResponse {
+async fn events(State(dashboard): State<Dashboard>, headers: HeaderMap) -> Response {
+    if !dashboard.allows(&headers) {
+        return refused();
+    }
     let (tx, rx) = mpsc::channel(2);
     tokio::spawn(push(dashboard, tx));
-    Sse::new(ReceiverStream::new(rx)).keep_alive(KeepAlive::default())
+    Sse::new(ReceiverStream::new(rx)).keep_alive(KeepAlive::default()).into_response()
 }
 
 async fn push(dashboard: Dashboard, tx: mpsc::Sender<Result<Event, Infallible>>) {

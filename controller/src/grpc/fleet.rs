@@ -22,6 +22,8 @@ pub struct FleetSvc {
     pub snapshots: SnapshotRx,
     /// Writes and everything about API keys need it; `None`: open.
     pub admin_token: Option<inferyes_proto::bearer::Accepted>,
+    /// Reads need one of these (the admin's or a viewer's); `None`: open.
+    pub reader_tokens: Option<inferyes_proto::bearer::Accepted>,
     /// Resident sessions are asked of the reconciler, which holds them.
     pub live_requests: tokio::sync::mpsc::Sender<crate::reconcile::LiveRequest>,
     pub views: crate::reconcile::LiveViewRx,
@@ -39,11 +41,26 @@ impl FleetSvc {
     fn admin<T>(&self, request: &Request<T>) -> Result<(), Status> {
         inferyes_proto::bearer::check_call(request, self.admin_token.as_ref()).map_err(|refusal| match refusal {
             inferyes_proto::bearer::Refusal::Wrong => {
-                status(ErrorKind::PermissionDenied, "the admin token is not this fleet's")
+                status(ErrorKind::PermissionDenied, "this call needs the admin token, and that is not it")
             }
             inferyes_proto::bearer::Refusal::Missing => status(
                 ErrorKind::Unauthenticated,
                 "this call needs the admin token (inferyesctl: --admin-token-file or INFERYES_ADMIN_TOKEN)",
+            ),
+        })
+    }
+
+    /// Refuses a read without a viewer's or the admin token (when reads
+    /// need one): nodes, sessions and models are the operator's to see.
+    fn reader<T>(&self, request: &Request<T>) -> Result<(), Status> {
+        inferyes_proto::bearer::check_call(request, self.reader_tokens.as_ref()).map_err(|refusal| match refusal {
+            inferyes_proto::bearer::Refusal::Wrong => {
+                status(ErrorKind::PermissionDenied, "the token is neither a viewer's nor the admin's of this fleet")
+            }
+            inferyes_proto::bearer::Refusal::Missing => status(
+                ErrorKind::Unauthenticated,
+                "reading the fleet needs a viewer or the admin token (inferyesctl: --viewer-token-file or \
+                 --admin-token-file)",
             ),
         })
     }
@@ -58,7 +75,8 @@ impl FleetSvc {
 
 #[tonic::async_trait]
 impl FleetService for FleetSvc {
-    async fn list_nodes(&self, _: Request<ListNodesRequest>) -> Result<Response<ListNodesResponse>, Status> {
+    async fn list_nodes(&self, request: Request<ListNodesRequest>) -> Result<Response<ListNodesResponse>, Status> {
+        self.reader(&request)?;
         let snapshot = self.snapshot()?;
         Ok(Response::new(ListNodesResponse {
             version: snapshot.version(),
@@ -67,6 +85,7 @@ impl FleetService for FleetSvc {
     }
 
     async fn get_node(&self, request: Request<GetNodeRequest>) -> Result<Response<SnapshotNode>, Status> {
+        self.reader(&request)?;
         let node_id = request.into_inner().node_id;
         let snapshot = self.snapshot()?;
         let node = snapshot
@@ -75,7 +94,8 @@ impl FleetService for FleetSvc {
         Ok(Response::new(node))
     }
 
-    async fn list_models(&self, _: Request<ListModelsRequest>) -> Result<Response<ListModelsResponse>, Status> {
+    async fn list_models(&self, request: Request<ListModelsRequest>) -> Result<Response<ListModelsResponse>, Status> {
+        self.reader(&request)?;
         let snapshot = self.snapshot()?;
         Ok(Response::new(ListModelsResponse {
             version: snapshot.version(),
@@ -88,8 +108,8 @@ impl FleetService for FleetSvc {
         request: Request<ListSessionsRequest>,
     ) -> Result<Response<ListSessionsResponse>, Status> {
         // Session keys name conversations, and listing them all is work
-        // for the one task that holds them: for operators only.
-        self.admin(&request)?;
+        // for the one task that holds them: for the operator's eyes only.
+        self.reader(&request)?;
         let filter = request.into_inner().node_id;
         let snapshot = self.snapshot()?;
         let (reply, answer) = tokio::sync::oneshot::channel();
@@ -125,7 +145,11 @@ impl FleetService for FleetSvc {
         Ok(Response::new(DrainResponse { node_id, draining: false, revision }))
     }
 
-    async fn list_aliases(&self, _: Request<ListAliasesRequest>) -> Result<Response<ListAliasesResponse>, Status> {
+    async fn list_aliases(
+        &self,
+        request: Request<ListAliasesRequest>,
+    ) -> Result<Response<ListAliasesResponse>, Status> {
+        self.reader(&request)?;
         let snapshot = self.snapshot()?;
         Ok(Response::new(ListAliasesResponse { version: snapshot.version(), aliases: snapshot.aliases().to_vec() }))
     }
@@ -164,7 +188,8 @@ impl FleetService for FleetSvc {
         Ok(Response::new(WriteResponse { revision }))
     }
 
-    async fn get_policy(&self, _: Request<GetPolicyRequest>) -> Result<Response<RoutingPolicy>, Status> {
+    async fn get_policy(&self, request: Request<GetPolicyRequest>) -> Result<Response<RoutingPolicy>, Status> {
+        self.reader(&request)?;
         Ok(Response::new(self.snapshot()?.policy().clone()))
     }
 

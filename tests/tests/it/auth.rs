@@ -85,7 +85,9 @@ async fn requests_need_a_valid_key_and_get_only_its_models() {
     refused_as(&fleet.http.get(&format!("{url}/v1/models")).await, StatusCode::UNAUTHORIZED, "invalid_api_key");
 
     // Refusals are counted by reason; no secret reaches the metrics.
-    let metrics = String::from_utf8(fleet.http.get(&format!("{}/metrics", fleet.dataplane.admin_url)).await.body.to_vec()).unwrap();
+    let metrics =
+        String::from_utf8(fleet.http.get(&format!("{}/metrics", fleet.dataplane.admin_url)).await.body.to_vec())
+            .unwrap();
     assert!(metrics.contains("inferyes_dataplane_auth_refusals_total{reason=\"missing\"} 2"), "{metrics}");
     assert!(metrics.contains("inferyes_dataplane_auth_refusals_total{reason=\"invalid\"} 3"), "{metrics}");
     assert!(!metrics.contains(&secret[4..]));

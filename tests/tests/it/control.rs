@@ -319,8 +319,8 @@ async fn fleet_writes_and_keys_need_the_admin_token_and_agents_and_data_planes_t
     let refused = anonymous.create_key(CreateKeyRequest { name: "x".into(), ..Default::default() }).await.unwrap_err();
     assert_eq!(refused.code(), tonic::Code::Unauthenticated);
     assert_eq!(anonymous.list_keys(ListKeysRequest {}).await.unwrap_err().code(), tonic::Code::Unauthenticated);
-    // Reads of the fleet stay open.
-    assert!(anonymous.list_nodes(ListNodesRequest {}).await.is_ok());
+    // Reads of the fleet need a token too (a viewer's does).
+    assert_eq!(anonymous.list_nodes(ListNodesRequest {}).await.unwrap_err().code(), tonic::Code::Unauthenticated);
     let channel = tonic::transport::Channel::from_shared(controller.url()).unwrap().connect().await.unwrap();
     let mut wrong = inferyes_ctl::admin_client(channel, Some("not-the-admin-token-at-all")).unwrap();
     assert_eq!(wrong.drain(drain.clone()).await.unwrap_err().code(), tonic::Code::PermissionDenied);

@@ -1,12 +1,13 @@
-//! The controller's live dashboard: its JSON and event stream, and the page
-//! itself in a real headless Chromium against a running fleet.
+//! The controller's live dashboard: its JSON and event stream, the page
+//! itself in a real headless Chromium against a running fleet, and who may
+//! see any of it.
 
 use std::time::Duration;
 
 use http::StatusCode;
 use inferyes_proto::v1::GetPolicyRequest;
 use inferyes_sim::SimConfig;
-use inferyes_tests::{Browser, eventually};
+use inferyes_tests::{ADMIN_TOKEN, Browser, VIEWER_TOKEN, eventually};
 use serde_json::{Value, json};
 
 use crate::support::{Fleet, chat_body, chat_sim};
@@ -15,10 +16,16 @@ fn dashboard_url(fleet: &Fleet, path: &str) -> String {
     format!("http://{}{path}", fleet.controller().http_addr)
 }
 
+const VIEWER: (&str, &str) = ("authorization", "Bearer test-viewer-token-0123456789");
+
 pub async fn fleet_view(fleet: &Fleet) -> Value {
-    let response = fleet.http.get(&dashboard_url(fleet, "/api/v1/fleet")).await;
+    let response = get(fleet, "/api/v1/fleet", &[VIEWER]).await;
     assert_eq!(response.status, StatusCode::OK);
     response.json()
+}
+
+async fn get(fleet: &Fleet, path: &str, headers: &[(&str, &str)]) -> inferyes_tests::TestResponse {
+    fleet.http.send(http::Method::GET, &dashboard_url(fleet, path), bytes::Bytes::new(), headers).await
 }
 
 async fn chat_in_session(fleet: &Fleet, session: &str, text: &str) {
@@ -117,8 +124,10 @@ async fn the_fleet_view_shows_gpus_sessions_decisions_and_short_models() {
 #[tokio::test]
 async fn the_event_stream_pushes_the_fleet_when_it_changes() {
     let fleet = Fleet::start(vec![chat_sim("chat")]).await;
-    let mut response =
-        fleet.http.start(http::Method::GET, &dashboard_url(&fleet, "/api/v1/events"), bytes::Bytes::new(), &[]).await;
+    let mut response = fleet
+        .http
+        .start(http::Method::GET, &dashboard_url(&fleet, "/api/v1/events"), bytes::Bytes::new(), &[VIEWER])
+        .await;
     assert_eq!(response.status(), StatusCode::OK);
     assert_eq!(response.headers()["content-type"], "text/event-stream");
     let body = response.body_mut();
@@ -156,6 +165,13 @@ async fn the_dashboard_page_updates_live_in_a_real_browser() {
     let fleet = Fleet::start(vec![chat_sim("chat"), chat_sim("chat")]).await;
     let browser = Browser::start().await;
     browser.goto(&dashboard_url(&fleet, "/")).await;
+    // Signed in as a viewer would: the login page keeps a session.
+    browser.wait_for("the login page", Duration::from_secs(15), "return !!document.getElementById('login')").await;
+    let sign_in = format!(
+        "document.getElementById('token').value = '{VIEWER_TOKEN}'; \
+         document.getElementById('login').requestSubmit(); return true"
+    );
+    browser.eval(&sign_in).await;
     browser
         .wait_for(
             "two GPU cards",
@@ -236,4 +252,66 @@ async fn the_dashboard_page_updates_live_in_a_real_browser() {
     let shot = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("dashboard.png");
     browser.screenshot(&shot).await;
     eprintln!("dashboard screenshot: {}", shot.display());
+}
+
+/// Nothing of the fleet without a viewer's or the admin token: not the
+/// page, its JSON, its events, nor the fleet API's reads; a viewer reads
+/// and changes nothing; `dashboard_auth = "none"` opens the dashboard.
+#[tokio::test]
+async fn the_dashboard_and_fleet_reads_need_a_viewer_or_the_admin_token() {
+    let fleet = Fleet::start(vec![chat_sim("chat")]).await;
+    assert_eq!(get(&fleet, "/api/v1/fleet", &[]).await.status, StatusCode::UNAUTHORIZED);
+    assert_eq!(get(&fleet, "/api/v1/events", &[]).await.status, StatusCode::UNAUTHORIZED);
+    let wrong = ("authorization", "Bearer test-join-token-0123456789");
+    assert_eq!(get(&fleet, "/api/v1/fleet", &[wrong]).await.status, StatusCode::UNAUTHORIZED);
+    let page = get(&fleet, "/", &[]).await;
+    let page = String::from_utf8_lossy(&page.body);
+    assert!(page.contains("id=\"login\"") && !page.contains("gpu-card"), "the login page, not the fleet: {page}");
+    let admin = format!("Bearer {ADMIN_TOKEN}");
+    assert_eq!(get(&fleet, "/api/v1/fleet", &[("authorization", &admin)]).await.status, StatusCode::OK);
+
+    // The login page's session.
+    let login = |token: &str| {
+        let body = json!({ "token": token }).to_string();
+        let url = dashboard_url(&fleet, "/api/v1/login");
+        let http = fleet.http.clone();
+        async move { http.send(http::Method::POST, &url, body.into(), &[]).await }
+    };
+    assert_eq!(login("test-viewer-token-000000000").await.status, StatusCode::UNAUTHORIZED);
+    let signed_in = login(VIEWER_TOKEN).await;
+    assert_eq!(signed_in.status, StatusCode::NO_CONTENT);
+    let cookie = signed_in.header("set-cookie").unwrap().split(';').next().unwrap().to_string();
+    assert!(!cookie.contains(VIEWER_TOKEN), "{cookie}");
+    assert_eq!(get(&fleet, "/api/v1/fleet", &[("cookie", &cookie)]).await.status, StatusCode::OK);
+    let page = get(&fleet, "/", &[("cookie", &cookie)]).await;
+    assert!(String::from_utf8_lossy(&page.body).contains("gpu-card"));
+
+    // The fleet API: reads need a token, a viewer's reads only.
+    let channel = tonic::transport::Endpoint::from_shared(fleet.controller().url()).unwrap().connect().await.unwrap();
+    let mut open = inferyes_ctl::admin_client(channel.clone(), None).unwrap();
+    let refused = open.list_nodes(inferyes_proto::v1::ListNodesRequest {}).await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::Unauthenticated, "{refused:?}");
+    let refused = open.list_sessions(inferyes_proto::v1::ListSessionsRequest::default()).await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::Unauthenticated);
+    assert!(open.get_policy(GetPolicyRequest {}).await.is_err());
+    let mut viewer = inferyes_ctl::admin_client(channel, Some(VIEWER_TOKEN)).unwrap();
+    assert_eq!(viewer.list_nodes(inferyes_proto::v1::ListNodesRequest {}).await.unwrap().into_inner().nodes.len(), 1);
+    assert!(viewer.list_sessions(inferyes_proto::v1::ListSessionsRequest::default()).await.is_ok());
+    let drain = inferyes_proto::v1::DrainRequest { node_id: "node-a".into(), ..Default::default() };
+    let refused = viewer.drain(drain).await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::PermissionDenied, "{refused:?}");
+    let refused = viewer.list_keys(inferyes_proto::v1::ListKeysRequest::default()).await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::PermissionDenied);
+}
+
+#[tokio::test]
+async fn dashboard_auth_none_leaves_the_dashboard_open() {
+    let etcd = inferyes_tests::Etcd::start().await;
+    let controller = inferyes_tests::ControllerHandle::start_with(&etcd.endpoint(), "open", None, |config| {
+        config.dashboard_auth = inferyes_controller::config::TokenAuth::None;
+    })
+    .await;
+    let url = format!("http://{}/api/v1/fleet", controller.http_addr);
+    let http = inferyes_tests::HttpClient::default();
+    assert_eq!(http.get(&url).await.status, StatusCode::OK);
 }
