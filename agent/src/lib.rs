@@ -113,6 +113,8 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
     let backend_urls: Vec<String> = probes.iter().map(|p| p.url.clone()).collect();
     let state = Arc::new(AgentState {
         node_id: config.node_id.clone(),
+        // 160 bits.
+        instance: inferyes_proto::apikey::random_chars(32)?,
         hostname: config::hostname(),
         proxy_url,
         // `inferyes_net::serve` takes HTTP/1.1 and HTTP/2; what listens at

@@ -83,8 +83,11 @@ async fn session(
     let channel = connect(address, tls).await?;
     let (tx, rx) = mpsc::channel(16);
     let mut sent: NodeStatus = state.status();
-    let register =
-        Register { status: Some(sent.clone()), join_token: join_token.map(str::to_string).unwrap_or_default() };
+    let register = Register {
+        status: Some(sent.clone()),
+        join_token: join_token.map(str::to_string).unwrap_or_default(),
+        instance: state.instance.clone(),
+    };
     // Queued before the call: the controller answers once it has read it.
     let _ = tx.try_send(AgentMessage { msg: Some(agent_message::Msg::Register(register)) });
     let mut inbound = AgentServiceClient::new(channel)

@@ -51,6 +51,9 @@ pub struct Observations {
 
 pub struct AgentState {
     pub node_id: String,
+    /// Random for this start: presented on registering, so that only this
+    /// process (moving between controllers) takes over its live node.
+    pub instance: String,
     pub hostname: String,
     pub proxy_url: String,
     /// Whether data planes may speak HTTP/2 to `proxy_url`: only when it is

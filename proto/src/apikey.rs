@@ -91,7 +91,8 @@ pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     std::hint::black_box(difference) == 0
 }
 
-fn random_chars(n: usize) -> anyhow::Result<String> {
+/// `n` random characters of the key alphabet (5 bits each), from the OS.
+pub fn random_chars(n: usize) -> anyhow::Result<String> {
     let mut bytes = vec![0u8; n];
     getrandom::fill(&mut bytes).map_err(|e| anyhow::anyhow!("no randomness from the OS: {e}"))?;
     // 256 is a multiple of 32: taking the low 5 bits keeps the choice uniform.

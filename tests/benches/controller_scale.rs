@@ -373,6 +373,7 @@ async fn agent(index: usize, swarm: Swarm) {
             msg: Some(Msg::Register(Register {
                 status: Some(status.clone()),
                 join_token: swarm.join_token.to_string(),
+                instance: format!("swarm{index:0>16}"),
             })),
         })
         .await;

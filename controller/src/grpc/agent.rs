@@ -88,6 +88,7 @@ impl AgentService for AgentSvc {
         }
         let node = register.status.ok_or_else(|| status(ErrorKind::BadRequest, "register carries no node status"))?;
         validate(&node)?;
+        let instance = instance_digest(&register.instance)?;
 
         let (tx, rx) = mpsc::channel(8);
         let registered = ControllerMessage {
@@ -101,9 +102,23 @@ impl AgentService for AgentSvc {
         let _ = tx.try_send(Ok(registered));
         let span = tracing::info_span!("agent", node = %node.node_id, peer = ?peer);
         tracing::info!(parent: &span, "agent joined");
-        tokio::spawn(self.clone().session(node, inbound, tx).instrument(span));
+        tokio::spawn(self.clone().session(node, instance, inbound, tx).instrument(span));
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
+}
+
+/// What etcd keeps of an agent's instance: its SHA-256, so that a reader
+/// of etcd cannot present it. Empty for an agent that sends none (it can
+/// then take only a free node id).
+fn instance_digest(instance: &str) -> Result<String, Status> {
+    if instance.is_empty() {
+        return Ok(String::new());
+    }
+    if !(16..=128).contains(&instance.len()) || !instance.bytes().all(|b| b.is_ascii_alphanumeric()) {
+        return Err(status(ErrorKind::BadRequest, "instance must be 16-128 letters and digits"));
+    }
+    let digest = ring::digest::digest(&ring::digest::SHA256, instance.as_bytes());
+    Ok(digest.as_ref().iter().map(|b| format!("{b:02x}")).collect())
 }
 
 fn validate(node: &NodeStatus) -> Result<(), Status> {
@@ -117,6 +132,16 @@ fn validate(node: &NodeStatus) -> Result<(), Status> {
     Ok(())
 }
 
+fn taken(node_id: &str) -> Status {
+    status(
+        ErrorKind::PermissionDenied,
+        format!(
+            "node id `{node_id}` is held by another agent whose lease is live: give this agent another node_id, \
+             or it joins once that lease ends"
+        ),
+    )
+}
+
 fn millis(d: Duration) -> u32 {
     u32::try_from(d.as_millis()).unwrap_or(u32::MAX)
 }
@@ -125,6 +150,8 @@ fn millis(d: Duration) -> u32 {
 enum End {
     AgentLeft,
     AgentSilent,
+    /// Another agent's live lease holds the node id.
+    Taken,
     Shutdown,
 }
 
@@ -132,6 +159,7 @@ impl AgentSvc {
     async fn session(
         self,
         node: NodeStatus,
+        instance_digest: String,
         mut inbound: Streaming<AgentMessage>,
         tx: mpsc::Sender<Result<ControllerMessage, Status>>,
     ) {
@@ -143,12 +171,27 @@ impl AgentSvc {
         let mut numbering = Numbering::default();
         let mut reported = Reported::default();
         reported.update(node);
+        let mut pending: Option<NodeStatus> = Some(reported.durable.clone());
+        let mut written: Option<NodeStatus> = None;
+        // The node id is this stream's before anything of it reaches the
+        // fleet: a registration naming a live node's id is refused here.
+        match self.write(&mut lease, reported.durable.clone(), registered_unix_ms, &instance_digest).await {
+            Ok(_) => written = pending.take(),
+            Err(StoreError::NodeTaken(_)) => {
+                tracing::warn!("agent refused: its node id is held by another agent's live lease");
+                let _ = tx.send(Err(taken(&node_id))).await;
+                if let Some(lease) = lease {
+                    let _ = self.store.revoke(lease).await;
+                }
+                return;
+            }
+            // Written on the next try; the stream goes on meanwhile.
+            Err(error) => tracing::warn!(%error, "node status not written; holding it for retry"),
+        }
         if self.live.send(reported.load_event(&node_id, &origin, stream)).await.is_err() {
             return;
         }
         self.metrics.agent_streams.inc();
-        let mut pending: Option<NodeStatus> = Some(reported.durable.clone());
-        let mut written: Option<NodeStatus> = None;
         let mut write_at = Instant::now();
         let mut write_backoff = inferyes_net::backoff::RECONNECT;
         let mut last_heard = Instant::now();
@@ -240,7 +283,7 @@ impl AgentSvc {
                 },
                 () = sleep_until(due) => {
                     let Some(status) = pending.clone() else { continue };
-                    match self.write(&mut lease, status.clone(), registered_unix_ms).await {
+                    match self.write(&mut lease, status.clone(), registered_unix_ms, &instance_digest).await {
                         Ok(revision) => {
                             tracing::debug!(revision, "node status written");
                             written = Some(status);
@@ -248,6 +291,7 @@ impl AgentSvc {
                             write_at = Instant::now() + self.min_write_interval;
                             write_backoff.reset();
                         }
+                        Err(StoreError::NodeTaken(_)) => break End::Taken,
                         Err(error) => {
                             tracing::warn!(%error, "node status not written; holding it for retry");
                             write_at = Instant::now() + write_backoff.next_wait();
@@ -303,8 +347,11 @@ impl AgentSvc {
                 // controller, whose write replaces the key before then.
                 tracing::info!("controller shutting down; agent stream closed");
             }
-            End::AgentLeft | End::AgentSilent => {
-                if matches!(end, End::AgentSilent) {
+            End::AgentLeft | End::AgentSilent | End::Taken => {
+                if matches!(end, End::Taken) {
+                    tracing::warn!("node id taken by another agent after this one's lease ran out; stream closed");
+                    let _ = tx.send(Err(taken(&node_id))).await;
+                } else if matches!(end, End::AgentSilent) {
                     tracing::warn!("agent silent for longer than the lease ttl; dropping its node");
                     let _ = tx.send(Err(status(ErrorKind::Timeout, "no heartbeat within the lease ttl"))).await;
                 } else {
@@ -324,12 +371,18 @@ impl AgentSvc {
         lease: &mut Option<Lease>,
         status: NodeStatus,
         registered_unix_ms: u64,
+        instance_digest: &str,
     ) -> Result<u64, StoreError> {
         let current = match lease.take() {
             Some(current) => current,
             None => self.store.grant_lease(self.lease_ttl).await?,
         };
-        let record = NodeRecord { status: Some(status), controller_id: self.controller_id.clone(), registered_unix_ms };
+        let record = NodeRecord {
+            status: Some(status),
+            controller_id: self.controller_id.clone(),
+            registered_unix_ms,
+            instance_digest: instance_digest.to_string(),
+        };
         // On failure the lease is dropped with the error: it may be gone
         // (etcd restarted, TTL passed), and the next try starts afresh.
         let started = std::time::Instant::now();

@@ -1,8 +1,8 @@
 use std::time::Duration;
 
 use etcd_client::{
-    Client, ConnectOptions, EventType, GetOptions, KeyValue, LeaseKeepAliveStream, LeaseKeeper, PutOptions,
-    WatchOptions, WatchStream,
+    Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, KeyValue, LeaseKeepAliveStream, LeaseKeeper,
+    PutOptions, Txn, TxnOp, TxnOpResponse, WatchOptions, WatchStream,
 };
 use inferyes_proto::ErrorKind;
 use inferyes_proto::v1::{
@@ -22,11 +22,16 @@ pub enum StoreError {
     Compacted(i64),
     #[error("etcd watch ended")]
     WatchEnded,
+    #[error("node `{0}` is held by another agent, whose lease is live")]
+    NodeTaken(String),
 }
 
 impl StoreError {
     pub fn kind(&self) -> ErrorKind {
-        ErrorKind::Unavailable
+        match self {
+            StoreError::NodeTaken(_) => ErrorKind::PermissionDenied,
+            _ => ErrorKind::Unavailable,
+        }
     }
 }
 
@@ -125,12 +130,47 @@ impl EtcdStore {
     }
 
     /// Writes a node's record bound to its lease; returns the revision.
+    /// The key is written if it is this lease's already, free, or held by
+    /// the same agent instance (`record.instance_digest`: one that moved
+    /// to this controller); a live record of another instance is left
+    /// alone ([`StoreError::NodeTaken`]), so no registration can take a
+    /// live node's id, and its traffic, from its agent.
     pub async fn put_node(&self, record: &NodeRecord, lease: &Lease) -> Result<u64, StoreError> {
         let node_id = record.status.as_ref().map(|s| s.node_id.as_str()).unwrap_or_default();
         let key = self.keys.node(node_id);
-        let options = PutOptions::new().with_lease(lease.id);
-        let response = self.client.clone().put(key, record.encode_to_vec(), Some(options)).await?;
-        Ok(revision(response.header()))
+        let put = || TxnOp::put(key.clone(), record.encode_to_vec(), Some(PutOptions::new().with_lease(lease.id)));
+        let mut client = self.client.clone();
+        // Every write but a node's first under a lease: one round trip.
+        let ours = Txn::new()
+            .when([Compare::lease(key.clone(), CompareOp::Equal, lease.id)])
+            .and_then([put()])
+            .or_else([TxnOp::get(key.clone(), None)]);
+        let response = client.txn(ours).await?;
+        if response.succeeded() {
+            return Ok(revision(response.header()));
+        }
+        let held = response.op_responses().into_iter().find_map(|op| match op {
+            TxnOpResponse::Get(get) => get.kvs().first().map(|kv| (kv.mod_revision(), NodeRecord::decode(kv.value()))),
+            _ => None,
+        });
+        let claim = match held {
+            None => Compare::version(key.clone(), CompareOp::Equal, 0),
+            Some((mod_revision, Ok(current)))
+                if !current.instance_digest.is_empty() && current.instance_digest == record.instance_digest =>
+            {
+                Compare::mod_revision(key.clone(), CompareOp::Equal, mod_revision)
+            }
+            // Unreadable: written by no controller of this version; free.
+            Some((mod_revision, Err(_))) => Compare::mod_revision(key.clone(), CompareOp::Equal, mod_revision),
+            Some(_) => return Err(StoreError::NodeTaken(node_id.to_string())),
+        };
+        let response = client.txn(Txn::new().when([claim]).and_then([put()])).await?;
+        if response.succeeded() {
+            Ok(revision(response.header()))
+        } else {
+            // Written in between, by the agent it belongs to or another.
+            Err(StoreError::NodeTaken(node_id.to_string()))
+        }
     }
 
     /// Writes this controller's address for its peers, bound to `lease`.

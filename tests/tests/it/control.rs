@@ -196,7 +196,8 @@ async fn a_silent_agent_is_dropped_after_the_lease_ttl() {
     // open but nothing more is ever sent.
     let (tx, rx) = tokio::sync::mpsc::channel(1);
     let status = NodeStatus { node_id: "hung".into(), proxy_url: "http://127.0.0.1:9".into(), ..Default::default() };
-    let register = Register { status: Some(status), join_token: inferyes_tests::fleet::JOIN_TOKEN.into() };
+    let register =
+        Register { status: Some(status), join_token: inferyes_tests::fleet::JOIN_TOKEN.into(), ..Default::default() };
     tx.send(AgentMessage { msg: Some(agent_message::Msg::Register(register)) }).await.unwrap();
     let mut agents = AgentServiceClient::connect(controller.url()).await.unwrap();
     let mut inbound = agents.join(tokio_stream::wrappers::ReceiverStream::new(rx)).await.unwrap().into_inner();
@@ -330,7 +331,7 @@ async fn fleet_writes_and_keys_need_the_admin_token_and_agents_and_data_planes_t
         let (tx, rx) = tokio::sync::mpsc::channel(1);
         let status =
             NodeStatus { node_id: "intruder".into(), proxy_url: "http://127.0.0.1:9".into(), ..Default::default() };
-        let register = Register { status: Some(status), join_token: token.into() };
+        let register = Register { status: Some(status), join_token: token.into(), ..Default::default() };
         tx.send(AgentMessage { msg: Some(agent_message::Msg::Register(register)) }).await.unwrap();
         let mut agents = AgentServiceClient::connect(controller.url()).await.unwrap();
         let refused = agents.join(tokio_stream::wrappers::ReceiverStream::new(rx)).await.unwrap_err();
@@ -458,4 +459,66 @@ async fn data_planes_on_either_controller_see_every_node_s_sessions() {
         assert_eq!(again.header("x-inferyes-node"), Some(home.as_str()), "{session}");
         assert_eq!(again.header("x-inferyes-route"), Some("resident"), "{session}");
     }
+}
+
+/// The bullet: whoever holds the join token registers an existing
+/// node id with its own proxy URL, to be sent that node's prompts. While
+/// the node's agent is connected (its lease live) that is refused, and the
+/// node keeps its address; once the agent has left, the id is free.
+#[tokio::test]
+async fn a_live_node_s_id_cannot_be_taken_by_another_registration() {
+    use inferyes_proto::v1::agent_service_client::AgentServiceClient;
+    use inferyes_proto::v1::{AgentMessage, NodeStatus, Register, agent_message};
+
+    let etcd = Etcd::start().await;
+    let controller = ControllerHandle::start(&etcd.endpoint(), "controller-1").await;
+    let sim = SimHandle::start(chat_sim("chat")).await;
+    let agent = AgentHandle::start("node-a", &[controller.url()], &[("main", &sim)]).await;
+    let admin = controller.fleet().await;
+    let proxy_url = |admin: &inferyes_proto::v1::fleet_service_client::FleetServiceClient<_>| {
+        let mut admin = admin.clone();
+        async move {
+            let nodes = admin.list_nodes(ListNodesRequest {}).await.unwrap().into_inner().nodes;
+            nodes.into_iter().find_map(|n| n.status.filter(|s| s.node_id == "node-a").map(|s| s.proxy_url))
+        }
+    };
+    let real = format!("http://{}", agent.proxy_addr);
+    eventually("node-a joined", Duration::from_secs(5), || {
+        let (lookup, real) = (proxy_url(&admin), real.clone());
+        async move { lookup.await.as_deref() == Some(real.as_str()) }
+    })
+    .await;
+
+    let intrude = || async {
+        let (tx, rx) = tokio::sync::mpsc::channel(1);
+        let status =
+            NodeStatus { node_id: "node-a".into(), proxy_url: "http://127.0.0.1:9".into(), ..Default::default() };
+        let register = Register {
+            status: Some(status),
+            join_token: inferyes_tests::fleet::JOIN_TOKEN.into(),
+            instance: "intruderinstance0000".into(),
+        };
+        tx.send(AgentMessage { msg: Some(agent_message::Msg::Register(register)) }).await.unwrap();
+        let mut agents = AgentServiceClient::connect(controller.url()).await.unwrap();
+        let inbound = agents.join(tokio_stream::wrappers::ReceiverStream::new(rx)).await.unwrap().into_inner();
+        (tx, inbound)
+    };
+    let (_tx, mut inbound) = intrude().await;
+    let refused = loop {
+        match inbound.message().await {
+            Ok(Some(_)) => continue,
+            other => break other.unwrap_err(),
+        }
+    };
+    assert_eq!(refused.code(), tonic::Code::PermissionDenied, "{refused:?}");
+    assert!(refused.message().contains("held by another agent"), "{refused:?}");
+    assert_eq!(proxy_url(&admin).await.as_deref(), Some(real.as_str()), "the node keeps its agent's address");
+
+    agent.stop().await;
+    let (_tx, _inbound) = intrude().await;
+    eventually("the free id taken", Duration::from_secs(5), || {
+        let lookup = proxy_url(&admin);
+        async move { lookup.await.as_deref() == Some("http://127.0.0.1:9") }
+    })
+    .await;
 }

@@ -332,7 +332,8 @@ async fn join_node(
         ..Default::default()
     };
     let (tx, rx) = tokio::sync::mpsc::channel(4);
-    let register = Register { status: Some(status), join_token: inferyes_tests::fleet::JOIN_TOKEN.into() };
+    let register =
+        Register { status: Some(status), join_token: inferyes_tests::fleet::JOIN_TOKEN.into(), ..Default::default() };
     tx.send(AgentMessage { msg: Some(inferyes_proto::v1::agent_message::Msg::Register(register)) })
         .await
         .expect("queued");
