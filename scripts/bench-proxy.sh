@@ -151,6 +151,9 @@ until curl -fsS "http://127.0.0.1:$etcd_client/health" >/dev/null 2>&1; do sleep
 
 # The fleet's tokens, read by every component from the environment.
 export INFERYES_ADMIN_TOKEN=bench-admin-token-0123456789 INFERYES_JOIN_TOKEN=bench-join-token-0123456789
+# One token for agents and data planes, so that a BASELINE build (which has
+# no token of the data planes' own) joins the same fleet.
+export INFERYES_DATAPLANE_TOKEN=$INFERYES_JOIN_TOKEN
 "$bin/inferyes-controller" --etcd-endpoints "http://127.0.0.1:$etcd_client" \
   --grpc-listen "127.0.0.1:$grpc" --http-listen "127.0.0.1:$http" >"$work/controller.log" 2>&1 & pids+=($!)
 cat > "$work/agent.toml" <<CONF
@@ -246,10 +249,12 @@ wrk.headers["x-stainless-retry-count"] = "0"
 wrk.headers["x-stainless-read-timeout"] = "600"
 LUA
 fi
-# Agents take requests that carry the fleet's join token, as data planes
-# send them (a data plane with keys off takes this one as a client's and
-# drops it).
-echo "wrk.headers[\"Authorization\"] = \"Bearer $INFERYES_JOIN_TOKEN\"" >> "$work/chat.lua"
+# Agents take requests that carry the credential data planes send them,
+# derived from the join token (a data plane with keys off takes this one
+# as a client's and drops it).
+credential=$(python3 -c 'import hashlib, hmac, sys
+print(hmac.new(sys.argv[1].encode(), b"inferyes agent proxy v1", hashlib.sha256).hexdigest())' "$INFERYES_JOIN_TOKEN")
+echo "wrk.headers[\"Authorization\"] = \"Bearer $credential\"" >> "$work/chat.lua"
 sed 's/"messages":\[{"role":"user","content":"hello"}\]/"prompt":"hello","stream":true/' "$work/chat.lua" > "$work/stream.lua"
 sed 's/"model":"bench"/"model":"bench-direct"/' "$work/chat.lua" > "$work/chat-direct.lua"
 sed 's/"model":"bench"/"model":"bench-direct"/' "$work/stream.lua" > "$work/stream-direct.lua"

@@ -49,8 +49,8 @@ fi
 bin="${CARGO_TARGET_DIR:-$root/target}/$profile"
 
 # The fleet's shared secrets, made once: the admin token (inferyesctl
-# changes) and the join token of agents and data planes.
-for token in admin-token join-token; do
+# changes), the agents' join token and the data planes' token.
+for token in admin-token join-token dataplane-token; do
   if [ ! -s "$state/$token" ]; then
     (umask 077; head -c 24 /dev/urandom | base64 | tr -d '=+/' > "$state/$token")
   fi

@@ -156,7 +156,12 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
     )?;
     let join_token: Option<Arc<str>> =
         join_tokens.as_ref().and_then(|tokens| tokens.first()).map(|t| Arc::from(t.as_str()));
-    let accepted = join_tokens.map(inferyes_proto::bearer::Accepted::new);
+    // Data planes present what the controller derives from its join token
+    // (the token itself, from data planes of an earlier version).
+    let accepted = join_tokens.map(|tokens| {
+        let credentials = tokens.iter().map(|token| inferyes_proto::bearer::proxy_credential(token));
+        inferyes_proto::bearer::Accepted::new(credentials.chain(tokens.iter().cloned()).collect())
+    });
     if join_token.is_none() {
         tracing::warn!("no join token: the proxy forwards anyone's requests to the backends");
     }

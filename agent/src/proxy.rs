@@ -127,13 +127,12 @@ impl hyper::service::Service<Request<Incoming>> for Service {
         {
             // Once in a while: a data plane given the wrong token would
             // otherwise log a line per request it sends.
-            inferyes_net::warn_every!("refused a request without the fleet's join token (a data plane given another?)");
-            let message = "this node takes requests from the fleet's data planes only (their join token)";
-            return Box::pin(std::future::ready(Ok(error(
-                ErrorKind::Unauthenticated,
-                message,
-                inferyes_proto::bearer::FLEET_TOKEN_REQUIRED,
-            ))));
+            inferyes_net::warn_every!(
+                "refused a request without the fleet's credential (a controller with another join token?)"
+            );
+            let message = "this node takes requests from the fleet's data planes only";
+            let refusal = error(ErrorKind::Unauthenticated, message, inferyes_proto::bearer::FLEET_TOKEN_REQUIRED);
+            return Box::pin(std::future::ready(Ok(refusal)));
         }
         let proxy = self.proxy.clone();
         Box::pin(async move { Ok(forward(proxy, request).await) })

@@ -49,6 +49,9 @@ pub struct Args {
     /// The agents' join token itself (prefer join_token_file in the config file).
     #[arg(long, env = "INFERYES_JOIN_TOKEN", hide_env_values = true)]
     pub join_token: Option<String>,
+    /// The data planes' token itself (prefer dataplane_token_file in the config file).
+    #[arg(long, env = "INFERYES_DATAPLANE_TOKEN", hide_env_values = true)]
+    pub dataplane_token: Option<String>,
     /// A read-only viewer token itself (prefer viewer_token_file in the config file).
     #[arg(long, env = "INFERYES_VIEWER_TOKEN", hide_env_values = true)]
     pub viewer_token: Option<String>,
@@ -101,6 +104,11 @@ pub struct Config {
     pub join_auth: TokenAuth,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub join_token_file: Option<PathBuf>,
+    /// The data planes' tokens: RoutingService (snapshots, usage, reports,
+    /// and controllers following each other) takes these, and the agents'
+    /// join token no longer. Unset: the join tokens, as one token for both.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dataplane_token_file: Option<PathBuf>,
     /// Read-only tokens: fleet reads (nodes, models, sessions, policy,
     /// aliases) and the dashboard, nothing that changes the fleet. The
     /// admin token reads too.
@@ -121,6 +129,8 @@ pub struct Config {
     pub admin_token: Option<String>,
     #[serde(skip)]
     pub join_token: Option<String>,
+    #[serde(skip)]
+    pub dataplane_token: Option<String>,
     #[serde(skip)]
     pub viewer_token: Option<String>,
 }
@@ -146,6 +156,7 @@ impl Default for Config {
             admin_token_file: None,
             join_auth: TokenAuth::Token,
             join_token_file: None,
+            dataplane_token_file: None,
             viewer_token_file: None,
             dashboard_auth: TokenAuth::Token,
             usage_retention_days: 400,
@@ -153,6 +164,7 @@ impl Default for Config {
             tls: inferyes_proto::tls::Tls::default(),
             admin_token: None,
             join_token: None,
+            dataplane_token: None,
             viewer_token: None,
         }
     }
@@ -187,6 +199,9 @@ impl Config {
         }
         if let Some(v) = &args.join_token {
             config.join_token = Some(v.clone());
+        }
+        if let Some(v) = &args.dataplane_token {
+            config.dataplane_token = Some(v.clone());
         }
         if let Some(v) = &args.viewer_token {
             config.viewer_token = Some(v.clone());
@@ -296,6 +311,23 @@ impl Config {
         Ok(tokens.map(Accepted::new))
     }
 
+    /// The tokens RoutingService takes, read now: the data planes', or,
+    /// when none are set, the join tokens; `None` when join_auth is `none`.
+    pub fn dataplane_tokens(&self) -> anyhow::Result<Option<Accepted>> {
+        if self.join_auth == TokenAuth::None {
+            return Ok(None);
+        }
+        match read_tokens(self.dataplane_token.as_deref(), self.dataplane_token_file.as_deref(), "data plane token")? {
+            Some(tokens) => Ok(Some(Accepted::new(tokens))),
+            None => self.join_token(),
+        }
+    }
+
+    /// Whether data planes have tokens of their own.
+    pub fn separate_dataplane_tokens(&self) -> bool {
+        self.dataplane_token.is_some() || self.dataplane_token_file.is_some()
+    }
+
     /// The join tokens taken, read now; `None` when join_auth is `none`.
     pub fn join_token(&self) -> anyhow::Result<Option<Accepted>> {
         if self.join_auth == TokenAuth::None {
@@ -380,7 +412,12 @@ mod tests {
     fn tokens_are_required_unless_switched_off_and_are_never_written_out() {
         let error = Config::default().validate().unwrap_err().to_string();
         assert!(error.contains("admin_token_file") && error.contains("admin_auth = \"none\""), "{error}");
-        let open = Config { admin_auth: TokenAuth::None, join_auth: TokenAuth::None, ..Config::default() };
+        let open = Config {
+            admin_auth: TokenAuth::None,
+            join_auth: TokenAuth::None,
+            dashboard_auth: TokenAuth::None,
+            ..Config::default()
+        };
         open.validate().unwrap();
         assert!(open.admin_token().unwrap().is_none());
         let secret = "s3cret-token-0123456789";
@@ -402,6 +439,28 @@ mod tests {
         std::fs::remove_dir_all(&dir).unwrap();
         let short = Config { admin_token: Some("short".into()), ..set };
         assert!(short.admin_token().unwrap_err().to_string().contains("at least 16"));
+    }
+
+    #[test]
+    fn data_planes_and_viewers_have_tokens_of_their_own() {
+        let (admin, join) = ("the-admin-token-0123", "the-join-token-01234");
+        let one = Config { admin_token: Some(admin.into()), join_token: Some(join.into()), ..Config::default() };
+        // One token for agents and data planes, as before there were two.
+        assert!(one.dataplane_tokens().unwrap().unwrap().accepts(join.as_bytes()));
+        let two = Config { dataplane_token: Some("the-dataplane-token-0".into()), ..one.clone() };
+        let routing = two.dataplane_tokens().unwrap().unwrap();
+        assert!(routing.accepts(b"the-dataplane-token-0") && !routing.accepts(join.as_bytes()));
+        // Reads take the admin's and the viewers' tokens; an open fleet,
+        // none; a dashboard with no token to take is refused.
+        let viewed = Config { viewer_token: Some("the-viewer-token-012".into()), ..one.clone() };
+        let readers = viewed.reader_tokens().unwrap().unwrap();
+        assert!(readers.accepts(admin.as_bytes()) && readers.accepts(b"the-viewer-token-012"));
+        assert!(!readers.accepts(join.as_bytes()));
+        let open = Config { admin_auth: TokenAuth::None, join_auth: TokenAuth::None, ..Config::default() };
+        assert!(open.validate().unwrap_err().to_string().contains("dashboard_auth"));
+        let open = Config { dashboard_auth: TokenAuth::None, ..open };
+        open.validate().unwrap();
+        assert!(open.reader_tokens().unwrap().is_none() && open.dashboard_tokens().unwrap().is_none());
     }
 
     #[test]

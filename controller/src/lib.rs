@@ -50,6 +50,13 @@ impl Listeners {
 pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationToken) -> anyhow::Result<()> {
     let admin_token = config.admin_token()?;
     let join_token = config.join_token()?;
+    let dataplane_tokens = config.dataplane_tokens()?;
+    if join_token.is_some() && !config.separate_dataplane_tokens() {
+        tracing::warn!(
+            "no dataplane_token_file: the agents' join token is the data planes' too, and reads snapshots \
+             (keys' hashes, sessions) and writes usage; give data planes a token of their own"
+        );
+    }
     if admin_token.is_none() {
         tracing::warn!("admin_auth = \"none\": anyone who reaches the gRPC port can change the fleet and its keys");
     }
@@ -109,8 +116,9 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
             },
             lease_ttl: config.lease_ttl(),
             tls: config.tls.clone(),
+            // Following another controller is a RoutingService call.
             bearer: inferyes_proto::bearer::Bearer::new(
-                join_token.as_ref().and_then(inferyes_proto::bearer::Accepted::presented),
+                dataplane_tokens.as_ref().and_then(inferyes_proto::bearer::Accepted::presented),
             )?,
             metrics: std::sync::Arc::clone(&metrics),
             shutdown: shutdown.clone(),
@@ -145,7 +153,12 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         serve_after: tokio::time::Instant::now() + config.startup_grace(),
         activity: std::sync::Arc::clone(&activity),
         store: store.clone(),
-        join_token,
+        proxy_credential: join_token
+            .as_ref()
+            .and_then(inferyes_proto::bearer::Accepted::presented)
+            .map(inferyes_proto::bearer::proxy_credential)
+            .unwrap_or_default(),
+        dataplane_tokens,
         batches,
         live_requests: requests_tx.clone(),
         peers_following,

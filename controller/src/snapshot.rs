@@ -104,6 +104,8 @@ impl Snapshot {
             usage_today: Some(KeyUsageToday::clone(&self.usage_today)),
             live: Vec::new(),
             live_state: true,
+            // The routing service's, not the fleet's state.
+            proxy_credential: String::new(),
         }
     }
 }

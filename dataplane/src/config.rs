@@ -49,9 +49,9 @@ pub struct Args {
     /// How requests travel to agents: http1 (the default) or http2.
     #[arg(long, env = "INFERYES_AGENT_PROTOCOL")]
     pub agent_protocol: Option<AgentProtocol>,
-    /// The fleet's join token itself (prefer join_token_file in the config file).
-    #[arg(long, env = "INFERYES_JOIN_TOKEN", hide_env_values = true)]
-    pub join_token: Option<String>,
+    /// The data planes' token itself (prefer dataplane_token_file in the config file).
+    #[arg(long, env = "INFERYES_DATAPLANE_TOKEN", hide_env_values = true)]
+    pub dataplane_token: Option<String>,
 }
 
 pub use inferyes_net::process::LogFormat;
@@ -118,13 +118,15 @@ pub struct Config {
     /// request as a stream. HTTP/1.1 is the default: HTTP/2 cost about 60 µs
     /// more per request at low concurrency (docs/performance.md).
     pub agent_protocol: AgentProtocol,
-    /// A file holding the fleet's join token, presented to controllers and
-    /// to agents; without one, both must be open to this data plane.
+    /// A file holding the data planes' token, presented to controllers;
+    /// without one, they must be open to data planes. Agents are sent what
+    /// the controller's snapshot says they take, never a token of this
+    /// data plane's.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub join_token_file: Option<PathBuf>,
+    pub dataplane_token_file: Option<PathBuf>,
     /// From the environment or a flag; never written out.
     #[serde(skip)]
-    pub join_token: Option<String>,
+    pub dataplane_token: Option<String>,
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
@@ -160,8 +162,8 @@ impl Default for Config {
             tls: inferyes_proto::tls::Tls::default(),
             workers: 0,
             agent_protocol: AgentProtocol::Http1,
-            join_token_file: None,
-            join_token: None,
+            dataplane_token_file: None,
+            dataplane_token: None,
         }
     }
 }
@@ -196,8 +198,8 @@ impl Config {
         if let Some(v) = args.agent_protocol {
             config.agent_protocol = v;
         }
-        if let Some(v) = &args.join_token {
-            config.join_token = Some(v.clone());
+        if let Some(v) = &args.dataplane_token {
+            config.dataplane_token = Some(v.clone());
         }
         if config.dataplane_id.is_empty() {
             let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
@@ -241,9 +243,13 @@ impl Config {
         Duration::from_millis(self.response_header_timeout_ms)
     }
 
-    /// The fleet's join token, read from where it was given.
-    pub fn join_token(&self) -> anyhow::Result<Option<String>> {
-        inferyes_proto::files::read_token(self.join_token.as_deref(), self.join_token_file.as_deref(), "join token")
+    /// The data planes' token, read from where it was given.
+    pub fn dataplane_token(&self) -> anyhow::Result<Option<String>> {
+        inferyes_proto::files::read_token(
+            self.dataplane_token.as_deref(),
+            self.dataplane_token_file.as_deref(),
+            "data plane token",
+        )
     }
 
     pub fn request_body_timeout(&self) -> Duration {

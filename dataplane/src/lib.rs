@@ -74,16 +74,15 @@ pub async fn run(
     snapshots: Arc<SnapshotStore>,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
-    let join_token = config.join_token()?;
-    if join_token.is_none() {
-        tracing::warn!("no join token: controllers and agents must be open to any data plane");
+    let dataplane_token = config.dataplane_token()?;
+    if dataplane_token.is_none() {
+        tracing::warn!("no data plane token: controllers must be open to any data plane");
     }
     let controllers = Controllers {
         addresses: config.controllers.clone(),
         tls: config.tls.clone(),
-        bearer: inferyes_proto::bearer::Bearer::new(join_token.as_deref())?,
+        bearer: inferyes_proto::bearer::Bearer::new(dataplane_token.as_deref())?,
     };
-    let agent_authorization = join_token.as_deref().map(http::agent_authorization).transpose()?;
     let subscription = AbortOnDropHandle::new(tokio::spawn(
         snapshot::subscribe(Arc::clone(&snapshots), controllers.clone(), config.dataplane_id.clone(), shutdown.clone())
             .instrument(tracing::info_span!("snapshots")),
@@ -112,10 +111,8 @@ pub async fn run(
     let client_tls = inferyes_net::tls::http_client(&config.tls)?;
     // One budget for every worker: the memory is the process's.
     let budget = http::Budget::new(config.max_buffered_bytes);
-    let forwarder = || {
-        let (tls, authorization) = (client_tls.clone(), agent_authorization.clone());
-        http::Forwarder::new(&forwarder_settings, tls, authorization, hard_stop.clone(), Arc::clone(&budget))
-    };
+    let forwarder =
+        || http::Forwarder::new(&forwarder_settings, client_tls.clone(), hard_stop.clone(), Arc::clone(&budget));
     let state = http::AppState {
         snapshots,
         forwarder: forwarder(),

@@ -40,6 +40,30 @@ pub fn header_value(token: &str) -> Option<http::HeaderValue> {
     Some(value)
 }
 
+/// What data planes present to an agent whose join token is `join_token`:
+/// HMAC-SHA256 of a fixed label keyed by the token, in hex. An agent
+/// derives it from its own tokens; the controller hands it to data planes
+/// in snapshots; the join token itself never travels to an agent's port.
+pub fn proxy_credential(join_token: &str) -> String {
+    mac_hex(join_token, b"inferyes agent proxy v1")
+}
+
+/// HMAC-SHA256 of `label` keyed by `secret`, in hex: a value that proves
+/// the secret without carrying it.
+pub fn mac_hex(secret: &str, label: &[u8]) -> String {
+    let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, secret.as_bytes());
+    hex(ring::hmac::sign(&key, label).as_ref())
+}
+
+/// SHA-256 of `bytes`, in hex.
+pub fn sha256_hex(bytes: &[u8]) -> String {
+    hex(ring::digest::digest(&ring::digest::SHA256, bytes).as_ref())
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
 /// The tokens a secret may be (see [`crate::files::read_tokens`]).
 #[derive(Clone, Debug)]
 pub struct Accepted(std::sync::Arc<[String]>);

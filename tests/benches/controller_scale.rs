@@ -116,6 +116,7 @@ fn main() {
             startup_grace_ms: 0,
             admin_token: Some(inferyes_tests::fleet::ADMIN_TOKEN.into()),
             join_token: Some(inferyes_tests::fleet::JOIN_TOKEN.into()),
+            dataplane_token: Some(inferyes_tests::fleet::DATAPLANE_TOKEN.into()),
             ..Default::default()
         };
         config.validate().expect("valid controller config");
@@ -161,7 +162,8 @@ fn main() {
             let controllers = inferyes_dataplane::Controllers {
                 addresses: vec![controller_url.clone()],
                 tls: inferyes_proto::tls::Tls::default(),
-                bearer: inferyes_proto::bearer::Bearer::new(Some(inferyes_tests::fleet::JOIN_TOKEN)).expect("a token"),
+                bearer: inferyes_proto::bearer::Bearer::new(Some(inferyes_tests::fleet::DATAPLANE_TOKEN))
+                    .expect("a token"),
             };
             dataplane_rt.spawn(inferyes_dataplane::snapshot::subscribe(
                 Arc::clone(&store),
@@ -558,7 +560,7 @@ struct Sizes {
 async fn measure_sizes(controller: String, sizes: Arc<Mutex<Sizes>>, measuring: Arc<AtomicBool>) {
     let Ok(channel) = tonic::transport::Endpoint::from_shared(controller) else { return };
     let Ok(channel) = channel.connect().await else { return };
-    let bearer = inferyes_proto::bearer::Bearer::new(Some(inferyes_tests::fleet::JOIN_TOKEN)).expect("a token");
+    let bearer = inferyes_proto::bearer::Bearer::new(Some(inferyes_tests::fleet::DATAPLANE_TOKEN)).expect("a token");
     let mut client = RoutingServiceClient::with_interceptor(channel, bearer).max_decoding_message_size(1 << 30);
     let Ok(response) = client.subscribe(SubscribeRequest { dataplane_id: "sizes".into() }).await else { return };
     let mut stream = response.into_inner();

@@ -79,7 +79,8 @@ def test_kubernetes_configs_are_accepted_by_their_binaries_and_wired_in():
     k = kustomization()
     generated = [f.split("=", 1)[1] for g in k["configMapGenerator"] + k["secretGenerator"] for f in g["files"]]
     # The manifests give the tokens from the inferyes-tokens Secret.
-    tokens = {"INFERYES_ADMIN_TOKEN": "a-token-from-the-secret", "INFERYES_JOIN_TOKEN": "a-token-from-the-secret"}
+    tokens = {name: "a-token-from-the-secret"
+              for name in ["INFERYES_ADMIN_TOKEN", "INFERYES_JOIN_TOKEN", "INFERYES_DATAPLANE_TOKEN"]}
     for path in generated:
         result = print_config(binary_for(path), DEPLOY / "kubernetes" / path, env=tokens)
         assert result.returncode == 0, f"{path}: {result.stderr}"

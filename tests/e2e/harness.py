@@ -135,6 +135,7 @@ class Fleet:
         self.admin_token = secrets.token_urlsafe(24)
         self.admin_token_file = self.write("admin-token", self.admin_token + "\n")
         self.join_token_file = self.write("join-token", secrets.token_urlsafe(24) + "\n")
+        self.dataplane_token_file = self.write("dataplane-token", secrets.token_urlsafe(24) + "\n")
         grpc_port, http_port = free_port(), free_port()
         self.controller_url = f"http://127.0.0.1:{grpc_port}"
         self.dashboard_url = f"http://127.0.0.1:{http_port}"
@@ -148,6 +149,7 @@ lease_ttl_ms = 3000
 heartbeat_interval_ms = 500
 admin_token_file = "{self.admin_token_file}"
 join_token_file = "{self.join_token_file}"
+dataplane_token_file = "{self.dataplane_token_file}"
 """)
         self.spawn("controller", [str(self.bin / "inferyes-controller"), "--config", str(config)])
         wait_until("controller ready", lambda: http_get(f"{self.dashboard_url}/readyz")[0] == 200)
@@ -206,7 +208,7 @@ admin_listen = "127.0.0.1:{admin_port}"
 controllers = ["{self.controller_url}"]
 dataplane_id = "{name}"
 routing_mode = "{strategy}"
-join_token_file = "{self.join_token_file}"
+dataplane_token_file = "{self.dataplane_token_file}"
 """)
         self.spawn(name, [str(self.bin / "inferyes-dataplane"), "--config", str(config)])
         url = f"http://127.0.0.1:{port}"

@@ -19,6 +19,7 @@ pub const LEASE_TTL: Duration = Duration::from_secs(2);
 pub const ADMIN_TOKEN: &str = "test-admin-token-0123456789";
 pub const JOIN_TOKEN: &str = "test-join-token-0123456789";
 pub const VIEWER_TOKEN: &str = "test-viewer-token-0123456789";
+pub const DATAPLANE_TOKEN: &str = "test-dataplane-token-0123456789";
 
 async fn local_listener(addr: Option<SocketAddr>) -> TcpListener {
     let addr = addr.unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 0)));
@@ -108,6 +109,7 @@ impl ControllerHandle {
             admin_token: Some(ADMIN_TOKEN.into()),
             join_token: Some(JOIN_TOKEN.into()),
             viewer_token: Some(VIEWER_TOKEN.into()),
+            dataplane_token: Some(DATAPLANE_TOKEN.into()),
             ..Default::default()
         };
         tweak(&mut config);
@@ -169,7 +171,7 @@ pub fn routing_client(channel: Channel, token: Option<&str>) -> inferyes_datapla
 
 /// The `Authorization` a data plane sends agents.
 pub fn agent_authorization() -> String {
-    format!("Bearer {JOIN_TOKEN}")
+    format!("Bearer {}", inferyes_proto::bearer::proxy_credential(JOIN_TOKEN))
 }
 
 pub struct AgentHandle {
@@ -311,7 +313,7 @@ impl DataplaneHandle {
             dataplane_id: "test-dataplane".into(),
             // Most tests are about routing; the auth tests turn keys on.
             auth: inferyes_dataplane::auth::AuthMode::None,
-            join_token: Some(JOIN_TOKEN.into()),
+            dataplane_token: Some(DATAPLANE_TOKEN.into()),
             ..Default::default()
         };
         tweak(&mut config);

@@ -52,9 +52,7 @@ pub fn logout() -> HeaderValue {
 
 /// A session's value: HMAC-SHA256 of a fixed label, keyed by the token.
 fn session_of(token: &str) -> String {
-    let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, token.as_bytes());
-    let tag = ring::hmac::sign(&key, b"inferyes dashboard session v1");
-    tag.as_ref().iter().map(|b| format!("{b:02x}")).collect()
+    inferyes_proto::bearer::mac_hex(token, b"inferyes dashboard session v1")
 }
 
 /// The `name=value` pairs of every `Cookie` header.

@@ -117,8 +117,7 @@ fn instance_digest(instance: &str) -> Result<String, Status> {
     if !(16..=128).contains(&instance.len()) || !instance.bytes().all(|b| b.is_ascii_alphanumeric()) {
         return Err(status(ErrorKind::BadRequest, "instance must be 16-128 letters and digits"));
     }
-    let digest = ring::digest::digest(&ring::digest::SHA256, instance.as_bytes());
-    Ok(digest.as_ref().iter().map(|b| format!("{b:02x}")).collect())
+    Ok(inferyes_proto::bearer::sha256_hex(instance.as_bytes()))
 }
 
 fn validate(node: &NodeStatus) -> Result<(), Status> {

@@ -31,10 +31,14 @@ pub struct RoutingSvc {
     pub serve_after: tokio::time::Instant,
     pub activity: Arc<crate::activity::Activity>,
     pub store: crate::store::EtcdStore,
-    /// The fleet's join token, which data planes present with every call:
-    /// snapshots carry the keys' hashes and the fleet's sessions, and usage
-    /// written here is billed. `None`: open.
-    pub join_token: Option<inferyes_proto::bearer::Accepted>,
+    /// The data planes' tokens, presented with every call: snapshots carry
+    /// the keys' hashes and the fleet's sessions, and usage written here is
+    /// billed. Not the agents' join token, unless the fleet has one token
+    /// for both. `None`: open.
+    pub dataplane_tokens: Option<inferyes_proto::bearer::Accepted>,
+    /// What data planes present to agents (from the snapshot): derived
+    /// from the join token, never the token itself. Empty: nothing.
+    pub proxy_credential: String,
     /// The live state's batches, and the way to ask for all of it.
     pub batches: crate::reconcile::Batches,
     pub live_requests: mpsc::Sender<LiveRequest>,
@@ -64,13 +68,15 @@ impl RoutingSvc {
         RoutingServiceServer::new(self)
     }
 
-    /// Refuses a call without the fleet's join token (when one is set).
+    /// Refuses a call without a data plane token (when one is set).
     fn member<T>(&self, request: &Request<T>) -> Result<(), Status> {
-        inferyes_proto::bearer::check_call(request, self.join_token.as_ref()).map_err(|refusal| match refusal {
+        inferyes_proto::bearer::check_call(request, self.dataplane_tokens.as_ref()).map_err(|refusal| match refusal {
             inferyes_proto::bearer::Refusal::Missing => Status::unauthenticated(
-                "data planes present the fleet's join token (join_token_file or INFERYES_JOIN_TOKEN)",
+                "data planes present the fleet's data plane token (dataplane_token_file or INFERYES_DATAPLANE_TOKEN)",
             ),
-            inferyes_proto::bearer::Refusal::Wrong => Status::permission_denied("the join token is not this fleet's"),
+            inferyes_proto::bearer::Refusal::Wrong => {
+                Status::permission_denied("the token is not a data plane token of this fleet")
+            }
         })
     }
 }
@@ -288,6 +294,7 @@ impl RoutingSvc {
         *seq = now;
         let mut full = current.to_full();
         full.live = live;
+        full.proxy_credential.clone_from(&self.proxy_credential);
         Some(snapshot_update::Update::Full(full))
     }
 }

@@ -94,7 +94,13 @@ pub(crate) async fn attempt_each(
         };
         let backend = backend.id_header.as_ref();
         let reason = if index == 0 { route.reason.as_str() } else { FAILOVER };
-        let sent = forwarder.send(&node.proxy_url, node.proxy_http2, backend, out, headers, body).await;
+        let to = super::client::Destination {
+            proxy_url: &node.proxy_url,
+            proxy_http2: node.proxy_http2,
+            backend,
+            authorization: snapshot.agent_authorization(),
+        };
+        let sent = forwarder.send(to, out, headers, body).await;
         let (attempt, answer) = match sent {
             Err(attempt) => (attempt, None),
             Ok(response) if response.status().is_client_error() || response.status().is_server_error() => {
@@ -175,7 +181,7 @@ pub(crate) async fn attempt_each(
         if matches!(error, UpstreamError::AuthMisconfigured) {
             inferyes_net::error_every!(
                 node = %node.id,
-                "the node's agent refused this data plane's join token: give both the same (join_token_file)"
+                "the node's agent refused what this data plane sent it (the snapshot's credential): its join token is not the controller's"
             );
         }
         let mut error = error.into_api(&node.id);

@@ -43,7 +43,6 @@ pub struct Forwarder {
     http2: Option<Http2Client>,
     header_timeout: Duration,
     /// The fleet's join token, which agents ask of every request.
-    agent_authorization: Option<HeaderValue>,
     /// Cancelled when a shutdown's grace period is over: streams still
     /// running end with an error event.
     hard_stop: CancellationToken,
@@ -67,12 +66,21 @@ pub struct Outbound<'a> {
     pub meter: Option<crate::usage::Meter>,
 }
 
+/// Where one attempt goes: a node's proxy, the backend behind it, and what
+/// its agent takes from data planes.
+#[derive(Clone, Copy)]
+pub(crate) struct Destination<'a> {
+    pub proxy_url: &'a BaseUrl,
+    pub proxy_http2: bool,
+    pub backend: Option<&'a HeaderValue>,
+    pub authorization: Option<&'a HeaderValue>,
+}
+
 impl Forwarder {
     /// A forwarder as `config` says, with `tls` made of its settings.
     pub fn new(
         settings: &Settings,
         tls: rustls::ClientConfig,
-        agent_authorization: Option<HeaderValue>,
         hard_stop: CancellationToken,
         budget: Arc<super::body::Budget>,
     ) -> Forwarder {
@@ -113,7 +121,7 @@ impl Forwarder {
                         .wrap_connector(tcp),
                 )
         });
-        Forwarder { http1, http2, header_timeout, agent_authorization, hard_stop, budget }
+        Forwarder { http1, http2, header_timeout, hard_stop, budget }
     }
 
     /// One request to a node's proxy, up to its answer's head (or the
@@ -121,15 +129,14 @@ impl Forwarder {
     /// on a pooled HTTP/1.1 connection.
     pub(crate) async fn send(
         &self,
-        proxy_url: &BaseUrl,
-        proxy_http2: bool,
-        backend: Option<&HeaderValue>,
+        to: Destination<'_>,
         out: &Outbound<'_>,
         mut headers: HeaderMap,
         body: Bytes,
     ) -> Result<http::Response<Answer>, Attempt> {
+        let Destination { proxy_url, proxy_http2, backend, authorization } = to;
         // The client's own stayed behind ([`upstream_headers`]).
-        if let Some(value) = &self.agent_authorization {
+        if let Some(value) = authorization {
             headers.insert(header::AUTHORIZATION, value.clone());
         }
         let body = Full::new(body);

@@ -90,9 +90,3 @@ fn write_hex(out: &mut [u8], mut bits: u128) {
         bits >>= 4;
     }
 }
-
-/// The `Authorization` a data plane sends agents: the fleet's join token.
-pub fn agent_authorization(join_token: &str) -> anyhow::Result<http::HeaderValue> {
-    inferyes_proto::bearer::header_value(join_token)
-        .ok_or_else(|| anyhow::anyhow!("the join token must be printable ASCII"))
-}

@@ -29,7 +29,20 @@ pub struct Hop {
     pub proxy_http2: bool,
     /// The backend's id, as a header value.
     pub backend: Option<HeaderValue>,
+    /// What the node's agent takes (the snapshot's).
+    pub authorization: Option<HeaderValue>,
     pub local: Arc<LocalCounters>,
+}
+
+impl Hop {
+    fn destination(&self) -> super::client::Destination<'_> {
+        super::client::Destination {
+            proxy_url: &self.proxy_url,
+            proxy_http2: self.proxy_http2,
+            backend: self.backend.as_ref(),
+            authorization: self.authorization.as_ref(),
+        }
+    }
 }
 
 /// The nodes after the `index`th of `route`, where a broken stream may go
@@ -43,6 +56,7 @@ pub fn hops(snapshot: &RoutingSnapshot, route: &Route, index: usize) -> VecDeque
             Some(Hop {
                 node: Arc::clone(&node.id),
                 proxy_url: node.proxy_url.clone(),
+                authorization: snapshot.agent_authorization().cloned(),
                 proxy_http2: node.proxy_http2,
                 backend: backend.id_header.clone(),
                 local: Arc::clone(&node.local),
@@ -136,8 +150,7 @@ pub async fn continue_on(
             meter: None,
         };
         let headers = request.headers.clone();
-        let sent =
-            request.forwarder.send(&hop.proxy_url, hop.proxy_http2, hop.backend.as_ref(), &out, headers, body.clone());
+        let sent = request.forwarder.send(hop.destination(), &out, headers, body.clone());
         let attempt = match sent.await {
             Err(attempt) => attempt,
             Ok(response) if response.status().is_success() && super::sse::is_event_stream(response.headers()) => {

@@ -114,6 +114,7 @@ struct WireView {
     aliases: Vec<Alias>,
     api_keys: Arc<super::ApiKeys>,
     usage_today: Arc<inferyes_proto::v1::KeyUsageToday>,
+    agent_authorization: Option<http::HeaderValue>,
 }
 
 impl WireView {
@@ -133,6 +134,9 @@ impl WireView {
                 self.api_keys = Arc::new(full.keys.into_iter().map(|k| (k.key_id.clone(), Arc::new(k))).collect());
                 self.usage_today = Arc::new(full.usage_today.unwrap_or_default());
                 self.legacy = !full.live_state;
+                self.agent_authorization = (!full.proxy_credential.is_empty())
+                    .then(|| inferyes_proto::bearer::header_value(&full.proxy_credential))
+                    .flatten();
                 let nodes = &self.nodes;
                 self.live.apply_full(full.live, |id| nodes.contains_key(id));
                 true
@@ -195,6 +199,7 @@ impl WireView {
             sessions: Arc::clone(self.live.index()),
             api_keys: Arc::clone(&self.api_keys),
             usage_today: Arc::clone(&self.usage_today),
+            agent_authorization: self.agent_authorization.clone(),
         }
     }
 }

@@ -343,8 +343,13 @@ async fn fleet_writes_and_keys_need_the_admin_token_and_agents_and_data_planes_t
 
     // Snapshots (keys' hashes, sessions) and usage (billed) are the fleet's
     // data planes' only.
-    let refusals =
-        [(None, tonic::Code::Unauthenticated), (Some("not-the-join-token-at-all"), tonic::Code::PermissionDenied)];
+    // The agents' join token is not theirs: an agent's host cannot read
+    // the fleet's keys and sessions nor bill anyone.
+    let refusals = [
+        (None, tonic::Code::Unauthenticated),
+        (Some("not-the-join-token-at-all"), tonic::Code::PermissionDenied),
+        (Some(inferyes_tests::fleet::JOIN_TOKEN), tonic::Code::PermissionDenied),
+    ];
     for (token, code) in refusals {
         let mut routing = controller.routing(token).await;
         let subscribe = routing.subscribe(SubscribeRequest { dataplane_id: "intruder".into() }).await;
@@ -354,7 +359,7 @@ async fn fleet_writes_and_keys_need_the_admin_token_and_agents_and_data_planes_t
         let report = DataPlaneReport { dataplane_id: "intruder".into(), ..Default::default() };
         assert_eq!(routing.report(report).await.unwrap_err().code(), code);
     }
-    let mut member = controller.routing(Some(inferyes_tests::fleet::JOIN_TOKEN)).await;
+    let mut member = controller.routing(Some(inferyes_tests::fleet::DATAPLANE_TOKEN)).await;
     assert!(member.subscribe(SubscribeRequest { dataplane_id: "member".into() }).await.is_ok());
 }
 
@@ -363,7 +368,10 @@ async fn an_agent_forwards_only_what_the_fleet_s_data_planes_send() {
     let fleet = Fleet::start(vec![chat_sim("chat")]).await;
     let url = format!("http://{}/v1/chat/completions", fleet.agents[0].proxy_addr);
     let body = Bytes::from(chat_body("chat", "hi").to_string());
-    for authorization in [None, Some("Bearer not-the-join-token-at-all"), Some(inferyes_tests::fleet::JOIN_TOKEN)] {
+    // What data planes send is derived from the join token; the
+    // credential of another fleet's token is refused.
+    let foreign = format!("Bearer {}", inferyes_proto::bearer::proxy_credential("another-fleet-join-token"));
+    for authorization in [None, Some("Bearer not-the-join-token-at-all"), Some(foreign.as_str())] {
         let headers: Vec<(&str, &str)> = authorization.iter().map(|a| ("authorization", *a)).collect();
         let refused = fleet.http.send(Method::POST, &url, body.clone(), &headers).await;
         assert_eq!(refused.status, StatusCode::UNAUTHORIZED, "{authorization:?}");
@@ -395,9 +403,8 @@ async fn a_node_that_does_not_take_the_data_plane_s_token_is_passed_over_and_nev
     let b =
         AgentHandle::start_tweaked("node-b", &[controller.url()], gpu, vec![backend(&sim_b)], |c| c.join_token = None)
             .await;
-    let dataplane =
-        DataplaneHandle::start_with(&[controller.url()], |c| c.join_token = Some("another-fleet-token-0123".into()))
-            .await;
+    // The open controller hands data planes no credential for agents.
+    let dataplane = DataplaneHandle::start(&[controller.url()]).await;
     dataplane.wait_for_nodes(&["node-a", "node-b"]).await;
     let url = format!("{}/v1/chat/completions", dataplane.url);
     let http = HttpClient::default();

@@ -118,7 +118,7 @@ async fn the_fleet_runs_over_mutual_tls_and_refuses_clients_without_a_certificat
     let refused = match tokio::time::timeout(Duration::from_secs(10), endpoint.connect()).await.expect("in time") {
         Err(_) => true,
         // The join token, so that only the missing certificate is wrong.
-        Ok(channel) => inferyes_tests::fleet::routing_client(channel, Some(inferyes_tests::fleet::JOIN_TOKEN))
+        Ok(channel) => inferyes_tests::fleet::routing_client(channel, Some(inferyes_tests::fleet::DATAPLANE_TOKEN))
             .subscribe(SubscribeRequest { dataplane_id: "anonymous".into() })
             .await
             .is_err(),

@@ -114,7 +114,7 @@ async fn a_resent_batch_is_counted_once() {
         // Records only: the controller sums them itself.
         deltas: Vec::new(),
     };
-    let mut client = fleet.controller().routing(Some(inferyes_tests::fleet::JOIN_TOKEN)).await;
+    let mut client = fleet.controller().routing(Some(inferyes_tests::fleet::DATAPLANE_TOKEN)).await;
     client.record_usage(batch.clone()).await.expect("accepted");
     // Resent while pending, and again once rolled up: acknowledged, not counted.
     client.record_usage(batch.clone()).await.expect("accepted again");
