@@ -131,7 +131,10 @@ impl hyper::service::Service<Request<Incoming>> for Service {
                 "refused a request without the fleet's credential (a controller with another join token?)"
             );
             let message = "this node takes requests from the fleet's data planes only";
-            let refusal = error(ErrorKind::Unauthenticated, message, inferyes_proto::bearer::FLEET_TOKEN_REQUIRED);
+            let mut refusal = error(ErrorKind::Unauthenticated, message, inferyes_proto::bearer::FLEET_TOKEN_REQUIRED);
+            refusal
+                .headers_mut()
+                .insert(inferyes_proto::bearer::AGENT_REFUSED, http::HeaderValue::from_static("credential"));
             return Box::pin(std::future::ready(Ok(refusal)));
         }
         let proxy = self.proxy.clone();
@@ -223,6 +226,8 @@ async fn forward_in_span(proxy: Proxy, request: Request<Incoming>) -> Response {
             // answer of a connection) would close the data plane's pooled
             // connection to this proxy too.
             inferyes_proto::headers::remove_hop_by_hop(&mut parts.headers);
+            // The agent's own word, which a backend must not be able to say.
+            parts.headers.remove(inferyes_proto::bearer::AGENT_REFUSED);
             // Only an answer held a slot: refusals and errors would make
             // the slot time per request look short.
             guard.served = parts.status.is_success();

@@ -29,8 +29,13 @@ impl tonic::service::Interceptor for Bearer {
 }
 
 /// The error code of an agent's refusal of a request without the fleet's
-/// join token: data planes tell it from a client's own 401.
+/// credential, for whoever reads the body.
 pub const FLEET_TOKEN_REQUIRED: &str = "fleet_token_required";
+
+/// The header an agent marks its own refusal with, and strips from every
+/// backend answer: data planes tell the fleet's misconfiguration from a
+/// client's 401 by it, which no backend can forge through the agent.
+pub const AGENT_REFUSED: &str = "x-inferyes-agent-refused";
 
 /// `Bearer <token>` as an HTTP header value, marked sensitive (never logged
 /// or indexed); `None` for a token that cannot be one.

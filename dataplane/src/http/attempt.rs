@@ -104,7 +104,7 @@ pub(crate) async fn attempt_each(
         let (attempt, answer) = match sent {
             Err(attempt) => (attempt, None),
             Ok(response) if response.status().is_client_error() || response.status().is_server_error() => {
-                (Attempt::Refused(read_error(response).await), None)
+                (refusal(response).await, None)
             }
             Ok(response) => {
                 let (parts, body) = response.into_parts();
@@ -229,12 +229,24 @@ fn whole_answer(
     Response::from_parts(parts, Body::new(super::body::Held::new(bytes, held)))
 }
 
+/// An error answer: the agent's refusal of the credential (its header
+/// says so; its backends cannot), or the node's error, read.
+pub(super) async fn refusal(response: http::Response<Answer>) -> Attempt {
+    if response.status() == http::StatusCode::UNAUTHORIZED
+        && response.headers().contains_key(inferyes_proto::bearer::AGENT_REFUSED)
+    {
+        return Attempt::CredentialRefused;
+    }
+    Attempt::Refused(read_error(response).await)
+}
+
 /// What a log line says an attempt's node did.
 fn attempt_name(attempt: &Attempt) -> &'static str {
     match attempt {
         Attempt::TimedOut(_) => "did not answer in time",
         Attempt::Unreachable(_) => "is unreachable",
         Attempt::Refused(_) => "refused before the first byte",
+        Attempt::CredentialRefused => "refused the fleet's credential",
         Attempt::Answered => "answered",
         Attempt::BodyBroke => "failed mid-answer",
         Attempt::BodyTooLarge => "answered more than can be held",

@@ -104,6 +104,8 @@ pub enum Attempt {
     Unreachable(Option<BoxError>),
     /// An error status, with the node's error read.
     Refused(ApiError),
+    /// The node's agent refused the credential this data plane sent.
+    CredentialRefused,
     /// Any other status, head read (and body, for a whole answer).
     Answered,
     /// A whole answer's body broke off.
@@ -148,27 +150,22 @@ pub fn classify(attempt: Attempt, last: bool) -> Verdict {
         // The data plane's own limit: no node is to blame, none would do
         // better now.
         Attempt::OverBudget => Verdict::Fail { eject: false, error: UpstreamError::OverBudget },
+        // An agent that does not take the credential: the fleet's setup at
+        // fault, not the client's key (an SDK reads a 401 as that).
+        // Another node may take it.
+        Attempt::CredentialRefused if last => Verdict::Fail { eject: true, error: UpstreamError::AuthMisconfigured },
+        Attempt::CredentialRefused => Verdict::Failover { eject: true, error: UpstreamError::AuthMisconfigured },
         Attempt::Refused(mut error) => {
             let status = error.status();
-            // An agent that does not take this data plane's join token: the
-            // fleet's setup at fault, not the client's key (an SDK reads a
-            // 401 as that). Another node may take it.
-            let misconfigured = status == StatusCode::UNAUTHORIZED
-                && error.code_str() == Some(inferyes_proto::bearer::FLEET_TOKEN_REQUIRED);
-            let refused =
-                misconfigured || status == StatusCode::BAD_GATEWAY || status == StatusCode::SERVICE_UNAVAILABLE;
+            let refused = status == StatusCode::BAD_GATEWAY || status == StatusCode::SERVICE_UNAVAILABLE;
             // llama-swap's per-model limit is a refusal too, passed on
             // where no other node is left; other 429s (a client's own
             // limit) are the client's to see.
             let busy = status == StatusCode::TOO_MANY_REQUESTS && error.code_str() == Some(CONCURRENCY_LIMIT);
-            let error = if misconfigured {
-                UpstreamError::AuthMisconfigured
-            } else {
-                if status == StatusCode::SERVICE_UNAVAILABLE && error.retry_after.is_none() {
-                    error.retry_after = Some(1);
-                }
-                UpstreamError::Refused(error)
-            };
+            if status == StatusCode::SERVICE_UNAVAILABLE && error.retry_after.is_none() {
+                error.retry_after = Some(1);
+            }
+            let error = UpstreamError::Refused(error);
             if (refused || busy) && !last {
                 Verdict::Failover { eject: refused, error }
             } else {
@@ -291,13 +288,18 @@ mod tests {
     }
 
     #[test]
-    fn a_join_token_refused_is_the_fleet_s_fault_not_the_client_s() {
-        let verdict = classify(refused(401, Some(inferyes_proto::bearer::FLEET_TOKEN_REQUIRED)), false);
+    fn a_credential_refused_is_the_fleet_s_fault_not_the_client_s() {
+        let verdict = classify(Attempt::CredentialRefused, false);
         let Verdict::Failover { eject: true, error } = verdict else { panic!("{verdict:?}") };
         let error = error.into_api("n");
         assert_eq!((error.code_str(), error.status().as_u16()), (Some("upstream_auth_misconfigured"), 502));
-        let key = classify(refused(401, Some("invalid_api_key")), false);
-        assert!(matches!(key, Verdict::Fail { eject: false, .. }), "a backend's own 401 is passed on: {key:?}");
+        assert!(matches!(classify(Attempt::CredentialRefused, true), Verdict::Fail { eject: true, .. }));
+        // A backend's own 401 is passed on, whatever its body says: only
+        // the agent's header tells its refusal.
+        for code in ["invalid_api_key", inferyes_proto::bearer::FLEET_TOKEN_REQUIRED] {
+            let key = classify(refused(401, Some(code)), false);
+            assert!(matches!(key, Verdict::Fail { eject: false, .. }), "{code}: {key:?}");
+        }
     }
 
     #[test]

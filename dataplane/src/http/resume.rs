@@ -157,7 +157,7 @@ pub async fn continue_on(
                 return Some(Continued { hop, answer: response.into_body(), left: hops });
             }
             Ok(response) if response.status().is_success() => Attempt::BodyBroke,
-            Ok(response) => Attempt::Refused(super::attempt::read_error(response).await),
+            Ok(response) => super::attempt::refusal(response).await,
         };
         // A request's timeout ends its wait for an answer to start; a
         // stream's client has had bytes all along, and the next hop may

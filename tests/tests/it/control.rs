@@ -376,6 +376,7 @@ async fn an_agent_forwards_only_what_the_fleet_s_data_planes_send() {
         let refused = fleet.http.send(Method::POST, &url, body.clone(), &headers).await;
         assert_eq!(refused.status, StatusCode::UNAUTHORIZED, "{authorization:?}");
         assert_eq!(refused.openai_error()["code"], "fleet_token_required");
+        assert_eq!(refused.header(inferyes_proto::bearer::AGENT_REFUSED), Some("credential"));
     }
     assert_eq!(fleet.sims[0].sim.stats().requests, 0, "nothing reached the backend");
     let authorization = inferyes_tests::fleet::agent_authorization();
