@@ -20,7 +20,10 @@ use inferyes_proto::v1::{EndpointKind, RoutingDecision};
 use super::answer::{AnswerBody, Plan, Resuming};
 use super::attempt::{Answered, ExpectedTtft, NODE_HEADER, ROUTE_HEADER, Started, attempt_each, route_label};
 use super::client::Outbound;
-use super::view::{RoutingView, estimated_prompt_tokens, parse_view, session_key, with_model, with_usage_requested};
+use super::view::{
+    RoutingView, estimated_prompt_tokens, metered_prompt_estimate, parse_view, session_key, with_model,
+    with_usage_requested,
+};
 use super::{AppState, resume};
 use crate::auth::Caller;
 use crate::error::{ApiError, ErrorCode};
@@ -195,7 +198,7 @@ impl<'s> Exchange<'s> {
             caller.key_id().map(str::to_string),
             model.to_string(),
             view.stream,
-            u64::from(estimated_prompt_tokens(body_len, view)),
+            u64::from(metered_prompt_estimate(body_len)),
             view.stream.then(|| {
                 let labels = crate::metrics::ModelLabels { model: model.to_string() };
                 crate::usage::StreamTimers {

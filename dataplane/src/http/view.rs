@@ -190,9 +190,18 @@ fn hashed_key(prefix: [u8; 5], hash: u64) -> String {
 
 /// A low estimate of a body's prompt tokens, for the context-window check:
 /// an English token is about four bytes and JSON adds framing, so a fifth
-/// of the bytes rarely overestimates. Bodies with media are not estimated.
+/// of the bytes rarely overestimates. Bodies with media are not estimated:
+/// an image's bytes say little of its tokens, and no request may be
+/// refused for a guess.
 pub fn estimated_prompt_tokens(body_len: usize, view: &RoutingView) -> u32 {
-    if view.has_media { 0 } else { u32::try_from(body_len / 5).unwrap_or(u32::MAX) }
+    if view.has_media { 0 } else { metered_prompt_estimate(body_len) }
+}
+
+/// The prompt tokens a request is billed for when its answer says none: a
+/// fifth of its bytes, media or not. For a body with an image that errs
+/// high, never at 0: adding an image cannot make a request free.
+pub fn metered_prompt_estimate(body_len: usize) -> u32 {
+    u32::try_from(body_len / 5).unwrap_or(u32::MAX)
 }
 
 /// The body with `model` replaced (an alias resolved) where the view found
@@ -357,10 +366,11 @@ mod tests {
     }
 
     #[test]
-    fn media_bodies_are_not_estimated() {
+    fn media_bodies_are_not_estimated_for_routing_but_are_billed() {
         let view = parse_view(br#"{"model":"m","messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"data:"}}]}]}"#).unwrap();
         assert!(view.has_media);
         assert_eq!(estimated_prompt_tokens(1_000_000, &view), 0);
+        assert_eq!(metered_prompt_estimate(1_000_000), 200_000);
     }
 
     #[test]

@@ -353,4 +353,15 @@ async fn a_request_that_times_out_while_its_node_generates_is_counted_estimated(
     let total = rolled_up(fleet.controller(), &key_id, 1).await;
     assert_eq!((total.requests, total.errors, total.estimated_requests), (1, 1, 1), "{total:?}");
     assert!(total.prompt_tokens > 0, "the prompt the node read is counted: {total:?}");
+    // A body that names an image does not make the estimate nothing. (The
+    // simulated server is text-only and refuses image parts, so the image
+    // rides in a field it ignores; the gateway sees media all the same.)
+    let image = json!({"model": "chat", "max_tokens": 40,
+                       "messages": [{"role": "user", "content": "what is in it?"}],
+                       "attachment": {"type": "image_url", "image_url": {"url": format!("data:image/png;base64,{}", "iVBORw0KGgo".repeat(100))}}});
+    let response = fleet.http.send(Method::POST, &url, image.to_string().into(), &[("authorization", &bearer)]).await;
+    assert_eq!(response.status, StatusCode::GATEWAY_TIMEOUT, "{}", String::from_utf8_lossy(&response.body));
+    let both = rolled_up(fleet.controller(), &key_id, 2).await;
+    assert_eq!(both.estimated_requests, 2, "{both:?}");
+    assert!(both.prompt_tokens - total.prompt_tokens >= 200, "the image's request is billed by its size: {both:?}");
 }
