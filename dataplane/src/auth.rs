@@ -134,11 +134,11 @@ pub struct Auth {
     digest: (std::collections::hash_map::RandomState, std::collections::hash_map::RandomState),
     /// Key id → the presented key's digest and the hash it was verified
     /// against (a re-created record with a new hash is verified again).
-    verified: Mutex<FastMap<String, Verified>>,
+    verified: Arc<Mutex<FastMap<String, Verified>>>,
     /// Wrong secrets, by client.
-    failed_clients: Mutex<Failures<IpAddr>>,
+    failed_clients: Arc<Mutex<Failures<IpAddr>>>,
     /// Wrong secrets, by key id: a key id in here is suspect.
-    failed_keys: Mutex<Failures<String>>,
+    failed_keys: Arc<Mutex<Failures<String>>>,
     failures_per_minute: u32,
     buckets: Mutex<FastMap<String, Bucket>>,
     verifier: Arc<verify::Verifier>,
@@ -152,6 +152,7 @@ struct Verified {
 struct Window {
     started: Instant,
     count: u32,
+    last: Instant,
 }
 
 /// Failed key checks in the current window, by client or by key id.
@@ -176,7 +177,7 @@ impl<K: std::hash::Hash + Eq> Failures<K> {
             // Past windows go, once a second at most: a sweep per failure
             // would hold the lock for every check of every client.
             if self.swept.is_none_or(|at| now.duration_since(at) >= Duration::from_secs(1)) {
-                self.windows.retain(|_, w| now.duration_since(w.started) < FAILURE_WINDOW);
+                self.windows.retain(|_, w| now.duration_since(w.last) < FAILURE_WINDOW);
                 self.swept = Some(now);
             }
             if self.windows.len() >= MAX_FAILING {
@@ -185,11 +186,21 @@ impl<K: std::hash::Hash + Eq> Failures<K> {
                 return;
             }
         }
-        let window = self.windows.entry(key).or_insert(Window { started: now, count: 0 });
+        let window = self.windows.entry(key).or_insert(Window { started: now, count: 0, last: now });
         if now.duration_since(window.started) >= FAILURE_WINDOW {
-            *window = Window { started: now, count: 0 };
+            *window = Window { started: now, count: 0, last: now };
         }
         window.count += 1;
+        window.last = now;
+    }
+
+    /// Whether one failed within the last window's length.
+    fn recent<Q>(&self, key: &Q, now: Instant) -> bool
+    where
+        K: std::borrow::Borrow<Q>,
+        Q: std::hash::Hash + Eq + ?Sized,
+    {
+        self.windows.get(key).is_some_and(|window| now.saturating_duration_since(window.last) < FAILURE_WINDOW)
     }
 
     /// Failures in the current window, and how long it has left.
@@ -224,9 +235,9 @@ impl Auth {
         Auth {
             mode,
             digest: Default::default(),
-            verified: Mutex::default(),
-            failed_clients: Mutex::default(),
-            failed_keys: Mutex::default(),
+            verified: Arc::default(),
+            failed_clients: Arc::default(),
+            failed_keys: Arc::default(),
             failures_per_minute,
             buckets: Mutex::default(),
             verifier: verify::Verifier::new(CONCURRENT_VERIFICATIONS),
@@ -263,7 +274,7 @@ impl Auth {
         if !self.known(key, &digest) {
             let client = client_of(client);
             let now = Instant::now();
-            let suspect = lock(&self.failed_keys).current(key_id, now).is_some();
+            let suspect = lock(&self.failed_keys).recent(key_id, now);
             if suspect && let Some(retry) = self.blocked(client, now) {
                 return Err((
                     Refusal::TooManyFailures,
@@ -275,14 +286,12 @@ impl Auth {
                     .retry_after(retry),
                 ));
             }
-            let turn = verify::Turn { client, key_id: (!suspect).then_some(key_id) };
+            let turn = verify::Turn { client, key_id: (!suspect).then(|| key_id.to_string()) };
             let (secret, secret_hash) = (secret.to_string(), key.secret_hash.clone());
-            match self.verifier.check(digest, turn, move || apikey::verify(&secret, &secret_hash)).await {
-                Ok(true) => self.remember(key, digest),
-                Ok(false) => {
-                    self.failed(client, key_id);
-                    return Err(incorrect());
-                }
+            let check = move || apikey::verify(&secret, &secret_hash);
+            match self.verifier.check(digest, turn, check, self.settle(key, digest, client)).await {
+                Ok(true) => {}
+                Ok(false) => return Err(incorrect()),
                 Err(busy) => return Err((Refusal::ChecksWaiting, checks_waiting(busy))),
             }
         }
@@ -354,15 +363,22 @@ impl Auth {
             .is_some_and(|v| v.secret_hash == key.secret_hash && apikey::constant_time_eq(&v.digest, digest))
     }
 
-    fn remember(&self, key: &ApiKey, digest: [u8; 16]) {
-        let mut verified = self.verified.lock().unwrap_or_else(PoisonError::into_inner);
-        verified.insert(key.key_id.clone(), Verified { digest, secret_hash: key.secret_hash.clone() });
-    }
-
-    fn failed(&self, client: IpAddr, key_id: &str) {
-        let now = Instant::now();
-        lock(&self.failed_clients).add(client, now);
-        lock(&self.failed_keys).add(key_id.to_string(), now);
+    /// What a check's verdict leaves behind, told by the check itself, so
+    /// that it counts however many of its requests are still there: the
+    /// key remembered as verified, or a wrong secret counted.
+    fn settle(&self, key: &ApiKey, digest: [u8; 16], client: IpAddr) -> impl FnOnce(bool) + Send + 'static {
+        let (verified, failed_clients, failed_keys) =
+            (Arc::clone(&self.verified), Arc::clone(&self.failed_clients), Arc::clone(&self.failed_keys));
+        let (key_id, secret_hash) = (key.key_id.clone(), key.secret_hash.clone());
+        move |valid| {
+            if valid {
+                lock(&verified).insert(key_id, Verified { digest, secret_hash });
+            } else {
+                let now = Instant::now();
+                lock(&failed_clients).add(client, now);
+                lock(&failed_keys).add(key_id, now);
+            }
+        }
     }
 
     /// Seconds until `client` may have suspect keys checked again, if it
@@ -450,6 +466,11 @@ mod tests {
         assert!(auth.admit(&self::caller(0), start).unwrap().limit.is_none());
     }
 
+    fn fail(auth: &Auth, client: IpAddr) {
+        let key = ApiKey { key_id: "k".into(), ..Default::default() };
+        auth.settle(&key, [0; 16], client)(false);
+    }
+
     #[test]
     fn failures_are_counted_per_ipv4_address_and_per_ipv6_64() {
         let auth = Auth::new(AuthMode::Keys, 3);
@@ -457,12 +478,12 @@ mod tests {
         let client = |s: &str| client_of(s.parse::<IpAddr>().unwrap());
         for host in ["2001:db8:1:2::1", "2001:db8:1:2::2", "2001:db8:1:2:ffff::9"] {
             assert!(auth.blocked(client(host), now).is_none());
-            auth.failed(client(host), "k");
+            fail(&auth, client(host));
         }
         assert!(auth.blocked(client("2001:db8:1:2::77"), now).is_some(), "one /64, one client");
         assert!(auth.blocked(client("2001:db8:1:3::1"), now).is_none(), "another /64");
         for _ in 0..3 {
-            auth.failed(client("192.0.2.1"), "k");
+            fail(&auth, client("192.0.2.1"));
         }
         assert!(auth.blocked(client("::ffff:192.0.2.1"), now).is_some(), "the same IPv4 client, mapped");
         assert!(auth.blocked(client("192.0.2.2"), now).is_none());

@@ -113,7 +113,7 @@ impl Metrics {
         );
         registry.register(
             "auth_refusals",
-            "Requests refused by API key checks and limits, by reason (missing, invalid, revoked, expired, too_many_failures, rate_limited, token_budget)",
+            "Requests refused by API key checks and limits, by reason (missing, invalid, revoked, expired, too_many_failures, checks_waiting, rate_limited, token_budget)",
             metrics.auth_refusals.clone(),
         );
         registry.register("continuations", "Broken streams resumed on another node", metrics.continuations.clone());

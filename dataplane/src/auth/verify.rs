@@ -9,26 +9,33 @@
 //!   a second, different one for the same id is a guess until the first is
 //!   settled), so a flood against one key makes one fresh check, then its
 //!   key id is suspect.
-//! - **Suspect** checks may hold all slots but one, so a fresh check never
-//!   waits for more than the checks already running; the core a flood can
-//!   burn is bounded the same way.
+//! - **Suspect** checks may hold all slots but one: a fresh check waits
+//!   for no suspect one, only for fresh checks ahead of it, and the cores a
+//!   flood can burn are bounded the same way.
 //! - Within each class, clients take turns (round robin by client address),
 //!   each in the order it sent. A client may have at most [`PER_CLIENT`]
 //!   suspect checks waiting; fresh ones are bounded by the key ids, and
-//!   each key id's by its first failure.
+//!   each key id's by its first failure. Each class holds at most
+//!   [`MAX_WAITING`]: suspect checks never crowd fresh ones out.
 //!
-//! Several requests presenting the same key at once share one check.
+//! A check runs as a task of its own, shared by every request presenting
+//! the same key while it waits or runs, and once it has a slot it runs to
+//! its end and reports its verdict whoever still waits: hanging up cannot
+//! start more argon2 than there are slots, nor make a wrong secret go
+//! uncounted. A check every request left before it got a slot is dropped.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::net::IpAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
-use tokio::sync::{OnceCell, oneshot};
+use tokio::sync::{oneshot, watch};
 
 /// Suspect checks one client may have waiting; past it, its next is
 /// refused (its own, never another client's).
 pub const PER_CLIENT: usize = 8;
-/// Checks waiting at most, of every client: each holds a request.
+/// Checks waiting at most in each class, of every client: each holds a
+/// request.
 pub const MAX_WAITING: usize = 4096;
 
 /// Why a check was not made.
@@ -36,20 +43,30 @@ pub const MAX_WAITING: usize = 4096;
 pub enum Busy {
     /// This client has [`PER_CLIENT`] checks waiting already.
     Client,
-    /// [`MAX_WAITING`] checks are waiting.
+    /// [`MAX_WAITING`] checks of its class are waiting.
     Everyone,
 }
 
 pub struct Verifier {
     slots: usize,
     queue: Mutex<Queue>,
-    /// Checks in flight by the presented key's digest, for requests
+    /// Checks under way by the presented key's digest, for requests
     /// presenting the same key at once to share.
-    checks: Mutex<HashMap<[u8; 16], Arc<Shared>>>,
+    checks: Mutex<HashMap<[u8; 16], Pending>>,
+    ids: AtomicU64,
 }
 
-/// One check's verdict, for every request that waits on it.
-type Shared = OnceCell<Result<bool, Busy>>;
+/// A check under way.
+struct Pending {
+    /// Tells a check from a later one of the same key.
+    id: u64,
+    verdict: watch::Receiver<Option<Result<bool, Busy>>>,
+    /// Requests waiting on it.
+    requests: usize,
+    /// It has a slot: it runs to its end, whoever waits.
+    running: bool,
+    task: tokio::task::AbortHandle,
+}
 
 /// What a check holds while it waits or runs: the key id of a fresh check
 /// (`None`: a suspect one).
@@ -59,7 +76,6 @@ type Claim = Option<String>;
 struct Queue {
     running: usize,
     running_suspect: usize,
-    waiting: usize,
     fresh: Turns,
     suspect: Turns,
     /// Key ids with a fresh check waiting or running.
@@ -71,24 +87,36 @@ struct Queue {
 struct Turns {
     order: VecDeque<IpAddr>,
     by_client: HashMap<IpAddr, VecDeque<oneshot::Sender<()>>>,
+    /// Senders held, of waiters there or gone.
+    waiting: usize,
 }
 
 impl Turns {
-    /// Queues `waiter` behind `client`'s others; the count of waiters that
-    /// had gone away, dropped on the way.
-    fn push(&mut self, client: IpAddr, waiter: oneshot::Sender<()>, cap: usize) -> Result<usize, (Busy, usize)> {
+    /// Queues `waiter` behind `client`'s others, waiters that went away
+    /// dropped on the way.
+    fn push(&mut self, client: IpAddr, waiter: oneshot::Sender<()>, cap: usize) -> Result<(), Busy> {
         let queue = self.by_client.entry(client).or_default();
         let before = queue.len();
         queue.retain(|waiter| !waiter.is_closed());
-        let gone = before - queue.len();
-        if queue.len() >= cap {
-            return Err((Busy::Client, gone));
+        self.waiting -= before - queue.len();
+        let full = if queue.len() >= cap {
+            Some(Busy::Client)
+        } else {
+            (self.waiting >= MAX_WAITING).then_some(Busy::Everyone)
+        };
+        if let Some(busy) = full {
+            if before == 0 {
+                // Not in the order: nothing of it is left behind.
+                self.by_client.remove(&client);
+            }
+            return Err(busy);
         }
-        if queue.is_empty() && before == 0 {
+        if before == 0 {
             self.order.push_back(client);
         }
         queue.push_back(waiter);
-        Ok(gone)
+        self.waiting += 1;
+        Ok(())
     }
 
     /// The next client's first waiter; the client goes to the back.
@@ -103,6 +131,7 @@ impl Turns {
                 self.order.push_back(client);
             }
             if let Some(waiter) = waiter {
+                self.waiting -= 1;
                 return Some(waiter);
             }
         }
@@ -112,62 +141,110 @@ impl Turns {
 impl Verifier {
     /// At least two slots: one is always kept from suspect checks.
     pub fn new(slots: usize) -> Arc<Verifier> {
-        Arc::new(Verifier { slots: slots.max(2), queue: Mutex::default(), checks: Mutex::default() })
+        Arc::new(Verifier {
+            slots: slots.max(2),
+            queue: Mutex::default(),
+            checks: Mutex::default(),
+            ids: AtomicU64::new(0),
+        })
     }
 
-    /// Runs `check` on the blocking pool once for every request presenting
-    /// `digest` while it waits or runs, after its class's turn for a slot.
-    /// The slot is held until `check` returns, even if every request
-    /// waiting for it went away. `Err` when the queue is full for this
+    /// The verdict of `check`, run on the blocking pool after its class's
+    /// turn for a slot, once for every request presenting `digest` while
+    /// it waits or runs; `settled` is told the verdict first, whether or
+    /// not any request still waits. `Err` when the queue is full for this
     /// client or for everyone.
-    pub async fn check<F>(self: &Arc<Self>, digest: [u8; 16], turn: Turn<'_>, check: F) -> Result<bool, Busy>
+    pub async fn check<C, S>(self: &Arc<Self>, digest: [u8; 16], turn: Turn, check: C, settled: S) -> Result<bool, Busy>
     where
-        F: FnOnce() -> bool + Send + 'static,
+        C: FnOnce() -> bool + Send + 'static,
+        S: FnOnce(bool) + Send + 'static,
     {
-        let cell = {
-            let mut checks = self.checks.lock().unwrap_or_else(PoisonError::into_inner);
-            Arc::clone(checks.entry(digest).or_default())
+        let (id, mut verdict) = {
+            let mut checks = lock(&self.checks);
+            match checks.get_mut(&digest) {
+                Some(pending) => {
+                    pending.requests += 1;
+                    (pending.id, pending.verdict.clone())
+                }
+                None => {
+                    let id = self.ids.fetch_add(1, Ordering::Relaxed);
+                    let (tell, verdict) = watch::channel(None);
+                    let task = tokio::spawn(Arc::clone(self).run(digest, id, turn, check, settled, tell));
+                    let pending = Pending {
+                        id,
+                        verdict: verdict.clone(),
+                        requests: 1,
+                        running: false,
+                        task: task.abort_handle(),
+                    };
+                    checks.insert(digest, pending);
+                    (id, verdict)
+                }
+            }
         };
-        let verdict = *cell
-            .get_or_init(|| async {
-                let slot = self.slot(turn).await?;
-                let verdict = tokio::task::spawn_blocking(move || {
-                    let _slot = slot;
-                    check()
-                });
-                Ok(verdict.await.unwrap_or(false))
-            })
-            .await;
-        // The next request with this key finds it verified, or is checked
-        // again.
-        let mut checks = self.checks.lock().unwrap_or_else(PoisonError::into_inner);
-        if checks.get(&digest).is_some_and(|c| Arc::ptr_eq(c, &cell)) {
+        let _request = Request { verifier: self, digest, id };
+        match verdict.wait_for(Option::is_some).await {
+            Ok(told) => told.unwrap_or(Err(Busy::Everyone)),
+            // The task ended without a verdict (it panicked).
+            Err(_) => Err(Busy::Everyone),
+        }
+    }
+
+    async fn run<C, S>(
+        self: Arc<Self>,
+        digest: [u8; 16],
+        id: u64,
+        turn: Turn,
+        check: C,
+        settled: S,
+        tell: watch::Sender<Option<Result<bool, Busy>>>,
+    ) where
+        C: FnOnce() -> bool + Send + 'static,
+        S: FnOnce(bool) + Send + 'static,
+    {
+        let slot = match self.slot(&turn).await {
+            Ok(slot) => slot,
+            Err(busy) => {
+                self.finish(digest, id);
+                let _ = tell.send(Some(Err(busy)));
+                return;
+            }
+        };
+        match lock(&self.checks).get_mut(&digest) {
+            Some(pending) if pending.id == id => pending.running = true,
+            // Every request went away before the slot came.
+            _ => return,
+        }
+        let verdict = tokio::task::spawn_blocking(move || {
+            let _slot = slot;
+            check()
+        })
+        .await
+        .unwrap_or(false);
+        settled(verdict);
+        self.finish(digest, id);
+        let _ = tell.send(Some(Ok(verdict)));
+    }
+
+    /// The check is over: the next request presenting its key starts
+    /// afresh (or finds it verified).
+    fn finish(&self, digest: [u8; 16], id: u64) {
+        let mut checks = lock(&self.checks);
+        if checks.get(&digest).is_some_and(|pending| pending.id == id) {
             checks.remove(&digest);
         }
-        verdict
     }
 
-    async fn slot(self: &Arc<Self>, turn: Turn<'_>) -> Result<Slot, Busy> {
+    async fn slot(self: &Arc<Self>, turn: &Turn) -> Result<Slot, Busy> {
         let (sender, receiver) = oneshot::channel();
         let claim = {
             let mut queue = self.lock();
-            let claim = turn.key_id.filter(|key_id| !queue.fresh_keys.contains(*key_id)).map(str::to_string);
-            if queue.waiting >= MAX_WAITING {
-                return Err(Busy::Everyone);
-            }
+            let claim = turn.key_id.as_ref().filter(|key_id| !queue.fresh_keys.contains(key_id.as_str())).cloned();
             // Fresh checks are bounded by the key ids, one each.
-            let pushed = match claim {
-                Some(_) => queue.fresh.push(turn.client, sender, MAX_WAITING),
-                None => queue.suspect.push(turn.client, sender, PER_CLIENT),
-            };
-            let gone = match pushed {
-                Ok(gone) | Err((_, gone)) => gone,
-            };
-            queue.waiting -= gone;
-            if let Err((busy, _)) = pushed {
-                return Err(busy);
+            match claim {
+                Some(_) => queue.fresh.push(turn.client, sender, MAX_WAITING)?,
+                None => queue.suspect.push(turn.client, sender, PER_CLIENT)?,
             }
-            queue.waiting += 1;
             if let Some(key_id) = &claim {
                 queue.fresh_keys.insert(key_id.clone());
             }
@@ -184,7 +261,31 @@ impl Verifier {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Queue> {
-        self.queue.lock().unwrap_or_else(PoisonError::into_inner)
+        lock(&self.queue)
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// A request waiting on a check. The last to go, before the check has a
+/// slot, drops the check.
+struct Request<'a> {
+    verifier: &'a Verifier,
+    digest: [u8; 16],
+    id: u64,
+}
+
+impl Drop for Request<'_> {
+    fn drop(&mut self) {
+        let mut checks = lock(&self.verifier.checks);
+        let Some(pending) = checks.get_mut(&self.digest).filter(|pending| pending.id == self.id) else { return };
+        pending.requests -= 1;
+        if pending.requests == 0 && !pending.running {
+            pending.task.abort();
+            checks.remove(&self.digest);
+        }
     }
 }
 
@@ -217,7 +318,6 @@ impl Queue {
                 },
                 None => return,
             };
-            self.waiting -= 1;
             if waiter.send(()).is_ok() {
                 self.running += 1;
                 self.running_suspect += usize::from(suspect);
@@ -228,14 +328,14 @@ impl Queue {
 
 /// Who a check is for: the client, and the key id when no check has
 /// failed for it lately (a fresh check); `None` makes it suspect.
-#[derive(Clone, Copy, Debug)]
-pub struct Turn<'a> {
+#[derive(Clone, Debug)]
+pub struct Turn {
     pub client: IpAddr,
-    pub key_id: Option<&'a str>,
+    pub key_id: Option<String>,
 }
 
-/// A request waiting for a slot. Dropped after it was handed one but
-/// before it took it (its request went away), it hands the slot on.
+/// A check waiting for a slot. Dropped after it was handed one but before
+/// it took it (its check was dropped), it hands the slot on.
 struct Waiter<'a> {
     verifier: &'a Verifier,
     receiver: oneshot::Receiver<()>,
@@ -282,6 +382,8 @@ mod tests {
         verifier: Arc<Verifier>,
         started: UnboundedReceiver<&'static str>,
         log: UnboundedSender<&'static str>,
+        /// Verdicts the checks settled, by name.
+        settled: Arc<Mutex<Vec<(&'static str, bool)>>>,
     }
 
     /// A check under way: its task, and what lets it finish.
@@ -293,17 +395,17 @@ mod tests {
     impl Bench {
         fn new() -> Bench {
             let (log, started) = unbounded_channel();
-            Bench { verifier: Verifier::new(2), started, log }
+            Bench { verifier: Verifier::new(2), started, log, settled: Arc::default() }
         }
 
         /// Sends a check for `name` from `client`, fresh for `key_id`, and
         /// waits until it is queued or running.
         async fn send(&self, name: &'static str, client: u8, key_id: Option<&'static str>) -> Running {
             let (finish, verdict) = mpsc::channel();
-            let (verifier, log) = (Arc::clone(&self.verifier), self.log.clone());
+            let (verifier, log, settled) = (Arc::clone(&self.verifier), self.log.clone(), Arc::clone(&self.settled));
             let before = self.queued();
             let task = tokio::spawn(async move {
-                let turn = Turn { client: IpAddr::from([192, 0, 2, client]), key_id };
+                let turn = Turn { client: IpAddr::from([192, 0, 2, client]), key_id: key_id.map(str::to_string) };
                 let digest = [
                     name.len() as u8,
                     name.as_bytes()[0],
@@ -322,12 +424,12 @@ mod tests {
                     0,
                     0,
                 ];
-                verifier
-                    .check(digest, turn, move || {
-                        log.send(name).unwrap();
-                        verdict.recv().unwrap_or(false)
-                    })
-                    .await
+                let check = move || {
+                    log.send(name).unwrap();
+                    verdict.recv().unwrap_or(false)
+                };
+                let settle = move |verdict| settled.lock().unwrap().push((name, verdict));
+                verifier.check(digest, turn, check, settle).await
             });
             self.until(|| self.queued() > before || task.is_finished()).await;
             Running { task, finish }
@@ -419,11 +521,11 @@ mod tests {
         let others: Vec<_> = (0..5)
             .map(|_| {
                 let verifier = Arc::clone(&verifier);
-                let turn = Turn { client: IpAddr::from([192, 0, 2, 1]), key_id: Some("k") };
-                tokio::spawn(async move { verifier.check(digest, turn, || panic!("checked twice")).await })
+                let turn = Turn { client: IpAddr::from([192, 0, 2, 1]), key_id: Some("k".into()) };
+                tokio::spawn(async move { verifier.check(digest, turn, || panic!("checked twice"), |_| {}).await })
             })
             .collect();
-        bench.until(|| Arc::strong_count(&bench.verifier.checks.lock().unwrap()[&digest]) == 7).await;
+        bench.until(|| bench.verifier.checks.lock().unwrap()[&digest].requests == 6).await;
         assert_eq!(first.finish(true).await, Ok(true));
         for other in others {
             assert_eq!(other.await.unwrap(), Ok(true));
@@ -473,5 +575,61 @@ mod tests {
         s1.finish.send(false).unwrap();
         assert_eq!(bench.next_started().await, "s2");
         assert_eq!(s2.finish(false).await, Ok(false));
+    }
+
+    #[tokio::test]
+    async fn a_check_every_request_left_still_counts_its_verdict() {
+        let mut bench = Bench::new();
+        let guess = bench.send("guess", 1, Some("k")).await;
+        assert_eq!(bench.next_started().await, "guess");
+        guess.task.abort();
+        assert!(guess.task.await.unwrap_err().is_cancelled());
+        // Hung up while argon2 ran: the wrong secret is counted all the same.
+        guess.finish.send(false).unwrap();
+        bench.until(|| !bench.settled.lock().unwrap().is_empty()).await;
+        assert_eq!(*bench.settled.lock().unwrap(), [("guess", false)]);
+        bench.until(|| bench.verifier.checks.lock().unwrap().is_empty()).await;
+    }
+
+    #[tokio::test]
+    async fn a_check_every_request_left_before_its_slot_is_dropped() {
+        let mut bench = Bench::new();
+        let hold = [bench.send("h1", 9, Some("x")).await, bench.send("h2", 9, Some("y")).await];
+        bench.next_started().await;
+        bench.next_started().await;
+        let left = bench.send("left", 1, None).await;
+        left.task.abort();
+        assert!(left.task.await.unwrap_err().is_cancelled());
+        assert_eq!(bench.verifier.checks.lock().unwrap().len(), 2, "nothing is kept of it");
+        let [h1, h2] = hold;
+        h1.finish(true).await.unwrap();
+        h2.finish(true).await.unwrap();
+        let next = bench.send("next", 2, None).await;
+        assert_eq!(bench.next_started().await, "next", "the dropped check never ran");
+        next.finish(false).await.unwrap();
+        assert_eq!(bench.settled.lock().unwrap().iter().filter(|(name, _)| *name == "left").count(), 0);
+    }
+
+    #[test]
+    fn a_full_class_refuses_its_own_checks_only() {
+        let mut queue = Queue::default();
+        let mut receivers = Vec::new();
+        let mut push = |turns: &mut Turns, client: u32, cap: usize| {
+            let (sender, receiver) = oneshot::channel();
+            receivers.push(receiver);
+            turns.push(IpAddr::from(client.to_be_bytes()), sender, cap)
+        };
+        for client in 0..MAX_WAITING as u32 / PER_CLIENT as u32 {
+            for _ in 0..PER_CLIENT {
+                push(&mut queue.suspect, client, PER_CLIENT).unwrap();
+            }
+        }
+        assert_eq!(push(&mut queue.suspect, u32::MAX, PER_CLIENT), Err(Busy::Everyone));
+        assert!(!queue.suspect.by_client.contains_key(&IpAddr::from(u32::MAX.to_be_bytes())), "nothing left of it");
+        assert_eq!(
+            push(&mut queue.fresh, u32::MAX, MAX_WAITING),
+            Ok(()),
+            "a full suspect class crowds no fresh check out"
+        );
     }
 }

@@ -42,7 +42,6 @@ pub struct Forwarder {
     /// off): one connection per agent carries every request.
     http2: Option<Http2Client>,
     header_timeout: Duration,
-    /// The fleet's join token, which agents ask of every request.
     /// Cancelled when a shutdown's grace period is over: streams still
     /// running end with an error event.
     hard_stop: CancellationToken,
