@@ -89,6 +89,8 @@ impl AgentService for AgentSvc {
         let node = register.status.ok_or_else(|| status(ErrorKind::BadRequest, "register carries no node status"))?;
         validate(&node)?;
         let instance = instance_digest(&register.instance)?;
+        let span = tracing::info_span!("agent", node = %node.node_id, peer = ?peer);
+        let claim = self.claim(node, instance).instrument(span.clone()).await?;
 
         let (tx, rx) = mpsc::channel(8);
         let registered = ControllerMessage {
@@ -100,9 +102,8 @@ impl AgentService for AgentSvc {
         };
         // The channel is empty and ours: this cannot fail.
         let _ = tx.try_send(Ok(registered));
-        let span = tracing::info_span!("agent", node = %node.node_id, peer = ?peer);
         tracing::info!(parent: &span, "agent joined");
-        tokio::spawn(self.clone().session(node, instance, inbound, tx).instrument(span));
+        tokio::spawn(self.clone().session(claim, inbound, tx).instrument(span));
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 }
@@ -146,6 +147,18 @@ fn millis(d: Duration) -> u32 {
 }
 
 /// Why an agent session ended.
+/// A registration whose node is (or is to be) written: what the stream's
+/// session starts from.
+struct Claim {
+    reported: Reported,
+    lease: Option<Lease>,
+    /// The status still to write, if the first write failed.
+    pending: Option<NodeStatus>,
+    written: Option<NodeStatus>,
+    registered_unix_ms: u64,
+    instance_digest: String,
+}
+
 enum End {
     AgentLeft,
     AgentSilent,
@@ -155,38 +168,39 @@ enum End {
 }
 
 impl AgentSvc {
-    async fn session(
-        self,
-        node: NodeStatus,
-        instance_digest: String,
-        mut inbound: Streaming<AgentMessage>,
-        tx: mpsc::Sender<Result<ControllerMessage, Status>>,
-    ) {
-        let node_id = node.node_id.clone();
-        let origin: std::sync::Arc<str> = self.controller_id.as_str().into();
-        let stream = self.streams.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+    /// The node's first write, before the stream is answered: the node id
+    /// is this agent's before anything of it reaches the fleet, and a
+    /// registration naming another live agent's node id is refused.
+    async fn claim(&self, node: NodeStatus, instance_digest: String) -> Result<Claim, Status> {
         let registered_unix_ms = inferyes_proto::unix_ms();
         let mut lease: Option<Lease> = None;
-        let mut numbering = Numbering::default();
         let mut reported = Reported::default();
         reported.update(node);
         let mut pending: Option<NodeStatus> = Some(reported.durable.clone());
         let mut written: Option<NodeStatus> = None;
-        // The node id is this stream's before anything of it reaches the
-        // fleet: a registration naming a live node's id is refused here.
         match self.write(&mut lease, reported.durable.clone(), registered_unix_ms, &instance_digest).await {
             Ok(_) => written = pending.take(),
-            Err(StoreError::NodeTaken(_)) => {
+            Err(StoreError::NodeTaken(node_id)) => {
                 tracing::warn!("agent refused: its node id is held by another agent's live lease");
-                let _ = tx.send(Err(taken(&node_id))).await;
-                if let Some(lease) = lease {
-                    let _ = self.store.revoke(lease).await;
-                }
-                return;
+                return Err(taken(&node_id));
             }
             // Written on the next try; the stream goes on meanwhile.
             Err(error) => tracing::warn!(%error, "node status not written; holding it for retry"),
         }
+        Ok(Claim { reported, lease, pending, written, registered_unix_ms, instance_digest })
+    }
+
+    async fn session(
+        self,
+        claim: Claim,
+        mut inbound: Streaming<AgentMessage>,
+        tx: mpsc::Sender<Result<ControllerMessage, Status>>,
+    ) {
+        let Claim { mut reported, mut lease, mut pending, mut written, registered_unix_ms, instance_digest } = claim;
+        let node_id = reported.durable.node_id.clone();
+        let origin: std::sync::Arc<str> = self.controller_id.as_str().into();
+        let stream = self.streams.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+        let mut numbering = Numbering::default();
         if self.live.send(reported.load_event(&node_id, &origin, stream)).await.is_err() {
             return;
         }
@@ -389,6 +403,13 @@ impl AgentSvc {
         self.metrics.node_write_seconds.observe(started.elapsed().as_secs_f64());
         let revision = match written {
             Ok(revision) => revision,
+            Err(StoreError::NodeTaken(node_id)) => {
+                // Bound to nothing: gone now rather than at its TTL.
+                if let Err(error) = self.store.revoke(current).await {
+                    tracing::debug!(%error, "an unused lease was not revoked; it runs out");
+                }
+                return Err(StoreError::NodeTaken(node_id));
+            }
             Err(error) => {
                 self.metrics.node_write_failures.inc();
                 return Err(error);

@@ -130,11 +130,12 @@ impl EtcdStore {
     }
 
     /// Writes a node's record bound to its lease; returns the revision.
-    /// The key is written if it is this lease's already, free, or held by
-    /// the same agent instance (`record.instance_digest`: one that moved
-    /// to this controller); a live record of another instance is left
-    /// alone ([`StoreError::NodeTaken`]), so no registration can take a
-    /// live node's id, and its traffic, from its agent.
+    /// The key is written if it is this lease's already, free, held by the
+    /// same agent instance (`record.instance_digest`: one that moved to
+    /// this controller), or by a record without one; a live record of
+    /// another instance is left alone ([`StoreError::NodeTaken`]), so no
+    /// registration can take a live node's id, and its traffic, from its
+    /// agent.
     pub async fn put_node(&self, record: &NodeRecord, lease: &Lease) -> Result<u64, StoreError> {
         let node_id = record.status.as_ref().map(|s| s.node_id.as_str()).unwrap_or_default();
         let key = self.keys.node(node_id);
@@ -155,12 +156,15 @@ impl EtcdStore {
         });
         let claim = match held {
             None => Compare::version(key.clone(), CompareOp::Equal, 0),
+            // The same instance, moving controllers; or a record with no
+            // instance, written by a controller or for an agent of an
+            // earlier version, taken as then (the last write wins) until
+            // both are rolled; or one no controller can read.
             Some((mod_revision, Ok(current)))
-                if !current.instance_digest.is_empty() && current.instance_digest == record.instance_digest =>
+                if current.instance_digest.is_empty() || current.instance_digest == record.instance_digest =>
             {
                 Compare::mod_revision(key.clone(), CompareOp::Equal, mod_revision)
             }
-            // Unreadable: written by no controller of this version; free.
             Some((mod_revision, Err(_))) => Compare::mod_revision(key.clone(), CompareOp::Equal, mod_revision),
             Some(_) => return Err(StoreError::NodeTaken(node_id.to_string())),
         };

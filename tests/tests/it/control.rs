@@ -497,36 +497,39 @@ async fn a_live_node_s_id_cannot_be_taken_by_another_registration() {
     })
     .await;
 
-    let intrude = || async {
-        let (tx, rx) = tokio::sync::mpsc::channel(1);
-        let status =
-            NodeStatus { node_id: "node-a".into(), proxy_url: "http://127.0.0.1:9".into(), ..Default::default() };
+    let register = |instance: &str, proxy_url: &str| {
+        let status = NodeStatus { node_id: "node-a".into(), proxy_url: proxy_url.into(), ..Default::default() };
         let register = Register {
             status: Some(status),
             join_token: inferyes_tests::fleet::JOIN_TOKEN.into(),
-            instance: "intruderinstance0000".into(),
+            instance: instance.into(),
         };
-        tx.send(AgentMessage { msg: Some(agent_message::Msg::Register(register)) }).await.unwrap();
-        let mut agents = AgentServiceClient::connect(controller.url()).await.unwrap();
-        let inbound = agents.join(tokio_stream::wrappers::ReceiverStream::new(rx)).await.unwrap().into_inner();
-        (tx, inbound)
-    };
-    let (_tx, mut inbound) = intrude().await;
-    let refused = loop {
-        match inbound.message().await {
-            Ok(Some(_)) => continue,
-            other => break other.unwrap_err(),
+        let url = controller.url();
+        async move {
+            let (tx, rx) = tokio::sync::mpsc::channel(1);
+            tx.send(AgentMessage { msg: Some(agent_message::Msg::Register(register)) }).await.unwrap();
+            let mut agents = AgentServiceClient::connect(url).await.unwrap();
+            agents.join(tokio_stream::wrappers::ReceiverStream::new(rx)).await.map(|stream| (tx, stream.into_inner()))
         }
     };
+    let intrude = || register("intruderinstance0000", "http://127.0.0.1:9");
+    // Refused before the stream is answered: never told it registered.
+    let refused = intrude().await.expect_err("refused");
     assert_eq!(refused.code(), tonic::Code::PermissionDenied, "{refused:?}");
     assert!(refused.message().contains("held by another agent"), "{refused:?}");
     assert_eq!(proxy_url(&admin).await.as_deref(), Some(real.as_str()), "the node keeps its agent's address");
 
     agent.stop().await;
-    let (_tx, _inbound) = intrude().await;
+    let _joined = intrude().await.expect("a free id is taken");
     eventually("the free id taken", Duration::from_secs(5), || {
         let lookup = proxy_url(&admin);
         async move { lookup.await.as_deref() == Some("http://127.0.0.1:9") }
     })
     .await;
+    // The same instance (an agent moving controllers) takes it over at
+    // once; an agent of an earlier version, which sends no instance, may
+    // not take it from one that does.
+    let _moved = register("intruderinstance0000", "http://127.0.0.1:10").await.expect("the same instance");
+    let old = register("", "http://127.0.0.1:11").await.expect_err("refused");
+    assert_eq!(old.code(), tonic::Code::PermissionDenied);
 }
