@@ -1,8 +1,9 @@
 //! Who may see the dashboard: a viewer's or the admin token, presented as
 //! `Authorization: Bearer` (scripts), or kept by the browser in a session
-//! cookie the login page gets. The cookie holds a MAC of the token, not the
-//! token: a stolen cookie opens the dashboard, not the fleet's API, and
-//! every controller of the fleet takes it (no session state to share).
+//! cookie the login page gets. The cookie holds its expiry and a MAC of it
+//! keyed by the token, not the token: a stolen cookie opens the dashboard,
+//! not the fleet's API, and only until it expires; every controller of the
+//! fleet takes it (no session state to share).
 
 use axum::http::{HeaderMap, HeaderValue, header};
 use inferyes_proto::bearer::Accepted;
@@ -14,33 +15,44 @@ const SESSION_SECONDS: u32 = 12 * 3600;
 
 pub struct Gate {
     tokens: Accepted,
-    /// The session value of each token.
-    sessions: Accepted,
 }
 
 impl Gate {
     pub fn new(tokens: Accepted) -> Gate {
-        let sessions = Accepted::new(tokens.tokens().map(session_of).collect());
-        Gate { tokens, sessions }
+        Gate { tokens }
     }
 
-    /// Whether these headers carry a token or a session it takes.
-    pub fn allows(&self, headers: &HeaderMap) -> bool {
+    /// Whether these headers carry a token, or a session of one that has
+    /// not expired at `now` (Unix seconds).
+    pub fn allows(&self, headers: &HeaderMap, now: u64) -> bool {
         let bearer = headers.get(header::AUTHORIZATION).map(HeaderValue::as_bytes);
         if inferyes_proto::bearer::check(bearer, &self.tokens).is_ok() {
             return true;
         }
-        cookies(headers).any(|(name, value)| name == COOKIE && self.sessions.accepts(value.as_bytes()))
+        cookies(headers).any(|(name, value)| name == COOKIE && self.session_holds(value, now))
+    }
+
+    fn session_holds(&self, value: &str, now: u64) -> bool {
+        let Some((expiry, mac)) = value.split_once('.') else { return false };
+        let Ok(expires) = expiry.parse::<u64>() else { return false };
+        // Made here, so never further out than a session lasts.
+        if expires <= now || expires > now + u64::from(SESSION_SECONDS) {
+            return false;
+        }
+        self.tokens.tokens().fold(false, |found, token| {
+            found | inferyes_proto::apikey::constant_time_eq(session_mac(token, expires).as_bytes(), mac.as_bytes())
+        })
     }
 
     /// The `Set-Cookie` that keeps a session for `token`, if it is one it
-    /// takes.
-    pub fn login(&self, token: &str) -> Option<HeaderValue> {
+    /// takes, from `now` (Unix seconds).
+    pub fn login(&self, token: &str, now: u64) -> Option<HeaderValue> {
         if !self.tokens.accepts(token.as_bytes()) {
             return None;
         }
-        let cookie =
-            format!("{COOKIE}={}; Path=/; Max-Age={SESSION_SECONDS}; HttpOnly; SameSite=Strict", session_of(token));
+        let expires = now + u64::from(SESSION_SECONDS);
+        let mac = session_mac(token, expires);
+        let cookie = format!("{COOKIE}={expires}.{mac}; Path=/; Max-Age={SESSION_SECONDS}; HttpOnly; SameSite=Strict");
         HeaderValue::from_str(&cookie).ok()
     }
 }
@@ -50,9 +62,10 @@ pub fn logout() -> HeaderValue {
     HeaderValue::from_static("inferyes_session=; Path=/; Max-Age=0; HttpOnly; SameSite=Strict")
 }
 
-/// A session's value: HMAC-SHA256 of a fixed label, keyed by the token.
-fn session_of(token: &str) -> String {
-    inferyes_proto::bearer::mac_hex(token, b"inferyes dashboard session v1")
+/// A session's MAC: HMAC-SHA256 of a fixed label and its expiry, keyed by
+/// the token.
+fn session_mac(token: &str, expires: u64) -> String {
+    inferyes_proto::bearer::mac_hex(token, format!("inferyes dashboard session v1 {expires}").as_bytes())
 }
 
 /// The `name=value` pairs of every `Cookie` header.
@@ -82,19 +95,28 @@ mod tests {
     #[test]
     fn a_token_or_its_session_opens_the_dashboard_and_nothing_else_does() {
         let gate = gate();
-        assert!(!gate.allows(&HeaderMap::new()));
-        assert!(gate.allows(&with(header::AUTHORIZATION, "Bearer viewer-token-0123456789")));
-        assert!(!gate.allows(&with(header::AUTHORIZATION, "Bearer viewer-token-012345678")));
-        let set = gate.login("admin-token-0123456789").expect("a token it takes");
+        let now = 1_800_000_000;
+        assert!(!gate.allows(&HeaderMap::new(), now));
+        assert!(gate.allows(&with(header::AUTHORIZATION, "Bearer viewer-token-0123456789"), now));
+        assert!(!gate.allows(&with(header::AUTHORIZATION, "Bearer viewer-token-012345678"), now));
+        let set = gate.login("admin-token-0123456789", now).expect("a token it takes");
         let set = set.to_str().unwrap();
         assert!(set.contains("HttpOnly") && set.contains("SameSite=Strict"), "{set}");
         let session = set.split(';').next().unwrap();
         assert!(!session.contains("admin-token"), "the cookie is not the token: {session}");
-        assert!(gate.allows(&with(header::COOKIE, &format!("theme=dark; {session}"))));
-        assert!(!gate.allows(&with(header::COOKIE, "inferyes_session=admin-token-0123456789")));
-        assert!(!gate.allows(&with(header::COOKIE, &format!("{session}0"))));
-        assert!(gate.login("not-a-token").is_none());
+        assert!(gate.allows(&with(header::COOKIE, &format!("theme=dark; {session}")), now));
+        assert!(!gate.allows(&with(header::COOKIE, "inferyes_session=admin-token-0123456789"), now));
+        assert!(!gate.allows(&with(header::COOKIE, &format!("{session}0")), now));
+        assert!(gate.login("not-a-token", now).is_none());
         // Another gate of the same fleet (another controller) takes it.
-        assert!(self::gate().allows(&with(header::COOKIE, session)));
+        assert!(self::gate().allows(&with(header::COOKIE, session), now));
+        // Until it expires, whatever the browser keeps; an expiry moved on
+        // breaks the MAC.
+        let later = now + u64::from(SESSION_SECONDS);
+        assert!(gate.allows(&with(header::COOKIE, session), later - 1));
+        assert!(!gate.allows(&with(header::COOKIE, session), later));
+        let (expiry, mac) = session.split_once('=').unwrap().1.split_once('.').unwrap();
+        let moved = format!("{COOKIE}={}.{mac}", expiry.parse::<u64>().unwrap() + 1);
+        assert!(!gate.allows(&with(header::COOKIE, &moved), now));
     }
 }

@@ -60,7 +60,7 @@ pub fn router(dashboard: Dashboard) -> Router {
 
 impl Dashboard {
     fn allows(&self, headers: &HeaderMap) -> bool {
-        self.gate.as_ref().is_none_or(|gate| gate.allows(headers))
+        self.gate.as_ref().is_none_or(|gate| gate.allows(headers, inferyes_proto::unix_ms() / 1000))
     }
 }
 
@@ -80,7 +80,7 @@ struct Login {
 
 async fn login(State(dashboard): State<Dashboard>, axum::Json(login): axum::Json<Login>) -> Response {
     let Some(gate) = &dashboard.gate else { return StatusCode::NO_CONTENT.into_response() };
-    match gate.login(login.token.trim()) {
+    match gate.login(login.token.trim(), inferyes_proto::unix_ms() / 1000) {
         Some(cookie) => (StatusCode::NO_CONTENT, [(header::SET_COOKIE, cookie)]).into_response(),
         None => refused(),
     }
