@@ -96,9 +96,12 @@ pub fn client_address(peer: IpAddr, headers: &HeaderMap, trusted: &[Cidr]) -> Ip
     if !is_trusted(client) {
         return client;
     }
-    let values: Vec<&str> = headers.get_all("x-forwarded-for").iter().filter_map(|value| value.to_str().ok()).collect();
-    for entry in values.iter().rev().flat_map(|value| value.rsplit(',')) {
-        let Some(named) = parse_entry(entry) else { return client };
+    // Bytes, not text: a value that is not text is an entry that is not
+    // an address, which stops the walk (skipping it would read on into
+    // what the client wrote).
+    let values: Vec<&[u8]> = headers.get_all("x-forwarded-for").iter().map(http::HeaderValue::as_bytes).collect();
+    for entry in values.iter().rev().flat_map(|value| value.rsplit(|byte| *byte == b',')) {
+        let Some(named) = std::str::from_utf8(entry).ok().and_then(parse_entry) else { return client };
         client = named;
         if !is_trusted(client) {
             break;
@@ -167,6 +170,12 @@ mod tests {
         let mut junk = HeaderMap::new();
         junk.insert("x-forwarded-for", "203.0.113.5, unknown".parse().unwrap());
         assert_eq!(client_address(addr("10.0.0.1"), &junk, &trusted), addr("10.0.0.1"));
+        // A line that is not text, appended by the proxy to the client's
+        // own: the walk stops there, not at what the client wrote.
+        let mut bytes = HeaderMap::new();
+        bytes.append("x-forwarded-for", "203.0.113.99".parse().unwrap());
+        bytes.append("x-forwarded-for", http::HeaderValue::from_bytes(b"\xff10.0.0.9").unwrap());
+        assert_eq!(client_address(addr("10.0.0.1"), &bytes, &trusted), addr("10.0.0.1"));
         let mut ported = HeaderMap::new();
         ported.insert("x-forwarded-for", "[2001:db8::5]:4711, 203.0.113.5:80".parse().unwrap());
         assert_eq!(client_address(addr("::ffff:10.0.0.1"), &ported, &trusted), addr("203.0.113.5"));
