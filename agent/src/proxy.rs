@@ -78,7 +78,7 @@ async fn metrics(State((state, scrape)): State<(Arc<AgentState>, Arc<Scrape>)>) 
 /// to a backend, with its body as hyper read it; only the agent's health
 /// goes through an axum router. Why not a router for all: its routing,
 /// boxed services and boxed bodies cost several allocations and thousands
-/// of instructions per request, for a choice between two paths.
+/// of instructions per request, to tell one path from the rest.
 #[derive(Clone)]
 pub struct Service {
     proxy: Proxy,
@@ -221,13 +221,7 @@ async fn forward_in_span(proxy: Proxy, request: Request<Incoming>) -> Response {
         Ok(response) => {
             let (mut parts, body) = response.into_parts();
             span.record("http.response.status_code", parts.status.as_u16());
-            // The backend's connection options are its connection's: passed
-            // on, a `Connection: close` (llama-server's on every hundredth
-            // answer of a connection) would close the data plane's pooled
-            // connection to this proxy too.
-            inferyes_proto::headers::remove_hop_by_hop(&mut parts.headers);
-            // The agent's own word, which a backend must not be able to say.
-            parts.headers.remove(inferyes_proto::bearer::AGENT_REFUSED);
+            strip_answer_headers(&mut parts.headers);
             // Only an answer held a slot: refusals and errors would make
             // the slot time per request look short.
             guard.served = parts.status.is_success();
@@ -249,6 +243,16 @@ async fn forward_in_span(proxy: Proxy, request: Request<Incoming>) -> Response {
             error(ErrorKind::Upstream, &format!("backend `{backend_id}` is unreachable"), "backend_unreachable")
         }
     }
+}
+
+/// What stays behind of a backend's answer: its connection options, which
+/// are its connection's (passed on, a `Connection: close`, llama-server's
+/// on every hundredth answer of a connection, would close the data plane's
+/// pooled connection to this proxy too), and the agent's own word, which a
+/// backend must not be able to say.
+fn strip_answer_headers(headers: &mut HeaderMap) {
+    inferyes_proto::headers::remove_hop_by_hop(headers);
+    headers.remove(inferyes_proto::bearer::AGENT_REFUSED);
 }
 
 /// Hop-by-hop headers, the data plane's routing headers and the client's
@@ -401,5 +405,16 @@ mod tests {
         strip_headers(&mut headers);
         let left: std::collections::BTreeSet<&str> = headers.keys().map(HeaderName::as_str).collect();
         assert_eq!(left, ["user-agent", "x-stainless-lang"].into());
+    }
+
+    #[test]
+    fn a_backend_cannot_say_what_only_the_agent_says() {
+        let mut headers = HeaderMap::new();
+        headers.insert(header::CONNECTION, HeaderValue::from_static("close"));
+        headers.insert(inferyes_proto::bearer::AGENT_REFUSED, HeaderValue::from_static("credential"));
+        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        strip_answer_headers(&mut headers);
+        let left: std::collections::BTreeSet<&str> = headers.keys().map(HeaderName::as_str).collect();
+        assert_eq!(left, ["content-type"].into());
     }
 }
