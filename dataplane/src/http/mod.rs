@@ -30,6 +30,15 @@ pub use client::{Forwarder, Settings as ForwarderSettings};
 pub use server::{ENDPOINTS, Endpoint, Gateway, admin_router, router};
 pub use view::{RoutingView, parse_view, session_key};
 
+/// What the fuzz targets (`fuzz/`) reach of the request path beyond the
+/// public API; built only for them.
+#[cfg(feature = "fuzzing")]
+#[doc(hidden)]
+pub mod fuzzing {
+    pub use super::sse::{carries_output, count_data_events, ended_well, is_usage_only_event};
+    pub use super::view::{estimated_prompt_tokens, metered_prompt_estimate, with_model, with_usage_requested};
+}
+
 use crate::auth::Caller;
 use crate::error::ApiError;
 use crate::routing;
