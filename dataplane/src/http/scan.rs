@@ -40,6 +40,9 @@ pub struct Fields<'a> {
     pub input: Option<Raw<'a>>,
     /// Whether the client set stream options itself.
     pub stream_options: Option<Raw<'a>>,
+    /// The body names `stream_options`, whatever it holds (`null`
+    /// included): a member added beside it would make two.
+    pub stream_options_named: bool,
     /// A string in the body (a part's type or key) is `image_url` or
     /// `input_audio`: its size is a poor measure of its tokens.
     pub has_media: bool,
@@ -190,6 +193,7 @@ impl<'a> Scanner<'a> {
                     };
                     once(field, name)?;
                     *slot = scanner.nullable_value(1)?;
+                    fields.stream_options_named |= field == 7;
                 }
                 other => match CONSTRAINTS.iter().position(|name| *name == other) {
                     Some(constraint) => {
@@ -785,6 +789,8 @@ mod tests {
             instructions: raw(wire.instructions),
             input: raw(wire.input),
             stream_options: raw(wire.stream_options),
+            // Not serde's to say (`null` reads as absent): checked apart.
+            stream_options_named: false,
         })
     }
 
@@ -874,12 +880,23 @@ mod tests {
         }
         match (&ours, &theirs) {
             (Ok(ours), Ok(theirs)) if serde_json::from_slice::<Media>(body).is_err() => {
-                let theirs =
-                    Fields { has_media: ours.has_media, model_span: ours.model_span.clone(), ..theirs.clone() };
+                let theirs = Fields {
+                    has_media: ours.has_media,
+                    model_span: ours.model_span.clone(),
+                    stream_options_named: ours.stream_options_named,
+                    ..theirs.clone()
+                };
                 prop_assert_eq!(ours, &theirs)
             }
             (Ok(ours), Ok(theirs)) => {
-                prop_assert_eq!(ours, &Fields { model_span: ours.model_span.clone(), ..theirs.clone() })
+                // Named or not, serde tells only when it holds a value.
+                prop_assert!(ours.stream_options_named || theirs.stream_options.is_none());
+                let theirs = Fields {
+                    model_span: ours.model_span.clone(),
+                    stream_options_named: ours.stream_options_named,
+                    ..theirs.clone()
+                };
+                prop_assert_eq!(ours, &theirs)
             }
             (Ok(_), Err(error)) => prop_assert!(false, "scanned, but serde refused: {error}"),
             (Err(ScanError::NotObject { .. }), Ok(_)) => {}

@@ -27,7 +27,9 @@ pub struct RoutingView {
     /// Whether the body carries images or audio, which make its size a poor
     /// measure of its tokens.
     pub has_media: bool,
-    /// The client set `stream_options` (and so said whether it wants usage).
+    /// The client named `stream_options` (and so said whether it wants
+    /// usage; `null` included: a second member beside it would be read by
+    /// some servers and refused by others).
     pub has_stream_options: bool,
     /// The output is constrained (tools, a response format, a grammar).
     pub constrained: bool,
@@ -54,7 +56,7 @@ pub fn parse_view(body: &[u8]) -> Result<RoutingView, ApiError> {
         prompt_cache_key: fields.prompt_cache_key.filter(|k| !k.is_empty()).map(Cow::into_owned),
         root,
         has_media: fields.has_media,
-        has_stream_options: fields.stream_options.is_some(),
+        has_stream_options: fields.stream_options_named,
         constrained: fields.constrained,
     })
 }
@@ -363,6 +365,17 @@ mod tests {
         assert!(constrained(br#"{"model":"m","messages":[],"tools":[]}"#));
         assert!(constrained(br#"{"model":"m","messages":[],"response_format":{"type":"json_object"}}"#));
         assert!(!constrained(br#"{"model":"m","messages":[],"tool_choice":null}"#), "null is no constraint");
+    }
+
+    #[test]
+    fn stream_options_set_to_null_are_the_client_s_own_all_the_same() {
+        for body in [
+            &br#"{"model":"m","stream":true,"stream_options":null}"#[..],
+            br#"{"model":"m","stream":true,"stream_options":{}}"#,
+        ] {
+            assert!(parse_view(body).unwrap().has_stream_options, "{}", String::from_utf8_lossy(body));
+        }
+        assert!(!parse_view(br#"{"model":"m","stream":true}"#).unwrap().has_stream_options);
     }
 
     #[test]
