@@ -215,14 +215,21 @@ impl Verifier {
             // Every request went away before the slot came.
             _ => return,
         }
-        let verdict = tokio::task::spawn_blocking(move || {
+        // However this ends (a panic in `settled` included), the next
+        // request presenting the key is not left waiting on this check.
+        let _finished = Finished { verifier: &self, digest, id };
+        let checked = tokio::task::spawn_blocking(move || {
             let _slot = slot;
             check()
         })
-        .await
-        .unwrap_or(false);
+        .await;
+        // A check that did not run to its verdict (it panicked, or the
+        // runtime is shutting down) says nothing of the secret.
+        let Ok(verdict) = checked else {
+            let _ = tell.send(Some(Err(Busy::Everyone)));
+            return;
+        };
         settled(verdict);
-        self.finish(digest, id);
         let _ = tell.send(Some(Ok(verdict)));
     }
 
@@ -267,6 +274,19 @@ impl Verifier {
 
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Ends a running check's entry, however the check ends.
+struct Finished<'a> {
+    verifier: &'a Verifier,
+    digest: [u8; 16],
+    id: u64,
+}
+
+impl Drop for Finished<'_> {
+    fn drop(&mut self) {
+        self.verifier.finish(self.digest, self.id);
+    }
 }
 
 /// A request waiting on a check. The last to go, before the check has a
@@ -631,5 +651,20 @@ mod tests {
             Ok(()),
             "a full suspect class crowds no fresh check out"
         );
+    }
+
+    #[tokio::test]
+    async fn a_check_that_breaks_counts_nothing_and_leaves_nothing_behind() {
+        let verifier = Verifier::new(2);
+        let turn = Turn { client: IpAddr::from([192, 0, 2, 1]), key_id: Some("k".into()) };
+        let settled = Arc::new(Mutex::new(Vec::new()));
+        let told = Arc::clone(&settled);
+        let verdict =
+            verifier.check([7; 16], turn, || panic!("argon2 broke"), move |v| told.lock().unwrap().push(v)).await;
+        assert_eq!(verdict, Err(Busy::Everyone), "not a wrong secret");
+        assert!(settled.lock().unwrap().is_empty());
+        assert!(verifier.checks.lock().unwrap().is_empty());
+        let queue = verifier.lock();
+        assert_eq!((queue.running, queue.fresh_keys.len()), (0, 0), "the slot and key id are free");
     }
 }
