@@ -59,6 +59,10 @@ impl AgentSvc {
 type JoinStream = Pin<Box<dyn Stream<Item = Result<ControllerMessage, Status>> + Send>>;
 
 const REGISTER_TIMEOUT: Duration = Duration::from_secs(10);
+/// A join waits this long for the node's first write before the stream is
+/// answered; past it, the write is tried again from the stream (etcd's own
+/// timeouts would hold the agent for several times as long).
+const CLAIM_TIMEOUT: Duration = Duration::from_secs(5);
 /// A first change waits this long for the rest of its batch before it is
 /// written.
 const COALESCE: Duration = Duration::from_millis(5);
@@ -110,7 +114,7 @@ impl AgentService for AgentSvc {
 
 /// What etcd keeps of an agent's instance: its SHA-256, so that a reader
 /// of etcd cannot present it. Empty for an agent that sends none (it can
-/// then take only a free node id).
+/// then take a free node id, or one whose record has no instance either).
 fn instance_digest(instance: &str) -> Result<String, Status> {
     if instance.is_empty() {
         return Ok(String::new());
@@ -146,7 +150,6 @@ fn millis(d: Duration) -> u32 {
     u32::try_from(d.as_millis()).unwrap_or(u32::MAX)
 }
 
-/// Why an agent session ended.
 /// A registration whose node is (or is to be) written: what the stream's
 /// session starts from.
 struct Claim {
@@ -159,6 +162,7 @@ struct Claim {
     instance_digest: String,
 }
 
+/// Why an agent session ended.
 enum End {
     AgentLeft,
     AgentSilent,
@@ -178,14 +182,16 @@ impl AgentSvc {
         reported.update(node);
         let mut pending: Option<NodeStatus> = Some(reported.durable.clone());
         let mut written: Option<NodeStatus> = None;
-        match self.write(&mut lease, reported.durable.clone(), registered_unix_ms, &instance_digest).await {
-            Ok(_) => written = pending.take(),
-            Err(StoreError::NodeTaken(node_id)) => {
+        let first = self.write(&mut lease, reported.durable.clone(), registered_unix_ms, &instance_digest);
+        match tokio::time::timeout(CLAIM_TIMEOUT, first).await {
+            Ok(Ok(_)) => written = pending.take(),
+            Ok(Err(StoreError::NodeTaken(node_id))) => {
                 tracing::warn!("agent refused: its node id is held by another agent's live lease");
                 return Err(taken(&node_id));
             }
             // Written on the next try; the stream goes on meanwhile.
-            Err(error) => tracing::warn!(%error, "node status not written; holding it for retry"),
+            Ok(Err(error)) => tracing::warn!(%error, "node status not written; holding it for retry"),
+            Err(_) => tracing::warn!("etcd slow to take the node's first write; holding it for retry"),
         }
         Ok(Claim { reported, lease, pending, written, registered_unix_ms, instance_digest })
     }
