@@ -12,6 +12,9 @@ use inferyes_proto::bearer::Accepted;
 pub const COOKIE: &str = "inferyes_session";
 /// How long a browser keeps its session: a working day.
 const SESSION_SECONDS: u32 = 12 * 3600;
+/// How far apart the controllers' clocks may be for one's session to be
+/// another's.
+const CLOCK_SKEW_SECONDS: u64 = 300;
 
 pub struct Gate {
     tokens: Accepted,
@@ -29,14 +32,16 @@ impl Gate {
         if inferyes_proto::bearer::check(bearer, &self.tokens).is_ok() {
             return true;
         }
-        cookies(headers).any(|(name, value)| name == COOKIE && self.session_holds(value, now))
+        // The first of the name only: each costs a MAC per token.
+        cookies(headers).find(|(name, _)| *name == COOKIE).is_some_and(|(_, value)| self.session_holds(value, now))
     }
 
     fn session_holds(&self, value: &str, now: u64) -> bool {
         let Some((expiry, mac)) = value.split_once('.') else { return false };
         let Ok(expires) = expiry.parse::<u64>() else { return false };
-        // Made here, so never further out than a session lasts.
-        if expires <= now || expires > now + u64::from(SESSION_SECONDS) {
+        // Made by a controller, so never further out than a session lasts
+        // (give or take the controllers' clocks).
+        if expires <= now || expires > now.saturating_add(u64::from(SESSION_SECONDS) + CLOCK_SKEW_SECONDS) {
             return false;
         }
         self.tokens.tokens().fold(false, |found, token| {
@@ -110,6 +115,9 @@ mod tests {
         assert!(gate.login("not-a-token", now).is_none());
         // Another gate of the same fleet (another controller) takes it.
         assert!(self::gate().allows(&with(header::COOKIE, session), now));
+        // From a controller whose clock is a little ahead.
+        let ahead = gate.login("viewer-token-0123456789", now + 10).unwrap();
+        assert!(gate.allows(&with(header::COOKIE, ahead.to_str().unwrap().split(';').next().unwrap()), now));
         // Until it expires, whatever the browser keeps; an expiry moved on
         // breaks the MAC.
         let later = now + u64::from(SESSION_SECONDS);
