@@ -20,8 +20,8 @@ seconds=${FUZZ_SECONDS:-60}
 if ! rustup run nightly rustc --version >/dev/null 2>&1; then
   rustup toolchain install nightly --profile minimal
 fi
-if ! cargo fuzz --version >/dev/null 2>&1; then
-  cargo install --locked cargo-fuzz
+if ! cargo fuzz --version 2>/dev/null | grep -q '^cargo-fuzz 0\.13\.'; then
+  cargo install --locked cargo-fuzz --version '~0.13'
 fi
 # Apart from the stable build's: another compiler, other flags.
 target_dir=${CARGO_TARGET_DIR:+$CARGO_TARGET_DIR/fuzz}
@@ -29,26 +29,40 @@ target_dir=${target_dir:-$root/fuzz/target}
 
 targets=("$@")
 if [ ${#targets[@]} -eq 0 ]; then
-  mapfile -t targets < <(cargo +nightly fuzz list)
+  listed=$(cargo +nightly fuzz list)
+  mapfile -t targets <<<"$listed"
 fi
+if [ ${#targets[@]} -eq 0 ] || [ -z "${targets[0]}" ]; then
+  echo "no fuzz targets in fuzz/" >&2
+  exit 1
+fi
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
 cargo +nightly fuzz build --target-dir "$target_dir" >/dev/null
 for target in "${targets[@]}"; do
-  corpus=$(mktemp -d)
+  corpus="$work/$target"
+  mkdir -p "$corpus"
   inputs=("$corpus")
   for kept in "seeds/$target" "regressions/$target"; do
     [ -d "$kept" ] && inputs+=("$kept")
   done
   echo "== fuzz $target (${seconds}s)" >&2
+  log="$work/$target.log"
   set +e
   cargo +nightly fuzz run --target-dir "$target_dir" "$target" "${inputs[@]}" -- \
-    -max_total_time="$seconds" >"$corpus.log" 2>&1
+    -max_total_time="$seconds" >"$log" 2>&1
   status=$?
   set -e
-  grep -E '^(#[0-9]+ +DONE|Done)' "$corpus.log" >&2 || true
+  grep -E '^(#[0-9]+ +DONE|Done)' "$log" >&2 || true
   if [ $status -ne 0 ]; then
-    grep -E -A30 'panicked|ERROR: |SUMMARY' "$corpus.log" | head -25 >&2 || tail -40 "$corpus.log" >&2
-    echo "fuzz $target found an input that fails (exit $status): fuzz/artifacts/$target/" >&2
+    if grep -q 'Test unit written to' "$log"; then
+      grep -E -A30 'panicked|ERROR: |SUMMARY' "$log" | head -25 >&2 || true
+      grep 'Test unit written to' "$log" >&2
+      echo "fuzz $target found an input that fails (exit $status)" >&2
+    else
+      tail -40 "$log" >&2
+      echo "fuzz $target did not run (exit $status)" >&2
+    fi
     exit 1
   fi
-  rm -rf "$corpus" "$corpus.log"
 done
