@@ -42,7 +42,7 @@ impl FromStr for Cidr {
 
     fn from_str(text: &str) -> Result<Cidr, String> {
         let (addr, prefix) = text.split_once('/').map_or((text, None), |(a, p)| (a, Some(p)));
-        let network: IpAddr =
+        let mut network: IpAddr =
             addr.trim().parse().map_err(|_| format!("{text:?} is not an address block like 10.0.0.0/8"))?;
         let width = if network.is_ipv4() { 32 } else { 128 };
         let prefix = match prefix {
@@ -60,6 +60,15 @@ impl FromStr for Cidr {
         };
         if prefix_of(bits, prefix, width) != bits {
             return Err(format!("{text:?} has bits set past its prefix length; write its network address"));
+        }
+        // Peers are compared as IPv4 where they are IPv4-mapped: so is a
+        // block of mapped addresses.
+        let mut prefix = prefix;
+        if let IpAddr::V6(v6) = network
+            && let Some(v4) = v6.to_ipv4_mapped()
+            && prefix >= 96
+        {
+            (network, prefix) = (IpAddr::V4(v4), prefix - 96);
         }
         Ok(Cidr { network, prefix })
     }
@@ -145,6 +154,9 @@ mod tests {
         let one: Cidr = "2001:db8::7".parse().unwrap();
         assert_eq!(one.to_string(), "2001:db8::7/128");
         assert!(one.contains(addr("2001:db8::7")) && !one.contains(addr("2001:db8::8")));
+        let mapped: Cidr = "::ffff:10.0.0.0/104".parse().unwrap();
+        assert_eq!(mapped.to_string(), "10.0.0.0/8");
+        assert!(mapped.contains(addr("10.9.8.7")) && mapped.contains(addr("::ffff:10.9.8.7")));
         let v6: Cidr = "2001:db8::/32".parse().unwrap();
         assert!(v6.contains(addr("2001:db8:ffff::1")) && !v6.contains(addr("2001:db9::1")));
         for bad in ["10.0.0.0/33", "10.0.0.1/8", "ten/8", "", "::/129", "10.0.0.0/-1"] {
