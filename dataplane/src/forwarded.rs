@@ -20,6 +20,11 @@ pub struct Cidr {
 }
 
 impl Cidr {
+    /// Every address of its family: whoever connects is believed.
+    pub fn is_everything(&self) -> bool {
+        self.prefix == 0
+    }
+
     pub fn contains(&self, addr: IpAddr) -> bool {
         match (self.network, addr.to_canonical()) {
             (IpAddr::V4(network), IpAddr::V4(addr)) => {

@@ -133,6 +133,12 @@ pub async fn run(
     let ledger = AbortOnDropHandle::new(tokio::spawn(
         usage::run(Arc::clone(&state.ledger), controllers, drained.clone()).instrument(tracing::info_span!("usage")),
     ));
+    if config.trusted_proxies.iter().any(forwarded::Cidr::is_everything) {
+        tracing::warn!(
+            "trusted_proxies holds a /0: any client can name its own address in X-Forwarded-For, and so escape \
+             its failed key checks; list only the proxies in front"
+        );
+    }
     if config.auth == auth::AuthMode::None {
         tracing::warn!("auth = \"none\": the API is open to anyone who can reach it");
     }
