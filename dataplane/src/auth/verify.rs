@@ -27,9 +27,11 @@
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 
 use tokio::sync::{oneshot, watch};
+
+use super::lock;
 
 /// Suspect checks one client may have waiting; past it, its next is
 /// refused (its own, never another client's).
@@ -270,10 +272,6 @@ impl Verifier {
     fn lock(&self) -> std::sync::MutexGuard<'_, Queue> {
         lock(&self.queue)
     }
-}
-
-fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// Ends a running check's entry, however the check ends.
