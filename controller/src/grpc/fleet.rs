@@ -39,30 +39,24 @@ impl FleetSvc {
 
     /// Refuses a call without the admin token (when one is configured).
     fn admin<T>(&self, request: &Request<T>) -> Result<(), Status> {
-        inferyes_proto::bearer::check_call(request, self.admin_token.as_ref()).map_err(|refusal| match refusal {
-            inferyes_proto::bearer::Refusal::Wrong => {
-                status(ErrorKind::PermissionDenied, "this call needs the admin token, and that is not it")
-            }
-            inferyes_proto::bearer::Refusal::Missing => status(
-                ErrorKind::Unauthenticated,
-                "this call needs the admin token (inferyesctl: --admin-token-file or INFERYES_ADMIN_TOKEN)",
-            ),
-        })
+        require(
+            request,
+            self.admin_token.as_ref(),
+            "this call needs the admin token (inferyesctl: --admin-token-file or INFERYES_ADMIN_TOKEN)",
+            "this call needs the admin token, and that is not it",
+        )
     }
 
     /// Refuses a read without a viewer's or the admin token (when reads
     /// need one): nodes, sessions and models are the operator's to see.
     fn reader<T>(&self, request: &Request<T>) -> Result<(), Status> {
-        inferyes_proto::bearer::check_call(request, self.reader_tokens.as_ref()).map_err(|refusal| match refusal {
-            inferyes_proto::bearer::Refusal::Wrong => {
-                status(ErrorKind::PermissionDenied, "the token is neither a viewer's nor the admin's of this fleet")
-            }
-            inferyes_proto::bearer::Refusal::Missing => status(
-                ErrorKind::Unauthenticated,
-                "reading the fleet needs a viewer or the admin token (inferyesctl: --viewer-token-file or \
-                 --admin-token-file)",
-            ),
-        })
+        require(
+            request,
+            self.reader_tokens.as_ref(),
+            "reading the fleet needs a viewer or the admin token (inferyesctl: --viewer-token-file or \
+             --admin-token-file)",
+            "the token is neither a viewer's nor the admin's of this fleet",
+        )
     }
 
     fn snapshot(&self) -> Result<std::sync::Arc<Snapshot>, Status> {
@@ -71,6 +65,20 @@ impl FleetSvc {
             .clone()
             .ok_or_else(|| status(ErrorKind::Unavailable, "the controller has not read the fleet from etcd yet"))
     }
+}
+
+/// A call's token checked against `accepted` (none: open), refused with
+/// `missing` or `wrong` as the case is.
+fn require<T>(
+    request: &Request<T>,
+    accepted: Option<&inferyes_proto::bearer::Accepted>,
+    missing: &str,
+    wrong: &str,
+) -> Result<(), Status> {
+    inferyes_proto::bearer::check_call(request, accepted).map_err(|refusal| match refusal {
+        inferyes_proto::bearer::Refusal::Missing => status(ErrorKind::Unauthenticated, missing),
+        inferyes_proto::bearer::Refusal::Wrong => status(ErrorKind::PermissionDenied, wrong),
+    })
 }
 
 #[tonic::async_trait]
