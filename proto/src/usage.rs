@@ -17,30 +17,76 @@ pub struct Usage {
 /// in the last event or the last fields of a JSON body.
 pub const TAIL_BYTES: usize = 4096;
 
+/// The head of a stream kept for [`parse_stream_usage`]: its first event.
+pub const HEAD_BYTES: usize = 4096;
+
 /// Reads OpenAI `usage` (`prompt_tokens`, `completion_tokens`,
-/// `prompt_tokens_details.cached_tokens`), else llama-server's `timings`
-/// (`prompt_n` + `cache_n`, `predicted_n`), from the end of a response.
+/// `prompt_tokens_details.cached_tokens`), the Responses API's and
+/// Anthropic's (`input_tokens`, `output_tokens`, `cache_read_input_tokens`),
+/// else llama-server's `timings` (`prompt_n` + `cache_n`, `predicted_n`),
+/// from the end of a response.
 pub fn parse_usage(tail: &[u8]) -> Option<Usage> {
+    read(tail).usage()
+}
+
+/// A stream's usage where its first event says part of it: Anthropic's
+/// `message_start` holds the prompt's tokens and cache reads, its
+/// `message_delta` at the end the output's. What the tail says wins.
+pub fn parse_stream_usage(head: &[u8], tail: &[u8]) -> Option<Usage> {
+    let (head, tail) = (read(head), read(tail));
+    Reading {
+        prompt: tail.prompt.or(head.prompt),
+        completion: tail.completion.or(head.completion),
+        cached: tail.cached.or(head.cached),
+    }
+    .usage()
+}
+
+/// What one part of a response says, each count where it says it.
+#[derive(Clone, Copy, Debug, Default)]
+struct Reading {
+    prompt: Option<u32>,
+    completion: Option<u32>,
+    cached: Option<u32>,
+}
+
+impl Reading {
+    /// Usage, where the prompt's tokens are known.
+    fn usage(self) -> Option<Usage> {
+        Some(Usage {
+            prompt_tokens: self.prompt?,
+            completion_tokens: self.completion.unwrap_or(0),
+            cached_tokens: self.cached.unwrap_or(0),
+        })
+    }
+}
+
+fn read(tail: &[u8]) -> Reading {
     // Only from the last `usage` or `timings` object on: a stream's tail
     // holds hundreds of quotes before them. Searched forwards, to the last
     // match: a reverse search has no vectorised prefilter and costs a few
     // instructions per byte, most of all where the object is missing.
-    let from = OBJECTS.iter().filter_map(|object| object.find_iter(tail).last()).min()?;
-    let [prompt, completion, cached, cache_n, processed, predicted] = last_numbers(&tail[from..]);
-    if let Some(prompt) = prompt {
-        return Some(Usage {
-            prompt_tokens: prompt,
-            completion_tokens: completion.unwrap_or(0),
-            cached_tokens: cached.or(cache_n).unwrap_or(0),
-        });
+    let Some(from) = OBJECTS.iter().filter_map(|object| object.find_iter(tail).last()).min() else {
+        return Reading::default();
+    };
+    let [prompt, completion, cached, cache_n, processed, predicted, input, output, cache_read, cache_written] =
+        last_numbers(&tail[from..]);
+    if prompt.is_some() {
+        return Reading { prompt, completion: completion.or(Some(0)), cached: cached.or(cache_n).or(Some(0)) };
     }
-    let processed = processed?;
+    if cache_read.is_some() || cache_written.is_some() {
+        // Anthropic's input tokens are those neither read from the cache
+        // nor written to it.
+        let prompt = [input, cache_read, cache_written].into_iter().flatten().fold(0u32, u32::saturating_add);
+        return Reading { prompt: Some(prompt), completion: output, cached: cache_read.or(Some(0)) };
+    }
+    if input.is_some() || output.is_some() {
+        // The Responses API's input tokens include the cached ones.
+        return Reading { prompt: input, completion: output, cached };
+    }
+    let Some(processed) = processed else { return Reading::default() };
     let cached = cache_n.unwrap_or(0);
-    Some(Usage {
-        prompt_tokens: processed.saturating_add(cached),
-        completion_tokens: predicted.unwrap_or(0),
-        cached_tokens: cached,
-    })
+    Reading { prompt: Some(processed.saturating_add(cached)), completion: predicted.or(Some(0)), cached: Some(cached) }
 }
 
 /// The objects that hold the keys; searchers built once.
@@ -48,14 +94,18 @@ static OBJECTS: std::sync::LazyLock<[memchr::memmem::Finder<'static>; 2]> = std:
     [memchr::memmem::Finder::new(b"\"usage\":"), memchr::memmem::Finder::new(b"\"timings\":")]
 });
 
-/// The keys [`parse_usage`] reads, in the order [`last_numbers`] answers.
-const KEYS: [&[u8]; 6] = [
+/// The keys [`read`] reads, in the order [`last_numbers`] answers.
+const KEYS: [&[u8]; 10] = [
     b"\"prompt_tokens\":",
     b"\"completion_tokens\":",
     b"\"cached_tokens\":",
     b"\"cache_n\":",
     b"\"prompt_n\":",
     b"\"predicted_n\":",
+    b"\"input_tokens\":",
+    b"\"output_tokens\":",
+    b"\"cache_read_input_tokens\":",
+    b"\"cache_creation_input_tokens\":",
 ];
 
 /// The number after the last occurrence of each of [`KEYS`] (`None` where
@@ -63,12 +113,12 @@ const KEYS: [&[u8]; 6] = [
 /// stopping only at quotes (found with `memrchr`), and comparing keys only
 /// where the quote is followed by their first letter: every response pays
 /// for this.
-fn last_numbers(haystack: &[u8]) -> [Option<u32>; 6] {
-    let mut seen = [false; 6];
-    let mut numbers = [None; 6];
+fn last_numbers(haystack: &[u8]) -> [Option<u32>; 10] {
+    let mut seen = [false; 10];
+    let mut numbers = [None; 10];
     for at in memchr::memrchr_iter(b'"', haystack) {
         let rest = &haystack[at..];
-        if !matches!(rest.get(1), Some(b'p' | b'c')) {
+        if !matches!(rest.get(1), Some(b'p' | b'c' | b'i' | b'o')) {
             continue;
         }
         let Some(k) = KEYS.iter().position(|key| rest.starts_with(key)) else { continue };
@@ -207,6 +257,40 @@ mod tests {
         assert_eq!(parse_usage(tail), None);
         let tail = b"{\"timings\":{\"prompt_n\":4},\"usage\":{\"prompt_tokens\":6}}";
         assert_eq!(parse_usage(tail), Some(Usage { prompt_tokens: 6, completion_tokens: 0, cached_tokens: 0 }));
+    }
+
+    #[test]
+    fn anthropic_usage_counts_cache_reads_into_the_prompt() {
+        let whole = br#"{"type":"message","usage":{"cache_read_input_tokens":52,"input_tokens":1,"output_tokens":4}}"#;
+        assert_eq!(parse_usage(whole), Some(Usage { prompt_tokens: 53, completion_tokens: 4, cached_tokens: 52 }));
+        // llama-server's stream: the prompt in `message_start`, the output
+        // in `message_delta`, thousands of bytes apart.
+        let head = concat!(
+            "event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"usage\":",
+            "{\"cache_read_input_tokens\":18,\"input_tokens\":3,\"output_tokens\":0}}}\n\n"
+        );
+        let tail = concat!(
+            "event: message_delta\ndata: {\"type\":\"message_delta\",\"usage\":{\"output_tokens\":40}}\n\n",
+            "event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n"
+        );
+        assert_eq!(parse_usage(tail.as_bytes()), None, "the tail alone has no prompt");
+        let usage = Usage { prompt_tokens: 21, completion_tokens: 40, cached_tokens: 18 };
+        assert_eq!(parse_stream_usage(head.as_bytes(), tail.as_bytes()), Some(usage));
+        // A client gone before the end: what the head said.
+        let early = Usage { completion_tokens: 0, ..usage };
+        assert_eq!(parse_stream_usage(head.as_bytes(), b"event: content_block_delta\n"), Some(early));
+        // Anthropic's own `message_delta` says it all again: it wins.
+        let full = br#"data: {"usage":{"input_tokens":5,"cache_creation_input_tokens":7,"cache_read_input_tokens":0,"output_tokens":9}}"#;
+        assert_eq!(
+            parse_stream_usage(head.as_bytes(), full),
+            Some(Usage { prompt_tokens: 12, completion_tokens: 9, cached_tokens: 0 })
+        );
+    }
+
+    #[test]
+    fn responses_usage_counts_its_cached_tokens_within_its_input() {
+        let body = br#"{"usage":{"input_tokens":30,"input_tokens_details":{"cached_tokens":20},"output_tokens":5,"total_tokens":35}}"#;
+        assert_eq!(parse_usage(body), Some(Usage { prompt_tokens: 30, completion_tokens: 5, cached_tokens: 20 }));
     }
 
     #[test]
