@@ -115,7 +115,9 @@ pub struct BackendConfig {
     #[serde(default = "default_weight")]
     pub weight: u32,
     /// Endpoint kinds its models serve (chat, completion, embedding, rerank,
-    /// responses). Empty: not known, any is tried.
+    /// responses, messages, infill, transcription, speech, images). Empty:
+    /// not known, any is tried (but what a backend answers 501 for, and
+    /// infill on a llama-server model without its tokens).
     #[serde(default)]
     pub endpoints: Vec<String>,
     /// Models this backend serves, as reported while its own catalog cannot
@@ -363,11 +365,10 @@ impl Config {
                 );
             }
             for endpoint in &backend.endpoints {
-                if endpoint_kind(endpoint).is_none() {
-                    bail!(
-                        "backend `{}`: unknown endpoint kind `{endpoint}` (use chat, completion, embedding, rerank or responses)",
-                        backend.id
-                    );
+                if inferyes_proto::kinds::named(endpoint).is_none() {
+                    let names: Vec<&str> =
+                        inferyes_proto::kinds::KINDS.iter().map(|k| inferyes_proto::kinds::name(*k)).collect();
+                    bail!("backend `{}`: unknown endpoint kind `{endpoint}` (use {})", backend.id, names.join(", "));
                 }
             }
         }
@@ -395,18 +396,6 @@ pub fn hostname() -> String {
         .ok()
         .filter(|h| !h.is_empty())
         .unwrap_or_else(|| "unknown".into())
-}
-
-/// The table of endpoint kinds as they are named in configuration.
-pub fn endpoint_kind(name: &str) -> Option<inferyes_proto::v1::EndpointKind> {
-    Some(match name {
-        "chat" => inferyes_proto::v1::EndpointKind::Chat,
-        "completion" => inferyes_proto::v1::EndpointKind::Completion,
-        "embedding" => inferyes_proto::v1::EndpointKind::Embedding,
-        "rerank" => inferyes_proto::v1::EndpointKind::Rerank,
-        "responses" => inferyes_proto::v1::EndpointKind::Responses,
-        _ => return None,
-    })
 }
 
 #[cfg(test)]

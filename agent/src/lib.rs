@@ -66,7 +66,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
             url: b.url.clone(),
             kind: b.kind,
             weight: b.weight,
-            endpoints: b.endpoints.iter().filter_map(|e| config::endpoint_kind(e)).collect(),
+            endpoints: b.endpoints.iter().filter_map(|e| inferyes_proto::kinds::named(e)).collect(),
             api_key: b.api_key.clone(),
             declared_models: b.models.clone(),
             host_cache_tokens: b.host_cache_tokens,

@@ -263,7 +263,7 @@ impl Auth {
             return Err((
                 Refusal::Missing,
                 unauthorized(
-                    "You didn't provide an API key. Send it in the Authorization header: `Authorization: Bearer ify_...`.",
+                    "You didn't provide an API key. Send it in the Authorization header (`Authorization: Bearer ify_...`) or in `x-api-key`.",
                 ),
             ));
         };
@@ -428,11 +428,20 @@ impl RateHeaders {
     }
 }
 
+/// The key a request presents: `Authorization: Bearer`, as OpenAI's clients
+/// send it, else `x-api-key`, as Anthropic's do.
 fn bearer(headers: &HeaderMap) -> Option<&str> {
-    let value = headers.get(header::AUTHORIZATION)?.to_str().ok()?.trim();
-    let (scheme, token) = value.split_once(' ')?;
-    scheme.eq_ignore_ascii_case("bearer").then(|| token.trim()).filter(|t| !t.is_empty())
+    let authorization = || {
+        let value = headers.get(header::AUTHORIZATION)?.to_str().ok()?.trim();
+        let (scheme, token) = value.split_once(' ')?;
+        scheme.eq_ignore_ascii_case("bearer").then(|| token.trim()).filter(|t| !t.is_empty())
+    };
+    let api_key = || headers.get(&API_KEY_HEADER)?.to_str().ok().map(str::trim).filter(|t| !t.is_empty());
+    authorization().or_else(api_key)
 }
+
+/// The header Anthropic's clients send their key in.
+pub const API_KEY_HEADER: http::HeaderName = http::HeaderName::from_static("x-api-key");
 
 fn unauthorized(message: &str) -> ApiError {
     ApiError::new(ErrorKind::Unauthenticated, message, ErrorCode::InvalidApiKey)
@@ -501,6 +510,18 @@ mod tests {
         headers.insert(header::AUTHORIZATION, HeaderValue::from_static("Basic dXNlcg=="));
         assert_eq!(bearer(&headers), None);
         headers.insert(header::AUTHORIZATION, HeaderValue::from_static("Bearer "));
+        assert_eq!(bearer(&headers), None);
+    }
+
+    #[test]
+    fn an_anthropic_client_s_x_api_key_is_read_where_no_bearer_token_is_sent() {
+        let mut headers = HeaderMap::new();
+        headers.insert(API_KEY_HEADER, HeaderValue::from_static(" ify_abc_def "));
+        assert_eq!(bearer(&headers), Some("ify_abc_def"));
+        headers.insert(header::AUTHORIZATION, HeaderValue::from_static("Bearer ify_first"));
+        assert_eq!(bearer(&headers), Some("ify_first"), "the Authorization header first");
+        headers.remove(header::AUTHORIZATION);
+        headers.insert(API_KEY_HEADER, HeaderValue::from_static(""));
         assert_eq!(bearer(&headers), None);
     }
 }

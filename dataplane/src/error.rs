@@ -1,9 +1,11 @@
 //! Every error a client can get from the data plane, rendered in exactly
-//! one place, in the OpenAI envelope, with a `code` from one list.
+//! one place, in the envelope its path's clients read (OpenAI's, or
+//! Anthropic's on the Messages API), with a `code` from one list.
 
 use axum::response::{IntoResponse, Response};
 use http::{HeaderValue, StatusCode, header};
-use inferyes_proto::{ErrorKind, openai_error_body};
+use inferyes_proto::kinds::ErrorShape;
+use inferyes_proto::{ErrorKind, anthropic_error_body, openai_error_body};
 
 /// Declares [`ErrorCode`] from one list: each variant with its text.
 macro_rules! error_codes {
@@ -90,6 +92,9 @@ pub struct ApiError {
     pub status: Option<StatusCode>,
     /// Sent with the error (rate-limit headers).
     pub headers: Vec<(http::HeaderName, HeaderValue)>,
+    /// The envelope it is written in: the path's, set where the request's
+    /// path is known.
+    pub shape: ErrorShape,
 }
 
 impl ApiError {
@@ -102,6 +107,7 @@ impl ApiError {
             retry_after: None,
             status: None,
             headers: Vec::new(),
+            shape: ErrorShape::OpenAi,
         }
     }
 
@@ -112,6 +118,12 @@ impl ApiError {
 
     pub fn retry_after(mut self, seconds: u32) -> ApiError {
         self.retry_after = Some(seconds);
+        self
+    }
+
+    /// The error as the clients of a path with errors of `shape` read it.
+    pub fn in_shape(mut self, shape: ErrorShape) -> ApiError {
+        self.shape = shape;
         self
     }
 
@@ -179,15 +191,24 @@ impl ApiError {
         self.code.as_ref().map(Code::as_str)
     }
 
-    /// The error's JSON body, `{"error":{...}}`.
+    /// The error's JSON body: `{"error":{...}}`, or Anthropic's
+    /// `{"type":"error","error":{...}}` (which has no `code`).
     pub fn body(&self) -> String {
-        openai_error_body(self.kind, &self.message, self.code_str(), self.param)
+        match self.shape {
+            ErrorShape::OpenAi => openai_error_body(self.kind, &self.message, self.code_str(), self.param),
+            ErrorShape::Anthropic => anthropic_error_body(self.kind, &self.message),
+        }
     }
 
-    /// A final SSE event carrying the error, the way OpenAI-compatible
-    /// servers end a stream that failed after it started.
+    /// A final SSE event carrying the error, the way the path's servers end
+    /// a stream that failed after it started: OpenAI-compatible ones with a
+    /// `data:` event of it, Anthropic's with an `error` event.
     pub fn event(&self) -> bytes::Bytes {
-        bytes::Bytes::from(format!("data: {}\n\n", self.body()))
+        let event = match self.shape {
+            ErrorShape::OpenAi => "",
+            ErrorShape::Anthropic => "event: error\n",
+        };
+        bytes::Bytes::from(format!("{event}data: {}\n\n", self.body()))
     }
 }
 
@@ -209,7 +230,21 @@ impl IntoResponse for ApiError {
 mod tests {
     use std::collections::BTreeSet;
 
-    use super::ErrorCode;
+    use super::*;
+
+    #[test]
+    fn an_error_on_the_messages_api_is_in_anthropic_s_shape_body_and_event() {
+        let error = ApiError::no_such_model("m").in_shape(ErrorShape::Anthropic);
+        let body: serde_json::Value = serde_json::from_str(&error.body()).unwrap();
+        assert_eq!(body["type"], "error");
+        assert_eq!(body["error"]["type"], "not_found_error");
+        assert!(body["error"]["message"].as_str().unwrap().contains("`m`"));
+        let event = error.event();
+        let event = std::str::from_utf8(&event).unwrap();
+        assert!(event.starts_with("event: error\ndata: {") && event.ends_with("}\n\n"), "{event}");
+        let openai = ApiError::no_such_model("m").event();
+        assert!(openai.starts_with(b"data: {\"error\":"), "{openai:?}");
+    }
 
     /// The codes `docs/api.md`'s tables give, from every table with a
     /// `` `code` `` column; a backend's own code ("the backend's, e.g.")

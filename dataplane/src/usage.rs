@@ -13,6 +13,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
+use inferyes_proto::kinds::UsageIn;
 use inferyes_proto::usage::{Usage, hour_of};
 use inferyes_proto::v1::{RoutingDecision, UsageBatch, UsageDelta, UsageRecord, UsageRollup};
 use inferyes_proto::{FastMap, value_for};
@@ -299,8 +300,8 @@ struct MeterInner {
     started: Instant,
     /// The record as far as it is known; taken (not copied) when finished.
     record: Mutex<UsageRecord>,
-    /// Prompt tokens estimated from the request, for answers without usage.
-    prompt_estimate: u64,
+    /// How the answer's tokens are counted.
+    counted: Counted,
     done: AtomicBool,
     /// Set by the answer's first token; read once, at the end.
     first_token: std::sync::OnceLock<Instant>,
@@ -354,6 +355,21 @@ impl Outcome {
     }
 }
 
+/// How a request's tokens are counted: where its answer says them (its
+/// path's row), and the prompt's estimate for an answer that says none.
+#[derive(Clone, Copy, Debug)]
+pub struct Counted {
+    pub usage: UsageIn,
+    pub prompt_estimate: u64,
+}
+
+impl Counted {
+    /// Tokens read from the end of the answer, as chat's are.
+    pub fn at_the_end(prompt_estimate: u64) -> Counted {
+        Counted { usage: UsageIn::Tail, prompt_estimate }
+    }
+}
+
 impl Meter {
     pub fn new(
         ledger: Arc<Ledger>,
@@ -361,7 +377,7 @@ impl Meter {
         key_id: Option<String>,
         model: String,
         stream: bool,
-        prompt_estimate: u64,
+        counted: Counted,
         stream_timers: Option<StreamTimers>,
     ) -> Meter {
         let keep_records = ledger.keep_records;
@@ -378,7 +394,7 @@ impl Meter {
                 stream,
                 ..Default::default()
             }),
-            prompt_estimate,
+            counted,
             done: AtomicBool::new(false),
             first_token: std::sync::OnceLock::new(),
             stream_timers,
@@ -429,6 +445,22 @@ impl Meter {
     pub fn finish(&self, status: u16, outcome: Outcome, usage: Option<Usage>) {
         self.0.finish(status, outcome, usage);
     }
+
+    /// Whether the usage is partly in the answer's first bytes, which are
+    /// then kept for [`Meter::usage`].
+    pub fn reads_head(&self) -> bool {
+        self.0.counted.usage == UsageIn::HeadAndTail
+    }
+
+    /// What an answer whose first bytes were `head` and last `tail` says
+    /// it used, read where its path's answers say it.
+    pub fn usage(&self, head: &[u8], tail: &[u8]) -> Option<Usage> {
+        match self.0.counted.usage {
+            UsageIn::Tail => inferyes_proto::usage::parse_usage(tail),
+            UsageIn::HeadAndTail => inferyes_proto::usage::parse_stream_usage(head, tail),
+            UsageIn::None => None,
+        }
+    }
 }
 
 impl MeterInner {
@@ -463,9 +495,11 @@ impl MeterInner {
             }
             // Nothing reached the backend's model: nothing to count.
             None if outcome == Outcome::Error => {}
+            // A job counted by requests, not tokens.
+            None if self.counted.usage == UsageIn::None => {}
             None => {
                 record.estimated = true;
-                record.prompt_tokens = self.prompt_estimate;
+                record.prompt_tokens = self.counted.prompt_estimate;
                 record.completion_tokens = self.events.load(Ordering::Relaxed);
             }
         }
@@ -489,7 +523,7 @@ mod tests {
     use super::*;
 
     fn stream_meter() -> Meter {
-        Meter::new(Ledger::new("dp", false), "req", None, "m".into(), true, 10, None)
+        Meter::new(Ledger::new("dp", false), "req", None, "m".into(), true, Counted::at_the_end(10), None)
     }
 
     #[test]
@@ -580,13 +614,14 @@ mod tests {
     #[test]
     fn a_meter_records_once_and_a_dropped_one_as_cancelled() {
         let ledger = Ledger::new("dp", true);
-        let meter = Meter::new(Arc::clone(&ledger), "r1", Some("k".into()), "m".into(), true, 12, None);
+        let meter =
+            Meter::new(Arc::clone(&ledger), "r1", Some("k".into()), "m".into(), true, Counted::at_the_end(12), None);
         meter.node("node-a");
         let clone = meter.clone();
         meter.finish(200, Outcome::Ok, Some(Usage { prompt_tokens: 10, completion_tokens: 4, cached_tokens: 6 }));
         clone.finish(500, Outcome::Error, None);
         drop((meter, clone));
-        let unfinished = Meter::new(Arc::clone(&ledger), "r2", None, "m".into(), true, 12, None);
+        let unfinished = Meter::new(Arc::clone(&ledger), "r2", None, "m".into(), true, Counted::at_the_end(12), None);
         unfinished.data_events(2);
         drop(unfinished);
 

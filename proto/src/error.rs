@@ -62,6 +62,21 @@ impl ErrorKind {
         }
     }
 
+    /// The Anthropic error `type` field.
+    pub fn anthropic_type(self) -> &'static str {
+        match self {
+            ErrorKind::BadRequest | ErrorKind::NotImplemented => "invalid_request_error",
+            ErrorKind::Unauthenticated => "authentication_error",
+            ErrorKind::PermissionDenied => "permission_error",
+            ErrorKind::NotFound => "not_found_error",
+            ErrorKind::PayloadTooLarge => "request_too_large",
+            ErrorKind::RateLimited => "rate_limit_error",
+            ErrorKind::Overloaded | ErrorKind::Unavailable => "overloaded_error",
+            ErrorKind::Timeout => "timeout_error",
+            ErrorKind::Upstream | ErrorKind::Internal => "api_error",
+        }
+    }
+
     /// The inverse of [`ErrorKind::http_status`] for statuses a backend
     /// returns, so upstream errors keep their meaning.
     pub fn from_http_status(status: u16) -> ErrorKind {
@@ -90,6 +105,19 @@ pub fn openai_error_body(kind: ErrorKind, message: &str, code: Option<&str>, par
             "type": kind.openai_type(),
             "param": param,
             "code": code,
+        }
+    })
+    .to_string()
+}
+
+/// The Anthropic error envelope, `{"type":"error","error":{"type","message"}}`,
+/// the shape every error on the Messages API takes.
+pub fn anthropic_error_body(kind: ErrorKind, message: &str) -> String {
+    serde_json::json!({
+        "type": "error",
+        "error": {
+            "type": kind.anthropic_type(),
+            "message": message,
         }
     })
     .to_string()

@@ -17,10 +17,11 @@ mod error;
 pub mod files;
 pub mod hash;
 pub mod headers;
+pub mod kinds;
 pub mod tls;
 pub mod usage;
 
-pub use error::{ErrorKind, openai_error_body};
+pub use error::{ErrorKind, anthropic_error_body, openai_error_body};
 
 /// The routing policy's defaults for its zero values (see `RoutingPolicy`):
 /// data planes route by them, the dashboard draws them.

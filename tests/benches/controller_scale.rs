@@ -463,6 +463,7 @@ fn node_status(index: usize) -> NodeStatus {
         context_window: 8192,
         endpoints: Vec::new(),
         size_bytes: 8 << 30,
+        unsupported: Vec::new(),
     };
     NodeStatus {
         node_id: format!("gpu-{index:05}"),

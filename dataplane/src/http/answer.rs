@@ -17,6 +17,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::HeaderValue;
 use http_body::{Body as _, Frame, SizeHint};
+use inferyes_proto::kinds::ErrorShape;
 use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 
 use super::attempt::{InFlight, Started};
@@ -28,6 +29,9 @@ use crate::usage::{Meter, Outcome};
 
 /// Enough of a stream's end to see its last events, usage included.
 const TAIL_BYTES: usize = inferyes_proto::usage::TAIL_BYTES;
+/// Enough of a stream's start to see its first event, where Anthropic's
+/// says the prompt's tokens.
+const HEAD_BYTES: usize = inferyes_proto::usage::HEAD_BYTES;
 /// How often a client waiting on a cold load hears about it.
 const LOADING_NOTE_EVERY: Duration = Duration::from_secs(1);
 
@@ -43,6 +47,8 @@ pub(crate) struct Plan {
     pub strip_usage: bool,
     pub meter: Option<Meter>,
     pub request_id: HeaderValue,
+    /// The envelope of the error event a failed stream ends with.
+    pub errors: ErrorShape,
     /// The snapshot the request was routed on, for an ejection.
     pub version: u64,
     /// What the request's body holds of the budget, while a continuation
@@ -78,6 +84,7 @@ struct Loading {
     model: String,
     node: String,
     meter: Option<Meter>,
+    errors: ErrorShape,
 }
 
 /// A node's stream, passed on.
@@ -87,6 +94,8 @@ struct Streaming {
     node: Arc<str>,
     event_stream: bool,
     status: u16,
+    /// The stream's first bytes, where its usage is partly there.
+    head: Vec<u8>,
     tail: Vec<u8>,
     /// A partial event, where events are read whole.
     events: super::sse::Events,
@@ -132,6 +141,7 @@ impl AnswerBody {
             node,
             event_stream,
             status: parts.status.as_u16(),
+            head: Vec::new(),
             tail: Vec::new(),
             events: super::sse::Events::default(),
             inner_done: false,
@@ -152,6 +162,7 @@ impl AnswerBody {
         model: String,
         node: String,
         meter: Option<Meter>,
+        errors: ErrorShape,
     ) -> AnswerBody {
         let mut ticker = tokio::time::interval(LOADING_NOTE_EVERY);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -162,6 +173,7 @@ impl AnswerBody {
             model,
             node,
             meter,
+            errors,
         };
         AnswerBody { state: State::Loading(Box::new(loading)) }
     }
@@ -228,7 +240,7 @@ impl Loading {
                 if let Some(meter) = &self.meter {
                     meter.finish(error.status().as_u16(), Outcome::Error, None);
                 }
-                return Poll::Ready(Prelude::Failed(error.event()));
+                return Poll::Ready(Prelude::Failed(error.in_shape(self.errors).event()));
             }
             Poll::Pending => {}
         }
@@ -260,7 +272,8 @@ impl Streaming {
                     inferyes_proto::ErrorKind::Upstream,
                     format!("node `{}` failed in the middle of the stream and no node could continue it", self.node),
                     ErrorCode::UpstreamBroken,
-                );
+                )
+                .in_shape(self.plan.errors);
                 self.finish(Outcome::Broken);
                 self.ended = true;
                 return Poll::Ready(Some(Ok(Frame::data(error.event()))));
@@ -294,6 +307,10 @@ impl Streaming {
                         // One event, one token: an estimate for streams
                         // that say nothing of their usage.
                         meter.data_events(super::sse::count_data_events(data));
+                    }
+                    if self.head.len() < HEAD_BYTES && self.plan.meter.as_ref().is_some_and(Meter::reads_head) {
+                        let room = HEAD_BYTES - self.head.len();
+                        self.head.extend_from_slice(&data[..data.len().min(room)]);
                     }
                     self.tail.extend_from_slice(data);
                     if self.tail.len() > 2 * TAIL_BYTES {
@@ -403,7 +420,7 @@ impl Streaming {
         }
         match (error, failure) {
             (Some(error), _) if self.event_stream => {
-                Poll::Ready(Some(Ok(Frame::data(error.into_api(&self.node).event()))))
+                Poll::Ready(Some(Ok(Frame::data(error.into_api(&self.node).in_shape(self.plan.errors).event()))))
             }
             // No event can tell the client: the connection is cut, as the
             // node's was.
@@ -426,7 +443,7 @@ impl Streaming {
             // A continued answer's usage is partly the first node's: it is
             // estimated (prompt from the request, one token per event).
             let continued = self.hops.as_ref().is_some_and(|hops| hops.continued);
-            let usage = if continued { None } else { inferyes_proto::usage::parse_usage(&self.tail) };
+            let usage = if continued { None } else { meter.usage(&self.head, &self.tail) };
             meter.finish(status, outcome, usage);
         }
     }
@@ -496,12 +513,21 @@ mod tests {
     /// The body of `frames`, metered for key `k` into the ledger returned.
     async fn body(frames: Vec<&'static str>) -> (AnswerBody, Arc<Ledger>) {
         let ledger = Ledger::new("test", true);
-        let meter = Meter::new(Arc::clone(&ledger), "req", Some("k".into()), "m".into(), true, 1_000, None);
+        let meter = Meter::new(
+            Arc::clone(&ledger),
+            "req",
+            Some("k".into()),
+            "m".into(),
+            true,
+            crate::usage::Counted::at_the_end(1_000),
+            None,
+        );
         let plan = Plan {
             expects_done: true,
             strip_usage: true,
             meter: Some(meter),
             request_id: HeaderValue::from_static("req"),
+            errors: ErrorShape::OpenAi,
             version: 1,
             _held: None,
         };

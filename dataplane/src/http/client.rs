@@ -61,6 +61,10 @@ pub struct Outbound<'a> {
     pub request_id: &'a HeaderValue,
     /// The client asked for a stream.
     pub stream: bool,
+    /// The body is a form (an upload), sent with the client's content type
+    /// and its boundary; any other is JSON, and said to be (llama-swap
+    /// routes only what says so).
+    pub form: bool,
     /// Records the request's usage once, when its answer ends.
     pub meter: Option<crate::usage::Meter>,
 }
@@ -188,7 +192,9 @@ pub(crate) fn is_decimal(text: &[u8], n: usize) -> bool {
 /// attempt's own ([`upstream_request`]).
 pub(crate) fn upstream_headers(mut headers: HeaderMap, out: &Outbound<'_>) -> HeaderMap {
     inferyes_proto::headers::remove_hop_by_hop_and(&mut headers, stays_behind);
-    headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    if !out.form {
+        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    }
     headers.insert(REQUEST_ID, out.request_id.clone());
     if let Ok(v) = HeaderValue::from_str(out.model) {
         headers.insert(MODEL_HEADER, v);
@@ -245,7 +251,8 @@ fn stays_behind(name: &HeaderName) -> bool {
             || name.starts_with("x-forwarded-")
             || matches!(
                 name,
-                "openai-organization"
+                "x-api-key"
+                    | "openai-organization"
                     | "openai-project"
                     | "x-real-ip"
                     | "x-client-ip"
@@ -299,6 +306,7 @@ mod tests {
             session: Some("chat-1"),
             request_id: &request_id,
             stream: false,
+            form: false,
             meter: None,
         };
         let headers = upstream_headers(client, &out);

@@ -10,6 +10,7 @@ use std::future::Future;
 use axum::response::{IntoResponse, Response};
 use http::{HeaderMap, HeaderValue};
 pub(crate) use inferyes_proto::headers::REQUEST_ID;
+use inferyes_proto::kinds::ErrorShape;
 
 use crate::error::ApiError;
 
@@ -27,22 +28,23 @@ pin_project_lite::pin_project! {
     /// Around every request:
     /// - the answer carries the request's `x-request-id`;
     /// - a bug does not reach the client as a dropped connection: a
-    ///   panicking handler answers 500 in the OpenAI shape, and the panic is
-    ///   logged.
+    ///   panicking handler answers 500 in the path's error shape, and the
+    ///   panic is logged.
     ///
     /// A future of its own, not an `async fn`: an async function keeps its
     /// argument and what it awaits apart, and the handler's future (a few
     /// kilobytes) would be held, and moved, twice.
     pub(crate) struct Edge<F> {
         id: Option<HeaderValue>,
+        errors: ErrorShape,
         #[pin]
         handler: F,
     }
 }
 
 impl<F> Edge<F> {
-    pub(crate) fn new(id: HeaderValue, handler: F) -> Edge<F> {
-        Edge { id: Some(id), handler }
+    pub(crate) fn new(id: HeaderValue, handler: F, errors: ErrorShape) -> Edge<F> {
+        Edge { id: Some(id), errors, handler }
     }
 }
 
@@ -67,7 +69,7 @@ where
                     .unwrap_or_default();
                 let id = this.id.as_ref().map(super::id_text).unwrap_or_default();
                 tracing::error!(request_id = id, panic = %what, "request handler panicked");
-                ApiError::internal().into_response()
+                ApiError::internal().in_shape(*this.errors).into_response()
             }
         };
         if let Some(id) = this.id.take() {
@@ -122,19 +124,23 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_panicking_handler_answers_500_in_the_openai_shape() {
+    async fn a_panicking_handler_answers_500_in_the_path_s_shape() {
         let id = HeaderValue::from_static("req_boom");
-        let boom = async {
+        let boom = || async {
             if id.len() > 1 {
                 panic!("bug");
             }
             "unreachable"
         };
-        let response = Edge::new(id.clone(), boom).await.unwrap();
+        let response = Edge::new(id.clone(), boom(), ErrorShape::OpenAi).await.unwrap();
         assert_eq!(response.status(), StatusCode::INTERNAL_SERVER_ERROR);
         assert_eq!(response.headers()["x-request-id"], id);
         let body = response.into_body().collect().await.unwrap().to_bytes();
         let body: serde_json::Value = serde_json::from_slice(&body).unwrap();
         assert_eq!(body["error"]["code"], "internal_error");
+        let response = Edge::new(id.clone(), boom(), ErrorShape::Anthropic).await.unwrap();
+        let body = response.into_body().collect().await.unwrap().to_bytes();
+        let body: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!((body["type"].as_str(), body["error"]["type"].as_str()), (Some("error"), Some("api_error")));
     }
 }

@@ -12,6 +12,7 @@ mod body;
 mod classify;
 mod client;
 mod edge;
+mod form;
 mod pipeline;
 mod resume;
 mod scan;
@@ -27,7 +28,7 @@ use http::HeaderMap;
 
 pub use body::Budget;
 pub use client::{Forwarder, Settings as ForwarderSettings};
-pub use server::{ENDPOINTS, Endpoint, Gateway, admin_router, router};
+pub use server::{Gateway, admin_router, router};
 pub use view::{RoutingView, parse_view, session_key};
 
 /// What the fuzz targets (`fuzz/`) reach of the request path beyond the

@@ -15,13 +15,14 @@ use bytes::Bytes;
 use http::uri::PathAndQuery;
 use http::{HeaderMap, HeaderValue, header};
 use inferyes_proto::ErrorKind;
-use inferyes_proto::v1::{EndpointKind, RoutingDecision};
+use inferyes_proto::kinds::{Row, StreamEnd};
+use inferyes_proto::v1::RoutingDecision;
 
 use super::answer::{AnswerBody, Plan, Resuming};
 use super::attempt::{Answered, ExpectedTtft, NODE_HEADER, ROUTE_HEADER, Started, attempt_each, route_label};
 use super::client::Outbound;
 use super::view::{
-    RoutingView, estimated_prompt_tokens, metered_prompt_estimate, parse_view, session_key, with_model,
+    RoutingView, estimated_prompt_tokens, metered_prompt_estimate, parse_request_view, session_key, with_model,
     with_usage_requested,
 };
 use super::{AppState, resume};
@@ -33,7 +34,7 @@ use crate::snapshot::RoutingSnapshot;
 /// Serves one inference request and records it.
 pub(crate) async fn inference(
     state: Arc<AppState>,
-    kind: EndpointKind,
+    row: &'static Row,
     request: http::Request<hyper::body::Incoming>,
     request_id: HeaderValue,
     client: IpAddr,
@@ -52,7 +53,7 @@ pub(crate) async fn inference(
     inferyes_net::telemetry::continue_trace(&span, request.headers());
     let mut exchange = Exchange {
         state: &state,
-        kind,
+        row,
         request_id,
         client,
         started: std::time::Instant::now(),
@@ -73,7 +74,7 @@ pub(crate) async fn inference(
                     ErrorCode::UpstreamTimeout | ErrorCode::UpstreamBroken | ErrorCode::UpstreamAnswerTooLarge
                 ))
             );
-            error.into_response()
+            error.in_shape(row.errors).into_response()
         }
     };
     exchange.record(&span, response)
@@ -82,7 +83,8 @@ pub(crate) async fn inference(
 /// One request's context through its phases.
 struct Exchange<'s> {
     state: &'s Arc<AppState>,
-    kind: EndpointKind,
+    /// The path's row of the kinds table.
+    row: &'static Row,
     request_id: HeaderValue,
     client: IpAddr,
     started: std::time::Instant,
@@ -119,6 +121,8 @@ struct Prepared {
     /// The body asks for usage the client did not ask for: its chunk is
     /// taken out of the stream.
     strip_usage: bool,
+    /// The body is a form, not JSON.
+    form: bool,
 }
 
 impl<'s> Exchange<'s> {
@@ -131,7 +135,7 @@ impl<'s> Exchange<'s> {
         let limits = (self.state.max_body_bytes, self.state.request_body_timeout);
         let body = read_body(body, &parts.headers, limits, &mut held).await?;
         self.held = Some(held);
-        let view = parse_view(&body)?;
+        let view = parse_request_view(self.row, &parts.headers, &body)?;
         let model = snapshot.resolve(&view.model);
         let rate = self.admit(&caller, &snapshot, &view, model, body.len())?;
         let prepared = self.prepare(parts, body, &view, model, &caller);
@@ -198,7 +202,10 @@ impl<'s> Exchange<'s> {
             caller.key_id().map(str::to_string),
             model.to_string(),
             view.stream,
-            u64::from(metered_prompt_estimate(body_len)),
+            crate::usage::Counted {
+                usage: self.row.usage,
+                prompt_estimate: u64::from(metered_prompt_estimate(body_len)),
+            },
             view.stream.then(|| {
                 let labels = crate::metrics::ModelLabels { model: model.to_string() };
                 crate::usage::StreamTimers {
@@ -224,9 +231,7 @@ impl<'s> Exchange<'s> {
         let body = if model == view.model { body } else { with_model(&body, view, model) };
         // A stream that would end without usage is asked for it; the
         // client, which did not ask, does not see the extra chunk.
-        let wants_usage = view.stream
-            && matches!(self.kind, EndpointKind::Chat | EndpointKind::Completion)
-            && !view.has_stream_options;
+        let wants_usage = view.stream && self.row.asks_usage && !view.has_stream_options;
         let (body, strip_usage) = match wants_usage.then(|| with_usage_requested(&body)).flatten() {
             Some(spliced) => (spliced, true),
             None => (body, false),
@@ -235,13 +240,10 @@ impl<'s> Exchange<'s> {
         // becomes of the request) and read from there.
         // Scoped by the caller: one tenant's conversation is never
         // another's, whatever key either sends or derives.
-        self.facts.session = if keeps_conversations(self.kind) {
-            session_key(&parts.headers, view, caller.session_scope())
-        } else {
-            None
-        };
+        self.facts.session =
+            if self.row.conversation { session_key(&parts.headers, view, caller.session_scope()) } else { None };
         let path_and_query = parts.uri.path_and_query().cloned().unwrap_or_else(|| PathAndQuery::from_static("/"));
-        Prepared { path_and_query, headers: parts.headers, body, strip_usage }
+        Prepared { path_and_query, headers: parts.headers, body, strip_usage, form: view.in_form }
     }
 
     fn route(
@@ -254,7 +256,7 @@ impl<'s> Exchange<'s> {
         let ticket = self.state.tickets.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let request = RouteRequest {
             model,
-            kind: self.kind,
+            kind: self.row.kind,
             session: self.facts.session.as_deref(),
             prompt_tokens: estimated_prompt_tokens(body_len, view),
             mode: self.state.mode,
@@ -273,8 +275,7 @@ impl<'s> Exchange<'s> {
         prepared: Prepared,
         view: &RoutingView,
     ) -> Result<Response, ApiError> {
-        let continues =
-            view.stream && self.kind == EndpointKind::Chat && snapshot.policy().continues(model) && !view.constrained;
+        let continues = view.stream && self.row.continues && snapshot.policy().continues(model) && !view.constrained;
         if route.cold() && view.stream {
             tracing::debug!(
                 request_id = super::id_text(&self.request_id),
@@ -289,7 +290,7 @@ impl<'s> Exchange<'s> {
                 prepared,
             ));
         }
-        let Prepared { path_and_query, headers, body, strip_usage } = prepared;
+        let Prepared { path_and_query, headers, body, strip_usage, form } = prepared;
         let streamed = view.stream.then(|| self.streamed(strip_usage, continues));
         let mut out = Outbound {
             path_and_query: &path_and_query,
@@ -299,6 +300,7 @@ impl<'s> Exchange<'s> {
             session: self.facts.session.as_deref(),
             request_id: &self.request_id,
             stream: view.stream,
+            form,
             meter: self.facts.meter.clone(),
         };
         let answered = attempt_each(&self.state.forwarder, &self.state.metrics, snapshot, &route, &mut out).await;
@@ -324,7 +326,8 @@ impl<'s> Exchange<'s> {
     fn streamed(&mut self, strip_usage: bool, continues: bool) -> Streamed<'s> {
         Streamed {
             state: self.state,
-            expects_done: expects_done(self.kind),
+            expects_done: self.row.stream_end == StreamEnd::Done,
+            errors: self.row.errors,
             strip_usage,
             meter: self.facts.meter.clone(),
             request_id: self.request_id.clone(),
@@ -398,6 +401,7 @@ impl<'s> Exchange<'s> {
 struct Streamed<'s> {
     state: &'s Arc<AppState>,
     expects_done: bool,
+    errors: inferyes_proto::kinds::ErrorShape,
     strip_usage: bool,
     meter: Option<crate::usage::Meter>,
     request_id: HeaderValue,
@@ -444,6 +448,7 @@ impl Streamed<'_> {
             strip_usage: self.strip_usage,
             meter: self.meter,
             request_id: self.request_id,
+            errors: self.errors,
             version: snapshot.version(),
         };
         AnswerBody::streaming(started, plan, hard_stop, resume)
@@ -467,12 +472,12 @@ impl Streamed<'_> {
         let meter = self.meter.clone();
         let state = Arc::clone(self.state);
         let expected = ExpectedTtft { ms: route.expected_ttft_ms, home_ms: route.home_expected_ttft_ms };
-        let (expects_done, request_id, continues, held) =
-            (self.expects_done, self.request_id.clone(), self.continues, self.held);
+        let (expects_done, errors, request_id, continues, held) =
+            (self.expects_done, self.errors, self.request_id.clone(), self.continues, self.held);
         let answer_model = model.clone();
         let answer_meter = meter.clone();
         let answer = async move {
-            let Prepared { path_and_query, headers, body, strip_usage } = prepared;
+            let Prepared { path_and_query, headers, body, strip_usage, form } = prepared;
             let mut out = Outbound {
                 path_and_query: &path_and_query,
                 headers,
@@ -481,11 +486,13 @@ impl Streamed<'_> {
                 session: session.as_deref(),
                 request_id: &request_id,
                 stream: true,
+                form,
                 meter: answer_meter.clone(),
             };
             let streamed = Streamed {
                 state: &state,
                 expects_done,
+                errors,
                 strip_usage,
                 meter: answer_meter,
                 request_id: request_id.clone(),
@@ -497,7 +504,7 @@ impl Streamed<'_> {
                 Answered::Whole(_) => Err(ApiError::internal()),
             }
         };
-        let body = AnswerBody::loading(answer, model, node_id, meter);
+        let body = AnswerBody::loading(answer, model, node_id, meter, errors);
         let mut response = Response::new(Body::new(body));
         let headers = response.headers_mut();
         headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
@@ -515,20 +522,6 @@ impl Streamed<'_> {
 fn seconds_to_utc_midnight() -> u32 {
     let now_s = inferyes_proto::unix_ms() / 1000;
     u32::try_from(86_400 - now_s % 86_400).unwrap_or(86_400)
-}
-
-/// Whether a kind's requests continue conversations, whose KV cache a node
-/// keeps between turns. An embedding or a rerank leaves nothing worth
-/// coming back to: a session key for it would only push conversations out
-/// of its node's session table.
-fn keeps_conversations(kind: EndpointKind) -> bool {
-    matches!(kind, EndpointKind::Chat | EndpointKind::Completion | EndpointKind::Responses)
-}
-
-/// Chat and completion streams end with `data: [DONE]`; others (the
-/// Responses API's typed events) end their own way.
-fn expects_done(kind: EndpointKind) -> bool {
-    matches!(kind, EndpointKind::Chat | EndpointKind::Completion)
 }
 
 /// Reads the whole body, refusing more than `limit` bytes with 413 before

@@ -147,6 +147,7 @@ pub async fn continue_on(
             session: request.session.as_deref(),
             request_id: &request.request_id,
             stream: true,
+            form: false,
             meter: None,
         };
         let headers = request.headers.clone();

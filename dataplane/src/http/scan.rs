@@ -37,6 +37,8 @@ pub struct Fields<'a> {
     pub prompt: Option<Raw<'a>>,
     /// Responses API: instructions and input.
     pub instructions: Option<Raw<'a>>,
+    /// Messages API: the system prompt, beside the messages.
+    pub system: Option<Raw<'a>>,
     pub input: Option<Raw<'a>>,
     /// Whether the client set stream options itself.
     pub stream_options: Option<Raw<'a>>,
@@ -183,12 +185,13 @@ impl<'a> Scanner<'a> {
                     once(3, "messages")?;
                     fields.messages = scanner.opening()?;
                 }
-                raw @ ("prompt" | "instructions" | "input" | "stream_options") => {
+                raw @ ("prompt" | "instructions" | "input" | "stream_options" | "system") => {
                     // Kept as written: their text is hashed, or only seen.
                     let (field, name, slot) = match raw {
                         "prompt" => (4, "prompt", &mut fields.prompt),
                         "instructions" => (5, "instructions", &mut fields.instructions),
                         "input" => (6, "input", &mut fields.input),
+                        "system" => (8, "system", &mut fields.system),
                         _ => (7, "stream_options", &mut fields.stream_options),
                     };
                     once(field, name)?;
@@ -729,6 +732,8 @@ mod tests {
         input: Option<&'a RawValue>,
         #[serde(borrow, default)]
         stream_options: Option<&'a RawValue>,
+        #[serde(borrow, default)]
+        system: Option<&'a RawValue>,
     }
 
     #[derive(Deserialize)]
@@ -789,6 +794,7 @@ mod tests {
             instructions: raw(wire.instructions),
             input: raw(wire.input),
             stream_options: raw(wire.stream_options),
+            system: raw(wire.system),
             // Not serde's to say (`null` reads as absent): checked apart.
             stream_options_named: false,
         })
@@ -1004,6 +1010,7 @@ mod tests {
             maybe(value().prop_map(key("instructions")).boxed()),
             maybe(value().prop_map(key("input")).boxed()),
             maybe(value().prop_map(key("stream_options")).boxed()),
+            maybe(value().prop_map(key("system")).boxed()),
         );
         let others = prop::collection::vec(
             prop_oneof![
@@ -1014,8 +1021,9 @@ mod tests {
             0..3,
         );
         (known, others, prop::option::weighted(0.1, any::<prop::sample::Index>())).prop_flat_map(
-            |((a, b, c, d, e, f, g, h), others, again)| {
-                let mut members: Vec<String> = [a, b, c, d, e, f, g, h].into_iter().flatten().chain(others).collect();
+            |((a, b, c, d, e, f, g, h, i), others, again)| {
+                let mut members: Vec<String> =
+                    [a, b, c, d, e, f, g, h, i].into_iter().flatten().chain(others).collect();
                 if let Some(again) = again.filter(|_| !members.is_empty()) {
                     members.push(members[again.index(members.len())].clone());
                 }

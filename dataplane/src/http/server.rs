@@ -1,5 +1,6 @@
-//! The data plane's HTTP surface: the table of endpoints it routes, the
-//! service of each client connection, and the routes that are not
+//! The data plane's HTTP surface: the service of each client connection,
+//! which serves every path of the kinds table
+//! ([`inferyes_proto::kinds::ROWS`]) itself, and the routes that are not
 //! inference (models, health, metrics).
 
 use std::net::{IpAddr, SocketAddr};
@@ -12,30 +13,13 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use http::{Method, StatusCode, header};
 use inferyes_proto::ErrorKind;
-use inferyes_proto::v1::EndpointKind;
+use inferyes_proto::kinds::{self, ErrorShape};
 use serde_json::json;
 
 use super::AppState;
 use super::edge::{Edge, request_id};
 use crate::error::{ApiError, ErrorCode};
 use crate::snapshot::CatalogEntry;
-
-/// The OpenAI endpoints the data plane routes, one row per kind of job. A
-/// new kind is a row here (and a variant of `EndpointKind`), not a new
-/// code path.
-#[derive(Clone, Copy, Debug)]
-pub struct Endpoint {
-    pub path: &'static str,
-    pub kind: EndpointKind,
-}
-
-pub const ENDPOINTS: &[Endpoint] = &[
-    Endpoint { path: "/v1/chat/completions", kind: EndpointKind::Chat },
-    Endpoint { path: "/v1/completions", kind: EndpointKind::Completion },
-    Endpoint { path: "/v1/embeddings", kind: EndpointKind::Embedding },
-    Endpoint { path: "/v1/responses", kind: EndpointKind::Responses },
-    Endpoint { path: "/v1/rerank", kind: EndpointKind::Rerank },
-];
 
 /// The data plane's HTTP service for one client connection. Inference
 /// requests go straight to their handler; everything else (models, health,
@@ -45,7 +29,7 @@ pub const ENDPOINTS: &[Endpoint] = &[
 ///
 /// Why a fast path: axum's routing, middleware and boxed services cost
 /// several allocations and about a tenth of the data plane's instructions
-/// per request, for a choice among five fixed paths.
+/// per request, for a choice among a few fixed paths.
 #[derive(Clone)]
 pub struct Gateway {
     state: Arc<AppState>,
@@ -77,21 +61,23 @@ impl hyper::service::Service<http::Request<hyper::body::Incoming>> for Gateway {
 
     fn call(&self, request: http::Request<hyper::body::Incoming>) -> Self::Future {
         let id = request_id(request.headers());
-        let endpoint = ENDPOINTS.iter().find(|endpoint| endpoint.path == request.uri().path());
-        match endpoint {
+        match kinds::row(request.uri().path()) {
             // Its body read as hyper's own type: no boxing per request.
-            Some(endpoint) if request.method() == Method::POST => {
+            Some(row) if request.method() == Method::POST => {
                 let client = self.client(request.headers());
-                let handler =
-                    super::pipeline::inference(Arc::clone(&self.state), endpoint.kind, request, id.clone(), client);
-                Box::pin(Edge::new(id, handler))
+                let handler = super::pipeline::inference(Arc::clone(&self.state), row, request, id.clone(), client);
+                Box::pin(Edge::new(id, handler, row.errors))
             }
-            Some(_) => Box::pin(Edge::new(id, method_not_allowed(request.map(Body::new)))),
+            Some(row) => {
+                let refused = async move { method_not_allowed(request.map(Body::new)).await.in_shape(row.errors) };
+                Box::pin(Edge::new(id, refused, row.errors))
+            }
             None => {
                 let client = Client(self.client(request.headers()));
                 let mut request = request.map(Body::new);
                 request.extensions_mut().insert(client);
-                Box::pin(Edge::new(id, tower::ServiceExt::oneshot(self.router.clone(), request)))
+                let routed = tower::ServiceExt::oneshot(self.router.clone(), request);
+                Box::pin(Edge::new(id, routed, ErrorShape::OpenAi))
             }
         }
     }

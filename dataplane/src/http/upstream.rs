@@ -1,5 +1,6 @@
 //! Backend errors, whatever their shape (llama-server's, llama-swap's old
-//! and new, plain text), rewritten into the OpenAI envelope.
+//! and new, Anthropic's, plain text), rewritten as the data plane's own,
+//! written in the envelope of the request's path.
 
 use http::StatusCode;
 use inferyes_proto::ErrorKind;
@@ -38,8 +39,16 @@ pub fn normalize(status: StatusCode, body: &[u8]) -> ApiError {
         let cut = (0..=MAX_MESSAGE).rev().find(|i| message.is_char_boundary(*i)).unwrap_or(0);
         message.truncate(cut);
     }
-    let mut api =
-        ApiError { kind, message, code, param: None, retry_after: None, status: Some(status), headers: Vec::new() };
+    let mut api = ApiError {
+        kind,
+        message,
+        code,
+        param: None,
+        retry_after: None,
+        status: Some(status),
+        headers: Vec::new(),
+        shape: Default::default(),
+    };
     // `param` is static in our own errors; the backend's is only kept when
     // it names the one field a client can fix here.
     if param.as_deref() == Some("model") {

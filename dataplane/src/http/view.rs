@@ -7,7 +7,9 @@ use std::ops::Range;
 use http::{HeaderMap, HeaderName};
 use inferyes_proto::ErrorKind;
 use inferyes_proto::headers::MAX_SESSION_KEY_BYTES;
+use inferyes_proto::kinds::{ErrorShape, ModelIn, Row};
 
+use super::form;
 use super::scan::{Fields, Raw, ScanError, scan};
 use crate::auth::SessionScope;
 use crate::error::{ApiError, ErrorCode};
@@ -33,21 +35,66 @@ pub struct RoutingView {
     pub has_stream_options: bool,
     /// The output is constrained (tools, a response format, a grammar).
     pub constrained: bool,
+    /// The model is a form's field, written as it is, not as JSON.
+    pub in_form: bool,
 }
 
 /// Bytes of a completion prompt that make up its root.
 const PROMPT_ROOT_BYTES: usize = 512;
 
-pub fn parse_view(body: &[u8]) -> Result<RoutingView, ApiError> {
-    let fields = scan(body).map_err(|error| refusal(body, error))?;
-    let root = conversation_root(&fields);
+/// The routing view of a request to a path of `row`, its model where the
+/// row says.
+pub fn parse_request_view(row: &Row, headers: &HeaderMap, body: &[u8]) -> Result<RoutingView, ApiError> {
+    match row.model {
+        ModelIn::Json => parse_json_view(body, row.errors == ErrorShape::Anthropic),
+        ModelIn::Multipart => parse_form_view(headers, body),
+    }
+}
+
+/// The routing view of an upload: its form's `model` and `stream`.
+fn parse_form_view(headers: &HeaderMap, body: &[u8]) -> Result<RoutingView, ApiError> {
+    let invalid = |message: String| ApiError::new(ErrorKind::BadRequest, message, ErrorCode::InvalidBody);
+    let content_type = headers.get(http::header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or_default();
+    let Some(boundary) = form::boundary(content_type) else {
+        return Err(invalid("this path takes a multipart/form-data body with a boundary".into()));
+    };
+    let fields = form::scan(body, boundary).map_err(|error| match error {
+        form::FormError::Malformed(what) => invalid(format!("the multipart body is not well formed: {what}")),
+        form::FormError::Duplicate(field) => invalid(format!("the form gives '{field}' more than once")),
+    })?;
     let (Some(model), Some(model_span)) = (fields.model.filter(|m| !m.is_empty()), fields.model_span) else {
-        return Err(ApiError::new(
-            ErrorKind::BadRequest,
-            "you must provide a model parameter",
-            ErrorCode::MissingRequiredParameter,
-        )
-        .param("model"));
+        return Err(missing_model());
+    };
+    Ok(RoutingView {
+        model: model.to_string(),
+        model_span,
+        stream: fields.stream,
+        prompt_cache_key: None,
+        root: None,
+        has_media: true,
+        has_stream_options: false,
+        constrained: false,
+        in_form: true,
+    })
+}
+
+fn missing_model() -> ApiError {
+    ApiError::new(ErrorKind::BadRequest, "you must provide a model parameter", ErrorCode::MissingRequiredParameter)
+        .param("model")
+}
+
+/// The routing view of a JSON body, as chat's are read.
+pub fn parse_view(body: &[u8]) -> Result<RoutingView, ApiError> {
+    parse_json_view(body, false)
+}
+
+/// `anthropic`: the body is the Messages API's, whose content blocks carry
+/// cache marks.
+fn parse_json_view(body: &[u8], anthropic: bool) -> Result<RoutingView, ApiError> {
+    let fields = scan(body).map_err(|error| refusal(body, error))?;
+    let root = conversation_root(&fields, anthropic);
+    let (Some(model), Some(model_span)) = (fields.model.filter(|m| !m.is_empty()), fields.model_span) else {
+        return Err(missing_model());
     };
     Ok(RoutingView {
         model: model.into_owned(),
@@ -58,6 +105,7 @@ pub fn parse_view(body: &[u8]) -> Result<RoutingView, ApiError> {
         has_media: fields.has_media,
         has_stream_options: fields.stream_options_named,
         constrained: fields.constrained,
+        in_form: false,
     })
 }
 
@@ -109,9 +157,14 @@ pub fn with_usage_requested(body: &bytes::Bytes) -> Option<bytes::Bytes> {
     Some(out.into())
 }
 
-fn conversation_root(fields: &Fields<'_>) -> Option<u64> {
+fn conversation_root(fields: &Fields<'_>, anthropic: bool) -> Option<u64> {
     if let Some(opening) = &fields.messages {
         let user = opening.user.flatten()?;
+        if anthropic {
+            // The system prompt stands beside the messages.
+            let system = fields.system.or(opening.system.flatten());
+            return Some(text_hash(&[&without_cache_marks(system), &without_cache_marks(Some(user))]));
+        }
         let system = opening.system.flatten().or(opening.developer.flatten());
         Some(text_hash(&[text(system), text(Some(user))]))
     } else if let Some(input) = fields.input {
@@ -124,6 +177,25 @@ fn conversation_root(fields: &Fields<'_>) -> Option<u64> {
 /// A JSON value's text, or nothing.
 fn text(value: Option<Raw<'_>>) -> &[u8] {
     value.map_or(&[], str::as_bytes)
+}
+
+/// A Messages API content as its root hashes it: content blocks without
+/// their `cache_control` marks, which Anthropic clients move to the latest
+/// turn (so the first message has one in its first turn and none after),
+/// written out again the same way whatever order their members came in. A
+/// string is hashed as written, without being parsed.
+fn without_cache_marks(value: Option<Raw<'_>>) -> Cow<'_, [u8]> {
+    let written = Cow::Borrowed(text(value));
+    let Some(raw) = value.filter(|raw| raw.starts_with('[')) else {
+        return written;
+    };
+    let Ok(mut blocks) = serde_json::from_str::<Vec<serde_json::Value>>(raw) else { return written };
+    for block in &mut blocks {
+        if let Some(block) = block.as_object_mut() {
+            block.remove("cache_control");
+        }
+    }
+    serde_json::to_vec(&blocks).map_or(written, Cow::Owned)
 }
 
 /// The first bytes of a JSON value's text that make up a root.
@@ -210,8 +282,17 @@ pub fn metered_prompt_estimate(body_len: usize) -> u32 {
 /// the name, the rest untouched.
 pub fn with_model(body: &bytes::Bytes, view: &RoutingView, model: &str) -> bytes::Bytes {
     let quoted = serde_json::to_string(model).unwrap_or_default();
-    // Inside its quotes (a name can end with an escaped quote of its own).
-    let escaped = quoted.get(1..quoted.len().saturating_sub(1)).unwrap_or_default();
+    let escaped = if view.in_form {
+        // A form's value is its bytes: a name that could end the part is
+        // not written into one.
+        if model.bytes().any(|b| b.is_ascii_control() || b == b'"') {
+            return body.clone();
+        }
+        model
+    } else {
+        // Inside its quotes (a name can end with an escaped quote of its own).
+        quoted.get(1..quoted.len().saturating_sub(1)).unwrap_or_default()
+    };
     let span = &view.model_span;
     let (Some(before), Some(after)) = (body.get(..span.start), body.get(span.end..)) else {
         // Not this body's view: nothing is cut blind.
@@ -356,6 +437,49 @@ mod tests {
         let view = parse_view(&escaped).unwrap();
         assert_eq!(view.model, "gpt-4o");
         assert_eq!(&with_model(&escaped, &view, "qwen")[..], br#"{"model" : "qwen", "x":"\ud800"}"#);
+    }
+
+    #[test]
+    fn a_messages_conversation_keeps_its_root_as_its_cache_marks_move_on() {
+        let messages = inferyes_proto::kinds::row("/v1/messages").unwrap();
+        let root = |b: &str| {
+            let view = parse_request_view(messages, &HeaderMap::new(), b.as_bytes()).unwrap();
+            session_key(&HeaderMap::new(), &view, None)
+        };
+        let turn1 = r#"{"model":"m","system":[{"type":"text","text":"be brief","cache_control":{"type":"ephemeral"}}],
+            "messages":[{"role":"user","content":[{"type":"text","text":"hello","cache_control":{"type":"ephemeral"}}]}]}"#;
+        let turn2 = r#"{"model":"m","system":[{"type":"text","text":"be brief","cache_control":{"type":"ephemeral"}}],
+            "messages":[{"role":"user","content":[{"type":"text","text":"hello"}]},
+            {"role":"assistant","content":"hi"},
+            {"role":"user","content":[{"type":"text","text":"more","cache_control":{"type":"ephemeral"}}]}]}"#;
+        assert_eq!(root(turn1), root(turn2));
+        let other_system = turn1.replace("be brief", "be long");
+        assert_ne!(root(turn1), root(&other_system), "the system prompt beside the messages is part of the root");
+        let other_opening = turn1.replace("hello", "goodbye");
+        assert_ne!(root(turn1), root(&other_opening));
+        // A string system prompt and a chat one name the same opening.
+        let plain = r#"{"model":"m","system":"s","messages":[{"role":"user","content":"u"}]}"#;
+        let chat = r#"{"model":"m","messages":[{"role":"system","content":"s"},{"role":"user","content":"u"}]}"#;
+        let chat_root = session_key(&HeaderMap::new(), &parse_view(chat.as_bytes()).unwrap(), None);
+        assert_eq!(root(plain), chat_root);
+    }
+
+    #[test]
+    fn an_upload_names_its_model_in_its_form() {
+        let row = inferyes_proto::kinds::row("/v1/audio/transcriptions").unwrap();
+        let body = b"--b\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.wav\"\r\n\r\nRIFF\r\n--b\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\nwhisper\r\n--b--\r\n";
+        let mut headers = HeaderMap::new();
+        headers.insert(http::header::CONTENT_TYPE, http::HeaderValue::from_static("multipart/form-data; boundary=b"));
+        let view = parse_request_view(row, &headers, body).unwrap();
+        assert_eq!((view.model.as_str(), view.stream, view.root), ("whisper", false, None));
+        let renamed = with_model(&bytes::Bytes::from_static(body), &view, "whisper-large-v3");
+        let again = parse_request_view(row, &headers, &renamed).unwrap();
+        assert_eq!(again.model, "whisper-large-v3");
+        assert!(renamed.ends_with(b"whisper-large-v3\r\n--b--\r\n"), "only the field's value changed");
+        let json = parse_request_view(row, &HeaderMap::new(), br#"{"model":"whisper"}"#).unwrap_err();
+        assert_eq!((json.kind, json.code_str()), (ErrorKind::BadRequest, Some("invalid_body")));
+        let no_model = b"--b\r\nContent-Disposition: form-data; name=\"file\"\r\n\r\nx\r\n--b--\r\n";
+        assert_eq!(parse_request_view(row, &headers, no_model).unwrap_err().param, Some("model"));
     }
 
     #[test]

@@ -402,7 +402,9 @@ pub fn select(snapshot: &RoutingSnapshot, request: &RouteRequest<'_>) -> Result<
     let Some(placements) = snapshot.placements(request.model) else {
         return Err(model_not_found(snapshot, request.model));
     };
-    let capable = |p: &Placement| p.endpoints.is_empty() || p.endpoints.contains(&request.kind);
+    let capable = |p: &Placement| {
+        (p.endpoints.is_empty() || p.endpoints.contains(&request.kind)) && !p.unsupported.contains(&request.kind)
+    };
     let fits = |p: &Placement| {
         request.prompt_tokens == 0 || p.context_window == 0 || p.context_window >= request.prompt_tokens
     };
@@ -494,7 +496,10 @@ pub fn select(snapshot: &RoutingSnapshot, request: &RouteRequest<'_>) -> Result<
         }
     }
     if !any_capable {
-        return Err(RouteError::NotServed { model: request.model.to_string(), kind: kind_name(request.kind) });
+        return Err(RouteError::NotServed {
+            model: request.model.to_string(),
+            kind: inferyes_proto::kinds::name(request.kind),
+        });
     }
     if !any_fitting {
         return Err(RouteError::ContextTooLong {
@@ -725,17 +730,6 @@ fn place_on_ring(
 /// the ticket's pair, any two as likely as any other.
 fn draw(ticket: u64, position: u64) -> u64 {
     stable_hash(&(ticket ^ position.rotate_left(32)).to_le_bytes())
-}
-
-pub fn kind_name(kind: EndpointKind) -> &'static str {
-    match kind {
-        EndpointKind::Chat => "chat completion",
-        EndpointKind::Completion => "completion",
-        EndpointKind::Embedding => "embedding",
-        EndpointKind::Rerank => "rerank",
-        EndpointKind::Responses => "responses",
-        EndpointKind::Unspecified => "unspecified",
-    }
 }
 
 #[cfg(test)]

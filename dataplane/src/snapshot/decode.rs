@@ -186,6 +186,7 @@ pub fn decode_live(
                     state: model.state(),
                     context_window: model.context_window,
                     endpoints: model.endpoints().collect(),
+                    unsupported: model.unsupported().collect(),
                     size_bytes: model.size_bytes,
                     usable: view.health == Health::Ready && !wire.draining,
                     reported_in_flight: view.in_flight,

@@ -311,6 +311,8 @@ pub struct Placement {
     pub context_window: u32,
     /// Empty: not known, so any kind is tried.
     pub endpoints: Vec<EndpointKind>,
+    /// Kinds the backend is known not to serve for the model.
+    pub unsupported: Vec<EndpointKind>,
     pub size_bytes: u64,
     /// The rest is copied from the node and backend at decode time, so a
     /// decision reads one contiguous array instead of chasing pointers.

@@ -1,0 +1,209 @@
+//! The kinds of job the fleet serves, as one table: a row per path, saying
+//! what a backend must offer for it and how its requests and answers are
+//! read. A new kind of job is a row here, not a second code path. The data
+//! plane routes by it; the agent reads an answer's usage by it.
+
+use crate::v1::EndpointKind;
+
+/// Where a request names its model.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ModelIn {
+    /// The `model` member of a JSON object.
+    Json,
+    /// The `model` field of a `multipart/form-data` body (an upload).
+    Multipart,
+}
+
+/// The shape of the errors a client of the path expects.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum ErrorShape {
+    /// `{"error":{"message","type","param","code"}}`; in a stream, a
+    /// `data:` event of it.
+    #[default]
+    OpenAi,
+    /// `{"type":"error","error":{"type","message"}}`; in a stream, an
+    /// `event: error` of it.
+    Anthropic,
+}
+
+/// Where an answer says what it used, for the ledger.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum UsageIn {
+    /// At its end: OpenAI's `usage` (Responses' names too), or
+    /// llama-server's `timings`.
+    Tail,
+    /// Anthropic's: the stream's first event (`message_start`) holds the
+    /// prompt's tokens and cache reads, its `message_delta` near the end
+    /// the output's; a whole answer has both at its end.
+    HeadAndTail,
+    /// Nowhere: the request is counted, its tokens are not (a token
+    /// count, a transcription, an image).
+    None,
+}
+
+/// How a stream of the kind ends when it ends well.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StreamEnd {
+    /// `data: [DONE]`.
+    Done,
+    /// Its own last event (Responses' `response.completed`, Messages'
+    /// `message_stop`), not checked.
+    Own,
+}
+
+/// One path the fleet serves.
+#[derive(Clone, Copy, Debug)]
+pub struct Row {
+    pub path: &'static str,
+    /// What a backend must serve for the model.
+    pub kind: EndpointKind,
+    pub model: ModelIn,
+    /// Requests continue conversations, whose KV cache a node keeps between
+    /// turns: they get a session key. An embedding leaves nothing worth
+    /// coming back to; a key for it would only push conversations out of
+    /// its node's session table.
+    pub conversation: bool,
+    pub errors: ErrorShape,
+    pub usage: UsageIn,
+    pub stream_end: StreamEnd,
+    /// A stream that would end without its usage is asked for it
+    /// (`stream_options.include_usage`), the extra chunk kept from the
+    /// client.
+    pub asks_usage: bool,
+    /// A stream that breaks may go on at another node (fleet policy): only
+    /// where the data plane can read and resend what was said so far.
+    pub continues: bool,
+}
+
+const OPENAI: Row = Row {
+    path: "",
+    kind: EndpointKind::Chat,
+    model: ModelIn::Json,
+    conversation: false,
+    errors: ErrorShape::OpenAi,
+    usage: UsageIn::Tail,
+    stream_end: StreamEnd::Own,
+    asks_usage: false,
+    continues: false,
+};
+
+/// A row that holds no conversation: an embedding, a rerank, an upload.
+const fn job(path: &'static str, kind: EndpointKind, model: ModelIn, usage: UsageIn) -> Row {
+    Row { path, kind, model, usage, ..OPENAI }
+}
+
+/// Every path the fleet serves, and only these: any other is a 404.
+pub const ROWS: &[Row] = &[
+    Row {
+        path: "/v1/chat/completions",
+        conversation: true,
+        stream_end: StreamEnd::Done,
+        asks_usage: true,
+        continues: true,
+        ..OPENAI
+    },
+    Row {
+        path: "/v1/completions",
+        kind: EndpointKind::Completion,
+        conversation: true,
+        stream_end: StreamEnd::Done,
+        asks_usage: true,
+        ..OPENAI
+    },
+    Row { path: "/v1/responses", kind: EndpointKind::Responses, conversation: true, ..OPENAI },
+    Row {
+        path: "/v1/messages",
+        kind: EndpointKind::Messages,
+        conversation: true,
+        errors: ErrorShape::Anthropic,
+        usage: UsageIn::HeadAndTail,
+        ..OPENAI
+    },
+    Row {
+        path: "/v1/messages/count_tokens",
+        kind: EndpointKind::Messages,
+        errors: ErrorShape::Anthropic,
+        usage: UsageIn::None,
+        ..OPENAI
+    },
+    // An editor's completions of one file share its cache where it names
+    // a session; its prefix changes with every keystroke, so no root is
+    // derived from it.
+    Row { path: "/infill", kind: EndpointKind::Infill, conversation: true, ..OPENAI },
+    job("/v1/embeddings", EndpointKind::Embedding, ModelIn::Json, UsageIn::Tail),
+    job("/v1/rerank", EndpointKind::Rerank, ModelIn::Json, UsageIn::Tail),
+    job("/v1/reranking", EndpointKind::Rerank, ModelIn::Json, UsageIn::Tail),
+    job("/rerank", EndpointKind::Rerank, ModelIn::Json, UsageIn::Tail),
+    job("/reranking", EndpointKind::Rerank, ModelIn::Json, UsageIn::Tail),
+    job("/v1/audio/transcriptions", EndpointKind::Transcription, ModelIn::Multipart, UsageIn::None),
+    job("/v1/audio/speech", EndpointKind::Speech, ModelIn::Json, UsageIn::None),
+    job("/v1/images/generations", EndpointKind::Images, ModelIn::Json, UsageIn::None),
+    job("/v1/images/edits", EndpointKind::Images, ModelIn::Multipart, UsageIn::None),
+];
+
+/// The row of `path`, if the fleet serves it.
+pub fn row(path: &str) -> Option<&'static Row> {
+    ROWS.iter().find(|row| row.path == path)
+}
+
+/// A kind's name, as configuration, `inferyesctl` and error messages say
+/// it.
+pub fn name(kind: EndpointKind) -> &'static str {
+    match kind {
+        EndpointKind::Chat => "chat",
+        EndpointKind::Completion => "completion",
+        EndpointKind::Embedding => "embedding",
+        EndpointKind::Rerank => "rerank",
+        EndpointKind::Responses => "responses",
+        EndpointKind::Messages => "messages",
+        EndpointKind::Infill => "infill",
+        EndpointKind::Transcription => "transcription",
+        EndpointKind::Speech => "speech",
+        EndpointKind::Images => "images",
+        EndpointKind::Unspecified => "unspecified",
+    }
+}
+
+/// The kind named `name` in configuration.
+pub fn named(name: &str) -> Option<EndpointKind> {
+    KINDS.iter().copied().find(|kind| self::name(*kind) == name)
+}
+
+/// Every kind a backend may serve.
+pub const KINDS: [EndpointKind; 10] = [
+    EndpointKind::Chat,
+    EndpointKind::Completion,
+    EndpointKind::Embedding,
+    EndpointKind::Rerank,
+    EndpointKind::Responses,
+    EndpointKind::Messages,
+    EndpointKind::Infill,
+    EndpointKind::Transcription,
+    EndpointKind::Speech,
+    EndpointKind::Images,
+];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_path_is_one_row_and_each_kind_has_a_path_and_a_name() {
+        for (i, row) in ROWS.iter().enumerate() {
+            assert!(row.path.starts_with('/'), "{row:?}");
+            assert!(ROWS[i + 1..].iter().all(|other| other.path != row.path), "{} twice", row.path);
+            assert!(
+                row.continues <= (row.stream_end == StreamEnd::Done),
+                "{}: continued streams end with [DONE]",
+                row.path
+            );
+        }
+        for kind in KINDS {
+            assert!(ROWS.iter().any(|row| row.kind == kind), "{kind:?} has no path");
+            assert_eq!(named(name(kind)), Some(kind));
+        }
+        assert_eq!(named("unspecified"), None);
+        assert_eq!(row("/v1/messages").map(|r| r.errors), Some(ErrorShape::Anthropic));
+        assert!(row("/v1/chat/completions/").is_none(), "paths are exact");
+    }
+}
