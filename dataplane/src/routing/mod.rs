@@ -386,6 +386,18 @@ fn classify(p: &Placement, home: Option<Target>, now_ms: u64) -> Class {
     }
 }
 
+/// Where a cold load is best started, lowest first: one already under way
+/// is joined; then a backend with room for one more model; then one that
+/// must unload another, where no session is resident before where one is.
+fn cold_rank(p: &Placement) -> u64 {
+    match (p.state == ModelState::Loading, p.evicts, p.resident_sessions > 0) {
+        (true, _, _) => 0,
+        (false, false, _) => 1,
+        (false, true, false) => 2,
+        (false, true, true) => 3,
+    }
+}
+
 fn place_key(p: &Placement) -> u64 {
     (p.target.node as u64) << 16 | p.target.backend as u64
 }
@@ -486,10 +498,7 @@ pub fn select(snapshot: &RoutingSnapshot, request: &RouteRequest<'_>) -> Result<
                     (None, _) => warm.offer([saturated, u64::from(load(p)), place_key(p)], i),
                 }
             }
-            Class::Cold => {
-                // A load already under way is joined before another starts.
-                cold.offer([u64::from(p.state != ModelState::Loading), !free_memory(p), place_key(p)], i);
-            }
+            Class::Cold => cold.offer([cold_rank(p), !free_memory(p), place_key(p)], i),
             Class::Refused(memory) => refused_for_memory |= memory,
             // The soonest back first.
             Class::Ejected => ejected.offer([p.local.ejected_until_ms.load(Ordering::Relaxed), place_key(p), 0], i),

@@ -39,6 +39,12 @@ struct Spec {
     service_ms: u32,
     /// Tokens each of `sessions` holds.
     session_tokens: u32,
+    /// The backend holds another model loaded, and at most this many (0:
+    /// no limit).
+    other_loaded: bool,
+    models_max: u32,
+    /// Kinds the backend said it does not serve for the model.
+    unsupported: Vec<EndpointKind>,
 }
 
 fn spec(id: &str) -> Spec {
@@ -63,6 +69,9 @@ fn spec(id: &str) -> Spec {
         prefill_tokens_per_second: 0.0,
         service_ms: 0,
         session_tokens: 0,
+        other_loaded: false,
+        models_max: 0,
+        unsupported: Vec::new(),
     }
 }
 
@@ -72,12 +81,20 @@ fn wire(s: &Spec) -> SnapshotNode {
         endpoints: vec![EndpointKind::Chat as i32],
         context_window: s.context,
         size_bytes: s.size_gib * GIB,
+        unsupported: s.unsupported.iter().map(|k| *k as i32).collect(),
         ..Default::default()
     };
     model.set_state(s.state);
+    let mut models = vec![model];
+    if s.other_loaded {
+        let mut other = Model { id: "other".into(), ..Default::default() };
+        other.set_state(ModelState::Loaded);
+        models.push(other);
+    }
     let mut backend = Backend {
         id: "b0".into(),
-        models: vec![model],
+        models,
+        models_max: s.models_max,
         in_flight: s.in_flight,
         requests_deferred: s.deferred,
         slots_total: s.slots,
@@ -401,6 +418,41 @@ fn cold_placement_prefers_free_memory_and_counts_loads_in_progress() {
         Spec { state: ModelState::Loading, used_percent: 60, ..spec("b") },
     ]);
     assert_eq!(first_node(&joining, &select(&joining, &chat(None)).unwrap()), "b");
+}
+
+#[test]
+fn a_cold_load_goes_where_it_unloads_no_model_before_where_it_unloads_one_sessions_use() {
+    let full = |id: &str, used_percent: u64, resident: u32| Spec {
+        state: ModelState::Unloaded,
+        other_loaded: true,
+        models_max: 1,
+        used_percent,
+        resident,
+        ..spec(id)
+    };
+    let s = snapshot(&[
+        // The most free memory, but its one model is in use.
+        full("busy", 10, 3),
+        full("idle", 40, 0),
+        // Room for a second model.
+        Spec { models_max: 2, ..full("room", 60, 3) },
+    ]);
+    let route = select(&s, &chat(None)).unwrap();
+    assert_eq!(route.reason, RouteReason::Cold);
+    assert_eq!(nodes(&s, &route), ["room", "idle", "busy"]);
+    // Without a limit of its own, a backend never counts as full.
+    let unlimited = snapshot(&[Spec { models_max: 0, ..full("a", 10, 3) }, full("b", 40, 0)]);
+    assert_eq!(first_node(&unlimited, &select(&unlimited, &chat(None)).unwrap()), "a");
+}
+
+#[test]
+fn a_kind_a_backend_said_it_does_not_serve_is_never_sent_there() {
+    let s = snapshot(&[Spec { unsupported: vec![EndpointKind::Chat], ..spec("a") }, spec("b")]);
+    assert_eq!(nodes(&s, &select(&s, &chat(None)).unwrap()), ["b"]);
+    let none = snapshot(&[Spec { unsupported: vec![EndpointKind::Chat], ..spec("a") }]);
+    let refused = select(&none, &chat(None)).unwrap_err();
+    assert_eq!((refused.kind(), refused.code().as_str()), (ErrorKind::BadRequest, "unsupported_endpoint"));
+    assert!(refused.to_string().contains("does not serve chat requests"), "{refused}");
 }
 
 #[test]

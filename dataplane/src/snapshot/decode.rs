@@ -180,8 +180,11 @@ pub fn decode_live(
                 backend_of_load.resize(l.load.backends.len(), u32::MAX);
                 backend_of_load[position] = u32::try_from(backend_index).unwrap_or(u32::MAX);
             }
+            let held = backend.models.iter().filter(|m| matches!(m.state(), ModelState::Loaded | ModelState::Loading));
+            let full = backend.models_max > 0 && held.count() >= backend.models_max as usize;
             for model in &backend.models {
                 indices.models.entry(model.id.clone()).or_default().push(Placement {
+                    evicts: full && !matches!(model.state(), ModelState::Loaded | ModelState::Loading),
                     target,
                     state: model.state(),
                     context_window: model.context_window,

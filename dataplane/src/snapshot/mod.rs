@@ -338,6 +338,9 @@ pub struct Placement {
     /// Sessions the backend's agent reports resident: the load a new
     /// session is balanced against, since each will come back.
     pub resident_sessions: u32,
+    /// Loading the model here unloads another: the backend holds as many
+    /// as it may (llama-server's `--models-max`).
+    pub evicts: bool,
     pub weight: u32,
     pub node_key: u64,
     pub vram_fraction: f64,
