@@ -212,8 +212,12 @@ fn default_host_cache_tokens() -> u64 {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum BackendKind {
+    /// One model, or (detected from its `/props`) router mode.
     #[default]
     LlamaServer,
+    /// llama-server in router mode (`--models-dir`, `--models-preset`):
+    /// models loaded on demand.
+    LlamaServerRouter,
     LlamaSwap,
     Openai,
 }

@@ -131,6 +131,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
                 in_flight: AtomicU32::new(0),
                 finished: AtomicU64::new(0),
                 log: inferyes_net::log::Gate::new(),
+                unsupported: Mutex::default(),
             })
             .collect(),
         observations: Mutex::new(Observations::default()),

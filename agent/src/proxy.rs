@@ -215,6 +215,7 @@ async fn forward_in_span(proxy: Proxy, request: Request<Incoming>) -> Response {
 
     // For a log line: the request's span is a trace, not log context.
     let request_id = parts.headers.get(REQUEST_ID_HEADER).cloned();
+    let row = inferyes_proto::kinds::row(path.path());
     let mut guard = InFlight::enter(Arc::clone(&proxy.state), index);
     let started = Instant::now();
     match proxy.client.send(origin, Request::from_parts(parts, body)).await {
@@ -225,6 +226,17 @@ async fn forward_in_span(proxy: Proxy, request: Request<Incoming>) -> Response {
             // Only an answer held a slot: refusals and errors would make
             // the slot time per request look short.
             guard.served = parts.status.is_success();
+            // llama-server's word for a job the model cannot do (infill
+            // without FIM tokens, embeddings from a chat server): routing
+            // is told, and sends no more of them here.
+            if parts.status == StatusCode::NOT_IMPLEMENTED
+                && let (Some(row), Some(model)) = (row, model)
+                && inferyes_proto::kinds::refused_whole(row.kind)
+                && handle.learn_unsupported(model, row.kind, Instant::now())
+            {
+                proxy.state.changed.notify_one();
+            }
+            let reads_head = row.is_some_and(|row| row.usage == inferyes_proto::kinds::UsageIn::HeadAndTail);
             let tracked = Tracked {
                 _span: span.clone(),
                 inner: body,
@@ -232,6 +244,7 @@ async fn forward_in_span(proxy: Proxy, request: Request<Incoming>) -> Response {
                 started,
                 first_byte: false,
                 session,
+                head: reads_head.then(Vec::new),
                 tail: Vec::new(),
                 scrape: Arc::clone(&proxy.scrape),
             };
@@ -259,8 +272,14 @@ fn strip_answer_headers(headers: &mut HeaderMap) {
 /// credential stay behind.
 fn strip_headers(headers: &mut HeaderMap) {
     // `Host` is not here: the backend's own replaces it.
-    static STRIPPED: [HeaderName; 5] =
-        [header::PROXY_AUTHORIZATION, header::AUTHORIZATION, BACKEND_HEADER, MODEL_HEADER, SESSION_HEADER];
+    static STRIPPED: [HeaderName; 6] = [
+        header::PROXY_AUTHORIZATION,
+        header::AUTHORIZATION,
+        HeaderName::from_static("x-api-key"),
+        BACKEND_HEADER,
+        MODEL_HEADER,
+        SESSION_HEADER,
+    ];
     inferyes_proto::headers::remove_hop_by_hop_and(headers, |name| STRIPPED.contains(name));
 }
 
@@ -304,6 +323,9 @@ struct Tracked {
     first_byte: bool,
     /// The request's session, whose residency the response's usage updates.
     session: Option<String>,
+    /// The first bytes of the body, where its path's answers say part of
+    /// their usage (Anthropic's `message_start`).
+    head: Option<Vec<u8>>,
     /// The last bytes of the body, where usage and timings are.
     tail: Vec<u8>,
     scrape: Arc<Scrape>,
@@ -320,6 +342,10 @@ impl Tracked {
         if self.session.is_none() {
             return;
         }
+        if let Some(head) = self.head.as_mut() {
+            let room = inferyes_proto::usage::HEAD_BYTES.saturating_sub(head.len());
+            head.extend_from_slice(&data[..data.len().min(room)]);
+        }
         self.tail.extend_from_slice(data);
         if self.tail.len() > 2 * inferyes_proto::usage::TAIL_BYTES {
             let cut = self.tail.len() - inferyes_proto::usage::TAIL_BYTES;
@@ -329,7 +355,11 @@ impl Tracked {
 
     fn finished(&mut self) {
         let Some(session) = self.session.take() else { return };
-        let Some(usage) = inferyes_proto::usage::parse_usage(&self.tail) else { return };
+        let usage = match &self.head {
+            Some(head) => inferyes_proto::usage::parse_stream_usage(head, &self.tail),
+            None => inferyes_proto::usage::parse_usage(&self.tail),
+        };
+        let Some(usage) = usage else { return };
         let state = &self.guard.state;
         if let (Some(backend), Ok(mut residency)) = (self.backend(), state.residency.lock()) {
             residency.record(&session, &backend.probe.id, usage);
@@ -397,6 +427,7 @@ mod tests {
         headers.insert(HeaderName::from_static("x-hop"), HeaderValue::from_static("1"));
         headers.insert(header::TRANSFER_ENCODING, HeaderValue::from_static("chunked"));
         headers.insert(header::AUTHORIZATION, HeaderValue::from_static("Bearer sk-client"));
+        headers.insert(HeaderName::from_static("x-api-key"), HeaderValue::from_static("ify_client"));
         headers.insert(BACKEND_HEADER, HeaderValue::from_static("main"));
         headers.insert(MODEL_HEADER, HeaderValue::from_static("llama"));
         headers.insert(SESSION_HEADER, HeaderValue::from_static("chat-1"));

@@ -1,13 +1,14 @@
 //! The agent's shared state. Each piece has one writer: the poller writes
 //! observations (and tells the residency table each backend's capacity),
-//! the proxy writes in-flight counts and the sessions in the residency
-//! table; the reporter reads, through [`AgentState::status`], and takes
+//! the proxy writes in-flight counts, the sessions in the residency table
+//! and the jobs a backend answered 501 for; the reporter reads, through [`AgentState::status`], and takes
 //! numbered residency updates.
 
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
-use inferyes_proto::v1::{Backend, Gpu, ModelState, NodeStatus};
+use inferyes_proto::v1::{Backend, EndpointKind, Gpu, ModelState, NodeStatus};
 use tokio::sync::Notify;
 
 use crate::probe::BackendProbe;
@@ -37,6 +38,55 @@ pub struct BackendHandle {
     /// Lets this backend's failures be logged once in a while, however
     /// many requests see them.
     pub log: inferyes_net::log::Gate,
+    /// Kinds of job the backend answered 501 for, by model, until when
+    /// they are believed: the proxy writes them, the status reads them.
+    pub unsupported: Mutex<Vec<Unsupported>>,
+}
+
+/// A kind of job a backend said it does not do for a model.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Unsupported {
+    pub model: String,
+    pub kind: EndpointKind,
+    pub until: Instant,
+}
+
+/// How long a 501 is believed: a backend restarted with another build or
+/// model may do the job, and is tried again after this.
+const UNSUPPORTED_FOR: Duration = Duration::from_secs(10 * 60);
+/// Each backend's learned refusals, at most: a client cannot grow the
+/// node's record with made-up model names.
+const MAX_UNSUPPORTED: usize = 32;
+
+impl BackendHandle {
+    /// Notes that the backend answered 501 for `kind` of `model`; whether
+    /// that is news.
+    pub fn learn_unsupported(&self, model: &str, kind: EndpointKind, now: Instant) -> bool {
+        let Ok(mut learned) = self.unsupported.lock() else { return false };
+        learned.retain(|u| u.until > now);
+        let until = now + UNSUPPORTED_FOR;
+        if let Some(known) = learned.iter_mut().find(|u| u.model == model && u.kind == kind) {
+            known.until = until;
+            return false;
+        }
+        if learned.len() >= MAX_UNSUPPORTED {
+            learned.remove(0);
+        }
+        learned.push(Unsupported { model: model.to_string(), kind, until });
+        true
+    }
+
+    /// Adds what the backend said it does not do to `backend`'s models.
+    fn mark_unsupported(&self, backend: &mut Backend, now: Instant) {
+        let Ok(learned) = self.unsupported.lock() else { return };
+        for u in learned.iter().filter(|u| u.until > now) {
+            if let Some(model) = backend.models.iter_mut().find(|m| m.id == u.model)
+                && !model.unsupported.contains(&(u.kind as i32))
+            {
+                model.unsupported.push(u.kind as i32);
+            }
+        }
+    }
 }
 
 #[derive(Default)]
@@ -108,9 +158,11 @@ impl AgentState {
             Ok(o) => (o.backends.clone(), o.gpus.clone()),
             Err(_) => (Vec::new(), Vec::new()),
         };
+        let now = Instant::now();
         for backend in &mut backends {
             if let Some(handle) = self.backend(&backend.id) {
                 backend.in_flight = handle.in_flight.load(Ordering::Relaxed);
+                handle.mark_unsupported(backend, now);
             }
         }
         NodeStatus {
@@ -125,5 +177,56 @@ impl AgentState {
             started_unix_ms: self.started_unix_ms,
             proxy_http2: self.proxy_http2,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn handle() -> BackendHandle {
+        let probe = BackendProbe {
+            id: "b0".into(),
+            url: "http://127.0.0.1:1".into(),
+            kind: crate::config::BackendKind::LlamaServer,
+            weight: 1,
+            endpoints: Vec::new(),
+            api_key: String::new(),
+            declared_models: Vec::new(),
+            host_cache_tokens: 0,
+            model_sizes: Default::default(),
+        };
+        BackendHandle {
+            url: inferyes_net::base_url::BaseUrl::new(&probe.url),
+            probe,
+            authorization: None,
+            labels: BackendLabels { backend: "b0".into() },
+            in_flight: AtomicU32::new(0),
+            finished: AtomicU64::new(0),
+            log: inferyes_net::log::Gate::new(),
+            unsupported: Mutex::default(),
+        }
+    }
+
+    #[test]
+    fn a_501_is_believed_for_a_while_for_its_model_only_and_a_few_at_most() {
+        let handle = handle();
+        let now = Instant::now();
+        assert!(handle.learn_unsupported("code", EndpointKind::Infill, now));
+        assert!(!handle.learn_unsupported("code", EndpointKind::Infill, now), "not news");
+        let mut backend = Backend { id: "b0".into(), ..Default::default() };
+        backend.models =
+            ["code", "chat"].map(|id| inferyes_proto::v1::Model { id: id.into(), ..Default::default() }).into();
+        handle.mark_unsupported(&mut backend, now);
+        assert_eq!(backend.models[0].unsupported, [EndpointKind::Infill as i32]);
+        assert!(backend.models[1].unsupported.is_empty());
+        let mut later = Backend { id: "b0".into(), models: backend.models.clone(), ..Default::default() };
+        later.models[0].unsupported.clear();
+        handle.mark_unsupported(&mut later, now + UNSUPPORTED_FOR);
+        assert!(later.models[0].unsupported.is_empty(), "tried again after a while");
+        for i in 0..100 {
+            handle.learn_unsupported(&format!("made-up-{i}"), EndpointKind::Embedding, now);
+        }
+        assert_eq!(handle.unsupported.lock().unwrap().len(), MAX_UNSUPPORTED);
     }
 }

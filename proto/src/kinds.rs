@@ -146,6 +146,15 @@ pub fn row(path: &str) -> Option<&'static Row> {
     ROWS.iter().find(|row| row.path == path)
 }
 
+/// Whether a backend's 501 for a request of `kind` says the model cannot do
+/// the kind at all (llama-server: no FIM tokens, not started with
+/// `--embeddings` or `--reranking`), so no request of it should go there
+/// again. For other kinds a 501 may be about one request's parameters, and
+/// a client could use it to shut a model out for everyone.
+pub fn refused_whole(kind: EndpointKind) -> bool {
+    matches!(kind, EndpointKind::Infill | EndpointKind::Embedding | EndpointKind::Rerank)
+}
+
 /// A kind's name, as configuration, `inferyesctl` and error messages say
 /// it.
 pub fn name(kind: EndpointKind) -> &'static str {

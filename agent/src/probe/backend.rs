@@ -40,6 +40,7 @@ impl BackendProbe {
             id: self.id.clone(),
             kind: match self.kind {
                 config::BackendKind::LlamaServer => BackendKind::LlamaServer,
+                config::BackendKind::LlamaServerRouter => BackendKind::LlamaServerRouter,
                 config::BackendKind::LlamaSwap => BackendKind::LlamaSwap,
                 config::BackendKind::Openai => BackendKind::Openai,
             } as i32,
@@ -48,13 +49,15 @@ impl BackendProbe {
         };
         let mut load = LoadReading::default();
         let result = match self.kind {
-            config::BackendKind::LlamaServer => self.probe_llama_server(client, &mut backend, &mut load).await,
+            config::BackendKind::LlamaServer | config::BackendKind::LlamaServerRouter => {
+                self.probe_llama_server(client, &mut backend, &mut load).await
+            }
             config::BackendKind::LlamaSwap => self.probe_llama_swap(client, &mut backend).await,
             config::BackendKind::Openai => self.probe_openai(client, &mut backend).await,
         };
         // A llama-server that answers its health but not the rest has counts
         // no more known than one whose /slots timed out.
-        if result.is_err() && self.kind == config::BackendKind::LlamaServer {
+        if result.is_err() && backend.kind() == BackendKind::LlamaServer {
             (load.slots_unread, load.metrics_unread) = (true, true);
         }
         // Taken for idle, a server too busy to answer would draw more work:
@@ -117,19 +120,31 @@ impl BackendProbe {
                 return Err(format!("health: HTTP {code}: {}", String::from_utf8_lossy(&body)));
             }
         }
-        let (_, body) = client.get(&self.url, "/v1/models", &self.api_key).await.map_err(|e| format!("models: {e}"))?;
-        backend.models = parse_openai_models(&body, ModelState::Loaded);
         // Optional endpoints: llama-server answers 501 without --slots or
         // --metrics, and that is not a fault.
-        if let Ok((status, body)) = client.get(&self.url, "/props", &self.api_key).await
-            && status.is_success()
-            && let Ok(props) = serde_json::from_slice::<Value>(&body)
-        {
+        let props = match client.get(&self.url, "/props", &self.api_key).await {
+            Ok((status, body)) if status.is_success() => serde_json::from_slice::<Value>(&body).ok(),
+            _ => None,
+        };
+        let router = props.as_ref().and_then(|p| p.get("role")).and_then(Value::as_str) == Some("router");
+        if router || self.kind == config::BackendKind::LlamaServerRouter {
+            backend.set_kind(BackendKind::LlamaServerRouter);
+            backend.models_max = props.as_ref().map_or(0, |p| u32_at(p, "/max_instances"));
+            return self.probe_router(client, backend, load).await;
+        }
+        let (_, body) = client.get(&self.url, "/v1/models", &self.api_key).await.map_err(|e| format!("models: {e}"))?;
+        backend.models = parse_openai_models(&body, ModelState::Loaded);
+        if let Some(props) = &props {
             let n_ctx = props.pointer("/default_generation_settings/n_ctx").and_then(Value::as_u64).unwrap_or(0);
             for model in &mut backend.models {
                 model.context_window = u32::try_from(n_ctx).unwrap_or(u32::MAX);
             }
-            backend.slots_total = u32_at(&props, "/total_slots");
+            backend.slots_total = u32_at(props, "/total_slots");
+        }
+        if self.fills_in_the_middle(client, None).await == Some(false) {
+            for model in &mut backend.models {
+                model.unsupported.push(EndpointKind::Infill as i32);
+            }
         }
         match client.get(&self.url, "/slots", &self.api_key).await {
             Ok((status, body)) if status.is_success() => match parse_slots(&body) {
@@ -153,6 +168,83 @@ impl BackendProbe {
             _ => load.metrics_unread = true,
         }
         Ok(())
+    }
+
+    /// A llama-server in router mode: every model it can load, each in the
+    /// state its `status.value` says; the loaded ones' windows, slots and
+    /// whether they fill in the middle asked of each one, never loading
+    /// one that is not (`autoload=false`). Its counters are each child's,
+    /// not read: the slot time comes from the proxy's own count.
+    async fn probe_router(
+        &self,
+        client: &ProbeClient,
+        backend: &mut Backend,
+        load: &mut LoadReading,
+    ) -> Result<(), String> {
+        let (status, body) =
+            client.get(&self.url, "/v1/models", &self.api_key).await.map_err(|e| format!("models: {e}"))?;
+        if !status.is_success() {
+            return Err(format!("models: HTTP {}", status.as_u16()));
+        }
+        let (mut models, paths) = parse_router_models(&body);
+        for (model, path) in models.iter_mut().zip(paths) {
+            // The weights' file, where it is on this host: what a load
+            // takes of the GPU, roughly.
+            if model.size_bytes == 0
+                && let Some(path) = path.filter(|p| p.is_absolute())
+                && let Ok(metadata) = std::fs::metadata(&path)
+            {
+                model.size_bytes = metadata.len();
+            }
+        }
+        let (mut slots_total, mut slots_busy) = (0u32, 0u32);
+        for model in models.iter_mut().filter(|m| m.state() == ModelState::Loaded) {
+            let query = format!("?model={}&autoload=false", percent_encoded(&model.id));
+            if let Ok((status, body)) = client.get(&self.url, &format!("/props{query}"), &self.api_key).await
+                && status.is_success()
+                && let Ok(props) = serde_json::from_slice::<Value>(&body)
+            {
+                let n_ctx = u32_at(&props, "/default_generation_settings/n_ctx");
+                if n_ctx > 0 {
+                    model.context_window = n_ctx;
+                }
+            }
+            match client.get(&self.url, &format!("/slots{query}"), &self.api_key).await {
+                Ok((status, body)) if status.is_success() => match parse_slots(&body) {
+                    Some(slots) => {
+                        slots_total = slots_total.saturating_add(slots.total);
+                        slots_busy = slots_busy.saturating_add(slots.busy);
+                    }
+                    None => load.slots_unread = true,
+                },
+                Ok((status, _)) if not_offered(status) => {}
+                _ => load.slots_unread = true,
+            }
+            if self.fills_in_the_middle(client, Some(&model.id)).await == Some(false) {
+                model.unsupported.push(EndpointKind::Infill as i32);
+            }
+        }
+        backend.slots_total = slots_total;
+        backend.slots_busy = slots_busy;
+        backend.models = models;
+        Ok(())
+    }
+
+    /// Whether the model fills in the middle: llama-server checks for its
+    /// tokens before it reads an `/infill` request, so an empty one is
+    /// answered 501 without them and 400 with them, and costs no compute.
+    /// `None`: not known (not answered, or the model is not loaded).
+    async fn fills_in_the_middle(&self, client: &ProbeClient, model: Option<&str>) -> Option<bool> {
+        let (path, body) = match model {
+            Some(model) => ("/infill?autoload=false", serde_json::json!({ "model": model })),
+            None => ("/infill", serde_json::json!({})),
+        };
+        let (status, answer) = client.post_json(&self.url, path, &self.api_key, &body).await.ok()?;
+        match status.as_u16() {
+            501 => Some(false),
+            400 if !String::from_utf8_lossy(&answer).contains("not loaded") => Some(true),
+            _ => None,
+        }
     }
 
     async fn probe_llama_swap(&self, client: &ProbeClient, backend: &mut Backend) -> Result<(), String> {
@@ -267,6 +359,54 @@ pub fn parse_llamaswap_models(body: &[u8]) -> (Vec<Model>, bool) {
     models.sort_by(|a, b| a.id.cmp(&b.id));
     models.dedup_by(|a, b| a.id == b.id);
     (models, has_status)
+}
+
+/// llama-server's router-mode `/v1/models`: every model it can load, in
+/// the state `status.value` says (`loaded`, `loading`, `unloaded`; any
+/// other, a failed load say, as unloaded), its window from the arguments
+/// it is started with (`--ctx-size`), and the path of its weights
+/// (`--model`), side by side.
+pub fn parse_router_models(body: &[u8]) -> (Vec<Model>, Vec<Option<std::path::PathBuf>>) {
+    let Ok(value) = serde_json::from_slice::<Value>(body) else { return (Vec::new(), Vec::new()) };
+    let Some(data) = value.get("data").and_then(Value::as_array) else { return (Vec::new(), Vec::new()) };
+    let mut models: Vec<(Model, Option<std::path::PathBuf>)> = data
+        .iter()
+        .filter_map(|m| {
+            let id = m.get("id")?.as_str()?.to_string();
+            let state = match m.pointer("/status/value").and_then(Value::as_str) {
+                Some("loaded") => ModelState::Loaded,
+                Some("loading") => ModelState::Loading,
+                _ => ModelState::Unloaded,
+            };
+            let args: Vec<&str> = m
+                .pointer("/status/args")
+                .and_then(Value::as_array)
+                .map(|args| args.iter().filter_map(Value::as_str).collect())
+                .unwrap_or_default();
+            let after = |names: &[&str]| args.windows(2).find(|pair| names.contains(&pair[0])).map(|pair| pair[1]);
+            let context_window = after(&["--ctx-size", "-c"]).and_then(|n| n.parse::<u32>().ok()).unwrap_or(0);
+            let path = after(&["--model", "-m"]).map(std::path::PathBuf::from);
+            let mut model = Model { id, context_window, ..Default::default() };
+            model.set_state(state);
+            Some((model, path))
+        })
+        .collect();
+    models.sort_by(|a, b| a.0.id.cmp(&b.0.id));
+    models.dedup_by(|a, b| a.0.id == b.0.id);
+    models.into_iter().unzip()
+}
+
+/// A query value with every byte but the unreserved ones escaped.
+fn percent_encoded(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for byte in text.bytes() {
+        if byte.is_ascii_alphanumeric() || matches!(byte, b'-' | b'.' | b'_' | b'~') {
+            out.push(char::from(byte));
+        } else {
+            out.push_str(&format!("%{byte:02X}"));
+        }
+    }
+    out
 }
 
 fn parse_running(body: &[u8]) -> Vec<String> {
@@ -386,6 +526,38 @@ pub fn parse_llamacpp_metrics(text: &str) -> LlamaCppMetrics {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_router_s_models_are_in_the_state_it_says_with_their_window_and_weights() {
+        // As llama-server b11434 in router mode answers, one loaded.
+        let body = br#"{"data":[
+            {"id":"tiny-chat","object":"model","status":{"value":"loaded","args":["llama-server","--port","0","--ctx-size","2048","--model","/models/tiny-chat.gguf"]}},
+            {"id":"tiny-code","object":"model","status":{"value":"unloaded","args":["llama-server","-c","8192","-m","dir/tiny-code.gguf"]}},
+            {"id":"big","object":"model","status":{"value":"loading"}},
+            {"id":"broken","object":"model","status":{"value":"failed","args":["--ctx-size"]}}
+        ],"object":"list"}"#;
+        let (models, paths) = parse_router_models(body);
+        let seen: Vec<(&str, ModelState, u32)> =
+            models.iter().map(|m| (m.id.as_str(), m.state(), m.context_window)).collect();
+        assert_eq!(
+            seen,
+            [
+                ("big", ModelState::Loading, 0),
+                ("broken", ModelState::Unloaded, 0),
+                ("tiny-chat", ModelState::Loaded, 2048),
+                ("tiny-code", ModelState::Unloaded, 8192),
+            ]
+        );
+        let paths: Vec<Option<&str>> = paths.iter().map(|p| p.as_ref().and_then(|p| p.to_str())).collect();
+        assert_eq!(paths, [None, None, Some("/models/tiny-chat.gguf"), Some("dir/tiny-code.gguf")]);
+        assert_eq!(parse_router_models(b"not json"), (Vec::new(), Vec::new()));
+    }
+
+    #[test]
+    fn model_names_in_a_query_are_escaped() {
+        assert_eq!(percent_encoded("qwen2.5-7b_Q4~x"), "qwen2.5-7b_Q4~x");
+        assert_eq!(percent_encoded("a b&c=d/é"), "a%20b%26c%3Dd%2F%C3%A9");
+    }
 
     #[test]
     fn llama_server_models_carry_size_and_context() {

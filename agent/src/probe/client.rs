@@ -42,13 +42,16 @@ impl ProbeClient {
         self.request(Method::GET, base, path, api_key, Bytes::new()).await
     }
 
+    /// POST `body` as JSON to `base` + `path`, with an optional bearer
+    /// credential.
     pub async fn post_json(
         &self,
         base: &str,
         path: &str,
+        api_key: &str,
         body: &serde_json::Value,
     ) -> Result<(StatusCode, Bytes), ProbeError> {
-        self.request(Method::POST, base, path, "", Bytes::from(body.to_string())).await
+        self.request(Method::POST, base, path, api_key, Bytes::from(body.to_string())).await
     }
 
     async fn request(
