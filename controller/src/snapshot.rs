@@ -5,8 +5,8 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use inferyes_proto::v1::{
-    Alias, ApiKey, ControllerRecord, KeySet, KeyUsageToday, ModelState, ModelSummary, NodeRecord, RoutingPolicy,
-    RoutingSnapshot, SnapshotDelta, SnapshotNode,
+    Alias, ApiKey, ControllerRecord, KeySet, KeyUsageToday, ModelPlacement, ModelState, ModelSummary, NodeRecord,
+    RoutingPolicy, RoutingSnapshot, SnapshotDelta, SnapshotNode,
 };
 
 use crate::fleet::FleetState;
@@ -215,9 +215,16 @@ fn node_id(node: &SnapshotNode) -> &str {
 pub fn model_summaries(snapshot: &Snapshot) -> Vec<ModelSummary> {
     let mut models: BTreeMap<&str, ModelSummary> = BTreeMap::new();
     for status in snapshot.nodes().filter_map(|n| n.status.as_ref()) {
-        for model in status.backends.iter().flat_map(|b| &b.models) {
+        for (backend, model) in status.backends.iter().flat_map(|b| b.models.iter().map(move |m| (b, m))) {
             let summary =
                 models.entry(&model.id).or_insert_with(|| ModelSummary { id: model.id.clone(), ..Default::default() });
+            summary.placements.push(ModelPlacement {
+                node_id: status.node_id.clone(),
+                backend_id: backend.id.clone(),
+                state: model.state,
+                endpoints: model.endpoints.clone(),
+                unsupported: model.unsupported.clone(),
+            });
             if !summary.available_on.contains(&status.node_id) {
                 summary.available_on.push(status.node_id.clone());
             }

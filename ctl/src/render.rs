@@ -5,9 +5,11 @@
 
 use std::fmt::Write as _;
 
+use inferyes_proto::kinds;
 use inferyes_proto::v1::{
-    ApiKey, Backend, CreatedKey, Gpu, ListAliasesResponse, ListKeysResponse, ListModelsResponse, ListNodesResponse,
-    ListSessionsResponse, ModelState, RoutingPolicy, SnapshotNode, Strategy, UsageRecord, UsageReport, UsageRow,
+    ApiKey, Backend, CreatedKey, EndpointKind, Gpu, ListAliasesResponse, ListKeysResponse, ListModelsResponse,
+    ListNodesResponse, ListSessionsResponse, ModelPlacement, ModelState, RoutingPolicy, SnapshotNode, Strategy,
+    UsageRecord, UsageReport, UsageRow,
 };
 use serde_json::{Value, json};
 
@@ -60,11 +62,11 @@ impl Render for ListModelsResponse {
                     m.loaded_on.len().to_string(),
                     m.available_on.len().to_string(),
                     if m.context_window == 0 { "-".into() } else { m.context_window.to_string() },
-                    m.loaded_on.join(","),
+                    m.placements.iter().map(placement_text).collect::<Vec<_>>().join(" "),
                 ]
             })
             .collect();
-        table(&["MODEL", "LOADED", "NODES", "CONTEXT", "LOADED ON"], rows)
+        table(&["MODEL", "LOADED", "NODES", "CONTEXT", "ON (STATE: KINDS)"], rows)
     }
 
     fn json(&self) -> Value {
@@ -72,17 +74,62 @@ impl Render for ListModelsResponse {
             .models
             .iter()
             .map(|m| {
+                let placements: Vec<Value> = m
+                    .placements
+                    .iter()
+                    .map(|p| {
+                        json!({
+                            "node_id": p.node_id,
+                            "backend_id": p.backend_id,
+                            "state": model_state(p.state()),
+                            "kinds": kinds_served(p),
+                        })
+                    })
+                    .collect();
                 json!({
                     "id": m.id,
                     "loaded_on": m.loaded_on,
                     "available_on": m.available_on,
                     "context_window": m.context_window,
                     "endpoints": m.endpoints().map(|e| e.as_str_name()).collect::<Vec<_>>(),
+                    "placements": placements,
                 })
             })
             .collect();
         json!({"version": self.version, "models": models})
     }
+}
+
+/// A model's state as routing sees it: warm where a request is served at
+/// once, cold where it starts a load.
+fn model_state(state: ModelState) -> &'static str {
+    match state {
+        ModelState::Loaded => "warm",
+        ModelState::Loading => "loading",
+        ModelState::Unloaded => "cold",
+        ModelState::Unknown => "unknown",
+    }
+}
+
+/// The kinds of job a backend serves for a model: those it lists, else
+/// any but those it is known not to.
+fn kinds_served(p: &ModelPlacement) -> String {
+    let names = |kinds: &[i32]| {
+        kinds.iter().filter_map(|k| EndpointKind::try_from(*k).ok()).map(kinds::name).collect::<Vec<_>>()
+    };
+    let unsupported = names(&p.unsupported);
+    if p.endpoints.is_empty() {
+        return match unsupported.is_empty() {
+            true => "any".into(),
+            false => format!("any but {}", unsupported.join(",")),
+        };
+    }
+    let served: Vec<&str> = names(&p.endpoints).into_iter().filter(|k| !unsupported.contains(k)).collect();
+    served.join(",")
+}
+
+fn placement_text(p: &ModelPlacement) -> String {
+    format!("{}/{}({}: {})", p.node_id, p.backend_id, model_state(p.state()), kinds_served(p))
 }
 
 /// The fleet's sessions, their ages as of `now_s` (Unix seconds).
@@ -427,13 +474,14 @@ fn backend_json(b: &Backend) -> Value {
         .iter()
         .map(|m| {
             json!({"id": m.id, "state": m.state().as_str_name(), "context_window": m.context_window,
-                   "size_bytes": m.size_bytes, "endpoints": m.endpoints().map(|e| e.as_str_name()).collect::<Vec<_>>()})
+                   "size_bytes": m.size_bytes, "endpoints": m.endpoints().map(|e| e.as_str_name()).collect::<Vec<_>>(),
+                   "unsupported": m.unsupported().map(|e| e.as_str_name()).collect::<Vec<_>>()})
         })
         .collect();
     json!({"id": b.id, "kind": b.kind().as_str_name(), "health": b.health().as_str_name(), "weight": b.weight,
            "slots_total": b.slots_total, "slots_busy": b.slots_busy, "requests_deferred": b.requests_deferred,
            "in_flight": b.in_flight, "tokens_per_second": b.tokens_per_second, "probe_error": b.probe_error,
-           "models": models})
+           "models_max": b.models_max, "models": models})
 }
 
 /// Sessions resident on the node, as the controller counted them.

@@ -25,6 +25,12 @@ async fn inferyesctl_lists_and_drains_in_tables_and_json() {
     let ids: Vec<&str> = models["models"].as_array().unwrap().iter().map(|m| m["id"].as_str().unwrap()).collect();
     assert_eq!(ids, ["chat", "embed"]);
     assert_eq!(models["models"][0]["loaded_on"][0], "node-a");
+    let placement = &models["models"][0]["placements"][0];
+    assert_eq!((&placement["node_id"], &placement["state"]), (&Value::from("node-a"), &Value::from("warm")));
+    // The harness's backends list no kinds: any is tried.
+    assert_eq!(placement["kinds"], "any", "{placement}");
+    let table = ctl(&url, &["models"]).await.unwrap();
+    assert!(table.lines().nth(1).is_some_and(|line| line.contains("node-a/main(warm: any)")), "{table}");
 
     let drained = ctl(&url, &["drain", "node-a", "--reason", "maintenance"]).await.unwrap();
     assert!(drained.starts_with("node node-a draining"), "{drained}");
