@@ -1,6 +1,7 @@
 """A fleet of real llama-server nodes behind Inferyes, for the end-to-end
 suite: etcd, a controller, two agents (node-a: one chat server; node-b: a chat
-server and an embeddings server), and two data planes (session affinity, and
+server and an embeddings server; the chat servers also answer the Messages
+API), and two data planes (session affinity, and
 forced round-robin for comparison). Every process is the real binary.
 
 `gemma` is a second fleet, started only for the tests that ask for it: two
@@ -38,9 +39,9 @@ def fleet():
         }
         fleet.llama_embed = fleet.start_llama_server(
             "llama-b-embed", embed, "tiny-embed", ["-np", "2", "--embeddings", "--pooling", "mean"])
-        fleet.start_agent("node-a", [("chat", fleet.llama["node-a"], ["chat", "completion"])])
+        fleet.start_agent("node-a", [("chat", fleet.llama["node-a"], ["chat", "completion", "messages"])])
         fleet.start_agent("node-b", [
-            ("chat", fleet.llama["node-b"], ["chat", "completion"]),
+            ("chat", fleet.llama["node-b"], ["chat", "completion", "messages"]),
             ("embed", fleet.llama_embed, ["embedding"]),
         ])
         warm = {"tiny-chat": 2, "tiny-embed": 1}
@@ -71,7 +72,7 @@ def gemma():
         for node in ("node-a", "node-b"):
             fleet.llama[node] = fleet.start_llama_server(
                 f"gemma-{node}", fleet.model, GEMMA, fleet.llama_args, context=8192)
-            fleet.start_agent(node, [("chat", fleet.llama[node], ["chat", "completion"])])
+            fleet.start_agent(node, [("chat", fleet.llama[node], ["chat", "completion", "messages"])])
         fleet.url = fleet.start_dataplane("dataplane", "policy", {GEMMA: 2})
         yield fleet
     finally:

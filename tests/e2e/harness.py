@@ -168,6 +168,20 @@ dataplane_token_file = "{self.dataplane_token_file}"
         self.servers[name] = process
         return url
 
+    def start_llama_router(self, name, models_dir, models_max, extra=(), context=2048):
+        """A llama-server in router mode: no model of its own, each model of
+        `models_dir` loaded on its first request (a child server each, with
+        these settings), at most `models_max` at once. Returns its URL."""
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        process = self.spawn(name, [
+            self.llama_server, "--models-dir", str(models_dir), "--models-max", str(models_max),
+            "--host", "127.0.0.1", "--port", str(port), "-c", str(context), "-t", "1", "--cache-ram", "0", *extra,
+        ])
+        wait_until(f"{name} healthy", lambda: http_get(f"{url}/health")[0] == 200)
+        self.servers[name] = process
+        return url
+
     def start_agent(self, node, backends):
         """`backends`: (id, url, endpoint kinds[, extra TOML lines])."""
         port, admin_port = free_port(), free_port()

@@ -4,12 +4,13 @@ The models are gibberish generators, but they are real llama-architecture
 models with a SentencePiece-style vocabulary (byte fallback), a ChatML chat
 template and control tokens, so every llama-server code path runs for real:
 the template, tokenization, the KV cache and its slots, streaming, and
-embeddings (with `--embeddings --pooling mean`). Weights come from a seeded
+embeddings (with `--embeddings --pooling mean`), and fill-in-the-middle
+(`tiny-code`, whose vocabulary names its FIM tokens). Weights come from a seeded
 generator: the same seed writes the same file, byte for byte, and greedy
 decoding gives the same reply every time. A random model never chooses the
 end-of-sequence token by itself; replies run to `max_tokens`.
 
-    python make_models.py OUT_DIR        # writes tiny-chat.gguf, tiny-embed.gguf
+    python make_models.py OUT_DIR        # writes tiny-chat.gguf, tiny-embed.gguf, tiny-code.gguf
 """
 
 import sys
@@ -34,9 +35,11 @@ WORDS = (
 ).split()
 
 SPACE = "\u2581"  # SentencePiece's word-boundary marker
+# Fill-in-the-middle markers: prefix, suffix, middle.
+FIM_MARKERS = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
 
 
-def vocabulary():
+def vocabulary(fim=False):
     """Tokens, scores and types: control tokens, 256 byte-fallback tokens,
     the ChatML markers, then characters and words (longer pieces score
     higher, so the tokenizer prefers them)."""
@@ -54,6 +57,11 @@ def vocabulary():
         add(f"<0x{byte:02X}>", 0.0, gguf.TokenType.BYTE)
     add("<|im_start|>", 0.0, gguf.TokenType.CONTROL)
     add("<|im_end|>", 0.0, gguf.TokenType.CONTROL)
+    # llama.cpp takes tokens spelled like these for FIM tokens even where
+    # the model does not name them: only a code model has them.
+    if fim:
+        for marker in FIM_MARKERS:
+            add(marker, 0.0, gguf.TokenType.CONTROL)
     chars = [chr(c) for c in range(ord("a"), ord("z") + 1)]
     chars += [chr(c) for c in range(ord("A"), ord("Z") + 1)]
     chars += list("0123456789.,!?'\"-:;()/") + [SPACE]
@@ -75,8 +83,8 @@ def vocabulary():
     return tokens, scores, types
 
 
-def write_llama(path, name, seed, n_embd=64, n_layer=2, n_head=4, n_ff=128, n_ctx=2048):
-    tokens, scores, types = vocabulary()
+def write_llama(path, name, seed, n_embd=64, n_layer=2, n_head=4, n_ff=128, n_ctx=2048, fim=False):
+    tokens, scores, types = vocabulary(fim)
     n_vocab = len(tokens)
     rng = np.random.default_rng(seed)
 
@@ -108,6 +116,10 @@ def write_llama(path, name, seed, n_embd=64, n_layer=2, n_head=4, n_ff=128, n_ct
     writer.add_add_bos_token(False)
     writer.add_add_eos_token(False)
     writer.add_chat_template(CHATML)
+    if fim:
+        keys = (gguf.Keys.Tokenizer.FIM_PRE_ID, gguf.Keys.Tokenizer.FIM_SUF_ID, gguf.Keys.Tokenizer.FIM_MID_ID)
+        for key, marker in zip(keys, FIM_MARKERS):
+            writer.add_uint32(key, tokens.index(marker))
 
     # numpy shapes are ggml's dimensions reversed: (rows, columns).
     writer.add_tensor("token_embd.weight", weights(n_vocab, n_embd))
@@ -137,6 +149,8 @@ def main(out_dir):
     # `--embeddings --pooling mean`: llama-server's embedding path runs for
     # real, mean pooling included.
     write_llama(out / "tiny-embed.gguf", "tiny-embed", seed=2)
+    # A code model: it can fill in the middle.
+    write_llama(out / "tiny-code.gguf", "tiny-code", seed=3, fim=True)
     return out
 
 

@@ -1,13 +1,15 @@
 """The real model, Gemma 3 270M, through the fleet with the official OpenAI
-client: its catalog, streaming with usage, a multi-turn chat whose later
-turns are served from the KV cache of the node that served the first, and a
-stream whose node dies mid-answer, finished by the other node with
-continuation on and ended by an explicit error with it off."""
+and Anthropic clients: its catalog, streaming with usage, a multi-turn chat
+(and a multi-turn Messages stream) whose later turns are served from the KV
+cache of the node that served the first, and a stream whose node dies
+mid-answer, finished by the other node with continuation on and ended by an
+explicit error with it off."""
 
 import json
 import random
 import signal
 
+import anthropic
 import openai
 import pytest
 from openai import OpenAI
@@ -80,6 +82,30 @@ def test_later_turns_are_served_from_the_cache_of_the_first_node(gemma):
         # reply's last token, which never entered the cache).
         best = previous.prompt_tokens + previous.completion_tokens - 1
         assert usage.prompt_tokens_details.cached_tokens >= 0.95 * best, turns
+
+
+def test_a_streamed_messages_conversation_reads_more_of_its_cache_each_turn(gemma):
+    # The Anthropic client, streaming, no session header: the root of the
+    # conversation (its system prompt and first message) keeps it home.
+    claude = anthropic.Anthropic(base_url=gemma.url, api_key=gemma.api_key, max_retries=0, timeout=120)
+    system = system_prompt("messages")
+    messages, turns = [], []
+    for turn in range(3):
+        messages.append({"role": "user", "content": f"Turn {turn}: which stone comes next?"})
+        with claude.messages.stream(model=GEMMA, max_tokens=16, system=system, messages=messages) as stream:
+            node = stream.response.headers["x-inferyes-node"]
+            route = stream.response.headers["x-inferyes-route"]
+            reply = stream.get_final_message()
+        messages.append({"role": "assistant", "content": reply.content[0].text or "."})
+        turns.append((node, route, reply.usage))
+    assert len({node for node, _, _ in turns}) == 1, turns
+    assert [route for _, route, _ in turns] == ["placed", "resident", "resident"], turns
+    assert turns[0][2].cache_read_input_tokens == 0 and turns[0][2].input_tokens > 400, turns
+    prompts = [usage.input_tokens + usage.cache_read_input_tokens for _, _, usage in turns]
+    for before, (_, _, usage) in zip(prompts, turns[1:]):
+        # Reported as cache reads: the whole prompt before, at least.
+        assert usage.cache_read_input_tokens >= before, turns
+        assert usage.input_tokens < 60, turns
 
 
 @pytest.fixture
