@@ -586,6 +586,9 @@ fn count(counts: &mut BTreeMap<String, u32>, backend: &str, add: bool) {
 /// Splits an agent's status into what etcd keeps (bounded, load zeroed,
 /// memory in steps, no sessions) and the load that changes per request.
 /// The third value counts what the bounds dropped.
+/// Kinds of job a model lists, at most: more than there are.
+const MAX_KINDS: usize = 16;
+
 pub fn split(mut status: NodeStatus) -> (NodeStatus, NodeLoad, usize) {
     let mut dropped = 0;
     let mut load = NodeLoad::default();
@@ -600,6 +603,15 @@ pub fn split(mut status: NodeStatus) -> (NodeStatus, NodeLoad, usize) {
         truncate_text(&mut backend.probe_error);
         for model in &mut backend.models {
             truncate_text(&mut model.id);
+            // Each kind at most once: an agent cannot grow the record with
+            // a kind said over and over.
+            for kinds in [&mut model.endpoints, &mut model.unsupported] {
+                let before = kinds.len();
+                kinds.sort_unstable();
+                kinds.dedup();
+                truncate_vec(kinds, MAX_KINDS);
+                dropped += before - kinds.len();
+            }
         }
         backend.resident_sessions = 0;
         load.backends.push(BackendLoad {

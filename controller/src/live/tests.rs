@@ -1,6 +1,6 @@
 use std::collections::HashMap;
 
-use inferyes_proto::v1::{Backend, Gpu, Model};
+use inferyes_proto::v1::{Backend, EndpointKind, Gpu, Model};
 use prost::Message;
 
 use super::*;
@@ -106,6 +106,15 @@ fn a_hostile_status_is_bounded() {
     assert_eq!(dropped, (1_000 - MAX_BACKENDS) + MAX_BACKENDS * (1_000 - MAX_MODELS_PER_BACKEND));
     assert!(record.hostname.len() <= MAX_TEXT && record.backends[0].models[0].id.len() <= MAX_TEXT);
     assert!(record.encoded_len() < 5 << 20);
+
+    // A kind said a million times is one.
+    let mut repeated = status(0, 0, 0);
+    let kinds = vec![EndpointKind::Infill as i32; 1_000_000];
+    let model = Model { id: "m".into(), endpoints: kinds.clone(), unsupported: kinds, ..Default::default() };
+    repeated.backends = vec![Backend { id: "b".into(), models: vec![model], ..Default::default() }];
+    let (record, _, dropped) = split(repeated);
+    let model = &record.backends[0].models[0];
+    assert_eq!((model.endpoints.len(), model.unsupported.len(), dropped), (1, 1, 2 * 999_999));
 }
 
 #[test]
