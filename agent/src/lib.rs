@@ -82,12 +82,27 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         let simulator = inferyes_sim::Simulator::new(simulated.server.clone())
             .with_context(|| format!("simulated backend `{}`", simulated.id))?;
         let kind = match simulated.server.mode {
-            inferyes_sim::SimMode::LlamaServer => config::BackendKind::LlamaServer,
+            // A router says it is one: read as a real one is.
+            inferyes_sim::SimMode::LlamaServer | inferyes_sim::SimMode::LlamaServerRouter => {
+                config::BackendKind::LlamaServer
+            }
             inferyes_sim::SimMode::LlamaSwap => config::BackendKind::LlamaSwap,
         };
-        let embedding = simulated.server.models.iter().all(|m| m.embedding);
-        let endpoints =
-            if embedding { vec![EndpointKind::Embedding] } else { vec![EndpointKind::Chat, EndpointKind::Completion] };
+        let mut endpoints = Vec::new();
+        for model in &simulated.server.models {
+            let kinds: &[EndpointKind] = match model.job {
+                inferyes_sim::SimJob::Text if model.embedding => &[EndpointKind::Embedding],
+                inferyes_sim::SimJob::Text => &[EndpointKind::Chat, EndpointKind::Completion],
+                inferyes_sim::SimJob::Transcription => &[EndpointKind::Transcription],
+                inferyes_sim::SimJob::Speech => &[EndpointKind::Speech],
+                inferyes_sim::SimJob::Images => &[EndpointKind::Images],
+            };
+            for kind in kinds {
+                if !endpoints.contains(kind) {
+                    endpoints.push(*kind);
+                }
+            }
+        }
         tracing::info!(backend = %simulated.id, %url, "simulated backend listening");
         probes.push(BackendProbe {
             id: simulated.id.clone(),

@@ -8,7 +8,7 @@ use std::sync::atomic::Ordering;
 
 use axum::Router;
 use axum::body::Body;
-use axum::extract::{Path, Request, State};
+use axum::extract::{Path, Query, Request, State};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -20,9 +20,9 @@ use tokio_stream::wrappers::ReceiverStream;
 use tracing::debug;
 
 use super::engine::{AdmitError, Engine, Lease, Timings};
-use super::swap::{InFlight, SwapError};
+use super::swap::{InFlight, Swap, SwapError};
 use super::tokens::{CHATML_TEMPLATE, ChatMessage, embed, render_chatml, tokenize};
-use super::{Backend, Inner, SimMode};
+use super::{Backend, Inner, SimJob, SimMode};
 
 type Shared = Arc<Inner>;
 
@@ -45,9 +45,26 @@ pub(super) fn router(inner: Shared) -> Router {
             .route("/v1/completions", post(completions))
             .route("/embeddings", post(embeddings))
             .route("/v1/embeddings", post(embeddings))
+            .route("/infill", post(infill))
             .merge(sim_routes)
             .fallback(server_not_found)
             .layer(middleware::from_fn_with_state(Arc::clone(&inner), loading_gate)),
+        SimMode::LlamaServerRouter => Router::new()
+            .route("/health", get(router_health))
+            .route("/v1/health", get(router_health))
+            .route("/models", get(router_models))
+            .route("/v1/models", get(router_models))
+            .route("/props", get(router_props))
+            .route("/slots", get(router_slots))
+            .route("/chat/completions", post(chat))
+            .route("/v1/chat/completions", post(chat))
+            .route("/completions", post(completions))
+            .route("/v1/completions", post(completions))
+            .route("/embeddings", post(embeddings))
+            .route("/v1/embeddings", post(embeddings))
+            .route("/infill", post(infill))
+            .merge(sim_routes)
+            .fallback(server_not_found),
         SimMode::LlamaSwap => Router::new()
             .route("/health", get(swap_health))
             .route("/v1/models", get(swap_models))
@@ -56,6 +73,11 @@ pub(super) fn router(inner: Shared) -> Router {
             .route("/v1/chat/completions", post(chat))
             .route("/v1/completions", post(completions))
             .route("/v1/embeddings", post(embeddings))
+            .route("/infill", post(infill))
+            .route("/v1/audio/transcriptions", post(transcriptions))
+            .route("/v1/audio/speech", post(speech))
+            .route("/v1/images/generations", post(images))
+            .route("/v1/images/edits", post(image_edits))
             .merge(sim_routes)
             .fallback(swap_not_found),
     };
@@ -67,6 +89,29 @@ enum Kind {
     Chat,
     Completion,
     Embedding,
+    Infill,
+    Transcription,
+    Speech,
+    Images,
+    /// An image edit: an upload, as transcriptions are.
+    ImageEdit,
+}
+
+impl Kind {
+    /// The server a request of the kind needs.
+    fn job(self) -> SimJob {
+        match self {
+            Kind::Chat | Kind::Completion | Kind::Embedding | Kind::Infill => SimJob::Text,
+            Kind::Transcription => SimJob::Transcription,
+            Kind::Speech => SimJob::Speech,
+            Kind::Images | Kind::ImageEdit => SimJob::Images,
+        }
+    }
+
+    /// Its body is a multipart form, whose `model` field llama-swap reads.
+    fn is_form(self) -> bool {
+        matches!(self, Kind::Transcription | Kind::ImageEdit)
+    }
 }
 
 // ---- errors ----
@@ -483,18 +528,161 @@ async fn swap_upstream(State(s): State<Shared>, Path((model, rest)): Path<(Strin
     }
 }
 
+// ---- llama-server's router mode ----
+
+async fn router_health() -> Response {
+    json_response(StatusCode::OK, json!({"status": "ok"}))
+}
+
+/// Every model the router can load, in the state `status.value` says, with
+/// the arguments its child server is started with.
+async fn router_models(State(s): State<Shared>) -> Response {
+    let Backend::Swap(swap) = &s.backend else {
+        return server_not_found().await;
+    };
+    let n_ctx = s.config.engine_params().n_ctx_slot;
+    let data: Vec<Value> = swap
+        .statuses()
+        .into_iter()
+        .map(|(id, st)| {
+            let args = json!([
+                "llama-server",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--alias",
+                id,
+                "--ctx-size",
+                n_ctx.to_string(),
+                "--model",
+                format!("{id}.gguf")
+            ]);
+            json!({
+                "id": id, "aliases": [], "tags": [], "object": "model", "owned_by": "llamacpp",
+                "created": s.created, "status": {"value": st.as_str(), "args": args},
+                "architecture": {"input_modalities": ["text"], "output_modalities": ["text"]},
+                "source": "models_dir", "can_remove": false,
+            })
+        })
+        .collect();
+    json_response(StatusCode::OK, json!({"data": data, "object": "list"}))
+}
+
+/// The model a router request names in its query, loaded unless it says
+/// `autoload=false`.
+async fn router_engine(s: &Inner, swap: &Arc<Swap>, model: &str, autoload: bool) -> Result<Arc<Engine>, Response> {
+    let status = swap.statuses().into_iter().find(|(id, _)| id == model).map(|(_, st)| st);
+    match status {
+        None => return Err(bad_request(format!("model '{model}' not found"))),
+        Some(st) if st != super::swap::ModelStatus::Loaded && !autoload => {
+            return Err(bad_request("model is not loaded"));
+        }
+        Some(_) => {}
+    }
+    let engine = tokio::select! {
+        r = swap.engine(model) => r,
+        () = s.shutdown.cancelled() => return Err(shutting_down()),
+    };
+    engine.map_err(|e| llama_error(StatusCode::INTERNAL_SERVER_ERROR, "server_error", e.to_string()))
+}
+
+/// A router's per-model GET: its `?model=` (and `autoload`), or the error
+/// the router gives.
+async fn router_query(s: &Inner, query: &std::collections::HashMap<String, String>) -> Result<Arc<Engine>, Response> {
+    let Backend::Swap(swap) = &s.backend else {
+        return Err(server_not_found().await);
+    };
+    let Some(model) = query.get("model") else {
+        return Err(bad_request("model name is missing from the request"));
+    };
+    let autoload = query.get("autoload").is_none_or(|a| a != "false");
+    router_engine(s, swap, model, autoload).await
+}
+
+async fn router_props(
+    State(s): State<Shared>,
+    Query(query): Query<std::collections::HashMap<String, String>>,
+) -> Response {
+    if !query.contains_key("model") {
+        return json_response(
+            StatusCode::OK,
+            json!({
+                "role": "router", "max_instances": s.config.max_loaded_models, "models_autoload": true,
+                "model_alias": "llama-server", "model_path": "none",
+                "default_generation_settings": {"params": null, "n_ctx": 0},
+                "ui_settings": {}, "build_info": BUILD_INFO, "cors_proxy_enabled": false,
+            }),
+        );
+    }
+    match router_query(&s, &query).await {
+        Ok(engine) => json_response(StatusCode::OK, props_body(&s, &engine)),
+        Err(resp) => resp,
+    }
+}
+
+async fn router_slots(
+    State(s): State<Shared>,
+    Query(query): Query<std::collections::HashMap<String, String>>,
+) -> Response {
+    match router_query(&s, &query).await {
+        Ok(engine) => json_response(StatusCode::OK, slots_body(&engine)),
+        Err(resp) => resp,
+    }
+}
+
 // ---- inference ----
 
-async fn chat(State(s): State<Shared>, headers: HeaderMap, body: Bytes) -> Response {
-    dispatch(s, &headers, &body, Kind::Chat).await
+async fn chat(State(s): State<Shared>, uri: http::Uri, headers: HeaderMap, body: Bytes) -> Response {
+    dispatch(s, &uri, &headers, &body, Kind::Chat).await
 }
 
-async fn completions(State(s): State<Shared>, headers: HeaderMap, body: Bytes) -> Response {
-    dispatch(s, &headers, &body, Kind::Completion).await
+async fn completions(State(s): State<Shared>, uri: http::Uri, headers: HeaderMap, body: Bytes) -> Response {
+    dispatch(s, &uri, &headers, &body, Kind::Completion).await
 }
 
-async fn embeddings(State(s): State<Shared>, headers: HeaderMap, body: Bytes) -> Response {
-    dispatch(s, &headers, &body, Kind::Embedding).await
+async fn embeddings(State(s): State<Shared>, uri: http::Uri, headers: HeaderMap, body: Bytes) -> Response {
+    dispatch(s, &uri, &headers, &body, Kind::Embedding).await
+}
+
+async fn infill(State(s): State<Shared>, uri: http::Uri, headers: HeaderMap, body: Bytes) -> Response {
+    dispatch(s, &uri, &headers, &body, Kind::Infill).await
+}
+
+async fn transcriptions(State(s): State<Shared>, uri: http::Uri, headers: HeaderMap, body: Bytes) -> Response {
+    dispatch(s, &uri, &headers, &body, Kind::Transcription).await
+}
+
+async fn speech(State(s): State<Shared>, uri: http::Uri, headers: HeaderMap, body: Bytes) -> Response {
+    dispatch(s, &uri, &headers, &body, Kind::Speech).await
+}
+
+async fn images(State(s): State<Shared>, uri: http::Uri, headers: HeaderMap, body: Bytes) -> Response {
+    dispatch(s, &uri, &headers, &body, Kind::Images).await
+}
+
+async fn image_edits(State(s): State<Shared>, uri: http::Uri, headers: HeaderMap, body: Bytes) -> Response {
+    dispatch(s, &uri, &headers, &body, Kind::ImageEdit).await
+}
+
+/// The value of a multipart form's field `name`, as Go's `FormValue` (which
+/// llama-swap calls) finds it; `None` where the body is not such a form.
+fn form_value(headers: &HeaderMap, body: &[u8], name: &str) -> Option<Result<String, String>> {
+    let content_type = headers.get(header::CONTENT_TYPE)?.to_str().ok()?;
+    let boundary = content_type.split(';').find_map(|p| p.trim().strip_prefix("boundary="))?.trim_matches('"');
+    let delimiter = format!("--{boundary}");
+    let text = String::from_utf8_lossy(body);
+    if !text.contains(&delimiter) {
+        return Some(Err("no multipart boundary found".into()));
+    }
+    let wanted = format!("name=\"{name}\"");
+    for part in text.split(&delimiter).skip(1) {
+        let Some((head, value)) = part.split_once("\r\n\r\n") else { continue };
+        if head.contains(&wanted) && !head.contains("filename=") {
+            return Some(Ok(value.strip_suffix("\r\n").unwrap_or(value).to_string()));
+        }
+    }
+    Some(Ok(String::new()))
 }
 
 fn parse_body(body: &[u8]) -> Result<Value, BadRequest> {
@@ -512,7 +700,7 @@ fn is_json(headers: &HeaderMap) -> bool {
         .is_some_and(|v| v.split(';').next().is_some_and(|t| t.trim().eq_ignore_ascii_case("application/json")))
 }
 
-async fn dispatch(s: Shared, headers: &HeaderMap, body: &[u8], kind: Kind) -> Response {
+async fn dispatch(s: Shared, uri: &http::Uri, headers: &HeaderMap, body: &[u8], kind: Kind) -> Response {
     match &s.backend {
         Backend::Server(engine) => {
             let engine = Arc::clone(engine);
@@ -521,19 +709,68 @@ async fn dispatch(s: Shared, headers: &HeaderMap, body: &[u8], kind: Kind) -> Re
                 return resp;
             }
             match parse_body(body) {
-                Ok(req) => infer(s, engine, kind, req, None).await,
+                Ok(req) => infer(s, engine, kind, req, body, None).await,
                 Err(e) => e.into_response(),
             }
         }
+        Backend::Swap(swap) if s.config.mode == SimMode::LlamaServerRouter => {
+            let swap = Arc::clone(swap);
+            // The router reads the model from any body, and answers in
+            // llama-server's words.
+            let req = match parse_body(body) {
+                Ok(req) => req,
+                Err(e) => return e.into_response(),
+            };
+            let model = match req.get("model").and_then(Value::as_str) {
+                Some(model) => model.to_owned(),
+                None => return bad_request("model name is missing from the request"),
+            };
+            // `?autoload=false`: a model not loaded is refused, not loaded.
+            let autoload = !uri.query().unwrap_or_default().split('&').any(|pair| pair == "autoload=false");
+            let engine = match router_engine(&s, &swap, &model, autoload).await {
+                Ok(engine) => engine,
+                Err(resp) => return resp,
+            };
+            if let Some(resp) = unsupported(&engine, kind) {
+                return resp;
+            }
+            infer(s, engine, kind, req, body, None).await
+        }
         Backend::Swap(swap) => {
             let swap = Arc::clone(swap);
-            // llama-swap reads the model from the body only for JSON requests.
-            let (model, req) = if is_json(headers) {
+            let legacy = s.config.llama_swap_legacy;
+            // llama-swap reads the model from the body only for JSON requests,
+            // and from the form for uploads.
+            let (model, req) = if kind.is_form() {
+                match form_value(headers, body, "model") {
+                    Some(Ok(model)) if !model.is_empty() => (model, None),
+                    Some(Err(e)) => {
+                        let message = format!("error parsing multipart form: {e}");
+                        return swap_error(
+                            legacy,
+                            StatusCode::BAD_REQUEST,
+                            "invalid_request_error",
+                            "invalid_form",
+                            message,
+                        );
+                    }
+                    _ => {
+                        let message = "missing or invalid 'model' parameter in form data";
+                        return swap_error(
+                            legacy,
+                            StatusCode::BAD_REQUEST,
+                            "invalid_request_error",
+                            "invalid_form",
+                            message,
+                        );
+                    }
+                }
+            } else if is_json(headers) {
                 match serde_json::from_slice::<Value>(body) {
                     Ok(v) => (v.get("model").and_then(Value::as_str).unwrap_or_default().to_owned(), Some(v)),
                     Err(e) => {
                         return swap_error(
-                            s.config.llama_swap_legacy,
+                            legacy,
                             StatusCode::BAD_REQUEST,
                             "invalid_request_error",
                             "invalid_json",
@@ -546,7 +783,7 @@ async fn dispatch(s: Shared, headers: &HeaderMap, body: &[u8], kind: Kind) -> Re
             };
             let in_flight = match swap.enter(&model) {
                 Ok(g) => g,
-                Err(e) => return swap_error_response(s.config.llama_swap_legacy, &e),
+                Err(e) => return swap_error_response(legacy, &e),
             };
             let engine = tokio::select! {
                 r = swap.engine(&model) => r,
@@ -554,25 +791,36 @@ async fn dispatch(s: Shared, headers: &HeaderMap, body: &[u8], kind: Kind) -> Re
             };
             let engine = match engine {
                 Ok(e) => e,
-                Err(e) => return swap_error_response(s.config.llama_swap_legacy, &e),
+                Err(e) => return swap_error_response(legacy, &e),
             };
             if let Some(resp) = unsupported(&engine, kind) {
                 return resp;
             }
             match req {
-                Some(req @ Value::Object(_)) => infer(s, engine, kind, req, Some(in_flight)).await,
+                None if kind.is_form() => infer(s, engine, kind, Value::Null, body, Some(in_flight)).await,
+                Some(req @ Value::Object(_)) => infer(s, engine, kind, req, body, Some(in_flight)).await,
                 _ => bad_request("request body must be a JSON object"),
             }
         }
     }
 }
 
+/// What a server answers a request it is not for: llama-server refuses a
+/// kind of work its model cannot do (501); a server of another job has no
+/// such path (404).
 fn unsupported(engine: &Engine, kind: Kind) -> Option<Response> {
-    let embedding_model = engine.model().embedding;
+    let model = engine.model();
+    if model.job != kind.job() {
+        return Some(llama_error(StatusCode::NOT_FOUND, "not_found_error", "File Not Found"));
+    }
     let message = match kind {
-        Kind::Embedding if !embedding_model => "This server does not support embeddings. Start it with `--embeddings`",
-        Kind::Chat | Kind::Completion if embedding_model => {
+        Kind::Embedding if !model.embedding => "This server does not support embeddings. Start it with `--embeddings`",
+        Kind::Chat | Kind::Completion if model.embedding => {
             "This server does not support completions. Start it without `--embeddings`"
+        }
+        // Simulated models have no FIM tokens.
+        Kind::Infill => {
+            "Infill is not supported by this model: prefix token is missing. suffix token is missing. middle token is missing. "
         }
         _ => return None,
     };
@@ -581,9 +829,31 @@ fn unsupported(engine: &Engine, kind: Kind) -> Option<Response> {
 
 /// Runs one inference request on `engine`. `in_flight` is held until the
 /// response, streamed or not, is complete.
-async fn infer(s: Shared, engine: Arc<Engine>, kind: Kind, req: Value, in_flight: Option<InFlight>) -> Response {
+async fn infer(
+    s: Shared,
+    engine: Arc<Engine>,
+    kind: Kind,
+    req: Value,
+    body: &[u8],
+    in_flight: Option<InFlight>,
+) -> Response {
     match kind {
         Kind::Embedding => embed_request(&s, &engine, &req).await,
+        // Refused before: simulated models have no FIM tokens.
+        Kind::Infill => server_not_found().await,
+        Kind::Transcription => json_response(
+            StatusCode::OK,
+            json!({"text": format!(" a simulated transcription of {} bytes", body.len())}),
+        ),
+        Kind::Speech => {
+            let mut resp = Response::new(Body::from(Bytes::from_static(b"RIFF\x24\0\0\0WAVEfmt simulated speech")));
+            resp.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("audio/wav"));
+            resp
+        }
+        Kind::Images | Kind::ImageEdit => json_response(
+            StatusCode::OK,
+            json!({"created": unix_now(), "data": [{"b64_json": "c2ltdWxhdGVkIGltYWdl"}]}),
+        ),
         Kind::Chat | Kind::Completion => {
             let parsed = match parse_generation(&s, &engine, kind, &req) {
                 Ok(p) => p,

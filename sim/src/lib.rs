@@ -39,6 +39,10 @@ pub enum SimMode {
     LlamaServer,
     /// Several models behind llama-swap, each loaded on demand.
     LlamaSwap,
+    /// llama-server in router mode (`--models-dir`): several models, each
+    /// loaded on its first request, `max_loaded_models` at once
+    /// (`--models-max`), with llama-server's API and errors.
+    LlamaServerRouter,
 }
 
 /// Configuration of a [`Simulator`].
@@ -195,7 +199,7 @@ impl SimConfig {
                     return Err(SimError::PreloadWithoutSwap);
                 }
             }
-            SimMode::LlamaSwap => {
+            SimMode::LlamaSwap | SimMode::LlamaServerRouter => {
                 if self.max_loaded_models == 0 {
                     return Err(SimError::ZeroMaxLoadedModels);
                 }
@@ -242,6 +246,10 @@ pub struct SimModel {
     /// Serves `/v1/embeddings` instead of chat, like llama-server `--embeddings`.
     #[serde(default)]
     pub embedding: bool,
+    /// What kind of server it is behind llama-swap: llama-server (text), or
+    /// one that transcribes, speaks or draws.
+    #[serde(default)]
+    pub job: SimJob,
     /// Size of the weights; counts towards simulated GPU memory when loaded.
     #[serde(default = "default_size_bytes")]
     pub size_bytes: u64,
@@ -255,15 +263,36 @@ impl SimModel {
         SimModel {
             id: id.into(),
             embedding: false,
+            job: SimJob::Text,
             size_bytes: default_size_bytes(),
             embedding_dim: default_embedding_dim(),
         }
+    }
+
+    /// A model of a server that does `job`, with default size.
+    pub fn doing(id: impl Into<String>, job: SimJob) -> SimModel {
+        SimModel { job, ..SimModel::chat(id) }
     }
 
     /// An embedding model with default size and dimension.
     pub fn embedding(id: impl Into<String>) -> SimModel {
         SimModel { embedding: true, ..SimModel::chat(id) }
     }
+}
+
+/// The server a model runs in.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum SimJob {
+    /// llama-server: chat and completions, or embeddings.
+    #[default]
+    Text,
+    /// whisper.cpp's server (`/v1/audio/transcriptions`).
+    Transcription,
+    /// A text-to-speech server (`/v1/audio/speech`).
+    Speech,
+    /// stable-diffusion.cpp's server (`/v1/images/generations`, `/edits`).
+    Images,
 }
 
 /// The simulated GPU reported by `/sim/gpu`.
@@ -388,7 +417,7 @@ impl Simulator {
                 let model = config.models.first().cloned().ok_or(SimError::NoModels)?;
                 Backend::Server(factory.build(model))
             }
-            SimMode::LlamaSwap => Backend::Swap(Swap::new(
+            SimMode::LlamaSwap | SimMode::LlamaServerRouter => Backend::Swap(Swap::new(
                 &config.models,
                 &config.preload,
                 factory,

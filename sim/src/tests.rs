@@ -476,3 +476,65 @@ fn config_parsing_and_validation() {
     bad.context = 2;
     assert!(matches!(Simulator::new(bad), Err(SimError::ContextTooSmall { .. })));
 }
+
+#[tokio::test]
+async fn a_router_loads_a_model_asked_for_but_never_one_asked_about_without_autoload() {
+    let router = SimConfig {
+        mode: SimMode::LlamaServerRouter,
+        preload: vec!["a".into()],
+        max_loaded_models: 1,
+        ..fast(SimConfig::llama_swap(["a", "b"]))
+    };
+    let r = start(router).await;
+    let json_of = |body: &Bytes| serde_json::from_slice::<Value>(body).unwrap();
+    let states = || async {
+        let (_, _, body) = r.raw(Method::GET, "/v1/models", None, Bytes::new()).await;
+        json_of(&body)["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| m["status"]["value"].as_str().unwrap().to_string())
+            .collect::<Vec<_>>()
+    };
+    let (status, _, body) = r.raw(Method::GET, "/props", None, Bytes::new()).await;
+    assert_eq!(
+        (status, json_of(&body)["role"].as_str(), json_of(&body)["max_instances"].as_u64()),
+        (StatusCode::OK, Some("router"), Some(1))
+    );
+    assert_eq!(states().await, ["loaded", "unloaded"]);
+
+    // Asked about without autoload: llama-server's refusal, nothing loaded.
+    for path in ["/props?model=b&autoload=false", "/slots?model=b&autoload=false"] {
+        let (status, _, body) = r.raw(Method::GET, path, None, Bytes::new()).await;
+        assert_eq!(
+            (status, json_of(&body)["error"]["message"].as_str()),
+            (StatusCode::BAD_REQUEST, Some("model is not loaded"))
+        );
+    }
+    let (status, _, body) = r.raw(Method::POST, "/infill?autoload=false", None, r#"{"model":"b"}"#).await;
+    assert_eq!(
+        (status, json_of(&body)["error"]["message"].as_str()),
+        (StatusCode::BAD_REQUEST, Some("model is not loaded"))
+    );
+    assert_eq!(states().await, ["loaded", "unloaded"]);
+    // A loaded model without FIM tokens: 501.
+    let (status, _, _) = r.raw(Method::POST, "/infill?autoload=false", None, r#"{"model":"a"}"#).await;
+    assert_eq!(status, StatusCode::NOT_IMPLEMENTED);
+
+    // A request names b: loaded, a unloaded; any content type will do.
+    let chat = r#"{"model":"b","max_tokens":2,"messages":[{"role":"user","content":"hi"}]}"#;
+    let (status, _, _) = r.raw(Method::POST, "/v1/chat/completions", Some("text/plain"), chat).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(states().await, ["unloaded", "loaded"]);
+    let (status, _, body) =
+        r.raw(Method::POST, "/v1/chat/completions", None, r#"{"model":"nope","messages":[]}"#).await;
+    assert_eq!(
+        (status, json_of(&body)["error"]["message"].as_str()),
+        (StatusCode::BAD_REQUEST, Some("model 'nope' not found"))
+    );
+    let (status, _, body) = r.raw(Method::POST, "/v1/chat/completions", None, r#"{"messages":[]}"#).await;
+    assert_eq!(
+        (status, json_of(&body)["error"]["message"].as_str()),
+        (StatusCode::BAD_REQUEST, Some("model name is missing from the request"))
+    );
+}

@@ -81,7 +81,10 @@ impl HttpClient {
         body: Bytes,
         headers: &[(&str, &str)],
     ) -> http::Response<Incoming> {
-        let mut builder = Request::builder().method(method).uri(url).header("content-type", "application/json");
+        let mut builder = Request::builder().method(method).uri(url);
+        if !headers.iter().any(|(name, _)| name.eq_ignore_ascii_case("content-type")) {
+            builder = builder.header("content-type", "application/json");
+        }
         for (name, value) in headers {
             builder = builder.header(*name, *value);
         }

@@ -209,7 +209,10 @@ pub fn sim_backends(backends: &[(&str, &SimHandle)]) -> Vec<BackendConfig> {
         .map(|(id, sim)| BackendConfig {
             id: (*id).to_string(),
             kind: match sim.sim.config().mode {
-                inferyes_sim::SimMode::LlamaServer => BackendKind::LlamaServer,
+                // A router is found out from what it says, as in production.
+                inferyes_sim::SimMode::LlamaServer | inferyes_sim::SimMode::LlamaServerRouter => {
+                    BackendKind::LlamaServer
+                }
                 inferyes_sim::SimMode::LlamaSwap => BackendKind::LlamaSwap,
             },
             models: sim.sim.config().models.iter().map(|m| m.id.clone()).collect(),

@@ -9,6 +9,7 @@ mod ctl;
 mod dashboard;
 mod errors;
 mod failover;
+mod kinds;
 mod metrics;
 mod routing;
 mod support;
