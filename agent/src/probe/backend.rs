@@ -50,7 +50,7 @@ impl BackendProbe {
         let mut load = LoadReading::default();
         let result = match self.kind {
             config::BackendKind::LlamaServer | config::BackendKind::LlamaServerRouter => {
-                self.probe_llama_server(client, &mut backend, &mut load).await
+                self.probe_llama_server(client, &mut backend, &mut load, previous).await
             }
             config::BackendKind::LlamaSwap => self.probe_llama_swap(client, &mut backend).await,
             config::BackendKind::Openai => self.probe_openai(client, &mut backend).await,
@@ -106,6 +106,7 @@ impl BackendProbe {
         client: &ProbeClient,
         backend: &mut Backend,
         load: &mut LoadReading,
+        previous: Option<&Backend>,
     ) -> Result<(), String> {
         let (status, body) =
             client.get(&self.url, "/health", &self.api_key).await.map_err(|e| format!("health: {e}"))?;
@@ -130,7 +131,7 @@ impl BackendProbe {
         if router || self.kind == config::BackendKind::LlamaServerRouter {
             backend.set_kind(BackendKind::LlamaServerRouter);
             backend.models_max = props.as_ref().map_or(0, |p| u32_at(p, "/max_instances"));
-            return self.probe_router(client, backend, load).await;
+            return self.probe_router(client, backend, load, previous).await;
         }
         let (_, body) = client.get(&self.url, "/v1/models", &self.api_key).await.map_err(|e| format!("models: {e}"))?;
         backend.models = parse_openai_models(&body, ModelState::Loaded);
@@ -173,13 +174,15 @@ impl BackendProbe {
     /// A llama-server in router mode: every model it can load, each in the
     /// state its `status.value` says; the loaded ones' windows, slots and
     /// whether they fill in the middle asked of each one, never loading
-    /// one that is not (`autoload=false`). Its counters are each child's,
-    /// not read: the slot time comes from the proxy's own count.
+    /// one that is not (`autoload=false`): what a model could not do is
+    /// kept from `previous` while it is unloaded. Its counters are each
+    /// child's, not read: the slot time comes from the proxy's own count.
     async fn probe_router(
         &self,
         client: &ProbeClient,
         backend: &mut Backend,
         load: &mut LoadReading,
+        previous: Option<&Backend>,
     ) -> Result<(), String> {
         let (status, body) =
             client.get(&self.url, "/v1/models", &self.api_key).await.map_err(|e| format!("models: {e}"))?;
@@ -196,6 +199,10 @@ impl BackendProbe {
             {
                 model.size_bytes = metadata.len();
             }
+        }
+        for model in models.iter_mut().filter(|m| m.state() != ModelState::Loaded) {
+            let before = previous.and_then(|p| p.models.iter().find(|m| m.id == model.id));
+            model.unsupported = before.map(|m| m.unsupported.clone()).unwrap_or_default();
         }
         let (mut slots_total, mut slots_busy) = (0u32, 0u32);
         for model in models.iter_mut().filter(|m| m.state() == ModelState::Loaded) {
