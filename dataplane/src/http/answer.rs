@@ -83,6 +83,8 @@ struct Loading {
     started: tokio::time::Instant,
     model: String,
     node: String,
+    /// The node unloads another model to load this one.
+    evicts: bool,
     meter: Option<Meter>,
     errors: ErrorShape,
 }
@@ -161,6 +163,7 @@ impl AnswerBody {
         answer: impl Future<Output = Result<AnswerBody, ApiError>> + Send + 'static,
         model: String,
         node: String,
+        evicts: bool,
         meter: Option<Meter>,
         errors: ErrorShape,
     ) -> AnswerBody {
@@ -172,6 +175,7 @@ impl AnswerBody {
             started: tokio::time::Instant::now(),
             model,
             node,
+            evicts,
             meter,
             errors,
         };
@@ -248,7 +252,9 @@ impl Loading {
             return Poll::Pending;
         }
         let (model, node, seconds) = (&self.model, &self.node, self.started.elapsed().as_secs());
-        Poll::Ready(Prelude::Note(Bytes::from(format!(": loading model {model} on node {node} ({seconds}s)\n\n"))))
+        let unloading = if self.evicts { ", unloading the model it used least lately" } else { "" };
+        let note = format!(": loading model {model} on node {node}{unloading} ({seconds}s)\n\n");
+        Poll::Ready(Prelude::Note(Bytes::from(note)))
     }
 }
 

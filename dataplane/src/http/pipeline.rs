@@ -466,9 +466,14 @@ impl Streamed<'_> {
         session: Option<String>,
         prepared: Prepared,
     ) -> Response {
-        let node = route.targets.first().and_then(|t| snapshot.node(t.node));
+        let first = route.targets.first();
+        let node = first.and_then(|t| snapshot.node(t.node));
         let node_header = node.and_then(|n| n.id_header.clone());
         let node_id = node.map(|n| n.id.to_string()).unwrap_or_default();
+        // The client is told the load unloads another model, as it may take
+        // that model's sessions' caches with it.
+        let evicts =
+            first.and_then(|t| snapshot.placements(&model)?.iter().find(|p| p.target == *t)).is_some_and(|p| p.evicts);
         let meter = self.meter.clone();
         let state = Arc::clone(self.state);
         let expected = ExpectedTtft { ms: route.expected_ttft_ms, home_ms: route.home_expected_ttft_ms };
@@ -504,7 +509,7 @@ impl Streamed<'_> {
                 Answered::Whole(_) => Err(ApiError::internal()),
             }
         };
-        let body = AnswerBody::loading(answer, model, node_id, meter, errors);
+        let body = AnswerBody::loading(answer, model, node_id, evicts, meter, errors);
         let mut response = Response::new(Body::new(body));
         let headers = response.headers_mut();
         headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));

@@ -131,6 +131,20 @@ async fn a_router_s_unloaded_models_are_cold_and_a_request_for_one_loads_it() {
                 && state_of(&fleet, "alpha") == Some(ModelState::Unloaded)
         })
         .await;
+    // Streamed, a request for alpha is told its load unloads another model.
+    let streaming = json!({"model": "alpha", "stream": true, "max_tokens": 2,
+                           "messages": [{"role": "user", "content": "hi"}]});
+    let started =
+        fleet.http.start(Method::POST, &fleet.url("/v1/chat/completions"), streaming.to_string().into(), &[]).await;
+    assert_eq!(started.headers()["x-inferyes-route"], "cold");
+    let mut body = started.into_body();
+    let first = inferyes_tests::client::next_chunk(&mut body).await.expect("a note");
+    let note = String::from_utf8_lossy(&first);
+    assert!(
+        note.starts_with(": loading model alpha on node node-a, unloading the model it used least lately"),
+        "{note}"
+    );
+    while inferyes_tests::client::next_chunk(&mut body).await.is_some() {}
     let node = fleet
         .controller()
         .fleet()
