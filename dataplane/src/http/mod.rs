@@ -37,7 +37,9 @@ pub use view::{RoutingView, parse_view, session_key};
 #[doc(hidden)]
 pub mod fuzzing {
     pub use super::sse::{carries_output, count_data_events, ended_well, is_usage_only_event};
-    pub use super::view::{estimated_prompt_tokens, metered_prompt_estimate, with_model, with_usage_requested};
+    pub use super::view::{
+        estimated_prompt_tokens, metered_prompt_estimate, parse_request_view, with_model, with_usage_requested,
+    };
 }
 
 use crate::auth::Caller;
