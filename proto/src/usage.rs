@@ -33,14 +33,38 @@ pub fn parse_usage(tail: &[u8]) -> Option<Usage> {
 /// `message_start` holds the prompt's tokens and cache reads, its
 /// `message_delta` at the end the output's. What the tail says wins.
 pub fn parse_stream_usage(head: &[u8], tail: &[u8]) -> Option<Usage> {
-    let (head, tail) = (read(head), read(tail));
-    Reading {
-        prompt: tail.prompt.or(head.prompt),
-        completion: tail.completion.or(head.completion),
-        cached: tail.cached.or(head.cached),
-    }
-    .usage()
+    // The head's first event, not its last: a short stream's head is the
+    // whole stream, `message_delta` (output only) at its end.
+    let first = FIRST_USAGE.find(head).map_or(&head[..0], |at| {
+        let end = memchr::memmem::find(&head[at..], b"\n\n").map_or(head.len(), |n| at + n);
+        &head[at..end]
+    });
+    // Each count where the tail says it, else where the head does; the
+    // prompt made of them after.
+    let (head, tail) = (anthropic_counts(first), anthropic_counts(tail));
+    let [input, output, cache_read, cache_written] = std::array::from_fn(|i| tail[i].or(head[i]));
+    let parts = [input, cache_read, cache_written];
+    parts.iter().any(Option::is_some).then_some(())?;
+    Some(Usage {
+        // Anthropic's input tokens are those neither read from the cache
+        // nor written to it.
+        prompt_tokens: parts.into_iter().flatten().fold(0u32, u32::saturating_add),
+        completion_tokens: output.unwrap_or(0),
+        cached_tokens: cache_read.unwrap_or(0),
+    })
 }
+
+/// Anthropic's counts in the last usage object of `part`: input, output,
+/// cache reads, cache writes.
+fn anthropic_counts(part: &[u8]) -> [Option<u32>; 4] {
+    let Some(from) = FIRST_USAGE.find_iter(part).last() else { return [None; 4] };
+    let numbers = last_numbers(&part[from..]);
+    [numbers[6], numbers[7], numbers[8], numbers[9]]
+}
+
+/// Where a usage object starts.
+static FIRST_USAGE: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
+    std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"\"usage\":"));
 
 /// What one part of a response says, each count where it says it.
 #[derive(Clone, Copy, Debug, Default)]
@@ -276,6 +300,15 @@ mod tests {
         assert_eq!(parse_usage(tail.as_bytes()), None, "the tail alone has no prompt");
         let usage = Usage { prompt_tokens: 21, completion_tokens: 40, cached_tokens: 18 };
         assert_eq!(parse_stream_usage(head.as_bytes(), tail.as_bytes()), Some(usage));
+        // A short stream is all head: its first usage is the prompt's.
+        let whole = format!("{head}event: content_block_delta\ndata: {{}}\n\n{tail}");
+        assert_eq!(parse_stream_usage(whole.as_bytes(), whole.as_bytes()), Some(usage));
+        // A `message_delta` that names its input alone is still Anthropic's.
+        let input_only = b"data: {\"usage\":{\"input_tokens\":2,\"output_tokens\":9}}";
+        assert_eq!(
+            parse_stream_usage(head.as_bytes(), input_only),
+            Some(Usage { prompt_tokens: 20, completion_tokens: 9, cached_tokens: 18 })
+        );
         // A client gone before the end: what the head said.
         let early = Usage { completion_tokens: 0, ..usage };
         assert_eq!(parse_stream_usage(head.as_bytes(), b"event: content_block_delta\n"), Some(early));
