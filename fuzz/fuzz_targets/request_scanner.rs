@@ -1,6 +1,7 @@
-//! A client's request body, as the data plane reads it for routing: the
-//! scanner never panics, takes nothing serde_json refuses, and the body
-//! it rewrites (a model resolved, usage asked for) reads back as meant.
+//! A client's request body, as the data plane reads it for routing (as
+//! chat's, and as the Messages API's): the scanner never panics, takes
+//! nothing serde_json refuses, and the body it rewrites (a model resolved,
+//! usage asked for) reads back as meant.
 
 #![no_main]
 
@@ -8,7 +9,7 @@ use libfuzzer_sys::fuzz_target;
 use serde::Deserialize;
 
 use inferyes_dataplane::http::fuzzing::{
-    estimated_prompt_tokens, metered_prompt_estimate, with_model, with_usage_requested,
+    estimated_prompt_tokens, metered_prompt_estimate, parse_request_view, with_model, with_usage_requested,
 };
 use inferyes_dataplane::http::parse_view;
 
@@ -23,7 +24,15 @@ struct StreamOptions {
 }
 
 fuzz_target!(|body: &[u8]| {
-    let Ok(view) = parse_view(body) else { return };
+    // Read as the Messages API's too, its root from its content blocks:
+    // the same body, the same verdict and model.
+    let messages = inferyes_proto::kinds::row("/v1/messages").expect("the Messages row");
+    let as_messages = parse_request_view(messages, &http::HeaderMap::new(), body);
+    let Ok(view) = parse_view(body) else {
+        assert!(as_messages.is_err(), "a body refused as chat is refused as Messages");
+        return;
+    };
+    assert_eq!(as_messages.map(|m| m.model).ok().as_deref(), Some(view.model.as_str()));
     assert!(
         serde_json::from_slice::<serde::de::IgnoredAny>(body).is_ok(),
         "the scanner took a body serde_json refuses"

@@ -182,20 +182,101 @@ fn text(value: Option<Raw<'_>>) -> &[u8] {
 /// A Messages API content as its root hashes it: content blocks without
 /// their `cache_control` marks, which Anthropic clients move to the latest
 /// turn (so the first message has one in its first turn and none after),
-/// written out again the same way whatever order their members came in. A
-/// string is hashed as written, without being parsed.
+/// each block's members in one order whatever order they came in. A string
+/// is hashed as written, without being parsed.
 fn without_cache_marks(value: Option<Raw<'_>>) -> Cow<'_, [u8]> {
     let written = Cow::Borrowed(text(value));
     let Some(raw) = value.filter(|raw| raw.starts_with('[')) else {
         return written;
     };
-    let Ok(mut blocks) = serde_json::from_str::<Vec<serde_json::Value>>(raw) else { return written };
-    for block in &mut blocks {
-        if let Some(block) = block.as_object_mut() {
-            block.remove("cache_control");
-        }
+    let mut out = Vec::new();
+    let mut blocks = serde_json::Deserializer::from_str(raw);
+    // Stopped early (enough was read) or not, what was written is the root.
+    let _ = serde::Deserializer::deserialize_seq(&mut blocks, Blocks { out: &mut out });
+    Cow::Owned(out)
+}
+
+/// Bytes of a Messages opening's blocks, written out, that make up its
+/// root: enough to tell conversations apart, and no more work or memory
+/// than that however long the opening.
+const BLOCKS_ROOT_BYTES: usize = 4096;
+/// Members of a block read, at most.
+const BLOCK_MEMBERS: usize = 16;
+
+/// Writes content blocks into `out`, each as its members (but
+/// `cache_control`) sorted by name, until [`BLOCKS_ROOT_BYTES`]; then stops
+/// the parse with an error, which the caller ignores.
+struct Blocks<'o> {
+    out: &'o mut Vec<u8>,
+}
+
+impl<'de> serde::de::Visitor<'de> for Blocks<'_> {
+    type Value = ();
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("content blocks")
     }
-    serde_json::to_vec(&blocks).map_or(written, Cow::Owned)
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(mut self, mut seq: A) -> Result<(), A::Error> {
+        while self.out.len() < BLOCKS_ROOT_BYTES {
+            let Some(block) = seq.next_element::<&'de serde_json::value::RawValue>()? else { return Ok(()) };
+            let block = block.get();
+            let members = block
+                .starts_with('{')
+                .then(|| {
+                    let mut object = serde_json::Deserializer::from_str(block);
+                    serde::Deserializer::deserialize_map(&mut object, Members).ok()
+                })
+                .flatten();
+            match members {
+                Some(mut members) => {
+                    members.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+                    for (name, value) in members {
+                        self.write(name.as_bytes());
+                        self.write(b"=");
+                        self.write(value.get().as_bytes());
+                        self.write(b";");
+                    }
+                }
+                None => self.write(block.as_bytes()),
+            }
+            self.write(b"\n");
+        }
+        Err(serde::de::Error::custom("enough of the opening read"))
+    }
+}
+
+impl Blocks<'_> {
+    fn write(&mut self, bytes: &[u8]) {
+        let room = BLOCKS_ROOT_BYTES.saturating_sub(self.out.len());
+        self.out.extend_from_slice(&bytes[..bytes.len().min(room)]);
+    }
+}
+
+/// A block's first [`BLOCK_MEMBERS`] members but `cache_control`, as
+/// written.
+struct Members;
+
+type Member<'de> = (Cow<'de, str>, &'de serde_json::value::RawValue);
+
+impl<'de> serde::de::Visitor<'de> for Members {
+    type Value = Vec<Member<'de>>;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a content block")
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        let mut members = Vec::new();
+        while members.len() < BLOCK_MEMBERS {
+            let Some(name) = map.next_key::<Cow<'de, str>>()? else { return Ok(members) };
+            let value = map.next_value::<&'de serde_json::value::RawValue>()?;
+            if name != "cache_control" {
+                members.push((name, value));
+            }
+        }
+        Ok(members)
+    }
 }
 
 /// The first bytes of a JSON value's text that make up a root.
@@ -457,6 +538,17 @@ mod tests {
         assert_ne!(root(turn1), root(&other_system), "the system prompt beside the messages is part of the root");
         let other_opening = turn1.replace("hello", "goodbye");
         assert_ne!(root(turn1), root(&other_opening));
+        // Members in another order, and a huge opening, read only so far.
+        let reordered = turn1.replace(r#"{"type":"text","text":"hello","#, r#"{"text":"hello","type":"text","#);
+        assert_ne!(reordered, turn1);
+        assert_eq!(root(turn1), root(&reordered));
+        let huge = |tail: &str| {
+            let blocks =
+                format!(r#"[{{"type":"text","text":"{}"}},{}]"#, "x".repeat(1 << 20), "[0],".repeat(1 << 18) + tail);
+            format!(r#"{{"model":"m","messages":[{{"role":"user","content":{blocks}}}]}}"#)
+        };
+        assert_eq!(root(&huge("1")), root(&huge("2")), "what lies past the first bytes is not read");
+        assert_ne!(root(&huge("1")), root(turn1));
         // A string system prompt and a chat one name the same opening.
         let plain = r#"{"model":"m","system":"s","messages":[{"role":"user","content":"u"}]}"#;
         let chat = r#"{"model":"m","messages":[{"role":"system","content":"s"},{"role":"user","content":"u"}]}"#;
