@@ -666,8 +666,13 @@ async fn image_edits(State(s): State<Shared>, uri: http::Uri, headers: HeaderMap
 }
 
 /// The value of a multipart form's field `name`, as Go's `FormValue` (which
-/// llama-swap calls) finds it; `None` where the body is not such a form.
-fn form_value(headers: &HeaderMap, body: &[u8], name: &str) -> Option<Result<String, String>> {
+/// llama-swap calls) finds it: in the query first, then in the form's
+/// fields, not its files; `None` where the body is not such a form.
+fn form_value(uri: &http::Uri, headers: &HeaderMap, body: &[u8], name: &str) -> Option<Result<String, String>> {
+    let query = uri.query().unwrap_or_default().split('&').find_map(|pair| pair.strip_prefix(&format!("{name}=")));
+    if let Some(value) = query {
+        return Some(Ok(value.to_string()));
+    }
     let content_type = headers.get(header::CONTENT_TYPE)?.to_str().ok()?;
     let boundary = content_type.split(';').find_map(|p| p.trim().strip_prefix("boundary="))?.trim_matches('"');
     let delimiter = format!("--{boundary}");
@@ -742,7 +747,7 @@ async fn dispatch(s: Shared, uri: &http::Uri, headers: &HeaderMap, body: &[u8], 
             // llama-swap reads the model from the body only for JSON requests,
             // and from the form for uploads.
             let (model, req) = if kind.is_form() {
-                match form_value(headers, body, "model") {
+                match form_value(uri, headers, body, "model") {
                     Some(Ok(model)) if !model.is_empty() => (model, None),
                     Some(Err(e)) => {
                         let message = format!("error parsing multipart form: {e}");

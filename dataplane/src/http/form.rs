@@ -2,6 +2,14 @@
 //! to transcribe, an image to edit): its `model` and `stream` fields, read
 //! from the parts' headers and values without copying the body. The parts
 //! after them (the file) are only searched for their delimiters.
+//!
+//! The body goes on as it came, and the server behind reads it with a
+//! parser of its own (llama-swap: Go's `mime/multipart`): where two parsers
+//! could read one body two ways, a client could be routed and checked for
+//! one model and served another. So only a plain subset is taken: CRLF line
+//! ends, headers in every part and never folded, a boundary of RFC 2046's
+//! characters, `Content-Disposition` parameters with no encoded (`name*`)
+//! or escaped forms; a part that names a file is a file, never a field.
 
 use std::ops::Range;
 
@@ -36,8 +44,13 @@ pub fn boundary(content_type: &str) -> Option<&str> {
             let (name, value) = param.split_once('=')?;
             name.trim().eq_ignore_ascii_case("boundary").then(|| unquote(value.trim()))
         })
-        // RFC 2046: 1 to 70 characters.
-        .filter(|b| !b.is_empty() && b.len() <= 70)
+        // RFC 2046: 1 to 70 of its characters, not ending with a space.
+        .filter(|b| {
+            !b.is_empty()
+                && b.len() <= 70
+                && !b.ends_with(' ')
+                && b.bytes().all(|c| c.is_ascii_alphanumeric() || b"'()+_,-./:=? ".contains(&c))
+        })
 }
 
 fn unquote(value: &str) -> &str {
@@ -73,16 +86,25 @@ pub fn scan<'a>(body: &'a [u8], boundary: &str) -> Result<FormFields<'a>, FormEr
             return Err(FormError::Malformed("a delimiter is followed by more than padding"));
         }
         let part_start = at + line_end + 2;
+        if body[part_start..].starts_with(b"\r\n") {
+            return Err(FormError::Malformed("a part has no headers"));
+        }
         let Some(headers_len) = memchr::memmem::find(&body[part_start..], b"\r\n\r\n") else {
             return Err(FormError::Malformed("a part's headers do not end"));
         };
         let headers = &body[part_start..part_start + headers_len];
+        if !plain_headers(headers) {
+            return Err(FormError::Malformed("a part's headers are folded or not ended by CRLF"));
+        }
         let value_start = part_start + headers_len + 4;
+        if body[value_start..].starts_with(delimiter.as_bytes()) {
+            return Err(FormError::Malformed("a part's value starts with the boundary"));
+        }
         let Some(value_len) = next_delimiter.find(&body[value_start..]) else {
             return Err(FormError::Malformed("the last part is not closed"));
         };
         let value = value_start..value_start + value_len;
-        match field_name(headers) {
+        match field_name(headers)? {
             Some(b"model") => {
                 if std::mem::replace(&mut model_seen, true) {
                     return Err(FormError::Duplicate("model"));
@@ -104,27 +126,48 @@ pub fn scan<'a>(body: &'a [u8], boundary: &str) -> Result<FormFields<'a>, FormEr
     }
 }
 
-/// The `name` parameter of a part's `Content-Disposition: form-data`.
-fn field_name(headers: &[u8]) -> Option<&[u8]> {
-    headers.split(|b| *b == b'\n').find_map(|line| {
+/// Header lines ended by CRLF each, none folded (begun with a space or a
+/// tab).
+fn plain_headers(headers: &[u8]) -> bool {
+    let folded = |line: &[u8]| line.first().is_some_and(|b| matches!(b, b' ' | b'\t'));
+    headers.split(|b| *b == b'\n').enumerate().all(|(i, line)| {
+        let last = i == memchr::memchr_iter(b'\n', headers).count();
+        // Every line but the last (whose CRLF ends the headers) ends in CR.
+        let ended = last || line.ends_with(b"\r");
+        ended && !line[..line.len() - usize::from(!last)].contains(&b'\r') && !folded(line)
+    })
+}
+
+/// The `name` of a part's first `Content-Disposition: form-data`, if it is
+/// a field: a part that names a file is not. Refused where a parameter is
+/// in a form other parsers read differently (`name*`, escapes).
+fn field_name(headers: &[u8]) -> Result<Option<&[u8]>, FormError> {
+    let disposition = headers.split(|b| *b == b'\n').find_map(|line| {
         let line = line.strip_suffix(b"\r").unwrap_or(line);
         let colon = line.iter().position(|b| *b == b':')?;
-        let (name, value) = (&line[..colon], &line[colon + 1..]);
-        if !name.eq_ignore_ascii_case(b"content-disposition") {
-            return None;
+        line[..colon].eq_ignore_ascii_case(b"content-disposition").then(|| &line[colon + 1..])
+    });
+    let Some(disposition) = disposition else { return Ok(None) };
+    let mut params = disposition.split(|b| *b == b';');
+    if !params.next().is_some_and(|kind| kind.trim_ascii().eq_ignore_ascii_case(b"form-data")) {
+        return Ok(None);
+    }
+    let (mut name, mut file) = (None, false);
+    for param in params {
+        let param = param.trim_ascii();
+        let Some(eq) = param.iter().position(|b| *b == b'=') else { continue };
+        let (key, value) = (param[..eq].trim_ascii(), param[eq + 1..].trim_ascii());
+        if key.contains(&b'*') || value.contains(&b'\\') {
+            return Err(FormError::Malformed("a part's Content-Disposition is encoded or escaped"));
         }
-        let mut params = value.split(|b| *b == b';');
-        if !params.next()?.trim_ascii().eq_ignore_ascii_case(b"form-data") {
-            return None;
+        let value = value.strip_prefix(b"\"").and_then(|v| v.strip_suffix(b"\"")).unwrap_or(value);
+        if key.eq_ignore_ascii_case(b"name") {
+            name.get_or_insert(value);
+        } else if key.eq_ignore_ascii_case(b"filename") {
+            file = true;
         }
-        params.find_map(|param| {
-            let param = param.trim_ascii();
-            let eq = param.iter().position(|b| *b == b'=')?;
-            let value = param[eq + 1..].trim_ascii();
-            let value = value.strip_prefix(b"\"").and_then(|v| v.strip_suffix(b"\"")).unwrap_or(value);
-            param[..eq].trim_ascii().eq_ignore_ascii_case(b"name").then_some(value)
-        })
-    })
+    }
+    Ok(name.filter(|_| !file))
 }
 
 #[cfg(test)]
@@ -171,6 +214,32 @@ mod tests {
             scan(&body, "XyZ").unwrap(),
             FormFields { model: Some("m"), model_span: Some(55..56), stream: false }
         );
+    }
+
+    #[test]
+    fn a_form_other_parsers_could_read_another_way_is_refused() {
+        let part = |headers: &str, value: &str| format!("--XyZ\r\n{headers}\r\n\r\n{value}\r\n--XyZ--\r\n");
+        let nested = "--XyZ\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\nm";
+        for (headers, value) in [
+            ("Content-Disposition: form-data; name*=UTF-8''model", "m"),
+            ("Content-Disposition: form-data; name=\"mod\\el\"", "m"),
+            ("Content-Disposition: form-data;\r\n name=\"model\"", "m"),
+            ("Content-Disposition: form-data; name=\"model\"\nX-Bare: lf", "m"),
+            ("Content-Disposition: form-data; name=\"x\"", nested),
+        ] {
+            let body = part(headers, value);
+            assert!(matches!(scan(body.as_bytes(), "XyZ"), Err(FormError::Malformed(_))), "{body:?}");
+        }
+        // A part with no headers at all.
+        assert!(matches!(scan(b"--XyZ\r\n\r\nm\r\n--XyZ--\r\n", "XyZ"), Err(FormError::Malformed(_))));
+        // A file named `model` is a file.
+        let file = part("Content-Disposition: form-data; name=\"model\"; filename=\"m.txt\"", "m");
+        assert_eq!(scan(file.as_bytes(), "XyZ").unwrap().model, None);
+        // Two headers, as clients send them, are fine.
+        let two = part("Content-Disposition: form-data; name=\"model\"\r\nContent-Type: text/plain", "m");
+        assert_eq!(scan(two.as_bytes(), "XyZ").unwrap().model, Some("m"));
+        assert_eq!(boundary("multipart/form-data; boundary=\"a\\\"b\""), None, "escaped quotes");
+        assert_eq!(boundary("multipart/form-data; boundary=\"a b \""), None, "ends with a space");
     }
 
     #[test]

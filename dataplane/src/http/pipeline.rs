@@ -15,7 +15,7 @@ use bytes::Bytes;
 use http::uri::PathAndQuery;
 use http::{HeaderMap, HeaderValue, header};
 use inferyes_proto::ErrorKind;
-use inferyes_proto::kinds::{Row, StreamEnd};
+use inferyes_proto::kinds::{ModelIn, Row, StreamEnd};
 use inferyes_proto::v1::RoutingDecision;
 
 use super::answer::{AnswerBody, Plan, Resuming};
@@ -135,6 +135,15 @@ impl<'s> Exchange<'s> {
         let limits = (self.state.max_body_bytes, self.state.request_body_timeout);
         let body = read_body(body, &parts.headers, limits, &mut held).await?;
         self.held = Some(held);
+        if self.row.model == ModelIn::Multipart && parts.uri.query().is_some() {
+            // The server behind may read a `model` there before the form's
+            // (Go's `FormValue` does), not the one checked here.
+            return Err(ApiError::new(
+                ErrorKind::BadRequest,
+                "an upload takes no query string: name the model in the form",
+                ErrorCode::InvalidPath,
+            ));
+        }
         let view = parse_request_view(self.row, &parts.headers, &body)?;
         let model = snapshot.resolve(&view.model);
         let rate = self.admit(&caller, &snapshot, &view, model, body.len())?;

@@ -85,6 +85,13 @@ async fn uploads_are_routed_by_their_form_s_model_and_forwarded_byte_for_byte() 
         (not_a_form.status, not_a_form.openai_error()["code"].as_str()),
         (StatusCode::BAD_REQUEST, Some("invalid_body"))
     );
+    // The query is not for the form's server to read a second model from.
+    let queried = fleet.url("/v1/audio/transcriptions?model=voice");
+    let queried = fleet.http.send(Method::POST, &queried, upload(Some("whisper"), b"x").into(), &[FORM]).await;
+    assert_eq!(
+        (queried.status, queried.openai_error()["code"].as_str()),
+        (StatusCode::BAD_REQUEST, Some("invalid_path"))
+    );
     let cut = upload(Some("whisper"), b"x");
     let cut = fleet.http.send(Method::POST, &url, cut[..cut.len() - 12].to_vec().into(), &[FORM]).await;
     assert_eq!(cut.status, StatusCode::BAD_REQUEST);
