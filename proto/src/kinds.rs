@@ -41,6 +41,25 @@ pub enum UsageIn {
     None,
 }
 
+/// Whether a path's requests get a session key, which keeps a
+/// conversation's turns with its KV cache, and where it is found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Session {
+    /// None: an embedding or a rerank leaves nothing worth coming back to,
+    /// and a key for it would only push conversations out of its node's
+    /// session table.
+    None,
+    /// One the client names (a header, `prompt_cache_key`), only.
+    Named,
+    /// One the client names, else its opening's: a chat's system prompt
+    /// and first user message, a completion's first bytes, a Responses
+    /// request's instructions and input.
+    Opening,
+    /// One the client names, else a Messages request's opening: the
+    /// `system` beside its messages and its first user message.
+    MessagesOpening,
+}
+
 /// How a stream of the kind ends when it ends well.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum StreamEnd {
@@ -58,11 +77,7 @@ pub struct Row {
     /// What a backend must serve for the model.
     pub kind: EndpointKind,
     pub model: ModelIn,
-    /// Requests continue conversations, whose KV cache a node keeps between
-    /// turns: they get a session key. An embedding leaves nothing worth
-    /// coming back to; a key for it would only push conversations out of
-    /// its node's session table.
-    pub conversation: bool,
+    pub session: Session,
     pub errors: ErrorShape,
     pub usage: UsageIn,
     pub stream_end: StreamEnd,
@@ -79,7 +94,7 @@ const OPENAI: Row = Row {
     path: "",
     kind: EndpointKind::Chat,
     model: ModelIn::Json,
-    conversation: false,
+    session: Session::None,
     errors: ErrorShape::OpenAi,
     usage: UsageIn::Tail,
     stream_end: StreamEnd::Own,
@@ -96,7 +111,7 @@ const fn job(path: &'static str, kind: EndpointKind, model: ModelIn, usage: Usag
 pub const ROWS: &[Row] = &[
     Row {
         path: "/v1/chat/completions",
-        conversation: true,
+        session: Session::Opening,
         stream_end: StreamEnd::Done,
         asks_usage: true,
         continues: true,
@@ -105,16 +120,16 @@ pub const ROWS: &[Row] = &[
     Row {
         path: "/v1/completions",
         kind: EndpointKind::Completion,
-        conversation: true,
+        session: Session::Opening,
         stream_end: StreamEnd::Done,
         asks_usage: true,
         ..OPENAI
     },
-    Row { path: "/v1/responses", kind: EndpointKind::Responses, conversation: true, ..OPENAI },
+    Row { path: "/v1/responses", kind: EndpointKind::Responses, session: Session::Opening, ..OPENAI },
     Row {
         path: "/v1/messages",
         kind: EndpointKind::Messages,
-        conversation: true,
+        session: Session::MessagesOpening,
         errors: ErrorShape::Anthropic,
         usage: UsageIn::HeadAndTail,
         ..OPENAI
@@ -129,7 +144,7 @@ pub const ROWS: &[Row] = &[
     // An editor's completions of one file share its cache where it names
     // a session; its prefix changes with every keystroke, so no root is
     // derived from it.
-    Row { path: "/infill", kind: EndpointKind::Infill, conversation: true, ..OPENAI },
+    Row { path: "/infill", kind: EndpointKind::Infill, session: Session::Named, ..OPENAI },
     job("/v1/embeddings", EndpointKind::Embedding, ModelIn::Json, UsageIn::Tail),
     job("/v1/rerank", EndpointKind::Rerank, ModelIn::Json, UsageIn::Tail),
     job("/v1/reranking", EndpointKind::Rerank, ModelIn::Json, UsageIn::Tail),
@@ -214,5 +229,11 @@ mod tests {
         assert_eq!(named("unspecified"), None);
         assert_eq!(row("/v1/messages").map(|r| r.errors), Some(ErrorShape::Anthropic));
         assert!(row("/v1/chat/completions/").is_none(), "paths are exact");
+        // Every kind there is, is in KINDS.
+        for value in 0..64 {
+            if let Ok(kind) = EndpointKind::try_from(value) {
+                assert!(kind == EndpointKind::Unspecified || KINDS.contains(&kind), "{kind:?} is not in KINDS");
+            }
+        }
     }
 }

@@ -15,7 +15,7 @@ use bytes::Bytes;
 use http::uri::PathAndQuery;
 use http::{HeaderMap, HeaderValue, header};
 use inferyes_proto::ErrorKind;
-use inferyes_proto::kinds::{ModelIn, Row, StreamEnd};
+use inferyes_proto::kinds::{ModelIn, Row, Session, StreamEnd};
 use inferyes_proto::v1::RoutingDecision;
 
 use super::answer::{AnswerBody, Plan, Resuming};
@@ -249,8 +249,11 @@ impl<'s> Exchange<'s> {
         // becomes of the request) and read from there.
         // Scoped by the caller: one tenant's conversation is never
         // another's, whatever key either sends or derives.
-        self.facts.session =
-            if self.row.conversation { session_key(&parts.headers, view, caller.session_scope()) } else { None };
+        self.facts.session = if self.row.session == Session::None {
+            None
+        } else {
+            session_key(&parts.headers, view, caller.session_scope())
+        };
         let path_and_query = parts.uri.path_and_query().cloned().unwrap_or_else(|| PathAndQuery::from_static("/"));
         Prepared { path_and_query, headers: parts.headers, body, strip_usage, form: view.in_form }
     }

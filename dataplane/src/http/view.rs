@@ -7,7 +7,7 @@ use std::ops::Range;
 use http::{HeaderMap, HeaderName};
 use inferyes_proto::ErrorKind;
 use inferyes_proto::headers::MAX_SESSION_KEY_BYTES;
-use inferyes_proto::kinds::{ErrorShape, ModelIn, Row};
+use inferyes_proto::kinds::{ModelIn, Row, Session};
 
 use super::form;
 use super::scan::{Fields, Raw, ScanError, scan};
@@ -46,7 +46,7 @@ const PROMPT_ROOT_BYTES: usize = 512;
 /// row says.
 pub fn parse_request_view(row: &Row, headers: &HeaderMap, body: &[u8]) -> Result<RoutingView, ApiError> {
     match row.model {
-        ModelIn::Json => parse_json_view(body, row.errors == ErrorShape::Anthropic),
+        ModelIn::Json => parse_json_view(body, row.session),
         ModelIn::Multipart => parse_form_view(headers, body),
     }
 }
@@ -85,14 +85,18 @@ fn missing_model() -> ApiError {
 
 /// The routing view of a JSON body, as chat's are read.
 pub fn parse_view(body: &[u8]) -> Result<RoutingView, ApiError> {
-    parse_json_view(body, false)
+    parse_json_view(body, Session::Opening)
 }
 
-/// `anthropic`: the body is the Messages API's, whose content blocks carry
-/// cache marks.
-fn parse_json_view(body: &[u8], anthropic: bool) -> Result<RoutingView, ApiError> {
+/// `session`: where the path's session key is found, the opening of which
+/// kind of body its root is (if any).
+fn parse_json_view(body: &[u8], session: Session) -> Result<RoutingView, ApiError> {
     let fields = scan(body).map_err(|error| refusal(body, error))?;
-    let root = conversation_root(&fields, anthropic);
+    let root = match session {
+        Session::None | Session::Named => None,
+        Session::Opening => conversation_root(&fields, false),
+        Session::MessagesOpening => conversation_root(&fields, true),
+    };
     let (Some(model), Some(model_span)) = (fields.model.filter(|m| !m.is_empty()), fields.model_span) else {
         return Err(missing_model());
     };
@@ -554,6 +558,17 @@ mod tests {
         let chat = r#"{"model":"m","messages":[{"role":"system","content":"s"},{"role":"user","content":"u"}]}"#;
         let chat_root = session_key(&HeaderMap::new(), &parse_view(chat.as_bytes()).unwrap(), None);
         assert_eq!(root(plain), chat_root);
+    }
+
+    #[test]
+    fn an_editor_s_completions_share_a_session_only_where_it_names_one() {
+        let infill = inferyes_proto::kinds::row("/infill").unwrap();
+        let view =
+            parse_request_view(infill, &HeaderMap::new(), br#"{"model":"m","prompt":"","input_prefix":"x"}"#).unwrap();
+        assert_eq!(session_key(&HeaderMap::new(), &view, None), None, "no root from the line being typed");
+        let mut named = HeaderMap::new();
+        named.insert(SESSION_HEADER, http::HeaderValue::from_static("file.rs"));
+        assert_eq!(session_key(&named, &view, None).as_deref(), Some("file.rs"));
     }
 
     #[test]
