@@ -57,7 +57,7 @@ impl BackendProbe {
         };
         // A llama-server that answers its health but not the rest has counts
         // no more known than one whose /slots timed out.
-        if result.is_err() && backend.kind() == BackendKind::LlamaServer {
+        if result.is_err() && matches!(backend.kind(), BackendKind::LlamaServer | BackendKind::LlamaServerRouter) {
             (load.slots_unread, load.metrics_unread) = (true, true);
         }
         // Taken for idle, a server too busy to answer would draw more work:
@@ -191,14 +191,18 @@ impl BackendProbe {
         }
         let (mut models, paths) = parse_router_models(&body);
         for (model, path) in models.iter_mut().zip(paths) {
-            // The weights' file, where it is on this host: what a load
+            let before = previous.and_then(|p| p.models.iter().find(|m| m.id == model.id));
+            // What the operator declared; else what was found before; else
+            // the weights' file, where it is on this host: what a load
             // takes of the GPU, roughly.
-            if model.size_bytes == 0
-                && let Some(path) = path.filter(|p| p.is_absolute())
-                && let Ok(metadata) = std::fs::metadata(&path)
-            {
-                model.size_bytes = metadata.len();
-            }
+            model.size_bytes = match (self.model_sizes.get(&model.id), before) {
+                (Some(size), _) => *size,
+                (None, Some(before)) if before.size_bytes > 0 => before.size_bytes,
+                (None, _) => match path.filter(|p| p.is_absolute()) {
+                    Some(path) => weights_size(path).await,
+                    None => 0,
+                },
+            };
         }
         for model in models.iter_mut().filter(|m| m.state() != ModelState::Loaded) {
             let before = previous.and_then(|p| p.models.iter().find(|m| m.id == model.id));
@@ -401,6 +405,17 @@ pub fn parse_router_models(body: &[u8]) -> (Vec<Model>, Vec<Option<std::path::Pa
     models.sort_by(|a, b| a.0.id.cmp(&b.0.id));
     models.dedup_by(|a, b| a.0.id == b.0.id);
     models.into_iter().unzip()
+}
+
+/// The size of a model's weights file, 0 where it is not a file here or
+/// does not answer within a second (a path a backend names may be on a
+/// network mount that hangs; the poll does not).
+async fn weights_size(path: std::path::PathBuf) -> u64 {
+    let stat = tokio::task::spawn_blocking(move || std::fs::metadata(path));
+    match tokio::time::timeout(std::time::Duration::from_secs(1), stat).await {
+        Ok(Ok(Ok(metadata))) if metadata.is_file() => metadata.len(),
+        _ => 0,
+    }
 }
 
 /// A query value with every byte but the unreserved ones escaped.
