@@ -232,6 +232,8 @@ async fn forward_in_span(proxy: Proxy, request: Request<Incoming>) -> Response {
             if parts.status == StatusCode::NOT_IMPLEMENTED
                 && let (Some(row), Some(model)) = (row, model)
                 && inferyes_proto::kinds::refused_whole(row.kind)
+                // An upstream provider's 501 may be about the request.
+                && handle.probe.kind != crate::config::BackendKind::Openai
                 && handle.learn_unsupported(model, row.kind, Instant::now())
             {
                 proxy.state.changed.notify_one();
@@ -275,7 +277,7 @@ fn strip_headers(headers: &mut HeaderMap) {
     static STRIPPED: [HeaderName; 6] = [
         header::PROXY_AUTHORIZATION,
         header::AUTHORIZATION,
-        HeaderName::from_static("x-api-key"),
+        inferyes_proto::headers::API_KEY,
         BACKEND_HEADER,
         MODEL_HEADER,
         SESSION_HEADER,

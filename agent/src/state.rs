@@ -54,9 +54,10 @@ pub struct Unsupported {
 /// How long a 501 is believed: a backend restarted with another build or
 /// model may do the job, and is tried again after this.
 const UNSUPPORTED_FOR: Duration = Duration::from_secs(10 * 60);
-/// Each backend's learned refusals, at most: a client cannot grow the
-/// node's record with made-up model names.
-const MAX_UNSUPPORTED: usize = 32;
+/// Each backend's learned refusals, at most: every model of a backend
+/// (256, the record's bound) for each kind learned, and no more, so a
+/// client cannot grow the node's record.
+const MAX_UNSUPPORTED: usize = 256 * 3;
 
 impl BackendHandle {
     /// Notes that the backend answered 501 for `kind` of `model`; whether
@@ -224,7 +225,7 @@ mod tests {
         later.models[0].unsupported.clear();
         handle.mark_unsupported(&mut later, now + UNSUPPORTED_FOR);
         assert!(later.models[0].unsupported.is_empty(), "tried again after a while");
-        for i in 0..100 {
+        for i in 0..2 * MAX_UNSUPPORTED {
             handle.learn_unsupported(&format!("made-up-{i}"), EndpointKind::Embedding, now);
         }
         assert_eq!(handle.unsupported.lock().unwrap().len(), MAX_UNSUPPORTED);

@@ -436,12 +436,10 @@ fn bearer(headers: &HeaderMap) -> Option<&str> {
         let (scheme, token) = value.split_once(' ')?;
         scheme.eq_ignore_ascii_case("bearer").then(|| token.trim()).filter(|t| !t.is_empty())
     };
-    let api_key = || headers.get(&API_KEY_HEADER)?.to_str().ok().map(str::trim).filter(|t| !t.is_empty());
+    let api_key =
+        || headers.get(inferyes_proto::headers::API_KEY)?.to_str().ok().map(str::trim).filter(|t| !t.is_empty());
     authorization().or_else(api_key)
 }
-
-/// The header Anthropic's clients send their key in.
-pub const API_KEY_HEADER: http::HeaderName = http::HeaderName::from_static("x-api-key");
 
 fn unauthorized(message: &str) -> ApiError {
     ApiError::new(ErrorKind::Unauthenticated, message, ErrorCode::InvalidApiKey)
@@ -516,12 +514,12 @@ mod tests {
     #[test]
     fn an_anthropic_client_s_x_api_key_is_read_where_no_bearer_token_is_sent() {
         let mut headers = HeaderMap::new();
-        headers.insert(API_KEY_HEADER, HeaderValue::from_static(" ify_abc_def "));
+        headers.insert(inferyes_proto::headers::API_KEY, HeaderValue::from_static(" ify_abc_def "));
         assert_eq!(bearer(&headers), Some("ify_abc_def"));
         headers.insert(header::AUTHORIZATION, HeaderValue::from_static("Bearer ify_first"));
         assert_eq!(bearer(&headers), Some("ify_first"), "the Authorization header first");
         headers.remove(header::AUTHORIZATION);
-        headers.insert(API_KEY_HEADER, HeaderValue::from_static(""));
+        headers.insert(inferyes_proto::headers::API_KEY, HeaderValue::from_static(""));
         assert_eq!(bearer(&headers), None);
     }
 }

@@ -14,6 +14,9 @@ pub const SESSION: HeaderName = HeaderName::from_static("x-inferyes-session");
 /// (a longer one travels as a hash of itself) and an agent keeps.
 pub const MAX_SESSION_KEY_BYTES: usize = 128;
 pub const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+/// Where Anthropic's clients send their API key; as `Authorization`, it
+/// never travels past the data plane.
+pub const API_KEY: HeaderName = HeaderName::from_static("x-api-key");
 
 /// Hop-by-hop headers (RFC 9110, 7.6.1): they describe one connection and
 /// stop at every proxy. `Proxy-Connection` is no standard's, but older

@@ -245,23 +245,24 @@ fn upstream_request(
 /// `X-Real-IP`). `Host` and `Content-Length` are written anew for each
 /// attempt.
 fn stays_behind(name: &HeaderName) -> bool {
-    matches!(*name, header::PROXY_AUTHORIZATION | header::AUTHORIZATION | header::COOKIE | header::FORWARDED) || {
-        let name = name.as_str();
-        name.starts_with("x-inferyes-")
-            || name.starts_with("x-forwarded-")
-            || matches!(
-                name,
-                "x-api-key"
-                    | "openai-organization"
-                    | "openai-project"
-                    | "x-real-ip"
-                    | "x-client-ip"
-                    | "x-cluster-client-ip"
-                    | "true-client-ip"
-                    | "cf-connecting-ip"
-                    | "via"
-            )
-    }
+    matches!(*name, header::PROXY_AUTHORIZATION | header::AUTHORIZATION | header::COOKIE | header::FORWARDED)
+        || *name == inferyes_proto::headers::API_KEY
+        || {
+            let name = name.as_str();
+            name.starts_with("x-inferyes-")
+                || name.starts_with("x-forwarded-")
+                || matches!(
+                    name,
+                    "openai-organization"
+                        | "openai-project"
+                        | "x-real-ip"
+                        | "x-client-ip"
+                        | "x-cluster-client-ip"
+                        | "true-client-ip"
+                        | "cf-connecting-ip"
+                        | "via"
+                )
+        }
 }
 
 /// An answer's headers as the client gets them: without the hop-by-hop
@@ -326,6 +327,7 @@ mod tests {
         let mut client = HeaderMap::new();
         client.insert(header::HOST, HeaderValue::from_static("gateway:8080"));
         client.insert(header::AUTHORIZATION, HeaderValue::from_static("Bearer sk-client"));
+        client.insert(inferyes_proto::headers::API_KEY, HeaderValue::from_static("ify_client"));
         client.insert(header::PROXY_AUTHORIZATION, HeaderValue::from_static("Basic cHJveHk="));
         client.insert(header::CONNECTION, HeaderValue::from_static("keep-alive, X-Hop"));
         client.insert(HeaderName::from_static("x-hop"), HeaderValue::from_static("for the gateway only"));
@@ -340,8 +342,15 @@ mod tests {
         client.insert(HeaderName::from_static("x-session-id"), HeaderValue::from_static("chat-1"));
 
         let headers = sent(client, Some("main"), b"{}");
-        for gone in ["authorization", "proxy-authorization", "connection", "keep-alive", "x-hop", "x-inferyes-anything"]
-        {
+        for gone in [
+            "authorization",
+            "x-api-key",
+            "proxy-authorization",
+            "connection",
+            "keep-alive",
+            "x-hop",
+            "x-inferyes-anything",
+        ] {
             assert!(!headers.contains_key(gone), "{gone} stays behind");
         }
         assert_eq!(headers[header::HOST], "node-a:9100");
