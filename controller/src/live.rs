@@ -28,6 +28,8 @@ pub const MEMORY_STEPS: u64 = 100;
 /// too big to write or to watch.
 pub const MAX_BACKENDS: usize = 64;
 pub const MAX_MODELS_PER_BACKEND: usize = 256;
+/// Kinds of job a model lists, at most: more than there are.
+const MAX_KINDS: usize = 16;
 pub const MAX_GPUS: usize = 64;
 const MAX_TEXT: usize = 256;
 
@@ -586,9 +588,6 @@ fn count(counts: &mut BTreeMap<String, u32>, backend: &str, add: bool) {
 /// Splits an agent's status into what etcd keeps (bounded, load zeroed,
 /// memory in steps, no sessions) and the load that changes per request.
 /// The third value counts what the bounds dropped.
-/// Kinds of job a model lists, at most: more than there are.
-const MAX_KINDS: usize = 16;
-
 pub fn split(mut status: NodeStatus) -> (NodeStatus, NodeLoad, usize) {
     let mut dropped = 0;
     let mut load = NodeLoad::default();
@@ -607,6 +606,12 @@ pub fn split(mut status: NodeStatus) -> (NodeStatus, NodeLoad, usize) {
             // a kind said over and over.
             for kinds in [&mut model.endpoints, &mut model.unsupported] {
                 let before = kinds.len();
+                // Only kinds there are: unknown values, which sort first,
+                // would push real ones out.
+                kinds.retain(|k| {
+                    inferyes_proto::v1::EndpointKind::try_from(*k)
+                        .is_ok_and(|k| k != inferyes_proto::v1::EndpointKind::Unspecified)
+                });
                 kinds.sort_unstable();
                 kinds.dedup();
                 truncate_vec(kinds, MAX_KINDS);

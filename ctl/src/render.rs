@@ -125,7 +125,7 @@ fn kinds_served(p: &ModelPlacement) -> String {
         };
     }
     let served: Vec<&str> = names(&p.endpoints).into_iter().filter(|k| !unsupported.contains(k)).collect();
-    served.join(",")
+    if served.is_empty() { "none".into() } else { served.join(",") }
 }
 
 fn placement_text(p: &ModelPlacement) -> String {

@@ -844,8 +844,11 @@ async fn infer(
 ) -> Response {
     match kind {
         Kind::Embedding => embed_request(&s, &engine, &req).await,
-        // Refused before: simulated models have no FIM tokens.
-        Kind::Infill => server_not_found().await,
+        // Refused by `unsupported` first: simulated models have no FIM
+        // tokens. Should one ever get here, it is llama-server's answer.
+        Kind::Infill => {
+            llama_error(StatusCode::NOT_IMPLEMENTED, "not_supported_error", "Infill is not supported by this model")
+        }
         Kind::Transcription => json_response(
             StatusCode::OK,
             json!({"text": format!(" a simulated transcription of {} bytes", body.len())}),

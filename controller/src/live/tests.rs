@@ -107,14 +107,14 @@ fn a_hostile_status_is_bounded() {
     assert!(record.hostname.len() <= MAX_TEXT && record.backends[0].models[0].id.len() <= MAX_TEXT);
     assert!(record.encoded_len() < 5 << 20);
 
-    // A kind said a million times is one.
+    // A kind said a million times is one; one that is none is dropped.
     let mut repeated = status(0, 0, 0);
-    let kinds = vec![EndpointKind::Infill as i32; 1_000_000];
+    let kinds: Vec<i32> = std::iter::repeat_n(EndpointKind::Infill as i32, 1_000_000).chain([-7, 0, 999]).collect();
     let model = Model { id: "m".into(), endpoints: kinds.clone(), unsupported: kinds, ..Default::default() };
     repeated.backends = vec![Backend { id: "b".into(), models: vec![model], ..Default::default() }];
     let (record, _, dropped) = split(repeated);
     let model = &record.backends[0].models[0];
-    assert_eq!((model.endpoints.len(), model.unsupported.len(), dropped), (1, 1, 2 * 999_999));
+    assert_eq!((model.endpoints.len(), model.unsupported.len(), dropped), (1, 1, 2 * (999_999 + 3)));
 }
 
 #[test]
