@@ -683,7 +683,9 @@ fn form_value(uri: &http::Uri, headers: &HeaderMap, body: &[u8], name: &str) -> 
     let wanted = format!("name=\"{name}\"");
     for part in text.split(&delimiter).skip(1) {
         let Some((head, value)) = part.split_once("\r\n\r\n") else { continue };
-        if head.contains(&wanted) && !head.contains("filename=") {
+        // Go's `FileName` is empty for `filename=""`: a field, then.
+        let file = head.contains("filename=") && !head.contains("filename=\"\"");
+        if head.contains(&wanted) && !file {
             return Some(Ok(value.strip_suffix("\r\n").unwrap_or(value).to_string()));
         }
     }

@@ -32,29 +32,67 @@ pub enum FormError {
     Duplicate(&'static str),
 }
 
-/// The boundary of a `multipart/form-data` content type.
+/// The boundary of a `multipart/form-data` content type, where its
+/// parameters are plain (see [`params`]) and name it once.
 pub fn boundary(content_type: &str) -> Option<&str> {
-    let mut params = content_type.split(';');
-    let media = params.next()?.trim();
-    if !media.eq_ignore_ascii_case("multipart/form-data") {
+    let (media, rest) = content_type.split_once(';')?;
+    if !media.trim_matches(' ').eq_ignore_ascii_case("multipart/form-data") {
         return None;
     }
-    params
-        .find_map(|param| {
-            let (name, value) = param.split_once('=')?;
-            name.trim().eq_ignore_ascii_case("boundary").then(|| unquote(value.trim()))
-        })
-        // RFC 2046: 1 to 70 of its characters, not ending with a space.
-        .filter(|b| {
-            !b.is_empty()
-                && b.len() <= 70
-                && !b.ends_with(' ')
-                && b.bytes().all(|c| c.is_ascii_alphanumeric() || b"'()+_,-./:=? ".contains(&c))
-        })
+    let mut boundary = None;
+    for (name, value) in params(rest.as_bytes())? {
+        if name.eq_ignore_ascii_case(b"boundary") && boundary.replace(value).is_some() {
+            return None;
+        }
+    }
+    let boundary = std::str::from_utf8(boundary?).ok()?;
+    // RFC 2046: 1 to 70 of its characters, not ending with a space.
+    let plain = boundary.bytes().all(|c| c.is_ascii_alphanumeric() || b"'()+_,-./:=? ".contains(&c));
+    (!boundary.is_empty() && boundary.len() <= 70 && !boundary.ends_with(' ') && plain).then_some(boundary)
 }
 
-fn unquote(value: &str) -> &str {
-    value.strip_prefix('"').and_then(|v| v.strip_suffix('"')).unwrap_or(value)
+/// A header's `; name=value` parameters, where they are plain: each a token
+/// name (no `*`: RFC 2231's encoded and continued forms) and a token or a
+/// quoted string without `"`, `\`, `;` or bytes past ASCII, each name
+/// once, separated by `;` and spaces only. Another parser (Go's
+/// `mime.ParseMediaType`) reads those as this one does; anything else,
+/// `None`.
+fn params(mut text: &[u8]) -> Option<Vec<(&[u8], &[u8])>> {
+    let token = |b: &u8| b.is_ascii_alphanumeric() || b"!#$%&'+-.^_`|~".contains(b);
+    let mut params: Vec<(&[u8], &[u8])> = Vec::new();
+    loop {
+        text = text.trim_ascii_start();
+        if text.is_empty() {
+            return Some(params);
+        }
+        let name_len = text.iter().take_while(|b| token(b)).count();
+        let (name, rest) = text.split_at(name_len);
+        let rest = rest.strip_prefix(b"=")?;
+        let (value, rest) = match rest.strip_prefix(b"\"") {
+            Some(quoted) => {
+                let end = quoted.iter().position(|b| *b == b'"')?;
+                let value = &quoted[..end];
+                if value.iter().any(|b| matches!(b, b'\\' | b';') || !(b' '..=b'~').contains(b)) {
+                    return None;
+                }
+                (value, &quoted[end + 1..])
+            }
+            None => {
+                let len = rest.iter().take_while(|b| token(b)).count();
+                rest.split_at(len)
+            }
+        };
+        if name.is_empty() || params.iter().any(|(seen, _)| seen.eq_ignore_ascii_case(name)) {
+            return None;
+        }
+        params.push((name, value));
+        let rest = rest.trim_ascii_start();
+        text = match rest.strip_prefix(b";") {
+            Some(next) => next,
+            None if rest.is_empty() => rest,
+            None => return None,
+        };
+    }
 }
 
 /// Reads `body`'s `model` and `stream` fields, its parts delimited by
@@ -127,44 +165,58 @@ pub fn scan<'a>(body: &'a [u8], boundary: &str) -> Result<FormFields<'a>, FormEr
 }
 
 /// Header lines ended by CRLF each, none folded (begun with a space or a
-/// tab).
+/// tab), of printable ASCII and spaces only: one pass.
 fn plain_headers(headers: &[u8]) -> bool {
-    let folded = |line: &[u8]| line.first().is_some_and(|b| matches!(b, b' ' | b'\t'));
-    headers.split(|b| *b == b'\n').enumerate().all(|(i, line)| {
-        let last = i == memchr::memchr_iter(b'\n', headers).count();
-        // Every line but the last (whose CRLF ends the headers) ends in CR.
-        let ended = last || line.ends_with(b"\r");
-        ended && !line[..line.len() - usize::from(!last)].contains(&b'\r') && !folded(line)
-    })
+    let folded = |at: usize| headers.get(at).is_some_and(|b| matches!(b, b' ' | b'\t'));
+    !folded(0)
+        && headers.iter().enumerate().all(|(i, b)| match b {
+            b'\r' => headers.get(i + 1) == Some(&b'\n'),
+            b'\n' => i > 0 && headers[i - 1] == b'\r' && !folded(i + 1),
+            b' '..=b'~' => true,
+            _ => false,
+        })
 }
 
 /// The `name` of a part's first `Content-Disposition: form-data`, if it is
-/// a field: a part that names a file is not. Refused where a parameter is
-/// in a form other parsers read differently (`name*`, escapes).
+/// a field: a part that names a file (a `filename` that is not empty) is
+/// not. Refused where the disposition's parameters are not plain, name
+/// other than `name` and `filename`, or a filename is empty (another parser
+/// reads such a part as a field); and where a part is encoded
+/// (`Content-Transfer-Encoding` other than `7bit`, `8bit`, `binary`), which
+/// another parser decodes.
 fn field_name(headers: &[u8]) -> Result<Option<&[u8]>, FormError> {
-    let disposition = headers.split(|b| *b == b'\n').find_map(|line| {
+    let refused = |what| Err(FormError::Malformed(what));
+    let mut disposition = None;
+    for line in headers.split(|b| *b == b'\n') {
         let line = line.strip_suffix(b"\r").unwrap_or(line);
-        let colon = line.iter().position(|b| *b == b':')?;
-        line[..colon].eq_ignore_ascii_case(b"content-disposition").then(|| &line[colon + 1..])
-    });
+        let Some(colon) = line.iter().position(|b| *b == b':') else { continue };
+        let (name, value) = (&line[..colon], line[colon + 1..].trim_ascii());
+        if name.eq_ignore_ascii_case(b"content-transfer-encoding")
+            && !["7bit", "8bit", "binary"].iter().any(|plain| value.eq_ignore_ascii_case(plain.as_bytes()))
+        {
+            return refused("a part is encoded");
+        }
+        if name.eq_ignore_ascii_case(b"content-disposition") && disposition.is_none() {
+            disposition = Some(value);
+        }
+    }
     let Some(disposition) = disposition else { return Ok(None) };
-    let mut params = disposition.split(|b| *b == b';');
-    if !params.next().is_some_and(|kind| kind.trim_ascii().eq_ignore_ascii_case(b"form-data")) {
+    let (kind, rest) = match disposition.iter().position(|b| *b == b';') {
+        Some(at) => (disposition[..at].trim_ascii(), &disposition[at + 1..]),
+        None => (disposition, &disposition[disposition.len()..]),
+    };
+    if !kind.eq_ignore_ascii_case(b"form-data") {
         return Ok(None);
     }
+    let Some(params) = params(rest) else { return refused("a part's Content-Disposition is not plain") };
     let (mut name, mut file) = (None, false);
-    for param in params {
-        let param = param.trim_ascii();
-        let Some(eq) = param.iter().position(|b| *b == b'=') else { continue };
-        let (key, value) = (param[..eq].trim_ascii(), param[eq + 1..].trim_ascii());
-        if key.contains(&b'*') || value.contains(&b'\\') {
-            return Err(FormError::Malformed("a part's Content-Disposition is encoded or escaped"));
-        }
-        let value = value.strip_prefix(b"\"").and_then(|v| v.strip_suffix(b"\"")).unwrap_or(value);
+    for (key, value) in params {
         if key.eq_ignore_ascii_case(b"name") {
-            name.get_or_insert(value);
-        } else if key.eq_ignore_ascii_case(b"filename") {
+            name = Some(value);
+        } else if key.eq_ignore_ascii_case(b"filename") && !value.is_empty() {
             file = true;
+        } else {
+            return refused("a part's Content-Disposition has more than a name and a filename");
         }
     }
     Ok(name.filter(|_| !file))
@@ -240,6 +292,33 @@ mod tests {
         assert_eq!(scan(two.as_bytes(), "XyZ").unwrap().model, Some("m"));
         assert_eq!(boundary("multipart/form-data; boundary=\"a\\\"b\""), None, "escaped quotes");
         assert_eq!(boundary("multipart/form-data; boundary=\"a b \""), None, "ends with a space");
+        // Parameters other parsers read another way.
+        for content_type in [
+            "multipart/form-data; boundary=bar; boundary*=utf-8''foo",
+            "multipart/form-data; x=\"; boundary=foo;\"; boundary=bar",
+            "multipart/form-data; boundary=a; BOUNDARY=b",
+            "multipart/form-data;; boundary=a",
+            "multipart/form-data; boundary",
+        ] {
+            assert_eq!(boundary(content_type), None, "{content_type}");
+        }
+        for (headers, what) in [
+            ("Content-Disposition: form-data; name=\"model\"; filename=\"\"", "an empty filename is a field to Go"),
+            ("Content-Disposition: form-data; x=\"; name=zzz;\"; name=model", "a quoted ;"),
+            ("Content-Disposition: form-data;\u{a0}name=\"model\"", "a space past ASCII"),
+            ("Content-Disposition: form-data; name=\"model\"; NAME=\"x\"", "a name twice"),
+            (
+                "Content-Disposition: form-data; name=\"model\"\r\nContent-Transfer-Encoding: quoted-printable",
+                "encoded",
+            ),
+        ] {
+            let body = part(headers, "m");
+            assert!(matches!(scan(body.as_bytes(), "XyZ"), Err(FormError::Malformed(_))), "{what}: {body:?}");
+        }
+        // Many header lines are read in one pass: a body of them is refused
+        // at once, not in hours.
+        let many = format!("--XyZ\r\n{}\r\nm\r\n--XyZ--\r\n", "a\r\n".repeat(1 << 16));
+        assert_eq!(scan(many.as_bytes(), "XyZ").unwrap().model, None);
     }
 
     #[test]
