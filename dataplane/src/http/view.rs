@@ -183,16 +183,22 @@ fn text(value: Option<Raw<'_>>) -> &[u8] {
     value.map_or(&[], str::as_bytes)
 }
 
-/// A Messages API content as its root hashes it: content blocks without
-/// their `cache_control` marks, which Anthropic clients move to the latest
-/// turn (so the first message has one in its first turn and none after),
-/// each block's members in one order whatever order they came in. A string
-/// is hashed as written, without being parsed.
+/// A Messages API content as its root hashes it: a hash of each content
+/// block's members but `cache_control` (which Anthropic clients move to
+/// the latest turn, so the first message has one in its first turn and none
+/// after), sorted by name, whatever order they came in. A string is hashed
+/// as the text block it stands for, so a client that writes the turn as a
+/// block once and as a string after keeps its root.
 fn without_cache_marks(value: Option<Raw<'_>>) -> Cow<'_, [u8]> {
-    let written = Cow::Borrowed(text(value));
-    let Some(raw) = value.filter(|raw| raw.starts_with('[')) else {
-        return written;
-    };
+    let Some(raw) = value else { return Cow::Borrowed(&[]) };
+    if raw.starts_with('"') {
+        return Cow::Owned(
+            block_hash(&mut [(Cow::Borrowed("text"), raw), (Cow::Borrowed("type"), "\"text\"")]).to_vec(),
+        );
+    }
+    if !raw.starts_with('[') {
+        return Cow::Borrowed(raw.as_bytes());
+    }
     let mut out = Vec::new();
     let mut blocks = serde_json::Deserializer::from_str(raw);
     // Stopped early (enough was read) or not, what was written is the root.
@@ -200,16 +206,15 @@ fn without_cache_marks(value: Option<Raw<'_>>) -> Cow<'_, [u8]> {
     Cow::Owned(out)
 }
 
-/// Bytes of a Messages opening's blocks, written out, that make up its
-/// root: enough to tell conversations apart, and no more work or memory
-/// than that however long the opening.
-const BLOCKS_ROOT_BYTES: usize = 4096;
-/// Members of a block read, at most.
+/// Content blocks that make up a root, at most: each is read whole, and a
+/// root of this many is enough to tell conversations apart.
+const ROOT_BLOCKS: usize = 4096;
+/// Members of a block read, at most; the rest are skipped.
 const BLOCK_MEMBERS: usize = 16;
 
-/// Writes content blocks into `out`, each as its members (but
-/// `cache_control`) sorted by name, until [`BLOCKS_ROOT_BYTES`]; then stops
-/// the parse with an error, which the caller ignores.
+/// Writes each content block's hash into `out`, up to [`ROOT_BLOCKS`]; then
+/// stops the parse with an error, which the caller ignores. Each block is
+/// read as borrowed text, and dropped before the next.
 struct Blocks<'o> {
     out: &'o mut Vec<u8>,
 }
@@ -221,8 +226,8 @@ impl<'de> serde::de::Visitor<'de> for Blocks<'_> {
         f.write_str("content blocks")
     }
 
-    fn visit_seq<A: serde::de::SeqAccess<'de>>(mut self, mut seq: A) -> Result<(), A::Error> {
-        while self.out.len() < BLOCKS_ROOT_BYTES {
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+        for _ in 0..ROOT_BLOCKS {
             let Some(block) = seq.next_element::<&'de serde_json::value::RawValue>()? else { return Ok(()) };
             let block = block.get();
             let members = block
@@ -232,39 +237,29 @@ impl<'de> serde::de::Visitor<'de> for Blocks<'_> {
                     serde::Deserializer::deserialize_map(&mut object, Members).ok()
                 })
                 .flatten();
-            match members {
-                Some(mut members) => {
-                    members.sort_unstable_by(|a, b| a.0.cmp(&b.0));
-                    for (name, value) in members {
-                        self.write(name.as_bytes());
-                        self.write(b"=");
-                        self.write(value.get().as_bytes());
-                        self.write(b";");
-                    }
-                }
-                None => self.write(block.as_bytes()),
-            }
-            self.write(b"\n");
+            let hash = match members {
+                Some(mut members) => block_hash(&mut members),
+                None => text_hash(&[block.as_bytes()]).to_le_bytes(),
+            };
+            self.out.extend_from_slice(&hash);
         }
         Err(serde::de::Error::custom("enough of the opening read"))
     }
 }
 
-impl Blocks<'_> {
-    fn write(&mut self, bytes: &[u8]) {
-        let room = BLOCKS_ROOT_BYTES.saturating_sub(self.out.len());
-        self.out.extend_from_slice(&bytes[..bytes.len().min(room)]);
-    }
+/// A block's members, sorted by name, hashed.
+fn block_hash(members: &mut [(Cow<'_, str>, &str)]) -> [u8; 8] {
+    members.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+    let parts: Vec<&[u8]> = members.iter().flat_map(|(name, value)| [name.as_bytes(), value.as_bytes()]).collect();
+    text_hash(&parts).to_le_bytes()
 }
 
 /// A block's first [`BLOCK_MEMBERS`] members but `cache_control`, as
-/// written.
+/// written; the rest skipped.
 struct Members;
 
-type Member<'de> = (Cow<'de, str>, &'de serde_json::value::RawValue);
-
 impl<'de> serde::de::Visitor<'de> for Members {
-    type Value = Vec<Member<'de>>;
+    type Value = Vec<(Cow<'de, str>, &'de str)>;
 
     fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("a content block")
@@ -272,12 +267,12 @@ impl<'de> serde::de::Visitor<'de> for Members {
 
     fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
         let mut members = Vec::new();
-        while members.len() < BLOCK_MEMBERS {
-            let Some(name) = map.next_key::<Cow<'de, str>>()? else { return Ok(members) };
-            let value = map.next_value::<&'de serde_json::value::RawValue>()?;
-            if name != "cache_control" {
-                members.push((name, value));
+        while let Some(name) = map.next_key::<Cow<'de, str>>()? {
+            if name == "cache_control" || members.len() >= BLOCK_MEMBERS {
+                map.next_value::<serde::de::IgnoredAny>()?;
+                continue;
             }
+            members.push((name, map.next_value::<&'de serde_json::value::RawValue>()?.get()));
         }
         Ok(members)
     }
@@ -546,18 +541,28 @@ mod tests {
         let reordered = turn1.replace(r#"{"type":"text","text":"hello","#, r#"{"text":"hello","type":"text","#);
         assert_ne!(reordered, turn1);
         assert_eq!(root(turn1), root(&reordered));
-        let huge = |tail: &str| {
-            let blocks =
-                format!(r#"[{{"type":"text","text":"{}"}},{}]"#, "x".repeat(1 << 20), "[0],".repeat(1 << 18) + tail);
+        let huge = |text: &str, tail: &str| {
+            let blocks = format!(r#"[{{"type":"text","text":"{text}"}},{}]"#, "[0],".repeat(1 << 18) + tail);
             format!(r#"{{"model":"m","messages":[{{"role":"user","content":{blocks}}}]}}"#)
         };
-        assert_eq!(root(&huge("1")), root(&huge("2")), "what lies past the first bytes is not read");
-        assert_ne!(root(&huge("1")), root(turn1));
-        // A string system prompt and a chat one name the same opening.
+        let long = |last: char| format!("{}{last}", "x".repeat(1 << 20));
+        assert_eq!(
+            root(&huge(&long('a'), "1")),
+            root(&huge(&long('a'), "2")),
+            "blocks past the first 4,096 are not read"
+        );
+        assert_ne!(root(&huge(&long('a'), "1")), root(&huge(&long('b'), "1")), "a block is read whole");
+        assert_ne!(root(&huge(&long('a'), "1")), root(turn1));
+        // A turn written as a text block, then as a string, keeps its root.
+        let as_block = r#"{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"hi","cache_control":{"type":"ephemeral"}}]}]}"#;
+        let as_string =
+            r#"{"model":"m","messages":[{"role":"user","content":"hi"},{"role":"assistant","content":"yo"}]}"#;
+        assert_eq!(root(as_block), root(as_string));
+        // So does a system prompt, a string or a block.
         let plain = r#"{"model":"m","system":"s","messages":[{"role":"user","content":"u"}]}"#;
-        let chat = r#"{"model":"m","messages":[{"role":"system","content":"s"},{"role":"user","content":"u"}]}"#;
-        let chat_root = session_key(&HeaderMap::new(), &parse_view(chat.as_bytes()).unwrap(), None);
-        assert_eq!(root(plain), chat_root);
+        let block = r#"{"model":"m","system":[{"text":"s","type":"text"}],"messages":[{"role":"user","content":"u"}]}"#;
+        assert_eq!(root(plain), root(block));
+        assert_ne!(root(plain), root(&plain.replace(r#""s""#, r#""t""#)));
     }
 
     #[test]
