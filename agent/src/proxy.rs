@@ -238,7 +238,13 @@ async fn forward_in_span(proxy: Proxy, request: Request<Incoming>) -> Response {
             {
                 proxy.state.changed.notify_one();
             }
-            let reads_head = row.is_some_and(|row| row.usage == inferyes_proto::kinds::UsageIn::HeadAndTail);
+            // A stream's first event says part of its usage; a whole answer
+            // says it once, at its end.
+            let reads_head = row.is_some_and(|row| row.usage == inferyes_proto::kinds::UsageIn::HeadAndTail)
+                && parts
+                    .headers
+                    .get(header::CONTENT_TYPE)
+                    .is_some_and(|t| t.as_bytes().starts_with(b"text/event-stream"));
             let tracked = Tracked {
                 _span: span.clone(),
                 inner: body,

@@ -36,8 +36,10 @@ pub fn parse_stream_usage(head: &[u8], tail: &[u8]) -> Option<Usage> {
     // The head's first event, not its last: a short stream's head is the
     // whole stream, `message_delta` (output only) at its end.
     let first = FIRST_USAGE.find(head).map_or(&head[..0], |at| {
-        let end = memchr::memmem::find(&head[at..], b"\n\n").map_or(head.len(), |n| at + n);
-        &head[at..end]
+        let rest = &head[at..];
+        // An event ends at a blank line, LF or CRLF.
+        let end = [&b"\n\n"[..], b"\r\n\r\n"].iter().filter_map(|blank| memchr::memmem::find(rest, blank)).min();
+        &rest[..end.unwrap_or(rest.len())]
     });
     // Each count where the tail says it, else where the head does; the
     // prompt made of them after.

@@ -217,7 +217,8 @@ fn whole_answer(
     if let Some(meter) = meter {
         let tail = &bytes[bytes.len().saturating_sub(inferyes_proto::usage::TAIL_BYTES)..];
         let outcome = if parts.status.is_success() { Outcome::Ok } else { Outcome::Error };
-        meter.finish(parts.status.as_u16(), outcome, meter.usage(&bytes, tail));
+        // A whole answer says its usage once, at its end.
+        meter.finish(parts.status.as_u16(), outcome, meter.usage(&[], tail));
     }
     // The node's length stands where it is the body's (the usual case: its
     // header is passed on, not written anew); hyper writes the body's own
