@@ -197,7 +197,8 @@ impl BackendProbe {
             // takes of the GPU, roughly.
             model.size_bytes = match (self.model_sizes.get(&model.id), before) {
                 (Some(size), _) => *size,
-                (None, Some(before)) if before.size_bytes > 0 => before.size_bytes,
+                // Found before, or not to be found: the file is asked once.
+                (None, Some(before)) => before.size_bytes,
                 (None, _) => match path.filter(|p| p.is_absolute()) {
                     Some(path) => weights_size(path).await,
                     None => 0,
