@@ -39,13 +39,13 @@ pub(super) fn router(inner: Shared) -> Router {
             .route("/props", get(props))
             .route("/slots", get(slots))
             .route("/metrics", get(metrics))
-            .route("/chat/completions", post(chat))
-            .route("/v1/chat/completions", post(chat))
-            .route("/completions", post(completions))
-            .route("/v1/completions", post(completions))
-            .route("/embeddings", post(embeddings))
-            .route("/v1/embeddings", post(embeddings))
-            .route("/infill", post(infill))
+            .route("/chat/completions", job(Kind::Chat))
+            .route("/v1/chat/completions", job(Kind::Chat))
+            .route("/completions", job(Kind::Completion))
+            .route("/v1/completions", job(Kind::Completion))
+            .route("/embeddings", job(Kind::Embedding))
+            .route("/v1/embeddings", job(Kind::Embedding))
+            .route("/infill", job(Kind::Infill))
             .merge(sim_routes)
             .fallback(server_not_found)
             .layer(middleware::from_fn_with_state(Arc::clone(&inner), loading_gate)),
@@ -56,13 +56,13 @@ pub(super) fn router(inner: Shared) -> Router {
             .route("/v1/models", get(router_models))
             .route("/props", get(router_props))
             .route("/slots", get(router_slots))
-            .route("/chat/completions", post(chat))
-            .route("/v1/chat/completions", post(chat))
-            .route("/completions", post(completions))
-            .route("/v1/completions", post(completions))
-            .route("/embeddings", post(embeddings))
-            .route("/v1/embeddings", post(embeddings))
-            .route("/infill", post(infill))
+            .route("/chat/completions", job(Kind::Chat))
+            .route("/v1/chat/completions", job(Kind::Chat))
+            .route("/completions", job(Kind::Completion))
+            .route("/v1/completions", job(Kind::Completion))
+            .route("/embeddings", job(Kind::Embedding))
+            .route("/v1/embeddings", job(Kind::Embedding))
+            .route("/infill", job(Kind::Infill))
             .merge(sim_routes)
             .fallback(server_not_found),
         SimMode::LlamaSwap => Router::new()
@@ -70,14 +70,14 @@ pub(super) fn router(inner: Shared) -> Router {
             .route("/v1/models", get(swap_models))
             .route("/running", get(swap_running))
             .route("/upstream/{model}/{*rest}", get(swap_upstream))
-            .route("/v1/chat/completions", post(chat))
-            .route("/v1/completions", post(completions))
-            .route("/v1/embeddings", post(embeddings))
-            .route("/infill", post(infill))
-            .route("/v1/audio/transcriptions", post(transcriptions))
-            .route("/v1/audio/speech", post(speech))
-            .route("/v1/images/generations", post(images))
-            .route("/v1/images/edits", post(image_edits))
+            .route("/v1/chat/completions", job(Kind::Chat))
+            .route("/v1/completions", job(Kind::Completion))
+            .route("/v1/embeddings", job(Kind::Embedding))
+            .route("/infill", job(Kind::Infill))
+            .route("/v1/audio/transcriptions", job(Kind::Transcription))
+            .route("/v1/audio/speech", job(Kind::Speech))
+            .route("/v1/images/generations", job(Kind::Images))
+            .route("/v1/images/edits", job(Kind::ImageEdit))
             .merge(sim_routes)
             .fallback(swap_not_found),
     };
@@ -633,36 +633,11 @@ async fn router_slots(
 
 // ---- inference ----
 
-async fn chat(State(s): State<Shared>, uri: http::Uri, headers: HeaderMap, body: Bytes) -> Response {
-    dispatch(s, &uri, &headers, &body, Kind::Chat).await
-}
-
-async fn completions(State(s): State<Shared>, uri: http::Uri, headers: HeaderMap, body: Bytes) -> Response {
-    dispatch(s, &uri, &headers, &body, Kind::Completion).await
-}
-
-async fn embeddings(State(s): State<Shared>, uri: http::Uri, headers: HeaderMap, body: Bytes) -> Response {
-    dispatch(s, &uri, &headers, &body, Kind::Embedding).await
-}
-
-async fn infill(State(s): State<Shared>, uri: http::Uri, headers: HeaderMap, body: Bytes) -> Response {
-    dispatch(s, &uri, &headers, &body, Kind::Infill).await
-}
-
-async fn transcriptions(State(s): State<Shared>, uri: http::Uri, headers: HeaderMap, body: Bytes) -> Response {
-    dispatch(s, &uri, &headers, &body, Kind::Transcription).await
-}
-
-async fn speech(State(s): State<Shared>, uri: http::Uri, headers: HeaderMap, body: Bytes) -> Response {
-    dispatch(s, &uri, &headers, &body, Kind::Speech).await
-}
-
-async fn images(State(s): State<Shared>, uri: http::Uri, headers: HeaderMap, body: Bytes) -> Response {
-    dispatch(s, &uri, &headers, &body, Kind::Images).await
-}
-
-async fn image_edits(State(s): State<Shared>, uri: http::Uri, headers: HeaderMap, body: Bytes) -> Response {
-    dispatch(s, &uri, &headers, &body, Kind::ImageEdit).await
+/// The route of an inference path: its requests dispatched as `kind`.
+fn job(kind: Kind) -> axum::routing::MethodRouter<Shared> {
+    post(move |State(s): State<Shared>, uri: http::Uri, headers: HeaderMap, body: Bytes| async move {
+        dispatch(s, &uri, &headers, &body, kind).await
+    })
 }
 
 /// The value of a multipart form's field `name`, as Go's `FormValue` (which
