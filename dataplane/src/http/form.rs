@@ -57,6 +57,8 @@ pub fn boundary(content_type: &str) -> Option<&str> {
 /// once, separated by `;` and spaces only. Another parser (Go's
 /// `mime.ParseMediaType`) reads those as this one does; anything else,
 /// `None`.
+const MAX_PARAMS: usize = 8;
+
 fn params(mut text: &[u8]) -> Option<Vec<(&[u8], &[u8])>> {
     let token = |b: &u8| b.is_ascii_alphanumeric() || b"!#$%&'+-.^_`|~".contains(b);
     let mut params: Vec<(&[u8], &[u8])> = Vec::new();
@@ -79,10 +81,17 @@ fn params(mut text: &[u8]) -> Option<Vec<(&[u8], &[u8])>> {
             }
             None => {
                 let len = rest.iter().take_while(|b| token(b)).count();
+                if len == 0 {
+                    return None;
+                }
                 rest.split_at(len)
             }
         };
-        if name.is_empty() || params.iter().any(|(seen, _)| seen.eq_ignore_ascii_case(name)) {
+        // A few at most: a form's parts name two, its type one or two.
+        if name.is_empty()
+            || params.len() == MAX_PARAMS
+            || params.iter().any(|(seen, _)| seen.eq_ignore_ascii_case(name))
+        {
             return None;
         }
         params.push((name, value));
@@ -113,8 +122,14 @@ pub fn scan<'a>(body: &'a [u8], boundary: &str) -> Result<FormFields<'a>, FormEr
     let mut at = first + delimiter.len();
     loop {
         let rest = &body[at..];
-        if rest.starts_with(b"--") {
-            return Ok(fields);
+        if let Some(after) = rest.strip_prefix(b"--") {
+            // The close delimiter: padding, then the line's end or the
+            // body's (anything else, Go refuses).
+            let after = &after[after.iter().take_while(|b| matches!(b, b' ' | b'\t')).count()..];
+            if after.is_empty() || after.starts_with(b"\r\n") {
+                return Ok(fields);
+            }
+            return Err(FormError::Malformed("the close delimiter is followed by more than padding"));
         }
         // Transport padding, then the line's end.
         let Some(line_end) = memchr::memmem::find(rest, b"\r\n") else {
@@ -189,7 +204,9 @@ fn field_name(headers: &[u8]) -> Result<Option<&[u8]>, FormError> {
     let mut disposition = None;
     for line in headers.split(|b| *b == b'\n') {
         let line = line.strip_suffix(b"\r").unwrap_or(line);
-        let Some(colon) = line.iter().position(|b| *b == b':') else { continue };
+        let Some(colon) = line.iter().position(|b| *b == b':') else {
+            return refused("a part's header has no colon");
+        };
         let (name, value) = (&line[..colon], line[colon + 1..].trim_ascii());
         if name.eq_ignore_ascii_case(b"content-transfer-encoding")
             && !["7bit", "8bit", "binary"].iter().any(|plain| value.eq_ignore_ascii_case(plain.as_bytes()))
@@ -299,6 +316,7 @@ mod tests {
             "multipart/form-data; boundary=a; BOUNDARY=b",
             "multipart/form-data;; boundary=a",
             "multipart/form-data; boundary",
+            "multipart/form-data; boundary=b; charset=",
         ] {
             assert_eq!(boundary(content_type), None, "{content_type}");
         }
@@ -315,9 +333,16 @@ mod tests {
             let body = part(headers, "m");
             assert!(matches!(scan(body.as_bytes(), "XyZ"), Err(FormError::Malformed(_))), "{what}: {body:?}");
         }
-        // Many header lines are read in one pass: a body of them is refused
-        // at once, not in hours.
-        let many = format!("--XyZ\r\n{}\r\nm\r\n--XyZ--\r\n", "a\r\n".repeat(1 << 16));
+        assert!(matches!(scan(b"--XyZ\r\nno colon\r\n\r\nm\r\n--XyZ--\r\n", "XyZ"), Err(FormError::Malformed(_))));
+        let closed =
+            |end: &str| format!("--XyZ\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\nm\r\n--XyZ--{end}");
+        assert_eq!(scan(closed(" \r\nepilogue").as_bytes(), "XyZ").unwrap().model, Some("m"));
+        assert!(scan(closed("junk").as_bytes(), "XyZ").is_err(), "Go refuses text after the close delimiter");
+        let many: String = (0..100).map(|i| format!("; p{i}=1")).collect();
+        let many = part(&format!("Content-Disposition: form-data{many}"), "m");
+        assert!(scan(many.as_bytes(), "XyZ").is_err(), "a few parameters at most");
+        // Many header lines are read in one pass: at once, not in hours.
+        let many = format!("--XyZ\r\n{}\r\nm\r\n--XyZ--\r\n", "a: b\r\n".repeat(1 << 16));
         assert_eq!(scan(many.as_bytes(), "XyZ").unwrap().model, None);
     }
 
