@@ -186,15 +186,14 @@ fn text(value: Option<Raw<'_>>) -> &[u8] {
 /// A Messages API content as its root hashes it: a hash of each content
 /// block's members but `cache_control` (which Anthropic clients move to
 /// the latest turn, so the first message has one in its first turn and none
-/// after), sorted by name, whatever order they came in. A string is hashed
-/// as the text block it stands for, so a client that writes the turn as a
-/// block once and as a string after keeps its root.
+/// after), whatever order they came in. A string is hashed as the text
+/// block it stands for, so a client that writes the turn as a block once
+/// and as a string after keeps its root.
 fn without_cache_marks(value: Option<Raw<'_>>) -> Cow<'_, [u8]> {
     let Some(raw) = value else { return Cow::Borrowed(&[]) };
     if raw.starts_with('"') {
-        return Cow::Owned(
-            block_hash(&mut [(Cow::Borrowed("text"), raw), (Cow::Borrowed("type"), "\"text\"")]).to_vec(),
-        );
+        let block = member_hash("text", raw).wrapping_add(member_hash("type", "\"text\""));
+        return Cow::Owned(block.to_le_bytes().to_vec());
     }
     if !raw.starts_with('[') {
         return Cow::Borrowed(raw.as_bytes());
@@ -209,12 +208,10 @@ fn without_cache_marks(value: Option<Raw<'_>>) -> Cow<'_, [u8]> {
 /// Content blocks that make up a root, at most: each is read whole, and a
 /// root of this many is enough to tell conversations apart.
 const ROOT_BLOCKS: usize = 4096;
-/// Members of a block read, at most; the rest are skipped.
-const BLOCK_MEMBERS: usize = 16;
 
 /// Writes each content block's hash into `out`, up to [`ROOT_BLOCKS`]; then
 /// stops the parse with an error, which the caller ignores. Each block is
-/// read as borrowed text, and dropped before the next.
+/// read as borrowed text, one at a time.
 struct Blocks<'o> {
     out: &'o mut Vec<u8>,
 }
@@ -237,44 +234,39 @@ impl<'de> serde::de::Visitor<'de> for Blocks<'_> {
                     serde::Deserializer::deserialize_map(&mut object, Members).ok()
                 })
                 .flatten();
-            let hash = match members {
-                Some(mut members) => block_hash(&mut members),
-                None => text_hash(&[block.as_bytes()]).to_le_bytes(),
-            };
-            self.out.extend_from_slice(&hash);
+            let hash = members.unwrap_or_else(|| text_hash(&[block.as_bytes()]));
+            self.out.extend_from_slice(&hash.to_le_bytes());
         }
         Err(serde::de::Error::custom("enough of the opening read"))
     }
 }
 
-/// A block's members, sorted by name, hashed.
-fn block_hash(members: &mut [(Cow<'_, str>, &str)]) -> [u8; 8] {
-    members.sort_unstable_by(|a, b| a.0.cmp(&b.0));
-    let parts: Vec<&[u8]> = members.iter().flat_map(|(name, value)| [name.as_bytes(), value.as_bytes()]).collect();
-    text_hash(&parts).to_le_bytes()
+/// One member of a block, hashed: a block's hash is the sum of its
+/// members', which no order of theirs changes.
+fn member_hash(name: &str, value: &str) -> u64 {
+    text_hash(&[name.as_bytes(), value.as_bytes()])
 }
 
-/// A block's first [`BLOCK_MEMBERS`] members but `cache_control`, as
-/// written; the rest skipped.
+/// A block's hash: the sum of its members' but `cache_control`, each as
+/// written.
 struct Members;
 
 impl<'de> serde::de::Visitor<'de> for Members {
-    type Value = Vec<(Cow<'de, str>, &'de str)>;
+    type Value = u64;
 
     fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("a content block")
     }
 
-    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
-        let mut members = Vec::new();
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<u64, A::Error> {
+        let mut hash = 0u64;
         while let Some(name) = map.next_key::<Cow<'de, str>>()? {
-            if name == "cache_control" || members.len() >= BLOCK_MEMBERS {
-                map.next_value::<serde::de::IgnoredAny>()?;
-                continue;
+            let value = map.next_value::<&'de serde_json::value::RawValue>()?;
+            if name != "cache_control" {
+                hash = hash.wrapping_add(member_hash(&name, value.get()));
             }
-            members.push((name, map.next_value::<&'de serde_json::value::RawValue>()?.get()));
         }
-        Ok(members)
+        Ok(hash)
     }
 }
 
