@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The fuzz campaign: each target in fuzz/ (the request scanner, the SSE
-# tail reader, the snapshot decoder) for a bounded time, from its seeds
+# The fuzz campaign: each target in fuzz/ (the request scanner, the upload
+# form reader, the SSE tail reader, the snapshot decoder) for a bounded
+# time, from its seeds
 # (fuzz/seeds/<target>) and every input kept from an earlier crash
 # (fuzz/regressions/<target>), which run first. A crash fails the run and
 # libFuzzer writes its input to fuzz/artifacts/<target>/: once it is fixed,

@@ -18,7 +18,7 @@ if cargo nextest --version >/dev/null 2>&1; then
 else
   cargo test --workspace --locked --no-fail-fast
 fi
-echo "== fuzz: the request scanner, the SSE tail, the snapshot decoder" >&2
+echo "== fuzz: the request scanner, the upload form reader, the SSE tail, the snapshot decoder" >&2
 FUZZ_SECONDS=${FUZZ_SECONDS:-60} "$root/scripts/fuzz.sh"
 echo "== end to end: real llama-server nodes, the OpenAI client" >&2
 "$root/scripts/e2e.sh"
