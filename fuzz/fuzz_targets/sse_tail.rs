@@ -6,7 +6,9 @@
 
 use libfuzzer_sys::fuzz_target;
 
-use inferyes_dataplane::http::fuzzing::{carries_output, count_data_events, ended_well, is_usage_only_event};
+use inferyes_dataplane::http::fuzzing::{
+    carries_output, count_data_events, ended_well, ended_with_event, is_usage_only_event,
+};
 
 fuzz_target!(|tail: &[u8]| {
     if let Some(usage) = inferyes_proto::usage::parse_usage(tail) {
@@ -14,5 +16,5 @@ fuzz_target!(|tail: &[u8]| {
     }
     let events = count_data_events(tail);
     assert!(events <= tail.len() / "data:".len(), "{events} events in {} bytes", tail.len());
-    let _ = (ended_well(tail), is_usage_only_event(tail), carries_output(tail));
+    let _ = (ended_well(tail), ended_with_event(tail, "message_stop"), is_usage_only_event(tail), carries_output(tail));
 });

@@ -60,13 +60,16 @@ pub enum Session {
     MessagesOpening,
 }
 
-/// How a stream of the kind ends when it ends well.
+/// How a stream of the kind ends when it ends well (or with the error
+/// event its server sends itself).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum StreamEnd {
     /// `data: [DONE]`.
     Done,
-    /// Its own last event (Responses' `response.completed`, Messages'
-    /// `message_stop`), not checked.
+    /// An event of this type (Messages' `message_stop`).
+    Event(&'static str),
+    /// Its own last events, not checked (the Responses API ends with one of
+    /// several).
     Own,
 }
 
@@ -132,6 +135,7 @@ pub const ROWS: &[Row] = &[
         session: Session::MessagesOpening,
         errors: ErrorShape::Anthropic,
         usage: UsageIn::HeadAndTail,
+        stream_end: StreamEnd::Event("message_stop"),
         ..OPENAI
     },
     Row {

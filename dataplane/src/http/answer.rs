@@ -39,9 +39,10 @@ type Boxed<T> = Pin<Box<dyn Future<Output = T> + Send>>;
 
 /// What a stream's body is passed on with, the same whatever node answers.
 pub(crate) struct Plan {
-    /// Chat and completion streams end with `data: [DONE]` (or an error
-    /// event); the last bytes tell whether this one did.
-    pub expects_done: bool,
+    /// How the stream ends when it ends well (chat's `data: [DONE]`,
+    /// Messages' `message_stop`, or an error event); the last bytes tell
+    /// whether this one did.
+    pub stream_end: inferyes_proto::kinds::StreamEnd,
     /// The data plane asked for usage the client did not: its chunk is
     /// taken out, which needs whole events.
     pub strip_usage: bool,
@@ -350,7 +351,7 @@ impl Streaming {
                     return self.end(cx, StreamEnd::Closed { complete }, None);
                 }
                 Poll::Ready(Some(Err(error))) => {
-                    let complete = self.event_stream && self.plan.expects_done && super::sse::ended_well(&self.tail);
+                    let complete = self.event_stream && self.checks_end() && self.ended_well();
                     return self.end(cx, StreamEnd::Failed { complete }, Some(error));
                 }
                 Poll::Pending => return Poll::Pending,
@@ -422,7 +423,7 @@ impl Streaming {
             let ejected_ms = self.guard.local.eject(inferyes_proto::unix_ms(), self.plan.version);
             inferyes_net::warn_every!(gate: self.guard.local.log; request_id, node = %self.node, ejected_ms, "node failed mid-stream; held out of routing");
         } else if matches!(error, Some(UpstreamError::StreamCut)) {
-            inferyes_net::warn_every!(gate: self.guard.local.log; request_id, node = %self.node, "stream ended without [DONE]; ending it with an error event");
+            inferyes_net::warn_every!(gate: self.guard.local.log; request_id, node = %self.node, "stream ended before its end event; ending it with an error event");
         }
         match (error, failure) {
             (Some(error), _) if self.event_stream => {
@@ -437,7 +438,21 @@ impl Streaming {
 
     /// Whether a stream its node closed ended as a whole answer does.
     fn closed_complete(&self) -> bool {
-        !(self.event_stream && self.plan.expects_done) || super::sse::ended_well(&self.tail)
+        !(self.event_stream && self.checks_end()) || self.ended_well()
+    }
+
+    /// Whether the stream's kind says how it ends.
+    fn checks_end(&self) -> bool {
+        self.plan.stream_end != inferyes_proto::kinds::StreamEnd::Own
+    }
+
+    /// Whether the last bytes are how the stream's kind ends.
+    fn ended_well(&self) -> bool {
+        match self.plan.stream_end {
+            inferyes_proto::kinds::StreamEnd::Done => super::sse::ended_well(&self.tail),
+            inferyes_proto::kinds::StreamEnd::Event(name) => super::sse::ended_with_event(&self.tail, name),
+            inferyes_proto::kinds::StreamEnd::Own => true,
+        }
     }
 
     fn finish(&self, outcome: Outcome) {
@@ -518,6 +533,11 @@ mod tests {
 
     /// The body of `frames`, metered for key `k` into the ledger returned.
     async fn body(frames: Vec<&'static str>) -> (AnswerBody, Arc<Ledger>) {
+        body_of(frames, inferyes_proto::kinds::row("/v1/chat/completions").unwrap()).await
+    }
+
+    /// The same, as an answer on `row`'s path.
+    async fn body_of(frames: Vec<&'static str>, row: &inferyes_proto::kinds::Row) -> (AnswerBody, Arc<Ledger>) {
         let ledger = Ledger::new("test", true);
         let meter = Meter::new(
             Arc::clone(&ledger),
@@ -529,11 +549,11 @@ mod tests {
             None,
         );
         let plan = Plan {
-            expects_done: true,
-            strip_usage: true,
+            stream_end: row.stream_end,
+            strip_usage: row.asks_usage,
             meter: Some(meter),
             request_id: HeaderValue::from_static("req"),
-            errors: ErrorShape::OpenAi,
+            errors: row.errors,
             version: 1,
             _held: None,
         };
@@ -558,6 +578,25 @@ mod tests {
         let text = text(body).await;
         assert!(text.starts_with(CONTENT), "{text}");
         assert!(text.ends_with("\n\n") && text.contains("\"code\":\"upstream_broken\""), "{text}");
+    }
+
+    #[tokio::test]
+    async fn a_messages_stream_that_ends_before_message_stop_ends_with_anthropic_s_error_event() {
+        const DELTA: &str = "event: content_block_delta\ndata: {\"type\":\"content_block_delta\"}\n\n";
+        const STOP: &str = "event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n";
+        let messages = inferyes_proto::kinds::row("/v1/messages").unwrap();
+        let (whole, _) = body_of(vec![DELTA, STOP], messages).await;
+        assert_eq!(text(whole).await, format!("{DELTA}{STOP}"));
+        let (cut, _) = body_of(vec![DELTA], messages).await;
+        let cut = text(cut).await;
+        let error = cut.strip_prefix(DELTA).unwrap_or_else(|| panic!("{cut}"));
+        let data = error.strip_prefix("event: error\ndata: ").unwrap_or_else(|| panic!("{cut}"));
+        let data: serde_json::Value = serde_json::from_str(data.trim_end()).unwrap();
+        assert_eq!(
+            (data["type"].as_str(), data["error"]["type"].as_str()),
+            (Some("error"), Some("api_error")),
+            "{cut}"
+        );
     }
 
     #[tokio::test]

@@ -36,7 +36,7 @@ pub use view::{RoutingView, parse_view, session_key};
 #[cfg(feature = "fuzzing")]
 #[doc(hidden)]
 pub mod fuzzing {
-    pub use super::sse::{carries_output, count_data_events, ended_well, is_usage_only_event};
+    pub use super::sse::{carries_output, count_data_events, ended_well, ended_with_event, is_usage_only_event};
     pub use super::view::{
         estimated_prompt_tokens, metered_prompt_estimate, parse_request_view, with_model, with_usage_requested,
     };

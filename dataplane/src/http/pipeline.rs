@@ -338,7 +338,7 @@ impl<'s> Exchange<'s> {
     fn streamed(&mut self, strip_usage: bool, continues: bool) -> Streamed<'s> {
         Streamed {
             state: self.state,
-            expects_done: self.row.stream_end == StreamEnd::Done,
+            stream_end: self.row.stream_end,
             errors: self.row.errors,
             strip_usage,
             meter: self.facts.meter.clone(),
@@ -412,7 +412,7 @@ impl<'s> Exchange<'s> {
 /// What a streamed answer's body is made with, whichever node answers.
 struct Streamed<'s> {
     state: &'s Arc<AppState>,
-    expects_done: bool,
+    stream_end: StreamEnd,
     errors: inferyes_proto::kinds::ErrorShape,
     strip_usage: bool,
     meter: Option<crate::usage::Meter>,
@@ -456,7 +456,7 @@ impl Streamed<'_> {
         let held = if resume.is_some() { self.held } else { None };
         let plan = Plan {
             _held: held,
-            expects_done: self.expects_done,
+            stream_end: self.stream_end,
             strip_usage: self.strip_usage,
             meter: self.meter,
             request_id: self.request_id,
@@ -489,8 +489,8 @@ impl Streamed<'_> {
         let meter = self.meter.clone();
         let state = Arc::clone(self.state);
         let expected = ExpectedTtft { ms: route.expected_ttft_ms, home_ms: route.home_expected_ttft_ms };
-        let (expects_done, errors, request_id, continues, held) =
-            (self.expects_done, self.errors, self.request_id.clone(), self.continues, self.held);
+        let (stream_end, errors, request_id, continues, held) =
+            (self.stream_end, self.errors, self.request_id.clone(), self.continues, self.held);
         let answer_model = model.clone();
         let answer_meter = meter.clone();
         let answer = async move {
@@ -508,7 +508,7 @@ impl Streamed<'_> {
             };
             let streamed = Streamed {
                 state: &state,
-                expects_done,
+                stream_end,
                 errors,
                 strip_usage,
                 meter: answer_meter,

@@ -139,19 +139,48 @@ pub fn carries_output(bytes: &[u8]) -> bool {
 /// is the stream's last bytes; events end with a blank line, `\n\n` or
 /// `\r\n\r\n`.
 pub fn ended_well(tail: &[u8]) -> bool {
+    let last = last_event(tail);
+    last == b"data: [DONE]" || last.starts_with(b"data: {\"error\"")
+}
+
+/// Whether a stream whose last bytes are `tail` ended with an event of type
+/// `name` (`event: name`), or with an error event, Anthropic's
+/// (`event: error`) or the OpenAI-compatible kind.
+pub fn ended_with_event(tail: &[u8], name: &str) -> bool {
+    let last = last_event(tail);
+    let typed = |line: &[u8]| {
+        line.strip_prefix(b"event:").map(<[u8]>::trim_ascii).is_some_and(|t| t == name.as_bytes() || t == b"error")
+    };
+    last.split(|b| *b == b'\n').map(<[u8]>::trim_ascii).any(typed) || last.starts_with(b"data: {\"error\"")
+}
+
+/// A stream's last event, from its last bytes.
+fn last_event(tail: &[u8]) -> &[u8] {
     let text = tail.trim_ascii_end();
     // The last event starts after the last blank line: found from the end,
     // so only that event is read, however long the tail.
     let start = memchr::memrchr_iter(b'\n', text)
         .find(|&at| text[..at].ends_with(b"\n") || text[..at].ends_with(b"\n\r"))
         .map_or(0, |at| at + 1);
-    let last = text[start..].trim_ascii_start();
-    last == b"data: [DONE]" || last.starts_with(b"data: {\"error\"")
+    text[start..].trim_ascii_start()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_messages_stream_ended_well_with_message_stop_or_an_error_event() {
+        let stop = b"event: message_delta\ndata: {}\n\nevent: message_stop\ndata: {\"type\":\"message_stop\"}\n\n";
+        assert!(ended_with_event(stop, "message_stop"));
+        assert!(ended_with_event(b"event: error\r\ndata: {\"type\":\"error\"}\r\n\r\n", "message_stop"));
+        assert!(!ended_with_event(b"event: content_block_delta\ndata: {}\n\n", "message_stop"));
+        assert!(
+            !ended_with_event(b"event: message_stop\ndata: {}\n\nevent: ping\ndata: {}\n\n", "message_stop"),
+            "then more"
+        );
+        assert!(!ended_with_event(b"data: {\"x\":\"event: message_stop\"}\n\n", "message_stop"), "inside data");
+    }
 
     #[test]
     fn a_stream_ended_well_with_done_or_its_own_error() {
