@@ -100,7 +100,9 @@ def test_a_streamed_messages_conversation_reads_more_of_its_cache_each_turn(gemm
         turns.append((node, route, reply.usage))
     assert len({node for node, _, _ in turns}) == 1, turns
     assert [route for _, route, _ in turns] == ["placed", "resident", "resident"], turns
-    assert turns[0][2].cache_read_input_tokens == 0 and turns[0][2].input_tokens > 400, turns
+    # The first turn shares at most its first tokens (the template's) with
+    # what an earlier test left in the slot.
+    assert turns[0][2].cache_read_input_tokens < 16 and turns[0][2].input_tokens > 400, turns
     prompts = [usage.input_tokens + usage.cache_read_input_tokens for _, _, usage in turns]
     for before, (_, _, usage) in zip(prompts, turns[1:]):
         # Reported as cache reads: the whole prompt before, at least.
