@@ -28,6 +28,18 @@ type Shared = Arc<Inner>;
 
 const BUILD_INFO: &str = "b11434-unknown";
 
+/// The inference paths llama-server serves, one model or a router's.
+fn server_jobs() -> Router<Shared> {
+    Router::new()
+        .route("/chat/completions", job(Kind::Chat))
+        .route("/v1/chat/completions", job(Kind::Chat))
+        .route("/completions", job(Kind::Completion))
+        .route("/v1/completions", job(Kind::Completion))
+        .route("/embeddings", job(Kind::Embedding))
+        .route("/v1/embeddings", job(Kind::Embedding))
+        .route("/infill", job(Kind::Infill))
+}
+
 pub(super) fn router(inner: Shared) -> Router {
     let sim_routes = Router::new().route("/sim/gpu", get(gpu_get).post(gpu_post));
     let routes = match inner.config.mode {
@@ -39,13 +51,7 @@ pub(super) fn router(inner: Shared) -> Router {
             .route("/props", get(props))
             .route("/slots", get(slots))
             .route("/metrics", get(metrics))
-            .route("/chat/completions", job(Kind::Chat))
-            .route("/v1/chat/completions", job(Kind::Chat))
-            .route("/completions", job(Kind::Completion))
-            .route("/v1/completions", job(Kind::Completion))
-            .route("/embeddings", job(Kind::Embedding))
-            .route("/v1/embeddings", job(Kind::Embedding))
-            .route("/infill", job(Kind::Infill))
+            .merge(server_jobs())
             .merge(sim_routes)
             .fallback(server_not_found)
             .layer(middleware::from_fn_with_state(Arc::clone(&inner), loading_gate)),
@@ -56,13 +62,7 @@ pub(super) fn router(inner: Shared) -> Router {
             .route("/v1/models", get(router_models))
             .route("/props", get(router_props))
             .route("/slots", get(router_slots))
-            .route("/chat/completions", job(Kind::Chat))
-            .route("/v1/chat/completions", job(Kind::Chat))
-            .route("/completions", job(Kind::Completion))
-            .route("/v1/completions", job(Kind::Completion))
-            .route("/embeddings", job(Kind::Embedding))
-            .route("/v1/embeddings", job(Kind::Embedding))
-            .route("/infill", job(Kind::Infill))
+            .merge(server_jobs())
             .merge(sim_routes)
             .fallback(server_not_found),
         SimMode::LlamaSwap => Router::new()
