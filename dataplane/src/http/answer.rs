@@ -97,8 +97,8 @@ struct Streaming {
     node: Arc<str>,
     event_stream: bool,
     status: u16,
-    /// The stream's first bytes, where its usage is partly there.
-    head: Vec<u8>,
+    /// The stream's first bytes, kept where its usage is partly there.
+    head: Option<Vec<u8>>,
     tail: Vec<u8>,
     /// A partial event, where events are read whole.
     events: super::sse::Events,
@@ -144,7 +144,7 @@ impl AnswerBody {
             node,
             event_stream,
             status: parts.status.as_u16(),
-            head: Vec::new(),
+            head: plan.meter.as_ref().filter(|m| m.reads_head()).map(|_| Vec::new()),
             tail: Vec::new(),
             events: super::sse::Events::default(),
             inner_done: false,
@@ -315,9 +315,9 @@ impl Streaming {
                         // that say nothing of their usage.
                         meter.data_events(super::sse::count_data_events(data));
                     }
-                    if self.head.len() < HEAD_BYTES && self.plan.meter.as_ref().is_some_and(Meter::reads_head) {
-                        let room = HEAD_BYTES - self.head.len();
-                        self.head.extend_from_slice(&data[..data.len().min(room)]);
+                    if let Some(head) = self.head.as_mut().filter(|head| head.len() < HEAD_BYTES) {
+                        let room = HEAD_BYTES - head.len();
+                        head.extend_from_slice(&data[..data.len().min(room)]);
                     }
                     self.tail.extend_from_slice(data);
                     if self.tail.len() > 2 * TAIL_BYTES {
@@ -464,7 +464,8 @@ impl Streaming {
             // A continued answer's usage is partly the first node's: it is
             // estimated (prompt from the request, one token per event).
             let continued = self.hops.as_ref().is_some_and(|hops| hops.continued);
-            let usage = if continued { None } else { meter.usage(&self.head, &self.tail) };
+            let usage =
+                if continued { None } else { meter.usage(self.head.as_deref().unwrap_or_default(), &self.tail) };
             meter.finish(status, outcome, usage);
         }
     }
