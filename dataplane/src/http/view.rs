@@ -358,6 +358,10 @@ pub fn with_model(body: &bytes::Bytes, view: &RoutingView, model: &str) -> bytes
         // A form's value is its bytes: a name that could end the part is
         // not written into one.
         if model.bytes().any(|b| b.is_ascii_control() || b == b'"') {
+            inferyes_net::warn_every!(
+                model,
+                "an upload's alias names a model that cannot be written into a form; sent as the alias"
+            );
             return body.clone();
         }
         model
