@@ -446,6 +446,12 @@ impl Meter {
         self.0.finish(status, outcome, usage);
     }
 
+    /// The prompt tokens the request is counted for where its answer says
+    /// none.
+    pub fn prompt_estimate(&self) -> u64 {
+        self.0.counted.prompt_estimate
+    }
+
     /// Whether the usage is partly in the answer's first bytes, which are
     /// then kept for [`Meter::usage`].
     pub fn reads_head(&self) -> bool {

@@ -73,6 +73,32 @@ pub enum StreamEnd {
     Own,
 }
 
+/// The event a stream of the kind opens with, which its clients read
+/// before any other. A stream its server starts with another event gets
+/// this one put ahead of it: llama-server writes it with the first token's
+/// text, and leaves it out where that text is held back (the first bytes
+/// of a character split across tokens).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StreamStart {
+    /// Any event: nothing is read of the stream's start.
+    Any,
+    /// Messages' `message_start`: the message's id, model and prompt usage.
+    MessageStart,
+    /// The Responses API's `response.created` (then `response.in_progress`).
+    ResponseCreated,
+}
+
+impl StreamStart {
+    /// The type of the event a stream of the kind opens with.
+    pub fn event(self) -> Option<&'static str> {
+        match self {
+            StreamStart::Any => None,
+            StreamStart::MessageStart => Some("message_start"),
+            StreamStart::ResponseCreated => Some("response.created"),
+        }
+    }
+}
+
 /// One path the fleet serves.
 #[derive(Clone, Copy, Debug)]
 pub struct Row {
@@ -83,6 +109,7 @@ pub struct Row {
     pub session: Session,
     pub errors: ErrorShape,
     pub usage: UsageIn,
+    pub stream_start: StreamStart,
     pub stream_end: StreamEnd,
     /// A stream that would end without its usage is asked for it
     /// (`stream_options.include_usage`), the extra chunk kept from the
@@ -100,6 +127,7 @@ const OPENAI: Row = Row {
     session: Session::None,
     errors: ErrorShape::OpenAi,
     usage: UsageIn::Tail,
+    stream_start: StreamStart::Any,
     stream_end: StreamEnd::Own,
     asks_usage: false,
     continues: false,
@@ -128,13 +156,20 @@ pub const ROWS: &[Row] = &[
         asks_usage: true,
         ..OPENAI
     },
-    Row { path: "/v1/responses", kind: EndpointKind::Responses, session: Session::Opening, ..OPENAI },
+    Row {
+        path: "/v1/responses",
+        kind: EndpointKind::Responses,
+        session: Session::Opening,
+        stream_start: StreamStart::ResponseCreated,
+        ..OPENAI
+    },
     Row {
         path: "/v1/messages",
         kind: EndpointKind::Messages,
         session: Session::MessagesOpening,
         errors: ErrorShape::Anthropic,
         usage: UsageIn::HeadAndTail,
+        stream_start: StreamStart::MessageStart,
         stream_end: StreamEnd::Event("message_stop"),
         ..OPENAI
     },

@@ -61,6 +61,31 @@ def test_messages_are_answered_whole_and_streamed(fleet):
     assert counted.input_tokens > 0
 
 
+def test_a_messages_stream_opens_with_message_start_where_the_server_left_it_out(fleet):
+    # llama-server writes `message_start` with the first token's text, and
+    # leaves it out where that text is held back (the first bytes of a
+    # character split across tokens). Greedy sampling makes such a prompt
+    # findable on the tiny model, asked of its server directly.
+    def starts(prompt):
+        body = {"model": "tiny-chat", "max_tokens": 2, "stream": True, "temperature": 0,
+                "messages": [{"role": "user", "content": prompt}]}
+        request = urllib.request.Request(f"{fleet.llama['node-a']}/v1/messages", data=json.dumps(body).encode(),
+                                         method="POST", headers={"content-type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return b"event: message_start" in response.read()
+
+    prompt = next((p for p in (f"word {i}" for i in range(400)) if not starts(p)), None)
+    assert prompt, "every stream llama-server sent opened with message_start: nothing to check"
+
+    with claude(fleet).messages.stream(model="tiny-chat", max_tokens=4, extra_body={"temperature": 0},
+                                       messages=[{"role": "user", "content": prompt}]) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text and final.content[0].text == text
+    assert final.model == "tiny-chat" and final.id.startswith("msg_")
+    assert final.usage.input_tokens > 0 and final.usage.output_tokens == 4
+
+
 def test_a_messages_conversation_stays_on_its_node_and_reads_its_cache(fleet):
     # No session header: the conversation's root (the system prompt and the
     # first message) keeps it on its node.

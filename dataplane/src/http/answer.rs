@@ -39,6 +39,8 @@ type Boxed<T> = Pin<Box<dyn Future<Output = T> + Send>>;
 
 /// What a stream's body is passed on with, the same whatever node answers.
 pub(crate) struct Plan {
+    /// The event the stream must open with, where its kind has one.
+    pub opening: Option<super::opening::Opening>,
     /// How the stream ends when it ends well (chat's `data: [DONE]`,
     /// Messages' `message_stop`, or an error event); the last bytes tell
     /// whether this one did.
@@ -99,6 +101,9 @@ struct Streaming {
     status: u16,
     /// The stream's first bytes, kept where its usage is partly there.
     head: Option<Vec<u8>>,
+    /// The first bytes passed on, until its first event shows it opens as
+    /// its kind does.
+    opening: Option<super::opening::Opening>,
     tail: Vec<u8>,
     /// A partial event, where events are read whole.
     events: super::sse::Events,
@@ -135,6 +140,8 @@ impl AnswerBody {
     ) -> (http::response::Parts, AnswerBody) {
         let Started { parts, body, guard, node, .. } = started;
         let event_stream = super::sse::is_event_stream(&parts.headers);
+        let mut plan = plan;
+        let opening = plan.opening.take().filter(|_| event_stream && parts.status.is_success());
         let hops = resume.filter(|(_, left)| event_stream && !left.is_empty()).map(|(resuming, left)| {
             Box::new(Hops { resuming, left, partial: String::new(), generated: 0, continued: false, asking: None })
         });
@@ -145,6 +152,7 @@ impl AnswerBody {
             event_stream,
             status: parts.status.as_u16(),
             head: plan.meter.as_ref().filter(|m| m.reads_head()).map(|_| Vec::new()),
+            opening,
             tail: Vec::new(),
             events: super::sse::Events::default(),
             inner_done: false,
@@ -305,7 +313,7 @@ impl Streaming {
         }
         loop {
             match Pin::new(&mut self.inner).poll_frame(cx) {
-                Poll::Ready(Some(Ok(frame))) => {
+                Poll::Ready(Some(Ok(mut frame))) => {
                     let Some(data) = frame.data_ref() else { return Poll::Ready(Some(Ok(frame))) };
                     if let Some(meter) = &self.plan.meter {
                         if self.event_stream {
@@ -323,6 +331,12 @@ impl Streaming {
                     if self.tail.len() > 2 * TAIL_BYTES {
                         self.tail.drain(..self.tail.len() - TAIL_BYTES);
                     }
+                    if let Some(opening) = self.opening.as_mut() {
+                        let Some(opened) = opening.push(data) else { continue };
+                        self.opening = None;
+                        frame = Frame::data(opened);
+                    }
+                    let Some(data) = frame.data_ref() else { return Poll::Ready(Some(Ok(frame))) };
                     if self.hops.is_some() {
                         // Read event by event, for what was said so far.
                         match self.read_events(data) {
@@ -342,6 +356,10 @@ impl Streaming {
                 }
                 Poll::Ready(None) => {
                     self.inner_done = true;
+                    // A first event cut short: passed on as it is.
+                    if let Some(held) = self.opening.take().and_then(|mut opening| opening.take_rest()) {
+                        return Poll::Ready(Some(Ok(Frame::data(held))));
+                    }
                     let complete = self.closed_complete();
                     // A last event without its blank line: passed on as it
                     // is, unless the stream goes on elsewhere.
@@ -546,10 +564,11 @@ mod tests {
             Some("k".into()),
             "m".into(),
             true,
-            crate::usage::Counted::at_the_end(1_000),
+            crate::usage::Counted { usage: row.usage, prompt_estimate: 1_000 },
             None,
         );
         let plan = Plan {
+            opening: super::super::opening::Opening::new(row.stream_start, "m", "req", 1_000),
             stream_end: row.stream_end,
             strip_usage: row.asks_usage,
             meter: Some(meter),
@@ -585,12 +604,13 @@ mod tests {
     async fn a_messages_stream_that_ends_before_message_stop_ends_with_anthropic_s_error_event() {
         const DELTA: &str = "event: content_block_delta\ndata: {\"type\":\"content_block_delta\"}\n\n";
         const STOP: &str = "event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n";
+        const START: &str = "event: message_start\ndata: {\"type\":\"message_start\"}\n\n";
         let messages = inferyes_proto::kinds::row("/v1/messages").unwrap();
-        let (whole, _) = body_of(vec![DELTA, STOP], messages).await;
-        assert_eq!(text(whole).await, format!("{DELTA}{STOP}"));
-        let (cut, _) = body_of(vec![DELTA], messages).await;
+        let (whole, _) = body_of(vec![START, DELTA, STOP], messages).await;
+        assert_eq!(text(whole).await, format!("{START}{DELTA}{STOP}"));
+        let (cut, _) = body_of(vec![START, DELTA], messages).await;
         let cut = text(cut).await;
-        let error = cut.strip_prefix(DELTA).unwrap_or_else(|| panic!("{cut}"));
+        let error = cut.strip_prefix(&format!("{START}{DELTA}")).unwrap_or_else(|| panic!("{cut}"));
         let data = error.strip_prefix("event: error\ndata: ").unwrap_or_else(|| panic!("{cut}"));
         let data: serde_json::Value = serde_json::from_str(data.trim_end()).unwrap();
         assert_eq!(
@@ -598,6 +618,31 @@ mod tests {
             (Some("error"), Some("api_error")),
             "{cut}"
         );
+    }
+
+    #[tokio::test]
+    async fn a_messages_stream_its_node_started_without_message_start_gets_one_first() {
+        const BLOCK: &str = "event: content_block_start\ndata: {\"type\":\"content_block_start\"}\n\n";
+        const DELTA: &str =
+            "event: message_delta\ndata: {\"type\":\"message_delta\",\"usage\":{\"output_tokens\":8}}\n\n";
+        const STOP: &str = "event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n";
+        let messages = inferyes_proto::kinds::row("/v1/messages").unwrap();
+        let (body, ledger) = body_of(vec![BLOCK, DELTA, STOP], messages).await;
+        let opened = text(body).await;
+        let rest = opened.strip_prefix("event: message_start\ndata: ").unwrap_or_else(|| panic!("{opened}"));
+        let (start, rest) = rest.split_once("\n\n").unwrap();
+        let start: serde_json::Value = serde_json::from_str(start).unwrap();
+        assert_eq!(start["message"]["usage"]["input_tokens"], 1_000, "the prompt as the ledger counts it");
+        assert_eq!(rest, format!("{BLOCK}{DELTA}{STOP}"), "then the stream as it came");
+        // Estimated throughout, as is every stream that says nothing of its
+        // prompt: the same prompt, and an output token per event.
+        assert_eq!(ledger.unacknowledged_tokens("k"), 1_003);
+        // One that opens with it goes on untouched.
+        let start =
+            "event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"usage\":{\"input_tokens\":5}}}\n\n";
+        let (body, ledger) = body_of(vec![start, BLOCK, DELTA, STOP], messages).await;
+        assert_eq!(text(body).await, format!("{start}{BLOCK}{DELTA}{STOP}"));
+        assert_eq!(ledger.unacknowledged_tokens("k"), 13);
     }
 
     #[tokio::test]

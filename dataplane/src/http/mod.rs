@@ -13,6 +13,7 @@ mod classify;
 mod client;
 mod edge;
 mod form;
+mod opening;
 mod pipeline;
 mod resume;
 mod scan;
@@ -36,7 +37,9 @@ pub use view::{RoutingView, parse_view, session_key};
 #[cfg(feature = "fuzzing")]
 #[doc(hidden)]
 pub mod fuzzing {
-    pub use super::sse::{carries_output, count_data_events, ended_well, ended_with_event, is_usage_only_event};
+    pub use super::sse::{
+        carries_output, count_data_events, ended_well, ended_with_event, is_usage_only_event, opens_with,
+    };
     pub use super::view::{
         estimated_prompt_tokens, metered_prompt_estimate, parse_request_view, with_model, with_usage_requested,
     };

@@ -15,12 +15,13 @@ use bytes::Bytes;
 use http::uri::PathAndQuery;
 use http::{HeaderMap, HeaderValue, header};
 use inferyes_proto::ErrorKind;
-use inferyes_proto::kinds::{ModelIn, Row, Session, StreamEnd};
+use inferyes_proto::kinds::{ModelIn, Row, Session, StreamEnd, StreamStart};
 use inferyes_proto::v1::RoutingDecision;
 
 use super::answer::{AnswerBody, Plan, Resuming};
 use super::attempt::{Answered, ExpectedTtft, NODE_HEADER, ROUTE_HEADER, Started, attempt_each, route_label};
 use super::client::Outbound;
+use super::opening::Opening;
 use super::view::{
     RoutingView, estimated_prompt_tokens, metered_prompt_estimate, parse_request_view, session_key, with_model,
     with_usage_requested,
@@ -338,6 +339,7 @@ impl<'s> Exchange<'s> {
     fn streamed(&mut self, strip_usage: bool, continues: bool) -> Streamed<'s> {
         Streamed {
             state: self.state,
+            stream_start: self.row.stream_start,
             stream_end: self.row.stream_end,
             errors: self.row.errors,
             strip_usage,
@@ -412,6 +414,7 @@ impl<'s> Exchange<'s> {
 /// What a streamed answer's body is made with, whichever node answers.
 struct Streamed<'s> {
     state: &'s Arc<AppState>,
+    stream_start: StreamStart,
     stream_end: StreamEnd,
     errors: inferyes_proto::kinds::ErrorShape,
     strip_usage: bool,
@@ -454,7 +457,10 @@ impl Streamed<'_> {
         let hard_stop = self.state.forwarder.hard_stop().clone();
         // Only a stream that may be continued keeps the request's body.
         let held = if resume.is_some() { self.held } else { None };
+        let prompt_estimate = self.meter.as_ref().map_or(0, crate::usage::Meter::prompt_estimate);
+        let opening = Opening::new(self.stream_start, out.model, super::id_text(&self.request_id), prompt_estimate);
         let plan = Plan {
+            opening,
             _held: held,
             stream_end: self.stream_end,
             strip_usage: self.strip_usage,
@@ -489,8 +495,8 @@ impl Streamed<'_> {
         let meter = self.meter.clone();
         let state = Arc::clone(self.state);
         let expected = ExpectedTtft { ms: route.expected_ttft_ms, home_ms: route.home_expected_ttft_ms };
-        let (stream_end, errors, request_id, continues, held) =
-            (self.stream_end, self.errors, self.request_id.clone(), self.continues, self.held);
+        let (stream_start, stream_end, errors, request_id, continues, held) =
+            (self.stream_start, self.stream_end, self.errors, self.request_id.clone(), self.continues, self.held);
         let answer_model = model.clone();
         let answer_meter = meter.clone();
         let answer = async move {
@@ -508,6 +514,7 @@ impl Streamed<'_> {
             };
             let streamed = Streamed {
                 state: &state,
+                stream_start,
                 stream_end,
                 errors,
                 strip_usage,

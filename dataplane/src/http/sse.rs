@@ -154,6 +154,29 @@ pub fn ended_with_event(tail: &[u8], name: &str) -> bool {
     last.split(|b| *b == b'\n').map(<[u8]>::trim_ascii).any(typed) || last.starts_with(b"data: {\"error\"")
 }
 
+/// Whether a stream whose first bytes are `head` opens with an event of
+/// type `name` (`event: name`) or with an error event, either kind;
+/// comments before it are passed over. `None` while its first event is
+/// not whole.
+pub fn opens_with(head: &[u8], name: &str) -> Option<bool> {
+    let mut rest = head;
+    while let Some(end) = event_end(rest) {
+        let event = &rest[..end];
+        rest = &rest[end..];
+        let mut fields = event.split(|b| *b == b'\n').map(<[u8]>::trim_ascii).filter(|line| !line.is_empty());
+        // Comment lines only, or blank lines: not an event.
+        let Some(field) = fields.find(|line| !line.starts_with(b":")) else { continue };
+        let typed = |line: &[u8]| {
+            line.strip_prefix(b"event:").map(<[u8]>::trim_ascii).is_some_and(|t| t == name.as_bytes() || t == b"error")
+        };
+        let error_data = |line: &[u8]| {
+            line.strip_prefix(b"data:").map(<[u8]>::trim_ascii).is_some_and(|d| d.starts_with(b"{\"error\""))
+        };
+        return Some(std::iter::once(field).chain(fields).any(|line| typed(line) || error_data(line)));
+    }
+    None
+}
+
 /// A stream's last event, from its last bytes.
 fn last_event(tail: &[u8]) -> &[u8] {
     let text = tail.trim_ascii_end();
@@ -180,6 +203,25 @@ mod tests {
             "then more"
         );
         assert!(!ended_with_event(b"data: {\"x\":\"event: message_stop\"}\n\n", "message_stop"), "inside data");
+    }
+
+    #[test]
+    fn a_stream_opens_with_its_event_once_the_first_event_is_whole() {
+        let start = b"event: message_start\ndata: {\"type\":\"message_start\"}\n\n";
+        assert_eq!(opens_with(start, "message_start"), Some(true));
+        assert_eq!(opens_with(&start[..start.len() - 1], "message_start"), None, "not whole yet");
+        assert_eq!(opens_with(b"", "message_start"), None);
+        let block = b"event: content_block_start\ndata: {\"type\":\"content_block_start\"}\n\nevent: message_start\n\n";
+        assert_eq!(opens_with(block, "message_start"), Some(false), "the first event only");
+        assert_eq!(
+            opens_with(b": ping\n\n: more\r\n\r\nevent: message_start\r\ndata: {}\r\n\r\n", "message_start"),
+            Some(true)
+        );
+        assert_eq!(opens_with(b": ping\n\n", "message_start"), None, "comments are not an event");
+        assert_eq!(opens_with(b"event: error\ndata: {\"type\":\"error\"}\n\n", "message_start"), Some(true));
+        assert_eq!(opens_with(b"data: {\"error\":{\"message\":\"x\"}}\n\n", "message_start"), Some(true));
+        assert_eq!(opens_with(b"data: {\"x\":\"event: message_start\"}\n\n", "message_start"), Some(false));
+        assert_eq!(opens_with(b"event: message_started\n\n", "message_start"), Some(false));
     }
 
     #[test]

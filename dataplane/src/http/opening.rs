@@ -1,0 +1,192 @@
+//! The event a stream of its kind opens with, put ahead of a stream whose
+//! server left it out ([`StreamStart`]). Anthropic's and OpenAI's clients
+//! build the answer from that event: without it the Anthropic SDK drops
+//! every later event and the OpenAI SDK's Responses stream fails.
+
+use bytes::Bytes;
+use inferyes_proto::kinds::StreamStart;
+use serde_json::json;
+
+/// Held at most while the first event is awaited; a stream whose first
+/// event is longer goes on as it is.
+const MAX_HELD: usize = 16 * 1024;
+
+/// A stream's first bytes, held until its first event is whole.
+pub(crate) struct Opening {
+    start: StreamStart,
+    name: &'static str,
+    /// The model the node was asked for, as its own opening would say it.
+    model: String,
+    request_id: String,
+    /// What the ledger counts for the prompt when the node says nothing of
+    /// it, and so what the client is told.
+    input_tokens: u64,
+    held: Vec<u8>,
+}
+
+impl Opening {
+    /// For a stream of `start`'s kind; `None` for a kind that opens with
+    /// any event.
+    pub(crate) fn new(start: StreamStart, model: &str, request_id: &str, input_tokens: u64) -> Option<Opening> {
+        let name = start.event()?;
+        Some(Opening {
+            start,
+            name,
+            model: model.to_string(),
+            request_id: request_id.to_string(),
+            input_tokens,
+            held: Vec::new(),
+        })
+    }
+
+    /// What goes on of the stream's first bytes, `data` the latest: `None`
+    /// while its first event is not whole; then all of them, behind the
+    /// opening event where they do not start with it.
+    pub(crate) fn push(&mut self, data: &Bytes) -> Option<Bytes> {
+        // Most streams' first frame is their opening event, whole: passed
+        // on uncopied.
+        if self.held.is_empty() && super::sse::opens_with(data, self.name) == Some(true) {
+            return Some(data.clone());
+        }
+        self.held.extend_from_slice(data);
+        let opens = match super::sse::opens_with(&self.held, self.name) {
+            Some(opens) => opens,
+            None if self.held.len() > MAX_HELD => true,
+            None => return None,
+        };
+        let held = std::mem::take(&mut self.held);
+        if opens {
+            return Some(Bytes::from(held));
+        }
+        let mut out = self.event();
+        out.extend_from_slice(&held);
+        Some(Bytes::from(out))
+    }
+
+    /// The bytes held when the stream ends before its first event is whole.
+    pub(crate) fn take_rest(&mut self) -> Option<Bytes> {
+        (!self.held.is_empty()).then(|| Bytes::from(std::mem::take(&mut self.held)))
+    }
+
+    /// The opening event, as llama-server writes it.
+    fn event(&self) -> Vec<u8> {
+        let id = self.request_id.strip_prefix("req_").unwrap_or(&self.request_id);
+        let events = match self.start {
+            StreamStart::Any => Vec::new(),
+            StreamStart::MessageStart => vec![(
+                "message_start",
+                json!({
+                    "type": "message_start",
+                    "message": {
+                        "id": format!("msg_{id}"),
+                        "type": "message",
+                        "role": "assistant",
+                        "content": [],
+                        "model": self.model,
+                        "stop_reason": null,
+                        "stop_sequence": null,
+                        "usage": {"input_tokens": self.input_tokens, "output_tokens": 0},
+                    },
+                }),
+            )],
+            StreamStart::ResponseCreated => {
+                let response = json!({"id": format!("resp_{id}"), "object": "response", "status": "in_progress"});
+                ["response.created", "response.in_progress"]
+                    .into_iter()
+                    .map(|name| (name, json!({"type": name, "response": response})))
+                    .collect()
+            }
+        };
+        let mut out = Vec::new();
+        for (name, data) in events {
+            out.extend_from_slice(format!("event: {name}\ndata: {data}\n\n").as_bytes());
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const START: &str = "event: message_start\ndata: {\"type\":\"message_start\"}\n\n";
+    const BLOCK: &str = "event: content_block_start\ndata: {\"type\":\"content_block_start\"}\n\n";
+
+    fn for_kind(start: StreamStart) -> Opening {
+        Opening::new(start, "m\"x", "req_abc", 12).unwrap()
+    }
+
+    fn events(bytes: &[u8]) -> Vec<(String, serde_json::Value)> {
+        std::str::from_utf8(bytes)
+            .unwrap()
+            .split("\n\n")
+            .filter(|e| !e.is_empty())
+            .map(|e| {
+                let (name, data) = e.split_once('\n').unwrap();
+                let data = data.strip_prefix("data: ").unwrap_or("null");
+                (name.trim_start_matches("event: ").to_string(), serde_json::from_str(data).unwrap())
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_stream_that_opens_with_its_event_goes_on_as_it_is() {
+        let mut opening = for_kind(StreamStart::MessageStart);
+        let first = Bytes::from(format!("{START}{BLOCK}"));
+        let passed = opening.push(&first).unwrap();
+        assert_eq!(passed.as_ptr(), first.as_ptr(), "not copied");
+        let mut split = for_kind(StreamStart::MessageStart);
+        assert_eq!(split.push(&Bytes::from_static(&START.as_bytes()[..10])), None, "held");
+        assert_eq!(&split.push(&Bytes::from_static(&START.as_bytes()[10..])).unwrap()[..], START.as_bytes());
+        assert!(split.take_rest().is_none());
+    }
+
+    #[test]
+    fn a_messages_stream_without_message_start_gets_one_ahead_of_its_first_event() {
+        let mut opening = for_kind(StreamStart::MessageStart);
+        assert_eq!(opening.push(&Bytes::from_static(&BLOCK.as_bytes()[..7])), None);
+        let out = opening.push(&Bytes::from_static(&BLOCK.as_bytes()[7..])).unwrap();
+        let events = events(&out);
+        assert_eq!(events.len(), 2);
+        let (name, data) = &events[0];
+        assert_eq!(name, "message_start");
+        assert_eq!(data["type"], "message_start");
+        let message = &data["message"];
+        assert_eq!((message["id"].as_str(), message["model"].as_str()), (Some("msg_abc"), Some("m\"x")));
+        assert_eq!(
+            (message["role"].as_str(), message["content"].as_array().map(Vec::len)),
+            (Some("assistant"), Some(0))
+        );
+        assert_eq!(message["usage"], json!({"input_tokens": 12, "output_tokens": 0}));
+        assert_eq!(events[1].0, "content_block_start", "then the stream as it came");
+    }
+
+    #[test]
+    fn a_responses_stream_without_response_created_gets_it_and_in_progress() {
+        let mut opening = for_kind(StreamStart::ResponseCreated);
+        let delta = Bytes::from_static(b"event: response.output_text.delta\ndata: {\"delta\":\"x\"}\n\n");
+        let events = events(&opening.push(&delta).unwrap());
+        let names: Vec<&str> = events.iter().map(|(name, _)| name.as_str()).collect();
+        assert_eq!(names, ["response.created", "response.in_progress", "response.output_text.delta"]);
+        assert_eq!(events[0].1["response"]["id"], "resp_abc");
+        assert_eq!(events[1].1["type"], "response.in_progress");
+    }
+
+    #[test]
+    fn an_error_event_or_an_overlong_first_event_goes_on_as_it_is() {
+        let mut opening = for_kind(StreamStart::MessageStart);
+        let error = Bytes::from_static(b"event: error\ndata: {\"type\":\"error\"}\n\n");
+        assert_eq!(opening.push(&error).unwrap(), error);
+        let mut long = for_kind(StreamStart::MessageStart);
+        let big = Bytes::from(vec![b'x'; MAX_HELD + 1]);
+        assert_eq!(long.push(&big).unwrap(), big, "not held past the bound");
+        let mut cut = for_kind(StreamStart::MessageStart);
+        assert_eq!(cut.push(&Bytes::from_static(b"event: content")), None);
+        assert_eq!(cut.take_rest().as_deref(), Some(&b"event: content"[..]));
+    }
+
+    #[test]
+    fn only_kinds_with_an_opening_event_get_one() {
+        assert!(Opening::new(StreamStart::Any, "m", "r", 0).is_none());
+    }
+}
