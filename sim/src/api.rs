@@ -60,6 +60,8 @@ pub(super) fn router(inner: Shared) -> Router {
             .route("/v1/health", get(router_health))
             .route("/models", get(router_models))
             .route("/v1/models", get(router_models))
+            .route("/models/load", post(router_load))
+            .route("/models/unload", post(router_unload))
             .route("/props", get(router_props))
             .route("/slots", get(router_slots))
             .merge(server_jobs())
@@ -70,6 +72,7 @@ pub(super) fn router(inner: Shared) -> Router {
             .route("/v1/models", get(swap_models))
             .route("/running", get(swap_running))
             .route("/upstream/{model}/{*rest}", get(swap_upstream))
+            .route("/api/models/unload/{*model}", post(swap_unload))
             .route("/v1/chat/completions", job(Kind::Chat))
             .route("/v1/completions", job(Kind::Completion))
             .route("/v1/embeddings", job(Kind::Embedding))
@@ -507,6 +510,17 @@ async fn swap_running(State(s): State<Shared>) -> Response {
 
 /// llama-swap's pass-through to one model's llama-server, loading it if
 /// needed. Only the informational GET endpoints are simulated.
+/// llama-swap's `POST /api/models/unload/{model}`: `OK` once it stopped.
+async fn swap_unload(State(s): State<Shared>, Path(model): Path<String>) -> Response {
+    let Backend::Swap(swap) = &s.backend else {
+        return swap_not_found().await;
+    };
+    match swap.unload(&model) {
+        Ok(()) => (StatusCode::OK, "OK").into_response(),
+        Err(e) => swap_error_response(s.config.llama_swap_legacy, &e),
+    }
+}
+
 async fn swap_upstream(State(s): State<Shared>, Path((model, rest)): Path<(String, String)>) -> Response {
     let Backend::Swap(swap) = &s.backend else {
         return swap_not_found().await;
@@ -567,6 +581,40 @@ async fn router_models(State(s): State<Shared>) -> Response {
         })
         .collect();
     json_response(StatusCode::OK, json!({"data": data, "object": "list"}))
+}
+
+/// The model of a router's `POST /models/load` or `/models/unload` body.
+fn router_body_model(body: &[u8]) -> Option<String> {
+    let value: Value = serde_json::from_slice(body).ok()?;
+    value.get("model").and_then(Value::as_str).map(str::to_string)
+}
+
+/// Starts a load and answers at once, as the router does.
+async fn router_load(State(s): State<Shared>, body: axum::body::Bytes) -> Response {
+    let Backend::Swap(swap) = &s.backend else {
+        return server_not_found().await;
+    };
+    let Some(model) = router_body_model(&body) else {
+        return bad_request("\"model\" is required");
+    };
+    match swap.start_load(&model) {
+        Ok(true) => json_response(StatusCode::OK, json!({"success": true})),
+        Ok(false) => bad_request("model is already running"),
+        Err(_) => llama_error(StatusCode::NOT_FOUND, "not_found_error", "File Not Found"),
+    }
+}
+
+async fn router_unload(State(s): State<Shared>, body: axum::body::Bytes) -> Response {
+    let Backend::Swap(swap) = &s.backend else {
+        return server_not_found().await;
+    };
+    let Some(model) = router_body_model(&body) else {
+        return bad_request("\"model\" is required");
+    };
+    match swap.unload(&model) {
+        Ok(()) => json_response(StatusCode::OK, json!({"success": true})),
+        Err(_) => llama_error(StatusCode::NOT_FOUND, "not_found_error", "File Not Found"),
+    }
 }
 
 /// The model a router request names in its query, loaded unless it says

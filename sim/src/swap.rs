@@ -238,6 +238,33 @@ impl Swap {
         );
     }
 
+    /// Starts loading `model` without waiting for it, as llama-server's
+    /// router does on `POST /models/load`; `Ok(false)`: it is loaded or
+    /// loading already.
+    pub(crate) fn start_load(self: &Arc<Self>, model: &str) -> Result<bool, SwapError> {
+        let mut st = self.lock();
+        let entry = st.entries.get_mut(model).ok_or_else(|| SwapError::NotFound(model.to_owned()))?;
+        if !matches!(entry.status, Status::Unloaded) {
+            return Ok(false);
+        }
+        let (tx, rx) = watch::channel(false);
+        entry.status = Status::Loading(rx);
+        drop(st);
+        self.spawn_load(model.to_owned(), tx);
+        Ok(true)
+    }
+
+    /// Unloads `model` if it is loaded; requests running on it finish.
+    pub(crate) fn unload(&self, model: &str) -> Result<(), SwapError> {
+        let mut st = self.lock();
+        let entry = st.entries.get_mut(model).ok_or_else(|| SwapError::NotFound(model.to_owned()))?;
+        if matches!(entry.status, Status::Loaded(_)) {
+            entry.status = Status::Unloaded;
+            info!(%model, "model unloaded");
+        }
+        Ok(())
+    }
+
     pub(crate) fn statuses(&self) -> Vec<(String, ModelStatus)> {
         let st = self.lock();
         self.order
