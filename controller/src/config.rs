@@ -122,6 +122,11 @@ pub struct Config {
     pub usage_retention_days: u64,
     /// Raw usage records (for export) are kept this long.
     pub raw_usage_retention_days: u64,
+    /// A placement order (a model load or unload) not done by then has
+    /// failed, and is tried again elsewhere: longer than a model load.
+    pub placement_order_timeout_secs: u64,
+    /// Placement unloads no model whose sessions were used this lately.
+    pub placement_idle_secs: u64,
     /// TLS on the gRPC port (see `inferyes_proto::tls`).
     pub tls: inferyes_proto::tls::Tls,
     /// From the environment or a flag; never written out.
@@ -161,6 +166,8 @@ impl Default for Config {
             dashboard_auth: TokenAuth::Token,
             usage_retention_days: 400,
             raw_usage_retention_days: 7,
+            placement_order_timeout_secs: 600,
+            placement_idle_secs: 300,
             tls: inferyes_proto::tls::Tls::default(),
             admin_token: None,
             join_token: None,
@@ -223,6 +230,9 @@ impl Config {
         self.tls.validate()?;
         if self.usage_retention_days == 0 || self.raw_usage_retention_days == 0 {
             bail!("usage_retention_days and raw_usage_retention_days must be at least 1");
+        }
+        if self.placement_order_timeout_secs == 0 {
+            bail!("placement_order_timeout_secs must be at least 1: longer than a model takes to load");
         }
         if self.etcd_endpoints.is_empty() {
             bail!("etcd_endpoints is empty: list at least one, e.g. [\"http://127.0.0.1:2379\"]");
@@ -367,6 +377,13 @@ impl Config {
 
     pub fn startup_grace(&self) -> Duration {
         Duration::from_millis(self.startup_grace_ms)
+    }
+
+    pub fn placement(&self) -> crate::placement::Settings {
+        crate::placement::Settings {
+            order_timeout_ms: self.placement_order_timeout_secs.saturating_mul(1000),
+            idle_ms: self.placement_idle_secs.saturating_mul(1000),
+        }
     }
 }
 

@@ -4,7 +4,9 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use inferyes_proto::v1::{ApiKey, ControllerRecord, DrainRecord, KeyUsageToday, NodePolicy, NodeRecord, RoutingPolicy};
+use inferyes_proto::v1::{
+    ApiKey, ControllerRecord, DrainRecord, KeyUsageToday, NodePolicy, NodeRecord, PlacementOrders, RoutingPolicy,
+};
 
 use crate::store::{WatchBatch, WatchEvent};
 
@@ -23,6 +25,8 @@ pub struct FleetState {
     usage_today: Arc<KeyUsageToday>,
     /// Controller id → how its peers reach it.
     controllers: Arc<BTreeMap<String, ControllerRecord>>,
+    /// The placement leader's outstanding orders.
+    placement: Arc<PlacementOrders>,
 }
 
 impl FleetState {
@@ -75,6 +79,8 @@ impl FleetState {
                         Arc::make_mut(&mut self.controllers).remove(&id);
                     }
                 }
+                WatchEvent::PlacementPut(orders) => self.placement = Arc::new(orders),
+                WatchEvent::PlacementDeleted => self.placement = Arc::default(),
                 WatchEvent::ApiKeyDeleted(id) => {
                     if self.api_keys.contains_key(&id) {
                         Arc::make_mut(&mut self.api_keys).remove(&id);
@@ -115,6 +121,10 @@ impl FleetState {
 
     pub fn controllers(&self) -> &Arc<BTreeMap<String, ControllerRecord>> {
         &self.controllers
+    }
+
+    pub fn placement(&self) -> &Arc<PlacementOrders> {
+        &self.placement
     }
 
     pub fn has_node(&self, node_id: &str) -> bool {

@@ -101,13 +101,22 @@ pub fn add_today(today: &mut KeyUsageToday, deltas: &BTreeMap<RollupKey, UsageRo
 }
 
 /// Campaigns, then leads until shutdown or until etcd takes the lead away.
-pub async fn run(store: EtcdStore, controller_id: String, retention: Retention, shutdown: CancellationToken) {
+/// `leading` holds the leadership's lease while it lasts: placement acts
+/// on it (one election for the fleet's singleton work).
+pub async fn run(
+    store: EtcdStore,
+    controller_id: String,
+    retention: Retention,
+    leading: tokio::sync::watch::Sender<Option<i64>>,
+    shutdown: CancellationToken,
+) {
     let mut backoff = inferyes_net::backoff::RECONNECT;
     loop {
         let result = tokio::select! {
             () = shutdown.cancelled() => return,
-            result = lead(&store, &controller_id, retention, &shutdown) => result,
+            result = lead(&store, &controller_id, retention, &leading, &shutdown) => result,
         };
+        leading.send_replace(None);
         match result {
             Ok(()) => return,
             Err(error) => tracing::warn!(%error, "usage ledger leadership lost; campaigning again"),
@@ -122,6 +131,7 @@ async fn lead(
     store: &EtcdStore,
     controller_id: &str,
     retention: Retention,
+    leading: &tokio::sync::watch::Sender<Option<i64>>,
     shutdown: &CancellationToken,
 ) -> Result<(), StoreError> {
     let mut lease = store.grant_lease(LEADER_TTL).await?;
@@ -136,13 +146,15 @@ async fn lead(
             _ = keepalive.tick() => store.keep_alive(&mut lease).await?,
         }
     }
-    tracing::info!("leading the usage ledger");
+    tracing::info!("leading the usage ledger and placement");
+    leading.send_replace(Some(lease.id));
     let mut last_prune: Option<tokio::time::Instant> = None;
     let mut ticker = tokio::time::interval(POLL);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
             () = shutdown.cancelled() => {
+                leading.send_replace(None);
                 let _ = store.revoke(lease).await;
                 return Ok(());
             }

@@ -12,6 +12,7 @@ pub mod ledger;
 pub mod live;
 pub mod metrics;
 pub mod peers;
+pub mod placement;
 pub mod reconcile;
 pub mod residency;
 
@@ -164,14 +165,30 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         peers_following,
         metrics: std::sync::Arc::clone(&metrics),
     };
+    let (leading_tx, leading) = watch::channel(None);
     let ledger = tokio::spawn(
         ledger::run(
             store.clone(),
             config.controller_id.clone(),
             ledger::Retention { rollup_days: config.usage_retention_days, raw_days: config.raw_usage_retention_days },
+            leading_tx,
             shutdown.clone(),
         )
         .instrument(tracing::info_span!("ledger")),
+    );
+    let placer = tokio::spawn(
+        placement::leader::Placer {
+            store: store.clone(),
+            snapshots: snapshots.clone(),
+            views: views.clone(),
+            leading,
+            controller_id: config.controller_id.clone(),
+            settings: config.placement(),
+            metrics: std::sync::Arc::clone(&metrics),
+            shutdown: shutdown.clone(),
+        }
+        .run()
+        .instrument(tracing::info_span!("placement")),
     );
     let fleet = grpc::FleetSvc {
         store,
@@ -218,6 +235,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
     let _ = peers.await;
     let _ = etcd_size.await;
     let _ = ledger.await;
+    let _ = placer.await;
     let _ = sampler.await;
     grpc_result.context("gRPC server failed")?;
     http_result.context("HTTP server failed")?;

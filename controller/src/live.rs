@@ -89,6 +89,9 @@ pub struct Summary {
     pub load: NodeLoad,
     /// Resident sessions by backend id.
     pub sessions: BTreeMap<String, u32>,
+    /// The latest use of a resident session of each model (ms), for
+    /// placement: a model used lately is not unloaded.
+    pub last_used: BTreeMap<String, u64>,
 }
 
 /// What a snapshot shows of the live state.
@@ -122,6 +125,7 @@ struct Node {
     /// copy of the key string per change.
     sessions: FastMap<u64, ResidentSession>,
     counts: BTreeMap<String, u32>,
+    last_used: BTreeMap<String, u64>,
     summary: Arc<Summary>,
 }
 
@@ -254,6 +258,7 @@ impl LiveState {
                 fresh: true,
                 load: NodeLoad::default(),
                 sessions: BTreeMap::new(),
+                last_used: BTreeMap::new(),
             });
             let node = Node {
                 origin: Arc::clone(origin),
@@ -262,6 +267,7 @@ impl LiveState {
                 load: NodeLoad::default(),
                 sessions: FastMap::default(),
                 counts: BTreeMap::new(),
+                last_used: BTreeMap::new(),
                 summary,
             };
             self.nodes.insert(node_id.to_string(), node);
@@ -332,6 +338,7 @@ impl LiveState {
             *sessions -= node.sessions.len();
             node.sessions.clear();
             node.counts.clear();
+            node.last_used.clear();
             *pending = Pending { load: pending.load, full: true, ..Pending::default() };
         }
         for key in removed {
@@ -359,6 +366,7 @@ impl LiveState {
                 None => {}
             }
             count(&mut node.counts, &session.backend_id, true);
+            used(&mut node.last_used, &session.model, session.last_seen_unix_ms);
             *sessions += 1;
             node.sessions.insert(h, session);
             if !pending.full {
@@ -437,6 +445,7 @@ impl LiveState {
                     fresh: node.fresh,
                     load: node.load.clone(),
                     sessions: node.counts.clone(),
+                    last_used: node.last_used.clone(),
                 });
             }
         }
@@ -566,6 +575,19 @@ fn entry(load: &NodeLoad, key: u64, session: &ResidentSession) -> Option<Session
         tokens: session.tokens,
         last_seen_unix_ms: session.last_seen_unix_ms,
     })
+}
+
+/// Models a node's last uses are kept for; an agent naming more is not
+/// believed for the rest.
+const MAX_MODELS_USED: usize = 256;
+
+/// Records a use of `model` at `at`, if later than the last one known.
+fn used(last_used: &mut BTreeMap<String, u64>, model: &str, at: u64) {
+    if let Some(last) = last_used.get_mut(model) {
+        *last = (*last).max(at);
+    } else if last_used.len() < MAX_MODELS_USED {
+        last_used.insert(model.to_string(), at);
+    }
 }
 
 fn count(counts: &mut BTreeMap<String, u32>, backend: &str, add: bool) {

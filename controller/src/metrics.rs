@@ -19,11 +19,23 @@ pub struct ModelLabels {
     pub model: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OrderLabels {
+    /// `load` or `unload`.
+    pub action: &'static str,
+    /// `issued`, `done`, `failed` or `gone` (its node left).
+    pub outcome: &'static str,
+}
+
 pub struct Metrics {
     nodes: Family<StateLabels, Gauge>,
     snapshot_version: Gauge,
     model_warm_nodes: Family<ModelLabels, Gauge>,
     critical_models_short: Gauge,
+    model_desired_nodes: Family<ModelLabels, Gauge>,
+    pub placement_orders: Family<OrderLabels, Counter>,
+    pub placement_outstanding: Gauge,
+    pub placement_leading: Gauge,
     pub agent_streams: Gauge,
     pub node_writes: Counter,
     pub node_write_failures: Counter,
@@ -43,6 +55,10 @@ impl Metrics {
             snapshot_version: Gauge::default(),
             model_warm_nodes: Family::default(),
             critical_models_short: Gauge::default(),
+            model_desired_nodes: Family::default(),
+            placement_orders: Family::default(),
+            placement_outstanding: Gauge::default(),
+            placement_leading: Gauge::default(),
             agent_streams: Gauge::default(),
             node_writes: Counter::default(),
             node_write_failures: Counter::default(),
@@ -66,6 +82,26 @@ impl Metrics {
             "critical_models_short",
             "Latency-critical models (routing policy) warm on fewer than two nodes",
             m.critical_models_short.clone(),
+        );
+        r.register(
+            "model_desired_nodes",
+            "Warm nodes placement keeps each declared model on (fleet policy replicas)",
+            m.model_desired_nodes.clone(),
+        );
+        r.register(
+            "placement_orders",
+            "Placement's load and unload orders, as issued and as they ended (on the leader)",
+            m.placement_orders.clone(),
+        );
+        r.register(
+            "placement_outstanding",
+            "Placement orders issued and not yet done (on the leader)",
+            m.placement_outstanding.clone(),
+        );
+        r.register(
+            "placement_leading",
+            "1 while this controller leads placement (and the usage ledger)",
+            m.placement_leading.clone(),
         );
         r.register("agent_streams", "Agent streams this controller holds", m.agent_streams.clone());
         r.register("node_writes", "Node records written to etcd", m.node_writes.clone());
@@ -124,5 +160,11 @@ impl Metrics {
             }
         }
         self.critical_models_short.set(short);
+        self.model_desired_nodes.clear();
+        let policy = snapshot.policy();
+        for model in policy.replicas.keys().chain(&policy.latency_critical_models) {
+            let desired = inferyes_proto::replicas(policy, model).min;
+            self.model_desired_nodes.get_or_create(&ModelLabels { model: model.clone() }).set(i64::from(desired));
+        }
     }
 }

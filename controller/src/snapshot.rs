@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use inferyes_proto::v1::{
     Alias, ApiKey, ControllerRecord, KeySet, KeyUsageToday, ModelPlacement, ModelState, ModelSummary, NodeRecord,
-    RoutingPolicy, RoutingSnapshot, SnapshotDelta, SnapshotNode,
+    PlacementOrder, PlacementOrders, RoutingPolicy, RoutingSnapshot, SnapshotDelta, SnapshotNode,
 };
 
 use crate::fleet::FleetState;
@@ -31,6 +31,9 @@ pub struct Snapshot {
     /// By key id; the fleet state's own map, shared.
     api_keys: Arc<BTreeMap<String, ApiKey>>,
     usage_today: Arc<KeyUsageToday>,
+    /// Placement's outstanding orders: for the agents' streams, not for
+    /// data planes.
+    placement: Arc<PlacementOrders>,
 }
 
 impl PartialEq for Snapshot {
@@ -40,6 +43,7 @@ impl PartialEq for Snapshot {
             && self.aliases == other.aliases
             && (Arc::ptr_eq(&self.api_keys, &other.api_keys) || self.api_keys == other.api_keys)
             && self.usage_today == other.usage_today
+            && self.placement == other.placement
             && (Arc::ptr_eq(&self.controllers, &other.controllers) || self.controllers == other.controllers)
             && self.nodes.len() == other.nodes.len()
             && self.nodes.iter().zip(&other.nodes).all(|((a_id, a), (b_id, b))| a_id == b_id && same_node(a, b))
@@ -88,6 +92,16 @@ impl Snapshot {
     /// Every node as the fleet sees it, sorted by id.
     pub fn merged_nodes<'a>(&'a self, live: &'a LiveView) -> impl Iterator<Item = SnapshotNode> + 'a {
         self.nodes.values().map(move |node| merge(node, live))
+    }
+
+    /// Placement's outstanding orders, fleet-wide.
+    pub fn placement(&self) -> &PlacementOrders {
+        &self.placement
+    }
+
+    /// The outstanding orders for one node, in the order they were issued.
+    pub fn orders_for(&self, node_id: &str) -> Vec<PlacementOrder> {
+        self.placement.orders.iter().filter(|o| o.node_id == node_id).cloned().collect()
     }
 
     pub fn controllers(&self) -> impl Iterator<Item = &ControllerRecord> {
@@ -157,6 +171,7 @@ pub fn build(state: &FleetState, previous: Option<&Snapshot>) -> Snapshot {
         api_keys: Arc::clone(state.api_keys()),
         usage_today: Arc::clone(state.usage_today()),
         controllers: Arc::clone(state.controllers()),
+        placement: Arc::clone(state.placement()),
     }
 }
 
@@ -232,11 +247,17 @@ pub fn model_summaries(snapshot: &Snapshot) -> Vec<ModelSummary> {
                 summary.loaded_on.push(status.node_id.clone());
             }
             summary.context_window = summary.context_window.max(model.context_window);
+            summary.desired_replicas = inferyes_proto::replicas(&snapshot.policy, &model.id).min;
             for endpoint in &model.endpoints {
                 if !summary.endpoints.contains(endpoint) {
                     summary.endpoints.push(*endpoint);
                 }
             }
+        }
+    }
+    for order in &snapshot.placement.orders {
+        if let Some(summary) = models.get_mut(order.model.as_str()) {
+            summary.orders.push(order.clone());
         }
     }
     models.into_values().collect()

@@ -28,6 +28,18 @@ pub use error::{ErrorKind, anthropic_error_body, openai_error_body};
 pub const DEFAULT_ADMISSION_THRESHOLD: f64 = 0.92;
 pub const DEFAULT_HARD_LIMIT: f64 = 0.98;
 
+/// The warm replicas fleet policy declares for `model`: its `replicas`,
+/// else two for a latency-critical model, else none (loaded on demand
+/// only). Placement keeps them; the catalog, the dashboard and the
+/// metrics show them.
+pub fn replicas(policy: &v1::RoutingPolicy, model: &str) -> v1::Replicas {
+    if let Some(declared) = policy.replicas.get(model) {
+        return *declared;
+    }
+    let critical = policy.latency_critical_models.iter().any(|m| m == model);
+    v1::Replicas { min: if critical { 2 } else { 0 }, max: 0 }
+}
+
 /// Milliseconds since the Unix epoch; 0 if the clock is before it.
 pub fn unix_ms() -> u64 {
     std::time::SystemTime::now()

@@ -218,6 +218,7 @@ impl AgentSvc {
         keepalive.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut snapshots = self.snapshots.clone();
         let mut draining_sent: Option<bool> = None;
+        let mut orders_sent: Vec<inferyes_proto::v1::PlacementOrder> = Vec::new();
 
         let end = loop {
             let due = pending.as_ref().map(|_| write_at);
@@ -339,10 +340,27 @@ impl AgentSvc {
                     if changed.is_err() {
                         break End::Shutdown;
                     }
-                    let draining = snapshots
-                        .borrow_and_update()
-                        .as_ref()
-                        .and_then(|s| s.node(&node_id).map(|n| n.draining));
+                    let (draining, orders) = {
+                        let snapshot = snapshots.borrow_and_update();
+                        let snapshot = snapshot.as_ref();
+                        (
+                            snapshot.and_then(|s| s.node(&node_id).map(|n| n.draining)),
+                            snapshot.map(|s| s.orders_for(&node_id)).unwrap_or_default(),
+                        )
+                    };
+                    // The placement leader's orders for this node, whole,
+                    // whenever they change.
+                    if orders != orders_sent {
+                        let message = ControllerMessage {
+                            msg: Some(controller_message::Msg::Placement(inferyes_proto::v1::Placement {
+                                orders: orders.clone(),
+                            })),
+                        };
+                        if tx.send(Ok(message)).await.is_err() {
+                            break End::AgentLeft;
+                        }
+                        orders_sent = orders;
+                    }
                     if let Some(draining) = draining
                         && draining_sent != Some(draining)
                     {

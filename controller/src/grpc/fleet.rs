@@ -208,6 +208,7 @@ impl FleetService for FleetSvc {
         if policy.load_bound != 0.0 && !(1.0..=100.0).contains(&policy.load_bound) {
             return Err(status(ErrorKind::BadRequest, "load_bound must be at least 1 (0: the default, 1.25)"));
         }
+        validate_replicas(&policy)?;
         let revision = self.store.put(self.store.keys().policy(), &policy).await?;
         tracing::info!(revision, "routing policy set");
         Ok(Response::new(WriteResponse { revision }))
@@ -362,6 +363,33 @@ fn without_hash(key: &ApiKey) -> ApiKey {
 fn validate_name(what: &str, name: &str) -> Result<(), Status> {
     if name.is_empty() || name.len() > 256 || name.chars().any(char::is_control) {
         return Err(status(ErrorKind::BadRequest, format!("{what} must be 1-256 printable characters")));
+    }
+    Ok(())
+}
+
+/// Models placement keeps warm at most: each is planned every second.
+const MAX_DECLARED_MODELS: usize = 256;
+/// Warm replicas a model may be declared to want.
+const MAX_REPLICAS: u32 = 1024;
+
+fn validate_replicas(policy: &RoutingPolicy) -> Result<(), Status> {
+    if policy.replicas.len() + policy.latency_critical_models.len() > MAX_DECLARED_MODELS {
+        return Err(status(
+            ErrorKind::BadRequest,
+            format!("at most {MAX_DECLARED_MODELS} models may have replicas or be latency-critical"),
+        ));
+    }
+    for (model, replicas) in &policy.replicas {
+        validate_name("a model with replicas", model)?;
+        if replicas.min > MAX_REPLICAS || replicas.max > MAX_REPLICAS {
+            return Err(status(ErrorKind::BadRequest, format!("replicas of `{model}` must be at most {MAX_REPLICAS}")));
+        }
+        if replicas.max != 0 && replicas.max < replicas.min {
+            return Err(status(
+                ErrorKind::BadRequest,
+                format!("replicas of `{model}`: max ({}) is below min ({})", replicas.max, replicas.min),
+            ));
+        }
     }
     Ok(())
 }

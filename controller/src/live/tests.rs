@@ -288,6 +288,7 @@ fn merge_puts_the_load_back_and_marks_what_is_not_known() {
         fresh: true,
         load: node_load,
         sessions: BTreeMap::from([("b0".to_string(), 3)]),
+        last_used: BTreeMap::new(),
     };
     let merged = merge(&durable, Some(&summary));
     assert_eq!(merged.backends[0].resident_sessions, 3);

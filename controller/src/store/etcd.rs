@@ -6,7 +6,8 @@ use etcd_client::{
 };
 use inferyes_proto::ErrorKind;
 use inferyes_proto::v1::{
-    AliasRecord, ApiKey, ControllerRecord, DrainRecord, KeyUsageToday, NodePolicy, NodeRecord, RoutingPolicy,
+    AliasRecord, ApiKey, ControllerRecord, DrainRecord, KeyUsageToday, NodePolicy, NodeRecord, PlacementOrders,
+    RoutingPolicy,
 };
 use prost::Message;
 
@@ -55,6 +56,8 @@ pub enum WatchEvent {
     UsageTodayDeleted,
     ControllerPut(String, ControllerRecord),
     ControllerDeleted(String),
+    PlacementPut(PlacementOrders),
+    PlacementDeleted,
 }
 
 /// The events of one etcd revision range, and the revision they bring the
@@ -185,6 +188,14 @@ impl EtcdStore {
         Ok(revision(response.header()))
     }
 
+    /// Writes the placement leader's orders, bound to its `lease`: they go
+    /// when its leadership does.
+    pub async fn put_placement(&self, orders: &PlacementOrders, lease: i64) -> Result<u64, StoreError> {
+        let options = PutOptions::new().with_lease(lease);
+        let response = self.client.clone().put(self.keys.placement(), orders.encode_to_vec(), Some(options)).await?;
+        Ok(revision(response.header()))
+    }
+
     /// The database's size on the member answering.
     pub async fn db_size(&self) -> Result<DbSize, StoreError> {
         let status = self.client.clone().status().await?;
@@ -286,6 +297,7 @@ fn decode(keys: &Keys, event_type: EventType, kv: &KeyValue) -> Option<WatchEven
             Key::ApiKey(id) => WatchEvent::ApiKeyDeleted(id),
             Key::UsageToday => WatchEvent::UsageTodayDeleted,
             Key::Controller(id) => WatchEvent::ControllerDeleted(id),
+            Key::Placement => WatchEvent::PlacementDeleted,
         });
     }
     let value = kv.value();
@@ -298,6 +310,7 @@ fn decode(keys: &Keys, event_type: EventType, kv: &KeyValue) -> Option<WatchEven
         Key::ApiKey(id) => ApiKey::decode(value).map(|r| WatchEvent::ApiKeyPut(id.clone(), r)),
         Key::UsageToday => KeyUsageToday::decode(value).map(WatchEvent::UsageTodayPut),
         Key::Controller(id) => ControllerRecord::decode(value).map(|r| WatchEvent::ControllerPut(id.clone(), r)),
+        Key::Placement => PlacementOrders::decode(value).map(WatchEvent::PlacementPut),
     };
     match decoded {
         Ok(event) => Some(event),

@@ -19,6 +19,7 @@ pub enum Key {
     ApiKey(String),
     UsageToday,
     Controller(String),
+    Placement,
 }
 
 const NODES: &str = "nodes/";
@@ -29,6 +30,7 @@ const ALIAS: &str = "config/alias/";
 const API_KEY: &str = "keys/";
 const USAGE_TODAY: &str = "usage/today";
 const CONTROLLERS: &str = "controllers/";
+const PLACEMENT: &str = "placement";
 
 impl Keys {
     pub fn new(prefix: &str) -> Keys {
@@ -73,6 +75,11 @@ impl Keys {
         format!("{}{CONTROLLERS}{controller_id}", self.prefix)
     }
 
+    /// The placement leader's outstanding orders, under its lease.
+    pub fn placement(&self) -> String {
+        format!("{}{PLACEMENT}", self.prefix)
+    }
+
     /// Tokens per key today: in the fleet's prefix, so snapshots carry it.
     pub fn usage_today(&self) -> String {
         format!("{}{USAGE_TODAY}", self.prefix)
@@ -110,6 +117,9 @@ impl Keys {
         }
         if key == USAGE_TODAY {
             return Some(Key::UsageToday);
+        }
+        if key == PLACEMENT {
+            return Some(Key::Placement);
         }
         if let Some(id) = key.strip_prefix(CONTROLLERS) {
             return (!id.is_empty()).then(|| Key::Controller(id.to_string()));
