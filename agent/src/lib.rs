@@ -4,6 +4,7 @@
 
 pub mod config;
 pub mod metrics;
+pub mod place;
 pub mod poll;
 pub mod probe;
 pub mod proxy;
@@ -152,6 +153,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         observations: Mutex::new(Observations::default()),
         residency: Mutex::new(residency::Residency::default()),
         changed: tokio::sync::Notify::new(),
+        poll_now: tokio::sync::Notify::new(),
     });
 
     let client = ProbeClient::new(PROBE_TIMEOUT);
@@ -182,6 +184,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         tracing::warn!("no join token: the proxy forwards anyone's requests to the backends");
     }
     let (connection, _) = watch::channel(report::Connection::default());
+    let (orders_tx, orders) = watch::channel(Vec::new());
     let reporter = AbortOnDropHandle::new(tokio::spawn(
         report::run(
             Arc::clone(&state),
@@ -189,10 +192,13 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
             config.tls.clone(),
             join_token.clone(),
             config.min_report_interval(),
-            connection,
+            report::Outlets { connection, orders: orders_tx },
             shutdown.clone(),
         )
         .instrument(tracing::info_span!("reporter")),
+    ));
+    let placer = AbortOnDropHandle::new(tokio::spawn(
+        place::run(Arc::clone(&state), orders, shutdown.clone()).instrument(tracing::info_span!("placement")),
     ));
 
     tracing::info!(node = %config.node_id, proxy = %proxy_addr, "agent running");
@@ -228,6 +234,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
     admin.abort();
     let _ = poller.await;
     let _ = reporter.await;
+    let _ = placer.await;
     for simulator in simulators {
         let _ = simulator.await;
     }

@@ -22,6 +22,10 @@ pub async fn run(
         tokio::select! {
             () = shutdown.cancelled() => return,
             _ = ticker.tick() => poll_once(&state, &client, &gpus).await,
+            () = state.poll_now.notified() => {
+                poll_once(&state, &client, &gpus).await;
+                ticker.reset();
+            }
         }
     }
 }

@@ -6,7 +6,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use inferyes_proto::v1::agent_service_client::AgentServiceClient;
-use inferyes_proto::v1::{AgentMessage, Heartbeat, NodeStatus, Register, agent_message, controller_message};
+use inferyes_proto::v1::{
+    AgentMessage, Heartbeat, NodeStatus, PlacementOrder, Register, agent_message, controller_message,
+};
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 use tokio_stream::wrappers::ReceiverStream;
@@ -23,21 +25,30 @@ pub struct Connection {
     pub draining: bool,
 }
 
+/// Where what controllers say goes.
+pub struct Outlets {
+    pub connection: watch::Sender<Connection>,
+    /// The node's outstanding placement orders, as last heard.
+    pub orders: watch::Sender<Vec<PlacementOrder>>,
+}
+
 pub async fn run(
     state: Arc<AgentState>,
     controllers: Vec<String>,
     tls: inferyes_proto::tls::Tls,
     join_token: Option<Arc<str>>,
     min_interval: Duration,
-    connection: watch::Sender<Connection>,
+    outlets: Outlets,
     shutdown: CancellationToken,
 ) {
+    let Outlets { connection, orders } = outlets;
     let mut backoff = inferyes_net::backoff::RECONNECT;
     let mut next = 0usize;
     loop {
         let address = &controllers[next % controllers.len()];
         next += 1;
-        match session(&state, address, &tls, join_token.as_deref(), min_interval, &connection, &shutdown).await {
+        let outlets = (&connection, &orders);
+        match session(&state, address, &tls, join_token.as_deref(), min_interval, outlets, &shutdown).await {
             Ok(()) => return,
             Err(Failure { error, registered }) => {
                 connection.send_modify(|c| c.controller_id = None);
@@ -52,6 +63,9 @@ pub async fn run(
         }
     }
 }
+
+/// Placement orders held for the node at once; more are not believed.
+const MAX_ORDERS: usize = 64;
 
 struct Failure {
     error: String,
@@ -77,7 +91,7 @@ async fn session(
     tls: &inferyes_proto::tls::Tls,
     join_token: Option<&str>,
     min_interval: Duration,
-    connection: &watch::Sender<Connection>,
+    (connection, orders): (&watch::Sender<Connection>, &watch::Sender<Vec<PlacementOrder>>),
     shutdown: &CancellationToken,
 ) -> Result<(), Failure> {
     let channel = connect(address, tls).await?;
@@ -119,6 +133,15 @@ async fn session(
                     }
                     Some(controller_message::Msg::Resync(_)) => {
                         send_residency(state, &tx, true).await?;
+                    }
+                    Some(controller_message::Msg::Placement(placement)) => {
+                        let mine: Vec<PlacementOrder> =
+                            placement.orders.into_iter().filter(|o| o.node_id == state.node_id).take(MAX_ORDERS).collect();
+                        orders.send_if_modified(|held| {
+                            let changed = *held != mine;
+                            *held = mine;
+                            changed
+                        });
                     }
 
                     _ => {}

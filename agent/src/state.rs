@@ -116,6 +116,9 @@ pub struct AgentState {
     pub residency: Mutex<Residency>,
     /// Woken when something worth reporting changed.
     pub changed: Notify,
+    /// Wakes the poller before its next tick: a model load or unload was
+    /// asked for, and its state is worth reading at once.
+    pub poll_now: Notify,
 }
 
 impl AgentState {

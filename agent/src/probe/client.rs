@@ -42,6 +42,12 @@ impl ProbeClient {
         self.request(Method::GET, base, path, api_key, Bytes::new()).await
     }
 
+    /// POST with no body to `base` + `path`, with an optional bearer
+    /// credential.
+    pub async fn post(&self, base: &str, path: &str, api_key: &str) -> Result<(StatusCode, Bytes), ProbeError> {
+        self.request(Method::POST, base, path, api_key, Bytes::new()).await
+    }
+
     /// POST `body` as JSON to `base` + `path`, with an optional bearer
     /// credential.
     pub async fn post_json(
