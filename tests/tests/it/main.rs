@@ -11,6 +11,7 @@ mod errors;
 mod failover;
 mod kinds;
 mod metrics;
+mod placement;
 mod routing;
 mod support;
 mod swap;

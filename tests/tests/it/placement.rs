@@ -1,0 +1,172 @@
+//! Placement: a model declared to want warm replicas is loaded by the
+//! fleet itself, without a client asking, on simulated llama-swap and
+//! router-mode llama-server nodes; a drained node's copy is replaced
+//! elsewhere within a load time, the model warm somewhere all along; and
+//! of two controllers only the elected one acts.
+
+use std::time::{Duration, Instant};
+
+use inferyes_dataplane::snapshot::RoutingSnapshot;
+use inferyes_proto::v1::{DrainRequest, GetPolicyRequest, ModelState, Replicas};
+use inferyes_sim::{SimConfig, SimMode, SimModel};
+use inferyes_tests::{AgentHandle, ControllerHandle, DataplaneHandle, Etcd, HttpClient, SimHandle};
+
+const LOAD: Duration = Duration::from_millis(600);
+/// What placement may add to a load: the drain reaching the leader, its
+/// order reaching the agent, the agent's next look at the backend.
+const BOUND: Duration = Duration::from_secs(2);
+
+fn backend(mode: SimMode) -> SimConfig {
+    SimConfig {
+        mode,
+        models: vec![SimModel::chat("m"), SimModel::chat("other")],
+        max_loaded_models: 2,
+        load_delay_ms: u64::try_from(LOAD.as_millis()).expect("short"),
+        prefill_tokens_per_second: 1e6,
+        decode_tokens_per_second: 1e5,
+        ..SimConfig::llama_swap(["m"])
+    }
+}
+
+/// Nodes not draining with `model` loaded, as a data plane sees them.
+fn warm_on(snapshot: &RoutingSnapshot, model: &str) -> Vec<String> {
+    let mut nodes: Vec<String> = snapshot
+        .placements(model)
+        .unwrap_or_default()
+        .iter()
+        .filter(|p| p.state == ModelState::Loaded)
+        .filter_map(|p| snapshot.node(p.target.node))
+        .filter(|n| !n.draining)
+        .map(|n| n.id.to_string())
+        .collect();
+    nodes.dedup();
+    nodes
+}
+
+fn draining(snapshot: &RoutingSnapshot) -> bool {
+    (0..).map_while(|i| snapshot.node(i)).any(|n| n.draining)
+}
+
+async fn declare(controller: &ControllerHandle, model: &str, min: u32) {
+    let mut admin = controller.fleet().await;
+    let mut policy = admin.get_policy(GetPolicyRequest {}).await.expect("the policy").into_inner();
+    policy.replicas.insert(model.into(), Replicas { min, max: 0 });
+    admin.set_policy(policy).await.expect("a policy with replicas");
+}
+
+/// The sum of one metric's series on a controller's `/metrics`, those
+/// whose labels contain `labels`.
+async fn metric(http: &HttpClient, controller: &ControllerHandle, name: &str, labels: &str) -> f64 {
+    let text = http.get(&format!("http://{}/metrics", controller.http_addr)).await;
+    String::from_utf8_lossy(&text.body)
+        .lines()
+        .filter(|l| l.starts_with(name) && l.contains(labels))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+#[tokio::test]
+async fn a_declared_model_stays_warm_on_two_nodes_through_a_drain() {
+    for mode in [SimMode::LlamaSwap, SimMode::LlamaServerRouter] {
+        let etcd = Etcd::start().await;
+        let controller = ControllerHandle::start_with(&etcd.endpoint(), "controller-1", None, |c| {
+            c.placement_order_timeout_secs = 10;
+        })
+        .await;
+        let mut sims = Vec::new();
+        for _ in 0..3 {
+            sims.push(SimHandle::start(backend(mode)).await);
+        }
+        let mut agents = Vec::new();
+        for (i, sim) in sims.iter().enumerate() {
+            agents.push(AgentHandle::start(&format!("node-{i}"), &[controller.url()], &[("main", sim)]).await);
+        }
+        let dataplane = DataplaneHandle::start(&[controller.url()]).await;
+        dataplane.wait_for_nodes(&["node-0", "node-1", "node-2"]).await;
+        let current = || dataplane.store.current().expect("a snapshot");
+        assert!(warm_on(&current(), "m").is_empty(), "{mode:?}: nothing loaded before the declaration");
+
+        declare(&controller, "m", 2).await;
+        dataplane.wait_for("m warm on two nodes", Duration::from_secs(10), |s| warm_on(s, "m").len() == 2).await;
+        let requests: u64 = sims.iter().map(|s| s.sim.stats().requests).sum();
+        assert_eq!(requests, 0, "{mode:?}: loaded without any client request");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert_eq!(warm_on(&current(), "m").len(), 2, "{mode:?}: and no more than asked for");
+
+        // Drain one of its nodes: it is warm on the other all along, and
+        // on a second within a load time and the bound.
+        let drained = warm_on(&current(), "m")[0].clone();
+        let mut admin = controller.fleet().await;
+        let started = Instant::now();
+        admin
+            .drain(DrainRequest { node_id: drained.clone(), reason: "placement test".into(), force: false })
+            .await
+            .unwrap();
+        let mut fewest = usize::MAX;
+        let replaced = loop {
+            let snapshot = current();
+            let warm = warm_on(&snapshot, "m");
+            if draining(&snapshot) {
+                fewest = fewest.min(warm.len());
+                if warm.len() == 2 {
+                    break started.elapsed();
+                }
+            }
+            assert!(started.elapsed() < LOAD + BOUND + Duration::from_secs(5), "{mode:?}: not replaced: {warm:?}");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        };
+        assert!(fewest >= 1, "{mode:?}: m was warm nowhere for a moment");
+        assert!(replaced <= LOAD + BOUND, "{mode:?}: replaced after {replaced:?}");
+        assert!(!warm_on(&current(), "m").contains(&drained));
+        eprintln!("{mode:?}: a drained node's copy replaced in {replaced:?} (load {LOAD:?})");
+        let http = HttpClient::default();
+        assert_eq!(
+            metric(&http, &controller, "inferyes_controller_placement_orders_total", "outcome=\"issued\"").await,
+            3.0
+        );
+
+        dataplane.stop().await;
+        for agent in agents {
+            agent.stop().await;
+        }
+        controller.stop().await;
+        for sim in sims {
+            sim.stop().await;
+        }
+    }
+}
+
+#[tokio::test]
+async fn of_two_controllers_only_the_elected_one_places_models() {
+    let etcd = Etcd::start().await;
+    let one = ControllerHandle::start(&etcd.endpoint(), "controller-1").await;
+    let two = ControllerHandle::start(&etcd.endpoint(), "controller-2").await;
+    let a = SimHandle::start(backend(SimMode::LlamaSwap)).await;
+    let b = SimHandle::start(backend(SimMode::LlamaSwap)).await;
+    // One agent on each: orders reach an agent through whichever holds it.
+    let agent_a = AgentHandle::start("node-a", &[one.url()], &[("main", &a)]).await;
+    let agent_b = AgentHandle::start("node-b", &[two.url()], &[("main", &b)]).await;
+    let dataplane = DataplaneHandle::start(&[one.url()]).await;
+    dataplane.wait_for_nodes(&["node-a", "node-b"]).await;
+
+    declare(&two, "m", 2).await;
+    dataplane.wait_for("m warm on both nodes", Duration::from_secs(10), |s| warm_on(s, "m").len() == 2).await;
+    let http = HttpClient::default();
+    let leading = [
+        metric(&http, &one, "inferyes_controller_placement_leading", "").await,
+        metric(&http, &two, "inferyes_controller_placement_leading", "").await,
+    ];
+    let issued = [
+        metric(&http, &one, "inferyes_controller_placement_orders_total", "outcome=\"issued\"").await,
+        metric(&http, &two, "inferyes_controller_placement_orders_total", "outcome=\"issued\"").await,
+    ];
+    assert_eq!(leading.iter().sum::<f64>(), 1.0, "one leader: {leading:?}");
+    let leader = usize::from(leading[1] == 1.0);
+    assert_eq!((issued[leader], issued[1 - leader]), (2.0, 0.0), "only the leader issued orders: {issued:?}");
+
+    dataplane.stop().await;
+    agent_a.stop().await;
+    agent_b.stop().await;
+    one.stop().await;
+    two.stop().await;
+}
