@@ -182,6 +182,14 @@ pub enum PolicyCommand {
         /// `--latency-critical ''` clears it.
         #[arg(long = "latency-critical", value_name = "MODEL")]
         latency_critical: Option<Vec<String>>,
+        /// Keep MODEL warm on MIN nodes (at most MAX), loading and unloading it
+        /// without a client asking; MODEL=0 removes it. Repeatable.
+        #[arg(long = "replicas", value_name = "MODEL=MIN[:MAX]")]
+        replicas: Vec<String>,
+        /// `off`: placement only reports desired against warm, and loads or
+        /// unloads nothing.
+        #[arg(long, value_name = "on|off")]
+        placement: Option<OnOff>,
     },
     /// Override a node's thresholds (0 or omitted: the fleet's).
     Node {
@@ -191,6 +199,12 @@ pub enum PolicyCommand {
         #[arg(long, default_value_t = 0.0)]
         hard_limit: f64,
     },
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum OnOff {
+    On,
+    Off,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -310,6 +324,8 @@ pub async fn run(cli: Cli) -> anyhow::Result<String> {
             continue_streams,
             continue_models,
             latency_critical,
+            replicas,
+            placement,
         }) => {
             let mut policy = client.get_policy(GetPolicyRequest {}).await.map_err(rpc_error)?.into_inner();
             if let Some(v) = admission {
@@ -332,6 +348,16 @@ pub async fn run(cli: Cli) -> anyhow::Result<String> {
             }
             if let Some(v) = latency_critical {
                 policy.latency_critical_models = v.into_iter().filter(|m| !m.is_empty()).collect();
+            }
+            if let Some(v) = placement {
+                policy.placement_off = v == OnOff::Off;
+            }
+            for declared in replicas {
+                let (model, counts) = parse_replicas(&declared)?;
+                match counts {
+                    Some(counts) => policy.replicas.insert(model, counts),
+                    None => policy.replicas.remove(&model),
+                };
             }
             for pair in model_strategies {
                 let (model, name) = pair
@@ -417,6 +443,21 @@ fn parse_duration_ms(text: &str) -> anyhow::Result<u64> {
     Ok(number.saturating_mul(unit_ms))
 }
 
+/// `qwen=2` or `qwen=2:3` → the model and its replicas; `qwen=0`: none.
+fn parse_replicas(text: &str) -> anyhow::Result<(String, Option<inferyes_proto::v1::Replicas>)> {
+    let (model, counts) =
+        text.split_once('=').with_context(|| format!("`{text}`: write MODEL=MIN or MODEL=MIN:MAX, e.g. qwen=2"))?;
+    anyhow::ensure!(!model.is_empty(), "`{text}`: the model is missing");
+    let (min, max) = counts.split_once(':').unwrap_or((counts, "0"));
+    let number = |n: &str| n.trim().parse::<u32>().with_context(|| format!("`{text}`: `{n}` is not a count"));
+    let (min, max) = (number(min)?, number(max)?);
+    if min == 0 && max == 0 {
+        return Ok((model.to_string(), None));
+    }
+    anyhow::ensure!(max == 0 || max >= min, "`{text}`: the maximum is below the minimum");
+    Ok((model.to_string(), Some(inferyes_proto::v1::Replicas { min, max })))
+}
+
 fn rpc_error(status: tonic::Status) -> anyhow::Error {
     let hint = match status.code() {
         tonic::Code::Unavailable => " (is the controller running and reachable?)",
@@ -424,4 +465,19 @@ fn rpc_error(status: tonic::Status) -> anyhow::Error {
         _ => "",
     };
     anyhow::anyhow!("{}{hint}", status.message())
+}
+
+#[cfg(test)]
+mod tests {
+    use inferyes_proto::v1::Replicas;
+
+    #[test]
+    fn replicas_are_written_model_equals_min_and_maybe_max() {
+        assert_eq!(super::parse_replicas("qwen=2").unwrap(), ("qwen".into(), Some(Replicas { min: 2, max: 0 })));
+        assert_eq!(super::parse_replicas("org/m=1:3").unwrap(), ("org/m".into(), Some(Replicas { min: 1, max: 3 })));
+        assert_eq!(super::parse_replicas("qwen=0").unwrap(), ("qwen".into(), None));
+        for bad in ["qwen", "=2", "qwen=two", "qwen=3:2", "qwen=-1"] {
+            assert!(super::parse_replicas(bad).is_err(), "{bad}");
+        }
+    }
 }

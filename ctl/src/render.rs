@@ -8,8 +8,8 @@ use std::fmt::Write as _;
 use inferyes_proto::kinds;
 use inferyes_proto::v1::{
     ApiKey, Backend, CreatedKey, EndpointKind, Gpu, ListAliasesResponse, ListKeysResponse, ListModelsResponse,
-    ListNodesResponse, ListSessionsResponse, ModelPlacement, ModelState, RoutingPolicy, SnapshotNode, Strategy,
-    UsageRecord, UsageReport, UsageRow,
+    ListNodesResponse, ListSessionsResponse, ModelPlacement, ModelState, PlacementAction, PlacementOrder,
+    RoutingPolicy, SnapshotNode, Strategy, UsageRecord, UsageReport, UsageRow,
 };
 use serde_json::{Value, json};
 
@@ -57,16 +57,19 @@ impl Render for ListModelsResponse {
             .models
             .iter()
             .map(|m| {
+                let placing: Vec<String> = m.orders.iter().map(order_text).collect();
                 vec![
                     m.id.clone(),
                     m.loaded_on.len().to_string(),
+                    if m.desired_replicas == 0 { "-".into() } else { m.desired_replicas.to_string() },
                     m.available_on.len().to_string(),
                     if m.context_window == 0 { "-".into() } else { m.context_window.to_string() },
                     m.placements.iter().map(placement_text).collect::<Vec<_>>().join(" "),
+                    if placing.is_empty() { "-".into() } else { placing.join(", ") },
                 ]
             })
             .collect();
-        table(&["MODEL", "LOADED", "NODES", "CONTEXT", "ON (STATE: KINDS)"], rows)
+        table(&["MODEL", "WARM", "WANT", "NODES", "CONTEXT", "ON (STATE: KINDS)", "PLACING"], rows)
     }
 
     fn json(&self) -> Value {
@@ -93,10 +96,30 @@ impl Render for ListModelsResponse {
                     "context_window": m.context_window,
                     "endpoints": m.endpoints().map(|e| e.as_str_name()).collect::<Vec<_>>(),
                     "placements": placements,
+                    "desired_replicas": m.desired_replicas,
+                    "placing": m.orders.iter().map(|o| json!({
+                        "action": action_name(o.action()),
+                        "node_id": o.node_id,
+                        "backend_id": o.backend_id,
+                        "issued_unix_ms": o.issued_unix_ms,
+                    })).collect::<Vec<_>>(),
                 })
             })
             .collect();
         json!({"version": self.version, "models": models})
+    }
+}
+
+/// An outstanding placement order, as `load node-c/main`.
+fn order_text(order: &PlacementOrder) -> String {
+    format!("{} {}/{}", action_name(order.action()), order.node_id, order.backend_id)
+}
+
+fn action_name(action: PlacementAction) -> &'static str {
+    match action {
+        PlacementAction::Load => "load",
+        PlacementAction::Unload => "unload",
+        PlacementAction::Unspecified => "unspecified",
     }
 }
 
@@ -356,6 +379,14 @@ impl Render for Policy {
             policy.latency_critical_models.join(", ")
         };
         let _ = writeln!(out, "latency-critical:    {critical}");
+        let _ =
+            writeln!(out, "placement:           {}", if policy.placement_off { "off (reports only)" } else { "on" });
+        let mut replicas: Vec<_> = policy.replicas.iter().collect();
+        replicas.sort_by(|a, b| a.0.cmp(b.0));
+        for (model, r) in replicas {
+            let max = if r.max == 0 { String::new() } else { format!(", at most {}", r.max) };
+            let _ = writeln!(out, "  replicas of {model}: {}{max}", r.min);
+        }
         let mut models: Vec<_> = policy.model_strategies.iter().collect();
         models.sort();
         for (model, strategy) in models {
@@ -380,6 +411,9 @@ impl Render for Policy {
             "continue_broken_streams": policy.continue_broken_streams,
             "continue_models": policy.continue_models,
             "latency_critical_models": policy.latency_critical_models,
+            "placement": !policy.placement_off,
+            "replicas": policy.replicas.iter().map(|(m, r)| (m.clone(), json!({"min": r.min, "max": r.max})))
+                .collect::<serde_json::Map<String, Value>>(),
         })
     }
 }

@@ -7,7 +7,7 @@
 use std::time::{Duration, Instant};
 
 use inferyes_dataplane::snapshot::RoutingSnapshot;
-use inferyes_proto::v1::{DrainRequest, GetPolicyRequest, ModelState, Replicas};
+use inferyes_proto::v1::{DrainRequest, ModelState};
 use inferyes_sim::{SimConfig, SimMode, SimModel};
 use inferyes_tests::{AgentHandle, ControllerHandle, DataplaneHandle, Etcd, HttpClient, SimHandle};
 
@@ -47,11 +47,17 @@ fn draining(snapshot: &RoutingSnapshot) -> bool {
     (0..).map_while(|i| snapshot.node(i)).any(|n| n.draining)
 }
 
+/// Declares `model`'s replicas as an operator does, with `inferyesctl`.
 async fn declare(controller: &ControllerHandle, model: &str, min: u32) {
-    let mut admin = controller.fleet().await;
-    let mut policy = admin.get_policy(GetPolicyRequest {}).await.expect("the policy").into_inner();
-    policy.replicas.insert(model.into(), Replicas { min, max: 0 });
-    admin.set_policy(policy).await.expect("a policy with replicas");
+    ctl(controller, &["policy", "set", "--replicas", &format!("{model}={min}")]).await;
+}
+
+async fn ctl(controller: &ControllerHandle, args: &[&str]) -> String {
+    use clap::Parser;
+    let url = controller.url();
+    let mut argv = vec!["inferyesctl", "--controller", &url, "--admin-token", inferyes_tests::fleet::ADMIN_TOKEN];
+    argv.extend_from_slice(args);
+    inferyes_ctl::run(inferyes_ctl::Cli::try_parse_from(argv).expect("valid arguments")).await.expect("inferyesctl")
 }
 
 /// The sum of one metric's series on a controller's `/metrics`, those
@@ -88,6 +94,10 @@ async fn a_declared_model_stays_warm_on_two_nodes_through_a_drain() {
 
         declare(&controller, "m", 2).await;
         dataplane.wait_for("m warm on two nodes", Duration::from_secs(10), |s| warm_on(s, "m").len() == 2).await;
+        let models: serde_json::Value =
+            serde_json::from_str(&ctl(&controller, &["models", "-o", "json"]).await).expect("JSON");
+        let m = models["models"].as_array().and_then(|all| all.iter().find(|m| m["id"] == "m")).expect("m listed");
+        assert_eq!((m["desired_replicas"].as_u64(), m["loaded_on"].as_array().map(Vec::len)), (Some(2), Some(2)));
         let requests: u64 = sims.iter().map(|s| s.sim.stats().requests).sum();
         assert_eq!(requests, 0, "{mode:?}: loaded without any client request");
         tokio::time::sleep(Duration::from_millis(500)).await;
