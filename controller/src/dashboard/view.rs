@@ -179,11 +179,25 @@ fn models(snapshot: &Snapshot) -> Vec<Value> {
         .into_iter()
         .map(|m| {
             let is_critical = critical.contains(&m.id);
-            let warning = (is_critical && m.loaded_on.len() < 2)
-                .then(|| format!("latency-critical but warm on {} node(s): no failover", m.loaded_on.len()));
+            let (warm, wanted) = (m.loaded_on.len(), m.desired_replicas as usize);
+            let warning = (warm < wanted).then(|| match (is_critical, warm) {
+                (true, 0 | 1) => format!("latency-critical but warm on {warm} node(s): no failover"),
+                _ => format!("wants {wanted} warm nodes, warm on {warm} node(s)"),
+            });
+            let placing: Vec<String> = m
+                .orders
+                .iter()
+                .map(|o| {
+                    let action =
+                        if o.action() == inferyes_proto::v1::PlacementAction::Load { "loading" } else { "unloading" };
+                    format!("{action} on {}", o.node_id)
+                })
+                .collect();
             json!({
                 "id": m.id,
                 "warm_on": m.loaded_on,
+                "desired": m.desired_replicas,
+                "placing": placing,
                 "available_on": m.available_on,
                 "context_window": m.context_window,
                 "latency_critical": is_critical,

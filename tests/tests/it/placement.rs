@@ -98,6 +98,19 @@ async fn a_declared_model_stays_warm_on_two_nodes_through_a_drain() {
             serde_json::from_str(&ctl(&controller, &["models", "-o", "json"]).await).expect("JSON");
         let m = models["models"].as_array().and_then(|all| all.iter().find(|m| m["id"] == "m")).expect("m listed");
         assert_eq!((m["desired_replicas"].as_u64(), m["loaded_on"].as_array().map(Vec::len)), (Some(2), Some(2)));
+        let http = HttpClient::default();
+        let authorization = format!("Bearer {}", inferyes_tests::fleet::VIEWER_TOKEN);
+        let dashboard = http
+            .send(
+                http::Method::GET,
+                &format!("http://{}/api/v1/fleet", controller.http_addr),
+                bytes::Bytes::new(),
+                &[("authorization", &authorization)],
+            )
+            .await
+            .json();
+        let shown = dashboard["models"].as_array().and_then(|all| all.iter().find(|m| m["id"] == "m")).expect("shown");
+        assert_eq!((shown["desired"].as_u64(), &shown["warning"]), (Some(2), &serde_json::Value::Null), "{shown}");
         let requests: u64 = sims.iter().map(|s| s.sim.stats().requests).sum();
         assert_eq!(requests, 0, "{mode:?}: loaded without any client request");
         tokio::time::sleep(Duration::from_millis(500)).await;
@@ -129,7 +142,6 @@ async fn a_declared_model_stays_warm_on_two_nodes_through_a_drain() {
         assert!(replaced <= LOAD + BOUND, "{mode:?}: replaced after {replaced:?}");
         assert!(!warm_on(&current(), "m").contains(&drained));
         eprintln!("{mode:?}: a drained node's copy replaced in {replaced:?} (load {LOAD:?})");
-        let http = HttpClient::default();
         assert_eq!(
             metric(&http, &controller, "inferyes_controller_placement_orders_total", "outcome=\"issued\"").await,
             3.0
