@@ -114,7 +114,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
             api_key: String::new(),
             declared_models: simulated.server.models.iter().map(|m| m.id.clone()).collect(),
             host_cache_tokens: simulated.server.cache_ram_tokens,
-            model_sizes: std::collections::BTreeMap::new(),
+            model_sizes: simulated.server.models.iter().map(|m| (m.id.clone(), m.size_bytes)).collect(),
         });
         let token = shutdown.clone();
         let span = tracing::info_span!("simulator", backend = %simulated.id);
