@@ -117,6 +117,8 @@ else
   pids+=($!)
   "$bin/inferyes-agent" --config deploy/local/agent-b.toml >"$logs/agent-b.log" 2>&1 &
   pids+=($!)
+  "$bin/inferyes-agent" --config deploy/local/agent-c.toml >"$logs/agent-c.log" 2>&1 &
+  pids+=($!)
 fi
 
 "$bin/inferyes-dataplane" --config deploy/local/dataplane.toml >"$logs/dataplane.log" 2>&1 &
