@@ -23,7 +23,8 @@ pub struct ModelLabels {
 pub struct OrderLabels {
     /// `load` or `unload`.
     pub action: &'static str,
-    /// `issued`, `done`, `failed` or `gone` (its node left).
+    /// `issued`, `done`, `failed`, `gone` (its node left) or `withdrawn`
+    /// (its node drains, or an unload's model is in use again).
     pub outcome: &'static str,
 }
 

@@ -20,7 +20,7 @@ use crate::store::EtcdStore;
 
 /// How often the fleet is looked at when nothing changed: orders time out,
 /// backoffs end, sessions go idle without a snapshot.
-const EVERY: Duration = Duration::from_secs(1);
+const ROUND_EVERY: Duration = Duration::from_secs(1);
 
 pub struct Placer {
     pub store: EtcdStore,
@@ -46,7 +46,7 @@ struct Term {
 impl Placer {
     pub async fn run(mut self) {
         let mut term: Option<Term> = None;
-        let mut every = tokio::time::interval(EVERY);
+        let mut every = tokio::time::interval(ROUND_EVERY);
         every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut snapshots = self.snapshots.clone();
         loop {
@@ -86,6 +86,7 @@ impl Placer {
                 Outcome::Done => "done",
                 Outcome::Failed => "failed",
                 Outcome::Gone => "gone",
+                Outcome::Withdrawn => "withdrawn",
             };
             self.count(&order, outcome);
             let log = |message: &str| match outcome {
@@ -95,7 +96,7 @@ impl Placer {
             log(&format!("placement: {} {outcome}", action_name(&order)));
         }
         if snapshot.policy().placement_off {
-            term.placing = Placing::default();
+            term.placing.withdraw_all();
         }
         let actions = plan(&fleet, snapshot.policy(), &term.placing, self.settings, now);
         for order in term.placing.issue(actions, &self.controller_id, term.epoch, now) {

@@ -5,10 +5,12 @@
 //! [`plan`], what to ask for next. The elected controller runs it
 //! ([`leader`]); every other controller only relays its orders.
 //!
-//! It never takes a node past its admission threshold (outstanding loads
-//! count as used), never unloads a model with requests in flight on its
+//! It never takes a node past its admission threshold (loads under way
+//! count as used, and a load that needs room waits until the unloads that
+//! make it are done), never unloads a model with requests in flight on its
 //! backend or sessions used within `idle_ms`, never unloads a model below
-//! its own minimum, never touches a draining node, and backs off per node
+//! its own minimum, never touches a draining node (its orders are
+//! withdrawn), asks one thing of a node at a time, and backs off per node
 //! and model after a failed order.
 
 pub mod leader;
@@ -177,6 +179,9 @@ pub struct Action {
     pub node: String,
     pub backend: String,
     pub model: String,
+    /// An unload that makes room for a load of this model, which follows
+    /// once it is done.
+    pub room_for: Option<String>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -193,6 +198,7 @@ struct Outstanding {
     /// The model was seen loading: a load that falls back to unloaded
     /// failed, before its timeout.
     seen_loading: bool,
+    room_for: Option<String>,
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -208,6 +214,9 @@ pub enum Outcome {
     Failed,
     /// Its node left the fleet.
     Gone,
+    /// No longer to be done: its node is draining, or an unload's model is
+    /// in use again.
+    Withdrawn,
 }
 
 /// What placement has asked for, and how that went: one leader's memory,
@@ -225,8 +234,16 @@ impl Placing {
         self.outstanding.iter().map(|o| o.order.clone()).collect()
     }
 
+    /// Withdraws every outstanding order (placement turned off). Ids go on
+    /// from where they were: an agent carries an id out once only.
+    pub fn withdraw_all(&mut self) {
+        self.outstanding.clear();
+        self.backoff.clear();
+    }
+
     /// Settles the orders the fleet shows done, failed (timed out, or a load
-    /// that fell back to unloaded) or moot (their node left).
+    /// that fell back to unloaded) or moot (their node left or drains, an
+    /// unload's model is in use again).
     pub fn settle(&mut self, fleet: &Fleet, settings: Settings, now_ms: u64) -> Vec<(PlacementOrder, Outcome)> {
         let mut settled = Vec::new();
         let mut kept = Vec::new();
@@ -234,14 +251,13 @@ impl Placing {
             let order = &outstanding.order;
             let outcome = match fleet.node(&order.node_id) {
                 None => Some(Outcome::Gone),
+                Some(node) if node.draining => Some(Outcome::Withdrawn),
                 Some(node) => {
-                    let state = node
-                        .backends
-                        .iter()
-                        .filter(|b| b.id == order.backend_id)
-                        .flat_map(|b| &b.models)
-                        .find(|m| m.id == order.model)
-                        .map(|m| m.state);
+                    let backend = node.backends.iter().find(|b| b.id == order.backend_id);
+                    let listed = backend.and_then(|b| b.models.iter().find(|m| m.id == order.model));
+                    let state = listed.map(|m| m.state);
+                    let in_use = backend.is_some_and(|b| b.in_flight > 0)
+                        || listed.is_some_and(|m| now_ms.saturating_sub(m.last_used_ms) < settings.idle_ms);
                     let timed_out = now_ms.saturating_sub(order.issued_unix_ms) >= settings.order_timeout_ms;
                     match order.action() {
                         PlacementAction::Load => match state {
@@ -254,6 +270,7 @@ impl Placing {
                             _ => timed_out.then_some(Outcome::Failed),
                         },
                         PlacementAction::Unload => match state {
+                            Some(ModelState::Loaded | ModelState::Loading) if in_use => Some(Outcome::Withdrawn),
                             Some(ModelState::Loaded | ModelState::Loading) => timed_out.then_some(Outcome::Failed),
                             _ => Some(Outcome::Done),
                         },
@@ -302,14 +319,15 @@ impl Placing {
                 } as i32,
                 issued_unix_ms: now_ms,
             };
-            self.outstanding.push(Outstanding { order: order.clone(), seen_loading: false });
+            self.outstanding.push(Outstanding { order: order.clone(), seen_loading: false, room_for: action.room_for });
             orders.push(order);
         }
         orders
     }
 
-    fn pending(&self, node: &str, model: &str) -> Option<PlacementAction> {
-        self.outstanding.iter().find(|o| o.order.node_id == node && o.order.model == model).map(|o| o.order.action())
+    /// Whether anything is asked of `node` and not yet settled.
+    fn busy(&self, node: &str) -> bool {
+        self.outstanding.iter().any(|o| o.order.node_id == node)
     }
 
     fn backed_off(&self, node: &str, model: &str, now_ms: u64) -> bool {
@@ -327,6 +345,10 @@ struct Round {
     unloading: BTreeSet<(String, String)>,
     /// Models each backend (node, backend) will hold more (loads) or fewer.
     added: BTreeMap<(String, String), i64>,
+    /// Nodes asked for something this round: one thing at a time each.
+    touched: BTreeSet<String>,
+    /// (node, model) for which unloads are making room.
+    making_room: BTreeSet<(String, String)>,
 }
 
 /// The orders to issue next, given what is outstanding: for each model
@@ -346,11 +368,22 @@ pub fn plan(fleet: &Fleet, policy: &RoutingPolicy, placing: &Placing, settings: 
             PlacementAction::Load => {
                 let size = fleet.node(&order.node_id).map_or(0, |n| footprint(n, &order.model));
                 *round.reserved.entry(order.node_id.clone()).or_default() += size;
-                *round.added.entry((order.node_id.clone(), order.backend_id.clone())).or_default() += 1;
                 round.loading.insert(key);
             }
             _ => {
                 round.unloading.insert(key);
+                if let Some(model) = &outstanding.room_for {
+                    round.making_room.insert((order.node_id.clone(), model.clone()));
+                }
+            }
+        }
+    }
+    // Loads under way that this placement did not ask for (a client's cold
+    // load, a former leader's order) take their memory too.
+    for node in &fleet.nodes {
+        for (_, m) in node.models().filter(|(_, m)| m.state == ModelState::Loading) {
+            if !round.loading.contains(&(node.id.clone(), m.id.clone())) {
+                *round.reserved.entry(node.id.clone()).or_default() += footprint(node, &m.id);
             }
         }
     }
@@ -367,22 +400,31 @@ pub fn plan(fleet: &Fleet, policy: &RoutingPolicy, placing: &Placing, settings: 
             .iter()
             .filter(|n| !n.draining && !n.warm(model))
             .filter(|n| {
+                let key = (n.id.clone(), model.to_string());
                 n.state(model) == Some(ModelState::Loading)
-                    || round.loading.contains(&(n.id.clone(), model.to_string()))
+                    || round.loading.contains(&key)
+                    || round.making_room.contains(&key)
             })
             .count();
         let short = (want.min as usize).saturating_sub(warm + coming);
         for _ in 0..short {
             let Some(chosen) = best_node(fleet, policy, placing, &round, settings, model, now_ms) else { break };
-            for (backend, evicted) in &chosen.evictions {
-                round.unloading.insert((chosen.node.clone(), evicted.clone()));
-                *round.added.entry((chosen.node.clone(), backend.clone())).or_default() -= 1;
-                actions.push(Action {
-                    action: Kind::Unload,
-                    node: chosen.node.clone(),
-                    backend: backend.clone(),
-                    model: evicted.clone(),
-                });
+            round.touched.insert(chosen.node.clone());
+            if !chosen.evictions.is_empty() {
+                // The unloads first, alone: the load is planned once they
+                // are done and the memory they free is seen free.
+                for (backend, evicted) in &chosen.evictions {
+                    round.unloading.insert((chosen.node.clone(), evicted.clone()));
+                    actions.push(Action {
+                        action: Kind::Unload,
+                        node: chosen.node.clone(),
+                        backend: backend.clone(),
+                        model: evicted.clone(),
+                        room_for: Some(model.to_string()),
+                    });
+                }
+                round.making_room.insert((chosen.node.clone(), model.to_string()));
+                continue;
             }
             *round.reserved.entry(chosen.node.clone()).or_default() += chosen.size;
             *round.added.entry((chosen.node.clone(), chosen.backend.clone())).or_default() += 1;
@@ -392,6 +434,7 @@ pub fn plan(fleet: &Fleet, policy: &RoutingPolicy, placing: &Placing, settings: 
                 node: chosen.node,
                 backend: chosen.backend,
                 model: model.to_string(),
+                room_for: None,
             });
         }
         // Never below the minimum, whatever the maximum says.
@@ -406,13 +449,16 @@ pub fn plan(fleet: &Fleet, policy: &RoutingPolicy, placing: &Placing, settings: 
                     let idle = backend.places
                         && backend.in_flight == 0
                         && now_ms.saturating_sub(m.last_used_ms) >= settings.idle_ms
-                        && placing.pending(&n.id, model).is_none();
+                        && !placing.busy(&n.id)
+                        && !round.touched.contains(&n.id)
+                        && !placing.backed_off(&n.id, model, now_ms);
                     idle.then(|| (m.last_used_ms, n.id.clone(), backend.id.clone()))
                 })
                 .min();
             if let Some((_, node, backend)) = idlest {
                 round.unloading.insert((node.clone(), model.to_string()));
-                actions.push(Action { action: Kind::Unload, node, backend, model: model.to_string() });
+                round.touched.insert(node.clone());
+                actions.push(Action { action: Kind::Unload, node, backend, model: model.to_string(), room_for: None });
             }
         }
     }
@@ -481,7 +527,8 @@ fn candidate(
         || !node.memory_known
         || node.memory_total == 0
         || round.loading.contains(&key)
-        || placing.pending(&node.id, model).is_some()
+        || round.touched.contains(&node.id)
+        || placing.busy(&node.id)
         || placing.backed_off(&node.id, model, now_ms)
         || node.state(model) != Some(ModelState::Unloaded)
     {
@@ -503,7 +550,7 @@ fn candidate(
                 && b.in_flight == 0
                 && now_ms.saturating_sub(m.last_used_ms) >= settings.idle_ms
                 && !round.unloading.contains(&(node.id.clone(), m.id.clone()))
-                && placing.pending(&node.id, &m.id).is_none()
+                && !placing.backed_off(&node.id, &m.id, now_ms)
                 && warm_elsewhere(fleet, round, &m.id, &node.id) >= replicas(policy, &m.id).min as usize
         })
         .collect();

@@ -102,10 +102,20 @@ fn room_is_made_by_unloading_the_idlest_model_that_may_go() {
     models[1].last_used_ms = NOW - 1_000;
     let fleet = Fleet { nodes: vec![node("a", 24, 20, models)] };
     // `kept` is declared and warm only here: it stays at its minimum.
-    let actions = plan(&fleet, &policy(&[("m", 1, 0), ("kept", 1, 0)]), &Placing::default(), SETTINGS, NOW);
+    let declared = policy(&[("m", 1, 0), ("kept", 1, 0)]);
+    let mut placing = Placing::default();
+    let actions = plan(&fleet, &declared, &placing, SETTINGS, NOW);
     assert_eq!(unloads(&actions), [("a", "idle")]);
-    assert_eq!(loads(&actions), [("a", "m")]);
-    assert!(actions[0].action == Kind::Unload, "the unload first: the load needs its room");
+    assert!(loads(&actions).is_empty(), "the unload alone first: the load needs its room");
+    assert_eq!(actions[0].room_for.as_deref(), Some("m"));
+    placing.issue(actions, "c1", 1, NOW);
+    assert!(plan(&fleet, &declared, &placing, SETTINGS, NOW).is_empty(), "room is being made: nothing more");
+    // Once the unload is done and its memory free, the load.
+    let mut freed = fleet.clone();
+    freed.nodes[0].memory_used -= 8 * GB;
+    freed.nodes[0].backends[0].models[2].state = ModelState::Unloaded;
+    assert_eq!(placing.settle(&freed, SETTINGS, NOW + 1).iter().map(|(_, o)| *o).collect::<Vec<_>>(), [Outcome::Done]);
+    assert_eq!(loads(&plan(&freed, &declared, &placing, SETTINGS, NOW + 1)), [("a", "m")]);
 }
 
 #[test]
@@ -123,7 +133,35 @@ fn a_backend_at_its_own_limit_has_its_idlest_model_unloaded_first() {
     router.backends[0].models_max = 1;
     let actions = plan(&Fleet { nodes: vec![router] }, &policy(&[("m", 1, 0)]), &Placing::default(), SETTINGS, NOW);
     assert_eq!(unloads(&actions), [("a", "old")]);
-    assert_eq!(loads(&actions), [("a", "m")]);
+    assert!(loads(&actions).is_empty(), "then the load, once it is done");
+}
+
+#[test]
+fn an_order_is_withdrawn_when_its_node_drains_or_its_unload_s_model_is_used_again() {
+    let fleet = Fleet { nodes: vec![node("a", 24, 8, vec![model("m", ModelState::Loaded, 4 * GB)])] };
+    let mut placing = Placing::default();
+    let unload =
+        Action { action: Kind::Unload, node: "a".into(), backend: "swap".into(), model: "m".into(), room_for: None };
+    placing.issue(vec![unload.clone()], "c1", 1, NOW);
+    let mut used = fleet.clone();
+    used.nodes[0].backends[0].models[0].last_used_ms = NOW;
+    assert_eq!(placing.settle(&used, SETTINGS, NOW + 1)[0].1, Outcome::Withdrawn);
+    placing.issue(vec![unload], "c1", 1, NOW);
+    let mut drained = fleet;
+    drained.nodes[0].draining = true;
+    assert_eq!(placing.settle(&drained, SETTINGS, NOW + 1)[0].1, Outcome::Withdrawn);
+    assert!(placing.orders().is_empty());
+}
+
+#[test]
+fn order_ids_go_on_after_every_order_is_withdrawn() {
+    let mut placing = Placing::default();
+    let load =
+        Action { action: Kind::Load, node: "a".into(), backend: "swap".into(), model: "m".into(), room_for: None };
+    let first = placing.issue(vec![load.clone()], "c1", 1, NOW);
+    placing.withdraw_all();
+    let second = placing.issue(vec![load], "c1", 1, NOW);
+    assert_ne!(first[0].id, second[0].id, "an agent carries out an id once");
 }
 
 #[test]
@@ -163,18 +201,15 @@ fn an_order_is_settled_by_what_the_fleet_shows_and_a_failure_backs_off() {
     assert_eq!(settled.iter().map(|(_, o)| *o).collect::<Vec<_>>(), [Outcome::Done]);
     assert!(placing.orders().is_empty());
     // An order past its timeout failed; one whose node left is moot.
-    placing.issue(
-        vec![Action { action: Kind::Load, node: "a".into(), backend: "swap".into(), model: "x".into() }],
-        "c1",
-        7,
-        later,
-    );
-    placing.issue(
-        vec![Action { action: Kind::Load, node: "gone".into(), backend: "swap".into(), model: "m".into() }],
-        "c1",
-        7,
-        later,
-    );
+    let load = |node: &str, model: &str| Action {
+        action: Kind::Load,
+        node: node.into(),
+        backend: "swap".into(),
+        model: model.into(),
+        room_for: None,
+    };
+    placing.issue(vec![load("a", "x")], "c1", 7, later);
+    placing.issue(vec![load("gone", "m")], "c1", 7, later);
     let settled = placing.settle(&loaded, SETTINGS, later + SETTINGS.order_timeout_ms);
     assert_eq!(settled.iter().map(|(_, o)| *o).collect::<Vec<_>>(), [Outcome::Failed, Outcome::Gone]);
 }
@@ -291,5 +326,63 @@ proptest! {
             let unloaded = actions.iter().filter(|a| a.action == Kind::Unload && a.model == model).count();
             prop_assert!(unloaded == 0 || warm - unloaded >= replicas(&policy, model).min as usize);
         }
+    }
+}
+
+/// Carries out `orders` at once, as the nodes would: a load takes its
+/// footprint, an unload gives it back. Whether a load stayed under its
+/// node's threshold.
+fn carry_out(fleet: &mut Fleet, orders: &[PlacementOrder]) -> bool {
+    let mut under = true;
+    for order in orders {
+        let Some(node) = fleet.nodes.iter_mut().find(|n| n.id == order.node_id) else { continue };
+        let footprint = footprint(node, &order.model);
+        let budget = (node.memory_total as f64 * node.threshold) as u64;
+        let Some(model) = node
+            .backends
+            .iter_mut()
+            .filter(|b| b.id == order.backend_id)
+            .flat_map(|b| b.models.iter_mut())
+            .find(|m| m.id == order.model)
+        else {
+            continue;
+        };
+        match order.action() {
+            PlacementAction::Load => {
+                model.state = ModelState::Loaded;
+                node.memory_used += footprint;
+                under &= node.memory_used <= budget;
+            }
+            _ => {
+                model.state = ModelState::Unloaded;
+                node.memory_used = node.memory_used.saturating_sub(footprint);
+            }
+        }
+    }
+    under
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    #[test]
+    fn rounds_of_orders_stay_under_the_threshold_and_settle(fleet in arb_fleet(), policy in arb_policy()) {
+        let mut fleet = fleet;
+        let mut placing = Placing::default();
+        for round in 0..12u64 {
+            let now = NOW + round * 1_000;
+            placing.settle(&fleet, SETTINGS, now);
+            let actions = plan(&fleet, &policy, &placing, SETTINGS, now);
+            let mut nodes: Vec<&str> = actions.iter().filter(|a| a.action == Kind::Load).map(|a| a.node.as_str()).collect();
+            nodes.sort_unstable();
+            let loads = nodes.len();
+            nodes.dedup();
+            prop_assert_eq!(nodes.len(), loads, "one load at a time per node");
+            let issued = placing.issue(actions, "c1", 1, now);
+            prop_assert!(carry_out(&mut fleet, &issued), "a load took its node past the threshold");
+        }
+        let now = NOW + 12_000;
+        placing.settle(&fleet, SETTINGS, now);
+        prop_assert!(plan(&fleet, &policy, &placing, SETTINGS, now).is_empty(), "placement settles");
     }
 }
