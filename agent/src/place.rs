@@ -23,6 +23,17 @@ const ORDER_TIMEOUT: Duration = Duration::from_secs(20 * 60);
 /// Orders remembered as carried out, so that hearing one again (a
 /// reconnect, the list resent) does nothing.
 const REMEMBERED: usize = 1024;
+/// How often an order the backend could not take yet (not probed since
+/// the agent started, the model not listed yet) is tried again.
+const RETRY_EVERY: Duration = Duration::from_secs(1);
+
+/// Why an order was not carried out.
+enum Refused {
+    /// Not now: tried again while it is listed.
+    NotYet(&'static str),
+    /// Not at all, or asked and refused: the leader sees it and decides.
+    Failed(String),
+}
 
 pub async fn run(
     state: Arc<AgentState>,
@@ -31,10 +42,13 @@ pub async fn run(
 ) {
     let client = ProbeClient::new(ORDER_TIMEOUT);
     let mut done: VecDeque<String> = VecDeque::new();
+    let mut retry = tokio::time::interval(RETRY_EVERY);
+    retry.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
             () = shutdown.cancelled() => return,
             changed = orders.changed() => if changed.is_err() { return },
+            _ = retry.tick() => {}
         }
         let next: Vec<PlacementOrder> =
             orders.borrow_and_update().iter().filter(|o| !done.contains(&o.id)).cloned().collect();
@@ -44,22 +58,25 @@ pub async fn run(
             if !orders.borrow().iter().any(|o| o.id == order.id) {
                 continue;
             }
-            done.push_back(order.id.clone());
-            if done.len() > REMEMBERED {
-                done.pop_front();
-            }
             let outcome = tokio::select! {
                 () = shutdown.cancelled() => return,
                 outcome = carry_out(&state, &client, &order) => outcome,
             };
             let action = if order.action() == PlacementAction::Load { "load" } else { "unload" };
+            let (backend, model, id) = (&order.backend_id, &order.model, &order.id);
             match outcome {
-                Ok(()) => {
-                    tracing::info!(backend = %order.backend_id, model = %order.model, id = %order.id, "placement: {action} asked")
+                Err(Refused::NotYet(why)) => {
+                    tracing::debug!(%backend, %model, %id, why, "placement: {action} waits");
+                    continue;
                 }
-                Err(error) => {
-                    tracing::warn!(backend = %order.backend_id, model = %order.model, id = %order.id, %error, "placement: {action} failed")
+                Ok(()) => tracing::info!(%backend, %model, %id, "placement: {action} asked"),
+                Err(Refused::Failed(error)) => {
+                    tracing::warn!(%backend, %model, %id, %error, "placement: {action} failed")
                 }
+            }
+            done.push_back(order.id.clone());
+            if done.len() > REMEMBERED {
+                done.pop_front();
             }
             state.poll_now.notify_one();
         }
@@ -67,25 +84,33 @@ pub async fn run(
 }
 
 /// Asks the order's backend for it.
-async fn carry_out(state: &AgentState, client: &ProbeClient, order: &PlacementOrder) -> Result<(), String> {
+async fn carry_out(state: &AgentState, client: &ProbeClient, order: &PlacementOrder) -> Result<(), Refused> {
     if order.node_id != state.node_id {
-        return Err(format!("the order is for node `{}`", order.node_id));
+        return Err(Refused::Failed(format!("the order is for node `{}`", order.node_id)));
     }
-    let handle = state.backend(&order.backend_id).ok_or("no such backend")?;
+    let handle = state.backend(&order.backend_id).ok_or_else(|| Refused::Failed("no such backend".into()))?;
     // What the backend was last seen to be, and to list: an order for a
     // model it does not list is not passed on.
     let (kind, listed) = {
-        let observations = state.observations.lock().map_err(|_| "observations unreadable")?;
-        let backend =
-            observations.backends.iter().find(|b| b.id == order.backend_id).ok_or("backend not probed yet")?;
+        let observations = state.observations.lock().map_err(|_| Refused::NotYet("observations unreadable"))?;
+        let backend = observations
+            .backends
+            .iter()
+            .find(|b| b.id == order.backend_id)
+            .ok_or(Refused::NotYet("the backend is not probed yet"))?;
         (backend.kind(), backend.models.iter().any(|m| m.id == order.model))
     };
     if !listed {
-        return Err("the backend does not list the model".into());
+        return Err(Refused::NotYet("the backend does not list the model"));
+    }
+    let load = order.action() == PlacementAction::Load;
+    // The leader planned the unload when the model was idle here; a
+    // request since would be cut off by it.
+    if !load && handle.in_flight.load(std::sync::atomic::Ordering::Relaxed) > 0 {
+        return Err(Refused::Failed("requests are in flight on the backend".into()));
     }
     let base = handle.probe.url.as_str();
     let key = handle.probe.api_key.as_str();
-    let load = order.action() == PlacementAction::Load;
     let answer = match kind {
         BackendKind::LlamaSwap if load => {
             client.get(base, &format!("/upstream/{}/health", path(&order.model)), key).await
@@ -95,9 +120,9 @@ async fn carry_out(state: &AgentState, client: &ProbeClient, order: &PlacementOr
             let route = if load { "/models/load" } else { "/models/unload" };
             client.post_json(base, route, key, &serde_json::json!({ "model": order.model })).await
         }
-        _ => return Err("the backend does not load models on request".into()),
+        _ => return Err(Refused::Failed("the backend does not load models on request".into())),
     };
-    let (status, body) = answer.map_err(|e| e.to_string())?;
+    let (status, body) = answer.map_err(|e| Refused::Failed(e.to_string()))?;
     // A router asked to load a model it is loading or has says so with a
     // 400: the model is where it was asked to be.
     let already = status.as_u16() == 400 && body.windows(15).any(|w| w == b"already running");
@@ -105,7 +130,7 @@ async fn carry_out(state: &AgentState, client: &ProbeClient, order: &PlacementOr
         return Ok(());
     }
     let text = String::from_utf8_lossy(&body[..body.len().min(200)]).into_owned();
-    Err(format!("{status}: {text}"))
+    Err(Refused::Failed(format!("{status}: {text}")))
 }
 
 /// A model id as a path segment: unreserved bytes and `/` as they are (llama-swap

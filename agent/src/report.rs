@@ -52,6 +52,9 @@ pub async fn run(
             Ok(()) => return,
             Err(Failure { error, registered }) => {
                 connection.send_modify(|c| c.controller_id = None);
+                // Orders are the leader's, heard through a controller: none
+                // is started while no controller is heard from.
+                orders.send_if_modified(|held| !std::mem::take(held).is_empty());
                 if registered {
                     backoff.reset();
                 }

@@ -218,7 +218,9 @@ impl AgentSvc {
         keepalive.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut snapshots = self.snapshots.clone();
         let mut draining_sent: Option<bool> = None;
-        let mut orders_sent: Vec<inferyes_proto::v1::PlacementOrder> = Vec::new();
+        // None until the first is sent: a new stream always hears the
+        // node's orders, none included, replacing what its agent held.
+        let mut orders_sent: Option<Vec<inferyes_proto::v1::PlacementOrder>> = None;
 
         let end = loop {
             let due = pending.as_ref().map(|_| write_at);
@@ -350,7 +352,7 @@ impl AgentSvc {
                     };
                     // The placement leader's orders for this node, whole,
                     // whenever they change.
-                    if orders != orders_sent {
+                    if orders_sent.as_ref() != Some(&orders) {
                         let message = ControllerMessage {
                             msg: Some(controller_message::Msg::Placement(inferyes_proto::v1::Placement {
                                 orders: orders.clone(),
@@ -359,7 +361,7 @@ impl AgentSvc {
                         if tx.send(Ok(message)).await.is_err() {
                             break End::AgentLeft;
                         }
-                        orders_sent = orders;
+                        orders_sent = Some(orders);
                     }
                     if let Some(draining) = draining
                         && draining_sent != Some(draining)
