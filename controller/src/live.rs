@@ -352,7 +352,10 @@ impl LiveState {
             }
         }
         for session in upserted {
-            if session.key.len() > MAX_KEY_BYTES || session.backend_id.len() > MAX_TEXT {
+            if session.key.len() > MAX_KEY_BYTES
+                || session.backend_id.len() > MAX_TEXT
+                || session.model.len() > MAX_TEXT
+            {
                 continue;
             }
             let h = hash(&session.key);
