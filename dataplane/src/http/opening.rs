@@ -90,7 +90,17 @@ impl Opening {
                 }),
             )],
             StreamStart::ResponseCreated => {
-                let response = json!({"id": format!("resp_{id}"), "object": "response", "status": "in_progress"});
+                // What the SDKs build the response from: its output list
+                // grows with the `output_item.added` events that follow.
+                let created_at = inferyes_proto::unix_ms() / 1000;
+                let response = json!({
+                    "id": format!("resp_{id}"),
+                    "object": "response",
+                    "created_at": created_at,
+                    "model": self.model,
+                    "status": "in_progress",
+                    "output": [],
+                });
                 ["response.created", "response.in_progress"]
                     .into_iter()
                     .map(|name| (name, json!({"type": name, "response": response})))
@@ -169,6 +179,8 @@ mod tests {
         let names: Vec<&str> = events.iter().map(|(name, _)| name.as_str()).collect();
         assert_eq!(names, ["response.created", "response.in_progress", "response.output_text.delta"]);
         assert_eq!(events[0].1["response"]["id"], "resp_abc");
+        assert_eq!(events[0].1["response"]["output"], json!([]));
+        assert_eq!(events[0].1["response"]["model"], "m\"x");
         assert_eq!(events[1].1["type"], "response.in_progress");
     }
 

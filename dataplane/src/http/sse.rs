@@ -169,8 +169,16 @@ pub fn opens_with(head: &[u8], name: &str) -> Option<bool> {
         let typed = |line: &[u8]| {
             line.strip_prefix(b"event:").map(<[u8]>::trim_ascii).is_some_and(|t| t == name.as_bytes() || t == b"error")
         };
+        // A server that writes no `event:` lines says the type in the data
+        // (`{"type":"message_start",...}`), as OpenAI's and Anthropic's
+        // events all do.
+        let typed_data = format!("{{\"type\":\"{name}\"");
         let error_data = |line: &[u8]| {
-            line.strip_prefix(b"data:").map(<[u8]>::trim_ascii).is_some_and(|d| d.starts_with(b"{\"error\""))
+            line.strip_prefix(b"data:").map(<[u8]>::trim_ascii).is_some_and(|d| {
+                d.starts_with(b"{\"error\"")
+                    || d.starts_with(b"{\"type\":\"error\"")
+                    || d.starts_with(typed_data.as_bytes())
+            })
         };
         return Some(std::iter::once(field).chain(fields).any(|line| typed(line) || error_data(line)));
     }
@@ -221,6 +229,8 @@ mod tests {
         assert_eq!(opens_with(b"event: error\ndata: {\"type\":\"error\"}\n\n", "message_start"), Some(true));
         assert_eq!(opens_with(b"data: {\"error\":{\"message\":\"x\"}}\n\n", "message_start"), Some(true));
         assert_eq!(opens_with(b"data: {\"x\":\"event: message_start\"}\n\n", "message_start"), Some(false));
+        assert_eq!(opens_with(b"data: {\"type\":\"message_start\",\"message\":{}}\n\n", "message_start"), Some(true));
+        assert_eq!(opens_with(b"data: {\"type\":\"message_started\"}\n\n", "message_start"), Some(false));
         assert_eq!(opens_with(b"event: message_started\n\n", "message_start"), Some(false));
     }
 
