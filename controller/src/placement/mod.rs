@@ -387,6 +387,7 @@ pub fn plan(fleet: &Fleet, policy: &RoutingPolicy, placing: &Placing, settings: 
             }
         }
     }
+    let planning = Planning { fleet, policy, placing, settings, now_ms };
     let mut actions = Vec::new();
     for model in declared(policy) {
         let want = replicas(policy, model);
@@ -408,7 +409,7 @@ pub fn plan(fleet: &Fleet, policy: &RoutingPolicy, placing: &Placing, settings: 
             .count();
         let short = (want.min as usize).saturating_sub(warm + coming);
         for _ in 0..short {
-            let Some(chosen) = best_node(fleet, policy, placing, &round, settings, model, now_ms) else { break };
+            let Some(chosen) = planning.best_node(&round, model) else { break };
             round.touched.insert(chosen.node.clone());
             if !chosen.evictions.is_empty() {
                 // The unloads first, alone: the load is planned once they
@@ -485,110 +486,99 @@ struct Chosen {
     free_after: u64,
 }
 
-/// The best node to load `model` on: one that needs the fewest unloads to
-/// take it under its threshold, then the one with the most memory free
-/// after, then the first by id.
-fn best_node(
-    fleet: &Fleet,
-    policy: &RoutingPolicy,
-    placing: &Placing,
-    round: &Round,
+/// What a round of planning reads: the same for every model it plans.
+struct Planning<'a> {
+    fleet: &'a Fleet,
+    policy: &'a RoutingPolicy,
+    placing: &'a Placing,
     settings: Settings,
-    model: &str,
     now_ms: u64,
-) -> Option<Chosen> {
-    fleet
-        .nodes
-        .iter()
-        .filter_map(|node| candidate(fleet, node, policy, placing, round, settings, model, now_ms))
-        .min_by(|a, b| {
-            (a.evictions.len(), std::cmp::Reverse(a.free_after), &a.node).cmp(&(
-                b.evictions.len(),
-                std::cmp::Reverse(b.free_after),
-                &b.node,
-            ))
-        })
 }
 
-/// How `node` could take `model`, if it can.
-#[allow(clippy::too_many_arguments)]
-fn candidate(
-    fleet: &Fleet,
-    node: &Node,
-    policy: &RoutingPolicy,
-    placing: &Placing,
-    round: &Round,
-    settings: Settings,
-    model: &str,
-    now_ms: u64,
-) -> Option<Chosen> {
-    let key = (node.id.clone(), model.to_string());
-    if node.draining
-        || !node.memory_known
-        || node.memory_total == 0
-        || round.loading.contains(&key)
-        || round.touched.contains(&node.id)
-        || placing.busy(&node.id)
-        || placing.backed_off(&node.id, model, now_ms)
-        || node.state(model) != Some(ModelState::Unloaded)
-    {
-        return None;
+impl Planning<'_> {
+    /// The best node to load `model` on: one that needs the fewest unloads
+    /// to take it under its threshold, then the one with the most memory
+    /// free after, then the first by id.
+    fn best_node(&self, round: &Round, model: &str) -> Option<Chosen> {
+        self.fleet
+            .nodes
+            .iter()
+            .filter_map(|node| self.candidate(node, round, model))
+            .min_by_key(|c| (c.evictions.len(), std::cmp::Reverse(c.free_after), c.node.clone()))
     }
-    let (backend, listed) =
-        node.models().find(|(b, m)| b.places && m.id == model && m.state == ModelState::Unloaded)?;
-    let budget = (node.memory_total as f64 * node.threshold.clamp(0.0, 1.0)) as u64;
-    let used = node.memory_used.saturating_add(round.reserved.get(&node.id).copied().unwrap_or(0));
-    let need = footprint(node, &listed.id);
-    // What may go to make room: loaded on a backend that unloads, idle, not
-    // this model, and warm enough elsewhere to stay at its own minimum.
-    let mut evictable: Vec<(&Backend, &Model)> = node
-        .models()
-        .filter(|(b, m)| {
-            b.places
-                && m.state == ModelState::Loaded
-                && m.id != model
-                && b.in_flight == 0
-                && now_ms.saturating_sub(m.last_used_ms) >= settings.idle_ms
-                && !round.unloading.contains(&(node.id.clone(), m.id.clone()))
-                && !placing.backed_off(&node.id, &m.id, now_ms)
-                && warm_elsewhere(fleet, round, &m.id, &node.id) >= replicas(policy, &m.id).min as usize
-        })
-        .collect();
-    // The idlest first, then the largest.
-    evictable.sort_by(|a, b| {
-        (a.1.last_used_ms, std::cmp::Reverse(a.1.size)).cmp(&(b.1.last_used_ms, std::cmp::Reverse(b.1.size)))
-    });
-    let mut evictions: Vec<(String, String)> = Vec::new();
-    let mut freed = 0u64;
-    // A backend with a limit of its own unloads a model to load one more:
-    // placement picks which.
-    if backend.models_max > 0 {
-        let held = backend.models.iter().filter(|m| matches!(m.state, ModelState::Loaded | ModelState::Loading)).count()
-            as i64
-            + round.added.get(&(node.id.clone(), backend.id.clone())).copied().unwrap_or(0);
-        let over = held + 1 - i64::from(backend.models_max);
-        for (b, m) in
-            evictable.iter().filter(|(b, _)| b.id == backend.id).take(usize::try_from(over.max(0)).unwrap_or(0))
+
+    /// How `node` could take `model`, if it can.
+    fn candidate(&self, node: &Node, round: &Round, model: &str) -> Option<Chosen> {
+        let Planning { fleet, policy, placing, settings, now_ms } = *self;
+        let key = (node.id.clone(), model.to_string());
+        if node.draining
+            || !node.memory_known
+            || node.memory_total == 0
+            || round.loading.contains(&key)
+            || round.touched.contains(&node.id)
+            || placing.busy(&node.id)
+            || placing.backed_off(&node.id, model, now_ms)
+            || node.state(model) != Some(ModelState::Unloaded)
         {
+            return None;
+        }
+        let (backend, listed) =
+            node.models().find(|(b, m)| b.places && m.id == model && m.state == ModelState::Unloaded)?;
+        let budget = (node.memory_total as f64 * node.threshold.clamp(0.0, 1.0)) as u64;
+        let used = node.memory_used.saturating_add(round.reserved.get(&node.id).copied().unwrap_or(0));
+        let need = footprint(node, &listed.id);
+        // What may go to make room: loaded on a backend that unloads, idle, not
+        // this model, and warm enough elsewhere to stay at its own minimum.
+        let mut evictable: Vec<(&Backend, &Model)> = node
+            .models()
+            .filter(|(b, m)| {
+                b.places
+                    && m.state == ModelState::Loaded
+                    && m.id != model
+                    && b.in_flight == 0
+                    && now_ms.saturating_sub(m.last_used_ms) >= settings.idle_ms
+                    && !round.unloading.contains(&(node.id.clone(), m.id.clone()))
+                    && !placing.backed_off(&node.id, &m.id, now_ms)
+                    && warm_elsewhere(fleet, round, &m.id, &node.id) >= replicas(policy, &m.id).min as usize
+            })
+            .collect();
+        // The idlest first, then the largest.
+        evictable.sort_by(|a, b| {
+            (a.1.last_used_ms, std::cmp::Reverse(a.1.size)).cmp(&(b.1.last_used_ms, std::cmp::Reverse(b.1.size)))
+        });
+        let mut evictions: Vec<(String, String)> = Vec::new();
+        let mut freed = 0u64;
+        // A backend with a limit of its own unloads a model to load one more:
+        // placement picks which.
+        if backend.models_max > 0 {
+            let held =
+                backend.models.iter().filter(|m| matches!(m.state, ModelState::Loaded | ModelState::Loading)).count()
+                    as i64
+                    + round.added.get(&(node.id.clone(), backend.id.clone())).copied().unwrap_or(0);
+            let over = held + 1 - i64::from(backend.models_max);
+            for (b, m) in
+                evictable.iter().filter(|(b, _)| b.id == backend.id).take(usize::try_from(over.max(0)).unwrap_or(0))
+            {
+                evictions.push((b.id.clone(), m.id.clone()));
+                freed += m.size;
+            }
+            if (evictions.len() as i64) < over {
+                return None;
+            }
+        }
+        for (b, m) in &evictable {
+            if used.saturating_add(need) <= budget.saturating_add(freed) {
+                break;
+            }
+            if evictions.iter().any(|(eb, em)| eb == &b.id && em == &m.id) || m.size == 0 {
+                continue;
+            }
             evictions.push((b.id.clone(), m.id.clone()));
             freed += m.size;
         }
-        if (evictions.len() as i64) < over {
-            return None;
-        }
+        let after = budget.saturating_add(freed).checked_sub(used.saturating_add(need))?;
+        Some(Chosen { node: node.id.clone(), backend: backend.id.clone(), size: need, evictions, free_after: after })
     }
-    for (b, m) in &evictable {
-        if used.saturating_add(need) <= budget.saturating_add(freed) {
-            break;
-        }
-        if evictions.iter().any(|(eb, em)| eb == &b.id && em == &m.id) || m.size == 0 {
-            continue;
-        }
-        evictions.push((b.id.clone(), m.id.clone()));
-        freed += m.size;
-    }
-    let after = budget.saturating_add(freed).checked_sub(used.saturating_add(need))?;
-    Some(Chosen { node: node.id.clone(), backend: backend.id.clone(), size: need, evictions, free_after: after })
 }
 
 /// The nodes other than `except` where `model` is warm and stays so.
