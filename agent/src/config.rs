@@ -137,6 +137,13 @@ pub struct BackendConfig {
     /// resident while they fit in it.
     #[serde(default = "default_host_cache_tokens")]
     pub host_cache_tokens: u64,
+    /// Models it holds loaded at once, where it does not say: llama-swap
+    /// runs one model at a time outside its groups, and loading another
+    /// stops it (unset: 1 for llama-swap); router-mode llama-server says
+    /// its own `--models-max`. Placement then picks which idle model makes
+    /// room, rather than the backend stopping one in use. 0: no limit.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub models_max: Option<u32>,
     /// Credential the proxy adds to every request to this backend (e.g.
     /// llama-server's --api-key). It never leaves this host, and is never
     /// printed (`--print-config` leaves it out).
@@ -152,6 +159,12 @@ pub struct BackendConfig {
 }
 
 impl BackendConfig {
+    /// Models it holds loaded at once: as configured, else llama-swap's
+    /// one at a time, else no limit known (0).
+    pub fn models_max(&self) -> u32 {
+        self.models_max.unwrap_or(if self.kind == BackendKind::LlamaSwap { 1 } else { 0 })
+    }
+
     /// `api_key` filled in from `api_key_file` or `api_key_env`, at most
     /// one of the three set.
     fn read_api_key(&mut self) -> anyhow::Result<()> {
@@ -450,10 +463,15 @@ kind = "llama-swap"
             models: vec![],
             model_sizes: std::collections::BTreeMap::new(),
             host_cache_tokens: 0,
+            models_max: None,
             api_key: String::new(),
             api_key_file: None,
             api_key_env: None,
         };
+        let swap: BackendConfig = toml::from_str("id = \"s\"\nurl = \"http://x\"\nkind = \"llama-swap\"").unwrap();
+        assert_eq!(swap.models_max(), 1, "llama-swap runs one model at a time unless told");
+        assert_eq!(BackendConfig { models_max: Some(3), ..swap }.models_max(), 3);
+        assert_eq!(twice.models_max(), 0, "a llama-server says its own, or has none");
         let config = Config { backends: vec![twice.clone(), twice.clone()], ..Config::default() };
         assert!(config.validate().unwrap_err().to_string().contains("used twice"));
         let https = BackendConfig { url: "https://x".into(), ..twice };

@@ -72,6 +72,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
             declared_models: b.models.clone(),
             host_cache_tokens: b.host_cache_tokens,
             model_sizes: b.model_sizes.clone(),
+            models_max: b.models_max(),
         })
         .collect();
     let mut simulators = Vec::new();
@@ -115,6 +116,8 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
             declared_models: simulated.server.models.iter().map(|m| m.id.clone()).collect(),
             host_cache_tokens: simulated.server.cache_ram_tokens,
             model_sizes: simulated.server.models.iter().map(|m| (m.id.clone(), m.size_bytes)).collect(),
+            // A router says its own; a llama-swap is configured with it.
+            models_max: if kind == config::BackendKind::LlamaSwap { simulated.server.max_loaded_models } else { 0 },
         });
         let token = shutdown.clone();
         let span = tracing::info_span!("simulator", backend = %simulated.id);

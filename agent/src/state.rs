@@ -199,6 +199,7 @@ mod tests {
             declared_models: Vec::new(),
             host_cache_tokens: 0,
             model_sizes: Default::default(),
+            models_max: 0,
         };
         BackendHandle {
             url: inferyes_net::base_url::BaseUrl::new(&probe.url),

@@ -195,6 +195,7 @@ pub fn llama_server(url: &str, models: &[&str]) -> BackendConfig {
         models: models.iter().map(|m| (*m).to_string()).collect(),
         model_sizes: std::collections::BTreeMap::new(),
         host_cache_tokens: 0,
+        models_max: None,
         api_key: String::new(),
         api_key_file: None,
         api_key_env: None,
@@ -219,6 +220,8 @@ pub fn sim_backends(backends: &[(&str, &SimHandle)]) -> Vec<BackendConfig> {
             // What an operator declares for llama-swap, which says none.
             model_sizes: sim.sim.config().models.iter().map(|m| (m.id.clone(), m.size_bytes)).collect(),
             host_cache_tokens: sim.sim.config().cache_ram_tokens,
+            // What an operator declares for a llama-swap: how many it runs.
+            models_max: Some(sim.sim.config().max_loaded_models),
             ..llama_server(&sim.url, &[])
         })
         .collect()

@@ -24,6 +24,8 @@ pub struct BackendProbe {
     /// Model sizes the operator declared, for models the backend reports
     /// none for.
     pub model_sizes: std::collections::BTreeMap<String, u64>,
+    /// Models it holds loaded at once, where it does not say (0: no limit).
+    pub models_max: u32,
 }
 
 impl BackendProbe {
@@ -55,6 +57,10 @@ impl BackendProbe {
             config::BackendKind::LlamaSwap => self.probe_llama_swap(client, &mut backend).await,
             config::BackendKind::Openai => self.probe_openai(client, &mut backend).await,
         };
+        // What the backend says of its limit, else what was configured.
+        if backend.models_max == 0 {
+            backend.models_max = self.models_max;
+        }
         // A llama-server that answers its health but not the rest has counts
         // no more known than one whose /slots timed out.
         if result.is_err() && matches!(backend.kind(), BackendKind::LlamaServer | BackendKind::LlamaServerRouter) {
@@ -639,6 +645,7 @@ mod tests {
             declared_models: Vec::new(),
             host_cache_tokens: 0,
             model_sizes,
+            models_max: 1,
         }
     }
 
@@ -735,6 +742,7 @@ mod tests {
         let backend = probe.probe(&ProbeClient::new(std::time::Duration::from_secs(2)), None).await.backend;
         let sizes: Vec<(&str, u64)> = backend.models.iter().map(|m| (m.id.as_str(), m.size_bytes)).collect();
         assert_eq!(sizes, [("alpha", 0), ("beta", 7 << 30)]);
+        assert_eq!(backend.models_max, 1, "llama-swap says nothing of it: as configured");
     }
 
     #[test]

@@ -160,6 +160,45 @@ async fn a_declared_model_stays_warm_on_two_nodes_through_a_drain() {
 }
 
 #[tokio::test]
+async fn room_is_made_on_a_backend_at_its_limit_before_the_load() {
+    // One model at a time, `other` loaded and idle: placement unloads it
+    // first, then loads `m`, rather than let llama-swap swap it out.
+    let etcd = Etcd::start().await;
+    let controller = ControllerHandle::start(&etcd.endpoint(), "controller-1").await;
+    let sim = SimHandle::start(SimConfig {
+        max_loaded_models: 1,
+        preload: vec!["other".into()],
+        ..backend(SimMode::LlamaSwap)
+    })
+    .await;
+    let agent = AgentHandle::start("node-a", &[controller.url()], &[("main", &sim)]).await;
+    let dataplane = DataplaneHandle::start(&[controller.url()]).await;
+    dataplane.wait_for_nodes(&["node-a"]).await;
+    dataplane.wait_for("other warm", Duration::from_secs(5), |s| warm_on(s, "other").len() == 1).await;
+
+    declare(&controller, "m", 1).await;
+    dataplane
+        .wait_for("m warm in other's place", Duration::from_secs(10), |s| {
+            warm_on(s, "m").len() == 1 && warm_on(s, "other").is_empty()
+        })
+        .await;
+    let http = HttpClient::default();
+    let done = |action: &'static str| {
+        let (http, controller) = (&http, &controller);
+        async move {
+            let labels = format!("action=\"{action}\",outcome=\"done\"");
+            metric(http, controller, "inferyes_controller_placement_orders_total", &labels).await
+        }
+    };
+    assert_eq!((done("unload").await, done("load").await), (1.0, 1.0), "an unload, then the load");
+
+    dataplane.stop().await;
+    agent.stop().await;
+    controller.stop().await;
+    sim.stop().await;
+}
+
+#[tokio::test]
 async fn of_two_controllers_only_the_elected_one_places_models() {
     let etcd = Etcd::start().await;
     let one = ControllerHandle::start(&etcd.endpoint(), "controller-1").await;
