@@ -107,7 +107,9 @@ async fn carry_out(state: &AgentState, client: &ProbeClient, order: &PlacementOr
     // The leader planned the unload when the model was idle here; a
     // request since would be cut off by it.
     if !load && handle.in_flight.load(std::sync::atomic::Ordering::Relaxed) > 0 {
-        return Err(Refused::Failed("requests are in flight on the backend".into()));
+        // Tried again until the backend is idle, or the leader, seeing
+        // the requests, withdraws it.
+        return Err(Refused::NotYet("requests are in flight on the backend"));
     }
     let base = handle.probe.url.as_str();
     let key = handle.probe.api_key.as_str();

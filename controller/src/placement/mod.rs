@@ -43,6 +43,12 @@ pub struct Settings {
     pub idle_ms: u64,
 }
 
+/// An unload takes seconds: one not done by then has failed, whatever the
+/// (load-sized) order timeout, so that a node is not held up for long.
+const UNLOAD_TIMEOUT_MS: u64 = 60_000;
+/// How long room made for a model on a node is kept for it: the memory the
+/// unloads freed may take a reading or two to show.
+const ROOM_KEPT_MS: u64 = 10_000;
 /// The first wait after a failed order, doubled per failure up to the most.
 const BACKOFF_MS: u64 = 30_000;
 const MAX_BACKOFF_MS: u64 = 15 * 60_000;
@@ -225,6 +231,9 @@ pub enum Outcome {
 pub struct Placing {
     outstanding: Vec<Outstanding>,
     backoff: BTreeMap<(String, String), Backoff>,
+    /// (node, model) → until when room made for the model there is kept
+    /// for it: it is loaded there with no more unloads, or not at all.
+    room_made: BTreeMap<(String, String), u64>,
     issued: u64,
 }
 
@@ -239,6 +248,7 @@ impl Placing {
     pub fn withdraw_all(&mut self) {
         self.outstanding.clear();
         self.backoff.clear();
+        self.room_made.clear();
     }
 
     /// Settles the orders the fleet shows done, failed (timed out, or a load
@@ -247,6 +257,7 @@ impl Placing {
     pub fn settle(&mut self, fleet: &Fleet, settings: Settings, now_ms: u64) -> Vec<(PlacementOrder, Outcome)> {
         let mut settled = Vec::new();
         let mut kept = Vec::new();
+        self.room_made.retain(|_, until| now_ms < *until);
         for mut outstanding in std::mem::take(&mut self.outstanding) {
             let order = &outstanding.order;
             let outcome = match fleet.node(&order.node_id) {
@@ -258,7 +269,11 @@ impl Placing {
                     let state = listed.map(|m| m.state);
                     let in_use = backend.is_some_and(|b| b.in_flight > 0)
                         || listed.is_some_and(|m| now_ms.saturating_sub(m.last_used_ms) < settings.idle_ms);
-                    let timed_out = now_ms.saturating_sub(order.issued_unix_ms) >= settings.order_timeout_ms;
+                    let timeout = match order.action() {
+                        PlacementAction::Unload => settings.order_timeout_ms.min(UNLOAD_TIMEOUT_MS),
+                        _ => settings.order_timeout_ms,
+                    };
+                    let timed_out = now_ms.saturating_sub(order.issued_unix_ms) >= timeout;
                     match order.action() {
                         PlacementAction::Load => match state {
                             Some(ModelState::Loaded) => Some(Outcome::Done),
@@ -291,6 +306,13 @@ impl Placing {
                         }
                         Outcome::Done if outstanding.order.action() == PlacementAction::Load => {
                             self.backoff.remove(&key);
+                            self.room_made.remove(&key);
+                        }
+                        Outcome::Done => {
+                            if let Some(model) = &outstanding.room_for {
+                                let room = (outstanding.order.node_id.clone(), model.clone());
+                                self.room_made.insert(room, now_ms.saturating_add(ROOM_KEPT_MS));
+                            }
                         }
                         _ => {}
                     }
@@ -378,6 +400,7 @@ pub fn plan(fleet: &Fleet, policy: &RoutingPolicy, placing: &Placing, settings: 
             }
         }
     }
+
     // Loads under way that this placement did not ask for (a client's cold
     // load, a former leader's order) take their memory too.
     for node in &fleet.nodes {
@@ -409,7 +432,22 @@ pub fn plan(fleet: &Fleet, policy: &RoutingPolicy, placing: &Placing, settings: 
             .count();
         let short = (want.min as usize).saturating_sub(warm + coming);
         for _ in 0..short {
-            let Some(chosen) = planning.best_node(&round, model) else { break };
+            // Room made for the model is its first: it loads there, or, while
+            // the freed memory does not show yet, nowhere else.
+            let room = placing.room_made.keys().find(|(n, m)| m == model && !round.touched.contains(n));
+            let chosen = match room {
+                Some((node, _)) => match fleet.node(node).and_then(|n| planning.candidate(n, &round, model)) {
+                    Some(chosen) => chosen,
+                    None => {
+                        round.touched.insert(node.clone());
+                        continue;
+                    }
+                },
+                None => match planning.best_node(&round, model) {
+                    Some(chosen) => chosen,
+                    None => break,
+                },
+            };
             round.touched.insert(chosen.node.clone());
             if !chosen.evictions.is_empty() {
                 // The unloads first, alone: the load is planned once they
@@ -547,6 +585,8 @@ impl Planning<'_> {
             (a.1.last_used_ms, std::cmp::Reverse(a.1.size)).cmp(&(b.1.last_used_ms, std::cmp::Reverse(b.1.size)))
         });
         let mut evictions: Vec<(String, String)> = Vec::new();
+        // Room already made here for the model: it fits in it, or waits.
+        let room_made = placing.room_made.contains_key(&key);
         let mut freed = 0u64;
         // A backend with a limit of its own unloads a model to load one more:
         // placement picks which.
@@ -575,6 +615,9 @@ impl Planning<'_> {
             }
             evictions.push((b.id.clone(), m.id.clone()));
             freed += m.size;
+        }
+        if room_made && !evictions.is_empty() {
+            return None;
         }
         let after = budget.saturating_add(freed).checked_sub(used.saturating_add(need))?;
         Some(Chosen { node: node.id.clone(), backend: backend.id.clone(), size: need, evictions, free_after: after })

@@ -110,6 +110,13 @@ fn room_is_made_by_unloading_the_idlest_model_that_may_go() {
     assert_eq!(actions[0].room_for.as_deref(), Some("m"));
     placing.issue(actions, "c1", 1, NOW);
     assert!(plan(&fleet, &declared, &placing, SETTINGS, NOW).is_empty(), "room is being made: nothing more");
+    // The unload done, its memory not shown free yet: nothing more is
+    // unloaded for the model, here or elsewhere, while the room is kept.
+    let mut unloaded = fleet.clone();
+    unloaded.nodes[0].backends[0].models[2].state = ModelState::Unloaded;
+    let mut waiting = placing.clone();
+    assert_eq!(waiting.settle(&unloaded, SETTINGS, NOW + 1)[0].1, Outcome::Done);
+    assert!(plan(&unloaded, &declared, &waiting, SETTINGS, NOW + 2).is_empty(), "the room is kept for m");
     // Once the unload is done and its memory free, the load.
     let mut freed = fleet.clone();
     freed.nodes[0].memory_used -= 8 * GB;
