@@ -172,13 +172,18 @@ pub fn opens_with(head: &[u8], name: &str) -> Option<bool> {
         // A server that writes no `event:` lines says the type in the data
         // (`{"type":"message_start",...}`), as OpenAI's and Anthropic's
         // events all do.
-        let typed_data = format!("{{\"type\":\"{name}\"");
+        let data_typed = |data: &[u8], name: &str| {
+            let Some(value) = data.strip_prefix(b"{\"type\":") else { return false };
+            let value = value.trim_ascii_start();
+            value.len() > name.len() + 1
+                && value[0] == b'"'
+                && &value[1..=name.len()] == name.as_bytes()
+                && value[name.len() + 1] == b'"'
+        };
         let error_data = |line: &[u8]| {
-            line.strip_prefix(b"data:").map(<[u8]>::trim_ascii).is_some_and(|d| {
-                d.starts_with(b"{\"error\"")
-                    || d.starts_with(b"{\"type\":\"error\"")
-                    || d.starts_with(typed_data.as_bytes())
-            })
+            line.strip_prefix(b"data:")
+                .map(<[u8]>::trim_ascii)
+                .is_some_and(|d| d.starts_with(b"{\"error\"") || data_typed(d, "error") || data_typed(d, name))
         };
         return Some(std::iter::once(field).chain(fields).any(|line| typed(line) || error_data(line)));
     }
@@ -231,6 +236,8 @@ mod tests {
         assert_eq!(opens_with(b"data: {\"x\":\"event: message_start\"}\n\n", "message_start"), Some(false));
         assert_eq!(opens_with(b"data: {\"type\":\"message_start\",\"message\":{}}\n\n", "message_start"), Some(true));
         assert_eq!(opens_with(b"data: {\"type\":\"message_started\"}\n\n", "message_start"), Some(false));
+        assert_eq!(opens_with(b"data: {\"type\": \"message_start\"}\n\n", "message_start"), Some(true), "a space");
+        assert_eq!(opens_with(b"data: {\"type\": \"error\"}\n\n", "message_start"), Some(true));
         assert_eq!(opens_with(b"event: message_started\n\n", "message_start"), Some(false));
     }
 
