@@ -182,6 +182,7 @@ async fn room_is_made_on_a_backend_at_its_limit_before_the_load() {
             warm_on(s, "m").len() == 1 && warm_on(s, "other").is_empty()
         })
         .await;
+    // Settled in the leader's next round.
     let http = HttpClient::default();
     let done = |action: &'static str| {
         let (http, controller) = (&http, &controller);
@@ -190,7 +191,10 @@ async fn room_is_made_on_a_backend_at_its_limit_before_the_load() {
             metric(http, controller, "inferyes_controller_placement_orders_total", &labels).await
         }
     };
-    assert_eq!((done("unload").await, done("load").await), (1.0, 1.0), "an unload, then the load");
+    inferyes_tests::eventually("an unload, then the load, both done", Duration::from_secs(5), || async {
+        (done("unload").await, done("load").await) == (1.0, 1.0)
+    })
+    .await;
 
     dataplane.stop().await;
     agent.stop().await;
