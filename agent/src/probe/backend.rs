@@ -280,13 +280,20 @@ impl BackendProbe {
             return Err(format!("models: HTTP {}", status.as_u16()));
         }
         let (mut models, has_status) = parse_llamaswap_models(&body);
-        if !has_status {
-            // Older llama-swap: /v1/models has no status; /running does.
+        // Older llama-swap: /v1/models has no status; /running does. Newer:
+        // `loaded` there means any process not stopped, one still starting
+        // included, which /running tells apart.
+        let loaded = models.iter().any(|m| m.state() == ModelState::Loaded);
+        if !has_status || loaded {
             match client.get(&self.url, "/running", &self.api_key).await {
                 Ok((status, body)) if status.is_success() => {
                     let running = parse_running(&body);
                     for model in &mut models {
-                        let state = if running.contains(&model.id) { ModelState::Loaded } else { ModelState::Unloaded };
+                        let state = match running.iter().find(|(id, _)| *id == model.id).map(|(_, s)| s.as_str()) {
+                            Some("starting") => ModelState::Loading,
+                            Some("stopping") | None => ModelState::Unloaded,
+                            Some(_) => ModelState::Loaded,
+                        };
                         model.set_state(state);
                     }
                 }
@@ -438,15 +445,16 @@ fn percent_encoded(text: &str) -> String {
     out
 }
 
-fn parse_running(body: &[u8]) -> Vec<String> {
+/// llama-swap's `/running`: each process's model and its state
+/// (`starting`, `ready`, `stopping`; none in builds before states).
+fn parse_running(body: &[u8]) -> Vec<(String, String)> {
     let Ok(value) = serde_json::from_slice::<Value>(body) else { return Vec::new() };
-    value
-        .get("running")
-        .and_then(Value::as_array)
-        .map(|running| {
-            running.iter().filter_map(|r| r.get("model").and_then(Value::as_str).map(str::to_string)).collect()
-        })
-        .unwrap_or_default()
+    let entry = |r: &Value| {
+        let model = r.get("model").and_then(Value::as_str)?.to_string();
+        let state = r.get("state").and_then(Value::as_str).unwrap_or("ready").to_string();
+        Some((model, state))
+    };
+    value.get("running").and_then(Value::as_array).map(|all| all.iter().filter_map(entry).collect()).unwrap_or_default()
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -610,7 +618,11 @@ mod tests {
         let (models, has_status) = parse_llamaswap_models(old);
         assert!(!has_status);
         assert_eq!(models[0].state(), ModelState::Unknown);
-        assert_eq!(parse_running(br#"{"running":[{"model":"a","state":"ready"}]}"#), ["a"]);
+        let running = parse_running(
+            br#"{"running":[{"model":"a","state":"ready"},{"model":"c","state":"starting"},{"model":"d"}]}"#,
+        );
+        let running: Vec<(&str, &str)> = running.iter().map(|(m, s)| (m.as_str(), s.as_str())).collect();
+        assert_eq!(running, [("a", "ready"), ("c", "starting"), ("d", "ready")]);
     }
 
     #[test]
@@ -743,6 +755,28 @@ mod tests {
         let sizes: Vec<(&str, u64)> = backend.models.iter().map(|m| (m.id.as_str(), m.size_bytes)).collect();
         assert_eq!(sizes, [("alpha", 0), ("beta", 7 << 30)]);
         assert_eq!(backend.models_max, 1, "llama-swap says nothing of it: as configured");
+    }
+
+    #[tokio::test]
+    async fn a_llama_swap_model_still_starting_is_loading_not_warm() {
+        use axum::routing::get;
+        // llama-swap says `loaded` for a process still starting; /running
+        // says which.
+        let catalog = r#"{"object":"list","data":[{"id":"a","status":{"value":"loaded"}},{"id":"b","status":{"value":"loaded"}},{"id":"c","status":{"value":"unloaded"}}]}"#;
+        let running = r#"{"running":[{"model":"a","state":"ready"},{"model":"b","state":"starting"}]}"#;
+        let app = axum::Router::new()
+            .route("/health", get(|| async { "OK" }))
+            .route("/v1/models", get(move || async move { catalog }))
+            .route("/running", get(move || async move { running }));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        let backend = swap_probe(url, Default::default())
+            .probe(&ProbeClient::new(std::time::Duration::from_secs(2)), None)
+            .await
+            .backend;
+        let states: Vec<(&str, ModelState)> = backend.models.iter().map(|m| (m.id.as_str(), m.state())).collect();
+        assert_eq!(states, [("a", ModelState::Loaded), ("b", ModelState::Loading), ("c", ModelState::Unloaded)]);
     }
 
     #[test]
