@@ -480,8 +480,11 @@ async fn swap_models(State(s): State<Shared>) -> Response {
         .map(|(id, st)| {
             let mut model = json!({"id": id, "object": "model", "created": s.created, "owned_by": "llama-swap"});
             // Builds before 2026-07 list no status; clients read /running.
+            // Later ones say `loaded` for any process not stopped, one still
+            // starting included: /running tells them apart.
             if !s.config.llama_swap_legacy {
-                model["status"] = json!({"value": st.as_str()});
+                let value = if st == super::swap::ModelStatus::Unloaded { "unloaded" } else { "loaded" };
+                model["status"] = json!({ "value": value });
             }
             model
         })
