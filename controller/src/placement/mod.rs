@@ -243,6 +243,11 @@ impl Placing {
         self.outstanding.iter().map(|o| o.order.clone()).collect()
     }
 
+    /// Whether no order is outstanding.
+    pub fn is_idle(&self) -> bool {
+        self.outstanding.is_empty()
+    }
+
     /// Withdraws every outstanding order (placement turned off). Ids go on
     /// from where they were: an agent carries an id out once only.
     pub fn withdraw_all(&mut self) {
@@ -365,8 +370,6 @@ struct Round {
     /// (node, model) loading, or to be unloaded, by an order.
     loading: BTreeSet<(String, String)>,
     unloading: BTreeSet<(String, String)>,
-    /// Models each backend (node, backend) will hold more (loads) or fewer.
-    added: BTreeMap<(String, String), i64>,
     /// Nodes asked for something this round: one thing at a time each.
     touched: BTreeSet<String>,
     /// (node, model) for which unloads are making room.
@@ -466,7 +469,6 @@ pub fn plan(fleet: &Fleet, policy: &RoutingPolicy, placing: &Placing, settings: 
                 continue;
             }
             *round.reserved.entry(chosen.node.clone()).or_default() += chosen.size;
-            *round.added.entry((chosen.node.clone(), chosen.backend.clone())).or_default() += 1;
             round.loading.insert((chosen.node.clone(), model.to_string()));
             actions.push(Action {
                 action: Kind::Load,
@@ -589,12 +591,12 @@ impl Planning<'_> {
         let room_made = placing.room_made.contains_key(&key);
         let mut freed = 0u64;
         // A backend with a limit of its own unloads a model to load one more:
-        // placement picks which.
+        // placement picks which. Its state is all there is to count: a node
+        // with orders outstanding, or asked this round, is no candidate.
         if backend.models_max > 0 {
             let held =
                 backend.models.iter().filter(|m| matches!(m.state, ModelState::Loaded | ModelState::Loading)).count()
-                    as i64
-                    + round.added.get(&(node.id.clone(), backend.id.clone())).copied().unwrap_or(0);
+                    as i64;
             let over = held + 1 - i64::from(backend.models_max);
             for (b, m) in
                 evictable.iter().filter(|(b, _)| b.id == backend.id).take(usize::try_from(over.max(0)).unwrap_or(0))
