@@ -79,6 +79,12 @@ impl Placer {
     }
 
     async fn round(&self, term: &mut Term, snapshot: &crate::snapshot::Snapshot, live: &crate::live::LiveView) {
+        // Nothing declared, nothing asked, nothing left to withdraw: the
+        // fleet is not read.
+        let idle = super::declared(snapshot.policy()).is_empty() && term.placing.is_idle();
+        if idle && term.written.as_ref().is_some_and(Vec::is_empty) {
+            return;
+        }
         let now = inferyes_proto::unix_ms();
         let fleet = Fleet::read(snapshot, live);
         for (order, outcome) in term.placing.settle(&fleet, self.settings, now) {
