@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use criterion::{BenchmarkId, Criterion};
 use inferyes_dataplane::http::{parse_view, session_key};
 use inferyes_dataplane::routing::{Mode, RouteRequest, select, stable_hash, text_hash};
-use inferyes_dataplane::snapshot::{Counters, Live, RoutingSnapshot, decode, decode_live};
+use inferyes_dataplane::snapshot::{Live, RoutingSnapshot, decode, decode_live};
 use inferyes_proto::v1::{
     Backend, EndpointKind, Gpu, Health, Model, ModelState, NodeStatus, ResidentSession, SnapshotNode,
 };
@@ -95,7 +95,7 @@ fn cases() -> Vec<Case> {
         for nodes in FLEETS {
             let spread = spread.min(nodes);
             let wire = fleet(nodes, spread);
-            let snapshot = decode(1, &wire, None, &[], &Counters::default());
+            let snapshot = decode(1, &wire, None, &[], &inferyes_dataplane::targets::NodeStates::default());
             // Sessions resident on nodes serving model-0.
             let resident =
                 (0..1000).map(|i| format!("session-{}-{}", (i * spread) % nodes, i % (SESSIONS / nodes))).collect();
@@ -115,21 +115,29 @@ fn bench(c: &mut Criterion, cases: &[Case]) {
             let mut i = 0usize;
             b.iter(|| {
                 i = (i + 1) % case.resident.len();
-                black_box(select(&case.snapshot, &request("model-0", Some(&case.resident[i]), i as u64)))
+                black_box(select(
+                    &case.snapshot,
+                    case.snapshot.local(),
+                    &request("model-0", Some(&case.resident[i]), i as u64),
+                ))
             })
         });
         group.bench_with_input(BenchmarkId::new("new session", &label), case, |b, case| {
             let mut i = 0usize;
             b.iter(|| {
                 i = (i + 1) % case.fresh.len();
-                black_box(select(&case.snapshot, &request("model-0", Some(&case.fresh[i]), i as u64)))
+                black_box(select(
+                    &case.snapshot,
+                    case.snapshot.local(),
+                    &request("model-0", Some(&case.fresh[i]), i as u64),
+                ))
             })
         });
         group.bench_with_input(BenchmarkId::new("no session", &label), case, |b, case| {
             let mut i = 0u64;
             b.iter(|| {
                 i += 1;
-                black_box(select(&case.snapshot, &request("model-0", None, i)))
+                black_box(select(&case.snapshot, case.snapshot.local(), &request("model-0", None, i)))
             })
         });
     }
@@ -138,15 +146,15 @@ fn bench(c: &mut Criterion, cases: &[Case]) {
     group.sample_size(10).measurement_time(Duration::from_secs(3));
     for case in cases.iter().filter(|c| c.name == "every node") {
         group.bench_with_input(BenchmarkId::new("full snapshot, 100k sessions", case.nodes), case, |b, case| {
-            let counters = Counters::default();
-            b.iter(|| black_box(decode(2, &case.wire, None, &[], &counters)))
+            let states = inferyes_dataplane::targets::NodeStates::default();
+            b.iter(|| black_box(decode(2, &case.wire, None, &[], &states)))
         });
         // What a data plane does per live batch: the records again, with
         // the loads and session counts of a live state it already holds.
         let live = Live::from_statuses(&case.wire);
         group.bench_with_input(BenchmarkId::new("records with live state", case.nodes), case, |b, case| {
-            let counters = Counters::default();
-            b.iter(|| black_box(decode_live(2, &case.wire, &live, None, &[], &counters)))
+            let states = inferyes_dataplane::targets::NodeStates::default();
+            b.iter(|| black_box(decode_live(2, &case.wire, &live, None, &[], &states)))
         });
     }
     group.finish();
@@ -197,7 +205,7 @@ fn percentiles(cases: &[Case]) {
             for i in 0..100_000 {
                 let key = &keys[i % keys.len()];
                 let started = Instant::now();
-                black_box(select(&case.snapshot, &request("model-0", Some(key), i as u64)).ok());
+                black_box(select(&case.snapshot, case.snapshot.local(), &request("model-0", Some(key), i as u64)).ok());
                 samples.push(started.elapsed());
             }
             samples.sort_unstable();

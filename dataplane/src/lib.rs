@@ -11,6 +11,7 @@ pub mod metrics;
 pub mod report;
 pub mod routing;
 pub mod snapshot;
+pub mod targets;
 pub mod usage;
 
 use std::sync::Arc;

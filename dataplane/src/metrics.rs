@@ -3,8 +3,6 @@
 //! of the catalog (anything else is `_unknown`), nodes of the fleet, HTTP
 //! status codes and route reasons.
 
-use std::sync::atomic::Ordering;
-
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -164,13 +162,13 @@ impl Metrics {
         let now = inferyes_proto::unix_ms();
         for node in snapshot.nodes() {
             let labels = NodeLabels { node: node.id.to_string() };
-            let local = &node.local;
-            self.node_in_flight.get_or_create(&labels).set(i64::from(local.in_flight.load(Ordering::Relaxed)));
-            self.node_ejected.get_or_create(&labels).set(i64::from(local.ejected(now)));
-            self.node_failures.get_or_create(&labels).set(i64::from(local.failures.load(Ordering::Relaxed)));
-            // Counted by the node's counters, which outlive snapshots: the
+            let endpoint = &node.endpoint;
+            self.node_in_flight.get_or_create(&labels).set(i64::from(endpoint.in_flight()));
+            self.node_ejected.get_or_create(&labels).set(i64::from(endpoint.ejected(now)));
+            self.node_failures.get_or_create(&labels).set(i64::from(endpoint.failures()));
+            // Counted by the node's state, which outlives snapshots: the
             // series only grows while the node stays in the fleet.
-            self.node_ejections.get_or_create(&labels).inc_by(local.ejections.load(Ordering::Relaxed));
+            self.node_ejections.get_or_create(&labels).inc_by(endpoint.ejections());
         }
     }
 }

@@ -126,7 +126,7 @@ fn ejected_nodes(store: &SnapshotStore) -> Vec<String> {
     store
         .current()
         .map(|snapshot| {
-            snapshot.nodes().iter().filter(|node| node.local.ejected(now)).map(|node| node.id.to_string()).collect()
+            snapshot.nodes().iter().filter(|node| node.endpoint.ejected(now)).map(|node| node.id.to_string()).collect()
         })
         .unwrap_or_default()
 }

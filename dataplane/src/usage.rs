@@ -15,11 +15,9 @@ use std::time::{Duration, Instant};
 
 use inferyes_proto::kinds::UsageIn;
 use inferyes_proto::usage::{Usage, hour_of};
-use inferyes_proto::v1::{RoutingDecision, UsageBatch, UsageDelta, UsageRecord, UsageRollup};
+use inferyes_proto::v1::{UsageBatch, UsageDelta, UsageRecord, UsageRollup};
 use inferyes_proto::{FastMap, value_for};
 use tokio_util::sync::CancellationToken;
-
-use crate::report::DecisionLog;
 
 const SEND_EVERY: Duration = Duration::from_secs(1);
 /// Raw records in one batch, when they are kept (the controller stores
@@ -289,9 +287,12 @@ pub async fn run(ledger: Arc<Ledger>, controllers: crate::Controllers, drained: 
     }
 }
 
-/// One request's usage record, made once: by whoever finishes it first
-/// (the answer's end, an error) or, if nothing did, when the last handle
-/// goes (the client went away).
+/// One request's record, made once: by whoever finishes it first (the
+/// answer's end, an error) or, if nothing did, when the last handle goes
+/// (the client went away). Shared by the request's handler and its
+/// answer's body: its usage, the node and route that answered it
+/// ([`Served`]), its time to first token, and what the handler leaves to
+/// do once the answer has ended ([`Meter::at_end`]).
 #[derive(Clone)]
 pub struct Meter(Arc<MeterInner>);
 
@@ -309,19 +310,35 @@ struct MeterInner {
     stream_timers: Option<StreamTimers>,
     /// Data events seen in a stream: one token each, for an estimate.
     events: AtomicU64,
-    /// A stream's routing decision, reported when it ends, with its time
-    /// to first token.
-    decision: Mutex<Decision>,
+    /// The node that answered, once one did (or failed, answering).
+    served: std::sync::OnceLock<Served>,
+    /// What is done once the answer ended.
+    ending: Mutex<Ending>,
 }
 
-/// Where a stream's decision stands. The answer may end (its body runs in
-/// a task of its own) before the handler hands the decision over, so
-/// whichever comes second reports it.
+/// Where a request's answer came from, as its attempts found: the node
+/// and the route by which it was reached, and what routing expected the
+/// first token to cost where that was weighed (0 otherwise).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Served {
+    pub node: Arc<str>,
+    pub route: &'static str,
+    pub expected_ttft_ms: u32,
+    pub home_expected_ttft_ms: u32,
+}
+
+/// What a stream's handler leaves for its end, once it knows its time to
+/// first token and what served it.
+pub type AtEnd = Box<dyn FnOnce(Option<&Served>, u32) + Send>;
+
+/// Where the work left for a stream's end stands. The answer may end (its
+/// body runs in a task of its own) before the handler hands that work
+/// over, so whichever comes second does it.
 #[derive(Default)]
-enum Decision {
+enum Ending {
     #[default]
     None,
-    Waiting(Box<RoutingDecision>, Arc<DecisionLog>),
+    Waiting(AtEnd),
     /// The answer ended first, this long after its start to its first token.
     Ended(u32),
 }
@@ -399,31 +416,38 @@ impl Meter {
             first_token: std::sync::OnceLock::new(),
             stream_timers,
             events: AtomicU64::new(0),
-            decision: Mutex::default(),
+            served: std::sync::OnceLock::new(),
+            ending: Mutex::default(),
         }))
     }
 
-    /// Reports `decision` to `log` when the answer ends, with its time to
-    /// first token, which a stream's head does not know yet.
-    pub fn report_at_end(&self, mut decision: RoutingDecision, log: Arc<DecisionLog>) {
-        let mut slot = self.0.decision.lock().unwrap_or_else(PoisonError::into_inner);
+    /// Runs `at_end` once the answer has ended, with what served it and
+    /// its time to first token, which a stream's head does not know yet.
+    pub fn at_end(&self, at_end: AtEnd) {
+        let mut slot = self.0.ending.lock().unwrap_or_else(PoisonError::into_inner);
         match *slot {
-            Decision::Ended(ttft_ms) => {
-                decision.ttft_ms = ttft_ms;
-                log.record(|| decision);
+            Ending::Ended(ttft_ms) => {
+                drop(slot);
+                at_end(self.0.served.get(), ttft_ms);
             }
-            _ => *slot = Decision::Waiting(Box::new(decision), log),
+            _ => *slot = Ending::Waiting(at_end),
         }
     }
 
-    /// The node that answers (the last one tried).
-    pub fn node(&self, node: &str) {
-        if !self.0.ledger.keep_records {
-            return;
+    /// The node that answered, and how it was reached: the first to be
+    /// told is kept (a request has one answer).
+    pub fn served(&self, served: Served) {
+        if self.0.ledger.keep_records {
+            let mut record = self.0.record.lock().unwrap_or_else(PoisonError::into_inner);
+            record.node_id.clear();
+            record.node_id.push_str(&served.node);
         }
-        let mut record = self.0.record.lock().unwrap_or_else(PoisonError::into_inner);
-        record.node_id.clear();
-        record.node_id.push_str(node);
+        let _ = self.0.served.set(served);
+    }
+
+    /// What served the request, once something did.
+    pub fn served_by(&self) -> Option<&Served> {
+        self.0.served.get()
     }
 
     /// Called with every frame of a stream: the first for which
@@ -483,12 +507,13 @@ impl MeterInner {
             }
         }
         let ttft = first_token.map_or(0, millis);
-        let mut slot = self.decision.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Decision::Waiting(mut decision, log) = std::mem::replace(&mut *slot, Decision::Ended(ttft)) {
-            decision.ttft_ms = ttft;
-            log.record(|| *decision);
+        let waiting = {
+            let mut slot = self.ending.lock().unwrap_or_else(PoisonError::into_inner);
+            std::mem::replace(&mut *slot, Ending::Ended(ttft))
+        };
+        if let Ending::Waiting(at_end) = waiting {
+            at_end(self.served.get(), ttft);
         }
-        drop(slot);
         record.status = u32::from(status);
         record.outcome = outcome.as_str().to_string();
         record.latency_ms = millis(self.started.elapsed());
@@ -533,22 +558,24 @@ mod tests {
     }
 
     #[test]
-    fn a_stream_decision_is_reported_once_whether_it_or_the_end_comes_first() {
+    fn a_stream_s_end_work_runs_once_whether_it_or_the_end_comes_first() {
         for end_first in [false, true] {
-            let (log, mut rx) = DecisionLog::new();
+            let (tx, rx) = std::sync::mpsc::channel();
             let meter = stream_meter();
             meter.frame(|| true);
-            let decision = RoutingDecision { request_id: "req".into(), ..Default::default() };
+            let served = Served { node: "n".into(), route: "placed", expected_ttft_ms: 5, home_expected_ttft_ms: 0 };
+            meter.served(served.clone());
+            meter.served(Served { node: "other".into(), ..served.clone() });
+            let at_end: AtEnd = Box::new(move |served, _ttft| tx.send(served.cloned()).expect("sent"));
             if end_first {
                 meter.finish(200, Outcome::Ok, None);
-                meter.report_at_end(decision, Arc::clone(&log));
+                meter.at_end(at_end);
             } else {
-                meter.report_at_end(decision, Arc::clone(&log));
+                meter.at_end(at_end);
                 meter.finish(200, Outcome::Ok, None);
             }
             drop(meter);
-            let reported = rx.try_recv().expect("reported");
-            assert_eq!(reported.request_id, "req");
+            assert_eq!(rx.try_recv().expect("run"), Some(served), "the first node told");
             assert!(rx.try_recv().is_err(), "once");
         }
     }
@@ -622,7 +649,7 @@ mod tests {
         let ledger = Ledger::new("dp", true);
         let meter =
             Meter::new(Arc::clone(&ledger), "r1", Some("k".into()), "m".into(), true, Counted::at_the_end(12), None);
-        meter.node("node-a");
+        meter.served(Served { node: "node-a".into(), route: "placed", expected_ttft_ms: 0, home_expected_ttft_ms: 0 });
         let clone = meter.clone();
         meter.finish(200, Outcome::Ok, Some(Usage { prompt_tokens: 10, completion_tokens: 4, cached_tokens: 6 }));
         clone.finish(500, Outcome::Error, None);

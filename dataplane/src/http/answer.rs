@@ -7,7 +7,6 @@
 //! when it breaks. What each end of a stream means is
 //! [`classify_end`]'s to say.
 
-use std::collections::VecDeque;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -20,11 +19,12 @@ use http_body::{Body as _, Frame, SizeHint};
 use inferyes_proto::kinds::ErrorShape;
 use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 
-use super::attempt::{InFlight, Started};
+use super::attempt::{Hops, OpenStream};
 use super::classify::{EndVerdict, StreamEnd, UpstreamError, classify_end};
-use super::client::Answer;
-use super::resume::{self, Hop};
+use super::client::NodeBody;
+use super::resume::{self, Continuation};
 use crate::error::{ApiError, ErrorCode};
+use crate::targets::{Endpoint, InFlight, Observed, Witness};
 use crate::usage::{Meter, Outcome};
 
 /// Enough of a stream's end to see its last events, usage included.
@@ -59,14 +59,8 @@ pub(crate) struct Plan {
     pub _held: Option<super::body::Reservation>,
 }
 
-/// What a stream needs to go on elsewhere.
-pub(crate) struct Resuming {
-    pub request: Arc<resume::Request>,
-    pub metrics: Arc<crate::metrics::Metrics>,
-}
-
 /// A streamed answer on its way to the client.
-pub(crate) struct AnswerBody {
+pub(crate) struct StreamBody {
     state: State,
 }
 
@@ -81,7 +75,7 @@ enum State {
 
 /// A cold load under way: a note each second until the answer's head.
 struct Loading {
-    answer: Boxed<Result<AnswerBody, ApiError>>,
+    answer: Boxed<Result<StreamBody, ApiError>>,
     ticker: tokio::time::Interval,
     started: tokio::time::Instant,
     model: String,
@@ -94,9 +88,10 @@ struct Loading {
 
 /// A node's stream, passed on.
 struct Streaming {
-    inner: Answer,
+    inner: NodeBody,
+    /// Counts the stream against its node until it ends.
     guard: InFlight,
-    node: Arc<str>,
+    endpoint: Arc<Endpoint>,
     event_stream: bool,
     status: u16,
     /// The stream's first bytes, kept where its usage is partly there.
@@ -112,43 +107,53 @@ struct Streaming {
     hard_stop: Pin<Box<WaitForCancellationFutureOwned>>,
     plan: Plan,
     /// Where the stream may go on: the nodes left, and what it said so far.
-    hops: Option<Box<Hops>>,
+    resume: Option<Box<Resume>>,
     /// The request's span ends with the stream, not with its headers.
     span: tracing::Span,
     ended: bool,
 }
 
-struct Hops {
-    resuming: Resuming,
-    left: VecDeque<Hop>,
+/// A stream that may go on at another node if it breaks.
+struct Resume {
+    continuation: Arc<Continuation>,
+    /// The nodes left to ask.
+    left: Hops,
+    /// What the stream said so far, and in how many chunks.
     partial: String,
     generated: u64,
     continued: bool,
-    /// The next node being asked to continue.
-    asking: Option<Boxed<Option<resume::Continued>>>,
+    /// The next nodes being asked to continue.
+    asking: Option<Boxed<(Option<OpenStream>, Hops)>>,
 }
 
-impl AnswerBody {
+impl StreamBody {
     /// The body of a stream whose head passed, and the head it goes with;
     /// it ends early when `hard_stop` is cancelled. `resume`: what it needs
     /// to go on elsewhere, and where, if it breaks.
     pub(crate) fn streaming(
-        started: Started,
+        open: OpenStream,
         plan: Plan,
         hard_stop: CancellationToken,
-        resume: Option<(Resuming, VecDeque<Hop>)>,
-    ) -> (http::response::Parts, AnswerBody) {
-        let Started { parts, body, guard, node, .. } = started;
+        resume: Option<(Arc<Continuation>, Hops)>,
+    ) -> (http::response::Parts, StreamBody) {
+        let OpenStream { parts, body, guard, endpoint } = open;
         let event_stream = super::sse::is_event_stream(&parts.headers);
         let mut plan = plan;
         let opening = plan.opening.take().filter(|_| event_stream && parts.status.is_success());
-        let hops = resume.filter(|(_, left)| event_stream && !left.is_empty()).map(|(resuming, left)| {
-            Box::new(Hops { resuming, left, partial: String::new(), generated: 0, continued: false, asking: None })
+        let resume = resume.filter(|(_, left)| event_stream && left.peek().is_some()).map(|(continuation, left)| {
+            Box::new(Resume {
+                continuation,
+                left,
+                partial: String::new(),
+                generated: 0,
+                continued: false,
+                asking: None,
+            })
         });
         let streaming = Streaming {
             inner: body,
             guard,
-            node,
+            endpoint,
             event_stream,
             status: parts.status.as_u16(),
             head: plan.meter.as_ref().filter(|m| m.reads_head()).map(|_| Vec::new()),
@@ -158,24 +163,24 @@ impl AnswerBody {
             inner_done: false,
             hard_stop: Box::pin(hard_stop.cancelled_owned()),
             plan,
-            hops,
+            resume,
             span: tracing::Span::current(),
             ended: false,
         };
-        (parts, AnswerBody { state: State::Streaming(streaming) })
+        (parts, StreamBody { state: State::Streaming(streaming) })
     }
 
     /// A stream whose answer is still to come (`answer`, which runs as the
     /// body is read): a note each second, as SSE comments, that `model` is
     /// loading on `node`; then the answer, or its error as the last event.
     pub(crate) fn loading(
-        answer: impl Future<Output = Result<AnswerBody, ApiError>> + Send + 'static,
+        answer: impl Future<Output = Result<StreamBody, ApiError>> + Send + 'static,
         model: String,
         node: String,
         evicts: bool,
         meter: Option<Meter>,
         errors: ErrorShape,
-    ) -> AnswerBody {
+    ) -> StreamBody {
         let mut ticker = tokio::time::interval(LOADING_NOTE_EVERY);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let loading = Loading {
@@ -188,11 +193,11 @@ impl AnswerBody {
             meter,
             errors,
         };
-        AnswerBody { state: State::Loading(Box::new(loading)) }
+        StreamBody { state: State::Loading(Box::new(loading)) }
     }
 }
 
-impl http_body::Body for AnswerBody {
+impl http_body::Body for StreamBody {
     type Data = Bytes;
     type Error = inferyes_net::pool::BodyError;
 
@@ -237,7 +242,7 @@ impl http_body::Body for AnswerBody {
 /// What the prelude comes to.
 enum Prelude {
     Note(Bytes),
-    Answer(Box<AnswerBody>),
+    Answer(Box<StreamBody>),
     /// The answer failed before its head: its error event, the last.
     Failed(Bytes),
 }
@@ -277,15 +282,19 @@ impl Streaming {
         if self.hard_stop.as_mut().poll(cx).is_ready() {
             return self.end(cx, StreamEnd::Shutdown, None);
         }
-        if let Some(hops) = self.hops.as_mut()
-            && let Some(asking) = hops.asking.as_mut()
+        if let Some(resume) = self.resume.as_mut()
+            && let Some(asking) = resume.asking.as_mut()
         {
-            let Poll::Ready(next) = asking.as_mut().poll(cx) else { return Poll::Pending };
-            hops.asking = None;
-            let Some(resume::Continued { hop, answer, left }) = next else {
+            let Poll::Ready((next, left)) = asking.as_mut().poll(cx) else { return Poll::Pending };
+            resume.asking = None;
+            resume.left = left;
+            let Some(OpenStream { body, guard, endpoint, .. }) = next else {
                 let error = ApiError::new(
                     inferyes_proto::ErrorKind::Upstream,
-                    format!("node `{}` failed in the middle of the stream and no node could continue it", self.node),
+                    format!(
+                        "node `{}` failed in the middle of the stream and no node could continue it",
+                        self.endpoint.id
+                    ),
                     ErrorCode::UpstreamBroken,
                 )
                 .in_shape(self.plan.errors);
@@ -293,16 +302,15 @@ impl Streaming {
                 self.ended = true;
                 return Poll::Ready(Some(Ok(Frame::data(error.event()))));
             };
-            hops.resuming.metrics.continuations.inc();
+            resume.continuation.metrics.continuations.inc();
             let note = format!(
                 ": continued on node {} after node {} broke ({} chunks in)\n\n",
-                hop.node, self.node, hops.generated
+                endpoint.id, self.endpoint.id, resume.generated
             );
-            hops.left = left;
-            hops.continued = true;
-            self.guard = InFlight::enter(Arc::clone(&hop.local));
-            self.node = hop.node;
-            self.inner = answer;
+            resume.continued = true;
+            self.guard = guard;
+            self.endpoint = endpoint;
+            self.inner = body;
             self.inner_done = false;
             self.events = super::sse::Events::default();
             self.tail.clear();
@@ -337,7 +345,7 @@ impl Streaming {
                         frame = Frame::data(opened);
                     }
                     let Some(data) = frame.data_ref() else { return Poll::Ready(Some(Ok(frame))) };
-                    if self.hops.is_some() {
+                    if self.resume.is_some() {
                         // Read event by event, for what was said so far.
                         match self.read_events(data) {
                             Some(kept) => return Poll::Ready(Some(Ok(Frame::data(kept)))),
@@ -363,7 +371,7 @@ impl Streaming {
                     let complete = self.closed_complete();
                     // A last event without its blank line: passed on as it
                     // is, unless the stream goes on elsewhere.
-                    if !self.events.is_empty() && (self.hops.is_none() || complete) {
+                    if !self.events.is_empty() && (self.resume.is_none() || complete) {
                         return Poll::Ready(Some(Ok(Frame::data(self.events.take_rest()))));
                     }
                     return self.end(cx, StreamEnd::Closed { complete }, None);
@@ -381,17 +389,17 @@ impl Streaming {
     /// may be continued: what they say kept for a continuation, the
     /// usage-only chunk and a continued stream's second preamble left out.
     fn read_events(&mut self, data: &[u8]) -> Option<Bytes> {
-        let hops = self.hops.as_mut()?;
+        let resume = self.resume.as_mut()?;
         let mut kept: Vec<Bytes> = Vec::new();
         for event in self.events.push(data) {
             if self.plan.strip_usage && super::sse::is_usage_only_event(&event) {
                 continue;
             }
             match resume::read(&event) {
-                resume::Event::Chunk { preamble: true, .. } if hops.continued => continue,
+                resume::Event::Chunk { preamble: true, .. } if resume.continued => continue,
                 resume::Event::Chunk { content: Some(content), .. } => {
-                    hops.partial.push_str(&content);
-                    hops.generated += 1;
+                    resume.partial.push_str(&content);
+                    resume.generated += 1;
                 }
                 _ => {}
             }
@@ -410,42 +418,47 @@ impl Streaming {
     fn end(&mut self, cx: &mut Context<'_>, end: StreamEnd, failure: Option<inferyes_net::pool::BodyError>) -> Polled {
         let span = self.span.clone();
         let _entered = span.enter();
-        let resumable = self.hops.as_ref().is_some_and(|hops| !hops.left.is_empty());
-        let request_id = super::id_text(&self.plan.request_id);
-        let (eject, error) = match classify_end(end, self.event_stream, resumable) {
+        let resumable = self.resume.as_ref().is_some_and(|resume| resume.left.peek().is_some());
+        let witness = Witness { request_id: super::id_text(&self.plan.request_id), version: self.plan.version };
+        let verdict = classify_end(end, self.event_stream, resumable);
+        let observed = match &verdict {
+            EndVerdict::Done => Observed::Answered,
+            EndVerdict::Resume => Observed::Failed { what: "broke mid-stream; continuing elsewhere", eject: true },
+            EndVerdict::Fail { eject: true, .. } | EndVerdict::Cut { eject: true } => {
+                Observed::Failed { what: "failed mid-stream", eject: true }
+            }
+            EndVerdict::Fail { error: UpstreamError::StreamCut, .. } => {
+                Observed::Failed { what: "ended a stream before its end event", eject: false }
+            }
+            EndVerdict::Fail { .. } | EndVerdict::Cut { .. } => Observed::Unjudged,
+        };
+        self.endpoint.observe(observed, witness);
+        let error = match verdict {
             EndVerdict::Done => {
                 self.ended = true;
                 self.finish(Outcome::Ok);
                 return Poll::Ready(None);
             }
-            EndVerdict::Resume => match self.hops.as_mut() {
-                Some(hops) => {
-                    let ejected_ms = self.guard.local.eject(inferyes_proto::unix_ms(), self.plan.version);
-                    inferyes_net::warn_every!(gate: self.guard.local.log; request_id, node = %self.node, ejected_ms, generated = hops.generated, "stream broke mid-answer; continuing elsewhere");
-                    let left = std::mem::take(&mut hops.left);
-                    let request = Arc::clone(&hops.resuming.request);
-                    let asking = resume::continue_on(request, left, hops.partial.clone(), hops.generated);
-                    hops.asking = Some(Box::pin(tracing::Instrument::instrument(asking, span.clone())));
+            EndVerdict::Resume => match self.resume.as_mut() {
+                Some(resume) => {
+                    let left = std::mem::take(&mut resume.left);
+                    let continuation = Arc::clone(&resume.continuation);
+                    let asking = resume::continue_on(continuation, left, resume.partial.clone(), resume.generated);
+                    resume.asking = Some(Box::pin(tracing::Instrument::instrument(asking, span.clone())));
                     drop(_entered);
                     return self.poll(cx);
                 }
-                // Resumable only with hops: never here.
-                None => (true, Some(UpstreamError::StreamBroken)),
+                // Resumable only with nodes left: never here.
+                None => Some(UpstreamError::StreamBroken),
             },
-            EndVerdict::Fail { eject, error } => (eject, Some(error)),
-            EndVerdict::Cut { eject } => (eject, None),
+            EndVerdict::Fail { error, .. } => Some(error),
+            EndVerdict::Cut { .. } => None,
         };
         self.ended = true;
         self.finish(Outcome::Broken);
-        if eject {
-            let ejected_ms = self.guard.local.eject(inferyes_proto::unix_ms(), self.plan.version);
-            inferyes_net::warn_every!(gate: self.guard.local.log; request_id, node = %self.node, ejected_ms, "node failed mid-stream; held out of routing");
-        } else if matches!(error, Some(UpstreamError::StreamCut)) {
-            inferyes_net::warn_every!(gate: self.guard.local.log; request_id, node = %self.node, "stream ended before its end event; ending it with an error event");
-        }
         match (error, failure) {
             (Some(error), _) if self.event_stream => {
-                Poll::Ready(Some(Ok(Frame::data(error.into_api(&self.node).in_shape(self.plan.errors).event()))))
+                Poll::Ready(Some(Ok(Frame::data(error.into_api(&self.endpoint.id).in_shape(self.plan.errors).event()))))
             }
             // No event can tell the client: the connection is cut, as the
             // node's was.
@@ -481,7 +494,7 @@ impl Streaming {
         if let Some(meter) = &self.plan.meter {
             // A continued answer's usage is partly the first node's: it is
             // estimated (prompt from the request, one token per event).
-            let continued = self.hops.as_ref().is_some_and(|hops| hops.continued);
+            let continued = self.resume.as_ref().is_some_and(|resume| resume.continued);
             let usage =
                 if continued { None } else { meter.usage(self.head.as_deref().unwrap_or_default(), &self.tail) };
             meter.finish(status, outcome, usage);
@@ -507,7 +520,6 @@ mod tests {
     use http_body_util::BodyExt;
 
     use super::*;
-    use crate::snapshot::LocalCounters;
     use crate::usage::Ledger;
 
     const CONTENT: &str = "data: {\"choices\":[{\"delta\":{\"content\":\"Hi\"},\"finish_reason\":null}]}\n\n";
@@ -516,7 +528,7 @@ mod tests {
     const DONE: &str = "data: [DONE]\n\n";
 
     /// A node's streamed answer of `frames`, over an in-memory connection.
-    async fn answer(frames: Vec<&'static str>) -> Started {
+    async fn answer(frames: Vec<&'static str>) -> OpenStream {
         let (client, server) = tokio::io::duplex(1 << 16);
         tokio::spawn(async move {
             let service = hyper::service::service_fn(move |_request: http::Request<hyper::body::Incoming>| {
@@ -546,17 +558,19 @@ mod tests {
             idle_limits: inferyes_net::pool::IdleLimits::default(),
         });
         let (parts, body) = response.into_parts();
-        let guard = InFlight::enter(Arc::new(LocalCounters::default()));
-        Started { parts, body: pool.unpooled(body), guard, node: "node-a".into(), index: 0 }
+        let states = crate::targets::NodeStates::default();
+        let url = inferyes_net::base_url::BaseUrl::new("http://node-a");
+        let endpoint = Arc::new(states.endpoint(&Arc::from("node-a"), url, false, true, 1));
+        OpenStream { parts, body: pool.unpooled(body), guard: endpoint.enter(None), endpoint }
     }
 
     /// The body of `frames`, metered for key `k` into the ledger returned.
-    async fn body(frames: Vec<&'static str>) -> (AnswerBody, Arc<Ledger>) {
+    async fn body(frames: Vec<&'static str>) -> (StreamBody, Arc<Ledger>) {
         body_of(frames, inferyes_proto::kinds::row("/v1/chat/completions").unwrap()).await
     }
 
     /// The same, as an answer on `row`'s path.
-    async fn body_of(frames: Vec<&'static str>, row: &inferyes_proto::kinds::Row) -> (AnswerBody, Arc<Ledger>) {
+    async fn body_of(frames: Vec<&'static str>, row: &inferyes_proto::kinds::Row) -> (StreamBody, Arc<Ledger>) {
         let ledger = Ledger::new("test", true);
         let meter = Meter::new(
             Arc::clone(&ledger),
@@ -577,11 +591,11 @@ mod tests {
             version: 1,
             _held: None,
         };
-        let (_, body) = AnswerBody::streaming(answer(frames).await, plan, CancellationToken::new(), None);
+        let (_, body) = StreamBody::streaming(answer(frames).await, plan, CancellationToken::new(), None);
         (body, ledger)
     }
 
-    async fn text(body: AnswerBody) -> String {
+    async fn text(body: StreamBody) -> String {
         String::from_utf8(body.collect().await.unwrap().to_bytes().to_vec()).unwrap()
     }
 

@@ -33,7 +33,7 @@ pub enum UpstreamError {
     /// The data plane holds all the answers' bytes it may.
     OverBudget,
     /// The node's own error, passed on.
-    Refused(ApiError),
+    NodeError(ApiError),
 }
 
 /// Why a connection failed.
@@ -47,7 +47,7 @@ impl UpstreamError {
     /// The error the client gets, from `node`.
     pub fn into_api(self, node: &str) -> ApiError {
         let (kind, message, code) = match self {
-            UpstreamError::Refused(error) => return error,
+            UpstreamError::NodeError(error) => return error,
             UpstreamError::Unreachable => {
                 (ErrorKind::Upstream, format!("node `{node}` is unreachable"), ErrorCode::UpstreamUnreachable)
             }
@@ -103,17 +103,34 @@ pub enum Attempt {
     /// No connection, or it broke before the head; why, where known.
     Unreachable(Option<BoxError>),
     /// An error status, with the node's error read.
-    Refused(ApiError),
+    NodeError(ApiError),
     /// The node's agent refused the credential this data plane sent.
     CredentialRefused,
-    /// Any other status, head read (and body, for a whole answer).
-    Answered,
+    /// Any other status, head read (and body, for a whole answer);
+    /// `event_stream` where the answer is one.
+    Answered { event_stream: bool },
     /// A whole answer's body broke off.
     BodyBroke,
     /// A whole answer's body was longer than [`MAX_BUFFERED_BODY`].
     BodyTooLarge,
     /// A whole answer's body would pass what the data plane may hold.
     OverBudget,
+}
+
+impl Attempt {
+    /// What the node did, as a log line says it: "node {what}".
+    pub fn what(&self) -> &'static str {
+        match self {
+            Attempt::TimedOut(_) => "did not answer in time",
+            Attempt::Unreachable(_) => "is unreachable",
+            Attempt::NodeError(_) => "answered with an error before the first byte",
+            Attempt::CredentialRefused => "refused the fleet's credential",
+            Attempt::Answered { .. } => "answered",
+            Attempt::BodyBroke => "failed mid-answer",
+            Attempt::BodyTooLarge => "answered more than can be held",
+            Attempt::OverBudget => "answered while the data plane's buffers were full",
+        }
+    }
 }
 
 /// What follows an attempt.
@@ -129,14 +146,38 @@ pub enum Verdict {
     Fail { eject: bool, error: UpstreamError },
 }
 
+/// What a request's attempts are for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Purpose {
+    /// The request's answer.
+    Answer,
+    /// The rest of a stream that broke, from another node: its client has
+    /// had bytes all along, so only an event stream will do, and a timeout
+    /// spent on one node leaves time for the next.
+    Continue,
+}
+
 /// llama-swap's per-model limit: a refusal for load, which another node
 /// may not share.
 const CONCURRENCY_LIMIT: &str = "concurrency_limit";
 
-/// The verdict on `attempt`; `last` where no target follows it.
-pub fn classify(attempt: Attempt, last: bool) -> Verdict {
+/// The verdict on `attempt`, made for `purpose`; `last` where no target
+/// follows it.
+pub fn classify(attempt: Attempt, last: bool, purpose: Purpose) -> Verdict {
+    match (attempt, purpose) {
+        (Attempt::Answered { event_stream: false }, Purpose::Continue) => {
+            Verdict::Failover { eject: true, error: UpstreamError::Broken }
+        }
+        (Attempt::TimedOut(_), Purpose::Continue) => {
+            Verdict::Failover { eject: true, error: UpstreamError::Unreachable }
+        }
+        (attempt, _) => classify_answer(attempt, last),
+    }
+}
+
+fn classify_answer(attempt: Attempt, last: bool) -> Verdict {
     match attempt {
-        Attempt::Answered => Verdict::Pass,
+        Attempt::Answered { .. } => Verdict::Pass,
         // The timeout is the request's whole wait for an answer to start (a
         // non-streamed generation can take minutes): no time is left to
         // try another node.
@@ -155,7 +196,7 @@ pub fn classify(attempt: Attempt, last: bool) -> Verdict {
         // Another node may take it.
         Attempt::CredentialRefused if last => Verdict::Fail { eject: true, error: UpstreamError::AuthMisconfigured },
         Attempt::CredentialRefused => Verdict::Failover { eject: true, error: UpstreamError::AuthMisconfigured },
-        Attempt::Refused(mut error) => {
+        Attempt::NodeError(mut error) => {
             let status = error.status();
             let refused = status == StatusCode::BAD_GATEWAY || status == StatusCode::SERVICE_UNAVAILABLE;
             // llama-swap's per-model limit is a refusal too, passed on
@@ -165,7 +206,7 @@ pub fn classify(attempt: Attempt, last: bool) -> Verdict {
             if status == StatusCode::SERVICE_UNAVAILABLE && error.retry_after.is_none() {
                 error.retry_after = Some(1);
             }
-            let error = UpstreamError::Refused(error);
+            let error = UpstreamError::NodeError(error);
             if (refused || busy) && !last {
                 Verdict::Failover { eject: refused, error }
             } else {
@@ -231,7 +272,11 @@ mod tests {
     fn refused(status: u16, code: Option<&str>) -> Attempt {
         let mut error = crate::http::upstream::normalize(StatusCode::from_u16(status).unwrap(), b"{}");
         error.code = code.map(|c| crate::error::Code::Backend(c.into()));
-        Attempt::Refused(error)
+        Attempt::NodeError(error)
+    }
+
+    fn classify(attempt: Attempt, last: bool) -> Verdict {
+        super::classify(attempt, last, Purpose::Answer)
     }
 
     fn code(error: UpstreamError) -> String {
@@ -261,7 +306,7 @@ mod tests {
     fn refusals_for_load_fail_over_until_the_last_node_which_passes_them_on() {
         for status in [502, 503] {
             assert!(matches!(classify(refused(status, None), false), Verdict::Failover { eject: true, .. }));
-            let Verdict::Fail { eject: true, error: UpstreamError::Refused(error) } =
+            let Verdict::Fail { eject: true, error: UpstreamError::NodeError(error) } =
                 classify(refused(status, None), true)
             else {
                 panic!()
@@ -272,7 +317,7 @@ mod tests {
         let busy = classify(refused(429, Some("concurrency_limit")), false);
         assert!(matches!(busy, Verdict::Failover { eject: false, .. }), "busy, not broken: {busy:?}");
         let busy = classify(refused(429, Some("concurrency_limit")), true);
-        assert!(matches!(busy, Verdict::Fail { eject: false, error: UpstreamError::Refused(_) }));
+        assert!(matches!(busy, Verdict::Fail { eject: false, error: UpstreamError::NodeError(_) }));
     }
 
     #[test]
@@ -280,7 +325,7 @@ mod tests {
         for (status, code) in [(400, Some("context_length_exceeded")), (429, Some("rate_limit_exceeded")), (404, None)]
         {
             let verdict = classify(refused(status, code), false);
-            let Verdict::Fail { eject: false, error: UpstreamError::Refused(error) } = verdict else {
+            let Verdict::Fail { eject: false, error: UpstreamError::NodeError(error) } = verdict else {
                 panic!("{status}: {verdict:?}")
             };
             assert_eq!(error.status().as_u16(), status);
@@ -306,7 +351,23 @@ mod tests {
     fn an_answer_too_large_to_hold_fails_without_blame() {
         let Verdict::Fail { eject: false, error } = classify(Attempt::BodyTooLarge, false) else { panic!() };
         assert_eq!(code(error), "upstream_answer_too_large");
-        assert!(matches!(classify(Attempt::Answered, false), Verdict::Pass));
+        assert!(matches!(classify(Attempt::Answered { event_stream: false }, false), Verdict::Pass));
+    }
+
+    #[test]
+    fn a_continuation_takes_only_an_event_stream_and_a_timeout_leaves_time_for_the_next_node() {
+        let continuing = |attempt| super::classify(attempt, false, Purpose::Continue);
+        assert!(matches!(continuing(Attempt::Answered { event_stream: true }), Verdict::Pass));
+        let Verdict::Failover { eject: true, error } = continuing(Attempt::Answered { event_stream: false }) else {
+            panic!()
+        };
+        assert_eq!(code(error), "upstream_broken");
+        let timed_out = continuing(Attempt::TimedOut(Duration::from_secs(3)));
+        let Verdict::Failover { eject: true, error } = timed_out else { panic!("{timed_out:?}") };
+        assert_eq!(code(error), "upstream_unreachable");
+        // A refusal of the continuation itself (its context full) any node
+        // would repeat: the search ends.
+        assert!(matches!(continuing(refused(400, Some("exceed_context_size_error"))), Verdict::Fail { .. }));
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! The connection to agents: one request to a node's proxy, made of the
 //! client's, up to its answer's head. Which node, and what follows its
-//! answer, is decided elsewhere ([`super::attempt`]).
+//! answer, is decided by the attempts ([`super::attempt`]), the only
+//! caller.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -12,7 +13,6 @@ use http_body_util::Full;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use inferyes_net::base_url::BaseUrl;
 use inferyes_proto::headers::{
     BACKEND as BACKEND_HEADER, MODEL as MODEL_HEADER, REQUEST_ID, SESSION as SESSION_HEADER,
 };
@@ -22,8 +22,8 @@ use super::classify::Attempt;
 
 type Http2Client = Client<hyper_rustls::HttpsConnector<HttpConnector>, Full<Bytes>>;
 
-/// An agent's answer, as it comes.
-pub(crate) type Answer = inferyes_net::pool::Incoming<Full<Bytes>>;
+/// The body of a node's answer, as it comes.
+pub(crate) type NodeBody = inferyes_net::pool::Incoming<Full<Bytes>>;
 
 /// The settings of a [`Forwarder`], from the data plane's configuration.
 pub struct Settings {
@@ -49,33 +49,16 @@ pub struct Forwarder {
     budget: Arc<super::body::Budget>,
 }
 
-/// What the forwarder needs to know about one request.
-pub struct Outbound<'a> {
-    pub path_and_query: &'a PathAndQuery,
-    /// The client's: each attempt makes its own from them
-    /// ([`upstream_headers`]), the last one in place.
-    pub headers: HeaderMap,
-    pub body: Bytes,
+/// What a node is told of a request beside the client's headers.
+pub(crate) struct Facts<'a> {
     pub model: &'a str,
     pub session: Option<&'a str>,
     pub request_id: &'a HeaderValue,
-    /// The client asked for a stream.
-    pub stream: bool,
     /// The body is a form (an upload), sent with the client's content type
     /// and its boundary; any other is JSON, and said to be (llama-swap
     /// routes only what says so).
     pub form: bool,
-    /// Records the request's usage once, when its answer ends.
-    pub meter: Option<crate::usage::Meter>,
-}
-
-/// Where one attempt goes: a node's proxy, the backend behind it, and what
-/// its agent takes from data planes.
-#[derive(Clone, Copy)]
-pub(crate) struct Destination<'a> {
-    pub proxy_url: &'a BaseUrl,
-    pub proxy_http2: bool,
-    pub backend: Option<&'a HeaderValue>,
+    /// What the fleet's agents take from data planes (the snapshot's).
     pub authorization: Option<&'a HeaderValue>,
 }
 
@@ -127,32 +110,28 @@ impl Forwarder {
         Forwarder { http1, http2, header_timeout, hard_stop, budget }
     }
 
-    /// One request to a node's proxy, up to its answer's head (or the
-    /// response-header timeout): over HTTP/2 where the node takes it, else
+    /// One request to a node's proxy, for one of its backends, up to its
+    /// answer's head (or the response-header timeout): over HTTP/2 where the node takes it, else
     /// on a pooled HTTP/1.1 connection.
     pub(crate) async fn send(
         &self,
-        to: Destination<'_>,
-        out: &Outbound<'_>,
-        mut headers: HeaderMap,
+        (endpoint, backend): (&crate::targets::Endpoint, Option<&HeaderValue>),
+        path_and_query: &PathAndQuery,
+        headers: HeaderMap,
         body: Bytes,
-    ) -> Result<http::Response<Answer>, Attempt> {
-        let Destination { proxy_url, proxy_http2, backend, authorization } = to;
-        // The client's own stayed behind ([`upstream_headers`]).
-        if let Some(value) = authorization {
-            headers.insert(header::AUTHORIZATION, value.clone());
-        }
+    ) -> Result<http::Response<NodeBody>, Attempt> {
+        let proxy_url = &endpoint.proxy_url;
         let body = Full::new(body);
         let sent = async {
-            if let Some(http2) = self.http2.as_ref().filter(|_| proxy_http2) {
-                let (uri, host) = proxy_url.uri(out.path_and_query).ok_or(Attempt::Unreachable(None))?;
+            if let Some(http2) = self.http2.as_ref().filter(|_| endpoint.proxy_http2) {
+                let (uri, host) = proxy_url.uri(path_and_query).ok_or(Attempt::Unreachable(None))?;
                 let request = upstream_request(uri, host, backend, headers, body);
                 return match http2.request(request).await {
                     Ok(response) => Ok(response.map(|body| self.http1.unpooled(body))),
                     Err(error) => Err(unreachable(error)),
                 };
             }
-            let (uri, host, origin) = proxy_url.origin_form(out.path_and_query).ok_or(Attempt::Unreachable(None))?;
+            let (uri, host, origin) = proxy_url.origin_form(path_and_query).ok_or(Attempt::Unreachable(None))?;
             let request = upstream_request(uri, host, backend, headers, body);
             self.http1.send(origin, request).await.map_err(unreachable)
         };
@@ -190,16 +169,20 @@ pub(crate) fn is_decimal(text: &[u8], n: usize) -> bool {
 /// (for an attempt a failover may follow) is cheapest as a clone, whose
 /// names are not hashed again. `Host`, the length and the backend are the
 /// attempt's own ([`upstream_request`]).
-pub(crate) fn upstream_headers(mut headers: HeaderMap, out: &Outbound<'_>) -> HeaderMap {
+pub(crate) fn upstream_headers(mut headers: HeaderMap, facts: &Facts<'_>) -> HeaderMap {
     inferyes_proto::headers::remove_hop_by_hop_and(&mut headers, stays_behind);
-    if !out.form {
+    if !facts.form {
         headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
     }
-    headers.insert(REQUEST_ID, out.request_id.clone());
-    if let Ok(v) = HeaderValue::from_str(out.model) {
+    // The client's own stayed behind: the agents' goes in its place.
+    if let Some(value) = facts.authorization {
+        headers.insert(header::AUTHORIZATION, value.clone());
+    }
+    headers.insert(REQUEST_ID, facts.request_id.clone());
+    if let Ok(v) = HeaderValue::from_str(facts.model) {
         headers.insert(MODEL_HEADER, v);
     }
-    if let Some(v) = out.session.and_then(|s| HeaderValue::from_str(s).ok()) {
+    if let Some(v) = facts.session.and_then(|s| HeaderValue::from_str(s).ok()) {
         headers.insert(SESSION_HEADER, v);
     }
     inferyes_net::telemetry::inject(&tracing::Span::current(), &mut headers);
@@ -297,27 +280,22 @@ mod tests {
 
     /// The headers a client's request reaches a node with.
     fn sent(client: HeaderMap, backend: Option<&'static str>, body: &'static [u8]) -> HeaderMap {
-        let path = PathAndQuery::from_static("/v1/chat/completions");
         let request_id = HeaderValue::from_static("req_1");
-        let out = Outbound {
-            path_and_query: &path,
-            headers: HeaderMap::new(),
-            body: Bytes::from_static(body),
+        let facts = Facts {
             model: "llama",
             session: Some("chat-1"),
             request_id: &request_id,
-            stream: false,
             form: false,
-            meter: None,
+            authorization: None,
         };
-        let headers = upstream_headers(client, &out);
+        let headers = upstream_headers(client, &facts);
         let backend = backend.map(HeaderValue::from_static);
         let request = upstream_request(
             http::Uri::from_static("/v1/chat/completions"),
             HeaderValue::from_static("node-a:9100"),
             backend.as_ref(),
             headers,
-            Full::new(out.body.clone()),
+            Full::new(Bytes::from_static(body)),
         );
         request.into_parts().0.headers
     }

@@ -5,7 +5,6 @@
 //! carried through every phase; what it learns on the way is what the
 //! record says.
 
-use std::collections::VecDeque;
 use std::net::IpAddr;
 use std::sync::Arc;
 
@@ -15,22 +14,25 @@ use bytes::Bytes;
 use http::uri::PathAndQuery;
 use http::{HeaderMap, HeaderValue, header};
 use inferyes_proto::ErrorKind;
-use inferyes_proto::kinds::{ModelIn, Row, Session, StreamEnd, StreamStart};
+use inferyes_proto::kinds::{ModelIn, Row, Session};
 use inferyes_proto::v1::RoutingDecision;
 
-use super::answer::{AnswerBody, Plan, Resuming};
-use super::attempt::{Answered, ExpectedTtft, NODE_HEADER, ROUTE_HEADER, Started, attempt_each, route_label};
-use super::client::Outbound;
+use super::AppState;
+use super::answer::{Plan, StreamBody};
+use super::attempt::{Answer, Attempts, Expected, Hops, NODE_HEADER, OpenStream, Outbound, ROUTE_HEADER};
+use super::classify::Purpose;
+use super::client::{Facts, upstream_headers};
 use super::opening::Opening;
+use super::resume::Continuation;
 use super::view::{
     RoutingView, estimated_prompt_tokens, metered_prompt_estimate, parse_request_view, session_key, with_model,
     with_usage_requested,
 };
-use super::{AppState, resume};
 use crate::auth::Caller;
 use crate::error::{ApiError, ErrorCode};
 use crate::routing::{self, Route, RouteReason, RouteRequest};
 use crate::snapshot::RoutingSnapshot;
+use crate::usage::{Meter, Served};
 
 /// Serves one inference request and records it.
 pub(crate) async fn inference(
@@ -276,7 +278,7 @@ impl<'s> Exchange<'s> {
             ticket,
             now_ms: inferyes_proto::unix_ms(),
         };
-        Ok(routing::select(snapshot, &request)?)
+        Ok(routing::select(snapshot, snapshot.local(), &request)?)
     }
 
     /// The answer of the first target that gives one, streamed or whole.
@@ -289,44 +291,47 @@ impl<'s> Exchange<'s> {
         view: &RoutingView,
     ) -> Result<Response, ApiError> {
         let continues = view.stream && self.row.continues && snapshot.policy().continues(model) && !view.constrained;
+        let Prepared { path_and_query, headers, body, strip_usage, form } = prepared;
+        let facts = Facts {
+            model,
+            session: self.facts.session.as_deref(),
+            request_id: &self.request_id,
+            form,
+            authorization: snapshot.agent_authorization(),
+        };
+        // Made for a node once, in place: every attempt sends the same.
+        let mut out =
+            Outbound { path_and_query, headers: upstream_headers(headers, &facts), body, stream: view.stream };
+        let mut hops = Hops::of(snapshot, &route, model);
+        let expected = Expected::of(&route);
         if route.cold() && view.stream {
             tracing::debug!(
                 request_id = super::id_text(&self.request_id),
                 model,
                 "cold load for a stream: answering at once"
             );
-            return Ok(self.streamed(prepared.strip_usage, continues).cold(
-                Arc::clone(snapshot),
-                route,
-                model.to_string(),
-                self.facts.session.clone(),
-                prepared,
-            ));
+            let stream = self.stream(strip_usage, continues, model, snapshot.version());
+            return Ok(stream.cold(snapshot, &route, model, (out, hops), expected));
         }
-        let Prepared { path_and_query, headers, body, strip_usage, form } = prepared;
-        let streamed = view.stream.then(|| self.streamed(strip_usage, continues));
-        let mut out = Outbound {
-            path_and_query: &path_and_query,
-            headers,
-            body,
-            model,
-            session: self.facts.session.as_deref(),
+        let attempts = Attempts {
+            forwarder: &self.state.forwarder,
+            metrics: &self.state.metrics,
             request_id: &self.request_id,
-            stream: view.stream,
-            form,
-            meter: self.facts.meter.clone(),
+            version: snapshot.version(),
+            meter: self.facts.meter.as_ref(),
+            expected,
         };
-        let answered = attempt_each(&self.state.forwarder, &self.state.metrics, snapshot, &route, &mut out).await;
+        let answered = attempts.run(&mut out, &mut hops, Purpose::Answer).await;
         let request_id = super::id_text(&self.request_id);
         match &answered {
             Ok(_) => tracing::debug!(request_id, model, route = route.reason.as_str(), "request routed"),
             Err(error) => tracing::debug!(request_id, model, code = ?error.code_str(), "request failed"),
         }
         Ok(match answered? {
-            Answered::Whole(response) => response,
-            Answered::Stream(started) => {
-                let Some(streamed) = streamed else { return Err(ApiError::internal()) };
-                let (parts, body) = streamed.body(started, snapshot, &route, &mut out);
+            Answer::Whole(response) => response,
+            Answer::Stream(open) => {
+                let stream = self.stream(strip_usage, continues, model, snapshot.version());
+                let (parts, body) = stream.body(open, hops, out);
                 Response::from_parts(parts, Body::new(body))
             }
         })
@@ -336,199 +341,199 @@ impl<'s> Exchange<'s> {
     /// request's body goes with the stream where it outlives this
     /// exchange (a cold load, a stream that may be continued), and so
     /// does what it holds of the budget.
-    fn streamed(&mut self, strip_usage: bool, continues: bool) -> Streamed<'s> {
-        Streamed {
-            state: self.state,
-            stream_start: self.row.stream_start,
-            stream_end: self.row.stream_end,
-            errors: self.row.errors,
-            strip_usage,
-            meter: self.facts.meter.clone(),
-            request_id: self.request_id.clone(),
+    fn stream(&mut self, strip_usage: bool, continues: bool, model: &str, version: u64) -> StreamSetup {
+        let prompt_estimate = self.facts.meter.as_ref().map_or(0, Meter::prompt_estimate);
+        let opening = Opening::new(self.row.stream_start, model, super::id_text(&self.request_id), prompt_estimate);
+        StreamSetup {
+            state: Arc::clone(self.state),
+            plan: Plan {
+                opening,
+                stream_end: self.row.stream_end,
+                strip_usage,
+                meter: self.facts.meter.clone(),
+                request_id: self.request_id.clone(),
+                errors: self.row.errors,
+                version,
+                _held: None,
+            },
             continues,
             held: self.held.take(),
         }
     }
 
-    /// The request's metrics, span and decision, from its answer.
+    /// The request's metrics, span and decision, from its answer and what
+    /// served it; a stream's once it has ended.
     fn record(self, span: &tracing::Span, response: Response) -> Response {
         let Exchange { state, request_id, started, mut facts, .. } = self;
-        if !response.status().is_success()
-            && let Some(meter) = facts.meter.take()
+        let status = response.status();
+        let meter = facts.meter.take();
+        if !status.is_success()
+            && let Some(meter) = &meter
         {
             let outcome = if facts.node_worked { crate::usage::Outcome::Broken } else { crate::usage::Outcome::Error };
-            meter.finish(response.status().as_u16(), outcome, None);
+            meter.finish(status.as_u16(), outcome, None);
         }
         span.record("model", facts.model.as_str());
-        // Label values are moved in and out of the label sets, not copied: a
-        // family is looked up by reference.
-        let labels = crate::metrics::RequestLabels {
-            model: if facts.model_known { std::mem::take(&mut facts.model) } else { "_unknown".to_string() },
-            node: response.headers().get(NODE_HEADER).and_then(|v| v.to_str().ok()).unwrap_or("").into(),
-            status: response.status().as_u16(),
-            route: route_label(response.headers()),
-        };
-        state.metrics.requests.get_or_create(&labels).inc();
-        span.record("node", labels.node.as_str());
-        span.record("route", labels.route);
-        span.record("http.response.status_code", response.status().as_u16());
-        let crate::metrics::RequestLabels { model: label, node, route, .. } = labels;
+        span.record("http.response.status_code", status.as_u16());
+        let model = if facts.model_known { std::mem::take(&mut facts.model) } else { "_unknown".to_string() };
         let elapsed = started.elapsed();
         // A stream's time to its first token is observed by its meter.
-        let label = if response.status().is_success() && !facts.stream {
-            let labels = crate::metrics::ModelLabels { model: label };
+        if status.is_success() && !facts.stream {
+            let labels = crate::metrics::ModelLabels { model: model.clone() };
             state.metrics.request_seconds.get_or_create(&labels).observe(elapsed.as_secs_f64());
-            labels.model
-        } else {
-            label
-        };
+        }
+        Record::new(state, span, &request_id, model, status, facts, elapsed).finish(meter, response)
+    }
+}
+
+/// What a request's record says, once it is known what served it.
+struct Record {
+    state: Arc<AppState>,
+    span: tracing::Span,
+    model: String,
+    status: http::StatusCode,
+    latency_ms: u32,
+    decision: RoutingDecision,
+}
+
+impl Record {
+    fn new(
+        state: &Arc<AppState>,
+        span: &tracing::Span,
+        request_id: &HeaderValue,
+        model: String,
+        status: http::StatusCode,
+        facts: RequestFacts,
+        elapsed: std::time::Duration,
+    ) -> Record {
         let latency_ms = u32::try_from(elapsed.as_millis()).unwrap_or(u32::MAX);
-        let expected = response.extensions().get::<ExpectedTtft>().copied().unwrap_or_default();
-        let decision = || RoutingDecision {
-            request_id: super::id_text(&request_id).to_string(),
-            unix_ms: inferyes_proto::unix_ms(),
-            model: if facts.model_known { label } else { facts.model },
-            node_id: node,
-            route: route.to_string(),
-            status: u32::from(response.status().as_u16()),
+        let decision = RoutingDecision {
+            request_id: super::id_text(request_id).to_string(),
+            status: u32::from(status.as_u16()),
             error_code: facts.error_code.unwrap_or_default(),
             latency_ms,
             stream: facts.stream,
             session_tag: facts.session.as_deref().map(inferyes_proto::session_tag).unwrap_or_default(),
             key_id: facts.key_id.unwrap_or_default(),
-            // A whole answer's first token reaches the client with its end.
-            ttft_ms: if response.status().is_success() { latency_ms } else { 0 },
-            expected_ttft_ms: expected.ms,
-            home_expected_ttft_ms: expected.home_ms,
+            ..RoutingDecision::default()
         };
-        match facts.meter.take() {
-            Some(meter) if facts.stream && response.status().is_success() => {
-                meter.report_at_end(decision(), Arc::clone(&state.decisions));
+        Record { state: Arc::clone(state), span: span.clone(), model, status, latency_ms, decision }
+    }
+
+    /// Written now, or, for a stream that goes on, when it ends.
+    fn finish(self, meter: Option<Meter>, response: Response) -> Response {
+        match meter {
+            Some(meter) if self.decision.stream && self.status.is_success() => {
+                let served = meter.clone();
+                meter.at_end(Box::new(move |_, ttft_ms| self.write(served.served_by(), ttft_ms)));
             }
-            _ => state.decisions.record(decision),
+            meter => {
+                // A whole answer's first token reaches the client with its end.
+                let ttft_ms = if self.status.is_success() { self.latency_ms } else { 0 };
+                self.write(meter.as_ref().and_then(Meter::served_by), ttft_ms);
+            }
         }
         response
+    }
+
+    fn write(self, served: Option<&Served>, ttft_ms: u32) {
+        let Record { state, span, model, status, mut decision, .. } = self;
+        let (node, route) = served.map_or(("", "none"), |served| (&*served.node, served.route));
+        span.record("node", node);
+        span.record("route", route);
+        let labels = crate::metrics::RequestLabels { model, node: node.to_string(), status: status.as_u16(), route };
+        state.metrics.requests.get_or_create(&labels).inc();
+        decision.unix_ms = inferyes_proto::unix_ms();
+        decision.ttft_ms = ttft_ms;
+        decision.route = route.to_string();
+        decision.node_id = labels.node;
+        decision.model = labels.model;
+        if let Some(served) = served {
+            decision.expected_ttft_ms = served.expected_ttft_ms;
+            decision.home_expected_ttft_ms = served.home_expected_ttft_ms;
+        }
+        state.decisions.record(|| decision);
     }
 }
 
 /// What a streamed answer's body is made with, whichever node answers.
-struct Streamed<'s> {
-    state: &'s Arc<AppState>,
-    stream_start: StreamStart,
-    stream_end: StreamEnd,
-    errors: inferyes_proto::kinds::ErrorShape,
-    strip_usage: bool,
-    meter: Option<crate::usage::Meter>,
-    request_id: HeaderValue,
+struct StreamSetup {
+    state: Arc<AppState>,
+    plan: Plan,
     /// The fleet continues this stream on another node if it breaks.
     continues: bool,
     /// What the request's body holds of the budget.
     held: Option<super::body::Reservation>,
 }
 
-impl Streamed<'_> {
+impl StreamSetup {
     /// The body of the stream whose head passed, able to go on at the
-    /// route's later targets where it continues. `out` is what the
-    /// attempts left of the request.
-    fn body(
-        self,
-        started: Started,
-        snapshot: &RoutingSnapshot,
-        route: &Route,
-        out: &mut Outbound<'_>,
-    ) -> (http::response::Parts, AnswerBody) {
-        // The nodes a broken stream may go on at: listed only for a stream
-        // that may be continued (each costs a few counts shared between
-        // the workers).
-        let hops = if self.continues { resume::hops(snapshot, route, started.index) } else { VecDeque::new() };
-        let resume = (!hops.is_empty()).then(|| {
-            let request = resume::Request {
-                forwarder: self.state.forwarder.clone(),
-                path_and_query: out.path_and_query.clone(),
-                headers: std::mem::take(&mut out.headers),
-                body: std::mem::take(&mut out.body),
-                model: out.model.to_string(),
-                session: out.session.map(str::to_string),
-                request_id: self.request_id.clone(),
-                version: snapshot.version(),
+    /// nodes left in `hops` where it continues. `out` is what the attempts
+    /// left of the request.
+    fn body(self, open: OpenStream, hops: Hops, out: Outbound) -> (http::response::Parts, StreamBody) {
+        let StreamSetup { state, mut plan, continues, held } = self;
+        let resume = (continues && hops.peek().is_some()).then(|| {
+            let continuation = Continuation {
+                forwarder: state.forwarder.clone(),
+                metrics: Arc::clone(&state.metrics),
+                path_and_query: out.path_and_query,
+                headers: out.headers,
+                body: out.body,
+                request_id: plan.request_id.clone(),
+                version: plan.version,
             };
-            (Resuming { request: Arc::new(request), metrics: Arc::clone(&self.state.metrics) }, hops)
+            (Arc::new(continuation), hops)
         });
-        let hard_stop = self.state.forwarder.hard_stop().clone();
         // Only a stream that may be continued keeps the request's body.
-        let held = if resume.is_some() { self.held } else { None };
-        let prompt_estimate = self.meter.as_ref().map_or(0, crate::usage::Meter::prompt_estimate);
-        let opening = Opening::new(self.stream_start, out.model, super::id_text(&self.request_id), prompt_estimate);
-        let plan = Plan {
-            opening,
-            _held: held,
-            stream_end: self.stream_end,
-            strip_usage: self.strip_usage,
-            meter: self.meter,
-            request_id: self.request_id,
-            errors: self.errors,
-            version: snapshot.version(),
-        };
-        AnswerBody::streaming(started, plan, hard_stop, resume)
+        if resume.is_some() {
+            plan._held = held;
+        }
+        let hard_stop = state.forwarder.hard_stop().clone();
+        StreamBody::streaming(open, plan, hard_stop, resume)
     }
 
     /// A streaming request that starts a cold load: the client gets its
     /// headers at once (`x-inferyes-route: cold`) and a note each second
     /// while the model loads, instead of minutes of silence; then the
-    /// backend's stream, or a final error event.
+    /// stream of whichever node answers, or a final error event.
     fn cold(
         self,
-        snapshot: Arc<RoutingSnapshot>,
-        route: Route,
-        model: String,
-        session: Option<String>,
-        prepared: Prepared,
+        snapshot: &RoutingSnapshot,
+        route: &Route,
+        model: &str,
+        (mut out, mut hops): (Outbound, Hops),
+        expected: Expected,
     ) -> Response {
-        let first = route.targets.first();
-        let node = first.and_then(|t| snapshot.node(t.node));
-        let node_header = node.and_then(|n| n.id_header.clone());
-        let node_id = node.map(|n| n.id.to_string()).unwrap_or_default();
+        let first = hops.peek();
+        let node_header = first.and_then(|hop| hop.endpoint.id_header.clone());
+        let node_id = first.map(|hop| hop.endpoint.id.to_string()).unwrap_or_default();
         // The client is told the load unloads another model, as it may take
         // that model's sessions' caches with it.
-        let evicts =
-            first.and_then(|t| snapshot.placements(&model)?.iter().find(|p| p.target == *t)).is_some_and(|p| p.evicts);
-        let meter = self.meter.clone();
-        let state = Arc::clone(self.state);
-        let expected = ExpectedTtft { ms: route.expected_ttft_ms, home_ms: route.home_expected_ttft_ms };
-        let (stream_start, stream_end, errors, request_id, continues, held) =
-            (self.stream_start, self.stream_end, self.errors, self.request_id.clone(), self.continues, self.held);
-        let answer_model = model.clone();
-        let answer_meter = meter.clone();
+        let evicts = route
+            .targets
+            .first()
+            .and_then(|t| snapshot.placements(model)?.iter().find(|p| p.target == *t))
+            .is_some_and(|p| p.evicts);
+        let meter = self.plan.meter.clone();
+        let errors = self.plan.errors;
+        let state = Arc::clone(&self.state);
+        let request_id = self.plan.request_id.clone();
+        let version = self.plan.version;
         let answer = async move {
-            let Prepared { path_and_query, headers, body, strip_usage, form } = prepared;
-            let mut out = Outbound {
-                path_and_query: &path_and_query,
-                headers,
-                body,
-                model: &answer_model,
-                session: session.as_deref(),
+            let attempts = Attempts {
+                forwarder: &state.forwarder,
+                metrics: &state.metrics,
                 request_id: &request_id,
-                stream: true,
-                form,
-                meter: answer_meter.clone(),
+                version,
+                meter: self.plan.meter.as_ref(),
+                expected,
             };
-            let streamed = Streamed {
-                state: &state,
-                stream_start,
-                stream_end,
-                errors,
-                strip_usage,
-                meter: answer_meter,
-                request_id: request_id.clone(),
-                continues,
-                held,
-            };
-            match attempt_each(&state.forwarder, &state.metrics, &snapshot, &route, &mut out).await? {
-                Answered::Stream(started) => Ok(streamed.body(started, &snapshot, &route, &mut out).1),
-                Answered::Whole(_) => Err(ApiError::internal()),
+            match attempts.run(&mut out, &mut hops, Purpose::Answer).await? {
+                Answer::Stream(open) => Ok(self.body(open, hops, out).1),
+                Answer::Whole(_) => Err(ApiError::internal()),
             }
         };
-        let body = AnswerBody::loading(answer, model, node_id, evicts, meter, errors);
+        let body = StreamBody::loading(answer, model.to_string(), node_id, evicts, meter, errors);
         let mut response = Response::new(Body::new(body));
         let headers = response.headers_mut();
         headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
@@ -537,7 +542,6 @@ impl Streamed<'_> {
             headers.insert(NODE_HEADER, value);
         }
         headers.insert(ROUTE_HEADER, HeaderValue::from_static(RouteReason::Cold.as_str()));
-        response.extensions_mut().insert(expected);
         response
     }
 }

@@ -1,6 +1,7 @@
 //! Mid-stream continuation: when a chat stream breaks in the middle of the
 //! answer, it is resumed on another node and the rest spliced into the
-//! same client stream ([`super::answer`] does the splicing). The next node
+//! same client stream ([`super::answer`] does the splicing; the attempts
+//! are [`Attempts::run`]'s, as every request's). The next node
 //! gets the conversation plus the partial reply as a trailing assistant
 //! message, which llama-server continues; the client sees one answer, with
 //! an SSE comment where the splice is.
@@ -9,7 +10,6 @@
 //! constrained (tools, response formats, grammars): a continuation could
 //! not keep those guarantees.
 
-use std::collections::VecDeque;
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -17,67 +17,21 @@ use http::uri::PathAndQuery;
 use http::{HeaderMap, HeaderValue};
 use serde_json::{Value, json};
 
-use super::classify::{Attempt, Verdict, classify};
-use super::client::{Answer, Forwarder, Outbound};
-use crate::routing::Route;
-use crate::snapshot::{LocalCounters, RoutingSnapshot};
+use super::attempt::{Answer, Attempts, Expected, Hops, OpenStream, Outbound};
+use super::classify::Purpose;
+use super::client::Forwarder;
 
-/// Another node the stream may continue on.
-pub struct Hop {
-    pub node: Arc<str>,
-    pub proxy_url: inferyes_net::base_url::BaseUrl,
-    pub proxy_http2: bool,
-    /// The backend's id, as a header value.
-    pub backend: Option<HeaderValue>,
-    /// What the node's agent takes (the snapshot's).
-    pub authorization: Option<HeaderValue>,
-    pub local: Arc<LocalCounters>,
-}
-
-impl Hop {
-    fn destination(&self) -> super::client::Destination<'_> {
-        super::client::Destination {
-            proxy_url: &self.proxy_url,
-            proxy_http2: self.proxy_http2,
-            backend: self.backend.as_ref(),
-            authorization: self.authorization.as_ref(),
-        }
-    }
-}
-
-/// The nodes after the `index`th of `route`, where a broken stream may go
-/// on.
-pub fn hops(snapshot: &RoutingSnapshot, route: &Route, index: usize) -> VecDeque<Hop> {
-    route.targets[index + 1..]
-        .iter()
-        .filter_map(|target| {
-            let node = snapshot.node(target.node)?;
-            let backend = node.backends.get(target.backend)?;
-            Some(Hop {
-                node: Arc::clone(&node.id),
-                proxy_url: node.proxy_url.clone(),
-                authorization: snapshot.agent_authorization().cloned(),
-                proxy_http2: node.proxy_http2,
-                backend: backend.id_header.clone(),
-                local: Arc::clone(&node.local),
-            })
-        })
-        .collect()
-}
-
-/// The request a continuation is made of: the client's, owned, for an
-/// answer body that outlives its handler.
-pub struct Request {
+/// What a stream needs to go on at another node: the request as its nodes
+/// were sent it, owned, for an answer body that outlives its handler.
+pub(crate) struct Continuation {
     pub forwarder: Forwarder,
+    pub metrics: Arc<crate::metrics::Metrics>,
     pub path_and_query: PathAndQuery,
-    /// The client's, as the attempts made them for a node (what stays
-    /// behind taken out, ours put in).
+    /// The client's, as the attempts made them for a node.
     pub headers: HeaderMap,
     pub body: Bytes,
-    pub model: String,
-    pub session: Option<String>,
     pub request_id: HeaderValue,
-    /// The snapshot routed on, for an ejection.
+    /// The snapshot the request was routed on.
     pub version: u64,
 }
 
@@ -120,66 +74,36 @@ pub fn continuation_body(body: &[u8], partial: &str, generated: u64) -> Option<B
     Some(Bytes::from(request.to_string()))
 }
 
-/// A stream gone on at `hop`: its answer, and the hops still left after it.
-pub struct Continued {
-    pub hop: Hop,
-    pub answer: Answer,
-    pub left: VecDeque<Hop>,
-}
-
-/// Asks the hops in turn to continue the answer, holding out of routing
-/// each that fails as [`classify`] says; the first that takes it, with its
-/// stream. None where none can: a refusal of the continuation itself (its
-/// context full, say) ends the search, since any node would say the same.
-pub async fn continue_on(
-    request: Arc<Request>,
-    mut hops: VecDeque<Hop>,
+/// Asks `hops` in turn to continue the answer, said `partial` in
+/// `generated` chunks so far: the stream of the first that takes it, and
+/// the hops left after it. None where none can: a refusal of the
+/// continuation itself (its context full, say) ends the search, since any
+/// node would say the same.
+pub(crate) async fn continue_on(
+    continuation: Arc<Continuation>,
+    mut hops: Hops,
     partial: String,
     generated: u64,
-) -> Option<Continued> {
-    let body = continuation_body(&request.body, &partial, generated)?;
-    while let Some(hop) = hops.pop_front() {
-        let out = Outbound {
-            path_and_query: &request.path_and_query,
-            headers: HeaderMap::new(),
-            body: Bytes::new(),
-            model: &request.model,
-            session: request.session.as_deref(),
-            request_id: &request.request_id,
-            stream: true,
-            form: false,
-            meter: None,
-        };
-        let headers = request.headers.clone();
-        let sent = request.forwarder.send(hop.destination(), &out, headers, body.clone());
-        let attempt = match sent.await {
-            Err(attempt) => attempt,
-            Ok(response) if response.status().is_success() && super::sse::is_event_stream(response.headers()) => {
-                return Some(Continued { hop, answer: response.into_body(), left: hops });
-            }
-            Ok(response) if response.status().is_success() => Attempt::BodyBroke,
-            Ok(response) => super::attempt::refusal(response).await,
-        };
-        // A request's timeout ends its wait for an answer to start; a
-        // stream's client has had bytes all along, and the next hop may
-        // answer at once.
-        let attempt = match attempt {
-            Attempt::TimedOut(_) => Attempt::Unreachable(None),
-            attempt => attempt,
-        };
-        let (eject, go_on) = match classify(attempt, hops.is_empty()) {
-            Verdict::Pass => (false, true),
-            Verdict::Failover { eject, .. } => (eject, true),
-            Verdict::Fail { eject, .. } => (eject, false),
-        };
-        if eject {
-            hop.local.eject(inferyes_proto::unix_ms(), request.version);
-        }
-        if !go_on {
-            return None;
-        }
+) -> (Option<OpenStream>, Hops) {
+    let Some(body) = continuation_body(&continuation.body, &partial, generated) else { return (None, hops) };
+    let mut out = Outbound {
+        path_and_query: continuation.path_and_query.clone(),
+        headers: continuation.headers.clone(),
+        body,
+        stream: true,
+    };
+    let attempts = Attempts {
+        forwarder: &continuation.forwarder,
+        metrics: &continuation.metrics,
+        request_id: &continuation.request_id,
+        version: continuation.version,
+        meter: None,
+        expected: Expected::default(),
+    };
+    match attempts.run(&mut out, &mut hops, Purpose::Continue).await {
+        Ok(Answer::Stream(open)) => (Some(open), hops),
+        Ok(Answer::Whole(_)) | Err(_) => (None, hops),
     }
-    None
 }
 
 #[cfg(test)]

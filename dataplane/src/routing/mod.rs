@@ -22,8 +22,6 @@
 //! 5. cold: nodes that can load the model, a load already under way first,
 //!    then the most free GPU memory, counting loads in progress.
 
-use std::sync::atomic::Ordering;
-
 use inferyes_proto::ErrorKind;
 use inferyes_proto::v1::{EndpointKind, ModelState, Strategy};
 
@@ -31,6 +29,7 @@ pub use inferyes_proto::hash::{rendezvous_score, stable_hash, text_hash, unit_in
 
 use crate::error::{ApiError, ErrorCode};
 use crate::snapshot::{Placement, RoutingSnapshot, Target};
+use crate::targets::Local;
 
 /// What routing needs to know about a request.
 #[derive(Clone, Copy, Debug)]
@@ -226,8 +225,10 @@ enum Class {
     Resident,
     Warm,
     Cold,
-    /// Refused; `true` when for memory (said in the error).
-    Refused(bool),
+    /// Not admitted; `memory` where for its GPU memory (said in the error).
+    Unadmitted {
+        memory: bool,
+    },
     /// Would do, but failed recently: a last resort.
     Ejected,
 }
@@ -265,125 +266,148 @@ impl<const K: usize> Best<K> {
     }
 }
 
-/// Requests in flight to the backend: as its agent last reported them, or
-/// as this data plane has them there now, whichever is more. The own count
-/// is fresh, so a burst between two reports spreads; the report holds the
-/// other data planes' requests, and the own ones it shows are not counted
-/// twice.
-fn load(p: &Placement) -> u32 {
-    p.reported_in_flight.max(p.local.in_flight.load(Ordering::Relaxed))
+/// The placements as one request sees them: each with what this data
+/// plane adds of its node ([`Local`]), at the request's time.
+struct Seen<'l, L> {
+    local: &'l L,
+    now_ms: u64,
 }
 
-/// The load a new session is balanced against: the sessions already living
-/// on the backend (each will come back), and this data plane's requests in
-/// flight there (sessions it placed that no report shows yet). Reported
-/// in-flight counts are left out on purpose: they change with every report,
-/// and a placement must not flip between a conversation's first turns or
-/// between data planes because a count moved.
-fn session_load(p: &Placement) -> u32 {
-    p.resident_sessions.saturating_add(p.local.in_flight.load(Ordering::Relaxed))
-}
-
-/// Requests that must leave a slot before one more gets one: the backend's
-/// requests, as reported or as this data plane has in flight there,
-/// whichever is more (a burst between two reports is spread by the own
-/// count, and the own requests a report shows are not counted twice).
-/// Counts that could not be read are taken for a round of every slot
-/// queued: unknown, not idle. Without a slot count, the server's queue.
-fn queue_ahead(p: &Placement) -> u32 {
-    if p.slots == 0 {
-        return if p.load_unknown { p.deferred.max(1) } else { p.deferred };
+impl<L: Local> Seen<'_, L> {
+    /// This data plane's requests in flight to the placement's node.
+    fn in_flight(&self, p: &Placement) -> u32 {
+        self.local.in_flight(p.target.node)
     }
-    let mut occupancy = p.occupancy.max(p.local.in_flight.load(Ordering::Relaxed));
-    if p.load_unknown {
-        occupancy = occupancy.max(p.slots.saturating_mul(2));
+
+    /// Until when the placement's node is held out of routing, if it is.
+    fn ejected_until(&self, p: &Placement) -> Option<u64> {
+        self.local.ejected_until(p.target.node, self.now_ms)
     }
-    occupancy.saturating_add(1).saturating_sub(p.slots)
-}
 
-/// Whether one more request would wait for a slot. Judged with the own
-/// count, not the last report's flag: taken from the report alone, every
-/// request until the next one would go to the nodes that looked free in
-/// it, a herd.
-fn waits(p: &Placement) -> bool {
-    queue_ahead(p) > 0
-}
+    /// Requests in flight to the backend: as its agent last reported them, or
+    /// as this data plane has them there now, whichever is more. The own count
+    /// is fresh, so a burst between two reports spreads; the report holds the
+    /// other data planes' requests, and the own ones it shows are not counted
+    /// twice.
+    fn load(&self, p: &Placement) -> u32 {
+        p.reported_in_flight.max(self.in_flight(p))
+    }
 
-/// Expected seconds to a request's first token on `p`, the first `cached`
-/// of its `prompt` tokens being there already: the wait for a slot (the
-/// requests ahead, a slot freeing every service time over slots) plus the
-/// rest of the prompt at the backend's prompt rate.
-fn expected_ttft(p: &Placement, prompt: u32, cached: u32) -> f64 {
-    let wait = f64::from(queue_ahead(p)) * p.service_seconds / f64::from(p.slots.max(1));
-    wait + f64::from(prompt.saturating_sub(cached)) / p.prefill_tokens_per_second
+    /// The load a new session is balanced against: the sessions already living
+    /// on the backend (each will come back), and this data plane's requests in
+    /// flight there (sessions it placed that no report shows yet). Reported
+    /// in-flight counts are left out on purpose: they change with every report,
+    /// and a placement must not flip between a conversation's first turns or
+    /// between data planes because a count moved.
+    fn session_load(&self, p: &Placement) -> u32 {
+        p.resident_sessions.saturating_add(self.in_flight(p))
+    }
+
+    /// Requests that must leave a slot before one more gets one: the backend's
+    /// requests, as reported or as this data plane has in flight there,
+    /// whichever is more (a burst between two reports is spread by the own
+    /// count, and the own requests a report shows are not counted twice).
+    /// Counts that could not be read are taken for a round of every slot
+    /// queued: unknown, not idle. Without a slot count, the server's queue.
+    fn queue_ahead(&self, p: &Placement) -> u32 {
+        if p.slots == 0 {
+            return if p.load_unknown { p.deferred.max(1) } else { p.deferred };
+        }
+        let mut occupancy = p.occupancy.max(self.in_flight(p));
+        if p.load_unknown {
+            occupancy = occupancy.max(p.slots.saturating_mul(2));
+        }
+        occupancy.saturating_add(1).saturating_sub(p.slots)
+    }
+
+    /// Whether one more request would wait for a slot. Judged with the own
+    /// count, not the last report's flag: taken from the report alone, every
+    /// request until the next one would go to the nodes that looked free in
+    /// it, a herd.
+    fn waits(&self, p: &Placement) -> bool {
+        self.queue_ahead(p) > 0
+    }
+
+    /// Expected seconds to a request's first token on `p`, the first `cached`
+    /// of its `prompt` tokens being there already: the wait for a slot (the
+    /// requests ahead, a slot freeing every service time over slots) plus the
+    /// rest of the prompt at the backend's prompt rate.
+    fn expected_ttft(&self, p: &Placement, prompt: u32, cached: u32) -> f64 {
+        let wait = f64::from(self.queue_ahead(p)) * p.service_seconds / f64::from(p.slots.max(1));
+        wait + f64::from(prompt.saturating_sub(cached)) / p.prefill_tokens_per_second
+    }
+
+    /// A new session's key for where it starts soonest: the requests ahead of
+    /// it, 0 where it gets a slot at once (the rendezvous order decides among
+    /// equals, which spreads sessions and keeps data planes agreeing). A count,
+    /// not a time: a node's recent service time swings with the requests it
+    /// happened to finish. Still, counts move with every report and differ
+    /// between data planes, so a conversation's second turn, sent before its
+    /// first one's residency is reported, may land elsewhere where its home
+    /// has just begun to queue: the price of sending new sessions where they
+    /// start soonest.
+    fn start_key(&self, p: &Placement) -> u64 {
+        u64::from(self.queue_ahead(p))
+    }
+
+    /// Memory the node can still give: total, less used and loading, less
+    /// loads this data plane started.
+    fn free_memory(&self, p: &Placement) -> u64 {
+        p.vram_total_bytes
+            .saturating_sub(p.vram_committed_bytes)
+            .saturating_sub(self.local.reserved_vram_bytes(p.target.node))
+    }
+
+    /// Whether loading the model keeps the node under its admission threshold.
+    /// A node without GPUs, or a model of unknown size, cannot be judged and is
+    /// not refused; a node whose GPUs could not be read lately is: its memory
+    /// may have filled since.
+    fn fits_in_memory(&self, p: &Placement) -> bool {
+        if p.vram_stale {
+            return false;
+        }
+        if p.vram_total_bytes == 0 || p.size_bytes == 0 {
+            return true;
+        }
+        // A load under way is counted already, in the node's committed memory.
+        let loading = if p.state == ModelState::Loading { 0 } else { p.size_bytes };
+        let after = p.vram_total_bytes - self.free_memory(p) + loading;
+        (after as f64) < p.admission_threshold * p.vram_total_bytes as f64
+    }
+
+    fn class_of(&self, p: &Placement, home: Option<Target>) -> Class {
+        if !p.usable {
+            return Class::Unadmitted { memory: false };
+        }
+        if self.ejected_until(p).is_some() {
+            let warm = matches!(p.state, ModelState::Loaded | ModelState::Unknown);
+            return if warm && p.vram_fraction < p.hard_limit {
+                Class::Ejected
+            } else {
+                Class::Unadmitted { memory: false }
+            };
+        }
+        if p.vram_fraction >= p.hard_limit {
+            return Class::Unadmitted { memory: true };
+        }
+        let warm = matches!(p.state, ModelState::Loaded | ModelState::Unknown);
+        if warm && home == Some(p.target) {
+            Class::Resident
+        } else if p.vram_fraction >= p.admission_threshold {
+            Class::Unadmitted { memory: true }
+        } else if warm {
+            Class::Warm
+        } else if self.fits_in_memory(p) {
+            Class::Cold
+        } else {
+            Class::Unadmitted { memory: true }
+        }
+    }
 }
 
 /// Seconds as whole milliseconds, for reports and headers.
 fn millis(seconds: f64) -> u32 {
     (seconds * 1e3).round().clamp(0.0, f64::from(u32::MAX)) as u32
-}
-
-/// A new session's key for where it starts soonest: the requests ahead of
-/// it, 0 where it gets a slot at once (the rendezvous order decides among
-/// equals, which spreads sessions and keeps data planes agreeing). A count,
-/// not a time: a node's recent service time swings with the requests it
-/// happened to finish. Still, counts move with every report and differ
-/// between data planes, so a conversation's second turn, sent before its
-/// first one's residency is reported, may land elsewhere where its home
-/// has just begun to queue: the price of sending new sessions where they
-/// start soonest.
-fn start_key(p: &Placement) -> u64 {
-    u64::from(queue_ahead(p))
-}
-
-/// Memory the node can still give: total, less used and loading, less
-/// loads this data plane started.
-fn free_memory(p: &Placement) -> u64 {
-    p.vram_total_bytes
-        .saturating_sub(p.vram_committed_bytes)
-        .saturating_sub(p.local.reserved_vram_bytes.load(Ordering::Relaxed))
-}
-
-/// Whether loading the model keeps the node under its admission threshold.
-/// A node without GPUs, or a model of unknown size, cannot be judged and is
-/// not refused; a node whose GPUs could not be read lately is: its memory
-/// may have filled since.
-fn fits_in_memory(p: &Placement) -> bool {
-    if p.vram_stale {
-        return false;
-    }
-    if p.vram_total_bytes == 0 || p.size_bytes == 0 {
-        return true;
-    }
-    // A load under way is counted already, in the node's committed memory.
-    let loading = if p.state == ModelState::Loading { 0 } else { p.size_bytes };
-    let after = p.vram_total_bytes - free_memory(p) + loading;
-    (after as f64) < p.admission_threshold * p.vram_total_bytes as f64
-}
-
-fn classify(p: &Placement, home: Option<Target>, now_ms: u64) -> Class {
-    if !p.usable {
-        return Class::Refused(false);
-    }
-    if p.local.ejected(now_ms) {
-        let warm = matches!(p.state, ModelState::Loaded | ModelState::Unknown);
-        return if warm && p.vram_fraction < p.hard_limit { Class::Ejected } else { Class::Refused(false) };
-    }
-    if p.vram_fraction >= p.hard_limit {
-        return Class::Refused(true);
-    }
-    let warm = matches!(p.state, ModelState::Loaded | ModelState::Unknown);
-    if warm && home == Some(p.target) {
-        Class::Resident
-    } else if p.vram_fraction >= p.admission_threshold {
-        Class::Refused(true)
-    } else if warm {
-        Class::Warm
-    } else if fits_in_memory(p) {
-        Class::Cold
-    } else {
-        Class::Refused(true)
-    }
 }
 
 /// Where a cold load is best started, lowest first: one already under way
@@ -410,7 +434,10 @@ pub fn model_not_found(snapshot: &RoutingSnapshot, model: &str) -> RouteError {
     }
 }
 
-pub fn select(snapshot: &RoutingSnapshot, request: &RouteRequest<'_>) -> Result<Route, RouteError> {
+/// The route of `request` over `snapshot`'s nodes, as this data plane's
+/// `local` state of them adds to it.
+pub fn select(snapshot: &RoutingSnapshot, local: &impl Local, request: &RouteRequest<'_>) -> Result<Route, RouteError> {
+    let seen = Seen { local, now_ms: request.now_ms };
     let Some(placements) = snapshot.placements(request.model) else {
         return Err(model_not_found(snapshot, request.model));
     };
@@ -435,16 +462,16 @@ pub fn select(snapshot: &RoutingSnapshot, request: &RouteRequest<'_>) -> Result<
             placements.binary_search_by_key(&(r.target.node, r.target.backend), |p| (p.target.node, p.target.backend));
         at.ok().filter(|i| {
             let p = &placements[*i];
-            capable(p) && fits(p) && classify(p, home, request.now_ms) == Class::Resident
+            capable(p) && fits(p) && seen.class_of(p, home) == Class::Resident
         })
     });
     if let (Some(at), Some(resident)) = (at_home, resident) {
-        return Ok(route_session_home(placements, at, resident, request, &capable, &fits));
+        return Ok(route_session_home(&seen, placements, at, resident, request, &capable, &fits));
     }
     let session_key = session.map(|s| stable_hash(s.as_bytes()));
     if let (Some(key), Some(ring)) = (session_key, snapshot.ring(request.model))
         && snapshot.policy().strategy(request.model) != Strategy::Weighted
-        && let Some(route) = place_on_ring(snapshot, placements, ring, key, request, &capable, &fits)
+        && let Some(route) = place_on_ring(&seen, snapshot, placements, ring, key, request, &capable, &fits)
     {
         return Ok(route);
     }
@@ -460,7 +487,7 @@ pub fn select(snapshot: &RoutingSnapshot, request: &RouteRequest<'_>) -> Result<
     // and cold placements.
     let (mut any_capable, mut any_fitting, mut largest_window) = (false, false, 0u32);
     let (mut warm_count, mut warm_load) = (0u64, 0u64);
-    let mut refused_for_memory = false;
+    let mut unadmitted_for_memory = false;
     let mut homes: Best<HOMES> = Best::new();
     let mut warm: Best<MAX_TARGETS> = Best::new();
     let mut cold: Best<MAX_TARGETS> = Best::new();
@@ -475,33 +502,33 @@ pub fn select(snapshot: &RoutingSnapshot, request: &RouteRequest<'_>) -> Result<
             continue;
         }
         any_fitting = true;
-        match classify(p, home, request.now_ms) {
+        match seen.class_of(p, home) {
             // A usable home took the early return: here it is not one.
             Class::Resident | Class::Warm => {
                 warm_count += 1;
-                let saturated = u64::from(waits(p));
+                let saturated = u64::from(seen.waits(p));
                 let position = i as u64;
                 match (session_key, strategy) {
                     (Some(key), _) => {
-                        warm_load += u64::from(session_load(p));
+                        warm_load += u64::from(seen.session_load(p));
                         homes.offer([!score(key, p, strategy), place_key(p), 0], i);
                     }
                     (None, Strategy::RoundRobin) => warm.offer([saturated, (position + n - turn) % n, 0], i),
                     (None, Strategy::Weighted) => {
-                        let share = (u64::from(load(p)) << 32) / u64::from(p.weight.max(1));
+                        let share = (u64::from(seen.load(p)) << 32) / u64::from(p.weight.max(1));
                         warm.offer([saturated, share, u64::from(u32::MAX - p.weight) << 32 | place_key(p)], i);
                     }
                     (None, Strategy::PowerOfTwo) => {
                         pair.offer([draw(request.ticket, position), 0, 0], i);
-                        warm.offer([saturated, 1 << 32 | u64::from(load(p)), position], i);
+                        warm.offer([saturated, 1 << 32 | u64::from(seen.load(p)), position], i);
                     }
-                    (None, _) => warm.offer([saturated, u64::from(load(p)), place_key(p)], i),
+                    (None, _) => warm.offer([saturated, u64::from(seen.load(p)), place_key(p)], i),
                 }
             }
-            Class::Cold => cold.offer([cold_rank(p), !free_memory(p), place_key(p)], i),
-            Class::Refused(memory) => refused_for_memory |= memory,
+            Class::Cold => cold.offer([cold_rank(p), !seen.free_memory(p), place_key(p)], i),
+            Class::Unadmitted { memory } => unadmitted_for_memory |= memory,
             // The soonest back first.
-            Class::Ejected => ejected.offer([p.local.ejected_until_ms.load(Ordering::Relaxed), place_key(p), 0], i),
+            Class::Ejected => ejected.offer([seen.ejected_until(p).unwrap_or(0), place_key(p), 0], i),
         }
     }
     if !any_capable {
@@ -523,20 +550,20 @@ pub fn select(snapshot: &RoutingSnapshot, request: &RouteRequest<'_>) -> Result<
         // a single session, and placements would flip between turns and
         // between data planes as the counts move.
         let bound = (snapshot.policy().load_bound * (warm_load + 1) as f64 / warm_count.max(1) as f64).ceil() + 1.0;
-        let over = |p: &Placement| f64::from(session_load(p)) + 1.0 > bound;
+        let over = |p: &Placement| f64::from(seen.session_load(p)) + 1.0 > bound;
         // The best homes by score, those within the bound first, those that
         // start it at once before those that queue it, the soonest first.
         for index in homes.indices() {
             let p = &placements[index];
-            warm.offer([u64::from(over(p)), start_key(p), homes_rank(&homes, index)], index);
+            warm.offer([u64::from(over(p)), seen.start_key(p), homes_rank(&homes, index)], index);
         }
-        if homes.indices().all(|i| over(&placements[i]) || waits(&placements[i])) && warm_count > HOMES as u64 {
+        if homes.indices().all(|i| over(&placements[i]) || seen.waits(&placements[i])) && warm_count > HOMES as u64 {
             // Every top home is over the bound (heavy imbalance) or would
             // queue the session: rank them all, another may have room.
             warm = Best::new();
             for (i, p) in placements.iter().enumerate() {
-                if capable(p) && fits(p) && classify(p, home, request.now_ms) == Class::Warm {
-                    warm.offer([u64::from(over(p)), start_key(p), !score(key, p, strategy)], i);
+                if capable(p) && fits(p) && seen.class_of(p, home) == Class::Warm {
+                    warm.offer([u64::from(over(p)), seen.start_key(p), !score(key, p, strategy)], i);
                 }
             }
         }
@@ -549,11 +576,11 @@ pub fn select(snapshot: &RoutingSnapshot, request: &RouteRequest<'_>) -> Result<
         warm = Best::new();
         for i in pair.indices() {
             let p = &placements[i];
-            warm.offer([u64::from(waits(p)), u64::from(load(p)), i as u64], i);
+            warm.offer([u64::from(seen.waits(p)), u64::from(seen.load(p)), i as u64], i);
         }
         for i in rest.indices().filter(|i| !pair.indices().any(|j| j == *i)) {
             let p = &placements[i];
-            warm.offer([u64::from(waits(p)), 1 << 32 | u64::from(load(p)), i as u64], i);
+            warm.offer([u64::from(seen.waits(p)), 1 << 32 | u64::from(seen.load(p)), i as u64], i);
         }
     }
 
@@ -573,7 +600,7 @@ pub fn select(snapshot: &RoutingSnapshot, request: &RouteRequest<'_>) -> Result<
         }
     }
     if targets.is_empty() {
-        let why = if refused_for_memory {
+        let why = if unadmitted_for_memory {
             "GPU memory above the admission threshold, or not read lately"
         } else {
             "none is ready"
@@ -588,7 +615,7 @@ pub fn select(snapshot: &RoutingSnapshot, request: &RouteRequest<'_>) -> Result<
         RouteReason::Warm
     };
     let expected_ttft_ms = match (reason, warm.indices().next()) {
-        (RouteReason::Placed, Some(i)) => millis(expected_ttft(&placements[i], request.prompt_tokens, 0)),
+        (RouteReason::Placed, Some(i)) => millis(seen.expected_ttft(&placements[i], request.prompt_tokens, 0)),
         _ => 0,
     };
     Ok(Route { targets, reason, loads, expected_ttft_ms, home_expected_ttft_ms: 0 })
@@ -604,7 +631,8 @@ const MIN_MOVE_GAIN_SECONDS: f64 = 1.0;
 /// prompt, than the home does behind its queue. A home that answers
 /// sooner than the fastest node could read the prompt is kept without a
 /// scan; failovers are then the next warm placements with room.
-fn route_session_home(
+fn route_session_home<L: Local>(
+    seen: &Seen<'_, L>,
     placements: &[Placement],
     at: usize,
     resident: crate::snapshot::Resident,
@@ -615,9 +643,8 @@ fn route_session_home(
     let home = &placements[at];
     // A later turn's prompt holds at least what its cache holds.
     let prompt = request.prompt_tokens.max(resident.tokens);
-    let at_home = expected_ttft(home, prompt, resident.tokens);
-    let alternative =
-        |p: &Placement| capable(p) && fits(p) && classify(p, Some(resident.target), request.now_ms) == Class::Warm;
+    let at_home = seen.expected_ttft(home, prompt, resident.tokens);
+    let alternative = |p: &Placement| capable(p) && fits(p) && seen.class_of(p, Some(resident.target)) == Class::Warm;
     let after = || placements[at + 1..].iter().chain(&placements[..at]);
     let mut targets = Targets::default();
     if at_home > f64::from(prompt) / home.fastest_prefill_tokens_per_second {
@@ -629,8 +656,8 @@ fn route_session_home(
         // without flapping. Ordered by expected time, microseconds; the
         // placement breaks ties.
         let mut best: Best<2> = Best::new();
-        for (i, p) in placements.iter().enumerate().filter(|(_, p)| alternative(p) && !waits(p)) {
-            best.offer([(expected_ttft(p, prompt, 0) * 1e6) as u64, place_key(p), 0], i);
+        for (i, p) in placements.iter().enumerate().filter(|(_, p)| alternative(p) && !seen.waits(p)) {
+            best.offer([(seen.expected_ttft(p, prompt, 0) * 1e6) as u64, place_key(p), 0], i);
         }
         let worth = (at_home - MIN_MOVE_GAIN_SECONDS) * 1e6;
         if let Some(&(_, moved)) = best.items[..best.len].first().filter(|(key, _)| (key[0] as f64) < worth) {
@@ -641,13 +668,13 @@ fn route_session_home(
                 targets,
                 reason: RouteReason::Moved,
                 loads: 0,
-                expected_ttft_ms: millis(expected_ttft(&placements[moved], prompt, 0)),
+                expected_ttft_ms: millis(seen.expected_ttft(&placements[moved], prompt, 0)),
                 home_expected_ttft_ms: millis(at_home),
             };
         }
     }
     targets.push(home.target);
-    for p in after().filter(|p| alternative(p) && !waits(p)) {
+    for p in after().filter(|p| alternative(p) && !seen.waits(p)) {
         if targets.len() == MAX_TARGETS {
             break;
         }
@@ -683,7 +710,9 @@ fn score(key: u64, p: &Placement, strategy: Strategy) -> u64 {
 /// point, keep the first few distinct warm placements, and take the first
 /// within the load bound (computed from the totals built at decode). `None`
 /// when the walk finds nothing usable: the full scan decides then.
-fn place_on_ring(
+#[allow(clippy::too_many_arguments)]
+fn place_on_ring<L: Local>(
+    seen: &Seen<'_, L>,
     snapshot: &RoutingSnapshot,
     placements: &[Placement],
     ring: &crate::snapshot::Ring,
@@ -700,14 +729,14 @@ fn place_on_ring(
     let start = ring.points.partition_point(|(point, _)| *point < key);
     // The first few placements met, not judged again at their other points
     // (past those, a placement may be judged twice: the homes are checked).
-    let mut seen: [u32; HOMES] = [u32::MAX; HOMES];
+    let mut met: [u32; HOMES] = [u32::MAX; HOMES];
     let mut homes: Vec<usize> = Vec::with_capacity(HOMES);
     for step in 0..WALK.min(ring.points.len()) {
         let (_, index) = ring.points[(start + step) % ring.points.len()];
-        if seen.contains(&index) {
+        if met.contains(&index) {
             continue;
         }
-        if let Some(free) = seen.iter_mut().find(|s| **s == u32::MAX) {
+        if let Some(free) = met.iter_mut().find(|s| **s == u32::MAX) {
             *free = index;
         }
         let index = index as usize;
@@ -715,23 +744,23 @@ fn place_on_ring(
             continue;
         }
         let p = &placements[index];
-        if capable(p) && fits(p) && classify(p, None, request.now_ms) == Class::Warm {
+        if capable(p) && fits(p) && seen.class_of(p, None) == Class::Warm {
             homes.push(index);
             if homes.len() == HOMES {
                 break;
             }
         }
     }
-    let over = |p: &Placement| f64::from(session_load(p)) + 1.0 > bound;
+    let over = |p: &Placement| f64::from(seen.session_load(p)) + 1.0 > bound;
     // None within the bound with room: the full scan looks further.
-    if homes.iter().all(|i| over(&placements[*i]) || waits(&placements[*i])) {
+    if homes.iter().all(|i| over(&placements[*i]) || seen.waits(&placements[*i])) {
         return None;
     }
     // Within the bound first, then those that start it at once (in ring
     // order), then the soonest.
-    homes.sort_by_key(|i| (over(&placements[*i]), start_key(&placements[*i])));
+    homes.sort_by_key(|i| (over(&placements[*i]), seen.start_key(&placements[*i])));
     let targets: Targets = homes.iter().map(|i| placements[*i].target).collect();
-    let expected_ttft_ms = millis(expected_ttft(&placements[homes[0]], request.prompt_tokens, 0));
+    let expected_ttft_ms = millis(seen.expected_ttft(&placements[homes[0]], request.prompt_tokens, 0));
     Some(Route { targets, reason: RouteReason::Placed, loads: 0, expected_ttft_ms, home_expected_ttft_ms: 0 })
 }
 

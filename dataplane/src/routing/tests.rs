@@ -1,5 +1,4 @@
-use std::collections::BTreeMap;
-use std::sync::atomic::Ordering;
+use std::collections::{BTreeMap, HashMap};
 
 use inferyes_proto::v1::{
     Backend, EndpointKind, Gpu, Health, Model, ModelState, NodePolicy, NodeStatus, ResidentSession, RoutingPolicy,
@@ -9,7 +8,31 @@ use proptest::prelude::{Just, any, prop, prop_assert, prop_assert_eq, prop_oneof
 use proptest::strategy::Strategy as Generator;
 
 use super::*;
-use crate::snapshot::{Counters, decode};
+use crate::snapshot::decode;
+use crate::targets::{Idle, NodeStates};
+
+/// This data plane's own state of the nodes, as a test sets it: requests
+/// in flight, memory held for loads, and ejections, by node index.
+#[derive(Default)]
+struct Own {
+    in_flight: HashMap<usize, u32>,
+    reserved_vram_bytes: HashMap<usize, u64>,
+    ejected_until: HashMap<usize, u64>,
+}
+
+impl Local for Own {
+    fn in_flight(&self, node: usize) -> u32 {
+        self.in_flight.get(&node).copied().unwrap_or(0)
+    }
+
+    fn reserved_vram_bytes(&self, node: usize) -> u64 {
+        self.reserved_vram_bytes.get(&node).copied().unwrap_or(0)
+    }
+
+    fn ejected_until(&self, node: usize, now_ms: u64) -> Option<u64> {
+        self.ejected_until.get(&node).copied().filter(|until| now_ms < *until)
+    }
+}
 
 const GIB: u64 = 1 << 30;
 
@@ -137,7 +160,7 @@ fn wire(s: &Spec) -> SnapshotNode {
 
 fn snapshot_with(specs: &[Spec], policy: Option<RoutingPolicy>) -> RoutingSnapshot {
     let nodes: BTreeMap<String, SnapshotNode> = specs.iter().map(|s| (s.id.clone(), wire(s))).collect();
-    decode(1, &nodes, policy.as_ref(), &[], &Counters::default())
+    decode(1, &nodes, policy.as_ref(), &[], &NodeStates::default())
 }
 
 fn snapshot(specs: &[Spec]) -> RoutingSnapshot {
@@ -171,7 +194,7 @@ fn nodes(snapshot: &RoutingSnapshot, route: &Route) -> Vec<String> {
 #[test]
 fn a_resident_session_goes_home() {
     let s = snapshot(&[spec("a"), Spec { sessions: vec!["conv-1".into()], ..spec("b") }, spec("c")]);
-    let route = select(&s, &chat(Some("conv-1"))).unwrap();
+    let route = select(&s, &Idle, &chat(Some("conv-1"))).unwrap();
     assert_eq!(route.reason, RouteReason::Resident);
     assert_eq!(first_node(&s, &route), "b");
 }
@@ -184,8 +207,8 @@ fn new_sessions_land_on_the_same_node_in_every_data_plane() {
     let mut homes = std::collections::HashSet::new();
     for i in 0..64 {
         let key = format!("conversation-{i}");
-        let r1 = select(&one, &chat(Some(&key))).unwrap();
-        let r2 = select(&two, &chat(Some(&key))).unwrap();
+        let r1 = select(&one, &Idle, &chat(Some(&key))).unwrap();
+        let r2 = select(&two, &Idle, &chat(Some(&key))).unwrap();
         assert_eq!(r1, r2);
         assert_eq!(r1.reason, RouteReason::Placed);
         homes.insert(first_node(&one, &r1));
@@ -202,7 +225,7 @@ fn drained_unhealthy_and_cold_nodes_are_avoided() {
         spec("d"),
     ]);
     for session in [None, Some("conv"), Some("other")] {
-        let route = select(&s, &chat(session)).unwrap();
+        let route = select(&s, &Idle, &chat(session)).unwrap();
         assert_eq!(nodes(&s, &route), ["d", "c"], "cold node only as the failover");
     }
 }
@@ -210,18 +233,18 @@ fn drained_unhealthy_and_cold_nodes_are_avoided() {
 #[test]
 fn over_the_admission_threshold_only_resident_sessions_continue() {
     let s = snapshot(&[Spec { used_percent: 95, sessions: vec!["old".into()], ..spec("full") }, spec("free")]);
-    let resident = select(&s, &chat(Some("old"))).unwrap();
+    let resident = select(&s, &Idle, &chat(Some("old"))).unwrap();
     assert_eq!((first_node(&s, &resident).as_str(), resident.reason), ("full", RouteReason::Resident));
     for session in [None, Some("new")] {
-        let route = select(&s, &chat(session)).unwrap();
+        let route = select(&s, &Idle, &chat(session)).unwrap();
         assert_eq!(nodes(&s, &route), ["free"]);
     }
     // Past the hard limit, not even resident sessions.
     let s = snapshot(&[Spec { used_percent: 99, sessions: vec!["old".into()], ..spec("full") }, spec("free")]);
-    assert_eq!(nodes(&s, &select(&s, &chat(Some("old"))).unwrap()), ["free"]);
+    assert_eq!(nodes(&s, &select(&s, &Idle, &chat(Some("old"))).unwrap()), ["free"]);
     // Everything full: a clear refusal.
     let s = snapshot(&[Spec { used_percent: 93, ..spec("full") }]);
-    let error = select(&s, &chat(Some("new"))).unwrap_err();
+    let error = select(&s, &Idle, &chat(Some("new"))).unwrap_err();
     assert_eq!(error.kind(), ErrorKind::Overloaded);
     assert!(error.to_string().contains("admission threshold"), "{error}");
 }
@@ -230,11 +253,11 @@ fn over_the_admission_threshold_only_resident_sessions_continue() {
 fn thresholds_come_from_the_node_then_the_fleet() {
     let strict = Spec { used_percent: 85, admission_override: 0.8, ..spec("a") };
     let s = snapshot(&[strict.clone(), Spec { used_percent: 85, ..spec("b") }]);
-    assert_eq!(nodes(&s, &select(&s, &chat(None)).unwrap()), ["b"]);
+    assert_eq!(nodes(&s, &select(&s, &Idle, &chat(None)).unwrap()), ["b"]);
     let fleet = RoutingPolicy { admission_threshold: 0.5, ..Default::default() };
     let s =
         snapshot_with(&[Spec { used_percent: 60, ..spec("a") }, Spec { used_percent: 40, ..spec("b") }], Some(fleet));
-    assert_eq!(nodes(&s, &select(&s, &chat(None)).unwrap()), ["b"]);
+    assert_eq!(nodes(&s, &select(&s, &Idle, &chat(None)).unwrap()), ["b"]);
 }
 
 /// A node of 4 slots reading prompts at 100 tokens a second, whose
@@ -260,25 +283,25 @@ fn a_session_leaves_its_cache_only_for_a_free_slot_that_beats_its_wait_at_home()
     // every 0.5 s: 2.5 s, plus 50 new tokens, 0.5 s. Elsewhere, idle: the
     // whole prompt, 10.5 s. The cache is worth the wait.
     let s = snapshot(&[home(slow("busy", 4, 4)), slow("idle", 0, 0)]);
-    let route = select(&s, &later_turn()).unwrap();
+    let route = select(&s, &Idle, &later_turn()).unwrap();
     assert_eq!((nodes(&s, &route), route.reason), (vec!["busy".into(), "idle".into()], RouteReason::Resident));
     assert_eq!(route.expected_ttft_ms, 3_000);
     // 20 queued: 10.5 s of waiting at home, and 0.5 s more for the new
     // tokens, against 10.5 s elsewhere: half a second is within the error
     // of reports a poll interval old, and it stays.
     let s = snapshot(&[home(slow("busy", 4, 20)), slow("idle", 0, 0)]);
-    assert_eq!(select(&s, &later_turn()).unwrap().reason, RouteReason::Resident);
+    assert_eq!(select(&s, &Idle, &later_turn()).unwrap().reason, RouteReason::Resident);
     // 22 queued: 12 s at home, a second and a half saved: it moves, home
     // kept as failover.
     let s = snapshot(&[home(slow("busy", 4, 22)), slow("idle", 0, 0)]);
-    let route = select(&s, &later_turn()).unwrap();
+    let route = select(&s, &Idle, &later_turn()).unwrap();
     assert_eq!((nodes(&s, &route), route.reason), (vec!["idle".into(), "busy".into()], RouteReason::Moved));
     assert_eq!((route.expected_ttft_ms, route.home_expected_ttft_ms), (10_500, 12_000));
     // A node that reads prompts 100 times as fast is worth the recompute
     // against a short queue already.
     let fast = Spec { prefill_tokens_per_second: 10_000.0, ..slow("fast", 0, 0) };
     let s = snapshot(&[home(slow("busy", 4, 4)), fast]);
-    let route = select(&s, &later_turn()).unwrap();
+    let route = select(&s, &Idle, &later_turn()).unwrap();
     assert_eq!((first_node(&s, &route), route.reason), ("fast".into(), RouteReason::Moved));
     assert_eq!(route.expected_ttft_ms, 105);
 }
@@ -289,11 +312,11 @@ fn a_session_moves_only_into_a_free_slot() {
     // 0.5 s of wait and 10.5 s of recompute would beat home for the mover,
     // but the recompute is slot time others there would have had.
     let s = snapshot(&[home(slow("busy", 4, 44)), slow("full", 4, 0)]);
-    let route = select(&s, &later_turn()).unwrap();
+    let route = select(&s, &Idle, &later_turn()).unwrap();
     assert_eq!((first_node(&s, &route), route.reason), ("busy".into(), RouteReason::Resident));
     // One slot free there: the recompute takes nobody's slot.
     let s = snapshot(&[home(slow("busy", 4, 44)), slow("room", 3, 0)]);
-    let route = select(&s, &later_turn()).unwrap();
+    let route = select(&s, &Idle, &later_turn()).unwrap();
     assert_eq!((first_node(&s, &route), route.reason), ("room".into(), RouteReason::Moved));
     assert_eq!((route.expected_ttft_ms, route.home_expected_ttft_ms), (10_500, 23_000));
 }
@@ -302,12 +325,12 @@ fn a_session_moves_only_into_a_free_slot() {
 fn where_every_node_is_queued_a_session_stays_home() {
     // The home's queue is the longest, but not by a recompute of the prompt.
     let s = snapshot(&[home(slow("busy", 4, 8)), slow("queued", 4, 1), slow("queued-more", 4, 3)]);
-    let route = select(&s, &later_turn()).unwrap();
+    let route = select(&s, &Idle, &later_turn()).unwrap();
     assert_eq!((first_node(&s, &route), route.reason), ("busy".into(), RouteReason::Resident));
     // Failovers are those with room; none has.
     assert_eq!(nodes(&s, &route), ["busy"]);
     // Without a cache to keep (a new session), the shortest queue wins.
-    let route = select(&s, &RouteRequest { prompt_tokens: 1_050, ..chat(Some("new")) }).unwrap();
+    let route = select(&s, &Idle, &RouteRequest { prompt_tokens: 1_050, ..chat(Some("new")) }).unwrap();
     assert_eq!((first_node(&s, &route), route.reason), ("queued".into(), RouteReason::Placed));
 }
 
@@ -318,14 +341,14 @@ fn load_that_could_not_be_read_is_taken_for_busy_not_idle() {
     let unknown = Spec { load_unknown: true, ..slow("unknown", 0, 0) };
     let s = snapshot(&[unknown.clone(), slow("idle", 0, 0)]);
     for i in 0..8 {
-        let route = select(&s, &RouteRequest { prompt_tokens: 100, ..chat(Some(&format!("new-{i}"))) }).unwrap();
+        let route = select(&s, &Idle, &RouteRequest { prompt_tokens: 100, ..chat(Some(&format!("new-{i}"))) }).unwrap();
         assert_eq!(first_node(&s, &route), "idle");
     }
     // A session at home there stays: every slot taken and a round queued
     // (5 requests ahead, 2.5 s) costs less than recomputing 1,000 tokens
     // elsewhere (10.5 s).
     let s = snapshot(&[home(unknown), slow("idle", 0, 0)]);
-    let route = select(&s, &later_turn()).unwrap();
+    let route = select(&s, &Idle, &later_turn()).unwrap();
     assert_eq!((first_node(&s, &route), route.reason), ("unknown".into(), RouteReason::Resident));
     assert_eq!(route.expected_ttft_ms, 3_000, "5 requests ahead at 0.5 s, then 50 tokens");
 }
@@ -337,17 +360,17 @@ fn a_burst_between_two_reports_is_spread_by_the_own_counts() {
     let s = snapshot(&[slow("a", 0, 0), slow("b", 0, 0)]);
     let keys: Vec<String> = (0..16).map(|i| format!("new-{i}")).collect();
     let request = |i: usize| RouteRequest { prompt_tokens: 500, ..chat(Some(&keys[i])) };
-    let home_of = |i: usize| first_node(&s, &select(&s, &request(i)).unwrap());
-    let (on_a, on_b): (Vec<usize>, Vec<usize>) = (0..16).partition(|i| home_of(*i) == "a");
+    let home_of = |own: &Own, i: usize| first_node(&s, &select(&s, own, &request(i)).unwrap());
+    let (on_a, on_b): (Vec<usize>, Vec<usize>) = (0..16).partition(|i| home_of(&Own::default(), *i) == "a");
     assert!(!on_a.is_empty() && !on_b.is_empty(), "both nodes are homes of some sessions");
-    s.nodes()[0].local.in_flight.store(4, Ordering::Relaxed);
+    let busy_a = Own { in_flight: [(0, 4)].into(), ..Own::default() };
     for i in on_a {
-        assert_eq!(home_of(i), "b", "a's slots are taken by this data plane's own requests");
+        assert_eq!(home_of(&busy_a, i), "b", "a's slots are taken by this data plane's own requests");
     }
     // A reported count the own count is part of is not added to it.
     let s = snapshot(&[slow("a", 3, 0), slow("b", 3, 0)]);
-    s.nodes()[0].local.in_flight.store(3, Ordering::Relaxed);
-    let route = select(&s, &request(0)).unwrap();
+    let own = Own { in_flight: [(0, 3)].into(), ..Own::default() };
+    let route = select(&s, &own, &request(0)).unwrap();
     assert_eq!(route.expected_ttft_ms, 5_000, "a free slot: no wait, 500 tokens at 100/s");
 }
 
@@ -356,14 +379,13 @@ fn keyless_requests_do_not_herd_on_the_node_the_last_report_showed_free() {
     // Reported: "a" has its 4 slots taken, "b" is idle. Since, this data
     // plane sent 8 requests to "b": by its own count "b" is the busier.
     let s = snapshot(&[Spec { in_flight: 4, ..slow("a", 4, 0) }, slow("b", 0, 0)]);
-    assert_eq!(first_node(&s, &select(&s, &chat(None)).unwrap()), "b");
-    s.nodes()[1].local.in_flight.store(8, Ordering::Relaxed);
+    assert_eq!(first_node(&s, &select(&s, &Idle, &chat(None)).unwrap()), "b");
+    let busy_b = Own { in_flight: [(1, 8)].into(), ..Own::default() };
     for strategy in [Strategy::LeastOutstanding, Strategy::PowerOfTwo, Strategy::Weighted] {
         let policy = RoutingPolicy { default_strategy: strategy as i32, ..Default::default() };
         let s = snapshot_with(&[Spec { in_flight: 4, ..slow("a", 4, 0) }, slow("b", 0, 0)], Some(policy));
-        s.nodes()[1].local.in_flight.store(8, Ordering::Relaxed);
         for ticket in 0..4 {
-            let route = select(&s, &RouteRequest { ticket, ..chat(None) }).unwrap();
+            let route = select(&s, &busy_b, &RouteRequest { ticket, ..chat(None) }).unwrap();
             assert_eq!(first_node(&s, &route), "a", "{strategy:?}, ticket {ticket}");
         }
     }
@@ -373,7 +395,7 @@ fn keyless_requests_do_not_herd_on_the_node_the_last_report_showed_free() {
 fn new_sessions_avoid_a_saturated_node() {
     let s = snapshot(&[Spec { deferred: 1, ..spec("busy") }, spec("idle")]);
     for i in 0..8 {
-        assert_eq!(first_node(&s, &select(&s, &chat(Some(&format!("new-{i}")))).unwrap()), "idle");
+        assert_eq!(first_node(&s, &select(&s, &Idle, &chat(Some(&format!("new-{i}")))).unwrap()), "idle");
     }
 }
 
@@ -382,19 +404,20 @@ fn placement_respects_the_load_bound() {
     // Find a session whose home is "a", then load "a" far above average.
     let specs = [spec("a"), spec("b"), spec("c"), spec("d")];
     let s = snapshot(&specs);
-    let key = (0..100).map(|i| format!("s{i}")).find(|k| first_node(&s, &select(&s, &chat(Some(k))).unwrap()) == "a");
+    let key =
+        (0..100).map(|i| format!("s{i}")).find(|k| first_node(&s, &select(&s, &Idle, &chat(Some(k))).unwrap()) == "a");
     let key = key.expect("some session lives on a");
     let loaded = snapshot(&[Spec { resident: 8, ..spec("a") }, spec("b"), spec("c"), spec("d")]);
-    let route = select(&loaded, &chat(Some(&key))).unwrap();
+    let route = select(&loaded, &Idle, &chat(Some(&key))).unwrap();
     assert_ne!(first_node(&loaded, &route), "a", "8 sessions are over 1.25 × the average of 2.25, plus one");
     // Reported in-flight counts do not move placements.
     let busy = snapshot(&[Spec { in_flight: 30, ..spec("a") }, spec("b"), spec("c"), spec("d")]);
-    assert_eq!(first_node(&busy, &select(&busy, &chat(Some(&key))).unwrap()), "a");
+    assert_eq!(first_node(&busy, &select(&busy, &Idle, &chat(Some(&key))).unwrap()), "a");
     // Within the bound (everyone equally loaded) it stays home.
     let busy = |id| Spec { resident: 1, ..spec(id) };
     let mildly = snapshot(&[busy("a"), busy("b"), busy("c"), busy("d")]);
 
-    assert_eq!(first_node(&mildly, &select(&mildly, &chat(Some(&key))).unwrap()), "a");
+    assert_eq!(first_node(&mildly, &select(&mildly, &Idle, &chat(Some(&key))).unwrap()), "a");
 }
 
 #[test]
@@ -405,19 +428,19 @@ fn cold_placement_prefers_free_memory_and_counts_loads_in_progress() {
         // Would not stay under 92% with 10 GiB more.
         Spec { state: ModelState::Unloaded, used_percent: 85, size_gib: 10, ..spec("c") },
     ]);
-    let route = select(&s, &chat(None)).unwrap();
+    let route = select(&s, &Idle, &chat(None)).unwrap();
     assert_eq!(route.reason, RouteReason::Cold);
     assert!(route.cold());
     assert_eq!(nodes(&s, &route), ["b", "a"]);
-    // This data plane started a 30 GiB load on b: a has more room now.
-    s.nodes()[1].local.reserved_vram_bytes.fetch_add(40 * GIB, Ordering::Relaxed);
-    assert_eq!(first_node(&s, &select(&s, &chat(None)).unwrap()), "a");
+    // This data plane started a 40 GiB load on b: a has more room now.
+    let loading_on_b = Own { reserved_vram_bytes: [(1, 40 * GIB)].into(), ..Own::default() };
+    assert_eq!(first_node(&s, &select(&s, &loading_on_b, &chat(None)).unwrap()), "a");
     // A load already under way is joined.
     let joining = snapshot(&[
         Spec { state: ModelState::Unloaded, used_percent: 10, ..spec("a") },
         Spec { state: ModelState::Loading, used_percent: 60, ..spec("b") },
     ]);
-    assert_eq!(first_node(&joining, &select(&joining, &chat(None)).unwrap()), "b");
+    assert_eq!(first_node(&joining, &select(&joining, &Idle, &chat(None)).unwrap()), "b");
 }
 
 #[test]
@@ -437,20 +460,20 @@ fn a_cold_load_goes_where_it_unloads_no_model_before_where_it_unloads_one_sessio
         // Room for a second model.
         Spec { models_max: 2, ..full("room", 60, 3) },
     ]);
-    let route = select(&s, &chat(None)).unwrap();
+    let route = select(&s, &Idle, &chat(None)).unwrap();
     assert_eq!(route.reason, RouteReason::Cold);
     assert_eq!(nodes(&s, &route), ["room", "idle", "busy"]);
     // Without a limit of its own, a backend never counts as full.
     let unlimited = snapshot(&[Spec { models_max: 0, ..full("a", 10, 3) }, full("b", 40, 0)]);
-    assert_eq!(first_node(&unlimited, &select(&unlimited, &chat(None)).unwrap()), "a");
+    assert_eq!(first_node(&unlimited, &select(&unlimited, &Idle, &chat(None)).unwrap()), "a");
 }
 
 #[test]
 fn a_kind_a_backend_said_it_does_not_serve_is_never_sent_there() {
     let s = snapshot(&[Spec { unsupported: vec![EndpointKind::Chat], ..spec("a") }, spec("b")]);
-    assert_eq!(nodes(&s, &select(&s, &chat(None)).unwrap()), ["b"]);
+    assert_eq!(nodes(&s, &select(&s, &Idle, &chat(None)).unwrap()), ["b"]);
     let none = snapshot(&[Spec { unsupported: vec![EndpointKind::Chat], ..spec("a") }]);
-    let refused = select(&none, &chat(None)).unwrap_err();
+    let refused = select(&none, &Idle, &chat(None)).unwrap_err();
     assert_eq!((refused.kind(), refused.code().as_str()), (ErrorKind::BadRequest, "unsupported_endpoint"));
     assert!(refused.to_string().contains("does not serve chat requests"), "{refused}");
 }
@@ -462,35 +485,14 @@ fn the_targets_that_must_load_the_model_are_marked_and_a_load_under_way_counts_o
         Spec { state: ModelState::Unloaded, used_percent: 10, ..spec("b") },
         Spec { state: ModelState::Unloaded, used_percent: 20, ..spec("c") },
     ]);
-    let route = select(&s, &chat(None)).unwrap();
+    let route = select(&s, &Idle, &chat(None)).unwrap();
     assert_eq!(nodes(&s, &route), ["a", "b", "c"]);
     assert!(!route.cold() && !route.loads_at(0) && route.loads_at(1) && route.loads_at(2), "{route:?}");
     // 35 GiB loading onto 8 GiB used of 80: 43 committed, under 92% once,
     // not twice.
     let joining = snapshot(&[Spec { state: ModelState::Loading, used_percent: 10, size_gib: 35, ..spec("b") }]);
-    let route = select(&joining, &chat(None)).unwrap();
+    let route = select(&joining, &Idle, &chat(None)).unwrap();
     assert!(route.cold());
-}
-
-#[test]
-fn a_model_s_size_is_held_once_however_many_requests_wait_for_its_load() {
-    let local = crate::snapshot::LocalCounters::default();
-    let held = || local.reserved_vram_bytes.load(Ordering::Relaxed);
-    local.hold_load(0, "m", 10);
-    local.hold_load(0, "m", 10);
-    local.hold_load(0, "n", 5);
-    assert_eq!(held(), 15);
-    // The same model loading on another backend of the node takes its own.
-    local.hold_load(1, "m", 10);
-    assert_eq!(held(), 25);
-    local.release_load(1, "m");
-    local.release_load(0, "m");
-    assert_eq!(held(), 15, "one request still waits on m");
-    local.release_load(0, "m");
-    local.release_load(0, "n");
-    assert_eq!(held(), 0);
-    local.release_load(0, "m");
-    assert_eq!(held(), 0, "a release with nothing held changes nothing");
 }
 
 #[test]
@@ -501,13 +503,13 @@ fn a_node_whose_memory_is_not_read_lately_starts_no_load_but_serves_what_it_hold
         Spec { state: ModelState::Unloaded, used_percent: 10, stale: true, ..spec("b") },
     ];
     let s = snapshot(&cold);
-    assert_eq!(nodes(&s, &select(&s, &chat(None)).unwrap()), ["a"]);
+    assert_eq!(nodes(&s, &select(&s, &Idle, &chat(None)).unwrap()), ["a"]);
     let alone = snapshot(&cold[1..]);
-    let refused = select(&alone, &chat(None)).unwrap_err();
+    let refused = select(&alone, &Idle, &chat(None)).unwrap_err();
     assert_eq!(refused.code().as_str(), "no_capacity", "{refused:?}");
     // Loaded there, the model goes on serving, its sessions included.
     let warm = snapshot(&[Spec { stale: true, sessions: vec!["conv".into()], ..spec("b") }]);
-    let route = select(&warm, &chat(Some("conv"))).unwrap();
+    let route = select(&warm, &Idle, &chat(Some("conv"))).unwrap();
     assert_eq!((first_node(&warm, &route), route.reason), ("b".to_string(), RouteReason::Resident));
 }
 
@@ -519,25 +521,26 @@ fn keyless_strategies() {
         Spec { in_flight: 2, weight: 8, ..spec("c") },
     ];
     let s = snapshot(&specs);
-    assert_eq!(first_node(&s, &select(&s, &chat(None)).unwrap()), "b", "least outstanding");
+    assert_eq!(first_node(&s, &select(&s, &Idle, &chat(None)).unwrap()), "b", "least outstanding");
     let weighted = snapshot_with(
         &specs,
         Some(RoutingPolicy { default_strategy: Strategy::Weighted as i32, ..Default::default() }),
     );
-    assert_eq!(first_node(&weighted, &select(&weighted, &chat(None)).unwrap()), "c", "2/8 beats 1/1");
+    assert_eq!(first_node(&weighted, &select(&weighted, &Idle, &chat(None)).unwrap()), "c", "2/8 beats 1/1");
     let rr = snapshot_with(
         &specs,
         Some(RoutingPolicy { default_strategy: Strategy::RoundRobin as i32, ..Default::default() }),
     );
-    let order: Vec<String> =
-        (0..3).map(|ticket| first_node(&rr, &select(&rr, &RouteRequest { ticket, ..chat(None) }).unwrap())).collect();
+    let order: Vec<String> = (0..3)
+        .map(|ticket| first_node(&rr, &select(&rr, &Idle, &RouteRequest { ticket, ..chat(None) }).unwrap()))
+        .collect();
     assert_eq!(order, ["a", "b", "c"]);
     let p2 = snapshot_with(
         &specs,
         Some(RoutingPolicy { default_strategy: Strategy::PowerOfTwo as i32, ..Default::default() }),
     );
     for ticket in 0..20 {
-        let route = select(&p2, &RouteRequest { ticket, ..chat(None) }).unwrap();
+        let route = select(&p2, &Idle, &RouteRequest { ticket, ..chat(None) }).unwrap();
         assert_ne!(first_node(&p2, &route), "a", "the most loaded never wins a pair");
     }
 }
@@ -558,7 +561,7 @@ fn power_of_two_draws_its_pair_from_the_warm_placements() {
     );
     let mut wins: BTreeMap<String, usize> = BTreeMap::new();
     for ticket in 0..300 {
-        let route = select(&p2, &RouteRequest { ticket, ..chat(None) }).unwrap();
+        let route = select(&p2, &Idle, &RouteRequest { ticket, ..chat(None) }).unwrap();
         assert_eq!(route.reason, RouteReason::Warm);
         *wins.entry(first_node(&p2, &route)).or_default() += 1;
     }
@@ -574,7 +577,7 @@ fn baselines_ignore_sessions() {
     let order: Vec<String> = (0..3)
         .map(|ticket| {
             let request = RouteRequest { mode: Mode::RoundRobin, ticket, ..chat(Some("conv")) };
-            let route = select(&s, &request).unwrap();
+            let route = select(&s, &Idle, &request).unwrap();
             assert_eq!(route.reason, RouteReason::Warm);
             first_node(&s, &route)
         })
@@ -585,22 +588,22 @@ fn baselines_ignore_sessions() {
 #[test]
 fn errors_name_what_is_wrong() {
     let s = snapshot(&[spec("a")]);
-    let missing = select(&s, &RouteRequest { model: "gpt-9", ..chat(None) }).unwrap_err();
+    let missing = select(&s, &Idle, &RouteRequest { model: "gpt-9", ..chat(None) }).unwrap_err();
     assert_eq!(missing.kind(), ErrorKind::NotFound);
     assert!(missing.to_string().contains("available models: chat"));
-    let embed = select(&s, &RouteRequest { kind: EndpointKind::Embedding, ..chat(None) }).unwrap_err();
+    let embed = select(&s, &Idle, &RouteRequest { kind: EndpointKind::Embedding, ..chat(None) }).unwrap_err();
     assert_eq!(embed.kind(), ErrorKind::BadRequest);
-    let long = select(&s, &RouteRequest { prompt_tokens: 5000, ..chat(None) }).unwrap_err();
+    let long = select(&s, &Idle, &RouteRequest { prompt_tokens: 5000, ..chat(None) }).unwrap_err();
     assert_eq!((long.kind(), long.code().as_str()), (ErrorKind::BadRequest, "context_length_exceeded"));
     assert!(long.to_string().contains("4096"), "{long}");
     let down = snapshot(&[Spec { health: Health::Down, ..spec("a") }]);
-    assert_eq!(select(&down, &chat(None)).unwrap_err().kind(), ErrorKind::Overloaded);
+    assert_eq!(select(&down, &Idle, &chat(None)).unwrap_err().kind(), ErrorKind::Overloaded);
 }
 
 #[test]
 fn a_long_prompt_goes_where_it_fits() {
     let s = snapshot(&[Spec { context: 2048, ..spec("small") }, Spec { context: 32768, in_flight: 5, ..spec("big") }]);
-    let route = select(&s, &RouteRequest { prompt_tokens: 3000, ..chat(None) }).unwrap();
+    let route = select(&s, &Idle, &RouteRequest { prompt_tokens: 3000, ..chat(None) }).unwrap();
     assert_eq!(nodes(&s, &route), ["big"]);
 }
 
@@ -640,7 +643,7 @@ proptest! {
     #[test]
     fn never_a_drained_unhealthy_or_overfull_node(specs in arb_fleet(), session in prop::option::of("[a-z]{1,8}|conv")) {
         let s = snapshot(&specs);
-        if let Ok(route) = select(&s, &chat(session.as_deref())) {
+        if let Ok(route) = select(&s, &Idle, &chat(session.as_deref())) {
             prop_assert!(!route.targets.is_empty());
             for target in &route.targets {
                 let node = &s.nodes()[target.node];
@@ -660,7 +663,7 @@ proptest! {
     fn the_same_snapshot_and_session_give_the_same_node(specs in arb_fleet(), session in "[a-z]{1,12}") {
         let one = snapshot(&specs);
         let two = snapshot(&specs);
-        prop_assert_eq!(select(&one, &chat(Some(&session))), select(&two, &chat(Some(&session))));
+        prop_assert_eq!(select(&one, &Idle, &chat(Some(&session))), select(&two, &Idle, &chat(Some(&session))));
     }
 
     #[test]
@@ -668,7 +671,7 @@ proptest! {
         let specs: Vec<Spec> =
             loads.iter().enumerate().map(|(i, l)| Spec { resident: *l, ..spec(&format!("n{i}")) }).collect();
         let s = snapshot(&specs);
-        let route = select(&s, &chat(Some(&session))).unwrap();
+        let route = select(&s, &Idle, &chat(Some(&session))).unwrap();
         let total: u32 = loads.iter().sum();
         let bound = (1.25 * f64::from(total + 1) / loads.len() as f64).ceil() + 1.0;
         let chosen = &specs[route.targets[0].node];
@@ -680,42 +683,17 @@ proptest! {
 fn a_failed_node_is_ejected_and_used_only_as_a_last_resort() {
     let s = snapshot(&[Spec { sessions: vec!["conv".into()], ..spec("a") }, spec("b")]);
     let now = chat(None).now_ms;
-    let backoff = s.nodes()[0].local.eject(now, s.version());
-    assert_eq!(backoff, 1_000);
+    let a_ejected = Own { ejected_until: [(0, now + 1_000)].into(), ..Own::default() };
     for session in [None, Some("conv"), Some("new")] {
-        let route = select(&s, &chat(session)).unwrap();
+        let route = select(&s, &a_ejected, &chat(session)).unwrap();
         assert_eq!(nodes(&s, &route), ["b", "a"], "session {session:?}: a only as the last failover");
     }
     // Once its time is up it is back.
     let later = RouteRequest { now_ms: now + 1_000, ..chat(Some("conv")) };
-    assert_eq!(select(&s, &later).unwrap().reason, RouteReason::Resident);
+    assert_eq!(select(&s, &a_ejected, &later).unwrap().reason, RouteReason::Resident);
     // Alone, an ejected node still serves: better than refusing.
     let alone = snapshot(&[spec("a")]);
-    alone.nodes()[0].local.eject(now, alone.version());
-    assert_eq!(nodes(&alone, &select(&alone, &chat(None)).unwrap()), ["a"]);
-}
-
-#[test]
-fn ejections_back_off_and_end_on_success_or_recovery() {
-    let counters = crate::snapshot::LocalCounters::default();
-    let backoffs: Vec<u64> = (0..7).map(|_| counters.eject(0, 1)).collect();
-    assert_eq!(backoffs, [1_000, 2_000, 4_000, 8_000, 16_000, 30_000, 30_000]);
-    counters.succeeded();
-    assert!(!counters.ejected(0));
-    assert_eq!(counters.eject(0, 1), 1_000, "the streak starts over");
-
-    // The node's agent reports it down, then ready again: taken back early.
-    let counters = Counters::default();
-    let mut fleet: BTreeMap<String, SnapshotNode> = [("a".to_string(), wire(&spec("a")))].into();
-    let first = decode(1, &fleet, None, &[], &counters);
-    first.nodes()[0].local.eject(0, 1);
-    assert!(first.nodes()[0].local.ejected(10));
-    fleet.insert("a".into(), wire(&Spec { health: Health::Down, ..spec("a") }));
-    let down = decode(2, &fleet, None, &[], &counters);
-    assert!(down.nodes()[0].local.ejected(10));
-    fleet.insert("a".into(), wire(&spec("a")));
-    let recovered = decode(3, &fleet, None, &[], &counters);
-    assert!(!recovered.nodes()[0].local.ejected(10));
+    assert_eq!(nodes(&alone, &select(&alone, &a_ejected, &chat(None)).unwrap()), ["a"]);
 }
 
 #[test]
@@ -727,8 +705,8 @@ fn large_models_place_new_sessions_on_a_ring_deterministically_and_within_the_bo
     let mut homes = std::collections::HashSet::new();
     for i in 0..400 {
         let key = format!("conversation-{i}");
-        let r1 = select(&one, &chat(Some(&key))).unwrap();
-        assert_eq!(r1, select(&two, &chat(Some(&key))).unwrap(), "every data plane agrees");
+        let r1 = select(&one, &Idle, &chat(Some(&key))).unwrap();
+        assert_eq!(r1, select(&two, &Idle, &chat(Some(&key))).unwrap(), "every data plane agrees");
         assert_eq!((r1.reason, r1.targets.len()), (RouteReason::Placed, 3));
         homes.insert(r1.targets[0]);
     }
@@ -736,18 +714,18 @@ fn large_models_place_new_sessions_on_a_ring_deterministically_and_within_the_bo
 
     // A home over the bound is passed over for the next node on the ring.
     let key = "conversation-7";
-    let home = first_node(&one, &select(&one, &chat(Some(key))).unwrap());
+    let home = first_node(&one, &select(&one, &Idle, &chat(Some(key))).unwrap());
     let mut loaded = fleet.clone();
     loaded.iter_mut().find(|s| s.id == home).unwrap().resident = 10;
     let loaded = snapshot(&loaded);
-    let route = select(&loaded, &chat(Some(key))).unwrap();
+    let route = select(&loaded, &Idle, &chat(Some(key))).unwrap();
     assert_ne!(first_node(&loaded, &route), home);
 
     // Nothing usable on the ring walk: the full scan still finds a node.
     let mut mostly_down: Vec<Spec> = fleet.iter().map(|s| Spec { health: Health::Down, ..s.clone() }).collect();
     mostly_down[42].health = Health::Ready;
     let s = snapshot(&mostly_down);
-    assert_eq!(nodes(&s, &select(&s, &chat(Some(key))).unwrap()), ["n042"]);
+    assert_eq!(nodes(&s, &select(&s, &Idle, &chat(Some(key))).unwrap()), ["n042"]);
 }
 
 #[test]
@@ -760,7 +738,7 @@ fn a_ring_walk_lists_each_node_once_however_many_it_passes_over() {
     let s = snapshot(&fleet);
     assert!(s.ring("chat").is_some());
     for i in 0..200 {
-        let route = select(&s, &chat(Some(&format!("conversation-{i}")))).unwrap();
+        let route = select(&s, &Idle, &chat(Some(&format!("conversation-{i}")))).unwrap();
         let listed = nodes(&s, &route);
         let distinct: std::collections::HashSet<_> = listed.iter().collect();
         assert_eq!(distinct.len(), listed.len(), "conversation-{i}: {listed:?}");

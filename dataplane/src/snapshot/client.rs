@@ -88,7 +88,7 @@ async fn follow(
         }
         received = true;
         let version = view.version;
-        let snapshot = view.snapshot(decoded.take().filter(|_| !reroutes), store.counters());
+        let snapshot = view.snapshot(decoded.take().filter(|_| !reroutes), store.node_states());
         decoded = Some(Arc::clone(&snapshot.indices));
         if store.publish(snapshot) {
             tracing::debug!(version, nodes = view.nodes.len(), %controller, "snapshot installed");
@@ -189,9 +189,9 @@ impl WireView {
     /// The routing snapshot of this view: routed by `indices` where given
     /// (nothing they are made of changed since), else by indices decoded
     /// anew; with the view's keys and usage either way.
-    fn snapshot(&self, indices: Option<Arc<Indices>>, counters: &super::Counters) -> RoutingSnapshot {
+    fn snapshot(&self, indices: Option<Arc<Indices>>, states: &crate::targets::NodeStates) -> RoutingSnapshot {
         let indices = indices.unwrap_or_else(|| {
-            decode_live(self.version, &self.nodes, &self.live, self.policy.as_ref(), &self.aliases, counters).indices
+            decode_live(self.version, &self.nodes, &self.live, self.policy.as_ref(), &self.aliases, states).indices
         });
         RoutingSnapshot {
             version: self.version,
@@ -286,7 +286,7 @@ mod tests {
 
     #[test]
     fn live_deltas_route_without_changing_the_version_and_a_new_stream_replaces_them() {
-        let counters = super::super::Counters::default();
+        let states = crate::targets::NodeStates::default();
         let index = Arc::new(super::super::SessionIndex::default());
         let mut view = WireView::new(Arc::clone(&index));
         let full = inferyes_proto::v1::RoutingSnapshot {
@@ -298,7 +298,7 @@ mod tests {
         };
         view.apply(SnapshotUpdate { update: Some(snapshot_update::Update::Full(full.clone())), ..Default::default() })
             .unwrap();
-        let first = view.snapshot(None, &counters);
+        let first = view.snapshot(None, &states);
         assert_eq!(first.resident("s1").map(|r| r.target.node), Some(0));
         assert_eq!(first.nodes()[0].backends[0].slots_busy, 3);
         assert!(first.nodes()[1].backends[0].load_unknown, "no live state: its load is not known");
@@ -313,7 +313,7 @@ mod tests {
         };
         let update = SnapshotUpdate { update: Some(snapshot_update::Update::Live(removal)), ..Default::default() };
         assert!(view.apply(update).unwrap(), "decoded again: load and counts may have changed");
-        let second = view.snapshot(None, &counters);
+        let second = view.snapshot(None, &states);
         assert_eq!((second.version(), second.resident("s1")), (5, None));
         assert_eq!(first.resident("s2").map(|r| r.target.node), Some(0), "one index, shared by every snapshot");
 
@@ -324,7 +324,7 @@ mod tests {
             ..full
         };
         view.apply(SnapshotUpdate { update: Some(snapshot_update::Update::Full(full)), ..Default::default() }).unwrap();
-        let third = view.snapshot(None, &counters);
+        let third = view.snapshot(None, &states);
         assert_eq!(third.resident("s2").map(|r| r.target.node), Some(0));
         assert_eq!(index.len(), 1);
 
@@ -342,31 +342,31 @@ mod tests {
         let without_c = inferyes_proto::v1::RoutingSnapshot { live: vec![live_node("b", &["s2"])], ..full };
         view.apply(SnapshotUpdate { update: Some(snapshot_update::Update::Full(without_c)), ..Default::default() })
             .unwrap();
-        let fourth = view.snapshot(None, &counters);
+        let fourth = view.snapshot(None, &states);
         assert_eq!(fourth.resident("s3").map(|r| r.target.node), Some(1));
         assert!(fourth.nodes()[1].backends[0].load_unknown, "its load is not known any more");
         view.apply(delta(&view, |d| d.removed = vec!["c".into()])).unwrap();
-        assert_eq!(view.snapshot(None, &counters).resident("s3"), None);
+        assert_eq!(view.snapshot(None, &states).resident("s3"), None);
         assert_eq!(index.len(), 1);
     }
 
     #[test]
     fn a_snapshot_that_routes_the_same_shares_the_indices_and_takes_the_new_keys() {
-        let counters = super::super::Counters::default();
+        let states = crate::targets::NodeStates::default();
         let mut view = WireView::default();
         let full = inferyes_proto::v1::RoutingSnapshot { version: 1, nodes: vec![node("a")], ..Default::default() };
         view.apply(SnapshotUpdate { update: Some(snapshot_update::Update::Full(full)), ..Default::default() }).unwrap();
-        let first = view.snapshot(None, &counters);
+        let first = view.snapshot(None, &states);
         assert_eq!((first.version(), first.nodes().len()), (1, 1));
 
         let usage = KeyUsageToday { day: "20261130".into(), tokens: [("k".to_string(), 9)].into() };
         let reroutes = view.apply(delta(&view, |d| d.usage_today = Some(usage.clone()))).unwrap();
-        let second = view.snapshot(Some(Arc::clone(&first.indices)).filter(|_| !reroutes), &counters);
+        let second = view.snapshot(Some(Arc::clone(&first.indices)).filter(|_| !reroutes), &states);
         assert!(Arc::ptr_eq(&first.indices, &second.indices), "not decoded again");
         assert_eq!((second.version(), second.usage_today.tokens["k"]), (2, 9), "the new version and usage");
 
         let reroutes = view.apply(delta(&view, |d| d.upserted = vec![node("b")])).unwrap();
-        let third = view.snapshot(Some(Arc::clone(&second.indices)).filter(|_| !reroutes), &counters);
+        let third = view.snapshot(Some(Arc::clone(&second.indices)).filter(|_| !reroutes), &states);
         assert!(!Arc::ptr_eq(&second.indices, &third.indices));
         assert_eq!((third.version(), third.nodes().len()), (3, 2), "a node more: decoded anew");
     }

@@ -1,41 +1,13 @@
-use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex};
+use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use inferyes_proto::v1::{Alias, BackendLoad, Health, ModelState, RoutingPolicy, SnapshotNode, Strategy};
 
 use super::{
-    BackendView, CatalogEntry, DEFAULT_PREFILL_TOKENS_PER_SECOND, DEFAULT_SERVICE_SECONDS, Indices, Live,
-    LocalCounters, Node, Placement, Policy, Ring, RoutingSnapshot, Target,
+    BackendView, CatalogEntry, DEFAULT_PREFILL_TOKENS_PER_SECOND, DEFAULT_SERVICE_SECONDS, Indices, Live, Node,
+    Placement, Policy, Ring, RoutingSnapshot, Target,
 };
-
-/// Per-node counters that survive snapshot swaps, so a request that started
-/// under one snapshot is still counted under the next.
-#[derive(Debug, Default)]
-pub struct Counters {
-    by_node: Mutex<HashMap<Arc<str>, Arc<LocalCounters>>>,
-}
-
-impl Counters {
-    fn for_node(&self, id: &Arc<str>) -> Arc<LocalCounters> {
-        match self.by_node.lock() {
-            Ok(mut map) => Arc::clone(map.entry(Arc::clone(id)).or_default()),
-            Err(_) => Arc::default(),
-        }
-    }
-
-    /// Forgets nodes that left the fleet and have nothing in flight.
-    fn retain(&self, present: &[Node]) {
-        // A set, not a scan of `present` per node: a thousand nodes made
-        // that a million comparisons per decode.
-        let present: std::collections::HashSet<&str> = present.iter().map(|n| &*n.id).collect();
-        if let Ok(mut map) = self.by_node.lock() {
-            map.retain(|id, counters| {
-                present.contains(&**id) || counters.in_flight.load(std::sync::atomic::Ordering::Relaxed) > 0
-            });
-        }
-    }
-}
+use crate::targets::NodeStates;
 
 fn resolve_policy(wire: Option<&RoutingPolicy>) -> Policy {
     let defaults = Policy::default();
@@ -65,9 +37,9 @@ pub fn decode(
     nodes: &BTreeMap<String, SnapshotNode>,
     policy: Option<&RoutingPolicy>,
     aliases: &[Alias],
-    counters: &Counters,
+    states: &NodeStates,
 ) -> RoutingSnapshot {
-    decode_live(version, nodes, &Live::from_statuses(nodes), policy, aliases, counters)
+    decode_live(version, nodes, &Live::from_statuses(nodes), policy, aliases, states)
 }
 
 /// Builds the routing indices from the nodes' records and their live state
@@ -80,7 +52,7 @@ pub fn decode_live(
     live: &Live,
     policy: Option<&RoutingPolicy>,
     aliases: &[Alias],
-    counters: &Counters,
+    states: &NodeStates,
 ) -> RoutingSnapshot {
     let policy = resolve_policy(policy);
     let mut indices = Indices::default();
@@ -89,7 +61,6 @@ pub fn decode_live(
         let node_index = indices.nodes.len();
         let id: Arc<str> = Arc::from(status.node_id.as_str());
         let key = inferyes_proto::hash::stable_hash(id.as_bytes());
-        let local = counters.for_node(&id);
         let node_live = live.node(&status.node_id);
         // The GPUs' exact readings where the node's load has them; etcd's
         // record rounds them up to steps.
@@ -122,11 +93,8 @@ pub fn decode_live(
             .map(|m| m.size_bytes)
             .fold(0, u64::saturating_add);
         let ready = !wire.draining && status.backends.iter().all(|b| b.health() == Health::Ready);
-        if ready && !local.ready.swap(true, Ordering::Relaxed) {
-            local.ready_since_version.store(version, Ordering::Relaxed);
-        } else if !ready {
-            local.ready.store(false, Ordering::Relaxed);
-        }
+        let proxy_url = inferyes_net::base_url::BaseUrl::new(&status.proxy_url);
+        let endpoint = Arc::new(states.endpoint(&id, proxy_url, status.proxy_http2, ready, version));
         let own = wire.policy.as_ref();
         let or = |value: Option<f64>, default: f64| value.filter(|v| *v > 0.0).unwrap_or(default);
         let admission_threshold = or(own.map(|p| p.admission_threshold), policy.admission_threshold);
@@ -209,19 +177,15 @@ pub fn decode_live(
                     vram_total_bytes,
                     vram_committed_bytes: vram_used_bytes.saturating_add(vram_loading_bytes),
                     vram_stale,
-                    local: Arc::clone(&local),
                 });
             }
             backends.push(view);
         }
         indices.node_index.insert(key, node_index);
         indices.nodes.push(Node {
-            local,
+            endpoint,
             key,
-            id_header: http::HeaderValue::from_str(&id).ok(),
             id,
-            proxy_url: inferyes_net::base_url::BaseUrl::new(&status.proxy_url),
-            proxy_http2: status.proxy_http2,
             draining: wire.draining,
             backends,
             backend_of_load,
@@ -297,7 +261,7 @@ pub fn decode_live(
     catalog.sort_by(|a, b| a.id.cmp(&b.id));
     indices.catalog = catalog;
     indices.policy = policy;
-    counters.retain(&indices.nodes);
+    indices.local = states.view(indices.nodes.iter().map(|node| &*node.endpoint));
     RoutingSnapshot { version, indices: Arc::new(indices), sessions: Arc::clone(live.index()), ..Default::default() }
 }
 
@@ -391,7 +355,7 @@ mod tests {
             with_rates("hostile", f64::INFINITY, 0),
         ]
         .into();
-        let snapshot = decode(1, &nodes, None, &[], &Counters::default());
+        let snapshot = decode(1, &nodes, None, &[], &NodeStates::default());
         let rates: Vec<(f64, f64)> = snapshot
             .placements("chat")
             .unwrap()
@@ -400,12 +364,12 @@ mod tests {
             .collect();
         assert_eq!(rates, [(100.0, 2.0), (300.0, 4.0), (200.0, 3.0), (200.0, 3.0), (200.0, 3.0)]);
         let nodes: BTreeMap<String, SnapshotNode> = [with_rates("liar", 1e300, 1), with_rates("alone", 0.0, 0)].into();
-        let snapshot = decode(1, &nodes, None, &[], &Counters::default());
+        let snapshot = decode(1, &nodes, None, &[], &NodeStates::default());
         let chat = snapshot.placements("chat").unwrap();
         assert_eq!((chat[0].prefill_tokens_per_second, chat[0].service_seconds), (1e6, 0.001));
         assert_eq!(chat[1].fastest_prefill_tokens_per_second, 1e6);
         let nodes: BTreeMap<String, SnapshotNode> = [with_rates("new", 0.0, 0)].into();
-        let snapshot = decode(1, &nodes, None, &[], &Counters::default());
+        let snapshot = decode(1, &nodes, None, &[], &NodeStates::default());
         let p = &snapshot.placements("chat").unwrap()[0];
         assert_eq!(
             (p.prefill_tokens_per_second, p.service_seconds),
@@ -420,7 +384,7 @@ mod tests {
         nodes
             .insert("b".to_string(), node("b", &[("chat", ModelState::Unloaded), ("embed", ModelState::Loading)], &[]));
         let aliases = [Alias { alias: "gpt-4o".into(), model: "chat".into() }];
-        let snapshot = decode(4, &nodes, None, &aliases, &Counters::default());
+        let snapshot = decode(4, &nodes, None, &aliases, &NodeStates::default());
         assert_eq!(snapshot.version(), 4);
         assert_eq!(snapshot.placements("chat").map(<[Placement]>::len), Some(2));
         let chat = snapshot.placements("chat").unwrap();
@@ -428,7 +392,7 @@ mod tests {
             chat.windows(2).all(|w| (w[0].target.node, w[0].target.backend) < (w[1].target.node, w[1].target.backend))
         );
         assert_eq!(snapshot.resident("s1").map(|r| r.target), Some(Target { node: 0, backend: 0 }));
-        assert_eq!(snapshot.nodes()[0].proxy_url.as_str(), "http://a");
+        assert_eq!(snapshot.nodes()[0].endpoint.proxy_url.as_str(), "http://a");
         assert!((snapshot.nodes()[0].vram_fraction - 0.9).abs() < 1e-9, "the fullest GPU counts");
         assert_eq!(snapshot.nodes()[1].vram_loading_bytes, 7);
         let chat = snapshot.model("chat").unwrap();
@@ -448,21 +412,10 @@ mod tests {
         b.policy = Some(NodePolicy { admission_threshold: 0.8, hard_limit: 0.0 });
         nodes.insert("b".to_string(), b);
         let policy = RoutingPolicy { hard_limit: 0.95, ..Default::default() };
-        let snapshot = decode(1, &nodes, Some(&policy), &[], &Counters::default());
+        let snapshot = decode(1, &nodes, Some(&policy), &[], &NodeStates::default());
         let thresholds: Vec<(f64, f64)> =
             snapshot.nodes().iter().map(|n| (n.admission_threshold, n.hard_limit)).collect();
         assert_eq!(thresholds, [(0.92, 0.95), (0.8, 0.95)]);
         assert_eq!(snapshot.policy().load_bound, 1.25);
-    }
-
-    #[test]
-    fn counters_outlive_snapshots() {
-        let mut nodes = BTreeMap::new();
-        nodes.insert("a".to_string(), node("a", &[], &[]));
-        let counters = Counters::default();
-        let first = decode(1, &nodes, None, &[], &counters);
-        first.nodes()[0].local.in_flight.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let second = decode(2, &nodes, None, &[], &counters);
-        assert!(Arc::ptr_eq(&first.nodes()[0].local, &second.nodes()[0].local));
     }
 }

@@ -7,16 +7,14 @@ mod live;
 mod store;
 
 pub use client::run as subscribe;
-pub use decode::{Counters, decode, decode_live};
+pub use decode::{decode, decode_live};
 pub use live::{Live, SessionIndex};
 pub use store::SnapshotStore;
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 
-use inferyes_net::base_url::BaseUrl;
 use inferyes_proto::FastMap;
 use inferyes_proto::v1::{EndpointKind, Health, ModelState, Strategy};
 
@@ -63,6 +61,9 @@ pub struct Indices {
     /// sessions name their node by key.
     pub(crate) node_index: HashMap<u64, usize, BuildHasherDefault<Prehashed>>,
     pub(crate) policy: Policy,
+    /// This data plane's state of the nodes, in the order of `nodes`:
+    /// what routing reads besides the snapshot (see [`crate::targets`]).
+    pub(crate) local: crate::targets::View,
 }
 
 impl std::ops::Deref for RoutingSnapshot {
@@ -145,16 +146,11 @@ impl Policy {
 #[derive(Debug)]
 pub struct Node {
     pub id: Arc<str>,
-    /// The id as a header value, made once: every answer from the node
-    /// names it. `None` where the id cannot be one.
-    pub id_header: Option<http::HeaderValue>,
     /// `stable_hash(id)`, computed once: rendezvous placement scores every
     /// node for every new session.
     pub key: u64,
-    /// Base URL of the node's agent proxy, read once per snapshot.
-    pub proxy_url: BaseUrl,
-    /// The proxy takes HTTP/2.
-    pub proxy_http2: bool,
+    /// Where requests for the node go, and this data plane's state of it.
+    pub endpoint: Arc<crate::targets::Endpoint>,
     pub draining: bool,
     pub backends: Vec<BackendView>,
     /// A backend's place in the node's live load → its index in
@@ -172,100 +168,6 @@ pub struct Node {
     /// This node's thresholds: its own override, else the fleet's.
     pub admission_threshold: f64,
     pub hard_limit: f64,
-    /// This data plane's own counters for the node, which outlive snapshots
-    /// (see [`Counters`]): snapshots lag, and a burst must not all land on
-    /// one node between two reports.
-    pub local: Arc<LocalCounters>,
-}
-
-#[derive(Debug, Default)]
-pub struct LocalCounters {
-    /// Requests this data plane has in flight to the node.
-    pub in_flight: AtomicU32,
-    /// Bytes of models this data plane has sent cold loads for, until those
-    /// requests finish: two cold loads must not both fit into the same
-    /// free memory. The sum of `loads`, kept beside it so that routing
-    /// reads it without a lock; only `hold_load` and `release_load` write it.
-    pub reserved_vram_bytes: AtomicU64,
-    /// Those loads, by backend and model: the requests waiting on each and
-    /// the bytes held for it. A model's size is held once per backend,
-    /// however many requests wait for it to load there.
-    loads: std::sync::Mutex<Vec<Load>>,
-    /// Passive ejection: after a failure the node is skipped (last resort
-    /// only) until this time, with exponential backoff over consecutive
-    /// failures.
-    pub ejected_until_ms: AtomicU64,
-    pub ejected_at_version: AtomicU64,
-    pub failures: AtomicU32,
-    /// Ejections since this data plane first saw the node, for a counter.
-    pub ejections: AtomicU64,
-    /// Written by decode: whether the node was ready in the latest snapshot,
-    /// and the version since which it has been. A node that turned ready
-    /// after its ejection (its agent saw it fail and recover, or it
-    /// re-joined) is taken back early.
-    pub ready: AtomicBool,
-    pub ready_since_version: AtomicU64,
-    /// Lets this node's failures be logged once in a while, however many
-    /// requests see them, without holding back another node's.
-    pub log: inferyes_net::log::Gate,
-}
-
-/// A load this data plane waits on: (backend index, model), the requests
-/// waiting, the bytes held.
-type Load = ((usize, String), u32, u64);
-
-/// The first ejection lasts this long; each consecutive failure doubles it.
-const EJECTION_BASE_MS: u64 = 1_000;
-const EJECTION_MAX_MS: u64 = 30_000;
-
-impl LocalCounters {
-    /// A request waits on a load of `model` on the node's `backend`, of
-    /// `bytes`: held unless a request already holds it.
-    pub fn hold_load(&self, backend: usize, model: &str, bytes: u64) {
-        let mut loads = self.loads.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        match loads.iter_mut().find(|((b, m), ..)| *b == backend && m == model) {
-            Some((_, waiting, _)) => *waiting += 1,
-            None => {
-                loads.push(((backend, model.to_string()), 1, bytes));
-                self.reserved_vram_bytes.fetch_add(bytes, Ordering::Relaxed);
-            }
-        }
-    }
-
-    /// A request no longer waits on the load of `model` on `backend`: the
-    /// last one gives its bytes back.
-    pub fn release_load(&self, backend: usize, model: &str) {
-        let mut loads = self.loads.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        let Some(at) = loads.iter().position(|((b, m), ..)| *b == backend && m == model) else { return };
-        loads[at].1 -= 1;
-        if loads[at].1 == 0 {
-            let (_, _, bytes) = loads.swap_remove(at);
-            self.reserved_vram_bytes.fetch_sub(bytes, Ordering::Relaxed);
-        }
-    }
-
-    /// Records a failure of the node; returns how long it is ejected.
-    pub fn eject(&self, now_ms: u64, version: u64) -> u64 {
-        let failures = self.failures.fetch_add(1, Ordering::Relaxed).saturating_add(1);
-        self.ejections.fetch_add(1, Ordering::Relaxed);
-        let backoff = EJECTION_BASE_MS.saturating_mul(1 << (failures - 1).min(5)).min(EJECTION_MAX_MS);
-        self.ejected_at_version.store(version, Ordering::Relaxed);
-        self.ejected_until_ms.store(now_ms.saturating_add(backoff), Ordering::Relaxed);
-        backoff
-    }
-
-    /// Records a success: the failure streak and any ejection end.
-    pub fn succeeded(&self) {
-        if self.failures.load(Ordering::Relaxed) != 0 {
-            self.failures.store(0, Ordering::Relaxed);
-            self.ejected_until_ms.store(0, Ordering::Relaxed);
-        }
-    }
-
-    pub fn ejected(&self, now_ms: u64) -> bool {
-        now_ms < self.ejected_until_ms.load(Ordering::Relaxed)
-            && self.ready_since_version.load(Ordering::Relaxed) <= self.ejected_at_version.load(Ordering::Relaxed)
-    }
 }
 
 #[derive(Debug)]
@@ -352,7 +254,6 @@ pub struct Placement {
     /// The node's GPUs could not be read lately: its memory figures are the
     /// last ones read.
     pub vram_stale: bool,
-    pub local: Arc<LocalCounters>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -419,6 +320,11 @@ impl RoutingSnapshot {
 
     pub fn policy(&self) -> &Policy {
         &self.policy
+    }
+
+    /// This data plane's state of the snapshot's nodes, for routing.
+    pub fn local(&self) -> &crate::targets::View {
+        &self.local
     }
 
     /// This snapshot with `keys` as its API keys.

@@ -3,7 +3,8 @@ use std::sync::Arc;
 use arc_swap::ArcSwapOption;
 use tokio::sync::watch;
 
-use super::{Counters, RoutingSnapshot};
+use super::RoutingSnapshot;
+use crate::targets::NodeStates;
 
 /// The current snapshot behind one atomic pointer. Requests load it once
 /// and route on that value; the subscription task is the only writer.
@@ -11,7 +12,8 @@ use super::{Counters, RoutingSnapshot};
 pub struct SnapshotStore {
     current: ArcSwapOption<RoutingSnapshot>,
     versions: watch::Sender<u64>,
-    counters: Counters,
+    /// This data plane's state of each node, which outlives snapshots.
+    states: NodeStates,
     /// Where sessions are resident, kept across snapshots and controllers.
     sessions: Arc<super::SessionIndex>,
     /// When the current snapshot was installed (read at scrape time only).
@@ -23,7 +25,7 @@ impl Default for SnapshotStore {
         SnapshotStore {
             current: ArcSwapOption::empty(),
             versions: watch::channel(0).0,
-            counters: Counters::default(),
+            states: NodeStates::default(),
             sessions: Arc::default(),
             installed_at: std::sync::Mutex::new(None),
         }
@@ -40,8 +42,8 @@ impl SnapshotStore {
         self.current.load().as_ref().map(|s| s.version())
     }
 
-    pub fn counters(&self) -> &Counters {
-        &self.counters
+    pub fn node_states(&self) -> &NodeStates {
+        &self.states
     }
 
     pub fn sessions(&self) -> &Arc<super::SessionIndex> {

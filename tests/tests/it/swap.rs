@@ -128,7 +128,7 @@ async fn a_cold_load_holds_the_model_s_size_against_its_node_until_it_answers() 
     let fleet = Fleet::start(vec![slow_load]).await;
     let reserved = |fleet: &Fleet| {
         let snapshot = fleet.dataplane.store.current().expect("a snapshot");
-        snapshot.nodes()[0].local.reserved_vram_bytes.load(std::sync::atomic::Ordering::Relaxed)
+        snapshot.nodes()[0].endpoint.reserved_vram_bytes()
     };
     fleet
         .dataplane
@@ -149,4 +149,89 @@ async fn a_cold_load_holds_the_model_s_size_against_its_node_until_it_answers() 
     .await;
     while next_chunk(&mut body).await.is_some() {}
     assert_eq!(reserved(&fleet), 0, "given back once the node answered");
+}
+
+/// A node's proxy that answers every request `503`, as an agent whose
+/// backends all failed would; its URL. Serves until `stop`.
+async fn refusing_proxy(stop: tokio_util::sync::CancellationToken) -> String {
+    let refuse = || async {
+        let error = json!({"error": {"message": "no backend", "type": "unavailable_error", "code": 503}});
+        (StatusCode::SERVICE_UNAVAILABLE, axum::Json(error))
+    };
+    let app = axum::Router::new().fallback(refuse);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let url = format!("http://{}", listener.local_addr().expect("bound"));
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, app).with_graceful_shutdown(stop.cancelled_owned()).await;
+    });
+    url
+}
+
+#[tokio::test]
+async fn a_cold_stream_that_fails_over_is_recorded_under_the_node_that_answered() {
+    use inferyes_tests::{AgentHandle, ControllerHandle, DataplaneHandle, Etcd, HttpClient, SimHandle};
+    // Two llama-swap nodes, `beta` loaded on neither: the load goes first
+    // to node-a, whose GPU has the more free memory, but its proxy refuses
+    // everything; node-b loads it and streams the answer.
+    let stop = tokio_util::sync::CancellationToken::new();
+    let _stop = stop.clone().drop_guard();
+    let etcd = Etcd::start().await;
+    let controller = ControllerHandle::start(&etcd.endpoint(), "controller-1").await;
+    let big_gpu = inferyes_sim::SimGpu { memory_total_bytes: 80 << 30, ..Default::default() };
+    let sims =
+        vec![SimHandle::start(SimConfig { gpu: big_gpu, ..swap(false) }).await, SimHandle::start(swap(false)).await];
+    let refusing = refusing_proxy(stop.clone()).await;
+    let agents = vec![
+        AgentHandle::start_tweaked(
+            "node-a",
+            &[controller.url()],
+            inferyes_agent::config::GpuSourceConfig::Simulated,
+            inferyes_tests::fleet::sim_backends(&[("main", &sims[0])]),
+            |config| config.advertise_url = refusing,
+        )
+        .await,
+        AgentHandle::start("node-b", &[controller.url()], &[("main", &sims[1])]).await,
+    ];
+    let dataplane = DataplaneHandle::start(&[controller.url()]).await;
+    dataplane.wait_for_nodes(&["node-a", "node-b"]).await;
+    let fleet = Fleet { etcd, controller: Some(controller), sims, agents, dataplane, http: HttpClient::default() };
+    fleet
+        .dataplane
+        .wait_for("beta's size known on both nodes", Duration::from_secs(5), |s| {
+            s.placements("beta").is_some_and(|ps| ps.len() == 2 && ps.iter().all(|p| p.size_bytes > 0))
+        })
+        .await;
+
+    let request = json!({"model": "beta", "stream": true, "max_tokens": 4,
+                         "messages": [{"role": "user", "content": "hi"}]});
+    let response =
+        fleet.http.start(Method::POST, &fleet.url("/v1/chat/completions"), Bytes::from(request.to_string()), &[]).await;
+    let request_id = response.headers()["x-request-id"].to_str().expect("text").to_string();
+    // Told at once where the load starts, before any node has answered.
+    assert_eq!(response.headers()["x-inferyes-route"], "cold");
+    assert_eq!(response.headers()["x-inferyes-node"], "node-a");
+    let mut body = response.into_body();
+    let mut text = String::new();
+    while let Some(chunk) = next_chunk(&mut body).await {
+        text.push_str(std::str::from_utf8(&chunk).expect("text"));
+    }
+    assert!(text.ends_with("data: [DONE]\n\n"), "node-b answered: {text}");
+    assert_eq!(fleet.sims[1].sim.stats().requests, 1, "{text}");
+
+    // Recorded under the node that answered, as a failover.
+    let metrics = fleet.http.get(&format!("{}/metrics", fleet.dataplane.admin_url)).await;
+    let metrics = String::from_utf8_lossy(&metrics.body).into_owned();
+    let served =
+        "inferyes_dataplane_requests_total{model=\"beta\",node=\"node-b\",status=\"200\",route=\"failover\"} 1";
+    assert!(metrics.lines().any(|line| line == served), "{metrics}");
+    assert!(!metrics.contains("node=\"node-a\",status=\"200\""), "{metrics}");
+    inferyes_tests::eventually("the decision on the dashboard", Duration::from_secs(10), || async {
+        let view = crate::dashboard::fleet_view(&fleet).await;
+        view["decisions"]
+            .as_array()
+            .expect("decisions")
+            .iter()
+            .any(|d| d["request_id"] == request_id.as_str() && d["node"] == "node-b" && d["route"] == "failover")
+    })
+    .await;
 }

@@ -87,7 +87,7 @@ async fn the_fleet_runs_over_mutual_tls_and_refuses_clients_without_a_certificat
     let dataplane = DataplaneHandle::start_with(&[controller.https_url()], move |c| c.tls = client_tls).await;
     dataplane.wait_for_nodes(&["node-a"]).await;
     let snapshot = dataplane.store.current().expect("a snapshot over TLS");
-    assert!(snapshot.nodes()[0].proxy_url.as_str().starts_with("https://"), "the agent's proxy serves TLS");
+    assert!(snapshot.nodes()[0].endpoint.proxy_url.as_str().starts_with("https://"), "the agent's proxy serves TLS");
 
     // The data plane reaches the agent over TLS, presenting its certificate.
     let response = HttpClient::default()
@@ -97,7 +97,7 @@ async fn the_fleet_runs_over_mutual_tls_and_refuses_clients_without_a_certificat
     assert_eq!(response.header("x-inferyes-node"), Some("node-a"));
 
     // And over HTTP/2 (h2 by ALPN), which the agent says its proxy takes.
-    assert!(snapshot.nodes()[0].proxy_http2);
+    assert!(snapshot.nodes()[0].endpoint.proxy_http2);
     let h2_tls = Tls { client_ca_file: None, ..tls.clone() };
     let h2_dataplane = DataplaneHandle::start_with(&[controller.https_url()], move |c| {
         c.tls = h2_tls;
@@ -125,7 +125,7 @@ async fn the_fleet_runs_over_mutual_tls_and_refuses_clients_without_a_certificat
     };
     assert!(refused, "a client without a certificate got through");
     // And plain HTTP to the agent's proxy gets nowhere.
-    let proxy = snapshot.nodes()[0].proxy_url.as_str().replace("https://", "http://");
+    let proxy = snapshot.nodes()[0].endpoint.proxy_url.as_str().replace("https://", "http://");
     let plain = tokio::time::timeout(
         Duration::from_secs(10),
         tokio::spawn(async move { HttpClient::default().get(&format!("{proxy}/healthz")).await }),

@@ -1,0 +1,441 @@
+//! This data plane's own state of each node it sends requests to: its
+//! requests in flight there, the memory held for cold loads it started,
+//! and passive ejection after failures. A snapshot is the same in every
+//! data plane; this is what each one adds from its own traffic, which no
+//! report shows yet.
+//!
+//! One type writes it, [`NodeState`], and only through three doors: an
+//! attempt's guard ([`Endpoint::enter`]), the outcome of every attempt and
+//! every stream's end ([`Endpoint::observe`]), and the readiness each
+//! decoded snapshot reports ([`NodeStates::endpoint`]). Routing reads it
+//! through [`Local`] and nothing else.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+
+use http::HeaderValue;
+use inferyes_net::base_url::BaseUrl;
+
+/// What routing reads of this data plane's state of a snapshot's nodes, by
+/// their index in the snapshot. The one thing routing reads that changes
+/// between two requests on the same snapshot, so it is an argument of its
+/// own, and a test passes fixed values.
+pub trait Local {
+    /// Requests this data plane has in flight to the node.
+    fn in_flight(&self, node: usize) -> u32;
+    /// Memory held on the node for the cold loads this data plane started.
+    fn reserved_vram_bytes(&self, node: usize) -> u64;
+    /// Until when (ms since the epoch) the node is held out of routing, if
+    /// it is at `now_ms`.
+    fn ejected_until(&self, node: usize, now_ms: u64) -> Option<u64>;
+}
+
+/// No requests in flight, no loads, no ejections: a data plane that has
+/// sent nothing yet.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Idle;
+
+impl Local for Idle {
+    fn in_flight(&self, _: usize) -> u32 {
+        0
+    }
+
+    fn reserved_vram_bytes(&self, _: usize) -> u64 {
+        0
+    }
+
+    fn ejected_until(&self, _: usize, _: u64) -> Option<u64> {
+        None
+    }
+}
+
+/// A snapshot's nodes as this data plane's state of them, in the
+/// snapshot's node order: built with the snapshot, read by routing.
+#[derive(Debug, Default)]
+pub struct View {
+    nodes: Box<[Arc<NodeState>]>,
+}
+
+impl View {
+    fn node(&self, node: usize) -> Option<&NodeState> {
+        self.nodes.get(node).map(|state| &**state)
+    }
+}
+
+impl Local for View {
+    fn in_flight(&self, node: usize) -> u32 {
+        self.node(node).map_or(0, NodeState::in_flight)
+    }
+
+    fn reserved_vram_bytes(&self, node: usize) -> u64 {
+        self.node(node).map_or(0, |state| state.reserved_vram_bytes.load(Ordering::Relaxed))
+    }
+
+    fn ejected_until(&self, node: usize, now_ms: u64) -> Option<u64> {
+        self.node(node).and_then(|state| state.ejected_until(now_ms))
+    }
+}
+
+/// A node as attempts reach it: its agent's proxy, and this data plane's
+/// state of the node. Made with each snapshot; an attempt, and a stream
+/// that outlives its snapshot, holds its own.
+#[derive(Debug)]
+pub struct Endpoint {
+    pub id: Arc<str>,
+    /// The id as a header value, made once: every answer from the node
+    /// names it. `None` where the id cannot be one.
+    pub id_header: Option<HeaderValue>,
+    /// Base URL of the node's agent proxy, read once per snapshot.
+    pub proxy_url: BaseUrl,
+    /// The proxy takes HTTP/2.
+    pub proxy_http2: bool,
+    state: Arc<NodeState>,
+}
+
+/// What an attempt at a node, or a stream from it, came to, as the node's
+/// state takes it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Observed {
+    /// The node answered well: a failure streak ends, and any ejection
+    /// with it.
+    Answered,
+    /// The node failed; `what` says how, in the log line. `eject` holds it
+    /// out of routing for a while (1 s, doubling with each failure in a
+    /// row, to 30 s).
+    Failed { what: &'static str, eject: bool },
+    /// Nothing is learnt of the node's health: a client's own error, a
+    /// limit of this data plane's.
+    Unjudged,
+}
+
+/// Who saw an outcome: for the log line, and the snapshot it routed on.
+#[derive(Clone, Copy, Debug)]
+pub struct Witness<'a> {
+    pub request_id: &'a str,
+    /// The snapshot the request was routed on: the node is taken back
+    /// early only by a snapshot after it that reports it ready.
+    pub version: u64,
+}
+
+impl Endpoint {
+    /// Counts a request against the node until the guard is dropped, and,
+    /// for a cold load, the model's size on `load`'s backend.
+    pub fn enter(self: &Arc<Self>, load: Option<ColdLoad>) -> InFlight {
+        let state = &self.state;
+        state.in_flight.fetch_add(1, Ordering::Relaxed);
+        if let Some(load) = &load {
+            state.hold_load(load);
+        }
+        InFlight { state: Arc::clone(state), load }
+    }
+
+    /// Takes an attempt's or a stream's outcome: the one place that ejects
+    /// a node, ends its ejection, and logs why.
+    pub fn observe(&self, observed: Observed, witness: Witness<'_>) {
+        let state = &self.state;
+        match observed {
+            Observed::Answered => state.succeeded(),
+            Observed::Unjudged => {}
+            Observed::Failed { what, eject: true } => {
+                let ejected_ms = state.eject(inferyes_proto::unix_ms(), witness.version);
+                inferyes_net::warn_every!(
+                    gate: state.log;
+                    request_id = witness.request_id,
+                    node = %self.id,
+                    ejected_ms,
+                    "node {what}; held out of routing"
+                );
+            }
+            Observed::Failed { what, eject: false } => {
+                inferyes_net::warn_every!(gate: state.log; request_id = witness.request_id, node = %self.id, "node {what}");
+            }
+        }
+    }
+
+    /// Whether the node is held out of routing at `now_ms`.
+    pub fn ejected(&self, now_ms: u64) -> bool {
+        self.state.ejected_until(now_ms).is_some()
+    }
+
+    /// This data plane's requests in flight to the node.
+    pub fn in_flight(&self) -> u32 {
+        self.state.in_flight()
+    }
+
+    /// Failures in a row.
+    pub fn failures(&self) -> u32 {
+        self.state.failures.load(Ordering::Relaxed)
+    }
+
+    /// Ejections since this data plane first saw the node.
+    pub fn ejections(&self) -> u64 {
+        self.state.ejections.load(Ordering::Relaxed)
+    }
+
+    /// Memory held on the node for cold loads this data plane started.
+    pub fn reserved_vram_bytes(&self) -> u64 {
+        self.state.reserved_vram_bytes.load(Ordering::Relaxed)
+    }
+}
+
+/// A cold load an attempt waits on: the backend of the node, the model,
+/// and its size, held against the node's free memory until the attempt
+/// ends.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ColdLoad {
+    pub backend: usize,
+    pub model: Box<str>,
+    pub bytes: u64,
+}
+
+/// Counts a request (and the memory of a cold load it waits on) against
+/// its node until dropped: when its answer's body ends or goes.
+#[derive(Debug)]
+pub struct InFlight {
+    state: Arc<NodeState>,
+    load: Option<ColdLoad>,
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.state.in_flight.fetch_sub(1, Ordering::Relaxed);
+        if let Some(load) = &self.load {
+            self.state.release_load(load);
+        }
+    }
+}
+
+/// Every node's state, by id: it outlives snapshots, so a request that
+/// started under one is still counted under the next.
+#[derive(Debug, Default)]
+pub struct NodeStates {
+    by_node: Mutex<HashMap<Arc<str>, Arc<NodeState>>>,
+}
+
+impl NodeStates {
+    /// The endpoint of node `id` in a snapshot of `version`, which reports
+    /// it `ready` or not: a node that turned ready after its ejection (its
+    /// agent saw it fail and recover, or it joined again) is taken back
+    /// early.
+    pub fn endpoint(
+        &self,
+        id: &Arc<str>,
+        proxy_url: BaseUrl,
+        proxy_http2: bool,
+        ready: bool,
+        version: u64,
+    ) -> Endpoint {
+        let state = {
+            let mut by_node = self.by_node.lock().unwrap_or_else(PoisonError::into_inner);
+            Arc::clone(by_node.entry(Arc::clone(id)).or_default())
+        };
+        state.readiness(ready, version);
+        Endpoint { id: Arc::clone(id), id_header: HeaderValue::from_str(id).ok(), proxy_url, proxy_http2, state }
+    }
+
+    /// The view of a snapshot whose nodes are `endpoints`, in order; the
+    /// state of nodes no longer in the fleet, with nothing in flight, is
+    /// forgotten.
+    pub fn view<'a>(&self, endpoints: impl ExactSizeIterator<Item = &'a Endpoint>) -> View {
+        let nodes: Box<[Arc<NodeState>]> = endpoints.map(|e| Arc::clone(&e.state)).collect();
+        // A set, not a scan of the nodes per state: a thousand nodes made
+        // that a million comparisons per snapshot.
+        let present: HashSet<*const NodeState> = nodes.iter().map(Arc::as_ptr).collect();
+        let mut by_node = self.by_node.lock().unwrap_or_else(PoisonError::into_inner);
+        by_node.retain(|_, state| present.contains(&Arc::as_ptr(state)) || state.in_flight() > 0);
+        View { nodes }
+    }
+}
+
+/// One node's state in this data plane. Its fields are written only by
+/// this module's code.
+#[derive(Debug, Default)]
+struct NodeState {
+    in_flight: AtomicU32,
+    /// The sum of `loads`' bytes, kept beside it so that routing reads it
+    /// without a lock; only `hold_load` and `release_load` write it.
+    reserved_vram_bytes: AtomicU64,
+    /// Loads this data plane waits on: a model's size is held once per
+    /// backend, however many requests wait for it to load there.
+    loads: Mutex<Vec<HeldLoad>>,
+    /// Passive ejection: after a failure the node is a last resort until
+    /// this time, with exponential backoff over consecutive failures.
+    ejected_until_ms: AtomicU64,
+    ejected_at_version: AtomicU64,
+    failures: AtomicU32,
+    ejections: AtomicU64,
+    /// Whether the node was ready in the latest snapshot, and the version
+    /// since which it has been.
+    ready: AtomicBool,
+    ready_since_version: AtomicU64,
+    /// Lets this node's failures be logged once in a while, however many
+    /// requests see them, without holding back another node's.
+    log: inferyes_net::log::Gate,
+}
+
+/// A load waited on: (backend, model), the requests waiting, the bytes.
+#[derive(Debug)]
+struct HeldLoad {
+    backend: usize,
+    model: Box<str>,
+    waiting: u32,
+    bytes: u64,
+}
+
+/// The first ejection lasts this long; each consecutive failure doubles it.
+const EJECTION_BASE_MS: u64 = 1_000;
+const EJECTION_MAX_MS: u64 = 30_000;
+
+impl NodeState {
+    fn in_flight(&self) -> u32 {
+        self.in_flight.load(Ordering::Relaxed)
+    }
+
+    fn hold_load(&self, load: &ColdLoad) {
+        let mut loads = self.loads.lock().unwrap_or_else(PoisonError::into_inner);
+        match loads.iter_mut().find(|held| held.backend == load.backend && held.model == load.model) {
+            Some(held) => held.waiting += 1,
+            None => {
+                loads.push(HeldLoad {
+                    backend: load.backend,
+                    model: load.model.clone(),
+                    waiting: 1,
+                    bytes: load.bytes,
+                });
+                self.reserved_vram_bytes.fetch_add(load.bytes, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// The last request waiting on a load gives its bytes back.
+    fn release_load(&self, load: &ColdLoad) {
+        let mut loads = self.loads.lock().unwrap_or_else(PoisonError::into_inner);
+        let Some(at) = loads.iter().position(|held| held.backend == load.backend && held.model == load.model) else {
+            return;
+        };
+        loads[at].waiting -= 1;
+        if loads[at].waiting == 0 {
+            let held = loads.swap_remove(at);
+            self.reserved_vram_bytes.fetch_sub(held.bytes, Ordering::Relaxed);
+        }
+    }
+
+    /// A failure: how long the node is now ejected.
+    fn eject(&self, now_ms: u64, version: u64) -> u64 {
+        let failures = self.failures.fetch_add(1, Ordering::Relaxed).saturating_add(1);
+        self.ejections.fetch_add(1, Ordering::Relaxed);
+        let backoff = EJECTION_BASE_MS.saturating_mul(1 << (failures - 1).min(5)).min(EJECTION_MAX_MS);
+        self.ejected_at_version.store(version, Ordering::Relaxed);
+        self.ejected_until_ms.store(now_ms.saturating_add(backoff), Ordering::Relaxed);
+        backoff
+    }
+
+    fn succeeded(&self) {
+        if self.failures.load(Ordering::Relaxed) != 0 {
+            self.failures.store(0, Ordering::Relaxed);
+            self.ejected_until_ms.store(0, Ordering::Relaxed);
+        }
+    }
+
+    fn readiness(&self, ready: bool, version: u64) {
+        if ready && !self.ready.swap(true, Ordering::Relaxed) {
+            self.ready_since_version.store(version, Ordering::Relaxed);
+        } else if !ready {
+            self.ready.store(false, Ordering::Relaxed);
+        }
+    }
+
+    fn ejected_until(&self, now_ms: u64) -> Option<u64> {
+        let until = self.ejected_until_ms.load(Ordering::Relaxed);
+        let back_early =
+            self.ready_since_version.load(Ordering::Relaxed) > self.ejected_at_version.load(Ordering::Relaxed);
+        (now_ms < until && !back_early).then_some(until)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn endpoint(states: &NodeStates, ready: bool, version: u64) -> Arc<Endpoint> {
+        Arc::new(states.endpoint(&Arc::from("a"), BaseUrl::new("http://a"), false, ready, version))
+    }
+
+    fn failed() -> Observed {
+        Observed::Failed { what: "is unreachable", eject: true }
+    }
+
+    #[test]
+    fn ejections_back_off_and_end_on_success_or_recovery() {
+        let states = NodeStates::default();
+        let a = endpoint(&states, true, 1);
+        let witness = Witness { request_id: "r", version: 1 };
+        let mut backoffs = Vec::new();
+        for _ in 0..7 {
+            let now = inferyes_proto::unix_ms();
+            a.observe(failed(), witness);
+            backoffs.push(a.state.ejected_until_ms.load(Ordering::Relaxed) - now);
+        }
+        // Each within a few ms of its due, however slow the machine.
+        let expected = [1_000, 2_000, 4_000, 8_000, 16_000, 30_000, 30_000];
+        for (backoff, expected) in backoffs.iter().zip(expected) {
+            assert!((expected..expected + 1_000).contains(backoff), "{backoffs:?}");
+        }
+        assert_eq!((a.failures(), a.ejections()), (7, 7));
+        assert!(a.ejected(inferyes_proto::unix_ms()));
+        a.observe(Observed::Answered, witness);
+        assert!(!a.ejected(inferyes_proto::unix_ms()));
+        a.observe(failed(), witness);
+        assert_eq!(a.failures(), 1, "the streak starts over");
+        a.observe(Observed::Failed { what: "ended a stream early", eject: false }, witness);
+        a.observe(Observed::Unjudged, witness);
+        assert_eq!((a.failures(), a.ejections()), (1, 8), "only a failure that ejects counts");
+
+        // The node's agent reports it down, then ready again: taken back
+        // early, by a snapshot after the failure's.
+        let states = NodeStates::default();
+        let first = endpoint(&states, true, 1);
+        first.observe(failed(), witness);
+        assert!(first.ejected(0));
+        let down = endpoint(&states, false, 2);
+        assert!(down.ejected(0));
+        let recovered = endpoint(&states, true, 3);
+        assert!(!recovered.ejected(0) && !first.ejected(0), "one state, whichever snapshot's endpoint");
+    }
+
+    #[test]
+    fn a_model_s_size_is_held_once_however_many_requests_wait_for_its_load() {
+        let states = NodeStates::default();
+        let a = endpoint(&states, true, 1);
+        let load = |backend, model: &str, bytes| Some(ColdLoad { backend, model: model.into(), bytes });
+        let m0 = a.enter(load(0, "m", 10));
+        let m0_again = a.enter(load(0, "m", 10));
+        let n0 = a.enter(load(0, "n", 5));
+        assert_eq!(a.reserved_vram_bytes(), 15);
+        // The same model loading on another backend of the node takes its own.
+        let m1 = a.enter(load(1, "m", 10));
+        assert_eq!((a.reserved_vram_bytes(), a.in_flight()), (25, 4));
+        drop(m1);
+        drop(m0);
+        assert_eq!(a.reserved_vram_bytes(), 15, "one request still waits on m");
+        drop((m0_again, n0));
+        assert_eq!((a.reserved_vram_bytes(), a.in_flight()), (0, 0));
+    }
+
+    #[test]
+    fn states_outlive_snapshots_while_their_nodes_stay_or_have_requests_in_flight() {
+        let states = NodeStates::default();
+        let first = endpoint(&states, true, 1);
+        let guard = first.enter(None);
+        let second = endpoint(&states, true, 2);
+        assert_eq!(second.in_flight(), 1, "the same node's state");
+        let view = states.view([&*second].into_iter());
+        assert_eq!(view.in_flight(0), 1);
+        states.view(std::iter::empty());
+        assert_eq!(endpoint(&states, true, 3).in_flight(), 1, "kept while a request is in flight");
+        drop(guard);
+        states.view(std::iter::empty());
+        assert_eq!(endpoint(&states, true, 4).in_flight(), 0, "forgotten once gone and idle");
+    }
+}
