@@ -79,7 +79,9 @@ impl Reconciler {
         let mut view = View { fleet: None, live: LiveState::new(&self.controller_id), rebuild_at: None };
         let mut backoff = RECONNECT;
         loop {
-            match self.store.load().await {
+            let store = self.store.clone();
+            let Some(loaded) = self.meanwhile(&mut view, store.load()).await else { return };
+            match loaded {
                 Ok(batch) => view.fleet = Some(FleetState::from_load(batch)),
                 Err(error) => {
                     tracing::warn!(%error, "fleet load failed; serving the last snapshot");
@@ -108,7 +110,9 @@ impl Reconciler {
     async fn follow(&mut self, view: &mut View) -> Result<(), StoreError> {
         self.publish(view);
         let revision = view.fleet.as_ref().map_or(0, FleetState::revision);
-        let mut watch = self.store.watch(revision + 1).await?;
+        let store = self.store.clone();
+        let Some(watch) = self.meanwhile(view, store.watch(revision + 1)).await else { return Ok(()) };
+        let mut watch = watch?;
         loop {
             tokio::select! {
                 () = self.shutdown.cancelled() => return Ok(()),
@@ -149,7 +153,11 @@ impl Reconciler {
     async fn resume(&mut self, view: &mut View, revision: u64) -> Result<crate::store::Watch, StoreError> {
         let mut backoff = RECONNECT;
         loop {
-            match self.store.watch(revision + 1).await {
+            let store = self.store.clone();
+            let Some(watched) = self.meanwhile(view, store.watch(revision + 1)).await else {
+                return Err(StoreError::WatchEnded);
+            };
+            match watched {
                 Ok(watch) => return Ok(watch),
                 Err(error) => {
                     tracing::debug!(%error, "fleet watch not yet re-established");
@@ -161,14 +169,23 @@ impl Reconciler {
         }
     }
 
-    /// Waits out a jittered, growing backoff while etcd is away, applying
-    /// and publishing live changes meanwhile; true when shutdown came first.
+    /// Waits out a jittered, growing backoff while etcd is away; true when
+    /// shutdown came first.
     async fn wait(&mut self, view: &mut View, backoff: &mut Backoff) -> bool {
         let until = Instant::now() + backoff.next_wait();
+        self.meanwhile(view, tokio::time::sleep_until(until)).await.is_none()
+    }
+
+    /// Awaits `etcd` (a load, a watch being set up, a backoff) while
+    /// applying and publishing live changes, so that a slow or paused etcd
+    /// never holds up the nodes' load and sessions; `None` when shutdown
+    /// came first.
+    async fn meanwhile<T>(&mut self, view: &mut View, etcd: impl Future<Output = T>) -> Option<T> {
+        let mut etcd = std::pin::pin!(etcd);
         loop {
             tokio::select! {
-                () = self.shutdown.cancelled() => return true,
-                () = tokio::time::sleep_until(until) => return false,
+                () = self.shutdown.cancelled() => return None,
+                done = &mut etcd => return Some(done),
                 Some(event) = self.live.recv() => self.live_event(view, event),
                 Some(request) = self.requests.recv() => answer(view, request),
                 () = sleep_until(view.rebuild_at) => self.publish(view),
