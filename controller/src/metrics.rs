@@ -41,6 +41,8 @@ pub struct Metrics {
     pub node_writes: Counter,
     pub node_write_failures: Counter,
     pub node_write_seconds: Histogram,
+    pub lease_keepalives: Counter,
+    pub lease_keepalive_failures: Counter,
     pub snapshot_build_seconds: Histogram,
     pub peers: Gauge,
     pub live_resyncs: Counter,
@@ -64,6 +66,8 @@ impl Metrics {
             node_writes: Counter::default(),
             node_write_failures: Counter::default(),
             node_write_seconds: Histogram::new(exponential_buckets(0.0005, 2.0, 14)),
+            lease_keepalives: Counter::default(),
+            lease_keepalive_failures: Counter::default(),
             snapshot_build_seconds: Histogram::new(exponential_buckets(0.00001, 2.0, 18)),
             peers: Gauge::default(),
             live_resyncs: Counter::default(),
@@ -112,6 +116,12 @@ impl Metrics {
             m.node_write_failures.clone(),
         );
         r.register("node_write_seconds", "Time to write a node record to etcd", m.node_write_seconds.clone());
+        r.register("lease_keepalives", "Node lease keep-alives sent to etcd", m.lease_keepalives.clone());
+        r.register(
+            "lease_keepalive_failures",
+            "Node lease keep-alives etcd did not answer (tried again at the next)",
+            m.lease_keepalive_failures.clone(),
+        );
         r.register("snapshot_build_seconds", "Time to build a routing snapshot", m.snapshot_build_seconds.clone());
         r.register("peers", "Other controllers this one follows for their nodes' live state", m.peers.clone());
         r.register(

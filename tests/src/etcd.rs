@@ -99,6 +99,23 @@ impl Etcd {
         let _ = self.child.wait();
     }
 
+    /// Stops etcd's process where it stands (SIGSTOP): its connections
+    /// stay open and nothing it was asked is answered, as a stalled disk
+    /// or a long pause would look to its clients.
+    pub fn pause(&self) {
+        self.signal(rustix::process::Signal::STOP);
+    }
+
+    /// Lets a paused etcd go on (SIGCONT).
+    pub fn resume(&self) {
+        self.signal(rustix::process::Signal::CONT);
+    }
+
+    fn signal(&self, signal: rustix::process::Signal) {
+        let pid = i32::try_from(self.child.id()).ok().and_then(rustix::process::Pid::from_raw).expect("etcd's pid");
+        rustix::process::kill_process(pid, signal).expect("etcd signalled");
+    }
+
     /// Starts etcd again on the same ports and data.
     pub async fn restart(&mut self) {
         self.child = spawn(&self.command, &self.dir);
@@ -118,6 +135,7 @@ fn spawn(command: &[String], dir: &std::path::Path) -> Child {
 
 impl Drop for Etcd {
     fn drop(&mut self) {
+        // A paused process is killed all the same.
         let _ = self.child.kill();
         let _ = self.child.wait();
         let _ = std::fs::remove_dir_all(&self.dir);

@@ -8,7 +8,7 @@ use inferyes_proto::v1::{
     AgentMessage, ControllerMessage, DrainState, NodeRecord, NodeStatus, Registered, ResyncResidency,
     controller_message,
 };
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::Instant;
 use tokio_stream::Stream;
 use tokio_stream::wrappers::ReceiverStream;
@@ -136,7 +136,7 @@ fn validate(node: &NodeStatus) -> Result<(), Status> {
     Ok(())
 }
 
-fn taken(node_id: &str) -> Status {
+fn taken_status(node_id: &str) -> Status {
     status(
         ErrorKind::PermissionDenied,
         format!(
@@ -154,12 +154,8 @@ fn millis(d: Duration) -> u32 {
 /// session starts from.
 struct Claim {
     reported: Reported,
-    lease: Option<Lease>,
-    /// The status still to write, if the first write failed.
-    pending: Option<NodeStatus>,
-    written: Option<NodeStatus>,
-    registered_unix_ms: u64,
-    instance_digest: String,
+    /// The node's writer, its first write done or held for retry.
+    writer: NodeWriter,
 }
 
 /// Why an agent session ended.
@@ -187,13 +183,14 @@ impl AgentSvc {
             Ok(Ok(_)) => written = pending.take(),
             Ok(Err(StoreError::NodeTaken(node_id))) => {
                 tracing::warn!("agent refused: its node id is held by another agent's live lease");
-                return Err(taken(&node_id));
+                return Err(taken_status(&node_id));
             }
             // Written on the next try; the stream goes on meanwhile.
             Ok(Err(error)) => tracing::warn!(%error, "node status not written; holding it for retry"),
             Err(_) => tracing::warn!("etcd slow to take the node's first write; holding it for retry"),
         }
-        Ok(Claim { reported, lease, pending, written, registered_unix_ms, instance_digest })
+        let writer = NodeWriter { svc: self.clone(), lease, pending, written, registered_unix_ms, instance_digest };
+        Ok(Claim { reported, writer })
     }
 
     async fn session(
@@ -202,7 +199,7 @@ impl AgentSvc {
         mut inbound: Streaming<AgentMessage>,
         tx: mpsc::Sender<Result<ControllerMessage, Status>>,
     ) {
-        let Claim { mut reported, mut lease, mut pending, mut written, registered_unix_ms, instance_digest } = claim;
+        let Claim { mut reported, writer } = claim;
         let node_id = reported.durable.node_id.clone();
         let origin: std::sync::Arc<str> = self.controller_id.as_str().into();
         let stream = self.streams.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
@@ -210,12 +207,17 @@ impl AgentSvc {
         if self.live.send(reported.load_event(&node_id, &origin, stream)).await.is_err() {
             return;
         }
+        // The node's record and lease are written by a task of their own,
+        // so that a slow or paused etcd never holds up this stream: what
+        // is to be written waits there, the latest only.
+        let (desired, desired_rx) = watch::channel(reported.durable.clone());
+        let (leaving, leaving_rx) = oneshot::channel();
+        let taken = CancellationToken::new();
+        tokio::spawn(writer.run(desired_rx, leaving_rx, taken.clone()).in_current_span());
         self.metrics.agent_streams.inc();
-        let mut write_at = Instant::now();
-        let mut write_backoff = inferyes_net::backoff::RECONNECT;
         let mut last_heard = Instant::now();
-        let mut keepalive = tokio::time::interval(self.lease_ttl / 3);
-        keepalive.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut silence = tokio::time::interval(self.lease_ttl / 3);
+        silence.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut snapshots = self.snapshots.clone();
         let mut draining_sent: Option<bool> = None;
         // None until the first is sent: a new stream always hears the
@@ -223,74 +225,24 @@ impl AgentSvc {
         let mut orders_sent: Option<Vec<inferyes_proto::v1::PlacementOrder>> = None;
 
         let end = loop {
-            let due = pending.as_ref().map(|_| write_at);
             tokio::select! {
                 () = self.shutdown.cancelled() => break End::Shutdown,
+                () = taken.cancelled() => break End::Taken,
                 message = inbound.message() => match message {
                     Ok(Some(AgentMessage { msg: Some(msg) })) => {
                         last_heard = Instant::now();
-                        // What goes to the node's live state, and whether
-                        // its etcd record changed.
-                        let (live, durable_changed) = match msg {
-                            Msg::Status(status) | Msg::Register(inferyes_proto::v1::Register { status: Some(status), .. }) => {
-                                if status.node_id == node_id {
-                                    let changed = reported.update(status);
-                                    let mut live = Vec::new();
-                                    if changed.load {
-                                        live.push(reported.load_event(&node_id, &origin, stream));
-                                    }
-                                    if changed.sessions && !numbering.in_use() {
-                                        live.push(LiveEvent::Sessions {
-                                            node_id: node_id.clone(),
-                                            origin: std::sync::Arc::clone(&origin),
-                                            stream,
-                                            full: true,
-                                            upserted: reported.sessions.clone(),
-                                            removed: Vec::new(),
-                                        });
-                                    }
-                                    (live, changed.durable)
-                                } else {
-                                    tracing::warn!(reported = %status.node_id, "agent changed its node id; ignoring the report");
-                                    (Vec::new(), false)
+                        let (live, durable_changed) = match self.take(msg, &node_id, &mut reported, &mut numbering) {
+                            Taken::Live { events, durable_changed } => (events, durable_changed),
+                            Taken::Resync(resync) => {
+                                if tx.send(Ok(resync)).await.is_err() {
+                                    break End::AgentLeft;
                                 }
+                                (Vec::new(), false)
                             }
-                            Msg::Residency(mut update) => match numbering.check(&update) {
-                                Check::Apply => {
-                                    let latest = inferyes_proto::unix_ms().saturating_add(CLOCK_SKEW_MS);
-                                    for session in &mut update.upserted {
-                                        session.last_seen_unix_ms = session.last_seen_unix_ms.min(latest);
-                                    }
-                                    let event = LiveEvent::Sessions {
-                                        node_id: node_id.clone(),
-                                        origin: std::sync::Arc::clone(&origin),
-                                        stream,
-                                        full: update.full,
-                                        upserted: update.upserted,
-                                        removed: update.removed,
-                                    };
-                                    (vec![event], false)
-                                }
-                                Check::Drop => (Vec::new(), false),
-                                Check::Resync { expected_seq } => {
-                                    tracing::debug!(expected_seq, "residency numbering broken; asking for a full table");
-                                    let resync = ControllerMessage {
-                                        msg: Some(controller_message::Msg::Resync(ResyncResidency { expected_seq })),
-                                    };
-                                    if tx.send(Ok(resync)).await.is_err() {
-                                        break End::AgentLeft;
-                                    }
-                                    (Vec::new(), false)
-                                }
-                            },
-                            Msg::Register(_) | Msg::Heartbeat(_) => (Vec::new(), false),
                         };
+                        let live = live.into_iter().map(|event| event.of(&node_id, &origin, stream));
                         if durable_changed {
-                            let desired = reported.durable.clone();
-                            if pending.is_none() {
-                                write_at = write_at.max(Instant::now() + COALESCE);
-                            }
-                            pending = (written.as_ref() != Some(&desired)).then_some(desired);
+                            desired.send_replace(reported.durable.clone());
                         }
                         let mut reconciler_gone = false;
                         for event in live {
@@ -303,39 +255,9 @@ impl AgentSvc {
                     Ok(Some(AgentMessage { msg: None })) => last_heard = Instant::now(),
                     Ok(None) | Err(_) => break End::AgentLeft,
                 },
-                () = sleep_until(due) => {
-                    let Some(status) = pending.clone() else { continue };
-                    match self.write(&mut lease, status.clone(), registered_unix_ms, &instance_digest).await {
-                        Ok(revision) => {
-                            tracing::debug!(revision, "node status written");
-                            written = Some(status);
-                            pending = None;
-                            write_at = Instant::now() + self.min_write_interval;
-                            write_backoff.reset();
-                        }
-                        Err(StoreError::NodeTaken(_)) => break End::Taken,
-                        Err(error) => {
-                            tracing::warn!(%error, "node status not written; holding it for retry");
-                            write_at = Instant::now() + write_backoff.next_wait();
-                        }
-                    }
-                }
-                _ = keepalive.tick() => {
+                _ = silence.tick() => {
                     if last_heard.elapsed() > self.lease_ttl {
                         break End::AgentSilent;
-                    }
-                    if let Some(current) = lease.as_mut() {
-                        match self.store.keep_alive(current).await {
-                            Ok(()) => {}
-                            Err(StoreError::LeaseExpired(id)) => {
-                                // etcd was away longer than the TTL: the node's
-                                // key is gone. Write it again under a new lease.
-                                tracing::warn!(lease = id, "node lease expired; re-registering");
-                                lease = None;
-                                pending = written.take().or(pending);
-                            }
-                            Err(error) => tracing::warn!(%error, "lease keep-alive failed"),
-                        }
                     }
                 }
                 changed = snapshots.changed() => {
@@ -380,31 +302,207 @@ impl AgentSvc {
 
         self.metrics.agent_streams.dec();
         let _ = self.live.send(LiveEvent::Gone { node_id: node_id.clone(), origin, stream }).await;
-        match end {
+        let leaves = match end {
             End::Shutdown => {
                 // Leave the lease to run out: the agent moves to another
                 // controller, whose write replaces the key before then.
                 tracing::info!("controller shutting down; agent stream closed");
+                Leaving::AtTtl
             }
-            End::AgentLeft | End::AgentSilent | End::Taken => {
-                if matches!(end, End::Taken) {
-                    tracing::warn!("node id taken by another agent after this one's lease ran out; stream closed");
-                    let _ = tx.send(Err(taken(&node_id))).await;
-                } else if matches!(end, End::AgentSilent) {
-                    tracing::warn!("agent silent for longer than the lease ttl; dropping its node");
-                    let _ = tx.send(Err(status(ErrorKind::Timeout, "no heartbeat within the lease ttl"))).await;
-                } else {
-                    tracing::info!("agent left");
+            End::Taken => {
+                tracing::warn!("node id taken by another agent after this one's lease ran out; stream closed");
+                let _ = tx.send(Err(taken_status(&node_id))).await;
+                Leaving::Now
+            }
+            End::AgentSilent => {
+                tracing::warn!("agent silent for longer than the lease ttl; dropping its node");
+                let _ = tx.send(Err(status(ErrorKind::Timeout, "no heartbeat within the lease ttl"))).await;
+                Leaving::Now
+            }
+            End::AgentLeft => {
+                tracing::info!("agent left");
+                Leaving::Now
+            }
+        };
+        let _ = leaving.send(leaves);
+    }
+
+    /// What an agent's message comes to: live events for the reconciler
+    /// and whether the node's durable record changed, or a request for
+    /// the agent's whole residency table.
+    fn take(&self, msg: Msg, node_id: &str, reported: &mut Reported, numbering: &mut Numbering) -> Taken {
+        match msg {
+            Msg::Status(status) | Msg::Register(inferyes_proto::v1::Register { status: Some(status), .. }) => {
+                if status.node_id != node_id {
+                    tracing::warn!(reported = %status.node_id, "agent changed its node id; ignoring the report");
+                    return Taken::Live { events: Vec::new(), durable_changed: false };
                 }
-                if let Some(lease) = lease
-                    && let Err(error) = self.store.revoke(lease).await
-                {
-                    tracing::warn!(%error, "lease revoke failed; the node leaves when it expires");
+                let changed = reported.update(status);
+                let mut events = Vec::new();
+                if changed.load {
+                    events.push(Live::Load(reported.load.clone()));
                 }
+                if changed.sessions && !numbering.in_use() {
+                    events.push(Live::Sessions {
+                        full: true,
+                        upserted: reported.sessions.clone(),
+                        removed: Vec::new(),
+                    });
+                }
+                Taken::Live { events, durable_changed: changed.durable }
+            }
+            Msg::Residency(mut update) => match numbering.check(&update) {
+                Check::Apply => {
+                    let latest = inferyes_proto::unix_ms().saturating_add(CLOCK_SKEW_MS);
+                    for session in &mut update.upserted {
+                        session.last_seen_unix_ms = session.last_seen_unix_ms.min(latest);
+                    }
+                    let event =
+                        Live::Sessions { full: update.full, upserted: update.upserted, removed: update.removed };
+                    Taken::Live { events: vec![event], durable_changed: false }
+                }
+                Check::Drop => Taken::Live { events: Vec::new(), durable_changed: false },
+                Check::Resync { expected_seq } => {
+                    tracing::debug!(expected_seq, "residency numbering broken; asking for a full table");
+                    Taken::Resync(ControllerMessage {
+                        msg: Some(controller_message::Msg::Resync(ResyncResidency { expected_seq })),
+                    })
+                }
+            },
+            Msg::Register(_) | Msg::Heartbeat(_) => Taken::Live { events: Vec::new(), durable_changed: false },
+        }
+    }
+}
+
+/// What an agent's message came to.
+enum Taken {
+    Live { events: Vec<Live>, durable_changed: bool },
+    Resync(ControllerMessage),
+}
+
+/// A change to a node's live state, before it is addressed to the
+/// reconciler.
+enum Live {
+    Load(inferyes_proto::v1::NodeLoad),
+    Sessions { full: bool, upserted: Vec<inferyes_proto::v1::ResidentSession>, removed: Vec<String> },
+}
+
+impl Live {
+    fn of(self, node_id: &str, origin: &std::sync::Arc<str>, stream: u64) -> LiveEvent {
+        let (node_id, origin) = (node_id.to_string(), std::sync::Arc::clone(origin));
+        match self {
+            Live::Load(load) => LiveEvent::Load { node_id, origin, stream, load },
+            Live::Sessions { full, upserted, removed } => {
+                LiveEvent::Sessions { node_id, origin, stream, full, upserted, removed }
             }
         }
     }
+}
 
+/// Whether a node leaves the fleet as its stream ends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Leaving {
+    /// Its lease is revoked: the agent went, or is silent.
+    Now,
+    /// Its lease is left to run out, for the agent's next controller to
+    /// take the key over before then.
+    AtTtl,
+}
+
+/// The one writer of a node's etcd key for one agent stream: its record,
+/// written when it changed (coalesced, retried with backoff), and its
+/// lease, kept alive until the stream ends.
+struct NodeWriter {
+    svc: AgentSvc,
+    lease: Option<Lease>,
+    /// The status still to write, if any.
+    pending: Option<NodeStatus>,
+    written: Option<NodeStatus>,
+    registered_unix_ms: u64,
+    instance_digest: String,
+}
+
+impl NodeWriter {
+    /// Writes what `desired` says until `leaving` comes (or its stream is
+    /// gone); `taken` is cancelled where another agent's live lease holds
+    /// the node id.
+    async fn run(
+        mut self,
+        mut desired: watch::Receiver<NodeStatus>,
+        mut leaving: oneshot::Receiver<Leaving>,
+        taken: CancellationToken,
+    ) {
+        let mut write_at = Instant::now();
+        let mut backoff = inferyes_net::backoff::RECONNECT;
+        let mut keepalive = tokio::time::interval(self.svc.lease_ttl / 3);
+        keepalive.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let leaves = loop {
+            let due = self.pending.as_ref().map(|_| write_at);
+            tokio::select! {
+                leaves = &mut leaving => break leaves.unwrap_or(Leaving::Now),
+                changed = desired.changed() => {
+                    if changed.is_err() {
+                        break leaving.await.unwrap_or(Leaving::Now);
+                    }
+                    let status = desired.borrow_and_update().clone();
+                    if self.pending.is_none() {
+                        write_at = write_at.max(Instant::now() + COALESCE);
+                    }
+                    self.pending = (self.written.as_ref() != Some(&status)).then_some(status);
+                }
+                () = sleep_until(due) => {
+                    let Some(status) = self.pending.clone() else { continue };
+                    let svc = self.svc.clone();
+                    match svc.write(&mut self.lease, status.clone(), self.registered_unix_ms, &self.instance_digest).await {
+                        Ok(revision) => {
+                            tracing::debug!(revision, "node status written");
+                            self.written = Some(status);
+                            self.pending = None;
+                            write_at = Instant::now() + self.svc.min_write_interval;
+                            backoff.reset();
+                        }
+                        Err(StoreError::NodeTaken(_)) => {
+                            taken.cancel();
+                            break Leaving::Now;
+                        }
+                        Err(error) => {
+                            tracing::warn!(%error, "node status not written; holding it for retry");
+                            write_at = Instant::now() + backoff.next_wait();
+                        }
+                    }
+                }
+                _ = keepalive.tick() => self.keep_alive().await,
+            }
+        };
+        if leaves == Leaving::Now
+            && let Some(lease) = self.lease.take()
+            && let Err(error) = self.svc.store.revoke(lease).await
+        {
+            tracing::warn!(%error, "lease revoke failed; the node leaves when it expires");
+        }
+    }
+
+    async fn keep_alive(&mut self) {
+        let Some(current) = self.lease.as_mut() else { return };
+        self.svc.metrics.lease_keepalives.inc();
+        match self.svc.store.keep_alive(current).await {
+            Ok(()) => {}
+            Err(StoreError::LeaseExpired(id)) => {
+                // etcd was away longer than the TTL: the node's key is
+                // gone. Write it again under a new lease.
+                tracing::warn!(lease = id, "node lease expired; re-registering");
+                self.lease = None;
+                self.pending = self.written.take().or(self.pending.take());
+            }
+            Err(error) => {
+                self.svc.metrics.lease_keepalive_failures.inc();
+                tracing::warn!(%error, "lease keep-alive failed");
+            }
+        }
+    }
+}
+
+impl AgentSvc {
     async fn write(
         &self,
         lease: &mut Option<Lease>,

@@ -533,3 +533,49 @@ async fn a_live_node_s_id_cannot_be_taken_by_another_registration() {
     let old = register("", "http://127.0.0.1:11").await.expect_err("refused");
     assert_eq!(old.code(), tonic::Code::PermissionDenied);
 }
+
+#[tokio::test]
+async fn with_etcd_paused_agent_streams_and_live_state_go_on_and_writes_catch_up() {
+    // A lease that outlasts the pause: etcd revokes what expired while it
+    // was stopped as soon as it goes on.
+    let etcd = Etcd::start().await;
+    let controller = ControllerHandle::start_with(&etcd.endpoint(), "controller-1", None, |config| {
+        config.lease_ttl_ms = 12_000;
+    })
+    .await;
+    let sims = vec![SimHandle::start(chat_sim("chat")).await, SimHandle::start(chat_sim("chat")).await];
+    let mut agents = Vec::new();
+    for (i, sim) in sims.iter().enumerate() {
+        agents.push(AgentHandle::start(&crate::support::node_id(i), &[controller.url()], &[("main", sim)]).await);
+    }
+    let dataplane = DataplaneHandle::start(&[controller.url()]).await;
+    dataplane.wait_for_nodes(&["node-a", "node-b"]).await;
+    let fleet = Fleet { etcd, controller: Some(controller), sims, agents, dataplane, http: HttpClient::default() };
+
+    fleet.etcd.pause();
+    // A change for etcd, which waits: node-a's memory a step up.
+    let extra = serde_json::json!({"extra_used_bytes": 1u64 << 33});
+    fleet.http.post_json(&format!("{}/sim/gpu", fleet.sims[0].url), &extra).await;
+    // Meanwhile every new conversation's residency reaches the data plane
+    // as fast as ever, on either node, through more than a keep-alive
+    // period (4 s) of each node's lease.
+    let until = std::time::Instant::now() + Duration::from_secs(5);
+    let mut conversations = 0;
+    while std::time::Instant::now() < until {
+        let session = format!("while-etcd-sleeps-{conversations}");
+        assert_eq!(chat(&fleet, &session).await.status, StatusCode::OK);
+        fleet
+            .dataplane
+            .wait_for("the new session resident", Duration::from_secs(1), |s| s.resident(&session).is_some())
+            .await;
+        conversations += 1;
+    }
+
+    fleet.etcd.resume();
+    fleet
+        .dataplane
+        .wait_for("the held write", Duration::from_secs(15), |s| {
+            s.nodes().iter().any(|n| n.id.as_ref() == "node-a" && n.vram_used_bytes > 1 << 33) && s.nodes().len() == 2
+        })
+        .await;
+}
