@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Brings up a whole local fleet on this machine and serves the OpenAI API on
-# http://127.0.0.1:8080/v1: etcd (data under .fleet/), one controller, agents,
-# one data plane. Ctrl-C stops everything. Logs: .fleet/logs/.
+# http://127.0.0.1:8080/v1: etcd (data under .fleet/, one directory per
+# mode, so neither mode's nodes outlive it into the other's), one
+# controller, agents, one data plane. Ctrl-C stops everything, agents before
+# their controller: each ends its node as it stops. Logs: .fleet/logs/.
 #
 #   fleet.sh         two agents with simulated GPUs and inference servers
 #   fleet.sh --real  three agents, each fronting a real llama-server serving
@@ -33,11 +35,13 @@ if [ "$real" = 1 ]; then
   model=gemma-3-270m
   nodes=3
   first_node=gemma-a
+  etcd_data="$state/etcd-real"
 else
   "$root/scripts/deps.sh"
   model=qwen2.5-7b-instruct
   nodes=2
   first_node=gpu-a
+  etcd_data="$state/etcd"
 fi
 
 echo "building ($profile)..." >&2
@@ -62,7 +66,8 @@ stop() {
   echo >&2
   echo "stopping the fleet..." >&2
   # Data plane first, etcd last: each stops while what it talks to is up,
-  # within 10 s, else it is killed: nothing is left holding a port.
+  # within 10 s, else it is killed: nothing is left holding a port. An
+  # agent exits once its controller has ended its node.
   for (( i=${#pids[@]}-1; i>=0; i-- )); do
     kill -TERM "${pids[$i]}" 2>/dev/null || true
     for _ in $(seq 1 100); do kill -0 "${pids[$i]}" 2>/dev/null || break; sleep 0.1; done
@@ -83,7 +88,7 @@ wait_http() { # url, name
   exit 1
 }
 
-etcd --name inferyes-local --data-dir "$state/etcd" \
+etcd --name inferyes-local --data-dir "$etcd_data" \
   --listen-client-urls http://127.0.0.1:23790 --advertise-client-urls http://127.0.0.1:23790 \
   --listen-peer-urls http://127.0.0.1:23800 --initial-advertise-peer-urls http://127.0.0.1:23800 \
   --initial-cluster inferyes-local=http://127.0.0.1:23800 \

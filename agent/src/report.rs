@@ -127,7 +127,10 @@ async fn session(
     loop {
         let heartbeat_at = last_sent + heartbeat_every;
         tokio::select! {
-            () = shutdown.cancelled() => return Ok(()),
+            () = shutdown.cancelled() => {
+                leave(tx, inbound).await;
+                return Ok(());
+            }
             message = inbound.message() => match message {
                 Ok(Some(message)) => match message.msg {
                     Some(controller_message::Msg::Drain(drain)) => {
@@ -179,6 +182,32 @@ async fn session(
                 last_sent = Instant::now();
             }
         }
+    }
+}
+
+/// How long a stopping agent waits for its controller to end its node.
+const LEAVE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Leaves the fleet: the stream's sending half is closed, and the
+/// controller, having ended the node (its lease revoked, its record gone),
+/// closes the stream in turn. Waited for within [`LEAVE_TIMEOUT`], so a
+/// fleet stopped and started again never lists this node; past it (the
+/// controller or etcd away), the node's lease runs out instead.
+async fn leave(tx: mpsc::Sender<AgentMessage>, mut inbound: tonic::Streaming<inferyes_proto::v1::ControllerMessage>) {
+    drop(tx);
+    let closed = async {
+        loop {
+            match inbound.message().await {
+                Ok(Some(_)) => {}
+                Ok(None) => return true,
+                Err(_) => return false,
+            }
+        }
+    };
+    match tokio::time::timeout(LEAVE_TIMEOUT, closed).await {
+        Ok(true) => tracing::info!("left the fleet"),
+        Ok(false) => tracing::warn!("the stream broke while leaving; the node's lease runs out instead"),
+        Err(_) => tracing::warn!("the controller did not end the node in time; its lease runs out instead"),
     }
 }
 

@@ -213,7 +213,7 @@ impl AgentSvc {
         let (desired, desired_rx) = watch::channel(reported.durable.clone());
         let (leaving, leaving_rx) = oneshot::channel();
         let taken = CancellationToken::new();
-        tokio::spawn(writer.run(desired_rx, leaving_rx, taken.clone()).in_current_span());
+        let writing = tokio::spawn(writer.run(desired_rx, leaving_rx, taken.clone()).in_current_span());
         self.metrics.agent_streams.inc();
         let mut last_heard = Instant::now();
         let mut silence = tokio::time::interval(self.lease_ttl / 3);
@@ -325,6 +325,9 @@ impl AgentSvc {
             }
         };
         let _ = leaving.send(leaves);
+        // The stream ends once the node has: an agent that left waits for
+        // this end, and exits knowing its node is out of the fleet.
+        let _ = writing.await;
     }
 
     /// What an agent's message comes to: live events for the reconciler

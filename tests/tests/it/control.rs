@@ -579,3 +579,49 @@ async fn with_etcd_paused_agent_streams_and_live_state_go_on_and_writes_catch_up
         })
         .await;
 }
+
+#[tokio::test]
+async fn a_fleet_stopped_and_started_again_lists_only_its_live_nodes() {
+    // Leases that would outlive the restart: a node its agent did not end
+    // would still be listed.
+    let long_leases = |config: &mut inferyes_controller::Config| config.lease_ttl_ms = 15_000;
+    let mut etcd = Etcd::start().await;
+    let controller = ControllerHandle::start_with(&etcd.endpoint(), "controller-1", None, long_leases).await;
+    let sims = [SimHandle::start(chat_sim("chat")).await, SimHandle::start(chat_sim("chat")).await];
+    let mut agents = Vec::new();
+    for (i, sim) in sims.iter().enumerate() {
+        agents.push(AgentHandle::start(&crate::support::node_id(i), &[controller.url()], &[("main", sim)]).await);
+    }
+    let dataplane = DataplaneHandle::start(&[controller.url()]).await;
+    dataplane.wait_for_nodes(&["node-a", "node-b"]).await;
+
+    // Stopped as a service manager stops it: each agent's stop ends its
+    // node before the agent exits.
+    let mut store = etcd_client::Client::connect([etcd.endpoint()], None).await.expect("etcd");
+    for agent in agents {
+        let node = agent.node_id.clone();
+        assert!(agent.stop_within(Duration::from_secs(10)).await, "{node} stopped within its grace");
+        let key = format!("/inferyes/v1/nodes/{node}");
+        assert_eq!(store.get(key, None).await.expect("read").count(), 0, "{node}'s record gone as its agent exited");
+    }
+    dataplane.stop().await;
+    controller.stop().await;
+    etcd.stop();
+    etcd.restart().await;
+
+    // Started again with another node: from the first request, only it.
+    let controller = ControllerHandle::start_with(&etcd.endpoint(), "controller-1", None, long_leases).await;
+    let other = SimHandle::start(chat_sim("other")).await;
+    let _agent = AgentHandle::start("node-c", &[controller.url()], &[("main", &other)]).await;
+    let dataplane = DataplaneHandle::start(&[controller.url()]).await;
+    dataplane.wait_for_nodes(&["node-c"]).await;
+    let snapshot = dataplane.store.current().expect("a snapshot");
+    let nodes: Vec<&str> = snapshot.nodes().iter().map(|n| n.id.as_ref()).collect();
+    assert_eq!(nodes, ["node-c"]);
+    let http = HttpClient::default();
+    let models = http.get(&format!("{}/v1/models", dataplane.url)).await.json();
+    let ids: Vec<&str> = models["data"].as_array().expect("models").iter().filter_map(|m| m["id"].as_str()).collect();
+    assert_eq!(ids, ["other"]);
+    let gone = http.post_json(&format!("{}/v1/chat/completions", dataplane.url), &chat_body("chat", "hi")).await;
+    assert_eq!(gone.status, StatusCode::NOT_FOUND, "no node of the stopped fleet takes a request");
+}
