@@ -13,7 +13,6 @@ pub mod residency;
 pub mod state;
 
 use std::sync::Arc;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicU32, AtomicU64};
 use std::time::Duration;
 
@@ -150,11 +149,11 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
                 in_flight: AtomicU32::new(0),
                 finished: AtomicU64::new(0),
                 log: inferyes_net::log::Gate::new(),
-                unsupported: Mutex::default(),
+                unsupported: state::Shared::default(),
             })
             .collect(),
-        observations: Mutex::new(Observations::default()),
-        residency: Mutex::new(residency::Residency::default()),
+        observations: state::Shared::new(Observations::default()),
+        residency: state::Shared::new(residency::Residency::default()),
         changed: tokio::sync::Notify::new(),
         poll_now: tokio::sync::Notify::new(),
     });

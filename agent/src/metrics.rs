@@ -94,7 +94,7 @@ impl Metrics {
             self.gpu_memory_total_bytes.get_or_create(&labels).set(bytes(gpu.memory_total_bytes));
             self.gpu_utilization_percent.get_or_create(&labels).set(i64::from(gpu.utilization_percent));
         }
-        let sessions = state.residency.lock().map(|r| r.sessions()).unwrap_or_default();
+        let sessions = state.residency.lock().sessions();
         for backend in &status.backends {
             let labels = BackendLabels { backend: backend.id.clone() };
             let ready = backend.health() == inferyes_proto::v1::Health::Ready;

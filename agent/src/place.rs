@@ -92,7 +92,7 @@ async fn carry_out(state: &AgentState, client: &ProbeClient, order: &PlacementOr
     // What the backend was last seen to be, and to list: an order for a
     // model it does not list is not passed on.
     let (kind, listed) = {
-        let observations = state.observations.lock().map_err(|_| Refused::NotYet("observations unreadable"))?;
+        let observations = state.observations.lock();
         let backend = observations
             .backends
             .iter()

@@ -35,7 +35,8 @@ pub async fn run(
 pub async fn poll_once(state: &AgentState, client: &ProbeClient, gpus: &GpuReader) {
     let probed = probe_all(state, client).await;
     let backends = with_rates(state, probed, inferyes_proto::unix_ms());
-    if let Ok(mut residency) = state.residency.lock() {
+    {
+        let mut residency = state.residency.lock();
         for (handle, backend) in state.backends.iter().zip(&backends) {
             let slots = if backend.slots_total > 0 {
                 usize::try_from(backend.slots_total).unwrap_or(usize::MAX)
@@ -46,26 +47,25 @@ pub async fn poll_once(state: &AgentState, client: &ProbeClient, gpus: &GpuReade
             residency.set_capacity(&handle.probe.id, capacity);
         }
     }
-    let changed_backends = match state.observations.lock() {
-        Ok(mut o) if o.backends != backends => {
-            o.backends = backends;
-            true
+    let changed_backends = {
+        let mut observations = state.observations.lock();
+        let changed = observations.backends != backends;
+        if changed {
+            observations.backends = backends;
         }
-        _ => false,
+        changed
     };
     let reading = gpus.read(client, state.loaded_model_bytes()).await;
     if let Some(error) = &reading.error {
         tracing::warn!(source = gpus.source_name(), %error, "GPU reading failed");
     }
-    let changed_gpus = match state.observations.lock() {
-        Ok(mut o) => {
-            let Observations { gpus, gpu_failures, .. } = &mut *o;
-            let reported = reported_gpus(gpus, reading, gpu_failures);
-            let changed = *gpus != reported;
-            *gpus = reported;
-            changed
-        }
-        Err(_) => false,
+    let changed_gpus = {
+        let mut observations = state.observations.lock();
+        let Observations { gpus, gpu_failures, .. } = &mut *observations;
+        let reported = reported_gpus(gpus, reading, gpu_failures);
+        let changed = *gpus != reported;
+        *gpus = reported;
+        changed
     };
     if changed_backends || changed_gpus {
         state.changed.notify_one();
@@ -105,9 +105,7 @@ fn reported_gpus(last: &[Gpu], reading: GpuReading, failures: &mut u32) -> Vec<G
 /// The backends as probed, with the prompt rate and service time their
 /// counters give over the last readings.
 fn with_rates(state: &AgentState, probed: Vec<Probed>, now_ms: u64) -> Vec<Backend> {
-    let Ok(mut observations) = state.observations.lock() else {
-        return probed.into_iter().map(|p| p.backend).collect();
-    };
+    let mut observations = state.observations.lock();
     let windows = &mut observations.throughput;
     windows.resize_with(state.backends.len(), Throughput::default);
     probed
@@ -132,9 +130,9 @@ fn with_rates(state: &AgentState, probed: Vec<Probed>, now_ms: u64) -> Vec<Backe
 /// Probes every backend concurrently, keeping the configured order.
 async fn probe_all(state: &AgentState, client: &ProbeClient) -> Vec<Probed> {
     let mut set = tokio::task::JoinSet::new();
-    let previous: Vec<Option<Backend>> = match state.observations.lock() {
-        Ok(o) => state.backends.iter().map(|h| o.backends.iter().find(|b| b.id == h.probe.id).cloned()).collect(),
-        Err(_) => vec![None; state.backends.len()],
+    let previous: Vec<Option<Backend>> = {
+        let observations = state.observations.lock();
+        state.backends.iter().map(|h| observations.backends.iter().find(|b| b.id == h.probe.id).cloned()).collect()
     };
     for ((i, handle), previous) in state.backends.iter().enumerate().zip(previous) {
         let probe = handle.probe.clone();

@@ -205,11 +205,8 @@ async fn forward_in_span(proxy: Proxy, request: Request<Incoming>) -> Response {
         parts.headers.insert(header::AUTHORIZATION, value.clone());
     }
 
-    if let (Some(session), Some(model)) = (&session, model)
-        && let Ok(mut residency) = proxy.state.residency.lock()
-    {
-        residency.touch(session, backend_id, model, inferyes_proto::unix_ms());
-        drop(residency);
+    if let (Some(session), Some(model)) = (&session, model) {
+        proxy.state.residency.lock().touch(session, backend_id, model, inferyes_proto::unix_ms());
         proxy.state.changed.notify_one();
     }
 
@@ -369,8 +366,8 @@ impl Tracked {
         };
         let Some(usage) = usage else { return };
         let state = &self.guard.state;
-        if let (Some(backend), Ok(mut residency)) = (self.backend(), state.residency.lock()) {
-            residency.record(&session, &backend.probe.id, usage);
+        if let Some(backend) = self.backend() {
+            state.residency.lock().record(&session, &backend.probe.id, usage);
         }
         state.changed.notify_one();
     }

@@ -214,9 +214,12 @@ async fn leave(tx: mpsc::Sender<AgentMessage>, mut inbound: tonic::Streaming<inf
 /// Sends the residency table's changes (or all of it); returns whether
 /// anything was sent.
 async fn send_residency(state: &AgentState, tx: &mpsc::Sender<AgentMessage>, full: bool) -> Result<bool, Failure> {
-    let update = match state.residency.lock() {
-        Ok(mut residency) if full || residency.has_changes() => residency.take_update(full),
-        _ => return Ok(false),
+    let update = {
+        let mut residency = state.residency.lock();
+        if !full && !residency.has_changes() {
+            return Ok(false);
+        }
+        residency.take_update(full)
     };
     send(tx, agent_message::Msg::Residency(update)).await?;
     Ok(true)

@@ -4,8 +4,8 @@
 //! and the jobs a backend answered 501 for; the reporter reads, through [`AgentState::status`], and takes
 //! numbered residency updates.
 
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use inferyes_proto::v1::{Backend, EndpointKind, Gpu, ModelState, NodeStatus};
@@ -13,6 +13,24 @@ use tokio::sync::Notify;
 
 use crate::probe::BackendProbe;
 use crate::residency::Residency;
+
+/// A lock taken whatever panicked while it was held. What it guards is
+/// changed a field at a time, so what a panic left is still the best the
+/// agent knows; a lock skipped once poisoned would switch off for good
+/// what it guards (residency, observations), and the node would go on
+/// reporting as of the panic.
+#[derive(Debug, Default)]
+pub struct Shared<T>(Mutex<T>);
+
+impl<T> Shared<T> {
+    pub fn new(value: T) -> Shared<T> {
+        Shared(Mutex::new(value))
+    }
+
+    pub fn lock(&self) -> MutexGuard<'_, T> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
 
 /// The labels a backend's metrics are kept under.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, prometheus_client::encoding::EncodeLabelSet)]
@@ -40,7 +58,7 @@ pub struct BackendHandle {
     pub log: inferyes_net::log::Gate,
     /// Kinds of job the backend answered 501 for, by model, until when
     /// they are believed: the proxy writes them, the status reads them.
-    pub unsupported: Mutex<Vec<Unsupported>>,
+    pub unsupported: Shared<Vec<Unsupported>>,
 }
 
 /// A kind of job a backend said it does not do for a model.
@@ -63,7 +81,7 @@ impl BackendHandle {
     /// Notes that the backend answered 501 for `kind` of `model`; whether
     /// that is news.
     pub fn learn_unsupported(&self, model: &str, kind: EndpointKind, now: Instant) -> bool {
-        let Ok(mut learned) = self.unsupported.lock() else { return false };
+        let mut learned = self.unsupported.lock();
         learned.retain(|u| u.until > now);
         let until = now + UNSUPPORTED_FOR;
         if let Some(known) = learned.iter_mut().find(|u| u.model == model && u.kind == kind) {
@@ -79,7 +97,7 @@ impl BackendHandle {
 
     /// Adds what the backend said it does not do to `backend`'s models.
     fn mark_unsupported(&self, backend: &mut Backend, now: Instant) {
-        let Ok(learned) = self.unsupported.lock() else { return };
+        let learned = self.unsupported.lock();
         for u in learned.iter().filter(|u| u.until > now) {
             if let Some(model) = backend.models.iter_mut().find(|m| m.id == u.model)
                 && !model.unsupported.contains(&(u.kind as i32))
@@ -112,8 +130,8 @@ pub struct AgentState {
     pub proxy_http2: bool,
     pub started_unix_ms: u64,
     pub backends: Vec<BackendHandle>,
-    pub observations: Mutex<Observations>,
-    pub residency: Mutex<Residency>,
+    pub observations: Shared<Observations>,
+    pub residency: Shared<Residency>,
     /// Woken when something worth reporting changed.
     pub changed: Notify,
     /// Wakes the poller before its next tick: a model load or unload was
@@ -133,7 +151,7 @@ impl AgentState {
             return self.backends.first();
         }
         let model = model?;
-        let observations = self.observations.lock().ok()?;
+        let observations = self.observations.lock();
         let serving = |loaded_only: bool| {
             observations
                 .backends
@@ -146,7 +164,7 @@ impl AgentState {
     }
 
     pub fn loaded_model_bytes(&self) -> u64 {
-        let Ok(observations) = self.observations.lock() else { return 0 };
+        let observations = self.observations.lock();
         observations
             .backends
             .iter()
@@ -158,9 +176,9 @@ impl AgentState {
 
     /// The node's status as reported to the controller.
     pub fn status(&self) -> NodeStatus {
-        let (mut backends, gpus) = match self.observations.lock() {
-            Ok(o) => (o.backends.clone(), o.gpus.clone()),
-            Err(_) => (Vec::new(), Vec::new()),
+        let (mut backends, gpus) = {
+            let observations = self.observations.lock();
+            (observations.backends.clone(), observations.gpus.clone())
         };
         let now = Instant::now();
         for backend in &mut backends {
@@ -209,8 +227,48 @@ mod tests {
             in_flight: AtomicU32::new(0),
             finished: AtomicU64::new(0),
             log: inferyes_net::log::Gate::new(),
-            unsupported: Mutex::default(),
+            unsupported: Shared::default(),
         }
+    }
+
+    /// A panic on `lock`'s thread while it holds a guard, as a bug in
+    /// the proxy or the poller would leave it.
+    fn poison<T: Send>(shared: &Shared<T>) {
+        std::thread::scope(|scope| {
+            let held = scope.spawn(|| {
+                let _guard = shared.lock();
+                panic!("a bug while the lock is held");
+            });
+            assert!(held.join().is_err());
+        });
+        assert!(shared.0.is_poisoned());
+    }
+
+    #[test]
+    fn a_panic_while_a_lock_was_held_switches_nothing_off() {
+        let state = AgentState {
+            node_id: "n".into(),
+            instance: String::new(),
+            hostname: String::new(),
+            proxy_url: "http://127.0.0.1:1".into(),
+            proxy_http2: true,
+            started_unix_ms: 0,
+            backends: vec![handle()],
+            observations: Shared::default(),
+            residency: Shared::default(),
+            changed: Notify::new(),
+            poll_now: Notify::new(),
+        };
+        poison(&state.residency);
+        state.residency.lock().touch("conversation", "b0", "chat", 1);
+        let update = state.residency.lock().take_update(false);
+        assert!(update.upserted.iter().any(|s| s.key == "conversation"), "residency still tracked: {update:?}");
+
+        poison(&state.observations);
+        state.observations.lock().backends = vec![Backend { id: "b0".into(), ..Default::default() }];
+        assert_eq!(state.status().backends.len(), 1, "observations still reported");
+        poison(&state.backends[0].unsupported);
+        assert!(state.backends[0].learn_unsupported("chat", EndpointKind::Infill, Instant::now()));
     }
 
     #[test]
@@ -232,6 +290,6 @@ mod tests {
         for i in 0..2 * MAX_UNSUPPORTED {
             handle.learn_unsupported(&format!("made-up-{i}"), EndpointKind::Embedding, now);
         }
-        assert_eq!(handle.unsupported.lock().unwrap().len(), MAX_UNSUPPORTED);
+        assert_eq!(handle.unsupported.lock().len(), MAX_UNSUPPORTED);
     }
 }
