@@ -167,9 +167,10 @@ async fn streaming_chat_and_completions() {
     assert_eq!(chunks[2]["choices"][0]["delta"]["content"], " ");
     assert_eq!(chunks[4]["choices"][0]["finish_reason"], "length");
     assert_eq!(chunks[4]["choices"][0]["delta"], json!({}));
-    assert_eq!(chunks[4]["timings"]["predicted_n"], 3);
+    assert!(chunks[4].get("timings").is_none(), "with usage asked for, the timings go with it");
     assert_eq!(chunks[5]["choices"], json!([]));
     assert_eq!(chunks[5]["usage"]["completion_tokens"], 3);
+    assert_eq!(chunks[5]["timings"]["predicted_n"], 3);
     assert!(chunks.iter().all(|c| c["id"] == chunks[0]["id"]));
     assert_eq!(events[6], "[DONE]");
 
@@ -198,6 +199,11 @@ async fn streaming_chat_and_completions() {
     let first: Value = serde_json::from_str(&events[0]).unwrap();
     assert_eq!(first["object"], "text_completion");
     assert!(first["choices"][0]["text"].is_string());
+    let last: Value = serde_json::from_str(&events[2]).unwrap();
+    assert_eq!(
+        (last["usage"]["completion_tokens"].as_u64(), last["timings"]["predicted_n"].as_u64()),
+        (Some(2), Some(2))
+    );
     r.stop().await;
 }
 
@@ -365,12 +371,127 @@ async fn shutdown_ends_open_streams_and_disconnect_frees_slot() {
     };
     tokio::time::timeout(Duration::from_secs(5), freed).await.expect("slot freed after disconnect");
 
-    // An open stream does not hold up shutdown.
+    // An open stream does not hold up shutdown, and ends with it.
     let resp = r.send(Method::POST, "/v1/chat/completions", Some("application/json"), body).await;
     let mut incoming = resp.into_body();
     incoming.frame().await.unwrap().unwrap();
     r.stop().await;
-    drop(incoming);
+    let rest = tokio::time::timeout(Duration::from_secs(5), incoming.collect()).await;
+    assert!(rest.is_ok(), "the open stream ended with the server");
+}
+
+/// A stream's events as (name, data), in order.
+async fn named_events(resp: http::Response<hyper::body::Incoming>) -> Vec<(String, Value)> {
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    let text = String::from_utf8(body.to_vec()).unwrap();
+    text.split("\n\n")
+        .filter(|e| !e.is_empty())
+        .map(|e| {
+            let (name, data) = e.split_once('\n').unwrap();
+            let name = name.strip_prefix("event: ").unwrap().to_owned();
+            (name, serde_json::from_str(data.strip_prefix("data: ").unwrap()).unwrap())
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn messages_and_responses_are_answered_whole_and_streamed_as_llama_server_does() {
+    let mut cfg = fast(SimConfig::llama_server("qwen"));
+    cfg.cache_ram_tokens = 0;
+    let r = start(cfg).await;
+    let asked = json!({"model": "qwen", "max_tokens": 3, "system": "be brief",
+                       "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]});
+    let (status, counted) = r.post("/v1/messages/count_tokens", asked.clone()).await;
+    assert_eq!(status, StatusCode::OK);
+    let prompt = counted["input_tokens"].as_u64().unwrap();
+    assert!(prompt > 0, "{counted}");
+
+    let (status, whole) = r.post("/v1/messages", asked.clone()).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!((whole["type"].as_str(), whole["role"].as_str()), (Some("message"), Some("assistant")));
+    assert_eq!(whole["content"][0]["type"], "text");
+    assert_eq!(whole["stop_reason"], "max_tokens");
+    let usage = &whole["usage"];
+    assert_eq!(usage["input_tokens"].as_u64().unwrap() + usage["cache_read_input_tokens"].as_u64().unwrap(), prompt);
+    assert_eq!(usage["output_tokens"], 3);
+
+    // The same again, streamed: its prompt now read from the cache.
+    let mut streamed = asked.clone();
+    streamed["stream"] = json!(true);
+    let resp = r.send(Method::POST, "/v1/messages", Some("application/json"), streamed.to_string()).await;
+    assert_eq!(resp.headers()["content-type"], "text/event-stream");
+    let events = named_events(resp).await;
+    let names: Vec<&str> = events.iter().map(|(name, _)| name.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "message_start",
+            "content_block_start",
+            "content_block_delta",
+            "content_block_delta",
+            "content_block_delta",
+            "content_block_stop",
+            "message_delta",
+            "message_stop",
+        ]
+    );
+    assert!(events.iter().all(|(name, data)| data["type"] == name.as_str()));
+    let opening = &events[0].1["message"]["usage"];
+    let cached = opening["cache_read_input_tokens"].as_u64().unwrap();
+    assert_eq!(cached + opening["input_tokens"].as_u64().unwrap(), prompt);
+    assert!(cached > 0, "{opening}");
+    assert_eq!(events[6].1["usage"]["output_tokens"], 3);
+    let text: String = events[2..5].iter().map(|(_, d)| d["delta"]["text"].as_str().unwrap()).collect();
+    assert_eq!(whole["content"][0]["text"], text, "the same greedy answer");
+
+    let (status, error) = r.post("/v1/messages", json!({"model": "qwen", "max_tokens": 3})).await;
+    assert_eq!((status, error["error"]["type"].as_str()), (StatusCode::INTERNAL_SERVER_ERROR, Some("server_error")));
+
+    let asked = json!({"model": "qwen", "max_output_tokens": 2, "instructions": "be brief", "input": "hi"});
+    let (status, whole) = r.post("/v1/responses", asked.clone()).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!((whole["object"].as_str(), whole["status"].as_str()), (Some("response"), Some("completed")));
+    assert_eq!(whole["output"][0]["content"][0]["type"], "output_text");
+    assert_eq!(whole["usage"]["output_tokens"], 2);
+    let mut streamed = asked.clone();
+    streamed["stream"] = json!(true);
+    let resp = r.send(Method::POST, "/v1/responses", Some("application/json"), streamed.to_string()).await;
+    let events = named_events(resp).await;
+    let names: Vec<&str> = events.iter().map(|(name, _)| name.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "response.created",
+            "response.in_progress",
+            "response.output_item.added",
+            "response.content_part.added",
+            "response.output_text.delta",
+            "response.output_text.delta",
+            "response.output_text.done",
+            "response.content_part.done",
+            "response.output_item.done",
+            "response.completed",
+        ]
+    );
+    let completed = &events[9].1;
+    assert_eq!(completed["response"]["usage"]["total_tokens"], whole["usage"]["total_tokens"]);
+    assert!(completed["response"]["usage"]["input_tokens_details"]["cached_tokens"].as_u64().unwrap() > 0);
+    assert_eq!(completed["response"]["output"][0]["content"][0]["text"], whole["output"][0]["content"][0]["text"]);
+    let (status, error) = r.post("/v1/responses", json!({"model": "qwen", "input": 5})).await;
+    assert_eq!((status, error["error"]["type"].as_str()), (StatusCode::BAD_REQUEST, Some("invalid_request_error")));
+    r.stop().await;
+
+    // llama-swap passes all three on to its model's server.
+    let r = start(fast(SimConfig::llama_swap(["a"]))).await;
+    for (path, body) in [
+        ("/v1/messages", json!({"model": "a", "max_tokens": 2, "messages": [user("hi")]})),
+        ("/v1/messages/count_tokens", json!({"model": "a", "messages": [user("hi")]})),
+        ("/v1/responses", json!({"model": "a", "max_output_tokens": 2, "input": "hi"})),
+    ] {
+        let (status, answer) = r.post(path, body).await;
+        assert_eq!(status, StatusCode::OK, "{path}: {answer}");
+    }
+    r.stop().await;
 }
 
 #[tokio::test]

@@ -196,13 +196,17 @@ async fn the_messages_api_takes_the_key_as_anthropic_s_clients_send_it_and_answe
     );
     assert!(body["error"].get("code").is_none(), "Anthropic's errors have no code: {body}");
 
-    // The key in x-api-key is the fleet's; the simulator, a llama-server
-    // without the Messages API, answers 404, in Anthropic's shape here.
+    // The key in x-api-key is the fleet's.
     let keyed = fleet.http.send(Method::POST, &url, message.clone().into(), &[("x-api-key", &secret)]).await;
     let body = keyed.json();
+    assert_eq!((keyed.status, body["type"].as_str()), (StatusCode::OK, Some("message")), "{body}");
+    // A node's own error reaches the client in Anthropic's shape too.
+    let bad = json!({"model": "chat", "max_tokens": "four", "messages": [{"role": "user", "content": "hi"}]});
+    let refused = fleet.http.send(Method::POST, &url, bad.to_string().into(), &[("x-api-key", &secret)]).await;
+    let body = refused.json();
     assert_eq!(
-        (keyed.status, body["error"]["type"].as_str()),
-        (StatusCode::NOT_FOUND, Some("not_found_error")),
+        (refused.status, body["type"].as_str(), body["error"]["type"].as_str()),
+        (StatusCode::BAD_REQUEST, Some("error"), Some("invalid_request_error")),
         "{body}"
     );
     let wrong_method = fleet.http.send(Method::GET, &url, bytes::Bytes::new(), &[("x-api-key", &secret)]).await;
