@@ -41,6 +41,39 @@ stream=$(curl -fsS -N http://127.0.0.1:8080/v1/chat/completions -H 'content-type
   -d '{"model":"qwen2.5-7b-instruct","stream":true,"messages":[{"role":"user","content":"hi"}],"max_tokens":4}') || fail "stream"
 grep -q 'data: \[DONE\]' <<<"$stream" || fail "stream did not end with [DONE]: $stream"
 
+# The official SDKs as a new user points them at the fleet: Anthropic's
+# streams a two-turn conversation and counts its tokens; OpenAI's asks for
+# a chat and a Responses answer, whole and streamed.
+venv=$("$root/scripts/venv.sh")
+"$venv/bin/python" - <<'PY' || fail "the Anthropic and OpenAI SDKs"
+import anthropic
+import openai
+
+model = "qwen2.5-7b-instruct"
+claude = anthropic.Anthropic(base_url="http://127.0.0.1:8080", api_key="none", max_retries=0, timeout=60)
+conversation = [{"role": "user", "content": "hello"}]
+for _ in range(2):
+    with claude.messages.stream(model=model, max_tokens=8, messages=conversation) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text and final.content[0].text == text and final.stop_reason == "max_tokens", final
+    assert final.usage.output_tokens == 8, final.usage
+    conversation += [{"role": "assistant", "content": text}, {"role": "user", "content": "and then?"}]
+assert claude.messages.count_tokens(model=model, messages=conversation).input_tokens > 0
+
+client = openai.OpenAI(base_url="http://127.0.0.1:8080/v1", api_key="none", max_retries=0, timeout=60)
+chat = client.chat.completions.create(model=model, max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+assert chat.choices[0].message.content, chat
+response = client.responses.create(model=model, max_output_tokens=4, input="hi")
+assert response.output_text and response.usage.output_tokens == 4, response
+# Iterated as events: the SDK's `responses.stream()` helper also needs
+# each event's `output_index` and `content_index`, which llama-server's
+# Responses stream does not send.
+events = list(client.responses.create(model=model, max_output_tokens=4, input="hi", stream=True))
+streamed = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+assert events[-1].type == "response.completed" and streamed == events[-1].response.output_text, events
+PY
+
 embed=$(curl -fsS http://127.0.0.1:8080/v1/embeddings -H 'content-type: application/json' \
   -d '{"model":"nomic-embed-text","input":"hello"}') || fail "embeddings"
 grep -q '"embedding"' <<<"$embed" || fail "embeddings reply: $embed"

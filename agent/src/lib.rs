@@ -93,7 +93,9 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         for model in &simulated.server.models {
             let kinds: &[EndpointKind] = match model.job {
                 inferyes_sim::SimJob::Text if model.embedding => &[EndpointKind::Embedding],
-                inferyes_sim::SimJob::Text => &[EndpointKind::Chat, EndpointKind::Completion],
+                inferyes_sim::SimJob::Text => {
+                    &[EndpointKind::Chat, EndpointKind::Completion, EndpointKind::Messages, EndpointKind::Responses]
+                }
                 inferyes_sim::SimJob::Transcription => &[EndpointKind::Transcription],
                 inferyes_sim::SimJob::Speech => &[EndpointKind::Speech],
                 inferyes_sim::SimJob::Images => &[EndpointKind::Images],
