@@ -5,6 +5,7 @@ benchmarks' in bench_chat.py."""
 
 import json
 import os
+import random
 import secrets
 import shutil
 import socket
@@ -18,9 +19,25 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port that is free now, from below the kernel's ephemeral
+    range: a process stopped and started again where it was (etcd, a
+    llama-server) finds it free, since no connection or `bind(0)` of
+    another process takes one from there."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as ports:
+            ephemeral = int(ports.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral = 32768
+    start = max(1024, ephemeral - 12000)
+    for _ in range(1000):
+        port = random.randrange(start, ephemeral)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free loopback port in {start}..{ephemeral}")
 
 
 def binary_dir():

@@ -1,4 +1,3 @@
-use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
@@ -26,18 +25,15 @@ fn etcd_binary() -> PathBuf {
     }
 }
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("a free loopback port")
-}
-
 impl Etcd {
     pub async fn start() -> Etcd {
         let binary = etcd_binary();
         // An external process needs its ports up front; a port taken in the
         // meantime makes etcd exit, and then we try new ones.
         for _ in 0..5 {
-            let client_port = free_port();
-            let peer_port = free_port();
+            // Below the ephemeral range: free again for a restart.
+            let client_port = crate::ports::stable_port();
+            let peer_port = crate::ports::stable_port();
             let dir = std::env::temp_dir().join(format!("inferyes-etcd-{}-{client_port}", std::process::id()));
             let _ = std::fs::remove_dir_all(&dir);
             std::fs::create_dir_all(&dir).expect("etcd data dir");

@@ -91,7 +91,10 @@ impl ControllerHandle {
         grpc_addr: Option<SocketAddr>,
         tweak: impl FnOnce(&mut inferyes_controller::Config),
     ) -> ControllerHandle {
-        let grpc = local_listener(grpc_addr).await;
+        // Below the ephemeral range, so a restart at the same address finds
+        // it free (`crate::ports`).
+        let grpc_addr = grpc_addr.unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], crate::ports::stable_port())));
+        let grpc = local_listener(Some(grpc_addr)).await;
         let http = local_listener(None).await;
         let grpc_addr = grpc.local_addr().expect("bound");
         let http_addr = http.local_addr().expect("bound");

@@ -6,6 +6,7 @@ pub mod browser;
 pub mod client;
 pub mod etcd;
 pub mod fleet;
+pub mod ports;
 
 pub use browser::Browser;
 pub use client::{HttpClient, TestResponse};

