@@ -83,7 +83,8 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         let simulator = inferyes_sim::Simulator::new(simulated.server.clone())
             .with_context(|| format!("simulated backend `{}`", simulated.id))?;
         let kind = match simulated.server.mode {
-            // A router says it is one: read as a real one is.
+            // A simulated router is configured as a llama-server, as a real
+            // one is: the probe finds it out from its `/props`.
             inferyes_sim::SimMode::LlamaServer | inferyes_sim::SimMode::LlamaServerRouter => {
                 config::BackendKind::LlamaServer
             }
@@ -117,7 +118,8 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
             declared_models: simulated.server.models.iter().map(|m| m.id.clone()).collect(),
             host_cache_tokens: simulated.server.cache_ram_tokens,
             model_sizes: simulated.server.models.iter().map(|m| (m.id.clone(), m.size_bytes)).collect(),
-            // A router says its own; a llama-swap is configured with it.
+            // A router reports its model limit itself (`/props`); llama-swap
+            // does not, so the simulator's is configured.
             models_max: if kind == config::BackendKind::LlamaSwap { simulated.server.max_loaded_models } else { 0 },
         });
         let token = shutdown.clone();
@@ -170,7 +172,8 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         poll::run(Arc::clone(&state), client, gpus, config.poll_interval(), shutdown.clone())
             .instrument(tracing::info_span!("poller")),
     ));
-    // Presented to controllers: the first; taken from data planes: any.
+    // Several join tokens may be configured, for a rotation: the first is
+    // presented to controllers, and any is taken from data planes.
     let join_tokens = inferyes_proto::files::read_tokens(
         config.join_token.as_deref(),
         config.join_token_file.as_deref(),
@@ -178,8 +181,8 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
     )?;
     let join_token: Option<Arc<str>> =
         join_tokens.as_ref().and_then(|tokens| tokens.first()).map(|t| Arc::from(t.as_str()));
-    // Data planes present what the controller derives from its join token
-    // (the token itself, from data planes of an earlier version).
+    // Data planes present what the controller derives from its join token;
+    // the token itself is taken too, which data planes before that send.
     let accepted = join_tokens.map(|tokens| {
         let credentials = tokens.iter().map(|token| inferyes_proto::bearer::proxy_credential(token));
         inferyes_proto::bearer::Accepted::new(credentials.chain(tokens.iter().cloned()).collect())

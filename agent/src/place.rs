@@ -89,8 +89,8 @@ async fn carry_out(state: &AgentState, client: &ProbeClient, order: &PlacementOr
         return Err(Refused::Failed(format!("the order is for node `{}`", order.node_id)));
     }
     let handle = state.backend(&order.backend_id).ok_or_else(|| Refused::Failed("no such backend".into()))?;
-    // What the backend was last seen to be, and to list: an order for a
-    // model it does not list is not passed on.
+    // The backend's kind and models as last probed: an order for a model
+    // it does not list is not passed on.
     let (kind, listed) = {
         let observations = state.observations.lock();
         let backend = observations

@@ -168,8 +168,9 @@ async fn forward_in_span(proxy: Proxy, request: Request<Incoming>) -> Response {
     // request (its residency is updated when the answer ends).
     let model_header = parts.headers.get(MODEL_HEADER).cloned();
     let model = model_header.as_ref().and_then(|v| v.to_str().ok());
-    // A data plane sends no longer key; a client reaching this proxy some
-    // other way gets no place in the session table for one.
+    // Data planes send no session key longer than this: a longer one comes
+    // from a client that reached the proxy some other way, and is left out
+    // so it cannot fill the residency table.
     let session = parts
         .headers
         .get(SESSION_HEADER)
@@ -263,18 +264,17 @@ async fn forward_in_span(proxy: Proxy, request: Request<Incoming>) -> Response {
     }
 }
 
-/// What stays behind of a backend's answer: its connection options, which
-/// are its connection's (passed on, a `Connection: close`, llama-server's
-/// on every hundredth answer of a connection, would close the data plane's
-/// pooled connection to this proxy too), and the agent's own word, which a
-/// backend must not be able to say.
+/// Takes out of a backend's answer its hop-by-hop headers, which are its
+/// connection's (llama-server's `Connection: close` on every hundredth
+/// answer would close the data plane's pooled connection to this proxy
+/// too), and `AGENT_REFUSED`, which only the agent may say.
 fn strip_answer_headers(headers: &mut HeaderMap) {
     inferyes_proto::headers::remove_hop_by_hop(headers);
     headers.remove(inferyes_proto::bearer::AGENT_REFUSED);
 }
 
-/// Hop-by-hop headers, the data plane's routing headers and the client's
-/// credential stay behind.
+/// Takes out of a request, before it goes to a backend, the hop-by-hop
+/// headers, the data plane's routing headers and the fleet's credential.
 fn strip_headers(headers: &mut HeaderMap) {
     // `Host` is not here: the backend's own replaces it.
     static STRIPPED: [HeaderName; 6] = [

@@ -25,7 +25,9 @@ pub struct Connection {
     pub draining: bool,
 }
 
-/// Where what controllers say goes.
+/// Where the reporter passes on what controllers tell the agent: which
+/// controller holds the stream and whether the node drains, and the node's
+/// placement orders.
 pub struct Outlets {
     pub connection: watch::Sender<Connection>,
     /// The node's outstanding placement orders, as last heard.

@@ -46,8 +46,8 @@ struct Entry {
 pub use inferyes_proto::usage::Usage;
 
 /// One backend's sessions by recency, and the tokens they hold together:
-/// eviction reads the few newest, and the whole line only when something
-/// must go (it ran over every session on every request).
+/// eviction reads the few newest, and walks the whole line only when
+/// something must be evicted.
 #[derive(Clone, Debug, Default)]
 struct Lineup {
     /// Tick → session key and its tokens, oldest first.

@@ -93,8 +93,8 @@ pub struct Endpoint {
     state: Arc<NodeState>,
 }
 
-/// What an attempt at a node, or a stream from it, came to, as the node's
-/// state takes it.
+/// An attempt's or a stream's outcome as it bears on its node's state:
+/// answered well, failed (held out of routing or not), or no judgement.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Observed {
     /// The node answered well: a failure streak ends, and any ejection
@@ -109,7 +109,8 @@ pub enum Observed {
     Unjudged,
 }
 
-/// Who saw an outcome: for the log line, and the snapshot it routed on.
+/// The request an outcome came from, for the log line, and the snapshot
+/// version it was routed on.
 #[derive(Clone, Copy, Debug)]
 pub struct Witness<'a> {
     pub request_id: &'a str,
@@ -239,8 +240,8 @@ impl NodeStates {
     /// forgotten.
     pub fn view<'a>(&self, endpoints: impl ExactSizeIterator<Item = &'a Endpoint>) -> View {
         let nodes: Box<[Arc<NodeState>]> = endpoints.map(|e| Arc::clone(&e.state)).collect();
-        // A set, not a scan of the nodes per state: a thousand nodes made
-        // that a million comparisons per snapshot.
+        // A set, not a scan of the nodes for each state: for 1,000 nodes a
+        // scan is a million comparisons per snapshot.
         let present: HashSet<*const NodeState> = nodes.iter().map(Arc::as_ptr).collect();
         let mut by_node = self.by_node.lock().unwrap_or_else(PoisonError::into_inner);
         by_node.retain(|_, state| present.contains(&Arc::as_ptr(state)) || state.in_flight() > 0);

@@ -451,8 +451,8 @@ impl Meter {
     }
 
     /// Called with every frame of a stream: the first for which
-    /// `carries_output` says yes is the first token. Once it came, a load
-    /// and nothing more: the frame is not looked at.
+    /// `carries_output` says yes is the first token. After it, a call is
+    /// one atomic load, and the frame is not looked at.
     pub fn frame(&self, carries_output: impl FnOnce() -> bool) {
         if self.0.first_token.get().is_none() && carries_output() {
             let _ = self.0.first_token.set(Instant::now());

@@ -25,8 +25,9 @@ impl Gate {
         Gate { last: AtomicU64::new(0), held_back: AtomicU64::new(0) }
     }
 
-    /// Whether an event may go out now, at most one per `every`: the
-    /// count of those held back since the last one, where it may.
+    /// `Some(held_back)` where an event may be logged now (at most one per
+    /// `every`), with the count of those held back since the last; else
+    /// `None`, and this one is counted as held back.
     pub fn pass(&self, every: Duration) -> Option<u64> {
         self.pass_at(u64::try_from(START.elapsed().as_millis()).unwrap_or(u64::MAX - 1) + 1, every)
     }

@@ -150,8 +150,8 @@ fn millis(d: Duration) -> u32 {
     u32::try_from(d.as_millis()).unwrap_or(u32::MAX)
 }
 
-/// A registration whose node is (or is to be) written: what the stream's
-/// session starts from.
+/// A registration taken: the agent's reported status, and the writer of
+/// its node's key, its first write done or held for retry.
 struct Claim {
     reported: Reported,
     /// The node's writer, its first write done or held for retry.
@@ -232,8 +232,8 @@ impl AgentSvc {
                     Ok(Some(AgentMessage { msg: Some(msg) })) => {
                         last_heard = Instant::now();
                         let (live, durable_changed) = match self.take(msg, &node_id, &mut reported, &mut numbering) {
-                            Taken::Live { events, durable_changed } => (events, durable_changed),
-                            Taken::Resync(resync) => {
+                            Heard::Live { events, durable_changed } => (events, durable_changed),
+                            Heard::Resync(resync) => {
                                 if tx.send(Ok(resync)).await.is_err() {
                                     break End::AgentLeft;
                                 }
@@ -330,15 +330,15 @@ impl AgentSvc {
         let _ = writing.await;
     }
 
-    /// What an agent's message comes to: live events for the reconciler
-    /// and whether the node's durable record changed, or a request for
-    /// the agent's whole residency table.
-    fn take(&self, msg: Msg, node_id: &str, reported: &mut Reported, numbering: &mut Numbering) -> Taken {
+    /// What one agent message comes to: live events for the reconciler and
+    /// whether the node's durable record changed, or, where its residency
+    /// numbering has a gap, a request for the agent's whole table.
+    fn take(&self, msg: Msg, node_id: &str, reported: &mut Reported, numbering: &mut Numbering) -> Heard {
         match msg {
             Msg::Status(status) | Msg::Register(inferyes_proto::v1::Register { status: Some(status), .. }) => {
                 if status.node_id != node_id {
                     tracing::warn!(reported = %status.node_id, "agent changed its node id; ignoring the report");
-                    return Taken::Live { events: Vec::new(), durable_changed: false };
+                    return Heard::Live { events: Vec::new(), durable_changed: false };
                 }
                 let changed = reported.update(status);
                 let mut events = Vec::new();
@@ -352,7 +352,7 @@ impl AgentSvc {
                         removed: Vec::new(),
                     });
                 }
-                Taken::Live { events, durable_changed: changed.durable }
+                Heard::Live { events, durable_changed: changed.durable }
             }
             Msg::Residency(mut update) => match numbering.check(&update) {
                 Check::Apply => {
@@ -362,29 +362,29 @@ impl AgentSvc {
                     }
                     let event =
                         Live::Sessions { full: update.full, upserted: update.upserted, removed: update.removed };
-                    Taken::Live { events: vec![event], durable_changed: false }
+                    Heard::Live { events: vec![event], durable_changed: false }
                 }
-                Check::Drop => Taken::Live { events: Vec::new(), durable_changed: false },
+                Check::Drop => Heard::Live { events: Vec::new(), durable_changed: false },
                 Check::Resync { expected_seq } => {
                     tracing::debug!(expected_seq, "residency numbering broken; asking for a full table");
-                    Taken::Resync(ControllerMessage {
+                    Heard::Resync(ControllerMessage {
                         msg: Some(controller_message::Msg::Resync(ResyncResidency { expected_seq })),
                     })
                 }
             },
-            Msg::Register(_) | Msg::Heartbeat(_) => Taken::Live { events: Vec::new(), durable_changed: false },
+            Msg::Register(_) | Msg::Heartbeat(_) => Heard::Live { events: Vec::new(), durable_changed: false },
         }
     }
 }
 
 /// What an agent's message came to.
-enum Taken {
+enum Heard {
     Live { events: Vec<Live>, durable_changed: bool },
     Resync(ControllerMessage),
 }
 
-/// A change to a node's live state, before it is addressed to the
-/// reconciler.
+/// A change to a node's live state, before the node id, origin and stream
+/// number are put on it.
 enum Live {
     Load(inferyes_proto::v1::NodeLoad),
     Sessions { full: bool, upserted: Vec<inferyes_proto::v1::ResidentSession>, removed: Vec<String> },

@@ -36,8 +36,9 @@ pub struct RoutingSvc {
     /// billed. Not the agents' join token, unless the fleet has one token
     /// for both. `None`: open.
     pub dataplane_tokens: Option<inferyes_proto::bearer::Accepted>,
-    /// What data planes present to agents (from the snapshot): derived
-    /// from the join token, never the token itself. Empty: nothing.
+    /// The credential put in every snapshot for data planes to send
+    /// agents: an HMAC of the join token, never the token itself. Empty:
+    /// agents take requests without one.
     pub proxy_credential: String,
     /// The live state's batches, and the way to ask for all of it.
     pub batches: crate::reconcile::Batches,

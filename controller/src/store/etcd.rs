@@ -160,9 +160,9 @@ impl EtcdStore {
         let claim = match held {
             None => Compare::version(key.clone(), CompareOp::Equal, 0),
             // The same instance, moving controllers; or a record with no
-            // instance, written by a controller or for an agent of an
-            // earlier version, taken as then (the last write wins) until
-            // both are rolled; or one no controller can read.
+            // instance digest (its agent sends none), taken over by a
+            // compare on its revision, the last write winning; or one no
+            // controller can read.
             Some((mod_revision, Ok(current)))
                 if current.instance_digest.is_empty() || current.instance_digest == record.instance_digest =>
             {

@@ -20,9 +20,9 @@ use inferyes_proto::kinds::ErrorShape;
 use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 
 use super::attempt::{Hops, OpenStream};
-use super::classify::{EndVerdict, StreamEnd, UpstreamError, classify_end};
+use super::classify::{EndVerdict, Ended, UpstreamError, classify_end};
 use super::client::NodeBody;
-use super::resume::{self, Continuation};
+use super::continuation::{self, Continuation};
 use crate::error::{ApiError, ErrorCode};
 use crate::targets::{Endpoint, InFlight, Observed, Witness};
 use crate::usage::{Meter, Outcome};
@@ -37,7 +37,8 @@ const LOADING_NOTE_EVERY: Duration = Duration::from_secs(1);
 
 type Boxed<T> = Pin<Box<dyn Future<Output = T> + Send>>;
 
-/// What a stream's body is passed on with, the same whatever node answers.
+/// How a stream's body is passed on, whichever node answers: its opening
+/// event, how it ends, its usage chunk, its meter, its error shape.
 pub(crate) struct Plan {
     /// The event the stream must open with, where its kind has one.
     pub opening: Option<super::opening::Opening>,
@@ -96,8 +97,9 @@ struct Streaming {
     status: u16,
     /// The stream's first bytes, kept where its usage is partly there.
     head: Option<Vec<u8>>,
-    /// The first bytes passed on, until its first event shows it opens as
-    /// its kind does.
+    /// Holds the first bytes back until the first event is whole, to put
+    /// the kind's opening event (`message_start`) ahead where the node left
+    /// it out; `None` once done, or where not needed.
     opening: Option<super::opening::Opening>,
     tail: Vec<u8>,
     /// A partial event, where events are read whole.
@@ -107,14 +109,14 @@ struct Streaming {
     hard_stop: Pin<Box<WaitForCancellationFutureOwned>>,
     plan: Plan,
     /// Where the stream may go on: the nodes left, and what it said so far.
-    resume: Option<Box<Resume>>,
+    continuing: Option<Box<Continuing>>,
     /// The request's span ends with the stream, not with its headers.
     span: tracing::Span,
     ended: bool,
 }
 
 /// A stream that may go on at another node if it breaks.
-struct Resume {
+struct Continuing {
     continuation: Arc<Continuation>,
     /// The nodes left to ask.
     left: Hops,
@@ -134,22 +136,23 @@ impl StreamBody {
         open: OpenStream,
         plan: Plan,
         hard_stop: CancellationToken,
-        resume: Option<(Arc<Continuation>, Hops)>,
+        continuing: Option<(Arc<Continuation>, Hops)>,
     ) -> (http::response::Parts, StreamBody) {
         let OpenStream { parts, body, guard, endpoint } = open;
         let event_stream = super::sse::is_event_stream(&parts.headers);
         let mut plan = plan;
         let opening = plan.opening.take().filter(|_| event_stream && parts.status.is_success());
-        let resume = resume.filter(|(_, left)| event_stream && left.peek().is_some()).map(|(continuation, left)| {
-            Box::new(Resume {
-                continuation,
-                left,
-                partial: String::new(),
-                generated: 0,
-                continued: false,
-                asking: None,
-            })
-        });
+        let continuing =
+            continuing.filter(|(_, left)| event_stream && left.peek().is_some()).map(|(continuation, left)| {
+                Box::new(Continuing {
+                    continuation,
+                    left,
+                    partial: String::new(),
+                    generated: 0,
+                    continued: false,
+                    asking: None,
+                })
+            });
         let streaming = Streaming {
             inner: body,
             guard,
@@ -163,7 +166,7 @@ impl StreamBody {
             inner_done: false,
             hard_stop: Box::pin(hard_stop.cancelled_owned()),
             plan,
-            resume,
+            continuing,
             span: tracing::Span::current(),
             ended: false,
         };
@@ -212,7 +215,7 @@ impl http_body::Body for StreamBody {
             match polled {
                 Poll::Pending => return Poll::Pending,
                 Poll::Ready(Prelude::Note(note)) => return Poll::Ready(Some(Ok(Frame::data(note)))),
-                Poll::Ready(Prelude::Answer(body)) => this.state = body.state,
+                Poll::Ready(Prelude::Body(body)) => this.state = body.state,
                 Poll::Ready(Prelude::Failed(event)) => {
                     this.state = State::Ended;
                     return Poll::Ready(Some(Ok(Frame::data(event))));
@@ -239,10 +242,11 @@ impl http_body::Body for StreamBody {
     }
 }
 
-/// What the prelude comes to.
+/// What polling a cold load comes to: a note to send, the answer's body
+/// to switch to, or its error as the stream's last event.
 enum Prelude {
     Note(Bytes),
-    Answer(Box<StreamBody>),
+    Body(Box<StreamBody>),
     /// The answer failed before its head: its error event, the last.
     Failed(Bytes),
 }
@@ -250,7 +254,7 @@ enum Prelude {
 impl Loading {
     fn poll(&mut self, cx: &mut Context<'_>) -> Poll<Prelude> {
         match self.answer.as_mut().poll(cx) {
-            Poll::Ready(Ok(body)) => return Poll::Ready(Prelude::Answer(Box::new(body))),
+            Poll::Ready(Ok(body)) => return Poll::Ready(Prelude::Body(Box::new(body))),
             Poll::Ready(Err(error)) => {
                 // The client's status was 200 long ago: the meter is told of
                 // the failure here, or its drop would count a cancelled
@@ -280,14 +284,14 @@ impl Streaming {
             return Poll::Ready(None);
         }
         if self.hard_stop.as_mut().poll(cx).is_ready() {
-            return self.end(cx, StreamEnd::Shutdown, None);
+            return self.end(cx, Ended::Shutdown, None);
         }
-        if let Some(resume) = self.resume.as_mut()
-            && let Some(asking) = resume.asking.as_mut()
+        if let Some(continuing) = self.continuing.as_mut()
+            && let Some(asking) = continuing.asking.as_mut()
         {
             let Poll::Ready((next, left)) = asking.as_mut().poll(cx) else { return Poll::Pending };
-            resume.asking = None;
-            resume.left = left;
+            continuing.asking = None;
+            continuing.left = left;
             let Some(OpenStream { body, guard, endpoint, .. }) = next else {
                 let error = ApiError::new(
                     inferyes_proto::ErrorKind::Upstream,
@@ -302,12 +306,12 @@ impl Streaming {
                 self.ended = true;
                 return Poll::Ready(Some(Ok(Frame::data(error.event()))));
             };
-            resume.continuation.metrics.continuations.inc();
+            continuing.continuation.metrics.continuations.inc();
             let note = format!(
                 ": continued on node {} after node {} broke ({} chunks in)\n\n",
-                endpoint.id, self.endpoint.id, resume.generated
+                endpoint.id, self.endpoint.id, continuing.generated
             );
-            resume.continued = true;
+            continuing.continued = true;
             self.guard = guard;
             self.endpoint = endpoint;
             self.inner = body;
@@ -317,7 +321,7 @@ impl Streaming {
             return Poll::Ready(Some(Ok(Frame::data(Bytes::from(note)))));
         }
         if self.inner_done {
-            return self.end(cx, StreamEnd::Closed { complete: self.closed_complete() }, None);
+            return self.end(cx, Ended::Closed { complete: self.closed_complete() }, None);
         }
         loop {
             match Pin::new(&mut self.inner).poll_frame(cx) {
@@ -345,7 +349,7 @@ impl Streaming {
                         frame = Frame::data(opened);
                     }
                     let Some(data) = frame.data_ref() else { return Poll::Ready(Some(Ok(frame))) };
-                    if self.resume.is_some() {
+                    if self.continuing.is_some() {
                         // Read event by event, for what was said so far.
                         match self.read_events(data) {
                             Some(kept) => return Poll::Ready(Some(Ok(Frame::data(kept)))),
@@ -371,14 +375,14 @@ impl Streaming {
                     let complete = self.closed_complete();
                     // A last event without its blank line: passed on as it
                     // is, unless the stream goes on elsewhere.
-                    if !self.events.is_empty() && (self.resume.is_none() || complete) {
+                    if !self.events.is_empty() && (self.continuing.is_none() || complete) {
                         return Poll::Ready(Some(Ok(Frame::data(self.events.take_rest()))));
                     }
-                    return self.end(cx, StreamEnd::Closed { complete }, None);
+                    return self.end(cx, Ended::Closed { complete }, None);
                 }
                 Poll::Ready(Some(Err(error))) => {
                     let complete = self.event_stream && self.checks_end() && self.ended_well();
-                    return self.end(cx, StreamEnd::Failed { complete }, Some(error));
+                    return self.end(cx, Ended::Failed { complete }, Some(error));
                 }
                 Poll::Pending => return Poll::Pending,
             }
@@ -389,17 +393,17 @@ impl Streaming {
     /// may be continued: what they say kept for a continuation, the
     /// usage-only chunk and a continued stream's second preamble left out.
     fn read_events(&mut self, data: &[u8]) -> Option<Bytes> {
-        let resume = self.resume.as_mut()?;
+        let continuing = self.continuing.as_mut()?;
         let mut kept: Vec<Bytes> = Vec::new();
         for event in self.events.push(data) {
             if self.plan.strip_usage && super::sse::is_usage_only_event(&event) {
                 continue;
             }
-            match resume::read(&event) {
-                resume::Event::Chunk { preamble: true, .. } if resume.continued => continue,
-                resume::Event::Chunk { content: Some(content), .. } => {
-                    resume.partial.push_str(&content);
-                    resume.generated += 1;
+            match continuation::read(&event) {
+                continuation::Event::Chunk { preamble: true, .. } if continuing.continued => continue,
+                continuation::Event::Chunk { content: Some(content), .. } => {
+                    continuing.partial.push_str(&content);
+                    continuing.generated += 1;
                 }
                 _ => {}
             }
@@ -415,15 +419,15 @@ impl Streaming {
 
     /// The stream's end, as [`classify_end`] judges it; `failure`, the
     /// node's connection's, where it failed.
-    fn end(&mut self, cx: &mut Context<'_>, end: StreamEnd, failure: Option<inferyes_net::pool::BodyError>) -> Polled {
+    fn end(&mut self, cx: &mut Context<'_>, end: Ended, failure: Option<inferyes_net::pool::BodyError>) -> Polled {
         let span = self.span.clone();
         let _entered = span.enter();
-        let resumable = self.resume.as_ref().is_some_and(|resume| resume.left.peek().is_some());
+        let continuable = self.continuing.as_ref().is_some_and(|continuing| continuing.left.peek().is_some());
         let witness = Witness { request_id: super::id_text(&self.plan.request_id), version: self.plan.version };
-        let verdict = classify_end(end, self.event_stream, resumable);
+        let verdict = classify_end(end, self.event_stream, continuable);
         let observed = match &verdict {
             EndVerdict::Done => Observed::Answered,
-            EndVerdict::Resume => Observed::Failed { what: "broke mid-stream; continuing elsewhere", eject: true },
+            EndVerdict::Continue => Observed::Failed { what: "broke mid-stream; continuing elsewhere", eject: true },
             EndVerdict::Fail { eject: true, .. } | EndVerdict::Cut { eject: true } => {
                 Observed::Failed { what: "failed mid-stream", eject: true }
             }
@@ -439,12 +443,13 @@ impl Streaming {
                 self.finish(Outcome::Ok);
                 return Poll::Ready(None);
             }
-            EndVerdict::Resume => match self.resume.as_mut() {
-                Some(resume) => {
-                    let left = std::mem::take(&mut resume.left);
-                    let continuation = Arc::clone(&resume.continuation);
-                    let asking = resume::continue_on(continuation, left, resume.partial.clone(), resume.generated);
-                    resume.asking = Some(Box::pin(tracing::Instrument::instrument(asking, span.clone())));
+            EndVerdict::Continue => match self.continuing.as_mut() {
+                Some(continuing) => {
+                    let left = std::mem::take(&mut continuing.left);
+                    let continuation = Arc::clone(&continuing.continuation);
+                    let asking =
+                        continuation::continue_on(continuation, left, continuing.partial.clone(), continuing.generated);
+                    continuing.asking = Some(Box::pin(tracing::Instrument::instrument(asking, span.clone())));
                     drop(_entered);
                     return self.poll(cx);
                 }
@@ -494,7 +499,7 @@ impl Streaming {
         if let Some(meter) = &self.plan.meter {
             // A continued answer's usage is partly the first node's: it is
             // estimated (prompt from the request, one token per event).
-            let continued = self.resume.as_ref().is_some_and(|resume| resume.continued);
+            let continued = self.continuing.as_ref().is_some_and(|continuing| continuing.continued);
             let usage =
                 if continued { None } else { meter.usage(self.head.as_deref().unwrap_or_default(), &self.tail) };
             meter.finish(status, outcome, usage);

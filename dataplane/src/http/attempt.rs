@@ -16,7 +16,7 @@ use http::uri::PathAndQuery;
 use http::{HeaderMap, HeaderName, HeaderValue, header};
 use inferyes_proto::ErrorKind;
 
-use super::classify::{Attempt, MAX_BUFFERED_BODY, Purpose, UpstreamError, Verdict, classify};
+use super::classify::{Attempted, MAX_BUFFERED_BODY, Purpose, UpstreamError, Verdict, classify};
 use super::client::{Forwarder, NodeBody, is_decimal};
 use crate::error::{ApiError, ErrorCode};
 use crate::routing::{MAX_TARGETS, Route};
@@ -33,7 +33,7 @@ pub const FAILOVER: &str = "failover";
 const MAX_ERROR_BODY: usize = 64 << 10;
 
 /// A request as every attempt sends it: the client's path, headers made
-/// for a node (what stays behind taken out, ours put in: see
+/// for a node (what is not forwarded taken out, ours put in: see
 /// [`super::client::upstream_headers`]) and body.
 pub(crate) struct Outbound {
     pub path_and_query: PathAndQuery,
@@ -65,8 +65,9 @@ pub(crate) struct Hops {
 }
 
 impl Hops {
-    /// The targets of `route` for `model` on `snapshot`, whose first is
-    /// the route's expected time to first token.
+    /// Each target of `route` made ready to send to: its node's endpoint,
+    /// its backend, and the cold load of `model` it would start. The first
+    /// carries the route's reason, the rest `failover`.
     pub fn of(snapshot: &RoutingSnapshot, route: &Route, model: &str) -> Hops {
         let mut hops = Hops::default();
         for (index, target) in route.targets.iter().enumerate() {
@@ -159,7 +160,7 @@ impl Attempts<'_> {
         let mut last_error = None;
         let mut first = true;
         while let Some(hop) = hops.pop() {
-            if purpose == Purpose::Answer && !first {
+            if purpose == Purpose::First && !first {
                 self.metrics.retries.inc();
             }
             let last = hops.is_empty();
@@ -198,7 +199,7 @@ impl Attempts<'_> {
             let (error, told_by_node) = match verdict {
                 Verdict::Pass => {
                     let Some((parts, read)) = answer else { unreachable!("only an answer passes") };
-                    if purpose == Purpose::Answer
+                    if purpose == Purpose::First
                         && let Some(meter) = self.meter
                     {
                         meter.served(served());
@@ -220,7 +221,7 @@ impl Attempts<'_> {
                 last_error = Some(error);
                 continue;
             }
-            if purpose == Purpose::Answer
+            if purpose == Purpose::First
                 && let Some(meter) = self.meter
             {
                 meter.served(served());
@@ -247,11 +248,11 @@ impl Attempts<'_> {
         headers: HeaderMap,
         body: Bytes,
         stream: bool,
-    ) -> (Attempt, Option<(http::response::Parts, Read)>) {
+    ) -> (Attempted, Option<(http::response::Parts, Read)>) {
         let to = (&*hop.endpoint, hop.backend.as_ref());
         let response = match self.forwarder.send(to, path_and_query, headers, body).await {
             Err(attempt) => {
-                if let Attempt::Unreachable(Some(cause)) = &attempt {
+                if let Attempted::Unreachable(Some(cause)) = &attempt {
                     tracing::debug!(node = %hop.endpoint.id, %cause, "no answer from the node");
                 }
                 return (attempt, None);
@@ -264,19 +265,19 @@ impl Attempts<'_> {
         let (parts, body) = response.into_parts();
         let event_stream = super::sse::is_event_stream(&parts.headers);
         if stream {
-            return (Attempt::Answered { event_stream }, Some((parts, Read::Head(body))));
+            return (Attempted::Answered { event_stream }, Some((parts, Read::Head(body))));
         }
         // A whole answer or none: read before the client sees a byte, so a
         // node failing mid-answer is a clean 502 (or the next candidate),
         // never a truncated body.
         let mut held = super::body::Budget::reservation(self.forwarder.budget());
         match super::body::read_whole_within(body, MAX_BUFFERED_BODY, Some(&mut held)).await {
-            Ok(bytes) => (Attempt::Answered { event_stream }, Some((parts, Read::Whole(bytes, held)))),
-            Err(super::body::ReadError::TooLarge) => (Attempt::BodyTooLarge, None),
-            Err(super::body::ReadError::OverBudget) => (Attempt::OverBudget, None),
+            Ok(bytes) => (Attempted::Answered { event_stream }, Some((parts, Read::Whole(bytes, held)))),
+            Err(super::body::ReadError::TooLarge) => (Attempted::BodyTooLarge, None),
+            Err(super::body::ReadError::OverBudget) => (Attempted::OverBudget, None),
             Err(super::body::ReadError::Body(cause)) => {
                 tracing::debug!(node = %hop.endpoint.id, %cause, "the answer broke off");
-                (Attempt::BodyBroke, None)
+                (Attempted::BodyBroke, None)
             }
         }
     }
@@ -336,15 +337,16 @@ fn whole_answer(
     Response::from_parts(parts, Body::new(super::body::Held::new(bytes, held)))
 }
 
-/// An error status: the agent's refusal of the credential (its header
-/// says so; its backends cannot), or the node's error, read.
-async fn error_answer(response: http::Response<NodeBody>) -> Attempt {
+/// What an error status came to: a 401 with `AGENT_REFUSED`, which only
+/// an agent sends, is its refusal of this data plane's credential; any
+/// other is the node's own error, read from its body.
+async fn error_answer(response: http::Response<NodeBody>) -> Attempted {
     if response.status() == http::StatusCode::UNAUTHORIZED
         && response.headers().contains_key(inferyes_proto::bearer::AGENT_REFUSED)
     {
-        return Attempt::CredentialRefused;
+        return Attempted::CredentialRefused;
     }
-    Attempt::NodeError(read_error(response).await)
+    Attempted::NodeError(read_error(response).await)
 }
 
 /// The cold load of `model` on `target`, where no load of it has started

@@ -97,7 +97,7 @@ impl UpstreamError {
 /// What one attempt came to, up to its answer's head (and, for an answer
 /// read whole, its body).
 #[derive(Debug)]
-pub enum Attempt {
+pub enum Attempted {
     /// No head within the response-header timeout.
     TimedOut(Duration),
     /// No connection, or it broke before the head; why, where known.
@@ -117,18 +117,19 @@ pub enum Attempt {
     OverBudget,
 }
 
-impl Attempt {
-    /// What the node did, as a log line says it: "node {what}".
+impl Attempted {
+    /// The outcome as a log line's phrase, after "node" (`node is
+    /// unreachable`).
     pub fn what(&self) -> &'static str {
         match self {
-            Attempt::TimedOut(_) => "did not answer in time",
-            Attempt::Unreachable(_) => "is unreachable",
-            Attempt::NodeError(_) => "answered with an error before the first byte",
-            Attempt::CredentialRefused => "refused the fleet's credential",
-            Attempt::Answered { .. } => "answered",
-            Attempt::BodyBroke => "failed mid-answer",
-            Attempt::BodyTooLarge => "answered more than can be held",
-            Attempt::OverBudget => "answered while the data plane's buffers were full",
+            Attempted::TimedOut(_) => "did not answer in time",
+            Attempted::Unreachable(_) => "is unreachable",
+            Attempted::NodeError(_) => "answered with an error before the first byte",
+            Attempted::CredentialRefused => "refused the fleet's credential",
+            Attempted::Answered { .. } => "answered",
+            Attempted::BodyBroke => "failed mid-answer",
+            Attempted::BodyTooLarge => "answered more than can be held",
+            Attempted::OverBudget => "answered while the data plane's buffers were full",
         }
     }
 }
@@ -150,7 +151,7 @@ pub enum Verdict {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Purpose {
     /// The request's answer.
-    Answer,
+    First,
     /// The rest of a stream that broke, from another node: its client has
     /// had bytes all along, so only an event stream will do, and a timeout
     /// spent on one node leaves time for the next.
@@ -163,40 +164,40 @@ const CONCURRENCY_LIMIT: &str = "concurrency_limit";
 
 /// The verdict on `attempt`, made for `purpose`; `last` where no target
 /// follows it.
-pub fn classify(attempt: Attempt, last: bool, purpose: Purpose) -> Verdict {
+pub fn classify(attempt: Attempted, last: bool, purpose: Purpose) -> Verdict {
     match (attempt, purpose) {
-        (Attempt::Answered { event_stream: false }, Purpose::Continue) => {
+        (Attempted::Answered { event_stream: false }, Purpose::Continue) => {
             Verdict::Failover { eject: true, error: UpstreamError::Broken }
         }
-        (Attempt::TimedOut(_), Purpose::Continue) => {
+        (Attempted::TimedOut(_), Purpose::Continue) => {
             Verdict::Failover { eject: true, error: UpstreamError::Unreachable }
         }
-        (attempt, _) => classify_answer(attempt, last),
+        (attempted, _) => classify_first(attempted, last),
     }
 }
 
-fn classify_answer(attempt: Attempt, last: bool) -> Verdict {
+fn classify_first(attempt: Attempted, last: bool) -> Verdict {
     match attempt {
-        Attempt::Answered { .. } => Verdict::Pass,
+        Attempted::Answered { .. } => Verdict::Pass,
         // The timeout is the request's whole wait for an answer to start (a
         // non-streamed generation can take minutes): no time is left to
         // try another node.
-        Attempt::TimedOut(after) => Verdict::Fail { eject: true, error: UpstreamError::Timeout(after) },
-        Attempt::Unreachable(_) => Verdict::Failover { eject: true, error: UpstreamError::Unreachable },
+        Attempted::TimedOut(after) => Verdict::Fail { eject: true, error: UpstreamError::Timeout(after) },
+        Attempted::Unreachable(_) => Verdict::Failover { eject: true, error: UpstreamError::Unreachable },
         // Nothing reached the client: the next node answers instead.
-        Attempt::BodyBroke => Verdict::Failover { eject: true, error: UpstreamError::Broken },
+        Attempted::BodyBroke => Verdict::Failover { eject: true, error: UpstreamError::Broken },
         // The node is well; the answer is too big to hold, and another
         // node would give as big a one.
-        Attempt::BodyTooLarge => Verdict::Fail { eject: false, error: UpstreamError::AnswerTooLarge },
+        Attempted::BodyTooLarge => Verdict::Fail { eject: false, error: UpstreamError::AnswerTooLarge },
         // The data plane's own limit: no node is to blame, none would do
         // better now.
-        Attempt::OverBudget => Verdict::Fail { eject: false, error: UpstreamError::OverBudget },
+        Attempted::OverBudget => Verdict::Fail { eject: false, error: UpstreamError::OverBudget },
         // An agent that does not take the credential: the fleet's setup at
         // fault, not the client's key (an SDK reads a 401 as that).
         // Another node may take it.
-        Attempt::CredentialRefused if last => Verdict::Fail { eject: true, error: UpstreamError::AuthMisconfigured },
-        Attempt::CredentialRefused => Verdict::Failover { eject: true, error: UpstreamError::AuthMisconfigured },
-        Attempt::NodeError(mut error) => {
+        Attempted::CredentialRefused if last => Verdict::Fail { eject: true, error: UpstreamError::AuthMisconfigured },
+        Attempted::CredentialRefused => Verdict::Failover { eject: true, error: UpstreamError::AuthMisconfigured },
+        Attempted::NodeError(mut error) => {
             let status = error.status();
             let refused = status == StatusCode::BAD_GATEWAY || status == StatusCode::SERVICE_UNAVAILABLE;
             // llama-swap's per-model limit is a refusal too, passed on
@@ -218,7 +219,7 @@ fn classify_answer(attempt: Attempt, last: bool) -> Verdict {
 
 /// How a streamed answer came to its end.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum StreamEnd {
+pub enum Ended {
     /// The node closed it; `complete` where it ended as a whole answer
     /// does (`data: [DONE]`, or an error event of the backend's own, for
     /// streams that end so).
@@ -238,7 +239,7 @@ pub enum EndVerdict {
     Done,
     /// Go on at the next node that may continue it; `Fail` with
     /// [`UpstreamError::StreamBroken`] where none can.
-    Resume,
+    Continue,
     /// End the stream with `error` as its last event, or, for a body that
     /// is not an event stream, as it is.
     Fail { eject: bool, error: UpstreamError },
@@ -248,20 +249,18 @@ pub enum EndVerdict {
 }
 
 /// The verdict on a stream's `end`. `event_stream` where the answer is
-/// one; `resumable` where it may be continued elsewhere.
-pub fn classify_end(end: StreamEnd, event_stream: bool, resumable: bool) -> EndVerdict {
+/// one; `continuable` where it may be continued elsewhere.
+pub fn classify_end(end: Ended, event_stream: bool, continuable: bool) -> EndVerdict {
     match end {
-        StreamEnd::Closed { complete: true } | StreamEnd::Failed { complete: true } => EndVerdict::Done,
-        StreamEnd::Shutdown => EndVerdict::Fail { eject: false, error: UpstreamError::Shutdown },
-        StreamEnd::Closed { complete: false } | StreamEnd::Failed { .. } if resumable && event_stream => {
-            EndVerdict::Resume
-        }
-        // The node shut down, say: said rather than ended as if done.
-        StreamEnd::Closed { complete: false } => EndVerdict::Fail { eject: false, error: UpstreamError::StreamCut },
-        StreamEnd::Failed { .. } if event_stream => {
-            EndVerdict::Fail { eject: true, error: UpstreamError::StreamBroken }
-        }
-        StreamEnd::Failed { .. } => EndVerdict::Cut { eject: true },
+        Ended::Closed { complete: true } | Ended::Failed { complete: true } => EndVerdict::Done,
+        Ended::Shutdown => EndVerdict::Fail { eject: false, error: UpstreamError::Shutdown },
+        Ended::Closed { complete: false } | Ended::Failed { .. } if continuable && event_stream => EndVerdict::Continue,
+        // Closed cleanly without its end (the node shut down, say): ended
+        // with an error event, not as if whole; its connection did not
+        // fail, so the node is not held out.
+        Ended::Closed { complete: false } => EndVerdict::Fail { eject: false, error: UpstreamError::StreamCut },
+        Ended::Failed { .. } if event_stream => EndVerdict::Fail { eject: true, error: UpstreamError::StreamBroken },
+        Ended::Failed { .. } => EndVerdict::Cut { eject: true },
     }
 }
 
@@ -269,14 +268,14 @@ pub fn classify_end(end: StreamEnd, event_stream: bool, resumable: bool) -> EndV
 mod tests {
     use super::*;
 
-    fn refused(status: u16, code: Option<&str>) -> Attempt {
+    fn refused(status: u16, code: Option<&str>) -> Attempted {
         let mut error = crate::http::upstream::normalize(StatusCode::from_u16(status).unwrap(), b"{}");
         error.code = code.map(|c| crate::error::Code::Backend(c.into()));
-        Attempt::NodeError(error)
+        Attempted::NodeError(error)
     }
 
-    fn classify(attempt: Attempt, last: bool) -> Verdict {
-        super::classify(attempt, last, Purpose::Answer)
+    fn classify(attempt: Attempted, last: bool) -> Verdict {
+        super::classify(attempt, last, Purpose::First)
     }
 
     fn code(error: UpstreamError) -> String {
@@ -286,16 +285,18 @@ mod tests {
     #[test]
     fn a_node_that_cannot_be_reached_is_held_out_and_the_next_one_tried() {
         for last in [false, true] {
-            let Verdict::Failover { eject: true, error } = classify(Attempt::Unreachable(None), last) else { panic!() };
+            let Verdict::Failover { eject: true, error } = classify(Attempted::Unreachable(None), last) else {
+                panic!()
+            };
             assert_eq!(code(error), "upstream_unreachable");
-            let Verdict::Failover { eject: true, error } = classify(Attempt::BodyBroke, last) else { panic!() };
+            let Verdict::Failover { eject: true, error } = classify(Attempted::BodyBroke, last) else { panic!() };
             assert_eq!(code(error), "upstream_broken");
         }
     }
 
     #[test]
     fn a_timeout_ends_the_request_and_holds_the_node_out() {
-        let verdict = classify(Attempt::TimedOut(Duration::from_secs(3)), false);
+        let verdict = classify(Attempted::TimedOut(Duration::from_secs(3)), false);
         let Verdict::Fail { eject: true, error } = verdict else { panic!("{verdict:?}") };
         let error = error.into_api("a");
         assert_eq!((error.code_str(), error.status().as_u16()), (Some("upstream_timeout"), 504));
@@ -334,11 +335,11 @@ mod tests {
 
     #[test]
     fn a_credential_refused_is_the_fleet_s_fault_not_the_client_s() {
-        let verdict = classify(Attempt::CredentialRefused, false);
+        let verdict = classify(Attempted::CredentialRefused, false);
         let Verdict::Failover { eject: true, error } = verdict else { panic!("{verdict:?}") };
         let error = error.into_api("n");
         assert_eq!((error.code_str(), error.status().as_u16()), (Some("upstream_auth_misconfigured"), 502));
-        assert!(matches!(classify(Attempt::CredentialRefused, true), Verdict::Fail { eject: true, .. }));
+        assert!(matches!(classify(Attempted::CredentialRefused, true), Verdict::Fail { eject: true, .. }));
         // A backend's own 401 is passed on, whatever its body says: only
         // the agent's header tells its refusal.
         for code in ["invalid_api_key", inferyes_proto::bearer::FLEET_TOKEN_REQUIRED] {
@@ -349,20 +350,20 @@ mod tests {
 
     #[test]
     fn an_answer_too_large_to_hold_fails_without_blame() {
-        let Verdict::Fail { eject: false, error } = classify(Attempt::BodyTooLarge, false) else { panic!() };
+        let Verdict::Fail { eject: false, error } = classify(Attempted::BodyTooLarge, false) else { panic!() };
         assert_eq!(code(error), "upstream_answer_too_large");
-        assert!(matches!(classify(Attempt::Answered { event_stream: false }, false), Verdict::Pass));
+        assert!(matches!(classify(Attempted::Answered { event_stream: false }, false), Verdict::Pass));
     }
 
     #[test]
     fn a_continuation_takes_only_an_event_stream_and_a_timeout_leaves_time_for_the_next_node() {
         let continuing = |attempt| super::classify(attempt, false, Purpose::Continue);
-        assert!(matches!(continuing(Attempt::Answered { event_stream: true }), Verdict::Pass));
-        let Verdict::Failover { eject: true, error } = continuing(Attempt::Answered { event_stream: false }) else {
+        assert!(matches!(continuing(Attempted::Answered { event_stream: true }), Verdict::Pass));
+        let Verdict::Failover { eject: true, error } = continuing(Attempted::Answered { event_stream: false }) else {
             panic!()
         };
         assert_eq!(code(error), "upstream_broken");
-        let timed_out = continuing(Attempt::TimedOut(Duration::from_secs(3)));
+        let timed_out = continuing(Attempted::TimedOut(Duration::from_secs(3)));
         let Verdict::Failover { eject: true, error } = timed_out else { panic!("{timed_out:?}") };
         assert_eq!(code(error), "upstream_unreachable");
         // A refusal of the continuation itself (its context full) any node
@@ -372,19 +373,19 @@ mod tests {
 
     #[test]
     fn a_stream_s_end_is_done_resumed_or_told() {
-        let complete = StreamEnd::Closed { complete: true };
-        let cut = StreamEnd::Closed { complete: false };
-        for resumable in [false, true] {
-            assert!(matches!(classify_end(complete, true, resumable), EndVerdict::Done));
-            let shutdown = classify_end(StreamEnd::Shutdown, true, resumable);
+        let complete = Ended::Closed { complete: true };
+        let cut = Ended::Closed { complete: false };
+        for continuable in [false, true] {
+            assert!(matches!(classify_end(complete, true, continuable), EndVerdict::Done));
+            let shutdown = classify_end(Ended::Shutdown, true, continuable);
             let EndVerdict::Fail { eject: false, error } = shutdown else { panic!("{shutdown:?}") };
             assert_eq!(code(error), "gateway_shutdown");
         }
-        assert!(matches!(classify_end(cut, true, true), EndVerdict::Resume));
-        let failed = StreamEnd::Failed { complete: false };
-        assert!(matches!(classify_end(failed, true, true), EndVerdict::Resume));
-        for resumable in [false, true] {
-            let after_done = classify_end(StreamEnd::Failed { complete: true }, true, resumable);
+        assert!(matches!(classify_end(cut, true, true), EndVerdict::Continue));
+        let failed = Ended::Failed { complete: false };
+        assert!(matches!(classify_end(failed, true, true), EndVerdict::Continue));
+        for continuable in [false, true] {
+            let after_done = classify_end(Ended::Failed { complete: true }, true, continuable);
             assert!(matches!(after_done, EndVerdict::Done), "nothing lost, nothing to resume: {after_done:?}");
         }
         let EndVerdict::Fail { eject: false, error } = classify_end(cut, true, false) else { panic!() };

@@ -18,7 +18,7 @@ use inferyes_proto::headers::{
 };
 use tokio_util::sync::CancellationToken;
 
-use super::classify::Attempt;
+use super::classify::Attempted;
 
 type Http2Client = Client<hyper_rustls::HttpsConnector<HttpConnector>, Full<Bytes>>;
 
@@ -58,7 +58,8 @@ pub(crate) struct Facts<'a> {
     /// and its boundary; any other is JSON, and said to be (llama-swap
     /// routes only what says so).
     pub form: bool,
-    /// What the fleet's agents take from data planes (the snapshot's).
+    /// The agents' credential, from the snapshot, sent as `Authorization`
+    /// in place of the client's.
     pub authorization: Option<&'a HeaderValue>,
 }
 
@@ -119,23 +120,23 @@ impl Forwarder {
         path_and_query: &PathAndQuery,
         headers: HeaderMap,
         body: Bytes,
-    ) -> Result<http::Response<NodeBody>, Attempt> {
+    ) -> Result<http::Response<NodeBody>, Attempted> {
         let proxy_url = &endpoint.proxy_url;
         let body = Full::new(body);
         let sent = async {
             if let Some(http2) = self.http2.as_ref().filter(|_| endpoint.proxy_http2) {
-                let (uri, host) = proxy_url.uri(path_and_query).ok_or(Attempt::Unreachable(None))?;
+                let (uri, host) = proxy_url.uri(path_and_query).ok_or(Attempted::Unreachable(None))?;
                 let request = upstream_request(uri, host, backend, headers, body);
                 return match http2.request(request).await {
                     Ok(response) => Ok(response.map(|body| self.http1.unpooled(body))),
                     Err(error) => Err(unreachable(error)),
                 };
             }
-            let (uri, host, origin) = proxy_url.origin_form(path_and_query).ok_or(Attempt::Unreachable(None))?;
+            let (uri, host, origin) = proxy_url.origin_form(path_and_query).ok_or(Attempted::Unreachable(None))?;
             let request = upstream_request(uri, host, backend, headers, body);
             self.http1.send(origin, request).await.map_err(unreachable)
         };
-        tokio::time::timeout(self.header_timeout, sent).await.unwrap_or(Err(Attempt::TimedOut(self.header_timeout)))
+        tokio::time::timeout(self.header_timeout, sent).await.unwrap_or(Err(Attempted::TimedOut(self.header_timeout)))
     }
 
     /// Cancelled when a shutdown's grace period is over.
@@ -149,8 +150,8 @@ impl Forwarder {
     }
 }
 
-fn unreachable(error: impl Into<super::classify::BoxError>) -> Attempt {
-    Attempt::Unreachable(Some(error.into()))
+fn unreachable(error: impl Into<super::classify::BoxError>) -> Attempted {
+    Attempted::Unreachable(Some(error.into()))
 }
 
 /// Whether `text` is `n`, in decimal digits only.
@@ -162,19 +163,19 @@ pub(crate) fn is_decimal(text: &[u8], n: usize) -> bool {
         }) == Some(n)
 }
 
-/// The client's headers made into those a node is sent, in place: what
-/// stays behind taken out, ours put in. A client sends a dozen headers or
-/// more (the OpenAI SDKs, 17) and few of them stay behind: taking those out
+/// The client's headers made into those a node is sent, in place: what is
+/// not forwarded taken out, ours put in. A client sends a dozen headers or
+/// more (the OpenAI SDKs, 17) and few of them are not forwarded: taking those out
 /// is much cheaper than copying all the others into a new map, and a copy
 /// (for an attempt a failover may follow) is cheapest as a clone, whose
 /// names are not hashed again. `Host`, the length and the backend are the
 /// attempt's own ([`upstream_request`]).
 pub(crate) fn upstream_headers(mut headers: HeaderMap, facts: &Facts<'_>) -> HeaderMap {
-    inferyes_proto::headers::remove_hop_by_hop_and(&mut headers, stays_behind);
+    inferyes_proto::headers::remove_hop_by_hop_and(&mut headers, not_forwarded);
     if !facts.form {
         headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
     }
-    // The client's own stayed behind: the agents' goes in its place.
+    // The client's `Authorization` was taken out: the agents' goes in.
     if let Some(value) = facts.authorization {
         headers.insert(header::AUTHORIZATION, value.clone());
     }
@@ -199,7 +200,7 @@ fn upstream_request(
     body: Full<Bytes>,
 ) -> Request<Full<Bytes>> {
     headers.insert(header::HOST, host);
-    // A client's own `x-inferyes-*` stayed behind: only the route's backend.
+    // A client's own `x-inferyes-*` were taken out: the route's backend goes in.
     if let Some(v) = backend {
         headers.insert(BACKEND_HEADER, v.clone());
     }
@@ -227,7 +228,7 @@ fn upstream_request(
 /// could forge of the path it came by (`Forwarded`, `X-Forwarded-*`,
 /// `X-Real-IP`). `Host` and `Content-Length` are written anew for each
 /// attempt.
-fn stays_behind(name: &HeaderName) -> bool {
+fn not_forwarded(name: &HeaderName) -> bool {
     matches!(*name, header::PROXY_AUTHORIZATION | header::AUTHORIZATION | header::COOKIE | header::FORWARDED)
         || *name == inferyes_proto::headers::API_KEY
         || {

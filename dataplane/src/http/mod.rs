@@ -4,18 +4,18 @@
 //! An inference request goes through [`pipeline`]'s phases; its attempts
 //! at nodes through [`attempt`], each judged by [`classify`] and sent by
 //! [`client`]; a streamed answer through [`answer`]'s one body, which
-//! [`resume`] lets go on at another node.
+//! [`continuation`] lets go on at another node.
 
 mod answer;
 mod attempt;
 mod body;
 mod classify;
 mod client;
+mod continuation;
 mod edge;
 mod form;
 mod opening;
 mod pipeline;
-mod resume;
 mod scan;
 mod server;
 mod sse;
@@ -62,7 +62,8 @@ pub struct AppState {
     pub mode: routing::Mode,
     /// Request counter for rotating strategies.
     pub tickets: Arc<std::sync::atomic::AtomicU64>,
-    /// Where answered requests are told, for the dashboard's tail.
+    /// The bounded queue of routing decisions, one per answered request,
+    /// reported to a controller for the dashboard's recent requests.
     pub decisions: Arc<crate::report::DecisionLog>,
     pub auth: Arc<crate::auth::Auth>,
     /// Proxies whose `X-Forwarded-For` names the client.

@@ -22,8 +22,8 @@ use super::answer::{Plan, StreamBody};
 use super::attempt::{Answer, Attempts, Expected, Hops, NODE_HEADER, OpenStream, Outbound, ROUTE_HEADER};
 use super::classify::Purpose;
 use super::client::{Facts, upstream_headers};
+use super::continuation::Continuation;
 use super::opening::Opening;
-use super::resume::Continuation;
 use super::view::{
     RoutingView, estimated_prompt_tokens, metered_prompt_estimate, parse_request_view, session_key, with_model,
     with_usage_requested,
@@ -168,8 +168,9 @@ impl<'s> Exchange<'s> {
     }
 
     /// Whether the caller may have `model` now: it may use it, the fleet
-    /// has it, and the key's rate and budget allow. The rate's headers,
-    /// where it has one; the request's meter, from here on.
+    /// has it, and the key's rate and budget allow. Returns the key's rate
+    /// headers (none without a rate) and makes the request's meter, which
+    /// records its usage from here on.
     fn admit(
         &mut self,
         caller: &Caller,
@@ -184,8 +185,9 @@ impl<'s> Exchange<'s> {
         self.facts.model = model.to_string();
         self.facts.stream = view.stream;
         if snapshot.placements(model).is_none() {
-            // Before the meter, by the test routing makes: the usage ledger
-            // holds the fleet's models only, not every name a client sends.
+            // Checked before the meter is made, as routing checks it: the
+            // usage ledger holds the fleet's models only, not every name a
+            // client sends.
             return Err(routing::model_not_found(snapshot, model).into());
         }
         self.facts.model_known = true;
@@ -299,7 +301,8 @@ impl<'s> Exchange<'s> {
             form,
             authorization: snapshot.agent_authorization(),
         };
-        // Made for a node once, in place: every attempt sends the same.
+        // The headers are made for nodes once, in place: every attempt
+        // sends the same request.
         let mut out =
             Outbound { path_and_query, headers: upstream_headers(headers, &facts), body, stream: view.stream };
         let mut hops = Hops::of(snapshot, &route, model);
@@ -321,7 +324,7 @@ impl<'s> Exchange<'s> {
             meter: self.facts.meter.as_ref(),
             expected,
         };
-        let answered = attempts.run(&mut out, &mut hops, Purpose::Answer).await;
+        let answered = attempts.run(&mut out, &mut hops, Purpose::First).await;
         let request_id = super::id_text(&self.request_id);
         match &answered {
             Ok(_) => tracing::debug!(request_id, model, route = route.reason.as_str(), "request routed"),
@@ -337,10 +340,9 @@ impl<'s> Exchange<'s> {
         })
     }
 
-    /// What its stream's body is made with, once there is one. The
-    /// request's body goes with the stream where it outlives this
-    /// exchange (a cold load, a stream that may be continued), and so
-    /// does what it holds of the budget.
+    /// The setup of the request's stream, with what its body holds of the
+    /// budget: the body goes with the stream where the stream outlives
+    /// this handler (a cold load, a stream that may be continued).
     fn stream(&mut self, strip_usage: bool, continues: bool, model: &str, version: u64) -> StreamSetup {
         let prompt_estimate = self.facts.meter.as_ref().map_or(0, Meter::prompt_estimate);
         let opening = Opening::new(self.row.stream_start, model, super::id_text(&self.request_id), prompt_estimate);
@@ -456,7 +458,9 @@ impl Record {
     }
 }
 
-/// What a streamed answer's body is made with, whichever node answers.
+/// What the handler hands its stream: the body's [`Plan`], whether the
+/// stream may continue at another node, and what the request's body holds
+/// of the budget, kept only while a continuation may need it.
 struct StreamSetup {
     state: Arc<AppState>,
     plan: Plan,
@@ -528,7 +532,7 @@ impl StreamSetup {
                 meter: self.plan.meter.as_ref(),
                 expected,
             };
-            match attempts.run(&mut out, &mut hops, Purpose::Answer).await? {
+            match attempts.run(&mut out, &mut hops, Purpose::First).await? {
                 Answer::Stream(open) => Ok(self.body(open, hops, out).1),
                 Answer::Whole(_) => Err(ApiError::internal()),
             }

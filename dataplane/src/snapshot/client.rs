@@ -107,9 +107,10 @@ struct WireView {
     /// The nodes' load and sessions; the sessions' index is the store's,
     /// shared by every snapshot.
     live: Live,
-    /// The controller sends no live state (it is from before it): the
-    /// statuses carry their own load and sessions.
-    legacy: bool,
+    /// The controller's full snapshot said it sends no live state
+    /// (`live_state` false): each node's status carries its load and
+    /// sessions, read from there.
+    live_in_statuses: bool,
     policy: Option<RoutingPolicy>,
     aliases: Vec<Alias>,
     api_keys: Arc<super::ApiKeys>,
@@ -133,7 +134,7 @@ impl WireView {
                 self.aliases = full.aliases;
                 self.api_keys = Arc::new(full.keys.into_iter().map(|k| (k.key_id.clone(), Arc::new(k))).collect());
                 self.usage_today = Arc::new(full.usage_today.unwrap_or_default());
-                self.legacy = !full.live_state;
+                self.live_in_statuses = !full.live_state;
                 self.agent_authorization = (!full.proxy_credential.is_empty())
                     .then(|| inferyes_proto::bearer::header_value(&full.proxy_credential))
                     .flatten();
@@ -177,8 +178,9 @@ impl WireView {
             }
             None => false,
         };
-        if self.legacy && reroutes {
-            // A controller from before live state: its statuses carry it.
+        if self.live_in_statuses && reroutes {
+            // No live state on the wire: made again from the statuses
+            // whenever the nodes change.
             self.live.apply_full(super::live::of_statuses(&self.nodes), |_| false);
         }
         Ok(reroutes)

@@ -23,8 +23,8 @@ use inferyes_proto::v1::{EndpointKind, Health, ModelState, Strategy};
 ///
 /// The indices are shared (`Arc`) between snapshots that differ only in
 /// keys and usage: every usage roll-up changes those, once a second or so
-/// from each data plane, and decoding a 1,000-node fleet again for them cost
-/// each data plane milliseconds of a core each time.
+/// from each data plane, and decoding a 1,000-node fleet again for each
+/// would cost every data plane milliseconds of a core.
 #[derive(Debug, Default)]
 pub struct RoutingSnapshot {
     pub(crate) version: u64,
@@ -36,8 +36,8 @@ pub struct RoutingSnapshot {
     /// Where sessions are resident: one index, shared by every snapshot
     /// and kept current by the subscription.
     pub(crate) sessions: Arc<SessionIndex>,
-    /// What agents take from data planes, as the controller hands it out:
-    /// derived from the join token, which this data plane never holds.
+    /// The `Authorization` data planes send agents, from the controller:
+    /// an HMAC of the join token, which this data plane never holds.
     pub(crate) agent_authorization: Option<http::HeaderValue>,
 }
 

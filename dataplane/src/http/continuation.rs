@@ -27,7 +27,7 @@ pub(crate) struct Continuation {
     pub forwarder: Forwarder,
     pub metrics: Arc<crate::metrics::Metrics>,
     pub path_and_query: PathAndQuery,
-    /// The client's, as the attempts made them for a node.
+    /// The client's headers as made for nodes (`upstream_headers`).
     pub headers: HeaderMap,
     pub body: Bytes,
     pub request_id: HeaderValue,
