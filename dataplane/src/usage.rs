@@ -437,12 +437,12 @@ impl Meter {
     /// The node that answered, and how it was reached: the first to be
     /// told is kept (a request has one answer).
     pub fn served(&self, served: Served) {
-        if self.0.ledger.keep_records {
+        let node = Arc::clone(&served.node);
+        if self.0.served.set(served).is_ok() && self.0.ledger.keep_records {
             let mut record = self.0.record.lock().unwrap_or_else(PoisonError::into_inner);
             record.node_id.clear();
-            record.node_id.push_str(&served.node);
+            record.node_id.push_str(&node);
         }
-        let _ = self.0.served.set(served);
     }
 
     /// What served the request, once something did.

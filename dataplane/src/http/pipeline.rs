@@ -425,9 +425,11 @@ impl Record {
     /// Written now, or, for a stream that goes on, when it ends.
     fn finish(self, meter: Option<Meter>, response: Response) -> Response {
         match meter {
+            // The work is kept by the meter, and holds no handle of it: the
+            // meter's last handle going (a client gone during a cold load)
+            // still finishes it, and so writes this.
             Some(meter) if self.decision.stream && self.status.is_success() => {
-                let served = meter.clone();
-                meter.at_end(Box::new(move |_, ttft_ms| self.write(served.served_by(), ttft_ms)));
+                meter.at_end(Box::new(move |served, ttft_ms| self.write(served, ttft_ms)));
             }
             meter => {
                 // A whole answer's first token reaches the client with its end.

@@ -331,6 +331,32 @@ async fn a_cold_stream_that_fails_is_counted_as_an_error_without_tokens() {
     assert_eq!(total.prompt_tokens, fleet.sims[0].sim.stats().prompt_tokens, "{total:?}");
 }
 
+#[tokio::test]
+async fn a_client_gone_during_a_cold_load_is_recorded_as_cancelled() {
+    use inferyes_tests::client::next_chunk;
+    let swap = inferyes_sim::SimConfig { load_delay_ms: 30_000, ..crate::swap::swap(false) };
+    let fleet = Fleet::start(vec![swap]).await;
+    let body = json!({"model": "beta", "stream": true, "max_tokens": 4,
+                      "messages": [{"role": "user", "content": "load beta"}]});
+    let loading =
+        fleet.http.start(Method::POST, &fleet.url("/v1/chat/completions"), body.to_string().into(), &[]).await;
+    assert_eq!(loading.headers()["x-inferyes-route"], "cold");
+    let request_id = loading.headers()["x-request-id"].to_str().expect("text").to_string();
+    let mut loading = loading.into_body();
+    next_chunk(&mut loading).await.expect("the load has started");
+    // The client goes long before the model would be loaded.
+    drop(loading);
+
+    // Billed as a stream its client left: its prompt, estimated.
+    let total = rolled_up(fleet.controller(), "", 1).await;
+    assert_eq!((total.requests, total.estimated_requests), (1, 1), "{total:?}");
+    inferyes_tests::eventually("its decision on the dashboard", Duration::from_secs(10), || async {
+        let view = crate::dashboard::fleet_view(&fleet).await;
+        view["decisions"].as_array().expect("decisions").iter().any(|d| d["request_id"] == request_id.as_str())
+    })
+    .await;
+}
+
 /// A whole answer that takes longer than the data plane waits: the node
 /// read the prompt and generated until the timeout, so the request is
 /// counted (estimated, and as an error), not dropped from the key's usage.
