@@ -213,9 +213,11 @@ impl AgentSvc {
         let (desired, desired_rx) = watch::channel(reported.durable.clone());
         let (leaving, leaving_rx) = oneshot::channel();
         let taken = CancellationToken::new();
-        let writing = tokio::spawn(writer.run(desired_rx, leaving_rx, taken.clone()).in_current_span());
+        let heard = std::sync::Arc::new(LastHeard::new());
+        let writing = tokio::spawn(
+            writer.run(desired_rx, leaving_rx, std::sync::Arc::clone(&heard), taken.clone()).in_current_span(),
+        );
         self.metrics.agent_streams.inc();
-        let mut last_heard = Instant::now();
         let mut silence = tokio::time::interval(self.lease_ttl / 3);
         silence.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut snapshots = self.snapshots.clone();
@@ -230,7 +232,7 @@ impl AgentSvc {
                 () = taken.cancelled() => break End::Taken,
                 message = inbound.message() => match message {
                     Ok(Some(AgentMessage { msg: Some(msg) })) => {
-                        last_heard = Instant::now();
+                        heard.now();
                         let (live, durable_changed) = match self.take(msg, &node_id, &mut reported, &mut numbering) {
                             Heard::Live { events, durable_changed } => (events, durable_changed),
                             Heard::Resync(resync) => {
@@ -252,11 +254,11 @@ impl AgentSvc {
                             break End::Shutdown;
                         }
                     }
-                    Ok(Some(AgentMessage { msg: None })) => last_heard = Instant::now(),
+                    Ok(Some(AgentMessage { msg: None })) => heard.now(),
                     Ok(None) | Err(_) => break End::AgentLeft,
                 },
                 _ = silence.tick() => {
-                    if last_heard.elapsed() > self.lease_ttl {
+                    if heard.ago() > self.lease_ttl {
                         break End::AgentSilent;
                     }
                 }
@@ -326,8 +328,12 @@ impl AgentSvc {
         };
         let _ = leaving.send(leaves);
         // The stream ends once the node has: an agent that left waits for
-        // this end, and exits knowing its node is out of the fleet.
-        let _ = writing.await;
+        // this end, and exits knowing its node is out of the fleet. Within
+        // the TTL: past it, an etcd that hangs keeps the writer, not the
+        // stream, and the lease runs out.
+        if tokio::time::timeout(self.lease_ttl, writing).await.is_err() {
+            tracing::warn!("etcd slow to end the node; closing the stream, its lease runs out");
+        }
     }
 
     /// What one agent message comes to: live events for the reconciler and
@@ -402,6 +408,29 @@ impl Live {
     }
 }
 
+/// When the agent was last heard from, as its stream writes it and its
+/// node's writer reads it.
+struct LastHeard {
+    since: Instant,
+    ms: std::sync::atomic::AtomicU64,
+}
+
+impl LastHeard {
+    fn new() -> LastHeard {
+        LastHeard { since: Instant::now(), ms: std::sync::atomic::AtomicU64::new(0) }
+    }
+
+    fn now(&self) {
+        let ms = u64::try_from(self.since.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.ms.store(ms, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    fn ago(&self) -> Duration {
+        let at = Duration::from_millis(self.ms.load(std::sync::atomic::Ordering::Relaxed));
+        self.since.elapsed().saturating_sub(at)
+    }
+}
+
 /// Whether a node leaves the fleet as its stream ends.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Leaving {
@@ -433,6 +462,7 @@ impl NodeWriter {
         mut self,
         mut desired: watch::Receiver<NodeStatus>,
         mut leaving: oneshot::Receiver<Leaving>,
+        heard: std::sync::Arc<LastHeard>,
         taken: CancellationToken,
     ) {
         let mut write_at = Instant::now();
@@ -474,7 +504,7 @@ impl NodeWriter {
                         }
                     }
                 }
-                _ = keepalive.tick() => self.keep_alive().await,
+                _ = keepalive.tick() => self.keep_alive(&heard).await,
             }
         };
         if leaves == Leaving::Now
@@ -485,17 +515,34 @@ impl NodeWriter {
         }
     }
 
-    async fn keep_alive(&mut self) {
+    /// Renews the lease, if the agent was heard from within the TTL: the
+    /// stream's loop ends the stream after that, but a loop held up (on a
+    /// full channel, say) must not keep a node alive that nobody hears.
+    async fn keep_alive(&mut self, heard: &LastHeard) {
         let Some(current) = self.lease.as_mut() else { return };
+        if heard.ago() > self.svc.lease_ttl {
+            return;
+        }
         self.svc.metrics.lease_keepalives.inc();
-        match self.svc.store.keep_alive(current).await {
+        // Its answer comes on a stream of its own, which no request
+        // timeout bounds.
+        let renewing = tokio::time::timeout(self.svc.lease_ttl / 3, self.svc.store.keep_alive(current));
+        let Ok(renewed) = renewing.await else {
+            self.svc.metrics.lease_keepalive_failures.inc();
+            tracing::warn!("lease keep-alive not answered in time");
+            return;
+        };
+        match renewed {
             Ok(()) => {}
             Err(StoreError::LeaseExpired(id)) => {
                 // etcd was away longer than the TTL: the node's key is
                 // gone. Write it again under a new lease.
                 tracing::warn!(lease = id, "node lease expired; re-registering");
                 self.lease = None;
-                self.pending = self.written.take().or(self.pending.take());
+                // The newest status, whichever: what waits to be written,
+                // else what was.
+                self.pending = self.pending.take().or(self.written.take());
+                self.written = None;
             }
             Err(error) => {
                 self.svc.metrics.lease_keepalive_failures.inc();
