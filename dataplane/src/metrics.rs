@@ -86,7 +86,7 @@ impl Metrics {
         let registry = registry.sub_registry_with_prefix("inferyes_dataplane");
         registry.register(
             "requests",
-            "Requests answered, by model, node, HTTP status and route",
+            "Requests answered, by model, node, HTTP status and route; a stream is counted when it ends",
             metrics.requests.clone(),
         );
         registry.register(

@@ -130,8 +130,8 @@ struct Continuing {
 
 impl StreamBody {
     /// The body of a stream whose head passed, and the head it goes with;
-    /// it ends early when `hard_stop` is cancelled. `resume`: what it needs
-    /// to go on elsewhere, and where, if it breaks.
+    /// it ends early when `hard_stop` is cancelled. `continuing`: what it
+    /// needs to go on elsewhere, and where, if it breaks.
     pub(crate) fn streaming(
         open: OpenStream,
         plan: Plan,
@@ -426,7 +426,10 @@ impl Streaming {
         let witness = Witness { request_id: super::id_text(&self.plan.request_id), version: self.plan.version };
         let verdict = classify_end(end, self.event_stream, continuable);
         let observed = match &verdict {
-            EndVerdict::Done => Observed::Answered,
+            // Its head said already that the node answered: a stream
+            // ending well ends no ejection that other requests' failures
+            // earned it since.
+            EndVerdict::Done => Observed::Unjudged,
             EndVerdict::Continue => Observed::Failed { what: "broke mid-stream; continuing elsewhere", eject: true },
             EndVerdict::Fail { eject: true, .. } | EndVerdict::Cut { eject: true } => {
                 Observed::Failed { what: "failed mid-stream", eject: true }

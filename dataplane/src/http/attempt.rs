@@ -69,19 +69,21 @@ impl Hops {
     /// its backend, and the cold load of `model` it would start. The first
     /// carries the route's reason, the rest `failover`.
     pub fn of(snapshot: &RoutingSnapshot, route: &Route, model: &str) -> Hops {
-        let mut hops = Hops::default();
-        for (index, target) in route.targets.iter().enumerate() {
-            let Some(node) = snapshot.node(target.node) else { continue };
-            let Some(backend) = node.backends.get(target.backend) else { continue };
-            let load = route.loads_at(index).then(|| cold_load(snapshot, model, *target)).flatten();
-            hops.items[index] = Some(Hop {
-                endpoint: Arc::clone(&node.endpoint),
-                backend: backend.id_header.clone(),
-                load,
-                reason: if index == 0 { route.reason.as_str() } else { FAILOVER },
-            });
-        }
-        hops
+        route
+            .targets
+            .iter()
+            .enumerate()
+            .filter_map(|(index, target)| {
+                let node = snapshot.node(target.node)?;
+                let backend = node.backends.get(target.backend)?;
+                Some(Hop {
+                    endpoint: Arc::clone(&node.endpoint),
+                    backend: backend.id_header.clone(),
+                    load: route.loads_at(index).then(|| cold_load(snapshot, model, *target)).flatten(),
+                    reason: if index == 0 { route.reason.as_str() } else { FAILOVER },
+                })
+            })
+            .collect()
     }
 
     fn pop(&mut self) -> Option<Hop> {
@@ -101,6 +103,17 @@ impl Hops {
     /// The first target left, if any.
     pub fn peek(&self) -> Option<&Hop> {
         self.items[self.next.min(MAX_TARGETS)..].iter().flatten().next()
+    }
+}
+
+impl FromIterator<Hop> for Hops {
+    /// The first [`MAX_TARGETS`] of `hops`, in order.
+    fn from_iter<I: IntoIterator<Item = Hop>>(hops: I) -> Hops {
+        let mut all = Hops::default();
+        for (slot, hop) in all.items.iter_mut().zip(hops) {
+            *slot = Some(hop);
+        }
+        all
     }
 }
 
@@ -187,7 +200,7 @@ impl Attempts<'_> {
                 }
             };
             hop.endpoint.observe(observed, witness);
-            // What routing expected holds only for the target it chose.
+            // What routing expected holds only for the first target tried.
             let expected = if first { self.expected } else { Expected::default() };
             first = false;
             let served = || Served {
@@ -263,16 +276,19 @@ impl Attempts<'_> {
             return (error_answer(response).await, None);
         }
         let (parts, body) = response.into_parts();
-        let event_stream = super::sse::is_event_stream(&parts.headers);
+        let answered = Attempted::Answered {
+            success: parts.status.is_success(),
+            event_stream: super::sse::is_event_stream(&parts.headers),
+        };
         if stream {
-            return (Attempted::Answered { event_stream }, Some((parts, Read::Head(body))));
+            return (answered, Some((parts, Read::Head(body))));
         }
         // A whole answer or none: read before the client sees a byte, so a
         // node failing mid-answer is a clean 502 (or the next candidate),
         // never a truncated body.
         let mut held = super::body::Budget::reservation(self.forwarder.budget());
         match super::body::read_whole_within(body, MAX_BUFFERED_BODY, Some(&mut held)).await {
-            Ok(bytes) => (Attempted::Answered { event_stream }, Some((parts, Read::Whole(bytes, held)))),
+            Ok(bytes) => (answered, Some((parts, Read::Whole(bytes, held)))),
             Err(super::body::ReadError::TooLarge) => (Attempted::BodyTooLarge, None),
             Err(super::body::ReadError::OverBudget) => (Attempted::OverBudget, None),
             Err(super::body::ReadError::Body(cause)) => {
@@ -374,4 +390,82 @@ where
     let mut error = super::upstream::normalize(status, &body);
     error.retry_after = retry_after;
     error
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use inferyes_net::base_url::BaseUrl;
+    use tokio_util::sync::CancellationToken;
+
+    use super::*;
+    use crate::targets::NodeStates;
+    use crate::usage::{Counted, Ledger};
+
+    /// A node's proxy that answers every request `status` with `body`; its URL.
+    async fn node(status: http::StatusCode, body: &'static str) -> String {
+        let app = axum::Router::new().fallback(move || async move { (status, body) });
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let url = format!("http://{}", listener.local_addr().expect("bound"));
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        url
+    }
+
+    #[tokio::test]
+    async fn a_refusing_node_is_held_out_and_the_next_answer_recorded_as_a_failover() {
+        let refusing = node(http::StatusCode::SERVICE_UNAVAILABLE, r#"{"error":{"message":"busy","code":503}}"#).await;
+        let answering = node(http::StatusCode::OK, r#"{"object":"chat.completion","choices":[]}"#).await;
+        let states = NodeStates::default();
+        let endpoint =
+            |id: &str, url: &str| Arc::new(states.endpoint(&Arc::from(id), BaseUrl::new(url), false, true, 1));
+        let (a, b) = (endpoint("a", &refusing), endpoint("b", &answering));
+        let hop = |endpoint: &Arc<Endpoint>, reason| Hop {
+            endpoint: Arc::clone(endpoint),
+            backend: None,
+            load: None,
+            reason,
+        };
+        let mut hops: Hops = [hop(&a, "placed"), hop(&b, FAILOVER)].into_iter().collect();
+        let settings = super::super::client::Settings {
+            connect_timeout: Duration::from_secs(2),
+            header_timeout: Duration::from_secs(5),
+            read_timeout: Duration::from_secs(5),
+            http2: false,
+        };
+        let tls = rustls::ClientConfig::builder()
+            .with_root_certificates(rustls::RootCertStore::empty())
+            .with_no_client_auth();
+        let forwarder =
+            Forwarder::new(&settings, tls, CancellationToken::new(), super::super::body::Budget::new(1 << 20));
+        let metrics = crate::metrics::Metrics::new(&mut prometheus_client::registry::Registry::default());
+        let meter = Meter::new(Ledger::new("test", true), "r", None, "m".into(), false, Counted::at_the_end(1), None);
+        let request_id = HeaderValue::from_static("r");
+        let attempts = Attempts {
+            forwarder: &forwarder,
+            metrics: &metrics,
+            request_id: &request_id,
+            version: 1,
+            meter: Some(&meter),
+            expected: Expected { ttft_ms: 7, home_ttft_ms: 0 },
+        };
+        let mut out = Outbound {
+            path_and_query: PathAndQuery::from_static("/v1/chat/completions"),
+            headers: HeaderMap::new(),
+            body: Bytes::from_static(b"{}"),
+            stream: false,
+        };
+        let Ok(Answer::Whole(answer)) = attempts.run(&mut out, &mut hops, Purpose::First).await else {
+            panic!("an answer from b")
+        };
+        assert_eq!(answer.headers()[NODE_HEADER], "b");
+        assert_eq!(answer.headers()[ROUTE_HEADER], FAILOVER);
+        let now = inferyes_proto::unix_ms();
+        assert!(a.ejected(now) && !b.ejected(now), "the refusing node, and only it, held out");
+        assert_eq!((a.in_flight(), b.in_flight()), (0, 0), "nothing left counted once read whole");
+        assert_eq!(metrics.retries.get(), 1);
+        let served = meter.served_by().expect("served");
+        assert_eq!((&*served.node, served.route, served.expected_ttft_ms), ("b", FAILOVER, 0));
+        assert!(hops.peek().is_none(), "no node left to try");
+    }
 }

@@ -107,8 +107,9 @@ pub enum Attempted {
     /// The node's agent refused the credential this data plane sent.
     CredentialRefused,
     /// Any other status, head read (and body, for a whole answer);
-    /// `event_stream` where the answer is one.
-    Answered { event_stream: bool },
+    /// `success` where the status is 2xx, `event_stream` where the answer
+    /// is one.
+    Answered { success: bool, event_stream: bool },
     /// A whole answer's body broke off.
     BodyBroke,
     /// A whole answer's body was longer than [`MAX_BUFFERED_BODY`].
@@ -166,7 +167,7 @@ const CONCURRENCY_LIMIT: &str = "concurrency_limit";
 /// follows it.
 pub fn classify(attempt: Attempted, last: bool, purpose: Purpose) -> Verdict {
     match (attempt, purpose) {
-        (Attempted::Answered { event_stream: false }, Purpose::Continue) => {
+        (Attempted::Answered { success, event_stream }, Purpose::Continue) if !(success && event_stream) => {
             Verdict::Failover { eject: true, error: UpstreamError::Broken }
         }
         (Attempted::TimedOut(_), Purpose::Continue) => {
@@ -352,17 +353,18 @@ mod tests {
     fn an_answer_too_large_to_hold_fails_without_blame() {
         let Verdict::Fail { eject: false, error } = classify(Attempted::BodyTooLarge, false) else { panic!() };
         assert_eq!(code(error), "upstream_answer_too_large");
-        assert!(matches!(classify(Attempted::Answered { event_stream: false }, false), Verdict::Pass));
+        assert!(matches!(classify(Attempted::Answered { success: true, event_stream: false }, false), Verdict::Pass));
     }
 
     #[test]
     fn a_continuation_takes_only_an_event_stream_and_a_timeout_leaves_time_for_the_next_node() {
         let continuing = |attempt| super::classify(attempt, false, Purpose::Continue);
-        assert!(matches!(continuing(Attempted::Answered { event_stream: true }), Verdict::Pass));
-        let Verdict::Failover { eject: true, error } = continuing(Attempted::Answered { event_stream: false }) else {
-            panic!()
-        };
-        assert_eq!(code(error), "upstream_broken");
+        assert!(matches!(continuing(Attempted::Answered { success: true, event_stream: true }), Verdict::Pass));
+        for (success, event_stream) in [(true, false), (false, true)] {
+            let verdict = continuing(Attempted::Answered { success, event_stream });
+            let Verdict::Failover { eject: true, error } = verdict else { panic!("{verdict:?}") };
+            assert_eq!(code(error), "upstream_broken");
+        }
         let timed_out = continuing(Attempted::TimedOut(Duration::from_secs(3)));
         let Verdict::Failover { eject: true, error } = timed_out else { panic!("{timed_out:?}") };
         assert_eq!(code(error), "upstream_unreachable");
