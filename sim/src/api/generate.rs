@@ -16,9 +16,8 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tracing::debug;
 
-use super::jobs::Kind;
 use super::reply::{Reply, Shape};
-use super::{BadRequest, admit_error, json_response, shutting_down};
+use super::{BadRequest, Kind, admit_error, json_response, shutting_down};
 use crate::Inner;
 use crate::engine::{AdmitError, Engine, Lease};
 use crate::swap::InFlight;
@@ -212,10 +211,6 @@ fn parse_prompt(req: &Value) -> Result<String, BadRequest> {
         None => Err(BadRequest::new("\"prompt\" is required")),
         Some(_) => Err(BadRequest::new("\"prompt\" must be a string or an array of strings")),
     }
-}
-
-pub(super) fn unix_now() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
 
 /// Generates `request`'s answer on `engine`; `in_flight` is held until it

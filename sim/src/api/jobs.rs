@@ -14,59 +14,11 @@ use http::{HeaderMap, HeaderValue, StatusCode, header};
 use serde_json::{Value, json};
 
 use super::generate::{Request, parse_request, prompt_of};
-use super::{BadRequest, Shared, admit_error, bad_request, json_response, llama_error, shutting_down};
+use super::{BadRequest, Kind, Shared, admit_error, bad_request, json_response, llama_error, shutting_down, unix_now};
 use crate::engine::{AdmitError, Engine};
 use crate::swap::InFlight;
 use crate::tokens::{embed, tokenize};
-use crate::{Backend, Inner, SimJob, SimMode};
-
-/// What a request asks a server to do.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Kind {
-    Chat,
-    Completion,
-    /// The Anthropic Messages API.
-    Messages,
-    /// The Messages API's token count, no generation.
-    CountTokens,
-    /// OpenAI's Responses API.
-    Responses,
-    Embedding,
-    Infill,
-    Transcription,
-    Speech,
-    Images,
-    /// An image edit: an upload, as transcriptions are.
-    ImageEdit,
-}
-
-impl Kind {
-    /// The server a request of the kind needs.
-    fn job(self) -> SimJob {
-        match self {
-            Kind::Chat
-            | Kind::Completion
-            | Kind::Messages
-            | Kind::CountTokens
-            | Kind::Responses
-            | Kind::Embedding
-            | Kind::Infill => SimJob::Text,
-            Kind::Transcription => SimJob::Transcription,
-            Kind::Speech => SimJob::Speech,
-            Kind::Images | Kind::ImageEdit => SimJob::Images,
-        }
-    }
-
-    /// Its body is a multipart form, whose `model` field llama-swap reads.
-    pub(super) fn is_form(self) -> bool {
-        matches!(self, Kind::Transcription | Kind::ImageEdit)
-    }
-
-    /// It asks the model to generate.
-    fn generates(self) -> bool {
-        matches!(self, Kind::Chat | Kind::Completion | Kind::Messages | Kind::CountTokens | Kind::Responses)
-    }
-}
+use crate::{Backend, Inner, SimMode};
 
 /// The route of an inference path: its requests dispatched as `kind`.
 pub(super) fn job(kind: Kind) -> axum::routing::MethodRouter<Shared> {
@@ -172,7 +124,7 @@ async fn infer(
         }
         Kind::Images | Kind::ImageEdit => json_response(
             StatusCode::OK,
-            json!({"created": super::generate::unix_now(), "data": [{"b64_json": "c2ltdWxhdGVkIGltYWdl"}]}),
+            json!({"created": unix_now(), "data": [{"b64_json": "c2ltdWxhdGVkIGltYWdl"}]}),
         ),
         // A count reads the prompt as a generation would, and stops there.
         Kind::CountTokens => match prompt_of(kind, &req) {

@@ -11,9 +11,8 @@ use axum::response::{IntoResponse, Response};
 use http::{HeaderMap, HeaderValue, StatusCode, header};
 use serde_json::{Value, json};
 
-use super::jobs::Kind;
 use super::server::{health, metrics_text, prometheus, props_body, slots_body};
-use super::{Shared, json_response, server_not_found, shutting_down};
+use super::{Kind, Shared, json_response, server_not_found, shutting_down};
 use crate::engine::Engine;
 use crate::swap::{InFlight, Swap, SwapError};
 use crate::{Backend, Inner};

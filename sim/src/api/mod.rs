@@ -23,9 +23,9 @@ use axum::routing::{get, post};
 use http::StatusCode;
 use serde_json::{Value, json};
 
-use self::jobs::{Kind, job};
+use self::jobs::job;
 use super::engine::AdmitError;
-use super::{Inner, SimMode};
+use super::{Inner, SimJob, SimMode};
 
 type Shared = Arc<Inner>;
 
@@ -95,6 +95,58 @@ pub(super) fn router(inner: Shared) -> Router {
             .fallback(llama_swap::swap_not_found),
     };
     routes.with_state(inner)
+}
+
+/// What a request asks a server to do.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    Chat,
+    Completion,
+    /// The Anthropic Messages API.
+    Messages,
+    /// The Messages API's token count, no generation.
+    CountTokens,
+    /// OpenAI's Responses API.
+    Responses,
+    Embedding,
+    Infill,
+    Transcription,
+    Speech,
+    Images,
+    /// An image edit: an upload, as transcriptions are.
+    ImageEdit,
+}
+
+impl Kind {
+    /// The server a request of the kind needs.
+    fn job(self) -> SimJob {
+        match self {
+            Kind::Chat
+            | Kind::Completion
+            | Kind::Messages
+            | Kind::CountTokens
+            | Kind::Responses
+            | Kind::Embedding
+            | Kind::Infill => SimJob::Text,
+            Kind::Transcription => SimJob::Transcription,
+            Kind::Speech => SimJob::Speech,
+            Kind::Images | Kind::ImageEdit => SimJob::Images,
+        }
+    }
+
+    /// Its body is a multipart form, whose `model` field llama-swap reads.
+    fn is_form(self) -> bool {
+        matches!(self, Kind::Transcription | Kind::ImageEdit)
+    }
+
+    /// It asks the model to generate.
+    fn generates(self) -> bool {
+        matches!(self, Kind::Chat | Kind::Completion | Kind::Messages | Kind::CountTokens | Kind::Responses)
+    }
+}
+
+fn unix_now() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
 
 fn json_response(status: StatusCode, body: Value) -> Response {

@@ -7,8 +7,7 @@
 use bytes::Bytes;
 use serde_json::{Value, json};
 
-use super::BUILD_INFO;
-use super::generate::unix_now;
+use super::{BUILD_INFO, unix_now};
 use crate::engine::Timings;
 
 /// The API an answer is written for.
