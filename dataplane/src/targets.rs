@@ -113,7 +113,7 @@ pub enum Observed {
 /// version it was routed on.
 #[derive(Clone, Copy, Debug)]
 pub struct Witness<'a> {
-    pub request_id: &'a str,
+    pub request_id: &'a HeaderValue,
     /// The snapshot the request was routed on: the node is taken back
     /// early only by a snapshot after it that reports it ready.
     pub version: u64,
@@ -142,14 +142,15 @@ impl Endpoint {
                 let ejected_ms = state.eject(inferyes_proto::unix_ms(), witness.version);
                 inferyes_net::warn_every!(
                     gate: state.log;
-                    request_id = witness.request_id,
+                    request_id = witness.request_id.to_str().unwrap_or_default(),
                     node = %self.id,
                     ejected_ms,
                     "node {what}; held out of routing"
                 );
             }
             Observed::Failed { what, eject: false } => {
-                inferyes_net::warn_every!(gate: state.log; request_id = witness.request_id, node = %self.id, "node {what}");
+                let request_id = witness.request_id.to_str().unwrap_or_default();
+                inferyes_net::warn_every!(gate: state.log; request_id, node = %self.id, "node {what}");
             }
         }
     }
@@ -371,7 +372,8 @@ mod tests {
     fn ejections_back_off_and_end_on_success_or_recovery() {
         let states = NodeStates::default();
         let a = endpoint(&states, true, 1);
-        let witness = Witness { request_id: "r", version: 1 };
+        let request_id = HeaderValue::from_static("r");
+        let witness = Witness { request_id: &request_id, version: 1 };
         let mut backoffs = Vec::new();
         for _ in 0..7 {
             let now = inferyes_proto::unix_ms();

@@ -423,7 +423,7 @@ impl Streaming {
         let span = self.span.clone();
         let _entered = span.enter();
         let continuable = self.continuing.as_ref().is_some_and(|continuing| continuing.left.peek().is_some());
-        let witness = Witness { request_id: super::id_text(&self.plan.request_id), version: self.plan.version };
+        let witness = Witness { request_id: &self.plan.request_id, version: self.plan.version };
         let verdict = classify_end(end, self.event_stream, continuable);
         let observed = match &verdict {
             // Its head said already that the node answered: a stream

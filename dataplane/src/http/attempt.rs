@@ -168,8 +168,7 @@ impl Attempts<'_> {
     /// other attempt. The last attempt takes `out`'s headers and body; one
     /// before it, copies (a failover needs them again).
     pub async fn run(&self, out: &mut Outbound, hops: &mut Hops, purpose: Purpose) -> Result<Answer, ApiError> {
-        let request_id = super::id_text(self.request_id);
-        let witness = Witness { request_id, version: self.version };
+        let witness = Witness { request_id: self.request_id, version: self.version };
         let mut last_error = None;
         let mut first = true;
         while let Some(hop) = hops.pop() {
@@ -276,9 +275,10 @@ impl Attempts<'_> {
             return (error_answer(response).await, None);
         }
         let (parts, body) = response.into_parts();
+        // Only a stream's purpose asks whether it is an event stream.
         let answered = Attempted::Answered {
             success: parts.status.is_success(),
-            event_stream: super::sse::is_event_stream(&parts.headers),
+            event_stream: stream && super::sse::is_event_stream(&parts.headers),
         };
         if stream {
             return (answered, Some((parts, Read::Head(body))));

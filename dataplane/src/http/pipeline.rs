@@ -377,58 +377,48 @@ impl<'s> Exchange<'s> {
         }
         span.record("model", facts.model.as_str());
         span.record("http.response.status_code", status.as_u16());
+        // Label values are moved in and out of the label sets, not copied: a
+        // family is looked up by reference. An unknown model is labelled
+        // `_unknown` (client-chosen names cannot grow the label set), and
+        // its decision keeps the name asked for.
         let model = if facts.model_known { std::mem::take(&mut facts.model) } else { "_unknown".to_string() };
         let elapsed = started.elapsed();
         // A stream's time to its first token is observed by its meter.
-        if status.is_success() && !facts.stream {
-            let labels = crate::metrics::ModelLabels { model: model.clone() };
+        let model = if status.is_success() && !facts.stream {
+            let labels = crate::metrics::ModelLabels { model };
             state.metrics.request_seconds.get_or_create(&labels).observe(elapsed.as_secs_f64());
-        }
-        Record::new(state, span, &request_id, model, status, facts, elapsed).finish(meter, response)
+            labels.model
+        } else {
+            model
+        };
+        let latency_ms = u32::try_from(elapsed.as_millis()).unwrap_or(u32::MAX);
+        let record =
+            Record { state: Arc::clone(state), span: span.clone(), request_id, model, status, latency_ms, facts };
+        record.finish(meter, response)
     }
 }
 
-/// What a request's record says, once it is known what served it.
+/// What a request's record says, once it is known what served it. Its
+/// routing decision is made only where the decision queue takes it: in a
+/// busy second it is counted, not built.
 struct Record {
     state: Arc<AppState>,
     span: tracing::Span,
+    request_id: HeaderValue,
     model: String,
     status: http::StatusCode,
     latency_ms: u32,
-    decision: RoutingDecision,
+    facts: RequestFacts,
 }
 
 impl Record {
-    fn new(
-        state: &Arc<AppState>,
-        span: &tracing::Span,
-        request_id: &HeaderValue,
-        model: String,
-        status: http::StatusCode,
-        facts: RequestFacts,
-        elapsed: std::time::Duration,
-    ) -> Record {
-        let latency_ms = u32::try_from(elapsed.as_millis()).unwrap_or(u32::MAX);
-        let decision = RoutingDecision {
-            request_id: super::id_text(request_id).to_string(),
-            status: u32::from(status.as_u16()),
-            error_code: facts.error_code.unwrap_or_default(),
-            latency_ms,
-            stream: facts.stream,
-            session_tag: facts.session.as_deref().map(inferyes_proto::session_tag).unwrap_or_default(),
-            key_id: facts.key_id.unwrap_or_default(),
-            ..RoutingDecision::default()
-        };
-        Record { state: Arc::clone(state), span: span.clone(), model, status, latency_ms, decision }
-    }
-
     /// Written now, or, for a stream that goes on, when it ends.
     fn finish(self, meter: Option<Meter>, response: Response) -> Response {
         match meter {
             // The work is kept by the meter, and holds no handle of it: the
             // meter's last handle going (a client gone during a cold load)
             // still finishes it, and so writes this.
-            Some(meter) if self.decision.stream && self.status.is_success() => {
+            Some(meter) if self.facts.stream && self.status.is_success() => {
                 meter.at_end(Box::new(move |served, ttft_ms| self.write(served, ttft_ms)));
             }
             meter => {
@@ -441,22 +431,29 @@ impl Record {
     }
 
     fn write(self, served: Option<&Served>, ttft_ms: u32) {
-        let Record { state, span, model, status, mut decision, .. } = self;
+        let Record { state, span, request_id, model, status, latency_ms, facts } = self;
         let (node, route) = served.map_or(("", "none"), |served| (&*served.node, served.route));
         span.record("node", node);
         span.record("route", route);
         let labels = crate::metrics::RequestLabels { model, node: node.to_string(), status: status.as_u16(), route };
         state.metrics.requests.get_or_create(&labels).inc();
-        decision.unix_ms = inferyes_proto::unix_ms();
-        decision.ttft_ms = ttft_ms;
-        decision.route = route.to_string();
-        decision.node_id = labels.node;
-        decision.model = labels.model;
-        if let Some(served) = served {
-            decision.expected_ttft_ms = served.expected_ttft_ms;
-            decision.home_expected_ttft_ms = served.home_expected_ttft_ms;
-        }
-        state.decisions.record(|| decision);
+        let crate::metrics::RequestLabels { model: label, node: node_id, .. } = labels;
+        state.decisions.record(|| RoutingDecision {
+            request_id: super::id_text(&request_id).to_string(),
+            unix_ms: inferyes_proto::unix_ms(),
+            model: if facts.model_known { label } else { facts.model },
+            node_id,
+            route: route.to_string(),
+            status: u32::from(status.as_u16()),
+            error_code: facts.error_code.unwrap_or_default(),
+            latency_ms,
+            stream: facts.stream,
+            session_tag: facts.session.as_deref().map(inferyes_proto::session_tag).unwrap_or_default(),
+            key_id: facts.key_id.unwrap_or_default(),
+            ttft_ms,
+            expected_ttft_ms: served.map_or(0, |served| served.expected_ttft_ms),
+            home_expected_ttft_ms: served.map_or(0, |served| served.home_expected_ttft_ms),
+        });
     }
 }
 
