@@ -188,7 +188,7 @@ impl<'s> Exchange<'s> {
             // Checked before the meter is made, as routing checks it: the
             // usage ledger holds the fleet's models only, not every name a
             // client sends.
-            return Err(routing::model_not_found(snapshot, model).into());
+            return Err(routing::model_not_found(snapshot, model, |entry| caller.may_see(entry)).into());
         }
         self.facts.model_known = true;
         let state: &AppState = self.state;

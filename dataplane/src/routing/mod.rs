@@ -120,7 +120,7 @@ impl Route {
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum RouteError {
     #[error("the model `{model}` does not exist{}", available_hint(.available))]
-    ModelNotFound { model: String, available: Vec<String> },
+    ModelNotFound { model: String, available: Available },
     #[error("the model `{model}` does not serve {kind} requests")]
     NotServed { model: String, kind: &'static str },
     #[error(
@@ -132,11 +132,20 @@ pub enum RouteError {
     NoCapacity { model: String, why: &'static str },
 }
 
-fn available_hint(available: &[String]) -> String {
-    if available.is_empty() {
-        "; the fleet has no models".into()
-    } else {
-        format!("; available models: {}", available.join(", "))
+/// What a model-not-found error names of the catalog.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Available {
+    /// The fleet serves no model at all.
+    NoneInFleet,
+    /// The models the caller may use (none: it is told of none).
+    Models(Vec<String>),
+}
+
+fn available_hint(available: &Available) -> String {
+    match available {
+        Available::NoneInFleet => "; the fleet has no models".into(),
+        Available::Models(models) if models.is_empty() => String::new(),
+        Available::Models(models) => format!("; available models: {}", models.join(", ")),
     }
 }
 
@@ -426,12 +435,21 @@ fn place_key(p: &Placement) -> u64 {
     (p.target.node as u64) << 16 | p.target.backend as u64
 }
 
-/// The error for a model the fleet does not have, naming those it has.
-pub fn model_not_found(snapshot: &RoutingSnapshot, model: &str) -> RouteError {
-    RouteError::ModelNotFound {
-        model: model.to_string(),
-        available: snapshot.catalog().iter().map(|e| e.id.clone()).collect(),
-    }
+/// The error for a model the fleet does not have, naming those it has
+/// that `visible` lets the caller see: a key allowed a few models learns
+/// of no others.
+pub fn model_not_found(
+    snapshot: &RoutingSnapshot,
+    model: &str,
+    visible: impl Fn(&crate::snapshot::CatalogEntry) -> bool,
+) -> RouteError {
+    let catalog = snapshot.catalog();
+    let available = if catalog.is_empty() {
+        Available::NoneInFleet
+    } else {
+        Available::Models(catalog.iter().filter(|e| visible(e)).map(|e| e.id.clone()).collect())
+    };
+    RouteError::ModelNotFound { model: model.to_string(), available }
 }
 
 /// The route of `request` over `snapshot`'s nodes, as this data plane's
@@ -439,7 +457,8 @@ pub fn model_not_found(snapshot: &RoutingSnapshot, model: &str) -> RouteError {
 pub fn select(snapshot: &RoutingSnapshot, local: &impl Local, request: &RouteRequest<'_>) -> Result<Route, RouteError> {
     let seen = Seen { local, now_ms: request.now_ms };
     let Some(placements) = snapshot.placements(request.model) else {
-        return Err(model_not_found(snapshot, request.model));
+        // Routing is asked only of models the caller may use.
+        return Err(model_not_found(snapshot, request.model, |_| true));
     };
     let capable = |p: &Placement| {
         (p.endpoints.is_empty() || p.endpoints.contains(&request.kind)) && !p.unsupported.contains(&request.kind)

@@ -83,6 +83,21 @@ async fn requests_need_a_valid_key_and_get_only_its_models() {
         .await;
     assert_eq!(one.status, StatusCode::NOT_FOUND);
     refused_as(&fleet.http.get(&format!("{url}/v1/models")).await, StatusCode::UNAUTHORIZED, "invalid_api_key");
+    // A model the key may use that the fleet has not: its 404 names only
+    // the models this key may use, never the rest of the catalog.
+    let absent = chat(&fleet, &url, Some(&secret), "chatty").await;
+    refused_as(&absent, StatusCode::NOT_FOUND, "model_not_found");
+    let message = absent.openai_error()["message"].as_str().unwrap().to_string();
+    assert!(message.contains("available models: chat") && !message.contains("other"), "{message}");
+    let (_, narrow) = create(
+        &fleet,
+        CreateKeyRequest { name: "one".into(), allowed_models: vec!["gone".into()], ..Default::default() },
+    )
+    .await;
+    let absent = chat(&fleet, &url, Some(&narrow), "gone").await;
+    refused_as(&absent, StatusCode::NOT_FOUND, "model_not_found");
+    let message = absent.openai_error()["message"].as_str().unwrap().to_string();
+    assert!(!message.contains("chat") && !message.contains("other"), "{message}");
 
     // Refusals are counted by reason; no secret reaches the metrics.
     let metrics =
