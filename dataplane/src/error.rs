@@ -40,6 +40,7 @@ error_codes! {
     InvalidPath => "invalid_path",
     ContextLengthExceeded => "context_length_exceeded",
     UnsupportedEndpoint => "unsupported_endpoint",
+    UnsupportedParameter => "unsupported_parameter",
     UnknownUrl => "unknown_url",
     MethodNotAllowed => "method_not_allowed",
     RequestTimeout => "request_timeout",

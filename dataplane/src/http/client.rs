@@ -226,8 +226,9 @@ fn upstream_request(
 /// at a provider an `openai` backend calls with the operator's key (an
 /// organization or project of the client's choosing); and what a client
 /// could forge of the path it came by (`Forwarded`, `X-Forwarded-*`,
-/// `X-Real-IP`). `Host` and `Content-Length` are written anew for each
-/// attempt.
+/// `X-Real-IP`); and llama-server's `X-Conversation-Id`, with which a
+/// client could take over another's stream. `Host` and `Content-Length`
+/// are written anew for each attempt.
 fn not_forwarded(name: &HeaderName) -> bool {
     matches!(*name, header::PROXY_AUTHORIZATION | header::AUTHORIZATION | header::COOKIE | header::FORWARDED)
         || *name == inferyes_proto::headers::API_KEY
@@ -245,6 +246,9 @@ fn not_forwarded(name: &HeaderName) -> bool {
                         | "true-client-ip"
                         | "cf-connecting-ip"
                         | "via"
+                        // llama-server resumes or cancels a stream by this
+                        // id, whoever's it is.
+                        | "x-conversation-id"
                 )
         }
 }
@@ -359,6 +363,7 @@ mod tests {
             ("x-real-ip", "10.0.0.1"),
             ("cf-connecting-ip", "10.0.0.1"),
             ("via", "1.1 someone"),
+            ("x-conversation-id", "someone-elses-stream"),
             ("x-stainless-lang", "python"),
             ("openai-beta", "assistants=v2"),
         ] {
@@ -375,6 +380,7 @@ mod tests {
             "x-real-ip",
             "cf-connecting-ip",
             "via",
+            "x-conversation-id",
         ] {
             assert!(!headers.contains_key(gone), "{gone} stays behind");
         }

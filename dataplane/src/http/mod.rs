@@ -14,6 +14,7 @@ mod client;
 mod continuation;
 mod edge;
 mod form;
+mod guard;
 mod opening;
 mod pipeline;
 mod scan;

@@ -51,6 +51,9 @@ pub struct Fields<'a> {
     /// The output is constrained (tools, a response format, a grammar): a
     /// stream of it cannot be continued on another node.
     pub constrained: bool,
+    /// Top-level members the data plane guards (`super::guard`), other
+    /// than `null`: their place in its table, and their values as written.
+    pub guarded: Vec<(usize, Raw<'a>)>,
 }
 
 /// What a conversation's root needs of its messages: the content of the
@@ -205,9 +208,16 @@ impl<'a> Scanner<'a> {
                         let twice = constraints.again(constraint);
                         fields.constrained |= scanner.nullable_value(1)?.is_some() || twice;
                     }
-                    None => {
-                        scanner.value_at(1)?;
-                    }
+                    None => match super::guard::index(other) {
+                        Some(guarded) => {
+                            if let Some(raw) = scanner.nullable_value(1)? {
+                                fields.guarded.push((guarded, raw));
+                            }
+                        }
+                        None => {
+                            scanner.value_at(1)?;
+                        }
+                    },
                 },
             }
             Ok(())
@@ -592,9 +602,10 @@ fn only_unicode_escapes(escaped: &str) -> bool {
     memchr::memchr_iter(b'\\', bytes).all(|at| bytes.get(at + 1) == Some(&b'u'))
 }
 
-/// A string that names an image or audio part (a part's type or key).
+/// A string that names an image, audio or video part (a part's type or
+/// key), in OpenAI's, the Responses API's or Anthropic's words.
 fn is_media(text: &str) -> bool {
-    matches!(text, "image_url" | "input_audio")
+    matches!(text, "image_url" | "input_audio" | "image" | "input_image" | "video_url" | "input_video")
 }
 
 /// The offset of the first quote, backslash or control character in
@@ -797,6 +808,8 @@ mod tests {
             system: raw(wire.system),
             // Not serde's to say (`null` reads as absent): checked apart.
             stream_options_named: false,
+            // Read by the guard's own tests.
+            guarded: Vec::new(),
         })
     }
 
@@ -830,7 +843,7 @@ mod tests {
         }
 
         fn visit_str<E>(self, text: &str) -> Result<Media, E> {
-            Ok(Media(matches!(text, "image_url" | "input_audio")))
+            Ok(Media(is_media(text)))
         }
 
         fn visit_bool<E>(self, _: bool) -> Result<Media, E> {
@@ -890,6 +903,7 @@ mod tests {
                     has_media: ours.has_media,
                     model_span: ours.model_span.clone(),
                     stream_options_named: ours.stream_options_named,
+                    guarded: ours.guarded.clone(),
                     ..theirs.clone()
                 };
                 prop_assert_eq!(ours, &theirs)
@@ -900,6 +914,7 @@ mod tests {
                 let theirs = Fields {
                     model_span: ours.model_span.clone(),
                     stream_options_named: ours.stream_options_named,
+                    guarded: ours.guarded.clone(),
                     ..theirs.clone()
                 };
                 prop_assert_eq!(ours, &theirs)

@@ -92,6 +92,7 @@ pub fn parse_view(body: &[u8]) -> Result<RoutingView, ApiError> {
 /// kind of body its root is (if any).
 fn parse_json_view(body: &[u8], session: Session) -> Result<RoutingView, ApiError> {
     let fields = scan(body).map_err(|error| refusal(body, error))?;
+    guarded(body, &fields)?;
     let root = match session {
         Session::None | Session::Named => None,
         Session::Opening => conversation_root(&fields, false),
@@ -111,6 +112,28 @@ fn parse_json_view(body: &[u8], session: Session) -> Result<RoutingView, ApiErro
         constrained: fields.constrained,
         in_form: false,
     })
+}
+
+/// The body's members that reach past the request into the shared server,
+/// refused or held to their bounds (`super::guard`), and media named by a
+/// URL the server would fetch.
+fn guarded(body: &[u8], fields: &Fields<'_>) -> Result<(), ApiError> {
+    let unsupported = |message: String, param: &'static str| {
+        ApiError::new(ErrorKind::BadRequest, message, ErrorCode::UnsupportedParameter).param(param)
+    };
+    for &(at, raw) in &fields.guarded {
+        if let Some(why) = super::guard::check(at, raw) {
+            return Err(unsupported(why, super::guard::GUARDED[at].0));
+        }
+    }
+    if fields.has_media
+        && let Some(url) = super::guard::remote_media(body)
+    {
+        let shown: String = url.chars().take(64).collect();
+        let message = format!("media must be sent inline (a `data:` URL), not fetched from `{shown}`");
+        return Err(unsupported(message, "messages"));
+    }
+    Ok(())
 }
 
 /// A refused body's error, in the words OpenAI uses where it has them.

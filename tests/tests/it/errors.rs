@@ -190,3 +190,42 @@ async fn connections_past_the_limit_get_503_and_room_comes_back() {
     })
     .await;
 }
+
+#[tokio::test]
+async fn members_that_reach_into_the_shared_server_are_refused_before_it_sees_them() {
+    let fleet = Fleet::start(vec![chat_sim("chat")]).await;
+    let chat_url = fleet.url("/v1/chat/completions");
+    let refused = |body: serde_json::Value, param: &'static str| {
+        let (http, url) = (fleet.http.clone(), chat_url.clone());
+        async move {
+            let response = http.post_json(&url, &body).await;
+            assert_eq!(response.status, StatusCode::BAD_REQUEST, "{body}");
+            let error = response.openai_error();
+            assert_eq!((error["code"].as_str(), error["param"].as_str()), (Some("unsupported_parameter"), Some(param)));
+            error["message"].as_str().unwrap_or_default().to_string()
+        }
+    };
+    let chat = |extra: serde_json::Value| {
+        let mut body = chat_body("chat", "hi");
+        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        body
+    };
+    // A slot of the client's choosing would evict whoever's cache is there.
+    assert!(refused(chat(json!({"id_slot": 3})), "id_slot").await.contains("evicting"));
+    refused(chat(json!({"slot_id": 0})), "slot_id").await;
+    refused(chat(json!({"n_probs": 1000})), "n_probs").await;
+    refused(chat(json!({"repeat_last_n": 2_000_000_000})), "repeat_last_n").await;
+    refused(chat(json!({"max_tokens": -1})), "max_tokens").await;
+    refused(chat(json!({"chat_parser": "x"})), "chat_parser").await;
+    // Media the server would fetch from inside the fleet's network.
+    let image = json!({"model": "chat", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"},
+        {"type": "image_url", "image_url": {"url": "http://169.254.169.254/latest/meta-data"}}]}]});
+    assert!(refused(image, "messages").await.contains("169.254.169.254"));
+    assert_eq!(fleet.sims[0].sim.stats().requests, 0, "none of them reached the server");
+
+    // Within their bounds they go on.
+    let fine =
+        fleet.http.post_json(&chat_url, &chat(json!({"n_probs": 5, "max_tokens": 4, "cache_prompt": false}))).await;
+    assert_eq!(fine.status, StatusCode::OK, "{}", String::from_utf8_lossy(&fine.body));
+}
