@@ -50,10 +50,27 @@ pub struct Ledger {
     /// the keys and models in use, not with the requests, even while no
     /// controller takes them.
     sums: Mutex<Sums>,
-    /// Tokens recorded per key and not yet acknowledged: held against the
-    /// key's daily budget until the roll-up shows them.
-    unacknowledged: Mutex<FastMap<String, u64>>,
+    /// What each key used, or holds for requests in flight, that the
+    /// fleet's roll-up does not show yet: counted against its daily budget.
+    tallies: Mutex<FastMap<String, Tally>>,
     dropped: AtomicU64,
+}
+
+/// A key's tokens, where its budget is spent: used today, and held for
+/// requests in flight.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Spent {
+    pub used: u64,
+    pub held: u64,
+}
+
+/// A key's tokens the roll-up does not show yet.
+#[derive(Debug, Default)]
+struct Tally {
+    /// Recorded, and not yet acknowledged by a controller.
+    unacknowledged: u64,
+    /// Held for requests in flight, each until its record is made.
+    held: u64,
 }
 
 impl Ledger {
@@ -67,16 +84,38 @@ impl Ledger {
             next_seq: AtomicU64::new(0),
             queue: Mutex::default(),
             sums: Mutex::default(),
-            unacknowledged: Mutex::default(),
+            tallies: Mutex::default(),
             dropped: AtomicU64::new(0),
         })
     }
 
-    pub fn record(&self, record: UsageRecord) {
+    /// Holds `tokens` of `key_id`'s daily `budget` for a request in flight,
+    /// where what the key used today (`today`, by the fleet's roll-up, and
+    /// what this data plane counted or holds since) leaves any of it; else
+    /// says how much is used, and how much more held. A request admitted
+    /// so may overrun the budget by its own tokens, and no more, however
+    /// many run at once.
+    pub fn hold(&self, key_id: &str, budget: u64, today: u64, tokens: u64) -> Result<(), Spent> {
+        let mut tallies = self.tallies.lock().unwrap_or_else(PoisonError::into_inner);
+        let (unacknowledged, held) = tallies.get(key_id).map_or((0, 0), |t| (t.unacknowledged, t.held));
+        let used = today.saturating_add(unacknowledged);
+        if used.saturating_add(held) >= budget {
+            return Err(Spent { used, held });
+        }
+        let tally = value_for(&mut tallies, key_id, Tally::default);
+        tally.held = tally.held.saturating_add(tokens);
+        Ok(())
+    }
+
+    /// Records a request's usage, giving back the `held` tokens its
+    /// admission held.
+    pub fn record(&self, record: UsageRecord, held: u64) {
         if !record.key_id.is_empty() {
             let tokens = record.prompt_tokens + record.completion_tokens;
-            let mut unacknowledged = self.unacknowledged.lock().unwrap_or_else(PoisonError::into_inner);
-            *value_for(&mut unacknowledged, &record.key_id, || 0) += tokens;
+            let mut tallies = self.tallies.lock().unwrap_or_else(PoisonError::into_inner);
+            let tally = value_for(&mut tallies, &record.key_id, Tally::default);
+            tally.unacknowledged = tally.unacknowledged.saturating_add(tokens);
+            tally.held = tally.held.saturating_sub(held);
         }
         if !self.keep_records {
             let mut sums = self.sums.lock().unwrap_or_else(PoisonError::into_inner);
@@ -134,7 +173,8 @@ impl Ledger {
     /// Tokens of `key_id` this data plane counted that the fleet's roll-up
     /// may not show yet.
     pub fn unacknowledged_tokens(&self, key_id: &str) -> u64 {
-        self.unacknowledged.lock().unwrap_or_else(PoisonError::into_inner).get(key_id).copied().unwrap_or(0)
+        let tallies = self.tallies.lock().unwrap_or_else(PoisonError::into_inner);
+        tallies.get(key_id).map_or(0, |tally| tally.unacknowledged)
     }
 
     /// The next batch: up to the record and roll-up limits, oldest first.
@@ -193,14 +233,15 @@ impl Ledger {
     }
 
     fn acknowledged(&self, batch: &UsageBatch) {
-        let mut unacknowledged = self.unacknowledged.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut tallies = self.tallies.lock().unwrap_or_else(PoisonError::into_inner);
         for delta in batch.deltas.iter().filter(|d| !d.key_id.is_empty()) {
             let usage = delta.usage.unwrap_or_default();
-            if let Some(tokens) = unacknowledged.get_mut(&delta.key_id) {
-                *tokens = tokens.saturating_sub(usage.prompt_tokens + usage.completion_tokens);
+            if let Some(tally) = tallies.get_mut(&delta.key_id) {
+                tally.unacknowledged =
+                    tally.unacknowledged.saturating_sub(usage.prompt_tokens + usage.completion_tokens);
             }
         }
-        unacknowledged.retain(|_, tokens| *tokens > 0);
+        tallies.retain(|_, tally| tally.unacknowledged > 0 || tally.held > 0);
     }
 }
 
@@ -308,6 +349,9 @@ struct MeterInner {
     first_token: std::sync::OnceLock<Instant>,
     /// Where a stream's times are observed, at its end.
     stream_timers: Option<StreamTimers>,
+    /// Tokens of the key's budget its admission held, given back with the
+    /// record.
+    held: AtomicU64,
     /// Data events seen in a stream: one token each, for an estimate.
     events: AtomicU64,
     /// The node that answered, once one did (or failed, answering).
@@ -415,10 +459,17 @@ impl Meter {
             done: AtomicBool::new(false),
             first_token: std::sync::OnceLock::new(),
             stream_timers,
+            held: AtomicU64::new(0),
             events: AtomicU64::new(0),
             served: std::sync::OnceLock::new(),
             ending: Mutex::default(),
         }))
+    }
+
+    /// Tokens of the key's budget held for this request
+    /// ([`Ledger::hold`]), given back when it is recorded.
+    pub fn holds(&self, tokens: u64) {
+        self.0.held.store(tokens, Ordering::Relaxed);
     }
 
     /// Runs `at_end` once the answer has ended, with what served it and
@@ -534,7 +585,7 @@ impl MeterInner {
                 record.completion_tokens = self.events.load(Ordering::Relaxed);
             }
         }
-        self.ledger.record(record);
+        self.ledger.record(record, self.held.load(Ordering::Relaxed));
     }
 }
 
@@ -594,7 +645,7 @@ mod tests {
     fn batches_respect_the_record_and_rollup_limits_and_ids_are_unique() {
         let ledger = Ledger::new("dp/1 test", true);
         for i in 0..(MAX_RECORDS_PER_BATCH + 10) {
-            ledger.record(record("k", "m", 1 + (i as u64 % 2)));
+            ledger.record(record("k", "m", 1 + (i as u64 % 2)), 0);
         }
         let first = ledger.next_batch(usize::MAX).unwrap();
         assert_eq!(first.records.len(), MAX_RECORDS_PER_BATCH);
@@ -608,14 +659,14 @@ mod tests {
         assert!(ledger.next_batch(usize::MAX).is_none());
 
         for m in 0..(MAX_ROLLUPS_PER_BATCH + 1) {
-            ledger.record(record("k", &format!("model-{m}"), 1));
+            ledger.record(record("k", &format!("model-{m}"), 1), 0);
         }
         assert_eq!(ledger.next_batch(usize::MAX).unwrap().deltas.len(), MAX_ROLLUPS_PER_BATCH);
         assert_eq!(ledger.next_batch(usize::MAX).unwrap().deltas.len(), 1);
 
         // A tick sends what was queued when it came, no more.
         for _ in 0..5 {
-            ledger.record(record("k", "m", 1));
+            ledger.record(record("k", "m", 1), 0);
         }
         assert_eq!(ledger.next_batch(3).unwrap().deltas[0].usage.unwrap().requests, 3);
         assert_eq!(ledger.queued(), 2);
@@ -624,7 +675,7 @@ mod tests {
         // Without records, only sums travel, many requests to a batch.
         let summing = Ledger::new("dp", false);
         for _ in 0..(MAX_RECORDS_PER_BATCH * 3) {
-            summing.record(record("k", "m", 2));
+            summing.record(record("k", "m", 2), 0);
         }
         let batch = summing.next_batch(usize::MAX).unwrap();
         assert!(batch.records.is_empty());
@@ -633,10 +684,24 @@ mod tests {
     }
 
     #[test]
+    fn a_budget_admits_while_any_is_left_and_holds_each_request_s_tokens_until_recorded() {
+        let ledger = Ledger::new("dp", false);
+        // 1,000 a day, 100 used by the roll-up: requests of 300 each.
+        let admitted = (0..10).filter(|_| ledger.hold("k", 1_000, 100, 300).is_ok()).count();
+        assert_eq!(admitted, 3, "100 + 3 × 300 leaves none for a fourth");
+        assert_eq!(ledger.hold("k", 1_000, 100, 300), Err(Spent { used: 100, held: 900 }));
+        // One ends, having used 50: what it held beyond them is free again.
+        ledger.record(record("k", "m", 50), 300);
+        assert_eq!(ledger.unacknowledged_tokens("k"), 50);
+        assert!(ledger.hold("k", 1_000, 100, 300).is_ok());
+        assert!(ledger.hold("other", 1_000, 0, 300).is_ok(), "each key its own");
+    }
+
+    #[test]
     fn unacknowledged_tokens_count_until_their_batch_is_acknowledged() {
         let ledger = Ledger::new("dp", true);
-        ledger.record(record("k", "m", 30));
-        ledger.record(record("", "m", 50));
+        ledger.record(record("k", "m", 30), 0);
+        ledger.record(record("", "m", 50), 0);
         assert_eq!(ledger.unacknowledged_tokens("k"), 30);
         let batch = ledger.next_batch(usize::MAX).unwrap();
         assert_eq!(ledger.unacknowledged_tokens("k"), 30, "sent is not acknowledged");

@@ -193,24 +193,37 @@ impl<'s> Exchange<'s> {
         self.facts.model_known = true;
         let state: &AppState = self.state;
         let rate = state.auth.admit(caller, std::time::Instant::now()).map_err(|(r, e)| state.refused(r, e))?;
+        // What the request may use, held against the key's daily budget
+        // while it runs, so that requests at once cannot each spend what
+        // is left: its body's bytes (no prompt has more tokens) and its
+        // limit, or the model's window where it sets none.
+        let mut held = 0;
         if let Caller::Key(grant) = caller
             && grant.tokens_per_day > 0
         {
-            let used = snapshot.tokens_today(&grant.key_id) + state.ledger.unacknowledged_tokens(&grant.key_id);
-            if used >= grant.tokens_per_day {
+            let window = snapshot.model(model).map_or(0, |entry| u64::from(entry.context_window));
+            let limit = view.max_tokens.unwrap_or(if window > 0 { window } else { DEFAULT_TOKEN_LIMIT });
+            let tokens = (body_len as u64).saturating_add(limit);
+            let today = snapshot.tokens_today(&grant.key_id);
+            if let Err(spent) = state.ledger.hold(&grant.key_id, grant.tokens_per_day, today, tokens) {
+                let budget = grant.tokens_per_day;
+                let (message, retry_after) = if spent.used >= budget {
+                    (format!("{} used today (UTC)", spent.used), seconds_to_utc_midnight())
+                } else {
+                    // Spent by requests still running: some of it comes back.
+                    (format!("{} used and {} held by requests in flight", spent.used, spent.held), 1)
+                };
                 let error = ApiError::new(
                     ErrorKind::RateLimited,
-                    format!(
-                        "Rate limit reached for tokens: {} per day for this key, {used} used today (UTC).",
-                        grant.tokens_per_day
-                    ),
+                    format!("Rate limit reached for tokens: {budget} per day for this key, {message}."),
                     ErrorCode::RateLimitExceeded,
                 )
-                .retry_after(seconds_to_utc_midnight());
+                .retry_after(retry_after);
                 return Err(state.refused(crate::auth::Refusal::TokenBudget, error));
             }
+            held = tokens;
         }
-        self.facts.meter = Some(crate::usage::Meter::new(
+        let meter = crate::usage::Meter::new(
             Arc::clone(&state.ledger),
             super::id_text(&self.request_id),
             caller.key_id().map(str::to_string),
@@ -227,7 +240,9 @@ impl<'s> Exchange<'s> {
                     whole: state.metrics.stream_seconds.get_or_create(&labels).clone(),
                 }
             }),
-        ));
+        );
+        meter.holds(held);
+        self.facts.meter = Some(meter);
         Ok(rate.to_vec())
     }
 
@@ -548,6 +563,10 @@ impl StreamSetup {
         response
     }
 }
+
+/// The tokens a request that sets no limit is taken to generate, where its
+/// model's window is not known.
+const DEFAULT_TOKEN_LIMIT: u64 = 4_096;
 
 /// Seconds until the next UTC midnight, when daily token budgets start over.
 fn seconds_to_utc_midnight() -> u32 {

@@ -37,6 +37,8 @@ pub struct RoutingView {
     pub constrained: bool,
     /// The model is a form's field, written as it is, not as JSON.
     pub in_form: bool,
+    /// The most tokens the request asks to be generated, where it says.
+    pub max_tokens: Option<u64>,
 }
 
 /// Bytes of a completion prompt that make up its root.
@@ -75,6 +77,7 @@ fn parse_form_view(headers: &HeaderMap, body: &[u8]) -> Result<RoutingView, ApiE
         has_stream_options: false,
         constrained: false,
         in_form: true,
+        max_tokens: None,
     })
 }
 
@@ -93,6 +96,7 @@ pub fn parse_view(body: &[u8]) -> Result<RoutingView, ApiError> {
 fn parse_json_view(body: &[u8], session: Session) -> Result<RoutingView, ApiError> {
     let fields = scan(body).map_err(|error| refusal(body, error))?;
     guarded(body, &fields)?;
+    let max_tokens = max_tokens(&fields);
     let root = match session {
         Session::None | Session::Named => None,
         Session::Opening => conversation_root(&fields, false),
@@ -111,6 +115,7 @@ fn parse_json_view(body: &[u8], session: Session) -> Result<RoutingView, ApiErro
         has_stream_options: fields.stream_options_named,
         constrained: fields.constrained,
         in_form: false,
+        max_tokens,
     })
 }
 
@@ -134,6 +139,15 @@ fn guarded(body: &[u8], fields: &Fields<'_>) -> Result<(), ApiError> {
         return Err(unsupported(message, "messages"));
     }
     Ok(())
+}
+
+/// The request's limit on generated tokens, in whichever member its API
+/// names it.
+fn max_tokens(fields: &Fields<'_>) -> Option<u64> {
+    fields.guarded.iter().find_map(|&(at, raw)| match super::guard::GUARDED[at].0 {
+        "max_tokens" | "max_completion_tokens" | "max_output_tokens" | "n_predict" => raw.parse().ok(),
+        _ => None,
+    })
 }
 
 /// A refused body's error, in the words OpenAI uses where it has them.

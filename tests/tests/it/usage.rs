@@ -202,6 +202,47 @@ async fn a_key_over_its_daily_tokens_is_refused_until_tomorrow() {
 }
 
 #[tokio::test]
+async fn requests_at_once_spend_a_daily_budget_once() {
+    // Slow enough that all of them are in flight together.
+    let slow = inferyes_sim::SimConfig { decode_tokens_per_second: 40.0, ..chat_sim("chat") };
+    let fleet = Fleet::start_with(vec![slow], |c| c.auth = AuthMode::Keys).await;
+    let request = CreateKeyRequest { name: "budget".into(), tokens_per_day: 1_000, ..Default::default() };
+    let (key_id, secret) = create_key(&fleet, request).await;
+    let auth = format!("Bearer {secret}");
+    let url = format!("{}/v1/chat/completions", fleet.dataplane.url);
+    let asks: Vec<_> = (0..48)
+        .map(|i| {
+            let body = json!({"model": "chat", "max_tokens": 16, "messages": [{"role": "user",
+                              "content": format!("question {i}: {}", "tell me more about it ".repeat(5))}]});
+            let (http, url, auth) = (fleet.http.clone(), url.clone(), auth.clone());
+            tokio::spawn(async move {
+                http.send(Method::POST, &url, body.to_string().into(), &[("authorization", &auth)]).await
+            })
+        })
+        .collect();
+    let (mut answered, mut refused, mut largest) = (0, 0, 0);
+    for ask in asks {
+        let response = ask.await.expect("asked");
+        match response.status {
+            StatusCode::OK => {
+                answered += 1;
+                largest = largest.max(response.json()["usage"]["total_tokens"].as_u64().expect("usage"));
+            }
+            StatusCode::TOO_MANY_REQUESTS => {
+                refused += 1;
+                assert_eq!(response.openai_error()["code"], "rate_limit_exceeded");
+            }
+            other => panic!("{other}: {}", String::from_utf8_lossy(&response.body)),
+        }
+    }
+    assert!(refused > 0 && answered > 0, "{answered} answered, {refused} refused");
+    let total = rolled_up(fleet.controller(), &key_id, answered).await;
+    let spent = total.prompt_tokens + total.completion_tokens;
+    // Over the budget by at most one request's worth, and a tenth.
+    assert!(spent <= 1_100 + largest, "{spent} tokens of a 1,000 budget ({answered} answered, each up to {largest})");
+}
+
+#[tokio::test]
 async fn streams_are_asked_for_usage_and_clients_that_did_not_ask_do_not_see_it() {
     // Over HTTP/2 an answer says it is over with its last data frame; the
     // usage must be recorded all the same.
