@@ -132,6 +132,10 @@ pub enum KeysCommand {
         /// conversations' residency (none: the key is a tenant of its own).
         #[arg(long)]
         tenant: Option<String>,
+        /// Requests in flight at once, on each data plane (none: the data
+        /// plane's default share).
+        #[arg(long)]
+        max_concurrent: Option<u32>,
     },
     /// List the keys (never their secrets).
     List,
@@ -388,7 +392,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<String> {
 
 async fn keys(client: &mut AdminClient, command: KeysCommand, output: Output) -> anyhow::Result<String> {
     Ok(match command {
-        KeysCommand::Create { name, models, rpm, tokens_per_day, expires_in, tenant } => {
+        KeysCommand::Create { name, models, rpm, tokens_per_day, expires_in, tenant, max_concurrent } => {
             let expires_unix_ms = match expires_in {
                 Some(text) => inferyes_proto::unix_ms() + parse_duration_ms(&text)?,
                 None => 0,
@@ -400,6 +404,7 @@ async fn keys(client: &mut AdminClient, command: KeysCommand, output: Output) ->
                 tokens_per_day: tokens_per_day.unwrap_or(0),
                 expires_unix_ms,
                 tenant: tenant.unwrap_or_default(),
+                max_concurrent: max_concurrent.unwrap_or(0),
             };
             render(&client.create_key(request).await.map_err(rpc_error)?.into_inner(), output)
         }

@@ -265,7 +265,7 @@ impl Render for CreatedKey {
     }
 }
 
-const KEY_COLUMNS: [&str; 7] = ["KEY ID", "NAME", "STATE", "MODELS", "RPM", "TOKENS/DAY", "EXPIRES"];
+const KEY_COLUMNS: [&str; 8] = ["KEY ID", "NAME", "STATE", "MODELS", "RPM", "TOKENS/DAY", "AT ONCE", "EXPIRES"];
 
 impl Render for ListKeysResponse {
     fn text(&self) -> String {
@@ -457,6 +457,7 @@ fn key_json(key: &ApiKey) -> Value {
         "allowed_models": key.allowed_models,
         "requests_per_minute": key.requests_per_minute,
         "tokens_per_day": key.tokens_per_day,
+        "max_concurrent": key.max_concurrent,
         "expires_unix_ms": key.expires_unix_ms,
         "created_unix_ms": key.created_unix_ms,
         "revoked_unix_ms": key.revoked_unix_ms,
@@ -478,6 +479,7 @@ fn key_row(key: &ApiKey) -> Vec<String> {
         if key.allowed_models.is_empty() { "*".to_string() } else { key.allowed_models.join(",") },
         or_none(u64::from(key.requests_per_minute)),
         or_none(key.tokens_per_day),
+        or_none(u64::from(key.max_concurrent)),
         expires,
     ]
 }

@@ -105,6 +105,11 @@ pub enum Refusal {
     ChecksWaiting,
     RateLimited,
     TokenBudget,
+    /// The key, or its tenant, has all the requests in flight its share
+    /// allows.
+    InFlightShare,
+    /// The key, or its tenant, holds all the bytes its share allows.
+    BytesShare,
 }
 
 impl Refusal {
@@ -118,6 +123,8 @@ impl Refusal {
             Refusal::ChecksWaiting => "checks_waiting",
             Refusal::RateLimited => "rate_limited",
             Refusal::TokenBudget => "token_budget",
+            Refusal::InFlightShare => "in_flight_share",
+            Refusal::BytesShare => "bytes_share",
         }
     }
 }

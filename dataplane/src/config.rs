@@ -73,6 +73,12 @@ pub struct Config {
     /// Client connections held open at once; past it, a new one is sent
     /// 503 and closed.
     pub max_connections: usize,
+    /// The share of this data plane one key may hold at once, in percent:
+    /// of `max_connections` in requests in flight (unless its record sets
+    /// `max_concurrent`) and of `max_buffered_bytes` in bytes. Past it, 429.
+    pub key_share_percent: u8,
+    /// As `key_share_percent`, for all the keys of one tenant together.
+    pub tenant_share_percent: u8,
     /// A client must send its whole request body within this: one that
     /// trickles holds a connection and up to `max_body_bytes` of memory.
     pub request_body_timeout_ms: u64,
@@ -148,6 +154,8 @@ impl Default for Config {
             max_body_bytes: 32 << 20,
             max_buffered_bytes: 256 << 20,
             max_connections: 4096,
+            key_share_percent: 25,
+            tenant_share_percent: 50,
             request_body_timeout_ms: 60_000,
             connect_timeout_ms: 2000,
             response_header_timeout_ms: 600_000,
@@ -223,6 +231,9 @@ impl Config {
         if self.max_buffered_bytes < self.max_body_bytes {
             bail!("max_buffered_bytes must be at least max_body_bytes: one request must fit");
         }
+        if !(1..=100).contains(&self.key_share_percent) || !(1..=100).contains(&self.tenant_share_percent) {
+            bail!("key_share_percent and tenant_share_percent must be 1-100");
+        }
         if self.max_body_bytes == 0 {
             bail!("max_body_bytes must be positive");
         }
@@ -250,6 +261,19 @@ impl Config {
             self.dataplane_token_file.as_deref(),
             "data plane token",
         )
+    }
+
+    /// What one key, and one tenant, may hold by default.
+    pub fn shares(&self) -> (crate::shares::Limits, crate::shares::Limits) {
+        let of = |percent| {
+            crate::shares::Limits::percent_of(
+                percent,
+                self.max_connections,
+                self.max_buffered_bytes,
+                self.max_body_bytes,
+            )
+        };
+        (of(self.key_share_percent), of(self.tenant_share_percent))
     }
 
     pub fn request_body_timeout(&self) -> Duration {

@@ -167,6 +167,22 @@ impl ApiError {
         .retry_after(1)
     }
 
+    /// The caller's key or tenant holds all of `what` its share of the
+    /// data plane allows: a refusal of that caller alone, to be tried again
+    /// once one of its requests has ended.
+    pub fn past_share(whose: crate::shares::Whose, what: &str) -> ApiError {
+        ApiError::new(
+            ErrorKind::RateLimited,
+            format!(
+                "Rate limit reached: this {} holds {what} its share of the gateway allows. Try again when one of \
+                 its requests has ended.",
+                whose.as_str()
+            ),
+            ErrorCode::RateLimitExceeded,
+        )
+        .retry_after(1)
+    }
+
     /// The error as a whole HTTP/1.1 response that closes its connection,
     /// for a connection refused before any request on it is read.
     pub fn http1_response(&self) -> bytes::Bytes {

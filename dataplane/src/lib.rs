@@ -10,6 +10,7 @@ pub mod http;
 pub mod metrics;
 pub mod report;
 pub mod routing;
+pub mod shares;
 pub mod snapshot;
 pub mod targets;
 pub mod usage;
@@ -127,6 +128,10 @@ pub async fn run(
         auth: Arc::new(auth::Auth::new(config.auth, config.auth_failures_per_minute)),
         trusted_proxies: config.trusted_proxies.clone().into(),
         ledger: usage::Ledger::new(&config.dataplane_id, config.usage_records),
+        shares: {
+            let (key, tenant) = config.shares();
+            shares::Shares::new(key, tenant)
+        },
     };
     // Cancelled once no request can record usage any more: the ledger then
     // flushes what is left and ends.

@@ -264,6 +264,7 @@ impl FleetService for FleetSvc {
             created_unix_ms: now,
             revoked_unix_ms: 0,
             tenant: request.tenant,
+            max_concurrent: request.max_concurrent,
         };
         let revision = self.store.put(self.store.keys().api_key(&key.key_id), &key).await?;
         // The id and name are logged; the secret never is.

@@ -56,7 +56,7 @@ pub(crate) struct Plan {
     /// The snapshot the request was routed on, for an ejection.
     pub version: u64,
     /// What the request's body holds of the budget, while a continuation
-    /// may need it.
+    /// may need it; and its caller's share, until the stream ends.
     pub _held: Option<super::body::Reservation>,
 }
 

@@ -144,6 +144,8 @@ pub(crate) struct Attempts<'a> {
     pub version: u64,
     /// The request's record, told which node answered.
     pub meter: Option<&'a Meter>,
+    /// The caller's share, which holds a whole answer's bytes too.
+    pub share: Option<&'a Arc<crate::shares::Share>>,
     /// What routing expected the first target's first token to cost.
     pub expected: Expected,
 }
@@ -286,11 +288,11 @@ impl Attempts<'_> {
         // A whole answer or none: read before the client sees a byte, so a
         // node failing mid-answer is a clean 502 (or the next candidate),
         // never a truncated body.
-        let mut held = super::body::Budget::reservation(self.forwarder.budget());
+        let mut held = super::body::Budget::reservation(self.forwarder.budget(), self.share);
         match super::body::read_whole_within(body, MAX_BUFFERED_BODY, Some(&mut held)).await {
             Ok(bytes) => (answered, Some((parts, Read::Whole(bytes, held)))),
             Err(super::body::ReadError::TooLarge) => (Attempted::BodyTooLarge, None),
-            Err(super::body::ReadError::OverBudget) => (Attempted::OverBudget, None),
+            Err(super::body::ReadError::OverBudget(full)) => (Attempted::OverBudget(full), None),
             Err(super::body::ReadError::Body(cause)) => {
                 tracing::debug!(node = %hop.endpoint.id, %cause, "the answer broke off");
                 (Attempted::BodyBroke, None)
@@ -447,6 +449,7 @@ mod tests {
             request_id: &request_id,
             version: 1,
             meter: Some(&meter),
+            share: None,
             expected: Expected { ttft_ms: 7, home_ttft_ms: 0 },
         };
         let mut out = Outbound {

@@ -10,6 +10,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use bytes::{Bytes, BytesMut};
 use http_body_util::BodyExt;
 
+use crate::shares::{Share, Whose};
+
 /// The bytes a data plane holds of bodies read whole (requests, answers
 /// that are not streamed), all its requests together, up to a limit: past
 /// it a request is refused rather than the process run out of memory,
@@ -30,35 +32,80 @@ impl Budget {
         self.used.load(Ordering::Relaxed)
     }
 
-    /// Nothing held yet, against `budget`.
-    pub fn reservation(budget: &Arc<Budget>) -> Reservation {
-        Reservation { budget: Arc::clone(budget), bytes: 0 }
+    /// Nothing held yet, against `budget` and, where the request has one,
+    /// its caller's `share`.
+    pub fn reservation(budget: &Arc<Budget>, share: Option<&Arc<Share>>) -> Reservation {
+        Reservation { budget: Arc::clone(budget), share: share.cloned(), bytes: 0 }
     }
 }
 
-/// Bytes held against a [`Budget`], given back when dropped.
-#[derive(Debug)]
+/// Whose bytes are all held.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Full {
+    /// The data plane's, all requests together.
+    DataPlane,
+    /// The caller's share, of its key or tenant.
+    Share(Whose),
+}
+
+/// Bytes held against a [`Budget`] and a caller's [`Share`], given back
+/// when dropped. It keeps the share (a request in flight) as long.
 pub struct Reservation {
     budget: Arc<Budget>,
+    share: Option<Arc<Share>>,
     bytes: usize,
 }
 
+impl std::fmt::Debug for Reservation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Reservation").field("bytes", &self.bytes).finish_non_exhaustive()
+    }
+}
+
 impl Reservation {
-    /// Holds `bytes` more; false, holding nothing more, past the limit.
-    pub fn grow(&mut self, bytes: usize) -> bool {
+    /// Holds `bytes` more; past the caller's share or the data plane's
+    /// limit, holds nothing more and says whose.
+    pub fn grow(&mut self, bytes: usize) -> Result<(), Full> {
+        if let Some(share) = &self.share {
+            share.grow(bytes).map_err(Full::Share)?;
+        }
         let grown = self.budget.used.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |used| {
             used.checked_add(bytes).filter(|total| *total <= self.budget.limit)
         });
-        if grown.is_ok() {
-            self.bytes += bytes;
+        if grown.is_err() {
+            if let Some(share) = &self.share {
+                share.shrink(bytes);
+            }
+            return Err(Full::DataPlane);
         }
-        grown.is_ok()
+        self.bytes += bytes;
+        Ok(())
+    }
+
+    /// The caller's share this reservation keeps.
+    pub fn share(&self) -> Option<&Arc<Share>> {
+        self.share.as_ref()
+    }
+
+    /// Gives back the bytes held but keeps the caller's share: the request
+    /// is still in flight.
+    pub fn emptied(mut self) -> Reservation {
+        self.give_back();
+        self
+    }
+
+    fn give_back(&mut self) {
+        self.budget.used.fetch_sub(self.bytes, Ordering::Relaxed);
+        if let Some(share) = &self.share {
+            share.shrink(self.bytes);
+        }
+        self.bytes = 0;
     }
 }
 
 impl Drop for Reservation {
     fn drop(&mut self) {
-        self.budget.used.fetch_sub(self.bytes, Ordering::Relaxed);
+        self.give_back();
     }
 }
 
@@ -100,8 +147,8 @@ impl http_body::Body for Held {
 pub enum ReadError<E> {
     /// It is longer than the limit.
     TooLarge,
-    /// The data plane holds all the bytes its budget allows.
-    OverBudget,
+    /// The data plane, or the caller's share, holds all the bytes it may.
+    OverBudget(Full),
     /// The connection failed in the middle of it.
     Body(E),
 }
@@ -110,7 +157,8 @@ impl<E: std::fmt::Display> std::fmt::Display for ReadError<E> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             ReadError::TooLarge => f.write_str("the body is longer than the limit"),
-            ReadError::OverBudget => f.write_str("the data plane holds all the bytes it may"),
+            ReadError::OverBudget(Full::DataPlane) => f.write_str("the data plane holds all the bytes it may"),
+            ReadError::OverBudget(Full::Share(whose)) => write!(f, "the {} holds all the bytes it may", whose.as_str()),
             ReadError::Body(error) => error.fmt(f),
         }
     }
@@ -145,10 +193,8 @@ where
         if length > limit {
             return Err(ReadError::TooLarge);
         }
-        if let Some(held) = held.as_deref_mut()
-            && !held.grow(data.len())
-        {
-            return Err(ReadError::OverBudget);
+        if let Some(held) = held.as_deref_mut() {
+            held.grow(data.len()).map_err(ReadError::OverBudget)?;
         }
         if let Some(joined) = &mut joined {
             joined.extend_from_slice(&data);
@@ -224,18 +270,45 @@ mod tests {
     #[tokio::test]
     async fn bodies_are_held_against_one_budget_and_refused_past_it_and_given_back() {
         let budget = Budget::new(6);
-        let mut first = Budget::reservation(&budget);
+        let mut first = Budget::reservation(&budget, None);
         assert_eq!(read_whole_within(body(&["abc", "d"]), 64, Some(&mut first)).await.unwrap(), "abcd");
         assert_eq!(budget.used(), 4);
-        let mut second = Budget::reservation(&budget);
+        let mut second = Budget::reservation(&budget, None);
         let refused = read_whole_within(body(&["ef", "gh"]), 64, Some(&mut second)).await;
-        assert!(matches!(refused, Err(ReadError::OverBudget)), "4 + 4 is past 6");
+        assert!(matches!(refused, Err(ReadError::OverBudget(Full::DataPlane))), "4 + 4 is past 6");
         drop(second);
         assert_eq!(budget.used(), 4, "what the refused body held is given back");
         drop(first);
         assert_eq!(budget.used(), 0);
-        let mut third = Budget::reservation(&budget);
+        let mut third = Budget::reservation(&budget, None);
         assert_eq!(read_whole_within(body(&["efgh"]), 64, Some(&mut third)).await.unwrap(), "efgh");
+    }
+
+    #[tokio::test]
+    async fn a_keys_bodies_are_held_within_its_share_and_given_back_to_it() {
+        use crate::shares::{Limits, Shares};
+        let budget = Budget::new(9);
+        let shares = Shares::new(Limits { requests: 4, bytes: 5 }, Limits { requests: 4, bytes: 5 });
+        let key = |id: &str| Arc::new(inferyes_proto::v1::ApiKey { key_id: id.into(), ..Default::default() });
+        let (a, b) = (Arc::new(shares.take(&key("a")).unwrap()), Arc::new(shares.take(&key("b")).unwrap()));
+        let mut first = Budget::reservation(&budget, Some(&a));
+        assert_eq!(read_whole_within(body(&["abc"]), 64, Some(&mut first)).await.unwrap(), "abc");
+        let mut second = Budget::reservation(&budget, Some(&a));
+        let refused = read_whole_within(body(&["def"]), 64, Some(&mut second)).await;
+        assert!(matches!(refused, Err(ReadError::OverBudget(Full::Share(Whose::Key)))), "3 + 3 is past a's 5");
+        let mut other = Budget::reservation(&budget, Some(&b));
+        assert_eq!(read_whole_within(body(&["defgh"]), 64, Some(&mut other)).await.unwrap(), "defgh");
+        let mut past = Budget::reservation(&budget, Some(&a));
+        let refused = read_whole_within(body(&["i", "j"]), 64, Some(&mut past)).await;
+        assert!(matches!(refused, Err(ReadError::OverBudget(Full::DataPlane))), "8 + 1 + 1 is past the 9");
+        drop((second, past));
+        assert_eq!((shares.of_key("a").1, budget.used()), (3, 8), "what refused bodies held is given back");
+        let emptied = other.emptied();
+        assert_eq!((shares.of_key("b"), budget.used()), ((1, 0), 3), "an emptied reservation keeps its request");
+        drop(emptied);
+        assert_eq!(shares.of_key("b"), (1, 0), "the request is b's own to give back");
+        drop(first);
+        assert_eq!(shares.of_key("a"), (1, 0));
     }
 
     #[tokio::test]

@@ -30,8 +30,9 @@ pub enum UpstreamError {
     AnswerTooLarge,
     /// The data plane shut down before the answer was complete.
     Shutdown,
-    /// The data plane holds all the answers' bytes it may.
-    OverBudget,
+    /// The data plane, or the caller's share, holds all the answers' bytes
+    /// it may.
+    OverBudget(super::body::Full),
     /// The node's own error, passed on.
     NodeError(ApiError),
 }
@@ -86,8 +87,9 @@ impl UpstreamError {
                 "the gateway shut down before the answer was complete".to_string(),
                 ErrorCode::GatewayShutdown,
             ),
-            UpstreamError::OverBudget => {
-                return ApiError::overloaded("answers");
+            UpstreamError::OverBudget(super::body::Full::DataPlane) => return ApiError::overloaded("answers"),
+            UpstreamError::OverBudget(super::body::Full::Share(whose)) => {
+                return ApiError::past_share(whose, "all the bytes of request bodies and answers");
             }
         };
         ApiError::new(kind, message, code)
@@ -114,8 +116,9 @@ pub enum Attempted {
     BodyBroke,
     /// A whole answer's body was longer than [`MAX_BUFFERED_BODY`].
     BodyTooLarge,
-    /// A whole answer's body would pass what the data plane may hold.
-    OverBudget,
+    /// A whole answer's body would pass what the data plane, or the
+    /// caller's share, may hold.
+    OverBudget(super::body::Full),
 }
 
 impl Attempted {
@@ -130,7 +133,7 @@ impl Attempted {
             Attempted::Answered { .. } => "answered",
             Attempted::BodyBroke => "failed mid-answer",
             Attempted::BodyTooLarge => "answered more than can be held",
-            Attempted::OverBudget => "answered while the data plane's buffers were full",
+            Attempted::OverBudget(_) => "answered while the data plane's buffers were full",
         }
     }
 }
@@ -190,9 +193,9 @@ fn classify_first(attempt: Attempted, last: bool) -> Verdict {
         // The node is well; the answer is too big to hold, and another
         // node would give as big a one.
         Attempted::BodyTooLarge => Verdict::Fail { eject: false, error: UpstreamError::AnswerTooLarge },
-        // The data plane's own limit: no node is to blame, none would do
-        // better now.
-        Attempted::OverBudget => Verdict::Fail { eject: false, error: UpstreamError::OverBudget },
+        // The data plane's own limit, or the caller's: no node is to blame,
+        // none would do better now.
+        Attempted::OverBudget(full) => Verdict::Fail { eject: false, error: UpstreamError::OverBudget(full) },
         // An agent that does not take the credential: the fleet's setup at
         // fault, not the client's key (an SDK reads a 401 as that).
         // Another node may take it.

@@ -98,6 +98,7 @@ pub(crate) async fn continue_on(
         request_id: &continuation.request_id,
         version: continuation.version,
         meter: None,
+        share: None,
         expected: Expected::default(),
     };
     match attempts.run(&mut out, &mut hops, Purpose::Continue).await {

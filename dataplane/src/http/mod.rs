@@ -28,7 +28,7 @@ use std::sync::Arc;
 
 use http::HeaderMap;
 
-pub use body::Budget;
+pub use body::{Budget, Reservation};
 pub use client::{Forwarder, Settings as ForwarderSettings};
 pub use server::{Gateway, admin_router, router};
 pub use view::{RoutingView, parse_view, session_key};
@@ -70,6 +70,8 @@ pub struct AppState {
     /// Proxies whose `X-Forwarded-For` names the client.
     pub trusted_proxies: Arc<[crate::forwarded::Cidr]>,
     pub ledger: Arc<crate::usage::Ledger>,
+    /// What each key and tenant holds of this data plane now.
+    pub shares: Arc<crate::shares::Shares>,
 }
 
 impl AppState {
@@ -82,6 +84,19 @@ impl AppState {
         snapshot: &RoutingSnapshot,
     ) -> Result<Caller, ApiError> {
         self.auth.authenticate(headers, client, snapshot).await.map_err(|(refusal, error)| self.refused(refusal, error))
+    }
+
+    /// One more request in flight for `caller`'s key (and tenant), or the
+    /// refusal (counted) where its share is all taken. None with auth off.
+    pub(crate) fn take_share(&self, caller: &Caller) -> Result<Option<Arc<crate::shares::Share>>, ApiError> {
+        let Caller::Key(grant) = caller else { return Ok(None) };
+        match self.shares.take(grant) {
+            Ok(share) => Ok(Some(Arc::new(share))),
+            Err(past) => Err(self.refused(
+                crate::auth::Refusal::InFlightShare,
+                ApiError::past_share(past.whose, &format!("all the requests in flight ({} at once)", past.limit)),
+            )),
+        }
     }
 
     pub(crate) fn refused(&self, refusal: crate::auth::Refusal, error: ApiError) -> ApiError {

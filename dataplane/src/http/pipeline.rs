@@ -20,6 +20,7 @@ use inferyes_proto::v1::RoutingDecision;
 use super::AppState;
 use super::answer::{Plan, StreamBody};
 use super::attempt::{Answer, Attempts, Expected, Hops, NODE_HEADER, OpenStream, Outbound, ROUTE_HEADER};
+use super::body::Full;
 use super::classify::Purpose;
 use super::client::{Facts, upstream_headers};
 use super::continuation::Continuation;
@@ -134,9 +135,9 @@ impl<'s> Exchange<'s> {
         let snapshot = self.state.snapshots.current().ok_or_else(ApiError::not_ready)?;
         let caller = self.state.authenticate(&parts.headers, self.client, &snapshot).await?;
         self.facts.key_id = caller.key_id().map(str::to_string);
-        let mut held = super::body::Budget::reservation(self.state.forwarder.budget());
-        let limits = (self.state.max_body_bytes, self.state.request_body_timeout);
-        let body = read_body(body, &parts.headers, limits, &mut held).await?;
+        let share = self.state.take_share(&caller)?;
+        let mut held = super::body::Budget::reservation(self.state.forwarder.budget(), share.as_ref());
+        let body = read_body(body, &parts.headers, self.state, &mut held).await?;
         self.held = Some(held);
         if self.row.model == ModelIn::Multipart && parts.uri.query().is_some() {
             // The server behind may read a `model` there before the form's
@@ -337,6 +338,7 @@ impl<'s> Exchange<'s> {
             request_id: &self.request_id,
             version: snapshot.version(),
             meter: self.facts.meter.as_ref(),
+            share: self.held.as_ref().and_then(super::body::Reservation::share),
             expected,
         };
         let answered = attempts.run(&mut out, &mut hops, Purpose::First).await;
@@ -502,10 +504,9 @@ impl StreamSetup {
             };
             (Arc::new(continuation), hops)
         });
-        // Only a stream that may be continued keeps the request's body.
-        if resume.is_some() {
-            plan._held = held;
-        }
+        // Only a stream that may be continued keeps the request's body;
+        // every stream keeps its caller's share until it ends.
+        plan._held = if resume.is_some() { held } else { held.map(super::body::Reservation::emptied) };
         let hard_stop = state.forwarder.hard_stop().clone();
         StreamBody::streaming(open, plan, hard_stop, resume)
     }
@@ -544,6 +545,7 @@ impl StreamSetup {
                 request_id: &request_id,
                 version,
                 meter: self.plan.meter.as_ref(),
+                share: self.held.as_ref().and_then(super::body::Reservation::share),
                 expected,
             };
             match attempts.run(&mut out, &mut hops, Purpose::First).await? {
@@ -574,16 +576,17 @@ fn seconds_to_utc_midnight() -> u32 {
     u32::try_from(86_400 - now_s % 86_400).unwrap_or(86_400)
 }
 
-/// Reads the whole body, refusing more than `limit` bytes with 413 before
-/// reading it when the client announced its length, and with 503 when the
-/// data plane holds all it may of bodies (`held` takes what this one
-/// holds).
+/// Reads the whole body, refusing more than `max_body_bytes` with 413
+/// before reading it when the client announced its length, with 429 when
+/// the caller's share holds all it may of bodies and with 503 when the
+/// data plane does (`held` takes what this one holds).
 async fn read_body(
     body: hyper::body::Incoming,
     headers: &http::HeaderMap,
-    (limit, timeout): (usize, std::time::Duration),
+    state: &AppState,
     held: &mut super::body::Reservation,
 ) -> Result<Bytes, ApiError> {
+    let (limit, timeout) = (state.max_body_bytes, state.request_body_timeout);
     let too_large = || {
         ApiError::new(
             ErrorKind::PayloadTooLarge,
@@ -608,7 +611,11 @@ async fn read_body(
     };
     read.map_err(|error| match error {
         super::body::ReadError::TooLarge => too_large(),
-        super::body::ReadError::OverBudget => ApiError::overloaded("request bodies"),
+        super::body::ReadError::OverBudget(Full::DataPlane) => ApiError::overloaded("request bodies"),
+        super::body::ReadError::OverBudget(Full::Share(whose)) => state.refused(
+            crate::auth::Refusal::BytesShare,
+            ApiError::past_share(whose, "all the bytes of request bodies and answers"),
+        ),
         super::body::ReadError::Body(_) => {
             ApiError::new(ErrorKind::BadRequest, "the request body could not be read", ErrorCode::InvalidBody)
         }

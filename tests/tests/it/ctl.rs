@@ -1,6 +1,6 @@
 use clap::Parser;
 use inferyes_ctl::{Cli, run};
-use serde_json::Value;
+use serde_json::{Value, json};
 
 use crate::support::{Fleet, chat_sim, embedding_model};
 
@@ -110,15 +110,32 @@ async fn inferyesctl_creates_lists_and_revokes_keys_showing_the_secret_once() {
     let fleet = Fleet::start(vec![chat_sim("chat")]).await;
     let url = fleet.controller().url();
     let created: Value = serde_json::from_str(
-        &ctl(&url, &["keys", "create", "ci", "--model", "chat", "--rpm", "60", "--expires-in", "30d", "-o", "json"])
-            .await
-            .unwrap(),
+        &ctl(
+            &url,
+            &[
+                "keys",
+                "create",
+                "ci",
+                "--model",
+                "chat",
+                "--rpm",
+                "60",
+                "--max-concurrent",
+                "8",
+                "--expires-in",
+                "30d",
+                "-o",
+                "json",
+            ],
+        )
+        .await
+        .unwrap(),
     )
     .unwrap();
     let key_id = created["key_id"].as_str().unwrap().to_string();
     let secret = created["secret"].as_str().unwrap().to_string();
     assert!(secret.starts_with(&format!("ify_{key_id}_")), "{created}");
-    assert_eq!(created["requests_per_minute"], 60);
+    assert_eq!((&created["requests_per_minute"], &created["max_concurrent"]), (&json!(60), &json!(8)));
     let expires_in_days = (created["expires_unix_ms"].as_u64().unwrap() - inferyes_proto::unix_ms()) / 86_400_000;
     assert_eq!(expires_in_days, 29, "{created}");
 

@@ -13,6 +13,7 @@ mod kinds;
 mod metrics;
 mod placement;
 mod routing;
+mod shares;
 mod support;
 mod swap;
 mod tls;
