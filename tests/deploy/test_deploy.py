@@ -117,6 +117,7 @@ def test_the_compose_fleet_is_consistent():
             assert print_config(binary, local).returncode == 0
             unknown = set(service.get("environment", {})) - known[binary]
             assert not unknown, f"{name}: {binary} reads no {unknown}"
+            assert service["ulimits"]["nofile"] >= 65_536, f"{name}: its open files limit"
     build = compose["x-inferyes"]["build"]
     assert (DEPLOY / "compose" / build["context"] / build["dockerfile"]).is_file()
 
@@ -169,6 +170,9 @@ def test_systemd_units_run_the_binary_hardened(binary):
                        ("User", "inferyes"), ("KillSignal", "SIGTERM")]:
         assert service.get(key) == value, f"{binary}: {key}"
     assert service.get("CapabilityBoundingSet") == ""
+    # The common default of 1,024 descriptors is under every listener's cap.
+    assert int(service.get("LimitNOFILE", "0")) >= 65_536, f"{binary}: LimitNOFILE"
+
 
 
 # ---------------------------------------------------------------- configs
