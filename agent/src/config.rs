@@ -99,6 +99,14 @@ pub struct Config {
     /// On shutdown, requests in flight through the proxy get this long to
     /// finish; then they are cut.
     pub shutdown_grace_ms: u64,
+    /// Connections the proxy holds open at once, all peers together.
+    pub max_connections: usize,
+    /// Of those, what peers no request has yet proved a fleet member
+    /// (with the join token) may hold, all together and per address (an
+    /// IPv6 /64): what a stranger can cost the node, in descriptors and
+    /// memory, however many connections it opens.
+    pub max_stranger_connections: usize,
+    pub max_stranger_connections_per_address: usize,
     /// From the environment or a flag; never written out.
     #[serde(skip)]
     pub join_token: Option<String>,
@@ -302,6 +310,9 @@ impl Default for Config {
             tls: inferyes_proto::tls::Tls::default(),
             workers: 0,
             shutdown_grace_ms: 10_000,
+            max_connections: 16_384,
+            max_stranger_connections: 512,
+            max_stranger_connections_per_address: 128,
         }
     }
 }
@@ -351,12 +362,30 @@ impl Config {
         inferyes_net::serve::workers(self.workers)
     }
 
+    /// Which connections the proxy takes.
+    pub fn connection_limits(&self) -> inferyes_net::admit::Limits {
+        inferyes_net::admit::Limits {
+            max: self.max_connections,
+            per_peer: self.max_stranger_connections_per_address,
+            strangers: self.max_stranger_connections,
+            prove_within: Some(inferyes_net::admit::PROVE_WITHIN),
+        }
+    }
+
     pub fn validate(&self) -> anyhow::Result<()> {
         if self.version != 1 {
             bail!("config version {} is not supported: set `version = 1`", self.version);
         }
         if self.controllers.is_empty() {
             bail!("controllers is empty: list at least one controller address, e.g. [\"http://127.0.0.1:7070\"]");
+        }
+        if self.max_connections == 0
+            || self.max_stranger_connections == 0
+            || self.max_stranger_connections_per_address == 0
+        {
+            bail!(
+                "max_connections, max_stranger_connections and max_stranger_connections_per_address must be positive"
+            );
         }
         if self.backends.is_empty() && self.simulated.is_empty() {
             bail!("no backends: add a [[backends]] entry (url and kind) or a [[simulated]] backend");

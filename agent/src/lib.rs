@@ -211,13 +211,16 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
     tracing::info!(node = %config.node_id, proxy = %proxy_addr, "agent running");
     let mut registry = prometheus_client::registry::Registry::default();
     let metrics = metrics::Metrics::new(&mut registry);
+    let connections_refused = metrics.connections_refused.clone();
     let scrape = Arc::new(proxy::Scrape { registry, metrics });
     // One service per worker thread, each with its own pool of connections
     // to the backends.
+    let admission = inferyes_net::admit::Admission::new(config.connection_limits(), None);
     let services = (0..config.workers())
         .map(|_| {
-            let service = proxy::Service::new(Arc::clone(&state), Arc::clone(&scrape), accepted.clone());
-            move |_| service.clone()
+            let service =
+                proxy::Service::new(Arc::clone(&state), Arc::clone(&scrape), accepted.clone(), Arc::clone(&admission));
+            move |peer| service.connection(peer)
         })
         .collect();
     // On shutdown, requests in flight get a grace period; then the rest are
@@ -229,13 +232,21 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         shutdown_grace: config.shutdown_grace(),
         past_grace: CancellationToken::new(),
         header_read_timeout: inferyes_net::serve::HEADER_READ_TIMEOUT,
-        limit: inferyes_net::serve::ConnectionLimit::default(),
+        limit: inferyes_net::serve::ConnectionLimit {
+            admission: Some(admission),
+            refusal: proxy::connections_refusal(),
+            refused: Some(Arc::new(move |why: inferyes_net::admit::Refused| {
+                connections_refused.get_or_create(&metrics::ReasonLabels { reason: why.as_str() }).inc();
+            })),
+        },
     };
-    let admin = AbortOnDropHandle::new(tokio::spawn(
-        axum::serve(listeners.admin, proxy::admin_router(Arc::clone(&state), scrape))
-            .with_graceful_shutdown(shutdown.clone().cancelled_owned())
-            .into_future(),
-    ));
+    let admin_router = proxy::admin_router(Arc::clone(&state), scrape);
+    let admin = AbortOnDropHandle::new(tokio::spawn(inferyes_net::serve::serve(
+        listeners.admin,
+        vec![move |_| hyper_util::service::TowerToHyperService::new(admin_router.clone())],
+        inferyes_net::serve::Options::operators("agent-admin", inferyes_net::serve::OPERATORS_LIMITS, None),
+        shutdown.clone(),
+    )));
     let served = inferyes_net::serve::serve(listeners.proxy, services, options, shutdown.clone()).await;
     shutdown.cancel();
     admin.abort();

@@ -5,6 +5,7 @@
 use std::sync::atomic::AtomicU64;
 
 use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
@@ -16,6 +17,11 @@ use crate::state::{AgentState, BackendLabels};
 pub struct GpuLabels {
     pub gpu: String,
     pub name: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabels {
+    pub reason: &'static str,
 }
 
 pub struct Metrics {
@@ -33,6 +39,7 @@ pub struct Metrics {
     residency_misses: Family<BackendLabels, Gauge>,
     /// Time from a request reaching the proxy to the backend's first byte.
     pub first_byte_seconds: Family<BackendLabels, Histogram, fn() -> Histogram>,
+    pub connections_refused: Family<ReasonLabels, Counter>,
 }
 
 fn latency_histogram() -> Histogram {
@@ -55,6 +62,7 @@ impl Metrics {
             residency_hits: Family::default(),
             residency_misses: Family::default(),
             first_byte_seconds: Family::new_with_constructor(latency_histogram),
+            connections_refused: Family::default(),
         };
         let r = registry.sub_registry_with_prefix("inferyes_agent");
         r.register("gpu_memory_used_bytes", "GPU memory in use", m.gpu_memory_used_bytes.clone());
@@ -77,6 +85,11 @@ impl Metrics {
             "first_byte_seconds",
             "Time from a request reaching the proxy to the backend's first byte (for llama-server: the first token)",
             m.first_byte_seconds.clone(),
+        );
+        r.register(
+            "connections_refused",
+            "Proxy connections refused at once, by reason: full (max_connections), strangers (max_stranger_connections), peer (max_stranger_connections_per_address)",
+            m.connections_refused.clone(),
         );
         m
     }

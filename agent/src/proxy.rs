@@ -6,7 +6,7 @@
 
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll};
 use std::time::Instant;
 
@@ -20,6 +20,7 @@ use http::uri::PathAndQuery;
 use http::{HeaderMap, HeaderName, Request, StatusCode, header};
 use http_body::{Frame, SizeHint};
 use hyper::body::Incoming;
+use inferyes_net::admit::Admission;
 use inferyes_net::pool::{self, Pool};
 use inferyes_proto::{ErrorKind, openai_error_body};
 
@@ -83,6 +84,11 @@ async fn metrics(State((state, scrape)): State<(Arc<AgentState>, Arc<Scrape>)>) 
 pub struct Service {
     proxy: Proxy,
     router: Router,
+    admission: Arc<Admission>,
+    /// The connection's: its peer, and when a request on it last vouched
+    /// for it (Unix seconds; 0: never).
+    peer: std::net::IpAddr,
+    vouched: Arc<AtomicU64>,
 }
 
 impl Service {
@@ -90,6 +96,7 @@ impl Service {
         state: Arc<AgentState>,
         scrape: Arc<Scrape>,
         join_token: Option<inferyes_proto::bearer::Accepted>,
+        admission: Arc<Admission>,
     ) -> Service {
         let client = Pool::new(pool::Settings {
             connect_timeout: std::time::Duration::from_secs(2),
@@ -100,9 +107,19 @@ impl Service {
         });
         let proxy = Proxy { state, client, scrape, join_token };
         let router = Router::new().route(HEALTH, get(|| async { "ok\n" }));
-        Service { proxy, router }
+        let (peer, vouched) = (std::net::Ipv4Addr::UNSPECIFIED.into(), Arc::default());
+        Service { proxy, router, admission, peer, vouched }
+    }
+
+    /// The service of one connection, from `peer`.
+    pub fn connection(&self, peer: std::net::SocketAddr) -> Service {
+        Service { peer: peer.ip(), vouched: Arc::default(), ..self.clone() }
     }
 }
+
+/// How often a connection's requests vouch for its peer again: well inside
+/// [`inferyes_net::admit::VOUCHED_FOR`].
+const REVOUCH_EVERY_SECS: u64 = inferyes_net::admit::VOUCHED_FOR.as_secs() / 4;
 
 /// The agent's own path on the proxy's port. Data planes only forward
 /// `/v1/*` here, so it never shadows a backend's.
@@ -135,11 +152,38 @@ impl hyper::service::Service<Request<Incoming>> for Service {
             refusal
                 .headers_mut()
                 .insert(inferyes_proto::bearer::AGENT_REFUSED, http::HeaderValue::from_static("credential"));
+            // A stranger's connection is not kept for its next try.
+            refusal.headers_mut().insert(header::CONNECTION, http::HeaderValue::from_static("close"));
             return Box::pin(std::future::ready(Ok(refusal)));
+        }
+        // A fleet member's connections are no longer counted as a
+        // stranger's (see `inferyes_net::admit`), as long as it goes on
+        // proving itself: vouched for again well before that lapses.
+        let now = inferyes_proto::unix_ms() / 1000;
+        if now.saturating_sub(self.vouched.load(Ordering::Relaxed)) >= REVOUCH_EVERY_SECS {
+            self.vouched.store(now, Ordering::Relaxed);
+            self.admission.vouch(self.peer);
         }
         let proxy = self.proxy.clone();
         Box::pin(async move { Ok(forward(proxy, request).await) })
     }
+}
+
+/// What a connection the proxy does not take is sent before it is closed:
+/// a whole HTTP/1.1 response, which a data plane reads as the node's 503
+/// and takes to another node.
+pub fn connections_refusal() -> Bytes {
+    let body = openai_error_body(
+        ErrorKind::Overloaded,
+        "this node holds all the connections it takes; try again",
+        Some("overloaded"),
+        None,
+    );
+    let head = format!(
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\ncontent-length: {}\r\nretry-after: 1\r\nconnection: close\r\n\r\n",
+        body.len()
+    );
+    [head.as_bytes(), body.as_ref()].concat().into()
 }
 
 fn error(kind: ErrorKind, message: &str, code: &str) -> Response {

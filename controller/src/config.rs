@@ -127,6 +127,17 @@ pub struct Config {
     pub placement_order_timeout_secs: u64,
     /// Placement unloads no model whose sessions were used this lately.
     pub placement_idle_secs: u64,
+    /// Connections the gRPC port holds open at once (an agent or a data
+    /// plane holds one or two), and of those what peers none of whose
+    /// calls has yet succeeded may hold, together and per address (an
+    /// IPv6 /64).
+    pub max_grpc_connections: usize,
+    pub max_grpc_stranger_connections: usize,
+    pub max_grpc_stranger_connections_per_address: usize,
+    /// Connections the HTTP port (dashboard, metrics, health) holds open
+    /// at once, and per address.
+    pub max_http_connections: usize,
+    pub max_http_connections_per_address: usize,
     /// TLS on the gRPC port (see `inferyes_proto::tls`).
     pub tls: inferyes_proto::tls::Tls,
     /// From the environment or a flag; never written out.
@@ -168,6 +179,11 @@ impl Default for Config {
             raw_usage_retention_days: 7,
             placement_order_timeout_secs: 600,
             placement_idle_secs: 300,
+            max_grpc_connections: 16_384,
+            max_grpc_stranger_connections: 1_024,
+            max_grpc_stranger_connections_per_address: 128,
+            max_http_connections: 1_024,
+            max_http_connections_per_address: 64,
             tls: inferyes_proto::tls::Tls::default(),
             admin_token: None,
             join_token: None,
@@ -178,6 +194,23 @@ impl Default for Config {
 }
 
 impl Config {
+    /// Which connections the gRPC port takes, and the HTTP port.
+    pub fn connection_limits(&self) -> (inferyes_net::admit::Limits, inferyes_net::admit::Limits) {
+        let grpc = inferyes_net::admit::Limits {
+            max: self.max_grpc_connections,
+            per_peer: self.max_grpc_stranger_connections_per_address,
+            strangers: self.max_grpc_stranger_connections,
+            prove_within: Some(inferyes_net::admit::PROVE_WITHIN),
+        };
+        let http = inferyes_net::admit::Limits {
+            max: self.max_http_connections,
+            per_peer: self.max_http_connections_per_address,
+            strangers: 0,
+            prove_within: None,
+        };
+        (grpc, http)
+    }
+
     pub fn load(args: &Args) -> anyhow::Result<Config> {
         let mut config: Config = inferyes_proto::files::load_toml(args.config.as_deref())?;
         if let Some(v) = &args.controller_id {
@@ -230,6 +263,17 @@ impl Config {
         self.tls.validate()?;
         if self.usage_retention_days == 0 || self.raw_usage_retention_days == 0 {
             bail!("usage_retention_days and raw_usage_retention_days must be at least 1");
+        }
+        if [
+            self.max_grpc_connections,
+            self.max_grpc_stranger_connections,
+            self.max_grpc_stranger_connections_per_address,
+            self.max_http_connections,
+            self.max_http_connections_per_address,
+        ]
+        .contains(&0)
+        {
+            bail!("max_grpc_connections, max_http_connections and their shares must be positive");
         }
         if self.placement_order_timeout_secs == 0 {
             bail!("placement_order_timeout_secs must be at least 1: longer than a model takes to load");

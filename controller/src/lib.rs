@@ -199,7 +199,22 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         views: views.clone(),
     };
 
-    let incoming = tonic::transport::server::TcpIncoming::from(listeners.grpc).with_nodelay(Some(true));
+    let (grpc_limits, http_limits) = config.connection_limits();
+    let grpc_admission = inferyes_net::admit::Admission::new(grpc_limits, None);
+    let refusals = std::sync::Arc::clone(&metrics);
+    let refused =
+        move |port: &'static str| -> Option<std::sync::Arc<dyn Fn(inferyes_net::admit::Refused) + Send + Sync>> {
+            let metrics = std::sync::Arc::clone(&refusals);
+            Some(std::sync::Arc::new(move |why: inferyes_net::admit::Refused| {
+                metrics.connections_refused.get_or_create(&metrics::RefusedLabels { port, reason: why.as_str() }).inc();
+            }))
+        };
+    let incoming = inferyes_net::listen::incoming(
+        listeners.grpc,
+        std::sync::Arc::clone(&grpc_admission),
+        inferyes_net::serve::HEADER_READ_TIMEOUT,
+        refused("grpc"),
+    );
     let mut server = tonic::transport::Server::builder();
     if let Some(tls) = config.tls.grpc_server()? {
         server = server.tls_config(tls).context("invalid TLS settings for the gRPC port")?;
@@ -208,6 +223,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
     let grpc_server = server
         .http2_keepalive_interval(Some(Duration::from_secs(2)))
         .http2_keepalive_timeout(Some(Duration::from_secs(4)))
+        .layer(inferyes_net::listen::Vouching::new(grpc_admission))
         .add_service(agents.svc())
         .add_service(routing.svc())
         .add_service(fleet.svc())
@@ -225,8 +241,14 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
     };
     let sampler =
         tokio::spawn(dashboard::sample_pressure(dashboard.clone()).instrument(tracing::info_span!("pressure")));
-    let http_server = axum::serve(listeners.http, http::router(snapshots, scrape, dashboard))
-        .with_graceful_shutdown(shutdown.clone().cancelled_owned());
+    let router = http::router(snapshots, scrape, dashboard);
+    let options = inferyes_net::serve::Options::operators("controller-http", http_limits, refused("http"));
+    let http_server = inferyes_net::serve::serve(
+        listeners.http,
+        vec![move |_| hyper_util::service::TowerToHyperService::new(router.clone())],
+        options,
+        shutdown.clone(),
+    );
 
     tracing::info!(id = %config.controller_id, "controller running");
     let (grpc_result, http_result) = tokio::join!(grpc_server, http_server);

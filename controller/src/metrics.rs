@@ -28,6 +28,13 @@ pub struct OrderLabels {
     pub outcome: &'static str,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RefusedLabels {
+    /// `grpc` or `http`.
+    pub port: &'static str,
+    pub reason: &'static str,
+}
+
 pub struct Metrics {
     nodes: Family<StateLabels, Gauge>,
     snapshot_version: Gauge,
@@ -49,6 +56,7 @@ pub struct Metrics {
     pub etcd_db_size_bytes: Gauge,
     pub etcd_db_size_in_use_bytes: Gauge,
     pub etcd_quota_bytes: Gauge,
+    pub connections_refused: Family<RefusedLabels, Counter>,
 }
 
 impl Metrics {
@@ -74,6 +82,7 @@ impl Metrics {
             etcd_db_size_bytes: Gauge::default(),
             etcd_db_size_in_use_bytes: Gauge::default(),
             etcd_quota_bytes: Gauge::default(),
+            connections_refused: Family::default(),
         };
         let r = registry.sub_registry_with_prefix("inferyes_controller");
         r.register("nodes", "Nodes in the snapshot, by state (active, draining)", m.nodes.clone());
@@ -107,6 +116,11 @@ impl Metrics {
             "placement_leading",
             "1 while this controller leads placement (and the usage ledger)",
             m.placement_leading.clone(),
+        );
+        r.register(
+            "connections_refused",
+            "Connections refused at once, by port and reason: full (max_*_connections), strangers (max_grpc_stranger_connections), peer (the per-address share)",
+            m.connections_refused.clone(),
         );
         r.register("agent_streams", "Agent streams this controller holds", m.agent_streams.clone());
         r.register("node_writes", "Node records written to etcd", m.node_writes.clone());

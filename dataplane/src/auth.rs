@@ -25,6 +25,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use http::{HeaderMap, HeaderName, HeaderValue, header};
+use inferyes_net::admit::peer_of;
 use inferyes_proto::ErrorKind;
 use inferyes_proto::FastMap;
 use inferyes_proto::apikey;
@@ -222,16 +223,6 @@ impl<K: std::hash::Hash + Eq> Failures<K> {
     }
 }
 
-/// The client an address belongs to, for counting failures and taking
-/// turns: an IPv4 address, or an IPv6 /64 (one host's allocation: its
-/// addresses are one client).
-fn client_of(peer: IpAddr) -> IpAddr {
-    match peer.to_canonical() {
-        IpAddr::V4(v4) => IpAddr::V4(v4),
-        IpAddr::V6(v6) => IpAddr::V6(std::net::Ipv6Addr::from(v6.to_bits() & !u128::from(u64::MAX))),
-    }
-}
-
 struct Bucket {
     tokens: f64,
     at: Instant,
@@ -279,7 +270,7 @@ impl Auth {
         let Some(key) = snapshot.api_key(key_id) else { return Err(incorrect()) };
         let digest = self.digest_of(token);
         if !self.known(key, &digest) {
-            let client = client_of(client);
+            let client = peer_of(client);
             let now = Instant::now();
             let suspect = lock(&self.failed_keys).recent(key_id, now);
             if suspect && let Some(retry) = self.blocked(client, now) {
@@ -489,7 +480,7 @@ mod tests {
     fn failures_are_counted_per_ipv4_address_and_per_ipv6_64() {
         let auth = Auth::new(AuthMode::Keys, 3);
         let now = Instant::now();
-        let client = |s: &str| client_of(s.parse::<IpAddr>().unwrap());
+        let client = |s: &str| peer_of(s.parse::<IpAddr>().unwrap());
         for host in ["2001:db8:1:2::1", "2001:db8:1:2::2", "2001:db8:1:2:ffff::9"] {
             assert!(auth.blocked(client(host), now).is_none());
             fail(&auth, client(host));

@@ -73,6 +73,10 @@ pub struct Config {
     /// Client connections held open at once; past it, a new one is sent
     /// 503 and closed.
     pub max_connections: usize,
+    /// Of those, what one client address (an IPv6 /64) may hold; a
+    /// trusted proxy has no share of its own. Past it, 503 for that
+    /// address alone.
+    pub max_connections_per_client: usize,
     /// The share of this data plane one key may hold at once, in percent:
     /// of `max_connections` in requests in flight (unless its record sets
     /// `max_concurrent`) and of `max_buffered_bytes` in bytes. Past it, 429.
@@ -154,6 +158,7 @@ impl Default for Config {
             max_body_bytes: 32 << 20,
             max_buffered_bytes: 256 << 20,
             max_connections: 4096,
+            max_connections_per_client: 256,
             key_share_percent: 25,
             tenant_share_percent: 50,
             request_body_timeout_ms: 60_000,
@@ -236,6 +241,9 @@ impl Config {
         }
         if self.max_body_bytes == 0 {
             bail!("max_body_bytes must be positive");
+        }
+        if self.max_connections_per_client == 0 {
+            bail!("max_connections_per_client must be positive");
         }
         if self.request_body_timeout_ms == 0 {
             bail!("request_body_timeout_ms must be positive");

@@ -167,18 +167,20 @@ pub async fn run(
         past_grace: hard_stop,
         header_read_timeout: inferyes_net::serve::HEADER_READ_TIMEOUT,
         limit: inferyes_net::serve::ConnectionLimit {
-            max: config.max_connections,
+            admission: Some(connection_admission(&config)),
             refusal: error::ApiError::overloaded("connections").http1_response(),
-            refused: Some(Arc::new(move || {
-                connections_refused.inc();
+            refused: Some(Arc::new(move |why: inferyes_net::admit::Refused| {
+                connections_refused.get_or_create(&metrics::ReasonLabels { reason: why.as_str() }).inc();
             })),
         },
     };
-    let admin = AbortOnDropHandle::new(tokio::spawn(
-        axum::serve(admin, http::admin_router(Arc::new(state.clone())))
-            .with_graceful_shutdown(shutdown.clone().cancelled_owned())
-            .into_future(),
-    ));
+    let admin_router = http::admin_router(Arc::new(state.clone()));
+    let admin = AbortOnDropHandle::new(tokio::spawn(inferyes_net::serve::serve(
+        admin,
+        vec![move |_| hyper_util::service::TowerToHyperService::new(admin_router.clone())],
+        inferyes_net::serve::Options::operators("dataplane-admin", inferyes_net::serve::OPERATORS_LIMITS, None),
+        shutdown.clone(),
+    )));
     let connections = gateways.into_iter().map(|gateway| move |peer| gateway.connection(peer)).collect();
     let served = inferyes_net::serve::serve(listener, connections, options, shutdown.clone()).await;
     shutdown.cancel();
@@ -188,4 +190,20 @@ pub async fn run(
     let _ = reporter.await;
     admin.abort();
     served.context("HTTP server failed")
+}
+
+/// Which client connections the public listener takes: a share per client
+/// address, none for the trusted proxies in front (their connections carry
+/// every client's requests).
+fn connection_admission(config: &Config) -> Arc<inferyes_net::admit::Admission> {
+    let trusted: Arc<[forwarded::Cidr]> = config.trusted_proxies.clone().into();
+    let known: inferyes_net::admit::KnownPeers =
+        Arc::new(move |address| trusted.iter().any(|cidr| cidr.contains(address.to_canonical())));
+    let limits = inferyes_net::admit::Limits {
+        max: config.max_connections,
+        per_peer: config.max_connections_per_client,
+        strangers: 0,
+        prove_within: None,
+    };
+    inferyes_net::admit::Admission::new(limits, Some(known))
 }

@@ -50,7 +50,7 @@ pub struct Metrics {
     pub continuations: Counter,
     /// Bytes of bodies read whole held now (set when scraped).
     pub buffered_bytes: Gauge,
-    pub connections_refused: Counter,
+    pub connections_refused: Family<ReasonLabels, Counter>,
     snapshot_version: Gauge,
     snapshot_age_seconds: Gauge<f64, std::sync::atomic::AtomicU64>,
     node_in_flight: Family<NodeLabels, Gauge>,
@@ -74,7 +74,7 @@ impl Metrics {
             auth_refusals: Family::default(),
             continuations: Counter::default(),
             buffered_bytes: Gauge::default(),
-            connections_refused: Counter::default(),
+            connections_refused: Family::default(),
             snapshot_version: Gauge::default(),
             snapshot_age_seconds: Gauge::default(),
             node_in_flight: Family::default(),
@@ -122,7 +122,7 @@ impl Metrics {
         );
         registry.register(
             "connections_refused",
-            "Client connections refused at once, past max_connections",
+            "Client connections refused at once, by reason: full (max_connections), peer (max_connections_per_client)",
             metrics.connections_refused.clone(),
         );
         registry.register(

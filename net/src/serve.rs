@@ -35,6 +35,9 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
+use crate::admit::{Admission, Refused, Ticket};
+use crate::listen::Acceptor;
+
 /// How a server is run.
 pub struct Options {
     /// Worker threads are named `<name>-<index>`.
@@ -53,22 +56,59 @@ pub struct Options {
     /// connection its first byte ([`HEADER_READ_TIMEOUT`] unless a test
     /// needs it short).
     pub header_read_timeout: Duration,
-    /// How many connections may be open at once.
+    /// Which connections may be open at once.
     pub limit: ConnectionLimit,
 }
 
-/// The most connections a listener holds open at once, all workers
-/// together. One past it is sent `refusal` (a whole HTTP/1.1 response: the
-/// client's request is not read, so it need not be parsed) and closed, and
-/// `refused` is told: past its descriptors or memory a process would
-/// refuse everyone.
+/// Which connections a listener holds open at once, all workers together
+/// ([`Admission`]). One it does not take is sent `refusal` (a whole
+/// HTTP/1.1 response: the client's request is not read, so it need not be
+/// parsed) and closed, and `refused` is told why: past its descriptors or
+/// memory a process would refuse everyone.
 #[derive(Clone, Default)]
 pub struct ConnectionLimit {
-    /// 0: no limit.
-    pub max: usize,
+    /// None: every connection.
+    pub admission: Option<Arc<Admission>>,
     pub refusal: Bytes,
-    pub refused: Option<Arc<dyn Fn() + Send + Sync>>,
+    pub refused: Option<Arc<dyn Fn(Refused) + Send + Sync>>,
 }
+
+impl Options {
+    /// For a port only operators' tools reach (metrics, health, a
+    /// dashboard), served by one worker: a short grace (its long requests
+    /// are event streams, which end with the shutdown), and `limits` on
+    /// its connections, a refused one told so in plain text.
+    pub fn operators(
+        name: &'static str,
+        limits: crate::admit::Limits,
+        refused: Option<Arc<dyn Fn(Refused) + Send + Sync>>,
+    ) -> Options {
+        let body = "this server holds all the connections it takes; try again\n";
+        let refusal = format!(
+            "HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain; charset=utf-8\r\ncontent-length: {}\r\n\
+             retry-after: 1\r\nconnection: close\r\n\r\n{body}",
+            body.len()
+        );
+        Options {
+            name,
+            tls: None,
+            http2_streams: DEFAULT_HTTP2_STREAMS,
+            shutdown_grace: Duration::from_secs(1),
+            past_grace: CancellationToken::new(),
+            header_read_timeout: HEADER_READ_TIMEOUT,
+            limit: ConnectionLimit {
+                admission: Some(Admission::new(limits, None)),
+                refusal: Bytes::from(refusal),
+                refused,
+            },
+        }
+    }
+}
+
+/// What an operators' port holds open at once by default, all together and
+/// from one address: a handful of scrapers, probes and browsers.
+pub const OPERATORS_LIMITS: crate::admit::Limits =
+    crate::admit::Limits { max: 256, per_peer: 64, strangers: 0, prove_within: None };
 
 /// How long a refused connection is given to take its refusal.
 const REFUSAL_TIMEOUT: Duration = Duration::from_secs(1);
@@ -189,35 +229,31 @@ where
         })?;
         workers.push(WorkerHandle { connections, open, finished });
     }
+    let mut acceptor = Acceptor::new(listener);
     loop {
         let (stream, peer) = tokio::select! {
             () = shutdown.cancelled() => break,
-            accepted = listener.accept() => match accepted {
-                Ok(accepted) => accepted,
-                Err(error) => {
-                    // Out of descriptors, say: don't spin on it.
-                    tracing::warn!(%error, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
+            accepted = acceptor.accept() => accepted,
         };
         let _ = stream.set_nodelay(true);
-        if limit.max > 0 && workers.iter().map(|w| w.open.load(Ordering::Relaxed)).sum::<usize>() >= limit.max {
-            if let Some(refused) = &limit.refused {
-                refused();
+        let ticket = match limit.admission.as_ref().map(|admission| admission.admit(peer.ip())).transpose() {
+            Ok(ticket) => ticket,
+            Err(why) => {
+                if let Some(refused) = &limit.refused {
+                    refused(why);
+                }
+                if let Ok(permit) = Arc::clone(&refusals).try_acquire_owned() {
+                    let refusal = limit.refusal.clone();
+                    tokio::spawn(async move {
+                        refuse(stream, refusal).await;
+                        drop(permit);
+                    });
+                }
+                continue;
             }
-            if let Ok(permit) = Arc::clone(&refusals).try_acquire_owned() {
-                let refusal = limit.refusal.clone();
-                tokio::spawn(async move {
-                    refuse(stream, refusal).await;
-                    drop(permit);
-                });
-            }
-            continue;
-        }
+        };
         let Ok(stream) = stream.into_std() else { continue };
-        let mut connection = (stream, peer);
+        let mut connection = Handed { stream, peer, ticket };
         loop {
             let Some(index) = (0..workers.len()).min_by_key(|&i| workers[i].open.load(Ordering::Relaxed)) else {
                 return Err(std::io::Error::other("every worker thread has stopped"));
@@ -236,7 +272,7 @@ where
             }
         }
     }
-    drop(listener);
+    drop(acceptor);
     // Closing the inboxes tells each worker to finish its connections.
     let finished: Vec<_> = workers.into_iter().map(|worker| worker.finished).collect();
     let all_finished = async {
@@ -257,10 +293,17 @@ where
     Ok(())
 }
 
+/// An accepted connection, handed to a worker with its place.
+struct Handed {
+    stream: std::net::TcpStream,
+    peer: SocketAddr,
+    ticket: Option<Ticket>,
+}
+
 /// The acceptor's end of a worker.
 struct WorkerHandle {
     /// Accepted connections, handed over.
-    connections: mpsc::UnboundedSender<(std::net::TcpStream, SocketAddr)>,
+    connections: mpsc::UnboundedSender<Handed>,
     /// Its connections still open, counted by the worker.
     open: Arc<AtomicUsize>,
     /// Resolves once its thread has ended.
@@ -268,7 +311,7 @@ struct WorkerHandle {
 }
 
 struct Worker<M> {
-    inbox: mpsc::UnboundedReceiver<(std::net::TcpStream, SocketAddr)>,
+    inbox: mpsc::UnboundedReceiver<Handed>,
     make_service: M,
     tls: Option<tokio_rustls::TlsAcceptor>,
     http2_streams: u32,
@@ -391,7 +434,7 @@ where
         // at once rather than holding the shutdown.
         let draining = CancellationToken::new();
         loop {
-            let (stream, peer) = tokio::select! {
+            let Handed { stream, peer, ticket } = tokio::select! {
                 () = self.stop_now.cancelled() => return,
                 next = self.inbox.recv() => match next {
                     Some(next) => next,
@@ -409,40 +452,51 @@ where
             let (builders, watcher, tls) = (Arc::clone(&builders), graceful.watcher(), self.tls.clone());
             let draining = draining.clone();
             tokio::spawn(async move {
-                let _open = open;
-                let (http1, http2) = &*builders;
-                match tls {
-                    None => {
-                        let version = tokio::select! {
-                            version = sniff(&tcp, first_byte_timeout) => version,
-                            () = draining.cancelled() => return,
-                        };
-                        let Some(version) = version else {
-                            tracing::debug!(%peer, "no request on a new connection; closed");
-                            return;
-                        };
-                        let builder = if version == Sniffed::Http2 { http2 } else { http1 };
-                        let connection = builder.serve_connection(TokioIo::new(tcp), service);
-                        let _ = watcher.watch(connection.into_owned()).await;
-                    }
-                    Some(acceptor) => {
-                        let handshake = tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp));
-                        let handshake = tokio::select! {
-                            done = handshake => done,
-                            () = draining.cancelled() => return,
-                        };
-                        match handshake {
-                            Ok(Ok(tls)) => {
-                                let h2 = tls.get_ref().1.alpn_protocol() == Some(b"h2");
-                                let builder = if h2 { http2 } else { http1 };
-                                let connection = builder.serve_connection(TokioIo::new(tls), service);
-                                let _ = watcher.watch(connection.into_owned()).await;
+                let served = async move {
+                    let (http1, http2) = &*builders;
+                    match tls {
+                        None => {
+                            let version = tokio::select! {
+                                version = sniff(&tcp, first_byte_timeout) => version,
+                                () = draining.cancelled() => return,
+                            };
+                            let Some(version) = version else {
+                                tracing::debug!(%peer, "no request on a new connection; closed");
+                                return;
+                            };
+                            let builder = if version == Sniffed::Http2 { http2 } else { http1 };
+                            let connection = builder.serve_connection(TokioIo::new(tcp), service);
+                            let _ = watcher.watch(connection.into_owned()).await;
+                        }
+                        Some(acceptor) => {
+                            let handshake = tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp));
+                            let handshake = tokio::select! {
+                                done = handshake => done,
+                                () = draining.cancelled() => return,
+                            };
+                            match handshake {
+                                Ok(Ok(tls)) => {
+                                    let h2 = tls.get_ref().1.alpn_protocol() == Some(b"h2");
+                                    let builder = if h2 { http2 } else { http1 };
+                                    let connection = builder.serve_connection(TokioIo::new(tls), service);
+                                    let _ = watcher.watch(connection.into_owned()).await;
+                                }
+                                Ok(Err(error)) => tracing::debug!(%error, %peer, "TLS handshake failed"),
+                                Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
                             }
-                            Ok(Err(error)) => tracing::debug!(%error, %peer, "TLS handshake failed"),
-                            Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
                         }
                     }
+                };
+                // A stranger's connection whose peer has proved nothing by
+                // its deadline is closed (where the listener sets one).
+                match &ticket {
+                    Some(ticket) if ticket.proof_deadline().is_some() => tokio::select! {
+                        () = served => {}
+                        () = ticket.unproven() => tracing::debug!(%peer, "a stranger proved nothing in time; closed"),
+                    },
+                    _ => served.await,
                 }
+                drop((open, ticket));
             });
         }
         draining.cancel();

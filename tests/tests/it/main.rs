@@ -4,6 +4,7 @@
 mod auth;
 mod chaos;
 mod churn;
+mod connections;
 mod control;
 mod ctl;
 mod dashboard;

@@ -1,0 +1,281 @@
+//! Taking connections off a listener: an accept loop that outlives
+//! running out of descriptors, and, for servers that take a stream of
+//! connections (tonic's), connections admitted by an [`Admission`] and
+//! handed over only once they have sent a first byte.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+
+use crate::admit::{Admission, Refused, Ticket};
+use crate::backoff::Backoff;
+
+/// What an accept loop waits after a failure: out of descriptors, say,
+/// the next accept fails at once until a connection closes.
+const ACCEPT_BACKOFF: Backoff = Backoff::new(Duration::from_millis(10), Duration::from_secs(1));
+
+/// A listener's accept loop: a failure is logged once, however long it
+/// lasts, and waited out with a growing backoff instead of spinning.
+pub struct Acceptor {
+    listener: TcpListener,
+    backoff: Backoff,
+    failures: u64,
+}
+
+impl Acceptor {
+    pub fn new(listener: TcpListener) -> Acceptor {
+        Acceptor { listener, backoff: ACCEPT_BACKOFF, failures: 0 }
+    }
+
+    /// The next connection, however many accepts fail before it.
+    pub async fn accept(&mut self) -> (TcpStream, SocketAddr) {
+        loop {
+            match self.listener.accept().await {
+                Ok(accepted) => {
+                    if self.failures > 0 {
+                        tracing::info!(failed = self.failures, "accepting connections again");
+                        self.failures = 0;
+                        self.backoff.reset();
+                    }
+                    return accepted;
+                }
+                // A connection reset before it was taken: nothing is short.
+                Err(error) if error.kind() == std::io::ErrorKind::ConnectionAborted => {}
+                Err(error) => {
+                    if self.failures == 0 {
+                        tracing::warn!(
+                            %error,
+                            "accept failed (out of descriptors?); backing off until a connection closes"
+                        );
+                    }
+                    self.failures += 1;
+                    tokio::time::sleep(self.backoff.next_wait()).await;
+                }
+            }
+        }
+    }
+}
+
+/// A connection a listener took, holding its place until closed. Where
+/// the listener gives strangers a deadline ([`Ticket::proof_deadline`]),
+/// a stranger's connection reads as closed once past it.
+pub struct Admitted {
+    stream: TcpStream,
+    ticket: Ticket,
+    proof_deadline: Option<Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl Admitted {
+    pub fn peer(&self) -> std::io::Result<SocketAddr> {
+        self.stream.peer_addr()
+    }
+}
+
+/// Accepts connections off `listener` until the returned stream is
+/// dropped: each one `admission` takes, once it has sent a byte within
+/// `first_byte` (a silent connection holds a descriptor and its place,
+/// never a server's task, and is closed at the deadline); `refused` is
+/// told of each one it does not take, which is closed at once.
+pub fn incoming(
+    listener: TcpListener,
+    admission: Arc<Admission>,
+    first_byte: Duration,
+    refused: Option<Arc<dyn Fn(Refused) + Send + Sync>>,
+) -> tokio_stream::wrappers::ReceiverStream<std::io::Result<Admitted>> {
+    // Bounded only by what the admission takes.
+    let (tx, rx) = tokio::sync::mpsc::channel(1024);
+    tokio::spawn(async move {
+        let mut acceptor = Acceptor::new(listener);
+        loop {
+            let (stream, peer) = tokio::select! {
+                () = tx.closed() => return,
+                accepted = acceptor.accept() => accepted,
+            };
+            let ticket = match admission.admit(peer.ip()) {
+                Ok(ticket) => ticket,
+                Err(why) => {
+                    if let Some(refused) = &refused {
+                        refused(why);
+                    }
+                    continue;
+                }
+            };
+            let _ = stream.set_nodelay(true);
+            let tx = tx.clone();
+            tokio::spawn(async move {
+                // `readable` may be ready before any byte is: peek for one.
+                let spoke = tokio::time::timeout(first_byte, stream.peek(&mut [0u8; 1])).await;
+                if !matches!(spoke, Ok(Ok(1..))) {
+                    tracing::debug!(%peer, "no request on a new connection; closed");
+                    // Its place is given back before the peer sees it closed.
+                    drop(ticket);
+                    return;
+                }
+                let proof_deadline = ticket.proof_deadline().map(|at| Box::pin(tokio::time::sleep_until(at)));
+                let _ = tx.send(Ok(Admitted { stream, ticket, proof_deadline })).await;
+            });
+        }
+    });
+    tokio_stream::wrappers::ReceiverStream::new(rx)
+}
+
+/// A tower layer for a gRPC server fed by [`incoming`]: a peer one of
+/// whose calls succeeded (the server checked its credential, where it asks
+/// for one) is vouched for, and its next connections are a member's.
+#[derive(Clone)]
+pub struct Vouching {
+    admission: Arc<Admission>,
+}
+
+impl Vouching {
+    pub fn new(admission: Arc<Admission>) -> Vouching {
+        Vouching { admission }
+    }
+}
+
+impl<S> tower::Layer<S> for Vouching {
+    type Service = Vouched<S>;
+
+    fn layer(&self, inner: S) -> Vouched<S> {
+        Vouched { inner, admission: Arc::clone(&self.admission) }
+    }
+}
+
+#[derive(Clone)]
+pub struct Vouched<S> {
+    inner: S,
+    admission: Arc<Admission>,
+}
+
+impl<S, B, R> tower::Service<http::Request<B>> for Vouched<S>
+where
+    S: tower::Service<http::Request<B>, Response = http::Response<R>>,
+    S::Future: Send + 'static,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = Pin<Box<dyn Future<Output = Result<S::Response, S::Error>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: http::Request<B>) -> Self::Future {
+        use tonic::transport::server::{TcpConnectInfo, TlsConnectInfo};
+        let extensions = request.extensions();
+        let peer = extensions
+            .get::<TcpConnectInfo>()
+            .or_else(|| extensions.get::<TlsConnectInfo<TcpConnectInfo>>().map(TlsConnectInfo::get_ref))
+            .and_then(TcpConnectInfo::remote_addr);
+        let answer = self.inner.call(request);
+        let admission = Arc::clone(&self.admission);
+        Box::pin(async move {
+            let response = answer.await?;
+            // A call that failed says so in its headers (a trailers-only
+            // answer); one that goes on has passed its checks.
+            let failed = response.headers().get("grpc-status").is_some_and(|status| status != "0");
+            if let Some(peer) = peer
+                && response.status().is_success()
+                && !failed
+            {
+                admission.vouch(peer.ip());
+            }
+            Ok(response)
+        })
+    }
+}
+
+impl AsyncRead for Admitted {
+    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
+        if let Some(deadline) = self.proof_deadline.as_mut()
+            && deadline.as_mut().poll(cx).is_ready()
+        {
+            if self.ticket.is_stranger() {
+                tracing::debug!(peer = ?self.peer(), "a stranger proved nothing in time; closed");
+                return Poll::Ready(Ok(()));
+            }
+            self.proof_deadline = None;
+        }
+        Pin::new(&mut self.stream).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for Admitted {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.stream).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.stream).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.stream.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.stream).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.stream).poll_shutdown(cx)
+    }
+}
+
+impl tonic::transport::server::Connected for Admitted {
+    type ConnectInfo = tonic::transport::server::TcpConnectInfo;
+
+    fn connect_info(&self) -> Self::ConnectInfo {
+        self.stream.connect_info()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio_stream::StreamExt;
+
+    use super::*;
+    use crate::admit::Limits;
+
+    #[tokio::test]
+    async fn a_connection_is_handed_over_once_it_speaks_and_a_silent_one_never() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap();
+        let admission = Admission::new(Limits { max: 0, per_peer: 2, strangers: 0, prove_within: None }, None);
+        let refusals = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counted = Arc::clone(&refusals);
+        let refused: Arc<dyn Fn(Refused) + Send + Sync> = Arc::new(move |why| {
+            assert_eq!(why, Refused::Peer);
+            counted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        });
+        let mut connections = incoming(listener, Arc::clone(&admission), Duration::from_secs(2), Some(refused));
+        let mut silent = TcpStream::connect(address).await.unwrap();
+        let mut speaking = TcpStream::connect(address).await.unwrap();
+        speaking.write_all(b"hello").await.unwrap();
+        let mut admitted = connections.next().await.unwrap().unwrap();
+        let mut heard = [0u8; 5];
+        admitted.read_exact(&mut heard).await.unwrap();
+        assert_eq!(&heard, b"hello", "the one that spoke is handed over");
+        // The peer's share is taken: a third connection is closed at once.
+        let mut third = TcpStream::connect(address).await.unwrap();
+        assert_eq!(third.read(&mut heard).await.unwrap(), 0, "refused and closed");
+        assert_eq!(refusals.load(std::sync::atomic::Ordering::Relaxed), 1);
+        // The silent one is closed at its deadline, never handed over, and
+        // gives its place back.
+        assert_eq!(silent.read(&mut heard).await.unwrap(), 0);
+        assert_eq!(admission.open(), (1, 1));
+        drop(admitted);
+        assert_eq!(admission.open(), (0, 0));
+    }
+}

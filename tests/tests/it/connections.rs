@@ -1,0 +1,190 @@
+//! Every listener shares its connections: one address holding many, silent
+//! or trickling a request's head, takes only its own share, and the others
+//! (clients, data planes, agents, operators) are served meanwhile. The
+//! attacker's connections come from 127.0.0.2, everyone else's from
+//! 127.0.0.1.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use http::StatusCode;
+use inferyes_tests::etcd::Etcd;
+use inferyes_tests::fleet::{AgentHandle, ControllerHandle, DataplaneHandle, SimHandle, sim_backends};
+use inferyes_tests::{HttpClient, eventually};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+use crate::support::{chat_body, chat_sim};
+
+const ATTACKER: &str = "127.0.0.2";
+
+/// `count` connections to `address` from `source`, each sending `first`
+/// (nothing if empty) and then nothing more.
+async fn hold(source: &str, address: SocketAddr, count: usize, first: &[u8]) -> Vec<TcpStream> {
+    let mut held = Vec::with_capacity(count);
+    for _ in 0..count {
+        let socket = tokio::net::TcpSocket::new_v4().expect("a socket");
+        socket.bind(SocketAddr::new(source.parse().expect("an address"), 0)).expect("a loopback address");
+        let mut stream = socket.connect(address).await.expect("connected");
+        if !first.is_empty() {
+            stream.write_all(first).await.expect("sent");
+        }
+        held.push(stream);
+    }
+    held
+}
+
+/// Which of `held` the server closes within `within`, all together: a
+/// refused connection is closed within a second (after its refusal, where
+/// it sent something); one taken stays open. Gives back the open ones.
+async fn closed_within(held: Vec<TcpStream>, within: Duration) -> (usize, Vec<TcpStream>) {
+    let mut reads = tokio::task::JoinSet::new();
+    for mut stream in held {
+        reads.spawn(async move {
+            let mut sink = [0u8; 1024];
+            let read = async {
+                loop {
+                    match stream.read(&mut sink).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(_) => {}
+                    }
+                }
+            };
+            let closed = tokio::time::timeout(within, read).await.is_ok();
+            (!closed).then_some(stream)
+        });
+    }
+    let outcomes = reads.join_all().await;
+    let closed = outcomes.iter().filter(|open| open.is_none()).count();
+    (closed, outcomes.into_iter().flatten().collect())
+}
+
+fn socket_address(url: &str) -> SocketAddr {
+    url.trim_start_matches("http://").parse().expect("host:port")
+}
+
+async fn metric(http: &HttpClient, url: &str, series: &str) -> f64 {
+    let text = String::from_utf8_lossy(&http.get(url).await.body).into_owned();
+    text.lines().find_map(|line| line.strip_prefix(series).and_then(|value| value.trim().parse().ok())).unwrap_or(0.0)
+}
+
+#[tokio::test]
+async fn one_address_trickling_heads_takes_its_share_of_a_data_plane_and_others_are_served() {
+    let etcd = Etcd::start().await;
+    let controller = ControllerHandle::start(&etcd.endpoint(), "controller-1").await;
+    let sim = SimHandle::start(chat_sim("chat")).await;
+    let agent = AgentHandle::start("node-a", &[controller.url()], &[("main", &sim)]).await;
+    let dataplane = DataplaneHandle::start_with(&[controller.url()], |config| {
+        config.max_connections = 40;
+        config.max_connections_per_client = 10;
+    })
+    .await;
+    dataplane.wait_for_nodes(&["node-a"]).await;
+    // More than the whole data plane holds, each with half a head.
+    let attacker = hold(ATTACKER, socket_address(&dataplane.url), 60, b"POST /v1/chat/completions HTTP/1.1\r\n").await;
+    let http = HttpClient::default();
+    let url = format!("{}/v1/chat/completions", dataplane.url);
+    let served = tokio::time::timeout(Duration::from_secs(2), http.post_json(&url, &chat_body("chat", "hi"))).await;
+    assert_eq!(served.expect("another address is served within 2 s").status, StatusCode::OK);
+    let (closed, _held) = closed_within(attacker, Duration::from_secs(3)).await;
+    assert_eq!(closed, 50, "only its share of 10 is held");
+    let refused = metric(
+        &http,
+        &format!("{}/metrics", dataplane.admin_url),
+        "inferyes_dataplane_connections_refused_total{reason=\"peer\"}",
+    )
+    .await;
+    assert_eq!(refused, 50.0);
+    agent.stop().await;
+}
+
+#[tokio::test]
+async fn silent_strangers_cost_an_agent_a_bounded_share_and_its_data_planes_are_served() {
+    let etcd = Etcd::start().await;
+    let controller = ControllerHandle::start(&etcd.endpoint(), "controller-1").await;
+    let sim = SimHandle::start(chat_sim("chat")).await;
+    let agent = AgentHandle::start_tweaked(
+        "node-a",
+        &[controller.url()],
+        inferyes_agent::config::GpuSourceConfig::Simulated,
+        sim_backends(&[("main", &sim)]),
+        |config| {
+            config.max_stranger_connections = 12;
+            config.max_stranger_connections_per_address = 4;
+        },
+    )
+    .await;
+    let dataplane = DataplaneHandle::start(&[controller.url()]).await;
+    dataplane.wait_for_nodes(&["node-a"]).await;
+    let http = HttpClient::default();
+    let url = format!("{}/v1/chat/completions", dataplane.url);
+    // The data plane's first request proves the fleet's credential.
+    assert_eq!(http.post_json(&url, &chat_body("chat", "hi")).await.status, StatusCode::OK);
+
+    // Strangers, from four addresses: each past its share, and all past
+    // what strangers may hold together.
+    let mut held = Vec::new();
+    for source in ["127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5"] {
+        let (closed, open) = closed_within(hold(source, agent.proxy_addr, 6, b"").await, Duration::from_secs(3)).await;
+        assert!(closed >= 2 && open.len() <= 4, "{source}: {} held, past its share of 4", open.len());
+        held.extend(open);
+    }
+    assert!(held.len() <= 12, "{} held by strangers, past the 12 they may hold together", held.len());
+
+    // The data plane is served meanwhile, on new connections too.
+    let mut chats = tokio::task::JoinSet::new();
+    for n in 0..16 {
+        let (http, url) = (http.clone(), url.clone());
+        chats.spawn(async move { http.post_json(&url, &chat_body("chat", &format!("hello {n}"))).await.status });
+    }
+    assert!(chats.join_all().await.iter().all(|status| *status == StatusCode::OK));
+    let refused = |reason: &'static str| {
+        let (http, url) = (http.clone(), format!("http://{}/metrics", agent.admin_addr));
+        async move { metric(&http, &url, &format!("inferyes_agent_connections_refused_total{{reason=\"{reason}\"}}")).await }
+    };
+    assert_eq!(refused("peer").await + refused("strangers").await, (24 - held.len()) as f64);
+    drop(held);
+    agent.stop().await;
+}
+
+#[tokio::test]
+async fn silent_connections_to_a_controller_take_its_share_and_its_fleet_and_operators_are_served() {
+    let etcd = Etcd::start().await;
+    let controller = ControllerHandle::start_with(&etcd.endpoint(), "controller-1", None, |config| {
+        config.max_http_connections_per_address = 8;
+        config.max_grpc_stranger_connections_per_address = 8;
+    })
+    .await;
+    let on_http = hold(ATTACKER, controller.http_addr, 50, b"").await;
+    let on_grpc = hold(ATTACKER, controller.grpc_addr, 50, b"").await;
+    let (closed, on_http) = closed_within(on_http, Duration::from_secs(3)).await;
+    assert_eq!(closed, 42, "HTTP: 8 per address");
+    let (closed, on_grpc) = closed_within(on_grpc, Duration::from_secs(3)).await;
+    assert_eq!(closed, 42, "gRPC: 8 per stranger address");
+
+    // Operators, agents and data planes are served meanwhile.
+    let http = HttpClient::default();
+    let ready = format!("http://{}/readyz", controller.http_addr);
+    assert_eq!(http.get(&ready).await.status, StatusCode::OK);
+    let sim = SimHandle::start(chat_sim("chat")).await;
+    let agent = AgentHandle::start("node-a", &[controller.url()], &[("main", &sim)]).await;
+    let dataplane = DataplaneHandle::start(&[controller.url()]).await;
+    dataplane.wait_for_nodes(&["node-a"]).await;
+    let mut fleet = controller.fleet().await;
+    let nodes = fleet.list_nodes(inferyes_proto::v1::ListNodesRequest::default()).await.unwrap().into_inner();
+    assert_eq!(nodes.nodes.len(), 1);
+
+    // A peer one of whose calls succeeded is a member: its connections
+    // are no longer counted against its address's share.
+    let members = hold("127.0.0.1", controller.grpc_addr, 12, b"").await;
+    let (closed, members) = closed_within(members, Duration::from_secs(1)).await;
+    assert_eq!(closed, 0, "a member's connections are taken");
+    let metrics = format!("http://{}/metrics", controller.http_addr);
+    let series = "inferyes_controller_connections_refused_total{port=\"grpc\",reason=\"peer\"}";
+    eventually("the refusals counted", Duration::from_secs(5), || async {
+        metric(&http, &metrics, series).await == 42.0
+    })
+    .await;
+    drop((members, on_http, on_grpc));
+    agent.stop().await;
+}
