@@ -17,6 +17,7 @@ async fn main() -> anyhow::Result<()> {
         return Ok(());
     }
     let telemetry = inferyes_net::telemetry::init(config.log_format, "inferyes-agent")?;
+    inferyes_net::process::raise_open_files_limit(config.max_connections);
     let listeners = inferyes_agent::Listeners::bind(&config).await?;
     let shutdown = inferyes_net::process::shutdown_on_signal();
     let result = inferyes_agent::run(config, listeners, shutdown).await;

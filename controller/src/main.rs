@@ -10,6 +10,9 @@ async fn main() -> anyhow::Result<()> {
         return Ok(());
     }
     let telemetry = inferyes_net::telemetry::init(config.log_format, "inferyes-controller")?;
+    inferyes_net::process::raise_open_files_limit(
+        config.max_grpc_connections.saturating_add(config.max_http_connections),
+    );
     let listeners = inferyes_controller::Listeners::bind(&config).await?;
     let shutdown = inferyes_net::process::shutdown_on_signal();
     let result = inferyes_controller::run(config, listeners, shutdown).await;

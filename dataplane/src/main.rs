@@ -16,6 +16,7 @@ async fn main() -> anyhow::Result<()> {
         return Ok(());
     }
     let telemetry = inferyes_net::telemetry::init(config.log_format, "inferyes-dataplane")?;
+    inferyes_net::process::raise_open_files_limit(config.max_connections);
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("cannot listen on {}", config.listen))?;

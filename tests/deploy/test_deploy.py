@@ -174,6 +174,34 @@ def test_systemd_units_run_the_binary_hardened(binary):
     assert int(service.get("LimitNOFILE", "0")) >= 65_536, f"{binary}: LimitNOFILE"
 
 
+def test_a_server_raises_its_open_files_limit_to_the_hard_one(tmp_path):
+    import resource
+    import time
+    config = tmp_path / "dataplane.toml"
+    config.write_text('version = 1\nlisten = "127.0.0.1:0"\nadmin_listen = "127.0.0.1:0"\n'
+                      'controllers = ["http://127.0.0.1:9"]\n')
+    hard = min(8192, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
+    server = subprocess.Popen(
+        [str(binary_dir() / "inferyes-dataplane"), "--config", str(config)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard)))
+    try:
+        limits = Path(f"/proc/{server.pid}/limits")
+        soft = None
+        for _ in range(100):
+            line = next(l for l in limits.read_text().splitlines() if l.startswith("Max open files"))
+            soft = int(line.split()[3])
+            if soft == hard:
+                break
+            time.sleep(0.1)
+        assert soft == hard, f"soft limit {soft}, hard {hard}"
+    finally:
+        server.terminate()
+        _, stderr = server.communicate(timeout=30)
+    # 4,096 connections, twice over, do not fit in 8,192 or less.
+    assert "open files limit is below" in stderr, stderr
+
+
 
 # ---------------------------------------------------------------- configs
 
