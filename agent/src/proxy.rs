@@ -170,8 +170,9 @@ impl hyper::service::Service<Request<Incoming>> for Service {
 }
 
 /// What a connection the proxy does not take is sent before it is closed:
-/// a whole HTTP/1.1 response, which a data plane reads as the node's 503
-/// and takes to another node.
+/// a whole HTTP/1.1 response, marked as the agent's own (a data plane
+/// takes the request to another node without holding it against this
+/// one).
 pub fn connections_refusal() -> Bytes {
     let body = openai_error_body(
         ErrorKind::Overloaded,
@@ -180,8 +181,9 @@ pub fn connections_refusal() -> Bytes {
         None,
     );
     let head = format!(
-        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\ncontent-length: {}\r\nretry-after: 1\r\nconnection: close\r\n\r\n",
-        body.len()
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\ncontent-length: {}\r\nretry-after: 1\r\n{}: connections\r\nconnection: close\r\n\r\n",
+        body.len(),
+        inferyes_proto::bearer::AGENT_REFUSED
     );
     [head.as_bytes(), body.as_ref()].concat().into()
 }

@@ -356,15 +356,16 @@ fn whole_answer(
 }
 
 /// What an error status came to: a 401 with `AGENT_REFUSED`, which only
-/// an agent sends, is its refusal of this data plane's credential; any
-/// other is the node's own error, read from its body.
+/// an agent sends, is its refusal of this data plane's credential, and a
+/// 503 with it its refusal of a connection past its caps; any other is the
+/// node's own error, read from its body.
 async fn error_answer(response: http::Response<NodeBody>) -> Attempted {
-    if response.status() == http::StatusCode::UNAUTHORIZED
-        && response.headers().contains_key(inferyes_proto::bearer::AGENT_REFUSED)
-    {
-        return Attempted::CredentialRefused;
+    let by_agent = response.headers().contains_key(inferyes_proto::bearer::AGENT_REFUSED);
+    match response.status() {
+        http::StatusCode::UNAUTHORIZED if by_agent => Attempted::CredentialRefused,
+        http::StatusCode::SERVICE_UNAVAILABLE if by_agent => Attempted::ConnectionsFull(read_error(response).await),
+        _ => Attempted::NodeError(read_error(response).await),
     }
-    Attempted::NodeError(read_error(response).await)
 }
 
 /// The cold load of `model` on `target`, where no load of it has started

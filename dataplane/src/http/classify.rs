@@ -108,6 +108,9 @@ pub enum Attempted {
     NodeError(ApiError),
     /// The node's agent refused the credential this data plane sent.
     CredentialRefused,
+    /// The node's agent holds all the connections it takes (its error):
+    /// the node is well, only full for now.
+    ConnectionsFull(ApiError),
     /// Any other status, head read (and body, for a whole answer);
     /// `success` where the status is 2xx, `event_stream` where the answer
     /// is one.
@@ -130,6 +133,7 @@ impl Attempted {
             Attempted::Unreachable(_) => "is unreachable",
             Attempted::NodeError(_) => "answered with an error before the first byte",
             Attempted::CredentialRefused => "refused the fleet's credential",
+            Attempted::ConnectionsFull(_) => "holds all the connections it takes",
             Attempted::Answered { .. } => "answered",
             Attempted::BodyBroke => "failed mid-answer",
             Attempted::BodyTooLarge => "answered more than can be held",
@@ -201,6 +205,11 @@ fn classify_first(attempt: Attempted, last: bool) -> Verdict {
         // Another node may take it.
         Attempted::CredentialRefused if last => Verdict::Fail { eject: true, error: UpstreamError::AuthMisconfigured },
         Attempted::CredentialRefused => Verdict::Failover { eject: true, error: UpstreamError::AuthMisconfigured },
+        // Another node may take it; this one is not to blame.
+        Attempted::ConnectionsFull(error) if last => {
+            Verdict::Fail { eject: false, error: UpstreamError::NodeError(error) }
+        }
+        Attempted::ConnectionsFull(error) => Verdict::Failover { eject: false, error: UpstreamError::NodeError(error) },
         Attempted::NodeError(mut error) => {
             let status = error.status();
             let refused = status == StatusCode::BAD_GATEWAY || status == StatusCode::SERVICE_UNAVAILABLE;
@@ -335,6 +344,14 @@ mod tests {
             };
             assert_eq!(error.status().as_u16(), status);
         }
+    }
+
+    #[test]
+    fn an_agent_full_of_connections_is_passed_over_not_ejected() {
+        let full = || Attempted::ConnectionsFull(ApiError::overloaded("connections"));
+        assert!(matches!(classify(full(), false), Verdict::Failover { eject: false, .. }));
+        let Verdict::Fail { eject: false, error } = classify(full(), true) else { panic!("the last node") };
+        assert_eq!(error.into_api("n").status().as_u16(), 503);
     }
 
     #[test]
