@@ -180,12 +180,11 @@ pub fn connections_refusal() -> Bytes {
         Some("overloaded"),
         None,
     );
-    let head = format!(
-        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\ncontent-length: {}\r\nretry-after: 1\r\n{}: connections\r\nconnection: close\r\n\r\n",
-        body.len(),
-        inferyes_proto::bearer::AGENT_REFUSED
-    );
-    [head.as_bytes(), body.as_ref()].concat().into()
+    inferyes_net::serve::overloaded(
+        "application/json",
+        &body,
+        Some((inferyes_proto::bearer::AGENT_REFUSED, "connections")),
+    )
 }
 
 fn error(kind: ErrorKind, message: &str, code: &str) -> Response {

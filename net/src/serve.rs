@@ -84,11 +84,7 @@ impl Options {
         refused: Option<Arc<dyn Fn(Refused) + Send + Sync>>,
     ) -> Options {
         let body = "this server holds all the connections it takes; try again\n";
-        let refusal = format!(
-            "HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain; charset=utf-8\r\ncontent-length: {}\r\n\
-             retry-after: 1\r\nconnection: close\r\n\r\n{body}",
-            body.len()
-        );
+        let refusal = overloaded("text/plain; charset=utf-8", body, None);
         Options {
             name,
             tls: None,
@@ -96,13 +92,21 @@ impl Options {
             shutdown_grace: Duration::from_secs(1),
             past_grace: CancellationToken::new(),
             header_read_timeout: HEADER_READ_TIMEOUT,
-            limit: ConnectionLimit {
-                admission: Some(Admission::new(limits, None)),
-                refusal: Bytes::from(refusal),
-                refused,
-            },
+            limit: ConnectionLimit { admission: Some(Admission::new(limits, None)), refusal, refused },
         }
     }
+}
+
+/// A whole HTTP/1.1 503 answer that closes its connection, `Retry-After:
+/// 1`, for a connection refused before any request on it is read; with
+/// one more header where given.
+pub fn overloaded(content_type: &str, body: &str, header: Option<(&str, &str)>) -> Bytes {
+    let extra = header.map(|(name, value)| format!("{name}: {value}\r\n")).unwrap_or_default();
+    Bytes::from(format!(
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: {content_type}\r\ncontent-length: {}\r\n\
+         retry-after: 1\r\n{extra}connection: close\r\n\r\n{body}",
+        body.len()
+    ))
 }
 
 /// What an operators' port holds open at once by default, all together and
