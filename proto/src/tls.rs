@@ -59,8 +59,10 @@ impl Tls {
     /// The gRPC server's TLS, when this side serves it.
     pub fn grpc_server(&self) -> anyhow::Result<Option<tonic::transport::ServerTlsConfig>> {
         let Some((cert, key)) = self.identity_pem()? else { return Ok(None) };
-        let mut config =
-            tonic::transport::ServerTlsConfig::new().identity(tonic::transport::Identity::from_pem(cert, key));
+        // A client that stalls its handshake holds nothing for long.
+        let mut config = tonic::transport::ServerTlsConfig::new()
+            .identity(tonic::transport::Identity::from_pem(cert, key))
+            .timeout(std::time::Duration::from_secs(10));
         if let Some(ca) = &self.client_ca_file {
             config = config.client_ca_root(tonic::transport::Certificate::from_pem(read(ca, "tls.client_ca_file")?));
         }
