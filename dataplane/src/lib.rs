@@ -167,7 +167,7 @@ pub async fn run(
         past_grace: hard_stop,
         header_read_timeout: inferyes_net::serve::HEADER_READ_TIMEOUT,
         limit: inferyes_net::serve::ConnectionLimit {
-            admission: Some(connection_admission(&config)),
+            admission: Some(connection_admission(&config, Arc::clone(&state.trusted_proxies))),
             refusal: error::ApiError::overloaded("connections").http1_response(),
             refused: Some(Arc::new(move |why: inferyes_net::admit::Refused| {
                 connections_refused.get_or_create(&metrics::ReasonLabels { reason: why.as_str() }).inc();
@@ -195,8 +195,7 @@ pub async fn run(
 /// Which client connections the public listener takes: a share per client
 /// address, none for the trusted proxies in front (their connections carry
 /// every client's requests).
-fn connection_admission(config: &Config) -> Arc<inferyes_net::admit::Admission> {
-    let trusted: Arc<[forwarded::Cidr]> = config.trusted_proxies.clone().into();
+fn connection_admission(config: &Config, trusted: Arc<[forwarded::Cidr]>) -> Arc<inferyes_net::admit::Admission> {
     let known: inferyes_net::admit::KnownPeers =
         Arc::new(move |address| trusted.iter().any(|cidr| cidr.contains(address.to_canonical())));
     let limits = inferyes_net::admit::Limits {
