@@ -78,10 +78,11 @@ impl Admitted {
 }
 
 /// Accepts connections off `listener` until the returned stream is
-/// dropped: each one `admission` takes, once it has sent a byte within
-/// `first_byte` (a silent connection holds a descriptor and its place,
-/// never a server's task, and is closed at the deadline); `refused` is
-/// told of each one it does not take, which is closed at once.
+/// dropped: each one `admission` takes, once it has sent its first bytes
+/// within `first_byte` (the HTTP/2 preface, whole, or anything else: a
+/// silent connection holds a descriptor and its place, never a server's
+/// task, and is closed at the deadline); `refused` is told of each one it
+/// does not take, which is closed at once.
 pub fn incoming(
     listener: TcpListener,
     admission: Arc<Admission>,
@@ -109,9 +110,9 @@ pub fn incoming(
             let _ = stream.set_nodelay(true);
             let tx = tx.clone();
             tokio::spawn(async move {
-                // `readable` may be ready before any byte is: peek for one.
-                let spoke = tokio::time::timeout(first_byte, stream.peek(&mut [0u8; 1])).await;
-                if !matches!(spoke, Ok(Ok(1..))) {
+                // The HTTP/2 preface, or a TLS hello: anything else is
+                // refused by the server at once.
+                if crate::serve::sniff(&stream, first_byte).await.is_none() {
                     tracing::debug!(%peer, "no request on a new connection; closed");
                     // Its place is given back before the peer sees it closed.
                     drop(ticket);

@@ -336,7 +336,7 @@ impl Drop for Open {
 
 /// What a new plain connection speaks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Sniffed {
+pub(crate) enum Sniffed {
     Http1,
     Http2,
 }
@@ -348,7 +348,7 @@ const H2_PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 /// taking them: HTTP/2 if they are the preface, else HTTP/1.1. `None` when
 /// it closes, or sends too little to tell within `timeout` (nothing at all,
 /// or a piece of the preface).
-async fn sniff(tcp: &TcpStream, timeout: Duration) -> Option<Sniffed> {
+pub(crate) async fn sniff(tcp: &TcpStream, timeout: Duration) -> Option<Sniffed> {
     let deadline = tokio::time::Instant::now() + timeout;
     let mut first = [0u8; H2_PREFACE.len()];
     let mut retry = SNIFF_RETRY_MIN;
