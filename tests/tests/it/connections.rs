@@ -14,7 +14,7 @@ use inferyes_tests::{HttpClient, eventually};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-use crate::support::{chat_body, chat_sim};
+use crate::support::{Fleet, chat_body, chat_sim};
 
 const ATTACKER: &str = "127.0.0.2";
 
@@ -70,32 +70,27 @@ async fn metric(http: &HttpClient, url: &str, series: &str) -> f64 {
 
 #[tokio::test]
 async fn one_address_trickling_heads_takes_its_share_of_a_data_plane_and_others_are_served() {
-    let etcd = Etcd::start().await;
-    let controller = ControllerHandle::start(&etcd.endpoint(), "controller-1").await;
-    let sim = SimHandle::start(chat_sim("chat")).await;
-    let agent = AgentHandle::start("node-a", &[controller.url()], &[("main", &sim)]).await;
-    let dataplane = DataplaneHandle::start_with(&[controller.url()], |config| {
+    let fleet = Fleet::start_with(vec![chat_sim("chat")], |config| {
         config.max_connections = 40;
         config.max_connections_per_client = 10;
     })
     .await;
-    dataplane.wait_for_nodes(&["node-a"]).await;
+    let dataplane = &fleet.dataplane;
     // More than the whole data plane holds, each with half a head.
     let attacker = hold(ATTACKER, socket_address(&dataplane.url), 60, b"POST /v1/chat/completions HTTP/1.1\r\n").await;
-    let http = HttpClient::default();
     let url = format!("{}/v1/chat/completions", dataplane.url);
-    let served = tokio::time::timeout(Duration::from_secs(2), http.post_json(&url, &chat_body("chat", "hi"))).await;
+    let served =
+        tokio::time::timeout(Duration::from_secs(2), fleet.http.post_json(&url, &chat_body("chat", "hi"))).await;
     assert_eq!(served.expect("another address is served within 2 s").status, StatusCode::OK);
     let (closed, _held) = closed_within(attacker, Duration::from_secs(3)).await;
     assert_eq!(closed, 50, "only its share of 10 is held");
     let refused = metric(
-        &http,
+        &fleet.http,
         &format!("{}/metrics", dataplane.admin_url),
         "inferyes_dataplane_connections_refused_total{reason=\"peer\"}",
     )
     .await;
     assert_eq!(refused, 50.0);
-    agent.stop().await;
 }
 
 #[tokio::test]
