@@ -88,7 +88,7 @@ impl Metrics {
         );
         r.register(
             "connections_refused",
-            "Proxy connections refused at once, by reason: full (max_connections), strangers (max_stranger_connections), peer (max_stranger_connections_per_address)",
+            "Proxy connections refused at once, by reason: full (max_connections), strangers (max_stranger_connections: the oldest stranger's connection closed to make room), peer (max_stranger_connections_per_address)",
             m.connections_refused.clone(),
         );
         m

@@ -119,7 +119,7 @@ impl Metrics {
         );
         r.register(
             "connections_refused",
-            "Connections refused at once, by port and reason: full (max_*_connections), strangers (max_grpc_stranger_connections), peer (the per-address share)",
+            "Connections refused at once, by port and reason: full (max_*_connections), strangers (max_grpc_stranger_connections: the oldest stranger's connection closed to make room), peer (the per-address share)",
             m.connections_refused.clone(),
         );
         r.register("agent_streams", "Agent streams this controller holds", m.agent_streams.clone());

@@ -6,13 +6,22 @@
 //! allocation). A listener knows a peer by configuration (a trusted proxy
 //! in front of a data plane) or because one of its requests proved a
 //! credential ([`Admission::vouch`]): fleet members are never held back by
-//! what strangers hold.
+//! what strangers hold. Past `strangers`, the oldest stranger's connection
+//! is closed to make room for the newcomer: strangers holding the whole
+//! pool cannot keep out a member that has not proved itself yet (a data
+//! plane's first connections to an agent, agents rejoining a controller
+//! that restarted), which proves itself within milliseconds, long before
+//! a pool's worth of newer connections would close its own.
 
+use std::collections::VecDeque;
+use std::future::Future;
 use std::net::IpAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use inferyes_proto::FastMap;
+use tokio_util::sync::CancellationToken;
 
 /// The connections a listener holds open at once.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -25,8 +34,8 @@ pub struct Limits {
     pub strangers: usize,
     /// Where a credential makes a peer known: a stranger's connection is
     /// closed this long after it was taken unless its peer is known by
-    /// then ([`Ticket::proof_deadline`]), so that strangers cannot hold
-    /// their places for ever. None: no deadline.
+    /// then ([`Ticket::closing`]), so that strangers cannot hold their
+    /// places for ever. None: no deadline.
     pub prove_within: Option<Duration>,
 }
 
@@ -40,7 +49,9 @@ impl Limits {
 pub enum Refused {
     /// The listener holds all the connections it may.
     Full,
-    /// Peers it does not know hold all it gives them.
+    /// Peers it does not know hold all it gives them (and, where a
+    /// newcomer was taken, the oldest of their connections was closed to
+    /// make room: [`Ticket::made_room`]).
     Strangers,
     /// This peer holds all its share.
     Peer,
@@ -92,11 +103,60 @@ struct Held {
     strangers: usize,
     /// Strangers' connections by peer: how many, and the entry's epoch (a
     /// peer vouched for leaves, its connections no longer a stranger's; a
-    /// ticket counts only against the entry it was taken under).
+    /// place counts only under the entry it was taken under).
     peers: FastMap<IpAddr, (usize, u64)>,
     epochs: u64,
+    /// Where strangers have a pool of their own: their places, oldest
+    /// first (some no longer counted, dropped as they come up). When the
+    /// pool is full the oldest is closed to make room: strangers holding
+    /// it cannot keep a newcomer (a fleet member not yet vouched for) out.
+    queue: VecDeque<Arc<Place>>,
     /// Peers known by a credential, until when.
     vouched: FastMap<IpAddr, Instant>,
+}
+
+/// A stranger's connection, as the listener counts it.
+struct Place {
+    peer: IpAddr,
+    epoch: u64,
+    /// Set, under the lock, once it is given back: closed, or made room.
+    given_back: AtomicBool,
+    /// Cancelled when it is closed to make room.
+    evicted: CancellationToken,
+}
+
+impl Held {
+    /// Whether `place` is still counted as a stranger's.
+    fn counts(&self, place: &Place) -> bool {
+        !place.given_back.load(Ordering::Relaxed)
+            && self.peers.get(&place.peer).is_some_and(|(_, epoch)| *epoch == place.epoch)
+    }
+
+    fn give_back(&mut self, place: &Place) {
+        if self.counts(place) {
+            if let Some((count, _)) = self.peers.get_mut(&place.peer) {
+                *count -= 1;
+                if *count == 0 {
+                    self.peers.remove(&place.peer);
+                }
+            }
+            self.strangers = self.strangers.saturating_sub(1);
+        }
+        place.given_back.store(true, Ordering::Relaxed);
+    }
+
+    /// Closes the oldest stranger's connection still counted; whether
+    /// there was one.
+    fn make_room(&mut self) -> bool {
+        while let Some(oldest) = self.queue.pop_front() {
+            if self.counts(&oldest) {
+                self.give_back(&oldest);
+                oldest.evicted.cancel();
+                return true;
+            }
+        }
+        false
+    }
 }
 
 impl Admission {
@@ -111,36 +171,57 @@ impl Admission {
         let peer = peer_of(address);
         let configured = self.configured.as_ref().is_some_and(|known| known(address));
         let now = Instant::now();
-        let mut held = self.lock();
+        let mut guard = self.lock();
+        let held = &mut *guard;
         let Limits { max, per_peer, strangers, .. } = self.limits;
         if max > 0 && held.open >= max {
             return Err(Refused::Full);
         }
         let known = configured || held.vouched.get(&peer).is_some_and(|until| *until > now);
-        let mut stranger = None;
+        // Built only once taken: a ticket dropped gives its place back,
+        // which takes the lock held here.
+        let (mut place, mut made_room) = (None, false);
         if !known {
-            if strangers > 0 && held.strangers >= strangers {
-                return Err(Refused::Strangers);
-            }
             let from_peer = held.peers.get(&peer).map_or(0, |(count, _)| *count);
             if per_peer > 0 && from_peer >= per_peer {
                 return Err(Refused::Peer);
+            }
+            if strangers > 0 && held.strangers >= strangers {
+                if !held.make_room() {
+                    return Err(Refused::Strangers);
+                }
+                made_room = true;
             }
             held.strangers += 1;
             held.epochs += 1;
             let epoch = held.epochs;
             let entry = held.peers.entry(peer).or_insert((0, epoch));
             entry.0 += 1;
-            stranger = Some((peer, entry.1));
+            let taken = Arc::new(Place {
+                peer,
+                epoch: entry.1,
+                given_back: AtomicBool::new(false),
+                evicted: CancellationToken::new(),
+            });
+            if strangers > 0 {
+                // Places given back in the meantime are dropped now and
+                // then: the queue stays within twice the pool.
+                if held.queue.len() >= 2 * strangers {
+                    let queue = std::mem::take(&mut held.queue);
+                    held.queue = queue.into_iter().filter(|place| held.counts(place)).collect();
+                }
+                held.queue.push_back(Arc::clone(&taken));
+            }
+            place = Some(taken);
         }
         held.open += 1;
-        Ok(Ticket { admission: Arc::clone(self), stranger })
+        Ok(Ticket { admission: Arc::clone(self), place, made_room })
     }
 
     /// `address` proved a credential: its peer is known for
     /// [`VOUCHED_FOR`] from now, and its next connections are taken as a
-    /// fleet member's.
-    /// Its connections open now are no longer a stranger's either.
+    /// fleet member's. Its connections open now are no longer a stranger's
+    /// either.
     pub fn vouch(&self, address: IpAddr) {
         let peer = peer_of(address);
         let now = Instant::now();
@@ -160,12 +241,6 @@ impl Admission {
         }
     }
 
-    /// Whether `peer`'s connections taken under `epoch` are still a
-    /// stranger's.
-    fn still_stranger(&self, (peer, epoch): (IpAddr, u64)) -> bool {
-        self.lock().peers.get(&peer).is_some_and(|(_, current)| *current == epoch)
-    }
-
     /// Connections open now, and how many of them strangers hold.
     pub fn open(&self) -> (usize, usize) {
         let held = self.lock();
@@ -180,35 +255,52 @@ impl Admission {
 /// One connection a listener took, given back when dropped.
 pub struct Ticket {
     admission: Arc<Admission>,
-    /// The peer and its entry's epoch, where it was a stranger when taken.
-    stranger: Option<(IpAddr, u64)>,
+    /// Where it was a stranger's when taken.
+    place: Option<Arc<Place>>,
+    made_room: bool,
 }
 
 impl Ticket {
-    /// Where the listener gives strangers a deadline to prove themselves
-    /// and this connection was a stranger's: when to look again
-    /// ([`Ticket::is_stranger`]), and close it if it still is.
-    pub fn proof_deadline(&self) -> Option<tokio::time::Instant> {
-        let within = self.admission.limits.prove_within?;
-        self.stranger.map(|_| tokio::time::Instant::now() + within)
-    }
-
-    /// Resolves at the connection's proof deadline if its peer is still
-    /// a stranger then; never otherwise. Serve the connection until this.
-    pub async fn unproven(&self) {
-        if let Some(deadline) = self.proof_deadline() {
-            tokio::time::sleep_until(deadline).await;
-            if self.is_stranger() {
-                return;
-            }
-        }
-        std::future::pending().await
+    /// Whether taking it closed another stranger's connection, the oldest,
+    /// to make room (count it as [`Refused::Strangers`]).
+    pub fn made_room(&self) -> bool {
+        self.made_room
     }
 
     /// Whether the connection is still a stranger's: its peer has not
-    /// been vouched for since it was taken.
+    /// been vouched for since it was taken, nor has it been closed to make
+    /// room.
     pub fn is_stranger(&self) -> bool {
-        self.stranger.is_some_and(|stranger| self.admission.still_stranger(stranger))
+        self.place.as_ref().is_some_and(|place| self.admission.lock().counts(place))
+    }
+
+    /// What resolves once the listener wants the connection closed: it was
+    /// closed to make room for a newer stranger, or its proof deadline
+    /// ([`Limits::prove_within`], from now) passed while its peer was still
+    /// a stranger. None where nothing can close it: serve it to its end.
+    pub fn closing(&self) -> Option<impl Future<Output = ()> + Send + 'static> {
+        let place = Arc::clone(self.place.as_ref()?);
+        let limits = self.admission.limits;
+        if limits.prove_within.is_none() && limits.strangers == 0 {
+            return None;
+        }
+        let admission = Arc::clone(&self.admission);
+        let deadline = limits.prove_within.map(|within| tokio::time::Instant::now() + within);
+        Some(async move {
+            let unproven = async {
+                if let Some(deadline) = deadline {
+                    tokio::time::sleep_until(deadline).await;
+                    if admission.lock().counts(&place) {
+                        return;
+                    }
+                }
+                std::future::pending().await
+            };
+            tokio::select! {
+                () = place.evicted.cancelled() => {}
+                () = unproven => {}
+            }
+        })
     }
 }
 
@@ -216,16 +308,8 @@ impl Drop for Ticket {
     fn drop(&mut self) {
         let mut held = self.admission.lock();
         held.open = held.open.saturating_sub(1);
-        let Some((peer, epoch)) = self.stranger else { return };
-        // A peer vouched for since took its connections out of the count.
-        if let Some((count, current)) = held.peers.get_mut(&peer)
-            && *current == epoch
-        {
-            *count -= 1;
-            if *count == 0 {
-                held.peers.remove(&peer);
-            }
-            held.strangers = held.strangers.saturating_sub(1);
+        if let Some(place) = &self.place {
+            held.give_back(place);
         }
     }
 }
@@ -263,15 +347,27 @@ mod tests {
     fn strangers_share_what_they_are_given_and_members_are_not_held_back() {
         let proxy: KnownPeers = Arc::new(|address| address == ip("10.9.9.9"));
         let admission = Admission::new(Limits { max: 6, per_peer: 2, strangers: 3, prove_within: None }, Some(proxy));
-        let _held: Vec<Ticket> =
+        let held: Vec<Ticket> =
             ["10.0.0.1", "10.0.0.2", "10.0.0.3"].into_iter().map(|peer| admission.admit(ip(peer)).unwrap()).collect();
-        assert_eq!(admission.admit(ip("10.0.0.4")).err(), Some(Refused::Strangers));
+        // The pool is full: the oldest stranger's connection makes room.
+        let newcomer = admission.admit(ip("10.0.0.4")).unwrap();
+        assert!(newcomer.made_room() && !held[0].is_stranger() && held[1].is_stranger());
+        assert_eq!(admission.open(), (4, 3));
         let _proxied = [admission.admit(ip("10.9.9.9")).unwrap(), admission.admit(ip("10.9.9.9")).unwrap()];
-        assert_eq!(admission.admit(ip("10.0.0.5")).err(), Some(Refused::Strangers));
-        admission.vouch(ip("10.0.0.5"));
-        let _member = admission.admit(ip("10.0.0.5")).unwrap();
+        assert_eq!(admission.open(), (6, 3), "a known peer holds no stranger's place");
         assert_eq!(admission.admit(ip("10.9.9.9")).err(), Some(Refused::Full), "no one passes the whole");
-        assert_eq!(admission.open(), (6, 3));
+        drop(held);
+        assert_eq!(admission.open(), (3, 1), "the one closed to make room is given back once");
+    }
+
+    #[tokio::test]
+    async fn a_connection_closed_to_make_room_is_told_so() {
+        let admission = Admission::new(Limits { max: 0, per_peer: 1, strangers: 1, prove_within: None }, None);
+        let oldest = admission.admit(ip("10.0.0.1")).unwrap();
+        let closing = oldest.closing().expect("a stranger's can be closed");
+        assert_eq!(admission.admit(ip("10.0.0.1")).err(), Some(Refused::Peer), "its own share first");
+        let _newer = admission.admit(ip("10.0.0.2")).unwrap();
+        tokio::time::timeout(Duration::from_secs(5), closing).await.expect("closed to make room");
     }
 
     #[test]
@@ -280,14 +376,14 @@ mod tests {
         let admission = Admission::new(limits, None);
         let first = admission.admit(ip("10.0.0.1")).unwrap();
         let second = admission.admit(ip("10.0.0.1")).unwrap();
-        assert!(first.is_stranger() && first.proof_deadline().is_some());
-        assert_eq!(admission.admit(ip("10.0.0.2")).err(), Some(Refused::Strangers));
+        assert!(first.is_stranger() && first.closing().is_some());
         admission.vouch(ip("10.0.0.1"));
         assert!(!first.is_stranger(), "its peer proved itself");
         assert_eq!(admission.open(), (2, 0));
         let other = admission.admit(ip("10.0.0.2")).unwrap();
+        assert!(!other.made_room(), "the vouch gave the pool its places back");
         let member = admission.admit(ip("10.0.0.1")).unwrap();
-        assert!(member.proof_deadline().is_none(), "a member's connection has no deadline");
+        assert!(member.closing().is_none(), "nothing closes a member's connection");
         drop((first, second));
         assert_eq!(admission.open(), (2, 1), "given back once, as taken");
         drop((other, member));
@@ -302,10 +398,10 @@ mod tests {
         let stranger = admission.admit(ip("10.0.0.1")).unwrap();
         let proving = admission.admit(ip("10.0.0.2")).unwrap();
         let started = tokio::time::Instant::now();
-        stranger.unproven().await;
+        stranger.closing().unwrap().await;
         assert!(started.elapsed() >= within);
         admission.vouch(ip("10.0.0.2"));
-        let waited = tokio::time::timeout(within * 5, proving.unproven()).await;
+        let waited = tokio::time::timeout(within * 5, proving.closing().unwrap()).await;
         assert!(waited.is_err(), "a peer that proved itself keeps its connection");
     }
 }

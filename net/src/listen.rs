@@ -62,13 +62,15 @@ impl Acceptor {
     }
 }
 
-/// A connection a listener took, holding its place until closed. Where
-/// the listener gives strangers a deadline ([`Ticket::proof_deadline`]),
-/// a stranger's connection reads as closed once past it.
+/// A connection a listener took, holding its place until closed. A
+/// stranger's connection reads as closed once the listener wants it
+/// closed ([`Ticket::closing`]).
 pub struct Admitted {
     stream: TcpStream,
-    ticket: Ticket,
-    proof_deadline: Option<Pin<Box<tokio::time::Sleep>>>,
+    _ticket: Ticket,
+    /// Resolves once the listener wants it closed ([`Ticket::closing`]).
+    closing: Option<Pin<Box<dyn Future<Output = ()> + Send>>>,
+    closed: bool,
 }
 
 impl Admitted {
@@ -99,7 +101,12 @@ pub fn incoming(
                 accepted = acceptor.accept() => accepted,
             };
             let ticket = match admission.admit(peer.ip()) {
-                Ok(ticket) => ticket,
+                Ok(ticket) => {
+                    if let Some(refused) = refused.as_ref().filter(|_| ticket.made_room()) {
+                        refused(Refused::Strangers);
+                    }
+                    ticket
+                }
                 Err(why) => {
                     if let Some(refused) = &refused {
                         refused(why);
@@ -110,16 +117,25 @@ pub fn incoming(
             let _ = stream.set_nodelay(true);
             let tx = tx.clone();
             tokio::spawn(async move {
+                let mut closing: Option<Pin<Box<dyn Future<Output = ()> + Send>>> =
+                    ticket.closing().map(|closing| Box::pin(closing) as _);
                 // The HTTP/2 preface, or a TLS hello: anything else is
-                // refused by the server at once.
-                if crate::serve::sniff(&stream, first_byte).await.is_none() {
-                    tracing::debug!(%peer, "no request on a new connection; closed");
+                // refused by the server at once. A stranger's connection
+                // closed meanwhile (to make room) goes now.
+                let spoke = match closing.as_mut() {
+                    Some(closing) => tokio::select! {
+                        spoke = crate::serve::sniff(&stream, first_byte) => spoke.is_some(),
+                        () = closing => false,
+                    },
+                    None => crate::serve::sniff(&stream, first_byte).await.is_some(),
+                };
+                if !spoke {
+                    tracing::debug!(%peer, "no request on a new connection, or closed to make room");
                     // Its place is given back before the peer sees it closed.
                     drop(ticket);
                     return;
                 }
-                let proof_deadline = ticket.proof_deadline().map(|at| Box::pin(tokio::time::sleep_until(at)));
-                let _ = tx.send(Ok(Admitted { stream, ticket, proof_deadline })).await;
+                let _ = tx.send(Ok(Admitted { stream, _ticket: ticket, closing, closed: false })).await;
             });
         }
     });
@@ -194,14 +210,15 @@ where
 
 impl AsyncRead for Admitted {
     fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
-        if let Some(deadline) = self.proof_deadline.as_mut()
-            && deadline.as_mut().poll(cx).is_ready()
+        if !self.closed
+            && let Some(closing) = self.closing.as_mut()
+            && closing.as_mut().poll(cx).is_ready()
         {
-            if self.ticket.is_stranger() {
-                tracing::debug!(peer = ?self.peer(), "a stranger proved nothing in time; closed");
-                return Poll::Ready(Ok(()));
-            }
-            self.proof_deadline = None;
+            tracing::debug!(peer = ?self.peer(), "a stranger's connection closed (unproven, or to make room)");
+            self.closed = true;
+        }
+        if self.closed {
+            return Poll::Ready(Ok(()));
         }
         Pin::new(&mut self.stream).poll_read(cx, buf)
     }

@@ -241,7 +241,12 @@ where
         };
         let _ = stream.set_nodelay(true);
         let ticket = match limit.admission.as_ref().map(|admission| admission.admit(peer.ip())).transpose() {
-            Ok(ticket) => ticket,
+            Ok(ticket) => {
+                if let (Some(refused), Some(true)) = (&limit.refused, ticket.as_ref().map(Ticket::made_room)) {
+                    refused(Refused::Strangers);
+                }
+                ticket
+            }
             Err(why) => {
                 if let Some(refused) = &limit.refused {
                     refused(why);
@@ -491,14 +496,15 @@ where
                         }
                     }
                 };
-                // A stranger's connection whose peer has proved nothing by
-                // its deadline is closed (where the listener sets one).
-                match &ticket {
-                    Some(ticket) if ticket.proof_deadline().is_some() => tokio::select! {
+                // A stranger's connection is closed when the listener says
+                // so: its peer proved nothing in time, or a newer stranger
+                // needed its place.
+                match ticket.as_ref().and_then(Ticket::closing) {
+                    Some(closing) => tokio::select! {
                         () = served => {}
-                        () = ticket.unproven() => tracing::debug!(%peer, "a stranger proved nothing in time; closed"),
+                        () = closing => tracing::debug!(%peer, "a stranger's connection closed (unproven, or to make room)"),
                     },
-                    _ => served.await,
+                    None => served.await,
                 }
                 drop((open, ticket));
             });

@@ -117,14 +117,18 @@ async fn silent_strangers_cost_an_agent_a_bounded_share_and_its_data_planes_are_
     assert_eq!(http.post_json(&url, &chat_body("chat", "hi")).await.status, StatusCode::OK);
 
     // Strangers, from four addresses: each past its share, and all past
-    // what strangers may hold together.
-    let mut held = Vec::new();
+    // what strangers may hold together: the newest take the places of the
+    // oldest.
+    let mut by_source = Vec::new();
     for source in ["127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5"] {
         let (closed, open) = closed_within(hold(source, agent.proxy_addr, 6, b"").await, Duration::from_secs(3)).await;
-        assert!(closed >= 2 && open.len() <= 4, "{source}: {} held, past its share of 4", open.len());
-        held.extend(open);
+        assert_eq!((closed, open.len()), (2, 4), "{source}: its share of 4");
+        by_source.push(open);
     }
-    assert!(held.len() <= 12, "{} held by strangers, past the 12 they may hold together", held.len());
+    let (closed, _) = closed_within(by_source.remove(0), Duration::from_secs(3)).await;
+    assert_eq!(closed, 4, "the oldest made room for the newest");
+    let (closed, held) = closed_within(by_source.into_iter().flatten().collect(), Duration::from_secs(1)).await;
+    assert_eq!((closed, held.len()), (0, 12), "12 strangers in all");
 
     // The data plane is served meanwhile, on new connections too.
     let mut chats = tokio::task::JoinSet::new();
@@ -137,7 +141,7 @@ async fn silent_strangers_cost_an_agent_a_bounded_share_and_its_data_planes_are_
         let (http, url) = (http.clone(), format!("http://{}/metrics", agent.admin_addr));
         async move { metric(&http, &url, &format!("inferyes_agent_connections_refused_total{{reason=\"{reason}\"}}")).await }
     };
-    assert_eq!(refused("peer").await + refused("strangers").await, (24 - held.len()) as f64);
+    assert_eq!((refused("peer").await, refused("strangers").await), (8.0, 4.0));
     drop(held);
     agent.stop().await;
 }
@@ -148,6 +152,7 @@ async fn silent_connections_to_a_controller_take_its_share_and_its_fleet_and_ope
     let controller = ControllerHandle::start_with(&etcd.endpoint(), "controller-1", None, |config| {
         config.max_http_connections_per_address = 8;
         config.max_grpc_stranger_connections_per_address = 8;
+        config.max_grpc_stranger_connections = 16;
     })
     .await;
     let on_http = hold(ATTACKER, controller.http_addr, 50, b"").await;
@@ -156,8 +161,14 @@ async fn silent_connections_to_a_controller_take_its_share_and_its_fleet_and_ope
     assert_eq!(closed, 42, "HTTP: 8 per address");
     let (closed, on_grpc) = closed_within(on_grpc, Duration::from_secs(3)).await;
     assert_eq!(closed, 42, "gRPC: 8 per stranger address");
+    // Another address fills what strangers may hold on the gRPC port.
+    let (closed, more_on_grpc) =
+        closed_within(hold("127.0.0.3", controller.grpc_addr, 8, b"").await, Duration::from_secs(1)).await;
+    assert_eq!(closed, 0);
 
-    // Operators, agents and data planes are served meanwhile.
+    // Operators, agents and data planes are served meanwhile: an agent
+    // and a data plane, strangers until a call of theirs succeeds, take
+    // the places of the oldest strangers' connections.
     let http = HttpClient::default();
     let ready = format!("http://{}/readyz", controller.http_addr);
     assert_eq!(http.get(&ready).await.status, StatusCode::OK);
@@ -180,6 +191,8 @@ async fn silent_connections_to_a_controller_take_its_share_and_its_fleet_and_ope
         metric(&http, &metrics, series).await == 42.0
     })
     .await;
-    drop((members, on_http, on_grpc));
+    let made_room = "inferyes_controller_connections_refused_total{port=\"grpc\",reason=\"strangers\"}";
+    assert!(metric(&http, &metrics, made_room).await >= 1.0, "a newcomer made room");
+    drop((members, on_http, on_grpc, more_on_grpc));
     agent.stop().await;
 }
