@@ -36,7 +36,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
 use crate::admit::{Admission, Refused, Ticket};
-use crate::listen::Acceptor;
+use crate::listen::{Acceptor, Sniffed, sniff};
 
 /// How a server is run.
 pub struct Options {
@@ -338,52 +338,6 @@ impl Drop for Open {
         self.0.fetch_sub(1, Ordering::Relaxed);
     }
 }
-
-/// What a new plain connection speaks.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Sniffed {
-    Http1,
-    Http2,
-}
-
-/// HTTP/2 with prior knowledge (h2c) opens with this.
-const H2_PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
-
-/// The protocol of a new plain connection, read off its first bytes without
-/// taking them: HTTP/2 if they are the preface, else HTTP/1.1. `None` when
-/// it closes, or sends too little to tell within `timeout` (nothing at all,
-/// or a piece of the preface).
-pub(crate) async fn sniff(tcp: &TcpStream, timeout: Duration) -> Option<Sniffed> {
-    let deadline = tokio::time::Instant::now() + timeout;
-    let mut first = [0u8; H2_PREFACE.len()];
-    let mut retry = SNIFF_RETRY_MIN;
-    loop {
-        let n = tokio::time::timeout_at(deadline, tcp.peek(&mut first)).await.ok()?.ok()?;
-        if n == 0 {
-            return None;
-        }
-        if first[..n] != H2_PREFACE[..n] {
-            return Some(Sniffed::Http1);
-        }
-        if n == H2_PREFACE.len() {
-            return Some(Sniffed::Http2);
-        }
-        // A piece of the preface: the rest is on its way, or never comes.
-        // Peeking sees the same bytes until more arrive, so wait a little,
-        // longer each time: a connection that stops there costs a few
-        // wake-ups, not hundreds a second.
-        if tokio::time::Instant::now() + retry >= deadline {
-            return None;
-        }
-        tokio::time::sleep(retry).await;
-        retry = (retry * 2).min(SNIFF_RETRY_MAX);
-    }
-}
-
-/// How soon, and at most how long after, a connection that sent a piece of
-/// the HTTP/2 preface is looked at again.
-const SNIFF_RETRY_MIN: Duration = Duration::from_millis(5);
-const SNIFF_RETRY_MAX: Duration = Duration::from_millis(500);
 
 /// Closes a worker's inbox if dropped while its thread unwinds. A panic
 /// outside any task (a bug) ends the worker's thread, and with it the
