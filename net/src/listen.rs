@@ -64,8 +64,8 @@ impl Acceptor {
 }
 
 /// A connection a listener took, holding its place until closed. A
-/// stranger's connection reads as closed once the listener wants it
-/// closed ([`Ticket::closing`]).
+/// stranger's connection fails every read and write once the listener
+/// wants it closed ([`Ticket::closing`]).
 pub struct Admitted {
     stream: TcpStream,
     _ticket: Ticket,
@@ -209,8 +209,12 @@ where
     }
 }
 
-impl AsyncRead for Admitted {
-    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
+impl Admitted {
+    /// Whether the listener wants the connection closed; once it does,
+    /// every read and write fails, so that the server drops the connection
+    /// (and its descriptor) even while a peer that stopped reading keeps
+    /// its writes pending.
+    fn poll_closed(&mut self, cx: &mut Context<'_>) -> bool {
         if !self.closed
             && let Some(closing) = self.closing.as_mut()
             && closing.as_mut().poll(cx).is_ready()
@@ -218,8 +222,18 @@ impl AsyncRead for Admitted {
             tracing::debug!(peer = ?self.peer(), "a stranger's connection closed (unproven, or to make room)");
             self.closed = true;
         }
-        if self.closed {
-            return Poll::Ready(Ok(()));
+        self.closed
+    }
+}
+
+fn aborted<T>() -> Poll<std::io::Result<T>> {
+    Poll::Ready(Err(std::io::ErrorKind::ConnectionAborted.into()))
+}
+
+impl AsyncRead for Admitted {
+    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
+        if self.poll_closed(cx) {
+            return aborted();
         }
         Pin::new(&mut self.stream).poll_read(cx, buf)
     }
@@ -227,6 +241,9 @@ impl AsyncRead for Admitted {
 
 impl AsyncWrite for Admitted {
     fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
+        if self.poll_closed(cx) {
+            return aborted();
+        }
         Pin::new(&mut self.stream).poll_write(cx, buf)
     }
 
@@ -235,6 +252,9 @@ impl AsyncWrite for Admitted {
         cx: &mut Context<'_>,
         bufs: &[std::io::IoSlice<'_>],
     ) -> Poll<std::io::Result<usize>> {
+        if self.poll_closed(cx) {
+            return aborted();
+        }
         Pin::new(&mut self.stream).poll_write_vectored(cx, bufs)
     }
 
@@ -243,10 +263,16 @@ impl AsyncWrite for Admitted {
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        if self.poll_closed(cx) {
+            return aborted();
+        }
         Pin::new(&mut self.stream).poll_flush(cx)
     }
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        if self.poll_closed(cx) {
+            return aborted();
+        }
         Pin::new(&mut self.stream).poll_shutdown(cx)
     }
 }
@@ -342,5 +368,25 @@ mod tests {
         assert_eq!(admission.open(), (1, 1));
         drop(admitted);
         assert_eq!(admission.open(), (0, 0));
+    }
+
+    #[tokio::test]
+    async fn a_connection_its_listener_closes_fails_its_writes_though_its_peer_reads_nothing() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap();
+        let limits = Limits { max: 0, per_peer: 0, strangers: 0, prove_within: Some(Duration::from_millis(300)) };
+        let admission = Admission::new(limits, None);
+        let mut connections = incoming(listener, Arc::clone(&admission), Duration::from_secs(2), None);
+        let mut peer = TcpStream::connect(address).await.unwrap();
+        peer.write_all(H2_PREFACE).await.unwrap();
+        let mut admitted = connections.next().await.unwrap().unwrap();
+        // More than the sockets' buffers hold: the write waits on a peer
+        // that reads nothing, until the stranger's deadline.
+        let written = tokio::time::timeout(Duration::from_secs(10), admitted.write_all(&vec![0u8; 64 << 20])).await;
+        let error = written.expect("not left waiting").expect_err("cut off");
+        assert_eq!(error.kind(), std::io::ErrorKind::ConnectionAborted);
+        drop(admitted);
+        assert_eq!(admission.open(), (0, 0));
+        drop(peer);
     }
 }
