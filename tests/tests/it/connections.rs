@@ -193,6 +193,8 @@ async fn silent_connections_to_a_controller_take_its_share_and_its_fleet_and_ope
     .await;
     let made_room = "inferyes_controller_connections_refused_total{port=\"grpc\",reason=\"strangers\"}";
     assert!(metric(&http, &metrics, made_room).await >= 1.0, "a newcomer made room");
-    drop((members, on_http, on_grpc, more_on_grpc));
+    let (closed, _) = closed_within(on_grpc, Duration::from_secs(1)).await;
+    assert!(closed >= 1, "the oldest strangers' connections made room");
+    drop((members, on_http, more_on_grpc));
     agent.stop().await;
 }
