@@ -7,11 +7,12 @@
 //! in front of a data plane) or because one of its requests proved a
 //! credential ([`Admission::vouch`]): fleet members are never held back by
 //! what strangers hold. Past `strangers`, the oldest stranger's connection
-//! is closed to make room for the newcomer: strangers holding the whole
-//! pool cannot keep out a member that has not proved itself yet (a data
-//! plane's first connections to an agent, agents rejoining a controller
-//! that restarted), which proves itself within milliseconds, long before
-//! a pool's worth of newer connections would close its own.
+//! is closed to make room for the newcomer: strangers merely holding the
+//! whole pool do not keep out a member that has not proved itself yet (a
+//! data plane's first connections to an agent, agents rejoining a
+//! controller that restarted), which proves itself within milliseconds;
+//! to close its connection first, strangers must open a pool's worth of
+//! newer ones in that time.
 
 use std::collections::VecDeque;
 use std::future::Future;
