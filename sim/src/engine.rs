@@ -502,6 +502,8 @@ impl Engine {
                         n_predict: n_predict.map_or(room, |n| n.min(room)),
                         generated: 0,
                         pending: None,
+                        read: admission.cached,
+                        prefilled: false,
                     });
                 }
                 Ok(None) => {
@@ -551,6 +553,10 @@ pub(crate) struct Lease {
     /// The last sampled token, which enters the KV cache only when the next
     /// decode step feeds it back. The final token of a reply never does.
     pending: Option<u32>,
+    /// The prompt's tokens read so far, the cached ones included.
+    read: usize,
+    /// The prompt was read whole and accounted.
+    prefilled: bool,
 }
 
 impl Lease {
@@ -577,10 +583,27 @@ impl Lease {
 
     /// Spends the time to evaluate the uncached part of the prompt.
     pub(crate) async fn prefill(&mut self) {
-        let processed = self.prompt_tokens - self.cached();
-        let d = self.engine.timing.prefill(processed);
-        pause(d).await;
-        self.engine.lock().record_prompt(processed, self.cached(), d.as_secs_f64());
+        while self.prefill_batch(usize::MAX).await.is_some() {}
+    }
+
+    /// Evaluates up to `batch` more of the prompt's tokens, as llama-server
+    /// reads a prompt a batch at a time: the tokens read so far after it,
+    /// `None` once the prompt was read whole.
+    pub(crate) async fn prefill_batch(&mut self, batch: usize) -> Option<usize> {
+        let left = self.prompt_tokens.saturating_sub(self.read);
+        if left == 0 {
+            if !self.prefilled {
+                self.prefilled = true;
+                let processed = self.prompt_tokens - self.cached();
+                let seconds = self.engine.timing.prefill(processed).as_secs_f64();
+                self.engine.lock().record_prompt(processed, self.cached(), seconds);
+            }
+            return None;
+        }
+        let n = left.min(batch.max(1));
+        pause(self.engine.timing.prefill(n)).await;
+        self.read += n;
+        Some(self.read)
     }
 
     /// Decodes the next token; `None` once `n_predict` tokens were produced.

@@ -208,6 +208,62 @@ async fn streaming_chat_and_completions() {
 }
 
 #[tokio::test]
+async fn a_stream_that_asks_for_progress_is_told_of_each_batch_of_its_prompt_as_llama_server_does() {
+    let r = start(fast(SimConfig { context: 16_384, slots: 1, ..SimConfig::llama_server("qwen") })).await;
+    let long = "word ".repeat(2_500);
+    let ask = |path: &str, body: Value| {
+        let (path, body) = (path.to_string(), body.to_string());
+        let r = &r;
+        async move { sse_events(r.send(Method::POST, &path, Some("application/json"), body).await).await }
+    };
+    let progress = |events: &[String]| -> Vec<Value> {
+        events
+            .iter()
+            .filter_map(|e| serde_json::from_str::<Value>(e).ok())
+            .filter(|c| c.get("prompt_progress").is_some())
+            .collect()
+    };
+    let chat = json!({"messages": [user(&long)], "max_tokens": 2, "stream": true, "return_progress": true});
+    let events = ask("/v1/chat/completions", chat.clone()).await;
+    let read = progress(&events);
+    let total = read[0]["prompt_progress"]["total"].as_u64().unwrap();
+    assert!(total > 5_000, "{total}");
+    let processed: Vec<u64> = read.iter().map(|c| c["prompt_progress"]["processed"].as_u64().unwrap()).collect();
+    // Nothing cached, then each batch of 2,048, then the rest.
+    assert_eq!(processed, vec![0, 2_048, 4_096, total], "{read:?}");
+    assert!(read.iter().all(|c| c["choices"][0]["delta"] == json!({"role": "assistant", "content": null})));
+    assert!(read.iter().all(|c| c["object"] == "chat.completion.chunk"));
+    // Then the stream as without them: the role, two tokens, the end.
+    assert_eq!(events.len(), read.len() + 1 + 2 + 1 + 1, "{events:?}");
+    assert!(events[..read.len()].iter().all(|e| e.contains("prompt_progress")), "they come first");
+
+    // The next turn finds its prompt cached, and says so first.
+    let events = ask("/v1/chat/completions", chat).await;
+    let again = progress(&events);
+    let cache = again[0]["prompt_progress"]["cache"].as_u64().unwrap();
+    assert!(cache > 5_000, "{again:?}");
+    assert_eq!(again[0]["prompt_progress"]["processed"], cache);
+    assert_eq!(again.last().unwrap()["prompt_progress"]["processed"], total);
+
+    let completion = json!({"prompt": "once upon", "max_tokens": 2, "stream": true, "return_progress": true});
+    let events = ask("/v1/completions", completion).await;
+    let read = progress(&events);
+    assert_eq!(read.len(), 2, "{events:?}");
+    assert_eq!(
+        (read[0]["choices"][0]["text"].as_str(), read[0]["object"].as_str()),
+        (Some(""), Some("text_completion"))
+    );
+    // Not asked for, or not a stream: none.
+    let plain = json!({"messages": [user("hi")], "max_tokens": 2, "stream": true});
+    assert!(progress(&ask("/v1/chat/completions", plain).await).is_empty());
+    let (status, whole) = r
+        .post("/v1/chat/completions", json!({"messages": [user("hi")], "max_tokens": 2, "return_progress": true}))
+        .await;
+    assert_eq!((status, whole.get("prompt_progress")), (StatusCode::OK, None));
+    r.stop().await;
+}
+
+#[tokio::test]
 async fn errors_have_llama_server_shapes() {
     let mut cfg = fast(SimConfig::llama_server("qwen"));
     cfg.context = 64;

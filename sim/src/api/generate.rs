@@ -33,10 +33,17 @@ pub(super) struct Request {
     limited: bool,
     stream: bool,
     include_usage: bool,
+    /// A stream that asked for the prompt's progress (`return_progress`),
+    /// in an API whose chunks carry it.
+    progress: bool,
     id_slot: Option<usize>,
     shape: Shape,
     model: String,
 }
+
+/// Tokens of a prompt read at a time: llama-server's default
+/// `--batch-size`, after each of which it tells a stream's progress.
+const N_BATCH: usize = 2048;
 
 /// The request's fields that limit its answer, in the order llama-server
 /// reads them.
@@ -83,7 +90,10 @@ pub(super) fn parse_request(s: &Inner, engine: &Engine, kind: Kind, req: &Value)
         _ => Shape::Completion,
     };
     let model = req.get("model").and_then(Value::as_str).map_or_else(|| engine.model().id.clone(), str::to_owned);
-    Ok(Request { prompt: tokenize(&text), n_predict, limited, stream, include_usage, id_slot, shape, model })
+    let progress = stream
+        && matches!(shape, Shape::Chat | Shape::Completion)
+        && req.get("return_progress").and_then(Value::as_bool).unwrap_or(false);
+    Ok(Request { prompt: tokenize(&text), n_predict, limited, stream, include_usage, progress, id_slot, shape, model })
 }
 
 /// The prompt a request of `kind` makes, as the chat template renders it
@@ -221,13 +231,16 @@ pub(super) async fn generate(
     request: Request,
     in_flight: Option<InFlight>,
 ) -> Response {
-    let Request { prompt, n_predict, limited, stream, include_usage, id_slot, shape, model } = request;
+    let Request { prompt, n_predict, limited, stream, include_usage, progress, id_slot, shape, model } = request;
     let shutdown = s.shutdown.clone();
     // Waiting for a slot and the prompt evaluation happen before any byte is
-    // sent, as llama-server waits for the first result before its headers.
+    // sent, as llama-server waits for the first result before its headers;
+    // a stream that asked for progress is answered as its prompt is read.
     let started = async {
         let mut lease = engine.acquire(prompt, id_slot, n_predict).await?;
-        lease.prefill().await;
+        if !progress {
+            lease.prefill().await;
+        }
         Ok::<Lease, AdmitError>(lease)
     };
     let lease = tokio::select! {
@@ -252,7 +265,7 @@ pub(super) async fn generate(
             // Held until the stream ends so llama-swap's limit counts it.
             let _in_flight = in_flight;
             tokio::select! {
-                () = stream_reply(&mut lease, &reply, include_usage, &tx) => {}
+                () = stream_reply(&mut lease, &reply, (include_usage, progress), &tx) => {}
                 // Ending the stream lets graceful shutdown complete.
                 () = shutdown.cancelled() => {}
             }
@@ -285,9 +298,21 @@ pub(super) async fn generate(
 async fn stream_reply(
     lease: &mut Lease,
     reply: &Reply,
-    include_usage: bool,
+    (include_usage, progress): (bool, bool),
     tx: &mpsc::Sender<Result<Bytes, Infallible>>,
 ) {
+    if progress {
+        // As llama-server: what was found cached first, then each batch.
+        let (total, cache, started) = (lease.prompt_tokens(), lease.cached(), std::time::Instant::now());
+        let mut read = Some(cache);
+        while let Some(processed) = read {
+            let time_ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX);
+            if tx.send(Ok(reply.progress(total, cache, processed, time_ms))).await.is_err() {
+                return;
+            }
+            read = lease.prefill_batch(N_BATCH).await;
+        }
+    }
     for event in reply.opening(&lease.timings()) {
         if tx.send(Ok(event)).await.is_err() {
             return;

@@ -132,6 +132,20 @@ impl Reply {
         }
     }
 
+    /// A chat or completions stream's progress event (`return_progress`):
+    /// of the prompt's `total` tokens, `cache` found cached and `processed`
+    /// read so far, `time_ms` after reading began.
+    pub(super) fn progress(&self, total: usize, cache: usize, processed: usize, time_ms: u64) -> Bytes {
+        let choices = match self.shape {
+            Shape::Chat => json!([{"finish_reason": null, "index": 0,
+                                   "delta": {"role": "assistant", "content": null}}]),
+            _ => self.delta_choice(None, None),
+        };
+        let mut chunk = self.envelope(true, choices);
+        chunk["prompt_progress"] = json!({"total": total, "cache": cache, "processed": processed, "time_ms": time_ms});
+        data(&chunk)
+    }
+
     /// The event that carries one piece of the answer.
     pub(super) fn piece(&self, piece: &str) -> Bytes {
         match self.shape {
