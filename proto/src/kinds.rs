@@ -115,6 +115,11 @@ pub struct Row {
     /// (`stream_options.include_usage`), the extra chunk kept from the
     /// client.
     pub asks_usage: bool,
+    /// A stream sent to llama-server is asked for its prompt progress
+    /// (`return_progress`), the events kept from the client: a stream cut
+    /// short before its usage chunk is counted for the prompt the server
+    /// read. Only where the server sends them in this path's answers.
+    pub asks_progress: bool,
     /// A stream that breaks may go on at another node (fleet policy): only
     /// where the data plane can read and resend what was said so far.
     pub continues: bool,
@@ -130,6 +135,7 @@ const OPENAI: Row = Row {
     stream_start: StreamStart::Any,
     stream_end: StreamEnd::Own,
     asks_usage: false,
+    asks_progress: false,
     continues: false,
 };
 
@@ -145,6 +151,7 @@ pub const ROWS: &[Row] = &[
         session: Session::Opening,
         stream_end: StreamEnd::Done,
         asks_usage: true,
+        asks_progress: true,
         continues: true,
         ..OPENAI
     },
@@ -154,6 +161,7 @@ pub const ROWS: &[Row] = &[
         session: Session::Opening,
         stream_end: StreamEnd::Done,
         asks_usage: true,
+        asks_progress: true,
         ..OPENAI
     },
     Row {

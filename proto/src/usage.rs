@@ -167,6 +167,57 @@ fn number(text: &[u8]) -> Option<u32> {
     digits.try_fold(u32::from(first - b'0'), |n, b| n.checked_mul(10)?.checked_add(u32::from(b - b'0')))
 }
 
+/// What llama-server says of a prompt it is reading, in the events a
+/// stream asked for with `return_progress` sends before its first token.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PromptProgress {
+    /// The prompt's tokens.
+    pub total: u32,
+    /// Those it found in its cache.
+    pub cache: u32,
+    /// Those read so far, the cached ones included.
+    pub processed: u32,
+}
+
+impl PromptProgress {
+    /// The prompt's usage as far as it was read: what a request cut short
+    /// by its client is counted for.
+    pub fn usage(self, completion_tokens: u32) -> Usage {
+        let prompt_tokens = self.processed.min(self.total);
+        Usage { prompt_tokens, completion_tokens, cached_tokens: self.cache.min(prompt_tokens) }
+    }
+}
+
+/// Where a progress object starts.
+static PROGRESS: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
+    std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"\"prompt_progress\":"));
+
+/// Whether an event carries llama-server's `prompt_progress`.
+pub fn is_progress_event(event: &[u8]) -> bool {
+    PROGRESS.find(event).is_some()
+}
+
+/// Whether a stream's frame holds progress events and nothing after them:
+/// the server has not produced a token yet.
+pub fn only_progress(frame: &[u8]) -> bool {
+    PROGRESS.find_iter(frame).last().is_some_and(|at| memchr::memmem::find(&frame[at..], b"\ndata:").is_none())
+}
+
+/// The `prompt_progress` an event carries: `{"total":T,"cache":C,
+/// "processed":P,"time_ms":..}`. `None` where it has none, or lacks a count.
+pub fn parse_prompt_progress(event: &[u8]) -> Option<PromptProgress> {
+    let at = PROGRESS.find(event)? + PROGRESS.needle().len();
+    let object = &event[at..];
+    // Its own members only: the object holds no other object.
+    let object = &object[..memchr::memchr(b'}', object)?];
+    let count = |key: &[u8]| memchr::memmem::find(object, key).and_then(|at| number(&object[at + key.len()..]));
+    Some(PromptProgress {
+        total: count(b"\"total\":")?,
+        cache: count(b"\"cache\":")?,
+        processed: count(b"\"processed\":")?,
+    })
+}
+
 /// The hour a record falls in, as `YYYYMMDDHH` (UTC): keys sort by time.
 pub fn hour_of(unix_ms: u64) -> String {
     let secs = unix_ms / 1000;
@@ -249,6 +300,31 @@ mod tests {
             let hour = hour_of(ms);
             assert_eq!(hour_of(hour_start_ms(&hour).unwrap()), hour);
             assert!(hour_start_ms(&hour).unwrap() <= ms && ms - hour_start_ms(&hour).unwrap() < 3_600_000);
+        }
+    }
+
+    #[test]
+    fn prompt_progress_is_read_from_llama_server_s_event() {
+        // b11434's chat chunk, as it sends it with `return_progress`.
+        let event = br#"data: {"choices":[{"finish_reason":null,"index":0,"delta":{"role":"assistant","content":null}}],"created":1796320784,"id":"chatcmpl-o","model":"m","system_fingerprint":"b0-unknown","object":"chat.completion.chunk","prompt_progress":{"total":818,"cache":12,"processed":256,"time_ms":5}}"#;
+        let progress = parse_prompt_progress(event).unwrap();
+        assert_eq!(progress, PromptProgress { total: 818, cache: 12, processed: 256 });
+        assert!(is_progress_event(event));
+        assert!(only_progress(event));
+        let then_a_token = [&event[..], b"\n\ndata: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\n"].concat();
+        assert!(is_progress_event(&then_a_token) && !only_progress(&then_a_token));
+        assert!(!only_progress(b"data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\n"));
+        assert_eq!(progress.usage(3), Usage { prompt_tokens: 256, completion_tokens: 3, cached_tokens: 12 });
+        // Counts past the prompt's are not believed beyond it.
+        let wild = PromptProgress { total: 10, cache: 50, processed: 40 };
+        assert_eq!(wild.usage(0), Usage { prompt_tokens: 10, completion_tokens: 0, cached_tokens: 10 });
+        for partial in [
+            &br#"data: {"choices":[{"delta":{"content":"total"}}]}"#[..],
+            br#"data: {"prompt_progress":{"total":818,"processed":256}}"#,
+            br#"data: {"prompt_progress":{"total":818,"cache":0,"processed":"#,
+            br#"data: {"prompt_progress":{"cache":1,"processed":2}, "total":3}"#,
+        ] {
+            assert_eq!(parse_prompt_progress(partial), None, "{}", String::from_utf8_lossy(partial));
         }
     }
 
