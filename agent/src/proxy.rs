@@ -435,7 +435,9 @@ impl http_body::Body for Tracked {
         match &poll {
             Poll::Ready(Some(Ok(frame))) => {
                 if let Some(data) = frame.data_ref() {
-                    if !this.first_byte {
+                    // llama-server's prompt progress, which a data plane
+                    // asks for, comes before the first token.
+                    if !this.first_byte && !inferyes_proto::usage::only_progress(data) {
                         this.first_byte = true;
                         let ttft = this.started.elapsed().as_secs_f64();
                         if let Some(backend) = this.backend() {
