@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use inferyes_proto::kinds::UsageIn;
-use inferyes_proto::usage::{Usage, hour_of};
+use inferyes_proto::usage::{PromptProgress, Usage, hour_of};
 use inferyes_proto::v1::{UsageBatch, UsageDelta, UsageRecord, UsageRollup};
 use inferyes_proto::{FastMap, value_for};
 use tokio_util::sync::CancellationToken;
@@ -354,6 +354,9 @@ struct MeterInner {
     held: AtomicU64,
     /// Data events seen in a stream: one token each, for an estimate.
     events: AtomicU64,
+    /// What llama-server last said of the prompt it was reading, and in
+    /// how many of the data events (none of them a token).
+    progress: Mutex<(Option<PromptProgress>, u64)>,
     /// The node that answered, once one did (or failed, answering).
     served: std::sync::OnceLock<Served>,
     /// What is done once the answer ended.
@@ -461,6 +464,7 @@ impl Meter {
             stream_timers,
             held: AtomicU64::new(0),
             events: AtomicU64::new(0),
+            progress: Mutex::default(),
             served: std::sync::OnceLock::new(),
             ending: Mutex::default(),
         }))
@@ -513,6 +517,16 @@ impl Meter {
     pub fn data_events(&self, events: usize) {
         if events > 0 {
             self.0.events.fetch_add(events as u64, Ordering::Relaxed);
+        }
+    }
+
+    /// A progress event of the stream's (`super::http::progress`), and what
+    /// it said, where it could be read.
+    pub fn progress(&self, progress: Option<PromptProgress>) {
+        let mut last = self.0.progress.lock().unwrap_or_else(PoisonError::into_inner);
+        last.1 += 1;
+        if progress.is_some() {
+            last.0 = progress;
         }
     }
 
@@ -580,9 +594,23 @@ impl MeterInner {
             // A job counted by requests, not tokens.
             None if self.counted.usage == UsageIn::None => {}
             None => {
-                record.estimated = true;
-                record.prompt_tokens = self.counted.prompt_estimate;
-                record.completion_tokens = self.events.load(Ordering::Relaxed);
+                let (progress, progress_events) = *self.progress.lock().unwrap_or_else(PoisonError::into_inner);
+                let tokens = self.events.load(Ordering::Relaxed).saturating_sub(progress_events);
+                match progress {
+                    // The server said how much of the prompt it read; the
+                    // tokens are the events it sent after, one each.
+                    Some(progress) => {
+                        let usage = progress.usage(u32::try_from(tokens).unwrap_or(u32::MAX));
+                        record.prompt_tokens = u64::from(usage.prompt_tokens);
+                        record.cached_tokens = u64::from(usage.cached_tokens);
+                        record.completion_tokens = u64::from(usage.completion_tokens);
+                    }
+                    None => {
+                        record.estimated = true;
+                        record.prompt_tokens = self.counted.prompt_estimate;
+                        record.completion_tokens = tokens;
+                    }
+                }
             }
         }
         self.ledger.record(record, self.held.load(Ordering::Relaxed));

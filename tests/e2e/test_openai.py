@@ -116,3 +116,33 @@ def test_keys_are_checked_and_limited_to_their_models(fleet):
     with pytest.raises(openai.NotFoundError):
         narrow.chat.completions.create(model="tiny-chat", messages=ask("hi"), max_tokens=2)
 
+
+
+def test_a_stream_cut_after_its_first_token_is_billed_for_the_prompt_the_server_read(fleet):
+    created = fleet.ctl("keys", "create", "cut-stream")
+    key_id = created["key_id"]
+    cut = OpenAI(base_url=f"{fleet.url}/v1", api_key=created["secret"], max_retries=0, timeout=60)
+    wait_until("the new key is known", lambda: [m.id for m in cut.models.list()])
+    # Dense text, about a token a byte: a fifth of what the server reads,
+    # were the body's size the measure.
+    messages = ask(",".join(f"{i:x}" for i in range(150, 250)))
+    stream = cut.chat.completions.create(model="tiny-chat", messages=messages, max_tokens=300, stream=True)
+    for chunk in stream:
+        assert "prompt_progress" not in chunk.model_dump_json(), "the gateway's own request reached the client"
+        if chunk.choices and chunk.choices[0].delta.content:
+            break
+    stream.close()
+
+    # What the server reads of that prompt, as it counts it.
+    direct = OpenAI(base_url=f"{fleet.llama['node-a']}/v1", api_key="unused", max_retries=0)
+    read = direct.chat.completions.create(model="tiny-chat", messages=messages, max_tokens=1).usage.prompt_tokens
+
+    def billed():
+        rows = fleet.ctl("usage", "--key", key_id)["rows"]
+        return rows[0] if rows and rows[0]["requests"] == 1 else None
+
+    wait_until("the cut stream is billed", billed)
+    usage = billed()
+    assert usage["errors"] == 1, f"not cut short: {usage}"
+    assert usage["estimated_requests"] == 0, usage
+    assert usage["prompt_tokens"] >= 0.95 * read, f"billed {usage} of the {read} tokens read"

@@ -49,6 +49,8 @@ pub(crate) struct Plan {
     /// The data plane asked for usage the client did not: its chunk is
     /// taken out, which needs whole events.
     pub strip_usage: bool,
+    /// What is done with llama-server's prompt progress events.
+    pub progress: super::progress::ProgressEvents,
     pub meter: Option<Meter>,
     pub request_id: HeaderValue,
     /// The envelope of the error event a failed stream ends with.
@@ -104,6 +106,8 @@ struct Streaming {
     tail: Vec<u8>,
     /// A partial event, where events are read whole.
     events: super::sse::Events,
+    /// Reads the prompt progress events, until the first other event.
+    progress: Option<super::progress::Progress>,
     /// The node's body has ended (what is left of it is being passed on).
     inner_done: bool,
     hard_stop: Pin<Box<WaitForCancellationFutureOwned>>,
@@ -163,6 +167,7 @@ impl StreamBody {
             opening,
             tail: Vec::new(),
             events: super::sse::Events::default(),
+            progress: super::progress::Progress::new(plan.progress).filter(|_| event_stream),
             inner_done: false,
             hard_stop: Box::pin(hard_stop.cancelled_owned()),
             plan,
@@ -343,6 +348,23 @@ impl Streaming {
                     if self.tail.len() > 2 * TAIL_BYTES {
                         self.tail.drain(..self.tail.len() - TAIL_BYTES);
                     }
+                    if let Some(progress) = self.progress.as_mut() {
+                        let meter = self.plan.meter.as_ref();
+                        let passed = progress.push(data.clone(), |read| {
+                            if let Some(meter) = meter {
+                                meter.progress(read);
+                            }
+                        });
+                        frame = match passed {
+                            super::progress::Passed::Held => continue,
+                            super::progress::Passed::On(kept) => Frame::data(kept),
+                            super::progress::Passed::Last(kept) => {
+                                self.progress = None;
+                                Frame::data(kept)
+                            }
+                        };
+                    }
+                    let Some(data) = frame.data_ref() else { return Poll::Ready(Some(Ok(frame))) };
                     if let Some(opening) = self.opening.as_mut() {
                         let Some(opened) = opening.push(data) else { continue };
                         self.opening = None;
@@ -368,6 +390,10 @@ impl Streaming {
                 }
                 Poll::Ready(None) => {
                     self.inner_done = true;
+                    // A progress event cut short: passed on as it is.
+                    if let Some(held) = self.progress.take().and_then(|mut progress| progress.take_rest()) {
+                        return Poll::Ready(Some(Ok(Frame::data(held))));
+                    }
                     // A first event cut short: passed on as it is.
                     if let Some(held) = self.opening.take().and_then(|mut opening| opening.take_rest()) {
                         return Poll::Ready(Some(Ok(Frame::data(held))));
@@ -593,6 +619,11 @@ mod tests {
             opening: super::super::opening::Opening::new(row.stream_start, "m", "req", 1_000),
             stream_end: row.stream_end,
             strip_usage: row.asks_usage,
+            progress: if row.asks_progress {
+                super::super::progress::ProgressEvents::Taken
+            } else {
+                super::super::progress::ProgressEvents::Ignored
+            },
             meter: Some(meter),
             request_id: HeaderValue::from_static("req"),
             errors: row.errors,
@@ -677,5 +708,24 @@ mod tests {
         }
         drop(body);
         assert_eq!(ledger.unacknowledged_tokens("k"), 11, "the usage in the tail, not an estimate");
+    }
+
+    #[tokio::test]
+    async fn a_client_that_hangs_up_after_the_first_token_is_metered_by_the_prompt_the_server_read() {
+        const PROGRESS: [&str; 2] = [
+            "data: {\"choices\":[{\"delta\":{\"role\":\"assistant\",\"content\":null}}],\"prompt_progress\":{\"total\":818,\"cache\":18,\"processed\":18,\"time_ms\":0}}\n\n",
+            "data: {\"choices\":[{\"delta\":{\"role\":\"assistant\",\"content\":null}}],\"prompt_progress\":{\"total\":818,\"cache\":18,\"processed\":818,\"time_ms\":9}}\n\n",
+        ];
+        let (mut cut, ledger) = body(vec![PROGRESS[0], PROGRESS[1], CONTENT, CONTENT, DONE]).await;
+        let first = cut.frame().await.unwrap().unwrap();
+        assert_eq!(first.data_ref().unwrap(), CONTENT, "the progress the data plane asked for is not the client's");
+        drop(cut);
+        // 818 read (18 of them from the cache), and the one token sent.
+        assert_eq!(ledger.unacknowledged_tokens("k"), 819, "the server's count, not the body's estimate");
+        // Without it: the estimate.
+        let (mut cut, ledger) = body(vec![CONTENT, CONTENT, DONE]).await;
+        cut.frame().await.unwrap().unwrap();
+        drop(cut);
+        assert_eq!(ledger.unacknowledged_tokens("k"), 1_001);
     }
 }

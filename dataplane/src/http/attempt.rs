@@ -42,6 +42,9 @@ pub(crate) struct Outbound {
     /// The client asked for a stream: an answer's head passes on its own,
     /// its body to come; else the body is read whole first.
     pub stream: bool,
+    /// Hops to llama-server are asked for the prompt's progress
+    /// (`return_progress`, spliced in as the attempt is sent).
+    pub asks_progress: bool,
 }
 
 /// A target made ready to send to: its node's endpoint, its backend, and
@@ -50,6 +53,8 @@ pub(crate) struct Hop {
     pub endpoint: Arc<Endpoint>,
     /// The backend's id, as a header value.
     pub backend: Option<HeaderValue>,
+    /// The backend tells a stream's prompt progress when asked.
+    pub progress: bool,
     pub load: Option<ColdLoad>,
     /// Why the route chose it: its reason for the first target, a
     /// failover for the rest.
@@ -79,6 +84,7 @@ impl Hops {
                 Some(Hop {
                     endpoint: Arc::clone(&node.endpoint),
                     backend: backend.id_header.clone(),
+                    progress: backend.reports_progress,
                     load: route.loads_at(index).then(|| cold_load(snapshot, model, *target)).flatten(),
                     reason: if index == 0 { route.reason.as_str() } else { FAILOVER },
                 })
@@ -178,11 +184,19 @@ impl Attempts<'_> {
                 self.metrics.retries.inc();
             }
             let last = hops.is_empty();
-            let (headers, body) = if last {
+            let (headers, mut body) = if last {
                 (std::mem::take(&mut out.headers), std::mem::take(&mut out.body))
             } else {
                 (out.headers.clone(), out.body.clone())
             };
+            // Spliced for this hop only: a failover's node may be of
+            // another kind, which would refuse the member.
+            if out.asks_progress
+                && hop.progress
+                && let Some(spliced) = super::view::with_progress_requested(&body)
+            {
+                body = spliced;
+            }
             let guard = hop.endpoint.enter(hop.load.clone());
             let (attempt, answer) = self.send(&hop, &out.path_and_query, headers, body, out.stream).await;
             let what = attempt.what();
@@ -426,6 +440,7 @@ mod tests {
         let hop = |endpoint: &Arc<Endpoint>, reason| Hop {
             endpoint: Arc::clone(endpoint),
             backend: None,
+            progress: false,
             load: None,
             reason,
         };
@@ -458,6 +473,7 @@ mod tests {
             headers: HeaderMap::new(),
             body: Bytes::from_static(b"{}"),
             stream: false,
+            asks_progress: false,
         };
         let Ok(Answer::Whole(answer)) = attempts.run(&mut out, &mut hops, Purpose::First).await else {
             panic!("an answer from b")

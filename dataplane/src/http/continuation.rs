@@ -91,6 +91,9 @@ pub(crate) async fn continue_on(
         headers: continuation.headers.clone(),
         body,
         stream: true,
+        // Its usage is estimated: what it says of its prompt is not the
+        // request's.
+        asks_progress: false,
     };
     let attempts = Attempts {
         forwarder: &continuation.forwarder,

@@ -17,6 +17,7 @@ mod form;
 mod guard;
 mod opening;
 mod pipeline;
+mod progress;
 mod scan;
 mod server;
 mod sse;

@@ -25,6 +25,7 @@ use super::classify::Purpose;
 use super::client::{Facts, upstream_headers};
 use super::continuation::Continuation;
 use super::opening::Opening;
+use super::progress::ProgressEvents;
 use super::view::{
     RoutingView, estimated_prompt_tokens, metered_prompt_estimate, parse_request_view, session_key, with_model,
     with_usage_requested,
@@ -125,6 +126,9 @@ struct Prepared {
     /// The body asks for usage the client did not ask for: its chunk is
     /// taken out of the stream.
     strip_usage: bool,
+    /// What is done with llama-server's prompt progress events; `Taken`:
+    /// they are asked for, of the nodes that send them.
+    progress: ProgressEvents,
     /// The body is a form, not JSON.
     form: bool,
 }
@@ -275,8 +279,15 @@ impl<'s> Exchange<'s> {
         } else {
             session_key(&parts.headers, view, caller.session_scope())
         };
+        // Likewise the prompt's progress, where the node's server tells it:
+        // a stream cut short is then counted for the prompt read.
+        let progress = match (view.stream && self.row.asks_progress, view.has_return_progress) {
+            (false, _) => ProgressEvents::Ignored,
+            (true, true) => ProgressEvents::Read,
+            (true, false) => ProgressEvents::Taken,
+        };
         let path_and_query = parts.uri.path_and_query().cloned().unwrap_or_else(|| PathAndQuery::from_static("/"));
-        Prepared { path_and_query, headers: parts.headers, body, strip_usage, form: view.in_form }
+        Prepared { path_and_query, headers: parts.headers, body, strip_usage, progress, form: view.in_form }
     }
 
     fn route(
@@ -309,7 +320,7 @@ impl<'s> Exchange<'s> {
         view: &RoutingView,
     ) -> Result<Response, ApiError> {
         let continues = view.stream && self.row.continues && snapshot.policy().continues(model) && !view.constrained;
-        let Prepared { path_and_query, headers, body, strip_usage, form } = prepared;
+        let Prepared { path_and_query, headers, body, strip_usage, progress, form } = prepared;
         let facts = Facts {
             model,
             session: self.facts.session.as_deref(),
@@ -319,8 +330,13 @@ impl<'s> Exchange<'s> {
         };
         // The headers are made for nodes once, in place: every attempt
         // sends the same request.
-        let mut out =
-            Outbound { path_and_query, headers: upstream_headers(headers, &facts), body, stream: view.stream };
+        let mut out = Outbound {
+            path_and_query,
+            headers: upstream_headers(headers, &facts),
+            body,
+            stream: view.stream,
+            asks_progress: progress == ProgressEvents::Taken,
+        };
         let mut hops = Hops::of(snapshot, &route, model);
         let expected = Expected::of(&route);
         if route.cold() && view.stream {
@@ -329,7 +345,7 @@ impl<'s> Exchange<'s> {
                 model,
                 "cold load for a stream: answering at once"
             );
-            let stream = self.stream(strip_usage, continues, model, snapshot.version());
+            let stream = self.stream((strip_usage, progress), continues, model, snapshot.version());
             return Ok(stream.cold(snapshot, &route, model, (out, hops), expected));
         }
         let attempts = Attempts {
@@ -350,7 +366,7 @@ impl<'s> Exchange<'s> {
         Ok(match answered? {
             Answer::Whole(response) => response,
             Answer::Stream(open) => {
-                let stream = self.stream(strip_usage, continues, model, snapshot.version());
+                let stream = self.stream((strip_usage, progress), continues, model, snapshot.version());
                 let (parts, body) = stream.body(open, hops, out);
                 Response::from_parts(parts, Body::new(body))
             }
@@ -360,7 +376,13 @@ impl<'s> Exchange<'s> {
     /// The setup of the request's stream, with what its body holds of the
     /// budget: the body goes with the stream where the stream outlives
     /// this handler (a cold load, a stream that may be continued).
-    fn stream(&mut self, strip_usage: bool, continues: bool, model: &str, version: u64) -> StreamSetup {
+    fn stream(
+        &mut self,
+        (strip_usage, progress): (bool, ProgressEvents),
+        continues: bool,
+        model: &str,
+        version: u64,
+    ) -> StreamSetup {
         let prompt_estimate = self.facts.meter.as_ref().map_or(0, Meter::prompt_estimate);
         let opening = Opening::new(self.row.stream_start, model, super::id_text(&self.request_id), prompt_estimate);
         StreamSetup {
@@ -369,6 +391,7 @@ impl<'s> Exchange<'s> {
                 opening,
                 stream_end: self.row.stream_end,
                 strip_usage,
+                progress,
                 meter: self.facts.meter.clone(),
                 request_id: self.request_id.clone(),
                 errors: self.row.errors,

@@ -45,6 +45,9 @@ pub struct Fields<'a> {
     /// The body names `stream_options`, whatever it holds (`null`
     /// included): a member added beside it would make two.
     pub stream_options_named: bool,
+    /// The body names `return_progress`: the client asked for llama-server's
+    /// prompt progress itself (or said it does not want it).
+    pub return_progress_named: bool,
     /// A string in the body (a part's type or key) is `image_url` or
     /// `input_audio`: its size is a poor measure of its tokens.
     pub has_media: bool,
@@ -200,6 +203,10 @@ impl<'a> Scanner<'a> {
                     once(field, name)?;
                     *slot = scanner.nullable_value(1)?;
                     fields.stream_options_named |= field == 7;
+                }
+                "return_progress" => {
+                    fields.return_progress_named = true;
+                    scanner.value_at(1)?;
                 }
                 other => match CONSTRAINTS.iter().position(|name| *name == other) {
                     Some(constraint) => {
@@ -808,6 +815,7 @@ mod tests {
             system: raw(wire.system),
             // Not serde's to say (`null` reads as absent): checked apart.
             stream_options_named: false,
+            return_progress_named: false,
             // Read by the guard's own tests.
             guarded: Vec::new(),
         })
@@ -903,6 +911,7 @@ mod tests {
                     has_media: ours.has_media,
                     model_span: ours.model_span.clone(),
                     stream_options_named: ours.stream_options_named,
+                    return_progress_named: ours.return_progress_named,
                     guarded: ours.guarded.clone(),
                     ..theirs.clone()
                 };
@@ -914,6 +923,7 @@ mod tests {
                 let theirs = Fields {
                     model_span: ours.model_span.clone(),
                     stream_options_named: ours.stream_options_named,
+                    return_progress_named: ours.return_progress_named,
                     guarded: ours.guarded.clone(),
                     ..theirs.clone()
                 };

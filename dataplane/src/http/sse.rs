@@ -85,7 +85,7 @@ impl Events {
 /// Where the first whole event in `bytes` ends, its blank line included.
 /// Events end with `\n\n`, or `\r\n\r\n` from a server that ends its
 /// lines so (the two are not mixed within a stream).
-fn event_end(bytes: &[u8]) -> Option<usize> {
+pub(crate) fn event_end(bytes: &[u8]) -> Option<usize> {
     let lf = EVENT_END.find(bytes).map(|at| at + 2);
     // Searched only before the first `\n\n`: one that ends earlier is
     // there, and a stream's frames are not read over and over.
@@ -102,7 +102,7 @@ pub fn is_event_stream(headers: &http::HeaderMap) -> bool {
 }
 
 /// Whether `bytes` end where an event does.
-fn ends_an_event(bytes: &[u8]) -> bool {
+pub(crate) fn ends_an_event(bytes: &[u8]) -> bool {
     bytes.ends_with(b"\n\n") || bytes.ends_with(b"\r\n\r\n")
 }
 

@@ -33,6 +33,9 @@ pub struct RoutingView {
     /// usage; `null` included: a second member beside it would be read by
     /// some servers and refused by others).
     pub has_stream_options: bool,
+    /// The client named `return_progress`: its stream's progress events,
+    /// if any, are its own.
+    pub has_return_progress: bool,
     /// The output is constrained (tools, a response format, a grammar).
     pub constrained: bool,
     /// The model is a form's field, written as it is, not as JSON.
@@ -75,6 +78,7 @@ fn parse_form_view(headers: &HeaderMap, body: &[u8]) -> Result<RoutingView, ApiE
         root: None,
         has_media: true,
         has_stream_options: false,
+        has_return_progress: false,
         constrained: false,
         in_form: true,
         max_tokens: None,
@@ -113,6 +117,7 @@ fn parse_json_view(body: &[u8], session: Session) -> Result<RoutingView, ApiErro
         root,
         has_media: fields.has_media,
         has_stream_options: fields.stream_options_named,
+        has_return_progress: fields.return_progress_named,
         constrained: fields.constrained,
         in_form: false,
         max_tokens,
@@ -182,18 +187,29 @@ fn refusal(body: &[u8], error: ScanError) -> ApiError {
 }
 
 /// The body with `"stream_options":{"include_usage":true}` added, so the
-/// backend ends its stream with the usage the ledger needs. Spliced in
-/// after the opening brace: the rest of the bytes are untouched. `None` when
-/// the body does not start with an object.
+/// backend ends its stream with the usage the ledger needs. `None` when the
+/// body does not start with an object.
 pub fn with_usage_requested(body: &bytes::Bytes) -> Option<bytes::Bytes> {
+    with_member(body, br#""stream_options":{"include_usage":true},"#)
+}
+
+/// The body with `"return_progress":true` added, so that llama-server says
+/// how much of the prompt it read before the first token. `None` when the
+/// body does not start with an object.
+pub fn with_progress_requested(body: &bytes::Bytes) -> Option<bytes::Bytes> {
+    with_member(body, br#""return_progress":true,"#)
+}
+
+/// `member` (with its comma) spliced in after the body's opening brace:
+/// the rest of the bytes are untouched.
+fn with_member(body: &bytes::Bytes, member: &[u8]) -> Option<bytes::Bytes> {
     let at = body.iter().position(|b| !b.is_ascii_whitespace())?;
     if body[at] != b'{' {
         return None;
     }
-    const MEMBER: &[u8] = br#""stream_options":{"include_usage":true},"#;
-    let mut out = Vec::with_capacity(body.len() + MEMBER.len());
+    let mut out = Vec::with_capacity(body.len() + member.len());
     out.extend_from_slice(&body[..=at]);
-    out.extend_from_slice(MEMBER);
+    out.extend_from_slice(member);
     out.extend_from_slice(&body[at + 1..]);
     Some(out.into())
 }
@@ -467,6 +483,15 @@ mod tests {
         assert!(with_usage_requested(&bytes::Bytes::from_static(b"[1]")).is_none());
         assert!(parse_view(&spliced).unwrap().has_stream_options);
         assert!(!parse_view(&body).unwrap().has_stream_options);
+        let both = with_progress_requested(&spliced).unwrap();
+        let value: serde_json::Value = serde_json::from_slice(&both).unwrap();
+        assert_eq!(
+            (value["return_progress"].as_bool(), value["stream_options"]["include_usage"].as_bool()),
+            (Some(true), Some(true))
+        );
+        assert!(parse_view(&both).unwrap().has_return_progress);
+        assert!(!parse_view(&spliced).unwrap().has_return_progress);
+        assert!(parse_view(br#"{"model":"m","return_progress":null}"#).unwrap().has_return_progress);
     }
 
     #[test]

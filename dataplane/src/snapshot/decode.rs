@@ -1,7 +1,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use inferyes_proto::v1::{Alias, BackendLoad, Health, ModelState, RoutingPolicy, SnapshotNode, Strategy};
+use inferyes_proto::v1::{Alias, BackendKind, BackendLoad, Health, ModelState, RoutingPolicy, SnapshotNode, Strategy};
 
 use super::{
     BackendView, CatalogEntry, DEFAULT_PREFILL_TOKENS_PER_SECOND, DEFAULT_SERVICE_SECONDS, Indices, Live, Node,
@@ -121,6 +121,10 @@ pub fn decode_live(
                 id: Arc::from(backend.id.as_str()),
                 id_header: http::HeaderValue::from_str(&backend.id).ok(),
                 health: backend.health(),
+                reports_progress: matches!(
+                    backend.kind(),
+                    BackendKind::LlamaServer | BackendKind::LlamaServerRouter | BackendKind::LlamaSwap
+                ),
                 weight: backend.weight.max(1),
                 slots_total: backend.slots_total,
                 slots_busy: load.slots_busy,

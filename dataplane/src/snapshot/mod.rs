@@ -177,6 +177,9 @@ pub struct BackendView {
     /// names it. `None` where the id cannot be one.
     pub id_header: Option<http::HeaderValue>,
     pub health: Health,
+    /// The backend is llama-server, alone, as a router or behind
+    /// llama-swap: it tells a stream's prompt progress when asked.
+    pub reports_progress: bool,
     pub weight: u32,
     pub slots_total: u32,
     pub slots_busy: u32,

@@ -432,3 +432,42 @@ async fn a_request_that_times_out_while_its_node_generates_is_counted_estimated(
     assert_eq!(both.estimated_requests, 2, "{both:?}");
     assert!(both.prompt_tokens - total.prompt_tokens >= 200, "the image's request is billed by its size: {both:?}");
 }
+
+/// A stream whose client hangs up after its first token is counted for the
+/// whole prompt its node read, as the node said it while reading, and not
+/// for an estimate from the body's size, which dense text makes as low as
+/// a fifth of it. The client never sees the progress the gateway asked for.
+#[tokio::test]
+async fn a_stream_cut_after_its_first_token_is_counted_for_the_prompt_its_node_read() {
+    use inferyes_tests::client::next_chunk;
+    let slow =
+        inferyes_sim::SimConfig { context: 32_768, slots: 1, decode_tokens_per_second: 20.0, ..chat_sim("chat") };
+    let fleet = Fleet::start_with(vec![slow], |c| {
+        c.auth = AuthMode::Keys;
+        c.usage_records = true;
+    })
+    .await;
+    let (key_id, secret) = create_key(&fleet, CreateKeyRequest { name: "cut".into(), ..Default::default() }).await;
+    // A token per byte: a letter, a comma.
+    let body = json!({"model": "chat", "stream": true, "max_tokens": 400,
+                      "messages": [{"role": "user", "content": "a,".repeat(5_000)}]});
+    let bearer = format!("Bearer {secret}");
+    let url = format!("{}/v1/chat/completions", fleet.dataplane.url);
+    let response = fleet.http.start(Method::POST, &url, body.to_string().into(), &[("authorization", &bearer)]).await;
+    assert_eq!(response.status(), StatusCode::OK);
+    let mut stream = response.into_body();
+    let mut seen = String::new();
+    while !seen.contains("\"content\":\"") {
+        let chunk = next_chunk(&mut stream).await.expect("the first token");
+        seen.push_str(std::str::from_utf8(&chunk).expect("text"));
+    }
+    assert!(!seen.contains("prompt_progress"), "the progress the gateway asked for reached the client: {seen}");
+    drop(stream);
+
+    let total = rolled_up(fleet.controller(), &key_id, 1).await;
+    let read = fleet.sims[0].sim.stats().prompt_tokens;
+    assert!(read >= 10_000, "the node read {read} tokens");
+    assert_eq!((total.requests, total.errors, total.estimated_requests), (1, 1, 0), "{total:?}");
+    assert_eq!(total.prompt_tokens, read, "billed for what the node read: {total:?}");
+    assert!(total.completion_tokens < 400, "counted as cut short: {total:?}");
+}

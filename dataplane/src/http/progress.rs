@@ -1,0 +1,164 @@
+//! llama-server's prompt progress (`return_progress`): the events a stream
+//! sends while its prompt is read, before its first token, each saying how
+//! much of the prompt the server has read. The ledger needs them where a
+//! stream ends before its usage chunk (its client went away after the
+//! first token, say): it is then counted for the prompt the server read,
+//! not for an estimate from the body's size. A client that did not ask for
+//! them does not see them.
+
+use bytes::Bytes;
+use inferyes_proto::usage::{PromptProgress, is_progress_event, parse_prompt_progress};
+
+/// Held at most while a progress event is incomplete: a server that never
+/// ends one is passed on as it is.
+const MAX_HELD: usize = 64 * 1024;
+
+/// What the data plane does with a stream's progress events.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum ProgressEvents {
+    /// None are looked for: the path's answers carry none.
+    Ignored,
+    /// Read, and passed on: the client asked for them.
+    Read,
+    /// Read, and taken out: the data plane asked for them.
+    Taken,
+}
+
+/// A stream's first bytes, read event by event until the first one that is
+/// not a progress event; from there on, frames pass untouched.
+pub(crate) struct Progress {
+    take: bool,
+    /// A partial event, waiting for the rest.
+    pending: Vec<u8>,
+}
+
+/// What goes on of a frame.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Passed {
+    /// Nothing yet.
+    Held,
+    /// These bytes; progress events may still follow.
+    On(Bytes),
+    /// These bytes, and the rest of the stream as it comes: the progress
+    /// events are over.
+    Last(Bytes),
+}
+
+impl Progress {
+    pub(crate) fn new(events: ProgressEvents) -> Option<Progress> {
+        (events != ProgressEvents::Ignored)
+            .then(|| Progress { take: events == ProgressEvents::Taken, pending: Vec::new() })
+    }
+
+    /// What of `data` goes on; `read` is told what each progress event in
+    /// it says.
+    pub(crate) fn push(&mut self, data: Bytes, mut read: impl FnMut(Option<PromptProgress>)) -> Passed {
+        // The first token's frame, most often whole events: passed on
+        // uncopied.
+        if self.pending.is_empty() && super::sse::ends_an_event(&data) && !is_progress_event(&data) {
+            return Passed::Last(data);
+        }
+        self.pending.extend_from_slice(&data);
+        let mut kept = Vec::new();
+        let mut start = 0;
+        while let Some(end) = super::sse::event_end(&self.pending[start..]) {
+            let event = &self.pending[start..start + end];
+            if !is_progress_event(event) {
+                // The stream has moved on: this and all after it pass.
+                kept.extend_from_slice(&self.pending[start..]);
+                self.pending.clear();
+                return Passed::Last(Bytes::from(kept));
+            }
+            read(parse_prompt_progress(event));
+            if !self.take {
+                kept.extend_from_slice(event);
+            }
+            start += end;
+        }
+        self.pending.drain(..start);
+        if self.pending.len() > MAX_HELD {
+            kept.append(&mut self.pending);
+            return Passed::Last(Bytes::from(kept));
+        }
+        if kept.is_empty() { Passed::Held } else { Passed::On(Bytes::from(kept)) }
+    }
+
+    /// The partial event left when the stream ends, as it is.
+    pub(crate) fn take_rest(&mut self) -> Option<Bytes> {
+        (!self.pending.is_empty()).then(|| Bytes::from(std::mem::take(&mut self.pending)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn event(processed: u32) -> String {
+        format!(
+            "data: {{\"choices\":[{{\"finish_reason\":null,\"index\":0,\"delta\":{{\"role\":\"assistant\",\"content\":null}}}}],\"object\":\"chat.completion.chunk\",\"prompt_progress\":{{\"total\":818,\"cache\":0,\"processed\":{processed},\"time_ms\":5}}}}\n\n"
+        )
+    }
+
+    const TOKEN: &str = "data: {\"choices\":[{\"delta\":{\"content\":\" out\"}}]}\n\n";
+
+    /// Everything passed on, and every progress read, feeding `frames` in.
+    fn run(events: ProgressEvents, frames: &[&[u8]]) -> (String, Vec<Option<PromptProgress>>, bool) {
+        let mut progress = Progress::new(events).expect("looked for");
+        let (mut out, mut read, mut over) = (String::new(), Vec::new(), false);
+        for frame in frames {
+            if over {
+                out.push_str(std::str::from_utf8(frame).unwrap());
+                continue;
+            }
+            match progress.push(Bytes::copy_from_slice(frame), |p| read.push(p)) {
+                Passed::Held => {}
+                Passed::On(bytes) => out.push_str(std::str::from_utf8(&bytes).unwrap()),
+                Passed::Last(bytes) => {
+                    out.push_str(std::str::from_utf8(&bytes).unwrap());
+                    over = true;
+                }
+            }
+        }
+        (out, read, over)
+    }
+
+    #[test]
+    fn progress_events_are_read_and_taken_out_whatever_the_frames() {
+        let whole = [event(0), event(512), event(818), TOKEN.to_string(), TOKEN.to_string()].concat();
+        let at = |processed| Some(PromptProgress { total: 818, cache: 0, processed });
+        for size in [1, 7, 100, whole.len()] {
+            let frames: Vec<&[u8]> = whole.as_bytes().chunks(size).collect();
+            let (out, read, over) = run(ProgressEvents::Taken, &frames);
+            assert_eq!(out, [TOKEN, TOKEN].concat(), "frames of {size}");
+            assert_eq!(read, vec![at(0), at(512), at(818)], "frames of {size}");
+            assert!(over);
+            let (out, read, _) = run(ProgressEvents::Read, &frames);
+            assert_eq!(out, whole, "a client that asked sees them, frames of {size}");
+            assert_eq!(read.len(), 3);
+        }
+    }
+
+    #[test]
+    fn a_stream_without_progress_passes_untouched() {
+        let mut progress = Progress::new(ProgressEvents::Taken).unwrap();
+        let frame = Bytes::from_static(TOKEN.as_bytes());
+        let Passed::Last(passed) = progress.push(frame.clone(), |_| panic!("no progress")) else { panic!() };
+        assert_eq!(passed.as_ptr(), frame.as_ptr(), "not copied");
+        assert!(Progress::new(ProgressEvents::Ignored).is_none());
+    }
+
+    #[test]
+    fn an_event_that_never_ends_is_not_held_for_ever() {
+        let mut progress = Progress::new(ProgressEvents::Taken).unwrap();
+        let start = Bytes::from_static(b"data: {\"prompt_progress\":{\"total\":1,");
+        let started = start.len();
+        assert_eq!(progress.push(start, |_| {}), Passed::Held);
+        let endless = Bytes::from(vec![b'x'; MAX_HELD]);
+        let Passed::Last(passed) = progress.push(endless, |_| {}) else { panic!("given up on") };
+        assert_eq!(passed.len(), started + MAX_HELD);
+        assert_eq!(progress.take_rest(), None);
+        let mut cut = Progress::new(ProgressEvents::Taken).unwrap();
+        assert_eq!(cut.push(Bytes::from_static(b"data: {\"prompt_progress\":"), |_| {}), Passed::Held);
+        assert_eq!(cut.take_rest().as_deref(), Some(&b"data: {\"prompt_progress\":"[..]));
+    }
+}
