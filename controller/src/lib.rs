@@ -238,6 +238,8 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         pressure: std::sync::Arc::default(),
         shutdown: shutdown.clone(),
         gate: config.dashboard_tokens()?.map(|tokens| std::sync::Arc::new(dashboard::gate::Gate::new(tokens))),
+        attempts: std::sync::Arc::default(),
+        refused: scrape.metrics.dashboard_refused.clone(),
     };
     let sampler =
         tokio::spawn(dashboard::sample_pressure(dashboard.clone()).instrument(tracing::info_span!("pressure")));
@@ -245,7 +247,15 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
     let options = inferyes_net::serve::Options::operators("controller-http", http_limits, refused("http"));
     let http_server = inferyes_net::serve::serve(
         listeners.http,
-        vec![move |_| hyper_util::service::TowerToHyperService::new(router.clone())],
+        // The peer goes with each request: the dashboard counts wrong
+        // tokens per address.
+        vec![move |peer: std::net::SocketAddr| {
+            let router = tower::ServiceExt::map_request(router.clone(), move |mut request: axum::http::Request<_>| {
+                request.extensions_mut().insert(axum::extract::ConnectInfo(peer));
+                request
+            });
+            hyper_util::service::TowerToHyperService::new(router)
+        }],
         options,
         shutdown.clone(),
     );

@@ -35,6 +35,12 @@ pub struct RefusedLabels {
     pub reason: &'static str,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DashboardRefusedLabels {
+    /// `token`: a wrong token; `attempts`: its address presented too many.
+    pub reason: &'static str,
+}
+
 pub struct Metrics {
     nodes: Family<StateLabels, Gauge>,
     snapshot_version: Gauge,
@@ -57,6 +63,7 @@ pub struct Metrics {
     pub etcd_db_size_in_use_bytes: Gauge,
     pub etcd_quota_bytes: Gauge,
     pub connections_refused: Family<RefusedLabels, Counter>,
+    pub dashboard_refused: Family<DashboardRefusedLabels, Counter>,
 }
 
 impl Metrics {
@@ -83,6 +90,7 @@ impl Metrics {
             etcd_db_size_in_use_bytes: Gauge::default(),
             etcd_quota_bytes: Gauge::default(),
             connections_refused: Family::default(),
+            dashboard_refused: Family::default(),
         };
         let r = registry.sub_registry_with_prefix("inferyes_controller");
         r.register("nodes", "Nodes in the snapshot, by state (active, draining)", m.nodes.clone());
@@ -121,6 +129,11 @@ impl Metrics {
             "connections_refused",
             "Connections refused at once, by port and reason: full (max_*_connections), strangers (max_grpc_stranger_connections: the oldest stranger's connection closed to make room), peer (the per-address share)",
             m.connections_refused.clone(),
+        );
+        r.register(
+            "dashboard_refused",
+            "Dashboard logins and reads refused, by reason: token (a wrong token), attempts (its address presented too many wrong ones: 10, then one each 30 s)",
+            m.dashboard_refused.clone(),
         );
         r.register("agent_streams", "Agent streams this controller holds", m.agent_streams.clone());
         r.register("node_writes", "Node records written to etcd", m.node_writes.clone());

@@ -4,15 +4,17 @@
 //! changes. With `dashboard_auth = "token"`, all three need a viewer's or
 //! the admin token ([`gate`]); without one, `/` is a login page.
 
+pub mod attempts;
 pub mod gate;
 pub mod view;
 
 use std::convert::Infallible;
-use std::sync::Arc;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use axum::Router;
-use axum::extract::State;
+use axum::extract::{ConnectInfo, FromRequestParts, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{Html, IntoResponse, Response};
@@ -43,6 +45,12 @@ pub struct Dashboard {
     pub shutdown: CancellationToken,
     /// Who may look; `None`: anyone who reaches the port.
     pub gate: Option<Arc<gate::Gate>>,
+    /// Wrong tokens per address.
+    pub attempts: Arc<Mutex<attempts::Attempts>>,
+    pub refused: prometheus_client::metrics::family::Family<
+        crate::metrics::DashboardRefusedLabels,
+        prometheus_client::metrics::counter::Counter,
+    >,
 }
 
 pub fn router(dashboard: Dashboard) -> Router {
@@ -58,9 +66,71 @@ pub fn router(dashboard: Dashboard) -> Router {
         .with_state(dashboard)
 }
 
+/// The address a request came from, where the server put it in the
+/// request (`ConnectInfo`).
+struct Peer(Option<IpAddr>);
+
+impl<S: Send + Sync> FromRequestParts<S> for Peer {
+    type Rejection = Infallible;
+
+    async fn from_request_parts(parts: &mut axum::http::request::Parts, _: &S) -> Result<Peer, Infallible> {
+        Ok(Peer(parts.extensions.get::<ConnectInfo<SocketAddr>>().map(|info| info.0.ip())))
+    }
+}
+
 impl Dashboard {
     fn allows(&self, headers: &HeaderMap) -> bool {
         self.gate.as_ref().is_none_or(|gate| gate.allows(headers, inferyes_proto::unix_ms() / 1000))
+    }
+
+    /// The refusal of a read presenting these headers from `peer`, if it
+    /// is not let in. A Bearer token is a try: a wrong one counts against
+    /// its address, which past its tries is refused before its token is
+    /// looked at.
+    fn refusal(&self, headers: &HeaderMap, peer: Option<IpAddr>) -> Option<Response> {
+        let gate = self.gate.as_ref()?;
+        let tries = headers.contains_key(header::AUTHORIZATION).then_some(peer).flatten();
+        match self.check(gate, tries, |gate, now| gate.allows(headers, now)) {
+            Ok(()) => None,
+            Err(None) => Some(refused()),
+            Err(Some(wait)) => Some(self.too_many(wait)),
+        }
+    }
+
+    /// `allowed`, for an address that may still try (`tries`: the address,
+    /// where this counts as a try). `Err(None)`: refused; `Err(Some(s))`:
+    /// refused untried, for `s` seconds more.
+    fn check(
+        &self,
+        gate: &gate::Gate,
+        tries: Option<IpAddr>,
+        allowed: impl FnOnce(&gate::Gate, u64) -> bool,
+    ) -> Result<(), Option<u64>> {
+        let now = inferyes_proto::unix_ms() / 1000;
+        let attempts = || self.attempts.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(peer) = tries {
+            attempts().check(peer, now).map_err(Some)?;
+        }
+        if allowed(gate, now) {
+            return Ok(());
+        }
+        self.refused.get_or_create(&crate::metrics::DashboardRefusedLabels { reason: "token" }).inc();
+        if let Some(peer) = tries {
+            attempts().failed(peer, now);
+        }
+        Err(None)
+    }
+
+    fn too_many(&self, retry_after: u64) -> Response {
+        self.refused.get_or_create(&crate::metrics::DashboardRefusedLabels { reason: "attempts" }).inc();
+        let error = format!("too many wrong tokens from this address: try again in {retry_after} s");
+        let retry_after = header::HeaderValue::from(retry_after);
+        (
+            StatusCode::TOO_MANY_REQUESTS,
+            [(header::RETRY_AFTER, retry_after)],
+            axum::Json(serde_json::json!({ "error": error })),
+        )
+            .into_response()
     }
 }
 
@@ -78,11 +148,17 @@ struct Login {
     token: String,
 }
 
-async fn login(State(dashboard): State<Dashboard>, axum::Json(login): axum::Json<Login>) -> Response {
+async fn login(State(dashboard): State<Dashboard>, Peer(peer): Peer, axum::Json(login): axum::Json<Login>) -> Response {
     let Some(gate) = &dashboard.gate else { return StatusCode::NO_CONTENT.into_response() };
-    match gate.login(login.token.trim(), inferyes_proto::unix_ms() / 1000) {
-        Some(cookie) => (StatusCode::NO_CONTENT, [(header::SET_COOKIE, cookie)]).into_response(),
-        None => refused(),
+    let mut cookie = None;
+    let checked = dashboard.check(gate, peer, |gate, now| {
+        cookie = gate.login(login.token.trim(), now);
+        cookie.is_some()
+    });
+    match (checked, cookie) {
+        (Ok(()), Some(cookie)) => (StatusCode::NO_CONTENT, [(header::SET_COOKIE, cookie)]).into_response(),
+        (Err(Some(wait)), _) => dashboard.too_many(wait),
+        _ => refused(),
     }
 }
 
@@ -116,9 +192,9 @@ pub async fn sample_pressure(dashboard: Dashboard) {
     }
 }
 
-async fn fleet(State(dashboard): State<Dashboard>, headers: HeaderMap) -> Response {
-    if !dashboard.allows(&headers) {
-        return refused();
+async fn fleet(State(dashboard): State<Dashboard>, Peer(peer): Peer, headers: HeaderMap) -> Response {
+    if let Some(refusal) = dashboard.refusal(&headers, peer) {
+        return refusal;
     }
     match dashboard.view() {
         Some(view) => axum::Json(view).into_response(),
@@ -133,9 +209,9 @@ async fn fleet(State(dashboard): State<Dashboard>, headers: HeaderMap) -> Respon
 
 /// One `fleet` event at once, then one per change, at most every
 /// [`PUSH_EVERY`]. The browser's `EventSource` reconnects by itself.
-async fn events(State(dashboard): State<Dashboard>, headers: HeaderMap) -> Response {
-    if !dashboard.allows(&headers) {
-        return refused();
+async fn events(State(dashboard): State<Dashboard>, Peer(peer): Peer, headers: HeaderMap) -> Response {
+    if let Some(refusal) = dashboard.refusal(&headers, peer) {
+        return refusal;
     }
     let (tx, rx) = mpsc::channel(2);
     tokio::spawn(push(dashboard, tx));

@@ -315,3 +315,60 @@ async fn dashboard_auth_none_leaves_the_dashboard_open() {
     let http = inferyes_tests::HttpClient::default();
     assert_eq!(http.get(&url).await.status, StatusCode::OK);
 }
+
+/// A login or a read with a token, sent from `source`: its status and
+/// `Retry-After`.
+async fn try_from(fleet: &Fleet, source: &str, login: Option<&str>, bearer: Option<&str>) -> (StatusCode, Option<u64>) {
+    use http_body_util::BodyExt;
+    let socket = tokio::net::TcpSocket::new_v4().expect("a socket");
+    socket.bind(std::net::SocketAddr::new(source.parse().expect("an address"), 0)).expect("a loopback address");
+    let stream = socket.connect(fleet.controller().http_addr).await.expect("connected");
+    let (mut sender, connection) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream)).await.expect("a handshake");
+    tokio::spawn(connection);
+    let (path, body) = match login {
+        Some(token) => ("/api/v1/login", json!({ "token": token }).to_string()),
+        None => ("/api/v1/fleet", String::new()),
+    };
+    let mut request = http::Request::builder()
+        .method(if login.is_some() { http::Method::POST } else { http::Method::GET })
+        .uri(path)
+        .header("host", "controller")
+        .header("content-type", "application/json");
+    if let Some(token) = bearer {
+        request = request.header("authorization", format!("Bearer {token}"));
+    }
+    let request = request.body(http_body_util::Full::new(bytes::Bytes::from(body))).expect("a request");
+    let response = sender.send_request(request).await.expect("an answer");
+    let retry_after =
+        response.headers().get("retry-after").map(|v| v.to_str().expect("text").parse().expect("seconds"));
+    let status = response.status();
+    response.into_body().collect().await.expect("its body");
+    (status, retry_after)
+}
+
+/// An address that presents wrong tokens, to the login or as a Bearer
+/// token, is held to 10 and then one every 30 s, refused before its token
+/// is looked at (so even the right one waits); another address is not held
+/// back by it.
+#[tokio::test]
+async fn an_address_guessing_dashboard_tokens_is_held_back_and_no_one_else() {
+    let fleet = Fleet::start(vec![chat_sim("chat")]).await;
+    let guesser = "127.0.0.2";
+    for i in 0..10 {
+        let wrong = format!("not-the-viewer-token-{i:04}");
+        let bearer = (i % 2 == 1).then_some(wrong.as_str());
+        let login = (i % 2 == 0).then_some(wrong.as_str());
+        assert_eq!(try_from(&fleet, guesser, login, bearer).await, (StatusCode::UNAUTHORIZED, None), "try {i}");
+    }
+    let (status, retry_after) = try_from(&fleet, guesser, Some(VIEWER_TOKEN), None).await;
+    assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
+    assert!(retry_after.is_some_and(|s| (1..=30).contains(&s)), "{retry_after:?}");
+    let (status, _) = try_from(&fleet, guesser, None, Some(VIEWER_TOKEN)).await;
+    assert_eq!(status, StatusCode::TOO_MANY_REQUESTS, "reads with a token are tries too");
+    assert_eq!(try_from(&fleet, "127.0.0.3", Some(VIEWER_TOKEN), None).await, (StatusCode::NO_CONTENT, None));
+    let scraped = fleet.http.get(&format!("http://{}/metrics", fleet.controller().http_addr)).await;
+    let metrics = String::from_utf8_lossy(&scraped.body);
+    assert!(metrics.contains("inferyes_controller_dashboard_refused_total{reason=\"attempts\"} 2"), "{metrics}");
+    assert!(metrics.contains("inferyes_controller_dashboard_refused_total{reason=\"token\"} 10"), "{metrics}");
+}
