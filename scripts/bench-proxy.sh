@@ -250,11 +250,22 @@ wrk.headers["x-stainless-read-timeout"] = "600"
 LUA
 fi
 # Agents take requests that carry the credential data planes send them,
-# derived from the join token (a data plane with keys off takes this one
-# as a client's and drops it).
-credential=$(python3 -c 'import hashlib, hmac, sys
-print(hmac.new(sys.argv[1].encode(), b"inferyes agent proxy v1", hashlib.sha256).hexdigest())' "$INFERYES_JOIN_TOKEN")
-echo "wrk.headers[\"Authorization\"] = \"Bearer $credential\"" >> "$work/chat.lua"
+# their node's own, derived from the join token and the node's id (a data
+# plane with keys off takes this one as a client's and drops it). Agents
+# of a baseline build from before credentials were per node take the join
+# token itself.
+node_credential() { # node id
+  python3 -c 'import hashlib, hmac, sys
+key = hmac.new(sys.argv[1].encode(), b"inferyes agent proxy key v2", hashlib.sha256).hexdigest()
+print(hmac.new(key.encode(), ("inferyes agent proxy v2 " + sys.argv[2]).encode(), hashlib.sha256).hexdigest())' \
+    "$INFERYES_JOIN_TOKEN" "$1"
+}
+with_credential() { # lua-script credential: a copy of the script that sends it
+  local out="${1%.lua}-$RANDOM.lua"
+  { cat "$1"; echo "wrk.headers[\"Authorization\"] = \"Bearer $2\""; } >"$out"
+  echo "$out"
+}
+echo "wrk.headers[\"Authorization\"] = \"Bearer $(node_credential bench-node)\"" >> "$work/chat.lua"
 sed 's/"messages":\[{"role":"user","content":"hello"}\]/"prompt":"hello","stream":true/' "$work/chat.lua" > "$work/stream.lua"
 sed 's/"model":"bench"/"model":"bench-direct"/' "$work/chat.lua" > "$work/chat-direct.lua"
 sed 's/"model":"bench"/"model":"bench-direct"/' "$work/stream.lua" > "$work/stream-direct.lua"
@@ -325,9 +336,15 @@ if [ "${INSTRUCTIONS:-}" = 1 ]; then
     proxy=$(port)
     sed -e "s/^node_id = .*/node_id = \"bench-instructions-$proxy\"/" \
       -e "s/^proxy_listen = .*/proxy_listen = \"127.0.0.1:$proxy\"/" "$work/agent.toml" >"$work/agent-$proxy.toml"
-    count "agent$suffix" "$proxy" "$work/$chat.lua" "$build/inferyes-agent" --config "$work/agent-$proxy.toml" --workers 1
-    count "agent+session$suffix" "$proxy" "$work/$chat-routed.lua" "$build/inferyes-agent" \
+    if [ -z "$suffix" ]; then
+      credential=$(node_credential "bench-instructions-$proxy")
+    else
+      credential=$INFERYES_JOIN_TOKEN
+    fi
+    count "agent$suffix" "$proxy" "$(with_credential "$work/$chat.lua" "$credential")" "$build/inferyes-agent" \
       --config "$work/agent-$proxy.toml" --workers 1
+    count "agent+session$suffix" "$proxy" "$(with_credential "$work/$chat-routed.lua" "$credential")" \
+      "$build/inferyes-agent" --config "$work/agent-$proxy.toml" --workers 1
     name=dataplane$suffix
     listen=$(port)
     count "$name" "$listen" "$work/$chat-direct.lua" "$build/inferyes-dataplane" --listen "127.0.0.1:$listen" \

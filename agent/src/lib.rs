@@ -181,11 +181,12 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
     )?;
     let join_token: Option<Arc<str>> =
         join_tokens.as_ref().and_then(|tokens| tokens.first()).map(|t| Arc::from(t.as_str()));
-    // Data planes present what the controller derives from its join token;
-    // the token itself is taken too, which data planes before that send.
+    // Data planes present this node's own credential, derived from the
+    // join token and the node's id: one captured here opens no other node.
     let accepted = join_tokens.map(|tokens| {
-        let credentials = tokens.iter().map(|token| inferyes_proto::bearer::proxy_credential(token));
-        inferyes_proto::bearer::Accepted::new(credentials.chain(tokens.iter().cloned()).collect())
+        let key = |token: &String| inferyes_proto::bearer::proxy_key(token);
+        let credential = |key: String| inferyes_proto::bearer::node_proxy_credential(&key, &config.node_id);
+        inferyes_proto::bearer::Accepted::new(tokens.iter().map(key).map(credential).collect())
     });
     if join_token.is_none() {
         tracing::warn!("no join token: the proxy forwards anyone's requests to the backends");

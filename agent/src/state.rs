@@ -198,6 +198,7 @@ impl AgentState {
             agent_version: env!("CARGO_PKG_VERSION").to_string(),
             started_unix_ms: self.started_unix_ms,
             proxy_http2: self.proxy_http2,
+            proxy_credential_per_node: true,
         }
     }
 }

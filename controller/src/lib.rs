@@ -154,6 +154,11 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         serve_after: tokio::time::Instant::now() + config.startup_grace(),
         activity: std::sync::Arc::clone(&activity),
         store: store.clone(),
+        proxy_key: join_token
+            .as_ref()
+            .and_then(inferyes_proto::bearer::Accepted::presented)
+            .map(inferyes_proto::bearer::proxy_key)
+            .unwrap_or_default(),
         proxy_credential: join_token
             .as_ref()
             .and_then(inferyes_proto::bearer::Accepted::presented)

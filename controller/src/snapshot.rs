@@ -120,6 +120,7 @@ impl Snapshot {
             live_state: true,
             // The routing service's, not the fleet's state.
             proxy_credential: String::new(),
+            proxy_key: String::new(),
         }
     }
 }

@@ -154,7 +154,7 @@ fn bench(c: &mut Criterion, cases: &[Case]) {
         let live = Live::from_statuses(&case.wire);
         group.bench_with_input(BenchmarkId::new("records with live state", case.nodes), case, |b, case| {
             let states = inferyes_dataplane::targets::NodeStates::default();
-            b.iter(|| black_box(decode_live(2, &case.wire, &live, None, &[], &states)))
+            b.iter(|| black_box(decode_live(2, &case.wire, &live, None, &[], (&states, &Default::default()))))
         });
     }
     group.finish();

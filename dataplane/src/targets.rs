@@ -90,6 +90,8 @@ pub struct Endpoint {
     pub proxy_url: BaseUrl,
     /// The proxy takes HTTP/2.
     pub proxy_http2: bool,
+    /// The `Authorization` the node's agent takes, where it takes one.
+    pub authorization: Option<HeaderValue>,
     state: Arc<NodeState>,
 }
 
@@ -120,6 +122,29 @@ pub struct Witness<'a> {
 }
 
 impl Endpoint {
+    /// This endpoint with the credential its agent takes: its own, derived
+    /// from `key` (once per key: snapshots come often, and each would
+    /// otherwise cost an HMAC per node), where `per_node`; else `fleet`'s.
+    pub fn with_credential(self, per_node: bool, credentials: &AgentCredentials) -> Endpoint {
+        let authorization = match (&credentials.key, per_node) {
+            (Some(key), true) => {
+                let mut derived = self.state.credential.lock().unwrap_or_else(PoisonError::into_inner);
+                match &*derived {
+                    Some((from, value)) if Arc::ptr_eq(from, key) || from == key => Some(value.clone()),
+                    _ => {
+                        let credential = inferyes_proto::bearer::node_proxy_credential(key, &self.id);
+                        let value = inferyes_proto::bearer::header_value(&credential);
+                        *derived = value.clone().map(|value| (Arc::clone(key), value));
+                        value
+                    }
+                }
+            }
+            (None, true) => None,
+            (_, false) => credentials.fleet.clone(),
+        };
+        Endpoint { authorization, ..self }
+    }
+
     /// Counts a request against the node until the guard is dropped, and,
     /// for a cold load, the model's size on `load`'s backend.
     pub fn enter(self: &Arc<Self>, load: Option<ColdLoad>) -> InFlight {
@@ -233,7 +258,8 @@ impl NodeStates {
             Arc::clone(by_node.entry(Arc::clone(id)).or_default())
         };
         state.readiness(ready, version);
-        Endpoint { id: Arc::clone(id), id_header: HeaderValue::from_str(id).ok(), proxy_url, proxy_http2, state }
+        let id_header = HeaderValue::from_str(id).ok();
+        Endpoint { id: Arc::clone(id), id_header, proxy_url, proxy_http2, authorization: None, state }
     }
 
     /// The view of a snapshot whose nodes are `endpoints`, in order; the
@@ -274,6 +300,17 @@ struct NodeState {
     /// Lets this node's failures be logged once in a while, however many
     /// requests see them, without holding back another node's.
     log: inferyes_net::log::Gate,
+    /// The node's credential, and the key it was derived from.
+    credential: Mutex<Option<(Arc<str>, HeaderValue)>>,
+}
+
+/// What the controller's snapshot says data planes send agents: the key
+/// each node's credential is derived from, and the fleet-wide credential
+/// agents from before took. `None`: agents take requests without one.
+#[derive(Clone, Debug, Default)]
+pub struct AgentCredentials {
+    pub key: Option<Arc<str>>,
+    pub fleet: Option<HeaderValue>,
 }
 
 /// A load waited on: (backend, model), the requests waiting, the bytes.
@@ -366,6 +403,30 @@ mod tests {
 
     fn failed() -> Observed {
         Observed::Failed { what: "is unreachable", eject: true }
+    }
+
+    #[test]
+    fn each_node_is_sent_its_own_credential_and_an_older_agent_the_fleet_s() {
+        let states = NodeStates::default();
+        let key: Arc<str> = Arc::from(inferyes_proto::bearer::proxy_key("join").as_str());
+        let fleet = inferyes_proto::bearer::header_value("fleet-wide");
+        let credentials = AgentCredentials { key: Some(Arc::clone(&key)), fleet: fleet.clone() };
+        let of = |id: &str, per_node: bool, credentials: &AgentCredentials| {
+            let endpoint = states.endpoint(&Arc::from(id), BaseUrl::new("http://a"), false, true, 1);
+            endpoint.with_credential(per_node, credentials).authorization
+        };
+        let own =
+            |id: &str| inferyes_proto::bearer::header_value(&inferyes_proto::bearer::node_proxy_credential(&key, id));
+        assert_eq!(of("a", true, &credentials), own("a"));
+        assert_eq!(of("b", true, &credentials), own("b"));
+        assert_ne!(own("a"), own("b"));
+        assert_eq!(of("a", true, &credentials), own("a"), "the same, from the cache");
+        assert_eq!(of("c", false, &credentials), fleet, "an agent from before takes the fleet's");
+        let rotated =
+            AgentCredentials { key: Some(Arc::from(inferyes_proto::bearer::proxy_key("new").as_str())), fleet };
+        let new = inferyes_proto::bearer::node_proxy_credential(rotated.key.as_deref().unwrap(), "a");
+        assert_eq!(of("a", true, &rotated), inferyes_proto::bearer::header_value(&new), "derived anew for a new key");
+        assert_eq!(of("a", true, &AgentCredentials::default()), None, "an open fleet sends none");
     }
 
     #[test]

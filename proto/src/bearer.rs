@@ -45,12 +45,26 @@ pub fn header_value(token: &str) -> Option<http::HeaderValue> {
     Some(value)
 }
 
-/// What data planes present to an agent whose join token is `join_token`:
-/// HMAC-SHA256 of a fixed label keyed by the token, in hex. An agent
-/// derives it from its own tokens; the controller hands it to data planes
-/// in snapshots; the join token itself never travels to an agent's port.
+/// What data planes presented to every agent of a fleet whose join token is
+/// `join_token`, before credentials were per node: HMAC-SHA256 of a fixed
+/// label keyed by the token, in hex. Still sent to agents of that version.
 pub fn proxy_credential(join_token: &str) -> String {
     mac_hex(join_token, b"inferyes agent proxy v1")
+}
+
+/// What each node's credential is derived from ([`node_proxy_credential`]):
+/// HMAC-SHA256 of a fixed label keyed by the join token, in hex. The
+/// controller hands it to data planes in snapshots; the join token itself
+/// never leaves controllers and agents.
+pub fn proxy_key(join_token: &str) -> String {
+    mac_hex(join_token, b"inferyes agent proxy key v2")
+}
+
+/// What data planes present to the agent of `node_id`: HMAC-SHA256 of the
+/// node's id keyed by the [`proxy_key`], in hex. An agent derives its own
+/// from its join tokens; one captured at a node opens no other node.
+pub fn node_proxy_credential(proxy_key: &str, node_id: &str) -> String {
+    mac_hex(proxy_key, format!("inferyes agent proxy v2 {node_id}").as_bytes())
 }
 
 /// HMAC-SHA256 of `label` keyed by `secret`, in hex: a value that proves
@@ -144,5 +158,18 @@ mod tests {
         assert!(value.is_sensitive());
         assert_eq!(check(Some(value.as_bytes()), &accepted(&[expected])), Ok(()));
         assert!(header_value("line\nbreak").is_none());
+    }
+
+    #[test]
+    fn a_node_s_credential_is_its_own() {
+        let key = proxy_key("the-fleet-join-token");
+        let a = node_proxy_credential(&key, "node-a");
+        assert_eq!(a, node_proxy_credential(&proxy_key("the-fleet-join-token"), "node-a"), "derived alike");
+        assert_ne!(a, node_proxy_credential(&key, "node-b"));
+        assert_ne!(a, node_proxy_credential(&proxy_key("another-join-token"), "node-a"));
+        for other in [&key, &proxy_credential("the-fleet-join-token")] {
+            assert_ne!(&a, other);
+        }
+        assert_eq!(a.len(), 64);
     }
 }

@@ -495,6 +495,7 @@ fn node_status(index: usize) -> NodeStatus {
         agent_version: "scale".into(),
         started_unix_ms: 1,
         proxy_http2: true,
+        proxy_credential_per_node: true,
     }
 }
 

@@ -170,7 +170,9 @@ async fn turn(
     Some((ttft?, json!({"reply": reply, "usage": usage}), node, route))
 }
 
-async fn conversation(http: HttpClient, c: usize, target: String, oracle_backend: Option<String>) -> Tally {
+/// `oracle`: the backend to ask for, and the node's credential, where the
+/// conversation goes straight to an agent.
+async fn conversation(http: HttpClient, c: usize, target: String, oracle: Option<(String, String)>) -> Tally {
     let model = model_of_conversation(c);
     let mut tally = Tally::default();
     let mut messages = vec![
@@ -185,11 +187,10 @@ async fn conversation(http: HttpClient, c: usize, target: String, oracle_backend
             "model": model, "messages": messages, "stream": true,
             "stream_options": {"include_usage": true}, "max_tokens": MAX_TOKENS,
         });
-        // The oracle goes around the data plane, so it shows the agent the
-        // fleet's join token as a data plane does.
-        let authorization = inferyes_tests::fleet::agent_authorization();
-        let headers: Vec<(&str, &str)> = match &oracle_backend {
-            Some(backend) => vec![
+        // The oracle goes around the data plane, so it shows the agent its
+        // credential as a data plane does.
+        let headers: Vec<(&str, &str)> = match &oracle {
+            Some((backend, authorization)) => vec![
                 ("x-inferyes-backend", backend.as_str()),
                 ("x-inferyes-model", model),
                 ("authorization", authorization.as_str()),
@@ -263,7 +264,11 @@ async fn run(scenario: Scenario, policy: Policy) -> (Tally, Duration) {
             let nodes: Vec<usize> = (0..scenario.nodes).filter(|n| scenario.model_of_node(*n) == model).collect();
             let same_model_index = (0..c).filter(|o| model_of_conversation(*o) == model).count();
             let node = nodes[same_model_index % nodes.len()];
-            (format!("http://{}/v1/chat/completions", agents[node].proxy_addr), Some("main".to_string()))
+            let authorization = inferyes_tests::fleet::agent_authorization(&agents[node].node_id);
+            (
+                format!("http://{}/v1/chat/completions", agents[node].proxy_addr),
+                Some(("main".to_string(), authorization)),
+            )
         } else {
             (format!("{}/v1/chat/completions", dataplane.url), None)
         };

@@ -172,9 +172,10 @@ pub fn routing_client(channel: Channel, token: Option<&str>) -> inferyes_datapla
     inferyes_dataplane::Controllers { addresses: Vec::new(), tls: Default::default(), bearer }.client(channel)
 }
 
-/// The `Authorization` a data plane sends agents.
-pub fn agent_authorization() -> String {
-    format!("Bearer {}", inferyes_proto::bearer::proxy_credential(JOIN_TOKEN))
+/// The `Authorization` a data plane sends the agent of `node_id`.
+pub fn agent_authorization(node_id: &str) -> String {
+    let key = inferyes_proto::bearer::proxy_key(JOIN_TOKEN);
+    format!("Bearer {}", inferyes_proto::bearer::node_proxy_credential(&key, node_id))
 }
 
 pub struct AgentHandle {

@@ -36,9 +36,12 @@ pub struct RoutingSvc {
     /// billed. Not the agents' join token, unless the fleet has one token
     /// for both. `None`: open.
     pub dataplane_tokens: Option<inferyes_proto::bearer::Accepted>,
-    /// The credential put in every snapshot for data planes to send
-    /// agents: an HMAC of the join token, never the token itself. Empty:
-    /// agents take requests without one.
+    /// What every snapshot carries for data planes to send agents, HMACs
+    /// of the join token, never the token itself: the key each node's
+    /// credential is derived from, and the fleet-wide credential of agents
+    /// from before credentials were per node. Empty: agents take requests
+    /// without one.
+    pub proxy_key: String,
     pub proxy_credential: String,
     /// The live state's batches, and the way to ask for all of it.
     pub batches: crate::reconcile::Batches,
@@ -296,6 +299,7 @@ impl RoutingSvc {
         let mut full = current.to_full();
         full.live = live;
         full.proxy_credential.clone_from(&self.proxy_credential);
+        full.proxy_key.clone_from(&self.proxy_key);
         Some(snapshot_update::Update::Full(full))
     }
 }

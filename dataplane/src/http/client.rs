@@ -58,9 +58,6 @@ pub(crate) struct Facts<'a> {
     /// and its boundary; any other is JSON, and said to be (llama-swap
     /// routes only what says so).
     pub form: bool,
-    /// The agents' credential, from the snapshot, sent as `Authorization`
-    /// in place of the client's.
-    pub authorization: Option<&'a HeaderValue>,
 }
 
 impl Forwarder {
@@ -126,14 +123,14 @@ impl Forwarder {
         let sent = async {
             if let Some(http2) = self.http2.as_ref().filter(|_| endpoint.proxy_http2) {
                 let (uri, host) = proxy_url.uri(path_and_query).ok_or(Attempted::Unreachable(None))?;
-                let request = upstream_request(uri, host, backend, headers, body);
+                let request = upstream_request(uri, (host, endpoint.authorization.as_ref()), backend, headers, body);
                 return match http2.request(request).await {
                     Ok(response) => Ok(response.map(|body| self.http1.unpooled(body))),
                     Err(error) => Err(unreachable(error)),
                 };
             }
             let (uri, host, origin) = proxy_url.origin_form(path_and_query).ok_or(Attempted::Unreachable(None))?;
-            let request = upstream_request(uri, host, backend, headers, body);
+            let request = upstream_request(uri, (host, endpoint.authorization.as_ref()), backend, headers, body);
             self.http1.send(origin, request).await.map_err(unreachable)
         };
         tokio::time::timeout(self.header_timeout, sent).await.unwrap_or(Err(Attempted::TimedOut(self.header_timeout)))
@@ -175,10 +172,6 @@ pub(crate) fn upstream_headers(mut headers: HeaderMap, facts: &Facts<'_>) -> Hea
     if !facts.form {
         headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
     }
-    // The client's `Authorization` was taken out: the agents' goes in.
-    if let Some(value) = facts.authorization {
-        headers.insert(header::AUTHORIZATION, value.clone());
-    }
     headers.insert(REQUEST_ID, facts.request_id.clone());
     if let Ok(v) = HeaderValue::from_str(facts.model) {
         headers.insert(MODEL_HEADER, v);
@@ -191,15 +184,20 @@ pub(crate) fn upstream_headers(mut headers: HeaderMap, facts: &Facts<'_>) -> Hea
 }
 
 /// One attempt's request: `headers` from [`upstream_headers`], with this
-/// node's `Host` and backend, and the body's length.
+/// node's `Host`, its agent's credential and backend, and the body's
+/// length.
 fn upstream_request(
     uri: http::Uri,
-    host: HeaderValue,
+    (host, authorization): (HeaderValue, Option<&HeaderValue>),
     backend: Option<&HeaderValue>,
     mut headers: HeaderMap,
     body: Full<Bytes>,
 ) -> Request<Full<Bytes>> {
     headers.insert(header::HOST, host);
+    // The client's `Authorization` was taken out: the agent's goes in.
+    if let Some(value) = authorization {
+        headers.insert(header::AUTHORIZATION, value.clone());
+    }
     // A client's own `x-inferyes-*` were taken out: the route's backend goes in.
     if let Some(v) = backend {
         headers.insert(BACKEND_HEADER, v.clone());
@@ -286,18 +284,12 @@ mod tests {
     /// The headers a client's request reaches a node with.
     fn sent(client: HeaderMap, backend: Option<&'static str>, body: &'static [u8]) -> HeaderMap {
         let request_id = HeaderValue::from_static("req_1");
-        let facts = Facts {
-            model: "llama",
-            session: Some("chat-1"),
-            request_id: &request_id,
-            form: false,
-            authorization: None,
-        };
+        let facts = Facts { model: "llama", session: Some("chat-1"), request_id: &request_id, form: false };
         let headers = upstream_headers(client, &facts);
         let backend = backend.map(HeaderValue::from_static);
         let request = upstream_request(
             http::Uri::from_static("/v1/chat/completions"),
-            HeaderValue::from_static("node-a:9100"),
+            (HeaderValue::from_static("node-a:9100"), None),
             backend.as_ref(),
             headers,
             Full::new(Bytes::from_static(body)),

@@ -321,13 +321,7 @@ impl<'s> Exchange<'s> {
     ) -> Result<Response, ApiError> {
         let continues = view.stream && self.row.continues && snapshot.policy().continues(model) && !view.constrained;
         let Prepared { path_and_query, headers, body, strip_usage, progress, form } = prepared;
-        let facts = Facts {
-            model,
-            session: self.facts.session.as_deref(),
-            request_id: &self.request_id,
-            form,
-            authorization: snapshot.agent_authorization(),
-        };
+        let facts = Facts { model, session: self.facts.session.as_deref(), request_id: &self.request_id, form };
         // The headers are made for nodes once, in place: every attempt
         // sends the same request.
         let mut out = Outbound {

@@ -115,7 +115,7 @@ struct WireView {
     aliases: Vec<Alias>,
     api_keys: Arc<super::ApiKeys>,
     usage_today: Arc<inferyes_proto::v1::KeyUsageToday>,
-    agent_authorization: Option<http::HeaderValue>,
+    agent_credentials: crate::targets::AgentCredentials,
 }
 
 impl WireView {
@@ -135,9 +135,12 @@ impl WireView {
                 self.api_keys = Arc::new(full.keys.into_iter().map(|k| (k.key_id.clone(), Arc::new(k))).collect());
                 self.usage_today = Arc::new(full.usage_today.unwrap_or_default());
                 self.live_in_statuses = !full.live_state;
-                self.agent_authorization = (!full.proxy_credential.is_empty())
-                    .then(|| inferyes_proto::bearer::header_value(&full.proxy_credential))
-                    .flatten();
+                self.agent_credentials = crate::targets::AgentCredentials {
+                    key: (!full.proxy_key.is_empty()).then(|| Arc::from(full.proxy_key.as_str())),
+                    fleet: (!full.proxy_credential.is_empty())
+                        .then(|| inferyes_proto::bearer::header_value(&full.proxy_credential))
+                        .flatten(),
+                };
                 let nodes = &self.nodes;
                 self.live.apply_full(full.live, |id| nodes.contains_key(id));
                 true
@@ -193,7 +196,8 @@ impl WireView {
     /// anew; with the view's keys and usage either way.
     fn snapshot(&self, indices: Option<Arc<Indices>>, states: &crate::targets::NodeStates) -> RoutingSnapshot {
         let indices = indices.unwrap_or_else(|| {
-            decode_live(self.version, &self.nodes, &self.live, self.policy.as_ref(), &self.aliases, states).indices
+            let (policy, aliases, credentials) = (self.policy.as_ref(), &self.aliases, &self.agent_credentials);
+            decode_live(self.version, &self.nodes, &self.live, policy, aliases, (states, credentials)).indices
         });
         RoutingSnapshot {
             version: self.version,
@@ -201,7 +205,6 @@ impl WireView {
             sessions: Arc::clone(self.live.index()),
             api_keys: Arc::clone(&self.api_keys),
             usage_today: Arc::clone(&self.usage_today),
-            agent_authorization: self.agent_authorization.clone(),
         }
     }
 }

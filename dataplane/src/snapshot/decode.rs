@@ -7,7 +7,7 @@ use super::{
     BackendView, CatalogEntry, DEFAULT_PREFILL_TOKENS_PER_SECOND, DEFAULT_SERVICE_SECONDS, Indices, Live, Node,
     Placement, Policy, Ring, RoutingSnapshot, Target,
 };
-use crate::targets::NodeStates;
+use crate::targets::{AgentCredentials, NodeStates};
 
 fn resolve_policy(wire: Option<&RoutingPolicy>) -> Policy {
     let defaults = Policy::default();
@@ -39,7 +39,7 @@ pub fn decode(
     aliases: &[Alias],
     states: &NodeStates,
 ) -> RoutingSnapshot {
-    decode_live(version, nodes, &Live::from_statuses(nodes), policy, aliases, states)
+    decode_live(version, nodes, &Live::from_statuses(nodes), policy, aliases, (states, &AgentCredentials::default()))
 }
 
 /// Builds the routing indices from the nodes' records and their live state
@@ -52,7 +52,7 @@ pub fn decode_live(
     live: &Live,
     policy: Option<&RoutingPolicy>,
     aliases: &[Alias],
-    states: &NodeStates,
+    (states, credentials): (&NodeStates, &AgentCredentials),
 ) -> RoutingSnapshot {
     let policy = resolve_policy(policy);
     let mut indices = Indices::default();
@@ -94,7 +94,10 @@ pub fn decode_live(
             .fold(0, u64::saturating_add);
         let ready = !wire.draining && status.backends.iter().all(|b| b.health() == Health::Ready);
         let proxy_url = inferyes_net::base_url::BaseUrl::new(&status.proxy_url);
-        let endpoint = Arc::new(states.endpoint(&id, proxy_url, status.proxy_http2, ready, version));
+        let endpoint = states
+            .endpoint(&id, proxy_url, status.proxy_http2, ready, version)
+            .with_credential(status.proxy_credential_per_node, credentials);
+        let endpoint = Arc::new(endpoint);
         let own = wire.policy.as_ref();
         let or = |value: Option<f64>, default: f64| value.filter(|v| *v > 0.0).unwrap_or(default);
         let admission_threshold = or(own.map(|p| p.admission_threshold), policy.admission_threshold);

@@ -36,9 +36,6 @@ pub struct RoutingSnapshot {
     /// Where sessions are resident: one index, shared by every snapshot
     /// and kept current by the subscription.
     pub(crate) sessions: Arc<SessionIndex>,
-    /// The `Authorization` data planes send agents, from the controller:
-    /// an HMAC of the join token, which this data plane never holds.
-    pub(crate) agent_authorization: Option<http::HeaderValue>,
 }
 
 /// What routing reads, decoded from the fleet's nodes, policy and aliases.
@@ -334,11 +331,6 @@ impl RoutingSnapshot {
     pub fn with_api_keys(self, keys: impl IntoIterator<Item = inferyes_proto::v1::ApiKey>) -> RoutingSnapshot {
         let api_keys = keys.into_iter().map(|key| (key.key_id.clone(), Arc::new(key))).collect();
         RoutingSnapshot { api_keys: Arc::new(api_keys), ..self }
-    }
-
-    /// The `Authorization` to send agents, if they take one.
-    pub fn agent_authorization(&self) -> Option<&http::HeaderValue> {
-        self.agent_authorization.as_ref()
     }
 
     pub fn api_key(&self, key_id: &str) -> Option<&Arc<inferyes_proto::v1::ApiKey>> {

@@ -368,10 +368,24 @@ async fn an_agent_forwards_only_what_the_fleet_s_data_planes_send() {
     let fleet = Fleet::start(vec![chat_sim("chat")]).await;
     let url = format!("http://{}/v1/chat/completions", fleet.agents[0].proxy_addr);
     let body = Bytes::from(chat_body("chat", "hi").to_string());
-    // What data planes send is derived from the join token; the
-    // credential of another fleet's token is refused.
-    let foreign = format!("Bearer {}", inferyes_proto::bearer::proxy_credential("another-fleet-join-token"));
-    for authorization in [None, Some("Bearer not-the-join-token-at-all"), Some(foreign.as_str())] {
+    // What data planes send is derived from the join token and the node's
+    // id: another fleet's, another node's, the fleet-wide credential of
+    // agents before, and the join token itself are all refused.
+    let key = |token: &str| inferyes_proto::bearer::proxy_key(token);
+    let credential =
+        |key: &str, node: &str| format!("Bearer {}", inferyes_proto::bearer::node_proxy_credential(key, node));
+    let foreign = credential(&key("another-fleet-join-token"), "node-a");
+    let another_node = credential(&key(inferyes_tests::JOIN_TOKEN), "node-b");
+    let fleet_wide = format!("Bearer {}", inferyes_proto::bearer::proxy_credential(inferyes_tests::JOIN_TOKEN));
+    let join_token = format!("Bearer {}", inferyes_tests::JOIN_TOKEN);
+    for authorization in [
+        None,
+        Some("Bearer not-the-join-token-at-all"),
+        Some(foreign.as_str()),
+        Some(another_node.as_str()),
+        Some(fleet_wide.as_str()),
+        Some(join_token.as_str()),
+    ] {
         let headers: Vec<(&str, &str)> = authorization.iter().map(|a| ("authorization", *a)).collect();
         let refused = fleet.http.send(Method::POST, &url, body.clone(), &headers).await;
         assert_eq!(refused.status, StatusCode::UNAUTHORIZED, "{authorization:?}");
@@ -379,7 +393,8 @@ async fn an_agent_forwards_only_what_the_fleet_s_data_planes_send() {
         assert_eq!(refused.header(inferyes_proto::bearer::AGENT_REFUSED), Some("credential"));
     }
     assert_eq!(fleet.sims[0].sim.stats().requests, 0, "nothing reached the backend");
-    let authorization = inferyes_tests::fleet::agent_authorization();
+    assert_eq!(fleet.agents[0].node_id, "node-a");
+    let authorization = inferyes_tests::fleet::agent_authorization("node-a");
     let authorization = [("authorization", authorization.as_str())];
     let answered = fleet.http.send(Method::POST, &url, body, &authorization).await;
     assert_eq!(answered.status, StatusCode::OK);

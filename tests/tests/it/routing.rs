@@ -201,11 +201,11 @@ async fn aliases_name_models_and_are_resolved_before_routing() {
 fn load_node(fleet: &crate::support::Fleet, node: usize, i: usize) -> tokio::task::JoinHandle<()> {
     let http = fleet.http.clone();
     let url = format!("http://{}/v1/chat/completions", fleet.agents[node].proxy_addr);
+    let authorization = inferyes_tests::fleet::agent_authorization(&fleet.agents[node].node_id);
     tokio::spawn(async move {
         let mut body = chat_body("chat", &format!("a long answer, please, number {i}"));
         body["max_tokens"] = json!(2_000);
         body["stream"] = json!(true);
-        let authorization = inferyes_tests::fleet::agent_authorization();
         let headers = [("x-inferyes-backend", "main"), ("x-inferyes-model", "chat"), ("authorization", &authorization)];
         let response = http.start(Method::POST, &url, Bytes::from(body.to_string()), &headers).await;
         let mut stream = response.into_body();

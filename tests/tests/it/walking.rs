@@ -148,7 +148,7 @@ async fn an_agent_stops_within_its_grace_with_a_generation_still_running() {
             Method::POST,
             &format!("http://{}/v1/chat/completions", agent.proxy_addr),
             Bytes::from(request.to_string()),
-            &[("authorization", &inferyes_tests::fleet::agent_authorization())],
+            &[("authorization", &inferyes_tests::fleet::agent_authorization(&agent.node_id))],
         )
         .await;
     assert_eq!(response.status(), StatusCode::OK);
@@ -445,7 +445,7 @@ async fn a_backend_closing_its_connection_leaves_the_connection_to_its_agent_ope
         sender.ready().await.unwrap_or_else(|e| panic!("turn {turn}: the connection to the agent was closed: {e}"));
         let request = http::Request::post("/v1/chat/completions")
             .header("host", "agent")
-            .header("authorization", inferyes_tests::fleet::agent_authorization())
+            .header("authorization", inferyes_tests::fleet::agent_authorization(&agent.node_id))
             .header(inferyes_proto::headers::BACKEND, "main")
             .body(http_body_util::Full::new(Bytes::from(chat_body("chat", "hi").to_string())))
             .expect("a request");
