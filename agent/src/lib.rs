@@ -240,6 +240,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
                 connections_refused.get_or_create(&metrics::ReasonLabels { reason: why.as_str() }).inc();
             })),
         },
+        proxy_protocol: None,
     };
     let admin_router = proxy::admin_router(Arc::clone(&state), scrape);
     let admin = AbortOnDropHandle::new(tokio::spawn(inferyes_net::serve::serve(

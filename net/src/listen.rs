@@ -1,6 +1,7 @@
 //! Taking connections off a listener: an accept loop that outlives
 //! running out of descriptors, what a new connection speaks (read off its
-//! first bytes), and, for servers that take a stream of connections
+//! first bytes), the client a trusted proxy relays it for (its PROXY
+//! protocol header), and, for servers that take a stream of connections
 //! (tonic's), connections admitted by an [`Admission`] and handed over only
 //! once they have spoken.
 
@@ -323,6 +324,90 @@ pub(crate) async fn sniff(tcp: &TcpStream, timeout: Duration) -> Option<Sniffed>
         }
         tokio::time::sleep(retry).await;
         retry = (retry * 2).min(SNIFF_RETRY_MAX);
+    }
+}
+
+/// The most bytes of a PROXY protocol header read: a v1 header is at most
+/// 107, a v2 header's addresses at most 216 (UNIX sockets), and the TLVs
+/// proxies add (a TLS summary, an id) fit in the rest.
+const MAX_PROXY_HEADER: usize = 1024;
+
+/// Why a connection's PROXY protocol header was not taken.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum ProxyHeaderError {
+    /// None came within the time given, or the connection closed first.
+    Missing,
+    /// What came is not one (v1 or v2), or is longer than any proxy sends.
+    Invalid,
+}
+
+/// Reads the PROXY protocol header (HAProxy's, v1 text or v2 binary) a
+/// trusted proxy sends ahead of the connection it relays, and nothing
+/// after it: the client's address, or `None` where the proxy speaks for
+/// itself (`LOCAL`, `UNKNOWN`: its health checks).
+pub(crate) async fn read_proxy_header(
+    tcp: &TcpStream,
+    timeout: Duration,
+) -> Result<Option<SocketAddr>, ProxyHeaderError> {
+    use ppp::{HeaderResult, PartialResult};
+    let deadline = tokio::time::Instant::now() + timeout;
+    let mut peeked = vec![0u8; MAX_PROXY_HEADER];
+    let mut retry = SNIFF_RETRY_MIN;
+    let (length, client) = loop {
+        let peek = tokio::time::timeout_at(deadline, tcp.peek(&mut peeked)).await;
+        let n = match peek {
+            Ok(Ok(n)) if n > 0 => n,
+            _ => return Err(ProxyHeaderError::Missing),
+        };
+        let parsed = HeaderResult::parse(&peeked[..n]);
+        if parsed.is_complete() {
+            break match parsed {
+                HeaderResult::V1(Ok(header)) => (header.header.len(), v1_client(header.addresses)),
+                HeaderResult::V2(Ok(header)) => (header.len(), v2_client(header.command, header.addresses)),
+                _ => return Err(ProxyHeaderError::Invalid),
+            };
+        }
+        if n == MAX_PROXY_HEADER {
+            return Err(ProxyHeaderError::Invalid);
+        }
+        // The rest is on its way, or never comes (see `sniff`).
+        if tokio::time::Instant::now() + retry >= deadline {
+            return Err(ProxyHeaderError::Missing);
+        }
+        tokio::time::sleep(retry).await;
+        retry = (retry * 2).min(SNIFF_RETRY_MAX);
+    };
+    // Off the socket, exactly: it was peeked, so it is there.
+    let mut left = length;
+    while left > 0 {
+        tokio::time::timeout_at(deadline, tcp.readable()).await.map_err(|_| ProxyHeaderError::Missing)?.ok();
+        match tcp.try_read(&mut peeked[..left]) {
+            Ok(0) => return Err(ProxyHeaderError::Missing),
+            Ok(n) => left -= n,
+            Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => continue,
+            Err(_) => return Err(ProxyHeaderError::Missing),
+        }
+    }
+    Ok(client)
+}
+
+fn v1_client(addresses: ppp::v1::Addresses) -> Option<SocketAddr> {
+    match addresses {
+        ppp::v1::Addresses::Tcp4(a) => Some(SocketAddr::new(a.source_address.into(), a.source_port)),
+        ppp::v1::Addresses::Tcp6(a) => Some(SocketAddr::new(a.source_address.into(), a.source_port)),
+        ppp::v1::Addresses::Unknown => None,
+    }
+}
+
+fn v2_client(command: ppp::v2::Command, addresses: ppp::v2::Addresses) -> Option<SocketAddr> {
+    match (command, addresses) {
+        (ppp::v2::Command::Proxy, ppp::v2::Addresses::IPv4(a)) => {
+            Some(SocketAddr::new(a.source_address.into(), a.source_port))
+        }
+        (ppp::v2::Command::Proxy, ppp::v2::Addresses::IPv6(a)) => {
+            Some(SocketAddr::new(a.source_address.into(), a.source_port))
+        }
+        _ => None,
     }
 }
 

@@ -58,6 +58,11 @@ pub struct Options {
     pub header_read_timeout: Duration,
     /// Which connections may be open at once.
     pub limit: ConnectionLimit,
+    /// Peers whose connections start with a PROXY protocol header (v1 or
+    /// v2), naming the client they relay: that client's address is then
+    /// the connection's, for its share and for the service. None: no
+    /// connection has one.
+    pub proxy_protocol: Option<crate::admit::KnownPeers>,
 }
 
 /// Which connections a listener holds open at once, all workers together
@@ -93,6 +98,7 @@ impl Options {
             past_grace: CancellationToken::new(),
             header_read_timeout: HEADER_READ_TIMEOUT,
             limit: ConnectionLimit { admission: Some(Admission::new(limits, None)), refusal, refused },
+            proxy_protocol: None,
         }
     }
 }
@@ -204,7 +210,8 @@ where
     if services.is_empty() {
         return Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, "no workers to serve with"));
     }
-    let Options { name, tls, http2_streams, shutdown_grace, past_grace, header_read_timeout, limit } = options;
+    let Options { name, tls, http2_streams, shutdown_grace, past_grace, header_read_timeout, limit, proxy_protocol } =
+        options;
     let tls = tls.map(tokio_rustls::TlsAcceptor::from);
     let refusals = Arc::new(tokio::sync::Semaphore::new(REFUSALS_AT_ONCE));
     // Cancelled when this future ends or is dropped: workers stop at once.
@@ -234,35 +241,34 @@ where
         workers.push(WorkerHandle { connections, open, finished });
     }
     let mut acceptor = Acceptor::new(listener);
+    // Connections whose PROXY header was read, by tasks of their own.
+    let (relayed, mut relayed_rx) = mpsc::unbounded_channel::<Handed>();
     loop {
-        let (stream, peer) = tokio::select! {
+        let mut connection = tokio::select! {
             () = shutdown.cancelled() => break,
-            accepted = acceptor.accept() => accepted,
-        };
-        let _ = stream.set_nodelay(true);
-        let ticket = match limit.admission.as_ref().map(|admission| admission.admit(peer.ip())).transpose() {
-            Ok(ticket) => {
-                if let (Some(refused), Some(true)) = (&limit.refused, ticket.as_ref().map(Ticket::made_room)) {
-                    refused(Refused::Strangers);
-                }
-                ticket
-            }
-            Err(why) => {
-                if let Some(refused) = &limit.refused {
-                    refused(why);
-                }
-                if let Ok(permit) = Arc::clone(&refusals).try_acquire_owned() {
-                    let refusal = limit.refusal.clone();
+            Some(relayed) = relayed_rx.recv() => relayed,
+            (stream, peer) = acceptor.accept() => {
+                let _ = stream.set_nodelay(true);
+                let Some(ticket) = limit.admit(stream, peer.ip(), &refusals) else { continue };
+                if proxy_protocol.as_ref().is_some_and(|from| from(peer.ip())) {
+                    let (limit, refusals, relayed) = (limit.clone(), Arc::clone(&refusals), relayed.clone());
+                    let shutdown = shutdown.clone();
                     tokio::spawn(async move {
-                        refuse(stream, refusal).await;
-                        drop(permit);
+                        tokio::select! {
+                            () = shutdown.cancelled() => {}
+                            handed = relay(ticket, limit, refusals, header_read_timeout) => {
+                                if let Some(handed) = handed {
+                                    let _ = relayed.send(handed);
+                                }
+                            }
+                        }
                     });
+                    continue;
                 }
-                continue;
+                let Ok(stream) = ticket.stream.into_std() else { continue };
+                Handed { stream, peer, ticket: ticket.ticket }
             }
         };
-        let Ok(stream) = stream.into_std() else { continue };
-        let mut connection = Handed { stream, peer, ticket };
         loop {
             let Some(index) = (0..workers.len()).min_by_key(|&i| workers[i].open.load(Ordering::Relaxed)) else {
                 return Err(std::io::Error::other("every worker thread has stopped"));
@@ -300,6 +306,74 @@ where
     }
     // Returning drops `stop_now`'s guard: workers still running stop.
     Ok(())
+}
+
+impl ConnectionLimit {
+    /// `stream` from `address`, taken with its place, or refused (told
+    /// so, and closed in a task of its own, at most `refusals` at once).
+    fn admit(
+        &self,
+        stream: TcpStream,
+        address: std::net::IpAddr,
+        refusals: &Arc<tokio::sync::Semaphore>,
+    ) -> Option<Admitted> {
+        match self.admission.as_ref().map(|admission| admission.admit(address)).transpose() {
+            Ok(ticket) => {
+                if let (Some(refused), Some(true)) = (&self.refused, ticket.as_ref().map(Ticket::made_room)) {
+                    refused(Refused::Strangers);
+                }
+                Some(Admitted { stream, ticket })
+            }
+            Err(why) => {
+                if let Some(refused) = &self.refused {
+                    refused(why);
+                }
+                if let Ok(permit) = Arc::clone(refusals).try_acquire_owned() {
+                    let refusal = self.refusal.clone();
+                    tokio::spawn(async move {
+                        refuse(stream, refusal).await;
+                        drop(permit);
+                    });
+                }
+                None
+            }
+        }
+    }
+}
+
+/// A connection taken, with its place.
+struct Admitted {
+    stream: TcpStream,
+    ticket: Option<Ticket>,
+}
+
+/// A connection from a proxy that relays a client's (`taken` as the
+/// proxy's), once its PROXY header named the client: taken again as that
+/// client's, within its share, and handed on as its. None where the header
+/// did not come or the client is past its share.
+async fn relay(
+    taken: Admitted,
+    limit: ConnectionLimit,
+    refusals: Arc<tokio::sync::Semaphore>,
+    timeout: Duration,
+) -> Option<Handed> {
+    let Admitted { stream, ticket } = taken;
+    let proxy = stream.peer_addr().ok()?;
+    let client = match crate::listen::read_proxy_header(&stream, timeout).await {
+        Ok(client) => client,
+        Err(error) => {
+            tracing::debug!(%proxy, ?error, "no PROXY protocol header from a proxy that sends one; closed");
+            return None;
+        }
+    };
+    // The proxy speaking for itself (its health checks) stays the proxy's.
+    let Some(client) = client else {
+        return Some(Handed { stream: stream.into_std().ok()?, peer: proxy, ticket });
+    };
+    // Its place given back first: the client takes it, not one more.
+    drop(ticket);
+    let Admitted { stream, ticket } = limit.admit(stream, client.ip(), &refusals)?;
+    Some(Handed { stream: stream.into_std().ok()?, peer: client, ticket })
 }
 
 /// An accepted connection, handed to a worker with its place.
@@ -479,6 +553,7 @@ mod tests {
     use http_body_util::{BodyExt, Full};
     use hyper_util::client::legacy::Client;
     use hyper_util::client::legacy::connect::HttpConnector;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     use super::*;
 
@@ -529,6 +604,7 @@ mod tests {
             past_grace: CancellationToken::new(),
             header_read_timeout: HEADER_READ_TIMEOUT,
             limit: ConnectionLimit::default(),
+            proxy_protocol: None,
         }
     }
 
@@ -727,6 +803,92 @@ mod tests {
         assert!(!served.is_finished(), "the server waits for the request in flight");
         release.notify_one();
         assert!(slow.await.unwrap().starts_with(['0', '1']), "the request in flight is answered");
+        served.await.unwrap().unwrap();
+    }
+
+    /// Answers each request with the address its connection was served
+    /// as.
+    struct Peer(SocketAddr);
+
+    impl hyper::service::Service<Request<Incoming>> for Peer {
+        type Response = Response<Full<Bytes>>;
+        type Error = Infallible;
+        type Future = std::future::Ready<Result<Self::Response, Infallible>>;
+
+        fn call(&self, _: Request<Incoming>) -> Self::Future {
+            std::future::ready(Ok(Response::new(Full::new(Bytes::from(self.0.to_string())))))
+        }
+    }
+
+    /// What a connection that sends `first` and then a request is
+    /// answered: its status line and body, or nothing where it is closed.
+    async fn relayed(addr: SocketAddr, first: &[&[u8]]) -> Option<String> {
+        let mut stream = TcpStream::connect(addr).await.unwrap();
+        for piece in first {
+            stream.write_all(piece).await.unwrap();
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let request = b"GET / HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n";
+        if stream.write_all(request).await.is_err() {
+            return None;
+        }
+        let mut answer = String::new();
+        let read = tokio::time::timeout(Duration::from_secs(10), stream.read_to_string(&mut answer)).await;
+        let _ = read.expect("answered or closed in time");
+        let status = answer.lines().next()?.to_string();
+        let body = answer.split("\r\n\r\n").nth(1).unwrap_or_default();
+        Some(format!("{status} {body}"))
+    }
+
+    #[tokio::test]
+    async fn a_trusted_proxy_s_connection_is_its_client_s_by_its_proxy_protocol_header() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let proxy: crate::admit::KnownPeers = Arc::new(|ip: std::net::IpAddr| ip.is_loopback());
+        let limits = crate::admit::Limits { max: 100, per_peer: 1, strangers: 0, prove_within: None };
+        let options = Options {
+            header_read_timeout: Duration::from_millis(500),
+            limit: ConnectionLimit {
+                admission: Some(Admission::new(limits, Some(Arc::clone(&proxy)))),
+                refusal: overloaded("text/plain", "full", None),
+                refused: None,
+            },
+            proxy_protocol: Some(proxy),
+            ..options("relayed")
+        };
+        let shutdown = CancellationToken::new();
+        let served = tokio::spawn(serve(listener, vec![Peer], options, shutdown.clone()));
+
+        let v1 = b"PROXY TCP4 192.0.2.9 127.0.0.1 5555 80\r\n";
+        assert_eq!(relayed(addr, &[v1]).await.as_deref(), Some("HTTP/1.1 200 OK 192.0.2.9:5555"));
+        // In pieces, as a proxy may send it.
+        let answer = relayed(addr, &[&v1[..9], &v1[9..]]).await;
+        assert_eq!(answer.as_deref(), Some("HTTP/1.1 200 OK 192.0.2.9:5555"));
+        // Version 2, an IPv6 client.
+        let mut v2 = b"\r\n\r\n\0\r\nQUIT\n".to_vec();
+        v2.extend([0x21, 0x21, 0, 36]);
+        v2.extend("2001:db8::7".parse::<std::net::Ipv6Addr>().unwrap().octets());
+        v2.extend(std::net::Ipv6Addr::LOCALHOST.octets());
+        v2.extend([0x1f, 0x90, 0, 80]);
+        assert_eq!(relayed(addr, &[&v2]).await.as_deref(), Some("HTTP/1.1 200 OK [2001:db8::7]:8080"));
+        // The proxy's own health check (LOCAL) stays the proxy's.
+        let local = [b"\r\n\r\n\0\r\nQUIT\n".as_slice(), &[0x20, 0x00, 0, 0]].concat();
+        let answer = relayed(addr, &[&local]).await.unwrap();
+        assert!(answer.starts_with("HTTP/1.1 200 OK 127.0.0.1:"), "{answer}");
+        // Without one, or with a malformed one, nothing is served.
+        assert_eq!(relayed(addr, &[]).await, None, "a request without the header");
+        assert_eq!(relayed(addr, &[b"PROXY TCP4 banana\r\n"]).await, None);
+
+        // Each client has its share, whatever proxy relays it.
+        let mut held = TcpStream::connect(addr).await.unwrap();
+        held.write_all(v1).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let refused = relayed(addr, &[v1]).await.unwrap();
+        assert!(refused.starts_with("HTTP/1.1 503"), "past the client's share: {refused}");
+        let other = relayed(addr, &[b"PROXY TCP4 192.0.2.10 127.0.0.1 5555 80\r\n"]).await;
+        assert_eq!(other.as_deref(), Some("HTTP/1.1 200 OK 192.0.2.10:5555"));
+        drop(held);
+        shutdown.cancel();
         served.await.unwrap().unwrap();
     }
 }
