@@ -113,6 +113,10 @@ pub struct Config {
     /// `X-Forwarded-For` names the client; from anyone else the header is
     /// ignored. Without them, a balancer's clients are one client.
     pub trusted_proxies: Vec<crate::forwarded::Cidr>,
+    /// Connections from `trusted_proxies` start with a PROXY protocol
+    /// header (v1 or v2) naming the client each relays: that client is
+    /// then the connection's, for its share and its requests.
+    pub proxy_protocol: bool,
     /// Send each request's usage record to the ledger, for export, besides
     /// the hourly sums. Off: only sums travel and are stored (about 100
     /// bytes of etcd per request saved).
@@ -171,6 +175,7 @@ impl Default for Config {
             auth: crate::auth::AuthMode::Keys,
             auth_failures_per_minute: 10,
             trusted_proxies: Vec::new(),
+            proxy_protocol: false,
             usage_records: false,
             tls: inferyes_proto::tls::Tls::default(),
             workers: 0,
@@ -241,6 +246,9 @@ impl Config {
         }
         if self.max_body_bytes == 0 {
             bail!("max_body_bytes must be positive");
+        }
+        if self.proxy_protocol && self.trusted_proxies.is_empty() {
+            bail!("proxy_protocol needs trusted_proxies: the proxies whose connections start with the header");
         }
         if self.max_connections_per_client == 0 {
             bail!("max_connections_per_client must be positive");
@@ -326,5 +334,14 @@ mod tests {
     fn unknown_keys_are_rejected() {
         let error = toml::from_str::<Config>("listen_addr = \"127.0.0.1:1\"").unwrap_err();
         assert!(error.to_string().contains("listen_addr"));
+    }
+
+    #[test]
+    fn the_proxy_protocol_is_taken_only_from_trusted_proxies() {
+        let config: Config = toml::from_str("proxy_protocol = true").unwrap();
+        let error = config.validate().unwrap_err();
+        assert!(error.to_string().contains("trusted_proxies"), "{error}");
+        let config: Config = toml::from_str("proxy_protocol = true\ntrusted_proxies = [\"10.0.0.0/8\"]").unwrap();
+        assert!(config.validate().is_ok());
     }
 }

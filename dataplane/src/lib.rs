@@ -173,6 +173,7 @@ pub async fn run(
                 connections_refused.get_or_create(&metrics::ReasonLabels { reason: why.as_str() }).inc();
             })),
         },
+        proxy_protocol: config.proxy_protocol.then(|| trusted(Arc::clone(&state.trusted_proxies))),
     };
     let admin_router = http::admin_router(Arc::new(state.clone()));
     let admin = AbortOnDropHandle::new(tokio::spawn(inferyes_net::serve::serve(
@@ -195,9 +196,8 @@ pub async fn run(
 /// Which client connections the public listener takes: a share per client
 /// address, none for the trusted proxies in front (their connections carry
 /// every client's requests).
-fn connection_admission(config: &Config, trusted: Arc<[forwarded::Cidr]>) -> Arc<inferyes_net::admit::Admission> {
-    let known: inferyes_net::admit::KnownPeers =
-        Arc::new(move |address| trusted.iter().any(|cidr| cidr.contains(address.to_canonical())));
+fn connection_admission(config: &Config, proxies: Arc<[forwarded::Cidr]>) -> Arc<inferyes_net::admit::Admission> {
+    let known = trusted(proxies);
     let limits = inferyes_net::admit::Limits {
         max: config.max_connections,
         per_peer: config.max_connections_per_client,
@@ -205,4 +205,9 @@ fn connection_admission(config: &Config, trusted: Arc<[forwarded::Cidr]>) -> Arc
         prove_within: None,
     };
     inferyes_net::admit::Admission::new(limits, Some(known))
+}
+
+/// Whether an address is one of the trusted proxies'.
+fn trusted(proxies: Arc<[forwarded::Cidr]>) -> inferyes_net::admit::KnownPeers {
+    Arc::new(move |address| proxies.iter().any(|cidr| cidr.contains(address.to_canonical())))
 }

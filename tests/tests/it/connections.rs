@@ -198,3 +198,52 @@ async fn silent_connections_to_a_controller_take_its_share_and_its_fleet_and_ope
     drop((members, on_http, more_on_grpc));
     agent.stop().await;
 }
+
+/// What a connection from `source` that sends `bytes` is answered, until
+/// the data plane closes it.
+async fn exchange(source: &str, address: SocketAddr, bytes: &[u8]) -> String {
+    let mut connection = hold(source, address, 1, bytes).await.pop().expect("a connection");
+    let mut answer = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(10), connection.read_to_end(&mut answer)).await;
+    let _ = read.expect("answered, or closed, in time");
+    String::from_utf8_lossy(&answer).into_owned()
+}
+
+/// Behind a proxy that speaks the PROXY protocol, each client it relays
+/// has a share of the data plane of its own: one client's trickled heads
+/// take its share, another client relayed by the same proxy is served, and
+/// a connection from the proxy without the header is served nothing.
+#[tokio::test]
+async fn clients_relayed_by_the_proxy_protocol_each_have_their_own_share() {
+    let proxy = ATTACKER;
+    let fleet = Fleet::start_with(vec![chat_sim("chat")], |config| {
+        config.max_connections = 40;
+        config.max_connections_per_client = 10;
+        config.trusted_proxies = vec![proxy.parse().expect("an address")];
+        config.proxy_protocol = true;
+    })
+    .await;
+    let address = socket_address(&fleet.dataplane.url);
+    let header = |client: &str| format!("PROXY TCP4 {client} 127.0.0.1 40000 8080\r\n");
+    let trickled = format!("{}POST /v1/chat/completions HTTP/1.1\r\n", header("192.0.2.1"));
+    let trickling = hold(proxy, address, 30, trickled.as_bytes()).await;
+    let body = chat_body("chat", "hi").to_string();
+    let request = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: gateway\r\ncontent-type: application/json\r\n\
+         content-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let relayed = exchange(proxy, address, format!("{}{request}", header("192.0.2.2")).as_bytes()).await;
+    assert!(relayed.starts_with("HTTP/1.1 200"), "another relayed client is served: {relayed}");
+    let (closed, _held) = closed_within(trickling, Duration::from_secs(3)).await;
+    assert_eq!(closed, 20, "the trickling client holds its share of 10");
+    let bare = exchange(proxy, address, request.as_bytes()).await;
+    assert_eq!(bare, "", "nothing for a connection from the proxy without the header");
+    let refused = metric(
+        &fleet.http,
+        &format!("{}/metrics", fleet.dataplane.admin_url),
+        "inferyes_dataplane_connections_refused_total{reason=\"peer\"}",
+    )
+    .await;
+    assert_eq!(refused, 20.0);
+}
