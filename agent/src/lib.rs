@@ -240,6 +240,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
                 connections_refused.get_or_create(&metrics::ReasonLabels { reason: why.as_str() }).inc();
             })),
         },
+        max_requests_per_connection: 0,
         proxy_protocol: None,
     };
     let admin_router = proxy::admin_router(Arc::clone(&state), scrape);

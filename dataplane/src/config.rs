@@ -77,6 +77,9 @@ pub struct Config {
     /// trusted proxy has no share of its own. Past it, 503 for that
     /// address alone.
     pub max_connections_per_client: usize,
+    /// Requests one client connection may carry before it is closed
+    /// (gracefully: its answers in flight go out first); 0: no limit.
+    pub max_requests_per_connection: u64,
     /// The share of this data plane one key may hold at once, in percent:
     /// of `max_connections` in requests in flight (unless its record sets
     /// `max_concurrent`) and of `max_buffered_bytes` in bytes. Past it, 429.
@@ -163,6 +166,7 @@ impl Default for Config {
             max_buffered_bytes: 256 << 20,
             max_connections: 4096,
             max_connections_per_client: 256,
+            max_requests_per_connection: 10_000,
             key_share_percent: 25,
             tenant_share_percent: 50,
             request_body_timeout_ms: 60_000,

@@ -173,6 +173,7 @@ pub async fn run(
                 connections_refused.get_or_create(&metrics::ReasonLabels { reason: why.as_str() }).inc();
             })),
         },
+        max_requests_per_connection: config.max_requests_per_connection,
         proxy_protocol: config.proxy_protocol.then(|| trusted(Arc::clone(&state.trusted_proxies))),
     };
     let admin_router = http::admin_router(Arc::new(state.clone()));

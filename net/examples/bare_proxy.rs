@@ -88,6 +88,7 @@ async fn main() -> std::io::Result<()> {
         past_grace: tokio_util::sync::CancellationToken::new(),
         header_read_timeout: inferyes_net::serve::HEADER_READ_TIMEOUT,
         limit: inferyes_net::serve::ConnectionLimit::default(),
+        max_requests_per_connection: 0,
         proxy_protocol: None,
     };
     inferyes_net::serve::serve(listener, services, options, shutdown).await

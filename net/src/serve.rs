@@ -20,9 +20,10 @@
 //! both over TLS (ALPN).
 
 use std::convert::Infallible;
+use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -30,7 +31,6 @@ use http::{Request, Response};
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto::Builder;
-use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
@@ -58,6 +58,10 @@ pub struct Options {
     pub header_read_timeout: Duration,
     /// Which connections may be open at once.
     pub limit: ConnectionLimit,
+    /// Requests one connection may carry; past them it is closed once its
+    /// requests in flight are answered (HTTP/1.1: the last answer says
+    /// `connection: close`; HTTP/2: a GOAWAY). 0: no limit.
+    pub max_requests_per_connection: u64,
     /// Peers whose connections start with a PROXY protocol header (v1 or
     /// v2), naming the client they relay: that client's address is then
     /// the connection's, for its share and for the service. None: no
@@ -98,6 +102,7 @@ impl Options {
             past_grace: CancellationToken::new(),
             header_read_timeout: HEADER_READ_TIMEOUT,
             limit: ConnectionLimit { admission: Some(Admission::new(limits, None)), refusal, refused },
+            max_requests_per_connection: 0,
             proxy_protocol: None,
         }
     }
@@ -210,8 +215,17 @@ where
     if services.is_empty() {
         return Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, "no workers to serve with"));
     }
-    let Options { name, tls, http2_streams, shutdown_grace, past_grace, header_read_timeout, limit, proxy_protocol } =
-        options;
+    let Options {
+        name,
+        tls,
+        http2_streams,
+        shutdown_grace,
+        past_grace,
+        header_read_timeout,
+        limit,
+        max_requests_per_connection,
+        proxy_protocol,
+    } = options;
     let tls = tls.map(tokio_rustls::TlsAcceptor::from);
     let refusals = Arc::new(tokio::sync::Semaphore::new(REFUSALS_AT_ONCE));
     // Cancelled when this future ends or is dropped: workers stop at once.
@@ -228,6 +242,7 @@ where
             tls: tls.clone(),
             http2_streams,
             header_read_timeout,
+            max_requests: max_requests_per_connection,
             open: Arc::clone(&open),
             stop_now: stop_now.clone(),
         };
@@ -399,6 +414,7 @@ struct Worker<M> {
     tls: Option<tokio_rustls::TlsAcceptor>,
     http2_streams: u32,
     header_read_timeout: Duration,
+    max_requests: u64,
     open: Arc<AtomicUsize>,
     stop_now: CancellationToken,
 }
@@ -464,8 +480,9 @@ where
         // upgrades" sniffs whatever it is told. Upgrades are hop-by-hop:
         // no proxy here passes one on.)
         let builders = Arc::new((builder.clone().http1_only(), builder.http2_only()));
-        let first_byte_timeout = self.header_read_timeout;
-        let graceful = GracefulShutdown::new();
+        let (first_byte_timeout, max_requests) = (self.header_read_timeout, self.max_requests);
+        // Every connection's task, waited for on shutdown.
+        let connections = tokio_util::task::TaskTracker::new();
         // Cancelled when shutdown begins: a connection that has sent no
         // request yet (or not finished its TLS handshake) is idle, and closes
         // at once rather than holding the shutdown.
@@ -484,11 +501,23 @@ where
             // that sees its connection closed by a panic here knows the
             // acceptor can hand this worker nothing more.
             let closes_if_panicking = CloseOnPanic(&mut self.inbox);
-            let service = (self.make_service)(peer);
+            let activity = Arc::new(Activity::new(max_requests));
+            let service = Counting { inner: (self.make_service)(peer), activity: Arc::clone(&activity) };
             drop(closes_if_panicking);
-            let (builders, watcher, tls) = (Arc::clone(&builders), graceful.watcher(), self.tls.clone());
+            let (builders, tls) = (Arc::clone(&builders), self.tls.clone());
             let draining = draining.clone();
-            tokio::spawn(async move {
+            // Until shutdown begins, the connection goes idle, or it has
+            // carried all the requests it may.
+            let until = {
+                let draining = draining.clone();
+                async move {
+                    tokio::select! {
+                        () = draining.cancelled() => {}
+                        () = activity.idle_or_spent(first_byte_timeout) => {}
+                    }
+                }
+            };
+            connections.spawn(async move {
                 let served = async move {
                     let (http1, http2) = &*builders;
                     match tls {
@@ -503,7 +532,7 @@ where
                             };
                             let builder = if version == Sniffed::Http2 { http2 } else { http1 };
                             let connection = builder.serve_connection(TokioIo::new(tcp), service);
-                            let _ = watcher.watch(connection.into_owned()).await;
+                            serve_until(connection.into_owned(), until).await;
                         }
                         Some(acceptor) => {
                             let handshake = tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp));
@@ -516,7 +545,7 @@ where
                                     let h2 = tls.get_ref().1.alpn_protocol() == Some(b"h2");
                                     let builder = if h2 { http2 } else { http1 };
                                     let connection = builder.serve_connection(TokioIo::new(tls), service);
-                                    let _ = watcher.watch(connection.into_owned()).await;
+                                    serve_until(connection.into_owned(), until).await;
                                 }
                                 Ok(Err(error)) => tracing::debug!(%error, %peer, "TLS handshake failed"),
                                 Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
@@ -539,10 +568,181 @@ where
         }
         draining.cancel();
         // Shutdown: idle connections close, busy ones finish their requests.
+        connections.close();
         tokio::select! {
-            () = graceful.shutdown() => {}
+            () = connections.wait() => {}
             () = self.stop_now.cancelled() => {}
         }
+    }
+}
+
+/// Serves `connection` until `until` resolves, then closes it gracefully:
+/// its requests in flight are answered (HTTP/1.1 closes after its answer
+/// under way, HTTP/2 sends a GOAWAY), none more is taken.
+async fn serve_until<C>(connection: C, until: impl Future<Output = ()>)
+where
+    C: Future + GracefulConnection,
+{
+    let mut connection = std::pin::pin!(connection);
+    tokio::select! {
+        _ = connection.as_mut() => return,
+        () = until => {}
+    }
+    connection.as_mut().graceful_shutdown();
+    let _ = connection.await;
+}
+
+/// A connection that can be told to finish what it has and close.
+trait GracefulConnection {
+    fn graceful_shutdown(self: std::pin::Pin<&mut Self>);
+}
+
+impl<I, S, E> GracefulConnection for hyper_util::server::conn::auto::Connection<'_, I, S, E>
+where
+    S: hyper::service::HttpService<Incoming>,
+    S::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    S::ResBody: http_body::Body + Send + 'static,
+    <S::ResBody as http_body::Body>::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+    E: hyper::rt::bounds::Http2ServerConnExec<S::Future, S::ResBody>,
+{
+    fn graceful_shutdown(self: std::pin::Pin<&mut Self>) {
+        hyper_util::server::conn::auto::Connection::graceful_shutdown(self);
+    }
+}
+
+/// What one connection's requests are doing: how many it has been sent,
+/// and how many are not answered whole yet (until its answer's body is
+/// done or dropped). Three relaxed atomic operations a request, no clock:
+/// every request of a proxy pays for it.
+struct Activity {
+    started: AtomicU64,
+    open: AtomicU64,
+    /// Requests it may be sent; 0: no limit.
+    max_requests: u64,
+    /// Told once it has been sent them all.
+    spent: tokio::sync::Notify,
+}
+
+impl Activity {
+    fn new(max_requests: u64) -> Activity {
+        Activity {
+            started: AtomicU64::new(0),
+            open: AtomicU64::new(0),
+            max_requests,
+            spent: tokio::sync::Notify::new(),
+        }
+    }
+
+    /// Resolves once the connection has had no request for `idle` (its
+    /// activity looked at every `idle`: closed between one and two of them
+    /// after its last answer), or has been sent all its requests.
+    async fn idle_or_spent(&self, idle: Duration) {
+        let spent = self.spent.notified();
+        let idle = async {
+            let mut seen = u64::MAX;
+            loop {
+                let started = self.started.load(Ordering::Relaxed);
+                let quiet = self.open.load(Ordering::Relaxed) == 0;
+                if quiet && started == seen {
+                    return;
+                }
+                seen = if quiet { started } else { u64::MAX };
+                tokio::time::sleep(idle).await;
+            }
+        };
+        tokio::select! {
+            () = spent => {}
+            () = idle => {}
+        }
+    }
+}
+
+/// A connection's service, counting its requests into its [`Activity`].
+struct Counting<S> {
+    inner: S,
+    activity: Arc<Activity>,
+}
+
+/// One request not answered whole yet.
+struct Unanswered(Arc<Activity>);
+
+impl Drop for Unanswered {
+    fn drop(&mut self) {
+        self.0.open.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+impl<S, B> hyper::service::Service<Request<Incoming>> for Counting<S>
+where
+    S: hyper::service::Service<Request<Incoming>, Response = Response<B>, Error = Infallible>,
+{
+    type Response = Response<CountedBody<B>>;
+    type Error = Infallible;
+    type Future = CountedAnswer<S::Future>;
+
+    fn call(&self, request: Request<Incoming>) -> Self::Future {
+        let started = self.activity.started.fetch_add(1, Ordering::Relaxed) + 1;
+        if started == self.activity.max_requests {
+            // A permit, kept until the connection's watcher takes it.
+            self.activity.spent.notify_one();
+        }
+        self.activity.open.fetch_add(1, Ordering::Relaxed);
+        let unanswered = Unanswered(Arc::clone(&self.activity));
+        CountedAnswer { inner: self.inner.call(request), unanswered: Some(unanswered) }
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// A counted request's answer, to its head.
+    struct CountedAnswer<F> {
+        #[pin]
+        inner: F,
+        unanswered: Option<Unanswered>,
+    }
+}
+
+impl<F, B> Future for CountedAnswer<F>
+where
+    F: Future<Output = Result<Response<B>, Infallible>>,
+{
+    type Output = Result<Response<CountedBody<B>>, Infallible>;
+
+    fn poll(self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<Self::Output> {
+        let this = self.project();
+        let Ok(response) = std::task::ready!(this.inner.poll(cx));
+        let unanswered = this.unanswered.take();
+        std::task::Poll::Ready(Ok(response.map(|inner| CountedBody { inner, _unanswered: unanswered })))
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// A counted request's answer's body: the request is answered once it
+    /// is done or dropped.
+    pub struct CountedBody<B> {
+        #[pin]
+        inner: B,
+        _unanswered: Option<Unanswered>,
+    }
+}
+
+impl<B: http_body::Body> http_body::Body for CountedBody<B> {
+    type Data = B::Data;
+    type Error = B::Error;
+
+    fn poll_frame(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        self.project().inner.poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
     }
 }
 
@@ -604,6 +804,7 @@ mod tests {
             past_grace: CancellationToken::new(),
             header_read_timeout: HEADER_READ_TIMEOUT,
             limit: ConnectionLimit::default(),
+            max_requests_per_connection: 0,
             proxy_protocol: None,
         }
     }
@@ -888,6 +1089,96 @@ mod tests {
         let other = relayed(addr, &[b"PROXY TCP4 192.0.2.10 127.0.0.1 5555 80\r\n"]).await;
         assert_eq!(other.as_deref(), Some("HTTP/1.1 200 OK 192.0.2.10:5555"));
         drop(held);
+        shutdown.cancel();
+        served.await.unwrap().unwrap();
+    }
+
+    /// Answers 200 after `0` of waiting.
+    #[derive(Clone)]
+    struct Slow(Duration);
+
+    impl hyper::service::Service<Request<Incoming>> for Slow {
+        type Response = Response<Full<Bytes>>;
+        type Error = Infallible;
+        type Future = std::pin::Pin<Box<dyn Future<Output = Result<Self::Response, Infallible>> + Send>>;
+
+        fn call(&self, _: Request<Incoming>) -> Self::Future {
+            let wait = self.0;
+            Box::pin(async move {
+                tokio::time::sleep(wait).await;
+                Ok(Response::new(Full::new(Bytes::from_static(b"ok"))))
+            })
+        }
+    }
+
+    async fn serve_slow(
+        wait: Duration,
+        idle: Duration,
+        max_requests: u64,
+    ) -> (SocketAddr, CancellationToken, tokio::task::JoinHandle<std::io::Result<()>>) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let options =
+            Options { header_read_timeout: idle, max_requests_per_connection: max_requests, ..options("idle") };
+        let shutdown = CancellationToken::new();
+        let service = move |_| Slow(wait);
+        (addr, shutdown.clone(), tokio::spawn(serve(listener, vec![service], options, shutdown)))
+    }
+
+    /// An HTTP/2 connection to `addr`: its sender, and what resolves when
+    /// the server has closed it.
+    async fn http2(
+        addr: SocketAddr,
+    ) -> (hyper::client::conn::http2::SendRequest<Full<Bytes>>, tokio::task::JoinHandle<()>) {
+        let stream = TcpStream::connect(addr).await.unwrap();
+        let (sender, connection) =
+            hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(stream)).await.unwrap();
+        (sender, tokio::spawn(async move { connection.await.unwrap_or_default() }))
+    }
+
+    fn get_root() -> Request<Full<Bytes>> {
+        Request::get("http://x/").body(Full::new(Bytes::new())).unwrap()
+    }
+
+    #[tokio::test]
+    async fn an_idle_http2_connection_is_closed_and_a_busy_one_is_not() {
+        let idle = Duration::from_millis(200);
+        // Each answer takes three idle periods.
+        let (addr, shutdown, served) = serve_slow(idle * 3, idle, 0).await;
+        let (mut sender, closed) = http2(addr).await;
+        let answer = sender.send_request(get_root()).await.expect("answered, though it took longer than idle");
+        assert_eq!(answer.status(), http::StatusCode::OK);
+        assert!(!closed.is_finished(), "busy until then");
+        // Then nothing: closed within two idle periods, and a little.
+        tokio::time::timeout(idle * 4, closed).await.expect("an idle connection is closed").unwrap();
+        shutdown.cancel();
+        served.await.unwrap().unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_connection_carries_at_most_its_requests_and_answers_those_it_took() {
+        let (addr, shutdown, served) = serve_slow(Duration::ZERO, Duration::from_secs(60), 3).await;
+        // HTTP/1.1: the third answer closes the connection.
+        let stream = TcpStream::connect(addr).await.unwrap();
+        let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.unwrap();
+        let connection = tokio::spawn(connection);
+        for n in 1..=3 {
+            sender.ready().await.unwrap_or_else(|e| panic!("request {n}: {e}"));
+            let answer = sender.send_request(get_root()).await.unwrap();
+            assert_eq!(answer.status(), http::StatusCode::OK);
+            let closes = answer.headers().get(http::header::CONNECTION).is_some_and(|v| v == "close");
+            assert_eq!(closes, n == 3, "request {n}");
+            answer.into_body().collect().await.unwrap();
+        }
+        tokio::time::timeout(Duration::from_secs(5), connection).await.expect("closed after its third").unwrap().ok();
+        // HTTP/2: a GOAWAY after the third; the third is answered.
+        let (mut sender, closed) = http2(addr).await;
+        for n in 1..=3 {
+            let answer = sender.send_request(get_root()).await.unwrap_or_else(|e| panic!("request {n}: {e}"));
+            assert_eq!(answer.status(), http::StatusCode::OK);
+        }
+        tokio::time::timeout(Duration::from_secs(5), closed).await.expect("closed after its third").unwrap();
+        assert!(sender.send_request(get_root()).await.is_err(), "no fourth on it");
         shutdown.cancel();
         served.await.unwrap().unwrap();
     }

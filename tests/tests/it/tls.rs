@@ -158,6 +158,7 @@ async fn a_tls_connection_that_sends_nothing_after_its_handshake_is_closed() {
         past_grace: tokio_util::sync::CancellationToken::new(),
         header_read_timeout: Duration::from_millis(300),
         limit: inferyes_net::serve::ConnectionLimit::default(),
+        max_requests_per_connection: 0,
         proxy_protocol: None,
     };
     let shutdown = tokio_util::sync::CancellationToken::new();
