@@ -20,10 +20,14 @@ pub enum Rule {
     Within { min: i64, max: i64 },
     /// An array or object of at most this many items (or `null`).
     AtMostItems(usize),
+    /// At most this many bytes, as written (or `null`).
+    AtMostBytes(usize),
+    /// 1, or `null`: why no other.
+    One(&'static str),
 }
 
 /// The guarded members, by name.
-pub const GUARDED: [(&str, Rule); 26] = [
+pub const GUARDED: [(&str, Rule); 34] = [
     ("id_slot", Rule::Refused("it would choose the server's slot, evicting whichever conversation's cache is there")),
     ("slot_id", Rule::Refused("it would choose the server's slot, evicting whichever conversation's cache is there")),
     ("n_cache_reuse", Rule::Refused("it changes how the server shifts its caches")),
@@ -57,6 +61,20 @@ pub const GUARDED: [(&str, Rule); 26] = [
     ("max_completion_tokens", Rule::Within { min: 0, max: i64::MAX }),
     ("max_output_tokens", Rule::Within { min: 0, max: i64::MAX }),
     ("n_predict", Rule::Within { min: 0, max: i64::MAX }),
+    // Each choice past the first takes a slot of its own, up to all of the
+    // server's, evicting other conversations' caches.
+    ("n", Rule::One("each choice takes a slot of the server's, evicting another conversation's cache")),
+    ("n_cmpl", Rule::One("each choice takes a slot of the server's, evicting another conversation's cache")),
+    // Each stop string is matched at every token.
+    ("stop", Rule::AtMostItems(16)),
+    ("stop_sequences", Rule::AtMostItems(16)),
+    // Compiled into a grammar as the request starts, and run at every
+    // token.
+    ("grammar", Rule::AtMostBytes(64 << 10)),
+    ("json_schema", Rule::AtMostBytes(64 << 10)),
+    ("response_format", Rule::AtMostBytes(64 << 10)),
+    // Values the chat template reads as it renders the prompt.
+    ("chat_template_kwargs", Rule::AtMostBytes(4 << 10)),
 ];
 
 /// The index in [`GUARDED`] of a top-level member's name. A `match`, not a
@@ -90,6 +108,14 @@ pub fn index(name: &str) -> Option<usize> {
         "max_completion_tokens" => 23,
         "max_output_tokens" => 24,
         "n_predict" => 25,
+        "n" => 26,
+        "n_cmpl" => 27,
+        "stop" => 28,
+        "stop_sequences" => 29,
+        "grammar" => 30,
+        "json_schema" => 31,
+        "response_format" => 32,
+        "chat_template_kwargs" => 33,
         _ => return None,
     })
 }
@@ -114,6 +140,11 @@ pub fn check(index: usize, raw: &str) -> Option<String> {
             };
             (items > most).then(|| format!("`{name}` may hold at most {most} items, not {items}"))
         }
+        Rule::AtMostBytes(most) => {
+            (raw.len() > most).then(|| format!("`{name}` may be at most {most} bytes long, not {}", raw.len()))
+        }
+        Rule::One(_) if raw == "null" || raw == "1" => None,
+        Rule::One(why) => Some(format!("`{name}` must be 1: {why}")),
     }
 }
 
@@ -169,6 +200,16 @@ mod tests {
         assert!(check(at("logit_bias"), &format!("{{{}}}", many.join(","))).unwrap().contains("not 301"));
         assert_eq!(check(at("logit_bias"), "{\"15\": -100}"), None);
         assert!(check(at("dry_sequence_breakers"), &format!("[{}]", vec!["\"x\""; 17].join(","))).is_some());
+        assert_eq!(check(at("n"), "1"), None);
+        assert!(check(at("n"), "8").unwrap().contains("slot"));
+        assert!(check(at("n_cmpl"), "2").is_some());
+        assert_eq!(check(at("stop"), "\"end\""), None);
+        assert!(check(at("stop"), &format!("[{}]", vec!["\"x\""; 17].join(","))).is_some());
+        let grammar = format!("\"{}\"", "a".repeat(64 << 10));
+        assert!(check(at("grammar"), &grammar).unwrap().contains("at most 65536 bytes"));
+        assert_eq!(check(at("grammar"), "\"root ::= [a-z]+\""), None);
+        assert!(check(at("chat_template_kwargs"), &format!("{{\"k\":\"{}\"}}", "v".repeat(5000))).is_some());
+        assert_eq!(check(at("chat_template_kwargs"), "{\"enable_thinking\":false}"), None);
     }
 
     #[test]

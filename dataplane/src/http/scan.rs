@@ -213,7 +213,12 @@ impl<'a> Scanner<'a> {
                         // Given twice, it is not known which one a backend
                         // reads: constrained, to be safe.
                         let twice = constraints.again(constraint);
-                        fields.constrained |= scanner.nullable_value(1)?.is_some() || twice;
+                        let raw = scanner.nullable_value(1)?;
+                        fields.constrained |= raw.is_some() || twice;
+                        // Some are held to a size too.
+                        if let (Some(raw), Some(guarded)) = (raw, super::guard::index(other)) {
+                            fields.guarded.push((guarded, raw));
+                        }
                     }
                     None => match super::guard::index(other) {
                         Some(guarded) => {

@@ -217,6 +217,11 @@ async fn members_that_reach_into_the_shared_server_are_refused_before_it_sees_th
     refused(chat(json!({"repeat_last_n": 2_000_000_000})), "repeat_last_n").await;
     refused(chat(json!({"max_tokens": -1})), "max_tokens").await;
     refused(chat(json!({"chat_parser": "x"})), "chat_parser").await;
+    // More choices take more slots; a huge grammar is compiled and run at
+    // every token.
+    assert!(refused(chat(json!({"n": 8})), "n").await.contains("slot"));
+    refused(chat(json!({"grammar": "root ::= ".to_string() + &"\"a\" ".repeat(20_000)})), "grammar").await;
+    refused(chat(json!({"stop": vec!["x"; 17]})), "stop").await;
     // Media the server would fetch from inside the fleet's network.
     let image = json!({"model": "chat", "messages": [{"role": "user", "content": [
         {"type": "text", "text": "what is this?"},
@@ -225,7 +230,9 @@ async fn members_that_reach_into_the_shared_server_are_refused_before_it_sees_th
     assert_eq!(fleet.sims[0].sim.stats().requests, 0, "none of them reached the server");
 
     // Within their bounds they go on.
-    let fine =
-        fleet.http.post_json(&chat_url, &chat(json!({"n_probs": 5, "max_tokens": 4, "cache_prompt": false}))).await;
+    let fine = fleet
+        .http
+        .post_json(&chat_url, &chat(json!({"n_probs": 5, "max_tokens": 4, "cache_prompt": false, "n": 1})))
+        .await;
     assert_eq!(fine.status, StatusCode::OK, "{}", String::from_utf8_lossy(&fine.body));
 }
