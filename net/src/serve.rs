@@ -506,17 +506,7 @@ where
             drop(closes_if_panicking);
             let (builders, tls) = (Arc::clone(&builders), self.tls.clone());
             let draining = draining.clone();
-            // Until shutdown begins, the connection goes idle, or it has
-            // carried all the requests it may.
-            let until = {
-                let draining = draining.clone();
-                async move {
-                    tokio::select! {
-                        () = draining.cancelled() => {}
-                        () = activity.idle_or_spent(first_byte_timeout) => {}
-                    }
-                }
-            };
+            let watched = (activity, first_byte_timeout, draining.clone());
             connections.spawn(async move {
                 let served = async move {
                     let (http1, http2) = &*builders;
@@ -532,7 +522,7 @@ where
                             };
                             let builder = if version == Sniffed::Http2 { http2 } else { http1 };
                             let connection = builder.serve_connection(TokioIo::new(tcp), service);
-                            serve_until(connection.into_owned(), until).await;
+                            serve_watched(connection.into_owned(), watched).await;
                         }
                         Some(acceptor) => {
                             let handshake = tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp));
@@ -545,7 +535,7 @@ where
                                     let h2 = tls.get_ref().1.alpn_protocol() == Some(b"h2");
                                     let builder = if h2 { http2 } else { http1 };
                                     let connection = builder.serve_connection(TokioIo::new(tls), service);
-                                    serve_until(connection.into_owned(), until).await;
+                                    serve_watched(connection.into_owned(), watched).await;
                                 }
                                 Ok(Err(error)) => tracing::debug!(%error, %peer, "TLS handshake failed"),
                                 Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
@@ -576,20 +566,36 @@ where
     }
 }
 
-/// Serves `connection` until `until` resolves, then closes it gracefully:
-/// its requests in flight are answered (HTTP/1.1 closes after its answer
-/// under way, HTTP/2 sends a GOAWAY), none more is taken.
-async fn serve_until<C>(connection: C, until: impl Future<Output = ()>)
+/// Serves `connection` until shutdown begins (`draining`), it goes idle,
+/// has carried all the requests it may, or its client stops taking what it
+/// is sent (its `activity` watched every `period`). Then it is closed: at
+/// once, its answers under way cut, where its client takes nothing; else
+/// gracefully, its requests in flight answered (HTTP/1.1 closes after the
+/// answer under way, HTTP/2 sends a GOAWAY), and watched until it is done.
+async fn serve_watched<C>(connection: C, (activity, period, draining): (Arc<Activity>, Duration, CancellationToken))
 where
     C: Future + GracefulConnection,
 {
     let mut connection = std::pin::pin!(connection);
-    tokio::select! {
-        _ = connection.as_mut() => return,
-        () = until => {}
+    let mut closing = false;
+    loop {
+        let close = tokio::select! {
+            _ = connection.as_mut() => return,
+            () = draining.cancelled(), if !closing => Close::Gracefully,
+            close = activity.watch(period) => close,
+        };
+        match close {
+            Close::Now => {
+                tracing::debug!("a client took nothing of its answers for a while; its connection cut");
+                return;
+            }
+            Close::Gracefully if !closing => {
+                closing = true;
+                connection.as_mut().graceful_shutdown();
+            }
+            Close::Gracefully => {}
+        }
     }
-    connection.as_mut().graceful_shutdown();
-    let _ = connection.await;
 }
 
 /// A connection that can be told to finish what it has and close.
@@ -612,16 +618,30 @@ where
 }
 
 /// What one connection's requests are doing: how many it has been sent,
-/// and how many are not answered whole yet (until its answer's body is
-/// done or dropped). Three relaxed atomic operations a request, no clock:
-/// every request of a proxy pays for it.
+/// how many are not answered whole yet (until the answer's body is done
+/// or dropped), and how its answers are read: how often their bodies were
+/// polled, and how many handed a frame and have not been polled since
+/// (the client is not taking what it was sent). A few relaxed atomic
+/// operations a request and a frame, no clock: every request of a proxy
+/// pays for it.
 struct Activity {
     started: AtomicU64,
     open: AtomicU64,
+    polls: AtomicU64,
+    awaiting: AtomicU64,
     /// Requests it may be sent; 0: no limit.
     max_requests: u64,
     /// Told once it has been sent them all.
     spent: tokio::sync::Notify,
+}
+
+/// How a watched connection is to end.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Close {
+    /// Its requests in flight answered first.
+    Gracefully,
+    /// At once: its client takes nothing of what it was sent.
+    Now,
 }
 
 impl Activity {
@@ -629,31 +649,43 @@ impl Activity {
         Activity {
             started: AtomicU64::new(0),
             open: AtomicU64::new(0),
+            polls: AtomicU64::new(0),
+            awaiting: AtomicU64::new(0),
             max_requests,
             spent: tokio::sync::Notify::new(),
         }
     }
 
-    /// Resolves once the connection has had no request for `idle` (its
-    /// activity looked at every `idle`: closed between one and two of them
-    /// after its last answer), or has been sent all its requests.
-    async fn idle_or_spent(&self, idle: Duration) {
+    /// Resolves once the connection is to close, its activity looked at
+    /// every `period`: gracefully once it has had no request for a whole
+    /// period (between one and two after its last answer) or has been
+    /// sent all its requests; at once where an answer has waited a whole
+    /// period for its client to take a frame, no answer of the
+    /// connection's read meanwhile. (A client that reads one answer of an
+    /// HTTP/2 connection keeps the others alive.)
+    async fn watch(&self, period: Duration) -> Close {
         let spent = self.spent.notified();
-        let idle = async {
-            let mut seen = u64::MAX;
+        let watched = async {
+            let (mut seen_started, mut seen_polls) = (u64::MAX, u64::MAX);
             loop {
                 let started = self.started.load(Ordering::Relaxed);
                 let quiet = self.open.load(Ordering::Relaxed) == 0;
-                if quiet && started == seen {
-                    return;
+                if quiet && started == seen_started {
+                    return Close::Gracefully;
                 }
-                seen = if quiet { started } else { u64::MAX };
-                tokio::time::sleep(idle).await;
+                let polls = self.polls.load(Ordering::Relaxed);
+                let awaiting = self.awaiting.load(Ordering::Relaxed) > 0;
+                if awaiting && polls == seen_polls {
+                    return Close::Now;
+                }
+                seen_started = if quiet { started } else { u64::MAX };
+                seen_polls = if awaiting { polls } else { u64::MAX };
+                tokio::time::sleep(period).await;
             }
         };
         tokio::select! {
-            () = spent => {}
-            () = idle => {}
+            () = spent => Close::Gracefully,
+            close = watched => close,
         }
     }
 }
@@ -664,12 +696,33 @@ struct Counting<S> {
     activity: Arc<Activity>,
 }
 
-/// One request not answered whole yet.
-struct Unanswered(Arc<Activity>);
+/// One request not answered whole yet; `handed`: its body handed a frame
+/// and has not been polled since.
+struct Unanswered {
+    activity: Arc<Activity>,
+    handed: bool,
+}
+
+impl Unanswered {
+    fn polled(&mut self) {
+        if std::mem::take(&mut self.handed) {
+            self.activity.awaiting.fetch_sub(1, Ordering::Relaxed);
+        }
+        self.activity.polls.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn handed(&mut self) {
+        self.handed = true;
+        self.activity.awaiting.fetch_add(1, Ordering::Relaxed);
+    }
+}
 
 impl Drop for Unanswered {
     fn drop(&mut self) {
-        self.0.open.fetch_sub(1, Ordering::Relaxed);
+        if self.handed {
+            self.activity.awaiting.fetch_sub(1, Ordering::Relaxed);
+        }
+        self.activity.open.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -688,7 +741,7 @@ where
             self.activity.spent.notify_one();
         }
         self.activity.open.fetch_add(1, Ordering::Relaxed);
-        let unanswered = Unanswered(Arc::clone(&self.activity));
+        let unanswered = Unanswered { activity: Arc::clone(&self.activity), handed: false };
         CountedAnswer { inner: self.inner.call(request), unanswered: Some(unanswered) }
     }
 }
@@ -712,7 +765,7 @@ where
         let this = self.project();
         let Ok(response) = std::task::ready!(this.inner.poll(cx));
         let unanswered = this.unanswered.take();
-        std::task::Poll::Ready(Ok(response.map(|inner| CountedBody { inner, _unanswered: unanswered })))
+        std::task::Poll::Ready(Ok(response.map(|inner| CountedBody { inner, unanswered })))
     }
 }
 
@@ -722,7 +775,7 @@ pin_project_lite::pin_project! {
     pub struct CountedBody<B> {
         #[pin]
         inner: B,
-        _unanswered: Option<Unanswered>,
+        unanswered: Option<Unanswered>,
     }
 }
 
@@ -734,7 +787,15 @@ impl<B: http_body::Body> http_body::Body for CountedBody<B> {
         self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
-        self.project().inner.poll_frame(cx)
+        let this = self.project();
+        if let Some(unanswered) = this.unanswered.as_mut() {
+            unanswered.polled();
+        }
+        let polled = this.inner.poll_frame(cx);
+        if let (std::task::Poll::Ready(Some(Ok(_))), Some(unanswered)) = (&polled, this.unanswered.as_mut()) {
+            unanswered.handed();
+        }
+        polled
     }
 
     fn is_end_stream(&self) -> bool {
@@ -1179,6 +1240,85 @@ mod tests {
         }
         tokio::time::timeout(Duration::from_secs(5), closed).await.expect("closed after its third").unwrap();
         assert!(sender.send_request(get_root()).await.is_err(), "no fourth on it");
+        shutdown.cancel();
+        served.await.unwrap().unwrap();
+    }
+
+    /// Answers with `frames` of 64 KiB (no end where `None`), one each
+    /// `gap`; sets `cut` once its answer's body is dropped before its end.
+    #[derive(Clone)]
+    struct Frames {
+        frames: Option<usize>,
+        gap: Duration,
+        cut: Arc<std::sync::atomic::AtomicBool>,
+    }
+
+    type FrameStream = tokio_stream::wrappers::ReceiverStream<Result<http_body::Frame<Bytes>, Infallible>>;
+
+    impl hyper::service::Service<Request<Incoming>> for Frames {
+        type Response = Response<http_body_util::StreamBody<FrameStream>>;
+        type Error = Infallible;
+        type Future = std::future::Ready<Result<Self::Response, Infallible>>;
+
+        fn call(&self, _: Request<Incoming>) -> Self::Future {
+            let (tx, rx) = mpsc::channel(1);
+            let Frames { frames, gap, cut } = self.clone();
+            tokio::spawn(async move {
+                for sent in 0.. {
+                    if frames.is_some_and(|n| sent >= n) {
+                        return;
+                    }
+                    tokio::time::sleep(gap).await;
+                    if tx.send(Ok(http_body::Frame::data(Bytes::from(vec![b'x'; 64 << 10])))).await.is_err() {
+                        cut.store(true, Ordering::SeqCst);
+                        return;
+                    }
+                }
+            });
+            let body = http_body_util::StreamBody::new(tokio_stream::wrappers::ReceiverStream::new(rx));
+            std::future::ready(Ok(Response::new(body)))
+        }
+    }
+
+    #[tokio::test]
+    async fn a_client_that_stops_reading_is_cut_off_and_one_that_waits_on_its_answer_is_not() {
+        let period = Duration::from_millis(200);
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let cut = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let endless = Frames { frames: None, gap: Duration::ZERO, cut: Arc::clone(&cut) };
+        let stalled_options = Options { header_read_timeout: period, ..options("stalled") };
+        let shutdown = CancellationToken::new();
+        let served = tokio::spawn(serve(listener, vec![move |_| endless.clone()], stalled_options, shutdown.clone()));
+        // Asks for an endless answer and takes none of it.
+        let mut stalled = TcpStream::connect(addr).await.unwrap();
+        stalled.write_all(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n").await.unwrap();
+        let dropped = async {
+            while !cut.load(Ordering::SeqCst) {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        };
+        tokio::time::timeout(period * 10, dropped).await.expect("its answer cut within a few periods");
+        drop(stalled);
+        shutdown.cancel();
+        served.await.unwrap().unwrap();
+
+        // An answer whose frames come three periods apart, read as they
+        // come, goes to its end.
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let cut = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let slow = Frames { frames: Some(3), gap: period * 3, cut: Arc::clone(&cut) };
+        let slow_options = Options { header_read_timeout: period, ..options("slow") };
+        let shutdown = CancellationToken::new();
+        let served = tokio::spawn(serve(listener, vec![move |_| slow.clone()], slow_options, shutdown.clone()));
+        let stream = TcpStream::connect(addr).await.unwrap();
+        let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.unwrap();
+        tokio::spawn(connection);
+        let answer = sender.send_request(get_root()).await.unwrap();
+        let body = answer.into_body().collect().await.expect("the whole answer").to_bytes();
+        assert_eq!(body.len(), 3 * (64 << 10));
+        assert!(!cut.load(Ordering::SeqCst));
         shutdown.cancel();
         served.await.unwrap().unwrap();
     }
