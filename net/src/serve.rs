@@ -736,13 +736,18 @@ where
 
     fn call(&self, request: Request<Incoming>) -> Self::Future {
         let started = self.activity.started.fetch_add(1, Ordering::Relaxed) + 1;
-        if started == self.activity.max_requests {
+        let last = started == self.activity.max_requests;
+        if last {
             // A permit, kept until the connection's watcher takes it.
             self.activity.spent.notify_one();
         }
         self.activity.open.fetch_add(1, Ordering::Relaxed);
         let unanswered = Unanswered { activity: Arc::clone(&self.activity), handed: false };
-        CountedAnswer { inner: self.inner.call(request), unanswered: Some(unanswered) }
+        // An HTTP/1.1 client learns from the last answer itself that the
+        // connection closes, whenever the watcher acts: a client that sent
+        // another request meanwhile would see it fail.
+        let closes = last && request.version() < http::Version::HTTP_2;
+        CountedAnswer { inner: self.inner.call(request), unanswered: Some(unanswered), closes }
     }
 }
 
@@ -752,6 +757,7 @@ pin_project_lite::pin_project! {
         #[pin]
         inner: F,
         unanswered: Option<Unanswered>,
+        closes: bool,
     }
 }
 
@@ -763,7 +769,10 @@ where
 
     fn poll(self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<Self::Output> {
         let this = self.project();
-        let Ok(response) = std::task::ready!(this.inner.poll(cx));
+        let Ok(mut response) = std::task::ready!(this.inner.poll(cx));
+        if *this.closes {
+            response.headers_mut().insert(http::header::CONNECTION, http::HeaderValue::from_static("close"));
+        }
         let unanswered = this.unanswered.take();
         std::task::Poll::Ready(Ok(response.map(|inner| CountedBody { inner, unanswered })))
     }
@@ -787,11 +796,11 @@ impl<B: http_body::Body> http_body::Body for CountedBody<B> {
         self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
-        let this = self.project();
+        let mut this = self.project();
         if let Some(unanswered) = this.unanswered.as_mut() {
             unanswered.polled();
         }
-        let polled = this.inner.poll_frame(cx);
+        let polled = this.inner.as_mut().poll_frame(cx);
         if let (std::task::Poll::Ready(Some(Ok(_))), Some(unanswered)) = (&polled, this.unanswered.as_mut()) {
             unanswered.handed();
         }
@@ -1218,6 +1227,26 @@ mod tests {
 
     #[tokio::test]
     async fn a_connection_carries_at_most_its_requests_and_answers_those_it_took() {
+        // Answered at once, so before the connection's watcher is polled:
+        // the answer itself must say that the connection closes.
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let options = Options { max_requests_per_connection: 3, ..options("at-once") };
+        let shutdown = CancellationToken::new();
+        let served = tokio::spawn(serve(listener, vec![|_| Ok200], options, shutdown.clone()));
+        let stream = TcpStream::connect(addr).await.unwrap();
+        let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.unwrap();
+        let connection = tokio::spawn(connection);
+        for n in 1..=3 {
+            sender.ready().await.unwrap_or_else(|e| panic!("request {n}: {e}"));
+            let answer = sender.send_request(get_root()).await.unwrap();
+            let closes = answer.headers().get(http::header::CONNECTION).is_some_and(|v| v == "close");
+            assert_eq!(closes, n == 3, "request {n}");
+        }
+        tokio::time::timeout(Duration::from_secs(5), connection).await.expect("closed after its third").unwrap().ok();
+        shutdown.cancel();
+        served.await.unwrap().unwrap();
+
         let (addr, shutdown, served) = serve_slow(Duration::ZERO, Duration::from_secs(60), 3).await;
         // HTTP/1.1: the third answer closes the connection.
         let stream = TcpStream::connect(addr).await.unwrap();
