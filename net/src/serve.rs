@@ -801,7 +801,11 @@ impl<B: http_body::Body> http_body::Body for CountedBody<B> {
             unanswered.polled();
         }
         let polled = this.inner.as_mut().poll_frame(cx);
-        if let (std::task::Poll::Ready(Some(Ok(_))), Some(unanswered)) = (&polled, this.unanswered.as_mut()) {
+        // The last frame is not waited on: a whole answer is one frame, which
+        // a client reading slowly may take minutes to take.
+        if let (std::task::Poll::Ready(Some(Ok(_))), Some(unanswered)) = (&polled, this.unanswered.as_mut())
+            && !this.inner.is_end_stream()
+        {
             unanswered.handed();
         }
         polled
