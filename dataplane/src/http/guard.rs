@@ -24,10 +24,12 @@ pub enum Rule {
     AtMostBytes(usize),
     /// 1, or `null`: why no other.
     One(&'static str),
+    /// `true` only: why no other (`null` included).
+    True(&'static str),
 }
 
 /// The guarded members, by name.
-pub const GUARDED: [(&str, Rule); 34] = [
+pub const GUARDED: [(&str, Rule); 35] = [
     ("id_slot", Rule::Refused("it would choose the server's slot, evicting whichever conversation's cache is there")),
     ("slot_id", Rule::Refused("it would choose the server's slot, evicting whichever conversation's cache is there")),
     ("n_cache_reuse", Rule::Refused("it changes how the server shifts its caches")),
@@ -75,6 +77,9 @@ pub const GUARDED: [(&str, Rule); 34] = [
     ("response_format", Rule::AtMostBytes(64 << 10)),
     // Values the chat template reads as it renders the prompt.
     ("chat_template_kwargs", Rule::AtMostBytes(4 << 10)),
+    // Asked for by the gateway itself where it is not given; without it a
+    // stream cut short is counted for a guess at its prompt.
+    ("return_progress", Rule::True("the gateway reads the prompt's progress to count what a stream cut short used")),
 ];
 
 /// The index in [`GUARDED`] of a top-level member's name. A `match`, not a
@@ -116,6 +121,7 @@ pub fn index(name: &str) -> Option<usize> {
         "json_schema" => 31,
         "response_format" => 32,
         "chat_template_kwargs" => 33,
+        "return_progress" => 34,
         _ => return None,
     })
 }
@@ -145,6 +151,8 @@ pub fn check(index: usize, raw: &str) -> Option<String> {
         }
         Rule::One(_) if raw == "null" || raw == "1" => None,
         Rule::One(why) => Some(format!("`{name}` must be 1: {why}")),
+        Rule::True(_) if raw == "true" => None,
+        Rule::True(why) => Some(format!("`{name}` may only be true: {why}")),
     }
 }
 
@@ -210,6 +218,10 @@ mod tests {
         assert_eq!(check(at("grammar"), "\"root ::= [a-z]+\""), None);
         assert!(check(at("chat_template_kwargs"), &format!("{{\"k\":\"{}\"}}", "v".repeat(5000))).is_some());
         assert_eq!(check(at("chat_template_kwargs"), "{\"enable_thinking\":false}"), None);
+        assert_eq!(check(at("return_progress"), "true"), None);
+        for opting_out in ["false", "null", "0"] {
+            assert!(check(at("return_progress"), opting_out).unwrap().contains("only be true"), "{opting_out}");
+        }
     }
 
     #[test]

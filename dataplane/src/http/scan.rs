@@ -206,7 +206,12 @@ impl<'a> Scanner<'a> {
                 }
                 "return_progress" => {
                     fields.return_progress_named = true;
-                    scanner.value_at(1)?;
+                    // Checked by the guard, `null` as written too: only
+                    // `true` is taken.
+                    let raw = scanner.nullable_value(1)?.unwrap_or("null");
+                    if let Some(guarded) = super::guard::index("return_progress") {
+                        fields.guarded.push((guarded, raw));
+                    }
                 }
                 other => match CONSTRAINTS.iter().position(|name| *name == other) {
                     Some(constraint) => {

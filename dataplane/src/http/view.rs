@@ -491,7 +491,12 @@ mod tests {
         );
         assert!(parse_view(&both).unwrap().has_return_progress);
         assert!(!parse_view(&spliced).unwrap().has_return_progress);
-        assert!(parse_view(br#"{"model":"m","return_progress":null}"#).unwrap().has_return_progress);
+        assert!(parse_view(br#"{"model":"m","return_progress":true}"#).unwrap().has_return_progress);
+        for opting_out in [&br#"{"model":"m","return_progress":null}"#[..], br#"{"model":"m","return_progress":false}"#]
+        {
+            let refused = parse_view(opting_out).unwrap_err();
+            assert_eq!(refused.code_str(), Some("unsupported_parameter"));
+        }
     }
 
     #[test]
