@@ -354,8 +354,9 @@ struct MeterInner {
     held: AtomicU64,
     /// Data events seen in a stream: one token each, for an estimate.
     events: AtomicU64,
-    /// What llama-server last said of the prompt it was reading, and in
-    /// how many of the data events (none of them a token).
+    /// What llama-server last said of the prompt it was reading, and how
+    /// many of the data events are no token (its progress events, chat's
+    /// opening role chunk).
     progress: Mutex<(Option<PromptProgress>, u64)>,
     /// The node that answered, once one did (or failed, answering).
     served: std::sync::OnceLock<Served>,
@@ -520,14 +521,22 @@ impl Meter {
         }
     }
 
-    /// A progress event of the stream's (`super::http::progress`), and what
-    /// it said, where it could be read.
-    pub fn progress(&self, progress: Option<PromptProgress>) {
+    /// A data event of the stream's that is no token: a progress event
+    /// (`super::http::progress`), with what it said where it could be read,
+    /// or the answer's opening chunk.
+    pub fn no_token(&self, progress: Option<PromptProgress>) {
         let mut last = self.0.progress.lock().unwrap_or_else(PoisonError::into_inner);
         last.1 += 1;
         if progress.is_some() {
             last.0 = progress;
         }
+    }
+
+    /// The stream went on at another node, which read the prompt again and
+    /// what the first had said: its usage is estimated, as before progress
+    /// was read.
+    pub fn forget_progress(&self) {
+        self.0.progress.lock().unwrap_or_else(PoisonError::into_inner).0 = None;
     }
 
     /// Records the request; later calls do nothing.

@@ -317,6 +317,11 @@ impl Streaming {
                 endpoint.id, self.endpoint.id, continuing.generated
             );
             continuing.continued = true;
+            // What the first node said of the prompt is not the stream's now.
+            self.progress = None;
+            if let Some(meter) = &self.plan.meter {
+                meter.forget_progress();
+            }
             self.guard = guard;
             self.endpoint = endpoint;
             self.inner = body;
@@ -350,9 +355,12 @@ impl Streaming {
                     }
                     if let Some(progress) = self.progress.as_mut() {
                         let meter = self.plan.meter.as_ref();
-                        let passed = progress.push(data.clone(), |read| {
+                        let passed = progress.push(data.clone(), |seen| {
                             if let Some(meter) = meter {
-                                meter.progress(read);
+                                match seen {
+                                    super::progress::Seen::Progress(read) => meter.no_token(read),
+                                    super::progress::Seen::NoToken => meter.no_token(None),
+                                }
                             }
                         });
                         frame = match passed {
@@ -716,11 +724,15 @@ mod tests {
             "data: {\"choices\":[{\"delta\":{\"role\":\"assistant\",\"content\":null}}],\"prompt_progress\":{\"total\":818,\"cache\":18,\"processed\":18,\"time_ms\":0}}\n\n",
             "data: {\"choices\":[{\"delta\":{\"role\":\"assistant\",\"content\":null}}],\"prompt_progress\":{\"total\":818,\"cache\":18,\"processed\":818,\"time_ms\":9}}\n\n",
         ];
-        let (mut cut, ledger) = body(vec![PROGRESS[0], PROGRESS[1], CONTENT, CONTENT, DONE]).await;
+        const ROLE: &str = "data: {\"choices\":[{\"delta\":{\"role\":\"assistant\",\"content\":null}}]}\n\n";
+        let (mut cut, ledger) = body(vec![PROGRESS[0], PROGRESS[1], ROLE, CONTENT, CONTENT, DONE]).await;
         let first = cut.frame().await.unwrap().unwrap();
-        assert_eq!(first.data_ref().unwrap(), CONTENT, "the progress the data plane asked for is not the client's");
+        assert_eq!(first.data_ref().unwrap(), ROLE, "the progress the data plane asked for is not the client's");
+        let token = cut.frame().await.unwrap().unwrap();
+        assert_eq!(token.data_ref().unwrap(), CONTENT);
         drop(cut);
-        // 818 read (18 of them from the cache), and the one token sent.
+        // 818 read (18 of them from the cache), and the one token sent (the
+        // role chunk is none).
         assert_eq!(ledger.unacknowledged_tokens("k"), 819, "the server's count, not the body's estimate");
         // Without it: the estimate.
         let (mut cut, ledger) = body(vec![CONTENT, CONTENT, DONE]).await;

@@ -50,12 +50,18 @@ impl Progress {
             .then(|| Progress { take: events == ProgressEvents::Taken, pending: Vec::new() })
     }
 
-    /// What of `data` goes on; `read` is told what each progress event in
-    /// it says.
-    pub(crate) fn push(&mut self, data: Bytes, mut read: impl FnMut(Option<PromptProgress>)) -> Passed {
+    /// What of `data` goes on; `seen` is told of each progress event in
+    /// it and of the first event after them, where that is no token (chat's
+    /// opening role chunk).
+    pub(crate) fn push(&mut self, data: Bytes, mut seen: impl FnMut(Seen)) -> Passed {
         // The first token's frame, most often whole events: passed on
         // uncopied.
-        if self.pending.is_empty() && super::sse::ends_an_event(&data) && !is_progress_event(&data) {
+        if self.pending.is_empty()
+            && super::sse::ends_an_event(&data)
+            && !is_progress_event(&data)
+            && !is_comment(&data)
+        {
+            opening(&data, &mut seen);
             return Passed::Last(data);
         }
         self.pending.extend_from_slice(&data);
@@ -63,15 +69,19 @@ impl Progress {
         let mut start = 0;
         while let Some(end) = super::sse::event_end(&self.pending[start..]) {
             let event = &self.pending[start..start + end];
-            if !is_progress_event(event) {
+            if is_comment(event) {
+                kept.extend_from_slice(event);
+            } else if is_progress_event(event) {
+                seen(Seen::Progress(parse_prompt_progress(event)));
+                if !self.take {
+                    kept.extend_from_slice(event);
+                }
+            } else {
                 // The stream has moved on: this and all after it pass.
+                opening(event, &mut seen);
                 kept.extend_from_slice(&self.pending[start..]);
                 self.pending.clear();
                 return Passed::Last(Bytes::from(kept));
-            }
-            read(parse_prompt_progress(event));
-            if !self.take {
-                kept.extend_from_slice(event);
             }
             start += end;
         }
@@ -83,10 +93,36 @@ impl Progress {
         if kept.is_empty() { Passed::Held } else { Passed::On(Bytes::from(kept)) }
     }
 
-    /// The partial event left when the stream ends, as it is.
+    /// The partial event left when the stream ends, as it is; none where it
+    /// is one of the progress events the gateway asked for.
     pub(crate) fn take_rest(&mut self) -> Option<Bytes> {
-        (!self.pending.is_empty()).then(|| Bytes::from(std::mem::take(&mut self.pending)))
+        let rest = std::mem::take(&mut self.pending);
+        let ours = self.take && is_progress_event(&rest);
+        (!rest.is_empty() && !ours).then(|| Bytes::from(rest))
     }
+}
+
+/// What the reader saw.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Seen {
+    /// A progress event, and what it says where it can be read.
+    Progress(Option<PromptProgress>),
+    /// The first event after them carries no output: chat's opening role
+    /// chunk, no token.
+    NoToken,
+}
+
+/// Tells `seen` whether the first event of `events` carries no output.
+fn opening(events: &[u8], seen: &mut impl FnMut(Seen)) {
+    let first = super::sse::event_end(events).map_or(events, |end| &events[..end]);
+    if !super::sse::carries_output(first) {
+        seen(Seen::NoToken);
+    }
+}
+
+/// Whether an event is only a comment (a keep-alive, a note).
+fn is_comment(event: &[u8]) -> bool {
+    event.starts_with(b":")
 }
 
 #[cfg(test)]
@@ -100,9 +136,10 @@ mod tests {
     }
 
     const TOKEN: &str = "data: {\"choices\":[{\"delta\":{\"content\":\" out\"}}]}\n\n";
+    const ROLE: &str = "data: {\"choices\":[{\"delta\":{\"role\":\"assistant\",\"content\":null}}]}\n\n";
 
     /// Everything passed on, and every progress read, feeding `frames` in.
-    fn run(events: ProgressEvents, frames: &[&[u8]]) -> (String, Vec<Option<PromptProgress>>, bool) {
+    fn run(events: ProgressEvents, frames: &[&[u8]]) -> (String, Vec<Seen>, bool) {
         let mut progress = Progress::new(events).expect("looked for");
         let (mut out, mut read, mut over) = (String::new(), Vec::new(), false);
         for frame in frames {
@@ -125,16 +162,22 @@ mod tests {
     #[test]
     fn progress_events_are_read_and_taken_out_whatever_the_frames() {
         let whole = [event(0), event(512), event(818), TOKEN.to_string(), TOKEN.to_string()].concat();
-        let at = |processed| Some(PromptProgress { total: 818, cache: 0, processed });
+        let at = |processed| Seen::Progress(Some(PromptProgress { total: 818, cache: 0, processed }));
         for size in [1, 7, 100, whole.len()] {
             let frames: Vec<&[u8]> = whole.as_bytes().chunks(size).collect();
             let (out, read, over) = run(ProgressEvents::Taken, &frames);
             assert_eq!(out, [TOKEN, TOKEN].concat(), "frames of {size}");
-            assert_eq!(read, vec![at(0), at(512), at(818)], "frames of {size}");
+            assert_eq!(read, vec![at(0), at(512), at(818)], "frames of {size}: the first token is one");
             assert!(over);
             let (out, read, _) = run(ProgressEvents::Read, &frames);
             assert_eq!(out, whole, "a client that asked sees them, frames of {size}");
             assert_eq!(read.len(), 3);
+            // Chat's role chunk opens the answer: no token.
+            let with_role = [event(0), ROLE.to_string(), TOKEN.to_string()].concat();
+            let frames: Vec<&[u8]> = with_role.as_bytes().chunks(size).collect();
+            let (out, read, _) = run(ProgressEvents::Taken, &frames);
+            assert_eq!(out, [ROLE, TOKEN].concat());
+            assert_eq!(read, vec![at(0), Seen::NoToken], "frames of {size}");
         }
     }
 
@@ -142,7 +185,7 @@ mod tests {
     fn a_stream_without_progress_passes_untouched() {
         let mut progress = Progress::new(ProgressEvents::Taken).unwrap();
         let frame = Bytes::from_static(TOKEN.as_bytes());
-        let Passed::Last(passed) = progress.push(frame.clone(), |_| panic!("no progress")) else { panic!() };
+        let Passed::Last(passed) = progress.push(frame.clone(), |seen| panic!("{seen:?}")) else { panic!() };
         assert_eq!(passed.as_ptr(), frame.as_ptr(), "not copied");
         assert!(Progress::new(ProgressEvents::Ignored).is_none());
     }
@@ -159,6 +202,20 @@ mod tests {
         assert_eq!(progress.take_rest(), None);
         let mut cut = Progress::new(ProgressEvents::Taken).unwrap();
         assert_eq!(cut.push(Bytes::from_static(b"data: {\"prompt_progress\":"), |_| {}), Passed::Held);
-        assert_eq!(cut.take_rest().as_deref(), Some(&b"data: {\"prompt_progress\":"[..]));
+        assert_eq!(cut.take_rest(), None, "the gateway's own, cut short, is not the client's");
+        let mut asked = Progress::new(ProgressEvents::Read).unwrap();
+        assert_eq!(asked.push(Bytes::from_static(b"data: {\"prompt_progress\":"), |_| {}), Passed::Held);
+        assert_eq!(asked.take_rest().as_deref(), Some(&b"data: {\"prompt_progress\":"[..]), "the client's own");
+    }
+
+    #[test]
+    fn a_comment_among_the_progress_events_does_not_end_them() {
+        let stream = [event(0), ": keep-alive\n\n".to_string(), event(818), TOKEN.to_string()].concat();
+        let (out, read, over) = run(ProgressEvents::Taken, &[stream.as_bytes()]);
+        assert_eq!(out, [": keep-alive\n\n", TOKEN].concat());
+        assert_eq!(read.len(), 2);
+        assert!(over);
+        let (out, read, _) = run(ProgressEvents::Taken, &[b": note\n\n", event(9).as_bytes(), TOKEN.as_bytes()]);
+        assert_eq!((out.as_str(), read.len()), ([": note\n\n", TOKEN].concat().as_str(), 1));
     }
 }
