@@ -115,7 +115,7 @@ pub struct Config {
     /// Proxies (address blocks) in front of the data plane whose
     /// `X-Forwarded-For` names the client; from anyone else the header is
     /// ignored. Without them, a balancer's clients are one client.
-    pub trusted_proxies: Vec<crate::forwarded::Cidr>,
+    pub trusted_proxies: Vec<inferyes_net::forwarded::Cidr>,
     /// Connections from `trusted_proxies` start with a PROXY protocol
     /// header (v1 or v2) naming the client each relays: that client is
     /// then the connection's, for its share and its requests.

@@ -5,7 +5,6 @@
 pub mod auth;
 pub mod config;
 pub mod error;
-pub mod forwarded;
 pub mod http;
 pub mod metrics;
 pub mod report;
@@ -139,7 +138,7 @@ pub async fn run(
     let ledger = AbortOnDropHandle::new(tokio::spawn(
         usage::run(Arc::clone(&state.ledger), controllers, drained.clone()).instrument(tracing::info_span!("usage")),
     ));
-    if config.trusted_proxies.iter().any(forwarded::Cidr::is_everything) {
+    if config.trusted_proxies.iter().any(inferyes_net::forwarded::Cidr::is_everything) {
         tracing::warn!(
             "trusted_proxies holds a /0: any client can name its own address in X-Forwarded-For, and so escape \
              its failed key checks; list only the proxies in front"
@@ -197,7 +196,10 @@ pub async fn run(
 /// Which client connections the public listener takes: a share per client
 /// address, none for the trusted proxies in front (their connections carry
 /// every client's requests).
-fn connection_admission(config: &Config, proxies: Arc<[forwarded::Cidr]>) -> Arc<inferyes_net::admit::Admission> {
+fn connection_admission(
+    config: &Config,
+    proxies: Arc<[inferyes_net::forwarded::Cidr]>,
+) -> Arc<inferyes_net::admit::Admission> {
     let known = trusted(proxies);
     let limits = inferyes_net::admit::Limits {
         max: config.max_connections,
@@ -209,6 +211,6 @@ fn connection_admission(config: &Config, proxies: Arc<[forwarded::Cidr]>) -> Arc
 }
 
 /// Whether an address is one of the trusted proxies'.
-fn trusted(proxies: Arc<[forwarded::Cidr]>) -> inferyes_net::admit::KnownPeers {
+fn trusted(proxies: Arc<[inferyes_net::forwarded::Cidr]>) -> inferyes_net::admit::KnownPeers {
     Arc::new(move |address| proxies.iter().any(|cidr| cidr.contains(address.to_canonical())))
 }

@@ -8,6 +8,7 @@
 pub mod admit;
 pub mod backoff;
 pub mod base_url;
+pub mod forwarded;
 pub mod listen;
 pub mod log;
 pub mod pool;

@@ -69,7 +69,7 @@ pub struct AppState {
     pub decisions: Arc<crate::report::DecisionLog>,
     pub auth: Arc<crate::auth::Auth>,
     /// Proxies whose `X-Forwarded-For` names the client.
-    pub trusted_proxies: Arc<[crate::forwarded::Cidr]>,
+    pub trusted_proxies: Arc<[inferyes_net::forwarded::Cidr]>,
     pub ledger: Arc<crate::usage::Ledger>,
     /// What each key and tenant holds of this data plane now.
     pub shares: Arc<crate::shares::Shares>,

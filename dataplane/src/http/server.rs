@@ -50,7 +50,7 @@ impl Gateway {
 
     /// Who a request on this connection is from.
     fn client(&self, headers: &http::HeaderMap) -> IpAddr {
-        crate::forwarded::client_address(self.peer.ip(), headers, &self.state.trusted_proxies)
+        inferyes_net::forwarded::client_address(self.peer.ip(), headers, &self.state.trusted_proxies)
     }
 }
 
