@@ -118,6 +118,10 @@ pub struct Config {
     /// token (a login page keeps a session cookie). `none`: open to
     /// whoever reaches the HTTP port, for a trusted network.
     pub dashboard_auth: TokenAuth,
+    /// Proxies (address blocks) in front of the HTTP port, whose
+    /// `X-Forwarded-For` names the client: wrong dashboard tokens are
+    /// counted per client, not per proxy.
+    pub trusted_proxies: Vec<inferyes_net::forwarded::Cidr>,
     /// Hourly usage roll-ups are kept this long.
     pub usage_retention_days: u64,
     /// Raw usage records (for export) are kept this long.
@@ -175,6 +179,7 @@ impl Default for Config {
             dataplane_token_file: None,
             viewer_token_file: None,
             dashboard_auth: TokenAuth::Token,
+            trusted_proxies: Vec::new(),
             usage_retention_days: 400,
             raw_usage_retention_days: 7,
             placement_order_timeout_secs: 600,

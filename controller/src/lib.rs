@@ -244,6 +244,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         shutdown: shutdown.clone(),
         gate: config.dashboard_tokens()?.map(|tokens| std::sync::Arc::new(dashboard::gate::Gate::new(tokens))),
         attempts: std::sync::Arc::default(),
+        trusted_proxies: config.trusted_proxies.clone().into(),
         refused: scrape.metrics.dashboard_refused.clone(),
     };
     let sampler =

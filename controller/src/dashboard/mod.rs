@@ -45,8 +45,10 @@ pub struct Dashboard {
     pub shutdown: CancellationToken,
     /// Who may look; `None`: anyone who reaches the port.
     pub gate: Option<Arc<gate::Gate>>,
-    /// Wrong tokens per address.
+    /// Wrong tokens per client address.
     pub attempts: Arc<Mutex<attempts::Attempts>>,
+    /// Proxies whose `X-Forwarded-For` names the client.
+    pub trusted_proxies: Arc<[inferyes_net::forwarded::Cidr]>,
     pub refused: prometheus_client::metrics::family::Family<
         crate::metrics::DashboardRefusedLabels,
         prometheus_client::metrics::counter::Counter,
@@ -85,11 +87,11 @@ impl Dashboard {
 
     /// The refusal of a read presenting these headers from `peer`, if it
     /// is not let in. A Bearer token is a try: a wrong one counts against
-    /// its address, which past its tries is refused before its token is
-    /// looked at.
+    /// its client's address, which past its tries is refused before its
+    /// token is looked at. A session cookie is not a try.
     fn refusal(&self, headers: &HeaderMap, peer: Option<IpAddr>) -> Option<Response> {
         let gate = self.gate.as_ref()?;
-        let tries = headers.contains_key(header::AUTHORIZATION).then_some(peer).flatten();
+        let tries = headers.contains_key(header::AUTHORIZATION).then(|| self.client(peer, headers)).flatten();
         match self.check(gate, tries, |gate, now| gate.allows(headers, now)) {
             Ok(()) => None,
             Err(None) => Some(refused()),
@@ -97,8 +99,16 @@ impl Dashboard {
         }
     }
 
+    /// The client of a request from `peer`: itself, or the one a trusted
+    /// proxy names.
+    fn client(&self, peer: Option<IpAddr>, headers: &HeaderMap) -> Option<IpAddr> {
+        peer.map(|peer| inferyes_net::forwarded::client_address(peer, headers, &self.trusted_proxies))
+    }
+
     /// `allowed`, for an address that may still try (`tries`: the address,
-    /// where this counts as a try). `Err(None)`: refused; `Err(Some(s))`:
+    /// where this counts as a try). A try is taken before its token is
+    /// checked, and given back if the token is right: tries at once cannot
+    /// all pass before any is counted. `Err(None)`: refused; `Err(Some(s))`:
     /// refused untried, for `s` seconds more.
     fn check(
         &self,
@@ -108,16 +118,16 @@ impl Dashboard {
     ) -> Result<(), Option<u64>> {
         let now = inferyes_proto::unix_ms() / 1000;
         let attempts = || self.attempts.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(peer) = tries {
-            attempts().check(peer, now).map_err(Some)?;
+        if let Some(client) = tries {
+            attempts().take(client, now).map_err(Some)?;
         }
         if allowed(gate, now) {
+            if let Some(client) = tries {
+                attempts().give_back(client, now);
+            }
             return Ok(());
         }
         self.refused.get_or_create(&crate::metrics::DashboardRefusedLabels { reason: "token" }).inc();
-        if let Some(peer) = tries {
-            attempts().failed(peer, now);
-        }
         Err(None)
     }
 
@@ -148,10 +158,15 @@ struct Login {
     token: String,
 }
 
-async fn login(State(dashboard): State<Dashboard>, Peer(peer): Peer, axum::Json(login): axum::Json<Login>) -> Response {
+async fn login(
+    State(dashboard): State<Dashboard>,
+    Peer(peer): Peer,
+    headers: HeaderMap,
+    axum::Json(login): axum::Json<Login>,
+) -> Response {
     let Some(gate) = &dashboard.gate else { return StatusCode::NO_CONTENT.into_response() };
     let mut cookie = None;
-    let checked = dashboard.check(gate, peer, |gate, now| {
+    let checked = dashboard.check(gate, dashboard.client(peer, &headers), |gate, now| {
         cookie = gate.login(login.token.trim(), now);
         cookie.is_some()
     });

@@ -316,27 +316,44 @@ async fn dashboard_auth_none_leaves_the_dashboard_open() {
     assert_eq!(http.get(&url).await.status, StatusCode::OK);
 }
 
-/// A login or a read with a token, sent from `source`: its status and
+/// A try at the dashboard: a login with a token, or a read with one as a
+/// Bearer token.
+#[derive(Clone, Copy)]
+enum Try<'a> {
+    Login(&'a str),
+    Read(&'a str),
+}
+
+/// `attempt` sent to the controller's HTTP port at `address` from `source`,
+/// for the client `forwarded_for` names, if any: its status and
 /// `Retry-After`.
-async fn try_from(fleet: &Fleet, source: &str, login: Option<&str>, bearer: Option<&str>) -> (StatusCode, Option<u64>) {
+async fn try_from(
+    address: std::net::SocketAddr,
+    source: &str,
+    forwarded_for: Option<&str>,
+    attempt: Try<'_>,
+) -> (StatusCode, Option<u64>) {
     use http_body_util::BodyExt;
     let socket = tokio::net::TcpSocket::new_v4().expect("a socket");
     socket.bind(std::net::SocketAddr::new(source.parse().expect("an address"), 0)).expect("a loopback address");
-    let stream = socket.connect(fleet.controller().http_addr).await.expect("connected");
+    let stream = socket.connect(address).await.expect("connected");
     let (mut sender, connection) =
         hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream)).await.expect("a handshake");
     tokio::spawn(connection);
-    let (path, body) = match login {
-        Some(token) => ("/api/v1/login", json!({ "token": token }).to_string()),
-        None => ("/api/v1/fleet", String::new()),
+    let (method, path, body, bearer) = match attempt {
+        Try::Login(token) => (http::Method::POST, "/api/v1/login", json!({ "token": token }).to_string(), None),
+        Try::Read(token) => (http::Method::GET, "/api/v1/fleet", String::new(), Some(token)),
     };
     let mut request = http::Request::builder()
-        .method(if login.is_some() { http::Method::POST } else { http::Method::GET })
+        .method(method)
         .uri(path)
         .header("host", "controller")
         .header("content-type", "application/json");
     if let Some(token) = bearer {
         request = request.header("authorization", format!("Bearer {token}"));
+    }
+    if let Some(client) = forwarded_for {
+        request = request.header("x-forwarded-for", client);
     }
     let request = request.body(http_body_util::Full::new(bytes::Bytes::from(body))).expect("a request");
     let response = sender.send_request(request).await.expect("an answer");
@@ -350,25 +367,40 @@ async fn try_from(fleet: &Fleet, source: &str, login: Option<&str>, bearer: Opti
 /// An address that presents wrong tokens, to the login or as a Bearer
 /// token, is held to 10 and then one every 30 s, refused before its token
 /// is looked at (so even the right one waits); another address is not held
-/// back by it.
+/// back by it. Behind a trusted proxy, it is the client the proxy names
+/// that is held back, not the proxy.
 #[tokio::test]
 async fn an_address_guessing_dashboard_tokens_is_held_back_and_no_one_else() {
-    let fleet = Fleet::start(vec![chat_sim("chat")]).await;
-    let guesser = "127.0.0.2";
-    for i in 0..10 {
-        let wrong = format!("not-the-viewer-token-{i:04}");
-        let bearer = (i % 2 == 1).then_some(wrong.as_str());
-        let login = (i % 2 == 0).then_some(wrong.as_str());
-        assert_eq!(try_from(&fleet, guesser, login, bearer).await, (StatusCode::UNAUTHORIZED, None), "try {i}");
+    let etcd = inferyes_tests::Etcd::start().await;
+    let proxy = "127.0.0.4";
+    let controller = inferyes_tests::ControllerHandle::start_with(&etcd.endpoint(), "guessed", None, |config| {
+        config.trusted_proxies = vec![proxy.parse().expect("an address")];
+    })
+    .await;
+    let address = controller.http_addr;
+    for (source, forwarded_for) in [("127.0.0.2", None), (proxy, Some("198.51.100.7"))] {
+        for i in 0..10 {
+            let wrong = format!("not-the-viewer-token-{i:04}");
+            let attempt = if i % 2 == 0 { Try::Login(&wrong) } else { Try::Read(&wrong) };
+            let answer = try_from(address, source, forwarded_for, attempt).await;
+            assert_eq!(answer, (StatusCode::UNAUTHORIZED, None), "try {i} from {source}");
+        }
+        let (status, retry_after) = try_from(address, source, forwarded_for, Try::Login(VIEWER_TOKEN)).await;
+        assert_eq!(status, StatusCode::TOO_MANY_REQUESTS, "from {source}");
+        assert!(retry_after.is_some_and(|s| (1..=30).contains(&s)), "{retry_after:?}");
+        let (status, _) = try_from(address, source, forwarded_for, Try::Read(VIEWER_TOKEN)).await;
+        assert_eq!(status, StatusCode::TOO_MANY_REQUESTS, "reads with a token are tries too");
     }
-    let (status, retry_after) = try_from(&fleet, guesser, Some(VIEWER_TOKEN), None).await;
-    assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
-    assert!(retry_after.is_some_and(|s| (1..=30).contains(&s)), "{retry_after:?}");
-    let (status, _) = try_from(&fleet, guesser, None, Some(VIEWER_TOKEN)).await;
-    assert_eq!(status, StatusCode::TOO_MANY_REQUESTS, "reads with a token are tries too");
-    assert_eq!(try_from(&fleet, "127.0.0.3", Some(VIEWER_TOKEN), None).await, (StatusCode::NO_CONTENT, None));
-    let scraped = fleet.http.get(&format!("http://{}/metrics", fleet.controller().http_addr)).await;
+    // Others are let in: another address, and another client of the proxy.
+    assert_eq!(try_from(address, "127.0.0.3", None, Try::Login(VIEWER_TOKEN)).await, (StatusCode::NO_CONTENT, None));
+    let other_client = try_from(address, proxy, Some("198.51.100.8"), Try::Login(VIEWER_TOKEN)).await;
+    assert_eq!(other_client, (StatusCode::NO_CONTENT, None));
+    // Right tokens are no wrong ones: a client signs in as often as it likes.
+    for _ in 0..12 {
+        assert_eq!(try_from(address, "127.0.0.5", None, Try::Read(VIEWER_TOKEN)).await.0, StatusCode::OK);
+    }
+    let scraped = inferyes_tests::HttpClient::default().get(&format!("http://{address}/metrics")).await;
     let metrics = String::from_utf8_lossy(&scraped.body);
-    assert!(metrics.contains("inferyes_controller_dashboard_refused_total{reason=\"attempts\"} 2"), "{metrics}");
-    assert!(metrics.contains("inferyes_controller_dashboard_refused_total{reason=\"token\"} 10"), "{metrics}");
+    assert!(metrics.contains("inferyes_controller_dashboard_refused_total{reason=\"attempts\"} 4"), "{metrics}");
+    assert!(metrics.contains("inferyes_controller_dashboard_refused_total{reason=\"token\"} 20"), "{metrics}");
 }
