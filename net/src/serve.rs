@@ -568,33 +568,90 @@ where
 
 /// Serves `connection` until shutdown begins (`draining`), it goes idle,
 /// has carried all the requests it may, or its client stops taking what it
-/// is sent (its `activity` watched every `period`). Then it is closed: at
-/// once, its answers under way cut, where its client takes nothing; else
-/// gracefully, its requests in flight answered (HTTP/1.1 closes after the
-/// answer under way, HTTP/2 sends a GOAWAY), and watched until it is done.
+/// is sent (its `activity` watched every `period`, by a task of its own:
+/// the connection's task, woken several times a request, only reads a flag
+/// the watcher sets). Then it is closed: at once, its answers under way
+/// cut, where its client takes nothing; else gracefully, its requests in
+/// flight answered (HTTP/1.1 closes after the answer under way, HTTP/2
+/// sends a GOAWAY), and watched until it is done.
 async fn serve_watched<C>(connection: C, (activity, period, draining): (Arc<Activity>, Duration, CancellationToken))
 where
     C: Future + GracefulConnection,
 {
-    let mut connection = std::pin::pin!(connection);
+    let signal = Arc::new(Signal::default());
+    let watcher = tokio::spawn(watch(activity, Arc::clone(&signal), period, draining));
+    let _stop_watching = tokio_util::task::AbortOnDropHandle::new(watcher);
+    Watched { connection, signal, closing: false }.await;
+}
+
+/// Tells `signal` how the connection whose `activity` it watches is to
+/// close, once it is to.
+async fn watch(activity: Arc<Activity>, signal: Arc<Signal>, period: Duration, draining: CancellationToken) {
     let mut closing = false;
     loop {
         let close = tokio::select! {
-            _ = connection.as_mut() => return,
             () = draining.cancelled(), if !closing => Close::Gracefully,
             close = activity.watch(period) => close,
         };
         match close {
             Close::Now => {
                 tracing::debug!("a client took nothing of its answers for a while; its connection cut");
+                signal.tell(Close::Now);
                 return;
             }
             Close::Gracefully if !closing => {
                 closing = true;
-                connection.as_mut().graceful_shutdown();
+                signal.tell(Close::Gracefully);
             }
             Close::Gracefully => {}
         }
+    }
+}
+
+/// What a connection's watcher tells it, and the connection's task to wake.
+#[derive(Default)]
+struct Signal {
+    /// 0: serve on; else a [`Close`].
+    close: std::sync::atomic::AtomicU8,
+    waker: atomic_waker::AtomicWaker,
+}
+
+impl Signal {
+    fn tell(&self, close: Close) {
+        let value = match close {
+            Close::Gracefully => 1,
+            Close::Now => 2,
+        };
+        self.close.store(value, Ordering::Release);
+        self.waker.wake();
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// A connection that closes as its watcher says.
+    struct Watched<C> {
+        #[pin]
+        connection: C,
+        signal: Arc<Signal>,
+        closing: bool,
+    }
+}
+
+impl<C: Future + GracefulConnection> Future for Watched<C> {
+    type Output = ();
+
+    fn poll(self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<()> {
+        let mut this = self.project();
+        this.signal.waker.register(cx.waker());
+        match this.signal.close.load(Ordering::Acquire) {
+            2 => return std::task::Poll::Ready(()),
+            1 if !*this.closing => {
+                *this.closing = true;
+                this.connection.as_mut().graceful_shutdown();
+            }
+            _ => {}
+        }
+        this.connection.poll(cx).map(|_| ())
     }
 }
 
