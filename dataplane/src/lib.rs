@@ -13,6 +13,7 @@ pub mod shares;
 pub mod snapshot;
 pub mod targets;
 pub mod usage;
+pub mod waiting;
 
 use std::sync::Arc;
 

@@ -1,0 +1,295 @@
+//! The data plane's waiting room: the order in which requests that no node
+//! can start now leave, once one can. Each tenant (each key where no tenant
+//! is set) is a flow with a weight; requests leave by start-time fair
+//! queuing across flows (a request's tag is where its flow's previous one
+//! ends, or the room's present if that is later, plus its cost over its
+//! flow's weight), interactive before batch, a batch request waiting past
+//! the aging bound counted as interactive. So a flow that arrives behind
+//! another's backlog is tagged at the present, ahead of that backlog: it
+//! waits for requests already leaving, never for the backlog itself.
+//!
+//! Pure: time comes in as milliseconds, and what can start now as a
+//! predicate. The pipeline owns the waiting itself.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+/// Which requests go first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Class {
+    Interactive,
+    Batch,
+}
+
+/// What the room holds at most.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Limits {
+    /// Requests waiting, all flows together.
+    pub requests: usize,
+    /// Bytes of their bodies, all flows together.
+    pub bytes: usize,
+    /// Of `requests`, what one flow may hold, in percent.
+    pub flow_share_percent: u32,
+    /// How long a request may wait before it is refused.
+    pub max_wait_ms: u64,
+    /// How long a batch request waits before it goes with the interactive
+    /// ones.
+    pub aging_ms: u64,
+}
+
+/// A request entering the room.
+#[derive(Clone, Debug)]
+pub struct Entry {
+    /// Its tenant, or its key where it has none.
+    pub flow: Arc<str>,
+    /// Its flow's weight, at least 1.
+    pub weight: u32,
+    pub class: Class,
+    /// What it will cost a node, in tokens (its prompt and its limit): a
+    /// flow of long requests leaves less often than one of short ones.
+    pub cost: u64,
+    /// Its body's bytes, held while it waits.
+    pub bytes: usize,
+    /// The model it asks for: it can leave only where that model has room.
+    pub model: Arc<str>,
+}
+
+/// Why a request was not let in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Refused {
+    /// The room holds all the requests or bytes it may.
+    Full,
+    /// Its flow holds all its share of the room.
+    FlowShare,
+}
+
+/// A waiting request's place.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Ticket(u64);
+
+/// A waiting request, as the room keeps it.
+#[derive(Clone, Debug)]
+struct Waiting {
+    entry: Entry,
+    /// Its start tag, in cost units over weight.
+    start: u128,
+    since_ms: u64,
+}
+
+#[derive(Default)]
+struct Flow {
+    /// Where its last request's tag ends.
+    finish: u128,
+    waiting: usize,
+}
+
+/// Tags count in units this fine: a cost of 1 over a weight of up to this
+/// many is still a step.
+const TAG_SCALE: u128 = 1 << 20;
+
+/// The waiting room; see the module's comment.
+pub struct Room {
+    limits: Limits,
+    /// By ticket (tickets rise with arrival: among equal tags, the first
+    /// come leaves first).
+    waiting: BTreeMap<Ticket, Waiting>,
+    flows: HashMap<Arc<str>, Flow>,
+    /// The present, in tags: the start tag of the request that left last.
+    now_tag: u128,
+    bytes: usize,
+    next_ticket: u64,
+}
+
+impl Room {
+    pub fn new(limits: Limits) -> Room {
+        Room { limits, waiting: BTreeMap::new(), flows: HashMap::new(), now_tag: 0, bytes: 0, next_ticket: 0 }
+    }
+
+    /// Lets `entry` in at `now_ms`, or says why not.
+    pub fn enter(&mut self, entry: Entry, now_ms: u64) -> Result<Ticket, Refused> {
+        let Limits { requests, bytes, flow_share_percent, .. } = self.limits;
+        if self.waiting.len() >= requests || self.bytes.saturating_add(entry.bytes) > bytes {
+            return Err(Refused::Full);
+        }
+        let share = (requests * flow_share_percent as usize / 100).max(1);
+        let flow = self.flows.entry(Arc::clone(&entry.flow)).or_default();
+        if flow.waiting >= share {
+            return Err(Refused::FlowShare);
+        }
+        let start = flow.finish.max(self.now_tag);
+        let weight = u128::from(entry.weight.max(1));
+        flow.finish = start + u128::from(entry.cost.max(1)) * TAG_SCALE / weight;
+        flow.waiting += 1;
+        self.bytes += entry.bytes;
+        let ticket = Ticket(self.next_ticket);
+        self.next_ticket += 1;
+        self.waiting.insert(ticket, Waiting { entry, start, since_ms: now_ms });
+        Ok(ticket)
+    }
+
+    /// The request that leaves next at `now_ms`, of those whose model
+    /// `startable` says has room: interactive ones (and batch ones waiting
+    /// past the aging bound) first, then the earliest tag, then the first
+    /// come. It has left the room.
+    pub fn next(&mut self, now_ms: u64, startable: impl Fn(&str) -> bool) -> Option<(Ticket, Entry)> {
+        let aging = self.limits.aging_ms;
+        let class = |w: &Waiting| match w.entry.class {
+            Class::Batch if now_ms.saturating_sub(w.since_ms) < aging => Class::Batch,
+            _ => Class::Interactive,
+        };
+        let (&ticket, _) = self
+            .waiting
+            .iter()
+            .filter(|(_, w)| startable(&w.entry.model))
+            .min_by_key(|(ticket, w)| (class(w), w.start, **ticket))?;
+        let left = self.take(ticket)?;
+        self.now_tag = self.now_tag.max(left.start);
+        Some((ticket, left.entry))
+    }
+
+    /// Takes a request out of the room: its client went away, or it waited
+    /// too long. What it was, if it was there.
+    pub fn leave(&mut self, ticket: Ticket) -> Option<Entry> {
+        self.take(ticket).map(|w| w.entry)
+    }
+
+    /// Those that have waited past the bound at `now_ms`, oldest first.
+    pub fn expired(&self, now_ms: u64) -> Vec<Ticket> {
+        let bound = self.limits.max_wait_ms;
+        self.waiting.iter().filter(|(_, w)| now_ms.saturating_sub(w.since_ms) >= bound).map(|(t, _)| *t).collect()
+    }
+
+    /// Requests waiting, and their bodies' bytes.
+    pub fn len(&self) -> (usize, usize) {
+        (self.waiting.len(), self.bytes)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.waiting.is_empty()
+    }
+
+    fn take(&mut self, ticket: Ticket) -> Option<Waiting> {
+        let left = self.waiting.remove(&ticket)?;
+        self.bytes -= left.entry.bytes;
+        if let Some(flow) = self.flows.get_mut(&left.entry.flow) {
+            flow.waiting -= 1;
+            // A flow with nothing waiting is forgotten (the room holds only
+            // flows that wait): its next request is tagged at the present,
+            // ahead by at most its last request's cost.
+            if flow.waiting == 0 {
+                self.flows.remove(&left.entry.flow);
+            }
+        }
+        Some(left)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LIMITS: Limits =
+        Limits { requests: 1_000, bytes: 1 << 30, flow_share_percent: 50, max_wait_ms: 60_000, aging_ms: 10_000 };
+
+    fn entry(flow: &str, class: Class, cost: u64) -> Entry {
+        Entry { flow: Arc::from(flow), weight: 1, class, cost, bytes: 100, model: Arc::from("m") }
+    }
+
+    fn order(room: &mut Room, now_ms: u64) -> Vec<String> {
+        std::iter::from_fn(|| room.next(now_ms, |_| true)).map(|(_, e)| e.flow.to_string()).collect()
+    }
+
+    #[test]
+    fn a_flow_arriving_behind_a_backlog_leaves_next_not_after_it() {
+        let mut room = Room::new(LIMITS);
+        for _ in 0..64 {
+            room.enter(entry("a", Class::Interactive, 3_000), 0).unwrap();
+        }
+        // Two of A's leave; then B arrives with one short request.
+        assert_eq!(order(&mut room, 0).len(), 64, "all of A's, in turn");
+        for _ in 0..64 {
+            room.enter(entry("a", Class::Interactive, 3_000), 1).unwrap();
+        }
+        room.next(1, |_| true).unwrap();
+        room.enter(entry("b", Class::Interactive, 100), 2).unwrap();
+        let (_, next) = room.next(2, |_| true).unwrap();
+        assert_eq!(&*next.flow, "b", "B waits for no more than the request leaving");
+    }
+
+    #[test]
+    fn flows_share_by_weight_and_cost() {
+        let mut room = Room::new(LIMITS);
+        for _ in 0..30 {
+            room.enter(Entry { weight: 2, ..entry("heavy", Class::Interactive, 100) }, 0).unwrap();
+            room.enter(entry("light", Class::Interactive, 100), 0).unwrap();
+        }
+        let first: Vec<String> = order(&mut room, 0).into_iter().take(30).collect();
+        let heavy = first.iter().filter(|f| *f == "heavy").count();
+        assert!((19..=21).contains(&heavy), "twice the weight, twice the turns: {heavy} of 30");
+        // Twice the cost, half the turns.
+        let mut room = Room::new(LIMITS);
+        for _ in 0..30 {
+            room.enter(entry("long", Class::Interactive, 200), 0).unwrap();
+            room.enter(entry("short", Class::Interactive, 100), 0).unwrap();
+        }
+        let first: Vec<String> = order(&mut room, 0).into_iter().take(30).collect();
+        let long = first.iter().filter(|f| *f == "long").count();
+        assert!((9..=11).contains(&long), "{long} of 30");
+    }
+
+    #[test]
+    fn interactive_goes_first_and_batch_is_not_starved() {
+        let mut room = Room::new(LIMITS);
+        let batch = room.enter(entry("b", Class::Batch, 1), 0).unwrap();
+        room.enter(entry("i", Class::Interactive, 1_000_000), 5_000).unwrap();
+        let (first, _) = room.next(5_000, |_| true).unwrap();
+        assert_ne!(first, batch, "interactive first");
+        room.enter(entry("i", Class::Interactive, 1), 5_000).unwrap();
+        // Past the aging bound, batch goes with the interactive ones, by tag.
+        let (next, _) = room.next(10_000, |_| true).unwrap();
+        assert_eq!(next, batch);
+    }
+
+    #[test]
+    fn only_what_can_start_leaves_and_first_come_goes_first_within_a_flow() {
+        let mut room = Room::new(LIMITS);
+        let a = room.enter(Entry { model: Arc::from("x"), ..entry("f", Class::Interactive, 1) }, 0).unwrap();
+        let b = room.enter(Entry { model: Arc::from("y"), ..entry("f", Class::Interactive, 1) }, 0).unwrap();
+        let c = room.enter(Entry { model: Arc::from("y"), ..entry("f", Class::Interactive, 1) }, 0).unwrap();
+        assert_eq!(room.next(0, |model| model == "y").map(|(t, _)| t), Some(b));
+        assert!(room.next(0, |model| model == "z").is_none());
+        assert_eq!(room.next(0, |_| true).map(|(t, _)| t), Some(a));
+        assert_eq!(room.next(0, |_| true).map(|(t, _)| t), Some(c));
+        assert!(room.is_empty());
+    }
+
+    #[test]
+    fn bounds_refuse_and_leaving_gives_room_back() {
+        let limits = Limits { requests: 4, bytes: 1_000, flow_share_percent: 50, ..LIMITS };
+        let mut room = Room::new(limits);
+        let first = room.enter(entry("a", Class::Interactive, 1), 0).unwrap();
+        room.enter(entry("a", Class::Interactive, 1), 0).unwrap();
+        assert_eq!(room.enter(entry("a", Class::Interactive, 1), 0), Err(Refused::FlowShare));
+        room.enter(entry("b", Class::Interactive, 1), 0).unwrap();
+        assert_eq!(room.enter(Entry { bytes: 901, ..entry("c", Class::Interactive, 1) }, 0), Err(Refused::Full));
+        room.enter(entry("c", Class::Interactive, 1), 0).unwrap();
+        assert_eq!(room.enter(entry("d", Class::Interactive, 1), 0), Err(Refused::Full));
+        assert_eq!(room.len(), (4, 400));
+        assert!(room.leave(first).is_some());
+        assert!(room.leave(first).is_none(), "once");
+        assert!(room.enter(entry("a", Class::Interactive, 1), 1_000).is_ok());
+        assert_eq!(room.expired(59_999), Vec::new());
+        assert_eq!(room.expired(60_000).len(), 3, "those that came at 0");
+        assert_eq!(room.expired(61_000).len(), 4);
+    }
+
+    #[test]
+    fn flows_with_nothing_waiting_are_forgotten() {
+        let mut room = Room::new(LIMITS);
+        for i in 0..1_000 {
+            room.enter(entry(&format!("flow-{i}"), Class::Interactive, 1), 0).unwrap();
+            room.next(0, |_| true).unwrap();
+        }
+        assert!(room.flows.is_empty(), "{} flows kept", room.flows.len());
+    }
+}
