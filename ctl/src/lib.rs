@@ -10,7 +10,7 @@ use inferyes_proto::v1::fleet_service_client::FleetServiceClient;
 use inferyes_proto::v1::{
     Alias, CreateKeyRequest, DeleteAliasRequest, DrainRequest, GetKeyRequest, GetNodeRequest, GetPolicyRequest,
     ListAliasesRequest, ListKeysRequest, ListModelsRequest, ListNodesRequest, ListSessionsRequest, NodePolicy,
-    RevokeKeyRequest, SetNodePolicyRequest, Strategy, UndrainRequest, UsageQuery,
+    Priority, RevokeKeyRequest, SetNodePolicyRequest, Strategy, UndrainRequest, UsageQuery,
 };
 pub use render::Render;
 use render::{Drained, Policy, Sessions, Written, render, usage_record_line};
@@ -136,6 +136,14 @@ pub enum KeysCommand {
         /// plane's default share).
         #[arg(long)]
         max_concurrent: Option<u32>,
+        /// Its requests' weight in a data plane's queue against other
+        /// tenants' and keys': twice the weight, twice the turns (none: 1).
+        #[arg(long, value_parser = clap::value_parser!(u32).range(1..=i64::from(inferyes_proto::apikey::MAX_WEIGHT)))]
+        weight: Option<u32>,
+        /// The class its requests wait in: interactive (the default) go
+        /// before batch; a request may ask for batch.
+        #[arg(long, value_enum)]
+        priority: Option<PriorityArg>,
     },
     /// List the keys (never their secrets).
     List,
@@ -209,6 +217,12 @@ pub enum PolicyCommand {
 pub enum OnOff {
     On,
     Off,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum PriorityArg {
+    Interactive,
+    Batch,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -392,7 +406,17 @@ pub async fn run(cli: Cli) -> anyhow::Result<String> {
 
 async fn keys(client: &mut AdminClient, command: KeysCommand, output: Output) -> anyhow::Result<String> {
     Ok(match command {
-        KeysCommand::Create { name, models, rpm, tokens_per_day, expires_in, tenant, max_concurrent } => {
+        KeysCommand::Create {
+            name,
+            models,
+            rpm,
+            tokens_per_day,
+            expires_in,
+            tenant,
+            max_concurrent,
+            weight,
+            priority,
+        } => {
             let expires_unix_ms = match expires_in {
                 Some(text) => inferyes_proto::unix_ms() + parse_duration_ms(&text)?,
                 None => 0,
@@ -405,6 +429,11 @@ async fn keys(client: &mut AdminClient, command: KeysCommand, output: Output) ->
                 expires_unix_ms,
                 tenant: tenant.unwrap_or_default(),
                 max_concurrent: max_concurrent.unwrap_or(0),
+                weight: weight.unwrap_or(0),
+                priority: match priority.unwrap_or(PriorityArg::Interactive) {
+                    PriorityArg::Interactive => Priority::Interactive,
+                    PriorityArg::Batch => Priority::Batch,
+                } as i32,
             };
             render(&client.create_key(request).await.map_err(rpc_error)?.into_inner(), output)
         }

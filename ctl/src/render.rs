@@ -265,7 +265,8 @@ impl Render for CreatedKey {
     }
 }
 
-const KEY_COLUMNS: [&str; 8] = ["KEY ID", "NAME", "STATE", "MODELS", "RPM", "TOKENS/DAY", "AT ONCE", "EXPIRES"];
+const KEY_COLUMNS: [&str; 10] =
+    ["KEY ID", "NAME", "STATE", "MODELS", "RPM", "TOKENS/DAY", "AT ONCE", "WEIGHT", "PRIORITY", "EXPIRES"];
 
 impl Render for ListKeysResponse {
     fn text(&self) -> String {
@@ -458,10 +459,19 @@ fn key_json(key: &ApiKey) -> Value {
         "requests_per_minute": key.requests_per_minute,
         "tokens_per_day": key.tokens_per_day,
         "max_concurrent": key.max_concurrent,
+        "weight": key.weight.max(1),
+        "priority": priority_name(key),
         "expires_unix_ms": key.expires_unix_ms,
         "created_unix_ms": key.created_unix_ms,
         "revoked_unix_ms": key.revoked_unix_ms,
     })
+}
+
+fn priority_name(key: &ApiKey) -> &'static str {
+    match key.priority() {
+        inferyes_proto::v1::Priority::Interactive => "interactive",
+        inferyes_proto::v1::Priority::Batch => "batch",
+    }
 }
 
 fn key_row(key: &ApiKey) -> Vec<String> {
@@ -480,6 +490,8 @@ fn key_row(key: &ApiKey) -> Vec<String> {
         or_none(u64::from(key.requests_per_minute)),
         or_none(key.tokens_per_day),
         or_none(u64::from(key.max_concurrent)),
+        key.weight.max(1).to_string(),
+        priority_name(key).to_string(),
         expires,
     ]
 }

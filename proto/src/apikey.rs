@@ -31,6 +31,10 @@ pub fn generate() -> anyhow::Result<NewKey> {
     Ok(NewKey { token: format!("{PREFIX}{key_id}_{secret}"), key_id, secret_hash })
 }
 
+/// The largest weight a key's requests may have in a data plane's queue:
+/// enough to give one flow most of a fleet, not to overflow its tags.
+pub const MAX_WEIGHT: u32 = 1_000;
+
 /// Whether `tenant` may name a tenant of keys: empty (none), or 1-64 of
 /// `A-Z a-z 0-9 . _ -` (it becomes part of session keys, which travel as
 /// header values).

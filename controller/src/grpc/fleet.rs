@@ -4,8 +4,8 @@ use inferyes_proto::v1::{
     Alias, AliasRecord, ApiKey, CreateKeyRequest, CreatedKey, DeleteAliasRequest, DrainRecord, DrainRequest,
     DrainResponse, GetKeyRequest, GetNodeRequest, GetPolicyRequest, ListAliasesRequest, ListAliasesResponse,
     ListKeysRequest, ListKeysResponse, ListModelsRequest, ListModelsResponse, ListNodesRequest, ListNodesResponse,
-    ListSessionsRequest, ListSessionsResponse, NodePolicy, RevokeKeyRequest, RoutingPolicy, SetNodePolicyRequest,
-    SnapshotNode, UndrainRequest, UsageQuery, UsageRecord, UsageReport, UsageRow, WriteResponse,
+    ListSessionsRequest, ListSessionsResponse, NodePolicy, Priority, RevokeKeyRequest, RoutingPolicy,
+    SetNodePolicyRequest, SnapshotNode, UndrainRequest, UsageQuery, UsageRecord, UsageReport, UsageRow, WriteResponse,
 };
 use tonic::{Request, Response, Status};
 
@@ -243,6 +243,15 @@ impl FleetService for FleetSvc {
         if !inferyes_proto::apikey::valid_tenant(&request.tenant) {
             return Err(status(ErrorKind::BadRequest, "a tenant is 1-64 of A-Z a-z 0-9 . _ - (or none)"));
         }
+        if request.weight > inferyes_proto::apikey::MAX_WEIGHT {
+            return Err(status(
+                ErrorKind::BadRequest,
+                format!("a weight is 1-{} (0: 1)", inferyes_proto::apikey::MAX_WEIGHT),
+            ));
+        }
+        if Priority::try_from(request.priority).is_err() {
+            return Err(status(ErrorKind::BadRequest, "a priority is interactive or batch"));
+        }
         let now = inferyes_proto::unix_ms();
         if request.expires_unix_ms != 0 && request.expires_unix_ms <= now {
             return Err(status(ErrorKind::BadRequest, "expires_unix_ms is in the past"));
@@ -265,6 +274,8 @@ impl FleetService for FleetSvc {
             revoked_unix_ms: 0,
             tenant: request.tenant,
             max_concurrent: request.max_concurrent,
+            weight: request.weight,
+            priority: request.priority,
         };
         let revision = self.store.put(self.store.keys().api_key(&key.key_id), &key).await?;
         // The id and name are logged; the secret never is.
