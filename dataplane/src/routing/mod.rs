@@ -103,6 +103,10 @@ pub struct Route {
     /// weighed).
     pub expected_ttft_ms: u32,
     pub home_expected_ttft_ms: u32,
+    /// The first target is warm and has no free slot: the request would
+    /// wait in its server's queue (the best choice still, of the fleet as
+    /// it is now).
+    pub waits: bool,
 }
 
 impl Route {
@@ -313,16 +317,20 @@ impl<L: Local> Seen<'_, L> {
     }
 
     /// Requests that must leave a slot before one more gets one: the backend's
-    /// requests, as reported or as this data plane has in flight there,
-    /// whichever is more (a burst between two reports is spread by the own
-    /// count, and the own requests a report shows are not counted twice).
+    /// requests, as reported less those of this data plane's that ended
+    /// since, or as this data plane has in flight there, whichever is more
+    /// (a burst between two reports is spread by the own count, the own
+    /// requests a report shows are not counted twice, and a slot this data
+    /// plane's request freed is free at once, not at the next report).
     /// Counts that could not be read are taken for a round of every slot
     /// queued: unknown, not idle. Without a slot count, the server's queue.
     fn queue_ahead(&self, p: &Placement) -> u32 {
         if p.slots == 0 {
             return if p.load_unknown { p.deferred.max(1) } else { p.deferred };
         }
-        let mut occupancy = p.occupancy.max(self.in_flight(p));
+        let own = self.in_flight(p);
+        let freed = p.own_in_flight_when_read.saturating_sub(own);
+        let mut occupancy = p.occupancy.saturating_sub(freed).max(own);
         if p.load_unknown {
             occupancy = occupancy.max(p.slots.saturating_mul(2));
         }
@@ -605,6 +613,7 @@ pub fn select(snapshot: &RoutingSnapshot, local: &impl Local, request: &RouteReq
 
     let mut targets = Targets::default();
     let mut loads = 0u8;
+    let mut waits = false;
     let ordered = warm.indices().chain(cold.indices()).chain(ejected.indices());
     for index in ordered {
         if targets.len() == MAX_TARGETS {
@@ -614,6 +623,8 @@ pub fn select(snapshot: &RoutingSnapshot, local: &impl Local, request: &RouteReq
         if !targets.contains(&target) {
             if cold.indices().any(|i| i == index) {
                 loads |= 1 << targets.len();
+            } else if targets.is_empty() {
+                waits = seen.waits(&placements[index]);
             }
             targets.push(target);
         }
@@ -637,7 +648,7 @@ pub fn select(snapshot: &RoutingSnapshot, local: &impl Local, request: &RouteReq
         (RouteReason::Placed, Some(i)) => millis(seen.expected_ttft(&placements[i], request.prompt_tokens, 0)),
         _ => 0,
     };
-    Ok(Route { targets, reason, loads, expected_ttft_ms, home_expected_ttft_ms: 0 })
+    Ok(Route { targets, reason, loads, expected_ttft_ms, home_expected_ttft_ms: 0, waits })
 }
 
 /// What a move must save, at least. Reports are up to a poll interval (1 s
@@ -689,6 +700,7 @@ fn route_session_home<L: Local>(
                 loads: 0,
                 expected_ttft_ms: millis(seen.expected_ttft(&placements[moved], prompt, 0)),
                 home_expected_ttft_ms: millis(at_home),
+                waits: false,
             };
         }
     }
@@ -705,6 +717,7 @@ fn route_session_home<L: Local>(
         loads: 0,
         expected_ttft_ms: millis(at_home),
         home_expected_ttft_ms: 0,
+        waits: seen.waits(home),
     }
 }
 
@@ -779,8 +792,10 @@ fn place_on_ring<L: Local>(
     // order), then the soonest.
     homes.sort_by_key(|i| (over(&placements[*i]), seen.start_key(&placements[*i])));
     let targets: Targets = homes.iter().map(|i| placements[*i].target).collect();
-    let expected_ttft_ms = millis(seen.expected_ttft(&placements[homes[0]], request.prompt_tokens, 0));
-    Some(Route { targets, reason: RouteReason::Placed, loads: 0, expected_ttft_ms, home_expected_ttft_ms: 0 })
+    let first = &placements[homes[0]];
+    let expected_ttft_ms = millis(seen.expected_ttft(first, request.prompt_tokens, 0));
+    let waits = seen.waits(first);
+    Some(Route { targets, reason: RouteReason::Placed, loads: 0, expected_ttft_ms, home_expected_ttft_ms: 0, waits })
 }
 
 /// A placement's draw for a ticket: the two lowest among the warm ones are

@@ -1,4 +1,5 @@
 use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
 
 use inferyes_proto::v1::{
     Backend, EndpointKind, Gpu, Health, Model, ModelState, NodePolicy, NodeStatus, ResidentSession, RoutingPolicy,
@@ -372,6 +373,28 @@ fn a_burst_between_two_reports_is_spread_by_the_own_counts() {
     let own = Own { in_flight: [(0, 3)].into(), ..Own::default() };
     let route = select(&s, &own, &request(0)).unwrap();
     assert_eq!(route.expected_ttft_ms, 5_000, "a free slot: no wait, 500 tokens at 100/s");
+}
+
+#[test]
+fn a_slot_this_data_plane_freed_is_free_before_the_next_report() {
+    // "a" reported its 4 slots taken, all by this data plane's requests,
+    // which were in flight when the report was read; "b" is busier.
+    let states = NodeStates::default();
+    let endpoint =
+        Arc::new(states.endpoint(&Arc::from("a"), inferyes_net::base_url::BaseUrl::new("http://a"), false, true, 1));
+    let held: Vec<_> = (0..4).map(|_| endpoint.enter(None)).collect();
+    let specs = [slow("a", 4, 0), Spec { in_flight: 8, ..slow("b", 4, 4) }];
+    let nodes: BTreeMap<String, SnapshotNode> = specs.iter().map(|s| (s.id.clone(), wire(s))).collect();
+    let s = decode(1, &nodes, None, &[], &states);
+    let request = RouteRequest { prompt_tokens: 500, ..chat(None) };
+    let waits_on_a = |own: u32| {
+        let own = Own { in_flight: [(0, own)].into(), ..Own::default() };
+        let route = select(&s, &own, &request).unwrap();
+        (first_node(&s, &route), route.waits)
+    };
+    assert_eq!(waits_on_a(4), ("a".to_string(), true), "as reported: full");
+    assert_eq!(waits_on_a(3), ("a".to_string(), false), "one of its own ended: a slot is free");
+    drop(held);
 }
 
 #[test]

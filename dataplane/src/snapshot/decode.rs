@@ -98,6 +98,7 @@ pub fn decode_live(
             .endpoint(&id, proxy_url, status.proxy_http2, ready, version)
             .with_credential(status.proxy_credential_per_node, credentials);
         let endpoint = Arc::new(endpoint);
+        let own_in_flight = endpoint.in_flight();
         let own = wire.policy.as_ref();
         let or = |value: Option<f64>, default: f64| value.filter(|v| *v > 0.0).unwrap_or(default);
         let admission_threshold = or(own.map(|p| p.admission_threshold), policy.admission_threshold);
@@ -170,6 +171,7 @@ pub fn decode_live(
                     reported_in_flight: view.in_flight,
                     slots: view.slots_total,
                     occupancy: view.occupancy(),
+                    own_in_flight_when_read: own_in_flight,
                     deferred: view.requests_deferred,
                     load_unknown: view.load_unknown,
                     prefill_tokens_per_second,

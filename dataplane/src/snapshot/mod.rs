@@ -226,6 +226,10 @@ pub struct Placement {
     /// counts could be read.
     pub slots: u32,
     pub occupancy: u32,
+    /// This data plane's requests in flight to the node when the report was
+    /// read: those that have ended since freed slots the report still
+    /// shows taken.
+    pub own_in_flight_when_read: u32,
     pub deferred: u32,
     pub load_unknown: bool,
     /// Prompt tokens a request is read at, per second, and the seconds a
