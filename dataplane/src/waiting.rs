@@ -8,8 +8,8 @@
 //! another's backlog is tagged at the present, ahead of that backlog: it
 //! waits for requests already leaving, never for the backlog itself.
 //!
-//! Pure: time comes in as milliseconds, and what can start now as a
-//! predicate. The pipeline owns the waiting itself.
+//! Pure: time comes in as milliseconds, and where a request can start now
+//! as a function of it. [`crate::queue`] owns the waiting itself.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -127,24 +127,29 @@ impl Room {
         Ok(ticket)
     }
 
-    /// The request that leaves next at `now_ms`, of those whose model
-    /// `startable` says has room: interactive ones (and batch ones waiting
-    /// past the aging bound) first, then the earliest tag, then the first
-    /// come. It has left the room.
-    pub fn next(&mut self, now_ms: u64, startable: impl Fn(&str) -> bool) -> Option<(Ticket, Entry)> {
+    /// The request that leaves next at `now_ms`, in order (interactive
+    /// ones, and batch ones waiting past the aging bound, first; then the
+    /// earliest tag; then the first come), the first that `startable`
+    /// finds a place for now (it answers where). It has left the room.
+    pub fn next<R>(
+        &mut self,
+        now_ms: u64,
+        mut startable: impl FnMut(Ticket, &Entry) -> Option<R>,
+    ) -> Option<(Ticket, Entry, R)> {
         let aging = self.limits.aging_ms;
         let class = |w: &Waiting| match w.entry.class {
             Class::Batch if now_ms.saturating_sub(w.since_ms) < aging => Class::Batch,
             _ => Class::Interactive,
         };
-        let (&ticket, _) = self
-            .waiting
-            .iter()
-            .filter(|(_, w)| startable(&w.entry.model))
-            .min_by_key(|(ticket, w)| (class(w), w.start, **ticket))?;
+        let mut order: Vec<(Class, u128, Ticket)> =
+            self.waiting.iter().map(|(ticket, w)| (class(w), w.start, *ticket)).collect();
+        order.sort_unstable();
+        let (ticket, place) = order
+            .into_iter()
+            .find_map(|(_, _, ticket)| startable(ticket, &self.waiting[&ticket].entry).map(|r| (ticket, r)))?;
         let left = self.take(ticket)?;
         self.now_tag = self.now_tag.max(left.start);
-        Some((ticket, left.entry))
+        Some((ticket, left.entry, place))
     }
 
     /// Takes a request out of the room: its client went away, or it waited
@@ -195,8 +200,12 @@ mod tests {
         Entry { flow: Arc::from(flow), weight: 1, class, cost, bytes: 100, model: Arc::from("m") }
     }
 
+    fn any(_: Ticket, _: &Entry) -> Option<()> {
+        Some(())
+    }
+
     fn order(room: &mut Room, now_ms: u64) -> Vec<String> {
-        std::iter::from_fn(|| room.next(now_ms, |_| true)).map(|(_, e)| e.flow.to_string()).collect()
+        std::iter::from_fn(|| room.next(now_ms, any)).map(|(_, e, ())| e.flow.to_string()).collect()
     }
 
     #[test]
@@ -210,9 +219,9 @@ mod tests {
         for _ in 0..64 {
             room.enter(entry("a", Class::Interactive, 3_000), 1).unwrap();
         }
-        room.next(1, |_| true).unwrap();
+        room.next(1, any).unwrap();
         room.enter(entry("b", Class::Interactive, 100), 2).unwrap();
-        let (_, next) = room.next(2, |_| true).unwrap();
+        let (_, next, ()) = room.next(2, any).unwrap();
         assert_eq!(&*next.flow, "b", "B waits for no more than the request leaving");
     }
 
@@ -242,11 +251,11 @@ mod tests {
         let mut room = Room::new(LIMITS);
         let batch = room.enter(entry("b", Class::Batch, 1), 0).unwrap();
         room.enter(entry("i", Class::Interactive, 1_000_000), 5_000).unwrap();
-        let (first, _) = room.next(5_000, |_| true).unwrap();
+        let (first, _, ()) = room.next(5_000, any).unwrap();
         assert_ne!(first, batch, "interactive first");
         room.enter(entry("i", Class::Interactive, 1), 5_000).unwrap();
         // Past the aging bound, batch goes with the interactive ones, by tag.
-        let (next, _) = room.next(10_000, |_| true).unwrap();
+        let (next, _, ()) = room.next(10_000, any).unwrap();
         assert_eq!(next, batch);
     }
 
@@ -256,10 +265,11 @@ mod tests {
         let a = room.enter(Entry { model: Arc::from("x"), ..entry("f", Class::Interactive, 1) }, 0).unwrap();
         let b = room.enter(Entry { model: Arc::from("y"), ..entry("f", Class::Interactive, 1) }, 0).unwrap();
         let c = room.enter(Entry { model: Arc::from("y"), ..entry("f", Class::Interactive, 1) }, 0).unwrap();
-        assert_eq!(room.next(0, |model| model == "y").map(|(t, _)| t), Some(b));
-        assert!(room.next(0, |model| model == "z").is_none());
-        assert_eq!(room.next(0, |_| true).map(|(t, _)| t), Some(a));
-        assert_eq!(room.next(0, |_| true).map(|(t, _)| t), Some(c));
+        let model = |name: &'static str| move |_, e: &Entry| (&*e.model == name).then_some(());
+        assert_eq!(room.next(0, model("y")).map(|(t, ..)| t), Some(b));
+        assert!(room.next(0, model("z")).is_none());
+        assert_eq!(room.next(0, any).map(|(t, ..)| t), Some(a));
+        assert_eq!(room.next(0, any).map(|(t, ..)| t), Some(c));
         assert!(room.is_empty());
     }
 
@@ -288,7 +298,7 @@ mod tests {
         let mut room = Room::new(LIMITS);
         for i in 0..1_000 {
             room.enter(entry(&format!("flow-{i}"), Class::Interactive, 1), 0).unwrap();
-            room.next(0, |_| true).unwrap();
+            room.next(0, any).unwrap();
         }
         assert!(room.flows.is_empty(), "{} flows kept", room.flows.len());
     }
