@@ -86,6 +86,23 @@ pub struct Config {
     pub key_share_percent: u8,
     /// As `key_share_percent`, for all the keys of one tenant together.
     pub tenant_share_percent: u8,
+    /// Requests whose best node has no free slot wait in this data plane
+    /// and leave by fair shares when one frees; off, they are sent on at
+    /// once to wait in the servers' queues.
+    pub queue: bool,
+    /// Requests waiting at once, all together; past it, 503.
+    pub queue_max_requests: usize,
+    /// Bytes of their bodies, all together; past it, 503.
+    pub queue_max_bytes: usize,
+    /// Of `queue_max_requests`, what one flow (a tenant; a key where it has
+    /// none; a client address with auth off) may hold, in percent; past
+    /// it, 429 for that flow alone.
+    pub queue_flow_share_percent: u8,
+    /// How long a request may wait; then 429.
+    pub queue_max_wait_ms: u64,
+    /// How long a batch request waits behind interactive ones before it
+    /// goes with them.
+    pub queue_batch_aging_ms: u64,
     /// A client must send its whole request body within this: one that
     /// trickles holds a connection and up to `max_body_bytes` of memory.
     pub request_body_timeout_ms: u64,
@@ -169,6 +186,12 @@ impl Default for Config {
             max_requests_per_connection: 10_000,
             key_share_percent: 25,
             tenant_share_percent: 50,
+            queue: true,
+            queue_max_requests: 1024,
+            queue_max_bytes: 64 << 20,
+            queue_flow_share_percent: 25,
+            queue_max_wait_ms: 60_000,
+            queue_batch_aging_ms: 30_000,
             request_body_timeout_ms: 60_000,
             connect_timeout_ms: 2000,
             response_header_timeout_ms: 600_000,
@@ -251,6 +274,14 @@ impl Config {
         if self.max_body_bytes == 0 {
             bail!("max_body_bytes must be positive");
         }
+        if !(1..=100).contains(&self.queue_flow_share_percent) {
+            bail!("queue_flow_share_percent must be 1-100");
+        }
+        if self.queue && (self.queue_max_requests == 0 || self.queue_max_wait_ms == 0) {
+            bail!(
+                "queue_max_requests and queue_max_wait_ms must be positive; to send requests on at once, set queue = false"
+            );
+        }
         if self.proxy_protocol && self.trusted_proxies.is_empty() {
             bail!("proxy_protocol needs trusted_proxies: the proxies whose connections start with the header");
         }
@@ -294,6 +325,17 @@ impl Config {
             )
         };
         (of(self.key_share_percent), of(self.tenant_share_percent))
+    }
+
+    /// What the queue holds at most; `None` where it is off.
+    pub fn queue(&self) -> Option<crate::waiting::Limits> {
+        self.queue.then_some(crate::waiting::Limits {
+            requests: self.queue_max_requests,
+            bytes: self.queue_max_bytes,
+            flow_share_percent: u32::from(self.queue_flow_share_percent),
+            max_wait_ms: self.queue_max_wait_ms,
+            aging_ms: self.queue_batch_aging_ms,
+        })
     }
 
     pub fn request_body_timeout(&self) -> Duration {

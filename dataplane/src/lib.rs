@@ -7,6 +7,7 @@ pub mod config;
 pub mod error;
 pub mod http;
 pub mod metrics;
+pub mod queue;
 pub mod report;
 pub mod routing;
 pub mod shares;
@@ -115,6 +116,8 @@ pub async fn run(
     let budget = http::Budget::new(config.max_buffered_bytes);
     let forwarder =
         || http::Forwarder::new(&forwarder_settings, client_tls.clone(), hard_stop.clone(), Arc::clone(&budget));
+    let queue = config.queue().map(|limits| Arc::new(queue::Queue::new(limits, &snapshots, Arc::clone(&metrics))));
+    let tickets: Arc<std::sync::atomic::AtomicU64> = Arc::default();
     let state = http::AppState {
         snapshots,
         forwarder: forwarder(),
@@ -123,7 +126,8 @@ pub async fn run(
         max_body_bytes: config.max_body_bytes,
         request_body_timeout: config.request_body_timeout(),
         mode: config.routing_mode,
-        tickets: Arc::default(),
+        tickets,
+        queue,
         decisions,
         auth: Arc::new(auth::Auth::new(config.auth, config.auth_failures_per_minute)),
         trusted_proxies: config.trusted_proxies.clone().into(),
@@ -139,6 +143,13 @@ pub async fn run(
     let ledger = AbortOnDropHandle::new(tokio::spawn(
         usage::run(Arc::clone(&state.ledger), controllers, drained.clone()).instrument(tracing::info_span!("usage")),
     ));
+    // Lets requests out until none can be served any more: those waiting
+    // at a shutdown still go to nodes within the grace period.
+    let _dispatcher = state.queue.as_ref().map(|queue| {
+        let run =
+            queue::run(Arc::clone(queue), Arc::clone(&state.snapshots), Arc::clone(&state.tickets), drained.clone());
+        AbortOnDropHandle::new(tokio::spawn(run.instrument(tracing::info_span!("queue"))))
+    });
     if config.trusted_proxies.iter().any(inferyes_net::forwarded::Cidr::is_everything) {
         tracing::warn!(
             "trusted_proxies holds a /0: any client can name its own address in X-Forwarded-For, and so escape \

@@ -35,6 +35,27 @@ pub struct NodeLabels {
     pub node: String,
 }
 
+/// A queue's flow: a tenant, a key where it has none (`_open` with auth
+/// off), and a class.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct QueueLabels {
+    pub flow: String,
+    pub class: &'static str,
+}
+
+impl QueueLabels {
+    pub fn with_reason(&self, reason: &'static str) -> QueueReasonLabels {
+        QueueReasonLabels { flow: self.flow.clone(), class: self.class, reason }
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct QueueReasonLabels {
+    pub flow: String,
+    pub class: &'static str,
+    pub reason: &'static str,
+}
+
 fn latency_histogram() -> Histogram {
     // 5 ms to about 20 minutes: a cold load can take minutes.
     Histogram::new(exponential_buckets(0.005, 2.0, 18))
@@ -51,6 +72,11 @@ pub struct Metrics {
     /// Bytes of bodies read whole held now (set when scraped).
     pub buffered_bytes: Gauge,
     pub connections_refused: Family<ReasonLabels, Counter>,
+    pub queue_waiting: Family<QueueLabels, Gauge>,
+    pub queue_entered: Family<QueueLabels, Counter>,
+    pub queue_dispatched: Family<QueueLabels, Counter>,
+    pub queue_refused: Family<QueueReasonLabels, Counter>,
+    pub queue_wait_seconds: Family<QueueLabels, Histogram, fn() -> Histogram>,
     snapshot_version: Gauge,
     snapshot_age_seconds: Gauge<f64, std::sync::atomic::AtomicU64>,
     node_in_flight: Family<NodeLabels, Gauge>,
@@ -75,6 +101,11 @@ impl Metrics {
             continuations: Counter::default(),
             buffered_bytes: Gauge::default(),
             connections_refused: Family::default(),
+            queue_waiting: Family::default(),
+            queue_entered: Family::default(),
+            queue_dispatched: Family::default(),
+            queue_refused: Family::default(),
+            queue_wait_seconds: Family::new_with_constructor(latency_histogram),
             snapshot_version: Gauge::default(),
             snapshot_age_seconds: Gauge::default(),
             node_in_flight: Family::default(),
@@ -124,6 +155,31 @@ impl Metrics {
             "connections_refused",
             "Client connections refused at once, by reason: full (max_connections), peer (max_connections_per_client)",
             metrics.connections_refused.clone(),
+        );
+        registry.register(
+            "queue_waiting",
+            "Requests waiting in this data plane's queue for a free slot, by flow (tenant, else key) and class",
+            metrics.queue_waiting.clone(),
+        );
+        registry.register(
+            "queue_entered",
+            "Requests that waited in the queue, by flow and class",
+            metrics.queue_entered.clone(),
+        );
+        registry.register(
+            "queue_dispatched",
+            "Requests let out of the queue to a node, by flow and class",
+            metrics.queue_dispatched.clone(),
+        );
+        registry.register(
+            "queue_refused",
+            "Requests the queue refused, by flow, class and reason: share (the flow holds its share of the queue), full (max_requests or max_bytes), age (waited max_wait_ms)",
+            metrics.queue_refused.clone(),
+        );
+        registry.register(
+            "queue_wait_seconds",
+            "Time requests waited in the queue, by flow and class",
+            metrics.queue_wait_seconds.clone(),
         );
         registry.register(
             "snapshot_version",

@@ -230,6 +230,39 @@ impl Drop for InFlight {
         if let Some(load) = &self.load {
             self.state.release_load(load);
         }
+        self.state.freed.signal();
+    }
+}
+
+/// Tells whoever waits for a node's slot that one of this data plane's
+/// requests ended. Costs a request one relaxed load while nobody waits.
+#[derive(Debug, Default)]
+pub struct Freed {
+    watched: AtomicBool,
+    notify: tokio::sync::Notify,
+}
+
+impl Freed {
+    fn signal(&self) {
+        if self.watched.load(Ordering::Relaxed) {
+            self.notify.notify_one();
+        }
+    }
+
+    /// Wakes the waiter now, as an end would.
+    pub fn wake(&self) {
+        self.notify.notify_one();
+    }
+
+    /// Whether ends are signalled: on while requests wait.
+    pub fn watch(&self, on: bool) {
+        self.watched.store(on, Ordering::Relaxed);
+    }
+
+    /// Until a request ends, once watched (an end since the last call
+    /// counts).
+    pub async fn ended(&self) {
+        self.notify.notified().await;
     }
 }
 
@@ -238,6 +271,7 @@ impl Drop for InFlight {
 #[derive(Debug, Default)]
 pub struct NodeStates {
     by_node: Mutex<HashMap<Arc<str>, Arc<NodeState>>>,
+    freed: Arc<Freed>,
 }
 
 impl NodeStates {
@@ -255,11 +289,21 @@ impl NodeStates {
     ) -> Endpoint {
         let state = {
             let mut by_node = self.by_node.lock().unwrap_or_else(PoisonError::into_inner);
-            Arc::clone(by_node.entry(Arc::clone(id)).or_default())
+            let freed = &self.freed;
+            Arc::clone(
+                by_node
+                    .entry(Arc::clone(id))
+                    .or_insert_with(|| Arc::new(NodeState { freed: Arc::clone(freed), ..NodeState::default() })),
+            )
         };
         state.readiness(ready, version);
         let id_header = HeaderValue::from_str(id).ok();
         Endpoint { id: Arc::clone(id), id_header, proxy_url, proxy_http2, authorization: None, state }
+    }
+
+    /// Signals the end of any of this data plane's requests.
+    pub fn freed(&self) -> &Arc<Freed> {
+        &self.freed
     }
 
     /// The view of a snapshot whose nodes are `endpoints`, in order; the
@@ -302,6 +346,8 @@ struct NodeState {
     log: inferyes_net::log::Gate,
     /// The node's credential, and the key it was derived from.
     credential: Mutex<Option<(Arc<str>, HeaderValue)>>,
+    /// Every node's, shared.
+    freed: Arc<Freed>,
 }
 
 /// What the controller's snapshot says data planes send agents: the key

@@ -81,12 +81,18 @@ struct Loading {
     answer: Boxed<Result<StreamBody, ApiError>>,
     ticker: tokio::time::Interval,
     started: tokio::time::Instant,
-    model: String,
-    node: String,
-    /// The node unloads another model to load this one.
-    evicts: bool,
+    awaited: Awaited,
     meter: Option<Meter>,
     errors: ErrorShape,
+}
+
+/// What a stream whose answer is still to come waits for, as its notes say.
+pub(crate) enum Awaited {
+    /// `model` loading on `node`; `evicts`: the node unloads another model
+    /// to load it.
+    Load { model: String, node: String, evicts: bool },
+    /// A free slot for `model`, in the data plane's queue.
+    Slot { model: String },
 }
 
 /// A node's stream, passed on.
@@ -179,13 +185,11 @@ impl StreamBody {
     }
 
     /// A stream whose answer is still to come (`answer`, which runs as the
-    /// body is read): a note each second, as SSE comments, that `model` is
-    /// loading on `node`; then the answer, or its error as the last event.
+    /// body is read): a note each second, as SSE comments, of what it
+    /// waits for; then the answer, or its error as the last event.
     pub(crate) fn loading(
         answer: impl Future<Output = Result<StreamBody, ApiError>> + Send + 'static,
-        model: String,
-        node: String,
-        evicts: bool,
+        awaited: Awaited,
         meter: Option<Meter>,
         errors: ErrorShape,
     ) -> StreamBody {
@@ -195,9 +199,7 @@ impl StreamBody {
             answer: Box::pin(tracing::Instrument::in_current_span(answer)),
             ticker,
             started: tokio::time::Instant::now(),
-            model,
-            node,
-            evicts,
+            awaited,
             meter,
             errors,
         };
@@ -274,9 +276,14 @@ impl Loading {
         if self.ticker.poll_tick(cx).is_pending() {
             return Poll::Pending;
         }
-        let (model, node, seconds) = (&self.model, &self.node, self.started.elapsed().as_secs());
-        let unloading = if self.evicts { ", unloading the model it used least lately" } else { "" };
-        let note = format!(": loading model {model} on node {node}{unloading} ({seconds}s)\n\n");
+        let seconds = self.started.elapsed().as_secs();
+        let note = match &self.awaited {
+            Awaited::Load { model, node, evicts } => {
+                let unloading = if *evicts { ", unloading the model it used least lately" } else { "" };
+                format!(": loading model {model} on node {node}{unloading} ({seconds}s)\n\n")
+            }
+            Awaited::Slot { model } => format!(": waiting for a free slot for model {model} ({seconds}s)\n\n"),
+        };
         Poll::Ready(Prelude::Note(Bytes::from(note)))
     }
 }

@@ -59,6 +59,9 @@ pub(crate) struct Hop {
     /// Why the route chose it: its reason for the first target, a
     /// failover for the rest.
     pub reason: &'static str,
+    /// The request's count at the node, taken as the queue let it out:
+    /// the attempt's own.
+    pub reserved: Option<InFlight>,
 }
 
 /// A route's targets, resolved once and tried in order; what is left once
@@ -87,9 +90,18 @@ impl Hops {
                     progress: backend.reports_progress,
                     load: route.loads_at(index).then(|| cold_load(snapshot, model, *target)).flatten(),
                     reason: if index == 0 { route.reason.as_str() } else { FAILOVER },
+                    reserved: None,
                 })
             })
             .collect()
+    }
+
+    /// These hops, the first counting the request with `reserved`.
+    pub fn reserved(mut self, reserved: Option<InFlight>) -> Hops {
+        if let Some(first) = self.items.iter_mut().flatten().next() {
+            first.reserved = reserved;
+        }
+        self
     }
 
     fn pop(&mut self) -> Option<Hop> {
@@ -179,7 +191,7 @@ impl Attempts<'_> {
         let witness = Witness { request_id: self.request_id, version: self.version };
         let mut last_error = None;
         let mut first = true;
-        while let Some(hop) = hops.pop() {
+        while let Some(mut hop) = hops.pop() {
             if purpose == Purpose::First && !first {
                 self.metrics.retries.inc();
             }
@@ -197,7 +209,10 @@ impl Attempts<'_> {
             {
                 body = spliced;
             }
-            let guard = hop.endpoint.enter(hop.load.clone());
+            let guard = match hop.reserved.take() {
+                Some(reserved) if hop.load.is_none() => reserved,
+                _ => hop.endpoint.enter(hop.load.clone()),
+            };
             let (attempt, answer) = self.send(&hop, &out.path_and_query, headers, body, out.stream).await;
             let what = attempt.what();
             let verdict = classify(attempt, last, purpose);
@@ -443,6 +458,7 @@ mod tests {
             progress: false,
             load: None,
             reason,
+            reserved: None,
         };
         let mut hops: Hops = [hop(&a, "placed"), hop(&b, FAILOVER)].into_iter().collect();
         let settings = super::super::client::Settings {

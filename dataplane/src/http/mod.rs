@@ -64,6 +64,9 @@ pub struct AppState {
     pub mode: routing::Mode,
     /// Request counter for rotating strategies.
     pub tickets: Arc<std::sync::atomic::AtomicU64>,
+    /// Where requests no node can start now wait; `None`: sent on to wait
+    /// in the servers' queues.
+    pub queue: Option<Arc<crate::queue::Queue>>,
     /// The bounded queue of routing decisions, one per answered request,
     /// reported to a controller for the dashboard's recent requests.
     pub decisions: Arc<crate::report::DecisionLog>,

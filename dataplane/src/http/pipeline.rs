@@ -18,7 +18,7 @@ use inferyes_proto::kinds::{ModelIn, Row, Session};
 use inferyes_proto::v1::RoutingDecision;
 
 use super::AppState;
-use super::answer::{Plan, StreamBody};
+use super::answer::{Awaited, Plan, StreamBody};
 use super::attempt::{Answer, Attempts, Expected, Hops, NODE_HEADER, OpenStream, Outbound, ROUTE_HEADER};
 use super::body::Full;
 use super::classify::Purpose;
@@ -32,9 +32,12 @@ use super::view::{
 };
 use crate::auth::Caller;
 use crate::error::{ApiError, ErrorCode};
+use crate::queue::{Ask, Queue, Turn};
 use crate::routing::{self, Route, RouteReason, RouteRequest};
 use crate::snapshot::RoutingSnapshot;
+use crate::targets::InFlight;
 use crate::usage::{Meter, Served};
+use crate::waiting::{Class, Entry, Refused};
 
 /// Serves one inference request and records it.
 pub(crate) async fn inference(
@@ -139,6 +142,7 @@ impl<'s> Exchange<'s> {
         let snapshot = self.state.snapshots.current().ok_or_else(ApiError::not_ready)?;
         let caller = self.state.authenticate(&parts.headers, self.client, &snapshot).await?;
         self.facts.key_id = caller.key_id().map(str::to_string);
+        let class = priority(&caller, &parts.headers)?;
         let share = self.state.take_share(&caller)?;
         let mut held = super::body::Budget::reservation(self.state.forwarder.budget(), share.as_ref());
         let body = read_body(body, &parts.headers, self.state, &mut held).await?;
@@ -157,7 +161,10 @@ impl<'s> Exchange<'s> {
         let rate = self.admit(&caller, &snapshot, &view, model, body.len())?;
         let prepared = self.prepare(parts, body, &view, model, &caller);
         let answered = match self.route(&snapshot, &view, model, prepared.body.len()) {
-            Ok(route) => self.answer(&snapshot, route, model, prepared, &view).await,
+            Ok(route) => match self.state.queue.clone().filter(|_| route.waits) {
+                Some(queue) => self.queued(&queue, (&caller, class), model, prepared, &view).await,
+                None => self.answer(&snapshot, route, None, model, prepared, &view).await,
+            },
             Err(error) => Err(error),
         };
         match answered {
@@ -310,28 +317,86 @@ impl<'s> Exchange<'s> {
         Ok(routing::select(snapshot, snapshot.local(), &request)?)
     }
 
+    /// A request no node can start now, through the queue: let in (or
+    /// refused, 429 past its flow's share), then answered once a node can
+    /// start it, routed as it leaves. A stream is answered at once, with a
+    /// note each second while it waits.
+    async fn queued(
+        &mut self,
+        queue: &Arc<Queue>,
+        (caller, class): (&Caller, Class),
+        model: &str,
+        prepared: Prepared,
+        view: &RoutingView,
+    ) -> Result<Response, ApiError> {
+        // A tenant's keys are one flow; keyless requests, one per client
+        // address, all named `_open` in metrics (addresses are not bounded).
+        let (flow, flow_label, whose) = match caller {
+            Caller::Key(grant) if grant.tenant.is_empty() => {
+                (format!("k:{}", grant.key_id), grant.key_id.as_str(), "key")
+            }
+            Caller::Key(grant) => (format!("t:{}", grant.tenant), grant.tenant.as_str(), "tenant"),
+            Caller::Open => (format!("a:{}", inferyes_net::admit::peer_of(self.client)), "_open", "client"),
+        };
+        let prompt_tokens = estimated_prompt_tokens(prepared.body.len(), view);
+        let entry = Entry {
+            flow: Arc::from(flow),
+            weight: match caller {
+                Caller::Key(grant) => grant.weight.clamp(1, inferyes_proto::apikey::MAX_WEIGHT),
+                Caller::Open => 1,
+            },
+            class,
+            cost: u64::from(prompt_tokens) + view.max_tokens.unwrap_or(QUEUE_OUTPUT_ESTIMATE),
+            bytes: prepared.body.len(),
+            model: Arc::from(model),
+        };
+        let ask =
+            Ask { kind: self.row.kind, session: self.facts.session.clone(), prompt_tokens, mode: self.state.mode };
+        let mut place = queue.enter(entry, ask, flow_label).map_err(|not_in| {
+            let error = match not_in.why {
+                Refused::Full => ApiError::overloaded("requests waiting for a free slot"),
+                Refused::FlowShare => ApiError::new(
+                    ErrorKind::RateLimited,
+                    format!(
+                        "Rate limit reached: this {whose} holds all the requests waiting for a free slot its \
+                         share of the gateway's queue allows. Try again when some have been served."
+                    ),
+                    ErrorCode::RateLimitExceeded,
+                ),
+            };
+            error.retry_after(not_in.retry_after_s)
+        })?;
+        if view.stream {
+            let snapshot = self.state.snapshots.current().ok_or_else(ApiError::not_ready)?;
+            let continues = self.row.continues && snapshot.policy().continues(model) && !view.constrained;
+            let (out, strip_usage, progress) = self.outbound(prepared, model, true);
+            let stream = self.stream((strip_usage, progress), continues, model, snapshot.version());
+            return Ok(stream.queued(place, model, out));
+        }
+        match place.turn().await {
+            Turn::Go { route, snapshot, reserved } => {
+                self.answer(&snapshot, *route, reserved, model, prepared, view).await
+            }
+            Turn::Refused(error) => Err(error.into()),
+            Turn::TooLong { waited_ms, retry_after_s } => Err(waited_too_long(waited_ms, retry_after_s)),
+        }
+    }
+
     /// The answer of the first target that gives one, streamed or whole.
+    /// `reserved`: the first target's count of the request, taken as the
+    /// queue let it out.
     async fn answer(
         &mut self,
         snapshot: &Arc<RoutingSnapshot>,
         route: Route,
+        reserved: Option<InFlight>,
         model: &str,
         prepared: Prepared,
         view: &RoutingView,
     ) -> Result<Response, ApiError> {
         let continues = view.stream && self.row.continues && snapshot.policy().continues(model) && !view.constrained;
-        let Prepared { path_and_query, headers, body, strip_usage, progress, form } = prepared;
-        let facts = Facts { model, session: self.facts.session.as_deref(), request_id: &self.request_id, form };
-        // The headers are made for nodes once, in place: every attempt
-        // sends the same request.
-        let mut out = Outbound {
-            path_and_query,
-            headers: upstream_headers(headers, &facts),
-            body,
-            stream: view.stream,
-            asks_progress: progress == ProgressEvents::Taken,
-        };
-        let mut hops = Hops::of(snapshot, &route, model);
+        let (mut out, strip_usage, progress) = self.outbound(prepared, model, view.stream);
+        let mut hops = Hops::of(snapshot, &route, model).reserved(reserved);
         let expected = Expected::of(&route);
         if route.cold() && view.stream {
             tracing::debug!(
@@ -365,6 +430,21 @@ impl<'s> Exchange<'s> {
                 Response::from_parts(parts, Body::new(body))
             }
         })
+    }
+
+    /// The request as every attempt sends it (its headers made for nodes
+    /// once, in place), and what its stream's body does with the answer.
+    fn outbound(&self, prepared: Prepared, model: &str, stream: bool) -> (Outbound, bool, ProgressEvents) {
+        let Prepared { path_and_query, headers, body, strip_usage, progress, form } = prepared;
+        let facts = Facts { model, session: self.facts.session.as_deref(), request_id: &self.request_id, form };
+        let out = Outbound {
+            path_and_query,
+            headers: upstream_headers(headers, &facts),
+            body,
+            stream,
+            asks_progress: progress == ProgressEvents::Taken,
+        };
+        (out, strip_usage, progress)
     }
 
     /// The setup of the request's stream, with what its body holds of the
@@ -570,7 +650,8 @@ impl StreamSetup {
                 Answer::Whole(_) => Err(ApiError::internal()),
             }
         };
-        let body = StreamBody::loading(answer, model.to_string(), node_id, evicts, meter, errors);
+        let awaited = Awaited::Load { model: model.to_string(), node: node_id, evicts };
+        let body = StreamBody::loading(answer, awaited, meter, errors);
         let mut response = Response::new(Body::new(body));
         let headers = response.headers_mut();
         headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
@@ -583,9 +664,106 @@ impl StreamSetup {
     }
 }
 
+impl StreamSetup {
+    /// A streaming request waiting in the queue: the client gets its
+    /// headers at once (`x-inferyes-route: queued`) and a note each second
+    /// while it waits; then the stream of the node the queue let it out
+    /// to, or a final error event (429's, where it waited too long).
+    fn queued(mut self, mut place: crate::queue::Place, model: &str, mut out: Outbound) -> Response {
+        let meter = self.plan.meter.clone();
+        let errors = self.plan.errors;
+        let state = Arc::clone(&self.state);
+        let request_id = self.plan.request_id.clone();
+        let owned_model = model.to_string();
+        let answer = async move {
+            let (route, snapshot, reserved) = match place.turn().await {
+                Turn::Go { route, snapshot, reserved } => (route, snapshot, reserved),
+                Turn::Refused(error) => return Err(error.into()),
+                Turn::TooLong { waited_ms, retry_after_s } => return Err(waited_too_long(waited_ms, retry_after_s)),
+            };
+            self.plan.version = snapshot.version();
+            let mut hops = Hops::of(&snapshot, &route, &owned_model).reserved(reserved);
+            let attempts = Attempts {
+                forwarder: &state.forwarder,
+                metrics: &state.metrics,
+                request_id: &request_id,
+                version: snapshot.version(),
+                meter: self.plan.meter.as_ref(),
+                share: self.held.as_ref().and_then(super::body::Reservation::share),
+                expected: Expected::of(&route),
+            };
+            match attempts.run(&mut out, &mut hops, Purpose::First).await? {
+                Answer::Stream(open) => Ok(self.body(open, hops, out).1),
+                Answer::Whole(_) => Err(ApiError::internal()),
+            }
+        };
+        let body = StreamBody::loading(answer, Awaited::Slot { model: model.to_string() }, meter, errors);
+        let mut response = Response::new(Body::new(body));
+        let headers = response.headers_mut();
+        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
+        headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+        headers.insert(ROUTE_HEADER, HeaderValue::from_static(QUEUED));
+        response
+    }
+}
+
+/// `x-inferyes-route` of a stream answered while it waits in the queue.
+const QUEUED: &str = "queued";
+
 /// The tokens a request that sets no limit is taken to generate, where its
 /// model's window is not known.
 const DEFAULT_TOKEN_LIMIT: u64 = 4_096;
+
+/// The tokens a waiting request that sets no limit is taken to generate,
+/// for its cost in the queue's order: a typical answer, not the most it
+/// may say (that would put every such request behind those that set one).
+const QUEUE_OUTPUT_ESTIMATE: u64 = 512;
+
+/// The class a request waits in: its key's, or a lower one its
+/// `x-inferyes-priority` asks for; a higher one is refused.
+fn priority(caller: &Caller, headers: &HeaderMap) -> Result<Class, ApiError> {
+    let most = match caller {
+        Caller::Key(grant) if grant.priority() == inferyes_proto::v1::Priority::Batch => Class::Batch,
+        _ => Class::Interactive,
+    };
+    let Some(asked) = headers.get(PRIORITY_HEADER) else { return Ok(most) };
+    let asked = match asked.as_bytes() {
+        b"interactive" => Class::Interactive,
+        b"batch" => Class::Batch,
+        _ => {
+            return Err(ApiError::new(
+                ErrorKind::BadRequest,
+                "x-inferyes-priority is `interactive` or `batch`",
+                ErrorCode::InvalidRequest,
+            ));
+        }
+    };
+    if asked < most {
+        return Err(ApiError::new(
+            ErrorKind::PermissionDenied,
+            "this key's requests are batch: x-inferyes-priority may not ask for interactive",
+            ErrorCode::InvalidRequest,
+        ));
+    }
+    Ok(asked)
+}
+
+/// A client's choice of its request's class in the queue.
+const PRIORITY_HEADER: http::HeaderName = http::HeaderName::from_static("x-inferyes-priority");
+
+/// The refusal of a request that waited in the queue as long as it may.
+fn waited_too_long(waited_ms: u64, retry_after_s: u32) -> ApiError {
+    ApiError::new(
+        ErrorKind::RateLimited,
+        format!(
+            "Rate limit reached: the request waited {:.1} s for a free slot, as long as the gateway lets one \
+             wait. Try again later.",
+            waited_ms as f64 / 1e3
+        ),
+        ErrorCode::RateLimitExceeded,
+    )
+    .retry_after(retry_after_s)
+}
 
 /// Seconds until the next UTC midnight, when daily token budgets start over.
 fn seconds_to_utc_midnight() -> u32 {

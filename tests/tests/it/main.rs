@@ -13,6 +13,7 @@ mod failover;
 mod kinds;
 mod metrics;
 mod placement;
+mod queue;
 mod routing;
 mod shares;
 mod support;

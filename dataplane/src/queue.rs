@@ -1,0 +1,291 @@
+//! The data plane's queue: a request whose best node has no free slot
+//! waits here, not in that server's queue, and leaves in
+//! [`crate::waiting::Room`]'s order as soon as routing finds it a node
+//! that can start it. Routing runs again as it leaves (late binding): the
+//! node is the one that frees first, or the conversation's home when it
+//! frees before a recompute elsewhere would pay.
+//!
+//! One task, [`run`], lets requests out: woken when one of this data
+//! plane's requests ends (a slot it held is free), when a snapshot comes
+//! (another data plane's ended, a node joined), and on a tick for the age
+//! bound. Requests come in by [`Queue::enter`] and wait on their
+//! [`Place`].
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use inferyes_proto::v1::EndpointKind;
+use tokio::sync::oneshot;
+use tokio_util::sync::CancellationToken;
+
+use crate::routing::{self, Mode, Route, RouteError, RouteRequest};
+use crate::snapshot::{RoutingSnapshot, SnapshotStore};
+use crate::targets::InFlight;
+use crate::waiting::{Class, Entry, Limits, Refused, Room, Ticket};
+
+/// What routing needs of a waiting request besides its entry.
+#[derive(Clone, Debug)]
+pub struct Ask {
+    pub kind: EndpointKind,
+    pub session: Option<String>,
+    pub prompt_tokens: u32,
+    pub mode: Mode,
+}
+
+/// How a wait ends.
+#[derive(Debug)]
+pub enum Turn {
+    /// A node can start it: the route made as it left, on `snapshot`, and
+    /// a count of it in flight at the first target, held until its own
+    /// attempt counts it (so that the next request let out does not take
+    /// the same slot).
+    Go { route: Box<Route>, snapshot: Arc<RoutingSnapshot>, reserved: Option<InFlight> },
+    /// Routing refused it as it left (its model went, say).
+    Refused(RouteError),
+    /// It waited as long as it may.
+    TooLong { waited_ms: u64, retry_after_s: u32 },
+}
+
+/// Why a request was not let in, and when to try again.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NotIn {
+    pub why: Refused,
+    pub retry_after_s: u32,
+}
+
+/// The queue; see the module's comment.
+pub struct Queue {
+    limits: Limits,
+    inner: Mutex<Inner>,
+    freed: Arc<crate::targets::Freed>,
+    metrics: Arc<crate::metrics::Metrics>,
+}
+
+struct Inner {
+    room: Room,
+    waiters: HashMap<Ticket, Waiter>,
+    /// When the last requests left (ms), for the drain rate.
+    left: VecDeque<u64>,
+}
+
+struct Waiter {
+    ask: Ask,
+    sender: oneshot::Sender<Turn>,
+    since: std::time::Instant,
+    labels: crate::metrics::QueueLabels,
+}
+
+/// Departures kept for the drain rate.
+const DRAIN_WINDOW: usize = 64;
+
+impl Queue {
+    pub fn new(limits: Limits, store: &SnapshotStore, metrics: Arc<crate::metrics::Metrics>) -> Queue {
+        Queue {
+            limits,
+            inner: Mutex::new(Inner { room: Room::new(limits), waiters: HashMap::new(), left: VecDeque::new() }),
+            freed: Arc::clone(store.node_states().freed()),
+            metrics,
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Lets a request in to wait, or says why not and when to try again.
+    /// `flow_label` names its flow in metrics: a tenant or a key, never a
+    /// client's address (the flow of a keyless request).
+    pub fn enter(self: &Arc<Self>, entry: Entry, ask: Ask, flow_label: &str) -> Result<Place, NotIn> {
+        let labels = crate::metrics::QueueLabels { flow: flow_label.to_string(), class: class_name(entry.class) };
+        let mut inner = self.lock();
+        let now_ms = inferyes_proto::unix_ms();
+        let ticket = match inner.room.enter(entry, now_ms) {
+            Ok(ticket) => ticket,
+            Err(why) => {
+                let retry_after_s = inner.retry_after_s(self.limits.max_wait_ms, now_ms);
+                drop(inner);
+                let reason = match why {
+                    Refused::Full => "full",
+                    Refused::FlowShare => "share",
+                };
+                self.metrics.queue_refused.get_or_create(&labels.with_reason(reason)).inc();
+                return Err(NotIn { why, retry_after_s });
+            }
+        };
+        let (sender, receiver) = oneshot::channel();
+        self.metrics.queue_entered.get_or_create(&labels).inc();
+        self.metrics.queue_waiting.get_or_create(&labels).inc();
+        inner.waiters.insert(ticket, Waiter { ask, sender, since: std::time::Instant::now(), labels });
+        self.freed.watch(true);
+        drop(inner);
+        // It may start at once: a slot freed between its routing and now.
+        self.freed.wake();
+        Ok(Place { queue: Arc::clone(self), ticket, receiver, done: false })
+    }
+
+    /// Requests waiting now.
+    pub fn len(&self) -> usize {
+        self.lock().room.len().0
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn leave(&self, ticket: Ticket) {
+        let mut inner = self.lock();
+        if inner.room.leave(ticket).is_some()
+            && let Some(waiter) = inner.waiters.remove(&ticket)
+        {
+            self.metrics.queue_waiting.get_or_create(&waiter.labels).dec();
+        }
+        self.freed.watch(!inner.room.is_empty());
+    }
+
+    /// Lets out every request a node can start now, and those that have
+    /// waited too long, on `snapshot`.
+    fn dispatch(&self, snapshot: &Arc<RoutingSnapshot>, tickets: &std::sync::atomic::AtomicU64) {
+        let now_ms = inferyes_proto::unix_ms();
+        let mut inner = self.lock();
+        let Inner { room, waiters, left } = &mut *inner;
+        for ticket in room.expired(now_ms) {
+            room.leave(ticket);
+            let Some(waiter) = waiters.remove(&ticket) else { continue };
+            let waited_ms = u64::try_from(waiter.since.elapsed().as_millis()).unwrap_or(u64::MAX);
+            let retry_after_s = retry_after_s(left, room.len().0, self.limits.max_wait_ms, now_ms);
+            self.finish(&waiter, "age");
+            let _ = waiter.sender.send(Turn::TooLong { waited_ms, retry_after_s });
+        }
+        loop {
+            let next = room.next(now_ms, |ticket, entry| {
+                let ask = &waiters.get(&ticket)?.ask;
+                let request = RouteRequest {
+                    model: &entry.model,
+                    kind: ask.kind,
+                    session: ask.session.as_deref(),
+                    prompt_tokens: ask.prompt_tokens,
+                    mode: ask.mode,
+                    ticket: tickets.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+                    now_ms,
+                };
+                match routing::select(snapshot, snapshot.local(), &request) {
+                    Ok(route) if route.waits => None,
+                    routed => Some(routed),
+                }
+            });
+            let Some((ticket, _, routed)) = next else { break };
+            let Some(waiter) = waiters.remove(&ticket) else { continue };
+            left.push_back(now_ms);
+            if left.len() > DRAIN_WINDOW {
+                left.pop_front();
+            }
+            let turn = match routed {
+                Ok(route) => {
+                    let reserved = route
+                        .targets
+                        .first()
+                        .filter(|_| !route.cold())
+                        .and_then(|target| snapshot.node(target.node))
+                        .map(|node| node.endpoint.enter(None));
+                    Turn::Go { route: Box::new(route), snapshot: Arc::clone(snapshot), reserved }
+                }
+                Err(error) => Turn::Refused(error),
+            };
+            self.finish(&waiter, "dispatched");
+            // A client gone meanwhile drops its turn, and the count held
+            // for it with it.
+            let _ = waiter.sender.send(turn);
+        }
+        self.freed.watch(!room.is_empty());
+    }
+
+    fn finish(&self, waiter: &Waiter, how: &'static str) {
+        let metrics = &self.metrics;
+        metrics.queue_waiting.get_or_create(&waiter.labels).dec();
+        metrics.queue_wait_seconds.get_or_create(&waiter.labels).observe(waiter.since.elapsed().as_secs_f64());
+        if how == "dispatched" {
+            metrics.queue_dispatched.get_or_create(&waiter.labels).inc();
+        } else {
+            metrics.queue_refused.get_or_create(&waiter.labels.with_reason(how)).inc();
+        }
+    }
+}
+
+impl Inner {
+    fn retry_after_s(&self, max_wait_ms: u64, now_ms: u64) -> u32 {
+        retry_after_s(&self.left, self.room.len().0, max_wait_ms, now_ms)
+    }
+}
+
+/// When a request refused now would likely get in: the time the queue
+/// takes to let out what waits, at the rate it let requests out lately,
+/// within 1 s and the age bound.
+fn retry_after_s(left: &VecDeque<u64>, waiting: usize, max_wait_ms: u64, now_ms: u64) -> u32 {
+    let most = max_wait_ms.div_ceil(1_000).max(1);
+    let (Some(first), Some(_)) = (left.front(), left.back()) else { return most.min(u64::from(u32::MAX)) as u32 };
+    // Over the window up to now: a queue that stopped draining drains slowly.
+    let span_ms = now_ms.saturating_sub(*first).max(1);
+    let seconds = (waiting as u64 + 1).saturating_mul(span_ms).div_ceil(left.len() as u64 * 1_000);
+    seconds.clamp(1, most).min(u64::from(u32::MAX)) as u32
+}
+
+fn class_name(class: Class) -> &'static str {
+    match class {
+        Class::Interactive => "interactive",
+        Class::Batch => "batch",
+    }
+}
+
+/// A request's place in the queue: awaited for its turn; dropped (its
+/// client gone), it leaves.
+pub struct Place {
+    queue: Arc<Queue>,
+    ticket: Ticket,
+    receiver: oneshot::Receiver<Turn>,
+    done: bool,
+}
+
+impl Place {
+    pub async fn turn(&mut self) -> Turn {
+        let turn = (&mut self.receiver).await;
+        self.done = true;
+        // The queue ends every wait it holds with a turn; only one that
+        // stops (the data plane shutting down) drops it.
+        turn.unwrap_or(Turn::TooLong { waited_ms: 0, retry_after_s: 1 })
+    }
+}
+
+impl Drop for Place {
+    fn drop(&mut self) {
+        if !self.done {
+            self.queue.leave(self.ticket);
+        }
+    }
+}
+
+/// Lets requests out of `queue` until `shutdown`.
+pub async fn run(
+    queue: Arc<Queue>,
+    store: Arc<SnapshotStore>,
+    tickets: Arc<std::sync::atomic::AtomicU64>,
+    shutdown: CancellationToken,
+) {
+    /// The age bound is checked this often, whatever else happens.
+    const TICK: Duration = Duration::from_millis(250);
+    let mut versions = store.versions();
+    loop {
+        tokio::select! {
+            () = shutdown.cancelled() => return,
+            () = queue.freed.ended() => {}
+            changed = versions.changed() => if changed.is_err() { return },
+            () = tokio::time::sleep(TICK) => {}
+        }
+        if queue.is_empty() {
+            continue;
+        }
+        if let Some(snapshot) = store.current() {
+            queue.dispatch(&snapshot, &tickets);
+        }
+    }
+}

@@ -1,0 +1,237 @@
+//! The data plane's queue: requests no node can start now wait in the data
+//! plane, by fair shares per tenant and by class, and leave for the node
+//! that frees a slot first; past their bounds they are refused, 429.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Method, StatusCode};
+use inferyes_dataplane::auth::AuthMode;
+use inferyes_proto::v1::{CreateKeyRequest, Priority};
+use inferyes_tests::TestResponse;
+use inferyes_tests::client::next_chunk;
+use serde_json::json;
+use tokio::task::JoinHandle;
+
+use crate::support::{Fleet, chat_sim, create_key};
+
+/// One node with `slots` slots, 40 tokens a second in each.
+fn slow_node(slots: u32) -> inferyes_sim::SimConfig {
+    inferyes_sim::SimConfig { slots, decode_tokens_per_second: 40.0, ..chat_sim("chat") }
+}
+
+async fn keyed_fleet(slots: u32, tweak: impl FnOnce(&mut inferyes_dataplane::Config)) -> Fleet {
+    Fleet::start_with(vec![slow_node(slots)], |c| {
+        c.auth = AuthMode::Keys;
+        tweak(c);
+    })
+    .await
+}
+
+async fn key(fleet: &Fleet, tenant: &str, priority: Priority) -> String {
+    let request = CreateKeyRequest {
+        name: tenant.into(),
+        tenant: tenant.into(),
+        priority: priority as i32,
+        ..Default::default()
+    };
+    format!("Bearer {}", create_key(fleet, request).await.1)
+}
+
+fn body(text: &str, max_tokens: u32) -> Bytes {
+    json!({"model": "chat", "max_tokens": max_tokens, "messages": [{"role": "user", "content": text}]})
+        .to_string()
+        .into()
+}
+
+/// A chat of `max_tokens` (40 a second), sent in a task of its own.
+fn ask(fleet: &Fleet, bearer: &str, text: &str, max_tokens: u32) -> JoinHandle<TestResponse> {
+    let (http, url, bearer) = (fleet.http.clone(), fleet.url("/v1/chat/completions"), bearer.to_string());
+    let body = body(text, max_tokens);
+    tokio::spawn(async move { http.send(Method::POST, &url, body, &[("authorization", &bearer)]).await })
+}
+
+/// The sum of a metric's series.
+async fn metric(fleet: &Fleet, name: &str) -> f64 {
+    let text = String::from_utf8_lossy(&fleet.http.get(&format!("{}/metrics", fleet.dataplane.admin_url)).await.body)
+        .into_owned();
+    let prefix = format!("{name}{{");
+    text.lines()
+        .filter(|line| line.starts_with(&prefix))
+        .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// Until `count` requests are in flight at the node or waiting here.
+async fn wait_until_in(fleet: &Fleet, count: f64) {
+    inferyes_tests::eventually("the requests in", Duration::from_secs(10), || async {
+        metric(fleet, "inferyes_dataplane_node_in_flight").await
+            + metric(fleet, "inferyes_dataplane_queue_waiting").await
+            >= count
+    })
+    .await;
+}
+
+/// How many of a tenant's 10 requests (2 slots, half a second each) were
+/// answered by the time another tenant's one short request was.
+async fn answered_before_the_light_tenant(queue: bool) -> usize {
+    let fleet = keyed_fleet(2, |c| c.queue = queue).await;
+    let (heavy, light) =
+        (key(&fleet, "heavy", Priority::Interactive).await, key(&fleet, "light", Priority::Interactive).await);
+    let flood: Vec<_> = (0..10).map(|i| ask(&fleet, &heavy, &format!("flood {i}"), 20)).collect();
+    wait_until_in(&fleet, 10.0).await;
+    let answer = ask(&fleet, &light, "just one thing", 2).await.expect("answered");
+    assert_eq!(answer.status, StatusCode::OK, "{}", String::from_utf8_lossy(&answer.body));
+    let before = flood.iter().filter(|a| a.is_finished()).count();
+    for request in flood {
+        assert_eq!(request.await.expect("answered").status, StatusCode::OK);
+    }
+    before
+}
+
+#[tokio::test]
+async fn a_tenant_s_backlog_does_not_make_another_wait_behind_it() {
+    let queued = answered_before_the_light_tenant(true).await;
+    assert!(queued <= 4, "the light tenant waited for {queued} of the heavy one's 10 requests");
+    // Sent on at once, it waits behind every one in the server's queue.
+    let sent_on = answered_before_the_light_tenant(false).await;
+    assert!(sent_on >= 8, "with the queue off, it waited for {sent_on} of them");
+}
+
+#[tokio::test]
+async fn a_flow_past_its_share_of_the_queue_is_refused_and_others_still_wait() {
+    let fleet = keyed_fleet(1, |c| {
+        c.queue_max_requests = 4;
+        c.queue_flow_share_percent = 50;
+    })
+    .await;
+    let (heavy, light) =
+        (key(&fleet, "heavy", Priority::Interactive).await, key(&fleet, "light", Priority::Interactive).await);
+    // One running, two waiting: the flow's share of four.
+    let held: Vec<_> = (0..3).map(|i| ask(&fleet, &heavy, &format!("long {i}"), 40)).collect();
+    wait_until_in(&fleet, 3.0).await;
+
+    let refused = fleet
+        .http
+        .send(Method::POST, &fleet.url("/v1/chat/completions"), body("one more", 2), &[("authorization", &heavy)])
+        .await;
+    assert_eq!(refused.status, StatusCode::TOO_MANY_REQUESTS, "{}", String::from_utf8_lossy(&refused.body));
+    assert_eq!(refused.openai_error()["code"], "rate_limit_exceeded");
+    let retry: u64 = refused.header("retry-after").expect("retry-after").parse().expect("seconds");
+    assert!((1..=60).contains(&retry), "{retry}");
+    // In Anthropic's shape on its path.
+    let messages = json!({"model": "chat", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]});
+    let refused = fleet
+        .http
+        .send(Method::POST, &fleet.url("/v1/messages"), messages.to_string().into(), &[("authorization", &heavy)])
+        .await;
+    assert_eq!(refused.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(refused.json()["error"]["type"], "rate_limit_error", "{}", String::from_utf8_lossy(&refused.body));
+
+    let other = ask(&fleet, &light, "my turn", 2).await.expect("answered");
+    assert_eq!(other.status, StatusCode::OK, "another tenant waits its turn: {}", String::from_utf8_lossy(&other.body));
+    assert!(metric(&fleet, "inferyes_dataplane_queue_refused_total").await >= 2.0);
+    for request in held {
+        assert_eq!(request.await.expect("answered").status, StatusCode::OK);
+    }
+}
+
+#[tokio::test]
+async fn a_request_that_waits_too_long_is_refused_and_a_stream_hears_it_waits() {
+    let fleet = keyed_fleet(1, |c| c.queue_max_wait_ms = 500).await;
+    let (first, second) =
+        (key(&fleet, "first", Priority::Interactive).await, key(&fleet, "second", Priority::Interactive).await);
+    // Holds the one slot for 5 s.
+    let holding = ask(&fleet, &first, "a long answer", 200);
+    wait_until_in(&fleet, 1.0).await;
+
+    let waited = ask(&fleet, &second, "will I wait?", 2).await.expect("answered");
+    assert_eq!(waited.status, StatusCode::TOO_MANY_REQUESTS, "{}", String::from_utf8_lossy(&waited.body));
+    assert!(waited.openai_error()["message"].as_str().unwrap_or_default().contains("waited"));
+    assert!(waited.header("retry-after").is_some());
+
+    // A stream is answered at once, told it waits, and ends with the
+    // refusal as its last event.
+    let stream = json!({"model": "chat", "stream": true, "max_tokens": 2,
+                        "messages": [{"role": "user", "content": "streaming"}]});
+    let response = fleet
+        .http
+        .start(
+            Method::POST,
+            &fleet.url("/v1/chat/completions"),
+            stream.to_string().into(),
+            &[("authorization", &second)],
+        )
+        .await;
+    assert_eq!(response.status(), StatusCode::OK);
+    assert_eq!(response.headers()["x-inferyes-route"], "queued");
+    let mut body = response.into_body();
+    let mut text = String::new();
+    while let Some(chunk) = next_chunk(&mut body).await {
+        text.push_str(std::str::from_utf8(&chunk).expect("text"));
+    }
+    assert!(text.starts_with(": waiting for a free slot for model chat"), "{text}");
+    assert!(text.contains("rate_limit_exceeded"), "{text}");
+    assert_eq!(holding.await.expect("answered").status, StatusCode::OK);
+}
+
+#[tokio::test]
+async fn a_waiting_stream_is_answered_by_the_node_once_its_slot_frees() {
+    let fleet = keyed_fleet(1, |_| {}).await;
+    let (first, second) =
+        (key(&fleet, "first", Priority::Interactive).await, key(&fleet, "second", Priority::Interactive).await);
+    let holding = ask(&fleet, &first, "a short while", 20);
+    wait_until_in(&fleet, 1.0).await;
+    let stream = json!({"model": "chat", "stream": true, "max_tokens": 4,
+                        "messages": [{"role": "user", "content": "streaming"}]});
+    let response = fleet
+        .http
+        .start(
+            Method::POST,
+            &fleet.url("/v1/chat/completions"),
+            stream.to_string().into(),
+            &[("authorization", &second)],
+        )
+        .await;
+    assert_eq!(response.headers()["x-inferyes-route"], "queued");
+    let mut body = response.into_body();
+    let mut text = String::new();
+    while let Some(chunk) = next_chunk(&mut body).await {
+        text.push_str(std::str::from_utf8(&chunk).expect("text"));
+    }
+    assert!(text.starts_with(": waiting for a free slot"), "{text}");
+    assert!(text.contains("\"content\":") && text.trim_end().ends_with("data: [DONE]"), "{text}");
+    assert_eq!(holding.await.expect("answered").status, StatusCode::OK);
+    assert_eq!(metric(&fleet, "inferyes_dataplane_queue_dispatched_total").await, 1.0);
+}
+
+#[tokio::test]
+async fn interactive_requests_leave_the_queue_before_batch_ones() {
+    let fleet = keyed_fleet(1, |_| {}).await;
+    let holder = key(&fleet, "holder", Priority::Interactive).await;
+    let (batch, interactive) =
+        (key(&fleet, "jobs", Priority::Batch).await, key(&fleet, "chat", Priority::Interactive).await);
+    // A batch key may not ask for more than its class.
+    let refused = fleet
+        .http
+        .send(
+            Method::POST,
+            &fleet.url("/v1/chat/completions"),
+            body("me first", 2),
+            &[("authorization", &batch), ("x-inferyes-priority", "interactive")],
+        )
+        .await;
+    assert_eq!(refused.status, StatusCode::FORBIDDEN, "{}", String::from_utf8_lossy(&refused.body));
+
+    let holding = ask(&fleet, &holder, "hold the slot", 20);
+    wait_until_in(&fleet, 1.0).await;
+    let batch_job = ask(&fleet, &batch, "a batch job", 20);
+    wait_until_in(&fleet, 2.0).await;
+    let chat = ask(&fleet, &interactive, "a chat", 2);
+    wait_until_in(&fleet, 3.0).await;
+    let chat = chat.await.expect("answered");
+    assert_eq!(chat.status, StatusCode::OK);
+    assert!(!batch_job.is_finished(), "the batch job, queued first, went first");
+    assert_eq!(batch_job.await.expect("answered").status, StatusCode::OK);
+    assert_eq!(holding.await.expect("answered").status, StatusCode::OK);
+}
