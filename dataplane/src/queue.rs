@@ -21,7 +21,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::routing::{self, Mode, Route, RouteError, RouteRequest};
 use crate::snapshot::{RoutingSnapshot, SnapshotStore};
-use crate::targets::InFlight;
+use crate::targets::{InFlight, Local};
 use crate::waiting::{Class, Entry, Limits, Refused, Room, Ticket};
 
 /// What routing needs of a waiting request besides its entry.
@@ -124,6 +124,40 @@ impl Queue {
         Ok(Place { queue: Arc::clone(self), ticket, receiver, done: false })
     }
 
+    /// What waits now, by flow and class, the longest waiting first; at
+    /// most `most` flows.
+    pub fn waiting(&self, most: usize) -> Vec<inferyes_proto::v1::QueuedFlow> {
+        let inner = self.lock();
+        let mut flows: HashMap<&crate::metrics::QueueLabels, (u32, std::time::Instant)> = HashMap::new();
+        for waiter in inner.waiters.values() {
+            let flow = flows.entry(&waiter.labels).or_insert((0, waiter.since));
+            flow.0 += 1;
+            flow.1 = flow.1.min(waiter.since);
+        }
+        let mut flows: Vec<_> = flows.into_iter().collect();
+        flows.sort_by_key(|(labels, (_, since))| (*since, labels.flow.clone()));
+        flows
+            .into_iter()
+            .take(most)
+            .map(|(labels, (waiting, since))| inferyes_proto::v1::QueuedFlow {
+                flow: labels.flow.clone(),
+                priority: match labels.class {
+                    "batch" => inferyes_proto::v1::Priority::Batch,
+                    _ => inferyes_proto::v1::Priority::Interactive,
+                } as i32,
+                waiting,
+                oldest_wait_ms: u64::try_from(since.elapsed().as_millis()).unwrap_or(u64::MAX),
+            })
+            .collect()
+    }
+
+    /// Whether any request waits, without taking the lock: a request that
+    /// could start at once still goes through the queue then, so that it
+    /// does not take a slot freed for one that waits.
+    pub fn holds_any(&self) -> bool {
+        self.freed.watched()
+    }
+
     /// Requests waiting now.
     pub fn len(&self) -> usize {
         self.lock().room.len().0
@@ -157,9 +191,18 @@ impl Queue {
             self.finish(&waiter, "age");
             let _ = waiter.sender.send(Turn::TooLong { waited_ms, retry_after_s });
         }
+        let mut frozen = Frozen::of(snapshot);
+        // Requests without a session, of a model and kind that could not
+        // start in this pass: the others like them cannot either (the
+        // pass only takes slots), and are not routed again.
+        let mut blocked: Vec<(Arc<str>, EndpointKind)> = Vec::new();
         loop {
             let next = room.next(now_ms, |ticket, entry| {
                 let ask = &waiters.get(&ticket)?.ask;
+                let sessionless = ask.session.is_none();
+                if sessionless && blocked.iter().any(|(model, kind)| *model == entry.model && *kind == ask.kind) {
+                    return None;
+                }
                 let request = RouteRequest {
                     model: &entry.model,
                     kind: ask.kind,
@@ -169,8 +212,13 @@ impl Queue {
                     ticket: tickets.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
                     now_ms,
                 };
-                match routing::select(snapshot, snapshot.local(), &request) {
-                    Ok(route) if route.waits => None,
+                match routing::select(snapshot, &frozen, &request) {
+                    Ok(route) if route.waits => {
+                        if sessionless {
+                            blocked.push((Arc::clone(&entry.model), ask.kind));
+                        }
+                        None
+                    }
                     routed => Some(routed),
                 }
             });
@@ -182,12 +230,11 @@ impl Queue {
             }
             let turn = match routed {
                 Ok(route) => {
-                    let reserved = route
-                        .targets
-                        .first()
-                        .filter(|_| !route.cold())
-                        .and_then(|target| snapshot.node(target.node))
-                        .map(|node| node.endpoint.enter(None));
+                    let first = route.targets.first().filter(|_| !route.cold());
+                    let reserved = first.and_then(|target| {
+                        frozen.entered(target.node);
+                        snapshot.node(target.node).map(|node| node.endpoint.enter(None))
+                    });
                     Turn::Go { route: Box::new(route), snapshot: Arc::clone(snapshot), reserved }
                 }
                 Err(error) => Turn::Refused(error),
@@ -228,6 +275,43 @@ fn retry_after_s(left: &VecDeque<u64>, waiting: usize, max_wait_ms: u64, now_ms:
     let span_ms = now_ms.saturating_sub(*first).max(1);
     let seconds = (waiting as u64 + 1).saturating_mul(span_ms).div_ceil(left.len() as u64 * 1_000);
     seconds.clamp(1, most).min(u64::from(u32::MAX)) as u32
+}
+
+/// This data plane's state of the nodes as one pass of the dispatcher sees
+/// it: its requests in flight as they were when the pass began, and those
+/// the pass let out since. A request that ends mid-pass wakes the next
+/// pass rather than free a slot for whichever request this one happens to
+/// be routing then: the queue's order holds.
+struct Frozen<'s> {
+    view: &'s crate::targets::View,
+    in_flight: Vec<u32>,
+}
+
+impl<'s> Frozen<'s> {
+    fn of(snapshot: &'s RoutingSnapshot) -> Frozen<'s> {
+        let view = snapshot.local();
+        Frozen { view, in_flight: (0..snapshot.nodes().len()).map(|node| view.in_flight(node)).collect() }
+    }
+
+    fn entered(&mut self, node: usize) {
+        if let Some(count) = self.in_flight.get_mut(node) {
+            *count += 1;
+        }
+    }
+}
+
+impl Local for Frozen<'_> {
+    fn in_flight(&self, node: usize) -> u32 {
+        self.in_flight.get(node).copied().unwrap_or(0)
+    }
+
+    fn reserved_vram_bytes(&self, node: usize) -> u64 {
+        self.view.reserved_vram_bytes(node)
+    }
+
+    fn ejected_until(&self, node: usize, now_ms: u64) -> Option<u64> {
+        self.view.ejected_until(node, now_ms)
+    }
 }
 
 fn class_name(class: Class) -> &'static str {

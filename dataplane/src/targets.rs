@@ -259,6 +259,10 @@ impl Freed {
         self.watched.store(on, Ordering::Relaxed);
     }
 
+    pub fn watched(&self) -> bool {
+        self.watched.load(Ordering::Relaxed)
+    }
+
     /// Until a request ends, once watched (an end since the last call
     /// counts).
     pub async fn ended(&self) {

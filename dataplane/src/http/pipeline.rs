@@ -161,7 +161,7 @@ impl<'s> Exchange<'s> {
         let rate = self.admit(&caller, &snapshot, &view, model, body.len())?;
         let prepared = self.prepare(parts, body, &view, model, &caller);
         let answered = match self.route(&snapshot, &view, model, prepared.body.len()) {
-            Ok(route) => match self.state.queue.clone().filter(|_| route.waits) {
+            Ok(route) => match self.state.queue.clone().filter(|queue| route.waits || queue.holds_any()) {
                 Some(queue) => self.queued(&queue, (&caller, class), model, prepared, &view).await,
                 None => self.answer(&snapshot, route, None, model, prepared, &view).await,
             },
@@ -317,10 +317,11 @@ impl<'s> Exchange<'s> {
         Ok(routing::select(snapshot, snapshot.local(), &request)?)
     }
 
-    /// A request no node can start now, through the queue: let in (or
-    /// refused, 429 past its flow's share), then answered once a node can
-    /// start it, routed as it leaves. A stream is answered at once, with a
-    /// note each second while it waits.
+    /// A request no node can start now (or any while others wait), through
+    /// the queue: let in (or refused, 429 past its flow's share), then
+    /// answered once a node can start it, routed as it leaves. A stream
+    /// that waits past [`QUIET_WAIT`] is answered at once, with a note
+    /// each second while it waits.
     async fn queued(
         &mut self,
         queue: &Arc<Queue>,
@@ -366,20 +367,27 @@ impl<'s> Exchange<'s> {
             };
             error.retry_after(not_in.retry_after_s)
         })?;
-        if view.stream {
-            let snapshot = self.state.snapshots.current().ok_or_else(ApiError::not_ready)?;
-            let continues = self.row.continues && snapshot.policy().continues(model) && !view.constrained;
-            let (out, strip_usage, progress) = self.outbound(prepared, model, true);
-            let stream = self.stream((strip_usage, progress), continues, model, snapshot.version());
-            return Ok(stream.queued(place, model, out));
+        // A stream that gets its turn soon is answered as any other; one
+        // that waits longer is answered at once, with notes, while it does.
+        let turn = if view.stream {
+            tokio::time::timeout(QUIET_WAIT, place.turn()).await.ok()
+        } else {
+            Some(place.turn().await)
+        };
+        if let Some(turn) = turn {
+            return match turn {
+                Turn::Go { route, snapshot, reserved } => {
+                    self.answer(&snapshot, *route, reserved, model, prepared, view).await
+                }
+                Turn::Refused(error) => Err(error.into()),
+                Turn::TooLong { waited_ms, retry_after_s } => Err(waited_too_long(waited_ms, retry_after_s)),
+            };
         }
-        match place.turn().await {
-            Turn::Go { route, snapshot, reserved } => {
-                self.answer(&snapshot, *route, reserved, model, prepared, view).await
-            }
-            Turn::Refused(error) => Err(error.into()),
-            Turn::TooLong { waited_ms, retry_after_s } => Err(waited_too_long(waited_ms, retry_after_s)),
-        }
+        let snapshot = self.state.snapshots.current().ok_or_else(ApiError::not_ready)?;
+        let continues = self.row.continues && snapshot.policy().continues(model) && !view.constrained;
+        let (out, strip_usage, progress) = self.outbound(prepared, model, true);
+        let stream = self.stream((strip_usage, progress), continues, model, snapshot.version());
+        Ok(stream.queued(place, model, out))
     }
 
     /// The answer of the first target that gives one, streamed or whole.
@@ -747,6 +755,11 @@ fn priority(caller: &Caller, headers: &HeaderMap) -> Result<Class, ApiError> {
     }
     Ok(asked)
 }
+
+/// How long a waiting stream goes without a word before it is answered
+/// with notes: most waits for a slot are shorter, and those are answered
+/// as any other (the node's headers, its route).
+const QUIET_WAIT: std::time::Duration = std::time::Duration::from_millis(500);
 
 /// A client's choice of its request's class in the queue.
 const PRIORITY_HEADER: http::HeaderName = http::HeaderName::from_static("x-inferyes-priority");
