@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Mutex;
 use std::time::Duration;
 
-use inferyes_proto::v1::{DataPlaneReport, RoutingDecision};
+use inferyes_proto::v1::{DataPlaneReport, QueuedFlow, RoutingDecision};
 use tokio::sync::watch;
 use tokio::time::Instant;
 
@@ -18,6 +18,12 @@ const TAIL: usize = 200;
 /// A data plane silent this long no longer vouches for its ejections (it
 /// reports at least every 10 s).
 const STALE_AFTER: Duration = Duration::from_secs(30);
+/// A data plane with requests waiting reports every second: what it said
+/// of its queue this long ago is gone.
+const QUEUE_STALE_AFTER: Duration = Duration::from_secs(5);
+/// Flows of one data plane's queue kept, and the length of a flow's name.
+const QUEUED_FLOWS: usize = 64;
+const FLOW_NAME: usize = 128;
 
 pub struct Activity {
     inner: Mutex<Inner>,
@@ -28,6 +34,7 @@ pub struct Activity {
 struct Inner {
     decisions: VecDeque<Decision>,
     ejections: BTreeMap<String, (Vec<String>, Instant)>,
+    queues: BTreeMap<String, (Vec<QueuedFlow>, Instant)>,
     dropped: u64,
     ttft: TtftSeries,
 }
@@ -47,6 +54,8 @@ pub struct Recent {
     pub ejected: BTreeMap<String, BTreeSet<String>>,
     /// Decisions data planes dropped before reporting them (queue full).
     pub dropped: u64,
+    /// What waits in each data plane's queue, by flow.
+    pub queued: Vec<(String, QueuedFlow)>,
     /// Time to first token by route over the last minutes, as drawn.
     pub ttft: serde_json::Value,
 }
@@ -68,6 +77,16 @@ impl Activity {
             }
             inner.decisions.truncate(TAIL);
             inner.dropped += report.dropped;
+            let mut queued = report.queued;
+            queued.truncate(QUEUED_FLOWS);
+            for flow in &mut queued {
+                flow.flow = flow.flow.chars().take(FLOW_NAME).collect();
+            }
+            if queued.is_empty() {
+                inner.queues.remove(&report.dataplane_id);
+            } else {
+                inner.queues.insert(report.dataplane_id.clone(), (queued, now));
+            }
             inner.ejections.insert(report.dataplane_id, (report.ejected_nodes, now));
         }
         self.changed.send_modify(|n| *n += 1);
@@ -83,9 +102,16 @@ impl Activity {
                 }
             }
         }
+        let queued = inner
+            .queues
+            .iter()
+            .filter(|(_, (_, at))| now.saturating_duration_since(*at) < QUEUE_STALE_AFTER)
+            .flat_map(|(dataplane, (flows, _))| flows.iter().map(|flow| (dataplane.clone(), flow.clone())))
+            .collect();
         Recent {
             decisions: inner.decisions.iter().cloned().collect(),
             ejected,
+            queued,
             dropped: inner.dropped,
             ttft: inner.ttft.view(inferyes_proto::unix_ms()),
         }
@@ -110,6 +136,7 @@ mod tests {
                 .collect(),
             ejected_nodes: ejected.iter().map(|s| (*s).into()).collect(),
             dropped: 0,
+            queued: Vec::new(),
         }
     }
 

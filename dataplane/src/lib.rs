@@ -91,17 +91,6 @@ pub async fn run(
             .instrument(tracing::info_span!("snapshots")),
     ));
     let (decisions, decision_rx) = report::DecisionLog::new();
-    let reporter = AbortOnDropHandle::new(tokio::spawn(
-        report::run(
-            Arc::clone(&decisions),
-            decision_rx,
-            Arc::clone(&snapshots),
-            controllers.clone(),
-            config.dataplane_id.clone(),
-            shutdown.clone(),
-        )
-        .instrument(tracing::info_span!("report")),
-    ));
     let hard_stop = CancellationToken::new();
     let mut registry = prometheus_client::registry::Registry::default();
     let metrics = Arc::new(metrics::Metrics::new(&mut registry));
@@ -137,6 +126,17 @@ pub async fn run(
             shares::Shares::new(key, tenant)
         },
     };
+    let reporter = AbortOnDropHandle::new(tokio::spawn(
+        report::run(
+            Arc::clone(&state.decisions),
+            decision_rx,
+            (Arc::clone(&state.snapshots), state.queue.clone()),
+            controllers.clone(),
+            config.dataplane_id.clone(),
+            shutdown.clone(),
+        )
+        .instrument(tracing::info_span!("report")),
+    ));
     // Cancelled once no request can record usage any more: the ledger then
     // flushes what is left and ends.
     let drained = CancellationToken::new();

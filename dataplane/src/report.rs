@@ -24,6 +24,8 @@ const KEEPALIVE_EVERY: Duration = Duration::from_secs(10);
 /// Decisions in one report, and waiting for it: the dashboard shows a
 /// tail, not a ledger. Beyond that, decisions are counted, not built.
 const MAX_PER_REPORT: usize = 512;
+/// Flows of the queue a report names at most.
+const MAX_QUEUED_FLOWS: usize = 64;
 const SEND_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// The request path's end of the queue.
@@ -57,7 +59,7 @@ impl DecisionLog {
 pub async fn run(
     log: Arc<DecisionLog>,
     mut rx: mpsc::Receiver<RoutingDecision>,
-    store: Arc<SnapshotStore>,
+    (store, queue): (Arc<SnapshotStore>, Option<Arc<crate::queue::Queue>>),
     controllers: crate::Controllers,
     dataplane_id: String,
     shutdown: CancellationToken,
@@ -80,6 +82,7 @@ pub async fn run(
     }
     let mut next = 0usize;
     let mut last_ejected: Vec<String> = Vec::new();
+    let mut last_queued = false;
     let mut last_sent = tokio::time::Instant::now();
     let mut ticker = tokio::time::interval(REPORT_EVERY);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -97,16 +100,27 @@ pub async fn run(
         }
         let ejected = ejected_nodes(&store);
         let dropped = log.dropped.swap(0, Ordering::Relaxed);
-        let quiet = decisions.is_empty() && dropped == 0 && ejected == last_ejected;
+        let queued = queue.as_ref().map(|queue| queue.waiting(MAX_QUEUED_FLOWS)).unwrap_or_default();
+        // Each report says what waits now: an empty one after a queue
+        // emptied, then nothing until it fills again.
+        let quiet =
+            decisions.is_empty() && dropped == 0 && ejected == last_ejected && queued.is_empty() && !last_queued;
         if quiet && last_sent.elapsed() < KEEPALIVE_EVERY {
             continue;
         }
-        let report =
-            DataPlaneReport { dataplane_id: dataplane_id.clone(), decisions, ejected_nodes: ejected.clone(), dropped };
+        let waiting = !queued.is_empty();
+        let report = DataPlaneReport {
+            dataplane_id: dataplane_id.clone(),
+            decisions,
+            ejected_nodes: ejected.clone(),
+            dropped,
+            queued,
+        };
         let mut client = clients[next % clients.len()].clone();
         match tokio::time::timeout(SEND_TIMEOUT, client.report(report)).await {
             Ok(Ok(_)) => {
                 last_ejected = ejected;
+                last_queued = waiting;
                 last_sent = tokio::time::Instant::now();
             }
             Ok(Err(status)) => {

@@ -146,7 +146,26 @@ pub fn build(
         "decisions": decisions(recent),
         "ttft": recent.ttft,
         "dropped_decisions": recent.dropped,
+        "queue": queue(recent),
     })
+}
+
+/// What waits in the data planes' queues, the longest waiting first.
+fn queue(recent: &Recent) -> Vec<Value> {
+    let mut flows: Vec<&(String, inferyes_proto::v1::QueuedFlow)> = recent.queued.iter().collect();
+    flows.sort_by_key(|(_, flow)| std::cmp::Reverse(flow.oldest_wait_ms));
+    flows
+        .into_iter()
+        .map(|(dataplane, flow)| {
+            json!({
+                "dataplane": dataplane,
+                "flow": flow.flow,
+                "class": if flow.priority() == inferyes_proto::v1::Priority::Batch { "batch" } else { "interactive" },
+                "waiting": flow.waiting,
+                "oldest_wait_ms": flow.oldest_wait_ms,
+            })
+        })
+        .collect()
 }
 
 fn sessions(live: &crate::live::LiveView, now_ms: u64) -> Value {

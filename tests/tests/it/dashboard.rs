@@ -180,6 +180,8 @@ async fn the_dashboard_page_updates_live_in_a_real_browser() {
         )
         .await;
     assert_eq!(browser.eval("return document.getElementById('live').textContent").await, "live");
+    let queue = browser.eval("return document.getElementById('queue').textContent").await;
+    assert!(queue.as_str().is_some_and(|q| q.contains("nothing waits")), "{queue}");
     // Whatever happens next must arrive without a reload: this survives
     // only while the page stays the same document.
     browser.eval("window.loadedOnce = 'still here'; return true").await;

@@ -108,7 +108,7 @@ async fn a_flow_past_its_share_of_the_queue_is_refused_and_others_still_wait() {
     let (heavy, light) =
         (key(&fleet, "heavy", Priority::Interactive).await, key(&fleet, "light", Priority::Interactive).await);
     // One running, two waiting: the flow's share of four.
-    let held: Vec<_> = (0..3).map(|i| ask(&fleet, &heavy, &format!("long {i}"), 40)).collect();
+    let held: Vec<_> = (0..3).map(|i| ask(&fleet, &heavy, &format!("long {i}"), 120)).collect();
     wait_until_in(&fleet, 3.0).await;
 
     let refused = fleet
@@ -180,7 +180,7 @@ async fn a_waiting_stream_is_answered_by_the_node_once_its_slot_frees() {
     let fleet = keyed_fleet(1, |_| {}).await;
     let (first, second) =
         (key(&fleet, "first", Priority::Interactive).await, key(&fleet, "second", Priority::Interactive).await);
-    let holding = ask(&fleet, &first, "a short while", 20);
+    let holding = ask(&fleet, &first, "a short while", 80);
     wait_until_in(&fleet, 1.0).await;
     let stream = json!({"model": "chat", "stream": true, "max_tokens": 4,
                         "messages": [{"role": "user", "content": "streaming"}]});
@@ -234,4 +234,31 @@ async fn interactive_requests_leave_the_queue_before_batch_ones() {
     assert!(!batch_job.is_finished(), "the batch job, queued first, went first");
     assert_eq!(batch_job.await.expect("answered").status, StatusCode::OK);
     assert_eq!(holding.await.expect("answered").status, StatusCode::OK);
+}
+
+#[tokio::test]
+async fn the_dashboard_shows_what_waits_by_flow_and_class() {
+    let fleet = keyed_fleet(1, |_| {}).await;
+    let (holder, batch) =
+        (key(&fleet, "holder", Priority::Interactive).await, key(&fleet, "jobs", Priority::Batch).await);
+    let holding = ask(&fleet, &holder, "hold the slot", 80);
+    wait_until_in(&fleet, 1.0).await;
+    let waiting = ask(&fleet, &batch, "a batch job", 2);
+    let shown = |expected: serde_json::Value| {
+        let fleet = &fleet;
+        async move { crate::dashboard::fleet_view(fleet).await["queue"] == expected }
+    };
+    inferyes_tests::eventually("the waiting job on the dashboard", Duration::from_secs(10), || async {
+        let view = crate::dashboard::fleet_view(&fleet).await;
+        let queue = &view["queue"];
+        queue.as_array().is_some_and(|q| q.len() == 1)
+            && queue[0]["flow"] == "jobs"
+            && queue[0]["class"] == "batch"
+            && queue[0]["waiting"] == 1
+            && queue[0]["dataplane"].as_str().is_some_and(|d| !d.is_empty())
+    })
+    .await;
+    assert_eq!(holding.await.expect("answered").status, StatusCode::OK);
+    assert_eq!(waiting.await.expect("answered").status, StatusCode::OK);
+    inferyes_tests::eventually("an empty queue on the dashboard", Duration::from_secs(10), || shown(json!([]))).await;
 }
