@@ -201,6 +201,12 @@ pub(crate) struct EngineState {
     clock: u64,
     next_task: u64,
     metrics: Metrics,
+    /// Requests waiting for a slot, first come first: llama-server keeps
+    /// its deferred tasks in order and puts the first back ahead of new
+    /// ones when a slot frees, so a request never overtakes one deferred
+    /// before it.
+    deferred: std::collections::VecDeque<u64>,
+    next_deferred: u64,
 }
 
 impl EngineState {
@@ -212,6 +218,8 @@ impl EngineState {
             clock: 0,
             next_task: 0,
             metrics: Metrics::default(),
+            deferred: std::collections::VecDeque::new(),
+            next_deferred: 0,
         }
     }
 
@@ -482,9 +490,19 @@ impl Engine {
             notified.as_mut().enable();
             let outcome = {
                 let mut st = self.lock();
-                let outcome = st.admit(&prompt, id_slot);
+                // Only the first of those waiting may take a slot; a new
+                // request waits behind them.
+                let turn = match &deferred {
+                    Some(guard) => st.deferred.front() == Some(&guard.ticket),
+                    None => st.deferred.is_empty(),
+                };
+                let outcome = if turn { st.admit(&prompt, id_slot) } else { Ok(None) };
                 if matches!(outcome, Ok(None)) && deferred.is_none() {
                     st.metrics.requests_deferred += 1;
+                    let ticket = st.next_deferred;
+                    st.next_deferred += 1;
+                    st.deferred.push_back(ticket);
+                    deferred = Some(DeferredGuard { engine: Arc::clone(self), ticket });
                 }
                 outcome
             };
@@ -506,27 +524,29 @@ impl Engine {
                         prefilled: false,
                     });
                 }
-                Ok(None) => {
-                    if deferred.is_none() {
-                        deferred = Some(DeferredGuard { engine: Arc::clone(self) });
-                    }
-                }
+                Ok(None) => {}
             }
             notified.await;
         }
     }
 }
 
-/// Keeps `requests_deferred` right when a waiting request is admitted or
-/// abandoned by its client.
+/// A waiting request's place in line: taken out, and `requests_deferred`
+/// kept right, when it is admitted or abandoned by its client; the next in
+/// line is woken then, as another slot may be free.
 struct DeferredGuard {
     engine: Arc<Engine>,
+    ticket: u64,
 }
 
 impl Drop for DeferredGuard {
     fn drop(&mut self) {
-        let mut st = self.engine.lock();
-        st.metrics.requests_deferred = st.metrics.requests_deferred.saturating_sub(1);
+        {
+            let mut st = self.engine.lock();
+            st.metrics.requests_deferred = st.metrics.requests_deferred.saturating_sub(1);
+            st.deferred.retain(|ticket| *ticket != self.ticket);
+        }
+        self.engine.freed.notify_waiters();
     }
 }
 
@@ -850,6 +870,37 @@ mod tests {
         let second = waiter.await.unwrap().unwrap();
         assert_eq!(second.admission().slot, 0);
         assert_eq!(engine.metrics().requests_deferred, 0);
+    }
+
+    #[tokio::test]
+    async fn waiting_requests_take_slots_in_the_order_they_came() {
+        let engine = fast_engine(params(1, 100, 0));
+        let first = engine.acquire(toks(5, 0), None, Some(1)).await.unwrap();
+        let (order, mut waiters) = (Arc::new(std::sync::Mutex::new(Vec::new())), Vec::new());
+        for i in 0..8u32 {
+            let (waiting, order) = (Arc::clone(&engine), Arc::clone(&order));
+            waiters.push(tokio::spawn(async move {
+                let lease = waiting.acquire(toks(5, 10 + i), None, Some(1)).await.unwrap();
+                order.lock().unwrap().push(i);
+                drop(lease);
+            }));
+            // Each is deferred before the next comes.
+            while engine.metrics().requests_deferred < u64::from(i) + 1 {
+                tokio::task::yield_now().await;
+            }
+        }
+        drop(first);
+        // A newcomer, the moment the slot frees, does not take it.
+        let newcomer = tokio::select! {
+            biased;
+            lease = engine.acquire(toks(5, 99), None, Some(1)) => Some(lease.map(|l| l.admission().slot)),
+            () = std::future::ready(()) => None,
+        };
+        assert!(newcomer.is_none(), "a new request took the slot from those waiting before it: {newcomer:?}");
+        for waiter in waiters {
+            waiter.await.unwrap();
+        }
+        assert_eq!(*order.lock().unwrap(), (0..8).collect::<Vec<_>>(), "first come, first served");
     }
 
     #[tokio::test]
