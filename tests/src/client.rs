@@ -81,6 +81,22 @@ impl HttpClient {
         body: Bytes,
         headers: &[(&str, &str)],
     ) -> http::Response<Incoming> {
+        self.start_within(method, url, body, headers, DEADLINE)
+            .await
+            .expect("response headers within the deadline")
+            .expect("request sent")
+    }
+
+    /// As [`HttpClient::start`], for a load generator: headers within
+    /// `deadline` or `Err`, a request that could not be sent `Ok(Err)`.
+    pub async fn start_within(
+        &self,
+        method: Method,
+        url: &str,
+        body: Bytes,
+        headers: &[(&str, &str)],
+        deadline: Duration,
+    ) -> Result<Result<http::Response<Incoming>, hyper_util::client::legacy::Error>, tokio::time::error::Elapsed> {
         let mut builder = Request::builder().method(method).uri(url);
         if !headers.iter().any(|(name, _)| name.eq_ignore_ascii_case("content-type")) {
             builder = builder.header("content-type", "application/json");
@@ -89,10 +105,7 @@ impl HttpClient {
             builder = builder.header(*name, *value);
         }
         let request = builder.body(Full::new(body)).expect("valid request");
-        tokio::time::timeout(DEADLINE, self.client.request(request))
-            .await
-            .expect("response headers within the deadline")
-            .expect("request sent")
+        tokio::time::timeout(deadline, self.client.request(request)).await
     }
 }
 
