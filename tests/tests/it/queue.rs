@@ -262,3 +262,17 @@ async fn the_dashboard_shows_what_waits_by_flow_and_class() {
     assert_eq!(waiting.await.expect("answered").status, StatusCode::OK);
     inferyes_tests::eventually("an empty queue on the dashboard", Duration::from_secs(10), || shown(json!([]))).await;
 }
+
+#[tokio::test]
+async fn a_key_takes_a_bounded_weight_and_a_known_priority() {
+    let fleet = keyed_fleet(1, |_| {}).await;
+    let mut admin = fleet.controller().fleet().await;
+    let create = |weight, priority| CreateKeyRequest { name: "k".into(), weight, priority, ..Default::default() };
+    let refused = admin.create_key(create(1_001, 0)).await.expect_err("a weight past 1,000");
+    assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{refused:?}");
+    let refused = admin.create_key(create(10, 7)).await.expect_err("an unknown priority");
+    assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{refused:?}");
+    let created = admin.create_key(create(10, Priority::Batch as i32)).await.expect("a key").into_inner();
+    let key = created.key.expect("the key");
+    assert_eq!((key.weight, key.priority()), (10, Priority::Batch));
+}
