@@ -23,6 +23,8 @@ const STALE_AFTER: Duration = Duration::from_secs(30);
 const QUEUE_STALE_AFTER: Duration = Duration::from_secs(5);
 /// Flows of one data plane's queue kept, and the length of a flow's name.
 const QUEUED_FLOWS: usize = 64;
+/// Data planes whose queues are kept at once.
+const QUEUED_DATAPLANES: usize = 256;
 const FLOW_NAME: usize = 128;
 
 pub struct Activity {
@@ -82,9 +84,12 @@ impl Activity {
             for flow in &mut queued {
                 flow.flow = flow.flow.chars().take(FLOW_NAME).collect();
             }
+            // A data plane gone silent leaves no row behind, and however
+            // many ids reports name, the map stays bounded.
+            inner.queues.retain(|_, (_, at)| now.saturating_duration_since(*at) < QUEUE_STALE_AFTER);
             if queued.is_empty() {
                 inner.queues.remove(&report.dataplane_id);
-            } else {
+            } else if inner.queues.len() < QUEUED_DATAPLANES || inner.queues.contains_key(&report.dataplane_id) {
                 inner.queues.insert(report.dataplane_id.clone(), (queued, now));
             }
             inner.ejections.insert(report.dataplane_id, (report.ejected_nodes, now));

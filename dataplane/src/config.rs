@@ -277,6 +277,9 @@ impl Config {
         if !(1..=100).contains(&self.queue_flow_share_percent) {
             bail!("queue_flow_share_percent must be 1-100");
         }
+        if self.queue && self.queue_max_bytes < self.max_body_bytes {
+            bail!("queue_max_bytes must be at least max_body_bytes: one request must fit");
+        }
         if self.queue && (self.queue_max_requests == 0 || self.queue_max_wait_ms == 0) {
             bail!(
                 "queue_max_requests and queue_max_wait_ms must be positive; to send requests on at once, set queue = false"

@@ -143,11 +143,11 @@ pub async fn run(
     let ledger = AbortOnDropHandle::new(tokio::spawn(
         usage::run(Arc::clone(&state.ledger), controllers, drained.clone()).instrument(tracing::info_span!("usage")),
     ));
-    // Lets requests out until none can be served any more: those waiting
-    // at a shutdown still go to nodes within the grace period.
+    // Lets requests out until the grace period of a shutdown is over:
+    // those waiting at a shutdown still go to nodes meanwhile.
     let _dispatcher = state.queue.as_ref().map(|queue| {
-        let run =
-            queue::run(Arc::clone(queue), Arc::clone(&state.snapshots), Arc::clone(&state.tickets), drained.clone());
+        let stop = hard_stop.clone();
+        let run = queue::run(Arc::clone(queue), Arc::clone(&state.snapshots), Arc::clone(&state.tickets), stop);
         AbortOnDropHandle::new(tokio::spawn(run.instrument(tracing::info_span!("queue"))))
     });
     if config.trusted_proxies.iter().any(inferyes_net::forwarded::Cidr::is_everything) {

@@ -11,7 +11,7 @@
 //! bound. Requests come in by [`Queue::enter`] and wait on their
 //! [`Place`].
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -31,6 +31,8 @@ pub struct Ask {
     pub session: Option<String>,
     pub prompt_tokens: u32,
     pub mode: Mode,
+    /// Whose it is: an error as it leaves names only models it may use.
+    pub caller: crate::auth::Caller,
 }
 
 /// How a wait ends.
@@ -45,7 +47,26 @@ pub enum Turn {
     Refused(RouteError),
     /// It waited as long as it may.
     TooLong { waited_ms: u64, retry_after_s: u32 },
+    /// The data plane is shutting down.
+    Closed,
 }
+
+/// What decides whether a waiting request can start, but for the free
+/// slots: its model and kind, its conversation's node, and its prompt's
+/// size (by powers of two: a shorter prompt may move where a longer one
+/// may not).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+struct Like {
+    model: Arc<str>,
+    kind: EndpointKind,
+    home: Option<crate::snapshot::Target>,
+    size: u32,
+}
+
+/// Requests one pass routes at most: past them, the rest wait for the
+/// next pass (a queue of a thousand conversations, each routed on every
+/// request's end, would cost a core).
+const MAX_ROUTED_PER_PASS: usize = 256;
 
 /// Why a request was not let in, and when to try again.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -192,59 +213,82 @@ impl Queue {
             let _ = waiter.sender.send(Turn::TooLong { waited_ms, retry_after_s });
         }
         let mut frozen = Frozen::of(snapshot);
-        // Requests without a session, of a model and kind that could not
-        // start in this pass: the others like them cannot either (the
-        // pass only takes slots), and are not routed again.
-        let mut blocked: Vec<(Arc<str>, EndpointKind)> = Vec::new();
-        loop {
-            let next = room.next(now_ms, |ticket, entry| {
-                let ask = &waiters.get(&ticket)?.ask;
-                let sessionless = ask.session.is_none();
-                if sessionless && blocked.iter().any(|(model, kind)| *model == entry.model && *kind == ask.kind) {
-                    return None;
+        // Requests like one that could not start in this pass cannot either
+        // (the pass only takes slots): they are not routed again.
+        let mut blocked: HashSet<Like> = HashSet::new();
+        let mut routed = 0;
+        let leaving = room.leave_startable(now_ms, |ticket, entry| {
+            let ask = &waiters.get(&ticket)?.ask;
+            let like = Like {
+                model: Arc::clone(&entry.model),
+                kind: ask.kind,
+                home: ask.session.as_deref().and_then(|session| snapshot.resident(session)).map(|r| r.target),
+                size: ask.prompt_tokens.checked_ilog2().unwrap_or(0),
+            };
+            if routed >= MAX_ROUTED_PER_PASS || blocked.contains(&like) {
+                return None;
+            }
+            routed += 1;
+            let request = RouteRequest {
+                model: &entry.model,
+                kind: ask.kind,
+                session: ask.session.as_deref(),
+                prompt_tokens: ask.prompt_tokens,
+                mode: ask.mode,
+                ticket: tickets.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+                now_ms,
+            };
+            match routing::select(snapshot, &frozen, &request) {
+                // No node could take it in this snapshot (none ready, say):
+                // it waits on, within its age bound, for one that can.
+                Ok(Route { waits: true, .. }) | Err(RouteError::NoCapacity { .. }) => {
+                    blocked.insert(like);
+                    None
                 }
-                let request = RouteRequest {
-                    model: &entry.model,
-                    kind: ask.kind,
-                    session: ask.session.as_deref(),
-                    prompt_tokens: ask.prompt_tokens,
-                    mode: ask.mode,
-                    ticket: tickets.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
-                    now_ms,
-                };
-                match routing::select(snapshot, &frozen, &request) {
-                    Ok(route) if route.waits => {
-                        if sessionless {
-                            blocked.push((Arc::clone(&entry.model), ask.kind));
-                        }
-                        None
-                    }
-                    routed => Some(routed),
+                Ok(route) => {
+                    let first = route.targets.first().copied();
+                    first.inspect(|target| frozen.entered(target.node));
+                    // Counted at its node now, so that the next request let
+                    // out does not take the same slot; a cold load's count
+                    // is its attempt's, with the memory it holds.
+                    let reserved = first
+                        .filter(|_| !route.cold())
+                        .and_then(|target| snapshot.node(target.node))
+                        .map(|node| node.endpoint.enter(None));
+                    Some(Turn::Go { route: Box::new(route), snapshot: Arc::clone(snapshot), reserved })
                 }
-            });
-            let Some((ticket, _, routed)) = next else { break };
+                Err(RouteError::ModelNotFound { .. }) => {
+                    let visible = |entry: &crate::snapshot::CatalogEntry| ask.caller.may_see(entry);
+                    Some(Turn::Refused(routing::model_not_found(snapshot, &entry.model, visible)))
+                }
+                Err(error) => Some(Turn::Refused(error)),
+            }
+        });
+        for (ticket, _, turn) in leaving {
             let Some(waiter) = waiters.remove(&ticket) else { continue };
             left.push_back(now_ms);
             if left.len() > DRAIN_WINDOW {
                 left.pop_front();
             }
-            let turn = match routed {
-                Ok(route) => {
-                    let first = route.targets.first().filter(|_| !route.cold());
-                    let reserved = first.and_then(|target| {
-                        frozen.entered(target.node);
-                        snapshot.node(target.node).map(|node| node.endpoint.enter(None))
-                    });
-                    Turn::Go { route: Box::new(route), snapshot: Arc::clone(snapshot), reserved }
-                }
-                Err(error) => Turn::Refused(error),
-            };
             self.finish(&waiter, "dispatched");
             // A client gone meanwhile drops its turn, and the count held
             // for it with it.
             let _ = waiter.sender.send(turn);
         }
         self.freed.watch(!room.is_empty());
+    }
+
+    /// Ends every wait: the data plane is shutting down, and no request
+    /// waiting now will be let out.
+    fn close(&self) {
+        let mut inner = self.lock();
+        let Inner { room, waiters, .. } = &mut *inner;
+        for (ticket, waiter) in waiters.drain() {
+            room.leave(ticket);
+            self.finish(&waiter, "shutdown");
+            let _ = waiter.sender.send(Turn::Closed);
+        }
+        self.freed.watch(false);
     }
 
     fn finish(&self, waiter: &Waiter, how: &'static str) {
@@ -334,9 +378,9 @@ impl Place {
     pub async fn turn(&mut self) -> Turn {
         let turn = (&mut self.receiver).await;
         self.done = true;
-        // The queue ends every wait it holds with a turn; only one that
-        // stops (the data plane shutting down) drops it.
-        turn.unwrap_or(Turn::TooLong { waited_ms: 0, retry_after_s: 1 })
+        // The queue ends every wait it holds with a turn, a shutdown's
+        // included: a turn lost is one.
+        turn.unwrap_or(Turn::Closed)
     }
 }
 
@@ -348,7 +392,9 @@ impl Drop for Place {
     }
 }
 
-/// Lets requests out of `queue` until `shutdown`.
+/// Lets requests out of `queue` until `shutdown` (the end of a shutdown's
+/// grace period: those waiting till then are sent on meanwhile), then
+/// answers those still waiting that the data plane is shutting down.
 pub async fn run(
     queue: Arc<Queue>,
     store: Arc<SnapshotStore>,
@@ -360,9 +406,9 @@ pub async fn run(
     let mut versions = store.versions();
     loop {
         tokio::select! {
-            () = shutdown.cancelled() => return,
+            () = shutdown.cancelled() => break,
             () = queue.freed.ended() => {}
-            changed = versions.changed() => if changed.is_err() { return },
+            changed = versions.changed() => if changed.is_err() { break },
             () = tokio::time::sleep(TICK) => {}
         }
         if queue.is_empty() {
@@ -372,4 +418,5 @@ pub async fn run(
             queue.dispatch(&snapshot, &tickets);
         }
     }
+    queue.close();
 }

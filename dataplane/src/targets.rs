@@ -224,6 +224,13 @@ pub struct InFlight {
     load: Option<ColdLoad>,
 }
 
+impl InFlight {
+    /// Whether this counts a request at `endpoint`'s node.
+    pub fn counts_at(&self, endpoint: &Endpoint) -> bool {
+        Arc::ptr_eq(&self.state, &endpoint.state)
+    }
+}
+
 impl Drop for InFlight {
     fn drop(&mut self) {
         self.state.in_flight.fetch_sub(1, Ordering::Relaxed);

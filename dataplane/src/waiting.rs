@@ -28,7 +28,8 @@ pub struct Limits {
     pub requests: usize,
     /// Bytes of their bodies, all flows together.
     pub bytes: usize,
-    /// Of `requests`, what one flow may hold, in percent.
+    /// Of `requests` and of `bytes`, what one flow may hold, in percent
+    /// (of bytes, at least its one request).
     pub flow_share_percent: u32,
     /// How long a request may wait before it is refused.
     pub max_wait_ms: u64,
@@ -81,6 +82,7 @@ struct Flow {
     /// Where its last request's tag ends.
     finish: u128,
     waiting: usize,
+    bytes: usize,
 }
 
 /// Tags count in units this fine: a cost of 1 over a weight of up to this
@@ -112,14 +114,16 @@ impl Room {
             return Err(Refused::Full);
         }
         let share = (requests * flow_share_percent as usize / 100).max(1);
+        let bytes_share = bytes / 100 * flow_share_percent as usize;
         let flow = self.flows.entry(Arc::clone(&entry.flow)).or_default();
-        if flow.waiting >= share {
+        if flow.waiting >= share || (flow.waiting > 0 && flow.bytes.saturating_add(entry.bytes) > bytes_share) {
             return Err(Refused::FlowShare);
         }
         let start = flow.finish.max(self.now_tag);
         let weight = u128::from(entry.weight.max(1));
         flow.finish = start + u128::from(entry.cost.max(1)) * TAG_SCALE / weight;
         flow.waiting += 1;
+        flow.bytes += entry.bytes;
         self.bytes += entry.bytes;
         let ticket = Ticket(self.next_ticket);
         self.next_ticket += 1;
@@ -127,15 +131,15 @@ impl Room {
         Ok(ticket)
     }
 
-    /// The request that leaves next at `now_ms`, in order (interactive
-    /// ones, and batch ones waiting past the aging bound, first; then the
-    /// earliest tag; then the first come), the first that `startable`
-    /// finds a place for now (it answers where). It has left the room.
-    pub fn next<R>(
+    /// The requests that leave at `now_ms`: in order (interactive ones, and
+    /// batch ones waiting past the aging bound, first; then the earliest
+    /// tag; then the first come), each that `startable` finds a place for
+    /// now (it answers where), in one pass. They have left the room.
+    pub fn leave_startable<R>(
         &mut self,
         now_ms: u64,
         mut startable: impl FnMut(Ticket, &Entry) -> Option<R>,
-    ) -> Option<(Ticket, Entry, R)> {
+    ) -> Vec<(Ticket, Entry, R)> {
         let aging = self.limits.aging_ms;
         let class = |w: &Waiting| match w.entry.class {
             Class::Batch if now_ms.saturating_sub(w.since_ms) < aging => Class::Batch,
@@ -144,12 +148,15 @@ impl Room {
         let mut order: Vec<(Class, u128, Ticket)> =
             self.waiting.iter().map(|(ticket, w)| (class(w), w.start, *ticket)).collect();
         order.sort_unstable();
-        let (ticket, place) = order
-            .into_iter()
-            .find_map(|(_, _, ticket)| startable(ticket, &self.waiting[&ticket].entry).map(|r| (ticket, r)))?;
-        let left = self.take(ticket)?;
-        self.now_tag = self.now_tag.max(left.start);
-        Some((ticket, left.entry, place))
+        let mut left = Vec::new();
+        for (_, _, ticket) in order {
+            let Some(place) = startable(ticket, &self.waiting[&ticket].entry) else { continue };
+            if let Some(gone) = self.take(ticket) {
+                self.now_tag = self.now_tag.max(gone.start);
+                left.push((ticket, gone.entry, place));
+            }
+        }
+        left
     }
 
     /// Takes a request out of the room: its client went away, or it waited
@@ -178,6 +185,7 @@ impl Room {
         self.bytes -= left.entry.bytes;
         if let Some(flow) = self.flows.get_mut(&left.entry.flow) {
             flow.waiting -= 1;
+            flow.bytes -= left.entry.bytes;
             // A flow with nothing waiting is forgotten (the room holds only
             // flows that wait): its next request is tagged at the present,
             // ahead by at most its last request's cost.
@@ -200,12 +208,23 @@ mod tests {
         Entry { flow: Arc::from(flow), weight: 1, class, cost, bytes: 100, model: Arc::from("m") }
     }
 
-    fn any(_: Ticket, _: &Entry) -> Option<()> {
-        Some(())
+    /// The one request that leaves next of those `startable` takes.
+    fn next(room: &mut Room, now_ms: u64, startable: impl Fn(&Entry) -> bool) -> Option<(Ticket, Entry)> {
+        let mut taken = false;
+        let left = room.leave_startable(now_ms, |_, entry| {
+            let take = !taken && startable(entry);
+            taken |= take;
+            take.then_some(())
+        });
+        left.into_iter().next().map(|(ticket, entry, ())| (ticket, entry))
+    }
+
+    fn any(_: &Entry) -> bool {
+        true
     }
 
     fn order(room: &mut Room, now_ms: u64) -> Vec<String> {
-        std::iter::from_fn(|| room.next(now_ms, any)).map(|(_, e, ())| e.flow.to_string()).collect()
+        room.leave_startable(now_ms, |_, _| Some(())).into_iter().map(|(_, e, ())| e.flow.to_string()).collect()
     }
 
     #[test]
@@ -219,9 +238,9 @@ mod tests {
         for _ in 0..64 {
             room.enter(entry("a", Class::Interactive, 3_000), 1).unwrap();
         }
-        room.next(1, any).unwrap();
+        next(&mut room, 1, any).unwrap();
         room.enter(entry("b", Class::Interactive, 100), 2).unwrap();
-        let (_, next, ()) = room.next(2, any).unwrap();
+        let (_, next) = next(&mut room, 2, any).unwrap();
         assert_eq!(&*next.flow, "b", "B waits for no more than the request leaving");
     }
 
@@ -251,12 +270,12 @@ mod tests {
         let mut room = Room::new(LIMITS);
         let batch = room.enter(entry("b", Class::Batch, 1), 0).unwrap();
         room.enter(entry("i", Class::Interactive, 1_000_000), 5_000).unwrap();
-        let (first, _, ()) = room.next(5_000, any).unwrap();
+        let (first, _) = next(&mut room, 5_000, any).unwrap();
         assert_ne!(first, batch, "interactive first");
         room.enter(entry("i", Class::Interactive, 1), 5_000).unwrap();
         // Past the aging bound, batch goes with the interactive ones, by tag.
-        let (next, _, ()) = room.next(10_000, any).unwrap();
-        assert_eq!(next, batch);
+        let (after, _) = next(&mut room, 10_000, any).unwrap();
+        assert_eq!(after, batch);
     }
 
     #[test]
@@ -265,11 +284,11 @@ mod tests {
         let a = room.enter(Entry { model: Arc::from("x"), ..entry("f", Class::Interactive, 1) }, 0).unwrap();
         let b = room.enter(Entry { model: Arc::from("y"), ..entry("f", Class::Interactive, 1) }, 0).unwrap();
         let c = room.enter(Entry { model: Arc::from("y"), ..entry("f", Class::Interactive, 1) }, 0).unwrap();
-        let model = |name: &'static str| move |_, e: &Entry| (&*e.model == name).then_some(());
-        assert_eq!(room.next(0, model("y")).map(|(t, ..)| t), Some(b));
-        assert!(room.next(0, model("z")).is_none());
-        assert_eq!(room.next(0, any).map(|(t, ..)| t), Some(a));
-        assert_eq!(room.next(0, any).map(|(t, ..)| t), Some(c));
+        let model = |name: &'static str| move |e: &Entry| &*e.model == name;
+        assert_eq!(next(&mut room, 0, model("y")).map(|(t, _)| t), Some(b));
+        assert!(next(&mut room, 0, model("z")).is_none());
+        assert_eq!(next(&mut room, 0, any).map(|(t, _)| t), Some(a));
+        assert_eq!(next(&mut room, 0, any).map(|(t, _)| t), Some(c));
         assert!(room.is_empty());
     }
 
@@ -294,11 +313,22 @@ mod tests {
     }
 
     #[test]
+    fn a_flow_holds_at_most_its_share_of_the_bytes_beyond_its_first_request() {
+        let limits = Limits { requests: 100, bytes: 1_000, flow_share_percent: 50, ..LIMITS };
+        let mut room = Room::new(limits);
+        let big = |flow| Entry { bytes: 600, ..entry(flow, Class::Interactive, 1) };
+        room.enter(big("a"), 0).unwrap();
+        assert_eq!(room.enter(Entry { bytes: 100, ..entry("a", Class::Interactive, 1) }, 0), Err(Refused::FlowShare));
+        assert_eq!(room.enter(big("b"), 0), Err(Refused::Full), "the room's own bound");
+        assert!(room.enter(Entry { bytes: 300, ..entry("b", Class::Interactive, 1) }, 0).is_ok());
+    }
+
+    #[test]
     fn flows_with_nothing_waiting_are_forgotten() {
         let mut room = Room::new(LIMITS);
         for i in 0..1_000 {
             room.enter(entry(&format!("flow-{i}"), Class::Interactive, 1), 0).unwrap();
-            room.next(0, any).unwrap();
+            next(&mut room, 0, any).unwrap();
         }
         assert!(room.flows.is_empty(), "{} flows kept", room.flows.len());
     }

@@ -210,7 +210,7 @@ impl Attempts<'_> {
                 body = spliced;
             }
             let guard = match hop.reserved.take() {
-                Some(reserved) if hop.load.is_none() => reserved,
+                Some(reserved) if hop.load.is_none() && reserved.counts_at(&hop.endpoint) => reserved,
                 _ => hop.endpoint.enter(hop.load.clone()),
             };
             let (attempt, answer) = self.send(&hop, &out.path_and_query, headers, body, out.stream).await;

@@ -162,7 +162,7 @@ impl<'s> Exchange<'s> {
         let prepared = self.prepare(parts, body, &view, model, &caller);
         let answered = match self.route(&snapshot, &view, model, prepared.body.len()) {
             Ok(route) => match self.state.queue.clone().filter(|queue| route.waits || queue.holds_any()) {
-                Some(queue) => self.queued(&queue, (&caller, class), model, prepared, &view).await,
+                Some(queue) => self.queued(&queue, (&caller, class), (&snapshot, route), model, prepared, &view).await,
                 None => self.answer(&snapshot, route, None, model, prepared, &view).await,
             },
             Err(error) => Err(error),
@@ -321,11 +321,14 @@ impl<'s> Exchange<'s> {
     /// the queue: let in (or refused, 429 past its flow's share), then
     /// answered once a node can start it, routed as it leaves. A stream
     /// that waits past [`QUIET_WAIT`] is answered at once, with a note
-    /// each second while it waits.
+    /// each second while it waits. `route`: where it would go now; one
+    /// that need not wait is never refused by the queue's bounds, only
+    /// sent on.
     async fn queued(
         &mut self,
         queue: &Arc<Queue>,
         (caller, class): (&Caller, Class),
+        (snapshot, route): (&Arc<RoutingSnapshot>, Route),
         model: &str,
         prepared: Prepared,
         view: &RoutingView,
@@ -340,6 +343,12 @@ impl<'s> Exchange<'s> {
             Caller::Open => (format!("a:{}", inferyes_net::admit::peer_of(self.client)), "_open", "client"),
         };
         let prompt_tokens = estimated_prompt_tokens(prepared.body.len(), view);
+        // Its cost in the fair order: its prompt (a body's bytes over four
+        // where the estimate knows none, as for media) and its limit, at
+        // most the model's window.
+        let window = snapshot.model(model).map_or(u64::from(u32::MAX), |m| u64::from(m.context_window.max(1)));
+        let prompt = u64::from(prompt_tokens).max(prepared.body.len() as u64 / 4);
+        let output = view.max_tokens.unwrap_or(QUEUE_OUTPUT_ESTIMATE).min(window);
         let entry = Entry {
             flow: Arc::from(flow),
             weight: match caller {
@@ -347,13 +356,22 @@ impl<'s> Exchange<'s> {
                 Caller::Open => 1,
             },
             class,
-            cost: u64::from(prompt_tokens) + view.max_tokens.unwrap_or(QUEUE_OUTPUT_ESTIMATE),
+            cost: prompt.saturating_add(output),
             bytes: prepared.body.len(),
             model: Arc::from(model),
         };
-        let ask =
-            Ask { kind: self.row.kind, session: self.facts.session.clone(), prompt_tokens, mode: self.state.mode };
-        let mut place = queue.enter(entry, ask, flow_label).map_err(|not_in| {
+        let ask = Ask {
+            kind: self.row.kind,
+            session: self.facts.session.clone(),
+            prompt_tokens,
+            mode: self.state.mode,
+            caller: caller.clone(),
+        };
+        let entered = queue.enter(entry, ask, flow_label);
+        if entered.is_err() && !route.waits {
+            return self.answer(snapshot, route, None, model, prepared, view).await;
+        }
+        let mut place = entered.map_err(|not_in| {
             let error = match not_in.why {
                 Refused::Full => ApiError::overloaded("requests waiting for a free slot"),
                 Refused::FlowShare => ApiError::new(
@@ -381,6 +399,7 @@ impl<'s> Exchange<'s> {
                 }
                 Turn::Refused(error) => Err(error.into()),
                 Turn::TooLong { waited_ms, retry_after_s } => Err(waited_too_long(waited_ms, retry_after_s)),
+                Turn::Closed => Err(shutting_down()),
             };
         }
         let snapshot = self.state.snapshots.current().ok_or_else(ApiError::not_ready)?;
@@ -688,6 +707,7 @@ impl StreamSetup {
                 Turn::Go { route, snapshot, reserved } => (route, snapshot, reserved),
                 Turn::Refused(error) => return Err(error.into()),
                 Turn::TooLong { waited_ms, retry_after_s } => return Err(waited_too_long(waited_ms, retry_after_s)),
+                Turn::Closed => return Err(shutting_down()),
             };
             self.plan.version = snapshot.version();
             let mut hops = Hops::of(&snapshot, &route, &owned_model).reserved(reserved);
@@ -763,6 +783,17 @@ const QUIET_WAIT: std::time::Duration = std::time::Duration::from_millis(500);
 
 /// A client's choice of its request's class in the queue.
 const PRIORITY_HEADER: http::HeaderName = http::HeaderName::from_static("x-inferyes-priority");
+
+/// The refusal of a request still waiting when the data plane's shutdown
+/// grace period ends.
+fn shutting_down() -> ApiError {
+    ApiError::new(
+        ErrorKind::Unavailable,
+        "the gateway shut down while the request waited for a free slot; send it again",
+        ErrorCode::GatewayShutdown,
+    )
+    .retry_after(1)
+}
 
 /// The refusal of a request that waited in the queue as long as it may.
 fn waited_too_long(waited_ms: u64, retry_after_s: u32) -> ApiError {

@@ -276,3 +276,28 @@ async fn a_key_takes_a_bounded_weight_and_a_known_priority() {
     let key = created.key.expect("the key");
     assert_eq!((key.weight, key.priority()), (10, Priority::Batch));
 }
+
+#[tokio::test]
+async fn a_request_a_node_can_start_now_is_never_refused_for_what_others_wait_for() {
+    let fleet = Fleet::start_with(vec![slow_node(1), chat_sim("other")], |c| {
+        c.auth = AuthMode::Keys;
+        c.queue_max_requests = 4;
+        c.queue_flow_share_percent = 50;
+    })
+    .await;
+    let heavy = key(&fleet, "heavy", Priority::Interactive).await;
+    // One running, two waiting: all the flow's share of the queue.
+    let held: Vec<_> = (0..3).map(|i| ask(&fleet, &heavy, &format!("long {i}"), 120)).collect();
+    wait_until_in(&fleet, 3.0).await;
+    let url = fleet.url("/v1/chat/completions");
+    let past_share = fleet.http.send(Method::POST, &url, body("one more", 2), &[("authorization", &heavy)]).await;
+    assert_eq!(past_share.status, StatusCode::TOO_MANY_REQUESTS);
+
+    // The same flow, for a model whose node is idle: served, not refused.
+    let idle = json!({"model": "other", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]});
+    let served = fleet.http.send(Method::POST, &url, idle.to_string().into(), &[("authorization", &heavy)]).await;
+    assert_eq!(served.status, StatusCode::OK, "{}", String::from_utf8_lossy(&served.body));
+    for request in held {
+        assert_eq!(request.await.expect("answered").status, StatusCode::OK);
+    }
+}
