@@ -228,9 +228,10 @@ endpoints = {json.dumps(endpoints)}
         config = self.write(f"agent-{node}.toml", text)
         self.spawn(f"agent-{node}", [str(self.bin / "inferyes-agent"), "--config", str(config)])
 
-    def start_dataplane(self, name, strategy, warm):
+    def start_dataplane(self, name, strategy, warm, extra=""):
         """A data plane routing by `strategy`, once it sees every model of
-        `warm` ({model: warm nodes}) on that many nodes."""
+        `warm` ({model: warm nodes}) on that many nodes; `extra`: more of
+        its configuration, as TOML."""
         port, admin_port = free_port(), free_port()
         config = self.write(f"{name}.toml", f"""
 version = 1
@@ -240,6 +241,7 @@ controllers = ["{self.controller_url}"]
 dataplane_id = "{name}"
 routing_mode = "{strategy}"
 dataplane_token_file = "{self.dataplane_token_file}"
+{extra}
 """)
         self.spawn(name, [str(self.bin / "inferyes-dataplane"), "--config", str(config)])
         url = f"http://127.0.0.1:{port}"
