@@ -190,7 +190,7 @@ impl Default for Config {
             queue_max_requests: 1024,
             queue_max_bytes: 64 << 20,
             queue_flow_share_percent: 25,
-            queue_max_wait_ms: 60_000,
+            queue_max_wait_ms: 300_000,
             queue_batch_aging_ms: 30_000,
             request_body_timeout_ms: 60_000,
             connect_timeout_ms: 2000,
