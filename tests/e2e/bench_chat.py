@@ -160,7 +160,8 @@ def start_fleet(fleet, args):
         host_cache = args.cache_ram * 1024 * 1024 // KV_BYTES_PER_TOKEN
         fleet.start_agent(node, [("chat", fleet.llama[node], ["chat", "completion"],
                                   f"host_cache_tokens = {host_cache}\n")])
-    fleet.urls = {s: fleet.start_dataplane(f"dataplane-{s}", s, {MODEL: args.nodes}) for s in STRATEGIES}
+    extra = "queue = false" if args.no_queue else ""
+    fleet.urls = {s: fleet.start_dataplane(f"dataplane-{s}", s, {MODEL: args.nodes}, extra=extra) for s in STRATEGIES}
 
 
 def start_server(fleet, node, args, port=None):
@@ -211,6 +212,8 @@ def main():
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--concurrent", action="store_true", help="every conversation its own user, all at once")
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
+    parser.add_argument("--no-queue", action="store_true",
+                        help="data planes send every request on at once, to wait in the servers' queues")
     parser.add_argument("--seed", default="bench")
     parser.add_argument("--json", type=Path, help="write the results and every turn here")
     args = parser.parse_args()
