@@ -108,7 +108,9 @@ async fn a_flow_past_its_share_of_the_queue_is_refused_and_others_still_wait() {
     let (heavy, light) =
         (key(&fleet, "heavy", Priority::Interactive).await, key(&fleet, "light", Priority::Interactive).await);
     // One running, two waiting: the flow's share of four.
-    let held: Vec<_> = (0..3).map(|i| ask(&fleet, &heavy, &format!("long {i}"), 120)).collect();
+    // Ten seconds each: still held when the test looks, however slow the
+    // machine; let go, not awaited, at its end.
+    let held: Vec<_> = (0..3).map(|i| ask(&fleet, &heavy, &format!("long {i}"), 400)).collect();
     wait_until_in(&fleet, 3.0).await;
 
     let refused = fleet
@@ -118,7 +120,7 @@ async fn a_flow_past_its_share_of_the_queue_is_refused_and_others_still_wait() {
     assert_eq!(refused.status, StatusCode::TOO_MANY_REQUESTS, "{}", String::from_utf8_lossy(&refused.body));
     assert_eq!(refused.openai_error()["code"], "rate_limit_exceeded");
     let retry: u64 = refused.header("retry-after").expect("retry-after").parse().expect("seconds");
-    assert!((1..=60).contains(&retry), "{retry}");
+    assert!((1..=300).contains(&retry), "within the age bound: {retry}");
     // In Anthropic's shape on its path.
     let messages = json!({"model": "chat", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]});
     let refused = fleet
@@ -131,9 +133,7 @@ async fn a_flow_past_its_share_of_the_queue_is_refused_and_others_still_wait() {
     let other = ask(&fleet, &light, "my turn", 2).await.expect("answered");
     assert_eq!(other.status, StatusCode::OK, "another tenant waits its turn: {}", String::from_utf8_lossy(&other.body));
     assert!(metric(&fleet, "inferyes_dataplane_queue_refused_total").await >= 2.0);
-    for request in held {
-        assert_eq!(request.await.expect("answered").status, StatusCode::OK);
-    }
+    held.iter().for_each(JoinHandle::abort);
 }
 
 #[tokio::test]
@@ -287,7 +287,9 @@ async fn a_request_a_node_can_start_now_is_never_refused_for_what_others_wait_fo
     .await;
     let heavy = key(&fleet, "heavy", Priority::Interactive).await;
     // One running, two waiting: all the flow's share of the queue.
-    let held: Vec<_> = (0..3).map(|i| ask(&fleet, &heavy, &format!("long {i}"), 120)).collect();
+    // Ten seconds each: still held when the test looks, however slow the
+    // machine; let go, not awaited, at its end.
+    let held: Vec<_> = (0..3).map(|i| ask(&fleet, &heavy, &format!("long {i}"), 400)).collect();
     wait_until_in(&fleet, 3.0).await;
     let url = fleet.url("/v1/chat/completions");
     let past_share = fleet.http.send(Method::POST, &url, body("one more", 2), &[("authorization", &heavy)]).await;
@@ -297,7 +299,5 @@ async fn a_request_a_node_can_start_now_is_never_refused_for_what_others_wait_fo
     let idle = json!({"model": "other", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]});
     let served = fleet.http.send(Method::POST, &url, idle.to_string().into(), &[("authorization", &heavy)]).await;
     assert_eq!(served.status, StatusCode::OK, "{}", String::from_utf8_lossy(&served.body));
-    for request in held {
-        assert_eq!(request.await.expect("answered").status, StatusCode::OK);
-    }
+    held.iter().for_each(JoinHandle::abort);
 }
