@@ -105,11 +105,13 @@ if [ "$real" = 1 ]; then
   # Ports and node names match deploy/local/agent-real-*.toml. Four slots
   # each; --cache-ram keeps evicted conversations in the host's memory, as
   # llama-server does by default (8 GiB there), sized here for a laptop.
+  # --swa-full: without it Gemma 3's sliding-window layers make every host
+  # cache entry carry context checkpoints, and a few conversations fill it.
   i=0
   for node in a b c; do
     i=$((i + 1))
     "$llama" -m "$gguf" --alias "$model" --host 127.0.0.1 --port "1818$i" \
-      -c 16384 -np 4 -t 1 --metrics --cache-ram 512 --chat-template-file deploy/local/gemma.jinja >"$logs/llama-server-$node.log" 2>&1 &
+      -c 16384 -np 4 -t 1 --metrics --cache-ram 512 --swa-full --chat-template-file deploy/local/gemma.jinja >"$logs/llama-server-$node.log" 2>&1 &
     pids+=($!)
   done
   for i in 1 2 3; do wait_http "http://127.0.0.1:1818$i/health" "llama-server on port 1818$i"; done

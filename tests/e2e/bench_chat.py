@@ -37,7 +37,7 @@ from pathlib import Path
 
 from openai import OpenAI
 
-from harness import GEMMA_TEMPLATE, Fleet, http_get, llama_server, real_model, wait_until
+from harness import GEMMA_ARGS, Fleet, http_get, llama_server, real_model, wait_until
 
 MODEL = "gemma-3-270m"
 STRATEGIES = ("policy", "round-robin", "least-outstanding")
@@ -152,7 +152,7 @@ def start_fleet(fleet, args):
     fleet.model = real_model()
     fleet.start_etcd()
     fleet.start_controller()
-    fleet.llama_args = ["-np", str(args.slots), "--chat-template-file", str(GEMMA_TEMPLATE)]
+    fleet.llama_args = ["-np", str(args.slots), *GEMMA_ARGS]
     fleet.nodes = [f"node-{chr(ord('a') + i)}" for i in range(args.nodes)]
     fleet.llama = {}
     for node in fleet.nodes:

@@ -24,7 +24,7 @@ from pathlib import Path
 from openai import OpenAI
 
 from bench_chat import COLOURS, KV_BYTES_PER_TOKEN, MODEL, WORDS, percentile
-from harness import GEMMA_TEMPLATE, Fleet, http_get, llama_server, real_model, wait_until
+from harness import GEMMA_ARGS, Fleet, http_get, llama_server, real_model, wait_until
 
 
 def document(rng, tokens):
@@ -121,7 +121,7 @@ def main():
         fleet.model = real_model()
         fleet.start_etcd()
         fleet.start_controller()
-        fleet.llama_args = ["-np", str(args.slots), "--chat-template-file", str(GEMMA_TEMPLATE)]
+        fleet.llama_args = ["-np", str(args.slots), *GEMMA_ARGS]
         fleet.nodes = [f"node-{chr(ord('a') + i)}" for i in range(args.nodes)]
         fleet.llama = {}
         for node in fleet.nodes:

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import make_models
-from harness import GEMMA_TEMPLATE, Fleet, llama_server, real_model
+from harness import GEMMA_ARGS, Fleet, llama_server, real_model
 
 
 @pytest.fixture(scope="session")
@@ -67,7 +67,7 @@ def gemma():
         fleet.start_controller()
         # Two slots of 4,096 tokens each; no host cache, so a cache hit can
         # only come from the slot that served the previous turn.
-        fleet.llama_args = ["-np", "2", "--chat-template-file", str(GEMMA_TEMPLATE)]
+        fleet.llama_args = ["-np", "2", *GEMMA_ARGS]
         fleet.llama = {}
         for node in ("node-a", "node-b"):
             fleet.llama[node] = fleet.start_llama_server(

@@ -72,6 +72,14 @@ def real_model():
 # The turn format Gemma 3 270M is served with (the base model has none).
 GEMMA_TEMPLATE = ROOT / "deploy" / "local" / "gemma.jinja"
 
+# How Gemma 3 270M is served: with its turn format, and with a full-size
+# cache for its sliding-window layers. Without --swa-full llama-server
+# reuses a prefix only from a context checkpoint, and keeps up to 32 of
+# them (7 MiB each at 500 tokens) with every prompt in its host cache:
+# 16 conversations of 500 tokens outgrow --cache-ram 512 and later turns
+# are recomputed. With it an entry is 18 KiB a token, no checkpoints.
+GEMMA_ARGS = ("--chat-template-file", str(GEMMA_TEMPLATE), "--swa-full")
+
 
 def http_get(url, timeout=2.0, headers=None):
     request = urllib.request.Request(url, headers=headers or {})
