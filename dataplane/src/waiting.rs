@@ -8,6 +8,15 @@
 //! another's backlog is tagged at the present, ahead of that backlog: it
 //! waits for requests already leaving, never for the backlog itself.
 //!
+//! Within a flow and class, the flow's tags go to its cheapest requests
+//! first (shortest job first, as SGLang's longest-prefix-match order): a
+//! conversation's next turn, whose history a node holds, leaves ahead of
+//! the flow's new long prompts rather than waiting for all of them. A
+//! request that has waited half the longest wait (`max_wait_ms`) goes
+//! ahead of its flow's cheaper ones, by arrival, so none is refused for waiting while cheap
+//! ones kept coming. Other flows see only the flow's tags, whichever of
+//! its requests takes them: the one that leaves spends the tag it took.
+//!
 //! Pure: time comes in as milliseconds, and where a request can start now
 //! as a function of it. [`crate::queue`] owns the waiting itself.
 
@@ -46,9 +55,13 @@ pub struct Entry {
     /// Its flow's weight, at least 1.
     pub weight: u32,
     pub class: Class,
-    /// What it will cost a node, in tokens (its prompt and its limit): a
+    /// What it may cost a node, in tokens (its prompt and its limit): a
     /// flow of long requests leaves less often than one of short ones.
     pub cost: u64,
+    /// What it is expected to cost: `cost` less the prompt a node holds
+    /// for its conversation. It orders the flow's own requests; the flow
+    /// is charged `cost` (a client may name any of its conversations).
+    pub expected: u64,
     /// Its body's bytes, held while it waits.
     pub bytes: usize,
     /// The model it asks for: it can leave only where that model has room.
@@ -83,6 +96,23 @@ struct Flow {
     finish: u128,
     waiting: usize,
     bytes: usize,
+}
+
+/// A flow's waiting requests of one class: the tags they hold, and who
+/// takes which, in order (overdue ones by arrival, then the cheapest
+/// expected).
+#[derive(Default)]
+struct Turns {
+    tags: Vec<u128>,
+    takers: Vec<(Standing, u64, Ticket)>,
+}
+
+/// Whether a request has waited half the longest wait: then it goes ahead
+/// of its flow's cheaper requests.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Standing {
+    Overdue,
+    InTime,
 }
 
 /// Tags count in units this fine: a cost of 1 over a weight of up to this
@@ -133,26 +163,46 @@ impl Room {
 
     /// The requests that leave at `now_ms`: in order (interactive ones, and
     /// batch ones waiting past the aging bound, first; then the earliest
-    /// tag; then the first come), each that `startable` finds a place for
-    /// now (it answers where), in one pass. They have left the room.
+    /// tag, each flow's going to its cheapest requests; then the first
+    /// come), each that `startable` finds a place for now (it answers
+    /// where), in one pass. They have left the room.
     pub fn leave_startable<R>(
         &mut self,
         now_ms: u64,
         mut startable: impl FnMut(Ticket, &Entry) -> Option<R>,
     ) -> Vec<(Ticket, Entry, R)> {
-        let aging = self.limits.aging_ms;
-        let class = |w: &Waiting| match w.entry.class {
-            Class::Batch if now_ms.saturating_sub(w.since_ms) < aging => Class::Batch,
-            _ => Class::Interactive,
-        };
-        let mut order: Vec<(Class, u128, Ticket)> =
-            self.waiting.iter().map(|(ticket, w)| (class(w), w.start, *ticket)).collect();
+        let Limits { aging_ms, max_wait_ms, .. } = self.limits;
+        let mut flows: HashMap<(&str, Class), Turns> = HashMap::new();
+        for (ticket, w) in &self.waiting {
+            let waited = now_ms.saturating_sub(w.since_ms);
+            let class = match w.entry.class {
+                Class::Batch if waited < aging_ms => Class::Batch,
+                _ => Class::Interactive,
+            };
+            let (standing, expected) =
+                if waited >= max_wait_ms / 2 { (Standing::Overdue, 0) } else { (Standing::InTime, w.entry.expected) };
+            let turns = flows.entry((&w.entry.flow, class)).or_default();
+            turns.tags.push(w.start);
+            turns.takers.push((standing, expected, *ticket));
+        }
+        let mut order: Vec<(Class, u128, Ticket)> = Vec::with_capacity(self.waiting.len());
+        for ((_, class), Turns { mut tags, mut takers }) in flows {
+            tags.sort_unstable();
+            takers.sort_unstable();
+            order.extend(tags.into_iter().zip(takers).map(|(tag, (_, _, ticket))| (class, tag, ticket)));
+        }
+        // Each keeps the tag it takes: the one its flow spends if it leaves.
+        for &(_, tag, ticket) in &order {
+            if let Some(w) = self.waiting.get_mut(&ticket) {
+                w.start = tag;
+            }
+        }
         order.sort_unstable();
         let mut left = Vec::new();
-        for (_, _, ticket) in order {
+        for (_, tag, ticket) in order {
             let Some(place) = startable(ticket, &self.waiting[&ticket].entry) else { continue };
             if let Some(gone) = self.take(ticket) {
-                self.now_tag = self.now_tag.max(gone.start);
+                self.now_tag = self.now_tag.max(tag);
                 left.push((ticket, gone.entry, place));
             }
         }
@@ -205,7 +255,7 @@ mod tests {
         Limits { requests: 1_000, bytes: 1 << 30, flow_share_percent: 50, max_wait_ms: 60_000, aging_ms: 10_000 };
 
     fn entry(flow: &str, class: Class, cost: u64) -> Entry {
-        Entry { flow: Arc::from(flow), weight: 1, class, cost, bytes: 100, model: Arc::from("m") }
+        Entry { flow: Arc::from(flow), weight: 1, class, cost, expected: cost, bytes: 100, model: Arc::from("m") }
     }
 
     /// The one request that leaves next of those `startable` takes.
@@ -290,6 +340,25 @@ mod tests {
         assert_eq!(next(&mut room, 0, any).map(|(t, _)| t), Some(a));
         assert_eq!(next(&mut room, 0, any).map(|(t, _)| t), Some(c));
         assert!(room.is_empty());
+    }
+
+    #[test]
+    fn a_flow_s_cheap_requests_leave_ahead_of_its_long_ones_until_those_are_overdue() {
+        let mut room = Room::new(LIMITS);
+        let long: Vec<Ticket> = (0..3).map(|_| room.enter(entry("f", Class::Interactive, 1_000), 0).unwrap()).collect();
+        // Long too, but a node holds all its prompt but 50 tokens.
+        let short = room.enter(Entry { expected: 50, ..entry("f", Class::Interactive, 1_000) }, 10_000).unwrap();
+        let other = room.enter(entry("g", Class::Interactive, 1_000), 10_000).unwrap();
+        // The short one takes its flow's first tag; the other flow keeps
+        // its place, whichever of f's requests took that tag.
+        assert_eq!(next(&mut room, 10_000, any).map(|(t, _)| t), Some(short));
+        // The flow spent its first tag: the other flow's turn is next.
+        assert_eq!(next(&mut room, 10_000, any).map(|(t, _)| t), Some(other));
+        assert_eq!(next(&mut room, 10_000, any).map(|(t, _)| t), Some(long[0]));
+        // Past half the longest wait (30 s), the long ones go by arrival,
+        // ahead of a newer short one.
+        room.enter(Entry { expected: 50, ..entry("f", Class::Interactive, 1_000) }, 29_000).unwrap();
+        assert_eq!(next(&mut room, 30_000, any).map(|(t, _)| t), Some(long[1]));
     }
 
     #[test]
