@@ -75,24 +75,36 @@ class Conversation:
     def turn(self, client, index, max_tokens):
         self.messages.append({"role": "user", "content": f"Question {index}: where does the next road lead?"})
         started = time.monotonic()
-        raw = client.chat.completions.with_raw_response.create(
-            model=MODEL, messages=self.messages, max_tokens=max_tokens, temperature=0, stream=True,
-            stream_options={"include_usage": True})
-        first, text, usage = None, "", None
-        for chunk in raw.parse():
-            if chunk.choices and chunk.choices[0].delta.content:
-                if first is None:
-                    first = time.monotonic() - started
-                text += chunk.choices[0].delta.content
-            if chunk.usage:
-                usage = chunk.usage
+        first, text, usage, last = None, "", None, None
+        # Read as SSE lines, not the client's parsed chunks: a stream that
+        # waited in the data plane's queue names its node in a comment.
+        with client.chat.completions.with_streaming_response.create(
+                model=MODEL, messages=self.messages, max_tokens=max_tokens, temperature=0, stream=True,
+                stream_options={"include_usage": True}) as response:
+            node, route = response.headers.get("x-inferyes-node"), response.headers.get("x-inferyes-route")
+            for line in response.iter_lines():
+                if line.startswith(": sent to node "):
+                    node = line.split()[4]
+                # Every event is one `data: ` line, as llama-server writes them.
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                last = line
+                chunk = json.loads(line[len("data: "):])
+                if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
+                    if first is None:
+                        first = time.monotonic() - started
+                    text += chunk["choices"][0]["delta"]["content"]
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+        if usage is None:
+            raise RuntimeError(f"{self.name} turn {index}: the stream ended without usage: {last}")
         self.messages.append({"role": "assistant", "content": text})
-        cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
         self.turns.append({
-            "conversation": self.name, "turn": index, "node": raw.headers.get("x-inferyes-node"),
-            "route": raw.headers.get("x-inferyes-route"), "ttft_s": first if first is not None else time.monotonic() - started,
-            "seconds": time.monotonic() - started, "prompt_tokens": usage.prompt_tokens,
-            "completion_tokens": usage.completion_tokens, "cached_tokens": cached or 0,
+            "conversation": self.name, "turn": index, "node": node, "route": route,
+            "ttft_s": first if first is not None else time.monotonic() - started,
+            "seconds": time.monotonic() - started, "prompt_tokens": usage["prompt_tokens"],
+            "completion_tokens": usage["completion_tokens"], "cached_tokens": cached,
         })
 
 

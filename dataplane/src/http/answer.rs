@@ -222,7 +222,12 @@ impl http_body::Body for StreamBody {
             match polled {
                 Poll::Pending => return Poll::Pending,
                 Poll::Ready(Prelude::Note(note)) => return Poll::Ready(Some(Ok(Frame::data(note)))),
-                Poll::Ready(Prelude::Body(body)) => this.state = body.state,
+                Poll::Ready(Prelude::Body(body, note)) => {
+                    this.state = body.state;
+                    if let Some(note) = note {
+                        return Poll::Ready(Some(Ok(Frame::data(note))));
+                    }
+                }
                 Poll::Ready(Prelude::Failed(event)) => {
                     this.state = State::Ended;
                     return Poll::Ready(Some(Ok(Frame::data(event))));
@@ -250,10 +255,11 @@ impl http_body::Body for StreamBody {
 }
 
 /// What polling a cold load comes to: a note to send, the answer's body
-/// to switch to, or its error as the stream's last event.
+/// to switch to (after a note, where there is one), or its error as the
+/// stream's last event.
 enum Prelude {
     Note(Bytes),
-    Body(Box<StreamBody>),
+    Body(Box<StreamBody>, Option<Bytes>),
     /// The answer failed before its head: its error event, the last.
     Failed(Bytes),
 }
@@ -261,7 +267,19 @@ enum Prelude {
 impl Loading {
     fn poll(&mut self, cx: &mut Context<'_>) -> Poll<Prelude> {
         match self.answer.as_mut().poll(cx) {
-            Poll::Ready(Ok(body)) => return Poll::Ready(Prelude::Body(Box::new(body))),
+            Poll::Ready(Ok(body)) => {
+                // A stream let out of the queue went out without
+                // `x-inferyes-node`: this names the node that serves it.
+                // Named only where it can be a header value: nothing in it
+                // can end the comment.
+                let note = match (&self.awaited, &body.state) {
+                    (Awaited::Slot { .. }, State::Streaming(streaming)) if streaming.endpoint.id_header.is_some() => {
+                        Some(Bytes::from(format!(": sent to node {}\n\n", streaming.endpoint.id)))
+                    }
+                    _ => None,
+                };
+                return Poll::Ready(Prelude::Body(Box::new(body), note));
+            }
             Poll::Ready(Err(error)) => {
                 // The client's status was 200 long ago: the meter is told of
                 // the failure here, or its drop would count a cancelled

@@ -200,6 +200,9 @@ async fn a_waiting_stream_is_answered_by_the_node_once_its_slot_frees() {
         text.push_str(std::str::from_utf8(&chunk).expect("text"));
     }
     assert!(text.starts_with(": waiting for a free slot"), "{text}");
+    // Its headers went before a node was chosen: a note names it.
+    let sent = text.find(": sent to node node-a\n").expect("the node named");
+    assert!(text[..sent].find("data:").is_none(), "{text}");
     assert!(text.contains("\"content\":") && text.trim_end().ends_with("data: [DONE]"), "{text}");
     assert_eq!(holding.await.expect("answered").status, StatusCode::OK);
     assert_eq!(metric(&fleet, "inferyes_dataplane_queue_dispatched_total").await, 1.0);
