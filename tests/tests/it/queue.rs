@@ -304,3 +304,52 @@ async fn a_request_a_node_can_start_now_is_never_refused_for_what_others_wait_fo
     assert_eq!(served.status, StatusCode::OK, "{}", String::from_utf8_lossy(&served.body));
     held.iter().for_each(JoinHandle::abort);
 }
+
+#[tokio::test]
+async fn a_client_that_stops_waiting_leaves_the_queue_and_takes_no_slot() {
+    let fleet = keyed_fleet(1, |_| {}).await;
+    let (first, second) =
+        (key(&fleet, "first", Priority::Interactive).await, key(&fleet, "second", Priority::Interactive).await);
+    // Ten seconds: still held when the test looks, however slow the machine.
+    let holding = ask(&fleet, &first, "a long while", 400);
+    wait_until_in(&fleet, 1.0).await;
+    let leaving = ask(&fleet, &second, "not for long", 80);
+    inferyes_tests::eventually("the request waits", Duration::from_secs(10), || async {
+        metric(&fleet, "inferyes_dataplane_queue_waiting").await == 1.0
+    })
+    .await;
+    leaving.abort();
+    inferyes_tests::eventually("the request left", Duration::from_secs(10), || async {
+        metric(&fleet, "inferyes_dataplane_queue_waiting").await == 0.0
+    })
+    .await;
+    assert!(!holding.is_finished(), "the slot was held all along");
+    holding.abort();
+    inferyes_tests::eventually("the slot free", Duration::from_secs(10), || async {
+        metric(&fleet, "inferyes_dataplane_node_in_flight").await == 0.0
+    })
+    .await;
+    // Nothing was let out for it: the slot goes to the next request.
+    let next = ask(&fleet, &second, "now", 2).await.expect("answered");
+    assert_eq!(next.status, StatusCode::OK, "{}", String::from_utf8_lossy(&next.body));
+    assert_ne!(next.header("x-inferyes-route"), Some("queued"));
+    assert_eq!(metric(&fleet, "inferyes_dataplane_queue_dispatched_total").await, 0.0);
+}
+
+#[tokio::test]
+async fn a_request_still_waiting_when_the_data_plane_stops_is_told_to_send_it_again() {
+    let fleet = keyed_fleet(1, |c| c.shutdown_grace_ms = 300).await;
+    let (first, second) =
+        (key(&fleet, "first", Priority::Interactive).await, key(&fleet, "second", Priority::Interactive).await);
+    // Ten seconds: still running when the grace period ends.
+    let holding = ask(&fleet, &first, "a long while", 400);
+    wait_until_in(&fleet, 1.0).await;
+    let waiting = ask(&fleet, &second, "too late", 2);
+    wait_until_in(&fleet, 2.0).await;
+    fleet.dataplane.begin_shutdown();
+    let answer = waiting.await.expect("answered");
+    assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE, "{}", String::from_utf8_lossy(&answer.body));
+    assert_eq!(answer.openai_error()["code"], "gateway_shutdown");
+    assert_eq!(answer.header("retry-after"), Some("1"));
+    holding.abort();
+}
