@@ -705,11 +705,23 @@ fn route_session_home<L: Local>(
         }
     }
     targets.push(home.target);
+    // Failovers: those with room, then the least queued: a queue behind a
+    // home that failed is still better than an error.
     for p in after().filter(|p| alternative(p) && !seen.waits(p)) {
         if targets.len() == MAX_TARGETS {
             break;
         }
         targets.push(p.target);
+    }
+    let mut queued: Best<MAX_TARGETS> = Best::new();
+    for (i, p) in placements.iter().enumerate().filter(|(i, p)| *i != at && alternative(p) && seen.waits(p)) {
+        queued.offer([u64::from(seen.load(p)), place_key(p), 0], i);
+    }
+    for i in queued.indices() {
+        if targets.len() == MAX_TARGETS {
+            break;
+        }
+        targets.push(placements[i].target);
     }
     Route {
         targets,

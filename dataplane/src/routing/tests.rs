@@ -328,8 +328,9 @@ fn where_every_node_is_queued_a_session_stays_home() {
     let s = snapshot(&[home(slow("busy", 4, 8)), slow("queued", 4, 1), slow("queued-more", 4, 3)]);
     let route = select(&s, &Idle, &later_turn()).unwrap();
     assert_eq!((first_node(&s, &route), route.reason), ("busy".into(), RouteReason::Resident));
-    // Failovers are those with room; none has.
-    assert_eq!(nodes(&s, &route), ["busy"]);
+    // Failovers are those with room, none here, then the least queued:
+    // a queue is better than an error if the home fails.
+    assert_eq!(nodes(&s, &route), ["busy", "queued", "queued-more"]);
     // Without a cache to keep (a new session), the shortest queue wins.
     let route = select(&s, &Idle, &RouteRequest { prompt_tokens: 1_050, ..chat(Some("new")) }).unwrap();
     assert_eq!((first_node(&s, &route), route.reason), ("queued".into(), RouteReason::Placed));
