@@ -30,10 +30,13 @@ use inferyes_proto::headers::REQUEST_ID as REQUEST_ID_HEADER;
 /// Headers the data plane sets for the agent; never forwarded to backends.
 pub use inferyes_proto::headers::{BACKEND as BACKEND_HEADER, MODEL as MODEL_HEADER, SESSION as SESSION_HEADER};
 
-/// How long a connection to a backend may sit idle in the pool: below
-/// llama-server's keep-alive timeout (5 s), so that the backend never
-/// closes one as a request goes out.
-const BACKEND_IDLE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(4);
+/// How long a connection to a backend may sit idle in the pool: well below
+/// llama-server's keep-alive timeout (5 s, counted from when it wrote its
+/// answer's end), so that the backend never closes one as a request goes
+/// out. The pool counts from when the answer's end was read, which on a
+/// busy host or behind a slow client comes later: at 4 s a request now
+/// and then met the server's close and failed.
+const BACKEND_IDLE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// How long a backend's answer may go without a byte before the agent
 /// breaks it off. A data plane has its own, configurable (`read_timeout_ms`,
