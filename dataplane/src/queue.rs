@@ -217,7 +217,12 @@ impl Queue {
         // (the pass only takes slots): they are not routed again.
         let mut blocked: HashSet<Like> = HashSet::new();
         let mut routed = 0;
-        let leaving = room.leave_startable(now_ms, |ticket, entry| {
+        // What a node holds of a conversation's prompt, as reported now.
+        let held = |ticket, _: &Entry| {
+            let session = waiters.get(&ticket).and_then(|w| w.ask.session.as_deref());
+            session.and_then(|session| snapshot.resident(session)).map_or(0, |r| u64::from(r.tokens))
+        };
+        let leaving = room.leave_startable(now_ms, held, |ticket, entry| {
             let ask = &waiters.get(&ticket)?.ask;
             let like = Like {
                 model: Arc::clone(&entry.model),

@@ -58,10 +58,6 @@ pub struct Entry {
     /// What it may cost a node, in tokens (its prompt and its limit): a
     /// flow of long requests leaves less often than one of short ones.
     pub cost: u64,
-    /// What it is expected to cost: `cost` less the prompt a node holds
-    /// for its conversation. It orders the flow's own requests; the flow
-    /// is charged `cost` (a client may name any of its conversations).
-    pub expected: u64,
     /// Its body's bytes, held while it waits.
     pub bytes: usize,
     /// The model it asks for: it can leave only where that model has room.
@@ -165,10 +161,15 @@ impl Room {
     /// batch ones waiting past the aging bound, first; then the earliest
     /// tag, each flow's going to its cheapest requests; then the first
     /// come), each that `startable` finds a place for now (it answers
-    /// where), in one pass. They have left the room.
+    /// where), in one pass. They have left the room. `held`: the tokens of
+    /// a request's cost a node holds now (its conversation's cache), known
+    /// only as residency is reported, often after the request came; its
+    /// expected cost is its cost less those. The flow is charged its cost
+    /// whatever it holds: a client may name any of its conversations.
     pub fn leave_startable<R>(
         &mut self,
         now_ms: u64,
+        held: impl Fn(Ticket, &Entry) -> u64,
         mut startable: impl FnMut(Ticket, &Entry) -> Option<R>,
     ) -> Vec<(Ticket, Entry, R)> {
         let Limits { aging_ms, max_wait_ms, .. } = self.limits;
@@ -179,8 +180,11 @@ impl Room {
                 Class::Batch if waited < aging_ms => Class::Batch,
                 _ => Class::Interactive,
             };
-            let (standing, expected) =
-                if waited >= max_wait_ms / 2 { (Standing::Overdue, 0) } else { (Standing::InTime, w.entry.expected) };
+            let (standing, expected) = if waited >= max_wait_ms / 2 {
+                (Standing::Overdue, 0)
+            } else {
+                (Standing::InTime, w.entry.cost.saturating_sub(held(*ticket, &w.entry)))
+            };
             let turns = flows.entry((&w.entry.flow, class)).or_default();
             turns.tags.push(w.start);
             turns.takers.push((standing, expected, *ticket));
@@ -255,13 +259,25 @@ mod tests {
         Limits { requests: 1_000, bytes: 1 << 30, flow_share_percent: 50, max_wait_ms: 60_000, aging_ms: 10_000 };
 
     fn entry(flow: &str, class: Class, cost: u64) -> Entry {
-        Entry { flow: Arc::from(flow), weight: 1, class, cost, expected: cost, bytes: 100, model: Arc::from("m") }
+        Entry { flow: Arc::from(flow), weight: 1, class, cost, bytes: 100, model: Arc::from("m") }
     }
 
-    /// The one request that leaves next of those `startable` takes.
+    /// The one request that leaves next of those `startable` takes, where
+    /// no node holds any of them.
     fn next(room: &mut Room, now_ms: u64, startable: impl Fn(&Entry) -> bool) -> Option<(Ticket, Entry)> {
+        next_holding(room, now_ms, &[], startable)
+    }
+
+    /// The same, where a node holds `held`'s tokens of its tickets' prompts.
+    fn next_holding(
+        room: &mut Room,
+        now_ms: u64,
+        held: &[(Ticket, u64)],
+        startable: impl Fn(&Entry) -> bool,
+    ) -> Option<(Ticket, Entry)> {
+        let held = |ticket, _: &Entry| held.iter().find(|(t, _)| *t == ticket).map_or(0, |(_, tokens)| *tokens);
         let mut taken = false;
-        let left = room.leave_startable(now_ms, |_, entry| {
+        let left = room.leave_startable(now_ms, held, |_, entry| {
             let take = !taken && startable(entry);
             taken |= take;
             take.then_some(())
@@ -274,7 +290,8 @@ mod tests {
     }
 
     fn order(room: &mut Room, now_ms: u64) -> Vec<String> {
-        room.leave_startable(now_ms, |_, _| Some(())).into_iter().map(|(_, e, ())| e.flow.to_string()).collect()
+        let left = room.leave_startable(now_ms, |_, _| 0, |_, _| Some(()));
+        left.into_iter().map(|(_, e, ())| e.flow.to_string()).collect()
     }
 
     #[test]
@@ -346,19 +363,21 @@ mod tests {
     fn a_flow_s_cheap_requests_leave_ahead_of_its_long_ones_until_those_are_overdue() {
         let mut room = Room::new(LIMITS);
         let long: Vec<Ticket> = (0..3).map(|_| room.enter(entry("f", Class::Interactive, 1_000), 0).unwrap()).collect();
-        // Long too, but a node holds all its prompt but 50 tokens.
-        let short = room.enter(Entry { expected: 50, ..entry("f", Class::Interactive, 1_000) }, 10_000).unwrap();
+        // Long too, but a node holds all its prompt but 50 tokens: known
+        // once its node reports it, after it came.
+        let short = room.enter(entry("f", Class::Interactive, 1_000), 10_000).unwrap();
         let other = room.enter(entry("g", Class::Interactive, 1_000), 10_000).unwrap();
+        let held = [(short, 950)];
         // The short one takes its flow's first tag; the other flow keeps
         // its place, whichever of f's requests took that tag.
-        assert_eq!(next(&mut room, 10_000, any).map(|(t, _)| t), Some(short));
+        assert_eq!(next_holding(&mut room, 10_000, &held, any).map(|(t, _)| t), Some(short));
         // The flow spent its first tag: the other flow's turn is next.
         assert_eq!(next(&mut room, 10_000, any).map(|(t, _)| t), Some(other));
         assert_eq!(next(&mut room, 10_000, any).map(|(t, _)| t), Some(long[0]));
         // Past half the longest wait (30 s), the long ones go by arrival,
         // ahead of a newer short one.
-        room.enter(Entry { expected: 50, ..entry("f", Class::Interactive, 1_000) }, 29_000).unwrap();
-        assert_eq!(next(&mut room, 30_000, any).map(|(t, _)| t), Some(long[1]));
+        let newer = room.enter(entry("f", Class::Interactive, 1_000), 29_000).unwrap();
+        assert_eq!(next_holding(&mut room, 30_000, &[(newer, 950)], any).map(|(t, _)| t), Some(long[1]));
     }
 
     #[test]

@@ -345,12 +345,10 @@ impl<'s> Exchange<'s> {
         let prompt_tokens = estimated_prompt_tokens(prepared.body.len(), view);
         // Its cost in the fair order: its prompt (a body's bytes over four
         // where the estimate knows none, as for media) and its limit, at
-        // most the model's window; expected, less what its conversation's
-        // node holds.
+        // most the model's window.
         let window = snapshot.model(model).map_or(u64::from(u32::MAX), |m| u64::from(m.context_window.max(1)));
         let prompt = u64::from(prompt_tokens).max(prepared.body.len() as u64 / 4);
         let output = view.max_tokens.unwrap_or(QUEUE_OUTPUT_ESTIMATE).min(window);
-        let held = self.facts.session.as_deref().and_then(|session| snapshot.resident(session)).map_or(0, |r| r.tokens);
         let entry = Entry {
             flow: Arc::from(flow),
             weight: match caller {
@@ -359,7 +357,6 @@ impl<'s> Exchange<'s> {
             },
             class,
             cost: prompt.saturating_add(output),
-            expected: prompt.saturating_sub(u64::from(held)).saturating_add(output),
             bytes: prepared.body.len(),
             model: Arc::from(model),
         };
