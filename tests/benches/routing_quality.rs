@@ -148,13 +148,20 @@ async fn turn(
         return None;
     }
     let header = |name: &str| response.headers().get(name).and_then(|v| v.to_str().ok()).unwrap_or("").to_string();
-    let (node, route) = (header("x-inferyes-node"), header("x-inferyes-route"));
+    let (mut node, route) = (header("x-inferyes-node"), header("x-inferyes-route"));
     let mut stream = response.into_body();
     let mut ttft = None;
     let mut text = String::new();
     while let Some(chunk) = next_chunk(&mut stream).await {
-        ttft.get_or_insert_with(|| started.elapsed());
         text.push_str(&String::from_utf8_lossy(&chunk));
+        // The node's first event, not the queue's notes while it waits.
+        if ttft.is_none() && text.contains("data: ") {
+            ttft = Some(started.elapsed());
+        }
+    }
+    // A stream let out of the queue names its node in a note.
+    if let Some(named) = text.split("\n").find_map(|line| line.strip_prefix(": sent to node ")) {
+        node = named.to_string();
     }
     let mut reply = String::new();
     let mut usage = Value::Null;
