@@ -257,7 +257,16 @@ async fn run(scenario: Scenario, policy: Policy) -> (Tally, Duration) {
         Policy::LeastOutstanding => Mode::LeastOutstanding,
         Policy::Inferyes | Policy::Oracle => Mode::Policy,
     };
-    let dataplane = DataplaneHandle::start_with(&[controller.url()], |c| c.routing_mode = mode).await;
+    let dataplane = DataplaneHandle::start_with(&[controller.url()], |c| {
+        c.routing_mode = mode;
+        // Every conversation comes from this one client, as if from many:
+        // it may hold every connection (1,024 at 64 nodes, 4x) and fill
+        // the queue (768 of them wait), which one address or one flow may
+        // not by default.
+        c.max_connections_per_client = c.max_connections;
+        c.queue_flow_share_percent = 100;
+    })
+    .await;
     let ids: Vec<String> = (0..scenario.nodes).map(|n| format!("node-{n}")).collect();
     dataplane.wait_for_nodes(&ids.iter().map(String::as_str).collect::<Vec<_>>()).await;
 
