@@ -110,6 +110,7 @@ pub struct Config {
     /// From the environment or a flag; never written out.
     #[serde(skip)]
     pub join_token: Option<String>,
+    pub moves: MovesConfig,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -164,6 +165,47 @@ pub struct BackendConfig {
     /// The credential read from this environment variable instead.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub api_key_env: Option<String>,
+    /// Where its slots are saved, for moving conversations between nodes
+    /// (a llama-server only). Unset: its slots are not moved.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slots: Option<SlotsConfig>,
+}
+
+/// A llama-server's slot files, as the agent reaches them.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SlotsConfig {
+    /// The server's `--slot-save-path`, as a directory this agent reads
+    /// and writes (the same host, or a shared volume); a relative path is
+    /// the agent's working directory's.
+    pub dir: PathBuf,
+    /// The server's flags that shape its KV cache, as given to it: the
+    /// cache types (`-ctk`, `-ctv`), flash attention (`-fa`),
+    /// `--swa-full`, `--kv-unified`. A slot moves only between servers
+    /// whose model file, build and these flags are alike; a
+    /// sliding-window model's slots only with `--swa-full`.
+    #[serde(default)]
+    pub flags: String,
+}
+
+/// Bounds on moving conversations' slots.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MovesConfig {
+    /// The largest slot file sent or taken.
+    pub max_slot_bytes: u64,
+    /// A drain starts no move after this long.
+    pub drain_seconds: u64,
+    /// Nor once it has sent this many bytes.
+    pub drain_bytes: u64,
+    /// Slot files taken from other nodes at once; more wait their turn.
+    pub max_incoming: usize,
+}
+
+impl Default for MovesConfig {
+    fn default() -> MovesConfig {
+        MovesConfig { max_slot_bytes: 4 << 30, drain_seconds: 120, drain_bytes: 64 << 30, max_incoming: 2 }
+    }
 }
 
 impl BackendConfig {
@@ -313,6 +355,7 @@ impl Default for Config {
             max_connections: 16_384,
             max_stranger_connections: 512,
             max_stranger_connections_per_address: 128,
+            moves: MovesConfig::default(),
         }
     }
 }
@@ -410,6 +453,14 @@ impl Config {
                     backend.url
                 );
             }
+            if let Some(slots) = &backend.slots {
+                if backend.kind != BackendKind::LlamaServer {
+                    bail!("backend `{}`: slots are moved only between single-model llama-servers", backend.id);
+                }
+                if slots.dir.as_os_str().is_empty() {
+                    bail!("backend `{}`: slots.dir is empty", backend.id);
+                }
+            }
             for endpoint in &backend.endpoints {
                 if inferyes_proto::kinds::named(endpoint).is_none() {
                     let names: Vec<&str> =
@@ -423,6 +474,9 @@ impl Config {
         }
         if self.poll_interval_ms == 0 {
             bail!("poll_interval_ms must be positive");
+        }
+        if self.moves.max_slot_bytes == 0 || self.moves.max_incoming == 0 {
+            bail!("moves.max_slot_bytes and moves.max_incoming must be positive");
         }
         Ok(())
     }
@@ -496,6 +550,7 @@ kind = "llama-swap"
             api_key: String::new(),
             api_key_file: None,
             api_key_env: None,
+            slots: None,
         };
         let swap: BackendConfig = toml::from_str("id = \"s\"\nurl = \"http://x\"\nkind = \"llama-swap\"").unwrap();
         assert_eq!(swap.models_max(), 1, "llama-swap runs one model at a time unless told");
@@ -503,6 +558,13 @@ kind = "llama-swap"
         assert_eq!(twice.models_max(), 0, "a llama-server says its own, or has none");
         let config = Config { backends: vec![twice.clone(), twice.clone()], ..Config::default() };
         assert!(config.validate().unwrap_err().to_string().contains("used twice"));
+        let swapped_slots = BackendConfig {
+            kind: BackendKind::LlamaSwap,
+            slots: Some(SlotsConfig { dir: "/slots".into(), flags: String::new() }),
+            ..twice.clone()
+        };
+        let config = Config { backends: vec![swapped_slots], ..Config::default() };
+        assert!(config.validate().unwrap_err().to_string().contains("single-model llama-servers"));
         let https = BackendConfig { url: "https://x".into(), ..twice };
         let config = Config { backends: vec![https], ..Config::default() };
         assert!(config.validate().unwrap_err().to_string().contains("must start with http://"));

@@ -10,6 +10,7 @@ pub mod probe;
 pub mod proxy;
 pub mod report;
 pub mod residency;
+pub mod slots;
 pub mod state;
 
 use std::sync::Arc;
@@ -72,6 +73,8 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
             host_cache_tokens: b.host_cache_tokens,
             model_sizes: b.model_sizes.clone(),
             models_max: b.models_max(),
+            slots: b.slots.clone(),
+            slot_memo: Default::default(),
         })
         .collect();
     let mut simulators = Vec::new();
@@ -121,6 +124,8 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
             // A router reports its model limit itself (`/props`); llama-swap
             // does not, so the simulator's is configured.
             models_max: if kind == config::BackendKind::LlamaSwap { simulated.server.max_loaded_models } else { 0 },
+            slots: None,
+            slot_memo: Default::default(),
         });
         let token = shutdown.clone();
         let span = tracing::info_span!("simulator", backend = %simulated.id);
@@ -154,9 +159,12 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
                 finished: AtomicU64::new(0),
                 log: inferyes_net::log::Gate::new(),
                 unsupported: state::Shared::default(),
+                restored_slots: Default::default(),
+                restores_reused_nothing: AtomicU32::new(0),
             })
             .collect(),
         observations: state::Shared::new(Observations::default()),
+        moves: state::Shared::default(),
         residency: state::Shared::new(residency::Residency::default()),
         changed: tokio::sync::Notify::new(),
         poll_now: tokio::sync::Notify::new(),
@@ -183,7 +191,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         join_tokens.as_ref().and_then(|tokens| tokens.first()).map(|t| Arc::from(t.as_str()));
     // Data planes present this node's own credential, derived from the
     // join token and the node's id: one captured here opens no other node.
-    let accepted = join_tokens.map(|tokens| {
+    let accepted = join_tokens.as_ref().map(|tokens| {
         let key = |token: &String| inferyes_proto::bearer::proxy_key(token);
         let credential = |key: String| inferyes_proto::bearer::node_proxy_credential(&key, &config.node_id);
         inferyes_proto::bearer::Accepted::new(tokens.iter().map(key).map(credential).collect())
@@ -193,6 +201,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
     }
     let (connection, _) = watch::channel(report::Connection::default());
     let (orders_tx, orders) = watch::channel(Vec::new());
+    let (drains_tx, drains) = watch::channel(None);
     let reporter = AbortOnDropHandle::new(tokio::spawn(
         report::run(
             Arc::clone(&state),
@@ -200,7 +209,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
             config.tls.clone(),
             join_token.clone(),
             config.min_report_interval(),
-            report::Outlets { connection, orders: orders_tx },
+            report::Outlets { connection, orders: orders_tx, drains: drains_tx },
             shutdown.clone(),
         )
         .instrument(tracing::info_span!("reporter")),
@@ -213,14 +222,52 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
     let mut registry = prometheus_client::registry::Registry::default();
     let metrics = metrics::Metrics::new(&mut registry);
     let connections_refused = metrics.connections_refused.clone();
+    let slot_metrics = metrics.slots.clone();
     let scrape = Arc::new(proxy::Scrape { registry, metrics });
+    let agent_tls = Arc::new(inferyes_net::tls::http_client(&config.tls).context("invalid TLS settings")?);
+    let sender = slots::transfer::Sender {
+        state: Arc::clone(&state),
+        client: ProbeClient::new(slots::transfer::SLOT_ACTION_TIMEOUT),
+        pool: inferyes_net::pool::Pool::new(inferyes_net::pool::Settings {
+            connect_timeout: Duration::from_secs(2),
+            idle_timeout: Duration::from_secs(10),
+            tls: Some(agent_tls),
+            read_timeout: slots::transfer::SLOT_ACTION_TIMEOUT,
+            idle_limits: inferyes_net::pool::IdleLimits::default(),
+        }),
+        max_slot_bytes: config.moves.max_slot_bytes,
+    };
+    let drainer = AbortOnDropHandle::new(tokio::spawn(
+        slots::drain::run(
+            Arc::clone(&state),
+            sender,
+            drains,
+            config.moves.clone(),
+            slot_metrics.clone(),
+            shutdown.clone(),
+        )
+        .instrument(tracing::info_span!("drain")),
+    ));
+    let intake = Arc::new(slots::transfer::Intake {
+        state: Arc::clone(&state),
+        join_tokens: join_tokens.clone(),
+        max_slot_bytes: config.moves.max_slot_bytes,
+        permits: tokio::sync::Semaphore::new(config.moves.max_incoming),
+        client: ProbeClient::new(slots::transfer::SLOT_ACTION_TIMEOUT),
+        metrics: slot_metrics,
+    });
     // One service per worker thread, each with its own pool of connections
     // to the backends.
     let admission = inferyes_net::admit::Admission::new(config.connection_limits(), None);
     let services = (0..config.workers())
         .map(|_| {
-            let service =
-                proxy::Service::new(Arc::clone(&state), Arc::clone(&scrape), accepted.clone(), Arc::clone(&admission));
+            let service = proxy::Service::new(
+                Arc::clone(&state),
+                Arc::clone(&scrape),
+                accepted.clone(),
+                Arc::clone(&admission),
+                Arc::clone(&intake),
+            );
             move |peer| service.connection(peer)
         })
         .collect();
@@ -256,6 +303,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
     let _ = poller.await;
     let _ = reporter.await;
     let _ = placer.await;
+    let _ = drainer.await;
     for simulator in simulators {
         let _ = simulator.await;
     }

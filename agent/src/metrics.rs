@@ -24,7 +24,30 @@ pub struct ReasonLabels {
     pub reason: &'static str,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OutcomeLabels {
+    pub outcome: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct BackendOutcomeLabels {
+    pub backend: String,
+    pub outcome: &'static str,
+}
+
+/// What moving conversations' slots came to, on both sides.
+#[derive(Clone, Default)]
+pub struct SlotMetrics {
+    /// Slots this node's drain sent, by outcome.
+    pub sent: Family<OutcomeLabels, Counter>,
+    /// Slots other nodes sent here, by outcome (`restored`, or why not).
+    pub received: Family<OutcomeLabels, Counter>,
+    /// Restored slots' next turns: `held`, or `reused_nothing`.
+    pub checked: Family<BackendOutcomeLabels, Counter>,
+}
+
 pub struct Metrics {
+    pub slots: SlotMetrics,
     gpu_memory_used_bytes: Family<GpuLabels, Gauge>,
     gpu_memory_total_bytes: Family<GpuLabels, Gauge>,
     gpu_utilization_percent: Family<GpuLabels, Gauge>,
@@ -49,6 +72,7 @@ fn latency_histogram() -> Histogram {
 impl Metrics {
     pub fn new(registry: &mut Registry) -> Metrics {
         let m = Metrics {
+            slots: SlotMetrics::default(),
             gpu_memory_used_bytes: Family::default(),
             gpu_memory_total_bytes: Family::default(),
             gpu_utilization_percent: Family::default(),
@@ -90,6 +114,17 @@ impl Metrics {
             "connections_refused",
             "Proxy connections refused at once, by reason: full (max_connections), strangers (max_stranger_connections: the oldest stranger's connection closed to make room), peer (max_stranger_connections_per_address)",
             m.connections_refused.clone(),
+        );
+        r.register("slots_sent", "Conversations' slots a drain sent to other nodes, by outcome", m.slots.sent.clone());
+        r.register(
+            "slots_received",
+            "Conversations' slots other nodes sent here, by outcome (restored, or the refusal's code)",
+            m.slots.received.clone(),
+        );
+        r.register(
+            "slot_restores_checked",
+            "Restored slots' next turns: held (read at least half the restored tokens from cache) or reused_nothing",
+            m.slots.checked.clone(),
         );
         m
     }

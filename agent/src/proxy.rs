@@ -87,6 +87,8 @@ async fn metrics(State((state, scrape)): State<(Arc<AgentState>, Arc<Scrape>)>) 
 pub struct Service {
     proxy: Proxy,
     router: Router,
+    /// Takes other nodes' slots, on its own path and credential.
+    intake: Arc<crate::slots::transfer::Intake>,
     admission: Arc<Admission>,
     /// The connection's: its peer, and when a request on it last vouched
     /// for it (Unix seconds; 0: never).
@@ -100,6 +102,7 @@ impl Service {
         scrape: Arc<Scrape>,
         join_token: Option<inferyes_proto::bearer::Accepted>,
         admission: Arc<Admission>,
+        intake: Arc<crate::slots::transfer::Intake>,
     ) -> Service {
         let client = Pool::new(pool::Settings {
             connect_timeout: std::time::Duration::from_secs(2),
@@ -111,7 +114,7 @@ impl Service {
         let proxy = Proxy { state, client, scrape, join_token };
         let router = Router::new().route(HEALTH, get(|| async { "ok\n" }));
         let (peer, vouched) = (std::net::Ipv4Addr::UNSPECIFIED.into(), Arc::default());
-        Service { proxy, router, admission, peer, vouched }
+        Service { proxy, router, intake, admission, peer, vouched }
     }
 
     /// The service of one connection, from `peer`.
@@ -137,6 +140,10 @@ impl hyper::service::Service<Request<Incoming>> for Service {
         if request.uri().path() == HEALTH {
             let router = hyper_util::service::TowerToHyperService::new(self.router.clone());
             return Box::pin(hyper::service::Service::call(&router, request));
+        }
+        if request.uri().path() == crate::slots::transfer::INTAKE_PATH {
+            let intake = Arc::clone(&self.intake);
+            return Box::pin(async move { Ok(intake.receive(request).await) });
         }
         if let Some(expected) = &self.proxy.join_token
             && inferyes_proto::bearer::check(
@@ -236,6 +243,11 @@ async fn forward_in_span(proxy: Proxy, request: Request<Incoming>) -> Response {
     let backend_id = handle.probe.id.as_str();
 
     let path = parts.uri.path_and_query().cloned().unwrap_or_else(|| PathAndQuery::from_static("/"));
+    // They save, restore and erase conversations' caches: the agent's
+    // own, never a caller's.
+    if crate::slots::transfer::is_slot_endpoint(path.path()) {
+        return error(ErrorKind::NotFound, "the servers' slots are not reachable here", "not_found");
+    }
     let Some((uri, host, origin)) = handle.url.origin_form(&path) else {
         if handle.url.origin().is_none() {
             let message = format!("backend `{backend_id}` has a URL this agent cannot reach");
@@ -415,9 +427,35 @@ impl Tracked {
         let Some(usage) = usage else { return };
         let state = &self.guard.state;
         if let Some(backend) = self.backend() {
-            state.residency.lock().record(&session, &backend.probe.id, usage);
+            let check = state.residency.lock().record(&session, &backend.probe.id, usage);
+            if let Some(check) = check {
+                self.restore_checked(backend, &session, check);
+            }
         }
         state.changed.notify_one();
+    }
+
+    /// A restored conversation's first turn here said whether the restore
+    /// held: counted, and one that reused nothing stops the backend taking
+    /// more, never believed.
+    fn restore_checked(&self, backend: &BackendHandle, session: &str, check: crate::residency::RestoreCheck) {
+        use crate::residency::RestoreCheck;
+        let outcome = match check {
+            RestoreCheck::Held { .. } => "held",
+            RestoreCheck::ReusedNothing { restored, cached } => {
+                backend.restores_reused_nothing.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(
+                    backend = %backend.probe.id,
+                    session,
+                    restored,
+                    cached,
+                    "a restored slot's next turn read next to nothing from cache: this backend takes no more slots"
+                );
+                "reused_nothing"
+            }
+        };
+        let labels = crate::metrics::BackendOutcomeLabels { backend: backend.probe.id.clone(), outcome };
+        self.scrape.metrics.slots.checked.get_or_create(&labels).inc();
     }
 }
 

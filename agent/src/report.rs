@@ -32,6 +32,8 @@ pub struct Outlets {
     pub connection: watch::Sender<Connection>,
     /// The node's outstanding placement orders, as last heard.
     pub orders: watch::Sender<Vec<PlacementOrder>>,
+    /// The node's drain and where its conversations may go, as last heard.
+    pub drains: watch::Sender<Option<inferyes_proto::v1::DrainState>>,
 }
 
 pub async fn run(
@@ -43,13 +45,13 @@ pub async fn run(
     outlets: Outlets,
     shutdown: CancellationToken,
 ) {
-    let Outlets { connection, orders } = outlets;
+    let Outlets { connection, orders, drains } = outlets;
     let mut backoff = inferyes_net::backoff::RECONNECT;
     let mut next = 0usize;
     loop {
         let address = &controllers[next % controllers.len()];
         next += 1;
-        let outlets = (&connection, &orders);
+        let outlets = (&connection, &orders, &drains);
         match session(&state, address, &tls, join_token.as_deref(), min_interval, outlets, &shutdown).await {
             Ok(()) => return,
             Err(Failure { error, registered }) => {
@@ -71,6 +73,8 @@ pub async fn run(
 
 /// Placement orders held for the node at once; more are not believed.
 const MAX_ORDERS: usize = 64;
+/// Backends a drain may move conversations to, at most.
+const MAX_MOVE_TARGETS: usize = 1024;
 
 struct Failure {
     error: String,
@@ -96,7 +100,11 @@ async fn session(
     tls: &inferyes_proto::tls::Tls,
     join_token: Option<&str>,
     min_interval: Duration,
-    (connection, orders): (&watch::Sender<Connection>, &watch::Sender<Vec<PlacementOrder>>),
+    (connection, orders, drains): (
+        &watch::Sender<Connection>,
+        &watch::Sender<Vec<PlacementOrder>>,
+        &watch::Sender<Option<inferyes_proto::v1::DrainState>>,
+    ),
     shutdown: &CancellationToken,
 ) -> Result<(), Failure> {
     let channel = connect(address, tls).await?;
@@ -135,9 +143,11 @@ async fn session(
             }
             message = inbound.message() => match message {
                 Ok(Some(message)) => match message.msg {
-                    Some(controller_message::Msg::Drain(drain)) => {
+                    Some(controller_message::Msg::Drain(mut drain)) => {
                         tracing::info!(draining = drain.draining, "drain state from controller");
                         connection.send_modify(|c| c.draining = drain.draining);
+                        drain.targets.truncate(MAX_MOVE_TARGETS);
+                        drains.send_replace(Some(drain));
                     }
                     Some(controller_message::Msg::Resync(_)) => {
                         send_residency(state, &tx, true).await?;

@@ -41,6 +41,18 @@ struct Entry {
     session: ResidentSession,
     /// Recency order; larger is more recent.
     tick: u64,
+    /// Tokens restored into its slot from another node, not yet shown to
+    /// be read from cache by a turn here; 0: none.
+    restored: u32,
+}
+
+/// What a restored conversation's first turn here showed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RestoreCheck {
+    /// It read at least half of what was restored from cache.
+    Held { restored: u32, cached: u32 },
+    /// It read less: the restore is worth nothing here.
+    ReusedNothing { restored: u32, cached: u32 },
 }
 
 pub use inferyes_proto::usage::Usage;
@@ -106,7 +118,7 @@ impl Residency {
                 first_seen_unix_ms: now_ms,
                 ..Default::default()
             };
-            entries.insert(key.to_string(), Entry { session, tick });
+            entries.insert(key.to_string(), Entry { session, tick, restored: 0 });
         }
         let Some(entry) = entries.get_mut(key) else { return };
         if entry.session.model != model {
@@ -126,13 +138,55 @@ impl Residency {
         self.evict(backend_id);
     }
 
-    /// The server's usage for a finished request of session `key`: how much
-    /// the cache holds now, and whether the prefix was found.
-    pub fn record(&mut self, key: &str, backend_id: &str, usage: Usage) {
+    /// Session `key`'s slot was restored on `backend_id` from another node,
+    /// holding `tokens`: it is resident here, the newest, until its next
+    /// turn says whether the restore held.
+    pub fn restored(&mut self, key: &str, backend_id: &str, model: &str, tokens: u32, now_ms: u64) {
+        self.touch(key, backend_id, model, now_ms);
         let Some(entry) = self.entries.get_mut(key) else { return };
-        if entry.session.backend_id != backend_id {
-            return;
+        // Restoring is not a request.
+        entry.session.requests = entry.session.requests.saturating_sub(1);
+        entry.restored = tokens.max(1);
+        let before = u64::from(entry.session.tokens);
+        entry.session.tokens = tokens;
+        let lineup = value_for(&mut self.lineups, backend_id, Lineup::default);
+        lineup.tokens = lineup.tokens.saturating_sub(before).saturating_add(u64::from(tokens));
+        if let Some((_, held)) = lineup.by_tick.get_mut(&entry.tick) {
+            *held = u64::from(tokens);
         }
+        self.evict(backend_id);
+    }
+
+    /// Session `key` left this node (its slot moved elsewhere).
+    pub fn remove(&mut self, key: &str) {
+        let Some(entry) = self.entries.remove(key) else { return };
+        if let Some(lineup) = self.lineups.get_mut(&entry.session.backend_id) {
+            lineup.by_tick.remove(&entry.tick);
+            lineup.tokens = lineup.tokens.saturating_sub(u64::from(entry.session.tokens));
+        }
+        self.changed.remove(key);
+        self.removed.insert(key.to_string());
+    }
+
+    /// The server's usage for a finished request of session `key`: how much
+    /// the cache holds now, and whether the prefix was found; for the first
+    /// turn after a restore, whether the restore held.
+    pub fn record(&mut self, key: &str, backend_id: &str, usage: Usage) -> Option<RestoreCheck> {
+        let entry = self.entries.get_mut(key)?;
+        if entry.session.backend_id != backend_id {
+            return None;
+        }
+        let check = (entry.restored > 0).then(|| {
+            let (restored, cached) = (std::mem::take(&mut entry.restored), usage.cached_tokens);
+            // The next turn's prompt holds the whole history; the template
+            // may render its last tokens anew.
+            let expected = restored.min(usage.prompt_tokens);
+            if u64::from(cached) * 2 >= u64::from(expected) && cached > 0 {
+                RestoreCheck::Held { restored, cached }
+            } else {
+                RestoreCheck::ReusedNothing { restored, cached }
+            }
+        });
         let believed_resident = entry.session.requests > 1;
         if usage.cached_tokens > 0 {
             entry.session.cache_hits = entry.session.cache_hits.saturating_add(1);
@@ -151,6 +205,7 @@ impl Residency {
             self.changed.insert(key.to_string());
         }
         self.evict(backend_id);
+        check
     }
 
     /// The newest `slots` sessions of a backend are in its slots; older ones
@@ -316,6 +371,34 @@ mod tests {
         r.record("a", "b0", Usage { prompt_tokens: 30, completion_tokens: 5, cached_tokens: 0 });
         let session = r.take_update(true).upserted.remove(0);
         assert_eq!((session.requests, session.cache_hits, session.cache_misses, session.tokens), (3, 1, 1, 35));
+    }
+
+    #[test]
+    fn a_restored_session_is_resident_and_its_next_turn_says_whether_the_restore_held() {
+        let mut r = table(2, 0);
+        r.restored("held", "b0", "m", 1_000, 5);
+        r.restored("lost", "b0", "m", 1_000, 6);
+        let update = r.take_update(false);
+        let mut tokens: Vec<_> = update.upserted.iter().map(|s| (s.key.as_str(), s.tokens, s.requests)).collect();
+        tokens.sort_unstable();
+        assert_eq!(tokens, [("held", 1_000, 0), ("lost", 1_000, 0)], "resident, with what was restored");
+        let usage = |cached| Usage { prompt_tokens: 1_030, completion_tokens: 10, cached_tokens: cached };
+        r.touch("held", "b0", "m", 7);
+        assert_eq!(r.record("held", "b0", usage(999)), Some(RestoreCheck::Held { restored: 1_000, cached: 999 }));
+        r.touch("held", "b0", "m", 8);
+        assert_eq!(r.record("held", "b0", usage(1_030)), None, "only the first turn checks");
+        r.touch("lost", "b0", "m", 9);
+        assert_eq!(
+            r.record("lost", "b0", usage(12)),
+            Some(RestoreCheck::ReusedNothing { restored: 1_000, cached: 12 })
+        );
+        // A session moved away leaves the table, said as removed.
+        r.take_update(false);
+        r.remove("held");
+        r.remove("absent");
+        let update = r.take_update(false);
+        assert_eq!((update.upserted.len(), update.removed), (0, vec!["held".to_string()]));
+        assert_eq!(r.backend_of("held"), None);
     }
 
     #[test]

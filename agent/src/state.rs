@@ -59,6 +59,13 @@ pub struct BackendHandle {
     /// Kinds of job the backend answered 501 for, by model, until when
     /// they are believed: the proxy writes them, the status reads them.
     pub unsupported: Shared<Vec<Unsupported>>,
+    /// Slots restored here from other nodes and not yet used, which the
+    /// next restore must not take for empty; held while one restores, so
+    /// two never pick the same slot.
+    pub restored_slots: tokio::sync::Mutex<Vec<crate::slots::Restored>>,
+    /// Restored slots whose next turn read next to nothing from cache:
+    /// past one, the backend takes no more.
+    pub restores_reused_nothing: AtomicU32,
 }
 
 /// A kind of job a backend said it does not do for a model.
@@ -93,6 +100,15 @@ impl BackendHandle {
         }
         learned.push(Unsupported { model: model.to_string(), kind, until });
         true
+    }
+
+    /// Its slot fingerprint as `observed`, unless a restore here reused
+    /// nothing: then none, and it takes no more slots.
+    pub fn slot_fingerprint(&self, observed: &Backend) -> String {
+        if self.restores_reused_nothing.load(Ordering::Relaxed) > 0 {
+            return String::new();
+        }
+        observed.slot_fingerprint.clone()
     }
 
     /// Adds what the backend said it does not do to `backend`'s models.
@@ -131,6 +147,9 @@ pub struct AgentState {
     pub started_unix_ms: u64,
     pub backends: Vec<BackendHandle>,
     pub observations: Shared<Observations>,
+    /// The drain's moves of this node's conversations, as last reported;
+    /// written only by the drain.
+    pub moves: Shared<Option<inferyes_proto::v1::MoveProgress>>,
     pub residency: Shared<Residency>,
     /// Woken when something worth reporting changed.
     pub changed: Notify,
@@ -185,6 +204,14 @@ impl AgentState {
             if let Some(handle) = self.backend(&backend.id) {
                 backend.in_flight = handle.in_flight.load(Ordering::Relaxed);
                 handle.mark_unsupported(backend, now);
+                let reused_nothing = handle.restores_reused_nothing.load(Ordering::Relaxed);
+                if reused_nothing > 0 && !backend.slot_fingerprint.is_empty() {
+                    backend.slot_fingerprint.clear();
+                    backend.slots_unmovable = format!(
+                        "{reused_nothing} restored slot(s) read next to nothing from cache here: taking no more \
+                         until the agent restarts (do slots.flags match the server's?)"
+                    );
+                }
             }
         }
         NodeStatus {
@@ -195,6 +222,7 @@ impl AgentState {
             backends,
             // Sessions travel as numbered residency updates.
             sessions: Vec::new(),
+            moves: self.moves.lock().clone(),
             agent_version: env!("CARGO_PKG_VERSION").to_string(),
             started_unix_ms: self.started_unix_ms,
             proxy_http2: self.proxy_http2,
@@ -219,6 +247,8 @@ mod tests {
             host_cache_tokens: 0,
             model_sizes: Default::default(),
             models_max: 0,
+            slots: None,
+            slot_memo: Default::default(),
         };
         BackendHandle {
             url: inferyes_net::base_url::BaseUrl::new(&probe.url),
@@ -229,6 +259,8 @@ mod tests {
             finished: AtomicU64::new(0),
             log: inferyes_net::log::Gate::new(),
             unsupported: Shared::default(),
+            restored_slots: Default::default(),
+            restores_reused_nothing: AtomicU32::new(0),
         }
     }
 
@@ -256,6 +288,7 @@ mod tests {
             started_unix_ms: 0,
             backends: vec![handle()],
             observations: Shared::default(),
+            moves: Shared::default(),
             residency: Shared::default(),
             changed: Notify::new(),
             poll_now: Notify::new(),

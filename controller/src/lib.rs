@@ -11,6 +11,7 @@ pub mod http;
 pub mod ledger;
 pub mod live;
 pub mod metrics;
+pub mod moves;
 pub mod peers;
 pub mod placement;
 pub mod reconcile;
@@ -145,6 +146,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         metrics: std::sync::Arc::clone(&metrics),
         join_token: join_token.clone(),
         live: live_tx,
+        views: views.clone(),
         streams: std::sync::Arc::default(),
     };
     let routing = grpc::RoutingSvc {

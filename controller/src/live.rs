@@ -625,6 +625,8 @@ pub fn split(mut status: NodeStatus) -> (NodeStatus, NodeLoad, usize) {
         dropped += truncate_vec(&mut backend.models, MAX_MODELS_PER_BACKEND);
         truncate_text(&mut backend.id);
         truncate_text(&mut backend.probe_error);
+        truncate_text(&mut backend.slot_fingerprint);
+        truncate_text(&mut backend.slots_unmovable);
         for model in &mut backend.models {
             truncate_text(&mut model.id);
             // Each kind at most once: an agent cannot grow the record with
@@ -655,6 +657,11 @@ pub fn split(mut status: NodeStatus) -> (NodeStatus, NodeLoad, usize) {
             load_unknown: std::mem::take(&mut backend.load_unknown),
         });
     }
+    // A drain's progress changes with every move: live state, not etcd's.
+    load.moves = status.moves.take().map(|mut moves| {
+        truncate_text(&mut moves.last_error);
+        moves
+    });
     for gpu in &mut status.gpus {
         truncate_text(&mut gpu.uuid);
         truncate_text(&mut gpu.name);
@@ -683,6 +690,7 @@ pub fn merge(durable: &NodeStatus, summary: Option<&Summary>) -> NodeStatus {
     let mut status = durable.clone();
     status.backends.iter_mut().for_each(|b| b.load_unknown = true);
     let Some(summary) = summary else { return status };
+    status.moves.clone_from(&summary.load.moves);
     for (position, backend) in status.backends.iter_mut().enumerate() {
         let by_position = summary.load.backends.get(position).filter(|b| b.backend_id == backend.id);
         let reported = by_position.or_else(|| summary.load.backends.iter().find(|b| b.backend_id == backend.id));

@@ -68,7 +68,9 @@ pub enum Command {
         #[arg(long)]
         node: Option<String>,
     },
-    /// Stop sending new sessions to a node; in-flight requests finish.
+    /// Stop sending new sessions to a node; in-flight requests finish, and
+    /// its resident conversations move to other nodes where their slots can
+    /// (`inferyesctl node NODE` shows how far).
     Drain {
         node_id: String,
         #[arg(long, default_value = "")]

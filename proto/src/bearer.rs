@@ -67,6 +67,17 @@ pub fn node_proxy_credential(proxy_key: &str, node_id: &str) -> String {
     mac_hex(proxy_key, format!("inferyes agent proxy v2 {node_id}").as_bytes())
 }
 
+/// What a node's agent presents to `to`'s agent to hand it a slot until
+/// `expires_unix_ms`: HMAC-SHA256 of both nodes' ids and the expiry, keyed
+/// by a key derived from the join token. Controllers make it for a drain;
+/// the receiving agent makes it again from its own join tokens, so it
+/// holds no list of credentials, and one captured opens that node's slot
+/// intake from that node only, until it expires.
+pub fn slot_move_credential(join_token: &str, from: &str, to: &str, expires_unix_ms: u64) -> String {
+    let key = mac_hex(join_token, b"inferyes slot move key v1");
+    mac_hex(&key, format!("inferyes slot move v1 {from} {to} {expires_unix_ms}").as_bytes())
+}
+
 /// HMAC-SHA256 of `label` keyed by `secret`, in hex: a value that proves
 /// the secret without carrying it.
 pub fn mac_hex(secret: &str, label: &[u8]) -> String {
@@ -158,6 +169,22 @@ mod tests {
         assert!(value.is_sensitive());
         assert_eq!(check(Some(value.as_bytes()), &accepted(&[expected])), Ok(()));
         assert!(header_value("line\nbreak").is_none());
+    }
+
+    #[test]
+    fn a_slot_move_credential_names_both_nodes_and_its_expiry() {
+        let credential = slot_move_credential("join", "a", "b", 1_000);
+        assert_eq!(credential, slot_move_credential("join", "a", "b", 1_000), "made again, the same");
+        for other in [
+            slot_move_credential("join", "c", "b", 1_000),
+            slot_move_credential("join", "a", "c", 1_000),
+            slot_move_credential("join", "a", "b", 1_001),
+            slot_move_credential("other", "a", "b", 1_000),
+            slot_move_credential("join", "b", "a", 1_000),
+        ] {
+            assert_ne!(credential, other);
+        }
+        assert_ne!(credential, node_proxy_credential(&proxy_key("join"), "b"), "not the node's proxy credential");
     }
 
     #[test]

@@ -5,7 +5,8 @@ API), and two data planes (session affinity, and
 forced round-robin for comparison). Every process is the real binary.
 
 `gemma` is a second fleet, started only for the tests that ask for it: two
-nodes each serving the real Gemma 3 270M, one policy data plane.
+nodes each serving the real Gemma 3 270M, one policy data plane. `movers`
+is a third: three Gemma nodes whose slots can move between them.
 
 Environment:
   INFERYES_BIN_DIR        where the Inferyes binaries are (default: target/debug)
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 
 import make_models
-from harness import GEMMA_ARGS, Fleet, llama_server, real_model
+from harness import GEMMA_ARGS, GEMMA_TEMPLATE, Fleet, llama_server, real_model
 
 
 @pytest.fixture(scope="session")
@@ -78,3 +79,33 @@ def gemma():
     finally:
         fleet.stop()
         print(f"\nend-to-end logs (Gemma): {fleet.logs}")
+
+
+@pytest.fixture(scope="session")
+def movers():
+    """Three nodes serving Gemma 3 270M, two slots each, whose servers save
+    slots in a directory their agents read and write, and one policy data
+    plane. node-c's server runs without --swa-full while its agent's
+    configuration says it has it: a slot restored there holds nothing,
+    which its agent must find out by itself."""
+    tmp = Path(tempfile.mkdtemp(prefix="inferyes-e2e-movers-"))
+    fleet = Fleet(tmp)
+    fleet.llama_server = llama_server()
+    fleet.model = real_model()
+    try:
+        fleet.start_etcd()
+        fleet.start_controller()
+        fleet.llama = {}
+        for node in ("node-a", "node-b", "node-c"):
+            slots = tmp / f"slots-{node}"
+            slots.mkdir()
+            kv = ["--swa-full"] if node != "node-c" else []
+            args = ["-np", "2", "--chat-template-file", str(GEMMA_TEMPLATE), *kv, "--slot-save-path", f"{slots}/"]
+            fleet.llama[node] = fleet.start_llama_server(f"gemma-{node}", fleet.model, GEMMA, args, context=8192)
+            moves = f'\n[backends.slots]\ndir = "{slots}"\nflags = "--swa-full"\n'
+            fleet.start_agent(node, [("chat", fleet.llama[node], ["chat", "completion", "messages"], moves)])
+        fleet.url = fleet.start_dataplane("dataplane", "policy", {GEMMA: 3})
+        yield fleet
+    finally:
+        fleet.stop()
+        print(f"\nend-to-end logs (moves): {fleet.logs}")

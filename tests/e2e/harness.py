@@ -89,13 +89,14 @@ def http_get(url, timeout=2.0, headers=None):
 
 def wait_until(what, check, timeout=60.0):
     """Polls `check` (another process's state, seen through its API) until it
-    holds; fails with `what` after `timeout` seconds."""
+    holds, and returns what it returned; fails with `what` after `timeout`
+    seconds."""
     deadline = time.monotonic() + timeout
     last_error = None
     while time.monotonic() < deadline:
         try:
-            if check():
-                return
+            if held := check():
+                return held
         except Exception as error:  # noqa: BLE001 - the process may not be up yet
             last_error = error
         time.sleep(0.05)
@@ -276,9 +277,14 @@ dataplane_token_file = "{self.dataplane_token_file}"
 
     def set_policy(self, *flags):
         """Changes the fleet's routing policy and waits until every data plane
-        in `self.dataplanes` routes by it: on a snapshot at least as new as
-        etcd's revision once the change is written."""
+        in `self.dataplanes` routes by it."""
         self.ctl("policy", "set", *flags)
+        self.wait_routing()
+
+    def wait_routing(self):
+        """Waits until every data plane in `self.dataplanes` routes on a
+        snapshot at least as new as etcd's revision now: on what the fleet
+        was last told."""
         version = self.etcd_revision()
 
         def seen(url):
@@ -287,7 +293,7 @@ dataplane_token_file = "{self.dataplane_token_file}"
             return int(float(line.split()[1])) >= version
 
         for url in self.dataplanes:
-            wait_until(f"{url} has the policy", lambda: seen(url), timeout=10)
+            wait_until(f"{url} routes on etcd revision {version}", lambda: seen(url), timeout=10)
 
     def stop(self):
         for _, process in reversed(self.processes):

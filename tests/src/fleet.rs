@@ -203,6 +203,7 @@ pub fn llama_server(url: &str, models: &[&str]) -> BackendConfig {
         api_key: String::new(),
         api_key_file: None,
         api_key_env: None,
+        slots: None,
     }
 }
 

@@ -26,6 +26,9 @@ pub struct BackendProbe {
     pub model_sizes: std::collections::BTreeMap<String, u64>,
     /// Models it holds loaded at once, where it does not say (0: no limit).
     pub models_max: u32,
+    /// Where its slots are saved, when they may be moved.
+    pub slots: Option<crate::config::SlotsConfig>,
+    pub slot_memo: std::sync::Arc<crate::slots::Memo>,
 }
 
 impl BackendProbe {
@@ -94,6 +97,17 @@ impl BackendProbe {
             backend.models = remembered_models(previous, &self.declared_models, state);
         }
 
+        if backend.slot_fingerprint.is_empty() && backend.slots_unmovable.is_empty() {
+            backend.slots_unmovable = match backend.kind() {
+                _ if backend.health() != Health::Ready => "not ready".to_string(),
+                BackendKind::LlamaServer => "no slots dir configured (backends.slots)".to_string(),
+                BackendKind::LlamaServerRouter => "a router's slots are not moved".to_string(),
+                BackendKind::LlamaSwap => "llama-swap's slots are not moved".to_string(),
+                BackendKind::Openai | BackendKind::Unspecified => {
+                    "an OpenAI-compatible server has no slots".to_string()
+                }
+            };
+        }
         for model in &mut backend.models {
             if model.endpoints.is_empty() {
                 model.endpoints = self.endpoints.iter().map(|e| *e as i32).collect();
@@ -147,6 +161,15 @@ impl BackendProbe {
                 model.context_window = u32::try_from(n_ctx).unwrap_or(u32::MAX);
             }
             backend.slots_total = u32_at(props, "/total_slots");
+        }
+        if let Some(slots) = &self.slots {
+            let movable =
+                crate::slots::movability(client, &self.url, &self.api_key, slots, props.as_ref(), &self.slot_memo)
+                    .await;
+            match movable {
+                Ok(fingerprint) => backend.slot_fingerprint = fingerprint,
+                Err(why) => backend.slots_unmovable = why,
+            }
         }
         if self.fills_in_the_middle(client, None).await == Some(false) {
             for model in &mut backend.models {
@@ -658,6 +681,8 @@ mod tests {
             host_cache_tokens: 0,
             model_sizes,
             models_max: 1,
+            slots: None,
+            slot_memo: Default::default(),
         }
     }
 

@@ -41,10 +41,18 @@ pub struct AgentSvc {
     /// Agents must present it to join; `None`: any agent may.
     pub join_token: Option<inferyes_proto::bearer::Accepted>,
     pub live: mpsc::Sender<LiveEvent>,
+    /// The live state as of the last batch: where a drain's conversations
+    /// may go.
+    pub views: crate::reconcile::LiveViewRx,
     /// Numbers this controller's agent streams: a node's later stream wins
     /// over an earlier one not yet seen to end.
     pub streams: std::sync::Arc<std::sync::atomic::AtomicU64>,
 }
+
+/// How long a drain's credentials open the targets' slot intake: longer
+/// than an agent's drain takes (`moves.drain_seconds`, two minutes by
+/// default), and no longer than a receiving agent believes one.
+const MOVE_CREDENTIAL_MS: u64 = 30 * 60 * 1000;
 
 /// How far in the future an agent's clock may put a session's last use:
 /// further, and it would win every comparison with another node's copy.
@@ -291,9 +299,9 @@ impl AgentSvc {
                         && draining_sent != Some(draining)
                     {
                         draining_sent = Some(draining);
-                        let message = ControllerMessage {
-                            msg: Some(controller_message::Msg::Drain(DrainState { draining, reason: String::new() })),
-                        };
+                        let targets = if draining { self.move_targets(&node_id) } else { Vec::new() };
+                        let drain = DrainState { draining, reason: String::new(), targets };
+                        let message = ControllerMessage { msg: Some(controller_message::Msg::Drain(drain)) };
                         if tx.send(Ok(message)).await.is_err() {
                             break End::AgentLeft;
                         }
@@ -334,6 +342,26 @@ impl AgentSvc {
         if tokio::time::timeout(self.lease_ttl, writing).await.is_err() {
             tracing::warn!("etcd slow to end the node; closing the stream, its lease runs out");
         }
+    }
+
+    /// Where the conversations of `node_id`, draining, may be moved, each
+    /// with its credential. None in a fleet without a join token: agents
+    /// there take no slots.
+    fn move_targets(&self, node_id: &str) -> Vec<inferyes_proto::v1::MoveTarget> {
+        let Some(join_token) = self.join_token.as_ref().and_then(|t| t.presented()) else { return Vec::new() };
+        let mut targets = {
+            let snapshot = self.snapshots.borrow();
+            let Some(snapshot) = snapshot.as_ref() else { return Vec::new() };
+            let live = self.views.borrow();
+            crate::moves::targets(snapshot.merged_nodes(&live), node_id, snapshot.policy())
+        };
+        let expires = inferyes_proto::unix_ms().saturating_add(MOVE_CREDENTIAL_MS);
+        for target in &mut targets {
+            target.expires_unix_ms = expires;
+            target.credential =
+                inferyes_proto::bearer::slot_move_credential(join_token, node_id, &target.node_id, expires);
+        }
+        targets
     }
 
     /// What one agent message comes to: live events for the reconciler and

@@ -47,6 +47,7 @@ fn load(backends: &[&str]) -> NodeLoad {
     NodeLoad {
         backends: backends.iter().map(|b| BackendLoad { backend_id: (*b).into(), ..Default::default() }).collect(),
         gpus: Vec::new(),
+        moves: None,
     }
 }
 

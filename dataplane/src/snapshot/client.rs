@@ -272,6 +272,7 @@ mod tests {
             load: Some(NodeLoad {
                 backends: vec![BackendLoad { backend_id: "b0".into(), slots_busy: 3, ..Default::default() }],
                 gpus: Vec::new(),
+                moves: None,
             }),
             sessions_full: true,
             upserted: sessions

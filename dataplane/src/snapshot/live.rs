@@ -262,6 +262,7 @@ fn live_of_status(status: &inferyes_proto::v1::NodeStatus) -> LiveNode {
                 utilization_percent: g.utilization_percent,
             })
             .collect(),
+        moves: None,
     };
     let upserted = status
         .sessions
@@ -302,6 +303,7 @@ mod tests {
             load: Some(NodeLoad {
                 backends: (0..2).map(|b| BackendLoad { backend_id: format!("b{b}"), ..Default::default() }).collect(),
                 gpus: Vec::new(),
+                moves: None,
             }),
             stale: false,
             sessions_full: full,

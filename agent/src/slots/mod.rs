@@ -1,0 +1,296 @@
+//! Moving a conversation's KV cache to another node, instead of
+//! recomputing it there. llama-server saves a slot's state to a file in its
+//! `--slot-save-path` and restores one into a slot; the agent finds the
+//! slot holding a conversation, has it saved, sends the file to the other
+//! node's agent (`transfer`), which restores it into a free slot and
+//! records the conversation as resident; the conversation's next turn
+//! there says whether the restore held (its prompt read from cache). A
+//! drain moves every resident conversation it can (`drain`).
+//!
+//! A slot's file is only good for a server with the same model file, build
+//! and KV cache flags: each backend's **fingerprint** hashes them, and a
+//! slot moves only between backends whose fingerprints are equal.
+
+pub mod drain;
+pub mod gguf;
+pub mod transfer;
+
+use std::path::Path;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use serde_json::Value;
+
+use crate::config::SlotsConfig;
+use crate::probe::ProbeClient;
+
+/// What is read of a model file: its GGUF header (the metadata; a large
+/// vocabulary takes a few MiB) and the bytes fingerprinted.
+const MODEL_HEAD_BYTES: u64 = 16 << 20;
+/// A model file on a mount that hangs does not hold the poll for longer.
+const MODEL_READ_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A backend's fingerprint, kept for as long as what it was made of is
+/// unchanged: the model file is read again only when the server names
+/// another file or build.
+#[derive(Debug, Default)]
+pub struct Memo(Mutex<Option<(MemoKey, String)>>);
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct MemoKey {
+    model_path: String,
+    build: String,
+    flags: String,
+    size: u64,
+}
+
+/// Whether this llama-server's slots can move, and if so its fingerprint;
+/// else why not, for the fleet view.
+pub async fn movability(
+    client: &ProbeClient,
+    url: &str,
+    api_key: &str,
+    slots: &SlotsConfig,
+    props: Option<&Value>,
+    memo: &Memo,
+) -> Result<String, String> {
+    let props = props.ok_or("its /props could not be read")?;
+    let text = |pointer: &str| props.pointer(pointer).and_then(Value::as_str).unwrap_or_default().to_string();
+    let (model_path, build) = (text("/model_path"), text("/build_info"));
+    if model_path.is_empty() {
+        return Err("its /props names no model file".into());
+    }
+    // A file name llama-server refuses before doing anything: it answers
+    // 400 when it takes slot actions, 501 when it was started without
+    // `--slot-save-path`.
+    let probe = serde_json::json!({ "filename": "../inferyes-probe" });
+    match client.post_json(url, "/slots/0?action=save", api_key, &probe).await {
+        Ok((status, _)) if status == http::StatusCode::BAD_REQUEST => {}
+        Ok((status, _)) if status == http::StatusCode::NOT_IMPLEMENTED => {
+            return Err("the server was started without --slot-save-path".into());
+        }
+        Ok((status, _)) => return Err(format!("its slot actions answer HTTP {}", status.as_u16())),
+        Err(error) => return Err(format!("its slot actions: {error}")),
+    }
+    let dir = slots.dir.clone();
+    let is_dir = tokio::task::spawn_blocking(move || std::fs::metadata(dir).map(|m| m.is_dir()).unwrap_or(false));
+    if !matches!(tokio::time::timeout(MODEL_READ_TIMEOUT, is_dir).await, Ok(Ok(true))) {
+        return Err(format!("slots.dir {} is not a directory here", slots.dir.display()));
+    }
+    let flags = normalized_flags(&slots.flags);
+    let path = model_path.clone();
+    let size = tokio::task::spawn_blocking(move || std::fs::metadata(path).map(|m| m.len()));
+    let size = match tokio::time::timeout(MODEL_READ_TIMEOUT, size).await {
+        Ok(Ok(Ok(size))) => size,
+        Ok(Ok(Err(error))) => return Err(format!("model file {model_path} cannot be read here: {error}")),
+        _ => return Err(format!("model file {model_path} took over 10 s to answer")),
+    };
+    let key = MemoKey { model_path, build, flags, size };
+    if let Some((known, fingerprint)) = &*memo.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+        && *known == key
+    {
+        return Ok(fingerprint.clone());
+    }
+    let path = key.model_path.clone();
+    let read = tokio::task::spawn_blocking(move || read_head(Path::new(&path)));
+    let head = match tokio::time::timeout(MODEL_READ_TIMEOUT, read).await {
+        Ok(Ok(Ok(head))) => head,
+        Ok(Ok(Err(error))) => return Err(format!("model file {} cannot be read here: {error}", key.model_path)),
+        _ => return Err(format!("model file {} took over 10 s to read", key.model_path)),
+    };
+    let fingerprint = fingerprint(&key, &head)?;
+    *memo.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some((key, fingerprint.clone()));
+    Ok(fingerprint)
+}
+
+/// The fingerprint of a model file's head, its size, the build and the
+/// flags; an error for a sliding-window model without `--swa-full`, whose
+/// restored slots reuse nothing.
+fn fingerprint(key: &MemoKey, head: &[u8]) -> Result<String, String> {
+    match gguf::window(head) {
+        Ok(gguf::Window::Sliding(_)) if !key.flags.split(' ').any(|flag| flag == "--swa-full") => {
+            return Err("a sliding-window model: run the server with --swa-full and list it in slots.flags".to_string());
+        }
+        Ok(_) => {}
+        Err(error) => return Err(format!("model file header: {error}")),
+    }
+    let text = format!(
+        "inferyes slot v1\n{}\n{}\n{}\n{}",
+        key.size,
+        inferyes_proto::bearer::sha256_hex(head),
+        key.build,
+        key.flags
+    );
+    Ok(inferyes_proto::bearer::sha256_hex(text.as_bytes())[..32].to_string())
+}
+
+/// The flags as one string, whatever the spacing they were written with.
+fn normalized_flags(flags: &str) -> String {
+    flags.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+/// A file's first [`MODEL_HEAD_BYTES`].
+fn read_head(path: &Path) -> std::io::Result<Vec<u8>> {
+    use std::io::Read as _;
+    let mut head = Vec::new();
+    std::fs::File::open(path)?.take(MODEL_HEAD_BYTES).read_to_end(&mut head)?;
+    Ok(head)
+}
+
+/// A slot as `/slots` shows it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Slot {
+    pub id: u32,
+    pub busy: bool,
+    /// The last task it ran, if any.
+    pub task: Option<u64>,
+    /// Tokens its cache holds (the last prompt and reply), if it ran one.
+    pub tokens: Option<u32>,
+}
+
+/// llama-server's `/slots`, each slot's id, state, task and tokens.
+pub fn parse_slots(body: &[u8]) -> Option<Vec<Slot>> {
+    let Value::Array(slots) = serde_json::from_slice::<Value>(body).ok()? else { return None };
+    let number = |slot: &Value, name: &str| slot.get(name).and_then(Value::as_u64);
+    slots
+        .iter()
+        .map(|slot| {
+            Some(Slot {
+                id: u32::try_from(number(slot, "id")?).ok()?,
+                busy: slot.get("is_processing").and_then(Value::as_bool).unwrap_or(true),
+                task: number(slot, "id_task"),
+                tokens: number(slot, "n_prompt_tokens").and_then(|n| u32::try_from(n).ok()),
+            })
+        })
+        .collect()
+}
+
+/// Why a conversation's slot was not found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum NotFound {
+    #[error("no slot holds its tokens (it is only in the host cache, or its slot was reused)")]
+    Gone,
+    #[error("several slots hold as many tokens")]
+    Ambiguous,
+    #[error("its slot is busy")]
+    Busy,
+}
+
+/// The slot holding a conversation whose cache holds `tokens` (its last
+/// prompt and reply, as the usage said): the one slot whose cache length
+/// is that, or one less (the last token sampled is not evaluated). Never a
+/// guess: none, or more than one, is not found.
+pub fn holding_slot(slots: &[Slot], tokens: u32) -> Result<u32, NotFound> {
+    if tokens == 0 {
+        return Err(NotFound::Gone);
+    }
+    let mut matching = slots.iter().filter(|s| s.tokens.is_some_and(|n| n == tokens || n + 1 == tokens));
+    let found = matching.next().ok_or(NotFound::Gone)?;
+    if matching.next().is_some() {
+        return Err(NotFound::Ambiguous);
+    }
+    if found.busy {
+        return Err(NotFound::Busy);
+    }
+    Ok(found.id)
+}
+
+/// A slot restored into, and what `/slots` showed of it then: until it
+/// runs a task, it shows no sign of what it holds, and must not be taken
+/// for empty.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Restored {
+    pub slot: Slot,
+}
+
+/// The idle slot a moved conversation goes into: one that never ran a
+/// task, else the one holding the fewest tokens; never one restored into
+/// that has not run a task since.
+pub fn free_slot(slots: &[Slot], restored: &[Restored]) -> Option<u32> {
+    let taken = |slot: &Slot| restored.iter().any(|r| r.slot == *slot);
+    slots
+        .iter()
+        .filter(|s| !s.busy && !taken(s))
+        .min_by_key(|s| (s.task.is_some(), s.tokens.unwrap_or(0), s.id))
+        .map(|s| s.id)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn slot(id: u32, busy: bool, task: Option<u64>, tokens: Option<u32>) -> Slot {
+        Slot { id, busy, task, tokens }
+    }
+
+    #[test]
+    fn slots_are_read_as_llama_server_shows_them() {
+        let body = br#"[{"id":0,"n_ctx":4096,"is_processing":false},
+            {"id":1,"n_ctx":4096,"is_processing":false,"id_task":4,"n_prompt_tokens":1140,"next_token":[{"n_decoded":0}]},
+            {"id":2,"is_processing":true,"id_task":9,"n_prompt_tokens":12}]"#;
+        assert_eq!(
+            parse_slots(body),
+            Some(vec![
+                slot(0, false, None, None),
+                slot(1, false, Some(4), Some(1140)),
+                slot(2, true, Some(9), Some(12))
+            ])
+        );
+        assert_eq!(parse_slots(br#"[{"is_processing":false}]"#), None, "a slot without an id");
+        assert_eq!(parse_slots(br#"{"id":0}"#), None);
+        assert_eq!(parse_slots(br#"[{"id":0}]"#).map(|s| s[0].busy), Some(true), "no state: taken for busy");
+    }
+
+    #[test]
+    fn a_conversation_s_slot_is_the_one_holding_its_tokens_or_none() {
+        let slots =
+            [slot(0, false, Some(1), Some(500)), slot(1, false, Some(4), Some(1140)), slot(2, true, None, None)];
+        // Prompt 1,121 and reply 20 leave 1,140 in the cache.
+        assert_eq!(holding_slot(&slots, 1141), Ok(1));
+        assert_eq!(holding_slot(&slots, 1140), Ok(1));
+        assert_eq!(holding_slot(&slots, 1142), Err(NotFound::Gone));
+        assert_eq!(holding_slot(&slots, 0), Err(NotFound::Gone));
+        let twins = [slot(0, false, Some(1), Some(500)), slot(1, false, Some(2), Some(500))];
+        assert_eq!(holding_slot(&twins, 500), Err(NotFound::Ambiguous), "never a guess");
+        let busy = [slot(0, true, Some(1), Some(500))];
+        assert_eq!(holding_slot(&busy, 501), Err(NotFound::Busy));
+    }
+
+    #[test]
+    fn a_moved_conversation_takes_an_empty_slot_then_the_smallest_never_one_just_restored() {
+        let slots = [slot(0, false, Some(3), Some(900)), slot(1, false, None, None), slot(2, false, Some(5), Some(40))];
+        assert_eq!(free_slot(&slots, &[]), Some(1));
+        let restored = [Restored { slot: slot(1, false, None, None) }];
+        assert_eq!(free_slot(&slots, &restored), Some(2));
+        // Once it ran a task it looks like any other.
+        let used = [slot(0, false, Some(3), Some(900)), slot(1, false, Some(7), Some(1200))];
+        assert_eq!(free_slot(&used, &restored), Some(0));
+        assert_eq!(free_slot(&[slot(0, true, None, None)], &[]), None);
+    }
+
+    #[test]
+    fn a_sliding_window_model_moves_only_with_swa_full() {
+        let mut head = b"GGUF".to_vec();
+        head.extend(3u32.to_le_bytes());
+        head.extend(0u64.to_le_bytes());
+        head.extend(1u64.to_le_bytes());
+        let key = b"gemma3.attention.sliding_window";
+        head.extend((key.len() as u64).to_le_bytes());
+        head.extend(key);
+        head.extend(4u32.to_le_bytes());
+        head.extend(512u32.to_le_bytes());
+        let key = |flags: &str| MemoKey {
+            model_path: "/m.gguf".into(),
+            build: "b11434".into(),
+            flags: normalized_flags(flags),
+            size: 1,
+        };
+        assert!(fingerprint(&key("-fa on"), &head).is_err_and(|e| e.contains("--swa-full")));
+        let one = fingerprint(&key("--swa-full   -fa on"), &head).expect("movable");
+        assert_eq!(Ok(one.clone()), fingerprint(&key("--swa-full -fa on"), &head), "spacing aside");
+        assert_ne!(Ok(one.clone()), fingerprint(&key("--swa-full -fa off"), &head), "the flags count");
+        let other_build = MemoKey { build: "b9999".into(), ..key("--swa-full -fa on") };
+        assert_ne!(Ok(one), fingerprint(&other_build, &head), "the build counts");
+        assert!(fingerprint(&key("--swa-full"), b"not gguf").is_err());
+    }
+}

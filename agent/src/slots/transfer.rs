@@ -1,0 +1,513 @@
+//! A slot's journey between two agents. The sending agent has its server
+//! save the conversation's slot to a file, and PUTs the file to the
+//! receiving agent's proxy (`/_inferyes/slots`), with the credential its
+//! controller gave it for that node; the receiving agent checks the
+//! credential, the backend's fingerprint and the file's size and hash,
+//! has its server restore the file into a free slot, and records the
+//! conversation as resident. Both files are removed whatever happens. The
+//! servers' own slot endpoints are never reachable through the proxy.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use http::{HeaderMap, HeaderName, HeaderValue, Request, StatusCode, header};
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use inferyes_proto::ErrorKind;
+use inferyes_proto::v1::{ModelState, MoveTarget, ResidentSession};
+use serde_json::Value;
+
+use super::{NotFound, Restored, Slot, free_slot, holding_slot, parse_slots};
+use crate::probe::ProbeClient;
+use crate::state::{AgentState, BackendHandle};
+
+/// The receiving agent's path, on its proxy's port. Data planes forward
+/// only the kinds' paths, so no client reaches it through them.
+pub const INTAKE_PATH: &str = "/_inferyes/slots";
+
+pub const MOVE_FROM: HeaderName = HeaderName::from_static("x-inferyes-move-from");
+pub const MOVE_EXPIRES: HeaderName = HeaderName::from_static("x-inferyes-move-expires");
+pub const SLOT_FINGERPRINT: HeaderName = HeaderName::from_static("x-inferyes-slot-fingerprint");
+pub const SLOT_SHA256: HeaderName = HeaderName::from_static("x-inferyes-slot-sha256");
+pub const SLOT_TOKENS: HeaderName = HeaderName::from_static("x-inferyes-slot-tokens");
+
+/// The furthest ahead a credential's expiry may be: a drain's bound is
+/// minutes, and one captured is good for no longer.
+const MAX_CREDENTIAL_MS: u64 = 60 * 60 * 1000;
+/// A slot file that takes longer to arrive holds an intake permit no more.
+const RECEIVE_TIMEOUT: Duration = Duration::from_secs(10 * 60);
+/// A save or a restore waits for its slot to be idle; no longer than this.
+pub const SLOT_ACTION_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Whether a request's path is one of the servers' slot endpoints, which
+/// save, restore and erase caches: never forwarded.
+pub fn is_slot_endpoint(path: &str) -> bool {
+    path == "/slots" || path.starts_with("/slots/") || path.starts_with("/slots?")
+}
+
+/// The receiving side, one per agent: its checks and bounds.
+pub struct Intake {
+    pub state: Arc<AgentState>,
+    /// The fleet's join tokens, the credentials are made again from;
+    /// `None`: an open fleet, where slots are not taken from anyone.
+    pub join_tokens: Option<Vec<String>>,
+    pub max_slot_bytes: u64,
+    /// Slot files taken at once.
+    pub permits: tokio::sync::Semaphore,
+    pub client: ProbeClient,
+    pub metrics: crate::metrics::SlotMetrics,
+}
+
+/// Why a slot was not taken: the status, its OpenAI-shaped error and code.
+#[derive(Debug)]
+pub struct Refused {
+    kind: ErrorKind,
+    message: String,
+    code: &'static str,
+}
+
+fn refused(kind: ErrorKind, message: impl Into<String>, code: &'static str) -> Refused {
+    Refused { kind, message: message.into(), code }
+}
+
+impl IntoResponse for Refused {
+    fn into_response(self) -> Response {
+        let status = StatusCode::from_u16(self.kind.http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        let body = inferyes_proto::openai_error_body(self.kind, &self.message, Some(self.code), None);
+        (status, [(header::CONTENT_TYPE, "application/json")], body).into_response()
+    }
+}
+
+/// What the receiving agent answers a slot it took.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Taken {
+    pub slot: u32,
+    pub n_restored: u32,
+    pub restore_ms: f64,
+    pub bytes: u64,
+}
+
+/// A file in a slot directory, removed when this is dropped.
+struct SlotFile(PathBuf);
+
+impl Drop for SlotFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+fn text<'a>(headers: &'a HeaderMap, name: &HeaderName) -> Option<&'a str> {
+    headers.get(name).and_then(|v| v.to_str().ok()).filter(|v| !v.is_empty())
+}
+
+impl Intake {
+    pub async fn receive(&self, request: Request<Incoming>) -> Response {
+        match tokio::time::timeout(RECEIVE_TIMEOUT, self.take(request)).await {
+            Ok(Ok(taken)) => {
+                self.metrics.received.get_or_create(&crate::metrics::OutcomeLabels { outcome: "restored" }).inc();
+                axum::Json(taken).into_response()
+            }
+            Ok(Err(refusal)) => {
+                tracing::warn!(reason = %refusal.message, "slot not taken");
+                self.metrics.received.get_or_create(&crate::metrics::OutcomeLabels { outcome: refusal.code }).inc();
+                refusal.into_response()
+            }
+            Err(_) => refused(ErrorKind::Timeout, "the slot file took too long to arrive", "timeout").into_response(),
+        }
+    }
+
+    async fn take(&self, request: Request<Incoming>) -> Result<Taken, Refused> {
+        let (parts, body) = request.into_parts();
+        if parts.method != http::Method::PUT {
+            return Err(refused(ErrorKind::BadRequest, "slots are PUT here", "method_not_allowed"));
+        }
+        let headers = &parts.headers;
+        self.check_credential(headers)?;
+        let backend_id = text(headers, &inferyes_proto::headers::BACKEND)
+            .ok_or_else(|| refused(ErrorKind::BadRequest, "no backend named", "invalid_request"))?;
+        let handle = self.state.backend(backend_id).filter(|h| h.probe.slots.is_some()).ok_or_else(|| {
+            refused(ErrorKind::NotFound, "no backend here takes slots by that name", "backend_not_found")
+        })?;
+        let model = text(headers, &inferyes_proto::headers::MODEL)
+            .ok_or_else(|| refused(ErrorKind::BadRequest, "no model named", "invalid_request"))?;
+        let session = text(headers, &inferyes_proto::headers::SESSION)
+            .filter(|s| s.len() <= inferyes_proto::headers::MAX_SESSION_KEY_BYTES)
+            .ok_or_else(|| refused(ErrorKind::BadRequest, "no session key, or one too long", "invalid_request"))?;
+        let tokens: u32 = text(headers, &SLOT_TOKENS)
+            .and_then(|t| t.parse().ok())
+            .filter(|t| *t > 0)
+            .ok_or_else(|| refused(ErrorKind::BadRequest, "no token count", "invalid_request"))?;
+        let digest = text(headers, &SLOT_SHA256)
+            .filter(|d| d.len() == 64 && d.bytes().all(|b| b.is_ascii_hexdigit()))
+            .ok_or_else(|| refused(ErrorKind::BadRequest, "no SHA-256 of the file", "invalid_request"))?
+            .to_ascii_lowercase();
+        let length: u64 = text(headers, &header::CONTENT_LENGTH)
+            .and_then(|l| l.parse().ok())
+            .ok_or_else(|| refused(ErrorKind::BadRequest, "a slot file's length must be given", "length_required"))?;
+        if length > self.max_slot_bytes {
+            let message = format!("a slot file of {length} bytes is over this node's {}", self.max_slot_bytes);
+            return Err(refused(ErrorKind::PayloadTooLarge, message, "slot_too_large"));
+        }
+        self.check_backend(handle, text(headers, &SLOT_FINGERPRINT).unwrap_or_default(), model, tokens)?;
+        let _permit = self
+            .permits
+            .try_acquire()
+            .map_err(|_| refused(ErrorKind::RateLimited, "this node takes as many slots at once as it will", "busy"))?;
+
+        let slots = handle.probe.slots.as_ref().map(|s| s.dir.clone()).unwrap_or_default();
+        let name = format!("inferyes-in-{}.bin", inferyes_proto::apikey::random_chars(24).unwrap_or_default());
+        let file = SlotFile(slots.join(&name));
+        let bytes = write_body(body, &file.0, length, &digest).await?;
+        let mut restored = handle.restored_slots.lock().await;
+        let url = handle.probe.url.as_str();
+        let api_key = handle.probe.api_key.as_str();
+        let listed = self.slots(url, api_key).await?;
+        let slot = free_slot(&listed, &restored)
+            .ok_or_else(|| refused(ErrorKind::Unavailable, "no idle slot to restore into", "no_free_slot"))?;
+        let answer = slot_action(&self.client, url, api_key, slot, "restore", &name).await.map_err(|e| {
+            refused(ErrorKind::Upstream, format!("the server did not restore the slot: {e}"), "restore_failed")
+        })?;
+        let n_restored = number(&answer, "/n_restored");
+        if n_restored != u64::from(tokens) {
+            let message = format!("the server restored {n_restored} tokens of {tokens}");
+            return Err(refused(ErrorKind::Upstream, message, "restore_failed"));
+        }
+        // Until the slot runs a task, `/slots` shows nothing of what it
+        // now holds: it is not taken for empty meanwhile.
+        let now_listed = self.slots(url, api_key).await.unwrap_or_default();
+        restored.retain(|r| now_listed.contains(&r.slot));
+        if let Some(slot) = now_listed.iter().find(|s| s.id == slot) {
+            restored.push(Restored { slot: *slot });
+        }
+        drop(restored);
+        self.state.residency.lock().restored(session, backend_id, model, tokens, inferyes_proto::unix_ms());
+        self.state.changed.notify_one();
+        tracing::info!(session, backend = backend_id, slot, tokens, bytes, "slot restored from another node");
+        Ok(Taken { slot, n_restored: tokens, restore_ms: float(&answer, "/timings/restore_ms"), bytes })
+    }
+
+    fn check_credential(&self, headers: &HeaderMap) -> Result<(), Refused> {
+        let denied = |message: &str| refused(ErrorKind::Unauthenticated, message, "invalid_credential");
+        let tokens = self.join_tokens.as_ref().ok_or_else(|| {
+            refused(ErrorKind::PermissionDenied, "this node takes no slots: it has no join token", "moves_off")
+        })?;
+        let from = text(headers, &MOVE_FROM).ok_or_else(|| denied("no sending node named"))?;
+        let expires: u64 =
+            text(headers, &MOVE_EXPIRES).and_then(|e| e.parse().ok()).ok_or_else(|| denied("no expiry given"))?;
+        let now = inferyes_proto::unix_ms();
+        if expires <= now || expires > now.saturating_add(MAX_CREDENTIAL_MS) {
+            return Err(denied("the credential has expired, or expires too far ahead"));
+        }
+        let presented = headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "))
+            .ok_or_else(|| denied("no credential"))?;
+        let node = self.state.node_id.as_str();
+        let made = |token: &String| inferyes_proto::bearer::slot_move_credential(token, from, node, expires);
+        let accepted = tokens
+            .iter()
+            .fold(false, |ok, t| ok | inferyes_proto::apikey::constant_time_eq(presented, made(t).as_bytes()));
+        if !accepted {
+            return Err(denied("the credential is not this node's for that sender"));
+        }
+        Ok(())
+    }
+
+    fn check_backend(
+        &self,
+        handle: &BackendHandle,
+        fingerprint: &str,
+        model: &str,
+        tokens: u32,
+    ) -> Result<(), Refused> {
+        let observations = self.state.observations.lock();
+        let observed = observations
+            .backends
+            .iter()
+            .find(|b| b.id == handle.probe.id)
+            .ok_or_else(|| refused(ErrorKind::Unavailable, "the backend has not been read yet", "not_ready"))?;
+        let ours = handle.slot_fingerprint(observed);
+        if ours.is_empty() || ours != fingerprint {
+            let why = if ours.is_empty() { "takes no slots now" } else { "has another fingerprint" };
+            return Err(refused(ErrorKind::Unavailable, format!("the backend {why}"), "fingerprint_differs"));
+        }
+        let served = observed.models.iter().find(|m| m.id == model && m.state() == ModelState::Loaded);
+        let Some(served) = served else {
+            return Err(refused(
+                ErrorKind::Unavailable,
+                "the backend does not have that model loaded",
+                "model_not_loaded",
+            ));
+        };
+        if served.context_window > 0 && tokens >= served.context_window {
+            let message = format!("{tokens} tokens do not fit a slot of {}", served.context_window);
+            return Err(refused(ErrorKind::Unavailable, message, "slot_too_small"));
+        }
+        Ok(())
+    }
+
+    async fn slots(&self, url: &str, api_key: &str) -> Result<Vec<Slot>, Refused> {
+        let unread = |why: String| refused(ErrorKind::Upstream, format!("the server's slots: {why}"), "slots_unread");
+        let (status, body) = self.client.get(url, "/slots", api_key).await.map_err(|e| unread(e.to_string()))?;
+        if !status.is_success() {
+            return Err(unread(format!("HTTP {}", status.as_u16())));
+        }
+        parse_slots(&body).ok_or_else(|| unread("not a list of slots".into()))
+    }
+}
+
+/// Writes a slot file's body to `path`: exactly `length` bytes, whose
+/// SHA-256 is `digest`. Its bytes.
+async fn write_body(body: Incoming, path: &std::path::Path, length: u64, digest: &str) -> Result<u64, Refused> {
+    use tokio::io::AsyncWriteExt as _;
+    let io = |e: std::io::Error| refused(ErrorKind::Internal, format!("slot file not written: {e}"), "write_failed");
+    let mut file = tokio::fs::File::create(path).await.map_err(io)?;
+    let mut hash = ring::digest::Context::new(&ring::digest::SHA256);
+    let mut written = 0u64;
+    let mut body = body;
+    while let Some(frame) = body.frame().await {
+        let frame =
+            frame.map_err(|e| refused(ErrorKind::BadRequest, format!("the slot file broke off: {e}"), "broken"))?;
+        let Ok(data) = frame.into_data() else { continue };
+        written = written.saturating_add(data.len() as u64);
+        if written > length {
+            return Err(refused(ErrorKind::BadRequest, "more bytes than the length given", "invalid_request"));
+        }
+        hash.update(&data);
+        file.write_all(&data).await.map_err(io)?;
+    }
+    file.flush().await.map_err(io)?;
+    if written != length {
+        return Err(refused(ErrorKind::BadRequest, "fewer bytes than the length given", "invalid_request"));
+    }
+    let got: String = hash.finish().as_ref().iter().map(|b| format!("{b:02x}")).collect();
+    if got != digest {
+        return Err(refused(ErrorKind::BadRequest, "the slot file's SHA-256 differs", "digest_mismatch"));
+    }
+    Ok(written)
+}
+
+/// `POST /slots/{slot}?action=...` with a file name; the server's answer.
+async fn slot_action(
+    client: &ProbeClient,
+    url: &str,
+    api_key: &str,
+    slot: u32,
+    action: &str,
+    filename: &str,
+) -> Result<Value, String> {
+    let body = serde_json::json!({ "filename": filename });
+    let path = format!("/slots/{slot}?action={action}");
+    let (status, answer) = client.post_json(url, &path, api_key, &body).await.map_err(|e| e.to_string())?;
+    let answer: Value = serde_json::from_slice(&answer).unwrap_or(Value::Null);
+    if !status.is_success() {
+        let message = answer.pointer("/error/message").and_then(Value::as_str).unwrap_or("no message");
+        return Err(format!("HTTP {}: {message}", status.as_u16()));
+    }
+    Ok(answer)
+}
+
+fn number(value: &Value, pointer: &str) -> u64 {
+    value.pointer(pointer).and_then(Value::as_u64).unwrap_or(0)
+}
+
+fn float(value: &Value, pointer: &str) -> f64 {
+    value.pointer(pointer).and_then(Value::as_f64).unwrap_or(0.0)
+}
+
+/// Why a conversation was not moved to a target.
+#[derive(Debug, PartialEq)]
+pub enum MoveError {
+    /// It cannot be moved from here at all: recomputed where it goes.
+    NotMovable(String),
+    /// Its slot is busy: tried again later.
+    Busy,
+    /// The target took it not (no room, busy, another fingerprint): the
+    /// next target may.
+    Refused(String),
+    /// Tried and failed.
+    Failed(String),
+}
+
+/// What a move cost.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Moved {
+    pub tokens: u32,
+    pub bytes: u64,
+    pub save_ms: f64,
+    pub restore_ms: f64,
+    /// From asking for the save to the target's answer.
+    pub total_ms: u64,
+}
+
+/// The sending side: this node's servers and a pool to other agents.
+pub struct Sender {
+    pub state: Arc<AgentState>,
+    pub client: ProbeClient,
+    pub pool: inferyes_net::pool::Pool<FileBody>,
+    pub max_slot_bytes: u64,
+}
+
+pub type FileBody = http_body_util::combinators::BoxBody<Bytes, std::io::Error>;
+
+impl Sender {
+    /// Moves `session`'s slot to `target`; the session leaves this node's
+    /// table once the target has it.
+    pub async fn send(&self, session: &ResidentSession, target: &MoveTarget) -> Result<Moved, MoveError> {
+        let started = Instant::now();
+        let handle = self
+            .state
+            .backend(&session.backend_id)
+            .ok_or_else(|| MoveError::NotMovable("its backend is not this agent's any more".into()))?;
+        let dir = handle
+            .probe
+            .slots
+            .as_ref()
+            .map(|s| s.dir.clone())
+            .ok_or_else(|| MoveError::NotMovable(format!("backend `{}` has no slots dir", session.backend_id)))?;
+        let fingerprint = {
+            let observations = self.state.observations.lock();
+            observations.backends.iter().find(|b| b.id == session.backend_id).map(|b| handle.slot_fingerprint(b))
+        }
+        .unwrap_or_default();
+        if fingerprint.is_empty() {
+            return Err(MoveError::NotMovable(format!("backend `{}` cannot move slots now", session.backend_id)));
+        }
+        if fingerprint != target.slot_fingerprint {
+            return Err(MoveError::Refused("the target has another fingerprint".into()));
+        }
+        let (url, api_key) = (handle.probe.url.as_str(), handle.probe.api_key.as_str());
+        let failed = |what: &str, why: String| MoveError::Failed(format!("{what}: {why}"));
+        let (status, body) =
+            self.client.get(url, "/slots", api_key).await.map_err(|e| failed("slots", e.to_string()))?;
+        let listed = (status.is_success()).then(|| parse_slots(&body)).flatten();
+        let listed = listed.ok_or_else(|| failed("slots", format!("HTTP {} or not a list", status.as_u16())))?;
+        let slot = match holding_slot(&listed, session.tokens) {
+            Ok(slot) => slot,
+            Err(NotFound::Busy) => return Err(MoveError::Busy),
+            Err(why) => return Err(MoveError::NotMovable(why.to_string())),
+        };
+        let expected = listed.iter().find(|s| s.id == slot).and_then(|s| s.tokens).unwrap_or(0);
+        let name = format!("inferyes-out-{}.bin", inferyes_proto::apikey::random_chars(24).unwrap_or_default());
+        let file = SlotFile(dir.join(&name));
+        let saved =
+            slot_action(&self.client, url, api_key, slot, "save", &name).await.map_err(|e| failed("save", e))?;
+        if number(&saved, "/n_saved") != u64::from(expected) {
+            let why = format!("saved {} tokens, the slot held {expected}", number(&saved, "/n_saved"));
+            return Err(MoveError::NotMovable(why));
+        }
+        let path = file.0.clone();
+        let max = self.max_slot_bytes;
+        let hashed = tokio::task::spawn_blocking(move || hash_file(&path, max)).await;
+        let (bytes, digest) = match hashed {
+            Ok(Ok(hashed)) => hashed,
+            Ok(Err(why)) => return Err(failed("slot file", why)),
+            Err(_) => return Err(failed("slot file", "hashing stopped".into())),
+        };
+        let reader = tokio::fs::File::open(&file.0).await.map_err(|e| failed("slot file", e.to_string()))?;
+        let frames = tokio_util::io::ReaderStream::new(reader);
+        let body = http_body_util::StreamBody::new(tokio_stream::StreamExt::map(frames, |chunk| {
+            chunk.map(http_body::Frame::data)
+        }));
+        let request = self.request(target, session, expected, bytes, &digest, BodyExt::boxed(body))?;
+        let origin = inferyes_net::base_url::BaseUrl::new(&target.proxy_url);
+        let origin = origin.origin().ok_or_else(|| failed("target", "its proxy URL is not one".into()))?.clone();
+        let response = self.pool.send(&origin, request).await.map_err(|e| failed("send", e.to_string()))?;
+        let status = response.status();
+        let answer = http_body_util::Limited::new(response.into_body(), 64 << 10)
+            .collect()
+            .await
+            .map(|b| b.to_bytes())
+            .unwrap_or_default();
+        drop(file);
+        let answer: Value = serde_json::from_slice(&answer).unwrap_or(Value::Null);
+        if !status.is_success() {
+            let message = answer.pointer("/error/message").and_then(Value::as_str).unwrap_or("no message");
+            let why = format!("HTTP {}: {message}", status.as_u16());
+            return Err(match status.as_u16() {
+                409 | 413 | 429 | 503 => MoveError::Refused(why),
+                _ => MoveError::Failed(format!("target: {why}")),
+            });
+        }
+        self.state.residency.lock().remove(&session.key);
+        self.state.changed.notify_one();
+        Ok(Moved {
+            tokens: expected,
+            bytes,
+            save_ms: float(&saved, "/timings/save_ms"),
+            restore_ms: float(&answer, "/restore_ms"),
+            total_ms: u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
+        })
+    }
+
+    fn request(
+        &self,
+        target: &MoveTarget,
+        session: &ResidentSession,
+        tokens: u32,
+        bytes: u64,
+        digest: &str,
+        body: FileBody,
+    ) -> Result<Request<FileBody>, MoveError> {
+        let base = inferyes_net::base_url::BaseUrl::new(&target.proxy_url);
+        let (uri, host) = base
+            .uri(&http::uri::PathAndQuery::from_static(INTAKE_PATH))
+            .ok_or_else(|| MoveError::Failed("the target's proxy URL is not one".into()))?;
+        let value = |text: &str| {
+            HeaderValue::from_str(text).map_err(|_| MoveError::Failed("a header value that cannot be sent".into()))
+        };
+        let mut credential = value(&format!("Bearer {}", target.credential))?;
+        credential.set_sensitive(true);
+        let mut request = Request::put(uri).body(body).map_err(|e| MoveError::Failed(e.to_string()))?;
+        let headers = request.headers_mut();
+        headers.insert(header::HOST, host);
+        headers.insert(header::AUTHORIZATION, credential);
+        headers.insert(header::CONTENT_LENGTH, HeaderValue::from(bytes));
+        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/octet-stream"));
+        headers.insert(MOVE_FROM, value(&self.state.node_id)?);
+        headers.insert(MOVE_EXPIRES, HeaderValue::from(target.expires_unix_ms));
+        headers.insert(inferyes_proto::headers::BACKEND, value(&target.backend_id)?);
+        headers.insert(inferyes_proto::headers::MODEL, value(&session.model)?);
+        headers.insert(inferyes_proto::headers::SESSION, value(&session.key)?);
+        headers.insert(SLOT_FINGERPRINT, value(&target.slot_fingerprint)?);
+        headers.insert(SLOT_SHA256, value(digest)?);
+        headers.insert(SLOT_TOKENS, HeaderValue::from(tokens));
+        Ok(request)
+    }
+}
+
+/// A file's size and SHA-256 (hex), refused past `max` bytes.
+fn hash_file(path: &std::path::Path, max: u64) -> Result<(u64, String), String> {
+    use std::io::Read as _;
+    let mut file = std::fs::File::open(path).map_err(|e| e.to_string())?;
+    let size = file.metadata().map_err(|e| e.to_string())?.len();
+    if size > max {
+        return Err(format!("{size} bytes, over moves.max_slot_bytes ({max})"));
+    }
+    let mut hash = ring::digest::Context::new(&ring::digest::SHA256);
+    let mut buffer = vec![0u8; 1 << 20];
+    loop {
+        let read = file.read(&mut buffer).map_err(|e| e.to_string())?;
+        if read == 0 {
+            break;
+        }
+        hash.update(&buffer[..read]);
+    }
+    Ok((size, hash.finish().as_ref().iter().map(|b| format!("{b:02x}")).collect()))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_servers_slot_endpoints_are_told_apart_from_everything_else() {
+        for path in ["/slots", "/slots/0", "/slots/0?action=erase", "/slots?fail_on_no_slot=1"] {
+            assert!(super::is_slot_endpoint(path), "{path}");
+        }
+        for path in ["/v1/chat/completions", "/slotsx", "/v1/slots", "/_inferyes/slots"] {
+            assert!(!super::is_slot_endpoint(path), "{path}");
+        }
+    }
+}

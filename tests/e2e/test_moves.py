@@ -1,0 +1,162 @@
+"""A drained node's conversations move to other nodes with their KV cache:
+each one's slot is saved by its server, carried agent to agent and restored
+on a node that serves the model, and its next turn there reads its history
+from cache instead of computing it again. A restore that holds nothing
+(a server whose cache layout differs from what its agent was told) is
+caught by the next turn and the node takes no more."""
+
+import hashlib
+import hmac
+import json
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+from openai import OpenAI
+
+from conftest import GEMMA
+from harness import wait_until
+from test_real_model import system_prompt
+
+
+def client(fleet):
+    return OpenAI(base_url=f"{fleet.url}/v1", api_key=fleet.api_key, max_retries=0, timeout=120)
+
+
+def turn(fleet, messages, text):
+    """One turn of a conversation: its node, route and usage."""
+    messages.append({"role": "user", "content": text})
+    raw = client(fleet).chat.completions.with_raw_response.create(
+        model=GEMMA, messages=messages, max_tokens=12, temperature=0)
+    reply = raw.parse()
+    messages.append({"role": "assistant", "content": reply.choices[0].message.content or "."})
+    return raw.headers["x-inferyes-node"], raw.headers["x-inferyes-route"], reply.usage
+
+
+def sessions_by_node(fleet):
+    return sorted((s["node"], s["tokens"]) for s in fleet.ctl("sessions")["sessions"])
+
+
+def test_a_drained_node_s_conversations_move_with_their_cache(movers):
+    fleet = movers
+    # Only node-a takes new conversations while they begin.
+    for node in ("node-b", "node-c"):
+        fleet.ctl("drain", node)
+    fleet.wait_routing()
+    # Histories of different lengths: a slot is found by its tokens.
+    conversations = [[{"role": "system", "content": system_prompt(f"move-{i}", rules=12 + 3 * i)}] for i in range(2)]
+    first = [turn(fleet, messages, "Which stone is first?") for messages in conversations]
+    assert [node for node, _, _ in first] == ["node-a", "node-a"], first
+    for node in ("node-b", "node-c"):
+        fleet.ctl("undrain", node)
+    fleet.wait_routing()
+    wait_until("both conversations resident on node-a", lambda: [n for n, _ in sessions_by_node(fleet)] == ["node-a"] * 2)
+
+    fleet.ctl("drain", "node-a")
+
+    def finished():
+        moves = fleet.ctl("node", "node-a")["moves"]
+        return moves if moves and moves["finished_unix_ms"] else None
+
+    wait_until("node-a's drain moved its conversations", finished, timeout=60)
+    moves = finished()
+    assert (moves["sessions"], moves["moved"], moves["failed"], moves["not_movable"]) == (2, 2, 0, 0), moves
+    assert moves["bytes"] > 1_000_000, moves
+    # The most recent first, to the roomiest node: node-b, then node-c.
+    wait_until("the conversations resident where they moved",
+               lambda: [n for n, _ in sessions_by_node(fleet)] == ["node-b", "node-c"])
+
+    later = [turn(fleet, messages, "And which comes next?") for messages in conversations]
+    (node_held, route_held, held), (node_lost, route_lost, lost) = later[1], later[0]
+    assert (node_held, route_held) == ("node-b", "resident"), later
+    history = first[1][2].prompt_tokens + first[1][2].completion_tokens - 1
+    assert held.prompt_tokens_details.cached_tokens >= 0.9 * history, later
+
+    # node-c's server has no --swa-full: the restore answered, and held
+    # nothing; its agent finds it out from the turn and says so.
+    assert (node_lost, route_lost) == ("node-c", "resident"), later
+    assert lost.prompt_tokens_details.cached_tokens < 0.5 * history, later
+
+    def refuses():
+        [backend] = fleet.ctl("node", "node-c")["backends"]
+        return backend if not backend["slot_fingerprint"] else None
+
+    backend = wait_until("node-c takes no more slots", refuses, timeout=10)
+    assert "read next to nothing from cache" in backend["slots_unmovable"], backend
+    [backend_b] = fleet.ctl("node", "node-b")["backends"]
+    assert backend_b["slot_fingerprint"], backend_b
+
+
+def test_every_backend_says_whether_its_slots_can_move(movers, fleet):
+    [backend] = movers.ctl("node", "node-b")["backends"]
+    assert len(backend["slot_fingerprint"]) == 32 and backend["slots_unmovable"] == "", backend
+    # The tiny fleet's servers have no --slot-save-path, nor their agents a
+    # slots directory.
+    [backend] = fleet.ctl("node", "node-a")["backends"]
+    assert backend["slot_fingerprint"] == "", backend
+    assert backend["slots_unmovable"] == "no slots dir configured (backends.slots)", backend
+
+
+def mac(key, text):
+    return hmac.new(key.encode(), text.encode(), hashlib.sha256).hexdigest()
+
+
+def put_slot(url, headers, body):
+    request = urllib.request.Request(f"{url}/_inferyes/slots", data=body, method="PUT", headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def test_a_node_takes_a_slot_only_with_its_credential_and_a_file_that_checks_out(movers):
+    fleet = movers
+    join = fleet.join_token_file.read_text().strip()
+    node = fleet.ctl("node", "node-b")
+    [backend] = node["backends"]
+    url = node["proxy_url"]
+    slots_dir = fleet.tmp / "slots-node-b"
+    body = b"not a slot" * 100
+    expires = int(time.time() * 1000) + 60_000
+
+    def headers(to="node-b", sender="node-a", until=expires, digest=None, length=None, fingerprint=None):
+        credential = mac(mac(join, "inferyes slot move key v1"), f"inferyes slot move v1 {sender} {to} {until}")
+        return {
+            "Authorization": f"Bearer {credential}", "x-inferyes-move-from": sender,
+            "x-inferyes-move-expires": str(until), "x-inferyes-backend": "chat", "x-inferyes-model": GEMMA,
+            "x-inferyes-session": "root-attacker", "x-inferyes-slot-tokens": "100",
+            "x-inferyes-slot-fingerprint": fingerprint or backend["slot_fingerprint"],
+            "x-inferyes-slot-sha256": digest or hashlib.sha256(body).hexdigest(),
+            "Content-Length": str(length or len(body)), "Content-Type": "application/octet-stream",
+        }
+
+    refusals = {
+        "no credential": ({k: v for k, v in headers().items() if k != "Authorization"}, 401, "invalid_credential"),
+        "another node's": (headers(to="node-c"), 401, "invalid_credential"),
+        "another sender's claim": ({**headers(), "x-inferyes-move-from": "node-c"}, 401, "invalid_credential"),
+        "expired": (headers(until=expires - 120_000), 401, "invalid_credential"),
+        "another fingerprint": (headers(fingerprint="0" * 32), 503, "fingerprint_differs"),
+        "the wrong digest": (headers(digest="0" * 64), 400, "digest_mismatch"),
+        "too large": (headers(length=5 << 30), 413, "slot_too_large"),
+        # The hash checks out; the server refuses the file, which the
+        # agent says, never believed restored.
+        "not a slot file": (headers(), 502, "restore_failed"),
+    }
+    for what, (sent, status, code) in refusals.items():
+        answer = put_slot(url, sent, body)
+        assert answer[0] == status and answer[1]["error"]["code"] == code, (what, answer)
+    # Whatever came of them, no file is left behind.
+    assert list(slots_dir.iterdir()) == [], list(slots_dir.iterdir())
+    assert "root-attacker" not in {s["key"] for s in fleet.ctl("sessions")["sessions"]}
+
+    # The servers' slot endpoints are not reachable through the proxy, even
+    # with the node's own credential (what data planes hold).
+    credential = mac(mac(join, "inferyes agent proxy key v2"), "inferyes agent proxy v2 node-b")
+    for path in ("/slots", "/slots/0?action=erase"):
+        request = urllib.request.Request(f"{url}{path}", data=b'{"filename":"x"}', method="POST",
+                                         headers={"Authorization": f"Bearer {credential}"})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=10)
+        assert refused.value.code == 404, path
