@@ -106,12 +106,16 @@ if [ "$real" = 1 ]; then
   # each; --cache-ram keeps evicted conversations in the host's memory, as
   # llama-server does by default (8 GiB there), sized here for a laptop.
   # --swa-full: without it Gemma 3's sliding-window layers make every host
-  # cache entry carry context checkpoints, and a few conversations fill it.
+  # cache entry carry context checkpoints, and a few conversations fill it;
+  # and a slot restored on another node holds nothing. --slot-save-path:
+  # a drained node's conversations move with their cache.
   i=0
   for node in a b c; do
     i=$((i + 1))
+    mkdir -p "$state/slots-$node"
     "$llama" -m "$gguf" --alias "$model" --host 127.0.0.1 --port "1818$i" \
-      -c 16384 -np 4 -t 1 --metrics --cache-ram 512 --swa-full --chat-template-file deploy/local/gemma.jinja >"$logs/llama-server-$node.log" 2>&1 &
+      -c 16384 -np 4 -t 1 --metrics --cache-ram 512 --swa-full --chat-template-file deploy/local/gemma.jinja \
+      --slot-save-path "$state/slots-$node/" >"$logs/llama-server-$node.log" 2>&1 &
     pids+=($!)
   done
   for i in 1 2 3; do wait_http "http://127.0.0.1:1818$i/health" "llama-server on port 1818$i"; done
