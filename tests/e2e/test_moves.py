@@ -16,7 +16,7 @@ import pytest
 from openai import OpenAI
 
 from conftest import GEMMA
-from harness import wait_until
+from harness import http_get, wait_until
 from test_real_model import system_prompt
 
 
@@ -63,6 +63,11 @@ def test_a_drained_node_s_conversations_move_with_their_cache(movers):
     moves = finished()
     assert (moves["sessions"], moves["moved"], moves["failed"], moves["not_movable"]) == (2, 2, 0, 0), moves
     assert moves["bytes"] > 1_000_000, moves
+    # The dashboard shows it too.
+    view = json.loads(http_get(f"{fleet.dashboard_url}/api/v1/fleet",
+                               headers={"Authorization": f"Bearer {fleet.admin_token}"})[1])
+    [card] = [g for g in view["gpus"] if g["node"] == "node-a"]
+    assert (card["moves"]["moved"], card["moves"]["running"]) == (2, False), card
     # The most recent first, to the roomiest node: node-b, then node-c.
     wait_until("the conversations resident where they moved",
                lambda: [n for n, _ in sessions_by_node(fleet)] == ["node-b", "node-c"])

@@ -48,6 +48,8 @@ pub fn build(
                     "prefill_tokens_per_second": b.prefill_tokens_per_second,
                     "service_ms": b.service_ms,
                     "load_unknown": b.load_unknown,
+                    "slots_movable": !b.slot_fingerprint.is_empty(),
+                    "slots_unmovable": b.slots_unmovable,
                 })
             })
             .collect();
@@ -100,6 +102,16 @@ pub fn build(
                 "tokens_per_second": tokens_per_second,
                 "backends": rates,
                 "sessions": sessions,
+                "moves": status.moves.as_ref().map(|m| json!({
+                    "running": m.running,
+                    "sessions": m.sessions,
+                    "moved": m.moved,
+                    "failed": m.failed,
+                    "not_movable": m.not_movable,
+                    "bytes": m.bytes,
+                    "ms": m.finished_unix_ms.max(m.started_unix_ms) - m.started_unix_ms,
+                    "last_error": m.last_error,
+                })),
                 "models": models,
                 "badges": badges,
                 "history": history.of(&status.node_id, index),

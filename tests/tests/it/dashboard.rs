@@ -78,6 +78,10 @@ async fn the_fleet_view_shows_gpus_sessions_decisions_and_short_models() {
         assert!(card["slots_total"].as_u64().unwrap() > 0, "{card}");
         assert_eq!(card["models"][0]["state"], "warm", "{card}");
         assert_eq!(card["pressure"], "ok", "{card}");
+        // A simulated server's slots cannot move; nothing drained.
+        assert_eq!(card["backends"][0]["slots_movable"], false, "{card}");
+        assert_eq!(card["backends"][0]["slots_unmovable"], "no slots dir configured (backends.slots)", "{card}");
+        assert_eq!(card["moves"], Value::Null, "{card}");
     }
     let session = view["sessions"]["shown"].as_array().unwrap().iter().find(|s| s["tag"] == tag.as_str()).unwrap();
     let decisions = view["decisions"].as_array().unwrap();
@@ -245,6 +249,8 @@ async fn the_dashboard_page_updates_live_in_a_real_browser() {
             ),
         )
         .await;
+    let slots = browser.eval("return document.querySelector('.gpu-card .slot-moves').textContent").await;
+    assert!(slots.as_str().is_some_and(|s| s.contains("not movable")), "{slots}");
     // Most pressure first.
     let first = browser.eval("return document.querySelector('.gpu-card').dataset.node").await;
     assert_eq!(first, node.as_str());
