@@ -160,6 +160,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
                 log: inferyes_net::log::Gate::new(),
                 unsupported: state::Shared::default(),
                 restored_slots: Default::default(),
+                moved_slots: state::Shared::default(),
                 restores_reused_nothing: AtomicU32::new(0),
             })
             .collect(),

@@ -63,6 +63,10 @@ pub struct BackendHandle {
     /// next restore must not take for empty; held while one restores, so
     /// two never pick the same slot.
     pub restored_slots: tokio::sync::Mutex<Vec<crate::slots::Restored>>,
+    /// Slots whose conversations moved to other nodes, as `/slots` showed
+    /// them then: they hold those caches until they run another task, and
+    /// must not be taken for another conversation's of as many tokens.
+    pub moved_slots: Shared<Vec<crate::slots::Slot>>,
     /// Restored slots whose next turn read next to nothing from cache:
     /// past one, the backend takes no more.
     pub restores_reused_nothing: AtomicU32,
@@ -260,6 +264,7 @@ mod tests {
             log: inferyes_net::log::Gate::new(),
             unsupported: Shared::default(),
             restored_slots: Default::default(),
+            moved_slots: Shared::default(),
             restores_reused_nothing: AtomicU32::new(0),
         }
     }

@@ -178,22 +178,51 @@ pub enum NotFound {
 
 /// The slot holding a conversation whose cache holds `tokens` (its last
 /// prompt and reply, as the usage said): the one slot whose cache length
-/// is that, or one less (the last token sampled is not evaluated). Never a
-/// guess: none, or more than one, is not found.
-pub fn holding_slot(slots: &[Slot], tokens: u32) -> Result<u32, NotFound> {
+/// is that, or one less (the last token sampled is not evaluated).
+///
+/// Several slots of one length hold as many conversations of those tokens
+/// (`twins`: when each of their last turns began, in the order they
+/// reached the proxy, this one's among them): llama-server numbers its
+/// tasks in the order they arrive, so the conversations' order is their
+/// slots' order by task. Only where that order is plain: as many
+/// conversations as slots, each turn begun at least [`TWIN_GAP_MS`] after
+/// the one before. Slots whose conversations moved away (`gone`, as
+/// `/slots` showed them then) still hold their caches until they run
+/// another task, and are not counted. Never a guess: anything else is not
+/// found.
+pub fn holding_slot(slots: &[Slot], gone: &[Slot], tokens: u32, twins: &[u64], began: u64) -> Result<u32, NotFound> {
     if tokens == 0 {
         return Err(NotFound::Gone);
     }
-    let mut matching = slots.iter().filter(|s| s.tokens.is_some_and(|n| n == tokens || n + 1 == tokens));
-    let found = matching.next().ok_or(NotFound::Gone)?;
-    if matching.next().is_some() {
-        return Err(NotFound::Ambiguous);
-    }
+    let mut matching: Vec<&Slot> = slots
+        .iter()
+        .filter(|s| s.tokens.is_some_and(|n| n == tokens || n + 1 == tokens) && !gone.contains(s))
+        .collect();
+    let found = match matching.as_slice() {
+        [] => return Err(NotFound::Gone),
+        [one] => *one,
+        several => {
+            let one_length = several.iter().all(|s| s.tokens == several[0].tokens);
+            let mut order = twins.to_vec();
+            order.sort_unstable();
+            let plain = order.windows(2).all(|w| w[1].saturating_sub(w[0]) >= TWIN_GAP_MS);
+            let rank = order.iter().position(|t| *t == began);
+            if !one_length || order.len() != several.len() || !plain || several.iter().any(|s| s.task.is_none()) {
+                return Err(NotFound::Ambiguous);
+            }
+            matching.sort_by_key(|s| s.task);
+            matching[rank.ok_or(NotFound::Ambiguous)?]
+        }
+    };
     if found.busy {
         return Err(NotFound::Busy);
     }
     Ok(found.id)
 }
+
+/// How far apart two conversations' last turns must have begun for the
+/// proxy's order of them to be the server's.
+pub const TWIN_GAP_MS: u64 = 20;
 
 /// A slot restored into, and what `/slots` showed of it then: until it
 /// runs a task, it shows no sign of what it holds, and must not be taken
@@ -246,14 +275,34 @@ mod tests {
         let slots =
             [slot(0, false, Some(1), Some(500)), slot(1, false, Some(4), Some(1140)), slot(2, true, None, None)];
         // Prompt 1,121 and reply 20 leave 1,140 in the cache.
-        assert_eq!(holding_slot(&slots, 1141), Ok(1));
-        assert_eq!(holding_slot(&slots, 1140), Ok(1));
-        assert_eq!(holding_slot(&slots, 1142), Err(NotFound::Gone));
-        assert_eq!(holding_slot(&slots, 0), Err(NotFound::Gone));
-        let twins = [slot(0, false, Some(1), Some(500)), slot(1, false, Some(2), Some(500))];
-        assert_eq!(holding_slot(&twins, 500), Err(NotFound::Ambiguous), "never a guess");
+        assert_eq!(holding_slot(&slots, &[], 1141, &[5], 5), Ok(1));
+        assert_eq!(holding_slot(&slots, &[], 1140, &[5], 5), Ok(1));
+        assert_eq!(holding_slot(&slots, &[], 1142, &[5], 5), Err(NotFound::Gone));
+        assert_eq!(holding_slot(&slots, &[], 0, &[5], 5), Err(NotFound::Gone));
         let busy = [slot(0, true, Some(1), Some(500))];
-        assert_eq!(holding_slot(&busy, 501), Err(NotFound::Busy));
+        assert_eq!(holding_slot(&busy, &[], 501, &[5], 5), Err(NotFound::Busy));
+        // A slot whose conversation moved away holds it still: not counted.
+        let moved = slot(0, false, Some(1), Some(500));
+        let both = [moved, slot(1, false, Some(2), Some(500))];
+        assert_eq!(holding_slot(&both, &[moved], 501, &[5], 5), Ok(1));
+        assert_eq!(holding_slot(&[moved], &[moved], 501, &[5], 5), Err(NotFound::Gone));
+        let reused = slot(0, false, Some(3), Some(500));
+        assert_eq!(holding_slot(&[reused], &[moved], 501, &[5], 5), Ok(0), "once it ran a task, it counts");
+    }
+
+    #[test]
+    fn twins_are_told_apart_by_the_order_their_turns_reached_the_server_or_not_at_all() {
+        // Two conversations of 501 tokens; slot 1 ran the earlier task.
+        let twins =
+            [slot(0, false, Some(9), Some(500)), slot(1, false, Some(4), Some(500)), slot(2, false, None, None)];
+        assert_eq!(holding_slot(&twins, &[], 501, &[1_000, 2_000], 1_000), Ok(1), "the earlier turn, the earlier task");
+        assert_eq!(holding_slot(&twins, &[], 501, &[2_000, 1_000], 2_000), Ok(0));
+        let never = |twins_began: &[u64], began| holding_slot(&twins, &[], 501, twins_began, began);
+        assert_eq!(never(&[1_000, 1_010], 1_000), Err(NotFound::Ambiguous), "begun too close together");
+        assert_eq!(never(&[1_000], 1_000), Err(NotFound::Ambiguous), "a slot no conversation here explains");
+        assert_eq!(never(&[1_000, 2_000, 3_000], 1_000), Err(NotFound::Ambiguous), "more twins than slots");
+        let lengths = [slot(0, false, Some(9), Some(500)), slot(1, false, Some(4), Some(501))];
+        assert_eq!(holding_slot(&lengths, &[], 501, &[1_000, 2_000], 1_000), Err(NotFound::Ambiguous), "two lengths");
     }
 
     #[test]

@@ -385,7 +385,23 @@ impl Sender {
             self.client.get(url, "/slots", api_key).await.map_err(|e| failed("slots", e.to_string()))?;
         let listed = (status.is_success()).then(|| parse_slots(&body)).flatten();
         let listed = listed.ok_or_else(|| failed("slots", format!("HTTP {} or not a list", status.as_u16())))?;
-        let slot = match holding_slot(&listed, session.tokens) {
+        // The conversations here whose caches hold as many tokens: when
+        // each one's last turn began, to tell their slots apart.
+        let twins: Vec<u64> = self
+            .state
+            .residency
+            .lock()
+            .sessions()
+            .iter()
+            .filter(|s| s.backend_id == session.backend_id && s.tokens == session.tokens)
+            .map(|s| s.last_seen_unix_ms)
+            .collect();
+        let gone: Vec<Slot> = {
+            let mut gone = handle.moved_slots.lock();
+            gone.retain(|s| listed.contains(s));
+            gone.clone()
+        };
+        let slot = match holding_slot(&listed, &gone, session.tokens, &twins, session.last_seen_unix_ms) {
             Ok(slot) => slot,
             Err(NotFound::Busy) => return Err(MoveError::Busy),
             Err(why) => return Err(MoveError::NotMovable(why.to_string())),
@@ -434,6 +450,9 @@ impl Sender {
         }
         self.state.residency.lock().remove(&session.key);
         self.state.changed.notify_one();
+        if let Some(moved) = listed.iter().find(|s| s.id == slot) {
+            handle.moved_slots.lock().push(*moved);
+        }
         Ok(Moved {
             tokens: expected,
             bytes,
