@@ -226,7 +226,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
     let slot_metrics = metrics.slots.clone();
     let scrape = Arc::new(proxy::Scrape { registry, metrics });
     let agent_tls = Arc::new(inferyes_net::tls::http_client(&config.tls).context("invalid TLS settings")?);
-    let sender = slots::transfer::Sender {
+    let sender = Arc::new(slots::transfer::Sender {
         state: Arc::clone(&state),
         client: ProbeClient::new(slots::transfer::SLOT_ACTION_TIMEOUT),
         pool: inferyes_net::pool::Pool::new(inferyes_net::pool::Settings {
@@ -237,7 +237,13 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
             idle_limits: inferyes_net::pool::IdleLimits::default(),
         }),
         max_slot_bytes: config.moves.max_slot_bytes,
-    };
+    });
+    let carrier = Arc::new(slots::transfer::Carrier {
+        sender: Arc::clone(&sender),
+        join_token: join_token.as_deref().map(str::to_string),
+        permits: tokio::sync::Semaphore::new(config.moves.max_incoming),
+        metrics: slot_metrics.clone(),
+    });
     let drainer = AbortOnDropHandle::new(tokio::spawn(
         slots::drain::run(
             Arc::clone(&state),
@@ -268,6 +274,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
                 accepted.clone(),
                 Arc::clone(&admission),
                 Arc::clone(&intake),
+                Arc::clone(&carrier),
             );
             move |peer| service.connection(peer)
         })

@@ -89,6 +89,8 @@ pub struct Service {
     router: Router,
     /// Takes other nodes' slots, on its own path and credential.
     intake: Arc<crate::slots::transfer::Intake>,
+    /// Carries this node's conversations' slots where data planes ask.
+    carrier: Arc<crate::slots::transfer::Carrier>,
     admission: Arc<Admission>,
     /// The connection's: its peer, and when a request on it last vouched
     /// for it (Unix seconds; 0: never).
@@ -103,6 +105,7 @@ impl Service {
         join_token: Option<inferyes_proto::bearer::Accepted>,
         admission: Arc<Admission>,
         intake: Arc<crate::slots::transfer::Intake>,
+        carrier: Arc<crate::slots::transfer::Carrier>,
     ) -> Service {
         let client = Pool::new(pool::Settings {
             connect_timeout: std::time::Duration::from_secs(2),
@@ -114,7 +117,7 @@ impl Service {
         let proxy = Proxy { state, client, scrape, join_token };
         let router = Router::new().route(HEALTH, get(|| async { "ok\n" }));
         let (peer, vouched) = (std::net::Ipv4Addr::UNSPECIFIED.into(), Arc::default());
-        Service { proxy, router, intake, admission, peer, vouched }
+        Service { proxy, router, intake, carrier, admission, peer, vouched }
     }
 
     /// The service of one connection, from `peer`.
@@ -173,6 +176,11 @@ impl hyper::service::Service<Request<Incoming>> for Service {
         if now.saturating_sub(self.vouched.load(Ordering::Relaxed)) >= REVOUCH_EVERY_SECS {
             self.vouched.store(now, Ordering::Relaxed);
             self.admission.vouch(self.peer);
+        }
+        // A data plane's, behind its credential, never a backend's.
+        if request.uri().path() == crate::slots::transfer::CARRY_PATH {
+            let carrier = Arc::clone(&self.carrier);
+            return Box::pin(async move { Ok(carrier.carry(request).await) });
         }
         let proxy = self.proxy.clone();
         Box::pin(async move { Ok(forward(proxy, request).await) })

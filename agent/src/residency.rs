@@ -271,6 +271,11 @@ impl Residency {
         self.entries.values().map(|e| e.session.clone()).collect()
     }
 
+    /// Session `key`, if resident.
+    pub fn session(&self, key: &str) -> Option<ResidentSession> {
+        self.entries.get(key).map(|e| e.session.clone())
+    }
+
     /// Which backend holds `key`, if any.
     pub fn backend_of(&self, key: &str) -> Option<&str> {
         self.entries.get(key).map(|e| e.session.backend_id.as_str())

@@ -16,7 +16,7 @@ pub const STEP_MS: u64 = 5_000;
 pub const STEPS: u64 = 60;
 /// Routes drawn, in the legend's order. Decisions with another route
 /// (`failover`, `none`) are not drawn: a failover's time is the failure's.
-pub const ROUTES: [&str; 5] = ["resident", "moved", "placed", "warm", "cold"];
+pub const ROUTES: [&str; 6] = ["resident", "carried", "moved", "placed", "warm", "cold"];
 /// Times kept per route and step for its median; past that, each new one
 /// replaces the oldest kept, so a busy step's median is its last 64.
 const TIMES_PER_STEP: usize = 64;

@@ -77,7 +77,16 @@ fn fleet(nodes: usize, spread: usize) -> BTreeMap<String, SnapshotNode> {
 }
 
 fn request<'a>(model: &'a str, session: Option<&'a str>, ticket: u64) -> RouteRequest<'a> {
-    RouteRequest { model, kind: EndpointKind::Chat, session, prompt_tokens: 500, mode: Mode::Policy, ticket, now_ms: 0 }
+    RouteRequest {
+        model,
+        kind: EndpointKind::Chat,
+        session,
+        prompt_tokens: 500,
+        mode: Mode::Policy,
+        carry: true,
+        ticket,
+        now_ms: 0,
+    }
 }
 
 struct Case {

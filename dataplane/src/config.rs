@@ -121,6 +121,11 @@ pub struct Config {
     /// routing policy for the rest), or a baseline that ignores sessions,
     /// `round-robin` or `least-outstanding`, to measure what affinity saves.
     pub routing_mode: crate::routing::Mode,
+    /// A later turn whose home is busy may have its conversation's cache
+    /// carried to a free slot on another node whose slots are alike, where
+    /// that costs less than reading the prompt again there; `false`: it is
+    /// read again, as before caches could move.
+    pub carry: bool,
     pub log_format: LogFormat,
     /// `keys`: every `/v1/*` request needs an API key. `none`: no keys, for
     /// a trusted network; say so explicitly.
@@ -198,6 +203,7 @@ impl Default for Config {
             read_timeout_ms: 600_000,
             shutdown_grace_ms: 30_000,
             routing_mode: crate::routing::Mode::Policy,
+            carry: true,
             log_format: LogFormat::Text,
             auth: crate::auth::AuthMode::Keys,
             auth_failures_per_minute: 10,

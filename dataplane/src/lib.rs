@@ -115,6 +115,7 @@ pub async fn run(
         max_body_bytes: config.max_body_bytes,
         request_body_timeout: config.request_body_timeout(),
         mode: config.routing_mode,
+        carry: config.carry,
         tickets,
         queue,
         decisions,

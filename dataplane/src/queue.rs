@@ -31,6 +31,7 @@ pub struct Ask {
     pub session: Option<String>,
     pub prompt_tokens: u32,
     pub mode: Mode,
+    pub carry: bool,
     /// Whose it is: an error as it leaves names only models it may use.
     pub caller: crate::auth::Caller,
 }
@@ -240,6 +241,7 @@ impl Queue {
                 session: ask.session.as_deref(),
                 prompt_tokens: ask.prompt_tokens,
                 mode: ask.mode,
+                carry: ask.carry,
                 ticket: tickets.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
                 now_ms,
             };

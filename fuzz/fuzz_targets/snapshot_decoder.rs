@@ -31,6 +31,7 @@ fuzz_target!(|wire: &[u8]| {
                 session,
                 prompt_tokens: 100,
                 mode: Mode::Policy,
+                carry: true,
                 ticket: ticket as u64,
                 now_ms: 0,
             };

@@ -20,6 +20,13 @@ few turns; each turn is streamed with the official OpenAI client and
 - session moves: later turns served by another node than the turn before;
 - the wall time of the whole workload.
 
+--move-caches starts every server with --slot-save-path and names it to its
+agent, so a later turn whose home is busy may have its cache carried to a
+free slot elsewhere (route `carried`); the `policy-no-carry` data plane
+routes by the same policy with carrying off (`carry = false`), on the same
+fleet, for the side-by-side: how many turns were carried, and what that did
+to later turns' time to first token.
+
 --concurrent runs every conversation as its own user, all at once, each
 sending its next turn as soon as the last is answered; without it, turns go
 one at a time, interleaved across conversations (turn 1 of each, then turn 2
@@ -41,6 +48,8 @@ from harness import GEMMA_ARGS, Fleet, http_get, llama_server, real_model, wait_
 
 MODEL = "gemma-3-270m"
 STRATEGIES = ("policy", "round-robin", "least-outstanding")
+# Data planes that route by a strategy with settings of their own.
+VARIANTS = {"policy-no-carry": ("policy", "carry = false")}
 # Gemma 3 270M keeps 18 KiB of KV cache per token (18 layers, one KV head of
 # 256, f16 keys and values): what --cache-ram holds, in tokens.
 KV_BYTES_PER_TOKEN = 18 * 1024
@@ -164,20 +173,30 @@ def start_fleet(fleet, args):
     fleet.model = real_model()
     fleet.start_etcd()
     fleet.start_controller()
-    fleet.llama_args = ["-np", str(args.slots), *GEMMA_ARGS]
     fleet.nodes = [f"node-{chr(ord('a') + i)}" for i in range(args.nodes)]
     fleet.llama = {}
     for node in fleet.nodes:
+        slots = ""
+        if args.move_caches:
+            (fleet.tmp / f"slots-{node}").mkdir()
+            slots = f'\n[backends.slots]\ndir = "{fleet.tmp / f"slots-{node}"}"\nflags = "--swa-full"\n'
         fleet.llama[node] = start_server(fleet, node, args)
         host_cache = args.cache_ram * 1024 * 1024 // KV_BYTES_PER_TOKEN
         fleet.start_agent(node, [("chat", fleet.llama[node], ["chat", "completion"],
-                                  f"host_cache_tokens = {host_cache}\n")])
+                                  f"host_cache_tokens = {host_cache}\n{slots}")])
     extra = "queue = false" if args.no_queue else ""
-    fleet.urls = {s: fleet.start_dataplane(f"dataplane-{s}", s, {MODEL: args.nodes}, extra=extra) for s in STRATEGIES}
+    fleet.urls = {}
+    for name in args.strategies.split(","):
+        strategy, own = VARIANTS.get(name, (name, ""))
+        fleet.urls[name] = fleet.start_dataplane(f"dataplane-{name}", strategy, {MODEL: args.nodes},
+                                                 extra=f"{extra}\n{own}")
 
 
 def start_server(fleet, node, args, port=None):
-    return fleet.start_llama_server(f"gemma-{node}", fleet.model, MODEL, fleet.llama_args, port=port,
+    llama_args = ["-np", str(args.slots), *GEMMA_ARGS]
+    if args.move_caches:
+        llama_args += ["--slot-save-path", f"{fleet.tmp / f'slots-{node}'}/"]
+    return fleet.start_llama_server(f"gemma-{node}", fleet.model, MODEL, llama_args, port=port,
                                     context=args.slots * args.context, cache_ram=args.cache_ram)
 
 
@@ -202,14 +221,20 @@ def restart_servers(fleet, args):
 
 def table(results):
     lines = ["| data plane | first-turn TTFT p50 | p99 | later-turn TTFT p50 | p99 | KV reuse vs oracle "
-             "| session moves | wall |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| session moves (carried) | wall |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         lines.append(
             f"| {r['strategy']} | {r['first_ttft_p50_ms']:,.0f} ms | {r['first_ttft_p99_ms']:,.0f} ms "
             f"| {r['later_ttft_p50_ms']:,.0f} ms | {r['later_ttft_p99_ms']:,.0f} ms "
             f"| {100 * r['kv_reuse_of_oracle']:.1f}% | {r['session_moves']} of {r['later_turns']} "
-            f"| {r['wall_s']:.1f} s |")
+            f"({int(r.get('carried', 0))}) | {r['wall_s']:.1f} s |")
     return "\n".join(lines)
+
+
+def routed(fleet, url, route):
+    """Requests the data plane serving `url` answered by `route`."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in fleet.metrics(url).splitlines()
+               if line.startswith("inferyes_dataplane_requests_total{") and f'route="{route}"' in line)
 
 
 def main():
@@ -226,6 +251,8 @@ def main():
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
     parser.add_argument("--no-queue", action="store_true",
                         help="data planes send every request on at once, to wait in the servers' queues")
+    parser.add_argument("--move-caches", action="store_true",
+                        help="servers save slots and agents carry them (see the policy-no-carry data plane)")
     parser.add_argument("--seed", default="bench")
     parser.add_argument("--json", type=Path, help="write the results and every turn here")
     args = parser.parse_args()
@@ -241,6 +268,7 @@ def main():
                 restart_servers(fleet, args)
             print(f"running {strategy}...", file=sys.stderr, flush=True)
             result, conversations = run_workload(fleet.urls[strategy], fleet.api_key, strategy, args)
+            result["carried"] = routed(fleet, fleet.urls[strategy], "carried")
             # What routing saw and decided, from the dashboard: the rates each
             # backend reported and the recent decisions with their costs.
             admin = {"Authorization": f"Bearer {fleet.admin_token}"}

@@ -39,7 +39,7 @@ pub fn candidates(session: &ResidentSession, targets: &[MoveTarget], room: &[u32
 
 pub async fn run(
     state: Arc<AgentState>,
-    sender: Sender,
+    sender: Arc<Sender>,
     mut drains: watch::Receiver<Option<DrainState>>,
     bounds: MovesConfig,
     metrics: SlotMetrics,
@@ -121,6 +121,8 @@ async fn drain_once(
                     session = %session.key,
                     tokens = moved.tokens,
                     bytes = moved.bytes,
+                    save_ms = moved.save_ms,
+                    restore_ms = moved.restore_ms,
                     total_ms = moved.total_ms,
                     "drain: conversation moved"
                 );

@@ -28,9 +28,10 @@ use crate::state::{AgentState, BackendHandle};
 /// only the kinds' paths, so no client reaches it through them.
 pub const INTAKE_PATH: &str = "/_inferyes/slots";
 
+pub use inferyes_proto::headers::{CARRY_PATH, MOVE_TO, MOVE_TO_BACKEND, MOVE_TO_URL, SLOT_FINGERPRINT};
+
 pub const MOVE_FROM: HeaderName = HeaderName::from_static("x-inferyes-move-from");
 pub const MOVE_EXPIRES: HeaderName = HeaderName::from_static("x-inferyes-move-expires");
-pub const SLOT_FINGERPRINT: HeaderName = HeaderName::from_static("x-inferyes-slot-fingerprint");
 pub const SLOT_SHA256: HeaderName = HeaderName::from_static("x-inferyes-slot-sha256");
 pub const SLOT_TOKENS: HeaderName = HeaderName::from_static("x-inferyes-slot-tokens");
 
@@ -495,6 +496,84 @@ impl Sender {
         headers.insert(SLOT_SHA256, value(digest)?);
         headers.insert(SLOT_TOKENS, HeaderValue::from(tokens));
         Ok(request)
+    }
+}
+
+/// The sending side's answer to data planes: carries a conversation's
+/// slot where a data plane's routing sends its next turn, when carrying
+/// its cache costs less than reading the prompt again there.
+pub struct Carrier {
+    pub sender: Arc<Sender>,
+    /// What the credential for the receiving node is made from; `None`:
+    /// an open fleet, where agents take no slots.
+    pub join_token: Option<String>,
+    /// Carries under way at once; more are refused, and their turns read
+    /// the prompt again.
+    pub permits: tokio::sync::Semaphore,
+    pub metrics: crate::metrics::SlotMetrics,
+}
+
+/// How long a carry's credential opens the receiving node's intake.
+const CARRY_CREDENTIAL_MS: u64 = 60_000;
+
+impl Carrier {
+    pub async fn carry(&self, request: Request<Incoming>) -> Response {
+        let outcome = self.try_carry(request.headers()).await;
+        let label = match &outcome {
+            Ok(_) => "carried",
+            Err(refusal) => refusal.code,
+        };
+        self.metrics.sent.get_or_create(&crate::metrics::OutcomeLabels { outcome: label }).inc();
+        match outcome {
+            Ok(moved) => axum::Json(serde_json::json!({
+                "tokens": moved.tokens,
+                "bytes": moved.bytes,
+                "save_ms": moved.save_ms,
+                "restore_ms": moved.restore_ms,
+                "total_ms": moved.total_ms,
+            }))
+            .into_response(),
+            Err(refusal) => refusal.into_response(),
+        }
+    }
+
+    async fn try_carry(&self, headers: &HeaderMap) -> Result<Moved, Refused> {
+        let bad = |what: &str| refused(ErrorKind::BadRequest, format!("no {what}"), "invalid_request");
+        let join_token = self
+            .join_token
+            .as_deref()
+            .ok_or_else(|| refused(ErrorKind::PermissionDenied, "no join token", "moves_off"))?;
+        let key = text(headers, &inferyes_proto::headers::SESSION).ok_or_else(|| bad("session key"))?;
+        let to = text(headers, &MOVE_TO).ok_or_else(|| bad("receiving node"))?;
+        let url = text(headers, &MOVE_TO_URL).ok_or_else(|| bad("receiving node's URL"))?;
+        let backend = text(headers, &MOVE_TO_BACKEND).ok_or_else(|| bad("receiving backend"))?;
+        let fingerprint = text(headers, &SLOT_FINGERPRINT).ok_or_else(|| bad("slot fingerprint"))?;
+        if inferyes_net::base_url::BaseUrl::new(url).origin().is_none() || to == self.sender.state.node_id {
+            return Err(refused(ErrorKind::BadRequest, "not another node's proxy", "invalid_request"));
+        }
+        let session = self.sender.state.residency.lock().session(key);
+        let session = session
+            .ok_or_else(|| refused(ErrorKind::NotFound, "the conversation is not resident here", "not_resident"))?;
+        let _permit = self.permits.try_acquire().map_err(|_| {
+            refused(ErrorKind::RateLimited, "this node carries as many slots at once as it will", "busy")
+        })?;
+        let expires = inferyes_proto::unix_ms().saturating_add(CARRY_CREDENTIAL_MS);
+        let node = self.sender.state.node_id.as_str();
+        let target = MoveTarget {
+            node_id: to.to_string(),
+            proxy_url: url.to_string(),
+            backend_id: backend.to_string(),
+            slot_fingerprint: fingerprint.to_string(),
+            credential: inferyes_proto::bearer::slot_move_credential(join_token, node, to, expires),
+            expires_unix_ms: expires,
+            ..Default::default()
+        };
+        self.sender.send(&session, &target).await.map_err(|error| match error {
+            MoveError::Busy => refused(ErrorKind::Unavailable, "its slot is busy", "busy"),
+            MoveError::NotMovable(why) => refused(ErrorKind::Unavailable, why, "not_movable"),
+            MoveError::Refused(why) => refused(ErrorKind::Unavailable, why, "refused"),
+            MoveError::Failed(why) => refused(ErrorKind::Upstream, why, "failed"),
+        })
     }
 }
 

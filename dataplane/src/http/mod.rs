@@ -9,6 +9,7 @@
 mod answer;
 mod attempt;
 mod body;
+mod carry;
 mod classify;
 mod client;
 mod continuation;
@@ -62,6 +63,8 @@ pub struct AppState {
     pub max_body_bytes: usize,
     pub request_body_timeout: std::time::Duration,
     pub mode: routing::Mode,
+    /// Sessions' caches may be carried between nodes (`carry`).
+    pub carry: bool,
     /// Request counter for rotating strategies.
     pub tickets: Arc<std::sync::atomic::AtomicU64>,
     /// Where requests no node can start now wait; `None`: sent on to wait

@@ -311,6 +311,7 @@ impl<'s> Exchange<'s> {
             session: self.facts.session.as_deref(),
             prompt_tokens: estimated_prompt_tokens(body_len, view),
             mode: self.state.mode,
+            carry: self.state.carry,
             ticket,
             now_ms: inferyes_proto::unix_ms(),
         };
@@ -365,6 +366,7 @@ impl<'s> Exchange<'s> {
             session: self.facts.session.clone(),
             prompt_tokens,
             mode: self.state.mode,
+            carry: self.state.carry,
             caller: caller.clone(),
         };
         let entered = queue.enter(entry, ask, flow_label);
@@ -423,6 +425,10 @@ impl<'s> Exchange<'s> {
     ) -> Result<Response, ApiError> {
         let continues = view.stream && self.row.continues && snapshot.policy().continues(model) && !view.constrained;
         let (mut out, strip_usage, progress) = self.outbound(prepared, model, view.stream);
+        let mut route = route;
+        let request_id = super::id_text(&self.request_id);
+        super::carry::carry(&self.state.forwarder, snapshot, &mut route, self.facts.session.as_deref(), request_id)
+            .await;
         let mut hops = Hops::of(snapshot, &route, model).reserved(reserved);
         let expected = Expected::of(&route);
         if route.cold() && view.stream {
@@ -710,6 +716,10 @@ impl StreamSetup {
                 Turn::Closed => return Err(shutting_down()),
             };
             self.plan.version = snapshot.version();
+            let mut route = route;
+            let session = out.headers.get(inferyes_proto::headers::SESSION).and_then(|v| v.to_str().ok());
+            let id = super::id_text(&request_id);
+            super::carry::carry(&state.forwarder, &snapshot, &mut route, session, id).await;
             let mut hops = Hops::of(&snapshot, &route, &owned_model).reserved(reserved);
             let attempts = Attempts {
                 forwarder: &state.forwarder,

@@ -41,6 +41,9 @@ pub struct RouteRequest<'a> {
     /// A low estimate of the prompt's tokens; 0 when unknown.
     pub prompt_tokens: u32,
     pub mode: Mode,
+    /// A session's cache may be carried from its busy home to a free slot
+    /// elsewhere, where the two backends' slots are alike.
+    pub carry: bool,
     /// A number that differs between consecutive requests (a counter), for
     /// strategies that rotate or sample. Passed in so routing stays pure.
     pub ticket: u64,
@@ -73,11 +76,20 @@ pub enum RouteReason {
     /// The session's cache is elsewhere, on a node whose queue would cost
     /// more than reading the prompt again here.
     Moved,
+    /// As `Moved`, with its cache carried here from its home first: cheaper
+    /// than reading the prompt again.
+    Carried,
 }
 
 impl RouteReason {
-    pub const ALL: [RouteReason; 5] =
-        [RouteReason::Resident, RouteReason::Placed, RouteReason::Warm, RouteReason::Cold, RouteReason::Moved];
+    pub const ALL: [RouteReason; 6] = [
+        RouteReason::Resident,
+        RouteReason::Placed,
+        RouteReason::Warm,
+        RouteReason::Cold,
+        RouteReason::Moved,
+        RouteReason::Carried,
+    ];
 
     pub fn as_str(self) -> &'static str {
         match self {
@@ -86,6 +98,7 @@ impl RouteReason {
             RouteReason::Warm => "warm",
             RouteReason::Cold => "cold",
             RouteReason::Moved => "moved",
+            RouteReason::Carried => "carried",
         }
     }
 }
@@ -656,11 +669,26 @@ pub fn select(snapshot: &RoutingSnapshot, local: &impl Local, request: &RouteReq
 /// previous turn, just ended, and a smaller gain is within that error.
 const MIN_MOVE_GAIN_SECONDS: f64 = 1.0;
 
+/// What carrying a conversation's cache from its home to another node
+/// costs, in seconds: the home's server saves its slot, its agent sends
+/// the file, the other's restores it. Measured on the real model (Gemma 3
+/// 270M, 18 KiB a token, two agents on one host): 70 ms for 340 tokens,
+/// most of it fixed; a slot file crosses a 10 Gb/s link at about 60,000
+/// tokens a second. `docs/routing.md` has the figures.
+fn carry_seconds(tokens: u32) -> f64 {
+    CARRY_FIXED_SECONDS + f64::from(tokens) / CARRY_TOKENS_PER_SECOND
+}
+
+const CARRY_FIXED_SECONDS: f64 = 0.1;
+const CARRY_TOKENS_PER_SECOND: f64 = 20_000.0;
+
 /// A session whose home (`placements[at]`) can take it: home, unless
 /// another warm node gives the first token sooner, reading the whole
-/// prompt, than the home does behind its queue. A home that answers
-/// sooner than the fastest node could read the prompt is kept without a
-/// scan; failovers are then the next warm placements with room.
+/// prompt or having the session's cache carried there (when the two
+/// backends' slots are alike and that is cheaper), than the home does
+/// behind its queue. A home that answers sooner than the fastest node
+/// could read the prompt or have it carried is kept without a scan;
+/// failovers are then the next warm placements with room.
 fn route_session_home<L: Local>(
     seen: &Seen<'_, L>,
     placements: &[Placement],
@@ -677,7 +705,20 @@ fn route_session_home<L: Local>(
     let alternative = |p: &Placement| capable(p) && fits(p) && seen.class_of(p, Some(resident.target)) == Class::Warm;
     let after = || placements[at + 1..].iter().chain(&placements[..at]);
     let mut targets = Targets::default();
-    if at_home > f64::from(prompt) / home.fastest_prefill_tokens_per_second {
+    let carry = (request.carry && home.slot_group != 0).then(|| carry_seconds(resident.tokens));
+    // What a free slot costs the session at `p`, and whether carrying its
+    // cache there is what makes it so.
+    let cost = |p: &Placement| {
+        let recompute = seen.expected_ttft(p, prompt, 0);
+        match carry.filter(|_| p.slot_group == home.slot_group) {
+            Some(carry) if carry + seen.expected_ttft(p, prompt, resident.tokens) < recompute => {
+                (carry + seen.expected_ttft(p, prompt, resident.tokens), true)
+            }
+            _ => (recompute, false),
+        }
+    };
+    let soonest_elsewhere = (f64::from(prompt) / home.fastest_prefill_tokens_per_second).min(carry.unwrap_or(f64::MAX));
+    if at_home > soonest_elsewhere {
         // Only a free slot is worth a recompute: into a queue, the mover's
         // prompt is slot time taken from requests that would have had it
         // (and where slots share a processor, from every request running
@@ -687,18 +728,19 @@ fn route_session_home<L: Local>(
         // placement breaks ties.
         let mut best: Best<2> = Best::new();
         for (i, p) in placements.iter().enumerate().filter(|(_, p)| alternative(p) && !seen.waits(p)) {
-            best.offer([(seen.expected_ttft(p, prompt, 0) * 1e6) as u64, place_key(p), 0], i);
+            best.offer([(cost(p).0 * 1e6) as u64, place_key(p), 0], i);
         }
         let worth = (at_home - MIN_MOVE_GAIN_SECONDS) * 1e6;
         if let Some(&(_, moved)) = best.items[..best.len].first().filter(|(key, _)| (key[0] as f64) < worth) {
+            let (expected, carried) = cost(&placements[moved]);
             targets.push(placements[moved].target);
             targets.push(home.target);
             best.indices().skip(1).for_each(|i| targets.push(placements[i].target));
             return Route {
                 targets,
-                reason: RouteReason::Moved,
+                reason: if carried { RouteReason::Carried } else { RouteReason::Moved },
                 loads: 0,
-                expected_ttft_ms: millis(seen.expected_ttft(&placements[moved], prompt, 0)),
+                expected_ttft_ms: millis(expected),
                 home_expected_ttft_ms: millis(at_home),
                 waits: false,
             };

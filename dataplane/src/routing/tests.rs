@@ -69,6 +69,8 @@ struct Spec {
     models_max: u32,
     /// Kinds the backend said it does not serve for the model.
     unsupported: Vec<EndpointKind>,
+    /// Its slot fingerprint; empty: its slots cannot move.
+    slot_fingerprint: String,
 }
 
 fn spec(id: &str) -> Spec {
@@ -96,6 +98,7 @@ fn spec(id: &str) -> Spec {
         other_loaded: false,
         models_max: 0,
         unsupported: Vec::new(),
+        slot_fingerprint: String::new(),
     }
 }
 
@@ -127,6 +130,7 @@ fn wire(s: &Spec) -> SnapshotNode {
         load_unknown: s.load_unknown,
         prefill_tokens_per_second: s.prefill_tokens_per_second,
         service_ms: s.service_ms,
+        slot_fingerprint: s.slot_fingerprint.clone(),
         ..Default::default()
     };
     backend.set_health(s.health);
@@ -175,6 +179,7 @@ fn chat(session: Option<&str>) -> RouteRequest<'_> {
         session,
         prompt_tokens: 0,
         mode: Mode::Policy,
+        carry: true,
         ticket: 0,
         now_ms: 1_000_000,
     }
@@ -305,6 +310,31 @@ fn a_session_leaves_its_cache_only_for_a_free_slot_that_beats_its_wait_at_home()
     let route = select(&s, &Idle, &later_turn()).unwrap();
     assert_eq!((first_node(&s, &route), route.reason), ("fast".into(), RouteReason::Moved));
     assert_eq!(route.expected_ttft_ms, 105);
+}
+
+#[test]
+fn a_session_has_its_cache_carried_to_a_free_slot_when_that_beats_its_wait_and_a_recompute() {
+    let alike = |s: Spec| Spec { slot_fingerprint: "0123456789abcdef0123456789abcdef".into(), ..s };
+    // Home: 4 busy, 4 queued, 3 s. Elsewhere: the prompt again, 10.5 s;
+    // its 1,000 cached tokens carried, 0.15 s, and the 50 new ones read,
+    // 0.5 s.
+    let s = snapshot(&[alike(home(slow("busy", 4, 4))), alike(slow("idle", 0, 0))]);
+    let route = select(&s, &Idle, &later_turn()).unwrap();
+    assert_eq!((nodes(&s, &route), route.reason), (vec!["idle".into(), "busy".into()], RouteReason::Carried));
+    assert_eq!((route.expected_ttft_ms, route.home_expected_ttft_ms), (650, 3_000));
+    // Slots unlike the home's cannot take its cache: the wait is worth it.
+    let unlike = Spec { slot_fingerprint: "fedcba9876543210fedcba9876543210".into(), ..slow("idle", 0, 0) };
+    let s = snapshot(&[alike(home(slow("busy", 4, 4))), unlike]);
+    assert_eq!(select(&s, &Idle, &later_turn()).unwrap().reason, RouteReason::Resident);
+    // Nor a home whose slots cannot move.
+    let s = snapshot(&[home(slow("busy", 4, 4)), alike(slow("idle", 0, 0))]);
+    assert_eq!(select(&s, &Idle, &later_turn()).unwrap().reason, RouteReason::Resident);
+    // Only into a free slot, and only for a second's gain: one request
+    // ahead at home (1 s) stays.
+    let s = snapshot(&[alike(home(slow("busy", 4, 4))), alike(slow("full", 4, 0))]);
+    assert_eq!(select(&s, &Idle, &later_turn()).unwrap().reason, RouteReason::Resident);
+    let s = snapshot(&[alike(home(slow("busy", 4, 0))), alike(slow("idle", 0, 0))]);
+    assert_eq!(select(&s, &Idle, &later_turn()).unwrap().reason, RouteReason::Resident);
 }
 
 #[test]

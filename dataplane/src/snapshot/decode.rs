@@ -135,7 +135,10 @@ pub fn decode_live(
                 requests_deferred: load.requests_deferred,
                 in_flight: load.in_flight,
                 load_unknown: load.load_unknown,
+                slot_fingerprint: slot_group(&backend.slot_fingerprint)
+                    .and_then(|_| http::HeaderValue::from_str(&backend.slot_fingerprint).ok()),
             };
+            let slot_group = slot_group(&backend.slot_fingerprint).unwrap_or(0);
             // Within what hardware can do: an agent claiming a billion
             // tokens a second, or a slot freed in no time, would draw every
             // session to itself.
@@ -186,6 +189,7 @@ pub fn decode_live(
                     vram_total_bytes,
                     vram_committed_bytes: vram_used_bytes.saturating_add(vram_loading_bytes),
                     vram_stale,
+                    slot_group,
                 });
             }
             backends.push(view);
@@ -282,6 +286,13 @@ const MAX_SERVICE_SECONDS: f64 = 3_600.0;
 /// Gives every placement of a model a prompt rate and a service time: its
 /// own, else the median of those its peers reported (the same model on
 /// like hardware, most likely), else the defaults; and the fastest rate.
+/// A slot fingerprint's group: its first 64 bits, where it is the hex an
+/// agent makes (anything else cannot move).
+fn slot_group(fingerprint: &str) -> Option<u64> {
+    let head = fingerprint.get(..16).filter(|_| fingerprint.len() == 32)?;
+    u64::from_str_radix(head, 16).ok().filter(|group| *group != 0)
+}
+
 fn fill_rates(placements: &mut [Placement]) {
     let median = |mut known: Vec<f64>, default: f64| {
         known.sort_by(f64::total_cmp);

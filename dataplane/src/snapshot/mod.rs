@@ -183,6 +183,10 @@ pub struct BackendView {
     pub requests_deferred: u32,
     pub in_flight: u32,
     pub load_unknown: bool,
+    /// Its slot fingerprint as a header value, where its slots can move
+    /// (sent to a conversation's home agent, which checks it against its
+    /// own before carrying a slot here).
+    pub slot_fingerprint: Option<http::HeaderValue>,
 }
 
 impl BackendView {
@@ -258,6 +262,10 @@ pub struct Placement {
     /// The node's GPUs could not be read lately: its memory figures are the
     /// last ones read.
     pub vram_stale: bool,
+    /// Which slots it can take: placements with the same non-zero group
+    /// can take each other's (their backends' slot fingerprints are
+    /// equal); 0: its slots cannot move.
+    pub slot_group: u64,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
