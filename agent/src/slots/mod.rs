@@ -178,7 +178,10 @@ pub enum NotFound {
 
 /// The slot holding a conversation whose cache holds `tokens` (its last
 /// prompt and reply, as the usage said): the one slot whose cache length
-/// is that, or one less (the last token sampled is not evaluated).
+/// is one less (llama-server never evaluates the last token it sampled,
+/// whatever stopped the reply). A slot of another length is another
+/// conversation's, however close: one token more is the one whose cache
+/// holds one more.
 ///
 /// Several slots of one length hold as many conversations of those tokens
 /// (`twins`: when each of their last turns began, in the order they
@@ -196,18 +199,17 @@ pub fn holding_slot(slots: &[Slot], gone: &[Slot], tokens: u32, twins: &[u64], b
     }
     let mut matching: Vec<&Slot> = slots
         .iter()
-        .filter(|s| s.tokens.is_some_and(|n| n == tokens || n + 1 == tokens) && !gone.contains(s))
+        .filter(|s| s.tokens.is_some_and(|n| n + 1 == tokens) && !gone.contains(s))
         .collect();
     let found = match matching.as_slice() {
         [] => return Err(NotFound::Gone),
         [one] => *one,
         several => {
-            let one_length = several.iter().all(|s| s.tokens == several[0].tokens);
             let mut order = twins.to_vec();
             order.sort_unstable();
             let plain = order.windows(2).all(|w| w[1].saturating_sub(w[0]) >= TWIN_GAP_MS);
             let rank = order.iter().position(|t| *t == began);
-            if !one_length || order.len() != several.len() || !plain || several.iter().any(|s| s.task.is_none()) {
+            if order.len() != several.len() || !plain || several.iter().any(|s| s.task.is_none()) {
                 return Err(NotFound::Ambiguous);
             }
             matching.sort_by_key(|s| s.task);
@@ -276,8 +278,8 @@ mod tests {
             [slot(0, false, Some(1), Some(500)), slot(1, false, Some(4), Some(1140)), slot(2, true, None, None)];
         // Prompt 1,121 and reply 20 leave 1,140 in the cache.
         assert_eq!(holding_slot(&slots, &[], 1141, &[5], 5), Ok(1));
-        assert_eq!(holding_slot(&slots, &[], 1140, &[5], 5), Ok(1));
-        assert_eq!(holding_slot(&slots, &[], 1142, &[5], 5), Err(NotFound::Gone));
+        assert_eq!(holding_slot(&slots, &[], 1140, &[5], 5), Err(NotFound::Gone), "one token less: another's");
+        assert_eq!(holding_slot(&slots, &[], 1142, &[5], 5), Err(NotFound::Gone), "one token more: another's");
         assert_eq!(holding_slot(&slots, &[], 0, &[5], 5), Err(NotFound::Gone));
         let busy = [slot(0, true, Some(1), Some(500))];
         assert_eq!(holding_slot(&busy, &[], 501, &[5], 5), Err(NotFound::Busy));
@@ -301,8 +303,10 @@ mod tests {
         assert_eq!(never(&[1_000, 1_010], 1_000), Err(NotFound::Ambiguous), "begun too close together");
         assert_eq!(never(&[1_000], 1_000), Err(NotFound::Ambiguous), "a slot no conversation here explains");
         assert_eq!(never(&[1_000, 2_000, 3_000], 1_000), Err(NotFound::Ambiguous), "more twins than slots");
-        let lengths = [slot(0, false, Some(9), Some(500)), slot(1, false, Some(4), Some(501))];
-        assert_eq!(holding_slot(&lengths, &[], 501, &[1_000, 2_000], 1_000), Err(NotFound::Ambiguous), "two lengths");
+        // Neighbours by a token are each their own.
+        let neighbours = [slot(0, false, Some(9), Some(500)), slot(1, false, Some(4), Some(501))];
+        assert_eq!(holding_slot(&neighbours, &[], 501, &[1_000], 1_000), Ok(0));
+        assert_eq!(holding_slot(&neighbours, &[], 502, &[2_000], 2_000), Ok(1));
     }
 
     #[test]
