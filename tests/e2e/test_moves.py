@@ -165,3 +165,57 @@ def test_a_node_takes_a_slot_only_with_its_credential_and_a_file_that_checks_out
         with pytest.raises(urllib.error.HTTPError) as refused:
             urllib.request.urlopen(request, timeout=10)
         assert refused.value.code == 404, path
+
+
+def test_a_data_plane_has_a_conversation_s_cache_carried_where_it_asks(movers):
+    fleet = movers
+    # Only node-a takes the new conversation.
+    fleet.ctl("undrain", "node-a")
+    for node in ("node-b", "node-c"):
+        fleet.ctl("drain", node)
+    fleet.wait_routing()
+    before = {s["key"] for s in fleet.ctl("sessions")["sessions"]}
+    messages = [{"role": "system", "content": system_prompt("carry", rules=14)}]
+    node, _, usage = turn(fleet, messages, "Which stone is first?")
+    assert node == "node-a", node
+    history = usage.prompt_tokens + usage.completion_tokens - 1
+
+    def resident_on(node):
+        return [s["key"] for s in fleet.ctl("sessions")["sessions"] if s["node"] == node]
+
+    [key] = wait_until("the conversation resident on node-a",
+                       lambda: [k for k in resident_on("node-a") if k not in before] or None)
+    join = fleet.join_token_file.read_text().strip()
+    home = fleet.ctl("node", "node-a")["proxy_url"]
+    target = fleet.ctl("node", "node-b")
+    [backend] = target["backends"]
+    credential = mac(mac(join, "inferyes agent proxy key v2"), "inferyes agent proxy v2 node-a")
+
+    def carry(headers):
+        request = urllib.request.Request(f"{home}/_inferyes/slots/carry", data=b"", method="POST", headers=headers)
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as error:
+            return error.code, json.loads(error.read())
+
+    asked = {"Authorization": f"Bearer {credential}", "x-inferyes-session": key, "x-inferyes-move-to": "node-b",
+             "x-inferyes-move-to-url": target["proxy_url"], "x-inferyes-move-to-backend": "chat",
+             "x-inferyes-slot-fingerprint": backend["slot_fingerprint"], "x-inferyes-backend": "chat"}
+    # Only a data plane (the node's credential) may ask; only for a
+    # conversation resident there; only to a backend whose slots are alike.
+    assert carry({k: v for k, v in asked.items() if k != "Authorization"})[0] == 401
+    status, answer = carry({**asked, "x-inferyes-session": "root-nobody"})
+    assert (status, answer["error"]["code"]) == (404, "not_resident"), answer
+    status, answer = carry({**asked, "x-inferyes-slot-fingerprint": "0" * 32})
+    assert (status, answer["error"]["code"]) == (503, "refused"), answer
+
+    status, answer = carry(asked)
+    assert status == 200 and answer["tokens"] == history and answer["bytes"] > 1_000_000, answer
+    wait_until("the conversation resident on node-b", lambda: key in resident_on("node-b"))
+    assert key not in resident_on("node-a")
+    fleet.ctl("undrain", "node-b")
+    fleet.wait_routing()
+    node, route, usage = turn(fleet, messages, "And which comes next?")
+    assert (node, route) == ("node-b", "resident"), (node, route)
+    assert usage.prompt_tokens_details.cached_tokens >= 0.9 * history, usage
