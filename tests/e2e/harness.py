@@ -208,8 +208,9 @@ dataplane_token_file = "{self.dataplane_token_file}"
         self.servers[name] = process
         return url
 
-    def start_agent(self, node, backends):
-        """`backends`: (id, url, endpoint kinds[, extra TOML lines])."""
+    def start_agent(self, node, backends, settings=""):
+        """`backends`: (id, url, endpoint kinds[, extra TOML lines]);
+        `settings`: more of its top-level TOML."""
         port, admin_port = free_port(), free_port()
         text = f"""
 version = 1
@@ -219,6 +220,7 @@ proxy_listen = "127.0.0.1:{port}"
 admin_listen = "127.0.0.1:{admin_port}"
 poll_interval_ms = 250
 join_token_file = "{self.join_token_file}"
+{settings}
 [gpu]
 source = "declared"
 [[gpu.declared]]
