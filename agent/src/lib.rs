@@ -171,6 +171,10 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         poll_now: tokio::sync::Notify::new(),
     });
 
+    // Slot files a stopped agent left behind hold conversations: gone.
+    let dirs: Vec<std::path::PathBuf> =
+        config.backends.iter().filter_map(|b| b.slots.as_ref()).map(|s| s.dir.clone()).collect();
+    let _ = tokio::task::spawn_blocking(move || dirs.iter().for_each(|dir| slots::transfer::sweep(dir))).await;
     let client = ProbeClient::new(PROBE_TIMEOUT);
     let gpus = GpuReader::detect(&config.gpu, backend_urls).await.context("GPU source unavailable")?;
     tracing::info!(source = gpus.source_name(), "reading GPUs");

@@ -40,6 +40,8 @@ pub const SLOT_TOKENS: HeaderName = HeaderName::from_static("x-inferyes-slot-tok
 const MAX_CREDENTIAL_MS: u64 = 60 * 60 * 1000;
 /// A slot file that takes longer to arrive holds an intake permit no more.
 const RECEIVE_TIMEOUT: Duration = Duration::from_secs(10 * 60);
+/// The slowest a slot file may come, past its first 30 s: 8 MiB/s.
+const MIN_TRANSFER_BYTES_PER_SECOND: u64 = 8 << 20;
 /// A save or a restore waits for its slot to be idle; no longer than this.
 pub const SLOT_ACTION_TIMEOUT: Duration = Duration::from_secs(60);
 
@@ -117,12 +119,49 @@ pub struct Taken {
     pub bytes: u64,
 }
 
-/// A file in a slot directory, removed when this is dropped.
+/// A file in a slot directory, removed when this is dropped; and, where it
+/// is not there yet (a save llama-server deferred past our wait), once the
+/// server has had time to write it.
 struct SlotFile(PathBuf);
 
 impl Drop for SlotFile {
     fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
+        if std::fs::remove_file(&self.0).is_ok() {
+            return;
+        }
+        let path = self.0.clone();
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move {
+                for wait in [SLOT_ACTION_TIMEOUT, 10 * SLOT_ACTION_TIMEOUT] {
+                    tokio::time::sleep(wait).await;
+                    if tokio::fs::remove_file(&path).await.is_ok() {
+                        return;
+                    }
+                }
+            });
+        }
+    }
+}
+
+/// A new slot file's name: `inferyes-<way>-<random>.bin`.
+fn slot_file_name(way: &str) -> Result<String, String> {
+    let random = inferyes_proto::apikey::random_chars(24).map_err(|e| e.to_string())?;
+    Ok(format!("{SLOT_FILE_PREFIX}{way}-{random}.bin"))
+}
+
+/// What every slot file this agent makes is named from.
+const SLOT_FILE_PREFIX: &str = "inferyes-";
+
+/// Removes the slot files a stopped agent left in `dir` (a restore cut off,
+/// a save written after the sender stopped waiting).
+pub fn sweep(dir: &std::path::Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let name = name.to_string_lossy();
+        if name.starts_with(SLOT_FILE_PREFIX) && name.ends_with(".bin") {
+            let _ = std::fs::remove_file(entry.path());
+        }
     }
 }
 
@@ -185,7 +224,7 @@ impl Intake {
             .map_err(|_| refused(ErrorKind::RateLimited, "this node takes as many slots at once as it will", "busy"))?;
 
         let slots = handle.probe.slots.as_ref().map(|s| s.dir.clone()).unwrap_or_default();
-        let name = format!("inferyes-in-{}.bin", inferyes_proto::apikey::random_chars(24).unwrap_or_default());
+        let name = slot_file_name("in").map_err(|e| refused(ErrorKind::Internal, e, "write_failed"))?;
         let file = SlotFile(slots.join(&name));
         let bytes = write_body(body, &file.0, length, &digest).await?;
         let mut restored = handle.restored_slots.lock().await;
@@ -291,11 +330,22 @@ impl Intake {
 async fn write_body(body: Incoming, path: &std::path::Path, length: u64, digest: &str) -> Result<u64, Refused> {
     use tokio::io::AsyncWriteExt as _;
     let io = |e: std::io::Error| refused(ErrorKind::Internal, format!("slot file not written: {e}"), "write_failed");
-    let mut file = tokio::fs::File::create(path).await.map_err(io)?;
+    // Only this user reads it: it holds a conversation.
+    let created = {
+        use std::os::unix::fs::OpenOptionsExt as _;
+        std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(path)
+    };
+    let mut file = tokio::fs::File::from_std(created.map_err(io)?);
+    // A sender that trickles its bytes holds an intake permit no longer
+    // than a file of that length takes at a slow link's rate.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30 + length / MIN_TRANSFER_BYTES_PER_SECOND);
     let mut hash = ring::digest::Context::new(&ring::digest::SHA256);
     let mut written = 0u64;
     let mut body = body;
-    while let Some(frame) = body.frame().await {
+    while let Some(frame) = tokio::time::timeout_at(deadline, body.frame())
+        .await
+        .map_err(|_| refused(ErrorKind::Timeout, "the slot file came too slowly", "timeout"))?
+    {
         let frame =
             frame.map_err(|e| refused(ErrorKind::BadRequest, format!("the slot file broke off: {e}"), "broken"))?;
         let Ok(data) = frame.into_data() else { continue };
@@ -434,7 +484,7 @@ impl Sender {
             Err(why) => return Err(MoveError::NotMovable(why.to_string())),
         };
         let expected = listed.iter().find(|s| s.id == slot).and_then(|s| s.tokens).unwrap_or(0);
-        let name = format!("inferyes-out-{}.bin", inferyes_proto::apikey::random_chars(24).unwrap_or_default());
+        let name = slot_file_name("out").map_err(|e| failed("slot file", e))?;
         let file = SlotFile(dir.join(&name));
         let saved =
             slot_action(&self.client, url, api_key, slot, "save", &name).await.map_err(|e| failed("save", e))?;
