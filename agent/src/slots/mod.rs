@@ -16,7 +16,8 @@ pub mod gguf;
 pub mod transfer;
 
 use std::path::Path;
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use serde_json::Value;
@@ -25,16 +26,22 @@ use crate::config::SlotsConfig;
 use crate::probe::ProbeClient;
 
 /// What is read of a model file: its GGUF header (the metadata; a large
-/// vocabulary takes a few MiB) and the bytes fingerprinted.
+/// vocabulary takes a few MiB) and the bytes fingerprinted, with its tail.
 const MODEL_HEAD_BYTES: u64 = 16 << 20;
+const MODEL_TAIL_BYTES: u64 = 1 << 20;
 /// A model file on a mount that hangs does not hold the poll for longer.
 const MODEL_READ_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// A backend's fingerprint, kept for as long as what it was made of is
 /// unchanged: the model file is read again only when the server names
-/// another file or build.
+/// another file or build, or the file changed.
 #[derive(Debug, Default)]
-pub struct Memo(Mutex<Option<(MemoKey, String)>>);
+pub struct Memo {
+    known: Mutex<Option<(MemoKey, String)>>,
+    /// A look at the model file is under way: a mount that hangs holds one
+    /// blocking thread, not one more each poll.
+    looking: AtomicBool,
+}
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 struct MemoKey {
@@ -42,6 +49,13 @@ struct MemoKey {
     build: String,
     flags: String,
     size: u64,
+    modified: Option<std::time::SystemTime>,
+}
+
+impl Memo {
+    fn known(&self) -> std::sync::MutexGuard<'_, Option<(MemoKey, String)>> {
+        self.known.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
 }
 
 /// Whether this llama-server's slots can move, and if so its fingerprint;
@@ -52,7 +66,7 @@ pub async fn movability(
     api_key: &str,
     slots: &SlotsConfig,
     props: Option<&Value>,
-    memo: &Memo,
+    memo: &Arc<Memo>,
 ) -> Result<String, String> {
     let props = props.ok_or("its /props could not be read")?;
     let text = |pointer: &str| props.pointer(pointer).and_then(Value::as_str).unwrap_or_default().to_string();
@@ -72,41 +86,52 @@ pub async fn movability(
         Ok((status, _)) => return Err(format!("its slot actions answer HTTP {}", status.as_u16())),
         Err(error) => return Err(format!("its slot actions: {error}")),
     }
-    let dir = slots.dir.clone();
-    let is_dir = tokio::task::spawn_blocking(move || std::fs::metadata(dir).map(|m| m.is_dir()).unwrap_or(false));
-    if !matches!(tokio::time::timeout(MODEL_READ_TIMEOUT, is_dir).await, Ok(Ok(true))) {
-        return Err(format!("slots.dir {} is not a directory here", slots.dir.display()));
+    if memo.looking.swap(true, Ordering::AcqRel) {
+        // The last look has not come back: what it last found stands.
+        return memo
+            .known()
+            .as_ref()
+            .map(|(_, fingerprint)| fingerprint.clone())
+            .ok_or_else(|| format!("model file {model_path} is still being read"));
     }
-    let flags = normalized_flags(&slots.flags);
-    let path = model_path.clone();
-    let size = tokio::task::spawn_blocking(move || std::fs::metadata(path).map(|m| m.len()));
-    let size = match tokio::time::timeout(MODEL_READ_TIMEOUT, size).await {
-        Ok(Ok(Ok(size))) => size,
-        Ok(Ok(Err(error))) => return Err(format!("model file {model_path} cannot be read here: {error}")),
-        _ => return Err(format!("model file {model_path} took over 10 s to answer")),
-    };
-    let key = MemoKey { model_path, build, flags, size };
-    if let Some((known, fingerprint)) = &*memo.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    let (dir, flags, shared) = (slots.dir.clone(), normalized_flags(&slots.flags), Arc::clone(memo));
+    let look = tokio::task::spawn_blocking(move || {
+        let looked = look(&dir, model_path, build, flags, &shared);
+        shared.looking.store(false, Ordering::Release);
+        looked
+    });
+    match tokio::time::timeout(MODEL_READ_TIMEOUT, look).await {
+        Ok(Ok(looked)) => looked,
+        Ok(Err(_)) => Err("the model file's check stopped".into()),
+        Err(_) => Err("the model file took over 10 s to read".into()),
+    }
+}
+
+/// The slot directory and the model file, read on a blocking thread: the
+/// fingerprint remembered while the file is unchanged, else made again.
+fn look(dir: &Path, model_path: String, build: String, flags: String, memo: &Memo) -> Result<String, String> {
+    if !std::fs::metadata(dir).is_ok_and(|m| m.is_dir()) {
+        return Err(format!("slots.dir {} is not a directory here", dir.display()));
+    }
+    let unreadable = |error: std::io::Error| format!("model file {model_path} cannot be read here: {error}");
+    let metadata = std::fs::metadata(&model_path).map_err(unreadable)?;
+    let key = MemoKey { size: metadata.len(), modified: metadata.modified().ok(), model_path, build, flags };
+    if let Some((known, fingerprint)) = &*memo.known()
         && *known == key
     {
         return Ok(fingerprint.clone());
     }
-    let path = key.model_path.clone();
-    let read = tokio::task::spawn_blocking(move || read_head(Path::new(&path)));
-    let head = match tokio::time::timeout(MODEL_READ_TIMEOUT, read).await {
-        Ok(Ok(Ok(head))) => head,
-        Ok(Ok(Err(error))) => return Err(format!("model file {} cannot be read here: {error}", key.model_path)),
-        _ => return Err(format!("model file {} took over 10 s to read", key.model_path)),
-    };
-    let fingerprint = fingerprint(&key, &head)?;
-    *memo.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some((key, fingerprint.clone()));
+    let unreadable = |error: std::io::Error| format!("model file {} cannot be read here: {error}", key.model_path);
+    let (head, tail) = read_ends(Path::new(&key.model_path)).map_err(unreadable)?;
+    let fingerprint = fingerprint(&key, &head, &tail)?;
+    *memo.known() = Some((key, fingerprint.clone()));
     Ok(fingerprint)
 }
 
-/// The fingerprint of a model file's head, its size, the build and the
+/// The fingerprint of a model file's ends, its size, the build and the
 /// flags; an error for a sliding-window model without `--swa-full`, whose
 /// restored slots reuse nothing.
-fn fingerprint(key: &MemoKey, head: &[u8]) -> Result<String, String> {
+fn fingerprint(key: &MemoKey, head: &[u8], tail: &[u8]) -> Result<String, String> {
     match gguf::window(head) {
         Ok(gguf::Window::Sliding(_)) if !key.flags.split(' ').any(|flag| flag == "--swa-full") => {
             return Err("a sliding-window model: run the server with --swa-full and list it in slots.flags".to_string());
@@ -115,9 +140,10 @@ fn fingerprint(key: &MemoKey, head: &[u8]) -> Result<String, String> {
         Err(error) => return Err(format!("model file header: {error}")),
     }
     let text = format!(
-        "inferyes slot v1\n{}\n{}\n{}\n{}",
+        "inferyes slot v1\n{}\n{}\n{}\n{}\n{}",
         key.size,
         inferyes_proto::bearer::sha256_hex(head),
+        inferyes_proto::bearer::sha256_hex(tail),
         key.build,
         key.flags
     );
@@ -129,12 +155,19 @@ fn normalized_flags(flags: &str) -> String {
     flags.split_whitespace().collect::<Vec<_>>().join(" ")
 }
 
-/// A file's first [`MODEL_HEAD_BYTES`].
-fn read_head(path: &Path) -> std::io::Result<Vec<u8>> {
-    use std::io::Read as _;
+/// A file's first [`MODEL_HEAD_BYTES`] and last [`MODEL_TAIL_BYTES`]:
+/// the header, the first tensors and the last, so that two fine-tunes of
+/// one size and metadata differ.
+fn read_ends(path: &Path) -> std::io::Result<(Vec<u8>, Vec<u8>)> {
+    use std::io::{Read as _, Seek as _};
+    let mut file = std::fs::File::open(path)?;
+    let size = file.metadata()?.len();
     let mut head = Vec::new();
-    std::fs::File::open(path)?.take(MODEL_HEAD_BYTES).read_to_end(&mut head)?;
-    Ok(head)
+    (&mut file).take(MODEL_HEAD_BYTES).read_to_end(&mut head)?;
+    file.seek(std::io::SeekFrom::Start(size.saturating_sub(MODEL_TAIL_BYTES)))?;
+    let mut tail = Vec::new();
+    file.take(MODEL_TAIL_BYTES).read_to_end(&mut tail)?;
+    Ok((head, tail))
 }
 
 /// A slot as `/slots` shows it.
@@ -199,7 +232,7 @@ pub fn holding_slot(slots: &[Slot], gone: &[Slot], tokens: u32, twins: &[u64], b
     }
     let mut matching: Vec<&Slot> = slots
         .iter()
-        .filter(|s| s.tokens.is_some_and(|n| n + 1 == tokens) && !gone.contains(s))
+        .filter(|s| s.tokens.is_some_and(|n| u64::from(n) + 1 == u64::from(tokens)) && !gone.contains(s))
         .collect();
     let found = match matching.as_slice() {
         [] => return Err(NotFound::Gone),
@@ -337,13 +370,16 @@ mod tests {
             build: "b11434".into(),
             flags: normalized_flags(flags),
             size: 1,
+            modified: None,
         };
-        assert!(fingerprint(&key("-fa on"), &head).is_err_and(|e| e.contains("--swa-full")));
-        let one = fingerprint(&key("--swa-full   -fa on"), &head).expect("movable");
-        assert_eq!(Ok(one.clone()), fingerprint(&key("--swa-full -fa on"), &head), "spacing aside");
-        assert_ne!(Ok(one.clone()), fingerprint(&key("--swa-full -fa off"), &head), "the flags count");
+        let tail = b"last tensors";
+        assert!(fingerprint(&key("-fa on"), &head, tail).is_err_and(|e| e.contains("--swa-full")));
+        let one = fingerprint(&key("--swa-full   -fa on"), &head, tail).expect("movable");
+        assert_eq!(Ok(one.clone()), fingerprint(&key("--swa-full -fa on"), &head, tail), "spacing aside");
+        assert_ne!(Ok(one.clone()), fingerprint(&key("--swa-full -fa off"), &head, tail), "the flags count");
         let other_build = MemoKey { build: "b9999".into(), ..key("--swa-full -fa on") };
-        assert_ne!(Ok(one), fingerprint(&other_build, &head), "the build counts");
-        assert!(fingerprint(&key("--swa-full"), b"not gguf").is_err());
+        assert_ne!(Ok(one.clone()), fingerprint(&other_build, &head, tail), "the build counts");
+        assert_ne!(Ok(one), fingerprint(&key("--swa-full -fa on"), &head, b"other tensors"), "the tail counts");
+        assert!(fingerprint(&key("--swa-full"), b"not gguf", tail).is_err());
     }
 }
