@@ -71,16 +71,8 @@ async fn drain_once(
 ) {
     let started = Instant::now();
     let deadline = started + Duration::from_secs(bounds.drain_seconds);
-    let mut sessions = state.residency.lock().sessions();
-    sessions.sort_by(|a, b| b.last_seen_unix_ms.cmp(&a.last_seen_unix_ms).then_with(|| a.key.cmp(&b.key)));
-    let mut progress = MoveProgress {
-        running: true,
-        sessions: u32::try_from(sessions.len()).unwrap_or(u32::MAX),
-        started_unix_ms: inferyes_proto::unix_ms(),
-        ..Default::default()
-    };
+    let mut progress = MoveProgress { running: true, started_unix_ms: inferyes_proto::unix_ms(), ..Default::default() };
     publish(state, &progress);
-    tracing::info!(sessions = sessions.len(), targets = targets.len(), "drain: moving resident conversations");
     let still_draining =
         |drains: &watch::Receiver<Option<DrainState>>| drains.borrow().as_ref().is_some_and(|d| d.draining);
     // The last turns still running here end first: their slots are busy,
@@ -91,6 +83,11 @@ async fn drain_once(
     {
         tokio::time::sleep(RECHECK).await;
     }
+    let mut sessions = state.residency.lock().sessions();
+    sessions.sort_by(|a, b| b.last_seen_unix_ms.cmp(&a.last_seen_unix_ms).then_with(|| a.key.cmp(&b.key)));
+    progress.sessions = u32::try_from(sessions.len()).unwrap_or(u32::MAX);
+    publish(state, &progress);
+    tracing::info!(sessions = sessions.len(), targets = targets.len(), "drain: moving resident conversations");
     let mut room: Vec<u32> = targets.iter().map(|t| t.free_slots).collect();
     let mut queue: VecDeque<ResidentSession> = sessions.into();
     let mut busy_in_a_row = 0usize;
@@ -111,6 +108,12 @@ async fn drain_once(
             progress.last_error = why;
             break;
         }
+        // As the table has it now: a turn may have ended since.
+        let Some(session) = state.residency.lock().session(&session.key) else {
+            progress.not_movable += 1;
+            progress.last_error = "it left the table (its cache was evicted)".into();
+            continue;
+        };
         let outcome = move_one(sender, &session, targets, &mut room, deadline).await;
         let label = match outcome {
             Outcome::Moved(moved) => {
