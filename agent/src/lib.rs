@@ -162,6 +162,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
                 restored_slots: Default::default(),
                 moved_slots: state::Shared::default(),
                 restores_reused_nothing: AtomicU32::new(0),
+                restore_failed_unix_ms: AtomicU64::new(0),
             })
             .collect(),
         observations: state::Shared::new(Observations::default()),

@@ -452,12 +452,13 @@ impl Tracked {
             RestoreCheck::Held { .. } => "held",
             RestoreCheck::ReusedNothing { restored, cached } => {
                 backend.restores_reused_nothing.fetch_add(1, Ordering::Relaxed);
+                backend.restore_failed_unix_ms.store(inferyes_proto::unix_ms(), Ordering::Relaxed);
                 tracing::warn!(
                     backend = %backend.probe.id,
                     session,
                     restored,
                     cached,
-                    "a restored slot's next turn read next to nothing from cache: this backend takes no more slots"
+                    "a restored slot's next turn read next to nothing from cache: this backend takes no slots for 10 minutes"
                 );
                 "reused_nothing"
             }

@@ -176,11 +176,14 @@ impl Residency {
         if entry.session.backend_id != backend_id {
             return None;
         }
-        let check = (entry.restored > 0).then(|| {
+        // A turn that sent less than was restored (another history under
+        // the conversation's key) says nothing of the restore.
+        let judged = entry.restored > 0 && usage.prompt_tokens >= entry.restored;
+        let check = judged.then(|| {
             let (restored, cached) = (std::mem::take(&mut entry.restored), usage.cached_tokens);
             // The next turn's prompt holds the whole history; the template
             // may render its last tokens anew.
-            let expected = restored.min(usage.prompt_tokens);
+            let expected = restored;
             if u64::from(cached) * 2 >= u64::from(expected) && cached > 0 {
                 RestoreCheck::Held { restored, cached }
             } else {

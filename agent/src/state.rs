@@ -67,9 +67,11 @@ pub struct BackendHandle {
     /// them then: they hold those caches until they run another task, and
     /// must not be taken for another conversation's of as many tokens.
     pub moved_slots: Shared<Vec<crate::slots::Slot>>,
-    /// Restored slots whose next turn read next to nothing from cache:
-    /// past one, the backend takes no more.
+    /// Restored slots whose next turn read next to nothing from cache,
+    /// and when the last did (Unix ms): the backend takes no more slots
+    /// for [`RESTORE_FAILURE_HOLDS_MS`] after one.
     pub restores_reused_nothing: AtomicU32,
+    pub restore_failed_unix_ms: AtomicU64,
 }
 
 /// A kind of job a backend said it does not do for a model.
@@ -83,6 +85,11 @@ pub struct Unsupported {
 /// How long a 501 is believed: a backend restarted with another build or
 /// model may do the job, and is tried again after this.
 const UNSUPPORTED_FOR: Duration = Duration::from_secs(10 * 60);
+/// How long a backend takes no slots after a restore there held nothing:
+/// long enough not to pile more on a server whose cache layout differs
+/// from what it declared, short enough that one turn that sent another
+/// history under a moved conversation's key costs little.
+pub const RESTORE_FAILURE_HOLDS_MS: u64 = 10 * 60 * 1000;
 /// Each backend's learned refusals, at most: every model of a backend
 /// (256, the record's bound) for each kind learned, and no more, so a
 /// client cannot grow the node's record.
@@ -107,12 +114,17 @@ impl BackendHandle {
     }
 
     /// Its slot fingerprint as `observed`, unless a restore here reused
-    /// nothing: then none, and it takes no more slots.
+    /// nothing lately: then none, and it takes no slots for a while.
     pub fn slot_fingerprint(&self, observed: &Backend) -> String {
-        if self.restores_reused_nothing.load(Ordering::Relaxed) > 0 {
+        if self.restore_failed_lately(inferyes_proto::unix_ms()) {
             return String::new();
         }
         observed.slot_fingerprint.clone()
+    }
+
+    fn restore_failed_lately(&self, now_ms: u64) -> bool {
+        let failed = self.restore_failed_unix_ms.load(Ordering::Relaxed);
+        failed > 0 && now_ms.saturating_sub(failed) < RESTORE_FAILURE_HOLDS_MS
     }
 
     /// Adds what the backend said it does not do to `backend`'s models.
@@ -209,11 +221,11 @@ impl AgentState {
                 backend.in_flight = handle.in_flight.load(Ordering::Relaxed);
                 handle.mark_unsupported(backend, now);
                 let reused_nothing = handle.restores_reused_nothing.load(Ordering::Relaxed);
-                if reused_nothing > 0 && !backend.slot_fingerprint.is_empty() {
+                if handle.restore_failed_lately(inferyes_proto::unix_ms()) && !backend.slot_fingerprint.is_empty() {
                     backend.slot_fingerprint.clear();
                     backend.slots_unmovable = format!(
-                        "{reused_nothing} restored slot(s) read next to nothing from cache here: taking no more \
-                         until the agent restarts (do slots.flags match the server's?)"
+                        "{reused_nothing} restored slot(s) read next to nothing from cache here: taking none for \
+                         10 minutes after each (do slots.flags match the server's?)"
                     );
                 }
             }
@@ -266,6 +278,7 @@ mod tests {
             restored_slots: Default::default(),
             moved_slots: Shared::default(),
             restores_reused_nothing: AtomicU32::new(0),
+            restore_failed_unix_ms: AtomicU64::new(0),
         }
     }
 
