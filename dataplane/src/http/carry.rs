@@ -1,9 +1,11 @@
 //! Carrying a conversation's cache ahead of its turn: routing sent the
 //! turn to a free slot on another node (`carried`) because having the
 //! home's agent move the conversation's slot there costs less than reading
-//! the prompt again. The home's agent is asked first; whatever it answers,
-//! the request then goes to the route's first target, recorded as `moved`
-//! where the carry failed (the target reads the prompt again).
+//! the prompt again. The home's agent is asked first. Where the carry
+//! fails (the conversation's slot was reused meanwhile, say), the request
+//! goes where it would have gone without carrying: home, or on to read the
+//! prompt again at the first target (`moved`) where that alone was worth
+//! leaving.
 
 use std::time::Duration;
 
@@ -17,7 +19,8 @@ use crate::routing::{Route, RouteReason};
 use crate::snapshot::RoutingSnapshot;
 
 /// Has the session's slot carried to the route's first target, when the
-/// route says so; a route whose carry failed becomes `moved`.
+/// route says so; a route whose carry failed becomes what it would have
+/// been without carrying.
 pub(crate) async fn carry(
     forwarder: &Forwarder,
     snapshot: &RoutingSnapshot,
@@ -36,8 +39,16 @@ pub(crate) async fn carry(
         Err(_) => Err(format!("no answer within {} ms", bound.as_millis())),
     };
     if let Err(why) = carried {
-        inferyes_net::warn_every!(request_id, reason = %why, "conversation's cache not carried; its prompt is read again");
-        route.reason = RouteReason::Moved;
+        tracing::debug!(request_id, reason = %why, "conversation's cache not carried");
+        if route.home_if_not_carried && route.targets.len() >= 2 {
+            let mut order: Vec<_> = route.targets.iter().copied().collect();
+            order.swap(0, 1);
+            route.targets = order.into_iter().collect();
+            route.reason = RouteReason::Resident;
+            route.expected_ttft_ms = std::mem::take(&mut route.home_expected_ttft_ms);
+        } else {
+            route.reason = RouteReason::Moved;
+        }
     }
 }
 

@@ -120,6 +120,10 @@ pub struct Route {
     /// wait in its server's queue (the best choice still, of the fleet as
     /// it is now).
     pub waits: bool,
+    /// A `carried` route whose carry fails goes home (the second target),
+    /// not on to read the prompt again at the first: only the carry made
+    /// leaving worth it.
+    pub home_if_not_carried: bool,
 }
 
 impl Route {
@@ -661,7 +665,7 @@ pub fn select(snapshot: &RoutingSnapshot, local: &impl Local, request: &RouteReq
         (RouteReason::Placed, Some(i)) => millis(seen.expected_ttft(&placements[i], request.prompt_tokens, 0)),
         _ => 0,
     };
-    Ok(Route { targets, reason, loads, expected_ttft_ms, home_expected_ttft_ms: 0, waits })
+    Ok(Route { targets, reason, loads, expected_ttft_ms, home_expected_ttft_ms: 0, waits, home_if_not_carried: false })
 }
 
 /// What a move must save, at least. Reports are up to a poll interval (1 s
@@ -672,9 +676,9 @@ const MIN_MOVE_GAIN_SECONDS: f64 = 1.0;
 /// What carrying a conversation's cache from its home to another node
 /// costs, in seconds: the home's server saves its slot, its agent sends
 /// the file, the other's restores it. Measured on the real model (Gemma 3
-/// 270M, 18 KiB a token, two agents on one host): 70 ms for 340 tokens,
-/// most of it fixed; a slot file crosses a 10 Gb/s link at about 60,000
-/// tokens a second. `docs/routing.md` has the figures.
+/// 270M, 8.2 MB a 1,000 tokens, two agents on one host): 90-150 ms for
+/// 1,500 tokens; such a file crosses a 10 Gb/s link at about 150,000
+/// tokens a second. Erring long: `docs/routing.md` has the figures.
 fn carry_seconds(tokens: u32) -> f64 {
     CARRY_FIXED_SECONDS + f64::from(tokens) / CARRY_TOKENS_PER_SECOND
 }
@@ -707,10 +711,11 @@ fn route_session_home<L: Local>(
     let mut targets = Targets::default();
     let carry = (request.carry && home.slot_group != 0).then(|| carry_seconds(resident.tokens));
     // What a free slot costs the session at `p`, and whether carrying its
-    // cache there is what makes it so.
+    // cache there is what makes it so. Not to another backend of the home's
+    // node: its agent carries slots to other nodes only.
     let cost = |p: &Placement| {
         let recompute = seen.expected_ttft(p, prompt, 0);
-        match carry.filter(|_| p.slot_group == home.slot_group) {
+        match carry.filter(|_| p.slot_group == home.slot_group && p.target.node != home.target.node) {
             Some(carry) if carry + seen.expected_ttft(p, prompt, resident.tokens) < recompute => {
                 (carry + seen.expected_ttft(p, prompt, resident.tokens), true)
             }
@@ -736,6 +741,7 @@ fn route_session_home<L: Local>(
             targets.push(placements[moved].target);
             targets.push(home.target);
             best.indices().skip(1).for_each(|i| targets.push(placements[i].target));
+            let recompute = seen.expected_ttft(&placements[moved], prompt, 0);
             return Route {
                 targets,
                 reason: if carried { RouteReason::Carried } else { RouteReason::Moved },
@@ -743,6 +749,7 @@ fn route_session_home<L: Local>(
                 expected_ttft_ms: millis(expected),
                 home_expected_ttft_ms: millis(at_home),
                 waits: false,
+                home_if_not_carried: carried && recompute * 1e6 >= worth,
             };
         }
     }
@@ -772,6 +779,7 @@ fn route_session_home<L: Local>(
         expected_ttft_ms: millis(at_home),
         home_expected_ttft_ms: 0,
         waits: seen.waits(home),
+        home_if_not_carried: false,
     }
 }
 
@@ -849,7 +857,15 @@ fn place_on_ring<L: Local>(
     let first = &placements[homes[0]];
     let expected_ttft_ms = millis(seen.expected_ttft(first, request.prompt_tokens, 0));
     let waits = seen.waits(first);
-    Some(Route { targets, reason: RouteReason::Placed, loads: 0, expected_ttft_ms, home_expected_ttft_ms: 0, waits })
+    Some(Route {
+        targets,
+        reason: RouteReason::Placed,
+        loads: 0,
+        expected_ttft_ms,
+        home_expected_ttft_ms: 0,
+        waits,
+        home_if_not_carried: false,
+    })
 }
 
 /// A placement's draw for a ticket: the two lowest among the warm ones are
