@@ -233,6 +233,19 @@ impl Intake {
         let listed = self.slots(url, api_key).await?;
         let slot = free_slot(&listed, &restored)
             .ok_or_else(|| refused(ErrorKind::Unavailable, "no idle slot to restore into", "no_free_slot"))?;
+        // The conversation that slot held, if one of this node's, is gone.
+        if let Some(held) = listed.iter().find(|s| s.id == slot).and_then(|s| s.tokens) {
+            let mut residency = self.state.residency.lock();
+            let owners: Vec<String> = residency
+                .sessions()
+                .into_iter()
+                .filter(|s| s.backend_id == backend_id && u64::from(s.tokens) == u64::from(held) + 1)
+                .map(|s| s.key)
+                .collect();
+            if let [owner] = owners.as_slice() {
+                residency.remove(owner);
+            }
+        }
         let answer = slot_action(&self.client, url, api_key, slot, "restore", &name).await.map_err(|e| {
             refused(ErrorKind::Upstream, format!("the server did not restore the slot: {e}"), "restore_failed")
         })?;
@@ -243,10 +256,15 @@ impl Intake {
         }
         // Until the slot runs a task, `/slots` shows nothing of what it
         // now holds: it is not taken for empty meanwhile.
-        let now_listed = self.slots(url, api_key).await.unwrap_or_default();
-        restored.retain(|r| now_listed.contains(&r.slot));
-        if let Some(slot) = now_listed.iter().find(|s| s.id == slot) {
-            restored.push(Restored { slot: *slot });
+        // Unread, the marks stand, and this slot's is what was read before.
+        match self.slots(url, api_key).await {
+            Ok(now_listed) => {
+                restored.retain(|r| now_listed.contains(&r.slot));
+                if let Some(slot) = now_listed.iter().find(|s| s.id == slot) {
+                    restored.push(Restored { slot: *slot });
+                }
+            }
+            Err(_) => restored.extend(listed.iter().filter(|s| s.id == slot).map(|s| Restored { slot: *s })),
         }
         drop(restored);
         self.state.residency.lock().restored(session, backend_id, model, tokens, inferyes_proto::unix_ms());
