@@ -167,6 +167,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
             .collect(),
         observations: state::Shared::new(Observations::default()),
         moves: state::Shared::default(),
+        peers: state::Shared::default(),
         residency: state::Shared::new(residency::Residency::default()),
         changed: tokio::sync::Notify::new(),
         poll_now: tokio::sync::Notify::new(),
@@ -233,6 +234,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
     let agent_tls = Arc::new(inferyes_net::tls::http_client(&config.tls).context("invalid TLS settings")?);
     let sender = Arc::new(slots::transfer::Sender {
         state: Arc::clone(&state),
+        join_token: join_token.as_deref().map(str::to_string),
         client: ProbeClient::new(slots::transfer::SLOT_ACTION_TIMEOUT),
         pool: inferyes_net::pool::Pool::new(inferyes_net::pool::Settings {
             connect_timeout: Duration::from_secs(2),
@@ -245,7 +247,6 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
     });
     let carrier = Arc::new(slots::transfer::Carrier {
         sender: Arc::clone(&sender),
-        join_token: join_token.as_deref().map(str::to_string),
         permits: tokio::sync::Semaphore::new(config.moves.max_incoming),
         metrics: slot_metrics.clone(),
     });
@@ -267,6 +268,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         permits: tokio::sync::Semaphore::new(config.moves.max_incoming),
         client: ProbeClient::new(slots::transfer::SLOT_ACTION_TIMEOUT),
         metrics: slot_metrics,
+        used: Default::default(),
     });
     // One service per worker thread, each with its own pool of connections
     // to the backends.

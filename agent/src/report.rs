@@ -152,6 +152,9 @@ async fn session(
                     Some(controller_message::Msg::Resync(_)) => {
                         send_residency(state, &tx, true).await?;
                     }
+                    Some(controller_message::Msg::Peers(peers)) => {
+                        *state.peers.lock() = peers.targets.into_iter().take(MAX_MOVE_TARGETS).collect();
+                    }
                     Some(controller_message::Msg::Placement(placement)) => {
                         let mine: Vec<PlacementOrder> =
                             placement.orders.into_iter().filter(|o| o.node_id == state.node_id).take(MAX_ORDERS).collect();

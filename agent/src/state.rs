@@ -163,6 +163,9 @@ pub struct AgentState {
     pub started_unix_ms: u64,
     pub backends: Vec<BackendHandle>,
     pub observations: Shared<Observations>,
+    /// Other nodes' backends that can take this node's slots, as its
+    /// controller last named them; written only by the reporter.
+    pub peers: Shared<Vec<inferyes_proto::v1::MoveTarget>>,
     /// The drain's moves of this node's conversations, as last reported;
     /// written only by the drain.
     pub moves: Shared<Option<inferyes_proto::v1::MoveProgress>>,
@@ -307,6 +310,7 @@ mod tests {
             backends: vec![handle()],
             observations: Shared::default(),
             moves: Shared::default(),
+            peers: Shared::default(),
             residency: Shared::default(),
             changed: Notify::new(),
             poll_now: Notify::new(),

@@ -1,6 +1,7 @@
-//! Where a draining node's conversations may be moved: the backends of
+//! Where a node's conversations may be moved: for a drain, the backends of
 //! other nodes that take new sessions, can take a moved slot, and have a
-//! slot free. Pure; the agent stream adds each target's credential.
+//! slot free; for a carry a data plane asks for, every other node's
+//! backends that can take a slot (its peers). Pure.
 
 use inferyes_proto::v1::{Health, ModelState, MoveTarget, RoutingPolicy, SnapshotNode};
 
@@ -34,12 +35,37 @@ pub fn targets(nodes: impl IntoIterator<Item = SnapshotNode>, from: &str, policy
                 models: warm.iter().map(|m| m.id.clone()).collect(),
                 context_windows: warm.iter().map(|m| m.context_window).collect(),
                 free_slots: free,
-                ..Default::default()
             });
         }
     }
     targets.sort_by(|a, b| b.free_slots.cmp(&a.free_slots).then_with(|| a.node_id.cmp(&b.node_id)));
     targets
+}
+
+/// `from`'s peers among `nodes` (records, no load): every backend of
+/// another node, not draining, whose slots can move, with its warm models.
+/// Only what changes with records, so that they are sent again rarely.
+pub fn peers<'a>(nodes: impl IntoIterator<Item = &'a SnapshotNode>, from: &str) -> Vec<MoveTarget> {
+    let mut peers = Vec::new();
+    for node in nodes {
+        let Some(status) = node.status.as_ref() else { continue };
+        if status.node_id == from || node.draining {
+            continue;
+        }
+        for backend in status.backends.iter().filter(|b| !b.slot_fingerprint.is_empty()) {
+            let warm: Vec<_> = backend.models.iter().filter(|m| m.state() == ModelState::Loaded).collect();
+            peers.push(MoveTarget {
+                node_id: status.node_id.clone(),
+                proxy_url: status.proxy_url.clone(),
+                backend_id: backend.id.clone(),
+                slot_fingerprint: backend.slot_fingerprint.clone(),
+                models: warm.iter().map(|m| m.id.clone()).collect(),
+                context_windows: warm.iter().map(|m| m.context_window).collect(),
+                free_slots: 0,
+            });
+        }
+    }
+    peers
 }
 
 /// Every GPU of the node readable and under its admission threshold: a
@@ -90,6 +116,18 @@ mod tests {
             ..Default::default()
         };
         SnapshotNode { status: Some(status), draining: false, policy: None }
+    }
+
+    #[test]
+    fn peers_are_other_nodes_not_draining_with_movable_backends_as_recorded() {
+        let mut draining = node("c", 0, 10);
+        draining.draining = true;
+        let mut unmovable = node("d", 0, 10);
+        unmovable.status.as_mut().unwrap().backends[0].slot_fingerprint.clear();
+        let nodes = [node("a", 0, 10), node("b", 4, 99), draining, unmovable];
+        let found = peers(&nodes, "a");
+        let found: Vec<_> = found.iter().map(|t| (t.node_id.as_str(), t.proxy_url.as_str(), t.free_slots)).collect();
+        assert_eq!(found, [("b", "http://b:9100", 0)], "busy and full as it is: a carry is the data plane's call");
     }
 
     #[test]

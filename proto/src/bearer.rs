@@ -67,15 +67,32 @@ pub fn node_proxy_credential(proxy_key: &str, node_id: &str) -> String {
     mac_hex(proxy_key, format!("inferyes agent proxy v2 {node_id}").as_bytes())
 }
 
-/// What a node's agent presents to `to`'s agent to hand it a slot until
-/// `expires_unix_ms`: HMAC-SHA256 of both nodes' ids and the expiry, keyed
-/// by a key derived from the join token. Controllers make it for a drain;
-/// the receiving agent makes it again from its own join tokens, so it
-/// holds no list of credentials, and one captured opens that node's slot
-/// intake from that node only, until it expires.
-pub fn slot_move_credential(join_token: &str, from: &str, to: &str, expires_unix_ms: u64) -> String {
-    let key = mac_hex(join_token, b"inferyes slot move key v1");
-    mac_hex(&key, format!("inferyes slot move v1 {from} {to} {expires_unix_ms}").as_bytes())
+/// What one slot's move is: from which node to which node's backend,
+/// whose conversation, the file's SHA-256 and tokens, and until when it
+/// may be taken.
+#[derive(Clone, Copy, Debug)]
+pub struct SlotMove<'a> {
+    pub from: &'a str,
+    pub to: &'a str,
+    pub backend: &'a str,
+    pub session: &'a str,
+    pub sha256: &'a str,
+    pub tokens: u32,
+    pub expires_unix_ms: u64,
+}
+
+/// What the sending agent presents to the receiving one with a slot file:
+/// HMAC-SHA256 of the whole move, keyed by a key derived from the join
+/// token. The receiving agent makes it again from its own join tokens, so
+/// it holds no list of credentials; one captured opens that node's intake
+/// for that one file, from that node, once, until it expires.
+pub fn slot_move_credential(join_token: &str, slot: &SlotMove<'_>) -> String {
+    let key = mac_hex(join_token, b"inferyes slot move key v2");
+    let SlotMove { from, to, backend, session, sha256, tokens, expires_unix_ms } = slot;
+    // Node and backend ids hold no spaces; a session key may, and is last
+    // but for fixed-form fields.
+    let text = format!("inferyes slot move v2 {from} {to} {backend} {tokens} {expires_unix_ms} {sha256} {session}");
+    mac_hex(&key, text.as_bytes())
 }
 
 /// HMAC-SHA256 of `label` keyed by `secret`, in hex: a value that proves
@@ -172,15 +189,28 @@ mod tests {
     }
 
     #[test]
-    fn a_slot_move_credential_names_both_nodes_and_its_expiry() {
-        let credential = slot_move_credential("join", "a", "b", 1_000);
-        assert_eq!(credential, slot_move_credential("join", "a", "b", 1_000), "made again, the same");
+    fn a_slot_move_credential_names_the_whole_move() {
+        let slot = SlotMove {
+            from: "a",
+            to: "b",
+            backend: "main",
+            session: "root-1",
+            sha256: "00ff",
+            tokens: 10,
+            expires_unix_ms: 1_000,
+        };
+        let credential = slot_move_credential("join", &slot);
+        assert_eq!(credential, slot_move_credential("join", &slot), "made again, the same");
         for other in [
-            slot_move_credential("join", "c", "b", 1_000),
-            slot_move_credential("join", "a", "c", 1_000),
-            slot_move_credential("join", "a", "b", 1_001),
-            slot_move_credential("other", "a", "b", 1_000),
-            slot_move_credential("join", "b", "a", 1_000),
+            slot_move_credential("other", &slot),
+            slot_move_credential("join", &SlotMove { from: "c", ..slot }),
+            slot_move_credential("join", &SlotMove { to: "c", ..slot }),
+            slot_move_credential("join", &SlotMove { from: "b", to: "a", ..slot }),
+            slot_move_credential("join", &SlotMove { backend: "other", ..slot }),
+            slot_move_credential("join", &SlotMove { session: "root-2", ..slot }),
+            slot_move_credential("join", &SlotMove { sha256: "00fe", ..slot }),
+            slot_move_credential("join", &SlotMove { tokens: 11, ..slot }),
+            slot_move_credential("join", &SlotMove { expires_unix_ms: 1_001, ..slot }),
         ] {
             assert_ne!(credential, other);
         }

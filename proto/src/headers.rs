@@ -21,13 +21,11 @@ pub const API_KEY: HeaderName = HeaderName::from_static("x-api-key");
 /// Where a data plane asks a conversation's home agent to carry its slot
 /// to another node (`POST`, behind the node's credential, no body), with
 /// the conversation's [`SESSION`] and where to: [`MOVE_TO`] (the node's
-/// id), [`MOVE_TO_URL`] (its proxy), [`MOVE_TO_BACKEND`] and that
-/// backend's [`SLOT_FINGERPRINT`].
+/// id) and [`MOVE_TO_BACKEND`]. The agent sends it only to a backend its
+/// controller named (`Peers`), at the address the controller gave.
 pub const CARRY_PATH: &str = "/_inferyes/slots/carry";
 pub const MOVE_TO: HeaderName = HeaderName::from_static("x-inferyes-move-to");
-pub const MOVE_TO_URL: HeaderName = HeaderName::from_static("x-inferyes-move-to-url");
 pub const MOVE_TO_BACKEND: HeaderName = HeaderName::from_static("x-inferyes-move-to-backend");
-pub const SLOT_FINGERPRINT: HeaderName = HeaderName::from_static("x-inferyes-slot-fingerprint");
 
 /// Hop-by-hop headers (RFC 9110, 7.6.1): they describe one connection and
 /// stop at every proxy. `Proxy-Connection` is no standard's, but older

@@ -127,13 +127,15 @@ def test_a_node_takes_a_slot_only_with_its_credential_and_a_file_that_checks_out
     expires = int(time.time() * 1000) + 60_000
 
     def headers(to="node-b", sender="node-a", until=expires, digest=None, length=None, fingerprint=None):
-        credential = mac(mac(join, "inferyes slot move key v1"), f"inferyes slot move v1 {sender} {to} {until}")
+        digest = digest or hashlib.sha256(body).hexdigest()
+        move = f"inferyes slot move v2 {sender} {to} chat 100 {until} {digest} root-attacker"
+        credential = mac(mac(join, "inferyes slot move key v2"), move)
         return {
             "Authorization": f"Bearer {credential}", "x-inferyes-move-from": sender,
             "x-inferyes-move-expires": str(until), "x-inferyes-backend": "chat", "x-inferyes-model": GEMMA,
             "x-inferyes-session": "root-attacker", "x-inferyes-slot-tokens": "100",
             "x-inferyes-slot-fingerprint": fingerprint or backend["slot_fingerprint"],
-            "x-inferyes-slot-sha256": digest or hashlib.sha256(body).hexdigest(),
+            "x-inferyes-slot-sha256": digest,
             "Content-Length": str(length or len(body)), "Content-Type": "application/octet-stream",
         }
 
@@ -141,13 +143,17 @@ def test_a_node_takes_a_slot_only_with_its_credential_and_a_file_that_checks_out
         "no credential": ({k: v for k, v in headers().items() if k != "Authorization"}, 401, "invalid_credential"),
         "another node's": (headers(to="node-c"), 401, "invalid_credential"),
         "another sender's claim": ({**headers(), "x-inferyes-move-from": "node-c"}, 401, "invalid_credential"),
+        "another conversation's": ({**headers(), "x-inferyes-session": "root-other"}, 401, "invalid_credential"),
+        "another file's": ({**headers(), "x-inferyes-slot-sha256": "1" * 64}, 401, "invalid_credential"),
         "expired": (headers(until=expires - 120_000), 401, "invalid_credential"),
-        "another fingerprint": (headers(fingerprint="0" * 32), 503, "fingerprint_differs"),
+        "another fingerprint": (headers(fingerprint="0" * 32, until=expires + 1), 503, "fingerprint_differs"),
         "the wrong digest": (headers(digest="0" * 64), 400, "digest_mismatch"),
-        "too large": (headers(length=5 << 30), 413, "slot_too_large"),
+        "a credential taken before": (headers(digest="0" * 64), 401, "invalid_credential"),
+        "too large": (headers(length=5 << 30, until=expires + 2), 413, "slot_too_large"),
         # The hash checks out; the server refuses the file, which the
         # agent says, never believed restored.
         "not a slot file": (headers(), 502, "restore_failed"),
+        "that file again": (headers(), 401, "invalid_credential"),
     }
     for what, (sent, status, code) in refusals.items():
         answer = put_slot(url, sent, body)
@@ -187,8 +193,6 @@ def test_a_data_plane_has_a_conversation_s_cache_carried_where_it_asks(movers):
                        lambda: [k for k in resident_on("node-a") if k not in before] or None)
     join = fleet.join_token_file.read_text().strip()
     home = fleet.ctl("node", "node-a")["proxy_url"]
-    target = fleet.ctl("node", "node-b")
-    [backend] = target["backends"]
     credential = mac(mac(join, "inferyes agent proxy key v2"), "inferyes agent proxy v2 node-a")
 
     def carry(headers):
@@ -200,22 +204,23 @@ def test_a_data_plane_has_a_conversation_s_cache_carried_where_it_asks(movers):
             return error.code, json.loads(error.read())
 
     asked = {"Authorization": f"Bearer {credential}", "x-inferyes-session": key, "x-inferyes-move-to": "node-b",
-             "x-inferyes-move-to-url": target["proxy_url"], "x-inferyes-move-to-backend": "chat",
-             "x-inferyes-slot-fingerprint": backend["slot_fingerprint"], "x-inferyes-backend": "chat"}
+             "x-inferyes-move-to-backend": "chat", "x-inferyes-backend": "chat"}
+    # node-b takes sessions again, and node-a's controller names it a peer.
+    fleet.ctl("undrain", "node-b")
+    fleet.wait_routing()
+    wait_until("node-b a peer of node-a",
+               lambda: carry({**asked, "x-inferyes-session": "root-nobody"})[1]["error"]["code"] == "not_resident")
     # Only a data plane (the node's credential) may ask; only for a
-    # conversation resident there; only to a backend whose slots are alike.
+    # conversation resident there; only to a peer its controller named.
     assert carry({k: v for k, v in asked.items() if k != "Authorization"})[0] == 401
-    status, answer = carry({**asked, "x-inferyes-session": "root-nobody"})
-    assert (status, answer["error"]["code"]) == (404, "not_resident"), answer
-    status, answer = carry({**asked, "x-inferyes-slot-fingerprint": "0" * 32})
-    assert (status, answer["error"]["code"]) == (503, "refused"), answer
+    for peer in ({"x-inferyes-move-to": "node-zz"}, {"x-inferyes-move-to-backend": "other"}):
+        status, answer = carry({**asked, **peer})
+        assert (status, answer["error"]["code"]) == (404, "unknown_peer"), answer
 
     status, answer = carry(asked)
     assert status == 200 and answer["tokens"] == history and answer["bytes"] > 1_000_000, answer
     wait_until("the conversation resident on node-b", lambda: key in resident_on("node-b"))
     assert key not in resident_on("node-a")
-    fleet.ctl("undrain", "node-b")
-    fleet.wait_routing()
     node, route, usage = turn(fleet, messages, "And which comes next?")
     assert (node, route) == ("node-b", "resident"), (node, route)
     assert usage.prompt_tokens_details.cached_tokens >= 0.9 * history, usage

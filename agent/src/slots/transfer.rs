@@ -28,16 +28,22 @@ use crate::state::{AgentState, BackendHandle};
 /// only the kinds' paths, so no client reaches it through them.
 pub const INTAKE_PATH: &str = "/_inferyes/slots";
 
-pub use inferyes_proto::headers::{CARRY_PATH, MOVE_TO, MOVE_TO_BACKEND, MOVE_TO_URL, SLOT_FINGERPRINT};
+pub use inferyes_proto::headers::{CARRY_PATH, MOVE_TO, MOVE_TO_BACKEND};
+
+pub const SLOT_FINGERPRINT: HeaderName = HeaderName::from_static("x-inferyes-slot-fingerprint");
 
 pub const MOVE_FROM: HeaderName = HeaderName::from_static("x-inferyes-move-from");
 pub const MOVE_EXPIRES: HeaderName = HeaderName::from_static("x-inferyes-move-expires");
 pub const SLOT_SHA256: HeaderName = HeaderName::from_static("x-inferyes-slot-sha256");
 pub const SLOT_TOKENS: HeaderName = HeaderName::from_static("x-inferyes-slot-tokens");
 
-/// The furthest ahead a credential's expiry may be: a drain's bound is
-/// minutes, and one captured is good for no longer.
-const MAX_CREDENTIAL_MS: u64 = 60 * 60 * 1000;
+/// The furthest ahead a credential's expiry may be.
+const MAX_CREDENTIAL_MS: u64 = 10 * 60 * 1000;
+/// How long a credential the sender makes is good for: longer than any one
+/// file's transfer.
+const CREDENTIAL_MS: u64 = 5 * 60 * 1000;
+/// Credentials remembered as taken, until they expire: one is taken once.
+const MAX_REMEMBERED_CREDENTIALS: usize = 4096;
 /// A slot file that takes longer to arrive holds an intake permit no more.
 const RECEIVE_TIMEOUT: Duration = Duration::from_secs(10 * 60);
 /// The slowest a slot file may come, past its first 30 s: 8 MiB/s.
@@ -88,6 +94,8 @@ pub struct Intake {
     pub permits: tokio::sync::Semaphore,
     pub client: ProbeClient,
     pub metrics: crate::metrics::SlotMetrics,
+    /// Credentials taken, with their expiry.
+    pub used: std::sync::Mutex<std::collections::VecDeque<(String, u64)>>,
 }
 
 /// Why a slot was not taken: the status, its OpenAI-shaped error and code.
@@ -191,7 +199,6 @@ impl Intake {
             return Err(refused(ErrorKind::BadRequest, "slots are PUT here", "method_not_allowed"));
         }
         let headers = &parts.headers;
-        self.check_credential(headers)?;
         let backend_id = text(headers, &inferyes_proto::headers::BACKEND)
             .ok_or_else(|| refused(ErrorKind::BadRequest, "no backend named", "invalid_request"))?;
         let handle = self.state.backend(backend_id).filter(|h| h.probe.slots.is_some()).ok_or_else(|| {
@@ -213,6 +220,7 @@ impl Intake {
         let length: u64 = text(headers, &header::CONTENT_LENGTH)
             .and_then(|l| l.parse().ok())
             .ok_or_else(|| refused(ErrorKind::BadRequest, "a slot file's length must be given", "length_required"))?;
+        self.check_credential(headers, backend_id, session, &digest, tokens)?;
         if length > self.max_slot_bytes {
             let message = format!("a slot file of {length} bytes is over this node's {}", self.max_slot_bytes);
             return Err(refused(ErrorKind::PayloadTooLarge, message, "slot_too_large"));
@@ -273,7 +281,16 @@ impl Intake {
         Ok(Taken { slot, n_restored: tokens, restore_ms: float(&answer, "/timings/restore_ms"), bytes })
     }
 
-    fn check_credential(&self, headers: &HeaderMap) -> Result<(), Refused> {
+    /// The credential names this very move, from a node of this fleet, to
+    /// this one; and it was not taken before.
+    fn check_credential(
+        &self,
+        headers: &HeaderMap,
+        backend: &str,
+        session: &str,
+        sha256: &str,
+        slot_tokens: u32,
+    ) -> Result<(), Refused> {
         let denied = |message: &str| refused(ErrorKind::Unauthenticated, message, "invalid_credential");
         let tokens = self.join_tokens.as_ref().ok_or_else(|| {
             refused(ErrorKind::PermissionDenied, "this node takes no slots: it has no join token", "moves_off")
@@ -289,14 +306,31 @@ impl Intake {
             .get(header::AUTHORIZATION)
             .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "))
             .ok_or_else(|| denied("no credential"))?;
-        let node = self.state.node_id.as_str();
-        let made = |token: &String| inferyes_proto::bearer::slot_move_credential(token, from, node, expires);
+        let slot = inferyes_proto::bearer::SlotMove {
+            from,
+            to: self.state.node_id.as_str(),
+            backend,
+            session,
+            sha256,
+            tokens: slot_tokens,
+            expires_unix_ms: expires,
+        };
+        let made = |token: &String| inferyes_proto::bearer::slot_move_credential(token, &slot);
         let accepted = tokens
             .iter()
             .fold(false, |ok, t| ok | inferyes_proto::apikey::constant_time_eq(presented, made(t).as_bytes()));
         if !accepted {
-            return Err(denied("the credential is not this node's for that sender"));
+            return Err(denied("the credential is not this node's for that move"));
         }
+        let mut used = self.used.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        used.retain(|(_, until)| *until > now);
+        if used.iter().any(|(seen, _)| seen.as_bytes() == presented) {
+            return Err(denied("the credential was taken before"));
+        }
+        if used.len() >= MAX_REMEMBERED_CREDENTIALS {
+            used.pop_front();
+        }
+        used.push_back((String::from_utf8_lossy(presented).into_owned(), expires));
         Ok(())
     }
 
@@ -441,6 +475,9 @@ pub struct Moved {
 /// The sending side: this node's servers and a pool to other agents.
 pub struct Sender {
     pub state: Arc<AgentState>,
+    /// What each move's credential is made from; `None`: an open fleet,
+    /// where agents take no slots.
+    pub join_token: Option<String>,
     pub client: ProbeClient,
     pub pool: inferyes_net::pool::Pool<FileBody>,
     pub max_slot_bytes: u64,
@@ -536,8 +573,10 @@ impl Sender {
         drop(file);
         let answer: Value = serde_json::from_slice(&answer).unwrap_or(Value::Null);
         if !status.is_success() {
+            // Its words stay here: a caller of the carry hears the status.
             let message = answer.pointer("/error/message").and_then(Value::as_str).unwrap_or("no message");
-            let why = format!("HTTP {}: {message}", status.as_u16());
+            tracing::info!(target = %target.node_id, status = status.as_u16(), message, "the target took no slot");
+            let why = format!("the target answered HTTP {}", status.as_u16());
             return Err(match status.as_u16() {
                 409 | 413 | 429 | 503 => MoveError::Refused(why),
                 _ => MoveError::Failed(format!("target: {why}")),
@@ -573,7 +612,22 @@ impl Sender {
         let value = |text: &str| {
             HeaderValue::from_str(text).map_err(|_| MoveError::Failed("a header value that cannot be sent".into()))
         };
-        let mut credential = value(&format!("Bearer {}", target.credential))?;
+        let join_token = self
+            .join_token
+            .as_deref()
+            .ok_or_else(|| MoveError::NotMovable("this node has no join token to vouch for a move with".into()))?;
+        let expires = inferyes_proto::unix_ms().saturating_add(CREDENTIAL_MS);
+        let slot = inferyes_proto::bearer::SlotMove {
+            from: &self.state.node_id,
+            to: &target.node_id,
+            backend: &target.backend_id,
+            session: &session.key,
+            sha256: digest,
+            tokens,
+            expires_unix_ms: expires,
+        };
+        let credential = inferyes_proto::bearer::slot_move_credential(join_token, &slot);
+        let mut credential = value(&format!("Bearer {credential}"))?;
         credential.set_sensitive(true);
         let mut request = Request::put(uri).body(body).map_err(|e| MoveError::Failed(e.to_string()))?;
         let headers = request.headers_mut();
@@ -582,7 +636,7 @@ impl Sender {
         headers.insert(header::CONTENT_LENGTH, HeaderValue::from(bytes));
         headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/octet-stream"));
         headers.insert(MOVE_FROM, value(&self.state.node_id)?);
-        headers.insert(MOVE_EXPIRES, HeaderValue::from(target.expires_unix_ms));
+        headers.insert(MOVE_EXPIRES, HeaderValue::from(expires));
         headers.insert(inferyes_proto::headers::BACKEND, value(&target.backend_id)?);
         headers.insert(inferyes_proto::headers::MODEL, value(&session.model)?);
         headers.insert(inferyes_proto::headers::SESSION, value(&session.key)?);
@@ -598,21 +652,19 @@ impl Sender {
 /// its cache costs less than reading the prompt again there.
 pub struct Carrier {
     pub sender: Arc<Sender>,
-    /// What the credential for the receiving node is made from; `None`:
-    /// an open fleet, where agents take no slots.
-    pub join_token: Option<String>,
     /// Carries under way at once; more are refused, and their turns read
     /// the prompt again.
     pub permits: tokio::sync::Semaphore,
     pub metrics: crate::metrics::SlotMetrics,
 }
 
-/// How long a carry's credential opens the receiving node's intake.
-const CARRY_CREDENTIAL_MS: u64 = 60_000;
-
 impl Carrier {
     pub async fn carry(&self, request: Request<Incoming>) -> Response {
-        let outcome = self.try_carry(request.headers()).await;
+        let outcome = if request.method() == http::Method::POST {
+            self.try_carry(request.headers()).await
+        } else {
+            Err(refused(ErrorKind::BadRequest, "a carry is POSTed", "method_not_allowed"))
+        };
         let label = match &outcome {
             Ok(_) => "carried",
             Err(refusal) => refusal.code,
@@ -633,35 +685,22 @@ impl Carrier {
 
     async fn try_carry(&self, headers: &HeaderMap) -> Result<Moved, Refused> {
         let bad = |what: &str| refused(ErrorKind::BadRequest, format!("no {what}"), "invalid_request");
-        let join_token = self
-            .join_token
-            .as_deref()
-            .ok_or_else(|| refused(ErrorKind::PermissionDenied, "no join token", "moves_off"))?;
         let key = text(headers, &inferyes_proto::headers::SESSION).ok_or_else(|| bad("session key"))?;
         let to = text(headers, &MOVE_TO).ok_or_else(|| bad("receiving node"))?;
-        let url = text(headers, &MOVE_TO_URL).ok_or_else(|| bad("receiving node's URL"))?;
         let backend = text(headers, &MOVE_TO_BACKEND).ok_or_else(|| bad("receiving backend"))?;
-        let fingerprint = text(headers, &SLOT_FINGERPRINT).ok_or_else(|| bad("slot fingerprint"))?;
-        if inferyes_net::base_url::BaseUrl::new(url).origin().is_none() || to == self.sender.state.node_id {
-            return Err(refused(ErrorKind::BadRequest, "not another node's proxy", "invalid_request"));
-        }
+        // Only to a backend this node's controller named, at the address it
+        // gave: never where a caller says.
+        let target =
+            self.sender.state.peers.lock().iter().find(|p| p.node_id == to && p.backend_id == backend).cloned();
+        let target = target.ok_or_else(|| {
+            refused(ErrorKind::NotFound, "no peer of this node takes slots by that name", "unknown_peer")
+        })?;
         let session = self.sender.state.residency.lock().session(key);
         let session = session
             .ok_or_else(|| refused(ErrorKind::NotFound, "the conversation is not resident here", "not_resident"))?;
         let _permit = self.permits.try_acquire().map_err(|_| {
             refused(ErrorKind::RateLimited, "this node carries as many slots at once as it will", "busy")
         })?;
-        let expires = inferyes_proto::unix_ms().saturating_add(CARRY_CREDENTIAL_MS);
-        let node = self.sender.state.node_id.as_str();
-        let target = MoveTarget {
-            node_id: to.to_string(),
-            proxy_url: url.to_string(),
-            backend_id: backend.to_string(),
-            slot_fingerprint: fingerprint.to_string(),
-            credential: inferyes_proto::bearer::slot_move_credential(join_token, node, to, expires),
-            expires_unix_ms: expires,
-            ..Default::default()
-        };
         self.sender.send(&session, &target).await.map_err(|error| match error {
             MoveError::Busy => refused(ErrorKind::Unavailable, "its slot is busy", "busy"),
             MoveError::NotMovable(why) => refused(ErrorKind::Unavailable, why, "not_movable"),

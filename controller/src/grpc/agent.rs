@@ -49,11 +49,6 @@ pub struct AgentSvc {
     pub streams: std::sync::Arc<std::sync::atomic::AtomicU64>,
 }
 
-/// How long a drain's credentials open the targets' slot intake: longer
-/// than an agent's drain takes (`moves.drain_seconds`, two minutes by
-/// default), and no longer than a receiving agent believes one.
-const MOVE_CREDENTIAL_MS: u64 = 30 * 60 * 1000;
-
 /// How far in the future an agent's clock may put a session's last use:
 /// further, and it would win every comparison with another node's copy.
 const CLOCK_SKEW_MS: u64 = 60_000;
@@ -230,9 +225,11 @@ impl AgentSvc {
         silence.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut snapshots = self.snapshots.clone();
         let mut draining_sent: Option<bool> = None;
+        let mut targets_sent = 0usize;
         // None until the first is sent: a new stream always hears the
         // node's orders, none included, replacing what its agent held.
         let mut orders_sent: Option<Vec<inferyes_proto::v1::PlacementOrder>> = None;
+        let mut peers_sent: Option<Vec<inferyes_proto::v1::MoveTarget>> = None;
 
         let end = loop {
             tokio::select! {
@@ -274,14 +271,26 @@ impl AgentSvc {
                     if changed.is_err() {
                         break End::Shutdown;
                     }
-                    let (draining, orders) = {
+                    let (draining, orders, peers) = {
                         let snapshot = snapshots.borrow_and_update();
                         let snapshot = snapshot.as_ref();
                         (
                             snapshot.and_then(|s| s.node(&node_id).map(|n| n.draining)),
                             snapshot.map(|s| s.orders_for(&node_id)).unwrap_or_default(),
+                            snapshot.map(|s| crate::moves::peers(s.nodes(), &node_id)).unwrap_or_default(),
                         )
                     };
+                    // Where its agent may carry a conversation's slot when a
+                    // data plane asks, whenever that changes.
+                    if peers_sent.as_ref() != Some(&peers) {
+                        let message = ControllerMessage {
+                            msg: Some(controller_message::Msg::Peers(inferyes_proto::v1::Peers { targets: peers.clone() })),
+                        };
+                        if tx.send(Ok(message)).await.is_err() {
+                            break End::AgentLeft;
+                        }
+                        peers_sent = Some(peers);
+                    }
                     // The placement leader's orders for this node, whole,
                     // whenever they change.
                     if orders_sent.as_ref() != Some(&orders) {
@@ -295,11 +304,17 @@ impl AgentSvc {
                         }
                         orders_sent = Some(orders);
                     }
+                    // Sent again while draining to nowhere: the first
+                    // targets may come before the fleet's live state.
                     if let Some(draining) = draining
-                        && draining_sent != Some(draining)
+                        && (draining_sent != Some(draining) || (draining && targets_sent == 0))
                     {
-                        draining_sent = Some(draining);
                         let targets = if draining { self.move_targets(&node_id) } else { Vec::new() };
+                        if draining_sent == Some(draining) && targets.is_empty() {
+                            continue;
+                        }
+                        draining_sent = Some(draining);
+                        targets_sent = targets.len();
                         let drain = DrainState { draining, reason: String::new(), targets };
                         let message = ControllerMessage { msg: Some(controller_message::Msg::Drain(drain)) };
                         if tx.send(Ok(message)).await.is_err() {
@@ -344,24 +359,12 @@ impl AgentSvc {
         }
     }
 
-    /// Where the conversations of `node_id`, draining, may be moved, each
-    /// with its credential. None in a fleet without a join token: agents
-    /// there take no slots.
+    /// Where the conversations of `node_id`, draining, may be moved.
     fn move_targets(&self, node_id: &str) -> Vec<inferyes_proto::v1::MoveTarget> {
-        let Some(join_token) = self.join_token.as_ref().and_then(|t| t.presented()) else { return Vec::new() };
-        let mut targets = {
-            let snapshot = self.snapshots.borrow();
-            let Some(snapshot) = snapshot.as_ref() else { return Vec::new() };
-            let live = self.views.borrow();
-            crate::moves::targets(snapshot.merged_nodes(&live), node_id, snapshot.policy())
-        };
-        let expires = inferyes_proto::unix_ms().saturating_add(MOVE_CREDENTIAL_MS);
-        for target in &mut targets {
-            target.expires_unix_ms = expires;
-            target.credential =
-                inferyes_proto::bearer::slot_move_credential(join_token, node_id, &target.node_id, expires);
-        }
-        targets
+        let snapshot = self.snapshots.borrow();
+        let Some(snapshot) = snapshot.as_ref() else { return Vec::new() };
+        let live = self.views.borrow();
+        crate::moves::targets(snapshot.merged_nodes(&live), node_id, snapshot.policy())
     }
 
     /// What one agent message comes to: live events for the reconciler and

@@ -12,7 +12,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::uri::PathAndQuery;
 use http::{HeaderMap, HeaderValue};
-use inferyes_proto::headers::{CARRY_PATH, MOVE_TO, MOVE_TO_BACKEND, MOVE_TO_URL, SESSION, SLOT_FINGERPRINT};
+use inferyes_proto::headers::{CARRY_PATH, MOVE_TO, MOVE_TO_BACKEND, SESSION};
 
 use super::client::Forwarder;
 use crate::routing::{Route, RouteReason};
@@ -70,9 +70,7 @@ async fn ask(
     let mut headers = HeaderMap::new();
     headers.insert(SESSION, value(session.ok_or("no session")?)?);
     headers.insert(MOVE_TO, value(&to_node.id)?);
-    headers.insert(MOVE_TO_URL, value(to_node.endpoint.proxy_url.as_str())?);
     headers.insert(MOVE_TO_BACKEND, to_backend.id_header.clone().ok_or("a backend id that cannot be a header")?);
-    headers.insert(SLOT_FINGERPRINT, to_backend.slot_fingerprint.clone().ok_or("the target takes no slots")?);
     let path = PathAndQuery::from_static(CARRY_PATH);
     // Not counted against the home: it serves no request.
     let response = forwarder

@@ -135,8 +135,6 @@ pub fn decode_live(
                 requests_deferred: load.requests_deferred,
                 in_flight: load.in_flight,
                 load_unknown: load.load_unknown,
-                slot_fingerprint: slot_group(&backend.slot_fingerprint)
-                    .and_then(|_| http::HeaderValue::from_str(&backend.slot_fingerprint).ok()),
             };
             let slot_group = slot_group(&backend.slot_fingerprint).unwrap_or(0);
             // Within what hardware can do: an agent claiming a billion
@@ -283,9 +281,6 @@ const MAX_PREFILL_TOKENS_PER_SECOND: f64 = 1e6;
 const MIN_SERVICE_SECONDS: f64 = 0.001;
 const MAX_SERVICE_SECONDS: f64 = 3_600.0;
 
-/// Gives every placement of a model a prompt rate and a service time: its
-/// own, else the median of those its peers reported (the same model on
-/// like hardware, most likely), else the defaults; and the fastest rate.
 /// A slot fingerprint's group: its first 64 bits, where it is the hex an
 /// agent makes (anything else cannot move).
 fn slot_group(fingerprint: &str) -> Option<u64> {
@@ -293,6 +288,9 @@ fn slot_group(fingerprint: &str) -> Option<u64> {
     u64::from_str_radix(head, 16).ok().filter(|group| *group != 0)
 }
 
+/// Gives every placement of a model a prompt rate and a service time: its
+/// own, else the median of those its peers reported (the same model on
+/// like hardware, most likely), else the defaults; and the fastest rate.
 fn fill_rates(placements: &mut [Placement]) {
     let median = |mut known: Vec<f64>, default: f64| {
         known.sort_by(f64::total_cmp);

@@ -183,10 +183,6 @@ pub struct BackendView {
     pub requests_deferred: u32,
     pub in_flight: u32,
     pub load_unknown: bool,
-    /// Its slot fingerprint as a header value, where its slots can move
-    /// (sent to a conversation's home agent, which checks it against its
-    /// own before carrying a slot here).
-    pub slot_fingerprint: Option<http::HeaderValue>,
 }
 
 impl BackendView {
