@@ -198,7 +198,8 @@ pub struct MovesConfig {
     pub drain_seconds: u64,
     /// Nor once it has sent this many bytes.
     pub drain_bytes: u64,
-    /// Slot files taken from other nodes at once; more wait their turn.
+    /// Slot files taken from other nodes at once, and carries data planes
+    /// ask for at once; more are refused (429) and go elsewhere.
     pub max_incoming: usize,
 }
 
