@@ -279,6 +279,16 @@ impl Residency {
         self.entries.get(key).map(|e| e.session.clone())
     }
 
+    /// Whether session `key` is believed in one of its backend's slots
+    /// (among its newest `slots`), not only in the host cache.
+    pub fn in_slot(&self, key: &str) -> bool {
+        let Some(entry) = self.entries.get(key) else { return false };
+        let slots = self.capacity.get(&entry.session.backend_id).copied().unwrap_or_default().slots;
+        self.lineups
+            .get(&entry.session.backend_id)
+            .is_some_and(|lineup| lineup.by_tick.range(entry.tick + 1..).count() < slots)
+    }
+
     /// Which backend holds `key`, if any.
     pub fn backend_of(&self, key: &str) -> Option<&str> {
         self.entries.get(key).map(|e| e.session.backend_id.as_str())
@@ -407,6 +417,19 @@ mod tests {
         let update = r.take_update(false);
         assert_eq!((update.upserted.len(), update.removed), (0, vec!["held".to_string()]));
         assert_eq!(r.backend_of("held"), None);
+    }
+
+    #[test]
+    fn a_session_is_in_a_slot_while_it_is_among_its_backend_s_newest() {
+        let mut r = table(2, 1_000_000);
+        for (i, key) in ["a", "b", "c"].iter().enumerate() {
+            r.touch(key, "b0", "m", i as u64);
+        }
+        r.touch("x", "b1", "m", 9);
+        assert_eq!((r.in_slot("a"), r.in_slot("b"), r.in_slot("c"), r.in_slot("x")), (false, true, true, true));
+        r.touch("a", "b0", "m", 10);
+        assert_eq!((r.in_slot("a"), r.in_slot("b"), r.in_slot("c")), (true, false, true), "used again: newest");
+        assert!(!r.in_slot("nobody"));
     }
 
     #[test]

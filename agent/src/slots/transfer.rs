@@ -698,6 +698,12 @@ impl Carrier {
         let session = self.sender.state.residency.lock().session(key);
         let session = session
             .ok_or_else(|| refused(ErrorKind::NotFound, "the conversation is not resident here", "not_resident"))?;
+        // Past the newest of its backend, its slot was given to another
+        // conversation (its cache is in the host cache at best): said at
+        // once, without asking a busy server.
+        if !self.sender.state.residency.lock().in_slot(key) {
+            return Err(refused(ErrorKind::Unavailable, "the conversation is no longer in a slot", "not_movable"));
+        }
         let _permit = self.permits.try_acquire().map_err(|_| {
             refused(ErrorKind::RateLimited, "this node carries as many slots at once as it will", "busy")
         })?;
