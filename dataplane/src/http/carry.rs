@@ -31,9 +31,9 @@ pub(crate) async fn carry(
     if route.reason != RouteReason::Carried {
         return;
     }
-    // Past four times what routing expected, reading the prompt again
-    // would have been sooner.
-    let bound = Duration::from_millis(u64::from(route.expected_ttft_ms).saturating_mul(4).saturating_add(1_000));
+    // Past twice what routing expected and half a second, the turn's other
+    // ways are sooner.
+    let bound = Duration::from_millis(u64::from(route.expected_ttft_ms).saturating_mul(2).saturating_add(500));
     let carried = match tokio::time::timeout(bound, ask(forwarder, snapshot, route, session)).await {
         Ok(carried) => carried,
         Err(_) => Err(format!("no answer within {} ms", bound.as_millis())),

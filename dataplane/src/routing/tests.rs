@@ -322,6 +322,18 @@ fn a_session_has_its_cache_carried_to_a_free_slot_when_that_beats_its_wait_and_a
     let route = select(&s, &Idle, &later_turn()).unwrap();
     assert_eq!((nodes(&s, &route), route.reason), (vec!["idle".into(), "busy".into()], RouteReason::Carried));
     assert_eq!((route.expected_ttft_ms, route.home_expected_ttft_ms), (650, 3_000));
+    assert!(route.home_if_not_carried, "reading the prompt there (10.5 s) is not worth leaving for");
+    // Where reading it again there is worth leaving for too (a node 100
+    // times as fast: 105 ms), a failed carry goes on there.
+    let fast = Spec { prefill_tokens_per_second: 10_000.0, ..alike(slow("fast", 0, 0)) };
+    let s = snapshot(&[alike(home(slow("busy", 4, 4))), fast]);
+    let route = select(&s, &Idle, &later_turn()).unwrap();
+    assert_eq!((first_node(&s, &route), route.reason), ("fast".into(), RouteReason::Moved), "reading it is cheaper");
+    let fast = Spec { prefill_tokens_per_second: 1_500.0, ..alike(slow("fast", 0, 0)) };
+    let s = snapshot(&[alike(home(slow("busy", 4, 22))), fast]);
+    let route = select(&s, &Idle, &later_turn()).unwrap();
+    assert_eq!(route.reason, RouteReason::Carried);
+    assert!(!route.home_if_not_carried, "0.7 s to read it there, against 12 s at home");
     // Slots unlike the home's cannot take its cache: the wait is worth it.
     let unlike = Spec { slot_fingerprint: "fedcba9876543210fedcba9876543210".into(), ..slow("idle", 0, 0) };
     let s = snapshot(&[alike(home(slow("busy", 4, 4))), unlike]);
