@@ -42,30 +42,30 @@ pub fn targets(nodes: impl IntoIterator<Item = SnapshotNode>, from: &str, policy
     targets
 }
 
-/// `from`'s peers among `nodes` (records, no load): every backend of
-/// another node, not draining, whose slots can move, with its warm models.
-/// Only what changes with records, so that they are sent again rarely.
-pub fn peers<'a>(nodes: impl IntoIterator<Item = &'a SnapshotNode>, from: &str) -> Vec<MoveTarget> {
-    let mut peers = Vec::new();
-    for node in nodes {
+/// Every backend among `nodes` (records, no load) that can take a moved
+/// slot: of a node not draining, with a slot fingerprint. Only where it
+/// is and what it takes (no models, no load), so that it changes only as
+/// nodes come and go: a node's peers are these less its own.
+pub fn movable<'a>(nodes: impl IntoIterator<Item = &'a SnapshotNode>) -> Vec<MoveTarget> {
+    let mut movable = Vec::new();
+    for node in nodes.into_iter().filter(|n| !n.draining) {
         let Some(status) = node.status.as_ref() else { continue };
-        if status.node_id == from || node.draining {
-            continue;
-        }
         for backend in status.backends.iter().filter(|b| !b.slot_fingerprint.is_empty()) {
-            let warm: Vec<_> = backend.models.iter().filter(|m| m.state() == ModelState::Loaded).collect();
-            peers.push(MoveTarget {
+            movable.push(MoveTarget {
                 node_id: status.node_id.clone(),
                 proxy_url: status.proxy_url.clone(),
                 backend_id: backend.id.clone(),
                 slot_fingerprint: backend.slot_fingerprint.clone(),
-                models: warm.iter().map(|m| m.id.clone()).collect(),
-                context_windows: warm.iter().map(|m| m.context_window).collect(),
-                free_slots: 0,
+                ..Default::default()
             });
         }
     }
-    peers
+    movable
+}
+
+/// `from`'s peers: the movable backends of other nodes.
+pub fn peers(movable: &[MoveTarget], from: &str) -> Vec<MoveTarget> {
+    movable.iter().filter(|t| t.node_id != from).cloned().collect()
 }
 
 /// Every GPU of the node readable and under its admission threshold: a
@@ -119,13 +119,13 @@ mod tests {
     }
 
     #[test]
-    fn peers_are_other_nodes_not_draining_with_movable_backends_as_recorded() {
+    fn peers_are_other_nodes_not_draining_with_movable_backends_where_they_are() {
         let mut draining = node("c", 0, 10);
         draining.draining = true;
         let mut unmovable = node("d", 0, 10);
         unmovable.status.as_mut().unwrap().backends[0].slot_fingerprint.clear();
         let nodes = [node("a", 0, 10), node("b", 4, 99), draining, unmovable];
-        let found = peers(&nodes, "a");
+        let found = peers(&movable(&nodes), "a");
         let found: Vec<_> = found.iter().map(|t| (t.node_id.as_str(), t.proxy_url.as_str(), t.free_slots)).collect();
         assert_eq!(found, [("b", "http://b:9100", 0)], "busy and full as it is: a carry is the data plane's call");
     }

@@ -5,8 +5,8 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use inferyes_proto::v1::{
-    Alias, ApiKey, ControllerRecord, KeySet, KeyUsageToday, ModelPlacement, ModelState, ModelSummary, NodeRecord,
-    PlacementOrder, PlacementOrders, RoutingPolicy, RoutingSnapshot, SnapshotDelta, SnapshotNode,
+    Alias, ApiKey, ControllerRecord, KeySet, KeyUsageToday, ModelPlacement, ModelState, ModelSummary, MoveTarget,
+    NodeRecord, PlacementOrder, PlacementOrders, RoutingPolicy, RoutingSnapshot, SnapshotDelta, SnapshotNode,
 };
 
 use crate::fleet::FleetState;
@@ -34,6 +34,11 @@ pub struct Snapshot {
     /// Placement's outstanding orders: for the agents' streams, not for
     /// data planes.
     placement: Arc<PlacementOrders>,
+    /// Every backend that can take a moved slot (`moves::movable`): each
+    /// agent stream sends its node the others'. Shared with the previous
+    /// snapshot while unchanged, so a stream sees at a pointer's cost
+    /// whether to send anything.
+    movable: Arc<Vec<MoveTarget>>,
 }
 
 impl PartialEq for Snapshot {
@@ -92,6 +97,11 @@ impl Snapshot {
     /// Every node as the fleet sees it, sorted by id.
     pub fn merged_nodes<'a>(&'a self, live: &'a LiveView) -> impl Iterator<Item = SnapshotNode> + 'a {
         self.nodes.values().map(move |node| merge(node, live))
+    }
+
+    /// Every backend that can take a moved slot, shared while unchanged.
+    pub fn movable(&self) -> &Arc<Vec<MoveTarget>> {
+        &self.movable
     }
 
     /// Placement's outstanding orders, fleet-wide.
@@ -163,7 +173,13 @@ pub fn build(state: &FleetState, previous: Option<&Snapshot>) -> Snapshot {
         sources.insert(id.to_string(), Arc::clone(record));
     }
     let aliases = state.aliases().map(|(alias, model)| Alias { alias: alias.into(), model: model.into() }).collect();
+    let movable = crate::moves::movable(nodes.values().map(AsRef::as_ref));
+    let movable = match previous {
+        Some(previous) if *previous.movable == movable => Arc::clone(&previous.movable),
+        _ => Arc::new(movable),
+    };
     Snapshot {
+        movable,
         version: state.revision(),
         nodes,
         sources,

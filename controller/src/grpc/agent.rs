@@ -230,6 +230,7 @@ impl AgentSvc {
         // node's orders, none included, replacing what its agent held.
         let mut orders_sent: Option<Vec<inferyes_proto::v1::PlacementOrder>> = None;
         let mut peers_sent: Option<Vec<inferyes_proto::v1::MoveTarget>> = None;
+        let mut movable_sent: Option<std::sync::Arc<Vec<inferyes_proto::v1::MoveTarget>>> = None;
 
         let end = loop {
             tokio::select! {
@@ -271,25 +272,33 @@ impl AgentSvc {
                     if changed.is_err() {
                         break End::Shutdown;
                     }
-                    let (draining, orders, peers) = {
+                    let (draining, orders, movable) = {
                         let snapshot = snapshots.borrow_and_update();
                         let snapshot = snapshot.as_ref();
                         (
                             snapshot.and_then(|s| s.node(&node_id).map(|n| n.draining)),
                             snapshot.map(|s| s.orders_for(&node_id)).unwrap_or_default(),
-                            snapshot.map(|s| crate::moves::peers(s.nodes(), &node_id)).unwrap_or_default(),
+                            snapshot.map(|s| std::sync::Arc::clone(s.movable())),
                         )
                     };
                     // Where its agent may carry a conversation's slot when a
-                    // data plane asks, whenever that changes.
-                    if peers_sent.as_ref() != Some(&peers) {
-                        let message = ControllerMessage {
-                            msg: Some(controller_message::Msg::Peers(inferyes_proto::v1::Peers { targets: peers.clone() })),
-                        };
-                        if tx.send(Ok(message)).await.is_err() {
-                            break End::AgentLeft;
+                    // data plane asks, whenever that changes: a pointer's
+                    // comparison while it does not.
+                    if let Some(movable) = movable
+                        && !movable_sent.as_ref().is_some_and(|sent| std::sync::Arc::ptr_eq(sent, &movable))
+                    {
+                        let peers = crate::moves::peers(&movable, &node_id);
+                        if peers_sent.as_ref() != Some(&peers) {
+                            let targets = peers.clone();
+                            let message = ControllerMessage {
+                                msg: Some(controller_message::Msg::Peers(inferyes_proto::v1::Peers { targets })),
+                            };
+                            if tx.send(Ok(message)).await.is_err() {
+                                break End::AgentLeft;
+                            }
+                            peers_sent = Some(peers);
                         }
-                        peers_sent = Some(peers);
+                        movable_sent = Some(movable);
                     }
                     // The placement leader's orders for this node, whole,
                     // whenever they change.
