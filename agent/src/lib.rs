@@ -159,8 +159,6 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
                 finished: AtomicU64::new(0),
                 log: inferyes_net::log::Gate::new(),
                 unsupported: state::Shared::default(),
-                restored_slots: Default::default(),
-                moved_slots: state::Shared::default(),
                 restores_reused_nothing: AtomicU32::new(0),
                 restore_failed_unix_ms: AtomicU64::new(0),
             })
@@ -234,6 +232,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
     let agent_tls = Arc::new(inferyes_net::tls::http_client(&config.tls).context("invalid TLS settings")?);
     let sender = Arc::new(slots::transfer::Sender {
         state: Arc::clone(&state),
+        moved: Default::default(),
         join_token: join_token.as_deref().map(str::to_string),
         client: ProbeClient::new(slots::transfer::SLOT_ACTION_TIMEOUT),
         pool: inferyes_net::pool::Pool::new(inferyes_net::pool::Settings {
@@ -269,6 +268,12 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         client: ProbeClient::new(slots::transfer::SLOT_ACTION_TIMEOUT),
         metrics: slot_metrics,
         used: Default::default(),
+        restored: config
+            .backends
+            .iter()
+            .filter(|b| b.slots.is_some())
+            .map(|b| (b.id.clone(), Default::default()))
+            .collect(),
     });
     // One service per worker thread, each with its own pool of connections
     // to the backends.

@@ -59,14 +59,6 @@ pub struct BackendHandle {
     /// Kinds of job the backend answered 501 for, by model, until when
     /// they are believed: the proxy writes them, the status reads them.
     pub unsupported: Shared<Vec<Unsupported>>,
-    /// Slots restored here from other nodes and not yet used, which the
-    /// next restore must not take for empty; held while one restores, so
-    /// two never pick the same slot.
-    pub restored_slots: tokio::sync::Mutex<Vec<crate::slots::Restored>>,
-    /// Slots whose conversations moved to other nodes, as `/slots` showed
-    /// them then: they hold those caches until they run another task, and
-    /// must not be taken for another conversation's of as many tokens.
-    pub moved_slots: Shared<Vec<crate::slots::Slot>>,
     /// Restored slots whose next turn read next to nothing from cache,
     /// and when the last did (Unix ms): the backend takes no more slots
     /// for [`RESTORE_FAILURE_HOLDS_MS`] after one.
@@ -278,8 +270,6 @@ mod tests {
             finished: AtomicU64::new(0),
             log: inferyes_net::log::Gate::new(),
             unsupported: Shared::default(),
-            restored_slots: Default::default(),
-            moved_slots: Shared::default(),
             restores_reused_nothing: AtomicU32::new(0),
             restore_failed_unix_ms: AtomicU64::new(0),
         }

@@ -28,7 +28,7 @@ pub struct BackendProbe {
     pub models_max: u32,
     /// Where its slots are saved, when they may be moved.
     pub slots: Option<crate::config::SlotsConfig>,
-    pub slot_memo: std::sync::Arc<crate::slots::Memo>,
+    pub slot_memo: std::sync::Arc<super::fingerprint::Memo>,
 }
 
 impl BackendProbe {
@@ -163,9 +163,15 @@ impl BackendProbe {
             backend.slots_total = u32_at(props, "/total_slots");
         }
         if let Some(slots) = &self.slots {
-            let movable =
-                crate::slots::movability(client, &self.url, &self.api_key, slots, props.as_ref(), &self.slot_memo)
-                    .await;
+            let movable = super::fingerprint::movability(
+                client,
+                &self.url,
+                &self.api_key,
+                slots,
+                props.as_ref(),
+                &self.slot_memo,
+            )
+            .await;
             match movable {
                 Ok(fingerprint) => backend.slot_fingerprint = fingerprint,
                 Err(why) => backend.slots_unmovable = why,

@@ -3,6 +3,8 @@
 
 mod backend;
 mod client;
+pub mod fingerprint;
+mod gguf;
 mod gpu;
 mod throughput;
 

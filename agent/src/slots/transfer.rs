@@ -96,6 +96,10 @@ pub struct Intake {
     pub metrics: crate::metrics::SlotMetrics,
     /// Credentials taken, with their expiry.
     pub used: std::sync::Mutex<std::collections::VecDeque<(String, u64)>>,
+    /// Per backend, slots restored here and not yet used, which the next
+    /// restore must not take for empty; held while one restores, so two
+    /// never pick the same slot.
+    pub restored: inferyes_proto::FastMap<String, tokio::sync::Mutex<Vec<Restored>>>,
 }
 
 /// Why a slot was not taken: the status, its OpenAI-shaped error and code.
@@ -235,7 +239,10 @@ impl Intake {
         let name = slot_file_name("in").map_err(|e| refused(ErrorKind::Internal, e, "write_failed"))?;
         let file = SlotFile(slots.join(&name));
         let bytes = write_body(body, &file.0, length, &digest).await?;
-        let mut restored = handle.restored_slots.lock().await;
+        let marks = self.restored.get(backend_id).ok_or_else(|| {
+            refused(ErrorKind::NotFound, "no backend here takes slots by that name", "backend_not_found")
+        })?;
+        let mut restored = marks.lock().await;
         let url = handle.probe.url.as_str();
         let api_key = handle.probe.api_key.as_str();
         let listed = self.slots(url, api_key).await?;
@@ -475,6 +482,11 @@ pub struct Moved {
 /// The sending side: this node's servers and a pool to other agents.
 pub struct Sender {
     pub state: Arc<AgentState>,
+    /// Per backend, slots whose conversations moved to other nodes, as
+    /// `/slots` showed them then: they hold those caches until they run
+    /// another task, and must not be taken for another conversation's of
+    /// as many tokens.
+    pub moved: std::sync::Mutex<std::collections::HashMap<String, Vec<Slot>>>,
     /// What each move's credential is made from; `None`: an open fleet,
     /// where agents take no slots.
     pub join_token: Option<String>,
@@ -529,7 +541,8 @@ impl Sender {
             .map(|s| s.last_seen_unix_ms)
             .collect();
         let gone: Vec<Slot> = {
-            let mut gone = handle.moved_slots.lock();
+            let mut moved = self.moved.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            let gone = moved.entry(session.backend_id.clone()).or_default();
             gone.retain(|s| listed.contains(s));
             gone.clone()
         };
@@ -585,7 +598,8 @@ impl Sender {
         self.state.residency.lock().remove(&session.key);
         self.state.changed.notify_one();
         if let Some(moved) = listed.iter().find(|s| s.id == slot) {
-            handle.moved_slots.lock().push(*moved);
+            let mut gone = self.moved.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            gone.entry(session.backend_id.clone()).or_default().push(*moved);
         }
         Ok(Moved {
             tokens: expected,
