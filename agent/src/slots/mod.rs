@@ -60,9 +60,9 @@ pub enum NotFound {
 /// The slot holding a conversation whose cache holds `tokens` (its last
 /// prompt and reply, as the usage said): the one slot whose cache length
 /// is one less (llama-server never evaluates the last token it sampled,
-/// whatever stopped the reply). A slot of another length is another
-/// conversation's, however close: one token more is the one whose cache
-/// holds one more.
+/// whatever stopped the reply), else, where none is, as many (what a turn
+/// begun in a restored slot leaves). A slot of another length is another
+/// conversation's, however close.
 ///
 /// Several slots of one length hold as many conversations of those tokens
 /// (`twins`: when each of their last turns began, in the order they
@@ -78,25 +78,30 @@ pub fn holding_slot(slots: &[Slot], gone: &[Slot], tokens: u32, twins: &[u64], b
     if tokens == 0 {
         return Err(NotFound::Gone);
     }
-    let mut matching: Vec<&Slot> = slots
-        .iter()
-        .filter(|s| s.tokens.is_some_and(|n| u64::from(n) + 1 == u64::from(tokens)) && !gone.contains(s))
-        .collect();
-    let found = match matching.as_slice() {
-        [] => return Err(NotFound::Gone),
-        [one] => *one,
-        several => {
-            let mut order = twins.to_vec();
-            order.sort_unstable();
-            let plain = order.windows(2).all(|w| w[1].saturating_sub(w[0]) >= TWIN_GAP_MS);
-            let rank = order.iter().position(|t| *t == began);
-            if order.len() != several.len() || !plain || several.iter().any(|s| s.task.is_none()) {
-                return Err(NotFound::Ambiguous);
-            }
-            matching.sort_by_key(|s| s.task);
-            matching[rank.ok_or(NotFound::Ambiguous)?]
-        }
+    // One less than the usage said, as a turn leaves it; else as many (a
+    // turn that began in a slot restored from another node leaves that).
+    let of_length = |less: u64| -> Vec<&Slot> {
+        let length = u64::from(tokens) - less;
+        slots.iter().filter(|s| s.tokens.is_some_and(|n| u64::from(n) == length) && !gone.contains(s)).collect()
     };
+    let mut matching = of_length(1);
+    if matching.is_empty() {
+        matching = of_length(0);
+    }
+    if matching.is_empty() {
+        return Err(NotFound::Gone);
+    }
+    // As many slots as conversations of these tokens, each slot's task
+    // in the order their turns reached the proxy; one of each included.
+    let mut order = twins.to_vec();
+    order.sort_unstable();
+    let plain = order.windows(2).all(|w| w[1].saturating_sub(w[0]) >= TWIN_GAP_MS);
+    let rank = order.iter().position(|t| *t == began).ok_or(NotFound::Ambiguous)?;
+    if order.len() != matching.len() || !plain || (matching.len() > 1 && matching.iter().any(|s| s.task.is_none())) {
+        return Err(NotFound::Ambiguous);
+    }
+    matching.sort_by_key(|s| s.task);
+    let found = matching[rank];
     if found.busy {
         return Err(NotFound::Busy);
     }
@@ -159,8 +164,12 @@ mod tests {
             [slot(0, false, Some(1), Some(500)), slot(1, false, Some(4), Some(1140)), slot(2, true, None, None)];
         // Prompt 1,121 and reply 20 leave 1,140 in the cache.
         assert_eq!(holding_slot(&slots, &[], 1141, &[5], 5), Ok(1));
-        assert_eq!(holding_slot(&slots, &[], 1140, &[5], 5), Err(NotFound::Gone), "one token less: another's");
+        assert_eq!(holding_slot(&slots, &[], 1140, &[5], 5), Ok(1), "as many, where none is one less");
         assert_eq!(holding_slot(&slots, &[], 1142, &[5], 5), Err(NotFound::Gone), "one token more: another's");
+        assert_eq!(holding_slot(&slots, &[], 1139, &[5], 5), Err(NotFound::Gone), "two less: another's");
+        // A conversation of as many tokens whose slot is elsewhere (in the
+        // host cache) leaves this one in doubt: never a guess.
+        assert_eq!(holding_slot(&slots, &[], 1141, &[5, 9], 5), Err(NotFound::Ambiguous));
         assert_eq!(holding_slot(&slots, &[], 0, &[5], 5), Err(NotFound::Gone));
         let busy = [slot(0, true, Some(1), Some(500))];
         assert_eq!(holding_slot(&busy, &[], 501, &[5], 5), Err(NotFound::Busy));
