@@ -100,8 +100,16 @@ impl Split {
         ];
         let dp_one = DataplaneHandle::start(&[one.url()]).await;
         let dp_two = DataplaneHandle::start(&[two.url()]).await;
-        dp_one.wait_for_nodes(&["node-a", "node-b"]).await;
-        dp_two.wait_for_nodes(&["node-a", "node-b"]).await;
+        for dp in [&dp_one, &dp_two] {
+            dp.wait_for_nodes(&["node-a", "node-b"]).await;
+            // Each node's load reaches the other controller's data plane
+            // through the peers' stream, after its record: until then it
+            // is unknown, and takes no new sessions.
+            dp.wait_for("every node's load known", Duration::from_secs(10), |s| {
+                s.nodes().iter().all(|n| n.backends.iter().all(|b| !b.load_unknown))
+            })
+            .await;
+        }
         Split { _etcd: etcd, one, two, _sims: sims, _agents: agents, dp_one, dp_two }
     }
 }
