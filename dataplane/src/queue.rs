@@ -253,15 +253,16 @@ impl Queue {
                     None
                 }
                 Ok(route) => {
-                    let first = route.targets.first().copied();
-                    first.inspect(|target| frozen.entered(target.node));
                     // Counted at its node now, so that the next request let
                     // out does not take the same slot; a cold load's count
-                    // is its attempt's, with the memory it holds.
-                    let reserved = first
-                        .filter(|_| !route.cold())
-                        .and_then(|target| snapshot.node(target.node))
-                        .map(|node| node.endpoint.enter(None));
+                    // is its attempt's, with the memory it holds. A slot a
+                    // request sent on by a worker took meanwhile is not
+                    // free: it waits for the next pass.
+                    let Ok(reserved) = take_slot(snapshot, &entry.model, &route) else {
+                        blocked.insert(like);
+                        return None;
+                    };
+                    route.targets.first().inspect(|target| frozen.entered(target.node));
                     Some(Turn::Go { route: Box::new(route), snapshot: Arc::clone(snapshot), reserved })
                 }
                 Err(RouteError::ModelNotFound { .. }) => {
@@ -326,6 +327,20 @@ fn retry_after_s(left: &VecDeque<u64>, waiting: usize, max_wait_ms: u64, now_ms:
     let span_ms = now_ms.saturating_sub(*first).max(1);
     let seconds = (waiting as u64 + 1).saturating_mul(span_ms).div_ceil(left.len() as u64 * 1_000);
     seconds.clamp(1, most).min(u64::from(u32::MAX)) as u32
+}
+
+/// Another request took the slot a route counted on.
+#[derive(Debug)]
+pub struct SlotTaken;
+
+/// The slot a request routed to start now takes at its first target,
+/// counted there from now on; `None` where its node's slots are not counted
+/// (its attempt counts it). Workers route at the same moment from the same
+/// counts: the one whose node filled meanwhile is told so, and waits.
+pub fn take_slot(snapshot: &RoutingSnapshot, model: &str, route: &Route) -> Result<Option<InFlight>, SlotTaken> {
+    let Some(room) = routing::slot_room(snapshot, model, route) else { return Ok(None) };
+    let Some(node) = route.targets.first().and_then(|target| snapshot.node(target.node)) else { return Ok(None) };
+    node.endpoint.claim(room).map(Some).ok_or(SlotTaken)
 }
 
 /// This data plane's state of the nodes as one pass of the dispatcher sees

@@ -156,6 +156,15 @@ impl Endpoint {
         InFlight { state: Arc::clone(state), load }
     }
 
+    /// Counts a request against the node if fewer than `below` of this
+    /// data plane's are in flight there, in one step: two workers that
+    /// both saw the node's last free slot do not both take it.
+    pub fn claim(self: &Arc<Self>, below: u32) -> Option<InFlight> {
+        let state = &self.state;
+        state.in_flight.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| (n < below).then(|| n + 1)).ok()?;
+        Some(InFlight { state: Arc::clone(state), load: None })
+    }
+
     /// Takes an attempt's or a stream's outcome: the one place that ejects
     /// a node, ends its ejection, and logs why.
     pub fn observe(&self, observed: Observed, witness: Witness<'_>) {

@@ -161,8 +161,19 @@ impl<'s> Exchange<'s> {
         let rate = self.admit(&caller, &snapshot, &view, model, body.len())?;
         let prepared = self.prepare(parts, body, &view, model, &caller);
         let answered = match self.route(&snapshot, &view, model, prepared.body.len()) {
-            Ok(route) => match self.state.queue.clone().filter(|queue| route.waits || queue.holds_any()) {
-                Some(queue) => self.queued(&queue, (&caller, class), (&snapshot, route), model, prepared, &view).await,
+            Ok(mut route) => match self.state.queue.clone() {
+                Some(queue) if route.waits || queue.holds_any() => {
+                    self.queued(&queue, (&caller, class), (&snapshot, route), model, prepared, &view).await
+                }
+                // The gateway decides who waits: a request it sends on holds
+                // its slot from here, or waits where another took it.
+                Some(queue) => match crate::queue::take_slot(&snapshot, model, &route) {
+                    Ok(reserved) => self.answer(&snapshot, route, reserved, model, prepared, &view).await,
+                    Err(crate::queue::SlotTaken) => {
+                        route.waits = true;
+                        self.queued(&queue, (&caller, class), (&snapshot, route), model, prepared, &view).await
+                    }
+                },
                 None => self.answer(&snapshot, route, None, model, prepared, &view).await,
             },
             Err(error) => Err(error),

@@ -333,25 +333,10 @@ impl<L: Local> Seen<'_, L> {
         p.resident_sessions.saturating_add(self.in_flight(p))
     }
 
-    /// Requests that must leave a slot before one more gets one: the backend's
-    /// requests, as reported less those of this data plane's that ended
-    /// since, or as this data plane has in flight there, whichever is more
-    /// (a burst between two reports is spread by the own count, the own
-    /// requests a report shows are not counted twice, and a slot this data
-    /// plane's request freed is free at once, not at the next report).
-    /// Counts that could not be read are taken for a round of every slot
-    /// queued: unknown, not idle. Without a slot count, the server's queue.
+    /// Requests that must leave a slot before one more gets one on `p`
+    /// ([`queue_ahead`]), with this data plane's count there now.
     fn queue_ahead(&self, p: &Placement) -> u32 {
-        if p.slots == 0 {
-            return if p.load_unknown { p.deferred.max(1) } else { p.deferred };
-        }
-        let own = self.in_flight(p);
-        let freed = p.own_in_flight_when_read.saturating_sub(own);
-        let mut occupancy = p.occupancy.saturating_sub(freed).max(own);
-        if p.load_unknown {
-            occupancy = occupancy.max(p.slots.saturating_mul(2));
-        }
-        occupancy.saturating_add(1).saturating_sub(p.slots)
+        queue_ahead(p, self.in_flight(p))
     }
 
     /// Whether one more request would wait for a slot. Judged with the own
@@ -475,6 +460,56 @@ pub fn model_not_found(
         Available::Models(catalog.iter().filter(|e| visible(e)).map(|e| e.id.clone()).collect())
     };
     RouteError::ModelNotFound { model: model.to_string(), available }
+}
+
+/// Requests that must leave a slot on `p` before one more gets one,
+/// with `own` of this data plane's in flight at its node: the backend's
+/// requests, as reported less those of this data plane's that ended since,
+/// or `own`, whichever is more (a burst between two reports is spread by
+/// the own count, the own requests a report shows are not counted twice,
+/// and a slot this data plane's request freed is free at once, not at the
+/// next report). Counts that could not be read are taken for a round of
+/// every slot queued: unknown, not idle. Without a slot count, the
+/// server's queue.
+fn queue_ahead(p: &Placement, own: u32) -> u32 {
+    if p.slots == 0 {
+        return if p.load_unknown { p.deferred.max(1) } else { p.deferred };
+    }
+    let freed = p.own_in_flight_when_read.saturating_sub(own);
+    let mut occupancy = p.occupancy.saturating_sub(freed).max(own);
+    if p.load_unknown {
+        occupancy = occupancy.max(p.slots.saturating_mul(2));
+    }
+    occupancy.saturating_add(1).saturating_sub(p.slots)
+}
+
+/// How many of this data plane's requests may be in flight at the node of
+/// `route`'s first target with one more still getting a free slot there at
+/// once: a request routed as not waiting takes its slot only while fewer
+/// are ([`crate::targets::Endpoint::claim`]), so that two routed at the
+/// same moment on two workers do not both take the last one. `None` where
+/// slots are not counted (no slot count, a cold load): nothing to claim.
+pub fn slot_room(snapshot: &RoutingSnapshot, model: &str, route: &Route) -> Option<u32> {
+    let first = *route.targets.first()?;
+    let placements = snapshot.placements(model)?;
+    let at = placements.binary_search_by_key(&(first.node, first.backend), |p| (p.target.node, p.target.backend));
+    let p = &placements[at.ok()?];
+    if p.slots == 0 || route.cold() {
+        return None;
+    }
+    // The own counts that leave a slot free are those below the first that
+    // does not; `queue_ahead` grows with the own count, and from `slots`
+    // own requests on none is free.
+    let (mut low, mut high) = (0u32, p.slots);
+    while low < high {
+        let mid = low + (high - low) / 2;
+        if queue_ahead(p, mid) == 0 {
+            low = mid + 1;
+        } else {
+            high = mid;
+        }
+    }
+    Some(low)
 }
 
 /// The route of `request` over `snapshot`'s nodes, as this data plane's

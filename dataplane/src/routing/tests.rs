@@ -441,6 +441,44 @@ fn a_slot_this_data_plane_freed_is_free_before_the_next_report() {
 }
 
 #[test]
+fn of_two_requests_routed_from_the_same_counts_only_one_takes_the_last_slot() {
+    // "a" has 4 slots, 3 held by this data plane's requests, which its
+    // report shows; two workers route one request each from these counts.
+    let states = NodeStates::default();
+    let endpoint =
+        Arc::new(states.endpoint(&Arc::from("a"), inferyes_net::base_url::BaseUrl::new("http://a"), false, true, 1));
+    let held: Vec<_> = (0..3).map(|_| endpoint.enter(None)).collect();
+    let nodes: BTreeMap<String, SnapshotNode> = [("a".to_string(), wire(&slow("a", 3, 0)))].into();
+    let s = decode(1, &nodes, None, &[], &states);
+    let request = RouteRequest { prompt_tokens: 500, ..chat(None) };
+    let (one, two) = (select(&s, s.local(), &request).unwrap(), select(&s, s.local(), &request).unwrap());
+    assert!(!one.waits && !two.waits, "each saw the free slot");
+    assert_eq!(slot_room(&s, "chat", &one), Some(4));
+    let node = &s.nodes()[one.targets[0].node].endpoint;
+    let taken = node.claim(4).expect("the first takes the free slot");
+    assert!(node.claim(4).is_none(), "the second finds it taken");
+    drop(taken);
+    assert!(node.claim(4).is_some(), "freed, it is free again");
+    drop(held);
+}
+
+#[test]
+fn a_slot_is_claimed_where_routing_saw_one_free_and_only_there() {
+    // Unread counts are a full round queued: no own count leaves a slot.
+    let s = snapshot(&[Spec { load_unknown: true, ..slow("a", 0, 0) }]);
+    let route = select(&s, &Idle, &chat(None)).unwrap();
+    assert_eq!((route.waits, slot_room(&s, "chat", &route)), (true, Some(0)));
+    // Without a slot count the server's queue decides: nothing to claim.
+    let s = snapshot(&[Spec { slots: 0, ..slow("a", 0, 0) }]);
+    assert_eq!(slot_room(&s, "chat", &select(&s, &Idle, &chat(None)).unwrap()), None);
+    // A cold load's count is its attempt's.
+    let s = snapshot(&[Spec { state: ModelState::Unloaded, ..slow("a", 0, 0) }]);
+    let route = select(&s, &Idle, &chat(None)).unwrap();
+    assert!(route.cold());
+    assert_eq!(slot_room(&s, "chat", &route), None);
+}
+
+#[test]
 fn keyless_requests_do_not_herd_on_the_node_the_last_report_showed_free() {
     // Reported: "a" has its 4 slots taken, "b" is idle. Since, this data
     // plane sent 8 requests to "b": by its own count "b" is the busier.
@@ -722,6 +760,27 @@ proptest! {
                     prop_assert!(node.vram_fraction < node.admission_threshold);
                 }
             }
+        }
+    }
+
+    #[test]
+    fn a_request_takes_a_slot_exactly_where_routing_says_it_need_not_wait(
+        specs in arb_fleet(),
+        loads in proptest::collection::vec((1u32..8, 0u32..10, any::<bool>()), 12),
+        own in 0u32..12,
+        session in prop::option::of("[a-z]{1,8}|conv"),
+    ) {
+        let specs: Vec<Spec> = specs
+            .into_iter()
+            .zip(loads)
+            .map(|(spec, (slots, busy, load_unknown))| Spec { slots, busy, load_unknown, ..spec })
+            .collect();
+        let s = snapshot(&specs);
+        let counts = Own { in_flight: (0..specs.len()).map(|node| (node, own)).collect(), ..Own::default() };
+        if let Ok(route) = select(&s, &counts, &chat(session.as_deref()))
+            && let Some(room) = slot_room(&s, "chat", &route)
+        {
+            prop_assert_eq!(!route.waits, own < room, "room {}", room);
         }
     }
 
