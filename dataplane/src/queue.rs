@@ -254,10 +254,9 @@ impl Queue {
                 }
                 Ok(route) => {
                     // Counted at its node now, so that the next request let
-                    // out does not take the same slot; a cold load's count
-                    // is its attempt's, with the memory it holds. A slot a
-                    // request sent on by a worker took meanwhile is not
-                    // free: it waits for the next pass.
+                    // out does not take the same slot. A slot a request
+                    // sent on by a worker took meanwhile is not free: it
+                    // waits for the next pass.
                     let Ok(reserved) = take_slot(snapshot, &entry.model, &route) else {
                         blocked.insert(like);
                         return None;
@@ -334,13 +333,20 @@ fn retry_after_s(left: &VecDeque<u64>, waiting: usize, max_wait_ms: u64, now_ms:
 pub struct SlotTaken;
 
 /// The slot a request routed to start now takes at its first target,
-/// counted there from now on; `None` where its node's slots are not counted
-/// (its attempt counts it). Workers route at the same moment from the same
-/// counts: the one whose node filled meanwhile is told so, and waits.
+/// counted there from now on (`None` for a cold load: its attempt counts
+/// it, with the memory it holds). Workers route at the same moment from
+/// the same counts: the one whose node filled meanwhile is told so, and
+/// waits. Where the node's slots are not counted the server's queue
+/// decides, and the request is counted all the same, for the balance.
 pub fn take_slot(snapshot: &RoutingSnapshot, model: &str, route: &Route) -> Result<Option<InFlight>, SlotTaken> {
-    let Some(room) = routing::slot_room(snapshot, model, route) else { return Ok(None) };
     let Some(node) = route.targets.first().and_then(|target| snapshot.node(target.node)) else { return Ok(None) };
-    node.endpoint.claim(room).map(Some).ok_or(SlotTaken)
+    if route.cold() {
+        return Ok(None);
+    }
+    match routing::slot_room(snapshot, model, route) {
+        Some(room) => node.endpoint.claim(room).map(Some).ok_or(SlotTaken),
+        None => Ok(Some(node.endpoint.enter(None))),
+    }
 }
 
 /// This data plane's state of the nodes as one pass of the dispatcher sees

@@ -59,8 +59,8 @@ pub(crate) struct Hop {
     /// Why the route chose it: its reason for the first target, a
     /// failover for the rest.
     pub reason: &'static str,
-    /// The request's count at the node, taken as the queue let it out:
-    /// the attempt's own.
+    /// The request's count at the node, taken with its slot
+    /// (`queue::take_slot`): the attempt's own.
     pub reserved: Option<InFlight>,
 }
 

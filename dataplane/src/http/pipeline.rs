@@ -334,8 +334,8 @@ impl<'s> Exchange<'s> {
     /// answered once a node can start it, routed as it leaves. A stream
     /// that waits past [`QUIET_WAIT`] is answered at once, with a note
     /// each second while it waits. `route`: where it would go now; one
-    /// that need not wait is never refused by the queue's bounds, only
-    /// sent on.
+    /// that need not wait is not refused by the queue's bounds, but sent
+    /// on, as long as its slot is still free as it goes.
     async fn queued(
         &mut self,
         queue: &Arc<Queue>,
@@ -381,8 +381,12 @@ impl<'s> Exchange<'s> {
             caller: caller.clone(),
         };
         let entered = queue.enter(entry, ask, flow_label);
-        if entered.is_err() && !route.waits {
-            return self.answer(snapshot, route, None, model, prepared, view).await;
+        // Sent on past the queue's bounds only while its slot is free.
+        if entered.is_err()
+            && !route.waits
+            && let Ok(reserved) = crate::queue::take_slot(snapshot, model, &route)
+        {
+            return self.answer(snapshot, route, reserved, model, prepared, view).await;
         }
         let mut place = entered.map_err(|not_in| {
             let error = match not_in.why {
@@ -423,8 +427,8 @@ impl<'s> Exchange<'s> {
     }
 
     /// The answer of the first target that gives one, streamed or whole.
-    /// `reserved`: the first target's count of the request, taken as the
-    /// queue let it out.
+    /// `reserved`: the first target's count of the request, taken with
+    /// its slot ([`crate::queue::take_slot`]).
     async fn answer(
         &mut self,
         snapshot: &Arc<RoutingSnapshot>,

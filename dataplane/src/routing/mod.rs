@@ -488,7 +488,7 @@ fn queue_ahead(p: &Placement, own: u32) -> u32 {
 /// once: a request routed as not waiting takes its slot only while fewer
 /// are ([`crate::targets::Endpoint::claim`]), so that two routed at the
 /// same moment on two workers do not both take the last one. `None` where
-/// slots are not counted (no slot count, a cold load): nothing to claim.
+/// slots are not counted (no slot count, a cold load): no slot to claim.
 pub fn slot_room(snapshot: &RoutingSnapshot, model: &str, route: &Route) -> Option<u32> {
     let first = *route.targets.first()?;
     let placements = snapshot.placements(model)?;

@@ -451,31 +451,51 @@ fn of_two_requests_routed_from_the_same_counts_only_one_takes_the_last_slot() {
     let nodes: BTreeMap<String, SnapshotNode> = [("a".to_string(), wire(&slow("a", 3, 0)))].into();
     let s = decode(1, &nodes, None, &[], &states);
     let request = RouteRequest { prompt_tokens: 500, ..chat(None) };
-    let (one, two) = (select(&s, s.local(), &request).unwrap(), select(&s, s.local(), &request).unwrap());
-    assert!(!one.waits && !two.waits, "each saw the free slot");
-    assert_eq!(slot_room(&s, "chat", &one), Some(4));
-    let node = &s.nodes()[one.targets[0].node].endpoint;
-    let taken = node.claim(4).expect("the first takes the free slot");
-    assert!(node.claim(4).is_none(), "the second finds it taken");
-    drop(taken);
-    assert!(node.claim(4).is_some(), "freed, it is free again");
+    let routes: Vec<Route> = (0..2).map(|_| select(&s, s.local(), &request).unwrap()).collect();
+    assert!(routes.iter().all(|route| !route.waits), "each saw the free slot");
+    assert_eq!(slot_room(&s, "chat", &routes[0]), Some(4));
+    let barrier = std::sync::Barrier::new(2);
+    let taken: Vec<_> = std::thread::scope(|scope| {
+        let workers: Vec<_> = routes
+            .iter()
+            .map(|route| {
+                scope.spawn(|| {
+                    barrier.wait();
+                    crate::queue::take_slot(&s, "chat", route)
+                })
+            })
+            .collect();
+        workers.into_iter().map(|worker| worker.join().unwrap()).collect()
+    });
+    let (won, lost): (Vec<_>, Vec<_>) = taken.into_iter().partition(Result::is_ok);
+    assert_eq!((won.len(), lost.len()), (1, 1), "one takes the last slot, the other finds it taken");
+    assert_eq!(s.local().in_flight(0), 4);
+    drop(won);
+    assert!(crate::queue::take_slot(&s, "chat", &routes[1]).is_ok_and(|r| r.is_some()), "freed, it is free again");
     drop(held);
 }
 
 #[test]
-fn a_slot_is_claimed_where_routing_saw_one_free_and_only_there() {
+fn no_slot_is_free_where_counts_are_unread_and_none_is_claimed_where_slots_are_not_counted() {
     // Unread counts are a full round queued: no own count leaves a slot.
     let s = snapshot(&[Spec { load_unknown: true, ..slow("a", 0, 0) }]);
     let route = select(&s, &Idle, &chat(None)).unwrap();
     assert_eq!((route.waits, slot_room(&s, "chat", &route)), (true, Some(0)));
-    // Without a slot count the server's queue decides: nothing to claim.
+    // Without a slot count the server's queue decides: the request is
+    // counted at its node, whatever its count there.
     let s = snapshot(&[Spec { slots: 0, ..slow("a", 0, 0) }]);
-    assert_eq!(slot_room(&s, "chat", &select(&s, &Idle, &chat(None)).unwrap()), None);
-    // A cold load's count is its attempt's.
+    let route = select(&s, &Idle, &chat(None)).unwrap();
+    assert_eq!(slot_room(&s, "chat", &route), None);
+    let counted = crate::queue::take_slot(&s, "chat", &route).expect("nothing to claim").expect("counted");
+    assert_eq!(s.local().in_flight(0), 1);
+    drop(counted);
+    // A cold load's count is its attempt's, with the memory it holds.
     let s = snapshot(&[Spec { state: ModelState::Unloaded, ..slow("a", 0, 0) }]);
     let route = select(&s, &Idle, &chat(None)).unwrap();
     assert!(route.cold());
     assert_eq!(slot_room(&s, "chat", &route), None);
+    assert!(crate::queue::take_slot(&s, "chat", &route).is_ok_and(|r| r.is_none()));
+    assert_eq!(s.local().in_flight(0), 0);
 }
 
 #[test]
@@ -767,6 +787,7 @@ proptest! {
     fn a_request_takes_a_slot_exactly_where_routing_says_it_need_not_wait(
         specs in arb_fleet(),
         loads in proptest::collection::vec((1u32..8, 0u32..10, any::<bool>()), 12),
+        when_read in proptest::collection::vec(0u32..6, 12),
         own in 0u32..12,
         session in prop::option::of("[a-z]{1,8}|conv"),
     ) {
@@ -775,7 +796,21 @@ proptest! {
             .zip(loads)
             .map(|(spec, (slots, busy, load_unknown))| Spec { slots, busy, load_unknown, ..spec })
             .collect();
-        let s = snapshot(&specs);
+        // This data plane's requests in flight as the reports were read:
+        // those that end before the next report free slots at once.
+        let states = NodeStates::default();
+        let url = inferyes_net::base_url::BaseUrl::new("http://n");
+        let held: Vec<_> = specs
+            .iter()
+            .zip(when_read)
+            .flat_map(|(spec, count)| {
+                let endpoint = Arc::new(states.endpoint(&Arc::from(spec.id.as_str()), url.clone(), false, true, 1));
+                (0..count).map(move |_| endpoint.enter(None))
+            })
+            .collect();
+        let nodes: BTreeMap<String, SnapshotNode> = specs.iter().map(|s| (s.id.clone(), wire(s))).collect();
+        let s = decode(1, &nodes, None, &[], &states);
+        drop(held);
         let counts = Own { in_flight: (0..specs.len()).map(|node| (node, own)).collect(), ..Own::default() };
         if let Ok(route) = select(&s, &counts, &chat(session.as_deref()))
             && let Some(room) = slot_room(&s, "chat", &route)
