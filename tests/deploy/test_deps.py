@@ -67,6 +67,20 @@ def test_protoc_without_the_well_known_types_is_libprotobuf_dev(tmp_path):
     assert "etcd-server" not in result.stderr, result.stderr
 
 
+def test_an_llvm_profdata_of_another_llvm_is_reported_missing(tmp_path):
+    # rustc's profiles are read only by its own LLVM's llvm-profdata: one
+    # of another major answers to the name the check runs, and is not it.
+    version = subprocess.run(["rustc", "-vV"], capture_output=True, text=True, check=True).stdout
+    major = next(line.split()[-1].split(".")[0] for line in version.splitlines() if line.startswith("LLVM version"))
+    impostor = tmp_path / f"llvm-profdata-{major}"
+    impostor.write_text("#!/bin/sh\necho 'Debian LLVM version 14.0.6'\n")
+    impostor.chmod(impostor.stat().st_mode | stat.S_IXUSR)
+    result = check("pgo", {"PATH": f"{tmp_path}:{os.environ['PATH']}"})
+    assert result.returncode == 1, result.stderr
+    assert f"llvm-{major}" in result.stderr, result.stderr
+    assert check("pgo").returncode == 0
+
+
 def test_an_unknown_group_is_refused():
     result = check("everything")
     assert result.returncode == 2
