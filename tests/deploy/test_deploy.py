@@ -138,7 +138,8 @@ def test_every_etcd_the_project_starts_compacts_and_has_a_quota():
         "compose": " ".join(compose["services"]["etcd"]["command"]),
         "kubernetes": " ".join(statefulset["spec"]["template"]["spec"]["containers"][0]["command"]),
     }
-    for path in ("scripts/fleet.sh", "scripts/bench-proxy.sh", "tests/src/etcd.rs", "tests/e2e/harness.py"):
+    for path in ("scripts/fleet.sh", "scripts/bench-proxy.sh", "scripts/pgo.sh", "tests/src/etcd.rs",
+                 "tests/e2e/harness.py"):
         text = (ROOT / path).read_text()
         # Quoted and split across lines in scripts and code: compare the words.
         started[path] = " ".join(re.sub(r'["\',\\]', " ", text).split())
