@@ -122,6 +122,29 @@ def test_the_compose_fleet_is_consistent():
     assert (DEPLOY / "compose" / build["context"] / build["dockerfile"]).is_file()
 
 
+# ------------------------------------------------------------------ image
+
+def dockerfile_runs():
+    """The build stage's RUN commands, each joined across its lines."""
+    text = (DEPLOY / "docker" / "Dockerfile").read_text().replace("\\\n", " ")
+    build = text.split("\nFROM ")[1]
+    return [line.removeprefix("RUN ").strip() for line in build.splitlines() if line.startswith("RUN ")]
+
+
+def test_the_image_ships_the_profile_optimised_build():
+    """The image's binaries are those of scripts/pgo.sh, the recipe CI
+    builds and checks and build-pgo.sh runs: not a plain build beside it."""
+    runs = dockerfile_runs()
+    assert any(r.startswith("scripts/deps.sh pgo") for r in runs), runs
+    assert any("scripts/pgo.sh" in r and "--install-to /out" in r for r in runs), runs
+    assert not any("cargo build" in r for r in runs), runs
+    dockerfile = (DEPLOY / "docker" / "Dockerfile").read_text()
+    assert "COPY --from=build /out/ /usr/local/bin/" in dockerfile
+    assert 'exec "$(dirname "$0")/pgo.sh"' in (ROOT / "scripts" / "build-pgo.sh").read_text()
+    test = (ROOT / "scripts" / "test.sh").read_text()
+    assert re.search(r"scripts/pgo\.sh\" --packages dataplane .*--check", test), "CI does not check the recipe"
+
+
 # ------------------------------------------------------------------- etcd
 
 ETCD_FLAGS = ("--auto-compaction-mode=periodic", "--auto-compaction-retention=5m",
