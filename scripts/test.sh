@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite: formatting, lints, unit and integration tests (real
 # etcd, real sockets), the end-to-end suite (real llama-server nodes, the
-# OpenAI Python client), and the quickstart run end to end.
+# OpenAI Python client), the quickstart run end to end, and the container
+# image's profile-optimised build of the data plane (scripts/pgo.sh).
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -24,3 +25,5 @@ echo "== end to end: real llama-server nodes, the OpenAI client" >&2
 "$root/scripts/e2e.sh"
 echo "== quickstart" >&2
 "$root/scripts/smoke-quickstart.sh"
+echo "== the profile-optimised build: the image's recipe, on a small training load" >&2
+PGO_DIR="${CARGO_TARGET_DIR:-$root/target}/pgo-check" "$root/scripts/pgo.sh" --packages dataplane --requests 300 --check
