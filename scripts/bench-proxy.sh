@@ -14,6 +14,9 @@
 #   DURATION=10s ./scripts/bench-proxy.sh
 #   HOLD=1 ./scripts/bench-proxy.sh     # set up, print pids and wrk lines, wait (for profiling)
 #   FLEET=0 ./scripts/bench-proxy.sh    # without the last part: the data plane with 1,000 more nodes
+#   BIN=target/pgo/use/release ./scripts/bench-proxy.sh
+#                                       # the data plane and agent of that directory (with
+#                                       # BASELINE=target/release: the PGO build beside the plain one)
 #   BASELINE=/path/to/earlier/release ./scripts/bench-proxy.sh
 #                                       # adds rows for an earlier build's data plane and agent
 #                                       # (and its floor, where the directory has a bare_proxy)
@@ -56,7 +59,11 @@ for line in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "controller_scale":
         print(m["executable"])')
 fi
-bin="${CARGO_TARGET_DIR:-$root/target}/release"
+plain="${CARGO_TARGET_DIR:-$root/target}/release"
+# The data plane and agent measured: this tree's release build, or BIN's
+# (e.g. the profile-optimised build, scripts/pgo.sh); the controller, ctl
+# and the floor are always the release build's.
+bin=${BIN:-$plain}
 
 work=$(mktemp -d)
 pids=()
@@ -133,7 +140,7 @@ nginx_auto_pid=$!
 # The floor: a proxy with nothing but the HTTP stack the data plane and the
 # agent are built on (net/examples/bare_proxy.rs).
 bare=$(port)
-"$bin/examples/bare_proxy" "127.0.0.1:$bare" "http://127.0.0.1:$backend" >"$work/bare.log" 2>&1 & pids+=($!)
+"$plain/examples/bare_proxy" "127.0.0.1:$bare" "http://127.0.0.1:$backend" >"$work/bare.log" 2>&1 & pids+=($!)
 bare_pid=$!
 base_bare=""
 if [ -x "${BASELINE:-}/bare_proxy" ]; then
@@ -154,7 +161,7 @@ export INFERYES_ADMIN_TOKEN=bench-admin-token-0123456789 INFERYES_JOIN_TOKEN=ben
 # One token for agents and data planes, so that a BASELINE build (which has
 # no token of the data planes' own) joins the same fleet.
 export INFERYES_DATAPLANE_TOKEN=$INFERYES_JOIN_TOKEN
-"$bin/inferyes-controller" --etcd-endpoints "http://127.0.0.1:$etcd_client" \
+"$plain/inferyes-controller" --etcd-endpoints "http://127.0.0.1:$etcd_client" \
   --grpc-listen "127.0.0.1:$grpc" --http-listen "127.0.0.1:$http" >"$work/controller.log" 2>&1 & pids+=($!)
 cat > "$work/agent.toml" <<CONF
 version = 1
@@ -207,6 +214,10 @@ if [ -n "${BASELINE:-}" ]; then
   RUST_LOG=warn "$BASELINE/inferyes-dataplane" --listen "127.0.0.1:$base" --controllers "http://127.0.0.1:$grpc" \
     --auth none --dataplane-id bench-baseline >"$work/dataplane-base.log" 2>&1 & pids+=($!)
   base_pid=$!
+  base_keyed=$(port)
+  RUST_LOG=warn "$BASELINE/inferyes-dataplane" --listen "127.0.0.1:$base_keyed" --controllers "http://127.0.0.1:$grpc" \
+    --dataplane-id bench-baseline-keys >"$work/dataplane-base-keys.log" 2>&1 & pids+=($!)
+  base_keyed_pid=$!
   base_agent=$(port)
   sed -e "s/bench-node/bench-base/" -e "s/127.0.0.1:$agent/127.0.0.1:$base_agent/" \
     -e "s|127.0.0.1:$backend\"|127.0.0.1:$backend/base\"|" "$work/agent.toml" >"$work/base.toml"
@@ -216,10 +227,12 @@ if [ -n "${BASELINE:-}" ]; then
 fi
 until curl -fsS "http://127.0.0.1:$dataplane/v1/models" 2>/dev/null | grep -q bench-direct; do sleep 0.2; done
 until curl -fsS "http://127.0.0.1:$fleet_dp/v1/models" 2>/dev/null | grep -q bench-direct; do sleep 0.2; done
-key=$("$bin/inferyesctl" --controller "http://127.0.0.1:$grpc" keys create bench -o json |
+key=$("$plain/inferyesctl" --controller "http://127.0.0.1:$grpc" keys create bench -o json |
   python3 -c 'import json, sys; print(json.load(sys.stdin)["secret"])')
-until curl -fsS -H "Authorization: Bearer $key" "http://127.0.0.1:$keyed/v1/models" 2>/dev/null | grep -q bench-direct; do
-  sleep 0.2
+for listen in "$keyed" ${BASELINE:+"$base_keyed"}; do
+  until curl -fsS -H "Authorization: Bearer $key" "http://127.0.0.1:$listen/v1/models" 2>/dev/null | grep -q bench-direct; do
+    sleep 0.2
+  done
 done
 
 cat > "$work/chat.lua" <<'LUA'
@@ -276,6 +289,9 @@ for kind in chat stream; do
   { cat "$work/$kind.lua"; echo 'wrk.headers["x-inferyes-model"] = "bench"'
     echo 'wrk.headers["x-inferyes-session"] = "bench-session"'; } > "$work/$kind-routed.lua"
   sed 's/"model":"bench"/"model":"bench-base"/' "$work/$kind.lua" > "$work/$kind-base.lua"
+  # The baseline's agent is a node of its own, with its own credential.
+  { cat "$work/$kind.lua"; echo "wrk.headers[\"Authorization\"] = \"Bearer $(node_credential bench-base)\""; } \
+    > "$work/$kind-base-agent.lua"
 done
 
 if [ "${HOLD:-}" = 1 ]; then
@@ -325,7 +341,7 @@ if [ "${INSTRUCTIONS:-}" = 1 ]; then
   fi
   echo "user-space instructions per request, ${KIND:-json}, callgrind"
   floor=$(port)
-  count hyper-floor "$floor" "$work/$chat.lua" "$bin/examples/bare_proxy" "127.0.0.1:$floor" "http://127.0.0.1:$backend"
+  count hyper-floor "$floor" "$work/$chat.lua" "$plain/examples/bare_proxy" "127.0.0.1:$floor" "http://127.0.0.1:$backend"
   if [ -n "$base_bare" ]; then
     floor=$(port)
     count hyper-floor@base "$floor" "$work/$chat.lua" "$BASELINE/bare_proxy" "127.0.0.1:$floor" "http://127.0.0.1:$backend"
@@ -426,8 +442,9 @@ for kind in json sse; do
       run floor@base "http://127.0.0.1:$base_bare$path" "$script" $conns $kind "$base_bare_pid"
     fi
     if [ -n "${BASELINE:-}" ]; then
-      run agent@base "http://127.0.0.1:$base_agent$path" "$script" $conns $kind "$base_agent_pid"
+      run agent@base "http://127.0.0.1:$base_agent$path" "${script%.lua}-base-agent.lua" $conns $kind "$base_agent_pid"
       run dp@base "http://127.0.0.1:$base$path" "${script%.lua}-direct.lua" $conns $kind "$base_pid"
+      run dp+keys@base "http://127.0.0.1:$base_keyed$path" "${script%.lua}-direct-key.lua" $conns $kind "$base_keyed_pid"
       run dp+agent@base "http://127.0.0.1:$base$path" "${script%.lua}-base.lua" $conns $kind "$base_pid" "$base_agent_pid"
     fi
   done
