@@ -81,7 +81,7 @@ can_chromedriver() { # and of Chromium's major version, or it refuses to drive i
 }
 # rustc writes profiles in its own LLVM's format, which only that major's
 # llvm-profdata reads (Debian's llvm-14 refuses rustc 1.95's, LLVM 22).
-llvm_major=$(rustc -vV 2>/dev/null | sed -n 's/^LLVM version: \([0-9]*\).*/\1/p')
+llvm_major=$(rustc -vV 2>/dev/null | sed -n 's/^LLVM version: \([0-9]*\).*/\1/p' || true)
 can_profdata() { # prints nothing: the version line names the major
   [ -n "$llvm_major" ] && [[ "$("llvm-profdata-$llvm_major" --version 2>/dev/null)" == *"LLVM version $llvm_major."* ]]
 }
@@ -144,9 +144,18 @@ report "$gaps"
 sudo=""
 [ "$(id -u)" -eq 0 ] || sudo="sudo"
 $sudo apt-get update -qq >&2
+apt_install() { # packages...
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "$@" >/dev/null \
+    || echo "deps.sh: apt-get install $* failed" >&2
+}
+# LLVM on its own: a rustc whose LLVM Debian does not carry yet must not
+# keep the rest from being installed.
+others=$(tr ' ' '\n' <<<"$packages" | grep -v -e '^llvm-' -e '^$' || true)
+llvm_packages=$(tr ' ' '\n' <<<"$packages" | grep '^llvm-' || true)
 # shellcheck disable=SC2086 # one word per package
-DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends $packages >/dev/null \
-  || echo "deps.sh: apt-get install $packages failed" >&2
+[ -z "$others" ] || apt_install $others
+# shellcheck disable=SC2086
+[ -z "$llvm_packages" ] || apt_install $llvm_packages
 # Debian's etcd-server may start a system etcd on 2379; the project never
 # uses that port, so the two do not meet.
 
