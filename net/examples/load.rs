@@ -1,7 +1,8 @@
 //! A fixed load: `REQUESTS` POSTs of one body to one URL over
 //! `CONNECTIONS` kept-alive connections, each answer read whole. Fails on
-//! the first answer that is not a success, and on a stream (an answer of
-//! `text/event-stream`) that does not end with `data: [DONE]`. The
+//! the first answer that is not a success, on a stream (an answer of
+//! `text/event-stream`) that does not end with `data: [DONE]`, and on a
+//! whole answer to a body asking for a stream (`"stream":true`). The
 //! profile-optimised build's training (`scripts/pgo.sh`) runs it: a count,
 //! not a duration, so that the profile does not depend on the machine's
 //! speed, and a failure, not a quiet profile of error paths.
@@ -27,6 +28,8 @@ struct Load {
     host: HeaderValue,
     headers: Vec<(HeaderName, HeaderValue)>,
     body: Bytes,
+    /// The body asks for a stream: a whole answer is a failure.
+    streams: bool,
     left: AtomicU64,
 }
 
@@ -48,6 +51,9 @@ impl Load {
             }
             let stream =
                 parts.headers.get(header::CONTENT_TYPE).is_some_and(|t| t.as_bytes().starts_with(b"text/event-stream"));
+            if self.streams && !stream {
+                return Err(format!("a stream asked for, a whole answer given: {}", String::from_utf8_lossy(&body)));
+            }
             if stream && !body.trim_ascii_end().ends_with(b"data: [DONE]") {
                 return Err(format!("a stream without its end: {}", String::from_utf8_lossy(&body)));
             }
@@ -99,8 +105,9 @@ async fn main() {
         read_timeout: std::time::Duration::from_secs(60),
         idle_limits: pool::IdleLimits::default(),
     };
-    let load =
-        Arc::new(Load { pool: Pool::new(settings), origin, uri, host, headers, body, left: AtomicU64::new(requests) });
+    let streams = std::str::from_utf8(&body).is_ok_and(|text| text.contains("\"stream\":true"));
+    let left = AtomicU64::new(requests);
+    let load = Arc::new(Load { pool: Pool::new(settings), origin, uri, host, headers, body, streams, left });
     let started = std::time::Instant::now();
     let tasks: Vec<_> = (0..connections.max(1)).map(|_| tokio::spawn(Arc::clone(&load).run())).collect();
     for task in tasks {
