@@ -172,6 +172,24 @@ fn snapshot(specs: &[Spec]) -> RoutingSnapshot {
     snapshot_with(specs, None)
 }
 
+/// A snapshot decoded while this data plane holds `held[i]` requests at
+/// `specs[i]`'s node (its own count as the reports were read), and those
+/// requests, held until dropped.
+fn snapshot_holding(specs: &[Spec], held: &[u32]) -> (RoutingSnapshot, Vec<crate::targets::InFlight>) {
+    let states = NodeStates::default();
+    let url = inferyes_net::base_url::BaseUrl::new("http://node");
+    let requests = specs
+        .iter()
+        .zip(held)
+        .flat_map(|(spec, count)| {
+            let endpoint = Arc::new(states.endpoint(&Arc::from(spec.id.as_str()), url.clone(), false, true, 1));
+            (0..*count).map(move |_| endpoint.enter(None))
+        })
+        .collect();
+    let nodes: BTreeMap<String, SnapshotNode> = specs.iter().map(|s| (s.id.clone(), wire(s))).collect();
+    (decode(1, &nodes, None, &[], &states), requests)
+}
+
 fn chat(session: Option<&str>) -> RouteRequest<'_> {
     RouteRequest {
         model: "chat",
@@ -422,13 +440,7 @@ fn a_burst_between_two_reports_is_spread_by_the_own_counts() {
 fn a_slot_this_data_plane_freed_is_free_before_the_next_report() {
     // "a" reported its 4 slots taken, all by this data plane's requests,
     // which were in flight when the report was read; "b" is busier.
-    let states = NodeStates::default();
-    let endpoint =
-        Arc::new(states.endpoint(&Arc::from("a"), inferyes_net::base_url::BaseUrl::new("http://a"), false, true, 1));
-    let held: Vec<_> = (0..4).map(|_| endpoint.enter(None)).collect();
-    let specs = [slow("a", 4, 0), Spec { in_flight: 8, ..slow("b", 4, 4) }];
-    let nodes: BTreeMap<String, SnapshotNode> = specs.iter().map(|s| (s.id.clone(), wire(s))).collect();
-    let s = decode(1, &nodes, None, &[], &states);
+    let (s, held) = snapshot_holding(&[slow("a", 4, 0), Spec { in_flight: 8, ..slow("b", 4, 4) }], &[4, 0]);
     let request = RouteRequest { prompt_tokens: 500, ..chat(None) };
     let waits_on_a = |own: u32| {
         let own = Own { in_flight: [(0, own)].into(), ..Own::default() };
@@ -444,12 +456,7 @@ fn a_slot_this_data_plane_freed_is_free_before_the_next_report() {
 fn of_two_requests_routed_from_the_same_counts_only_one_takes_the_last_slot() {
     // "a" has 4 slots, 3 held by this data plane's requests, which its
     // report shows; two workers route one request each from these counts.
-    let states = NodeStates::default();
-    let endpoint =
-        Arc::new(states.endpoint(&Arc::from("a"), inferyes_net::base_url::BaseUrl::new("http://a"), false, true, 1));
-    let held: Vec<_> = (0..3).map(|_| endpoint.enter(None)).collect();
-    let nodes: BTreeMap<String, SnapshotNode> = [("a".to_string(), wire(&slow("a", 3, 0)))].into();
-    let s = decode(1, &nodes, None, &[], &states);
+    let (s, held) = snapshot_holding(&[slow("a", 3, 0)], &[3]);
     let request = RouteRequest { prompt_tokens: 500, ..chat(None) };
     let routes: Vec<Route> = (0..2).map(|_| select(&s, s.local(), &request).unwrap()).collect();
     assert!(routes.iter().all(|route| !route.waits), "each saw the free slot");
@@ -798,18 +805,7 @@ proptest! {
             .collect();
         // This data plane's requests in flight as the reports were read:
         // those that end before the next report free slots at once.
-        let states = NodeStates::default();
-        let url = inferyes_net::base_url::BaseUrl::new("http://n");
-        let held: Vec<_> = specs
-            .iter()
-            .zip(when_read)
-            .flat_map(|(spec, count)| {
-                let endpoint = Arc::new(states.endpoint(&Arc::from(spec.id.as_str()), url.clone(), false, true, 1));
-                (0..count).map(move |_| endpoint.enter(None))
-            })
-            .collect();
-        let nodes: BTreeMap<String, SnapshotNode> = specs.iter().map(|s| (s.id.clone(), wire(s))).collect();
-        let s = decode(1, &nodes, None, &[], &states);
+        let (s, held) = snapshot_holding(&specs, &when_read);
         drop(held);
         let counts = Own { in_flight: (0..specs.len()).map(|node| (node, own)).collect(), ..Own::default() };
         if let Ok(route) = select(&s, &counts, &chat(session.as_deref()))
