@@ -27,6 +27,8 @@
 #                                       # and keep the profiles there (callgrind_annotate --inclusive=yes)
 #   ONLY=dataplane INSTRUCTIONS=1 ./scripts/bench-proxy.sh
 #                                       # count only the proxies whose name starts so
+#   ONLY=nginx-auto,dp+keys ./scripts/bench-proxy.sh
+#                                       # time only the rows whose name starts with one of these
 #   KIND=sse INSTRUCTIONS=1 ./scripts/bench-proxy.sh
 #                                       # count streamed completions, not JSON chat
 #   HEADERS=openai ./scripts/bench-proxy.sh
@@ -294,6 +296,17 @@ for kind in chat stream; do
     > "$work/$kind-base-agent.lua"
 done
 
+# Whether a row is one ONLY names: a comma-separated list of name prefixes
+# (all rows where ONLY is unset).
+chosen() {
+  local prefix
+  [ -z "${ONLY:-}" ] && return 0
+  for prefix in ${ONLY//,/ }; do
+    [[ "$1" == "$prefix"* ]] && return 0
+  done
+  return 1
+}
+
 if [ "${HOLD:-}" = 1 ]; then
   # Keep the fleet up for profiling, e.g. perf record -g -p <data plane>.
   echo "data plane $dp_pid (keys: $keyed_pid), agent $agent_pid, nginx proxy $nginx_pid (a worker per core: $nginx_auto_pid), backend $backend_pid"
@@ -312,7 +325,7 @@ if [ "${INSTRUCTIONS:-}" = 1 ]; then
   count() { # name port wrk-script command...
     local name=$1 port=$2 script=$3
     shift 3
-    [[ "$name" == "${ONLY:-}"* ]] || return 0
+    chosen "$name" || return 0
     valgrind --tool=callgrind --callgrind-out-file="$work/cg.$name" "$@" >"$work/cg.$name.log" 2>&1 &
     local pid=$!
     until curl -s -o /dev/null "http://127.0.0.1:$port/"; do sleep 0.5; done
@@ -373,7 +386,7 @@ if [ "${INSTRUCTIONS:-}" = 1 ]; then
   # The model on two replicas, as models are in a fleet: a second node
   # advertising the backend. Routing weighs both, and a stream may list
   # the other for continuation.
-  [[ "dataplane+replicas" == "${ONLY:-}"* ]] || exit 0
+  chosen dataplane+replicas || exit 0
   replica=$(port)
   sed -e 's/^node_id = .*/node_id = "bench-direct-2"/' -e "s/^proxy_listen = .*/proxy_listen = \"127.0.0.1:$replica\"/" \
     "$work/direct.toml" >"$work/direct-2.toml"
@@ -407,6 +420,7 @@ hz=$(getconf CLK_TCK)
 run() { # name url script connections kind pids-on-the-path...
   local name=$1 url=$2 script=$3 conns=$4 kind=$5
   shift 5
+  chosen "$name" || return 0
   local out before after
   before=$(ticks "$@")
   out=$(wrk -t "$([ "$conns" -eq 1 ] && echo 1 || echo 2)" -c "$conns" -d "$duration" --latency -s "$script" "$url" 2>&1)
