@@ -80,7 +80,9 @@ grpc=$(port); http=$(port); agent=$(port); dataplane=$(port); dataplane_admin=$(
 export INFERYES_ADMIN_LISTEN=127.0.0.1:0
 
 json='{"id":"chatcmpl-bench","object":"chat.completion","created":0,"model":"bench","choices":[{"index":0,"message":{"role":"assistant","content":"hello there"},"finish_reason":"stop"}],"usage":{"prompt_tokens":9,"completion_tokens":2,"total_tokens":11}}'
-sse='data: {"id":"cmpl-bench","object":"text_completion","choices":[{"index":0,"text":"hello","finish_reason":null}]}\n\ndata: {"id":"cmpl-bench","object":"text_completion","choices":[{"index":0,"text":" there","finish_reason":"stop"}]}\n\ndata: [DONE]\n\n'
+# A stream as llama-server sends one: each event, the last too, ends with
+# a blank line (printf -v keeps the trailing newlines that $(...) strips).
+printf -v sse 'data: {"id":"cmpl-bench","object":"text_completion","choices":[{"index":0,"text":"hello","finish_reason":null}]}\n\ndata: {"id":"cmpl-bench","object":"text_completion","choices":[{"index":0,"text":" there","finish_reason":"stop"}]}\n\ndata: [DONE]\n\n'
 # nginx processes of their own: the fake backend (one worker), and the
 # reverse proxies compared with the data plane (so each one's CPU can be
 # read apart).
@@ -98,13 +100,13 @@ http {
     location = /health { default_type application/json; return 200 '{"status":"ok"}'; }
     location = /v1/models { default_type application/json; return 200 '{"object":"list","data":[{"id":"bench"}]}'; }
     location = /v1/chat/completions { default_type application/json; return 200 '$json'; }
-    location = /v1/completions { default_type text/event-stream; return 200 '$(printf "$sse")'; }
+    location = /v1/completions { default_type text/event-stream; return 200 '$sse'; }
     location = /direct/health { default_type application/json; return 200 '{"status":"ok"}'; }
     location = /direct/v1/models { default_type application/json; return 200 '{"object":"list","data":[{"id":"bench-direct"}]}'; }
     location = /base/health { default_type application/json; return 200 '{"status":"ok"}'; }
     location = /base/v1/models { default_type application/json; return 200 '{"object":"list","data":[{"id":"bench-base"}]}'; }
     location = /base/v1/chat/completions { default_type application/json; return 200 '$json'; }
-    location = /base/v1/completions { default_type text/event-stream; return 200 '$(printf "$sse")'; }
+    location = /base/v1/completions { default_type text/event-stream; return 200 '$sse'; }
     location / { return 404; }
   }
 }
