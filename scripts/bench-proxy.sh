@@ -72,9 +72,22 @@ pids=()
 cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$work"; }
 trap cleanup EXIT
 
-port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-backend=$(port); nginx_proxy=$(port); etcd_client=$(port); etcd_peer=$(port)
-grpc=$(port); http=$(port); agent=$(port); dataplane=$(port); dataplane_admin=$(port)
+# Free ports, none given before (into the variables named): the kernel may
+# hand a closed probe's port out again, and two services on one port leave
+# one of them dead.
+given_ports=" "
+port() {
+  local var p
+  for var in "$@"; do
+    while :; do
+      p=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+      [[ "$given_ports" == *" $p "* ]] || break
+    done
+    given_ports+="$p "
+    printf -v "$var" %s "$p"
+  done
+}
+port backend nginx_proxy etcd_client etcd_peer grpc http agent dataplane dataplane_admin direct_proxy
 # Metrics and health on ports of their own, wherever: only the first data
 # plane's are read (older builds have no admin port and ignore this).
 export INFERYES_ADMIN_LISTEN=127.0.0.1:0
@@ -114,7 +127,7 @@ CONF
 # The reverse proxy twice: with one worker, and with a worker per core as
 # the data plane and the agent have (nginx's `worker_processes auto`, the
 # configuration Debian ships). The second is the like-for-like comparison.
-nginx_proxy_auto=$(port)
+port nginx_proxy_auto
 for variant in nginx-proxy:1:$nginx_proxy nginx-proxy-auto:auto:$nginx_proxy_auto; do
   IFS=: read -r dir workers listen <<<"$variant"
   mkdir -p "$work/$dir"
@@ -143,12 +156,12 @@ nginx -c "$work/nginx-proxy-auto/nginx.conf" -g 'daemon off;' & pids+=($!)
 nginx_auto_pid=$!
 # The floor: a proxy with nothing but the HTTP stack the data plane and the
 # agent are built on (net/examples/bare_proxy.rs).
-bare=$(port)
+port bare
 "$plain/examples/bare_proxy" "127.0.0.1:$bare" "http://127.0.0.1:$backend" >"$work/bare.log" 2>&1 & pids+=($!)
 bare_pid=$!
 base_bare=""
 if [ -x "${BASELINE:-}/bare_proxy" ]; then
-  base_bare=$(port)
+  port base_bare
   "$BASELINE/bare_proxy" "127.0.0.1:$base_bare" "http://127.0.0.1:$backend" >"$work/bare-base.log" 2>&1 & pids+=($!)
   base_bare_pid=$!
 fi
@@ -187,7 +200,7 @@ cat > "$work/direct.toml" <<CONF
 version = 1
 node_id = "bench-direct"
 controllers = ["http://127.0.0.1:$grpc"]
-proxy_listen = "127.0.0.1:$(port)"
+proxy_listen = "127.0.0.1:$direct_proxy"
 advertise_url = "http://127.0.0.1:$backend"
 [gpu]
 source = "none"
@@ -203,26 +216,26 @@ CONF
 RUST_LOG=warn INFERYES_ADMIN_LISTEN="127.0.0.1:$dataplane_admin" "$bin/inferyes-dataplane" --listen "127.0.0.1:$dataplane" --controllers "http://127.0.0.1:$grpc" \
   --auth none --dataplane-id bench-open >"$work/dataplane.log" 2>&1 & pids+=($!)
 dp_pid=$!
-keyed=$(port)
+port keyed
 RUST_LOG=warn "$bin/inferyes-dataplane" --listen "127.0.0.1:$keyed" --controllers "http://127.0.0.1:$grpc" \
   --dataplane-id bench-keys >"$work/dataplane-keys.log" 2>&1 & pids+=($!)
 keyed_pid=$!
-fleet_dp=$(port)
+port fleet_dp
 RUST_LOG=warn "$bin/inferyes-dataplane" --listen "127.0.0.1:$fleet_dp" --controllers "http://127.0.0.1:$grpc" \
   --auth none --agent-protocol http2 --dataplane-id bench-h2 >"$work/dataplane-h2.log" 2>&1 & pids+=($!)
 fleet_dp_pid=$!
 if [ -n "${BASELINE:-}" ]; then
   # An earlier build's data plane and agent, in the same fleet: its agent is
   # a node of its own (model bench-base), so the other rows are unchanged.
-  base=$(port)
+  port base
   RUST_LOG=warn "$BASELINE/inferyes-dataplane" --listen "127.0.0.1:$base" --controllers "http://127.0.0.1:$grpc" \
     --auth none --dataplane-id bench-baseline >"$work/dataplane-base.log" 2>&1 & pids+=($!)
   base_pid=$!
-  base_keyed=$(port)
+  port base_keyed
   RUST_LOG=warn "$BASELINE/inferyes-dataplane" --listen "127.0.0.1:$base_keyed" --controllers "http://127.0.0.1:$grpc" \
     --dataplane-id bench-baseline-keys >"$work/dataplane-base-keys.log" 2>&1 & pids+=($!)
   base_keyed_pid=$!
-  base_agent=$(port)
+  port base_agent
   sed -e "s/bench-node/bench-base/" -e "s/127.0.0.1:$agent/127.0.0.1:$base_agent/" \
     -e "s|127.0.0.1:$backend\"|127.0.0.1:$backend/base\"|" "$work/agent.toml" >"$work/base.toml"
   "$BASELINE/inferyes-agent" --config "$work/base.toml" >"$work/agent-base.log" 2>&1 & pids+=($!)
@@ -355,16 +368,16 @@ if [ "${INSTRUCTIONS:-}" = 1 ]; then
     path=/v1/chat/completions chat=chat
   fi
   echo "user-space instructions per request, ${KIND:-json}, callgrind"
-  floor=$(port)
+  port floor
   count hyper-floor "$floor" "$work/$chat.lua" "$plain/examples/bare_proxy" "127.0.0.1:$floor" "http://127.0.0.1:$backend"
   if [ -n "$base_bare" ]; then
-    floor=$(port)
+    port floor
     count hyper-floor@base "$floor" "$work/$chat.lua" "$BASELINE/bare_proxy" "127.0.0.1:$floor" "http://127.0.0.1:$backend"
   fi
   for build in "$bin" ${BASELINE:+"$BASELINE"}; do
     suffix=""
     [ "$build" = "$bin" ] || suffix=@base
-    proxy=$(port)
+    port proxy
     sed -e "s/^node_id = .*/node_id = \"bench-instructions-$proxy\"/" \
       -e "s/^proxy_listen = .*/proxy_listen = \"127.0.0.1:$proxy\"/" "$work/agent.toml" >"$work/agent-$proxy.toml"
     if [ -z "$suffix" ]; then
@@ -377,10 +390,10 @@ if [ "${INSTRUCTIONS:-}" = 1 ]; then
     count "agent+session$suffix" "$proxy" "$(with_credential "$work/$chat-routed.lua" "$credential")" \
       "$build/inferyes-agent" --config "$work/agent-$proxy.toml" --workers 1
     name=dataplane$suffix
-    listen=$(port)
+    port listen
     count "$name" "$listen" "$work/$chat-direct.lua" "$build/inferyes-dataplane" --listen "127.0.0.1:$listen" \
       --controllers "http://127.0.0.1:$grpc" --auth none --dataplane-id "bench-instructions-$listen" --workers 1
-    listen=$(port)
+    port listen
     count "dataplane+keys$suffix" "$listen" "$work/$chat-direct-key.lua" "$build/inferyes-dataplane" \
       --listen "127.0.0.1:$listen" --controllers "http://127.0.0.1:$grpc" --dataplane-id "bench-instructions-$listen" \
       --workers 1
@@ -389,7 +402,7 @@ if [ "${INSTRUCTIONS:-}" = 1 ]; then
   # advertising the backend. Routing weighs both, and a stream may list
   # the other for continuation.
   chosen dataplane+replicas || exit 0
-  replica=$(port)
+  port replica
   sed -e 's/^node_id = .*/node_id = "bench-direct-2"/' -e "s/^proxy_listen = .*/proxy_listen = \"127.0.0.1:$replica\"/" \
     "$work/direct.toml" >"$work/direct-2.toml"
   "$bin/inferyes-agent" --config "$work/direct-2.toml" >"$work/direct-2.log" 2>&1 & pids+=($!)
@@ -401,7 +414,7 @@ sys.exit(not any(m["id"] == "bench-direct" and m["inferyes"]["nodes"] == 2 for m
   for build in "$bin" ${BASELINE:+"$BASELINE"}; do
     suffix=""
     [ "$build" = "$bin" ] || suffix=@base
-    listen=$(port)
+    port listen
     count "dataplane+replicas$suffix" "$listen" "$work/$chat-direct.lua" "$build/inferyes-dataplane" --listen "127.0.0.1:$listen" \
       --controllers "http://127.0.0.1:$grpc" --auth none --dataplane-id "bench-instructions-$listen" --workers 1
   done
