@@ -88,7 +88,7 @@ can_profdata() { # prints nothing: the version line names the major
 
 # name | packages | why
 capabilities=(
-  "cc|gcc libc6-dev|a C compiler: the TLS crate (ring) builds C code"
+  "cc|gcc libc6-dev|a C compiler: the TLS crate (ring) and the allocator (mimalloc) build C code"
   "protoc|protobuf-compiler libprotobuf-dev|protoc with the well-known types (google/protobuf/descriptor.proto): the etcd client's build"
   "etcd|etcd-server|etcd 3: the fleet store"
   "curl|curl|curl: the fleet scripts wait on HTTP endpoints"

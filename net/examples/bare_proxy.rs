@@ -17,6 +17,11 @@ use hyper::body::Incoming;
 use inferyes_net::base_url::BaseUrl;
 use inferyes_net::pool::{self, Pool};
 
+// The binaries' allocator, so that this floor is their HTTP stack as they
+// run it.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Clone)]
 struct Forward {
     pool: Pool<Incoming>,
