@@ -8,9 +8,6 @@ use memchr::memmem::Finder;
 
 /// The fixed strings looked for in every frame of a stream; searchers built
 /// once.
-static EVENT_END: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\n\n"));
-static CRLF_EVENT_END: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\r\n\r\n"));
-static DATA: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"data: "));
 static NO_CHOICES: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\"choices\":[]"));
 static USAGE: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\"usage\":"));
 /// Fields that carry generated output, as string values: chat (`content`,
@@ -86,11 +83,17 @@ impl Events {
 /// Events end with `\n\n`, or `\r\n\r\n` from a server that ends its
 /// lines so (the two are not mixed within a stream).
 pub(crate) fn event_end(bytes: &[u8]) -> Option<usize> {
-    let lf = EVENT_END.find(bytes).map(|at| at + 2);
-    // Searched only before the first `\n\n`: one that ends earlier is
-    // there, and a stream's frames are not read over and over.
-    let before = lf.unwrap_or(bytes.len());
-    CRLF_EVENT_END.find(&bytes[..before]).map(|at| at + 4).or(lf)
+    // From one line end to the next: an event's lines are short, and a
+    // two-byte needle's search costs more to set up than it finds.
+    memchr::memchr_iter(b'\n', bytes).find_map(|at| {
+        if at >= 3 && &bytes[at - 3..at] == b"\r\n\r" {
+            Some(at + 1)
+        } else if bytes.get(at + 1) == Some(&b'\n') {
+            Some(at + 2)
+        } else {
+            None
+        }
+    })
 }
 
 /// Whether an answer with these headers is an event stream.
@@ -116,7 +119,8 @@ pub fn is_usage_only_event(event: &[u8]) -> bool {
 
 /// The data events (`data: ...` at a line start) that begin in `bytes`.
 pub fn count_data_events(bytes: &[u8]) -> usize {
-    DATA.find_iter(bytes).filter(|&i| i == 0 || bytes[i - 1] == b'\n').count()
+    let line_starts = std::iter::once(0).chain(memchr::memchr_iter(b'\n', bytes).map(|at| at + 1));
+    line_starts.filter(|&start| bytes[start..].starts_with(b"data: ")).count()
 }
 
 /// Whether `bytes` carry generated output: a non-empty string in one of the
@@ -302,6 +306,31 @@ mod tests {
         assert_eq!(event_end(b"a\r\n\r\nb\n\n"), Some(5));
         assert_eq!(event_end(b"a\n\nb\r\n\r\n"), Some(3));
         assert_eq!(event_end(b"a\r\n"), None);
+    }
+
+    proptest::proptest! {
+        /// The first event end is where the first `\n\n` or `\r\n\r\n`
+        /// ends, whichever ends first.
+        #[test]
+        fn an_event_ends_where_its_first_blank_line_does(
+            bytes in proptest::collection::vec(proptest::sample::select(&b"a\r\n"[..]), 0..40)
+        ) {
+            let ending = |blank: &[u8]| bytes.windows(blank.len()).position(|w| w == blank).map(|at| at + blank.len());
+            let first = [ending(b"\n\n"), ending(b"\r\n\r\n")].into_iter().flatten().min();
+            proptest::prop_assert_eq!(event_end(&bytes), first);
+        }
+
+        /// Data events are counted where `data: ` starts a line.
+        #[test]
+        fn data_events_are_counted_at_line_starts(
+            pieces in proptest::collection::vec(proptest::sample::select(&["data: ", "data:", "x", "\n", "\r\n"][..]), 0..20)
+        ) {
+            let bytes = pieces.concat().into_bytes();
+            let starts = (0..bytes.len())
+                .filter(|&i| (i == 0 || bytes[i - 1] == b'\n') && bytes[i..].starts_with(b"data: "))
+                .count();
+            proptest::prop_assert_eq!(count_data_events(&bytes), starts);
+        }
     }
 
     #[test]
