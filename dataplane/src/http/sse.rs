@@ -27,21 +27,31 @@ static OUTPUT: LazyLock<[Finder<'static>; 8]> = LazyLock::new(|| {
     ]
 });
 
+/// Held at most while an event is incomplete: a server that never ends one
+/// is passed on as it is, not held (and searched again) without end.
+const MAX_PENDING: usize = 64 * 1024;
+
 /// Frames in, whole events (each ending in its blank line) out; a partial
 /// event waits for the rest.
 #[derive(Default)]
 pub struct Events {
     pending: Vec<u8>,
+    /// How much of `pending` is known to hold no event's end: a frame's
+    /// search starts near there, not at the start.
+    searched: usize,
 }
 
 impl Events {
     pub fn push(&mut self, data: &[u8]) -> Vec<Bytes> {
-        self.pending.extend_from_slice(data);
+        let whole = self.fill(data);
         let mut events = Vec::new();
-        while let Some(end) = event_end(&self.pending) {
-            let event: Vec<u8> = self.pending.drain(..end).collect();
-            events.push(Bytes::from(event));
+        let mut rest = &self.pending[..whole];
+        while !rest.is_empty() {
+            let end = event_end(rest).unwrap_or(rest.len());
+            events.push(Bytes::copy_from_slice(&rest[..end]));
+            rest = &rest[end..];
         }
+        self.pending.drain(..whole);
         events
     }
 
@@ -54,18 +64,38 @@ impl Events {
         if self.pending.is_empty() && ends_an_event(&data) && NO_CHOICES.find(&data).is_none() {
             return Some(data);
         }
-        self.pending.extend_from_slice(&data);
-        let mut kept = Vec::with_capacity(self.pending.len());
-        let mut start = 0;
-        while let Some(end) = event_end(&self.pending[start..]) {
-            let event = &self.pending[start..start + end];
-            if !is_usage_only_event(event) {
-                kept.extend_from_slice(event);
+        let whole = self.fill(&data);
+        let mut kept = Vec::with_capacity(whole);
+        let mut rest = &self.pending[..whole];
+        while !rest.is_empty() {
+            let end = event_end(rest).unwrap_or(rest.len());
+            if !is_usage_only_event(&rest[..end]) {
+                kept.extend_from_slice(&rest[..end]);
             }
-            start += end;
+            rest = &rest[end..];
         }
-        self.pending.drain(..start);
+        self.pending.drain(..whole);
         (!kept.is_empty()).then(|| Bytes::from(kept))
+    }
+
+    /// Adds `data` to what waits and says how many of the bytes waiting now
+    /// make whole events, which the caller takes out; the rest waits. Past
+    /// [`MAX_PENDING`] of one incomplete event, all of it goes.
+    fn fill(&mut self, data: &[u8]) -> usize {
+        // An event's end (at most four bytes) not found before may end in
+        // this frame.
+        let mut at = self.searched.saturating_sub(3);
+        self.pending.extend_from_slice(data);
+        let mut whole = 0;
+        while let Some(end) = event_end(&self.pending[at..]) {
+            at += end;
+            whole = at;
+        }
+        if self.pending.len() - whole > MAX_PENDING {
+            whole = self.pending.len();
+        }
+        self.searched = self.pending.len() - whole;
+        whole
     }
 
     /// Whether a partial event is waiting.
@@ -75,6 +105,7 @@ impl Events {
 
     /// The partial event left when the stream ends, as it is.
     pub fn take_rest(&mut self) -> Bytes {
+        self.searched = 0;
         Bytes::from(std::mem::take(&mut self.pending))
     }
 }
@@ -320,6 +351,44 @@ mod tests {
             proptest::prop_assert_eq!(event_end(&bytes), first);
         }
 
+        /// However a stream is cut into frames, the same events come out,
+        /// and the same bytes go on to a client without usage.
+        #[test]
+        fn events_do_not_depend_on_where_frames_are_cut(
+            pieces in proptest::collection::vec(
+                proptest::sample::select(&["data: {\"choices\":[{}]}", "data: {\"choices\":[],\"usage\":{}}", "\n", "\r\n", "x"][..]),
+                0..24,
+            ),
+            cuts in proptest::collection::vec(0usize..200, 0..8),
+        ) {
+            let stream = pieces.concat().into_bytes();
+            let mut cuts: Vec<usize> = cuts.into_iter().map(|c| c.min(stream.len())).collect();
+            cuts.sort_unstable();
+            let frames: Vec<&[u8]> = std::iter::once(0)
+                .chain(cuts.iter().copied())
+                .zip(cuts.iter().copied().chain(std::iter::once(stream.len())))
+                .map(|(a, b)| &stream[a..b])
+                .collect();
+            let mut whole = Events::default();
+            let expected = whole.push(&stream);
+            let mut cut = Events::default();
+            let events: Vec<Bytes> = frames.iter().flat_map(|frame| cut.push(frame)).collect();
+            proptest::prop_assert_eq!(&events, &expected);
+            proptest::prop_assert_eq!(cut.take_rest(), whole.take_rest());
+
+            let passed = |frames: &[&[u8]]| {
+                let mut events = Events::default();
+                let mut out: Vec<u8> = frames
+                    .iter()
+                    .filter_map(|frame| events.without_usage(Bytes::copy_from_slice(frame)))
+                    .flat_map(|kept| kept.to_vec())
+                    .collect();
+                out.extend_from_slice(&events.take_rest());
+                out
+            };
+            proptest::prop_assert_eq!(passed(&frames), passed(&[&stream[..]]));
+        }
+
         /// Data events are counted where `data: ` starts a line.
         #[test]
         fn data_events_are_counted_at_line_starts(
@@ -331,6 +400,23 @@ mod tests {
                 .count();
             proptest::prop_assert_eq!(count_data_events(&bytes), starts);
         }
+    }
+
+    #[test]
+    fn an_event_never_ended_is_passed_on_not_held() {
+        let frame = [b'x'; 1024];
+        let (mut events, mut passed, mut pushed) = (Events::default(), 0, 0);
+        for _ in 0..200 {
+            passed += events.without_usage(Bytes::copy_from_slice(&frame)).map_or(0, |kept| kept.len());
+            pushed += frame.len();
+            assert!(events.pending.len() <= MAX_PENDING, "held {}", events.pending.len());
+        }
+        assert_eq!(passed + events.take_rest().len(), pushed, "nothing lost");
+        assert!(passed > 0);
+        let mut events = Events::default();
+        let out: usize = (0..200).flat_map(|_| events.push(&frame)).map(|event| event.len()).sum();
+        assert!(events.pending.len() <= MAX_PENDING);
+        assert_eq!(out + events.take_rest().len(), 200 * frame.len());
     }
 
     #[test]
