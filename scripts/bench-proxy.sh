@@ -29,6 +29,7 @@
 #                                       # count only the proxies whose name starts so
 #   ONLY=nginx-auto,dp+keys ./scripts/bench-proxy.sh
 #                                       # time only the rows whose name starts with one of these
+#                                       # (the timed rows' names: dp+keys, not dataplane+keys)
 #   KIND=sse INSTRUCTIONS=1 ./scripts/bench-proxy.sh
 #                                       # count streamed completions, not JSON chat
 #   HEADERS=openai ./scripts/bench-proxy.sh
@@ -314,9 +315,10 @@ done
 # Whether a row is one ONLY names: a comma-separated list of name prefixes
 # (all rows where ONLY is unset).
 chosen() {
-  local prefix
+  local prefix prefixes
   [ -z "${ONLY:-}" ] && return 0
-  for prefix in ${ONLY//,/ }; do
+  IFS=, read -ra prefixes <<<"$ONLY"
+  for prefix in "${prefixes[@]}"; do
     [[ "$1" == "$prefix"* ]] && return 0
   done
   return 1
