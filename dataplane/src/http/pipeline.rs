@@ -68,7 +68,10 @@ pub(crate) async fn inference(
         facts: RequestFacts::default(),
         held: None,
     };
-    let served = tracing::Instrument::instrument(exchange.serve(request), span.clone()).await;
+    // The request's work, boxed where it is made: the futures around it
+    // (the span's, this one, the edge's, the connection's box) then move a
+    // pointer, not its few kilobytes, each time one is built.
+    let served = tracing::Instrument::instrument(Box::pin(exchange.serve(request)), span.clone()).await;
     let response = match served {
         Ok(response) => response,
         Err(error) => {
