@@ -30,6 +30,9 @@ pub(crate) struct Progress {
     take: bool,
     /// A partial event, waiting for the rest.
     pending: Vec<u8>,
+    /// How much of `pending` is known to hold no event's end: a frame's
+    /// search starts near there, not at the start.
+    searched: usize,
 }
 
 /// What goes on of a frame.
@@ -46,8 +49,11 @@ pub(crate) enum Passed {
 
 impl Progress {
     pub(crate) fn new(events: ProgressEvents) -> Option<Progress> {
-        (events != ProgressEvents::Ignored)
-            .then(|| Progress { take: events == ProgressEvents::Taken, pending: Vec::new() })
+        (events != ProgressEvents::Ignored).then(|| Progress {
+            take: events == ProgressEvents::Taken,
+            pending: Vec::new(),
+            searched: 0,
+        })
     }
 
     /// What of `data` goes on; `seen` is told of each progress event in
@@ -64,11 +70,14 @@ impl Progress {
             opening(&data, &mut seen);
             return Passed::Last(data);
         }
+        // An event's end (at most four bytes) not found before may end in
+        // this frame.
+        let mut from = self.searched.saturating_sub(3);
         self.pending.extend_from_slice(&data);
         let mut kept = Vec::new();
         let mut start = 0;
-        while let Some(end) = super::sse::event_end(&self.pending[start..]) {
-            let event = &self.pending[start..start + end];
+        while let Some(end) = super::sse::event_end(&self.pending[from..]).map(|end| from + end) {
+            let event = &self.pending[start..end];
             if is_comment(event) {
                 kept.extend_from_slice(event);
             } else if is_progress_event(event) {
@@ -81,13 +90,17 @@ impl Progress {
                 opening(event, &mut seen);
                 kept.extend_from_slice(&self.pending[start..]);
                 self.pending.clear();
+                self.searched = 0;
                 return Passed::Last(Bytes::from(kept));
             }
-            start += end;
+            start = end;
+            from = end;
         }
         self.pending.drain(..start);
+        self.searched = self.pending.len();
         if self.pending.len() > MAX_HELD {
             kept.append(&mut self.pending);
+            self.searched = 0;
             return Passed::Last(Bytes::from(kept));
         }
         if kept.is_empty() { Passed::Held } else { Passed::On(Bytes::from(kept)) }
@@ -96,6 +109,7 @@ impl Progress {
     /// The partial event left when the stream ends, as it is; none where it
     /// is one of the progress events the gateway asked for.
     pub(crate) fn take_rest(&mut self) -> Option<Bytes> {
+        self.searched = 0;
         let rest = std::mem::take(&mut self.pending);
         let ours = self.take && is_progress_event(&rest);
         (!rest.is_empty() && !ours).then(|| Bytes::from(rest))
@@ -161,23 +175,28 @@ mod tests {
 
     #[test]
     fn progress_events_are_read_and_taken_out_whatever_the_frames() {
-        let whole = [event(0), event(512), event(818), TOKEN.to_string(), TOKEN.to_string()].concat();
         let at = |processed| Seen::Progress(Some(PromptProgress { total: 818, cache: 0, processed }));
-        for size in [1, 7, 100, whole.len()] {
-            let frames: Vec<&[u8]> = whole.as_bytes().chunks(size).collect();
-            let (out, read, over) = run(ProgressEvents::Taken, &frames);
-            assert_eq!(out, [TOKEN, TOKEN].concat(), "frames of {size}");
-            assert_eq!(read, vec![at(0), at(512), at(818)], "frames of {size}: the first token is one");
-            assert!(over);
-            let (out, read, _) = run(ProgressEvents::Read, &frames);
-            assert_eq!(out, whole, "a client that asked sees them, frames of {size}");
-            assert_eq!(read.len(), 3);
-            // Chat's role chunk opens the answer: no token.
-            let with_role = [event(0), ROLE.to_string(), TOKEN.to_string()].concat();
-            let frames: Vec<&[u8]> = with_role.as_bytes().chunks(size).collect();
-            let (out, read, _) = run(ProgressEvents::Taken, &frames);
-            assert_eq!(out, [ROLE, TOKEN].concat());
-            assert_eq!(read, vec![at(0), Seen::NoToken], "frames of {size}");
+        // Lines ended by `\n` and by `\r\n`: an event's end may be cut
+        // anywhere between frames.
+        for ends in [|s: String| s, |s: String| s.replace('\n', "\r\n")] {
+            let (token, role) = (ends(TOKEN.to_string()), ends(ROLE.to_string()));
+            let whole = ends([event(0), event(512), event(818), TOKEN.to_string(), TOKEN.to_string()].concat());
+            for size in [1, 2, 3, 7, 100, whole.len()] {
+                let frames: Vec<&[u8]> = whole.as_bytes().chunks(size).collect();
+                let (out, read, over) = run(ProgressEvents::Taken, &frames);
+                assert_eq!(out, [token.as_str(), &token].concat(), "frames of {size}");
+                assert_eq!(read, vec![at(0), at(512), at(818)], "frames of {size}: the first token is one");
+                assert!(over);
+                let (out, read, _) = run(ProgressEvents::Read, &frames);
+                assert_eq!(out, whole, "a client that asked sees them, frames of {size}");
+                assert_eq!(read.len(), 3);
+                // Chat's role chunk opens the answer: no token.
+                let with_role = ends([event(0), ROLE.to_string(), TOKEN.to_string()].concat());
+                let frames: Vec<&[u8]> = with_role.as_bytes().chunks(size).collect();
+                let (out, read, _) = run(ProgressEvents::Taken, &frames);
+                assert_eq!(out, [role.as_str(), &token].concat());
+                assert_eq!(read, vec![at(0), Seen::NoToken], "frames of {size}");
+            }
         }
     }
 
