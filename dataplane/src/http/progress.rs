@@ -28,11 +28,9 @@ pub(crate) enum ProgressEvents {
 /// not a progress event; from there on, frames pass untouched.
 pub(crate) struct Progress {
     take: bool,
-    /// A partial event, waiting for the rest.
+    /// A partial event, waiting for the rest: searched already, with no
+    /// end in it.
     pending: Vec<u8>,
-    /// How much of `pending` is known to hold no event's end: a frame's
-    /// search starts near there, not at the start.
-    searched: usize,
 }
 
 /// What goes on of a frame.
@@ -49,11 +47,8 @@ pub(crate) enum Passed {
 
 impl Progress {
     pub(crate) fn new(events: ProgressEvents) -> Option<Progress> {
-        (events != ProgressEvents::Ignored).then(|| Progress {
-            take: events == ProgressEvents::Taken,
-            pending: Vec::new(),
-            searched: 0,
-        })
+        (events != ProgressEvents::Ignored)
+            .then(|| Progress { take: events == ProgressEvents::Taken, pending: Vec::new() })
     }
 
     /// What of `data` goes on; `seen` is told of each progress event in
@@ -72,7 +67,7 @@ impl Progress {
         }
         // An event's end (at most four bytes) not found before may end in
         // this frame.
-        let mut from = self.searched.saturating_sub(3);
+        let mut from = self.pending.len().saturating_sub(3);
         self.pending.extend_from_slice(&data);
         let mut kept = Vec::new();
         let mut start = 0;
@@ -90,17 +85,14 @@ impl Progress {
                 opening(event, &mut seen);
                 kept.extend_from_slice(&self.pending[start..]);
                 self.pending.clear();
-                self.searched = 0;
                 return Passed::Last(Bytes::from(kept));
             }
             start = end;
             from = end;
         }
         self.pending.drain(..start);
-        self.searched = self.pending.len();
         if self.pending.len() > MAX_HELD {
             kept.append(&mut self.pending);
-            self.searched = 0;
             return Passed::Last(Bytes::from(kept));
         }
         if kept.is_empty() { Passed::Held } else { Passed::On(Bytes::from(kept)) }
@@ -109,7 +101,6 @@ impl Progress {
     /// The partial event left when the stream ends, as it is; none where it
     /// is one of the progress events the gateway asked for.
     pub(crate) fn take_rest(&mut self) -> Option<Bytes> {
-        self.searched = 0;
         let rest = std::mem::take(&mut self.pending);
         let ours = self.take && is_progress_event(&rest);
         (!rest.is_empty() && !ours).then(|| Bytes::from(rest))

@@ -37,10 +37,8 @@ const MAX_PENDING: usize = 64 * 1024;
 /// event waits for the rest.
 #[derive(Default)]
 pub struct Events {
+    /// A partial event: searched already, with no end in it.
     pending: Vec<u8>,
-    /// How much of `pending` is known to hold no event's end: a frame's
-    /// search starts near there, not at the start.
-    searched: usize,
 }
 
 impl Events {
@@ -86,7 +84,7 @@ impl Events {
     fn fill(&mut self, data: &[u8]) -> usize {
         // An event's end (at most four bytes) not found before may end in
         // this frame.
-        let mut at = self.searched.saturating_sub(3);
+        let mut at = self.pending.len().saturating_sub(3);
         self.pending.extend_from_slice(data);
         let mut whole = 0;
         while let Some(end) = event_end(&self.pending[at..]) {
@@ -96,7 +94,6 @@ impl Events {
         if self.pending.len() - whole > MAX_PENDING {
             whole = self.pending.len();
         }
-        self.searched = self.pending.len() - whole;
         whole
     }
 
@@ -107,7 +104,6 @@ impl Events {
 
     /// The partial event left when the stream ends, as it is.
     pub fn take_rest(&mut self) -> Bytes {
-        self.searched = 0;
         Bytes::from(std::mem::take(&mut self.pending))
     }
 }
