@@ -249,13 +249,20 @@ async fn when_a_controller_dies_everyone_moves_to_another_without_losing_a_node(
     let dataplane = DataplaneHandle::start(&both).await;
     dataplane.wait_for_nodes(&["node-a", "node-b"]).await;
 
+    // The second controller learns the nodes from etcd, not from their
+    // agents: wait until it has, or the drain below races its watch.
+    let mut admin = two.fleet().await;
+    eventually("the second controller sees both nodes", Duration::from_secs(5), || {
+        let mut admin = admin.clone();
+        async move { admin.list_nodes(ListNodesRequest {}).await.unwrap().into_inner().nodes.len() == 2 }
+    })
+    .await;
     // Watch every snapshot the data plane installs from now on.
     let watch = dataplane.watch_snapshots();
 
     // Everyone starts on the first controller in their list.
     one.stop().await;
     // The fleet goes on through the second: a change made there arrives.
-    let mut admin = two.fleet().await;
     let drained = admin
         .drain(DrainRequest { node_id: "node-b".into(), reason: String::new(), force: false })
         .await
