@@ -68,6 +68,14 @@ pub fn session_tag(key: &str) -> String {
 /// client chooses cannot be picked to collide.
 pub type FastMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
 
+/// `value`'s hash under [`FastMap`]'s hasher, seeded once per process: one
+/// word for a map that must hash with SipHash (a metric family's label
+/// set) to hash in place of every field.
+pub fn fast_digest(value: &impl std::hash::Hash) -> u64 {
+    static SEED: std::sync::LazyLock<foldhash::fast::RandomState> = std::sync::LazyLock::new(Default::default);
+    std::hash::BuildHasher::hash_one(&*SEED, value)
+}
+
 /// `map`'s value for `key`, made by `make` where there is none. Looked up
 /// first: `entry` takes the key owned, a copy on every call, where the
 /// common case (the key is there) needs none.
