@@ -61,7 +61,7 @@ impl Events {
     pub fn without_usage(&mut self, data: Bytes) -> Option<Bytes> {
         // Most frames are whole events, none of them the usage chunk: they
         // go on as they are, not copied.
-        if self.pending.is_empty() && ends_an_event(&data) && NO_CHOICES.find(&data).is_none() {
+        if self.pending.is_empty() && whole_events(&data) && NO_CHOICES.find(&data).is_none() {
             return Some(data);
         }
         let whole = self.fill(&data);
@@ -131,6 +131,20 @@ pub fn is_event_stream(headers: &http::HeaderMap) -> bool {
         .get(http::header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| v.starts_with("text/event-stream"))
+}
+
+/// Whether `bytes` are whole events, the last ending where they do. Not
+/// merely ending in a blank line: in `data: x\n\n\n` the first event ends
+/// before the last `\n`, which begins the next.
+fn whole_events(bytes: &[u8]) -> bool {
+    let mut at = 0;
+    while let Some(end) = event_end(&bytes[at..]) {
+        at += end;
+        if at == bytes.len() {
+            return true;
+        }
+    }
+    false
 }
 
 /// Whether `bytes` end where an event does.
@@ -450,5 +464,15 @@ mod tests {
         assert!(!is_usage_only_event(br#"data: {"choices":[{"delta":{"content":"usage"}}],"usage":null}"#));
         assert!(!is_usage_only_event(b"data: [DONE]"));
         assert_eq!(count_data_events(b"data: {}\n\ndata: [DONE]\n\n: comment data: x\n\n"), 2);
+    }
+
+    #[test]
+    fn a_frame_is_whole_events_only_where_its_last_event_ends_with_it() {
+        assert!(whole_events(b"data: x\n\n"));
+        assert!(whole_events(b"a\r\n\r\nb\n\n"));
+        // Ending in a blank line is not enough: the last `\n` begins an event.
+        assert!(!whole_events(b"data: x\n\n\n"));
+        assert!(!whole_events(b"\n\r\n\n\n"));
+        assert!(!whole_events(b""));
     }
 }
