@@ -22,6 +22,12 @@ pub(crate) struct Opening {
     /// it, and so what the client is told.
     input_tokens: u64,
     held: Vec<u8>,
+    /// How much of `held` is whole events of comments only, passed over.
+    skipped: usize,
+    /// How much of `held` was searched for an event's end: the next search
+    /// resumes there, so a server sending a byte a frame is not searched
+    /// again from the start each time.
+    searched: usize,
 }
 
 impl Opening {
@@ -36,6 +42,8 @@ impl Opening {
             request_id: request_id.to_string(),
             input_tokens,
             held: Vec::new(),
+            skipped: 0,
+            searched: 0,
         })
     }
 
@@ -49,11 +57,22 @@ impl Opening {
             return Some(data.clone());
         }
         self.held.extend_from_slice(data);
-        let opens = match super::sse::opens_with(&self.held, self.name) {
-            Some(opens) => opens,
-            None if self.held.len() > MAX_HELD => true,
-            None => return None,
+        let opens = loop {
+            // Three bytes back, for an event's end split across frames.
+            let from = self.searched.saturating_sub(3).max(self.skipped);
+            let Some(end) = super::sse::event_end(&self.held[from..]).map(|end| from + end) else {
+                self.searched = self.held.len();
+                if self.held.len() > MAX_HELD {
+                    break true;
+                }
+                return None;
+            };
+            match super::sse::event_opens_with(&self.held[self.skipped..end], self.name) {
+                Some(opens) => break opens,
+                None => (self.skipped, self.searched) = (end, end),
+            }
         };
+        (self.skipped, self.searched) = (0, 0);
         let held = std::mem::take(&mut self.held);
         if opens {
             return Some(Bytes::from(held));
@@ -195,6 +214,58 @@ mod tests {
         let mut cut = for_kind(StreamStart::MessageStart);
         assert_eq!(cut.push(&Bytes::from_static(b"event: content")), None);
         assert_eq!(cut.take_rest().as_deref(), Some(&b"event: content"[..]));
+    }
+
+    /// What `opening` passes on of `stream` cut into frames of `size`
+    /// bytes, and the rest it holds at the end.
+    fn in_frames(mut opening: Opening, stream: &[u8], size: usize) -> Vec<u8> {
+        let mut out = Vec::new();
+        let mut frames = stream.chunks(size);
+        for frame in frames.by_ref() {
+            if let Some(passed) = opening.push(&Bytes::copy_from_slice(frame)) {
+                out.extend_from_slice(&passed);
+                break;
+            }
+        }
+        // Once its first event is through, a stream goes on as it comes.
+        frames.for_each(|frame| out.extend_from_slice(frame));
+        out.extend_from_slice(&opening.take_rest().unwrap_or_default());
+        out
+    }
+
+    #[test]
+    fn a_first_event_cut_into_any_frames_is_read_as_if_whole() {
+        for line_end in ["\n", "\r\n"] {
+            let start = START.replace('\n', line_end);
+            let block = BLOCK.replace('\n', line_end);
+            let comments = format!(": ping{line_end}{line_end}:{line_end}{line_end}");
+            for size in [1, 2, 3, 5, 7, 100] {
+                // Opening with its event, comments first: passed on as it is.
+                let whole = format!("{comments}{start}{block}");
+                let passed = in_frames(for_kind(StreamStart::MessageStart), whole.as_bytes(), size);
+                assert_eq!(String::from_utf8(passed).unwrap(), whole, "{line_end:?} in frames of {size}");
+                // Without it: the opening goes ahead of everything.
+                let missing = format!("{comments}{block}{block}");
+                let passed = in_frames(for_kind(StreamStart::MessageStart), missing.as_bytes(), size);
+                let opening = for_kind(StreamStart::MessageStart).event();
+                assert_eq!(passed, [&opening[..], missing.as_bytes()].concat(), "{line_end:?} in frames of {size}");
+            }
+        }
+    }
+
+    #[test]
+    fn comments_without_end_are_held_only_to_the_bound() {
+        let mut opening = for_kind(StreamStart::MessageStart);
+        let ping = Bytes::from_static(b": ping\n\n");
+        let mut sent = 0;
+        let passed = loop {
+            sent += ping.len();
+            if let Some(passed) = opening.push(&ping) {
+                break passed;
+            }
+        };
+        assert!(sent > MAX_HELD && sent <= MAX_HELD + ping.len(), "held {sent} bytes");
+        assert_eq!(passed.len(), sent, "passed on as it came");
     }
 
     #[test]

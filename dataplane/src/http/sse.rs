@@ -208,33 +208,41 @@ pub fn ended_with_event(tail: &[u8], name: &str) -> bool {
 pub fn opens_with(head: &[u8], name: &str) -> Option<bool> {
     let mut rest = head;
     while let Some(end) = event_end(rest) {
-        let event = &rest[..end];
-        rest = &rest[end..];
-        let mut fields = event.split(|b| *b == b'\n').map(<[u8]>::trim_ascii).filter(|line| !line.is_empty());
-        // Comment lines only, or blank lines: not an event.
-        let Some(field) = fields.find(|line| !line.starts_with(b":")) else { continue };
-        let typed = |line: &[u8]| {
-            line.strip_prefix(b"event:").map(<[u8]>::trim_ascii).is_some_and(|t| t == name.as_bytes() || t == b"error")
-        };
-        // A server that writes no `event:` lines says the type in the data
-        // (`{"type":"message_start",...}`), as OpenAI's and Anthropic's
-        // events all do.
-        let data_typed = |data: &[u8], name: &str| {
-            let Some(value) = data.strip_prefix(b"{\"type\":") else { return false };
-            let value = value.trim_ascii_start();
-            value.len() > name.len() + 1
-                && value[0] == b'"'
-                && &value[1..=name.len()] == name.as_bytes()
-                && value[name.len() + 1] == b'"'
-        };
-        let error_data = |line: &[u8]| {
-            line.strip_prefix(b"data:")
-                .map(<[u8]>::trim_ascii)
-                .is_some_and(|d| d.starts_with(b"{\"error\"") || data_typed(d, "error") || data_typed(d, name))
-        };
-        return Some(std::iter::once(field).chain(fields).any(|line| typed(line) || error_data(line)));
+        let (event, after) = rest.split_at(end);
+        rest = after;
+        if let Some(opens) = event_opens_with(event, name) {
+            return Some(opens);
+        }
     }
     None
+}
+
+/// Whether a whole `event` is one of type `name` or an error event, as
+/// [`opens_with`] reads a stream's first; `None` where it holds comment
+/// lines or blank lines only, which are not an event.
+pub(crate) fn event_opens_with(event: &[u8], name: &str) -> Option<bool> {
+    let mut fields = event.split(|b| *b == b'\n').map(<[u8]>::trim_ascii).filter(|line| !line.is_empty());
+    let field = fields.find(|line| !line.starts_with(b":"))?;
+    let typed = |line: &[u8]| {
+        line.strip_prefix(b"event:").map(<[u8]>::trim_ascii).is_some_and(|t| t == name.as_bytes() || t == b"error")
+    };
+    // A server that writes no `event:` lines says the type in the data
+    // (`{"type":"message_start",...}`), as OpenAI's and Anthropic's
+    // events all do.
+    let data_typed = |data: &[u8], name: &str| {
+        let Some(value) = data.strip_prefix(b"{\"type\":") else { return false };
+        let value = value.trim_ascii_start();
+        value.len() > name.len() + 1
+            && value[0] == b'"'
+            && &value[1..=name.len()] == name.as_bytes()
+            && value[name.len() + 1] == b'"'
+    };
+    let error_data = |line: &[u8]| {
+        line.strip_prefix(b"data:")
+            .map(<[u8]>::trim_ascii)
+            .is_some_and(|d| d.starts_with(b"{\"error\"") || data_typed(d, "error") || data_typed(d, name))
+    };
+    Some(std::iter::once(field).chain(fields).any(|line| typed(line) || error_data(line)))
 }
 
 /// A stream's last event, from its last bytes.
