@@ -252,9 +252,9 @@ async fn when_a_controller_dies_everyone_moves_to_another_without_losing_a_node(
     // The second controller learns the nodes from etcd, not from their
     // agents: wait until it has, or the drain below races its watch.
     let mut admin = two.fleet().await;
-    eventually("the second controller sees both nodes", Duration::from_secs(5), || {
+    eventually("the second controller sees both nodes", Duration::from_secs(10), || {
         let mut admin = admin.clone();
-        async move { admin.list_nodes(ListNodesRequest {}).await.unwrap().into_inner().nodes.len() == 2 }
+        async move { admin.list_nodes(ListNodesRequest {}).await.is_ok_and(|r| r.into_inner().nodes.len() == 2) }
     })
     .await;
     // Watch every snapshot the data plane installs from now on.
