@@ -125,9 +125,10 @@ fn opening(events: &[u8], seen: &mut impl FnMut(Seen)) {
     }
 }
 
-/// Whether an event is only a comment (a keep-alive, a note).
+/// Whether an event is only a comment (a keep-alive, a note), after any
+/// blank lines that an event ahead of it left over (`\n\n\n`).
 fn is_comment(event: &[u8]) -> bool {
-    event.starts_with(b":")
+    event.trim_ascii_start().starts_with(b":")
 }
 
 #[cfg(test)]
@@ -227,5 +228,9 @@ mod tests {
         assert!(over);
         let (out, read, _) = run(ProgressEvents::Taken, &[b": note\n\n", event(9).as_bytes(), TOKEN.as_bytes()]);
         assert_eq!((out.as_str(), read.len()), ([": note\n\n", TOKEN].concat().as_str(), 1));
+        // A blank line too many ahead of the comment: still a comment.
+        let stream = [event(0), "\n: keep-alive\n\n".to_string(), event(818), TOKEN.to_string()].concat();
+        let (out, read, _) = run(ProgressEvents::Taken, &[stream.as_bytes()]);
+        assert_eq!((out, read.len()), (["\n: keep-alive\n\n", TOKEN].concat(), 2));
     }
 }
