@@ -25,8 +25,8 @@ pub(crate) struct Opening {
     /// How much of `held` is whole events of comments only, passed over.
     skipped: usize,
     /// How much of `held` was searched for an event's end: the next search
-    /// resumes there, so a server sending a byte a frame is not searched
-    /// again from the start each time.
+    /// resumes three bytes before it, so a server sending a byte a frame is
+    /// not searched again from the start each time.
     searched: usize,
 }
 
@@ -254,7 +254,7 @@ mod tests {
     }
 
     #[test]
-    fn comments_without_end_are_held_only_to_the_bound() {
+    fn comments_and_no_event_are_held_only_to_the_bound() {
         let mut opening = for_kind(StreamStart::MessageStart);
         let ping = Bytes::from_static(b": ping\n\n");
         let mut sent = 0;
