@@ -57,9 +57,20 @@ pub fn session_tag(key: &str) -> String {
         hash ^= u32::from(byte);
         hash = hash.wrapping_mul(0x0100_0193);
     }
-    // By hand: `format!` costs more than the hash, once a request.
+    let mut tag = [0u8; 8];
+    write_hex(&mut tag, u128::from(hash));
+    String::from_utf8(tag.to_vec()).unwrap_or_default()
+}
+
+/// Writes the low digits of `bits` into `out` as lowercase hex, the last
+/// digit last: ids, keys and tags on the request path, without the
+/// formatting machinery.
+pub fn write_hex(out: &mut [u8], mut bits: u128) {
     const HEX: &[u8; 16] = b"0123456789abcdef";
-    (0..8).rev().map(|digit| char::from(HEX[(hash >> (4 * digit)) as usize & 0xf])).collect()
+    for digit in out.iter_mut().rev() {
+        *digit = HEX[(bits & 0xf) as usize];
+        bits >>= 4;
+    }
 }
 
 /// A hash map for keys looked up on the request path (model names, key

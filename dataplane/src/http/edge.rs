@@ -83,7 +83,7 @@ where
 /// comes without an id needs one).
 fn new_request_id() -> HeaderValue {
     let mut id = *b"req_00000000000000000000000000000000";
-    super::write_hex(&mut id[4..], fastrand::u128(..));
+    inferyes_proto::write_hex(&mut id[4..], fastrand::u128(..));
     HeaderValue::from_bytes(&id).unwrap_or_else(|_| HeaderValue::from_static("req_unknown"))
 }
 

@@ -118,14 +118,3 @@ impl AppState {
 fn id_text(id: &http::HeaderValue) -> &str {
     id.to_str().unwrap_or_default()
 }
-
-/// Writes the low digits of `bits` into `out` as lowercase hex, the last
-/// digit last: ids and keys on the request path, without the formatting
-/// machinery.
-fn write_hex(out: &mut [u8], mut bits: u128) {
-    const HEX: &[u8; 16] = b"0123456789abcdef";
-    for digit in out.iter_mut().rev() {
-        *digit = HEX[(bits & 0xf) as usize];
-        bits >>= 4;
-    }
-}

@@ -382,7 +382,7 @@ fn bounded_key(key: &str) -> String {
 fn hashed_key(prefix: [u8; 5], hash: u64) -> String {
     let mut key = [0u8; 21];
     key[..5].copy_from_slice(&prefix);
-    super::write_hex(&mut key[5..], u128::from(hash));
+    inferyes_proto::write_hex(&mut key[5..], u128::from(hash));
     // ASCII throughout: the check is a few word compares, not a lossy copy.
     String::from_utf8(key.to_vec()).unwrap_or_default()
 }
