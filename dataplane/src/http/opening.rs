@@ -24,10 +24,6 @@ pub(crate) struct Opening {
     held: Vec<u8>,
     /// How much of `held` is whole events of comments only, passed over.
     skipped: usize,
-    /// How much of `held` was searched for an event's end: the next search
-    /// resumes three bytes before it, so a server sending a byte a frame is
-    /// not searched again from the start each time.
-    searched: usize,
 }
 
 impl Opening {
@@ -43,7 +39,6 @@ impl Opening {
             input_tokens,
             held: Vec::new(),
             skipped: 0,
-            searched: 0,
         })
     }
 
@@ -56,23 +51,24 @@ impl Opening {
         if self.held.is_empty() && super::sse::opens_with(data, self.name) == Some(true) {
             return Some(data.clone());
         }
+        // Searched from where the last frame's search stopped, so a server
+        // sending a byte a frame is not searched again from the start.
+        let from = super::sse::resume_at(self.held.len(), self.skipped);
         self.held.extend_from_slice(data);
-        let opens = loop {
-            // Three bytes back, for an event's end split across frames.
-            let from = self.searched.saturating_sub(3).max(self.skipped);
-            let Some(end) = super::sse::event_end(&self.held[from..]).map(|end| from + end) else {
-                self.searched = self.held.len();
-                if self.held.len() > MAX_HELD {
-                    break true;
-                }
-                return None;
-            };
-            match super::sse::event_opens_with(&self.held[self.skipped..end], self.name) {
-                Some(opens) => break opens,
-                None => (self.skipped, self.searched) = (end, end),
+        let mut first = None;
+        for end in super::sse::event_ends(&self.held, from) {
+            first = super::sse::event_opens_with(&self.held[self.skipped..end], self.name);
+            if first.is_some() {
+                break;
             }
+            self.skipped = end;
+        }
+        let opens = match first {
+            Some(opens) => opens,
+            None if self.held.len() > MAX_HELD => true,
+            None => return None,
         };
-        (self.skipped, self.searched) = (0, 0);
+        self.skipped = 0;
         let held = std::mem::take(&mut self.held);
         if opens {
             return Some(Bytes::from(held));

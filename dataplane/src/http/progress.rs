@@ -65,13 +65,12 @@ impl Progress {
             opening(&data, &mut seen);
             return Passed::Last(data);
         }
-        // An event's end (at most four bytes) not found before may end in
-        // this frame.
-        let mut from = self.pending.len().saturating_sub(3);
+        let from = super::sse::resume_at(self.pending.len(), 0);
         self.pending.extend_from_slice(&data);
         let mut kept = Vec::new();
         let mut start = 0;
-        while let Some(end) = super::sse::event_end(&self.pending[from..]).map(|end| from + end) {
+        let mut moved_on = false;
+        for end in super::sse::event_ends(&self.pending, from) {
             let event = &self.pending[start..end];
             if is_comment(event) {
                 kept.extend_from_slice(event);
@@ -81,14 +80,17 @@ impl Progress {
                     kept.extend_from_slice(event);
                 }
             } else {
-                // The stream has moved on: this and all after it pass.
                 opening(event, &mut seen);
-                kept.extend_from_slice(&self.pending[start..]);
-                self.pending.clear();
-                return Passed::Last(Bytes::from(kept));
+                moved_on = true;
+                break;
             }
             start = end;
-            from = end;
+        }
+        if moved_on {
+            // The stream has moved on: this event and all after it pass.
+            kept.extend_from_slice(&self.pending[start..]);
+            self.pending.clear();
+            return Passed::Last(Bytes::from(kept));
         }
         self.pending.drain(..start);
         if self.pending.len() > MAX_HELD {

@@ -82,15 +82,9 @@ impl Events {
     /// make whole events, which the caller takes out; the rest waits. Past
     /// [`MAX_PENDING`] of one incomplete event, all of it goes.
     fn fill(&mut self, data: &[u8]) -> usize {
-        // An event's end (at most four bytes) not found before may end in
-        // this frame.
-        let mut at = self.pending.len().saturating_sub(3);
+        let from = resume_at(self.pending.len(), 0);
         self.pending.extend_from_slice(data);
-        let mut whole = 0;
-        while let Some(end) = event_end(&self.pending[at..]) {
-            at += end;
-            whole = at;
-        }
+        let mut whole = event_ends(&self.pending, from).last().unwrap_or(0);
         if self.pending.len() - whole > MAX_PENDING {
             whole = self.pending.len();
         }
@@ -125,6 +119,25 @@ pub(crate) fn event_end(bytes: &[u8]) -> Option<usize> {
     })
 }
 
+/// Where a search for an event's end resumes once frames are added to
+/// `held` bytes that were searched already, the event in progress starting
+/// at `start`: three bytes back, for an end (at most four bytes) that the
+/// new bytes complete.
+pub(crate) fn resume_at(held: usize, start: usize) -> usize {
+    held.saturating_sub(3).max(start)
+}
+
+/// The ends of the whole events in `bytes`, as offsets into it, searched
+/// from `from`: an event's start, or where [`resume_at`] resumes.
+pub(crate) fn event_ends(bytes: &[u8], from: usize) -> impl Iterator<Item = usize> + '_ {
+    let mut at = from;
+    std::iter::from_fn(move || {
+        let end = at + event_end(&bytes[at..])?;
+        at = end;
+        Some(end)
+    })
+}
+
 /// Whether an answer with these headers is an event stream.
 pub fn is_event_stream(headers: &http::HeaderMap) -> bool {
     headers
@@ -137,14 +150,7 @@ pub fn is_event_stream(headers: &http::HeaderMap) -> bool {
 /// merely ending in a blank line: in `data: x\n\n\n` the first event ends
 /// before the last `\n`, which begins the next.
 fn whole_events(bytes: &[u8]) -> bool {
-    let mut at = 0;
-    while let Some(end) = event_end(&bytes[at..]) {
-        at += end;
-        if at == bytes.len() {
-            return true;
-        }
-    }
-    false
+    event_ends(bytes, 0).last() == Some(bytes.len())
 }
 
 /// Whether `bytes` end where an event does.
@@ -206,15 +212,12 @@ pub fn ended_with_event(tail: &[u8], name: &str) -> bool {
 /// comments before it are passed over. `None` while its first event is
 /// not whole.
 pub fn opens_with(head: &[u8], name: &str) -> Option<bool> {
-    let mut rest = head;
-    while let Some(end) = event_end(rest) {
-        let (event, after) = rest.split_at(end);
-        rest = after;
-        if let Some(opens) = event_opens_with(event, name) {
-            return Some(opens);
-        }
-    }
-    None
+    let mut start = 0;
+    event_ends(head, 0).find_map(|end| {
+        let event = &head[start..end];
+        start = end;
+        event_opens_with(event, name)
+    })
 }
 
 /// Whether a whole `event` is one of type `name` or an error event, as
