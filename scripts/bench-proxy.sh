@@ -35,6 +35,10 @@
 #   HEADERS=openai ./scripts/bench-proxy.sh
 #                                       # every request with the 17 headers the OpenAI Python
 #                                       # client sends, not wrk's few
+#   PROXY_CPUS=0-1 ./scripts/bench-proxy.sh
+#                                       # on a machine with cores to spare: every proxy on
+#                                       # these CPUs alone, wrk, the backend and the rest on
+#                                       # the others (a proxy's rate is then its own CPU's)
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -67,6 +71,33 @@ plain="${CARGO_TARGET_DIR:-$root/target}/release"
 # (e.g. the profile-optimised build, scripts/pgo.sh); the controller, ctl
 # and the floor are always the release build's.
 bin=${BIN:-$plain}
+
+# Where processes run: with PROXY_CPUS, the proxies measured on those CPUs
+# and everything else (this script's children inherit its affinity) on the
+# rest, with a worker per proxy CPU for nginx, and the backend and wrk given
+# enough workers not to be what limits the rate. Without it, all share all.
+on_proxy=()
+proxy_workers=auto backend_workers=1 wrk_threads=2
+if [ -n "${PROXY_CPUS:-}" ]; then
+  read -r rest proxy_count < <(python3 - "$PROXY_CPUS" <<'PY'
+import os, sys
+chosen = set()
+for part in sys.argv[1].split(","):
+    low, _, high = part.partition("-")
+    chosen.update(range(int(low), int(high or low) + 1))
+rest = sorted(os.sched_getaffinity(0) - chosen)
+if not rest or not chosen <= os.sched_getaffinity(0):
+    sys.exit(f"PROXY_CPUS={sys.argv[1]} must name some, not all, of CPUs {sorted(os.sched_getaffinity(0))}")
+print(",".join(map(str, rest)), len(chosen))
+PY
+  )
+  taskset -c -p "$rest" $$ >/dev/null
+  on_proxy=(taskset -c "$PROXY_CPUS")
+  proxy_workers=$proxy_count
+  rest_count=$(tr , '\n' <<<"$rest" | wc -l)
+  backend_workers=$(( rest_count / 2 > 4 ? 4 : (rest_count / 2 > 0 ? rest_count / 2 : 1) ))
+  wrk_threads=$backend_workers
+fi
 
 work=$(mktemp -d)
 pids=()
@@ -102,7 +133,7 @@ printf -v sse 'data: {"id":"cmpl-bench","object":"text_completion","choices":[{"
 # read apart).
 mkdir -p "$work/nginx"
 cat > "$work/nginx/nginx.conf" <<CONF
-worker_processes 1;
+worker_processes $backend_workers;
 pid $work/nginx/nginx.pid;
 error_log $work/nginx/error.log warn;
 events { worker_connections 4096; }
@@ -129,7 +160,7 @@ CONF
 # the data plane and the agent have (nginx's `worker_processes auto`, the
 # configuration Debian ships). The second is the like-for-like comparison.
 port nginx_proxy_auto
-for variant in nginx-proxy:1:$nginx_proxy nginx-proxy-auto:auto:$nginx_proxy_auto; do
+for variant in nginx-proxy:1:$nginx_proxy nginx-proxy-auto:$proxy_workers:$nginx_proxy_auto; do
   IFS=: read -r dir workers listen <<<"$variant"
   mkdir -p "$work/$dir"
   cat > "$work/$dir/nginx.conf" <<CONF
@@ -151,19 +182,19 @@ CONF
 done
 nginx -c "$work/nginx/nginx.conf" -g 'daemon off;' & pids+=($!)
 backend_pid=$!
-nginx -c "$work/nginx-proxy/nginx.conf" -g 'daemon off;' & pids+=($!)
+"${on_proxy[@]}" nginx -c "$work/nginx-proxy/nginx.conf" -g 'daemon off;' & pids+=($!)
 nginx_pid=$!
-nginx -c "$work/nginx-proxy-auto/nginx.conf" -g 'daemon off;' & pids+=($!)
+"${on_proxy[@]}" nginx -c "$work/nginx-proxy-auto/nginx.conf" -g 'daemon off;' & pids+=($!)
 nginx_auto_pid=$!
 # The floor: a proxy with nothing but the HTTP stack the data plane and the
 # agent are built on (net/examples/bare_proxy.rs).
 port bare
-"$plain/examples/bare_proxy" "127.0.0.1:$bare" "http://127.0.0.1:$backend" >"$work/bare.log" 2>&1 & pids+=($!)
+"${on_proxy[@]}" "$plain/examples/bare_proxy" "127.0.0.1:$bare" "http://127.0.0.1:$backend" >"$work/bare.log" 2>&1 & pids+=($!)
 bare_pid=$!
 base_bare=""
 if [ -x "${BASELINE:-}/bare_proxy" ]; then
   port base_bare
-  "$BASELINE/bare_proxy" "127.0.0.1:$base_bare" "http://127.0.0.1:$backend" >"$work/bare-base.log" 2>&1 & pids+=($!)
+  "${on_proxy[@]}" "$BASELINE/bare_proxy" "127.0.0.1:$base_bare" "http://127.0.0.1:$backend" >"$work/bare-base.log" 2>&1 & pids+=($!)
   base_bare_pid=$!
 fi
 
@@ -193,7 +224,7 @@ id = "main"
 url = "http://127.0.0.1:$backend"
 kind = "llama-server"
 CONF
-"$bin/inferyes-agent" --config "$work/agent.toml" >"$work/agent.log" 2>&1 & pids+=($!)
+"${on_proxy[@]}" "$bin/inferyes-agent" --config "$work/agent.toml" >"$work/agent.log" 2>&1 & pids+=($!)
 agent_pid=$!
 # A second node whose advertised proxy is the backend itself: requests for
 # its model go from the data plane straight to the backend.
@@ -214,32 +245,32 @@ CONF
 # The data planes speak HTTP/1.1 to agents (the default; for the rows
 # measured alone the "agent" of their node is nginx); a third speaks HTTP/2
 # to agents that take it, for the data plane + agent path.
-RUST_LOG=warn INFERYES_ADMIN_LISTEN="127.0.0.1:$dataplane_admin" "$bin/inferyes-dataplane" --listen "127.0.0.1:$dataplane" --controllers "http://127.0.0.1:$grpc" \
+RUST_LOG=warn INFERYES_ADMIN_LISTEN="127.0.0.1:$dataplane_admin" "${on_proxy[@]}" "$bin/inferyes-dataplane" --listen "127.0.0.1:$dataplane" --controllers "http://127.0.0.1:$grpc" \
   --auth none --dataplane-id bench-open >"$work/dataplane.log" 2>&1 & pids+=($!)
 dp_pid=$!
 port keyed
-RUST_LOG=warn "$bin/inferyes-dataplane" --listen "127.0.0.1:$keyed" --controllers "http://127.0.0.1:$grpc" \
+RUST_LOG=warn "${on_proxy[@]}" "$bin/inferyes-dataplane" --listen "127.0.0.1:$keyed" --controllers "http://127.0.0.1:$grpc" \
   --dataplane-id bench-keys >"$work/dataplane-keys.log" 2>&1 & pids+=($!)
 keyed_pid=$!
 port fleet_dp
-RUST_LOG=warn "$bin/inferyes-dataplane" --listen "127.0.0.1:$fleet_dp" --controllers "http://127.0.0.1:$grpc" \
+RUST_LOG=warn "${on_proxy[@]}" "$bin/inferyes-dataplane" --listen "127.0.0.1:$fleet_dp" --controllers "http://127.0.0.1:$grpc" \
   --auth none --agent-protocol http2 --dataplane-id bench-h2 >"$work/dataplane-h2.log" 2>&1 & pids+=($!)
 fleet_dp_pid=$!
 if [ -n "${BASELINE:-}" ]; then
   # An earlier build's data plane and agent, in the same fleet: its agent is
   # a node of its own (model bench-base), so the other rows are unchanged.
   port base
-  RUST_LOG=warn "$BASELINE/inferyes-dataplane" --listen "127.0.0.1:$base" --controllers "http://127.0.0.1:$grpc" \
+  RUST_LOG=warn "${on_proxy[@]}" "$BASELINE/inferyes-dataplane" --listen "127.0.0.1:$base" --controllers "http://127.0.0.1:$grpc" \
     --auth none --dataplane-id bench-baseline >"$work/dataplane-base.log" 2>&1 & pids+=($!)
   base_pid=$!
   port base_keyed
-  RUST_LOG=warn "$BASELINE/inferyes-dataplane" --listen "127.0.0.1:$base_keyed" --controllers "http://127.0.0.1:$grpc" \
+  RUST_LOG=warn "${on_proxy[@]}" "$BASELINE/inferyes-dataplane" --listen "127.0.0.1:$base_keyed" --controllers "http://127.0.0.1:$grpc" \
     --dataplane-id bench-baseline-keys >"$work/dataplane-base-keys.log" 2>&1 & pids+=($!)
   base_keyed_pid=$!
   port base_agent
   sed -e "s/bench-node/bench-base/" -e "s/127.0.0.1:$agent/127.0.0.1:$base_agent/" \
     -e "s|127.0.0.1:$backend\"|127.0.0.1:$backend/base\"|" "$work/agent.toml" >"$work/base.toml"
-  "$BASELINE/inferyes-agent" --config "$work/base.toml" >"$work/agent-base.log" 2>&1 & pids+=($!)
+  "${on_proxy[@]}" "$BASELINE/inferyes-agent" --config "$work/base.toml" >"$work/agent-base.log" 2>&1 & pids+=($!)
   base_agent_pid=$!
   until curl -fsS "http://127.0.0.1:$base/v1/models" 2>/dev/null | grep -q bench-base; do sleep 0.2; done
 fi
@@ -440,7 +471,7 @@ run() { # name url script connections kind pids-on-the-path...
   chosen "$name" || return 0
   local out before after
   before=$(ticks "$@")
-  out=$(wrk -t "$([ "$conns" -eq 1 ] && echo 1 || echo 2)" -c "$conns" -d "$duration" --latency -s "$script" "$url" 2>&1)
+  out=$(wrk -t "$([ "$conns" -eq 1 ] && echo 1 || echo "$wrk_threads")" -c "$conns" -d "$duration" --latency -s "$script" "$url" 2>&1)
   after=$(ticks "$@")
   local rps p50 p99 requests failed cpu
   rps=$(awk '/Requests\/sec/ {print $2}' <<<"$out")
@@ -454,7 +485,7 @@ run() { # name url script connections kind pids-on-the-path...
 }
 
 rounds=${ROUNDS:-1}
-echo "wrk, $duration per run, on $(nproc) cores; CPU is the proxy's (the backend's for direct), per request"
+echo "wrk, $duration per run, on $(nproc) cores${PROXY_CPUS:+ (proxies on CPUs $PROXY_CPUS alone)}; CPU is the proxy's (the backend's for direct), per request"
 for round in $(seq "$rounds"); do
 [ "$rounds" -eq 1 ] || echo "round $round of $rounds"
 for kind in json sse; do
