@@ -562,13 +562,13 @@ impl Sender {
         }
         let path = file.0.clone();
         let max = self.max_slot_bytes;
-        let hashed = tokio::task::spawn_blocking(move || hash_file(&path, max)).await;
-        let (bytes, digest) = match hashed {
-            Ok(Ok(hashed)) => hashed,
+        let opened = tokio::task::spawn_blocking(move || open_saved(&path, max)).await;
+        let (reader, bytes, digest) = match opened {
+            Ok(Ok(opened)) => opened,
             Ok(Err(why)) => return Err(failed("slot file", why)),
             Err(_) => return Err(failed("slot file", "hashing stopped".into())),
         };
-        let reader = tokio::fs::File::open(&file.0).await.map_err(|e| failed("slot file", e.to_string()))?;
+        let reader = tokio::io::AsyncReadExt::take(tokio::fs::File::from_std(reader), bytes);
         let frames = tokio_util::io::ReaderStream::new(reader);
         let body = http_body_util::StreamBody::new(tokio_stream::StreamExt::map(frames, |chunk| {
             chunk.map(http_body::Frame::data)
@@ -730,28 +730,78 @@ impl Carrier {
     }
 }
 
-/// A file's size and SHA-256 (hex), refused past `max` bytes.
-fn hash_file(path: &std::path::Path, max: u64) -> Result<(u64, String), String> {
-    use std::io::Read as _;
-    let mut file = std::fs::File::open(path).map_err(|e| e.to_string())?;
-    let size = file.metadata().map_err(|e| e.to_string())?.len();
+/// The slot file a backend saved at `path`, opened to be sent: the handle
+/// rewound, its size and SHA-256 (hex), refused past `max` bytes. Only a
+/// regular file at that very path: the directory is the backend's too, and
+/// a link a backend put there (to the join token, say) would have this
+/// agent read and send what it points to, a FIFO or a device hold the
+/// transfer for ever. What is sent is read from the handle that was hashed.
+fn open_saved(path: &std::path::Path, max: u64) -> Result<(std::fs::File, u64, String), String> {
+    use std::io::{Read as _, Seek as _};
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let mut file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)
+        .map_err(|e| e.to_string())?;
+    let metadata = file.metadata().map_err(|e| e.to_string())?;
+    if !metadata.is_file() {
+        return Err("not a regular file".into());
+    }
+    let size = metadata.len();
     if size > max {
         return Err(format!("{size} bytes, over moves.max_slot_bytes ({max})"));
     }
     let mut hash = ring::digest::Context::new(&ring::digest::SHA256);
     let mut buffer = vec![0u8; 1 << 20];
+    let mut read_in_all = 0;
+    let mut sized = (&mut file).take(size);
     loop {
-        let read = file.read(&mut buffer).map_err(|e| e.to_string())?;
+        let read = sized.read(&mut buffer).map_err(|e| e.to_string())?;
         if read == 0 {
             break;
         }
         hash.update(&buffer[..read]);
+        read_in_all += read as u64;
     }
-    Ok((size, hash.finish().as_ref().iter().map(|b| format!("{b:02x}")).collect()))
+    if read_in_all != size {
+        return Err(format!("{read_in_all} bytes read of {size}: the file changed"));
+    }
+    file.rewind().map_err(|e| e.to_string())?;
+    Ok((file, size, hash.finish().as_ref().iter().map(|b| format!("{b:02x}")).collect()))
 }
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_saved_slot_is_sent_only_from_a_regular_file_at_its_path() {
+        use std::io::Read as _;
+        let dir = std::env::temp_dir().join(format!("inferyes-open-saved-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let saved = dir.join("saved.bin");
+        std::fs::write(&saved, b"abc").unwrap();
+        let (mut file, size, digest) = super::open_saved(&saved, 3).unwrap();
+        assert_eq!((size, digest.as_str()), (3, "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"));
+        let mut sent = Vec::new();
+        file.read_to_end(&mut sent).unwrap();
+        assert_eq!(sent, b"abc", "what is sent is read again from the start");
+        assert!(super::open_saved(&saved, 2).unwrap_err().contains("over moves.max_slot_bytes"));
+
+        // What a backend could put in its place: a link to a secret, a
+        // directory, a FIFO (whose open must not wait for a writer).
+        let secret = dir.join("join-token");
+        std::fs::write(&secret, b"secret").unwrap();
+        std::os::unix::fs::symlink(&secret, dir.join("link.bin")).unwrap();
+        std::fs::create_dir(dir.join("dir.bin")).unwrap();
+        let fifo = std::process::Command::new("mkfifo").arg(dir.join("fifo.bin")).status().unwrap();
+        assert!(fifo.success());
+        for name in ["link.bin", "dir.bin", "fifo.bin"] {
+            assert!(super::open_saved(&dir.join(name), 1 << 20).is_err(), "{name} was opened");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
     #[test]
     fn the_servers_slot_endpoints_are_told_apart_from_everything_else() {
         for path in [
