@@ -109,6 +109,38 @@ pub fn scan(body: &[u8]) -> Result<Fields<'_>, ScanError> {
     Ok(fields)
 }
 
+/// How many prompts a `prompt` (a value [`scan`] checked, as written) asks
+/// for, as llama-server reads one (b11434, `tokenize_input_prompts`): an
+/// array with no number among its elements is a prompt per element, a task
+/// of the server's each; anything else (a string, tokens, strings and
+/// tokens mixed) is one.
+pub fn prompts(raw: Raw<'_>) -> usize {
+    let mut scanner = Scanner { text: raw, at: 0, media: false };
+    scanner.whitespace();
+    if scanner.peek() != Some(b'[') {
+        return 1;
+    }
+    scanner.at += 1;
+    let mut elements = 0;
+    loop {
+        scanner.whitespace();
+        match scanner.peek() {
+            Some(b']') | None => return elements,
+            // Tokens: the array is one prompt (or one the server refuses).
+            Some(b'-' | b'0'..=b'9') => return 1,
+            Some(_) => {}
+        }
+        if scanner.value_at(1).is_err() {
+            return elements.max(1);
+        }
+        elements += 1;
+        scanner.whitespace();
+        if scanner.next() != Some(b',') {
+            return elements;
+        }
+    }
+}
+
 /// The kind of the value that starts with `byte`, for error messages.
 fn kind(byte: u8) -> &'static str {
     match byte {

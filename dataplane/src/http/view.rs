@@ -136,6 +136,15 @@ fn guarded(body: &[u8], fields: &Fields<'_>) -> Result<(), ApiError> {
             return Err(unsupported(why, super::guard::GUARDED[at].0));
         }
     }
+    // Several prompts are as many tasks of the server's: each takes a slot,
+    // evicting another conversation's cache, past the gateway's queue.
+    if let Some(count) = fields.prompt.map(super::scan::prompts).filter(|n| *n > 1) {
+        let message = format!(
+            "a request takes one prompt, not {count}: each would take a slot of the server's, \
+             evicting another conversation's cache"
+        );
+        return Err(unsupported(message, "prompt"));
+    }
     if fields.has_media
         && let Some(url) = super::guard::remote_media(body)
     {
@@ -528,6 +537,37 @@ mod tests {
         assert_eq!(broken.message, "the request body is not valid JSON: expected value at line 2 column 15");
         let twice = parse_view(br#"{"model":"a","model":"b"}"#).unwrap_err();
         assert_eq!((twice.code_str(), twice.param), (Some("invalid_json"), Some("model")));
+    }
+
+    #[test]
+    fn a_request_takes_one_prompt_as_the_server_counts_them() {
+        for one in [
+            r#""hello""#,
+            r#"["hello"]"#,
+            "[1, 2, 3]",
+            r#"["a", 12, "b"]"#,
+            r#"[[1, 2]]"#,
+            r#"[{"prompt_string":"a"}]"#,
+            "[ ]",
+        ] {
+            let body = format!(r#"{{"model":"m","prompt":{one}}}"#);
+            assert!(parse_view(body.as_bytes()).is_ok(), "{one}");
+        }
+        for (several, count) in [
+            (r#"["a","b"]"#, 2),
+            (r#"[ "a" , [1, 2] , {"prompt_string":"c"} ]"#, 3),
+            (r#"[[1], [2], [3], [4]]"#, 4),
+            (r#"["a", null]"#, 2),
+        ] {
+            let body = format!(r#"{{"model":"m","prompt":{several}}}"#);
+            let refused = parse_view(body.as_bytes()).unwrap_err();
+            assert_eq!(
+                (refused.code_str(), refused.param),
+                (Some("unsupported_parameter"), Some("prompt")),
+                "{several}"
+            );
+            assert!(refused.message.contains(&format!("not {count}")), "{}", refused.message);
+        }
     }
 
     #[test]
