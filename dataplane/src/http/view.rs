@@ -155,13 +155,21 @@ fn guarded(body: &[u8], fields: &Fields<'_>) -> Result<(), ApiError> {
     Ok(())
 }
 
-/// The request's limit on generated tokens, in whichever member its API
-/// names it.
+/// The request's limit on generated tokens: the largest it names, in any
+/// of the members an API names it by, as often as it names them. The
+/// server takes one of them (llama-server: `n_predict` before
+/// `max_completion_tokens` before `max_tokens`, the last of a repeated
+/// member), so what is held for the request and what the queue charges is
+/// never less than what it may generate.
 fn max_tokens(fields: &Fields<'_>) -> Option<u64> {
-    fields.guarded.iter().find_map(|&(at, raw)| match super::guard::GUARDED[at].0 {
-        "max_tokens" | "max_completion_tokens" | "max_output_tokens" | "n_predict" => raw.parse().ok(),
-        _ => None,
-    })
+    fields
+        .guarded
+        .iter()
+        .filter_map(|&(at, raw)| match super::guard::GUARDED[at].0 {
+            "max_tokens" | "max_completion_tokens" | "max_output_tokens" | "n_predict" => raw.parse().ok(),
+            _ => None,
+        })
+        .max()
 }
 
 /// A refused body's error, in the words OpenAI uses where it has them.
@@ -537,6 +545,18 @@ mod tests {
         assert_eq!(broken.message, "the request body is not valid JSON: expected value at line 2 column 15");
         let twice = parse_view(br#"{"model":"a","model":"b"}"#).unwrap_err();
         assert_eq!((twice.code_str(), twice.param), (Some("invalid_json"), Some("model")));
+    }
+
+    #[test]
+    fn a_request_s_token_limit_is_the_largest_it_names() {
+        let limit = |members: &str| parse_view(format!(r#"{{"model":"m",{members}}}"#).as_bytes()).unwrap().max_tokens;
+        assert_eq!(limit(r#""max_tokens":7"#), Some(7));
+        assert_eq!(limit(r#""stream":false"#), None);
+        // llama-server reads `n_predict` first, and a repeated member's last.
+        assert_eq!(limit(r#""max_tokens":1,"n_predict":8192"#), Some(8192));
+        assert_eq!(limit(r#""n_predict":8192,"max_tokens":1"#), Some(8192));
+        assert_eq!(limit(r#""max_tokens":1,"max_tokens":8192"#), Some(8192));
+        assert_eq!(limit(r#""max_completion_tokens":300,"max_tokens":2,"max_output_tokens":5"#), Some(300));
     }
 
     #[test]
