@@ -22,6 +22,9 @@ pub enum Rule {
     AtMostItems(usize),
     /// At most this many bytes, as written (or `null`).
     AtMostBytes(usize),
+    /// At most `most` strings (a string alone is one), of `bytes` bytes as
+    /// written in all (or `null`).
+    Strings { most: usize, bytes: usize },
     /// 1, or `null`: why no other.
     One(&'static str),
     /// `true` only: why no other (`null` included).
@@ -67,9 +70,10 @@ pub const GUARDED: [(&str, Rule); 35] = [
     // server's, evicting other conversations' caches.
     ("n", Rule::One("each choice takes a slot of the server's, evicting another conversation's cache")),
     ("n_cmpl", Rule::One("each choice takes a slot of the server's, evicting another conversation's cache")),
-    // Each stop string is matched at every token.
-    ("stop", Rule::AtMostItems(16)),
-    ("stop_sequences", Rule::AtMostItems(16)),
+    // Each stop string is matched, whole, at every token, on the server's
+    // one loop that every slot waits on.
+    ("stop", Rule::Strings { most: 16, bytes: 4 << 10 }),
+    ("stop_sequences", Rule::Strings { most: 16, bytes: 4 << 10 }),
     // Compiled into a grammar as the request starts, and run at every
     // token.
     ("grammar", Rule::AtMostBytes(64 << 10)),
@@ -149,6 +153,18 @@ pub fn check(index: usize, raw: &str) -> Option<String> {
         Rule::AtMostBytes(most) => {
             (raw.len() > most).then(|| format!("`{name}` may be at most {most} bytes long, not {}", raw.len()))
         }
+        Rule::Strings { .. } if raw == "null" => None,
+        Rule::Strings { most, bytes } => {
+            let items = match serde_json::from_str::<Value>(raw) {
+                Ok(Value::Array(items)) => items.len(),
+                _ => 1,
+            };
+            if items > most {
+                Some(format!("`{name}` may hold at most {most} strings, not {items}"))
+            } else {
+                (raw.len() > bytes).then(|| format!("`{name}` may be at most {bytes} bytes long, not {}", raw.len()))
+            }
+        }
         Rule::One(_) if raw == "null" || raw == "1" => None,
         Rule::One(why) => Some(format!("`{name}` must be 1: {why}")),
         Rule::True(_) if raw == "true" => None,
@@ -212,7 +228,13 @@ mod tests {
         assert!(check(at("n"), "8").unwrap().contains("slot"));
         assert!(check(at("n_cmpl"), "2").is_some());
         assert_eq!(check(at("stop"), "\"end\""), None);
-        assert!(check(at("stop"), &format!("[{}]", vec!["\"x\""; 17].join(","))).is_some());
+        assert_eq!(check(at("stop"), "null"), None);
+        assert!(check(at("stop"), &format!("[{}]", vec!["\"x\""; 17].join(","))).unwrap().contains("not 17"));
+        // One long string, or a few, is held to the bytes all of them may take.
+        let long = format!("\"{}\"", "x".repeat(4 << 10));
+        assert!(check(at("stop"), &long).unwrap().contains("at most 4096 bytes"));
+        assert!(check(at("stop_sequences"), &format!("[{long}]")).unwrap().contains("at most 4096 bytes"));
+        assert_eq!(check(at("stop"), &format!("[{}]", vec!["\"\\n\\nUser:\""; 16].join(","))), None);
         let grammar = format!("\"{}\"", "a".repeat(64 << 10));
         assert!(check(at("grammar"), &grammar).unwrap().contains("at most 65536 bytes"));
         assert_eq!(check(at("grammar"), "\"root ::= [a-z]+\""), None);
