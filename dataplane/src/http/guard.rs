@@ -32,7 +32,7 @@ pub enum Rule {
 }
 
 /// The guarded members, by name.
-pub const GUARDED: [(&str, Rule); 35] = [
+pub const GUARDED: [(&str, Rule); 37] = [
     ("id_slot", Rule::Refused("it would choose the server's slot, evicting whichever conversation's cache is there")),
     ("slot_id", Rule::Refused("it would choose the server's slot, evicting whichever conversation's cache is there")),
     ("n_cache_reuse", Rule::Refused("it changes how the server shifts its caches")),
@@ -84,6 +84,11 @@ pub const GUARDED: [(&str, Rule); 35] = [
     // Asked for by the gateway itself where it is not given; without it a
     // stream cut short is counted for a guess at its prompt.
     ("return_progress", Rule::True("the gateway reads the prompt's progress to count what a stream cut short used")),
+    // Rendered into the prompt, and compiled into a grammar for the calls
+    // as the request starts: bounded as the grammars are, with room for
+    // an agent's many tools.
+    ("tools", Rule::AtMostBytes(256 << 10)),
+    ("functions", Rule::AtMostBytes(256 << 10)),
 ];
 
 /// The index in [`GUARDED`] of a top-level member's name. A `match`, not a
@@ -126,6 +131,8 @@ pub fn index(name: &str) -> Option<usize> {
         "response_format" => 32,
         "chat_template_kwargs" => 33,
         "return_progress" => 34,
+        "tools" => 35,
+        "functions" => 36,
         _ => return None,
     })
 }
@@ -235,6 +242,13 @@ mod tests {
         assert!(check(at("stop"), &long).unwrap().contains("at most 4096 bytes"));
         assert!(check(at("stop_sequences"), &format!("[{long}]")).unwrap().contains("at most 4096 bytes"));
         assert_eq!(check(at("stop"), &format!("[{}]", vec!["\"\\n\\nUser:\""; 16].join(","))), None);
+        let tools = format!(
+            "[{{\"type\":\"function\",\"function\":{{\"name\":\"f\",\"description\":\"{}\"}}}}]",
+            "d".repeat(256 << 10)
+        );
+        assert!(check(at("tools"), &tools).unwrap().contains("at most 262144 bytes"));
+        assert!(check(at("functions"), &tools).is_some());
+        assert_eq!(check(at("tools"), r#"[{"type":"function","function":{"name":"f"}}]"#), None);
         let grammar = format!("\"{}\"", "a".repeat(64 << 10));
         assert!(check(at("grammar"), &grammar).unwrap().contains("at most 65536 bytes"));
         assert_eq!(check(at("grammar"), "\"root ::= [a-z]+\""), None);
