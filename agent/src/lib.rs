@@ -233,6 +233,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
     let sender = Arc::new(slots::transfer::Sender {
         state: Arc::clone(&state),
         moved: Default::default(),
+        moving: Default::default(),
         join_token: join_token.as_deref().map(str::to_string),
         client: ProbeClient::new(slots::transfer::SLOT_ACTION_TIMEOUT),
         pool: inferyes_net::pool::Pool::new(inferyes_net::pool::Settings {

@@ -487,6 +487,9 @@ pub struct Sender {
     /// another task, and must not be taken for another conversation's of
     /// as many tokens.
     pub moved: std::sync::Mutex<std::collections::HashMap<String, Vec<Slot>>>,
+    /// Conversations whose slots are moving now: one move of each at once,
+    /// or two targets would restore it (each evicting another's cache).
+    pub moving: std::sync::Mutex<std::collections::HashSet<String>>,
     /// What each move's credential is made from; `None`: an open fleet,
     /// where agents take no slots.
     pub join_token: Option<String>,
@@ -502,6 +505,7 @@ impl Sender {
     /// table once the target has it.
     pub async fn send(&self, session: &ResidentSession, target: &MoveTarget) -> Result<Moved, MoveError> {
         let started = Instant::now();
+        let _moving = Moving::start(&self.moving, &session.key).ok_or(MoveError::Busy)?;
         let handle = self
             .state
             .backend(&session.backend_id)
@@ -578,6 +582,17 @@ impl Sender {
         let origin = origin.origin().ok_or_else(|| failed("target", "its proxy URL is not one".into()))?.clone();
         let response = self.pool.send(&origin, request).await.map_err(|e| failed("send", e.to_string()))?;
         let status = response.status();
+        if status.is_success() {
+            // The target holds it now: said before anything else is awaited,
+            // so that a move given up from here on (a drain's deadline, a
+            // carry's caller gone) leaves it resident there only.
+            self.state.residency.lock().remove(&session.key);
+            self.state.changed.notify_one();
+            if let Some(moved) = listed.iter().find(|s| s.id == slot) {
+                let mut gone = self.moved.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                gone.entry(session.backend_id.clone()).or_default().push(*moved);
+            }
+        }
         let answer = http_body_util::Limited::new(response.into_body(), 64 << 10)
             .collect()
             .await
@@ -594,12 +609,6 @@ impl Sender {
                 409 | 413 | 429 | 503 => MoveError::Refused(why),
                 _ => MoveError::Failed(format!("target: {why}")),
             });
-        }
-        self.state.residency.lock().remove(&session.key);
-        self.state.changed.notify_one();
-        if let Some(moved) = listed.iter().find(|s| s.id == slot) {
-            let mut gone = self.moved.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-            gone.entry(session.backend_id.clone()).or_default().push(*moved);
         }
         Ok(Moved {
             tokens: expected,
@@ -658,6 +667,26 @@ impl Sender {
         headers.insert(SLOT_SHA256, value(digest)?);
         headers.insert(SLOT_TOKENS, HeaderValue::from(tokens));
         Ok(request)
+    }
+}
+
+/// A conversation's move under way; another may start once this is gone.
+struct Moving<'a> {
+    under_way: &'a std::sync::Mutex<std::collections::HashSet<String>>,
+    key: String,
+}
+
+impl<'a> Moving<'a> {
+    /// `None` where `key`'s conversation is moving already.
+    fn start(under_way: &'a std::sync::Mutex<std::collections::HashSet<String>>, key: &str) -> Option<Moving<'a>> {
+        let mut keys = under_way.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        keys.insert(key.to_string()).then(|| Moving { under_way, key: key.to_string() })
+    }
+}
+
+impl Drop for Moving<'_> {
+    fn drop(&mut self) {
+        self.under_way.lock().unwrap_or_else(std::sync::PoisonError::into_inner).remove(&self.key);
     }
 }
 
@@ -773,6 +802,17 @@ fn open_saved(path: &std::path::Path, max: u64) -> Result<(std::fs::File, u64, S
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_conversation_moves_once_at_a_time() {
+        let under_way = std::sync::Mutex::default();
+        let first = super::Moving::start(&under_way, "a").expect("nothing moving yet");
+        assert!(super::Moving::start(&under_way, "a").is_none(), "a second move of the same conversation");
+        let other = super::Moving::start(&under_way, "b");
+        assert!(other.is_some(), "another conversation moves meanwhile");
+        drop(first);
+        assert!(super::Moving::start(&under_way, "a").is_some(), "once the first is over");
+    }
+
     #[test]
     fn a_saved_slot_is_sent_only_from_a_regular_file_at_its_path() {
         use std::io::Read as _;
