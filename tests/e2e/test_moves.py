@@ -124,7 +124,9 @@ def test_a_node_takes_a_slot_only_with_its_credential_and_a_file_that_checks_out
     url = node["proxy_url"]
     slots_dir = fleet.tmp / "slots-node-b"
     body = b"not a slot" * 100
-    expires = int(time.time() * 1000) + 60_000
+    # As a sender makes one: good for 5 minutes from when it is made (a node
+    # takes none made before it started).
+    expires = int(time.time() * 1000) + 299_000
 
     def headers(to="node-b", sender="node-a", until=expires, digest=None, length=None, fingerprint=None):
         digest = digest or hashlib.sha256(body).hexdigest()
@@ -145,7 +147,7 @@ def test_a_node_takes_a_slot_only_with_its_credential_and_a_file_that_checks_out
         "another sender's claim": ({**headers(), "x-inferyes-move-from": "node-c"}, 401, "invalid_credential"),
         "another conversation's": ({**headers(), "x-inferyes-session": "root-other"}, 401, "invalid_credential"),
         "another file's": ({**headers(), "x-inferyes-slot-sha256": "1" * 64}, 401, "invalid_credential"),
-        "expired": (headers(until=expires - 120_000), 401, "invalid_credential"),
+        "expired": (headers(until=expires - 300_000), 401, "invalid_credential"),
         "another fingerprint": (headers(fingerprint="0" * 32, until=expires + 1), 503, "fingerprint_differs"),
         "the wrong digest": (headers(digest="0" * 64), 400, "digest_mismatch"),
         "a credential taken before": (headers(digest="0" * 64), 401, "invalid_credential"),

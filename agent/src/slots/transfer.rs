@@ -330,15 +330,7 @@ impl Intake {
             return Err(denied("the credential is not this node's for that move"));
         }
         let mut used = self.used.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        used.retain(|(_, until)| *until > now);
-        if used.iter().any(|(seen, _)| seen.as_bytes() == presented) {
-            return Err(denied("the credential was taken before"));
-        }
-        if used.len() >= MAX_REMEMBERED_CREDENTIALS {
-            used.pop_front();
-        }
-        used.push_back((String::from_utf8_lossy(presented).into_owned(), expires));
-        Ok(())
+        take_once(&mut used, presented, expires, now, self.state.started_unix_ms)
     }
 
     fn check_backend(
@@ -670,6 +662,32 @@ impl Sender {
     }
 }
 
+/// Takes a checked credential, expiring at `expires`, once: refused where it
+/// was taken before, by this process (`used`, those taken and not expired)
+/// or by one before it (made before this one `started`); and, while `used`
+/// is full, refused rather than forgetting one that could come again.
+fn take_once(
+    used: &mut std::collections::VecDeque<(String, u64)>,
+    presented: &[u8],
+    expires: u64,
+    now: u64,
+    started: u64,
+) -> Result<(), Refused> {
+    let denied = |message: &str| refused(ErrorKind::Unauthenticated, message, "invalid_credential");
+    if expires.saturating_sub(CREDENTIAL_MS) < started {
+        return Err(denied("the credential was made before this node started"));
+    }
+    used.retain(|(_, until)| *until > now);
+    if used.iter().any(|(seen, _)| seen.as_bytes() == presented) {
+        return Err(denied("the credential was taken before"));
+    }
+    if used.len() >= MAX_REMEMBERED_CREDENTIALS {
+        return Err(refused(ErrorKind::RateLimited, "this node takes no more slots until credentials expire", "busy"));
+    }
+    used.push_back((String::from_utf8_lossy(presented).into_owned(), expires));
+    Ok(())
+}
+
 /// A conversation's move under way; another may start once this is gone.
 struct Moving<'a> {
     under_way: &'a std::sync::Mutex<std::collections::HashSet<String>>,
@@ -802,6 +820,30 @@ fn open_saved(path: &std::path::Path, max: u64) -> Result<(std::fs::File, u64, S
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_credential_is_taken_once_by_this_process_and_never_if_made_before_it() {
+        let (started, now) = (1_000_000, 2_000_000);
+        let expires = now + super::CREDENTIAL_MS;
+        let mut used = std::collections::VecDeque::new();
+        assert!(super::take_once(&mut used, b"a", expires, now, started).is_ok());
+        let again = super::take_once(&mut used, b"a", expires, now, started).unwrap_err();
+        assert!(again.message.contains("taken before"), "{}", again.message);
+        // Made before this process started: its predecessor may have taken it.
+        let early = started - 1 + super::CREDENTIAL_MS;
+        let before = super::take_once(&mut used, b"b", early, now, started).unwrap_err();
+        assert!(before.message.contains("before this node started"), "{}", before.message);
+        // Expired ones are forgotten; while the list is full of live ones,
+        // none is forgotten to make room.
+        used.clear();
+        for i in 0..super::MAX_REMEMBERED_CREDENTIALS {
+            super::take_once(&mut used, i.to_string().as_bytes(), expires, now, started).unwrap();
+        }
+        let full = super::take_once(&mut used, b"x", expires, now, started).unwrap_err();
+        assert_eq!(full.code, "busy");
+        assert!(super::take_once(&mut used, b"0", expires, now, started).is_err(), "the first is still known");
+        assert!(super::take_once(&mut used, b"x", expires + 1, expires, started).is_ok(), "past their expiry");
+    }
+
     #[test]
     fn a_conversation_moves_once_at_a_time() {
         let under_way = std::sync::Mutex::default();
