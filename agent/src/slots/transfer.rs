@@ -189,7 +189,7 @@ impl Intake {
                 axum::Json(taken).into_response()
             }
             Ok(Err(refusal)) => {
-                tracing::warn!(reason = %refusal.message, "slot not taken");
+                inferyes_net::warn_every!(reason = %refusal.message, "slot not taken");
                 self.metrics.received.get_or_create(&crate::metrics::OutcomeLabels { outcome: refusal.code }).inc();
                 refusal.into_response()
             }
@@ -205,9 +205,6 @@ impl Intake {
         let headers = &parts.headers;
         let backend_id = text(headers, &inferyes_proto::headers::BACKEND)
             .ok_or_else(|| refused(ErrorKind::BadRequest, "no backend named", "invalid_request"))?;
-        let handle = self.state.backend(backend_id).filter(|h| h.probe.slots.is_some()).ok_or_else(|| {
-            refused(ErrorKind::NotFound, "no backend here takes slots by that name", "backend_not_found")
-        })?;
         let model = text(headers, &inferyes_proto::headers::MODEL)
             .ok_or_else(|| refused(ErrorKind::BadRequest, "no model named", "invalid_request"))?;
         let session = text(headers, &inferyes_proto::headers::SESSION)
@@ -224,7 +221,12 @@ impl Intake {
         let length: u64 = text(headers, &header::CONTENT_LENGTH)
             .and_then(|l| l.parse().ok())
             .ok_or_else(|| refused(ErrorKind::BadRequest, "a slot file's length must be given", "length_required"))?;
+        // Checked before anything of this node's is looked up: a stranger
+        // learns nothing of its backends.
         self.check_credential(headers, backend_id, session, &digest, tokens)?;
+        let handle = self.state.backend(backend_id).filter(|h| h.probe.slots.is_some()).ok_or_else(|| {
+            refused(ErrorKind::NotFound, "no backend here takes slots by that name", "backend_not_found")
+        })?;
         if length > self.max_slot_bytes {
             let message = format!("a slot file of {length} bytes is over this node's {}", self.max_slot_bytes);
             return Err(refused(ErrorKind::PayloadTooLarge, message, "slot_too_large"));
