@@ -46,6 +46,10 @@ const CREDENTIAL_MS: u64 = 5 * 60 * 1000;
 const MAX_REMEMBERED_CREDENTIALS: usize = 4096;
 /// A slot file that takes longer to arrive holds an intake permit no more.
 const RECEIVE_TIMEOUT: Duration = Duration::from_secs(10 * 60);
+/// A carry given up past this (its save, the file's transfer, which the
+/// target holds to [`RECEIVE_TIMEOUT`], and the answer): a slow or silent
+/// target holds a carry permit no longer.
+const CARRY_TIMEOUT: Duration = RECEIVE_TIMEOUT.saturating_add(SLOT_ACTION_TIMEOUT.saturating_mul(2));
 /// The slowest a slot file may come, past its first 30 s: 8 MiB/s.
 const MIN_TRANSFER_BYTES_PER_SECOND: u64 = 8 << 20;
 /// A save or a restore waits for its slot to be idle; no longer than this.
@@ -770,7 +774,9 @@ impl Carrier {
         let _permit = self.permits.try_acquire().map_err(|_| {
             refused(ErrorKind::RateLimited, "this node carries as many slots at once as it will", "busy")
         })?;
-        self.sender.send(&session, &target).await.map_err(|error| match error {
+        let sent = tokio::time::timeout(CARRY_TIMEOUT, self.sender.send(&session, &target)).await;
+        let sent = sent.map_err(|_| refused(ErrorKind::Timeout, "the carry took too long", "timeout"))?;
+        sent.map_err(|error| match error {
             MoveError::Busy => refused(ErrorKind::Unavailable, "its slot is busy", "busy"),
             MoveError::NotMovable(why) => refused(ErrorKind::Unavailable, why, "not_movable"),
             MoveError::Refused(why) => refused(ErrorKind::Unavailable, why, "refused"),
