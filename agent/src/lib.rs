@@ -171,10 +171,22 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         poll_now: tokio::sync::Notify::new(),
     });
 
-    // Slot files a stopped agent left behind hold conversations: gone.
-    let dirs: Vec<std::path::PathBuf> =
+    // Slot files a stopped agent left behind hold conversations: gone. And
+    // while it runs, those its moves left over.
+    let dirs: Arc<[std::path::PathBuf]> =
         config.backends.iter().filter_map(|b| b.slots.as_ref()).map(|s| s.dir.clone()).collect();
-    let _ = tokio::task::spawn_blocking(move || dirs.iter().for_each(|dir| slots::transfer::sweep(dir))).await;
+    let sweep = move |older_than| {
+        let dirs = Arc::clone(&dirs);
+        tokio::task::spawn_blocking(move || dirs.iter().for_each(|dir| slots::transfer::sweep(dir, older_than)))
+    };
+    let _ = sweep(Duration::ZERO).await;
+    let sweeper = AbortOnDropHandle::new(tokio::spawn(async move {
+        let mut every = tokio::time::interval(slots::transfer::LEFT_OVER_AFTER / 3);
+        loop {
+            every.tick().await;
+            let _ = sweep(slots::transfer::LEFT_OVER_AFTER).await;
+        }
+    }));
     let client = ProbeClient::new(PROBE_TIMEOUT);
     let gpus = GpuReader::detect(&config.gpu, backend_urls).await.context("GPU source unavailable")?;
     tracing::info!(source = gpus.source_name(), "reading GPUs");
@@ -325,6 +337,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
     let _ = reporter.await;
     let _ = placer.await;
     let _ = drainer.await;
+    drop(sweeper);
     for simulator in simulators {
         let _ = simulator.await;
     }

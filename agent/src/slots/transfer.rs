@@ -168,14 +168,25 @@ fn slot_file_name(way: &str) -> Result<String, String> {
 /// What every slot file this agent makes is named from.
 const SLOT_FILE_PREFIX: &str = "inferyes-";
 
-/// Removes the slot files a stopped agent left in `dir` (a restore cut off,
-/// a save written after the sender stopped waiting).
-pub fn sweep(dir: &std::path::Path) {
+/// Slot files last written longer ago than this are left over from a move
+/// that ended: longer than a carry may take (`CARRY_TIMEOUT`) and a file
+/// may take to arrive (`RECEIVE_TIMEOUT`).
+pub const LEFT_OVER_AFTER: Duration = Duration::from_secs(30 * 60);
+
+/// Removes this agent's slot files in `dir` last written longer than
+/// `older_than` ago: at start, all a stopped agent left (a restore cut
+/// off); while it runs, those a save wrote after its sender stopped
+/// waiting, where the slot stayed busy past the retries to remove it.
+pub fn sweep(dir: &std::path::Path, older_than: Duration) {
     let Ok(entries) = std::fs::read_dir(dir) else { return };
     for entry in entries.flatten() {
         let name = entry.file_name();
         let name = name.to_string_lossy();
-        if name.starts_with(SLOT_FILE_PREFIX) && name.ends_with(".bin") {
+        let old = || {
+            let written = entry.metadata().and_then(|m| m.modified());
+            written.is_ok_and(|at| at.elapsed().is_ok_and(|age| age > older_than))
+        };
+        if name.starts_with(SLOT_FILE_PREFIX) && name.ends_with(".bin") && (older_than.is_zero() || old()) {
             let _ = std::fs::remove_file(entry.path());
         }
     }
@@ -850,6 +861,27 @@ mod tests {
         assert_eq!(full.code, "busy");
         assert!(super::take_once(&mut used, b"0", expires, now, started).is_err(), "the first is still known");
         assert!(super::take_once(&mut used, b"x", expires + 1, expires, started).is_ok(), "past their expiry");
+    }
+
+    #[test]
+    fn slot_files_are_swept_all_at_start_and_when_left_over_while_running() {
+        let dir = std::env::temp_dir().join(format!("inferyes-sweep-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = |name: &str, age: std::time::Duration| {
+            let path = dir.join(name);
+            let file = std::fs::File::create(&path).unwrap();
+            file.set_modified(std::time::SystemTime::now() - age).unwrap();
+            path
+        };
+        let fresh = file("inferyes-in-fresh.bin", std::time::Duration::ZERO);
+        let left_over = file("inferyes-out-old.bin", 2 * super::LEFT_OVER_AFTER);
+        let not_ours = file("conversation.bin", 2 * super::LEFT_OVER_AFTER);
+        super::sweep(&dir, super::LEFT_OVER_AFTER);
+        assert!(fresh.exists() && !left_over.exists() && not_ours.exists());
+        super::sweep(&dir, std::time::Duration::ZERO);
+        assert!(!fresh.exists() && not_ours.exists());
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
