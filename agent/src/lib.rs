@@ -259,7 +259,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
     });
     let carrier = Arc::new(slots::transfer::Carrier {
         sender: Arc::clone(&sender),
-        permits: tokio::sync::Semaphore::new(config.moves.max_incoming),
+        permits: Arc::new(tokio::sync::Semaphore::new(config.moves.max_incoming)),
         metrics: slot_metrics.clone(),
     });
     let drainer = AbortOnDropHandle::new(tokio::spawn(

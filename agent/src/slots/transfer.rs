@@ -732,7 +732,7 @@ pub struct Carrier {
     pub sender: Arc<Sender>,
     /// Carries under way at once; more are refused, and their turns read
     /// the prompt again.
-    pub permits: tokio::sync::Semaphore,
+    pub permits: Arc<tokio::sync::Semaphore>,
     pub metrics: crate::metrics::SlotMetrics,
 }
 
@@ -782,10 +782,19 @@ impl Carrier {
         if !self.sender.state.residency.lock().in_slot(key) {
             return Err(refused(ErrorKind::Unavailable, "the conversation is no longer in a slot", "not_movable"));
         }
-        let _permit = self.permits.try_acquire().map_err(|_| {
+        let permit = Arc::clone(&self.permits).try_acquire_owned().map_err(|_| {
             refused(ErrorKind::RateLimited, "this node carries as many slots at once as it will", "busy")
         })?;
-        let sent = tokio::time::timeout(CARRY_TIMEOUT, self.sender.send(&session, &target)).await;
+        // A task of its own, with its permit: a caller that stops waiting
+        // (a data plane that gave up on it) does not cut the move short
+        // while the target restores, which would leave the conversation
+        // recorded on both nodes and free another move of it meanwhile.
+        let sender = Arc::clone(&self.sender);
+        let carry = tokio::spawn(async move {
+            let _permit = permit;
+            tokio::time::timeout(CARRY_TIMEOUT, sender.send(&session, &target)).await
+        });
+        let sent = carry.await.map_err(|_| refused(ErrorKind::Internal, "the carry stopped", "failed"))?;
         let sent = sent.map_err(|_| refused(ErrorKind::Timeout, "the carry took too long", "timeout"))?;
         sent.map_err(|error| match error {
             MoveError::Busy => refused(ErrorKind::Unavailable, "its slot is busy", "busy"),
