@@ -807,10 +807,11 @@ impl Carrier {
 
 /// The slot file a backend saved at `path`, opened to be sent: the handle
 /// rewound, its size and SHA-256 (hex), refused past `max` bytes. Only a
-/// regular file at that very path: the directory is the backend's too, and
-/// a link a backend put there (to the join token, say) would have this
-/// agent read and send what it points to, a FIFO or a device hold the
-/// transfer for ever. What is sent is read from the handle that was hashed.
+/// regular file at that very path, with no other name: the directory is
+/// the backend's too, and a link a backend put there (symbolic, or a hard
+/// link to a file it may write, the join token, say) would have this agent
+/// read and send what it points to, a FIFO or a device hold the transfer
+/// for ever. What is sent is read from the handle that was hashed.
 fn open_saved(path: &std::path::Path, max: u64) -> Result<(std::fs::File, u64, String), String> {
     use std::io::{Read as _, Seek as _};
     use std::os::unix::fs::OpenOptionsExt as _;
@@ -822,6 +823,9 @@ fn open_saved(path: &std::path::Path, max: u64) -> Result<(std::fs::File, u64, S
     let metadata = file.metadata().map_err(|e| e.to_string())?;
     if !metadata.is_file() {
         return Err("not a regular file".into());
+    }
+    if std::os::unix::fs::MetadataExt::nlink(&metadata) != 1 {
+        return Err("a file with another name too".into());
     }
     let size = metadata.len();
     if size > max {
@@ -919,15 +923,17 @@ mod tests {
         assert_eq!(sent, b"abc", "what is sent is read again from the start");
         assert!(super::open_saved(&saved, 2).unwrap_err().contains("over moves.max_slot_bytes"));
 
-        // What a backend could put in its place: a link to a secret, a
-        // directory, a FIFO (whose open must not wait for a writer).
+        // What a backend could put in its place: a link to a secret,
+        // symbolic or hard, a directory, a FIFO (whose open must not wait
+        // for a writer).
         let secret = dir.join("join-token");
         std::fs::write(&secret, b"secret").unwrap();
         std::os::unix::fs::symlink(&secret, dir.join("link.bin")).unwrap();
         std::fs::create_dir(dir.join("dir.bin")).unwrap();
+        std::fs::hard_link(&secret, dir.join("hard.bin")).unwrap();
         let fifo = std::process::Command::new("mkfifo").arg(dir.join("fifo.bin")).status().unwrap();
         assert!(fifo.success());
-        for name in ["link.bin", "dir.bin", "fifo.bin"] {
+        for name in ["link.bin", "hard.bin", "dir.bin", "fifo.bin"] {
             assert!(super::open_saved(&dir.join(name), 1 << 20).is_err(), "{name} was opened");
         }
         std::fs::remove_dir_all(&dir).unwrap();
