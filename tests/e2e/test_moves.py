@@ -126,7 +126,7 @@ def test_a_node_takes_a_slot_only_with_its_credential_and_a_file_that_checks_out
     body = b"not a slot" * 100
     # As a sender makes one: good for 5 minutes from when it is made (a node
     # takes none made before it started).
-    expires = int(time.time() * 1000) + 299_000
+    expires = int(time.time() * 1000) + 300_000
 
     def headers(to="node-b", sender="node-a", until=expires, digest=None, length=None, fingerprint=None):
         digest = digest or hashlib.sha256(body).hexdigest()
