@@ -172,6 +172,8 @@ const SLOT_FILE_PREFIX: &str = "inferyes-";
 /// that ended: longer than a carry may take (`CARRY_TIMEOUT`) and a file
 /// may take to arrive (`RECEIVE_TIMEOUT`).
 pub const LEFT_OVER_AFTER: Duration = Duration::from_secs(30 * 60);
+const _: () = assert!(LEFT_OVER_AFTER.as_secs() > CARRY_TIMEOUT.as_secs());
+const _: () = assert!(LEFT_OVER_AFTER.as_secs() > RECEIVE_TIMEOUT.as_secs());
 
 /// Removes this agent's slot files in `dir` last written longer than
 /// `older_than` ago: at start, all a stopped agent left (a restore cut
