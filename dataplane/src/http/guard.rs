@@ -161,16 +161,15 @@ pub fn check(index: usize, raw: &str) -> Option<String> {
             (raw.len() > most).then(|| format!("`{name}` may be at most {most} bytes long, not {}", raw.len()))
         }
         Rule::Strings { .. } if raw == "null" => None,
-        Rule::Strings { most, bytes } => {
+        Rule::Strings { most: _, bytes } if raw.len() > bytes => {
+            Some(format!("`{name}` may be at most {bytes} bytes long, not {}", raw.len()))
+        }
+        Rule::Strings { most, .. } => {
             let items = match serde_json::from_str::<Value>(raw) {
                 Ok(Value::Array(items)) => items.len(),
                 _ => 1,
             };
-            if items > most {
-                Some(format!("`{name}` may hold at most {most} strings, not {items}"))
-            } else {
-                (raw.len() > bytes).then(|| format!("`{name}` may be at most {bytes} bytes long, not {}", raw.len()))
-            }
+            (items > most).then(|| format!("`{name}` may hold at most {most} strings, not {items}"))
         }
         Rule::One(_) if raw == "null" || raw == "1" => None,
         Rule::One(why) => Some(format!("`{name}` must be 1: {why}")),
