@@ -111,9 +111,10 @@ pub fn scan(body: &[u8]) -> Result<Fields<'_>, ScanError> {
 
 /// How many prompts a `prompt` (a value [`scan`] checked, as written) asks
 /// for, as llama-server reads one (b11434, `tokenize_input_prompts`): an
-/// array with no number among its elements is a prompt per element, a task
-/// of the server's each; anything else (a string, tokens, strings and
-/// tokens mixed) is one.
+/// array with no integer among its elements is a prompt per element, a
+/// task of the server's each; anything else (a string, tokens, strings and
+/// tokens mixed) is one. An array with other numbers is counted as one
+/// too: the server refuses it before it makes any task.
 pub fn prompts(raw: Raw<'_>) -> usize {
     let mut scanner = Scanner { text: raw, at: 0, media: false };
     scanner.whitespace();
@@ -126,7 +127,7 @@ pub fn prompts(raw: Raw<'_>) -> usize {
         scanner.whitespace();
         match scanner.peek() {
             Some(b']') | None => return elements,
-            // Tokens: the array is one prompt (or one the server refuses).
+            // Tokens: the array is one prompt (or, not integers, refused).
             Some(b'-' | b'0'..=b'9') => return 1,
             Some(_) => {}
         }

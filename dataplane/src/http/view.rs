@@ -568,6 +568,8 @@ mod tests {
             r#"["a", 12, "b"]"#,
             r#"[[1, 2]]"#,
             r#"[{"prompt_string":"a"}]"#,
+            r#"["a", "b", 1.5]"#,
+            r#"[-1, "a"]"#,
             "[ ]",
         ] {
             let body = format!(r#"{{"model":"m","prompt":{one}}}"#);
