@@ -82,9 +82,12 @@ if [ -n "${PROXY_CPUS:-}" ]; then
   read -r rest proxy_count < <(python3 - "$PROXY_CPUS" <<'PY'
 import os, sys
 chosen = set()
-for part in sys.argv[1].split(","):
-    low, _, high = part.partition("-")
-    chosen.update(range(int(low), int(high or low) + 1))
+try:
+    for part in sys.argv[1].split(","):
+        low, _, high = part.partition("-")
+        chosen.update(range(int(low), int(high or low) + 1))
+except ValueError:
+    sys.exit(f"PROXY_CPUS={sys.argv[1]} is not a CPU list (0-1, 2,3)")
 rest = sorted(os.sched_getaffinity(0) - chosen)
 if not rest or not chosen <= os.sched_getaffinity(0):
     sys.exit(f"PROXY_CPUS={sys.argv[1]} must name some, not all, of CPUs {sorted(os.sched_getaffinity(0))}")
