@@ -222,6 +222,15 @@ async fn members_that_reach_into_the_shared_server_are_refused_before_it_sees_th
     assert!(refused(chat(json!({"n": 8})), "n").await.contains("slot"));
     refused(chat(json!({"grammar": "root ::= ".to_string() + &"\"a\" ".repeat(20_000)})), "grammar").await;
     refused(chat(json!({"stop": vec!["x"; 17]})), "stop").await;
+    refused(chat(json!({"stop": "x".repeat(5_000)})), "stop").await;
+    let tool = json!({"type": "function", "function": {"name": "f", "description": "d".repeat(300_000)}});
+    refused(chat(json!({"tools": [tool]})), "tools").await;
+    // Several prompts are a task of the server's each.
+    let prompts = json!({"model": "chat", "prompt": ["once", "twice"], "max_tokens": 4});
+    let (http, url) = (fleet.http.clone(), fleet.url("/v1/completions"));
+    let several = http.post_json(&url, &prompts).await;
+    assert_eq!(several.status, StatusCode::BAD_REQUEST);
+    assert_eq!(several.openai_error()["param"].as_str(), Some("prompt"));
     // Media the server would fetch from inside the fleet's network.
     let image = json!({"model": "chat", "messages": [{"role": "user", "content": [
         {"type": "text", "text": "what is this?"},
