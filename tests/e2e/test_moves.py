@@ -143,6 +143,10 @@ def test_a_node_takes_a_slot_only_with_its_credential_and_a_file_that_checks_out
 
     refusals = {
         "no credential": ({k: v for k, v in headers().items() if k != "Authorization"}, 401, "invalid_credential"),
+        # A stranger learns nothing of the node's backends.
+        "no credential, for a backend it lacks": (
+            {**{k: v for k, v in headers().items() if k != "Authorization"}, "x-inferyes-backend": "nope"},
+            401, "invalid_credential"),
         "another node's": (headers(to="node-c"), 401, "invalid_credential"),
         "another sender's claim": ({**headers(), "x-inferyes-move-from": "node-c"}, 401, "invalid_credential"),
         "another conversation's": ({**headers(), "x-inferyes-session": "root-other"}, 401, "invalid_credential"),
