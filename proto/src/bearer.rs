@@ -99,16 +99,12 @@ pub fn slot_move_credential(join_token: &str, slot: &SlotMove<'_>) -> String {
 /// the secret without carrying it.
 pub fn mac_hex(secret: &str, label: &[u8]) -> String {
     let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, secret.as_bytes());
-    hex(ring::hmac::sign(&key, label).as_ref())
+    crate::hex(ring::hmac::sign(&key, label).as_ref())
 }
 
 /// SHA-256 of `bytes`, in hex.
 pub fn sha256_hex(bytes: &[u8]) -> String {
-    hex(ring::digest::digest(&ring::digest::SHA256, bytes).as_ref())
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
+    crate::hex(ring::digest::digest(&ring::digest::SHA256, bytes).as_ref())
 }
 
 /// The tokens a secret may be (see [`crate::files::read_tokens`]).

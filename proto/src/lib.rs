@@ -62,6 +62,15 @@ pub fn session_tag(key: &str) -> String {
     String::from_utf8(tag.to_vec()).unwrap_or_default()
 }
 
+/// `bytes` in lowercase hex: digests, MACs.
+pub fn hex(bytes: &[u8]) -> String {
+    let mut out = vec![0u8; 2 * bytes.len()];
+    for (digits, byte) in out.chunks_exact_mut(2).zip(bytes) {
+        write_hex(digits, u128::from(*byte));
+    }
+    String::from_utf8(out).unwrap_or_default()
+}
+
 /// Writes the low digits of `bits` into `out` as lowercase hex, the last
 /// digit last: ids, keys and tags on the request path, without the
 /// formatting machinery.
@@ -99,6 +108,12 @@ pub fn value_for<'a, V>(map: &'a mut FastMap<String, V>, key: &str, make: impl F
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn bytes_are_written_in_hex_two_digits_each() {
+        assert_eq!(super::hex(&[0x00, 0x0f, 0xa5, 0xff]), "000fa5ff");
+        assert_eq!(super::hex(&[]), "");
+    }
+
     #[test]
     fn value_for_makes_a_value_once_and_then_finds_it() {
         let mut map = super::FastMap::default();

@@ -60,10 +60,6 @@ fn attribute(span: &Span, key: &str) -> Option<String> {
     })
 }
 
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_is_one_trace_across_data_plane_agent_and_backend() {
     let receiver_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -142,7 +138,7 @@ async fn a_request_is_one_trace_across_data_plane_agent_and_backend() {
             .expect("both spans exported within 10 s")
             .expect("the receiver runs");
         assert_eq!(service, "inferyes-test");
-        if hex(&span.trace_id) != client_trace {
+        if inferyes_proto::hex(&span.trace_id) != client_trace {
             continue;
         }
         match span.name.as_str() {
@@ -156,7 +152,7 @@ async fn a_request_is_one_trace_across_data_plane_agent_and_backend() {
     let (request_span, proxy_span) = (request_span.unwrap(), proxy_span.unwrap());
 
     // The data plane continued the client's trace...
-    assert_eq!(hex(&request_span.parent_span_id), client_span);
+    assert_eq!(inferyes_proto::hex(&request_span.parent_span_id), client_span);
     assert_eq!(attribute(&request_span, "node").as_deref(), Some("node-a"));
     assert_eq!(attribute(&request_span, "route").as_deref(), Some("placed"));
     assert_eq!(attribute(&request_span, "http.response.status_code").as_deref(), Some("200"));
@@ -164,7 +160,7 @@ async fn a_request_is_one_trace_across_data_plane_agent_and_backend() {
     assert_eq!(proxy_span.parent_span_id, request_span.span_id);
     assert_eq!(attribute(&proxy_span, "backend").as_deref(), Some("main"));
     // ...and the backend was told the agent's span as its parent.
-    let expected = format!("00-{client_trace}-{}-01", hex(&proxy_span.span_id));
+    let expected = format!("00-{client_trace}-{}-01", inferyes_proto::hex(&proxy_span.span_id));
     assert_eq!(seen.lock().unwrap().as_slice(), [expected]);
 
     tokio::task::spawn_blocking(move || provider.shutdown()).await.unwrap().unwrap();

@@ -430,7 +430,7 @@ async fn write_body(body: Incoming, path: &std::path::Path, length: u64, digest:
     if written != length {
         return Err(refused(ErrorKind::BadRequest, "fewer bytes than the length given", "invalid_request"));
     }
-    let got: String = hash.finish().as_ref().iter().map(|b| format!("{b:02x}")).collect();
+    let got = inferyes_proto::hex(hash.finish().as_ref());
     if got != digest {
         return Err(refused(ErrorKind::BadRequest, "the slot file's SHA-256 differs", "digest_mismatch"));
     }
@@ -849,7 +849,7 @@ fn open_saved(path: &std::path::Path, max: u64) -> Result<(std::fs::File, u64, S
         return Err(format!("{read_in_all} bytes read of {size}: the file changed"));
     }
     file.rewind().map_err(|e| e.to_string())?;
-    Ok((file, size, hash.finish().as_ref().iter().map(|b| format!("{b:02x}")).collect()))
+    Ok((file, size, inferyes_proto::hex(hash.finish().as_ref())))
 }
 
 #[cfg(test)]
