@@ -150,32 +150,35 @@ pub fn check(index: usize, raw: &str) -> Option<String> {
             _ => Some(format!("`{name}` must be an integer from {min} to {max}")),
         },
         Rule::AtMostItems(most) => {
-            let items = match serde_json::from_str::<Value>(raw) {
-                Ok(Value::Array(items)) => items.len(),
-                Ok(Value::Object(items)) => items.len(),
-                _ => 0,
-            };
+            let items = items(raw).unwrap_or(0);
             (items > most).then(|| format!("`{name}` may hold at most {most} items, not {items}"))
         }
-        Rule::AtMostBytes(most) => {
-            (raw.len() > most).then(|| format!("`{name}` may be at most {most} bytes long, not {}", raw.len()))
-        }
+        Rule::AtMostBytes(most) => too_long(name, most, raw),
         Rule::Strings { .. } if raw == "null" => None,
-        Rule::Strings { most: _, bytes } if raw.len() > bytes => {
-            Some(format!("`{name}` may be at most {bytes} bytes long, not {}", raw.len()))
-        }
-        Rule::Strings { most, .. } => {
-            let items = match serde_json::from_str::<Value>(raw) {
-                Ok(Value::Array(items)) => items.len(),
-                _ => 1,
-            };
-            (items > most).then(|| format!("`{name}` may hold at most {most} strings, not {items}"))
-        }
+        Rule::Strings { most, bytes } => too_long(name, bytes, raw).or_else(|| {
+            // A string alone is one.
+            let strings = items(raw).unwrap_or(1);
+            (strings > most).then(|| format!("`{name}` may hold at most {most} strings, not {strings}"))
+        }),
         Rule::One(_) if raw == "null" || raw == "1" => None,
         Rule::One(why) => Some(format!("`{name}` must be 1: {why}")),
         Rule::True(_) if raw == "true" => None,
         Rule::True(why) => Some(format!("`{name}` may only be true: {why}")),
     }
+}
+
+/// The items of an array or an object, as written; `None` for any other value.
+fn items(raw: &str) -> Option<usize> {
+    match serde_json::from_str::<Value>(raw) {
+        Ok(Value::Array(items)) => Some(items.len()),
+        Ok(Value::Object(items)) => Some(items.len()),
+        _ => None,
+    }
+}
+
+/// Why `name`, written as `raw`, is over `most` bytes; none where it is not.
+fn too_long(name: &str, most: usize, raw: &str) -> Option<String> {
+    (raw.len() > most).then(|| format!("`{name}` may be at most {most} bytes long, not {}", raw.len()))
 }
 
 /// Where in `body` media is named by a URL the server would fetch itself:
