@@ -188,6 +188,11 @@ pub struct SlotsConfig {
     pub flags: String,
 }
 
+/// The largest `moves.max_slot_bytes`: 1 PiB.
+pub const MAX_SLOT_BYTES: u64 = 1 << 50;
+/// The largest `moves.max_incoming`.
+pub const MAX_INCOMING: usize = 4096;
+
 /// Bounds on moving conversations' slots.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -201,11 +206,20 @@ pub struct MovesConfig {
     /// Slot files taken from other nodes at once, and carries data planes
     /// ask for at once; more are refused (429) and go elsewhere.
     pub max_incoming: usize,
+    /// Free space a slot file taken leaves on its directory's filesystem,
+    /// counting the files still arriving at their full length.
+    pub min_free_bytes: u64,
 }
 
 impl Default for MovesConfig {
     fn default() -> MovesConfig {
-        MovesConfig { max_slot_bytes: 4 << 30, drain_seconds: 120, drain_bytes: 64 << 30, max_incoming: 2 }
+        MovesConfig {
+            max_slot_bytes: 4 << 30,
+            drain_seconds: 120,
+            drain_bytes: 64 << 30,
+            max_incoming: 2,
+            min_free_bytes: 4 << 30,
+        }
     }
 }
 
@@ -479,6 +493,10 @@ impl Config {
         if self.moves.max_slot_bytes == 0 || self.moves.max_incoming == 0 {
             bail!("moves.max_slot_bytes and moves.max_incoming must be positive");
         }
+        // So that the lengths of the files arriving at once add up.
+        if self.moves.max_slot_bytes > MAX_SLOT_BYTES || self.moves.max_incoming > MAX_INCOMING {
+            bail!("moves.max_slot_bytes is at most {MAX_SLOT_BYTES} and moves.max_incoming {MAX_INCOMING}");
+        }
         Ok(())
     }
 
@@ -566,9 +584,21 @@ kind = "llama-swap"
         };
         let config = Config { backends: vec![swapped_slots], ..Config::default() };
         assert!(config.validate().unwrap_err().to_string().contains("single-model llama-servers"));
-        let https = BackendConfig { url: "https://x".into(), ..twice };
+        let https = BackendConfig { url: "https://x".into(), ..twice.clone() };
         let config = Config { backends: vec![https], ..Config::default() };
         assert!(config.validate().unwrap_err().to_string().contains("must start with http://"));
+        let moves = |max_slot_bytes, max_incoming| Config {
+            backends: vec![twice.clone()],
+            moves: MovesConfig { max_slot_bytes, max_incoming, ..MovesConfig::default() },
+            ..Config::default()
+        };
+        assert!(moves(MAX_SLOT_BYTES, MAX_INCOMING).validate().is_ok());
+        for (bytes, incoming) in [(MAX_SLOT_BYTES + 1, 1), (1, MAX_INCOMING + 1), (0, 1), (1, 0)] {
+            assert!(
+                moves(bytes, incoming).validate().unwrap_err().to_string().contains("moves."),
+                "{bytes} {incoming}"
+            );
+        }
     }
 
     #[test]

@@ -81,6 +81,9 @@ def gemma():
         print(f"\nend-to-end logs (Gemma): {fleet.logs}")
 
 
+MOVERS_MAX_SLOT_BYTES = 1 << 50
+
+
 @pytest.fixture(scope="session")
 def movers():
     """Three nodes serving Gemma 3 270M, two slots each, whose servers save
@@ -103,7 +106,9 @@ def movers():
             args = ["-np", "2", "--chat-template-file", str(GEMMA_TEMPLATE), *kv, "--slot-save-path", f"{slots}/"]
             fleet.llama[node] = fleet.start_llama_server(f"gemma-{node}", fleet.model, GEMMA, args, context=8192)
             moves = f'\n[backends.slots]\ndir = "{slots}"\nflags = "--swa-full"\n'
-            fleet.start_agent(node, [("chat", fleet.llama[node], ["chat", "completion", "messages"], moves)])
+            # node-b takes a slot file of any length its disk has room for.
+            bounds = f"[moves]\nmax_slot_bytes = {MOVERS_MAX_SLOT_BYTES}" if node == "node-b" else ""
+            fleet.start_agent(node, [("chat", fleet.llama[node], ["chat", "completion", "messages"], moves)], bounds)
         fleet.url = fleet.start_dataplane("dataplane", "policy", {GEMMA: 3})
         yield fleet
     finally:

@@ -15,7 +15,7 @@ import urllib.request
 import pytest
 from openai import OpenAI
 
-from conftest import GEMMA
+from conftest import GEMMA, MOVERS_MAX_SLOT_BYTES
 from harness import http_get, wait_until
 from test_real_model import system_prompt
 
@@ -155,7 +155,9 @@ def test_a_node_takes_a_slot_only_with_its_credential_and_a_file_that_checks_out
         "another fingerprint": (headers(fingerprint="0" * 32, until=expires + 1), 503, "fingerprint_differs"),
         "the wrong digest": (headers(digest="0" * 64), 400, "digest_mismatch"),
         "a credential taken before": (headers(digest="0" * 64), 401, "invalid_credential"),
-        "too large": (headers(length=5 << 30, until=expires + 2), 413, "slot_too_large"),
+        "too large": (headers(length=MOVERS_MAX_SLOT_BYTES + 1, until=expires + 2), 413, "slot_too_large"),
+        # Refused before the body is read, so never mind it is shorter.
+        "more than the disk has room for": (headers(length=MOVERS_MAX_SLOT_BYTES, until=expires + 3), 503, "no_room"),
         # The hash checks out; the server refuses the file, which the
         # agent says, never believed restored.
         "not a slot file": (headers(), 502, "restore_failed"),

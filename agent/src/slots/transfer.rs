@@ -94,8 +94,13 @@ pub struct Intake {
     /// `None`: an open fleet, where slots are not taken from anyone.
     pub join_tokens: Option<Vec<String>>,
     pub max_slot_bytes: u64,
+    /// Free space left on a slot directory's filesystem by a file taken.
+    pub min_free_bytes: u64,
     /// Slot files taken at once.
     pub permits: tokio::sync::Semaphore,
+    /// The lengths of the slot files being taken now, whose bytes the
+    /// filesystem's free space does not show yet.
+    pub arriving: std::sync::atomic::AtomicU64,
     pub client: ProbeClient,
     pub metrics: crate::metrics::SlotMetrics,
     /// Credentials taken, with their expiry.
@@ -255,6 +260,11 @@ impl Intake {
             .map_err(|_| refused(ErrorKind::RateLimited, "this node takes as many slots at once as it will", "busy"))?;
 
         let slots = handle.probe.slots.as_ref().map(|s| s.dir.clone()).unwrap_or_default();
+        let (_arriving, others) = Arriving::add(&self.arriving, length);
+        check_room(&slots, length, others, self.min_free_bytes)?;
+        let url = handle.probe.url.as_str();
+        let api_key = handle.probe.api_key.as_str();
+        let no_free_slot = || refused(ErrorKind::Unavailable, "no idle slot to restore into", "no_free_slot");
         let name = slot_file_name("in").map_err(|e| refused(ErrorKind::Internal, e, "write_failed"))?;
         let file = SlotFile(slots.join(&name));
         let bytes = write_body(body, &file.0, length, &digest).await?;
@@ -262,11 +272,8 @@ impl Intake {
             refused(ErrorKind::NotFound, "no backend here takes slots by that name", "backend_not_found")
         })?;
         let mut restored = marks.lock().await;
-        let url = handle.probe.url.as_str();
-        let api_key = handle.probe.api_key.as_str();
         let listed = self.slots(url, api_key).await?;
-        let slot = free_slot(&listed, &restored)
-            .ok_or_else(|| refused(ErrorKind::Unavailable, "no idle slot to restore into", "no_free_slot"))?;
+        let slot = free_slot(&listed, &restored).ok_or_else(no_free_slot)?;
         // The conversation that slot held, if one of this node's, is gone.
         if let Some(held) = listed.iter().find(|s| s.id == slot).and_then(|s| s.tokens) {
             let mut residency = self.state.residency.lock();
@@ -393,6 +400,49 @@ impl Intake {
         }
         parse_slots(&body).ok_or_else(|| unread("not a list of slots".into()))
     }
+}
+
+/// A slot file's length counted as arriving until this is dropped.
+struct Arriving<'a> {
+    total: &'a std::sync::atomic::AtomicU64,
+    length: u64,
+}
+
+impl<'a> Arriving<'a> {
+    /// Counts `length` in; the lengths of the others arriving now.
+    fn add(total: &'a std::sync::atomic::AtomicU64, length: u64) -> (Arriving<'a>, u64) {
+        let others = total.fetch_add(length, std::sync::atomic::Ordering::Relaxed);
+        (Arriving { total, length }, others)
+    }
+}
+
+impl Drop for Arriving<'_> {
+    fn drop(&mut self) {
+        self.total.fetch_sub(self.length, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// Whether a file of `length` bytes, with `arriving` more on their way,
+/// leaves `min_free` of `available`.
+fn fits(available: u64, length: u64, arriving: u64, min_free: u64) -> bool {
+    length.checked_add(arriving).and_then(|n| n.checked_add(min_free)).is_some_and(|needed| needed <= available)
+}
+
+/// Refuses a slot file the filesystem holding `dir` has no room for:
+/// a full disk would fail the file half-way, and whatever else writes
+/// there (the server's own saves, logs) with it.
+fn check_room(dir: &std::path::Path, length: u64, arriving: u64, min_free: u64) -> Result<(), Refused> {
+    let stat = rustix::fs::statvfs(dir).map_err(|e| {
+        refused(ErrorKind::Internal, format!("the slot directory's free space is unread: {e}"), "write_failed")
+    })?;
+    let available = stat.f_bavail.saturating_mul(stat.f_frsize);
+    if fits(available, length, arriving, min_free) {
+        return Ok(());
+    }
+    let message = format!(
+        "no room for a slot file of {length} bytes: {available} bytes free, {arriving} more arriving, {min_free} kept free"
+    );
+    Err(refused(ErrorKind::Unavailable, message, "no_room"))
 }
 
 /// Writes a slot file's body to `path`: exactly `length` bytes, whose
@@ -897,6 +947,32 @@ mod tests {
         super::sweep(&dir, std::time::Duration::ZERO);
         assert!(!fresh.exists() && not_ours.exists());
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_slot_file_is_taken_only_where_it_leaves_room_counting_those_arriving() {
+        let dir = std::env::temp_dir();
+        let stat = rustix::fs::statvfs(&dir).unwrap();
+        let free = stat.f_bavail * stat.f_frsize;
+        let arriving = std::sync::atomic::AtomicU64::new(0);
+        let (first, others) = super::Arriving::add(&arriving, free / 4);
+        assert_eq!(others, 0);
+        assert!(super::check_room(&dir, free / 4, others, 0).is_ok());
+        // A second as large while the first arrives, then one as large
+        // as the disk's free space.
+        let (second, others) = super::Arriving::add(&arriving, free / 4);
+        assert_eq!(others, free / 4);
+        assert!(super::check_room(&dir, free / 4, others, 0).is_ok());
+        let (_third, others) = super::Arriving::add(&arriving, free);
+        let full = super::check_room(&dir, free, others, 0).unwrap_err();
+        assert_eq!(full.code, "no_room");
+        assert_eq!(full.kind.http_status(), 503, "the sender tries another node");
+        drop((first, second));
+        assert_eq!(arriving.load(std::sync::atomic::Ordering::Relaxed), free);
+        // What must stay free counts too.
+        assert!(super::check_room(&dir, 1, 0, free).is_err());
+        assert!(super::check_room(&dir.join("no-such-dir"), 1, 0, 0).is_err());
+        assert!(super::fits(10, 4, 3, 3) && !super::fits(10, 4, 3, 4) && !super::fits(u64::MAX, u64::MAX, 1, 0));
     }
 
     #[test]
