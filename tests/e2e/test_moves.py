@@ -107,6 +107,23 @@ def mac(key, text):
     return hmac.new(key.encode(), text.encode(), hashlib.sha256).hexdigest()
 
 
+def slot_headers(fleet, body, until, to="node-b", sender="node-a", digest=None, length=None, fingerprint=None):
+    """A slot file's headers, with the credential a sender makes of the
+    join token: for root-attacker's 100 tokens on the `chat` backend."""
+    join = fleet.join_token_file.read_text().strip()
+    digest = digest or hashlib.sha256(body).hexdigest()
+    fingerprint = fingerprint or fleet.ctl("node", to)["backends"][0]["slot_fingerprint"]
+    move = f"inferyes slot move v2 {sender} {to} chat 100 {until} {digest} root-attacker"
+    credential = mac(mac(join, "inferyes slot move key v2"), move)
+    return {
+        "Authorization": f"Bearer {credential}", "x-inferyes-move-from": sender,
+        "x-inferyes-move-expires": str(until), "x-inferyes-backend": "chat", "x-inferyes-model": GEMMA,
+        "x-inferyes-session": "root-attacker", "x-inferyes-slot-tokens": "100",
+        "x-inferyes-slot-fingerprint": fingerprint, "x-inferyes-slot-sha256": digest,
+        "Content-Length": str(length or len(body)), "Content-Type": "application/octet-stream",
+    }
+
+
 def put_slot(url, headers, body):
     request = urllib.request.Request(f"{url}/_inferyes/slots", data=body, method="PUT", headers=headers)
     try:
@@ -118,28 +135,15 @@ def put_slot(url, headers, body):
 
 def test_a_node_takes_a_slot_only_with_its_credential_and_a_file_that_checks_out(movers):
     fleet = movers
-    join = fleet.join_token_file.read_text().strip()
-    node = fleet.ctl("node", "node-b")
-    [backend] = node["backends"]
-    url = node["proxy_url"]
+    url = fleet.ctl("node", "node-b")["proxy_url"]
     slots_dir = fleet.tmp / "slots-node-b"
     body = b"not a slot" * 100
     # As a sender makes one: good for 5 minutes from when it is made (a node
     # takes none made before it started).
     expires = int(time.time() * 1000) + 300_000
 
-    def headers(to="node-b", sender="node-a", until=expires, digest=None, length=None, fingerprint=None):
-        digest = digest or hashlib.sha256(body).hexdigest()
-        move = f"inferyes slot move v2 {sender} {to} chat 100 {until} {digest} root-attacker"
-        credential = mac(mac(join, "inferyes slot move key v2"), move)
-        return {
-            "Authorization": f"Bearer {credential}", "x-inferyes-move-from": sender,
-            "x-inferyes-move-expires": str(until), "x-inferyes-backend": "chat", "x-inferyes-model": GEMMA,
-            "x-inferyes-session": "root-attacker", "x-inferyes-slot-tokens": "100",
-            "x-inferyes-slot-fingerprint": fingerprint or backend["slot_fingerprint"],
-            "x-inferyes-slot-sha256": digest,
-            "Content-Length": str(length or len(body)), "Content-Type": "application/octet-stream",
-        }
+    def headers(until=expires, **rest):
+        return slot_headers(fleet, body, until, **rest)
 
     refusals = {
         "no credential": ({k: v for k, v in headers().items() if k != "Authorization"}, 401, "invalid_credential"),
@@ -172,6 +176,7 @@ def test_a_node_takes_a_slot_only_with_its_credential_and_a_file_that_checks_out
 
     # The servers' slot endpoints are not reachable through the proxy, even
     # with the node's own credential (what data planes hold).
+    join = fleet.join_token_file.read_text().strip()
     credential = mac(mac(join, "inferyes agent proxy key v2"), "inferyes agent proxy v2 node-b")
     for path in ("/slots", "/slots/0?action=erase"):
         request = urllib.request.Request(f"{url}{path}", data=b'{"filename":"x"}', method="POST",
@@ -238,3 +243,28 @@ def test_a_data_plane_has_a_conversation_s_cache_carried_where_it_asks(movers):
     node, route, usage = turn(fleet, messages, "And which comes next?")
     assert node == "node-b" and route in ("resident", "placed"), (node, route)
     assert usage.prompt_tokens_details.cached_tokens >= 0.9 * history, usage
+
+
+def test_a_node_with_no_idle_slot_refuses_a_slot_file_before_it_is_sent(movers):
+    fleet = movers
+    server = fleet.llama["node-b"]
+    # Both of node-b's slots generate until their streams are closed.
+    work = json.dumps({"prompt": "Count:", "n_predict": 3000, "ignore_eos": True, "stream": True}).encode()
+    streams = []
+    try:
+        for _ in range(2):
+            request = urllib.request.Request(f"{server}/completion", data=work,
+                                             headers={"Content-Type": "application/json"})
+            streams.append(urllib.request.urlopen(request, timeout=30))
+        wait_until("both of node-b's slots busy",
+                   lambda: all(s["is_processing"] for s in json.loads(http_get(f"{server}/slots")[1])))
+        # A gigabyte promised, ten bytes sent: the answer comes without
+        # waiting for the rest.
+        body = b"0123456789"
+        sent = slot_headers(fleet, body, int(time.time() * 1000) + 300_000, length=1 << 30)
+        status, answer = put_slot(fleet.ctl("node", "node-b")["proxy_url"], sent, body)
+        assert (status, answer["error"]["code"]) == (503, "no_free_slot"), answer
+    finally:
+        for stream in streams:
+            stream.close()
+    assert list((fleet.tmp / "slots-node-b").iterdir()) == []

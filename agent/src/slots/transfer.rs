@@ -265,6 +265,9 @@ impl Intake {
         let url = handle.probe.url.as_str();
         let api_key = handle.probe.api_key.as_str();
         let no_free_slot = || refused(ErrorKind::Unavailable, "no idle slot to restore into", "no_free_slot");
+        // Refused before the file is read where the server has no idle
+        // slot now: the sender need not send it.
+        free_slot(&self.slots(url, api_key).await?, &[]).ok_or_else(no_free_slot)?;
         let name = slot_file_name("in").map_err(|e| refused(ErrorKind::Internal, e, "write_failed"))?;
         let file = SlotFile(slots.join(&name));
         let bytes = write_body(body, &file.0, length, &digest).await?;
