@@ -170,6 +170,21 @@ enum End {
     Shutdown,
 }
 
+/// Sends `message` to the agent. One that stops reading its stream (its
+/// connection kept up by HTTP/2's pings) is as silent as one that stops
+/// writing: past the lease's TTL its session ends, and its node leaves.
+async fn deliver(
+    tx: &mpsc::Sender<Result<ControllerMessage, Status>>,
+    message: ControllerMessage,
+    within: Duration,
+) -> Result<(), End> {
+    match tokio::time::timeout(within, tx.send(Ok(message))).await {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(_)) => Err(End::AgentLeft),
+        Err(_) => Err(End::AgentSilent),
+    }
+}
+
 impl AgentSvc {
     /// The node's first write, before the stream is answered: the node id
     /// is this agent's before anything of it reaches the fleet, and a
@@ -242,8 +257,8 @@ impl AgentSvc {
                         let (live, durable_changed) = match self.take(msg, &node_id, &mut reported, &mut numbering) {
                             Heard::Live { events, durable_changed } => (events, durable_changed),
                             Heard::Resync(resync) => {
-                                if tx.send(Ok(resync)).await.is_err() {
-                                    break End::AgentLeft;
+                                if let Err(end) = deliver(&tx, resync, self.lease_ttl).await {
+                                    break end;
                                 }
                                 (Vec::new(), false)
                             }
@@ -293,8 +308,8 @@ impl AgentSvc {
                             let message = ControllerMessage {
                                 msg: Some(controller_message::Msg::Peers(inferyes_proto::v1::Peers { targets })),
                             };
-                            if tx.send(Ok(message)).await.is_err() {
-                                break End::AgentLeft;
+                            if let Err(end) = deliver(&tx, message, self.lease_ttl).await {
+                                break end;
                             }
                             peers_sent = Some(peers);
                         }
@@ -308,8 +323,8 @@ impl AgentSvc {
                                 orders: orders.clone(),
                             })),
                         };
-                        if tx.send(Ok(message)).await.is_err() {
-                            break End::AgentLeft;
+                        if let Err(end) = deliver(&tx, message, self.lease_ttl).await {
+                            break end;
                         }
                         orders_sent = Some(orders);
                     }
@@ -326,8 +341,8 @@ impl AgentSvc {
                         targets_sent = targets.len();
                         let drain = DrainState { draining, reason: String::new(), targets };
                         let message = ControllerMessage { msg: Some(controller_message::Msg::Drain(drain)) };
-                        if tx.send(Ok(message)).await.is_err() {
-                            break End::AgentLeft;
+                        if let Err(end) = deliver(&tx, message, self.lease_ttl).await {
+                            break end;
                         }
                     }
                 }
@@ -345,12 +360,14 @@ impl AgentSvc {
             }
             End::Taken => {
                 tracing::warn!("node id taken by another agent after this one's lease ran out; stream closed");
-                let _ = tx.send(Err(taken_status(&node_id))).await;
+                let _ = tx.try_send(Err(taken_status(&node_id)));
                 Leaving::Now
             }
             End::AgentSilent => {
-                tracing::warn!("agent silent for longer than the lease ttl; dropping its node");
-                let _ = tx.send(Err(status(ErrorKind::Timeout, "no heartbeat within the lease ttl"))).await;
+                tracing::warn!(
+                    "agent silent (not writing, or not reading) for longer than the lease ttl; dropping its node"
+                );
+                let _ = tx.try_send(Err(status(ErrorKind::Timeout, "no heartbeat within the lease ttl")));
                 Leaving::Now
             }
             End::AgentLeft => {

@@ -238,6 +238,73 @@ async fn a_silent_agent_is_dropped_after_the_lease_ttl() {
 }
 
 #[tokio::test]
+async fn an_agent_that_stops_reading_its_stream_is_dropped_after_the_lease_ttl() {
+    use inferyes_proto::v1::agent_service_client::AgentServiceClient;
+    use inferyes_proto::v1::{
+        AgentMessage, ListSessionsRequest, NodeStatus, Register, ResidencyUpdate, ResidentSession, agent_message,
+    };
+    use inferyes_tests::fleet::LEASE_TTL;
+
+    let etcd = Etcd::start().await;
+    let controller = ControllerHandle::start(&etcd.endpoint(), "controller-1").await;
+    // An agent that reports a session, then writes on and reads nothing:
+    // its connection's window, of a few bytes, stays full.
+    let status = NodeStatus { node_id: "deaf".into(), proxy_url: "http://127.0.0.1:9".into(), ..Default::default() };
+    let register =
+        Register { status: Some(status), join_token: inferyes_tests::fleet::JOIN_TOKEN.into(), ..Default::default() };
+    let session = ResidentSession { key: "root-deaf".into(), backend_id: "main".into(), ..Default::default() };
+    let update = |seq, full| AgentMessage {
+        msg: Some(agent_message::Msg::Residency(ResidencyUpdate {
+            seq,
+            full,
+            upserted: vec![session.clone()],
+            removed: vec![],
+        })),
+    };
+    let mut messages = vec![AgentMessage { msg: Some(agent_message::Msg::Register(register)) }];
+    // Each full table then a gap in the numbering: an answer asking for a
+    // full table again, many more than the controller queues.
+    for i in 0..32 {
+        messages.extend([update(3 * i, true), update(3 * i + 2, false)]);
+    }
+    let channel = tonic::transport::Endpoint::from_shared(controller.url())
+        .unwrap()
+        .initial_stream_window_size(64)
+        .initial_connection_window_size(64)
+        .connect()
+        .await
+        .unwrap();
+    let (tx, rx) = tokio::sync::mpsc::channel(messages.len());
+    for message in messages {
+        tx.try_send(message).unwrap();
+    }
+    let mut agents = AgentServiceClient::new(channel);
+    let _unread = agents.join(tokio_stream::wrappers::ReceiverStream::new(rx)).await.unwrap();
+    let started = std::time::Instant::now();
+
+    let admin = controller.fleet().await;
+    let sessions = || {
+        let mut admin = admin.clone();
+        async move { admin.list_sessions(ListSessionsRequest::default()).await.unwrap().into_inner().sessions.len() }
+    };
+    eventually("the session listed", Duration::from_secs(5), || async { sessions().await == 1 }).await;
+    // Its messages keep coming while the controller waits for it to read:
+    // it is not silent by what it writes, only by what it reads.
+    let writing = tokio::spawn(async move {
+        loop {
+            let heartbeat = AgentMessage { msg: Some(agent_message::Msg::Heartbeat(Default::default())) };
+            if tx.send(heartbeat).await.is_err() {
+                break;
+            }
+            tokio::time::sleep(LEASE_TTL / 10).await;
+        }
+    });
+    eventually("the deaf node's session gone", LEASE_TTL * 3, || async { sessions().await == 0 }).await;
+    assert!(started.elapsed() >= LEASE_TTL, "dropped after {:?}, before the TTL", started.elapsed());
+    writing.abort();
+}
+
+#[tokio::test]
 async fn when_a_controller_dies_everyone_moves_to_another_without_losing_a_node() {
     let etcd = Etcd::start().await;
     let one = ControllerHandle::start(&etcd.endpoint(), "controller-1").await;
