@@ -227,6 +227,14 @@ async fn forward(proxy: Proxy, request: Request<Incoming>) -> Response {
 async fn forward_in_span(proxy: Proxy, request: Request<Incoming>) -> Response {
     let span = tracing::Span::current();
     let (mut parts, body) = request.into_parts();
+    // Only the jobs a data plane sends, as it sends them: never the
+    // servers' own endpoints, which save, restore and erase conversations'
+    // caches (`/slots`, and llama-swap's `/upstream/<model>/...` to any of
+    // them) or change a server for everyone (`/props`, LoRA scales, model
+    // loads).
+    let Some(row) = inferyes_proto::kinds::row(parts.uri.path()).filter(|_| parts.method == http::Method::POST) else {
+        return error(ErrorKind::NotFound, "not a job this node serves", "not_found");
+    };
     // Header values are shared, not copied; the session outlives the
     // request (its residency is updated when the answer ends).
     let model_header = parts.headers.get(MODEL_HEADER).cloned();
@@ -251,11 +259,6 @@ async fn forward_in_span(proxy: Proxy, request: Request<Incoming>) -> Response {
     let backend_id = handle.probe.id.as_str();
 
     let path = parts.uri.path_and_query().cloned().unwrap_or_else(|| PathAndQuery::from_static("/"));
-    // They save, restore and erase conversations' caches: the agent's
-    // own, never a caller's.
-    if crate::slots::transfer::is_slot_endpoint(path.path()) {
-        return error(ErrorKind::NotFound, "the servers' slots are not reachable here", "not_found");
-    }
     let Some((uri, host, origin)) = handle.url.origin_form(&path) else {
         if handle.url.origin().is_none() {
             let message = format!("backend `{backend_id}` has a URL this agent cannot reach");
@@ -281,7 +284,6 @@ async fn forward_in_span(proxy: Proxy, request: Request<Incoming>) -> Response {
 
     // For a log line: the request's span is a trace, not log context.
     let request_id = parts.headers.get(REQUEST_ID_HEADER).cloned();
-    let row = inferyes_proto::kinds::row(path.path());
     let mut guard = InFlight::enter(Arc::clone(&proxy.state), index);
     let started = Instant::now();
     match proxy.client.send(origin, Request::from_parts(parts, body)).await {
@@ -296,7 +298,7 @@ async fn forward_in_span(proxy: Proxy, request: Request<Incoming>) -> Response {
             // without FIM tokens, embeddings from a chat server): routing
             // is told, and sends no more of them here.
             if parts.status == StatusCode::NOT_IMPLEMENTED
-                && let (Some(row), Some(model)) = (row, model)
+                && let Some(model) = model
                 && inferyes_proto::kinds::refused_whole(row.kind)
                 // An upstream provider's 501 may be about the request.
                 && handle.probe.kind != crate::config::BackendKind::Openai
@@ -306,7 +308,7 @@ async fn forward_in_span(proxy: Proxy, request: Request<Incoming>) -> Response {
             }
             // A stream's first event says part of its usage; a whole answer
             // says it once, at its end.
-            let reads_head = row.is_some_and(|row| row.usage == inferyes_proto::kinds::UsageIn::HeadAndTail)
+            let reads_head = row.usage == inferyes_proto::kinds::UsageIn::HeadAndTail
                 && parts
                     .headers
                     .get(header::CONTENT_TYPE)

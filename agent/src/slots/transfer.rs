@@ -55,38 +55,6 @@ const MIN_TRANSFER_BYTES_PER_SECOND: u64 = 8 << 20;
 /// A save or a restore waits for its slot to be idle; no longer than this.
 pub const SLOT_ACTION_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// Whether a request's path is one of the servers' slot endpoints, which
-/// save, restore and erase caches: never forwarded. Read as the server's
-/// router reads it (escapes decoded, a run of leading slashes as one), in
-/// any case.
-pub fn is_slot_endpoint(path: &str) -> bool {
-    let decoded = if path.contains('%') { percent_decoded(path) } else { std::borrow::Cow::Borrowed(path) };
-    let rest = decoded.trim_start_matches('/').as_bytes();
-    let named = rest.len() >= 5 && rest[..5].eq_ignore_ascii_case(b"slots");
-    named && matches!(rest.get(5), None | Some(b'/' | b'?'))
-}
-
-/// `path` with its `%XX` escapes decoded; a broken escape is kept as it is.
-fn percent_decoded(path: &str) -> std::borrow::Cow<'_, str> {
-    let bytes = path.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        let hex = |b: u8| char::from(b).to_digit(16);
-        match (bytes[i], bytes.get(i + 1).copied().and_then(hex), bytes.get(i + 2).copied().and_then(hex)) {
-            (b'%', Some(high), Some(low)) => {
-                out.push(u8::try_from(high * 16 + low).unwrap_or(b'%'));
-                i += 3;
-            }
-            (byte, _, _) => {
-                out.push(byte);
-                i += 1;
-            }
-        }
-    }
-    std::borrow::Cow::Owned(String::from_utf8_lossy(&out).into_owned())
-}
-
 /// The receiving side, one per agent: its checks and bounds.
 pub struct Intake {
     pub state: Arc<AgentState>,
@@ -1018,26 +986,5 @@ mod tests {
             assert!(super::open_saved(&dir.join(name), 1 << 20).is_err(), "{name} was opened");
         }
         std::fs::remove_dir_all(&dir).unwrap();
-    }
-
-    #[test]
-    fn the_servers_slot_endpoints_are_told_apart_from_everything_else() {
-        for path in [
-            "/slots",
-            "/slots/0",
-            "/slots/0?action=erase",
-            "/slots?fail_on_no_slot=1",
-            "/%73lots/0",
-            "/slots%2F0",
-            "/%2Fslots",
-            "//slots/1",
-            "/SLOTS/0",
-            "/%53lots",
-        ] {
-            assert!(super::is_slot_endpoint(path), "{path}");
-        }
-        for path in ["/v1/chat/completions", "/slotsx", "/v1/slots", "/_inferyes/slots", "/%zzslots", "/slot"] {
-            assert!(!super::is_slot_endpoint(path), "{path}");
-        }
     }
 }

@@ -478,8 +478,32 @@ async fn an_agent_forwards_only_what_the_fleet_s_data_planes_send() {
     assert_eq!(fleet.agents[0].node_id, "node-a");
     let authorization = inferyes_tests::fleet::agent_authorization("node-a");
     let authorization = [("authorization", authorization.as_str())];
-    let answered = fleet.http.send(Method::POST, &url, body, &authorization).await;
+    let answered = fleet.http.send(Method::POST, &url, body.clone(), &authorization).await;
     assert_eq!(answered.status, StatusCode::OK);
+    // Nor, with that credential, anything but the jobs a data plane
+    // sends: the servers' own endpoints (slots, llama-swap's way to any
+    // of them, settings, model loads) however spelled, nor a job's path
+    // by another method.
+    let reached = fleet.sims[0].sim.stats().requests;
+    for (method, path) in [
+        (Method::POST, "/slots/0?action=erase"),
+        (Method::POST, "/%73lots/0?action=save"),
+        (Method::POST, "//slots/0?action=restore"),
+        (Method::GET, "/SLOTS"),
+        (Method::POST, "/upstream/chat/slots/0?action=erase"),
+        (Method::POST, "/props"),
+        (Method::POST, "/lora-adapters"),
+        (Method::POST, "/models/load"),
+        (Method::GET, "/v1/chat/completions"),
+        (Method::POST, "/v1/chat/completions/"),
+        (Method::GET, "/metrics"),
+    ] {
+        let url = format!("http://{}{path}", fleet.agents[0].proxy_addr);
+        let refused = fleet.http.send(method.clone(), &url, body.clone(), &authorization).await;
+        assert_eq!(refused.status, StatusCode::NOT_FOUND, "{method} {path}");
+        assert_eq!(refused.openai_error()["code"], "not_found", "{method} {path}");
+    }
+    assert_eq!(fleet.sims[0].sim.stats().requests, reached, "nothing more reached the backend");
     // Its own health and metrics stay open.
     let health = fleet.http.get(&format!("http://{}/healthz", fleet.agents[0].proxy_addr)).await;
     assert_eq!(health.status, StatusCode::OK);
