@@ -81,10 +81,6 @@ impl<S: Send + Sync> FromRequestParts<S> for Peer {
 }
 
 impl Dashboard {
-    fn allows(&self, headers: &HeaderMap) -> bool {
-        self.gate.as_ref().is_none_or(|gate| gate.allows(headers, inferyes_proto::unix_ms() / 1000))
-    }
-
     /// The refusal of a read presenting these headers from `peer`, if it
     /// is not let in. A Bearer token is a try: a wrong one counts against
     /// its client's address, which past its tries is refused before its
@@ -149,8 +145,15 @@ fn refused() -> Response {
     (StatusCode::UNAUTHORIZED, axum::Json(serde_json::json!({ "error": error }))).into_response()
 }
 
-async fn page(State(dashboard): State<Dashboard>, headers: HeaderMap) -> Html<&'static str> {
-    Html(if dashboard.allows(&headers) { PAGE } else { LOGIN })
+/// The dashboard, or its sign-in page where the request is not let in: a
+/// Bearer token sent for it is a try, as for a read, or which page came
+/// back would tell a right token from a wrong one untried.
+async fn page(State(dashboard): State<Dashboard>, Peer(peer): Peer, headers: HeaderMap) -> Response {
+    match dashboard.refusal(&headers, peer) {
+        None => Html(PAGE).into_response(),
+        Some(too_many) if too_many.status() == StatusCode::TOO_MANY_REQUESTS => too_many,
+        Some(_) => Html(LOGIN).into_response(),
+    }
 }
 
 #[derive(serde::Deserialize)]

@@ -330,6 +330,9 @@ async fn dashboard_auth_none_leaves_the_dashboard_open() {
 enum Try<'a> {
     Login(&'a str),
     Read(&'a str),
+    /// The dashboard's page, with a Bearer token: which page comes back
+    /// says whether it was right.
+    Page(&'a str),
 }
 
 /// `attempt` sent to the controller's HTTP port at `address` from `source`,
@@ -351,6 +354,7 @@ async fn try_from(
     let (method, path, body, bearer) = match attempt {
         Try::Login(token) => (http::Method::POST, "/api/v1/login", json!({ "token": token }).to_string(), None),
         Try::Read(token) => (http::Method::GET, "/api/v1/fleet", String::new(), Some(token)),
+        Try::Page(token) => (http::Method::GET, "/", String::new(), Some(token)),
     };
     let mut request = http::Request::builder()
         .method(method)
@@ -389,15 +393,22 @@ async fn an_address_guessing_dashboard_tokens_is_held_back_and_no_one_else() {
     for (source, forwarded_for) in [("127.0.0.2", None), (proxy, Some("198.51.100.7"))] {
         for i in 0..10 {
             let wrong = format!("not-the-viewer-token-{i:04}");
-            let attempt = if i % 2 == 0 { Try::Login(&wrong) } else { Try::Read(&wrong) };
+            let (attempt, status) = match i % 3 {
+                0 => (Try::Login(&wrong), StatusCode::UNAUTHORIZED),
+                1 => (Try::Read(&wrong), StatusCode::UNAUTHORIZED),
+                // The sign-in page.
+                _ => (Try::Page(&wrong), StatusCode::OK),
+            };
             let answer = try_from(address, source, forwarded_for, attempt).await;
-            assert_eq!(answer, (StatusCode::UNAUTHORIZED, None), "try {i} from {source}");
+            assert_eq!(answer, (status, None), "try {i} from {source}");
         }
         let (status, retry_after) = try_from(address, source, forwarded_for, Try::Login(VIEWER_TOKEN)).await;
         assert_eq!(status, StatusCode::TOO_MANY_REQUESTS, "from {source}");
         assert!(retry_after.is_some_and(|s| (1..=30).contains(&s)), "{retry_after:?}");
         let (status, _) = try_from(address, source, forwarded_for, Try::Read(VIEWER_TOKEN)).await;
         assert_eq!(status, StatusCode::TOO_MANY_REQUESTS, "reads with a token are tries too");
+        let (status, _) = try_from(address, source, forwarded_for, Try::Page(VIEWER_TOKEN)).await;
+        assert_eq!(status, StatusCode::TOO_MANY_REQUESTS, "so is the page with one");
     }
     // Others are let in: another address, and another client of the proxy.
     assert_eq!(try_from(address, "127.0.0.3", None, Try::Login(VIEWER_TOKEN)).await, (StatusCode::NO_CONTENT, None));
@@ -409,6 +420,6 @@ async fn an_address_guessing_dashboard_tokens_is_held_back_and_no_one_else() {
     }
     let scraped = inferyes_tests::HttpClient::default().get(&format!("http://{address}/metrics")).await;
     let metrics = String::from_utf8_lossy(&scraped.body);
-    assert!(metrics.contains("inferyes_controller_dashboard_refused_total{reason=\"attempts\"} 4"), "{metrics}");
+    assert!(metrics.contains("inferyes_controller_dashboard_refused_total{reason=\"attempts\"} 6"), "{metrics}");
     assert!(metrics.contains("inferyes_controller_dashboard_refused_total{reason=\"token\"} 20"), "{metrics}");
 }
