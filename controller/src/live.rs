@@ -31,7 +31,7 @@ pub const MAX_MODELS_PER_BACKEND: usize = 256;
 /// Kinds of job a model lists, at most: more than there are.
 const MAX_KINDS: usize = 16;
 pub const MAX_GPUS: usize = 64;
-const MAX_TEXT: usize = 256;
+const MAX_TEXT: usize = inferyes_proto::MAX_NAME_BYTES;
 
 /// Sessions one node may hold here, and the longest key taken: every
 /// controller and every data plane holds them in memory, and an agent

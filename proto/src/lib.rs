@@ -23,6 +23,11 @@ pub mod usage;
 
 pub use error::{ErrorKind, anthropic_error_body, openai_error_body};
 
+/// The longest text the fleet keeps of each name an agent reports (a
+/// model's id among them): a request naming a longer model names none the
+/// fleet has.
+pub const MAX_NAME_BYTES: usize = 256;
+
 /// The routing policy's defaults for its zero values (see `RoutingPolicy`):
 /// data planes route by them, the dashboard draws them.
 pub const DEFAULT_ADMISSION_THRESHOLD: f64 = 0.92;

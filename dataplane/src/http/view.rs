@@ -70,6 +70,7 @@ fn parse_form_view(headers: &HeaderMap, body: &[u8]) -> Result<RoutingView, ApiE
     let (Some(model), Some(model_span)) = (fields.model.filter(|m| !m.is_empty()), fields.model_span) else {
         return Err(missing_model());
     };
+    short_enough(model)?;
     Ok(RoutingView {
         model: model.to_string(),
         model_span,
@@ -88,6 +89,16 @@ fn parse_form_view(headers: &HeaderMap, body: &[u8]) -> Result<RoutingView, ApiE
 fn missing_model() -> ApiError {
     ApiError::new(ErrorKind::BadRequest, "you must provide a model parameter", ErrorCode::MissingRequiredParameter)
         .param("model")
+}
+
+/// Refuses a model's name longer than any the fleet lists, without
+/// repeating it back or keeping it anywhere.
+fn short_enough(model: &str) -> Result<(), ApiError> {
+    if model.len() <= inferyes_proto::MAX_NAME_BYTES {
+        return Ok(());
+    }
+    let message = format!("model names are at most {} bytes long", inferyes_proto::MAX_NAME_BYTES);
+    Err(ApiError::new(ErrorKind::BadRequest, message, ErrorCode::InvalidRequest).param("model"))
 }
 
 /// The routing view of a JSON body, as chat's are read.
@@ -109,6 +120,7 @@ fn parse_json_view(body: &[u8], session: Session) -> Result<RoutingView, ApiErro
     let (Some(model), Some(model_span)) = (fields.model.filter(|m| !m.is_empty()), fields.model_span) else {
         return Err(missing_model());
     };
+    short_enough(&model)?;
     Ok(RoutingView {
         model: model.into_owned(),
         model_span,
@@ -545,6 +557,15 @@ mod tests {
         assert_eq!(broken.message, "the request body is not valid JSON: expected value at line 2 column 15");
         let twice = parse_view(br#"{"model":"a","model":"b"}"#).unwrap_err();
         assert_eq!((twice.code_str(), twice.param), (Some("invalid_json"), Some("model")));
+        // A name no model of the fleet has, never repeated back.
+        let longest = "m".repeat(inferyes_proto::MAX_NAME_BYTES);
+        assert_eq!(parse_view(format!(r#"{{"model":"{longest}"}}"#).as_bytes()).unwrap().model, longest);
+        let long = parse_view(format!(r#"{{"model":"{}"}}"#, "m".repeat(1 << 20)).as_bytes()).unwrap_err();
+        assert_eq!(
+            (long.kind, long.code_str(), long.param),
+            (ErrorKind::BadRequest, Some("invalid_request"), Some("model"))
+        );
+        assert!(long.message.len() < 100, "{}", long.message);
     }
 
     #[test]
@@ -717,6 +738,10 @@ mod tests {
         assert_eq!((json.kind, json.code_str()), (ErrorKind::BadRequest, Some("invalid_body")));
         let no_model = b"--b\r\nContent-Disposition: form-data; name=\"file\"\r\n\r\nx\r\n--b--\r\n";
         assert_eq!(parse_request_view(row, &headers, no_model).unwrap_err().param, Some("model"));
+        let long =
+            format!("--b\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\n{}\r\n--b--\r\n", "w".repeat(257));
+        let long = parse_request_view(row, &headers, long.as_bytes()).unwrap_err();
+        assert_eq!((long.code_str(), long.param), (Some("invalid_request"), Some("model")));
     }
 
     #[test]
