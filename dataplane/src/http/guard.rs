@@ -9,7 +9,7 @@
 //! Media a body names by URL is refused too: llama-server fetches such a
 //! URL itself, from inside the fleet's network.
 
-use serde_json::Value;
+use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 
 /// What the data plane allows of a member.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -167,12 +167,38 @@ pub fn check(index: usize, raw: &str) -> Option<String> {
     }
 }
 
-/// The items of an array or an object, as written; `None` for any other value.
+/// The items of an array or an object, as written; `None` for any other
+/// value. Counted as the value is read, keeping none of it: a bound on
+/// items is checked before the value's length is.
 fn items(raw: &str) -> Option<usize> {
-    match serde_json::from_str::<Value>(raw) {
-        Ok(Value::Array(items)) => Some(items.len()),
-        Ok(Value::Object(items)) => Some(items.len()),
-        _ => None,
+    let mut reader = serde_json::Deserializer::from_str(raw);
+    serde::Deserializer::deserialize_any(&mut reader, Items).ok().flatten()
+}
+
+/// Counts a container's items, each skipped unread.
+struct Items;
+
+impl<'de> Visitor<'de> for Items {
+    type Value = Option<usize>;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("an array or an object")
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut items: A) -> Result<Option<usize>, A::Error> {
+        let mut count = 0;
+        while items.next_element::<IgnoredAny>()?.is_some() {
+            count += 1;
+        }
+        Ok(Some(count))
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut items: A) -> Result<Option<usize>, A::Error> {
+        let mut count = 0;
+        while items.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {
+            count += 1;
+        }
+        Ok(Some(count))
     }
 }
 
@@ -182,25 +208,124 @@ fn too_long(name: &str, most: usize, raw: &str) -> Option<String> {
 }
 
 /// Where in `body` media is named by a URL the server would fetch itself:
-/// the URL, or none. Read only for bodies the scanner saw media in.
+/// the URL, or none. Read only for bodies the scanner saw media in, as a
+/// walk that keeps nothing but the URL: a body of many small values would
+/// take many times its size as a tree.
 pub fn remote_media(body: &[u8]) -> Option<String> {
-    let value: Value = serde_json::from_slice(body).ok()?;
-    ["messages", "input"].iter().filter_map(|member| value.get(member)).find_map(remote_url)
+    let mut reader = serde_json::Deserializer::from_slice(body);
+    serde::Deserializer::deserialize_map(&mut reader, Conversation).ok().flatten()
 }
 
-/// A URL in `value` of a media part (`image_url`, `input_audio`, an
-/// Anthropic `source`, a video) that is not the media itself (`data:`).
-fn remote_url(value: &Value) -> Option<String> {
-    match value {
-        Value::Array(items) => items.iter().find_map(remote_url),
-        Value::Object(members) => members.iter().find_map(|(key, item)| {
-            let names_media = matches!(key.as_str(), "url" | "image_url" | "video_url" | "audio_url" | "file_url");
-            match item {
-                Value::String(url) if names_media && !url.trim_start().starts_with("data:") => Some(url.clone()),
-                _ => remote_url(item),
-            }
-        }),
-        _ => None,
+/// A body's `messages` and `input`, walked for a media URL; every other
+/// member skipped unread.
+struct Conversation;
+
+impl<'de> Visitor<'de> for Conversation {
+    type Value = Option<String>;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a JSON object")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut members: A) -> Result<Option<String>, A::Error> {
+        let mut found = None;
+        while let Some(read) = members.next_key_seed(Name(|name| matches!(name, "messages" | "input")))? {
+            let url = if read {
+                members.next_value_seed(MediaUrl { named: false })?
+            } else {
+                members.next_value::<IgnoredAny>().map(|_| None)?
+            };
+            found = found.or(url);
+        }
+        Ok(found)
+    }
+}
+
+/// Whether a member's name is one `is` picks, read without keeping it.
+struct Name(fn(&str) -> bool);
+
+impl<'de> DeserializeSeed<'de> for Name {
+    type Value = bool;
+
+    fn deserialize<D: Deserializer<'de>>(self, reader: D) -> Result<bool, D::Error> {
+        reader.deserialize_str(self)
+    }
+}
+
+impl<'de> Visitor<'de> for Name {
+    type Value = bool;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a member's name")
+    }
+
+    fn visit_str<E: serde::de::Error>(self, name: &str) -> Result<bool, E> {
+        Ok((self.0)(name))
+    }
+}
+
+/// A URL in a value of a media part (`image_url`, `input_audio`, an
+/// Anthropic `source`, a video) that is not the media itself (`data:`):
+/// a string is one where its member names media (`named`).
+#[derive(Clone, Copy)]
+struct MediaUrl {
+    named: bool,
+}
+
+impl<'de> DeserializeSeed<'de> for MediaUrl {
+    type Value = Option<String>;
+
+    fn deserialize<D: Deserializer<'de>>(self, reader: D) -> Result<Option<String>, D::Error> {
+        reader.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for MediaUrl {
+    type Value = Option<String>;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a JSON value")
+    }
+
+    fn visit_str<E: serde::de::Error>(self, text: &str) -> Result<Option<String>, E> {
+        Ok((self.named && !text.trim_start().starts_with("data:")).then(|| text.to_string()))
+    }
+
+    fn visit_bool<E: serde::de::Error>(self, _: bool) -> Result<Option<String>, E> {
+        Ok(None)
+    }
+
+    fn visit_i64<E: serde::de::Error>(self, _: i64) -> Result<Option<String>, E> {
+        Ok(None)
+    }
+
+    fn visit_u64<E: serde::de::Error>(self, _: u64) -> Result<Option<String>, E> {
+        Ok(None)
+    }
+
+    fn visit_f64<E: serde::de::Error>(self, _: f64) -> Result<Option<String>, E> {
+        Ok(None)
+    }
+
+    fn visit_unit<E: serde::de::Error>(self) -> Result<Option<String>, E> {
+        Ok(None)
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut items: A) -> Result<Option<String>, A::Error> {
+        let mut found = None;
+        while let Some(url) = items.next_element_seed(MediaUrl { named: false })? {
+            found = found.or(url);
+        }
+        Ok(found)
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut members: A) -> Result<Option<String>, A::Error> {
+        let mut found = None;
+        let names_media = |name: &str| matches!(name, "url" | "image_url" | "video_url" | "audio_url" | "file_url");
+        while let Some(named) = members.next_key_seed(Name(names_media))? {
+            found = found.or(members.next_value_seed(MediaUrl { named })?);
+        }
+        Ok(found)
     }
 }
 
@@ -232,6 +357,11 @@ mod tests {
         let many: Vec<String> = (0..301).map(|i| format!("\"{i}\":1")).collect();
         assert!(check(at("logit_bias"), &format!("{{{}}}", many.join(","))).unwrap().contains("not 301"));
         assert_eq!(check(at("logit_bias"), "{\"15\": -100}"), None);
+        // Counted as read, nothing of it kept: a million items as cheaply.
+        let million = format!("[{}0]", "0,".repeat(999_999));
+        assert!(check(at("logit_bias"), &million).unwrap().contains("not 1000000"));
+        assert_eq!(items(r#"{"a":[1,{"b":[2]}],"c":"d"}"#), Some(2));
+        assert_eq!((items("\"x\""), items("3"), items("[1,")), (None, None, None));
         assert!(check(at("dry_sequence_breakers"), &format!("[{}]", vec!["\"x\""; 17].join(","))).is_some());
         assert_eq!(check(at("n"), "1"), None);
         assert!(check(at("n"), "8").unwrap().contains("slot"));
@@ -275,5 +405,14 @@ mod tests {
         assert_eq!(remote_media(responses).as_deref(), Some("https://x/y"));
         let elsewhere = br#"{"messages":[],"tools":[{"function":{"parameters":{"url":"http://x"}}}]}"#;
         assert_eq!(remote_media(elsewhere), None, "only the conversation is read");
+        // Names as the server reads them, after the other members, in any
+        // of the conversation's members named twice.
+        let escaped = br#"{"model":"m","stream":true,"messages":[{"content":[{"image_url":" http://x/1"}]}]}"#;
+        assert_eq!(remote_media(escaped).as_deref(), Some(" http://x/1"));
+        let twice = br#"{"messages":[{"content":"hi"}],"messages":[{"content":[{"url":"http://x/2"}]}]}"#;
+        assert_eq!(remote_media(twice).as_deref(), Some("http://x/2"));
+        let listed = br#"{"messages":[{"content":[{"image_url":["http://x/3"]},{"url":3,"image_url":null}]}]}"#;
+        assert_eq!(remote_media(listed), None, "a media member's string only");
+        assert_eq!(remote_media(br#"{"messages":[{"url":"http://x/4"}"#), None, "not JSON: refused before");
     }
 }
