@@ -31,6 +31,9 @@ pub enum Rule {
     True(&'static str),
 }
 
+/// The largest token limit a request may name: llama-server's `int32_t`.
+const MAX_TOKEN_LIMIT: i64 = i32::MAX as i64;
+
 /// The guarded members, by name.
 pub const GUARDED: [(&str, Rule); 37] = [
     ("id_slot", Rule::Refused("it would choose the server's slot, evicting whichever conversation's cache is there")),
@@ -61,11 +64,13 @@ pub const GUARDED: [(&str, Rule); 37] = [
     ("top_logprobs", Rule::Within { min: 0, max: 20 }),
     ("logit_bias", Rule::AtMostItems(300)),
     // A negative limit is none: a generation that runs until the context
-    // is full, or, where the server shifts its context, never ends.
-    ("max_tokens", Rule::Within { min: 0, max: i64::MAX }),
-    ("max_completion_tokens", Rule::Within { min: 0, max: i64::MAX }),
-    ("max_output_tokens", Rule::Within { min: 0, max: i64::MAX }),
-    ("n_predict", Rule::Within { min: 0, max: i64::MAX }),
+    // is full, or, where the server shifts its context, never ends. The
+    // server reads a limit as a 32-bit integer, which a larger one wraps
+    // to a negative.
+    ("max_tokens", Rule::Within { min: 0, max: MAX_TOKEN_LIMIT }),
+    ("max_completion_tokens", Rule::Within { min: 0, max: MAX_TOKEN_LIMIT }),
+    ("max_output_tokens", Rule::Within { min: 0, max: MAX_TOKEN_LIMIT }),
+    ("n_predict", Rule::Within { min: 0, max: MAX_TOKEN_LIMIT }),
     // Each choice past the first takes a slot of its own, up to all of the
     // server's, evicting other conversations' caches.
     ("n", Rule::One("each choice takes a slot of the server's, evicting another conversation's cache")),
@@ -146,7 +151,6 @@ pub fn check(index: usize, raw: &str) -> Option<String> {
         Rule::Within { .. } if raw == "null" => None,
         Rule::Within { min, max } => match raw.parse::<i64>() {
             Ok(n) if (min..=max).contains(&n) => None,
-            _ if max == i64::MAX => Some(format!("`{name}` must be an integer of at least {min}")),
             _ => Some(format!("`{name}` must be an integer from {min} to {max}")),
         },
         Rule::AtMostItems(most) => {
@@ -353,7 +357,11 @@ mod tests {
         assert!(check(at("repeat_last_n"), "2147483647").is_some());
         assert_eq!(check(at("max_tokens"), "0"), None);
         assert_eq!(check(at("max_tokens"), "100000"), None);
-        assert!(check(at("max_tokens"), "-1").unwrap().contains("at least 0"));
+        assert!(check(at("max_tokens"), "-1").unwrap().contains("from 0 to 2147483647"));
+        assert_eq!(check(at("n_predict"), "2147483647"), None);
+        // Read by the server as an `int32_t`: -1, no limit at all.
+        assert!(check(at("n_predict"), "4294967295").is_some());
+        assert!(check(at("max_completion_tokens"), "2147483648").is_some());
         let many: Vec<String> = (0..301).map(|i| format!("\"{i}\":1")).collect();
         assert!(check(at("logit_bias"), &format!("{{{}}}", many.join(","))).unwrap().contains("not 301"));
         assert_eq!(check(at("logit_bias"), "{\"15\": -100}"), None);
