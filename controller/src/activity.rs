@@ -12,6 +12,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use crate::history::TtftSeries;
+use crate::live::truncate_text;
 
 /// Decisions kept, newest first: a tail for eyes, not a ledger.
 const TAIL: usize = 200;
@@ -23,9 +24,11 @@ const STALE_AFTER: Duration = Duration::from_secs(30);
 const QUEUE_STALE_AFTER: Duration = Duration::from_secs(5);
 /// Flows of one data plane's queue kept, and the length of a flow's name.
 const QUEUED_FLOWS: usize = 64;
-/// Data planes whose queues are kept at once.
-const QUEUED_DATAPLANES: usize = 256;
+/// Data planes whose queues, and whose ejections, are kept at once.
+const DATAPLANES: usize = 256;
 const FLOW_NAME: usize = 128;
+/// Nodes one data plane's ejections name, at most.
+const EJECTED: usize = 4096;
 
 pub struct Activity {
     inner: Mutex<Inner>,
@@ -73,12 +76,28 @@ impl Activity {
         {
             let mut inner = self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
             let now_ms = inferyes_proto::unix_ms();
-            for decision in report.decisions {
+            let mut dataplane_id = report.dataplane_id;
+            truncate_text(&mut dataplane_id);
+            // Only the newest of a report can stay in the tail.
+            let mut decisions = report.decisions;
+            decisions.drain(..decisions.len().saturating_sub(TAIL));
+            for mut decision in decisions {
+                for text in [
+                    &mut decision.request_id,
+                    &mut decision.model,
+                    &mut decision.node_id,
+                    &mut decision.route,
+                    &mut decision.error_code,
+                    &mut decision.session_tag,
+                    &mut decision.key_id,
+                ] {
+                    truncate_text(text);
+                }
                 inner.ttft.record(&decision, now_ms);
-                inner.decisions.push_front(Decision { dataplane_id: report.dataplane_id.clone(), decision });
+                inner.decisions.push_front(Decision { dataplane_id: dataplane_id.clone(), decision });
             }
             inner.decisions.truncate(TAIL);
-            inner.dropped += report.dropped;
+            inner.dropped = inner.dropped.saturating_add(report.dropped);
             let mut queued = report.queued;
             queued.truncate(QUEUED_FLOWS);
             for flow in &mut queued {
@@ -88,11 +107,19 @@ impl Activity {
             // many ids reports name, the map stays bounded.
             inner.queues.retain(|_, (_, at)| now.saturating_duration_since(*at) < QUEUE_STALE_AFTER);
             if queued.is_empty() {
-                inner.queues.remove(&report.dataplane_id);
-            } else if inner.queues.len() < QUEUED_DATAPLANES || inner.queues.contains_key(&report.dataplane_id) {
-                inner.queues.insert(report.dataplane_id.clone(), (queued, now));
+                inner.queues.remove(&dataplane_id);
+            } else if inner.queues.len() < DATAPLANES || inner.queues.contains_key(&dataplane_id) {
+                inner.queues.insert(dataplane_id.clone(), (queued, now));
             }
-            inner.ejections.insert(report.dataplane_id, (report.ejected_nodes, now));
+            inner.ejections.retain(|_, (_, at)| now.saturating_duration_since(*at) < STALE_AFTER);
+            let mut ejected = report.ejected_nodes;
+            ejected.truncate(EJECTED);
+            ejected.iter_mut().for_each(truncate_text);
+            if ejected.is_empty() {
+                inner.ejections.remove(&dataplane_id);
+            } else if inner.ejections.len() < DATAPLANES || inner.ejections.contains_key(&dataplane_id) {
+                inner.ejections.insert(dataplane_id, (ejected, now));
+            }
         }
         self.changed.send_modify(|n| *n += 1);
     }
@@ -171,6 +198,30 @@ mod tests {
         assert_eq!(recent.ejected.keys().collect::<Vec<_>>(), ["n1"]);
         // dp-2 went silent: what it said no longer counts.
         assert!(activity.recent(start + STALE_AFTER + Duration::from_secs(1)).ejected.is_empty());
+    }
+
+    #[test]
+    fn however_many_data_planes_report_and_whatever_they_say_what_is_kept_is_bounded() {
+        let activity = Activity::default();
+        let start = Instant::now();
+        let long = "x".repeat(1 << 20);
+        for i in 0..10 * DATAPLANES {
+            let mut said = report(&format!("dp-{i}-{long}"), &[&long, &long], &[&long, "n1"]);
+            said.dropped = u64::MAX;
+            activity.record(said, start);
+        }
+        let inner = activity.inner.lock().unwrap();
+        assert_eq!(inner.ejections.len(), DATAPLANES);
+        assert_eq!(inner.dropped, u64::MAX);
+        let kept = |text: &String| text.len() <= inferyes_proto::MAX_NAME_BYTES;
+        assert!(inner.ejections.iter().all(|(dataplane, (nodes, _))| kept(dataplane) && nodes.iter().all(kept)));
+        assert!(inner.decisions.iter().all(|d| kept(&d.dataplane_id) && kept(&d.decision.request_id)));
+        drop(inner);
+        // Those gone silent make room, and a data plane that ejects nothing
+        // holds none.
+        activity.record(report("dp-new", &[], &["n2"]), start + STALE_AFTER);
+        activity.record(report("dp-new", &[], &[]), start + STALE_AFTER);
+        assert!(activity.inner.lock().unwrap().ejections.is_empty());
     }
 
     #[test]

@@ -722,7 +722,8 @@ fn truncate_vec<T>(items: &mut Vec<T>, max: usize) -> usize {
     over
 }
 
-fn truncate_text(text: &mut String) {
+/// Keeps at most the fleet's longest name of `text`.
+pub fn truncate_text(text: &mut String) {
     if text.len() > MAX_TEXT {
         let mut end = MAX_TEXT;
         while !text.is_char_boundary(end) {
