@@ -32,6 +32,10 @@ pub const MAX_MODELS_PER_BACKEND: usize = 256;
 const MAX_KINDS: usize = 16;
 pub const MAX_GPUS: usize = 64;
 const MAX_TEXT: usize = inferyes_proto::MAX_NAME_BYTES;
+/// A node's record, encoded, at most: its last models are dropped past
+/// it. Far above what a real node's lists come to, far below etcd's
+/// limit on a request.
+pub const MAX_RECORD_BYTES: usize = 512 << 10;
 
 /// Sessions one node may hold here, and the longest key taken: every
 /// controller and every data plane holds them in memory, and an agent
@@ -672,6 +676,7 @@ pub fn split(mut status: NodeStatus) -> (NodeStatus, NodeLoad, usize) {
         });
         gpu.memory_used_bytes = memory_step(gpu.memory_used_bytes, gpu.memory_total_bytes);
     }
+    dropped += within_record_bytes(&mut status);
     (status, load, dropped)
 }
 
@@ -720,6 +725,24 @@ fn truncate_vec<T>(items: &mut Vec<T>, max: usize) -> usize {
     let over = items.len().saturating_sub(max);
     items.truncate(max);
     over
+}
+
+/// Drops models, the last backend's last first, until `status` encodes in
+/// [`MAX_RECORD_BYTES`]; how many it dropped.
+fn within_record_bytes(status: &mut NodeStatus) -> usize {
+    use prost::Message as _;
+    let mut over = status.encoded_len().saturating_sub(MAX_RECORD_BYTES);
+    let mut dropped = 0;
+    for backend in status.backends.iter_mut().rev() {
+        while over > 0 {
+            let Some(model) = backend.models.pop() else { break };
+            // The model's own bytes, its field's tag and length.
+            let len = model.encoded_len();
+            over = over.saturating_sub(len + prost::length_delimiter_len(len) + 1);
+            dropped += 1;
+        }
+    }
+    dropped
 }
 
 /// Keeps at most the fleet's longest name of `text`.

@@ -128,6 +128,22 @@ fn instance_digest(instance: &str) -> Result<String, Status> {
     Ok(inferyes_proto::bearer::sha256_hex(instance.as_bytes()))
 }
 
+/// The longest proxy address a node may give.
+const MAX_URL_BYTES: usize = 2048;
+
+/// What a node's record written `bytes` long makes it wait before the
+/// next, past `min_write_interval`: every node's writes stay within
+/// [`NODE_WRITE_BYTES_PER_SECOND`], however often its status changes,
+/// so that no agent (or backend it reads) fills etcd's history.
+fn write_spacing(bytes: usize) -> Duration {
+    let bytes = u64::try_from(bytes).unwrap_or(u64::MAX);
+    Duration::from_millis(bytes.saturating_mul(1000) / NODE_WRITE_BYTES_PER_SECOND)
+}
+
+/// Bytes a node's record may be written at, sustained: a real node's
+/// record of a few kilobytes is written every `min_write_interval`.
+const NODE_WRITE_BYTES_PER_SECOND: u64 = 64 << 10;
+
 fn validate(node: &NodeStatus) -> Result<(), Status> {
     let id_ok = crate::live::valid_node_id(&node.node_id);
     if !id_ok {
@@ -135,6 +151,9 @@ fn validate(node: &NodeStatus) -> Result<(), Status> {
     }
     if !(node.proxy_url.starts_with("http://") || node.proxy_url.starts_with("https://")) {
         return Err(status(ErrorKind::BadRequest, "proxy_url must be an http:// or https:// URL"));
+    }
+    if node.proxy_url.len() > MAX_URL_BYTES {
+        return Err(status(ErrorKind::BadRequest, format!("proxy_url must be at most {MAX_URL_BYTES} bytes")));
     }
     Ok(())
 }
@@ -403,6 +422,10 @@ impl AgentSvc {
                     tracing::warn!(reported = %status.node_id, "agent changed its node id; ignoring the report");
                     return Heard::Live { events: Vec::new(), durable_changed: false };
                 }
+                if let Err(refused) = validate(&status) {
+                    tracing::warn!(why = refused.message(), "agent's status refused; ignoring the report");
+                    return Heard::Live { events: Vec::new(), durable_changed: false };
+                }
                 let changed = reported.update(status);
                 let mut events = Vec::new();
                 if changed.load {
@@ -522,7 +545,9 @@ impl NodeWriter {
         heard: std::sync::Arc<LastHeard>,
         taken: CancellationToken,
     ) {
-        let mut write_at = Instant::now();
+        // The claim wrote the record once already.
+        let claimed = self.written.as_ref().map_or(0, prost::Message::encoded_len);
+        let mut write_at = Instant::now() + write_spacing(claimed);
         let mut backoff = inferyes_net::backoff::RECONNECT;
         let mut keepalive = tokio::time::interval(self.svc.lease_ttl / 3);
         keepalive.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -543,12 +568,13 @@ impl NodeWriter {
                 () = sleep_until(due) => {
                     let Some(status) = self.pending.clone() else { continue };
                     let svc = self.svc.clone();
+                    let bytes = prost::Message::encoded_len(&status);
                     match svc.write(&mut self.lease, status.clone(), self.registered_unix_ms, &self.instance_digest).await {
                         Ok(revision) => {
                             tracing::debug!(revision, "node status written");
                             self.written = Some(status);
                             self.pending = None;
-                            write_at = Instant::now() + self.svc.min_write_interval;
+                            write_at = Instant::now() + self.svc.min_write_interval.max(write_spacing(bytes));
                             backoff.reset();
                         }
                         Err(StoreError::NodeTaken(_)) => {
@@ -702,5 +728,27 @@ async fn sleep_until(at: Option<Instant>) {
     match at {
         Some(at) => tokio::time::sleep_until(at).await,
         None => std::future::pending().await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_node_s_address_is_an_http_url_of_bounded_length() {
+        let node = |proxy_url: String| NodeStatus { node_id: "n".into(), proxy_url, ..Default::default() };
+        assert!(validate(&node("http://10.0.0.1:8081".into())).is_ok());
+        assert!(validate(&node(format!("https://{}", "h".repeat(MAX_URL_BYTES - 8)))).is_ok());
+        assert!(validate(&node(format!("https://{}", "h".repeat(MAX_URL_BYTES)))).is_err());
+        assert!(validate(&node("ftp://h".into())).is_err());
+    }
+
+    #[test]
+    fn a_record_waits_before_the_next_as_long_as_its_bytes_take() {
+        assert_eq!(write_spacing(0), Duration::ZERO);
+        assert_eq!(write_spacing(64 << 10), Duration::from_secs(1));
+        assert_eq!(write_spacing(crate::live::MAX_RECORD_BYTES), Duration::from_secs(8));
+        assert!(write_spacing(usize::MAX) > Duration::from_secs(3600));
     }
 }

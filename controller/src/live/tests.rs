@@ -104,9 +104,12 @@ fn a_hostile_status_is_bounded() {
         })
         .collect();
     let (record, _, dropped) = split(huge);
-    assert_eq!(dropped, (1_000 - MAX_BACKENDS) + MAX_BACKENDS * (1_000 - MAX_MODELS_PER_BACKEND));
+    let kept: usize = record.backends.iter().map(|b| b.models.len()).sum();
+    assert_eq!(dropped, (1_000 - MAX_BACKENDS) + MAX_BACKENDS * 1_000 - kept, "every model not kept is counted");
+    assert!(kept > 1_000 && record.backends.len() == MAX_BACKENDS, "{kept}");
     assert!(record.hostname.len() <= MAX_TEXT && record.backends[0].models[0].id.len() <= MAX_TEXT);
-    assert!(record.encoded_len() < 5 << 20);
+    assert!(record.encoded_len() <= MAX_RECORD_BYTES, "{}", record.encoded_len());
+    assert!(record.encoded_len() > MAX_RECORD_BYTES - 1024, "no more dropped than need be");
 
     // A kind said a million times is one; one that is none is dropped.
     let mut repeated = status(0, 0, 0);

@@ -305,6 +305,69 @@ async fn an_agent_that_stops_reading_its_stream_is_dropped_after_the_lease_ttl()
 }
 
 #[tokio::test]
+async fn a_node_whose_large_record_changes_all_the_time_is_written_at_a_bounded_rate() {
+    use inferyes_proto::v1::agent_service_client::AgentServiceClient;
+    use inferyes_proto::v1::{AgentMessage, Backend, Model, NodeStatus, Register, agent_message};
+
+    let etcd = Etcd::start().await;
+    let controller = ControllerHandle::start(&etcd.endpoint(), "controller-1").await;
+    // A record of about 256 KiB (a backend, or the agent, naming a
+    // thousand long models), whose first model is renamed every 50 ms.
+    let status = |round: usize| NodeStatus {
+        node_id: "chatty".into(),
+        proxy_url: "http://127.0.0.1:9".into(),
+        backends: (0..4)
+            .map(|b| Backend {
+                id: format!("b{b}"),
+                models: (0..256)
+                    .map(|m| Model { id: format!("{round}-{b}-{m}-{}", "m".repeat(240)), ..Default::default() })
+                    .collect(),
+                ..Default::default()
+            })
+            .collect(),
+        ..Default::default()
+    };
+    let (tx, rx) = tokio::sync::mpsc::channel(64);
+    let register = Register {
+        status: Some(status(0)),
+        join_token: inferyes_tests::fleet::JOIN_TOKEN.into(),
+        ..Default::default()
+    };
+    tx.send(AgentMessage { msg: Some(agent_message::Msg::Register(register)) }).await.unwrap();
+    let mut agents = AgentServiceClient::connect(controller.url()).await.unwrap();
+    let mut inbound = agents.join(tokio_stream::wrappers::ReceiverStream::new(rx)).await.unwrap().into_inner();
+    assert!(inbound.message().await.unwrap().is_some(), "registration confirmed");
+    let metrics = format!("http://{}/metrics", controller.http_addr);
+    let http = HttpClient::default();
+    let writes = || crate::support::scraped(&http, &metrics, "inferyes_controller_node_writes_total", "");
+    for round in 1..=20 {
+        tx.send(AgentMessage { msg: Some(agent_message::Msg::Status(status(round))) }).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // A second of changes, each a record etcd would keep: written once
+    // when it joined, and not again within the seconds its size takes.
+    assert_eq!(writes().await, 1.0);
+    let beating = tokio::spawn(async move {
+        let heartbeat = || AgentMessage { msg: Some(agent_message::Msg::Heartbeat(Default::default())) };
+        while tx.send(heartbeat()).await.is_ok() {
+            tokio::time::sleep(inferyes_tests::fleet::LEASE_TTL / 10).await;
+        }
+    });
+    // The latest is written in time, and only it.
+    let admin = controller.fleet().await;
+    eventually("the latest record written", Duration::from_secs(10), || {
+        let mut admin = admin.clone();
+        async move {
+            let nodes = admin.list_nodes(ListNodesRequest {}).await.unwrap().into_inner().nodes;
+            nodes.iter().flat_map(|n| &n.status.as_ref().unwrap().backends[0].models).any(|m| m.id.starts_with("20-"))
+        }
+    })
+    .await;
+    assert_eq!(writes().await, 2.0);
+    beating.abort();
+}
+
+#[tokio::test]
 async fn when_a_controller_dies_everyone_moves_to_another_without_losing_a_node() {
     let etcd = Etcd::start().await;
     let one = ControllerHandle::start(&etcd.endpoint(), "controller-1").await;

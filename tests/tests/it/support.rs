@@ -76,3 +76,13 @@ pub async fn create_key(fleet: &Fleet, request: inferyes_proto::v1::CreateKeyReq
     fleet.dataplane.wait_for("the key", std::time::Duration::from_secs(10), move |s| s.api_key(&id).is_some()).await;
     (key_id, created.secret)
 }
+
+/// The sum of the series of metric `name` whose labels contain `labels`,
+/// scraped from `url`.
+pub async fn scraped(http: &HttpClient, url: &str, name: &str, labels: &str) -> f64 {
+    String::from_utf8_lossy(&http.get(url).await.body)
+        .lines()
+        .filter(|line| line.split(['{', ' ']).next() == Some(name) && line.contains(labels))
+        .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
