@@ -14,7 +14,7 @@ use inferyes_tests::{HttpClient, eventually};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-use crate::support::{Fleet, chat_body, chat_sim};
+use crate::support::{Fleet, chat_body, chat_sim, scraped};
 
 const ATTACKER: &str = "127.0.0.2";
 
@@ -63,11 +63,6 @@ fn socket_address(url: &str) -> SocketAddr {
     url.trim_start_matches("http://").parse().expect("host:port")
 }
 
-async fn metric(http: &HttpClient, url: &str, series: &str) -> f64 {
-    let text = String::from_utf8_lossy(&http.get(url).await.body).into_owned();
-    text.lines().find_map(|line| line.strip_prefix(series).and_then(|value| value.trim().parse().ok())).unwrap_or(0.0)
-}
-
 #[tokio::test]
 async fn one_address_trickling_heads_takes_its_share_of_a_data_plane_and_others_are_served() {
     let fleet = Fleet::start_with(vec![chat_sim("chat")], |config| {
@@ -84,12 +79,9 @@ async fn one_address_trickling_heads_takes_its_share_of_a_data_plane_and_others_
     assert_eq!(served.expect("another address is served within 2 s").status, StatusCode::OK);
     let (closed, _held) = closed_within(attacker, Duration::from_secs(3)).await;
     assert_eq!(closed, 50, "only its share of 10 is held");
-    let refused = metric(
-        &fleet.http,
-        &format!("{}/metrics", dataplane.admin_url),
-        "inferyes_dataplane_connections_refused_total{reason=\"peer\"}",
-    )
-    .await;
+    let metrics = format!("{}/metrics", dataplane.admin_url);
+    let refused =
+        scraped(&fleet.http, &metrics, "inferyes_dataplane_connections_refused_total", "reason=\"peer\"").await;
     assert_eq!(refused, 50.0);
 }
 
@@ -139,7 +131,9 @@ async fn silent_strangers_cost_an_agent_a_bounded_share_and_its_data_planes_are_
     assert!(chats.join_all().await.iter().all(|status| *status == StatusCode::OK));
     let refused = |reason: &'static str| {
         let (http, url) = (http.clone(), format!("http://{}/metrics", agent.admin_addr));
-        async move { metric(&http, &url, &format!("inferyes_agent_connections_refused_total{{reason=\"{reason}\"}}")).await }
+        async move {
+            scraped(&http, &url, "inferyes_agent_connections_refused_total", &format!("reason=\"{reason}\"")).await
+        }
     };
     assert_eq!((refused("peer").await, refused("strangers").await), (8.0, 4.0));
     drop(held);
@@ -186,13 +180,12 @@ async fn silent_connections_to_a_controller_take_its_share_and_its_fleet_and_ope
     let (closed, members) = closed_within(members, Duration::from_secs(1)).await;
     assert_eq!(closed, 0, "a member's connections are taken");
     let metrics = format!("http://{}/metrics", controller.http_addr);
-    let series = "inferyes_controller_connections_refused_total{port=\"grpc\",reason=\"peer\"}";
+    let refused = |reason| scraped(&http, &metrics, "inferyes_controller_connections_refused_total", reason);
     eventually("the refusals counted", Duration::from_secs(5), || async {
-        metric(&http, &metrics, series).await == 42.0
+        refused("port=\"grpc\",reason=\"peer\"").await == 42.0
     })
     .await;
-    let made_room = "inferyes_controller_connections_refused_total{port=\"grpc\",reason=\"strangers\"}";
-    assert!(metric(&http, &metrics, made_room).await >= 1.0, "a newcomer made room");
+    assert!(refused("port=\"grpc\",reason=\"strangers\"").await >= 1.0, "a newcomer made room");
     let (closed, _) = closed_within(on_grpc, Duration::from_secs(1)).await;
     assert!(closed >= 1, "the oldest strangers' connections made room");
     drop((members, on_http, more_on_grpc));
@@ -239,11 +232,8 @@ async fn clients_relayed_by_the_proxy_protocol_each_have_their_own_share() {
     assert_eq!(closed, 20, "the trickling client holds its share of 10");
     let bare = exchange(proxy, address, request.as_bytes()).await;
     assert_eq!(bare, "", "nothing for a connection from the proxy without the header");
-    let refused = metric(
-        &fleet.http,
-        &format!("{}/metrics", fleet.dataplane.admin_url),
-        "inferyes_dataplane_connections_refused_total{reason=\"peer\"}",
-    )
-    .await;
+    let metrics = format!("{}/metrics", fleet.dataplane.admin_url);
+    let refused =
+        scraped(&fleet.http, &metrics, "inferyes_dataplane_connections_refused_total", "reason=\"peer\"").await;
     assert_eq!(refused, 20.0);
 }

@@ -64,12 +64,7 @@ async fn ctl(controller: &ControllerHandle, args: &[&str]) -> String {
 /// The sum of one metric's series on a controller's `/metrics`, those
 /// whose labels contain `labels`.
 async fn metric(http: &HttpClient, controller: &ControllerHandle, name: &str, labels: &str) -> f64 {
-    let text = http.get(&format!("http://{}/metrics", controller.http_addr)).await;
-    String::from_utf8_lossy(&text.body)
-        .lines()
-        .filter(|l| l.starts_with(name) && l.contains(labels))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
+    crate::support::scraped(http, &format!("http://{}/metrics", controller.http_addr), name, labels).await
 }
 
 #[tokio::test]

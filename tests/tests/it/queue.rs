@@ -53,13 +53,7 @@ fn ask(fleet: &Fleet, bearer: &str, text: &str, max_tokens: u32) -> JoinHandle<T
 
 /// The sum of a metric's series.
 async fn metric(fleet: &Fleet, name: &str) -> f64 {
-    let text = String::from_utf8_lossy(&fleet.http.get(&format!("{}/metrics", fleet.dataplane.admin_url)).await.body)
-        .into_owned();
-    let prefix = format!("{name}{{");
-    text.lines()
-        .filter(|line| line.starts_with(&prefix))
-        .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
+    crate::support::scraped(&fleet.http, &format!("{}/metrics", fleet.dataplane.admin_url), name, "").await
 }
 
 /// Until `count` requests are in flight at the node or waiting here.
