@@ -73,6 +73,14 @@ async fn completions_and_embeddings_reach_the_models_that_serve_them() {
     let body = embedding.json();
     assert_eq!(body["data"].as_array().map(Vec::len), Some(2));
     assert_eq!(embedding.header("x-inferyes-node"), Some("node-b"));
+    // A batch longer than the model's window, each of its inputs a prompt
+    // well inside it.
+    let config = fleet.sims[1].sim.config();
+    let window = (config.context / config.slots) as usize;
+    let batch: Vec<String> = (0..16).map(|i| format!("{i} {}", "word ".repeat(window / 4))).collect();
+    let batch = fleet.http.post_json(&fleet.url("/v1/embeddings"), &json!({"model": "embed", "input": batch})).await;
+    assert_eq!(batch.status, StatusCode::OK, "{}", String::from_utf8_lossy(&batch.body));
+    assert_eq!(batch.json()["data"].as_array().map(Vec::len), Some(16));
     // A conversation's turns come back to its cache; an embedding's input,
     // named or not, is no conversation.
     assert_eq!(completion.header("x-inferyes-route"), Some("placed"));
