@@ -370,9 +370,13 @@ fn whole_answer(
 ) -> Response {
     if let Some(meter) = meter {
         let tail = &bytes[bytes.len().saturating_sub(inferyes_proto::usage::TAIL_BYTES)..];
+        let head = &bytes[..bytes.len().min(inferyes_proto::usage::HEAD_BYTES)];
         let outcome = if parts.status.is_success() { Outcome::Ok } else { Outcome::Error };
-        // A whole answer says its usage once, at its end.
-        meter.finish(parts.status.as_u16(), outcome, meter.usage(&[], tail));
+        // A whole answer says its usage once: at its end, or, where what
+        // it answers is long (llama-server's embeddings and reranks), at
+        // its start.
+        let usage = meter.usage(&[], tail).or_else(|| meter.usage(&[], head));
+        meter.finish(parts.status.as_u16(), outcome, usage);
     }
     // The node's length stands where it is the body's (the usual case: its
     // header is passed on, not written anew); hyper writes the body's own

@@ -178,13 +178,17 @@ async fn embed_request(s: &Inner, engine: &Arc<Engine>, req: &Value) -> Response
         .map(|(i, toks)| json!({"embedding": embed(toks, dim), "index": i, "object": "embedding"}))
         .collect();
     let model = req.get("model").and_then(Value::as_str).unwrap_or(&engine.model().id);
-    json_response(
-        StatusCode::OK,
-        json!({
-            "model": model,
-            "object": "list",
-            "usage": {"prompt_tokens": total, "total_tokens": total},
-            "data": data,
-        }),
-    )
+    let usage = json!({"prompt_tokens": total, "total_tokens": total});
+    let answer = Embeddings { model, object: "list", usage, data };
+    (StatusCode::OK, axum::Json(answer)).into_response()
+}
+
+/// llama-server's embeddings answer, its members in its order (it writes
+/// insertion-ordered JSON): the usage before the vectors, however long.
+#[derive(serde::Serialize)]
+struct Embeddings<'a> {
+    model: &'a str,
+    object: &'static str,
+    usage: Value,
+    data: Vec<Value>,
 }

@@ -50,6 +50,27 @@ async fn ask(http: &HttpClient, url: &str, key: Option<&str>, stream: bool, text
 }
 
 #[tokio::test]
+async fn embeddings_are_billed_what_the_server_counted_though_it_says_so_before_the_vectors() {
+    let fleet = Fleet::start_with(vec![crate::support::embedding_model("embed")], |c| {
+        c.auth = AuthMode::Keys;
+    })
+    .await;
+    let (key_id, secret) = create_key(&fleet, CreateKeyRequest { name: "embedder".into(), ..Default::default() }).await;
+    // Vectors long enough that the answer's last kilobytes hold no usage.
+    let inputs: Vec<String> = (0..3).map(|i| format!("{i} {}", "word ".repeat(80))).collect();
+    let body = json!({"model": "embed", "input": inputs});
+    let bearer = format!("Bearer {secret}");
+    let url = format!("{}/v1/embeddings", fleet.dataplane.url);
+    let answer = fleet.http.send(Method::POST, &url, body.to_string().into(), &[("authorization", &bearer)]).await;
+    assert_eq!(answer.status, StatusCode::OK, "{}", String::from_utf8_lossy(&answer.body));
+    let tail = &answer.body[answer.body.len().saturating_sub(inferyes_proto::usage::TAIL_BYTES)..];
+    assert!(!String::from_utf8_lossy(tail).contains("usage"), "the usage is not at the answer's end");
+    let total = rolled_up(fleet.controller(), &key_id, 1).await;
+    let counted = fleet.sims[0].sim.stats().prompt_tokens;
+    assert_eq!((total.prompt_tokens, total.estimated_requests), (counted, 0), "{total:?}");
+}
+
+#[tokio::test]
 async fn usage_of_plain_and_streamed_answers_is_what_the_backends_counted() {
     let fleet = Fleet::start_with(vec![chat_sim("chat"), chat_sim("chat")], |c| {
         c.auth = AuthMode::Keys;
