@@ -110,15 +110,27 @@ impl Drop for Reservation {
 }
 
 /// A body read whole, as a client is sent it: its bytes stay held against
-/// the budget until they are written out.
+/// the budget until they are written out. One longer than a frame is
+/// handed out a frame at a time, each a copy: hyper's write buffer takes
+/// a few frames at most, so a client that stops reading holds no more
+/// than those outside the budget (never the whole answer, which a slice
+/// of it would keep alive), and the rest, held, is counted against its
+/// share; its connection sees an answer waiting on the client, and is
+/// closed if it takes nothing for a while (`inferyes_net::serve`).
 pub struct Held {
     bytes: Option<Bytes>,
+    /// Handed out in frames, copied.
+    framed: bool,
     _held: Reservation,
 }
 
+/// The largest frame of a body handed out whole.
+pub const FRAME_BYTES: usize = 64 << 10;
+
 impl Held {
     pub fn new(bytes: Bytes, held: Reservation) -> Held {
-        Held { bytes: Some(bytes).filter(|b| !b.is_empty()), _held: held }
+        let framed = bytes.len() > FRAME_BYTES;
+        Held { bytes: Some(bytes).filter(|b| !b.is_empty()), framed, _held: held }
     }
 }
 
@@ -130,7 +142,16 @@ impl http_body::Body for Held {
         mut self: std::pin::Pin<&mut Self>,
         _: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
-        std::task::Poll::Ready(self.bytes.take().map(|bytes| Ok(http_body::Frame::data(bytes))))
+        if !self.framed {
+            return std::task::Poll::Ready(self.bytes.take().map(|bytes| Ok(http_body::Frame::data(bytes))));
+        }
+        let Some(bytes) = self.bytes.as_mut() else { return std::task::Poll::Ready(None) };
+        let frame = Bytes::copy_from_slice(&bytes[..bytes.len().min(FRAME_BYTES)]);
+        bytes::Buf::advance(bytes, frame.len());
+        if bytes.is_empty() {
+            self.bytes = None;
+        }
+        std::task::Poll::Ready(Some(Ok(http_body::Frame::data(frame))))
     }
 
     fn is_end_stream(&self) -> bool {
@@ -309,6 +330,37 @@ mod tests {
         assert_eq!(shares.of_key("b"), (1, 0), "the request is b's own to give back");
         drop(first);
         assert_eq!(shares.of_key("a"), (1, 0));
+    }
+
+    #[tokio::test]
+    async fn a_large_answer_is_handed_out_in_copied_frames_held_to_the_last() {
+        use http_body_util::BodyExt as _;
+        let budget = Budget::new(1 << 20);
+        let small = Bytes::from(vec![7u8; FRAME_BYTES]);
+        let mut reservation = Budget::reservation(&budget, None);
+        reservation.grow(small.len()).unwrap();
+        let mut one = Held::new(small.clone(), reservation);
+        let frame = one.frame().await.unwrap().unwrap().into_data().unwrap();
+        assert_eq!(frame.as_ptr(), small.as_ptr(), "an answer of one frame is not copied");
+        assert!(http_body::Body::is_end_stream(&one));
+        drop(one);
+
+        let large = Bytes::from((0..3 * FRAME_BYTES + 5).map(|i| i as u8).collect::<Vec<u8>>());
+        let mut reservation = Budget::reservation(&budget, None);
+        reservation.grow(large.len()).unwrap();
+        let mut held = Held::new(large.clone(), reservation);
+        let mut sent = Vec::new();
+        while let Some(frame) = held.frame().await {
+            let frame = frame.unwrap().into_data().unwrap();
+            assert!(frame.len() <= FRAME_BYTES);
+            let within = large.as_ptr_range();
+            assert!(!within.contains(&frame.as_ptr()), "each frame a copy, keeping nothing of the answer alive");
+            sent.extend_from_slice(&frame);
+            assert_eq!(budget.used(), large.len(), "held until the body is done");
+        }
+        assert_eq!(sent, large);
+        drop(held);
+        assert_eq!(budget.used(), 0);
     }
 
     #[tokio::test]
