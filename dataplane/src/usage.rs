@@ -360,6 +360,8 @@ struct MeterInner {
     progress: Mutex<(Option<PromptProgress>, u64)>,
     /// The node that answered, once one did (or failed, answering).
     served: std::sync::OnceLock<Served>,
+    /// When the request was last sent to a node, and that backend's rates.
+    sent: Mutex<Option<(Instant, Rates)>>,
     /// What is done once the answer ended.
     ending: Mutex<Ending>,
 }
@@ -421,18 +423,51 @@ impl Outcome {
 }
 
 /// How a request's tokens are counted: where its answer says them (its
-/// path's row), and the prompt's estimate for an answer that says none.
+/// path's row), the prompt's estimate for an answer that says none, and
+/// the most output it may be billed for where it has to be estimated (its
+/// limit, else its model's window).
 #[derive(Clone, Copy, Debug)]
 pub struct Counted {
     pub usage: UsageIn,
     pub prompt_estimate: u64,
+    pub output_limit: u64,
 }
 
 impl Counted {
     /// Tokens read from the end of the answer, as chat's are.
     pub fn at_the_end(prompt_estimate: u64) -> Counted {
-        Counted { usage: UsageIn::Tail, prompt_estimate }
+        Counted { usage: UsageIn::Tail, prompt_estimate, output_limit: 0 }
     }
+}
+
+/// What a backend reads prompts and generates at, in tokens a second, as
+/// its agent reports them; 0: not known.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Rates {
+    pub prefill_tokens_per_second: f64,
+    pub decode_tokens_per_second: f64,
+}
+
+/// The output a node may have generated for a whole answer cut before it
+/// said its usage (its client gone, the node timed out or broke off):
+/// from when it was sent, less the time its prompt takes to read, at the
+/// backend's decode rate, at most `limit`; `limit` where the rate is not
+/// known. It errs high where the request waited for a slot: a client must
+/// not be able to make a node generate for nothing by leaving just before
+/// the answer.
+pub fn generated(elapsed: Duration, prompt_tokens: u64, rates: Rates, limit: u64) -> u64 {
+    if rates.decode_tokens_per_second <= 0.0 {
+        return limit;
+    }
+    let reading = if rates.prefill_tokens_per_second > 0.0 {
+        prompt_tokens as f64 / rates.prefill_tokens_per_second
+    } else {
+        0.0
+    };
+    let generating = (elapsed.as_secs_f64() - reading).max(0.0);
+    // Saturates where the product is past u64 (or not a number).
+    let tokens = (generating * rates.decode_tokens_per_second).ceil() as u64;
+    tokens.min(limit)
 }
 
 impl Meter {
@@ -467,6 +502,7 @@ impl Meter {
             events: AtomicU64::new(0),
             progress: Mutex::default(),
             served: std::sync::OnceLock::new(),
+            sent: Mutex::default(),
             ending: Mutex::default(),
         }))
     }
@@ -488,6 +524,12 @@ impl Meter {
             }
             _ => *slot = Ending::Waiting(at_end),
         }
+    }
+
+    /// The request is being sent to a backend of these rates: a whole
+    /// answer cut short is billed for what that one may have generated.
+    pub fn sent(&self, rates: Rates) {
+        *self.0.sent.lock().unwrap_or_else(PoisonError::into_inner) = Some((Instant::now(), rates));
     }
 
     /// The node that answered, and how it was reached: the first to be
@@ -602,6 +644,16 @@ impl MeterInner {
             None if outcome == Outcome::Error => {}
             // A job counted by requests, not tokens.
             None if self.counted.usage == UsageIn::None => {}
+            // A whole answer said nothing before it was cut: its node
+            // worked from when it was sent.
+            None if !record.stream => {
+                let sent = *self.sent.lock().unwrap_or_else(PoisonError::into_inner);
+                let prompt = self.counted.prompt_estimate;
+                record.estimated = true;
+                record.prompt_tokens = prompt;
+                record.completion_tokens =
+                    sent.map_or(0, |(at, rates)| generated(at.elapsed(), prompt, rates, self.counted.output_limit));
+            }
             None => {
                 let (progress, progress_events) = *self.progress.lock().unwrap_or_else(PoisonError::into_inner);
                 let tokens = self.events.load(Ordering::Relaxed).saturating_sub(progress_events);
@@ -768,5 +820,31 @@ mod tests {
         assert_eq!((done.node_id.as_str(), done.estimated), ("node-a", false));
         assert_eq!((cancelled.outcome.as_str(), cancelled.estimated), ("cancelled", true));
         assert_eq!((cancelled.prompt_tokens, cancelled.completion_tokens), (12, 2));
+    }
+
+    #[test]
+    fn a_whole_answer_cut_short_is_billed_what_its_node_may_have_generated() {
+        let rates = Rates { prefill_tokens_per_second: 1_000.0, decode_tokens_per_second: 50.0 };
+        // 2,000 prompt tokens read in 2 s, then 3 s of output at 50 a second.
+        assert_eq!(generated(Duration::from_secs(5), 2_000, rates, 4_096), 150);
+        assert_eq!(generated(Duration::from_secs(1), 2_000, rates, 4_096), 0, "still reading the prompt");
+        assert_eq!(generated(Duration::from_secs(600), 2_000, rates, 4_096), 4_096, "at most its limit");
+        assert_eq!(generated(Duration::from_secs(1), 2_000, Rates::default(), 300), 300, "its limit: no rate known");
+        let unread = Rates { prefill_tokens_per_second: 0.0, ..rates };
+        assert_eq!(generated(Duration::from_secs(1), 2_000, unread, 4_096), 50);
+
+        // Through a meter: a whole answer whose client left while its
+        // node worked, and one never sent anywhere.
+        let ledger = Ledger::new("dp", true);
+        let counted = Counted { usage: UsageIn::Tail, prompt_estimate: 12, output_limit: 300 };
+        let left = Meter::new(Arc::clone(&ledger), "sent", None, "m".into(), false, counted, None);
+        left.sent(Rates::default());
+        drop(left);
+        let queued = Meter::new(Arc::clone(&ledger), "queued", None, "m".into(), false, counted, None);
+        drop(queued);
+        let batch = ledger.next_batch(usize::MAX).unwrap();
+        let billed: Vec<_> =
+            batch.records.iter().map(|r| (r.prompt_tokens, r.completion_tokens, r.estimated)).collect();
+        assert_eq!(billed, [(12, 300, true), (12, 0, true)]);
     }
 }

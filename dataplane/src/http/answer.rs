@@ -645,7 +645,7 @@ mod tests {
             Some("k".into()),
             "m".into(),
             true,
-            crate::usage::Counted { usage: row.usage, prompt_estimate: 1_000 },
+            crate::usage::Counted { usage: row.usage, prompt_estimate: 1_000, output_limit: 0 },
             None,
         );
         let plan = Plan {

@@ -62,6 +62,8 @@ pub(crate) struct Hop {
     /// The request's count at the node, taken with its slot
     /// (`queue::take_slot`): the attempt's own.
     pub reserved: Option<InFlight>,
+    /// What the backend reads and generates at.
+    pub rates: crate::usage::Rates,
 }
 
 /// A route's targets, resolved once and tried in order; what is left once
@@ -91,6 +93,7 @@ impl Hops {
                     load: route.loads_at(index).then(|| cold_load(snapshot, model, *target)).flatten(),
                     reason: if index == 0 { route.reason.as_str() } else { FAILOVER },
                     reserved: None,
+                    rates: backend.rates,
                 })
             })
             .collect()
@@ -213,6 +216,9 @@ impl Attempts<'_> {
                 Some(reserved) if hop.load.is_none() && reserved.counts_at(&hop.endpoint) => reserved,
                 _ => hop.endpoint.enter(hop.load.clone()),
             };
+            if let Some(meter) = self.meter {
+                meter.sent(hop.rates);
+            }
             let (attempt, answer) = self.send(&hop, &out.path_and_query, headers, body, out.stream).await;
             let what = attempt.what();
             let verdict = classify(attempt, last, purpose);
@@ -463,6 +469,7 @@ mod tests {
             load: None,
             reason,
             reserved: None,
+            rates: Default::default(),
         };
         let mut hops: Hops = [hop(&a, "placed"), hop(&b, FAILOVER)].into_iter().collect();
         let settings = super::super::client::Settings {

@@ -223,12 +223,12 @@ impl<'s> Exchange<'s> {
         // while it runs, so that requests at once cannot each spend what
         // is left: its body's bytes (no prompt has more tokens) and its
         // limit, or the model's window where it sets none.
+        let window = snapshot.model(model).map_or(0, |entry| u64::from(entry.context_window));
+        let limit = view.max_tokens.unwrap_or(if window > 0 { window } else { DEFAULT_TOKEN_LIMIT });
         let mut held = 0;
         if let Caller::Key(grant) = caller
             && grant.tokens_per_day > 0
         {
-            let window = snapshot.model(model).map_or(0, |entry| u64::from(entry.context_window));
-            let limit = view.max_tokens.unwrap_or(if window > 0 { window } else { DEFAULT_TOKEN_LIMIT });
             let tokens = (body_len as u64).saturating_add(limit);
             let today = snapshot.tokens_today(&grant.key_id);
             if let Err(spent) = state.ledger.hold(&grant.key_id, grant.tokens_per_day, today, tokens) {
@@ -258,6 +258,7 @@ impl<'s> Exchange<'s> {
             crate::usage::Counted {
                 usage: self.row.usage,
                 prompt_estimate: u64::from(metered_prompt_estimate(body_len)),
+                output_limit: limit,
             },
             view.stream.then(|| {
                 let labels = crate::metrics::ModelLabels { model: model.to_string() };

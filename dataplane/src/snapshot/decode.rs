@@ -121,6 +121,18 @@ pub fn decode_live(
                 Some(load) => &BackendLoad { load_unknown: true, ..load.clone() },
                 None => &unknown,
             };
+            // Within what hardware can do: an agent claiming a billion
+            // tokens a second, or a slot freed in no time, would draw every
+            // session to itself.
+            let prefill = load.prefill_tokens_per_second;
+            let prefill_tokens_per_second = if prefill.is_finite() && prefill > 0.0 {
+                prefill.clamp(1.0, MAX_PREFILL_TOKENS_PER_SECOND)
+            } else {
+                0.0
+            };
+            let decode = load.tokens_per_second;
+            let decode_tokens_per_second =
+                if decode.is_finite() && decode > 0.0 { decode.clamp(1.0, MAX_DECODE_TOKENS_PER_SECOND) } else { 0.0 };
             let view = BackendView {
                 id: Arc::from(backend.id.as_str()),
                 id_header: http::HeaderValue::from_str(&backend.id).ok(),
@@ -135,17 +147,9 @@ pub fn decode_live(
                 requests_deferred: load.requests_deferred,
                 in_flight: load.in_flight,
                 load_unknown: load.load_unknown,
+                rates: crate::usage::Rates { prefill_tokens_per_second, decode_tokens_per_second },
             };
             let slot_group = slot_group(&backend.slot_fingerprint).unwrap_or(0);
-            // Within what hardware can do: an agent claiming a billion
-            // tokens a second, or a slot freed in no time, would draw every
-            // session to itself.
-            let prefill = load.prefill_tokens_per_second;
-            let prefill_tokens_per_second = if prefill.is_finite() && prefill > 0.0 {
-                prefill.clamp(1.0, MAX_PREFILL_TOKENS_PER_SECOND)
-            } else {
-                0.0
-            };
             let service_seconds = match load.service_ms {
                 0 => 0.0,
                 ms => (f64::from(ms) / 1e3).clamp(MIN_SERVICE_SECONDS, MAX_SERVICE_SECONDS),
@@ -278,6 +282,7 @@ pub fn decode_live(
 
 /// The bounds reported rates are held to.
 const MAX_PREFILL_TOKENS_PER_SECOND: f64 = 1e6;
+const MAX_DECODE_TOKENS_PER_SECOND: f64 = 1e5;
 const MIN_SERVICE_SECONDS: f64 = 0.001;
 const MAX_SERVICE_SECONDS: f64 = 3_600.0;
 

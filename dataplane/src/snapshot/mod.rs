@@ -183,6 +183,10 @@ pub struct BackendView {
     pub requests_deferred: u32,
     pub in_flight: u32,
     pub load_unknown: bool,
+    /// What a request sent here is read and generated at, as reported (0
+    /// where not): what a request cut before its answer said its usage
+    /// is billed by.
+    pub rates: crate::usage::Rates,
 }
 
 impl BackendView {

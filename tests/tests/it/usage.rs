@@ -441,6 +441,7 @@ async fn a_request_that_times_out_while_its_node_generates_is_counted_estimated(
     let total = rolled_up(fleet.controller(), &key_id, 1).await;
     assert_eq!((total.requests, total.errors, total.estimated_requests), (1, 1, 1), "{total:?}");
     assert!(total.prompt_tokens > 0, "the prompt the node read is counted: {total:?}");
+    assert!((1..=40).contains(&total.completion_tokens), "and what it may have generated: {total:?}");
     // A body that names an image does not make the estimate nothing. (The
     // simulated server is text-only and refuses image parts, so the image
     // rides in a field it ignores; the gateway sees media all the same.)
@@ -452,6 +453,28 @@ async fn a_request_that_times_out_while_its_node_generates_is_counted_estimated(
     let both = rolled_up(fleet.controller(), &key_id, 2).await;
     assert_eq!(both.estimated_requests, 2, "{both:?}");
     assert!(both.prompt_tokens - total.prompt_tokens >= 200, "the image's request is billed by its size: {both:?}");
+}
+
+/// A whole answer whose client leaves before it ends: the node generated
+/// until then, and the request is billed for what it may have, not for
+/// its prompt alone (a client leaving just before each answer would get
+/// the fleet's work for nothing).
+#[tokio::test]
+async fn a_whole_answer_whose_client_leaves_is_billed_what_its_node_may_have_generated() {
+    let slow = inferyes_sim::SimConfig { decode_tokens_per_second: 10.0, ..chat_sim("chat") };
+    let fleet = Fleet::start_with(vec![slow], |c| c.auth = AuthMode::Keys).await;
+    let (key_id, secret) = create_key(&fleet, CreateKeyRequest { name: "leaver".into(), ..Default::default() }).await;
+    let body = json!({"model": "chat", "max_tokens": 200,
+                      "messages": [{"role": "user", "content": "a question whose answer is long"}]});
+    let bearer = format!("Bearer {secret}");
+    let url = format!("{}/v1/chat/completions", fleet.dataplane.url);
+    let headers = [("authorization", bearer.as_str())];
+    let asked = fleet.http.send(Method::POST, &url, body.to_string().into(), &headers);
+    // Twenty seconds of output asked for; the client leaves after one.
+    assert!(tokio::time::timeout(Duration::from_secs(1), asked).await.is_err(), "no answer yet");
+    let total = rolled_up(fleet.controller(), &key_id, 1).await;
+    assert_eq!(total.estimated_requests, 1, "{total:?}");
+    assert!((1..=200).contains(&total.completion_tokens), "{total:?}");
 }
 
 /// A stream whose client hangs up after its first token is counted for the
