@@ -58,6 +58,40 @@ impl RollupKey {
     }
 }
 
+/// Why a data plane's batch is not taken, if it is not: every hour it
+/// names (its id's, its sums', its records') must be a real one no more
+/// than an hour ahead of `now_ms`, or its keys in etcd would never be
+/// pruned; every key id and model must fit a roll-up's key.
+pub fn check_batch(batch: &UsageBatch, now_ms: u64) -> Result<(), String> {
+    let latest = now_ms.saturating_add(3_600_000);
+    let hour_ok = |hour: &str| hour_start_ms(hour).is_some_and(|start| start <= latest && hour_of(start) == hour);
+    let name_ok = |key_id: &str, model: &str| {
+        key_id.len() <= inferyes_proto::MAX_NAME_BYTES
+            && !key_id.contains('/')
+            && model.len() <= inferyes_proto::MAX_NAME_BYTES
+    };
+    if !batch.batch_id.split_once('.').is_some_and(|(hour, _)| hour_ok(hour)) {
+        return Err("batch_id must start with its hour (YYYYMMDDHH, not ahead) and a dot".into());
+    }
+    for delta in &batch.deltas {
+        if !hour_ok(&delta.hour) {
+            return Err(format!("`{}` is not an hour (YYYYMMDDHH, UTC, not ahead)", delta.hour.escape_debug()));
+        }
+        if !name_ok(&delta.key_id, &delta.model) {
+            return Err("a key id or model name is too long, or a key id holds `/`".into());
+        }
+    }
+    for record in &batch.records {
+        if record.unix_ms > latest {
+            return Err("a record is dated more than an hour ahead".into());
+        }
+        if !name_ok(&record.key_id, &record.model) {
+            return Err("a key id or model name is too long, or a key id holds `/`".into());
+        }
+    }
+    Ok(())
+}
+
 /// A batch's contribution, per roll-up: its deltas (summed by the data
 /// plane), or, from data planes that send only records, its records.
 pub fn rollup_deltas(batch: &UsageBatch) -> BTreeMap<RollupKey, UsageRollup> {
@@ -240,6 +274,45 @@ mod tests {
             outcome: outcome.into(),
             latency_ms: 10,
             ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_batch_names_real_hours_not_ahead_and_names_that_fit_a_key() {
+        use inferyes_proto::v1::UsageDelta;
+        let now = 1_764_979_200_000; // 2025-12-06 00:00 UTC
+        let hour = hour_of(now);
+        let delta = |hour: &str, key_id: &str, model: &str| UsageDelta {
+            hour: hour.into(),
+            key_id: key_id.into(),
+            model: model.into(),
+            usage: None,
+        };
+        let batch = |id: &str, deltas: Vec<UsageDelta>, records: Vec<UsageRecord>| UsageBatch {
+            batch_id: id.into(),
+            dataplane_id: "dp".into(),
+            records,
+            deltas,
+        };
+        let id = format!("{hour}.dp.0000000000000001.0");
+        assert_eq!(check_batch(&batch(&id, vec![delta(&hour, "k", "m")], vec![]), now), Ok(()));
+        let next_hour = hour_of(now + 3_600_000);
+        assert_eq!(check_batch(&batch(&id, vec![delta(&next_hour, "", "m")], vec![]), now), Ok(()));
+        let long = "m".repeat(inferyes_proto::MAX_NAME_BYTES + 1);
+        let refused = [
+            batch("forged", vec![], vec![]),
+            batch("9999123123.dp.0.0", vec![], vec![]),
+            batch(&id, vec![delta(&hour_of(now + 2 * 3_600_000), "k", "m")], vec![]),
+            batch(&id, vec![delta("9999999999", "k", "m")], vec![]),
+            batch(&id, vec![delta("2025130100", "k", "m")], vec![]),
+            batch(&id, vec![delta("", "k", "m")], vec![]),
+            batch(&id, vec![delta(&hour, "k/other", "m")], vec![]),
+            batch(&id, vec![delta(&hour, "k", &long)], vec![]),
+            batch(&id, vec![], vec![record("k", "m", now + 2 * 3_600_000, (1, 1), "ok")]),
+            batch(&id, vec![], vec![record(&long, "m", now, (1, 1), "ok")]),
+        ];
+        for (i, refused) in refused.iter().enumerate() {
+            assert!(check_batch(refused, now).is_err(), "{i}: {refused:?}");
         }
     }
 

@@ -145,6 +145,7 @@ impl RoutingService for RoutingSvc {
         if !id_ok {
             return Err(Status::invalid_argument("batch_id must be 1-256 characters of [A-Za-z0-9._-]"));
         }
+        crate::ledger::check_batch(&batch, inferyes_proto::unix_ms()).map_err(Status::invalid_argument)?;
         if batch.records.len() > MAX_RECORDS_PER_BATCH {
             return Err(Status::invalid_argument(format!("at most {MAX_RECORDS_PER_BATCH} records per batch")));
         }

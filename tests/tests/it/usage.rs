@@ -145,6 +145,9 @@ async fn a_resent_batch_is_counted_once() {
     assert_eq!(report.pending_batches, 0, "the resend was not stored again");
     assert_eq!((total.requests, total.prompt_tokens), (1, 7));
     assert_eq!(usage_total(fleet.controller(), "").await.requests, 1);
+    // A batch for an hour ahead would stay in etcd for good: refused.
+    let ahead = UsageBatch { batch_id: "9999123123.test.0000000000000001.1".into(), ..Default::default() };
+    assert_eq!(client.record_usage(ahead).await.unwrap_err().code(), tonic::Code::InvalidArgument);
 }
 
 #[tokio::test]
