@@ -217,6 +217,13 @@ pub fn refused_whole(kind: EndpointKind) -> bool {
     matches!(kind, EndpointKind::Infill | EndpointKind::Embedding | EndpointKind::Rerank)
 }
 
+/// Whether a request of `kind` is a batch (embeddings, reranks): each of
+/// its inputs a prompt of its own, in a window of its own, so that its
+/// body's length says nothing of whether it fits one.
+pub fn is_batch(kind: EndpointKind) -> bool {
+    matches!(kind, EndpointKind::Embedding | EndpointKind::Rerank)
+}
+
 /// A kind's name, as configuration, `inferyesctl` and error messages say
 /// it.
 pub fn name(kind: EndpointKind) -> &'static str {

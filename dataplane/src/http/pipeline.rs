@@ -324,7 +324,7 @@ impl<'s> Exchange<'s> {
             model,
             kind: self.row.kind,
             session: self.facts.session.as_deref(),
-            prompt_tokens: estimated_prompt_tokens(body_len, view, self.row),
+            prompt_tokens: estimated_prompt_tokens(body_len, view),
             mode: self.state.mode,
             carry: self.state.carry,
             ticket,
@@ -358,7 +358,7 @@ impl<'s> Exchange<'s> {
             Caller::Key(grant) => (format!("t:{}", grant.tenant), grant.tenant.as_str(), "tenant"),
             Caller::Open => (format!("a:{}", inferyes_net::admit::peer_of(self.client)), "_open", "client"),
         };
-        let prompt_tokens = estimated_prompt_tokens(prepared.body.len(), view, self.row);
+        let prompt_tokens = estimated_prompt_tokens(prepared.body.len(), view);
         // Its cost in the fair order: its prompt (a body's bytes over four
         // where the estimate knows none, as for media) and its limit, at
         // most the model's window.

@@ -8,7 +8,6 @@ use http::{HeaderMap, HeaderName};
 use inferyes_proto::ErrorKind;
 use inferyes_proto::headers::MAX_SESSION_KEY_BYTES;
 use inferyes_proto::kinds::{ModelIn, Row, Session};
-use inferyes_proto::v1::EndpointKind;
 
 use super::form;
 use super::scan::{Fields, Raw, ScanError, scan};
@@ -421,11 +420,9 @@ fn hashed_key(prefix: [u8; 5], hash: u64) -> String {
 /// an English token is about four bytes and JSON adds framing, so a fifth
 /// of the bytes rarely overestimates. Bodies with media are not estimated:
 /// an image's bytes say little of its tokens, and no request may be
-/// refused for a guess. Nor are a batch's (embeddings, reranks): each of
-/// its inputs is a prompt of its own, in a window of its own.
-pub fn estimated_prompt_tokens(body_len: usize, view: &RoutingView, row: &Row) -> u32 {
-    let batch = matches!(row.kind, EndpointKind::Embedding | EndpointKind::Rerank);
-    if view.has_media || batch { 0 } else { metered_prompt_estimate(body_len) }
+/// refused for a guess.
+pub fn estimated_prompt_tokens(body_len: usize, view: &RoutingView) -> u32 {
+    if view.has_media { 0 } else { metered_prompt_estimate(body_len) }
 }
 
 /// The prompt tokens a request is billed for when its answer says none: a
@@ -771,16 +768,8 @@ mod tests {
     fn media_bodies_are_not_estimated_for_routing_but_are_billed() {
         let view = parse_view(br#"{"model":"m","messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"data:"}}]}]}"#).unwrap();
         assert!(view.has_media);
-        let chat = inferyes_proto::kinds::row("/v1/chat/completions").unwrap();
-        assert_eq!(estimated_prompt_tokens(1_000_000, &view, chat), 0);
+        assert_eq!(estimated_prompt_tokens(1_000_000, &view), 0);
         assert_eq!(metered_prompt_estimate(1_000_000), 200_000);
-        // A batch's inputs are prompts each: not one estimate.
-        let text = parse_view(br#"{"model":"m","input":["a","b"]}"#).unwrap();
-        assert_eq!(estimated_prompt_tokens(1_000_000, &text, chat), 200_000);
-        for path in ["/v1/embeddings", "/v1/rerank", "/rerank"] {
-            let row = inferyes_proto::kinds::row(path).unwrap();
-            assert_eq!(estimated_prompt_tokens(1_000_000, &text, row), 0, "{path}");
-        }
     }
 
     #[test]

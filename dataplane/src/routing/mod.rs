@@ -523,8 +523,9 @@ pub fn select(snapshot: &RoutingSnapshot, local: &impl Local, request: &RouteReq
     let capable = |p: &Placement| {
         (p.endpoints.is_empty() || p.endpoints.contains(&request.kind)) && !p.unsupported.contains(&request.kind)
     };
+    let batch = inferyes_proto::kinds::is_batch(request.kind);
     let fits = |p: &Placement| {
-        request.prompt_tokens == 0 || p.context_window == 0 || p.context_window >= request.prompt_tokens
+        request.prompt_tokens == 0 || batch || p.context_window == 0 || p.context_window >= request.prompt_tokens
     };
     let affinity = request.mode == Mode::Policy;
     let session = request.session.filter(|_| affinity);
