@@ -451,14 +451,16 @@ pub struct Rates {
 /// The output a node may have generated for a whole answer cut before it
 /// said its usage (its client gone, the node timed out or broke off):
 /// from when it was sent, less the time its prompt takes to read, at the
-/// backend's decode rate, at most `limit`; `limit` where the rate is not
-/// known. It errs high where the request waited for a slot: a client must
-/// not be able to make a node generate for nothing by leaving just before
-/// the answer.
+/// backend's decode rate (where it is not known, one few servers reach),
+/// at most `limit`. It errs high where the request waited for a slot: a
+/// client must not be able to make a node generate for nothing by leaving
+/// just before the answer.
 pub fn generated(elapsed: Duration, prompt_tokens: u64, rates: Rates, limit: u64) -> u64 {
-    if rates.decode_tokens_per_second <= 0.0 {
-        return limit;
-    }
+    let decode = if rates.decode_tokens_per_second > 0.0 {
+        rates.decode_tokens_per_second
+    } else {
+        UNKNOWN_DECODE_TOKENS_PER_SECOND
+    };
     let reading = if rates.prefill_tokens_per_second > 0.0 {
         prompt_tokens as f64 / rates.prefill_tokens_per_second
     } else {
@@ -466,9 +468,13 @@ pub fn generated(elapsed: Duration, prompt_tokens: u64, rates: Rates, limit: u64
     };
     let generating = (elapsed.as_secs_f64() - reading).max(0.0);
     // Saturates where the product is past u64 (or not a number).
-    let tokens = (generating * rates.decode_tokens_per_second).ceil() as u64;
+    let tokens = (generating * decode).ceil() as u64;
     tokens.min(limit)
 }
+
+/// The decode rate a backend that reports none is taken to generate at,
+/// one request alone: above most servers'.
+const UNKNOWN_DECODE_TOKENS_PER_SECOND: f64 = 200.0;
 
 impl Meter {
     pub fn new(
@@ -644,9 +650,10 @@ impl MeterInner {
             None if outcome == Outcome::Error => {}
             // A job counted by requests, not tokens.
             None if self.counted.usage == UsageIn::None => {}
-            // A whole answer said nothing before it was cut: its node
-            // worked from when it was sent.
-            None if !record.stream => {
+            // A whole answer cut before it said anything: its node worked
+            // from when it was sent. (One that ended well saying nothing
+            // generated nothing worth a guess.)
+            None if !record.stream && outcome != Outcome::Ok => {
                 let sent = *self.sent.lock().unwrap_or_else(PoisonError::into_inner);
                 let prompt = self.counted.prompt_estimate;
                 record.estimated = true;
@@ -829,7 +836,8 @@ mod tests {
         assert_eq!(generated(Duration::from_secs(5), 2_000, rates, 4_096), 150);
         assert_eq!(generated(Duration::from_secs(1), 2_000, rates, 4_096), 0, "still reading the prompt");
         assert_eq!(generated(Duration::from_secs(600), 2_000, rates, 4_096), 4_096, "at most its limit");
-        assert_eq!(generated(Duration::from_secs(1), 2_000, Rates::default(), 300), 300, "its limit: no rate known");
+        let unknown = generated(Duration::from_millis(500), 2_000, Rates::default(), 4_096);
+        assert_eq!(unknown, (UNKNOWN_DECODE_TOKENS_PER_SECOND / 2.0) as u64, "no rate known: a high one");
         let unread = Rates { prefill_tokens_per_second: 0.0, ..rates };
         assert_eq!(generated(Duration::from_secs(1), 2_000, unread, 4_096), 50);
 
@@ -837,14 +845,20 @@ mod tests {
         // node worked, and one never sent anywhere.
         let ledger = Ledger::new("dp", true);
         let counted = Counted { usage: UsageIn::Tail, prompt_estimate: 12, output_limit: 300 };
+        let fast = Rates { prefill_tokens_per_second: 0.0, decode_tokens_per_second: 1e9 };
         let left = Meter::new(Arc::clone(&ledger), "sent", None, "m".into(), false, counted, None);
-        left.sent(Rates::default());
+        left.sent(fast);
         drop(left);
         let queued = Meter::new(Arc::clone(&ledger), "queued", None, "m".into(), false, counted, None);
         drop(queued);
+        // Answered well, saying nothing of its usage (a TEI rerank): no
+        // output guessed.
+        let said_nothing = Meter::new(Arc::clone(&ledger), "ok", None, "m".into(), false, counted, None);
+        said_nothing.sent(fast);
+        said_nothing.finish(200, Outcome::Ok, None);
         let batch = ledger.next_batch(usize::MAX).unwrap();
         let billed: Vec<_> =
             batch.records.iter().map(|r| (r.prompt_tokens, r.completion_tokens, r.estimated)).collect();
-        assert_eq!(billed, [(12, 300, true), (12, 0, true)]);
+        assert_eq!(billed, [(12, 300, true), (12, 0, true), (12, 0, true)]);
     }
 }

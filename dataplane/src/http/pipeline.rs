@@ -258,7 +258,8 @@ impl<'s> Exchange<'s> {
             crate::usage::Counted {
                 usage: self.row.usage,
                 prompt_estimate: u64::from(metered_prompt_estimate(body_len)),
-                output_limit: limit,
+                // A batch generates nothing.
+                output_limit: if inferyes_proto::kinds::is_batch(self.row.kind) { 0 } else { limit },
             },
             view.stream.then(|| {
                 let labels = crate::metrics::ModelLabels { model: model.to_string() };
