@@ -153,16 +153,22 @@ pub fn check(index: usize, raw: &str) -> Option<String> {
             Ok(n) if (min..=max).contains(&n) => None,
             _ => Some(format!("`{name}` must be an integer from {min} to {max}")),
         },
-        Rule::AtMostItems(most) => {
-            let items = items(raw).unwrap_or(0);
-            (items > most).then(|| format!("`{name}` may hold at most {most} items, not {items}"))
-        }
+        Rule::AtMostItems(most) => match items(raw) {
+            Ok(items) => {
+                let items = items.unwrap_or(0);
+                (items > most).then(|| format!("`{name}` may hold at most {most} items, not {items}"))
+            }
+            Err(_) => Some(unreadable(name)),
+        },
         Rule::AtMostBytes(most) => too_long(name, most, raw),
         Rule::Strings { .. } if raw == "null" => None,
-        Rule::Strings { most, bytes } => too_long(name, bytes, raw).or_else(|| {
-            // A string alone is one.
-            let strings = items(raw).unwrap_or(1);
-            (strings > most).then(|| format!("`{name}` may hold at most {most} strings, not {strings}"))
+        Rule::Strings { most, bytes } => too_long(name, bytes, raw).or_else(|| match items(raw) {
+            Ok(strings) => {
+                // A string alone is one.
+                let strings = strings.unwrap_or(1);
+                (strings > most).then(|| format!("`{name}` may hold at most {most} strings, not {strings}"))
+            }
+            Err(_) => Some(unreadable(name)),
         }),
         Rule::One(_) if raw == "null" || raw == "1" => None,
         Rule::One(why) => Some(format!("`{name}` must be 1: {why}")),
@@ -173,10 +179,17 @@ pub fn check(index: usize, raw: &str) -> Option<String> {
 
 /// The items of an array or an object, as written; `None` for any other
 /// value. Counted as the value is read, keeping none of it: a bound on
-/// items is checked before the value's length is.
-fn items(raw: &str) -> Option<usize> {
+/// items is checked before the value's length is. An error where the
+/// value cannot be read (a number past a double, a broken escape): what
+/// is not read is not let through.
+fn items(raw: &str) -> Result<Option<usize>, serde_json::Error> {
     let mut reader = serde_json::Deserializer::from_str(raw);
-    serde::Deserializer::deserialize_any(&mut reader, Items).ok().flatten()
+    serde::Deserializer::deserialize_any(&mut reader, Items)
+}
+
+/// Why `name` is refused where it cannot be read.
+fn unreadable(name: &str) -> String {
+    format!("`{name}` is not JSON the gateway reads (a number out of range, or a broken escape)")
 }
 
 /// Counts a container's items, each skipped unread.
@@ -187,6 +200,30 @@ impl<'de> Visitor<'de> for Items {
 
     fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("an array or an object")
+    }
+
+    fn visit_bool<E: serde::de::Error>(self, _: bool) -> Result<Option<usize>, E> {
+        Ok(None)
+    }
+
+    fn visit_i64<E: serde::de::Error>(self, _: i64) -> Result<Option<usize>, E> {
+        Ok(None)
+    }
+
+    fn visit_u64<E: serde::de::Error>(self, _: u64) -> Result<Option<usize>, E> {
+        Ok(None)
+    }
+
+    fn visit_f64<E: serde::de::Error>(self, _: f64) -> Result<Option<usize>, E> {
+        Ok(None)
+    }
+
+    fn visit_str<E: serde::de::Error>(self, _: &str) -> Result<Option<usize>, E> {
+        Ok(None)
+    }
+
+    fn visit_unit<E: serde::de::Error>(self) -> Result<Option<usize>, E> {
+        Ok(None)
     }
 
     fn visit_seq<A: SeqAccess<'de>>(self, mut items: A) -> Result<Option<usize>, A::Error> {
@@ -214,10 +251,12 @@ fn too_long(name: &str, most: usize, raw: &str) -> Option<String> {
 /// Where in `body` media is named by a URL the server would fetch itself:
 /// the URL, or none. Read only for bodies the scanner saw media in, as a
 /// walk that keeps nothing but the URL: a body of many small values would
-/// take many times its size as a tree.
-pub fn remote_media(body: &[u8]) -> Option<String> {
+/// take many times its size as a tree. An error where the conversation
+/// cannot be read (a number past a double, a broken escape), which is
+/// refused rather than let through unread.
+pub fn remote_media(body: &[u8]) -> Result<Option<String>, serde_json::Error> {
     let mut reader = serde_json::Deserializer::from_slice(body);
-    serde::Deserializer::deserialize_map(&mut reader, Conversation).ok().flatten()
+    serde::Deserializer::deserialize_map(&mut reader, Conversation)
 }
 
 /// A body's `messages` and `input`, walked for a media URL; every other
@@ -368,8 +407,13 @@ mod tests {
         // Counted as read, nothing of it kept: a million items as cheaply.
         let million = format!("[{}0]", "0,".repeat(999_999));
         assert!(check(at("logit_bias"), &million).unwrap().contains("not 1000000"));
-        assert_eq!(items(r#"{"a":[1,{"b":[2]}],"c":"d"}"#), Some(2));
-        assert_eq!((items("\"x\""), items("3"), items("[1,")), (None, None, None));
+        assert_eq!((items("\"x\"").unwrap(), items("3").unwrap(), items("null").unwrap()), (None, None, None));
+        assert!(items("[1,").is_err() && items("1e400").is_err());
+        assert_eq!(items(r#"{"a":[1,{"b":[2]}],"c":"d"}"#).unwrap(), Some(2));
+        // An item the gateway cannot read refuses the member, as the
+        // server would.
+        let surrogate = format!("{{\"\\ud800\":1,{}\"0\":1}}", "\"1\":1,".repeat(400));
+        assert!(check(at("logit_bias"), &surrogate).unwrap().contains("not JSON the gateway reads"));
         assert!(check(at("dry_sequence_breakers"), &format!("[{}]", vec!["\"x\""; 17].join(","))).is_some());
         assert_eq!(check(at("n"), "1"), None);
         assert!(check(at("n"), "8").unwrap().contains("slot"));
@@ -403,24 +447,34 @@ mod tests {
     #[test]
     fn media_named_by_url_is_found_and_inline_media_is_not() {
         let url = br#"{"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"http://10.0.0.1/x.png"}}]}]}"#;
-        assert_eq!(remote_media(url).as_deref(), Some("http://10.0.0.1/x.png"));
+        assert_eq!(remote_media(url).unwrap().as_deref(), Some("http://10.0.0.1/x.png"));
         let inline = br#"{"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"data:image/png;base64,AA"}}]}]}"#;
-        assert_eq!(remote_media(inline), None);
+        assert_eq!(remote_media(inline).unwrap(), None);
         let anthropic =
             br#"{"messages":[{"role":"user","content":[{"type":"image","source":{"type":"url","url":"file:///etc/passwd"}}]}]}"#;
-        assert_eq!(remote_media(anthropic).as_deref(), Some("file:///etc/passwd"));
+        assert_eq!(remote_media(anthropic).unwrap().as_deref(), Some("file:///etc/passwd"));
         let responses = br#"{"input":[{"role":"user","content":[{"type":"input_image","image_url":"https://x/y"}]}]}"#;
-        assert_eq!(remote_media(responses).as_deref(), Some("https://x/y"));
+        assert_eq!(remote_media(responses).unwrap().as_deref(), Some("https://x/y"));
         let elsewhere = br#"{"messages":[],"tools":[{"function":{"parameters":{"url":"http://x"}}}]}"#;
-        assert_eq!(remote_media(elsewhere), None, "only the conversation is read");
+        assert_eq!(remote_media(elsewhere).unwrap(), None, "only the conversation is read");
         // Names as the server reads them, after the other members, in any
         // of the conversation's members named twice.
         let escaped = br#"{"model":"m","stream":true,"messages":[{"content":[{"image_url":" http://x/1"}]}]}"#;
-        assert_eq!(remote_media(escaped).as_deref(), Some(" http://x/1"));
+        assert_eq!(remote_media(escaped).unwrap().as_deref(), Some(" http://x/1"));
         let twice = br#"{"messages":[{"content":"hi"}],"messages":[{"content":[{"url":"http://x/2"}]}]}"#;
-        assert_eq!(remote_media(twice).as_deref(), Some("http://x/2"));
+        assert_eq!(remote_media(twice).unwrap().as_deref(), Some("http://x/2"));
         let listed = br#"{"messages":[{"content":[{"image_url":["http://x/3"]},{"url":3,"image_url":null}]}]}"#;
-        assert_eq!(remote_media(listed), None, "a media member's string only");
-        assert_eq!(remote_media(br#"{"messages":[{"url":"http://x/4"}"#), None, "not JSON: refused before");
+        assert_eq!(remote_media(listed).unwrap(), None, "a media member's string only");
+        let spelled = br#"{"messages":[{"content":[{"\u0069mage_url":{"\u0075rl":"http://x/5"}}]}]}"#;
+        assert_eq!(remote_media(spelled).unwrap().as_deref(), Some("http://x/5"));
+        // What cannot be read is not let through: a number past a double,
+        // a lone surrogate, before or after the URL.
+        for unread in [
+            &br#"{"messages":[{"content":[{"url":"http://x/6"}],"n":1e400}]}"#[..],
+            br#"{"messages":[{"content":"\ud800"},{"content":[{"url":"http://x/7"}]}]}"#,
+            br#"{"messages":[{"url":"http://x/4"}"#,
+        ] {
+            assert!(remote_media(unread).is_err(), "{}", String::from_utf8_lossy(unread));
+        }
     }
 }

@@ -157,11 +157,17 @@ fn guarded(body: &[u8], fields: &Fields<'_>) -> Result<(), ApiError> {
         );
         return Err(unsupported(message, "prompt"));
     }
-    if fields.has_media
-        && let Some(url) = super::guard::remote_media(body)
-    {
-        let shown: String = url.chars().take(64).collect();
-        let message = format!("media must be sent inline (a `data:` URL), not fetched from `{shown}`");
+    if fields.has_media {
+        let message = match super::guard::remote_media(body) {
+            Ok(None) => return Ok(()),
+            Ok(Some(url)) => {
+                let shown: String = url.chars().take(64).collect();
+                format!("media must be sent inline (a `data:` URL), not fetched from `{shown}`")
+            }
+            Err(_) => {
+                "the conversation is not JSON the gateway reads (a number out of range, or a broken escape)".into()
+            }
+        };
         return Err(unsupported(message, "messages"));
     }
     Ok(())
