@@ -258,10 +258,10 @@ def test_a_node_with_no_idle_slot_refuses_a_slot_file_before_it_is_sent(movers):
             streams.append(urllib.request.urlopen(request, timeout=30))
         wait_until("both of node-b's slots busy",
                    lambda: all(s["is_processing"] for s in json.loads(http_get(f"{server}/slots")[1])))
-        # A gigabyte promised, ten bytes sent: the answer comes without
+        # 64 MiB promised, ten bytes sent: the answer comes without
         # waiting for the rest.
         body = b"0123456789"
-        sent = slot_headers(fleet, body, int(time.time() * 1000) + 300_000, length=1 << 30)
+        sent = slot_headers(fleet, body, int(time.time() * 1000) + 300_000, length=64 << 20)
         status, answer = put_slot(fleet.ctl("node", "node-b")["proxy_url"], sent, body)
         assert (status, answer["error"]["code"]) == (503, "no_free_slot"), answer
     finally:

@@ -229,19 +229,27 @@ impl Intake {
 
         let slots = handle.probe.slots.as_ref().map(|s| s.dir.clone()).unwrap_or_default();
         let (_arriving, others) = Arriving::add(&self.arriving, length);
-        check_room(&slots, length, others, self.min_free_bytes)?;
+        let min_free = self.min_free_bytes;
+        let dir = slots.clone();
+        // A shared volume's statvfs may take a while: not on the runtime.
+        tokio::task::spawn_blocking(move || check_room(&dir, length, others, min_free))
+            .await
+            .map_err(|e| refused(ErrorKind::Internal, e.to_string(), "write_failed"))??;
         let url = handle.probe.url.as_str();
         let api_key = handle.probe.api_key.as_str();
-        let no_free_slot = || refused(ErrorKind::Unavailable, "no idle slot to restore into", "no_free_slot");
-        // Refused before the file is read where the server has no idle
-        // slot now: the sender need not send it.
-        free_slot(&self.slots(url, api_key).await?, &[]).ok_or_else(no_free_slot)?;
-        let name = slot_file_name("in").map_err(|e| refused(ErrorKind::Internal, e, "write_failed"))?;
-        let file = SlotFile(slots.join(&name));
-        let bytes = write_body(body, &file.0, length, &digest).await?;
         let marks = self.restored.get(backend_id).ok_or_else(|| {
             refused(ErrorKind::NotFound, "no backend here takes slots by that name", "backend_not_found")
         })?;
+        let no_free_slot = || refused(ErrorKind::Unavailable, "no idle slot to restore into", "no_free_slot");
+        // Refused before the file is read where the server has no idle
+        // slot now (one restored into and not run since is not idle): the
+        // sender need not send it. The marks as they are, unless a restore
+        // holds them.
+        let marked = marks.try_lock().map(|r| r.clone()).unwrap_or_default();
+        free_slot(&self.slots(url, api_key).await?, &marked).ok_or_else(no_free_slot)?;
+        let name = slot_file_name("in").map_err(|e| refused(ErrorKind::Internal, e, "write_failed"))?;
+        let file = SlotFile(slots.join(&name));
+        let bytes = write_body(body, &file.0, length, &digest).await?;
         let mut restored = marks.lock().await;
         let listed = self.slots(url, api_key).await?;
         let slot = free_slot(&listed, &restored).ok_or_else(no_free_slot)?;
