@@ -118,6 +118,24 @@ def test_keys_are_checked_and_limited_to_their_models(fleet):
 
 
 
+def test_embeddings_are_billed_what_the_server_counted(fleet):
+    created = fleet.ctl("keys", "create", "embedder")
+    embedder = OpenAI(base_url=f"{fleet.url}/v1", api_key=created["secret"], max_retries=0, timeout=60)
+    wait_until("the new key is known", lambda: [m.id for m in embedder.models.list()])
+    # Vectors enough that the answer's last kilobytes hold no usage: the
+    # server writes it before them.
+    reply = embedder.embeddings.create(model="tiny-embed", input=[f"text number {i}" for i in range(16)],
+                                       encoding_format="float")
+    assert len(reply.data) == 16 and reply.usage.prompt_tokens > 16
+
+    def billed():
+        rows = fleet.ctl("usage", "--key", created["key_id"])["rows"]
+        return rows[0] if rows and rows[0]["requests"] == 1 else None
+
+    usage = wait_until("the embeddings billed", billed)
+    assert (usage["prompt_tokens"], usage["estimated_requests"]) == (reply.usage.prompt_tokens, 0), usage
+
+
 def test_a_stream_cut_after_its_first_token_is_billed_for_the_prompt_the_server_read(fleet):
     created = fleet.ctl("keys", "create", "cut-stream")
     key_id = created["key_id"]
