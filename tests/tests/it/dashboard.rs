@@ -418,6 +418,10 @@ async fn an_address_guessing_dashboard_tokens_is_held_back_and_no_one_else() {
     for _ in 0..12 {
         assert_eq!(try_from(address, "127.0.0.5", None, Try::Read(VIEWER_TOKEN)).await.0, StatusCode::OK);
     }
+    // A visit with no credential is shown the sign-in page, and is no
+    // wrong token.
+    let visit = inferyes_tests::HttpClient::default().get(&format!("http://{address}/")).await;
+    assert_eq!(visit.status, StatusCode::OK);
     let scraped = inferyes_tests::HttpClient::default().get(&format!("http://{address}/metrics")).await;
     let metrics = String::from_utf8_lossy(&scraped.body);
     assert!(metrics.contains("inferyes_controller_dashboard_refused_total{reason=\"attempts\"} 6"), "{metrics}");
