@@ -27,8 +27,9 @@ const QUEUED_FLOWS: usize = 64;
 /// Data planes whose queues, and whose ejections, are kept at once.
 const DATAPLANES: usize = 256;
 const FLOW_NAME: usize = 128;
-/// Nodes one data plane's ejections name, at most.
-const EJECTED: usize = 4096;
+/// Nodes one data plane's ejections name, at most: a data plane that
+/// holds more out of routing has no fleet left to route to.
+const EJECTED: usize = 1024;
 
 pub struct Activity {
     inner: Mutex<Inner>,
@@ -78,8 +79,12 @@ impl Activity {
             let now_ms = inferyes_proto::unix_ms();
             let mut dataplane_id = report.dataplane_id;
             truncate_text(&mut dataplane_id);
-            // Only the newest of a report can stay in the tail.
+            // Every decision counts in the chart; only the newest of a
+            // report can stay in the tail.
             let mut decisions = report.decisions;
+            for decision in &decisions {
+                inner.ttft.record(decision, now_ms);
+            }
             decisions.drain(..decisions.len().saturating_sub(TAIL));
             for mut decision in decisions {
                 for text in [
@@ -93,7 +98,6 @@ impl Activity {
                 ] {
                     truncate_text(text);
                 }
-                inner.ttft.record(&decision, now_ms);
                 inner.decisions.push_front(Decision { dataplane_id: dataplane_id.clone(), decision });
             }
             inner.decisions.truncate(TAIL);
@@ -112,9 +116,12 @@ impl Activity {
                 inner.queues.insert(dataplane_id.clone(), (queued, now));
             }
             inner.ejections.retain(|_, (_, at)| now.saturating_duration_since(*at) < STALE_AFTER);
+            // Node ids only, each once.
             let mut ejected = report.ejected_nodes;
+            ejected.retain(|node| crate::live::valid_node_id(node));
+            ejected.sort_unstable();
+            ejected.dedup();
             ejected.truncate(EJECTED);
-            ejected.iter_mut().for_each(truncate_text);
             if ejected.is_empty() {
                 inner.ejections.remove(&dataplane_id);
             } else if inner.ejections.len() < DATAPLANES || inner.ejections.contains_key(&dataplane_id) {
@@ -201,12 +208,37 @@ mod tests {
     }
 
     #[test]
+    fn every_decision_of_a_report_counts_in_the_chart_though_only_the_newest_are_kept() {
+        let activity = Activity::default();
+        let now_ms = inferyes_proto::unix_ms();
+        let decision = |i: usize| RoutingDecision {
+            request_id: format!("r{i}"),
+            unix_ms: now_ms,
+            route: "placed".into(),
+            status: 200,
+            ttft_ms: 5,
+            ..Default::default()
+        };
+        let said = DataPlaneReport {
+            dataplane_id: "dp-1".into(),
+            decisions: (0..2 * TAIL).map(decision).collect(),
+            ..Default::default()
+        };
+        activity.record(said, Instant::now());
+        let recent = activity.recent(Instant::now());
+        assert_eq!(recent.decisions.len(), TAIL);
+        let counted: u64 =
+            recent.ttft["routes"]["placed"].as_array().unwrap().iter().map(|point| point[3].as_u64().unwrap()).sum();
+        assert_eq!(counted, 2 * TAIL as u64);
+    }
+
+    #[test]
     fn however_many_data_planes_report_and_whatever_they_say_what_is_kept_is_bounded() {
         let activity = Activity::default();
         let start = Instant::now();
         let long = "x".repeat(1 << 20);
         for i in 0..10 * DATAPLANES {
-            let mut said = report(&format!("dp-{i}-{long}"), &[&long, &long], &[&long, "n1"]);
+            let mut said = report(&format!("dp-{i}-{long}"), &[&long, &long], &[&long, "n1", "n1", "a b"]);
             said.dropped = u64::MAX;
             activity.record(said, start);
         }
@@ -214,7 +246,8 @@ mod tests {
         assert_eq!(inner.ejections.len(), DATAPLANES);
         assert_eq!(inner.dropped, u64::MAX);
         let kept = |text: &String| text.len() <= inferyes_proto::MAX_NAME_BYTES;
-        assert!(inner.ejections.iter().all(|(dataplane, (nodes, _))| kept(dataplane) && nodes.iter().all(kept)));
+        assert!(inner.ejections.values().all(|(nodes, _)| nodes == &["n1"]), "node ids only, each once");
+        assert!(inner.ejections.keys().all(kept));
         assert!(inner.decisions.iter().all(|d| kept(&d.dataplane_id) && kept(&d.decision.request_id)));
         drop(inner);
         // Those gone silent make room, and a data plane that ejects nothing
