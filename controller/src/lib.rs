@@ -148,6 +148,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         live: live_tx,
         views: views.clone(),
         streams: std::sync::Arc::default(),
+        pacing: std::sync::Arc::default(),
     };
     let routing = grpc::RoutingSvc {
         snapshots: snapshots.clone(),

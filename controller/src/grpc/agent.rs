@@ -47,6 +47,34 @@ pub struct AgentSvc {
     /// Numbers this controller's agent streams: a node's later stream wins
     /// over an earlier one not yet seen to end.
     pub streams: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    /// When each node's record may next be written, whichever of its
+    /// streams writes it.
+    pub pacing: std::sync::Arc<WritePacing>,
+}
+
+/// When each node's record may next be written: a write of a record's
+/// bytes makes the next wait as long as they take at
+/// [`NODE_WRITE_BYTES_PER_SECOND`], and `min_write_interval` at least,
+/// across the node's streams, so that an agent joining again and again
+/// writes no faster than one that stays. Only nodes that must still wait
+/// are kept.
+#[derive(Default)]
+pub struct WritePacing(std::sync::Mutex<std::collections::HashMap<String, Instant>>);
+
+impl WritePacing {
+    /// When `node_id`'s record may next be written: now, or later.
+    fn next(&self, node_id: &str) -> Instant {
+        let now = Instant::now();
+        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner).get(node_id).map_or(now, |at| now.max(*at))
+    }
+
+    /// `node_id`'s record was written now, `bytes` long.
+    fn wrote(&self, node_id: &str, bytes: usize, min_interval: Duration) {
+        let now = Instant::now();
+        let mut next = self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        next.retain(|_, at| *at > now);
+        next.insert(node_id.to_string(), now + min_interval.max(write_spacing(bytes)));
+    }
 }
 
 /// How far in the future an agent's clock may put a session's last use:
@@ -215,6 +243,10 @@ impl AgentSvc {
         reported.update(node);
         let mut pending: Option<NodeStatus> = Some(reported.durable.clone());
         let mut written: Option<NodeStatus> = None;
+        // A node that joins again before its last write's time is up waits
+        // for it (8 s at most, for the largest record): joining again and
+        // again writes no faster than staying.
+        tokio::time::sleep_until(self.pacing.next(&reported.durable.node_id)).await;
         let first = self.write(&mut lease, reported.durable.clone(), registered_unix_ms, &instance_digest);
         match tokio::time::timeout(CLAIM_TIMEOUT, first).await {
             Ok(Ok(_)) => written = pending.take(),
@@ -545,9 +577,8 @@ impl NodeWriter {
         heard: std::sync::Arc<LastHeard>,
         taken: CancellationToken,
     ) {
-        // The claim wrote the record once already.
-        let claimed = self.written.as_ref().map_or(0, prost::Message::encoded_len);
-        let mut write_at = Instant::now() + write_spacing(claimed);
+        let node_id = desired.borrow().node_id.clone();
+        let mut write_at = self.svc.pacing.next(&node_id);
         let mut backoff = inferyes_net::backoff::RECONNECT;
         let mut keepalive = tokio::time::interval(self.svc.lease_ttl / 3);
         keepalive.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -568,13 +599,12 @@ impl NodeWriter {
                 () = sleep_until(due) => {
                     let Some(status) = self.pending.clone() else { continue };
                     let svc = self.svc.clone();
-                    let bytes = prost::Message::encoded_len(&status);
                     match svc.write(&mut self.lease, status.clone(), self.registered_unix_ms, &self.instance_digest).await {
                         Ok(revision) => {
                             tracing::debug!(revision, "node status written");
                             self.written = Some(status);
                             self.pending = None;
-                            write_at = Instant::now() + self.svc.min_write_interval.max(write_spacing(bytes));
+                            write_at = self.svc.pacing.next(&node_id);
                             backoff.reset();
                         }
                         Err(StoreError::NodeTaken(_)) => {
@@ -647,6 +677,7 @@ impl AgentSvc {
             Some(current) => current,
             None => self.store.grant_lease(self.lease_ttl).await?,
         };
+        let (record_node_id, record_bytes) = (status.node_id.clone(), prost::Message::encoded_len(&status));
         let record = NodeRecord {
             status: Some(status),
             controller_id: self.controller_id.clone(),
@@ -673,6 +704,7 @@ impl AgentSvc {
             }
         };
         self.metrics.node_writes.inc();
+        self.pacing.wrote(&record_node_id, record_bytes, self.min_write_interval);
         *lease = Some(current);
         Ok(revision)
     }

@@ -365,6 +365,24 @@ async fn a_node_whose_large_record_changes_all_the_time_is_written_at_a_bounded_
     .await;
     assert_eq!(writes().await, 2.0);
     beating.abort();
+    drop(inbound);
+    // Nor faster by joining again and again: each join's record waits for
+    // the last write's time (some 4 s for its 256 KiB), as the stream's
+    // changes did.
+    let rejoining = std::time::Instant::now();
+    for round in 21..=22 {
+        let (tx, rx) = tokio::sync::mpsc::channel(1);
+        let register = Register {
+            status: Some(status(round)),
+            join_token: inferyes_tests::fleet::JOIN_TOKEN.into(),
+            ..Default::default()
+        };
+        tx.send(AgentMessage { msg: Some(agent_message::Msg::Register(register)) }).await.unwrap();
+        let mut inbound = agents.join(tokio_stream::wrappers::ReceiverStream::new(rx)).await.unwrap().into_inner();
+        assert!(inbound.message().await.unwrap().is_some(), "registration confirmed");
+    }
+    assert_eq!(writes().await, 4.0);
+    assert!(rejoining.elapsed() >= Duration::from_secs(6), "two joins in {:?}", rejoining.elapsed());
 }
 
 #[tokio::test]
