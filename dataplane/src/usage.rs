@@ -298,6 +298,12 @@ pub async fn run(ledger: Arc<Ledger>, controllers: crate::Controllers, drained: 
                     ledger.acknowledged(batch);
                     current = None;
                 }
+                Ok(Err(status)) if !resent(status.code()) => {
+                    let records = batch.records.len();
+                    tracing::error!(message = status.message(), records, "usage batch refused as invalid; dropped");
+                    ledger.acknowledged(batch);
+                    current = None;
+                }
                 Ok(Err(status)) => {
                     tracing::warn!(code = ?status.code(), message = status.message(), "usage batch not taken; retrying");
                     next += 1;
@@ -326,6 +332,14 @@ pub async fn run(ledger: Arc<Ledger>, controllers: crate::Controllers, drained: 
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
+}
+
+/// Whether a batch a controller refused with `code` is sent again: not one
+/// refused for what it holds (dated an hour ahead of the controller's
+/// clock), which no resend changes and which would hold up every later
+/// batch.
+fn resent(code: tonic::Code) -> bool {
+    code != tonic::Code::InvalidArgument
 }
 
 /// One request's record, made once: by whoever finishes it first (the
@@ -827,6 +841,14 @@ mod tests {
         assert_eq!((done.node_id.as_str(), done.estimated), ("node-a", false));
         assert_eq!((cancelled.outcome.as_str(), cancelled.estimated), ("cancelled", true));
         assert_eq!((cancelled.prompt_tokens, cancelled.completion_tokens), (12, 2));
+    }
+
+    #[test]
+    fn a_batch_is_sent_again_unless_refused_for_what_it_holds() {
+        for code in [tonic::Code::Unavailable, tonic::Code::DeadlineExceeded, tonic::Code::PermissionDenied] {
+            assert!(resent(code), "{code:?}");
+        }
+        assert!(!resent(tonic::Code::InvalidArgument));
     }
 
     #[test]
