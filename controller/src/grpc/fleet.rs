@@ -373,8 +373,9 @@ fn without_hash(key: &ApiKey) -> ApiKey {
 }
 
 fn validate_name(what: &str, name: &str) -> Result<(), Status> {
-    if name.is_empty() || name.len() > 256 || name.chars().any(char::is_control) {
-        return Err(status(ErrorKind::BadRequest, format!("{what} must be 1-256 printable characters")));
+    let most = inferyes_proto::MAX_NAME_BYTES;
+    if name.is_empty() || name.len() > most || name.chars().any(char::is_control) {
+        return Err(status(ErrorKind::BadRequest, format!("{what} must be 1-{most} bytes of printable characters")));
     }
     Ok(())
 }
