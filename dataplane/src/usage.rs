@@ -447,6 +447,7 @@ pub struct Counted {
     pub output_limit: u64,
 }
 
+#[cfg(test)]
 impl Counted {
     /// Tokens read from the end of the answer, as chat's are.
     pub fn at_the_end(prompt_estimate: u64) -> Counted {
