@@ -35,7 +35,7 @@ pub enum Rule {
 const MAX_TOKEN_LIMIT: i64 = i32::MAX as i64;
 
 /// The guarded members, by name.
-pub const GUARDED: [(&str, Rule); 37] = [
+pub const GUARDED: [(&str, Rule); 38] = [
     ("id_slot", Rule::Refused("it would choose the server's slot, evicting whichever conversation's cache is there")),
     ("slot_id", Rule::Refused("it would choose the server's slot, evicting whichever conversation's cache is there")),
     ("n_cache_reuse", Rule::Refused("it changes how the server shifts its caches")),
@@ -94,6 +94,9 @@ pub const GUARDED: [(&str, Rule); 37] = [
     // an agent's many tools.
     ("tools", Rule::AtMostBytes(256 << 10)),
     ("functions", Rule::AtMostBytes(256 << 10)),
+    // It trims llama-server's own answers to the members named, `timings`
+    // (their usage) among them.
+    ("response_fields", Rule::Refused("it can keep out of the answer the usage the gateway counts")),
 ];
 
 /// The index in [`GUARDED`] of a top-level member's name. A `match`, not a
@@ -138,6 +141,7 @@ pub fn index(name: &str) -> Option<usize> {
         "return_progress" => 34,
         "tools" => 35,
         "functions" => 36,
+        "response_fields" => 37,
         _ => return None,
     })
 }
@@ -388,6 +392,7 @@ mod tests {
     fn members_are_refused_or_held_to_their_bounds() {
         let at = |name| index(name).unwrap();
         assert!(check(at("id_slot"), "3").unwrap().contains("evicting"));
+        assert!(check(at("response_fields"), r#"["content"]"#).unwrap().contains("usage"));
         assert_eq!(check(at("n_probs"), "20"), None);
         assert_eq!(check(at("n_probs"), "null"), None);
         assert!(check(at("n_probs"), "21").is_some());
