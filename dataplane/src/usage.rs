@@ -665,10 +665,10 @@ impl MeterInner {
             None if outcome == Outcome::Error => {}
             // A job counted by requests, not tokens.
             None if self.counted.usage == UsageIn::None => {}
-            // A whole answer cut before it said anything: its node worked
-            // from when it was sent. (One that ended well saying nothing
-            // generated nothing worth a guess.)
-            None if !record.stream && outcome != Outcome::Ok => {
+            // A whole answer that said nothing of its output (cut short,
+            // or its usage kept out of it): its node worked from when it
+            // was sent.
+            None if !record.stream => {
                 let sent = *self.sent.lock().unwrap_or_else(PoisonError::into_inner);
                 let prompt = self.counted.prompt_estimate;
                 record.estimated = true;
@@ -874,14 +874,17 @@ mod tests {
         drop(left);
         let queued = Meter::new(Arc::clone(&ledger), "queued", None, "m".into(), false, counted, None);
         drop(queued);
-        // Answered well, saying nothing of its usage (a TEI rerank): no
-        // output guessed.
+        // Answered, its usage kept out of the answer: guessed as well. A
+        // batch (a TEI rerank says no usage) has no output to guess.
         let said_nothing = Meter::new(Arc::clone(&ledger), "ok", None, "m".into(), false, counted, None);
         said_nothing.sent(fast);
         said_nothing.finish(200, Outcome::Ok, None);
-        let batch = ledger.next_batch(usize::MAX).unwrap();
-        let billed: Vec<_> =
-            batch.records.iter().map(|r| (r.prompt_tokens, r.completion_tokens, r.estimated)).collect();
-        assert_eq!(billed, [(12, 300, true), (12, 0, true), (12, 0, true)]);
+        let batch = Counted { output_limit: 0, ..counted };
+        let rerank = Meter::new(Arc::clone(&ledger), "rerank", None, "m".into(), false, batch, None);
+        rerank.sent(fast);
+        rerank.finish(200, Outcome::Ok, None);
+        let sent = ledger.next_batch(usize::MAX).unwrap();
+        let billed: Vec<_> = sent.records.iter().map(|r| (r.prompt_tokens, r.completion_tokens, r.estimated)).collect();
+        assert_eq!(billed, [(12, 300, true), (12, 0, true), (12, 300, true), (12, 0, true)]);
     }
 }
