@@ -123,7 +123,11 @@ impl Dashboard {
             }
             return Ok(());
         }
-        self.refused.get_or_create(&crate::metrics::DashboardRefusedLabels { reason: "token" }).inc();
+        // A wrong token, not a stale cookie (a browser sends every cookie
+        // of the host) nor a visit with none.
+        if tries.is_some() {
+            self.refused.get_or_create(&crate::metrics::DashboardRefusedLabels { reason: "token" }).inc();
+        }
         Err(None)
     }
 
@@ -149,11 +153,6 @@ fn refused() -> Response {
 /// Bearer token sent for it is a try, as for a read, or which page came
 /// back would tell a right token from a wrong one untried.
 async fn page(State(dashboard): State<Dashboard>, Peer(peer): Peer, headers: HeaderMap) -> Response {
-    // A visit with no credential is no wrong one.
-    let credential = headers.contains_key(header::AUTHORIZATION) || headers.contains_key(header::COOKIE);
-    if dashboard.gate.is_some() && !credential {
-        return Html(LOGIN).into_response();
-    }
     match dashboard.refusal(&headers, peer) {
         None => Html(PAGE).into_response(),
         Some(too_many) if too_many.status() == StatusCode::TOO_MANY_REQUESTS => too_many,

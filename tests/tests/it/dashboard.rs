@@ -418,9 +418,12 @@ async fn an_address_guessing_dashboard_tokens_is_held_back_and_no_one_else() {
     for _ in 0..12 {
         assert_eq!(try_from(address, "127.0.0.5", None, Try::Read(VIEWER_TOKEN)).await.0, StatusCode::OK);
     }
-    // A visit with no credential is shown the sign-in page, and is no
-    // wrong token.
-    let visit = inferyes_tests::HttpClient::default().get(&format!("http://{address}/")).await;
+    // A visit with no credential, or a stale cookie, is shown the sign-in
+    // page, and is no wrong token.
+    let http = inferyes_tests::HttpClient::default();
+    assert_eq!(http.get(&format!("http://{address}/")).await.status, StatusCode::OK);
+    let stale = [("cookie", "inferyes_session=1.00")];
+    let visit = http.send(http::Method::GET, &format!("http://{address}/"), bytes::Bytes::new(), &stale).await;
     assert_eq!(visit.status, StatusCode::OK);
     let scraped = inferyes_tests::HttpClient::default().get(&format!("http://{address}/metrics")).await;
     let metrics = String::from_utf8_lossy(&scraped.body);
