@@ -268,6 +268,8 @@ pub async fn run(ledger: Arc<Ledger>, controllers: crate::Controllers, drained: 
     // A batch stays current until acknowledged, so a resend carries the
     // same id and is counted once.
     let mut current: Option<UsageBatch> = None;
+    // Controllers that refused the current batch for what it holds.
+    let mut refusals = 0usize;
     let mut ticker = tokio::time::interval(SEND_EVERY);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut deadline: Option<Instant> = None;
@@ -297,12 +299,26 @@ pub async fn run(ledger: Arc<Ledger>, controllers: crate::Controllers, drained: 
                 Ok(Ok(_)) => {
                     ledger.acknowledged(batch);
                     current = None;
+                    refusals = 0;
                 }
-                Ok(Err(status)) if !resent(status.code()) => {
+                // Refused for what it holds: another controller (whose
+                // clock is right) may take it; once every one has refused
+                // it, none will.
+                Ok(Err(status)) if !resent(status.code()) && refusals + 1 >= clients.len() => {
                     let records = batch.records.len();
                     tracing::error!(message = status.message(), records, "usage batch refused as invalid; dropped");
                     ledger.acknowledged(batch);
                     current = None;
+                    refusals = 0;
+                }
+                Ok(Err(status)) if !resent(status.code()) => {
+                    tracing::warn!(
+                        message = status.message(),
+                        "usage batch refused as invalid; trying another controller"
+                    );
+                    refusals += 1;
+                    next += 1;
+                    break;
                 }
                 Ok(Err(status)) => {
                     tracing::warn!(code = ?status.code(), message = status.message(), "usage batch not taken; retrying");
@@ -334,10 +350,10 @@ pub async fn run(ledger: Arc<Ledger>, controllers: crate::Controllers, drained: 
     }
 }
 
-/// Whether a batch a controller refused with `code` is sent again: not one
-/// refused for what it holds (dated an hour ahead of the controller's
-/// clock), which no resend changes and which would hold up every later
-/// batch.
+/// Whether a batch a controller refused with `code` is sent to it again:
+/// not one refused for what it holds (dated an hour ahead of the
+/// controller's clock), which no resend changes and which would hold up
+/// every later batch.
 fn resent(code: tonic::Code) -> bool {
     code != tonic::Code::InvalidArgument
 }
