@@ -55,9 +55,10 @@ pub struct AgentSvc {
 /// When each node's record may next be written: a write of a record's
 /// bytes makes the next wait as long as they take at
 /// [`NODE_WRITE_BYTES_PER_SECOND`], and `min_write_interval` at least,
-/// across the node's streams, so that an agent joining again and again
-/// writes no faster than one that stays. Only nodes that must still wait
-/// are kept.
+/// across the node's streams to this controller, so that an agent joining
+/// again and again writes no faster than one that stays. Only nodes that
+/// must still wait are kept. (A join-token holder may still add nodes
+/// without bound: the join token admits nodes.)
 #[derive(Default)]
 pub struct WritePacing(std::sync::Mutex<std::collections::HashMap<String, Instant>>);
 
