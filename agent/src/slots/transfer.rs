@@ -429,12 +429,10 @@ fn check_room(dir: &std::path::Path, length: u64, arriving: u64, min_free: u64) 
 async fn write_body(body: Incoming, path: &std::path::Path, length: u64, digest: &str) -> Result<u64, Refused> {
     use tokio::io::AsyncWriteExt as _;
     let io = |e: std::io::Error| refused(ErrorKind::Internal, format!("slot file not written: {e}"), "write_failed");
-    // Only this user reads it: it holds a conversation.
-    let created = {
-        use std::os::unix::fs::OpenOptionsExt as _;
-        std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(path)
-    };
-    let mut file = tokio::fs::File::from_std(created.map_err(io)?);
+    // Only this user reads it: it holds a conversation. Opened off the
+    // runtime, as the slot directory may be a network volume.
+    let mut file =
+        tokio::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(path).await.map_err(io)?;
     // A sender that trickles its bytes holds an intake permit no longer
     // than a file of that length takes at a slow link's rate.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30 + length / MIN_TRANSFER_BYTES_PER_SECOND);
