@@ -479,9 +479,9 @@ pub struct Rates {
     pub decode_tokens_per_second: f64,
 }
 
-/// The output a node may have generated for a whole answer cut before it
-/// said its usage (its client gone, the node timed out or broke off):
-/// from when it was sent, less the time its prompt takes to read, at the
+/// The output a node may have generated for a whole answer that said no
+/// usage (its client gone, the node timed out or broke off, its usage
+/// kept out of it): from when it was sent, less the time its prompt takes to read, at the
 /// backend's decode rate (where it is not known, one few servers reach),
 /// at most `limit`. It errs high where the request waited for a slot: a
 /// client must not be able to make a node generate for nothing by leaving
@@ -564,7 +564,8 @@ impl Meter {
     }
 
     /// The request is being sent to a backend of these rates: a whole
-    /// answer cut short is billed for what that one may have generated.
+    /// answer that says no usage is billed for what that one may have
+    /// generated.
     pub fn sent(&self, rates: Rates) {
         *self.0.sent.lock().unwrap_or_else(PoisonError::into_inner) = Some((Instant::now(), rates));
     }
