@@ -196,6 +196,33 @@ fn unreadable(name: &str) -> String {
     format!("`{name}` is not JSON the gateway reads (a number out of range, or a broken escape)")
 }
 
+/// A visitor's answer to every scalar but a string: nothing found in it.
+/// (serde's default is an error, which the checks take for an unreadable
+/// value.)
+macro_rules! scalars_are_none {
+    ($found:ty) => {
+        fn visit_bool<E: serde::de::Error>(self, _: bool) -> Result<Option<$found>, E> {
+            Ok(None)
+        }
+
+        fn visit_i64<E: serde::de::Error>(self, _: i64) -> Result<Option<$found>, E> {
+            Ok(None)
+        }
+
+        fn visit_u64<E: serde::de::Error>(self, _: u64) -> Result<Option<$found>, E> {
+            Ok(None)
+        }
+
+        fn visit_f64<E: serde::de::Error>(self, _: f64) -> Result<Option<$found>, E> {
+            Ok(None)
+        }
+
+        fn visit_unit<E: serde::de::Error>(self) -> Result<Option<$found>, E> {
+            Ok(None)
+        }
+    };
+}
+
 /// Counts a container's items, each skipped unread.
 struct Items;
 
@@ -206,27 +233,9 @@ impl<'de> Visitor<'de> for Items {
         f.write_str("an array or an object")
     }
 
-    fn visit_bool<E: serde::de::Error>(self, _: bool) -> Result<Option<usize>, E> {
-        Ok(None)
-    }
-
-    fn visit_i64<E: serde::de::Error>(self, _: i64) -> Result<Option<usize>, E> {
-        Ok(None)
-    }
-
-    fn visit_u64<E: serde::de::Error>(self, _: u64) -> Result<Option<usize>, E> {
-        Ok(None)
-    }
-
-    fn visit_f64<E: serde::de::Error>(self, _: f64) -> Result<Option<usize>, E> {
-        Ok(None)
-    }
+    scalars_are_none!(usize);
 
     fn visit_str<E: serde::de::Error>(self, _: &str) -> Result<Option<usize>, E> {
-        Ok(None)
-    }
-
-    fn visit_unit<E: serde::de::Error>(self) -> Result<Option<usize>, E> {
         Ok(None)
     }
 
@@ -338,25 +347,7 @@ impl<'de> Visitor<'de> for MediaUrl {
         Ok((self.named && !text.trim_start().starts_with("data:")).then(|| text.to_string()))
     }
 
-    fn visit_bool<E: serde::de::Error>(self, _: bool) -> Result<Option<String>, E> {
-        Ok(None)
-    }
-
-    fn visit_i64<E: serde::de::Error>(self, _: i64) -> Result<Option<String>, E> {
-        Ok(None)
-    }
-
-    fn visit_u64<E: serde::de::Error>(self, _: u64) -> Result<Option<String>, E> {
-        Ok(None)
-    }
-
-    fn visit_f64<E: serde::de::Error>(self, _: f64) -> Result<Option<String>, E> {
-        Ok(None)
-    }
-
-    fn visit_unit<E: serde::de::Error>(self) -> Result<Option<String>, E> {
-        Ok(None)
-    }
+    scalars_are_none!(String);
 
     fn visit_seq<A: SeqAccess<'de>>(self, mut items: A) -> Result<Option<String>, A::Error> {
         let mut found = None;
