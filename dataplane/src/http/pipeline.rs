@@ -223,8 +223,12 @@ impl<'s> Exchange<'s> {
         // while it runs, so that requests at once cannot each spend what
         // is left: its body's bytes (no prompt has more tokens) and its
         // limit, or the model's window where it sets none.
-        let window = snapshot.model(model).map_or(0, |entry| u64::from(entry.context_window));
-        let limit = view.max_tokens.unwrap_or(if window > 0 { window } else { DEFAULT_TOKEN_LIMIT });
+        // The model's window is looked up only for a request that sets no
+        // limit.
+        let limit = view.max_tokens.unwrap_or_else(|| {
+            let window = snapshot.model(model).map_or(0, |entry| u64::from(entry.context_window));
+            if window > 0 { window } else { DEFAULT_TOKEN_LIMIT }
+        });
         let mut held = 0;
         if let Caller::Key(grant) = caller
             && grant.tokens_per_day > 0
