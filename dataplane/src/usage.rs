@@ -885,9 +885,16 @@ mod tests {
         // node worked, and one never sent anywhere.
         let ledger = Ledger::new("dp", true);
         let counted = Counted { usage: UsageIn::Tail, prompt_estimate: 12, output_limit: 300 };
-        let fast = Rates { prefill_tokens_per_second: 0.0, decode_tokens_per_second: 1e9 };
+        // Any time at all past sending is the whole limit at this rate; the
+        // clock is let move on past each `sent` (a nanosecond is enough).
+        let fast = Rates { prefill_tokens_per_second: 0.0, decode_tokens_per_second: f64::MAX };
+        let clock_moves_on = || {
+            let now = Instant::now();
+            while Instant::now() <= now {}
+        };
         let left = Meter::new(Arc::clone(&ledger), "sent", None, "m".into(), false, counted, None);
         left.sent(fast);
+        clock_moves_on();
         drop(left);
         let queued = Meter::new(Arc::clone(&ledger), "queued", None, "m".into(), false, counted, None);
         drop(queued);
@@ -895,6 +902,7 @@ mod tests {
         // batch (a TEI rerank says no usage) has no output to guess.
         let said_nothing = Meter::new(Arc::clone(&ledger), "ok", None, "m".into(), false, counted, None);
         said_nothing.sent(fast);
+        clock_moves_on();
         said_nothing.finish(200, Outcome::Ok, None);
         let batch = Counted { output_limit: 0, ..counted };
         let rerank = Meter::new(Arc::clone(&ledger), "rerank", None, "m".into(), false, batch, None);
