@@ -381,43 +381,56 @@ static AGENT_SESSION_HEADERS: [HeaderName; 3] = [
 /// `prompt_cache_key` (OpenAI's own field for this), else a coding agent's
 /// session header, else a hash of the model and the conversation's root,
 /// so a multi-turn chat sticks without any change on the client. Scoped
-/// by `scope` where there is one (`k:<key id>/<key>`, or the scope in the
-/// root's hash), before it is bounded: one tenant's conversation is never
-/// another's, whatever key either sends or derives.
+/// by `scope` where there is one, before it is bounded: one tenant's
+/// conversation is never another's, whatever key either sends or derives.
 pub fn session_key(headers: &HeaderMap, view: &RoutingView, scope: Option<SessionScope<'_>>) -> Option<String> {
     let header = |name: &HeaderName| headers.get(name).and_then(|v| v.to_str().ok()).filter(|v| !v.is_empty());
     let sent = header(&SESSION_HEADER)
         .or(view.prompt_cache_key.as_deref().filter(|v| !v.is_empty()))
         .or_else(|| AGENT_SESSION_HEADERS.iter().find_map(header));
-    match (sent, scope) {
-        (Some(key), None) => Some(bounded_key(key)),
-        (Some(key), Some(SessionScope { kind, id })) => Some(bounded_key(&format!("{kind}{id}/{key}"))),
-        (None, scope) => view.root.map(|root| {
-            let scope = scope.map_or(0, |SessionScope { kind, id }| text_hash(&[kind.as_bytes(), id.as_bytes()]));
-            hashed_key(*b"root-", root ^ stable_hash(view.model.as_bytes()) ^ scope)
-        }),
-    }
+    let Some(key) = sent else {
+        return view
+            .root
+            .map(|root| hashed_key(*b"root-", scope_hash(scope), root ^ stable_hash(view.model.as_bytes())));
+    };
+    let scoped = match scope {
+        Some(SessionScope { kind, id }) => Cow::Owned(format!("{kind}{id}/{key}")),
+        None => Cow::Borrowed(key),
+    };
+    Some(if travels(&scoped) {
+        scoped.into_owned()
+    } else {
+        hashed_key(*b"sess-", scope_hash(scope), text_hash(&[key.as_bytes()]))
+    })
 }
 
-/// A client's key as it is where it is short and can travel in a header as
-/// it is, else `sess-` and a hash of it. Every data plane derives the same;
-/// and a client cannot fill its node's session table, the node's record in
-/// etcd and every routing snapshot with megabytes of key.
-fn bounded_key(key: &str) -> String {
+/// Whether a client's key can be a session key as it is: short, and able to
+/// travel in a header unchanged. Every other key is hashed: every data
+/// plane derives the same, and a client cannot fill its node's session
+/// table, the node's record in etcd and every routing snapshot with
+/// megabytes of key.
+fn travels(key: &str) -> bool {
     let bytes = key.as_bytes();
-    let travels = bytes.len() <= MAX_SESSION_KEY_BYTES
+    bytes.len() <= MAX_SESSION_KEY_BYTES
         && bytes.iter().all(|b| (b' '..=b'~').contains(b))
         && bytes.first() != Some(&b' ')
-        && bytes.last() != Some(&b' ');
-    if travels { key.to_string() } else { hashed_key(*b"sess-", text_hash(&[bytes])) }
+        && bytes.last() != Some(&b' ')
 }
 
-/// A prefix and the hash in 16 hex digits, written without the formatting
-/// machinery (every request without a session of its own has one).
-fn hashed_key(prefix: [u8; 5], hash: u64) -> String {
-    let mut key = [0u8; 21];
+fn scope_hash(scope: Option<SessionScope<'_>>) -> u64 {
+    scope.map_or(0, |SessionScope { kind, id }| text_hash(&[kind.as_bytes(), id.as_bytes()]))
+}
+
+/// A prefix, the scope's hash and the key's, in 16 hex digits each, written
+/// without the formatting machinery (every request without a session of
+/// its own has one). The scope's hash stands apart rather than mixed into
+/// the key's: these hashes are unkeyed and invertible, so a client could
+/// choose an opening, or a long key, whose mixed hash equals another
+/// tenant's; it cannot choose the scope its own key is written under.
+fn hashed_key(prefix: [u8; 5], scope: u64, hash: u64) -> String {
+    let mut key = [0u8; 37];
     key[..5].copy_from_slice(&prefix);
-    inferyes_proto::write_hex(&mut key[5..], u128::from(hash));
+    inferyes_proto::write_hex(&mut key[5..], (u128::from(scope) << 64) | u128::from(hash));
     // ASCII throughout: the check is a few word compares, not a lossy copy.
     String::from_utf8(key.to_vec()).unwrap_or_default()
 }
@@ -475,8 +488,11 @@ mod tests {
 
     #[test]
     fn hashed_keys_are_the_prefix_and_the_hash_in_hex() {
-        assert_eq!(hashed_key(*b"root-", 0x0123_4567_89ab_cdef), format!("root-{:016x}", 0x0123_4567_89ab_cdef_u64));
-        assert_eq!(hashed_key(*b"sess-", 7), "sess-0000000000000007");
+        assert_eq!(
+            hashed_key(*b"root-", 0xfedc_ba98_7654_3210, 0x0123_4567_89ab_cdef),
+            format!("root-{:016x}{:016x}", 0xfedc_ba98_7654_3210_u64, 0x0123_4567_89ab_cdef_u64)
+        );
+        assert_eq!(hashed_key(*b"sess-", 0, 7), format!("sess-{:032x}", 7));
     }
 
     #[test]
@@ -497,7 +513,7 @@ mod tests {
             "tab\t".into(),
         ] {
             let kept = key(&sent);
-            assert!(kept.starts_with("sess-") && kept.len() == 21, "{sent:?} became {kept:?}");
+            assert!(kept.starts_with("sess-") && kept.len() == 37, "{sent:?} became {kept:?}");
             assert_eq!(kept, key(&sent), "the same key hashes the same");
         }
         assert_ne!(key(&"a".repeat(200)), key(&"b".repeat(200)));
@@ -801,5 +817,30 @@ mod tests {
             (session_key(&long, &view, key("aaaa")).unwrap(), session_key(&long, &view, key("bbbb")).unwrap());
         assert!(long_a.len() <= MAX_SESSION_KEY_BYTES, "an agent keeps it: {long_a}");
         assert_ne!(long_a, long_b, "hashed, still apart");
+    }
+
+    #[test]
+    fn no_opening_or_long_key_makes_another_tenants_session_key() {
+        // The root and key hashes are unkeyed and invertible: a client can
+        // write an opening with any root it likes. Mixed with the scope's
+        // hash, the root that lands on tenant a's key from tenant b is
+        // this one; the key must still be b's.
+        let (a, b) = (SessionScope { kind: "t:", id: "a" }, SessionScope { kind: "t:", id: "b" });
+        let mut view = parse_view(br#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#).unwrap();
+        let victims = session_key(&HeaderMap::new(), &view, Some(a)).unwrap();
+        view.root = view.root.map(|root| root ^ scope_hash(Some(a)) ^ scope_hash(Some(b)));
+        let forged = session_key(&HeaderMap::new(), &view, Some(b)).unwrap();
+        assert_ne!(forged, victims);
+        // A hashed key's scope part is the scope's alone: no key a client
+        // sends moves it.
+        let scope_part = |scope, sent: &str| {
+            let mut headers = HeaderMap::new();
+            headers.insert(SESSION_HEADER, http::HeaderValue::from_str(sent).unwrap());
+            session_key(&headers, &view, Some(scope)).unwrap()[5..21].to_string()
+        };
+        let long = |c: &str| c.repeat(MAX_SESSION_KEY_BYTES);
+        assert_eq!(scope_part(b, &long("x")), scope_part(b, &long("y")));
+        assert_eq!(scope_part(b, &long("x")), forged[5..21]);
+        assert_ne!(scope_part(b, &long("x")), scope_part(a, &long("x")));
     }
 }
