@@ -86,12 +86,15 @@ pub fn model_allowed(patterns: &[String], model: &str) -> bool {
         })
 }
 
-/// Equality of two byte strings in time that depends only on their length.
-pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    if a.len() != b.len() {
-        return false;
-    }
-    let difference = a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y));
+/// Whether a `presented` secret equals the `expected` one, in time that
+/// depends only on what was presented: a length that differs is not
+/// answered at once, which would tell a caller the secret's length.
+pub fn constant_time_eq(presented: &[u8], expected: &[u8]) -> bool {
+    let same_length = presented.len() == expected.len();
+    // As many steps as were presented, either way: against itself where
+    // the lengths differ, already unequal.
+    let against = if same_length { expected } else { presented };
+    let difference = presented.iter().zip(against).fold(u8::from(!same_length), |acc, (x, y)| acc | (x ^ y));
     std::hint::black_box(difference) == 0
 }
 
@@ -156,5 +159,10 @@ mod tests {
         assert!(constant_time_eq(b"abc", b"abc"));
         assert!(!constant_time_eq(b"abc", b"abd"));
         assert!(!constant_time_eq(b"abc", b"ab"));
+        assert!(!constant_time_eq(b"ab", b"abc"));
+        assert!(!constant_time_eq(b"abab", b"ab"), "not the expected secret repeated");
+        assert!(!constant_time_eq(b"", b"ab"));
+        assert!(!constant_time_eq(b"a", b""));
+        assert!(constant_time_eq(b"", b""));
     }
 }

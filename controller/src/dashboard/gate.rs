@@ -45,7 +45,7 @@ impl Gate {
             return false;
         }
         self.tokens.tokens().fold(false, |found, token| {
-            found | inferyes_proto::apikey::constant_time_eq(session_mac(token, expires).as_bytes(), mac.as_bytes())
+            found | inferyes_proto::apikey::constant_time_eq(mac.as_bytes(), session_mac(token, expires).as_bytes())
         })
     }
 
