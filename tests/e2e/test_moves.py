@@ -107,27 +107,29 @@ def mac(key, text):
     return hmac.new(key.encode(), text.encode(), hashlib.sha256).hexdigest()
 
 
-def slot_headers(fleet, body, until, to="node-b", sender="node-a", digest=None, length=None, fingerprint=None):
+def slot_headers(fleet, body, until, to="node-b", sender="node-a", digest=None, length=None, fingerprint=None,
+                 session="root-attacker", tokens=100):
     """A slot file's headers, with the credential a sender makes of the
-    join token: for root-attacker's 100 tokens on the `chat` backend."""
+    join token: by default for root-attacker's 100 tokens on the `chat`
+    backend."""
     join = fleet.join_token_file.read_text().strip()
     digest = digest or hashlib.sha256(body).hexdigest()
     fingerprint = fingerprint or fleet.ctl("node", to)["backends"][0]["slot_fingerprint"]
-    move = f"inferyes slot move v2 {sender} {to} chat 100 {until} {digest} root-attacker"
+    move = f"inferyes slot move v2 {sender} {to} chat {tokens} {until} {digest} {session}"
     credential = mac(mac(join, "inferyes slot move key v2"), move)
     return {
         "Authorization": f"Bearer {credential}", "x-inferyes-move-from": sender,
         "x-inferyes-move-expires": str(until), "x-inferyes-backend": "chat", "x-inferyes-model": GEMMA,
-        "x-inferyes-session": "root-attacker", "x-inferyes-slot-tokens": "100",
+        "x-inferyes-session": session, "x-inferyes-slot-tokens": str(tokens),
         "x-inferyes-slot-fingerprint": fingerprint, "x-inferyes-slot-sha256": digest,
         "Content-Length": str(length or len(body)), "Content-Type": "application/octet-stream",
     }
 
 
-def put_slot(url, headers, body):
+def put_slot(url, headers, body, timeout=30):
     request = urllib.request.Request(f"{url}/_inferyes/slots", data=body, method="PUT", headers=headers)
     try:
-        with urllib.request.urlopen(request, timeout=30) as response:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as error:
         return error.code, json.loads(error.read())
@@ -245,19 +247,26 @@ def test_a_data_plane_has_a_conversation_s_cache_carried_where_it_asks(movers):
     assert usage.prompt_tokens_details.cached_tokens >= 0.9 * history, usage
 
 
+def generating(server):
+    """A stream that keeps one of `server`'s slots busy until closed."""
+    work = json.dumps({"prompt": "Count:", "n_predict": 3000, "ignore_eos": True, "stream": True}).encode()
+    request = urllib.request.Request(f"{server}/completion", data=work, headers={"Content-Type": "application/json"})
+    return urllib.request.urlopen(request, timeout=30)
+
+
+def busy_slots(server):
+    return sum(s["is_processing"] for s in json.loads(http_get(f"{server}/slots")[1]))
+
+
 def test_a_node_with_no_idle_slot_refuses_a_slot_file_before_it_is_sent(movers):
     fleet = movers
     server = fleet.llama["node-b"]
     # Both of node-b's slots generate until their streams are closed.
-    work = json.dumps({"prompt": "Count:", "n_predict": 3000, "ignore_eos": True, "stream": True}).encode()
     streams = []
     try:
         for _ in range(2):
-            request = urllib.request.Request(f"{server}/completion", data=work,
-                                             headers={"Content-Type": "application/json"})
-            streams.append(urllib.request.urlopen(request, timeout=30))
-        wait_until("both of node-b's slots busy",
-                   lambda: all(s["is_processing"] for s in json.loads(http_get(f"{server}/slots")[1])))
+            streams.append(generating(server))
+        wait_until("both of node-b's slots busy", lambda: busy_slots(server) == 2)
         # 64 MiB promised, ten bytes sent: the answer comes without
         # waiting for the rest.
         body = b"0123456789"
@@ -268,3 +277,34 @@ def test_a_node_with_no_idle_slot_refuses_a_slot_file_before_it_is_sent(movers):
         for stream in streams:
             stream.close()
     assert list((fleet.tmp / "slots-node-b").iterdir()) == []
+
+
+def test_a_slot_restored_into_and_not_run_since_is_not_idle(movers):
+    fleet = movers
+    server, slots_dir = fleet.llama["node-b"], fleet.tmp / "slots-node-b"
+    url = fleet.ctl("node", "node-b")["proxy_url"]
+    # A real slot file of this server's: a prompt read into slot 0, saved.
+    ran = json.dumps({"prompt": "Name three stones.", "n_predict": 4, "id_slot": 0}).encode()
+    json_type = {"Content-Type": "application/json"}
+    urllib.request.urlopen(urllib.request.Request(f"{server}/completion", data=ran, headers=json_type), timeout=60).read()
+    save = urllib.request.Request(f"{server}/slots/0?action=save", data=b'{"filename":"marked.bin"}', headers=json_type)
+    with urllib.request.urlopen(save, timeout=60) as response:
+        tokens = json.loads(response.read())["n_saved"]
+    body = (slots_dir / "marked.bin").read_bytes()
+    (slots_dir / "marked.bin").unlink()
+    stream = generating(server)
+    try:
+        wait_until("one of node-b's slots busy", lambda: busy_slots(server) == 1)
+        until = int(time.time() * 1000) + 300_000
+        status, answer = put_slot(url, slot_headers(fleet, body, until, session="root-marked", tokens=tokens), body)
+        assert status == 200 and answer["n_restored"] == tokens, answer
+        # The other slot shows idle and empty, but holds the file just
+        # restored: a file promised now is refused before it is sent,
+        # not read for a minute and then refused.
+        ten = b"0123456789"
+        sent = slot_headers(fleet, ten, until + 1, session="root-marked-2", length=64 << 20)
+        status, answer = put_slot(url, sent, ten, timeout=10)
+        assert (status, answer["error"]["code"]) == (503, "no_free_slot"), answer
+    finally:
+        stream.close()
+    assert list(slots_dir.iterdir()) == []
