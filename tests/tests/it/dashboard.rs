@@ -256,6 +256,22 @@ async fn the_dashboard_page_updates_live_in_a_real_browser() {
     assert_eq!(first, node.as_str());
     assert_eq!(browser.eval("return window.loadedOnce").await, "still here");
     assert!(browser.eval("return window.inferyesUpdates").await.as_u64().unwrap() >= 3);
+    // Markup that got past an escape runs no script: the page's policy
+    // runs its own script only.
+    browser
+        .eval(
+            "document.body.insertAdjacentHTML('beforeend', \
+             '<img id=\"injected\" src=\"data:,x\" onerror=\"window.injectedRan = true\">'); return true",
+        )
+        .await;
+    browser
+        .wait_for(
+            "the injected image to fail",
+            Duration::from_secs(15),
+            "return document.getElementById('injected').complete",
+        )
+        .await;
+    assert_eq!(browser.eval("return window.injectedRan === undefined").await, true);
 
     let shot = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("dashboard.png");
     browser.screenshot(&shot).await;
@@ -273,6 +289,7 @@ async fn the_dashboard_and_fleet_reads_need_a_viewer_or_the_admin_token() {
     let wrong = ("authorization", "Bearer test-join-token-0123456789");
     assert_eq!(get(&fleet, "/api/v1/fleet", &[wrong]).await.status, StatusCode::UNAUTHORIZED);
     let page = get(&fleet, "/", &[]).await;
+    assert_page_headers(&page);
     let page = String::from_utf8_lossy(&page.body);
     assert!(page.contains("id=\"login\"") && !page.contains("gpu-card"), "the login page, not the fleet: {page}");
     let admin = format!("Bearer {ADMIN_TOKEN}");
@@ -290,8 +307,11 @@ async fn the_dashboard_and_fleet_reads_need_a_viewer_or_the_admin_token() {
     assert_eq!(signed_in.status, StatusCode::NO_CONTENT);
     let cookie = signed_in.header("set-cookie").unwrap().split(';').next().unwrap().to_string();
     assert!(!cookie.contains(VIEWER_TOKEN), "{cookie}");
-    assert_eq!(get(&fleet, "/api/v1/fleet", &[("cookie", &cookie)]).await.status, StatusCode::OK);
+    let read = get(&fleet, "/api/v1/fleet", &[("cookie", &cookie)]).await;
+    assert_eq!(read.status, StatusCode::OK);
+    assert_page_headers(&read);
     let page = get(&fleet, "/", &[("cookie", &cookie)]).await;
+    assert_page_headers(&page);
     assert!(String::from_utf8_lossy(&page.body).contains("gpu-card"));
 
     // The fleet API: reads need a token, a viewer's reads only.
@@ -310,6 +330,19 @@ async fn the_dashboard_and_fleet_reads_need_a_viewer_or_the_admin_token() {
     assert_eq!(refused.code(), tonic::Code::PermissionDenied, "{refused:?}");
     let refused = viewer.list_keys(inferyes_proto::v1::ListKeysRequest::default()).await.unwrap_err();
     assert_eq!(refused.code(), tonic::Code::PermissionDenied);
+}
+
+/// What a browser may do with a dashboard answer: run the pages' own
+/// scripts only, be framed nowhere, keep nothing.
+fn assert_page_headers(answer: &inferyes_tests::TestResponse) {
+    let policy = answer.header("content-security-policy").unwrap_or_default();
+    for must in ["default-src 'none'", "script-src 'sha256-", "frame-ancestors 'none'"] {
+        assert!(policy.contains(must), "{must} in {policy:?}");
+    }
+    assert_eq!(answer.header("x-frame-options"), Some("DENY"));
+    assert_eq!(answer.header("x-content-type-options"), Some("nosniff"));
+    assert_eq!(answer.header("cache-control"), Some("no-store"));
+    assert_eq!(answer.header("referrer-policy"), Some("no-referrer"));
 }
 
 #[tokio::test]
