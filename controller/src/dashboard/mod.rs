@@ -61,10 +61,7 @@ pub fn router(dashboard: Dashboard) -> Router {
         .route("/api/v1/fleet", get(fleet))
         .route("/api/v1/events", get(events))
         .route("/api/v1/login", axum::routing::post(login))
-        .route(
-            "/api/v1/logout",
-            axum::routing::post(|| async { (StatusCode::NO_CONTENT, [(header::SET_COOKIE, gate::logout())]) }),
-        )
+        .route("/api/v1/logout", axum::routing::post(logout))
         .with_state(dashboard)
         .layer(axum::middleware::map_response(with_page_headers))
 }
@@ -103,6 +100,26 @@ fn content_security_policy(pages: &[&str]) -> String {
         "default-src 'none'; script-src{hashes}; style-src 'unsafe-inline'; connect-src 'self'; base-uri 'none'; \
          form-action 'none'; frame-ancestors 'none'"
     )
+}
+
+/// Whether a browser says a request comes from another site: its forms
+/// can post here (a logout, a login with a token of the other site's
+/// choosing), never read the answer. Clients that are not browsers send
+/// no `Sec-Fetch-Site`.
+fn from_another_site(headers: &HeaderMap) -> bool {
+    headers.get("sec-fetch-site").is_some_and(|site| site != "same-origin")
+}
+
+fn cross_site() -> Response {
+    let error = "the dashboard takes sign-ins and sign-outs from its own pages only";
+    (StatusCode::FORBIDDEN, axum::Json(serde_json::json!({ "error": error }))).into_response()
+}
+
+async fn logout(headers: HeaderMap) -> Response {
+    if from_another_site(&headers) {
+        return cross_site();
+    }
+    (StatusCode::NO_CONTENT, [(header::SET_COOKIE, gate::logout())]).into_response()
 }
 
 /// The address a request came from, where the server put it in the
@@ -208,6 +225,9 @@ async fn login(
     headers: HeaderMap,
     axum::Json(login): axum::Json<Login>,
 ) -> Response {
+    if from_another_site(&headers) {
+        return cross_site();
+    }
     let Some(gate) = &dashboard.gate else { return StatusCode::NO_CONTENT.into_response() };
     let mut cookie = None;
     let checked = dashboard.check(gate, dashboard.client(peer, &headers), |gate, now| {

@@ -303,6 +303,18 @@ async fn the_dashboard_and_fleet_reads_need_a_viewer_or_the_admin_token() {
         async move { http.send(http::Method::POST, &url, body.into(), &[]).await }
     };
     assert_eq!(login("test-viewer-token-000000000").await.status, StatusCode::UNAUTHORIZED);
+    // Another site's page can post a form here, never read the answer: it
+    // signs no one in or out.
+    let cross_site = |path: &str| {
+        let url = dashboard_url(&fleet, path);
+        let (http, body) = (fleet.http.clone(), json!({ "token": VIEWER_TOKEN }).to_string());
+        async move { http.send(http::Method::POST, &url, body.into(), &[("sec-fetch-site", "cross-site")]).await }
+    };
+    for path in ["/api/v1/login", "/api/v1/logout"] {
+        let refused = cross_site(path).await;
+        assert_eq!(refused.status, StatusCode::FORBIDDEN, "{path}");
+        assert!(refused.header("set-cookie").is_none(), "{path}");
+    }
     let signed_in = login(VIEWER_TOKEN).await;
     assert_eq!(signed_in.status, StatusCode::NO_CONTENT);
     let cookie = signed_in.header("set-cookie").unwrap().split(';').next().unwrap().to_string();
