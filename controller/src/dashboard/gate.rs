@@ -50,14 +50,17 @@ impl Gate {
     }
 
     /// The `Set-Cookie` that keeps a session for `token`, if it is one it
-    /// takes, from `now` (Unix seconds).
-    pub fn login(&self, token: &str, now: u64) -> Option<HeaderValue> {
+    /// takes, from `now` (Unix seconds); sent back over HTTPS only where the
+    /// browser came `over_https`.
+    pub fn login(&self, token: &str, now: u64, over_https: bool) -> Option<HeaderValue> {
         if !self.tokens.accepts(token.as_bytes()) {
             return None;
         }
         let expires = now + u64::from(SESSION_SECONDS);
         let mac = session_mac(token, expires);
-        let cookie = format!("{COOKIE}={expires}.{mac}; Path=/; Max-Age={SESSION_SECONDS}; HttpOnly; SameSite=Strict");
+        let secure = if over_https { "; Secure" } else { "" };
+        let cookie =
+            format!("{COOKIE}={expires}.{mac}; Path=/; Max-Age={SESSION_SECONDS}; HttpOnly; SameSite=Strict{secure}");
         HeaderValue::from_str(&cookie).ok()
     }
 }
@@ -104,19 +107,21 @@ mod tests {
         assert!(!gate.allows(&HeaderMap::new(), now));
         assert!(gate.allows(&with(header::AUTHORIZATION, "Bearer viewer-token-0123456789"), now));
         assert!(!gate.allows(&with(header::AUTHORIZATION, "Bearer viewer-token-012345678"), now));
-        let set = gate.login("admin-token-0123456789", now).expect("a token it takes");
+        let set = gate.login("admin-token-0123456789", now, false).expect("a token it takes");
         let set = set.to_str().unwrap();
-        assert!(set.contains("HttpOnly") && set.contains("SameSite=Strict"), "{set}");
+        assert!(set.contains("HttpOnly") && set.contains("SameSite=Strict") && !set.contains("Secure"), "{set}");
+        let over_https = gate.login("admin-token-0123456789", now, true).unwrap();
+        assert!(over_https.to_str().unwrap().ends_with("; Secure"), "{over_https:?}");
         let session = set.split(';').next().unwrap();
         assert!(!session.contains("admin-token"), "the cookie is not the token: {session}");
         assert!(gate.allows(&with(header::COOKIE, &format!("theme=dark; {session}")), now));
         assert!(!gate.allows(&with(header::COOKIE, "inferyes_session=admin-token-0123456789"), now));
         assert!(!gate.allows(&with(header::COOKIE, &format!("{session}0")), now));
-        assert!(gate.login("not-a-token", now).is_none());
+        assert!(gate.login("not-a-token", now, false).is_none());
         // Another gate of the same fleet (another controller) takes it.
         assert!(self::gate().allows(&with(header::COOKIE, session), now));
         // From a controller whose clock is a little ahead.
-        let ahead = gate.login("viewer-token-0123456789", now + 10).unwrap();
+        let ahead = gate.login("viewer-token-0123456789", now + 10, false).unwrap();
         assert!(gate.allows(&with(header::COOKIE, ahead.to_str().unwrap().split(';').next().unwrap()), now));
         // Until it expires, whatever the browser keeps; an expiry moved on
         // breaks the MAC.

@@ -102,6 +102,15 @@ fn content_security_policy(pages: &[&str]) -> String {
     )
 }
 
+/// Whether the browser reached the dashboard over HTTPS, as a trusted
+/// proxy in front of it says (`X-Forwarded-Proto`): the port itself serves
+/// plain HTTP, and a session cookie sent back over plain HTTP could be
+/// read on the way.
+fn over_https(peer: Option<IpAddr>, headers: &HeaderMap, trusted: &[inferyes_net::forwarded::Cidr]) -> bool {
+    let via_trusted = peer.is_some_and(|peer| trusted.iter().any(|cidr| cidr.contains(peer.to_canonical())));
+    via_trusted && headers.get("x-forwarded-proto").is_some_and(|proto| proto.as_bytes().eq_ignore_ascii_case(b"https"))
+}
+
 /// Whether a browser says a request comes from another site: its forms
 /// can post here (a logout, a login with a token of the other site's
 /// choosing), never read the answer. Clients that are not browsers send
@@ -229,9 +238,10 @@ async fn login(
         return cross_site();
     }
     let Some(gate) = &dashboard.gate else { return StatusCode::NO_CONTENT.into_response() };
+    let over_https = over_https(peer, &headers, &dashboard.trusted_proxies);
     let mut cookie = None;
     let checked = dashboard.check(gate, dashboard.client(peer, &headers), |gate, now| {
-        cookie = gate.login(login.token.trim(), now);
+        cookie = gate.login(login.token.trim(), now, over_https);
         cookie.is_some()
     });
     match (checked, cookie) {
@@ -347,5 +357,18 @@ mod tests {
         for must in ["default-src 'none'", "frame-ancestors 'none'", "base-uri 'none'", "connect-src 'self'"] {
             assert!(sources.contains(&must), "{must} in {policy}");
         }
+    }
+
+    #[test]
+    fn a_browser_is_over_https_where_a_trusted_proxy_says_so() {
+        let trusted: Vec<inferyes_net::forwarded::Cidr> = vec!["10.0.0.0/8".parse().unwrap()];
+        let (proxy, stranger) = (Some("10.1.2.3".parse().unwrap()), Some("192.0.2.1".parse().unwrap()));
+        let mut https = HeaderMap::new();
+        https.insert("x-forwarded-proto", header::HeaderValue::from_static("HTTPS"));
+        assert!(over_https(proxy, &https, &trusted));
+        assert!(!over_https(stranger, &https, &trusted), "anyone can send the header");
+        assert!(!over_https(proxy, &HeaderMap::new(), &trusted));
+        https.insert("x-forwarded-proto", header::HeaderValue::from_static("http"));
+        assert!(!over_https(proxy, &https, &trusted));
     }
 }
