@@ -146,6 +146,11 @@ impl Queue {
         Ok(Place { queue: Arc::clone(self), ticket, receiver, done: false })
     }
 
+    /// A request of `flow` has ended: see [`Room::settle`].
+    pub fn settle(&self, flow: &str, weight: u32, charged: u64, spent: u64) {
+        self.lock().room.settle(flow, weight, charged, spent);
+    }
+
     /// What waits now, by flow and class, the longest waiting first; at
     /// most `most` flows.
     pub fn waiting(&self, most: usize) -> Vec<inferyes_proto::v1::QueuedFlow> {

@@ -394,6 +394,8 @@ struct MeterInner {
     sent: Mutex<Option<(Instant, Rates)>>,
     /// What is done once the answer ended.
     ending: Mutex<Ending>,
+    /// What is told the tokens counted, once known: the queue's fair order.
+    settle: Mutex<Option<Settle>>,
 }
 
 /// Where a request's answer came from, as its attempts found: the node
@@ -410,6 +412,9 @@ pub struct Served {
 /// What a stream's handler leaves for its end, once it knows its time to
 /// first token and what served it.
 pub type AtEnd = Box<dyn FnOnce(Option<&Served>, u32) + Send>;
+
+/// What runs with the tokens a request is counted for, once known.
+pub type Settle = Box<dyn FnOnce(u64) + Send>;
 
 /// Where the work left for a stream's end stands. The answer may end (its
 /// body runs in a task of its own) before the handler hands that work
@@ -541,6 +546,7 @@ impl Meter {
             served: std::sync::OnceLock::new(),
             sent: Mutex::default(),
             ending: Mutex::default(),
+            settle: Mutex::default(),
         }))
     }
 
@@ -548,6 +554,13 @@ impl Meter {
     /// ([`Ledger::hold`]), given back when it is recorded.
     pub fn holds(&self, tokens: u64) {
         self.0.held.store(tokens, Ordering::Relaxed);
+    }
+
+    /// Runs `settle` with the tokens the request is counted for (its
+    /// prompt and its output) once its answer has ended, where it was sent
+    /// to a node: what never reached one is settled by nothing.
+    pub fn settles(&self, settle: Settle) {
+        *self.0.settle.lock().unwrap_or_else(PoisonError::into_inner) = Some(settle);
     }
 
     /// Runs `at_end` once the answer has ended, with what served it and
@@ -713,6 +726,11 @@ impl MeterInner {
                 }
             }
         }
+        let settle = self.settle.lock().unwrap_or_else(PoisonError::into_inner).take();
+        let was_sent = self.sent.lock().unwrap_or_else(PoisonError::into_inner).is_some();
+        if let Some(settle) = settle.filter(|_| was_sent) {
+            settle(record.prompt_tokens.saturating_add(record.completion_tokens));
+        }
         self.ledger.record(record, self.held.load(Ordering::Relaxed));
     }
 }
@@ -867,6 +885,33 @@ mod tests {
             assert!(resent(code), "{code:?}");
         }
         assert!(!resent(tonic::Code::InvalidArgument));
+    }
+
+    #[test]
+    fn a_request_sent_to_a_node_settles_what_it_is_counted_for_once() {
+        let ledger = Ledger::new("dp", false);
+        let counted = Counted { usage: UsageIn::Tail, prompt_estimate: 12, output_limit: 300 };
+        let (tx, rx) = std::sync::mpsc::channel();
+        let settled = |tx: &std::sync::mpsc::Sender<(&'static str, u64)>, name| -> Settle {
+            let tx = tx.clone();
+            Box::new(move |spent| tx.send((name, spent)).expect("sent"))
+        };
+        let answered = Meter::new(Arc::clone(&ledger), "a", None, "m".into(), false, counted, None);
+        answered.settles(settled(&tx, "answered"));
+        answered.sent(Rates::default());
+        answered.finish(
+            200,
+            Outcome::Ok,
+            Some(Usage { prompt_tokens: 40, completion_tokens: 2_000, cached_tokens: 0 }),
+        );
+        answered.finish(200, Outcome::Ok, None);
+        drop(answered);
+        // One that never reached a node keeps the charge it entered with.
+        let never_sent = Meter::new(Arc::clone(&ledger), "b", None, "m".into(), false, counted, None);
+        never_sent.settles(settled(&tx, "never sent"));
+        drop(never_sent);
+        drop(tx);
+        assert_eq!(rx.iter().collect::<Vec<_>>(), [("answered", 2_040)]);
     }
 
     #[test]

@@ -115,6 +115,11 @@ enum Standing {
 /// many is still a step.
 const TAG_SCALE: u128 = 1 << 20;
 
+/// How far a cost moves its flow's tags, at its weight.
+fn tag_length(cost: u64, weight: u32) -> u128 {
+    u128::from(cost) * TAG_SCALE / u128::from(weight.max(1))
+}
+
 /// The waiting room; see the module's comment.
 pub struct Room {
     limits: Limits,
@@ -146,8 +151,7 @@ impl Room {
             return Err(Refused::FlowShare);
         }
         let start = flow.finish.max(self.now_tag);
-        let weight = u128::from(entry.weight.max(1));
-        flow.finish = start + u128::from(entry.cost.max(1)) * TAG_SCALE / weight;
+        flow.finish = start + tag_length(entry.cost.max(1), entry.weight);
         flow.waiting += 1;
         flow.bytes += entry.bytes;
         self.bytes += entry.bytes;
@@ -211,6 +215,25 @@ impl Room {
             }
         }
         left
+    }
+
+    /// A request of `flow` that entered at `charged` has ended, having
+    /// `spent` (its prompt and what it generated): the flow's tags, those
+    /// its waiting requests hold and the next one's, move by the
+    /// difference. So turns follow what requests cost, not the guess they
+    /// entered at: one that sets no `max_tokens` is guessed a typical
+    /// answer and may generate thousands; one that sets a limit it does
+    /// not reach is given back the rest. A flow with nothing waiting is
+    /// forgotten, and stays so: its next request starts at the present.
+    pub fn settle(&mut self, flow: &str, weight: u32, charged: u64, spent: u64) {
+        let Some(flow_state) = self.flows.get_mut(flow) else { return };
+        let (charged, spent) = (tag_length(charged.max(1), weight), tag_length(spent, weight));
+        let shift =
+            |tag: u128| if spent >= charged { tag + (spent - charged) } else { tag.saturating_sub(charged - spent) };
+        flow_state.finish = shift(flow_state.finish);
+        for waiting in self.waiting.values_mut().filter(|w| &*w.entry.flow == flow) {
+            waiting.start = shift(waiting.start);
+        }
     }
 
     /// Takes a request out of the room: its client went away, or it waited
@@ -409,6 +432,36 @@ mod tests {
         assert_eq!(room.enter(Entry { bytes: 100, ..entry("a", Class::Interactive, 1) }, 0), Err(Refused::FlowShare));
         assert_eq!(room.enter(big("b"), 0), Err(Refused::Full), "the room's own bound");
         assert!(room.enter(Entry { bytes: 300, ..entry("b", Class::Interactive, 1) }, 0).is_ok());
+    }
+
+    #[test]
+    fn a_flow_s_turns_follow_what_its_requests_spent_not_what_they_were_guessed_to() {
+        let mut room = Room::new(LIMITS);
+        for _ in 0..4 {
+            room.enter(entry("guessed", Class::Interactive, 100), 0).unwrap();
+            room.enter(entry("honest", Class::Interactive, 100), 0).unwrap();
+        }
+        let (_, first) = next(&mut room, 0, any).unwrap();
+        assert_eq!(&*first.flow, "guessed");
+        // It generated four times its guess: its flow's next turns come
+        // after as much of the other's.
+        room.settle("guessed", 1, 100, 400);
+        assert_eq!(order(&mut room, 0), ["honest", "honest", "honest", "honest", "guessed", "guessed", "guessed"]);
+
+        // One that spent nothing of a long limit gives it back.
+        let mut room = Room::new(LIMITS);
+        room.enter(entry("limited", Class::Interactive, 300), 0).unwrap();
+        for _ in 0..3 {
+            room.enter(entry("other", Class::Interactive, 100), 0).unwrap();
+        }
+        room.enter(entry("limited", Class::Interactive, 300), 0).unwrap();
+        let (_, first) = next(&mut room, 0, any).unwrap();
+        assert_eq!(&*first.flow, "limited");
+        room.settle("limited", 1, 300, 0);
+        assert_eq!(order(&mut room, 0), ["other", "limited", "other", "other"]);
+        // A flow no longer in the room is left forgotten.
+        room.settle("limited", 3, 300, 3_000);
+        assert!(room.flows.is_empty());
     }
 
     #[test]

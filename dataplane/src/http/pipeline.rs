@@ -381,6 +381,7 @@ impl<'s> Exchange<'s> {
             bytes: prepared.body.len(),
             model: Arc::from(model),
         };
+        let settles = (Arc::clone(&entry.flow), entry.weight, entry.cost);
         let ask = Ask {
             kind: self.row.kind,
             session: self.facts.session.clone(),
@@ -390,6 +391,13 @@ impl<'s> Exchange<'s> {
             caller: caller.clone(),
         };
         let entered = queue.enter(entry, ask, flow_label);
+        // Let in, its flow is charged its cost: made good by what it spends.
+        if entered.is_ok()
+            && let Some(meter) = &self.facts.meter
+        {
+            let (queue, (flow, weight, charged)) = (Arc::clone(queue), settles);
+            meter.settles(Box::new(move |spent| queue.settle(&flow, weight, charged, spent)));
+        }
         // Sent on past the queue's bounds only while its slot is free.
         if entered.is_err()
             && !route.waits

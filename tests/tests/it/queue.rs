@@ -299,6 +299,59 @@ async fn a_request_a_node_can_start_now_is_never_refused_for_what_others_wait_fo
     held.iter().for_each(JoinHandle::abort);
 }
 
+/// A tenant whose requests set no limit is charged a typical answer as
+/// they wait, and what they generated once they end: its next turns come
+/// after another tenant's that cost what they were charged.
+#[tokio::test]
+async fn a_tenant_whose_requests_generate_past_their_guess_waits_for_what_they_spent() {
+    // One slot; a reply with no limit runs to 1,500 tokens, three times
+    // the guess.
+    let node = inferyes_sim::SimConfig {
+        slots: 1,
+        decode_tokens_per_second: 1_000.0,
+        default_max_tokens: 1_500,
+        ..chat_sim("chat")
+    };
+    let fleet = Fleet::start_with(vec![node], |c| c.auth = AuthMode::Keys).await;
+    let [holder, greedy, modest] = [
+        key(&fleet, "holder", Priority::Interactive).await,
+        key(&fleet, "greedy", Priority::Interactive).await,
+        key(&fleet, "modest", Priority::Interactive).await,
+    ];
+    let unlimited = |text: &str| {
+        let (http, url, bearer) = (fleet.http.clone(), fleet.url("/v1/chat/completions"), greedy.clone());
+        let body: Bytes = json!({"model": "chat", "messages": [{"role": "user", "content": text}]}).to_string().into();
+        tokio::spawn(async move { http.send(Method::POST, &url, body, &[("authorization", &bearer)]).await })
+    };
+    let holding = ask(&fleet, &holder, "hold the slot", 2_000);
+    wait_until_in(&fleet, 1.0).await;
+    // Tags as they wait, by arrival: greedy's at 512 a request (plus the
+    // prompt), modest's at 530, so greedy's second comes before modest's.
+    let mut greedy_asks = Vec::new();
+    let mut modest_asks = Vec::new();
+    for i in 0..3 {
+        greedy_asks.push(unlimited(&format!("greedy {i}")));
+        wait_until_in(&fleet, f64::from(2 + 2 * i)).await;
+        modest_asks.push(ask(&fleet, &modest, &format!("modest {i}"), 530));
+        wait_until_in(&fleet, f64::from(3 + 2 * i)).await;
+    }
+    assert_eq!(holding.await.expect("answered").status, StatusCode::OK);
+    for request in modest_asks {
+        assert_eq!(request.await.expect("answered").status, StatusCode::OK);
+    }
+    // Greedy's first generated 1,500 tokens: its second waited for all
+    // of modest's.
+    let mut greedy_asks = greedy_asks.into_iter();
+    let (first, second, third) =
+        (greedy_asks.next().unwrap(), greedy_asks.next().unwrap(), greedy_asks.next().unwrap());
+    let first = first.await.expect("answered");
+    assert_eq!(first.status, StatusCode::OK);
+    assert_eq!(first.json()["usage"]["completion_tokens"], 1_500);
+    assert!(!second.is_finished(), "greedy's second turn went before modest's last");
+    second.abort();
+    third.abort();
+}
+
 #[tokio::test]
 async fn a_client_that_stops_waiting_leaves_the_queue_and_takes_no_slot() {
     let fleet = keyed_fleet(1, |_| {}).await;
