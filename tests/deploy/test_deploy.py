@@ -61,7 +61,34 @@ def test_every_kubernetes_resource_matches_the_api_schema():
             kubernetes_validate.validate(document, KUBERNETES_VERSION, strict=True)
             kinds.add(document["kind"])
     assert {"DaemonSet", "Deployment", "Service", "HorizontalPodAutoscaler", "PodDisruptionBudget",
-            "StatefulSet", "Namespace"} <= kinds
+            "StatefulSet", "Namespace", "NetworkPolicy"} <= kinds
+
+
+def manifests():
+    return [d for name in kustomization()["resources"]
+            for d in yaml.safe_load_all((DEPLOY / "kubernetes" / name).read_text())]
+
+
+def test_only_controllers_reach_etcd_s_clients_port_and_only_members_its_peers():
+    documents = manifests()
+    pods = {d["metadata"]["name"]: d["spec"]["template"]["metadata"]["labels"]
+            for d in documents if d["kind"] in ("Deployment", "StatefulSet", "DaemonSet")}
+    [policy] = [d for d in documents if d["kind"] == "NetworkPolicy" and d["metadata"]["name"] == "inferyes-etcd"]
+    spec = policy["spec"]
+    assert spec["policyTypes"] == ["Ingress"]
+    assert spec["podSelector"]["matchLabels"].items() <= pods["inferyes-etcd"].items()
+    allowed = {}
+    for rule in spec["ingress"]:
+        [source] = rule["from"]
+        whose = [name for name, labels in pods.items() if source["podSelector"]["matchLabels"].items() <= labels.items()]
+        for port in rule["ports"]:
+            allowed.setdefault(port["port"], set()).update(whose)
+    assert allowed == {2379: {"inferyes-controller"}, 2380: {"inferyes-etcd"}}, allowed
+    # Its pods run as nobody, on a read-only root, with no service account.
+    [etcd] = [d for d in documents if d["kind"] == "StatefulSet"]
+    pod = etcd["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] and pod["automountServiceAccountToken"] is False
+    assert pod["containers"][0]["securityContext"]["readOnlyRootFilesystem"]
 
 
 def test_the_schema_check_catches_a_mistake():
