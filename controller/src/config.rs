@@ -31,6 +31,12 @@ pub struct Args {
     /// Key prefix of this fleet in etcd.
     #[arg(long, env = "INFERYES_ETCD_PREFIX")]
     pub etcd_prefix: Option<String>,
+    /// The user to sign in to etcd as, where etcd has authentication on.
+    #[arg(long, env = "INFERYES_ETCD_USER")]
+    pub etcd_user: Option<String>,
+    /// The file whose first line is that user's password.
+    #[arg(long, env = "INFERYES_ETCD_PASSWORD_FILE")]
+    pub etcd_password_file: Option<PathBuf>,
     /// gRPC listen address (AgentService, RoutingService, FleetService).
     #[arg(long, env = "INFERYES_GRPC_LISTEN")]
     pub grpc_listen: Option<SocketAddr>,
@@ -73,6 +79,16 @@ pub struct Config {
     pub controller_id: String,
     pub etcd_endpoints: Vec<String>,
     pub etcd_prefix: String,
+    /// The user this controller signs in to etcd as, where etcd has
+    /// authentication on (empty: none); its password is the first line of
+    /// `etcd_password_file`.
+    pub etcd_user: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub etcd_password_file: Option<PathBuf>,
+    /// TLS to etcd, for `https://` endpoints: etcd's CA (`ca_file`; else
+    /// the system's roots), and this controller's certificate
+    /// (`cert_file`, `key_file`) where etcd asks clients for one.
+    pub etcd_tls: inferyes_proto::tls::Tls,
     pub grpc_listen: SocketAddr,
     pub http_listen: SocketAddr,
     /// The gRPC address other controllers reach this one at, to exchange
@@ -162,6 +178,9 @@ impl Default for Config {
             controller_id: String::new(),
             etcd_endpoints: vec!["http://127.0.0.1:2379".into()],
             etcd_prefix: "/inferyes/v1/".into(),
+            etcd_user: String::new(),
+            etcd_password_file: None,
+            etcd_tls: inferyes_proto::tls::Tls::default(),
             grpc_listen: SocketAddr::from(([127, 0, 0, 1], 7070)),
             http_listen: SocketAddr::from(([127, 0, 0, 1], 7071)),
             advertise_url: String::new(),
@@ -227,6 +246,12 @@ impl Config {
         if let Some(v) = &args.etcd_prefix {
             config.etcd_prefix.clone_from(v);
         }
+        if let Some(v) = &args.etcd_user {
+            config.etcd_user.clone_from(v);
+        }
+        if let Some(v) = &args.etcd_password_file {
+            config.etcd_password_file = Some(v.clone());
+        }
         if let Some(v) = args.grpc_listen {
             config.grpc_listen = v;
         }
@@ -289,6 +314,21 @@ impl Config {
         if !self.etcd_prefix.starts_with('/') {
             bail!("etcd_prefix `{}` must start with `/`", self.etcd_prefix);
         }
+        if self.etcd_user.is_empty() != self.etcd_password_file.is_none() {
+            bail!("etcd_user and etcd_password_file go together: set both or neither");
+        }
+        let https = self.etcd_endpoints.iter().filter(|e| e.starts_with("https://")).count();
+        if https != 0 && https != self.etcd_endpoints.len() {
+            bail!("etcd_endpoints are all https:// or none: the client takes one TLS setting for all");
+        }
+        let etcd_tls = &self.etcd_tls;
+        if https == 0 && (etcd_tls.ca_file.is_some() || etcd_tls.cert_file.is_some()) {
+            bail!("etcd_tls is for https:// etcd_endpoints: write them so, or leave etcd_tls out");
+        }
+        if etcd_tls.client_ca_file.is_some() {
+            bail!("etcd_tls.client_ca_file has no use: etcd is the server (its CA is etcd_tls.ca_file)");
+        }
+        etcd_tls.validate().map_err(|e| anyhow::anyhow!("etcd_{e}"))?;
         let url = &self.advertise_url;
         if !(url.is_empty() || url.starts_with("http://") || url.starts_with("https://")) {
             bail!("advertise_url `{}` must be an http:// or https:// URL", self.advertise_url);
@@ -359,6 +399,22 @@ impl Config {
             anyhow::bail!("no admin or viewer token to take for reads");
         }
         Ok(Some(Accepted::new(tokens)))
+    }
+
+    /// How to reach etcd: the user and its password, read now, and TLS
+    /// where the endpoints are `https://`.
+    pub fn etcd_access(&self) -> anyhow::Result<crate::store::EtcdAccess> {
+        let user = match &self.etcd_password_file {
+            Some(file) => {
+                Some((self.etcd_user.clone(), inferyes_proto::files::read_password(file, "etcd user's password")?))
+            }
+            None => None,
+        };
+        let tls = match self.etcd_endpoints.iter().all(|e| e.starts_with("https://")) {
+            true => Some(anyhow::Context::context(self.etcd_tls.grpc_client(), "etcd_tls")?),
+            false => None,
+        };
+        Ok(crate::store::EtcdAccess { user, tls })
     }
 
     /// The admin tokens taken, read now; `None` when admin_auth is `none`.
@@ -527,6 +583,48 @@ mod tests {
         let open = Config { dashboard_auth: TokenAuth::None, ..open };
         open.validate().unwrap();
         assert!(open.reader_tokens().unwrap().is_none() && open.dashboard_tokens().unwrap().is_none());
+    }
+
+    #[test]
+    fn etcd_is_reached_as_a_user_over_tls_only_where_both_are_whole() {
+        let base = Config {
+            admin_token: Some("the-admin-token-0123".into()),
+            join_auth: TokenAuth::None,
+            ..Config::default()
+        };
+        let refused = |config: Config| config.validate().unwrap_err().to_string();
+        let user_only = Config { etcd_user: "inferyes".into(), ..base.clone() };
+        assert!(refused(user_only).contains("etcd_password_file"));
+        let pem = Some(PathBuf::from("/ca.pem"));
+        let tls_over_http = Config {
+            etcd_tls: inferyes_proto::tls::Tls { ca_file: pem.clone(), ..Default::default() },
+            ..base.clone()
+        };
+        assert!(refused(tls_over_http).contains("https://"));
+        let https = |n: usize| (0..n).map(|i| format!("https://etcd-{i}:2379")).collect::<Vec<_>>();
+        let mixed = Config { etcd_endpoints: [https(1), vec!["http://etcd-9:2379".into()]].concat(), ..base.clone() };
+        assert!(refused(mixed).contains("all https://"));
+        let half_identity = Config {
+            etcd_endpoints: https(2),
+            etcd_tls: inferyes_proto::tls::Tls { cert_file: pem.clone(), ..Default::default() },
+            ..base.clone()
+        };
+        assert!(refused(half_identity).contains("etcd_tls.cert_file and tls.key_file"));
+        // Whole: the password is the file's first line, as written.
+        let dir = std::env::temp_dir().join(format!("inferyes-etcd-password-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("password"), "a pass phrase \nsecond line\n").unwrap();
+        let whole = Config {
+            etcd_endpoints: https(3),
+            etcd_user: "inferyes".into(),
+            etcd_password_file: Some(dir.join("password")),
+            ..base
+        };
+        whole.validate().unwrap();
+        let access = whole.etcd_access().unwrap();
+        assert_eq!(access.user, Some(("inferyes".into(), "a pass phrase ".into())));
+        assert!(access.tls.is_some(), "https:// endpoints, the system's roots");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

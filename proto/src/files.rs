@@ -34,6 +34,17 @@ pub fn read_token(value: Option<&str>, file: Option<&Path>, what: &str) -> anyho
     Ok(read_tokens(value, file, what)?.and_then(|tokens| tokens.into_iter().next()))
 }
 
+/// A password kept in `file`: its first line, as written (spaces too), a
+/// line end left off.
+pub fn read_password(file: &Path, what: &str) -> anyhow::Result<String> {
+    use anyhow::Context;
+    let text =
+        std::fs::read_to_string(file).with_context(|| format!("cannot read the {what} from {}", file.display()))?;
+    let password = text.lines().next().unwrap_or_default();
+    anyhow::ensure!(!password.is_empty(), "the {what} file {} is empty", file.display());
+    Ok(password.to_string())
+}
+
 /// The tokens a shared secret may be: the value given directly, else every
 /// line of `file`, the first being the one presented. Several lines let a
 /// token be rotated without a moment in which two parts of the fleet refuse

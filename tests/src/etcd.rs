@@ -9,6 +9,17 @@ pub struct Etcd {
     dir: PathBuf,
     client_url: String,
     command: Vec<String>,
+    /// How to reach it: TLS where it serves it, a user where it signs
+    /// clients in.
+    options: etcd_client::ConnectOptions,
+}
+
+/// The files of an etcd that serves TLS and asks clients for a
+/// certificate signed by `ca`.
+pub struct EtcdTls {
+    pub ca: PathBuf,
+    pub cert: PathBuf,
+    pub key: PathBuf,
 }
 
 fn etcd_binary() -> PathBuf {
@@ -27,6 +38,16 @@ fn etcd_binary() -> PathBuf {
 
 impl Etcd {
     pub async fn start() -> Etcd {
+        Self::start_serving(None).await
+    }
+
+    /// An etcd whose clients' port serves TLS and takes only clients with
+    /// a certificate `tls.ca` signed.
+    pub async fn start_tls(tls: &EtcdTls) -> Etcd {
+        Self::start_serving(Some(tls)).await
+    }
+
+    async fn start_serving(tls: Option<&EtcdTls>) -> Etcd {
         let binary = etcd_binary();
         // An external process needs its ports up front; a port taken in the
         // meantime makes etcd exit, and then we try new ones.
@@ -37,9 +58,10 @@ impl Etcd {
             let dir = std::env::temp_dir().join(format!("inferyes-etcd-{}-{client_port}", std::process::id()));
             let _ = std::fs::remove_dir_all(&dir);
             std::fs::create_dir_all(&dir).expect("etcd data dir");
-            let client_url = format!("http://127.0.0.1:{client_port}");
+            let scheme = if tls.is_some() { "https" } else { "http" };
+            let client_url = format!("{scheme}://127.0.0.1:{client_port}");
             let peer_url = format!("http://127.0.0.1:{peer_port}");
-            let command = vec![
+            let mut command = vec![
                 binary.display().to_string(),
                 "--name=test".into(),
                 format!("--data-dir={}", dir.join("data").display()),
@@ -53,8 +75,23 @@ impl Etcd {
                 "--auto-compaction-retention=5m".into(),
                 "--quota-backend-bytes=2147483648".into(),
             ];
+            let mut options = etcd_client::ConnectOptions::new().with_connect_timeout(Duration::from_millis(500));
+            if let Some(tls) = tls {
+                command.extend([
+                    format!("--cert-file={}", tls.cert.display()),
+                    format!("--key-file={}", tls.key.display()),
+                    format!("--trusted-ca-file={}", tls.ca.display()),
+                    "--client-cert-auth".into(),
+                ]);
+                let read = |path: &PathBuf| std::fs::read(path).expect("a PEM file");
+                options = options.with_tls(
+                    etcd_client::TlsOptions::new()
+                        .ca_certificate(etcd_client::Certificate::from_pem(read(&tls.ca)))
+                        .identity(etcd_client::Identity::from_pem(read(&tls.cert), read(&tls.key))),
+                );
+            }
             let child = spawn(&command, &dir);
-            let mut etcd = Etcd { child, dir, client_url, command };
+            let mut etcd = Etcd { child, dir, client_url, command, options };
             if etcd.wait_ready().await {
                 return etcd;
             }
@@ -68,8 +105,7 @@ impl Etcd {
             if let Ok(Some(_)) = self.child.try_wait() {
                 return false;
             }
-            let options = etcd_client::ConnectOptions::new().with_connect_timeout(Duration::from_millis(500));
-            if let Ok(mut client) = etcd_client::Client::connect([self.client_url.as_str()], Some(options)).await
+            if let Ok(mut client) = self.client().await
                 && client.status().await.is_ok()
             {
                 return true;
@@ -78,6 +114,21 @@ impl Etcd {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
         false
+    }
+
+    /// A client of it, as its tests' own.
+    pub async fn client(&self) -> Result<etcd_client::Client, etcd_client::Error> {
+        etcd_client::Client::connect([self.client_url.as_str()], Some(self.options.clone())).await
+    }
+
+    /// Turns authentication on, with a `root` user of `password`: every
+    /// client must sign in from now on.
+    pub async fn enable_auth(&mut self, password: &str) {
+        let mut client = self.client().await.expect("etcd reachable");
+        client.user_add("root", password, None).await.expect("the root user added");
+        client.user_grant_role("root", "root").await.expect("the root role granted");
+        client.auth_enable().await.expect("authentication on");
+        self.options = self.options.clone().with_user("root", password);
     }
 
     /// The etcd process, to read its CPU time.

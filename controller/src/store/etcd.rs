@@ -92,17 +92,60 @@ pub struct EtcdStore {
     keys: Keys,
 }
 
+/// How a controller reaches etcd, beyond its endpoints.
+#[derive(Clone, Debug, Default)]
+pub struct EtcdAccess {
+    /// The user it signs in as, and its password.
+    pub user: Option<(String, String)>,
+    /// TLS, for `https://` endpoints.
+    pub tls: Option<etcd_client::TlsOptions>,
+}
+
+/// Whether etcd answered a sign-in with a refusal, which trying again does
+/// not change: a wrong user or password, or authentication not enabled.
+fn is_refusal(error: &etcd_client::Error) -> bool {
+    use tonic::Code;
+    matches!(error, etcd_client::Error::GRpcStatus(status)
+        if matches!(status.code(), Code::InvalidArgument | Code::FailedPrecondition | Code::PermissionDenied | Code::Unauthenticated))
+}
+
 impl EtcdStore {
     /// Connects lazily: an etcd that is down at start is retried by each
-    /// call, so a controller can start before its store.
-    pub async fn connect(endpoints: &[String], keys: Keys) -> Result<EtcdStore, StoreError> {
-        let options = ConnectOptions::new()
+    /// call, so a controller can start before its store. Where it signs in
+    /// as a user, the sign-in is tried until it succeeds or `shutdown`
+    /// (etcd's client signs in as it connects), and again whenever etcd
+    /// no longer takes its token (etcd restarted).
+    pub async fn connect(
+        endpoints: &[String],
+        keys: Keys,
+        access: EtcdAccess,
+        shutdown: &tokio_util::sync::CancellationToken,
+    ) -> Result<EtcdStore, StoreError> {
+        let mut options = ConnectOptions::new()
             .with_connect_timeout(Duration::from_secs(2))
             .with_timeout(Duration::from_secs(5))
             .with_keep_alive(Duration::from_secs(2), Duration::from_secs(2))
             .with_keep_alive_while_idle(true);
-        let client = Client::connect(endpoints, Some(options)).await?;
-        Ok(EtcdStore { client, keys })
+        if let Some(tls) = access.tls {
+            options = options.with_tls(tls);
+        }
+        let signs_in = access.user.is_some();
+        if let Some((user, password)) = access.user {
+            options = options.with_user(user, password).with_auto_token_refresh(true);
+        }
+        let mut backoff = inferyes_net::backoff::RECONNECT;
+        loop {
+            match Client::connect(endpoints, Some(options.clone())).await {
+                Ok(client) => return Ok(EtcdStore { client, keys }),
+                Err(error) if signs_in && !is_refusal(&error) => {
+                    tracing::warn!(%error, "cannot sign in to etcd yet; trying again");
+                    if backoff.sleep(shutdown).await {
+                        return Err(error.into());
+                    }
+                }
+                Err(error) => return Err(error.into()),
+            }
+        }
     }
 
     pub fn keys(&self) -> &Keys {

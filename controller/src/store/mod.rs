@@ -11,6 +11,6 @@ mod etcd;
 mod keys;
 mod usage;
 
-pub use etcd::{DbSize, EtcdStore, Lease, StoreError, Watch, WatchBatch, WatchEvent};
+pub use etcd::{DbSize, EtcdAccess, EtcdStore, Lease, StoreError, Watch, WatchBatch, WatchEvent};
 pub use keys::{Key, Keys};
 pub use usage::{Application, Versioned};

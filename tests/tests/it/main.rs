@@ -9,6 +9,7 @@ mod control;
 mod ctl;
 mod dashboard;
 mod errors;
+mod etcd_access;
 mod failover;
 mod kinds;
 mod metrics;

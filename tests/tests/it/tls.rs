@@ -16,12 +16,12 @@ use crate::support::{chat_body, chat_sim};
 
 /// A CA and one certificate it signed, for `localhost` and 127.0.0.1,
 /// good for serving and for client authentication.
-struct Pki {
+pub(crate) struct Pki {
     dir: PathBuf,
 }
 
 impl Pki {
-    fn create() -> Pki {
+    pub(crate) fn create() -> Pki {
         let dir = std::env::temp_dir().join(format!("inferyes-pki-{}-{}", std::process::id(), fastrand::u32(..)));
         std::fs::create_dir_all(&dir).expect("pki dir");
         let mut ca_params = CertificateParams::new(Vec::<String>::new()).expect("ca params");
@@ -39,7 +39,7 @@ impl Pki {
         Pki { dir }
     }
 
-    fn file(&self, name: &str) -> Option<PathBuf> {
+    pub(crate) fn file(&self, name: &str) -> Option<PathBuf> {
         Some(self.dir.join(name))
     }
 
