@@ -223,6 +223,13 @@ def test_systemd_units_run_the_binary_hardened(binary):
     assert service.get("CapabilityBoundingSet") == ""
     # The common default of 1,024 descriptors is under every listener's cap.
     assert int(service.get("LimitNOFILE", "0")) >= 65_536, f"{binary}: LimitNOFILE"
+    if binary == "inferyes-agent":
+        # The whole file system is read-only to it but what it must write:
+        # the example's slots directory, where moved caches arrive.
+        writable = {p.lstrip("-") for p in service.get("ReadWritePaths", "").split()}
+        example = tomllib.loads((DEPLOY / "examples" / "single-box" / "agent.toml").read_text())
+        slots = {b["slots"]["dir"] for b in example["backends"] if "slots" in b}
+        assert slots and slots <= writable, (slots, writable)
 
 
 def test_a_server_raises_its_open_files_limit_to_the_hard_one(tmp_path):
