@@ -64,13 +64,13 @@ def test_every_kubernetes_resource_matches_the_api_schema():
             "StatefulSet", "Namespace", "NetworkPolicy"} <= kinds
 
 
-def manifests():
+def kubernetes_documents():
     return [d for name in kustomization()["resources"]
             for d in yaml.safe_load_all((DEPLOY / "kubernetes" / name).read_text())]
 
 
 def test_only_controllers_reach_etcd_s_clients_port_and_only_members_its_peers():
-    documents = manifests()
+    documents = kubernetes_documents()
     pods = {d["metadata"]["name"]: d["spec"]["template"]["metadata"]["labels"]
             for d in documents if d["kind"] in ("Deployment", "StatefulSet", "DaemonSet")}
     [policy] = [d for d in documents if d["kind"] == "NetworkPolicy" and d["metadata"]["name"] == "inferyes-etcd"]
@@ -105,13 +105,27 @@ def test_the_schema_check_catches_a_mistake():
 def test_kubernetes_configs_are_accepted_by_their_binaries_and_wired_in():
     k = kustomization()
     generated = [f.split("=", 1)[1] for g in k["configMapGenerator"] + k["secretGenerator"] for f in g["files"]]
-    # The manifests give the tokens from the inferyes-tokens Secret.
-    tokens = {name: "a-token-from-the-secret"
-              for name in ["INFERYES_ADMIN_TOKEN", "INFERYES_JOIN_TOKEN", "INFERYES_DATAPLANE_TOKEN"]}
     for path in generated:
-        result = print_config(binary_for(path), DEPLOY / "kubernetes" / path, env=tokens)
+        result = print_config(binary_for(path), DEPLOY / "kubernetes" / path)
         assert result.returncode == 0, f"{path}: {result.stderr}"
+    # Tokens are files from the inferyes-tokens Secret, mounted into the
+    # pods whose configs name them and no others: never the environment
+    # (one token, no rotation; shown to whoever may exec in the pod).
+    pods = {d["metadata"]["name"]: d["spec"]["template"]["spec"] for d in kubernetes_documents()
+            if d["kind"] in ("Deployment", "StatefulSet", "DaemonSet")}
+    for path in generated:
+        config = tomllib.loads((DEPLOY / "kubernetes" / path).read_text())
+        named = {v for key, v in config.items() if key.endswith("_token_file")}
+        pod = pods[binary_for(path)]
+        [container] = pod["containers"]
+        volumes = {v["name"]: v for v in pod.get("volumes", [])}
+        mounted = {f"{m['mountPath']}/{item['path']}"
+                   for m in container["volumeMounts"]
+                   if volumes[m["name"]].get("secret", {}).get("secretName") == "inferyes-tokens"
+                   for item in volumes[m["name"]]["secret"]["items"]}
+        assert named and named == mounted, (path, named, mounted)
     manifests = "\n".join((DEPLOY / "kubernetes" / name).read_text() for name in k["resources"])
+    assert "_TOKEN\n" not in manifests and "secretKeyRef" not in manifests
     # Each container runs a binary with a config the generators provide.
     for binary, config in [("inferyes-controller", "controller.toml"), ("inferyes-dataplane", "dataplane.toml"),
                            ("inferyes-agent", "agent.toml")]:
