@@ -132,6 +132,12 @@ def test_kubernetes_configs_are_accepted_by_their_binaries_and_wired_in():
         assert f"command: [{binary}, --config, /etc/inferyes/{config}]" in manifests
     image = k["images"][0]["name"]
     assert manifests.count(f"image: {image}\n") == 3
+    # The agent, on the host network, listens on the node's cluster address
+    # only, not on every interface of the host.
+    [agent] = [d for d in kubernetes_documents() if d["metadata"]["name"] == "inferyes-agent"]
+    env = {e["name"]: e.get("value") for e in agent["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert agent["spec"]["template"]["spec"]["hostNetwork"]
+    assert env["INFERYES_PROXY_LISTEN"].startswith("$(HOST_IP):") and env["INFERYES_ADMIN_LISTEN"].startswith("$(HOST_IP):")
     # Environment variables set in the manifests are ones the binaries read.
     known = set().union(*(env_vars(b) for b in BINARIES))
     used = set(re.findall(r"name: (INFERYES_[A-Z_]+)", manifests))
