@@ -132,6 +132,8 @@ def test_kubernetes_configs_are_accepted_by_their_binaries_and_wired_in():
         assert f"command: [{binary}, --config, /etc/inferyes/{config}]" in manifests
     image = k["images"][0]["name"]
     assert manifests.count(f"image: {image}\n") == 3
+    # No pod holds a credential for the Kubernetes API: none of them uses it.
+    assert all(pod.get("automountServiceAccountToken") is False for pod in pods.values()), pods.keys()
     # The agent, on the host network, listens on the node's cluster address
     # only, not on every interface of the host.
     [agent] = [d for d in kubernetes_documents() if d["metadata"]["name"] == "inferyes-agent"]
