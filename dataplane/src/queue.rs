@@ -146,9 +146,9 @@ impl Queue {
         Ok(Place { queue: Arc::clone(self), ticket, receiver, done: false })
     }
 
-    /// A request of `flow` has ended: see [`Room::settle`].
-    pub fn settle(&self, flow: &str, weight: u32, charged: u64, spent: u64) {
-        self.lock().room.settle(flow, weight, charged, spent);
+    /// The request of `ticket` has ended: see [`Room::settle`].
+    pub fn settle(&self, ticket: Ticket, flow: &str, weight: u32, charged: u64, spent: u64) {
+        self.lock().room.settle(ticket, flow, weight, charged, spent);
     }
 
     /// What waits now, by flow and class, the longest waiting first; at
@@ -408,6 +408,11 @@ pub struct Place {
 }
 
 impl Place {
+    /// Its place in the room's order, for [`Queue::settle`].
+    pub fn ticket(&self) -> Ticket {
+        self.ticket
+    }
+
     pub async fn turn(&mut self) -> Turn {
         let turn = (&mut self.receiver).await;
         self.done = true;

@@ -86,12 +86,14 @@ struct Waiting {
     since_ms: u64,
 }
 
-#[derive(Default)]
 struct Flow {
     /// Where its last request's tag ends.
     finish: u128,
     waiting: usize,
     bytes: usize,
+    /// The ticket of the request that brought it into the room: requests
+    /// of before it were of a flow of the same name since forgotten.
+    since: Ticket,
 }
 
 /// A flow's waiting requests of one class: the tags they hold, and who
@@ -146,7 +148,9 @@ impl Room {
         }
         let share = (requests * flow_share_percent as usize / 100).max(1);
         let bytes_share = bytes / 100 * flow_share_percent as usize;
-        let flow = self.flows.entry(Arc::clone(&entry.flow)).or_default();
+        let next = Ticket(self.next_ticket);
+        let flow =
+            self.flows.entry(Arc::clone(&entry.flow)).or_insert(Flow { finish: 0, waiting: 0, bytes: 0, since: next });
         if flow.waiting >= share || (flow.waiting > 0 && flow.bytes.saturating_add(entry.bytes) > bytes_share) {
             return Err(Refused::FlowShare);
         }
@@ -155,10 +159,9 @@ impl Room {
         flow.waiting += 1;
         flow.bytes += entry.bytes;
         self.bytes += entry.bytes;
-        let ticket = Ticket(self.next_ticket);
         self.next_ticket += 1;
-        self.waiting.insert(ticket, Waiting { entry, start, since_ms: now_ms });
-        Ok(ticket)
+        self.waiting.insert(next, Waiting { entry, start, since_ms: now_ms });
+        Ok(next)
     }
 
     /// The requests that leave at `now_ms`: in order (interactive ones, and
@@ -217,19 +220,24 @@ impl Room {
         left
     }
 
-    /// A request of `flow` that entered at `charged` has ended, having
-    /// `spent` (its prompt and what it generated): the flow's tags, those
-    /// its waiting requests hold and the next one's, move by the
-    /// difference. So turns follow what requests cost, not the guess they
-    /// entered at: one that sets no `max_tokens` is guessed a typical
-    /// answer and may generate thousands; one that sets a limit it does
-    /// not reach is given back the rest. A flow with nothing waiting is
-    /// forgotten, and stays so: its next request starts at the present.
-    pub fn settle(&mut self, flow: &str, weight: u32, charged: u64, spent: u64) {
-        let Some(flow_state) = self.flows.get_mut(flow) else { return };
+    /// The request of `ticket`, of `flow`, that entered at `charged` has
+    /// ended, having `spent` (its prompt and what it generated): the
+    /// flow's tags, those its waiting requests hold and the next one's,
+    /// move by the difference. So turns follow what requests cost, not the
+    /// guess they entered at: one that sets no `max_tokens` is guessed a
+    /// typical answer and may generate thousands; one that sets a limit it
+    /// does not reach is given back the rest, never past the present. Only
+    /// the flow it entered is settled: one forgotten since (nothing of it
+    /// waited) is gone with what it owed or was owed, and a flow of the
+    /// same name that came after owes and is owed nothing of it.
+    pub fn settle(&mut self, ticket: Ticket, flow: &str, weight: u32, charged: u64, spent: u64) {
+        let Some(flow_state) = self.flows.get_mut(flow).filter(|f| f.since <= ticket) else { return };
         let (charged, spent) = (tag_length(charged.max(1), weight), tag_length(spent, weight));
-        let shift =
-            |tag: u128| if spent >= charged { tag + (spent - charged) } else { tag.saturating_sub(charged - spent) };
+        let now = self.now_tag;
+        let shift = |tag: u128| match spent.checked_sub(charged) {
+            Some(owed) => tag + owed,
+            None => tag.saturating_sub(charged - spent).max(now.min(tag)),
+        };
         flow_state.finish = shift(flow_state.finish);
         for waiting in self.waiting.values_mut().filter(|w| &*w.entry.flow == flow) {
             waiting.start = shift(waiting.start);
@@ -441,11 +449,11 @@ mod tests {
             room.enter(entry("guessed", Class::Interactive, 100), 0).unwrap();
             room.enter(entry("honest", Class::Interactive, 100), 0).unwrap();
         }
-        let (_, first) = next(&mut room, 0, any).unwrap();
+        let (ticket, first) = next(&mut room, 0, any).unwrap();
         assert_eq!(&*first.flow, "guessed");
         // It generated four times its guess: its flow's next turns come
         // after as much of the other's.
-        room.settle("guessed", 1, 100, 400);
+        room.settle(ticket, "guessed", 1, 100, 400);
         assert_eq!(order(&mut room, 0), ["honest", "honest", "honest", "honest", "guessed", "guessed", "guessed"]);
 
         // One that spent nothing of a long limit gives it back.
@@ -455,13 +463,47 @@ mod tests {
             room.enter(entry("other", Class::Interactive, 100), 0).unwrap();
         }
         room.enter(entry("limited", Class::Interactive, 300), 0).unwrap();
-        let (_, first) = next(&mut room, 0, any).unwrap();
+        let (ticket, first) = next(&mut room, 0, any).unwrap();
         assert_eq!(&*first.flow, "limited");
-        room.settle("limited", 1, 300, 0);
+        room.settle(ticket, "limited", 1, 300, 0);
         assert_eq!(order(&mut room, 0), ["other", "limited", "other", "other"]);
         // A flow no longer in the room is left forgotten.
-        room.settle("limited", 3, 300, 3_000);
+        room.settle(ticket, "limited", 3, 300, 3_000);
         assert!(room.flows.is_empty());
+    }
+
+    #[test]
+    fn a_refund_is_for_the_flow_that_paid_and_not_past_the_present() {
+        let mut room = Room::new(LIMITS);
+        // A request whose limit is a whole window leaves, alone: its flow
+        // is forgotten.
+        room.enter(entry("a", Class::Interactive, 100_000), 0).unwrap();
+        let (paid, _) = next(&mut room, 0, any).unwrap();
+        for _ in 0..3 {
+            room.enter(entry("b", Class::Interactive, 100), 0).unwrap();
+        }
+        room.enter(entry("a", Class::Interactive, 100), 0).unwrap();
+        room.enter(entry("a", Class::Interactive, 100), 0).unwrap();
+        // It spent nothing: the requests of the same name that came after
+        // it are no earlier for that.
+        room.settle(paid, "a", 1, 100_000, 0);
+        assert_eq!(order(&mut room, 0), ["b", "a", "b", "a", "b"]);
+
+        // Within one flow, a refund takes its tags back to the present at
+        // most.
+        let mut room = Room::new(LIMITS);
+        room.enter(entry("a", Class::Interactive, 1_000), 0).unwrap();
+        room.enter(entry("b", Class::Interactive, 100), 0).unwrap();
+        room.enter(entry("b", Class::Interactive, 100), 0).unwrap();
+        room.enter(entry("a", Class::Interactive, 1_000), 0).unwrap();
+        let (a_first, _) = next(&mut room, 0, |e| &*e.flow == "a").unwrap();
+        for _ in 0..2 {
+            next(&mut room, 0, |e| &*e.flow == "b").unwrap();
+        }
+        assert_eq!(room.now_tag, tag_length(100, 1), "b's second tag");
+        room.settle(a_first, "a", 1, 100_000, 0);
+        let a_second = room.waiting.values().find(|w| &*w.entry.flow == "a").unwrap();
+        assert_eq!((a_second.start, room.flows["a"].finish), (room.now_tag, room.now_tag));
     }
 
     #[test]

@@ -392,11 +392,9 @@ impl<'s> Exchange<'s> {
         };
         let entered = queue.enter(entry, ask, flow_label);
         // Let in, its flow is charged its cost: made good by what it spends.
-        if entered.is_ok()
-            && let Some(meter) = &self.facts.meter
-        {
-            let (queue, (flow, weight, charged)) = (Arc::clone(queue), settles);
-            meter.settles(Box::new(move |spent| queue.settle(&flow, weight, charged, spent)));
+        if let (Ok(place), Some(meter)) = (&entered, &self.facts.meter) {
+            let (queue, ticket, (flow, weight, charged)) = (Arc::clone(queue), place.ticket(), settles);
+            meter.settles(Box::new(move |spent| queue.settle(ticket, &flow, weight, charged, spent)));
         }
         // Sent on past the queue's bounds only while its slot is free.
         if entered.is_err()
