@@ -75,9 +75,12 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
     }
     let keys = store::Keys::new(&config.etcd_prefix);
     let access = config.etcd_access()?;
-    let store = store::EtcdStore::connect(&config.etcd_endpoints, keys, access, &shutdown)
+    let Some(store) = store::EtcdStore::connect(&config.etcd_endpoints, keys, access, &shutdown)
         .await
-        .context("cannot set up the etcd client")?;
+        .context("cannot set up the etcd client")?
+    else {
+        return Ok(());
+    };
     let (snapshot_tx, snapshots) = watch::channel(None);
     let mut registry = prometheus_client::registry::Registry::default();
     let metrics = std::sync::Arc::new(metrics::Metrics::new(&mut registry));

@@ -101,26 +101,33 @@ pub struct EtcdAccess {
     pub tls: Option<etcd_client::TlsOptions>,
 }
 
-/// Whether etcd answered a sign-in with a refusal, which trying again does
-/// not change: a wrong user or password, or authentication not enabled.
-fn is_refusal(error: &etcd_client::Error) -> bool {
+/// Whether a sign-in failed for a reason that passes (etcd not up yet, or
+/// between leaders), not for one that trying again does not change: a
+/// wrong user or password, authentication off, a bad address or PEM.
+fn is_passing(error: &etcd_client::Error) -> bool {
     use tonic::Code;
-    matches!(error, etcd_client::Error::GRpcStatus(status)
-        if matches!(status.code(), Code::InvalidArgument | Code::FailedPrecondition | Code::PermissionDenied | Code::Unauthenticated))
+    match error {
+        etcd_client::Error::GRpcStatus(status) => matches!(
+            status.code(),
+            Code::Unavailable | Code::DeadlineExceeded | Code::Unknown | Code::Aborted | Code::ResourceExhausted
+        ),
+        etcd_client::Error::IoError(_) => true,
+        _ => false,
+    }
 }
 
 impl EtcdStore {
     /// Connects lazily: an etcd that is down at start is retried by each
     /// call, so a controller can start before its store. Where it signs in
-    /// as a user, the sign-in is tried until it succeeds or `shutdown`
-    /// (etcd's client signs in as it connects), and again whenever etcd
-    /// no longer takes its token (etcd restarted).
+    /// as a user, etcd's client signs in as it connects: that is tried
+    /// until it succeeds, fails for good (a wrong password), or `shutdown`
+    /// (`None`); and done again whenever etcd no longer takes its token.
     pub async fn connect(
         endpoints: &[String],
         keys: Keys,
         access: EtcdAccess,
         shutdown: &tokio_util::sync::CancellationToken,
-    ) -> Result<EtcdStore, StoreError> {
+    ) -> Result<Option<EtcdStore>, StoreError> {
         let mut options = ConnectOptions::new()
             .with_connect_timeout(Duration::from_secs(2))
             .with_timeout(Duration::from_secs(5))
@@ -136,11 +143,11 @@ impl EtcdStore {
         let mut backoff = inferyes_net::backoff::RECONNECT;
         loop {
             match Client::connect(endpoints, Some(options.clone())).await {
-                Ok(client) => return Ok(EtcdStore { client, keys }),
-                Err(error) if signs_in && !is_refusal(&error) => {
+                Ok(client) => return Ok(Some(EtcdStore { client, keys })),
+                Err(error) if signs_in && is_passing(&error) => {
                     tracing::warn!(%error, "cannot sign in to etcd yet; trying again");
                     if backoff.sleep(shutdown).await {
-                        return Err(error.into());
+                        return Ok(None);
                     }
                 }
                 Err(error) => return Err(error.into()),

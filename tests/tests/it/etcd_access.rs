@@ -40,16 +40,24 @@ async fn a_controller_signs_in_to_an_etcd_with_authentication_on() {
     let error = tokio::time::timeout(Duration::from_secs(10), run).await.expect("stops at once").unwrap_err();
     assert!(format!("{error:#}").contains("authentication failed"), "{error:#}");
 
-    // The right one: the fleet is read and written.
-    let controller = ControllerHandle::start_with(&etcd.endpoint(), "controller-1", None, |c| {
-        c.etcd_user = "root".into();
-        c.etcd_password_file = Some(right);
-    })
-    .await;
+    // The right one, to an etcd not up yet: waited for, then the fleet is
+    // read and written.
+    etcd.stop();
+    let endpoint = etcd.endpoint();
+    let starting = tokio::spawn(async move {
+        ControllerHandle::start_with(&endpoint, "controller-1", None, |c| {
+            c.etcd_user = "root".into();
+            c.etcd_password_file = Some(right);
+        })
+        .await
+    });
+    etcd.restart().await;
+    let controller = starting.await.expect("the controller started");
     let mut fleet = controller.fleet().await;
     let request = CreateKeyRequest { name: "before".into(), ..Default::default() };
     fleet.create_key(request).await.expect("a key written");
-    // Signed in, it goes on writing through etcd's restart.
+    // Through etcd's restart, signed in again where etcd asks.
+    etcd.stop();
     etcd.restart().await;
     inferyes_tests::eventually("a key written after etcd restarted", Duration::from_secs(20), || {
         let mut fleet = fleet.clone();
