@@ -105,7 +105,7 @@ impl fmt::Display for Cidr {
 /// called from) and past every trusted proxy's entry. An entry that is
 /// not an address stops the walk at the proxy that wrote it.
 pub fn client_address(peer: IpAddr, headers: &HeaderMap, trusted: &[Cidr]) -> IpAddr {
-    let is_trusted = |addr: IpAddr| trusted.iter().any(|cidr| cidr.contains(addr));
+    let is_trusted = |addr: IpAddr| is_trusted(addr, trusted);
     let mut client = peer.to_canonical();
     if !is_trusted(client) {
         return client;
@@ -122,6 +122,13 @@ pub fn client_address(peer: IpAddr, headers: &HeaderMap, trusted: &[Cidr]) -> Ip
         }
     }
     client
+}
+
+/// Whether `addr` is one of the `trusted` proxies (an IPv4 address mapped
+/// into IPv6 counted as itself).
+pub fn is_trusted(addr: IpAddr, trusted: &[Cidr]) -> bool {
+    let addr = addr.to_canonical();
+    trusted.iter().any(|cidr| cidr.contains(addr))
 }
 
 /// One `X-Forwarded-For` entry: an address, with or without a port

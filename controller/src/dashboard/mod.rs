@@ -107,7 +107,7 @@ fn content_security_policy(pages: &[&str]) -> String {
 /// plain HTTP, and a session cookie sent back over plain HTTP could be
 /// read on the way.
 fn over_https(peer: Option<IpAddr>, headers: &HeaderMap, trusted: &[inferyes_net::forwarded::Cidr]) -> bool {
-    let via_trusted = peer.is_some_and(|peer| trusted.iter().any(|cidr| cidr.contains(peer.to_canonical())));
+    let via_trusted = peer.is_some_and(|peer| inferyes_net::forwarded::is_trusted(peer, trusted));
     via_trusted && headers.get("x-forwarded-proto").is_some_and(|proto| proto.as_bytes().eq_ignore_ascii_case(b"https"))
 }
 
