@@ -358,7 +358,7 @@ impl Auth {
         let verified = self.verified.lock().unwrap_or_else(PoisonError::into_inner);
         verified
             .get(&key.key_id)
-            .is_some_and(|v| v.secret_hash == key.secret_hash && apikey::constant_time_eq(&v.digest, digest))
+            .is_some_and(|v| v.secret_hash == key.secret_hash && apikey::constant_time_eq(digest, &v.digest))
     }
 
     /// What a check's verdict leaves behind, told by the check itself, so
