@@ -55,7 +55,9 @@ async fn the_fleet_view_shows_gpus_sessions_decisions_and_short_models() {
         )
         .await;
     assert_eq!(response.status, StatusCode::OK);
-    let missing = fleet.http.post_json(&fleet.url("/v1/chat/completions"), &chat_body("no-such-model", "x")).await;
+    // Named by a client to read as another name where it is shown.
+    let missing =
+        fleet.http.post_json(&fleet.url("/v1/chat/completions"), &chat_body("no-such-\u{202e}ledom", "x")).await;
     assert_eq!(missing.status, StatusCode::NOT_FOUND);
     let tag = inferyes_proto::session_tag("conversation-1");
 
@@ -91,6 +93,7 @@ async fn the_fleet_view_shows_gpus_sessions_decisions_and_short_models() {
     assert_eq!(routed["dataplane"], "test-dataplane");
     let failed = decisions.iter().find(|d| d["status"] == 404).expect("the failure's decision");
     assert_eq!(failed["error"], "model_not_found");
+    assert_eq!(failed["model"], "no-such-\u{fffd}ledom", "shown as it is, not as it reads");
     assert_eq!(failed["ttft_ms"], 0, "a failure has no first token");
     // A whole answer's first token comes with its end; a stream's with its
     // first token, reported once it ended.
