@@ -23,10 +23,12 @@ pub trait Render {
     fn json(&self) -> Value;
 }
 
-/// `answer` in the form asked for.
+/// `answer` in the form asked for. A table is for a terminal: names from
+/// agents and backends in it cannot move the cursor, retitle the window
+/// or reverse the text around them.
 pub fn render(answer: &impl Render, output: Output) -> String {
     match output {
-        Output::Table => answer.text(),
+        Output::Table => inferyes_proto::shown_plain(&answer.text()).into_owned(),
         Output::Json => render_json(&answer.json()),
     }
 }
@@ -711,6 +713,22 @@ mod tests {
             Gpu { name: "L4".into(), memory_total_bytes: 24 << 30, memory_used_bytes: 6 << 30, ..Default::default() };
         let status = NodeStatus { node_id: id.into(), gpus: vec![gpu], backends: vec![backend], ..Default::default() };
         SnapshotNode { status: Some(status), draining, ..Default::default() }
+    }
+
+    #[test]
+    fn a_table_carries_no_terminal_escape_from_an_agent() {
+        let mut hostile = node("gpu-a", false);
+        let status = hostile.status.as_mut().unwrap();
+        status.gpus[0].name = "L4\u{1b}[2J\u{1b}]0;owned\u{7}".into();
+        status.backends[0].models[0].id = "qwen\u{202e}fig".into();
+        let nodes = ListNodesResponse { version: 1, nodes: vec![hostile] };
+        let table = render(&nodes, Output::Table);
+        assert!(
+            !table.contains('\u{1b}') && !table.contains('\u{202e}') && table.contains("qwen\u{fffd}fig"),
+            "{table}"
+        );
+        // Scripts get the names as they are.
+        assert!(render(&nodes, Output::Json).contains("qwen\u{202e}fig"));
     }
 
     #[test]

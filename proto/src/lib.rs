@@ -53,6 +53,29 @@ pub fn unix_ms() -> u64 {
         .unwrap_or(0)
 }
 
+/// `text` with the characters that change how the text around them reads
+/// without being seen (direction overrides, zero-width characters,
+/// terminal escapes and other controls, line breaks and tabs aside)
+/// replaced by U+FFFD: for showing text from clients, agents and
+/// backends to people, on the dashboard and in a terminal.
+pub fn shown_plain(text: &str) -> std::borrow::Cow<'_, str> {
+    if text.chars().any(unseen) {
+        text.chars().map(|c| if unseen(c) { char::REPLACEMENT_CHARACTER } else { c }).collect::<String>().into()
+    } else {
+        text.into()
+    }
+}
+
+/// Controls but line breaks and tabs, and Unicode's format characters
+/// (category Cf).
+fn unseen(c: char) -> bool {
+    matches!(c,
+        '\u{0}'..='\u{8}' | '\u{b}' | '\u{c}' | '\u{e}'..='\u{1f}' | '\u{7f}'..='\u{9f}' | '\u{ad}' | '\u{600}'..='\u{605}'
+        | '\u{61c}' | '\u{6dd}' | '\u{70f}' | '\u{180e}' | '\u{200b}'..='\u{200f}' | '\u{202a}'..='\u{202e}'
+        | '\u{2060}'..='\u{2064}' | '\u{2066}'..='\u{206f}' | '\u{feff}' | '\u{fff9}'..='\u{fffb}' | '\u{110bd}'
+        | '\u{1d173}'..='\u{1d17a}' | '\u{e0001}' | '\u{e0020}'..='\u{e007f}')
+}
+
 /// A short tag for a session key, the same in every component: enough to
 /// follow one conversation across the dashboard's lists, without showing
 /// (or letting anyone recover) the key itself. FNV-1a, 32 bits, as hex.
@@ -126,6 +149,14 @@ mod tests {
         *super::value_for(&mut map, "a", || unreachable!("made once")) += 100;
         assert_eq!(*super::value_for(&mut map, "b", || 2), 2);
         assert_eq!((map["a"], map.len()), (111, 2));
+    }
+
+    #[test]
+    fn text_that_reads_other_than_it_is_is_shown_as_it_is() {
+        assert_eq!(super::shown_plain("chat\u{202e}txt.exe"), "chat\u{fffd}txt.exe");
+        assert_eq!(super::shown_plain("node\u{200b}-a \u{1b}]0;title\u{7}"), "node\u{fffd}-a \u{fffd}]0;title\u{fffd}");
+        let plain = "plain, ünïcode, 日本\nnext\tline";
+        assert!(matches!(super::shown_plain(plain), std::borrow::Cow::Borrowed(p) if p == plain));
     }
 
     #[test]

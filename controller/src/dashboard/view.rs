@@ -164,29 +164,20 @@ pub fn build(
     view
 }
 
-/// Replaces, in every string of `value`, the characters that change how
-/// the text around them reads without being seen (direction overrides,
-/// zero-width characters, controls) with U+FFFD: names come from clients,
-/// agents and backends, and one could make a row read as another.
+/// Every string of `value` shown plain ([`inferyes_proto::shown_plain`]):
+/// names come from clients, agents and backends, and one could make a row
+/// read as another.
 fn plain_strings(value: &mut Value) {
     match value {
-        Value::String(text) if text.chars().any(unseen) => {
-            *text = text.chars().map(|c| if unseen(c) { char::REPLACEMENT_CHARACTER } else { c }).collect();
+        Value::String(text) => {
+            if let std::borrow::Cow::Owned(plain) = inferyes_proto::shown_plain(text) {
+                *text = plain;
+            }
         }
         Value::Array(items) => items.iter_mut().for_each(plain_strings),
         Value::Object(members) => members.values_mut().for_each(plain_strings),
         _ => {}
     }
-}
-
-/// Controls but line breaks and tabs, and Unicode's format characters
-/// (category Cf).
-fn unseen(c: char) -> bool {
-    matches!(c,
-        '\u{0}'..='\u{8}' | '\u{b}' | '\u{c}' | '\u{e}'..='\u{1f}' | '\u{7f}'..='\u{9f}' | '\u{ad}' | '\u{600}'..='\u{605}' | '\u{61c}' | '\u{6dd}'
-        | '\u{70f}' | '\u{180e}' | '\u{200b}'..='\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2060}'..='\u{2064}'
-        | '\u{2066}'..='\u{206f}' | '\u{feff}' | '\u{fff9}'..='\u{fffb}' | '\u{110bd}' | '\u{1d173}'..='\u{1d17a}'
-        | '\u{e0001}' | '\u{e0020}'..='\u{e007f}')
 }
 
 /// What waits in the data planes' queues, the longest waiting first.
@@ -324,24 +315,5 @@ fn gpu_source(source: GpuSource) -> &'static str {
         GpuSource::Declared => "declared",
         GpuSource::Simulated => "simulated",
         GpuSource::Unspecified => "unknown",
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn text_that_reads_other_than_it_is_is_shown_as_it_is() {
-        let mut view = json!({
-            "model": "chat\u{202e}txt.exe",
-            "rows": [{ "node": "node\u{200b}-a", "n": 3 }, "plain, ünïcode, 日本"],
-            "lines": "a\nb\u{1b}[2J",
-        });
-        plain_strings(&mut view);
-        assert_eq!(view["model"], "chat\u{fffd}txt.exe");
-        assert_eq!(view["rows"][0]["node"], "node\u{fffd}-a");
-        assert_eq!(view["rows"][1], "plain, ünïcode, 日本");
-        assert_eq!((view["rows"][0]["n"].as_u64(), view["lines"].as_str()), (Some(3), Some("a\nb\u{fffd}[2J")));
     }
 }
