@@ -109,7 +109,13 @@ fn is_passing(error: &etcd_client::Error) -> bool {
     match error {
         etcd_client::Error::GRpcStatus(status) => matches!(
             status.code(),
-            Code::Unavailable | Code::DeadlineExceeded | Code::Unknown | Code::Aborted | Code::ResourceExhausted
+            // Cancelled: tonic's answer where a call ran past its timeout.
+            Code::Unavailable
+                | Code::DeadlineExceeded
+                | Code::Cancelled
+                | Code::Unknown
+                | Code::Aborted
+                | Code::ResourceExhausted
         ),
         etcd_client::Error::IoError(_) => true,
         _ => false,
