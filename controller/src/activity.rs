@@ -12,7 +12,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use crate::history::TtftSeries;
-use crate::live::truncate_text;
+use crate::live::tidy_text;
 
 /// Decisions kept, newest first: a tail for eyes, not a ledger.
 const TAIL: usize = 200;
@@ -78,7 +78,7 @@ impl Activity {
             let mut inner = self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
             let now_ms = inferyes_proto::unix_ms();
             let mut dataplane_id = report.dataplane_id;
-            truncate_text(&mut dataplane_id);
+            tidy_text(&mut dataplane_id);
             // Every decision counts in the chart; only the newest of a
             // report can stay in the tail.
             let mut decisions = report.decisions;
@@ -96,7 +96,7 @@ impl Activity {
                     &mut decision.session_tag,
                     &mut decision.key_id,
                 ] {
-                    truncate_text(text);
+                    tidy_text(text);
                 }
                 inner.decisions.push_front(Decision { dataplane_id: dataplane_id.clone(), decision });
             }

@@ -623,16 +623,16 @@ pub fn split(mut status: NodeStatus) -> (NodeStatus, NodeLoad, usize) {
     status.sessions = Vec::new();
     dropped += truncate_vec(&mut status.backends, MAX_BACKENDS);
     dropped += truncate_vec(&mut status.gpus, MAX_GPUS);
-    truncate_text(&mut status.hostname);
-    truncate_text(&mut status.agent_version);
+    tidy_text(&mut status.hostname);
+    tidy_text(&mut status.agent_version);
     for backend in &mut status.backends {
         dropped += truncate_vec(&mut backend.models, MAX_MODELS_PER_BACKEND);
-        truncate_text(&mut backend.id);
-        truncate_text(&mut backend.probe_error);
-        truncate_text(&mut backend.slot_fingerprint);
-        truncate_text(&mut backend.slots_unmovable);
+        tidy_text(&mut backend.id);
+        tidy_text(&mut backend.probe_error);
+        tidy_text(&mut backend.slot_fingerprint);
+        tidy_text(&mut backend.slots_unmovable);
         for model in &mut backend.models {
-            truncate_text(&mut model.id);
+            tidy_text(&mut model.id);
             // Each kind at most once: an agent cannot grow the record with
             // a kind said over and over.
             for kinds in [&mut model.endpoints, &mut model.unsupported] {
@@ -663,12 +663,12 @@ pub fn split(mut status: NodeStatus) -> (NodeStatus, NodeLoad, usize) {
     }
     // A drain's progress changes with every move: live state, not etcd's.
     load.moves = status.moves.take().map(|mut moves| {
-        truncate_text(&mut moves.last_error);
+        tidy_text(&mut moves.last_error);
         moves
     });
     for gpu in &mut status.gpus {
-        truncate_text(&mut gpu.uuid);
-        truncate_text(&mut gpu.name);
+        tidy_text(&mut gpu.uuid);
+        tidy_text(&mut gpu.name);
         load.gpus.push(GpuLoad {
             index: gpu.index,
             memory_used_bytes: gpu.memory_used_bytes,
@@ -745,14 +745,20 @@ fn within_record_bytes(status: &mut NodeStatus) -> usize {
     dropped
 }
 
-/// Keeps at most the fleet's longest name of `text`.
-pub fn truncate_text(text: &mut String) {
+/// Keeps at most the fleet's longest name of `text`, on one line and
+/// shown plain ([`inferyes_proto::shown_on_one_line`]): what agents and
+/// data planes report reaches the dashboard, inferyesctl's tables and
+/// every API client as it is kept here.
+pub fn tidy_text(text: &mut String) {
     if text.len() > MAX_TEXT {
         let mut end = MAX_TEXT;
         while !text.is_char_boundary(end) {
             end -= 1;
         }
         text.truncate(end);
+    }
+    if let std::borrow::Cow::Owned(plain) = inferyes_proto::shown_on_one_line(text) {
+        *text = plain;
     }
 }
 

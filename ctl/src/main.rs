@@ -6,7 +6,8 @@ async fn main() {
     match run(Cli::parse()).await {
         Ok(text) => print!("{text}"),
         Err(error) => {
-            eprintln!("inferyesctl: {error:#}");
+            // The controller's messages may quote names from agents.
+            eprintln!("inferyesctl: {}", inferyes_proto::shown_plain(&format!("{error:#}")));
             std::process::exit(1);
         }
     }

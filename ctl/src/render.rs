@@ -667,6 +667,11 @@ fn node_detail(node: &SnapshotNode) -> String {
 }
 
 fn table(headers: &[&str], rows: Vec<Vec<String>>) -> String {
+    // A cell is one line: a name with a line of its own would be a row.
+    let rows: Vec<Vec<String>> = rows
+        .into_iter()
+        .map(|row| row.iter().map(|c| inferyes_proto::shown_on_one_line(c).into_owned()).collect())
+        .collect();
     let mut widths: Vec<usize> = headers.iter().map(|h| h.len()).collect();
     for row in &rows {
         for (w, cell) in widths.iter_mut().zip(row) {
@@ -720,15 +725,13 @@ mod tests {
         let mut hostile = node("gpu-a", false);
         let status = hostile.status.as_mut().unwrap();
         status.gpus[0].name = "L4\u{1b}[2J\u{1b}]0;owned\u{7}".into();
-        status.backends[0].models[0].id = "qwen\u{202e}fig".into();
+        status.backends[0].models[0].id = "qwen\u{202e}fig\ngpu-z  active\rx".into();
         let nodes = ListNodesResponse { version: 1, nodes: vec![hostile] };
         let table = render(&nodes, Output::Table);
-        assert!(
-            !table.contains('\u{1b}') && !table.contains('\u{202e}') && table.contains("qwen\u{fffd}fig"),
-            "{table}"
-        );
+        assert!(!table.contains('\u{1b}') && !table.contains('\u{202e}') && !table.contains('\r'), "{table}");
+        assert_eq!(table.lines().count(), 2, "the header and the node, no row of the model's: {table}");
         // Scripts get the names as they are.
-        assert!(render(&nodes, Output::Json).contains("qwen\u{202e}fig"));
+        assert!(render(&nodes, Output::Json).contains("qwen\u{202e}fig\\ngpu-z"));
     }
 
     #[test]

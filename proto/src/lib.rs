@@ -55,22 +55,33 @@ pub fn unix_ms() -> u64 {
 
 /// `text` with the characters that change how the text around them reads
 /// without being seen (direction overrides, zero-width characters,
-/// terminal escapes and other controls, line breaks and tabs aside)
-/// replaced by U+FFFD: for showing text from clients, agents and
-/// backends to people, on the dashboard and in a terminal.
+/// terminal escapes, a carriage return and other controls, line feeds
+/// and tabs aside) replaced by U+FFFD: for showing text from clients,
+/// agents and backends to people, on the dashboard and in a terminal.
 pub fn shown_plain(text: &str) -> std::borrow::Cow<'_, str> {
-    if text.chars().any(unseen) {
-        text.chars().map(|c| if unseen(c) { char::REPLACEMENT_CHARACTER } else { c }).collect::<String>().into()
+    replaced(text, unseen)
+}
+
+/// As [`shown_plain`], and on one line: line feeds and tabs replaced too,
+/// for a name in a row, which a line of its own could pass off as
+/// another row.
+pub fn shown_on_one_line(text: &str) -> std::borrow::Cow<'_, str> {
+    replaced(text, |c| unseen(c) || c == '\n' || c == '\t')
+}
+
+fn replaced(text: &str, hidden: impl Fn(char) -> bool) -> std::borrow::Cow<'_, str> {
+    if text.chars().any(&hidden) {
+        text.chars().map(|c| if hidden(c) { char::REPLACEMENT_CHARACTER } else { c }).collect::<String>().into()
     } else {
         text.into()
     }
 }
 
-/// Controls but line breaks and tabs, and Unicode's format characters
+/// Controls but line feeds and tabs, and Unicode's format characters
 /// (category Cf).
 fn unseen(c: char) -> bool {
     matches!(c,
-        '\u{0}'..='\u{8}' | '\u{b}' | '\u{c}' | '\u{e}'..='\u{1f}' | '\u{7f}'..='\u{9f}' | '\u{ad}' | '\u{600}'..='\u{605}'
+        '\u{0}'..='\u{8}' | '\u{b}'..='\u{1f}' | '\u{7f}'..='\u{9f}' | '\u{ad}' | '\u{600}'..='\u{605}'
         | '\u{61c}' | '\u{6dd}' | '\u{70f}' | '\u{180e}' | '\u{200b}'..='\u{200f}' | '\u{202a}'..='\u{202e}'
         | '\u{2060}'..='\u{2064}' | '\u{2066}'..='\u{206f}' | '\u{feff}' | '\u{fff9}'..='\u{fffb}' | '\u{110bd}'
         | '\u{1d173}'..='\u{1d17a}' | '\u{e0001}' | '\u{e0020}'..='\u{e007f}')
@@ -157,6 +168,8 @@ mod tests {
         assert_eq!(super::shown_plain("node\u{200b}-a \u{1b}]0;title\u{7}"), "node\u{fffd}-a \u{fffd}]0;title\u{fffd}");
         let plain = "plain, ünïcode, 日本\nnext\tline";
         assert!(matches!(super::shown_plain(plain), std::borrow::Cow::Borrowed(p) if p == plain));
+        assert_eq!(super::shown_plain("row\rover"), "row\u{fffd}over");
+        assert_eq!(super::shown_on_one_line(plain), "plain, ünïcode, 日本\u{fffd}next\u{fffd}line");
     }
 
     #[test]

@@ -119,6 +119,16 @@ fn a_hostile_status_is_bounded() {
     let (record, _, dropped) = split(repeated);
     let model = &record.backends[0].models[0];
     assert_eq!((model.endpoints.len(), model.unsupported.len(), dropped), (1, 1, 2 * (999_999 + 3)));
+
+    // What is shown of it reads as it is, on one line.
+    let mut spoofing = status(0, 0, 0);
+    spoofing.hostname = "gpu-1\ngpu-2  ready".into();
+    spoofing.gpus = vec![Gpu { name: "H200\u{1b}[2J\u{202e}".into(), ..Default::default() }];
+    let (record, _, _) = split(spoofing);
+    assert_eq!(
+        (record.hostname.as_str(), record.gpus[0].name.as_str()),
+        ("gpu-1\u{fffd}gpu-2  ready", "H200\u{fffd}[2J\u{fffd}")
+    );
 }
 
 #[test]
