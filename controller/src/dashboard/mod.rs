@@ -353,6 +353,7 @@ mod tests {
             assert!(!inline_handler(&markup), "an inline handler");
         }
         assert!(inline_handler("<img src=x\n  onerror = 'x()'>") && !inline_handler("<p>only one</p>"));
+        assert!(inline_handler("<svg/onload=x()>") && inline_handler("<a href=\"#\"onclick=x()>"));
         let sources: Vec<&str> = policy.split("; ").collect();
         let scripts = sources.iter().find(|s| s.starts_with("script-src")).unwrap();
         assert_eq!(scripts.matches("'sha256-").count(), 2, "{policy}");
@@ -371,7 +372,8 @@ mod tests {
         (1..bytes.len()).any(|at| {
             let Some(name) = bytes[at..].strip_prefix(b"on") else { return false };
             let letters = name.iter().take_while(|b| b.is_ascii_lowercase()).count();
-            bytes[at - 1].is_ascii_whitespace() && letters > 0 && name[letters..].trim_ascii_start().starts_with(b"=")
+            let after_attribute = bytes[at - 1].is_ascii_whitespace() || b"/\"'".contains(&bytes[at - 1]);
+            after_attribute && letters > 0 && name[letters..].trim_ascii_start().starts_with(b"=")
         })
     }
 
