@@ -501,9 +501,11 @@ mod tests {
             next(&mut room, 0, |e| &*e.flow == "b").unwrap();
         }
         assert_eq!(room.now_tag, tag_length(100, 1), "b's second tag");
-        room.settle(a_first, "a", 1, 100_000, 0);
+        // It spent nothing of its 1,000: a's second, at 1,000, would go
+        // back to 0; the present is 100.
+        room.settle(a_first, "a", 1, 1_000, 0);
         let a_second = room.waiting.values().find(|w| &*w.entry.flow == "a").unwrap();
-        assert_eq!((a_second.start, room.flows["a"].finish), (room.now_tag, room.now_tag));
+        assert_eq!((a_second.start, room.flows["a"].finish), (room.now_tag, tag_length(1_000, 1)));
     }
 
     #[test]
