@@ -101,9 +101,11 @@ pub struct EtcdAccess {
     pub tls: Option<etcd_client::TlsOptions>,
 }
 
-/// Whether a sign-in failed for a reason that passes (etcd not up yet, or
-/// between leaders), not for one that trying again does not change: a
-/// wrong user or password, authentication off, a bad address or PEM.
+/// Whether a sign-in failed for a reason that may pass (etcd unreachable
+/// or not answering yet, between leaders), not for one that trying again
+/// does not change: a wrong user or password, authentication off, an
+/// address or a PEM that does not parse. (An address that parses but
+/// reaches no etcd, or a wrong CA, is waited on, with a warning each try.)
 fn is_passing(error: &etcd_client::Error) -> bool {
     use tonic::Code;
     match error {
@@ -148,7 +150,11 @@ impl EtcdStore {
         }
         let mut backoff = inferyes_net::backoff::RECONNECT;
         loop {
-            match Client::connect(endpoints, Some(options.clone())).await {
+            let attempt = tokio::select! {
+                () = shutdown.cancelled() => return Ok(None),
+                attempt = Client::connect(endpoints, Some(options.clone())) => attempt,
+            };
+            match attempt {
                 Ok(client) => return Ok(Some(EtcdStore { client, keys })),
                 Err(error) if signs_in && is_passing(&error) => {
                     tracing::warn!(%error, "cannot sign in to etcd yet; trying again");

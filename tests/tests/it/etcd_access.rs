@@ -43,6 +43,10 @@ async fn a_controller_signs_in_to_an_etcd_with_authentication_on() {
     // The right one, to an etcd not up yet: waited for, then the fleet is
     // read and written.
     etcd.stop();
+    // Its port answers the controller's first try with nothing, then etcd
+    // comes up there.
+    let port: std::net::SocketAddr = etcd.endpoint().trim_start_matches("http://").parse().expect("an address");
+    let stand_in = tokio::net::TcpListener::bind(port).await.expect("etcd's port free");
     let endpoint = etcd.endpoint();
     let starting = tokio::spawn(async move {
         ControllerHandle::start_with(&endpoint, "controller-1", None, |c| {
@@ -51,6 +55,8 @@ async fn a_controller_signs_in_to_an_etcd_with_authentication_on() {
         })
         .await
     });
+    let tried = tokio::time::timeout(Duration::from_secs(10), stand_in.accept()).await;
+    drop((tried.expect("the controller tried etcd").expect("a connection"), stand_in));
     etcd.restart().await;
     let controller = starting.await.expect("the controller started");
     let mut fleet = controller.fleet().await;
