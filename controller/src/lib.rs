@@ -127,6 +127,12 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
             bearer: inferyes_proto::bearer::Bearer::new(
                 dataplane_tokens.as_ref().and_then(inferyes_proto::bearer::Accepted::presented),
             )?,
+            peer_credential: join_token
+                .as_ref()
+                .and_then(inferyes_proto::bearer::Accepted::presented)
+                .map(|token| inferyes_proto::bearer::peer_credential(token).parse())
+                .transpose()
+                .context("a peer credential is hex")?,
             metrics: std::sync::Arc::clone(&metrics),
             shutdown: shutdown.clone(),
         }
@@ -172,6 +178,9 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
             .and_then(inferyes_proto::bearer::Accepted::presented)
             .map(inferyes_proto::bearer::proxy_credential)
             .unwrap_or_default(),
+        peer_credentials: join_token
+            .as_ref()
+            .map(|tokens| tokens.tokens().map(inferyes_proto::bearer::peer_credential).collect()),
         dataplane_tokens,
         batches,
         live_requests: requests_tx.clone(),

@@ -27,6 +27,9 @@ pub struct Peers {
     pub tls: inferyes_proto::tls::Tls,
     /// Presented to peers, which take the fleet's join token.
     pub bearer: inferyes_proto::bearer::Bearer,
+    /// Presented to peers beside it ([`inferyes_proto::bearer::peer_credential`]),
+    /// where the fleet has a join token.
+    pub peer_credential: Option<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>,
     pub metrics: Arc<crate::metrics::Metrics>,
     pub shutdown: CancellationToken,
 }
@@ -132,12 +135,20 @@ impl Peers {
         }
     }
 
+    fn follow_request(&self) -> tonic::Request<FollowLiveRequest> {
+        let mut request = tonic::Request::new(FollowLiveRequest { controller_id: self.record.controller_id.clone() });
+        if let Some(credential) = &self.peer_credential {
+            request.metadata_mut().insert(inferyes_proto::bearer::PEER_CREDENTIAL, credential.clone());
+        }
+        request
+    }
+
     /// One stream; returns whether anything arrived.
     async fn follow_once(&self, origin: &Arc<str>, url: &str) -> anyhow::Result<bool> {
         let channel = inferyes_proto::tls::grpc_stream_endpoint(url, &self.tls)?.connect().await?;
         let mut stream = RoutingServiceClient::with_interceptor(channel, self.bearer.clone())
             .max_decoding_message_size(256 << 20)
-            .follow_live(FollowLiveRequest { controller_id: self.record.controller_id.clone() })
+            .follow_live(self.follow_request())
             .await?
             .into_inner();
         let mut received = false;

@@ -60,6 +60,18 @@ pub fn proxy_key(join_token: &str) -> String {
     mac_hex(join_token, b"inferyes agent proxy key v2")
 }
 
+/// The metadata a controller presents, beside the data plane token, when
+/// it follows another's live state.
+pub const PEER_CREDENTIAL: &str = "x-inferyes-peer";
+
+/// What a controller presents to follow another's live state
+/// ([`PEER_CREDENTIAL`]): HMAC-SHA256 of a fixed label keyed by the join
+/// token, in hex. Controllers hold the join token; data planes, whose
+/// token takes every other RoutingService call, do not.
+pub fn peer_credential(join_token: &str) -> String {
+    mac_hex(join_token, b"inferyes controller peer v1")
+}
+
 /// What data planes present to the agent of `node_id`: HMAC-SHA256 of the
 /// node's id keyed by the [`proxy_key`], in hex. An agent derives its own
 /// from its join tokens; one captured at a node opens no other node.

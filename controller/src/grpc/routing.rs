@@ -43,6 +43,10 @@ pub struct RoutingSvc {
     /// without one.
     pub proxy_key: String,
     pub proxy_credential: String,
+    /// What peers following this controller's live state present, one per
+    /// join token taken (`inferyes_proto::bearer::peer_credential`);
+    /// `None`: no join token, so none asked.
+    pub peer_credentials: Option<Vec<String>>,
     /// The live state's batches, and the way to ask for all of it.
     pub batches: crate::reconcile::Batches,
     pub live_requests: mpsc::Sender<LiveRequest>,
@@ -99,6 +103,21 @@ impl RoutingService for RoutingSvc {
 
     async fn follow_live(&self, request: Request<FollowLiveRequest>) -> Result<Response<LiveStream>, Status> {
         self.member(&request)?;
+        // Raw session keys of every tenant: a controller's, not a data
+        // plane's to read.
+        if let Some(credentials) = &self.peer_credentials {
+            let presented = request.metadata().get(inferyes_proto::bearer::PEER_CREDENTIAL).map(|v| v.as_bytes());
+            let known = presented.is_some_and(|presented| {
+                credentials
+                    .iter()
+                    .fold(false, |ok, c| ok | inferyes_proto::apikey::constant_time_eq(presented, c.as_bytes()))
+            });
+            if !known {
+                return Err(Status::permission_denied(
+                    "following a controller's live state takes a controller's credential (made from the join token)",
+                ));
+            }
+        }
         let peer = request.into_inner().controller_id;
         // Only a controller of this fleet, as its record in etcd says.
         let registered = self

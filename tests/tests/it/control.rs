@@ -2,7 +2,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::{Method, StatusCode};
-use inferyes_proto::v1::{DrainRequest, ListNodesRequest, UndrainRequest};
+use inferyes_proto::v1::{DrainRequest, FollowLiveRequest, ListNodesRequest, UndrainRequest};
 use inferyes_tests::{AgentHandle, ControllerHandle, DataplaneHandle, Etcd, HttpClient, SimHandle, eventually};
 
 use crate::support::{Fleet, chat_body, chat_sim};
@@ -111,6 +111,40 @@ impl Split {
             .await;
         }
         Split { _etcd: etcd, one, two, _sims: sims, _agents: agents, dp_one, dp_two }
+    }
+}
+
+/// A controller's live state (every tenant's session keys) goes to its
+/// peers only: the data plane token, which takes every other
+/// RoutingService call, does not follow it, whatever peer it names.
+#[tokio::test]
+async fn only_a_controller_follows_another_s_live_state() {
+    let etcd = Etcd::start().await;
+    let one = ControllerHandle::start(&etcd.endpoint(), "controller-1").await;
+    let _two = ControllerHandle::start(&etcd.endpoint(), "controller-2").await;
+    let follow = |credential: Option<String>| {
+        let one = &one;
+        async move {
+            let mut routing = one.routing(Some(inferyes_tests::fleet::DATAPLANE_TOKEN)).await;
+            let mut request = tonic::Request::new(FollowLiveRequest { controller_id: "controller-2".into() });
+            if let Some(credential) = credential {
+                let value = credential.parse().expect("ascii");
+                request.metadata_mut().insert(inferyes_proto::bearer::PEER_CREDENTIAL, value);
+            }
+            routing.follow_live(request).await.map(|_| ())
+        }
+    };
+    let peer = inferyes_proto::bearer::peer_credential(inferyes_tests::JOIN_TOKEN);
+    // Once controller-1 knows controller-2 from etcd, a peer is let in.
+    eventually("controller-2 followed", Duration::from_secs(10), || {
+        let followed = follow(Some(peer.clone()));
+        async move { followed.await.is_ok() }
+    })
+    .await;
+    for credential in [None, Some(inferyes_proto::bearer::peer_credential("not-the-join-token-0123"))] {
+        let refused = follow(credential).await.unwrap_err();
+        assert_eq!(refused.code(), tonic::Code::PermissionDenied, "{refused:?}");
+        assert!(refused.message().contains("controller's credential"), "{refused:?}");
     }
 }
 
