@@ -359,6 +359,8 @@ impl LiveState {
             if session.key.len() > MAX_KEY_BYTES
                 || session.backend_id.len() > MAX_TEXT
                 || session.model.len() > MAX_TEXT
+                || !inferyes_proto::is_plain(&session.backend_id)
+                || !inferyes_proto::is_plain(&session.model)
             {
                 continue;
             }
@@ -621,11 +623,16 @@ pub fn split(mut status: NodeStatus) -> (NodeStatus, NodeLoad, usize) {
     let mut dropped = 0;
     let mut load = NodeLoad::default();
     status.sessions = Vec::new();
+    // A backend or a model is known by its id on both sides (placement
+    // orders, moves, sessions): one that would not show as it is is
+    // dropped, never renamed.
+    dropped += drop_unless(&mut status.backends, |b| inferyes_proto::is_plain(&b.id));
     dropped += truncate_vec(&mut status.backends, MAX_BACKENDS);
     dropped += truncate_vec(&mut status.gpus, MAX_GPUS);
     tidy_text(&mut status.hostname);
     tidy_text(&mut status.agent_version);
     for backend in &mut status.backends {
+        dropped += drop_unless(&mut backend.models, |m| inferyes_proto::is_plain(&m.id));
         dropped += truncate_vec(&mut backend.models, MAX_MODELS_PER_BACKEND);
         tidy_text(&mut backend.id);
         tidy_text(&mut backend.probe_error);
@@ -721,6 +728,13 @@ pub fn merge(durable: &NodeStatus, summary: Option<&Summary>) -> NodeStatus {
     status
 }
 
+/// Keeps the items that `keep` takes; how many it dropped.
+fn drop_unless<T>(items: &mut Vec<T>, keep: impl Fn(&T) -> bool) -> usize {
+    let before = items.len();
+    items.retain(keep);
+    before - items.len()
+}
+
 fn truncate_vec<T>(items: &mut Vec<T>, max: usize) -> usize {
     let over = items.len().saturating_sub(max);
     items.truncate(max);
@@ -745,20 +759,21 @@ fn within_record_bytes(status: &mut NodeStatus) -> usize {
     dropped
 }
 
-/// Keeps at most the fleet's longest name of `text`, on one line and
-/// shown plain ([`inferyes_proto::shown_on_one_line`]): what agents and
-/// data planes report reaches the dashboard, inferyesctl's tables and
-/// every API client as it is kept here.
+/// Keeps `text` on one line and shown plain
+/// ([`inferyes_proto::shown_on_one_line`]), and at most the fleet's
+/// longest name: what agents and data planes report reaches the
+/// dashboard, inferyesctl's tables and every API client as it is kept
+/// here.
 pub fn tidy_text(text: &mut String) {
+    if let std::borrow::Cow::Owned(plain) = inferyes_proto::shown_on_one_line(text) {
+        *text = plain;
+    }
     if text.len() > MAX_TEXT {
         let mut end = MAX_TEXT;
         while !text.is_char_boundary(end) {
             end -= 1;
         }
         text.truncate(end);
-    }
-    if let std::borrow::Cow::Owned(plain) = inferyes_proto::shown_on_one_line(text) {
-        *text = plain;
     }
 }
 

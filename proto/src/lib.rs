@@ -69,6 +69,12 @@ pub fn shown_on_one_line(text: &str) -> std::borrow::Cow<'_, str> {
     replaced(text, |c| unseen(c) || c == '\n' || c == '\t')
 }
 
+/// Whether `text` shows on one line as it is ([`shown_on_one_line`]
+/// changes nothing of it): what a name must be to be one.
+pub fn is_plain(text: &str) -> bool {
+    !text.chars().any(|c| unseen(c) || c == '\n' || c == '\t')
+}
+
 fn replaced(text: &str, hidden: impl Fn(char) -> bool) -> std::borrow::Cow<'_, str> {
     if text.chars().any(&hidden) {
         text.chars().map(|c| if hidden(c) { char::REPLACEMENT_CHARACTER } else { c }).collect::<String>().into()
@@ -170,6 +176,7 @@ mod tests {
         assert!(matches!(super::shown_plain(plain), std::borrow::Cow::Borrowed(p) if p == plain));
         assert_eq!(super::shown_plain("row\rover"), "row\u{fffd}over");
         assert_eq!(super::shown_on_one_line(plain), "plain, ünïcode, 日本\u{fffd}next\u{fffd}line");
+        assert!(super::is_plain("plain, ünïcode, 日本") && !super::is_plain(plain) && !super::is_plain("a\u{200b}"));
     }
 
     #[test]

@@ -120,11 +120,21 @@ fn a_hostile_status_is_bounded() {
     let model = &record.backends[0].models[0];
     assert_eq!((model.endpoints.len(), model.unsupported.len(), dropped), (1, 1, 2 * (999_999 + 3)));
 
-    // What is shown of it reads as it is, on one line.
+    // What is shown of it reads as it is, on one line; a backend or a
+    // model whose id would not is dropped, never renamed (both sides know
+    // it by that id).
     let mut spoofing = status(0, 0, 0);
     spoofing.hostname = "gpu-1\ngpu-2  ready".into();
     spoofing.gpus = vec![Gpu { name: "H200\u{1b}[2J\u{202e}".into(), ..Default::default() }];
-    let (record, _, _) = split(spoofing);
+    let model = |id: &str| Model { id: id.into(), ..Default::default() };
+    spoofing.backends = vec![
+        Backend { id: "main".into(), models: vec![model("qwen"), model("qwen\ngpu-2")], ..Default::default() },
+        Backend { id: "main\u{200b}".into(), models: vec![model("qwen")], ..Default::default() },
+    ];
+    let (record, _, dropped) = split(spoofing);
+    assert_eq!(dropped, 2);
+    assert_eq!(record.backends.len(), 1);
+    assert_eq!((record.backends[0].id.as_str(), record.backends[0].models.len()), ("main", 1));
     assert_eq!(
         (record.hostname.as_str(), record.gpus[0].name.as_str()),
         ("gpu-1\u{fffd}gpu-2  ready", "H200\u{fffd}[2J\u{fffd}")
