@@ -178,9 +178,11 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
             .and_then(inferyes_proto::bearer::Accepted::presented)
             .map(inferyes_proto::bearer::proxy_credential)
             .unwrap_or_default(),
-        peer_credentials: join_token
-            .as_ref()
-            .map(|tokens| tokens.tokens().map(inferyes_proto::bearer::peer_credential).collect()),
+        peer_credentials: join_token.as_ref().map(|tokens| {
+            inferyes_proto::bearer::Accepted::new(
+                tokens.tokens().map(inferyes_proto::bearer::peer_credential).collect(),
+            )
+        }),
         dataplane_tokens,
         batches,
         live_requests: requests_tx.clone(),

@@ -46,7 +46,7 @@ pub struct RoutingSvc {
     /// What peers following this controller's live state present, one per
     /// join token taken (`inferyes_proto::bearer::peer_credential`);
     /// `None`: no join token, so none asked.
-    pub peer_credentials: Option<Vec<String>>,
+    pub peer_credentials: Option<inferyes_proto::bearer::Accepted>,
     /// The live state's batches, and the way to ask for all of it.
     pub batches: crate::reconcile::Batches,
     pub live_requests: mpsc::Sender<LiveRequest>,
@@ -106,13 +106,8 @@ impl RoutingService for RoutingSvc {
         // Raw session keys of every tenant: a controller's, not a data
         // plane's to read.
         if let Some(credentials) = &self.peer_credentials {
-            let presented = request.metadata().get(inferyes_proto::bearer::PEER_CREDENTIAL).map(|v| v.as_bytes());
-            let known = presented.is_some_and(|presented| {
-                credentials
-                    .iter()
-                    .fold(false, |ok, c| ok | inferyes_proto::apikey::constant_time_eq(presented, c.as_bytes()))
-            });
-            if !known {
+            let presented = request.metadata().get(inferyes_proto::bearer::PEER_CREDENTIAL);
+            if !presented.is_some_and(|presented| credentials.accepts(presented.as_bytes())) {
                 return Err(Status::permission_denied(
                     "following a controller's live state takes a controller's credential (made from the join token)",
                 ));
