@@ -25,7 +25,8 @@ pub struct Peers {
     pub record: ControllerRecord,
     pub lease_ttl: Duration,
     pub tls: inferyes_proto::tls::Tls,
-    /// Presented to peers, which take the fleet's join token.
+    /// Presented to peers: the data planes' token, which every
+    /// RoutingService call takes.
     pub bearer: inferyes_proto::bearer::Bearer,
     /// Presented to peers beside it ([`inferyes_proto::bearer::peer_credential`]),
     /// where the fleet has a join token.

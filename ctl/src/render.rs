@@ -730,7 +730,7 @@ mod tests {
         let table = render(&nodes, Output::Table);
         assert!(!table.contains('\u{1b}') && !table.contains('\u{202e}') && !table.contains('\r'), "{table}");
         assert_eq!(table.lines().count(), 2, "the header and the node, no row of the model's: {table}");
-        // Scripts get the names as they are.
+        // Scripts get the names as the controller keeps them.
         assert!(render(&nodes, Output::Json).contains("qwen\u{202e}fig\\ngpu-z"));
     }
 
