@@ -14,6 +14,23 @@ pub struct Etcd {
     options: etcd_client::ConnectOptions,
 }
 
+/// How an etcd guards its clients' port beyond plain HTTP.
+#[derive(Default)]
+pub struct Guard<'a> {
+    /// Serve TLS and take only clients with a certificate it signed.
+    pub tls: Option<&'a EtcdTls>,
+    /// Sign clients' tokens as JWTs of this key, which run out.
+    pub jwt: Option<&'a EtcdJwt>,
+}
+
+/// The key an etcd signs its tokens with (ES256), and how long they
+/// last: past it, a client must sign in again.
+pub struct EtcdJwt {
+    pub private_key: PathBuf,
+    pub public_key: PathBuf,
+    pub ttl: Duration,
+}
+
 /// The files of an etcd that serves TLS and asks clients for a
 /// certificate signed by `ca`.
 pub struct EtcdTls {
@@ -38,16 +55,17 @@ fn etcd_binary() -> PathBuf {
 
 impl Etcd {
     pub async fn start() -> Etcd {
-        Self::start_serving(None).await
+        Self::start_guarded(Guard::default()).await
     }
 
     /// An etcd whose clients' port serves TLS and takes only clients with
     /// a certificate `tls.ca` signed.
     pub async fn start_tls(tls: &EtcdTls) -> Etcd {
-        Self::start_serving(Some(tls)).await
+        Self::start_guarded(Guard { tls: Some(tls), ..Guard::default() }).await
     }
 
-    async fn start_serving(tls: Option<&EtcdTls>) -> Etcd {
+    pub async fn start_guarded(guard: Guard<'_>) -> Etcd {
+        let Guard { tls, jwt } = guard;
         let binary = etcd_binary();
         // An external process needs its ports up front; a port taken in the
         // meantime makes etcd exit, and then we try new ones.
@@ -75,6 +93,14 @@ impl Etcd {
                 "--auto-compaction-retention=5m".into(),
                 "--quota-backend-bytes=2147483648".into(),
             ];
+            if let Some(jwt) = jwt {
+                command.push(format!(
+                    "--auth-token=jwt,pub-key={},priv-key={},sign-method=ES256,ttl={}ms",
+                    jwt.public_key.display(),
+                    jwt.private_key.display(),
+                    jwt.ttl.as_millis()
+                ));
+            }
             let mut options = etcd_client::ConnectOptions::new().with_connect_timeout(Duration::from_millis(500));
             if let Some(tls) = tls {
                 command.extend([

@@ -5,9 +5,11 @@ use std::time::Duration;
 
 use inferyes_proto::tls::Tls;
 use inferyes_proto::v1::CreateKeyRequest;
-use inferyes_tests::etcd::EtcdTls;
-use inferyes_tests::{ControllerHandle, Etcd};
+use inferyes_tests::etcd::{EtcdJwt, EtcdTls, Guard};
+use inferyes_tests::fleet::LEASE_TTL;
+use inferyes_tests::{AgentHandle, ControllerHandle, DataplaneHandle, Etcd, SimHandle};
 
+use crate::support::chat_sim;
 use crate::tls::Pki;
 
 const PASSWORD: &str = "an etcd password, spaces and all";
@@ -92,4 +94,45 @@ async fn a_controller_reaches_an_etcd_over_mutual_tls() {
     let mut fleet = controller.fleet().await;
     fleet.create_key(CreateKeyRequest { name: "over tls".into(), ..Default::default() }).await.expect("a key written");
     controller.stop().await;
+}
+
+/// etcd's JWT tokens run out (`ttl`): the controller signs in again where
+/// etcd says its token is no longer good, its writes and new nodes go on,
+/// and the leases it keeps alive hold.
+#[tokio::test]
+async fn a_controller_signs_in_again_when_its_etcd_token_runs_out() {
+    let dir = std::env::temp_dir().join(format!("inferyes-etcd-jwt-{}-{}", std::process::id(), fastrand::u32(..)));
+    std::fs::create_dir_all(&dir).expect("a dir");
+    let key = rcgen::KeyPair::generate().expect("a signing key");
+    let jwt =
+        EtcdJwt { private_key: dir.join("jwt.key"), public_key: dir.join("jwt.pub"), ttl: Duration::from_secs(2) };
+    std::fs::write(&jwt.private_key, key.serialize_pem()).expect("written");
+    std::fs::write(&jwt.public_key, key.public_key_pem()).expect("written");
+    let password = dir.join("password");
+    std::fs::write(&password, PASSWORD).expect("written");
+    let mut etcd = Etcd::start_guarded(Guard { jwt: Some(&jwt), ..Guard::default() }).await;
+    etcd.enable_auth(PASSWORD).await;
+
+    let controller = ControllerHandle::start_with(&etcd.endpoint(), "controller-1", None, |c| {
+        c.etcd_user = "root".into();
+        c.etcd_password_file = Some(password);
+    })
+    .await;
+    let sims = [SimHandle::start(chat_sim("chat")).await, SimHandle::start(chat_sim("chat")).await];
+    let _a = AgentHandle::start("node-a", &[controller.url()], &[("main", &sims[0])]).await;
+    let dataplane = DataplaneHandle::start(&[controller.url()]).await;
+    dataplane.wait_for_nodes(&["node-a"]).await;
+    let watch = dataplane.watch_snapshots();
+
+    // Nothing outside etcd tells when a token has run out: the test waits
+    // past two of its lives, and a node lease's.
+    tokio::time::sleep(jwt.ttl * 2 + LEASE_TTL).await;
+    let mut fleet = controller.fleet().await;
+    let request = CreateKeyRequest { name: "later".into(), ..Default::default() };
+    fleet.create_key(request).await.expect("a key written past the token's life");
+    let _b = AgentHandle::start("node-b", &[controller.url()], &[("main", &sims[1])]).await;
+    dataplane.wait_for_nodes(&["node-a", "node-b"]).await;
+    assert_eq!(watch.fewest_nodes().await, 1, "node-a's lease was kept alive throughout");
+    controller.stop().await;
+    let _ = std::fs::remove_dir_all(&dir);
 }
