@@ -147,6 +147,9 @@ pub struct Config {
     pub placement_order_timeout_secs: u64,
     /// Placement unloads no model whose sessions were used this lately.
     pub placement_idle_secs: u64,
+    /// Nodes the fleet takes: past it, a join naming a node it does not
+    /// hold is refused until one leaves.
+    pub max_nodes: usize,
     /// Connections the gRPC port holds open at once (an agent or a data
     /// plane holds one or two), and of those what peers none of whose
     /// calls has yet succeeded may hold, together and per address (an
@@ -203,6 +206,7 @@ impl Default for Config {
             raw_usage_retention_days: 7,
             placement_order_timeout_secs: 600,
             placement_idle_secs: 300,
+            max_nodes: 4_096,
             max_grpc_connections: 16_384,
             max_grpc_stranger_connections: 1_024,
             max_grpc_stranger_connections_per_address: 128,
@@ -295,6 +299,7 @@ impl Config {
             bail!("usage_retention_days and raw_usage_retention_days must be at least 1");
         }
         if [
+            self.max_nodes,
             self.max_grpc_connections,
             self.max_grpc_stranger_connections,
             self.max_grpc_stranger_connections_per_address,
@@ -303,7 +308,7 @@ impl Config {
         ]
         .contains(&0)
         {
-            bail!("max_grpc_connections, max_http_connections and their shares must be positive");
+            bail!("max_nodes, max_grpc_connections, max_http_connections and their shares must be positive");
         }
         if self.placement_order_timeout_secs == 0 {
             bail!("placement_order_timeout_secs must be at least 1: longer than a model takes to load");

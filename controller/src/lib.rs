@@ -160,6 +160,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         views: views.clone(),
         streams: std::sync::Arc::default(),
         pacing: std::sync::Arc::default(),
+        seats: std::sync::Arc::new(grpc::Seats::new(config.max_nodes)),
     };
     let routing = grpc::RoutingSvc {
         snapshots: snapshots.clone(),

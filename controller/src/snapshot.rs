@@ -68,6 +68,10 @@ impl Snapshot {
         self.nodes.values().map(|n| n.as_ref())
     }
 
+    pub fn node_count(&self) -> usize {
+        self.nodes.len()
+    }
+
     pub fn node(&self, node_id: &str) -> Option<&SnapshotNode> {
         self.nodes.get(node_id).map(|n| n.as_ref())
     }

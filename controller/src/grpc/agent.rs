@@ -50,6 +50,66 @@ pub struct AgentSvc {
     /// When each node's record may next be written, whichever of its
     /// streams writes it.
     pub pacing: std::sync::Arc<WritePacing>,
+    /// How many nodes the fleet takes.
+    pub seats: std::sync::Arc<Seats>,
+}
+
+/// The fleet's nodes, at most `max_nodes`: a join naming a node the fleet
+/// does not hold is refused where it holds that many already. So a
+/// join-token holder cannot add nodes without bound, each with a record
+/// in etcd (up to [`crate::live::MAX_RECORD_BYTES`]) and its sessions in
+/// every controller's and data plane's memory. The fleet's nodes are the
+/// snapshot's, and those whose join this controller is serving that no
+/// snapshot shows yet: joins at once cannot all pass on a snapshot that
+/// shows none of them. (Joins at the same moment to different
+/// controllers can each take the last seat.)
+pub struct Seats {
+    max: usize,
+    /// Streams of this controller's, by node.
+    held: std::sync::Mutex<std::collections::HashMap<String, usize>>,
+}
+
+/// A node's seat, held by one of its streams.
+pub struct Seat {
+    seats: std::sync::Arc<Seats>,
+    node_id: String,
+}
+
+impl Seats {
+    pub fn new(max: usize) -> Seats {
+        Seats { max, held: std::sync::Mutex::default() }
+    }
+
+    /// A seat for `node_id` where the fleet, as `snapshot` shows it and
+    /// this controller's streams hold it, has one.
+    fn take(self: &std::sync::Arc<Self>, node_id: &str, snapshot: Option<&crate::snapshot::Snapshot>) -> Option<Seat> {
+        let mut held = self.held.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let in_snapshot = |id: &str| snapshot.is_some_and(|s| s.node(id).is_some());
+        let counted = snapshot.map_or(0, crate::snapshot::Snapshot::node_count);
+        // An upper bound first, so that only a fleet near its bound pays
+        // for the exact count.
+        let full = !in_snapshot(node_id)
+            && !held.contains_key(node_id)
+            && counted + held.len() >= self.max
+            && counted + held.keys().filter(|id| !in_snapshot(id)).count() >= self.max;
+        if full {
+            return None;
+        }
+        *held.entry(node_id.to_string()).or_default() += 1;
+        Some(Seat { seats: std::sync::Arc::clone(self), node_id: node_id.to_string() })
+    }
+}
+
+impl Drop for Seat {
+    fn drop(&mut self) {
+        let mut held = self.seats.held.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(streams) = held.get_mut(&self.node_id) {
+            *streams -= 1;
+            if *streams == 0 {
+                held.remove(&self.node_id);
+            }
+        }
+    }
 }
 
 /// When each node's record may next be written: a write of a record's
@@ -57,8 +117,7 @@ pub struct AgentSvc {
 /// [`NODE_WRITE_BYTES_PER_SECOND`], and `min_write_interval` at least,
 /// across the node's streams to this controller, so that an agent joining
 /// again and again writes no faster than one that stays. Only nodes that
-/// must still wait are kept. (A join-token holder may still add nodes
-/// without bound: the join token admits nodes.)
+/// must still wait are kept.
 #[derive(Default)]
 pub struct WritePacing(std::sync::Mutex<std::collections::HashMap<String, Instant>>);
 
@@ -126,7 +185,18 @@ impl AgentService for AgentSvc {
         validate(&node)?;
         let instance = instance_digest(&register.instance)?;
         let span = tracing::info_span!("agent", node = %node.node_id, peer = ?peer);
-        let claim = self.claim(node, instance).instrument(span.clone()).await?;
+        let seat = self.seats.take(&node.node_id, self.snapshots.borrow().as_deref()).ok_or_else(|| {
+            tracing::warn!(parent: &span, max_nodes = self.seats.max, "agent refused: the fleet holds its most nodes");
+            status(
+                ErrorKind::Overloaded,
+                format!(
+                    "the fleet holds as many nodes as it takes ({}, the controllers' max_nodes): this node joins \
+                     once another leaves",
+                    self.seats.max
+                ),
+            )
+        })?;
+        let claim = self.claim(node, instance, seat).instrument(span.clone()).await?;
 
         let (tx, rx) = mpsc::channel(8);
         let registered = ControllerMessage {
@@ -205,6 +275,8 @@ fn millis(d: Duration) -> u32 {
 /// its node's key, its first write done or held for retry.
 struct Claim {
     reported: Reported,
+    /// Held for as long as the stream lasts.
+    seat: Seat,
     /// The node's writer, its first write done or held for retry.
     writer: NodeWriter,
 }
@@ -237,7 +309,7 @@ impl AgentSvc {
     /// The node's first write, before the stream is answered: the node id
     /// is this agent's before anything of it reaches the fleet, and a
     /// registration naming another live agent's node id is refused.
-    async fn claim(&self, node: NodeStatus, instance_digest: String) -> Result<Claim, Status> {
+    async fn claim(&self, node: NodeStatus, instance_digest: String, seat: Seat) -> Result<Claim, Status> {
         let registered_unix_ms = inferyes_proto::unix_ms();
         let mut lease: Option<Lease> = None;
         let mut reported = Reported::default();
@@ -260,7 +332,7 @@ impl AgentSvc {
             Err(_) => tracing::warn!("etcd slow to take the node's first write; holding it for retry"),
         }
         let writer = NodeWriter { svc: self.clone(), lease, pending, written, registered_unix_ms, instance_digest };
-        Ok(Claim { reported, writer })
+        Ok(Claim { reported, seat, writer })
     }
 
     async fn session(
@@ -269,7 +341,7 @@ impl AgentSvc {
         mut inbound: Streaming<AgentMessage>,
         tx: mpsc::Sender<Result<ControllerMessage, Status>>,
     ) {
-        let Claim { mut reported, writer } = claim;
+        let Claim { mut reported, seat: _seat, writer } = claim;
         let node_id = reported.durable.node_id.clone();
         let origin: std::sync::Arc<str> = self.controller_id.as_str().into();
         let stream = self.streams.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
@@ -775,6 +847,42 @@ mod tests {
         assert!(validate(&node(format!("https://{}", "h".repeat(MAX_URL_BYTES - 8)))).is_ok());
         assert!(validate(&node(format!("https://{}", "h".repeat(MAX_URL_BYTES)))).is_err());
         assert!(validate(&node("ftp://h".into())).is_err());
+    }
+
+    fn snapshot(nodes: &[&str]) -> crate::snapshot::Snapshot {
+        use crate::store::{WatchBatch, WatchEvent};
+        let put = |id: &&str| {
+            let status = NodeStatus { node_id: (*id).into(), ..Default::default() };
+            WatchEvent::NodePut((*id).into(), NodeRecord { status: Some(status), ..Default::default() })
+        };
+        let events = nodes.iter().map(put).collect();
+        crate::snapshot::build(&crate::fleet::FleetState::from_load(WatchBatch { revision: 1, events }), None)
+    }
+
+    #[test]
+    fn a_fleet_seats_its_nodes_and_those_joining_up_to_its_bound() {
+        let seats = std::sync::Arc::new(Seats::new(3));
+        let fleet = snapshot(&["a", "b"]);
+        // Joining, not in a snapshot yet: counted all the same.
+        let c = seats.take("c", Some(&fleet)).expect("a third seat");
+        assert!(seats.take("d", Some(&fleet)).is_none(), "full");
+        // Nodes the fleet holds join again, full as it is.
+        let (_a, _c) = (seats.take("a", Some(&fleet)).expect("a"), seats.take("c", Some(&fleet)).expect("c"));
+        // A stream of this controller's for a node the snapshot shows
+        // counts once.
+        let fleet = snapshot(&["a", "b", "c"]);
+        assert!(seats.take("d", Some(&fleet)).is_none(), "still full");
+        // Its node gone, from the snapshot and from this controller's
+        // streams: a seat is free.
+        drop((c, _c));
+        let fleet = snapshot(&["a", "b"]);
+        assert!(seats.take("d", Some(&fleet)).is_some(), "c's seat is d's");
+        assert!(seats.held.lock().unwrap().get("c").is_none(), "forgotten");
+
+        // Before the first snapshot, this controller's own streams.
+        let seats = std::sync::Arc::new(Seats::new(2));
+        let _held = [seats.take("x", None).expect("x"), seats.take("y", None).expect("y")];
+        assert!(seats.take("z", None).is_none(), "full");
     }
 
     #[test]

@@ -272,6 +272,59 @@ async fn a_silent_agent_is_dropped_after_the_lease_ttl() {
 }
 
 #[tokio::test]
+async fn a_fleet_takes_no_more_nodes_than_max_nodes() {
+    use inferyes_proto::v1::agent_service_client::AgentServiceClient;
+    use inferyes_proto::v1::{AgentMessage, NodeStatus, Register, agent_message};
+
+    let etcd = Etcd::start().await;
+    let controller = ControllerHandle::start_with(&etcd.endpoint(), "controller-1", None, |c| c.max_nodes = 2).await;
+    let agents = AgentServiceClient::connect(controller.url()).await.unwrap();
+    // A node's stream lasts while its sender does.
+    let join = |node_id: &str| {
+        let mut agents = agents.clone();
+        let status =
+            NodeStatus { node_id: node_id.into(), proxy_url: "http://127.0.0.1:9".into(), ..Default::default() };
+        let register = Register {
+            status: Some(status),
+            join_token: inferyes_tests::fleet::JOIN_TOKEN.into(),
+            ..Default::default()
+        };
+        async move {
+            let (tx, rx) = tokio::sync::mpsc::channel(1);
+            tx.send(AgentMessage { msg: Some(agent_message::Msg::Register(register)) }).await.unwrap();
+            agents.join(tokio_stream::wrappers::ReceiverStream::new(rx)).await.map(|stream| (tx, stream))
+        }
+    };
+    // Three at once, before any snapshot shows one of them.
+    let (a, b, c) = tokio::join!(join("node-a"), join("node-b"), join("node-c"));
+    let results = [("node-a", a), ("node-b", b), ("node-c", c)];
+    let refused: Vec<_> = results.iter().filter_map(|(id, r)| r.as_ref().err().map(|e| (*id, e))).collect();
+    assert_eq!(refused.len(), 1, "{refused:?}");
+    let (outside, error) = refused[0];
+    assert_eq!(error.code(), tonic::Code::ResourceExhausted, "{error:?}");
+    assert!(error.message().contains("max_nodes"), "{}", error.message());
+    let mut admitted: Vec<_> = results.into_iter().filter_map(|(id, r)| Some((id, r.ok()?))).collect();
+
+    // A node the fleet holds joins again, full as it is.
+    let _again = join(admitted[0].0).await.expect("a held node joins again");
+    let admin = controller.fleet().await;
+    eventually("both nodes listed", Duration::from_secs(5), || {
+        let mut admin = admin.clone();
+        async move { admin.list_nodes(ListNodesRequest {}).await.unwrap().into_inner().nodes.len() == 2 }
+    })
+    .await;
+    assert!(join(outside).await.is_err(), "still full");
+    // One leaves: the third takes its place.
+    drop(admitted.pop());
+    eventually("the third node joined", Duration::from_secs(10), || {
+        let join = join(outside);
+        async move { join.await.map(drop).is_ok() }
+    })
+    .await;
+    drop(admitted);
+}
+
+#[tokio::test]
 async fn an_agent_that_stops_reading_its_stream_is_dropped_after_the_lease_ttl() {
     use inferyes_proto::v1::agent_service_client::AgentServiceClient;
     use inferyes_proto::v1::{
