@@ -47,29 +47,45 @@ pub async fn run(
 ) {
     let Outlets { connection, orders, drains } = outlets;
     let mut backoff = inferyes_net::backoff::RECONNECT;
+    let mut fleet_full = FLEET_FULL;
+    // Said once, not at every try, until the node is let in.
+    let mut said_full = false;
     let mut next = 0usize;
     loop {
         let address = &controllers[next % controllers.len()];
         next += 1;
         let outlets = (&connection, &orders, &drains);
-        match session(&state, address, &tls, join_token.as_deref(), min_interval, outlets, &shutdown).await {
+        let full = match session(&state, address, &tls, join_token.as_deref(), min_interval, outlets, &shutdown).await {
             Ok(()) => return,
-            Err(Failure { error, registered }) => {
+            Err(Failure { error, registered, full }) => {
                 connection.send_modify(|c| c.controller_id = None);
                 // Orders are the leader's, heard through a controller: none
                 // is started while no controller is heard from.
                 orders.send_if_modified(|held| !std::mem::take(held).is_empty());
                 if registered {
                     backoff.reset();
+                    fleet_full.reset();
+                    said_full = false;
                 }
-                tracing::warn!(controller = %address, %error, "controller stream lost; trying the next one");
+                if !full {
+                    tracing::warn!(controller = %address, %error, "controller stream lost; trying the next one");
+                } else if !std::mem::replace(&mut said_full, true) {
+                    tracing::warn!(controller = %address, %error, "the fleet has no room for this node; asking again every 30-60 s");
+                }
+                full
             }
-        }
-        if backoff.sleep(&shutdown).await {
+        };
+        let waited = if full { fleet_full.sleep(&shutdown).await } else { backoff.sleep(&shutdown).await };
+        if waited {
             return;
         }
     }
 }
+
+/// How long an agent the fleet has no room for waits before asking again:
+/// every controller would answer the same, and each try costs them.
+const FLEET_FULL: inferyes_net::backoff::Backoff =
+    inferyes_net::backoff::Backoff::new(Duration::from_secs(30), Duration::from_secs(60));
 
 /// Placement orders held for the node at once; more are not believed.
 const MAX_ORDERS: usize = 64;
@@ -79,10 +95,12 @@ const MAX_MOVE_TARGETS: usize = 1024;
 struct Failure {
     error: String,
     registered: bool,
+    /// The controller has no room for the node (RESOURCE_EXHAUSTED).
+    full: bool,
 }
 
 fn fail(error: impl std::fmt::Display, registered: bool) -> Failure {
-    Failure { error: error.to_string(), registered }
+    Failure { error: error.to_string(), registered, full: false }
 }
 
 async fn connect(address: &str, tls: &inferyes_proto::tls::Tls) -> Result<Channel, Failure> {
@@ -120,7 +138,10 @@ async fn session(
     let mut inbound = AgentServiceClient::new(channel)
         .join(ReceiverStream::new(rx))
         .await
-        .map_err(|status| fail(status.message(), false))?
+        .map_err(|status| Failure {
+            full: status.code() == tonic::Code::ResourceExhausted,
+            ..fail(status.message(), false)
+        })?
         .into_inner();
 
     // A new stream starts from the whole residency table.
