@@ -56,17 +56,25 @@ pub struct AgentSvc {
 
 /// The fleet's nodes, at most `max_nodes`: a join naming a node the fleet
 /// does not hold is refused where it holds that many already. So a
-/// join-token holder cannot add nodes without bound, each with a record
-/// in etcd (up to [`crate::live::MAX_RECORD_BYTES`]) and its sessions in
-/// every controller's and data plane's memory. The fleet's nodes are the
-/// snapshot's, and those whose join this controller is serving that no
-/// snapshot shows yet: joins at once cannot all pass on a snapshot that
-/// shows none of them. (Joins at the same moment to different
-/// controllers can each take the last seat.)
+/// join-token holder cannot add nodes without bound, each with its
+/// sessions in every controller's and data plane's memory and its record
+/// in etcd. The fleet's nodes are the snapshot's, and those joining
+/// through this controller that no snapshot shows yet: joins at once
+/// cannot all pass on a snapshot that shows none of them. (Joins at the
+/// same moment through several controllers can each take the free
+/// places.)
 pub struct Seats {
     max: usize,
-    /// Streams of this controller's, by node.
-    held: std::sync::Mutex<std::collections::HashMap<String, usize>>,
+    held: std::sync::Mutex<Held>,
+}
+
+#[derive(Default)]
+struct Held {
+    /// This controller's streams, by node.
+    streams: std::collections::HashMap<String, usize>,
+    /// Of those, the nodes no snapshot showed when they last looked: few,
+    /// so a join counts them without a walk of the fleet.
+    unseen: std::collections::HashSet<String>,
 }
 
 /// A node's seat, held by one of its streams.
@@ -81,21 +89,20 @@ impl Seats {
     }
 
     /// A seat for `node_id` where the fleet, as `snapshot` shows it and
-    /// this controller's streams hold it, has one.
-    fn take(self: &std::sync::Arc<Self>, node_id: &str, snapshot: Option<&crate::snapshot::Snapshot>) -> Option<Seat> {
+    /// this controller's streams hold it, has one; a node it holds always
+    /// has one.
+    fn take(self: &std::sync::Arc<Self>, node_id: &str, snapshot: &crate::snapshot::Snapshot) -> Option<Seat> {
+        let shown = |id: &str| snapshot.node(id).is_some();
         let mut held = self.held.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        let in_snapshot = |id: &str| snapshot.is_some_and(|s| s.node(id).is_some());
-        let counted = snapshot.map_or(0, crate::snapshot::Snapshot::node_count);
-        // An upper bound first, so that only a fleet near its bound pays
-        // for the exact count.
-        let full = !in_snapshot(node_id)
-            && !held.contains_key(node_id)
-            && counted + held.len() >= self.max
-            && counted + held.keys().filter(|id| !in_snapshot(id)).count() >= self.max;
-        if full {
-            return None;
+        if !shown(node_id) && !held.streams.contains_key(node_id) {
+            held.unseen.retain(|id| !shown(id));
+            let fleet = snapshot.node_count() + held.unseen.len();
+            if fleet >= self.max {
+                return None;
+            }
+            held.unseen.insert(node_id.to_string());
         }
-        *held.entry(node_id.to_string()).or_default() += 1;
+        *held.streams.entry(node_id.to_string()).or_default() += 1;
         Some(Seat { seats: std::sync::Arc::clone(self), node_id: node_id.to_string() })
     }
 }
@@ -103,10 +110,11 @@ impl Seats {
 impl Drop for Seat {
     fn drop(&mut self) {
         let mut held = self.seats.held.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        if let Some(streams) = held.get_mut(&self.node_id) {
+        if let Some(streams) = held.streams.get_mut(&self.node_id) {
             *streams -= 1;
             if *streams == 0 {
-                held.remove(&self.node_id);
+                held.streams.remove(&self.node_id);
+                held.unseen.remove(&self.node_id);
             }
         }
     }
@@ -144,6 +152,18 @@ const CLOCK_SKEW_MS: u64 = 60_000;
 impl AgentSvc {
     pub fn svc(self) -> AgentServiceServer<Self> {
         AgentServiceServer::new(self)
+    }
+
+    /// The fleet as this controller last read it. A join waits for the
+    /// first read (the controller has just started), else it is answered
+    /// UNAVAILABLE and its agent tries another controller: before it, the
+    /// nodes the fleet holds are not known to count them.
+    async fn fleet_read(&self) -> Result<std::sync::Arc<crate::snapshot::Snapshot>, Status> {
+        let mut snapshots = self.snapshots.clone();
+        let read = tokio::time::timeout(CLAIM_TIMEOUT, snapshots.wait_for(Option::is_some)).await;
+        read.ok().and_then(Result::ok).and_then(|snapshot| snapshot.clone()).ok_or_else(|| {
+            status(ErrorKind::Unavailable, "this controller has not read the fleet from etcd yet: try another")
+        })
     }
 }
 
@@ -185,17 +205,18 @@ impl AgentService for AgentSvc {
         validate(&node)?;
         let instance = instance_digest(&register.instance)?;
         let span = tracing::info_span!("agent", node = %node.node_id, peer = ?peer);
-        let seat = self.seats.take(&node.node_id, self.snapshots.borrow().as_deref()).ok_or_else(|| {
+        let fleet = self.fleet_read().await?;
+        let Some(seat) = self.seats.take(&node.node_id, &fleet) else {
             tracing::warn!(parent: &span, max_nodes = self.seats.max, "agent refused: the fleet holds its most nodes");
-            status(
+            return Err(status(
                 ErrorKind::Overloaded,
                 format!(
                     "the fleet holds as many nodes as it takes ({}, the controllers' max_nodes): this node joins \
-                     once another leaves",
+                     once another leaves, or once max_nodes is raised",
                     self.seats.max
                 ),
-            )
-        })?;
+            ));
+        };
         let claim = self.claim(node, instance, seat).instrument(span.clone()).await?;
 
         let (tx, rx) = mpsc::channel(8);
@@ -861,28 +882,29 @@ mod tests {
 
     #[test]
     fn a_fleet_seats_its_nodes_and_those_joining_up_to_its_bound() {
-        let seats = std::sync::Arc::new(Seats::new(3));
+        let seats = std::sync::Arc::new(Seats::new(4));
         let fleet = snapshot(&["a", "b"]);
-        // Joining, not in a snapshot yet: counted all the same.
-        let c = seats.take("c", Some(&fleet)).expect("a third seat");
-        assert!(seats.take("d", Some(&fleet)).is_none(), "full");
+        // Joining, in no snapshot yet: counted all the same.
+        let c = seats.take("c", &fleet).expect("a third seat");
+        let d = seats.take("d", &fleet).expect("a fourth seat");
+        assert!(seats.take("e", &fleet).is_none(), "full");
         // Nodes the fleet holds join again, full as it is.
-        let (_a, _c) = (seats.take("a", Some(&fleet)).expect("a"), seats.take("c", Some(&fleet)).expect("c"));
-        // A stream of this controller's for a node the snapshot shows
-        // counts once.
+        let (_a, _c) = (seats.take("a", &fleet).expect("a"), seats.take("c", &fleet).expect("c"));
+        // Joined nodes the snapshot now shows count once: a seat is free
+        // when one leaves.
         let fleet = snapshot(&["a", "b", "c"]);
-        assert!(seats.take("d", Some(&fleet)).is_none(), "still full");
-        // Its node gone, from the snapshot and from this controller's
-        // streams: a seat is free.
-        drop((c, _c));
+        drop(d);
+        let e = seats.take("e", &fleet).expect("d's seat is e's");
+        assert!(seats.take("f", &fleet).is_none(), "full again");
+        // A node gone from the snapshot and from this controller's
+        // streams is forgotten.
+        drop((c, _c, e));
         let fleet = snapshot(&["a", "b"]);
-        assert!(seats.take("d", Some(&fleet)).is_some(), "c's seat is d's");
-        assert!(seats.held.lock().unwrap().get("c").is_none(), "forgotten");
-
-        // Before the first snapshot, this controller's own streams.
-        let seats = std::sync::Arc::new(Seats::new(2));
-        let _held = [seats.take("x", None).expect("x"), seats.take("y", None).expect("y")];
-        assert!(seats.take("z", None).is_none(), "full");
+        let _f = seats.take("f", &fleet).expect("f");
+        let _g = seats.take("g", &fleet).expect("g");
+        let held = seats.held.lock().unwrap();
+        assert!(!held.streams.contains_key("c") && !held.unseen.contains("c"), "c forgotten");
+        assert_eq!(held.unseen.len(), 2, "f and g, not yet shown");
     }
 
     #[test]

@@ -277,7 +277,12 @@ async fn a_fleet_takes_no_more_nodes_than_max_nodes() {
     use inferyes_proto::v1::{AgentMessage, NodeStatus, Register, agent_message};
 
     let etcd = Etcd::start().await;
-    let controller = ControllerHandle::start_with(&etcd.endpoint(), "controller-1", None, |c| c.max_nodes = 2).await;
+    // Snapshots a second apart: joins at once are seen joining, not in one.
+    let controller = ControllerHandle::start_with(&etcd.endpoint(), "controller-1", None, |c| {
+        c.max_nodes = 2;
+        c.snapshot_debounce_ms = 1_000;
+    })
+    .await;
     let agents = AgentServiceClient::connect(controller.url()).await.unwrap();
     // A node's stream lasts while its sender does.
     let join = |node_id: &str| {
@@ -295,7 +300,7 @@ async fn a_fleet_takes_no_more_nodes_than_max_nodes() {
             agents.join(tokio_stream::wrappers::ReceiverStream::new(rx)).await.map(|stream| (tx, stream))
         }
     };
-    // Three at once, before any snapshot shows one of them.
+    // Three at once, before a snapshot shows one of them.
     let (a, b, c) = tokio::join!(join("node-a"), join("node-b"), join("node-c"));
     let results = [("node-a", a), ("node-b", b), ("node-c", c)];
     let refused: Vec<_> = results.iter().filter_map(|(id, r)| r.as_ref().err().map(|e| (*id, e))).collect();
