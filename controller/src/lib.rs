@@ -146,6 +146,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         shutdown.clone(),
     ));
 
+    metrics.max_nodes.set(i64::try_from(config.max_nodes).unwrap_or(i64::MAX));
     let agents = grpc::AgentSvc {
         store: store.clone(),
         snapshots: snapshots.clone(),

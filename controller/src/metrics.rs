@@ -41,6 +41,12 @@ pub struct DashboardRefusedLabels {
     pub reason: &'static str,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct AgentRefusedLabels {
+    /// `join_token`, `max_nodes` or `node_taken`.
+    pub reason: &'static str,
+}
+
 pub struct Metrics {
     nodes: Family<StateLabels, Gauge>,
     snapshot_version: Gauge,
@@ -64,6 +70,8 @@ pub struct Metrics {
     pub etcd_quota_bytes: Gauge,
     pub connections_refused: Family<RefusedLabels, Counter>,
     pub dashboard_refused: Family<DashboardRefusedLabels, Counter>,
+    pub agents_refused: Family<AgentRefusedLabels, Counter>,
+    pub max_nodes: Gauge,
 }
 
 impl Metrics {
@@ -91,6 +99,8 @@ impl Metrics {
             etcd_quota_bytes: Gauge::default(),
             connections_refused: Family::default(),
             dashboard_refused: Family::default(),
+            agents_refused: Family::default(),
+            max_nodes: Gauge::default(),
         };
         let r = registry.sub_registry_with_prefix("inferyes_controller");
         r.register("nodes", "Nodes in the snapshot, by state (active, draining)", m.nodes.clone());
@@ -135,6 +145,12 @@ impl Metrics {
             "Dashboard logins and reads refused, by reason: token (a wrong token), attempts (its address presented too many wrong ones: 10, then one each 30 s)",
             m.dashboard_refused.clone(),
         );
+        r.register(
+            "agents_refused",
+            "Agents refused as they joined, by reason: join_token (a wrong or missing one), max_nodes (the fleet holds as many nodes as it takes), node_taken (another agent's live lease holds the node id)",
+            m.agents_refused.clone(),
+        );
+        r.register("max_nodes", "Nodes the fleet takes (max_nodes)", m.max_nodes.clone());
         r.register("agent_streams", "Agent streams this controller holds", m.agent_streams.clone());
         r.register("node_writes", "Node records written to etcd", m.node_writes.clone());
         r.register(

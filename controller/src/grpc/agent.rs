@@ -154,6 +154,10 @@ impl AgentSvc {
         AgentServiceServer::new(self)
     }
 
+    fn refused(&self, reason: &'static str) {
+        self.metrics.agents_refused.get_or_create(&crate::metrics::AgentRefusedLabels { reason }).inc();
+    }
+
     /// The fleet as this controller last read it. A join waits for the
     /// first read (the controller has just started), else it is answered
     /// UNAVAILABLE and its agent tries another controller: before it, the
@@ -194,6 +198,7 @@ impl AgentService for AgentSvc {
         if let Some(accepted) = &self.join_token
             && !accepted.accepts(register.join_token.as_bytes())
         {
+            self.refused("join_token");
             let reason = if register.join_token.is_empty() { "needs" } else { "refused the agent's" };
             tracing::warn!(peer = ?peer, "agent refused: wrong or missing join token");
             return Err(status(
@@ -207,6 +212,7 @@ impl AgentService for AgentSvc {
         let span = tracing::info_span!("agent", node = %node.node_id, peer = ?peer);
         let fleet = self.fleet_read().await?;
         let Some(seat) = self.seats.take(&node.node_id, &fleet) else {
+            self.refused("max_nodes");
             tracing::warn!(parent: &span, max_nodes = self.seats.max, "agent refused: the fleet holds its most nodes");
             return Err(status(
                 ErrorKind::Overloaded,
@@ -345,6 +351,7 @@ impl AgentSvc {
         match tokio::time::timeout(CLAIM_TIMEOUT, first).await {
             Ok(Ok(_)) => written = pending.take(),
             Ok(Err(StoreError::NodeTaken(node_id))) => {
+                self.refused("node_taken");
                 tracing::warn!("agent refused: its node id is held by another agent's live lease");
                 return Err(taken_status(&node_id));
             }

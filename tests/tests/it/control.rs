@@ -319,6 +319,10 @@ async fn a_fleet_takes_no_more_nodes_than_max_nodes() {
     })
     .await;
     assert!(join(outside).await.is_err(), "still full");
+    let scraped = HttpClient::default().get(&format!("http://{}/metrics", controller.http_addr)).await;
+    let samples = crate::metrics::parse(std::str::from_utf8(&scraped.body).unwrap());
+    assert_eq!(samples["inferyes_controller_agents_refused_total{reason=\"max_nodes\"}"], 2.0);
+    assert_eq!(samples["inferyes_controller_max_nodes"], 2.0);
     // One leaves: the third takes its place.
     drop(admitted.pop());
     eventually("the third node joined", Duration::from_secs(10), || {

@@ -9,7 +9,7 @@ use serde_json::json;
 use crate::support::{Fleet, chat_body, chat_sim};
 
 /// `name{labels}` → value, for every sample; panics on a malformed line.
-fn parse(text: &str) -> HashMap<String, f64> {
+pub(crate) fn parse(text: &str) -> HashMap<String, f64> {
     let mut samples = HashMap::new();
     for line in text.lines().filter(|l| !l.is_empty()) {
         if line.starts_with('#') {
@@ -127,4 +127,5 @@ async fn agents_and_controllers_expose_what_they_see() {
     assert!(samples["inferyes_controller_etcd_db_size_bytes"] > 0.0, "{text}");
     assert!(samples["inferyes_controller_etcd_db_size_in_use_bytes"] > 0.0);
     assert_eq!(samples["inferyes_controller_etcd_quota_bytes"], 2_147_483_648.0);
+    assert_eq!(samples["inferyes_controller_max_nodes"], 4096.0);
 }
