@@ -334,6 +334,35 @@ async fn a_fleet_takes_no_more_nodes_than_max_nodes() {
 }
 
 #[tokio::test]
+async fn an_agent_the_fleet_has_no_room_for_asks_again_seldom() {
+    let etcd = Etcd::start().await;
+    let controller = ControllerHandle::start_with(&etcd.endpoint(), "controller-1", None, |c| c.max_nodes = 1).await;
+    let sims = [SimHandle::start(chat_sim("chat")).await, SimHandle::start(chat_sim("chat")).await];
+    let _a = AgentHandle::start("node-a", &[controller.url()], &[("main", &sims[0])]).await;
+    let admin = controller.fleet().await;
+    eventually("node-a joined", Duration::from_secs(5), || {
+        let mut admin = admin.clone();
+        async move { admin.list_nodes(ListNodesRequest {}).await.unwrap().into_inner().nodes.len() == 1 }
+    })
+    .await;
+    let metrics = format!("http://{}/metrics", controller.http_addr);
+    let refused = || {
+        let metrics = metrics.clone();
+        async move {
+            let scraped = HttpClient::default().get(&metrics).await;
+            let samples = crate::metrics::parse(std::str::from_utf8(&scraped.body).unwrap());
+            samples.get("inferyes_controller_agents_refused_total{reason=\"max_nodes\"}").copied().unwrap_or(0.0)
+        }
+    };
+    let _b = AgentHandle::start("node-b", &[controller.url()], &[("main", &sims[1])]).await;
+    eventually("node-b refused", Duration::from_secs(5), || async { refused().await >= 1.0 }).await;
+    // What it does next is wait, which nothing shows but time: a reconnecting
+    // agent would have asked three times or more in these seconds.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert_eq!(refused().await, 1.0, "node-b asked again within seconds");
+}
+
+#[tokio::test]
 async fn an_agent_that_stops_reading_its_stream_is_dropped_after_the_lease_ttl() {
     use inferyes_proto::v1::agent_service_client::AgentServiceClient;
     use inferyes_proto::v1::{
