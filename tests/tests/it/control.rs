@@ -5,7 +5,7 @@ use http::{Method, StatusCode};
 use inferyes_proto::v1::{DrainRequest, FollowLiveRequest, ListNodesRequest, UndrainRequest};
 use inferyes_tests::{AgentHandle, ControllerHandle, DataplaneHandle, Etcd, HttpClient, SimHandle, eventually};
 
-use crate::support::{Fleet, chat_body, chat_sim};
+use crate::support::{Fleet, chat_body, chat_sim, scraped};
 
 async fn chat(fleet: &Fleet, session: &str) -> inferyes_tests::TestResponse {
     fleet
@@ -319,10 +319,10 @@ async fn a_fleet_takes_no_more_nodes_than_max_nodes() {
     })
     .await;
     assert!(join(outside).await.is_err(), "still full");
-    let scraped = HttpClient::default().get(&format!("http://{}/metrics", controller.http_addr)).await;
-    let samples = crate::metrics::parse(std::str::from_utf8(&scraped.body).unwrap());
-    assert_eq!(samples["inferyes_controller_agents_refused_total{reason=\"max_nodes\"}"], 2.0);
-    assert_eq!(samples["inferyes_controller_max_nodes"], 2.0);
+    let (http, metrics) = (HttpClient::default(), format!("http://{}/metrics", controller.http_addr));
+    let refused = scraped(&http, &metrics, "inferyes_controller_agents_refused_total", "reason=\"max_nodes\"").await;
+    assert_eq!(refused, 2.0);
+    assert_eq!(scraped(&http, &metrics, "inferyes_controller_max_nodes", "").await, 2.0);
     // One leaves: the third takes its place.
     drop(admitted.pop());
     eventually("the third node joined", Duration::from_secs(10), || {
@@ -345,15 +345,8 @@ async fn an_agent_the_fleet_has_no_room_for_asks_again_seldom() {
         async move { admin.list_nodes(ListNodesRequest {}).await.unwrap().into_inner().nodes.len() == 1 }
     })
     .await;
-    let metrics = format!("http://{}/metrics", controller.http_addr);
-    let refused = || {
-        let metrics = metrics.clone();
-        async move {
-            let scraped = HttpClient::default().get(&metrics).await;
-            let samples = crate::metrics::parse(std::str::from_utf8(&scraped.body).unwrap());
-            samples.get("inferyes_controller_agents_refused_total{reason=\"max_nodes\"}").copied().unwrap_or(0.0)
-        }
-    };
+    let (http, metrics) = (HttpClient::default(), format!("http://{}/metrics", controller.http_addr));
+    let refused = || scraped(&http, &metrics, "inferyes_controller_agents_refused_total", "reason=\"max_nodes\"");
     let _b = AgentHandle::start("node-b", &[controller.url()], &[("main", &sims[1])]).await;
     eventually("node-b refused", Duration::from_secs(5), || async { refused().await >= 1.0 }).await;
     // What it does next is wait, which nothing shows but time: a reconnecting

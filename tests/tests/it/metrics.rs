@@ -9,7 +9,7 @@ use serde_json::json;
 use crate::support::{Fleet, chat_body, chat_sim};
 
 /// `name{labels}` → value, for every sample; panics on a malformed line.
-pub(crate) fn parse(text: &str) -> HashMap<String, f64> {
+fn parse(text: &str) -> HashMap<String, f64> {
     let mut samples = HashMap::new();
     for line in text.lines().filter(|l| !l.is_empty()) {
         if line.starts_with('#') {
