@@ -150,6 +150,9 @@ pub struct Config {
     /// Nodes the fleet takes: past it, a join naming a node it does not
     /// hold is refused until one leaves.
     pub max_nodes: usize,
+    /// Bytes of node records this controller writes to etcd a second, all
+    /// nodes together, after a burst of 16 s of it.
+    pub max_node_write_bytes_per_second: u64,
     /// Connections the gRPC port holds open at once (an agent or a data
     /// plane holds one or two), and of those what peers none of whose
     /// calls has yet succeeded may hold, together and per address (an
@@ -173,6 +176,8 @@ pub struct Config {
     #[serde(skip)]
     pub viewer_token: Option<String>,
 }
+
+const MIN_NODE_WRITE_BYTES_PER_SECOND: u64 = 32 << 10;
 
 impl Default for Config {
     fn default() -> Config {
@@ -207,6 +212,7 @@ impl Default for Config {
             placement_order_timeout_secs: 600,
             placement_idle_secs: 300,
             max_nodes: 4_096,
+            max_node_write_bytes_per_second: 1 << 20,
             max_grpc_connections: 16_384,
             max_grpc_stranger_connections: 1_024,
             max_grpc_stranger_connections_per_address: 128,
@@ -309,6 +315,12 @@ impl Config {
         .contains(&0)
         {
             bail!("max_nodes, max_grpc_connections, max_http_connections and their shares must be positive");
+        }
+        if self.max_node_write_bytes_per_second < MIN_NODE_WRITE_BYTES_PER_SECOND {
+            bail!(
+                "max_node_write_bytes_per_second must be at least {MIN_NODE_WRITE_BYTES_PER_SECOND}: its burst of \
+                 16 s must hold the largest node record, 512 KiB"
+            );
         }
         if self.placement_order_timeout_secs == 0 {
             bail!("placement_order_timeout_secs must be at least 1: longer than a model takes to load");

@@ -160,7 +160,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         live: live_tx,
         views: views.clone(),
         streams: std::sync::Arc::default(),
-        pacing: std::sync::Arc::default(),
+        pacing: std::sync::Arc::new(grpc::WritePacing::new(config.max_node_write_bytes_per_second)),
         seats: std::sync::Arc::new(grpc::Seats::new(config.max_nodes)),
     };
     let routing = grpc::RoutingSvc {

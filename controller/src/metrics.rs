@@ -58,6 +58,7 @@ pub struct Metrics {
     pub placement_leading: Gauge,
     pub agent_streams: Gauge,
     pub node_writes: Counter,
+    pub node_write_bytes: Counter,
     pub node_write_failures: Counter,
     pub node_write_seconds: Histogram,
     pub lease_keepalives: Counter,
@@ -87,6 +88,7 @@ impl Metrics {
             placement_leading: Gauge::default(),
             agent_streams: Gauge::default(),
             node_writes: Counter::default(),
+            node_write_bytes: Counter::default(),
             node_write_failures: Counter::default(),
             node_write_seconds: Histogram::new(exponential_buckets(0.0005, 2.0, 14)),
             lease_keepalives: Counter::default(),
@@ -153,6 +155,11 @@ impl Metrics {
         r.register("max_nodes", "Nodes the fleet takes (max_nodes)", m.max_nodes.clone());
         r.register("agent_streams", "Agent streams this controller holds", m.agent_streams.clone());
         r.register("node_writes", "Node records written to etcd", m.node_writes.clone());
+        r.register(
+            "node_write_bytes",
+            "Bytes of node records written to etcd (at most max_node_write_bytes_per_second, after a burst)",
+            m.node_write_bytes.clone(),
+        );
         r.register(
             "node_write_failures",
             "Node record writes that failed (held for retry)",

@@ -126,20 +126,60 @@ impl Drop for Seat {
 /// across the node's streams to this controller, so that an agent joining
 /// again and again writes no faster than one that stays. Only nodes that
 /// must still wait are kept.
-#[derive(Default)]
-pub struct WritePacing(std::sync::Mutex<std::collections::HashMap<String, Instant>>);
+///
+/// And all nodes' writes together, at most `max_node_write_bytes_per_second`
+/// after a burst of [`FLEET_WRITE_BURST`] of it: etcd keeps every write
+/// until compaction, and nodes joining under new ids, each a first write,
+/// would otherwise fill its quota at the rate joins are answered.
+pub struct WritePacing {
+    nodes: std::sync::Mutex<std::collections::HashMap<String, Instant>>,
+    /// All writes' bytes at `fleet_rate`, as one clock (GCRA): each moves
+    /// it on by its bytes' time, from now where it is behind, and may go
+    /// where that leaves it at most a burst ahead of now. Taken before the
+    /// write, so that writes at once cannot all pass.
+    fleet: std::sync::Mutex<Instant>,
+    fleet_rate: u64,
+}
+
+/// How far ahead of now all nodes' writes may be.
+const FLEET_WRITE_BURST: Duration = Duration::from_secs(16);
 
 impl WritePacing {
-    /// When `node_id`'s record may next be written: now, or later.
-    fn next(&self, node_id: &str) -> Instant {
+    pub fn new(fleet_bytes_per_second: u64) -> WritePacing {
+        WritePacing {
+            nodes: std::sync::Mutex::default(),
+            fleet: std::sync::Mutex::new(Instant::now()),
+            fleet_rate: fleet_bytes_per_second.max(1),
+        }
+    }
+
+    /// When `node_id`'s record may next be written, by its own writes: now,
+    /// or later.
+    fn node_next(&self, node_id: &str) -> Instant {
         let now = Instant::now();
-        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner).get(node_id).map_or(now, |at| now.max(*at))
+        let nodes = self.nodes.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        nodes.get(node_id).map_or(now, |at| now.max(*at))
+    }
+
+    /// Takes `bytes` of all nodes' writes, where they are within their
+    /// rate now; else when to ask again.
+    fn fleet_take(&self, bytes: usize) -> Result<(), Instant> {
+        let now = Instant::now();
+        let mut fleet = self.fleet.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let after = (*fleet).max(now) + spacing(bytes, self.fleet_rate);
+        match after.checked_sub(FLEET_WRITE_BURST) {
+            Some(at) if at > now => Err(at),
+            _ => {
+                *fleet = after;
+                Ok(())
+            }
+        }
     }
 
     /// `node_id`'s record was written now, `bytes` long.
     fn wrote(&self, node_id: &str, bytes: usize, min_interval: Duration) {
         let now = Instant::now();
-        let mut next = self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut next = self.nodes.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         next.retain(|_, at| *at > now);
         next.insert(node_id.to_string(), now + min_interval.max(write_spacing(bytes)));
     }
@@ -262,8 +302,13 @@ const MAX_URL_BYTES: usize = 2048;
 /// [`NODE_WRITE_BYTES_PER_SECOND`], however often its status changes,
 /// so that no agent (or backend it reads) fills etcd's history.
 fn write_spacing(bytes: usize) -> Duration {
+    spacing(bytes, NODE_WRITE_BYTES_PER_SECOND)
+}
+
+/// How long `bytes` take at `bytes_per_second`.
+fn spacing(bytes: usize, bytes_per_second: u64) -> Duration {
     let bytes = u64::try_from(bytes).unwrap_or(u64::MAX);
-    Duration::from_millis(bytes.saturating_mul(1000) / NODE_WRITE_BYTES_PER_SECOND)
+    Duration::from_millis(bytes.saturating_mul(1000) / bytes_per_second.max(1))
 }
 
 /// Bytes a node's record may be written at, sustained: a real node's
@@ -346,8 +391,16 @@ impl AgentSvc {
         // A node that joins again before its last write's time is up waits
         // for it (8 s at most, for the largest record): joining again and
         // again writes no faster than staying.
-        tokio::time::sleep_until(self.pacing.next(&reported.durable.node_id)).await;
-        let first = self.write(&mut lease, reported.durable.clone(), registered_unix_ms, &instance_digest);
+        tokio::time::sleep_until(self.pacing.node_next(&reported.durable.node_id)).await;
+        // Where all nodes' writes are at their rate, it is held for retry
+        // rather than hold up the join.
+        let bytes = prost::Message::encoded_len(&reported.durable);
+        let first = async {
+            while let Err(at) = self.pacing.fleet_take(bytes) {
+                tokio::time::sleep_until(at).await;
+            }
+            self.write(&mut lease, reported.durable.clone(), registered_unix_ms, &instance_digest).await
+        };
         match tokio::time::timeout(CLAIM_TIMEOUT, first).await {
             Ok(Ok(_)) => written = pending.take(),
             Ok(Err(StoreError::NodeTaken(node_id))) => {
@@ -679,7 +732,7 @@ impl NodeWriter {
         taken: CancellationToken,
     ) {
         let node_id = desired.borrow().node_id.clone();
-        let mut write_at = self.svc.pacing.next(&node_id);
+        let mut write_at = self.svc.pacing.node_next(&node_id);
         let mut backoff = inferyes_net::backoff::RECONNECT;
         let mut keepalive = tokio::time::interval(self.svc.lease_ttl / 3);
         keepalive.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -699,13 +752,17 @@ impl NodeWriter {
                 }
                 () = sleep_until(due) => {
                     let Some(status) = self.pending.clone() else { continue };
+                    if let Err(at) = self.svc.pacing.fleet_take(prost::Message::encoded_len(&status)) {
+                        write_at = at;
+                        continue;
+                    }
                     let svc = self.svc.clone();
                     match svc.write(&mut self.lease, status.clone(), self.registered_unix_ms, &self.instance_digest).await {
                         Ok(revision) => {
                             tracing::debug!(revision, "node status written");
                             self.written = Some(status);
                             self.pending = None;
-                            write_at = self.svc.pacing.next(&node_id);
+                            write_at = self.svc.pacing.node_next(&node_id);
                             backoff.reset();
                         }
                         Err(StoreError::NodeTaken(_)) => {
@@ -805,6 +862,7 @@ impl AgentSvc {
             }
         };
         self.metrics.node_writes.inc();
+        self.metrics.node_write_bytes.inc_by(u64::try_from(record_bytes).unwrap_or(u64::MAX));
         self.pacing.wrote(&record_node_id, record_bytes, self.min_write_interval);
         *lease = Some(current);
         Ok(revision)
@@ -912,6 +970,21 @@ mod tests {
         let held = seats.held.lock().unwrap();
         assert!(!held.streams.contains_key("c") && !held.unseen.contains("c"), "c forgotten");
         assert_eq!(held.unseen.len(), 2, "f and g, not yet shown");
+    }
+
+    #[test]
+    fn all_nodes_writes_go_at_their_rate_after_a_burst() {
+        // 16 s of 64 KiB a second: four records of 256 KiB.
+        let pacing = WritePacing::new(64 << 10);
+        for _ in 0..4 {
+            pacing.fleet_take(256 << 10).expect("within the burst");
+        }
+        let at = pacing.fleet_take(256 << 10).expect_err("past the burst");
+        let wait = at - Instant::now();
+        assert!(wait > Duration::from_millis(3_900) && wait <= Duration::from_secs(4), "{wait:?}");
+        // A refusal takes nothing: asked again, the same answer.
+        let again = pacing.fleet_take(256 << 10).expect_err("still past");
+        assert!(again - at < Duration::from_millis(100), "{:?}", again - at);
     }
 
     #[test]

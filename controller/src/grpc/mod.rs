@@ -5,7 +5,7 @@ mod agent;
 mod fleet;
 mod routing;
 
-pub use agent::{AgentSvc, Seats};
+pub use agent::{AgentSvc, Seats, WritePacing};
 pub use fleet::FleetSvc;
 pub use routing::RoutingSvc;
 

@@ -422,17 +422,12 @@ async fn an_agent_that_stops_reading_its_stream_is_dropped_after_the_lease_ttl()
     writing.abort();
 }
 
-#[tokio::test]
-async fn a_node_whose_large_record_changes_all_the_time_is_written_at_a_bounded_rate() {
-    use inferyes_proto::v1::agent_service_client::AgentServiceClient;
-    use inferyes_proto::v1::{AgentMessage, Backend, Model, NodeStatus, Register, agent_message};
-
-    let etcd = Etcd::start().await;
-    let controller = ControllerHandle::start(&etcd.endpoint(), "controller-1").await;
-    // A record of about 256 KiB (a backend, or the agent, naming a
-    // thousand long models), whose first model is renamed every 50 ms.
-    let status = |round: usize| NodeStatus {
-        node_id: "chatty".into(),
+/// A node's status whose record is about 256 KiB (a backend, or the
+/// agent, naming a thousand long models), its models named for `round`.
+fn large_status(node_id: &str, round: usize) -> inferyes_proto::v1::NodeStatus {
+    use inferyes_proto::v1::{Backend, Model, NodeStatus};
+    NodeStatus {
+        node_id: node_id.into(),
         proxy_url: "http://127.0.0.1:9".into(),
         backends: (0..4)
             .map(|b| Backend {
@@ -444,7 +439,64 @@ async fn a_node_whose_large_record_changes_all_the_time_is_written_at_a_bounded_
             })
             .collect(),
         ..Default::default()
+    }
+}
+
+#[tokio::test]
+async fn nodes_joining_under_new_ids_write_no_faster_than_the_controller_s_budget() {
+    use inferyes_proto::v1::agent_service_client::AgentServiceClient;
+    use inferyes_proto::v1::{AgentMessage, Register, agent_message};
+
+    const RATE: u64 = 64 << 10;
+    let etcd = Etcd::start().await;
+    let controller = ControllerHandle::start_with(&etcd.endpoint(), "controller-1", None, |c| {
+        c.max_node_write_bytes_per_second = RATE;
+    })
+    .await;
+    // Records of about 256 KiB each, under ids of their own: each its
+    // node's first write, which no node's own pace holds back.
+    let status = |node: usize| large_status(&format!("new-{node}"), 0);
+    let record = prost::Message::encoded_len(&status(0)) as f64;
+    let agents = AgentServiceClient::connect(controller.url()).await.unwrap();
+    let join = |node: usize| {
+        let mut agents = agents.clone();
+        let register = Register {
+            status: Some(status(node)),
+            join_token: inferyes_tests::fleet::JOIN_TOKEN.into(),
+            ..Default::default()
+        };
+        async move {
+            let (tx, rx) = tokio::sync::mpsc::channel(1);
+            tx.send(AgentMessage { msg: Some(agent_message::Msg::Register(register)) }).await.unwrap();
+            let joined = agents.join(tokio_stream::wrappers::ReceiverStream::new(rx)).await.unwrap();
+            (tx, joined)
+        }
     };
+    let started = std::time::Instant::now();
+    let joining: Vec<_> = (0..12).map(|node| tokio::spawn(join(node))).collect();
+    let mut joined = Vec::new();
+    for node in joining {
+        joined.push(node.await.unwrap());
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    let (http, metrics) = (HttpClient::default(), format!("http://{}/metrics", controller.http_addr));
+    let written = scraped(&http, &metrics, "inferyes_controller_node_write_bytes_total", "").await;
+    // A burst of 16 s of the rate, then the rate; every join was answered.
+    let budget = 16.0 * RATE as f64 + elapsed * RATE as f64;
+    assert!(written <= budget + record, "{written} bytes written in {elapsed:.1} s, over {budget}");
+    assert!(written >= 4.0 * record, "the burst's records were written: {written}");
+    drop(joined);
+}
+
+#[tokio::test]
+async fn a_node_whose_large_record_changes_all_the_time_is_written_at_a_bounded_rate() {
+    use inferyes_proto::v1::agent_service_client::AgentServiceClient;
+    use inferyes_proto::v1::{AgentMessage, Register, agent_message};
+
+    let etcd = Etcd::start().await;
+    let controller = ControllerHandle::start(&etcd.endpoint(), "controller-1").await;
+    // Its first model renamed every 50 ms.
+    let status = |round: usize| large_status("chatty", round);
     let (tx, rx) = tokio::sync::mpsc::channel(64);
     let register = Register {
         status: Some(status(0)),
