@@ -70,7 +70,7 @@ pub async fn run(
                 if !full {
                     tracing::warn!(controller = %address, %error, "controller stream lost; trying the next one");
                 } else if !std::mem::replace(&mut said_full, true) {
-                    tracing::warn!(controller = %address, %error, "the fleet has no room for this node; asking again every 30-60 s");
+                    tracing::warn!(controller = %address, %error, "the fleet has no room for this node; asking again every 20-60 s");
                 }
                 full
             }
@@ -82,10 +82,11 @@ pub async fn run(
     }
 }
 
-/// How long an agent the fleet has no room for waits before asking again:
-/// every controller would answer the same, and each try costs them.
+/// How long an agent the fleet has no room for waits before asking again,
+/// 20-60 s: every controller would answer the same, and each try costs
+/// them.
 const FLEET_FULL: inferyes_net::backoff::Backoff =
-    inferyes_net::backoff::Backoff::new(Duration::from_secs(30), Duration::from_secs(60));
+    inferyes_net::backoff::Backoff::new(Duration::from_secs(40), Duration::from_secs(40));
 
 /// Placement orders held for the node at once; more are not believed.
 const MAX_ORDERS: usize = 64;
