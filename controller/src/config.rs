@@ -151,7 +151,7 @@ pub struct Config {
     /// hold is refused until one leaves.
     pub max_nodes: usize,
     /// Bytes of node records this controller writes to etcd a second, all
-    /// nodes together, after a burst of 16 s of it.
+    /// nodes together, after a burst of 64 s of it.
     pub max_node_write_bytes_per_second: u64,
     /// Connections the gRPC port holds open at once (an agent or a data
     /// plane holds one or two), and of those what peers none of whose
@@ -319,7 +319,7 @@ impl Config {
         if self.max_node_write_bytes_per_second < MIN_NODE_WRITE_BYTES_PER_SECOND {
             bail!(
                 "max_node_write_bytes_per_second must be at least {MIN_NODE_WRITE_BYTES_PER_SECOND}: its burst of \
-                 16 s must hold the largest node record, 512 KiB"
+                 64 s must hold the largest node record, 512 KiB, several times over"
             );
         }
         if self.placement_order_timeout_secs == 0 {

@@ -133,16 +133,22 @@ impl Drop for Seat {
 /// would otherwise fill its quota at the rate joins are answered.
 pub struct WritePacing {
     nodes: std::sync::Mutex<std::collections::HashMap<String, Instant>>,
-    /// All writes' bytes at `fleet_rate`, as one clock (GCRA): each moves
-    /// it on by its bytes' time, from now where it is behind, and may go
-    /// where that leaves it at most a burst ahead of now. Taken before the
-    /// write, so that writes at once cannot all pass.
+    /// All writes' bytes at `fleet_rate`, as one clock (GCRA): each write
+    /// moves it on by its bytes' time, from now where it is behind, and
+    /// goes once that leaves it at most a burst ahead of now. Reserved
+    /// before the write, so that writes at once cannot all pass, and in
+    /// order, so that none waits behind later ones.
     fleet: std::sync::Mutex<Instant>,
     fleet_rate: u64,
 }
 
-/// How far ahead of now all nodes' writes may be.
-const FLEET_WRITE_BURST: Duration = Duration::from_secs(16);
+/// How far ahead of now all nodes' writes may be: at the default rate, a
+/// few thousand nodes joining again at once after a restart.
+const FLEET_WRITE_BURST: Duration = Duration::from_secs(64);
+
+/// What etcd keeps of a write beyond its record: the key, the revision's
+/// own bytes, the lease's.
+const WRITE_OVERHEAD_BYTES: usize = 512;
 
 impl WritePacing {
     pub fn new(fleet_bytes_per_second: u64) -> WritePacing {
@@ -161,19 +167,14 @@ impl WritePacing {
         nodes.get(node_id).map_or(now, |at| now.max(*at))
     }
 
-    /// Takes `bytes` of all nodes' writes, where they are within their
-    /// rate now; else when to ask again.
-    fn fleet_take(&self, bytes: usize) -> Result<(), Instant> {
+    /// Reserves a write of a record `bytes` long among all nodes' writes:
+    /// when it may go, now or later. First come, first served; a
+    /// reservation not used is not given back.
+    fn fleet_reserve(&self, bytes: usize) -> Instant {
         let now = Instant::now();
         let mut fleet = self.fleet.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        let after = (*fleet).max(now) + spacing(bytes, self.fleet_rate);
-        match after.checked_sub(FLEET_WRITE_BURST) {
-            Some(at) if at > now => Err(at),
-            _ => {
-                *fleet = after;
-                Ok(())
-            }
-        }
+        *fleet = (*fleet).max(now) + spacing(bytes.saturating_add(WRITE_OVERHEAD_BYTES), self.fleet_rate);
+        fleet.checked_sub(FLEET_WRITE_BURST).map_or(now, |at| at.max(now))
     }
 
     /// `node_id`'s record was written now, `bytes` long.
@@ -392,27 +393,29 @@ impl AgentSvc {
         // for it (8 s at most, for the largest record): joining again and
         // again writes no faster than staying.
         tokio::time::sleep_until(self.pacing.node_next(&reported.durable.node_id)).await;
-        // Where all nodes' writes are at their rate, it is held for retry
-        // rather than hold up the join.
-        let bytes = prost::Message::encoded_len(&reported.durable);
-        let first = async {
-            while let Err(at) = self.pacing.fleet_take(bytes) {
+        let mut reserved = Some(self.pacing.fleet_reserve(prost::Message::encoded_len(&reported.durable)));
+        // Where all nodes' writes are at their rate for longer than a join
+        // waits, the writer makes it at its turn.
+        if let Some(at) = reserved.filter(|at| *at <= Instant::now() + CLAIM_TIMEOUT) {
+            reserved = None;
+            let first = async {
                 tokio::time::sleep_until(at).await;
+                self.write(&mut lease, reported.durable.clone(), registered_unix_ms, &instance_digest).await
+            };
+            match tokio::time::timeout(CLAIM_TIMEOUT, first).await {
+                Ok(Ok(_)) => written = pending.take(),
+                Ok(Err(StoreError::NodeTaken(node_id))) => {
+                    self.refused("node_taken");
+                    tracing::warn!("agent refused: its node id is held by another agent's live lease");
+                    return Err(taken_status(&node_id));
+                }
+                // Written on the next try; the stream goes on meanwhile.
+                Ok(Err(error)) => tracing::warn!(%error, "node status not written; holding it for retry"),
+                Err(_) => tracing::warn!("etcd slow to take the node's first write; holding it for retry"),
             }
-            self.write(&mut lease, reported.durable.clone(), registered_unix_ms, &instance_digest).await
-        };
-        match tokio::time::timeout(CLAIM_TIMEOUT, first).await {
-            Ok(Ok(_)) => written = pending.take(),
-            Ok(Err(StoreError::NodeTaken(node_id))) => {
-                self.refused("node_taken");
-                tracing::warn!("agent refused: its node id is held by another agent's live lease");
-                return Err(taken_status(&node_id));
-            }
-            // Written on the next try; the stream goes on meanwhile.
-            Ok(Err(error)) => tracing::warn!(%error, "node status not written; holding it for retry"),
-            Err(_) => tracing::warn!("etcd slow to take the node's first write; holding it for retry"),
         }
-        let writer = NodeWriter { svc: self.clone(), lease, pending, written, registered_unix_ms, instance_digest };
+        let writer =
+            NodeWriter { svc: self.clone(), lease, pending, written, reserved, registered_unix_ms, instance_digest };
         Ok(Claim { reported, seat, writer })
     }
 
@@ -716,6 +719,9 @@ struct NodeWriter {
     /// The status still to write, if any.
     pending: Option<NodeStatus>,
     written: Option<NodeStatus>,
+    /// When the next write's turn among all nodes' writes comes, where it
+    /// was reserved and not yet made.
+    reserved: Option<Instant>,
     registered_unix_ms: u64,
     instance_digest: String,
 }
@@ -732,7 +738,7 @@ impl NodeWriter {
         taken: CancellationToken,
     ) {
         let node_id = desired.borrow().node_id.clone();
-        let mut write_at = self.svc.pacing.node_next(&node_id);
+        let mut write_at = self.svc.pacing.node_next(&node_id).max(self.reserved.unwrap_or_else(Instant::now));
         let mut backoff = inferyes_net::backoff::RECONNECT;
         let mut keepalive = tokio::time::interval(self.svc.lease_ttl / 3);
         keepalive.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -752,10 +758,15 @@ impl NodeWriter {
                 }
                 () = sleep_until(due) => {
                     let Some(status) = self.pending.clone() else { continue };
-                    if let Err(at) = self.svc.pacing.fleet_take(prost::Message::encoded_len(&status)) {
-                        write_at = at;
-                        continue;
+                    if self.reserved.is_none() {
+                        let at = self.svc.pacing.fleet_reserve(prost::Message::encoded_len(&status));
+                        if at > Instant::now() {
+                            self.reserved = Some(at);
+                            write_at = at;
+                            continue;
+                        }
                     }
+                    self.reserved = None;
                     let svc = self.svc.clone();
                     match svc.write(&mut self.lease, status.clone(), self.registered_unix_ms, &self.instance_digest).await {
                         Ok(revision) => {
@@ -973,18 +984,17 @@ mod tests {
     }
 
     #[test]
-    fn all_nodes_writes_go_at_their_rate_after_a_burst() {
-        // 16 s of 64 KiB a second: four records of 256 KiB.
+    fn all_nodes_writes_go_in_turn_at_their_rate_after_a_burst() {
+        // 64 s of 64 KiB a second: fifteen records of 256 KiB, each taking
+        // 4,007 ms of the rate with what etcd keeps beside it.
         let pacing = WritePacing::new(64 << 10);
-        for _ in 0..4 {
-            pacing.fleet_take(256 << 10).expect("within the burst");
-        }
-        let at = pacing.fleet_take(256 << 10).expect_err("past the burst");
-        let wait = at - Instant::now();
-        assert!(wait > Duration::from_millis(3_900) && wait <= Duration::from_secs(4), "{wait:?}");
-        // A refusal takes nothing: asked again, the same answer.
-        let again = pacing.fleet_take(256 << 10).expect_err("still past");
-        assert!(again - at < Duration::from_millis(100), "{:?}", again - at);
+        let now = Instant::now();
+        let turns: Vec<Duration> =
+            (0..18).map(|_| pacing.fleet_reserve(256 << 10).saturating_duration_since(now)).collect();
+        assert!(turns[..15].iter().all(|turn| *turn < Duration::from_secs(1)), "{turns:?}");
+        assert!(turns[15] > Duration::ZERO, "{turns:?}");
+        assert_eq!(turns[17] - turns[16], Duration::from_millis(4_007), "{turns:?}");
+        assert_eq!(turns[16] - turns[15], Duration::from_millis(4_007), "{turns:?}");
     }
 
     #[test]
