@@ -58,11 +58,11 @@ pub struct AgentSvc {
 /// does not hold is refused where it holds that many already. So a
 /// join-token holder cannot add nodes without bound, each with its
 /// sessions in every controller's and data plane's memory and its record
-/// in etcd. The fleet's nodes are the snapshot's, and those joining
-/// through this controller that no snapshot shows yet: joins at once
-/// cannot all pass on a snapshot that shows none of them. (Joins at the
-/// same moment through several controllers can each take the free
-/// places.)
+/// in etcd. The fleet's nodes are the snapshot's, and those with a stream
+/// here that it does not show (joining, or their record gone while their
+/// stream lasts): joins at once cannot all pass on a snapshot that shows
+/// none of them. (Joins at the same moment through several controllers
+/// can each take the free places.)
 pub struct Seats {
     max: usize,
     held: std::sync::Mutex<Held>,
@@ -72,9 +72,11 @@ pub struct Seats {
 struct Held {
     /// This controller's streams, by node.
     streams: std::collections::HashMap<String, usize>,
-    /// Of those, the nodes no snapshot showed when they last looked: few,
-    /// so a join counts them without a walk of the fleet.
+    /// Of those, the nodes the snapshot of `version` does not show
+    /// (joining, or gone from etcd while their stream lasts): counted once
+    /// a snapshot, then kept as streams come and go.
     unseen: std::collections::HashSet<String>,
+    version: Option<u64>,
 }
 
 /// A node's seat, held by one of its streams.
@@ -94,8 +96,11 @@ impl Seats {
     fn take(self: &std::sync::Arc<Self>, node_id: &str, snapshot: &crate::snapshot::Snapshot) -> Option<Seat> {
         let shown = |id: &str| snapshot.node(id).is_some();
         let mut held = self.held.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if held.version != Some(snapshot.version()) {
+            held.unseen = held.streams.keys().filter(|id| !shown(id)).cloned().collect();
+            held.version = Some(snapshot.version());
+        }
         if !shown(node_id) && !held.streams.contains_key(node_id) {
-            held.unseen.retain(|id| !shown(id));
             let fleet = snapshot.node_count() + held.unseen.len();
             if fleet >= self.max {
                 return None;
@@ -946,20 +951,20 @@ mod tests {
         assert!(validate(&node("ftp://h".into())).is_err());
     }
 
-    fn snapshot(nodes: &[&str]) -> crate::snapshot::Snapshot {
+    fn snapshot(revision: u64, nodes: &[&str]) -> crate::snapshot::Snapshot {
         use crate::store::{WatchBatch, WatchEvent};
         let put = |id: &&str| {
             let status = NodeStatus { node_id: (*id).into(), ..Default::default() };
             WatchEvent::NodePut((*id).into(), NodeRecord { status: Some(status), ..Default::default() })
         };
         let events = nodes.iter().map(put).collect();
-        crate::snapshot::build(&crate::fleet::FleetState::from_load(WatchBatch { revision: 1, events }), None)
+        crate::snapshot::build(&crate::fleet::FleetState::from_load(WatchBatch { revision, events }), None)
     }
 
     #[test]
     fn a_fleet_seats_its_nodes_and_those_joining_up_to_its_bound() {
         let seats = std::sync::Arc::new(Seats::new(4));
-        let fleet = snapshot(&["a", "b"]);
+        let fleet = snapshot(1, &["a", "b"]);
         // Joining, in no snapshot yet: counted all the same.
         let c = seats.take("c", &fleet).expect("a third seat");
         let d = seats.take("d", &fleet).expect("a fourth seat");
@@ -968,19 +973,25 @@ mod tests {
         let (_a, _c) = (seats.take("a", &fleet).expect("a"), seats.take("c", &fleet).expect("c"));
         // Joined nodes the snapshot now shows count once: a seat is free
         // when one leaves.
-        let fleet = snapshot(&["a", "b", "c"]);
+        let fleet = snapshot(2, &["a", "b", "c"]);
         drop(d);
         let e = seats.take("e", &fleet).expect("d's seat is e's");
         assert!(seats.take("f", &fleet).is_none(), "full again");
         // A node gone from the snapshot and from this controller's
         // streams is forgotten.
         drop((c, _c, e));
-        let fleet = snapshot(&["a", "b"]);
+        let fleet = snapshot(3, &["a", "b"]);
         let _f = seats.take("f", &fleet).expect("f");
         let _g = seats.take("g", &fleet).expect("g");
-        let held = seats.held.lock().unwrap();
-        assert!(!held.streams.contains_key("c") && !held.unseen.contains("c"), "c forgotten");
-        assert_eq!(held.unseen.len(), 2, "f and g, not yet shown");
+        {
+            let held = seats.held.lock().unwrap();
+            assert!(!held.streams.contains_key("c") && !held.unseen.contains("c"), "c forgotten");
+            assert_eq!(held.unseen.len(), 2, "f and g, not yet shown");
+        }
+        // A node whose record is gone while its stream here lasts (its
+        // lease ran out with etcd away) still counts.
+        let fleet = snapshot(4, &["b"]);
+        assert!(seats.take("h", &fleet).is_none(), "a, b, f and g");
     }
 
     #[test]
