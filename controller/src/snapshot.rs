@@ -68,6 +68,11 @@ impl Snapshot {
         self.nodes.values().map(|n| n.as_ref())
     }
 
+    /// The record `node_id`'s node was built from.
+    pub fn record(&self, node_id: &str) -> Option<&NodeRecord> {
+        self.sources.get(node_id).map(|r| r.as_ref())
+    }
+
     pub fn node_count(&self) -> usize {
         self.nodes.len()
     }

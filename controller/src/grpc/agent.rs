@@ -21,7 +21,7 @@ use crate::live::LiveEvent;
 use crate::reconcile::SnapshotRx;
 use crate::residency::{Check, Numbering};
 
-use crate::store::{EtcdStore, Lease, StoreError};
+use crate::store::{EtcdStore, Lease, StoreError, held_by_another};
 
 /// Serves agent streams. Each stream is the one writer of its node's etcd
 /// key: it holds the node's lease, keeps it alive while the agent is heard
@@ -269,7 +269,7 @@ impl AgentService for AgentSvc {
                 ),
             ));
         };
-        let claim = self.claim(node, instance, seat).instrument(span.clone()).await?;
+        let claim = self.claim(node, instance, seat, &fleet).instrument(span.clone()).await?;
 
         let (tx, rx) = mpsc::channel(8);
         let registered = ControllerMessage {
@@ -387,7 +387,13 @@ impl AgentSvc {
     /// The node's first write, before the stream is answered: the node id
     /// is this agent's before anything of it reaches the fleet, and a
     /// registration naming another live agent's node id is refused.
-    async fn claim(&self, node: NodeStatus, instance_digest: String, seat: Seat) -> Result<Claim, Status> {
+    async fn claim(
+        &self,
+        node: NodeStatus,
+        instance_digest: String,
+        seat: Seat,
+        fleet: &crate::snapshot::Snapshot,
+    ) -> Result<Claim, Status> {
         let registered_unix_ms = inferyes_proto::unix_ms();
         let mut lease: Option<Lease> = None;
         let mut reported = Reported::default();
@@ -418,6 +424,15 @@ impl AgentSvc {
                 Ok(Err(error)) => tracing::warn!(%error, "node status not written; holding it for retry"),
                 Err(_) => tracing::warn!("etcd slow to take the node's first write; holding it for retry"),
             }
+        }
+        // Not written yet, etcd has not said whose the node id is: the fleet
+        // as last read says it, so that no stream goes on under a node id
+        // another agent's live lease holds.
+        let node_id = &reported.durable.node_id;
+        if pending.is_some() && fleet.record(node_id).is_some_and(|held| held_by_another(held, &instance_digest)) {
+            self.refused("node_taken");
+            tracing::warn!("agent refused: its node id is held by another agent's live lease");
+            return Err(taken_status(node_id));
         }
         let writer =
             NodeWriter { svc: self.clone(), lease, pending, written, reserved, registered_unix_ms, instance_digest };

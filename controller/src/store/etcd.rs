@@ -225,9 +225,7 @@ impl EtcdStore {
             // instance digest (its agent sends none), taken over by a
             // compare on its revision, the last write winning; or one no
             // controller can read.
-            Some((mod_revision, Ok(current)))
-                if current.instance_digest.is_empty() || current.instance_digest == record.instance_digest =>
-            {
+            Some((mod_revision, Ok(current))) if !held_by_another(&current, &record.instance_digest) => {
                 Compare::mod_revision(key.clone(), CompareOp::Equal, mod_revision)
             }
             Some((mod_revision, Err(_))) => Compare::mod_revision(key.clone(), CompareOp::Equal, mod_revision),
@@ -341,6 +339,14 @@ impl Watch {
             return Ok(WatchBatch { revision, events });
         }
     }
+}
+
+/// Whether a node's record `current` belongs to an agent other than the
+/// one of `instance_digest`, so that it may not be written over: one of
+/// another instance. A record with no instance (its agent sends none) is
+/// anyone's, the last write winning.
+pub fn held_by_another(current: &NodeRecord, instance_digest: &str) -> bool {
+    !current.instance_digest.is_empty() && current.instance_digest != instance_digest
 }
 
 fn revision(header: Option<&etcd_client::ResponseHeader>) -> u64 {
