@@ -43,7 +43,7 @@ pub struct DashboardRefusedLabels {
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct AgentRefusedLabels {
-    /// `join_token`, `max_nodes` or `node_taken`.
+    /// `join_token`, `max_nodes`, `node_taken` or `write_budget`.
     pub reason: &'static str,
 }
 
@@ -149,7 +149,7 @@ impl Metrics {
         );
         r.register(
             "agents_refused",
-            "Agents refused as they joined, by reason: join_token (a wrong or missing one), max_nodes (the fleet holds as many nodes as it takes), node_taken (another agent's live lease holds the node id)",
+            "Agents refused as they joined, by reason: join_token (a wrong or missing one), max_nodes (the fleet holds as many nodes as it takes), node_taken (another agent's live lease holds the node id), write_budget (the controller's writes to etcd are at max_node_write_bytes_per_second)",
             m.agents_refused.clone(),
         );
         r.register("max_nodes", "Nodes the fleet takes (max_nodes)", m.max_nodes.clone());

@@ -173,13 +173,34 @@ impl WritePacing {
     }
 
     /// Reserves a write of a record `bytes` long among all nodes' writes:
-    /// when it may go, now or later. First come, first served; a
-    /// reservation not used is not given back.
+    /// when its turn comes, now or later. First come, first served.
     fn fleet_reserve(&self, bytes: usize) -> Instant {
+        self.fleet_reserve_by(bytes, None).unwrap_or_else(Instant::now)
+    }
+
+    /// The same, where the turn comes by `by`; else nothing is reserved.
+    fn fleet_reserve_by(&self, bytes: usize, by: Option<Instant>) -> Option<Instant> {
         let now = Instant::now();
         let mut fleet = self.fleet.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        *fleet = (*fleet).max(now) + spacing(bytes.saturating_add(WRITE_OVERHEAD_BYTES), self.fleet_rate);
-        fleet.checked_sub(FLEET_WRITE_BURST).map_or(now, |at| at.max(now))
+        let after = (*fleet).max(now) + self.fleet_cost(bytes);
+        let turn = after.checked_sub(FLEET_WRITE_BURST).map_or(now, |at| at.max(now));
+        if by.is_some_and(|by| turn > by) {
+            return None;
+        }
+        *fleet = after;
+        Some(turn)
+    }
+
+    /// Gives back a turn reserved for `bytes` and not used: the turns
+    /// reserved after it come that much sooner, never before now.
+    fn fleet_give_back(&self, bytes: usize) {
+        let now = Instant::now();
+        let mut fleet = self.fleet.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        *fleet = fleet.checked_sub(self.fleet_cost(bytes)).map_or(now, |at| at.max(now));
+    }
+
+    fn fleet_cost(&self, bytes: usize) -> Duration {
+        spacing(bytes.saturating_add(WRITE_OVERHEAD_BYTES), self.fleet_rate)
     }
 
     /// `node_id`'s record was written now, `bytes` long.
@@ -404,26 +425,37 @@ impl AgentSvc {
         // for it (8 s at most, for the largest record): joining again and
         // again writes no faster than staying.
         tokio::time::sleep_until(self.pacing.node_next(&reported.durable.node_id)).await;
-        let mut reserved = Some(self.pacing.fleet_reserve(prost::Message::encoded_len(&reported.durable)));
-        // Where all nodes' writes are at their rate for longer than a join
-        // waits, the writer makes it at its turn.
-        if let Some(at) = reserved.filter(|at| *at <= Instant::now() + CLAIM_TIMEOUT) {
-            reserved = None;
-            let first = async {
-                tokio::time::sleep_until(at).await;
-                self.write(&mut lease, reported.durable.clone(), registered_unix_ms, &instance_digest).await
-            };
-            match tokio::time::timeout(CLAIM_TIMEOUT, first).await {
-                Ok(Ok(_)) => written = pending.take(),
-                Ok(Err(StoreError::NodeTaken(node_id))) => {
-                    self.refused("node_taken");
-                    tracing::warn!("agent refused: its node id is held by another agent's live lease");
-                    return Err(taken_status(&node_id));
-                }
-                // Written on the next try; the stream goes on meanwhile.
-                Ok(Err(error)) => tracing::warn!(%error, "node status not written; holding it for retry"),
-                Err(_) => tracing::warn!("etcd slow to take the node's first write; holding it for retry"),
+        // A join whose turn among all nodes' writes is further off than it
+        // waits is refused, and reserves nothing: turns held for streams
+        // that may end at once would make every later write wait.
+        let bytes = prost::Message::encoded_len(&reported.durable);
+        let Some(turn) = self.pacing.fleet_reserve_by(bytes, Some(Instant::now() + CLAIM_TIMEOUT / 2)) else {
+            self.refused("write_budget");
+            tracing::warn!("agent refused: this controller's etcd writes are at their budget");
+            return Err(status(
+                ErrorKind::Overloaded,
+                "this controller's writes to etcd are at their budget (max_node_write_bytes_per_second): the node \
+                 joins once there is room",
+            ));
+        };
+        let first = async {
+            tokio::time::sleep_until(turn).await;
+            self.write(&mut lease, reported.durable.clone(), registered_unix_ms, &instance_digest).await
+        };
+        match tokio::time::timeout(CLAIM_TIMEOUT, first).await {
+            Ok(Ok(_)) => written = pending.take(),
+            Ok(Err(StoreError::NodeTaken(node_id))) => {
+                self.pacing.fleet_give_back(bytes);
+                self.refused("node_taken");
+                tracing::warn!("agent refused: its node id is held by another agent's live lease");
+                return Err(taken_status(&node_id));
             }
+            // Written on the next try; the stream goes on meanwhile.
+            Ok(Err(error)) => {
+                self.pacing.fleet_give_back(bytes);
+                tracing::warn!(%error, "node status not written; holding it for retry");
+            }
+            Err(_) => tracing::warn!("etcd slow to take the node's first write; holding it for retry"),
         }
         // Not written yet, etcd has not said whose the node id is: the fleet
         // as last read says it, so that no stream goes on under a node id
@@ -434,8 +466,15 @@ impl AgentSvc {
             tracing::warn!("agent refused: its node id is held by another agent's live lease");
             return Err(taken_status(node_id));
         }
-        let writer =
-            NodeWriter { svc: self.clone(), lease, pending, written, reserved, registered_unix_ms, instance_digest };
+        let writer = NodeWriter {
+            svc: self.clone(),
+            lease,
+            pending,
+            written,
+            reserved: None,
+            registered_unix_ms,
+            instance_digest,
+        };
         Ok(Claim { reported, seat, writer })
     }
 
@@ -739,9 +778,10 @@ struct NodeWriter {
     /// The status still to write, if any.
     pending: Option<NodeStatus>,
     written: Option<NodeStatus>,
-    /// When the next write's turn among all nodes' writes comes, where it
-    /// was reserved and not yet made.
-    reserved: Option<Instant>,
+    /// The bytes of a turn reserved among all nodes' writes and not yet
+    /// used: the next write goes at that turn (`write_at`), and tries it
+    /// again after a failure without a turn of its own.
+    reserved: Option<usize>,
     registered_unix_ms: u64,
     instance_digest: String,
 }
@@ -758,7 +798,7 @@ impl NodeWriter {
         taken: CancellationToken,
     ) {
         let node_id = desired.borrow().node_id.clone();
-        let mut write_at = self.svc.pacing.node_next(&node_id).max(self.reserved.unwrap_or_else(Instant::now));
+        let mut write_at = self.svc.pacing.node_next(&node_id);
         let mut backoff = inferyes_net::backoff::RECONNECT;
         let mut keepalive = tokio::time::interval(self.svc.lease_ttl / 3);
         keepalive.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -779,24 +819,26 @@ impl NodeWriter {
                 () = sleep_until(due) => {
                     let Some(status) = self.pending.clone() else { continue };
                     if self.reserved.is_none() {
-                        let at = self.svc.pacing.fleet_reserve(prost::Message::encoded_len(&status));
-                        if at > Instant::now() {
-                            self.reserved = Some(at);
-                            write_at = at;
+                        let bytes = prost::Message::encoded_len(&status);
+                        let turn = self.svc.pacing.fleet_reserve(bytes);
+                        self.reserved = Some(bytes);
+                        if turn > Instant::now() {
+                            write_at = turn;
                             continue;
                         }
                     }
-                    self.reserved = None;
                     let svc = self.svc.clone();
                     match svc.write(&mut self.lease, status.clone(), self.registered_unix_ms, &self.instance_digest).await {
                         Ok(revision) => {
                             tracing::debug!(revision, "node status written");
+                            self.reserved = None;
                             self.written = Some(status);
                             self.pending = None;
                             write_at = self.svc.pacing.node_next(&node_id);
                             backoff.reset();
                         }
                         Err(StoreError::NodeTaken(_)) => {
+                            self.reserved = None;
                             taken.cancel();
                             break Leaving::Now;
                         }
@@ -809,6 +851,9 @@ impl NodeWriter {
                 _ = keepalive.tick() => self.keep_alive(&heard).await,
             }
         };
+        if let Some(bytes) = self.reserved.take() {
+            self.svc.pacing.fleet_give_back(bytes);
+        }
         if leaves == Leaving::Now
             && let Some(lease) = self.lease.take()
             && let Err(error) = self.svc.store.revoke(lease).await
@@ -1021,6 +1066,13 @@ mod tests {
         assert!(turns[15] > Duration::ZERO, "{turns:?}");
         assert_eq!(turns[17] - turns[16], Duration::from_millis(4_007), "{turns:?}");
         assert_eq!(turns[16] - turns[15], Duration::from_millis(4_007), "{turns:?}");
+        // A turn by a time is reserved only where it comes by then.
+        let by = now + Duration::from_secs(10);
+        assert!(pacing.fleet_reserve_by(256 << 10, Some(by)).is_none(), "{turns:?}");
+        // A turn given back brings the next one that much sooner.
+        pacing.fleet_give_back(256 << 10);
+        let next = pacing.fleet_reserve(256 << 10).saturating_duration_since(now);
+        assert_eq!(next, turns[17], "{turns:?}");
     }
 
     #[test]
