@@ -290,7 +290,7 @@ impl AgentService for AgentSvc {
                 ),
             ));
         };
-        let claim = self.claim(node, instance, seat, &fleet).instrument(span.clone()).await?;
+        let claim = self.claim(node, instance, seat).instrument(span.clone()).await?;
 
         let (tx, rx) = mpsc::channel(8);
         let registered = ControllerMessage {
@@ -408,13 +408,7 @@ impl AgentSvc {
     /// The node's first write, before the stream is answered: the node id
     /// is this agent's before anything of it reaches the fleet, and a
     /// registration naming another live agent's node id is refused.
-    async fn claim(
-        &self,
-        node: NodeStatus,
-        instance_digest: String,
-        seat: Seat,
-        fleet: &crate::snapshot::Snapshot,
-    ) -> Result<Claim, Status> {
+    async fn claim(&self, node: NodeStatus, instance_digest: String, seat: Seat) -> Result<Claim, Status> {
         let registered_unix_ms = inferyes_proto::unix_ms();
         let mut lease: Option<Lease> = None;
         let mut reported = Reported::default();
@@ -461,7 +455,9 @@ impl AgentSvc {
         // as last read says it, so that no stream goes on under a node id
         // another agent's live lease holds.
         let node_id = &reported.durable.node_id;
-        if pending.is_some() && fleet.record(node_id).is_some_and(|held| held_by_another(held, &instance_digest)) {
+        let fleet = self.snapshots.borrow().clone();
+        let held = fleet.as_deref().and_then(|fleet| fleet.record(node_id));
+        if pending.is_some() && held.is_some_and(|held| held_by_another(held, &instance_digest)) {
             self.refused("node_taken");
             tracing::warn!("agent refused: its node id is held by another agent's live lease");
             return Err(taken_status(node_id));

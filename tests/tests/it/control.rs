@@ -496,6 +496,45 @@ async fn nodes_joining_under_new_ids_write_no_faster_than_the_controller_s_budge
 }
 
 #[tokio::test]
+async fn a_join_whose_first_write_etcd_is_slow_to_take_is_refused_another_s_node_id() {
+    use inferyes_proto::v1::agent_service_client::AgentServiceClient;
+    use inferyes_proto::v1::{AgentMessage, NodeStatus, Register, agent_message};
+
+    let etcd = Etcd::start().await;
+    let controller = ControllerHandle::start(&etcd.endpoint(), "controller-1").await;
+    let agents = AgentServiceClient::connect(controller.url()).await.unwrap();
+    let join = |instance: &str| {
+        let mut agents = agents.clone();
+        let status =
+            NodeStatus { node_id: "owned".into(), proxy_url: "http://127.0.0.1:9".into(), ..Default::default() };
+        let register = Register {
+            status: Some(status),
+            join_token: inferyes_tests::fleet::JOIN_TOKEN.into(),
+            instance: instance.into(),
+        };
+        async move {
+            let (tx, rx) = tokio::sync::mpsc::channel(1);
+            tx.send(AgentMessage { msg: Some(agent_message::Msg::Register(register)) }).await.unwrap();
+            agents.join(tokio_stream::wrappers::ReceiverStream::new(rx)).await.map(|joined| (tx, joined))
+        }
+    };
+    let _owner = join("theownersinstance").await.expect("joined");
+    let admin = controller.fleet().await;
+    eventually("the owned node listed", Duration::from_secs(5), || {
+        let mut admin = admin.clone();
+        async move { admin.list_nodes(ListNodesRequest {}).await.unwrap().into_inner().nodes.len() == 1 }
+    })
+    .await;
+    // etcd stalls: another agent's first write under the id is not
+    // answered, and the join goes on without etcd's word on whose it is.
+    etcd.pause();
+    let refused = join("anotheragentsinstance").await;
+    etcd.resume();
+    let refused = refused.expect_err("refused");
+    assert_eq!(refused.code(), tonic::Code::PermissionDenied, "{refused:?}");
+}
+
+#[tokio::test]
 async fn a_node_whose_large_record_changes_all_the_time_is_written_at_a_bounded_rate() {
     use inferyes_proto::v1::agent_service_client::AgentServiceClient;
     use inferyes_proto::v1::{AgentMessage, Register, agent_message};
