@@ -271,10 +271,43 @@ async fn a_silent_agent_is_dropped_after_the_lease_ttl() {
     drop(tx);
 }
 
+/// Joins `status`'s node as an agent of `instance` would, with nothing
+/// more to say: its stream lasts while the sender returned lasts.
+async fn join_as(
+    agents: &inferyes_proto::v1::agent_service_client::AgentServiceClient<tonic::transport::Channel>,
+    status: inferyes_proto::v1::NodeStatus,
+    instance: &str,
+) -> Result<
+    (
+        tokio::sync::mpsc::Sender<inferyes_proto::v1::AgentMessage>,
+        tonic::Response<tonic::Streaming<inferyes_proto::v1::ControllerMessage>>,
+    ),
+    tonic::Status,
+> {
+    use inferyes_proto::v1::{AgentMessage, Register, agent_message};
+    let register = Register {
+        status: Some(status),
+        join_token: inferyes_tests::fleet::JOIN_TOKEN.into(),
+        instance: instance.into(),
+    };
+    let (tx, rx) = tokio::sync::mpsc::channel(1);
+    tx.try_send(AgentMessage { msg: Some(agent_message::Msg::Register(register)) }).expect("an empty channel");
+    let joined = agents.clone().join(tokio_stream::wrappers::ReceiverStream::new(rx)).await?;
+    Ok((tx, joined))
+}
+
+/// A status of `node_id` at an address nothing answers.
+fn bare_status(node_id: &str) -> inferyes_proto::v1::NodeStatus {
+    inferyes_proto::v1::NodeStatus {
+        node_id: node_id.into(),
+        proxy_url: "http://127.0.0.1:9".into(),
+        ..Default::default()
+    }
+}
+
 #[tokio::test]
 async fn a_fleet_takes_no_more_nodes_than_max_nodes() {
     use inferyes_proto::v1::agent_service_client::AgentServiceClient;
-    use inferyes_proto::v1::{AgentMessage, NodeStatus, Register, agent_message};
 
     let etcd = Etcd::start().await;
     // Snapshots a second apart: joins at once are seen joining, not in one.
@@ -284,22 +317,7 @@ async fn a_fleet_takes_no_more_nodes_than_max_nodes() {
     })
     .await;
     let agents = AgentServiceClient::connect(controller.url()).await.unwrap();
-    // A node's stream lasts while its sender does.
-    let join = |node_id: &str| {
-        let mut agents = agents.clone();
-        let status =
-            NodeStatus { node_id: node_id.into(), proxy_url: "http://127.0.0.1:9".into(), ..Default::default() };
-        let register = Register {
-            status: Some(status),
-            join_token: inferyes_tests::fleet::JOIN_TOKEN.into(),
-            ..Default::default()
-        };
-        async move {
-            let (tx, rx) = tokio::sync::mpsc::channel(1);
-            tx.send(AgentMessage { msg: Some(agent_message::Msg::Register(register)) }).await.unwrap();
-            agents.join(tokio_stream::wrappers::ReceiverStream::new(rx)).await.map(|stream| (tx, stream))
-        }
-    };
+    let join = |node_id: &str| join_as(&agents, bare_status(node_id), "");
     // Three at once, before a snapshot shows one of them.
     let (a, b, c) = tokio::join!(join("node-a"), join("node-b"), join("node-c"));
     let results = [("node-a", a), ("node-b", b), ("node-c", c)];
@@ -445,7 +463,6 @@ fn large_status(node_id: &str, round: usize) -> inferyes_proto::v1::NodeStatus {
 #[tokio::test]
 async fn nodes_joining_under_new_ids_write_no_faster_than_the_controller_s_budget() {
     use inferyes_proto::v1::agent_service_client::AgentServiceClient;
-    use inferyes_proto::v1::{AgentMessage, Register, agent_message};
 
     const RATE: u64 = 32 << 10;
     let etcd = Etcd::start().await;
@@ -458,21 +475,13 @@ async fn nodes_joining_under_new_ids_write_no_faster_than_the_controller_s_budge
     let status = |node: usize| large_status(&format!("new-{node}"), 0);
     let record = prost::Message::encoded_len(&status(0)) as f64;
     let agents = AgentServiceClient::connect(controller.url()).await.unwrap();
-    let join = |status: inferyes_proto::v1::NodeStatus, instance: &str| {
-        let mut agents = agents.clone();
-        let register = Register {
-            status: Some(status),
-            join_token: inferyes_tests::fleet::JOIN_TOKEN.into(),
-            instance: instance.into(),
-        };
-        async move {
-            let (tx, rx) = tokio::sync::mpsc::channel(1);
-            tx.send(AgentMessage { msg: Some(agent_message::Msg::Register(register)) }).await.unwrap();
-            agents.join(tokio_stream::wrappers::ReceiverStream::new(rx)).await.map(|joined| (tx, joined))
-        }
-    };
     let started = std::time::Instant::now();
-    let joining: Vec<_> = (0..16).map(|node| tokio::spawn(join(status(node), ""))).collect();
+    let joining: Vec<_> = (0..16)
+        .map(|node| {
+            let agents = agents.clone();
+            tokio::spawn(async move { join_as(&agents, status(node), "").await })
+        })
+        .collect();
     let (mut joined, mut refused) = (Vec::new(), Vec::new());
     for node in joining {
         match node.await.unwrap() {
@@ -498,26 +507,11 @@ async fn nodes_joining_under_new_ids_write_no_faster_than_the_controller_s_budge
 #[tokio::test]
 async fn a_join_whose_first_write_etcd_is_slow_to_take_is_refused_another_s_node_id() {
     use inferyes_proto::v1::agent_service_client::AgentServiceClient;
-    use inferyes_proto::v1::{AgentMessage, NodeStatus, Register, agent_message};
 
     let etcd = Etcd::start().await;
     let controller = ControllerHandle::start(&etcd.endpoint(), "controller-1").await;
     let agents = AgentServiceClient::connect(controller.url()).await.unwrap();
-    let join = |instance: &str| {
-        let mut agents = agents.clone();
-        let status =
-            NodeStatus { node_id: "owned".into(), proxy_url: "http://127.0.0.1:9".into(), ..Default::default() };
-        let register = Register {
-            status: Some(status),
-            join_token: inferyes_tests::fleet::JOIN_TOKEN.into(),
-            instance: instance.into(),
-        };
-        async move {
-            let (tx, rx) = tokio::sync::mpsc::channel(1);
-            tx.send(AgentMessage { msg: Some(agent_message::Msg::Register(register)) }).await.unwrap();
-            agents.join(tokio_stream::wrappers::ReceiverStream::new(rx)).await.map(|joined| (tx, joined))
-        }
-    };
+    let join = |instance: &'static str| join_as(&agents, bare_status("owned"), instance);
     let _owner = join("theownersinstance").await.expect("joined");
     let admin = controller.fleet().await;
     eventually("the owned node listed", Duration::from_secs(5), || {
