@@ -444,11 +444,9 @@ impl AgentSvc {
                 tracing::warn!("agent refused: its node id is held by another agent's live lease");
                 return Err(taken_status(&node_id));
             }
-            // Written on the next try; the stream goes on meanwhile.
-            Ok(Err(error)) => {
-                self.pacing.fleet_give_back(bytes);
-                tracing::warn!(%error, "node status not written; holding it for retry");
-            }
+            // Written on the next try, on the turn this one had; the stream
+            // goes on meanwhile.
+            Ok(Err(error)) => tracing::warn!(%error, "node status not written; holding it for retry"),
             Err(_) => tracing::warn!("etcd slow to take the node's first write; holding it for retry"),
         }
         // Not written yet, etcd has not said whose the node id is: the fleet
@@ -458,19 +456,14 @@ impl AgentSvc {
         let fleet = self.snapshots.borrow().clone();
         let held = fleet.as_deref().and_then(|fleet| fleet.record(node_id));
         if pending.is_some() && held.is_some_and(|held| held_by_another(held, &instance_digest)) {
+            self.pacing.fleet_give_back(bytes);
             self.refused("node_taken");
             tracing::warn!("agent refused: its node id is held by another agent's live lease");
             return Err(taken_status(node_id));
         }
-        let writer = NodeWriter {
-            svc: self.clone(),
-            lease,
-            pending,
-            written,
-            reserved: None,
-            registered_unix_ms,
-            instance_digest,
-        };
+        let reserved = pending.as_ref().map(|_| bytes);
+        let writer =
+            NodeWriter { svc: self.clone(), lease, pending, reserved, written, registered_unix_ms, instance_digest };
         Ok(Claim { reported, seat, writer })
     }
 
