@@ -47,7 +47,6 @@ pub async fn run(
 ) {
     let Outlets { connection, orders, drains } = outlets;
     let mut backoff = inferyes_net::backoff::RECONNECT;
-    let mut fleet_full = FLEET_FULL;
     // Said once, not at every try, until the node is let in.
     let mut said_full = false;
     let mut next = 0usize;
@@ -64,7 +63,6 @@ pub async fn run(
                 orders.send_if_modified(|held| !std::mem::take(held).is_empty());
                 if registered {
                     backoff.reset();
-                    fleet_full.reset();
                     said_full = false;
                 }
                 if !full {
@@ -75,7 +73,7 @@ pub async fn run(
                 full
             }
         };
-        let waited = if full { fleet_full.sleep(&shutdown).await } else { backoff.sleep(&shutdown).await };
+        let waited = if full { FLEET_FULL.clone().sleep(&shutdown).await } else { backoff.sleep(&shutdown).await };
         if waited {
             return;
         }
