@@ -399,14 +399,12 @@ struct MeterInner {
 }
 
 /// Where a request's answer came from, as its attempts found: the node
-/// and the route by which it was reached, and what routing expected the
-/// first token to cost where that was weighed (0 otherwise).
+/// and the route by which it was reached, and what routing weighed.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Served {
     pub node: Arc<str>,
     pub route: &'static str,
-    pub expected_ttft_ms: u32,
-    pub home_expected_ttft_ms: u32,
+    pub weighed: crate::routing::Weighed,
 }
 
 /// What a stream's handler leaves for its end, once it knows its time to
@@ -760,7 +758,8 @@ mod tests {
             let (tx, rx) = std::sync::mpsc::channel();
             let meter = stream_meter();
             meter.frame(|| true);
-            let served = Served { node: "n".into(), route: "placed", expected_ttft_ms: 5, home_expected_ttft_ms: 0 };
+            let weighed = crate::routing::Weighed { ttft_ms: 5, ..Default::default() };
+            let served = Served { node: "n".into(), route: "placed", weighed };
             meter.served(served.clone());
             meter.served(Served { node: "other".into(), ..served.clone() });
             let at_end: AtEnd = Box::new(move |served, _ttft| tx.send(served.cloned()).expect("sent"));
@@ -860,7 +859,7 @@ mod tests {
         let ledger = Ledger::new("dp", true);
         let meter =
             Meter::new(Arc::clone(&ledger), "r1", Some("k".into()), "m".into(), true, Counted::at_the_end(12), None);
-        meter.served(Served { node: "node-a".into(), route: "placed", expected_ttft_ms: 0, home_expected_ttft_ms: 0 });
+        meter.served(Served { node: "node-a".into(), route: "placed", weighed: Default::default() });
         let clone = meter.clone();
         meter.finish(200, Outcome::Ok, Some(Usage { prompt_tokens: 10, completion_tokens: 4, cached_tokens: 6 }));
         clone.finish(500, Outcome::Error, None);

@@ -156,6 +156,15 @@ async fn a_request_is_one_trace_across_data_plane_agent_and_backend() {
     assert_eq!(attribute(&request_span, "node").as_deref(), Some("node-a"));
     assert_eq!(attribute(&request_span, "route").as_deref(), Some("placed"));
     assert_eq!(attribute(&request_span, "http.response.status_code").as_deref(), Some("200"));
+    // ...with what routing weighed the node would cost, term by term: a
+    // new conversation on an idle node pays only for reading its prompt.
+    let term = |key: &str| -> u64 {
+        let value = attribute(&request_span, key).unwrap_or_else(|| panic!("{key} on the request's span"));
+        value.parse().unwrap_or_else(|_| panic!("{key} is a count: {value}"))
+    };
+    assert_eq!((term("cost.queue_ahead"), term("cost.cached_tokens"), term("cost.move_ms")), (0, 0, 0));
+    assert_eq!((term("cost.wait_ms"), term("cost.carry_ms")), (0, 0));
+    assert_eq!(term("cost.ms"), term("cost.prefill_ms"));
     // ...the agent's hop is its child...
     assert_eq!(proxy_span.parent_span_id, request_span.span_id);
     assert_eq!(attribute(&proxy_span, "backend").as_deref(), Some("main"));

@@ -19,7 +19,7 @@ use inferyes_proto::ErrorKind;
 use super::classify::{Attempted, MAX_BUFFERED_BODY, Purpose, UpstreamError, Verdict, classify};
 use super::client::{Forwarder, NodeBody, is_decimal};
 use crate::error::{ApiError, ErrorCode};
-use crate::routing::{MAX_TARGETS, Route};
+use crate::routing::{MAX_TARGETS, Route, Weighed};
 use crate::snapshot::{RoutingSnapshot, Target};
 use crate::targets::{ColdLoad, Endpoint, InFlight, Observed, Witness};
 use crate::usage::{Meter, Outcome, Served};
@@ -167,22 +167,8 @@ pub(crate) struct Attempts<'a> {
     pub meter: Option<&'a Meter>,
     /// The caller's share, which holds a whole answer's bytes too.
     pub share: Option<&'a Arc<crate::shares::Share>>,
-    /// What routing expected the first target's first token to cost.
-    pub expected: Expected,
-}
-
-/// What routing expected the first token to cost, in ms, where it was
-/// weighed: on the node chosen, and at the home a moved session left.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Expected {
-    pub ttft_ms: u32,
-    pub home_ttft_ms: u32,
-}
-
-impl Expected {
-    pub fn of(route: &Route) -> Expected {
-        Expected { ttft_ms: route.expected_ttft_ms, home_ttft_ms: route.home_expected_ttft_ms }
-    }
+    /// What routing weighed: its targets' costs, for the request's record.
+    pub weighed: &'a Weighed,
 }
 
 impl Attempts<'_> {
@@ -237,13 +223,12 @@ impl Attempts<'_> {
             };
             hop.endpoint.observe(observed, witness);
             // What routing expected holds only for the first target tried.
-            let expected = if first { self.expected } else { Expected::default() };
+            let answered_first = first;
             first = false;
             let served = || Served {
                 node: Arc::clone(&hop.endpoint.id),
                 route: hop.reason,
-                expected_ttft_ms: expected.ttft_ms,
-                home_expected_ttft_ms: expected.home_ttft_ms,
+                weighed: if answered_first { self.weighed.clone() } else { self.weighed.failed_over() },
             };
             let (error, told_by_node) = match verdict {
                 Verdict::Pass => {
@@ -493,7 +478,7 @@ mod tests {
             version: 1,
             meter: Some(&meter),
             share: None,
-            expected: Expected { ttft_ms: 7, home_ttft_ms: 0 },
+            weighed: &Weighed { ttft_ms: 7, ..Weighed::default() },
         };
         let mut out = Outbound {
             path_and_query: PathAndQuery::from_static("/v1/chat/completions"),
@@ -512,7 +497,7 @@ mod tests {
         assert_eq!((a.in_flight(), b.in_flight()), (0, 0), "nothing left counted once read whole");
         assert_eq!(metrics.retries.get(), 1);
         let served = meter.served_by().expect("served");
-        assert_eq!((&*served.node, served.route, served.expected_ttft_ms), ("b", FAILOVER, 0));
+        assert_eq!((&*served.node, served.route, served.weighed.ttft_ms), ("b", FAILOVER, 0));
         assert!(hops.peek().is_none(), "no node left to try");
     }
 }

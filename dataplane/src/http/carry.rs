@@ -33,22 +33,14 @@ pub(crate) async fn carry(
     }
     // Past twice what routing expected and half a second, the turn's other
     // ways are sooner.
-    let bound = Duration::from_millis(u64::from(route.expected_ttft_ms).saturating_mul(2).saturating_add(500));
+    let bound = Duration::from_millis(u64::from(route.expected_ttft_ms()).saturating_mul(2).saturating_add(500));
     let carried = match tokio::time::timeout(bound, ask(forwarder, snapshot, route, session)).await {
         Ok(carried) => carried,
         Err(_) => Err(format!("no answer within {} ms", bound.as_millis())),
     };
     if let Err(why) = carried {
         tracing::debug!(request_id, reason = %why, "conversation's cache not carried");
-        if route.home_if_not_carried && route.targets.len() >= 2 {
-            let mut order: Vec<_> = route.targets.iter().copied().collect();
-            order.swap(0, 1);
-            route.targets = order.into_iter().collect();
-            route.reason = RouteReason::Resident;
-            route.expected_ttft_ms = std::mem::take(&mut route.home_expected_ttft_ms);
-        } else {
-            route.reason = RouteReason::Moved;
-        }
+        route.carry_failed();
     }
 }
 

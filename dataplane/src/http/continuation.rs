@@ -17,9 +17,10 @@ use http::uri::PathAndQuery;
 use http::{HeaderMap, HeaderValue};
 use serde_json::{Value, json};
 
-use super::attempt::{Answer, Attempts, Expected, Hops, OpenStream, Outbound};
+use super::attempt::{Answer, Attempts, Hops, OpenStream, Outbound};
 use super::classify::Purpose;
 use super::client::Forwarder;
+use crate::routing::Weighed;
 
 /// What a stream needs to go on at another node: the request as its nodes
 /// were sent it, owned, for an answer body that outlives its handler.
@@ -102,7 +103,7 @@ pub(crate) async fn continue_on(
         version: continuation.version,
         meter: None,
         share: None,
-        expected: Expected::default(),
+        weighed: &Weighed::default(),
     };
     match attempts.run(&mut out, &mut hops, Purpose::Continue).await {
         Ok(Answer::Stream(open)) => (Some(open), hops),

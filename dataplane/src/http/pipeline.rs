@@ -19,7 +19,7 @@ use inferyes_proto::v1::RoutingDecision;
 
 use super::AppState;
 use super::answer::{Awaited, Plan, StreamBody};
-use super::attempt::{Answer, Attempts, Expected, Hops, NODE_HEADER, OpenStream, Outbound, ROUTE_HEADER};
+use super::attempt::{Answer, Attempts, Hops, NODE_HEADER, OpenStream, Outbound, ROUTE_HEADER};
 use super::body::Full;
 use super::classify::Purpose;
 use super::client::{Facts, upstream_headers};
@@ -33,7 +33,7 @@ use super::view::{
 use crate::auth::Caller;
 use crate::error::{ApiError, ErrorCode};
 use crate::queue::{Ask, Queue, Turn};
-use crate::routing::{self, Route, RouteReason, RouteRequest};
+use crate::routing::{self, Route, RouteReason, RouteRequest, Weighed};
 use crate::snapshot::RoutingSnapshot;
 use crate::targets::InFlight;
 use crate::usage::{Meter, Served};
@@ -56,6 +56,14 @@ pub(crate) async fn inference(
         model = tracing::field::Empty,
         node = tracing::field::Empty,
         route = tracing::field::Empty,
+        // The first target's cost, term by term (routing::cost).
+        cost.ms = tracing::field::Empty,
+        cost.wait_ms = tracing::field::Empty,
+        cost.prefill_ms = tracing::field::Empty,
+        cost.carry_ms = tracing::field::Empty,
+        cost.move_ms = tracing::field::Empty,
+        cost.cached_tokens = tracing::field::Empty,
+        cost.queue_ahead = tracing::field::Empty,
         http.response.status_code = tracing::field::Empty,
     );
     inferyes_net::telemetry::continue_trace(&span, request.headers());
@@ -460,7 +468,7 @@ impl<'s> Exchange<'s> {
         super::carry::carry(&self.state.forwarder, snapshot, &mut route, self.facts.session.as_deref(), request_id)
             .await;
         let mut hops = Hops::of(snapshot, &route, model).reserved(reserved);
-        let expected = Expected::of(&route);
+        let weighed = Weighed::of(snapshot, &route);
         if route.cold() && view.stream {
             tracing::debug!(
                 request_id = super::id_text(&self.request_id),
@@ -468,7 +476,7 @@ impl<'s> Exchange<'s> {
                 "cold load for a stream: answering at once"
             );
             let stream = self.stream((strip_usage, progress), continues, model, snapshot.version());
-            return Ok(stream.cold(snapshot, &route, model, (out, hops), expected));
+            return Ok(stream.cold(snapshot, &route, model, (out, hops), weighed));
         }
         let attempts = Attempts {
             forwarder: &self.state.forwarder,
@@ -477,7 +485,7 @@ impl<'s> Exchange<'s> {
             version: snapshot.version(),
             meter: self.facts.meter.as_ref(),
             share: self.held.as_ref().and_then(super::body::Reservation::share),
-            expected,
+            weighed: &weighed,
         };
         let answered = attempts.run(&mut out, &mut hops, Purpose::First).await;
         let request_id = super::id_text(&self.request_id);
@@ -612,6 +620,16 @@ impl Record {
         let (node, route) = served.map_or(("", "none"), |served| (&*served.node, served.route));
         span.record("node", node);
         span.record("route", route);
+        if let Some(first) = served.and_then(|served| served.weighed.candidates[0].as_ref()) {
+            let terms = &first.terms;
+            span.record("cost.ms", terms.cost_ms());
+            span.record("cost.wait_ms", terms.wait_ms);
+            span.record("cost.prefill_ms", terms.prefill_ms);
+            span.record("cost.carry_ms", terms.carry_ms);
+            span.record("cost.move_ms", terms.move_ms);
+            span.record("cost.cached_tokens", terms.cached_tokens);
+            span.record("cost.queue_ahead", terms.queue_ahead);
+        }
         let labels = crate::metrics::RequestLabels { model, node: node.to_string(), status: status.as_u16(), route };
         state.metrics.requests.get_or_create(&labels).inc();
         let crate::metrics::RequestLabels { model: label, node: node_id, .. } = labels;
@@ -628,8 +646,9 @@ impl Record {
             session_tag: facts.session.as_deref().map(inferyes_proto::session_tag).unwrap_or_default(),
             key_id: facts.key_id.unwrap_or_default(),
             ttft_ms,
-            expected_ttft_ms: served.map_or(0, |served| served.expected_ttft_ms),
-            home_expected_ttft_ms: served.map_or(0, |served| served.home_expected_ttft_ms),
+            expected_ttft_ms: served.map_or(0, |served| served.weighed.ttft_ms),
+            home_expected_ttft_ms: served.map_or(0, |served| served.weighed.home_ttft_ms),
+            candidates: served.map(|served| served.weighed.to_wire()).unwrap_or_default(),
         });
     }
 }
@@ -681,7 +700,7 @@ impl StreamSetup {
         route: &Route,
         model: &str,
         (mut out, mut hops): (Outbound, Hops),
-        expected: Expected,
+        weighed: Weighed,
     ) -> Response {
         let first = hops.peek();
         let node_header = first.and_then(|hop| hop.endpoint.id_header.clone());
@@ -706,7 +725,7 @@ impl StreamSetup {
                 version,
                 meter: self.plan.meter.as_ref(),
                 share: self.held.as_ref().and_then(super::body::Reservation::share),
-                expected,
+                weighed: &weighed,
             };
             match attempts.run(&mut out, &mut hops, Purpose::First).await? {
                 Answer::Stream(open) => Ok(self.body(open, hops, out).1),
@@ -751,6 +770,7 @@ impl StreamSetup {
             let id = super::id_text(&request_id);
             super::carry::carry(&state.forwarder, &snapshot, &mut route, session, id).await;
             let mut hops = Hops::of(&snapshot, &route, &owned_model).reserved(reserved);
+            let weighed = Weighed::of(&snapshot, &route);
             let attempts = Attempts {
                 forwarder: &state.forwarder,
                 metrics: &state.metrics,
@@ -758,7 +778,7 @@ impl StreamSetup {
                 version: snapshot.version(),
                 meter: self.plan.meter.as_ref(),
                 share: self.held.as_ref().and_then(super::body::Reservation::share),
-                expected: Expected::of(&route),
+                weighed: &weighed,
             };
             match attempts.run(&mut out, &mut hops, Purpose::First).await? {
                 Answer::Stream(open) => Ok(self.body(open, hops, out).1),

@@ -21,6 +21,9 @@
 //!    starts it sooner; keyless requests follow the model's strategy;
 //! 5. cold: nodes that can load the model, a load already under way first,
 //!    then the most free GPU memory, counting loads in progress.
+//!
+//! Every time weighed is a term of [`cost`]; a route keeps each of its
+//! targets' terms ([`Route::costs`]), so a decision can be read back.
 
 use inferyes_proto::ErrorKind;
 use inferyes_proto::v1::{EndpointKind, ModelState, Strategy};
@@ -28,8 +31,12 @@ use inferyes_proto::v1::{EndpointKind, ModelState, Strategy};
 pub use inferyes_proto::hash::{rendezvous_score, stable_hash, text_hash, unit_interval};
 
 use crate::error::{ApiError, ErrorCode};
-use crate::snapshot::{Placement, RoutingSnapshot, Target};
+use crate::snapshot::{Placement, Resident, RoutingSnapshot, Target};
 use crate::targets::Local;
+
+pub mod cost;
+pub use cost::Terms;
+use cost::{Cache, Estimate, Inputs, Standing};
 
 /// What routing needs to know about a request.
 #[derive(Clone, Copy, Debug)]
@@ -111,11 +118,12 @@ pub struct Route {
     /// Which targets must load the model first, a bit each (bit 0 the
     /// first): a failover may go on to a cold node after a warm one.
     pub loads: u8,
-    /// The expected time to first token that decided, in ms, on the first
-    /// target and, for a session moved, at the home it left (0 where not
-    /// weighed).
-    pub expected_ttft_ms: u32,
-    pub home_expected_ttft_ms: u32,
+    /// The candidates routing weighed, with their terms: the targets in
+    /// order, then the session's preferred node where it passed that over.
+    weighed: Candidates,
+    /// For a `carried` route, the first target's cost without the carry:
+    /// what it becomes if the carry fails.
+    uncarried: Terms,
     /// The first target is warm and has no free slot: the request would
     /// wait in its server's queue (the best choice still, of the fleet as
     /// it is now).
@@ -135,6 +143,103 @@ impl Route {
     /// Whether the target tried at `attempt` must load the model first.
     pub fn loads_at(&self, attempt: usize) -> bool {
         attempt < 8 && self.loads & (1 << attempt) != 0
+    }
+
+    /// The candidates weighed and their terms: the targets in order, then
+    /// the one passed over, if any.
+    pub fn weighed(&self) -> &[(Target, Terms)] {
+        &self.weighed.items[..self.weighed.len]
+    }
+
+    /// The terms of the target tried at `attempt`.
+    pub fn costs_at(&self, attempt: usize) -> Option<&Terms> {
+        self.weighed().get(attempt).filter(|_| attempt < self.targets.len()).map(|(_, terms)| terms)
+    }
+
+    /// The expected time to first token at the first target, in ms (0 for
+    /// a cold load).
+    pub fn expected_ttft_ms(&self) -> u32 {
+        self.costs_at(0).map_or(0, |terms| terms.ttft_ms)
+    }
+
+    /// For a session sent away from its cache, the expected time to first
+    /// token at the home it left (its second target), in ms; else 0.
+    pub fn home_expected_ttft_ms(&self) -> u32 {
+        match self.reason {
+            RouteReason::Moved | RouteReason::Carried => self.costs_at(1).map_or(0, |home| home.ttft_ms),
+            _ => 0,
+        }
+    }
+
+    /// The route a `carried` one becomes when its carry fails: home, where
+    /// only the carry made leaving worth it, else reading the prompt again
+    /// at the first target.
+    pub fn carry_failed(&mut self) {
+        if self.home_if_not_carried && self.targets.len() >= 2 {
+            self.targets.items.swap(0, 1);
+            self.weighed.items.swap(0, 1);
+            self.reason = RouteReason::Resident;
+        } else {
+            self.weighed.items[0].1 = self.uncarried;
+            self.reason = RouteReason::Moved;
+        }
+    }
+}
+
+/// A route's decision as a request's record keeps it: each target's node
+/// and cost terms, in order, and what the first token was expected to cost
+/// at the target that answered.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Weighed {
+    /// At the target that answered; 0 where it is not the route's first
+    /// (a failover's time is the failure's) or where it was not estimated.
+    pub ttft_ms: u32,
+    /// At the home a session was sent away from; else 0.
+    pub home_ttft_ms: u32,
+    pub candidates: [Option<Candidate>; CANDIDATES],
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Candidate {
+    pub node: std::sync::Arc<str>,
+    pub backend: std::sync::Arc<str>,
+    pub terms: Terms,
+    /// Not a target: the session's preferred node, passed over.
+    pub passed_over: bool,
+}
+
+impl Weighed {
+    pub fn of(snapshot: &RoutingSnapshot, route: &Route) -> Weighed {
+        let mut candidates: [Option<Candidate>; CANDIDATES] = Default::default();
+        for (index, (candidate, (target, terms))) in candidates.iter_mut().zip(route.weighed()).enumerate() {
+            let node = snapshot.node(target.node);
+            *candidate =
+                node.zip(node.and_then(|node| node.backends.get(target.backend))).map(|(node, backend)| Candidate {
+                    node: node.id.clone(),
+                    backend: backend.id.clone(),
+                    terms: *terms,
+                    passed_over: index >= route.targets.len(),
+                });
+        }
+        Weighed { ttft_ms: route.expected_ttft_ms(), home_ttft_ms: route.home_expected_ttft_ms(), candidates }
+    }
+
+    /// The candidates as a decision record names them.
+    pub fn to_wire(&self) -> Vec<inferyes_proto::v1::Candidate> {
+        self.candidates
+            .iter()
+            .flatten()
+            .map(|c| inferyes_proto::v1::Candidate {
+                backend_id: c.backend.to_string(),
+                passed_over: c.passed_over,
+                ..c.terms.to_wire(&c.node)
+            })
+            .collect()
+    }
+
+    /// The same decision, as it holds where a later target answered.
+    pub fn failed_over(&self) -> Weighed {
+        Weighed { ttft_ms: 0, home_ttft_ms: 0, candidates: self.candidates.clone() }
     }
 }
 
@@ -202,6 +307,9 @@ impl From<RouteError> for ApiError {
 
 /// At most this many targets are returned: the first plus failovers.
 pub const MAX_TARGETS: usize = 3;
+/// Candidates a decision keeps with their terms: its targets, and the
+/// node it passed over.
+pub const CANDIDATES: usize = MAX_TARGETS + 1;
 // A route marks the targets that must load the model in a byte.
 const _: () = assert!(MAX_TARGETS <= 8);
 
@@ -347,13 +455,42 @@ impl<L: Local> Seen<'_, L> {
         self.queue_ahead(p) > 0
     }
 
-    /// Expected seconds to a request's first token on `p`, the first `cached`
-    /// of its `prompt` tokens being there already: the wait for a slot (the
-    /// requests ahead, a slot freeing every service time over slots) plus the
-    /// rest of the prompt at the backend's prompt rate.
-    fn expected_ttft(&self, p: &Placement, prompt: u32, cached: u32) -> f64 {
-        let wait = f64::from(self.queue_ahead(p)) * p.service_seconds / f64::from(p.slots.max(1));
-        wait + f64::from(prompt.saturating_sub(cached)) / p.prefill_tokens_per_second
+    /// What a request costs on `p` ([`cost::estimate`]), the first
+    /// `cached` of its `prompt` tokens taken from `cache`.
+    fn inputs(&self, p: &Placement, prompt: u32, (cached, cache): (u32, Cache), leaves_home: bool) -> Inputs {
+        Inputs {
+            prompt_tokens: prompt,
+            cached_tokens: cached,
+            cache,
+            queue_ahead: self.queue_ahead(p),
+            slots: p.slots,
+            service_seconds: p.service_seconds,
+            prefill_tokens_per_second: p.prefill_tokens_per_second,
+            leaves_home,
+        }
+    }
+
+    fn estimate(&self, p: &Placement, prompt: u32, cached: (u32, Cache), leaves_home: bool) -> Estimate {
+        cost::estimate(&self.inputs(p, prompt, cached, leaves_home))
+    }
+
+    /// `p`'s terms as a target of a route weighed with `weighing`, its
+    /// session's cache `home`, reading `cached` tokens from where it says.
+    fn terms(&self, p: &Placement, home: Option<Target>, weighing: &Weighing, cached: (u32, Cache)) -> Terms {
+        let inputs = self.inputs(p, weighing.prompt, cached, home.is_some_and(|home| home != p.target));
+        let standing = match self.class_of(p, home) {
+            Class::Resident => Standing::Resident,
+            Class::Warm => Standing::Warm,
+            Class::Cold => Standing::Cold,
+            Class::Ejected | Class::Unadmitted { .. } => Standing::Ejected,
+        };
+        let sessions = self.session_load(p);
+        Terms {
+            sessions,
+            over_bound: weighing.bound.is_some_and(|bound| cost::over_bound(sessions, bound)),
+            memory_permille: cost::millis(p.vram_fraction),
+            ..Terms::of(&inputs, &cost::estimate(&inputs), standing)
+        }
     }
 
     /// A new session's key for where it starts soonest: the requests ahead of
@@ -422,11 +559,6 @@ impl<L: Local> Seen<'_, L> {
             Class::Unadmitted { memory: true }
         }
     }
-}
-
-/// Seconds as whole milliseconds, for reports and headers.
-fn millis(seconds: f64) -> u32 {
-    (seconds * 1e3).round().clamp(0.0, f64::from(u32::MAX)) as u32
 }
 
 /// Where a cold load is best started, lowest first: one already under way
@@ -624,13 +756,9 @@ pub fn select(snapshot: &RoutingSnapshot, local: &impl Local, request: &RouteReq
             largest_window,
         });
     }
-    if let Some(key) = session_key {
-        // No node is given more than `load_bound` times the average load,
-        // plus one: at small loads the bare bound would refuse a home holding
-        // a single session, and placements would flip between turns and
-        // between data planes as the counts move.
-        let bound = (snapshot.policy().load_bound * (warm_load + 1) as f64 / warm_count.max(1) as f64).ceil() + 1.0;
-        let over = |p: &Placement| f64::from(seen.session_load(p)) + 1.0 > bound;
+    let bound = session_key.map(|_| cost::load_bound(snapshot.policy().load_bound, warm_load, warm_count));
+    if let (Some(key), Some(bound)) = (session_key, bound) {
+        let over = |p: &Placement| cost::over_bound(seen.session_load(p), bound);
         // The best homes by score, those within the bound first, those that
         // start it at once before those that queue it, the soonest first.
         for index in homes.indices() {
@@ -697,43 +825,31 @@ pub fn select(snapshot: &RoutingSnapshot, local: &impl Local, request: &RouteReq
     } else {
         RouteReason::Warm
     };
-    let expected_ttft_ms = match (reason, warm.indices().next()) {
-        (RouteReason::Placed, Some(i)) => millis(seen.expected_ttft(&placements[i], request.prompt_tokens, 0)),
-        _ => 0,
-    };
-    Ok(Route { targets, reason, loads, expected_ttft_ms, home_expected_ttft_ms: 0, waits, home_if_not_carried: false })
+    let preferred = homes.indices().next().filter(|_| session_key.is_some()).map(|i| placements[i].target);
+    let weighing = Weighing { bound, preferred, ..Weighing::of(request.prompt_tokens) };
+    Ok(Route {
+        targets,
+        reason,
+        loads,
+        waits,
+        home_if_not_carried: false,
+        uncarried: Terms::default(),
+        weighed: weighed(&seen, placements, &targets, &weighing),
+    })
 }
-
-/// What a move must save, at least. Reports are up to a poll interval (1 s
-/// by default) old: a home that looks busy may hold only this session's
-/// previous turn, just ended, and a smaller gain is within that error.
-const MIN_MOVE_GAIN_SECONDS: f64 = 1.0;
-
-/// What carrying a conversation's cache from its home to another node
-/// costs, in seconds: the home's server saves its slot, its agent sends
-/// the file, the other's restores it. Measured on the real model (Gemma 3
-/// 270M, 8.2 MB a 1,000 tokens, two agents on one host): 90-150 ms for
-/// 1,500 tokens; such a file crosses a 10 Gb/s link at about 150,000
-/// tokens a second. Erring long: `docs/routing.md` has the figures.
-fn carry_seconds(tokens: u32) -> f64 {
-    CARRY_FIXED_SECONDS + f64::from(tokens) / CARRY_TOKENS_PER_SECOND
-}
-
-const CARRY_FIXED_SECONDS: f64 = 0.1;
-const CARRY_TOKENS_PER_SECOND: f64 = 20_000.0;
 
 /// A session whose home (`placements[at]`) can take it: home, unless
-/// another warm node gives the first token sooner, reading the whole
-/// prompt or having the session's cache carried there (when the two
-/// backends' slots are alike and that is cheaper), than the home does
-/// behind its queue. A home that answers sooner than the fastest node
-/// could read the prompt or have it carried is kept without a scan;
-/// failovers are then the next warm placements with room.
+/// another warm node with a free slot costs less, reading the whole prompt
+/// or having the session's cache carried there (when the two backends'
+/// slots are alike and that is cheaper), the gain a move must bring
+/// included. A home cheaper than any other node could be
+/// ([`cost::least_elsewhere`]) is kept without a scan; failovers are then
+/// the next warm placements with room.
 fn route_session_home<L: Local>(
     seen: &Seen<'_, L>,
     placements: &[Placement],
     at: usize,
-    resident: crate::snapshot::Resident,
+    resident: Resident,
     request: &RouteRequest<'_>,
     capable: &impl Fn(&Placement) -> bool,
     fits: &impl Fn(&Placement) -> bool,
@@ -741,51 +857,53 @@ fn route_session_home<L: Local>(
     let home = &placements[at];
     // A later turn's prompt holds at least what its cache holds.
     let prompt = request.prompt_tokens.max(resident.tokens);
-    let at_home = seen.expected_ttft(home, prompt, resident.tokens);
+    let at_home = seen.estimate(home, prompt, (resident.tokens, Cache::Resident), false).seconds();
     let alternative = |p: &Placement| capable(p) && fits(p) && seen.class_of(p, Some(resident.target)) == Class::Warm;
     let after = || placements[at + 1..].iter().chain(&placements[..at]);
     let mut targets = Targets::default();
-    let carry = (request.carry && home.slot_group != 0).then(|| carry_seconds(resident.tokens));
+    let carries = request.carry && home.slot_group != 0;
+    let weighing = Weighing { resident: Some(resident), ..Weighing::of(prompt) };
     // What a free slot costs the session at `p`, and whether carrying its
     // cache there is what makes it so. Not to another backend of the home's
     // node: its agent carries slots to other nodes only.
     let cost = |p: &Placement| {
-        let recompute = seen.expected_ttft(p, prompt, 0);
-        match carry.filter(|_| p.slot_group == home.slot_group && p.target.node != home.target.node) {
-            Some(carry) if carry + seen.expected_ttft(p, prompt, resident.tokens) < recompute => {
-                (carry + seen.expected_ttft(p, prompt, resident.tokens), true)
+        let recompute = seen.estimate(p, prompt, (0, Cache::None), true).seconds();
+        if carries && p.slot_group == home.slot_group && p.target.node != home.target.node {
+            let carried = seen.estimate(p, prompt, (resident.tokens, Cache::Carried), true).seconds();
+            if carried < recompute {
+                return (carried, true);
             }
-            _ => (recompute, false),
         }
+        (recompute, false)
     };
-    let soonest_elsewhere = (f64::from(prompt) / home.fastest_prefill_tokens_per_second).min(carry.unwrap_or(f64::MAX));
-    if at_home > soonest_elsewhere {
+    if at_home > cost::least_elsewhere(prompt, resident.tokens, home.fastest_prefill_tokens_per_second, carries) {
         // Only a free slot is worth a recompute: into a queue, the mover's
         // prompt is slot time taken from requests that would have had it
         // (and where slots share a processor, from every request running
         // there), so the fleet loses what the mover gains; and two queues'
         // waits are estimated too roughly to trade one for the other
-        // without flapping. Ordered by expected time, microseconds; the
-        // placement breaks ties.
+        // without flapping. Ordered by cost, microseconds; the placement
+        // breaks ties.
         let mut best: Best<2> = Best::new();
         for (i, p) in placements.iter().enumerate().filter(|(_, p)| alternative(p) && !seen.waits(p)) {
             best.offer([(cost(p).0 * 1e6) as u64, place_key(p), 0], i);
         }
-        let worth = (at_home - MIN_MOVE_GAIN_SECONDS) * 1e6;
-        if let Some(&(_, moved)) = best.items[..best.len].first().filter(|(key, _)| (key[0] as f64) < worth) {
-            let (expected, carried) = cost(&placements[moved]);
+        if let Some(&(_, moved)) = best.items[..best.len].first().filter(|(key, _)| (key[0] as f64) < at_home * 1e6) {
+            let (_, carried) = cost(&placements[moved]);
             targets.push(placements[moved].target);
             targets.push(home.target);
             best.indices().skip(1).for_each(|i| targets.push(placements[i].target));
-            let recompute = seen.expected_ttft(&placements[moved], prompt, 0);
+            let recompute = seen.estimate(&placements[moved], prompt, (0, Cache::None), true).seconds();
+            let carried_to = carried.then_some(placements[moved].target);
+            let uncarried = seen.terms(&placements[moved], Some(resident.target), &weighing, (0, Cache::None));
             return Route {
                 targets,
                 reason: if carried { RouteReason::Carried } else { RouteReason::Moved },
                 loads: 0,
-                expected_ttft_ms: millis(expected),
-                home_expected_ttft_ms: millis(at_home),
+                weighed: weighed(seen, placements, &targets, &Weighing { carried_to, ..weighing }),
+                uncarried,
                 waits: false,
-                home_if_not_carried: carried && recompute * 1e6 >= worth,
+                home_if_not_carried: carried && recompute >= at_home,
             };
         }
     }
@@ -812,11 +930,61 @@ fn route_session_home<L: Local>(
         targets,
         reason: RouteReason::Resident,
         loads: 0,
-        expected_ttft_ms: millis(at_home),
-        home_expected_ttft_ms: 0,
         waits: seen.waits(home),
         home_if_not_carried: false,
+        uncarried: Terms::default(),
+        weighed: weighed(seen, placements, &targets, &weighing),
     }
+}
+
+/// What a route's targets are weighed with, besides the fleet: the prompt,
+/// the session's cache and where it is carried, the load bound a new
+/// session is held to, and the node it would have by rendezvous hash.
+#[derive(Clone, Copy)]
+struct Weighing {
+    prompt: u32,
+    resident: Option<Resident>,
+    carried_to: Option<Target>,
+    bound: Option<f64>,
+    preferred: Option<Target>,
+}
+
+impl Weighing {
+    fn of(prompt: u32) -> Weighing {
+        Weighing { prompt, resident: None, carried_to: None, bound: None, preferred: None }
+    }
+}
+
+/// A route's candidates with their terms, inline (made for every request).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Candidates {
+    items: [(Target, Terms); CANDIDATES],
+    len: usize,
+}
+
+/// `targets`' terms, in their order, then the preferred node's where it
+/// is not one of them.
+fn weighed<L: Local>(
+    seen: &Seen<'_, L>,
+    placements: &[Placement],
+    targets: &Targets,
+    weighing: &Weighing,
+) -> Candidates {
+    let mut candidates = Candidates::default();
+    let passed_over = weighing.preferred.filter(|preferred| !targets.contains(preferred));
+    for target in targets.iter().chain(passed_over.as_ref()) {
+        let key = (target.node, target.backend);
+        let Ok(at) = placements.binary_search_by_key(&key, |p| (p.target.node, p.target.backend)) else { continue };
+        let cached = match weighing.resident {
+            Some(resident) if resident.target == *target => (resident.tokens, Cache::Resident),
+            Some(resident) if weighing.carried_to == Some(*target) => (resident.tokens, Cache::Carried),
+            _ => (0, Cache::None),
+        };
+        let terms = seen.terms(&placements[at], weighing.resident.map(|r| r.target), weighing, cached);
+        candidates.items[candidates.len] = (*target, Terms { preferred: weighing.preferred == Some(*target), ..terms });
+        candidates.len += 1;
+    }
+    candidates
 }
 
 /// How many of a session's best-scoring homes are kept while scanning; the
@@ -852,10 +1020,7 @@ fn place_on_ring<L: Local>(
     fits: &impl Fn(&Placement) -> bool,
 ) -> Option<Route> {
     const WALK: usize = 8 * crate::snapshot::RING_POINTS as usize;
-    let bound = (snapshot.policy().load_bound * (ring.resident_sessions + 1) as f64
-        / ring.ready_placements.max(1) as f64)
-        .ceil()
-        + 1.0;
+    let bound = cost::load_bound(snapshot.policy().load_bound, ring.resident_sessions, ring.ready_placements);
     let start = ring.points.partition_point(|(point, _)| *point < key);
     // The first few placements met, not judged again at their other points
     // (past those, a placement may be judged twice: the homes are checked).
@@ -881,26 +1046,26 @@ fn place_on_ring<L: Local>(
             }
         }
     }
-    let over = |p: &Placement| f64::from(seen.session_load(p)) + 1.0 > bound;
+    let over = |p: &Placement| cost::over_bound(seen.session_load(p), bound);
     // None within the bound with room: the full scan looks further.
     if homes.iter().all(|i| over(&placements[*i]) || seen.waits(&placements[*i])) {
         return None;
     }
+    let first_met = homes[0];
     // Within the bound first, then those that start it at once (in ring
     // order), then the soonest.
     homes.sort_by_key(|i| (over(&placements[*i]), seen.start_key(&placements[*i])));
     let targets: Targets = homes.iter().map(|i| placements[*i].target).collect();
-    let first = &placements[homes[0]];
-    let expected_ttft_ms = millis(seen.expected_ttft(first, request.prompt_tokens, 0));
-    let waits = seen.waits(first);
+    let preferred = Some(placements[first_met].target);
+    let weighing = Weighing { bound: Some(bound), preferred, ..Weighing::of(request.prompt_tokens) };
     Some(Route {
         targets,
         reason: RouteReason::Placed,
         loads: 0,
-        expected_ttft_ms,
-        home_expected_ttft_ms: 0,
-        waits,
+        waits: seen.waits(&placements[homes[0]]),
         home_if_not_carried: false,
+        uncarried: Terms::default(),
+        weighed: weighed(seen, placements, &targets, &weighing),
     })
 }
 

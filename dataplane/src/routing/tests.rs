@@ -309,7 +309,7 @@ fn a_session_leaves_its_cache_only_for_a_free_slot_that_beats_its_wait_at_home()
     let s = snapshot(&[home(slow("busy", 4, 4)), slow("idle", 0, 0)]);
     let route = select(&s, &Idle, &later_turn()).unwrap();
     assert_eq!((nodes(&s, &route), route.reason), (vec!["busy".into(), "idle".into()], RouteReason::Resident));
-    assert_eq!(route.expected_ttft_ms, 3_000);
+    assert_eq!(route.expected_ttft_ms(), 3_000);
     // 20 queued: 10.5 s of waiting at home, and 0.5 s more for the new
     // tokens, against 10.5 s elsewhere: half a second is within the error
     // of reports a poll interval old, and it stays.
@@ -320,14 +320,14 @@ fn a_session_leaves_its_cache_only_for_a_free_slot_that_beats_its_wait_at_home()
     let s = snapshot(&[home(slow("busy", 4, 22)), slow("idle", 0, 0)]);
     let route = select(&s, &Idle, &later_turn()).unwrap();
     assert_eq!((nodes(&s, &route), route.reason), (vec!["idle".into(), "busy".into()], RouteReason::Moved));
-    assert_eq!((route.expected_ttft_ms, route.home_expected_ttft_ms), (10_500, 12_000));
+    assert_eq!((route.expected_ttft_ms(), route.home_expected_ttft_ms()), (10_500, 12_000));
     // A node that reads prompts 100 times as fast is worth the recompute
     // against a short queue already.
     let fast = Spec { prefill_tokens_per_second: 10_000.0, ..slow("fast", 0, 0) };
     let s = snapshot(&[home(slow("busy", 4, 4)), fast]);
     let route = select(&s, &Idle, &later_turn()).unwrap();
     assert_eq!((first_node(&s, &route), route.reason), ("fast".into(), RouteReason::Moved));
-    assert_eq!(route.expected_ttft_ms, 105);
+    assert_eq!(route.expected_ttft_ms(), 105);
 }
 
 #[test]
@@ -339,7 +339,7 @@ fn a_session_has_its_cache_carried_to_a_free_slot_when_that_beats_its_wait_and_a
     let s = snapshot(&[alike(home(slow("busy", 4, 4))), alike(slow("idle", 0, 0))]);
     let route = select(&s, &Idle, &later_turn()).unwrap();
     assert_eq!((nodes(&s, &route), route.reason), (vec!["idle".into(), "busy".into()], RouteReason::Carried));
-    assert_eq!((route.expected_ttft_ms, route.home_expected_ttft_ms), (650, 3_000));
+    assert_eq!((route.expected_ttft_ms(), route.home_expected_ttft_ms()), (650, 3_000));
     assert!(route.home_if_not_carried, "reading the prompt there (10.5 s) is not worth leaving for");
     // Where reading it again there is worth leaving for too (a node 100
     // times as fast: 105 ms), a failed carry goes on there.
@@ -379,7 +379,7 @@ fn a_session_moves_only_into_a_free_slot() {
     let s = snapshot(&[home(slow("busy", 4, 44)), slow("room", 3, 0)]);
     let route = select(&s, &Idle, &later_turn()).unwrap();
     assert_eq!((first_node(&s, &route), route.reason), ("room".into(), RouteReason::Moved));
-    assert_eq!((route.expected_ttft_ms, route.home_expected_ttft_ms), (10_500, 23_000));
+    assert_eq!((route.expected_ttft_ms(), route.home_expected_ttft_ms()), (10_500, 23_000));
 }
 
 #[test]
@@ -412,7 +412,7 @@ fn load_that_could_not_be_read_is_taken_for_busy_not_idle() {
     let s = snapshot(&[home(unknown), slow("idle", 0, 0)]);
     let route = select(&s, &Idle, &later_turn()).unwrap();
     assert_eq!((first_node(&s, &route), route.reason), ("unknown".into(), RouteReason::Resident));
-    assert_eq!(route.expected_ttft_ms, 3_000, "5 requests ahead at 0.5 s, then 50 tokens");
+    assert_eq!(route.expected_ttft_ms(), 3_000, "5 requests ahead at 0.5 s, then 50 tokens");
 }
 
 #[test]
@@ -433,7 +433,7 @@ fn a_burst_between_two_reports_is_spread_by_the_own_counts() {
     let s = snapshot(&[slow("a", 3, 0), slow("b", 3, 0)]);
     let own = Own { in_flight: [(0, 3)].into(), ..Own::default() };
     let route = select(&s, &own, &request(0)).unwrap();
-    assert_eq!(route.expected_ttft_ms, 5_000, "a free slot: no wait, 500 tokens at 100/s");
+    assert_eq!(route.expected_ttft_ms(), 5_000, "a free slot: no wait, 500 tokens at 100/s");
 }
 
 #[test]
@@ -914,4 +914,95 @@ fn targets_keep_the_first_three_in_order() {
     }
     assert_eq!(pushed.len(), MAX_TARGETS);
     assert_eq!(pushed.iter().map(|t| t.node).collect::<Vec<_>>(), [7, 8, 9]);
+}
+
+/// The terms of the route's candidate on node `id`.
+fn terms_at(s: &RoutingSnapshot, route: &Route, id: &str) -> Terms {
+    let found = route.weighed().iter().find(|(target, _)| node_of(s, *target) == id);
+    found.map(|(_, terms)| *terms).unwrap_or_else(|| panic!("{id} not weighed"))
+}
+
+#[test]
+fn a_session_s_decision_reads_from_its_candidates_terms() {
+    // Home: 5 requests ahead at 0.5 s each, then the 50 uncached tokens.
+    // Elsewhere: the whole prompt again, and the gain a move must bring.
+    let s = snapshot(&[home(slow("busy", 4, 4)), slow("idle", 0, 0)]);
+    let route = select(&s, &Idle, &later_turn()).unwrap();
+    let (at_home, idle) = (terms_at(&s, &route, "busy"), terms_at(&s, &route, "idle"));
+    assert_eq!(
+        (at_home.standing, at_home.cache, at_home.cached_tokens, at_home.queue_ahead),
+        (cost::Standing::Resident, cost::Cache::Resident, 1_000, 5)
+    );
+    assert_eq!((at_home.wait_ms, at_home.prefill_ms, at_home.move_ms, at_home.cost_ms()), (2_500, 500, 0, 3_000));
+    assert_eq!((idle.standing, idle.cache, idle.cached_tokens), (cost::Standing::Warm, cost::Cache::None, 0));
+    assert_eq!((idle.wait_ms, idle.prefill_ms, idle.move_ms, idle.cost_ms()), (0, 10_500, 1_000, 11_500));
+    assert!(at_home.cost_ms() < idle.cost_ms() && route.reason == RouteReason::Resident);
+    // 22 queued: home costs 12 s, and the free slot's 11.5 s wins.
+    let s = snapshot(&[home(slow("busy", 4, 22)), slow("idle", 0, 0)]);
+    let route = select(&s, &Idle, &later_turn()).unwrap();
+    let costs: Vec<u32> = route.weighed().iter().map(|(_, terms)| terms.cost_ms()).collect();
+    assert_eq!((route.reason, costs), (RouteReason::Moved, vec![11_500, 12_000]));
+}
+
+#[test]
+fn a_carry_is_a_term_of_its_own_and_a_failed_one_takes_the_terms_of_what_is_left() {
+    let alike = |s: Spec| Spec { slot_fingerprint: "0123456789abcdef0123456789abcdef".into(), ..s };
+    let s = snapshot(&[alike(home(slow("busy", 4, 4))), alike(slow("idle", 0, 0))]);
+    let mut route = select(&s, &Idle, &later_turn()).unwrap();
+    let carried = terms_at(&s, &route, "idle");
+    assert_eq!((carried.cache, carried.cached_tokens, carried.carry_ms), (cost::Cache::Carried, 1_000, 150));
+    assert_eq!((carried.prefill_ms, carried.ttft_ms, carried.cost_ms()), (500, 650, 1_650));
+    // Reading the prompt there is not worth leaving for: a failed carry goes home.
+    route.carry_failed();
+    assert_eq!((first_node(&s, &route), route.reason), ("busy".into(), RouteReason::Resident));
+    assert_eq!((route.expected_ttft_ms(), route.home_expected_ttft_ms()), (3_000, 0));
+    // Where it is, the first target stays, and its terms are a recompute's.
+    let fast = Spec { prefill_tokens_per_second: 1_500.0, ..alike(slow("fast", 0, 0)) };
+    let s = snapshot(&[alike(home(slow("busy", 4, 22))), fast]);
+    let mut route = select(&s, &Idle, &later_turn()).unwrap();
+    assert_eq!(route.reason, RouteReason::Carried);
+    route.carry_failed();
+    let read = terms_at(&s, &route, "fast");
+    assert_eq!(
+        (route.reason, read.cache, read.carry_ms, read.prefill_ms),
+        (RouteReason::Moved, cost::Cache::None, 0, 700)
+    );
+}
+
+#[test]
+fn a_new_session_s_preferred_node_is_weighed_where_it_is_passed_over() {
+    let specs = [spec("a"), spec("b"), spec("c"), spec("d")];
+    let s = snapshot(&specs);
+    let key = (0..100)
+        .map(|i| format!("s{i}"))
+        .find(|k| first_node(&s, &select(&s, &Idle, &chat(Some(k))).unwrap()) == "a")
+        .expect("some session lives on a");
+    let route = select(&s, &Idle, &chat(Some(&key))).unwrap();
+    let a = terms_at(&s, &route, "a");
+    assert!(a.preferred && !a.over_bound, "its own node, within the bound: {a:?}");
+    assert_eq!(route.weighed().len(), route.targets.len(), "nothing passed over");
+    // Loaded far above the rest, "a" is over the bound: the terms say why
+    // the session went elsewhere, though "a" is not among the targets.
+    let loaded = snapshot(&[Spec { resident: 8, ..spec("a") }, spec("b"), spec("c"), spec("d")]);
+    let route = select(&loaded, &Idle, &chat(Some(&key))).unwrap();
+    assert!(!route.targets.iter().any(|t| node_of(&loaded, *t) == "a"));
+    let a = terms_at(&loaded, &route, "a");
+    assert!(a.preferred && a.over_bound && a.sessions == 8, "{a:?}");
+    let first = route.weighed()[0].1;
+    assert!(!first.preferred && !first.over_bound, "{first:?}");
+    // Keyless requests have no preferred node.
+    let route = select(&s, &Idle, &chat(None)).unwrap();
+    assert!(route.weighed().iter().all(|(_, terms)| !terms.preferred));
+}
+
+#[test]
+fn every_target_is_weighed_in_order_and_a_cold_load_has_no_expected_time() {
+    let s = snapshot(&[Spec { state: ModelState::Unloaded, ..spec("cold") }]);
+    let route = select(&s, &Idle, &chat(Some("new"))).unwrap();
+    assert_eq!(route.reason, RouteReason::Cold);
+    assert_eq!((route.weighed()[0].1.standing, route.expected_ttft_ms()), (cost::Standing::Cold, 0));
+    let s = snapshot(&[spec("a"), spec("b"), spec("c")]);
+    let route = select(&s, &Idle, &chat(None)).unwrap();
+    let weighed: Vec<Target> = route.weighed().iter().map(|(target, _)| *target).collect();
+    assert_eq!(weighed, route.targets.to_vec());
 }
