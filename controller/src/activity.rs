@@ -14,8 +14,13 @@ use tokio::time::Instant;
 use crate::history::TtftSeries;
 use crate::live::tidy_text;
 
-/// Decisions kept, newest first: a tail for eyes, not a ledger.
+/// Decisions shown, newest first: a tail for eyes, not a ledger.
 const TAIL: usize = 200;
+/// Decisions kept, newest first, for `Explain` to find a request by its id
+/// a while after it was answered.
+const KEPT: usize = 4096;
+/// Candidates a decision names, at most (a data plane keeps four).
+const CANDIDATES: usize = 4;
 /// A data plane silent this long no longer vouches for its ejections (it
 /// reports at least every 10 s).
 const STALE_AFTER: Duration = Duration::from_secs(30);
@@ -80,13 +85,19 @@ impl Activity {
             let mut dataplane_id = report.dataplane_id;
             tidy_text(&mut dataplane_id);
             // Every decision counts in the chart; only the newest of a
-            // report can stay in the tail.
+            // report can stay.
             let mut decisions = report.decisions;
             for decision in &decisions {
                 inner.ttft.record(decision, now_ms);
             }
-            decisions.drain(..decisions.len().saturating_sub(TAIL));
+            decisions.drain(..decisions.len().saturating_sub(KEPT));
             for mut decision in decisions {
+                decision.candidates.truncate(CANDIDATES);
+                for candidate in &mut decision.candidates {
+                    for text in [&mut candidate.node_id, &mut candidate.standing, &mut candidate.cache] {
+                        tidy_text(text);
+                    }
+                }
                 for text in [
                     &mut decision.request_id,
                     &mut decision.model,
@@ -100,7 +111,7 @@ impl Activity {
                 }
                 inner.decisions.push_front(Decision { dataplane_id: dataplane_id.clone(), decision });
             }
-            inner.decisions.truncate(TAIL);
+            inner.decisions.truncate(KEPT);
             inner.dropped = inner.dropped.saturating_add(report.dropped);
             let mut queued = report.queued;
             queued.truncate(QUEUED_FLOWS);
@@ -148,12 +159,18 @@ impl Activity {
             .flat_map(|(dataplane, (flows, _))| flows.iter().map(|flow| (dataplane.clone(), flow.clone())))
             .collect();
         Recent {
-            decisions: inner.decisions.iter().cloned().collect(),
+            decisions: inner.decisions.iter().take(TAIL).cloned().collect(),
             ejected,
             queued,
             dropped: inner.dropped,
             ttft: inner.ttft.view(inferyes_proto::unix_ms()),
         }
+    }
+
+    /// The newest decision reported for `request_id`, among those kept.
+    pub fn explain(&self, request_id: &str) -> Option<Decision> {
+        let inner = self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        inner.decisions.iter().find(|d| d.decision.request_id == request_id).cloned()
     }
 
     /// Ticks on every report.
@@ -164,6 +181,8 @@ impl Activity {
 
 #[cfg(test)]
 mod tests {
+    use inferyes_proto::v1::Candidate;
+
     use super::*;
 
     fn report(dataplane: &str, requests: &[&str], ejected: &[&str]) -> DataPlaneReport {
@@ -190,6 +209,27 @@ mod tests {
         assert_eq!(recent.decisions.len(), TAIL);
         assert_eq!(recent.decisions[0].decision.request_id, format!("r{}", TAIL + 9));
         assert_eq!(recent.decisions[TAIL - 1].decision.request_id, "r10");
+    }
+
+    #[test]
+    fn a_request_is_found_by_its_id_long_after_it_left_the_tail_until_it_is_not_kept() {
+        let activity = Activity::default();
+        let now = Instant::now();
+        let mut said = report("dp-1", &["first"], &[]);
+        said.decisions[0].candidates =
+            vec![Candidate { node_id: "gpu\u{1b}[2J-a".into(), cost_ms: 7, ..Default::default() }; 2 * CANDIDATES];
+        activity.record(said, now);
+        let ids: Vec<String> = (0..TAIL).map(|i| format!("r{i}")).collect();
+        activity.record(report("dp-1", &ids.iter().map(String::as_str).collect::<Vec<_>>(), &[]), now);
+        assert!(activity.recent(now).decisions.iter().all(|d| d.decision.request_id != "first"));
+        let found = activity.explain("first").expect("kept past the tail");
+        assert_eq!(found.dataplane_id, "dp-1");
+        assert_eq!(found.decision.candidates.len(), CANDIDATES, "a report names at most this many");
+        assert!(found.decision.candidates.iter().all(|c| c.cost_ms == 7 && !c.node_id.contains('\u{1b}')));
+        let ids: Vec<String> = (0..KEPT).map(|i| format!("later{i}")).collect();
+        activity.record(report("dp-1", &ids.iter().map(String::as_str).collect::<Vec<_>>(), &[]), now);
+        assert_eq!(activity.explain("first"), None, "{KEPT} newer ones push it out");
+        assert!(activity.explain("later0").is_some());
     }
 
     #[test]

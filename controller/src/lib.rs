@@ -223,6 +223,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         reader_tokens: config.reader_tokens()?,
         live_requests: requests_tx,
         views: views.clone(),
+        activity: std::sync::Arc::clone(&activity),
     };
 
     let (grpc_limits, http_limits) = config.connection_limits();

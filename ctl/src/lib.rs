@@ -8,9 +8,9 @@ use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
 use inferyes_proto::v1::fleet_service_client::FleetServiceClient;
 use inferyes_proto::v1::{
-    Alias, CreateKeyRequest, DeleteAliasRequest, DrainRequest, GetKeyRequest, GetNodeRequest, GetPolicyRequest,
-    ListAliasesRequest, ListKeysRequest, ListModelsRequest, ListNodesRequest, ListSessionsRequest, NodePolicy,
-    Priority, RevokeKeyRequest, SetNodePolicyRequest, Strategy, UndrainRequest, UsageQuery,
+    Alias, CreateKeyRequest, DeleteAliasRequest, DrainRequest, ExplainRequest, GetKeyRequest, GetNodeRequest,
+    GetPolicyRequest, ListAliasesRequest, ListKeysRequest, ListModelsRequest, ListNodesRequest, ListSessionsRequest,
+    NodePolicy, Priority, RevokeKeyRequest, SetNodePolicyRequest, Strategy, UndrainRequest, UsageQuery,
 };
 pub use render::Render;
 use render::{Drained, Policy, Sessions, Written, render, usage_record_line};
@@ -81,6 +81,9 @@ pub enum Command {
     },
     /// Let a drained node take new sessions again.
     Undrain { node_id: String },
+    /// Where a recent request went and why: every node routing weighed for
+    /// it, with the terms of its cost (`x-request-id` names the request).
+    Explain { request_id: String },
     /// Print a shell completion script, e.g. `inferyesctl completions bash > /etc/bash_completion.d/inferyesctl`.
     Completions {
         #[arg(value_enum)]
@@ -291,6 +294,9 @@ pub async fn run(cli: Cli) -> anyhow::Result<String> {
             let request = ListSessionsRequest { node_id: node.unwrap_or_default() };
             let response = client.list_sessions(request).await.map_err(rpc_error)?.into_inner();
             render(&Sessions { response, now_s: inferyes_proto::unix_ms() / 1000 }, output)
+        }
+        Command::Explain { request_id } => {
+            render(&client.explain(ExplainRequest { request_id }).await.map_err(rpc_error)?.into_inner(), output)
         }
         Command::Drain { node_id, reason, force } => {
             let response = client.drain(DrainRequest { node_id, reason, force }).await.map_err(rpc_error)?.into_inner();

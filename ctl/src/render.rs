@@ -7,9 +7,10 @@ use std::fmt::Write as _;
 
 use inferyes_proto::kinds;
 use inferyes_proto::v1::{
-    ApiKey, Backend, CreatedKey, EndpointKind, Gpu, ListAliasesResponse, ListKeysResponse, ListModelsResponse,
-    ListNodesResponse, ListSessionsResponse, ModelPlacement, ModelState, MoveProgress, PlacementAction, PlacementOrder,
-    RoutingPolicy, SnapshotNode, Strategy, UsageRecord, UsageReport, UsageRow,
+    ApiKey, Backend, Candidate, CreatedKey, EndpointKind, ExplainResponse, Gpu, ListAliasesResponse, ListKeysResponse,
+    ListModelsResponse, ListNodesResponse, ListSessionsResponse, ModelPlacement, ModelState, MoveProgress,
+    PlacementAction, PlacementOrder, RoutingDecision, RoutingPolicy, SnapshotNode, Strategy, UsageRecord, UsageReport,
+    UsageRow,
 };
 use serde_json::{Value, json};
 
@@ -203,6 +204,187 @@ impl Render for Sessions {
             .collect();
         json!({"version": self.response.version, "sessions": sessions, "truncated": self.response.truncated})
     }
+}
+
+impl Render for ExplainResponse {
+    fn text(&self) -> String {
+        let Some(d) = &self.decision else { return "no decision in the answer\n".into() };
+        let mut out = format!("request {} for {}, routed by data plane {}\n", d.request_id, d.model, self.dataplane_id);
+        let session =
+            if d.session_tag.is_empty() { "no session".to_string() } else { format!("session {}", d.session_tag) };
+        let _ = writeln!(
+            out,
+            "{session}; route {} to {}; status {}{}",
+            d.route,
+            or_dash(&d.node_id),
+            d.status,
+            if d.ttft_ms > 0 { format!(", first token after {}", seconds(d.ttft_ms)) } else { String::new() },
+        );
+        if d.candidates.is_empty() {
+            out.push_str("no node was weighed: the request ended before routing\n");
+            return out;
+        }
+        out.push('\n');
+        let rows = d
+            .candidates
+            .iter()
+            .enumerate()
+            .map(|(index, c)| {
+                vec![
+                    format!("{}/{}", c.node_id, c.backend_id),
+                    candidate_role(index, c, d),
+                    c.standing.clone(),
+                    if c.cached_tokens == 0 { "-".into() } else { format!("{} {}", c.cached_tokens, c.cache) },
+                    c.queue_ahead.to_string(),
+                    seconds(c.wait_ms),
+                    seconds(c.prefill_ms),
+                    seconds(c.carry_ms),
+                    seconds(c.move_ms),
+                    if c.standing == "cold" {
+                        "load + ".to_string() + &seconds(c.prefill_ms)
+                    } else {
+                        seconds(c.cost_ms)
+                    },
+                    format!("{}{}", c.sessions, if c.over_bound { " over bound" } else { "" }),
+                    format!("{}%", c.memory_permille / 10),
+                ]
+            })
+            .collect();
+        out.push_str(&table(
+            &[
+                "NODE", "ROLE", "STANDING", "CACHED", "AHEAD", "WAIT", "PREFILL", "CARRY", "MOVE", "COST", "SESSIONS",
+                "MEMORY",
+            ],
+            rows,
+        ));
+        let _ = writeln!(out, "\nwhy: {}", why(d));
+        out
+    }
+
+    fn json(&self) -> Value {
+        let Some(d) = &self.decision else { return json!({"dataplane_id": self.dataplane_id}) };
+        let candidates: Vec<Value> = d
+            .candidates
+            .iter()
+            .map(|c| {
+                json!({"node_id": c.node_id, "backend_id": c.backend_id, "passed_over": c.passed_over,
+                       "standing": c.standing, "prompt_tokens": c.prompt_tokens,
+                       "cached_tokens": c.cached_tokens, "cache": c.cache, "queue_ahead": c.queue_ahead,
+                       "wait_ms": c.wait_ms, "prefill_ms": c.prefill_ms, "carry_ms": c.carry_ms,
+                       "move_ms": c.move_ms, "ttft_ms": c.ttft_ms, "cost_ms": c.cost_ms, "sessions": c.sessions,
+                       "over_bound": c.over_bound, "preferred": c.preferred, "memory_permille": c.memory_permille})
+            })
+            .collect();
+        json!({
+            "dataplane_id": self.dataplane_id, "request_id": d.request_id, "unix_ms": d.unix_ms,
+            "model": d.model, "node_id": d.node_id, "route": d.route, "status": d.status,
+            "error_code": d.error_code, "session_tag": d.session_tag, "key_id": d.key_id,
+            "ttft_ms": d.ttft_ms, "expected_ttft_ms": d.expected_ttft_ms,
+            "home_expected_ttft_ms": d.home_expected_ttft_ms, "candidates": candidates, "why": why(d),
+        })
+    }
+}
+
+/// What a candidate was to the request: the target tried first, a
+/// failover, or the node its session preferred, passed over.
+fn candidate_role(index: usize, c: &Candidate, d: &RoutingDecision) -> String {
+    let mut role = match (index, c.passed_over) {
+        (_, true) => "passed over".to_string(),
+        (0, false) => "first".to_string(),
+        _ => "failover".to_string(),
+    };
+    if c.preferred {
+        role.push_str(", preferred");
+    }
+    if !c.passed_over && c.node_id == d.node_id {
+        role.push_str(", answered");
+    }
+    role
+}
+
+/// Why the first candidate won, in one sentence, from the terms.
+pub fn why(d: &RoutingDecision) -> String {
+    let Some(first) = d.candidates.first() else { return "no node was weighed".into() };
+    let home = d.candidates.iter().find(|c| c.standing == "resident");
+    let preferred = d.candidates.iter().find(|c| c.preferred);
+    let first_is_preferred = preferred.is_some_and(|p| !p.passed_over && std::ptr::eq(p, first));
+    let mut why = match d.route.as_str() {
+        "resident" => {
+            let cheapest_other = d.candidates.iter().skip(1).filter(|c| c.standing == "warm").min_by_key(|c| c.cost_ms);
+            match cheapest_other {
+                Some(other) => format!(
+                    "{} holds the conversation's cache ({} tokens): it costs {}, and the cheapest other, {}, {} \
+                     (a move must gain {})",
+                    first.node_id,
+                    first.cached_tokens,
+                    seconds(first.cost_ms),
+                    other.node_id,
+                    seconds(other.cost_ms),
+                    seconds(other.move_ms)
+                ),
+                None => format!(
+                    "{} holds the conversation's cache ({} tokens) and costs {}; no other node could be cheaper",
+                    first.node_id,
+                    first.cached_tokens,
+                    seconds(first.cost_ms)
+                ),
+            }
+        }
+        "moved" | "carried" => {
+            let how = if first.cache == "carried" {
+                format!("with the cache carried there ({})", seconds(first.carry_ms))
+            } else {
+                "reading the whole prompt again".into()
+            };
+            format!(
+                "{} costs {} {how}, the move's gain of {} included, below the {} of waiting at its home {}",
+                first.node_id,
+                seconds(first.cost_ms),
+                seconds(first.move_ms),
+                home.map_or("-".into(), |h| seconds(h.cost_ms)),
+                home.map_or("-", |h| h.node_id.as_str()),
+            )
+        }
+        "placed" => match preferred {
+            Some(_) if first_is_preferred => {
+                format!("a new conversation, on its own node by rendezvous hash, {}", first.node_id)
+            }
+            Some(p) if p.over_bound => format!(
+                "a new conversation: its own node {} holds {} sessions, over the load bound, so {} took it",
+                p.node_id, p.sessions, first.node_id
+            ),
+            Some(p) => format!(
+                "a new conversation: its own node {} would queue it ({} ahead), {} starts it sooner ({} ahead)",
+                p.node_id, p.queue_ahead, first.node_id, first.queue_ahead
+            ),
+            None => format!("a new conversation, placed on {}", first.node_id),
+        },
+        "warm" => format!(
+            "no conversation to keep: the model's strategy picked {} ({} ahead, {} expected)",
+            first.node_id,
+            first.queue_ahead,
+            seconds(first.ttft_ms)
+        ),
+        "cold" => format!("no node with the model loaded could take it: {} loads it first", first.node_id),
+        "failover" => format!("{} was tried first and failed; {} answered", first.node_id, or_dash(&d.node_id)),
+        other => format!("route {other}"),
+    };
+    if d.route != "failover" && !d.node_id.is_empty() && d.node_id != first.node_id {
+        let _ = write!(why, "; {} answered, after a failover", d.node_id);
+    }
+    why
+}
+
+fn seconds(ms: u32) -> String {
+    match ms {
+        0 => "-".into(),
+        ms if ms < 1_000 => format!("{ms} ms"),
+        ms => format!("{:.1} s", f64::from(ms) / 1e3),
+    }
+}
+
+fn or_dash(text: &str) -> &str {
+    if text.is_empty() { "-" } else { text }
 }
 
 /// A node drained, or taking new sessions again.

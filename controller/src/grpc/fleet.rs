@@ -2,10 +2,11 @@ use inferyes_proto::ErrorKind;
 use inferyes_proto::v1::fleet_service_server::{FleetService, FleetServiceServer};
 use inferyes_proto::v1::{
     Alias, AliasRecord, ApiKey, CreateKeyRequest, CreatedKey, DeleteAliasRequest, DrainRecord, DrainRequest,
-    DrainResponse, GetKeyRequest, GetNodeRequest, GetPolicyRequest, ListAliasesRequest, ListAliasesResponse,
-    ListKeysRequest, ListKeysResponse, ListModelsRequest, ListModelsResponse, ListNodesRequest, ListNodesResponse,
-    ListSessionsRequest, ListSessionsResponse, NodePolicy, Priority, RevokeKeyRequest, RoutingPolicy,
-    SetNodePolicyRequest, SnapshotNode, UndrainRequest, UsageQuery, UsageRecord, UsageReport, UsageRow, WriteResponse,
+    DrainResponse, ExplainRequest, ExplainResponse, GetKeyRequest, GetNodeRequest, GetPolicyRequest,
+    ListAliasesRequest, ListAliasesResponse, ListKeysRequest, ListKeysResponse, ListModelsRequest, ListModelsResponse,
+    ListNodesRequest, ListNodesResponse, ListSessionsRequest, ListSessionsResponse, NodePolicy, Priority,
+    RevokeKeyRequest, RoutingPolicy, SetNodePolicyRequest, SnapshotNode, UndrainRequest, UsageQuery, UsageRecord,
+    UsageReport, UsageRow, WriteResponse,
 };
 use tonic::{Request, Response, Status};
 
@@ -27,10 +28,15 @@ pub struct FleetSvc {
     /// Resident sessions are asked of the reconciler, which holds them.
     pub live_requests: tokio::sync::mpsc::Sender<crate::reconcile::LiveRequest>,
     pub views: crate::reconcile::LiveViewRx,
+    /// What data planes report they decided: `Explain` reads it.
+    pub activity: std::sync::Arc<crate::activity::Activity>,
 }
 
 /// The most sessions one `ListSessions` answer holds.
 const SESSIONS_LISTED: usize = 100_000;
+/// How long `Explain` waits for a request it does not know yet: data
+/// planes report what they decided each second.
+const EXPLAIN_WAIT: std::time::Duration = std::time::Duration::from_secs(3);
 
 impl FleetSvc {
     pub fn svc(self) -> FleetServiceServer<Self> {
@@ -109,6 +115,38 @@ impl FleetService for FleetSvc {
             version: snapshot.version(),
             models: crate::snapshot::model_summaries(&snapshot),
         }))
+    }
+
+    async fn explain(&self, request: Request<ExplainRequest>) -> Result<Response<ExplainResponse>, Status> {
+        self.reader(&request)?;
+        let request_id = request.into_inner().request_id;
+        if request_id.is_empty() || request_id.len() > inferyes_proto::MAX_NAME_BYTES {
+            return Err(status(ErrorKind::BadRequest, "give the request's id, its `x-request-id`"));
+        }
+        // Reports come each second: a request answered a moment ago is
+        // waited for, a report at a time.
+        let mut reports = self.activity.subscribe();
+        let found = tokio::time::timeout(EXPLAIN_WAIT, async {
+            loop {
+                if let Some(found) = self.activity.explain(&request_id) {
+                    return Some(found);
+                }
+                reports.changed().await.ok()?;
+            }
+        })
+        .await
+        .ok()
+        .flatten();
+        let Some(found) = found else {
+            return Err(status(
+                ErrorKind::NotFound,
+                format!(
+                    "no request `{request_id}` among the decisions data planes reported to this controller lately \
+                     (each data plane reports to one controller: ask the one it reports to)"
+                ),
+            ));
+        };
+        Ok(Response::new(ExplainResponse { dataplane_id: found.dataplane_id, decision: Some(found.decision) }))
     }
 
     async fn list_sessions(

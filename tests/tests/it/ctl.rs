@@ -4,7 +4,7 @@ use serde_json::{Value, json};
 
 use crate::support::{Fleet, chat_sim, embedding_model};
 
-async fn ctl(controller: &str, args: &[&str]) -> anyhow::Result<String> {
+pub(crate) async fn ctl(controller: &str, args: &[&str]) -> anyhow::Result<String> {
     let mut argv = vec!["inferyesctl", "--controller", controller, "--admin-token", inferyes_tests::fleet::ADMIN_TOKEN];
     argv.extend_from_slice(args);
     run(Cli::try_parse_from(argv).expect("valid arguments")).await

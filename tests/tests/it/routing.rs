@@ -258,6 +258,29 @@ async fn a_session_whose_home_is_queued_past_a_recompute_moves_and_the_dashboard
         })
     })
     .await;
+    // The decision, read back by its request id: every node weighed, term
+    // by term, and why the winner won.
+    let url = fleet.controller().url();
+    let explained = crate::ctl::ctl(&url, &["explain", &request_id, "-o", "json"]).await.unwrap();
+    let explained: Value = serde_json::from_str(&explained).unwrap();
+    let (to, left) = (&explained["candidates"][0], &explained["candidates"][1]);
+    assert_eq!(
+        (&explained["route"], &to["node_id"], &left["node_id"]),
+        (&json!("moved"), &json!(node(&moved)), &json!(home))
+    );
+    assert_eq!(
+        (&to["standing"], &to["cache"], &to["move_ms"]),
+        (&json!("warm"), &json!("none"), &json!(1_000)),
+        "{explained}"
+    );
+    assert_eq!((&left["standing"], &left["cache"]), (&json!("resident"), &json!("resident")), "{explained}");
+    assert!(left["cached_tokens"].as_u64().unwrap() > 0 && left["queue_ahead"].as_u64().unwrap() >= 1, "{explained}");
+    assert!(to["cost_ms"].as_u64().unwrap() < left["cost_ms"].as_u64().unwrap(), "the cheaper won: {explained}");
+    let table = crate::ctl::ctl(&url, &["explain", &request_id]).await.unwrap();
+    let why = table.lines().find(|line| line.starts_with("why: ")).unwrap_or_else(|| panic!("{table}"));
+    assert!(why.contains("below the") && why.contains(&home), "{table}");
+    let unknown = crate::ctl::ctl(&url, &["explain", "no-such-request"]).await.unwrap_err();
+    assert!(unknown.to_string().contains("no request `no-such-request`"), "{unknown}");
     load.iter().for_each(tokio::task::JoinHandle::abort);
 }
 
