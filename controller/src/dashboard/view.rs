@@ -275,6 +275,18 @@ fn decisions(recent: &Recent) -> Vec<Value> {
                 "ttft_ms": r.ttft_ms,
                 "expected_ttft_ms": r.expected_ttft_ms,
                 "home_expected_ttft_ms": r.home_expected_ttft_ms,
+                // What each node weighed would have cost; `inferyesctl
+                // explain` has every term.
+                "candidates": r.candidates.iter().map(|c| json!({
+                    "node": c.node_id,
+                    "standing": c.standing,
+                    "cache": c.cache,
+                    "cached_tokens": c.cached_tokens,
+                    "queue_ahead": c.queue_ahead,
+                    "cost_ms": c.cost_ms,
+                    "over_bound": c.over_bound,
+                    "passed_over": c.passed_over,
+                })).collect::<Vec<_>>(),
                 "stream": r.stream,
                 "session": r.session_tag,
                 "key": r.key_id,

@@ -91,7 +91,12 @@ async fn the_fleet_view_shows_gpus_sessions_decisions_and_short_models() {
     assert_eq!(routed["status"], 200);
     assert_eq!(routed["node"], session["node"], "the decision names the node the session lives on");
     assert_eq!(routed["dataplane"], "test-dataplane");
+    // Every node routing weighed, the one it chose first, with its cost.
+    let weighed = routed["candidates"].as_array().unwrap();
+    assert_eq!(weighed[0]["node"], routed["node"], "{routed}");
+    assert!(weighed[0]["cost_ms"].is_u64() && weighed[0]["standing"] == "warm", "{routed}");
     let failed = decisions.iter().find(|d| d["status"] == 404).expect("the failure's decision");
+    assert_eq!(failed["candidates"], json!([]), "nothing was weighed for a model not found");
     assert_eq!(failed["error"], "model_not_found");
     assert_eq!(failed["model"], "no-such-\u{fffd}ledom", "shown as it is, not as it reads");
     assert_eq!(failed["ttft_ms"], 0, "a failure has no first token");
@@ -225,7 +230,8 @@ async fn the_dashboard_page_updates_live_in_a_real_browser() {
         .wait_for(
             "the routing decision",
             Duration::from_secs(15),
-            "return [...document.querySelectorAll('#decisions tr')].some(r => r.textContent.includes('chat'))",
+            "return [...document.querySelectorAll('#decisions tr')].some(r => r.textContent.includes('chat') \
+               && r.querySelector('.weighed') !== null && /node-[ab] [\\d.]+ m?s/.test(r.querySelector('.weighed').textContent))",
         )
         .await;
     let node: String = browser
