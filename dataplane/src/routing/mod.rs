@@ -120,7 +120,7 @@ pub struct Route {
     pub loads: u8,
     /// The candidates routing weighed, with their terms: the targets in
     /// order, then the session's preferred node where it passed that over.
-    weighed: Candidates,
+    weighed: CandidateTerms,
     /// For a `carried` route, the first target's cost without the carry:
     /// what it becomes if the carry fails.
     uncarried: Terms,
@@ -957,7 +957,7 @@ impl Weighing {
 
 /// A route's candidates with their terms, inline (made for every request).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-struct Candidates {
+struct CandidateTerms {
     items: [(Target, Terms); CANDIDATES],
     len: usize,
 }
@@ -969,8 +969,8 @@ fn weighed<L: Local>(
     placements: &[Placement],
     targets: &Targets,
     weighing: &Weighing,
-) -> Candidates {
-    let mut candidates = Candidates::default();
+) -> CandidateTerms {
+    let mut candidates = CandidateTerms::default();
     let passed_over = weighing.preferred.filter(|preferred| !targets.contains(preferred));
     for target in targets.iter().chain(passed_over.as_ref()) {
         let key = (target.node, target.backend);
