@@ -313,19 +313,19 @@ pub fn why(d: &RoutingDecision) -> String {
             let cheapest_other = d.candidates.iter().skip(1).filter(|c| c.standing == "warm").min_by_key(|c| c.cost_ms);
             match cheapest_other {
                 Some(other) => format!(
-                    "{} holds the conversation's cache ({} tokens): it costs {}, and the cheapest other, {}, {} \
+                    "{} holds the conversation's cache{}: it costs {}, and the cheapest other, {}, {} \
                      (a move must gain {})",
                     first.node_id,
-                    first.cached_tokens,
+                    tokens_held(first),
                     seconds(first.cost_ms),
                     other.node_id,
                     seconds(other.cost_ms),
                     seconds(other.move_ms)
                 ),
                 None => format!(
-                    "{} holds the conversation's cache ({} tokens) and costs {}; no other node could be cheaper",
+                    "{} holds the conversation's cache{} and costs {}; no other node could be cheaper",
                     first.node_id,
-                    first.cached_tokens,
+                    tokens_held(first),
                     seconds(first.cost_ms)
                 ),
             }
@@ -373,6 +373,11 @@ pub fn why(d: &RoutingDecision) -> String {
         let _ = write!(why, "; {} answered, after a failover", d.node_id);
     }
     why
+}
+
+/// The tokens a home's cache holds, where its agent reported them.
+fn tokens_held(home: &Candidate) -> String {
+    if home.cached_tokens == 0 { String::new() } else { format!(" ({} tokens)", home.cached_tokens) }
 }
 
 fn seconds(ms: u32) -> String {
