@@ -167,10 +167,12 @@ impl Activity {
         }
     }
 
-    /// The newest decision reported for `request_id`, among those kept.
+    /// The newest decision reported for `request_id` among those kept;
+    /// for an empty one, the newest of all.
     pub fn explain(&self, request_id: &str) -> Option<Decision> {
         let inner = self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        inner.decisions.iter().find(|d| d.decision.request_id == request_id).cloned()
+        let mut kept = inner.decisions.iter();
+        if request_id.is_empty() { kept.next() } else { kept.find(|d| d.decision.request_id == request_id) }.cloned()
     }
 
     /// Ticks on every report.
@@ -230,6 +232,8 @@ mod tests {
         activity.record(report("dp-1", &ids.iter().map(String::as_str).collect::<Vec<_>>(), &[]), now);
         assert_eq!(activity.explain("first"), None, "{KEPT} newer ones push it out");
         assert!(activity.explain("later0").is_some());
+        let newest = activity.explain("").expect("the newest of all");
+        assert_eq!(newest.decision.request_id, format!("later{}", KEPT - 1));
     }
 
     #[test]

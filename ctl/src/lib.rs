@@ -82,8 +82,11 @@ pub enum Command {
     /// Let a drained node take new sessions again.
     Undrain { node_id: String },
     /// Where a recent request went and why: every node routing weighed for
-    /// it, with the terms of its cost (`x-request-id` names the request).
-    Explain { request_id: String },
+    /// it, with the terms of its cost.
+    Explain {
+        /// The request's `x-request-id` (none: the newest request).
+        request_id: Option<String>,
+    },
     /// Print a shell completion script, e.g. `inferyesctl completions bash > /etc/bash_completion.d/inferyesctl`.
     Completions {
         #[arg(value_enum)]
@@ -296,7 +299,8 @@ pub async fn run(cli: Cli) -> anyhow::Result<String> {
             render(&Sessions { response, now_s: inferyes_proto::unix_ms() / 1000 }, output)
         }
         Command::Explain { request_id } => {
-            render(&client.explain(ExplainRequest { request_id }).await.map_err(rpc_error)?.into_inner(), output)
+            let request = ExplainRequest { request_id: request_id.unwrap_or_default() };
+            render(&client.explain(request).await.map_err(rpc_error)?.into_inner(), output)
         }
         Command::Drain { node_id, reason, force } => {
             let response = client.drain(DrainRequest { node_id, reason, force }).await.map_err(rpc_error)?.into_inner();

@@ -120,8 +120,11 @@ impl FleetService for FleetSvc {
     async fn explain(&self, request: Request<ExplainRequest>) -> Result<Response<ExplainResponse>, Status> {
         self.reader(&request)?;
         let request_id = request.into_inner().request_id;
-        if request_id.is_empty() || request_id.len() > inferyes_proto::MAX_NAME_BYTES {
-            return Err(status(ErrorKind::BadRequest, "give the request's id, its `x-request-id`"));
+        if request_id.len() > inferyes_proto::MAX_NAME_BYTES {
+            return Err(status(
+                ErrorKind::BadRequest,
+                "a request id is its answer's `x-request-id`, shorter than that",
+            ));
         }
         // Reports come each second: a request answered a moment ago is
         // waited for, a report at a time.
@@ -138,6 +141,9 @@ impl FleetService for FleetSvc {
         .ok()
         .flatten();
         let Some(found) = found else {
+            if request_id.is_empty() {
+                return Err(status(ErrorKind::NotFound, "no data plane has reported a request to this controller yet"));
+            }
             return Err(status(
                 ErrorKind::NotFound,
                 format!(
