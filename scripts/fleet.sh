@@ -154,11 +154,12 @@ Inferyes is serving the OpenAI API on http://127.0.0.1:8080/v1
   python3 -c 'from openai import OpenAI; c = OpenAI(base_url="http://127.0.0.1:8080/v1", api_key="none"); \\
     print(c.chat.completions.create(model="$model", messages=[{"role":"user","content":"hi"}]).choices[0].message.content)'
 
-  # The fleet (the dashboard: http://127.0.0.1:7071/):
+  # The fleet (the dashboard: http://127.0.0.1:7071/). inferyesctl reads
+  # and changes it with the fleet's admin token, made in $state:
+  export INFERYES_ADMIN_TOKEN_FILE=$state/admin-token
   $bin/inferyesctl nodes
   $bin/inferyesctl models
-  # Changes need the admin token:
-  export INFERYES_ADMIN_TOKEN_FILE=$state/admin-token
+  $bin/inferyesctl explain   # where the last request went and why
   $bin/inferyesctl drain $first_node
 
 Logs in $logs/. Ctrl-C stops the fleet.

@@ -78,6 +78,15 @@ embed=$(curl -fsS http://127.0.0.1:8080/v1/embeddings -H 'content-type: applicat
   -d '{"model":"nomic-embed-text","input":"hello"}') || fail "embeddings"
 grep -q '"embedding"' <<<"$embed" || fail "embeddings reply: $embed"
 
+# The commands the printout gives for the fleet, run as printed: reading
+# the fleet, explaining the last request, draining a node.
+printed=$(sed -n '/^  # The fleet/,/^Logs in/p' "$out" | grep -v '^Logs in' | sed 's/^  //')
+grep -q "inferyesctl explain" <<<"$printed" || fail "no inferyesctl commands in the printout"
+said=$(bash -euo pipefail -c "$printed" 2>&1) || fail "the printed inferyesctl commands: $said"
+grep -q '^gpu-a' <<<"$said" || fail "inferyesctl nodes lists no gpu-a: $said"
+grep -q '^why: ' <<<"$said" || fail "inferyesctl explain says no why: $said"
+grep -q 'node gpu-a draining' <<<"$said" || fail "inferyesctl drain: $said"
+
 kill -TERM "$fleet"
 status=0
 wait "$fleet" || status=$?
