@@ -94,9 +94,7 @@ impl Activity {
             for mut decision in decisions {
                 decision.candidates.truncate(CANDIDATES);
                 for candidate in &mut decision.candidates {
-                    for text in [&mut candidate.node_id, &mut candidate.standing, &mut candidate.cache] {
-                        tidy_text(text);
-                    }
+                    tidy_text(&mut candidate.node_id);
                 }
                 for text in [
                     &mut decision.request_id,

@@ -7,10 +7,10 @@ use std::fmt::Write as _;
 
 use inferyes_proto::kinds;
 use inferyes_proto::v1::{
-    ApiKey, Backend, Candidate, CreatedKey, EndpointKind, ExplainResponse, Gpu, ListAliasesResponse, ListKeysResponse,
-    ListModelsResponse, ListNodesResponse, ListSessionsResponse, ModelPlacement, ModelState, MoveProgress,
-    PlacementAction, PlacementOrder, RoutingDecision, RoutingPolicy, SnapshotNode, Strategy, UsageRecord, UsageReport,
-    UsageRow,
+    ApiKey, Backend, CacheSource, Candidate, CreatedKey, EndpointKind, ExplainResponse, Gpu, ListAliasesResponse,
+    ListKeysResponse, ListModelsResponse, ListNodesResponse, ListSessionsResponse, ModelPlacement, ModelState,
+    MoveProgress, PlacementAction, PlacementOrder, RoutingDecision, RoutingPolicy, SnapshotNode, Standing, Strategy,
+    UsageRecord, UsageReport, UsageRow,
 };
 use serde_json::{Value, json};
 
@@ -233,14 +233,14 @@ impl Render for ExplainResponse {
                 vec![
                     format!("{}/{}", c.node_id, c.backend_id),
                     candidate_role(index, c, d),
-                    c.standing.clone(),
-                    if c.cached_tokens == 0 { "-".into() } else { format!("{} {}", c.cached_tokens, c.cache) },
+                    c.standing().name().to_string(),
+                    if c.cached_tokens == 0 { "-".into() } else { format!("{} {}", c.cached_tokens, c.cache().name()) },
                     c.queue_ahead.to_string(),
                     seconds(c.wait_ms),
                     seconds(c.prefill_ms),
                     seconds(c.carry_ms),
                     seconds(c.move_ms),
-                    if c.standing == "cold" {
+                    if c.standing() == Standing::Cold {
                         "load + ".to_string() + &seconds(c.prefill_ms)
                     } else {
                         seconds(c.cost_ms)
@@ -268,8 +268,8 @@ impl Render for ExplainResponse {
             .iter()
             .map(|c| {
                 json!({"node_id": c.node_id, "backend_id": c.backend_id, "passed_over": c.passed_over,
-                       "standing": c.standing, "prompt_tokens": c.prompt_tokens,
-                       "cached_tokens": c.cached_tokens, "cache": c.cache, "queue_ahead": c.queue_ahead,
+                       "standing": c.standing().name(), "prompt_tokens": c.prompt_tokens,
+                       "cached_tokens": c.cached_tokens, "cache": c.cache().name(), "queue_ahead": c.queue_ahead,
                        "wait_ms": c.wait_ms, "prefill_ms": c.prefill_ms, "carry_ms": c.carry_ms,
                        "move_ms": c.move_ms, "ttft_ms": c.ttft_ms, "cost_ms": c.cost_ms, "sessions": c.sessions,
                        "over_bound": c.over_bound, "preferred": c.preferred, "memory_permille": c.memory_permille})
@@ -305,12 +305,13 @@ fn candidate_role(index: usize, c: &Candidate, d: &RoutingDecision) -> String {
 /// Why the first candidate won, in one sentence, from the terms.
 pub fn why(d: &RoutingDecision) -> String {
     let Some(first) = d.candidates.first() else { return "no node was weighed".into() };
-    let home = d.candidates.iter().find(|c| c.standing == "resident");
+    let home = d.candidates.iter().find(|c| c.standing() == Standing::Resident);
     let preferred = d.candidates.iter().find(|c| c.preferred);
     let first_is_preferred = preferred.is_some_and(|p| !p.passed_over && std::ptr::eq(p, first));
     let mut why = match d.route.as_str() {
         "resident" => {
-            let cheapest_other = d.candidates.iter().skip(1).filter(|c| c.standing == "warm").min_by_key(|c| c.cost_ms);
+            let warm = |c: &&Candidate| c.standing() == Standing::Warm;
+            let cheapest_other = d.candidates.iter().skip(1).filter(warm).min_by_key(|c| c.cost_ms);
             match cheapest_other {
                 Some(other) => format!(
                     "{} holds the conversation's cache{}: it costs {}, and the cheapest other, {}, {} \
@@ -331,7 +332,7 @@ pub fn why(d: &RoutingDecision) -> String {
             }
         }
         "moved" | "carried" => {
-            let how = if first.cache == "carried" {
+            let how = if first.cache() == CacheSource::Carried {
                 format!("with the cache carried there ({})", seconds(first.carry_ms))
             } else {
                 "reading the whole prompt again".into()

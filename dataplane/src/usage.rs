@@ -758,7 +758,8 @@ mod tests {
             let (tx, rx) = std::sync::mpsc::channel();
             let meter = stream_meter();
             meter.frame(|| true);
-            let weighed = crate::routing::Weighed { ttft_ms: 5, ..Default::default() };
+            let mut weighed = crate::routing::Weighed::default();
+            weighed.ttft_ms = 5;
             let served = Served { node: "n".into(), route: "placed", weighed };
             meter.served(served.clone());
             meter.served(Served { node: "other".into(), ..served.clone() });

@@ -13,6 +13,7 @@ pub mod v1 {
 
 pub mod apikey;
 pub mod bearer;
+mod decision;
 mod error;
 pub mod files;
 pub mod hash;

@@ -279,8 +279,8 @@ fn decisions(recent: &Recent) -> Vec<Value> {
                 // explain` has every term.
                 "candidates": r.candidates.iter().map(|c| json!({
                     "node": c.node_id,
-                    "standing": c.standing,
-                    "cache": c.cache,
+                    "standing": c.standing().name(),
+                    "cache": c.cache().name(),
                     "cached_tokens": c.cached_tokens,
                     "queue_ahead": c.queue_ahead,
                     "cost_ms": c.cost_ms,

@@ -228,7 +228,7 @@ impl Attempts<'_> {
             let served = || Served {
                 node: Arc::clone(&hop.endpoint.id),
                 route: hop.reason,
-                weighed: if answered_first { self.weighed.clone() } else { self.weighed.failed_over() },
+                weighed: if answered_first { *self.weighed } else { self.weighed.failed_over() },
             };
             let (error, told_by_node) = match verdict {
                 Verdict::Pass => {
@@ -471,6 +471,8 @@ mod tests {
         let metrics = crate::metrics::Metrics::new(&mut prometheus_client::registry::Registry::default());
         let meter = Meter::new(Ledger::new("test", true), "r", None, "m".into(), false, Counted::at_the_end(1), None);
         let request_id = HeaderValue::from_static("r");
+        let mut expected = Weighed::default();
+        expected.ttft_ms = 7;
         let attempts = Attempts {
             forwarder: &forwarder,
             metrics: &metrics,
@@ -478,7 +480,7 @@ mod tests {
             version: 1,
             meter: Some(&meter),
             share: None,
-            weighed: &Weighed { ttft_ms: 7, ..Weighed::default() },
+            weighed: &expected,
         };
         let mut out = Outbound {
             path_and_query: PathAndQuery::from_static("/v1/chat/completions"),

@@ -468,7 +468,7 @@ impl<'s> Exchange<'s> {
         super::carry::carry(&self.state.forwarder, snapshot, &mut route, self.facts.session.as_deref(), request_id)
             .await;
         let mut hops = Hops::of(snapshot, &route, model).reserved(reserved);
-        let weighed = Weighed::of(snapshot, &route);
+        let weighed = Weighed::of(&route);
         if route.cold() && view.stream {
             tracing::debug!(
                 request_id = super::id_text(&self.request_id),
@@ -620,8 +620,7 @@ impl Record {
         let (node, route) = served.map_or(("", "none"), |served| (&*served.node, served.route));
         span.record("node", node);
         span.record("route", route);
-        if let Some(first) = served.and_then(|served| served.weighed.candidates[0].as_ref()) {
-            let terms = &first.terms;
+        if let Some(terms) = served.and_then(|served| served.weighed.first()) {
             span.record("cost.ms", terms.cost_ms());
             span.record("cost.wait_ms", terms.wait_ms);
             span.record("cost.prefill_ms", terms.prefill_ms);
@@ -648,7 +647,9 @@ impl Record {
             ttft_ms,
             expected_ttft_ms: served.map_or(0, |served| served.weighed.ttft_ms),
             home_expected_ttft_ms: served.map_or(0, |served| served.weighed.home_ttft_ms),
-            candidates: served.map(|served| served.weighed.to_wire()).unwrap_or_default(),
+            candidates: served
+                .map(|served| served.weighed.to_wire(state.snapshots.current().as_deref()))
+                .unwrap_or_default(),
         });
     }
 }
@@ -770,7 +771,7 @@ impl StreamSetup {
             let id = super::id_text(&request_id);
             super::carry::carry(&state.forwarder, &snapshot, &mut route, session, id).await;
             let mut hops = Hops::of(&snapshot, &route, &owned_model).reserved(reserved);
-            let weighed = Weighed::of(&snapshot, &route);
+            let weighed = Weighed::of(&route);
             let attempts = Attempts {
                 forwarder: &state.forwarder,
                 metrics: &state.metrics,

@@ -44,16 +44,6 @@ pub enum Cache {
     Carried,
 }
 
-impl Cache {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Cache::None => "none",
-            Cache::Resident => "resident",
-            Cache::Carried => "carried",
-        }
-    }
-}
-
 /// What a candidate is to the request, compared before its seconds.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Standing {
@@ -66,17 +56,6 @@ pub enum Standing {
     Cold,
     /// Failed lately: a last resort.
     Ejected,
-}
-
-impl Standing {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Standing::Resident => "resident",
-            Standing::Warm => "warm",
-            Standing::Cold => "cold",
-            Standing::Ejected => "ejected",
-        }
-    }
 }
 
 /// Everything one candidate's seconds are computed from.
@@ -210,14 +189,26 @@ impl Terms {
         }
     }
 
-    /// These terms as a decision record carries them, for `node`.
-    pub fn to_wire(&self, node: &str) -> inferyes_proto::v1::Candidate {
+    /// These terms as a decision record carries them, its node named.
+    pub fn to_wire(&self, node_id: String, backend_id: String) -> inferyes_proto::v1::Candidate {
+        use inferyes_proto::v1::{CacheSource, Standing as Wire};
+        let standing = match self.standing {
+            Standing::Resident => Wire::Resident,
+            Standing::Warm => Wire::Warm,
+            Standing::Cold => Wire::Cold,
+            Standing::Ejected => Wire::Ejected,
+        };
+        let cache = match self.cache {
+            Cache::None => CacheSource::None,
+            Cache::Resident => CacheSource::Resident,
+            Cache::Carried => CacheSource::Carried,
+        };
         inferyes_proto::v1::Candidate {
-            node_id: node.to_string(),
-            standing: self.standing.as_str().to_string(),
+            node_id,
+            standing: standing as i32,
             prompt_tokens: self.prompt_tokens,
             cached_tokens: self.cached_tokens,
-            cache: self.cache.as_str().to_string(),
+            cache: cache as i32,
             queue_ahead: self.queue_ahead,
             wait_ms: self.wait_ms,
             prefill_ms: self.prefill_ms,
@@ -229,7 +220,8 @@ impl Terms {
             over_bound: self.over_bound,
             preferred: self.preferred,
             memory_permille: self.memory_permille,
-            ..Default::default()
+            backend_id,
+            passed_over: false,
         }
     }
 

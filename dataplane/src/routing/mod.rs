@@ -147,13 +147,13 @@ impl Route {
 
     /// The candidates weighed and their terms: the targets in order, then
     /// the one passed over, if any.
-    pub fn weighed(&self) -> &[(Target, Terms)] {
-        &self.weighed.items[..self.weighed.len]
+    pub fn weighed(&self) -> impl Iterator<Item = (Target, &Terms)> {
+        self.weighed.items[..self.weighed.len].iter().map(|c| (c.target, &c.terms))
     }
 
     /// The terms of the target tried at `attempt`.
     pub fn costs_at(&self, attempt: usize) -> Option<&Terms> {
-        self.weighed().get(attempt).filter(|_| attempt < self.targets.len()).map(|(_, terms)| terms)
+        self.weighed.items[..self.weighed.len].get(attempt).filter(|_| attempt < self.targets.len()).map(|c| &c.terms)
     }
 
     /// The expected time to first token at the first target, in ms (0 for
@@ -178,68 +178,71 @@ impl Route {
         if self.home_if_not_carried && self.targets.len() >= 2 {
             self.targets.items.swap(0, 1);
             self.weighed.items.swap(0, 1);
+            // The node left behind reads the prompt, if it is tried at all.
+            self.weighed.items[1].terms = self.uncarried;
             self.reason = RouteReason::Resident;
         } else {
-            self.weighed.items[0].1 = self.uncarried;
+            self.weighed.items[0].terms = self.uncarried;
             self.reason = RouteReason::Moved;
         }
     }
 }
 
-/// A route's decision as a request's record keeps it: each target's node
-/// and cost terms, in order, and what the first token was expected to cost
-/// at the target that answered.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+/// A route's decision as a request's record keeps it: each candidate's
+/// terms, in order, and what the first token was expected to cost at the
+/// target that answered. Nodes are kept by key and named only when a record
+/// is written: most records in a busy second are counted, not written.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Weighed {
     /// At the target that answered; 0 where it is not the route's first
-    /// (a failover's time is the failure's) or where it was not estimated.
+    /// (a failover's time is the failure's) or for a cold load.
     pub ttft_ms: u32,
     /// At the home a session was sent away from; else 0.
     pub home_ttft_ms: u32,
-    pub candidates: [Option<Candidate>; CANDIDATES],
-}
-
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Candidate {
-    pub node: std::sync::Arc<str>,
-    pub backend: std::sync::Arc<str>,
-    pub terms: Terms,
-    /// Not a target: the session's preferred node, passed over.
-    pub passed_over: bool,
+    candidates: CandidateTerms,
+    targets: usize,
 }
 
 impl Weighed {
-    pub fn of(snapshot: &RoutingSnapshot, route: &Route) -> Weighed {
-        let mut candidates: [Option<Candidate>; CANDIDATES] = Default::default();
-        for (index, (candidate, (target, terms))) in candidates.iter_mut().zip(route.weighed()).enumerate() {
-            let node = snapshot.node(target.node);
-            *candidate =
-                node.zip(node.and_then(|node| node.backends.get(target.backend))).map(|(node, backend)| Candidate {
-                    node: node.id.clone(),
-                    backend: backend.id.clone(),
-                    terms: *terms,
-                    passed_over: index >= route.targets.len(),
-                });
+    pub fn of(route: &Route) -> Weighed {
+        Weighed {
+            ttft_ms: route.expected_ttft_ms(),
+            home_ttft_ms: route.home_expected_ttft_ms(),
+            candidates: route.weighed,
+            targets: route.targets.len(),
         }
-        Weighed { ttft_ms: route.expected_ttft_ms(), home_ttft_ms: route.home_expected_ttft_ms(), candidates }
     }
 
-    /// The candidates as a decision record names them.
-    pub fn to_wire(&self) -> Vec<inferyes_proto::v1::Candidate> {
-        self.candidates
+    /// The terms of the target tried first.
+    pub fn first(&self) -> Option<&Terms> {
+        self.candidates.items[..self.candidates.len.min(self.targets)].first().map(|c| &c.terms)
+    }
+
+    /// The candidates as a decision record names them, by the nodes of
+    /// `snapshot` (a node gone from it meanwhile is named by nothing).
+    pub fn to_wire(&self, snapshot: Option<&RoutingSnapshot>) -> Vec<inferyes_proto::v1::Candidate> {
+        let candidates = &self.candidates.items[..self.candidates.len];
+        let named = |c: &WeighedCandidate| {
+            let node = snapshot.and_then(|s| s.node_by_key(c.node_key));
+            let backend = node.and_then(|node| node.backends.get(c.target.backend));
+            (node.map(|n| n.id.to_string()), backend.map(|b| b.id.to_string()))
+        };
+        candidates
             .iter()
-            .flatten()
-            .map(|c| inferyes_proto::v1::Candidate {
-                backend_id: c.backend.to_string(),
-                passed_over: c.passed_over,
-                ..c.terms.to_wire(&c.node)
+            .enumerate()
+            .map(|(index, c)| {
+                let (node, backend) = named(c);
+                inferyes_proto::v1::Candidate {
+                    passed_over: index >= self.targets,
+                    ..c.terms.to_wire(node.unwrap_or_default(), backend.unwrap_or_default())
+                }
             })
             .collect()
     }
 
     /// The same decision, as it holds where a later target answered.
     pub fn failed_over(&self) -> Weighed {
-        Weighed { ttft_ms: 0, home_ttft_ms: 0, candidates: self.candidates.clone() }
+        Weighed { ttft_ms: 0, home_ttft_ms: 0, ..*self }
     }
 }
 
@@ -958,8 +961,17 @@ impl Weighing {
 /// A route's candidates with their terms, inline (made for every request).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 struct CandidateTerms {
-    items: [(Target, Terms); CANDIDATES],
+    items: [WeighedCandidate; CANDIDATES],
     len: usize,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct WeighedCandidate {
+    target: Target,
+    /// Its node's key, which names it in any snapshot: a target's node
+    /// index holds only in the snapshot routed on.
+    node_key: u64,
+    terms: Terms,
 }
 
 /// `targets`' terms, in their order, then the preferred node's where it
@@ -980,8 +992,10 @@ fn weighed<L: Local>(
             Some(resident) if weighing.carried_to == Some(*target) => (resident.tokens, Cache::Carried),
             _ => (0, Cache::None),
         };
-        let terms = seen.terms(&placements[at], weighing.resident.map(|r| r.target), weighing, cached);
-        candidates.items[candidates.len] = (*target, Terms { preferred: weighing.preferred == Some(*target), ..terms });
+        let p = &placements[at];
+        let terms = seen.terms(p, weighing.resident.map(|r| r.target), weighing, cached);
+        let terms = Terms { preferred: weighing.preferred == Some(*target), ..terms };
+        candidates.items[candidates.len] = WeighedCandidate { target: *target, node_key: p.node_key, terms };
         candidates.len += 1;
     }
     candidates

@@ -918,7 +918,7 @@ fn targets_keep_the_first_three_in_order() {
 
 /// The terms of the route's candidate on node `id`.
 fn terms_at(s: &RoutingSnapshot, route: &Route, id: &str) -> Terms {
-    let found = route.weighed().iter().find(|(target, _)| node_of(s, *target) == id);
+    let found = route.weighed().find(|(target, _)| node_of(s, *target) == id);
     found.map(|(_, terms)| *terms).unwrap_or_else(|| panic!("{id} not weighed"))
 }
 
@@ -940,7 +940,7 @@ fn a_session_s_decision_reads_from_its_candidates_terms() {
     // 22 queued: home costs 12 s, and the free slot's 11.5 s wins.
     let s = snapshot(&[home(slow("busy", 4, 22)), slow("idle", 0, 0)]);
     let route = select(&s, &Idle, &later_turn()).unwrap();
-    let costs: Vec<u32> = route.weighed().iter().map(|(_, terms)| terms.cost_ms()).collect();
+    let costs: Vec<u32> = route.weighed().map(|(_, terms)| terms.cost_ms()).collect();
     assert_eq!((route.reason, costs), (RouteReason::Moved, vec![11_500, 12_000]));
 }
 
@@ -980,7 +980,7 @@ fn a_new_session_s_preferred_node_is_weighed_where_it_is_passed_over() {
     let route = select(&s, &Idle, &chat(Some(&key))).unwrap();
     let a = terms_at(&s, &route, "a");
     assert!(a.preferred && !a.over_bound, "its own node, within the bound: {a:?}");
-    assert_eq!(route.weighed().len(), route.targets.len(), "nothing passed over");
+    assert_eq!(route.weighed().count(), route.targets.len(), "nothing passed over");
     // Loaded far above the rest, "a" is over the bound: the terms say why
     // the session went elsewhere, though "a" is not among the targets.
     let loaded = snapshot(&[Spec { resident: 8, ..spec("a") }, spec("b"), spec("c"), spec("d")]);
@@ -988,11 +988,11 @@ fn a_new_session_s_preferred_node_is_weighed_where_it_is_passed_over() {
     assert!(!route.targets.iter().any(|t| node_of(&loaded, *t) == "a"));
     let a = terms_at(&loaded, &route, "a");
     assert!(a.preferred && a.over_bound && a.sessions == 8, "{a:?}");
-    let first = route.weighed()[0].1;
+    let first = *route.costs_at(0).unwrap();
     assert!(!first.preferred && !first.over_bound, "{first:?}");
     // Keyless requests have no preferred node.
     let route = select(&s, &Idle, &chat(None)).unwrap();
-    assert!(route.weighed().iter().all(|(_, terms)| !terms.preferred));
+    assert!(route.weighed().all(|(_, terms)| !terms.preferred));
 }
 
 #[test]
@@ -1000,9 +1000,9 @@ fn every_target_is_weighed_in_order_and_a_cold_load_has_no_expected_time() {
     let s = snapshot(&[Spec { state: ModelState::Unloaded, ..spec("cold") }]);
     let route = select(&s, &Idle, &chat(Some("new"))).unwrap();
     assert_eq!(route.reason, RouteReason::Cold);
-    assert_eq!((route.weighed()[0].1.standing, route.expected_ttft_ms()), (cost::Standing::Cold, 0));
+    assert_eq!((route.costs_at(0).unwrap().standing, route.expected_ttft_ms()), (cost::Standing::Cold, 0));
     let s = snapshot(&[spec("a"), spec("b"), spec("c")]);
     let route = select(&s, &Idle, &chat(None)).unwrap();
-    let weighed: Vec<Target> = route.weighed().iter().map(|(target, _)| *target).collect();
+    let weighed: Vec<Target> = route.weighed().map(|(target, _)| target).collect();
     assert_eq!(weighed, route.targets.to_vec());
 }

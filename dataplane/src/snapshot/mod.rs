@@ -292,6 +292,11 @@ impl RoutingSnapshot {
         self.nodes.get(index)
     }
 
+    /// The node whose key ([`Node::key`]) is `key`.
+    pub fn node_by_key(&self, key: u64) -> Option<&Node> {
+        self.node(*self.node_index.get(&key)?)
+    }
+
     pub fn placements(&self, model: &str) -> Option<&[Placement]> {
         self.models.get(model).map(Vec::as_slice)
     }
