@@ -94,7 +94,9 @@ impl Activity {
             for mut decision in decisions {
                 decision.candidates.truncate(CANDIDATES);
                 for candidate in &mut decision.candidates {
-                    tidy_text(&mut candidate.node_id);
+                    for text in [&mut candidate.node_id, &mut candidate.backend_id] {
+                        tidy_text(text);
+                    }
                 }
                 for text in [
                     &mut decision.request_id,
@@ -216,8 +218,15 @@ mod tests {
         let activity = Activity::default();
         let now = Instant::now();
         let mut said = report("dp-1", &["first"], &[]);
-        said.decisions[0].candidates =
-            vec![Candidate { node_id: "gpu\u{1b}[2J-a".into(), cost_ms: 7, ..Default::default() }; 2 * CANDIDATES];
+        said.decisions[0].candidates = vec![
+            Candidate {
+                node_id: "gpu\u{1b}[2J-a".into(),
+                backend_id: "b".repeat(1 << 20),
+                cost_ms: 7,
+                ..Default::default()
+            };
+            2 * CANDIDATES
+        ];
         activity.record(said, now);
         let ids: Vec<String> = (0..TAIL).map(|i| format!("r{i}")).collect();
         activity.record(report("dp-1", &ids.iter().map(String::as_str).collect::<Vec<_>>(), &[]), now);
@@ -225,7 +234,9 @@ mod tests {
         let found = activity.explain("first").expect("kept past the tail");
         assert_eq!(found.dataplane_id, "dp-1");
         assert_eq!(found.decision.candidates.len(), CANDIDATES, "a report names at most this many");
-        assert!(found.decision.candidates.iter().all(|c| c.cost_ms == 7 && !c.node_id.contains('\u{1b}')));
+        let plain =
+            |c: &Candidate| !c.node_id.contains('\u{1b}') && c.backend_id.len() <= inferyes_proto::MAX_NAME_BYTES;
+        assert!(found.decision.candidates.iter().all(|c| c.cost_ms == 7 && plain(c)), "shown plain, and bounded");
         let ids: Vec<String> = (0..KEPT).map(|i| format!("later{i}")).collect();
         activity.record(report("dp-1", &ids.iter().map(String::as_str).collect::<Vec<_>>(), &[]), now);
         assert_eq!(activity.explain("first"), None, "{KEPT} newer ones push it out");
