@@ -228,7 +228,7 @@ impl Attempts<'_> {
             let served = || Served {
                 node: Arc::clone(&hop.endpoint.id),
                 route: hop.reason,
-                weighed: if answered_first { *self.weighed } else { self.weighed.failed_over() },
+                weighed: if answered_first { self.weighed.clone() } else { self.weighed.failed_over() },
             };
             let (error, told_by_node) = match verdict {
                 Verdict::Pass => {

@@ -23,7 +23,9 @@
 //!    then the most free GPU memory, counting loads in progress.
 //!
 //! Every time weighed is a term of [`cost`]; a route keeps each of its
-//! targets' terms ([`Route::costs`]), so a decision can be read back.
+//! targets' terms ([`Route::weighed`]), so a decision can be read back.
+
+use std::sync::Arc;
 
 use inferyes_proto::ErrorKind;
 use inferyes_proto::v1::{EndpointKind, ModelState, Strategy};
@@ -120,10 +122,10 @@ pub struct Route {
     pub loads: u8,
     /// The candidates routing weighed, with their terms: the targets in
     /// order, then the session's preferred node where it passed that over.
-    weighed: CandidateTerms,
-    /// For a `carried` route, the first target's cost without the carry:
-    /// what it becomes if the carry fails.
-    uncarried: Terms,
+    /// Shared, not copied: a route and the record of its request move
+    /// through every phase of the request, and a few hundred bytes more
+    /// in each would be copied at each.
+    weighed: Arc<CandidateTerms>,
     /// The first target is warm and has no free slot: the request would
     /// wait in its server's queue (the best choice still, of the fleet as
     /// it is now).
@@ -177,12 +179,14 @@ impl Route {
     pub fn carry_failed(&mut self) {
         if self.home_if_not_carried && self.targets.len() >= 2 {
             self.targets.items.swap(0, 1);
-            self.weighed.items.swap(0, 1);
+            let weighed = Arc::make_mut(&mut self.weighed);
+            weighed.items.swap(0, 1);
             // The node left behind reads the prompt, if it is tried at all.
-            self.weighed.items[1].terms = self.uncarried;
+            weighed.items[1].terms = weighed.uncarried;
             self.reason = RouteReason::Resident;
         } else {
-            self.weighed.items[0].terms = self.uncarried;
+            let weighed = Arc::make_mut(&mut self.weighed);
+            weighed.items[0].terms = weighed.uncarried;
             self.reason = RouteReason::Moved;
         }
     }
@@ -192,14 +196,14 @@ impl Route {
 /// terms, in order, and what the first token was expected to cost at the
 /// target that answered. Nodes are kept by key and named only when a record
 /// is written: most records in a busy second are counted, not written.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Weighed {
     /// At the target that answered; 0 where it is not the route's first
     /// (a failover's time is the failure's) or for a cold load.
     pub ttft_ms: u32,
     /// At the home a session was sent away from; else 0.
     pub home_ttft_ms: u32,
-    candidates: CandidateTerms,
+    candidates: Arc<CandidateTerms>,
     targets: usize,
 }
 
@@ -208,7 +212,7 @@ impl Weighed {
         Weighed {
             ttft_ms: route.expected_ttft_ms(),
             home_ttft_ms: route.home_expected_ttft_ms(),
-            candidates: route.weighed,
+            candidates: Arc::clone(&route.weighed),
             targets: route.targets.len(),
         }
     }
@@ -242,7 +246,7 @@ impl Weighed {
 
     /// The same decision, as it holds where a later target answered.
     pub fn failed_over(&self) -> Weighed {
-        Weighed { ttft_ms: 0, home_ttft_ms: 0, ..*self }
+        Weighed { ttft_ms: 0, home_ttft_ms: 0, candidates: Arc::clone(&self.candidates), targets: self.targets }
     }
 }
 
@@ -836,8 +840,7 @@ pub fn select(snapshot: &RoutingSnapshot, local: &impl Local, request: &RouteReq
         loads,
         waits,
         home_if_not_carried: false,
-        uncarried: Terms::default(),
-        weighed: weighed(&seen, placements, &targets, &weighing),
+        weighed: Arc::new(weighed(&seen, placements, &targets, &weighing)),
     })
 }
 
@@ -903,8 +906,10 @@ fn route_session_home<L: Local>(
                 targets,
                 reason: if carried { RouteReason::Carried } else { RouteReason::Moved },
                 loads: 0,
-                weighed: weighed(seen, placements, &targets, &Weighing { carried_to, ..weighing }),
-                uncarried,
+                weighed: Arc::new(CandidateTerms {
+                    uncarried,
+                    ..weighed(seen, placements, &targets, &Weighing { carried_to, ..weighing })
+                }),
                 waits: false,
                 home_if_not_carried: carried && recompute >= at_home,
             };
@@ -935,8 +940,7 @@ fn route_session_home<L: Local>(
         loads: 0,
         waits: seen.waits(home),
         home_if_not_carried: false,
-        uncarried: Terms::default(),
-        weighed: weighed(seen, placements, &targets, &weighing),
+        weighed: Arc::new(weighed(seen, placements, &targets, &weighing)),
     }
 }
 
@@ -963,6 +967,9 @@ impl Weighing {
 struct CandidateTerms {
     items: [WeighedCandidate; CANDIDATES],
     len: usize,
+    /// For a `carried` route, the first target's terms without the carry:
+    /// what they become if the carry fails.
+    uncarried: Terms,
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -1078,8 +1085,7 @@ fn place_on_ring<L: Local>(
         loads: 0,
         waits: seen.waits(&placements[homes[0]]),
         home_if_not_carried: false,
-        uncarried: Terms::default(),
-        weighed: weighed(seen, placements, &targets, &weighing),
+        weighed: Arc::new(weighed(seen, placements, &targets, &weighing)),
     })
 }
 
