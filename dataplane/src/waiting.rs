@@ -9,12 +9,15 @@
 //! waits for requests already leaving, never for the backlog itself.
 //!
 //! Within a flow and class, the flow's tags go to its cheapest requests
-//! first (shortest job first, as SGLang's longest-prefix-match order): a
-//! conversation's next turn, whose history a node holds, leaves ahead of
-//! the flow's new long prompts rather than waiting for all of them. A
-//! request that has waited half the longest wait (`max_wait_ms`) goes
-//! ahead of its flow's cheaper ones, by arrival, so none is refused for waiting while cheap
-//! ones kept coming. Other flows see only the flow's tags, whichever of
+//! first, each request's expected time less the time it has waited
+//! (shortest job first, aged): a conversation's next turn, whose history a
+//! node holds, leaves ahead of the flow's new long prompts, but a long
+//! prompt waits behind cheaper ones at most about its own expected time,
+//! not for as long as cheap ones keep coming. Unaged, a burst of
+//! conversations held its first turns for minutes behind the later turns
+//! of those that had started, and finished seconds after a router that
+//! sends in order. A request that has waited half the longest wait
+//! (`max_wait_ms`) goes ahead of its flow's others, by arrival. Other flows see only the flow's tags, whichever of
 //! its requests takes them: the one that leaves spends the tag it took.
 //!
 //! Pure: time comes in as milliseconds, and where a request can start now
@@ -97,12 +100,12 @@ struct Flow {
 }
 
 /// A flow's waiting requests of one class: the tags they hold, and who
-/// takes which, in order (overdue ones by arrival, then the cheapest
-/// expected).
+/// takes which, in order (overdue ones by arrival, then the least expected
+/// time less time waited, in ms).
 #[derive(Default)]
 struct Turns {
     tags: Vec<u128>,
-    takers: Vec<(Standing, u64, Ticket)>,
+    takers: Vec<(Standing, i64, Ticket)>,
 }
 
 /// Whether a request has waited half the longest wait: then it goes ahead
@@ -168,15 +171,16 @@ impl Room {
     /// batch ones waiting past the aging bound, first; then the earliest
     /// tag, each flow's going to its cheapest requests; then the first
     /// come), each that `startable` finds a place for now (it answers
-    /// where), in one pass. They have left the room. `held`: the tokens of
-    /// a request's cost a node holds now (its conversation's cache), known
-    /// only as residency is reported, often after the request came; its
-    /// expected cost is its cost less those. The flow is charged its cost
-    /// whatever it holds: a client may name any of its conversations.
+    /// where), in one pass. They have left the room. `expected_ms`: how
+    /// long a request is expected to hold a node, its cost less what a
+    /// node holds of it now (its conversation's cache, known only as
+    /// residency is reported, often after the request came), at its
+    /// model's prompt rate. The flow is charged its cost whatever it holds:
+    /// a client may name any of its conversations.
     pub fn leave_startable<R>(
         &mut self,
         now_ms: u64,
-        held: impl Fn(Ticket, &Entry) -> u64,
+        expected_ms: impl Fn(Ticket, &Entry) -> u64,
         mut startable: impl FnMut(Ticket, &Entry) -> Option<R>,
     ) -> Vec<(Ticket, Entry, R)> {
         let Limits { aging_ms, max_wait_ms, .. } = self.limits;
@@ -187,14 +191,15 @@ impl Room {
                 Class::Batch if waited < aging_ms => Class::Batch,
                 _ => Class::Interactive,
             };
-            let (standing, expected) = if waited >= max_wait_ms / 2 {
+            let (standing, aged) = if waited >= max_wait_ms / 2 {
                 (Standing::Overdue, 0)
             } else {
-                (Standing::InTime, w.entry.cost.saturating_sub(held(*ticket, &w.entry)))
+                let expected = i64::try_from(expected_ms(*ticket, &w.entry)).unwrap_or(i64::MAX);
+                (Standing::InTime, expected.saturating_sub(i64::try_from(waited).unwrap_or(i64::MAX)))
             };
             let turns = flows.entry((&w.entry.flow, class)).or_default();
             turns.tags.push(w.start);
-            turns.takers.push((standing, expected, *ticket));
+            turns.takers.push((standing, aged, *ticket));
         }
         let mut order: Vec<(Class, u128, Ticket)> = Vec::with_capacity(self.waiting.len());
         for ((_, class), Turns { mut tags, mut takers }) in flows {
@@ -299,16 +304,18 @@ mod tests {
         next_holding(room, now_ms, &[], startable)
     }
 
-    /// The same, where a node holds `held`'s tokens of its tickets' prompts.
+    /// The same, where a node holds `held`'s tokens of its tickets' prompts
+    /// (a token is expected to take a millisecond).
     fn next_holding(
         room: &mut Room,
         now_ms: u64,
         held: &[(Ticket, u64)],
         startable: impl Fn(&Entry) -> bool,
     ) -> Option<(Ticket, Entry)> {
-        let held = |ticket, _: &Entry| held.iter().find(|(t, _)| *t == ticket).map_or(0, |(_, tokens)| *tokens);
+        let held = |ticket| held.iter().find(|(t, _)| *t == ticket).map_or(0, |(_, tokens)| *tokens);
+        let expected_ms = |ticket, entry: &Entry| entry.cost.saturating_sub(held(ticket));
         let mut taken = false;
-        let left = room.leave_startable(now_ms, held, |_, entry| {
+        let left = room.leave_startable(now_ms, expected_ms, |_, entry| {
             let take = !taken && startable(entry);
             taken |= take;
             take.then_some(())
@@ -393,12 +400,14 @@ mod tests {
     #[test]
     fn a_flow_s_cheap_requests_leave_ahead_of_its_long_ones_until_those_are_overdue() {
         let mut room = Room::new(LIMITS);
-        let long: Vec<Ticket> = (0..3).map(|_| room.enter(entry("f", Class::Interactive, 1_000), 0).unwrap()).collect();
+        // Long ones: 100 s expected each (a token takes a millisecond here).
+        let long: Vec<Ticket> =
+            (0..3).map(|_| room.enter(entry("f", Class::Interactive, 100_000), 0).unwrap()).collect();
         // Long too, but a node holds all its prompt but 50 tokens: known
         // once its node reports it, after it came.
-        let short = room.enter(entry("f", Class::Interactive, 1_000), 10_000).unwrap();
+        let short = room.enter(entry("f", Class::Interactive, 100_000), 10_000).unwrap();
         let other = room.enter(entry("g", Class::Interactive, 1_000), 10_000).unwrap();
-        let held = [(short, 950)];
+        let held = [(short, 99_950)];
         // The short one takes its flow's first tag; the other flow keeps
         // its place, whichever of f's requests took that tag.
         assert_eq!(next_holding(&mut room, 10_000, &held, any).map(|(t, _)| t), Some(short));
@@ -406,9 +415,31 @@ mod tests {
         assert_eq!(next(&mut room, 10_000, any).map(|(t, _)| t), Some(other));
         assert_eq!(next(&mut room, 10_000, any).map(|(t, _)| t), Some(long[0]));
         // Past half the longest wait (30 s), the long ones go by arrival,
-        // ahead of a newer short one.
-        let newer = room.enter(entry("f", Class::Interactive, 1_000), 29_000).unwrap();
-        assert_eq!(next_holding(&mut room, 30_000, &[(newer, 950)], any).map(|(t, _)| t), Some(long[1]));
+        // ahead of a newer short one, whatever is left of their time.
+        let newer = room.enter(entry("f", Class::Interactive, 100_000), 29_000).unwrap();
+        assert_eq!(next_holding(&mut room, 30_000, &[(newer, 99_950)], any).map(|(t, _)| t), Some(long[1]));
+    }
+
+    #[test]
+    fn a_long_request_waits_behind_its_flow_s_cheap_ones_about_its_own_expected_time_at_most() {
+        let mut room = Room::new(LIMITS);
+        // A first turn, 1,000 ms expected, then later turns of 50 ms each,
+        // arriving as fast as they leave.
+        let long = room.enter(entry("f", Class::Interactive, 1_000), 0).unwrap();
+        let mut now = 0;
+        loop {
+            let short = room.enter(entry("f", Class::Interactive, 1_000), now).unwrap();
+            let (left, _) = next_holding(&mut room, now, &[(short, 950)], any).unwrap();
+            if left == long {
+                break;
+            }
+            assert_eq!(left, short);
+            assert!(now < 1_000, "still behind cheap ones after {now} ms");
+            now += 50;
+        }
+        // Its 1,000 ms less the 950 it waited ties with a new one's 50, and
+        // it came first.
+        assert_eq!(now, 950);
     }
 
     #[test]
