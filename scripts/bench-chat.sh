@@ -7,6 +7,8 @@
 #
 #   ./scripts/bench-chat.sh                                   # 7 conversations, one request at a time
 #   ./scripts/bench-chat.sh --nodes 2 --conversations 16 --concurrent   # twice as many as slots
+#   ./scripts/bench-chat.sh --nodes 2 --conversations 16 --concurrent --strategies policy,smg --repeat 5
+#                                                             # against SMG 1.13, alternating which goes first
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -15,6 +17,11 @@ cd "$root"
 llama=$("$root/scripts/llama-server.sh")
 gguf=$("$root/scripts/real-model.sh")
 venv=$("$root/scripts/venv.sh")
+# SMG, for its row beside Inferyes's (--strategies ...,smg), into the
+# benchmark's environment only.
+if [[ " $* " == *smg* ]] && [ ! -x "$venv/bin/smg" ]; then
+  "$venv/bin/pip" install --quiet --disable-pip-version-check smg==1.13.0 >&2
+fi
 cargo build --release --bins --locked --quiet
 INFERYES_BIN_DIR="${CARGO_TARGET_DIR:-$root/target}/release" INFERYES_LLAMA_SERVER="$llama" \
   INFERYES_REAL_MODEL="$gguf" "$venv/bin/python" tests/e2e/bench_chat.py "$@"

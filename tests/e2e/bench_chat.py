@@ -31,6 +31,14 @@ to later turns' time to first token.
 sending its next turn as soon as the last is answered; without it, turns go
 one at a time, interleaved across conversations (turn 1 of each, then turn 2
 of each...).
+
+`smg` in --strategies adds a row for the Shepherd Model Gateway (`pip
+install smg==1.13.0`: scripts/bench-chat.sh installs it in the benchmark's
+environment when asked), given the llama-server URLs directly with its
+`cache_aware` policy: the best text-prefix router, on the same nodes.
+--repeat N runs every row N times, the order reversed each time (A B, B A,
+A B...), each run with conversations of its own on freshly restarted
+servers, and reports each row's mean and spread (min-max).
 """
 
 import argparse
@@ -44,10 +52,13 @@ from pathlib import Path
 
 from openai import OpenAI
 
-from harness import GEMMA_ARGS, Fleet, http_get, llama_server, real_model, wait_until
+from harness import GEMMA_ARGS, Fleet, free_port, http_get, llama_server, real_model, wait_until
 
 MODEL = "gemma-3-270m"
 STRATEGIES = ("policy", "round-robin", "least-outstanding")
+# Rows routed by another router, given the servers directly.
+PEERS = ("smg",)
+SMG_VERSION = "1.13.0"
 # Data planes that route by a strategy with settings of their own.
 VARIANTS = {"policy-no-carry": ("policy", "carry = false")}
 # Gemma 3 270M keeps 18 KiB of KV cache per token (18 layers, one KV head of
@@ -129,6 +140,8 @@ def summarize(strategy, conversations, wall):
             oracle = previous["prompt_tokens"] + previous["completion_tokens"]
             best += oracle
             reused += min(turn["cached_tokens"], oracle)
+    if all(turn["node"] is None for c in conversations for turn in c.turns):
+        moves = None  # a router that does not say which node answered
     return {
         "strategy": strategy,
         "first_ttft_p50_ms": 1000 * percentile(first, 50), "first_ttft_p99_ms": 1000 * percentile(first, 99),
@@ -138,9 +151,9 @@ def summarize(strategy, conversations, wall):
     }
 
 
-def run_workload(url, api_key, strategy, args):
-    rng = random.Random(f"{args.seed}-{strategy}")
-    conversations = [Conversation(f"{strategy}-{i}", system_prompt(rng, args.system_tokens))
+def run_workload(url, api_key, strategy, args, repetition=0):
+    rng = random.Random(f"{args.seed}-{strategy}-{repetition}")
+    conversations = [Conversation(f"{strategy}-{repetition}-{i}", system_prompt(rng, args.system_tokens))
                      for i in range(args.conversations)]
     client = OpenAI(base_url=f"{url}/v1", api_key=api_key, max_retries=0, timeout=600)
     started = time.monotonic()
@@ -187,9 +200,26 @@ def start_fleet(fleet, args):
     extra = "queue = false" if args.no_queue else ""
     fleet.urls = {}
     for name in args.strategies.split(","):
+        if name == "smg":
+            fleet.urls[name] = start_smg(fleet)
+            continue
         strategy, own = VARIANTS.get(name, (name, ""))
         fleet.urls[name] = fleet.start_dataplane(f"dataplane-{name}", strategy, {MODEL: args.nodes},
                                                  extra=f"{extra}\n{own}")
+
+
+def start_smg(fleet):
+    """SMG, its cache-aware policy over the llama-server URLs. Its
+    `smg` command is beside the benchmark's Python."""
+    smg = Path(sys.executable).with_name("smg")
+    if not smg.is_file():
+        raise RuntimeError(f"no {smg}: pip install smg=={SMG_VERSION} into this environment")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    fleet.spawn("smg", [str(smg), "launch", "--host", "127.0.0.1", "--port", str(port),
+                        "--worker-urls", *fleet.llama.values(), "--policy", "cache_aware"])
+    wait_until("smg serving", lambda: http_get(f"{url}/v1/models")[0] == 200, timeout=60)
+    return url
 
 
 def start_server(fleet, node, args, port=None):
@@ -210,7 +240,9 @@ def restart_servers(fleet, args):
     auth = {"Authorization": f"Bearer {fleet.api_key}"}
 
     def all_warm():
-        for url in fleet.urls.values():
+        for name, url in fleet.urls.items():
+            if name in PEERS:
+                continue
             model = json.loads(http_get(f"{url}/v1/models/{MODEL}", headers=auth)[1])
             if model["inferyes"]["warm_nodes"] != args.nodes:
                 return False
@@ -226,8 +258,31 @@ def table(results):
         lines.append(
             f"| {r['strategy']} | {r['first_ttft_p50_ms']:,.0f} ms | {r['first_ttft_p99_ms']:,.0f} ms "
             f"| {r['later_ttft_p50_ms']:,.0f} ms | {r['later_ttft_p99_ms']:,.0f} ms "
-            f"| {100 * r['kv_reuse_of_oracle']:.1f}% | {r['session_moves']} of {r['later_turns']} "
-            f"({int(r.get('carried', 0))}) | {r['wall_s']:.1f} s |")
+            f"| {100 * r['kv_reuse_of_oracle']:.1f}% | {moved(r)} | {r['wall_s']:.1f} s |")
+    return "\n".join(lines)
+
+
+def moved(r):
+    if r["session_moves"] is None:
+        return "-"
+    return f"{r['session_moves']} of {r['later_turns']} ({int(r.get('carried', 0))})"
+
+
+def spread(results):
+    """Each row's mean and range over its repetitions."""
+    lines = ["| row | runs | wall | KV reuse vs oracle | first-turn TTFT p50 | later-turn TTFT p50 | later p99 |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    rows = {}
+    for r in results:
+        rows.setdefault(r["strategy"], []).append(r)
+    for name, runs in rows.items():
+        def cell(key, scale=1.0, unit=" s", digits=1):
+            values = [scale * r[key] for r in runs]
+            mean = sum(values) / len(values)
+            return f"{mean:.{digits}f}{unit} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+        lines.append(f"| {name} | {len(runs)} | {cell('wall_s')} | {cell('kv_reuse_of_oracle', 100, '%')} "
+                     f"| {cell('first_ttft_p50_ms', 1e-3)} | {cell('later_ttft_p50_ms', 1e-3)} "
+                     f"| {cell('later_ttft_p99_ms', 1e-3)} |")
     return "\n".join(lines)
 
 
@@ -253,6 +308,8 @@ def main():
                         help="data planes send every request on at once, to wait in the servers' queues")
     parser.add_argument("--move-caches", action="store_true",
                         help="servers save slots and agents carry them (see the policy-no-carry data plane)")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="runs of every row, the order reversed each time")
     parser.add_argument("--seed", default="bench")
     parser.add_argument("--json", type=Path, help="write the results and every turn here")
     args = parser.parse_args()
@@ -263,16 +320,22 @@ def main():
     results, turns = [], []
     try:
         start_fleet(fleet, args)
-        for i, strategy in enumerate(args.strategies.split(",")):
+        rows = args.strategies.split(",")
+        runs = [(repetition, strategy) for repetition in range(args.repeat)
+                for strategy in (rows if repetition % 2 == 0 else rows[::-1])]
+        for i, (repetition, strategy) in enumerate(runs):
             if i:
                 restart_servers(fleet, args)
-            print(f"running {strategy}...", file=sys.stderr, flush=True)
-            result, conversations = run_workload(fleet.urls[strategy], fleet.api_key, strategy, args)
-            result["carried"] = routed(fleet, fleet.urls[strategy], "carried")
-            # What routing saw and decided, from the dashboard: the rates each
-            # backend reported and the recent decisions with their costs.
-            admin = {"Authorization": f"Bearer {fleet.admin_token}"}
-            result["dashboard"] = json.loads(http_get(f"{fleet.dashboard_url}/api/v1/fleet", headers=admin)[1])
+            print(f"running {strategy} ({repetition + 1} of {args.repeat})...", file=sys.stderr, flush=True)
+            result, conversations = run_workload(fleet.urls[strategy], fleet.api_key, strategy, args, repetition)
+            result["repetition"] = repetition
+            if strategy not in PEERS:
+                result["carried"] = routed(fleet, fleet.urls[strategy], "carried")
+                # What routing saw and decided, from the dashboard: the rates
+                # each backend reported and the recent decisions with every
+                # candidate's cost terms.
+                admin = {"Authorization": f"Bearer {fleet.admin_token}"}
+                result["dashboard"] = json.loads(http_get(f"{fleet.dashboard_url}/api/v1/fleet", headers=admin)[1])
             results.append(result)
             turns += [t for c in conversations for t in c.turns]
             print(table([result]).splitlines()[-1], file=sys.stderr, flush=True)
@@ -282,6 +345,9 @@ def main():
     print(f"\n{args.conversations} conversations {mode}, {args.turns} turns, ~{args.system_tokens}-token "
           f"system prompts; {args.nodes} nodes x {args.slots} slots, --cache-ram {args.cache_ram}\n")
     print(table(results))
+    if args.repeat > 1:
+        print(f"\nMean (min-max) over {args.repeat} runs each:\n")
+        print(spread(results))
     if args.json:
         args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "results": results,
                                          "turns": turns}, indent=2))
