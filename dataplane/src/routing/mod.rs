@@ -495,7 +495,7 @@ impl<L: Local> Seen<'_, L> {
         Terms {
             sessions,
             over_bound: weighing.bound.is_some_and(|bound| cost::over_bound(sessions, bound)),
-            memory_permille: cost::millis(p.vram_fraction),
+            memory_permille: (p.vram_fraction * 1e3).round().clamp(0.0, 1e3) as u32,
             ..Terms::of(&inputs, &cost::estimate(&inputs), standing)
         }
     }
