@@ -19,6 +19,8 @@ use inferyes_proto::v1::{UsageBatch, UsageDelta, UsageRecord, UsageRollup};
 use inferyes_proto::{FastMap, value_for};
 use tokio_util::sync::CancellationToken;
 
+use crate::snapshot::Rates;
+
 const SEND_EVERY: Duration = Duration::from_secs(1);
 /// Raw records in one batch, when they are kept (the controller stores
 /// them): keeps a batch well inside etcd's request size limit.
@@ -472,14 +474,6 @@ impl Counted {
     pub fn at_the_end(prompt_estimate: u64) -> Counted {
         Counted { usage: UsageIn::Tail, prompt_estimate, output_limit: 0 }
     }
-}
-
-/// What a backend reads prompts and generates at, in tokens a second, as
-/// its agent reports them; 0: not known.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct Rates {
-    pub prefill_tokens_per_second: f64,
-    pub decode_tokens_per_second: f64,
 }
 
 /// The output a node may have generated for a whole answer that said no

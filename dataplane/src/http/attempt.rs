@@ -63,7 +63,7 @@ pub(crate) struct Hop {
     /// (`queue::take_slot`): the attempt's own.
     pub reserved: Option<InFlight>,
     /// What the backend reads and generates at.
-    pub rates: crate::usage::Rates,
+    pub rates: crate::snapshot::Rates,
 }
 
 /// A route's targets, resolved once and tried in order; what is left once

@@ -147,7 +147,7 @@ pub fn decode_live(
                 requests_deferred: load.requests_deferred,
                 in_flight: load.in_flight,
                 load_unknown: load.load_unknown,
-                rates: crate::usage::Rates { prefill_tokens_per_second, decode_tokens_per_second },
+                rates: crate::snapshot::Rates { prefill_tokens_per_second, decode_tokens_per_second },
             };
             let slot_group = slot_group(&backend.slot_fingerprint).unwrap_or(0);
             let service_seconds = match load.service_ms {

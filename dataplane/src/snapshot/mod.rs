@@ -186,7 +186,7 @@ pub struct BackendView {
     /// What a request sent here is read and generated at, as reported (0
     /// where not): what a request cut before its answer said its usage
     /// is billed by.
-    pub rates: crate::usage::Rates,
+    pub rates: Rates,
 }
 
 impl BackendView {
@@ -196,6 +196,14 @@ impl BackendView {
     pub fn occupancy(&self) -> u32 {
         self.slots_busy.saturating_add(self.requests_deferred).max(self.in_flight)
     }
+}
+
+/// What a backend reads prompts and generates at, in tokens a second, as
+/// its agent reports them; 0: not known.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Rates {
+    pub prefill_tokens_per_second: f64,
+    pub decode_tokens_per_second: f64,
 }
 
 /// Rates assumed where a backend has reported none yet (and no other
