@@ -454,6 +454,11 @@ impl<L: Local> Seen<'_, L> {
         queue_ahead(p, self.in_flight(p))
     }
 
+    /// Requests running on `p`'s backend now ([`running`]).
+    fn running(&self, p: &Placement) -> u32 {
+        running(p, self.in_flight(p))
+    }
+
     /// Whether one more request would wait for a slot. Judged with the own
     /// count, not the last report's flag: taken from the report alone, every
     /// request until the next one would go to the nodes that looked free in
@@ -614,12 +619,28 @@ fn queue_ahead(p: &Placement, own: u32) -> u32 {
     if p.slots == 0 {
         return if p.load_unknown { p.deferred.max(1) } else { p.deferred };
     }
-    let freed = p.own_in_flight_when_read.saturating_sub(own);
-    let mut occupancy = p.occupancy.saturating_sub(freed).max(own);
+    let mut occupancy = occupied(p, own);
     if p.load_unknown {
         occupancy = occupancy.max(p.slots.saturating_mul(2));
     }
     occupancy.saturating_add(1).saturating_sub(p.slots)
+}
+
+/// The requests `p`'s backend holds, as reported less those of this data
+/// plane's that ended since, or `own`, whichever is more (see
+/// [`queue_ahead`]).
+fn occupied(p: &Placement, own: u32) -> u32 {
+    let freed = p.own_in_flight_when_read.saturating_sub(own);
+    p.occupancy.saturating_sub(freed).max(own)
+}
+
+/// Requests running on `p`'s backend, with `own` of this data plane's in
+/// flight at its node: those holding its slots, or, where slots are not
+/// counted, what it reports in flight; counts that could not be read are
+/// taken for some.
+fn running(p: &Placement, own: u32) -> u32 {
+    let running = if p.slots == 0 { p.reported_in_flight.max(own) } else { occupied(p, own).min(p.slots) };
+    if p.load_unknown { running.max(1) } else { running }
 }
 
 /// How many of this data plane's requests may be in flight at the node of
@@ -872,8 +893,16 @@ fn route_session_home<L: Local>(
     // What a free slot costs the session at `p`, and whether carrying its
     // cache there is what makes it so. Not to another backend of the home's
     // node: its agent carries slots to other nodes only.
+    // A recompute only where nothing else runs: where slots share a
+    // processor (a CPU, a compute-bound GPU), a prompt read beside other
+    // requests is read slower than the node's prompt rate, and slows them.
+    // On the real-model benchmark under load, each such move read its
+    // prompt two to ten times slower than expected and lost the cache it
+    // left; a carried cache leaves little to read, and takes a free slot.
+    let recomputes = |p: &Placement| seen.running(p) == 0;
     let cost = |p: &Placement| {
         let recompute = seen.estimate(p, prompt, (0, Cache::None), true).seconds();
+        let recompute = if recomputes(p) { recompute } else { f64::MAX };
         if carries && p.slot_group == home.slot_group && p.target.node != home.target.node {
             let carried = seen.estimate(p, prompt, (resident.tokens, Cache::Carried), true).seconds();
             if carried < recompute {
@@ -892,14 +921,20 @@ fn route_session_home<L: Local>(
         // breaks ties.
         let mut best: Best<2> = Best::new();
         for (i, p) in placements.iter().enumerate().filter(|(_, p)| alternative(p) && !seen.waits(p)) {
-            best.offer([(cost(p).0 * 1e6) as u64, place_key(p), 0], i);
+            let (cost, _) = cost(p);
+            if cost < f64::MAX {
+                best.offer([(cost * 1e6) as u64, place_key(p), 0], i);
+            }
         }
         if let Some(&(_, moved)) = best.items[..best.len].first().filter(|(key, _)| (key[0] as f64) < at_home * 1e6) {
             let (_, carried) = cost(&placements[moved]);
             targets.push(placements[moved].target);
             targets.push(home.target);
             best.indices().skip(1).for_each(|i| targets.push(placements[i].target));
-            let recompute = seen.estimate(&placements[moved], prompt, (0, Cache::None), true).seconds();
+            let recompute = match recomputes(&placements[moved]) {
+                true => seen.estimate(&placements[moved], prompt, (0, Cache::None), true).seconds(),
+                false => f64::MAX,
+            };
             let carried_to = carried.then_some(placements[moved].target);
             let uncarried = seen.terms(&placements[moved], Some(resident.target), &weighing, (0, Cache::None));
             return Route {

@@ -375,11 +375,31 @@ fn a_session_moves_only_into_a_free_slot() {
     let s = snapshot(&[home(slow("busy", 4, 44)), slow("full", 4, 0)]);
     let route = select(&s, &Idle, &later_turn()).unwrap();
     assert_eq!((first_node(&s, &route), route.reason), ("busy".into(), RouteReason::Resident));
-    // One slot free there: the recompute takes nobody's slot.
+    // One slot free there, three running: the recompute would be read
+    // beside them, slower than the node's rate, and slow them.
     let s = snapshot(&[home(slow("busy", 4, 44)), slow("room", 3, 0)]);
     let route = select(&s, &Idle, &later_turn()).unwrap();
-    assert_eq!((first_node(&s, &route), route.reason), ("room".into(), RouteReason::Moved));
+    assert_eq!((first_node(&s, &route), route.reason), ("busy".into(), RouteReason::Resident));
+    // Nothing running there: it moves.
+    let s = snapshot(&[home(slow("busy", 4, 44)), slow("room", 3, 0), slow("idle", 0, 0)]);
+    let route = select(&s, &Idle, &later_turn()).unwrap();
+    assert_eq!((first_node(&s, &route), route.reason), ("idle".into(), RouteReason::Moved));
     assert_eq!((route.expected_ttft_ms(), route.home_expected_ttft_ms()), (10_500, 23_000));
+    // This data plane's own request there counts, before any report shows it.
+    let own = Own { in_flight: [(1, 1)].into(), ..Own::default() }; // "idle", second by id
+    assert_eq!(select(&s, &own, &later_turn()).unwrap().reason, RouteReason::Resident);
+}
+
+#[test]
+fn a_cache_is_carried_beside_running_requests_but_a_failed_carry_does_not_recompute_there() {
+    let alike = |s: Spec| Spec { slot_fingerprint: "0123456789abcdef0123456789abcdef".into(), ..s };
+    // A fast node, reading the prompt there would be worth leaving for, but
+    // three requests run there: only the carry may go.
+    let fast = Spec { prefill_tokens_per_second: 1_500.0, ..alike(slow("fast", 3, 0)) };
+    let s = snapshot(&[alike(home(slow("busy", 4, 22))), fast]);
+    let route = select(&s, &Idle, &later_turn()).unwrap();
+    assert_eq!((first_node(&s, &route), route.reason), ("fast".into(), RouteReason::Carried));
+    assert!(route.home_if_not_carried, "no recompute beside running requests");
 }
 
 #[test]
