@@ -18,7 +18,7 @@ use crate::live::tidy_text;
 const TAIL: usize = 200;
 /// Decisions kept, newest first, for `Explain` to find a request by its id
 /// a while after it was answered.
-const KEPT: usize = 4096;
+pub const KEPT: usize = 4096;
 /// Candidates a decision names, at most (a data plane keeps four).
 const CANDIDATES: usize = 4;
 /// A data plane silent this long no longer vouches for its ejections (it

@@ -147,8 +147,10 @@ impl FleetService for FleetSvc {
             return Err(status(
                 ErrorKind::NotFound,
                 format!(
-                    "no request `{request_id}` among the decisions data planes reported to this controller lately \
-                     (each data plane reports to one controller: ask the one it reports to)"
+                    "no request `{request_id}` among the last {} decisions data planes reported to this \
+                     controller (each data plane reports to one controller, and at most 512 decisions a \
+                     second: ask the one it reports to, soon after the request)",
+                    crate::activity::KEPT
                 ),
             ));
         };
