@@ -223,17 +223,19 @@ impl Queue {
         // (the pass only takes slots): they are not routed again.
         let mut blocked: HashSet<Like> = HashSet::new();
         let mut routed = 0;
-        // How long a request would hold a node: its cost less what a node
-        // holds of its conversation's prompt, as reported now, at its
-        // model's fastest prompt rate.
+        // How long a request's prompt takes to read before its first token:
+        // the part no node holds of its conversation, as reported now, at
+        // its model's fastest prompt rate. Its output is left out: a limit
+        // says little of what a request generates, and at the prompt rate
+        // it would outweigh the prompt of a conversation's next turn.
         let expected_ms = |ticket, entry: &Entry| {
-            let session = waiters.get(&ticket).and_then(|w| w.ask.session.as_deref());
-            let held = session.and_then(|session| snapshot.resident(session)).map_or(0, |r| u64::from(r.tokens));
+            let Some(ask) = waiters.get(&ticket).map(|w| &w.ask) else { return 0 };
+            let held = ask.session.as_deref().and_then(|session| snapshot.resident(session)).map_or(0, |r| r.tokens);
             let rate = snapshot
                 .placements(&entry.model)
                 .and_then(|p| p.first())
                 .map_or(crate::snapshot::DEFAULT_PREFILL_TOKENS_PER_SECOND, |p| p.fastest_prefill_tokens_per_second);
-            (entry.cost.saturating_sub(held) as f64 * 1e3 / rate.max(1.0)) as u64
+            (f64::from(ask.prompt_tokens.saturating_sub(held)) * 1e3 / rate.max(1.0)) as u64
         };
         let leaving = room.leave_startable(now_ms, expected_ms, |ticket, entry| {
             let ask = &waiters.get(&ticket)?.ask;

@@ -9,11 +9,12 @@
 //! waits for requests already leaving, never for the backlog itself.
 //!
 //! Within a flow and class, the flow's tags go to its cheapest requests
-//! first, each request's expected time less the time it has waited
-//! (shortest job first, aged): a conversation's next turn, whose history a
-//! node holds, leaves ahead of the flow's new long prompts, but a long
-//! prompt waits behind cheaper ones at most about its own expected time,
-//! not for as long as cheap ones keep coming. Unaged, a burst of
+//! first, by each request's expected time to read its prompt (what no
+//! node holds of it) less the time it has waited (shortest job first,
+//! aged): a conversation's next turn, whose history a node holds, leaves
+//! ahead of the flow's new long prompts, but a long prompt waits behind
+//! cheaper ones at most about its own expected time, not for as long as
+//! cheap ones keep coming. Unaged, a burst of
 //! conversations held its first turns for minutes behind the later turns
 //! of those that had started, and finished seconds after a router that
 //! sends in order. A request that has waited half the longest wait
@@ -172,11 +173,10 @@ impl Room {
     /// tag, each flow's going to its cheapest requests; then the first
     /// come), each that `startable` finds a place for now (it answers
     /// where), in one pass. They have left the room. `expected_ms`: how
-    /// long a request is expected to hold a node, its cost less what a
-    /// node holds of it now (its conversation's cache, known only as
-    /// residency is reported, often after the request came), at its
-    /// model's prompt rate. The flow is charged its cost whatever it holds:
-    /// a client may name any of its conversations.
+    /// long a request's prompt takes to read, less what a node holds of it
+    /// now (its conversation's cache, known only as residency is reported,
+    /// often after the request came). The flow is charged its cost
+    /// whatever it holds: a client may name any of its conversations.
     pub fn leave_startable<R>(
         &mut self,
         now_ms: u64,
