@@ -634,12 +634,11 @@ fn occupied(p: &Placement, own: u32) -> u32 {
     p.occupancy.saturating_sub(freed).max(own)
 }
 
-/// Requests running on `p`'s backend, with `own` of this data plane's in
-/// flight at its node: those holding its slots, or, where slots are not
-/// counted, what it reports in flight; counts that could not be read are
-/// taken for some.
+/// Requests running on `p`'s backend (queued there too, where slots are
+/// not counted), with `own` of this data plane's in flight at its node;
+/// counts that could not be read are taken for some.
 fn running(p: &Placement, own: u32) -> u32 {
-    let running = if p.slots == 0 { p.reported_in_flight.max(own) } else { occupied(p, own).min(p.slots) };
+    let running = occupied(p, own).min(if p.slots == 0 { u32::MAX } else { p.slots });
     if p.load_unknown { running.max(1) } else { running }
 }
 
