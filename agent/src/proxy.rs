@@ -19,6 +19,7 @@ use bytes::Bytes;
 use http::uri::PathAndQuery;
 use http::{HeaderMap, HeaderName, Request, StatusCode, header};
 use http_body::{Frame, SizeHint};
+use http_body_util::{BodyExt, Either, Full, Limited};
 use hyper::body::Incoming;
 use inferyes_net::admit::Admission;
 use inferyes_net::pool::{self, Pool};
@@ -44,11 +45,20 @@ const BACKEND_IDLE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs
 /// hangs mid-answer holds none of the agent's requests and counts for ever.
 const BACKEND_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(15 * 60);
 
+/// The largest request body the proxy keeps a copy of, to send it again
+/// when a backend drops the connection it went out on (see
+/// [`Pool::send_replayable`]). A chat of a hundred thousand tokens is
+/// about half of it; a larger body streams through and is not sent again.
+const KEPT_BODY_LIMIT: u64 = 1 << 20;
+
+/// A request's body on its way to a backend: kept whole, or streamed.
+type Upload = Either<Full<Bytes>, Incoming>;
+
 #[derive(Clone)]
 struct Proxy {
     state: Arc<AgentState>,
     /// This worker's connections to the backends.
-    client: Pool<Incoming>,
+    client: Pool<Upload>,
     scrape: Arc<Scrape>,
     /// The fleet's join token, which data planes present with every request
     /// (the backends' GPUs are not open to whoever reaches this port).
@@ -286,7 +296,18 @@ async fn forward_in_span(proxy: Proxy, request: Request<Incoming>) -> Response {
     let request_id = parts.headers.get(REQUEST_ID_HEADER).cloned();
     let mut guard = InFlight::enter(Arc::clone(&proxy.state), index);
     let started = Instant::now();
-    match proxy.client.send(origin, Request::from_parts(parts, body)).await {
+    let sent = match kept(&parts.headers, body).await {
+        Ok(Either::Left(kept)) => {
+            let again = copy(&parts, kept.clone());
+            proxy.client.send_replayable(origin, Request::from_parts(parts, Either::Left(Full::new(kept))), again).await
+        }
+        Ok(Either::Right(streamed)) => {
+            proxy.client.send(origin, Request::from_parts(parts, Either::Right(streamed))).await
+        }
+        // The data plane went away while sending: nobody waits for this.
+        Err(_) => return error(ErrorKind::BadRequest, "the request's body broke off", "body_incomplete"),
+    };
+    match sent {
         Ok(response) => {
             let (mut parts, body) = response.into_parts();
             span.record("http.response.status_code", parts.status.as_u16());
@@ -332,6 +353,31 @@ async fn forward_in_span(proxy: Proxy, request: Request<Incoming>) -> Response {
             error(ErrorKind::Upstream, &format!("backend `{backend_id}` is unreachable"), "backend_unreachable")
         }
     }
+}
+
+/// The body whole, when it says it is small enough to keep; else as it
+/// comes.
+async fn kept(headers: &HeaderMap, body: Incoming) -> Result<Either<Bytes, Incoming>, inferyes_net::pool::BodyError> {
+    let length = headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    match length {
+        Some(length) if length <= KEPT_BODY_LIMIT => {
+            // hyper holds the body to its stated length; the limit only
+            // makes that plain here.
+            let limit = usize::try_from(KEPT_BODY_LIMIT).unwrap_or(usize::MAX);
+            Ok(Either::Left(Limited::new(body, limit).collect().await?.to_bytes()))
+        }
+        _ => Ok(Either::Right(body)),
+    }
+}
+
+/// A second request, the same as the one `parts` heads, with `body`.
+fn copy(parts: &http::request::Parts, body: Bytes) -> Request<Upload> {
+    let mut request = Request::new(Either::Left(Full::new(body)));
+    *request.method_mut() = parts.method.clone();
+    *request.uri_mut() = parts.uri.clone();
+    *request.version_mut() = parts.version;
+    *request.headers_mut() = parts.headers.clone();
+    request
 }
 
 /// Takes out of a backend's answer its hop-by-hop headers, which are its
@@ -391,7 +437,7 @@ impl Drop for InFlight {
 /// The backend's response body, passed through frame by frame, noting the
 /// time to the first data frame.
 struct Tracked {
-    inner: pool::Incoming<Incoming>,
+    inner: pool::Incoming<Upload>,
     /// Also says which backend answers.
     guard: InFlight,
     started: Instant,

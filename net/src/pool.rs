@@ -12,10 +12,12 @@
 //! each worker thread its own pool, so that a request, its connection and
 //! every wake-up between them stay on one thread.
 //!
-//! Retries: a request is sent again, on another connection, only when the
+//! Retries: a request is sent again, on another connection, when the
 //! connection it was given turned out closed before the request was
-//! written (an idle connection the upstream closed at that moment); never
-//! once a byte of it may have reached the upstream.
+//! written (an idle connection the upstream closed at that moment). Once a
+//! byte of it may have reached the upstream, only [`Pool::send_replayable`]
+//! sends it again, and only once: for upstreams that serve nothing of a
+//! request whose connection closes before they answer.
 
 use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
@@ -97,6 +99,22 @@ impl std::error::Error for Error {
             Error::ConnectTimeout | Error::NoTls => None,
         }
     }
+}
+
+/// A send that failed, and whether on a connection that had served before.
+struct Failed {
+    reused: bool,
+    error: Error,
+}
+
+/// Whether a connection closed under a written request before its answer
+/// began: its end came first (hyper's incomplete message), or a reset.
+fn closed_under(error: &hyper::Error) -> bool {
+    if error.is_incomplete_message() {
+        return true;
+    }
+    let io = std::error::Error::source(error).and_then(|source| source.downcast_ref::<std::io::Error>());
+    io.is_some_and(|io| matches!(io.kind(), std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::BrokenPipe))
 }
 
 /// How a pool connects.
@@ -272,15 +290,49 @@ where
     ///
     /// Dropping the future before the head has come closes the connection
     /// the request went out on.
-    pub async fn send(&self, origin: &Origin, mut request: Request<B>) -> Result<Response<Incoming<B>>, Error> {
+    pub async fn send(&self, origin: &Origin, request: Request<B>) -> Result<Response<Incoming<B>>, Error> {
+        self.send_on(origin, request, true).await.map_err(|failed| failed.error)
+    }
+
+    /// [`Pool::send`], and `again` on a new connection when a reused one
+    /// closed after taking `request` and before any of its answer came.
+    ///
+    /// That is how an idle connection the upstream closes just as a request
+    /// goes out on it fails once the request is written, and it is not rare:
+    /// llama-server closes idle connections within a second once as many
+    /// are open as it has HTTP threads (its slots and four). Only for
+    /// upstreams that serve nothing of a request whose connection closes
+    /// before they answer, as llama-server stops such a job.
+    pub async fn send_replayable(
+        &self,
+        origin: &Origin,
+        request: Request<B>,
+        again: Request<B>,
+    ) -> Result<Response<Incoming<B>>, Error> {
+        match self.send_on(origin, request, true).await {
+            Err(Failed { reused: true, error: Error::Http(error) }) if closed_under(&error) => {
+                self.send_on(origin, again, false).await.map_err(|failed| failed.error)
+            }
+            sent => sent.map_err(|failed| failed.error),
+        }
+    }
+
+    async fn send_on(
+        &self,
+        origin: &Origin,
+        mut request: Request<B>,
+        reuse: bool,
+    ) -> Result<Response<Incoming<B>>, Failed> {
+        let fresh = |error| Failed { reused: false, error };
         loop {
-            let (mut sender, reused) = match self.checkout(&origin.key) {
+            let checked_out = if reuse { self.checkout(&origin.key) } else { None };
+            let (mut sender, reused) = match checked_out {
                 Some(sender) => (sender, true),
                 // Boxed: connecting (resolve, TCP, TLS, handshake) is most of
                 // this future's size, and every request's future would
                 // carry it, moved and allocated with the handler's, for the
                 // few requests that open a connection.
-                None => (Box::pin(self.connect(origin)).await?, false),
+                None => (Box::pin(self.connect(origin)).await.map_err(fresh)?, false),
             };
             // A connection is ready once its task has taken up the previous
             // answer's end (or, new, its first poll); an error means closed.
@@ -288,7 +340,7 @@ where
                 if reused {
                     continue;
                 }
-                return Err(Error::Http(error));
+                return Err(fresh(Error::Http(error)));
             }
             match sender.try_send_request(request).await {
                 Ok(response) => {
@@ -306,7 +358,7 @@ where
                 Err(mut error) => match error.take_message() {
                     // Not written: the idle connection was closed under it.
                     Some(returned) if reused => request = returned,
-                    _ => return Err(Error::Http(error.into_error())),
+                    _ => return Err(Failed { reused, error: Error::Http(error.into_error()) }),
                 },
             }
         }
@@ -853,6 +905,65 @@ mod tests {
             assert_eq!(text(pool.send(&origin, request("/")).await.unwrap()).await, "ok");
         }
         assert_eq!(accepted.load(Ordering::SeqCst), 21);
+    }
+
+    /// Answers the first `answers` requests on each connection; takes the
+    /// next one in whole and closes without a word, as an upstream does that
+    /// closes an idle connection just as a request goes out on it. Counts
+    /// connections.
+    async fn closing_after(answers: usize) -> (SocketAddr, Arc<AtomicUsize>) {
+        async fn read_head(stream: &mut tokio::net::TcpStream) -> bool {
+            let (mut head, mut buf) = (Vec::new(), [0u8; 1024]);
+            while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                let Ok(n @ 1..) = stream.read(&mut buf).await else { return false };
+                head.extend_from_slice(&buf[..n]);
+            }
+            true
+        }
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let counter = Arc::clone(&accepted);
+        tokio::spawn(async move {
+            while let Ok((mut stream, _)) = listener.accept().await {
+                counter.fetch_add(1, Ordering::SeqCst);
+                tokio::spawn(async move {
+                    for _ in 0..answers {
+                        if !read_head(&mut stream).await {
+                            return;
+                        }
+                        stream.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok").await.unwrap();
+                    }
+                    read_head(&mut stream).await;
+                });
+            }
+        });
+        (addr, accepted)
+    }
+
+    #[tokio::test]
+    async fn a_replayable_request_a_reused_connection_dropped_goes_once_more_on_a_new_one() {
+        let (addr, accepted) = closing_after(1).await;
+        let (pool, origin) = (pool(Duration::from_secs(60)), origin(addr));
+        assert_eq!(text(pool.send(&origin, request("/")).await.unwrap()).await, "ok");
+        let answer = soon(pool.send_replayable(&origin, request("/"), request("/"))).await.unwrap();
+        assert_eq!(text(answer).await, "ok");
+        assert_eq!(accepted.load(Ordering::SeqCst), 2);
+
+        // Without a copy to send again, the same race is an error.
+        let error = soon(pool.send(&origin, request("/"))).await.unwrap_err();
+        assert!(matches!(&error, Error::Http(error) if closed_under(error)), "{error}");
+    }
+
+    #[tokio::test]
+    async fn a_new_connection_that_drops_a_replayable_request_is_an_error_not_a_retry() {
+        // The upstream itself let the request go: sending it again would
+        // only go the same way.
+        let (addr, accepted) = closing_after(0).await;
+        let (pool, origin) = (pool(Duration::from_secs(60)), origin(addr));
+        let error = soon(pool.send_replayable(&origin, request("/"), request("/"))).await.unwrap_err();
+        assert!(matches!(&error, Error::Http(error) if closed_under(error)), "{error}");
+        assert_eq!(accepted.load(Ordering::SeqCst), 1);
     }
 
     #[tokio::test]
