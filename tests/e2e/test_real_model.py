@@ -1,13 +1,15 @@
 """The real model, Gemma 3 270M, through the fleet with the official OpenAI
-and Anthropic clients: its catalog, streaming with usage, a multi-turn chat
-(and a multi-turn Messages stream) whose later turns are served from the KV
-cache of the node that served the first, and a stream whose node dies
-mid-answer, finished by the other node with continuation on and ended by an
-explicit error with it off."""
+and Anthropic clients: its catalog, streaming with usage, prompts near its
+context window (served up to it, refused past it, by the model's own
+count), a multi-turn chat (and a multi-turn Messages stream) whose later
+turns are served from the KV cache of the node that served the first, and
+a stream whose node dies mid-answer, finished by the other node with
+continuation on and ended by an explicit error with it off."""
 
 import json
 import random
 import signal
+import urllib.request
 
 import anthropic
 import openai
@@ -58,6 +60,64 @@ def test_a_stream_carries_its_usage_when_asked(gemma):
     assert answer[-1].choices[0].finish_reason in ("length", "stop"), answer[-1]
     assert last.usage.prompt_tokens > 60
     assert 0 < last.usage.completion_tokens <= 12
+
+
+def http_post(url, body):
+    request = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return json.loads(response.read())
+
+
+WINDOW = 4096
+TEXTS = {
+    "english": "The committee reviewed the quarterly figures and agreed that the new schedule "
+               "would begin early in the spring, once the last of the surveys had come back. ",
+    "code": "def area(width, height):\n    # a rectangle, in square metres\n    return width * height\n\n",
+    "cjk": "東京の図書館では毎朝たくさんの学生が静かに本を読み、窓の外の桜を眺めています。",
+}
+
+
+def messages_of(kind, tokens, fleet):
+    """Chat messages of `kind`'s text whose prompt, as the server templates
+    and tokenizes it, is `tokens` long, give or take one repetition's."""
+    node = fleet.llama["node-a"]
+
+    def count(n):
+        messages = [{"role": "user", "content": TEXTS[kind] * n}]
+        prompt = http_post(f"{node}/apply-template", {"messages": messages})["prompt"]
+        return len(http_post(f"{node}/tokenize", {"content": prompt, "add_special": True})["tokens"]), messages
+
+    low, high = 1, WINDOW
+    while low < high:
+        middle = (low + high + 1) // 2
+        if count(middle)[0] <= tokens:
+            low = middle
+        else:
+            high = middle - 1
+    return count(low)
+
+
+@pytest.mark.parametrize("kind", TEXTS)
+def test_a_prompt_of_most_of_the_window_is_served_and_one_past_it_refused_by_the_model_s_count(gemma, kind):
+    # Whatever a tokenizer makes of the bytes: Gemma's takes six or more
+    # bytes of English a token, three of Japanese.
+    counted, messages = messages_of(kind, int(0.95 * WINDOW), gemma)
+    assert counted > 0.94 * WINDOW, counted
+    reply = client(gemma).chat.completions.create(model=GEMMA, messages=messages, max_tokens=1, temperature=0)
+    assert abs(reply.usage.prompt_tokens - counted) <= 2, (reply.usage, counted)
+
+    counted, messages = messages_of(kind, int(1.05 * WINDOW), gemma)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client(gemma).chat.completions.create(model=GEMMA, messages=messages, max_tokens=1)
+    assert refused.value.code == "context_length_exceeded", refused.value.body
+    assert f"({WINDOW} tokens)" in refused.value.message, refused.value.message
+
+    claude = anthropic.Anthropic(base_url=gemma.url, api_key=gemma.api_key, max_retries=0, timeout=120)
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        claude.messages.create(model=GEMMA, max_tokens=1, messages=messages)
+    assert refused.value.body["type"] == "error", refused.value.body
+    assert refused.value.body["error"]["type"] == "invalid_request_error", refused.value.body
 
 
 def test_later_turns_are_served_from_the_cache_of_the_first_node(gemma):

@@ -435,11 +435,11 @@ fn hashed_key(prefix: [u8; 5], scope: u64, hash: u64) -> String {
     String::from_utf8(key.to_vec()).unwrap_or_default()
 }
 
-/// A low estimate of a body's prompt tokens, for the context-window check:
-/// an English token is about four bytes and JSON adds framing, so a fifth
-/// of the bytes rarely overestimates. Bodies with media are not estimated:
-/// an image's bytes say little of its tokens, and no request may be
-/// refused for a guess.
+/// An estimate of a body's prompt tokens, for routing's cost and its
+/// preference for nodes whose window the prompt fits: an English token is
+/// four to six bytes and JSON adds framing, so a fifth of the bytes. Only
+/// the server's tokenizer counts a prompt for a refusal. Bodies with media
+/// are not estimated: an image's bytes say little of its tokens.
 pub fn estimated_prompt_tokens(body_len: usize, view: &RoutingView) -> u32 {
     if view.has_media { 0 } else { metered_prompt_estimate(body_len) }
 }

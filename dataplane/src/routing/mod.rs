@@ -47,7 +47,8 @@ pub struct RouteRequest<'a> {
     pub model: &'a str,
     pub kind: EndpointKind,
     pub session: Option<&'a str>,
-    /// A low estimate of the prompt's tokens; 0 when unknown.
+    /// An estimate of the prompt's tokens, for the cost and to prefer the
+    /// nodes whose window it fits (never to refuse); 0 when unknown.
     pub prompt_tokens: u32,
     pub mode: Mode,
     /// A session's cache may be carried from its busy home to a free slot
@@ -256,11 +257,6 @@ pub enum RouteError {
     ModelNotFound { model: String, available: Available },
     #[error("the model `{model}` does not serve {kind} requests")]
     NotServed { model: String, kind: &'static str },
-    #[error(
-        "the prompt (about {prompt_tokens} tokens) does not fit the context window of `{model}` \
-         (at most {largest_window} tokens on any node)"
-    )]
-    ContextTooLong { model: String, prompt_tokens: u32, largest_window: u32 },
     #[error("no node can take a request for `{model}` right now ({why})")]
     NoCapacity { model: String, why: &'static str },
 }
@@ -286,7 +282,7 @@ impl RouteError {
     pub fn kind(&self) -> ErrorKind {
         match self {
             RouteError::ModelNotFound { .. } => ErrorKind::NotFound,
-            RouteError::NotServed { .. } | RouteError::ContextTooLong { .. } => ErrorKind::BadRequest,
+            RouteError::NotServed { .. } => ErrorKind::BadRequest,
             RouteError::NoCapacity { .. } => ErrorKind::Overloaded,
         }
     }
@@ -295,7 +291,6 @@ impl RouteError {
         match self {
             RouteError::ModelNotFound { .. } => ErrorCode::ModelNotFound,
             RouteError::NotServed { .. } => ErrorCode::UnsupportedEndpoint,
-            RouteError::ContextTooLong { .. } => ErrorCode::ContextLengthExceeded,
             RouteError::NoCapacity { .. } => ErrorCode::NoCapacity,
         }
     }
@@ -307,7 +302,6 @@ impl From<RouteError> for ApiError {
         match error {
             RouteError::NoCapacity { .. } => api.retry_after(1),
             RouteError::ModelNotFound { .. } | RouteError::NotServed { .. } => api.param("model"),
-            RouteError::ContextTooLong { .. } => api.param("messages"),
         }
     }
 }
@@ -777,11 +771,11 @@ pub fn select(snapshot: &RoutingSnapshot, local: &impl Local, request: &RouteReq
         });
     }
     if !any_fitting {
-        return Err(RouteError::ContextTooLong {
-            model: request.model.to_string(),
-            prompt_tokens: request.prompt_tokens,
-            largest_window,
-        });
+        // The estimate is only that, and no request is refused for one: a
+        // prompt it says fits nowhere goes where the window is largest, and
+        // the server, which counts with the model's own tokenizer, says
+        // whether it fits.
+        return select(snapshot, local, &RouteRequest { prompt_tokens: largest_window, ..*request });
     }
     let bound = session_key.map(|_| cost::load_bound(snapshot.policy().load_bound, warm_load, warm_count));
     if let (Some(key), Some(bound)) = (session_key, bound) {

@@ -79,15 +79,14 @@ async fn backend_errors_are_rewritten_into_the_openai_shape() {
     // llama-server's wording, not the gateway's.
     assert!(error["message"].as_str().unwrap().contains("exceeds the available context size"), "{error}");
 
-    // Far too long for any window: the gateway says so without a round trip.
-    let requests_before = fleet.sims[0].sim.stats().requests;
+    // Far too long by the gateway's estimate too: still the server's count
+    // decides, as the estimate may be high for the model's tokenizer.
     let huge = "word ".repeat(2000);
     let refused = fleet.http.post_json(&fleet.url("/v1/chat/completions"), &chat_body("chat", &huge)).await;
     assert_eq!(refused.status, StatusCode::BAD_REQUEST);
     let error = refused.openai_error();
     assert_eq!(error["code"], "context_length_exceeded");
-    assert!(error["message"].as_str().unwrap().contains("at most 256 tokens"), "{error}");
-    assert_eq!(fleet.sims[0].sim.stats().requests, requests_before);
+    assert!(error["message"].as_str().unwrap().contains("exceeds the available context size"), "{error}");
 
     // A chat model asked for embeddings: llama-server's 501, reshaped.
     let embeddings = fleet.http.post_json(&fleet.url("/v1/embeddings"), &json!({"model": "chat", "input": "x"})).await;
