@@ -123,6 +123,10 @@ pub struct Row {
     /// A stream that breaks may go on at another node (fleet policy): only
     /// where the data plane can read and resend what was said so far.
     pub continues: bool,
+    /// The stream's events are numbered and say which output item and
+    /// content part they are about, as the Responses API's are: the data
+    /// plane fills in what a server left out.
+    pub numbers_events: bool,
 }
 
 const OPENAI: Row = Row {
@@ -137,6 +141,7 @@ const OPENAI: Row = Row {
     asks_usage: false,
     asks_progress: false,
     continues: false,
+    numbers_events: false,
 };
 
 /// A row that holds no conversation: an embedding, a rerank, an upload.
@@ -169,6 +174,7 @@ pub const ROWS: &[Row] = &[
         kind: EndpointKind::Responses,
         session: Session::Opening,
         stream_start: StreamStart::ResponseCreated,
+        numbers_events: true,
         ..OPENAI
     },
     Row {

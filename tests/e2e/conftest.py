@@ -40,9 +40,9 @@ def fleet():
         }
         fleet.llama_embed = fleet.start_llama_server(
             "llama-b-embed", embed, "tiny-embed", ["-np", "2", "--embeddings", "--pooling", "mean"])
-        fleet.start_agent("node-a", [("chat", fleet.llama["node-a"], ["chat", "completion", "messages"])])
+        fleet.start_agent("node-a", [("chat", fleet.llama["node-a"], ["chat", "completion", "responses", "messages"])])
         fleet.start_agent("node-b", [
-            ("chat", fleet.llama["node-b"], ["chat", "completion", "messages"]),
+            ("chat", fleet.llama["node-b"], ["chat", "completion", "responses", "messages"]),
             ("embed", fleet.llama_embed, ["embedding"]),
         ])
         warm = {"tiny-chat": 2, "tiny-embed": 1}
@@ -73,7 +73,7 @@ def gemma():
         for node in ("node-a", "node-b"):
             fleet.llama[node] = fleet.start_llama_server(
                 f"gemma-{node}", fleet.model, GEMMA, fleet.llama_args, context=8192)
-            fleet.start_agent(node, [("chat", fleet.llama[node], ["chat", "completion", "messages"])])
+            fleet.start_agent(node, [("chat", fleet.llama[node], ["chat", "completion", "responses", "messages"])])
         fleet.url = fleet.start_dataplane("dataplane", "policy", {GEMMA: 2})
         yield fleet
     finally:

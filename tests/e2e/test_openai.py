@@ -4,6 +4,7 @@ import openai
 import pytest
 from openai import OpenAI
 
+import sdk_helpers
 from harness import wait_until
 
 
@@ -62,6 +63,10 @@ def test_streaming_chat_with_and_without_usage(client):
     assert chunks[-1].usage.completion_tokens == 10
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert streamed == text, "greedy decoding gives the same reply streamed or not"
+
+
+def test_every_sdk_streaming_helper(fleet):
+    sdk_helpers.check(fleet.url, "tiny-chat", fleet.api_key)
 
 
 def test_completions(client):

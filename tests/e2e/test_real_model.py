@@ -16,6 +16,7 @@ import openai
 import pytest
 from openai import OpenAI
 
+import sdk_helpers
 from conftest import GEMMA
 from harness import http_get, wait_until
 
@@ -118,6 +119,10 @@ def test_a_prompt_of_most_of_the_window_is_served_and_one_past_it_refused_by_the
         claude.messages.create(model=GEMMA, max_tokens=1, messages=messages)
     assert refused.value.body["type"] == "error", refused.value.body
     assert refused.value.body["error"]["type"] == "invalid_request_error", refused.value.body
+
+
+def test_every_sdk_streaming_helper(gemma):
+    sdk_helpers.check(gemma.url, GEMMA, gemma.api_key)
 
 
 def test_later_turns_are_served_from_the_cache_of_the_first_node(gemma):

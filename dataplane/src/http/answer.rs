@@ -42,6 +42,8 @@ type Boxed<T> = Pin<Box<dyn Future<Output = T> + Send>>;
 pub(crate) struct Plan {
     /// The event the stream must open with, where its kind has one.
     pub opening: Option<super::opening::Opening>,
+    /// Fills in what a Responses stream's events leave out.
+    pub responses: Option<super::responses::EventFields>,
     /// How the stream ends when it ends well (chat's `data: [DONE]`,
     /// Messages' `message_stop`, or an error event); the last bytes tell
     /// whether this one did.
@@ -109,6 +111,8 @@ struct Streaming {
     /// the kind's opening event (`message_start`) ahead where the node left
     /// it out; `None` once done, or where not needed.
     opening: Option<super::opening::Opening>,
+    /// A Responses stream's events, their fields filled in.
+    responses: Option<super::responses::EventFields>,
     tail: Vec<u8>,
     /// A partial event, where events are read whole.
     events: super::sse::Events,
@@ -152,6 +156,7 @@ impl StreamBody {
         let event_stream = super::sse::is_event_stream(&parts.headers);
         let mut plan = plan;
         let opening = plan.opening.take().filter(|_| event_stream && parts.status.is_success());
+        let responses = plan.responses.take().filter(|_| event_stream && parts.status.is_success());
         let continuing =
             continuing.filter(|(_, left)| event_stream && left.peek().is_some()).map(|(continuation, left)| {
                 Box::new(Continuing {
@@ -171,6 +176,7 @@ impl StreamBody {
             status: parts.status.as_u16(),
             head: plan.meter.as_ref().filter(|m| m.reads_head()).map(|_| Vec::new()),
             opening,
+            responses,
             tail: Vec::new(),
             events: super::sse::Events::default(),
             progress: super::progress::Progress::new(plan.progress).filter(|_| event_stream),
@@ -403,6 +409,11 @@ impl Streaming {
                         self.opening = None;
                         frame = Frame::data(opened);
                     }
+                    if let Some(responses) = self.responses.as_mut() {
+                        let Some(data) = frame.data_ref() else { return Poll::Ready(Some(Ok(frame))) };
+                        let Some(filled) = responses.push(data) else { continue };
+                        frame = Frame::data(filled);
+                    }
                     let Some(data) = frame.data_ref() else { return Poll::Ready(Some(Ok(frame))) };
                     if self.continuing.is_some() {
                         // Read event by event, for what was said so far.
@@ -429,6 +440,9 @@ impl Streaming {
                     }
                     // A first event cut short: passed on as it is.
                     if let Some(held) = self.opening.take().and_then(|mut opening| opening.take_rest()) {
+                        return Poll::Ready(Some(Ok(Frame::data(held))));
+                    }
+                    if let Some(held) = self.responses.take().and_then(|mut responses| responses.take_rest()) {
                         return Poll::Ready(Some(Ok(Frame::data(held))));
                     }
                     let complete = self.closed_complete();
@@ -650,6 +664,7 @@ mod tests {
         );
         let plan = Plan {
             opening: super::super::opening::Opening::new(row.stream_start, "m", "req", 1_000),
+            responses: None,
             stream_end: row.stream_end,
             strip_usage: row.asks_usage,
             progress: if row.asks_progress {

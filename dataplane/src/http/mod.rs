@@ -19,6 +19,7 @@ mod guard;
 mod opening;
 mod pipeline;
 mod progress;
+mod responses;
 mod scan;
 mod server;
 mod sse;

@@ -26,6 +26,7 @@ use super::client::{Facts, upstream_headers};
 use super::continuation::Continuation;
 use super::opening::Opening;
 use super::progress::ProgressEvents;
+use super::responses::EventFields;
 use super::view::{
     RoutingView, estimated_prompt_tokens, metered_prompt_estimate, parse_request_view, session_key, with_model,
     with_usage_requested,
@@ -534,6 +535,7 @@ impl<'s> Exchange<'s> {
             state: Arc::clone(self.state),
             plan: Plan {
                 opening,
+                responses: self.row.numbers_events.then(EventFields::default),
                 stream_end: self.row.stream_end,
                 strip_usage,
                 progress,
