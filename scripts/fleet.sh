@@ -135,11 +135,19 @@ fi
 "$bin/inferyes-dataplane" --config deploy/local/dataplane.toml >"$logs/dataplane.log" 2>&1 &
 pids+=($!)
 wait_http http://127.0.0.1:8080/readyz "data plane"
-# Ready means "has a snapshot"; wait until every node serves its model.
-for _ in $(seq 1 150); do
-  if curl -fsS "http://127.0.0.1:8080/v1/models/$model" 2>/dev/null | grep -q "\"warm_nodes\":$nodes"; then break; fi
+# Ready means "has a snapshot"; wait until every node serves its model, and
+# say so where they do not (a debug build on a busy machine is slow).
+warm=""
+for _ in $(seq 1 600); do
+  if curl -fsS "http://127.0.0.1:8080/v1/models/$model" 2>/dev/null | grep -q "\"warm_nodes\":$nodes"; then
+    warm=yes
+    break
+  fi
   sleep 0.2
 done
+if [[ -z $warm ]]; then
+  echo "fleet.sh: after 2 min not every node serves $model yet; requests may wait or be refused (logs: $logs)" >&2
+fi
 
 cat <<MSG
 
