@@ -45,7 +45,8 @@ pub struct Options {
     /// Serve TLS (HTTP/1.1 and h2 by ALPN) instead of plain HTTP.
     pub tls: Option<Arc<rustls::ServerConfig>>,
     /// Concurrent requests one HTTP/2 connection may carry; past it the
-    /// client waits for a stream to end.
+    /// client waits for a stream to end. A stranger's connection (see
+    /// [`crate::admit`]) carries at most [`DEFAULT_HTTP2_STREAMS`].
     pub http2_streams: u32,
     /// On shutdown, how long requests in flight may go on.
     pub shutdown_grace: Duration,
@@ -479,7 +480,12 @@ where
         // `serve_connection` follows a builder's version; the one "with
         // upgrades" sniffs whatever it is told. Upgrades are hop-by-hop:
         // no proxy here passes one on.)
-        let builders = Arc::new((builder.clone().http1_only(), builder.http2_only()));
+        // A stranger's connection is offered no more streams than any open
+        // listener's, whatever its members are offered: each stream is a
+        // request held open.
+        let mut strangers = builder.clone().http2_only();
+        strangers.http2().max_concurrent_streams(self.http2_streams.min(DEFAULT_HTTP2_STREAMS));
+        let builders = Arc::new((builder.clone().http1_only(), builder.http2_only(), strangers));
         let (first_byte_timeout, max_requests) = (self.header_read_timeout, self.max_requests);
         // Every connection's task, waited for on shutdown.
         let connections = tokio_util::task::TaskTracker::new();
@@ -507,9 +513,11 @@ where
             let (builders, tls) = (Arc::clone(&builders), self.tls.clone());
             let draining = draining.clone();
             let watched = (activity, first_byte_timeout, draining.clone());
+            let stranger = ticket.as_ref().is_some_and(Ticket::is_stranger);
             connections.spawn(async move {
                 let served = async move {
-                    let (http1, http2) = &*builders;
+                    let (http1, members, strangers) = &*builders;
+                    let http2 = if stranger { strangers } else { members };
                     match tls {
                         None => {
                             let version = tokio::select! {

@@ -140,6 +140,48 @@ async fn silent_strangers_cost_an_agent_a_bounded_share_and_its_data_planes_are_
     agent.stop().await;
 }
 
+/// The concurrent streams an HTTP/2 server at `address` offers a client
+/// from `source`: its first SETTINGS frame's `MAX_CONCURRENT_STREAMS`
+/// (`None`: no limit said).
+async fn offered_streams(source: &str, address: SocketAddr) -> Option<u32> {
+    let [mut stream] = <[TcpStream; 1]>::try_from(hold(source, address, 1, b"").await).expect("one connection");
+    // The client's preface, and its (empty) SETTINGS frame.
+    stream.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0").await.expect("sent");
+    let mut head = [0u8; 9];
+    tokio::time::timeout(Duration::from_secs(5), stream.read_exact(&mut head))
+        .await
+        .expect("in time")
+        .expect("a frame");
+    assert_eq!(head[3], 0x4, "the server's first frame is its SETTINGS");
+    let mut settings = vec![0u8; usize::from(head[2]) | usize::from(head[1]) << 8 | usize::from(head[0]) << 16];
+    stream.read_exact(&mut settings).await.expect("its settings");
+    settings
+        .chunks_exact(6)
+        .find(|setting| setting[..2] == [0, 3])
+        .map(|setting| u32::from_be_bytes([setting[2], setting[3], setting[4], setting[5]]))
+}
+
+#[tokio::test]
+async fn an_agent_offers_a_stranger_a_few_hundred_streams_and_its_data_planes_more() {
+    let etcd = Etcd::start().await;
+    let controller = ControllerHandle::start(&etcd.endpoint(), "controller-1").await;
+    let sim = SimHandle::start(chat_sim("chat")).await;
+    let agent = AgentHandle::start("node-a", &[controller.url()], &[("main", &sim)]).await;
+    let dataplane = DataplaneHandle::start(&[controller.url()]).await;
+    dataplane.wait_for_nodes(&["node-a"]).await;
+    // The data plane's first request proves the fleet's credential for
+    // 127.0.0.1.
+    let http = HttpClient::default();
+    let url = format!("{}/v1/chat/completions", dataplane.url);
+    assert_eq!(http.post_json(&url, &chat_body("chat", "hi")).await.status, StatusCode::OK);
+
+    let offered = offered_streams(ATTACKER, agent.proxy_addr).await;
+    assert!(offered.is_some_and(|streams| streams <= 200), "a stranger is offered {offered:?} streams");
+    let offered = offered_streams("127.0.0.1", agent.proxy_addr).await;
+    assert!(offered.is_some_and(|streams| streams > 1_000), "a data plane's address is offered {offered:?} streams");
+    agent.stop().await;
+}
+
 #[tokio::test]
 async fn silent_connections_to_a_controller_take_its_share_and_its_fleet_and_operators_are_served() {
     let etcd = Etcd::start().await;
