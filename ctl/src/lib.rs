@@ -101,11 +101,17 @@ pub enum Command {
     /// API keys for the OpenAI API.
     #[command(subcommand)]
     Keys(KeysCommand),
-    /// Token usage per hour, key and model, from the usage ledger.
+    /// Usage per hour, key (or tenant) and model, from the usage ledger:
+    /// requests, tokens, and the backends' time on them (GPU-S: seconds
+    /// reading prompts and generating, each request's own).
     Usage {
         /// Only this key id.
         #[arg(long)]
         key: Option<String>,
+        /// Sum the keys of each tenant together (a key without a tenant is
+        /// one of its own).
+        #[arg(long)]
+        by_tenant: bool,
         /// Only this model.
         #[arg(long)]
         model: Option<String>,
@@ -324,7 +330,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<String> {
             render(&Written { what: format!("alias {alias} removed"), revision: response.revision }, output)
         }
         Command::Keys(command) => keys(&mut client, command, output).await?,
-        Command::Usage { key, model, since, export } => {
+        Command::Usage { key, by_tenant, model, since, export } => {
             let since_unix_ms = match since {
                 Some(text) => inferyes_proto::unix_ms().saturating_sub(parse_duration_ms(&text)?),
                 None => 0,
@@ -338,7 +344,8 @@ pub async fn run(cli: Cli) -> anyhow::Result<String> {
                 }
                 out
             } else {
-                render(&client.get_usage(query).await.map_err(rpc_error)?.into_inner(), output)
+                let report = client.get_usage(query).await.map_err(rpc_error)?.into_inner();
+                render(&if by_tenant { render::by_tenant(report) } else { report }, output)
             }
         }
         Command::Policy(PolicyCommand::Show) => {

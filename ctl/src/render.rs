@@ -490,9 +490,11 @@ impl Render for UsageReport {
                 let u = usage(row);
                 inferyes_proto::usage::merge(&mut total, &u);
                 let hour = inferyes_proto::usage::hour_of(row.hour_unix_ms);
+                let dash = |text: &str| if text.is_empty() { "-".to_string() } else { text.to_string() };
                 vec![
                     format!("{}-{}-{} {}:00", &hour[0..4], &hour[4..6], &hour[6..8], &hour[8..10]),
-                    if row.key_id.is_empty() { "-".into() } else { row.key_id.clone() },
+                    dash(&row.tenant),
+                    dash(&row.key_id),
                     row.model.clone(),
                     u.requests.to_string(),
                     u.errors.to_string(),
@@ -500,11 +502,13 @@ impl Render for UsageReport {
                     u.cached_tokens.to_string(),
                     u.completion_tokens.to_string(),
                     u.estimated_requests.to_string(),
+                    gpu_seconds(&u),
                 ]
             })
             .collect();
         rows.push(vec![
             "total".into(),
+            String::new(),
             String::new(),
             String::new(),
             total.requests.to_string(),
@@ -513,9 +517,22 @@ impl Render for UsageReport {
             total.cached_tokens.to_string(),
             total.completion_tokens.to_string(),
             total.estimated_requests.to_string(),
+            gpu_seconds(&total),
         ]);
         let mut out = table(
-            &["HOUR (UTC)", "KEY", "MODEL", "REQUESTS", "ERRORS", "PROMPT", "CACHED", "COMPLETION", "ESTIMATED"],
+            &[
+                "HOUR (UTC)",
+                "TENANT",
+                "KEY",
+                "MODEL",
+                "REQUESTS",
+                "ERRORS",
+                "PROMPT",
+                "CACHED",
+                "COMPLETION",
+                "ESTIMATED",
+                "GPU-S",
+            ],
             rows,
         );
         if self.pending_batches > 0 {
@@ -531,15 +548,45 @@ impl Render for UsageReport {
             .map(|row| {
                 let u = row.usage.unwrap_or_default();
                 json!({
-                    "hour_unix_ms": row.hour_unix_ms, "key_id": row.key_id, "model": row.model,
+                    "hour_unix_ms": row.hour_unix_ms, "tenant": row.tenant, "key_id": row.key_id, "model": row.model,
                     "requests": u.requests, "errors": u.errors, "prompt_tokens": u.prompt_tokens,
                     "cached_tokens": u.cached_tokens, "completion_tokens": u.completion_tokens,
                     "estimated_requests": u.estimated_requests, "latency_ms_sum": u.latency_ms_sum,
+                    "prompt_ms": u.prompt_ms, "generation_ms": u.generation_ms,
                 })
             })
             .collect();
         json!({"rows": rows, "pending_batches": self.pending_batches})
     }
+}
+
+/// The backends' time on the requests, in seconds with one decimal.
+fn gpu_seconds(usage: &inferyes_proto::v1::UsageRollup) -> String {
+    let ms = usage.prompt_ms.saturating_add(usage.generation_ms);
+    format!("{}.{}", ms / 1000, ms % 1000 / 100)
+}
+
+/// The report summed per hour, tenant and model: the keys of a tenant
+/// together, a key without one as a tenant of its own (named by the key).
+pub fn by_tenant(report: UsageReport) -> UsageReport {
+    let mut sums: std::collections::BTreeMap<(u64, String, String), inferyes_proto::v1::UsageRollup> =
+        std::collections::BTreeMap::new();
+    for row in report.rows {
+        let tenant = if row.tenant.is_empty() { row.key_id } else { row.tenant };
+        let sum = sums.entry((row.hour_unix_ms, tenant, row.model)).or_default();
+        inferyes_proto::usage::merge(sum, &row.usage.unwrap_or_default());
+    }
+    let rows = sums
+        .into_iter()
+        .map(|((hour_unix_ms, tenant, model), usage)| UsageRow {
+            hour_unix_ms,
+            tenant,
+            key_id: String::new(),
+            model,
+            usage: Some(usage),
+        })
+        .collect();
+    UsageReport { rows, pending_batches: report.pending_batches }
 }
 
 /// The routing policy; with the revision it was written at, where it was.
@@ -626,7 +673,8 @@ fn usage_record_json(r: &UsageRecord) -> Value {
         "request_id": r.request_id, "unix_ms": r.unix_ms, "key_id": r.key_id, "model": r.model,
         "node_id": r.node_id, "status": r.status, "outcome": r.outcome, "prompt_tokens": r.prompt_tokens,
         "cached_tokens": r.cached_tokens, "completion_tokens": r.completion_tokens, "estimated": r.estimated,
-        "latency_ms": r.latency_ms, "ttft_ms": r.ttft_ms, "stream": r.stream,
+        "latency_ms": r.latency_ms, "ttft_ms": r.ttft_ms, "stream": r.stream, "prompt_ms": r.prompt_ms,
+        "generation_ms": r.generation_ms,
     })
 }
 
@@ -968,23 +1016,53 @@ mod tests {
         assert_eq!(set.json(), shown.json(), "the JSON is the policy alone");
     }
 
-    #[test]
-    fn usage_adds_a_total_and_says_what_is_not_rolled_up() {
-        let row = |key: &str, requests| UsageRow {
+    fn usage_row(tenant: &str, key: &str, requests: u64) -> UsageRow {
+        UsageRow {
             hour_unix_ms: 1_764_590_400_000,
+            tenant: tenant.into(),
             key_id: key.into(),
             model: "qwen".into(),
-            usage: Some(UsageRollup { requests, prompt_tokens: requests * 10, ..Default::default() }),
-        };
-        let report = UsageReport { rows: vec![row("k1", 2), row("", 3)], pending_batches: 1 };
+            usage: Some(UsageRollup {
+                requests,
+                prompt_tokens: requests * 10,
+                prompt_ms: requests * 400,
+                generation_ms: requests * 1_050,
+                ..Default::default()
+            }),
+        }
+    }
+
+    #[test]
+    fn usage_adds_a_total_and_says_what_is_not_rolled_up() {
+        let report = UsageReport { rows: vec![usage_row("team-a", "k1", 2), usage_row("", "", 3)], pending_batches: 1 };
         let text = report.text();
         let lines: Vec<&str> = text.lines().collect();
-        assert!(lines[1].starts_with("2025-12-01 12:00  k1"), "{text}");
+        assert!(lines[0].ends_with("GPU-S"), "{text}");
+        assert!(lines[1].starts_with("2025-12-01 12:00  team-a  k1"), "{text}");
+        assert!(lines[1].ends_with("  2.9"), "2 x 1.45 s: {text}");
         assert!(lines[2].contains("  -  "), "no key shows as -: {text}");
-        assert!(lines[3].starts_with("total") && lines[3].contains("5") && lines[3].contains("50"), "{text}");
+        assert!(lines[3].starts_with("total") && lines[3].contains("50") && lines[3].ends_with("7.2"), "{text}");
         assert_eq!(lines[4], "(1 batches received and not rolled up yet)");
         assert_eq!(report.json()["rows"][1]["prompt_tokens"], 30);
+        assert_eq!(report.json()["rows"][0]["tenant"], "team-a");
+        assert_eq!(report.json()["rows"][0]["generation_ms"], 2_100);
         assert_eq!(report.json()["pending_batches"], 1);
+    }
+
+    #[test]
+    fn usage_by_tenant_sums_a_tenant_s_keys_and_counts_a_key_without_one_as_its_own() {
+        let rows = vec![usage_row("team-a", "k1", 2), usage_row("team-a", "k2", 3), usage_row("", "k3", 4)];
+        let report = by_tenant(UsageReport { rows, pending_batches: 0 });
+        let tenants: Vec<(&str, u64, u64)> = report
+            .rows
+            .iter()
+            .map(|row| {
+                let usage = row.usage.unwrap_or_default();
+                (row.tenant.as_str(), usage.requests, usage.prompt_ms + usage.generation_ms)
+            })
+            .collect();
+        assert_eq!(tenants, [("k3", 4, 5_800), ("team-a", 5, 7_250)]);
+        assert!(report.rows.iter().all(|row| row.key_id.is_empty()));
     }
 
     #[test]

@@ -624,6 +624,16 @@ impl Meter {
         self.0.progress.lock().unwrap_or_else(PoisonError::into_inner).0 = None;
     }
 
+    /// Reads the backend's own time on the request from the end of its
+    /// answer (`timings`), for the record.
+    pub fn timed(&self, tail: &[u8]) {
+        if let Some(time) = inferyes_proto::usage::parse_backend_time(tail) {
+            let mut record = self.0.record.lock().unwrap_or_else(PoisonError::into_inner);
+            record.prompt_ms = u64::from(time.prompt_ms);
+            record.generation_ms = u64::from(time.generation_ms);
+        }
+    }
+
     /// Records the request; later calls do nothing.
     pub fn finish(&self, status: u16, outcome: Outcome, usage: Option<Usage>) {
         self.0.finish(status, outcome, usage);

@@ -264,6 +264,41 @@ fn days_from_civil(y: i64, m: u32, d: u32) -> i64 {
     era * 146_097 + doe - 719_468
 }
 
+/// The backend's own time on a request, from llama-server's `timings`
+/// (`prompt_ms`, `predicted_ms`), whole milliseconds.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BackendTime {
+    pub prompt_ms: u32,
+    pub generation_ms: u32,
+}
+
+/// The backend's time on a request, where the end of its answer says it
+/// (the last `timings` object); `None` where it does not.
+pub fn parse_backend_time(tail: &[u8]) -> Option<BackendTime> {
+    let from = TIMINGS.find_iter(tail).last()?;
+    let [prompt, generation] = timing_numbers(&tail[from..]);
+    (prompt.is_some() || generation.is_some())
+        .then(|| BackendTime { prompt_ms: prompt.unwrap_or(0), generation_ms: generation.unwrap_or(0) })
+}
+
+static TIMINGS: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
+    std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"\"timings\":"));
+
+/// The whole milliseconds after the last `prompt_ms` and `predicted_ms`
+/// keys of `object` (llama-server writes them with decimals).
+fn timing_numbers(object: &[u8]) -> [Option<u32>; 2] {
+    [&b"\"prompt_ms\":"[..], b"\"predicted_ms\":"].map(|key| {
+        let at = memchr::memmem::find_iter(object, key).last()?;
+        let rest = &object[at + key.len()..];
+        let whole = number(rest)?;
+        // Rounded by the first decimal.
+        let text = rest.trim_ascii_start();
+        let decimals = &text[text.iter().take_while(|b| b.is_ascii_digit()).count()..];
+        let up = decimals.first() == Some(&b'.') && decimals.get(1).is_some_and(|d| (b'5'..=b'9').contains(d));
+        Some(whole.saturating_add(u32::from(up)))
+    })
+}
+
 /// Counts one request into a roll-up.
 pub fn add(rollup: &mut UsageRollup, record: &UsageRecord) {
     rollup.requests += 1;
@@ -273,6 +308,8 @@ pub fn add(rollup: &mut UsageRollup, record: &UsageRecord) {
     rollup.completion_tokens += record.completion_tokens;
     rollup.estimated_requests += u64::from(record.estimated);
     rollup.latency_ms_sum += u64::from(record.latency_ms);
+    rollup.prompt_ms += record.prompt_ms;
+    rollup.generation_ms += record.generation_ms;
 }
 
 /// Adds one roll-up to another.
@@ -284,11 +321,23 @@ pub fn merge(into: &mut UsageRollup, from: &UsageRollup) {
     into.completion_tokens += from.completion_tokens;
     into.estimated_requests += from.estimated_requests;
     into.latency_ms_sum += from.latency_ms_sum;
+    into.prompt_ms += from.prompt_ms;
+    into.generation_ms += from.generation_ms;
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_backend_s_time_is_read_from_its_last_timings() {
+        let chat = br#"{"usage":{"prompt_tokens":11},"timings":{"cache_n":0,"prompt_n":11,"prompt_ms":31.526,"prompt_per_token_ms":2.82,"predicted_n":5,"predicted_ms":44.445,"predicted_per_second":89.7}}"#;
+        assert_eq!(parse_backend_time(chat), Some(BackendTime { prompt_ms: 32, generation_ms: 44 }));
+        let stream = b"data: {\"timings\":{\"prompt_ms\":1.0}}\n\ndata: {\"timings\":{\"prompt_ms\":1200,\"predicted_ms\":7}}\n\ndata: [DONE]\n\n";
+        assert_eq!(parse_backend_time(stream), Some(BackendTime { prompt_ms: 1200, generation_ms: 7 }));
+        assert_eq!(parse_backend_time(br#"{"usage":{"prompt_tokens":3}}"#), None);
+        assert_eq!(parse_backend_time(br#"{"timings":{"cache_n":3}}"#), None);
+    }
 
     #[test]
     fn hours_are_utc_and_round_trip() {

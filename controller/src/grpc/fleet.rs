@@ -366,6 +366,8 @@ impl FleetService for FleetSvc {
         self.admin(&request)?;
         let query = request.into_inner();
         let since = usage_since(&query);
+        let snapshot = self.snapshot()?;
+        let tenant_of = |key_id: &str| snapshot.api_key(key_id).map(|key| key.tenant.clone()).unwrap_or_default();
         let rows = self
             .store
             .usage_rollups(&format!("hourly/{}", crate::ledger::hour_of(since)))
@@ -377,6 +379,7 @@ impl FleetService for FleetSvc {
                     && (query.model.is_empty() || query.model == key.model);
                 wanted.then(|| UsageRow {
                     hour_unix_ms: crate::ledger::hour_start_ms(&key.hour).unwrap_or(0),
+                    tenant: tenant_of(&key.key_id),
                     key_id: key.key_id,
                     model: key.model,
                     usage: Some(usage),

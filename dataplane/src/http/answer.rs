@@ -578,6 +578,9 @@ impl Streaming {
             let continued = self.continuing.as_ref().is_some_and(|continuing| continuing.continued);
             let usage =
                 if continued { None } else { meter.usage(self.head.as_deref().unwrap_or_default(), &self.tail) };
+            // A continued answer's time is the last node's part only; the
+            // first node's is not known.
+            meter.timed(&self.tail);
             meter.finish(status, outcome, usage);
         }
     }

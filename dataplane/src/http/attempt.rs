@@ -367,6 +367,7 @@ fn whole_answer(
         // it answers is long (llama-server's embeddings and reranks), at
         // its start.
         let usage = meter.usage(&[], tail).or_else(|| meter.usage(&[], head));
+        meter.timed(tail);
         meter.finish(parts.status.as_u16(), outcome, usage);
     }
     // The node's length stands where it is the body's (the usual case: its
