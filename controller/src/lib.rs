@@ -216,6 +216,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         .run()
         .instrument(tracing::info_span!("placement")),
     );
+    let dashboard_store = store.clone();
     let fleet = grpc::FleetSvc {
         store,
         snapshots: snapshots.clone(),
@@ -263,6 +264,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         views,
         activity,
         pressure: std::sync::Arc::default(),
+        usage: std::sync::Arc::default(),
         shutdown: shutdown.clone(),
         gate: config.dashboard_tokens()?.map(|tokens| std::sync::Arc::new(dashboard::gate::Gate::new(tokens))),
         attempts: std::sync::Arc::default(),
@@ -271,6 +273,9 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
     };
     let sampler =
         tokio::spawn(dashboard::sample_pressure(dashboard.clone()).instrument(tracing::info_span!("pressure")));
+    let usage_reader = tokio::spawn(
+        dashboard::usage::sample(dashboard.clone(), dashboard_store).instrument(tracing::info_span!("usage_chart")),
+    );
     let router = http::router(snapshots, scrape, dashboard);
     let options = inferyes_net::serve::Options::operators("controller-http", http_limits, refused("http"));
     let http_server = inferyes_net::serve::serve(
@@ -297,6 +302,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
     let _ = ledger.await;
     let _ = placer.await;
     let _ = sampler.await;
+    let _ = usage_reader.await;
     grpc_result.context("gRPC server failed")?;
     http_result.context("HTTP server failed")?;
     Ok(())

@@ -125,6 +125,34 @@ def test_every_sdk_streaming_helper(gemma):
     sdk_helpers.check(gemma.url, GEMMA, gemma.api_key)
 
 
+def test_each_tenant_s_gpu_time_shows_in_inferyesctl_and_the_dashboard(gemma):
+    # A request of its own, so the key has used the model whatever ran
+    # before; the fleet's key has no tenant: it is a tenant of its own.
+    client(gemma).chat.completions.create(model=GEMMA, messages=[{"role": "user", "content": "Count to five."}],
+                                          max_tokens=16, temperature=0)
+
+    def tenants():
+        rows = gemma.ctl("usage", "--by-tenant")["rows"]
+        return [row for row in rows if row["prompt_ms"] + row["generation_ms"] > 0 and row["requests"] > 0]
+
+    # One row an hour: the suite may run across the hour.
+    rows = wait_until("GPU time rolled up", tenants, timeout=30)
+    assert len({row["tenant"] for row in rows}) == 1, rows
+    row = rows[-1]
+    assert row["tenant"] and row["model"] == GEMMA and row["key_id"] == "", row
+    # Gemma 3 270M on one CPU thread: tens of milliseconds a token at least.
+    assert sum(r["generation_ms"] for r in rows) >= 16 * 5, rows
+
+    auth = {"Authorization": f"Bearer {gemma.admin_token}"}
+
+    def charted():
+        view = json.loads(http_get(f"{gemma.dashboard_url}/api/v1/fleet", headers=auth)[1])
+        return [t for t in view["usage"]["tenants"] if t["tenant"] == row["tenant"] and t["gpu_ms_total"] > 0]
+
+    [tenant] = wait_until("the dashboard's usage chart", charted, timeout=30)
+    assert tenant["requests"] >= 1 and len(tenant["gpu_ms"]) == 24, tenant
+
+
 def test_later_turns_are_served_from_the_cache_of_the_first_node(gemma):
     # No session header: the conversation's root (system prompt and first
     # message) keeps it on its node.

@@ -6,6 +6,7 @@
 
 pub mod attempts;
 pub mod gate;
+pub mod usage;
 pub mod view;
 
 use std::convert::Infallible;
@@ -41,6 +42,8 @@ pub struct Dashboard {
     pub activity: Arc<Activity>,
     /// Written only by [`sample_pressure`].
     pub pressure: Arc<std::sync::Mutex<Pressure>>,
+    /// Written only by [`usage::sample`].
+    pub usage: Arc<std::sync::Mutex<usage::TenantUsage>>,
     /// Event streams end with it, so a graceful shutdown is not held up.
     pub shutdown: CancellationToken,
     /// Who may look; `None`: anyone who reaches the port.
@@ -256,8 +259,12 @@ impl Dashboard {
         let snapshot = self.snapshots.borrow().clone()?;
         let live = Arc::clone(&self.views.borrow());
         let recent = self.activity.recent(tokio::time::Instant::now());
+        let usage = self.usage.lock().unwrap_or_else(std::sync::PoisonError::into_inner).to_json();
         let pressure = self.pressure.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        Some(view::build(&self.controller_id, &snapshot, &live, &recent, &pressure, inferyes_proto::unix_ms()))
+        let mut view =
+            view::build(&self.controller_id, &snapshot, &live, &recent, &pressure, inferyes_proto::unix_ms());
+        view["usage"] = usage;
+        Some(view)
     }
 }
 

@@ -72,7 +72,10 @@ async fn embeddings_are_billed_what_the_server_counted_though_it_says_so_before_
 
 #[tokio::test]
 async fn usage_of_plain_and_streamed_answers_is_what_the_backends_counted() {
-    let fleet = Fleet::start_with(vec![chat_sim("chat"), chat_sim("chat")], |c| {
+    // Slow enough to generate that each answer's time shows in whole
+    // milliseconds: 6 tokens at 200 a second.
+    let sim = inferyes_sim::SimConfig { decode_tokens_per_second: 200.0, ..chat_sim("chat") };
+    let fleet = Fleet::start_with(vec![sim.clone(), sim], |c| {
         c.auth = AuthMode::Keys;
         c.usage_records = true;
     })
@@ -116,6 +119,55 @@ async fn usage_of_plain_and_streamed_answers_is_what_the_backends_counted() {
     assert_eq!(records.iter().filter(|r| r.stream).count(), 4);
     assert!(records.iter().all(|r| r.outcome == "ok" && r.node_id.starts_with("node-") && r.status == 200));
     assert!(records.iter().filter(|r| r.stream).all(|r| r.ttft_ms <= r.latency_ms));
+    // The backends' time on each, as their timings said, and summed.
+    assert!(records.iter().all(|r| (25..=60).contains(&r.generation_ms)), "{records:?}");
+    let (prompt_ms, generation_ms) = records.iter().fold((0, 0), |(p, g), r| (p + r.prompt_ms, g + r.generation_ms));
+    assert_eq!((total.prompt_ms, total.generation_ms), (prompt_ms, generation_ms));
+}
+
+#[tokio::test]
+async fn each_tenant_s_gpu_time_is_rolled_up_and_charted_on_the_dashboard() {
+    // 6 tokens at 200 a second: 30 ms of generation an answer.
+    let sim = inferyes_sim::SimConfig { decode_tokens_per_second: 200.0, ..chat_sim("chat") };
+    let fleet = Fleet::start_with(vec![sim], |c| c.auth = AuthMode::Keys).await;
+    let key =
+        |name: &str, tenant: &str| CreateKeyRequest { name: name.into(), tenant: tenant.into(), ..Default::default() };
+    let (a1, a1_secret) = create_key(&fleet, key("a1", "team-a")).await;
+    let (a2, a2_secret) = create_key(&fleet, key("a2", "team-a")).await;
+    let (solo, solo_secret) = create_key(&fleet, key("solo", "")).await;
+    for (secret, times) in [(&a1_secret, 2), (&a2_secret, 1), (&solo_secret, 1)] {
+        for i in 0..times {
+            ask(&fleet.http, &fleet.dataplane.url, Some(secret), i % 2 == 1, &format!("hello {i}")).await;
+        }
+    }
+    let gpu_ms = |u: &UsageRollup| u.prompt_ms + u.generation_ms;
+    let team_a =
+        gpu_ms(&rolled_up(fleet.controller(), &a1, 2).await) + gpu_ms(&rolled_up(fleet.controller(), &a2, 1).await);
+    let alone = gpu_ms(&rolled_up(fleet.controller(), &solo, 1).await);
+    assert!(team_a >= 3 * 25 && alone >= 25, "{team_a} ms, {alone} ms");
+
+    // The ledger's rows name each key's tenant.
+    let report = fleet.controller().fleet().await.get_usage(UsageQuery::default()).await.expect("usage").into_inner();
+    let tenants: std::collections::BTreeSet<(String, String)> =
+        report.rows.iter().map(|row| (row.key_id.clone(), row.tenant.clone())).collect();
+    assert_eq!(tenants, [(a1, "team-a".into()), (a2, "team-a".into()), (solo.clone(), String::new())].into());
+
+    // The dashboard charts the same, a key without a tenant as its own.
+    let charted = |view: &serde_json::Value, tenant: &str| {
+        view["usage"]["tenants"]
+            .as_array()
+            .and_then(|tenants| tenants.iter().find(|t| t["tenant"] == tenant).and_then(|t| t["gpu_ms_total"].as_u64()))
+    };
+    eventually("both tenants charted", Duration::from_secs(20), || async {
+        let view = crate::dashboard::fleet_view(&fleet).await;
+        charted(&view, "team-a") == Some(team_a) && charted(&view, &solo) == Some(alone)
+    })
+    .await;
+    let view = crate::dashboard::fleet_view(&fleet).await;
+    let hours = view["usage"]["hours"].as_array().expect("hours").len();
+    let team = view["usage"]["tenants"].as_array().unwrap().iter().find(|t| t["tenant"] == "team-a").unwrap().clone();
+    assert_eq!(team["gpu_ms"].as_array().unwrap().len(), hours);
+    assert_eq!(team["requests"], 3);
 }
 
 #[tokio::test]
