@@ -111,6 +111,10 @@ pub struct Config {
     #[serde(skip)]
     pub join_token: Option<String>,
     pub moves: MovesConfig,
+    /// What an hour of this node's GPU time costs, in the operator's
+    /// currency (every node priced in the same one); 0: not priced. Usage
+    /// records are priced with it.
+    pub gpu_hour_price: f64,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -371,6 +375,7 @@ impl Default for Config {
             max_stranger_connections: 512,
             max_stranger_connections_per_address: 128,
             moves: MovesConfig::default(),
+            gpu_hour_price: 0.0,
         }
     }
 }
@@ -447,6 +452,9 @@ impl Config {
         }
         if self.backends.is_empty() && self.simulated.is_empty() {
             bail!("no backends: add a [[backends]] entry (url and kind) or a [[simulated]] backend");
+        }
+        if !(self.gpu_hour_price.is_finite() && (0.0..=1e6).contains(&self.gpu_hour_price)) {
+            bail!("gpu_hour_price must be a number from 0 (not priced) to 1000000, not {}", self.gpu_hour_price);
         }
         let mut ids: Vec<&str> = self.backends.iter().map(|b| b.id.as_str()).collect();
         ids.extend(self.simulated.iter().map(|s| s.id.as_str()));
@@ -598,6 +606,11 @@ kind = "llama-swap"
                 moves(bytes, incoming).validate().unwrap_err().to_string().contains("moves."),
                 "{bytes} {incoming}"
             );
+        }
+        let priced = |gpu_hour_price| Config { backends: vec![twice.clone()], gpu_hour_price, ..Config::default() };
+        assert!(priced(2.5).validate().is_ok() && priced(0.0).validate().is_ok());
+        for price in [-1.0, f64::NAN, f64::INFINITY, 2e6] {
+            assert!(priced(price).validate().unwrap_err().to_string().contains("gpu_hour_price"), "{price}");
         }
     }
 

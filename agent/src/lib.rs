@@ -148,6 +148,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         // an advertised address may not.
         proxy_http2: config.advertise_url.is_empty(),
         started_unix_ms: inferyes_proto::unix_ms(),
+        gpu_hour_price: config.gpu_hour_price,
         backends: probes
             .into_iter()
             .map(|probe| BackendHandle {

@@ -153,6 +153,8 @@ pub struct AgentState {
     /// this proxy itself, not an address in front of it that may not.
     pub proxy_http2: bool,
     pub started_unix_ms: u64,
+    /// What an hour of the node's GPU time costs (0: not priced).
+    pub gpu_hour_price: f64,
     pub backends: Vec<BackendHandle>,
     pub observations: Shared<Observations>,
     /// Other nodes' backends that can take this node's slots, as its
@@ -238,6 +240,7 @@ impl AgentState {
             started_unix_ms: self.started_unix_ms,
             proxy_http2: self.proxy_http2,
             proxy_credential_per_node: true,
+            gpu_hour_price: self.gpu_hour_price,
         }
     }
 }
@@ -297,6 +300,7 @@ mod tests {
             proxy_url: "http://127.0.0.1:1".into(),
             proxy_http2: true,
             started_unix_ms: 0,
+            gpu_hour_price: 0.0,
             backends: vec![handle()],
             observations: Shared::default(),
             moves: Shared::default(),

@@ -519,22 +519,29 @@ impl Render for UsageReport {
             total.estimated_requests.to_string(),
             gpu_seconds(&total),
         ]);
-        let mut out = table(
-            &[
-                "HOUR (UTC)",
-                "TENANT",
-                "KEY",
-                "MODEL",
-                "REQUESTS",
-                "ERRORS",
-                "PROMPT",
-                "CACHED",
-                "COMPLETION",
-                "ESTIMATED",
-                "GPU-S",
-            ],
-            rows,
-        );
+        let mut head = vec![
+            "HOUR (UTC)",
+            "TENANT",
+            "KEY",
+            "MODEL",
+            "REQUESTS",
+            "ERRORS",
+            "PROMPT",
+            "CACHED",
+            "COMPLETION",
+            "ESTIMATED",
+            "GPU-S",
+        ];
+        // Money only where some node is priced.
+        if total.cost_micros > 0 {
+            head.push("COST");
+            let costs =
+                self.rows.iter().map(|row| row.usage.unwrap_or_default().cost_micros).chain([total.cost_micros]);
+            for (row, cost) in rows.iter_mut().zip(costs) {
+                row.push(format!("{:.4}", cost as f64 / 1e6));
+            }
+        }
+        let mut out = table(&head, rows);
         if self.pending_batches > 0 {
             let _ = writeln!(out, "({} batches received and not rolled up yet)", self.pending_batches);
         }
@@ -552,7 +559,7 @@ impl Render for UsageReport {
                     "requests": u.requests, "errors": u.errors, "prompt_tokens": u.prompt_tokens,
                     "cached_tokens": u.cached_tokens, "completion_tokens": u.completion_tokens,
                     "estimated_requests": u.estimated_requests, "latency_ms_sum": u.latency_ms_sum,
-                    "prompt_ms": u.prompt_ms, "generation_ms": u.generation_ms,
+                    "prompt_ms": u.prompt_ms, "generation_ms": u.generation_ms, "cost_micros": u.cost_micros,
                 })
             })
             .collect();
@@ -674,7 +681,7 @@ fn usage_record_json(r: &UsageRecord) -> Value {
         "node_id": r.node_id, "status": r.status, "outcome": r.outcome, "prompt_tokens": r.prompt_tokens,
         "cached_tokens": r.cached_tokens, "completion_tokens": r.completion_tokens, "estimated": r.estimated,
         "latency_ms": r.latency_ms, "ttft_ms": r.ttft_ms, "stream": r.stream, "prompt_ms": r.prompt_ms,
-        "generation_ms": r.generation_ms,
+        "generation_ms": r.generation_ms, "cost_micros": r.cost_micros,
     })
 }
 
@@ -1047,6 +1054,14 @@ mod tests {
         assert_eq!(report.json()["rows"][0]["tenant"], "team-a");
         assert_eq!(report.json()["rows"][0]["generation_ms"], 2_100);
         assert_eq!(report.json()["pending_batches"], 1);
+        assert!(!text.contains("COST"), "no node priced, no money: {text}");
+
+        let mut priced = usage_row("team-a", "k1", 2);
+        priced.usage.as_mut().unwrap().cost_micros = 1_234;
+        let text = UsageReport { rows: vec![priced, usage_row("", "", 1)], pending_batches: 0 }.text();
+        let lines: Vec<&str> = text.lines().collect();
+        assert!(lines[0].ends_with("GPU-S  COST") && lines[1].ends_with("0.0012"), "{text}");
+        assert!(lines[2].ends_with("0.0000") && lines[3].ends_with("0.0012"), "{text}");
     }
 
     #[test]

@@ -500,6 +500,12 @@ pub fn generated(elapsed: Duration, prompt_tokens: u64, rates: Rates, limit: u64
     tokens.min(limit)
 }
 
+/// `gpu_ms` of a GPU priced `gpu_hour_price` an hour, in millionths.
+pub fn cost_micros(gpu_ms: u64, gpu_hour_price: f64) -> u64 {
+    // Saturates where the product is past u64 (or not a number).
+    (gpu_ms as f64 * gpu_hour_price * 1e6 / 3_600_000.0).round() as u64
+}
+
 /// The decode rate a backend that reports none is taken to generate at,
 /// one request alone: above most servers'.
 const UNKNOWN_DECODE_TOKENS_PER_SECOND: f64 = 200.0;
@@ -683,6 +689,11 @@ impl MeterInner {
         if let Ending::Waiting(at_end) = waiting {
             at_end(self.served.get(), ttft);
         }
+        let sent = *self.sent.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some((_, rates)) = sent {
+            record.cost_micros =
+                cost_micros(record.prompt_ms.saturating_add(record.generation_ms), rates.gpu_hour_price);
+        }
         record.status = u32::from(status);
         record.outcome = outcome.as_str().to_string();
         record.latency_ms = millis(self.started.elapsed());
@@ -701,7 +712,6 @@ impl MeterInner {
             // or its usage kept out of it): its node worked from when it
             // was sent.
             None if !record.stream => {
-                let sent = *self.sent.lock().unwrap_or_else(PoisonError::into_inner);
                 let prompt = self.counted.prompt_estimate;
                 record.estimated = true;
                 record.prompt_tokens = prompt;
@@ -920,7 +930,7 @@ mod tests {
 
     #[test]
     fn a_whole_answer_cut_short_is_billed_what_its_node_may_have_generated() {
-        let rates = Rates { prefill_tokens_per_second: 1_000.0, decode_tokens_per_second: 50.0 };
+        let rates = Rates { prefill_tokens_per_second: 1_000.0, decode_tokens_per_second: 50.0, ..Rates::default() };
         // 2,000 prompt tokens read in 2 s, then 3 s of output at 50 a second.
         assert_eq!(generated(Duration::from_secs(5), 2_000, rates, 4_096), 150);
         assert_eq!(generated(Duration::from_secs(1), 2_000, rates, 4_096), 0, "still reading the prompt");
@@ -936,7 +946,7 @@ mod tests {
         let counted = Counted { usage: UsageIn::Tail, prompt_estimate: 12, output_limit: 300 };
         // Any time at all past sending is the whole limit at this rate; the
         // clock is let move on past each `sent` (a nanosecond is enough).
-        let fast = Rates { prefill_tokens_per_second: 0.0, decode_tokens_per_second: f64::MAX };
+        let fast = Rates { prefill_tokens_per_second: 0.0, decode_tokens_per_second: f64::MAX, ..Rates::default() };
         let clock_moves_on = || {
             let now = Instant::now();
             while Instant::now() <= now {}

@@ -310,6 +310,7 @@ pub fn add(rollup: &mut UsageRollup, record: &UsageRecord) {
     rollup.latency_ms_sum += u64::from(record.latency_ms);
     rollup.prompt_ms += record.prompt_ms;
     rollup.generation_ms += record.generation_ms;
+    rollup.cost_micros += record.cost_micros;
 }
 
 /// Adds one roll-up to another.
@@ -323,6 +324,7 @@ pub fn merge(into: &mut UsageRollup, from: &UsageRollup) {
     into.latency_ms_sum += from.latency_ms_sum;
     into.prompt_ms += from.prompt_ms;
     into.generation_ms += from.generation_ms;
+    into.cost_micros += from.cost_micros;
 }
 
 #[cfg(test)]

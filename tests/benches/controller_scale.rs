@@ -496,6 +496,7 @@ fn node_status(index: usize) -> NodeStatus {
         started_unix_ms: 1,
         proxy_http2: true,
         proxy_credential_per_node: true,
+        gpu_hour_price: 0.0,
         moves: None,
     }
 }

@@ -40,9 +40,15 @@ pub struct Tenant {
     pub gpu_ms: [u64; HOURS],
     pub requests: u64,
     pub tokens: u64,
+    /// That time at its nodes' prices, in millionths (0: none priced).
+    pub cost_micros: u64,
 }
 
 impl Tenant {
+    fn named(name: String) -> Tenant {
+        Tenant { name, gpu_ms: [0; HOURS], requests: 0, tokens: 0, cost_micros: 0 }
+    }
+
     fn gpu_ms_total(&self) -> u64 {
         self.gpu_ms.iter().sum()
     }
@@ -67,25 +73,22 @@ impl TenantUsage {
                 _ if key.key_id.is_empty() => "-".to_string(),
                 _ => key.key_id.clone(),
             };
-            let tenant = by_name.entry(name.clone()).or_insert_with(|| Tenant {
-                name,
-                gpu_ms: [0; HOURS],
-                requests: 0,
-                tokens: 0,
-            });
+            let tenant = by_name.entry(name.clone()).or_insert_with(|| Tenant::named(name));
             tenant.gpu_ms[at] += usage.prompt_ms.saturating_add(usage.generation_ms);
             tenant.requests += usage.requests;
             tenant.tokens += usage.prompt_tokens.saturating_add(usage.completion_tokens);
+            tenant.cost_micros += usage.cost_micros;
         }
         let mut tenants: Vec<Tenant> = by_name.into_values().collect();
         tenants.sort_by(|a, b| b.gpu_ms_total().cmp(&a.gpu_ms_total()).then_with(|| a.name.cmp(&b.name)));
         if tenants.len() > TENANTS_SHOWN {
             let rest = tenants.split_off(TENANTS_SHOWN - 1);
-            let mut others = Tenant { name: OTHERS.to_string(), gpu_ms: [0; HOURS], requests: 0, tokens: 0 };
+            let mut others = Tenant::named(OTHERS.to_string());
             for tenant in rest {
                 others.gpu_ms.iter_mut().zip(tenant.gpu_ms).for_each(|(sum, ms)| *sum += ms);
                 others.requests += tenant.requests;
                 others.tokens += tenant.tokens;
+                others.cost_micros += tenant.cost_micros;
             }
             tenants.push(others);
         }
@@ -104,6 +107,7 @@ impl TenantUsage {
                     "gpu_ms_total": t.gpu_ms_total(),
                     "requests": t.requests,
                     "tokens": t.tokens,
+                    "cost_micros": t.cost_micros,
                 })
             })
             .collect();

@@ -103,6 +103,7 @@ pub fn decode_live(
         let or = |value: Option<f64>, default: f64| value.filter(|v| *v > 0.0).unwrap_or(default);
         let admission_threshold = or(own.map(|p| p.admission_threshold), policy.admission_threshold);
         let hard_limit = or(own.map(|p| p.hard_limit), policy.hard_limit);
+        let gpu_hour_price = gpu_hour_price(status.gpu_hour_price);
         let mut backends = Vec::with_capacity(status.backends.len());
         let mut backend_of_load = Vec::new();
         for (backend_index, backend) in status.backends.iter().enumerate() {
@@ -147,7 +148,7 @@ pub fn decode_live(
                 requests_deferred: load.requests_deferred,
                 in_flight: load.in_flight,
                 load_unknown: load.load_unknown,
-                rates: crate::snapshot::Rates { prefill_tokens_per_second, decode_tokens_per_second },
+                rates: crate::snapshot::Rates { prefill_tokens_per_second, decode_tokens_per_second, gpu_hour_price },
             };
             let slot_group = slot_group(&backend.slot_fingerprint).unwrap_or(0);
             let service_seconds = match load.service_ms {
@@ -322,6 +323,14 @@ fn fill_rates(placements: &mut [Placement]) {
         fastest = prefill;
     }
     placements.iter_mut().for_each(|p| p.fastest_prefill_tokens_per_second = fastest);
+}
+
+/// The most an hour of GPU time may be priced at: an agent's figure past it
+/// (or not a number) prices nothing.
+const MAX_GPU_HOUR_PRICE: f64 = 1e6;
+
+fn gpu_hour_price(reported: f64) -> f64 {
+    if reported.is_finite() && (0.0..=MAX_GPU_HOUR_PRICE).contains(&reported) { reported } else { 0.0 }
 }
 
 #[cfg(test)]

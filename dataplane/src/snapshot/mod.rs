@@ -199,11 +199,13 @@ impl BackendView {
 }
 
 /// What a backend reads prompts and generates at, in tokens a second, as
-/// its agent reports them; 0: not known.
+/// its agent reports them (0: not known), and what its GPU time costs.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Rates {
     pub prefill_tokens_per_second: f64,
     pub decode_tokens_per_second: f64,
+    /// What an hour of its node's GPU time costs (0: not priced).
+    pub gpu_hour_price: f64,
 }
 
 /// Rates assumed where a backend has reported none yet (and no other

@@ -171,6 +171,35 @@ async fn each_tenant_s_gpu_time_is_rolled_up_and_charted_on_the_dashboard() {
 }
 
 #[tokio::test]
+async fn a_priced_node_s_gpu_time_is_billed_at_its_price() {
+    let etcd = inferyes_tests::etcd::Etcd::start().await;
+    let controller = ControllerHandle::start(&etcd.endpoint(), "controller-1").await;
+    let sim = inferyes_tests::fleet::SimHandle::start(inferyes_sim::SimConfig {
+        decode_tokens_per_second: 200.0,
+        ..chat_sim("chat")
+    })
+    .await;
+    // 3.6 an hour: a millionth a millisecond.
+    let _agent = inferyes_tests::fleet::AgentHandle::start_tweaked(
+        "node-a",
+        &[controller.url()],
+        inferyes_agent::config::GpuSourceConfig::Simulated,
+        inferyes_tests::fleet::sim_backends(&[("main", &sim)]),
+        |config| config.gpu_hour_price = 3.6,
+    )
+    .await;
+    let dataplane = DataplaneHandle::start_with(&[controller.url()], |c| c.usage_records = true).await;
+    dataplane.wait_for_nodes(&["node-a"]).await;
+    let http = HttpClient::default();
+    for (i, stream) in [false, true].into_iter().enumerate() {
+        ask(&http, &dataplane.url, None, stream, &format!("priced {i}")).await;
+    }
+    let total = rolled_up(&controller, "", 2).await;
+    assert!(total.generation_ms >= 2 * 25, "{total:?}");
+    assert_eq!(total.cost_micros, total.prompt_ms + total.generation_ms, "{total:?}");
+}
+
+#[tokio::test]
 async fn a_resent_batch_is_counted_once() {
     let fleet = Fleet::start(vec![chat_sim("chat")]).await;
     let batch = UsageBatch {
