@@ -16,5 +16,8 @@ llama=$("$root/scripts/llama-server.sh")
 gguf=$("$root/scripts/real-model.sh")
 venv=$("$root/scripts/venv.sh")
 
-cargo build --bins --locked --quiet
+# With the examples, the dev-dependencies' features count as they do for
+# the tests (criterion turns on serde's `alloc`): the binaries then link
+# against the libraries the test build made, not a second build of them.
+cargo build --workspace --bins --examples --locked --quiet
 INFERYES_LLAMA_SERVER="$llama" INFERYES_REAL_MODEL="$gguf" "$venv/bin/python" -m pytest -p no:cacheprovider -q tests/e2e tests/deploy "$@"

@@ -45,10 +45,13 @@ else
 fi
 
 echo "building ($profile)..." >&2
+# The examples too: with them the dev-dependencies' features count as for
+# the tests (criterion turns on serde's `alloc`), so a debug fleet links
+# against the libraries a test build made rather than building them again.
 if [ "$profile" = release ]; then
-  cargo build --release --bins -q
+  cargo build --release --workspace --bins --examples -q
 else
-  cargo build --bins -q
+  cargo build --workspace --bins --examples -q
 fi
 bin="${CARGO_TARGET_DIR:-$root/target}/$profile"
 

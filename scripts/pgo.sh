@@ -59,8 +59,9 @@ cargo_packages=()
 for package in "${optimised[@]}"; do cargo_packages+=(-p "inferyes-$package"); done
 
 echo "== plain release build (controller, ctl, the simulator, the load)" >&2
-cargo build --release --bins --locked -q
-cargo build --release --locked -q -p inferyes-net --example load
+# One build: an example alone would resolve the dev-dependencies' features
+# and build every library again.
+cargo build --release --bins --example load --locked -q
 plain=$target/release
 
 echo "== instrumented build: ${optimised[*]}" >&2
