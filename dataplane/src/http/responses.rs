@@ -6,16 +6,22 @@
 //! as it opens. Without them the OpenAI SDK's `responses.stream()` fails
 //! with a `TypeError` on the first content event.
 //!
-//! A field the server sent is kept, and counting goes on from it: a server
-//! that sends them all passes through unchanged. Events are read whole,
-//! one at a time, and go on as soon as they are whole.
+//! A field the server sent is kept, and counting goes on from it; the
+//! missing ones are written ahead of the server's, whose bytes go on as
+//! they came (an event that lacks nothing passes through unchanged).
+//! Events are read whole, one at a time, and go on as soon as they are
+//! whole; the last ones carry the whole answer's text, so an event may be
+//! long.
 
 use bytes::Bytes;
 use serde_json::{Map, Value};
 
+/// The longest event read whole: a Responses stream's last events each
+/// carry the whole answer. A longer one goes on as it is.
+const MAX_EVENT: usize = 4 << 20;
+
 /// Counts a Responses stream's events and output, and fills in what its
 /// events leave out.
-#[derive(Default)]
 pub(crate) struct EventFields {
     events: super::sse::Events,
     /// The next event's sequence number.
@@ -26,6 +32,12 @@ pub(crate) struct EventFields {
     items: u64,
     /// The open item's content parts opened so far.
     parts: u64,
+}
+
+impl Default for EventFields {
+    fn default() -> EventFields {
+        EventFields { events: super::sse::Events::with_limit(MAX_EVENT), sequence: 0, item: None, items: 0, parts: 0 }
+    }
 }
 
 impl EventFields {
@@ -44,35 +56,71 @@ impl EventFields {
         (!self.events.is_empty()).then(|| self.events.take_rest())
     }
 
-    /// Writes `event` to `out`, its JSON data filled in; an event without
-    /// one (a comment) or whose data is not a JSON object goes as it is.
+    /// Writes `event` to `out`, the fields its JSON data lacks written
+    /// ahead of its own; an event without one (a comment) or whose data is
+    /// not a JSON object goes as it is.
     fn fill(&mut self, event: &[u8], out: &mut Vec<u8>) {
         let Some((start, end)) = data_line(event) else {
             out.extend_from_slice(event);
             return;
         };
-        let Ok(Value::Object(mut fields)) = serde_json::from_slice::<Value>(&event[start..end]) else {
+        let json = &event[start..end];
+        let Ok(Value::Object(mut fields)) = serde_json::from_slice::<Value>(json) else {
             out.extend_from_slice(event);
             return;
         };
-        self.fill_fields(&mut fields);
-        out.extend_from_slice(&event[..start]);
-        // A map of values serializes infallibly.
-        let _ = serde_json::to_writer(&mut *out, &fields);
-        out.extend_from_slice(&event[end..]);
+        let missing = self.missing(&fields);
+        if let Some(Value::Object(response)) = fields.get_mut("response")
+            && missing.response_output
+        {
+            // The opening response, small: written anew with its list.
+            response.insert("output".into(), Value::Array(Vec::new()));
+            for (key, value) in missing.fields {
+                fields.insert(key.into(), value);
+            }
+            out.extend_from_slice(&event[..start]);
+            // A map of values serializes infallibly.
+            let _ = serde_json::to_writer(&mut *out, &fields);
+            out.extend_from_slice(&event[end..]);
+            return;
+        }
+        let Some(open) = json.iter().position(|b| *b == b'{') else {
+            out.extend_from_slice(event);
+            return;
+        };
+        out.extend_from_slice(&event[..start + open + 1]);
+        let empty = fields.is_empty();
+        for (i, (key, value)) in missing.fields.iter().enumerate() {
+            if i > 0 {
+                out.push(b',');
+            }
+            let _ = serde_json::to_writer(&mut *out, key);
+            out.push(b':');
+            let _ = serde_json::to_writer(&mut *out, value);
+        }
+        if !missing.fields.is_empty() && !empty {
+            out.push(b',');
+        }
+        out.extend_from_slice(&event[start + open + 1..]);
     }
 
-    fn fill_fields(&mut self, fields: &mut Map<String, Value>) {
-        let kind = fields.get("type").and_then(Value::as_str).unwrap_or_default().to_string();
-        let sequence = fields.entry("sequence_number").or_insert(Value::from(self.sequence));
-        self.sequence = sequence.as_u64().unwrap_or(self.sequence).saturating_add(1);
-
-        match kind.as_str() {
+    /// What `fields`, the next event's, lacks; the counts moved on past it.
+    fn missing(&mut self, fields: &Map<String, Value>) -> Missing {
+        let mut missing = Missing::default();
+        let kind = fields.get("type").and_then(Value::as_str).unwrap_or_default();
+        match fields.get("sequence_number").and_then(Value::as_u64) {
+            Some(given) => self.sequence = given.saturating_add(1),
+            None => {
+                missing.fields.push(("sequence_number", Value::from(self.sequence)));
+                self.sequence = self.sequence.saturating_add(1);
+            }
+        }
+        match kind {
             "response.created" | "response.in_progress" | "response.queued" => {
-                if let Some(Value::Object(response)) = fields.get_mut("response") {
-                    response.entry("output").or_insert_with(|| Value::Array(Vec::new()));
-                }
-                return;
+                missing.response_output = fields
+                    .get("response")
+                    .is_some_and(|response| response.is_object() && response.get("output").is_none());
+                return missing;
             }
             "response.output_item.added" => {
                 let index = fields.get("output_index").and_then(Value::as_u64).unwrap_or(self.items);
@@ -83,19 +131,26 @@ impl EventFields {
             }
             _ => {}
         }
-        // Events about the response as a whole carry no item.
-        if !is_about_an_item(&kind) {
-            return;
+        if matches!(kind, "response.output_text.delta" | "response.output_text.done")
+            && !fields.contains_key("logprobs")
+        {
+            missing.fields.push(("logprobs", Value::Array(Vec::new())));
         }
-        let Some((index, id)) = &self.item else { return };
-        fields.entry("output_index").or_insert(Value::from(*index));
-        if kind != "response.output_item.added"
-            && kind != "response.output_item.done"
+        // Events about the response as a whole carry no item.
+        if !is_about_an_item(kind) {
+            return missing;
+        }
+        let Some((index, id)) = &self.item else { return missing };
+        if !fields.contains_key("output_index") {
+            missing.fields.push(("output_index", Value::from(*index)));
+        }
+        if !kind.starts_with("response.output_item.")
+            && !fields.contains_key("item_id")
             && let Some(id) = id
         {
-            fields.entry("item_id").or_insert_with(|| Value::from(id.as_str()));
+            missing.fields.push(("item_id", Value::from(id.as_str())));
         }
-        if is_about_a_part(&kind) {
+        if is_about_a_part(kind) {
             let part = if kind == "response.content_part.added" {
                 let part = fields.get("content_index").and_then(Value::as_u64).unwrap_or(self.parts);
                 self.parts = part.saturating_add(1);
@@ -103,12 +158,20 @@ impl EventFields {
             } else {
                 self.parts.saturating_sub(1)
             };
-            fields.entry("content_index").or_insert(Value::from(part));
+            if !fields.contains_key("content_index") {
+                missing.fields.push(("content_index", Value::from(part)));
+            }
         }
-        if kind.starts_with("response.output_text.") {
-            fields.entry("logprobs").or_insert_with(|| Value::Array(Vec::new()));
-        }
+        missing
     }
+}
+
+/// The fields an event lacks, in the order they are written.
+#[derive(Default)]
+struct Missing {
+    fields: Vec<(&'static str, Value)>,
+    /// An opening response without its `output` list.
+    response_output: bool,
 }
 
 /// Where the JSON of an event's `data:` line starts and ends.
@@ -244,6 +307,55 @@ mod tests {
         assert_eq!((events[1]["output_index"].as_u64(), events[2]["item_id"].as_str()), (Some(3), Some("other")));
         assert_eq!((events[3]["output_index"].as_u64(), events[3]["content_index"].as_u64()), (Some(3), Some(2)));
         assert_eq!(events[3]["item_id"], "m");
+    }
+
+    #[test]
+    fn the_server_s_bytes_go_on_as_they_came_behind_what_is_added() {
+        let server = r#""type":"response.output_text.delta","item_id":"m","delta":"1.50e2 \u00e9"}"#;
+        let out = EventFields::default().push(event("response.output_text.delta", &format!("{{{server}")).as_bytes());
+        let expected =
+            format!("event: response.output_text.delta\ndata: {{\"sequence_number\":0,\"logprobs\":[],{server}\n\n");
+        assert_eq!(String::from_utf8_lossy(&out.unwrap()), expected);
+        // Nothing missing, nothing changed.
+        let whole = event(
+            "response.output_text.delta",
+            r#"{"sequence_number":0,"type":"response.output_text.delta","logprobs":[]}"#,
+        );
+        assert_eq!(EventFields::default().push(whole.as_bytes()).unwrap(), whole.as_bytes());
+        let empty = event("x", "{}");
+        assert_eq!(
+            EventFields::default().push(empty.as_bytes()).unwrap(),
+            event("x", r#"{"sequence_number":0}"#).as_bytes()
+        );
+    }
+
+    #[test]
+    fn the_last_events_are_filled_however_long_the_answer() {
+        let text = "word ".repeat(40_000);
+        let stream = [
+            event(
+                "response.output_item.added",
+                r#"{"type":"response.output_item.added","item":{"id":"msg_1","type":"message"}}"#,
+            ),
+            event("response.content_part.added", r#"{"type":"response.content_part.added","item_id":"msg_1"}"#),
+            event(
+                "response.output_text.done",
+                &format!(r#"{{"type":"response.output_text.done","item_id":"msg_1","text":"{text}"}}"#),
+            ),
+        ]
+        .concat();
+        let mut fields = EventFields::default();
+        let mut out = Vec::new();
+        for chunk in stream.as_bytes().chunks(16 * 1024) {
+            if let Some(bytes) = fields.push(chunk) {
+                out.extend_from_slice(&bytes);
+            }
+        }
+        let events = data_of(&out);
+        assert_eq!(events.len(), 3);
+        assert_eq!((events[2]["output_index"].as_u64(), events[2]["content_index"].as_u64()), (Some(0), Some(0)));
+        assert_eq!(events[2]["sequence_number"], 2);
+        assert_eq!(events[2]["text"].as_str().map(str::len), Some(text.len()));
     }
 
     #[test]

@@ -35,13 +35,25 @@ const MAX_PENDING: usize = 64 * 1024;
 
 /// Frames in, whole events (each ending in its blank line) out; a partial
 /// event waits for the rest.
-#[derive(Default)]
 pub struct Events {
     /// A partial event: searched already, with no end in it.
     pending: Vec<u8>,
+    /// The most of one event held: past it, it goes on as it is.
+    limit: usize,
+}
+
+impl Default for Events {
+    fn default() -> Events {
+        Events::with_limit(MAX_PENDING)
+    }
 }
 
 impl Events {
+    /// Events held whole up to `limit` bytes each.
+    pub fn with_limit(limit: usize) -> Events {
+        Events { pending: Vec::new(), limit }
+    }
+
     pub fn push(&mut self, data: &[u8]) -> Vec<Bytes> {
         let whole = self.fill(data);
         let mut events = Vec::new();
@@ -85,7 +97,7 @@ impl Events {
         let from = resume_at(self.pending.len(), 0);
         self.pending.extend_from_slice(data);
         let mut whole = event_ends(&self.pending, from).last().unwrap_or(0);
-        if self.pending.len() - whole > MAX_PENDING {
+        if self.pending.len() - whole > self.limit {
             whole = self.pending.len();
         }
         whole
