@@ -303,7 +303,29 @@ impl Ticket {
             }
         })
     }
+
+    /// What resolves once the connection is no stranger's any more (its
+    /// peer was vouched for, or its place given up), looked at every
+    /// [`PROMOTED_CHECK`]; `None` for a connection that was never one.
+    pub fn promoted(&self) -> Option<impl Future<Output = ()> + Send + 'static> {
+        let place = Arc::clone(self.place.as_ref()?);
+        let admission = Arc::clone(&self.admission);
+        Some(async move {
+            let mut every = tokio::time::interval(PROMOTED_CHECK);
+            every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                every.tick().await;
+                if !admission.lock().counts(&place) {
+                    return;
+                }
+            }
+        })
+    }
 }
+
+/// How often a stranger's connection that would be offered more as a
+/// member's looks whether it has become one.
+const PROMOTED_CHECK: Duration = Duration::from_secs(1);
 
 impl Drop for Ticket {
     fn drop(&mut self) {

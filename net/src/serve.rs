@@ -514,6 +514,15 @@ where
             let draining = draining.clone();
             let watched = (activity, first_byte_timeout, draining.clone());
             let stranger = ticket.as_ref().is_some_and(Ticket::is_stranger);
+            // A stranger's HTTP/2 connection offered fewer streams than a
+            // member's is asked to go (GOAWAY, its streams finished) once
+            // its peer proves a credential: its next connection is a
+            // member's, with every stream a member is offered.
+            let promoted = ticket
+                .as_ref()
+                .filter(|_| stranger && self.http2_streams > DEFAULT_HTTP2_STREAMS)
+                .and_then(Ticket::promoted)
+                .map(|promoted| Box::pin(promoted) as Promoted);
             connections.spawn(async move {
                 let served = async move {
                     let (http1, members, strangers) = &*builders;
@@ -530,7 +539,8 @@ where
                             };
                             let builder = if version == Sniffed::Http2 { http2 } else { http1 };
                             let connection = builder.serve_connection(TokioIo::new(tcp), service);
-                            serve_watched(connection.into_owned(), watched).await;
+                            let promoted = promoted.filter(|_| version == Sniffed::Http2);
+                            serve_watched(connection.into_owned(), watched, promoted).await;
                         }
                         Some(acceptor) => {
                             let handshake = tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp));
@@ -543,7 +553,7 @@ where
                                     let h2 = tls.get_ref().1.alpn_protocol() == Some(b"h2");
                                     let builder = if h2 { http2 } else { http1 };
                                     let connection = builder.serve_connection(TokioIo::new(tls), service);
-                                    serve_watched(connection.into_owned(), watched).await;
+                                    serve_watched(connection.into_owned(), watched, promoted.filter(|_| h2)).await;
                                 }
                                 Ok(Err(error)) => tracing::debug!(%error, %peer, "TLS handshake failed"),
                                 Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
@@ -582,23 +592,41 @@ where
 /// cut, where its client takes nothing; else gracefully, its requests in
 /// flight answered (HTTP/1.1 closes after the answer under way, HTTP/2
 /// sends a GOAWAY), and watched until it is done.
-async fn serve_watched<C>(connection: C, (activity, period, draining): (Arc<Activity>, Duration, CancellationToken))
-where
+async fn serve_watched<C>(
+    connection: C,
+    (activity, period, draining): (Arc<Activity>, Duration, CancellationToken),
+    promoted: Option<Promoted>,
+) where
     C: Future + GracefulConnection,
 {
     let signal = Arc::new(Signal::default());
-    let watcher = tokio::spawn(watch(activity, Arc::clone(&signal), period, draining));
+    let watcher = tokio::spawn(watch(activity, Arc::clone(&signal), period, draining, promoted));
     let _stop_watching = tokio_util::task::AbortOnDropHandle::new(watcher);
     Watched { connection, signal, closing: false }.await;
 }
 
+/// A stranger's connection that is to close gracefully once it is no
+/// stranger's.
+type Promoted = std::pin::Pin<Box<dyn Future<Output = ()> + Send>>;
+
 /// Tells `signal` how the connection whose `activity` it watches is to
-/// close, once it is to.
-async fn watch(activity: Arc<Activity>, signal: Arc<Signal>, period: Duration, draining: CancellationToken) {
+/// close, once it is to: on shutdown, on `promoted`, gracefully.
+async fn watch(
+    activity: Arc<Activity>,
+    signal: Arc<Signal>,
+    period: Duration,
+    draining: CancellationToken,
+    promoted: Option<Promoted>,
+) {
     let mut closing = false;
+    let mut promoted = promoted.unwrap_or_else(|| Box::pin(std::future::pending()));
     loop {
         let close = tokio::select! {
             () = draining.cancelled(), if !closing => Close::Gracefully,
+            () = &mut promoted, if !closing => {
+                tracing::debug!("a stranger's HTTP/2 connection proved a credential; asked to go for a member's");
+                Close::Gracefully
+            }
             close = activity.watch(period) => close,
         };
         match close {

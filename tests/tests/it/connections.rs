@@ -140,25 +140,34 @@ async fn silent_strangers_cost_an_agent_a_bounded_share_and_its_data_planes_are_
     agent.stop().await;
 }
 
-/// The concurrent streams an HTTP/2 server at `address` offers a client
-/// from `source`: its first SETTINGS frame's `MAX_CONCURRENT_STREAMS`
-/// (`None`: no limit said).
-async fn offered_streams(source: &str, address: SocketAddr) -> Option<u32> {
+/// An HTTP/2 connection to `address` from `source`, its preface sent,
+/// and the concurrent streams the server offers it: its first SETTINGS
+/// frame's `MAX_CONCURRENT_STREAMS` (`None`: no limit said).
+async fn http2(source: &str, address: SocketAddr) -> (TcpStream, Option<u32>) {
     let [mut stream] = <[TcpStream; 1]>::try_from(hold(source, address, 1, b"").await).expect("one connection");
     // The client's preface, and its (empty) SETTINGS frame.
     stream.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0").await.expect("sent");
-    let mut head = [0u8; 9];
-    tokio::time::timeout(Duration::from_secs(5), stream.read_exact(&mut head))
-        .await
-        .expect("in time")
-        .expect("a frame");
-    assert_eq!(head[3], 0x4, "the server's first frame is its SETTINGS");
-    let mut settings = vec![0u8; usize::from(head[2]) | usize::from(head[1]) << 8 | usize::from(head[0]) << 16];
-    stream.read_exact(&mut settings).await.expect("its settings");
-    settings
+    let (kind, settings) = frame(&mut stream).await.expect("a frame");
+    assert_eq!(kind, 0x4, "the server's first frame is its SETTINGS");
+    let offered = settings
         .chunks_exact(6)
         .find(|setting| setting[..2] == [0, 3])
-        .map(|setting| u32::from_be_bytes([setting[2], setting[3], setting[4], setting[5]]))
+        .map(|setting| u32::from_be_bytes([setting[2], setting[3], setting[4], setting[5]]));
+    (stream, offered)
+}
+
+/// The next HTTP/2 frame's type and payload; `None` once the connection
+/// is closed.
+async fn frame(stream: &mut TcpStream) -> Option<(u8, Vec<u8>)> {
+    let mut head = [0u8; 9];
+    tokio::time::timeout(Duration::from_secs(5), stream.read_exact(&mut head)).await.expect("in time").ok()?;
+    let mut payload = vec![0u8; usize::from(head[2]) | usize::from(head[1]) << 8 | usize::from(head[0]) << 16];
+    stream.read_exact(&mut payload).await.ok()?;
+    Some((head[3], payload))
+}
+
+async fn offered_streams(source: &str, address: SocketAddr) -> Option<u32> {
+    http2(source, address).await.1
 }
 
 #[tokio::test]
@@ -167,6 +176,10 @@ async fn an_agent_offers_a_stranger_a_few_hundred_streams_and_its_data_planes_mo
     let controller = ControllerHandle::start(&etcd.endpoint(), "controller-1").await;
     let sim = SimHandle::start(chat_sim("chat")).await;
     let agent = AgentHandle::start("node-a", &[controller.url()], &[("main", &sim)]).await;
+    // Opened before the data plane proves the fleet's credential for its
+    // address: a stranger's, and asked to go once the address is proved.
+    let (mut early, offered) = http2("127.0.0.1", agent.proxy_addr).await;
+    assert!(offered.is_some_and(|streams| streams <= 200), "a stranger is offered {offered:?} streams");
     let dataplane = DataplaneHandle::start(&[controller.url()]).await;
     dataplane.wait_for_nodes(&["node-a"]).await;
     // The data plane's first request proves the fleet's credential for
@@ -179,6 +192,18 @@ async fn an_agent_offers_a_stranger_a_few_hundred_streams_and_its_data_planes_mo
     assert!(offered.is_some_and(|streams| streams <= 200), "a stranger is offered {offered:?} streams");
     let offered = offered_streams("127.0.0.1", agent.proxy_addr).await;
     assert!(offered.is_some_and(|streams| streams > 1_000), "a data plane's address is offered {offered:?} streams");
+    // The early connection is sent a GOAWAY (within seconds: it is looked
+    // at every second), and its client opens a member's next.
+    let goaway = async {
+        loop {
+            match frame(&mut early).await {
+                Some((0x7, _)) => return true,
+                Some(_) => continue,
+                None => return false,
+            }
+        }
+    };
+    assert!(tokio::time::timeout(Duration::from_secs(10), goaway).await.expect("in time"), "a GOAWAY");
     agent.stop().await;
 }
 
