@@ -50,6 +50,9 @@ const BACKEND_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs
 /// [`Pool::send_replayable`]). A chat of a hundred thousand tokens is
 /// about half of it; a larger body streams through and is not sent again.
 const KEPT_BODY_LIMIT: u64 = 1 << 20;
+/// The most the proxy keeps of requests' bodies at once, all together:
+/// past it a body streams through, as a large one does.
+const KEPT_BYTES: usize = 256 << 20;
 
 /// A request's body on its way to a backend: kept whole, or streamed.
 type Upload = Either<Full<Bytes>, Incoming>;
@@ -64,6 +67,8 @@ struct Proxy {
     /// (the backends' GPUs are not open to whoever reaches this port).
     /// `None`: open.
     join_token: Option<inferyes_proto::bearer::Accepted>,
+    /// Bytes of bodies kept to be sent again, all workers together.
+    kept: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 /// The agent's metrics and the registry they are encoded from.
@@ -124,7 +129,7 @@ impl Service {
             read_timeout: BACKEND_READ_TIMEOUT,
             idle_limits: pool::IdleLimits::default(),
         });
-        let proxy = Proxy { state, client, scrape, join_token };
+        let proxy = Proxy { state, client, scrape, join_token, kept: Arc::default() };
         let router = Router::new().route(HEALTH, get(|| async { "ok\n" }));
         let (peer, vouched) = (std::net::Ipv4Addr::UNSPECIFIED.into(), Arc::default());
         Service { proxy, router, intake, carrier, admission, peer, vouched }
@@ -296,16 +301,23 @@ async fn forward_in_span(proxy: Proxy, request: Request<Incoming>) -> Response {
     let request_id = parts.headers.get(REQUEST_ID_HEADER).cloned();
     let mut guard = InFlight::enter(Arc::clone(&proxy.state), index);
     let started = Instant::now();
-    let sent = match kept(&parts.headers, body).await {
-        Ok(Either::Left(kept)) => {
+    // Sent again only to servers that stop a job whose connection closes:
+    // an upstream provider may have taken it.
+    let replays = handle.probe.kind != crate::config::BackendKind::Openai;
+    let keeping = if replays { Keeping::reserve(&proxy.kept, &parts.headers) } else { None };
+    let sent = match keeping {
+        Some(keeping) => {
+            let Ok(kept) = collect(body).await else {
+                // Its sender went away, or sent more than it said.
+                return error(ErrorKind::BadRequest, "the request's body did not arrive whole", "body_incomplete");
+            };
             let again = copy(&parts, kept.clone());
-            proxy.client.send_replayable(origin, Request::from_parts(parts, Either::Left(Full::new(kept))), again).await
+            let request = Request::from_parts(parts, Either::Left(Full::new(kept)));
+            let sent = proxy.client.send_replayable(origin, request, again).await;
+            drop(keeping);
+            sent
         }
-        Ok(Either::Right(streamed)) => {
-            proxy.client.send(origin, Request::from_parts(parts, Either::Right(streamed))).await
-        }
-        // The data plane went away while sending: nobody waits for this.
-        Err(_) => return error(ErrorKind::BadRequest, "the request's body broke off", "body_incomplete"),
+        None => proxy.client.send(origin, Request::from_parts(parts, Either::Right(body))).await,
     };
     match sent {
         Ok(response) => {
@@ -355,19 +367,38 @@ async fn forward_in_span(proxy: Proxy, request: Request<Incoming>) -> Response {
     }
 }
 
-/// The body whole, when it says it is small enough to keep; else as it
-/// comes.
-async fn kept(headers: &HeaderMap, body: Incoming) -> Result<Either<Bytes, Incoming>, inferyes_net::pool::BodyError> {
-    let length = headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
-    match length {
-        Some(length) if length <= KEPT_BODY_LIMIT => {
-            // hyper holds the body to its stated length; the limit only
-            // makes that plain here.
-            let limit = usize::try_from(KEPT_BODY_LIMIT).unwrap_or(usize::MAX);
-            Ok(Either::Left(Limited::new(body, limit).collect().await?.to_bytes()))
+/// A body's bytes held in the proxy's count of kept bodies, until dropped.
+struct Keeping {
+    kept: Arc<std::sync::atomic::AtomicUsize>,
+    bytes: usize,
+}
+
+impl Keeping {
+    /// Room for the body `headers` head, where it says it is small enough
+    /// to keep and the proxy keeps less than [`KEPT_BYTES`] now.
+    fn reserve(kept: &Arc<std::sync::atomic::AtomicUsize>, headers: &HeaderMap) -> Option<Keeping> {
+        let length = headers.get(header::CONTENT_LENGTH)?.to_str().ok()?.parse::<u64>().ok()?;
+        let bytes = usize::try_from(length).ok().filter(|_| length <= KEPT_BODY_LIMIT)?;
+        let taken = kept.fetch_add(bytes, Ordering::Relaxed);
+        if taken.saturating_add(bytes) > KEPT_BYTES {
+            kept.fetch_sub(bytes, Ordering::Relaxed);
+            return None;
         }
-        _ => Ok(Either::Right(body)),
+        Some(Keeping { kept: Arc::clone(kept), bytes })
     }
+}
+
+impl Drop for Keeping {
+    fn drop(&mut self) {
+        self.kept.fetch_sub(self.bytes, Ordering::Relaxed);
+    }
+}
+
+/// A body said to be at most [`KEPT_BODY_LIMIT`] long, whole. hyper holds
+/// it to its stated length; the limit makes that plain here.
+async fn collect(body: Incoming) -> Result<Bytes, inferyes_net::pool::BodyError> {
+    let limit = usize::try_from(KEPT_BODY_LIMIT).unwrap_or(usize::MAX);
+    Ok(Limited::new(body, limit).collect().await?.to_bytes())
 }
 
 /// A second request, the same as the one `parts` heads, with `body`.

@@ -101,6 +101,11 @@ impl std::error::Error for Error {
     }
 }
 
+/// How soon after its sending a request whose reused connection closed
+/// under it is sent again ([`Pool::send_replayable`]): an idle connection
+/// closed as the request went out is found closed within milliseconds.
+pub const REPLAY_WINDOW: Duration = Duration::from_secs(1);
+
 /// A send that failed, and whether on a connection that had served before.
 struct Failed {
     reused: bool,
@@ -295,22 +300,28 @@ where
     }
 
     /// [`Pool::send`], and `again` on a new connection when a reused one
-    /// closed after taking `request` and before any of its answer came.
+    /// closed after taking `request`, before any of its answer came and
+    /// within [`REPLAY_WINDOW`] of its sending.
     ///
     /// That is how an idle connection the upstream closes just as a request
     /// goes out on it fails once the request is written, and it is not rare:
     /// llama-server closes idle connections within a second once as many
     /// are open as it has HTTP threads (its slots and four). Only for
     /// upstreams that serve nothing of a request whose connection closes
-    /// before they answer, as llama-server stops such a job.
+    /// before they answer, as llama-server stops such a job; and only
+    /// soon after sending: a connection lost later (a server that crashed
+    /// on the request) is not given the request again.
     pub async fn send_replayable(
         &self,
         origin: &Origin,
         request: Request<B>,
         again: Request<B>,
     ) -> Result<Response<Incoming<B>>, Error> {
+        let sent = Instant::now();
         match self.send_on(origin, request, true).await {
-            Err(Failed { reused: true, error: Error::Http(error) }) if closed_under(&error) => {
+            Err(Failed { reused: true, error: Error::Http(error) })
+                if closed_under(&error) && sent.elapsed() < REPLAY_WINDOW =>
+            {
                 self.send_on(origin, again, false).await.map_err(|failed| failed.error)
             }
             sent => sent.map_err(|failed| failed.error),
