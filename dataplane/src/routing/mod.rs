@@ -772,10 +772,16 @@ pub fn select(snapshot: &RoutingSnapshot, local: &impl Local, request: &RouteReq
     }
     if !any_fitting {
         // The estimate is only that, and no request is refused for one: a
-        // prompt it says fits nowhere goes where the window is largest, and
-        // the server, which counts with the model's own tokenizer, says
-        // whether it fits.
-        return select(snapshot, local, &RouteRequest { prompt_tokens: largest_window, ..*request });
+        // prompt it says fits nowhere goes where the window is largest of
+        // the nodes that can take it now (else of all), and the server,
+        // which counts with the model's own tokenizer, says whether it fits.
+        let usable = placements
+            .iter()
+            .filter(|p| capable(p) && matches!(seen.class_of(p, home), Class::Resident | Class::Warm | Class::Cold))
+            .map(|p| p.context_window)
+            .max();
+        let prompt_tokens = usable.unwrap_or(largest_window);
+        return select(snapshot, local, &RouteRequest { prompt_tokens, ..*request });
     }
     let bound = session_key.map(|_| cost::load_bound(snapshot.policy().load_bound, warm_load, warm_count));
     if let (Some(key), Some(bound)) = (session_key, bound) {

@@ -760,6 +760,14 @@ fn a_prompt_estimated_past_every_window_goes_to_the_largest_to_be_counted_there(
     let route = select(&s, &Idle, &RouteRequest { prompt_tokens: 5000, ..chat(None) }).unwrap();
     assert_eq!(nodes(&s, &route), ["large-idle", "large"]);
     assert_eq!(route.costs_at(0).map(|terms| terms.prompt_tokens), Some(4096));
+    // The largest window of a node that cannot take it now is no reason to
+    // wait: the largest that can counts.
+    let s = snapshot(&[
+        Spec { context: 4096, ..spec("ready") },
+        Spec { context: 8192, health: Health::Down, ..spec("down") },
+    ]);
+    let route = select(&s, &Idle, &RouteRequest { prompt_tokens: 9000, ..chat(None) }).unwrap();
+    assert_eq!(nodes(&s, &route), ["ready"]);
 }
 
 #[test]
