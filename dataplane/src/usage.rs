@@ -690,7 +690,14 @@ impl MeterInner {
             at_end(self.served.get(), ttft);
         }
         let sent = *self.sent.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some((_, rates)) = sent {
+        if let Some((at, rates)) = sent {
+            // A node that said nothing of its time (its answer cut short, an
+            // API without timings) was worked from when it was sent: a
+            // client cannot leave before the end to use it for nothing. A
+            // refusal worked it for nothing.
+            if record.prompt_ms == 0 && record.generation_ms == 0 && outcome != Outcome::Error {
+                record.generation_ms = u64::from(millis(at.elapsed()));
+            }
             record.cost_micros =
                 cost_micros(record.prompt_ms.saturating_add(record.generation_ms), rates.gpu_hour_price);
         }

@@ -284,18 +284,16 @@ pub fn parse_backend_time(tail: &[u8]) -> Option<BackendTime> {
 static TIMINGS: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
     std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"\"timings\":"));
 
-/// The whole milliseconds after the last `prompt_ms` and `predicted_ms`
-/// keys of `object` (llama-server writes them with decimals).
+/// The milliseconds after the last `prompt_ms` and `predicted_ms` keys of
+/// `object`, rounded (llama-server writes them with decimals).
 fn timing_numbers(object: &[u8]) -> [Option<u32>; 2] {
     [&b"\"prompt_ms\":"[..], b"\"predicted_ms\":"].map(|key| {
         let at = memchr::memmem::find_iter(object, key).last()?;
-        let rest = &object[at + key.len()..];
-        let whole = number(rest)?;
-        // Rounded by the first decimal.
-        let text = rest.trim_ascii_start();
-        let decimals = &text[text.iter().take_while(|b| b.is_ascii_digit()).count()..];
-        let up = decimals.first() == Some(&b'.') && decimals.get(1).is_some_and(|d| (b'5'..=b'9').contains(d));
-        Some(whole.saturating_add(u32::from(up)))
+        let text = object[at + key.len()..].trim_ascii_start();
+        let end = text.iter().position(|b| !matches!(b, b'0'..=b'9' | b'.' | b'e' | b'E' | b'+' | b'-'));
+        let ms: f64 = std::str::from_utf8(&text[..end.unwrap_or(text.len())]).ok()?.parse().ok()?;
+        // Saturates past u32 (and a negative or not-a-number is none).
+        (ms.is_finite() && ms >= 0.0).then(|| ms.round() as u32)
     })
 }
 
@@ -339,6 +337,8 @@ mod tests {
         assert_eq!(parse_backend_time(stream), Some(BackendTime { prompt_ms: 1200, generation_ms: 7 }));
         assert_eq!(parse_backend_time(br#"{"usage":{"prompt_tokens":3}}"#), None);
         assert_eq!(parse_backend_time(br#"{"timings":{"cache_n":3}}"#), None);
+        let tiny = br#"{"timings":{"prompt_ms":1.5e-05,"predicted_ms":2.5e3}}"#;
+        assert_eq!(parse_backend_time(tiny), Some(BackendTime { prompt_ms: 0, generation_ms: 2_500 }));
     }
 
     #[test]

@@ -578,9 +578,11 @@ impl Streaming {
             let continued = self.continuing.as_ref().is_some_and(|continuing| continuing.continued);
             let usage =
                 if continued { None } else { meter.usage(self.head.as_deref().unwrap_or_default(), &self.tail) };
-            // A continued answer's time is the last node's part only; the
-            // first node's is not known.
-            meter.timed(&self.tail);
+            // A continued answer's timings are the last node's part only: its
+            // nodes' time is counted from when it was first sent.
+            if !continued {
+                meter.timed(&self.tail);
+            }
             meter.finish(status, outcome, usage);
         }
     }
