@@ -574,12 +574,17 @@ fn gpu_seconds(usage: &inferyes_proto::v1::UsageRollup) -> String {
 }
 
 /// The report summed per hour, tenant and model: the keys of a tenant
-/// together, a key without one as a tenant of its own (named by the key).
+/// together, a key without one as a tenant of its own (`key:<id>`, a name
+/// no tenant can have), use without a key as `(no key)`.
 pub fn by_tenant(report: UsageReport) -> UsageReport {
     let mut sums: std::collections::BTreeMap<(u64, String, String), inferyes_proto::v1::UsageRollup> =
         std::collections::BTreeMap::new();
     for row in report.rows {
-        let tenant = if row.tenant.is_empty() { row.key_id } else { row.tenant };
+        let tenant = match (row.tenant.is_empty(), row.key_id.is_empty()) {
+            (false, _) => row.tenant,
+            (true, false) => format!("key:{}", row.key_id),
+            (true, true) => "(no key)".to_string(),
+        };
         let sum = sums.entry((row.hour_unix_ms, tenant, row.model)).or_default();
         inferyes_proto::usage::merge(sum, &row.usage.unwrap_or_default());
     }
@@ -1076,7 +1081,7 @@ mod tests {
                 (row.tenant.as_str(), usage.requests, usage.prompt_ms + usage.generation_ms)
             })
             .collect();
-        assert_eq!(tenants, [("k3", 4, 5_800), ("team-a", 5, 7_250)]);
+        assert_eq!(tenants, [("key:k3", 4, 5_800), ("team-a", 5, 7_250)]);
         assert!(report.rows.iter().all(|row| row.key_id.is_empty()));
     }
 

@@ -16,11 +16,16 @@ use crate::store::EtcdStore;
 pub const HOURS: usize = 24;
 /// Tenants charted, the most GPU time first; the rest are summed as one.
 pub const TENANTS_SHOWN: usize = 8;
-/// The name the rest go under.
+/// The names the rest go under, and use without a key (auth off): no
+/// tenant can be named so (a tenant's name is of `A-Z a-z 0-9 . _ -`),
+/// nor `key:<id>`, the name of a key without a tenant.
 pub const OTHERS: &str = "(others)";
-/// How often the roll-ups are read: data planes send usage every second,
-/// the ledger rolls it up as it comes.
+pub const NO_KEY: &str = "(no key)";
+/// How often the current hour's roll-ups are read: data planes send usage
+/// every second, the ledger rolls it up as it comes.
 const READ_EVERY: Duration = Duration::from_secs(5);
+/// How often the hours before it are read again (late batches).
+const READ_PAST_EVERY: Duration = Duration::from_secs(300);
 const HOUR_MS: u64 = 3_600_000;
 
 /// Each tenant's use, hour by hour.
@@ -33,8 +38,8 @@ pub struct TenantUsage {
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Tenant {
-    /// The tenant; a key without one is a tenant of its own, named by the
-    /// key; `-` is use without a key (auth off).
+    /// The tenant; a key without one is a tenant of its own, `key:<id>`;
+    /// [`NO_KEY`] is use without a key (auth off).
     pub name: String,
     /// The backends' time on its requests each hour, in milliseconds.
     pub gpu_ms: [u64; HOURS],
@@ -70,8 +75,8 @@ impl TenantUsage {
             }
             let name = match tenant_of(&key.key_id) {
                 tenant if !tenant.is_empty() => tenant,
-                _ if key.key_id.is_empty() => "-".to_string(),
-                _ => key.key_id.clone(),
+                _ if key.key_id.is_empty() => NO_KEY.to_string(),
+                _ => format!("key:{}", key.key_id),
             };
             let tenant = by_name.entry(name.clone()).or_insert_with(|| Tenant::named(name));
             tenant.gpu_ms[at] += usage.prompt_ms.saturating_add(usage.generation_ms);
@@ -115,27 +120,50 @@ impl TenantUsage {
     }
 }
 
-/// Reads the last day's roll-ups every few seconds into `dashboard`'s
-/// usage, until shutdown. A failed read keeps what was read before.
+/// Reads the last day's roll-ups into `dashboard`'s usage until shutdown:
+/// the current hour's every few seconds, the hours before (which change
+/// only as late batches come) every few minutes and when the hour turns.
+/// A failed read keeps what was read before.
 pub async fn sample(dashboard: super::Dashboard, store: EtcdStore) {
     let mut every = tokio::time::interval(READ_EVERY);
     every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // The hours before the current one, and when (which hour, at what
+    // time) they were read.
+    let mut past: Vec<(String, UsageRollup)> = Vec::new();
+    let mut past_read: Option<(u64, tokio::time::Instant)> = None;
+    let mut warned: Option<tokio::time::Instant> = None;
     loop {
         tokio::select! {
             () = dashboard.shutdown.cancelled() => return,
             _ = every.tick() => {}
         }
         let now_ms = inferyes_proto::unix_ms();
-        let from = now_ms.saturating_sub((HOURS as u64 - 1) * HOUR_MS);
-        let rollups = match store.usage_rollups(&format!("hourly/{}", hour_of(from))).await {
-            Ok(rollups) => rollups,
+        let hour = now_ms / HOUR_MS;
+        let current = format!("hourly/{}", hour_of(hour * HOUR_MS));
+        let stale = past_read.is_none_or(|(read_hour, at)| read_hour != hour || at.elapsed() >= READ_PAST_EVERY);
+        let read = async {
+            if stale {
+                let from = format!("hourly/{}", hour_of(now_ms.saturating_sub((HOURS as u64 - 1) * HOUR_MS)));
+                let mut day = store.usage_rollups(&from).await?;
+                day.retain(|(suffix, _)| *suffix < current);
+                past = day;
+                past_read = Some((hour, tokio::time::Instant::now()));
+            }
+            store.usage_rollups(&current).await
+        };
+        let now = match read.await {
+            Ok(now) => now,
             Err(error) => {
-                tracing::debug!(%error, "usage roll-ups not read for the dashboard");
+                if warned.is_none_or(|at| at.elapsed() >= Duration::from_secs(60)) {
+                    tracing::warn!(%error, "the dashboard's usage chart was not read; it shows what was read before");
+                    warned = Some(tokio::time::Instant::now());
+                }
                 continue;
             }
         };
         let Some(snapshot) = dashboard.snapshots.borrow().clone() else { continue };
         let tenant_of = |key_id: &str| snapshot.api_key(key_id).map(|key| key.tenant.clone()).unwrap_or_default();
+        let rollups: Vec<(String, UsageRollup)> = past.iter().cloned().chain(now).collect();
         let usage = TenantUsage::of(&rollups, tenant_of, now_ms);
         *dashboard.usage.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = usage;
     }
@@ -174,7 +202,7 @@ mod tests {
         assert_eq!(usage.first_hour_ms, 77 * HOUR_MS);
         let names: Vec<(&str, u64, u64)> =
             usage.tenants.iter().map(|t| (t.name.as_str(), t.gpu_ms_total(), t.requests)).collect();
-        assert_eq!(names, [("b1", 9_000, 1), ("team-a", 7_000, 3), ("-", 500, 1)]);
+        assert_eq!(names, [("key:b1", 9_000, 1), ("team-a", 7_000, 3), (NO_KEY, 500, 1)]);
         let team = &usage.tenants[1];
         assert_eq!((team.gpu_ms[HOURS - 1], team.gpu_ms[HOURS - 2], team.tokens), (6_000, 1_000, 30));
         assert_eq!(usage.tenants[0].gpu_ms[0], 9_000);
@@ -189,7 +217,7 @@ mod tests {
         let rollups: Vec<_> = (0..12u64).map(|i| rollup(10 * HOUR_MS, &format!("k{i:02}"), 1_000 * (i + 1))).collect();
         let usage = TenantUsage::of(&rollups, |_| String::new(), now);
         assert_eq!(usage.tenants.len(), TENANTS_SHOWN);
-        assert_eq!(usage.tenants[0].name, "k11");
+        assert_eq!(usage.tenants[0].name, "key:k11");
         let others = usage.tenants.last().unwrap();
         // k00..k04: 1 + 2 + 3 + 4 + 5 seconds.
         assert_eq!((others.name.as_str(), others.gpu_ms_total(), others.requests), (OTHERS, 15_000, 5));

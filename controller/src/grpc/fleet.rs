@@ -366,8 +366,11 @@ impl FleetService for FleetSvc {
         self.admin(&request)?;
         let query = request.into_inner();
         let since = usage_since(&query);
-        let snapshot = self.snapshot()?;
-        let tenant_of = |key_id: &str| snapshot.api_key(key_id).map(|key| key.tenant.clone()).unwrap_or_default();
+        // Tenants as the fleet knows them now; none before it is read.
+        let snapshot = self.snapshot().ok();
+        let tenant_of = |key_id: &str| {
+            snapshot.as_ref().and_then(|s| s.api_key(key_id)).map(|key| key.tenant.clone()).unwrap_or_default()
+        };
         let rows = self
             .store
             .usage_rollups(&format!("hourly/{}", crate::ledger::hour_of(since)))

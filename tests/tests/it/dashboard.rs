@@ -234,12 +234,12 @@ async fn the_dashboard_page_updates_live_in_a_real_browser() {
                && r.querySelector('.weighed') !== null && /node-[ab] [\\d.]+ m?s/.test(r.querySelector('.weighed').textContent))",
         )
         .await;
-    // Use without a key is charted as the tenant `-`.
+    // Use without a key is charted as `(no key)`.
     browser
         .wait_for(
             "the usage chart's row",
             Duration::from_secs(20),
-            "const row = document.querySelector('#usage tr[data-tenant=\"-\"]'); \
+            "const row = document.querySelector('#usage tr[data-tenant=\"(no key)\"]'); \
              return row !== null && row.querySelector('.gpu-seconds') !== null && row.querySelector('svg.hours') !== null",
         )
         .await;

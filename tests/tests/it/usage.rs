@@ -160,7 +160,7 @@ async fn each_tenant_s_gpu_time_is_rolled_up_and_charted_on_the_dashboard() {
     };
     eventually("both tenants charted", Duration::from_secs(20), || async {
         let view = crate::dashboard::fleet_view(&fleet).await;
-        charted(&view, "team-a") == Some(team_a) && charted(&view, &solo) == Some(alone)
+        charted(&view, "team-a") == Some(team_a) && charted(&view, &format!("key:{solo}")) == Some(alone)
     })
     .await;
     let view = crate::dashboard::fleet_view(&fleet).await;
