@@ -40,22 +40,40 @@ fi
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 cargo +nightly fuzz build --target-dir "$target_dir" >/dev/null
-for target in "${targets[@]}"; do
-  corpus="$work/$target"
+# One target a core at once: each fuzzes as long, the run takes a share.
+run_target() {
+  local target=$1 corpus="$work/$1" log="$work/$1.log" status
   mkdir -p "$corpus"
-  inputs=("$corpus")
+  local inputs=("$corpus")
   for kept in "seeds/$target" "regressions/$target"; do
     [ -d "$kept" ] && inputs+=("$kept")
   done
-  echo "== fuzz $target (${seconds}s)" >&2
-  log="$work/$target.log"
   set +e
   cargo +nightly fuzz run --target-dir "$target_dir" "$target" "${inputs[@]}" -- \
     -max_total_time="$seconds" >"$log" 2>&1
   status=$?
   set -e
+  echo "$status" >"$work/$target.status"
+}
+jobs=$(nproc)
+running=0
+for target in "${targets[@]}"; do
+  echo "== fuzz $target (${seconds}s)" >&2
+  run_target "$target" &
+  running=$((running + 1))
+  if [ "$running" -ge "$jobs" ]; then
+    wait -n
+    running=$((running - 1))
+  fi
+done
+wait
+failed=0
+for target in "${targets[@]}"; do
+  log="$work/$target.log"
+  status=$(cat "$work/$target.status")
+  echo "== $target" >&2
   grep -E '^(#[0-9]+ +DONE|Done)' "$log" >&2 || true
-  if [ $status -ne 0 ]; then
+  if [ "$status" -ne 0 ]; then
     if grep -q 'Test unit written to' "$log"; then
       grep -E -A30 'panicked|ERROR: |SUMMARY' "$log" | head -25 >&2 || true
       grep 'Test unit written to' "$log" >&2
@@ -64,6 +82,7 @@ for target in "${targets[@]}"; do
       tail -40 "$log" >&2
       echo "fuzz $target did not run (exit $status)" >&2
     fi
-    exit 1
+    failed=1
   fi
 done
+exit "$failed"
