@@ -53,9 +53,8 @@ if [ ${#need[@]} -gt 0 ]; then
   $sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${need[@]}" >/dev/null
 fi
 "$root/scripts/deps.sh"
-# One build: an example alone would resolve the dev-dependencies' features
-# and build every library again.
-cargo build --release --bins --example bare_proxy -q
+cargo build --release --bins -q
+cargo build --release -q -p inferyes-net --example bare_proxy
 fleet_size=${FLEET:-1000}
 if [ "$fleet_size" -gt 0 ]; then
   # Simulated agents (the controller-scale harness's), joined later to route

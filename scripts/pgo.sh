@@ -12,9 +12,13 @@
 #
 #   scripts/pgo.sh                          # data plane and agent in $PGO_DIR/use/release/
 #   scripts/pgo.sh --install-to /out        # and the four binaries copied there
-#   scripts/pgo.sh --packages dataplane --requests 300 --check
+#   scripts/pgo.sh --packages dataplane --requests 300 --check --plain target/debug
 #                                           # CI: a small run, and proof the recipe works
 #
+# --plain DIR: run the training fleet's other parts (controller, ctl, the
+# simulator, the load; and whichever of data plane and agent is not
+# optimised) from DIR, built already (debug will do: they are not what is
+# measured), instead of a plain release build;
 # --requests N: requests per run at 32 connections (a tenth at one);
 # --check: also check the profile covers the request path, the optimised
 # binary carries no instrumentation, and the build took the profile whole.
@@ -28,6 +32,7 @@ cd "$root"
 packages=dataplane,agent
 requests=2000
 install_to=""
+plain=""
 check=0
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -35,6 +40,7 @@ while [ $# -gt 0 ]; do
     --requests) requests=$2; shift 2 ;;
     --install-to) install_to=$2; shift 2 ;;
     --check) check=1; shift ;;
+    --plain) plain=$2; shift 2 ;;
     *) echo "pgo.sh: unknown argument '$1'" >&2; exit 2 ;;
   esac
 done
@@ -58,11 +64,18 @@ profdata=llvm-profdata-$llvm
 cargo_packages=()
 for package in "${optimised[@]}"; do cargo_packages+=(-p "inferyes-$package"); done
 
-echo "== plain release build (controller, ctl, the simulator, the load)" >&2
-# One build: an example alone would resolve the dev-dependencies' features
-# and build every library again.
-cargo build --release --bins --example load --locked -q
-plain=$target/release
+if [ -z "$plain" ]; then
+  echo "== plain release build (controller, ctl, the simulator, the load)" >&2
+  cargo build --release --bins --locked -q
+  cargo build --release --locked -q -p inferyes-net --example load
+  plain=$target/release
+elif [ -n "$install_to" ]; then
+  echo "pgo.sh: --install-to copies plain release binaries: leave out --plain" >&2
+  exit 2
+fi
+for binary in inferyes-controller inferyes-agent inferyes-dataplane inferyesctl examples/load; do
+  [ -x "$plain/$binary" ] || { echo "pgo.sh: no $plain/$binary (build it, or leave out --plain)" >&2; exit 1; }
+done
 
 echo "== instrumented build: ${optimised[*]}" >&2
 CARGO_TARGET_DIR="$dir/generate" RUSTFLAGS="${RUSTFLAGS:-} -Cprofile-generate=$dir/raw" \

@@ -26,4 +26,7 @@ echo "== end to end: real llama-server nodes, the OpenAI client" >&2
 echo "== quickstart" >&2
 "$root/scripts/smoke-quickstart.sh"
 echo "== the profile-optimised build: the image's recipe, on a small training load" >&2
-PGO_DIR="${CARGO_TARGET_DIR:-$root/target}/pgo-check" "$root/scripts/pgo.sh" --packages dataplane --requests 300 --check
+# Its training fleet runs on the debug binaries the end-to-end suite built:
+# only the optimised data plane is built in release.
+target="${CARGO_TARGET_DIR:-$root/target}"
+PGO_DIR="$target/pgo-check" "$root/scripts/pgo.sh" --packages dataplane --requests 300 --check --plain "$target/debug"
