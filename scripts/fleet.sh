@@ -44,6 +44,15 @@ else
   etcd_data="$state/etcd"
 fi
 
+# A fleet (or anything) already on the fleet's ports would answer in this
+# one's place while its own processes fail to start: said at once instead.
+for port in 23790 23800 7070 7071 8080 9190 9101 9102 9103 9201 9202 9203; do
+  if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
+    echo "fleet.sh: 127.0.0.1:$port is taken (a fleet already running? stop it with Ctrl-C in its terminal)" >&2
+    exit 1
+  fi
+done
+
 echo "building ($profile)..." >&2
 # The examples too: with them the dev-dependencies' features count as for
 # the tests (criterion turns on serde's `alloc`), so a debug fleet links
