@@ -22,7 +22,8 @@ def test_the_agent_reports_what_the_server_says(fleet):
     assert model["state"] == "MODEL_STATE_LOADED"
     assert model["context_window"] == 512
     assert model["size_bytes"] > 0, "/v1/models meta.size"
-    assert model["endpoints"] == ["ENDPOINT_KIND_CHAT", "ENDPOINT_KIND_COMPLETION", "ENDPOINT_KIND_MESSAGES"]
+    assert model["endpoints"] == ["ENDPOINT_KIND_CHAT", "ENDPOINT_KIND_COMPLETION", "ENDPOINT_KIND_RESPONSES",
+                                 "ENDPOINT_KIND_MESSAGES"]
     # Not listed, and asked of the server: tiny-chat has no FIM tokens.
     assert model["unsupported"] == ["ENDPOINT_KIND_INFILL"]
 
