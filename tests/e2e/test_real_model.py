@@ -168,7 +168,9 @@ def test_later_turns_are_served_from_the_cache_of_the_first_node(gemma):
     nodes = {node for node, _, _ in turns}
     assert len(nodes) == 1, turns
     assert [route for _, route, _ in turns] == ["placed", "resident", "resident"], turns
-    assert turns[0][2].prompt_tokens_details.cached_tokens == 0
+    # The first turn shares at most its first tokens (the template's) with
+    # what an earlier test left in the slot.
+    assert turns[0][2].prompt_tokens_details.cached_tokens < 16, turns
     assert turns[0][2].prompt_tokens > 400
     for (_, _, previous), (_, _, usage) in zip(turns, turns[1:]):
         # At best a turn reuses the previous prompt and reply (less the
