@@ -453,8 +453,9 @@ impl Config {
         if self.backends.is_empty() && self.simulated.is_empty() {
             bail!("no backends: add a [[backends]] entry (url and kind) or a [[simulated]] backend");
         }
-        if !(self.gpu_hour_price.is_finite() && (0.0..=1e6).contains(&self.gpu_hour_price)) {
-            bail!("gpu_hour_price must be a number from 0 (not priced) to 1000000, not {}", self.gpu_hour_price);
+        let bound = inferyes_proto::usage::MAX_GPU_HOUR_PRICE;
+        if !(self.gpu_hour_price.is_finite() && (0.0..=bound).contains(&self.gpu_hour_price)) {
+            bail!("gpu_hour_price must be a number from 0 (not priced) to {bound}, not {}", self.gpu_hour_price);
         }
         let mut ids: Vec<&str> = self.backends.iter().map(|b| b.id.as_str()).collect();
         ids.extend(self.simulated.iter().map(|s| s.id.as_str()));

@@ -97,6 +97,12 @@ impl Snapshot {
         self.api_keys.get(key_id)
     }
 
+    /// The tenant of key `key_id` as the fleet knows it now; empty for a
+    /// key of no tenant, or none.
+    pub fn tenant_of(&self, key_id: &str) -> String {
+        self.api_key(key_id).map(|key| key.tenant.clone()).unwrap_or_default()
+    }
+
     /// The node as the fleet sees it: its record with its load and its
     /// resident sessions counted, from `live`.
     pub fn merged(&self, node_id: &str, live: &LiveView) -> Option<SnapshotNode> {

@@ -574,17 +574,12 @@ fn gpu_seconds(usage: &inferyes_proto::v1::UsageRollup) -> String {
 }
 
 /// The report summed per hour, tenant and model: the keys of a tenant
-/// together, a key without one as a tenant of its own (`key:<id>`, a name
-/// no tenant can have), use without a key as `(no key)`.
+/// together, named as [`inferyes_proto::usage::tenant_name`] says.
 pub fn by_tenant(report: UsageReport) -> UsageReport {
     let mut sums: std::collections::BTreeMap<(u64, String, String), inferyes_proto::v1::UsageRollup> =
         std::collections::BTreeMap::new();
     for row in report.rows {
-        let tenant = match (row.tenant.is_empty(), row.key_id.is_empty()) {
-            (false, _) => row.tenant,
-            (true, false) => format!("key:{}", row.key_id),
-            (true, true) => "(no key)".to_string(),
-        };
+        let tenant = inferyes_proto::usage::tenant_name(&row.tenant, &row.key_id);
         let sum = sums.entry((row.hour_unix_ms, tenant, row.model)).or_default();
         inferyes_proto::usage::merge(sum, &row.usage.unwrap_or_default());
     }

@@ -297,6 +297,24 @@ fn timing_numbers(object: &[u8]) -> [Option<u32>; 2] {
     })
 }
 
+/// The most an hour of a node's GPU time may be priced at (an agent's
+/// `gpu_hour_price`); a figure past it prices nothing.
+pub const MAX_GPU_HOUR_PRICE: f64 = 1e6;
+
+/// What use without a key (auth off) is summed under, by tenant.
+pub const NO_KEY: &str = "(no key)";
+
+/// The name a key's use is summed under, by tenant: its tenant, else the
+/// key as a tenant of its own (`key:<id>`), else [`NO_KEY`]. No tenant can
+/// have either of the last two (a tenant's name is of `A-Z a-z 0-9 . _ -`).
+pub fn tenant_name(tenant: &str, key_id: &str) -> String {
+    match (tenant.is_empty(), key_id.is_empty()) {
+        (false, _) => tenant.to_string(),
+        (true, false) => format!("key:{key_id}"),
+        (true, true) => NO_KEY.to_string(),
+    }
+}
+
 /// Counts one request into a roll-up.
 pub fn add(rollup: &mut UsageRollup, record: &UsageRecord) {
     rollup.requests += 1;

@@ -16,11 +16,9 @@ use crate::store::EtcdStore;
 pub const HOURS: usize = 24;
 /// Tenants charted, the most GPU time first; the rest are summed as one.
 pub const TENANTS_SHOWN: usize = 8;
-/// The names the rest go under, and use without a key (auth off): no
-/// tenant can be named so (a tenant's name is of `A-Z a-z 0-9 . _ -`),
-/// nor `key:<id>`, the name of a key without a tenant.
+/// The name the rest go under: no tenant can be named so (a tenant's name
+/// is of `A-Z a-z 0-9 . _ -`).
 pub const OTHERS: &str = "(others)";
-pub const NO_KEY: &str = "(no key)";
 /// How often the current hour's roll-ups are read: data planes send usage
 /// every second, the ledger rolls it up as it comes.
 const READ_EVERY: Duration = Duration::from_secs(5);
@@ -38,8 +36,7 @@ pub struct TenantUsage {
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Tenant {
-    /// The tenant; a key without one is a tenant of its own, `key:<id>`;
-    /// [`NO_KEY`] is use without a key (auth off).
+    /// The tenant, as [`inferyes_proto::usage::tenant_name`] names it.
     pub name: String,
     /// The backends' time on its requests each hour, in milliseconds.
     pub gpu_ms: [u64; HOURS],
@@ -73,11 +70,7 @@ impl TenantUsage {
             if at >= HOURS {
                 continue;
             }
-            let name = match tenant_of(&key.key_id) {
-                tenant if !tenant.is_empty() => tenant,
-                _ if key.key_id.is_empty() => NO_KEY.to_string(),
-                _ => format!("key:{}", key.key_id),
-            };
+            let name = inferyes_proto::usage::tenant_name(&tenant_of(&key.key_id), &key.key_id);
             let tenant = by_name.entry(name.clone()).or_insert_with(|| Tenant::named(name));
             tenant.gpu_ms[at] += usage.prompt_ms.saturating_add(usage.generation_ms);
             tenant.requests += usage.requests;
@@ -162,7 +155,7 @@ pub async fn sample(dashboard: super::Dashboard, store: EtcdStore) {
             }
         };
         let Some(snapshot) = dashboard.snapshots.borrow().clone() else { continue };
-        let tenant_of = |key_id: &str| snapshot.api_key(key_id).map(|key| key.tenant.clone()).unwrap_or_default();
+        let tenant_of = |key_id: &str| snapshot.tenant_of(key_id);
         let rollups: Vec<(String, UsageRollup)> = past.iter().cloned().chain(now).collect();
         let usage = TenantUsage::of(&rollups, tenant_of, now_ms);
         *dashboard.usage.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = usage;
@@ -202,7 +195,7 @@ mod tests {
         assert_eq!(usage.first_hour_ms, 77 * HOUR_MS);
         let names: Vec<(&str, u64, u64)> =
             usage.tenants.iter().map(|t| (t.name.as_str(), t.gpu_ms_total(), t.requests)).collect();
-        assert_eq!(names, [("key:b1", 9_000, 1), ("team-a", 7_000, 3), (NO_KEY, 500, 1)]);
+        assert_eq!(names, [("key:b1", 9_000, 1), ("team-a", 7_000, 3), (inferyes_proto::usage::NO_KEY, 500, 1)]);
         let team = &usage.tenants[1];
         assert_eq!((team.gpu_ms[HOURS - 1], team.gpu_ms[HOURS - 2], team.tokens), (6_000, 1_000, 30));
         assert_eq!(usage.tenants[0].gpu_ms[0], 9_000);

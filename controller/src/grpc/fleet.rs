@@ -368,9 +368,7 @@ impl FleetService for FleetSvc {
         let since = usage_since(&query);
         // Tenants as the fleet knows them now; none before it is read.
         let snapshot = self.snapshot().ok();
-        let tenant_of = |key_id: &str| {
-            snapshot.as_ref().and_then(|s| s.api_key(key_id)).map(|key| key.tenant.clone()).unwrap_or_default()
-        };
+        let tenant_of = |key_id: &str| snapshot.as_ref().map(|s| s.tenant_of(key_id)).unwrap_or_default();
         let rows = self
             .store
             .usage_rollups(&format!("hourly/{}", crate::ledger::hour_of(since)))

@@ -325,12 +325,11 @@ fn fill_rates(placements: &mut [Placement]) {
     placements.iter_mut().for_each(|p| p.fastest_prefill_tokens_per_second = fastest);
 }
 
-/// The most an hour of GPU time may be priced at: an agent's figure past it
-/// (or not a number) prices nothing.
-const MAX_GPU_HOUR_PRICE: f64 = 1e6;
-
+/// An agent's GPU hour price, where it is one (a figure past the bound, or
+/// not a number, prices nothing).
 fn gpu_hour_price(reported: f64) -> f64 {
-    if reported.is_finite() && (0.0..=MAX_GPU_HOUR_PRICE).contains(&reported) { reported } else { 0.0 }
+    let bound = inferyes_proto::usage::MAX_GPU_HOUR_PRICE;
+    if reported.is_finite() && (0.0..=bound).contains(&reported) { reported } else { 0.0 }
 }
 
 #[cfg(test)]
