@@ -28,8 +28,8 @@ use super::opening::Opening;
 use super::progress::ProgressEvents;
 use super::responses::EventFields;
 use super::view::{
-    RoutingView, estimated_prompt_tokens, metered_prompt_estimate, parse_request_view, session_key, with_model,
-    with_usage_requested,
+    RoutingView, estimated_prompt_tokens, least_prompt_tokens, metered_prompt_estimate, parse_request_view,
+    session_key, with_model, with_usage_requested,
 };
 use crate::auth::Caller;
 use crate::error::{ApiError, ErrorCode};
@@ -333,6 +333,17 @@ impl<'s> Exchange<'s> {
         model: &str,
         body_len: usize,
     ) -> Result<Route, ApiError> {
+        let window = snapshot.model(model).map_or(0, |entry| u64::from(entry.context_window));
+        let least = least_prompt_tokens(body_len, view);
+        if window > 0 && least > window {
+            let message = format!(
+                "the prompt ({body_len} bytes, at least {least} tokens for any tokenizer) does not fit the context \
+                 window of `{model}` (at most {window} tokens on any node)"
+            );
+            return Err(
+                ApiError::new(ErrorKind::BadRequest, message, ErrorCode::ContextLengthExceeded).param("messages")
+            );
+        }
         let ticket = self.state.tickets.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let request = RouteRequest {
             model,

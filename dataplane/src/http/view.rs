@@ -437,11 +437,24 @@ fn hashed_key(prefix: [u8; 5], scope: u64, hash: u64) -> String {
 
 /// An estimate of a body's prompt tokens, for routing's cost and its
 /// preference for nodes whose window the prompt fits: an English token is
-/// four to six bytes and JSON adds framing, so a fifth of the bytes. Only
-/// the server's tokenizer counts a prompt for a refusal. Bodies with media
+/// four to six bytes and JSON adds framing, so a fifth of the bytes. It
+/// refuses nothing: the server's tokenizer counts a prompt for a refusal
+/// (and [`least_prompt_tokens`], a count no tokenizer goes under). Bodies with media
 /// are not estimated: an image's bytes say little of its tokens.
 pub fn estimated_prompt_tokens(body_len: usize, view: &RoutingView) -> u32 {
     if view.has_media { 0 } else { metered_prompt_estimate(body_len) }
+}
+
+/// More bytes than any token of a vocabulary in use spans (the longest are
+/// runs of spaces or symbols, tens of bytes).
+pub const MAX_BYTES_PER_TOKEN: usize = 128;
+
+/// The fewest tokens a body's prompt may be, whatever the tokenizer: its
+/// bytes over [`MAX_BYTES_PER_TOKEN`]. A body whose bytes are that many
+/// windows is refused without a node tokenizing it (megabytes of it, each
+/// time). Bodies with media are not counted.
+pub fn least_prompt_tokens(body_len: usize, view: &RoutingView) -> u64 {
+    if view.has_media { 0 } else { (body_len / MAX_BYTES_PER_TOKEN) as u64 }
 }
 
 /// The prompt tokens a request is billed for when its answer says none: a

@@ -88,6 +88,15 @@ async fn backend_errors_are_rewritten_into_the_openai_shape() {
     assert_eq!(error["code"], "context_length_exceeded");
     assert!(error["message"].as_str().unwrap().contains("exceeds the available context size"), "{error}");
 
+    // Past the window even at 128 bytes a token, no tokenizer can fit it:
+    // refused without a node tokenizing it.
+    let past_any = "word ".repeat(256 * 128 / 5 + 1_000);
+    let refused = fleet.http.post_json(&fleet.url("/v1/chat/completions"), &chat_body("chat", &past_any)).await;
+    assert_eq!(refused.status, StatusCode::BAD_REQUEST);
+    let error = refused.openai_error();
+    assert_eq!((error["code"].as_str(), error["param"].as_str()), (Some("context_length_exceeded"), Some("messages")));
+    assert!(error["message"].as_str().unwrap().contains("for any tokenizer"), "{error}");
+
     // A chat model asked for embeddings: llama-server's 501, reshaped.
     let embeddings = fleet.http.post_json(&fleet.url("/v1/embeddings"), &json!({"model": "chat", "input": "x"})).await;
     assert_eq!(embeddings.status, StatusCode::NOT_IMPLEMENTED, "{}", String::from_utf8_lossy(&embeddings.body));
