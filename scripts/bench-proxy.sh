@@ -314,12 +314,21 @@ wrk.headers["x-stainless-retry-count"] = "0"
 wrk.headers["x-stainless-read-timeout"] = "600"
 LUA
 fi
-# Agents take requests that carry the credential data planes send them,
-# their node's own, derived from the join token and the node's id (a data
-# plane with keys off takes this one as a client's and drops it). Agents
-# of a baseline build from before credentials were per node take the join
-# token itself.
+# Agents take requests that carry the credential data planes send them:
+# what the controller issued their node, derived from the fleet key the
+# controllers keep in etcd (a data plane with keys off takes it as a
+# client's and drops it). Agents of a baseline build from before take the
+# join token itself.
 node_credential() { # node id
+  python3 -c 'import base64, hashlib, hmac, json, sys, urllib.request
+key = base64.b64encode(b"/inferyes/v1/secrets/fleet-key").decode()
+request = urllib.request.Request(sys.argv[1] + "/v3/kv/range", data=json.dumps({"key": key}).encode())
+fleet = base64.b64decode(json.load(urllib.request.urlopen(request))["kvs"][0]["value"]).hex()
+node_key = hmac.new(fleet.encode(), b"inferyes node proxy key v3", hashlib.sha256).hexdigest()
+print(hmac.new(node_key.encode(), ("inferyes agent proxy v2 " + sys.argv[2]).encode(), hashlib.sha256).hexdigest())' \
+    "http://127.0.0.1:$etcd_client" "$1"
+}
+join_derived_credential() { # node id: what a baseline agent from before issued credentials takes
   python3 -c 'import hashlib, hmac, sys
 key = hmac.new(sys.argv[1].encode(), b"inferyes agent proxy key v2", hashlib.sha256).hexdigest()
 print(hmac.new(key.encode(), ("inferyes agent proxy v2 " + sys.argv[2]).encode(), hashlib.sha256).hexdigest())' \
@@ -342,7 +351,7 @@ for kind in chat stream; do
     echo 'wrk.headers["x-inferyes-session"] = "bench-session"'; } > "$work/$kind-routed.lua"
   sed 's/"model":"bench"/"model":"bench-base"/' "$work/$kind.lua" > "$work/$kind-base.lua"
   # The baseline's agent is a node of its own, with its own credential.
-  { cat "$work/$kind.lua"; echo "wrk.headers[\"Authorization\"] = \"Bearer $(node_credential bench-base)\""; } \
+  { cat "$work/$kind.lua"; echo "wrk.headers[\"Authorization\"] = \"Bearer $(join_derived_credential bench-base)\""; } \
     > "$work/$kind-base-agent.lua"
 done
 
@@ -380,6 +389,11 @@ if [ "${INSTRUCTIONS:-}" = 1 ]; then
     valgrind --tool=callgrind --callgrind-out-file="$work/cg.$name" "$@" >"$work/cg.$name.log" 2>&1 &
     local pid=$!
     until curl -s -o /dev/null "http://127.0.0.1:$port/"; do sleep 0.5; done
+    # An agent takes requests once its controller issued it a credential.
+    if [ -n "${ISSUED:-}" ]; then
+      until [ "$(curl -s -o /dev/null -w '%{http_code}' -H "Authorization: Bearer $ISSUED" \
+        "http://127.0.0.1:$port/v1/models")" != 401 ]; do sleep 0.5; done
+    fi
     wrk -t 1 -c 2 -d 3s -s "$script" "http://127.0.0.1:$port$path" >/dev/null
     callgrind_control -z "$pid" >/dev/null 2>&1
     local requests
@@ -417,14 +431,15 @@ if [ "${INSTRUCTIONS:-}" = 1 ]; then
     sed -e "s/^node_id = .*/node_id = \"bench-instructions-$proxy\"/" \
       -e "s/^proxy_listen = .*/proxy_listen = \"127.0.0.1:$proxy\"/" "$work/agent.toml" >"$work/agent-$proxy.toml"
     if [ -z "$suffix" ]; then
-      credential=$(node_credential "bench-instructions-$proxy")
+      credential=$(node_credential "bench-instructions-$proxy") issued=$credential
     else
-      credential=$INFERYES_JOIN_TOKEN
+      credential=$INFERYES_JOIN_TOKEN issued=""
     fi
-    count "agent$suffix" "$proxy" "$(with_credential "$work/$chat.lua" "$credential")" "$build/inferyes-agent" \
-      --config "$work/agent-$proxy.toml" --workers 1
-    count "agent+session$suffix" "$proxy" "$(with_credential "$work/$chat-routed.lua" "$credential")" \
+    ISSUED=$issued count "agent$suffix" "$proxy" "$(with_credential "$work/$chat.lua" "$credential")" \
       "$build/inferyes-agent" --config "$work/agent-$proxy.toml" --workers 1
+    ISSUED=$issued count "agent+session$suffix" "$proxy" \
+      "$(with_credential "$work/$chat-routed.lua" "$credential")" "$build/inferyes-agent" \
+      --config "$work/agent-$proxy.toml" --workers 1
     name=dataplane$suffix
     port listen
     count "$name" "$listen" "$work/$chat-direct.lua" "$build/inferyes-dataplane" --listen "127.0.0.1:$listen" \

@@ -135,6 +135,19 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
     let proxy_addr = listeners.proxy.local_addr()?;
     let tls_server = inferyes_net::tls::http_server(&config.tls).context("invalid TLS settings for the proxy")?;
     let scheme = if tls_server.is_some() { "https" } else { "http" };
+    // Of several join tokens (a rotation's), the first is presented to
+    // controllers. What data planes and other agents present is what the
+    // controller issues this node once it joins.
+    let join_tokens = inferyes_proto::files::read_tokens(
+        config.join_token.as_deref(),
+        config.join_token_file.as_deref(),
+        "join token",
+    )?;
+    let join_token: Option<Arc<str>> =
+        join_tokens.as_ref().and_then(|tokens| tokens.first()).map(|t| Arc::from(t.as_str()));
+    if join_token.is_none() {
+        tracing::warn!("no join token: the proxy forwards anyone's requests to the backends");
+    }
     let proxy_url =
         if config.advertise_url.is_empty() { format!("{scheme}://{proxy_addr}") } else { config.advertise_url.clone() };
     let backend_urls: Vec<String> = probes.iter().map(|p| p.url.clone()).collect();
@@ -167,6 +180,8 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         observations: state::Shared::new(Observations::default()),
         moves: state::Shared::default(),
         peers: state::Shared::default(),
+        closed: join_token.is_some(),
+        issued: Default::default(),
         residency: state::Shared::new(residency::Residency::default()),
         changed: tokio::sync::Notify::new(),
         poll_now: tokio::sync::Notify::new(),
@@ -198,25 +213,6 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         poll::run(Arc::clone(&state), client, gpus, config.poll_interval(), shutdown.clone())
             .instrument(tracing::info_span!("poller")),
     ));
-    // Several join tokens may be configured, for a rotation: the first is
-    // presented to controllers, and any is taken from data planes.
-    let join_tokens = inferyes_proto::files::read_tokens(
-        config.join_token.as_deref(),
-        config.join_token_file.as_deref(),
-        "join token",
-    )?;
-    let join_token: Option<Arc<str>> =
-        join_tokens.as_ref().and_then(|tokens| tokens.first()).map(|t| Arc::from(t.as_str()));
-    // Data planes present this node's own credential, derived from the
-    // join token and the node's id: one captured here opens no other node.
-    let accepted = join_tokens.as_ref().map(|tokens| {
-        let key = |token: &String| inferyes_proto::bearer::proxy_key(token);
-        let credential = |key: String| inferyes_proto::bearer::node_proxy_credential(&key, &config.node_id);
-        inferyes_proto::bearer::Accepted::new(tokens.iter().map(key).map(credential).collect())
-    });
-    if join_token.is_none() {
-        tracing::warn!("no join token: the proxy forwards anyone's requests to the backends");
-    }
     let (connection, _) = watch::channel(report::Connection::default());
     let (orders_tx, orders) = watch::channel(Vec::new());
     let (drains_tx, drains) = watch::channel(None);
@@ -247,7 +243,6 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         state: Arc::clone(&state),
         moved: Default::default(),
         moving: Default::default(),
-        join_token: join_token.as_deref().map(str::to_string),
         client: ProbeClient::new(slots::transfer::SLOT_ACTION_TIMEOUT),
         pool: inferyes_net::pool::Pool::new(inferyes_net::pool::Settings {
             connect_timeout: Duration::from_secs(2),
@@ -276,7 +271,6 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
     ));
     let intake = Arc::new(slots::transfer::Intake {
         state: Arc::clone(&state),
-        join_tokens: join_tokens.clone(),
         max_slot_bytes: config.moves.max_slot_bytes,
         min_free_bytes: config.moves.min_free_bytes,
         permits: tokio::sync::Semaphore::new(config.moves.max_incoming),
@@ -299,7 +293,6 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
             let service = proxy::Service::new(
                 Arc::clone(&state),
                 Arc::clone(&scrape),
-                accepted.clone(),
                 Arc::clone(&admission),
                 Arc::clone(&intake),
                 Arc::clone(&carrier),

@@ -63,10 +63,6 @@ struct Proxy {
     /// This worker's connections to the backends.
     client: Pool<Upload>,
     scrape: Arc<Scrape>,
-    /// The fleet's join token, which data planes present with every request
-    /// (the backends' GPUs are not open to whoever reaches this port).
-    /// `None`: open.
-    join_token: Option<inferyes_proto::bearer::Accepted>,
     /// Bytes of bodies kept to be sent again, all workers together.
     kept: Arc<std::sync::atomic::AtomicUsize>,
 }
@@ -117,7 +113,6 @@ impl Service {
     pub fn new(
         state: Arc<AgentState>,
         scrape: Arc<Scrape>,
-        join_token: Option<inferyes_proto::bearer::Accepted>,
         admission: Arc<Admission>,
         intake: Arc<crate::slots::transfer::Intake>,
         carrier: Arc<crate::slots::transfer::Carrier>,
@@ -129,7 +124,7 @@ impl Service {
             read_timeout: BACKEND_READ_TIMEOUT,
             idle_limits: pool::IdleLimits::default(),
         });
-        let proxy = Proxy { state, client, scrape, join_token, kept: Arc::default() };
+        let proxy = Proxy { state, client, scrape, kept: Arc::default() };
         let router = Router::new().route(HEALTH, get(|| async { "ok\n" }));
         let (peer, vouched) = (std::net::Ipv4Addr::UNSPECIFIED.into(), Arc::default());
         Service { proxy, router, intake, carrier, admission, peer, vouched }
@@ -160,21 +155,20 @@ impl hyper::service::Service<Request<Incoming>> for Service {
             return Box::pin(hyper::service::Service::call(&router, request));
         }
         if request.uri().path() == crate::slots::transfer::INTAKE_PATH {
-            let intake = Arc::clone(&self.intake);
-            return Box::pin(async move { Ok(intake.receive(request).await) });
+            let (intake, peer) = (Arc::clone(&self.intake), self.peer);
+            return Box::pin(async move { Ok(intake.receive(request, peer).await) });
         }
-        if let Some(expected) = &self.proxy.join_token
-            && inferyes_proto::bearer::check(
-                request.headers().get(header::AUTHORIZATION).map(|v| v.as_bytes()),
-                expected,
-            )
-            .is_err()
+        // The backends' GPUs are not open to whoever reaches this port.
+        if self.proxy.state.closed
+            && !self.proxy.state.admits(request.headers().get(header::AUTHORIZATION).map(|v| v.as_bytes()))
         {
             // Once in a while: a data plane given the wrong token would
             // otherwise log a line per request it sends.
-            inferyes_net::warn_every!(
-                "refused a request without the fleet's credential (a controller with another join token?)"
-            );
+            if self.proxy.state.issued.load().is_none() {
+                inferyes_net::warn_every!("refused a request: no controller has issued this node its credential yet");
+            } else {
+                inferyes_net::warn_every!("refused a request without the credential this node was issued");
+            }
             let message = "this node takes requests from the fleet's data planes only";
             let mut refusal = error(ErrorKind::Unauthenticated, message, inferyes_proto::bearer::FLEET_TOKEN_REQUIRED);
             refusal

@@ -90,6 +90,8 @@ const FLEET_FULL: inferyes_net::backoff::Backoff =
 const MAX_ORDERS: usize = 64;
 /// Backends a drain may move conversations to, at most.
 const MAX_MOVE_TARGETS: usize = 1024;
+/// The longest credential a controller issues, with room: HMACs in hex.
+const MAX_CREDENTIAL_BYTES: usize = 256;
 
 struct Failure {
     error: String,
@@ -175,6 +177,22 @@ async fn session(
                     Some(controller_message::Msg::Peers(peers)) => {
                         *state.peers.lock() = peers.targets.into_iter().take(MAX_MOVE_TARGETS).collect();
                     }
+                    Some(controller_message::Msg::Credentials(issued)) => {
+                        let issued = crate::state::Issued {
+                            proxy_credential: issued.proxy_credential,
+                            intake_key: issued.intake_key,
+                        };
+                        let sound = |s: &str| !s.is_empty() && s.len() <= MAX_CREDENTIAL_BYTES;
+                        if sound(&issued.proxy_credential) && sound(&issued.intake_key) {
+                            if state.issued.load().as_deref() != Some(&issued) {
+                                tracing::info!("credentials issued by the controller");
+                            }
+                            state.issued.store(Some(Arc::new(issued)));
+                            state.changed.notify_one();
+                        } else {
+                            tracing::warn!("the controller's credentials are empty or too long; kept what was issued");
+                        }
+                    }
                     Some(controller_message::Msg::Placement(placement)) => {
                         let mine: Vec<PlacementOrder> =
                             placement.orders.into_iter().filter(|o| o.node_id == state.node_id).take(MAX_ORDERS).collect();
@@ -204,6 +222,13 @@ async fn session(
                 }
             }
             () = tokio::time::sleep_until(heartbeat_at) => {
+                if state.closed && state.issued.load().is_none() {
+                    inferyes_net::warn_every!(
+                        controller = %registered.controller_id,
+                        "the controller issued this node no credential (one with no join token?): the proxy \
+                         refuses every request, and no data plane sends it one"
+                    );
+                }
                 // In-flight counts change without a notification: the
                 // heartbeat tick picks them up.
                 let status = state.status();

@@ -160,6 +160,13 @@ pub struct AgentState {
     /// Other nodes' backends that can take this node's slots, as its
     /// controller last named them; written only by the reporter.
     pub peers: Shared<Vec<inferyes_proto::v1::MoveTarget>>,
+    /// Whether the node joins with a token: its proxy then takes only the
+    /// credential its controller issued it, and its intake slots only
+    /// under its controller's grants.
+    pub closed: bool,
+    /// What its controller issued this node; `None` until one has: written
+    /// only by the reporter, read by every request the proxy takes.
+    pub issued: arc_swap::ArcSwapOption<Issued>,
     /// The drain's moves of this node's conversations, as last reported;
     /// written only by the drain.
     pub moves: Shared<Option<inferyes_proto::v1::MoveProgress>>,
@@ -171,7 +178,29 @@ pub struct AgentState {
     pub poll_now: Notify,
 }
 
+/// What a controller issued this node (`NodeCredentials`).
+#[derive(Debug, PartialEq, Eq)]
+pub struct Issued {
+    /// What data planes present to this proxy.
+    pub proxy_credential: String,
+    /// What the slots sent here are checked with.
+    pub intake_key: String,
+}
+
 impl AgentState {
+    /// Whether `authorization` is `Bearer` and the credential this node was
+    /// issued; never before one was.
+    pub fn admits(&self, authorization: Option<&[u8]>) -> bool {
+        let issued = self.issued.load();
+        let presented = authorization.and_then(|value| value.strip_prefix(b"Bearer "));
+        match (presented, issued.as_deref()) {
+            (Some(token), Some(issued)) => {
+                inferyes_proto::apikey::constant_time_eq(token, issued.proxy_credential.as_bytes())
+            }
+            _ => false,
+        }
+    }
+
     pub fn backend(&self, id: &str) -> Option<&BackendHandle> {
         self.backends.iter().find(|b| b.probe.id == id)
     }
@@ -240,6 +269,8 @@ impl AgentState {
             started_unix_ms: self.started_unix_ms,
             proxy_http2: self.proxy_http2,
             proxy_credential_per_node: true,
+            proxy_credential_issued: true,
+            awaiting_credential: self.closed && self.issued.load().is_none(),
             gpu_hour_price: self.gpu_hour_price,
         }
     }
@@ -278,6 +309,28 @@ mod tests {
         }
     }
 
+    /// A closed node's state with `backends`, issued nothing yet.
+    fn state(backends: Vec<BackendHandle>) -> AgentState {
+        AgentState {
+            node_id: "n".into(),
+            instance: String::new(),
+            hostname: String::new(),
+            proxy_url: "http://127.0.0.1:1".into(),
+            proxy_http2: true,
+            started_unix_ms: 0,
+            gpu_hour_price: 0.0,
+            backends,
+            observations: Shared::default(),
+            moves: Shared::default(),
+            peers: Shared::default(),
+            closed: true,
+            issued: Default::default(),
+            residency: Shared::default(),
+            changed: Notify::new(),
+            poll_now: Notify::new(),
+        }
+    }
+
     /// A panic on `lock`'s thread while it holds a guard, as a bug in
     /// the proxy or the poller would leave it.
     fn poison<T: Send>(shared: &Shared<T>) {
@@ -293,22 +346,7 @@ mod tests {
 
     #[test]
     fn a_panic_while_a_lock_was_held_switches_nothing_off() {
-        let state = AgentState {
-            node_id: "n".into(),
-            instance: String::new(),
-            hostname: String::new(),
-            proxy_url: "http://127.0.0.1:1".into(),
-            proxy_http2: true,
-            started_unix_ms: 0,
-            gpu_hour_price: 0.0,
-            backends: vec![handle()],
-            observations: Shared::default(),
-            moves: Shared::default(),
-            peers: Shared::default(),
-            residency: Shared::default(),
-            changed: Notify::new(),
-            poll_now: Notify::new(),
-        };
+        let state = state(vec![handle()]);
         poison(&state.residency);
         state.residency.lock().touch("conversation", "b0", "chat", 1);
         let update = state.residency.lock().take_update(false);
@@ -319,6 +357,20 @@ mod tests {
         assert_eq!(state.status().backends.len(), 1, "observations still reported");
         poison(&state.backends[0].unsupported);
         assert!(state.backends[0].learn_unsupported("chat", EndpointKind::Infill, Instant::now()));
+    }
+
+    #[test]
+    fn the_proxy_admits_only_the_credential_its_controller_issued() {
+        let state = state(Vec::new());
+        assert!(!state.admits(Some(b"Bearer issued")), "none issued yet");
+        assert!(state.status().awaiting_credential, "no data plane sends it a request meanwhile");
+        let issued = super::Issued { proxy_credential: "issued".into(), intake_key: "k".into() };
+        state.issued.store(Some(std::sync::Arc::new(issued)));
+        assert!(state.admits(Some(b"Bearer issued")));
+        assert!(!state.status().awaiting_credential);
+        for refused in [None, Some(&b"issued"[..]), Some(b"Bearer other"), Some(b"Bearer issue"), Some(b"Bearer k")] {
+            assert!(!state.admits(refused), "{refused:?}");
+        }
     }
 
     #[test]

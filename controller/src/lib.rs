@@ -146,6 +146,8 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         shutdown.clone(),
     ));
 
+    // Credentials are issued to nodes where agents join with a token.
+    let fleet_secret = join_token.is_some().then(|| std::sync::Arc::new(store::FleetSecret::new(store.clone())));
     metrics.max_nodes.set(i64::try_from(config.max_nodes).unwrap_or(i64::MAX));
     let agents = grpc::AgentSvc {
         store: store.clone(),
@@ -162,6 +164,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         streams: std::sync::Arc::default(),
         pacing: std::sync::Arc::new(grpc::WritePacing::new(config.max_node_write_bytes_per_second)),
         seats: std::sync::Arc::new(grpc::Seats::new(config.max_nodes)),
+        fleet_secret: fleet_secret.clone(),
     };
     let routing = grpc::RoutingSvc {
         snapshots: snapshots.clone(),
@@ -180,6 +183,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
             .and_then(inferyes_proto::bearer::Accepted::presented)
             .map(inferyes_proto::bearer::proxy_credential)
             .unwrap_or_default(),
+        fleet_secret,
         peer_credentials: join_token.as_ref().map(|tokens| {
             inferyes_proto::bearer::Accepted::new(
                 tokens.tokens().map(inferyes_proto::bearer::peer_credential).collect(),

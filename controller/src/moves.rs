@@ -35,6 +35,7 @@ pub fn targets(nodes: impl IntoIterator<Item = SnapshotNode>, from: &str, policy
                 models: warm.iter().map(|m| m.id.clone()).collect(),
                 context_windows: warm.iter().map(|m| m.context_window).collect(),
                 free_slots: free,
+                ..Default::default()
             });
         }
     }
@@ -66,6 +67,29 @@ pub fn movable<'a>(nodes: impl IntoIterator<Item = &'a SnapshotNode>) -> Vec<Mov
 /// `from`'s peers: the movable backends of other nodes.
 pub fn peers(movable: &[MoveTarget], from: &str) -> Vec<MoveTarget> {
     movable.iter().filter(|t| t.node_id != from).cloned().collect()
+}
+
+/// `targets` with the controller's grant for `from`, whose proxy is at
+/// `from_host`, to send each one slots until `expires_unix_ms`.
+pub fn granted(
+    mut targets: Vec<MoveTarget>,
+    key: &inferyes_proto::bearer::FleetKey,
+    from: &str,
+    from_host: &str,
+    expires_unix_ms: u64,
+) -> Vec<MoveTarget> {
+    for target in &mut targets {
+        let grant = inferyes_proto::bearer::MoveGrant {
+            from,
+            from_host,
+            to: &target.node_id,
+            backend: &target.backend_id,
+            expires_unix_ms,
+        };
+        target.grant = key.move_grant(&grant);
+        target.grant_expires_unix_ms = expires_unix_ms;
+    }
+    targets
 }
 
 /// Every GPU of the node readable and under its admission threshold: a
@@ -161,5 +185,22 @@ mod tests {
             }),
             "a node's own threshold"
         );
+    }
+
+    #[test]
+    fn each_target_carries_a_grant_only_its_node_can_check_naming_the_sender() {
+        let key = inferyes_proto::bearer::FleetKey::new(&[1; inferyes_proto::bearer::FLEET_KEY_BYTES]).unwrap();
+        let found = granted(peers(&movable(&[node("a", 0, 10), node("b", 0, 10)]), "a"), &key, "a", "10.0.0.1", 9);
+        let [target] = found.as_slice() else { panic!("one peer: {found:?}") };
+        assert_eq!(target.grant_expires_unix_ms, 9);
+        let grant = |from_host| inferyes_proto::bearer::MoveGrant {
+            from: "a",
+            from_host,
+            to: "b",
+            backend: "main",
+            expires_unix_ms: 9,
+        };
+        assert_eq!(target.grant, inferyes_proto::bearer::move_grant(&key.intake_key("b"), &grant("10.0.0.1")));
+        assert_ne!(target.grant, inferyes_proto::bearer::move_grant(&key.intake_key("b"), &grant("10.0.0.2")));
     }
 }

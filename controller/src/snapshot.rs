@@ -146,6 +146,7 @@ impl Snapshot {
             // The routing service's, not the fleet's state.
             proxy_credential: String::new(),
             proxy_key: String::new(),
+            node_key: String::new(),
         }
     }
 }

@@ -123,11 +123,17 @@ pub struct Witness<'a> {
 
 impl Endpoint {
     /// This endpoint with the credential its agent takes: its own, derived
-    /// from `key` (once per key: snapshots come often, and each would
-    /// otherwise cost an HMAC per node), where `per_node`; else `fleet`'s.
-    pub fn with_credential(self, per_node: bool, credentials: &AgentCredentials) -> Endpoint {
-        let authorization = match (&credentials.key, per_node) {
-            (Some(key), true) => {
+    /// from the key for what it `takes` (once per key: snapshots come
+    /// often, and each would otherwise cost an HMAC per node); else the
+    /// fleet-wide one.
+    pub fn with_credential(self, takes: AgentTakes, credentials: &AgentCredentials) -> Endpoint {
+        let key = match takes {
+            AgentTakes::FleetWide => return Endpoint { authorization: credentials.fleet.clone(), ..self },
+            AgentTakes::JoinDerived => credentials.key.as_ref(),
+            AgentTakes::Issued => credentials.node_key.as_ref(),
+        };
+        let authorization = match key {
+            Some(key) => {
                 let mut derived = self.state.credential.lock().unwrap_or_else(PoisonError::into_inner);
                 match &*derived {
                     Some((from, value)) if Arc::ptr_eq(from, key) || from == key => Some(value.clone()),
@@ -139,8 +145,7 @@ impl Endpoint {
                     }
                 }
             }
-            (None, true) => None,
-            (_, false) => credentials.fleet.clone(),
+            None => None,
         };
         Endpoint { authorization, ..self }
     }
@@ -370,13 +375,39 @@ struct NodeState {
     freed: Arc<Freed>,
 }
 
-/// What the controller's snapshot says data planes send agents: the key
-/// each node's credential is derived from, and the fleet-wide credential
-/// agents from before took. `None`: agents take requests without one.
+/// What the controller's snapshot says data planes send agents: the keys
+/// each node's credential is derived from (the one its controller issued
+/// it, or, for agents from before, the join token's), and the fleet-wide
+/// credential agents from before those took. `None`: agents take requests
+/// without one.
 #[derive(Clone, Debug, Default)]
 pub struct AgentCredentials {
+    pub node_key: Option<Arc<str>>,
     pub key: Option<Arc<str>>,
     pub fleet: Option<HeaderValue>,
+}
+
+/// Which credential an agent takes, as its status says.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AgentTakes {
+    /// The one its controller issued it, derived from `node_key`.
+    Issued,
+    /// Its own, derived from the join token's `key`.
+    JoinDerived,
+    /// The fleet-wide one.
+    FleetWide,
+}
+
+impl AgentTakes {
+    pub fn of(status: &inferyes_proto::v1::NodeStatus) -> AgentTakes {
+        if status.proxy_credential_issued {
+            AgentTakes::Issued
+        } else if status.proxy_credential_per_node {
+            AgentTakes::JoinDerived
+        } else {
+            AgentTakes::FleetWide
+        }
+    }
 }
 
 /// A load waited on: (backend, model), the requests waiting, the bytes.
@@ -461,6 +492,8 @@ impl NodeState {
 
 #[cfg(test)]
 mod tests {
+    use inferyes_proto::bearer::FleetKey;
+
     use super::*;
 
     fn endpoint(states: &NodeStates, ready: bool, version: u64) -> Arc<Endpoint> {
@@ -476,11 +509,25 @@ mod tests {
         let states = NodeStates::default();
         let key: Arc<str> = Arc::from(inferyes_proto::bearer::proxy_key("join").as_str());
         let fleet = inferyes_proto::bearer::header_value("fleet-wide");
-        let credentials = AgentCredentials { key: Some(Arc::clone(&key)), fleet: fleet.clone() };
+        let issued_key = FleetKey::new(&[3; inferyes_proto::bearer::FLEET_KEY_BYTES]).unwrap();
+        let node_key: Arc<str> = Arc::from(issued_key.node_key().as_str());
+        let credentials = AgentCredentials {
+            node_key: Some(Arc::clone(&node_key)),
+            key: Some(Arc::clone(&key)),
+            fleet: fleet.clone(),
+        };
         let of = |id: &str, per_node: bool, credentials: &AgentCredentials| {
             let endpoint = states.endpoint(&Arc::from(id), BaseUrl::new("http://a"), false, true, 1);
-            endpoint.with_credential(per_node, credentials).authorization
+            let takes = if per_node { AgentTakes::JoinDerived } else { AgentTakes::FleetWide };
+            endpoint.with_credential(takes, credentials).authorization
         };
+        let issued = |id: &str| {
+            let endpoint = states.endpoint(&Arc::from(id), BaseUrl::new("http://a"), false, true, 1);
+            endpoint.with_credential(AgentTakes::Issued, &credentials).authorization
+        };
+        let header = inferyes_proto::bearer::header_value;
+        assert_eq!(issued("d"), header(&issued_key.proxy_credential("d")), "what its controller issued it");
+        assert_eq!(issued("d"), header(&issued_key.proxy_credential("d")), "the same, from the cache");
         let own =
             |id: &str| inferyes_proto::bearer::header_value(&inferyes_proto::bearer::node_proxy_credential(&key, id));
         assert_eq!(of("a", true, &credentials), own("a"));
@@ -488,8 +535,11 @@ mod tests {
         assert_ne!(own("a"), own("b"));
         assert_eq!(of("a", true, &credentials), own("a"), "the same, from the cache");
         assert_eq!(of("c", false, &credentials), fleet, "an agent from before takes the fleet's");
-        let rotated =
-            AgentCredentials { key: Some(Arc::from(inferyes_proto::bearer::proxy_key("new").as_str())), fleet };
+        let rotated = AgentCredentials {
+            key: Some(Arc::from(inferyes_proto::bearer::proxy_key("new").as_str())),
+            fleet,
+            ..credentials.clone()
+        };
         let new = inferyes_proto::bearer::node_proxy_credential(rotated.key.as_deref().unwrap(), "a");
         assert_eq!(of("a", true, &rotated), inferyes_proto::bearer::header_value(&new), "derived anew for a new key");
         assert_eq!(of("a", true, &AgentCredentials::default()), None, "an open fleet sends none");

@@ -79,6 +79,93 @@ pub fn node_proxy_credential(proxy_key: &str, node_id: &str) -> String {
     mac_hex(proxy_key, format!("inferyes agent proxy v2 {node_id}").as_bytes())
 }
 
+/// A fleet's secret, which only controllers hold (the first makes it and
+/// keeps it in etcd): what vouches for one node is derived from it, so
+/// that the join token, which every agent holds, lets an agent ask to
+/// join and vouches for nothing.
+#[derive(Clone)]
+pub struct FleetKey(String);
+
+impl std::fmt::Debug for FleetKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("FleetKey(..)")
+    }
+}
+
+/// The bytes of a fleet secret a controller makes.
+pub const FLEET_KEY_BYTES: usize = 32;
+
+impl FleetKey {
+    /// `None` for a secret too short to be one a controller made.
+    pub fn new(secret: &[u8]) -> Option<FleetKey> {
+        (secret.len() >= FLEET_KEY_BYTES).then(|| FleetKey(crate::hex(secret)))
+    }
+
+    /// What data planes derive each node's proxy credential from
+    /// (`RoutingSnapshot.node_key`, with [`node_proxy_credential`]).
+    pub fn node_key(&self) -> String {
+        mac_hex(&self.0, b"inferyes node proxy key v3")
+    }
+
+    /// What data planes present to `node_id`'s proxy, issued to that node.
+    pub fn proxy_credential(&self, node_id: &str) -> String {
+        node_proxy_credential(&self.node_key(), node_id)
+    }
+
+    /// What `node_id` checks the slots sent to it with, issued to it alone:
+    /// no other node can make a grant to send it one.
+    pub fn intake_key(&self, node_id: &str) -> String {
+        mac_hex(&self.0, format!("inferyes slot intake v3 {node_id}").as_bytes())
+    }
+
+    /// The controller's leave for one node to send another's backend slots.
+    pub fn move_grant(&self, grant: &MoveGrant<'_>) -> String {
+        move_grant(&self.intake_key(grant.to), grant)
+    }
+}
+
+/// Which node may send slots to which node's backend, from which address,
+/// until when.
+#[derive(Clone, Copy, Debug)]
+pub struct MoveGrant<'a> {
+    pub from: &'a str,
+    /// The host of the sending node's proxy URL: the receiver takes the
+    /// slot only from that address.
+    pub from_host: &'a str,
+    pub to: &'a str,
+    pub backend: &'a str,
+    pub expires_unix_ms: u64,
+}
+
+/// How often controllers make their move grants again; each one holds
+/// for between one and two of these.
+pub const MOVE_GRANT_RENEW_MS: u64 = 5 * 60 * 1000;
+
+/// When a grant made at `now_ms` expires: the same for every controller
+/// within one renewal period, so that grants change only once a period.
+pub fn move_grant_expiry(now_ms: u64) -> u64 {
+    (now_ms / MOVE_GRANT_RENEW_MS).saturating_add(2).saturating_mul(MOVE_GRANT_RENEW_MS)
+}
+
+/// The host of a proxy URL, as a grant names it: lowercase, an IPv6
+/// address without its brackets.
+pub fn url_host(url: &str) -> Option<String> {
+    let uri = url.parse::<http::Uri>().ok()?;
+    let host = uri.host()?.trim_start_matches('[').trim_end_matches(']');
+    (!host.is_empty()).then(|| host.to_ascii_lowercase())
+}
+
+/// A grant as the receiving node makes it again with its `intake_key`:
+/// HMAC-SHA256 of the grant, in hex.
+pub fn move_grant(intake_key: &str, grant: &MoveGrant<'_>) -> String {
+    let MoveGrant { from, from_host, to, backend, expires_unix_ms } = grant;
+    // Node and backend ids hold no spaces; a host is last.
+    mac_hex(
+        intake_key,
+        format!("inferyes move grant v3 {from} {to} {backend} {expires_unix_ms} {from_host}").as_bytes(),
+    )
+}
+
 /// What one slot's move is: from which node to which node's backend,
 /// whose conversation, the file's SHA-256 and tokens, and until when it
 /// may be taken.
@@ -94,17 +181,17 @@ pub struct SlotMove<'a> {
 }
 
 /// What the sending agent presents to the receiving one with a slot file:
-/// HMAC-SHA256 of the whole move, keyed by a key derived from the join
-/// token. The receiving agent makes it again from its own join tokens, so
-/// it holds no list of credentials; one captured opens that node's intake
-/// for that one file, from that node, once, until it expires.
-pub fn slot_move_credential(join_token: &str, slot: &SlotMove<'_>) -> String {
-    let key = mac_hex(join_token, b"inferyes slot move key v2");
+/// HMAC-SHA256 of the whole move, keyed by the controller's grant for
+/// that pair of nodes. The receiving agent makes the grant again with its
+/// own intake key, so it holds no list of credentials; one captured opens
+/// that node's intake for that one file, from that node, once, until it
+/// expires.
+pub fn slot_move_credential(grant: &str, slot: &SlotMove<'_>) -> String {
     let SlotMove { from, to, backend, session, sha256, tokens, expires_unix_ms } = slot;
     // Node and backend ids hold no spaces; a session key may, and is last
     // but for fixed-form fields.
-    let text = format!("inferyes slot move v2 {from} {to} {backend} {tokens} {expires_unix_ms} {sha256} {session}");
-    mac_hex(&key, text.as_bytes())
+    let text = format!("inferyes slot move v3 {from} {to} {backend} {tokens} {expires_unix_ms} {sha256} {session}");
+    mac_hex(grant, text.as_bytes())
 }
 
 /// HMAC-SHA256 of `label` keyed by `secret`, in hex: a value that proves
@@ -207,22 +294,55 @@ mod tests {
             tokens: 10,
             expires_unix_ms: 1_000,
         };
-        let credential = slot_move_credential("join", &slot);
-        assert_eq!(credential, slot_move_credential("join", &slot), "made again, the same");
+        let credential = slot_move_credential("grant", &slot);
+        assert_eq!(credential, slot_move_credential("grant", &slot), "made again, the same");
         for other in [
             slot_move_credential("other", &slot),
-            slot_move_credential("join", &SlotMove { from: "c", ..slot }),
-            slot_move_credential("join", &SlotMove { to: "c", ..slot }),
-            slot_move_credential("join", &SlotMove { from: "b", to: "a", ..slot }),
-            slot_move_credential("join", &SlotMove { backend: "other", ..slot }),
-            slot_move_credential("join", &SlotMove { session: "root-2", ..slot }),
-            slot_move_credential("join", &SlotMove { sha256: "00fe", ..slot }),
-            slot_move_credential("join", &SlotMove { tokens: 11, ..slot }),
-            slot_move_credential("join", &SlotMove { expires_unix_ms: 1_001, ..slot }),
+            slot_move_credential("grant", &SlotMove { from: "c", ..slot }),
+            slot_move_credential("grant", &SlotMove { to: "c", ..slot }),
+            slot_move_credential("grant", &SlotMove { from: "b", to: "a", ..slot }),
+            slot_move_credential("grant", &SlotMove { backend: "other", ..slot }),
+            slot_move_credential("grant", &SlotMove { session: "root-2", ..slot }),
+            slot_move_credential("grant", &SlotMove { sha256: "00fe", ..slot }),
+            slot_move_credential("grant", &SlotMove { tokens: 11, ..slot }),
+            slot_move_credential("grant", &SlotMove { expires_unix_ms: 1_001, ..slot }),
         ] {
             assert_ne!(credential, other);
         }
-        assert_ne!(credential, node_proxy_credential(&proxy_key("join"), "b"), "not the node's proxy credential");
+    }
+
+    #[test]
+    fn what_vouches_for_a_node_comes_from_the_fleet_key_and_names_that_node() {
+        assert!(FleetKey::new(&[7; FLEET_KEY_BYTES - 1]).is_none(), "too short to be a controller's");
+        let key = FleetKey::new(&[7; FLEET_KEY_BYTES]).unwrap();
+        let other = FleetKey::new(&[8; FLEET_KEY_BYTES]).unwrap();
+        assert_eq!(format!("{key:?}"), "FleetKey(..)", "never logged");
+        // A data plane derives from the snapshot's key what the node was issued.
+        assert_eq!(key.proxy_credential("a"), node_proxy_credential(&key.node_key(), "a"));
+        assert_ne!(key.proxy_credential("a"), key.proxy_credential("b"));
+        assert_ne!(key.proxy_credential("a"), other.proxy_credential("a"));
+        // Nothing a join token derives opens a node.
+        assert_ne!(key.node_key(), proxy_key("a"));
+        assert_ne!(key.intake_key("a"), key.intake_key("b"));
+        assert_ne!(key.intake_key("a"), key.proxy_credential("a"));
+        let grant = MoveGrant { from: "a", from_host: "10.0.0.1", to: "b", backend: "main", expires_unix_ms: 1_000 };
+        let made = key.move_grant(&grant);
+        assert_eq!(made, move_grant(&key.intake_key("b"), &grant), "the receiver makes it again");
+        assert_ne!(made, move_grant(&key.intake_key("c"), &grant), "no other node can");
+        let (renew, now) = (MOVE_GRANT_RENEW_MS, 7 * MOVE_GRANT_RENEW_MS + 1);
+        assert_eq!(move_grant_expiry(now), move_grant_expiry(now + renew - 2), "one grant a period");
+        assert!((now + renew..=now + 2 * renew).contains(&move_grant_expiry(now)));
+        assert_eq!(url_host("http://Node-A.example:9100").as_deref(), Some("node-a.example"));
+        assert_eq!(url_host("https://[::1]:9100/").as_deref(), Some("::1"));
+        assert_eq!(url_host("not a url"), None);
+        for changed in [
+            MoveGrant { from: "c", ..grant },
+            MoveGrant { from_host: "10.0.0.2", ..grant },
+            MoveGrant { backend: "other", ..grant },
+            MoveGrant { expires_unix_ms: 1_001, ..grant },
+        ] {
+            assert_ne!(made, key.move_grant(&changed));
+        }
     }
 
     #[test]

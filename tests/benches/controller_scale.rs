@@ -496,6 +496,8 @@ fn node_status(index: usize) -> NodeStatus {
         started_unix_ms: 1,
         proxy_http2: true,
         proxy_credential_per_node: true,
+        proxy_credential_issued: true,
+        awaiting_credential: false,
         gpu_hour_price: 0.0,
         moves: None,
     }

@@ -280,7 +280,7 @@ async fn run(scenario: Scenario, policy: Policy) -> (Tally, Duration) {
             let nodes: Vec<usize> = (0..scenario.nodes).filter(|n| scenario.model_of_node(*n) == model).collect();
             let same_model_index = (0..c).filter(|o| model_of_conversation(*o) == model).count();
             let node = nodes[same_model_index % nodes.len()];
-            let authorization = inferyes_tests::fleet::agent_authorization(&agents[node].node_id);
+            let authorization = inferyes_tests::fleet::agent_authorization(&etcd, &agents[node].node_id).await;
             (
                 format!("http://{}/v1/chat/completions", agents[node].proxy_addr),
                 Some(("main".to_string(), authorization)),

@@ -3,6 +3,7 @@ is made of (etcd, a controller, llama-server, agents, data planes), each the
 real binary. The suite's fleets are put together in conftest.py, the
 benchmarks' in bench_chat.py."""
 
+import base64
 import json
 import os
 import random
@@ -129,6 +130,17 @@ class Fleet:
         path = self.tmp / name
         path.write_text(text)
         return path
+
+    def fleet_key(self):
+        """The fleet's secret, as controllers keep it in etcd (read through
+        etcd's JSON gateway), in hex: what every credential issued to a
+        node derives from."""
+        key = base64.b64encode(b"/inferyes/v1/secrets/fleet-key").decode()
+        request = urllib.request.Request(f"{self.etcd_url}/v3/kv/range", data=json.dumps({"key": key}).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=10) as response:
+            [kv] = json.loads(response.read())["kvs"]
+        return base64.b64decode(kv["value"]).hex()
 
     def ctl(self, *args):
         out = subprocess.run(

@@ -107,18 +107,45 @@ def mac(key, text):
     return hmac.new(key.encode(), text.encode(), hashlib.sha256).hexdigest()
 
 
-def slot_headers(fleet, body, until, to="node-b", sender="node-a", digest=None, length=None, fingerprint=None,
-                 session="root-attacker", tokens=100):
-    """A slot file's headers, with the credential a sender makes of the
-    join token: by default for root-attacker's 100 tokens on the `chat`
-    backend."""
+def proxy_credential(fleet, node):
+    """What the controller issues `node` for data planes to present."""
+    return mac(mac(fleet.fleet_key(), "inferyes node proxy key v3"), f"inferyes agent proxy v2 {node}")
+
+
+def join_derived_proxy_credential(fleet, node):
+    """What the join token derives for `node`: all an agent that holds it
+    could make of another node's credential."""
     join = fleet.join_token_file.read_text().strip()
+    return mac(mac(join, "inferyes agent proxy key v2"), f"inferyes agent proxy v2 {node}")
+
+
+def grant_expiry(now_ms=None):
+    """As a controller makes it: the end of the next 5-minute period."""
+    period = 300_000
+    return ((now_ms or int(time.time() * 1000)) // period + 2) * period
+
+
+def slot_headers(fleet, body, until, to="node-b", sender="node-a", digest=None, length=None, fingerprint=None,
+                 session="root-attacker", tokens=100, host="127.0.0.1", grant_until=None, join_derived=False):
+    """A slot file's headers, with the credential a sender makes of its
+    controller's grant (as the controller makes it, of the fleet key): by
+    default for root-attacker's 100 tokens on the `chat` backend, from
+    node-a at 127.0.0.1. `join_derived`: made as credentials were of the
+    join token, all an agent holding it could make."""
     digest = digest or hashlib.sha256(body).hexdigest()
     fingerprint = fingerprint or fleet.ctl("node", to)["backends"][0]["slot_fingerprint"]
-    move = f"inferyes slot move v2 {sender} {to} chat {tokens} {until} {digest} {session}"
-    credential = mac(mac(join, "inferyes slot move key v2"), move)
+    grant_until = grant_until or grant_expiry()
+    if join_derived:
+        join = fleet.join_token_file.read_text().strip()
+        move = f"inferyes slot move v2 {sender} {to} chat {tokens} {until} {digest} {session}"
+        credential = mac(mac(join, "inferyes slot move key v2"), move)
+    else:
+        intake = mac(fleet.fleet_key(), f"inferyes slot intake v3 {to}")
+        grant = mac(intake, f"inferyes move grant v3 {sender} {to} chat {grant_until} {host}")
+        credential = mac(grant, f"inferyes slot move v3 {sender} {to} chat {tokens} {until} {digest} {session}")
     return {
         "Authorization": f"Bearer {credential}", "x-inferyes-move-from": sender,
+        "x-inferyes-move-from-host": host, "x-inferyes-move-grant-expires": str(grant_until),
         "x-inferyes-move-expires": str(until), "x-inferyes-backend": "chat", "x-inferyes-model": GEMMA,
         "x-inferyes-session": session, "x-inferyes-slot-tokens": str(tokens),
         "x-inferyes-slot-fingerprint": fingerprint, "x-inferyes-slot-sha256": digest,
@@ -153,7 +180,16 @@ def test_a_node_takes_a_slot_only_with_its_credential_and_a_file_that_checks_out
         "no credential, for a backend it lacks": (
             {**{k: v for k, v in headers().items() if k != "Authorization"}, "x-inferyes-backend": "nope"},
             401, "invalid_credential"),
+        # What planted a conversation before: a credential made of the join
+        # token, which every agent holds.
+        "made of the join token": (headers(join_derived=True), 401, "invalid_credential"),
         "another node's": (headers(to="node-c"), 401, "invalid_credential"),
+        "another host's claim": ({**headers(), "x-inferyes-move-from-host": "127.0.0.2"}, 401, "invalid_credential"),
+        "a grant expired": (headers(grant_until=grant_expiry() - 600_000), 401, "invalid_credential"),
+        "a grant too far ahead": (headers(grant_until=grant_expiry() + 300_000), 401, "invalid_credential"),
+        # The grant names node-a at another address: a node's identity is
+        # no use from anywhere else.
+        "from another address": (headers(host="127.0.0.2", until=expires + 4), 403, "wrong_address"),
         "another sender's claim": ({**headers(), "x-inferyes-move-from": "node-c"}, 401, "invalid_credential"),
         "another conversation's": ({**headers(), "x-inferyes-session": "root-other"}, 401, "invalid_credential"),
         "another file's": ({**headers(), "x-inferyes-slot-sha256": "1" * 64}, 401, "invalid_credential"),
@@ -178,8 +214,7 @@ def test_a_node_takes_a_slot_only_with_its_credential_and_a_file_that_checks_out
 
     # The servers' slot endpoints are not reachable through the proxy, even
     # with the node's own credential (what data planes hold).
-    join = fleet.join_token_file.read_text().strip()
-    credential = mac(mac(join, "inferyes agent proxy key v2"), "inferyes agent proxy v2 node-b")
+    credential = proxy_credential(fleet, "node-b")
     for path in ("/slots", "/slots/0?action=erase"):
         request = urllib.request.Request(f"{url}{path}", data=b'{"filename":"x"}', method="POST",
                                          headers={"Authorization": f"Bearer {credential}"})
@@ -206,9 +241,8 @@ def test_a_data_plane_has_a_conversation_s_cache_carried_where_it_asks(movers):
 
     [key] = wait_until("the conversation resident on node-a",
                        lambda: [k for k in resident_on("node-a") if k not in before] or None)
-    join = fleet.join_token_file.read_text().strip()
     home = fleet.ctl("node", "node-a")["proxy_url"]
-    credential = mac(mac(join, "inferyes agent proxy key v2"), "inferyes agent proxy v2 node-a")
+    credential = proxy_credential(fleet, "node-a")
 
     def carry(headers):
         request = urllib.request.Request(f"{home}/_inferyes/slots/carry", data=b"", method="POST", headers=headers)
@@ -225,9 +259,13 @@ def test_a_data_plane_has_a_conversation_s_cache_carried_where_it_asks(movers):
     fleet.wait_routing()
     wait_until("node-b a peer of node-a",
                lambda: carry({**asked, "x-inferyes-session": "root-nobody"})[1]["error"]["code"] == "not_resident")
-    # Only a data plane (the node's credential) may ask; only for a
-    # conversation resident there; only to a peer its controller named.
+    # Only a data plane (the node's credential) may ask: not an agent that
+    # joined (node-c's credential is no use at node-a), nor one holding
+    # only the join token; only for a conversation resident there; only to
+    # a peer its controller named.
     assert carry({k: v for k, v in asked.items() if k != "Authorization"})[0] == 401
+    for other in (proxy_credential(fleet, "node-c"), join_derived_proxy_credential(fleet, "node-a")):
+        assert carry({**asked, "Authorization": f"Bearer {other}"})[0] == 401
     for peer in ({"x-inferyes-move-to": "node-zz"}, {"x-inferyes-move-to-backend": "other"}):
         status, answer = carry({**asked, **peer})
         assert (status, answer["error"]["code"]) == (404, "unknown_peer"), answer

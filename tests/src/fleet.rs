@@ -172,10 +172,42 @@ pub fn routing_client(channel: Channel, token: Option<&str>) -> inferyes_datapla
     inferyes_dataplane::Controllers { addresses: Vec::new(), tls: Default::default(), bearer }.client(channel)
 }
 
-/// The `Authorization` a data plane sends the agent of `node_id`.
-pub fn agent_authorization(node_id: &str) -> String {
-    let key = inferyes_proto::bearer::proxy_key(JOIN_TOKEN);
-    format!("Bearer {}", inferyes_proto::bearer::node_proxy_credential(&key, node_id))
+/// The `Authorization` a data plane sends the agent of `node_id`: what the
+/// fleet's controllers issued it, from the fleet key they keep in `etcd`
+/// (under the default prefix); once the node's record says its agent
+/// holds it.
+pub async fn agent_authorization(etcd: &crate::Etcd, node_id: &str) -> String {
+    use prost::Message as _;
+    let mut client = etcd.client().await.expect("etcd");
+    let node = format!("/inferyes/v1/nodes/{node_id}");
+    let holds = |value: &[u8]| {
+        let record = inferyes_proto::v1::NodeRecord::decode(value).ok();
+        record.and_then(|r| r.status).is_some_and(|s| !s.awaiting_credential)
+    };
+    let found = client.get(node.as_str(), None).await.expect("the node's record read");
+    if !found.kvs().first().is_some_and(|kv| holds(kv.value())) {
+        let from = found.header().map_or(0, |h| h.revision()) + 1;
+        let options = etcd_client::WatchOptions::new().with_start_revision(from);
+        let mut changes = client.watch(node.as_str(), Some(options)).await.expect("a watch");
+        let issued = async {
+            while let Some(changes) = changes.message().await.expect("the watch") {
+                if changes.events().iter().filter_map(|e| e.kv()).any(|kv| holds(kv.value())) {
+                    return;
+                }
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(15), issued).await.expect("the node's credential issued in 15 s");
+    }
+    format!("Bearer {}", fleet_key(etcd).await.proxy_credential(node_id))
+}
+
+/// The fleet key the fleet's controllers keep in `etcd`, under the default
+/// prefix: there once an agent has joined or a data plane subscribed.
+pub async fn fleet_key(etcd: &crate::Etcd) -> inferyes_proto::bearer::FleetKey {
+    let mut client = etcd.client().await.expect("etcd");
+    let found = client.get("/inferyes/v1/secrets/fleet-key", None).await.expect("the fleet key read");
+    let secret = found.kvs().first().expect("a fleet key: an agent has joined").value();
+    inferyes_proto::bearer::FleetKey::new(secret).expect("a controller's fleet key")
 }
 
 pub struct AgentHandle {

@@ -1,8 +1,10 @@
 //! A slot's journey between two agents. The sending agent has its server
 //! save the conversation's slot to a file, and PUTs the file to the
-//! receiving agent's proxy (`/_inferyes/slots`), with the credential its
-//! controller gave it for that node; the receiving agent checks the
-//! credential, the backend's fingerprint and the file's size and hash,
+//! receiving agent's proxy (`/_inferyes/slots`), with a credential made
+//! from the grant its controller gave it for that node; the receiving
+//! agent makes the grant again with the intake key its controller issued
+//! it, and checks the credential, the sender's address, the backend's
+//! fingerprint and the file's size and hash,
 //! has its server restore the file into a free slot, and records the
 //! conversation as resident. Both files are removed whatever happens. The
 //! servers' own slot endpoints are never reachable through the proxy.
@@ -33,12 +35,18 @@ pub use inferyes_proto::headers::{CARRY_PATH, MOVE_TO, MOVE_TO_BACKEND};
 pub const SLOT_FINGERPRINT: HeaderName = HeaderName::from_static("x-inferyes-slot-fingerprint");
 
 pub const MOVE_FROM: HeaderName = HeaderName::from_static("x-inferyes-move-from");
+pub const MOVE_FROM_HOST: HeaderName = HeaderName::from_static("x-inferyes-move-from-host");
 pub const MOVE_EXPIRES: HeaderName = HeaderName::from_static("x-inferyes-move-expires");
+pub const MOVE_GRANT_EXPIRES: HeaderName = HeaderName::from_static("x-inferyes-move-grant-expires");
 pub const SLOT_SHA256: HeaderName = HeaderName::from_static("x-inferyes-slot-sha256");
 pub const SLOT_TOKENS: HeaderName = HeaderName::from_static("x-inferyes-slot-tokens");
 
 /// The furthest ahead a credential's expiry may be.
 const MAX_CREDENTIAL_MS: u64 = 10 * 60 * 1000;
+/// The furthest ahead a grant's expiry may be.
+const MAX_GRANT_MS: u64 = 2 * inferyes_proto::bearer::MOVE_GRANT_RENEW_MS;
+/// A sender's host name that takes longer to look up is not believed.
+const LOOKUP_TIMEOUT: Duration = Duration::from_secs(2);
 /// How long a credential the sender makes is good for: longer than any one
 /// file's transfer.
 const CREDENTIAL_MS: u64 = 5 * 60 * 1000;
@@ -58,9 +66,6 @@ pub const SLOT_ACTION_TIMEOUT: Duration = Duration::from_secs(60);
 /// The receiving side, one per agent: its checks and bounds.
 pub struct Intake {
     pub state: Arc<AgentState>,
-    /// The fleet's join tokens, the credentials are made again from;
-    /// `None`: an open fleet, where slots are not taken from anyone.
-    pub join_tokens: Option<Vec<String>>,
     pub max_slot_bytes: u64,
     /// Free space left on a slot directory's filesystem by a file taken.
     pub min_free_bytes: u64,
@@ -172,8 +177,9 @@ fn text<'a>(headers: &'a HeaderMap, name: &HeaderName) -> Option<&'a str> {
 }
 
 impl Intake {
-    pub async fn receive(&self, request: Request<Incoming>) -> Response {
-        match tokio::time::timeout(RECEIVE_TIMEOUT, self.take(request)).await {
+    /// Takes the slot file `request` carries, from `peer`.
+    pub async fn receive(&self, request: Request<Incoming>, peer: std::net::IpAddr) -> Response {
+        match tokio::time::timeout(RECEIVE_TIMEOUT, self.take(request, peer)).await {
             Ok(Ok(taken)) => {
                 self.metrics.received.get_or_create(&crate::metrics::OutcomeLabels { outcome: "restored" }).inc();
                 axum::Json(taken).into_response()
@@ -187,7 +193,7 @@ impl Intake {
         }
     }
 
-    async fn take(&self, request: Request<Incoming>) -> Result<Taken, Refused> {
+    async fn take(&self, request: Request<Incoming>, peer: std::net::IpAddr) -> Result<Taken, Refused> {
         let (parts, body) = request.into_parts();
         if parts.method != http::Method::PUT {
             return Err(refused(ErrorKind::BadRequest, "slots are PUT here", "method_not_allowed"));
@@ -213,7 +219,8 @@ impl Intake {
             .ok_or_else(|| refused(ErrorKind::BadRequest, "a slot file's length must be given", "length_required"))?;
         // Checked before anything of this node's is looked up: a stranger
         // learns nothing of its backends.
-        self.check_credential(headers, backend_id, session, &digest, tokens)?;
+        let from_host = self.check_credential(headers, backend_id, session, &digest, tokens)?;
+        check_sender(from_host, peer).await?;
         let handle = self.state.backend(backend_id).filter(|h| h.probe.slots.is_some()).ok_or_else(|| {
             refused(ErrorKind::NotFound, "no backend here takes slots by that name", "backend_not_found")
         })?;
@@ -293,49 +300,58 @@ impl Intake {
         Ok(Taken { slot, n_restored: tokens, restore_ms: float(&answer, "/timings/restore_ms"), bytes })
     }
 
-    /// The credential names this very move, from a node of this fleet, to
-    /// this one; and it was not taken before.
-    fn check_credential(
+    /// The credential names this very move, under the controller's grant
+    /// for the sending node to send here; and it was not taken before. The
+    /// host the grant names the sender at.
+    fn check_credential<'h>(
         &self,
-        headers: &HeaderMap,
+        headers: &'h HeaderMap,
         backend: &str,
         session: &str,
         sha256: &str,
         slot_tokens: u32,
-    ) -> Result<(), Refused> {
+    ) -> Result<&'h str, Refused> {
         let denied = |message: &str| refused(ErrorKind::Unauthenticated, message, "invalid_credential");
-        let tokens = self.join_tokens.as_ref().ok_or_else(|| {
-            refused(ErrorKind::PermissionDenied, "this node takes no slots: it has no join token", "moves_off")
+        if !self.state.closed {
+            let message = "this node takes no slots: it joins with no token";
+            return Err(refused(ErrorKind::PermissionDenied, message, "moves_off"));
+        }
+        let issued = self.state.issued.load_full().ok_or_else(|| {
+            refused(ErrorKind::Unavailable, "no controller has issued this node its credentials yet", "not_ready")
         })?;
         let from = text(headers, &MOVE_FROM).ok_or_else(|| denied("no sending node named"))?;
-        let expires: u64 =
-            text(headers, &MOVE_EXPIRES).and_then(|e| e.parse().ok()).ok_or_else(|| denied("no expiry given"))?;
+        let from_host = text(headers, &MOVE_FROM_HOST).ok_or_else(|| denied("no sending host named"))?;
+        let expiry = |name: &HeaderName| text(headers, name).and_then(|e| e.parse::<u64>().ok());
+        let expires = expiry(&MOVE_EXPIRES).ok_or_else(|| denied("no expiry given"))?;
+        let grant_expires = expiry(&MOVE_GRANT_EXPIRES).ok_or_else(|| denied("no grant's expiry given"))?;
         let now = inferyes_proto::unix_ms();
-        if expires <= now || expires > now.saturating_add(MAX_CREDENTIAL_MS) {
-            return Err(denied("the credential has expired, or expires too far ahead"));
+        let within = |at: u64, most: u64| at > now && at <= now.saturating_add(most);
+        if !within(expires, MAX_CREDENTIAL_MS) || !within(grant_expires, MAX_GRANT_MS) {
+            return Err(denied("the credential or its grant has expired, or expires too far ahead"));
         }
         let presented = headers
             .get(header::AUTHORIZATION)
             .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "))
             .ok_or_else(|| denied("no credential"))?;
+        let to = self.state.node_id.as_str();
+        let grant = inferyes_proto::bearer::MoveGrant { from, from_host, to, backend, expires_unix_ms: grant_expires };
+        let grant = inferyes_proto::bearer::move_grant(&issued.intake_key, &grant);
         let slot = inferyes_proto::bearer::SlotMove {
             from,
-            to: self.state.node_id.as_str(),
+            to,
             backend,
             session,
             sha256,
             tokens: slot_tokens,
             expires_unix_ms: expires,
         };
-        let made = |token: &String| inferyes_proto::bearer::slot_move_credential(token, &slot);
-        let accepted = tokens
-            .iter()
-            .fold(false, |ok, t| ok | inferyes_proto::apikey::constant_time_eq(presented, made(t).as_bytes()));
-        if !accepted {
-            return Err(denied("the credential is not this node's for that move"));
+        let made = inferyes_proto::bearer::slot_move_credential(&grant, &slot);
+        if !inferyes_proto::apikey::constant_time_eq(presented, made.as_bytes()) {
+            return Err(denied("the credential is not one this node's controller granted for that move"));
         }
         let mut used = self.used.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        take_once(&mut used, presented, expires, now, self.state.started_unix_ms)
+        take_once(&mut used, presented, expires, now, self.state.started_unix_ms)?;
+        Ok(from_host)
     }
 
     fn check_backend(
@@ -378,6 +394,34 @@ impl Intake {
             return Err(unread(format!("HTTP {}", status.as_u16())));
         }
         parse_slots(&body).ok_or_else(|| unread("not a list of slots".into()))
+    }
+}
+
+/// Refuses a slot file that does not come from the host its grant names:
+/// a node's grant captured on the way is no use elsewhere.
+async fn check_sender(host: &str, peer: std::net::IpAddr) -> Result<(), Refused> {
+    let peer = peer.to_canonical();
+    let elsewhere = || {
+        let message = format!("the sending node's grant names {host}, not this connection's address");
+        refused(ErrorKind::PermissionDenied, message, "wrong_address")
+    };
+    if let Ok(ip) = host.parse::<std::net::IpAddr>() {
+        return if ip.to_canonical() == peer { Ok(()) } else { Err(elsewhere()) };
+    }
+    let found = tokio::time::timeout(LOOKUP_TIMEOUT, tokio::net::lookup_host((host, 0))).await;
+    match found {
+        Ok(Ok(mut addresses)) => {
+            if addresses.any(|a| a.ip().to_canonical() == peer) {
+                Ok(())
+            } else {
+                Err(elsewhere())
+            }
+        }
+        Ok(Err(_)) | Err(_) => Err(refused(
+            ErrorKind::Unavailable,
+            format!("the sending node's host {host} is unresolved"),
+            "wrong_address",
+        )),
     }
 }
 
@@ -528,9 +572,6 @@ pub struct Sender {
     /// Conversations whose slots are moving now: one move of each at once,
     /// or two targets would restore it (each evicting another's cache).
     pub moving: std::sync::Mutex<std::collections::HashSet<String>>,
-    /// What each move's credential is made from; `None`: an open fleet,
-    /// where agents take no slots.
-    pub join_token: Option<String>,
     pub client: ProbeClient,
     pub pool: inferyes_net::pool::Pool<FileBody>,
     pub max_slot_bytes: u64,
@@ -564,6 +605,9 @@ impl Sender {
         }
         if fingerprint != target.slot_fingerprint {
             return Err(MoveError::Refused("the target has another fingerprint".into()));
+        }
+        if target.grant.is_empty() || target.grant_expires_unix_ms <= inferyes_proto::unix_ms() {
+            return Err(MoveError::Refused("no grant of the controller's, live, to send that node slots".into()));
         }
         let (url, api_key) = (handle.probe.url.as_str(), handle.probe.api_key.as_str());
         let failed = |what: &str, why: String| MoveError::Failed(format!("{what}: {why}"));
@@ -673,10 +717,8 @@ impl Sender {
         let value = |text: &str| {
             HeaderValue::from_str(text).map_err(|_| MoveError::Failed("a header value that cannot be sent".into()))
         };
-        let join_token = self
-            .join_token
-            .as_deref()
-            .ok_or_else(|| MoveError::NotMovable("this node has no join token to vouch for a move with".into()))?;
+        let from_host = inferyes_proto::bearer::url_host(&self.state.proxy_url)
+            .ok_or_else(|| MoveError::NotMovable("this node's proxy URL names no host".into()))?;
         let expires = inferyes_proto::unix_ms().saturating_add(CREDENTIAL_MS);
         let slot = inferyes_proto::bearer::SlotMove {
             from: &self.state.node_id,
@@ -687,7 +729,7 @@ impl Sender {
             tokens,
             expires_unix_ms: expires,
         };
-        let credential = inferyes_proto::bearer::slot_move_credential(join_token, &slot);
+        let credential = inferyes_proto::bearer::slot_move_credential(&target.grant, &slot);
         let mut credential = value(&format!("Bearer {credential}"))?;
         credential.set_sensitive(true);
         let mut request = Request::put(uri).body(body).map_err(|e| MoveError::Failed(e.to_string()))?;
@@ -697,7 +739,9 @@ impl Sender {
         headers.insert(header::CONTENT_LENGTH, HeaderValue::from(bytes));
         headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/octet-stream"));
         headers.insert(MOVE_FROM, value(&self.state.node_id)?);
+        headers.insert(MOVE_FROM_HOST, value(&from_host)?);
         headers.insert(MOVE_EXPIRES, HeaderValue::from(expires));
+        headers.insert(MOVE_GRANT_EXPIRES, HeaderValue::from(target.grant_expires_unix_ms));
         headers.insert(inferyes_proto::headers::BACKEND, value(&target.backend_id)?);
         headers.insert(inferyes_proto::headers::MODEL, value(&session.model)?);
         headers.insert(inferyes_proto::headers::SESSION, value(&session.key)?);

@@ -52,6 +52,9 @@ pub struct AgentSvc {
     pub pacing: std::sync::Arc<WritePacing>,
     /// How many nodes the fleet takes.
     pub seats: std::sync::Arc<Seats>,
+    /// What the credentials issued to nodes derive from; `None`: no join
+    /// token, so none issued (an open fleet's agents check nothing).
+    pub fleet_secret: Option<std::sync::Arc<crate::store::FleetSecret>>,
 }
 
 /// The fleet's nodes, at most `max_nodes`: a join naming a node the fleet
@@ -290,6 +293,10 @@ impl AgentService for AgentSvc {
                 ),
             ));
         };
+        let fleet_key = match &self.fleet_secret {
+            Some(secret) => Some(secret.get().await.map_err(|e| status(e.kind(), e.to_string()))?.clone()),
+            None => None,
+        };
         let claim = self.claim(node, instance, seat).instrument(span.clone()).await?;
 
         let (tx, rx) = mpsc::channel(8);
@@ -300,10 +307,18 @@ impl AgentService for AgentSvc {
                 heartbeat_interval_ms: millis(self.heartbeat_interval),
             })),
         };
-        // The channel is empty and ours: this cannot fail.
+        // The channel is empty and ours: these cannot fail.
         let _ = tx.try_send(Ok(registered));
+        if let Some(key) = &fleet_key {
+            let node_id = &claim.reported.durable.node_id;
+            let credentials = inferyes_proto::v1::NodeCredentials {
+                proxy_credential: key.proxy_credential(node_id),
+                intake_key: key.intake_key(node_id),
+            };
+            let _ = tx.try_send(Ok(ControllerMessage { msg: Some(controller_message::Msg::Credentials(credentials)) }));
+        }
         tracing::info!(parent: &span, "agent joined");
-        tokio::spawn(self.clone().session(claim, inbound, tx).instrument(span));
+        tokio::spawn(self.clone().session(claim, inbound, tx, fleet_key).instrument(span));
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 }
@@ -378,6 +393,39 @@ struct Claim {
     seat: Seat,
     /// The node's writer, its first write done or held for retry.
     writer: NodeWriter,
+}
+
+/// What a node's move grants are made with.
+struct Granting {
+    key: inferyes_proto::bearer::FleetKey,
+    from: String,
+    /// The host of the node's proxy URL; `None`: it names none, and the
+    /// node is granted no move.
+    from_host: Option<String>,
+}
+
+impl Granting {
+    fn new(key: inferyes_proto::bearer::FleetKey, from: &str, proxy_url: &str) -> Granting {
+        Granting { key, from: from.to_string(), from_host: inferyes_proto::bearer::url_host(proxy_url) }
+    }
+
+    fn expiry() -> u64 {
+        inferyes_proto::bearer::move_grant_expiry(inferyes_proto::unix_ms())
+    }
+
+    /// `targets`, each with this node's grant to send it slots, where the
+    /// fleet grants any.
+    fn grant(
+        granting: Option<&Granting>,
+        targets: Vec<inferyes_proto::v1::MoveTarget>,
+    ) -> Vec<inferyes_proto::v1::MoveTarget> {
+        match granting {
+            Some(Granting { key, from, from_host: Some(host) }) => {
+                crate::moves::granted(targets, key, from, host, Granting::expiry())
+            }
+            _ => targets,
+        }
+    }
 }
 
 /// Why an agent session ended.
@@ -472,6 +520,7 @@ impl AgentSvc {
         claim: Claim,
         mut inbound: Streaming<AgentMessage>,
         tx: mpsc::Sender<Result<ControllerMessage, Status>>,
+        fleet_key: Option<inferyes_proto::bearer::FleetKey>,
     ) {
         let Claim { mut reported, seat: _seat, writer } = claim;
         let node_id = reported.durable.node_id.clone();
@@ -502,6 +551,12 @@ impl AgentSvc {
         let mut orders_sent: Option<Vec<inferyes_proto::v1::PlacementOrder>> = None;
         let mut peers_sent: Option<Vec<inferyes_proto::v1::MoveTarget>> = None;
         let mut movable_sent: Option<std::sync::Arc<Vec<inferyes_proto::v1::MoveTarget>>> = None;
+        // Grants are made again each renewal period: the snapshot is then
+        // looked at again as if it had changed, and what changed is sent.
+        let granting = fleet_key.map(|key| Granting::new(key, &node_id, &reported.durable.proxy_url));
+        let renew_every = Duration::from_millis(inferyes_proto::bearer::MOVE_GRANT_RENEW_MS / 2);
+        let mut renew = tokio::time::interval_at(tokio::time::Instant::now() + renew_every, renew_every);
+        let mut grants_expire_sent = 0u64;
 
         let end = loop {
             tokio::select! {
@@ -539,6 +594,7 @@ impl AgentSvc {
                         break End::AgentSilent;
                     }
                 }
+                _ = renew.tick(), if granting.is_some() => snapshots.mark_changed(),
                 changed = snapshots.changed() => {
                     if changed.is_err() {
                         break End::Shutdown;
@@ -558,7 +614,7 @@ impl AgentSvc {
                     if let Some(movable) = movable
                         && !movable_sent.as_ref().is_some_and(|sent| std::sync::Arc::ptr_eq(sent, &movable))
                     {
-                        let peers = crate::moves::peers(&movable, &node_id);
+                        let peers = Granting::grant(granting.as_ref(), crate::moves::peers(&movable, &node_id));
                         if peers_sent.as_ref() != Some(&peers) {
                             let targets = peers.clone();
                             let message = ControllerMessage {
@@ -586,10 +642,17 @@ impl AgentSvc {
                     }
                     // Sent again while draining to nowhere: the first
                     // targets may come before the fleet's live state.
+                    let grants_expire = Granting::expiry();
                     if let Some(draining) = draining
-                        && (draining_sent != Some(draining) || (draining && targets_sent == 0))
+                        && (draining_sent != Some(draining)
+                            || (draining && (targets_sent == 0 || grants_expire != grants_expire_sent)))
                     {
-                        let targets = if draining { self.move_targets(&node_id) } else { Vec::new() };
+                        grants_expire_sent = grants_expire;
+                        let targets = if draining {
+                            Granting::grant(granting.as_ref(), self.move_targets(&node_id))
+                        } else {
+                            Vec::new()
+                        };
                         if draining_sent == Some(draining) && targets.is_empty() {
                             continue;
                         }

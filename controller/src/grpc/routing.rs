@@ -43,6 +43,9 @@ pub struct RoutingSvc {
     /// without one.
     pub proxy_key: String,
     pub proxy_credential: String,
+    /// What derives the credentials controllers issue nodes; `None`: no
+    /// join token, so none issued.
+    pub fleet_secret: Option<Arc<crate::store::FleetSecret>>,
     /// What peers following this controller's live state present, one per
     /// join token taken (`inferyes_proto::bearer::peer_credential`);
     /// `None`: no join token, so none asked.
@@ -315,6 +318,17 @@ impl RoutingSvc {
         full.live = live;
         full.proxy_credential.clone_from(&self.proxy_credential);
         full.proxy_key.clone_from(&self.proxy_key);
+        if let Some(secret) = &self.fleet_secret {
+            // Without it, no node that took its credential from a controller
+            // is reachable: the stream ends, and the data plane comes again.
+            match secret.get().await {
+                Ok(key) => full.node_key = key.node_key(),
+                Err(error) => {
+                    tracing::warn!(%error, "the fleet key is unread; a data plane is sent no snapshot");
+                    return None;
+                }
+            }
+        }
         Some(snapshot_update::Update::Full(full))
     }
 }

@@ -25,6 +25,8 @@ pub enum StoreError {
     WatchEnded,
     #[error("node `{0}` is held by another agent, whose lease is live")]
     NodeTaken(String),
+    #[error("{0}")]
+    Invalid(String),
 }
 
 impl StoreError {
@@ -33,6 +35,23 @@ impl StoreError {
             StoreError::NodeTaken(_) => ErrorKind::PermissionDenied,
             _ => ErrorKind::Unavailable,
         }
+    }
+}
+
+/// The fleet's secret, read from etcd (or made there) at its first use,
+/// then kept: it never changes while controllers run.
+pub struct FleetSecret {
+    store: EtcdStore,
+    key: tokio::sync::OnceCell<inferyes_proto::bearer::FleetKey>,
+}
+
+impl FleetSecret {
+    pub fn new(store: EtcdStore) -> FleetSecret {
+        FleetSecret { store, key: tokio::sync::OnceCell::new() }
+    }
+
+    pub async fn get(&self) -> Result<&inferyes_proto::bearer::FleetKey, StoreError> {
+        self.key.get_or_try_init(|| self.store.fleet_key()).await
     }
 }
 
@@ -254,6 +273,31 @@ impl EtcdStore {
         let options = PutOptions::new().with_lease(lease);
         let response = self.client.clone().put(self.keys.placement(), orders.encode_to_vec(), Some(options)).await?;
         Ok(revision(response.header()))
+    }
+
+    /// The fleet's secret: the one in etcd, or, where there is none yet, a
+    /// new one, written only if no other controller wrote one meanwhile.
+    pub async fn fleet_key(&self) -> Result<inferyes_proto::bearer::FleetKey, StoreError> {
+        let key = self.keys.fleet_key();
+        let mut made = [0u8; inferyes_proto::bearer::FLEET_KEY_BYTES];
+        getrandom::fill(&mut made).map_err(|e| StoreError::Invalid(format!("no randomness from the OS: {e}")))?;
+        let response = self
+            .client
+            .clone()
+            .txn(
+                Txn::new()
+                    .when([Compare::version(key.clone(), CompareOp::Equal, 0)])
+                    .and_then([TxnOp::put(key.clone(), made.to_vec(), None)])
+                    .or_else([TxnOp::get(key, None)]),
+            )
+            .await?;
+        let kept = response.op_responses().into_iter().find_map(|op| match op {
+            TxnOpResponse::Get(get) => get.kvs().first().map(|kv| kv.value().to_vec()),
+            _ => None,
+        });
+        let secret = if response.succeeded() { made.to_vec() } else { kept.unwrap_or_default() };
+        inferyes_proto::bearer::FleetKey::new(&secret)
+            .ok_or_else(|| StoreError::Invalid("the fleet key in etcd is too short to be a controller's".into()))
     }
 
     /// The database's size on the member answering.

@@ -31,6 +31,7 @@ const API_KEY: &str = "keys/";
 const USAGE_TODAY: &str = "usage/today";
 const CONTROLLERS: &str = "controllers/";
 const PLACEMENT: &str = "placement";
+const FLEET_KEY: &str = "secrets/fleet-key";
 
 impl Keys {
     pub fn new(prefix: &str) -> Keys {
@@ -73,6 +74,13 @@ impl Keys {
     /// A controller's address for its peers, under its own lease.
     pub fn controller(&self, controller_id: &str) -> String {
         format!("{}{CONTROLLERS}{controller_id}", self.prefix)
+    }
+
+    /// The fleet's secret ([`inferyes_proto::bearer::FleetKey`]): made once,
+    /// by the first controller, never changed by another. Not parsed: the
+    /// fleet's watch ignores it.
+    pub fn fleet_key(&self) -> String {
+        format!("{}{FLEET_KEY}", self.prefix)
     }
 
     /// The placement leader's outstanding orders, under its lease.

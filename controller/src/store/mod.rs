@@ -11,6 +11,8 @@ mod etcd;
 mod keys;
 mod usage;
 
-pub use etcd::{DbSize, EtcdAccess, EtcdStore, Lease, StoreError, Watch, WatchBatch, WatchEvent, held_by_another};
+pub use etcd::{
+    DbSize, EtcdAccess, EtcdStore, FleetSecret, Lease, StoreError, Watch, WatchBatch, WatchEvent, held_by_another,
+};
 pub use keys::{Key, Keys};
 pub use usage::{Application, Versioned};

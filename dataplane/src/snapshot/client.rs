@@ -136,6 +136,7 @@ impl WireView {
                 self.usage_today = Arc::new(full.usage_today.unwrap_or_default());
                 self.live_in_statuses = !full.live_state;
                 self.agent_credentials = crate::targets::AgentCredentials {
+                    node_key: (!full.node_key.is_empty()).then(|| Arc::from(full.node_key.as_str())),
                     key: (!full.proxy_key.is_empty()).then(|| Arc::from(full.proxy_key.as_str())),
                     fleet: (!full.proxy_credential.is_empty())
                         .then(|| inferyes_proto::bearer::header_value(&full.proxy_credential))

@@ -58,6 +58,11 @@ pub fn decode_live(
     let mut indices = Indices::default();
     for wire in nodes.values() {
         let Some(status) = wire.status.as_ref() else { continue };
+        // Its proxy takes no request until its controller issued it a
+        // credential: not a node to send one to yet.
+        if status.awaiting_credential {
+            continue;
+        }
         let node_index = indices.nodes.len();
         let id: Arc<str> = Arc::from(status.node_id.as_str());
         let key = inferyes_proto::hash::stable_hash(id.as_bytes());
@@ -96,7 +101,7 @@ pub fn decode_live(
         let proxy_url = inferyes_net::base_url::BaseUrl::new(&status.proxy_url);
         let endpoint = states
             .endpoint(&id, proxy_url, status.proxy_http2, ready, version)
-            .with_credential(status.proxy_credential_per_node, credentials);
+            .with_credential(crate::targets::AgentTakes::of(status), credentials);
         let endpoint = Arc::new(endpoint);
         let own_in_flight = endpoint.in_flight();
         let own = wire.policy.as_ref();

@@ -741,20 +741,23 @@ async fn an_agent_forwards_only_what_the_fleet_s_data_planes_send() {
     let fleet = Fleet::start(vec![chat_sim("chat")]).await;
     let url = format!("http://{}/v1/chat/completions", fleet.agents[0].proxy_addr);
     let body = Bytes::from(chat_body("chat", "hi").to_string());
-    // What data planes send is derived from the join token and the node's
-    // id: another fleet's, another node's, the fleet-wide credential of
-    // agents before, and the join token itself are all refused.
+    // What data planes send is what the controller issued this node, from
+    // a fleet key only controllers hold: what the join token derives for
+    // this very node (all an agent holding it could make), another node's,
+    // the fleet-wide credential of agents before, and the join token
+    // itself are all refused.
     let key = |token: &str| inferyes_proto::bearer::proxy_key(token);
     let credential =
         |key: &str, node: &str| format!("Bearer {}", inferyes_proto::bearer::node_proxy_credential(key, node));
-    let foreign = credential(&key("another-fleet-join-token"), "node-a");
-    let another_node = credential(&key(inferyes_tests::JOIN_TOKEN), "node-b");
+    let join_derived = credential(&key(inferyes_tests::JOIN_TOKEN), "node-a");
+    let another_node =
+        format!("Bearer {}", inferyes_tests::fleet::fleet_key(&fleet.etcd).await.proxy_credential("node-b"));
     let fleet_wide = format!("Bearer {}", inferyes_proto::bearer::proxy_credential(inferyes_tests::JOIN_TOKEN));
     let join_token = format!("Bearer {}", inferyes_tests::JOIN_TOKEN);
     for authorization in [
         None,
         Some("Bearer not-the-join-token-at-all"),
-        Some(foreign.as_str()),
+        Some(join_derived.as_str()),
         Some(another_node.as_str()),
         Some(fleet_wide.as_str()),
         Some(join_token.as_str()),
@@ -767,7 +770,7 @@ async fn an_agent_forwards_only_what_the_fleet_s_data_planes_send() {
     }
     assert_eq!(fleet.sims[0].sim.stats().requests, 0, "nothing reached the backend");
     assert_eq!(fleet.agents[0].node_id, "node-a");
-    let authorization = inferyes_tests::fleet::agent_authorization("node-a");
+    let authorization = inferyes_tests::fleet::agent_authorization(&fleet.etcd, "node-a").await;
     let authorization = [("authorization", authorization.as_str())];
     let answered = fleet.http.send(Method::POST, &url, body.clone(), &authorization).await;
     assert_eq!(answered.status, StatusCode::OK);
@@ -801,10 +804,10 @@ async fn an_agent_forwards_only_what_the_fleet_s_data_planes_send() {
 }
 
 #[tokio::test]
-async fn a_node_that_does_not_take_the_data_plane_s_token_is_passed_over_and_never_a_client_s_401() {
+async fn a_node_whose_agent_awaits_its_credential_is_passed_over_and_never_a_client_s_401() {
     let etcd = Etcd::start().await;
-    // A botched rotation: the controller open, node-a's agent on a token
-    // the data plane does not have, node-b's open.
+    // A botched rotation: the controller open, so issuing no credential,
+    // node-a's agent on a token, taking only an issued one, node-b's open.
     let controller = ControllerHandle::start_with(&etcd.endpoint(), "controller-1", None, |c| {
         c.join_auth = inferyes_controller::config::TokenAuth::None;
     })
@@ -816,26 +819,35 @@ async fn a_node_that_does_not_take_the_data_plane_s_token_is_passed_over_and_nev
     let b =
         AgentHandle::start_tweaked("node-b", &[controller.url()], gpu, vec![backend(&sim_b)], |c| c.join_token = None)
             .await;
-    // The open controller hands data planes no credential for agents.
+    // The fleet knows node-a, awaiting its credential; data planes send
+    // it nothing.
+    let fleet = controller.fleet().await;
+    eventually("node-a listed, awaiting its credential", Duration::from_secs(15), || {
+        let mut fleet = fleet.clone();
+        async move {
+            let nodes = fleet.list_nodes(ListNodesRequest {}).await.expect("nodes").into_inner().nodes;
+            let a = nodes.iter().find_map(|n| n.status.as_ref().filter(|s| s.node_id == "node-a"));
+            a.is_some_and(|s| s.awaiting_credential)
+        }
+    })
+    .await;
     let dataplane = DataplaneHandle::start(&[controller.url()]).await;
-    dataplane.wait_for_nodes(&["node-a", "node-b"]).await;
+    dataplane.wait_for_nodes(&["node-b"]).await;
     let url = format!("{}/v1/chat/completions", dataplane.url);
     let http = HttpClient::default();
-    let mut failovers = 0;
     for i in 0..8 {
         let response = http.post_json(&url, &chat_body("chat", &format!("question {i}"))).await;
         assert_eq!(response.status, StatusCode::OK, "{}", String::from_utf8_lossy(&response.body));
         assert_eq!(response.header("x-inferyes-node"), Some("node-b"));
-        failovers += usize::from(response.header("x-inferyes-route") == Some("failover"));
+        assert_ne!(response.header("x-inferyes-route"), Some("failover"));
     }
-    assert!(failovers > 0, "some conversations were placed on node-a first");
     assert_eq!(sim_a.sim.stats().requests, 0);
-    // Alone, node-a's refusal is the gateway's fault, said as such.
+    // Alone, node-a is no node to send a request to, never a client's 401.
     b.kill();
-    dataplane.wait_for_nodes(&["node-a"]).await;
+    dataplane.wait_for_nodes(&[]).await;
     let response = http.post_json(&url, &chat_body("chat", "x")).await;
-    assert_eq!(response.status, StatusCode::BAD_GATEWAY);
-    assert_eq!(response.openai_error()["code"], "upstream_auth_misconfigured");
+    assert_eq!(response.status, StatusCode::NOT_FOUND);
+    assert_eq!(response.openai_error()["code"], "model_not_found", "the data plane's fleet serves none");
     drop(a);
 }
 

@@ -198,10 +198,14 @@ async fn aliases_name_models_and_are_resolved_before_routing() {
 /// Streams a long generation straight to a node's agent, as a client of
 /// another data plane would load it; returns once its head arrived or it
 /// was queued (a queued request's head comes only when it gets a slot).
-fn load_node(fleet: &crate::support::Fleet, node: usize, i: usize) -> tokio::task::JoinHandle<()> {
+fn load_node(
+    fleet: &crate::support::Fleet,
+    node: usize,
+    authorization: String,
+    i: usize,
+) -> tokio::task::JoinHandle<()> {
     let http = fleet.http.clone();
     let url = format!("http://{}/v1/chat/completions", fleet.agents[node].proxy_addr);
-    let authorization = inferyes_tests::fleet::agent_authorization(&fleet.agents[node].node_id);
     tokio::spawn(async move {
         let mut body = chat_body("chat", &format!("a long answer, please, number {i}"));
         body["max_tokens"] = json!(2_000);
@@ -233,7 +237,8 @@ async fn a_session_whose_home_is_queued_past_a_recompute_moves_and_the_dashboard
 
     // Queue the home: one generation in its slot, three waiting, each of
     // 40 s. Staying would cost several recomputes of the prompt.
-    let load: Vec<_> = (0..4).map(|i| load_node(&fleet, index, i)).collect();
+    let authorization = inferyes_tests::fleet::agent_authorization(&fleet.etcd, &home).await;
+    let load: Vec<_> = (0..4).map(|i| load_node(&fleet, index, authorization.clone(), i)).collect();
     fleet
         .dataplane
         .wait_for("the home's queue", Duration::from_secs(10), |s| {

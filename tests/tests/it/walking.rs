@@ -151,12 +151,13 @@ async fn an_agent_stops_within_its_grace_with_a_generation_still_running() {
     let request =
         json!({"model": "chat", "stream": true, "max_tokens": 900, "messages": [{"role": "user", "content": "go"}]});
     let http = inferyes_tests::HttpClient::default();
+    let authorization = inferyes_tests::fleet::agent_authorization(&etcd, &agent.node_id).await;
     let response = http
         .start(
             Method::POST,
             &format!("http://{}/v1/chat/completions", agent.proxy_addr),
             Bytes::from(request.to_string()),
-            &[("authorization", &inferyes_tests::fleet::agent_authorization(&agent.node_id))],
+            &[("authorization", &authorization)],
         )
         .await;
     assert_eq!(response.status(), StatusCode::OK);
@@ -442,9 +443,15 @@ async fn a_backend_closing_its_connection_leaves_the_connection_to_its_agent_ope
     use inferyes_agent::config::GpuSourceConfig;
     use inferyes_tests::AgentHandle;
     let backend = inferyes_tests::fleet::llama_server(&closing_backend().await, &["chat"]);
-    // No controller is needed to reach the proxy.
-    let agent =
-        AgentHandle::start_with("node-a", &["http://127.0.0.1:9".into()], GpuSourceConfig::None, vec![backend]).await;
+    // No controller is needed to reach an open fleet's proxy.
+    let agent = AgentHandle::start_tweaked(
+        "node-a",
+        &["http://127.0.0.1:9".into()],
+        GpuSourceConfig::None,
+        vec![backend],
+        |c| c.join_token = None,
+    )
+    .await;
     let stream = tokio::net::TcpStream::connect(agent.proxy_addr).await.expect("the agent's proxy");
     let (mut sender, connection) =
         hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream)).await.expect("handshake");
@@ -453,7 +460,6 @@ async fn a_backend_closing_its_connection_leaves_the_connection_to_its_agent_ope
         sender.ready().await.unwrap_or_else(|e| panic!("turn {turn}: the connection to the agent was closed: {e}"));
         let request = http::Request::post("/v1/chat/completions")
             .header("host", "agent")
-            .header("authorization", inferyes_tests::fleet::agent_authorization(&agent.node_id))
             .header(inferyes_proto::headers::BACKEND, "main")
             .body(http_body_util::Full::new(Bytes::from(chat_body("chat", "hi").to_string())))
             .expect("a request");
