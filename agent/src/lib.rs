@@ -269,7 +269,9 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         )
         .instrument(tracing::info_span!("drain")),
     ));
+    let admission = inferyes_net::admit::Admission::new(config.connection_limits(), None);
     let intake = Arc::new(slots::transfer::Intake {
+        admission: Arc::clone(&admission),
         state: Arc::clone(&state),
         max_slot_bytes: config.moves.max_slot_bytes,
         min_free_bytes: config.moves.min_free_bytes,
@@ -287,7 +289,6 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
     });
     // One service per worker thread, each with its own pool of connections
     // to the backends.
-    let admission = inferyes_net::admit::Admission::new(config.connection_limits(), None);
     let services = (0..config.workers())
         .map(|_| {
             let service = proxy::Service::new(

@@ -106,8 +106,10 @@ def movers():
             args = ["-np", "2", "--chat-template-file", str(GEMMA_TEMPLATE), *kv, "--slot-save-path", f"{slots}/"]
             fleet.llama[node] = fleet.start_llama_server(f"gemma-{node}", fleet.model, GEMMA, args, context=8192)
             moves = f'\n[backends.slots]\ndir = "{slots}"\nflags = "--swa-full"\n'
-            # node-b takes a slot file of any length its disk has room for.
-            bounds = f"[moves]\nmax_slot_bytes = {MOVERS_MAX_SLOT_BYTES}" if node == "node-b" else ""
+            # node-b takes a slot file of any length its disk has room for,
+            # and keeps few connections for strangers.
+            bounds = (f"max_stranger_connections = 16\nmax_stranger_connections_per_address = 8\n"
+                      f"[moves]\nmax_slot_bytes = {MOVERS_MAX_SLOT_BYTES}") if node == "node-b" else ""
             fleet.start_agent(node, [("chat", fleet.llama[node], ["chat", "completion", "messages"], moves)], bounds)
         fleet.url = fleet.start_dataplane("dataplane", "policy", {GEMMA: 3})
         yield fleet

@@ -7,7 +7,9 @@ caught by the next turn and the node takes no more."""
 
 import hashlib
 import hmac
+import http.client
 import json
+import socket
 import time
 import urllib.error
 import urllib.request
@@ -317,19 +319,26 @@ def test_a_node_with_no_idle_slot_refuses_a_slot_file_before_it_is_sent(movers):
     assert list((fleet.tmp / "slots-node-b").iterdir()) == []
 
 
+def saved_slot(fleet, node, prompt):
+    """A real slot file of `node`'s server: `prompt` read into slot 0 and
+    saved; its bytes and tokens."""
+    server, slots_dir = fleet.llama[node], fleet.tmp / f"slots-{node}"
+    ran = json.dumps({"prompt": prompt, "n_predict": 4, "id_slot": 0}).encode()
+    json_type = {"Content-Type": "application/json"}
+    urllib.request.urlopen(urllib.request.Request(f"{server}/completion", data=ran, headers=json_type), timeout=60).read()
+    save = urllib.request.Request(f"{server}/slots/0?action=save", data=b'{"filename":"saved.bin"}', headers=json_type)
+    with urllib.request.urlopen(save, timeout=60) as response:
+        tokens = json.loads(response.read())["n_saved"]
+    body = (slots_dir / "saved.bin").read_bytes()
+    (slots_dir / "saved.bin").unlink()
+    return body, tokens
+
+
 def test_a_slot_restored_into_and_not_run_since_is_not_idle(movers):
     fleet = movers
     server, slots_dir = fleet.llama["node-b"], fleet.tmp / "slots-node-b"
     url = fleet.ctl("node", "node-b")["proxy_url"]
-    # A real slot file of this server's: a prompt read into slot 0, saved.
-    ran = json.dumps({"prompt": "Name three stones.", "n_predict": 4, "id_slot": 0}).encode()
-    json_type = {"Content-Type": "application/json"}
-    urllib.request.urlopen(urllib.request.Request(f"{server}/completion", data=ran, headers=json_type), timeout=60).read()
-    save = urllib.request.Request(f"{server}/slots/0?action=save", data=b'{"filename":"marked.bin"}', headers=json_type)
-    with urllib.request.urlopen(save, timeout=60) as response:
-        tokens = json.loads(response.read())["n_saved"]
-    body = (slots_dir / "marked.bin").read_bytes()
-    (slots_dir / "marked.bin").unlink()
+    body, tokens = saved_slot(fleet, "node-b", "Name three stones.")
     stream = generating(server)
     try:
         wait_until("one of node-b's slots busy", lambda: busy_slots(server) == 1)
@@ -346,3 +355,53 @@ def test_a_slot_restored_into_and_not_run_since_is_not_idle(movers):
     finally:
         stream.close()
     assert list(slots_dir.iterdir()) == []
+
+
+def test_a_transfer_from_a_fleet_node_outlives_a_flood_of_strangers_and_30_seconds(movers):
+    """From an address no data plane vouches for (a sender on a host of
+    its own), a slot file trickles in for longer than a stranger may go
+    unproven, amid idle strangers from six other addresses, more than
+    node-b keeps for strangers (16) each time they come: the sender's
+    move, checked as it opens, makes it a fleet member's, and the file is
+    restored."""
+    fleet = movers
+    url = fleet.ctl("node", "node-b")["proxy_url"]
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    body, tokens = saved_slot(fleet, "node-b", "Name four rivers.")
+    strangers = []
+
+    def flood(addresses):
+        # 8 from each (node-b's bound per address).
+        for address in addresses:
+            for _ in range(8):
+                strangers.append(socket.create_connection((host, int(port)), timeout=10, source_address=(address, 0)))
+
+    sender = "127.0.0.3"
+    sent = slot_headers(fleet, body, int(time.time() * 1000) + 300_000, host=sender, session="root-trickled",
+                        tokens=tokens)
+    try:
+        flood(("127.0.0.2", "127.0.0.4", "127.0.0.5"))
+        connection = http.client.HTTPConnection(host, int(port), timeout=120, source_address=(sender, 0))
+        connection.putrequest("PUT", "/_inferyes/slots", skip_accept_encoding=True)
+        for name, value in sent.items():
+            connection.putheader(name, value)
+        connection.endheaders()
+        started = time.monotonic()
+        pieces = 8
+        step = -(-len(body) // pieces)
+        for i in range(pieces):
+            connection.send(body[i * step:(i + 1) * step])
+            if i == 1:
+                # Newer strangers than the sender, as many again: room is
+                # made for them by closing the oldest strangers'.
+                flood(("127.0.0.6", "127.0.0.7", "127.0.0.8"))
+            time.sleep(4.5)  # a trickle: a byte rate, not an event
+        answer = connection.getresponse()
+        taken = json.loads(answer.read())
+        connection.close()
+    finally:
+        for stranger in strangers:
+            stranger.close()
+    assert time.monotonic() - started > 31, "longer than a stranger may go unproven"
+    assert answer.status == 200 and taken["n_restored"] == tokens, taken
+    assert list((fleet.tmp / "slots-node-b").iterdir()) == []

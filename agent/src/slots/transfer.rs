@@ -54,18 +54,21 @@ const CREDENTIAL_MS: u64 = 5 * 60 * 1000;
 const MAX_REMEMBERED_CREDENTIALS: usize = 4096;
 /// A slot file that takes longer to arrive holds an intake permit no more.
 const RECEIVE_TIMEOUT: Duration = Duration::from_secs(10 * 60);
+/// A slot file none of whose bytes came for this long is given up.
+const RECEIVE_IDLE: Duration = Duration::from_secs(30);
 /// A carry given up past this (its save, the file's transfer, which the
 /// target holds to [`RECEIVE_TIMEOUT`], and the answer): a slow or silent
 /// target holds a carry permit no longer.
 const CARRY_TIMEOUT: Duration = RECEIVE_TIMEOUT.saturating_add(SLOT_ACTION_TIMEOUT.saturating_mul(2));
-/// The slowest a slot file may come, past its first 30 s: 8 MiB/s.
-const MIN_TRANSFER_BYTES_PER_SECOND: u64 = 8 << 20;
 /// A save or a restore waits for its slot to be idle; no longer than this.
 pub const SLOT_ACTION_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// The receiving side, one per agent: its checks and bounds.
 pub struct Intake {
     pub state: Arc<AgentState>,
+    /// The proxy port's connections: a sender whose move checks out is a
+    /// fleet member's, never counted among strangers.
+    pub admission: Arc<inferyes_net::admit::Admission>,
     pub max_slot_bytes: u64,
     /// Free space left on a slot directory's filesystem by a file taken.
     pub min_free_bytes: u64,
@@ -221,6 +224,10 @@ impl Intake {
         // learns nothing of its backends.
         let from_host = self.check_credential(headers, backend_id, session, &digest, tokens)?;
         check_sender(from_host, peer).await?;
+        // A node of the fleet, sending what its controller let it: its
+        // connections are no stranger's, neither crowded out by strangers
+        // nor cut for want of proof while the file comes.
+        self.admission.vouch(peer);
         let handle = self.state.backend(backend_id).filter(|h| h.probe.slots.is_some()).ok_or_else(|| {
             refused(ErrorKind::NotFound, "no backend here takes slots by that name", "backend_not_found")
         })?;
@@ -477,15 +484,15 @@ async fn write_body(body: Incoming, path: &std::path::Path, length: u64, digest:
     // runtime, as the slot directory may be a network volume.
     let mut file =
         tokio::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(path).await.map_err(io)?;
-    // A sender that trickles its bytes holds an intake permit no longer
-    // than a file of that length takes at a slow link's rate.
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30 + length / MIN_TRANSFER_BYTES_PER_SECOND);
+    // Given up once bytes stop coming, however long the file takes while
+    // they come (within `RECEIVE_TIMEOUT`, and only from a sender whose
+    // move checked out).
     let mut hash = ring::digest::Context::new(&ring::digest::SHA256);
     let mut written = 0u64;
     let mut body = body;
-    while let Some(frame) = tokio::time::timeout_at(deadline, body.frame())
+    while let Some(frame) = tokio::time::timeout(RECEIVE_IDLE, body.frame())
         .await
-        .map_err(|_| refused(ErrorKind::Timeout, "the slot file came too slowly", "timeout"))?
+        .map_err(|_| refused(ErrorKind::Timeout, "no bytes of the slot file came for 30 s", "timeout"))?
     {
         let frame =
             frame.map_err(|e| refused(ErrorKind::BadRequest, format!("the slot file broke off: {e}"), "broken"))?;
