@@ -42,8 +42,17 @@ pub struct SlotMetrics {
     pub sent: Family<OutcomeLabels, Counter>,
     /// Slots other nodes sent here, by outcome (`restored`, or why not).
     pub received: Family<OutcomeLabels, Counter>,
-    /// Restored slots' next turns: `held`, or `reused_nothing`.
+    /// Restored slots' next turns: `held`, `reused_nothing`, `diverged` or
+    /// `unjudged`.
     pub checked: Family<BackendOutcomeLabels, Counter>,
+}
+
+impl SlotMetrics {
+    /// Counts what a restored slot's next turn on `backend` showed.
+    pub fn restore_checked(&self, backend: &crate::state::BackendHandle, outcome: &'static str) {
+        let labels = BackendOutcomeLabels { backend: backend.probe.id.clone(), outcome };
+        self.checked.get_or_create(&labels).inc();
+    }
 }
 
 pub struct Metrics {
@@ -123,7 +132,9 @@ impl Metrics {
         );
         r.register(
             "slot_restores_checked",
-            "Restored slots' next turns: held (read at least half the restored tokens from cache) or reused_nothing",
+            "Restored slots' next turns: held (read at least half the restored tokens from cache), reused_nothing \
+             (carried on from them and read less: the backend takes no slots for a while), diverged (sent another \
+             history), or unjudged (read less, and could not be told apart)",
             m.slots.checked.clone(),
         );
         m

@@ -25,6 +25,7 @@ use inferyes_net::admit::Admission;
 use inferyes_net::pool::{self, Pool};
 use inferyes_proto::{ErrorKind, openai_error_body};
 
+use crate::slots::judge::{self, Unchecked};
 use crate::state::{AgentState, BackendHandle};
 
 use inferyes_proto::headers::REQUEST_ID as REQUEST_ID_HEADER;
@@ -53,6 +54,9 @@ const KEPT_BODY_LIMIT: u64 = 1 << 20;
 /// The most the proxy keeps of requests' bodies at once, all together:
 /// past it a body streams through, as a large one does.
 const KEPT_BYTES: usize = 256 << 20;
+/// How long rendering and tokenizing a restored conversation's turn may
+/// take the backend.
+const JUDGE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// A request's body on its way to a backend: kept whole, or streamed.
 type Upload = Either<Full<Bytes>, Incoming>;
@@ -286,8 +290,15 @@ async fn forward_in_span(proxy: Proxy, request: Request<Incoming>) -> Response {
         parts.headers.insert(header::AUTHORIZATION, value.clone());
     }
 
+    // The tokens restored into the session's slot, where this is its first
+    // turn since: its body is kept to tell, should it read next to nothing,
+    // whether it carried on from them.
+    let mut restored = None;
     if let (Some(session), Some(model)) = (&session, model) {
-        proxy.state.residency.lock().touch(session, backend_id, model, inferyes_proto::unix_ms());
+        let mut residency = proxy.state.residency.lock();
+        residency.touch(session, backend_id, model, inferyes_proto::unix_ms());
+        restored = residency.unchecked_restore(session);
+        drop(residency);
         proxy.state.changed.notify_one();
     }
 
@@ -299,12 +310,14 @@ async fn forward_in_span(proxy: Proxy, request: Request<Incoming>) -> Response {
     // an upstream provider may have taken it.
     let replays = handle.probe.kind != crate::config::BackendKind::Openai;
     let keeping = if replays { Keeping::reserve(&proxy.kept, &parts.headers) } else { None };
+    let mut unchecked = None;
     let sent = match keeping {
         Some(keeping) => {
             let Ok(kept) = collect(body).await else {
                 // Its sender went away, or sent more than it said.
                 return error(ErrorKind::BadRequest, "the request's body did not arrive whole", "body_incomplete");
             };
+            unchecked = restored.map(|restored| Unchecked { restored, body: kept.clone(), kind: row.kind });
             let again = copy(&parts, kept.clone());
             let request = Request::from_parts(parts, Either::Left(Full::new(kept)));
             let sent = proxy.client.send_replayable(origin, request, again).await;
@@ -347,6 +360,7 @@ async fn forward_in_span(proxy: Proxy, request: Request<Incoming>) -> Response {
                 started,
                 first_byte: false,
                 session,
+                unchecked,
                 head: reads_head.then(Vec::new),
                 tail: Vec::new(),
                 scrape: Arc::clone(&proxy.scrape),
@@ -469,6 +483,8 @@ struct Tracked {
     first_byte: bool,
     /// The request's session, whose residency the response's usage updates.
     session: Option<String>,
+    /// The request, where it is its session's first turn since a restore.
+    unchecked: Option<Unchecked>,
     /// The first bytes of the body, where its path's answers say part of
     /// their usage (Anthropic's `message_start`).
     head: Option<Vec<u8>>,
@@ -506,8 +522,8 @@ impl Tracked {
             None => inferyes_proto::usage::parse_usage(&self.tail),
         };
         let Some(usage) = usage else { return };
-        let state = &self.guard.state;
-        if let Some(backend) = self.backend() {
+        let state = Arc::clone(&self.guard.state);
+        if let Some(backend) = state.backends.get(self.guard.index) {
             let check = state.residency.lock().record(&session, &backend.probe.id, usage);
             if let Some(check) = check {
                 self.restore_checked(backend, &session, check);
@@ -517,27 +533,45 @@ impl Tracked {
     }
 
     /// A restored conversation's first turn here said whether the restore
-    /// held: counted, and one that reused nothing stops the backend taking
-    /// more, never believed.
-    fn restore_checked(&self, backend: &BackendHandle, session: &str, check: crate::residency::RestoreCheck) {
+    /// held: counted; where it read next to nothing, the turn is looked at
+    /// again (off the response's path), and a backend that did not hold a
+    /// restore the turn carried on from takes no slots for a while. A turn
+    /// that sent another history is a new branch, and costs no backend
+    /// anything.
+    fn restore_checked(&mut self, backend: &BackendHandle, session: &str, check: crate::residency::RestoreCheck) {
         use crate::residency::RestoreCheck;
-        let outcome = match check {
-            RestoreCheck::Held { .. } => "held",
-            RestoreCheck::ReusedNothing { restored, cached } => {
-                backend.restores_reused_nothing.fetch_add(1, Ordering::Relaxed);
-                backend.restore_failed_unix_ms.store(inferyes_proto::unix_ms(), Ordering::Relaxed);
-                tracing::warn!(
-                    backend = %backend.probe.id,
-                    session,
-                    restored,
-                    cached,
-                    "a restored slot's next turn read next to nothing from cache: this backend takes no slots for 10 minutes"
-                );
-                "reused_nothing"
-            }
+        let (restored, cached) = match check {
+            RestoreCheck::Held { .. } => return self.scrape.metrics.slots.restore_checked(backend, "held"),
+            RestoreCheck::ReusedNothing { restored, cached } => (restored, cached),
         };
-        let labels = crate::metrics::BackendOutcomeLabels { backend: backend.probe.id.clone(), outcome };
-        self.scrape.metrics.slots.checked.get_or_create(&labels).inc();
+        let (Some(turn), Ok(runtime)) = (self.unchecked.take(), tokio::runtime::Handle::try_current()) else {
+            return self.scrape.metrics.slots.restore_checked(backend, "unjudged");
+        };
+        let (state, index, scrape) = (Arc::clone(&self.guard.state), self.guard.index, Arc::clone(&self.scrape));
+        let session = session.to_string();
+        runtime.spawn(async move {
+            let Some(backend) = state.backends.get(index) else { return };
+            let client = crate::probe::ProbeClient::new(JUDGE_TIMEOUT);
+            let outcome = match judge::continues(&client, &backend.probe.url, &backend.probe.api_key, &turn).await {
+                Some(true) => {
+                    backend.restores_reused_nothing.fetch_add(1, Ordering::Relaxed);
+                    backend.restore_failed_unix_ms.store(inferyes_proto::unix_ms(), Ordering::Relaxed);
+                    state.changed.notify_one();
+                    tracing::warn!(
+                        backend = %backend.probe.id,
+                        session,
+                        restored,
+                        cached,
+                        "a restored slot's next turn carried on from it and read next to nothing from cache: this \
+                         backend takes no slots for 10 minutes"
+                    );
+                    "reused_nothing"
+                }
+                Some(false) => "diverged",
+                None => "unjudged",
+            };
+            scrape.metrics.slots.restore_checked(backend, outcome);
+        });
     }
 }
 

@@ -44,6 +44,10 @@ struct Entry {
     /// Tokens restored into its slot from another node, not yet shown to
     /// be read from cache by a turn here; 0: none.
     restored: u32,
+    /// Those tokens themselves, where the slot file said them: what tells
+    /// a turn that continues the conversation from one that sent another
+    /// history under its key.
+    restored_tokens: Option<std::sync::Arc<[i32]>>,
 }
 
 /// What a restored conversation's first turn here showed.
@@ -118,7 +122,7 @@ impl Residency {
                 first_seen_unix_ms: now_ms,
                 ..Default::default()
             };
-            entries.insert(key.to_string(), Entry { session, tick, restored: 0 });
+            entries.insert(key.to_string(), Entry { session, tick, restored: 0, restored_tokens: None });
         }
         let Some(entry) = entries.get_mut(key) else { return };
         if entry.session.model != model {
@@ -139,14 +143,23 @@ impl Residency {
     }
 
     /// Session `key`'s slot was restored on `backend_id` from another node,
-    /// holding `tokens`: it is resident here, the newest, until its next
-    /// turn says whether the restore held.
-    pub fn restored(&mut self, key: &str, backend_id: &str, model: &str, tokens: u32, now_ms: u64) {
+    /// holding `tokens` (those `saved`, where the file said them): it is
+    /// resident here, the newest, until its next turn says whether the
+    /// restore held.
+    pub fn restored(
+        &mut self,
+        key: &str,
+        backend_id: &str,
+        model: &str,
+        (tokens, saved): (u32, Option<std::sync::Arc<[i32]>>),
+        now_ms: u64,
+    ) {
         self.touch(key, backend_id, model, now_ms);
         let Some(entry) = self.entries.get_mut(key) else { return };
         // Restoring is not a request.
         entry.session.requests = entry.session.requests.saturating_sub(1);
         entry.restored = tokens.max(1);
+        entry.restored_tokens = saved;
         let before = u64::from(entry.session.tokens);
         entry.session.tokens = tokens;
         let lineup = value_for(&mut self.lineups, backend_id, Lineup::default);
@@ -155,6 +168,13 @@ impl Residency {
             *held = u64::from(tokens);
         }
         self.evict(backend_id);
+    }
+
+    /// The tokens restored into session `key`'s slot, while no turn here
+    /// has yet said whether the restore held.
+    pub fn unchecked_restore(&self, key: &str) -> Option<std::sync::Arc<[i32]>> {
+        let entry = self.entries.get(key).filter(|e| e.restored > 0)?;
+        entry.restored_tokens.clone()
     }
 
     /// Session `key` left this node (its slot moved elsewhere).
@@ -181,6 +201,7 @@ impl Residency {
         let judged = entry.restored > 0 && usage.prompt_tokens >= entry.restored;
         let check = judged.then(|| {
             let (restored, cached) = (std::mem::take(&mut entry.restored), usage.cached_tokens);
+            entry.restored_tokens = None;
             // The next turn's prompt holds the whole history; the template
             // may render its last tokens anew.
             let expected = restored;
@@ -394,8 +415,10 @@ mod tests {
     #[test]
     fn a_restored_session_is_resident_and_its_next_turn_says_whether_the_restore_held() {
         let mut r = table(2, 0);
-        r.restored("held", "b0", "m", 1_000, 5);
-        r.restored("lost", "b0", "m", 1_000, 6);
+        r.restored("held", "b0", "m", (1_000, None), 5);
+        r.restored("lost", "b0", "m", (1_000, Some(std::sync::Arc::from([7; 1_000]))), 6);
+        assert_eq!(r.unchecked_restore("held"), None, "its file said no tokens");
+        assert_eq!(r.unchecked_restore("lost").map(|t| t.len()), Some(1_000));
         let update = r.take_update(false);
         let mut tokens: Vec<_> = update.upserted.iter().map(|s| (s.key.as_str(), s.tokens, s.requests)).collect();
         tokens.sort_unstable();
@@ -410,6 +433,7 @@ mod tests {
             r.record("lost", "b0", usage(12)),
             Some(RestoreCheck::ReusedNothing { restored: 1_000, cached: 12 })
         );
+        assert_eq!(r.unchecked_restore("lost"), None, "checked");
         // A session moved away leaves the table, said as removed.
         r.take_update(false);
         r.remove("held");

@@ -115,6 +115,8 @@ class Fleet:
         self.dataplanes = []
         # Each data plane's admin port, by its public URL.
         self.admin_urls = {}
+        # Each agent's admin port (its /metrics), by node.
+        self.agent_admin = {}
         self.bin = binary_dir()
         for name in ("inferyes-controller", "inferyes-agent", "inferyes-dataplane", "inferyesctl"):
             if not (self.bin / name).is_file():
@@ -250,6 +252,7 @@ endpoints = {json.dumps(endpoints)}
 """
         config = self.write(f"agent-{node}.toml", text)
         self.spawn(f"agent-{node}", [str(self.bin / "inferyes-agent"), "--config", str(config)])
+        self.agent_admin[node] = f"http://127.0.0.1:{admin_port}"
 
     def start_dataplane(self, name, strategy, warm, extra=""):
         """A data plane routing by `strategy`, once it sees every model of

@@ -26,11 +26,11 @@ def client(fleet):
     return OpenAI(base_url=f"{fleet.url}/v1", api_key=fleet.api_key, max_retries=0, timeout=120)
 
 
-def turn(fleet, messages, text):
+def turn(fleet, messages, text, **extra):
     """One turn of a conversation: its node, route and usage."""
     messages.append({"role": "user", "content": text})
     raw = client(fleet).chat.completions.with_raw_response.create(
-        model=GEMMA, messages=messages, max_tokens=12, temperature=0)
+        model=GEMMA, messages=messages, max_tokens=12, temperature=0, **extra)
     reply = raw.parse()
     messages.append({"role": "assistant", "content": reply.choices[0].message.content or "."})
     return raw.headers["x-inferyes-node"], raw.headers["x-inferyes-route"], reply.usage
@@ -225,17 +225,23 @@ def test_a_node_takes_a_slot_only_with_its_credential_and_a_file_that_checks_out
         assert refused.value.code == 404, path
 
 
-def test_a_data_plane_has_a_conversation_s_cache_carried_where_it_asks(movers):
-    fleet = movers
-    # Only node-a takes the new conversation.
+def begin_on_node_a(fleet, seed, rules, **extra):
+    """A new conversation's first turn, which node-a alone takes: its
+    messages, usage, and the sessions there were before it."""
     fleet.ctl("undrain", "node-a")
     for node in ("node-b", "node-c"):
         fleet.ctl("drain", node)
     fleet.wait_routing()
     before = {s["key"] for s in fleet.ctl("sessions")["sessions"]}
-    messages = [{"role": "system", "content": system_prompt("carry", rules=14)}]
-    node, _, usage = turn(fleet, messages, "Which stone is first?")
+    messages = [{"role": "system", "content": system_prompt(seed, rules=rules)}]
+    node, _, usage = turn(fleet, messages, "Which stone is first?", **extra)
     assert node == "node-a", node
+    return messages, usage, before
+
+
+def test_a_data_plane_has_a_conversation_s_cache_carried_where_it_asks(movers):
+    fleet = movers
+    messages, usage, before = begin_on_node_a(fleet, "carry", 14)
     history = usage.prompt_tokens + usage.completion_tokens - 1
 
     def resident_on(node):
@@ -319,13 +325,20 @@ def test_a_node_with_no_idle_slot_refuses_a_slot_file_before_it_is_sent(movers):
     assert list((fleet.tmp / "slots-node-b").iterdir()) == []
 
 
+def run_in_slot(fleet, node, slot, prompt):
+    """`prompt` read into `node`'s server's `slot`, and a few tokens written."""
+    ran = json.dumps({"prompt": prompt, "n_predict": 4, "id_slot": slot}).encode()
+    request = urllib.request.Request(f"{fleet.llama[node]}/completion", data=ran,
+                                     headers={"Content-Type": "application/json"})
+    urllib.request.urlopen(request, timeout=60).read()
+
+
 def saved_slot(fleet, node, prompt):
     """A real slot file of `node`'s server: `prompt` read into slot 0 and
     saved; its bytes and tokens."""
     server, slots_dir = fleet.llama[node], fleet.tmp / f"slots-{node}"
-    ran = json.dumps({"prompt": prompt, "n_predict": 4, "id_slot": 0}).encode()
+    run_in_slot(fleet, node, 0, prompt)
     json_type = {"Content-Type": "application/json"}
-    urllib.request.urlopen(urllib.request.Request(f"{server}/completion", data=ran, headers=json_type), timeout=60).read()
     save = urllib.request.Request(f"{server}/slots/0?action=save", data=b'{"filename":"saved.bin"}', headers=json_type)
     with urllib.request.urlopen(save, timeout=60) as response:
         tokens = json.loads(response.read())["n_saved"]
@@ -405,3 +418,78 @@ def test_a_transfer_from_a_fleet_node_outlives_a_flood_of_strangers_and_30_secon
     assert time.monotonic() - started > 31, "longer than a stranger may go unproven"
     assert answer.status == 200 and taken["n_restored"] == tokens, taken
     assert list((fleet.tmp / "slots-node-b").iterdir()) == []
+
+
+def restores_checked(fleet, node, outcome):
+    """What node's agent counted of restored slots' next turns."""
+    metrics = http_get(f"{fleet.agent_admin[node]}/metrics")[1].decode()
+    name = f'inferyes_agent_slot_restores_checked_total{{backend="chat",outcome="{outcome}"}}'
+    return sum(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith(name))
+
+
+def test_a_turn_that_sends_another_history_after_a_move_costs_its_node_no_moves(movers):
+    """A conversation moved to node-b; its client then sends another
+    history under its key (an edited first message): a new branch, which
+    reads next to nothing of what was restored and costs node-b nothing.
+    Drained after it, node-b moves the conversation on with its cache."""
+    fleet = movers
+    key = {"prompt_cache_key": "edited-after-a-move"}
+
+    def chat(messages, text):
+        node, _, usage = turn(fleet, messages, text, extra_body=key)
+        return node, usage
+
+    # node-b's slots each run a task: none is one restored into and not run
+    # since, which would take no move.
+    for slot in (0, 1):
+        run_in_slot(fleet, "node-b", slot, "Name two hills.")
+    # It begins on node-a; node-c (whose restores hold nothing) takes no part.
+    _, _, before = begin_on_node_a(fleet, "branch", 12, extra_body=key)
+    fleet.ctl("undrain", "node-b")
+    fleet.wait_routing()
+
+    def resident(node):
+        return {s["key"] for s in fleet.ctl("sessions")["sessions"] if s["node"] == node}
+
+    [ours] = wait_until("the conversation resident on node-a", lambda: resident("node-a") - before or None)
+    def drain(node):
+        """Drains `node`; what its drain moved, once it finished."""
+        before = (fleet.ctl("node", node)["moves"] or {}).get("finished_unix_ms")
+
+        def finished():
+            moves = fleet.ctl("node", node)["moves"]
+            return moves if moves and moves["finished_unix_ms"] not in (None, 0, before) else None
+
+        fleet.ctl("drain", node)
+        return wait_until(f"{node}'s drain moved its conversations", finished, timeout=60)
+
+    # The most recent first, to the one node taking sessions.
+    moves = drain("node-a")
+    assert moves["moved"] >= 1 and moves["failed"] == 0, moves
+    wait_until("the conversation resident on node-b", lambda: ours in resident("node-b"))
+
+    # Another history under the same key, longer than what was restored.
+    diverged = restores_checked(fleet, "node-b", "diverged")
+    edited = [{"role": "system", "content": system_prompt("edited", rules=16)}]
+    node, usage = chat(edited, "Which river is first?")
+    assert node == "node-b", node
+    assert usage.prompt_tokens_details.cached_tokens < 0.5 * usage.prompt_tokens, usage
+    wait_until("node-b's agent judged the turn a new branch",
+               lambda: restores_checked(fleet, "node-b", "diverged") > diverged)
+    assert restores_checked(fleet, "node-b", "reused_nothing") == 0
+    [backend] = fleet.ctl("node", "node-b")["backends"]
+    assert backend["slot_fingerprint"] and backend["slots_unmovable"] == "", backend
+
+    # node-b drained: the conversation, as it now is, moves to node-a with
+    # its cache.
+    fleet.ctl("undrain", "node-a")
+    fleet.wait_routing()
+    moves = drain("node-b")
+    assert moves["moved"] >= 1 and moves["failed"] == 0, moves
+    wait_until("the conversation resident on node-a", lambda: ours in resident("node-a"))
+    history = usage.prompt_tokens + usage.completion_tokens - 1
+    node, usage = chat(edited, "And which comes next?")
+    assert node == "node-a", node
+    assert usage.prompt_tokens_details.cached_tokens >= 0.9 * history, usage
+    fleet.ctl("undrain", "node-b")
+    fleet.wait_routing()

@@ -14,6 +14,7 @@
 //! are equal. This module's own part is pure: which slot holds what.
 
 pub mod drain;
+pub mod judge;
 pub mod transfer;
 
 use serde_json::Value;
@@ -132,6 +133,41 @@ pub fn free_slot(slots: &[Slot], restored: &[Restored]) -> Option<u32> {
         .map(|s| s.id)
 }
 
+/// The tokens a slot file's head says its state is of: after `ggsq` and
+/// the format's version, a count of 32-bit values, which llama-server
+/// b11434 writes as its own record of the slot's tokens (-1, 1, their
+/// number, the tokens, then more of its own) and earlier servers as the
+/// tokens alone. `None` unless it names exactly `expected` tokens: a
+/// layout not understood is not guessed at.
+pub fn saved_tokens(head: &[u8], expected: u32) -> Option<Vec<i32>> {
+    let word = |at: usize| head.get(at..at + 4).map(|b| [b[0], b[1], b[2], b[3]]);
+    if head.get(..4)? != b"qsgg".as_slice() {
+        return None;
+    }
+    let count = usize::try_from(u32::from_le_bytes(word(8)?)).ok()?;
+    let expected = usize::try_from(expected).ok()?;
+    let value = |i: usize| word(12 + 4 * i).map(i32::from_le_bytes);
+    let (first, length) = match (value(0)?, value(1)?, value(2)?) {
+        (-1, 1, n) => (3, usize::try_from(n).ok()?),
+        _ => (0, count),
+    };
+    if length != expected || first + length > count {
+        return None;
+    }
+    (first..first + length).map(value).collect()
+}
+
+/// The bytes of a slot file's head that hold the tokens of a state of
+/// `tokens`: what [`saved_tokens`] reads.
+pub fn saved_tokens_bytes(tokens: u32) -> usize {
+    12 + 4 * (3 + usize::try_from(tokens).unwrap_or(usize::MAX / 8))
+}
+
+/// How many tokens `request` has of `restored` from its start.
+pub fn common_prefix(restored: &[i32], request: &[i32]) -> usize {
+    restored.iter().zip(request).take_while(|(a, b)| a == b).count()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -209,5 +245,31 @@ mod tests {
         let used = [slot(0, false, Some(3), Some(900)), slot(1, false, Some(7), Some(1200))];
         assert_eq!(free_slot(&used, &restored), Some(0));
         assert_eq!(free_slot(&[slot(0, true, None, None)], &[]), None);
+    }
+
+    #[test]
+    fn a_slot_file_s_tokens_are_read_as_llama_server_writes_them() {
+        let file = |values: &[i32]| {
+            let mut head = b"qsgg".to_vec();
+            head.extend_from_slice(&4u32.to_le_bytes());
+            head.extend_from_slice(&u32::try_from(values.len()).unwrap().to_le_bytes());
+            values.iter().for_each(|v| head.extend_from_slice(&v.to_le_bytes()));
+            head.extend_from_slice(b"the state that follows");
+            head
+        };
+        // What b11434 saved of a slot that read "Name three stones." and
+        // wrote three tokens: 12 values, its record around 8 tokens.
+        let b11434 = file(&[-1, 1, 8, 2, 1567, 1806, 23795, 236761, 108, 236746, 236761, 0]);
+        let tokens = vec![2, 1567, 1806, 23795, 236761, 108, 236746, 236761];
+        assert_eq!(saved_tokens(&b11434, 8), Some(tokens.clone()));
+        assert!(saved_tokens_bytes(8) <= b11434.len());
+        assert_eq!(saved_tokens(&file(&tokens), 8), Some(tokens.clone()), "tokens alone");
+        assert_eq!(saved_tokens(&b11434, 7), None, "another number than the server saved");
+        assert_eq!(saved_tokens(&file(&[-1, 1, 9, 2, 3]), 9), None, "more than the count");
+        assert_eq!(saved_tokens(&b11434[..30], 8), None, "cut short");
+        assert_eq!(saved_tokens(b"ggsn and more bytes than that", 1), None, "not a slot file");
+        assert_eq!(common_prefix(&tokens, &[2, 1567, 1806, 9]), 3);
+        assert_eq!(common_prefix(&tokens, &tokens), 8);
+        assert_eq!(common_prefix(&tokens, &[]), 0);
     }
 }

@@ -264,6 +264,7 @@ impl Intake {
         let name = slot_file_name("in").map_err(|e| refused(ErrorKind::Internal, e, "write_failed"))?;
         let file = SlotFile(slots.join(&name));
         let bytes = write_body(body, &file.0, length, &digest).await?;
+        let saved = read_saved_tokens(&file.0, tokens).await;
         let mut restored = marks.lock().await;
         let listed = self.slots(url, api_key).await?;
         let slot = free_slot(&listed, &restored).ok_or_else(no_free_slot)?;
@@ -301,7 +302,7 @@ impl Intake {
             Err(_) => restored.extend(listed.iter().filter(|s| s.id == slot).map(|s| Restored { slot: *s })),
         }
         drop(restored);
-        self.state.residency.lock().restored(session, backend_id, model, tokens, inferyes_proto::unix_ms());
+        self.state.residency.lock().restored(session, backend_id, model, (tokens, saved), inferyes_proto::unix_ms());
         self.state.changed.notify_one();
         tracing::info!(session, backend = backend_id, slot, tokens, bytes, "slot restored from another node");
         Ok(Taken { slot, n_restored: tokens, restore_ms: float(&answer, "/timings/restore_ms"), bytes })
@@ -515,6 +516,17 @@ async fn write_body(body: Incoming, path: &std::path::Path, length: u64, digest:
     Ok(written)
 }
 
+/// The tokens the slot file at `path` is of, where its head says exactly
+/// `tokens` of them (see [`super::saved_tokens`]).
+async fn read_saved_tokens(path: &std::path::Path, tokens: u32) -> Option<Arc<[i32]>> {
+    use tokio::io::AsyncReadExt as _;
+    let file = tokio::fs::File::open(path).await.ok()?;
+    let mut head = Vec::new();
+    let wanted = u64::try_from(super::saved_tokens_bytes(tokens)).ok()?;
+    file.take(wanted).read_to_end(&mut head).await.ok()?;
+    super::saved_tokens(&head, tokens).map(Arc::from)
+}
+
 /// `POST /slots/{slot}?action=...` with a file name; the server's answer.
 async fn slot_action(
     client: &ProbeClient,
@@ -602,9 +614,11 @@ impl Sender {
             .as_ref()
             .map(|s| s.dir.clone())
             .ok_or_else(|| MoveError::NotMovable(format!("backend `{}` has no slots dir", session.backend_id)))?;
+        // As the server is, not as its restores lately went: a backend that
+        // did not hold one still saves its own slots well.
         let fingerprint = {
             let observations = self.state.observations.lock();
-            observations.backends.iter().find(|b| b.id == session.backend_id).map(|b| handle.slot_fingerprint(b))
+            observations.backends.iter().find(|b| b.id == session.backend_id).map(|b| b.slot_fingerprint.clone())
         }
         .unwrap_or_default();
         if fingerprint.is_empty() {
