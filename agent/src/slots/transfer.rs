@@ -627,9 +627,9 @@ impl Sender {
         if fingerprint != target.slot_fingerprint {
             return Err(MoveError::Refused("the target has another fingerprint".into()));
         }
-        if target.grant.is_empty() || target.grant_expires_unix_ms <= inferyes_proto::unix_ms() {
-            return Err(MoveError::Refused("no grant of the controller's, live, to send that node slots".into()));
-        }
+        let grant = self
+            .grant_for(target)
+            .ok_or_else(|| MoveError::Refused("no grant of the controller's, live, to send that node slots".into()))?;
         let (url, api_key) = (handle.probe.url.as_str(), handle.probe.api_key.as_str());
         let failed = |what: &str, why: String| MoveError::Failed(format!("{what}: {why}"));
         let (status, body) =
@@ -680,7 +680,7 @@ impl Sender {
         let body = http_body_util::StreamBody::new(tokio_stream::StreamExt::map(frames, |chunk| {
             chunk.map(http_body::Frame::data)
         }));
-        let request = self.request(target, session, expected, bytes, &digest, BodyExt::boxed(body))?;
+        let request = self.request(target, &grant, session, (expected, bytes, &digest), BodyExt::boxed(body))?;
         let origin = inferyes_net::base_url::BaseUrl::new(&target.proxy_url);
         let origin = origin.origin().ok_or_else(|| failed("target", "its proxy URL is not one".into()))?.clone();
         let response = self.pool.send(&origin, request).await.map_err(|e| failed("send", e.to_string()))?;
@@ -722,13 +722,26 @@ impl Sender {
         })
     }
 
+    /// The controller's freshest live grant to send `target`'s backend
+    /// slots: the target's own, or that of its entry among the peers,
+    /// renewed over the stream since a drain named it.
+    fn grant_for(&self, target: &MoveTarget) -> Option<(String, u64)> {
+        let now = inferyes_proto::unix_ms();
+        let peers = self.state.peers.lock();
+        let same = |p: &&MoveTarget| p.node_id == target.node_id && p.backend_id == target.backend_id;
+        std::iter::once(target)
+            .chain(peers.iter().filter(same))
+            .filter(|t| !t.grant.is_empty() && t.grant_expires_unix_ms > now)
+            .max_by_key(|t| t.grant_expires_unix_ms)
+            .map(|t| (t.grant.clone(), t.grant_expires_unix_ms))
+    }
+
     fn request(
         &self,
         target: &MoveTarget,
+        (grant, grant_expires): &(String, u64),
         session: &ResidentSession,
-        tokens: u32,
-        bytes: u64,
-        digest: &str,
+        (tokens, bytes, digest): (u32, u64, &str),
         body: FileBody,
     ) -> Result<Request<FileBody>, MoveError> {
         let base = inferyes_net::base_url::BaseUrl::new(&target.proxy_url);
@@ -750,7 +763,7 @@ impl Sender {
             tokens,
             expires_unix_ms: expires,
         };
-        let credential = inferyes_proto::bearer::slot_move_credential(&target.grant, &slot);
+        let credential = inferyes_proto::bearer::slot_move_credential(grant, &slot);
         let mut credential = value(&format!("Bearer {credential}"))?;
         credential.set_sensitive(true);
         let mut request = Request::put(uri).body(body).map_err(|e| MoveError::Failed(e.to_string()))?;
@@ -762,7 +775,7 @@ impl Sender {
         headers.insert(MOVE_FROM, value(&self.state.node_id)?);
         headers.insert(MOVE_FROM_HOST, value(&from_host)?);
         headers.insert(MOVE_EXPIRES, HeaderValue::from(expires));
-        headers.insert(MOVE_GRANT_EXPIRES, HeaderValue::from(target.grant_expires_unix_ms));
+        headers.insert(MOVE_GRANT_EXPIRES, HeaderValue::from(*grant_expires));
         headers.insert(inferyes_proto::headers::BACKEND, value(&target.backend_id)?);
         headers.insert(inferyes_proto::headers::MODEL, value(&session.model)?);
         headers.insert(inferyes_proto::headers::SESSION, value(&session.key)?);

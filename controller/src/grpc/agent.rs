@@ -551,12 +551,12 @@ impl AgentSvc {
         let mut orders_sent: Option<Vec<inferyes_proto::v1::PlacementOrder>> = None;
         let mut peers_sent: Option<Vec<inferyes_proto::v1::MoveTarget>> = None;
         let mut movable_sent: Option<std::sync::Arc<Vec<inferyes_proto::v1::MoveTarget>>> = None;
-        // Grants are made again each renewal period: the snapshot is then
-        // looked at again as if it had changed, and what changed is sent.
+        // Peers' grants are made again each renewal period: the snapshot is
+        // then looked at again as if it and the movable backends had
+        // changed, and the peers are sent if their grants did.
         let granting = fleet_key.map(|key| Granting::new(key, &node_id, &reported.durable.proxy_url));
         let renew_every = Duration::from_millis(inferyes_proto::bearer::MOVE_GRANT_RENEW_MS / 2);
         let mut renew = tokio::time::interval_at(tokio::time::Instant::now() + renew_every, renew_every);
-        let mut grants_expire_sent = 0u64;
 
         let end = loop {
             tokio::select! {
@@ -594,7 +594,10 @@ impl AgentSvc {
                         break End::AgentSilent;
                     }
                 }
-                _ = renew.tick(), if granting.is_some() => snapshots.mark_changed(),
+                _ = renew.tick(), if granting.is_some() => {
+                    movable_sent = None;
+                    snapshots.mark_changed();
+                }
                 changed = snapshots.changed() => {
                     if changed.is_err() {
                         break End::Shutdown;
@@ -642,12 +645,11 @@ impl AgentSvc {
                     }
                     // Sent again while draining to nowhere: the first
                     // targets may come before the fleet's live state.
-                    let grants_expire = Granting::expiry();
+                    // A drain's targets' grants are not renewed here: its agent
+                    // takes the renewed peers' grants for the same backends.
                     if let Some(draining) = draining
-                        && (draining_sent != Some(draining)
-                            || (draining && (targets_sent == 0 || grants_expire != grants_expire_sent)))
+                        && (draining_sent != Some(draining) || (draining && targets_sent == 0))
                     {
-                        grants_expire_sent = grants_expire;
                         let targets = if draining {
                             Granting::grant(granting.as_ref(), self.move_targets(&node_id))
                         } else {
