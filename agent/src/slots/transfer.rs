@@ -43,8 +43,12 @@ pub const SLOT_TOKENS: HeaderName = HeaderName::from_static("x-inferyes-slot-tok
 
 /// The furthest ahead a credential's expiry may be.
 const MAX_CREDENTIAL_MS: u64 = 10 * 60 * 1000;
-/// The furthest ahead a grant's expiry may be.
-const MAX_GRANT_MS: u64 = 2 * inferyes_proto::bearer::MOVE_GRANT_RENEW_MS;
+/// The furthest ahead a grant's expiry may be: two renewal periods, and a
+/// minute for the controller's clock being ahead of this node's.
+const MAX_GRANT_MS: u64 = 2 * inferyes_proto::bearer::MOVE_GRANT_RENEW_MS + 60_000;
+/// The most tokens a restored slot may hold for its next turn to be judged
+/// (4 MiB of them, read from the file's head).
+const MAX_JUDGED_TOKENS: u32 = 1 << 20;
 /// A sender's host name that takes longer to look up is not believed.
 const LOOKUP_TIMEOUT: Duration = Duration::from_secs(2);
 /// How long a credential the sender makes is good for: longer than any one
@@ -85,6 +89,14 @@ pub struct Intake {
     /// restore must not take for empty; held while one restores, so two
     /// never pick the same slot.
     pub restored: inferyes_proto::FastMap<String, tokio::sync::Mutex<Vec<Restored>>>,
+}
+
+/// A move's credential that checked out, not yet taken: the host its
+/// grant names the sender at, the credential and its expiry.
+struct Made<'h> {
+    from_host: &'h str,
+    presented: &'h [u8],
+    expires: u64,
 }
 
 /// Why a slot was not taken: the status, its OpenAI-shaped error and code.
@@ -222,8 +234,20 @@ impl Intake {
             .ok_or_else(|| refused(ErrorKind::BadRequest, "a slot file's length must be given", "length_required"))?;
         // Checked before anything of this node's is looked up: a stranger
         // learns nothing of its backends.
-        let from_host = self.check_credential(headers, backend_id, session, &digest, tokens)?;
-        check_sender(from_host, peer).await?;
+        let made = self.check_credential(headers, backend_id, session, &digest, tokens)?;
+        // Held from here: a sender's host looked up, at most as many at
+        // once as files taken.
+        let _permit = self
+            .permits
+            .try_acquire()
+            .map_err(|_| refused(ErrorKind::RateLimited, "this node takes as many slots at once as it will", "busy"))?;
+        check_sender(made.from_host, peer).await?;
+        // Taken only from the sending node's address: one sent from
+        // elsewhere does not use it up.
+        {
+            let mut used = self.used.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            take_once(&mut used, made.presented, made.expires, inferyes_proto::unix_ms(), self.state.started_unix_ms)?;
+        }
         // A node of the fleet, sending what its controller let it: its
         // connections are no stranger's, neither crowded out by strangers
         // nor cut for want of proof while the file comes.
@@ -236,10 +260,6 @@ impl Intake {
             return Err(refused(ErrorKind::PayloadTooLarge, message, "slot_too_large"));
         }
         self.check_backend(handle, text(headers, &SLOT_FINGERPRINT).unwrap_or_default(), model, tokens)?;
-        let _permit = self
-            .permits
-            .try_acquire()
-            .map_err(|_| refused(ErrorKind::RateLimited, "this node takes as many slots at once as it will", "busy"))?;
 
         let slots = handle.probe.slots.as_ref().map(|s| s.dir.clone()).unwrap_or_default();
         let (_arriving, others) = Arriving::add(&self.arriving, length);
@@ -309,8 +329,7 @@ impl Intake {
     }
 
     /// The credential names this very move, under the controller's grant
-    /// for the sending node to send here; and it was not taken before. The
-    /// host the grant names the sender at.
+    /// for the sending node to send here.
     fn check_credential<'h>(
         &self,
         headers: &'h HeaderMap,
@@ -318,7 +337,7 @@ impl Intake {
         session: &str,
         sha256: &str,
         slot_tokens: u32,
-    ) -> Result<&'h str, Refused> {
+    ) -> Result<Made<'h>, Refused> {
         let denied = |message: &str| refused(ErrorKind::Unauthenticated, message, "invalid_credential");
         if !self.state.closed {
             let message = "this node takes no slots: it joins with no token";
@@ -357,9 +376,7 @@ impl Intake {
         if !inferyes_proto::apikey::constant_time_eq(presented, made.as_bytes()) {
             return Err(denied("the credential is not one this node's controller granted for that move"));
         }
-        let mut used = self.used.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        take_once(&mut used, presented, expires, now, self.state.started_unix_ms)?;
-        Ok(from_host)
+        Ok(Made { from_host, presented, expires })
     }
 
     fn check_backend(
@@ -520,6 +537,11 @@ async fn write_body(body: Incoming, path: &std::path::Path, length: u64, digest:
 /// `tokens` of them (see [`super::saved_tokens`]).
 async fn read_saved_tokens(path: &std::path::Path, tokens: u32) -> Option<Arc<[i32]>> {
     use tokio::io::AsyncReadExt as _;
+    // A slot of more tokens than any context window is not judged: its
+    // head is not read into memory.
+    if tokens > MAX_JUDGED_TOKENS {
+        return None;
+    }
     let file = tokio::fs::File::open(path).await.ok()?;
     let mut head = Vec::new();
     let wanted = u64::try_from(super::saved_tokens_bytes(tokens)).ok()?;
