@@ -315,18 +315,23 @@ wrk.headers["x-stainless-read-timeout"] = "600"
 LUA
 fi
 # Agents take requests that carry the credential data planes send them:
-# what the controller issued their node, derived from the fleet key the
-# controllers keep in etcd (a data plane with keys off takes it as a
-# client's and drops it). Agents of a baseline build from before take the
-# join token itself.
-node_credential() { # node id
+# what the controller issued their node's agent once it joined, derived
+# from the fleet key the controllers keep in etcd, the node's id and its
+# agent's instance (a data plane with keys off takes it as a client's and
+# drops it). Agents of a baseline build from before take the join token's.
+node_credential() { # node id, once its agent holds its credential
+  local node
+  until node=$("$plain/inferyesctl" --controller "http://127.0.0.1:$grpc" node "$1" -o json 2>/dev/null) &&
+    grep -q '"awaiting_credential": false' <<<"$node"; do sleep 0.5; done
   python3 -c 'import base64, hashlib, hmac, json, sys, urllib.request
 key = base64.b64encode(b"/inferyes/v1/secrets/fleet-key").decode()
 request = urllib.request.Request(sys.argv[1] + "/v3/kv/range", data=json.dumps({"key": key}).encode())
 fleet = base64.b64decode(json.load(urllib.request.urlopen(request))["kvs"][0]["value"]).hex()
+instance = json.loads(sys.argv[3])["instance_digest"]
 node_key = hmac.new(fleet.encode(), b"inferyes node proxy key v3", hashlib.sha256).hexdigest()
-print(hmac.new(node_key.encode(), ("inferyes agent proxy v2 " + sys.argv[2]).encode(), hashlib.sha256).hexdigest())' \
-    "http://127.0.0.1:$etcd_client" "$1"
+text = "inferyes node proxy v3 " + sys.argv[2] + " " + instance
+print(hmac.new(node_key.encode(), text.encode(), hashlib.sha256).hexdigest())' \
+    "http://127.0.0.1:$etcd_client" "$1" "$node"
 }
 join_derived_credential() { # node id: what a baseline agent from before issued credentials takes
   python3 -c 'import hashlib, hmac, sys
@@ -389,10 +394,10 @@ if [ "${INSTRUCTIONS:-}" = 1 ]; then
     valgrind --tool=callgrind --callgrind-out-file="$work/cg.$name" "$@" >"$work/cg.$name.log" 2>&1 &
     local pid=$!
     until curl -s -o /dev/null "http://127.0.0.1:$port/"; do sleep 0.5; done
-    # An agent takes requests once its controller issued it a credential.
-    if [ -n "${ISSUED:-}" ]; then
-      until [ "$(curl -s -o /dev/null -w '%{http_code}' -H "Authorization: Bearer $ISSUED" \
-        "http://127.0.0.1:$port/v1/models")" != 401 ]; do sleep 0.5; done
+    # An agent takes requests once its controller issued it a credential,
+    # which names the agent's instance: known once it joined.
+    if [ -n "${ISSUED_NODE:-}" ]; then
+      script=$(with_credential "$script" "$(node_credential "$ISSUED_NODE")")
     fi
     wrk -t 1 -c 2 -d 3s -s "$script" "http://127.0.0.1:$port$path" >/dev/null
     callgrind_control -z "$pid" >/dev/null 2>&1
@@ -431,14 +436,15 @@ if [ "${INSTRUCTIONS:-}" = 1 ]; then
     sed -e "s/^node_id = .*/node_id = \"bench-instructions-$proxy\"/" \
       -e "s/^proxy_listen = .*/proxy_listen = \"127.0.0.1:$proxy\"/" "$work/agent.toml" >"$work/agent-$proxy.toml"
     if [ -z "$suffix" ]; then
-      credential=$(node_credential "bench-instructions-$proxy") issued=$credential
+      issued="bench-instructions-$proxy" chat_script=$work/$chat.lua routed_script=$work/$chat-routed.lua
     else
-      credential=$INFERYES_JOIN_TOKEN issued=""
+      issued=""
+      chat_script=$(with_credential "$work/$chat.lua" "$INFERYES_JOIN_TOKEN")
+      routed_script=$(with_credential "$work/$chat-routed.lua" "$INFERYES_JOIN_TOKEN")
     fi
-    ISSUED=$issued count "agent$suffix" "$proxy" "$(with_credential "$work/$chat.lua" "$credential")" \
+    ISSUED_NODE=$issued count "agent$suffix" "$proxy" "$chat_script" \
       "$build/inferyes-agent" --config "$work/agent-$proxy.toml" --workers 1
-    ISSUED=$issued count "agent+session$suffix" "$proxy" \
-      "$(with_credential "$work/$chat-routed.lua" "$credential")" "$build/inferyes-agent" \
+    ISSUED_NODE=$issued count "agent+session$suffix" "$proxy" "$routed_script" "$build/inferyes-agent" \
       --config "$work/agent-$proxy.toml" --workers 1
     name=dataplane$suffix
     port listen

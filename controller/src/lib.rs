@@ -56,7 +56,8 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
     if join_token.is_some() && !config.separate_dataplane_tokens() {
         tracing::warn!(
             "no dataplane_token_file: the agents' join token is the data planes' too, and reads snapshots \
-             (keys' hashes, sessions) and writes usage; give data planes a token of their own"
+             (keys' hashes, sessions, and the key every node's proxy credential derives from, so that any \
+             agent can reach every node's proxy) and writes usage; give data planes a token of their own"
         );
     }
     if admin_token.is_none() {

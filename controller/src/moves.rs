@@ -35,6 +35,7 @@ pub fn targets(nodes: impl IntoIterator<Item = SnapshotNode>, from: &str, policy
                 models: warm.iter().map(|m| m.id.clone()).collect(),
                 context_windows: warm.iter().map(|m| m.context_window).collect(),
                 free_slots: free,
+                instance_digest: node.instance_digest.clone(),
                 ..Default::default()
             });
         }
@@ -57,6 +58,7 @@ pub fn movable<'a>(nodes: impl IntoIterator<Item = &'a SnapshotNode>) -> Vec<Mov
                 proxy_url: status.proxy_url.clone(),
                 backend_id: backend.id.clone(),
                 slot_fingerprint: backend.slot_fingerprint.clone(),
+                instance_digest: node.instance_digest.clone(),
                 ..Default::default()
             });
         }
@@ -86,7 +88,7 @@ pub fn granted(
             backend: &target.backend_id,
             expires_unix_ms,
         };
-        target.grant = key.move_grant(&grant);
+        target.grant = key.move_grant(&grant, &target.instance_digest);
         target.grant_expires_unix_ms = expires_unix_ms;
     }
     targets
@@ -139,7 +141,7 @@ mod tests {
             gpus: vec![gpu],
             ..Default::default()
         };
-        SnapshotNode { status: Some(status), draining: false, policy: None }
+        SnapshotNode { status: Some(status), draining: false, policy: None, instance_digest: String::new() }
     }
 
     #[test]
@@ -190,7 +192,8 @@ mod tests {
     #[test]
     fn each_target_carries_a_grant_only_its_node_can_check_naming_the_sender() {
         let key = inferyes_proto::bearer::FleetKey::new(&[1; inferyes_proto::bearer::FLEET_KEY_BYTES]).unwrap();
-        let found = granted(peers(&movable(&[node("a", 0, 10), node("b", 0, 10)]), "a"), &key, "a", "10.0.0.1", 9);
+        let b = SnapshotNode { instance_digest: "b1".into(), ..node("b", 0, 10) };
+        let found = granted(peers(&movable(&[node("a", 0, 10), b]), "a"), &key, "a", "10.0.0.1", 9);
         let [target] = found.as_slice() else { panic!("one peer: {found:?}") };
         assert_eq!(target.grant_expires_unix_ms, 9);
         let grant = |from_host| inferyes_proto::bearer::MoveGrant {
@@ -200,7 +203,9 @@ mod tests {
             backend: "main",
             expires_unix_ms: 9,
         };
-        assert_eq!(target.grant, inferyes_proto::bearer::move_grant(&key.intake_key("b"), &grant("10.0.0.1")));
-        assert_ne!(target.grant, inferyes_proto::bearer::move_grant(&key.intake_key("b"), &grant("10.0.0.2")));
+        let intake = |instance| key.intake_key("b", instance);
+        assert_eq!(target.grant, inferyes_proto::bearer::move_grant(&intake("b1"), &grant("10.0.0.1")));
+        assert_ne!(target.grant, inferyes_proto::bearer::move_grant(&intake("b1"), &grant("10.0.0.2")));
+        assert_ne!(target.grant, inferyes_proto::bearer::move_grant(&intake("b2"), &grant("10.0.0.1")));
     }
 }

@@ -154,7 +154,12 @@ impl Snapshot {
 fn merge(node: &SnapshotNode, live: &LiveView) -> SnapshotNode {
     let Some(status) = node.status.as_ref() else { return node.clone() };
     let summary = live.nodes.get(&status.node_id).map(Arc::as_ref);
-    SnapshotNode { status: Some(live::merge(status, summary)), draining: node.draining, policy: node.policy }
+    SnapshotNode {
+        status: Some(live::merge(status, summary)),
+        draining: node.draining,
+        policy: node.policy,
+        instance_digest: node.instance_digest.clone(),
+    }
 }
 
 /// Builds the snapshot for `state`, reusing `previous`'s unchanged nodes.
@@ -176,7 +181,12 @@ pub fn build(state: &FleetState, previous: Option<&Snapshot>) -> Snapshot {
                 Arc::clone(node)
             }
             _ => {
-                let node = SnapshotNode { status: record.status.clone(), draining, policy: policy.cloned() };
+                let node = SnapshotNode {
+                    status: record.status.clone(),
+                    draining,
+                    policy: policy.cloned(),
+                    instance_digest: record.instance_digest.clone(),
+                };
                 match old {
                     // Rewritten but equal (a lease renewal, a controller
                     // restart): keep the old one, so deltas skip it.

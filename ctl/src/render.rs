@@ -811,9 +811,22 @@ fn resident(status: &inferyes_proto::v1::NodeStatus) -> u64 {
     status.backends.iter().map(|b| u64::from(b.resident_sessions)).sum()
 }
 
+/// What a node is to routing: draining, awaiting the credential its
+/// controller issues (data planes send it nothing meanwhile), or active.
+fn node_state(node: &SnapshotNode) -> &'static str {
+    if node.draining {
+        "draining"
+    } else if node.status.as_ref().is_some_and(|s| s.awaiting_credential) {
+        "awaiting credential"
+    } else {
+        "active"
+    }
+}
+
 fn node_json(node: &SnapshotNode) -> Value {
     let Some(s) = node.status.as_ref() else { return Value::Null };
     json!({"node_id": s.node_id, "hostname": s.hostname, "proxy_url": s.proxy_url, "draining": node.draining,
+           "awaiting_credential": s.awaiting_credential, "instance_digest": node.instance_digest,
            "agent_version": s.agent_version, "gpus": s.gpus.iter().map(gpu_json).collect::<Vec<_>>(),
            "backends": s.backends.iter().map(backend_json).collect::<Vec<_>>(), "sessions": resident(s),
            "moves": s.moves.as_ref().map_or(Value::Null, moves_json)})
@@ -849,7 +862,7 @@ fn nodes_table(nodes: &[SnapshotNode]) -> String {
             let healthy = s.backends.iter().filter(|b| b.health() == inferyes_proto::v1::Health::Ready).count();
             vec![
                 s.node_id.clone(),
-                if n.draining { "draining".into() } else { "active".into() },
+                node_state(n).into(),
                 s.gpus.first().map(|g| g.name.clone()).unwrap_or_else(|| "-".into()),
                 vram(&s.gpus),
                 format!("{slots_busy}/{slots_total}"),
@@ -865,7 +878,8 @@ fn nodes_table(nodes: &[SnapshotNode]) -> String {
 fn node_detail(node: &SnapshotNode) -> String {
     let Some(s) = node.status.as_ref() else { return String::new() };
     let mut out = String::new();
-    let _ = writeln!(out, "node:      {}{}", s.node_id, if node.draining { " (draining)" } else { "" });
+    let state = if node_state(node) == "active" { String::new() } else { format!(" ({})", node_state(node)) };
+    let _ = writeln!(out, "node:      {}{state}", s.node_id);
     let _ = writeln!(out, "host:      {}", s.hostname);
     let _ = writeln!(out, "proxy:     {}", s.proxy_url);
     let _ = writeln!(out, "agent:     {}", s.agent_version);
@@ -961,6 +975,16 @@ mod tests {
             Gpu { name: "L4".into(), memory_total_bytes: 24 << 30, memory_used_bytes: 6 << 30, ..Default::default() };
         let status = NodeStatus { node_id: id.into(), gpus: vec![gpu], backends: vec![backend], ..Default::default() };
         SnapshotNode { status: Some(status), draining, ..Default::default() }
+    }
+
+    #[test]
+    fn a_node_awaiting_its_credential_says_so_and_is_not_active() {
+        let mut awaiting = node("gpu-a", false);
+        awaiting.status.as_mut().unwrap().awaiting_credential = true;
+        assert!(nodes_table(&[awaiting.clone()]).contains("awaiting credential"));
+        assert!(!nodes_table(&[awaiting.clone()]).contains("active"));
+        assert_eq!(node_json(&awaiting)["awaiting_credential"], true);
+        assert!(nodes_table(&[node("gpu-b", false)]).contains("active"));
     }
 
     #[test]

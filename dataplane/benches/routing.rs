@@ -71,7 +71,7 @@ fn fleet(nodes: usize, spread: usize) -> BTreeMap<String, SnapshotNode> {
                 sessions,
                 ..Default::default()
             };
-            (id, SnapshotNode { status: Some(status), draining: false, policy: None })
+            (id, SnapshotNode { status: Some(status), draining: false, policy: None, instance_digest: String::new() })
         })
         .collect()
 }

@@ -126,21 +126,26 @@ impl Endpoint {
     /// from the key for what it `takes` (once per key: snapshots come
     /// often, and each would otherwise cost an HMAC per node); else the
     /// fleet-wide one.
-    pub fn with_credential(self, takes: AgentTakes, credentials: &AgentCredentials) -> Endpoint {
-        let key = match takes {
+    pub fn with_credential(self, takes: AgentTakes<'_>, credentials: &AgentCredentials) -> Endpoint {
+        let (key, instance) = match takes {
             AgentTakes::FleetWide => return Endpoint { authorization: credentials.fleet.clone(), ..self },
-            AgentTakes::JoinDerived => credentials.key.as_ref(),
-            AgentTakes::Issued => credentials.node_key.as_ref(),
+            AgentTakes::JoinDerived => (credentials.key.as_ref(), None),
+            AgentTakes::Issued { instance } => (credentials.node_key.as_ref(), Some(instance)),
         };
         let authorization = match key {
             Some(key) => {
                 let mut derived = self.state.credential.lock().unwrap_or_else(PoisonError::into_inner);
                 match &*derived {
-                    Some((from, value)) if Arc::ptr_eq(from, key) || from == key => Some(value.clone()),
+                    Some((from, of, value)) if (Arc::ptr_eq(from, key) || from == key) && of.as_deref() == instance => {
+                        Some(value.clone())
+                    }
                     _ => {
-                        let credential = inferyes_proto::bearer::node_proxy_credential(key, &self.id);
+                        let credential = match instance {
+                            Some(instance) => inferyes_proto::bearer::issued_proxy_credential(key, &self.id, instance),
+                            None => inferyes_proto::bearer::node_proxy_credential(key, &self.id),
+                        };
                         let value = inferyes_proto::bearer::header_value(&credential);
-                        *derived = value.clone().map(|value| (Arc::clone(key), value));
+                        *derived = value.clone().map(|value| (Arc::clone(key), instance.map(Box::from), value));
                         value
                     }
                 }
@@ -369,11 +374,15 @@ struct NodeState {
     /// Lets this node's failures be logged once in a while, however many
     /// requests see them, without holding back another node's.
     log: inferyes_net::log::Gate,
-    /// The node's credential, and the key it was derived from.
-    credential: Mutex<Option<(Arc<str>, HeaderValue)>>,
+    /// The node's credential, and what it was derived from.
+    credential: Mutex<Option<Derived>>,
     /// Every node's, shared.
     freed: Arc<Freed>,
 }
+
+/// A node's credential as last derived: from which key, for which agent
+/// instance (none: one derived from the join token's key).
+type Derived = (Arc<str>, Option<Box<str>>, HeaderValue);
 
 /// What the controller's snapshot says data planes send agents: the keys
 /// each node's credential is derived from (the one its controller issued
@@ -389,19 +398,21 @@ pub struct AgentCredentials {
 
 /// Which credential an agent takes, as its status says.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum AgentTakes {
-    /// The one its controller issued it, derived from `node_key`.
-    Issued,
+pub enum AgentTakes<'a> {
+    /// The one its controller issued it, derived from `node_key` and the
+    /// agent's instance (its record's digest of it).
+    Issued { instance: &'a str },
     /// Its own, derived from the join token's `key`.
     JoinDerived,
     /// The fleet-wide one.
     FleetWide,
 }
 
-impl AgentTakes {
-    pub fn of(status: &inferyes_proto::v1::NodeStatus) -> AgentTakes {
+impl AgentTakes<'_> {
+    pub fn of(node: &inferyes_proto::v1::SnapshotNode) -> AgentTakes<'_> {
+        let Some(status) = node.status.as_ref() else { return AgentTakes::FleetWide };
         if status.proxy_credential_issued {
-            AgentTakes::Issued
+            AgentTakes::Issued { instance: &node.instance_digest }
         } else if status.proxy_credential_per_node {
             AgentTakes::JoinDerived
         } else {
@@ -521,13 +532,14 @@ mod tests {
             let takes = if per_node { AgentTakes::JoinDerived } else { AgentTakes::FleetWide };
             endpoint.with_credential(takes, credentials).authorization
         };
-        let issued = |id: &str| {
+        let issued = |id: &str, instance: &str| {
             let endpoint = states.endpoint(&Arc::from(id), BaseUrl::new("http://a"), false, true, 1);
-            endpoint.with_credential(AgentTakes::Issued, &credentials).authorization
+            endpoint.with_credential(AgentTakes::Issued { instance }, &credentials).authorization
         };
         let header = inferyes_proto::bearer::header_value;
-        assert_eq!(issued("d"), header(&issued_key.proxy_credential("d")), "what its controller issued it");
-        assert_eq!(issued("d"), header(&issued_key.proxy_credential("d")), "the same, from the cache");
+        assert_eq!(issued("d", "i1"), header(&issued_key.proxy_credential("d", "i1")), "what its controller issued");
+        assert_eq!(issued("d", "i1"), header(&issued_key.proxy_credential("d", "i1")), "the same, from the cache");
+        assert_eq!(issued("d", "i2"), header(&issued_key.proxy_credential("d", "i2")), "another agent of that id");
         let own =
             |id: &str| inferyes_proto::bearer::header_value(&inferyes_proto::bearer::node_proxy_credential(&key, id));
         assert_eq!(of("a", true, &credentials), own("a"));

@@ -107,21 +107,32 @@ impl FleetKey {
         mac_hex(&self.0, b"inferyes node proxy key v3")
     }
 
-    /// What data planes present to `node_id`'s proxy, issued to that node.
-    pub fn proxy_credential(&self, node_id: &str) -> String {
-        node_proxy_credential(&self.node_key(), node_id)
+    /// What data planes present to the proxy of `node_id`, held by the
+    /// agent `instance` (its digest), issued to that agent.
+    pub fn proxy_credential(&self, node_id: &str, instance: &str) -> String {
+        issued_proxy_credential(&self.node_key(), node_id, instance)
     }
 
-    /// What `node_id` checks the slots sent to it with, issued to it alone:
-    /// no other node can make a grant to send it one.
-    pub fn intake_key(&self, node_id: &str) -> String {
-        mac_hex(&self.0, format!("inferyes slot intake v3 {node_id}").as_bytes())
+    /// What `node_id`, held by the agent `instance`, checks the slots sent
+    /// to it with, issued to it alone: no other node (nor another agent
+    /// that once held the id) can make a grant to send it one.
+    pub fn intake_key(&self, node_id: &str, instance: &str) -> String {
+        mac_hex(&self.0, format!("inferyes slot intake v3 {node_id} {instance}").as_bytes())
     }
 
-    /// The controller's leave for one node to send another's backend slots.
-    pub fn move_grant(&self, grant: &MoveGrant<'_>) -> String {
-        move_grant(&self.intake_key(grant.to), grant)
+    /// The controller's leave for one node to send another's backend
+    /// slots, while the agent `to_instance` holds the receiving node.
+    pub fn move_grant(&self, grant: &MoveGrant<'_>, to_instance: &str) -> String {
+        move_grant(&self.intake_key(grant.to, to_instance), grant)
     }
+}
+
+/// What data planes present to the proxy of `node_id` held by the agent
+/// `instance`, derived from the snapshot's `node_key`, as its controller
+/// issued it.
+pub fn issued_proxy_credential(node_key: &str, node_id: &str, instance: &str) -> String {
+    // A node id holds no spaces; the instance digest is hex.
+    mac_hex(node_key, format!("inferyes node proxy v3 {node_id} {instance}").as_bytes())
 }
 
 /// Which node may send slots to which node's backend, from which address,
@@ -318,17 +329,20 @@ mod tests {
         let other = FleetKey::new(&[8; FLEET_KEY_BYTES]).unwrap();
         assert_eq!(format!("{key:?}"), "FleetKey(..)", "never logged");
         // A data plane derives from the snapshot's key what the node was issued.
-        assert_eq!(key.proxy_credential("a"), node_proxy_credential(&key.node_key(), "a"));
-        assert_ne!(key.proxy_credential("a"), key.proxy_credential("b"));
-        assert_ne!(key.proxy_credential("a"), other.proxy_credential("a"));
+        assert_eq!(key.proxy_credential("a", "i1"), issued_proxy_credential(&key.node_key(), "a", "i1"));
+        assert_ne!(key.proxy_credential("a", "i1"), key.proxy_credential("b", "i1"));
+        assert_ne!(key.proxy_credential("a", "i1"), key.proxy_credential("a", "i2"), "another agent, the same id");
+        assert_ne!(key.proxy_credential("a", "i1"), other.proxy_credential("a", "i1"));
         // Nothing a join token derives opens a node.
         assert_ne!(key.node_key(), proxy_key("a"));
-        assert_ne!(key.intake_key("a"), key.intake_key("b"));
-        assert_ne!(key.intake_key("a"), key.proxy_credential("a"));
+        assert_ne!(key.intake_key("a", "i1"), key.intake_key("b", "i1"));
+        assert_ne!(key.intake_key("a", "i1"), key.intake_key("a", "i2"));
+        assert_ne!(key.intake_key("a", "i1"), key.proxy_credential("a", "i1"));
         let grant = MoveGrant { from: "a", from_host: "10.0.0.1", to: "b", backend: "main", expires_unix_ms: 1_000 };
-        let made = key.move_grant(&grant);
-        assert_eq!(made, move_grant(&key.intake_key("b"), &grant), "the receiver makes it again");
-        assert_ne!(made, move_grant(&key.intake_key("c"), &grant), "no other node can");
+        let made = key.move_grant(&grant, "i1");
+        assert_eq!(made, move_grant(&key.intake_key("b", "i1"), &grant), "the receiver makes it again");
+        assert_ne!(made, move_grant(&key.intake_key("c", "i1"), &grant), "no other node can");
+        assert_ne!(made, move_grant(&key.intake_key("b", "i2"), &grant), "nor another agent of that id");
         let (renew, now) = (MOVE_GRANT_RENEW_MS, 7 * MOVE_GRANT_RENEW_MS + 1);
         assert_eq!(move_grant_expiry(now), move_grant_expiry(now + renew - 2), "one grant a period");
         assert!((now + renew..=now + 2 * renew).contains(&move_grant_expiry(now)));
@@ -341,7 +355,7 @@ mod tests {
             MoveGrant { backend: "other", ..grant },
             MoveGrant { expires_unix_ms: 1_001, ..grant },
         ] {
-            assert_ne!(made, key.move_grant(&changed));
+            assert_ne!(made, key.move_grant(&changed, "i1"));
         }
     }
 

@@ -109,9 +109,15 @@ def mac(key, text):
     return hmac.new(key.encode(), text.encode(), hashlib.sha256).hexdigest()
 
 
+def instance(fleet, node):
+    """The digest of the agent instance that holds `node` now."""
+    return fleet.ctl("node", node)["instance_digest"]
+
+
 def proxy_credential(fleet, node):
-    """What the controller issues `node` for data planes to present."""
-    return mac(mac(fleet.fleet_key(), "inferyes node proxy key v3"), f"inferyes agent proxy v2 {node}")
+    """What the controller issues `node`'s agent for data planes to present."""
+    return mac(mac(fleet.fleet_key(), "inferyes node proxy key v3"),
+               f"inferyes node proxy v3 {node} {instance(fleet, node)}")
 
 
 def join_derived_proxy_credential(fleet, node):
@@ -128,12 +134,14 @@ def grant_expiry(now_ms=None):
 
 
 def slot_headers(fleet, body, until, to="node-b", sender="node-a", digest=None, length=None, fingerprint=None,
-                 session="root-attacker", tokens=100, host="127.0.0.1", grant_until=None, join_derived=False):
+                 session="root-attacker", tokens=100, host="127.0.0.1", grant_until=None, join_derived=False,
+                 to_instance=None):
     """A slot file's headers, with the credential a sender makes of its
     controller's grant (as the controller makes it, of the fleet key): by
     default for root-attacker's 100 tokens on the `chat` backend, from
     node-a at 127.0.0.1. `join_derived`: made as credentials were of the
-    join token, all an agent holding it could make."""
+    join token, all an agent holding it could make; `to_instance`: made for
+    another agent that held the receiving node's id."""
     digest = digest or hashlib.sha256(body).hexdigest()
     fingerprint = fingerprint or fleet.ctl("node", to)["backends"][0]["slot_fingerprint"]
     grant_until = grant_until or grant_expiry()
@@ -142,7 +150,7 @@ def slot_headers(fleet, body, until, to="node-b", sender="node-a", digest=None, 
         move = f"inferyes slot move v2 {sender} {to} chat {tokens} {until} {digest} {session}"
         credential = mac(mac(join, "inferyes slot move key v2"), move)
     else:
-        intake = mac(fleet.fleet_key(), f"inferyes slot intake v3 {to}")
+        intake = mac(fleet.fleet_key(), f"inferyes slot intake v3 {to} {to_instance or instance(fleet, to)}")
         grant = mac(intake, f"inferyes move grant v3 {sender} {to} chat {grant_until} {host}")
         credential = mac(grant, f"inferyes slot move v3 {sender} {to} chat {tokens} {until} {digest} {session}")
     return {
@@ -186,6 +194,9 @@ def test_a_node_takes_a_slot_only_with_its_credential_and_a_file_that_checks_out
         # token, which every agent holds.
         "made of the join token": (headers(join_derived=True), 401, "invalid_credential"),
         "another node's": (headers(to="node-c"), 401, "invalid_credential"),
+        # What an agent that held node-b's id before (its lease since run
+        # out) was issued opens nothing now.
+        "for another agent of node-b": (headers(to_instance="0" * 64), 401, "invalid_credential"),
         "another host's claim": ({**headers(), "x-inferyes-move-from-host": "127.0.0.2"}, 401, "invalid_credential"),
         "a grant expired": (headers(grant_until=grant_expiry() - 600_000), 401, "invalid_credential"),
         "a grant too far ahead": (headers(grant_until=grant_expiry() + 300_000), 401, "invalid_credential"),

@@ -180,25 +180,32 @@ pub async fn agent_authorization(etcd: &crate::Etcd, node_id: &str) -> String {
     use prost::Message as _;
     let mut client = etcd.client().await.expect("etcd");
     let node = format!("/inferyes/v1/nodes/{node_id}");
+    // The instance the record's agent holds it with, once it holds it.
     let holds = |value: &[u8]| {
-        let record = inferyes_proto::v1::NodeRecord::decode(value).ok();
-        record.and_then(|r| r.status).is_some_and(|s| !s.awaiting_credential)
+        let record = inferyes_proto::v1::NodeRecord::decode(value).ok()?;
+        record.status.filter(|s| !s.awaiting_credential).map(|_| record.instance_digest)
     };
     let found = client.get(node.as_str(), None).await.expect("the node's record read");
-    if !found.kvs().first().is_some_and(|kv| holds(kv.value())) {
-        let from = found.header().map_or(0, |h| h.revision()) + 1;
-        let options = etcd_client::WatchOptions::new().with_start_revision(from);
-        let mut changes = client.watch(node.as_str(), Some(options)).await.expect("a watch");
-        let issued = async {
-            while let Some(changes) = changes.message().await.expect("the watch") {
-                if changes.events().iter().filter_map(|e| e.kv()).any(|kv| holds(kv.value())) {
-                    return;
+    let instance = match found.kvs().first().and_then(|kv| holds(kv.value())) {
+        Some(instance) => instance,
+        None => {
+            let from = found.header().map_or(0, |h| h.revision()) + 1;
+            let options = etcd_client::WatchOptions::new().with_start_revision(from);
+            let mut changes = client.watch(node.as_str(), Some(options)).await.expect("a watch");
+            let issued = async {
+                loop {
+                    let changes = changes.message().await.expect("the watch").expect("the watch goes on");
+                    if let Some(instance) =
+                        changes.events().iter().filter_map(|e| e.kv()).find_map(|kv| holds(kv.value()))
+                    {
+                        return instance;
+                    }
                 }
-            }
-        };
-        tokio::time::timeout(Duration::from_secs(15), issued).await.expect("the node's credential issued in 15 s");
-    }
-    format!("Bearer {}", fleet_key(etcd).await.proxy_credential(node_id))
+            };
+            tokio::time::timeout(Duration::from_secs(15), issued).await.expect("the node's credential issued in 15 s")
+        }
+    };
+    format!("Bearer {}", fleet_key(etcd).await.proxy_credential(node_id, &instance))
 }
 
 /// The fleet key the fleet's controllers keep in `etcd`, under the default

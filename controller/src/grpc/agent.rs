@@ -297,7 +297,7 @@ impl AgentService for AgentSvc {
             Some(secret) => Some(secret.get().await.map_err(|e| status(e.kind(), e.to_string()))?.clone()),
             None => None,
         };
-        let claim = self.claim(node, instance, seat).instrument(span.clone()).await?;
+        let claim = self.claim(node, instance.clone(), seat).instrument(span.clone()).await?;
 
         let (tx, rx) = mpsc::channel(8);
         let registered = ControllerMessage {
@@ -312,8 +312,8 @@ impl AgentService for AgentSvc {
         if let Some(key) = &fleet_key {
             let node_id = &claim.reported.durable.node_id;
             let credentials = inferyes_proto::v1::NodeCredentials {
-                proxy_credential: key.proxy_credential(node_id),
-                intake_key: key.intake_key(node_id),
+                proxy_credential: key.proxy_credential(node_id, &instance),
+                intake_key: key.intake_key(node_id, &instance),
             };
             let _ = tx.try_send(Ok(ControllerMessage { msg: Some(controller_message::Msg::Credentials(credentials)) }));
         }

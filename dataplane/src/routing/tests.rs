@@ -160,7 +160,7 @@ fn wire(s: &Spec) -> SnapshotNode {
     };
     let policy = (s.admission_override > 0.0)
         .then_some(NodePolicy { admission_threshold: s.admission_override, hard_limit: 0.0 });
-    SnapshotNode { status: Some(status), draining: s.draining, policy }
+    SnapshotNode { status: Some(status), draining: s.draining, policy, instance_digest: String::new() }
 }
 
 fn snapshot_with(specs: &[Spec], policy: Option<RoutingPolicy>) -> RoutingSnapshot {

@@ -101,7 +101,7 @@ pub fn decode_live(
         let proxy_url = inferyes_net::base_url::BaseUrl::new(&status.proxy_url);
         let endpoint = states
             .endpoint(&id, proxy_url, status.proxy_http2, ready, version)
-            .with_credential(crate::targets::AgentTakes::of(status), credentials);
+            .with_credential(crate::targets::AgentTakes::of(wire), credentials);
         let endpoint = Arc::new(endpoint);
         let own_in_flight = endpoint.in_flight();
         let own = wire.policy.as_ref();
@@ -372,6 +372,7 @@ mod tests {
             }),
             draining: false,
             policy: None,
+            instance_digest: String::new(),
         }
     }
 

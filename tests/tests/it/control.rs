@@ -751,7 +751,7 @@ async fn an_agent_forwards_only_what_the_fleet_s_data_planes_send() {
         |key: &str, node: &str| format!("Bearer {}", inferyes_proto::bearer::node_proxy_credential(key, node));
     let join_derived = credential(&key(inferyes_tests::JOIN_TOKEN), "node-a");
     let another_node =
-        format!("Bearer {}", inferyes_tests::fleet::fleet_key(&fleet.etcd).await.proxy_credential("node-b"));
+        format!("Bearer {}", inferyes_tests::fleet::fleet_key(&fleet.etcd).await.proxy_credential("node-b", ""));
     let fleet_wide = format!("Bearer {}", inferyes_proto::bearer::proxy_credential(inferyes_tests::JOIN_TOKEN));
     let join_token = format!("Bearer {}", inferyes_tests::JOIN_TOKEN);
     for authorization in [
