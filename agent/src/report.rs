@@ -86,6 +86,34 @@ pub async fn run(
 const FLEET_FULL: inferyes_net::backoff::Backoff =
     inferyes_net::backoff::Backoff::new(Duration::from_secs(40), Duration::from_secs(40));
 
+/// Keeps what the controller issued this node, where it looks like what
+/// a controller issues.
+fn take_credentials(state: &AgentState, issued: inferyes_proto::v1::NodeCredentials) {
+    let issued = crate::state::Issued { proxy_credential: issued.proxy_credential, intake_key: issued.intake_key };
+    let sound = |s: &str| !s.is_empty() && s.len() <= MAX_CREDENTIAL_BYTES;
+    if !sound(&issued.proxy_credential) || !sound(&issued.intake_key) {
+        tracing::warn!("the controller's credentials are empty or too long; kept what was issued");
+        return;
+    }
+    if state.issued.load().as_deref() != Some(&issued) {
+        tracing::info!("credentials issued by the controller");
+    }
+    state.issued.store(Some(Arc::new(issued)));
+    state.changed.notify_one();
+}
+
+/// Says, once in a while, that the node joined with a token and holds no
+/// credential: a controller without one issues none.
+fn warn_if_uncredentialed(state: &AgentState, controller_id: &str) {
+    if state.closed && state.issued.load().is_none() {
+        inferyes_net::warn_every!(
+            controller = %controller_id,
+            "the controller issued this node no credential (one with no join token?): the proxy refuses every \
+             request, and no data plane sends it one"
+        );
+    }
+}
+
 /// Placement orders held for the node at once; more are not believed.
 const MAX_ORDERS: usize = 64;
 /// Backends a drain may move conversations to, at most.
@@ -177,22 +205,7 @@ async fn session(
                     Some(controller_message::Msg::Peers(peers)) => {
                         *state.peers.lock() = peers.targets.into_iter().take(MAX_MOVE_TARGETS).collect();
                     }
-                    Some(controller_message::Msg::Credentials(issued)) => {
-                        let issued = crate::state::Issued {
-                            proxy_credential: issued.proxy_credential,
-                            intake_key: issued.intake_key,
-                        };
-                        let sound = |s: &str| !s.is_empty() && s.len() <= MAX_CREDENTIAL_BYTES;
-                        if sound(&issued.proxy_credential) && sound(&issued.intake_key) {
-                            if state.issued.load().as_deref() != Some(&issued) {
-                                tracing::info!("credentials issued by the controller");
-                            }
-                            state.issued.store(Some(Arc::new(issued)));
-                            state.changed.notify_one();
-                        } else {
-                            tracing::warn!("the controller's credentials are empty or too long; kept what was issued");
-                        }
-                    }
+                    Some(controller_message::Msg::Credentials(issued)) => take_credentials(state, issued),
                     Some(controller_message::Msg::Placement(placement)) => {
                         let mine: Vec<PlacementOrder> =
                             placement.orders.into_iter().filter(|o| o.node_id == state.node_id).take(MAX_ORDERS).collect();
@@ -222,13 +235,7 @@ async fn session(
                 }
             }
             () = tokio::time::sleep_until(heartbeat_at) => {
-                if state.closed && state.issued.load().is_none() {
-                    inferyes_net::warn_every!(
-                        controller = %registered.controller_id,
-                        "the controller issued this node no credential (one with no join token?): the proxy \
-                         refuses every request, and no data plane sends it one"
-                    );
-                }
+                warn_if_uncredentialed(state, &registered.controller_id);
                 // In-flight counts change without a notification: the
                 // heartbeat tick picks them up.
                 let status = state.status();
