@@ -395,6 +395,78 @@ struct Claim {
     writer: NodeWriter,
 }
 
+/// What the snapshot shows of one node: whether it drains, the placement
+/// leader's orders for it, and every backend that can take a moved slot.
+struct Shown {
+    draining: Option<bool>,
+    orders: Vec<inferyes_proto::v1::PlacementOrder>,
+    movable: Option<std::sync::Arc<Vec<inferyes_proto::v1::MoveTarget>>>,
+}
+
+/// What a node's agent was last told of the snapshot, so that it hears
+/// each change once, and only changes. Pure.
+#[derive(Default)]
+struct Told {
+    draining: Option<bool>,
+    targets: usize,
+    /// `None` until the first are sent: a new stream always hears the
+    /// node's orders, none included, replacing what its agent held.
+    orders: Option<Vec<inferyes_proto::v1::PlacementOrder>>,
+    peers: Option<Vec<inferyes_proto::v1::MoveTarget>>,
+    /// The movable backends the peers were made of: while the snapshot's
+    /// are the same (a pointer's comparison), the peers are not made again.
+    movable: Option<std::sync::Arc<Vec<inferyes_proto::v1::MoveTarget>>>,
+}
+
+impl Told {
+    /// What tells the agent of `node_id` what changed in `shown`: its peers
+    /// (where its agent may carry a conversation's slot when a data plane
+    /// asks), its orders, whether it drains and, draining, its `targets`
+    /// (asked for only then), each with this node's grants.
+    fn news(
+        &mut self,
+        node_id: &str,
+        shown: Shown,
+        granting: Option<&Granting>,
+        targets: impl FnOnce() -> Vec<inferyes_proto::v1::MoveTarget>,
+    ) -> Vec<ControllerMessage> {
+        let message = |msg| ControllerMessage { msg: Some(msg) };
+        let mut news = Vec::new();
+        if let Some(movable) = shown.movable
+            && !self.movable.as_ref().is_some_and(|sent| std::sync::Arc::ptr_eq(sent, &movable))
+        {
+            let peers = Granting::grant(granting, crate::moves::peers(&movable, node_id));
+            if self.peers.as_ref() != Some(&peers) {
+                let targets = peers.clone();
+                news.push(message(controller_message::Msg::Peers(inferyes_proto::v1::Peers { targets })));
+                self.peers = Some(peers);
+            }
+            self.movable = Some(movable);
+        }
+        if self.orders.as_ref() != Some(&shown.orders) {
+            let orders = shown.orders.clone();
+            news.push(message(controller_message::Msg::Placement(inferyes_proto::v1::Placement { orders })));
+            self.orders = Some(shown.orders);
+        }
+        // Told again while draining to nowhere: the first targets may come
+        // before the fleet's live state. A drain's targets' grants are not
+        // renewed here: its agent takes the renewed peers' grants for the
+        // same backends.
+        if let Some(draining) = shown.draining
+            && (self.draining != Some(draining) || (draining && self.targets == 0))
+        {
+            let targets = if draining { Granting::grant(granting, targets()) } else { Vec::new() };
+            if self.draining != Some(draining) || !targets.is_empty() {
+                self.draining = Some(draining);
+                self.targets = targets.len();
+                let drain = DrainState { draining, reason: String::new(), targets };
+                news.push(message(controller_message::Msg::Drain(drain)));
+            }
+        }
+        news
+    }
+}
+
 /// What a node's move grants are made with.
 struct Granting {
     key: inferyes_proto::bearer::FleetKey,
@@ -544,13 +616,7 @@ impl AgentSvc {
         let mut silence = tokio::time::interval(self.lease_ttl / 3);
         silence.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut snapshots = self.snapshots.clone();
-        let mut draining_sent: Option<bool> = None;
-        let mut targets_sent = 0usize;
-        // None until the first is sent: a new stream always hears the
-        // node's orders, none included, replacing what its agent held.
-        let mut orders_sent: Option<Vec<inferyes_proto::v1::PlacementOrder>> = None;
-        let mut peers_sent: Option<Vec<inferyes_proto::v1::MoveTarget>> = None;
-        let mut movable_sent: Option<std::sync::Arc<Vec<inferyes_proto::v1::MoveTarget>>> = None;
+        let mut told = Told::default();
         // Peers' grants are made again each renewal period: the snapshot is
         // then looked at again as if it and the movable backends had
         // changed, and the peers are sent if their grants did.
@@ -558,7 +624,7 @@ impl AgentSvc {
         let renew_every = Duration::from_millis(inferyes_proto::bearer::MOVE_GRANT_RENEW_MS / 2);
         let mut renew = tokio::time::interval_at(tokio::time::Instant::now() + renew_every, renew_every);
 
-        let end = loop {
+        let end = 'session: loop {
             tokio::select! {
                 () = self.shutdown.cancelled() => break End::Shutdown,
                 () = taken.cancelled() => break End::Taken,
@@ -595,75 +661,26 @@ impl AgentSvc {
                     }
                 }
                 _ = renew.tick(), if granting.is_some() => {
-                    movable_sent = None;
+                    told.movable = None;
                     snapshots.mark_changed();
                 }
                 changed = snapshots.changed() => {
                     if changed.is_err() {
                         break End::Shutdown;
                     }
-                    let (draining, orders, movable) = {
+                    let shown = {
                         let snapshot = snapshots.borrow_and_update();
                         let snapshot = snapshot.as_ref();
-                        (
-                            snapshot.and_then(|s| s.node(&node_id).map(|n| n.draining)),
-                            snapshot.map(|s| s.orders_for(&node_id)).unwrap_or_default(),
-                            snapshot.map(|s| std::sync::Arc::clone(s.movable())),
-                        )
+                        Shown {
+                            draining: snapshot.and_then(|s| s.node(&node_id).map(|n| n.draining)),
+                            orders: snapshot.map(|s| s.orders_for(&node_id)).unwrap_or_default(),
+                            movable: snapshot.map(|s| std::sync::Arc::clone(s.movable())),
+                        }
                     };
-                    // Where its agent may carry a conversation's slot when a
-                    // data plane asks, whenever that changes: a pointer's
-                    // comparison while it does not.
-                    if let Some(movable) = movable
-                        && !movable_sent.as_ref().is_some_and(|sent| std::sync::Arc::ptr_eq(sent, &movable))
-                    {
-                        let peers = Granting::grant(granting.as_ref(), crate::moves::peers(&movable, &node_id));
-                        if peers_sent.as_ref() != Some(&peers) {
-                            let targets = peers.clone();
-                            let message = ControllerMessage {
-                                msg: Some(controller_message::Msg::Peers(inferyes_proto::v1::Peers { targets })),
-                            };
-                            if let Err(end) = deliver(&tx, message, self.lease_ttl).await {
-                                break end;
-                            }
-                            peers_sent = Some(peers);
-                        }
-                        movable_sent = Some(movable);
-                    }
-                    // The placement leader's orders for this node, whole,
-                    // whenever they change.
-                    if orders_sent.as_ref() != Some(&orders) {
-                        let message = ControllerMessage {
-                            msg: Some(controller_message::Msg::Placement(inferyes_proto::v1::Placement {
-                                orders: orders.clone(),
-                            })),
-                        };
+                    let news = told.news(&node_id, shown, granting.as_ref(), || self.move_targets(&node_id));
+                    for message in news {
                         if let Err(end) = deliver(&tx, message, self.lease_ttl).await {
-                            break end;
-                        }
-                        orders_sent = Some(orders);
-                    }
-                    // Sent again while draining to nowhere: the first
-                    // targets may come before the fleet's live state.
-                    // A drain's targets' grants are not renewed here: its agent
-                    // takes the renewed peers' grants for the same backends.
-                    if let Some(draining) = draining
-                        && (draining_sent != Some(draining) || (draining && targets_sent == 0))
-                    {
-                        let targets = if draining {
-                            Granting::grant(granting.as_ref(), self.move_targets(&node_id))
-                        } else {
-                            Vec::new()
-                        };
-                        if draining_sent == Some(draining) && targets.is_empty() {
-                            continue;
-                        }
-                        draining_sent = Some(draining);
-                        targets_sent = targets.len();
-                        let drain = DrainState { draining, reason: String::new(), targets };
-                        let message = ControllerMessage { msg: Some(controller_message::Msg::Drain(drain)) };
-                        if let Err(end) = deliver(&tx, message, self.lease_ttl).await {
-                            break end;
+                            break 'session end;
                         }
                     }
                 }
@@ -1055,6 +1072,61 @@ async fn sleep_until(at: Option<Instant>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn kinds(news: &[ControllerMessage]) -> Vec<&'static str> {
+        news.iter()
+            .map(|m| match &m.msg {
+                Some(controller_message::Msg::Peers(_)) => "peers",
+                Some(controller_message::Msg::Placement(_)) => "placement",
+                Some(controller_message::Msg::Drain(d)) if d.draining => "drain",
+                Some(controller_message::Msg::Drain(_)) => "undrain",
+                _ => "other",
+            })
+            .collect()
+    }
+
+    #[test]
+    fn an_agent_hears_each_change_of_the_snapshot_once_with_its_grants() {
+        let target = |node: &str| inferyes_proto::v1::MoveTarget {
+            node_id: node.into(),
+            proxy_url: format!("http://{node}:9100"),
+            backend_id: "main".into(),
+            slot_fingerprint: "f".into(),
+            ..Default::default()
+        };
+        let movable = std::sync::Arc::new(vec![target("a"), target("b")]);
+        let shown = |draining, movable: &std::sync::Arc<Vec<_>>| Shown {
+            draining: Some(draining),
+            orders: Vec::new(),
+            movable: Some(std::sync::Arc::clone(movable)),
+        };
+        let key = inferyes_proto::bearer::FleetKey::new(&[5; inferyes_proto::bearer::FLEET_KEY_BYTES]).unwrap();
+        let granting = Granting::new(key, "a", "http://10.0.0.1:9100");
+        let mut told = Told::default();
+        let no_targets = Vec::new;
+        // A new stream hears everything, none of its orders included.
+        let news = told.news("a", shown(false, &movable), Some(&granting), no_targets);
+        assert_eq!(kinds(&news), ["peers", "placement", "undrain"]);
+        let Some(controller_message::Msg::Peers(peers)) = &news[0].msg else { unreachable!() };
+        let [b] = peers.targets.as_slice() else { panic!("its peers are the others: {peers:?}") };
+        assert_eq!(b.node_id, "b");
+        assert!(!b.grant.is_empty() && b.grant_expires_unix_ms > inferyes_proto::unix_ms(), "{b:?}");
+        // The same snapshot again: nothing.
+        assert!(told.news("a", shown(false, &movable), Some(&granting), no_targets).is_empty());
+        // Made again (a renewal) within one period: the same grants, not told.
+        told.movable = None;
+        assert!(told.news("a", shown(false, &movable), Some(&granting), no_targets).is_empty());
+        // Drained to nowhere: told so, and told its targets once there are.
+        assert_eq!(kinds(&told.news("a", shown(true, &movable), Some(&granting), no_targets)), ["drain"]);
+        assert!(told.news("a", shown(true, &movable), Some(&granting), no_targets).is_empty());
+        let news = told.news("a", shown(true, &movable), Some(&granting), || vec![target("b")]);
+        let Some(controller_message::Msg::Drain(drain)) = &news[0].msg else { panic!("{news:?}") };
+        assert!(!drain.targets[0].grant.is_empty(), "a drain's targets carry grants");
+        assert!(told.news("a", shown(true, &movable), Some(&granting), || vec![target("b")]).is_empty());
+        // Another node joins: its peers again.
+        let more = std::sync::Arc::new(vec![target("a"), target("b"), target("c")]);
+        assert_eq!(kinds(&told.news("a", shown(true, &more), Some(&granting), no_targets)), ["peers"]);
+    }
 
     #[test]
     fn a_node_s_address_is_an_http_url_of_bounded_length() {
