@@ -290,17 +290,10 @@ async fn forward_in_span(proxy: Proxy, request: Request<Incoming>) -> Response {
         parts.headers.insert(header::AUTHORIZATION, value.clone());
     }
 
-    // The tokens restored into the session's slot, where this is its first
-    // turn since: its body is kept to tell, should it read next to nothing,
-    // whether it carried on from them.
-    let mut restored = None;
-    if let (Some(session), Some(model)) = (&session, model) {
-        let mut residency = proxy.state.residency.lock();
-        residency.touch(session, backend_id, model, inferyes_proto::unix_ms());
-        restored = residency.unchecked_restore(session);
-        drop(residency);
-        proxy.state.changed.notify_one();
-    }
+    let restored = match (&session, model) {
+        (Some(session), Some(model)) => proxy.state.turn_begins(session, backend_id, model),
+        _ => None,
+    };
 
     // For a log line: the request's span is a trace, not log context.
     let request_id = parts.headers.get(REQUEST_ID_HEADER).cloned();

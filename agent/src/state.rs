@@ -207,6 +207,20 @@ impl AgentState {
         }
     }
 
+    /// Notes that a turn of `session` begins on `backend_id`; the tokens
+    /// restored into its slot, where this is its first turn since (its
+    /// body is then kept to tell, should it read next to nothing, whether
+    /// it carried on from them).
+    pub fn turn_begins(&self, session: &str, backend_id: &str, model: &str) -> Option<std::sync::Arc<[i32]>> {
+        let restored = {
+            let mut residency = self.residency.lock();
+            residency.touch(session, backend_id, model, inferyes_proto::unix_ms());
+            residency.unchecked_restore(session)
+        };
+        self.changed.notify_one();
+        restored
+    }
+
     pub fn backend(&self, id: &str) -> Option<&BackendHandle> {
         self.backends.iter().find(|b| b.probe.id == id)
     }
