@@ -57,12 +57,9 @@ pub fn decode_live(
     let policy = resolve_policy(policy);
     let mut indices = Indices::default();
     for wire in nodes.values() {
-        let Some(status) = wire.status.as_ref() else { continue };
-        // Its proxy takes no request until its controller issued it a
-        // credential: not a node to send one to yet.
-        if status.awaiting_credential {
-            continue;
-        }
+        // One whose proxy takes no request until its controller issued it a
+        // credential is not a node to send one to yet.
+        let Some(status) = wire.status.as_ref().filter(|s| !s.awaiting_credential) else { continue };
         let node_index = indices.nodes.len();
         let id: Arc<str> = Arc::from(status.node_id.as_str());
         let key = inferyes_proto::hash::stable_hash(id.as_bytes());
@@ -439,6 +436,18 @@ mod tests {
         let alias = snapshot.model("gpt-4o").unwrap();
         assert_eq!((alias.alias_of.as_deref(), alias.nodes), (Some("chat"), 2));
         assert!(snapshot.model("nope").is_none());
+    }
+
+    #[test]
+    fn a_node_awaiting_its_credential_is_no_node_to_send_to() {
+        let mut nodes = BTreeMap::new();
+        let mut awaiting = node("a", &[("chat", ModelState::Loaded)], &["s1"]);
+        awaiting.status.as_mut().unwrap().awaiting_credential = true;
+        nodes.insert("a".to_string(), awaiting);
+        nodes.insert("b".to_string(), node("b", &[("chat", ModelState::Loaded)], &[]));
+        let snapshot = decode(1, &nodes, None, &[], &NodeStates::default());
+        let ids: Vec<&str> = snapshot.nodes().iter().map(|n| n.id.as_ref()).collect();
+        assert_eq!(ids, ["b"]);
     }
 
     #[test]
