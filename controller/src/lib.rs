@@ -53,27 +53,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
     let admin_token = config.admin_token()?;
     let join_token = config.join_token()?;
     let dataplane_tokens = config.dataplane_tokens()?;
-    if join_token.is_some() && !config.separate_dataplane_tokens() {
-        tracing::warn!(
-            "no dataplane_token_file: the agents' join token is the data planes' too, and reads snapshots \
-             (keys' hashes, sessions, and the key every node's proxy credential derives from, so that any \
-             agent can reach every node's proxy) and writes usage; give data planes a token of their own"
-        );
-    }
-    if admin_token.is_none() {
-        tracing::warn!("admin_auth = \"none\": anyone who reaches the gRPC port can change the fleet and its keys");
-    }
-    if config.dashboard_auth == config::TokenAuth::None {
-        tracing::warn!(
-            "dashboard_auth = \"none\": anyone who reaches the HTTP port sees the fleet, its sessions and keys' ids"
-        );
-    }
-    if join_token.is_none() {
-        tracing::warn!(
-            "join_auth = \"none\": any agent that reaches the gRPC port can join the fleet, and anyone can \
-             read its routing snapshots and write usage"
-        );
-    }
+    warn_of_open_doors(&config, admin_token.is_some(), join_token.is_some());
     let keys = store::Keys::new(&config.etcd_prefix);
     let access = config.etcd_access()?;
     let Some(store) = store::EtcdStore::connect(&config.etcd_endpoints, keys, access, &shutdown)
@@ -233,34 +213,9 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
     };
 
     let (grpc_limits, http_limits) = config.connection_limits();
-    let grpc_admission = inferyes_net::admit::Admission::new(grpc_limits, None);
-    let refusals = std::sync::Arc::clone(&metrics);
-    let refused =
-        move |port: &'static str| -> Option<std::sync::Arc<dyn Fn(inferyes_net::admit::Refused) + Send + Sync>> {
-            let metrics = std::sync::Arc::clone(&refusals);
-            Some(std::sync::Arc::new(move |why: inferyes_net::admit::Refused| {
-                metrics.connections_refused.get_or_create(&metrics::RefusedLabels { port, reason: why.as_str() }).inc();
-            }))
-        };
-    let incoming = inferyes_net::listen::incoming(
-        listeners.grpc,
-        std::sync::Arc::clone(&grpc_admission),
-        inferyes_net::serve::HEADER_READ_TIMEOUT,
-        refused("grpc"),
-    );
-    let mut server = tonic::transport::Server::builder();
-    if let Some(tls) = config.tls.grpc_server()? {
-        server = server.tls_config(tls).context("invalid TLS settings for the gRPC port")?;
-        tracing::info!(mutual = config.tls.client_ca_file.is_some(), "gRPC over TLS");
-    }
-    let grpc_server = server
-        .http2_keepalive_interval(Some(Duration::from_secs(2)))
-        .http2_keepalive_timeout(Some(Duration::from_secs(4)))
-        .layer(inferyes_net::listen::Vouching::new(grpc_admission))
-        .add_service(agents.svc())
-        .add_service(routing.svc())
-        .add_service(fleet.svc())
-        .serve_with_incoming_shutdown(incoming, shutdown.clone().cancelled_owned());
+    let refused = refusals_counted(&metrics);
+    let grpc_server =
+        grpc_server(&config, listeners.grpc, grpc_limits, refused("grpc"), (agents, routing, fleet), &shutdown)?;
 
     let scrape = std::sync::Arc::new(http::Scrape { registry, metrics });
     let dashboard = dashboard::Dashboard {
@@ -283,20 +238,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
     );
     let router = http::router(snapshots, scrape, dashboard);
     let options = inferyes_net::serve::Options::operators("controller-http", http_limits, refused("http"));
-    let http_server = inferyes_net::serve::serve(
-        listeners.http,
-        // The peer goes with each request: the dashboard counts wrong
-        // tokens per address.
-        vec![move |peer: std::net::SocketAddr| {
-            let router = tower::ServiceExt::map_request(router.clone(), move |mut request: axum::http::Request<_>| {
-                request.extensions_mut().insert(axum::extract::ConnectInfo(peer));
-                request
-            });
-            hyper_util::service::TowerToHyperService::new(router)
-        }],
-        options,
-        shutdown.clone(),
-    );
+    let http_server = http_server(listeners.http, router, options, &shutdown);
 
     tracing::info!(id = %config.controller_id, "controller running");
     let (grpc_result, http_result) = tokio::join!(grpc_server, http_server);
@@ -311,6 +253,102 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
     grpc_result.context("gRPC server failed")?;
     http_result.context("HTTP server failed")?;
     Ok(())
+}
+
+/// Says at start each door left open: what anyone who reaches a port may
+/// then do.
+fn warn_of_open_doors(config: &Config, admin_token: bool, join_token: bool) {
+    if join_token && !config.separate_dataplane_tokens() {
+        tracing::warn!(
+            "no dataplane_token_file: the agents' join token is the data planes' too, and reads snapshots \
+             (keys' hashes, sessions, and the key every node's proxy credential derives from, so that any \
+             agent can reach every node's proxy) and writes usage; give data planes a token of their own"
+        );
+    }
+    if !admin_token {
+        tracing::warn!("admin_auth = \"none\": anyone who reaches the gRPC port can change the fleet and its keys");
+    }
+    if config.dashboard_auth == config::TokenAuth::None {
+        tracing::warn!(
+            "dashboard_auth = \"none\": anyone who reaches the HTTP port sees the fleet, its sessions and keys' ids"
+        );
+    }
+    if !join_token {
+        tracing::warn!(
+            "join_auth = \"none\": any agent that reaches the gRPC port can join the fleet, and anyone can \
+             read its routing snapshots and write usage"
+        );
+    }
+}
+
+/// What counts each connection a port refused, by reason.
+type Refusals = Option<std::sync::Arc<dyn Fn(inferyes_net::admit::Refused) + Send + Sync>>;
+
+/// Makes, for a port's name, what counts its refused connections.
+fn refusals_counted(metrics: &std::sync::Arc<metrics::Metrics>) -> impl Fn(&'static str) -> Refusals + use<> {
+    let metrics = std::sync::Arc::clone(metrics);
+    move |port: &'static str| -> Refusals {
+        let metrics = std::sync::Arc::clone(&metrics);
+        Some(std::sync::Arc::new(move |why: inferyes_net::admit::Refused| {
+            metrics.connections_refused.get_or_create(&metrics::RefusedLabels { port, reason: why.as_str() }).inc();
+        }))
+    }
+}
+
+/// The gRPC port, serving agents, data planes and operators until
+/// `shutdown`: TLS where configured, keepalives, and connections taken
+/// within `limits` (a peer vouched for once it proves a token).
+fn grpc_server(
+    config: &Config,
+    listener: TcpListener,
+    limits: inferyes_net::admit::Limits,
+    refused: Refusals,
+    (agents, routing, fleet): (grpc::AgentSvc, grpc::RoutingSvc, grpc::FleetSvc),
+    shutdown: &CancellationToken,
+) -> anyhow::Result<impl std::future::Future<Output = Result<(), tonic::transport::Error>> + use<>> {
+    let admission = inferyes_net::admit::Admission::new(limits, None);
+    let incoming = inferyes_net::listen::incoming(
+        listener,
+        std::sync::Arc::clone(&admission),
+        inferyes_net::serve::HEADER_READ_TIMEOUT,
+        refused,
+    );
+    let mut server = tonic::transport::Server::builder();
+    if let Some(tls) = config.tls.grpc_server()? {
+        server = server.tls_config(tls).context("invalid TLS settings for the gRPC port")?;
+        tracing::info!(mutual = config.tls.client_ca_file.is_some(), "gRPC over TLS");
+    }
+    Ok(server
+        .http2_keepalive_interval(Some(Duration::from_secs(2)))
+        .http2_keepalive_timeout(Some(Duration::from_secs(4)))
+        .layer(inferyes_net::listen::Vouching::new(admission))
+        .add_service(agents.svc())
+        .add_service(routing.svc())
+        .add_service(fleet.svc())
+        .serve_with_incoming_shutdown(incoming, shutdown.clone().cancelled_owned()))
+}
+
+/// The HTTP port (dashboard, metrics, health) until `shutdown`, each
+/// request carrying its peer: the dashboard counts wrong tokens per
+/// address.
+fn http_server(
+    listener: TcpListener,
+    router: axum::Router,
+    options: inferyes_net::serve::Options,
+    shutdown: &CancellationToken,
+) -> impl std::future::Future<Output = std::io::Result<()>> + use<> {
+    inferyes_net::serve::serve(
+        listener,
+        vec![move |peer: std::net::SocketAddr| {
+            let router = tower::ServiceExt::map_request(router.clone(), move |mut request: axum::http::Request<_>| {
+                request.extensions_mut().insert(axum::extract::ConnectInfo(peer));
+                request
+            });
+            hyper_util::service::TowerToHyperService::new(router)
+        }],
+        options,
+        shutdown.clone(),
+    )
 }
 
 /// How often etcd's database size is read for the metrics.
