@@ -111,6 +111,8 @@ pub struct Config {
     #[serde(skip)]
     pub join_token: Option<String>,
     pub moves: MovesConfig,
+    /// The KV tier of each backend with a slots directory.
+    pub tier: TierConfig,
     /// What an hour of this node's GPU time costs, in the operator's
     /// currency (every node priced in the same one); 0: not priced. Usage
     /// records are priced with it.
@@ -224,6 +226,29 @@ impl Default for MovesConfig {
             max_incoming: 2,
             min_free_bytes: 4 << 30,
         }
+    }
+}
+
+/// Bounds on each backend's KV tier: conversations' slot states kept in
+/// its slots directory after each turn, restored when they return to a
+/// slot that no longer holds them. Free space is kept as for moves
+/// (`moves.min_free_bytes`).
+#[derive(Clone, Copy, Debug, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TierConfig {
+    /// Bytes of slot states kept per backend; 0: no tier.
+    pub max_bytes: u64,
+    /// States kept per backend.
+    pub max_entries: usize,
+}
+
+/// The most states a backend's tier keeps: each is a resident session
+/// reported to the controller.
+pub const MAX_TIER_ENTRIES: usize = 4096;
+
+impl Default for TierConfig {
+    fn default() -> TierConfig {
+        TierConfig { max_bytes: 16 << 30, max_entries: 1024 }
     }
 }
 
@@ -375,6 +400,7 @@ impl Default for Config {
             max_stranger_connections: 512,
             max_stranger_connections_per_address: 128,
             moves: MovesConfig::default(),
+            tier: TierConfig::default(),
             gpu_hour_price: 0.0,
         }
     }
@@ -505,6 +531,9 @@ impl Config {
         // So that the lengths of the files arriving at once add up.
         if self.moves.max_slot_bytes > MAX_SLOT_BYTES || self.moves.max_incoming > MAX_INCOMING {
             bail!("moves.max_slot_bytes is at most {MAX_SLOT_BYTES} and moves.max_incoming {MAX_INCOMING}");
+        }
+        if self.tier.max_entries > MAX_TIER_ENTRIES {
+            bail!("tier.max_entries is at most {MAX_TIER_ENTRIES}");
         }
         Ok(())
     }

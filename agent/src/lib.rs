@@ -168,13 +168,15 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
                 url: inferyes_net::base_url::BaseUrl::new(&probe.url),
                 authorization: bearer(&probe.api_key),
                 labels: state::BackendLabels { backend: probe.id.clone() },
-                probe,
                 in_flight: AtomicU32::new(0),
                 finished: AtomicU64::new(0),
                 log: inferyes_net::log::Gate::new(),
                 unsupported: state::Shared::default(),
                 restores_reused_nothing: AtomicU32::new(0),
                 restore_failed_unix_ms: AtomicU64::new(0),
+                restore_marks: Default::default(),
+                tier: tier_of(&config, &probe.id),
+                probe,
             })
             .collect(),
         observations: state::Shared::new(Observations::default()),
@@ -269,6 +271,15 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         )
         .instrument(tracing::info_span!("drain")),
     ));
+    let keepers: Vec<AbortOnDropHandle<()>> = (0..state.backends.len())
+        .filter(|i| state.backends[*i].tier.is_some())
+        .map(|i| {
+            let span = tracing::info_span!("tier", backend = %state.backends[i].probe.id);
+            AbortOnDropHandle::new(tokio::spawn(
+                slots::keeper::run(Arc::clone(&state), i, shutdown.clone()).instrument(span),
+            ))
+        })
+        .collect();
     let admission = inferyes_net::admit::Admission::new(config.connection_limits(), None);
     let intake = Arc::new(slots::transfer::Intake {
         admission: Arc::clone(&admission),
@@ -280,12 +291,6 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         client: ProbeClient::new(slots::transfer::SLOT_ACTION_TIMEOUT),
         metrics: slot_metrics,
         used: Default::default(),
-        restored: config
-            .backends
-            .iter()
-            .filter(|b| b.slots.is_some())
-            .map(|b| (b.id.clone(), Default::default()))
-            .collect(),
     });
     // One service per worker thread, each with its own pool of connections
     // to the backends.
@@ -334,11 +339,23 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
     let _ = reporter.await;
     let _ = placer.await;
     let _ = drainer.await;
+    for keeper in keepers {
+        let _ = keeper.await;
+    }
     drop(sweeper);
     for simulator in simulators {
         let _ = simulator.await;
     }
     served.context("agent proxy failed")
+}
+
+/// The KV tier of backend `id`, where it has a slots directory and tiers
+/// are on.
+fn tier_of(config: &Config, id: &str) -> Option<slots::keeper::Tier> {
+    let backend = config.backends.iter().find(|b| b.id == id)?;
+    let slots = backend.slots.as_ref().filter(|_| config.tier.max_bytes > 0 && config.tier.max_entries > 0)?;
+    let bounds = slots::tier::Bounds { max_bytes: config.tier.max_bytes, max_entries: config.tier.max_entries };
+    Some(slots::keeper::Tier::new(slots.dir.clone(), bounds, config.moves.min_free_bytes, config.moves.max_slot_bytes))
 }
 
 /// The `Authorization` value for a backend's API key (none without one):

@@ -35,6 +35,12 @@ pub struct BackendOutcomeLabels {
     pub outcome: &'static str,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TierEventLabels {
+    pub backend: String,
+    pub event: &'static str,
+}
+
 /// What moving conversations' slots came to, on both sides.
 #[derive(Clone, Default)]
 pub struct SlotMetrics {
@@ -69,6 +75,12 @@ pub struct Metrics {
     resident_sessions: Family<BackendLabels, Gauge>,
     residency_hits: Family<BackendLabels, Gauge>,
     residency_misses: Family<BackendLabels, Gauge>,
+    backend_restarts: Family<BackendLabels, Counter>,
+    kv_tier_bytes: Family<BackendLabels, Gauge>,
+    kv_tier_states: Family<BackendLabels, Gauge>,
+    /// The tiers' own counts, copied at each scrape.
+    kv_tier_events: Family<TierEventLabels, Counter>,
+    kv_tier_seconds: Family<TierEventLabels, Counter<f64, AtomicU64>>,
     /// Time from a request reaching the proxy to the backend's first byte.
     pub first_byte_seconds: Family<BackendLabels, Histogram, fn() -> Histogram>,
     pub connections_refused: Family<ReasonLabels, Counter>,
@@ -94,6 +106,11 @@ impl Metrics {
             resident_sessions: Family::default(),
             residency_hits: Family::default(),
             residency_misses: Family::default(),
+            backend_restarts: Family::default(),
+            kv_tier_bytes: Family::default(),
+            kv_tier_states: Family::default(),
+            kv_tier_events: Family::default(),
+            kv_tier_seconds: Family::default(),
             first_byte_seconds: Family::new_with_constructor(latency_histogram),
             connections_refused: Family::default(),
         };
@@ -113,6 +130,25 @@ impl Metrics {
             "residency_misses",
             "Requests that found nothing cached although their session was believed resident",
             m.residency_misses.clone(),
+        );
+        r.register(
+            "backend_restarts",
+            "Times the backend's counters went back: it restarted, and its slots and host cache were lost",
+            m.backend_restarts.clone(),
+        );
+        r.register("kv_tier_bytes", "Bytes of conversations' slot states the KV tier keeps", m.kv_tier_bytes.clone());
+        r.register("kv_tier_states", "Conversations' slot states the KV tier keeps", m.kv_tier_states.clone());
+        r.register(
+            "kv_tier_events",
+            "KV tier events, by kind: saved (a turn's slot kept), skipped (not kept: its slot busy or taken, the \
+             save failed, the disk full), evicted (given up for room), restored (into a slot for a returning \
+             turn), restore_failed (the turn recomputed)",
+            m.kv_tier_events.clone(),
+        );
+        r.register(
+            "kv_tier_seconds",
+            "Time the KV tier spent, by kind: saved (the server's save, the file's check and its record) and restored (on the returning turn's path)",
+            m.kv_tier_seconds.clone(),
         );
         r.register(
             "first_byte_seconds",
@@ -170,6 +206,42 @@ impl Metrics {
             self.resident_sessions.get_or_create(&labels).set(count);
             self.residency_hits.get_or_create(&labels).set(hits);
             self.residency_misses.get_or_create(&labels).set(misses);
+        }
+        let restarts: Vec<u64> = state.observations.lock().throughput.iter().map(|t| t.restarts).collect();
+        for (handle, restarts) in state.backends.iter().zip(restarts) {
+            let labels = BackendLabels { backend: handle.probe.id.clone() };
+            self.backend_restarts.get_or_create(&labels).inner().store(restarts, std::sync::atomic::Ordering::Relaxed);
+        }
+        for handle in &state.backends {
+            if let Some(tier) = &handle.tier {
+                self.observe_tier(&handle.probe.id, tier);
+            }
+        }
+    }
+
+    fn observe_tier(&self, backend: &str, tier: &crate::slots::keeper::Tier) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let labels = BackendLabels { backend: backend.to_string() };
+        let (bytes, states) = {
+            let index = tier.index.lock();
+            (index.bytes(), index.len())
+        };
+        self.kv_tier_bytes.get_or_create(&labels).set(i64::try_from(bytes).unwrap_or(i64::MAX));
+        self.kv_tier_states.get_or_create(&labels).set(i64::try_from(states).unwrap_or(i64::MAX));
+        let counts = &tier.counts;
+        let event = |event: &'static str| TierEventLabels { backend: backend.to_string(), event };
+        for (name, count) in [
+            ("saved", &counts.saves),
+            ("skipped", &counts.saves_skipped),
+            ("evicted", &counts.evicted),
+            ("restored", &counts.restores),
+            ("restore_failed", &counts.restores_failed),
+        ] {
+            self.kv_tier_events.get_or_create(&event(name)).inner().store(count.load(Relaxed), Relaxed);
+        }
+        for (name, micros) in [("saved", &counts.save_micros), ("restored", &counts.restore_micros)] {
+            let seconds = micros.load(Relaxed) as f64 / 1e6;
+            self.kv_tier_seconds.get_or_create(&event(name)).inner().store(seconds.to_bits(), Relaxed);
         }
     }
 }

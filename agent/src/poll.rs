@@ -34,9 +34,13 @@ pub async fn run(
 /// when anything changed.
 pub async fn poll_once(state: &AgentState, client: &ProbeClient, gpus: &GpuReader) {
     let probed = probe_all(state, client).await;
-    let backends = with_rates(state, probed, inferyes_proto::unix_ms());
+    let (backends, restarted) = with_rates(state, probed, inferyes_proto::unix_ms());
     {
         let mut residency = state.residency.lock();
+        for id in &restarted {
+            tracing::info!(backend = %id, "the server restarted: its slots and host cache hold nothing");
+            residency.server_restarted(id);
+        }
         for (handle, backend) in state.backends.iter().zip(&backends) {
             let slots = if backend.slots_total > 0 {
                 usize::try_from(backend.slots_total).unwrap_or(usize::MAX)
@@ -103,19 +107,26 @@ fn reported_gpus(last: &[Gpu], reading: GpuReading, failures: &mut u32) -> Vec<G
 }
 
 /// The backends as probed, with the prompt rate and service time their
-/// counters give over the last readings.
-fn with_rates(state: &AgentState, probed: Vec<Probed>, now_ms: u64) -> Vec<Backend> {
+/// counters give over the last readings; and those whose servers
+/// restarted since the last.
+fn with_rates(state: &AgentState, probed: Vec<Probed>, now_ms: u64) -> (Vec<Backend>, Vec<String>) {
     let mut observations = state.observations.lock();
     let windows = &mut observations.throughput;
     windows.resize_with(state.backends.len(), Throughput::default);
-    probed
+    let mut restarted = Vec::new();
+    let backends = probed
         .into_iter()
         .zip(state.backends.iter().zip(windows.iter_mut()))
         .map(|(Probed { mut backend, counters }, (handle, window))| {
             let rates = match counters {
                 Some(counters) => {
                     let finished = handle.finished.load(std::sync::atomic::Ordering::Relaxed);
-                    window.observe(now_ms, Counters { finished, ..counters })
+                    let restarts = window.restarts;
+                    let rates = window.observe(now_ms, Counters { finished, ..counters });
+                    if window.restarts != restarts {
+                        restarted.push(handle.probe.id.clone());
+                    }
+                    rates
                 }
                 // Not read this time: the last rates stand.
                 None => window.rates(),
@@ -124,7 +135,8 @@ fn with_rates(state: &AgentState, probed: Vec<Probed>, now_ms: u64) -> Vec<Backe
             backend.service_ms = rates.service_ms;
             backend
         })
-        .collect()
+        .collect();
+    (backends, restarted)
 }
 
 /// Probes every backend concurrently, keeping the configured order.

@@ -291,7 +291,10 @@ async fn forward_in_span(proxy: Proxy, request: Request<Incoming>) -> Response {
     }
 
     let restored = match (&session, model) {
-        (Some(session), Some(model)) => proxy.state.turn_begins(session, backend_id, model),
+        (Some(session), Some(model)) => {
+            crate::slots::keeper::bring_back(&proxy.state, handle, session, model).await;
+            proxy.state.turn_begins(session, backend_id, model)
+        }
         _ => None,
     };
 
@@ -520,6 +523,9 @@ impl Tracked {
             let check = state.residency.lock().record(&session, &backend.probe.id, usage);
             if let Some(check) = check {
                 self.restore_checked(backend, &session, check);
+            }
+            if let Some(tier) = &backend.tier {
+                tier.turn_ended(&session);
             }
         }
         state.changed.notify_one();

@@ -48,6 +48,9 @@ struct Entry {
     /// a turn that continues the conversation from one that sent another
     /// history under its key.
     restored_tokens: Option<std::sync::Arc<[i32]>>,
+    /// Out of the server's slots and host cache as modelled, but kept in
+    /// its backend's KV tier: still resident, outside its backend's line.
+    parked: bool,
 }
 
 /// What a restored conversation's first turn here showed.
@@ -80,6 +83,9 @@ pub struct Residency {
     seq: u64,
     changed: BTreeSet<String>,
     removed: BTreeSet<String>,
+    /// Sessions whose states the backends' KV tiers keep: never evicted,
+    /// only parked, while they are there.
+    in_tier: BTreeSet<String>,
 }
 
 impl Residency {
@@ -100,10 +106,15 @@ impl Residency {
         let mut key_in_line = None;
         if let Some(entry) = entries.get_mut(key) {
             let moved = entry.session.backend_id != backend_id;
+            // A parked session's tokens are not in its line's.
+            let counted = !std::mem::take(&mut entry.parked);
             if let Some(lineup) = lineups.get_mut(&entry.session.backend_id) {
                 key_in_line = lineup.by_tick.remove(&entry.tick).map(|(key, _)| key);
-                if moved {
+                if moved && counted {
                     lineup.tokens = lineup.tokens.saturating_sub(u64::from(entry.session.tokens));
+                }
+                if !moved && !counted {
+                    lineup.tokens = lineup.tokens.saturating_add(u64::from(entry.session.tokens));
                 }
             }
             if moved {
@@ -122,7 +133,7 @@ impl Residency {
                 first_seen_unix_ms: now_ms,
                 ..Default::default()
             };
-            entries.insert(key.to_string(), Entry { session, tick, restored: 0, restored_tokens: None });
+            entries.insert(key.to_string(), Entry { session, tick, restored: 0, restored_tokens: None, parked: false });
         }
         let Some(entry) = entries.get_mut(key) else { return };
         if entry.session.model != model {
@@ -179,8 +190,11 @@ impl Residency {
 
     /// Session `key` left this node (its slot moved elsewhere).
     pub fn remove(&mut self, key: &str) {
+        self.in_tier.remove(key);
         let Some(entry) = self.entries.remove(key) else { return };
-        if let Some(lineup) = self.lineups.get_mut(&entry.session.backend_id) {
+        if let Some(lineup) = self.lineups.get_mut(&entry.session.backend_id)
+            && !entry.parked
+        {
             lineup.by_tick.remove(&entry.tick);
             lineup.tokens = lineup.tokens.saturating_sub(u64::from(entry.session.tokens));
         }
@@ -219,11 +233,13 @@ impl Residency {
         }
         let before = u64::from(entry.session.tokens);
         entry.session.tokens = usage.prompt_tokens.saturating_add(usage.completion_tokens);
-        let lineup = value_for(&mut self.lineups, backend_id, Lineup::default);
         let after = u64::from(entry.session.tokens);
-        lineup.tokens = lineup.tokens.saturating_sub(before).saturating_add(after);
-        if let Some((_, tokens)) = lineup.by_tick.get_mut(&entry.tick) {
-            *tokens = after;
+        if !entry.parked {
+            let lineup = value_for(&mut self.lineups, backend_id, Lineup::default);
+            lineup.tokens = lineup.tokens.saturating_sub(before).saturating_add(after);
+            if let Some((_, tokens)) = lineup.by_tick.get_mut(&entry.tick) {
+                *tokens = after;
+            }
         }
         if !self.changed.contains(key) {
             self.changed.insert(key.to_string());
@@ -237,7 +253,7 @@ impl Residency {
     /// they number no more than [`MAX_HOST_CACHED_SESSIONS`].
     fn evict(&mut self, backend_id: &str) {
         let capacity = self.capacity.get(backend_id).copied().unwrap_or_default();
-        let Residency { entries, lineups, changed, removed, .. } = self;
+        let Residency { entries, lineups, changed, removed, in_tier, .. } = self;
         let Some(lineup) = lineups.get_mut(backend_id) else { return };
         if lineup.by_tick.len() <= capacity.slots {
             return;
@@ -262,9 +278,88 @@ impl Residency {
         let gone = std::mem::replace(&mut lineup.by_tick, kept);
         for (key, tokens) in gone.into_values() {
             lineup.tokens = lineup.tokens.saturating_sub(tokens);
+            if in_tier.contains(&key) {
+                if let Some(entry) = entries.get_mut(&key) {
+                    entry.parked = true;
+                }
+                continue;
+            }
             entries.remove(&key);
             changed.remove(&key);
             removed.insert(key);
+        }
+    }
+
+    /// Session `key`'s slot was taken for another conversation's state:
+    /// where the KV tier keeps its own, it is parked; else it is gone.
+    pub fn slot_reused(&mut self, key: &str) {
+        if !self.in_tier.contains(key) {
+            return self.remove(key);
+        }
+        let Some(entry) = self.entries.get_mut(key).filter(|e| !e.parked) else { return };
+        entry.parked = true;
+        if let Some(lineup) = self.lineups.get_mut(&entry.session.backend_id) {
+            lineup.by_tick.remove(&entry.tick);
+            lineup.tokens = lineup.tokens.saturating_sub(u64::from(entry.session.tokens));
+        }
+    }
+
+    /// `backend_id`'s server restarted: its slots and host cache hold
+    /// nothing. Its sessions the KV tier keeps are parked; the rest go.
+    pub fn server_restarted(&mut self, backend_id: &str) {
+        let Some(lineup) = self.lineups.get_mut(backend_id) else { return };
+        let gone = std::mem::take(&mut lineup.by_tick);
+        lineup.tokens = 0;
+        for (key, _) in gone.into_values() {
+            if self.in_tier.contains(&key) {
+                if let Some(entry) = self.entries.get_mut(&key) {
+                    entry.parked = true;
+                }
+                continue;
+            }
+            self.entries.remove(&key);
+            self.changed.remove(&key);
+            self.removed.insert(key);
+        }
+    }
+
+    /// Session `key`'s state is kept in its backend's KV tier: it stays
+    /// resident past the slots and the host cache.
+    pub fn kept_in_tier(&mut self, key: &str) {
+        if !self.in_tier.contains(key) {
+            self.in_tier.insert(key.to_string());
+        }
+    }
+
+    /// Session `key`'s state, of `tokens`, was found in `backend_id`'s KV
+    /// tier at start: resident there (parked), unless already here.
+    pub fn kept_from_before(&mut self, key: &str, backend_id: &str, model: &str, tokens: u32, now_ms: u64) {
+        self.kept_in_tier(key);
+        if self.entries.contains_key(key) {
+            return;
+        }
+        let session = ResidentSession {
+            key: key.to_string(),
+            backend_id: backend_id.to_string(),
+            model: model.to_string(),
+            tokens,
+            first_seen_unix_ms: now_ms,
+            last_seen_unix_ms: now_ms,
+            ..Default::default()
+        };
+        self.entries
+            .insert(key.to_string(), Entry { session, tick: 0, restored: 0, restored_tokens: None, parked: true });
+        self.removed.remove(key);
+        self.changed.insert(key.to_string());
+    }
+
+    /// Session `key`'s state left its backend's KV tier; a session held
+    /// only there is gone.
+    pub fn left_tier(&mut self, key: &str) {
+        if self.in_tier.remove(key) && self.entries.get(key).is_some_and(|e| e.parked) {
+            self.entries.remove(key);
+            self.changed.remove(key);
+            self.removed.insert(key.to_string());
         }
     }
 
@@ -303,7 +398,7 @@ impl Residency {
     /// Whether session `key` is believed in one of its backend's slots
     /// (among its newest `slots`), not only in the host cache.
     pub fn in_slot(&self, key: &str) -> bool {
-        let Some(entry) = self.entries.get(key) else { return false };
+        let Some(entry) = self.entries.get(key).filter(|e| !e.parked) else { return false };
         let slots = self.capacity.get(&entry.session.backend_id).copied().unwrap_or_default().slots;
         self.lineups
             .get(&entry.session.backend_id)
@@ -381,6 +476,36 @@ mod tests {
         used(&mut r, "a", "b0", 5);
         used(&mut r, "b", "b0", 5);
         assert_eq!(keys(&mut r), ["b"]);
+    }
+
+    #[test]
+    fn a_session_the_tier_keeps_stays_resident_out_of_its_line_until_it_returns_or_leaves_the_tier() {
+        let mut r = table(1, 0);
+        used(&mut r, "a", "b0", 50);
+        r.kept_in_tier("a");
+        used(&mut r, "b", "b0", 5);
+        assert_eq!(keys(&mut r), ["a", "b"], "parked, not evicted");
+        assert!(!r.in_slot("a") && r.in_slot("b"));
+        assert_eq!((r.lineups["b0"].by_tick.len(), r.lineups["b0"].tokens), (1, 5), "not counted in the line");
+        // Back: in its line again with its tokens; `b` is out (not kept).
+        used(&mut r, "a", "b0", 60);
+        assert!(r.in_slot("a"));
+        assert_eq!(keys(&mut r), ["a"]);
+        assert_eq!(r.lineups["b0"].tokens, 60);
+        used(&mut r, "c", "b0", 7);
+        assert_eq!(keys(&mut r), ["a", "c"]);
+        // A restarted server holds nothing: what the tier keeps is parked.
+        used(&mut r, "d", "b1", 9);
+        r.server_restarted("b0");
+        assert!(!r.in_slot("a") && !r.in_slot("c") && r.in_slot("d"));
+        assert_eq!(keys(&mut r), ["a", "d"]);
+        assert_eq!((r.lineups["b0"].by_tick.len(), r.lineups["b0"].tokens), (0, 0));
+        used(&mut r, "c", "b0", 7);
+        r.take_update(false);
+        r.left_tier("a");
+        assert_eq!(r.take_update(false).removed, ["a"]);
+        assert_eq!(keys(&mut r), ["c", "d"]);
+        assert_eq!((r.lineups["b0"].by_tick.len(), r.lineups["b0"].tokens), (1, 7));
     }
 
     #[test]

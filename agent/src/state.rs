@@ -64,6 +64,12 @@ pub struct BackendHandle {
     /// for [`RESTORE_FAILURE_HOLDS_MS`] after one.
     pub restores_reused_nothing: AtomicU32,
     pub restore_failed_unix_ms: AtomicU64,
+    /// Slots restored into and not yet used, which the next restore must
+    /// not take for empty; held while one restores, so two never pick the
+    /// same slot.
+    pub restore_marks: tokio::sync::Mutex<Vec<crate::slots::Restored>>,
+    /// Its KV tier, where it keeps conversations' states on disk.
+    pub tier: Option<crate::slots::keeper::Tier>,
 }
 
 /// A kind of job a backend said it does not do for a model.
@@ -326,6 +332,8 @@ mod tests {
             unsupported: Shared::default(),
             restores_reused_nothing: AtomicU32::new(0),
             restore_failed_unix_ms: AtomicU64::new(0),
+            restore_marks: Default::default(),
+            tier: None,
         }
     }
 

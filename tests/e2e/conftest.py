@@ -6,7 +6,8 @@ forced round-robin for comparison). Every process is the real binary.
 
 `gemma` is a second fleet, started only for the tests that ask for it: two
 nodes each serving the real Gemma 3 270M, one policy data plane. `movers`
-is a third: three Gemma nodes whose slots can move between them.
+is a third: three Gemma nodes whose slots can move between them; `keepers`
+a fourth: one node keeping conversations' slots in its KV tier.
 
 Environment:
   INFERYES_BIN_DIR        where the Inferyes binaries are (default: target/debug)
@@ -79,6 +80,33 @@ def gemma():
     finally:
         fleet.stop()
         print(f"\nend-to-end logs (Gemma): {fleet.logs}")
+
+
+@pytest.fixture(scope="session")
+def keepers():
+    """One node whose server has two slots and no host cache, and saves its
+    slots where its agent keeps a KV tier; one policy data plane."""
+    tmp = Path(tempfile.mkdtemp(prefix="inferyes-e2e-tier-"))
+    fleet = Fleet(tmp)
+    fleet.llama_server = llama_server()
+    models = make_models.main(tmp / "models")
+    try:
+        fleet.start_etcd()
+        fleet.start_controller()
+        slots = tmp / "slots"
+        slots.mkdir()
+        fleet.slots = slots
+        fleet.model = models / "tiny-chat.gguf"
+        fleet.llama_args = ["-np", "2", "--slot-save-path", f"{slots}/"]
+        fleet.llama = {"node-a": fleet.start_llama_server("keeper", fleet.model, "tiny-chat", fleet.llama_args,
+                                                          context=4096)}
+        tier = f'\n[backends.slots]\ndir = "{slots}"\n'
+        fleet.start_agent("node-a", [("chat", fleet.llama["node-a"], ["chat", "completion", "messages"], tier)])
+        fleet.url = fleet.start_dataplane("dataplane", "policy", {"tiny-chat": 1})
+        yield fleet
+    finally:
+        fleet.stop()
+        print(f"\nend-to-end logs (KV tier): {fleet.logs}")
 
 
 MOVERS_MAX_SLOT_BYTES = 1 << 50

@@ -117,6 +117,8 @@ class Fleet:
         self.admin_urls = {}
         # Each agent's admin port (its /metrics), by node.
         self.agent_admin = {}
+        # Each agent's process and configuration, by node, to restart one.
+        self.agents = {}
         self.bin = binary_dir()
         for name in ("inferyes-controller", "inferyes-agent", "inferyes-dataplane", "inferyesctl"):
             if not (self.bin / name).is_file():
@@ -251,8 +253,34 @@ endpoints = {json.dumps(endpoints)}
 {"".join(extra)}
 """
         config = self.write(f"agent-{node}.toml", text)
-        self.spawn(f"agent-{node}", [str(self.bin / "inferyes-agent"), "--config", str(config)])
+        process = self.spawn(f"agent-{node}", [str(self.bin / "inferyes-agent"), "--config", str(config)])
         self.agent_admin[node] = f"http://127.0.0.1:{admin_port}"
+        self.agents[node] = (process, config)
+
+    def kill_agent(self, node):
+        """Kills node's agent at once, as a crash would."""
+        process, _ = self.agents[node]
+        process.kill()
+        process.wait()
+
+    def restart_agent(self, node):
+        """Starts node's agent again, as it was configured, once its last
+        one has stopped."""
+        process, config = self.agents[node]
+        again = sum(1 for name, _ in self.processes if name.startswith(f"agent-{node}"))
+        process = self.spawn(f"agent-{node}.{again}", [str(self.bin / "inferyes-agent"), "--config", str(config)])
+        self.agents[node] = (process, config)
+
+    def agent_metric(self, node, name, **labels):
+        """The value of an agent's metric `name` with `labels`, 0 where it
+        has none."""
+        text = http_get(f"{self.agent_admin[node]}/metrics")[1].decode()
+        wanted = [f'{k}="{v}"' for k, v in labels.items()]
+        for line in text.splitlines():
+            metric, _, value = line.rpartition(" ")
+            if metric.split("{")[0] == name and all(w in metric for w in wanted):
+                return float(value)
+        return 0.0
 
     def start_dataplane(self, name, strategy, warm, extra=""):
         """A data plane routing by `strategy`, once it sees every model of

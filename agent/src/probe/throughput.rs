@@ -29,6 +29,9 @@ pub struct Rates {
 pub struct Throughput {
     readings: VecDeque<(u64, Counters)>,
     rates: Rates,
+    /// Times the server's counters went back: it restarted, and its slots
+    /// and host cache hold nothing of what they held.
+    pub restarts: u64,
 }
 
 /// The span the rates are measured over: long enough to hold a few
@@ -51,6 +54,7 @@ impl Throughput {
         });
         if restarted {
             self.readings.clear();
+            self.restarts += 1;
         }
         // The newest reading stays whatever its age: with a poll interval
         // longer than the window, rates are taken between two polls.
@@ -145,7 +149,9 @@ mod tests {
         t.observe(0, at(1_000.0, 1.0, 1.0, 10));
         t.observe(1_000, at(2_000.0, 2.0, 2.0, 12));
         // Counters went back: no negative rate, no underflow.
+        assert_eq!(t.restarts, 0);
         let after = t.observe(2_000, at(50.0, 1.0, 0.0, 12));
+        assert_eq!(t.restarts, 1);
         assert_eq!(after.prefill_tokens_per_second, 1_000.0, "the last rate stands until the new window has work");
         let next = t.observe(3_000, at(250.0, 2.0, 0.5, 13));
         assert_eq!(next, Rates { prefill_tokens_per_second: 200.0, service_ms: 1_500 });

@@ -15,6 +15,8 @@
 
 pub mod drain;
 pub mod judge;
+pub mod keeper;
+pub mod tier;
 pub mod transfer;
 
 use serde_json::Value;

@@ -85,10 +85,6 @@ pub struct Intake {
     pub metrics: crate::metrics::SlotMetrics,
     /// Credentials taken, with their expiry.
     pub used: std::sync::Mutex<std::collections::VecDeque<(String, u64)>>,
-    /// Per backend, slots restored here and not yet used, which the next
-    /// restore must not take for empty; held while one restores, so two
-    /// never pick the same slot.
-    pub restored: inferyes_proto::FastMap<String, tokio::sync::Mutex<Vec<Restored>>>,
 }
 
 /// A move's credential that checked out, not yet taken: the host its
@@ -109,6 +105,19 @@ pub struct Refused {
 
 fn refused(kind: ErrorKind, message: impl Into<String>, code: &'static str) -> Refused {
     Refused { kind, message: message.into(), code }
+}
+
+impl Refused {
+    /// Its machine-readable reason.
+    pub fn code(&self) -> &'static str {
+        self.code
+    }
+}
+
+impl std::fmt::Display for Refused {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
 }
 
 impl IntoResponse for Refused {
@@ -271,57 +280,18 @@ impl Intake {
             .map_err(|e| refused(ErrorKind::Internal, e.to_string(), "write_failed"))??;
         let url = handle.probe.url.as_str();
         let api_key = handle.probe.api_key.as_str();
-        let marks = self.restored.get(backend_id).ok_or_else(|| {
-            refused(ErrorKind::NotFound, "no backend here takes slots by that name", "backend_not_found")
-        })?;
         let no_free_slot = || refused(ErrorKind::Unavailable, "no idle slot to restore into", "no_free_slot");
         // Refused before the file is read where the server has no idle
         // slot now (one restored into and not run since is not idle): the
         // sender need not send it. The marks as they are, unless a restore
         // holds them.
-        let marked = marks.try_lock().map(|r| r.clone()).unwrap_or_default();
-        free_slot(&self.slots(url, api_key).await?, &marked).ok_or_else(no_free_slot)?;
+        let marked = handle.restore_marks.try_lock().map(|r| r.clone()).unwrap_or_default();
+        free_slot(&list_slots(&self.client, url, api_key).await?, &marked).ok_or_else(no_free_slot)?;
         let name = slot_file_name("in").map_err(|e| refused(ErrorKind::Internal, e, "write_failed"))?;
         let file = SlotFile(slots.join(&name));
         let bytes = write_body(body, &file.0, length, &digest).await?;
         let saved = read_saved_tokens(&file.0, tokens).await;
-        let mut restored = marks.lock().await;
-        let listed = self.slots(url, api_key).await?;
-        let slot = free_slot(&listed, &restored).ok_or_else(no_free_slot)?;
-        // The conversation that slot held, if one of this node's, is gone.
-        if let Some(held) = listed.iter().find(|s| s.id == slot).and_then(|s| s.tokens) {
-            let mut residency = self.state.residency.lock();
-            let owners: Vec<String> = residency
-                .sessions()
-                .into_iter()
-                .filter(|s| s.backend_id == backend_id && u64::from(s.tokens) == u64::from(held) + 1)
-                .map(|s| s.key)
-                .collect();
-            if let [owner] = owners.as_slice() {
-                residency.remove(owner);
-            }
-        }
-        let answer = slot_action(&self.client, url, api_key, slot, "restore", &name).await.map_err(|e| {
-            refused(ErrorKind::Upstream, format!("the server did not restore the slot: {e}"), "restore_failed")
-        })?;
-        let n_restored = number(&answer, "/n_restored");
-        if n_restored != u64::from(tokens) {
-            let message = format!("the server restored {n_restored} tokens of {tokens}");
-            return Err(refused(ErrorKind::Upstream, message, "restore_failed"));
-        }
-        // Until the slot runs a task, `/slots` shows nothing of what it
-        // now holds: it is not taken for empty meanwhile.
-        // Unread, the marks stand, and this slot's is what was read before.
-        match self.slots(url, api_key).await {
-            Ok(now_listed) => {
-                restored.retain(|r| now_listed.contains(&r.slot));
-                if let Some(slot) = now_listed.iter().find(|s| s.id == slot) {
-                    restored.push(Restored { slot: *slot });
-                }
-            }
-            Err(_) => restored.extend(listed.iter().filter(|s| s.id == slot).map(|s| Restored { slot: *s })),
-        }
-        drop(restored);
+        let (slot, answer) = restore_into_free_slot(&self.client, &self.state, handle, &name, tokens).await?;
         self.state.residency.lock().restored(session, backend_id, model, (tokens, saved), inferyes_proto::unix_ms());
         self.state.changed.notify_one();
         tracing::info!(session, backend = backend_id, slot, tokens, bytes, "slot restored from another node");
@@ -411,15 +381,70 @@ impl Intake {
         }
         Ok(())
     }
+}
 
-    async fn slots(&self, url: &str, api_key: &str) -> Result<Vec<Slot>, Refused> {
-        let unread = |why: String| refused(ErrorKind::Upstream, format!("the server's slots: {why}"), "slots_unread");
-        let (status, body) = self.client.get(url, "/slots", api_key).await.map_err(|e| unread(e.to_string()))?;
-        if !status.is_success() {
-            return Err(unread(format!("HTTP {}", status.as_u16())));
-        }
-        parse_slots(&body).ok_or_else(|| unread("not a list of slots".into()))
+/// The server's slots, as `/slots` lists them.
+pub async fn list_slots(client: &ProbeClient, url: &str, api_key: &str) -> Result<Vec<Slot>, Refused> {
+    let unread = |why: String| refused(ErrorKind::Upstream, format!("the server's slots: {why}"), "slots_unread");
+    let (status, body) = client.get(url, "/slots", api_key).await.map_err(|e| unread(e.to_string()))?;
+    if !status.is_success() {
+        return Err(unread(format!("HTTP {}", status.as_u16())));
     }
+    parse_slots(&body).ok_or_else(|| unread("not a list of slots".into()))
+}
+
+/// Restores the slot file `name`, of `tokens` tokens, in `handle`'s slot
+/// directory into one of its server's idle slots (see [`free_slot`]): the
+/// slot, and the server's answer. Whatever conversation of this node's
+/// that slot held is out of it. Restores into one backend, whether of a
+/// file another node sent or of one its KV tier kept, go one at a time,
+/// so two never pick the same slot.
+pub async fn restore_into_free_slot(
+    client: &ProbeClient,
+    state: &AgentState,
+    handle: &crate::state::BackendHandle,
+    name: &str,
+    tokens: u32,
+) -> Result<(u32, Value), Refused> {
+    let (url, api_key, backend_id) = (handle.probe.url.as_str(), handle.probe.api_key.as_str(), &handle.probe.id);
+    let no_free_slot = || refused(ErrorKind::Unavailable, "no idle slot to restore into", "no_free_slot");
+    let mut restored = handle.restore_marks.lock().await;
+    let listed = list_slots(client, url, api_key).await?;
+    let slot = free_slot(&listed, &restored).ok_or_else(no_free_slot)?;
+    // The conversation that slot held, if one of this node's, is out of it.
+    if let Some(held) = listed.iter().find(|s| s.id == slot).and_then(|s| s.tokens) {
+        let mut residency = state.residency.lock();
+        let owners: Vec<String> = residency
+            .sessions()
+            .into_iter()
+            .filter(|s| &s.backend_id == backend_id && u64::from(s.tokens) == u64::from(held) + 1)
+            .map(|s| s.key)
+            .collect();
+        if let [owner] = owners.as_slice() {
+            residency.slot_reused(owner);
+        }
+    }
+    let answer = slot_action(client, url, api_key, slot, "restore", name).await.map_err(|e| {
+        refused(ErrorKind::Upstream, format!("the server did not restore the slot: {e}"), "restore_failed")
+    })?;
+    let n_restored = number(&answer, "/n_restored");
+    if n_restored != u64::from(tokens) {
+        let message = format!("the server restored {n_restored} tokens of {tokens}");
+        return Err(refused(ErrorKind::Upstream, message, "restore_failed"));
+    }
+    // Until the slot runs a task, `/slots` shows nothing of what it now
+    // holds: it is not taken for empty meanwhile. Unread, the marks
+    // stand, and this slot's is what was read before.
+    match list_slots(client, url, api_key).await {
+        Ok(now_listed) => {
+            restored.retain(|r| now_listed.contains(&r.slot));
+            if let Some(slot) = now_listed.iter().find(|s| s.id == slot) {
+                restored.push(Restored { slot: *slot });
+            }
+        }
+        Err(_) => restored.extend(listed.iter().filter(|s| s.id == slot).map(|s| Restored { slot: *s })),
+    }
+    Ok((slot, answer))
 }
 
 /// Refuses a slot file that does not come from the host its grant names:
@@ -535,7 +560,7 @@ async fn write_body(body: Incoming, path: &std::path::Path, length: u64, digest:
 
 /// The tokens the slot file at `path` is of, where its head says exactly
 /// `tokens` of them (see [`super::saved_tokens`]).
-async fn read_saved_tokens(path: &std::path::Path, tokens: u32) -> Option<Arc<[i32]>> {
+pub async fn read_saved_tokens(path: &std::path::Path, tokens: u32) -> Option<Arc<[i32]>> {
     use tokio::io::AsyncReadExt as _;
     // A slot of more tokens than any context window is not judged: its
     // head is not read into memory.
@@ -550,7 +575,7 @@ async fn read_saved_tokens(path: &std::path::Path, tokens: u32) -> Option<Arc<[i
 }
 
 /// `POST /slots/{slot}?action=...` with a file name; the server's answer.
-async fn slot_action(
+pub async fn slot_action(
     client: &ProbeClient,
     url: &str,
     api_key: &str,
@@ -712,6 +737,9 @@ impl Sender {
             // so that a move given up from here on (a drain's deadline, a
             // carry's caller gone) leaves it resident there only.
             self.state.residency.lock().remove(&session.key);
+            if let Some(tier) = &handle.tier {
+                tier.forget(&session.key);
+            }
             self.state.changed.notify_one();
             if let Some(moved) = listed.iter().find(|s| s.id == slot) {
                 let mut gone = self.moved.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -941,7 +969,7 @@ impl Carrier {
 /// link to a file it may write, the join token, say) would have this agent
 /// read and send what it points to, a FIFO or a device hold the transfer
 /// for ever. What is sent is read from the handle that was hashed.
-fn open_saved(path: &std::path::Path, max: u64) -> Result<(std::fs::File, u64, String), String> {
+pub fn open_saved(path: &std::path::Path, max: u64) -> Result<(std::fs::File, u64, String), String> {
     use std::io::{Read as _, Seek as _};
     use std::os::unix::fs::OpenOptionsExt as _;
     let mut file = std::fs::OpenOptions::new()

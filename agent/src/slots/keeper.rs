@@ -1,0 +1,481 @@
+//! The KV tier's I/O: a conversation's slot is saved to its host's disk
+//! when its turn ends, and restored into an idle slot when it comes back
+//! and is in none, so that its cache outlives the slot, the server's host
+//! cache and the server itself.
+//!
+//! A save runs off the request's path, one at a time per backend, and
+//! keeps only the state its slot held when the turn ended: a slot already
+//! running the next turn, or taken by another conversation, is left (the
+//! server's answer says how many tokens it saved). A restore runs on the
+//! returning turn's path, before it is sent: a `/slots` read, the restore
+//! (milliseconds: a slot file is read at disk speed), then the turn, which
+//! the server gives the restored slot, the idle one holding its prefix.
+
+use std::collections::VecDeque;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+
+use super::holding_slot;
+use super::tier::{Bounds, FILE_PREFIX, Index, Kept, record_name};
+use super::transfer::{list_slots, open_saved, read_saved_tokens, restore_into_free_slot, slot_action};
+use crate::probe::ProbeClient;
+use crate::state::{AgentState, BackendHandle, Shared};
+
+/// Turns ended and not yet saved, at most: past this, a burst's saves are
+/// left to the next turns.
+const MAX_PENDING: usize = 4096;
+
+/// A returning turn waits no longer than this for its restore; past it,
+/// it goes on without.
+pub const RESTORE_WAIT: Duration = Duration::from_secs(3);
+
+/// The largest record of a kept state read at start.
+const MAX_RECORD_BYTES: u64 = 64 << 10;
+
+/// One backend's KV tier.
+pub struct Tier {
+    /// The backend's `--slot-save-path`, where the server writes and reads
+    /// the states.
+    pub dir: PathBuf,
+    pub index: Shared<Index>,
+    /// Conversations whose turns ended here, to be saved, oldest first.
+    pending: Shared<VecDeque<String>>,
+    wake: Notify,
+    /// Free space a state saved leaves on the directory's filesystem.
+    pub min_free_bytes: u64,
+    pub max_slot_bytes: u64,
+    pub client: ProbeClient,
+    pub counts: Counts,
+}
+
+/// What a tier did, since the agent started.
+#[derive(Default)]
+pub struct Counts {
+    pub saves: AtomicU64,
+    /// Turns whose states were not kept: the slot was busy or taken, the
+    /// save failed, the disk was full, or it was worth too little.
+    pub saves_skipped: AtomicU64,
+    pub bytes_saved: AtomicU64,
+    pub save_micros: AtomicU64,
+    pub restores: AtomicU64,
+    pub restores_failed: AtomicU64,
+    pub restore_micros: AtomicU64,
+    /// States given up to keep within the tier's bounds.
+    pub evicted: AtomicU64,
+}
+
+impl Tier {
+    pub fn new(dir: PathBuf, bounds: Bounds, min_free_bytes: u64, max_slot_bytes: u64) -> Tier {
+        Tier {
+            dir,
+            index: Shared::new(Index::new(bounds)),
+            pending: Shared::default(),
+            wake: Notify::new(),
+            min_free_bytes,
+            max_slot_bytes,
+            client: ProbeClient::new(super::transfer::SLOT_ACTION_TIMEOUT),
+            counts: Counts::default(),
+        }
+    }
+
+    /// A turn of `key` ended on this tier's backend: its slot is saved.
+    pub fn turn_ended(&self, key: &str) {
+        let mut pending = self.pending.lock();
+        if pending.len() >= MAX_PENDING || pending.iter().any(|k| k == key) {
+            return;
+        }
+        pending.push_back(key.to_string());
+        drop(pending);
+        self.wake.notify_one();
+    }
+
+    /// `key`'s state is no longer wanted here (its conversation moved to
+    /// another node): its files go.
+    pub fn forget(&self, key: &str) {
+        let gone = self.index.lock().remove(key);
+        remove_files(&self.dir, gone.into_iter().collect());
+    }
+}
+
+/// Rebuilds `backend`'s tier from its directory, then saves the turns
+/// that end there, until `shutdown`.
+pub async fn run(state: Arc<AgentState>, backend: usize, shutdown: CancellationToken) {
+    let Some(handle) = state.backends.get(backend) else { return };
+    let Some(tier) = &handle.tier else { return };
+    let (dir, max) = (tier.dir.clone(), tier.max_slot_bytes);
+    let found = tokio::task::spawn_blocking(move || rebuild(&dir, max)).await.unwrap_or_default();
+    let count = found.len();
+    let now = inferyes_proto::unix_ms();
+    for kept in found {
+        let (key, model, tokens) = (kept.key.clone(), kept.model.clone(), kept.tokens);
+        let gone = tier.index.lock().keep(kept, now);
+        let mut residency = state.residency.lock();
+        if !gone.iter().any(|g| g.key == key) {
+            residency.kept_from_before(&key, &handle.probe.id, &model, tokens.saturating_add(1), now);
+        }
+        for lost in gone.iter().filter(|g| g.key != key) {
+            residency.left_tier(&lost.key);
+        }
+        drop(residency);
+        remove_files(&tier.dir, gone);
+    }
+    if count > 0 {
+        tracing::info!(backend = %handle.probe.id, states = count, "KV tier read from disk");
+        state.changed.notify_one();
+    }
+    loop {
+        tokio::select! {
+            () = shutdown.cancelled() => return,
+            () = tier.wake.notified() => {}
+        }
+        loop {
+            let Some(key) = tier.pending.lock().pop_front() else { break };
+            if shutdown.is_cancelled() {
+                return;
+            }
+            let started = Instant::now();
+            match save(&state, handle, tier, &key).await {
+                Ok(kept) => {
+                    tier.counts.saves.fetch_add(1, Ordering::Relaxed);
+                    tier.counts.bytes_saved.fetch_add(kept, Ordering::Relaxed);
+                    tier.counts.save_micros.fetch_add(micros(started), Ordering::Relaxed);
+                }
+                Err(why) => {
+                    tier.counts.saves_skipped.fetch_add(1, Ordering::Relaxed);
+                    tracing::debug!(backend = %handle.probe.id, session = key, why, "turn's state not kept");
+                }
+            }
+        }
+    }
+}
+
+fn micros(since: Instant) -> u64 {
+    u64::try_from(since.elapsed().as_micros()).unwrap_or(u64::MAX)
+}
+
+/// Saves the slot holding `key`'s conversation as its turn left it: the
+/// bytes kept.
+async fn save(state: &AgentState, handle: &BackendHandle, tier: &Tier, key: &str) -> Result<u64, String> {
+    let backend_id = handle.probe.id.as_str();
+    let session = state.residency.lock().session(key).filter(|s| s.backend_id == backend_id && s.tokens > 0);
+    let session = session.ok_or("no longer resident here")?;
+    let fingerprint = {
+        let observations = state.observations.lock();
+        observations.backends.iter().find(|b| b.id == backend_id).map(|b| b.slot_fingerprint.clone())
+    }
+    .unwrap_or_default();
+    if fingerprint.is_empty() {
+        return Err("the server's slots cannot be saved now".into());
+    }
+    let already = tier
+        .index
+        .lock()
+        .get(key)
+        .is_some_and(|k| k.fingerprint == fingerprint && u64::from(k.tokens) + 1 >= u64::from(session.tokens));
+    if already {
+        return Err("this state is kept already".into());
+    }
+    let (url, api_key) = (handle.probe.url.as_str(), handle.probe.api_key.as_str());
+    let listed = list_slots(&tier.client, url, api_key).await.map_err(|e| e.to_string())?;
+    let twins: Vec<u64> = state
+        .residency
+        .lock()
+        .sessions()
+        .iter()
+        .filter(|s| s.backend_id == backend_id && s.tokens == session.tokens)
+        .map(|s| s.last_seen_unix_ms)
+        .collect();
+    let slot =
+        holding_slot(&listed, &[], session.tokens, &twins, session.last_seen_unix_ms).map_err(|e| e.to_string())?;
+    let expected = listed.iter().find(|s| s.id == slot).and_then(|s| s.tokens).unwrap_or(0);
+    let file = format!("{FILE_PREFIX}{}.bin", inferyes_proto::apikey::random_chars(24).map_err(|e| e.to_string())?);
+    let path = tier.dir.join(&file);
+    let saved = slot_action(&tier.client, url, api_key, slot, "save", &file).await;
+    let n_saved = saved.as_ref().ok().and_then(|a| a.pointer("/n_saved")).and_then(serde_json::Value::as_u64);
+    if n_saved != Some(u64::from(expected)) {
+        let _ = tokio::fs::remove_file(&path).await;
+        return Err(match saved {
+            Err(why) => format!("save: {why}"),
+            Ok(_) => format!("saved {n_saved:?} tokens, the slot held {expected} (taken since)"),
+        });
+    }
+    let now = inferyes_proto::unix_ms();
+    let mut kept = Kept {
+        key: key.to_string(),
+        model: session.model.clone(),
+        fingerprint,
+        tokens: expected,
+        bytes: 0,
+        digest: String::new(),
+        file,
+        saved_unix_ms: now,
+        used_unix_ms: now,
+        turns: session.requests,
+    };
+    let (dir, max, min_free) = (tier.dir.clone(), tier.max_slot_bytes, tier.min_free_bytes);
+    let written = tokio::task::spawn_blocking(move || {
+        let result = seal(&dir, &mut kept, max, min_free).map(|()| kept);
+        if result.is_err() {
+            let _ = std::fs::remove_file(&path);
+        }
+        result
+    })
+    .await
+    .map_err(|e| e.to_string())??;
+    let (bytes, file) = (written.bytes, written.file.clone());
+    let (gone, kept_now) = {
+        let mut index = tier.index.lock();
+        let gone = index.keep(written, now);
+        (gone, index.get(key).is_some_and(|k| k.file == file))
+    };
+    let evicted: Vec<&str> = gone.iter().filter(|g| g.key != key).map(|g| g.key.as_str()).collect();
+    {
+        let mut residency = state.residency.lock();
+        if kept_now {
+            residency.kept_in_tier(key);
+        }
+        evicted.iter().for_each(|lost| residency.left_tier(lost));
+    }
+    tier.counts.evicted.fetch_add(u64::try_from(evicted.len()).unwrap_or(0), Ordering::Relaxed);
+    remove_files(&tier.dir, gone);
+    if !kept_now {
+        return Err("worth less than what it would displace".into());
+    }
+    Ok(bytes)
+}
+
+/// Checks a state the server just saved into `dir` and writes its record:
+/// its bytes and digest filled in, both files on disk before the record
+/// is named (a crash leaves at worst a state with no record, removed at
+/// the next start).
+fn seal(dir: &Path, kept: &mut Kept, max_slot_bytes: u64, min_free_bytes: u64) -> Result<(), String> {
+    let path = dir.join(&kept.file);
+    let (file, bytes, digest) = open_saved(&path, max_slot_bytes)?;
+    file.sync_all().map_err(|e| e.to_string())?;
+    let stat = rustix::fs::statvfs(dir).map_err(|e| e.to_string())?;
+    if stat.f_bavail.saturating_mul(stat.f_frsize) < min_free_bytes {
+        return Err(format!("under {min_free_bytes} bytes free on the slot directory's filesystem"));
+    }
+    kept.bytes = bytes;
+    kept.digest = digest;
+    let record = serde_json::to_vec(&kept).map_err(|e| e.to_string())?;
+    let name = kept.record_name();
+    let unnamed = dir.join(format!("{name}.new"));
+    let written = (|| {
+        use std::io::Write as _;
+        let mut out = std::fs::OpenOptions::new().write(true).create_new(true).open(&unnamed)?;
+        out.write_all(&record)?;
+        out.sync_all()?;
+        std::fs::rename(&unnamed, dir.join(&name))
+    })();
+    if let Err(e) = written {
+        let _ = std::fs::remove_file(&unnamed);
+        return Err(format!("its record: {e}"));
+    }
+    Ok(())
+}
+
+/// Removes the files of states no longer kept, off the runtime.
+fn remove_files(dir: &Path, gone: Vec<Kept>) {
+    if gone.is_empty() {
+        return;
+    }
+    let dir = dir.to_path_buf();
+    let remove = move || {
+        for kept in gone {
+            let _ = std::fs::remove_file(dir.join(kept.record_name()));
+            let _ = std::fs::remove_file(dir.join(&kept.file));
+        }
+    };
+    match tokio::runtime::Handle::try_current() {
+        Ok(runtime) => drop(runtime.spawn_blocking(remove)),
+        Err(_) => remove(),
+    }
+}
+
+/// The states kept in `dir` by an earlier run, each checked against its
+/// record (its file's length and digest). Everything else of the tier's
+/// there goes: records that do not check out and their files, files no
+/// record names, records half-written, and all but the newest state of a
+/// conversation.
+pub fn rebuild(dir: &Path, max_slot_bytes: u64) -> Vec<Kept> {
+    let Ok(entries) = std::fs::read_dir(dir) else { return Vec::new() };
+    let names: Vec<String> = entries
+        .flatten()
+        .filter_map(|e| e.file_name().into_string().ok())
+        .filter(|name| name.starts_with(FILE_PREFIX))
+        .collect();
+    let mut found: inferyes_proto::FastMap<String, Kept> = Default::default();
+    let mut wanted = std::collections::HashSet::new();
+    for name in names.iter().filter(|n| n.ends_with(".json")) {
+        let Some(kept) = read_record(dir, name, max_slot_bytes) else { continue };
+        match found.get(&kept.key) {
+            Some(other) if other.saved_unix_ms >= kept.saved_unix_ms => continue,
+            _ => {}
+        }
+        found.insert(kept.key.clone(), kept);
+    }
+    for kept in found.values() {
+        wanted.insert(kept.file.clone());
+        wanted.insert(kept.record_name());
+    }
+    for name in &names {
+        if !wanted.contains(name) {
+            let _ = std::fs::remove_file(dir.join(name));
+        }
+    }
+    let mut kept: Vec<Kept> = found.into_values().collect();
+    // Oldest first: the index gives up the least worth as it fills.
+    kept.sort_by_key(|k| (k.used_unix_ms, k.key.clone()));
+    kept
+}
+
+/// The record `name` in `dir`, where it is sound and its file is whole.
+fn read_record(dir: &Path, name: &str, max_slot_bytes: u64) -> Option<Kept> {
+    use std::io::Read as _;
+    let mut text = Vec::new();
+    std::fs::File::open(dir.join(name)).ok()?.take(MAX_RECORD_BYTES).read_to_end(&mut text).ok()?;
+    let kept: Kept = serde_json::from_slice(&text).ok()?;
+    if !kept.is_sound() || record_name(&kept.file) != name {
+        return None;
+    }
+    let (mut file, bytes, digest) = open_saved(&dir.join(&kept.file), max_slot_bytes).ok()?;
+    // A slot file begins as llama-server writes one.
+    let mut magic = [0u8; 4];
+    file.read_exact(&mut magic).ok()?;
+    (bytes == kept.bytes && digest == kept.digest && &magic == b"qsgg").then_some(kept)
+}
+
+/// Before a turn of `key` is sent to `handle`'s server: where the
+/// conversation is in none of its slots and the tier keeps its state,
+/// that state is restored into an idle slot. Whether it was.
+pub async fn bring_back(state: &AgentState, handle: &BackendHandle, key: &str, model: &str) -> bool {
+    let Some(tier) = &handle.tier else { return false };
+    let backend_id = handle.probe.id.as_str();
+    {
+        let residency = state.residency.lock();
+        if residency.in_slot(key) && residency.backend_of(key) == Some(backend_id) {
+            return false;
+        }
+    }
+    let Some(kept) = tier.index.lock().get(key).cloned() else { return false };
+    let fingerprint = {
+        let observations = state.observations.lock();
+        observations.backends.iter().find(|b| b.id == backend_id).map(|b| handle.slot_fingerprint(b))
+    };
+    if fingerprint.as_deref() != Some(kept.fingerprint.as_str()) {
+        return false;
+    }
+    let started = Instant::now();
+    match tokio::time::timeout(RESTORE_WAIT, restore(state, handle, tier, &kept, model)).await {
+        Ok(Ok(())) => {
+            tier.counts.restores.fetch_add(1, Ordering::Relaxed);
+            tier.counts.restore_micros.fetch_add(micros(started), Ordering::Relaxed);
+            true
+        }
+        Ok(Err(why)) if why.is_empty() => false,
+        outcome => {
+            let why = outcome.map_or_else(|_| "timed out".to_string(), |r| r.err().unwrap_or_default());
+            tier.counts.restores_failed.fetch_add(1, Ordering::Relaxed);
+            tracing::info!(backend = backend_id, session = key, why, "KV tier state not restored: the turn recomputes");
+            false
+        }
+    }
+}
+
+/// Restores `kept` unless a slot holds it already (an empty error).
+async fn restore(
+    state: &AgentState,
+    handle: &BackendHandle,
+    tier: &Tier,
+    kept: &Kept,
+    model: &str,
+) -> Result<(), String> {
+    let (url, api_key) = (handle.probe.url.as_str(), handle.probe.api_key.as_str());
+    let listed = list_slots(&tier.client, url, api_key).await.map_err(|e| e.to_string())?;
+    if listed.iter().any(|s| s.tokens == Some(kept.tokens)) {
+        return Err(String::new());
+    }
+    let (slot, _) = restore_into_free_slot(&tier.client, state, handle, &kept.file, kept.tokens)
+        .await
+        .map_err(|e| format!("{} ({})", e, e.code()))?;
+    let saved = read_saved_tokens(&tier.dir.join(&kept.file), kept.tokens).await;
+    let now = inferyes_proto::unix_ms();
+    tier.index.lock().used(&kept.key, now);
+    state.residency.lock().restored(&kept.key, &handle.probe.id, model, (kept.tokens, saved), now);
+    state.changed.notify_one();
+    tracing::debug!(backend = %handle.probe.id, session = kept.key, slot, tokens = kept.tokens, "restored from the KV tier");
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Writes a state of `body` and, unless `record` is false, its record;
+    /// the record.
+    fn state(dir: &Path, name: &str, key: &str, saved: u64, body: &[u8], record: bool) -> Kept {
+        std::fs::write(dir.join(format!("kv-{name}.bin")), body).unwrap();
+        let kept = Kept {
+            key: key.into(),
+            model: "m".into(),
+            fingerprint: "f".into(),
+            tokens: 3,
+            bytes: body.len() as u64,
+            digest: inferyes_proto::hex(ring::digest::digest(&ring::digest::SHA256, body).as_ref()),
+            file: format!("kv-{name}.bin"),
+            saved_unix_ms: saved,
+            used_unix_ms: saved,
+            turns: 1,
+        };
+        if record {
+            std::fs::write(dir.join(kept.record_name()), serde_json::to_vec(&kept).unwrap()).unwrap();
+        }
+        kept
+    }
+
+    #[test]
+    fn a_tier_is_rebuilt_from_whole_states_only_and_the_rest_of_its_files_go() {
+        let dir = std::env::temp_dir().join(format!("inferyes-tier-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let good = state(&dir, "good", "a", 5, b"qsgg good state", true);
+        let older = state(&dir, "older", "a", 4, b"qsgg older state", true);
+        let newest_b = state(&dir, "b2", "b", 9, b"qsgg b", true);
+        let _ = state(&dir, "b1", "b", 8, b"qsgg b before", true);
+        // Changed after its record was written; not a slot file; no record.
+        let changed = state(&dir, "changed", "c", 5, b"qsgg changed", true);
+        std::fs::write(dir.join(&changed.file), b"qsgg chanGed").unwrap();
+        let foreign = state(&dir, "foreign", "d", 5, b"#!/bin/sh", true);
+        let orphan = state(&dir, "orphan", "e", 5, b"qsgg orphan", false);
+        std::fs::write(dir.join("kv-half.json.new"), b"{").unwrap();
+        std::fs::write(dir.join("kv-bad.json"), b"not json").unwrap();
+        std::fs::write(dir.join("someone-else.bin"), b"kept").unwrap();
+        let mut found = rebuild(&dir, 1 << 20);
+        found.sort_by(|a, b| a.key.cmp(&b.key));
+        assert_eq!(found, [good.clone(), newest_b.clone()]);
+        let mut left: Vec<String> =
+            std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+        left.sort();
+        let mut expected = vec![
+            good.file.clone(),
+            good.record_name(),
+            newest_b.file.clone(),
+            newest_b.record_name(),
+            "someone-else.bin".to_string(),
+        ];
+        expected.sort();
+        assert_eq!(left, expected);
+        for gone in [&older, &changed, &foreign, &orphan] {
+            assert!(!dir.join(&gone.file).exists(), "{}", gone.file);
+        }
+        // Past the largest slot file: refused too.
+        assert!(rebuild(&dir, 4).is_empty());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
