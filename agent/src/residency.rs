@@ -405,6 +405,14 @@ impl Residency {
             .is_some_and(|lineup| lineup.by_tick.range(entry.tick + 1..).count() < slots)
     }
 
+    /// `backend_id`'s sessions believed in its slots (its newest), newest
+    /// first.
+    pub fn in_slots(&self, backend_id: &str) -> impl Iterator<Item = &ResidentSession> {
+        let slots = self.capacity.get(backend_id).copied().unwrap_or_default().slots;
+        let line = self.lineups.get(backend_id).into_iter().flat_map(|lineup| lineup.by_tick.values().rev());
+        line.take(slots).filter_map(|(key, _)| self.entries.get(key)).map(|e| &e.session)
+    }
+
     /// Which backend holds `key`, if any.
     pub fn backend_of(&self, key: &str) -> Option<&str> {
         self.entries.get(key).map(|e| e.session.backend_id.as_str())

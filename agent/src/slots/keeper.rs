@@ -182,14 +182,20 @@ async fn save(state: &AgentState, handle: &BackendHandle, tier: &Tier, key: &str
     }
     let (url, api_key) = (handle.probe.url.as_str(), handle.probe.api_key.as_str());
     let listed = list_slots(&tier.client, url, api_key).await.map_err(|e| e.to_string())?;
-    let twins: Vec<u64> = state
-        .residency
-        .lock()
-        .sessions()
-        .iter()
-        .filter(|s| s.backend_id == backend_id && s.tokens == session.tokens)
-        .map(|s| s.last_seen_unix_ms)
-        .collect();
+    // Conversations of as many tokens that may be in a slot: those past
+    // the slots (in the host cache, or parked) are not. A slot taken for
+    // another's of the same length costs only its reuse: a server reuses
+    // a cached token only where the prompt's own token is the same.
+    let twins: Vec<u64> = {
+        let residency = state.residency.lock();
+        let mut twins: Vec<u64> = residency
+            .in_slots(backend_id)
+            .filter(|s| s.tokens == session.tokens && s.key != key)
+            .map(|s| s.last_seen_unix_ms)
+            .collect();
+        twins.push(session.last_seen_unix_ms);
+        twins
+    };
     let slot =
         holding_slot(&listed, &[], session.tokens, &twins, session.last_seen_unix_ms).map_err(|e| e.to_string())?;
     let expected = listed.iter().find(|s| s.id == slot).and_then(|s| s.tokens).unwrap_or(0);
@@ -398,7 +404,16 @@ async fn restore(
 ) -> Result<(), String> {
     let (url, api_key) = (handle.probe.url.as_str(), handle.probe.api_key.as_str());
     let listed = list_slots(&tier.client, url, api_key).await.map_err(|e| e.to_string())?;
-    if listed.iter().any(|s| s.tokens == Some(kept.tokens)) {
+    // A slot of its length holds it still (the agent restarted, its server
+    // did not), unless a conversation of as many tokens believed in a slot
+    // is what it holds.
+    let twin_in_slot = || {
+        let residency = state.residency.lock();
+        let twin =
+            |s: &inferyes_proto::v1::ResidentSession| s.key != kept.key && s.tokens == kept.tokens.saturating_add(1);
+        residency.in_slots(&handle.probe.id).any(twin)
+    };
+    if listed.iter().any(|s| s.tokens == Some(kept.tokens)) && !twin_in_slot() {
         return Err(String::new());
     }
     let (slot, _) = restore_into_free_slot(&tier.client, state, handle, &kept.file, kept.tokens)
