@@ -125,10 +125,14 @@ impl Metrics {
         r.register("in_flight", "Requests in flight through the agent's proxy", m.in_flight.clone());
         r.register("tokens_per_second", "Backend decode speed", m.tokens_per_second.clone());
         r.register("resident_sessions", "Conversations believed resident on the backend", m.resident_sessions.clone());
-        r.register("residency_hits", "Requests that found their session's prefix cached", m.residency_hits.clone());
+        r.register(
+            "residency_hits",
+            "Turns of resident sessions that read at least half their prompt from cache",
+            m.residency_hits.clone(),
+        );
         r.register(
             "residency_misses",
-            "Requests that found nothing cached although their session was believed resident",
+            "Turns that recomputed more than half their prompt although their session was believed resident",
             m.residency_misses.clone(),
         );
         r.register(

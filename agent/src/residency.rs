@@ -226,7 +226,12 @@ impl Residency {
             }
         });
         let believed_resident = entry.session.requests > 1;
-        if usage.cached_tokens > 0 {
+        // A turn found its conversation where it read most of its prompt
+        // from cache; one that recomputed most of it did not, whatever a
+        // prefix every conversation shares (a chat template's, a common
+        // system prompt's) gave it.
+        let found = usage.cached_tokens > 0 && u64::from(usage.cached_tokens) * 2 >= u64::from(usage.prompt_tokens);
+        if found {
             entry.session.cache_hits = entry.session.cache_hits.saturating_add(1);
         } else if believed_resident {
             entry.session.cache_misses = entry.session.cache_misses.saturating_add(1);
@@ -541,8 +546,12 @@ mod tests {
         r.record("a", "b0", Usage { prompt_tokens: 20, completion_tokens: 5, cached_tokens: 14 });
         r.touch("a", "b0", "m", 3);
         r.record("a", "b0", Usage { prompt_tokens: 30, completion_tokens: 5, cached_tokens: 0 });
+        // Only the chat template's first tokens, which every conversation
+        // shares, were found: a miss.
+        r.touch("a", "b0", "m", 4);
+        r.record("a", "b0", Usage { prompt_tokens: 40, completion_tokens: 5, cached_tokens: 19 });
         let session = r.take_update(true).upserted.remove(0);
-        assert_eq!((session.requests, session.cache_hits, session.cache_misses, session.tokens), (3, 1, 1, 35));
+        assert_eq!((session.requests, session.cache_hits, session.cache_misses, session.tokens), (4, 1, 2, 45));
     }
 
     #[test]
