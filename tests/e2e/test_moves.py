@@ -444,6 +444,45 @@ def restores_checked(fleet, node, outcome):
     return sum(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith(name))
 
 
+def drain(fleet, node):
+    """Drains `node`; what its drain moved, once it finished."""
+    before = (fleet.ctl("node", node)["moves"] or {}).get("finished_unix_ms")
+
+    def finished():
+        moves = fleet.ctl("node", node)["moves"]
+        return moves if moves and moves["finished_unix_ms"] not in (None, 0, before) else None
+
+    fleet.ctl("drain", node)
+    return wait_until(f"{node}'s drain moved its conversations", finished, timeout=60)
+
+
+def test_a_drain_sends_what_the_kv_tier_kept_of_a_conversation_whose_slot_was_taken(movers):
+    """Work the agent did not see takes both of node-a's slots after a
+    conversation's turn: its drain finds no slot holding the conversation,
+    and sends what node-a's KV tier kept of it instead."""
+    fleet = movers
+    messages, usage, _ = begin_on_node_a(fleet, "kept-in-the-tier", 15)
+    history = usage.prompt_tokens + usage.completion_tokens - 1
+
+    def kept():
+        records = (fleet.tmp / "slots-node-a").glob("kv-*.json")
+        return any(json.loads(record.read_text())["tokens"] == history for record in records)
+
+    wait_until("its slot kept in node-a's tier", kept)
+    for node, prompt in (("node-a", "Name two hills."), ("node-b", "Name two rivers.")):
+        for slot in (0, 1):
+            run_in_slot(fleet, node, slot, prompt)
+    fleet.ctl("undrain", "node-b")
+    fleet.wait_routing()
+    moves = drain(fleet, "node-a")
+    assert moves["moved"] >= 1 and moves["failed"] == 0, moves
+    node, _, later = turn(fleet, messages, "And which comes next?")
+    assert node == "node-b", node
+    assert later.prompt_tokens_details.cached_tokens >= 0.9 * history, (history, later)
+    fleet.ctl("undrain", "node-a")
+    fleet.wait_routing()
+
+
 def test_a_turn_that_sends_another_history_after_a_move_costs_its_node_no_moves(movers):
     """A conversation moved to node-b; its client then sends another
     history under its key (an edited first message): a new branch, which
@@ -469,19 +508,8 @@ def test_a_turn_that_sends_another_history_after_a_move_costs_its_node_no_moves(
         return {s["key"] for s in fleet.ctl("sessions")["sessions"] if s["node"] == node}
 
     [ours] = wait_until("the conversation resident on node-a", lambda: resident("node-a") - before or None)
-    def drain(node):
-        """Drains `node`; what its drain moved, once it finished."""
-        before = (fleet.ctl("node", node)["moves"] or {}).get("finished_unix_ms")
-
-        def finished():
-            moves = fleet.ctl("node", node)["moves"]
-            return moves if moves and moves["finished_unix_ms"] not in (None, 0, before) else None
-
-        fleet.ctl("drain", node)
-        return wait_until(f"{node}'s drain moved its conversations", finished, timeout=60)
-
     # The most recent first, to the one node taking sessions.
-    moves = drain("node-a")
+    moves = drain(fleet, "node-a")
     assert moves["moved"] >= 1 and moves["failed"] == 0, moves
     wait_until("the conversation resident on node-b", lambda: ours in resident("node-b"))
 
@@ -501,7 +529,7 @@ def test_a_turn_that_sends_another_history_after_a_move_costs_its_node_no_moves(
     # its cache.
     fleet.ctl("undrain", "node-a")
     fleet.wait_routing()
-    moves = drain("node-b")
+    moves = drain(fleet, "node-b")
     assert moves["moved"] >= 1 and moves["failed"] == 0, moves
     wait_until("the conversation resident on node-a", lambda: ours in resident("node-a"))
     history = usage.prompt_tokens + usage.completion_tokens - 1

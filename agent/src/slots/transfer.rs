@@ -700,21 +700,36 @@ impl Sender {
             gone.retain(|s| listed.contains(s));
             gone.clone()
         };
-        let slot = match holding_slot(&listed, &gone, session.tokens, &twins, session.last_seen_unix_ms) {
-            Ok(slot) => slot,
-            Err(NotFound::Busy) => return Err(MoveError::Busy),
-            Err(why) => return Err(MoveError::NotMovable(why.to_string())),
-        };
-        let expected = listed.iter().find(|s| s.id == slot).and_then(|s| s.tokens).unwrap_or(0);
-        let name = slot_file_name("out").map_err(|e| failed("slot file", e))?;
-        let file = SlotFile(dir.join(&name));
-        let saved =
-            slot_action(&self.client, url, api_key, slot, "save", &name).await.map_err(|e| failed("save", e))?;
-        if number(&saved, "/n_saved") != u64::from(expected) {
-            let why = format!("saved {} tokens, the slot held {expected}", number(&saved, "/n_saved"));
-            return Err(MoveError::NotMovable(why));
-        }
-        let path = file.0.clone();
+        // The slot holding it, saved now; where none does any more (it was
+        // taken by another conversation, or its server restarted), what the
+        // KV tier kept of it.
+        let (slot, file, path, expected, saved) =
+            match holding_slot(&listed, &gone, session.tokens, &twins, session.last_seen_unix_ms) {
+                Ok(slot) => {
+                    let expected = listed.iter().find(|s| s.id == slot).and_then(|s| s.tokens).unwrap_or(0);
+                    let name = slot_file_name("out").map_err(|e| failed("slot file", e))?;
+                    let file = SlotFile(dir.join(&name));
+                    let saved = slot_action(&self.client, url, api_key, slot, "save", &name)
+                        .await
+                        .map_err(|e| failed("save", e))?;
+                    if number(&saved, "/n_saved") != u64::from(expected) {
+                        let why = format!("saved {} tokens, the slot held {expected}", number(&saved, "/n_saved"));
+                        return Err(MoveError::NotMovable(why));
+                    }
+                    let path = file.0.clone();
+                    (Some(slot), Some(file), path, expected, saved)
+                }
+                Err(NotFound::Busy) => return Err(MoveError::Busy),
+                Err(why) => {
+                    let kept = handle.tier.as_ref().and_then(|tier| {
+                        let kept =
+                            tier.index.lock().get(&session.key).filter(|k| k.fingerprint == fingerprint).cloned();
+                        kept.map(|k| (tier.dir.join(&k.file), k.tokens))
+                    });
+                    let (path, tokens) = kept.ok_or_else(|| MoveError::NotMovable(why.to_string()))?;
+                    (None, None, path, tokens, Value::Null)
+                }
+            };
         let max = self.max_slot_bytes;
         let opened = tokio::task::spawn_blocking(move || open_saved(&path, max)).await;
         let (reader, bytes, digest) = match opened {
@@ -741,7 +756,7 @@ impl Sender {
                 tier.forget(&session.key);
             }
             self.state.changed.notify_one();
-            if let Some(moved) = listed.iter().find(|s| s.id == slot) {
+            if let Some(moved) = listed.iter().find(|s| Some(s.id) == slot) {
                 let mut gone = self.moved.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
                 gone.entry(session.backend_id.clone()).or_default().push(*moved);
             }
