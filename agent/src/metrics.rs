@@ -226,25 +226,21 @@ impl Metrics {
     fn observe_tier(&self, backend: &str, tier: &crate::slots::keeper::Tier) {
         use std::sync::atomic::Ordering::Relaxed;
         let labels = BackendLabels { backend: backend.to_string() };
-        let (bytes, states) = {
-            let index = tier.index.lock();
-            (index.bytes(), index.len())
-        };
-        self.kv_tier_bytes.get_or_create(&labels).set(i64::try_from(bytes).unwrap_or(i64::MAX));
-        self.kv_tier_states.get_or_create(&labels).set(i64::try_from(states).unwrap_or(i64::MAX));
-        let counts = &tier.counts;
+        let report = tier.report();
+        self.kv_tier_bytes.get_or_create(&labels).set(i64::try_from(report.bytes).unwrap_or(i64::MAX));
+        self.kv_tier_states.get_or_create(&labels).set(i64::from(report.states));
         let event = |event: &'static str| TierEventLabels { backend: backend.to_string(), event };
         for (name, count) in [
-            ("saved", &counts.saves),
-            ("skipped", &counts.saves_skipped),
-            ("evicted", &counts.evicted),
-            ("restored", &counts.restores),
-            ("restore_failed", &counts.restores_failed),
+            ("saved", report.saves),
+            ("skipped", report.skipped),
+            ("evicted", report.evicted),
+            ("restored", report.restores),
+            ("restore_failed", report.restore_failures),
         ] {
-            self.kv_tier_events.get_or_create(&event(name)).inner().store(count.load(Relaxed), Relaxed);
+            self.kv_tier_events.get_or_create(&event(name)).inner().store(count, Relaxed);
         }
-        for (name, micros) in [("saved", &counts.save_micros), ("restored", &counts.restore_micros)] {
-            let seconds = micros.load(Relaxed) as f64 / 1e6;
+        for (name, micros) in [("saved", report.save_micros), ("restored", report.restore_micros)] {
+            let seconds = micros as f64 / 1e6;
             self.kv_tier_seconds.get_or_create(&event(name)).inner().store(seconds.to_bits(), Relaxed);
         }
     }

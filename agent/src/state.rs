@@ -271,6 +271,7 @@ impl AgentState {
         for backend in &mut backends {
             if let Some(handle) = self.backend(&backend.id) {
                 backend.in_flight = handle.in_flight.load(Ordering::Relaxed);
+                backend.kv_tier = handle.tier.as_ref().map(crate::slots::keeper::Tier::report);
                 handle.mark_unsupported(backend, now);
                 let reused_nothing = handle.restores_reused_nothing.load(Ordering::Relaxed);
                 if handle.restore_failed_lately(inferyes_proto::unix_ms()) && !backend.slot_fingerprint.is_empty() {

@@ -666,6 +666,7 @@ pub fn split(mut status: NodeStatus) -> (NodeStatus, NodeLoad, usize) {
             prefill_tokens_per_second: std::mem::take(&mut backend.prefill_tokens_per_second),
             service_ms: std::mem::take(&mut backend.service_ms),
             load_unknown: std::mem::take(&mut backend.load_unknown),
+            kv_tier: backend.kv_tier.take(),
         });
     }
     // A drain's progress changes with every move: live state, not etcd's.
@@ -714,6 +715,7 @@ pub fn merge(durable: &NodeStatus, summary: Option<&Summary>) -> NodeStatus {
             backend.prefill_tokens_per_second = reported.prefill_tokens_per_second;
             backend.service_ms = reported.service_ms;
             backend.load_unknown = reported.load_unknown || !summary.fresh;
+            backend.kv_tier.clone_from(&reported.kv_tier);
         }
         backend.resident_sessions = summary.sessions.get(&backend.id).copied().unwrap_or(0);
     }

@@ -776,7 +776,31 @@ fn backend_json(b: &Backend) -> Value {
            "slots_total": b.slots_total, "slots_busy": b.slots_busy, "requests_deferred": b.requests_deferred,
            "in_flight": b.in_flight, "tokens_per_second": b.tokens_per_second, "probe_error": b.probe_error,
            "models_max": b.models_max, "models": models, "slot_fingerprint": b.slot_fingerprint,
-           "slots_unmovable": b.slots_unmovable})
+           "slots_unmovable": b.slots_unmovable, "kv_tier": b.kv_tier.as_ref().map_or(Value::Null, kv_tier_json)})
+}
+
+fn kv_tier_json(t: &inferyes_proto::v1::KvTier) -> Value {
+    json!({"bytes": t.bytes, "states": t.states, "saves": t.saves, "skipped": t.skipped, "restores": t.restores,
+           "restore_failures": t.restore_failures, "evicted": t.evicted, "save_micros": t.save_micros,
+           "restore_micros": t.restore_micros})
+}
+
+/// A backend's KV tier on one line: what it keeps, what it did, and what
+/// a save and a restore took on average.
+fn kv_tier_text(t: &inferyes_proto::v1::KvTier) -> String {
+    let mean_ms = |micros: u64, count: u64| if count == 0 { 0.0 } else { micros as f64 / count as f64 / 1e3 };
+    format!(
+        "{} states, {} GiB; saved {} (skipped {}, {:.1} ms each), restored {} ({} failed, {:.1} ms each), evicted {}",
+        t.states,
+        gib(t.bytes),
+        t.saves,
+        t.skipped,
+        mean_ms(t.save_micros, t.saves),
+        t.restores,
+        t.restore_failures,
+        mean_ms(t.restore_micros, t.restores),
+        t.evicted
+    )
 }
 
 fn moves_json(m: &MoveProgress) -> Value {
@@ -915,6 +939,9 @@ fn node_detail(node: &SnapshotNode) -> String {
         } else {
             let _ = writeln!(out, "  slots movable, fingerprint {}", b.slot_fingerprint);
         }
+        if let Some(tier) = &b.kv_tier {
+            let _ = writeln!(out, "  kv tier: {}", kv_tier_text(tier));
+        }
     }
     let _ = writeln!(out, "sessions:  {}", resident(s));
     if let Some(moves) = &s.moves {
@@ -985,6 +1012,34 @@ mod tests {
         assert!(!nodes_table(&[awaiting.clone()]).contains("active"));
         assert_eq!(node_json(&awaiting)["awaiting_credential"], true);
         assert!(nodes_table(&[node("gpu-b", false)]).contains("active"));
+    }
+
+    #[test]
+    fn a_backend_s_kv_tier_shows_what_it_keeps_and_what_its_saves_and_restores_took() {
+        let mut keeping = node("gpu-a", false);
+        let backend = &mut keeping.status.as_mut().unwrap().backends[0];
+        backend.kv_tier = Some(inferyes_proto::v1::KvTier {
+            bytes: 3 << 30,
+            states: 240,
+            saves: 400,
+            skipped: 7,
+            restores: 50,
+            restore_failures: 1,
+            evicted: 12,
+            save_micros: 400 * 6_500,
+            restore_micros: 50 * 3_200,
+        });
+        let detail = node_detail(&keeping);
+        assert!(
+            detail.contains(
+                "kv tier: 240 states, 3.0 GiB; saved 400 (skipped 7, 6.5 ms each), restored 50 (1 failed, 3.2 ms each), \
+                 evicted 12"
+            ),
+            "{detail}"
+        );
+        assert_eq!(node_json(&keeping)["backends"][0]["kv_tier"]["restores"], 50);
+        assert!(!node_detail(&node("gpu-b", false)).contains("kv tier"));
+        assert_eq!(node_json(&node("gpu-b", false))["backends"][0]["kv_tier"], Value::Null);
     }
 
     #[test]

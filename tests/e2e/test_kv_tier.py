@@ -72,6 +72,18 @@ def test_a_conversation_s_cache_outlives_its_slot_its_server_and_its_agent(keepe
     assert second.prompt_tokens_details.cached_tokens >= 0.9 * history(first), (first, second)
     assert events(fleet, "restored") == 1
 
+    # inferyesctl and the dashboard show the tier.
+    def shown():
+        [backend] = fleet.ctl("node", "node-a")["backends"]
+        view = json.loads(http_get(f"{fleet.dashboard_url}/api/v1/fleet",
+                                   headers={"Authorization": f"Bearer {fleet.admin_token}"})[1])
+        [card] = [g for g in view["gpus"] if g["node"] == "node-a"]
+        tiers = (backend["kv_tier"], card["backends"][0]["kv_tier"])
+        return tiers if all(t and t["restores"] == 1 and t["states"] >= 3 for t in tiers) else None
+
+    ctl, dashboard = wait_until("the tier shown", shown)
+    assert ctl["bytes"] > 0 and ctl["bytes"] == dashboard["bytes"], (ctl, dashboard)
+
     # The server restarts: its slots hold nothing, the tier still does.
     restarts = fleet.agent_metric("node-a", "inferyes_agent_backend_restarts_total", backend="chat")
     wait_until("the second turn's slot kept", lambda: events(fleet, "saved") >= 4)

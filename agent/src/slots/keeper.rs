@@ -60,7 +60,6 @@ pub struct Counts {
     /// Turns whose states were not kept: the slot was busy or taken, the
     /// save failed, the disk was full, or it was worth too little.
     pub saves_skipped: AtomicU64,
-    pub bytes_saved: AtomicU64,
     pub save_micros: AtomicU64,
     pub restores: AtomicU64,
     pub restores_failed: AtomicU64,
@@ -92,6 +91,27 @@ impl Tier {
         pending.push_back(key.to_string());
         drop(pending);
         self.wake.notify_one();
+    }
+
+    /// What it keeps and did, as reported and scraped.
+    pub fn report(&self) -> inferyes_proto::v1::KvTier {
+        let (bytes, states) = {
+            let index = self.index.lock();
+            (index.bytes(), u32::try_from(index.len()).unwrap_or(u32::MAX))
+        };
+        let read = |count: &AtomicU64| count.load(Ordering::Relaxed);
+        let counts = &self.counts;
+        inferyes_proto::v1::KvTier {
+            bytes,
+            states,
+            saves: read(&counts.saves),
+            skipped: read(&counts.saves_skipped),
+            restores: read(&counts.restores),
+            restore_failures: read(&counts.restores_failed),
+            evicted: read(&counts.evicted),
+            save_micros: read(&counts.save_micros),
+            restore_micros: read(&counts.restore_micros),
+        }
     }
 
     /// `key`'s state is no longer wanted here (its conversation moved to
@@ -140,10 +160,10 @@ pub async fn run(state: Arc<AgentState>, backend: usize, shutdown: CancellationT
             }
             let started = Instant::now();
             match save(&state, handle, tier, &key).await {
-                Ok(kept) => {
+                Ok(()) => {
                     tier.counts.saves.fetch_add(1, Ordering::Relaxed);
-                    tier.counts.bytes_saved.fetch_add(kept, Ordering::Relaxed);
                     tier.counts.save_micros.fetch_add(micros(started), Ordering::Relaxed);
+                    state.changed.notify_one();
                 }
                 Err(why) => {
                     tier.counts.saves_skipped.fetch_add(1, Ordering::Relaxed);
@@ -158,9 +178,8 @@ fn micros(since: Instant) -> u64 {
     u64::try_from(since.elapsed().as_micros()).unwrap_or(u64::MAX)
 }
 
-/// Saves the slot holding `key`'s conversation as its turn left it: the
-/// bytes kept.
-async fn save(state: &AgentState, handle: &BackendHandle, tier: &Tier, key: &str) -> Result<u64, String> {
+/// Saves the slot holding `key`'s conversation as its turn left it.
+async fn save(state: &AgentState, handle: &BackendHandle, tier: &Tier, key: &str) -> Result<(), String> {
     let backend_id = handle.probe.id.as_str();
     let session = state.residency.lock().session(key).filter(|s| s.backend_id == backend_id && s.tokens > 0);
     let session = session.ok_or("no longer resident here")?;
@@ -233,7 +252,7 @@ async fn save(state: &AgentState, handle: &BackendHandle, tier: &Tier, key: &str
     })
     .await
     .map_err(|e| e.to_string())??;
-    let (bytes, file) = (written.bytes, written.file.clone());
+    let file = written.file.clone();
     let (gone, kept_now) = {
         let mut index = tier.index.lock();
         let gone = index.keep(written, now);
@@ -252,7 +271,7 @@ async fn save(state: &AgentState, handle: &BackendHandle, tier: &Tier, key: &str
     if !kept_now {
         return Err("worth less than what it would displace".into());
     }
-    Ok(bytes)
+    Ok(())
 }
 
 /// Checks a state the server just saved into `dir` and writes its record:

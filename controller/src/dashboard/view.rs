@@ -50,6 +50,15 @@ pub fn build(
                     "load_unknown": b.load_unknown,
                     "slots_movable": !b.slot_fingerprint.is_empty(),
                     "slots_unmovable": b.slots_unmovable,
+                    "kv_tier": b.kv_tier.as_ref().map(|t| json!({
+                        "bytes": t.bytes,
+                        "states": t.states,
+                        "saves": t.saves,
+                        "skipped": t.skipped,
+                        "restores": t.restores,
+                        "restore_failures": t.restore_failures,
+                        "evicted": t.evicted,
+                    })),
                 })
             })
             .collect();

@@ -251,6 +251,8 @@ fn live_of_status(status: &inferyes_proto::v1::NodeStatus) -> LiveNode {
                 prefill_tokens_per_second: b.prefill_tokens_per_second,
                 service_ms: b.service_ms,
                 load_unknown: b.load_unknown,
+                // Routing reads none of the tier's figures.
+                kv_tier: None,
             })
             .collect(),
         gpus: status
