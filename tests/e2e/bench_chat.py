@@ -32,6 +32,14 @@ sending its next turn as soon as the last is answered; without it, turns go
 one at a time, interleaved across conversations (turn 1 of each, then turn 2
 of each...).
 
+--compare-tier (with --move-caches) runs each Inferyes row twice, with the
+agents' KV tiers on (the default: each turn's slot saved to disk when it
+ends, restored when its conversation returns to a slot that lost it) and
+as `<row>-no-tier` with them off, the agents restarted between: what the
+tier does to later turns, side by side. With a small --cache-ram and more
+conversations than slots, turns taken one at a time come back in the worst
+order for the servers' own least-recently-used host caches.
+
 `smg` in --strategies adds a row for the Shepherd Model Gateway (`pip
 install smg==1.13.0`: scripts/bench-chat.sh installs it in the benchmark's
 environment when asked), given the llama-server URLs directly with its
@@ -64,6 +72,9 @@ VARIANTS = {"policy-no-carry": ("policy", "carry = false")}
 # Gemma 3 270M keeps 18 KiB of KV cache per token (18 layers, one KV head of
 # 256, f16 keys and values): what --cache-ram holds, in tokens.
 KV_BYTES_PER_TOKEN = 18 * 1024
+# Each agent's KV tier, where it has one: far more than a run keeps.
+TIER_BYTES = 16 << 30
+NO_TIER = "-no-tier"
 WORDS = ("stone river path lantern harbour orchard bridge meadow tower garden valley forest island "
          "mountain village market castle temple desert canyon glacier lagoon cavern summit").split()
 COLOURS = "red amber green blue violet grey white black silver golden".split()
@@ -188,6 +199,8 @@ def start_fleet(fleet, args):
     fleet.start_controller()
     fleet.nodes = [f"node-{chr(ord('a') + i)}" for i in range(args.nodes)]
     fleet.llama = {}
+    # The tier's bound; 0 switches it off (see set_tier).
+    tier = f"[tier]\nmax_bytes = {TIER_BYTES}\n" if args.move_caches else ""
     for node in fleet.nodes:
         slots = ""
         if args.move_caches:
@@ -196,7 +209,8 @@ def start_fleet(fleet, args):
         fleet.llama[node] = start_server(fleet, node, args)
         host_cache = args.cache_ram * 1024 * 1024 // KV_BYTES_PER_TOKEN
         fleet.start_agent(node, [("chat", fleet.llama[node], ["chat", "completion"],
-                                  f"host_cache_tokens = {host_cache}\n{slots}")])
+                                  f"host_cache_tokens = {host_cache}\n{slots}")], tier)
+    fleet.tier_on = bool(tier)
     extra = "queue = false" if args.no_queue else ""
     fleet.urls = {}
     for name in args.strategies.split(","):
@@ -228,6 +242,33 @@ def start_server(fleet, node, args, port=None):
         llama_args += ["--slot-save-path", f"{fleet.tmp / f'slots-{node}'}/"]
     return fleet.start_llama_server(f"gemma-{node}", fleet.model, MODEL, llama_args, port=port,
                                     context=args.slots * args.context, cache_ram=args.cache_ram)
+
+
+def set_tier(fleet, on):
+    """Restarts every agent with its KV tier on or off, where it is not so
+    already."""
+    if fleet.tier_on == on:
+        return
+    digests = {node: fleet.ctl("node", node).get("instance_digest") for node in fleet.nodes}
+    for node in fleet.nodes:
+        process, config = fleet.agents[node]
+        text = config.read_text()
+        config.write_text(text.replace(f"max_bytes = {0 if on else TIER_BYTES}\n",
+                                       f"max_bytes = {TIER_BYTES if on else 0}\n"))
+        process.terminate()
+        process.wait(timeout=30)
+        fleet.restart_agent(node)
+    for node in fleet.nodes:
+        def serving(node=node):
+            seen = fleet.ctl("node", node)
+            return seen.get("instance_digest") != digests[node] and not seen.get("awaiting_credential")
+        wait_until(f"{node}'s new agent serving", serving, timeout=60)
+    fleet.tier_on = on
+
+
+def tier_events(fleet, event):
+    """The agents' KV tier events of a kind, all nodes together."""
+    return sum(fleet.agent_metric(node, "inferyes_agent_kv_tier_events_total", event=event) for node in fleet.nodes)
 
 
 def restart_servers(fleet, args):
@@ -308,6 +349,8 @@ def main():
                         help="data planes send every request on at once, to wait in the servers' queues")
     parser.add_argument("--move-caches", action="store_true",
                         help="servers save slots and agents carry them (see the policy-no-carry data plane)")
+    parser.add_argument("--compare-tier", action="store_true",
+                        help="each Inferyes row also with the agents' KV tiers off (needs --move-caches)")
     parser.add_argument("--repeat", type=int, default=1,
                         help="runs of every row, the order reversed each time")
     parser.add_argument("--seed", default="bench")
@@ -316,21 +359,31 @@ def main():
 
     if args.turns < 2:
         parser.error("--turns must be 2 or more: later turns are what is measured")
+    if args.compare_tier and not args.move_caches:
+        parser.error("--compare-tier needs --move-caches: the tier keeps what the servers save")
     fleet = Fleet(Path(tempfile.mkdtemp(prefix="inferyes-bench-chat-")))
     results, turns = [], []
     try:
         start_fleet(fleet, args)
         rows = args.strategies.split(",")
+        if args.compare_tier:
+            rows = [row for name in rows for row in ((name,) if name in PEERS else (name, name + NO_TIER))]
         runs = [(repetition, strategy) for repetition in range(args.repeat)
                 for strategy in (rows if repetition % 2 == 0 else rows[::-1])]
         for i, (repetition, strategy) in enumerate(runs):
+            base = strategy.removesuffix(NO_TIER)
+            if args.move_caches and base not in PEERS:
+                set_tier(fleet, not strategy.endswith(NO_TIER))
             if i:
                 restart_servers(fleet, args)
             print(f"running {strategy} ({repetition + 1} of {args.repeat})...", file=sys.stderr, flush=True)
-            result, conversations = run_workload(fleet.urls[strategy], fleet.api_key, strategy, args, repetition)
+            restored = tier_events(fleet, "restored") if args.move_caches else 0
+            result, conversations = run_workload(fleet.urls[base], fleet.api_key, strategy, args, repetition)
             result["repetition"] = repetition
-            if strategy not in PEERS:
-                result["carried"] = routed(fleet, fleet.urls[strategy], "carried")
+            if args.move_caches:
+                result["tier_restored"] = tier_events(fleet, "restored") - restored
+            if base not in PEERS:
+                result["carried"] = routed(fleet, fleet.urls[base], "carried")
                 # What routing saw and decided, from the dashboard: the rates
                 # each backend reported and the recent decisions with every
                 # candidate's cost terms.
