@@ -120,7 +120,8 @@ if [ "$real" = 1 ]; then
   # --swa-full: without it Gemma 3's sliding-window layers make every host
   # cache entry carry context checkpoints, and a few conversations fill it;
   # and a slot restored on another node holds nothing. --slot-save-path:
-  # a drained node's conversations move with their cache.
+  # a drained node's conversations move with their cache, and each turn's
+  # slot is kept there for when its conversation comes back (the KV tier).
   i=0
   for node in a b c; do
     i=$((i + 1))
