@@ -122,30 +122,40 @@ impl Index {
         self.bytes
     }
 
-    /// Keeps `kept`, in place of what its conversation had kept before;
-    /// then, while the tier is past its bounds, gives up the states worth
-    /// least. What no longer is kept, whose files go: the state it
-    /// replaced, those given up, or `kept` itself where it is worth less
-    /// than all it would displace (and so is never kept).
+    /// Keeps `kept` in place of what its conversation had kept before,
+    /// giving up, to stay within the bounds, the states worth least, each
+    /// worth less than `kept`. Returns what is no longer kept, whose files
+    /// the caller removes: the state replaced and those given up; or, where
+    /// `kept` does not fit (past the bounds alone, or only by giving up a
+    /// state worth as much), `kept` alone, and nothing kept changes.
     #[must_use = "the files of what is no longer kept must be removed"]
     pub fn keep(&mut self, kept: Kept, now_ms: u64) -> Vec<Kept> {
-        let mut gone = Vec::new();
         if kept.bytes > self.bounds.max_bytes || self.bounds.max_entries == 0 {
-            gone.push(kept);
-            return gone;
+            return vec![kept];
         }
-        gone.extend(self.remove(&kept.key));
+        let replaced = self.entries.get(&kept.key).map(|k| k.bytes);
+        let mut bytes = self.bytes.saturating_sub(replaced.unwrap_or(0)).saturating_add(kept.bytes);
+        let mut count = self.entries.len() + usize::from(replaced.is_none());
+        let worth = kept.value(now_ms);
+        let mut others: Vec<(f64, &Kept)> =
+            self.entries.values().filter(|k| k.key != kept.key).map(|k| (k.value(now_ms), k)).collect();
+        others.sort_by(|a, b| a.0.total_cmp(&b.0).then_with(|| a.1.key.cmp(&b.1.key)));
+        let mut given_up = Vec::new();
+        for (value, other) in others {
+            if bytes <= self.bounds.max_bytes && count <= self.bounds.max_entries {
+                break;
+            }
+            if value >= worth {
+                return vec![kept];
+            }
+            bytes = bytes.saturating_sub(other.bytes);
+            count -= 1;
+            given_up.push(other.key.clone());
+        }
+        let mut gone: Vec<Kept> = self.remove(&kept.key).into_iter().collect();
+        gone.extend(given_up.iter().filter_map(|key| self.remove(key)));
         self.bytes = self.bytes.saturating_add(kept.bytes);
         self.entries.insert(kept.key.clone(), kept);
-        while self.bytes > self.bounds.max_bytes || self.entries.len() > self.bounds.max_entries {
-            let least = self
-                .entries
-                .values()
-                .min_by(|a, b| a.value(now_ms).total_cmp(&b.value(now_ms)).then_with(|| a.key.cmp(&b.key)))
-                .map(|k| k.key.clone());
-            let Some(least) = least else { break };
-            gone.extend(self.remove(&least));
-        }
         gone
     }
 
@@ -210,6 +220,17 @@ mod tests {
         assert_eq!(gone.len(), 1);
         assert!(index.get("dense").is_some());
         assert!(index.get("often").is_some(), "eight turns ten minutes ago outweigh one just now");
+        // Worth less than any it would displace: not kept, nothing given up.
+        let before: Vec<String> = {
+            let mut keys: Vec<String> = index.keys().map(str::to_string).collect();
+            keys.sort();
+            keys
+        };
+        let cheap = kept("cheap", 10, 100, now, 1);
+        assert_eq!(index.keep(cheap.clone(), now), vec![cheap]);
+        let mut after: Vec<String> = index.keys().map(str::to_string).collect();
+        after.sort();
+        assert_eq!((after, index.bytes()), (before, 300));
     }
 
     #[test]
