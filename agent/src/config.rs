@@ -535,6 +535,17 @@ impl Config {
         if self.tier.max_entries > MAX_TIER_ENTRIES {
             bail!("tier.max_entries is at most {MAX_TIER_ENTRIES}");
         }
+        // Each backend's tier takes every state file in its directory for
+        // its own.
+        let mut dirs = std::collections::HashSet::new();
+        for slots in self.backends.iter().filter_map(|b| b.slots.as_ref()) {
+            if self.tier.max_bytes > 0 && !dirs.insert(&slots.dir) {
+                bail!(
+                    "two backends share slots.dir {}: give each its own while the KV tier is on",
+                    slots.dir.display()
+                );
+            }
+        }
         Ok(())
     }
 
@@ -637,6 +648,25 @@ kind = "llama-swap"
                 "{bytes} {incoming}"
             );
         }
+        // Two tiers in one directory would take each other's files.
+        let slots = Some(SlotsConfig { dir: "/slots".into(), flags: String::new() });
+        let sharing = |tier| Config {
+            backends: vec![
+                BackendConfig { id: "a".into(), slots: slots.clone(), ..twice.clone() },
+                BackendConfig { id: "b".into(), slots: slots.clone(), ..twice.clone() },
+            ],
+            tier,
+            ..Config::default()
+        };
+        assert!(sharing(TierConfig::default()).validate().unwrap_err().to_string().contains("share slots.dir"));
+        assert!(sharing(TierConfig { max_bytes: 0, ..TierConfig::default() }).validate().is_ok());
+        let entries = |max_entries| Config {
+            backends: vec![twice.clone()],
+            tier: TierConfig { max_entries, ..TierConfig::default() },
+            ..Config::default()
+        };
+        assert!(entries(MAX_TIER_ENTRIES).validate().is_ok());
+        assert!(entries(MAX_TIER_ENTRIES + 1).validate().unwrap_err().to_string().contains("tier.max_entries"));
         let priced = |gpu_hour_price| Config { backends: vec![twice.clone()], gpu_hour_price, ..Config::default() };
         assert!(priced(2.5).validate().is_ok() && priced(0.0).validate().is_ok());
         for price in [-1.0, f64::NAN, f64::INFINITY, 2e6] {
