@@ -140,7 +140,7 @@ pub struct Taken {
 /// A file in a slot directory, removed when this is dropped; and, where it
 /// is not there yet (a save llama-server deferred past our wait), once the
 /// server has had time to write it.
-struct SlotFile(PathBuf);
+pub(crate) struct SlotFile(pub PathBuf);
 
 impl Drop for SlotFile {
     fn drop(&mut self) {
@@ -703,7 +703,7 @@ impl Sender {
         // The slot holding it, saved now; where none does any more (it was
         // taken by another conversation, or its server restarted), what the
         // KV tier kept of it.
-        let (slot, file, path, expected, saved) =
+        let (slot, file, path, expected, saved, kept_digest) =
             match holding_slot(&listed, &gone, session.tokens, &twins, session.last_seen_unix_ms) {
                 Ok(slot) => {
                     let expected = listed.iter().find(|s| s.id == slot).and_then(|s| s.tokens).unwrap_or(0);
@@ -717,17 +717,17 @@ impl Sender {
                         return Err(MoveError::NotMovable(why));
                     }
                     let path = file.0.clone();
-                    (Some(slot), Some(file), path, expected, saved)
+                    (Some(slot), Some(file), path, expected, saved, None)
                 }
                 Err(NotFound::Busy) => return Err(MoveError::Busy),
                 Err(why) => {
                     let kept = handle.tier.as_ref().and_then(|tier| {
                         let kept =
                             tier.index.lock().get(&session.key).filter(|k| k.fingerprint == fingerprint).cloned();
-                        kept.map(|k| (tier.dir.join(&k.file), k.tokens))
+                        kept.map(|k| (tier.dir.join(&k.file), k.tokens, k.digest))
                     });
-                    let (path, tokens) = kept.ok_or_else(|| MoveError::NotMovable(why.to_string()))?;
-                    (None, None, path, tokens, Value::Null)
+                    let (path, tokens, digest) = kept.ok_or_else(|| MoveError::NotMovable(why.to_string()))?;
+                    (None, None, path, tokens, Value::Null, Some(digest))
                 }
             };
         let max = self.max_slot_bytes;
@@ -737,6 +737,12 @@ impl Sender {
             Ok(Err(why)) => return Err(failed("slot file", why)),
             Err(_) => return Err(failed("slot file", "hashing stopped".into())),
         };
+        if kept_digest.is_some_and(|kept| kept != digest) {
+            if let Some(tier) = &handle.tier {
+                tier.forget(&session.key);
+            }
+            return Err(MoveError::NotMovable("the KV tier's file changed since it was kept".into()));
+        }
         let reader = tokio::io::AsyncReadExt::take(tokio::fs::File::from_std(reader), bytes);
         let frames = tokio_util::io::ReaderStream::new(reader);
         let body = http_body_util::StreamBody::new(tokio_stream::StreamExt::map(frames, |chunk| {
