@@ -292,7 +292,7 @@ async fn forward_in_span(proxy: Proxy, request: Request<Incoming>) -> Response {
 
     let restored = match (&session, model) {
         (Some(session), Some(model)) => {
-            crate::slots::keeper::bring_back(&proxy.state, handle, session, model).await;
+            crate::slots::keeper::bring_back(&proxy.state, index, session, model).await;
             proxy.state.turn_begins(session, backend_id, model)
         }
         _ => None,

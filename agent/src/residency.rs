@@ -83,9 +83,9 @@ pub struct Residency {
     seq: u64,
     changed: BTreeSet<String>,
     removed: BTreeSet<String>,
-    /// Sessions whose states the backends' KV tiers keep: never evicted,
-    /// only parked, while they are there.
-    in_tier: BTreeSet<String>,
+    /// Sessions whose states a backend's KV tier keeps, and that backend:
+    /// while they are there, never evicted from it, only parked.
+    in_tier: BTreeMap<String, String>,
 }
 
 impl Residency {
@@ -259,6 +259,7 @@ impl Residency {
     fn evict(&mut self, backend_id: &str) {
         let capacity = self.capacity.get(backend_id).copied().unwrap_or_default();
         let Residency { entries, lineups, changed, removed, in_tier, .. } = self;
+        let kept_here = |key: &String| in_tier.get(key).is_some_and(|b| b == backend_id);
         let Some(lineup) = lineups.get_mut(backend_id) else { return };
         if lineup.by_tick.len() <= capacity.slots {
             return;
@@ -283,7 +284,7 @@ impl Residency {
         let gone = std::mem::replace(&mut lineup.by_tick, kept);
         for (key, tokens) in gone.into_values() {
             lineup.tokens = lineup.tokens.saturating_sub(tokens);
-            if in_tier.contains(&key) {
+            if kept_here(&key) {
                 if let Some(entry) = entries.get_mut(&key) {
                     entry.parked = true;
                 }
@@ -298,10 +299,10 @@ impl Residency {
     /// Session `key`'s slot was taken for another conversation's state:
     /// where the KV tier keeps its own, it is parked; else it is gone.
     pub fn slot_reused(&mut self, key: &str) {
-        if !self.in_tier.contains(key) {
+        let Some(entry) = self.entries.get_mut(key).filter(|e| !e.parked) else { return };
+        if self.in_tier.get(key) != Some(&entry.session.backend_id) {
             return self.remove(key);
         }
-        let Some(entry) = self.entries.get_mut(key).filter(|e| !e.parked) else { return };
         entry.parked = true;
         if let Some(lineup) = self.lineups.get_mut(&entry.session.backend_id) {
             lineup.by_tick.remove(&entry.tick);
@@ -316,7 +317,7 @@ impl Residency {
         let gone = std::mem::take(&mut lineup.by_tick);
         lineup.tokens = 0;
         for (key, _) in gone.into_values() {
-            if self.in_tier.contains(&key) {
+            if self.in_tier.get(&key).is_some_and(|b| b == backend_id) {
                 if let Some(entry) = self.entries.get_mut(&key) {
                     entry.parked = true;
                 }
@@ -328,18 +329,24 @@ impl Residency {
         }
     }
 
-    /// Session `key`'s state is kept in its backend's KV tier: it stays
-    /// resident past the slots and the host cache.
-    pub fn kept_in_tier(&mut self, key: &str) {
-        if !self.in_tier.contains(key) {
-            self.in_tier.insert(key.to_string());
+    /// Session `key`'s state is kept in `backend_id`'s KV tier: there, it
+    /// stays resident past the slots and the host cache.
+    pub fn kept_in_tier(&mut self, key: &str, backend_id: &str) {
+        if self.in_tier.get(key).is_none_or(|b| b != backend_id) {
+            self.in_tier.insert(key.to_string(), backend_id.to_string());
         }
+    }
+
+    /// Whether session `key` is resident only by its state in a KV tier
+    /// (not in its server's slots or host cache, as modelled).
+    pub fn parked(&self, key: &str) -> bool {
+        self.entries.get(key).is_some_and(|e| e.parked)
     }
 
     /// Session `key`'s state, of `tokens`, was found in `backend_id`'s KV
     /// tier at start: resident there (parked), unless already here.
     pub fn kept_from_before(&mut self, key: &str, backend_id: &str, model: &str, tokens: u32, now_ms: u64) {
-        self.kept_in_tier(key);
+        self.kept_in_tier(key, backend_id);
         if self.entries.contains_key(key) {
             return;
         }
@@ -358,10 +365,14 @@ impl Residency {
         self.changed.insert(key.to_string());
     }
 
-    /// Session `key`'s state left its backend's KV tier; a session held
+    /// Session `key`'s state left `backend_id`'s KV tier; a session held
     /// only there is gone.
-    pub fn left_tier(&mut self, key: &str) {
-        if self.in_tier.remove(key) && self.entries.get(key).is_some_and(|e| e.parked) {
+    pub fn left_tier(&mut self, key: &str, backend_id: &str) {
+        if self.in_tier.get(key).is_none_or(|b| b != backend_id) {
+            return;
+        }
+        self.in_tier.remove(key);
+        if self.entries.get(key).is_some_and(|e| e.parked && e.session.backend_id == backend_id) {
             self.entries.remove(key);
             self.changed.remove(key);
             self.removed.insert(key.to_string());
@@ -495,7 +506,7 @@ mod tests {
     fn a_session_the_tier_keeps_stays_resident_out_of_its_line_until_it_returns_or_leaves_the_tier() {
         let mut r = table(1, 0);
         used(&mut r, "a", "b0", 50);
-        r.kept_in_tier("a");
+        r.kept_in_tier("a", "b0");
         used(&mut r, "b", "b0", 5);
         assert_eq!(keys(&mut r), ["a", "b"], "parked, not evicted");
         assert!(!r.in_slot("a") && r.in_slot("b"));
@@ -515,7 +526,9 @@ mod tests {
         assert_eq!((r.lineups["b0"].by_tick.len(), r.lineups["b0"].tokens), (0, 0));
         used(&mut r, "c", "b0", 7);
         r.take_update(false);
-        r.left_tier("a");
+        r.left_tier("a", "b1");
+        assert!(r.take_update(false).removed.is_empty(), "another backend's tier never kept it");
+        r.left_tier("a", "b0");
         assert_eq!(r.take_update(false).removed, ["a"]);
         assert_eq!(keys(&mut r), ["c", "d"]);
         assert_eq!((r.lineups["b0"].by_tick.len(), r.lineups["b0"].tokens), (1, 7));

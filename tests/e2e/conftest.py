@@ -100,7 +100,9 @@ def keepers():
         fleet.llama_args = ["-np", "2", "--slot-save-path", f"{slots}/"]
         fleet.llama = {"node-a": fleet.start_llama_server("keeper", fleet.model, "tiny-chat", fleet.llama_args,
                                                           context=4096)}
-        tier = f'\n[backends.slots]\ndir = "{slots}"\n'
+        # No host cache: a conversation out of the slots is gone but for
+        # the tier, as its agent is told.
+        tier = f'host_cache_tokens = 0\n[backends.slots]\ndir = "{slots}"\n'
         fleet.start_agent("node-a", [("chat", fleet.llama["node-a"], ["chat", "completion", "messages"], tier)])
         fleet.url = fleet.start_dataplane("dataplane", "policy", {"tiny-chat": 1})
         yield fleet

@@ -131,5 +131,7 @@ def test_a_state_changed_on_disk_is_never_restored(keepers):
         f"{fleet.agent_admin['node-a']}/metrics")[0] == 200 and not state.exists(), timeout=60)
     assert not record.exists()
     wait_serving(fleet)
+    restored = events(fleet, "restored"), events(fleet, "restore_failed")
     second = turn(fleet, messages, "and then")
     assert second.prompt_tokens_details.cached_tokens < 0.5 * history(first), second
+    assert (events(fleet, "restored"), events(fleet, "restore_failed")) == restored, "nothing of it was kept"

@@ -10,6 +10,8 @@
 //! returning turn's path, before it is sent: a `/slots` read, the restore
 //! (milliseconds: a slot file is read at disk speed), then the turn, which
 //! the server gives the restored slot, the idle one holding its prefix.
+//! Saves and restores of one backend take its restore marks in turn, so a
+//! save never reads a slot a restore is filling.
 
 use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
@@ -21,8 +23,8 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use super::holding_slot;
-use super::tier::{Bounds, FILE_PREFIX, Index, Kept, record_name};
-use super::transfer::{list_slots, open_saved, read_saved_tokens, restore_into_free_slot, slot_action};
+use super::tier::{Bounds, FILE_PREFIX, Index, Kept, is_slot_file_name, record_name};
+use super::transfer::{SlotFile, list_slots, open_saved, read_saved_tokens, restore_into_free_slot, slot_action};
 use crate::probe::ProbeClient;
 use crate::state::{AgentState, BackendHandle, Shared};
 
@@ -31,11 +33,18 @@ use crate::state::{AgentState, BackendHandle, Shared};
 const MAX_PENDING: usize = 4096;
 
 /// A returning turn waits no longer than this for its restore; past it,
-/// it goes on without.
+/// it goes on without (the restore itself finishes, unseen by the turn).
 pub const RESTORE_WAIT: Duration = Duration::from_secs(3);
 
-/// The largest record of a kept state read at start.
+/// A save of an idle slot takes milliseconds; one the server defers (its
+/// slot taken meanwhile) is given up after this, and its file removed
+/// once the server writes it.
+const SAVE_WAIT: Duration = Duration::from_secs(10);
+
+/// The largest record of a kept state read at start, and the most records
+/// read: what a directory filled by someone else can cost a start.
 const MAX_RECORD_BYTES: u64 = 64 << 10;
+const MAX_RECORDS: usize = 4 * crate::config::MAX_TIER_ENTRIES;
 
 /// One backend's KV tier.
 pub struct Tier {
@@ -49,6 +58,7 @@ pub struct Tier {
     /// Free space a state saved leaves on the directory's filesystem.
     pub min_free_bytes: u64,
     pub max_slot_bytes: u64,
+    /// To the server, for saves.
     pub client: ProbeClient,
     pub counts: Counts,
 }
@@ -62,6 +72,7 @@ pub struct Counts {
     pub saves_skipped: AtomicU64,
     pub save_micros: AtomicU64,
     pub restores: AtomicU64,
+    /// Restores that failed or timed out: the turn recomputed.
     pub restores_failed: AtomicU64,
     pub restore_micros: AtomicU64,
     /// States given up to keep within the tier's bounds.
@@ -77,7 +88,7 @@ impl Tier {
             wake: Notify::new(),
             min_free_bytes,
             max_slot_bytes,
-            client: ProbeClient::new(super::transfer::SLOT_ACTION_TIMEOUT),
+            client: ProbeClient::new(SAVE_WAIT),
             counts: Counts::default(),
         }
     }
@@ -115,10 +126,59 @@ impl Tier {
     }
 
     /// `key`'s state is no longer wanted here (its conversation moved to
-    /// another node): its files go.
+    /// another node): its files go, and a save of it under way is not
+    /// kept (it finds the conversation no longer resident here).
     pub fn forget(&self, key: &str) {
         let gone = self.index.lock().remove(key);
         remove_files(&self.dir, gone.into_iter().collect());
+    }
+
+    /// Takes `kept` into the index; where that gave up other states (or
+    /// `kept` itself), residency hears which left the tier, and their
+    /// files go. Whether `kept` is kept.
+    fn take_in(&self, state: &AgentState, backend_id: &str, kept: Kept, now_ms: u64) -> bool {
+        let (key, file) = (kept.key.clone(), kept.file.clone());
+        let (gone, kept_now, still) = {
+            let mut index = self.index.lock();
+            let gone = index.keep(kept, now_ms);
+            let entry = index.get(&key);
+            (gone, entry.is_some_and(|k| k.file == file), entry.is_some())
+        };
+        let evicted: Vec<&str> = gone.iter().filter(|g| g.key != key).map(|g| g.key.as_str()).collect();
+        {
+            let mut residency = state.residency.lock();
+            if still {
+                residency.kept_in_tier(&key, backend_id);
+            } else {
+                residency.left_tier(&key, backend_id);
+            }
+            evicted.iter().for_each(|lost| residency.left_tier(lost, backend_id));
+        }
+        self.counts.evicted.fetch_add(u64::try_from(evicted.len()).unwrap_or(0), Ordering::Relaxed);
+        remove_files(&self.dir, gone);
+        kept_now
+    }
+
+    /// Drops the states saved under another fingerprint than the server's
+    /// now (another build or KV cache flags since a restart): no restore
+    /// of them could hold.
+    fn drop_unlike(&self, state: &AgentState, backend_id: &str, fingerprint: &str) {
+        let unlike: Vec<Kept> = {
+            let mut index = self.index.lock();
+            let keys: Vec<String> = index
+                .keys()
+                .filter(|k| index.get(k).is_some_and(|e| e.fingerprint != fingerprint))
+                .map(str::to_string)
+                .collect();
+            keys.iter().filter_map(|k| index.remove(k)).collect()
+        };
+        if unlike.is_empty() {
+            return;
+        }
+        let mut residency = state.residency.lock();
+        unlike.iter().for_each(|gone| residency.left_tier(&gone.key, backend_id));
+        drop(residency);
+        remove_files(&self.dir, unlike);
     }
 }
 
@@ -128,21 +188,17 @@ pub async fn run(state: Arc<AgentState>, backend: usize, shutdown: CancellationT
     let Some(handle) = state.backends.get(backend) else { return };
     let Some(tier) = &handle.tier else { return };
     let (dir, max) = (tier.dir.clone(), tier.max_slot_bytes);
-    let found = tokio::task::spawn_blocking(move || rebuild(&dir, max)).await.unwrap_or_default();
+    let found = tokio::select! {
+        () = shutdown.cancelled() => return,
+        found = tokio::task::spawn_blocking(move || rebuild(&dir, max)) => found.unwrap_or_default(),
+    };
     let count = found.len();
     let now = inferyes_proto::unix_ms();
     for kept in found {
         let (key, model, tokens) = (kept.key.clone(), kept.model.clone(), kept.tokens);
-        let gone = tier.index.lock().keep(kept, now);
-        let mut residency = state.residency.lock();
-        if !gone.iter().any(|g| g.key == key) {
-            residency.kept_from_before(&key, &handle.probe.id, &model, tokens.saturating_add(1), now);
-        }
-        for lost in gone.iter().filter(|g| g.key != key) {
-            residency.left_tier(&lost.key);
-        }
-        drop(residency);
-        remove_files(&tier.dir, gone);
+        // One more than the slot holds, as a turn's usage says it.
+        state.residency.lock().kept_from_before(&key, &handle.probe.id, &model, tokens.saturating_add(1), now);
+        tier.take_in(&state, &handle.probe.id, kept, now);
     }
     if count > 0 {
         tracing::info!(backend = %handle.probe.id, states = count, "KV tier read from disk");
@@ -160,12 +216,13 @@ pub async fn run(state: Arc<AgentState>, backend: usize, shutdown: CancellationT
             }
             let started = Instant::now();
             match save(&state, handle, tier, &key).await {
-                Ok(()) => {
+                Saved::Kept => {
                     tier.counts.saves.fetch_add(1, Ordering::Relaxed);
                     tier.counts.save_micros.fetch_add(micros(started), Ordering::Relaxed);
                     state.changed.notify_one();
                 }
-                Err(why) => {
+                Saved::Unneeded => {}
+                Saved::Skipped(why) => {
                     tier.counts.saves_skipped.fetch_add(1, Ordering::Relaxed);
                     tracing::debug!(backend = %handle.probe.id, session = key, why, "turn's state not kept");
                 }
@@ -178,57 +235,45 @@ fn micros(since: Instant) -> u64 {
     u64::try_from(since.elapsed().as_micros()).unwrap_or(u64::MAX)
 }
 
+/// What became of a turn's save.
+enum Saved {
+    Kept,
+    /// Nothing to save: the conversation left, or its state is kept.
+    Unneeded,
+    Skipped(String),
+}
+
 /// Saves the slot holding `key`'s conversation as its turn left it.
-async fn save(state: &AgentState, handle: &BackendHandle, tier: &Tier, key: &str) -> Result<(), String> {
+async fn save(state: &AgentState, handle: &BackendHandle, tier: &Tier, key: &str) -> Saved {
     let backend_id = handle.probe.id.as_str();
     let session = state.residency.lock().session(key).filter(|s| s.backend_id == backend_id && s.tokens > 0);
-    let session = session.ok_or("no longer resident here")?;
+    let Some(session) = session else { return Saved::Unneeded };
     let fingerprint = {
         let observations = state.observations.lock();
         observations.backends.iter().find(|b| b.id == backend_id).map(|b| b.slot_fingerprint.clone())
     }
     .unwrap_or_default();
     if fingerprint.is_empty() {
-        return Err("the server's slots cannot be saved now".into());
+        return Saved::Skipped("the server's slots cannot be saved now".into());
     }
-    let already = tier
-        .index
-        .lock()
-        .get(key)
-        .is_some_and(|k| k.fingerprint == fingerprint && u64::from(k.tokens) + 1 >= u64::from(session.tokens));
+    tier.drop_unlike(state, backend_id, &fingerprint);
+    let already = tier.index.lock().get(key).is_some_and(|k| u64::from(k.tokens) + 1 == u64::from(session.tokens));
     if already {
-        return Err("this state is kept already".into());
+        return Saved::Unneeded;
     }
-    let (url, api_key) = (handle.probe.url.as_str(), handle.probe.api_key.as_str());
-    let listed = list_slots(&tier.client, url, api_key).await.map_err(|e| e.to_string())?;
-    // Conversations of as many tokens that may be in a slot: those past
-    // the slots (in the host cache, or parked) are not. A slot taken for
-    // another's of the same length costs only its reuse: a server reuses
-    // a cached token only where the prompt's own token is the same.
-    let twins: Vec<u64> = {
-        let residency = state.residency.lock();
-        let mut twins: Vec<u64> = residency
-            .in_slots(backend_id)
-            .filter(|s| s.tokens == session.tokens && s.key != key)
-            .map(|s| s.last_seen_unix_ms)
-            .collect();
-        twins.push(session.last_seen_unix_ms);
-        twins
+    let (dir, min_free) = (tier.dir.clone(), tier.min_free_bytes);
+    let room = tokio::task::spawn_blocking(move || free_bytes(&dir).is_ok_and(|free| free >= min_free)).await;
+    if !room.unwrap_or(false) {
+        return Saved::Skipped(format!("under {} bytes free on the slot directory's filesystem", tier.min_free_bytes));
+    }
+    let Ok(random) = inferyes_proto::apikey::random_chars(24) else {
+        return Saved::Skipped("no randomness for a file name".into());
     };
-    let slot =
-        holding_slot(&listed, &[], session.tokens, &twins, session.last_seen_unix_ms).map_err(|e| e.to_string())?;
-    let expected = listed.iter().find(|s| s.id == slot).and_then(|s| s.tokens).unwrap_or(0);
-    let file = format!("{FILE_PREFIX}{}.bin", inferyes_proto::apikey::random_chars(24).map_err(|e| e.to_string())?);
-    let path = tier.dir.join(&file);
-    let saved = slot_action(&tier.client, url, api_key, slot, "save", &file).await;
-    let n_saved = saved.as_ref().ok().and_then(|a| a.pointer("/n_saved")).and_then(serde_json::Value::as_u64);
-    if n_saved != Some(u64::from(expected)) {
-        let _ = tokio::fs::remove_file(&path).await;
-        return Err(match saved {
-            Err(why) => format!("save: {why}"),
-            Ok(_) => format!("saved {n_saved:?} tokens, the slot held {expected} (taken since)"),
-        });
-    }
+    let file = format!("{FILE_PREFIX}{random}.bin");
+    let expected = match save_slot(state, handle, tier, &session, &file).await {
+        Ok(expected) => expected,
+        Err(why) => return Saved::Skipped(why),
+    };
     let now = inferyes_proto::unix_ms();
     let mut kept = Kept {
         key: key.to_string(),
@@ -242,36 +287,88 @@ async fn save(state: &AgentState, handle: &BackendHandle, tier: &Tier, key: &str
         used_unix_ms: now,
         turns: session.requests,
     };
+    let path = tier.dir.join(&kept.file);
     let (dir, max, min_free) = (tier.dir.clone(), tier.max_slot_bytes, tier.min_free_bytes);
-    let written = tokio::task::spawn_blocking(move || {
+    let sealed = tokio::task::spawn_blocking(move || {
         let result = seal(&dir, &mut kept, max, min_free).map(|()| kept);
         if result.is_err() {
             let _ = std::fs::remove_file(&path);
         }
         result
     })
-    .await
-    .map_err(|e| e.to_string())??;
-    let file = written.file.clone();
-    let (gone, kept_now) = {
-        let mut index = tier.index.lock();
-        let gone = index.keep(written, now);
-        (gone, index.get(key).is_some_and(|k| k.file == file))
+    .await;
+    let kept = match sealed {
+        Ok(Ok(kept)) => kept,
+        Ok(Err(why)) => return Saved::Skipped(why),
+        Err(e) => return Saved::Skipped(e.to_string()),
     };
-    let evicted: Vec<&str> = gone.iter().filter(|g| g.key != key).map(|g| g.key.as_str()).collect();
-    {
-        let mut residency = state.residency.lock();
-        if kept_now {
-            residency.kept_in_tier(key);
-        }
-        evicted.iter().for_each(|lost| residency.left_tier(lost));
+    // Moved away while it was saved: not kept here.
+    let here = state.residency.lock().backend_of(key) == Some(backend_id);
+    if !here {
+        remove_files(&tier.dir, vec![kept]);
+        return Saved::Unneeded;
     }
-    tier.counts.evicted.fetch_add(u64::try_from(evicted.len()).unwrap_or(0), Ordering::Relaxed);
-    remove_files(&tier.dir, gone);
-    if !kept_now {
-        return Err("worth less than what it would displace".into());
+    if tier.take_in(state, backend_id, kept, now) {
+        Saved::Kept
+    } else {
+        Saved::Skipped("worth less than what it would displace".into())
     }
-    Ok(())
+}
+
+/// Has the server save the slot holding `session` to `file`, holding the
+/// backend's restore marks (no restore fills a slot meanwhile): the tokens
+/// saved. A save the server did not answer in time leaves its file to be
+/// removed once written.
+async fn save_slot(
+    state: &AgentState,
+    handle: &BackendHandle,
+    tier: &Tier,
+    session: &inferyes_proto::v1::ResidentSession,
+    file: &str,
+) -> Result<u32, String> {
+    let (url, api_key, backend_id) = (handle.probe.url.as_str(), handle.probe.api_key.as_str(), &handle.probe.id);
+    let marks = handle.restore_marks.lock().await;
+    let listed = list_slots(&tier.client, url, api_key).await.map_err(|e| e.to_string())?;
+    // Conversations of as many tokens that may be in a slot: those past
+    // the slots (in the host cache, or parked) are not. A slot taken for
+    // another's of the same length costs only its reuse: a server reuses
+    // a cached token only where the prompt's own token is the same.
+    let twins: Vec<u64> = {
+        let residency = state.residency.lock();
+        let mut twins: Vec<u64> = residency
+            .in_slots(backend_id)
+            .filter(|s| s.tokens == session.tokens && s.key != session.key)
+            .map(|s| s.last_seen_unix_ms)
+            .collect();
+        twins.push(session.last_seen_unix_ms);
+        twins
+    };
+    let slot =
+        holding_slot(&listed, &[], session.tokens, &twins, session.last_seen_unix_ms).map_err(|e| e.to_string())?;
+    // A slot restored into and not run since (its mark still what `/slots`
+    // shows of it) shows nothing of what it holds.
+    if marks.iter().any(|r| r.slot.id == slot && listed.contains(&r.slot)) {
+        return Err("its slot was restored into since".into());
+    }
+    let expected = listed.iter().find(|s| s.id == slot).and_then(|s| s.tokens).unwrap_or(0);
+    let saved = slot_action(&tier.client, url, api_key, slot, "save", file).await;
+    drop(marks);
+    let n_saved = saved.as_ref().ok().and_then(|a| a.pointer("/n_saved")).and_then(serde_json::Value::as_u64);
+    if n_saved == Some(u64::from(expected)) {
+        return Ok(expected);
+    }
+    // Removed now, or once the server writes it.
+    drop(SlotFile(tier.dir.join(file)));
+    Err(match saved {
+        Err(why) => format!("save: {why}"),
+        Ok(_) => format!("saved {n_saved:?} tokens, the slot held {expected} (taken since)"),
+    })
+}
+
+/// Free bytes on `dir`'s filesystem.
+fn free_bytes(dir: &Path) -> Result<u64, String> {
+    let stat = rustix::fs::statvfs(dir).map_err(|e| e.to_string())?;
+    Ok(stat.f_bavail.saturating_mul(stat.f_frsize))
 }
 
 /// Checks a state the server just saved into `dir` and writes its record:
@@ -282,8 +379,7 @@ fn seal(dir: &Path, kept: &mut Kept, max_slot_bytes: u64, min_free_bytes: u64) -
     let path = dir.join(&kept.file);
     let (file, bytes, digest) = open_saved(&path, max_slot_bytes)?;
     file.sync_all().map_err(|e| e.to_string())?;
-    let stat = rustix::fs::statvfs(dir).map_err(|e| e.to_string())?;
-    if stat.f_bavail.saturating_mul(stat.f_frsize) < min_free_bytes {
+    if free_bytes(dir)? < min_free_bytes {
         return Err(format!("under {min_free_bytes} bytes free on the slot directory's filesystem"));
     }
     kept.bytes = bytes;
@@ -323,21 +419,29 @@ fn remove_files(dir: &Path, gone: Vec<Kept>) {
     }
 }
 
+/// Whether `name` is one of the files the tier writes: a slot file, its
+/// record, or a record being written.
+fn is_tier_file(name: &str) -> bool {
+    [".bin", ".json", ".json.new"]
+        .iter()
+        .any(|suffix| name.strip_suffix(suffix).is_some_and(|stem| is_slot_file_name(&format!("{stem}.bin"))))
+}
+
 /// The states kept in `dir` by an earlier run, each checked against its
 /// record (its file's length and digest). Everything else of the tier's
 /// there goes: records that do not check out and their files, files no
 /// record names, records half-written, and all but the newest state of a
-/// conversation.
+/// conversation. Files of other names are left be.
 pub fn rebuild(dir: &Path, max_slot_bytes: u64) -> Vec<Kept> {
     let Ok(entries) = std::fs::read_dir(dir) else { return Vec::new() };
     let names: Vec<String> = entries
         .flatten()
         .filter_map(|e| e.file_name().into_string().ok())
-        .filter(|name| name.starts_with(FILE_PREFIX))
+        .filter(|name| is_tier_file(name))
+        .take(2 * MAX_RECORDS)
         .collect();
     let mut found: inferyes_proto::FastMap<String, Kept> = Default::default();
-    let mut wanted = std::collections::HashSet::new();
-    for name in names.iter().filter(|n| n.ends_with(".json")) {
+    for name in names.iter().filter(|n| n.ends_with(".json")).take(MAX_RECORDS) {
         let Some(kept) = read_record(dir, name, max_slot_bytes) else { continue };
         match found.get(&kept.key) {
             Some(other) if other.saved_unix_ms >= kept.saved_unix_ms => continue,
@@ -345,10 +449,8 @@ pub fn rebuild(dir: &Path, max_slot_bytes: u64) -> Vec<Kept> {
         }
         found.insert(kept.key.clone(), kept);
     }
-    for kept in found.values() {
-        wanted.insert(kept.file.clone());
-        wanted.insert(kept.record_name());
-    }
+    let wanted: std::collections::HashSet<String> =
+        found.values().flat_map(|kept| [kept.file.clone(), kept.record_name()]).collect();
     for name in &names {
         if !wanted.contains(name) {
             let _ = std::fs::remove_file(dir.join(name));
@@ -363,8 +465,18 @@ pub fn rebuild(dir: &Path, max_slot_bytes: u64) -> Vec<Kept> {
 /// The record `name` in `dir`, where it is sound and its file is whole.
 fn read_record(dir: &Path, name: &str, max_slot_bytes: u64) -> Option<Kept> {
     use std::io::Read as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    // Never through a link, never blocking on what is not a file.
+    let record = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(dir.join(name))
+        .ok()?;
+    if !record.metadata().ok()?.is_file() {
+        return None;
+    }
     let mut text = Vec::new();
-    std::fs::File::open(dir.join(name)).ok()?.take(MAX_RECORD_BYTES).read_to_end(&mut text).ok()?;
+    record.take(MAX_RECORD_BYTES).read_to_end(&mut text).ok()?;
     let kept: Kept = serde_json::from_slice(&text).ok()?;
     if !kept.is_sound() || record_name(&kept.file) != name {
         return None;
@@ -376,15 +488,18 @@ fn read_record(dir: &Path, name: &str, max_slot_bytes: u64) -> Option<Kept> {
     (bytes == kept.bytes && digest == kept.digest && &magic == b"qsgg").then_some(kept)
 }
 
-/// Before a turn of `key` is sent to `handle`'s server: where the
-/// conversation is in none of its slots and the tier keeps its state,
-/// that state is restored into an idle slot. Whether it was.
-pub async fn bring_back(state: &AgentState, handle: &BackendHandle, key: &str, model: &str) -> bool {
+/// Before a turn of `key` is sent to the backend at `index`: where the
+/// conversation is not believed in its server's slots or host cache and
+/// the tier keeps its state, that state is restored into an idle slot.
+/// Whether it was, within [`RESTORE_WAIT`].
+pub async fn bring_back(state: &Arc<AgentState>, index: usize, key: &str, model: &str) -> bool {
+    let Some(handle) = state.backends.get(index) else { return false };
     let Some(tier) = &handle.tier else { return false };
     let backend_id = handle.probe.id.as_str();
     {
         let residency = state.residency.lock();
-        if residency.in_slot(key) && residency.backend_of(key) == Some(backend_id) {
+        // Believed in a slot or the host cache here: the server has it.
+        if residency.backend_of(key) == Some(backend_id) && !residency.parked(key) {
             return false;
         }
     }
@@ -397,15 +512,24 @@ pub async fn bring_back(state: &AgentState, handle: &BackendHandle, key: &str, m
         return false;
     }
     let started = Instant::now();
-    match tokio::time::timeout(RESTORE_WAIT, restore(state, handle, tier, &kept, model)).await {
-        Ok(Ok(())) => {
+    // Its own task: a restore cut off half-way would leave a slot the
+    // server fills unmarked.
+    let (state, model) = (Arc::clone(state), model.to_string());
+    let restoring = tokio::spawn(async move { restore(&state, index, &kept, &model).await });
+    let outcome = tokio::time::timeout(RESTORE_WAIT, restoring).await;
+    match outcome {
+        Ok(Ok(Ok(Restore::Done))) => {
             tier.counts.restores.fetch_add(1, Ordering::Relaxed);
             tier.counts.restore_micros.fetch_add(micros(started), Ordering::Relaxed);
             true
         }
-        Ok(Err(why)) if why.is_empty() => false,
+        Ok(Ok(Ok(Restore::InASlot))) => false,
         outcome => {
-            let why = outcome.map_or_else(|_| "timed out".to_string(), |r| r.err().unwrap_or_default());
+            let why = match outcome {
+                Ok(Ok(Err(why))) => why,
+                Ok(Err(e)) => e.to_string(),
+                _ => "timed out".to_string(),
+            };
             tier.counts.restores_failed.fetch_add(1, Ordering::Relaxed);
             tracing::info!(backend = backend_id, session = key, why, "KV tier state not restored: the turn recomputes");
             false
@@ -413,14 +537,18 @@ pub async fn bring_back(state: &AgentState, handle: &BackendHandle, key: &str, m
     }
 }
 
-/// Restores `kept` unless a slot holds it already (an empty error).
-async fn restore(
-    state: &AgentState,
-    handle: &BackendHandle,
-    tier: &Tier,
-    kept: &Kept,
-    model: &str,
-) -> Result<(), String> {
+/// What a restore from the tier came to.
+enum Restore {
+    Done,
+    /// A slot holds the state already: nothing to restore.
+    InASlot,
+}
+
+/// Restores `kept` into an idle slot of the backend at `index`, unless a
+/// slot holds it already.
+async fn restore(state: &AgentState, index: usize, kept: &Kept, model: &str) -> Result<Restore, String> {
+    let handle = state.backends.get(index).ok_or("no such backend")?;
+    let tier = handle.tier.as_ref().ok_or("no tier")?;
     let (url, api_key) = (handle.probe.url.as_str(), handle.probe.api_key.as_str());
     let listed = list_slots(&tier.client, url, api_key).await.map_err(|e| e.to_string())?;
     // A slot of its length holds it still (the agent restarted, its server
@@ -433,7 +561,7 @@ async fn restore(
         residency.in_slots(&handle.probe.id).any(twin)
     };
     if listed.iter().any(|s| s.tokens == Some(kept.tokens)) && !twin_in_slot() {
-        return Err(String::new());
+        return Ok(Restore::InASlot);
     }
     let (slot, _) = restore_into_free_slot(&tier.client, state, handle, &kept.file, kept.tokens)
         .await
@@ -444,7 +572,7 @@ async fn restore(
     state.residency.lock().restored(&kept.key, &handle.probe.id, model, (kept.tokens, saved), now);
     state.changed.notify_one();
     tracing::debug!(backend = %handle.probe.id, session = kept.key, slot, tokens = kept.tokens, "restored from the KV tier");
-    Ok(())
+    Ok(Restore::Done)
 }
 
 #[cfg(test)]
@@ -490,6 +618,7 @@ mod tests {
         std::fs::write(dir.join("kv-half.json.new"), b"{").unwrap();
         std::fs::write(dir.join("kv-bad.json"), b"not json").unwrap();
         std::fs::write(dir.join("someone-else.bin"), b"kept").unwrap();
+        std::fs::write(dir.join("kv-notes"), b"an operator's").unwrap();
         let mut found = rebuild(&dir, 1 << 20);
         found.sort_by(|a, b| a.key.cmp(&b.key));
         assert_eq!(found, [good.clone(), newest_b.clone()]);
@@ -501,6 +630,7 @@ mod tests {
             good.record_name(),
             newest_b.file.clone(),
             newest_b.record_name(),
+            "kv-notes".to_string(),
             "someone-else.bin".to_string(),
         ];
         expected.sort();
