@@ -10,8 +10,11 @@ pub mod probe;
 pub mod proxy;
 pub mod report;
 pub mod residency;
+pub mod shared;
+pub mod slot;
 pub mod slots;
 pub mod state;
+pub mod tier;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicU64};
@@ -351,11 +354,11 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
 
 /// The KV tier of backend `id`, where it has a slots directory and tiers
 /// are on.
-fn tier_of(config: &Config, id: &str) -> Option<slots::keeper::Tier> {
+fn tier_of(config: &Config, id: &str) -> Option<tier::Tier> {
     let backend = config.backends.iter().find(|b| b.id == id)?;
     let slots = backend.slots.as_ref().filter(|_| config.tier.max_bytes > 0 && config.tier.max_entries > 0)?;
-    let bounds = slots::tier::Bounds { max_bytes: config.tier.max_bytes, max_entries: config.tier.max_entries };
-    Some(slots::keeper::Tier::new(slots.dir.clone(), bounds, config.moves.min_free_bytes, config.moves.max_slot_bytes))
+    let bounds = tier::Bounds { max_bytes: config.tier.max_bytes, max_entries: config.tier.max_entries };
+    Some(tier::Tier::new(slots.dir.clone(), bounds, config.moves.min_free_bytes, config.moves.max_slot_bytes))
 }
 
 /// The `Authorization` value for a backend's API key (none without one):

@@ -223,7 +223,7 @@ impl Metrics {
         }
     }
 
-    fn observe_tier(&self, backend: &str, tier: &crate::slots::keeper::Tier) {
+    fn observe_tier(&self, backend: &str, tier: &crate::tier::Tier) {
         use std::sync::atomic::Ordering::Relaxed;
         let labels = BackendLabels { backend: backend.to_string() };
         let report = tier.report();

@@ -5,7 +5,6 @@
 //! numbered residency updates.
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use inferyes_proto::v1::{Backend, EndpointKind, Gpu, ModelState, NodeStatus};
@@ -13,24 +12,7 @@ use tokio::sync::Notify;
 
 use crate::probe::BackendProbe;
 use crate::residency::Residency;
-
-/// A lock taken whatever panicked while it was held. What it guards is
-/// changed a field at a time, so what a panic left is still the best the
-/// agent knows; a lock skipped once poisoned would switch off for good
-/// what it guards (residency, observations), and the node would go on
-/// reporting as of the panic.
-#[derive(Debug, Default)]
-pub struct Shared<T>(Mutex<T>);
-
-impl<T> Shared<T> {
-    pub fn new(value: T) -> Shared<T> {
-        Shared(Mutex::new(value))
-    }
-
-    pub fn lock(&self) -> MutexGuard<'_, T> {
-        self.0.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-}
+pub use crate::shared::Shared;
 
 /// The labels a backend's metrics are kept under.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, prometheus_client::encoding::EncodeLabelSet)]
@@ -67,9 +49,9 @@ pub struct BackendHandle {
     /// Slots restored into and not yet used, which the next restore must
     /// not take for empty; held while one restores, so two never pick the
     /// same slot.
-    pub restore_marks: tokio::sync::Mutex<Vec<crate::slots::Restored>>,
+    pub restore_marks: tokio::sync::Mutex<Vec<crate::slot::Restored>>,
     /// Its KV tier, where it keeps conversations' states on disk.
-    pub tier: Option<crate::slots::keeper::Tier>,
+    pub tier: Option<crate::tier::Tier>,
 }
 
 /// A kind of job a backend said it does not do for a model.
@@ -271,7 +253,7 @@ impl AgentState {
         for backend in &mut backends {
             if let Some(handle) = self.backend(&backend.id) {
                 backend.in_flight = handle.in_flight.load(Ordering::Relaxed);
-                backend.kv_tier = handle.tier.as_ref().map(crate::slots::keeper::Tier::report);
+                backend.kv_tier = handle.tier.as_ref().map(crate::tier::Tier::report);
                 handle.mark_unsupported(backend, now);
                 let reused_nothing = handle.restores_reused_nothing.load(Ordering::Relaxed);
                 if handle.restore_failed_lately(inferyes_proto::unix_ms()) && !backend.slot_fingerprint.is_empty() {

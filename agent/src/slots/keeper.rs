@@ -13,174 +13,26 @@
 //! Saves and restores of one backend take its restore marks in turn, so a
 //! save never reads a slot a restore is filling.
 
-use std::collections::VecDeque;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use super::holding_slot;
-use super::tier::{Bounds, FILE_PREFIX, Index, Kept, is_slot_file_name, record_name};
 use super::transfer::{SlotFile, list_slots, open_saved, read_saved_tokens, restore_into_free_slot, slot_action};
-use crate::probe::ProbeClient;
-use crate::state::{AgentState, BackendHandle, Shared};
-
-/// Turns ended and not yet saved, at most: past this, a burst's saves are
-/// left to the next turns.
-const MAX_PENDING: usize = 4096;
+use crate::state::{AgentState, BackendHandle};
+use crate::tier::{FILE_PREFIX, Kept, Tier, is_slot_file_name, record_name, remove_files};
 
 /// A returning turn waits no longer than this for its restore; past it,
 /// it goes on without (the restore itself finishes, unseen by the turn).
 pub const RESTORE_WAIT: Duration = Duration::from_secs(3);
 
-/// A save of an idle slot takes milliseconds; one the server defers (its
-/// slot taken meanwhile) is given up after this, and its file removed
-/// once the server writes it.
-const SAVE_WAIT: Duration = Duration::from_secs(10);
-
 /// The largest record of a kept state read at start, and the most records
 /// read: what a directory filled by someone else can cost a start.
 const MAX_RECORD_BYTES: u64 = 64 << 10;
 const MAX_RECORDS: usize = 4 * crate::config::MAX_TIER_ENTRIES;
-
-/// One backend's KV tier.
-pub struct Tier {
-    /// The backend's `--slot-save-path`, where the server writes and reads
-    /// the states.
-    pub dir: PathBuf,
-    pub index: Shared<Index>,
-    /// Conversations whose turns ended here, to be saved, oldest first.
-    pending: Shared<VecDeque<String>>,
-    wake: Notify,
-    /// Free space a state saved leaves on the directory's filesystem.
-    pub min_free_bytes: u64,
-    pub max_slot_bytes: u64,
-    /// To the server, for saves.
-    pub client: ProbeClient,
-    pub counts: Counts,
-}
-
-/// What a tier did, since the agent started.
-#[derive(Default)]
-pub struct Counts {
-    pub saves: AtomicU64,
-    /// Turns whose states were not kept: the slot was busy or taken, the
-    /// save failed, the disk was full, or it was worth too little.
-    pub saves_skipped: AtomicU64,
-    pub save_micros: AtomicU64,
-    pub restores: AtomicU64,
-    /// Restores that failed or timed out: the turn recomputed.
-    pub restores_failed: AtomicU64,
-    pub restore_micros: AtomicU64,
-    /// States given up to keep within the tier's bounds.
-    pub evicted: AtomicU64,
-}
-
-impl Tier {
-    pub fn new(dir: PathBuf, bounds: Bounds, min_free_bytes: u64, max_slot_bytes: u64) -> Tier {
-        Tier {
-            dir,
-            index: Shared::new(Index::new(bounds)),
-            pending: Shared::default(),
-            wake: Notify::new(),
-            min_free_bytes,
-            max_slot_bytes,
-            client: ProbeClient::new(SAVE_WAIT),
-            counts: Counts::default(),
-        }
-    }
-
-    /// A turn of `key` ended on this tier's backend: its slot is saved.
-    pub fn turn_ended(&self, key: &str) {
-        let mut pending = self.pending.lock();
-        if pending.len() >= MAX_PENDING || pending.iter().any(|k| k == key) {
-            return;
-        }
-        pending.push_back(key.to_string());
-        drop(pending);
-        self.wake.notify_one();
-    }
-
-    /// What it keeps and did, as reported and scraped.
-    pub fn report(&self) -> inferyes_proto::v1::KvTier {
-        let (bytes, states) = {
-            let index = self.index.lock();
-            (index.bytes(), u32::try_from(index.len()).unwrap_or(u32::MAX))
-        };
-        let read = |count: &AtomicU64| count.load(Ordering::Relaxed);
-        let counts = &self.counts;
-        inferyes_proto::v1::KvTier {
-            bytes,
-            states,
-            saves: read(&counts.saves),
-            skipped: read(&counts.saves_skipped),
-            restores: read(&counts.restores),
-            restore_failures: read(&counts.restores_failed),
-            evicted: read(&counts.evicted),
-            save_micros: read(&counts.save_micros),
-            restore_micros: read(&counts.restore_micros),
-        }
-    }
-
-    /// `key`'s state is no longer wanted here (its conversation moved to
-    /// another node): its files go, and a save of it under way is not
-    /// kept (it finds the conversation no longer resident here).
-    pub fn forget(&self, key: &str) {
-        let gone = self.index.lock().remove(key);
-        remove_files(&self.dir, gone.into_iter().collect());
-    }
-
-    /// Takes `kept` into the index; where that gave up other states (or
-    /// `kept` itself), residency hears which left the tier, and their
-    /// files go. Whether `kept` is kept.
-    fn take_in(&self, state: &AgentState, backend_id: &str, kept: Kept, now_ms: u64) -> bool {
-        let (key, file) = (kept.key.clone(), kept.file.clone());
-        let (gone, kept_now, still) = {
-            let mut index = self.index.lock();
-            let gone = index.keep(kept, now_ms);
-            let entry = index.get(&key);
-            (gone, entry.is_some_and(|k| k.file == file), entry.is_some())
-        };
-        let evicted: Vec<&str> = gone.iter().filter(|g| g.key != key).map(|g| g.key.as_str()).collect();
-        {
-            let mut residency = state.residency.lock();
-            if still {
-                residency.kept_in_tier(&key, backend_id);
-            } else {
-                residency.left_tier(&key, backend_id);
-            }
-            evicted.iter().for_each(|lost| residency.left_tier(lost, backend_id));
-        }
-        self.counts.evicted.fetch_add(u64::try_from(evicted.len()).unwrap_or(0), Ordering::Relaxed);
-        remove_files(&self.dir, gone);
-        kept_now
-    }
-
-    /// Drops the states saved under another fingerprint than the server's
-    /// now (another build or KV cache flags since a restart): no restore
-    /// of them could hold.
-    fn drop_unlike(&self, state: &AgentState, backend_id: &str, fingerprint: &str) {
-        let unlike: Vec<Kept> = {
-            let mut index = self.index.lock();
-            let keys: Vec<String> = index
-                .keys()
-                .filter(|k| index.get(k).is_some_and(|e| e.fingerprint != fingerprint))
-                .map(str::to_string)
-                .collect();
-            keys.iter().filter_map(|k| index.remove(k)).collect()
-        };
-        if unlike.is_empty() {
-            return;
-        }
-        let mut residency = state.residency.lock();
-        unlike.iter().for_each(|gone| residency.left_tier(&gone.key, backend_id));
-        drop(residency);
-        remove_files(&self.dir, unlike);
-    }
-}
 
 /// Rebuilds `backend`'s tier from its directory, then saves the turns
 /// that end there, until `shutdown`.
@@ -198,7 +50,7 @@ pub async fn run(state: Arc<AgentState>, backend: usize, shutdown: CancellationT
         let (key, model, tokens) = (kept.key.clone(), kept.model.clone(), kept.tokens);
         // One more than the slot holds, as a turn's usage says it.
         state.residency.lock().kept_from_before(&key, &handle.probe.id, &model, tokens.saturating_add(1), now);
-        tier.take_in(&state, &handle.probe.id, kept, now);
+        take_in(tier, &state, &handle.probe.id, kept, now);
     }
     if count > 0 {
         tracing::info!(backend = %handle.probe.id, states = count, "KV tier read from disk");
@@ -207,10 +59,9 @@ pub async fn run(state: Arc<AgentState>, backend: usize, shutdown: CancellationT
     loop {
         tokio::select! {
             () = shutdown.cancelled() => return,
-            () = tier.wake.notified() => {}
+            () = tier.turns_ended() => {}
         }
-        loop {
-            let Some(key) = tier.pending.lock().pop_front() else { break };
+        while let Some(key) = tier.next_ended() {
             if shutdown.is_cancelled() {
                 return;
             }
@@ -229,6 +80,54 @@ pub async fn run(state: Arc<AgentState>, backend: usize, shutdown: CancellationT
             }
         }
     }
+}
+
+/// Takes `kept` into the index; where that gave up other states (or
+/// `kept` itself), residency hears which left the tier, and their
+/// files go. Whether `kept` is kept.
+fn take_in(tier: &Tier, state: &AgentState, backend_id: &str, kept: Kept, now_ms: u64) -> bool {
+    let (key, file) = (kept.key.clone(), kept.file.clone());
+    let (gone, kept_now, still) = {
+        let mut index = tier.index.lock();
+        let gone = index.keep(kept, now_ms);
+        let entry = index.get(&key);
+        (gone, entry.is_some_and(|k| k.file == file), entry.is_some())
+    };
+    let evicted: Vec<&str> = gone.iter().filter(|g| g.key != key).map(|g| g.key.as_str()).collect();
+    {
+        let mut residency = state.residency.lock();
+        if still {
+            residency.kept_in_tier(&key, backend_id);
+        } else {
+            residency.left_tier(&key, backend_id);
+        }
+        evicted.iter().for_each(|lost| residency.left_tier(lost, backend_id));
+    }
+    tier.counts.evicted.fetch_add(u64::try_from(evicted.len()).unwrap_or(0), Ordering::Relaxed);
+    remove_files(&tier.dir, gone);
+    kept_now
+}
+
+/// Drops the states saved under another fingerprint than the server's
+/// now (another build or KV cache flags since a restart): no restore
+/// of them could hold.
+fn drop_unlike(tier: &Tier, state: &AgentState, backend_id: &str, fingerprint: &str) {
+    let unlike: Vec<Kept> = {
+        let mut index = tier.index.lock();
+        let keys: Vec<String> = index
+            .keys()
+            .filter(|k| index.get(k).is_some_and(|e| e.fingerprint != fingerprint))
+            .map(str::to_string)
+            .collect();
+        keys.iter().filter_map(|k| index.remove(k)).collect()
+    };
+    if unlike.is_empty() {
+        return;
+    }
+    let mut residency = state.residency.lock();
+    unlike.iter().for_each(|gone| residency.left_tier(&gone.key, backend_id));
+    drop(residency);
+    remove_files(&tier.dir, unlike);
 }
 
 fn micros(since: Instant) -> u64 {
@@ -256,7 +155,7 @@ async fn save(state: &AgentState, handle: &BackendHandle, tier: &Tier, key: &str
     if fingerprint.is_empty() {
         return Saved::Skipped("the server's slots cannot be saved now".into());
     }
-    tier.drop_unlike(state, backend_id, &fingerprint);
+    drop_unlike(tier, state, backend_id, &fingerprint);
     let already = tier.index.lock().get(key).is_some_and(|k| u64::from(k.tokens) + 1 == u64::from(session.tokens));
     if already {
         return Saved::Unneeded;
@@ -308,7 +207,7 @@ async fn save(state: &AgentState, handle: &BackendHandle, tier: &Tier, key: &str
         remove_files(&tier.dir, vec![kept]);
         return Saved::Unneeded;
     }
-    if tier.take_in(state, backend_id, kept, now) {
+    if take_in(tier, state, backend_id, kept, now) {
         Saved::Kept
     } else {
         Saved::Skipped("worth less than what it would displace".into())
@@ -399,24 +298,6 @@ fn seal(dir: &Path, kept: &mut Kept, max_slot_bytes: u64, min_free_bytes: u64) -
         return Err(format!("its record: {e}"));
     }
     Ok(())
-}
-
-/// Removes the files of states no longer kept, off the runtime.
-fn remove_files(dir: &Path, gone: Vec<Kept>) {
-    if gone.is_empty() {
-        return;
-    }
-    let dir = dir.to_path_buf();
-    let remove = move || {
-        for kept in gone {
-            let _ = std::fs::remove_file(dir.join(kept.record_name()));
-            let _ = std::fs::remove_file(dir.join(&kept.file));
-        }
-    };
-    match tokio::runtime::Handle::try_current() {
-        Ok(runtime) => drop(runtime.spawn_blocking(remove)),
-        Err(_) => remove(),
-    }
 }
 
 /// Whether `name` is one of the files the tier writes: a slot file, its

@@ -16,21 +16,11 @@
 pub mod drain;
 pub mod judge;
 pub mod keeper;
-pub mod tier;
 pub mod transfer;
 
-use serde_json::Value;
+pub use crate::slot::{Restored, Slot};
 
-/// A slot as `/slots` shows it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Slot {
-    pub id: u32,
-    pub busy: bool,
-    /// The last task it ran, if any.
-    pub task: Option<u64>,
-    /// Tokens its cache holds (the last prompt and reply), if it ran one.
-    pub tokens: Option<u32>,
-}
+use serde_json::Value;
 
 /// llama-server's `/slots`, each slot's id, state, task and tokens.
 pub fn parse_slots(body: &[u8]) -> Option<Vec<Slot>> {
@@ -114,14 +104,6 @@ pub fn holding_slot(slots: &[Slot], gone: &[Slot], tokens: u32, twins: &[u64], b
 /// How far apart two conversations' last turns must have begun for the
 /// proxy's order of them to be the server's.
 pub const TWIN_GAP_MS: u64 = 20;
-
-/// A slot restored into, and what `/slots` showed of it then: until it
-/// runs a task, it shows no sign of what it holds, and must not be taken
-/// for empty.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Restored {
-    pub slot: Slot,
-}
 
 /// The idle slot a moved conversation goes into: one that never ran a
 /// task, else the one holding the fewest tokens; never one restored into

@@ -1,6 +1,7 @@
-//! The KV tier's index: which conversations' slot states a backend keeps
-//! on its host's disk, and which to give up when it is full. Pure: no I/O,
-//! no clocks. `keeper` saves into it and restores from it.
+//! A backend's KV tier: which conversations' slot states it keeps on its
+//! host's disk, which to give up when it is full (`Index`, pure: no I/O,
+//! no clocks), and what the tier did. `slots::keeper` saves into it and
+//! restores from it.
 //!
 //! Each kept state is two files in the backend's `--slot-save-path`: the
 //! server's own slot file (`kv-<random>.bin`) and a record of it
@@ -9,9 +10,18 @@
 //! there, not its length or not its digest is refused at start, and both
 //! go.
 
+use std::collections::VecDeque;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
 use serde::{Deserialize, Serialize};
+use tokio::sync::Notify;
 
 use inferyes_proto::FastMap;
+
+use crate::probe::ProbeClient;
+use crate::shared::Shared;
 
 /// What every file of the tier is named from; unlike moves' files
 /// (`inferyes-`), the sweep of left-over files leaves them be.
@@ -177,6 +187,131 @@ impl Index {
     /// Every conversation kept.
     pub fn keys(&self) -> impl Iterator<Item = &str> {
         self.entries.keys().map(String::as_str)
+    }
+}
+
+/// Turns ended and not yet saved, at most: past this, a burst's saves are
+/// left to the next turns.
+const MAX_PENDING: usize = 4096;
+
+/// A save of an idle slot takes milliseconds; one the server defers (its
+/// slot taken meanwhile) is given up after this, and its file removed
+/// once the server writes it.
+pub const SAVE_WAIT: Duration = Duration::from_secs(10);
+
+/// Removes the files of states no longer kept, off the runtime.
+pub fn remove_files(dir: &Path, gone: Vec<Kept>) {
+    if gone.is_empty() {
+        return;
+    }
+    let dir = dir.to_path_buf();
+    let remove = move || {
+        for kept in gone {
+            let _ = std::fs::remove_file(dir.join(kept.record_name()));
+            let _ = std::fs::remove_file(dir.join(&kept.file));
+        }
+    };
+    match tokio::runtime::Handle::try_current() {
+        Ok(runtime) => drop(runtime.spawn_blocking(remove)),
+        Err(_) => remove(),
+    }
+}
+
+/// One backend's KV tier.
+pub struct Tier {
+    /// The backend's `--slot-save-path`, where the server writes and reads
+    /// the states.
+    pub dir: PathBuf,
+    pub index: Shared<Index>,
+    /// Conversations whose turns ended here, to be saved, oldest first.
+    pending: Shared<VecDeque<String>>,
+    ended: Notify,
+    /// Free space a state saved leaves on the directory's filesystem.
+    pub min_free_bytes: u64,
+    pub max_slot_bytes: u64,
+    /// To the server, for saves.
+    pub client: ProbeClient,
+    pub counts: Counts,
+}
+
+/// What a tier did, since the agent started.
+#[derive(Default)]
+pub struct Counts {
+    pub saves: AtomicU64,
+    /// Turns whose states were not kept: the slot was busy or taken, the
+    /// save failed, the disk was full, or it was worth too little.
+    pub saves_skipped: AtomicU64,
+    pub save_micros: AtomicU64,
+    pub restores: AtomicU64,
+    /// Restores that failed or timed out: the turn recomputed.
+    pub restores_failed: AtomicU64,
+    pub restore_micros: AtomicU64,
+    /// States given up to keep within the tier's bounds.
+    pub evicted: AtomicU64,
+}
+
+impl Tier {
+    pub fn new(dir: PathBuf, bounds: Bounds, min_free_bytes: u64, max_slot_bytes: u64) -> Tier {
+        Tier {
+            dir,
+            index: Shared::new(Index::new(bounds)),
+            pending: Shared::default(),
+            ended: Notify::new(),
+            min_free_bytes,
+            max_slot_bytes,
+            client: ProbeClient::new(SAVE_WAIT),
+            counts: Counts::default(),
+        }
+    }
+
+    /// A turn of `key` ended on this tier's backend: its slot is saved.
+    pub fn turn_ended(&self, key: &str) {
+        let mut pending = self.pending.lock();
+        if pending.len() >= MAX_PENDING || pending.iter().any(|k| k == key) {
+            return;
+        }
+        pending.push_back(key.to_string());
+        drop(pending);
+        self.ended.notify_one();
+    }
+
+    /// The oldest conversation whose turn ended and is not yet saved.
+    pub fn next_ended(&self) -> Option<String> {
+        self.pending.lock().pop_front()
+    }
+
+    /// Until a turn ends (at once, where one ended since the last call).
+    pub async fn turns_ended(&self) {
+        self.ended.notified().await;
+    }
+
+    /// What it keeps and did, as reported and scraped.
+    pub fn report(&self) -> inferyes_proto::v1::KvTier {
+        let (bytes, states) = {
+            let index = self.index.lock();
+            (index.bytes(), u32::try_from(index.len()).unwrap_or(u32::MAX))
+        };
+        let read = |count: &AtomicU64| count.load(Ordering::Relaxed);
+        let counts = &self.counts;
+        inferyes_proto::v1::KvTier {
+            bytes,
+            states,
+            saves: read(&counts.saves),
+            skipped: read(&counts.saves_skipped),
+            restores: read(&counts.restores),
+            restore_failures: read(&counts.restores_failed),
+            evicted: read(&counts.evicted),
+            save_micros: read(&counts.save_micros),
+            restore_micros: read(&counts.restore_micros),
+        }
+    }
+
+    /// `key`'s state is no longer wanted here (its conversation moved to
+    /// another node): its files go, and a save of it under way is not
+    /// kept (it finds the conversation no longer resident here).
+    pub fn forget(&self, key: &str) {
+        let gone = self.index.lock().remove(key);
+        remove_files(&self.dir, gone.into_iter().collect());
     }
 }
 
