@@ -956,8 +956,15 @@ impl Carrier {
             .ok_or_else(|| refused(ErrorKind::NotFound, "the conversation is not resident here", "not_resident"))?;
         // Past the newest of its backend, its slot was given to another
         // conversation (its cache is in the host cache at best): said at
-        // once, without asking a busy server.
-        if !self.sender.state.residency.lock().in_slot(key) {
+        // once, without asking a busy server, unless its backend's KV tier
+        // kept it.
+        let kept = self
+            .sender
+            .state
+            .backend(&session.backend_id)
+            .and_then(|h| h.tier.as_ref())
+            .is_some_and(|tier| tier.index.lock().get(key).is_some());
+        if !kept && !self.sender.state.residency.lock().in_slot(key) {
             return Err(refused(ErrorKind::Unavailable, "the conversation is no longer in a slot", "not_movable"));
         }
         let permit = Arc::clone(&self.permits).try_acquire_owned().map_err(|_| {
