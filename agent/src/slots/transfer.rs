@@ -627,6 +627,22 @@ pub struct Moved {
     pub total_ms: u64,
 }
 
+/// What a move sends (see `Sender::outgoing`).
+struct Outgoing {
+    /// The slot saved, as `/slots` showed it then; none for the tier's.
+    slot: Option<Slot>,
+    /// The file saved for this move, removed once it is sent; none for
+    /// the tier's own.
+    file: Option<SlotFile>,
+    path: PathBuf,
+    tokens: u32,
+    /// The server's answer to the save.
+    saved: Value,
+    /// The digest the tier recorded of its state, which the file must
+    /// still have.
+    kept_digest: Option<String>,
+}
+
 /// The sending side: this node's servers and a pool to other agents.
 pub struct Sender {
     pub state: Arc<AgentState>,
@@ -677,59 +693,9 @@ impl Sender {
         let grant = self
             .grant_for(target)
             .ok_or_else(|| MoveError::Refused("no grant of the controller's, live, to send that node slots".into()))?;
-        let (url, api_key) = (handle.probe.url.as_str(), handle.probe.api_key.as_str());
         let failed = |what: &str, why: String| MoveError::Failed(format!("{what}: {why}"));
-        let (status, body) =
-            self.client.get(url, "/slots", api_key).await.map_err(|e| failed("slots", e.to_string()))?;
-        let listed = (status.is_success()).then(|| parse_slots(&body)).flatten();
-        let listed = listed.ok_or_else(|| failed("slots", format!("HTTP {} or not a list", status.as_u16())))?;
-        // The conversations here whose caches hold as many tokens: when
-        // each one's last turn began, to tell their slots apart.
-        let twins: Vec<u64> = self
-            .state
-            .residency
-            .lock()
-            .sessions()
-            .iter()
-            .filter(|s| s.backend_id == session.backend_id && s.tokens == session.tokens)
-            .map(|s| s.last_seen_unix_ms)
-            .collect();
-        let gone: Vec<Slot> = {
-            let mut moved = self.moved.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-            let gone = moved.entry(session.backend_id.clone()).or_default();
-            gone.retain(|s| listed.contains(s));
-            gone.clone()
-        };
-        // The slot holding it, saved now; where none does any more (it was
-        // taken by another conversation, or its server restarted), what the
-        // KV tier kept of it.
-        let (slot, file, path, expected, saved, kept_digest) =
-            match holding_slot(&listed, &gone, session.tokens, &twins, session.last_seen_unix_ms) {
-                Ok(slot) => {
-                    let expected = listed.iter().find(|s| s.id == slot).and_then(|s| s.tokens).unwrap_or(0);
-                    let name = slot_file_name("out").map_err(|e| failed("slot file", e))?;
-                    let file = SlotFile(dir.join(&name));
-                    let saved = slot_action(&self.client, url, api_key, slot, "save", &name)
-                        .await
-                        .map_err(|e| failed("save", e))?;
-                    if number(&saved, "/n_saved") != u64::from(expected) {
-                        let why = format!("saved {} tokens, the slot held {expected}", number(&saved, "/n_saved"));
-                        return Err(MoveError::NotMovable(why));
-                    }
-                    let path = file.0.clone();
-                    (Some(slot), Some(file), path, expected, saved, None)
-                }
-                Err(NotFound::Busy) => return Err(MoveError::Busy),
-                Err(why) => {
-                    let kept = handle.tier.as_ref().and_then(|tier| {
-                        let kept =
-                            tier.index.lock().get(&session.key).filter(|k| k.fingerprint == fingerprint).cloned();
-                        kept.map(|k| (tier.dir.join(&k.file), k.tokens, k.digest))
-                    });
-                    let (path, tokens, digest) = kept.ok_or_else(|| MoveError::NotMovable(why.to_string()))?;
-                    (None, None, path, tokens, Value::Null, Some(digest))
-                }
-            };
+        let Outgoing { slot, file, path, tokens: expected, saved, kept_digest } =
+            self.outgoing(handle, session, &dir, &fingerprint).await?;
         let max = self.max_slot_bytes;
         let opened = tokio::task::spawn_blocking(move || open_saved(&path, max)).await;
         let (reader, bytes, digest) = match opened {
@@ -762,9 +728,9 @@ impl Sender {
                 tier.forget(&session.key);
             }
             self.state.changed.notify_one();
-            if let Some(moved) = listed.iter().find(|s| Some(s.id) == slot) {
+            if let Some(moved) = slot {
                 let mut gone = self.moved.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-                gone.entry(session.backend_id.clone()).or_default().push(*moved);
+                gone.entry(session.backend_id.clone()).or_default().push(moved);
             }
         }
         let answer = http_body_util::Limited::new(response.into_body(), 64 << 10)
@@ -791,6 +757,67 @@ impl Sender {
             restore_ms: float(&answer, "/restore_ms"),
             total_ms: u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
         })
+    }
+
+    /// The state a move of `session` sends: the slot holding it, saved
+    /// now; or, where no slot holds it any more (taken by another
+    /// conversation, or its server restarted), what the KV tier kept of it.
+    async fn outgoing(
+        &self,
+        handle: &crate::state::BackendHandle,
+        session: &ResidentSession,
+        dir: &std::path::Path,
+        fingerprint: &str,
+    ) -> Result<Outgoing, MoveError> {
+        let (url, api_key) = (handle.probe.url.as_str(), handle.probe.api_key.as_str());
+        let failed = |what: &str, why: String| MoveError::Failed(format!("{what}: {why}"));
+        let (status, body) =
+            self.client.get(url, "/slots", api_key).await.map_err(|e| failed("slots", e.to_string()))?;
+        let listed = (status.is_success()).then(|| parse_slots(&body)).flatten();
+        let listed = listed.ok_or_else(|| failed("slots", format!("HTTP {} or not a list", status.as_u16())))?;
+        // The conversations here whose caches hold as many tokens: when
+        // each one's last turn began, to tell their slots apart.
+        let twins: Vec<u64> = self
+            .state
+            .residency
+            .lock()
+            .sessions()
+            .iter()
+            .filter(|s| s.backend_id == session.backend_id && s.tokens == session.tokens)
+            .map(|s| s.last_seen_unix_ms)
+            .collect();
+        let gone: Vec<Slot> = {
+            let mut moved = self.moved.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            let gone = moved.entry(session.backend_id.clone()).or_default();
+            gone.retain(|s| listed.contains(s));
+            gone.clone()
+        };
+        match holding_slot(&listed, &gone, session.tokens, &twins, session.last_seen_unix_ms) {
+            Ok(slot) => {
+                let expected = listed.iter().find(|s| s.id == slot).and_then(|s| s.tokens).unwrap_or(0);
+                let name = slot_file_name("out").map_err(|e| failed("slot file", e))?;
+                let file = SlotFile(dir.join(&name));
+                let saved = slot_action(&self.client, url, api_key, slot, "save", &name)
+                    .await
+                    .map_err(|e| failed("save", e))?;
+                if number(&saved, "/n_saved") != u64::from(expected) {
+                    let why = format!("saved {} tokens, the slot held {expected}", number(&saved, "/n_saved"));
+                    return Err(MoveError::NotMovable(why));
+                }
+                let path = file.0.clone();
+                let slot = listed.iter().find(|s| s.id == slot).copied();
+                Ok(Outgoing { slot, file: Some(file), path, tokens: expected, saved, kept_digest: None })
+            }
+            Err(NotFound::Busy) => Err(MoveError::Busy),
+            Err(why) => {
+                let kept = handle.tier.as_ref().and_then(|tier| {
+                    let kept = tier.index.lock().get(&session.key).filter(|k| k.fingerprint == *fingerprint).cloned();
+                    kept.map(|k| (tier.dir.join(&k.file), k.tokens, k.digest))
+                });
+                let (path, tokens, digest) = kept.ok_or_else(|| MoveError::NotMovable(why.to_string()))?;
+                Ok(Outgoing { slot: None, file: None, path, tokens, saved: Value::Null, kept_digest: Some(digest) })
+            }
+        }
     }
 
     /// The controller's freshest live grant to send `target`'s backend
