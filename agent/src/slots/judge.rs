@@ -31,8 +31,14 @@ enum Prompt {
     Tokens(Vec<i32>),
 }
 
+/// The turn's prompt; none where it cannot be read, or where the turn
+/// asked the server not to reuse its cache (`cache_prompt: false`): such a
+/// turn reads nothing from any slot, and says nothing of a restore.
 fn prompt_of(kind: EndpointKind, body: &[u8]) -> Option<Prompt> {
     let body: Value = serde_json::from_slice(body).ok()?;
+    if body.get("cache_prompt") == Some(&Value::Bool(false)) {
+        return None;
+    }
     match kind {
         EndpointKind::Chat => body.get("messages").is_some().then_some(Prompt::Chat(body)),
         EndpointKind::Completion => match body.get("prompt")? {
@@ -86,6 +92,8 @@ mod tests {
     fn a_turn_s_prompt_is_read_as_its_kind_sends_it() {
         let chat = br#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#;
         assert!(matches!(prompt_of(EndpointKind::Chat, chat), Some(Prompt::Chat(_))));
+        let cached = br#"{"model":"m","messages":[{"role":"user","content":"hi"}],"cache_prompt":true}"#;
+        assert!(matches!(prompt_of(EndpointKind::Chat, cached), Some(Prompt::Chat(_))));
         let text = br#"{"prompt":"Once upon"}"#;
         assert_eq!(prompt_of(EndpointKind::Completion, text), Some(Prompt::Text("Once upon".into())));
         let tokens = br#"{"prompt":[2,1567,1806]}"#;
@@ -96,6 +104,9 @@ mod tests {
             (EndpointKind::Completion, br#"{"prompt":[["a batch"]]}"#),
             (EndpointKind::Messages, br#"{"messages":[]}"#),
             (EndpointKind::Chat, b"not json"),
+            // It asked the server not to read its cache: nothing to judge.
+            (EndpointKind::Chat, br#"{"messages":[{"role":"user","content":"hi"}],"cache_prompt":false}"#),
+            (EndpointKind::Completion, br#"{"prompt":"Once upon","cache_prompt":false}"#),
         ] {
             assert_eq!(prompt_of(kind, body), None, "{kind:?} {}", String::from_utf8_lossy(body));
         }
