@@ -274,15 +274,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         )
         .instrument(tracing::info_span!("drain")),
     ));
-    let keepers: Vec<AbortOnDropHandle<()>> = (0..state.backends.len())
-        .filter(|i| state.backends[*i].tier.is_some())
-        .map(|i| {
-            let span = tracing::info_span!("tier", backend = %state.backends[i].probe.id);
-            AbortOnDropHandle::new(tokio::spawn(
-                slots::keeper::run(Arc::clone(&state), i, shutdown.clone()).instrument(span),
-            ))
-        })
-        .collect();
+    let keepers = spawn_keepers(&state, &shutdown);
     let admission = inferyes_net::admit::Admission::new(config.connection_limits(), None);
     let intake = Arc::new(slots::transfer::Intake {
         admission: Arc::clone(&admission),
@@ -350,6 +342,19 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         let _ = simulator.await;
     }
     served.context("agent proxy failed")
+}
+
+/// Each KV tier's keeper, until `shutdown`.
+fn spawn_keepers(state: &Arc<AgentState>, shutdown: &CancellationToken) -> Vec<AbortOnDropHandle<()>> {
+    (0..state.backends.len())
+        .filter(|i| state.backends[*i].tier.is_some())
+        .map(|i| {
+            let span = tracing::info_span!("tier", backend = %state.backends[i].probe.id);
+            AbortOnDropHandle::new(tokio::spawn(
+                slots::keeper::run(Arc::clone(state), i, shutdown.clone()).instrument(span),
+            ))
+        })
+        .collect()
 }
 
 /// The KV tier of backend `id`, where it has a slots directory and tiers
