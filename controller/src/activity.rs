@@ -195,8 +195,7 @@ mod tests {
                 .map(|id| RoutingDecision { request_id: (*id).into(), ..Default::default() })
                 .collect(),
             ejected_nodes: ejected.iter().map(|s| (*s).into()).collect(),
-            dropped: 0,
-            queued: Vec::new(),
+            ..Default::default()
         }
     }
 

@@ -2,6 +2,7 @@
 //! snapshots from it, and serves agents, data planes and operators.
 
 pub mod activity;
+pub mod allowances;
 pub mod config;
 pub mod dashboard;
 pub mod fleet;
@@ -153,6 +154,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         shutdown: shutdown.clone(),
         serve_after: tokio::time::Instant::now() + config.startup_grace(),
         activity: std::sync::Arc::clone(&activity),
+        allowances: std::sync::Arc::default(),
         store: store.clone(),
         proxy_key: join_token
             .as_ref()

@@ -303,21 +303,26 @@ impl Auth {
         Ok(Caller::Key(Arc::clone(key)))
     }
 
-    /// Takes one request from the caller's per-minute allowance. The
-    /// headers describe the allowance either way (OpenAI's
-    /// `x-ratelimit-*`).
-    pub fn admit(&self, caller: &Caller, now: Instant) -> Result<RateHeaders, (Refusal, ApiError)> {
+    /// Takes one request from the caller's per-minute allowance: `part` of
+    /// its key's requests per minute are this data plane's
+    /// ([`crate::allowance`]), a burst of that many refilled at as many a
+    /// minute. The headers describe the allowance either way (OpenAI's
+    /// `x-ratelimit-*`): the key's limit, and what is left of it here.
+    pub fn admit(&self, caller: &Caller, part: u32, now: Instant) -> Result<RateHeaders, (Refusal, ApiError)> {
         let Caller::Key(grant) = caller else { return Ok(RateHeaders::default()) };
         let limit = grant.requests_per_minute;
         if limit == 0 {
             return Ok(RateHeaders::default());
         }
-        let per_second = f64::from(limit) / 60.0;
+        let capacity = f64::from(part.min(limit));
+        let per_second = capacity / 60.0;
+        // Seconds until `tokens` more are here; with no part here, the
+        // next split comes within a second.
+        let within = |tokens: f64| if per_second > 0.0 { (tokens / per_second).ceil() as u32 } else { 1 };
         let mut buckets = self.buckets.lock().unwrap_or_else(PoisonError::into_inner);
-        let bucket =
-            inferyes_proto::value_for(&mut buckets, &grant.key_id, || Bucket { tokens: f64::from(limit), at: now });
+        let bucket = inferyes_proto::value_for(&mut buckets, &grant.key_id, || Bucket { tokens: capacity, at: now });
         let elapsed = now.saturating_duration_since(bucket.at).as_secs_f64();
-        bucket.tokens = (bucket.tokens + elapsed * per_second).min(f64::from(limit));
+        bucket.tokens = (bucket.tokens + elapsed * per_second).min(capacity);
         bucket.at = now;
         let admitted = bucket.tokens >= 1.0;
         if admitted {
@@ -326,12 +331,12 @@ impl Auth {
         let headers = RateHeaders {
             limit: Some(limit),
             remaining: bucket.tokens.floor() as u32,
-            reset_seconds: ((f64::from(limit) - bucket.tokens) / per_second).ceil() as u32,
+            reset_seconds: within(capacity - bucket.tokens),
         };
         if admitted {
             return Ok(headers);
         }
-        let retry = ((1.0 - bucket.tokens) / per_second).ceil().max(1.0) as u32;
+        let retry = within(1.0 - bucket.tokens).max(1);
         let mut error = ApiError::new(
             ErrorKind::RateLimited,
             format!("Rate limit reached for requests: {limit} per minute for this key. Try again in {retry}s."),
@@ -457,18 +462,33 @@ mod tests {
         let start = Instant::now();
         let caller = caller(60);
         for i in 0..60 {
-            let headers = auth.admit(&caller, start).unwrap_or_else(|_| panic!("request {i} within the limit"));
+            let headers = auth.admit(&caller, 60, start).unwrap_or_else(|_| panic!("request {i} within the limit"));
             assert_eq!(headers.remaining, 59 - i);
         }
-        let (refusal, error) = auth.admit(&caller, start).unwrap_err();
+        let (refusal, error) = auth.admit(&caller, 60, start).unwrap_err();
         assert_eq!(refusal, Refusal::RateLimited);
         assert_eq!(error.retry_after, Some(1));
         assert_eq!(error.status(), http::StatusCode::TOO_MANY_REQUESTS);
         assert!(error.headers.iter().any(|(n, v)| n == "x-ratelimit-remaining-requests" && v == "0"));
         // 60 per minute is one a second.
-        assert!(auth.admit(&caller, start + Duration::from_millis(1_001)).is_ok());
-        assert!(auth.admit(&Caller::Open, start).is_ok());
-        assert!(auth.admit(&self::caller(0), start).unwrap().limit.is_none());
+        assert!(auth.admit(&caller, 60, start + Duration::from_millis(1_001)).is_ok());
+        assert!(auth.admit(&Caller::Open, 0, start).is_ok());
+        assert!(auth.admit(&self::caller(0), 0, start).unwrap().limit.is_none());
+    }
+
+    #[test]
+    fn a_key_s_rate_is_its_part_here_and_no_part_is_refused_for_a_second() {
+        let auth = Auth::new(AuthMode::Keys, 10);
+        let (start, caller) = (Instant::now(), caller(60));
+        for _ in 0..15 {
+            assert_eq!(auth.admit(&caller, 15, start).unwrap().limit, Some(60), "the key's limit is told");
+        }
+        assert!(auth.admit(&caller, 15, start).is_err(), "a part of 15 is a burst of 15");
+        // A quarter of 60 a minute is one every 4 s.
+        assert!(auth.admit(&caller, 15, start + Duration::from_millis(3_900)).is_err());
+        assert!(auth.admit(&caller, 15, start + Duration::from_millis(4_100)).is_ok());
+        let (_, error) = auth.admit(&self::caller(60), 0, start + Duration::from_secs(60)).unwrap_err();
+        assert_eq!(error.retry_after, Some(1));
     }
 
     fn fail(auth: &Auth, client: IpAddr) {

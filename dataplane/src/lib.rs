@@ -2,6 +2,7 @@
 //! the latest routing snapshot in memory, picks a node per request, and
 //! streams the answer through.
 
+pub mod allowance;
 pub mod auth;
 pub mod config;
 pub mod error;
@@ -126,16 +127,21 @@ pub async fn run(
             let (key, tenant) = config.shares();
             shares::Shares::new(key, tenant)
         },
+        allowances: Arc::default(),
     };
     let reporter = AbortOnDropHandle::new(tokio::spawn(
-        report::run(
-            Arc::clone(&state.decisions),
-            decision_rx,
-            (Arc::clone(&state.snapshots), state.queue.clone()),
-            controllers.clone(),
-            config.dataplane_id.clone(),
-            shutdown.clone(),
-        )
+        report::Reporter {
+            log: Arc::clone(&state.decisions),
+            decisions: decision_rx,
+            snapshots: Arc::clone(&state.snapshots),
+            queue: state.queue.clone(),
+            allowances: Arc::clone(&state.allowances),
+            shares: Arc::clone(&state.shares),
+            controllers: controllers.clone(),
+            dataplane_id: config.dataplane_id.clone(),
+            shutdown: shutdown.clone(),
+        }
+        .run()
         .instrument(tracing::info_span!("report")),
     ));
     // Cancelled once no request can record usage any more: the ledger then

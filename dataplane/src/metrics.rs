@@ -79,6 +79,9 @@ pub struct Metrics {
     pub continuations: Counter,
     /// Bytes of bodies read whole held now (set when scraped).
     pub buffered_bytes: Gauge,
+    /// The data planes the keys' fleet-wide limits are split among (set
+    /// when scraped).
+    pub allowance_dataplanes: Gauge,
     pub connections_refused: Family<ReasonLabels, Counter>,
     pub queue_waiting: Family<QueueLabels, Gauge>,
     pub queue_entered: Family<QueueLabels, Counter>,
@@ -108,6 +111,7 @@ impl Metrics {
             auth_refusals: Family::default(),
             continuations: Counter::default(),
             buffered_bytes: Gauge::default(),
+            allowance_dataplanes: Gauge::default(),
             connections_refused: Family::default(),
             queue_waiting: Family::default(),
             queue_entered: Family::default(),
@@ -158,6 +162,11 @@ impl Metrics {
             "buffered_bytes",
             "Bytes of request bodies and whole answers held now, all requests together (limit: max_buffered_bytes)",
             metrics.buffered_bytes.clone(),
+        );
+        registry.register(
+            "allowance_dataplanes",
+            "Data planes each key's fleet-wide limits are split among, as a controller last said (0: none said yet)",
+            metrics.allowance_dataplanes.clone(),
         );
         registry.register(
             "connections_refused",

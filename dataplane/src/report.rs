@@ -1,10 +1,13 @@
 //! Tells a controller what this data plane did lately: its routing
-//! decisions and the nodes it holds ejected, for the fleet dashboard.
+//! decisions and the nodes it holds ejected, for the fleet dashboard; and
+//! what the keys asked of it, for which the answer brings back this data
+//! plane's parts of their fleet-wide limits ([`crate::allowance`]).
 //!
-//! Best effort by design. The request path only offers a decision to a
-//! bounded queue (never waits, never allocates a connection); a full queue
-//! or an unreachable controller loses lines of a tail, and the next report
-//! says how many.
+//! Decisions are best effort by design. The request path only offers a
+//! decision to a bounded queue (never waits, never allocates a connection);
+//! a full queue or an unreachable controller loses lines of a tail, and the
+//! next report says how many. A report goes out every second, quiet or not:
+//! a controller counts the data planes it splits limits among by them.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -16,11 +19,8 @@ use tokio_util::sync::CancellationToken;
 
 use crate::SnapshotStore;
 
-/// How often decisions go out.
+/// How often reports go out.
 const REPORT_EVERY: Duration = Duration::from_secs(1);
-/// With nothing new, a report still goes out this often, so the controller
-/// knows the ejections it shows are current.
-const KEEPALIVE_EVERY: Duration = Duration::from_secs(10);
 /// Decisions in one report, and waiting for it: the dashboard shows a
 /// tail, not a ledger. Beyond that, decisions are counted, not built.
 const MAX_PER_REPORT: usize = 512;
@@ -56,81 +56,84 @@ impl DecisionLog {
     }
 }
 
-pub async fn run(
-    log: Arc<DecisionLog>,
-    mut rx: mpsc::Receiver<RoutingDecision>,
-    (store, queue): (Arc<SnapshotStore>, Option<Arc<crate::queue::Queue>>),
-    controllers: crate::Controllers,
-    dataplane_id: String,
-    shutdown: CancellationToken,
-) {
-    let clients: Vec<crate::RoutingClient> = controllers
-        .addresses
-        .iter()
-        .filter_map(|address| match controllers.endpoint(address) {
-            Ok(endpoint) => {
-                Some(controllers.client(endpoint.connect_timeout(SEND_TIMEOUT).tcp_nodelay(true).connect_lazy()))
-            }
-            Err(error) => {
-                tracing::warn!(controller = %address, error = format!("{error:#}"), "not reporting to this controller");
-                None
-            }
-        })
-        .collect();
-    if clients.is_empty() {
-        return;
-    }
-    let mut next = 0usize;
-    let mut last_ejected: Vec<String> = Vec::new();
-    let mut last_queued = false;
-    let mut last_sent = tokio::time::Instant::now();
-    let mut ticker = tokio::time::interval(REPORT_EVERY);
-    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            () = shutdown.cancelled() => return,
-            _ = ticker.tick() => {}
+/// What the report loop reads and where it sends.
+pub struct Reporter {
+    pub log: Arc<DecisionLog>,
+    pub decisions: mpsc::Receiver<RoutingDecision>,
+    pub snapshots: Arc<SnapshotStore>,
+    pub queue: Option<Arc<crate::queue::Queue>>,
+    pub allowances: Arc<crate::allowance::Allowances>,
+    pub shares: Arc<crate::shares::Shares>,
+    pub controllers: crate::Controllers,
+    pub dataplane_id: String,
+    pub shutdown: CancellationToken,
+}
+
+impl Reporter {
+    pub async fn run(mut self) {
+        let clients: Vec<crate::RoutingClient> = self
+            .controllers
+            .addresses
+            .iter()
+            .filter_map(|address| match self.controllers.endpoint(address) {
+                Ok(endpoint) => Some(
+                    self.controllers.client(endpoint.connect_timeout(SEND_TIMEOUT).tcp_nodelay(true).connect_lazy()),
+                ),
+                Err(error) => {
+                    tracing::warn!(controller = %address, error = format!("{error:#}"), "not reporting to this controller");
+                    None
+                }
+            })
+            .collect();
+        if clients.is_empty() {
+            return;
         }
+        let mut next = 0usize;
+        let mut ticker = tokio::time::interval(REPORT_EVERY);
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                () = self.shutdown.cancelled() => return,
+                _ = ticker.tick() => {}
+            }
+            let report = self.report();
+            let mut client = clients[next % clients.len()].clone();
+            match tokio::time::timeout(SEND_TIMEOUT, client.report(report)).await {
+                Ok(Ok(answer)) => {
+                    if let Some(allowances) = answer.into_inner().allowances {
+                        self.allowances.take(allowances);
+                    }
+                }
+                Ok(Err(status)) => {
+                    tracing::debug!(code = ?status.code(), "report refused; trying the next controller next time");
+                    next += 1;
+                }
+                Err(_) => {
+                    tracing::debug!("report timed out; trying the next controller next time");
+                    next += 1;
+                }
+            }
+        }
+    }
+
+    /// What happened since the last report. What the keys asked is told
+    /// once, whether or not the report arrives: a lost report only makes
+    /// the next split a little late.
+    fn report(&mut self) -> DataPlaneReport {
         let mut decisions = Vec::new();
         while decisions.len() < MAX_PER_REPORT {
-            match rx.try_recv() {
+            match self.decisions.try_recv() {
                 Ok(decision) => decisions.push(decision),
                 Err(_) => break,
             }
         }
-        let ejected = ejected_nodes(&store);
-        let dropped = log.dropped.swap(0, Ordering::Relaxed);
-        let queued = queue.as_ref().map(|queue| queue.waiting(MAX_QUEUED_FLOWS)).unwrap_or_default();
-        // Each report says what waits now: an empty one after a queue
-        // emptied, then nothing until it fills again.
-        let quiet =
-            decisions.is_empty() && dropped == 0 && ejected == last_ejected && queued.is_empty() && !last_queued;
-        if quiet && last_sent.elapsed() < KEEPALIVE_EVERY {
-            continue;
-        }
-        let waiting = !queued.is_empty();
-        let report = DataPlaneReport {
-            dataplane_id: dataplane_id.clone(),
+        DataPlaneReport {
+            dataplane_id: self.dataplane_id.clone(),
             decisions,
-            ejected_nodes: ejected.clone(),
-            dropped,
-            queued,
-        };
-        let mut client = clients[next % clients.len()].clone();
-        match tokio::time::timeout(SEND_TIMEOUT, client.report(report)).await {
-            Ok(Ok(_)) => {
-                last_ejected = ejected;
-                last_queued = waiting;
-                last_sent = tokio::time::Instant::now();
-            }
-            Ok(Err(status)) => {
-                tracing::debug!(code = ?status.code(), "report refused; trying the next controller next time");
-                next += 1;
-            }
-            Err(_) => {
-                tracing::debug!("report timed out; trying the next controller next time");
-                next += 1;
-            }
+            ejected_nodes: ejected_nodes(&self.snapshots),
+            dropped: self.log.dropped.swap(0, Ordering::Relaxed),
+            queued: self.queue.as_ref().map(|queue| queue.waiting(MAX_QUEUED_FLOWS)).unwrap_or_default(),
+            demand: self.allowances.demand(&self.shares.keys_in_flight()),
         }
     }
 }

@@ -92,10 +92,13 @@ impl Shares {
     }
 
     /// One more request in flight for `grant`, or the share it would pass.
-    pub fn take(&self, grant: &ApiKey) -> Result<Share, Past> {
-        let key_limit = match grant.max_concurrent {
-            0 => self.key,
-            requests => Limits { requests, ..self.key },
+    /// `max_concurrent` is this data plane's part of the key's own limit
+    /// ([`crate::allowance`]); `None` where it has none, and the default
+    /// share holds.
+    pub fn take(&self, grant: &ApiKey, max_concurrent: Option<u32>) -> Result<Share, Past> {
+        let key_limit = match max_concurrent {
+            None => self.key,
+            Some(requests) => Limits { requests, ..self.key },
         };
         let mut holders = self.lock();
         holders.sweep();
@@ -115,6 +118,18 @@ impl Shares {
         };
         key.requests.fetch_add(1, Ordering::Relaxed);
         Ok(Share { key, tenant, key_bytes: key_limit.bytes, tenant_bytes: self.tenant.bytes })
+    }
+
+    /// The keys holding requests in flight now, with how many.
+    pub fn keys_in_flight(&self) -> Vec<(String, u32)> {
+        let holders = self.lock();
+        holders
+            .keys
+            .iter()
+            .map(|(key_id, holding)| (key_id, holding.requests.load(Ordering::Relaxed)))
+            .filter(|(_, requests)| *requests > 0)
+            .map(|(key_id, requests)| (key_id.clone(), requests))
+            .collect()
     }
 
     /// Requests in flight and bytes held now, by `key_id`.
@@ -214,6 +229,11 @@ impl Drop for Share {
 mod tests {
     use super::*;
 
+    /// A key's share, its own limit whole.
+    fn own_limit(shares: &Shares, grant: &ApiKey) -> Result<Share, Past> {
+        shares.take(grant, (grant.max_concurrent > 0).then_some(grant.max_concurrent))
+    }
+
     fn key(id: &str, tenant: &str, max_concurrent: u32) -> Arc<ApiKey> {
         Arc::new(ApiKey { key_id: id.into(), tenant: tenant.into(), max_concurrent, ..Default::default() })
     }
@@ -226,20 +246,20 @@ mod tests {
     fn a_key_has_its_share_of_requests_and_gets_each_back() {
         let shares = shares();
         let (a, b) = (key("a", "", 0), key("b", "", 0));
-        let first = shares.take(&a).unwrap();
-        let _second = shares.take(&a).unwrap();
-        assert_eq!(shares.take(&a).err(), Some(Past { whose: Whose::Key, limit: 2 }));
-        assert!(shares.take(&b).is_ok(), "another key is not held back");
+        let first = own_limit(&shares, &a).unwrap();
+        let _second = own_limit(&shares, &a).unwrap();
+        assert_eq!(own_limit(&shares, &a).err(), Some(Past { whose: Whose::Key, limit: 2 }));
+        assert!(own_limit(&shares, &b).is_ok(), "another key is not held back");
         drop(first);
-        assert!(shares.take(&a).is_ok());
+        assert!(own_limit(&shares, &a).is_ok());
     }
 
     #[test]
     fn a_keys_own_limit_stands_for_the_default() {
         let shares = shares();
         let wide = key("w", "", 5);
-        let held: Vec<Share> = (0..5).map(|_| shares.take(&wide).unwrap()).collect();
-        assert_eq!(shares.take(&wide).err(), Some(Past { whose: Whose::Key, limit: 5 }));
+        let held: Vec<Share> = (0..5).map(|_| own_limit(&shares, &wide).unwrap()).collect();
+        assert_eq!(own_limit(&shares, &wide).err(), Some(Past { whose: Whose::Key, limit: 5 }));
         assert_eq!(shares.of_key("w").0, 5);
         drop(held);
         assert_eq!(shares.of_key("w"), (0, 0));
@@ -249,9 +269,9 @@ mod tests {
     fn the_keys_of_a_tenant_share_its_share() {
         let shares = shares();
         let (a, b, c) = (key("a", "t", 0), key("b", "t", 0), key("c", "", 0));
-        let _held = [shares.take(&a).unwrap(), shares.take(&a).unwrap(), shares.take(&b).unwrap()];
-        assert_eq!(shares.take(&b).err(), Some(Past { whose: Whose::Tenant, limit: 3 }));
-        assert!(shares.take(&c).is_ok(), "a key of no tenant is not held back");
+        let _held = [own_limit(&shares, &a).unwrap(), own_limit(&shares, &a).unwrap(), own_limit(&shares, &b).unwrap()];
+        assert_eq!(own_limit(&shares, &b).err(), Some(Past { whose: Whose::Tenant, limit: 3 }));
+        assert!(own_limit(&shares, &c).is_ok(), "a key of no tenant is not held back");
         assert_eq!(shares.of_key("b").0, 1, "a refused request holds nothing");
     }
 
@@ -259,7 +279,7 @@ mod tests {
     fn bytes_are_held_within_both_shares_and_given_back() {
         let shares = shares();
         let (a, b) = (key("a", "t", 0), key("b", "t", 0));
-        let (one, two) = (shares.take(&a).unwrap(), shares.take(&b).unwrap());
+        let (one, two) = (own_limit(&shares, &a).unwrap(), own_limit(&shares, &b).unwrap());
         assert_eq!(one.grow(8), Ok(()));
         assert_eq!(one.grow(3), Err(Whose::Key), "8 + 3 is past the key's 10");
         assert_eq!(two.grow(8), Err(Whose::Tenant), "8 + 8 is past the tenant's 15");
@@ -273,9 +293,9 @@ mod tests {
     #[test]
     fn idle_holders_are_let_go_once_the_tables_grow() {
         let shares = shares();
-        let busy = shares.take(&key("busy", "t", 0)).unwrap();
+        let busy = own_limit(&shares, &key("busy", "t", 0)).unwrap();
         for i in 0..SWEEP_FROM {
-            drop(shares.take(&key(&format!("k{i}"), "", 0)).unwrap());
+            drop(own_limit(&shares, &key(&format!("k{i}"), "", 0)).unwrap());
         }
         let held = {
             let holders = shares.lock();

@@ -11,6 +11,7 @@ pub mod v1 {
     tonic::include_proto!("inferyes.v1");
 }
 
+pub mod allowance;
 pub mod apikey;
 pub mod bearer;
 mod decision;

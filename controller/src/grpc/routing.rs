@@ -3,8 +3,8 @@ use std::sync::Arc;
 
 use inferyes_proto::v1::routing_service_server::{RoutingService, RoutingServiceServer};
 use inferyes_proto::v1::{
-    DataPlaneReport, FollowLiveRequest, LiveUpdate, ReportAck, SnapshotUpdate, SubscribeRequest, UsageAck, UsageBatch,
-    snapshot_update,
+    Allowances, DataPlaneReport, FollowLiveRequest, KeyDemand, LiveUpdate, ReportAck, SnapshotUpdate, SubscribeRequest,
+    UsageAck, UsageBatch, snapshot_update,
 };
 use tokio::sync::mpsc;
 use tokio_stream::Stream;
@@ -30,6 +30,9 @@ pub struct RoutingSvc {
     /// Meanwhile data planes keep routing on what they hold.
     pub serve_after: tokio::time::Instant,
     pub activity: Arc<crate::activity::Activity>,
+    /// What the data planes reporting here asked of the keys' fleet-wide
+    /// limits, and so each one's parts.
+    pub allowances: Arc<std::sync::Mutex<crate::allowances::Books>>,
     pub store: crate::store::EtcdStore,
     /// The data planes' tokens, presented with every call: snapshots carry
     /// the keys' hashes and the fleet's sessions, and usage written here is
@@ -90,6 +93,26 @@ impl RoutingSvc {
             }
         })
     }
+
+    /// Takes what a data plane's keys asked of it, and gives its parts of
+    /// their limits back. `None` where its report is refused: the data
+    /// plane keeps the parts it has.
+    fn allowances_for(&self, dataplane: &str, demand: &[KeyDemand]) -> Option<Allowances> {
+        let now = std::time::Instant::now();
+        let mut books = self.allowances.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Err(refused) = books.report(dataplane, demand, now) {
+            tracing::warn!(?refused, keys = demand.len(), "a data plane's demand not taken");
+            return None;
+        }
+        let snapshot = self.snapshots.borrow().clone()?;
+        let limits = |key_id: &str| {
+            snapshot.api_key(key_id).map(|key| crate::allowances::Limits {
+                requests_per_minute: key.requests_per_minute,
+                max_concurrent: key.max_concurrent,
+            })
+        };
+        Some(books.allowances(dataplane, limits, now))
+    }
 }
 
 /// Keeps one batch well inside etcd's request size limit (1.5 MiB).
@@ -149,8 +172,9 @@ impl RoutingService for RoutingSvc {
         if report.dataplane_id.is_empty() {
             return Err(Status::invalid_argument("a report needs the data plane's id"));
         }
+        let allowances = self.allowances_for(&report.dataplane_id, &report.demand);
         self.activity.record(report, tokio::time::Instant::now());
-        Ok(Response::new(ReportAck {}))
+        Ok(Response::new(ReportAck { allowances }))
     }
 
     async fn record_usage(&self, request: Request<UsageBatch>) -> Result<Response<UsageAck>, Status> {

@@ -311,7 +311,7 @@ mod tests {
         let budget = Budget::new(9);
         let shares = Shares::new(Limits { requests: 4, bytes: 5 }, Limits { requests: 4, bytes: 5 });
         let key = |id: &str| Arc::new(inferyes_proto::v1::ApiKey { key_id: id.into(), ..Default::default() });
-        let (a, b) = (Arc::new(shares.take(&key("a")).unwrap()), Arc::new(shares.take(&key("b")).unwrap()));
+        let (a, b) = (Arc::new(shares.take(&key("a"), None).unwrap()), Arc::new(shares.take(&key("b"), None).unwrap()));
         let mut first = Budget::reservation(&budget, Some(&a));
         assert_eq!(read_whole_within(body(&["abc"]), 64, Some(&mut first)).await.unwrap(), "abc");
         let mut second = Budget::reservation(&budget, Some(&a));

@@ -80,6 +80,8 @@ pub struct AppState {
     pub ledger: Arc<crate::usage::Ledger>,
     /// What each key and tenant holds of this data plane now.
     pub shares: Arc<crate::shares::Shares>,
+    /// This data plane's parts of the keys' fleet-wide limits.
+    pub allowances: Arc<crate::allowance::Allowances>,
 }
 
 impl AppState {
@@ -98,12 +100,23 @@ impl AppState {
     /// refusal (counted) where its share is all taken. None with auth off.
     pub(crate) fn take_share(&self, caller: &Caller) -> Result<Option<Arc<crate::shares::Share>>, ApiError> {
         let Caller::Key(grant) = caller else { return Ok(None) };
-        match self.shares.take(grant) {
+        match self.shares.take(grant, self.allowances.max_concurrent(grant)) {
             Ok(share) => Ok(Some(Arc::new(share))),
-            Err(past) => Err(self.refused(
-                crate::auth::Refusal::InFlightShare,
-                ApiError::past_share(past.whose, &format!("all the requests in flight ({} at once)", past.limit)),
-            )),
+            Err(past) => {
+                // A key's own limit is told whole: what this data plane
+                // holds of it is a part.
+                let limit = match past.whose {
+                    crate::shares::Whose::Key if grant.max_concurrent > 0 => {
+                        self.allowances.refused_in_flight(&grant.key_id);
+                        grant.max_concurrent
+                    }
+                    _ => past.limit,
+                };
+                Err(self.refused(
+                    crate::auth::Refusal::InFlightShare,
+                    ApiError::past_share(past.whose, &format!("all the requests in flight ({limit} at once)")),
+                ))
+            }
         }
     }
 

@@ -227,7 +227,11 @@ impl<'s> Exchange<'s> {
         }
         self.facts.model_known = true;
         let state: &AppState = self.state;
-        let rate = state.auth.admit(caller, std::time::Instant::now()).map_err(|(r, e)| state.refused(r, e))?;
+        let part = match caller {
+            Caller::Key(grant) => state.allowances.requests_per_minute(grant),
+            Caller::Open => 0,
+        };
+        let rate = state.auth.admit(caller, part, std::time::Instant::now()).map_err(|(r, e)| state.refused(r, e))?;
         // What the request may use, held against the key's daily budget
         // while it runs, so that requests at once cannot each spend what
         // is left: its body's bytes (no prompt has more tokens) and its

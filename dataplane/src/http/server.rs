@@ -130,6 +130,7 @@ async fn metrics(State(state): State<Arc<AppState>>) -> Response {
         let _one_at_a_time = state.metrics.scrape.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         state.metrics.observe(snapshot.as_deref(), state.snapshots.age_seconds());
         state.metrics.buffered_bytes.set(i64::try_from(state.forwarder.budget().used()).unwrap_or(i64::MAX));
+        state.metrics.allowance_dataplanes.set(i64::from(state.allowances.dataplanes()));
         prometheus_client::encoding::text::encode(&mut text, &state.registry)
     };
     if encoded.is_err() {

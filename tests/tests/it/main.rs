@@ -1,6 +1,7 @@
 //! Integration tests on real sockets with a real etcd. Each test builds its
 //! own fleet, so tests are independent and can run in parallel.
 
+mod allowances;
 mod auth;
 mod chaos;
 mod churn;

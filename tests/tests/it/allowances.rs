@@ -1,0 +1,148 @@
+//! A key's limits hold across data planes: four data planes behind a
+//! round-robin balancer give a key its requests per minute and its requests
+//! in flight once, not once each.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Method, StatusCode};
+use inferyes_dataplane::auth::AuthMode;
+use inferyes_proto::v1::CreateKeyRequest;
+use inferyes_tests::DataplaneHandle;
+use serde_json::json;
+
+use crate::support::{Fleet, chat_body, chat_sim, create_key, scraped};
+
+const DATA_PLANES: usize = 4;
+
+/// A fleet of one node with four data planes, each knowing it splits the
+/// keys' limits with the three others.
+async fn four_data_planes(sim: inferyes_sim::SimConfig) -> (Fleet, Vec<DataplaneHandle>) {
+    let keys = |c: &mut inferyes_dataplane::Config| c.auth = AuthMode::Keys;
+    let fleet = Fleet::start_with(vec![sim], |c| {
+        keys(c);
+        c.dataplane_id = "dp-0".into();
+    })
+    .await;
+    let mut others = Vec::new();
+    for i in 1..DATA_PLANES {
+        let controllers = [fleet.controller().url()];
+        let dataplane = DataplaneHandle::start_with(&controllers, |c| {
+            keys(c);
+            c.dataplane_id = format!("dp-{i}");
+        })
+        .await;
+        dataplane.wait_for_nodes(&["node-a"]).await;
+        others.push(dataplane);
+    }
+    for url in admin_urls(&fleet, &others) {
+        let metrics = format!("{url}/metrics");
+        inferyes_tests::eventually("every data plane counts four", Duration::from_secs(10), || async {
+            scraped(&fleet.http, &metrics, "inferyes_dataplane_allowance_dataplanes", "").await == DATA_PLANES as f64
+        })
+        .await;
+    }
+    (fleet, others)
+}
+
+fn urls(fleet: &Fleet, others: &[DataplaneHandle]) -> Vec<String> {
+    std::iter::once(fleet.dataplane.url.clone()).chain(others.iter().map(|d| d.url.clone())).collect()
+}
+
+fn admin_urls(fleet: &Fleet, others: &[DataplaneHandle]) -> Vec<String> {
+    std::iter::once(fleet.dataplane.admin_url.clone()).chain(others.iter().map(|d| d.admin_url.clone())).collect()
+}
+
+/// Creates a key and waits until every data plane knows it.
+async fn key(fleet: &Fleet, others: &[DataplaneHandle], request: CreateKeyRequest) -> String {
+    let (key_id, secret) = create_key(fleet, request).await;
+    for dataplane in others {
+        let id = key_id.clone();
+        dataplane.wait_for("the key", Duration::from_secs(10), move |s| s.api_key(&id).is_some()).await;
+    }
+    format!("Bearer {secret}")
+}
+
+#[tokio::test]
+async fn a_key_s_requests_per_minute_hold_across_four_data_planes() {
+    let (fleet, others) = four_data_planes(chat_sim("chat")).await;
+    let bearer =
+        key(&fleet, &others, CreateKeyRequest { name: "rpm".into(), requests_per_minute: 60, ..Default::default() })
+            .await;
+    let urls = urls(&fleet, &others);
+    let body = chat_body("chat", "hello").to_string();
+    let started = tokio::time::Instant::now();
+    // 240 at once, dealt round robin: 60 to each data plane.
+    let mut sends = tokio::task::JoinSet::new();
+    for i in 0..240 {
+        let url = format!("{}/v1/chat/completions", urls[i % DATA_PLANES]);
+        let (http, body, bearer) = (fleet.http.clone(), body.clone(), bearer.clone());
+        sends.spawn(
+            async move { http.send(Method::POST, &url, body.into(), &[("authorization", &bearer)]).await.status },
+        );
+    }
+    let statuses = sends.join_all().await;
+    let seconds = started.elapsed().as_secs_f64();
+    let served = statuses.iter().filter(|s| **s == StatusCode::OK).count();
+    let refused = statuses.iter().filter(|s| **s == StatusCode::TOO_MANY_REQUESTS).count();
+    assert_eq!(served + refused, 240, "{statuses:?}");
+    // The burst of 60, and what refills at one a second while it runs.
+    let bound = 60 + seconds.ceil() as usize;
+    assert!(served <= bound, "{served} served in {seconds:.1}s, past {bound}");
+    assert!(served >= 56, "{served} served: the key's parts add up to its limit");
+}
+
+/// A node slow enough that a stream stays in flight while a test looks.
+fn slow_sim() -> inferyes_sim::SimConfig {
+    inferyes_sim::SimConfig { decode_tokens_per_second: 5.0, ..chat_sim("chat") }
+}
+
+async fn open_stream(
+    http: &inferyes_tests::HttpClient,
+    url: &str,
+    bearer: &str,
+) -> Result<http::Response<hyper::body::Incoming>, StatusCode> {
+    let body = json!({"model": "chat", "stream": true, "max_tokens": 200,
+                      "messages": [{"role": "user", "content": "tell me a long story"}]});
+    let url = format!("{url}/v1/chat/completions");
+    let response = http.start(Method::POST, &url, Bytes::from(body.to_string()), &[("authorization", bearer)]).await;
+    match response.status() {
+        StatusCode::OK => Ok(response),
+        status => Err(status),
+    }
+}
+
+#[tokio::test]
+async fn a_key_s_requests_in_flight_hold_across_four_data_planes_and_follow_its_traffic() {
+    let (fleet, others) = four_data_planes(slow_sim()).await;
+    let bearer =
+        key(&fleet, &others, CreateKeyRequest { name: "four".into(), max_concurrent: 4, ..Default::default() }).await;
+    let urls = urls(&fleet, &others);
+
+    // Sixteen streams at once, dealt round robin: four are taken.
+    let mut opens = tokio::task::JoinSet::new();
+    for i in 0..16 {
+        let (http, url, bearer) = (fleet.http.clone(), urls[i % DATA_PLANES].clone(), bearer.clone());
+        opens.spawn(async move { open_stream(&http, &url, &bearer).await });
+    }
+    let mut open: Vec<_> = opens.join_all().await.into_iter().filter_map(Result::ok).collect();
+    assert_eq!(open.len(), 4, "the key holds four requests in flight, fleet-wide");
+    for url in &urls {
+        assert_eq!(open_stream(&fleet.http, url, &bearer).await.err(), Some(StatusCode::TOO_MANY_REQUESTS));
+    }
+    open.clear();
+
+    // All its traffic through one data plane now: that one's part grows to
+    // the whole limit, as its refusals tell the controller.
+    let held = std::sync::Mutex::new(Vec::new());
+    inferyes_tests::eventually("four streams through one data plane", Duration::from_secs(20), || async {
+        if let Ok(stream) = open_stream(&fleet.http, &urls[0], &bearer).await {
+            held.lock().unwrap().push(stream);
+        }
+        held.lock().unwrap().len() == 4
+    })
+    .await;
+    for url in &urls {
+        assert_eq!(open_stream(&fleet.http, url, &bearer).await.err(), Some(StatusCode::TOO_MANY_REQUESTS));
+    }
+}
