@@ -4,13 +4,20 @@
 //!
 //! A controller splits each limit among the data planes by what each asked
 //! (`inferyes_controller::allowances`); the report loop carries what was
-//! asked out and the parts back, once a second. Requests only read the
-//! parts here and count what they asked: nothing on a request's path waits
-//! for a controller. A data plane that reaches no controller keeps its
-//! last parts; one that never reached one applies each key's whole limit,
-//! as a lone data plane would.
+//! asked out to every controller and the parts back, once a second.
+//! Requests only read the parts here and count what they asked: nothing on
+//! a request's path waits for a controller.
+//!
+//! Each controller splits among the data planes that report to it, so a
+//! data plane takes, key by key, the least part any controller gives it:
+//! where every data plane reaches every controller, the parts add up to
+//! the limit whichever controller each heard last. A controller not heard
+//! for [`STALE_AFTER`] stops counting while another answers; a data plane
+//! that reaches none keeps its last parts, and one that never reached one
+//! applies each key's whole limit, as a lone data plane would.
 
 use std::sync::{Mutex, PoisonError, RwLock};
+use std::time::{Duration, Instant};
 
 use inferyes_proto::FastMap;
 use inferyes_proto::v1::{self, ApiKey, KeyDemand};
@@ -18,17 +25,21 @@ use inferyes_proto::v1::{self, ApiKey, KeyDemand};
 /// Keys counted between two reports at most; a key past them is not
 /// counted, and takes its even part.
 pub const MAX_KEYS: usize = 4096;
+/// A controller's parts older than this stop counting while another
+/// controller's are newer: it went away, or this data plane cannot reach
+/// it. Reports go out every second.
+pub const STALE_AFTER: Duration = Duration::from_secs(10);
 
 #[derive(Default)]
 pub struct Allowances {
-    parts: RwLock<Parts>,
+    /// The parts each controller gave last, by the controller's place in
+    /// the data plane's list.
+    parts: RwLock<Vec<Option<Parts>>>,
     asked: Mutex<FastMap<String, Asked>>,
 }
 
-#[derive(Default)]
 struct Parts {
-    /// Whether a controller ever answered with parts.
-    heard: bool,
+    at: Instant,
     dataplanes: u32,
     place: u32,
     keys: FastMap<String, Part>,
@@ -100,8 +111,9 @@ impl Allowances {
         demand
     }
 
-    /// Takes a controller's answer: the parts it gives replace all before.
-    pub fn take(&self, answer: v1::Allowances) {
+    /// Takes the answer of controller `from` (its place in the data
+    /// plane's list): its parts replace all it gave before.
+    pub fn take(&self, from: usize, answer: v1::Allowances, now: Instant) {
         let keys = answer
             .keys
             .into_iter()
@@ -110,27 +122,36 @@ impl Allowances {
                 (key.key_id, part)
             })
             .collect();
-        let parts = Parts { heard: true, dataplanes: answer.dataplanes, place: answer.place, keys };
-        *self.parts.write().unwrap_or_else(PoisonError::into_inner) = parts;
+        let parts = Parts { at: now, dataplanes: answer.dataplanes, place: answer.place, keys };
+        let mut heard = self.parts.write().unwrap_or_else(PoisonError::into_inner);
+        if heard.len() <= from {
+            heard.resize_with(from + 1, || None);
+        }
+        heard[from] = Some(parts);
     }
 
-    /// The data planes the fleet's limits are split among, as last heard;
-    /// 0 before any controller answered.
+    /// The data planes the fleet's limits are split among, the most any
+    /// controller counts; 0 before any answered.
     pub fn dataplanes(&self) -> u32 {
-        self.parts.read().unwrap_or_else(PoisonError::into_inner).dataplanes
+        let heard = self.parts.read().unwrap_or_else(PoisonError::into_inner);
+        heard.iter().flatten().map(|parts| parts.dataplanes).max().unwrap_or(0)
     }
 
     fn part(&self, grant: &ApiKey, limit: u32, of: impl Fn(&Part) -> u32) -> u32 {
-        let parts = self.parts.read().unwrap_or_else(PoisonError::into_inner);
-        if !parts.heard {
-            return limit;
-        }
-        // The controller's parts are of the limits it read; a key's record
+        let heard = self.parts.read().unwrap_or_else(PoisonError::into_inner);
+        let newest = heard.iter().flatten().map(|parts| parts.at).max();
+        let Some(newest) = newest else { return limit };
+        // The controllers' parts are of the limits they read; a key's record
         // changed since is held to its new limit.
-        match parts.keys.get(&grant.key_id) {
-            Some(part) => of(part).min(limit),
-            None => inferyes_proto::allowance::even_part(limit, parts.dataplanes, parts.place),
-        }
+        heard
+            .iter()
+            .flatten()
+            .filter(|parts| newest.saturating_duration_since(parts.at) < STALE_AFTER)
+            .map(|parts| match parts.keys.get(&grant.key_id) {
+                Some(part) => of(part),
+                None => inferyes_proto::allowance::even_part(limit, parts.dataplanes, parts.place),
+            })
+            .fold(limit, u32::min)
     }
 
     fn count(&self, key_id: &str, add: impl FnOnce(&mut Asked)) {
@@ -154,16 +175,32 @@ mod tests {
         let allowances = Allowances::default();
         let (limited, other) = (key("k", 60, 4), key("other", 10, 0));
         assert_eq!((allowances.requests_per_minute(&limited), allowances.max_concurrent(&limited)), (60, Some(4)));
-        allowances.take(v1::Allowances {
-            dataplanes: 4,
-            place: 3,
-            keys: vec![v1::KeyAllowance { key_id: "k".into(), requests_per_minute: 45, max_concurrent: 3 }],
-        });
+        let now = Instant::now();
+        allowances.take(0, split(4, 3, 45, 3), now);
         assert_eq!((allowances.requests_per_minute(&limited), allowances.max_concurrent(&limited)), (45, Some(3)));
         assert_eq!((allowances.requests_per_minute(&other), allowances.max_concurrent(&other)), (2, None));
         // A limit lowered since the split holds.
         assert_eq!(allowances.requests_per_minute(&key("k", 30, 0)), 30);
         assert_eq!(allowances.dataplanes(), 4);
+    }
+
+    fn split(dataplanes: u32, place: u32, requests_per_minute: u32, max_concurrent: u32) -> v1::Allowances {
+        let key = v1::KeyAllowance { key_id: "k".into(), requests_per_minute, max_concurrent };
+        v1::Allowances { dataplanes, place, keys: vec![key] }
+    }
+
+    #[test]
+    fn the_least_part_any_controller_gives_counts_until_it_goes_stale() {
+        let (allowances, limited, now) = (Allowances::default(), key("k", 60, 4), Instant::now());
+        allowances.take(0, split(4, 0, 45, 3), now);
+        // A controller that counts five data planes.
+        allowances.take(2, split(5, 1, 50, 1), now);
+        assert_eq!((allowances.requests_per_minute(&limited), allowances.max_concurrent(&limited)), (45, Some(1)));
+        assert_eq!(allowances.requests_per_minute(&key("even", 60, 0)), 12, "a fifth of 60 is less than a quarter");
+        assert_eq!(allowances.dataplanes(), 5);
+        // The second controller not heard for a while: the first's parts.
+        allowances.take(0, split(4, 0, 40, 2), now + STALE_AFTER);
+        assert_eq!((allowances.requests_per_minute(&limited), allowances.max_concurrent(&limited)), (40, Some(2)));
     }
 
     #[test]

@@ -1,4 +1,4 @@
-//! Tells a controller what this data plane did lately: its routing
+//! Tells every controller what this data plane did lately: its routing
 //! decisions and the nodes it holds ejected, for the fleet dashboard; and
 //! what the keys asked of it, for which the answer brings back this data
 //! plane's parts of their fleet-wide limits ([`crate::allowance`]).
@@ -88,7 +88,6 @@ impl Reporter {
         if clients.is_empty() {
             return;
         }
-        let mut next = 0usize;
         let mut ticker = tokio::time::interval(REPORT_EVERY);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -96,21 +95,24 @@ impl Reporter {
                 () = self.shutdown.cancelled() => return,
                 _ = ticker.tick() => {}
             }
+            // To every controller, at once: each splits the keys' limits
+            // among the data planes reporting to it.
             let report = self.report();
-            let mut client = clients[next % clients.len()].clone();
-            match tokio::time::timeout(SEND_TIMEOUT, client.report(report)).await {
-                Ok(Ok(answer)) => {
-                    if let Some(allowances) = answer.into_inner().allowances {
-                        self.allowances.take(allowances);
+            let mut sends = tokio::task::JoinSet::new();
+            for (from, client) in clients.iter().enumerate() {
+                let (mut client, report) = (client.clone(), report.clone());
+                sends.spawn(async move { (from, tokio::time::timeout(SEND_TIMEOUT, client.report(report)).await) });
+            }
+            while let Some(sent) = sends.join_next().await {
+                let Ok((from, answer)) = sent else { continue };
+                match answer {
+                    Ok(Ok(answer)) => {
+                        if let Some(allowances) = answer.into_inner().allowances {
+                            self.allowances.take(from, allowances, std::time::Instant::now());
+                        }
                     }
-                }
-                Ok(Err(status)) => {
-                    tracing::debug!(code = ?status.code(), "report refused; trying the next controller next time");
-                    next += 1;
-                }
-                Err(_) => {
-                    tracing::debug!("report timed out; trying the next controller next time");
-                    next += 1;
+                    Ok(Err(status)) => tracing::debug!(code = ?status.code(), from, "report refused"),
+                    Err(_) => tracing::debug!(from, "report timed out"),
                 }
             }
         }

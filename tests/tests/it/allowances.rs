@@ -8,7 +8,7 @@ use bytes::Bytes;
 use http::{Method, StatusCode};
 use inferyes_dataplane::auth::AuthMode;
 use inferyes_proto::v1::CreateKeyRequest;
-use inferyes_tests::DataplaneHandle;
+use inferyes_tests::{ControllerHandle, DataplaneHandle};
 use serde_json::json;
 
 use crate::support::{Fleet, chat_body, chat_sim, create_key, scraped};
@@ -16,17 +16,25 @@ use crate::support::{Fleet, chat_body, chat_sim, create_key, scraped};
 const DATA_PLANES: usize = 4;
 
 /// A fleet of one node with four data planes, each knowing it splits the
-/// keys' limits with the three others.
-async fn four_data_planes(sim: inferyes_sim::SimConfig) -> (Fleet, Vec<DataplaneHandle>) {
+/// keys' limits with the three others. With a second controller, the
+/// three data planes the test adds report to it first.
+async fn four_data_planes(
+    sim: inferyes_sim::SimConfig,
+    second_controller: bool,
+) -> (Fleet, Vec<DataplaneHandle>, Option<ControllerHandle>) {
     let keys = |c: &mut inferyes_dataplane::Config| c.auth = AuthMode::Keys;
     let fleet = Fleet::start_with(vec![sim], |c| {
         keys(c);
         c.dataplane_id = "dp-0".into();
     })
     .await;
+    let second = match second_controller {
+        true => Some(ControllerHandle::start(&fleet.etcd.endpoint(), "controller-2").await),
+        false => None,
+    };
+    let controllers: Vec<String> = second.iter().chain(fleet.controller.iter()).map(ControllerHandle::url).collect();
     let mut others = Vec::new();
     for i in 1..DATA_PLANES {
-        let controllers = [fleet.controller().url()];
         let dataplane = DataplaneHandle::start_with(&controllers, |c| {
             keys(c);
             c.dataplane_id = format!("dp-{i}");
@@ -42,7 +50,7 @@ async fn four_data_planes(sim: inferyes_sim::SimConfig) -> (Fleet, Vec<Dataplane
         })
         .await;
     }
-    (fleet, others)
+    (fleet, others, second)
 }
 
 fn urls(fleet: &Fleet, others: &[DataplaneHandle]) -> Vec<String> {
@@ -65,11 +73,22 @@ async fn key(fleet: &Fleet, others: &[DataplaneHandle], request: CreateKeyReques
 
 #[tokio::test]
 async fn a_key_s_requests_per_minute_hold_across_four_data_planes() {
-    let (fleet, others) = four_data_planes(chat_sim("chat")).await;
-    let bearer =
-        key(&fleet, &others, CreateKeyRequest { name: "rpm".into(), requests_per_minute: 60, ..Default::default() })
-            .await;
-    let urls = urls(&fleet, &others);
+    let (fleet, others, _) = four_data_planes(chat_sim("chat"), false).await;
+    burst_of_240_against_60_a_minute(&fleet, &others).await;
+}
+
+#[tokio::test]
+async fn a_key_s_requests_per_minute_hold_across_data_planes_reporting_to_two_controllers() {
+    // dp-0 reports to the first controller only; its three peers to the
+    // second first. Each controller splits among those it hears from.
+    let (fleet, others, _second) = four_data_planes(chat_sim("chat"), true).await;
+    burst_of_240_against_60_a_minute(&fleet, &others).await;
+}
+
+async fn burst_of_240_against_60_a_minute(fleet: &Fleet, others: &[DataplaneHandle]) {
+    let request = CreateKeyRequest { name: "rpm".into(), requests_per_minute: 60, ..Default::default() };
+    let bearer = key(fleet, others, request).await;
+    let urls = urls(fleet, others);
     let body = chat_body("chat", "hello").to_string();
     let started = tokio::time::Instant::now();
     // 240 at once, dealt round robin: 60 to each data plane.
@@ -114,7 +133,7 @@ async fn open_stream(
 
 #[tokio::test]
 async fn a_key_s_requests_in_flight_hold_across_four_data_planes_and_follow_its_traffic() {
-    let (fleet, others) = four_data_planes(slow_sim()).await;
+    let (fleet, others, _) = four_data_planes(slow_sim(), false).await;
     let bearer =
         key(&fleet, &others, CreateKeyRequest { name: "four".into(), max_concurrent: 4, ..Default::default() }).await;
     let urls = urls(&fleet, &others);
