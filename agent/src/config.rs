@@ -4,6 +4,7 @@
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, bail};
@@ -46,6 +47,10 @@ pub struct Args {
     /// Threads serving the proxy (default: one per core).
     #[arg(long, env = "INFERYES_WORKERS")]
     pub workers: Option<usize>,
+    /// Address blocks of health probers, comma separated (e.g. the host's
+    /// own address, 10.0.0.5/32): never counted as strangers.
+    #[arg(long, env = "INFERYES_TRUSTED_PROBERS", value_delimiter = ',')]
+    pub trusted_probers: Option<Vec<inferyes_net::forwarded::Cidr>>,
 }
 
 #[derive(Clone, Debug, clap::Subcommand)]
@@ -107,6 +112,10 @@ pub struct Config {
     /// memory, however many connections it opens.
     pub max_stranger_connections: usize,
     pub max_stranger_connections_per_address: usize,
+    /// Address blocks whose connections are never a stranger's: health
+    /// probes (the kubelet on the agent's own host, a balancer's checks),
+    /// which strangers filling their places must not turn away.
+    pub trusted_probers: Vec<inferyes_net::forwarded::Cidr>,
     /// From the environment or a flag; never written out.
     #[serde(skip)]
     pub join_token: Option<String>,
@@ -399,6 +408,7 @@ impl Default for Config {
             max_connections: 16_384,
             max_stranger_connections: 512,
             max_stranger_connections_per_address: 128,
+            trusted_probers: Vec::new(),
             moves: MovesConfig::default(),
             tier: TierConfig::default(),
             gpu_hour_price: 0.0,
@@ -433,6 +443,9 @@ impl Config {
         if let Some(v) = args.workers {
             config.workers = v;
         }
+        if let Some(v) = &args.trusted_probers {
+            config.trusted_probers.clone_from(v);
+        }
         if config.node_id.is_empty() {
             config.node_id = hostname();
         }
@@ -449,6 +462,12 @@ impl Config {
 
     pub fn workers(&self) -> usize {
         inferyes_net::serve::workers(self.workers)
+    }
+
+    /// Whether a connection from `address` is a configured prober's.
+    pub fn prober(&self) -> inferyes_net::admit::KnownPeers {
+        let probers: Arc<[inferyes_net::forwarded::Cidr]> = self.trusted_probers.clone().into();
+        Arc::new(move |address| probers.iter().any(|cidr| cidr.contains(address.to_canonical())))
     }
 
     /// Which connections the proxy takes.

@@ -275,7 +275,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         .instrument(tracing::info_span!("drain")),
     ));
     let keepers = spawn_keepers(&state, &shutdown);
-    let admission = inferyes_net::admit::Admission::new(config.connection_limits(), None);
+    let admission = inferyes_net::admit::Admission::new(config.connection_limits(), Some(config.prober()));
     let intake = Arc::new(slots::transfer::Intake {
         admission: Arc::clone(&admission),
         state: Arc::clone(&state),

@@ -140,6 +140,45 @@ async fn silent_strangers_cost_an_agent_a_bounded_share_and_its_data_planes_are_
     agent.stop().await;
 }
 
+#[tokio::test]
+async fn an_agent_s_configured_prober_is_answered_while_strangers_fill_their_places() {
+    let etcd = Etcd::start().await;
+    let controller = ControllerHandle::start(&etcd.endpoint(), "controller-1").await;
+    let sim = SimHandle::start(chat_sim("chat")).await;
+    let agent = AgentHandle::start_tweaked(
+        "node-a",
+        &[controller.url()],
+        inferyes_agent::config::GpuSourceConfig::Simulated,
+        sim_backends(&[("main", &sim)]),
+        |config| {
+            config.max_stranger_connections = 8;
+            config.max_stranger_connections_per_address = 4;
+            config.trusted_probers = vec!["127.0.0.9/32".parse().expect("a block")];
+        },
+    )
+    .await;
+    let strangers =
+        [hold("127.0.0.2", agent.proxy_addr, 4, b"").await, hold("127.0.0.3", agent.proxy_addr, 4, b"").await];
+    // More probes at once than a stranger's address may hold, each
+    // answered, none taking a stranger's place.
+    let mut probes = tokio::task::JoinSet::new();
+    for _ in 0..6 {
+        let address = agent.proxy_addr;
+        probes.spawn(async move {
+            exchange("127.0.0.9", address, b"GET /healthz HTTP/1.1\r\nhost: agent\r\nconnection: close\r\n\r\n").await
+        });
+    }
+    for answer in probes.join_all().await {
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    }
+    let (closed, _held) = closed_within(strangers.into_iter().flatten().collect(), Duration::from_secs(1)).await;
+    assert_eq!(closed, 0, "no stranger made room for a probe");
+    let metrics = format!("http://{}/metrics", agent.admin_addr);
+    let refused = scraped(&HttpClient::default(), &metrics, "inferyes_agent_connections_refused_total", "").await;
+    assert_eq!(refused, 0.0);
+    agent.stop().await;
+}
+
 /// An HTTP/2 connection to `address` from `source`, its preface sent,
 /// and the concurrent streams the server offers it: its first SETTINGS
 /// frame's `MAX_CONCURRENT_STREAMS` (`None`: no limit said).
