@@ -1,7 +1,7 @@
 //! What data planes report they did lately: their routing decisions and the
 //! nodes they hold ejected. Kept in memory for the dashboard, bounded, and
-//! fed only by the `Report` RPC. A data plane reports to one controller at a
-//! time, so each controller shows the data planes reporting to it.
+//! fed only by the `Report` RPC. A data plane reports to every controller
+//! it lists, so each shows every data plane that reaches it.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Mutex;
@@ -22,7 +22,7 @@ pub const KEPT: usize = 4096;
 /// Candidates a decision names, at most (a data plane keeps four).
 const CANDIDATES: usize = 4;
 /// A data plane silent this long no longer vouches for its ejections (it
-/// reports at least every 10 s).
+/// reports every second).
 const STALE_AFTER: Duration = Duration::from_secs(30);
 /// A data plane with requests waiting reports every second: what it said
 /// of its queue this long ago is gone.
@@ -79,13 +79,16 @@ impl Default for Activity {
 
 impl Activity {
     pub fn record(&self, report: DataPlaneReport, now: Instant) {
-        {
+        // Data planes report every second, quiet or not: watchers (the
+        // dashboard, `Explain`) are told only of a report that says more.
+        let changed = {
             let mut inner = self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
             let now_ms = inferyes_proto::unix_ms();
             let mut dataplane_id = report.dataplane_id;
             tidy_text(&mut dataplane_id);
             // Every decision counts in the chart; only the newest of a
             // report can stay.
+            let mut changed = !report.decisions.is_empty() || report.dropped > 0;
             let mut decisions = report.decisions;
             for decision in &decisions {
                 inner.ttft.record(decision, now_ms);
@@ -122,9 +125,10 @@ impl Activity {
             // many ids reports name, the map stays bounded.
             inner.queues.retain(|_, (_, at)| now.saturating_duration_since(*at) < QUEUE_STALE_AFTER);
             if queued.is_empty() {
-                inner.queues.remove(&dataplane_id);
+                changed |= inner.queues.remove(&dataplane_id).is_some();
             } else if inner.queues.len() < DATAPLANES || inner.queues.contains_key(&dataplane_id) {
                 inner.queues.insert(dataplane_id.clone(), (queued, now));
+                changed = true;
             }
             inner.ejections.retain(|_, (_, at)| now.saturating_duration_since(*at) < STALE_AFTER);
             // Node ids only, each once.
@@ -134,12 +138,16 @@ impl Activity {
             ejected.dedup();
             ejected.truncate(EJECTED);
             if ejected.is_empty() {
-                inner.ejections.remove(&dataplane_id);
+                changed |= inner.ejections.remove(&dataplane_id).is_some();
             } else if inner.ejections.len() < DATAPLANES || inner.ejections.contains_key(&dataplane_id) {
-                inner.ejections.insert(dataplane_id, (ejected, now));
+                let before = inner.ejections.insert(dataplane_id, (ejected.clone(), now));
+                changed |= before.is_none_or(|(nodes, _)| nodes != ejected);
             }
+            changed
+        };
+        if changed {
+            self.changed.send_modify(|n| *n += 1);
         }
-        self.changed.send_modify(|n| *n += 1);
     }
 
     pub fn recent(&self, now: Instant) -> Recent {

@@ -226,6 +226,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         views,
         activity,
         pressure: std::sync::Arc::default(),
+        sampled: std::sync::Arc::new(watch::channel(0).0),
         usage: std::sync::Arc::default(),
         shutdown: shutdown.clone(),
         gate: config.dashboard_tokens()?.map(|tokens| std::sync::Arc::new(dashboard::gate::Gate::new(tokens))),

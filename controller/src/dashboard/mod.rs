@@ -44,6 +44,9 @@ pub struct Dashboard {
     pub pressure: Arc<std::sync::Mutex<Pressure>>,
     /// Written only by [`usage::sample`].
     pub usage: Arc<std::sync::Mutex<usage::TenantUsage>>,
+    /// Ticks when either sampler has written: the page shows what they
+    /// sampled, whether or not anything else changed.
+    pub sampled: Arc<tokio::sync::watch::Sender<u64>>,
     /// Event streams end with it, so a graceful shutdown is not held up.
     pub shutdown: CancellationToken,
     /// Who may look; `None`: anyone who reaches the port.
@@ -285,6 +288,8 @@ pub async fn sample_pressure(dashboard: Dashboard) {
         let live = Arc::clone(&dashboard.views.borrow());
         let mut pressure = dashboard.pressure.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         pressure.sample(&snapshot, &live, inferyes_proto::unix_ms());
+        drop(pressure);
+        dashboard.sampled.send_modify(|n| *n += 1);
     }
 }
 
@@ -318,10 +323,12 @@ async fn push(dashboard: Dashboard, tx: mpsc::Sender<Result<Event, Infallible>>)
     let mut snapshots = dashboard.snapshots.clone();
     let mut views = dashboard.views.clone();
     let mut activity = dashboard.activity.subscribe();
+    let mut sampled = dashboard.sampled.subscribe();
     loop {
         snapshots.mark_unchanged();
         views.mark_unchanged();
         activity.mark_unchanged();
+        sampled.mark_unchanged();
         if let Some(view) = dashboard.view() {
             let event = Event::default().event("fleet").data(view.to_string());
             if tx.send(Ok(event)).await.is_err() {
@@ -334,6 +341,7 @@ async fn push(dashboard: Dashboard, tx: mpsc::Sender<Result<Event, Infallible>>)
             changed = snapshots.changed() => if changed.is_err() { return },
             changed = views.changed() => if changed.is_err() { return },
             changed = activity.changed() => if changed.is_err() { return },
+            changed = sampled.changed() => if changed.is_err() { return },
         }
         tokio::select! {
             () = dashboard.shutdown.cancelled() => return,

@@ -159,6 +159,7 @@ pub async fn sample(dashboard: super::Dashboard, store: EtcdStore) {
         let rollups: Vec<(String, UsageRollup)> = past.iter().cloned().chain(now).collect();
         let usage = TenantUsage::of(&rollups, tenant_of, now_ms);
         *dashboard.usage.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = usage;
+        dashboard.sampled.send_modify(|n| *n += 1);
     }
 }
 
