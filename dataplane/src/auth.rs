@@ -336,10 +336,17 @@ impl Auth {
         if admitted {
             return Ok(headers);
         }
-        let retry = within(1.0 - bucket.tokens).max(1);
+        let (retry, here) = if capacity < f64::from(limit) {
+            // The next split, within a second or two, may give this data
+            // plane more of the key's requests.
+            let retry = within(1.0 - bucket.tokens).clamp(1, 2);
+            (retry, format!(", of which this data plane holds {capacity} now"))
+        } else {
+            (within(1.0 - bucket.tokens).max(1), String::new())
+        };
         let mut error = ApiError::new(
             ErrorKind::RateLimited,
-            format!("Rate limit reached for requests: {limit} per minute for this key. Try again in {retry}s."),
+            format!("Rate limit reached for requests: {limit} per minute for this key{here}. Try again in {retry}s."),
             ErrorCode::RateLimitExceeded,
         )
         .retry_after(retry);
@@ -483,7 +490,13 @@ mod tests {
         for _ in 0..15 {
             assert_eq!(auth.admit(&caller, 15, start).unwrap().limit, Some(60), "the key's limit is told");
         }
-        assert!(auth.admit(&caller, 15, start).is_err(), "a part of 15 is a burst of 15");
+        let (_, error) = auth.admit(&caller, 15, start).unwrap_err();
+        assert!(
+            error.message.contains("60 per minute for this key, of which this data plane holds 15"),
+            "{}",
+            error.message
+        );
+        assert_eq!(error.retry_after, Some(2), "the next split may give more here");
         // A quarter of 60 a minute is one every 4 s.
         assert!(auth.admit(&caller, 15, start + Duration::from_millis(3_900)).is_err());
         assert!(auth.admit(&caller, 15, start + Duration::from_millis(4_100)).is_ok());

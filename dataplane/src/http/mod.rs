@@ -103,18 +103,25 @@ impl AppState {
         match self.shares.take(grant, self.allowances.max_concurrent(grant)) {
             Ok(share) => Ok(Some(Arc::new(share))),
             Err(past) => {
-                // A key's own limit is told whole: what this data plane
-                // holds of it is a part.
-                let limit = match past.whose {
+                // A key's own limit is split among the data planes: what
+                // this one holds is a part of it.
+                let held = match past.whose {
                     crate::shares::Whose::Key if grant.max_concurrent > 0 => {
                         self.allowances.refused_in_flight(&grant.key_id);
-                        grant.max_concurrent
+                        if past.limit < grant.max_concurrent {
+                            format!(
+                                "{} here of {} at once, split among the data planes",
+                                past.limit, grant.max_concurrent
+                            )
+                        } else {
+                            format!("{} at once", past.limit)
+                        }
                     }
-                    _ => past.limit,
+                    _ => format!("{} at once", past.limit),
                 };
                 Err(self.refused(
                     crate::auth::Refusal::InFlightShare,
-                    ApiError::past_share(past.whose, &format!("all the requests in flight ({limit} at once)")),
+                    ApiError::past_share(past.whose, &format!("all the requests in flight ({held})")),
                 ))
             }
         }
