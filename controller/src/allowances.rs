@@ -1,12 +1,22 @@
 //! Splits each API key's fleet-wide limits (requests per minute, requests
 //! in flight) among the data planes, by what each asked of them lately.
 //!
-//! Data planes report what each key asked of them every second, and take
-//! their parts back in the report's answer; each then applies its parts on
-//! its own, with no call on a request's path. The parts of a limit add up
-//! to the limit: a key gets its limit however a balancer spreads its
-//! requests, give or take what one round of reports moves between data
-//! planes. Pure: the caller brings the reports, the time and the keys.
+//! Data planes report to every controller, every second, what each key
+//! asked of them and the parts they hold of this controller's last split;
+//! each takes its new parts back in the answer and applies, key by key,
+//! the least part any controller gave it, with no call on a request's path.
+//!
+//! The parts data planes hold of one controller's split add up to at most
+//! the limit at any time, as each data plane says it holds them:
+//! - a part grows only into what the others hold;
+//! - a key no data plane asked of is split evenly by place, and a data
+//!   plane takes no even part while another still holds an even part of a
+//!   split among other members (one joined, or went): even parts only
+//!   shrink as data planes join and only grow as they go, so parts of the
+//!   old split and the new one never add up past the limit;
+//! - a data plane that has not heard this controller holds nothing of it.
+//!
+//! Pure: the caller brings the reports, the time and the keys' limits.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
@@ -18,14 +28,17 @@ use inferyes_proto::v1::{Allowances, KeyAllowance, KeyDemand};
 /// A data plane that has not reported for this long is gone: its parts go
 /// to the others. Data planes report every second.
 pub const GONE_AFTER: Duration = Duration::from_secs(5);
-/// Keys one data plane's report names at most.
+/// Keys the books follow for one data plane at most.
 pub const MAX_KEYS: usize = 4096;
-/// Data planes the books follow at most; a report from one more is
-/// answered with no parts, and the data plane keeps its last.
-pub const MAX_DATAPLANES: usize = 256;
-/// The longest data plane id and key id the books take.
+/// Data planes the books follow at most. Each report's answer weighs every
+/// key some data plane asked of against every data plane: its cost grows
+/// with the keys times the data planes, and reports with the data planes.
+pub const MAX_DATAPLANES: usize = 64;
+/// The longest data plane id the books take.
 const MAX_ID: usize = 128;
-/// A key's requests a minute below which a quiet data plane forgets it.
+/// Requests a minute one report counts at most for a key.
+const MAX_PER_MINUTE: f64 = 1e6;
+/// A key's claim below which a quiet data plane forgets it.
 const FORGOTTEN_BELOW: f64 = 0.5;
 
 /// A key's limits, as its record gives them: 0 is none.
@@ -35,18 +48,43 @@ pub struct Limits {
     pub max_concurrent: u32,
 }
 
-/// What every data plane asked lately.
+impl Limits {
+    fn any(self) -> bool {
+        self != Limits::default()
+    }
+}
+
+/// What every data plane asked lately, and what each holds.
 #[derive(Default)]
 pub struct Books {
     dataplanes: BTreeMap<String, Book>,
+    /// When the first report came: for a while after, data planes that
+    /// have not reported yet may hold parts of an earlier split (this
+    /// controller restarted), and each keeps what it holds.
+    started: Option<Instant>,
 }
 
 struct Book {
     at: Instant,
+    /// The reporting process's own number, and when it last changed: a
+    /// process restarted under the same id takes the book over, but twins
+    /// taking it from each other are refused.
+    instance: u64,
+    taken_over: Option<Instant>,
     keys: FastMap<String, Want>,
-    /// The parts last given it, of keys where they are not its even part
-    /// (what it takes for a key it was given nothing of).
-    given: FastMap<String, Part>,
+    /// The parts it holds of this controller's split, as it said, and as
+    /// this controller last gave them: it may have taken either.
+    held: Option<Held>,
+    given: Option<Held>,
+}
+
+#[derive(Debug, PartialEq)]
+struct Held {
+    members: u64,
+    dataplanes: u32,
+    place: u32,
+    settling: bool,
+    keys: FastMap<String, Part>,
 }
 
 /// A data plane's part of one key's limits.
@@ -56,105 +94,142 @@ struct Part {
     max_concurrent: u32,
 }
 
-/// What one key wants of one data plane.
+/// What one key wants of one data plane, smoothed over reports: a claim
+/// rises at once and falls by half a report, so a burst keeps its part a
+/// while.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 struct Want {
-    /// Requests a minute it asked for, smoothed over reports: it rises at
-    /// once and falls by half a report, so a burst keeps its part a while.
     per_minute: f64,
     in_flight: u32,
-    refused_in_flight: u32,
+    refused_in_flight: f64,
 }
 
 /// Why a report is not taken.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Refused {
     Id,
-    TooManyKeys,
     TooManyDataPlanes,
+    /// Another process reports under this data plane's id.
+    Twin,
+}
+
+/// One data plane's report, as the books take it.
+pub struct Report<'a> {
+    pub dataplane: &'a str,
+    pub instance: u64,
+    pub demand: &'a [KeyDemand],
+    pub held: Option<&'a Allowances>,
 }
 
 impl Books {
-    /// Takes `dataplane`'s report of what its keys asked since its last.
-    pub fn report(&mut self, dataplane: &str, demand: &[KeyDemand], now: Instant) -> Result<(), Refused> {
-        if dataplane.is_empty() || dataplane.len() > MAX_ID {
+    /// Takes a data plane's report of what its keys asked since its last,
+    /// and what it holds. Only keys with limits count (`limits`).
+    pub fn report(
+        &mut self,
+        report: &Report<'_>,
+        limits: impl Fn(&str) -> Option<Limits>,
+        now: Instant,
+    ) -> Result<(), Refused> {
+        if report.dataplane.is_empty() || report.dataplane.len() > MAX_ID {
             return Err(Refused::Id);
         }
-        if demand.len() > MAX_KEYS {
-            return Err(Refused::TooManyKeys);
-        }
+        self.started.get_or_insert(now);
         self.dataplanes.retain(|_, book| now.saturating_duration_since(book.at) < GONE_AFTER);
-        if !self.dataplanes.contains_key(dataplane) && self.dataplanes.len() >= MAX_DATAPLANES {
-            return Err(Refused::TooManyDataPlanes);
+        let full = self.dataplanes.len() >= MAX_DATAPLANES;
+        match self.dataplanes.get_mut(report.dataplane) {
+            Some(book) if book.instance != report.instance => {
+                if book.taken_over.is_some_and(|at| now.saturating_duration_since(at) < GONE_AFTER) {
+                    return Err(Refused::Twin);
+                }
+                // A restart: what it held went with the old process.
+                *book = Book::new(now, report.instance);
+                book.taken_over = Some(now);
+            }
+            None if full => return Err(Refused::TooManyDataPlanes),
+            _ => {}
         }
-        let book = self.dataplanes.entry(dataplane.to_owned()).or_insert_with(|| Book {
-            at: now,
-            keys: FastMap::default(),
-            given: FastMap::default(),
-        });
+        let limited =
+            |key_id: &str| inferyes_proto::apikey::valid_key_id(key_id) && limits(key_id).is_some_and(Limits::any);
+        let book =
+            self.dataplanes.entry(report.dataplane.to_owned()).or_insert_with(|| Book::new(now, report.instance));
         // A first report covers a second, however long the data plane ran.
         let seconds = now.saturating_duration_since(book.at).as_secs_f64().clamp(1.0, GONE_AFTER.as_secs_f64());
         book.at = now;
-        let mut reported: FastMap<String, Want> = FastMap::default();
-        for asked in demand.iter().filter(|d| !d.key_id.is_empty() && d.key_id.len() <= MAX_ID) {
-            let sample = f64::from(asked.asked) * 60.0 / seconds;
-            let before = book.keys.get(&asked.key_id).map_or(0.0, |want| want.per_minute);
+        let mut wants: FastMap<String, Want> = FastMap::default();
+        for asked in report.demand.iter().filter(|d| limited(&d.key_id)).take(MAX_KEYS) {
+            let before = book.keys.get(&asked.key_id).copied().unwrap_or_default();
+            let per_minute = (f64::from(asked.asked) * 60.0 / seconds).min(MAX_PER_MINUTE);
             let want = Want {
-                per_minute: smoothed(before, sample),
+                per_minute: smoothed(before.per_minute, per_minute),
                 in_flight: asked.in_flight,
-                refused_in_flight: asked.refused_in_flight,
+                refused_in_flight: smoothed(before.refused_in_flight, f64::from(asked.refused_in_flight)),
             };
-            reported.insert(asked.key_id.clone(), want);
+            wants.insert(asked.key_id.clone(), want);
         }
         for (key, want) in &book.keys {
-            if !reported.contains_key(key) {
-                let per_minute = smoothed(want.per_minute, 0.0);
-                if per_minute >= FORGOTTEN_BELOW {
-                    reported.insert(key.clone(), Want { per_minute, ..Want::default() });
+            if wants.len() >= MAX_KEYS {
+                break;
+            }
+            if !wants.contains_key(key) {
+                let faded = Want {
+                    per_minute: smoothed(want.per_minute, 0.0),
+                    in_flight: 0,
+                    refused_in_flight: smoothed(want.refused_in_flight, 0.0),
+                };
+                if faded.per_minute.max(faded.refused_in_flight) >= FORGOTTEN_BELOW {
+                    wants.insert(key.clone(), faded);
                 }
             }
         }
-        book.keys = reported;
+        book.keys = wants;
+        book.held = report.held.map(|held| Held::of(held, limited));
         Ok(())
     }
 
-    /// `dataplane`'s parts of the limits of every key some data plane asked
-    /// of lately; `limits` gives a key's, `None` for a key that is gone.
-    ///
-    /// A part shrinks at once, and grows only into what the other data
-    /// planes were last told they hold: a part taken from one data plane
-    /// goes to another once the first has heard it, a report later. So the
-    /// parts every data plane holds add up to the limit at any time, but
-    /// for an answer lost on its way.
-    pub fn allowances(&mut self, dataplane: &str, limits: impl Fn(&str) -> Option<Limits>, now: Instant) -> Allowances {
-        self.dataplanes.retain(|_, book| now.saturating_duration_since(book.at) < GONE_AFTER);
-        let Some(place) = self.dataplanes.keys().position(|id| id == dataplane) else {
-            return Allowances::default();
-        };
-        let count = u32::try_from(self.dataplanes.len()).unwrap_or(u32::MAX);
-        let books: Vec<&Book> = self.dataplanes.values().collect();
-        let named: BTreeSet<&str> =
-            books.iter().flat_map(|book| book.keys.keys().chain(book.given.keys())).map(String::as_str).collect();
-        // Each key's part, and whether it is the even one; `None` for a
-        // key with no limits (any more).
-        let mut parts: Vec<(String, Option<(Part, bool)>)> = Vec::new();
+    /// `dataplane`'s new parts; `None` for a data plane the books do not
+    /// follow. `limits` gives a key's limits, `None` for a key that is gone.
+    pub fn allowances(
+        &mut self,
+        dataplane: &str,
+        limits: impl Fn(&str) -> Option<Limits>,
+        now: Instant,
+    ) -> Option<Allowances> {
+        if self.started.is_none_or(|started| now.saturating_duration_since(started) < GONE_AFTER) {
+            return self
+                .dataplanes
+                .get(dataplane)
+                .map(|book| book.held.as_ref().map_or_else(nothing, Held::to_allowances));
+        }
+        let live: Vec<(&String, &Book)> =
+            self.dataplanes.iter().filter(|(_, book)| now.saturating_duration_since(book.at) < GONE_AFTER).collect();
+        let place = live.iter().position(|(id, _)| id.as_str() == dataplane)?;
+        let count = index(live.len());
+        let members = digest(live.iter().map(|(id, _)| id.as_str()));
+        // Until no other data plane holds even parts of a split among other
+        // members, an even part here could add to one of those.
+        let settling = live.iter().enumerate().any(|(i, (_, book))| {
+            i != place && book.held.iter().chain(&book.given).any(|held| !held.settling && held.members != members)
+        });
+        let named: BTreeSet<&str> = live
+            .iter()
+            .flat_map(|(_, book)| book.keys.keys().chain(book.held.iter().flat_map(|held| held.keys.keys())))
+            .map(String::as_str)
+            .collect();
+        let mut keys = Vec::new();
         for key_id in named {
-            let Some(limits) = limits(key_id).filter(|l| *l != Limits::default()) else {
-                parts.push((key_id.to_owned(), None));
-                continue;
-            };
+            let Some(limits) = limits(key_id).filter(|l| l.any()) else { continue };
             let wants: Vec<Want> =
-                books.iter().map(|book| book.keys.get(key_id).copied().unwrap_or_default()).collect();
+                live.iter().map(|(_, book)| book.keys.get(key_id).copied().unwrap_or_default()).collect();
             let rate: Vec<Claim> = wants.iter().map(|w| Claim { held: 0, more: w.per_minute }).collect();
             let room: Vec<Claim> =
-                wants.iter().map(|w| Claim { held: w.in_flight, more: f64::from(w.refused_in_flight) }).collect();
-            // What the others do not hold, as they were last told.
+                wants.iter().map(|w| Claim { held: w.in_flight, more: w.refused_in_flight }).collect();
+            // What the others do not hold.
             let free = |limit: u32, of: fn(&Part) -> u32| -> u32 {
-                let held = books
-                    .iter()
-                    .enumerate()
-                    .filter(|(i, _)| *i != place)
-                    .map(|(i, book)| book.given.get(key_id).map_or_else(|| even_part(limit, count, index(i)), of));
+                let others = live.iter().enumerate().filter(|(i, _)| *i != place);
+                let held = others.map(|(_, (_, book))| {
+                    let part = |held: &Option<Held>| held.as_ref().map_or(0, |held| held.part(key_id, limit, of));
+                    part(&book.held).max(part(&book.given))
+                });
                 limit.saturating_sub(held.fold(0, u32::saturating_add))
             };
             let part = Part {
@@ -167,28 +242,92 @@ impl Books {
                 requests_per_minute: even_part(limits.requests_per_minute, count, index(place)),
                 max_concurrent: even_part(limits.max_concurrent, count, index(place)),
             };
-            parts.push((key_id.to_owned(), Some((part, part == even))));
+            if settling || part != even {
+                keys.push(KeyAllowance {
+                    key_id: key_id.to_owned(),
+                    requests_per_minute: part.requests_per_minute,
+                    max_concurrent: part.max_concurrent,
+                });
+            }
         }
-        let book = self.dataplanes.get_mut(dataplane).expect("placed above");
-        let mut keys = Vec::new();
-        for (key_id, part) in parts {
-            let Some((part, even)) = part else {
-                book.given.remove(&key_id);
-                continue;
-            };
-            keys.push(KeyAllowance {
+        let answer = Allowances { dataplanes: count, place: index(place), keys, members, settling };
+        if let Some(book) = self.dataplanes.get_mut(dataplane) {
+            book.given = Some(Held::of(&answer, |_| true));
+        }
+        Some(answer)
+    }
+}
+
+impl Book {
+    fn new(at: Instant, instance: u64) -> Book {
+        Book { at, instance, taken_over: None, keys: FastMap::default(), held: None, given: None }
+    }
+}
+
+/// Parts of nothing: what a data plane whose report is refused holds of
+/// this controller's split.
+pub fn nothing() -> Allowances {
+    Allowances { settling: true, ..Allowances::default() }
+}
+
+impl Held {
+    fn to_allowances(&self) -> Allowances {
+        let keys = self
+            .keys
+            .iter()
+            .map(|(key_id, part)| KeyAllowance {
                 key_id: key_id.clone(),
                 requests_per_minute: part.requests_per_minute,
                 max_concurrent: part.max_concurrent,
-            });
-            if even {
-                book.given.remove(&key_id);
-            } else {
-                book.given.insert(key_id, part);
-            }
+            })
+            .collect();
+        Allowances {
+            dataplanes: self.dataplanes,
+            place: self.place,
+            keys,
+            members: self.members,
+            settling: self.settling,
         }
-        Allowances { dataplanes: count, place: index(place), keys }
     }
+
+    fn of(parts: &Allowances, keep: impl Fn(&str) -> bool) -> Held {
+        Held {
+            members: parts.members,
+            dataplanes: parts.dataplanes,
+            place: parts.place,
+            settling: parts.settling,
+            keys: parts
+                .keys
+                .iter()
+                .filter(|key| keep(&key.key_id))
+                .take(MAX_KEYS)
+                .map(|key| {
+                    let part =
+                        Part { requests_per_minute: key.requests_per_minute, max_concurrent: key.max_concurrent };
+                    (key.key_id.clone(), part)
+                })
+                .collect(),
+        }
+    }
+
+    /// What it holds of `limit`, a key's, by `of`.
+    fn part(&self, key_id: &str, limit: u32, of: fn(&Part) -> u32) -> u32 {
+        match self.keys.get(key_id) {
+            Some(part) => of(part),
+            None if self.settling => 0,
+            None => even_part(limit, self.dataplanes, self.place),
+        }
+    }
+}
+
+/// A digest of a split's members, sorted.
+fn digest<'a>(ids: impl Iterator<Item = &'a str>) -> u64 {
+    let mut joined = Vec::new();
+    for id in ids {
+        joined.extend_from_slice(id.as_bytes());
+        joined.push(0);
+    }
+    inferyes_proto::hash::stable_hash(&joined)
 }
 
 fn index(place: usize) -> u32 {
@@ -286,85 +425,206 @@ mod tests {
         assert_eq!(split(4, &[room(1, 6.0), room(1, 0.0)]), vec![3, 1]);
     }
 
+    const KEY: &str = "keyaaaaaaaaa";
+    /// A key nobody asks of: each data plane holds its even part of it.
+    const QUIET: &str = "quietaaaaaaa";
+
     fn demand(key: &str, asked: u32, in_flight: u32, refused_in_flight: u32) -> KeyDemand {
         KeyDemand { key_id: key.into(), asked, in_flight, refused_in_flight }
     }
 
     fn limits(key: &str) -> Option<Limits> {
-        (key == "k").then_some(Limits { requests_per_minute: 60, max_concurrent: 4 })
+        match key {
+            KEY => Some(Limits { requests_per_minute: 60, max_concurrent: 4 }),
+            QUIET => Some(Limits { requests_per_minute: 7, max_concurrent: 3 }),
+            _ => None,
+        }
+    }
+
+    /// A data plane as the books see it: it reports what it holds, and
+    /// takes each answer.
+    struct Plane {
+        id: String,
+        instance: u64,
+        held: Option<Allowances>,
+    }
+
+    impl Plane {
+        fn new(id: &str) -> Plane {
+            Plane { id: id.into(), instance: 1, held: None }
+        }
+
+        fn round(&mut self, books: &mut Books, demand: &[KeyDemand], now: Instant) -> Allowances {
+            let report = Report { dataplane: &self.id, instance: self.instance, demand, held: self.held.as_ref() };
+            books.report(&report, limits, now).unwrap();
+            let answer = books.allowances(&self.id, limits, now).unwrap();
+            self.held = Some(answer.clone());
+            answer
+        }
+
+        /// What it applies of the key: `(requests per minute, in flight)`.
+        fn part(&self) -> (u32, u32) {
+            self.part_of(KEY)
+        }
+
+        fn part_of(&self, key_id: &str) -> (u32, u32) {
+            let Some(held) = &self.held else { return (0, 0) };
+            let limits = limits(key_id).unwrap();
+            match held.keys.iter().find(|k| k.key_id == key_id) {
+                Some(k) => (k.requests_per_minute, k.max_concurrent),
+                None if held.settling => (0, 0),
+                None => (
+                    even_part(limits.requests_per_minute, held.dataplanes, held.place),
+                    even_part(limits.max_concurrent, held.dataplanes, held.place),
+                ),
+            }
+        }
     }
 
     #[test]
     fn a_key_s_parts_follow_the_data_planes_it_was_asked_of() {
-        let (mut books, start) = (Books::default(), Instant::now());
-        books.report("dp-a", &[demand("k", 2, 2, 3)], start).unwrap();
-        books.report("dp-b", &[], start).unwrap();
-        let part =
-            |rpm, max_concurrent| vec![KeyAllowance { key_id: "k".into(), requests_per_minute: rpm, max_concurrent }];
-        // 120 a minute asked of dp-a (2 in its first second), more than the
-        // 60 there are; it holds 2 in flight and asked 3 more. It keeps its
-        // even half until dp-b has heard it holds none.
-        let a = books.allowances("dp-a", limits, start);
-        assert_eq!((a.dataplanes, a.place, a.keys), (2, 0, part(30, 2)));
-        let b = books.allowances("dp-b", limits, start);
-        assert_eq!((b.place, b.keys), (1, part(0, 0)));
-        assert_eq!(books.allowances("dp-a", limits, start).keys, part(60, 4));
+        let (mut books, warming) = (Books::default(), Instant::now());
+        let (mut a, mut b) = (Plane::new("dp-a"), Plane::new("dp-b"));
+        for at in [warming, warming + GONE_AFTER / 2] {
+            a.round(&mut books, &[], at);
+            b.round(&mut books, &[], at);
+        }
+        let start = warming + GONE_AFTER;
+        // 120 a minute asked of dp-a (5 since its report 2.5 s before),
+        // more than the 60 there are; it holds 2 in flight and asked 3 more.
+        // dp-b holds nothing: this controller gave it nothing yet.
+        let answer = a.round(&mut books, &[demand(KEY, 5, 2, 3)], start);
+        assert_eq!((answer.dataplanes, answer.place, a.part()), (2, 0, (60, 4)));
+        let answer = b.round(&mut books, &[], start);
+        assert_eq!((answer.place, b.part()), (1, (0, 0)));
 
-        // dp-a goes quiet and its claim fades; dp-b is asked now.
-        let later = start + Duration::from_secs(1);
-        books.report("dp-a", &[], later).unwrap();
-        books.report("dp-b", &[demand("k", 1, 1, 0)], later).unwrap();
-        let (a, b) = (books.allowances("dp-a", limits, later), books.allowances("dp-b", limits, later));
-        // dp-a's 120 a minute fades to 60; dp-b asked 60: half each.
-        assert_eq!((a.keys[0].requests_per_minute, b.keys[0].requests_per_minute), (30, 30));
-        assert_eq!((a.keys[0].max_concurrent, b.keys[0].max_concurrent), (2, 2), "one held, the spare spread");
+        // dp-a goes quiet and its claim fades; dp-b is asked now. dp-b
+        // grows into what dp-a gave up once dp-a says it holds less.
+        let mut now = start;
+        for _ in 0..3 {
+            now += Duration::from_secs(1);
+            a.round(&mut books, &[], now);
+            b.round(&mut books, &[demand(KEY, 1, 1, 0)], now);
+        }
+        let ((a_rate, a_room), (b_rate, b_room)) = (a.part(), b.part());
+        assert!(b_rate > a_rate && a_rate + b_rate <= 60, "{:?}", (a.part(), b.part()));
+        assert_eq!((a_room, b_room), (2, 2), "one held on dp-b, the spare spread");
 
         // dp-a is gone: dp-b has it all, alone among the data planes.
-        let gone = later + GONE_AFTER;
-        books.report("dp-b", &[demand("k", 1, 0, 0)], gone).unwrap();
-        let b = books.allowances("dp-b", limits, gone);
-        assert_eq!((b.dataplanes, b.place, b.keys[0].requests_per_minute, b.keys[0].max_concurrent), (1, 0, 60, 4));
+        now += GONE_AFTER;
+        let answer = b.round(&mut books, &[demand(KEY, 1, 0, 0)], now);
+        assert_eq!((answer.dataplanes, answer.place, b.part()), (1, 0, (60, 4)));
     }
 
     #[test]
     fn the_parts_data_planes_hold_never_add_up_past_the_limit() {
-        // Four data planes reporting in turn, the key's traffic moving among
-        // them at random; after each answer, what each holds as last told
-        // (its even part before any) adds up to at most the limit.
-        let (mut books, start) = (Books::default(), Instant::now());
-        let names = ["dp-a", "dp-b", "dp-c", "dp-d"];
-        for name in names {
-            books.report(name, &[], start).unwrap();
-        }
-        let mut held = [(15, 1); 4];
+        // Data planes joining, going and coming back, a controller starting
+        // over, answers lost, the key's traffic moving among them at random:
+        // after each answer, what every live data plane holds adds up to
+        // at most the limit.
+        let mut books = Books::default();
+        let start = Instant::now();
+        let mut planes: Vec<Plane> = ["dp-b", "dp-d", "dp-a", "dp-c", "dp-e"].into_iter().map(Plane::new).collect();
         let mut seed = 7u64;
-        for round in 0..400u64 {
+        for round in 0..3000u64 {
             seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
-            let (i, busy) = (usize::try_from(round % 4).unwrap(), seed >> 33);
-            let in_flight = u32::try_from(busy % 3).unwrap().min(held[i].1);
-            let asked = demand("k", u32::try_from(busy % 50).unwrap(), in_flight, u32::try_from(busy % 5).unwrap());
-            let now = start + Duration::from_millis(250 * round);
-            books.report(names[i], &[asked], now).unwrap();
-            let answer = books.allowances(names[i], limits, now);
-            let part = answer.keys.first().map_or((15, 1), |k| (k.requests_per_minute, k.max_concurrent));
-            held[i] = part;
-            let (rpm, room): (u32, u32) = (held.iter().map(|h| h.0).sum(), held.iter().map(|h| h.1).sum());
-            assert!(rpm <= 60 && room <= 4, "round {round}: parts held {held:?}");
+            let roll = seed >> 33;
+            let now = start + Duration::from_millis(200 * round);
+            // Each reports once a second, in turn; dp-e comes and goes (and
+            // holds nothing while gone).
+            let e_runs = (round / 500) % 2 == 0;
+            if !e_runs {
+                planes[4].held = None;
+            }
+            let i = usize::try_from(round % 5).unwrap();
+            if i == 4 && !e_runs {
+                continue;
+            }
+            match roll % 97 {
+                0 => books = Books::default(),
+                1 => {
+                    planes[i].held = None;
+                    planes[i].instance += 1;
+                }
+                _ => {}
+            }
+            let (_, in_flight) = planes[i].part();
+            let asked = demand(
+                KEY,
+                u32::try_from(roll % 50).unwrap(),
+                u32::try_from(roll % 3).unwrap().min(in_flight),
+                u32::try_from(roll % 5).unwrap(),
+            );
+            let plane = &mut planes[i];
+            let report =
+                Report { dataplane: &plane.id, instance: plane.instance, demand: &[asked], held: plane.held.as_ref() };
+            let answer = match books.report(&report, limits, now) {
+                Ok(()) => books.allowances(&plane.id, limits, now).unwrap(),
+                Err(_) => nothing(),
+            };
+            // One answer in 13 is lost on its way.
+            if !roll.is_multiple_of(13) {
+                plane.held = Some(answer);
+            }
+            for key_id in [KEY, QUIET] {
+                let running = planes.iter().enumerate().filter(|(i, _)| *i != 4 || e_runs);
+                let held: Vec<(u32, u32)> = running.map(|(_, plane)| plane.part_of(key_id)).collect();
+                let (rpm, room): (u32, u32) = (held.iter().map(|h| h.0).sum(), held.iter().map(|h| h.1).sum());
+                let limits = limits(key_id).unwrap();
+                assert!(
+                    rpm <= limits.requests_per_minute && room <= limits.max_concurrent,
+                    "round {round}, {key_id}: parts held {held:?}"
+                );
+            }
         }
+        // Not all nothing: the limit is used.
+        let held: Vec<(u32, u32)> = planes[..4].iter().map(Plane::part).collect();
+        assert!(held.iter().map(|h| h.0).sum::<u32>() >= 30, "{held:?}");
+    }
+
+    fn report<'a>(dataplane: &'a str, instance: u64, demand: &'a [KeyDemand]) -> Report<'a> {
+        Report { dataplane, instance, demand, held: None }
     }
 
     #[test]
-    fn keys_without_limits_and_bad_reports_give_nothing() {
-        let (mut books, now) = (Books::default(), Instant::now());
-        books.report("dp-a", &[demand("unlimited", 5, 1, 0), demand("", 1, 0, 0)], now).unwrap();
-        assert!(books.allowances("dp-a", limits, now).keys.is_empty());
-        assert_eq!(books.allowances("dp-unknown", limits, now), Allowances::default());
-        assert_eq!(books.report("", &[], now), Err(Refused::Id));
-        let many: Vec<KeyDemand> = (0..=MAX_KEYS).map(|i| demand(&format!("k{i}"), 1, 0, 0)).collect();
-        assert_eq!(books.report("dp-b", &many, now), Err(Refused::TooManyKeys));
+    fn for_a_while_after_its_start_a_controller_leaves_each_data_plane_what_it_holds() {
+        let (mut books, start) = (Books::default(), Instant::now());
+        let held = Allowances {
+            dataplanes: 3,
+            place: 1,
+            keys: vec![KeyAllowance { key_id: KEY.into(), requests_per_minute: 40, max_concurrent: 3 }],
+            ..Allowances::default()
+        };
+        let asked = [demand(KEY, 100, 0, 0)];
+        let old = Report { held: Some(&held), ..report("dp-a", 1, &asked) };
+        books.report(&old, limits, start).unwrap();
+        assert_eq!(books.allowances("dp-a", limits, start).unwrap(), held);
+        books.report(&report("dp-new", 1, &asked), limits, start).unwrap();
+        assert_eq!(books.allowances("dp-new", limits, start).unwrap(), nothing());
+        // Every data plane has reported since: it splits again.
+        let later = start + GONE_AFTER;
+        books.report(&old, limits, later).unwrap();
+        assert_ne!(books.allowances("dp-a", limits, later).unwrap(), held);
+    }
+
+    #[test]
+    fn keys_without_limits_bad_reports_and_twins_get_nothing() {
+        let (mut books, start) = (Books::default(), Instant::now());
+        let odd = [demand("unlimited123", 5, 1, 0), demand("", 1, 0, 0), demand("not a key id", 1, 0, 0)];
+        books.report(&report("dp-a", 1, &odd), limits, start).unwrap();
+        let now = start + GONE_AFTER;
+        books.report(&report("dp-a", 1, &odd), limits, now).unwrap();
+        assert!(books.dataplanes["dp-a"].keys.is_empty(), "only keys with limits are followed");
+        assert!(books.allowances("dp-a", limits, now).unwrap().keys.is_empty());
+        assert_eq!(books.allowances("dp-unknown", limits, now), None);
+        assert_eq!(books.report(&report("", 1, &[]), limits, now), Err(Refused::Id));
+        // A process restarted under the id takes its book over; the one
+        // before, still running, is a twin.
+        books.report(&report("dp-a", 2, &[]), limits, now).unwrap();
+        assert_eq!(books.report(&report("dp-a", 1, &[]), limits, now), Err(Refused::Twin));
         for i in 1..MAX_DATAPLANES {
-            books.report(&format!("dp-{i}"), &[], now).unwrap();
+            books.report(&report(&format!("dp-{i}"), 1, &[]), limits, now).unwrap();
         }
-        assert_eq!(books.report("dp-one-more", &[], now), Err(Refused::TooManyDataPlanes));
+        assert_eq!(books.report(&report("dp-one-more", 1, &[]), limits, now), Err(Refused::TooManyDataPlanes));
     }
 }

@@ -13,8 +13,9 @@
 //! where every data plane reaches every controller, the parts add up to
 //! the limit whichever controller each heard last. A controller not heard
 //! for [`STALE_AFTER`] stops counting while another answers; a data plane
-//! that reaches none keeps its last parts, and one that never reached one
-//! applies each key's whole limit, as a lone data plane would.
+//! that reaches none keeps its last parts. One that no controller answered
+//! yet holds nothing of a limited key; a controller that answers without
+//! parts (one from before keys' limits were split) does not limit it.
 
 use std::sync::{Mutex, PoisonError, RwLock};
 use std::time::{Duration, Instant};
@@ -32,17 +33,42 @@ pub const STALE_AFTER: Duration = Duration::from_secs(10);
 
 #[derive(Default)]
 pub struct Allowances {
-    /// The parts each controller gave last, by the controller's place in
+    /// What each controller answered last, by the controller's place in
     /// the data plane's list.
-    parts: RwLock<Vec<Option<Parts>>>,
+    heard: RwLock<Vec<Option<Heard>>>,
     asked: Mutex<FastMap<String, Asked>>,
 }
 
-struct Parts {
-    at: Instant,
-    dataplanes: u32,
-    place: u32,
-    keys: FastMap<String, Part>,
+enum Heard {
+    Split {
+        at: Instant,
+        answer: v1::Allowances,
+        keys: FastMap<String, Part>,
+    },
+    /// A controller that splits no limits.
+    Unsplit {
+        at: Instant,
+    },
+}
+
+impl Heard {
+    fn at(&self) -> Instant {
+        match self {
+            Heard::Split { at, .. } | Heard::Unsplit { at } => *at,
+        }
+    }
+
+    /// This controller's part of `limit`, a key's, by `of`.
+    fn part(&self, key_id: &str, limit: u32, of: impl Fn(&Part) -> u32) -> u32 {
+        match self {
+            Heard::Unsplit { .. } => limit,
+            Heard::Split { answer, keys, .. } => match keys.get(key_id) {
+                Some(part) => of(part),
+                None if answer.settling => 0,
+                None => inferyes_proto::allowance::even_part(limit, answer.dataplanes, answer.place),
+            },
+        }
+    }
 }
 
 #[derive(Clone, Copy, Default)]
@@ -80,9 +106,9 @@ impl Allowances {
         self.count(key_id, |asked| asked.refused_in_flight = asked.refused_in_flight.saturating_add(1));
     }
 
-    /// What the keys asked since the last call, with their requests in
-    /// flight now (`in_flight` gives the keys that hold any): the busiest
-    /// [`MAX_KEYS`].
+    /// What the keys asked since the last call, with the requests in flight
+    /// of the keys that hold any and have a limit of them: those first, then
+    /// the busiest, [`MAX_KEYS`] in all.
     pub fn demand(&self, in_flight: &[(String, u32)]) -> Vec<KeyDemand> {
         let asked = std::mem::take(&mut *self.asked.lock().unwrap_or_else(PoisonError::into_inner));
         let mut demand: FastMap<String, KeyDemand> = asked
@@ -105,52 +131,75 @@ impl Allowances {
             .in_flight = *count;
         }
         let mut demand: Vec<KeyDemand> = demand.into_values().collect();
-        let busy = |d: &KeyDemand| u64::from(d.asked) + u64::from(d.in_flight) + u64::from(d.refused_in_flight);
-        demand.sort_unstable_by(|a, b| busy(b).cmp(&busy(a)).then_with(|| a.key_id.cmp(&b.key_id)));
+        // Requests in flight are what a split must never give away.
+        let order = |d: &KeyDemand| (d.in_flight, u64::from(d.asked) + u64::from(d.refused_in_flight));
+        demand.sort_unstable_by(|a, b| order(b).cmp(&order(a)).then_with(|| a.key_id.cmp(&b.key_id)));
         demand.truncate(MAX_KEYS);
         demand
     }
 
     /// Takes the answer of controller `from` (its place in the data
-    /// plane's list): its parts replace all it gave before.
-    pub fn take(&self, from: usize, answer: v1::Allowances, now: Instant) {
-        let keys = answer
-            .keys
-            .into_iter()
-            .map(|key| {
-                let part = Part { requests_per_minute: key.requests_per_minute, max_concurrent: key.max_concurrent };
-                (key.key_id, part)
-            })
-            .collect();
-        let parts = Parts { at: now, dataplanes: answer.dataplanes, place: answer.place, keys };
-        let mut heard = self.parts.write().unwrap_or_else(PoisonError::into_inner);
-        if heard.len() <= from {
-            heard.resize_with(from + 1, || None);
+    /// plane's list): what it gives replaces all it gave before. `None`: it
+    /// splits no limits.
+    pub fn take(&self, from: usize, answer: Option<v1::Allowances>, now: Instant) {
+        let heard = match answer {
+            None => Heard::Unsplit { at: now },
+            Some(answer) => {
+                let keys = answer
+                    .keys
+                    .iter()
+                    .map(|key| {
+                        let part =
+                            Part { requests_per_minute: key.requests_per_minute, max_concurrent: key.max_concurrent };
+                        (key.key_id.clone(), part)
+                    })
+                    .collect();
+                Heard::Split { at: now, answer, keys }
+            }
+        };
+        let mut all = self.heard.write().unwrap_or_else(PoisonError::into_inner);
+        if all.len() <= from {
+            all.resize_with(from + 1, || None);
         }
-        heard[from] = Some(parts);
+        all[from] = Some(heard);
+    }
+
+    /// The parts this data plane applies of controller `from`'s split, as
+    /// its last answer gave them: what that controller takes it to hold.
+    pub fn held(&self, from: usize) -> Option<v1::Allowances> {
+        match self.heard.read().unwrap_or_else(PoisonError::into_inner).get(from) {
+            Some(Some(Heard::Split { answer, .. })) => Some(answer.clone()),
+            _ => None,
+        }
     }
 
     /// The data planes the fleet's limits are split among, the most any
-    /// controller counts; 0 before any answered.
+    /// controller heard lately counts; 0 before any split them.
     pub fn dataplanes(&self) -> u32 {
-        let heard = self.parts.read().unwrap_or_else(PoisonError::into_inner);
-        heard.iter().flatten().map(|parts| parts.dataplanes).max().unwrap_or(0)
+        let heard = self.heard.read().unwrap_or_else(PoisonError::into_inner);
+        let newest = heard.iter().flatten().map(Heard::at).max();
+        heard
+            .iter()
+            .flatten()
+            .filter(|heard| newest.is_some_and(|newest| newest.saturating_duration_since(heard.at()) < STALE_AFTER))
+            .filter_map(|heard| match heard {
+                Heard::Split { answer, .. } => Some(answer.dataplanes),
+                Heard::Unsplit { .. } => None,
+            })
+            .max()
+            .unwrap_or(0)
     }
 
     fn part(&self, grant: &ApiKey, limit: u32, of: impl Fn(&Part) -> u32) -> u32 {
-        let heard = self.parts.read().unwrap_or_else(PoisonError::into_inner);
-        let newest = heard.iter().flatten().map(|parts| parts.at).max();
-        let Some(newest) = newest else { return limit };
+        let heard = self.heard.read().unwrap_or_else(PoisonError::into_inner);
+        let Some(newest) = heard.iter().flatten().map(Heard::at).max() else { return 0 };
         // The controllers' parts are of the limits they read; a key's record
         // changed since is held to its new limit.
         heard
             .iter()
             .flatten()
-            .filter(|parts| newest.saturating_duration_since(parts.at) < STALE_AFTER)
-            .map(|parts| match parts.keys.get(&grant.key_id) {
-                Some(part) => of(part),
-                None => inferyes_proto::allowance::even_part(limit, parts.dataplanes, parts.place),
-            })
+            .filter(|heard| newest.saturating_duration_since(heard.at()) < STALE_AFTER)
+            .map(|heard| heard.part(&grant.key_id, limit, &of))
             .fold(limit, u32::min)
     }
 
@@ -170,23 +219,37 @@ mod tests {
         ApiKey { key_id: id.into(), requests_per_minute: rpm, max_concurrent, ..ApiKey::default() }
     }
 
+    fn split(dataplanes: u32, place: u32, requests_per_minute: u32, max_concurrent: u32) -> Option<v1::Allowances> {
+        let key = v1::KeyAllowance { key_id: "k".into(), requests_per_minute, max_concurrent };
+        Some(v1::Allowances { dataplanes, place, keys: vec![key], ..v1::Allowances::default() })
+    }
+
     #[test]
-    fn parts_are_the_whole_limit_until_a_controller_answers_then_its_split() {
+    fn a_limited_key_has_nothing_until_a_controller_answers_then_its_part() {
         let allowances = Allowances::default();
         let (limited, other) = (key("k", 60, 4), key("other", 10, 0));
-        assert_eq!((allowances.requests_per_minute(&limited), allowances.max_concurrent(&limited)), (60, Some(4)));
-        let now = Instant::now();
-        allowances.take(0, split(4, 3, 45, 3), now);
+        assert_eq!((allowances.requests_per_minute(&limited), allowances.max_concurrent(&limited)), (0, Some(0)));
+        allowances.take(0, split(4, 3, 45, 3), Instant::now());
         assert_eq!((allowances.requests_per_minute(&limited), allowances.max_concurrent(&limited)), (45, Some(3)));
         assert_eq!((allowances.requests_per_minute(&other), allowances.max_concurrent(&other)), (2, None));
         // A limit lowered since the split holds.
         assert_eq!(allowances.requests_per_minute(&key("k", 30, 0)), 30);
         assert_eq!(allowances.dataplanes(), 4);
+        assert_eq!(allowances.held(0), split(4, 3, 45, 3), "what it holds goes back with its next report");
+        assert_eq!(allowances.held(1), None);
     }
 
-    fn split(dataplanes: u32, place: u32, requests_per_minute: u32, max_concurrent: u32) -> v1::Allowances {
-        let key = v1::KeyAllowance { key_id: "k".into(), requests_per_minute, max_concurrent };
-        v1::Allowances { dataplanes, place, keys: vec![key] }
+    #[test]
+    fn a_settling_split_gives_no_even_part_and_a_controller_without_parts_limits_nothing() {
+        let allowances = Allowances::default();
+        let mut settling = split(4, 0, 45, 3);
+        settling.as_mut().unwrap().settling = true;
+        allowances.take(0, settling, Instant::now());
+        assert_eq!(allowances.requests_per_minute(&key("k", 60, 0)), 45);
+        assert_eq!(allowances.requests_per_minute(&key("even", 60, 0)), 0);
+        let unsplit = Allowances::default();
+        unsplit.take(0, None, Instant::now());
+        assert_eq!(unsplit.requests_per_minute(&key("k", 60, 0)), 60);
     }
 
     #[test]
@@ -201,10 +264,11 @@ mod tests {
         // The second controller not heard for a while: the first's parts.
         allowances.take(0, split(4, 0, 40, 2), now + STALE_AFTER);
         assert_eq!((allowances.requests_per_minute(&limited), allowances.max_concurrent(&limited)), (40, Some(2)));
+        assert_eq!(allowances.dataplanes(), 4);
     }
 
     #[test]
-    fn demand_is_what_was_asked_since_the_last_report_busiest_first() {
+    fn demand_holds_requests_in_flight_first_then_the_busiest() {
         let allowances = Allowances::default();
         for _ in 0..3 {
             allowances.requests_per_minute(&key("busy", 60, 0));
@@ -215,7 +279,7 @@ mod tests {
         let demand = allowances.demand(&[("holding".into(), 2)]);
         let seen: Vec<(&str, u32, u32, u32)> =
             demand.iter().map(|d| (d.key_id.as_str(), d.asked, d.in_flight, d.refused_in_flight)).collect();
-        assert_eq!(seen, vec![("busy", 3, 0, 0), ("holding", 0, 2, 0), ("quiet", 1, 0, 1)]);
+        assert_eq!(seen, vec![("holding", 0, 2, 0), ("busy", 3, 0, 0), ("quiet", 1, 0, 1)]);
         assert_eq!(allowances.demand(&[]), Vec::new(), "each ask is reported once");
     }
 }

@@ -264,6 +264,9 @@ impl Config {
         if self.version != 1 {
             bail!("config version {} is not supported: set `version = 1`", self.version);
         }
+        if self.dataplane_id.len() > 128 || self.dataplane_id.chars().any(char::is_control) {
+            bail!("dataplane_id must be at most 128 bytes, without control characters");
+        }
         if self.controllers.is_empty() {
             bail!("controllers is empty: list at least one controller address, e.g. [\"http://127.0.0.1:7070\"]");
         }

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use inferyes_proto::v1::{DataPlaneReport, RoutingDecision};
+use inferyes_proto::v1::{DataPlaneReport, ReportAck, RoutingDecision};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
@@ -88,32 +88,41 @@ impl Reporter {
         if clients.is_empty() {
             return;
         }
+        let instance = fastrand::u64(..);
         let mut ticker = tokio::time::interval(REPORT_EVERY);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // One report at a time to each controller; one slow to answer
+        // misses rounds, the others do not wait for it.
+        let mut sending = vec![false; clients.len()];
+        let mut sends: tokio::task::JoinSet<(usize, Result<Result<ReportAck, tonic::Status>, _>)> =
+            tokio::task::JoinSet::new();
         loop {
             tokio::select! {
                 () = self.shutdown.cancelled() => return,
                 _ = ticker.tick() => {}
-            }
-            // To every controller, at once: each splits the keys' limits
-            // among the data planes reporting to it.
-            let report = self.report();
-            let mut sends = tokio::task::JoinSet::new();
-            for (from, client) in clients.iter().enumerate() {
-                let (mut client, report) = (client.clone(), report.clone());
-                sends.spawn(async move { (from, tokio::time::timeout(SEND_TIMEOUT, client.report(report)).await) });
-            }
-            while let Some(sent) = sends.join_next().await {
-                let Ok((from, answer)) = sent else { continue };
-                match answer {
-                    Ok(Ok(answer)) => {
-                        if let Some(allowances) = answer.into_inner().allowances {
-                            self.allowances.take(from, allowances, std::time::Instant::now());
+                Some(Ok((from, answer))) = sends.join_next() => {
+                    sending[from] = false;
+                    match answer {
+                        Ok(Ok(answer)) => {
+                            self.allowances.take(from, answer.allowances, std::time::Instant::now());
                         }
+                        Ok(Err(status)) => tracing::debug!(code = ?status.code(), from, "report refused"),
+                        Err(_) => tracing::debug!(from, "report timed out"),
                     }
-                    Ok(Err(status)) => tracing::debug!(code = ?status.code(), from, "report refused"),
-                    Err(_) => tracing::debug!(from, "report timed out"),
+                    continue;
                 }
+            }
+            let report = DataPlaneReport { instance, ..self.report() };
+            for (from, client) in clients.iter().enumerate() {
+                if std::mem::replace(&mut sending[from], true) {
+                    continue;
+                }
+                let mut client = client.clone();
+                let report = DataPlaneReport { held: self.allowances.held(from), ..report.clone() };
+                sends.spawn(async move {
+                    let answer = tokio::time::timeout(SEND_TIMEOUT, client.report(report)).await;
+                    (from, answer.map(|answer| answer.map(tonic::Response::into_inner)))
+                });
             }
         }
     }
@@ -135,8 +144,17 @@ impl Reporter {
             ejected_nodes: ejected_nodes(&self.snapshots),
             dropped: self.log.dropped.swap(0, Ordering::Relaxed),
             queued: self.queue.as_ref().map(|queue| queue.waiting(MAX_QUEUED_FLOWS)).unwrap_or_default(),
-            demand: self.allowances.demand(&self.shares.keys_in_flight()),
+            demand: self.allowances.demand(&self.limited_in_flight()),
+            ..DataPlaneReport::default()
         }
+    }
+
+    /// The keys with a limit of requests in flight that hold any here.
+    fn limited_in_flight(&self) -> Vec<(String, u32)> {
+        let Some(snapshot) = self.snapshots.current() else { return Vec::new() };
+        let mut in_flight = self.shares.keys_in_flight();
+        in_flight.retain(|(key_id, _)| snapshot.api_key(key_id).is_some_and(|key| key.max_concurrent > 0));
+        in_flight
     }
 }
 

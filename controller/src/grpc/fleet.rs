@@ -148,8 +148,8 @@ impl FleetService for FleetSvc {
                 ErrorKind::NotFound,
                 format!(
                     "no request `{request_id}` among the last {} decisions data planes reported to this \
-                     controller (each data plane reports to one controller, and at most 512 decisions a \
-                     second: ask the one it reports to, soon after the request)",
+                     controller (a data plane reports to the controllers it lists, at most 512 decisions a \
+                     second: ask one of those, soon after the request)",
                     crate::activity::KEPT
                 ),
             ));

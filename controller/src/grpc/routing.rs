@@ -3,8 +3,8 @@ use std::sync::Arc;
 
 use inferyes_proto::v1::routing_service_server::{RoutingService, RoutingServiceServer};
 use inferyes_proto::v1::{
-    Allowances, DataPlaneReport, FollowLiveRequest, KeyDemand, LiveUpdate, ReportAck, SnapshotUpdate, SubscribeRequest,
-    UsageAck, UsageBatch, snapshot_update,
+    Allowances, DataPlaneReport, FollowLiveRequest, LiveUpdate, ReportAck, SnapshotUpdate, SubscribeRequest, UsageAck,
+    UsageBatch, snapshot_update,
 };
 use tokio::sync::mpsc;
 use tokio_stream::Stream;
@@ -94,24 +94,32 @@ impl RoutingSvc {
         })
     }
 
-    /// Takes what a data plane's keys asked of it, and gives its parts of
-    /// their limits back. `None` where its report is refused: the data
-    /// plane keeps the parts it has.
-    fn allowances_for(&self, dataplane: &str, demand: &[KeyDemand]) -> Option<Allowances> {
-        let now = std::time::Instant::now();
-        let mut books = self.allowances.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        if let Err(refused) = books.report(dataplane, demand, now) {
-            tracing::warn!(?refused, keys = demand.len(), "a data plane's demand not taken");
-            return None;
-        }
-        let snapshot = self.snapshots.borrow().clone()?;
+    /// Takes what a data plane's keys asked of it and what it holds, and
+    /// gives its parts of their limits back. A data plane whose report is
+    /// refused is given nothing; while this controller has no snapshot,
+    /// each keeps what it holds.
+    fn allowances_for(&self, report: &DataPlaneReport) -> Allowances {
+        let keep = || report.held.clone().unwrap_or_else(crate::allowances::nothing);
+        let Some(snapshot) = self.snapshots.borrow().clone() else { return keep() };
         let limits = |key_id: &str| {
             snapshot.api_key(key_id).map(|key| crate::allowances::Limits {
                 requests_per_minute: key.requests_per_minute,
                 max_concurrent: key.max_concurrent,
             })
         };
-        Some(books.allowances(dataplane, limits, now))
+        let now = std::time::Instant::now();
+        let taken = crate::allowances::Report {
+            dataplane: &report.dataplane_id,
+            instance: report.instance,
+            demand: &report.demand,
+            held: report.held.as_ref(),
+        };
+        let mut books = self.allowances.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Err(refused) = books.report(&taken, limits, now) {
+            tracing::warn!(?refused, dataplane = %report.dataplane_id, "a data plane's report gets no parts of the keys' limits");
+            return crate::allowances::nothing();
+        }
+        books.allowances(&report.dataplane_id, limits, now).unwrap_or_else(crate::allowances::nothing)
     }
 }
 
@@ -172,9 +180,9 @@ impl RoutingService for RoutingSvc {
         if report.dataplane_id.is_empty() {
             return Err(Status::invalid_argument("a report needs the data plane's id"));
         }
-        let allowances = self.allowances_for(&report.dataplane_id, &report.demand);
+        let allowances = self.allowances_for(&report);
         self.activity.record(report, tokio::time::Instant::now());
-        Ok(Response::new(ReportAck { allowances }))
+        Ok(Response::new(ReportAck { allowances: Some(allowances) }))
     }
 
     async fn record_usage(&self, request: Request<UsageBatch>) -> Result<Response<UsageAck>, Status> {

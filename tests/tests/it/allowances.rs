@@ -17,7 +17,7 @@ const DATA_PLANES: usize = 4;
 
 /// A fleet of one node with four data planes, each knowing it splits the
 /// keys' limits with the three others. With a second controller, the
-/// three data planes the test adds report to it first.
+/// three data planes the test adds list it as well as the first.
 async fn four_data_planes(
     sim: inferyes_sim::SimConfig,
     second_controller: bool,
@@ -79,8 +79,9 @@ async fn a_key_s_requests_per_minute_hold_across_four_data_planes() {
 
 #[tokio::test]
 async fn a_key_s_requests_per_minute_hold_across_data_planes_reporting_to_two_controllers() {
-    // dp-0 reports to the first controller only; its three peers to the
-    // second first. Each controller splits among those it hears from.
+    // dp-0 lists the first controller only, its three peers both: the
+    // second splits among three data planes, the first among four, and
+    // each data plane takes the least part it is given.
     let (fleet, others, _second) = four_data_planes(chat_sim("chat"), true).await;
     burst_of_240_against_60_a_minute(&fleet, &others).await;
 }

@@ -67,13 +67,25 @@ pub fn embedding_model(id: &str) -> SimConfig {
     SimConfig { models: vec![SimModel::embedding(id)], ..chat_sim(id) }
 }
 
-/// Creates an API key and waits until the fleet's data plane knows it:
-/// `(key_id, secret)`.
+/// Creates an API key and waits until the fleet's data plane knows it and,
+/// where the key has limits, holds its part of them: `(key_id, secret)`.
 pub async fn create_key(fleet: &Fleet, request: inferyes_proto::v1::CreateKeyRequest) -> (String, String) {
+    let limited = request.requests_per_minute > 0 || request.max_concurrent > 0;
     let created = fleet.controller().fleet().await.create_key(request).await.expect("key created").into_inner();
     let key_id = created.key.expect("the created key").key_id;
     let id = key_id.clone();
     fleet.dataplane.wait_for("the key", std::time::Duration::from_secs(10), move |s| s.api_key(&id).is_some()).await;
+    if limited {
+        // A controller gives parts of the keys' limits once every data
+        // plane has had time to tell it what it holds.
+        let metrics = format!("{}/metrics", fleet.dataplane.admin_url);
+        inferyes_tests::eventually(
+            "the data plane's parts of the keys' limits",
+            std::time::Duration::from_secs(15),
+            || async { scraped(&fleet.http, &metrics, "inferyes_dataplane_allowance_dataplanes", "").await >= 1.0 },
+        )
+        .await;
+    }
     (key_id, created.secret)
 }
 
