@@ -290,6 +290,10 @@ async fn forward_in_span(proxy: Proxy, request: Request<Incoming>) -> Response {
         parts.headers.insert(header::AUTHORIZATION, value.clone());
     }
 
+    // In flight from here: a turn waiting for its conversation's restore
+    // holds its backend as much as one being answered, and the load the
+    // node reports says so.
+    let mut guard = InFlight::enter(Arc::clone(&proxy.state), index);
     let restored = match (&session, model) {
         (Some(session), Some(model)) => {
             crate::slots::keeper::bring_back(&proxy.state, index, session, model).await;
@@ -300,7 +304,6 @@ async fn forward_in_span(proxy: Proxy, request: Request<Incoming>) -> Response {
 
     // For a log line: the request's span is a trace, not log context.
     let request_id = parts.headers.get(REQUEST_ID_HEADER).cloned();
-    let mut guard = InFlight::enter(Arc::clone(&proxy.state), index);
     let started = Instant::now();
     // Sent again only to servers that stop a job whose connection closes:
     // an upstream provider may have taken it.
