@@ -429,6 +429,21 @@ impl Residency {
         line.take(slots).filter_map(|(key, _)| self.entries.get(key)).map(|e| &e.session)
     }
 
+    /// When each conversation believed in one of `session`'s backend's
+    /// slots with as many tokens began its last turn, `session`'s own
+    /// included: what tells their slots apart
+    /// ([`crate::slots::holding_slot`]). Conversations past the slots (in
+    /// the host cache, or parked) hold none.
+    pub fn twins_in_slots(&self, session: &ResidentSession) -> Vec<u64> {
+        let mut twins: Vec<u64> = self
+            .in_slots(&session.backend_id)
+            .filter(|s| s.tokens == session.tokens && s.key != session.key)
+            .map(|s| s.last_seen_unix_ms)
+            .collect();
+        twins.push(session.last_seen_unix_ms);
+        twins
+    }
+
     /// Which backend holds `key`, if any.
     pub fn backend_of(&self, key: &str) -> Option<&str> {
         self.entries.get(key).map(|e| e.session.backend_id.as_str())
@@ -492,6 +507,22 @@ mod tests {
         assert!(kept.contains(&"big".to_string()), "other backends keep theirs");
         let line = &r.lineups["b0"];
         assert_eq!((line.by_tick.len(), line.tokens), (2 + MAX_HOST_CACHED_SESSIONS, 0));
+    }
+
+    #[test]
+    fn twins_are_the_conversations_of_as_many_tokens_in_the_slots() {
+        let mut r = table(2, 1000);
+        used(&mut r, "cached", "b0", 40);
+        used(&mut r, "other", "b1", 40);
+        used(&mut r, "twin", "b0", 40);
+        used(&mut r, "longer", "b0", 41);
+        used(&mut r, "me", "b0", 40);
+        // Slots: me, longer; `twin` and `cached` are in the host cache.
+        let me = r.session("me").unwrap();
+        assert_eq!(r.twins_in_slots(&me), vec![me.last_seen_unix_ms]);
+        used(&mut r, "twin", "b0", 40);
+        let (me, twin) = (r.session("me").unwrap(), r.session("twin").unwrap());
+        assert_eq!(r.twins_in_slots(&me), vec![twin.last_seen_unix_ms, me.last_seen_unix_ms]);
     }
 
     #[test]

@@ -225,23 +225,14 @@ async fn save_slot(
     session: &inferyes_proto::v1::ResidentSession,
     file: &str,
 ) -> Result<u32, String> {
-    let (url, api_key, backend_id) = (handle.probe.url.as_str(), handle.probe.api_key.as_str(), &handle.probe.id);
+    let (url, api_key) = (handle.probe.url.as_str(), handle.probe.api_key.as_str());
     let marks = handle.restore_marks.lock().await;
     let listed = list_slots(&tier.client, url, api_key).await.map_err(|e| e.to_string())?;
     // Conversations of as many tokens that may be in a slot: those past
     // the slots (in the host cache, or parked) are not. A slot taken for
     // another's of the same length costs only its reuse: a server reuses
     // a cached token only where the prompt's own token is the same.
-    let twins: Vec<u64> = {
-        let residency = state.residency.lock();
-        let mut twins: Vec<u64> = residency
-            .in_slots(backend_id)
-            .filter(|s| s.tokens == session.tokens && s.key != session.key)
-            .map(|s| s.last_seen_unix_ms)
-            .collect();
-        twins.push(session.last_seen_unix_ms);
-        twins
-    };
+    let twins = state.residency.lock().twins_in_slots(session);
     let slot =
         holding_slot(&listed, &[], session.tokens, &twins, session.last_seen_unix_ms).map_err(|e| e.to_string())?;
     // A slot restored into and not run since (its mark still what `/slots`

@@ -775,17 +775,7 @@ impl Sender {
             self.client.get(url, "/slots", api_key).await.map_err(|e| failed("slots", e.to_string()))?;
         let listed = (status.is_success()).then(|| parse_slots(&body)).flatten();
         let listed = listed.ok_or_else(|| failed("slots", format!("HTTP {} or not a list", status.as_u16())))?;
-        // The conversations here whose caches hold as many tokens: when
-        // each one's last turn began, to tell their slots apart.
-        let twins: Vec<u64> = self
-            .state
-            .residency
-            .lock()
-            .sessions()
-            .iter()
-            .filter(|s| s.backend_id == session.backend_id && s.tokens == session.tokens)
-            .map(|s| s.last_seen_unix_ms)
-            .collect();
+        let twins = self.state.residency.lock().twins_in_slots(session);
         let gone: Vec<Slot> = {
             let mut moved = self.moved.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
             let gone = moved.entry(session.backend_id.clone()).or_default();
