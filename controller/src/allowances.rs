@@ -7,14 +7,16 @@
 //! the least part any controller gave it, with no call on a request's path.
 //!
 //! The parts data planes hold of one controller's split add up to at most
-//! the limit at any time, as each data plane says it holds them:
+//! the limit at any time, as each data plane says it holds them or was
+//! last given them, whichever is more:
 //! - a part grows only into what the others hold;
-//! - a key no data plane asked of is split evenly by place, and a data
-//!   plane takes no even part while another still holds an even part of a
-//!   split among other members (one joined, or went): even parts only
-//!   shrink as data planes join and only grow as they go, so parts of the
-//!   old split and the new one never add up past the limit;
-//! - a data plane that has not heard this controller holds nothing of it.
+//! - a key listed in no answer is split evenly by place. Even parts only
+//!   shrink as data planes join and only grow as they go; while any data
+//!   plane still holds even parts of a split among other members, the
+//!   others take the lesser of their old and new even parts (`settling`),
+//!   a newcomer none;
+//! - a data plane that has not heard this controller holds nothing of it,
+//!   and for a while after this controller starts each keeps what it holds.
 //!
 //! Pure: the caller brings the reports, the time and the keys' limits.
 
@@ -22,7 +24,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 use inferyes_proto::FastMap;
-use inferyes_proto::allowance::even_part;
+use inferyes_proto::allowance::unlisted_part;
 use inferyes_proto::v1::{Allowances, KeyAllowance, KeyDemand};
 
 /// A data plane that has not reported for this long is gone: its parts go
@@ -33,7 +35,7 @@ pub const MAX_KEYS: usize = 4096;
 /// Data planes the books follow at most. Each report's answer weighs every
 /// key some data plane asked of against every data plane: its cost grows
 /// with the keys times the data planes, and reports with the data planes.
-pub const MAX_DATAPLANES: usize = 64;
+pub const MAX_DATAPLANES: usize = 32;
 /// The longest data plane id the books take.
 const MAX_ID: usize = 128;
 /// Requests a minute one report counts at most for a key.
@@ -66,11 +68,11 @@ pub struct Books {
 
 struct Book {
     at: Instant,
-    /// The reporting process's own number, and when it last changed: a
-    /// process restarted under the same id takes the book over, but twins
-    /// taking it from each other are refused.
+    /// The reporting process's own number, and its last report's: another
+    /// process under the id is refused while this one reports, and a report
+    /// older than one taken is refused.
     instance: u64,
-    taken_over: Option<Instant>,
+    sequence: u64,
     keys: FastMap<String, Want>,
     /// The parts it holds of this controller's split, as it said, and as
     /// this controller last gave them: it may have taken either.
@@ -78,13 +80,14 @@ struct Book {
     given: Option<Held>,
 }
 
+/// The parts a data plane holds of a split, as an answer lists them.
 #[derive(Debug, PartialEq)]
 struct Held {
-    members: u64,
-    dataplanes: u32,
-    place: u32,
-    settling: bool,
+    parts: Allowances,
     keys: FastMap<String, Part>,
+    /// Listed more keys than the books keep: one not kept is taken to be
+    /// held whole.
+    cut: bool,
 }
 
 /// A data plane's part of one key's limits.
@@ -111,12 +114,20 @@ pub enum Refused {
     TooManyDataPlanes,
     /// Another process reports under this data plane's id.
     Twin,
+    /// A report older than one taken, or sooner after it than
+    /// [`MIN_REPORT_GAP`].
+    Stale,
 }
+
+/// Reports of one data plane closer than this are refused: each costs an
+/// answer that weighs every key against every data plane.
+pub const MIN_REPORT_GAP: Duration = Duration::from_millis(500);
 
 /// One data plane's report, as the books take it.
 pub struct Report<'a> {
     pub dataplane: &'a str,
     pub instance: u64,
+    pub sequence: u64,
     pub demand: &'a [KeyDemand],
     pub held: Option<&'a Allowances>,
 }
@@ -136,14 +147,14 @@ impl Books {
         self.started.get_or_insert(now);
         self.dataplanes.retain(|_, book| now.saturating_duration_since(book.at) < GONE_AFTER);
         let full = self.dataplanes.len() >= MAX_DATAPLANES;
-        match self.dataplanes.get_mut(report.dataplane) {
-            Some(book) if book.instance != report.instance => {
-                if book.taken_over.is_some_and(|at| now.saturating_duration_since(at) < GONE_AFTER) {
-                    return Err(Refused::Twin);
-                }
-                // A restart: what it held went with the old process.
-                *book = Book::new(now, report.instance);
-                book.taken_over = Some(now);
+        match self.dataplanes.get(report.dataplane) {
+            // Live, so what it holds still counts: a restarted process takes
+            // the id over once the old one has been silent for GONE_AFTER.
+            Some(book) if book.instance != report.instance => return Err(Refused::Twin),
+            Some(book)
+                if report.sequence <= book.sequence || now.saturating_duration_since(book.at) < MIN_REPORT_GAP =>
+            {
+                return Err(Refused::Stale);
             }
             None if full => return Err(Refused::TooManyDataPlanes),
             _ => {}
@@ -155,6 +166,7 @@ impl Books {
         // A first report covers a second, however long the data plane ran.
         let seconds = now.saturating_duration_since(book.at).as_secs_f64().clamp(1.0, GONE_AFTER.as_secs_f64());
         book.at = now;
+        book.sequence = report.sequence;
         let mut wants: FastMap<String, Want> = FastMap::default();
         for asked in report.demand.iter().filter(|d| limited(&d.key_id)).take(MAX_KEYS) {
             let before = book.keys.get(&asked.key_id).copied().unwrap_or_default();
@@ -182,7 +194,9 @@ impl Books {
             }
         }
         book.keys = wants;
-        book.held = report.held.map(|held| Held::of(held, limited));
+        // Whatever its limits now: a key's limit may come back before the
+        // data plane takes another answer.
+        book.held = report.held.map(|held| Held::of(held, MAX_HELD_KEYS));
         Ok(())
     }
 
@@ -195,10 +209,7 @@ impl Books {
         now: Instant,
     ) -> Option<Allowances> {
         if self.started.is_none_or(|started| now.saturating_duration_since(started) < GONE_AFTER) {
-            return self
-                .dataplanes
-                .get(dataplane)
-                .map(|book| book.held.as_ref().map_or_else(nothing, Held::to_allowances));
+            return self.dataplanes.get(dataplane).map(|book| book.held.as_ref().map_or_else(nothing, Held::kept));
         }
         let live: Vec<(&String, &Book)> =
             self.dataplanes.iter().filter(|(_, book)| now.saturating_duration_since(book.at) < GONE_AFTER).collect();
@@ -206,16 +217,36 @@ impl Books {
         let count = index(live.len());
         let members = digest(live.iter().map(|(id, _)| id.as_str()));
         // Until no other data plane holds even parts of a split among other
-        // members, an even part here could add to one of those.
+        // members, even parts here could add to those. One that is settling
+        // holds the lesser of its old and new even parts: no more than the
+        // new split's.
         let settling = live.iter().enumerate().any(|(i, (_, book))| {
-            i != place && book.held.iter().chain(&book.given).any(|held| !held.settling && held.members != members)
+            i != place
+                && book.held.iter().chain(&book.given).any(|held| !held.parts.settling && held.parts.members != members)
         });
+        // While settling, the split this one held even parts of before.
+        let (before_dataplanes, before_place) = match live[place].1.held.as_ref().map(|held| &held.parts) {
+            Some(parts) if settling && !parts.settling => (parts.dataplanes, parts.place),
+            Some(parts) if settling => (parts.before_dataplanes, parts.before_place),
+            _ => (0, 0),
+        };
         let named: BTreeSet<&str> = live
             .iter()
-            .flat_map(|(_, book)| book.keys.keys().chain(book.held.iter().flat_map(|held| held.keys.keys())))
+            .flat_map(|(_, book)| {
+                let held = book.held.iter().chain(&book.given).flat_map(|held| held.keys.keys());
+                book.keys.keys().chain(held)
+            })
             .map(String::as_str)
             .collect();
-        let mut keys = Vec::new();
+        let mut answer = Allowances {
+            dataplanes: count,
+            place: index(place),
+            keys: Vec::new(),
+            members,
+            settling,
+            before_dataplanes,
+            before_place,
+        };
         for key_id in named {
             let Some(limits) = limits(key_id).filter(|l| l.any()) else { continue };
             let wants: Vec<Want> =
@@ -238,29 +269,32 @@ impl Books {
                 max_concurrent: split(limits.max_concurrent, &room)[place]
                     .min(free(limits.max_concurrent, |p| p.max_concurrent)),
             };
-            let even = Part {
-                requests_per_minute: even_part(limits.requests_per_minute, count, index(place)),
-                max_concurrent: even_part(limits.max_concurrent, count, index(place)),
+            let unlisted = Part {
+                requests_per_minute: unlisted_part(limits.requests_per_minute, &answer),
+                max_concurrent: unlisted_part(limits.max_concurrent, &answer),
             };
-            if settling || part != even {
-                keys.push(KeyAllowance {
+            if part != unlisted {
+                answer.keys.push(KeyAllowance {
                     key_id: key_id.to_owned(),
                     requests_per_minute: part.requests_per_minute,
                     max_concurrent: part.max_concurrent,
                 });
             }
         }
-        let answer = Allowances { dataplanes: count, place: index(place), keys, members, settling };
         if let Some(book) = self.dataplanes.get_mut(dataplane) {
-            book.given = Some(Held::of(&answer, |_| true));
+            book.given = Some(Held::of(&answer, usize::MAX));
         }
         Some(answer)
     }
 }
 
+/// Keys a reported holding keeps at most; past them, each key it does not
+/// keep is taken to be held whole.
+const MAX_HELD_KEYS: usize = 65_536;
+
 impl Book {
     fn new(at: Instant, instance: u64) -> Book {
-        Book { at, instance, taken_over: None, keys: FastMap::default(), held: None, given: None }
+        Book { at, instance, sequence: 0, keys: FastMap::default(), held: None, given: None }
     }
 }
 
@@ -271,7 +305,26 @@ pub fn nothing() -> Allowances {
 }
 
 impl Held {
-    fn to_allowances(&self) -> Allowances {
+    fn of(parts: &Allowances, at_most: usize) -> Held {
+        let valid = parts.keys.iter().filter(|key| inferyes_proto::apikey::valid_key_id(&key.key_id));
+        let keys: FastMap<String, Part> = valid
+            .take(at_most)
+            .map(|key| {
+                let part = Part { requests_per_minute: key.requests_per_minute, max_concurrent: key.max_concurrent };
+                (key.key_id.clone(), part)
+            })
+            .collect();
+        let cut = keys.len() < parts.keys.len();
+        let parts = Allowances { keys: Vec::new(), ..parts.clone() };
+        Held { parts, keys, cut }
+    }
+
+    /// The parts it holds, to keep as they are; nothing where the books
+    /// did not keep them all.
+    fn kept(&self) -> Allowances {
+        if self.cut {
+            return nothing();
+        }
         let keys = self
             .keys
             .iter()
@@ -281,41 +334,15 @@ impl Held {
                 max_concurrent: part.max_concurrent,
             })
             .collect();
-        Allowances {
-            dataplanes: self.dataplanes,
-            place: self.place,
-            keys,
-            members: self.members,
-            settling: self.settling,
-        }
-    }
-
-    fn of(parts: &Allowances, keep: impl Fn(&str) -> bool) -> Held {
-        Held {
-            members: parts.members,
-            dataplanes: parts.dataplanes,
-            place: parts.place,
-            settling: parts.settling,
-            keys: parts
-                .keys
-                .iter()
-                .filter(|key| keep(&key.key_id))
-                .take(MAX_KEYS)
-                .map(|key| {
-                    let part =
-                        Part { requests_per_minute: key.requests_per_minute, max_concurrent: key.max_concurrent };
-                    (key.key_id.clone(), part)
-                })
-                .collect(),
-        }
+        Allowances { keys, ..self.parts.clone() }
     }
 
     /// What it holds of `limit`, a key's, by `of`.
     fn part(&self, key_id: &str, limit: u32, of: fn(&Part) -> u32) -> u32 {
         match self.keys.get(key_id) {
             Some(part) => of(part),
-            None if self.settling => 0,
-            None => even_part(limit, self.dataplanes, self.place),
+            None if self.cut => limit,
+            None => unlisted_part(limit, &self.parts),
         }
     }
 }
@@ -446,16 +473,28 @@ mod tests {
     struct Plane {
         id: String,
         instance: u64,
+        sequence: u64,
         held: Option<Allowances>,
     }
 
     impl Plane {
         fn new(id: &str) -> Plane {
-            Plane { id: id.into(), instance: 1, held: None }
+            Plane { id: id.into(), instance: 1, sequence: 0, held: None }
+        }
+
+        fn report<'a>(&'a mut self, demand: &'a [KeyDemand]) -> Report<'a> {
+            self.sequence += 1;
+            Report {
+                dataplane: &self.id,
+                instance: self.instance,
+                sequence: self.sequence,
+                demand,
+                held: self.held.as_ref(),
+            }
         }
 
         fn round(&mut self, books: &mut Books, demand: &[KeyDemand], now: Instant) -> Allowances {
-            let report = Report { dataplane: &self.id, instance: self.instance, demand, held: self.held.as_ref() };
+            let report = self.report(demand);
             books.report(&report, limits, now).unwrap();
             let answer = books.allowances(&self.id, limits, now).unwrap();
             self.held = Some(answer.clone());
@@ -472,11 +511,7 @@ mod tests {
             let limits = limits(key_id).unwrap();
             match held.keys.iter().find(|k| k.key_id == key_id) {
                 Some(k) => (k.requests_per_minute, k.max_concurrent),
-                None if held.settling => (0, 0),
-                None => (
-                    even_part(limits.requests_per_minute, held.dataplanes, held.place),
-                    even_part(limits.max_concurrent, held.dataplanes, held.place),
-                ),
+                None => (unlisted_part(limits.requests_per_minute, held), unlisted_part(limits.max_concurrent, held)),
             }
         }
     }
@@ -556,8 +591,8 @@ mod tests {
                 u32::try_from(roll % 5).unwrap(),
             );
             let plane = &mut planes[i];
-            let report =
-                Report { dataplane: &plane.id, instance: plane.instance, demand: &[asked], held: plane.held.as_ref() };
+            let asked = [asked];
+            let report = plane.report(&asked);
             let answer = match books.report(&report, limits, now) {
                 Ok(()) => books.allowances(&plane.id, limits, now).unwrap(),
                 Err(_) => nothing(),
@@ -582,8 +617,8 @@ mod tests {
         assert!(held.iter().map(|h| h.0).sum::<u32>() >= 30, "{held:?}");
     }
 
-    fn report<'a>(dataplane: &'a str, instance: u64, demand: &'a [KeyDemand]) -> Report<'a> {
-        Report { dataplane, instance, demand, held: None }
+    fn report<'a>(dataplane: &'a str, instance: u64, sequence: u64, demand: &'a [KeyDemand]) -> Report<'a> {
+        Report { dataplane, instance, sequence, demand, held: None }
     }
 
     #[test]
@@ -596,14 +631,15 @@ mod tests {
             ..Allowances::default()
         };
         let asked = [demand(KEY, 100, 0, 0)];
-        let old = Report { held: Some(&held), ..report("dp-a", 1, &asked) };
-        books.report(&old, limits, start).unwrap();
+        books.report(&Report { held: Some(&held), ..report("dp-a", 1, 1, &asked) }, limits, start).unwrap();
         assert_eq!(books.allowances("dp-a", limits, start).unwrap(), held);
-        books.report(&report("dp-new", 1, &asked), limits, start).unwrap();
+        books.report(&report("dp-new", 1, 1, &asked), limits, start).unwrap();
         assert_eq!(books.allowances("dp-new", limits, start).unwrap(), nothing());
         // Every data plane has reported since: it splits again.
+        let later = start + GONE_AFTER / 2;
+        books.report(&Report { held: Some(&held), ..report("dp-a", 1, 2, &asked) }, limits, later).unwrap();
         let later = start + GONE_AFTER;
-        books.report(&old, limits, later).unwrap();
+        books.report(&Report { held: Some(&held), ..report("dp-a", 1, 3, &asked) }, limits, later).unwrap();
         assert_ne!(books.allowances("dp-a", limits, later).unwrap(), held);
     }
 
@@ -611,20 +647,56 @@ mod tests {
     fn keys_without_limits_bad_reports_and_twins_get_nothing() {
         let (mut books, start) = (Books::default(), Instant::now());
         let odd = [demand("unlimited123", 5, 1, 0), demand("", 1, 0, 0), demand("not a key id", 1, 0, 0)];
-        books.report(&report("dp-a", 1, &odd), limits, start).unwrap();
-        let now = start + GONE_AFTER;
-        books.report(&report("dp-a", 1, &odd), limits, now).unwrap();
+        books.report(&report("dp-a", 1, 1, &odd), limits, start).unwrap();
         assert!(books.dataplanes["dp-a"].keys.is_empty(), "only keys with limits are followed");
-        assert!(books.allowances("dp-a", limits, now).unwrap().keys.is_empty());
+        let now = start + GONE_AFTER;
+        books.report(&report("dp-b", 1, 1, &odd), limits, now).unwrap();
+        assert!(books.allowances("dp-b", limits, now).unwrap().keys.is_empty());
         assert_eq!(books.allowances("dp-unknown", limits, now), None);
-        assert_eq!(books.report(&report("", 1, &[]), limits, now), Err(Refused::Id));
-        // A process restarted under the id takes its book over; the one
-        // before, still running, is a twin.
-        books.report(&report("dp-a", 2, &[]), limits, now).unwrap();
-        assert_eq!(books.report(&report("dp-a", 1, &[]), limits, now), Err(Refused::Twin));
+        assert_eq!(books.report(&report("", 1, 1, &[]), limits, now), Err(Refused::Id));
+        // A report older than one taken, or too soon after it.
+        let soon = now + MIN_REPORT_GAP / 2;
+        assert_eq!(books.report(&report("dp-b", 1, 1, &[]), limits, soon + MIN_REPORT_GAP), Err(Refused::Stale));
+        assert_eq!(books.report(&report("dp-b", 1, 2, &[]), limits, soon), Err(Refused::Stale));
+        // Another process under a live data plane's id; once the first has
+        // been silent long enough, a restarted one takes the id over.
+        assert_eq!(books.report(&report("dp-b", 2, 1, &[]), limits, soon), Err(Refused::Twin));
+        let later = now + GONE_AFTER;
+        books.report(&report("dp-b", 2, 1, &[]), limits, later).unwrap();
         for i in 1..MAX_DATAPLANES {
-            books.report(&report(&format!("dp-{i}"), 1, &[]), limits, now).unwrap();
+            books.report(&report(&format!("dp-{i}"), 1, 1, &[]), limits, later).unwrap();
         }
-        assert_eq!(books.report(&report("dp-one-more", 1, &[]), limits, now), Err(Refused::TooManyDataPlanes));
+        assert_eq!(books.report(&report("dp-one-more", 1, 1, &[]), limits, later), Err(Refused::TooManyDataPlanes));
+    }
+
+    #[test]
+    fn a_holding_past_what_the_books_keep_counts_whole() {
+        let (mut books, start) = (Books::default(), Instant::now());
+        let many: Vec<KeyAllowance> = (0..=MAX_HELD_KEYS)
+            .map(|i| KeyAllowance { key_id: format!("{:a>12}", to_letters(i)), ..KeyAllowance::default() })
+            .chain([KeyAllowance { key_id: KEY.into(), requests_per_minute: 60, max_concurrent: 4 }])
+            .collect();
+        let members = digest(["dp-a", "dp-b"].into_iter());
+        let held = Allowances { dataplanes: 2, keys: many, members, ..Allowances::default() };
+        let now = start + GONE_AFTER;
+        books.report(&report("dp-a", 1, 1, &[]), limits, start).unwrap();
+        books.report(&Report { held: Some(&held), ..report("dp-a", 1, 2, &[]) }, limits, now).unwrap();
+        books.report(&report("dp-b", 1, 1, &[demand(KEY, 100, 0, 5)]), limits, now).unwrap();
+        let answer = books.allowances("dp-b", limits, now).unwrap();
+        assert!(!answer.settling);
+        let part = answer.keys.iter().find(|k| k.key_id == KEY).map(|k| (k.requests_per_minute, k.max_concurrent));
+        assert_eq!(part, Some((0, 0)), "dp-a is taken to hold the key whole, not its even half");
+    }
+
+    /// `i` in the key alphabet's letters.
+    fn to_letters(mut i: usize) -> String {
+        let mut letters = String::new();
+        loop {
+            letters.insert(0, char::from(b'a' + u8::try_from(i % 26).unwrap()));
+            i /= 26;
+            if i == 0 {
+                return letters;
+            }
+        }
     }
 }

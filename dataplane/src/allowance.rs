@@ -64,8 +64,7 @@ impl Heard {
             Heard::Unsplit { .. } => limit,
             Heard::Split { answer, keys, .. } => match keys.get(key_id) {
                 Some(part) => of(part),
-                None if answer.settling => 0,
-                None => inferyes_proto::allowance::even_part(limit, answer.dataplanes, answer.place),
+                None => inferyes_proto::allowance::unlisted_part(limit, answer),
             },
         }
     }
@@ -190,6 +189,20 @@ impl Allowances {
             .unwrap_or(0)
     }
 
+    /// Whether a controller's split this data plane holds is settling
+    /// (it takes less than its even parts of keys nobody asked of), or one
+    /// is still to answer: the split is not yet whole here.
+    pub fn settling(&self) -> bool {
+        let heard = self.heard.read().unwrap_or_else(PoisonError::into_inner);
+        let newest = heard.iter().flatten().map(Heard::at).max();
+        let fresh = heard
+            .iter()
+            .flatten()
+            .filter(|heard| newest.is_some_and(|newest| newest.saturating_duration_since(heard.at()) < STALE_AFTER));
+        newest.is_none()
+            || fresh.into_iter().any(|heard| matches!(heard, Heard::Split { answer, .. } if answer.settling))
+    }
+
     fn part(&self, grant: &ApiKey, limit: u32, of: impl Fn(&Part) -> u32) -> u32 {
         let heard = self.heard.read().unwrap_or_else(PoisonError::into_inner);
         let Some(newest) = heard.iter().flatten().map(Heard::at).max() else { return 0 };
@@ -229,7 +242,9 @@ mod tests {
         let allowances = Allowances::default();
         let (limited, other) = (key("k", 60, 4), key("other", 10, 0));
         assert_eq!((allowances.requests_per_minute(&limited), allowances.max_concurrent(&limited)), (0, Some(0)));
+        assert!(allowances.settling(), "no controller answered yet");
         allowances.take(0, split(4, 3, 45, 3), Instant::now());
+        assert!(!allowances.settling());
         assert_eq!((allowances.requests_per_minute(&limited), allowances.max_concurrent(&limited)), (45, Some(3)));
         assert_eq!((allowances.requests_per_minute(&other), allowances.max_concurrent(&other)), (2, None));
         // A limit lowered since the split holds.
@@ -247,6 +262,7 @@ mod tests {
         allowances.take(0, settling, Instant::now());
         assert_eq!(allowances.requests_per_minute(&key("k", 60, 0)), 45);
         assert_eq!(allowances.requests_per_minute(&key("even", 60, 0)), 0);
+        assert!(allowances.settling());
         let unsplit = Allowances::default();
         unsplit.take(0, None, Instant::now());
         assert_eq!(unsplit.requests_per_minute(&key("k", 60, 0)), 60);

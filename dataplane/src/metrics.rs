@@ -82,6 +82,8 @@ pub struct Metrics {
     /// The data planes the keys' fleet-wide limits are split among (set
     /// when scraped).
     pub allowance_dataplanes: Gauge,
+    /// 1 while the split is not whole here (set when scraped).
+    pub allowance_settling: Gauge,
     pub connections_refused: Family<ReasonLabels, Counter>,
     pub queue_waiting: Family<QueueLabels, Gauge>,
     pub queue_entered: Family<QueueLabels, Counter>,
@@ -112,6 +114,7 @@ impl Metrics {
             continuations: Counter::default(),
             buffered_bytes: Gauge::default(),
             allowance_dataplanes: Gauge::default(),
+            allowance_settling: Gauge::default(),
             connections_refused: Family::default(),
             queue_waiting: Family::default(),
             queue_entered: Family::default(),
@@ -167,6 +170,11 @@ impl Metrics {
             "allowance_dataplanes",
             "Data planes each key's fleet-wide limits are split among, as a controller last said (0: none said yet)",
             metrics.allowance_dataplanes.clone(),
+        );
+        registry.register(
+            "allowance_settling",
+            "1 while this data plane takes less than its even part of keys nobody asked of lately: a controller has not answered yet, or another data plane still holds parts of an older split",
+            metrics.allowance_settling.clone(),
         );
         registry.register(
             "connections_refused",

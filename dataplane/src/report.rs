@@ -89,40 +89,52 @@ impl Reporter {
             return;
         }
         let instance = fastrand::u64(..);
+        let mut sequence = 0u64;
         let mut ticker = tokio::time::interval(REPORT_EVERY);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         // One report at a time to each controller; one slow to answer
         // misses rounds, the others do not wait for it.
-        let mut sending = vec![false; clients.len()];
-        let mut sends: tokio::task::JoinSet<(usize, Result<Result<ReportAck, tonic::Status>, _>)> =
-            tokio::task::JoinSet::new();
+        let mut sending: std::collections::HashMap<tokio::task::Id, usize> = std::collections::HashMap::new();
+        let mut sends: tokio::task::JoinSet<Result<Result<ReportAck, tonic::Status>, _>> = tokio::task::JoinSet::new();
         loop {
             tokio::select! {
                 () = self.shutdown.cancelled() => return,
                 _ = ticker.tick() => {}
-                Some(Ok((from, answer))) = sends.join_next() => {
-                    sending[from] = false;
+                Some(sent) = sends.join_next_with_id() => {
+                    let (id, answer) = match sent {
+                        Ok((id, answer)) => (id, Some(answer)),
+                        Err(error) => (error.id(), None),
+                    };
+                    let Some(from) = sending.remove(&id) else { continue };
                     match answer {
-                        Ok(Ok(answer)) => {
+                        Some(Ok(Ok(answer))) => {
                             self.allowances.take(from, answer.allowances, std::time::Instant::now());
                         }
-                        Ok(Err(status)) => tracing::debug!(code = ?status.code(), from, "report refused"),
-                        Err(_) => tracing::debug!(from, "report timed out"),
+                        Some(Ok(Err(status))) => tracing::debug!(code = ?status.code(), from, "report refused"),
+                        Some(Err(_)) => tracing::debug!(from, "report timed out"),
+                        None => tracing::warn!(from, "a report's send failed"),
                     }
                     continue;
                 }
             }
-            let report = DataPlaneReport { instance, ..self.report() };
+            if sending.len() == clients.len() {
+                // What was asked waits for the next report that goes out.
+                continue;
+            }
+            sequence += 1;
+            let report = DataPlaneReport { instance, sequence, ..self.report() };
             for (from, client) in clients.iter().enumerate() {
-                if std::mem::replace(&mut sending[from], true) {
+                if sending.values().any(|busy| *busy == from) {
                     continue;
                 }
                 let mut client = client.clone();
                 let report = DataPlaneReport { held: self.allowances.held(from), ..report.clone() };
-                sends.spawn(async move {
-                    let answer = tokio::time::timeout(SEND_TIMEOUT, client.report(report)).await;
-                    (from, answer.map(|answer| answer.map(tonic::Response::into_inner)))
+                let task = sends.spawn(async move {
+                    tokio::time::timeout(SEND_TIMEOUT, client.report(report))
+                        .await
+                        .map(|answer| answer.map(tonic::Response::into_inner))
                 });
+                sending.insert(task.id(), from);
             }
         }
     }

@@ -96,11 +96,14 @@ impl RoutingSvc {
 
     /// Takes what a data plane's keys asked of it and what it holds, and
     /// gives its parts of their limits back. A data plane whose report is
-    /// refused is given nothing; while this controller has no snapshot,
-    /// each keeps what it holds.
-    fn allowances_for(&self, report: &DataPlaneReport) -> Allowances {
-        let keep = || report.held.clone().unwrap_or_else(crate::allowances::nothing);
-        let Some(snapshot) = self.snapshots.borrow().clone() else { return keep() };
+    /// refused (a twin, one past the data planes followed) is given
+    /// nothing. Without a snapshot, or for a report older than one taken,
+    /// the answer is an error: the data plane keeps what it holds of this
+    /// controller's split, which stops counting once another answers.
+    fn allowances_for(&self, report: &DataPlaneReport) -> Result<Allowances, Status> {
+        let Some(snapshot) = self.snapshots.borrow().clone() else {
+            return Err(Status::unavailable("this controller has not loaded the fleet from etcd yet"));
+        };
         let limits = |key_id: &str| {
             snapshot.api_key(key_id).map(|key| crate::allowances::Limits {
                 requests_per_minute: key.requests_per_minute,
@@ -111,15 +114,23 @@ impl RoutingSvc {
         let taken = crate::allowances::Report {
             dataplane: &report.dataplane_id,
             instance: report.instance,
+            sequence: report.sequence,
             demand: &report.demand,
             held: report.held.as_ref(),
         };
         let mut books = self.allowances.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        if let Err(refused) = books.report(&taken, limits, now) {
-            tracing::warn!(?refused, dataplane = %report.dataplane_id, "a data plane's report gets no parts of the keys' limits");
-            return crate::allowances::nothing();
+        match books.report(&taken, limits, now) {
+            Ok(()) => {
+                Ok(books.allowances(&report.dataplane_id, limits, now).unwrap_or_else(crate::allowances::nothing))
+            }
+            Err(crate::allowances::Refused::Stale) => {
+                Err(Status::aborted("a later report of this data plane was taken, or one came too soon after it"))
+            }
+            Err(refused) => {
+                tracing::warn!(?refused, dataplane = %report.dataplane_id, "a data plane's report gets no parts of the keys' limits");
+                Ok(crate::allowances::nothing())
+            }
         }
-        books.allowances(&report.dataplane_id, limits, now).unwrap_or_else(crate::allowances::nothing)
     }
 }
 
@@ -182,7 +193,7 @@ impl RoutingService for RoutingSvc {
         }
         let allowances = self.allowances_for(&report);
         self.activity.record(report, tokio::time::Instant::now());
-        Ok(Response::new(ReportAck { allowances: Some(allowances) }))
+        Ok(Response::new(ReportAck { allowances: Some(allowances?) }))
     }
 
     async fn record_usage(&self, request: Request<UsageBatch>) -> Result<Response<UsageAck>, Status> {

@@ -131,6 +131,7 @@ async fn metrics(State(state): State<Arc<AppState>>) -> Response {
         state.metrics.observe(snapshot.as_deref(), state.snapshots.age_seconds());
         state.metrics.buffered_bytes.set(i64::try_from(state.forwarder.budget().used()).unwrap_or(i64::MAX));
         state.metrics.allowance_dataplanes.set(i64::from(state.allowances.dataplanes()));
+        state.metrics.allowance_settling.set(i64::from(state.allowances.settling()));
         prometheus_client::encoding::text::encode(&mut text, &state.registry)
     };
     if encoded.is_err() {

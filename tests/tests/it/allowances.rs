@@ -45,9 +45,15 @@ async fn four_data_planes(
     }
     for url in admin_urls(&fleet, &others) {
         let metrics = format!("{url}/metrics");
-        inferyes_tests::eventually("every data plane counts four", Duration::from_secs(10), || async {
-            scraped(&fleet.http, &metrics, "inferyes_dataplane_allowance_dataplanes", "").await == DATA_PLANES as f64
-        })
+        inferyes_tests::eventually(
+            "every data plane counts four, its splits whole",
+            Duration::from_secs(15),
+            || async {
+                scraped(&fleet.http, &metrics, "inferyes_dataplane_allowance_dataplanes", "").await
+                    == DATA_PLANES as f64
+                    && scraped(&fleet.http, &metrics, "inferyes_dataplane_allowance_settling", "").await == 0.0
+            },
+        )
         .await;
     }
     (fleet, others, second)

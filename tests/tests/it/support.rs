@@ -82,7 +82,10 @@ pub async fn create_key(fleet: &Fleet, request: inferyes_proto::v1::CreateKeyReq
         inferyes_tests::eventually(
             "the data plane's parts of the keys' limits",
             std::time::Duration::from_secs(15),
-            || async { scraped(&fleet.http, &metrics, "inferyes_dataplane_allowance_dataplanes", "").await >= 1.0 },
+            || async {
+                scraped(&fleet.http, &metrics, "inferyes_dataplane_allowance_dataplanes", "").await >= 1.0
+                    && scraped(&fleet.http, &metrics, "inferyes_dataplane_allowance_settling", "").await == 0.0
+            },
         )
         .await;
     }
