@@ -183,7 +183,8 @@ impl Activity {
         if request_id.is_empty() { kept.next() } else { kept.find(|d| d.decision.request_id == request_id) }.cloned()
     }
 
-    /// Ticks on every report.
+    /// Ticks on a report that brings decisions, drops, a queue waiting, a
+    /// queue emptied, or other ejections.
     pub fn subscribe(&self) -> watch::Receiver<u64> {
         self.changed.subscribe()
     }
@@ -318,11 +319,21 @@ mod tests {
     }
 
     #[test]
-    fn every_report_wakes_subscribers() {
+    fn a_report_wakes_subscribers_only_when_it_says_more() {
         let activity = Activity::default();
         let mut rx = activity.subscribe();
         rx.mark_unchanged();
         activity.record(report("dp-1", &["r"], &[]), Instant::now());
-        assert!(rx.has_changed().unwrap());
+        assert!(rx.has_changed().unwrap(), "a decision");
+        rx.mark_unchanged();
+        activity.record(report("dp-1", &[], &[]), Instant::now());
+        assert!(!rx.has_changed().unwrap(), "a quiet report");
+        activity.record(report("dp-1", &[], &["node-a"]), Instant::now());
+        assert!(rx.has_changed().unwrap(), "an ejection");
+        rx.mark_unchanged();
+        activity.record(report("dp-1", &[], &["node-a"]), Instant::now());
+        assert!(!rx.has_changed().unwrap(), "the same ejection again");
+        activity.record(report("dp-1", &[], &[]), Instant::now());
+        assert!(rx.has_changed().unwrap(), "the ejection over");
     }
 }
