@@ -336,13 +336,12 @@ impl Auth {
         if admitted {
             return Ok(headers);
         }
-        let (retry, here) = if capacity < f64::from(limit) {
-            // The next split, within a second or two, may give this data
-            // plane more of the key's requests.
-            let retry = within(1.0 - bucket.tokens).clamp(1, 2);
-            (retry, format!(", of which this data plane holds {capacity} now"))
+        // When the part here refills; a split may give it more sooner.
+        let retry = within(1.0 - bucket.tokens).clamp(1, 60);
+        let here = if capacity < f64::from(limit) {
+            format!(", of which this data plane holds {capacity} now")
         } else {
-            (within(1.0 - bucket.tokens).max(1), String::new())
+            String::new()
         };
         let mut error = ApiError::new(
             ErrorKind::RateLimited,
@@ -496,7 +495,7 @@ mod tests {
             "{}",
             error.message
         );
-        assert_eq!(error.retry_after, Some(2), "the next split may give more here");
+        assert_eq!(error.retry_after, Some(4), "when the part here refills: 15 a minute");
         // A quarter of 60 a minute is one every 4 s.
         assert!(auth.admit(&caller, 15, start + Duration::from_millis(3_900)).is_err());
         assert!(auth.admit(&caller, 15, start + Duration::from_millis(4_100)).is_ok());
