@@ -121,7 +121,7 @@ pub enum Refused {
 
 /// Reports of one data plane closer than this are refused: each costs an
 /// answer that weighs every key against every data plane.
-pub const MIN_REPORT_GAP: Duration = Duration::from_millis(500);
+pub const MIN_REPORT_GAP: Duration = Duration::from_millis(250);
 
 /// One data plane's report, as the books take it.
 pub struct Report<'a> {
@@ -254,20 +254,20 @@ impl Books {
             let rate: Vec<Claim> = wants.iter().map(|w| Claim { held: 0, more: w.per_minute }).collect();
             let room: Vec<Claim> =
                 wants.iter().map(|w| Claim { held: w.in_flight, more: w.refused_in_flight }).collect();
-            // What the others do not hold.
-            let free = |limit: u32, of: fn(&Part) -> u32| -> u32 {
-                let others = live.iter().enumerate().filter(|(i, _)| *i != place);
-                let held = others.map(|(_, (_, book))| {
-                    let part = |held: &Option<Held>| held.as_ref().map_or(0, |held| held.part(key_id, limit, of));
-                    part(&book.held).max(part(&book.given))
-                });
-                limit.saturating_sub(held.fold(0, u32::saturating_add))
-            };
+            // What the others hold, each key looked up once in each book.
+            let mut held = Part::default();
+            for (_, (_, book)) in live.iter().enumerate().filter(|(i, _)| *i != place) {
+                let of = |held: &Option<Held>| held.as_ref().map_or(Part::default(), |held| held.part(key_id, limits));
+                let (said, given) = (of(&book.held), of(&book.given));
+                held.requests_per_minute =
+                    held.requests_per_minute.saturating_add(said.requests_per_minute.max(given.requests_per_minute));
+                held.max_concurrent = held.max_concurrent.saturating_add(said.max_concurrent.max(given.max_concurrent));
+            }
             let part = Part {
                 requests_per_minute: split(limits.requests_per_minute, &rate)[place]
-                    .min(free(limits.requests_per_minute, |p| p.requests_per_minute)),
+                    .min(limits.requests_per_minute.saturating_sub(held.requests_per_minute)),
                 max_concurrent: split(limits.max_concurrent, &room)[place]
-                    .min(free(limits.max_concurrent, |p| p.max_concurrent)),
+                    .min(limits.max_concurrent.saturating_sub(held.max_concurrent)),
             };
             let unlisted = Part {
                 requests_per_minute: unlisted_part(limits.requests_per_minute, &answer),
@@ -337,12 +337,17 @@ impl Held {
         Allowances { keys, ..self.parts.clone() }
     }
 
-    /// What it holds of `limit`, a key's, by `of`.
-    fn part(&self, key_id: &str, limit: u32, of: fn(&Part) -> u32) -> u32 {
+    /// What it holds of a key's `limits`.
+    fn part(&self, key_id: &str, limits: Limits) -> Part {
         match self.keys.get(key_id) {
-            Some(part) => of(part),
-            None if self.cut => limit,
-            None => unlisted_part(limit, &self.parts),
+            Some(part) => *part,
+            None if self.cut => {
+                Part { requests_per_minute: limits.requests_per_minute, max_concurrent: limits.max_concurrent }
+            }
+            None => Part {
+                requests_per_minute: unlisted_part(limits.requests_per_minute, &self.parts),
+                max_concurrent: unlisted_part(limits.max_concurrent, &self.parts),
+            },
         }
     }
 }
