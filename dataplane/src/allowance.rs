@@ -189,9 +189,18 @@ impl Allowances {
             .unwrap_or(0)
     }
 
-    /// Whether a controller's split this data plane holds is settling
-    /// (it takes less than its even parts of keys nobody asked of), or one
-    /// is still to answer: the split is not yet whole here.
+    /// Expects answers from `controllers` controllers: until each has
+    /// answered, the split is not whole here ([`Allowances::settling`]).
+    pub fn expect(&self, controllers: usize) {
+        let mut heard = self.heard.write().unwrap_or_else(PoisonError::into_inner);
+        if heard.len() < controllers {
+            heard.resize_with(controllers, || None);
+        }
+    }
+
+    /// Whether the split is not whole here: a controller expected has not
+    /// answered yet, or one's split is settling (this data plane takes
+    /// less than its even parts of keys nobody asked of).
     pub fn settling(&self) -> bool {
         let heard = self.heard.read().unwrap_or_else(PoisonError::into_inner);
         let newest = heard.iter().flatten().map(Heard::at).max();
@@ -199,7 +208,8 @@ impl Allowances {
             .iter()
             .flatten()
             .filter(|heard| newest.is_some_and(|newest| newest.saturating_duration_since(heard.at()) < STALE_AFTER));
-        newest.is_none()
+        heard.is_empty()
+            || heard.iter().any(Option::is_none)
             || fresh.into_iter().any(|heard| matches!(heard, Heard::Split { answer, .. } if answer.settling))
     }
 
@@ -271,7 +281,9 @@ mod tests {
     #[test]
     fn the_least_part_any_controller_gives_counts_until_it_goes_stale() {
         let (allowances, limited, now) = (Allowances::default(), key("k", 60, 4), Instant::now());
+        allowances.expect(3);
         allowances.take(0, split(4, 0, 45, 3), now);
+        assert!(allowances.settling(), "two controllers still to answer");
         // A controller that counts five data planes.
         allowances.take(2, split(5, 1, 50, 1), now);
         assert_eq!((allowances.requests_per_minute(&limited), allowances.max_concurrent(&limited)), (45, Some(1)));

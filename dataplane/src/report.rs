@@ -88,6 +88,7 @@ impl Reporter {
         if clients.is_empty() {
             return;
         }
+        self.allowances.expect(clients.len());
         let instance = fastrand::u64(..);
         let mut sequence = 0u64;
         let mut ticker = tokio::time::interval(REPORT_EVERY);
