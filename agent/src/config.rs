@@ -495,6 +495,11 @@ impl Config {
                 "max_connections, max_stranger_connections and max_stranger_connections_per_address must be positive"
             );
         }
+        // A prober's address holds connections without a stranger's bounds:
+        // a block wide enough to take in clients takes those bounds away.
+        if let Some(wide) = self.trusted_probers.iter().find(|cidr| cidr.host_bits() > 8) {
+            bail!("trusted_probers: {wide} is wider than 256 addresses; list the probers' own addresses");
+        }
         if self.backends.is_empty() && self.simulated.is_empty() {
             bail!("no backends: add a [[backends]] entry (url and kind) or a [[simulated]] backend");
         }
@@ -645,6 +650,13 @@ kind = "llama-swap"
         assert_eq!(twice.models_max(), 0, "a llama-server says its own, or has none");
         let config = Config { backends: vec![twice.clone(), twice.clone()], ..Config::default() };
         assert!(config.validate().unwrap_err().to_string().contains("used twice"));
+        let probers = |block: &str| Config {
+            backends: vec![twice.clone()],
+            trusted_probers: vec![block.parse().unwrap()],
+            ..Config::default()
+        };
+        assert!(probers("10.0.0.0/16").validate().unwrap_err().to_string().contains("wider than 256"));
+        assert!(probers("10.0.9.0/24").validate().is_ok());
         let swapped_slots = BackendConfig {
             kind: BackendKind::LlamaSwap,
             slots: Some(SlotsConfig { dir: "/slots".into(), flags: String::new() }),

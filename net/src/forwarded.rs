@@ -25,6 +25,12 @@ impl Cidr {
         self.prefix == 0
     }
 
+    /// Addresses in the block, as a power of two.
+    pub fn host_bits(&self) -> u8 {
+        let width = if self.network.is_ipv4() { 32 } else { 128 };
+        width - self.prefix
+    }
+
     pub fn contains(&self, addr: IpAddr) -> bool {
         match (self.network, addr.to_canonical()) {
             (IpAddr::V4(network), IpAddr::V4(addr)) => {
