@@ -85,8 +85,9 @@ async fn one_address_trickling_heads_takes_its_share_of_a_data_plane_and_others_
     assert_eq!(refused, 50.0);
 }
 
-#[tokio::test]
-async fn silent_strangers_cost_an_agent_a_bounded_share_and_its_data_planes_are_served() {
+/// etcd, a controller and node-a's agent over a simulated llama-server,
+/// its configuration tweaked.
+async fn agent_of(tweak: impl FnOnce(&mut inferyes_agent::Config)) -> (Etcd, ControllerHandle, SimHandle, AgentHandle) {
     let etcd = Etcd::start().await;
     let controller = ControllerHandle::start(&etcd.endpoint(), "controller-1").await;
     let sim = SimHandle::start(chat_sim("chat")).await;
@@ -95,11 +96,18 @@ async fn silent_strangers_cost_an_agent_a_bounded_share_and_its_data_planes_are_
         &[controller.url()],
         inferyes_agent::config::GpuSourceConfig::Simulated,
         sim_backends(&[("main", &sim)]),
-        |config| {
-            config.max_stranger_connections = 12;
-            config.max_stranger_connections_per_address = 4;
-        },
+        tweak,
     )
+    .await;
+    (etcd, controller, sim, agent)
+}
+
+#[tokio::test]
+async fn silent_strangers_cost_an_agent_a_bounded_share_and_its_data_planes_are_served() {
+    let (_etcd, controller, _sim, agent) = agent_of(|config| {
+        config.max_stranger_connections = 12;
+        config.max_stranger_connections_per_address = 4;
+    })
     .await;
     let dataplane = DataplaneHandle::start(&[controller.url()]).await;
     dataplane.wait_for_nodes(&["node-a"]).await;
@@ -142,20 +150,11 @@ async fn silent_strangers_cost_an_agent_a_bounded_share_and_its_data_planes_are_
 
 #[tokio::test]
 async fn an_agent_s_configured_prober_is_answered_while_strangers_fill_their_places() {
-    let etcd = Etcd::start().await;
-    let controller = ControllerHandle::start(&etcd.endpoint(), "controller-1").await;
-    let sim = SimHandle::start(chat_sim("chat")).await;
-    let agent = AgentHandle::start_tweaked(
-        "node-a",
-        &[controller.url()],
-        inferyes_agent::config::GpuSourceConfig::Simulated,
-        sim_backends(&[("main", &sim)]),
-        |config| {
-            config.max_stranger_connections = 8;
-            config.max_stranger_connections_per_address = 4;
-            config.trusted_probers = vec!["127.0.0.9/32".parse().expect("a block")];
-        },
-    )
+    let (_etcd, _controller, _sim, agent) = agent_of(|config| {
+        config.max_stranger_connections = 8;
+        config.max_stranger_connections_per_address = 4;
+        config.trusted_probers = vec!["127.0.0.9/32".parse().expect("a block")];
+    })
     .await;
     let strangers =
         [hold("127.0.0.2", agent.proxy_addr, 4, b"").await, hold("127.0.0.3", agent.proxy_addr, 4, b"").await];
