@@ -129,7 +129,12 @@ impl Metrics {
             node_ejections: Family::default(),
             scrape: std::sync::Mutex::new(()),
         };
-        let registry = registry.sub_registry_with_prefix("inferyes_dataplane");
+        metrics.register(registry.sub_registry_with_prefix("inferyes_dataplane"));
+        metrics
+    }
+
+    fn register(&self, registry: &mut Registry) {
+        let metrics = self;
         registry.register(
             "requests",
             "Requests answered, by model, node, HTTP status and route; a stream is counted when it ends",
@@ -228,7 +233,6 @@ impl Metrics {
             "Times a node was held out of routing after a failure (for rates and alerts)",
             metrics.node_ejections.clone(),
         );
-        metrics
     }
 
     /// Gauges read at scrape time from the snapshot held.
