@@ -85,7 +85,7 @@ def test_only_controllers_reach_etcd_s_clients_port_and_only_members_its_peers()
             allowed.setdefault(port["port"], set()).update(whose)
     assert allowed == {2379: {"inferyes-controller"}, 2380: {"inferyes-etcd"}}, allowed
     # Its pods run as nobody, on a read-only root, with no service account.
-    [etcd] = [d for d in documents if d["kind"] == "StatefulSet"]
+    [etcd] = [d for d in documents if d["kind"] == "StatefulSet" and d["metadata"]["name"] == "inferyes-etcd"]
     pod = etcd["spec"]["template"]["spec"]
     assert pod["securityContext"]["runAsNonRoot"] and pod["automountServiceAccountToken"] is False
     assert pod["containers"][0]["securityContext"]["readOnlyRootFilesystem"]
@@ -100,6 +100,20 @@ def test_the_schema_check_catches_a_mistake():
     broken["spec"]["replica"] = 2
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(broken, KUBERNETES_VERSION, strict=True)
+
+
+def test_each_data_plane_lists_every_controller_kubernetes_runs():
+    # Each controller splits the keys' limits among the data planes that
+    # report to it: every data plane must reach every one, by its own name.
+    [controllers] = [d for d in kubernetes_documents() if d["metadata"]["name"] == "inferyes-controller"
+                     and d["kind"] == "StatefulSet"]
+    [pods] = [d for d in kubernetes_documents() if d["kind"] == "Service"
+              and d["metadata"]["name"] == controllers["spec"]["serviceName"]]
+    assert pods["spec"]["clusterIP"] == "None"
+    names = [f"http://inferyes-controller-{i}.{pods['metadata']['name']}:7070"
+             for i in range(controllers["spec"]["replicas"])]
+    config = tomllib.loads((DEPLOY / "kubernetes" / "config" / "dataplane.toml").read_text())
+    assert config["controllers"] == names
 
 
 def test_kubernetes_configs_are_accepted_by_their_binaries_and_wired_in():
