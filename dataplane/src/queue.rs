@@ -57,7 +57,7 @@ pub enum Turn {
 /// size (by powers of two: a shorter prompt may move where a longer one
 /// may not).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
-struct Like {
+struct Shape {
     model: Arc<str>,
     kind: EndpointKind,
     home: Option<crate::snapshot::Target>,
@@ -218,10 +218,10 @@ impl Queue {
             self.finish(&waiter, "age");
             let _ = waiter.sender.send(Turn::TooLong { waited_ms, retry_after_s });
         }
-        let mut frozen = Frozen::of(snapshot);
+        let mut frozen = PassView::of(snapshot);
         // Requests like one that could not start in this pass cannot either
         // (the pass only takes slots): they are not routed again.
-        let mut blocked: HashSet<Like> = HashSet::new();
+        let mut blocked: HashSet<Shape> = HashSet::new();
         let mut routed = 0;
         // How long a request's prompt takes to read before its first token:
         // the part no node holds of its conversation, as reported now, at
@@ -239,7 +239,7 @@ impl Queue {
         };
         let leaving = room.leave_startable(now_ms, expected_ms, |ticket, entry| {
             let ask = &waiters.get(&ticket)?.ask;
-            let like = Like {
+            let like = Shape {
                 model: Arc::clone(&entry.model),
                 kind: ask.kind,
                 home: ask.session.as_deref().and_then(|session| snapshot.resident(session)).map(|r| r.target),
@@ -368,15 +368,15 @@ pub fn take_slot(snapshot: &RoutingSnapshot, model: &str, route: &Route) -> Resu
 /// the pass let out since. A request that ends mid-pass wakes the next
 /// pass rather than free a slot for whichever request this one happens to
 /// be routing then: the queue's order holds.
-struct Frozen<'s> {
+struct PassView<'s> {
     view: &'s crate::targets::View,
     in_flight: Vec<u32>,
 }
 
-impl<'s> Frozen<'s> {
-    fn of(snapshot: &'s RoutingSnapshot) -> Frozen<'s> {
+impl<'s> PassView<'s> {
+    fn of(snapshot: &'s RoutingSnapshot) -> PassView<'s> {
         let view = snapshot.local();
-        Frozen { view, in_flight: (0..snapshot.nodes().len()).map(|node| view.in_flight(node)).collect() }
+        PassView { view, in_flight: (0..snapshot.nodes().len()).map(|node| view.in_flight(node)).collect() }
     }
 
     fn entered(&mut self, node: usize) {
@@ -386,7 +386,7 @@ impl<'s> Frozen<'s> {
     }
 }
 
-impl Local for Frozen<'_> {
+impl Local for PassView<'_> {
     fn in_flight(&self, node: usize) -> u32 {
         self.in_flight.get(node).copied().unwrap_or(0)
     }

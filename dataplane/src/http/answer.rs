@@ -389,8 +389,8 @@ impl Streaming {
                         let passed = progress.push(data.clone(), |seen| {
                             if let Some(meter) = meter {
                                 match seen {
-                                    super::progress::Seen::Progress(read) => meter.no_token(read),
-                                    super::progress::Seen::NoToken => meter.no_token(None),
+                                    super::progress::Noticed::Progress(read) => meter.no_token(read),
+                                    super::progress::Noticed::NoToken => meter.no_token(None),
                                 }
                             }
                         });

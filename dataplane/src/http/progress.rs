@@ -54,7 +54,7 @@ impl Progress {
     /// What of `data` goes on; `seen` is told of each progress event in
     /// it and of the first event after them, where that is no token (chat's
     /// opening role chunk).
-    pub(crate) fn push(&mut self, data: Bytes, mut seen: impl FnMut(Seen)) -> Passed {
+    pub(crate) fn push(&mut self, data: Bytes, mut seen: impl FnMut(Noticed)) -> Passed {
         // The first token's frame, most often whole events: passed on
         // uncopied.
         if self.pending.is_empty()
@@ -75,7 +75,7 @@ impl Progress {
             if is_comment(event) {
                 kept.extend_from_slice(event);
             } else if is_progress_event(event) {
-                seen(Seen::Progress(parse_prompt_progress(event)));
+                seen(Noticed::Progress(parse_prompt_progress(event)));
                 if !self.take {
                     kept.extend_from_slice(event);
                 }
@@ -111,7 +111,7 @@ impl Progress {
 
 /// What the reader saw.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Seen {
+pub(crate) enum Noticed {
     /// A progress event, and what it says where it can be read.
     Progress(Option<PromptProgress>),
     /// The first event after them carries no output: chat's opening role
@@ -120,10 +120,10 @@ pub(crate) enum Seen {
 }
 
 /// Tells `seen` whether the first event of `events` carries no output.
-fn opening(events: &[u8], seen: &mut impl FnMut(Seen)) {
+fn opening(events: &[u8], seen: &mut impl FnMut(Noticed)) {
     let first = super::sse::event_end(events).map_or(events, |end| &events[..end]);
     if !super::sse::carries_output(first) {
-        seen(Seen::NoToken);
+        seen(Noticed::NoToken);
     }
 }
 
@@ -147,7 +147,7 @@ mod tests {
     const ROLE: &str = "data: {\"choices\":[{\"delta\":{\"role\":\"assistant\",\"content\":null}}]}\n\n";
 
     /// Everything passed on, and every progress read, feeding `frames` in.
-    fn run(events: ProgressEvents, frames: &[&[u8]]) -> (String, Vec<Seen>, bool) {
+    fn run(events: ProgressEvents, frames: &[&[u8]]) -> (String, Vec<Noticed>, bool) {
         let mut progress = Progress::new(events).expect("looked for");
         let (mut out, mut read, mut over) = (String::new(), Vec::new(), false);
         for frame in frames {
@@ -169,7 +169,7 @@ mod tests {
 
     #[test]
     fn progress_events_are_read_and_taken_out_whatever_the_frames() {
-        let at = |processed| Seen::Progress(Some(PromptProgress { total: 818, cache: 0, processed }));
+        let at = |processed| Noticed::Progress(Some(PromptProgress { total: 818, cache: 0, processed }));
         // Lines ended by `\n` and by `\r\n`: an event's end may be cut
         // anywhere between frames.
         for ends in [|s: String| s, |s: String| s.replace('\n', "\r\n")] {
@@ -189,7 +189,7 @@ mod tests {
                 let frames: Vec<&[u8]> = with_role.as_bytes().chunks(size).collect();
                 let (out, read, _) = run(ProgressEvents::Taken, &frames);
                 assert_eq!(out, [role.as_str(), &token].concat());
-                assert_eq!(read, vec![at(0), Seen::NoToken], "frames of {size}");
+                assert_eq!(read, vec![at(0), Noticed::NoToken], "frames of {size}");
             }
         }
     }

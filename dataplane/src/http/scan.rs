@@ -199,8 +199,8 @@ impl<'a> Scanner<'a> {
     /// The top-level object's members, the fields routing reads taken out.
     fn top(&mut self) -> Scanned<Fields<'a>> {
         let mut fields = Fields::default();
-        let mut seen = Seen::default();
-        let mut constraints = Seen::default();
+        let mut seen = GivenFields::default();
+        let mut constraints = GivenFields::default();
         self.members(|scanner, key| {
             // Each field routing reads is read once; a second is refused.
             let mut once = |field, name: &'static str| seen.first(field, || name.into(), name);
@@ -319,7 +319,7 @@ impl<'a> Scanner<'a> {
             return self.wrong_type(2, || path(""), "messages", "an object");
         }
         let (mut role, mut content) = (None, None);
-        let mut seen = Seen::default();
+        let mut seen = GivenFields::default();
         self.members(|scanner, key| {
             match &*key {
                 "role" => {
@@ -746,9 +746,9 @@ const CONSTRAINTS: [&str; 6] = ["tools", "tool_choice", "functions", "response_f
 
 /// Which of an object's fields (by number, below 16) were given.
 #[derive(Default)]
-struct Seen(u16);
+struct GivenFields(u16);
 
-impl Seen {
+impl GivenFields {
     /// Marks `field` given; says whether it was before.
     fn again(&mut self, field: usize) -> bool {
         let bit = 1 << field;

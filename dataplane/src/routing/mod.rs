@@ -359,7 +359,7 @@ impl FromIterator<Target> for Targets {
 
 /// What a placement is to this request.
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum Class {
+enum Eligibility {
     /// Holds the session's cache; allowed up to the hard limit.
     Resident,
     Warm,
@@ -407,12 +407,12 @@ impl<const K: usize> Best<K> {
 
 /// The placements as one request sees them: each with what this data
 /// plane adds of its node ([`Local`]), at the request's time.
-struct Seen<'l, L> {
+struct LocalView<'l, L> {
     local: &'l L,
     now_ms: u64,
 }
 
-impl<L: Local> Seen<'_, L> {
+impl<L: Local> LocalView<'_, L> {
     /// This data plane's requests in flight to the placement's node.
     fn in_flight(&self, p: &Placement) -> u32 {
         self.local.in_flight(p.target.node)
@@ -485,10 +485,10 @@ impl<L: Local> Seen<'_, L> {
     fn terms(&self, p: &Placement, home: Option<Target>, weighing: &Weighing, cached: (u32, Cache)) -> Terms {
         let inputs = self.inputs(p, weighing.prompt, cached, home.is_some_and(|home| home != p.target));
         let standing = match self.class_of(p, home) {
-            Class::Resident => Standing::Resident,
-            Class::Warm => Standing::Warm,
-            Class::Cold => Standing::Cold,
-            Class::Ejected | Class::Unadmitted { .. } => Standing::Ejected,
+            Eligibility::Resident => Standing::Resident,
+            Eligibility::Warm => Standing::Warm,
+            Eligibility::Cold => Standing::Cold,
+            Eligibility::Ejected | Eligibility::Unadmitted { .. } => Standing::Ejected,
         };
         let sessions = self.session_load(p);
         Terms {
@@ -537,32 +537,32 @@ impl<L: Local> Seen<'_, L> {
         (after as f64) < p.admission_threshold * p.vram_total_bytes as f64
     }
 
-    fn class_of(&self, p: &Placement, home: Option<Target>) -> Class {
+    fn class_of(&self, p: &Placement, home: Option<Target>) -> Eligibility {
         if !p.usable {
-            return Class::Unadmitted { memory: false };
+            return Eligibility::Unadmitted { memory: false };
         }
         if self.ejected_until(p).is_some() {
             let warm = matches!(p.state, ModelState::Loaded | ModelState::Unknown);
             return if warm && p.vram_fraction < p.hard_limit {
-                Class::Ejected
+                Eligibility::Ejected
             } else {
-                Class::Unadmitted { memory: false }
+                Eligibility::Unadmitted { memory: false }
             };
         }
         if p.vram_fraction >= p.hard_limit {
-            return Class::Unadmitted { memory: true };
+            return Eligibility::Unadmitted { memory: true };
         }
         let warm = matches!(p.state, ModelState::Loaded | ModelState::Unknown);
         if warm && home == Some(p.target) {
-            Class::Resident
+            Eligibility::Resident
         } else if p.vram_fraction >= p.admission_threshold {
-            Class::Unadmitted { memory: true }
+            Eligibility::Unadmitted { memory: true }
         } else if warm {
-            Class::Warm
+            Eligibility::Warm
         } else if self.fits_in_memory(p) {
-            Class::Cold
+            Eligibility::Cold
         } else {
-            Class::Unadmitted { memory: true }
+            Eligibility::Unadmitted { memory: true }
         }
     }
 }
@@ -668,7 +668,7 @@ pub fn slot_room(snapshot: &RoutingSnapshot, model: &str, route: &Route) -> Opti
 /// The route of `request` over `snapshot`'s nodes, as this data plane's
 /// `local` state of them adds to it.
 pub fn select(snapshot: &RoutingSnapshot, local: &impl Local, request: &RouteRequest<'_>) -> Result<Route, RouteError> {
-    let seen = Seen { local, now_ms: request.now_ms };
+    let seen = LocalView { local, now_ms: request.now_ms };
     let Some(placements) = snapshot.placements(request.model) else {
         // Routing is asked only of models the caller may use.
         return Err(model_not_found(snapshot, request.model, |_| true));
@@ -695,7 +695,7 @@ pub fn select(snapshot: &RoutingSnapshot, local: &impl Local, request: &RouteReq
             placements.binary_search_by_key(&(r.target.node, r.target.backend), |p| (p.target.node, p.target.backend));
         at.ok().filter(|i| {
             let p = &placements[*i];
-            capable(p) && fits(p) && seen.class_of(p, home) == Class::Resident
+            capable(p) && fits(p) && seen.class_of(p, home) == Eligibility::Resident
         })
     });
     if let (Some(at), Some(resident)) = (at_home, resident) {
@@ -737,7 +737,7 @@ pub fn select(snapshot: &RoutingSnapshot, local: &impl Local, request: &RouteReq
         any_fitting = true;
         match seen.class_of(p, home) {
             // A usable home took the early return: here it is not one.
-            Class::Resident | Class::Warm => {
+            Eligibility::Resident | Eligibility::Warm => {
                 warm_count += 1;
                 let saturated = u64::from(seen.waits(p));
                 let position = i as u64;
@@ -758,10 +758,10 @@ pub fn select(snapshot: &RoutingSnapshot, local: &impl Local, request: &RouteReq
                     (None, _) => warm.offer([saturated, u64::from(seen.load(p)), place_key(p)], i),
                 }
             }
-            Class::Cold => cold.offer([cold_rank(p), !seen.free_memory(p), place_key(p)], i),
-            Class::Unadmitted { memory } => unadmitted_for_memory |= memory,
+            Eligibility::Cold => cold.offer([cold_rank(p), !seen.free_memory(p), place_key(p)], i),
+            Eligibility::Unadmitted { memory } => unadmitted_for_memory |= memory,
             // The soonest back first.
-            Class::Ejected => ejected.offer([seen.ejected_until(p).unwrap_or(0), place_key(p), 0], i),
+            Eligibility::Ejected => ejected.offer([seen.ejected_until(p).unwrap_or(0), place_key(p), 0], i),
         }
     }
     if !any_capable {
@@ -777,7 +777,10 @@ pub fn select(snapshot: &RoutingSnapshot, local: &impl Local, request: &RouteReq
         // which counts with the model's own tokenizer, says whether it fits.
         let usable = placements
             .iter()
-            .filter(|p| capable(p) && matches!(seen.class_of(p, home), Class::Resident | Class::Warm | Class::Cold))
+            .filter(|p| {
+                capable(p)
+                    && matches!(seen.class_of(p, home), Eligibility::Resident | Eligibility::Warm | Eligibility::Cold)
+            })
             .map(|p| p.context_window)
             .max();
         let prompt_tokens = usable.unwrap_or(largest_window);
@@ -797,7 +800,7 @@ pub fn select(snapshot: &RoutingSnapshot, local: &impl Local, request: &RouteReq
             // queue the session: rank them all, another may have room.
             warm = Best::new();
             for (i, p) in placements.iter().enumerate() {
-                if capable(p) && fits(p) && seen.class_of(p, home) == Class::Warm {
+                if capable(p) && fits(p) && seen.class_of(p, home) == Eligibility::Warm {
                     warm.offer([u64::from(over(p)), seen.start_key(p), !score(key, p, strategy)], i);
                 }
             }
@@ -872,7 +875,7 @@ pub fn select(snapshot: &RoutingSnapshot, local: &impl Local, request: &RouteReq
 /// ([`cost::least_elsewhere`]) is kept without a scan; failovers are then
 /// the next warm placements with room.
 fn route_session_home<L: Local>(
-    seen: &Seen<'_, L>,
+    seen: &LocalView<'_, L>,
     placements: &[Placement],
     at: usize,
     resident: Resident,
@@ -884,7 +887,8 @@ fn route_session_home<L: Local>(
     // A later turn's prompt holds at least what its cache holds.
     let prompt = request.prompt_tokens.max(resident.tokens);
     let at_home = seen.estimate(home, prompt, (resident.tokens, Cache::Resident), false).seconds();
-    let alternative = |p: &Placement| capable(p) && fits(p) && seen.class_of(p, Some(resident.target)) == Class::Warm;
+    let alternative =
+        |p: &Placement| capable(p) && fits(p) && seen.class_of(p, Some(resident.target)) == Eligibility::Warm;
     let after = || placements[at + 1..].iter().chain(&placements[..at]);
     let mut targets = Targets::default();
     let carries = request.carry && home.slot_group != 0;
@@ -1018,7 +1022,7 @@ struct WeighedCandidate {
 /// `targets`' terms, in their order, then the preferred node's where it
 /// is not one of them.
 fn weighed<L: Local>(
-    seen: &Seen<'_, L>,
+    seen: &LocalView<'_, L>,
     placements: &[Placement],
     targets: &Targets,
     weighing: &Weighing,
@@ -1065,7 +1069,7 @@ fn score(key: u64, p: &Placement, strategy: Strategy) -> u64 {
 /// when the walk finds nothing usable: the full scan decides then.
 #[allow(clippy::too_many_arguments)]
 fn place_on_ring<L: Local>(
-    seen: &Seen<'_, L>,
+    seen: &LocalView<'_, L>,
     snapshot: &RoutingSnapshot,
     placements: &[Placement],
     ring: &crate::snapshot::Ring,
@@ -1094,7 +1098,7 @@ fn place_on_ring<L: Local>(
             continue;
         }
         let p = &placements[index];
-        if capable(p) && fits(p) && seen.class_of(p, None) == Class::Warm {
+        if capable(p) && fits(p) && seen.class_of(p, None) == Eligibility::Warm {
             homes.push(index);
             if homes.len() == HOMES {
                 break;
