@@ -61,7 +61,7 @@ pub(crate) struct Plan {
     pub version: u64,
     /// What the request's body holds of the budget, while a continuation
     /// may need it; and its caller's share, until the stream ends.
-    pub _held: Option<super::body::Reservation>,
+    pub reservation: Option<super::body::Reservation>,
 }
 
 /// A streamed answer on its way to the client.
@@ -681,7 +681,7 @@ mod tests {
             request_id: HeaderValue::from_static("req"),
             errors: row.errors,
             version: 1,
-            _held: None,
+            reservation: None,
         };
         let (_, body) = StreamBody::streaming(answer(frames).await, plan, CancellationToken::new(), None);
         (body, ledger)

@@ -558,7 +558,7 @@ impl<'s> Exchange<'s> {
                 request_id: self.request_id.clone(),
                 errors: self.row.errors,
                 version,
-                _held: None,
+                reservation: None,
             },
             continues,
             held: self.held.take(),
@@ -703,7 +703,7 @@ impl StreamSetup {
         });
         // Only a stream that may be continued keeps the request's body;
         // every stream keeps its caller's share until it ends.
-        plan._held = if resume.is_some() { held } else { held.map(super::body::Reservation::emptied) };
+        plan.reservation = if resume.is_some() { held } else { held.map(super::body::Reservation::emptied) };
         let hard_stop = state.forwarder.hard_stop().clone();
         StreamBody::streaming(open, plan, hard_stop, resume)
     }
