@@ -1,5 +1,6 @@
 //! Splits each API key's fleet-wide limits (requests per minute, requests
-//! in flight) among the data planes, by what each asked of them lately.
+//! in flight, what is left of its daily budget) among the data planes, by
+//! what each asked of them lately.
 //!
 //! Data planes report to every controller, every second, what each key
 //! asked of them and the parts they hold of this controller's last split;
@@ -17,6 +18,14 @@
 //!   a newcomer none;
 //! - a data plane that has not heard this controller holds nothing of it,
 //!   and for a while after this controller starts each keeps what it holds.
+//!
+//! A daily budget is split as what the roll-up leaves of it: a data plane
+//! holds its tokens in flight and those it used that the roll-up may not
+//! show yet, and admits a request only where the request's tokens fit in
+//! its part. The budget's overdraft (a limit of 1) lets the one data plane
+//! that holds it admit one request past its part, so that the last tokens
+//! of a budget are spent: the fleet overruns a budget by at most one
+//! request's worth.
 //!
 //! Pure: the caller brings the reports, the time and the keys' limits.
 
@@ -48,11 +57,38 @@ const FORGOTTEN_BELOW: f64 = 0.5;
 pub struct Limits {
     pub requests_per_minute: u32,
     pub max_concurrent: u32,
+    pub tokens: Option<Budget>,
+}
+
+/// A key's daily budget, and what the fleet's roll-up leaves of it today.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Budget {
+    pub per_day: u64,
+    pub left: u64,
 }
 
 impl Limits {
     fn any(self) -> bool {
         self != Limits::default()
+    }
+
+    /// What is split now, by kind.
+    fn now(self) -> Part {
+        let tokens = self.tokens.map_or(0, |budget| budget.left);
+        Part([
+            u64::from(self.requests_per_minute),
+            u64::from(self.max_concurrent),
+            tokens,
+            u64::from(self.tokens.is_some()),
+        ])
+    }
+
+    /// What a part not listed is an even part of, by kind: of a budget, the
+    /// whole of it, which no part of today's split can exceed.
+    fn whole(self) -> Part {
+        let mut whole = self.now();
+        whole.0[TOKENS] = self.tokens.map_or(0, |budget| budget.per_day);
+        whole
     }
 }
 
@@ -90,11 +126,43 @@ struct Held {
     cut: bool,
 }
 
-/// A data plane's part of one key's limits.
+/// A data plane's part of one key's limits, by kind: [`RATE`], [`ROOM`],
+/// [`TOKENS`], [`OVERDRAFT`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-struct Part {
-    requests_per_minute: u32,
-    max_concurrent: u32,
+struct Part([u64; KINDS]);
+
+const KINDS: usize = 4;
+/// Requests per minute.
+const RATE: usize = 0;
+/// Requests in flight.
+const ROOM: usize = 1;
+/// Tokens of what is left of a daily budget.
+const TOKENS: usize = 2;
+/// One request at a time past a data plane's part of a budget.
+const OVERDRAFT: usize = 3;
+
+impl Part {
+    fn of(key: &KeyAllowance) -> Part {
+        Part([u64::from(key.requests_per_minute), u64::from(key.max_concurrent), key.tokens, u64::from(key.overdraft)])
+    }
+
+    /// As an answer lists it. No part is more than its limit, and limits
+    /// of requests are `u32`.
+    fn allowance(self, key_id: &str) -> KeyAllowance {
+        let small = |kind: usize| u32::try_from(self.0[kind]).unwrap_or(u32::MAX);
+        KeyAllowance {
+            key_id: key_id.to_owned(),
+            requests_per_minute: small(RATE),
+            max_concurrent: small(ROOM),
+            tokens: self.0[TOKENS],
+            overdraft: small(OVERDRAFT),
+        }
+    }
+
+    /// The even parts of `whole` that `parts` gives a key it does not list.
+    fn unlisted(whole: Part, parts: &Allowances) -> Part {
+        Part(whole.0.map(|limit| unlisted_part(limit, parts)))
+    }
 }
 
 /// What one key wants of one data plane, smoothed over reports: a claim
@@ -105,6 +173,23 @@ struct Want {
     per_minute: f64,
     in_flight: u32,
     refused_in_flight: f64,
+    tokens_held: u64,
+    tokens_refused: f64,
+    overdrawn: bool,
+}
+
+impl Want {
+    /// What it claims of each kind of limit: what it holds, and how much
+    /// more it asked for.
+    fn claims(self) -> [Claim; KINDS] {
+        [
+            Claim { held: 0, more: self.per_minute },
+            Claim { held: u64::from(self.in_flight), more: self.refused_in_flight },
+            Claim { held: self.tokens_held, more: self.tokens_refused },
+            // Asked for by anything refused for want of tokens.
+            Claim { held: u64::from(self.overdrawn), more: self.tokens_refused.min(1.0) },
+        ]
+    }
 }
 
 /// Why a report is not taken.
@@ -171,10 +256,14 @@ impl Books {
         for asked in report.demand.iter().filter(|d| limited(&d.key_id)).take(MAX_KEYS) {
             let before = book.keys.get(&asked.key_id).copied().unwrap_or_default();
             let per_minute = (f64::from(asked.asked) * 60.0 / seconds).min(MAX_PER_MINUTE);
+            #[allow(clippy::cast_precision_loss)] // a claim, not a count
             let want = Want {
                 per_minute: smoothed(before.per_minute, per_minute),
                 in_flight: asked.in_flight,
                 refused_in_flight: smoothed(before.refused_in_flight, f64::from(asked.refused_in_flight)),
+                tokens_held: asked.tokens_held,
+                tokens_refused: smoothed(before.tokens_refused, asked.tokens_refused as f64),
+                overdrawn: asked.overdrawn,
             };
             wants.insert(asked.key_id.clone(), want);
         }
@@ -185,10 +274,11 @@ impl Books {
             if !wants.contains_key(key) {
                 let faded = Want {
                     per_minute: smoothed(want.per_minute, 0.0),
-                    in_flight: 0,
                     refused_in_flight: smoothed(want.refused_in_flight, 0.0),
+                    tokens_refused: smoothed(want.tokens_refused, 0.0),
+                    ..Want::default()
                 };
-                if faded.per_minute.max(faded.refused_in_flight) >= FORGOTTEN_BELOW {
+                if faded.per_minute.max(faded.refused_in_flight).max(faded.tokens_refused) >= FORGOTTEN_BELOW {
                     wants.insert(key.clone(), faded);
                 }
             }
@@ -202,10 +292,13 @@ impl Books {
 
     /// `dataplane`'s new parts; `None` for a data plane the books do not
     /// follow. `limits` gives a key's limits, `None` for a key that is gone.
-    pub fn allowances(
+    /// `spent` names the keys whose budgets were spent of today: their
+    /// parts are listed whoever asked of them.
+    pub fn allowances<'a>(
         &mut self,
         dataplane: &str,
         limits: impl Fn(&str) -> Option<Limits>,
+        spent: impl IntoIterator<Item = &'a str>,
         now: Instant,
     ) -> Option<Allowances> {
         if self.started.is_none_or(|started| now.saturating_duration_since(started) < GONE_AFTER) {
@@ -230,7 +323,7 @@ impl Books {
             Some(parts) if settling => (parts.before_dataplanes, parts.before_place),
             _ => (0, 0),
         };
-        let named: BTreeSet<&str> = live
+        let mut named: BTreeSet<&str> = live
             .iter()
             .flat_map(|(_, book)| {
                 let held = book.held.iter().chain(&book.given).flat_map(|held| held.keys.keys());
@@ -238,6 +331,9 @@ impl Books {
             })
             .map(String::as_str)
             .collect();
+        for key_id in spent.into_iter().take(MAX_KEYS) {
+            named.insert(key_id);
+        }
         let mut answer = Allowances {
             dataplanes: count,
             place: index(place),
@@ -247,38 +343,33 @@ impl Books {
             before_dataplanes,
             before_place,
         };
+        // Reused for every key: an answer weighs thousands.
+        let (mut claims, mut kind_claims): (Vec<[Claim; KINDS]>, Vec<Claim>) = (Vec::new(), Vec::new());
         for key_id in named {
             let Some(limits) = limits(key_id).filter(|l| l.any()) else { continue };
-            let wants: Vec<Want> =
-                live.iter().map(|(_, book)| book.keys.get(key_id).copied().unwrap_or_default()).collect();
-            let rate: Vec<Claim> = wants.iter().map(|w| Claim { held: 0, more: w.per_minute }).collect();
-            let room: Vec<Claim> =
-                wants.iter().map(|w| Claim { held: w.in_flight, more: w.refused_in_flight }).collect();
+            claims.clear();
+            claims.extend(live.iter().map(|(_, book)| book.keys.get(key_id).copied().unwrap_or_default().claims()));
+            let (split_now, whole) = (limits.now(), limits.whole());
             // What the others hold, each key looked up once in each book.
-            let mut held = Part::default();
+            let mut held = [0u64; KINDS];
             for (_, (_, book)) in live.iter().enumerate().filter(|(i, _)| *i != place) {
-                let of = |held: &Option<Held>| held.as_ref().map_or(Part::default(), |held| held.part(key_id, limits));
+                let of = |held: &Option<Held>| held.as_ref().map_or(Part::default(), |held| held.part(key_id, whole));
                 let (said, given) = (of(&book.held), of(&book.given));
-                held.requests_per_minute =
-                    held.requests_per_minute.saturating_add(said.requests_per_minute.max(given.requests_per_minute));
-                held.max_concurrent = held.max_concurrent.saturating_add(said.max_concurrent.max(given.max_concurrent));
+                for (kind, sum) in held.iter_mut().enumerate() {
+                    *sum = sum.saturating_add(said.0[kind].max(given.0[kind]));
+                }
             }
-            let part = Part {
-                requests_per_minute: split(limits.requests_per_minute, &rate)[place]
-                    .min(limits.requests_per_minute.saturating_sub(held.requests_per_minute)),
-                max_concurrent: split(limits.max_concurrent, &room)[place]
-                    .min(limits.max_concurrent.saturating_sub(held.max_concurrent)),
-            };
-            let unlisted = Part {
-                requests_per_minute: unlisted_part(limits.requests_per_minute, &answer),
-                max_concurrent: unlisted_part(limits.max_concurrent, &answer),
-            };
-            if part != unlisted {
-                answer.keys.push(KeyAllowance {
-                    key_id: key_id.to_owned(),
-                    requests_per_minute: part.requests_per_minute,
-                    max_concurrent: part.max_concurrent,
-                });
+            let mut part = Part::default();
+            for (kind, limit) in split_now.0.into_iter().enumerate().filter(|(_, limit)| *limit > 0) {
+                kind_claims.clear();
+                kind_claims.extend(claims.iter().map(|claim| claim[kind]));
+                part.0[kind] = split_at(limit, &kind_claims, place).min(limit.saturating_sub(held[kind]));
+            }
+            // A budget's part is always listed: data planes count what is
+            // left of it by their own view of the roll-up, which may be
+            // behind or ahead of this one.
+            if limits.tokens.is_some() || part != Part::unlisted(whole, &answer) {
+                answer.keys.push(part.allowance(key_id));
             }
         }
         if let Some(book) = self.dataplanes.get_mut(dataplane) {
@@ -307,13 +398,7 @@ pub fn nothing() -> Allowances {
 impl Held {
     fn of(parts: &Allowances, at_most: usize) -> Held {
         let valid = parts.keys.iter().filter(|key| inferyes_proto::apikey::valid_key_id(&key.key_id));
-        let keys: FastMap<String, Part> = valid
-            .take(at_most)
-            .map(|key| {
-                let part = Part { requests_per_minute: key.requests_per_minute, max_concurrent: key.max_concurrent };
-                (key.key_id.clone(), part)
-            })
-            .collect();
+        let keys: FastMap<String, Part> = valid.take(at_most).map(|key| (key.key_id.clone(), Part::of(key))).collect();
         let cut = keys.len() < parts.keys.len();
         let parts = Allowances { keys: Vec::new(), ..parts.clone() };
         Held { parts, keys, cut }
@@ -325,29 +410,16 @@ impl Held {
         if self.cut {
             return nothing();
         }
-        let keys = self
-            .keys
-            .iter()
-            .map(|(key_id, part)| KeyAllowance {
-                key_id: key_id.clone(),
-                requests_per_minute: part.requests_per_minute,
-                max_concurrent: part.max_concurrent,
-            })
-            .collect();
+        let keys = self.keys.iter().map(|(key_id, part)| part.allowance(key_id)).collect();
         Allowances { keys, ..self.parts.clone() }
     }
 
-    /// What it holds of a key's `limits`.
-    fn part(&self, key_id: &str, limits: Limits) -> Part {
+    /// What it holds of a key whose limits are even parts of `whole`.
+    fn part(&self, key_id: &str, whole: Part) -> Part {
         match self.keys.get(key_id) {
             Some(part) => *part,
-            None if self.cut => {
-                Part { requests_per_minute: limits.requests_per_minute, max_concurrent: limits.max_concurrent }
-            }
-            None => Part {
-                requests_per_minute: unlisted_part(limits.requests_per_minute, &self.parts),
-                max_concurrent: unlisted_part(limits.max_concurrent, &self.parts),
-            },
+            None if self.cut => whole,
+            None => Part::unlisted(whole, &self.parts),
         }
     }
 }
@@ -374,7 +446,7 @@ fn smoothed(before: f64, sample: f64) -> f64 {
 /// flight it cannot give back) and how much more it asked for.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Claim {
-    pub held: u32,
+    pub held: u64,
     pub more: f64,
 }
 
@@ -383,37 +455,89 @@ pub struct Claim {
 /// not held goes by what each asked for; where that is less than there is,
 /// each gets what it asked and the spare is spread evenly, so that a data
 /// plane nobody used lately can still take a key's next request.
-pub fn split(limit: u32, claims: &[Claim]) -> Vec<u32> {
-    let mut parts: Vec<u32> = claims.iter().map(|c| c.held).collect();
-    let held: u64 = parts.iter().map(|&p| u64::from(p)).sum();
-    if claims.is_empty() || held >= u64::from(limit) {
+pub fn split(limit: u64, claims: &[Claim]) -> Vec<u64> {
+    let mut parts: Vec<u64> = claims.iter().map(|c| c.held).collect();
+    let held = parts.iter().fold(0u64, |sum, &p| sum.saturating_add(p));
+    if claims.is_empty() || held >= limit {
         return parts;
     }
-    let rest = u64::from(limit) - held;
+    let rest = limit - held;
     let asked: f64 = claims.iter().map(|c| c.more.max(0.0)).sum();
-    #[allow(clippy::cast_precision_loss)] // limits are u32
+    #[allow(clippy::cast_precision_loss)] // shares, not counts: whole parts are counted below
     let (rest_f, n) = (rest as f64, claims.len() as f64);
     let shares: Vec<f64> = if asked <= rest_f {
         claims.iter().map(|c| c.more.max(0.0) + (rest_f - asked) / n).collect()
     } else {
         claims.iter().map(|c| rest_f * c.more.max(0.0) / asked).collect()
     };
-    // Whole parts: each share's floor, then what is left by the largest
+    // Whole parts: each share's floor (never past what is left: a large
+    // limit's shares are rounded), then what is left by the largest
     // fractions (the first place on a tie).
-    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)] // 0 <= share <= rest
-    let floors: Vec<u64> = shares.iter().map(|s| s.floor() as u64).collect();
-    // Less than one a claim: the fractions sum to less than their count.
-    let left = usize::try_from(rest.saturating_sub(floors.iter().sum())).unwrap_or(usize::MAX);
+    let mut given = 0u64;
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)] // 0 <= share, saturating
+    let floors: Vec<u64> = shares
+        .iter()
+        .map(|s| {
+            let floor = (s.floor() as u64).min(rest - given);
+            given += floor;
+            floor
+        })
+        .collect();
+    // Less than one a claim, but where rounding took more: the fractions
+    // sum to less than their count.
+    let count = claims.len() as u64;
+    let (each, left) = ((rest - given) / count, usize::try_from((rest - given) % count).unwrap_or(usize::MAX));
     let mut order: Vec<usize> = (0..claims.len()).collect();
     #[allow(clippy::cast_precision_loss)]
     order.sort_by(|&a, &b| (shares[b] - floors[b] as f64).total_cmp(&(shares[a] - floors[a] as f64)).then(a.cmp(&b)));
-    for (i, floor) in floors.iter().enumerate() {
-        parts[i] = parts[i].saturating_add(u32::try_from(*floor).unwrap_or(u32::MAX));
+    for (part, floor) in parts.iter_mut().zip(&floors) {
+        *part = part.saturating_add(*floor + each);
     }
     for &i in order.iter().take(left) {
         parts[i] = parts[i].saturating_add(1);
     }
     parts
+}
+
+/// `split(limit, claims)[place]`, in two passes over the claims and
+/// nothing allocated: an answer splits every key some data plane asked of.
+pub fn split_at(limit: u64, claims: &[Claim], place: usize) -> u64 {
+    let own = claims.get(place).map_or(0, |claim| claim.held);
+    let held = claims.iter().fold(0u64, |sum, c| sum.saturating_add(c.held));
+    if held >= limit {
+        return own;
+    }
+    let rest = limit - held;
+    let asked: f64 = claims.iter().map(|c| c.more.max(0.0)).sum();
+    #[allow(clippy::cast_precision_loss)] // as in `split`
+    let (rest_f, n) = (rest as f64, claims.len() as f64);
+    let share = |c: &Claim| {
+        if asked <= rest_f { c.more.max(0.0) + (rest_f - asked) / n } else { rest_f * c.more.max(0.0) / asked }
+    };
+    // Each claim's floor and fraction, as `split` takes them in turn.
+    let floors = || {
+        let mut given = 0u64;
+        claims.iter().map(move |c| {
+            #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)] // 0 <= share, saturating
+            let floor = (share(c).floor() as u64).min(rest - given);
+            given += floor;
+            #[allow(clippy::cast_precision_loss)]
+            (floor, share(c) - floor as f64)
+        })
+    };
+    let given: u64 = floors().map(|(floor, _)| floor).sum();
+    let Some((floor, fraction)) = floors().nth(place) else { return own };
+    let count = claims.len() as u64;
+    let (each, left) = ((rest - given) / count, (rest - given) % count);
+    // Its place in `split`'s order: larger fractions first, then the first
+    // places.
+    let before = floors()
+        .enumerate()
+        .filter(|(i, (_, other))| {
+            other.total_cmp(&fraction).is_gt() || (other.total_cmp(&fraction).is_eq() && *i < place)
+        })
+        .count() as u64;
+    own.saturating_add(floor + each).saturating_add(u64::from(before < left))
 }
 
 #[cfg(test)]
@@ -426,10 +550,31 @@ mod tests {
 
     #[test]
     fn parts_add_up_to_the_limit_whatever_was_asked() {
-        for limit in [0, 1, 2, 3, 7, 60, 1000] {
+        for limit in [0, 1, 2, 3, 7, 60, 1000, u64::MAX / 3] {
             for asked in [&[0.0, 0.0, 0.0, 0.0][..], &[5.0, 0.0, 0.0, 1.0], &[1e9, 3.0, 0.5, 0.0], &[2.0, 2.0, 2.0]] {
                 let parts = split(limit, &claims(asked));
-                assert_eq!(parts.iter().sum::<u32>(), limit, "{limit} split by {asked:?}: {parts:?}");
+                assert_eq!(parts.iter().sum::<u64>(), limit, "{limit} split by {asked:?}: {parts:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_part_alone_is_the_part_the_whole_split_gives() {
+        let mut seed = 11u64;
+        for _ in 0..20_000 {
+            seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+            let n = usize::try_from(seed >> 60).unwrap() % 6 + 1;
+            let limit = [0, 1, 3, 60, 1_000, u64::MAX / 7][usize::try_from(seed >> 40).unwrap() % 6];
+            let claims: Vec<Claim> = (0..n)
+                .map(|i| {
+                    let bits = seed.rotate_left(u32::try_from(i * 11).unwrap());
+                    #[allow(clippy::cast_precision_loss)]
+                    Claim { held: bits % 5 * (limit / 13), more: (bits >> 8) as f64 % 2_000.0 / 7.0 }
+                })
+                .collect();
+            let whole = split(limit, &claims);
+            for place in 0..n {
+                assert_eq!(split_at(limit, &claims, place), whole[place], "{limit} by {claims:?}, place {place}");
             }
         }
     }
@@ -462,13 +607,21 @@ mod tests {
     const QUIET: &str = "quietaaaaaaa";
 
     fn demand(key: &str, asked: u32, in_flight: u32, refused_in_flight: u32) -> KeyDemand {
-        KeyDemand { key_id: key.into(), asked, in_flight, refused_in_flight }
+        KeyDemand { key_id: key.into(), asked, in_flight, refused_in_flight, ..KeyDemand::default() }
     }
 
     fn limits(key: &str) -> Option<Limits> {
         match key {
-            KEY => Some(Limits { requests_per_minute: 60, max_concurrent: 4 }),
-            QUIET => Some(Limits { requests_per_minute: 7, max_concurrent: 3 }),
+            KEY => Some(Limits {
+                requests_per_minute: 60,
+                max_concurrent: 4,
+                tokens: Some(Budget { per_day: 1_000, left: 700 }),
+            }),
+            QUIET => Some(Limits {
+                requests_per_minute: 7,
+                max_concurrent: 3,
+                tokens: Some(Budget { per_day: 900, left: 900 }),
+            }),
             _ => None,
         }
     }
@@ -501,35 +654,43 @@ mod tests {
         fn round(&mut self, books: &mut Books, demand: &[KeyDemand], now: Instant) -> Allowances {
             let report = self.report(demand);
             books.report(&report, limits, now).unwrap();
-            let answer = books.allowances(&self.id, limits, now).unwrap();
+            let answer = books.allowances(&self.id, limits, [], now).unwrap();
             self.held = Some(answer.clone());
             answer
         }
 
         /// What it applies of the key: `(requests per minute, in flight)`.
-        fn part(&self) -> (u32, u32) {
-            self.part_of(KEY)
+        fn part(&self) -> (u64, u64) {
+            let part = self.part_of(KEY);
+            (part.0[RATE], part.0[ROOM])
         }
 
-        fn part_of(&self, key_id: &str) -> (u32, u32) {
-            let Some(held) = &self.held else { return (0, 0) };
-            let limits = limits(key_id).unwrap();
+        /// What it applies of a key, at most: of a budget not listed, the
+        /// even part of the whole of it.
+        fn part_of(&self, key_id: &str) -> Part {
+            let Some(held) = &self.held else { return Part::default() };
             match held.keys.iter().find(|k| k.key_id == key_id) {
-                Some(k) => (k.requests_per_minute, k.max_concurrent),
-                None => (unlisted_part(limits.requests_per_minute, held), unlisted_part(limits.max_concurrent, held)),
+                Some(k) => Part::of(k),
+                None => Part::unlisted(limits(key_id).unwrap().whole(), held),
             }
         }
     }
 
-    #[test]
-    fn a_key_s_parts_follow_the_data_planes_it_was_asked_of() {
+    /// Books with data planes dp-a and dp-b, past the time a starting
+    /// controller leaves each what it holds: the time to split from.
+    fn two_planes_past_the_warm_up() -> (Books, Plane, Plane, Instant) {
         let (mut books, warming) = (Books::default(), Instant::now());
         let (mut a, mut b) = (Plane::new("dp-a"), Plane::new("dp-b"));
         for at in [warming, warming + GONE_AFTER / 2] {
             a.round(&mut books, &[], at);
             b.round(&mut books, &[], at);
         }
-        let start = warming + GONE_AFTER;
+        (books, a, b, warming + GONE_AFTER)
+    }
+
+    #[test]
+    fn a_key_s_parts_follow_the_data_planes_it_was_asked_of() {
+        let (mut books, mut a, mut b, start) = two_planes_past_the_warm_up();
         // 120 a minute asked of dp-a (5 since its report 2.5 s before),
         // more than the 60 there are; it holds 2 in flight and asked 3 more.
         // dp-b holds nothing: this controller gave it nothing yet.
@@ -554,6 +715,27 @@ mod tests {
         now += GONE_AFTER;
         let answer = b.round(&mut books, &[demand(KEY, 1, 0, 0)], now);
         assert_eq!((answer.dataplanes, answer.place, b.part()), (1, 0, (60, 4)));
+    }
+
+    #[test]
+    fn a_budget_s_parts_follow_the_tokens_held_and_asked_and_its_overdraft_the_refusals() {
+        let (mut books, mut a, mut b, start) = two_planes_past_the_warm_up();
+        // 700 left of the key's budget: dp-a holds 200 and was refused
+        // requests that would have held 400 more; dp-b asked nothing.
+        let asked = KeyDemand { tokens_held: 200, tokens_refused: 400, ..demand(KEY, 1, 0, 0) };
+        a.round(&mut books, &[asked], start);
+        let answer = b.round(&mut books, &[], start);
+        let (a_part, b_part) = (a.part_of(KEY), b.part_of(KEY));
+        assert_eq!((a_part.0[TOKENS], a_part.0[OVERDRAFT]), (650, 1), "what it holds, asked, and half the spare");
+        assert_eq!((b_part.0[TOKENS], b_part.0[OVERDRAFT]), (50, 0));
+        assert!(answer.keys.iter().all(|k| k.key_id == KEY), "a budget nobody spent of today is not listed");
+        // A key whose budget was spent of today is listed by every answer:
+        // each data plane counts what is left by its own view.
+        let later = start + Duration::from_secs(1);
+        books.report(&b.report(&[]), limits, later).unwrap();
+        let answer = books.allowances("dp-b", limits, [QUIET], later).unwrap();
+        let quiet = answer.keys.iter().find(|k| k.key_id == QUIET).map(|k| (k.tokens, k.overdraft));
+        assert_eq!(quiet, Some((450, 0)), "half of the 900 left; dp-a holds the overdraft of the even split");
     }
 
     #[test]
@@ -588,18 +770,26 @@ mod tests {
                 }
                 _ => {}
             }
-            let (_, in_flight) = planes[i].part();
-            let asked = demand(
-                KEY,
-                u32::try_from(roll % 50).unwrap(),
-                u32::try_from(roll % 3).unwrap().min(in_flight),
-                u32::try_from(roll % 5).unwrap(),
-            );
+            // It holds no more than its part: of tokens, at most one
+            // request past it where it holds the overdraft.
+            let part = planes[i].part_of(KEY);
+            let overdrawn = part.0[OVERDRAFT] == 1 && roll.is_multiple_of(4);
+            let asked = KeyDemand {
+                tokens_held: (roll % 300).min(part.0[TOKENS]) + if overdrawn { 250 } else { 0 },
+                tokens_refused: roll % 7 * 100,
+                overdrawn,
+                ..demand(
+                    KEY,
+                    u32::try_from(roll % 50).unwrap(),
+                    u32::try_from((roll % 3).min(part.0[ROOM])).unwrap(),
+                    u32::try_from(roll % 5).unwrap(),
+                )
+            };
             let plane = &mut planes[i];
             let asked = [asked];
             let report = plane.report(&asked);
             let answer = match books.report(&report, limits, now) {
-                Ok(()) => books.allowances(&plane.id, limits, now).unwrap(),
+                Ok(()) => books.allowances(&plane.id, limits, [], now).unwrap(),
                 Err(_) => nothing(),
             };
             // One answer in 13 is lost on its way.
@@ -608,18 +798,19 @@ mod tests {
             }
             for key_id in [KEY, QUIET] {
                 let running = planes.iter().enumerate().filter(|(i, _)| *i != 4 || e_runs);
-                let held: Vec<(u32, u32)> = running.map(|(_, plane)| plane.part_of(key_id)).collect();
-                let (rpm, room): (u32, u32) = (held.iter().map(|h| h.0).sum(), held.iter().map(|h| h.1).sum());
-                let limits = limits(key_id).unwrap();
-                assert!(
-                    rpm <= limits.requests_per_minute && room <= limits.max_concurrent,
-                    "round {round}, {key_id}: parts held {held:?}"
-                );
+                let held: Vec<Part> = running.map(|(_, plane)| plane.part_of(key_id)).collect();
+                let limits = limits(key_id).unwrap().now();
+                for kind in 0..KINDS {
+                    // An overdrawn request holds tokens past its data
+                    // plane's part; the parts add up all the same.
+                    let sum: u64 = held.iter().map(|part| part.0[kind]).sum();
+                    assert!(sum <= limits.0[kind], "round {round}, {key_id}: parts held {held:?}");
+                }
             }
         }
         // Not all nothing: the limit is used.
-        let held: Vec<(u32, u32)> = planes[..4].iter().map(Plane::part).collect();
-        assert!(held.iter().map(|h| h.0).sum::<u32>() >= 30, "{held:?}");
+        let held: Vec<(u64, u64)> = planes[..4].iter().map(Plane::part).collect();
+        assert!(held.iter().map(|h| h.0).sum::<u64>() >= 30, "{held:?}");
     }
 
     fn report<'a>(dataplane: &'a str, instance: u64, sequence: u64, demand: &'a [KeyDemand]) -> Report<'a> {
@@ -632,20 +823,26 @@ mod tests {
         let held = Allowances {
             dataplanes: 3,
             place: 1,
-            keys: vec![KeyAllowance { key_id: KEY.into(), requests_per_minute: 40, max_concurrent: 3 }],
+            keys: vec![KeyAllowance {
+                key_id: KEY.into(),
+                requests_per_minute: 40,
+                max_concurrent: 3,
+                tokens: 100,
+                overdraft: 0,
+            }],
             ..Allowances::default()
         };
         let asked = [demand(KEY, 100, 0, 0)];
         books.report(&Report { held: Some(&held), ..report("dp-a", 1, 1, &asked) }, limits, start).unwrap();
-        assert_eq!(books.allowances("dp-a", limits, start).unwrap(), held);
+        assert_eq!(books.allowances("dp-a", limits, [], start).unwrap(), held);
         books.report(&report("dp-new", 1, 1, &asked), limits, start).unwrap();
-        assert_eq!(books.allowances("dp-new", limits, start).unwrap(), nothing());
+        assert_eq!(books.allowances("dp-new", limits, [], start).unwrap(), nothing());
         // Every data plane has reported since: it splits again.
         let later = start + GONE_AFTER / 2;
         books.report(&Report { held: Some(&held), ..report("dp-a", 1, 2, &asked) }, limits, later).unwrap();
         let later = start + GONE_AFTER;
         books.report(&Report { held: Some(&held), ..report("dp-a", 1, 3, &asked) }, limits, later).unwrap();
-        assert_ne!(books.allowances("dp-a", limits, later).unwrap(), held);
+        assert_ne!(books.allowances("dp-a", limits, [], later).unwrap(), held);
     }
 
     #[test]
@@ -656,8 +853,8 @@ mod tests {
         assert!(books.dataplanes["dp-a"].keys.is_empty(), "only keys with limits are followed");
         let now = start + GONE_AFTER;
         books.report(&report("dp-b", 1, 1, &odd), limits, now).unwrap();
-        assert!(books.allowances("dp-b", limits, now).unwrap().keys.is_empty());
-        assert_eq!(books.allowances("dp-unknown", limits, now), None);
+        assert!(books.allowances("dp-b", limits, [], now).unwrap().keys.is_empty());
+        assert_eq!(books.allowances("dp-unknown", limits, [], now), None);
         assert_eq!(books.report(&report("", 1, 1, &[]), limits, now), Err(Refused::Id));
         // A report older than one taken, or too soon after it.
         let soon = now + MIN_REPORT_GAP / 2;
@@ -679,7 +876,13 @@ mod tests {
         let (mut books, start) = (Books::default(), Instant::now());
         let many: Vec<KeyAllowance> = (0..=MAX_HELD_KEYS)
             .map(|i| KeyAllowance { key_id: format!("{:a>12}", to_letters(i)), ..KeyAllowance::default() })
-            .chain([KeyAllowance { key_id: KEY.into(), requests_per_minute: 60, max_concurrent: 4 }])
+            .chain([KeyAllowance {
+                key_id: KEY.into(),
+                requests_per_minute: 60,
+                max_concurrent: 4,
+                tokens: 700,
+                overdraft: 1,
+            }])
             .collect();
         let members = digest(["dp-a", "dp-b"].into_iter());
         let held = Allowances { dataplanes: 2, keys: many, members, ..Allowances::default() };
@@ -687,7 +890,7 @@ mod tests {
         books.report(&report("dp-a", 1, 1, &[]), limits, start).unwrap();
         books.report(&Report { held: Some(&held), ..report("dp-a", 1, 2, &[]) }, limits, now).unwrap();
         books.report(&report("dp-b", 1, 1, &[demand(KEY, 100, 0, 5)]), limits, now).unwrap();
-        let answer = books.allowances("dp-b", limits, now).unwrap();
+        let answer = books.allowances("dp-b", limits, [], now).unwrap();
         assert!(!answer.settling);
         let part = answer.keys.iter().find(|k| k.key_id == KEY).map(|k| (k.requests_per_minute, k.max_concurrent));
         assert_eq!(part, Some((0, 0)), "dp-a is taken to hold the key whole, not its even half");

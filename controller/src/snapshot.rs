@@ -93,6 +93,11 @@ impl Snapshot {
         self.api_keys.values()
     }
 
+    /// Tokens each key used today, by the fleet's roll-up.
+    pub fn usage_today(&self) -> &KeyUsageToday {
+        &self.usage_today
+    }
+
     pub fn api_key(&self, key_id: &str) -> Option<&ApiKey> {
         self.api_keys.get(key_id)
     }

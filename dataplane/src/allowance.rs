@@ -1,6 +1,6 @@
 //! This data plane's parts of each key's fleet-wide limits (requests per
-//! minute, requests in flight), and what the keys asked of it since its
-//! last report.
+//! minute, requests in flight, what is left of its daily budget), and what
+//! the keys asked of it since its last report.
 //!
 //! A controller splits each limit among the data planes by what each asked
 //! (`inferyes_controller::allowances`); the report loop carries what was
@@ -21,6 +21,7 @@ use std::sync::{Mutex, PoisonError, RwLock};
 use std::time::{Duration, Instant};
 
 use inferyes_proto::FastMap;
+use inferyes_proto::allowance::{unlisted_part, unlisted_part_u32};
 use inferyes_proto::v1::{self, ApiKey, KeyDemand};
 
 /// Keys counted between two reports at most; a key past them is not
@@ -58,13 +59,14 @@ impl Heard {
         }
     }
 
-    /// This controller's part of `limit`, a key's, by `of`.
-    fn part(&self, key_id: &str, limit: u32, of: impl Fn(&Part) -> u32) -> u32 {
+    /// This controller's part of `limit`, a key's, by `of`; of a key it
+    /// lists no part of, `unlisted`'s.
+    fn part<T>(&self, key_id: &str, limit: T, of: impl Fn(&Part) -> T, unlisted: impl Fn(&v1::Allowances) -> T) -> T {
         match self {
             Heard::Unsplit { .. } => limit,
             Heard::Split { answer, keys, .. } => match keys.get(key_id) {
                 Some(part) => of(part),
-                None => inferyes_proto::allowance::unlisted_part(limit, answer),
+                None => unlisted(answer),
             },
         }
     }
@@ -74,12 +76,26 @@ impl Heard {
 struct Part {
     requests_per_minute: u32,
     max_concurrent: u32,
+    tokens: u64,
+    overdraft: u32,
 }
 
 #[derive(Clone, Copy, Default)]
 struct Asked {
     asked: u32,
     refused_in_flight: u32,
+    tokens_refused: u64,
+}
+
+/// What this data plane holds of a key's daily budget, for its report.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Holding {
+    pub key_id: String,
+    /// Held by requests in flight, and used by those that ended and not
+    /// yet in the fleet's roll-up as far as this data plane can tell.
+    pub tokens: u64,
+    /// A request admitted past this data plane's part is in flight.
+    pub overdrawn: bool,
 }
 
 impl Allowances {
@@ -90,13 +106,40 @@ impl Allowances {
             return 0;
         }
         self.count(&grant.key_id, |asked| asked.asked = asked.asked.saturating_add(1));
-        self.part(grant, grant.requests_per_minute, |part| part.requests_per_minute)
+        let limit = grant.requests_per_minute;
+        self.part(grant, limit, |part| part.requests_per_minute, |answer| unlisted_part_u32(limit, answer))
     }
 
     /// This data plane's part of `grant`'s requests in flight; `None` where
     /// the key has no such limit.
     pub fn max_concurrent(&self, grant: &ApiKey) -> Option<u32> {
-        (grant.max_concurrent > 0).then(|| self.part(grant, grant.max_concurrent, |part| part.max_concurrent))
+        let limit = grant.max_concurrent;
+        (limit > 0)
+            .then(|| self.part(grant, limit, |part| part.max_concurrent, |answer| unlisted_part_u32(limit, answer)))
+    }
+
+    /// This data plane's part of what is left today of `grant`'s daily
+    /// budget, and whether it holds the budget's overdraft; `None` where
+    /// the key has no budget. `spent_today`: the roll-up this data plane
+    /// holds shows some of the budget spent, so that a part not listed
+    /// is none (the whole budget's even part is of a budget nobody spent
+    /// of).
+    pub fn budget(&self, grant: &ApiKey, spent_today: bool) -> Option<crate::usage::BudgetPart> {
+        let budget = grant.tokens_per_day;
+        if budget == 0 {
+            return None;
+        }
+        let even = |answer: &v1::Allowances| if spent_today { 0 } else { unlisted_part(budget, answer) };
+        let tokens = self.part(grant, u64::MAX, |part| part.tokens, even);
+        let overdraft = self.part(grant, 1, |part| part.overdraft, |answer| unlisted_part_u32(1, answer));
+        Some(crate::usage::BudgetPart { tokens, overdraft: overdraft >= 1 })
+    }
+
+    /// A request of `key_id` refused for want of this data plane's part of
+    /// what is left of its budget: the `tokens` it would have held are
+    /// asked for, for the next split.
+    pub fn refused_tokens(&self, key_id: &str, tokens: u64) {
+        self.count(key_id, |asked| asked.tokens_refused = asked.tokens_refused.saturating_add(tokens));
     }
 
     /// A request of `key_id` refused for want of its part of requests in
@@ -106,9 +149,10 @@ impl Allowances {
     }
 
     /// What the keys asked since the last call, with the requests in flight
-    /// of the keys that hold any and have a limit of them: those first, then
-    /// the busiest, [`MAX_KEYS`] in all.
-    pub fn demand(&self, in_flight: &[(String, u32)]) -> Vec<KeyDemand> {
+    /// of the keys that hold any and have a limit of them, and what the
+    /// keys with budgets hold of them: the keys that hold anything first,
+    /// then the busiest, [`MAX_KEYS`] in all.
+    pub fn demand(&self, in_flight: &[(String, u32)], holdings: &[Holding]) -> Vec<KeyDemand> {
         let asked = std::mem::take(&mut *self.asked.lock().unwrap_or_else(PoisonError::into_inner));
         let mut demand: FastMap<String, KeyDemand> = asked
             .into_iter()
@@ -116,22 +160,27 @@ impl Allowances {
                 let demand = KeyDemand {
                     key_id: key_id.clone(),
                     asked: asked.asked,
-                    in_flight: 0,
                     refused_in_flight: asked.refused_in_flight,
+                    tokens_refused: asked.tokens_refused,
+                    ..KeyDemand::default()
                 };
                 (key_id, demand)
             })
             .collect();
+        let new = |key_id: &String| KeyDemand { key_id: key_id.clone(), ..KeyDemand::default() };
         for (key_id, count) in in_flight {
-            inferyes_proto::value_for(&mut demand, key_id, || KeyDemand {
-                key_id: key_id.clone(),
-                ..KeyDemand::default()
-            })
-            .in_flight = *count;
+            inferyes_proto::value_for(&mut demand, key_id, || new(key_id)).in_flight = *count;
+        }
+        for holding in holdings {
+            let key = inferyes_proto::value_for(&mut demand, &holding.key_id, || new(&holding.key_id));
+            (key.tokens_held, key.overdrawn) = (holding.tokens, holding.overdrawn);
         }
         let mut demand: Vec<KeyDemand> = demand.into_values().collect();
-        // Requests in flight are what a split must never give away.
-        let order = |d: &KeyDemand| (d.in_flight, u64::from(d.asked) + u64::from(d.refused_in_flight));
+        // What is held is what a split must never give away.
+        let order = |d: &KeyDemand| {
+            let holds = d.in_flight > 0 || d.tokens_held > 0;
+            (holds, d.in_flight, u64::from(d.asked) + u64::from(d.refused_in_flight) + d.tokens_refused)
+        };
         demand.sort_unstable_by(|a, b| order(b).cmp(&order(a)).then_with(|| a.key_id.cmp(&b.key_id)));
         demand.truncate(MAX_KEYS);
         demand
@@ -148,8 +197,12 @@ impl Allowances {
                     .keys
                     .iter()
                     .map(|key| {
-                        let part =
-                            Part { requests_per_minute: key.requests_per_minute, max_concurrent: key.max_concurrent };
+                        let part = Part {
+                            requests_per_minute: key.requests_per_minute,
+                            max_concurrent: key.max_concurrent,
+                            tokens: key.tokens,
+                            overdraft: key.overdraft,
+                        };
                         (key.key_id.clone(), part)
                     })
                     .collect();
@@ -213,17 +266,23 @@ impl Allowances {
             || fresh.into_iter().any(|heard| matches!(heard, Heard::Split { answer, .. } if answer.settling))
     }
 
-    fn part(&self, grant: &ApiKey, limit: u32, of: impl Fn(&Part) -> u32) -> u32 {
+    fn part<T: Ord + Copy + Default>(
+        &self,
+        grant: &ApiKey,
+        limit: T,
+        of: impl Fn(&Part) -> T,
+        unlisted: impl Fn(&v1::Allowances) -> T,
+    ) -> T {
         let heard = self.heard.read().unwrap_or_else(PoisonError::into_inner);
-        let Some(newest) = heard.iter().flatten().map(Heard::at).max() else { return 0 };
+        let Some(newest) = heard.iter().flatten().map(Heard::at).max() else { return T::default() };
         // The controllers' parts are of the limits they read; a key's record
         // changed since is held to its new limit.
         heard
             .iter()
             .flatten()
             .filter(|heard| newest.saturating_duration_since(heard.at()) < STALE_AFTER)
-            .map(|heard| heard.part(&grant.key_id, limit, &of))
-            .fold(limit, u32::min)
+            .map(|heard| heard.part(&grant.key_id, limit, &of, &unlisted))
+            .fold(limit, T::min)
     }
 
     fn count(&self, key_id: &str, add: impl FnOnce(&mut Asked)) {
@@ -243,7 +302,7 @@ mod tests {
     }
 
     fn split(dataplanes: u32, place: u32, requests_per_minute: u32, max_concurrent: u32) -> Option<v1::Allowances> {
-        let key = v1::KeyAllowance { key_id: "k".into(), requests_per_minute, max_concurrent };
+        let key = v1::KeyAllowance { key_id: "k".into(), requests_per_minute, max_concurrent, ..Default::default() };
         Some(v1::Allowances { dataplanes, place, keys: vec![key], ..v1::Allowances::default() })
     }
 
@@ -296,6 +355,27 @@ mod tests {
     }
 
     #[test]
+    fn a_budget_s_part_is_the_least_listed_and_an_unlisted_one_the_even_part_of_a_budget_nobody_spent_of() {
+        let (allowances, now) = (Allowances::default(), Instant::now());
+        let budgeted = ApiKey { key_id: "k".into(), tokens_per_day: 1_000, ..ApiKey::default() };
+        let part = |tokens, overdraft| Some(crate::usage::BudgetPart { tokens, overdraft });
+        assert_eq!(allowances.budget(&budgeted, false), part(0, false), "nothing before an answer");
+        assert_eq!(allowances.budget(&ApiKey::default(), false), None, "no budget");
+        allowances.expect(2);
+        let listed = v1::KeyAllowance { key_id: "k".into(), tokens: 300, overdraft: 1, ..Default::default() };
+        allowances.take(0, Some(v1::Allowances { dataplanes: 4, keys: vec![listed], ..Default::default() }), now);
+        allowances.take(1, Some(v1::Allowances { dataplanes: 4, place: 2, ..Default::default() }), now);
+        assert_eq!(
+            allowances.budget(&budgeted, false),
+            part(250, false),
+            "a quarter of 1,000; the overdraft at place 0"
+        );
+        assert_eq!(allowances.budget(&budgeted, true), part(0, false), "spent of today: not listed is none");
+        allowances.take(1, None, now);
+        assert_eq!(allowances.budget(&budgeted, true), part(300, true), "a controller that splits no budgets");
+    }
+
+    #[test]
     fn demand_holds_requests_in_flight_first_then_the_busiest() {
         let allowances = Allowances::default();
         for _ in 0..3 {
@@ -304,10 +384,33 @@ mod tests {
         allowances.requests_per_minute(&key("quiet", 60, 0));
         allowances.requests_per_minute(&key("unlimited", 0, 0));
         allowances.refused_in_flight("quiet");
-        let demand = allowances.demand(&[("holding".into(), 2)]);
-        let seen: Vec<(&str, u32, u32, u32)> =
-            demand.iter().map(|d| (d.key_id.as_str(), d.asked, d.in_flight, d.refused_in_flight)).collect();
-        assert_eq!(seen, vec![("holding", 0, 2, 0), ("busy", 3, 0, 0), ("quiet", 1, 0, 1)]);
-        assert_eq!(allowances.demand(&[]), Vec::new(), "each ask is reported once");
+        allowances.refused_tokens("budget", 500);
+        let holding = Holding { key_id: "spending".into(), tokens: 40, overdrawn: true };
+        let demand = allowances.demand(&[("holding".into(), 2)], &[holding]);
+        let seen: Vec<(&str, u32, u32, u32, u64, u64, bool)> = demand
+            .iter()
+            .map(|d| {
+                (
+                    d.key_id.as_str(),
+                    d.asked,
+                    d.in_flight,
+                    d.refused_in_flight,
+                    d.tokens_held,
+                    d.tokens_refused,
+                    d.overdrawn,
+                )
+            })
+            .collect();
+        assert_eq!(
+            seen,
+            vec![
+                ("holding", 0, 2, 0, 0, 0, false),
+                ("spending", 0, 0, 0, 40, 0, true),
+                ("budget", 0, 0, 0, 0, 500, false),
+                ("busy", 3, 0, 0, 0, 0, false),
+                ("quiet", 1, 0, 1, 0, 0, false)
+            ]
+        );
+        assert_eq!(allowances.demand(&[], &[]), Vec::new(), "each ask is reported once");
     }
 }

@@ -137,6 +137,7 @@ pub async fn run(
             queue: state.queue.clone(),
             allowances: Arc::clone(&state.allowances),
             shares: Arc::clone(&state.shares),
+            ledger: Arc::clone(&state.ledger),
             controllers: controllers.clone(),
             dataplane_id: config.dataplane_id.clone(),
             shutdown: shutdown.clone(),

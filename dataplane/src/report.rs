@@ -64,6 +64,7 @@ pub struct Reporter {
     pub queue: Option<Arc<crate::queue::Queue>>,
     pub allowances: Arc<crate::allowance::Allowances>,
     pub shares: Arc<crate::shares::Shares>,
+    pub ledger: Arc<crate::usage::Ledger>,
     pub controllers: crate::Controllers,
     pub dataplane_id: String,
     pub shutdown: CancellationToken,
@@ -157,7 +158,7 @@ impl Reporter {
             ejected_nodes: ejected_nodes(&self.snapshots),
             dropped: self.log.dropped.swap(0, Ordering::Relaxed),
             queued: self.queue.as_ref().map(|queue| queue.waiting(MAX_QUEUED_FLOWS)).unwrap_or_default(),
-            demand: self.allowances.demand(&self.limited_in_flight()),
+            demand: self.allowances.demand(&self.limited_in_flight(), &self.budgets_held()),
             ..DataPlaneReport::default()
         }
     }
@@ -168,6 +169,13 @@ impl Reporter {
         let mut in_flight = self.shares.keys_in_flight();
         in_flight.retain(|(key_id, _)| snapshot.api_key(key_id).is_some_and(|key| key.max_concurrent > 0));
         in_flight
+    }
+
+    /// What the keys with daily budgets hold of them here.
+    fn budgets_held(&self) -> Vec<crate::allowance::Holding> {
+        let Some(snapshot) = self.snapshots.current() else { return Vec::new() };
+        let budgeted = |key_id: &str| snapshot.api_key(key_id).is_some_and(|key| key.tokens_per_day > 0);
+        self.ledger.holdings(budgeted, std::time::Instant::now())
     }
 }
 

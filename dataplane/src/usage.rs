@@ -66,13 +66,75 @@ pub struct Spent {
     pub held: u64,
 }
 
+/// Why a request's tokens are not held of its key's budget.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Unheld {
+    /// Nothing is left of the budget today, by this data plane's count.
+    Spent(Spent),
+    /// This data plane's part of what is left (`part`) is held: `holds`
+    /// by its requests (in flight, and ended but not in the roll-up yet),
+    /// and the request's `tokens` do not fit.
+    PartHeld { part: u64, holds: u64, tokens: u64 },
+}
+
+/// This data plane's part of what is left of a key's budget, as the
+/// controllers split it ([`crate::allowance`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BudgetPart {
+    pub tokens: u64,
+    /// It may admit one request at a time past its part.
+    pub overdraft: bool,
+}
+
+impl BudgetPart {
+    /// The part of a budget nobody splits: all of it.
+    pub const WHOLE: BudgetPart = BudgetPart { tokens: u64::MAX, overdraft: true };
+}
+
+/// What one request holds of its key's budget, given back when it is
+/// recorded.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Hold {
+    pub tokens: u64,
+    /// Admitted past this data plane's part, with its overdraft.
+    pub overdrawn: bool,
+}
+
+/// Tokens a controller acknowledged stay counted this long: the ledger's
+/// leader rolls acknowledged batches up every 250 ms, and the roll-up
+/// reaches data planes with the next snapshot. Counted twice meanwhile,
+/// never not at all while the leader keeps up.
+const ACKNOWLEDGED_COUNTED_FOR: Duration = Duration::from_secs(2);
+
 /// A key's tokens the roll-up does not show yet.
 #[derive(Debug, Default)]
 struct Tally {
     /// Recorded, and not yet acknowledged by a controller.
     unacknowledged: u64,
+    /// Acknowledged lately, with when: the roll-up may not show them yet.
+    acknowledged: VecDeque<(Instant, u64)>,
     /// Held for requests in flight, each until its record is made.
     held: u64,
+    /// A request admitted with this data plane's overdraft is in flight.
+    overdrawn: bool,
+}
+
+impl Tally {
+    /// Recorded and not yet shown by the roll-up, as far as can be told.
+    fn unrolled(&mut self, now: Instant) -> u64 {
+        while self
+            .acknowledged
+            .front()
+            .is_some_and(|(at, _)| now.saturating_duration_since(*at) >= ACKNOWLEDGED_COUNTED_FOR)
+        {
+            self.acknowledged.pop_front();
+        }
+        self.acknowledged.iter().fold(self.unacknowledged, |sum, (_, tokens)| sum.saturating_add(*tokens))
+    }
+
+    fn idle(&self) -> bool {
+        self.unacknowledged == 0 && self.held == 0 && self.acknowledged.is_empty()
+    }
 }
 
 impl Ledger {
@@ -93,31 +155,69 @@ impl Ledger {
 
     /// Holds `tokens` of `key_id`'s daily `budget` for a request in flight,
     /// where what the key used today (`today`, by the fleet's roll-up, and
-    /// what this data plane counted or holds since) leaves any of it; else
-    /// says how much is used, and how much more held. A request admitted
-    /// so may overrun the budget by its own tokens, and no more, however
-    /// many run at once.
-    pub fn hold(&self, key_id: &str, budget: u64, today: u64, tokens: u64) -> Result<(), Spent> {
+    /// what this data plane counted or holds since) leaves any of it, and
+    /// the tokens fit in this data plane's `part` of what is left, or its
+    /// part's overdraft is free. The parts of the fleet's data planes add
+    /// up to what is left and one of them holds the overdraft: the fleet
+    /// overruns the budget by one request's tokens at most, however many
+    /// run at once.
+    pub fn hold(
+        &self,
+        key_id: &str,
+        (budget, today): (u64, u64),
+        tokens: u64,
+        part: BudgetPart,
+        now: Instant,
+    ) -> Result<Hold, Unheld> {
         let mut tallies = self.tallies.lock().unwrap_or_else(PoisonError::into_inner);
-        let (unacknowledged, held) = tallies.get(key_id).map_or((0, 0), |t| (t.unacknowledged, t.held));
-        let used = today.saturating_add(unacknowledged);
-        if used.saturating_add(held) >= budget {
-            return Err(Spent { used, held });
-        }
         let tally = value_for(&mut tallies, key_id, Tally::default);
+        let unrolled = tally.unrolled(now);
+        let (used, holds) = (today.saturating_add(unrolled), unrolled.saturating_add(tally.held));
+        let fits = holds.saturating_add(tokens) <= part.tokens;
+        let overdraws = !fits && part.overdraft && !tally.overdrawn;
+        let refused = if used.saturating_add(tally.held) >= budget {
+            Some(Unheld::Spent(Spent { used, held: tally.held }))
+        } else {
+            (!fits && !overdraws).then_some(Unheld::PartHeld { part: part.tokens, holds, tokens })
+        };
+        if let Some(refused) = refused {
+            if tally.idle() {
+                tallies.remove(key_id);
+            }
+            return Err(refused);
+        }
         tally.held = tally.held.saturating_add(tokens);
-        Ok(())
+        tally.overdrawn |= overdraws;
+        Ok(Hold { tokens, overdrawn: overdraws })
     }
 
-    /// Records a request's usage, giving back the `held` tokens its
-    /// admission held.
-    pub fn record(&self, record: UsageRecord, held: u64) {
+    /// What each of `keys` holds of its budget here, for the report; keys
+    /// holding nothing are left out.
+    pub fn holdings(&self, keys: impl Fn(&str) -> bool, now: Instant) -> Vec<crate::allowance::Holding> {
+        let mut tallies = self.tallies.lock().unwrap_or_else(PoisonError::into_inner);
+        tallies
+            .iter_mut()
+            .filter(|(key_id, _)| keys(key_id))
+            .map(|(key_id, tally)| crate::allowance::Holding {
+                key_id: key_id.clone(),
+                tokens: tally.unrolled(now).saturating_add(tally.held),
+                overdrawn: tally.overdrawn,
+            })
+            .filter(|holding| holding.tokens > 0 || holding.overdrawn)
+            .collect()
+    }
+
+    /// Records a request's usage, giving back what its admission `held`.
+    pub fn record(&self, record: UsageRecord, held: Hold) {
         if !record.key_id.is_empty() {
             let tokens = record.prompt_tokens + record.completion_tokens;
             let mut tallies = self.tallies.lock().unwrap_or_else(PoisonError::into_inner);
             let tally = value_for(&mut tallies, &record.key_id, Tally::default);
             tally.unacknowledged = tally.unacknowledged.saturating_add(tokens);
-            tally.held = tally.held.saturating_sub(held);
+            tally.held = tally.held.saturating_sub(held.tokens);
+            if held.overdrawn {
+                tally.overdrawn = false;
+            }
         }
         if !self.keep_records {
             let mut sums = self.sums.lock().unwrap_or_else(PoisonError::into_inner);
@@ -234,16 +334,22 @@ impl Ledger {
         UsageBatch { batch_id, dataplane_id: self.dataplane_id.clone(), records, deltas }
     }
 
-    fn acknowledged(&self, batch: &UsageBatch) {
+    fn acknowledged(&self, batch: &UsageBatch, now: Instant) {
         let mut tallies = self.tallies.lock().unwrap_or_else(PoisonError::into_inner);
         for delta in batch.deltas.iter().filter(|d| !d.key_id.is_empty()) {
             let usage = delta.usage.unwrap_or_default();
             if let Some(tally) = tallies.get_mut(&delta.key_id) {
-                tally.unacknowledged =
-                    tally.unacknowledged.saturating_sub(usage.prompt_tokens + usage.completion_tokens);
+                let tokens = (usage.prompt_tokens + usage.completion_tokens).min(tally.unacknowledged);
+                tally.unacknowledged -= tokens;
+                if tokens > 0 {
+                    tally.acknowledged.push_back((now, tokens));
+                }
             }
         }
-        tallies.retain(|_, tally| tally.unacknowledged > 0 || tally.held > 0);
+        tallies.retain(|_, tally| {
+            tally.unrolled(now);
+            !tally.idle()
+        });
     }
 }
 
@@ -299,7 +405,7 @@ pub async fn run(ledger: Arc<Ledger>, controllers: crate::Controllers, drained: 
             let mut client = clients[next % clients.len()].clone();
             match tokio::time::timeout(SEND_TIMEOUT, client.record_usage(batch.clone())).await {
                 Ok(Ok(_)) => {
-                    ledger.acknowledged(batch);
+                    ledger.acknowledged(batch, Instant::now());
                     current = None;
                     refusals = 0;
                 }
@@ -309,7 +415,7 @@ pub async fn run(ledger: Arc<Ledger>, controllers: crate::Controllers, drained: 
                 Ok(Err(status)) if !resent(status.code()) && refusals + 1 >= clients.len() => {
                     let records = batch.records.len();
                     tracing::error!(message = status.message(), records, "usage batch refused as invalid; dropped");
-                    ledger.acknowledged(batch);
+                    ledger.acknowledged(batch, Instant::now());
                     current = None;
                     refusals = 0;
                 }
@@ -381,9 +487,9 @@ struct MeterInner {
     first_token: std::sync::OnceLock<Instant>,
     /// Where a stream's times are observed, at its end.
     stream_timers: Option<StreamTimers>,
-    /// Tokens of the key's budget its admission held, given back with the
+    /// What its admission held of the key's budget, given back with the
     /// record.
-    held: AtomicU64,
+    held: std::sync::OnceLock<Hold>,
     /// Data events seen in a stream: one token each, for an estimate.
     events: AtomicU64,
     /// What llama-server last said of the prompt it was reading, and how
@@ -538,7 +644,7 @@ impl Meter {
             done: AtomicBool::new(false),
             first_token: std::sync::OnceLock::new(),
             stream_timers,
-            held: AtomicU64::new(0),
+            held: std::sync::OnceLock::new(),
             events: AtomicU64::new(0),
             progress: Mutex::default(),
             served: std::sync::OnceLock::new(),
@@ -548,10 +654,10 @@ impl Meter {
         }))
     }
 
-    /// Tokens of the key's budget held for this request
+    /// What was held of the key's budget for this request
     /// ([`Ledger::hold`]), given back when it is recorded.
-    pub fn holds(&self, tokens: u64) {
-        self.0.held.store(tokens, Ordering::Relaxed);
+    pub fn holds(&self, held: Hold) {
+        let _ = self.0.held.set(held);
     }
 
     /// Runs `settle` with the tokens the request is counted for (its
@@ -750,7 +856,7 @@ impl MeterInner {
         if let Some(settle) = settle.filter(|_| was_sent) {
             settle(record.prompt_tokens.saturating_add(record.completion_tokens));
         }
-        self.ledger.record(record, self.held.load(Ordering::Relaxed));
+        self.ledger.record(record, self.held.get().copied().unwrap_or_default());
     }
 }
 
@@ -812,7 +918,7 @@ mod tests {
     fn batches_respect_the_record_and_rollup_limits_and_ids_are_unique() {
         let ledger = Ledger::new("dp/1 test", true);
         for i in 0..(MAX_RECORDS_PER_BATCH + 10) {
-            ledger.record(record("k", "m", 1 + (i as u64 % 2)), 0);
+            ledger.record(record("k", "m", 1 + (i as u64 % 2)), Hold::default());
         }
         let first = ledger.next_batch(usize::MAX).unwrap();
         assert_eq!(first.records.len(), MAX_RECORDS_PER_BATCH);
@@ -826,14 +932,14 @@ mod tests {
         assert!(ledger.next_batch(usize::MAX).is_none());
 
         for m in 0..(MAX_ROLLUPS_PER_BATCH + 1) {
-            ledger.record(record("k", &format!("model-{m}"), 1), 0);
+            ledger.record(record("k", &format!("model-{m}"), 1), Hold::default());
         }
         assert_eq!(ledger.next_batch(usize::MAX).unwrap().deltas.len(), MAX_ROLLUPS_PER_BATCH);
         assert_eq!(ledger.next_batch(usize::MAX).unwrap().deltas.len(), 1);
 
         // A tick sends what was queued when it came, no more.
         for _ in 0..5 {
-            ledger.record(record("k", "m", 1), 0);
+            ledger.record(record("k", "m", 1), Hold::default());
         }
         assert_eq!(ledger.next_batch(3).unwrap().deltas[0].usage.unwrap().requests, 3);
         assert_eq!(ledger.queued(), 2);
@@ -842,7 +948,7 @@ mod tests {
         // Without records, only sums travel, many requests to a batch.
         let summing = Ledger::new("dp", false);
         for _ in 0..(MAX_RECORDS_PER_BATCH * 3) {
-            summing.record(record("k", "m", 2), 0);
+            summing.record(record("k", "m", 2), Hold::default());
         }
         let batch = summing.next_batch(usize::MAX).unwrap();
         assert!(batch.records.is_empty());
@@ -852,27 +958,63 @@ mod tests {
 
     #[test]
     fn a_budget_admits_while_any_is_left_and_holds_each_request_s_tokens_until_recorded() {
-        let ledger = Ledger::new("dp", false);
-        // 1,000 a day, 100 used by the roll-up: requests of 300 each.
-        let admitted = (0..10).filter(|_| ledger.hold("k", 1_000, 100, 300).is_ok()).count();
+        let (ledger, now) = (Ledger::new("dp", false), Instant::now());
+        // 1,000 a day, 100 used by the roll-up: requests of 300 each, all of
+        // what is left this data plane's.
+        let hold = || ledger.hold("k", (1_000, 100), 300, BudgetPart::WHOLE, now);
+        let admitted = (0..10).filter(|_| hold().is_ok()).count();
         assert_eq!(admitted, 3, "100 + 3 × 300 leaves none for a fourth");
-        assert_eq!(ledger.hold("k", 1_000, 100, 300), Err(Spent { used: 100, held: 900 }));
+        assert_eq!(hold(), Err(Unheld::Spent(Spent { used: 100, held: 900 })));
         // One ends, having used 50: what it held beyond them is free again.
-        ledger.record(record("k", "m", 50), 300);
+        ledger.record(record("k", "m", 50), Hold { tokens: 300, overdrawn: false });
         assert_eq!(ledger.unacknowledged_tokens("k"), 50);
-        assert!(ledger.hold("k", 1_000, 100, 300).is_ok());
-        assert!(ledger.hold("other", 1_000, 0, 300).is_ok(), "each key its own");
+        assert!(hold().is_ok());
+        assert!(ledger.hold("other", (1_000, 0), 300, BudgetPart::WHOLE, now).is_ok(), "each key its own");
+    }
+
+    #[test]
+    fn a_part_of_a_budget_admits_what_fits_and_one_request_past_it_with_the_overdraft() {
+        let (ledger, now) = (Ledger::new("dp", false), Instant::now());
+        let part = |tokens, overdraft| BudgetPart { tokens, overdraft };
+        let hold = |part| ledger.hold("k", (1_000, 100), 300, part, now);
+        // A part of 700: two fit, the third would pass it.
+        assert_eq!(hold(part(700, false)), Ok(Hold { tokens: 300, overdrawn: false }));
+        assert_eq!(hold(part(700, false)), Ok(Hold { tokens: 300, overdrawn: false }));
+        assert_eq!(hold(part(700, false)), Err(Unheld::PartHeld { part: 700, holds: 600, tokens: 300 }));
+        // The overdraft takes one past it, and one only.
+        assert_eq!(hold(part(700, true)), Ok(Hold { tokens: 300, overdrawn: true }));
+        assert!(matches!(hold(part(700, true)), Err(Unheld::Spent(_))), "100 + 900 held: nothing is left");
+        ledger.record(record("k", "m", 40), Hold { tokens: 300, overdrawn: true });
+        let holdings = ledger.holdings(|_| true, now);
+        assert_eq!(holdings, vec![crate::allowance::Holding { key_id: "k".into(), tokens: 640, overdrawn: false }]);
+        // What ended counts against the part until the roll-up shows it.
+        assert_eq!(hold(part(700, false)), Err(Unheld::PartHeld { part: 700, holds: 640, tokens: 300 }));
+        assert_eq!(hold(part(700, true)), Ok(Hold { tokens: 300, overdrawn: true }), "the overdraft is free again");
+    }
+
+    #[test]
+    fn acknowledged_tokens_count_until_the_roll_up_can_show_them() {
+        let (ledger, now) = (Ledger::new("dp", false), Instant::now());
+        ledger.record(record("k", "m", 30), Hold::default());
+        let batch = ledger.next_batch(usize::MAX).unwrap();
+        ledger.acknowledged(&batch, now);
+        let held = |at| ledger.holdings(|_| true, at).first().map_or(0, |holding| holding.tokens);
+        assert_eq!((ledger.unacknowledged_tokens("k"), held(now)), (0, 30), "acknowledged, maybe not rolled up");
+        let part = BudgetPart { tokens: 990, overdraft: false };
+        let refused = ledger.hold("k", (1_000, 0), 980, part, now);
+        assert_eq!(refused, Err(Unheld::PartHeld { part: 990, holds: 30, tokens: 980 }), "counted until rolled up");
+        assert_eq!(held(now + ACKNOWLEDGED_COUNTED_FOR), 0);
     }
 
     #[test]
     fn unacknowledged_tokens_count_until_their_batch_is_acknowledged() {
         let ledger = Ledger::new("dp", true);
-        ledger.record(record("k", "m", 30), 0);
-        ledger.record(record("", "m", 50), 0);
+        ledger.record(record("k", "m", 30), Hold::default());
+        ledger.record(record("", "m", 50), Hold::default());
         assert_eq!(ledger.unacknowledged_tokens("k"), 30);
         let batch = ledger.next_batch(usize::MAX).unwrap();
         assert_eq!(ledger.unacknowledged_tokens("k"), 30, "sent is not acknowledged");
-        ledger.acknowledged(&batch);
+        ledger.acknowledged(&batch, Instant::now());
         assert_eq!(ledger.unacknowledged_tokens("k"), 0);
     }
 

@@ -218,6 +218,15 @@ pub fn parse_prompt_progress(event: &[u8]) -> Option<PromptProgress> {
     })
 }
 
+/// Tokens `key_id` used on the day of `now_ms` (UTC), as `today` shows
+/// them: none where it counts another day.
+pub fn tokens_today(today: &crate::v1::KeyUsageToday, key_id: &str, now_ms: u64) -> u64 {
+    if today.day != hour_of(now_ms)[..8] {
+        return 0;
+    }
+    today.tokens.get(key_id).copied().unwrap_or(0)
+}
+
 /// The hour a record falls in, as `YYYYMMDDHH` (UTC): keys sort by time.
 pub fn hour_of(unix_ms: u64) -> String {
     let secs = unix_ms / 1000;

@@ -104,12 +104,24 @@ impl RoutingSvc {
         let Some(snapshot) = self.snapshots.borrow().clone() else {
             return Err(Status::unavailable("this controller has not loaded the fleet from etcd yet"));
         };
+        let (usage, now_ms) = (snapshot.usage_today(), inferyes_proto::unix_ms());
         let limits = |key_id: &str| {
             snapshot.api_key(key_id).map(|key| crate::allowances::Limits {
                 requests_per_minute: key.requests_per_minute,
                 max_concurrent: key.max_concurrent,
+                tokens: (key.tokens_per_day > 0).then(|| crate::allowances::Budget {
+                    per_day: key.tokens_per_day,
+                    left: key.tokens_per_day.saturating_sub(inferyes_proto::usage::tokens_today(usage, key_id, now_ms)),
+                }),
             })
         };
+        // Keys with budgets spent of today: their parts are listed.
+        let today = &inferyes_proto::usage::hour_of(now_ms)[..8];
+        let spent = usage
+            .tokens
+            .keys()
+            .filter(|key_id| usage.day == today && snapshot.api_key(key_id).is_some_and(|key| key.tokens_per_day > 0))
+            .map(String::as_str);
         let now = std::time::Instant::now();
         let taken = crate::allowances::Report {
             dataplane: &report.dataplane_id,
@@ -120,9 +132,9 @@ impl RoutingSvc {
         };
         let mut books = self.allowances.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         match books.report(&taken, limits, now) {
-            Ok(()) => {
-                Ok(books.allowances(&report.dataplane_id, limits, now).unwrap_or_else(crate::allowances::nothing))
-            }
+            Ok(()) => Ok(books
+                .allowances(&report.dataplane_id, limits, spent, now)
+                .unwrap_or_else(crate::allowances::nothing)),
             Err(crate::allowances::Refused::Stale) => {
                 Err(Status::aborted("a later report of this data plane was taken, or one came too soon after it"))
             }

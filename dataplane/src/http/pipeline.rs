@@ -242,29 +242,24 @@ impl<'s> Exchange<'s> {
             let window = snapshot.model(model).map_or(0, |entry| u64::from(entry.context_window));
             if window > 0 { window } else { DEFAULT_TOKEN_LIMIT }
         });
-        let mut held = 0;
+        let mut held = crate::usage::Hold::default();
         if let Caller::Key(grant) = caller
             && grant.tokens_per_day > 0
         {
             let tokens = (body_len as u64).saturating_add(limit);
             let today = snapshot.tokens_today(&grant.key_id);
-            if let Err(spent) = state.ledger.hold(&grant.key_id, grant.tokens_per_day, today, tokens) {
-                let budget = grant.tokens_per_day;
-                let (message, retry_after) = if spent.used >= budget {
-                    (format!("{} used today (UTC)", spent.used), seconds_to_utc_midnight())
-                } else {
-                    // Spent by requests still running: some of it comes back.
-                    (format!("{} used and {} held by requests in flight", spent.used, spent.held), 1)
-                };
-                let error = ApiError::new(
-                    ErrorKind::RateLimited,
-                    format!("Rate limit reached for tokens: {budget} per day for this key, {message}."),
-                    ErrorCode::RateLimitExceeded,
-                )
-                .retry_after(retry_after);
-                return Err(state.refused(crate::auth::Refusal::TokenBudget, error));
+            let part = state.allowances.budget(grant, today > 0).unwrap_or(crate::usage::BudgetPart::WHOLE);
+            let budget = (grant.tokens_per_day, today);
+            match state.ledger.hold(&grant.key_id, budget, tokens, part, std::time::Instant::now()) {
+                Ok(hold) => held = hold,
+                Err(unheld) => {
+                    if let crate::usage::Unheld::PartHeld { tokens, .. } = unheld {
+                        state.allowances.refused_tokens(&grant.key_id, tokens);
+                    }
+                    let error = budget_refusal(grant.tokens_per_day, unheld);
+                    return Err(state.refused(crate::auth::Refusal::TokenBudget, error));
+                }
             }
-            held = tokens;
         }
         let meter = crate::usage::Meter::new(
             Arc::clone(&state.ledger),
@@ -885,6 +880,35 @@ fn waited_too_long(waited_ms: u64, retry_after_s: u32) -> ApiError {
         ErrorCode::RateLimitExceeded,
     )
     .retry_after(retry_after_s)
+}
+
+/// The answer to a request whose tokens its key's daily `budget` does not
+/// hold.
+fn budget_refusal(budget: u64, unheld: crate::usage::Unheld) -> ApiError {
+    let (message, retry_after) = match unheld {
+        crate::usage::Unheld::Spent(spent) if spent.used >= budget => {
+            (format!("{} used today (UTC)", spent.used), seconds_to_utc_midnight())
+        }
+        // Spent by requests still running: some of it comes back.
+        crate::usage::Unheld::Spent(spent) => {
+            (format!("{} used and {} held by requests in flight", spent.used, spent.held), 1)
+        }
+        // The next split, within a second or two, may give this gateway
+        // more of what is left, or another may have room.
+        crate::usage::Unheld::PartHeld { part, holds, tokens } => (
+            format!(
+                "this gateway's part of what is left today ({part}) holds {holds} for requests in flight or not \
+                 yet counted, and this request may use up to {tokens}"
+            ),
+            1,
+        ),
+    };
+    ApiError::new(
+        ErrorKind::RateLimited,
+        format!("Rate limit reached for tokens: {budget} per day for this key, {message}."),
+        ErrorCode::RateLimitExceeded,
+    )
+    .retry_after(retry_after)
 }
 
 /// Seconds until the next UTC midnight, when daily token budgets start over.

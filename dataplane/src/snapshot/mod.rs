@@ -366,11 +366,7 @@ impl RoutingSnapshot {
 
     /// Tokens `key_id` used today (UTC), per the fleet's roll-up.
     pub fn tokens_today(&self, key_id: &str) -> u64 {
-        let today = &inferyes_proto::usage::hour_of(inferyes_proto::unix_ms())[..8];
-        if self.usage_today.day != today {
-            return 0;
-        }
-        self.usage_today.tokens.get(key_id).copied().unwrap_or(0)
+        inferyes_proto::usage::tokens_today(&self.usage_today, key_id, inferyes_proto::unix_ms())
     }
 }
 

@@ -1,6 +1,6 @@
 //! A key's limits hold across data planes: four data planes behind a
-//! round-robin balancer give a key its requests per minute and its requests
-//! in flight once, not once each.
+//! round-robin balancer give a key its requests per minute, its requests
+//! in flight and its daily budget once, not once each.
 
 use std::time::Duration;
 
@@ -12,6 +12,7 @@ use inferyes_tests::{ControllerHandle, DataplaneHandle};
 use serde_json::json;
 
 use crate::support::{Fleet, chat_body, chat_sim, create_key, scraped};
+use crate::usage::rolled_up;
 
 const DATA_PLANES: usize = 4;
 
@@ -69,12 +70,17 @@ fn admin_urls(fleet: &Fleet, others: &[DataplaneHandle]) -> Vec<String> {
 
 /// Creates a key and waits until every data plane knows it.
 async fn key(fleet: &Fleet, others: &[DataplaneHandle], request: CreateKeyRequest) -> String {
+    key_and_id(fleet, others, request).await.0
+}
+
+/// The key's bearer header and its id.
+async fn key_and_id(fleet: &Fleet, others: &[DataplaneHandle], request: CreateKeyRequest) -> (String, String) {
     let (key_id, secret) = create_key(fleet, request).await;
     for dataplane in others {
         let id = key_id.clone();
         dataplane.wait_for("the key", Duration::from_secs(10), move |s| s.api_key(&id).is_some()).await;
     }
-    format!("Bearer {secret}")
+    (format!("Bearer {secret}"), key_id)
 }
 
 #[tokio::test]
@@ -171,4 +177,58 @@ async fn a_key_s_requests_in_flight_hold_across_four_data_planes_and_follow_its_
     for url in &urls {
         assert_eq!(open_stream(&fleet.http, url, &bearer).await.err(), Some(StatusCode::TOO_MANY_REQUESTS));
     }
+}
+
+#[tokio::test]
+async fn a_key_s_daily_budget_holds_across_four_data_planes() {
+    // Slow enough that a wave's requests are in flight together.
+    let slow = inferyes_sim::SimConfig { decode_tokens_per_second: 40.0, ..chat_sim("chat") };
+    let (fleet, others, _) = four_data_planes(slow, false).await;
+    let request = CreateKeyRequest { name: "budget".into(), tokens_per_day: 1_000, ..Default::default() };
+    let (bearer, key_id) = key_and_id(&fleet, &others, request).await;
+    let urls = urls(&fleet, &others);
+    // Waves of 48 at once, dealt round robin, until the budget is spent;
+    // each after the one before, as its refusals say to retry.
+    let (mut answered, mut largest) = (0, 0);
+    for wave in 0..30 {
+        let mut asks = tokio::task::JoinSet::new();
+        for i in 0..48 {
+            let body = json!({"model": "chat", "max_tokens": 16, "messages": [{"role": "user",
+                              "content": format!("question {wave}.{i}: {}", "tell me more about it ".repeat(5))}]});
+            let url = format!("{}/v1/chat/completions", urls[i % DATA_PLANES]);
+            let (http, bearer) = (fleet.http.clone(), bearer.clone());
+            asks.spawn(async move {
+                http.send(Method::POST, &url, body.to_string().into(), &[("authorization", &bearer)]).await
+            });
+        }
+        let mut retry_after = 0;
+        for response in asks.join_all().await {
+            match response.status {
+                StatusCode::OK => {
+                    answered += 1;
+                    largest = largest.max(response.json()["usage"]["total_tokens"].as_u64().expect("usage"));
+                }
+                StatusCode::TOO_MANY_REQUESTS => {
+                    assert_eq!(response.openai_error()["code"], "rate_limit_exceeded");
+                    let retry: u64 = response.header("retry-after").expect("retry-after").parse().expect("seconds");
+                    retry_after = retry_after.max(retry);
+                }
+                other => panic!("{other}: {}", String::from_utf8_lossy(&response.body)),
+            }
+        }
+        let spent = rolled_up(fleet.controller(), &key_id, answered).await;
+        let spent = spent.prompt_tokens + spent.completion_tokens;
+        if spent >= 1_000 {
+            // Past it by at most one request's worth.
+            assert!(
+                spent <= 1_000 + largest,
+                "{spent} tokens of a 1,000 budget ({answered} answered, each up to {largest})"
+            );
+            return;
+        }
+        // Nothing is left by some data plane's count, not yet by the
+        // roll-up's: it counts what it used until the roll-up can show it.
+        tokio::time::sleep(Duration::from_secs(retry_after.clamp(1, 2))).await;
+    }
+    panic!("the budget was never spent: {answered} answered");
 }

@@ -70,7 +70,7 @@ pub fn embedding_model(id: &str) -> SimConfig {
 /// Creates an API key and waits until the fleet's data plane knows it and,
 /// where the key has limits, holds its part of them: `(key_id, secret)`.
 pub async fn create_key(fleet: &Fleet, request: inferyes_proto::v1::CreateKeyRequest) -> (String, String) {
-    let limited = request.requests_per_minute > 0 || request.max_concurrent > 0;
+    let limited = request.requests_per_minute > 0 || request.max_concurrent > 0 || request.tokens_per_day > 0;
     let created = fleet.controller().fleet().await.create_key(request).await.expect("key created").into_inner();
     let key_id = created.key.expect("the created key").key_id;
     let id = key_id.clone();
