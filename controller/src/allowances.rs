@@ -29,12 +29,12 @@
 //!
 //! Pure: the caller brings the reports, the time and the keys' limits.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use inferyes_proto::FastMap;
 use inferyes_proto::allowance::unlisted_part;
 use inferyes_proto::v1::{Allowances, KeyAllowance, KeyDemand};
+use inferyes_proto::{FastMap, FastSet, value_for};
 
 /// A data plane that has not reported for this long is gone: its parts go
 /// to the others. Data planes report every second.
@@ -109,18 +109,35 @@ struct Book {
     /// older than one taken is refused.
     instance: u64,
     sequence: u64,
-    keys: FastMap<String, Want>,
-    /// The parts it holds of this controller's split, as it said, and as
-    /// this controller last gave them: it may have taken either.
-    held: Option<Held>,
-    given: Option<Held>,
+    /// What it asked of each key and holds of it: one lookup a key, as an
+    /// answer weighs every key against every data plane.
+    keys: FastMap<String, Slot>,
+    /// The splits it holds parts of, as it said, and as this controller
+    /// last gave it: it may have taken either. Of a key it holds no listed
+    /// part of, it holds the split's even part.
+    said: Option<Split>,
+    given: Option<Split>,
 }
 
-/// The parts a data plane holds of a split, as an answer lists them.
+/// What one key asked of one data plane, and the parts it holds of the
+/// key as listed in what it said it holds and in what it was given.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+struct Slot {
+    want: Want,
+    said: Option<Part>,
+    given: Option<Part>,
+}
+
+impl Slot {
+    fn empty(&self) -> bool {
+        *self == Slot::default()
+    }
+}
+
+/// A split a data plane holds parts of, its keys' parts in their slots.
 #[derive(Debug, PartialEq)]
-struct Held {
+struct Split {
     parts: Allowances,
-    keys: FastMap<String, Part>,
     /// Listed more keys than the books keep: one not kept is taken to be
     /// held whole.
     cut: bool,
@@ -254,7 +271,7 @@ impl Books {
         book.sequence = report.sequence;
         let mut wants: FastMap<String, Want> = FastMap::default();
         for asked in report.demand.iter().filter(|d| limited(&d.key_id)).take(MAX_KEYS) {
-            let before = book.keys.get(&asked.key_id).copied().unwrap_or_default();
+            let before = book.keys.get(&asked.key_id).map_or_else(Want::default, |slot| slot.want);
             let per_minute = (f64::from(asked.asked) * 60.0 / seconds).min(MAX_PER_MINUTE);
             #[allow(clippy::cast_precision_loss)] // a claim, not a count
             let want = Want {
@@ -267,7 +284,7 @@ impl Books {
             };
             wants.insert(asked.key_id.clone(), want);
         }
-        for (key, want) in &book.keys {
+        for (key, want) in book.keys.iter().map(|(key, slot)| (key, slot.want)) {
             if wants.len() >= MAX_KEYS {
                 break;
             }
@@ -283,10 +300,15 @@ impl Books {
                 }
             }
         }
-        book.keys = wants;
+        for (key, slot) in &mut book.keys {
+            slot.want = wants.remove(key).unwrap_or_default();
+        }
+        for (key, want) in wants {
+            book.keys.insert(key, Slot { want, ..Slot::default() });
+        }
         // Whatever its limits now: a key's limit may come back before the
         // data plane takes another answer.
-        book.held = report.held.map(|held| Held::of(held, MAX_HELD_KEYS));
+        book.take_said(report.held);
         Ok(())
     }
 
@@ -302,7 +324,7 @@ impl Books {
         now: Instant,
     ) -> Option<Allowances> {
         if self.started.is_none_or(|started| now.saturating_duration_since(started) < GONE_AFTER) {
-            return self.dataplanes.get(dataplane).map(|book| book.held.as_ref().map_or_else(nothing, Held::kept));
+            return self.dataplanes.get(dataplane).map(Book::said_kept);
         }
         let live: Vec<(&String, &Book)> =
             self.dataplanes.iter().filter(|(_, book)| now.saturating_duration_since(book.at) < GONE_AFTER).collect();
@@ -315,22 +337,20 @@ impl Books {
         // new split's.
         let settling = live.iter().enumerate().any(|(i, (_, book))| {
             i != place
-                && book.held.iter().chain(&book.given).any(|held| !held.parts.settling && held.parts.members != members)
+                && book
+                    .said
+                    .iter()
+                    .chain(&book.given)
+                    .any(|split| !split.parts.settling && split.parts.members != members)
         });
         // While settling, the split this one held even parts of before.
-        let (before_dataplanes, before_place) = match live[place].1.held.as_ref().map(|held| &held.parts) {
+        let (before_dataplanes, before_place) = match live[place].1.said.as_ref().map(|said| &said.parts) {
             Some(parts) if settling && !parts.settling => (parts.dataplanes, parts.place),
             Some(parts) if settling => (parts.before_dataplanes, parts.before_place),
             _ => (0, 0),
         };
-        let mut named: BTreeSet<&str> = live
-            .iter()
-            .flat_map(|(_, book)| {
-                let held = book.held.iter().chain(&book.given).flat_map(|held| held.keys.keys());
-                book.keys.keys().chain(held)
-            })
-            .map(String::as_str)
-            .collect();
+        // Hashed, not ordered: it takes every key of every book.
+        let mut named: FastSet<&str> = live.iter().flat_map(|(_, book)| book.keys.keys()).map(String::as_str).collect();
         for key_id in spent.into_iter().take(MAX_KEYS) {
             named.insert(key_id);
         }
@@ -347,16 +367,18 @@ impl Books {
         let (mut claims, mut kind_claims): (Vec<[Claim; KINDS]>, Vec<Claim>) = (Vec::new(), Vec::new());
         for key_id in named {
             let Some(limits) = limits(key_id).filter(|l| l.any()) else { continue };
-            claims.clear();
-            claims.extend(live.iter().map(|(_, book)| book.keys.get(key_id).copied().unwrap_or_default().claims()));
             let (split_now, whole) = (limits.now(), limits.whole());
-            // What the others hold, each key looked up once in each book.
+            // What each asked, and what the others hold.
+            claims.clear();
             let mut held = [0u64; KINDS];
-            for (_, (_, book)) in live.iter().enumerate().filter(|(i, _)| *i != place) {
-                let of = |held: &Option<Held>| held.as_ref().map_or(Part::default(), |held| held.part(key_id, whole));
-                let (said, given) = (of(&book.held), of(&book.given));
-                for (kind, sum) in held.iter_mut().enumerate() {
-                    *sum = sum.saturating_add(said.0[kind].max(given.0[kind]));
+            for (i, (_, book)) in live.iter().enumerate() {
+                let slot = book.keys.get(key_id);
+                claims.push(slot.map_or_else(Want::default, |slot| slot.want).claims());
+                if i != place {
+                    let holds = book.holds(slot, whole);
+                    for (sum, part) in held.iter_mut().zip(holds.0) {
+                        *sum = sum.saturating_add(part);
+                    }
                 }
             }
             let mut part = Part::default();
@@ -373,7 +395,7 @@ impl Books {
             }
         }
         if let Some(book) = self.dataplanes.get_mut(dataplane) {
-            book.given = Some(Held::of(&answer, usize::MAX));
+            book.take_given(&answer);
         }
         Some(answer)
     }
@@ -385,7 +407,70 @@ const MAX_HELD_KEYS: usize = 65_536;
 
 impl Book {
     fn new(at: Instant, instance: u64) -> Book {
-        Book { at, instance, sequence: 0, keys: FastMap::default(), held: None, given: None }
+        Book { at, instance, sequence: 0, keys: FastMap::default(), said: None, given: None }
+    }
+
+    /// What it holds of a key whose slot is `slot` and whose limits are
+    /// even parts of `whole`: the more of what it said and what it was
+    /// given.
+    fn holds(&self, slot: Option<&Slot>, whole: Part) -> Part {
+        let said = holding(self.said.as_ref(), slot.and_then(|slot| slot.said), whole);
+        let given = holding(self.given.as_ref(), slot.and_then(|slot| slot.given), whole);
+        Part(std::array::from_fn(|kind| said.0[kind].max(given.0[kind])))
+    }
+
+    /// Takes what it says it holds: at most [`MAX_HELD_KEYS`] keys.
+    fn take_said(&mut self, said: Option<&Allowances>) {
+        for slot in self.keys.values_mut() {
+            slot.said = None;
+        }
+        self.said = said.map(|parts| {
+            let mut kept = 0;
+            let valid = parts.keys.iter().filter(|key| inferyes_proto::apikey::valid_key_id(&key.key_id));
+            for key in valid.take(MAX_HELD_KEYS) {
+                let slot = value_for(&mut self.keys, &key.key_id, Slot::default);
+                kept += usize::from(slot.said.is_none());
+                slot.said = Some(Part::of(key));
+            }
+            // A key listed twice, or one not kept, counts whole.
+            Split { parts: Allowances { keys: Vec::new(), ..parts.clone() }, cut: kept < parts.keys.len() }
+        });
+        self.keys.retain(|_, slot| !slot.empty());
+    }
+
+    /// Takes what this controller gave it.
+    fn take_given(&mut self, given: &Allowances) {
+        for slot in self.keys.values_mut() {
+            slot.given = None;
+        }
+        for key in &given.keys {
+            value_for(&mut self.keys, &key.key_id, Slot::default).given = Some(Part::of(key));
+        }
+        self.given = Some(Split { parts: Allowances { keys: Vec::new(), ..given.clone() }, cut: false });
+        self.keys.retain(|_, slot| !slot.empty());
+    }
+
+    /// The parts it says it holds, to keep as they are; nothing where the
+    /// books did not keep them all.
+    fn said_kept(&self) -> Allowances {
+        match &self.said {
+            Some(said) if !said.cut => {
+                let listed = self.keys.iter().filter_map(|(key_id, slot)| Some(slot.said?.allowance(key_id)));
+                Allowances { keys: listed.collect(), ..said.parts.clone() }
+            }
+            _ => nothing(),
+        }
+    }
+}
+
+/// What a data plane holds of a key, by a split it holds parts of (none),
+/// the key's part listed in it, and the key's limits' `whole`.
+fn holding(split: Option<&Split>, listed: Option<Part>, whole: Part) -> Part {
+    match (split, listed) {
+        (None, _) => Part::default(),
+        (Some(_), Some(part)) => part,
+        (Some(split), None) if split.cut => whole,
+        (Some(split), None) => Part::unlisted(whole, &split.parts),
     }
 }
 
@@ -393,35 +478,6 @@ impl Book {
 /// this controller's split.
 pub fn nothing() -> Allowances {
     Allowances { settling: true, ..Allowances::default() }
-}
-
-impl Held {
-    fn of(parts: &Allowances, at_most: usize) -> Held {
-        let valid = parts.keys.iter().filter(|key| inferyes_proto::apikey::valid_key_id(&key.key_id));
-        let keys: FastMap<String, Part> = valid.take(at_most).map(|key| (key.key_id.clone(), Part::of(key))).collect();
-        let cut = keys.len() < parts.keys.len();
-        let parts = Allowances { keys: Vec::new(), ..parts.clone() };
-        Held { parts, keys, cut }
-    }
-
-    /// The parts it holds, to keep as they are; nothing where the books
-    /// did not keep them all.
-    fn kept(&self) -> Allowances {
-        if self.cut {
-            return nothing();
-        }
-        let keys = self.keys.iter().map(|(key_id, part)| part.allowance(key_id)).collect();
-        Allowances { keys, ..self.parts.clone() }
-    }
-
-    /// What it holds of a key whose limits are even parts of `whole`.
-    fn part(&self, key_id: &str, whole: Part) -> Part {
-        match self.keys.get(key_id) {
-            Some(part) => *part,
-            None if self.cut => whole,
-            None => Part::unlisted(whole, &self.parts),
-        }
-    }
 }
 
 /// A digest of a split's members, sorted.
@@ -573,8 +629,8 @@ mod tests {
                 })
                 .collect();
             let whole = split(limit, &claims);
-            for place in 0..n {
-                assert_eq!(split_at(limit, &claims, place), whole[place], "{limit} by {claims:?}, place {place}");
+            for (place, part) in whole.into_iter().enumerate() {
+                assert_eq!(split_at(limit, &claims, place), part, "{limit} by {claims:?}, place {place}");
             }
         }
     }

@@ -134,6 +134,8 @@ pub fn write_hex(out: &mut [u8], mut bits: u128) {
 /// fifth of the instructions per lookup. Seeded per process, so keys a
 /// client chooses cannot be picked to collide.
 pub type FastMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
+/// The set of [`FastMap`].
+pub type FastSet<K> = std::collections::HashSet<K, foldhash::fast::RandomState>;
 
 /// `value`'s hash under [`FastMap`]'s hasher, seeded once per process: one
 /// word for a map that must hash with SipHash (a metric family's label
