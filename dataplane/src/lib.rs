@@ -129,6 +129,9 @@ pub async fn run(
         },
         allowances: Arc::default(),
     };
+    // Cancelled once no request can record usage any more: the ledger then
+    // flushes what is left and ends, and reports end.
+    let drained = CancellationToken::new();
     let reporter = AbortOnDropHandle::new(tokio::spawn(
         report::Reporter {
             log: Arc::clone(&state.decisions),
@@ -140,14 +143,11 @@ pub async fn run(
             ledger: Arc::clone(&state.ledger),
             controllers: controllers.clone(),
             dataplane_id: config.dataplane_id.clone(),
-            shutdown: shutdown.clone(),
+            drained: drained.clone(),
         }
         .run()
         .instrument(tracing::info_span!("report")),
     ));
-    // Cancelled once no request can record usage any more: the ledger then
-    // flushes what is left and ends.
-    let drained = CancellationToken::new();
     let ledger = AbortOnDropHandle::new(tokio::spawn(
         usage::run(Arc::clone(&state.ledger), controllers, drained.clone()).instrument(tracing::info_span!("usage")),
     ));

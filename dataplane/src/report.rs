@@ -67,7 +67,10 @@ pub struct Reporter {
     pub ledger: Arc<crate::usage::Ledger>,
     pub controllers: crate::Controllers,
     pub dataplane_id: String,
-    pub shutdown: CancellationToken,
+    /// Cancelled once no request runs any more: until then, what requests
+    /// hold of the keys' limits must be reported, or the controllers give
+    /// it to the other data planes.
+    pub drained: CancellationToken,
 }
 
 impl Reporter {
@@ -100,7 +103,7 @@ impl Reporter {
         let mut sends: tokio::task::JoinSet<Result<Result<ReportAck, tonic::Status>, _>> = tokio::task::JoinSet::new();
         loop {
             tokio::select! {
-                () = self.shutdown.cancelled() => return,
+                () = self.drained.cancelled() => return,
                 _ = ticker.tick() => {}
                 Some(sent) = sends.join_next_with_id() => {
                     let (id, answer) = match sent {
