@@ -104,23 +104,28 @@ impl RoutingSvc {
         let Some(snapshot) = self.snapshots.borrow().clone() else {
             return Err(Status::unavailable("this controller has not loaded the fleet from etcd yet"));
         };
-        let (usage, now_ms) = (snapshot.usage_today(), inferyes_proto::unix_ms());
+        // What the roll-up shows spent today: nothing where it counts
+        // another day.
+        let usage = snapshot.usage_today();
+        let today = (usage.day == inferyes_proto::usage::hour_of(inferyes_proto::unix_ms())[..8]).then_some(usage);
         let limits = |key_id: &str| {
             snapshot.api_key(key_id).map(|key| crate::allowances::Limits {
                 requests_per_minute: key.requests_per_minute,
                 max_concurrent: key.max_concurrent,
-                tokens: (key.tokens_per_day > 0).then(|| crate::allowances::Budget {
-                    per_day: key.tokens_per_day,
-                    left: key.tokens_per_day.saturating_sub(inferyes_proto::usage::tokens_today(usage, key_id, now_ms)),
+                tokens: (key.tokens_per_day > 0).then(|| {
+                    let spent = today.and_then(|today| today.tokens.get(key_id)).copied().unwrap_or(0);
+                    crate::allowances::Budget {
+                        per_day: key.tokens_per_day,
+                        left: key.tokens_per_day.saturating_sub(spent),
+                    }
                 }),
             })
         };
         // Keys with budgets spent of today: their parts are listed.
-        let today = &inferyes_proto::usage::hour_of(now_ms)[..8];
-        let spent = usage
-            .tokens
-            .keys()
-            .filter(|key_id| usage.day == today && snapshot.api_key(key_id).is_some_and(|key| key.tokens_per_day > 0))
+        let spent = today
+            .into_iter()
+            .flat_map(|today| today.tokens.keys())
+            .filter(|key_id| snapshot.api_key(key_id).is_some_and(|key| key.tokens_per_day > 0))
             .map(String::as_str);
         let now = std::time::Instant::now();
         let taken = crate::allowances::Report {
