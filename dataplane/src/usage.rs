@@ -156,11 +156,11 @@ impl Ledger {
     /// Holds `tokens` of `key_id`'s daily `budget` for a request in flight,
     /// where what the key used today (`today`, by the fleet's roll-up, and
     /// what this data plane counted or holds since) leaves any of it, and
-    /// the tokens fit in this data plane's `part` of what is left, or its
-    /// part's overdraft is free. The parts of the fleet's data planes add
-    /// up to what is left and one of them holds the overdraft: the fleet
-    /// overruns the budget by one request's tokens at most, however many
-    /// run at once.
+    /// the tokens fit in this data plane's `part` of what is left, or it
+    /// holds the overdraft, holds less than its part and no overdrawn
+    /// request. The parts of the fleet's data planes add up to what is
+    /// left and one of them holds the overdraft: the fleet overruns the
+    /// budget by one request's tokens at most, however many run at once.
     pub fn hold(
         &self,
         key_id: &str,
@@ -174,7 +174,9 @@ impl Ledger {
         let unrolled = tally.unrolled(now);
         let (used, holds) = (today.saturating_add(unrolled), unrolled.saturating_add(tally.held));
         let fits = holds.saturating_add(tokens) <= part.tokens;
-        let overdraws = !fits && part.overdraft && !tally.overdrawn;
+        // Past the part by one request, and only from within it: what an
+        // overdrawn request used counts against the part until rolled up.
+        let overdraws = !fits && part.overdraft && !tally.overdrawn && holds < part.tokens;
         let refused = if used.saturating_add(tally.held) >= budget {
             Some(Unheld::Spent(Spent { used, held: tally.held }))
         } else {
@@ -990,6 +992,11 @@ mod tests {
         // What ended counts against the part until the roll-up shows it.
         assert_eq!(hold(part(700, false)), Err(Unheld::PartHeld { part: 700, holds: 640, tokens: 300 }));
         assert_eq!(hold(part(700, true)), Ok(Hold { tokens: 300, overdrawn: true }), "the overdraft is free again");
+        // Held past its part, it takes no overdraft again, one request
+        // after another, until what it used is rolled up.
+        ledger.record(record("k", "m", 200), Hold { tokens: 300, overdrawn: true });
+        assert_eq!(hold(part(700, true)), Err(Unheld::PartHeld { part: 700, holds: 840, tokens: 300 }));
+        assert!(matches!(hold(part(0, true)), Err(Unheld::PartHeld { .. })), "a part of none takes no overdraft");
     }
 
     #[test]
