@@ -351,9 +351,8 @@ impl Books {
         };
         // Hashed, not ordered: it takes every key of every book.
         let mut named: FastSet<&str> = live.iter().flat_map(|(_, book)| book.keys.keys()).map(String::as_str).collect();
-        for key_id in spent.into_iter().take(MAX_KEYS) {
-            named.insert(key_id);
-        }
+        let spent: FastSet<&str> = spent.into_iter().take(MAX_KEYS).collect();
+        named.extend(&spent);
         let mut answer = Allowances {
             dataplanes: count,
             place: index(place),
@@ -387,10 +386,12 @@ impl Books {
                 kind_claims.extend(claims.iter().map(|claim| claim[kind]));
                 part.0[kind] = split_at(limit, &kind_claims, place).min(limit.saturating_sub(held[kind]));
             }
-            // A budget's part is always listed: data planes count what is
-            // left of it by their own view of the roll-up, which may be
-            // behind or ahead of this one.
-            if limits.tokens.is_some() || part != Part::unlisted(whole, &answer) {
+            // A budget spent of today is listed whatever its part: a data
+            // plane whose roll-up shows it spent of takes none of it
+            // unlisted, and the roll-ups data planes hold may be behind or
+            // ahead of this one.
+            let spent_of = limits.tokens.is_some() && spent.contains(key_id);
+            if spent_of || part != Part::unlisted(whole, &answer) {
                 answer.keys.push(part.allowance(key_id));
             }
         }
@@ -784,7 +785,8 @@ mod tests {
         let (a_part, b_part) = (a.part_of(KEY), b.part_of(KEY));
         assert_eq!((a_part.0[TOKENS], a_part.0[OVERDRAFT]), (650, 1), "what it holds, asked, and half the spare");
         assert_eq!((b_part.0[TOKENS], b_part.0[OVERDRAFT]), (50, 0));
-        assert!(answer.keys.iter().all(|k| k.key_id == KEY), "a budget nobody spent of today is not listed");
+        let listed: Vec<&str> = answer.keys.iter().map(|k| k.key_id.as_str()).collect();
+        assert_eq!(listed, vec![KEY], "a budget nobody spent of today is not listed");
         // A key whose budget was spent of today is listed by every answer:
         // each data plane counts what is left by its own view.
         let later = start + Duration::from_secs(1);
@@ -792,6 +794,12 @@ mod tests {
         let answer = books.allowances("dp-b", limits, [QUIET], later).unwrap();
         let quiet = answer.keys.iter().find(|k| k.key_id == QUIET).map(|k| (k.tokens, k.overdraft));
         assert_eq!(quiet, Some((450, 0)), "half of the 900 left; dp-a holds the overdraft of the even split");
+        // Once the roll-up shows it spent of no more (a new day), its even
+        // part is not listed again.
+        let later = later + Duration::from_secs(1);
+        books.report(&b.report(&[]), limits, later).unwrap();
+        let answer = books.allowances("dp-b", limits, [], later).unwrap();
+        assert!(answer.keys.iter().all(|k| k.key_id != QUIET), "{answer:?}");
     }
 
     #[test]
