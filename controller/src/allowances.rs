@@ -361,6 +361,8 @@ impl Books {
             settling,
             before_dataplanes,
             before_place,
+            budgets: true,
+            kept: false,
         };
         // Reused for every key: an answer weighs thousands.
         let (mut claims, mut kind_claims): (Vec<[Claim; KINDS]>, Vec<Claim>) = (Vec::new(), Vec::new());
@@ -457,7 +459,7 @@ impl Book {
         match &self.said {
             Some(said) if !said.cut => {
                 let listed = self.keys.iter().filter_map(|(key_id, slot)| Some(slot.said?.allowance(key_id)));
-                Allowances { keys: listed.collect(), ..said.parts.clone() }
+                Allowances { keys: listed.collect(), kept: true, ..said.parts.clone() }
             }
             _ => nothing(),
         }
@@ -478,7 +480,7 @@ fn holding(split: Option<&Split>, listed: Option<Part>, whole: Part) -> Part {
 /// Parts of nothing: what a data plane whose report is refused holds of
 /// this controller's split.
 pub fn nothing() -> Allowances {
-    Allowances { settling: true, ..Allowances::default() }
+    Allowances { settling: true, budgets: true, kept: true, ..Allowances::default() }
 }
 
 /// A digest of a split's members, sorted.
@@ -898,7 +900,8 @@ mod tests {
         };
         let asked = [demand(KEY, 100, 0, 0)];
         books.report(&Report { held: Some(&held), ..report("dp-a", 1, 1, &asked) }, limits, start).unwrap();
-        assert_eq!(books.allowances("dp-a", limits, [], start).unwrap(), held);
+        let kept = Allowances { kept: true, ..held.clone() };
+        assert_eq!(books.allowances("dp-a", limits, [], start).unwrap(), kept, "what it holds, marked kept");
         books.report(&report("dp-new", 1, 1, &asked), limits, start).unwrap();
         assert_eq!(books.allowances("dp-new", limits, [], start).unwrap(), nothing());
         // Every data plane has reported since: it splits again.
@@ -906,7 +909,7 @@ mod tests {
         books.report(&Report { held: Some(&held), ..report("dp-a", 1, 2, &asked) }, limits, later).unwrap();
         let later = start + GONE_AFTER;
         books.report(&Report { held: Some(&held), ..report("dp-a", 1, 3, &asked) }, limits, later).unwrap();
-        assert_ne!(books.allowances("dp-a", limits, [], later).unwrap(), held);
+        assert_ne!(books.allowances("dp-a", limits, [], later).unwrap(), kept);
     }
 
     #[test]

@@ -45,11 +45,13 @@ enum Heard {
         at: Instant,
         answer: v1::Allowances,
         keys: FastMap<String, Part>,
+        /// When this data plane sent the report whose answer was the last
+        /// split that read the fleet's roll-up (not what it held, kept);
+        /// `None` before one.
+        read_since: Option<Instant>,
     },
     /// A controller that splits no limits.
-    Unsplit {
-        at: Instant,
-    },
+    Unsplit { at: Instant },
 }
 
 impl Heard {
@@ -69,6 +71,10 @@ impl Heard {
                 None => unlisted(answer),
             },
         }
+    }
+
+    fn splits_budgets(&self) -> bool {
+        matches!(self, Heard::Split { answer, .. } if answer.budgets)
     }
 }
 
@@ -119,20 +125,40 @@ impl Allowances {
     }
 
     /// This data plane's part of what is left today of `grant`'s daily
-    /// budget, and whether it holds the budget's overdraft; `None` where
-    /// the key has no budget. `spent_today`: the roll-up this data plane
-    /// holds shows some of the budget spent, so that a part not listed
-    /// is none (the whole budget's even part is of a budget nobody spent
-    /// of).
-    pub fn budget(&self, grant: &ApiKey, spent_today: bool) -> Option<crate::usage::BudgetPart> {
+    /// budget (of a key with one), and whether it holds the budget's
+    /// overdraft. `spent_today`: the roll-up this data plane holds shows
+    /// some of the budget spent, so that a part not listed is none (the
+    /// whole budget's even part is of a budget nobody spent of).
+    pub fn budget(&self, grant: &ApiKey, spent_today: bool) -> crate::usage::BudgetPart {
         let budget = grant.tokens_per_day;
-        if budget == 0 {
-            return None;
-        }
         let even = |answer: &v1::Allowances| if spent_today { 0 } else { unlisted_part(budget, answer) };
-        let tokens = self.part(grant, u64::MAX, |part| part.tokens, even);
-        let overdraft = self.part(grant, 1, |part| part.overdraft, |answer| unlisted_part_u32(1, answer));
-        Some(crate::usage::BudgetPart { tokens, overdraft: overdraft >= 1 })
+        // A controller that splits no budgets limits none.
+        let tokens = self.fold(budget, |heard| match heard.splits_budgets() {
+            true => heard.part(&grant.key_id, budget, |part| part.tokens, even),
+            false => budget,
+        });
+        let overdraft = self.fold(1, |heard| match heard.splits_budgets() {
+            true => heard.part(&grant.key_id, 1, |part| part.overdraft, |answer| unlisted_part_u32(1, answer)),
+            false => 1,
+        });
+        crate::usage::BudgetPart { tokens, overdraft: overdraft >= 1 }
+    }
+
+    /// Tokens a controller acknowledged before this are in what every
+    /// controller that splits budgets split last: forgotten, as far as
+    /// [`crate::usage::ROLLED_UP_WITHIN`] holds. `None`: forget none yet.
+    pub fn rolled_up_before(&self, now: Instant) -> Option<Instant> {
+        let within = crate::usage::ROLLED_UP_WITHIN;
+        let mut before = now.checked_sub(within)?;
+        let heard = self.heard.read().unwrap_or_else(PoisonError::into_inner);
+        let newest = heard.iter().flatten().map(Heard::at).max()?;
+        let fresh = heard.iter().flatten().filter(|heard| newest.saturating_duration_since(heard.at()) < STALE_AFTER);
+        for heard in fresh.filter(|heard| heard.splits_budgets()) {
+            if let Heard::Split { read_since, .. } = heard {
+                before = before.min(read_since.and_then(|read| read.checked_sub(within))?);
+            }
+        }
+        Some(before)
     }
 
     /// A request of `key_id` refused for want of this data plane's part of
@@ -189,10 +215,20 @@ impl Allowances {
     /// Takes the answer of controller `from` (its place in the data
     /// plane's list): what it gives replaces all it gave before. `None`: it
     /// splits no limits.
-    pub fn take(&self, from: usize, answer: Option<v1::Allowances>, now: Instant) {
+    /// `asked`: when the report it answers was sent.
+    pub fn take(&self, from: usize, answer: Option<v1::Allowances>, asked: Instant, now: Instant) {
+        let mut all = self.heard.write().unwrap_or_else(PoisonError::into_inner);
+        if all.len() <= from {
+            all.resize_with(from + 1, || None);
+        }
         let heard = match answer {
             None => Heard::Unsplit { at: now },
             Some(answer) => {
+                let read_since = match (&all[from], answer.kept) {
+                    (_, false) => Some(asked),
+                    (Some(Heard::Split { read_since, .. }), true) => *read_since,
+                    (_, true) => None,
+                };
                 let keys = answer
                     .keys
                     .iter()
@@ -206,13 +242,9 @@ impl Allowances {
                         (key.key_id.clone(), part)
                     })
                     .collect();
-                Heard::Split { at: now, answer, keys }
+                Heard::Split { at: now, answer, keys, read_since }
             }
         };
-        let mut all = self.heard.write().unwrap_or_else(PoisonError::into_inner);
-        if all.len() <= from {
-            all.resize_with(from + 1, || None);
-        }
         all[from] = Some(heard);
     }
 
@@ -273,15 +305,21 @@ impl Allowances {
         of: impl Fn(&Part) -> T,
         unlisted: impl Fn(&v1::Allowances) -> T,
     ) -> T {
+        self.fold(limit, |heard| heard.part(&grant.key_id, limit, &of, &unlisted))
+    }
+
+    /// The least of `each` over the controllers heard lately, and `limit`:
+    /// the controllers' parts are of the limits they read, and a key's
+    /// record changed since is held to its new limit. Nothing before any
+    /// controller answered.
+    fn fold<T: Ord + Copy + Default>(&self, limit: T, each: impl Fn(&Heard) -> T) -> T {
         let heard = self.heard.read().unwrap_or_else(PoisonError::into_inner);
         let Some(newest) = heard.iter().flatten().map(Heard::at).max() else { return T::default() };
-        // The controllers' parts are of the limits they read; a key's record
-        // changed since is held to its new limit.
         heard
             .iter()
             .flatten()
             .filter(|heard| newest.saturating_duration_since(heard.at()) < STALE_AFTER)
-            .map(|heard| heard.part(&grant.key_id, limit, &of, &unlisted))
+            .map(each)
             .fold(limit, T::min)
     }
 
@@ -312,7 +350,7 @@ mod tests {
         let (limited, other) = (key("k", 60, 4), key("other", 10, 0));
         assert_eq!((allowances.requests_per_minute(&limited), allowances.max_concurrent(&limited)), (0, Some(0)));
         assert!(allowances.settling(), "no controller answered yet");
-        allowances.take(0, split(4, 3, 45, 3), Instant::now());
+        allowances.take(0, split(4, 3, 45, 3), Instant::now(), Instant::now());
         assert!(!allowances.settling());
         assert_eq!((allowances.requests_per_minute(&limited), allowances.max_concurrent(&limited)), (45, Some(3)));
         assert_eq!((allowances.requests_per_minute(&other), allowances.max_concurrent(&other)), (2, None));
@@ -328,12 +366,12 @@ mod tests {
         let allowances = Allowances::default();
         let mut settling = split(4, 0, 45, 3);
         settling.as_mut().unwrap().settling = true;
-        allowances.take(0, settling, Instant::now());
+        allowances.take(0, settling, Instant::now(), Instant::now());
         assert_eq!(allowances.requests_per_minute(&key("k", 60, 0)), 45);
         assert_eq!(allowances.requests_per_minute(&key("even", 60, 0)), 0);
         assert!(allowances.settling());
         let unsplit = Allowances::default();
-        unsplit.take(0, None, Instant::now());
+        unsplit.take(0, None, Instant::now(), Instant::now());
         assert_eq!(unsplit.requests_per_minute(&key("k", 60, 0)), 60);
     }
 
@@ -341,15 +379,15 @@ mod tests {
     fn the_least_part_any_controller_gives_counts_until_it_goes_stale() {
         let (allowances, limited, now) = (Allowances::default(), key("k", 60, 4), Instant::now());
         allowances.expect(3);
-        allowances.take(0, split(4, 0, 45, 3), now);
+        allowances.take(0, split(4, 0, 45, 3), now, now);
         assert!(allowances.settling(), "two controllers still to answer");
         // A controller that counts five data planes.
-        allowances.take(2, split(5, 1, 50, 1), now);
+        allowances.take(2, split(5, 1, 50, 1), now, now);
         assert_eq!((allowances.requests_per_minute(&limited), allowances.max_concurrent(&limited)), (45, Some(1)));
         assert_eq!(allowances.requests_per_minute(&key("even", 60, 0)), 12, "a fifth of 60 is less than a quarter");
         assert_eq!(allowances.dataplanes(), 5);
         // The second controller not heard for a while: the first's parts.
-        allowances.take(0, split(4, 0, 40, 2), now + STALE_AFTER);
+        allowances.take(0, split(4, 0, 40, 2), now + STALE_AFTER, now + STALE_AFTER);
         assert_eq!((allowances.requests_per_minute(&limited), allowances.max_concurrent(&limited)), (40, Some(2)));
         assert_eq!(allowances.dataplanes(), 4);
     }
@@ -358,21 +396,50 @@ mod tests {
     fn a_budget_s_part_is_the_least_listed_and_an_unlisted_one_the_even_part_of_a_budget_nobody_spent_of() {
         let (allowances, now) = (Allowances::default(), Instant::now());
         let budgeted = ApiKey { key_id: "k".into(), tokens_per_day: 1_000, ..ApiKey::default() };
-        let part = |tokens, overdraft| Some(crate::usage::BudgetPart { tokens, overdraft });
+        let part = |tokens, overdraft| crate::usage::BudgetPart { tokens, overdraft };
         assert_eq!(allowances.budget(&budgeted, false), part(0, false), "nothing before an answer");
-        assert_eq!(allowances.budget(&ApiKey::default(), false), None, "no budget");
         allowances.expect(2);
         let listed = v1::KeyAllowance { key_id: "k".into(), tokens: 300, overdraft: 1, ..Default::default() };
-        allowances.take(0, Some(v1::Allowances { dataplanes: 4, keys: vec![listed], ..Default::default() }), now);
-        allowances.take(1, Some(v1::Allowances { dataplanes: 4, place: 2, ..Default::default() }), now);
+        let splits = |answer| Some(v1::Allowances { dataplanes: 4, budgets: true, ..answer });
+        allowances.take(0, splits(v1::Allowances { keys: vec![listed], ..Default::default() }), now, now);
+        allowances.take(1, splits(v1::Allowances { place: 2, ..Default::default() }), now, now);
         assert_eq!(
             allowances.budget(&budgeted, false),
             part(250, false),
             "a quarter of 1,000; the overdraft at place 0"
         );
         assert_eq!(allowances.budget(&budgeted, true), part(0, false), "spent of today: not listed is none");
-        allowances.take(1, None, now);
+        allowances.take(1, None, now, now);
         assert_eq!(allowances.budget(&budgeted, true), part(300, true), "a controller that splits no budgets");
+        let lowered = ApiKey { tokens_per_day: 200, ..budgeted.clone() };
+        assert_eq!(allowances.budget(&lowered, true), part(200, true), "a budget lowered since the split holds");
+        // A controller from before budgets were split limits none.
+        let old = Allowances::default();
+        let listed = v1::KeyAllowance { key_id: "k".into(), requests_per_minute: 3, ..Default::default() };
+        old.take(0, Some(v1::Allowances { dataplanes: 4, keys: vec![listed], ..Default::default() }), now, now);
+        assert_eq!(old.budget(&budgeted, true), part(1_000, true));
+    }
+
+    #[test]
+    fn acknowledged_tokens_are_forgotten_once_every_controller_split_after_the_roll_up_could_show_them() {
+        let (allowances, start) = (Allowances::default(), Instant::now());
+        let within = crate::usage::ROLLED_UP_WITHIN;
+        let at = |seconds| start + Duration::from_secs(seconds);
+        let budgets = |kept| Some(v1::Allowances { dataplanes: 1, budgets: true, kept, ..Default::default() });
+        assert_eq!(allowances.rolled_up_before(at(20)), None, "no controller answered");
+        allowances.take(0, budgets(false), at(10), at(10));
+        assert_eq!(allowances.rolled_up_before(at(20)), Some(at(10) - within));
+        allowances.take(1, budgets(false), at(12), at(12));
+        assert_eq!(allowances.rolled_up_before(at(20)), Some(at(10) - within));
+        // A starting controller gives back what was held: it read nothing.
+        allowances.take(0, budgets(true), at(15), at(15));
+        assert_eq!(allowances.rolled_up_before(at(20)), Some(at(10) - within));
+        allowances.take(0, budgets(false), at(16), at(16));
+        assert_eq!(allowances.rolled_up_before(at(20)), Some(at(12) - within));
+        assert_eq!(allowances.rolled_up_before(at(11)), Some(at(11) - within), "never sooner than the roll-up");
+        // A controller that splits no budgets holds nothing back.
+        allowances.take(1, None, at(17), at(17));
+        assert_eq!(allowances.rolled_up_before(at(30)), Some(at(16) - within));
     }
 
     #[test]

@@ -99,7 +99,9 @@ impl Reporter {
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         // One report at a time to each controller; one slow to answer
         // misses rounds, the others do not wait for it.
-        let mut sending: std::collections::HashMap<tokio::task::Id, usize> = std::collections::HashMap::new();
+        // Each report's controller, and when it went out.
+        let mut sending: std::collections::HashMap<tokio::task::Id, (usize, std::time::Instant)> =
+            std::collections::HashMap::new();
         let mut sends: tokio::task::JoinSet<Result<Result<ReportAck, tonic::Status>, _>> = tokio::task::JoinSet::new();
         loop {
             tokio::select! {
@@ -110,10 +112,10 @@ impl Reporter {
                         Ok((id, answer)) => (id, Some(answer)),
                         Err(error) => (error.id(), None),
                     };
-                    let Some(from) = sending.remove(&id) else { continue };
+                    let Some((from, asked)) = sending.remove(&id) else { continue };
                     match answer {
                         Some(Ok(Ok(answer))) => {
-                            self.allowances.take(from, answer.allowances, std::time::Instant::now());
+                            self.allowances.take(from, answer.allowances, asked, std::time::Instant::now());
                         }
                         Some(Ok(Err(status))) => tracing::debug!(code = ?status.code(), from, "report refused"),
                         Some(Err(_)) => tracing::debug!(from, "report timed out"),
@@ -129,7 +131,7 @@ impl Reporter {
             sequence += 1;
             let report = DataPlaneReport { instance, sequence, ..self.report() };
             for (from, client) in clients.iter().enumerate() {
-                if sending.values().any(|busy| *busy == from) {
+                if sending.values().any(|(busy, _)| *busy == from) {
                     continue;
                 }
                 let mut client = client.clone();
@@ -139,7 +141,7 @@ impl Reporter {
                         .await
                         .map(|answer| answer.map(tonic::Response::into_inner))
                 });
-                sending.insert(task.id(), from);
+                sending.insert(task.id(), (from, std::time::Instant::now()));
             }
         }
     }
@@ -178,7 +180,7 @@ impl Reporter {
     fn budgets_held(&self) -> Vec<crate::allowance::Holding> {
         let Some(snapshot) = self.snapshots.current() else { return Vec::new() };
         let budgeted = |key_id: &str| snapshot.api_key(key_id).is_some_and(|key| key.tokens_per_day > 0);
-        self.ledger.holdings(budgeted, std::time::Instant::now())
+        self.ledger.holdings(budgeted, self.allowances.rolled_up_before(std::time::Instant::now()))
     }
 }
 

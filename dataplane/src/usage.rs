@@ -86,11 +86,6 @@ pub struct BudgetPart {
     pub overdraft: bool,
 }
 
-impl BudgetPart {
-    /// The part of a budget nobody splits: all of it.
-    pub const WHOLE: BudgetPart = BudgetPart { tokens: u64::MAX, overdraft: true };
-}
-
 /// What one request holds of its key's budget, given back when it is
 /// recorded.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -100,19 +95,26 @@ pub struct Hold {
     pub overdrawn: bool,
 }
 
-/// Tokens a controller acknowledged stay counted this long: the ledger's
-/// leader rolls acknowledged batches up every 250 ms, and the roll-up
-/// reaches data planes with the next snapshot. Counted twice meanwhile,
-/// never not at all while the leader keeps up.
-const ACKNOWLEDGED_COUNTED_FOR: Duration = Duration::from_secs(2);
+/// How soon after a controller acknowledged usage the fleet's roll-up
+/// shows it, to every controller and data plane: the ledger's leader rolls
+/// acknowledged batches up every 250 ms. Tokens acknowledged stay counted
+/// here until every controller splitting budgets has split them since
+/// ([`crate::allowance::Allowances::rolled_up_before`]): counted twice
+/// meanwhile, and never not at all while the leader keeps up.
+pub const ROLLED_UP_WITHIN: Duration = Duration::from_secs(2);
+/// Acknowledgements a key keeps apart at most; past them, the newest
+/// takes in more (and is forgotten no sooner).
+const MAX_ACKNOWLEDGED: usize = 64;
 
 /// A key's tokens the roll-up does not show yet.
 #[derive(Debug, Default)]
 struct Tally {
     /// Recorded, and not yet acknowledged by a controller.
     unacknowledged: u64,
-    /// Acknowledged lately, with when: the roll-up may not show them yet.
+    /// Acknowledged lately, with when, and their sum: the roll-up may not
+    /// show them yet.
     acknowledged: VecDeque<(Instant, u64)>,
+    acknowledged_tokens: u64,
     /// Held for requests in flight, each until its record is made.
     held: u64,
     /// A request admitted with this data plane's overdraft is in flight.
@@ -120,16 +122,25 @@ struct Tally {
 }
 
 impl Tally {
-    /// Recorded and not yet shown by the roll-up, as far as can be told.
-    fn unrolled(&mut self, now: Instant) -> u64 {
-        while self
-            .acknowledged
-            .front()
-            .is_some_and(|(at, _)| now.saturating_duration_since(*at) >= ACKNOWLEDGED_COUNTED_FOR)
+    /// Recorded and not yet shown by the roll-up, as far as can be told:
+    /// what was acknowledged before `rolled_up_before` is.
+    fn unrolled(&mut self, rolled_up_before: Option<Instant>) -> u64 {
+        while let Some(&(at, tokens)) = self.acknowledged.front()
+            && rolled_up_before.is_some_and(|before| at < before)
         {
             self.acknowledged.pop_front();
+            self.acknowledged_tokens = self.acknowledged_tokens.saturating_sub(tokens);
         }
-        self.acknowledged.iter().fold(self.unacknowledged, |sum, (_, tokens)| sum.saturating_add(*tokens))
+        self.unacknowledged.saturating_add(self.acknowledged_tokens)
+    }
+
+    fn acknowledged(&mut self, tokens: u64, now: Instant) {
+        self.acknowledged_tokens = self.acknowledged_tokens.saturating_add(tokens);
+        let full = self.acknowledged.len() >= MAX_ACKNOWLEDGED;
+        match self.acknowledged.back_mut() {
+            Some(newest) if full => *newest = (now, newest.1.saturating_add(tokens)),
+            _ => self.acknowledged.push_back((now, tokens)),
+        }
     }
 
     fn idle(&self) -> bool {
@@ -167,11 +178,11 @@ impl Ledger {
         (budget, today): (u64, u64),
         tokens: u64,
         part: BudgetPart,
-        now: Instant,
+        rolled_up_before: Option<Instant>,
     ) -> Result<Hold, Unheld> {
         let mut tallies = self.tallies.lock().unwrap_or_else(PoisonError::into_inner);
         let tally = value_for(&mut tallies, key_id, Tally::default);
-        let unrolled = tally.unrolled(now);
+        let unrolled = tally.unrolled(rolled_up_before);
         let (used, holds) = (today.saturating_add(unrolled), unrolled.saturating_add(tally.held));
         let fits = holds.saturating_add(tokens) <= part.tokens;
         // Past the part by one request, and only from within it: what an
@@ -195,14 +206,18 @@ impl Ledger {
 
     /// What each of `keys` holds of its budget here, for the report; keys
     /// holding nothing are left out.
-    pub fn holdings(&self, keys: impl Fn(&str) -> bool, now: Instant) -> Vec<crate::allowance::Holding> {
+    pub fn holdings(
+        &self,
+        keys: impl Fn(&str) -> bool,
+        rolled_up_before: Option<Instant>,
+    ) -> Vec<crate::allowance::Holding> {
         let mut tallies = self.tallies.lock().unwrap_or_else(PoisonError::into_inner);
         tallies
             .iter_mut()
             .filter(|(key_id, _)| keys(key_id))
             .map(|(key_id, tally)| crate::allowance::Holding {
                 key_id: key_id.clone(),
-                tokens: tally.unrolled(now).saturating_add(tally.held),
+                tokens: tally.unrolled(rolled_up_before).saturating_add(tally.held),
                 overdrawn: tally.overdrawn,
             })
             .filter(|holding| holding.tokens > 0 || holding.overdrawn)
@@ -344,14 +359,11 @@ impl Ledger {
                 let tokens = (usage.prompt_tokens + usage.completion_tokens).min(tally.unacknowledged);
                 tally.unacknowledged -= tokens;
                 if tokens > 0 {
-                    tally.acknowledged.push_back((now, tokens));
+                    tally.acknowledged(tokens, now);
                 }
             }
         }
-        tallies.retain(|_, tally| {
-            tally.unrolled(now);
-            !tally.idle()
-        });
+        tallies.retain(|_, tally| !tally.idle());
     }
 }
 
@@ -958,12 +970,15 @@ mod tests {
         assert!(summing.next_batch(usize::MAX).is_none());
     }
 
+    /// The part of a budget nobody splits.
+    const WHOLE: BudgetPart = BudgetPart { tokens: u64::MAX, overdraft: true };
+
     #[test]
     fn a_budget_admits_while_any_is_left_and_holds_each_request_s_tokens_until_recorded() {
-        let (ledger, now) = (Ledger::new("dp", false), Instant::now());
+        let ledger = Ledger::new("dp", false);
         // 1,000 a day, 100 used by the roll-up: requests of 300 each, all of
         // what is left this data plane's.
-        let hold = || ledger.hold("k", (1_000, 100), 300, BudgetPart::WHOLE, now);
+        let hold = || ledger.hold("k", (1_000, 100), 300, WHOLE, None);
         let admitted = (0..10).filter(|_| hold().is_ok()).count();
         assert_eq!(admitted, 3, "100 + 3 × 300 leaves none for a fourth");
         assert_eq!(hold(), Err(Unheld::Spent(Spent { used: 100, held: 900 })));
@@ -971,14 +986,14 @@ mod tests {
         ledger.record(record("k", "m", 50), Hold { tokens: 300, overdrawn: false });
         assert_eq!(ledger.unacknowledged_tokens("k"), 50);
         assert!(hold().is_ok());
-        assert!(ledger.hold("other", (1_000, 0), 300, BudgetPart::WHOLE, now).is_ok(), "each key its own");
+        assert!(ledger.hold("other", (1_000, 0), 300, WHOLE, None).is_ok(), "each key its own");
     }
 
     #[test]
     fn a_part_of_a_budget_admits_what_fits_and_one_request_past_it_with_the_overdraft() {
         let (ledger, now) = (Ledger::new("dp", false), Instant::now());
         let part = |tokens, overdraft| BudgetPart { tokens, overdraft };
-        let hold = |part| ledger.hold("k", (1_000, 100), 300, part, now);
+        let hold = |part| ledger.hold("k", (1_000, 100), 300, part, Some(now));
         // A part of 700: two fit, the third would pass it.
         assert_eq!(hold(part(700, false)), Ok(Hold { tokens: 300, overdrawn: false }));
         assert_eq!(hold(part(700, false)), Ok(Hold { tokens: 300, overdrawn: false }));
@@ -987,7 +1002,7 @@ mod tests {
         assert_eq!(hold(part(700, true)), Ok(Hold { tokens: 300, overdrawn: true }));
         assert!(matches!(hold(part(700, true)), Err(Unheld::Spent(_))), "100 + 900 held: nothing is left");
         ledger.record(record("k", "m", 40), Hold { tokens: 300, overdrawn: true });
-        let holdings = ledger.holdings(|_| true, now);
+        let holdings = ledger.holdings(|_| true, Some(now));
         assert_eq!(holdings, vec![crate::allowance::Holding { key_id: "k".into(), tokens: 640, overdrawn: false }]);
         // What ended counts against the part until the roll-up shows it.
         assert_eq!(hold(part(700, false)), Err(Unheld::PartHeld { part: 700, holds: 640, tokens: 300 }));
@@ -1005,12 +1020,22 @@ mod tests {
         ledger.record(record("k", "m", 30), Hold::default());
         let batch = ledger.next_batch(usize::MAX).unwrap();
         ledger.acknowledged(&batch, now);
-        let held = |at| ledger.holdings(|_| true, at).first().map_or(0, |holding| holding.tokens);
-        assert_eq!((ledger.unacknowledged_tokens("k"), held(now)), (0, 30), "acknowledged, maybe not rolled up");
+        let held = |before| ledger.holdings(|_| true, before).first().map_or(0, |holding| holding.tokens);
+        assert_eq!((ledger.unacknowledged_tokens("k"), held(None)), (0, 30), "acknowledged, maybe not rolled up");
+        assert_eq!(held(Some(now)), 30, "rolled up before it was acknowledged: not it");
         let part = BudgetPart { tokens: 990, overdraft: false };
-        let refused = ledger.hold("k", (1_000, 0), 980, part, now);
+        let refused = ledger.hold("k", (1_000, 0), 980, part, Some(now));
         assert_eq!(refused, Err(Unheld::PartHeld { part: 990, holds: 30, tokens: 980 }), "counted until rolled up");
-        assert_eq!(held(now + ACKNOWLEDGED_COUNTED_FOR), 0);
+        assert_eq!(held(Some(now + Duration::from_millis(1))), 0);
+        // Many acknowledgements: the newest takes in those past the bound.
+        for i in 0..100 {
+            ledger.record(record("k", "m", 1), Hold::default());
+            let batch = ledger.next_batch(usize::MAX).unwrap();
+            ledger.acknowledged(&batch, now + Duration::from_secs(i));
+        }
+        let tally_len = ledger.tallies.lock().unwrap()["k"].acknowledged.len();
+        assert_eq!((tally_len, held(None)), (MAX_ACKNOWLEDGED, 100));
+        assert_eq!(held(Some(now + Duration::from_secs(98))), 37, "the newest holds the last 37, from the 64th on");
     }
 
     #[test]

@@ -248,9 +248,10 @@ impl<'s> Exchange<'s> {
         {
             let tokens = (body_len as u64).saturating_add(limit);
             let today = snapshot.tokens_today(&grant.key_id);
-            let part = state.allowances.budget(grant, today > 0).unwrap_or(crate::usage::BudgetPart::WHOLE);
+            let part = state.allowances.budget(grant, today > 0);
             let budget = (grant.tokens_per_day, today);
-            match state.ledger.hold(&grant.key_id, budget, tokens, part, std::time::Instant::now()) {
+            let rolled_up_before = state.allowances.rolled_up_before(std::time::Instant::now());
+            match state.ledger.hold(&grant.key_id, budget, tokens, part, rolled_up_before) {
                 Ok(hold) => held = hold,
                 Err(unheld) => {
                     if let crate::usage::Unheld::PartHeld { tokens, .. } = unheld {
