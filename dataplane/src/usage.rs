@@ -300,7 +300,7 @@ impl Ledger {
     /// The queue's lock is held only to move records out (and, rarely, to
     /// put back those past the roll-up limit): requests finishing meanwhile
     /// must not wait for a batch to be summed.
-    fn next_batch(&self, at_most: usize) -> Option<UsageBatch> {
+    pub fn next_batch(&self, at_most: usize) -> Option<UsageBatch> {
         if !self.keep_records {
             let deltas = self.take_sums();
             return (!deltas.is_empty()).then(|| self.batch(Vec::new(), deltas));
@@ -351,7 +351,10 @@ impl Ledger {
         UsageBatch { batch_id, dataplane_id: self.dataplane_id.clone(), records, deltas }
     }
 
-    fn acknowledged(&self, batch: &UsageBatch, now: Instant) {
+    /// A controller acknowledged `batch` at `now`: it is the ledger's, and
+    /// its tokens leave this data plane's count once the roll-up can show
+    /// them.
+    pub fn acknowledged(&self, batch: &UsageBatch, now: Instant) {
         let mut tallies = self.tallies.lock().unwrap_or_else(PoisonError::into_inner);
         for delta in batch.deltas.iter().filter(|d| !d.key_id.is_empty()) {
             let usage = delta.usage.unwrap_or_default();

@@ -232,3 +232,149 @@ async fn a_key_s_daily_budget_holds_across_four_data_planes() {
     }
     panic!("the budget was never spent: {answered} answered");
 }
+
+/// One data plane of the simulation below: its ledger and parts, and its
+/// requests in flight, each with what it will use and when it ends.
+struct SimPlane {
+    id: String,
+    ledger: std::sync::Arc<inferyes_dataplane::usage::Ledger>,
+    allowances: inferyes_dataplane::allowance::Allowances,
+    sequence: u64,
+    in_flight: Vec<(inferyes_dataplane::usage::Hold, u64, std::time::Instant)>,
+}
+
+#[test]
+fn a_budget_split_among_data_planes_is_overrun_by_one_request_at_most() {
+    // The split whole, without the network: four data planes' ledgers and
+    // parts, one controller's books (started over once), a roll-up that
+    // shows acknowledged usage up to 1.5 s late, answers lost at random,
+    // requests of every size, long ones at once and short ones one after
+    // another. However they fall, the key spends its budget and passes it
+    // by at most one request's tokens.
+    use inferyes_controller::allowances::{Books, Budget, Limits, Report};
+    use inferyes_dataplane::usage::{Ledger, Unheld};
+    const BUDGET: u64 = 20_000;
+    const LARGEST: u64 = 900;
+    let key =
+        inferyes_proto::v1::ApiKey { key_id: "keyaaaaaaaaa".into(), tokens_per_day: BUDGET, ..Default::default() };
+    fastrand::seed(7);
+    let start = std::time::Instant::now();
+    let mut planes: Vec<SimPlane> = (0..DATA_PLANES)
+        .map(|i| SimPlane {
+            id: format!("dp-{i}"),
+            ledger: Ledger::new(&format!("dp-{i}"), false),
+            allowances: Default::default(),
+            sequence: 0,
+            in_flight: Vec::new(),
+        })
+        .collect();
+    for plane in &planes {
+        plane.allowances.expect(1);
+    }
+    let mut books = Books::default();
+    // What the roll-up shows, and what it will show when.
+    let (mut rolled_up, mut rolling): (u64, Vec<(std::time::Instant, u64)>) = (0, Vec::new());
+    let (mut used, mut largest_use, mut admitted, mut refused_for_parts) = (0u64, 0u64, 0u32, 0u32);
+    for step in 0..6_000u64 {
+        let now = start + Duration::from_millis(50 * step);
+        if step == 2_000 {
+            books = Books::default();
+        }
+        rolling.retain(|&(at, tokens)| {
+            let due = at <= now;
+            rolled_up += if due { tokens } else { 0 };
+            !due
+        });
+        let limits = |key_id: &str| {
+            (key_id == key.key_id).then_some(Limits {
+                tokens: Some(Budget { per_day: BUDGET, left: BUDGET.saturating_sub(rolled_up) }),
+                ..Limits::default()
+            })
+        };
+        for (i, plane) in planes.iter_mut().enumerate() {
+            // Requests that end give back their holds, with what they used.
+            let (ended, running): (Vec<_>, Vec<_>) = plane.in_flight.drain(..).partition(|(_, _, end)| *end <= now);
+            plane.in_flight = running;
+            for (hold, uses, _) in ended {
+                let record = inferyes_proto::v1::UsageRecord {
+                    key_id: key.key_id.clone(),
+                    model: "chat".into(),
+                    unix_ms: inferyes_proto::unix_ms(),
+                    prompt_tokens: uses,
+                    ..Default::default()
+                };
+                plane.ledger.record(record, hold);
+                used += uses;
+            }
+            // Usage goes out every 300 ms and is acknowledged at once; the
+            // roll-up shows it up to 1.5 s later.
+            if (step + i as u64).is_multiple_of(6)
+                && let Some(batch) = plane.ledger.next_batch(usize::MAX)
+            {
+                plane.ledger.acknowledged(&batch, now);
+                let tokens = batch.deltas.iter().filter_map(|d| d.usage).map(|u| u.prompt_tokens).sum();
+                rolling.push((now + Duration::from_millis(fastrand::u64(0..1_500)), tokens));
+            }
+            // A report a second, each data plane in turn.
+            if (step + 5 * i as u64).is_multiple_of(20) {
+                let rolled_up_before = plane.allowances.rolled_up_before(now);
+                let holdings = plane.ledger.holdings(|_| true, rolled_up_before);
+                let demand = plane.allowances.demand(&[], &holdings);
+                plane.sequence += 1;
+                let held = plane.allowances.held(0);
+                let report = Report {
+                    dataplane: &plane.id,
+                    instance: 1,
+                    sequence: plane.sequence,
+                    demand: &demand,
+                    held: held.as_ref(),
+                };
+                let answer = match books.report(&report, limits, now) {
+                    Ok(()) => books.allowances(&plane.id, limits, (rolled_up > 0).then_some(key.key_id.as_str()), now),
+                    Err(_) => Some(inferyes_controller::allowances::nothing()),
+                };
+                // One answer in eight is lost.
+                if fastrand::u8(..8) > 0 {
+                    plane.allowances.take(0, answer, now, now);
+                }
+            }
+            // Requests of every size: short ones one after another on the
+            // first data plane (which holds the overdraft while no other
+            // asks for it more), long ones at once on the others.
+            let (serial, asks) = (i == 0, fastrand::usize(0..3));
+            for _ in 0..if serial { usize::from(plane.in_flight.is_empty()) } else { asks } {
+                let tokens = fastrand::u64(50..=LARGEST);
+                let part = plane.allowances.budget(&key, rolled_up > 0);
+                let before = plane.allowances.rolled_up_before(now);
+                match plane.ledger.hold(&key.key_id, (BUDGET, rolled_up), tokens, part, before) {
+                    Ok(hold) => {
+                        admitted += 1;
+                        let lasts = Duration::from_millis(if serial { 100 } else { fastrand::u64(2_000..8_000) });
+                        // What it uses: far less than it may (its output
+                        // limit is an upper bound).
+                        let uses = fastrand::u64(tokens / 10..=tokens / 4);
+                        largest_use = largest_use.max(uses);
+                        plane.in_flight.push((hold, uses, now + lasts));
+                    }
+                    Err(Unheld::PartHeld { tokens, .. }) => {
+                        refused_for_parts += 1;
+                        plane.allowances.refused_tokens(&key.key_id, tokens);
+                    }
+                    Err(Unheld::Spent(_)) => {}
+                }
+            }
+        }
+        let in_flight: u64 = planes.iter().map(|plane| will_use(&plane.in_flight)).sum();
+        assert!(
+            used + in_flight <= BUDGET + largest_use,
+            "step {step}: {used} used and {in_flight} in flight of a budget of {BUDGET}, each using up to {largest_use}"
+        );
+    }
+    assert!(used + largest_use > BUDGET, "the budget is spent: {used} of {BUDGET}");
+    assert!(admitted > 40 && refused_for_parts > 0, "{admitted} admitted, {refused_for_parts} refused for parts");
+}
+
+/// What requests in flight will use.
+fn will_use(in_flight: &[(inferyes_dataplane::usage::Hold, u64, std::time::Instant)]) -> u64 {
+    in_flight.iter().map(|(_, uses, _)| uses).sum()
+}
