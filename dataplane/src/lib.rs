@@ -130,8 +130,9 @@ pub async fn run(
         allowances: Arc::default(),
     };
     // Cancelled once no request can record usage any more: the ledger then
-    // flushes what is left and ends, and reports end.
+    // flushes what is left and ends; reports end once it has.
     let drained = CancellationToken::new();
+    let flushed = CancellationToken::new();
     let reporter = AbortOnDropHandle::new(tokio::spawn(
         report::Reporter {
             log: Arc::clone(&state.decisions),
@@ -143,7 +144,7 @@ pub async fn run(
             ledger: Arc::clone(&state.ledger),
             controllers: controllers.clone(),
             dataplane_id: config.dataplane_id.clone(),
-            drained: drained.clone(),
+            done: flushed.clone(),
         }
         .run()
         .instrument(tracing::info_span!("report")),
@@ -207,6 +208,7 @@ pub async fn run(
     shutdown.cancel();
     drained.cancel();
     let _ = ledger.await;
+    flushed.cancel();
     let _ = subscription.await;
     let _ = reporter.await;
     admin.abort();

@@ -67,10 +67,11 @@ pub struct Reporter {
     pub ledger: Arc<crate::usage::Ledger>,
     pub controllers: crate::Controllers,
     pub dataplane_id: String,
-    /// Cancelled once no request runs any more: until then, what requests
-    /// hold of the keys' limits must be reported, or the controllers give
-    /// it to the other data planes.
-    pub drained: CancellationToken,
+    /// Cancelled once no request runs any more and the usage of the last
+    /// has been sent: until then, what requests hold of the keys' limits,
+    /// and what they used until the roll-up shows it, must be reported, or
+    /// the controllers give it to the other data planes.
+    pub done: CancellationToken,
 }
 
 impl Reporter {
@@ -105,7 +106,7 @@ impl Reporter {
         let mut sends: tokio::task::JoinSet<Result<Result<ReportAck, tonic::Status>, _>> = tokio::task::JoinSet::new();
         loop {
             tokio::select! {
-                () = self.drained.cancelled() => return,
+                () = self.done.cancelled() => return,
                 _ = ticker.tick() => {}
                 Some(sent) = sends.join_next_with_id() => {
                     let (id, answer) = match sent {
