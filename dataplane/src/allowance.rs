@@ -144,10 +144,13 @@ impl Allowances {
         crate::usage::BudgetPart { tokens, overdraft: overdraft >= 1 }
     }
 
-    /// Tokens a controller acknowledged before this are in what every
-    /// controller that splits budgets split last: forgotten, as far as
+    /// Tokens a controller acknowledged before this are in the roll-up that
+    /// the last split (not a kept answer) of every controller heard lately
+    /// that splits budgets read: forgotten, as far as
     /// [`crate::usage::ROLLED_UP_WITHIN`] holds. `None`: forget none yet.
-    pub fn rolled_up_before(&self, now: Instant) -> Option<Instant> {
+    /// Read before the part it is held against: a split taken in between
+    /// only moves it later.
+    pub fn forget_acknowledged_before(&self, now: Instant) -> Option<Instant> {
         let within = crate::usage::ROLLED_UP_WITHIN;
         let mut before = now.checked_sub(within)?;
         let heard = self.heard.read().unwrap_or_else(PoisonError::into_inner);
@@ -217,33 +220,30 @@ impl Allowances {
     /// splits no limits.
     /// `asked`: when the report it answers was sent.
     pub fn take(&self, from: usize, answer: Option<v1::Allowances>, asked: Instant, now: Instant) {
+        // Built before the lock every request reads is taken.
+        let keys: Option<FastMap<String, Part>> = answer.as_ref().map(|answer| {
+            let part = |key: &v1::KeyAllowance| Part {
+                requests_per_minute: key.requests_per_minute,
+                max_concurrent: key.max_concurrent,
+                tokens: key.tokens,
+                overdraft: key.overdraft,
+            };
+            answer.keys.iter().map(|key| (key.key_id.clone(), part(key))).collect()
+        });
         let mut all = self.heard.write().unwrap_or_else(PoisonError::into_inner);
         if all.len() <= from {
             all.resize_with(from + 1, || None);
         }
-        let heard = match answer {
-            None => Heard::Unsplit { at: now },
-            Some(answer) => {
+        let heard = match (answer, keys) {
+            (Some(answer), Some(keys)) => {
                 let read_since = match (&all[from], answer.kept) {
                     (_, false) => Some(asked),
                     (Some(Heard::Split { read_since, .. }), true) => *read_since,
                     (_, true) => None,
                 };
-                let keys = answer
-                    .keys
-                    .iter()
-                    .map(|key| {
-                        let part = Part {
-                            requests_per_minute: key.requests_per_minute,
-                            max_concurrent: key.max_concurrent,
-                            tokens: key.tokens,
-                            overdraft: key.overdraft,
-                        };
-                        (key.key_id.clone(), part)
-                    })
-                    .collect();
                 Heard::Split { at: now, answer, keys, read_since }
             }
+            _ => Heard::Unsplit { at: now },
         };
         all[from] = Some(heard);
     }
@@ -426,20 +426,24 @@ mod tests {
         let within = crate::usage::ROLLED_UP_WITHIN;
         let at = |seconds| start + Duration::from_secs(seconds);
         let budgets = |kept| Some(v1::Allowances { dataplanes: 1, budgets: true, kept, ..Default::default() });
-        assert_eq!(allowances.rolled_up_before(at(20)), None, "no controller answered");
+        assert_eq!(allowances.forget_acknowledged_before(at(20)), None, "no controller answered");
         allowances.take(0, budgets(false), at(10), at(10));
-        assert_eq!(allowances.rolled_up_before(at(20)), Some(at(10) - within));
+        assert_eq!(allowances.forget_acknowledged_before(at(20)), Some(at(10) - within));
         allowances.take(1, budgets(false), at(12), at(12));
-        assert_eq!(allowances.rolled_up_before(at(20)), Some(at(10) - within));
+        assert_eq!(allowances.forget_acknowledged_before(at(20)), Some(at(10) - within));
         // A starting controller gives back what was held: it read nothing.
         allowances.take(0, budgets(true), at(15), at(15));
-        assert_eq!(allowances.rolled_up_before(at(20)), Some(at(10) - within));
+        assert_eq!(allowances.forget_acknowledged_before(at(20)), Some(at(10) - within));
         allowances.take(0, budgets(false), at(16), at(16));
-        assert_eq!(allowances.rolled_up_before(at(20)), Some(at(12) - within));
-        assert_eq!(allowances.rolled_up_before(at(11)), Some(at(11) - within), "never sooner than the roll-up");
+        assert_eq!(allowances.forget_acknowledged_before(at(20)), Some(at(12) - within));
+        assert_eq!(
+            allowances.forget_acknowledged_before(at(11)),
+            Some(at(11) - within),
+            "never sooner than the roll-up"
+        );
         // A controller that splits no budgets holds nothing back.
         allowances.take(1, None, at(17), at(17));
-        assert_eq!(allowances.rolled_up_before(at(30)), Some(at(16) - within));
+        assert_eq!(allowances.forget_acknowledged_before(at(30)), Some(at(16) - within));
     }
 
     #[test]

@@ -181,7 +181,7 @@ impl Reporter {
     fn budgets_held(&self) -> Vec<crate::allowance::Holding> {
         let Some(snapshot) = self.snapshots.current() else { return Vec::new() };
         let budgeted = |key_id: &str| snapshot.api_key(key_id).is_some_and(|key| key.tokens_per_day > 0);
-        self.ledger.holdings(budgeted, self.allowances.rolled_up_before(std::time::Instant::now()))
+        self.ledger.holdings(budgeted, self.allowances.forget_acknowledged_before(std::time::Instant::now()))
     }
 }
 

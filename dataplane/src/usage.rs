@@ -99,7 +99,7 @@ pub struct Hold {
 /// shows it, to every controller and data plane: the ledger's leader rolls
 /// acknowledged batches up every 250 ms. Tokens acknowledged stay counted
 /// here until every controller splitting budgets has split them since
-/// ([`crate::allowance::Allowances::rolled_up_before`]): counted twice
+/// ([`crate::allowance::Allowances::forget_acknowledged_before`]): counted twice
 /// meanwhile, and never not at all while the leader keeps up.
 pub const ROLLED_UP_WITHIN: Duration = Duration::from_secs(2);
 /// Acknowledgements a key keeps apart at most; past them, the newest
@@ -123,10 +123,10 @@ struct Tally {
 
 impl Tally {
     /// Recorded and not yet shown by the roll-up, as far as can be told:
-    /// what was acknowledged before `rolled_up_before` is.
-    fn unrolled(&mut self, rolled_up_before: Option<Instant>) -> u64 {
+    /// what was acknowledged before `forget_before` is.
+    fn unrolled(&mut self, forget_before: Option<Instant>) -> u64 {
         while let Some(&(at, tokens)) = self.acknowledged.front()
-            && rolled_up_before.is_some_and(|before| at < before)
+            && forget_before.is_some_and(|before| at < before)
         {
             self.acknowledged.pop_front();
             self.acknowledged_tokens = self.acknowledged_tokens.saturating_sub(tokens);
@@ -178,11 +178,11 @@ impl Ledger {
         (budget, today): (u64, u64),
         tokens: u64,
         part: BudgetPart,
-        rolled_up_before: Option<Instant>,
+        forget_before: Option<Instant>,
     ) -> Result<Hold, Unheld> {
         let mut tallies = self.tallies.lock().unwrap_or_else(PoisonError::into_inner);
         let tally = value_for(&mut tallies, key_id, Tally::default);
-        let unrolled = tally.unrolled(rolled_up_before);
+        let unrolled = tally.unrolled(forget_before);
         let (used, holds) = (today.saturating_add(unrolled), unrolled.saturating_add(tally.held));
         let fits = holds.saturating_add(tokens) <= part.tokens;
         // Past the part by one request, and only from within it: what an
@@ -209,7 +209,7 @@ impl Ledger {
     pub fn holdings(
         &self,
         keys: impl Fn(&str) -> bool,
-        rolled_up_before: Option<Instant>,
+        forget_before: Option<Instant>,
     ) -> Vec<crate::allowance::Holding> {
         let mut tallies = self.tallies.lock().unwrap_or_else(PoisonError::into_inner);
         tallies
@@ -217,7 +217,7 @@ impl Ledger {
             .filter(|(key_id, _)| keys(key_id))
             .map(|(key_id, tally)| crate::allowance::Holding {
                 key_id: key_id.clone(),
-                tokens: tally.unrolled(rolled_up_before).saturating_add(tally.held),
+                tokens: tally.unrolled(forget_before).saturating_add(tally.held),
                 overdrawn: tally.overdrawn,
             })
             .filter(|holding| holding.tokens > 0 || holding.overdrawn)

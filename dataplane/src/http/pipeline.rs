@@ -248,10 +248,10 @@ impl<'s> Exchange<'s> {
         {
             let tokens = (body_len as u64).saturating_add(limit);
             let today = snapshot.tokens_today(&grant.key_id);
+            let forget_before = state.allowances.forget_acknowledged_before(std::time::Instant::now());
             let part = state.allowances.budget(grant, today > 0);
             let budget = (grant.tokens_per_day, today);
-            let rolled_up_before = state.allowances.rolled_up_before(std::time::Instant::now());
-            match state.ledger.hold(&grant.key_id, budget, tokens, part, rolled_up_before) {
+            match state.ledger.hold(&grant.key_id, budget, tokens, part, forget_before) {
                 Ok(hold) => held = hold,
                 Err(unheld) => {
                     if let crate::usage::Unheld::PartHeld { tokens, .. } = unheld {

@@ -317,8 +317,8 @@ fn a_budget_split_among_data_planes_is_overrun_by_one_request_at_most() {
             }
             // A report a second, each data plane in turn.
             if (step + 5 * i as u64).is_multiple_of(20) {
-                let rolled_up_before = plane.allowances.rolled_up_before(now);
-                let holdings = plane.ledger.holdings(|_| true, rolled_up_before);
+                let forget_before = plane.allowances.forget_acknowledged_before(now);
+                let holdings = plane.ledger.holdings(|_| true, forget_before);
                 let demand = plane.allowances.demand(&[], &holdings);
                 plane.sequence += 1;
                 let held = plane.allowances.held(0);
@@ -344,8 +344,8 @@ fn a_budget_split_among_data_planes_is_overrun_by_one_request_at_most() {
             let (serial, asks) = (i == 0, fastrand::usize(0..3));
             for _ in 0..if serial { usize::from(plane.in_flight.is_empty()) } else { asks } {
                 let tokens = fastrand::u64(50..=LARGEST);
+                let before = plane.allowances.forget_acknowledged_before(now);
                 let part = plane.allowances.budget(&key, rolled_up > 0);
-                let before = plane.allowances.rolled_up_before(now);
                 match plane.ledger.hold(&key.key_id, (BUDGET, rolled_up), tokens, part, before) {
                     Ok(hold) => {
                         admitted += 1;
