@@ -93,17 +93,6 @@ struct Asked {
     tokens_refused: u64,
 }
 
-/// What this data plane holds of a key's daily budget, for its report.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Holding {
-    pub key_id: String,
-    /// Held by requests in flight, and used by those that ended and not
-    /// yet in the fleet's roll-up as far as this data plane can tell.
-    pub tokens: u64,
-    /// A request admitted past this data plane's part is in flight.
-    pub overdrawn: bool,
-}
-
 impl Allowances {
     /// This data plane's part of `grant`'s requests per minute, counting
     /// the request that asks; 0 where the key has no such limit.
@@ -181,7 +170,7 @@ impl Allowances {
     /// of the keys that hold any and have a limit of them, and what the
     /// keys with budgets hold of them: the keys that hold anything first,
     /// then the busiest, [`MAX_KEYS`] in all.
-    pub fn demand(&self, in_flight: &[(String, u32)], holdings: &[Holding]) -> Vec<KeyDemand> {
+    pub fn demand(&self, in_flight: &[(String, u32)], holdings: &[crate::usage::Holding]) -> Vec<KeyDemand> {
         let asked = std::mem::take(&mut *self.asked.lock().unwrap_or_else(PoisonError::into_inner));
         let mut demand: FastMap<String, KeyDemand> = asked
             .into_iter()
@@ -205,10 +194,11 @@ impl Allowances {
             (key.tokens_held, key.overdrawn) = (holding.tokens, holding.overdrawn);
         }
         let mut demand: Vec<KeyDemand> = demand.into_values().collect();
-        // What is held is what a split must never give away.
+        // What is held is what a split must never give away, an overdraft
+        // above all.
         let order = |d: &KeyDemand| {
             let holds = d.in_flight > 0 || d.tokens_held > 0;
-            (holds, d.in_flight, u64::from(d.asked) + u64::from(d.refused_in_flight) + d.tokens_refused)
+            (d.overdrawn, holds, d.in_flight, u64::from(d.asked) + u64::from(d.refused_in_flight) + d.tokens_refused)
         };
         demand.sort_unstable_by(|a, b| order(b).cmp(&order(a)).then_with(|| a.key_id.cmp(&b.key_id)));
         demand.truncate(MAX_KEYS);
@@ -447,7 +437,7 @@ mod tests {
     }
 
     #[test]
-    fn demand_holds_requests_in_flight_first_then_the_busiest() {
+    fn demand_holds_an_overdraft_first_then_what_is_held_then_the_busiest() {
         let allowances = Allowances::default();
         for _ in 0..3 {
             allowances.requests_per_minute(&key("busy", 60, 0));
@@ -456,7 +446,7 @@ mod tests {
         allowances.requests_per_minute(&key("unlimited", 0, 0));
         allowances.refused_in_flight("quiet");
         allowances.refused_tokens("budget", 500);
-        let holding = Holding { key_id: "spending".into(), tokens: 40, overdrawn: true };
+        let holding = crate::usage::Holding { key_id: "spending".into(), tokens: 40, overdrawn: true };
         let demand = allowances.demand(&[("holding".into(), 2)], &[holding]);
         let seen: Vec<(&str, u32, u32, u32, u64, u64, bool)> = demand
             .iter()
@@ -475,8 +465,8 @@ mod tests {
         assert_eq!(
             seen,
             vec![
-                ("holding", 0, 2, 0, 0, 0, false),
                 ("spending", 0, 0, 0, 40, 0, true),
+                ("holding", 0, 2, 0, 0, 0, false),
                 ("budget", 0, 0, 0, 0, 500, false),
                 ("busy", 3, 0, 0, 0, 0, false),
                 ("quiet", 1, 0, 1, 0, 0, false)

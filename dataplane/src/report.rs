@@ -178,10 +178,14 @@ impl Reporter {
     }
 
     /// What the keys with daily budgets hold of them here.
-    fn budgets_held(&self) -> Vec<crate::allowance::Holding> {
+    fn budgets_held(&self) -> Vec<crate::usage::Holding> {
         let Some(snapshot) = self.snapshots.current() else { return Vec::new() };
-        let budgeted = |key_id: &str| snapshot.api_key(key_id).is_some_and(|key| key.tokens_per_day > 0);
-        self.ledger.holdings(budgeted, self.allowances.forget_acknowledged_before(std::time::Instant::now()))
+        let forget_before = self.allowances.forget_acknowledged_before(std::time::Instant::now());
+        let part = |key_id: &str| {
+            let key = snapshot.api_key(key_id).filter(|key| key.tokens_per_day > 0)?;
+            Some(self.allowances.budget(key, snapshot.tokens_today(key_id) > 0).tokens)
+        };
+        self.ledger.holdings(part, forget_before)
     }
 }
 

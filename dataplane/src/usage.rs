@@ -78,12 +78,25 @@ pub enum Unheld {
 }
 
 /// This data plane's part of what is left of a key's budget, as the
-/// controllers split it ([`crate::allowance`]).
+/// controllers split it (the data plane's allowances).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BudgetPart {
     pub tokens: u64,
-    /// It may admit one request at a time past its part.
+    /// While it holds less than its part, it may admit one request at a
+    /// time past it.
     pub overdraft: bool,
+}
+
+/// What this data plane holds of a key's daily budget, for its report.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Holding {
+    pub key_id: String,
+    /// Held by requests in flight, and used by those that ended and not
+    /// yet in the fleet's roll-up as far as this data plane can tell.
+    pub tokens: u64,
+    /// A request admitted past this data plane's part is in flight, or
+    /// what one used keeps it past its part: the overdraft is its own.
+    pub overdrawn: bool,
 }
 
 /// What one request holds of its key's budget, given back when it is
@@ -99,7 +112,7 @@ pub struct Hold {
 /// shows it, to every controller and data plane: the ledger's leader rolls
 /// acknowledged batches up every 250 ms. Tokens acknowledged stay counted
 /// here until every controller splitting budgets has split them since
-/// ([`crate::allowance::Allowances::forget_acknowledged_before`]): counted twice
+/// (`Allowances::forget_acknowledged_before`): counted twice
 /// meanwhile, and never not at all while the leader keeps up.
 pub const ROLLED_UP_WITHIN: Duration = Duration::from_secs(2);
 /// Acknowledgements a key keeps apart at most; past them, the newest
@@ -204,24 +217,26 @@ impl Ledger {
         Ok(Hold { tokens, overdrawn: overdraws })
     }
 
-    /// What each of `keys` holds of its budget here, for the report; keys
-    /// holding nothing are left out.
-    pub fn holdings(
-        &self,
-        keys: impl Fn(&str) -> bool,
-        forget_before: Option<Instant>,
-    ) -> Vec<crate::allowance::Holding> {
+    /// What the keys with budgets hold of them here, for the report: by
+    /// `part`, each key's part of its budget, `None` for a key without one.
+    /// A key holding past its part counts as overdrawn until it holds no
+    /// more than it: the overdraft stays its own until what the overdrawn
+    /// request used is rolled up. Keys holding nothing are left out, and
+    /// tallies with nothing left in them dropped.
+    pub fn holdings(&self, part: impl Fn(&str) -> Option<u64>, forget_before: Option<Instant>) -> Vec<Holding> {
         let mut tallies = self.tallies.lock().unwrap_or_else(PoisonError::into_inner);
-        tallies
-            .iter_mut()
-            .filter(|(key_id, _)| keys(key_id))
-            .map(|(key_id, tally)| crate::allowance::Holding {
-                key_id: key_id.clone(),
-                tokens: tally.unrolled(forget_before).saturating_add(tally.held),
-                overdrawn: tally.overdrawn,
-            })
-            .filter(|holding| holding.tokens > 0 || holding.overdrawn)
-            .collect()
+        let mut holdings = Vec::new();
+        tallies.retain(|key_id, tally| {
+            let tokens = tally.unrolled(forget_before).saturating_add(tally.held);
+            if (tokens > 0 || tally.overdrawn)
+                && let Some(part) = part(key_id)
+            {
+                let overdrawn = tally.overdrawn || tokens > part;
+                holdings.push(Holding { key_id: key_id.clone(), tokens, overdrawn });
+            }
+            !tally.idle()
+        });
+        holdings
     }
 
     /// Records a request's usage, giving back what its admission `held`.
@@ -1005,8 +1020,11 @@ mod tests {
         assert_eq!(hold(part(700, true)), Ok(Hold { tokens: 300, overdrawn: true }));
         assert!(matches!(hold(part(700, true)), Err(Unheld::Spent(_))), "100 + 900 held: nothing is left");
         ledger.record(record("k", "m", 40), Hold { tokens: 300, overdrawn: true });
-        let holdings = ledger.holdings(|_| true, Some(now));
-        assert_eq!(holdings, vec![crate::allowance::Holding { key_id: "k".into(), tokens: 640, overdrawn: false }]);
+        let holdings = ledger.holdings(|_| Some(700), Some(now));
+        assert_eq!(holdings, vec![Holding { key_id: "k".into(), tokens: 640, overdrawn: false }]);
+        let holdings = ledger.holdings(|_| Some(500), Some(now));
+        assert!(holdings[0].overdrawn, "past its part, it keeps the overdraft: {holdings:?}");
+        assert_eq!(ledger.holdings(|_| None, Some(now)), Vec::new(), "a key with no budget");
         // What ended counts against the part until the roll-up shows it.
         assert_eq!(hold(part(700, false)), Err(Unheld::PartHeld { part: 700, holds: 640, tokens: 300 }));
         assert_eq!(hold(part(700, true)), Ok(Hold { tokens: 300, overdrawn: true }), "the overdraft is free again");
@@ -1023,13 +1041,14 @@ mod tests {
         ledger.record(record("k", "m", 30), Hold::default());
         let batch = ledger.next_batch(usize::MAX).unwrap();
         ledger.acknowledged(&batch, now);
-        let held = |before| ledger.holdings(|_| true, before).first().map_or(0, |holding| holding.tokens);
+        let held = |before| ledger.holdings(|_| Some(u64::MAX), before).first().map_or(0, |holding| holding.tokens);
         assert_eq!((ledger.unacknowledged_tokens("k"), held(None)), (0, 30), "acknowledged, maybe not rolled up");
         assert_eq!(held(Some(now)), 30, "rolled up before it was acknowledged: not it");
         let part = BudgetPart { tokens: 990, overdraft: false };
         let refused = ledger.hold("k", (1_000, 0), 980, part, Some(now));
         assert_eq!(refused, Err(Unheld::PartHeld { part: 990, holds: 30, tokens: 980 }), "counted until rolled up");
         assert_eq!(held(Some(now + Duration::from_millis(1))), 0);
+        assert!(ledger.tallies.lock().unwrap().is_empty(), "a tally with nothing in it is dropped");
         // Many acknowledgements: the newest takes in those past the bound.
         for i in 0..100 {
             ledger.record(record("k", "m", 1), Hold::default());
