@@ -183,7 +183,7 @@ impl Reporter {
         let forget_before = self.allowances.forget_acknowledged_before(std::time::Instant::now());
         let part = |key_id: &str| {
             let key = snapshot.api_key(key_id).filter(|key| key.tokens_per_day > 0)?;
-            Some(self.allowances.budget(key, snapshot.tokens_today(key_id) > 0).tokens)
+            Some(self.allowances.budget(key, snapshot.tokens_today(key_id) > 0))
         };
         self.ledger.holdings(part, forget_before)
     }

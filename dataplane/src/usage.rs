@@ -219,24 +219,30 @@ impl Ledger {
 
     /// What the keys with budgets hold of them here, for the report: by
     /// `part`, each key's part of its budget, `None` for a key without one.
-    /// A key holding past its part counts as overdrawn until it holds no
-    /// more than it: the overdraft stays its own until what the overdrawn
-    /// request used is rolled up. Keys holding nothing are left out, and
-    /// tallies with nothing left in them dropped.
-    pub fn holdings(&self, part: impl Fn(&str) -> Option<u64>, forget_before: Option<Instant>) -> Vec<Holding> {
-        let mut tallies = self.tallies.lock().unwrap_or_else(PoisonError::into_inner);
-        let mut holdings = Vec::new();
-        tallies.retain(|key_id, tally| {
-            let tokens = tally.unrolled(forget_before).saturating_add(tally.held);
-            if (tokens > 0 || tally.overdrawn)
-                && let Some(part) = part(key_id)
-            {
-                let overdrawn = tally.overdrawn || tokens > part;
-                holdings.push(Holding { key_id: key_id.clone(), tokens, overdrawn });
-            }
-            !tally.idle()
-        });
-        holdings
+    /// A key holding past its part with the overdraft counts as overdrawn
+    /// until it holds no more than its part: the overdraft stays its own
+    /// until what the overdrawn request used is rolled up. Keys holding
+    /// nothing are left out, and tallies with nothing left in them dropped.
+    pub fn holdings(&self, part: impl Fn(&str) -> Option<BudgetPart>, forget_before: Option<Instant>) -> Vec<Holding> {
+        // Parts are read once the lock requests take is let go.
+        let mut held: Vec<(String, u64, bool)> = Vec::new();
+        {
+            let mut tallies = self.tallies.lock().unwrap_or_else(PoisonError::into_inner);
+            tallies.retain(|key_id, tally| {
+                let tokens = tally.unrolled(forget_before).saturating_add(tally.held);
+                if tokens > 0 || tally.overdrawn {
+                    held.push((key_id.clone(), tokens, tally.overdrawn));
+                }
+                !tally.idle()
+            });
+        }
+        held.into_iter()
+            .filter_map(|(key_id, tokens, overdrawn)| {
+                let part = part(&key_id)?;
+                let overdrawn = overdrawn || (part.overdraft && tokens > part.tokens);
+                Some(Holding { key_id, tokens, overdrawn })
+            })
+            .collect()
     }
 
     /// Records a request's usage, giving back what its admission `held`.
@@ -1020,10 +1026,12 @@ mod tests {
         assert_eq!(hold(part(700, true)), Ok(Hold { tokens: 300, overdrawn: true }));
         assert!(matches!(hold(part(700, true)), Err(Unheld::Spent(_))), "100 + 900 held: nothing is left");
         ledger.record(record("k", "m", 40), Hold { tokens: 300, overdrawn: true });
-        let holdings = ledger.holdings(|_| Some(700), Some(now));
+        let holdings = ledger.holdings(|_| Some(part(700, true)), Some(now));
         assert_eq!(holdings, vec![Holding { key_id: "k".into(), tokens: 640, overdrawn: false }]);
-        let holdings = ledger.holdings(|_| Some(500), Some(now));
+        let holdings = ledger.holdings(|_| Some(part(500, true)), Some(now));
         assert!(holdings[0].overdrawn, "past its part, it keeps the overdraft: {holdings:?}");
+        let holdings = ledger.holdings(|_| Some(part(500, false)), Some(now));
+        assert!(!holdings[0].overdrawn, "past its part without the overdraft, it claims none: {holdings:?}");
         assert_eq!(ledger.holdings(|_| None, Some(now)), Vec::new(), "a key with no budget");
         // What ended counts against the part until the roll-up shows it.
         assert_eq!(hold(part(700, false)), Err(Unheld::PartHeld { part: 700, holds: 640, tokens: 300 }));
@@ -1041,7 +1049,7 @@ mod tests {
         ledger.record(record("k", "m", 30), Hold::default());
         let batch = ledger.next_batch(usize::MAX).unwrap();
         ledger.acknowledged(&batch, now);
-        let held = |before| ledger.holdings(|_| Some(u64::MAX), before).first().map_or(0, |holding| holding.tokens);
+        let held = |before| ledger.holdings(|_| Some(WHOLE), before).first().map_or(0, |holding| holding.tokens);
         assert_eq!((ledger.unacknowledged_tokens("k"), held(None)), (0, 30), "acknowledged, maybe not rolled up");
         assert_eq!(held(Some(now)), 30, "rolled up before it was acknowledged: not it");
         let part = BudgetPart { tokens: 990, overdraft: false };

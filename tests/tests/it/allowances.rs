@@ -318,7 +318,7 @@ fn a_budget_split_among_data_planes_is_overrun_by_one_request_at_most() {
             // A report a second, each data plane in turn.
             if (step + 5 * i as u64).is_multiple_of(20) {
                 let forget_before = plane.allowances.forget_acknowledged_before(now);
-                let part = plane.allowances.budget(&key, rolled_up > 0).tokens;
+                let part = plane.allowances.budget(&key, rolled_up > 0);
                 let holdings = plane.ledger.holdings(|_| Some(part), forget_before);
                 let demand = plane.allowances.demand(&[], &holdings);
                 plane.sequence += 1;
