@@ -369,16 +369,19 @@ impl Books {
         for key_id in named {
             let Some(limits) = limits(key_id).filter(|l| l.any()) else { continue };
             let (split_now, whole) = (limits.now(), limits.whole());
-            // What each asked, and what the others hold.
+            // What each asked, and what the others hold: their parts, or
+            // what they say they hold where that is more (an overdrawn
+            // request, a part given since it was admitted).
             claims.clear();
             let mut held = [0u64; KINDS];
             for (i, (_, book)) in live.iter().enumerate() {
                 let slot = book.keys.get(key_id);
-                claims.push(slot.map_or_else(Want::default, |slot| slot.want).claims());
+                let claim = slot.map_or_else(Want::default, |slot| slot.want).claims();
+                claims.push(claim);
                 if i != place {
                     let holds = book.holds(slot, whole);
-                    for (sum, part) in held.iter_mut().zip(holds.0) {
-                        *sum = sum.saturating_add(part);
+                    for ((sum, part), claim) in held.iter_mut().zip(holds.0).zip(claim) {
+                        *sum = sum.saturating_add(part.max(claim.held));
                     }
                 }
             }
@@ -802,6 +805,21 @@ mod tests {
         books.report(&b.report(&[]), limits, later).unwrap();
         let answer = books.allowances("dp-b", limits, [], later).unwrap();
         assert!(answer.keys.iter().all(|k| k.key_id != QUIET), "{answer:?}");
+    }
+
+    #[test]
+    fn an_overdraft_two_data_planes_say_they_use_is_given_to_neither() {
+        // Each says an overdrawn request runs there (one took it before a
+        // split gave it away): what they say they hold counts, whatever
+        // parts they were given.
+        let (mut books, mut a, mut b, start) = two_planes_past_the_warm_up();
+        let overdrawn = [KeyDemand { tokens_held: 300, overdrawn: true, ..demand(KEY, 0, 0, 0) }];
+        a.round(&mut books, &overdrawn, start);
+        b.round(&mut books, &overdrawn, start);
+        let later = start + Duration::from_secs(1);
+        let (a_part, b_part) = (a.round(&mut books, &overdrawn, later), b.round(&mut books, &overdrawn, later));
+        let overdraft = |answer: &Allowances| answer.keys.iter().find(|k| k.key_id == KEY).map(|k| k.overdraft);
+        assert_eq!((overdraft(&a_part), overdraft(&b_part)), (Some(0), Some(0)));
     }
 
     #[test]
