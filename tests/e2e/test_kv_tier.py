@@ -90,7 +90,18 @@ def test_a_conversation_s_cache_outlives_its_slot_its_server_and_its_agent(keepe
     restart_server(fleet)
     wait_until("the agent saw its server restart", lambda: fleet.agent_metric(
         "node-a", "inferyes_agent_backend_restarts_total", backend="chat") > restarts)
-    third = turn(fleet, kept, "and after")
+    # The data plane hears that the server is ready again a moment later:
+    # until then the turn is refused (503) before it reaches any node.
+    sent = []
+
+    def third_turn():
+        messages = list(kept)
+        usage = turn(fleet, messages, "and after")
+        sent[:] = messages
+        return usage
+
+    third = wait_until("the restarted server routed to", third_turn)
+    kept[:] = sent
     assert third.prompt_tokens_details.cached_tokens >= 0.9 * history(second), (second, third)
     assert events(fleet, "restored") == 2
 
