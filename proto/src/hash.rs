@@ -1,6 +1,6 @@
 //! Hashes that must give the same value in every data plane and every
 //! controller, on every build: `std`'s hashers promise neither, so these
-//! are spelled out.
+//! are spelled out; and a hasher for maps keyed by them.
 
 /// FNV-1a over the bytes, finished with a SplitMix64 mix for avalanche.
 pub fn stable_hash(bytes: &[u8]) -> u64 {
@@ -48,6 +48,27 @@ fn mix(mut z: u64) -> u64 {
 /// Maps a 64-bit hash into the open interval (0, 1).
 pub fn unit_interval(hash: u64) -> f64 {
     ((hash >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+}
+
+/// A hasher for keys that already are well-mixed hashes.
+#[derive(Default)]
+pub struct Prehashed(u64);
+
+impl std::hash::Hasher for Prehashed {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        // Only `write_u64` is used by `u64` keys; fold anything else.
+        for byte in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(*byte);
+        }
+    }
+
+    fn write_u64(&mut self, value: u64) {
+        self.0 = value;
+    }
 }
 
 #[cfg(test)]

@@ -12,10 +12,11 @@ pub use live::{Live, SessionIndex};
 pub use store::SnapshotStore;
 
 use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
+use std::hash::BuildHasherDefault;
 use std::sync::Arc;
 
 use inferyes_proto::FastMap;
+use inferyes_proto::hash::Prehashed;
 use inferyes_proto::v1::{EndpointKind, Health, ModelState, Strategy};
 
 /// An immutable routing snapshot: the routing indices, and the fleet's API
@@ -374,25 +375,4 @@ impl RoutingSnapshot {
 /// colliding would at worst send one session to the other's node.
 pub fn session_hash(key: &str) -> u64 {
     inferyes_proto::hash::stable_hash(key.as_bytes())
-}
-
-/// A hasher for keys that already are well-mixed hashes.
-#[derive(Default)]
-pub struct Prehashed(u64);
-
-impl Hasher for Prehashed {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-
-    fn write(&mut self, bytes: &[u8]) {
-        // Only `write_u64` is used by `u64` keys; fold anything else.
-        for byte in bytes {
-            self.0 = self.0.rotate_left(8) ^ u64::from(*byte);
-        }
-    }
-
-    fn write_u64(&mut self, value: u64) {
-        self.0 = value;
-    }
 }
