@@ -14,6 +14,7 @@ pub mod routing;
 pub mod shares;
 pub mod snapshot;
 pub mod targets;
+pub mod turns;
 pub mod usage;
 pub mod waiting;
 

@@ -230,7 +230,9 @@ impl Queue {
         // it would outweigh the prompt of a conversation's next turn.
         let expected_ms = |ticket, entry: &Entry| {
             let Some(ask) = waiters.get(&ticket).map(|w| &w.ask) else { return 0 };
-            let held = ask.session.as_deref().and_then(|session| snapshot.resident(session)).map_or(0, |r| r.tokens);
+            let local = snapshot.local();
+            let resident = ask.session.as_deref().and_then(|s| routing::residence(snapshot, local, s, now_ms));
+            let held = resident.map_or(0, |r| r.tokens);
             let rate = snapshot
                 .placements(&entry.model)
                 .and_then(|p| p.first())
@@ -242,7 +244,11 @@ impl Queue {
             let like = Shape {
                 model: Arc::clone(&entry.model),
                 kind: ask.kind,
-                home: ask.session.as_deref().and_then(|session| snapshot.resident(session)).map(|r| r.target),
+                home: ask
+                    .session
+                    .as_deref()
+                    .and_then(|s| routing::residence(snapshot, &frozen, s, now_ms))
+                    .map(|r| r.target),
                 size: ask.prompt_tokens.checked_ilog2().unwrap_or(0),
             };
             if routed >= MAX_ROUTED_PER_PASS || blocked.contains(&like) {
@@ -397,6 +403,10 @@ impl Local for PassView<'_> {
 
     fn ejected_until(&self, node: usize, now_ms: u64) -> Option<u64> {
         self.view.ejected_until(node, now_ms)
+    }
+
+    fn sent_turn(&self, session: u64, now_ms: u64) -> Option<crate::turns::Sent> {
+        self.view.sent_turn(session, now_ms)
     }
 }
 

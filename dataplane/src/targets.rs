@@ -7,8 +7,10 @@
 //! One type writes it, [`NodeState`], and only through three doors: an
 //! attempt's guard ([`Endpoint::enter`]), the outcome of every attempt and
 //! every stream's end ([`Endpoint::observe`]), and the readiness each
-//! decoded snapshot reports ([`NodeStates::endpoint`]). Routing reads it
-//! through [`Local`] and nothing else.
+//! decoded snapshot reports ([`NodeStates::endpoint`]). Beside it, where
+//! each session's latest turn went ([`crate::turns`]), written by the
+//! attempt that passed. Routing reads both through [`Local`] and nothing
+//! else.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
@@ -16,6 +18,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use http::HeaderValue;
 use inferyes_net::base_url::BaseUrl;
+
+use crate::turns::{Sent, SentTurns};
 
 /// What routing reads of this data plane's state of a snapshot's nodes, by
 /// their index in the snapshot. The one thing routing reads that changes
@@ -29,6 +33,9 @@ pub trait Local {
     /// Until when (ms since the epoch) the node is held out of routing, if
     /// it is at `now_ms`.
     fn ejected_until(&self, node: usize, now_ms: u64) -> Option<u64>;
+    /// Where this data plane sent the latest turn of the session whose key
+    /// hashes to `session`, if it is still trusted at `now_ms`.
+    fn sent_turn(&self, session: u64, now_ms: u64) -> Option<Sent>;
 }
 
 /// No requests in flight, no loads, no ejections: a data plane that has
@@ -48,6 +55,10 @@ impl Local for Idle {
     fn ejected_until(&self, _: usize, _: u64) -> Option<u64> {
         None
     }
+
+    fn sent_turn(&self, _: u64, _: u64) -> Option<Sent> {
+        None
+    }
 }
 
 /// A snapshot's nodes as this data plane's state of them, in the
@@ -55,6 +66,7 @@ impl Local for Idle {
 #[derive(Debug, Default)]
 pub struct View {
     nodes: Box<[Arc<NodeState>]>,
+    turns: Arc<SentTurns>,
 }
 
 impl View {
@@ -74,6 +86,10 @@ impl Local for View {
 
     fn ejected_until(&self, node: usize, now_ms: u64) -> Option<u64> {
         self.node(node).and_then(|state| state.ejected_until(now_ms))
+    }
+
+    fn sent_turn(&self, session: u64, now_ms: u64) -> Option<Sent> {
+        self.turns.latest(session, now_ms)
     }
 }
 
@@ -302,6 +318,7 @@ impl Freed {
 pub struct NodeStates {
     by_node: Mutex<HashMap<Arc<str>, Arc<NodeState>>>,
     freed: Arc<Freed>,
+    turns: Arc<SentTurns>,
 }
 
 impl NodeStates {
@@ -336,6 +353,11 @@ impl NodeStates {
         &self.freed
     }
 
+    /// Where this data plane's sessions' latest turns went.
+    pub fn turns(&self) -> &Arc<SentTurns> {
+        &self.turns
+    }
+
     /// The view of a snapshot whose nodes are `endpoints`, in order; the
     /// state of nodes no longer in the fleet, with nothing in flight, is
     /// forgotten.
@@ -346,7 +368,7 @@ impl NodeStates {
         let present: HashSet<*const NodeState> = nodes.iter().map(Arc::as_ptr).collect();
         let mut by_node = self.by_node.lock().unwrap_or_else(PoisonError::into_inner);
         by_node.retain(|_, state| present.contains(&Arc::as_ptr(state)) || state.in_flight() > 0);
-        View { nodes }
+        View { nodes, turns: Arc::clone(&self.turns) }
     }
 }
 

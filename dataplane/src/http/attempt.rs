@@ -22,6 +22,7 @@ use crate::error::{ApiError, ErrorCode};
 use crate::routing::{MAX_TARGETS, Route, Weighed};
 use crate::snapshot::{RoutingSnapshot, Target};
 use crate::targets::{ColdLoad, Endpoint, InFlight, Observed, Witness};
+use crate::turns::{Sent, SentTurns};
 use crate::usage::{Meter, Outcome, Served};
 
 pub const NODE_HEADER: HeaderName = HeaderName::from_static("x-inferyes-node");
@@ -45,12 +46,42 @@ pub(crate) struct Outbound {
     /// Hops to llama-server are asked for the prompt's progress
     /// (`return_progress`, spliced in as the attempt is sent).
     pub asks_progress: bool,
+    /// A session's turn: where it is answered is recorded as its home.
+    pub turn: Option<SessionTurn>,
+}
+
+/// A turn of a session, to record where it is answered: its next turn
+/// goes there before the node's agent reports the session
+/// ([`crate::turns`]).
+#[derive(Clone)]
+pub(crate) struct SessionTurn {
+    pub turns: Arc<SentTurns>,
+    /// The session key's hash.
+    pub session: u64,
+    /// The prompt's tokens, as estimated.
+    pub tokens: u32,
+}
+
+impl SessionTurn {
+    fn answered(&self, hop: &Hop) {
+        let sent = Sent {
+            node: hop.node_key,
+            backend: hop.backend_index,
+            tokens: self.tokens,
+            sent_unix_ms: inferyes_proto::unix_ms(),
+        };
+        self.turns.sent(self.session, sent);
+    }
 }
 
 /// A target made ready to send to: its node's endpoint, its backend, and
 /// the cold load an attempt there waits on, if any.
 pub(crate) struct Hop {
     pub endpoint: Arc<Endpoint>,
+    /// Its node's key and its backend's index in the node's record: where
+    /// a session's turn answered here is.
+    pub node_key: u64,
+    pub backend_index: u32,
     /// The backend's id, as a header value.
     pub backend: Option<HeaderValue>,
     /// The backend tells a stream's prompt progress when asked.
@@ -88,6 +119,8 @@ impl Hops {
                 let backend = node.backends.get(target.backend)?;
                 Some(Hop {
                     endpoint: Arc::clone(&node.endpoint),
+                    node_key: node.key,
+                    backend_index: u32::try_from(target.backend).ok()?,
                     backend: backend.id_header.clone(),
                     progress: backend.reports_progress,
                     load: route.loads_at(index).then(|| cold_load(snapshot, model, *target)).flatten(),
@@ -233,6 +266,9 @@ impl Attempts<'_> {
             let (error, told_by_node) = match verdict {
                 Verdict::Pass => {
                     let Some((parts, read)) = answer else { unreachable!("only an answer passes") };
+                    if let Some(turn) = out.turn.as_ref().filter(|_| parts.status.is_success()) {
+                        turn.answered(&hop);
+                    }
                     if purpose == Purpose::First
                         && let Some(meter) = self.meter
                     {
@@ -448,8 +484,11 @@ mod tests {
         let endpoint =
             |id: &str, url: &str| Arc::new(states.endpoint(&Arc::from(id), BaseUrl::new(url), false, true, 1));
         let (a, b) = (endpoint("a", &refusing), endpoint("b", &answering));
+        let turns = Arc::new(SentTurns::default());
         let hop = |endpoint: &Arc<Endpoint>, reason| Hop {
             endpoint: Arc::clone(endpoint),
+            node_key: inferyes_proto::hash::stable_hash(endpoint.id.as_bytes()),
+            backend_index: 0,
             backend: None,
             progress: false,
             load: None,
@@ -489,6 +528,7 @@ mod tests {
             body: Bytes::from_static(b"{}"),
             stream: false,
             asks_progress: false,
+            turn: Some(SessionTurn { turns: Arc::clone(&turns), session: 7, tokens: 300 }),
         };
         let Ok(Answer::Whole(answer)) = attempts.run(&mut out, &mut hops, Purpose::First).await else {
             panic!("an answer from b")
@@ -502,5 +542,8 @@ mod tests {
         let served = meter.served_by().expect("served");
         assert_eq!((&*served.node, served.route, served.weighed.ttft_ms), ("b", FAILOVER, 0));
         assert!(hops.peek().is_none(), "no node left to try");
+        let home = turns.latest(7, inferyes_proto::unix_ms()).expect("the turn's home recorded");
+        let b_key = inferyes_proto::hash::stable_hash(b"b");
+        assert_eq!((home.node, home.backend, home.tokens), (b_key, 0, 300), "where it was answered");
     }
 }

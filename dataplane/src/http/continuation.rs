@@ -34,6 +34,8 @@ pub(crate) struct Continuation {
     pub request_id: HeaderValue,
     /// The snapshot the request was routed on.
     pub version: u64,
+    /// The request's session turn, recorded where it goes on.
+    pub turn: Option<super::attempt::SessionTurn>,
 }
 
 /// What one event of a chat stream says.
@@ -95,6 +97,9 @@ pub(crate) async fn continue_on(
         // Its usage is estimated: what it says of its prompt is not the
         // request's.
         asks_progress: false,
+        // Its node now holds the conversation, with as much of the reply
+        // as came before the break.
+        turn: continuation.turn.clone(),
     };
     let attempts = Attempts {
         forwarder: &continuation.forwarder,

@@ -19,7 +19,7 @@ use inferyes_proto::v1::RoutingDecision;
 
 use super::AppState;
 use super::answer::{Awaited, Plan, StreamBody};
-use super::attempt::{Answer, Attempts, Hops, NODE_HEADER, OpenStream, Outbound, ROUTE_HEADER};
+use super::attempt::{Answer, Attempts, Hops, NODE_HEADER, OpenStream, Outbound, ROUTE_HEADER, SessionTurn};
 use super::body::Full;
 use super::classify::Purpose;
 use super::client::{Facts, upstream_headers};
@@ -456,7 +456,7 @@ impl<'s> Exchange<'s> {
         }
         let snapshot = self.state.snapshots.current().ok_or_else(ApiError::not_ready)?;
         let continues = self.row.continues && snapshot.policy().continues(model) && !view.constrained;
-        let (out, strip_usage, progress) = self.outbound(prepared, model, true);
+        let (out, strip_usage, progress) = self.outbound(prepared, model, view);
         let stream = self.stream((strip_usage, progress), continues, model, snapshot.version());
         Ok(stream.queued(place, model, out))
     }
@@ -474,7 +474,7 @@ impl<'s> Exchange<'s> {
         view: &RoutingView,
     ) -> Result<Response, ApiError> {
         let continues = view.stream && self.row.continues && snapshot.policy().continues(model) && !view.constrained;
-        let (mut out, strip_usage, progress) = self.outbound(prepared, model, view.stream);
+        let (mut out, strip_usage, progress) = self.outbound(prepared, model, view);
         let mut route = route;
         let request_id = super::id_text(&self.request_id);
         super::carry::carry(&self.state.forwarder, snapshot, &mut route, self.facts.session.as_deref(), request_id)
@@ -517,15 +517,21 @@ impl<'s> Exchange<'s> {
 
     /// The request as every attempt sends it (its headers made for nodes
     /// once, in place), and what its stream's body does with the answer.
-    fn outbound(&self, prepared: Prepared, model: &str, stream: bool) -> (Outbound, bool, ProgressEvents) {
+    fn outbound(&self, prepared: Prepared, model: &str, view: &RoutingView) -> (Outbound, bool, ProgressEvents) {
         let Prepared { path_and_query, headers, body, strip_usage, progress, form } = prepared;
         let facts = Facts { model, session: self.facts.session.as_deref(), request_id: &self.request_id, form };
+        let turn = self.facts.session.as_deref().map(|session| SessionTurn {
+            turns: Arc::clone(self.state.snapshots.node_states().turns()),
+            session: crate::snapshot::session_hash(session),
+            tokens: estimated_prompt_tokens(body.len(), view),
+        });
         let out = Outbound {
             path_and_query,
             headers: upstream_headers(headers, &facts),
             body,
-            stream,
+            stream: view.stream,
             asks_progress: progress == ProgressEvents::Taken,
+            turn,
         };
         (out, strip_usage, progress)
     }
@@ -694,6 +700,7 @@ impl StreamSetup {
                 body: out.body,
                 request_id: plan.request_id.clone(),
                 version: plan.version,
+                turn: out.turn,
             };
             (Arc::new(continuation), hops)
         });

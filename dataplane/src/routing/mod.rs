@@ -665,6 +665,26 @@ pub fn slot_room(snapshot: &RoutingSnapshot, model: &str, route: &Route) -> Opti
     Some(low)
 }
 
+/// Where `session`'s cache is: where it was used last, of where its
+/// node's agent reports it and where this data plane sent its latest turn
+/// (which no report may show yet). Both at one backend: the larger count
+/// of tokens, the reported one being the server's own, the sent one at
+/// least the prompt that turn read.
+pub fn residence(snapshot: &RoutingSnapshot, local: &impl Local, session: &str, now_ms: u64) -> Option<Resident> {
+    let key = crate::snapshot::session_hash(session);
+    let reported = snapshot.resident_by_hash(key);
+    let sent = local.sent_turn(key, now_ms).and_then(|sent| snapshot.sent_to(sent));
+    match (reported, sent) {
+        (Some(reported), Some(sent)) if reported.target == sent.target => Some(Resident {
+            tokens: reported.tokens.max(sent.tokens),
+            last_seen_unix_ms: reported.last_seen_unix_ms.max(sent.last_seen_unix_ms),
+            ..reported
+        }),
+        (Some(reported), Some(sent)) if reported.last_seen_unix_ms >= sent.last_seen_unix_ms => Some(reported),
+        (reported, sent) => sent.or(reported),
+    }
+}
+
 /// The route of `request` over `snapshot`'s nodes, as this data plane's
 /// `local` state of them adds to it.
 pub fn select(snapshot: &RoutingSnapshot, local: &impl Local, request: &RouteRequest<'_>) -> Result<Route, RouteError> {
@@ -682,7 +702,7 @@ pub fn select(snapshot: &RoutingSnapshot, local: &impl Local, request: &RouteReq
     };
     let affinity = request.mode == Mode::Policy;
     let session = request.session.filter(|_| affinity);
-    let resident = session.and_then(|s| snapshot.resident(s));
+    let resident = session.and_then(|s| residence(snapshot, local, s, request.now_ms));
     let home = resident.map(|r| r.target);
 
     let strategy = match request.mode {
@@ -690,15 +710,19 @@ pub fn select(snapshot: &RoutingSnapshot, local: &impl Local, request: &RouteReq
         Mode::RoundRobin => Strategy::RoundRobin,
         Mode::LeastOutstanding => Strategy::LeastOutstanding,
     };
-    let at_home = resident.and_then(|r| {
+    let home_at = |r: Resident| {
         let at =
             placements.binary_search_by_key(&(r.target.node, r.target.backend), |p| (p.target.node, p.target.backend));
-        at.ok().filter(|i| {
+        let at = at.ok().filter(|i| {
             let p = &placements[*i];
-            capable(p) && fits(p) && seen.class_of(p, home) == Eligibility::Resident
-        })
-    });
-    if let (Some(at), Some(resident)) = (at_home, resident) {
+            capable(p) && fits(p) && seen.class_of(p, Some(r.target)) == Eligibility::Resident
+        });
+        at.map(|at| (at, r))
+    };
+    // Where the last turn went cannot take this one (its node drains, say):
+    // then where the agents report the session, if elsewhere.
+    let reported = || session.and_then(|s| snapshot.resident(s)).filter(|r| Some(r.target) != home);
+    if let Some((at, resident)) = resident.and_then(home_at).or_else(|| reported().and_then(home_at)) {
         return Ok(route_session_home(&seen, placements, at, resident, request, &capable, &fits));
     }
     let session_key = session.map(|s| stable_hash(s.as_bytes()));

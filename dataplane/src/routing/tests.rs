@@ -13,12 +13,14 @@ use crate::snapshot::decode;
 use crate::targets::{Idle, NodeStates};
 
 /// This data plane's own state of the nodes, as a test sets it: requests
-/// in flight, memory held for loads, and ejections, by node index.
+/// in flight, memory held for loads, and ejections, by node index; and
+/// sessions' latest turns, by session key hash.
 #[derive(Default)]
 struct Own {
     in_flight: HashMap<usize, u32>,
     reserved_vram_bytes: HashMap<usize, u64>,
     ejected_until: HashMap<usize, u64>,
+    sent: HashMap<u64, crate::turns::Sent>,
 }
 
 impl Local for Own {
@@ -32,6 +34,10 @@ impl Local for Own {
 
     fn ejected_until(&self, node: usize, now_ms: u64) -> Option<u64> {
         self.ejected_until.get(&node).copied().filter(|until| now_ms < *until)
+    }
+
+    fn sent_turn(&self, session: u64, _: u64) -> Option<crate::turns::Sent> {
+        self.sent.get(&session).copied()
     }
 }
 
@@ -61,8 +67,9 @@ struct Spec {
     load_unknown: bool,
     prefill_tokens_per_second: f64,
     service_ms: u32,
-    /// Tokens each of `sessions` holds.
+    /// Tokens each of `sessions` holds, and when each was last used.
     session_tokens: u32,
+    session_last_seen_ms: u64,
     /// The backend holds another model loaded, and at most this many (0:
     /// no limit).
     other_loaded: bool,
@@ -95,6 +102,7 @@ fn spec(id: &str) -> Spec {
         prefill_tokens_per_second: 0.0,
         service_ms: 0,
         session_tokens: 0,
+        session_last_seen_ms: 0,
         other_loaded: false,
         models_max: 0,
         unsupported: Vec::new(),
@@ -153,6 +161,7 @@ fn wire(s: &Spec) -> SnapshotNode {
                 key: k,
                 backend_id: "b0".into(),
                 tokens: s.session_tokens,
+                last_seen_unix_ms: s.session_last_seen_ms,
                 ..Default::default()
             })
             .collect(),
@@ -221,6 +230,60 @@ fn a_resident_session_goes_home() {
     let route = select(&s, &Idle, &chat(Some("conv-1"))).unwrap();
     assert_eq!(route.reason, RouteReason::Resident);
     assert_eq!(first_node(&s, &route), "b");
+}
+
+/// `session`'s latest turn, as this data plane sent it to `node`'s first
+/// backend at `sent_unix_ms`.
+fn sent(session: &str, node: &str, tokens: u32, sent_unix_ms: u64) -> Own {
+    let turn = crate::turns::Sent {
+        node: inferyes_proto::hash::stable_hash(node.as_bytes()),
+        backend: 0,
+        tokens,
+        sent_unix_ms,
+    };
+    Own { sent: HashMap::from([(crate::snapshot::session_hash(session), turn)]), ..Own::default() }
+}
+
+#[test]
+fn a_later_turn_goes_where_the_last_was_sent_before_any_report_shows_it() {
+    let s = snapshot(&[spec("a"), spec("b"), spec("c"), spec("d")]);
+    let placed = first_node(&s, &select(&s, &Idle, &chat(Some("conv"))).unwrap());
+    // Its first turn went to another node (its placement was busy then),
+    // and no agent has reported the session yet.
+    let elsewhere = ["a", "b", "c", "d"].into_iter().find(|n| *n != placed).unwrap();
+    let own = sent("conv", elsewhere, 500, 999_000);
+    let route = select(&s, &own, &later_turn()).unwrap();
+    assert_eq!((first_node(&s, &route), route.reason), (elsewhere.to_string(), RouteReason::Resident));
+    let found = residence(&s, &own, "conv", 1_000_000).unwrap();
+    assert_eq!((node_of(&s, found.target), found.tokens), (elsewhere.to_string(), 500));
+    // Sent to a node that drains since: home is where the agents report.
+    let drained = snapshot(&[
+        Spec { draining: true, ..spec("a") },
+        Spec { session_last_seen_ms: 998_000, ..home(spec("b")) },
+        spec("c"),
+    ]);
+    let route = select(&drained, &sent("conv", "a", 1_200, 999_000), &later_turn()).unwrap();
+    assert_eq!((first_node(&drained, &route), route.reason), ("b".into(), RouteReason::Resident));
+    // A record of a node the snapshot does not hold is no home.
+    let gone = sent("conv", "e", 500, 999_000);
+    assert_eq!(residence(&s, &gone, "conv", 1_000_000), None);
+    assert_eq!(first_node(&s, &select(&s, &gone, &chat(Some("conv"))).unwrap()), placed);
+}
+
+#[test]
+fn of_a_reported_home_and_a_sent_turn_the_later_use_is_the_home() {
+    let reported_at = 998_000;
+    let at_b = Spec { session_last_seen_ms: reported_at, ..home(spec("b")) };
+    let s = snapshot(&[spec("a"), at_b, spec("c")]);
+    let home_of = |own: &Own| {
+        let found = residence(&s, own, "conv", 1_000_000).unwrap();
+        (node_of(&s, found.target), found.tokens)
+    };
+    assert_eq!(home_of(&sent("conv", "c", 1_200, reported_at + 1)), ("c".into(), 1_200), "sent since");
+    assert_eq!(home_of(&sent("conv", "c", 1_200, reported_at - 1)), ("b".into(), 1_000), "used at b since");
+    // One node both ways: the larger count.
+    assert_eq!(home_of(&sent("conv", "b", 1_200, reported_at - 1)), ("b".into(), 1_200));
+    assert_eq!(home_of(&sent("conv", "b", 800, reported_at + 1)), ("b".into(), 1_000));
 }
 
 #[test]

@@ -317,7 +317,13 @@ impl RoutingSnapshot {
     }
 
     pub fn resident(&self, session: &str) -> Option<Resident> {
-        let entry = self.sessions.get(session_hash(session))?;
+        self.resident_by_hash(session_hash(session))
+    }
+
+    /// Where the session whose key hashes to `session` is resident, as its
+    /// node's agent reported.
+    pub fn resident_by_hash(&self, session: u64) -> Option<Resident> {
+        let entry = self.sessions.get(session)?;
         let node = *self.node_index.get(&entry.node)?;
         let backend = *self.nodes[node].backend_of_load.get(usize::try_from(entry.backend).ok()?)?;
         let backend = usize::try_from(backend).ok().filter(|b| *b < self.nodes[node].backends.len())?;
@@ -326,6 +332,14 @@ impl RoutingSnapshot {
             tokens: entry.tokens,
             last_seen_unix_ms: entry.last_seen_unix_ms,
         })
+    }
+
+    /// Where a turn this data plane sent went, as a residence in this
+    /// snapshot: `None` where its node or backend is not in it.
+    pub fn sent_to(&self, sent: crate::turns::Sent) -> Option<Resident> {
+        let node = *self.node_index.get(&sent.node)?;
+        let backend = usize::try_from(sent.backend).ok().filter(|b| *b < self.nodes[node].backends.len())?;
+        Some(Resident { target: Target { node, backend }, tokens: sent.tokens, last_seen_unix_ms: sent.sent_unix_ms })
     }
 
     /// Sessions resident anywhere in the fleet.
