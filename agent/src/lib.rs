@@ -62,7 +62,100 @@ const PROXY_HTTP2_STREAMS: u32 = 10_000;
 
 /// Runs the agent until `shutdown` is cancelled.
 pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationToken) -> anyhow::Result<()> {
-    let mut probes: Vec<BackendProbe> = config
+    let mut probes = configured_probes(&config);
+    let (simulated, simulators) = start_simulators(&config, &shutdown).await?;
+    probes.extend(simulated);
+    let proxy_addr = listeners.proxy.local_addr()?;
+    let tls_server = inferyes_net::tls::http_server(&config.tls).context("invalid TLS settings for the proxy")?;
+    let join_token = join_token(&config)?;
+    let backend_urls: Vec<String> = probes.iter().map(|p| p.url.clone()).collect();
+    let scheme = if tls_server.is_some() { "https" } else { "http" };
+    let state = agent_state(&config, probes, format!("{scheme}://{proxy_addr}"), join_token.is_some())?;
+    let sweeper = sweep_slot_files(&config).await;
+
+    let client = ProbeClient::new(PROBE_TIMEOUT);
+    let gpus = GpuReader::detect(&config.gpu, backend_urls).await.context("GPU source unavailable")?;
+    tracing::info!(source = gpus.source_name(), "reading GPUs");
+    // The first report carries real readings, not an empty node.
+    poll::poll_once(&state, &client, &gpus).await;
+    let poller = AbortOnDropHandle::new(tokio::spawn(
+        poll::run(Arc::clone(&state), client, gpus, config.poll_interval(), shutdown.clone())
+            .instrument(tracing::info_span!("poller")),
+    ));
+    let (connection, _) = watch::channel(report::Connection::default());
+    let (orders_tx, orders) = watch::channel(Vec::new());
+    let (drains_tx, drains) = watch::channel(None);
+    let reporter = AbortOnDropHandle::new(tokio::spawn(
+        report::run(
+            Arc::clone(&state),
+            config.controllers.clone(),
+            config.tls.clone(),
+            join_token,
+            config.min_report_interval(),
+            report::Outlets { connection, orders: orders_tx, drains: drains_tx },
+            shutdown.clone(),
+        )
+        .instrument(tracing::info_span!("reporter")),
+    ));
+    let placer = AbortOnDropHandle::new(tokio::spawn(
+        place::run(Arc::clone(&state), orders, shutdown.clone()).instrument(tracing::info_span!("placement")),
+    ));
+    tracing::info!(node = %config.node_id, proxy = %proxy_addr, "agent running");
+
+    let mut registry = prometheus_client::registry::Registry::default();
+    let metrics = metrics::Metrics::new(&mut registry);
+    let connections_refused = metrics.connections_refused.clone();
+    let slot_metrics = metrics.slots.clone();
+    let scrape = Arc::new(proxy::Scrape { registry, metrics });
+    let admission = inferyes_net::admit::Admission::new(config.connection_limits(), Some(config.prober()));
+    let movers = SlotMovers::start(&config, &state, &admission, drains, slot_metrics, &shutdown)?;
+    let keepers = spawn_keepers(&state, &shutdown);
+    // One service per worker thread, each with its own pool of connections
+    // to the backends.
+    let services = (0..config.workers())
+        .map(|_| {
+            let service = proxy::Service::new(
+                Arc::clone(&state),
+                Arc::clone(&scrape),
+                Arc::clone(&admission),
+                Arc::clone(&movers.intake),
+                Arc::clone(&movers.carrier),
+            );
+            move |peer| service.connection(peer)
+        })
+        .collect();
+    let refused = Arc::new(move |why: inferyes_net::admit::Refused| {
+        connections_refused.get_or_create(&metrics::ReasonLabels { reason: why.as_str() }).inc();
+    });
+    let options = inferyes_net::serve::Options { tls: tls_server, ..proxy_options(&config, admission, refused) };
+    let admin_router = proxy::admin_router(Arc::clone(&state), scrape);
+    let admin = AbortOnDropHandle::new(tokio::spawn(inferyes_net::serve::serve(
+        listeners.admin,
+        vec![move |_| hyper_util::service::TowerToHyperService::new(admin_router.clone())],
+        inferyes_net::serve::Options::operators("agent-admin", inferyes_net::serve::OPERATORS_LIMITS, None),
+        shutdown.clone(),
+    )));
+
+    let served = inferyes_net::serve::serve(listeners.proxy, services, options, shutdown.clone()).await;
+    shutdown.cancel();
+    admin.abort();
+    let _ = poller.await;
+    let _ = reporter.await;
+    let _ = placer.await;
+    let _ = movers.drainer.await;
+    for keeper in keepers {
+        let _ = keeper.await;
+    }
+    drop(sweeper);
+    for simulator in simulators {
+        let _ = simulator.await;
+    }
+    served.context("agent proxy failed")
+}
+
+/// The probes of the configured backends.
+fn configured_probes(config: &Config) -> Vec<BackendProbe> {
+    config
         .backends
         .iter()
         .map(|b| BackendProbe {
@@ -79,8 +172,16 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
             slots: b.slots.clone(),
             slot_memo: Default::default(),
         })
-        .collect();
-    let mut simulators = Vec::new();
+        .collect()
+}
+
+/// Each simulated backend, listening and serving until `shutdown`, and its
+/// probe.
+async fn start_simulators(
+    config: &Config,
+    shutdown: &CancellationToken,
+) -> anyhow::Result<(Vec<BackendProbe>, Vec<AbortOnDropHandle<std::io::Result<()>>>)> {
+    let (mut probes, mut simulators) = (Vec::new(), Vec::new());
     for simulated in &config.simulated {
         let listener = TcpListener::bind(simulated.listen)
             .await
@@ -96,30 +197,13 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
             }
             inferyes_sim::SimMode::LlamaSwap => config::BackendKind::LlamaSwap,
         };
-        let mut endpoints = Vec::new();
-        for model in &simulated.server.models {
-            let kinds: &[EndpointKind] = match model.job {
-                inferyes_sim::SimJob::Text if model.embedding => &[EndpointKind::Embedding],
-                inferyes_sim::SimJob::Text => {
-                    &[EndpointKind::Chat, EndpointKind::Completion, EndpointKind::Messages, EndpointKind::Responses]
-                }
-                inferyes_sim::SimJob::Transcription => &[EndpointKind::Transcription],
-                inferyes_sim::SimJob::Speech => &[EndpointKind::Speech],
-                inferyes_sim::SimJob::Images => &[EndpointKind::Images],
-            };
-            for kind in kinds {
-                if !endpoints.contains(kind) {
-                    endpoints.push(*kind);
-                }
-            }
-        }
         tracing::info!(backend = %simulated.id, %url, "simulated backend listening");
         probes.push(BackendProbe {
             id: simulated.id.clone(),
             url,
             kind,
             weight: simulated.weight,
-            endpoints,
+            endpoints: simulated_endpoints(&simulated.server.models),
             api_key: String::new(),
             declared_models: simulated.server.models.iter().map(|m| m.id.clone()).collect(),
             host_cache_tokens: simulated.server.cache_ram_tokens,
@@ -130,17 +214,39 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
             slots: None,
             slot_memo: Default::default(),
         });
-        let token = shutdown.clone();
         let span = tracing::info_span!("simulator", backend = %simulated.id);
-        simulators.push(AbortOnDropHandle::new(tokio::spawn(simulator.serve(listener, token).instrument(span))));
+        simulators
+            .push(AbortOnDropHandle::new(tokio::spawn(simulator.serve(listener, shutdown.clone()).instrument(span))));
     }
+    Ok((probes, simulators))
+}
 
-    let proxy_addr = listeners.proxy.local_addr()?;
-    let tls_server = inferyes_net::tls::http_server(&config.tls).context("invalid TLS settings for the proxy")?;
-    let scheme = if tls_server.is_some() { "https" } else { "http" };
-    // Of several join tokens (a rotation's), the first is presented to
-    // controllers. What data planes and other agents present is what the
-    // controller issues this node once it joins.
+/// The kinds of job a simulated backend's models do, each once.
+fn simulated_endpoints(models: &[inferyes_sim::SimModel]) -> Vec<EndpointKind> {
+    let mut endpoints = Vec::new();
+    for model in models {
+        let kinds: &[EndpointKind] = match model.job {
+            inferyes_sim::SimJob::Text if model.embedding => &[EndpointKind::Embedding],
+            inferyes_sim::SimJob::Text => {
+                &[EndpointKind::Chat, EndpointKind::Completion, EndpointKind::Messages, EndpointKind::Responses]
+            }
+            inferyes_sim::SimJob::Transcription => &[EndpointKind::Transcription],
+            inferyes_sim::SimJob::Speech => &[EndpointKind::Speech],
+            inferyes_sim::SimJob::Images => &[EndpointKind::Images],
+        };
+        for kind in kinds {
+            if !endpoints.contains(kind) {
+                endpoints.push(*kind);
+            }
+        }
+    }
+    endpoints
+}
+
+/// The join token presented to controllers: of several (a rotation's),
+/// the first. What data planes and other agents present is what the
+/// controller issues this node once it joins.
+fn join_token(config: &Config) -> anyhow::Result<Option<Arc<str>>> {
     let join_tokens = inferyes_proto::files::read_tokens(
         config.join_token.as_deref(),
         config.join_token_file.as_deref(),
@@ -151,10 +257,20 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
     if join_token.is_none() {
         tracing::warn!("no join token: the proxy forwards anyone's requests to the backends");
     }
-    let proxy_url =
-        if config.advertise_url.is_empty() { format!("{scheme}://{proxy_addr}") } else { config.advertise_url.clone() };
-    let backend_urls: Vec<String> = probes.iter().map(|p| p.url.clone()).collect();
-    let state = Arc::new(AgentState {
+    Ok(join_token)
+}
+
+/// The agent's state before its first poll: its backends, none observed.
+/// `listening`: the proxy's own URL, advertised unless another is
+/// configured. `closed`: the proxy takes only presented credentials.
+fn agent_state(
+    config: &Config,
+    probes: Vec<BackendProbe>,
+    listening: String,
+    closed: bool,
+) -> anyhow::Result<Arc<AgentState>> {
+    let proxy_url = if config.advertise_url.is_empty() { listening } else { config.advertise_url.clone() };
+    Ok(Arc::new(AgentState {
         node_id: config.node_id.clone(),
         // 160 bits.
         instance: inferyes_proto::apikey::random_chars(32)?,
@@ -178,22 +294,25 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
                 restores_reused_nothing: AtomicU32::new(0),
                 restore_failed_unix_ms: AtomicU64::new(0),
                 restore_marks: Default::default(),
-                tier: tier_of(&config, &probe.id),
+                tier: tier_of(config, &probe.id),
                 probe,
             })
             .collect(),
         observations: state::Shared::new(Observations::default()),
         moves: state::Shared::default(),
         peers: state::Shared::default(),
-        closed: join_token.is_some(),
+        closed,
         issued: Default::default(),
         residency: state::Shared::new(residency::Residency::default()),
         changed: tokio::sync::Notify::new(),
         poll_now: tokio::sync::Notify::new(),
-    });
+    }))
+}
 
-    // Slot files a stopped agent left behind hold conversations: gone. And
-    // while it runs, those its moves left over.
+/// Slot files a stopped agent left behind hold conversations: gone, before
+/// this returns. And while it runs, those its moves left over, by the task
+/// returned.
+async fn sweep_slot_files(config: &Config) -> AbortOnDropHandle<()> {
     let dirs: Arc<[std::path::PathBuf]> =
         config.backends.iter().filter_map(|b| b.slots.as_ref()).map(|s| s.dir.clone()).collect();
     let sweep = move |older_than| {
@@ -201,111 +320,88 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         tokio::task::spawn_blocking(move || dirs.iter().for_each(|dir| slots::transfer::sweep(dir, older_than)))
     };
     let _ = sweep(Duration::ZERO).await;
-    let sweeper = AbortOnDropHandle::new(tokio::spawn(async move {
+    AbortOnDropHandle::new(tokio::spawn(async move {
         let mut every = tokio::time::interval(slots::transfer::LEFT_OVER_AFTER / 3);
         loop {
             every.tick().await;
             let _ = sweep(slots::transfer::LEFT_OVER_AFTER).await;
         }
-    }));
-    let client = ProbeClient::new(PROBE_TIMEOUT);
-    let gpus = GpuReader::detect(&config.gpu, backend_urls).await.context("GPU source unavailable")?;
-    tracing::info!(source = gpus.source_name(), "reading GPUs");
-    // The first report carries real readings, not an empty node.
-    poll::poll_once(&state, &client, &gpus).await;
+    }))
+}
 
-    let poller = AbortOnDropHandle::new(tokio::spawn(
-        poll::run(Arc::clone(&state), client, gpus, config.poll_interval(), shutdown.clone())
-            .instrument(tracing::info_span!("poller")),
-    ));
-    let (connection, _) = watch::channel(report::Connection::default());
-    let (orders_tx, orders) = watch::channel(Vec::new());
-    let (drains_tx, drains) = watch::channel(None);
-    let reporter = AbortOnDropHandle::new(tokio::spawn(
-        report::run(
-            Arc::clone(&state),
-            config.controllers.clone(),
-            config.tls.clone(),
-            join_token.clone(),
-            config.min_report_interval(),
-            report::Outlets { connection, orders: orders_tx, drains: drains_tx },
-            shutdown.clone(),
-        )
-        .instrument(tracing::info_span!("reporter")),
-    ));
-    let placer = AbortOnDropHandle::new(tokio::spawn(
-        place::run(Arc::clone(&state), orders, shutdown.clone()).instrument(tracing::info_span!("placement")),
-    ));
+/// What moves slots between agents: the proxy's hands for slots carried
+/// out and taken in, and the task that empties a draining node.
+struct SlotMovers {
+    carrier: Arc<slots::transfer::Carrier>,
+    intake: Arc<slots::transfer::Intake>,
+    drainer: AbortOnDropHandle<()>,
+}
 
-    tracing::info!(node = %config.node_id, proxy = %proxy_addr, "agent running");
-    let mut registry = prometheus_client::registry::Registry::default();
-    let metrics = metrics::Metrics::new(&mut registry);
-    let connections_refused = metrics.connections_refused.clone();
-    let slot_metrics = metrics.slots.clone();
-    let scrape = Arc::new(proxy::Scrape { registry, metrics });
-    let agent_tls = Arc::new(inferyes_net::tls::http_client(&config.tls).context("invalid TLS settings")?);
-    let sender = Arc::new(slots::transfer::Sender {
-        state: Arc::clone(&state),
-        moved: Default::default(),
-        moving: Default::default(),
-        client: ProbeClient::new(slots::transfer::SLOT_ACTION_TIMEOUT),
-        pool: inferyes_net::pool::Pool::new(inferyes_net::pool::Settings {
-            connect_timeout: Duration::from_secs(2),
-            idle_timeout: Duration::from_secs(10),
-            tls: Some(agent_tls),
-            read_timeout: slots::transfer::SLOT_ACTION_TIMEOUT,
-            idle_limits: inferyes_net::pool::IdleLimits::default(),
-        }),
-        max_slot_bytes: config.moves.max_slot_bytes,
-    });
-    let carrier = Arc::new(slots::transfer::Carrier {
-        sender: Arc::clone(&sender),
-        permits: Arc::new(tokio::sync::Semaphore::new(config.moves.max_incoming)),
-        metrics: slot_metrics.clone(),
-    });
-    let drainer = AbortOnDropHandle::new(tokio::spawn(
-        slots::drain::run(
-            Arc::clone(&state),
-            sender,
-            drains,
-            config.moves.clone(),
-            slot_metrics.clone(),
-            shutdown.clone(),
-        )
-        .instrument(tracing::info_span!("drain")),
-    ));
-    let keepers = spawn_keepers(&state, &shutdown);
-    let admission = inferyes_net::admit::Admission::new(config.connection_limits(), Some(config.prober()));
-    let intake = Arc::new(slots::transfer::Intake {
-        admission: Arc::clone(&admission),
-        state: Arc::clone(&state),
-        max_slot_bytes: config.moves.max_slot_bytes,
-        min_free_bytes: config.moves.min_free_bytes,
-        permits: tokio::sync::Semaphore::new(config.moves.max_incoming),
-        arriving: Default::default(),
-        client: ProbeClient::new(slots::transfer::SLOT_ACTION_TIMEOUT),
-        metrics: slot_metrics,
-        used: Default::default(),
-    });
-    // One service per worker thread, each with its own pool of connections
-    // to the backends.
-    let services = (0..config.workers())
-        .map(|_| {
-            let service = proxy::Service::new(
-                Arc::clone(&state),
-                Arc::clone(&scrape),
-                Arc::clone(&admission),
-                Arc::clone(&intake),
-                Arc::clone(&carrier),
-            );
-            move |peer| service.connection(peer)
-        })
-        .collect();
-    // On shutdown, requests in flight get a grace period; then the rest are
-    // cut.
-    let options = inferyes_net::serve::Options {
+impl SlotMovers {
+    fn start(
+        config: &Config,
+        state: &Arc<AgentState>,
+        admission: &Arc<inferyes_net::admit::Admission>,
+        drains: watch::Receiver<Option<inferyes_proto::v1::DrainState>>,
+        slot_metrics: metrics::SlotMetrics,
+        shutdown: &CancellationToken,
+    ) -> anyhow::Result<SlotMovers> {
+        let agent_tls = Arc::new(inferyes_net::tls::http_client(&config.tls).context("invalid TLS settings")?);
+        let sender = Arc::new(slots::transfer::Sender {
+            state: Arc::clone(state),
+            moved: Default::default(),
+            moving: Default::default(),
+            client: ProbeClient::new(slots::transfer::SLOT_ACTION_TIMEOUT),
+            pool: inferyes_net::pool::Pool::new(inferyes_net::pool::Settings {
+                connect_timeout: Duration::from_secs(2),
+                idle_timeout: Duration::from_secs(10),
+                tls: Some(agent_tls),
+                read_timeout: slots::transfer::SLOT_ACTION_TIMEOUT,
+                idle_limits: inferyes_net::pool::IdleLimits::default(),
+            }),
+            max_slot_bytes: config.moves.max_slot_bytes,
+        });
+        let carrier = Arc::new(slots::transfer::Carrier {
+            sender: Arc::clone(&sender),
+            permits: Arc::new(tokio::sync::Semaphore::new(config.moves.max_incoming)),
+            metrics: slot_metrics.clone(),
+        });
+        let drainer = AbortOnDropHandle::new(tokio::spawn(
+            slots::drain::run(
+                Arc::clone(state),
+                sender,
+                drains,
+                config.moves.clone(),
+                slot_metrics.clone(),
+                shutdown.clone(),
+            )
+            .instrument(tracing::info_span!("drain")),
+        ));
+        let intake = Arc::new(slots::transfer::Intake {
+            admission: Arc::clone(admission),
+            state: Arc::clone(state),
+            max_slot_bytes: config.moves.max_slot_bytes,
+            min_free_bytes: config.moves.min_free_bytes,
+            permits: tokio::sync::Semaphore::new(config.moves.max_incoming),
+            arriving: Default::default(),
+            client: ProbeClient::new(slots::transfer::SLOT_ACTION_TIMEOUT),
+            metrics: slot_metrics,
+            used: Default::default(),
+        });
+        Ok(SlotMovers { carrier, intake, drainer })
+    }
+}
+
+/// How the proxy serves, but for TLS: on shutdown, requests in flight get
+/// a grace period; then the rest are cut.
+fn proxy_options(
+    config: &Config,
+    admission: Arc<inferyes_net::admit::Admission>,
+    refused: Arc<dyn Fn(inferyes_net::admit::Refused) + Send + Sync>,
+) -> inferyes_net::serve::Options {
+    inferyes_net::serve::Options {
         name: "proxy",
-        tls: tls_server,
+        tls: None,
         http2_streams: PROXY_HTTP2_STREAMS,
         shutdown_grace: config.shutdown_grace(),
         past_grace: CancellationToken::new(),
@@ -313,35 +409,11 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         limit: inferyes_net::serve::ConnectionLimit {
             admission: Some(admission),
             refusal: proxy::connections_refusal(),
-            refused: Some(Arc::new(move |why: inferyes_net::admit::Refused| {
-                connections_refused.get_or_create(&metrics::ReasonLabels { reason: why.as_str() }).inc();
-            })),
+            refused: Some(refused),
         },
         max_requests_per_connection: 0,
         proxy_protocol: None,
-    };
-    let admin_router = proxy::admin_router(Arc::clone(&state), scrape);
-    let admin = AbortOnDropHandle::new(tokio::spawn(inferyes_net::serve::serve(
-        listeners.admin,
-        vec![move |_| hyper_util::service::TowerToHyperService::new(admin_router.clone())],
-        inferyes_net::serve::Options::operators("agent-admin", inferyes_net::serve::OPERATORS_LIMITS, None),
-        shutdown.clone(),
-    )));
-    let served = inferyes_net::serve::serve(listeners.proxy, services, options, shutdown.clone()).await;
-    shutdown.cancel();
-    admin.abort();
-    let _ = poller.await;
-    let _ = reporter.await;
-    let _ = placer.await;
-    let _ = drainer.await;
-    for keeper in keepers {
-        let _ = keeper.await;
     }
-    drop(sweeper);
-    for simulator in simulators {
-        let _ = simulator.await;
-    }
-    served.context("agent proxy failed")
 }
 
 /// Each KV tier's keeper, until `shutdown`.
