@@ -1,6 +1,8 @@
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+use inferyes_proto::FastMap;
 use inferyes_proto::v1::{Alias, BackendKind, BackendLoad, Health, ModelState, RoutingPolicy, SnapshotNode, Strategy};
 
 use super::{
@@ -60,12 +62,93 @@ pub fn decode_live(
         // One whose proxy takes no request until its controller issued it a
         // credential is not a node to send one to yet.
         let Some(status) = wire.status.as_ref().filter(|s| !s.awaiting_credential) else { continue };
-        let node_index = indices.nodes.len();
         let id: Arc<str> = Arc::from(status.node_id.as_str());
-        let key = inferyes_proto::hash::stable_hash(id.as_bytes());
         let node_live = live.node(&status.node_id);
-        // The GPUs' exact readings where the node's load has them; etcd's
-        // record rounds them up to steps.
+        let ready = !wire.draining && status.backends.iter().all(|b| b.health() == Health::Ready);
+        let proxy_url = inferyes_net::base_url::BaseUrl::new(&status.proxy_url);
+        let endpoint = states
+            .endpoint(&id, proxy_url, status.proxy_http2, ready, version)
+            .with_credential(crate::targets::AgentTakes::of(wire), credentials);
+        let own = wire.policy.as_ref();
+        let or = |value: Option<f64>, default: f64| value.filter(|v| *v > 0.0).unwrap_or(default);
+        let node = NodeFacts {
+            index: indices.nodes.len(),
+            key: inferyes_proto::hash::stable_hash(id.as_bytes()),
+            memory: Memory::of(status, node_live),
+            admission_threshold: or(own.map(|p| p.admission_threshold), policy.admission_threshold),
+            hard_limit: or(own.map(|p| p.hard_limit), policy.hard_limit),
+            draining: wire.draining,
+            own_in_flight: endpoint.in_flight(),
+            gpu_hour_price: gpu_hour_price(status.gpu_hour_price),
+        };
+        let mut backends = Vec::with_capacity(status.backends.len());
+        let mut backend_of_load = Vec::new();
+        for (backend_index, backend) in status.backends.iter().enumerate() {
+            let (load_position, load) = reported_load(node_live, backend_index, &backend.id);
+            let view = backend_view(backend, &load, node.gpu_hour_price);
+            let resident_sessions =
+                node_live.zip(load_position).map_or(0, |(l, position)| l.resident_sessions(position));
+            if let (Some(l), Some(position)) = (node_live, load_position) {
+                backend_of_load.resize(l.load.backends.len(), u32::MAX);
+                backend_of_load[position] = u32::try_from(backend_index).unwrap_or(u32::MAX);
+            }
+            let target = Target { node: node.index, backend: backend_index };
+            add_placements(&mut indices.models, (&node, target), backend, (&view, &load, resident_sessions));
+            backends.push(view);
+        }
+        indices.node_index.insert(node.key, node.index);
+        indices.nodes.push(Node {
+            endpoint: Arc::new(endpoint),
+            key: node.key,
+            id,
+            draining: wire.draining,
+            backends,
+            backend_of_load,
+            vram_fraction: node.memory.fraction,
+            vram_total_bytes: node.memory.total_bytes,
+            vram_used_bytes: node.memory.used_bytes,
+            vram_loading_bytes: node.memory.loading_bytes,
+            admission_threshold: node.admission_threshold,
+            hard_limit: node.hard_limit,
+        });
+    }
+    indices.models.values_mut().for_each(|placements| fill_rates(placements));
+    indices.rings = rings(&indices.models);
+    (indices.catalog, indices.aliases) = catalog(&indices.models, aliases);
+    indices.policy = policy;
+    indices.local = states.view(indices.nodes.iter().map(|node| &*node.endpoint));
+    RoutingSnapshot { version, indices: Arc::new(indices), sessions: Arc::clone(live.index()), ..Default::default() }
+}
+
+/// What every placement of a node shares.
+struct NodeFacts {
+    index: usize,
+    key: u64,
+    memory: Memory,
+    admission_threshold: f64,
+    hard_limit: f64,
+    draining: bool,
+    /// This data plane's requests in flight there as the snapshot is made.
+    own_in_flight: u32,
+    gpu_hour_price: f64,
+}
+
+/// A node's GPU memory.
+struct Memory {
+    /// The fullest GPU's used memory as a fraction of its total.
+    fraction: f64,
+    total_bytes: u64,
+    used_bytes: u64,
+    /// What the loads under way will take.
+    loading_bytes: u64,
+    /// A GPU's reading is the last one read.
+    stale: bool,
+}
+
+impl Memory {
+    /// The GPUs' exact readings where the node's load has them; etcd's
+    /// record rounds them up to steps.
+    fn of(status: &inferyes_proto::v1::NodeStatus, node_live: Option<&super::live::NodeLive>) -> Memory {
         let gpus: Vec<(u64, u64)> = status
             .gpus
             .iter()
@@ -79,144 +162,128 @@ pub fn decode_live(
                 (g.memory_total_bytes, reported.map_or(g.memory_used_bytes, |r| r.memory_used_bytes))
             })
             .collect();
-        let vram_fraction = gpus
-            .iter()
-            .filter(|(total, _)| *total > 0)
-            .map(|(total, used)| *used as f64 / *total as f64)
-            .fold(0.0, f64::max);
-        let vram_total_bytes: u64 = gpus.iter().map(|(total, _)| total).sum();
-        let vram_used_bytes: u64 = gpus.iter().map(|(_, used)| used).sum();
-        let vram_stale = status.gpus.iter().any(|g| g.stale);
-        let vram_loading_bytes: u64 = status
-            .backends
-            .iter()
-            .flat_map(|b| &b.models)
-            .filter(|m| m.state() == ModelState::Loading)
-            .map(|m| m.size_bytes)
-            .fold(0, u64::saturating_add);
-        let ready = !wire.draining && status.backends.iter().all(|b| b.health() == Health::Ready);
-        let proxy_url = inferyes_net::base_url::BaseUrl::new(&status.proxy_url);
-        let endpoint = states
-            .endpoint(&id, proxy_url, status.proxy_http2, ready, version)
-            .with_credential(crate::targets::AgentTakes::of(wire), credentials);
-        let endpoint = Arc::new(endpoint);
-        let own_in_flight = endpoint.in_flight();
-        let own = wire.policy.as_ref();
-        let or = |value: Option<f64>, default: f64| value.filter(|v| *v > 0.0).unwrap_or(default);
-        let admission_threshold = or(own.map(|p| p.admission_threshold), policy.admission_threshold);
-        let hard_limit = or(own.map(|p| p.hard_limit), policy.hard_limit);
-        let gpu_hour_price = gpu_hour_price(status.gpu_hour_price);
-        let mut backends = Vec::with_capacity(status.backends.len());
-        let mut backend_of_load = Vec::new();
-        for (backend_index, backend) in status.backends.iter().enumerate() {
-            // The load the node's live state reports for this backend: in
-            // the same order as the record's backends, else by id.
-            let load_position = node_live.and_then(|l| {
-                let by_index = l.load.backends.get(backend_index).filter(|b| b.backend_id == backend.id);
-                by_index
-                    .map(|_| backend_index)
-                    .or_else(|| l.load.backends.iter().position(|b| b.backend_id == backend.id))
-            });
-            let reported = node_live.zip(load_position).map(|(l, position)| &l.load.backends[position]);
-            let unknown = BackendLoad { load_unknown: true, ..BackendLoad::default() };
-            let load = match reported {
-                Some(load) if !node_live.is_some_and(|l| l.stale) => load,
-                Some(load) => &BackendLoad { load_unknown: true, ..load.clone() },
-                None => &unknown,
-            };
-            // Within what hardware can do: an agent claiming a billion
-            // tokens a second, or a slot freed in no time, would draw every
-            // session to itself.
-            let prefill = load.prefill_tokens_per_second;
-            let prefill_tokens_per_second = if prefill.is_finite() && prefill > 0.0 {
-                prefill.clamp(1.0, MAX_PREFILL_TOKENS_PER_SECOND)
-            } else {
-                0.0
-            };
-            let decode = load.tokens_per_second;
-            let decode_tokens_per_second =
-                if decode.is_finite() && decode > 0.0 { decode.clamp(1.0, MAX_DECODE_TOKENS_PER_SECOND) } else { 0.0 };
-            let view = BackendView {
-                id: Arc::from(backend.id.as_str()),
-                id_header: http::HeaderValue::from_str(&backend.id).ok(),
-                health: backend.health(),
-                reports_progress: matches!(
-                    backend.kind(),
-                    BackendKind::LlamaServer | BackendKind::LlamaServerRouter | BackendKind::LlamaSwap
-                ),
-                weight: backend.weight.max(1),
-                slots_total: backend.slots_total,
-                slots_busy: load.slots_busy,
-                requests_deferred: load.requests_deferred,
-                in_flight: load.in_flight,
-                load_unknown: load.load_unknown,
-                rates: crate::snapshot::Rates { prefill_tokens_per_second, decode_tokens_per_second, gpu_hour_price },
-            };
-            let slot_group = slot_group(&backend.slot_fingerprint).unwrap_or(0);
-            let service_seconds = match load.service_ms {
-                0 => 0.0,
-                ms => (f64::from(ms) / 1e3).clamp(MIN_SERVICE_SECONDS, MAX_SERVICE_SECONDS),
-            };
-            let target = Target { node: node_index, backend: backend_index };
-            let resident_sessions =
-                node_live.zip(load_position).map_or(0, |(l, position)| l.resident_sessions(position));
-            if let (Some(l), Some(position)) = (node_live, load_position) {
-                backend_of_load.resize(l.load.backends.len(), u32::MAX);
-                backend_of_load[position] = u32::try_from(backend_index).unwrap_or(u32::MAX);
-            }
-            let held = backend.models.iter().filter(|m| matches!(m.state(), ModelState::Loaded | ModelState::Loading));
-            let full = backend.models_max > 0 && held.count() >= backend.models_max as usize;
-            for model in &backend.models {
-                indices.models.entry(model.id.clone()).or_default().push(Placement {
-                    evicts: full && !matches!(model.state(), ModelState::Loaded | ModelState::Loading),
-                    target,
-                    state: model.state(),
-                    context_window: model.context_window,
-                    endpoints: model.endpoints().collect(),
-                    unsupported: model.unsupported().collect(),
-                    size_bytes: model.size_bytes,
-                    usable: view.health == Health::Ready && !wire.draining,
-                    reported_in_flight: view.in_flight,
-                    slots: view.slots_total,
-                    occupancy: view.occupancy(),
-                    own_in_flight_when_read: own_in_flight,
-                    deferred: view.requests_deferred,
-                    load_unknown: view.load_unknown,
-                    prefill_tokens_per_second,
-                    service_seconds,
-                    fastest_prefill_tokens_per_second: 0.0,
-                    resident_sessions,
-                    weight: view.weight,
-                    node_key: key,
-                    vram_fraction,
-                    admission_threshold,
-                    hard_limit,
-                    vram_total_bytes,
-                    vram_committed_bytes: vram_used_bytes.saturating_add(vram_loading_bytes),
-                    vram_stale,
-                    slot_group,
-                });
-            }
-            backends.push(view);
+        Memory {
+            fraction: gpus
+                .iter()
+                .filter(|(total, _)| *total > 0)
+                .map(|(total, used)| *used as f64 / *total as f64)
+                .fold(0.0, f64::max),
+            total_bytes: gpus.iter().map(|(total, _)| total).sum(),
+            used_bytes: gpus.iter().map(|(_, used)| used).sum(),
+            loading_bytes: status
+                .backends
+                .iter()
+                .flat_map(|b| &b.models)
+                .filter(|m| m.state() == ModelState::Loading)
+                .map(|m| m.size_bytes)
+                .fold(0, u64::saturating_add),
+            stale: status.gpus.iter().any(|g| g.stale),
         }
-        indices.node_index.insert(key, node_index);
-        indices.nodes.push(Node {
-            endpoint,
-            key,
-            id,
-            draining: wire.draining,
-            backends,
-            backend_of_load,
-            vram_fraction,
-            vram_total_bytes,
-            vram_used_bytes,
-            vram_loading_bytes,
-            admission_threshold,
-            hard_limit,
+    }
+}
+
+/// The load the node's live state reports for backend `id`, the record's
+/// `index`th, and its place in that state: in the same order as the
+/// record's backends, else found by id. Unknown where there is none, or
+/// the relay lost it.
+fn reported_load<'a>(
+    node_live: Option<&'a super::live::NodeLive>,
+    index: usize,
+    id: &str,
+) -> (Option<usize>, Cow<'a, BackendLoad>) {
+    let position = node_live.and_then(|l| {
+        let by_index = l.load.backends.get(index).filter(|b| b.backend_id == id);
+        by_index.map(|_| index).or_else(|| l.load.backends.iter().position(|b| b.backend_id == id))
+    });
+    let load = match node_live.zip(position) {
+        Some((l, position)) if !l.stale => Cow::Borrowed(&l.load.backends[position]),
+        Some((l, position)) => Cow::Owned(BackendLoad { load_unknown: true, ..l.load.backends[position].clone() }),
+        None => Cow::Owned(BackendLoad { load_unknown: true, ..BackendLoad::default() }),
+    };
+    (position, load)
+}
+
+/// A backend as routing reads it, its reported rates held within what
+/// hardware can do: an agent claiming a billion tokens a second would
+/// draw every session to itself.
+fn backend_view(backend: &inferyes_proto::v1::Backend, load: &BackendLoad, gpu_hour_price: f64) -> BackendView {
+    let prefill = load.prefill_tokens_per_second;
+    let prefill_tokens_per_second =
+        if prefill.is_finite() && prefill > 0.0 { prefill.clamp(1.0, MAX_PREFILL_TOKENS_PER_SECOND) } else { 0.0 };
+    let decode = load.tokens_per_second;
+    let decode_tokens_per_second =
+        if decode.is_finite() && decode > 0.0 { decode.clamp(1.0, MAX_DECODE_TOKENS_PER_SECOND) } else { 0.0 };
+    BackendView {
+        id: Arc::from(backend.id.as_str()),
+        id_header: http::HeaderValue::from_str(&backend.id).ok(),
+        health: backend.health(),
+        reports_progress: matches!(
+            backend.kind(),
+            BackendKind::LlamaServer | BackendKind::LlamaServerRouter | BackendKind::LlamaSwap
+        ),
+        weight: backend.weight.max(1),
+        slots_total: backend.slots_total,
+        slots_busy: load.slots_busy,
+        requests_deferred: load.requests_deferred,
+        in_flight: load.in_flight,
+        load_unknown: load.load_unknown,
+        rates: crate::snapshot::Rates { prefill_tokens_per_second, decode_tokens_per_second, gpu_hour_price },
+    }
+}
+
+/// One placement per model `backend` lists, at `target` of `node`, with
+/// its `view`, `load` and resident session count.
+fn add_placements(
+    models: &mut FastMap<String, Vec<Placement>>,
+    (node, target): (&NodeFacts, Target),
+    backend: &inferyes_proto::v1::Backend,
+    (view, load, resident_sessions): (&BackendView, &BackendLoad, u32),
+) {
+    // A slot freed in no time would draw every session to itself too.
+    let service_seconds = match load.service_ms {
+        0 => 0.0,
+        ms => (f64::from(ms) / 1e3).clamp(MIN_SERVICE_SECONDS, MAX_SERVICE_SECONDS),
+    };
+    let slot_group = slot_group(&backend.slot_fingerprint).unwrap_or(0);
+    let held = backend.models.iter().filter(|m| matches!(m.state(), ModelState::Loaded | ModelState::Loading));
+    let full = backend.models_max > 0 && held.count() >= backend.models_max as usize;
+    for model in &backend.models {
+        models.entry(model.id.clone()).or_default().push(Placement {
+            evicts: full && !matches!(model.state(), ModelState::Loaded | ModelState::Loading),
+            target,
+            state: model.state(),
+            context_window: model.context_window,
+            endpoints: model.endpoints().collect(),
+            unsupported: model.unsupported().collect(),
+            size_bytes: model.size_bytes,
+            usable: view.health == Health::Ready && !node.draining,
+            reported_in_flight: view.in_flight,
+            slots: view.slots_total,
+            occupancy: view.occupancy(),
+            own_in_flight_when_read: node.own_in_flight,
+            deferred: view.requests_deferred,
+            load_unknown: view.load_unknown,
+            prefill_tokens_per_second: view.rates.prefill_tokens_per_second,
+            service_seconds,
+            fastest_prefill_tokens_per_second: 0.0,
+            resident_sessions,
+            weight: view.weight,
+            node_key: node.key,
+            vram_fraction: node.memory.fraction,
+            admission_threshold: node.admission_threshold,
+            hard_limit: node.hard_limit,
+            vram_total_bytes: node.memory.total_bytes,
+            vram_committed_bytes: node.memory.used_bytes.saturating_add(node.memory.loading_bytes),
+            vram_stale: node.memory.stale,
+            slot_group,
         });
     }
-    indices.models.values_mut().for_each(|placements| fill_rates(placements));
-    for (model, placements) in &indices.models {
+}
+
+/// A hash ring for each model on enough placements to need one.
+fn rings(models: &FastMap<String, Vec<Placement>>) -> FastMap<String, Ring> {
+    let mut rings = inferyes_proto::FastMap::default();
+    for (model, placements) in models {
         if placements.len() < super::RING_MIN_PLACEMENTS {
             continue;
         }
@@ -232,10 +299,18 @@ pub fn decode_live(
             }
         }
         ring.points.sort_unstable();
-        indices.rings.insert(model.clone(), ring);
+        rings.insert(model.clone(), ring);
     }
-    let mut catalog: Vec<CatalogEntry> = indices
-        .models
+    rings
+}
+
+/// The fleet's catalog, models and aliases, sorted by id; and the aliases
+/// routing resolves (alias → model).
+fn catalog(
+    models: &FastMap<String, Vec<Placement>>,
+    aliases: &[Alias],
+) -> (Vec<CatalogEntry>, FastMap<String, String>) {
+    let mut catalog: Vec<CatalogEntry> = models
         .iter()
         .map(|(id, placements)| {
             let distinct = |warm_only: bool| {
@@ -257,14 +332,15 @@ pub fn decode_live(
             }
         })
         .collect();
+    let mut resolved = inferyes_proto::FastMap::default();
     for alias in aliases {
         // An alias of a model the fleet does not serve right now is still
         // listed: a request for it gets the model's own error.
         let target = catalog.iter().find(|e| e.id == alias.model).cloned();
-        if indices.models.contains_key(&alias.alias) {
+        if models.contains_key(&alias.alias) {
             continue;
         }
-        indices.aliases.insert(alias.alias.clone(), alias.model.clone());
+        resolved.insert(alias.alias.clone(), alias.model.clone());
         let mut entry = target.unwrap_or(CatalogEntry {
             id: String::new(),
             alias_of: None,
@@ -277,10 +353,7 @@ pub fn decode_live(
         catalog.push(entry);
     }
     catalog.sort_by(|a, b| a.id.cmp(&b.id));
-    indices.catalog = catalog;
-    indices.policy = policy;
-    indices.local = states.view(indices.nodes.iter().map(|node| &*node.endpoint));
-    RoutingSnapshot { version, indices: Arc::new(indices), sessions: Arc::clone(live.index()), ..Default::default() }
+    (catalog, resolved)
 }
 
 /// The bounds reported rates are held to.
