@@ -732,69 +732,14 @@ pub fn select(snapshot: &RoutingSnapshot, local: &impl Local, request: &RouteReq
     {
         return Ok(route);
     }
-    let n = placements.len() as u64;
-    let turn = request.ticket % n.max(1);
-    // Power of two choices: the two warm placements this ticket draws (the
-    // lowest of a hash of the ticket and each one's position), whichever
-    // of all the placements are warm.
-    let mut pair: Best<2> = Best::new();
-
-    // One pass: what is possible, the totals the load bound needs, the
-    // session's best homes by rendezvous score, and the best few keyless
-    // and cold placements.
-    let (mut any_capable, mut any_fitting, mut largest_window) = (false, false, 0u32);
-    let (mut warm_count, mut warm_load) = (0u64, 0u64);
-    let mut unadmitted_for_memory = false;
-    let mut homes: Best<HOMES> = Best::new();
-    let mut warm: Best<MAX_TARGETS> = Best::new();
-    let mut cold: Best<MAX_TARGETS> = Best::new();
-    let mut ejected: Best<MAX_TARGETS> = Best::new();
-    for (i, p) in placements.iter().enumerate() {
-        if !capable(p) {
-            continue;
-        }
-        any_capable = true;
-        largest_window = largest_window.max(p.context_window);
-        if !fits(p) {
-            continue;
-        }
-        any_fitting = true;
-        match seen.class_of(p, home) {
-            // A usable home took the early return: here it is not one.
-            Eligibility::Resident | Eligibility::Warm => {
-                warm_count += 1;
-                let saturated = u64::from(seen.waits(p));
-                let position = i as u64;
-                match (session_key, strategy) {
-                    (Some(key), _) => {
-                        warm_load += u64::from(seen.session_load(p));
-                        homes.offer([!score(key, p, strategy), place_key(p), 0], i);
-                    }
-                    (None, Strategy::RoundRobin) => warm.offer([saturated, (position + n - turn) % n, 0], i),
-                    (None, Strategy::Weighted) => {
-                        let share = (u64::from(seen.load(p)) << 32) / u64::from(p.weight.max(1));
-                        warm.offer([saturated, share, u64::from(u32::MAX - p.weight) << 32 | place_key(p)], i);
-                    }
-                    (None, Strategy::PowerOfTwo) => {
-                        pair.offer([draw(request.ticket, position), 0, 0], i);
-                        warm.offer([saturated, 1 << 32 | u64::from(seen.load(p)), position], i);
-                    }
-                    (None, _) => warm.offer([saturated, u64::from(seen.load(p)), place_key(p)], i),
-                }
-            }
-            Eligibility::Cold => cold.offer([cold_rank(p), !seen.free_memory(p), place_key(p)], i),
-            Eligibility::Unadmitted { memory } => unadmitted_for_memory |= memory,
-            // The soonest back first.
-            Eligibility::Ejected => ejected.offer([seen.ejected_until(p).unwrap_or(0), place_key(p), 0], i),
-        }
-    }
-    if !any_capable {
+    let scan = Scan::of(&seen, placements, request, (&capable, &fits), home, (session_key, strategy));
+    if !scan.any_capable {
         return Err(RouteError::NotServed {
             model: request.model.to_string(),
             kind: inferyes_proto::kinds::name(request.kind),
         });
     }
-    if !any_fitting {
+    if !scan.any_fitting {
         // The estimate is only that, and no request is refused for one: a
         // prompt it says fits nowhere goes where the window is largest of
         // the nodes that can take it now (else of all), and the server,
@@ -807,88 +752,204 @@ pub fn select(snapshot: &RoutingSnapshot, local: &impl Local, request: &RouteReq
             })
             .map(|p| p.context_window)
             .max();
-        let prompt_tokens = usable.unwrap_or(largest_window);
+        let prompt_tokens = usable.unwrap_or(scan.largest_window);
         return select(snapshot, local, &RouteRequest { prompt_tokens, ..*request });
     }
-    let bound = session_key.map(|_| cost::load_bound(snapshot.policy().load_bound, warm_load, warm_count));
+    let mut scan = scan;
+    let bound = session_key.map(|_| cost::load_bound(snapshot.policy().load_bound, scan.warm_load, scan.warm_count));
     if let (Some(key), Some(bound)) = (session_key, bound) {
-        let over = |p: &Placement| cost::over_bound(seen.session_load(p), bound);
-        // The best homes by score, those within the bound first, those that
-        // start it at once before those that queue it, the soonest first.
-        for index in homes.indices() {
-            let p = &placements[index];
-            warm.offer([u64::from(over(p)), seen.start_key(p), homes_rank(&homes, index)], index);
-        }
-        if homes.indices().all(|i| over(&placements[i]) || seen.waits(&placements[i])) && warm_count > HOMES as u64 {
-            // Every top home is over the bound (heavy imbalance) or would
-            // queue the session: rank them all, another may have room.
-            warm = Best::new();
-            for (i, p) in placements.iter().enumerate() {
-                if capable(p) && fits(p) && seen.class_of(p, home) == Eligibility::Warm {
-                    warm.offer([u64::from(over(p)), seen.start_key(p), !score(key, p, strategy)], i);
-                }
-            }
-        }
+        let warm_home = |p: &Placement| capable(p) && fits(p) && seen.class_of(p, home) == Eligibility::Warm;
+        scan.rank_homes(&seen, placements, (key, bound, strategy), &warm_home);
     }
-
-    if pair.len > 0 {
-        // The pair first, the less loaded leading; then the least loaded
-        // of the rest.
-        let rest = warm;
-        warm = Best::new();
-        for i in pair.indices() {
-            let p = &placements[i];
-            warm.offer([u64::from(seen.waits(p)), u64::from(seen.load(p)), i as u64], i);
-        }
-        for i in rest.indices().filter(|i| !pair.indices().any(|j| j == *i)) {
-            let p = &placements[i];
-            warm.offer([u64::from(seen.waits(p)), 1 << 32 | u64::from(seen.load(p)), i as u64], i);
-        }
-    }
-
-    let mut targets = Targets::default();
-    let mut loads = 0u8;
-    let mut waits = false;
-    let ordered = warm.indices().chain(cold.indices()).chain(ejected.indices());
-    for index in ordered {
-        if targets.len() == MAX_TARGETS {
-            break;
-        }
-        let target = placements[index].target;
-        if !targets.contains(&target) {
-            if cold.indices().any(|i| i == index) {
-                loads |= 1 << targets.len();
-            } else if targets.is_empty() {
-                waits = seen.waits(&placements[index]);
-            }
-            targets.push(target);
-        }
-    }
-    if targets.is_empty() {
-        let why = if unadmitted_for_memory {
-            "GPU memory above the admission threshold, or not read lately"
-        } else {
-            "none is ready"
-        };
-        return Err(RouteError::NoCapacity { model: request.model.to_string(), why });
-    }
-    let reason = if loads & 1 != 0 {
-        RouteReason::Cold
-    } else if session_key.is_some() {
-        RouteReason::Placed
-    } else {
-        RouteReason::Warm
-    };
-    let preferred = homes.indices().next().filter(|_| session_key.is_some()).map(|i| placements[i].target);
+    scan.put_pair_first(&seen, placements);
+    let preferred = scan.homes.indices().next().filter(|_| session_key.is_some()).map(|i| placements[i].target);
     let weighing = Weighing { bound, preferred, ..Weighing::of(request.prompt_tokens) };
-    Ok(Route {
-        targets,
-        reason,
-        loads,
-        waits,
-        home_if_not_carried: false,
-        weighed: Arc::new(weighed(&seen, placements, &targets, &weighing)),
-    })
+    scan.route(&seen, placements, request.model, session_key.is_some(), &weighing)
+}
+
+/// What one pass over a model's placements finds: what is possible, the
+/// totals the load bound needs, a session's best homes by rendezvous
+/// score, and the best few keyless, cold and ejected placements.
+struct Scan {
+    any_capable: bool,
+    any_fitting: bool,
+    largest_window: u32,
+    warm_count: u64,
+    /// Sessions on the warm placements, resident and this data plane's in
+    /// flight: the load bound's total.
+    warm_load: u64,
+    unadmitted_for_memory: bool,
+    homes: Best<HOMES>,
+    warm: Best<MAX_TARGETS>,
+    cold: Best<MAX_TARGETS>,
+    ejected: Best<MAX_TARGETS>,
+    /// Power of two choices: the two warm placements this ticket draws
+    /// (the lowest of a hash of the ticket and each one's position),
+    /// whichever of all the placements are warm.
+    pair: Best<2>,
+}
+
+impl Scan {
+    fn of<L: Local>(
+        seen: &LocalView<'_, L>,
+        placements: &[Placement],
+        request: &RouteRequest<'_>,
+        (capable, fits): (&impl Fn(&Placement) -> bool, &impl Fn(&Placement) -> bool),
+        home: Option<Target>,
+        (session_key, strategy): (Option<u64>, Strategy),
+    ) -> Scan {
+        let n = placements.len() as u64;
+        let turn = request.ticket % n.max(1);
+        let mut scan = Scan {
+            any_capable: false,
+            any_fitting: false,
+            largest_window: 0,
+            warm_count: 0,
+            warm_load: 0,
+            unadmitted_for_memory: false,
+            homes: Best::new(),
+            warm: Best::new(),
+            cold: Best::new(),
+            ejected: Best::new(),
+            pair: Best::new(),
+        };
+        for (i, p) in placements.iter().enumerate() {
+            if !capable(p) {
+                continue;
+            }
+            scan.any_capable = true;
+            scan.largest_window = scan.largest_window.max(p.context_window);
+            if !fits(p) {
+                continue;
+            }
+            scan.any_fitting = true;
+            match seen.class_of(p, home) {
+                // A usable home took the early return: here it is not one.
+                Eligibility::Resident | Eligibility::Warm => {
+                    scan.warm_count += 1;
+                    let saturated = u64::from(seen.waits(p));
+                    let position = i as u64;
+                    match (session_key, strategy) {
+                        (Some(key), _) => {
+                            scan.warm_load += u64::from(seen.session_load(p));
+                            scan.homes.offer([!score(key, p, strategy), place_key(p), 0], i);
+                        }
+                        (None, Strategy::RoundRobin) => scan.warm.offer([saturated, (position + n - turn) % n, 0], i),
+                        (None, Strategy::Weighted) => {
+                            let share = (u64::from(seen.load(p)) << 32) / u64::from(p.weight.max(1));
+                            scan.warm.offer([saturated, share, u64::from(u32::MAX - p.weight) << 32 | place_key(p)], i);
+                        }
+                        (None, Strategy::PowerOfTwo) => {
+                            scan.pair.offer([draw(request.ticket, position), 0, 0], i);
+                            scan.warm.offer([saturated, 1 << 32 | u64::from(seen.load(p)), position], i);
+                        }
+                        (None, _) => scan.warm.offer([saturated, u64::from(seen.load(p)), place_key(p)], i),
+                    }
+                }
+                Eligibility::Cold => scan.cold.offer([cold_rank(p), !seen.free_memory(p), place_key(p)], i),
+                Eligibility::Unadmitted { memory } => scan.unadmitted_for_memory |= memory,
+                // The soonest back first.
+                Eligibility::Ejected => scan.ejected.offer([seen.ejected_until(p).unwrap_or(0), place_key(p), 0], i),
+            }
+        }
+        scan
+    }
+
+    /// A new session's warm targets: its best homes by score, those within
+    /// the load `bound` first, those that start it at once before those
+    /// that queue it, the soonest first. Where every top home is over the
+    /// bound (heavy imbalance) or would queue it, every `warm_home` ranked
+    /// so: another may have room.
+    fn rank_homes<L: Local>(
+        &mut self,
+        seen: &LocalView<'_, L>,
+        placements: &[Placement],
+        (key, bound, strategy): (u64, f64, Strategy),
+        warm_home: &impl Fn(&Placement) -> bool,
+    ) {
+        let over = |p: &Placement| cost::over_bound(seen.session_load(p), bound);
+        for index in self.homes.indices() {
+            let p = &placements[index];
+            self.warm.offer([u64::from(over(p)), seen.start_key(p), homes_rank(&self.homes, index)], index);
+        }
+        let none_free = self.homes.indices().all(|i| over(&placements[i]) || seen.waits(&placements[i]));
+        if none_free && self.warm_count > HOMES as u64 {
+            self.warm = Best::new();
+            for (i, p) in placements.iter().enumerate().filter(|(_, p)| warm_home(p)) {
+                self.warm.offer([u64::from(over(p)), seen.start_key(p), !score(key, p, strategy)], i);
+            }
+        }
+    }
+
+    /// The ticket's pair first, the less loaded leading; then the least
+    /// loaded of the rest.
+    fn put_pair_first<L: Local>(&mut self, seen: &LocalView<'_, L>, placements: &[Placement]) {
+        if self.pair.len == 0 {
+            return;
+        }
+        let rest = std::mem::replace(&mut self.warm, Best::new());
+        for i in self.pair.indices() {
+            let p = &placements[i];
+            self.warm.offer([u64::from(seen.waits(p)), u64::from(seen.load(p)), i as u64], i);
+        }
+        for i in rest.indices().filter(|i| !self.pair.indices().any(|j| j == *i)) {
+            let p = &placements[i];
+            self.warm.offer([u64::from(seen.waits(p)), 1 << 32 | u64::from(seen.load(p)), i as u64], i);
+        }
+    }
+
+    /// The route: the warm targets, then the cold (which load the model),
+    /// then the ejected, at most [`MAX_TARGETS`].
+    fn route<L: Local>(
+        &self,
+        seen: &LocalView<'_, L>,
+        placements: &[Placement],
+        model: &str,
+        session: bool,
+        weighing: &Weighing,
+    ) -> Result<Route, RouteError> {
+        let mut targets = Targets::default();
+        let mut loads = 0u8;
+        let mut waits = false;
+        let ordered = self.warm.indices().chain(self.cold.indices()).chain(self.ejected.indices());
+        for index in ordered {
+            if targets.len() == MAX_TARGETS {
+                break;
+            }
+            let target = placements[index].target;
+            if !targets.contains(&target) {
+                if self.cold.indices().any(|i| i == index) {
+                    loads |= 1 << targets.len();
+                } else if targets.is_empty() {
+                    waits = seen.waits(&placements[index]);
+                }
+                targets.push(target);
+            }
+        }
+        if targets.is_empty() {
+            let why = if self.unadmitted_for_memory {
+                "GPU memory above the admission threshold, or not read lately"
+            } else {
+                "none is ready"
+            };
+            return Err(RouteError::NoCapacity { model: model.to_string(), why });
+        }
+        let reason = if loads & 1 != 0 {
+            RouteReason::Cold
+        } else if session {
+            RouteReason::Placed
+        } else {
+            RouteReason::Warm
+        };
+        Ok(Route {
+            targets,
+            reason,
+            loads,
+            waits,
+            home_if_not_carried: false,
+            weighed: Arc::new(weighed(seen, placements, &targets, weighing)),
+        })
+    }
 }
 
 /// A session whose home (`placements[at]`) can take it: home, unless
