@@ -265,29 +265,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<String> {
         clap_complete::generate(shell, &mut <Cli as clap::CommandFactory>::command(), "inferyesctl", &mut script);
         return Ok(String::from_utf8_lossy(&script).into_owned());
     }
-    let tls = inferyes_proto::tls::Tls {
-        ca_file: cli.tls_ca_file.clone(),
-        cert_file: cli.tls_cert_file.clone(),
-        key_file: cli.tls_key_file.clone(),
-        client_ca_file: None,
-    };
-    tls.validate()?;
-    let channel = inferyes_proto::tls::grpc_endpoint(&cli.controller, &tls)?
-        .connect_timeout(std::time::Duration::from_secs(3))
-        .connect()
-        .await
-        .with_context(|| {
-            format!("cannot reach the controller at {} (set --controller or INFERYES_CONTROLLER)", cli.controller)
-        })?;
-    let token = match inferyes_proto::files::read_token(
-        cli.admin_token.as_deref(),
-        cli.admin_token_file.as_deref(),
-        "admin token",
-    )? {
-        Some(token) => Some(token),
-        None => inferyes_proto::files::read_token(None, cli.viewer_token_file.as_deref(), "viewer token")?,
-    };
-    let mut client = admin_client(channel, token.as_deref())?;
+    let mut client = connect(&cli).await?;
     let output = cli.output;
     let text = match cli.command {
         Command::Nodes => {
@@ -316,19 +294,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<String> {
             let response = client.undrain(UndrainRequest { node_id }).await.map_err(rpc_error)?.into_inner();
             render(&Drained { node_id: response.node_id, draining: false, revision: response.revision }, output)
         }
-        Command::Alias(AliasCommand::List) => {
-            render(&client.list_aliases(ListAliasesRequest {}).await.map_err(rpc_error)?.into_inner(), output)
-        }
-        Command::Alias(AliasCommand::Set { alias, model }) => {
-            let request = Alias { alias: alias.clone(), model: model.clone() };
-            let response = client.set_alias(request).await.map_err(rpc_error)?.into_inner();
-            render(&Written { what: format!("alias {alias} -> {model}"), revision: response.revision }, output)
-        }
-        Command::Alias(AliasCommand::Rm { alias }) => {
-            let request = DeleteAliasRequest { alias: alias.clone() };
-            let response = client.delete_alias(request).await.map_err(rpc_error)?.into_inner();
-            render(&Written { what: format!("alias {alias} removed"), revision: response.revision }, output)
-        }
+        Command::Alias(command) => alias(&mut client, command, output).await?,
         Command::Keys(command) => keys(&mut client, command, output).await?,
         Command::Usage { key, by_tenant, model, since, export } => {
             let since_unix_ms = match since {
@@ -336,23 +302,86 @@ pub async fn run(cli: Cli) -> anyhow::Result<String> {
                 None => 0,
             };
             let query = UsageQuery { key_id: key.unwrap_or_default(), model: model.unwrap_or_default(), since_unix_ms };
-            if export {
-                let mut stream = client.export_usage(query).await.map_err(rpc_error)?.into_inner();
-                let mut out = String::new();
-                while let Some(record) = stream.message().await.map_err(rpc_error)? {
-                    out.push_str(&usage_record_line(&record));
-                }
-                out
-            } else {
-                let report = client.get_usage(query).await.map_err(rpc_error)?.into_inner();
-                render(&if by_tenant { render::by_tenant(report) } else { report }, output)
-            }
+            usage(&mut client, query, (by_tenant, export), output).await?
         }
-        Command::Policy(PolicyCommand::Show) => {
+        Command::Policy(command) => policy(&mut client, command, output).await?,
+        Command::Completions { .. } => unreachable!("answered before connecting"),
+    };
+    Ok(text)
+}
+
+/// The controller's admin API, with the admin token, else the viewer's.
+async fn connect(cli: &Cli) -> anyhow::Result<AdminClient> {
+    let tls = inferyes_proto::tls::Tls {
+        ca_file: cli.tls_ca_file.clone(),
+        cert_file: cli.tls_cert_file.clone(),
+        key_file: cli.tls_key_file.clone(),
+        client_ca_file: None,
+    };
+    tls.validate()?;
+    let channel = inferyes_proto::tls::grpc_endpoint(&cli.controller, &tls)?
+        .connect_timeout(std::time::Duration::from_secs(3))
+        .connect()
+        .await
+        .with_context(|| {
+            format!("cannot reach the controller at {} (set --controller or INFERYES_CONTROLLER)", cli.controller)
+        })?;
+    let token = match inferyes_proto::files::read_token(
+        cli.admin_token.as_deref(),
+        cli.admin_token_file.as_deref(),
+        "admin token",
+    )? {
+        Some(token) => Some(token),
+        None => inferyes_proto::files::read_token(None, cli.viewer_token_file.as_deref(), "viewer token")?,
+    };
+    admin_client(channel, token.as_deref())
+}
+
+async fn alias(client: &mut AdminClient, command: AliasCommand, output: Output) -> anyhow::Result<String> {
+    Ok(match command {
+        AliasCommand::List => {
+            render(&client.list_aliases(ListAliasesRequest {}).await.map_err(rpc_error)?.into_inner(), output)
+        }
+        AliasCommand::Set { alias, model } => {
+            let request = Alias { alias: alias.clone(), model: model.clone() };
+            let response = client.set_alias(request).await.map_err(rpc_error)?.into_inner();
+            render(&Written { what: format!("alias {alias} -> {model}"), revision: response.revision }, output)
+        }
+        AliasCommand::Rm { alias } => {
+            let request = DeleteAliasRequest { alias: alias.clone() };
+            let response = client.delete_alias(request).await.map_err(rpc_error)?.into_inner();
+            render(&Written { what: format!("alias {alias} removed"), revision: response.revision }, output)
+        }
+    })
+}
+
+/// Usage by `query`: the records themselves, one JSON line each
+/// (`export`), else the report, by tenant where asked.
+async fn usage(
+    client: &mut AdminClient,
+    query: UsageQuery,
+    (by_tenant, export): (bool, bool),
+    output: Output,
+) -> anyhow::Result<String> {
+    if export {
+        let mut stream = client.export_usage(query).await.map_err(rpc_error)?.into_inner();
+        let mut out = String::new();
+        while let Some(record) = stream.message().await.map_err(rpc_error)? {
+            out.push_str(&usage_record_line(&record));
+        }
+        return Ok(out);
+    }
+    let report = client.get_usage(query).await.map_err(rpc_error)?.into_inner();
+    Ok(render(&if by_tenant { render::by_tenant(report) } else { report }, output))
+}
+
+async fn policy(client: &mut AdminClient, command: PolicyCommand, output: Output) -> anyhow::Result<String> {
+    Ok(match command {
+        PolicyCommand::Show => {
             let policy = client.get_policy(GetPolicyRequest {}).await.map_err(rpc_error)?.into_inner();
             render(&Policy { policy, revision: None }, output)
         }
-        Command::Policy(PolicyCommand::Set {
+        PolicyCommand::Set {
             admission,
             hard_limit,
             load_bound,
@@ -363,7 +392,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<String> {
             latency_critical,
             replicas,
             placement,
-        }) => {
+        } => {
             let mut policy = client.get_policy(GetPolicyRequest {}).await.map_err(rpc_error)?.into_inner();
             if let Some(v) = admission {
                 policy.admission_threshold = v;
@@ -410,8 +439,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<String> {
             let response = client.set_policy(policy.clone()).await.map_err(rpc_error)?.into_inner();
             render(&Policy { policy, revision: Some(response.revision) }, output)
         }
-        Command::Completions { .. } => unreachable!("answered before connecting"),
-        Command::Policy(PolicyCommand::Node { node_id, admission, hard_limit }) => {
+        PolicyCommand::Node { node_id, admission, hard_limit } => {
             let request = SetNodePolicyRequest {
                 node_id: node_id.clone(),
                 policy: Some(NodePolicy { admission_threshold: admission, hard_limit }),
@@ -419,8 +447,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<String> {
             let response = client.set_node_policy(request).await.map_err(rpc_error)?.into_inner();
             render(&Written { what: format!("node {node_id} thresholds set"), revision: response.revision }, output)
         }
-    };
-    Ok(text)
+    })
 }
 
 async fn keys(client: &mut AdminClient, command: KeysCommand, output: Output) -> anyhow::Result<String> {
