@@ -27,128 +27,9 @@ pub fn build(
     let policy = snapshot.policy();
     let fleet_admission = or(policy.admission_threshold, DEFAULT_ADMISSION);
     let fleet_hard = or(policy.hard_limit, DEFAULT_HARD_LIMIT);
-
     let mut gpus: Vec<Value> = Vec::new();
     for node in snapshot.merged_nodes(live) {
-        let Some(status) = node.status.as_ref() else { continue };
-        let admission = node.policy.as_ref().map_or(fleet_admission, |p| or(p.admission_threshold, fleet_admission));
-        let hard = node.policy.as_ref().map_or(fleet_hard, |p| or(p.hard_limit, fleet_hard));
-        let backends = &status.backends;
-        let slots_total: u32 = backends.iter().map(|b| b.slots_total).sum();
-        let slots_busy: u32 = backends.iter().map(|b| b.slots_busy).sum();
-        let deferred: u32 = backends.iter().map(|b| b.requests_deferred).sum();
-        let in_flight: u32 = backends.iter().map(|b| b.in_flight).sum();
-        let tokens_per_second: f64 = backends.iter().map(|b| b.tokens_per_second).sum();
-        // What routing weighs a queue and a recompute with, per backend.
-        let rates: Vec<Value> = backends
-            .iter()
-            .map(|b| {
-                json!({
-                    "id": b.id,
-                    "prefill_tokens_per_second": b.prefill_tokens_per_second,
-                    "service_ms": b.service_ms,
-                    "load_unknown": b.load_unknown,
-                    "slots_movable": !b.slot_fingerprint.is_empty(),
-                    "slots_unmovable": b.slots_unmovable,
-                    "kv_tier": b.kv_tier.as_ref().map(|t| json!({
-                        "bytes": t.bytes,
-                        "states": t.states,
-                        "saves": t.saves,
-                        "skipped": t.skipped,
-                        "restores": t.restores,
-                        "restore_failures": t.restore_failures,
-                        "evicted": t.evicted,
-                    })),
-                })
-            })
-            .collect();
-        let models: Vec<Value> = backends
-            .iter()
-            .flat_map(|b| b.models.iter().map(move |m| (b, m)))
-            .map(|(backend, model)| json!({ "id": model.id, "backend": backend.id, "state": model_state(model.state()) }))
-            .collect();
-        let mut badges: Vec<String> = Vec::new();
-        if node.draining {
-            badges.push("draining".into());
-        }
-        if let Some(by) = recent.ejected.get(&status.node_id) {
-            badges.push(format!("ejected by {}", by.iter().cloned().collect::<Vec<_>>().join(", ")));
-        }
-        for backend in backends {
-            match backend.health() {
-                Health::Down => badges.push(format!("{} down", backend.id)),
-                Health::Loading => badges.push(format!("{} loading", backend.id)),
-                Health::Unknown => badges.push(format!("{} unknown", backend.id)),
-                Health::Ready => {}
-            }
-        }
-        if slots_total > 0 && slots_busy >= slots_total && deferred > 0 {
-            badges.push("queueing".into());
-        }
-        let sessions: u32 = backends.iter().map(|b| b.resident_sessions).sum();
-        let node_fields = |gpu: Value, index: Option<u32>| {
-            let fraction = gpu["fraction"].as_f64().unwrap_or(0.0);
-            let mut badges = badges.clone();
-            if gpu["stale"] == true {
-                badges.push("GPU not read lately: no loads".into());
-            }
-            if fraction >= hard {
-                badges.push("over hard limit".into());
-            } else if fraction >= admission {
-                badges.push("no new sessions".into());
-            }
-            json!({
-                "node": status.node_id,
-                "host": status.hostname,
-                "gpu": gpu,
-                "pressure": pressure(fraction, admission, hard),
-                "admission": admission,
-                "hard_limit": hard,
-                "slots_busy": slots_busy,
-                "slots_total": slots_total,
-                "deferred": deferred,
-                "in_flight": in_flight,
-                "tokens_per_second": tokens_per_second,
-                "backends": rates,
-                "sessions": sessions,
-                "moves": status.moves.as_ref().map(|m| json!({
-                    "running": m.running,
-                    "sessions": m.sessions,
-                    "moved": m.moved,
-                    "failed": m.failed,
-                    "not_movable": m.not_movable,
-                    "bytes": m.bytes,
-                    "ms": m.finished_unix_ms.max(m.started_unix_ms) - m.started_unix_ms,
-                    "last_error": m.last_error,
-                })),
-                "models": models,
-                "badges": badges,
-                "history": history.of(&status.node_id, index),
-            })
-        };
-        if status.gpus.is_empty() {
-            gpus.push(node_fields(json!({ "index": null, "name": "no GPU reported", "fraction": 0.0 }), None));
-        }
-        for gpu in &status.gpus {
-            let fraction = if gpu.memory_total_bytes == 0 {
-                0.0
-            } else {
-                gpu.memory_used_bytes as f64 / gpu.memory_total_bytes as f64
-            };
-            gpus.push(node_fields(
-                json!({
-                    "index": gpu.index,
-                    "name": gpu.name,
-                    "used_bytes": gpu.memory_used_bytes,
-                    "total_bytes": gpu.memory_total_bytes,
-                    "fraction": fraction,
-                    "utilization_percent": gpu.utilization_percent,
-                    "source": gpu_source(gpu.source()),
-                    "stale": gpu.stale,
-                }),
-                Some(gpu.index),
-            ));
-        }
+        gpus.extend(gpu_cards(&node, recent, history, (fleet_admission, fleet_hard)));
     }
     // Pressure first: the cards an operator must look at lead.
     gpus.sort_by(|a, b| {
@@ -171,6 +52,145 @@ pub fn build(
     });
     plain_strings(&mut view);
     view
+}
+
+/// One card per GPU of `node` (one for a node without GPUs), each with
+/// the node's load, backends, models and badges, and the GPU's pressure
+/// against the node's thresholds (else the fleet's).
+fn gpu_cards(
+    node: &inferyes_proto::v1::SnapshotNode,
+    recent: &Recent,
+    history: &Pressure,
+    (fleet_admission, fleet_hard): (f64, f64),
+) -> Vec<Value> {
+    let Some(status) = node.status.as_ref() else { return Vec::new() };
+    let admission = node.policy.as_ref().map_or(fleet_admission, |p| or(p.admission_threshold, fleet_admission));
+    let hard = node.policy.as_ref().map_or(fleet_hard, |p| or(p.hard_limit, fleet_hard));
+    let backends = &status.backends;
+    let slots_total: u32 = backends.iter().map(|b| b.slots_total).sum();
+    let slots_busy: u32 = backends.iter().map(|b| b.slots_busy).sum();
+    let deferred: u32 = backends.iter().map(|b| b.requests_deferred).sum();
+    let rates = backend_rates(backends);
+    let models: Vec<Value> = backends
+        .iter()
+        .flat_map(|b| b.models.iter().map(move |m| (b, m)))
+        .map(|(backend, model)| json!({ "id": model.id, "backend": backend.id, "state": model_state(model.state()) }))
+        .collect();
+    let badges = node_badges(node, recent, (slots_total, slots_busy, deferred));
+    let card = |gpu: Value, index: Option<u32>| {
+        let fraction = gpu["fraction"].as_f64().unwrap_or(0.0);
+        let mut badges = badges.clone();
+        if gpu["stale"] == true {
+            badges.push("GPU not read lately: no loads".into());
+        }
+        if fraction >= hard {
+            badges.push("over hard limit".into());
+        } else if fraction >= admission {
+            badges.push("no new sessions".into());
+        }
+        json!({
+            "node": status.node_id,
+            "host": status.hostname,
+            "gpu": gpu,
+            "pressure": pressure(fraction, admission, hard),
+            "admission": admission,
+            "hard_limit": hard,
+            "slots_busy": slots_busy,
+            "slots_total": slots_total,
+            "deferred": deferred,
+            "in_flight": backends.iter().map(|b| b.in_flight).sum::<u32>(),
+            "tokens_per_second": backends.iter().map(|b| b.tokens_per_second).sum::<f64>(),
+            "backends": rates,
+            "sessions": backends.iter().map(|b| b.resident_sessions).sum::<u32>(),
+            "moves": status.moves.as_ref().map(|m| json!({
+                "running": m.running,
+                "sessions": m.sessions,
+                "moved": m.moved,
+                "failed": m.failed,
+                "not_movable": m.not_movable,
+                "bytes": m.bytes,
+                "ms": m.finished_unix_ms.max(m.started_unix_ms) - m.started_unix_ms,
+                "last_error": m.last_error,
+            })),
+            "models": models,
+            "badges": badges,
+            "history": history.of(&status.node_id, index),
+        })
+    };
+    if status.gpus.is_empty() {
+        return vec![card(json!({ "index": null, "name": "no GPU reported", "fraction": 0.0 }), None)];
+    }
+    status.gpus.iter().map(|gpu| card(gpu_reading(gpu), Some(gpu.index))).collect()
+}
+
+/// What routing weighs a queue and a recompute with, per backend.
+fn backend_rates(backends: &[inferyes_proto::v1::Backend]) -> Vec<Value> {
+    backends
+        .iter()
+        .map(|b| {
+            json!({
+                "id": b.id,
+                "prefill_tokens_per_second": b.prefill_tokens_per_second,
+                "service_ms": b.service_ms,
+                "load_unknown": b.load_unknown,
+                "slots_movable": !b.slot_fingerprint.is_empty(),
+                "slots_unmovable": b.slots_unmovable,
+                "kv_tier": b.kv_tier.as_ref().map(|t| json!({
+                    "bytes": t.bytes,
+                    "states": t.states,
+                    "saves": t.saves,
+                    "skipped": t.skipped,
+                    "restores": t.restores,
+                    "restore_failures": t.restore_failures,
+                    "evicted": t.evicted,
+                })),
+            })
+        })
+        .collect()
+}
+
+/// What a node's card says of it whatever its GPUs read: draining, held
+/// out by data planes, a backend not ready, requests queueing.
+fn node_badges(
+    node: &inferyes_proto::v1::SnapshotNode,
+    recent: &Recent,
+    (slots_total, slots_busy, deferred): (u32, u32, u32),
+) -> Vec<String> {
+    let Some(status) = node.status.as_ref() else { return Vec::new() };
+    let mut badges: Vec<String> = Vec::new();
+    if node.draining {
+        badges.push("draining".into());
+    }
+    if let Some(by) = recent.ejected.get(&status.node_id) {
+        badges.push(format!("ejected by {}", by.iter().cloned().collect::<Vec<_>>().join(", ")));
+    }
+    for backend in &status.backends {
+        match backend.health() {
+            Health::Down => badges.push(format!("{} down", backend.id)),
+            Health::Loading => badges.push(format!("{} loading", backend.id)),
+            Health::Unknown => badges.push(format!("{} unknown", backend.id)),
+            Health::Ready => {}
+        }
+    }
+    if slots_total > 0 && slots_busy >= slots_total && deferred > 0 {
+        badges.push("queueing".into());
+    }
+    badges
+}
+
+fn gpu_reading(gpu: &inferyes_proto::v1::Gpu) -> Value {
+    let fraction =
+        if gpu.memory_total_bytes == 0 { 0.0 } else { gpu.memory_used_bytes as f64 / gpu.memory_total_bytes as f64 };
+    json!({
+        "index": gpu.index,
+        "name": gpu.name,
+        "used_bytes": gpu.memory_used_bytes,
+        "total_bytes": gpu.memory_total_bytes,
+        "fraction": fraction,
+        "utilization_percent": gpu.utilization_percent,
+        "source": gpu_source(gpu.source()),
+        "stale": gpu.stale,
+    })
 }
 
 /// Every string of `value` shown plain ([`inferyes_proto::shown_plain`]):
