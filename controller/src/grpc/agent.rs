@@ -403,6 +403,16 @@ struct Shown {
     movable: Option<std::sync::Arc<Vec<inferyes_proto::v1::MoveTarget>>>,
 }
 
+impl Shown {
+    fn of(snapshot: Option<&crate::snapshot::Snapshot>, node_id: &str) -> Shown {
+        Shown {
+            draining: snapshot.and_then(|s| s.node(node_id).map(|n| n.draining)),
+            orders: snapshot.map(|s| s.orders_for(node_id)).unwrap_or_default(),
+            movable: snapshot.map(|s| std::sync::Arc::clone(s.movable())),
+        }
+    }
+}
+
 /// What a node's agent was last told of the snapshot, so that it hears
 /// each change once, and only changes. Pure.
 #[derive(Default)]
@@ -500,6 +510,58 @@ impl Granting {
     }
 }
 
+/// One agent's stream as it runs: what the agent reported, the numbering
+/// of its residency, and what it was told.
+struct AgentStream<'s> {
+    svc: &'s AgentSvc,
+    node_id: String,
+    origin: std::sync::Arc<str>,
+    /// This stream's number among the controller's: tells the reconciler
+    /// a stream's events from those of the node's stream before it.
+    number: u64,
+    reported: Reported,
+    numbering: Numbering,
+    /// What the node's writer is to write next.
+    desired: watch::Sender<NodeStatus>,
+    told: Told,
+    granting: Option<Granting>,
+}
+
+impl AgentStream<'_> {
+    /// An agent's message: its live events on to the reconciler, a changed
+    /// record to the node's writer, or, where the residency numbering has
+    /// a gap, the agent asked for its whole table.
+    async fn heard(&mut self, msg: Msg, tx: &mpsc::Sender<Result<ControllerMessage, Status>>) -> Result<(), End> {
+        let svc = self.svc;
+        let (live, durable_changed) = match svc.take(msg, &self.node_id, &mut self.reported, &mut self.numbering) {
+            Heard::Live { events, durable_changed } => (events, durable_changed),
+            Heard::Resync(resync) => {
+                deliver(tx, resync, svc.lease_ttl).await?;
+                (Vec::new(), false)
+            }
+        };
+        if durable_changed {
+            self.desired.send_replace(self.reported.durable.clone());
+        }
+        let mut reconciler_gone = false;
+        for event in live {
+            reconciler_gone |= svc.live.send(event.of(&self.node_id, &self.origin, self.number)).await.is_err();
+        }
+        if reconciler_gone { Err(End::Shutdown) } else { Ok(()) }
+    }
+
+    /// What a snapshot `shown` tells the agent that it was not told yet.
+    async fn tell(&mut self, shown: Shown, tx: &mpsc::Sender<Result<ControllerMessage, Status>>) -> Result<(), End> {
+        let svc = self.svc;
+        let node_id = &self.node_id;
+        let news = self.told.news(node_id, shown, self.granting.as_ref(), || svc.move_targets(node_id));
+        for message in news {
+            deliver(tx, message, svc.lease_ttl).await?;
+        }
+        Ok(())
+    }
+}
+
 /// Why an agent session ended.
 enum End {
     AgentLeft,
@@ -507,6 +569,37 @@ enum End {
     /// Another agent's live lease holds the node id.
     Taken,
     Shutdown,
+}
+
+impl End {
+    /// How the node leaves, said in the log and, where the agent is to
+    /// know why, on its stream.
+    fn leaving(self, node_id: &str, tx: &mpsc::Sender<Result<ControllerMessage, Status>>) -> Leaving {
+        match self {
+            End::Shutdown => {
+                // Leave the lease to run out: the agent moves to another
+                // controller, whose write replaces the key before then.
+                tracing::info!("controller shutting down; agent stream closed");
+                Leaving::AtTtl
+            }
+            End::Taken => {
+                tracing::warn!("node id taken by another agent after this one's lease ran out; stream closed");
+                let _ = tx.try_send(Err(taken_status(node_id)));
+                Leaving::Now
+            }
+            End::AgentSilent => {
+                tracing::warn!(
+                    "agent silent (not writing, or not reading) for longer than the lease ttl; dropping its node"
+                );
+                let _ = tx.try_send(Err(status(ErrorKind::Timeout, "no heartbeat within the lease ttl")));
+                Leaving::Now
+            }
+            End::AgentLeft => {
+                tracing::info!("agent left");
+                Leaving::Now
+            }
+        }
+    }
 }
 
 /// Sends `message` to the agent. One that stops reading its stream (its
@@ -594,18 +687,30 @@ impl AgentSvc {
         tx: mpsc::Sender<Result<ControllerMessage, Status>>,
         fleet_key: Option<inferyes_proto::bearer::FleetKey>,
     ) {
-        let Claim { mut reported, seat: _seat, writer } = claim;
+        let Claim { reported, seat: _seat, writer } = claim;
         let node_id = reported.durable.node_id.clone();
-        let origin: std::sync::Arc<str> = self.controller_id.as_str().into();
-        let stream = self.streams.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
-        let mut numbering = Numbering::default();
-        if self.live.send(reported.load_event(&node_id, &origin, stream)).await.is_err() {
-            return;
-        }
         // The node's record and lease are written by a task of their own,
         // so that a slow or paused etcd never holds up this stream: what
         // is to be written waits there, the latest only.
         let (desired, desired_rx) = watch::channel(reported.durable.clone());
+        // Peers' grants are made again each renewal period: the snapshot is
+        // then looked at again as if it and the movable backends had
+        // changed, and the peers are sent if their grants did.
+        let granting = fleet_key.map(|key| Granting::new(key, &node_id, &reported.durable.proxy_url));
+        let mut stream = AgentStream {
+            svc: &self,
+            origin: self.controller_id.as_str().into(),
+            number: self.streams.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1,
+            node_id,
+            reported,
+            numbering: Numbering::default(),
+            desired,
+            told: Told::default(),
+            granting,
+        };
+        if self.live.send(stream.reported.load_event(&stream.node_id, &stream.origin, stream.number)).await.is_err() {
+            return;
+        }
         let (leaving, leaving_rx) = oneshot::channel();
         let taken = CancellationToken::new();
         let heard = std::sync::Arc::new(LastHeard::new());
@@ -616,104 +721,47 @@ impl AgentSvc {
         let mut silence = tokio::time::interval(self.lease_ttl / 3);
         silence.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut snapshots = self.snapshots.clone();
-        let mut told = Told::default();
-        // Peers' grants are made again each renewal period: the snapshot is
-        // then looked at again as if it and the movable backends had
-        // changed, and the peers are sent if their grants did.
-        let granting = fleet_key.map(|key| Granting::new(key, &node_id, &reported.durable.proxy_url));
         let renew_every = Duration::from_millis(inferyes_proto::bearer::MOVE_GRANT_RENEW_MS / 2);
         let mut renew = tokio::time::interval_at(tokio::time::Instant::now() + renew_every, renew_every);
 
-        let end = 'session: loop {
-            tokio::select! {
-                () = self.shutdown.cancelled() => break End::Shutdown,
-                () = taken.cancelled() => break End::Taken,
+        let end = loop {
+            let step = tokio::select! {
+                () = self.shutdown.cancelled() => Err(End::Shutdown),
+                () = taken.cancelled() => Err(End::Taken),
                 message = inbound.message() => match message {
                     Ok(Some(AgentMessage { msg: Some(msg) })) => {
                         heard.now();
-                        let (live, durable_changed) = match self.take(msg, &node_id, &mut reported, &mut numbering) {
-                            Heard::Live { events, durable_changed } => (events, durable_changed),
-                            Heard::Resync(resync) => {
-                                if let Err(end) = deliver(&tx, resync, self.lease_ttl).await {
-                                    break end;
-                                }
-                                (Vec::new(), false)
-                            }
-                        };
-                        let live = live.into_iter().map(|event| event.of(&node_id, &origin, stream));
-                        if durable_changed {
-                            desired.send_replace(reported.durable.clone());
-                        }
-                        let mut reconciler_gone = false;
-                        for event in live {
-                            reconciler_gone |= self.live.send(event).await.is_err();
-                        }
-                        if reconciler_gone {
-                            break End::Shutdown;
-                        }
+                        stream.heard(msg, &tx).await
                     }
-                    Ok(Some(AgentMessage { msg: None })) => heard.now(),
-                    Ok(None) | Err(_) => break End::AgentLeft,
+                    Ok(Some(AgentMessage { msg: None })) => {
+                        heard.now();
+                        Ok(())
+                    }
+                    Ok(None) | Err(_) => Err(End::AgentLeft),
                 },
-                _ = silence.tick() => {
-                    if heard.ago() > self.lease_ttl {
-                        break End::AgentSilent;
-                    }
-                }
-                _ = renew.tick(), if granting.is_some() => {
-                    told.movable = None;
+                _ = silence.tick() => if heard.ago() > self.lease_ttl { Err(End::AgentSilent) } else { Ok(()) },
+                _ = renew.tick(), if stream.granting.is_some() => {
+                    stream.told.movable = None;
                     snapshots.mark_changed();
+                    Ok(())
                 }
-                changed = snapshots.changed() => {
-                    if changed.is_err() {
-                        break End::Shutdown;
+                changed = snapshots.changed() => match changed {
+                    Ok(()) => {
+                        let shown = Shown::of(snapshots.borrow_and_update().as_deref(), &stream.node_id);
+                        stream.tell(shown, &tx).await
                     }
-                    let shown = {
-                        let snapshot = snapshots.borrow_and_update();
-                        let snapshot = snapshot.as_ref();
-                        Shown {
-                            draining: snapshot.and_then(|s| s.node(&node_id).map(|n| n.draining)),
-                            orders: snapshot.map(|s| s.orders_for(&node_id)).unwrap_or_default(),
-                            movable: snapshot.map(|s| std::sync::Arc::clone(s.movable())),
-                        }
-                    };
-                    let news = told.news(&node_id, shown, granting.as_ref(), || self.move_targets(&node_id));
-                    for message in news {
-                        if let Err(end) = deliver(&tx, message, self.lease_ttl).await {
-                            break 'session end;
-                        }
-                    }
-                }
+                    Err(_) => Err(End::Shutdown),
+                },
+            };
+            if let Err(end) = step {
+                break end;
             }
         };
 
+        let AgentStream { node_id, origin, number, .. } = stream;
         self.metrics.agent_streams.dec();
-        let _ = self.live.send(LiveEvent::Gone { node_id: node_id.clone(), origin, stream }).await;
-        let leaves = match end {
-            End::Shutdown => {
-                // Leave the lease to run out: the agent moves to another
-                // controller, whose write replaces the key before then.
-                tracing::info!("controller shutting down; agent stream closed");
-                Leaving::AtTtl
-            }
-            End::Taken => {
-                tracing::warn!("node id taken by another agent after this one's lease ran out; stream closed");
-                let _ = tx.try_send(Err(taken_status(&node_id)));
-                Leaving::Now
-            }
-            End::AgentSilent => {
-                tracing::warn!(
-                    "agent silent (not writing, or not reading) for longer than the lease ttl; dropping its node"
-                );
-                let _ = tx.try_send(Err(status(ErrorKind::Timeout, "no heartbeat within the lease ttl")));
-                Leaving::Now
-            }
-            End::AgentLeft => {
-                tracing::info!("agent left");
-                Leaving::Now
-            }
-        };
-        let _ = leaving.send(leaves);
+        let _ = self.live.send(LiveEvent::Gone { node_id: node_id.clone(), origin, stream: number }).await;
+        let _ = leaving.send(end.leaving(&node_id, &tx));
         // The stream ends once the node has: an agent that left waits for
         // this end, and exits knowing its node is out of the fleet. Within
         // the TTL: past it, an etcd that hangs keeps the writer, not the
