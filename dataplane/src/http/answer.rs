@@ -322,137 +322,20 @@ impl Streaming {
         if self.hard_stop.as_mut().poll(cx).is_ready() {
             return self.end(cx, Ended::Shutdown, None);
         }
-        if let Some(continuing) = self.continuing.as_mut()
-            && let Some(asking) = continuing.asking.as_mut()
-        {
-            let Poll::Ready((next, left)) = asking.as_mut().poll(cx) else { return Poll::Pending };
-            continuing.asking = None;
-            continuing.left = left;
-            let Some(OpenStream { body, guard, endpoint, .. }) = next else {
-                let error = ApiError::new(
-                    inferyes_proto::ErrorKind::Upstream,
-                    format!(
-                        "node `{}` failed in the middle of the stream and no node could continue it",
-                        self.endpoint.id
-                    ),
-                    ErrorCode::UpstreamBroken,
-                )
-                .in_shape(self.plan.errors);
-                self.finish(Outcome::Broken);
-                self.ended = true;
-                return Poll::Ready(Some(Ok(Frame::data(error.event()))));
-            };
-            continuing.continuation.metrics.continuations.inc();
-            let note = format!(
-                ": continued on node {} after node {} broke ({} chunks in)\n\n",
-                endpoint.id, self.endpoint.id, continuing.generated
-            );
-            continuing.continued = true;
-            // What the first node said of the prompt is not the stream's now.
-            self.progress = None;
-            if let Some(meter) = &self.plan.meter {
-                meter.forget_progress();
-            }
-            self.guard = guard;
-            self.endpoint = endpoint;
-            self.inner = body;
-            self.inner_done = false;
-            self.events = super::sse::Events::default();
-            self.tail.clear();
-            return Poll::Ready(Some(Ok(Frame::data(Bytes::from(note)))));
+        if let Some(polled) = self.poll_continuation(cx) {
+            return polled;
         }
         if self.inner_done {
             return self.end(cx, Ended::Closed { complete: self.closed_complete() }, None);
         }
         loop {
             match Pin::new(&mut self.inner).poll_frame(cx) {
-                Poll::Ready(Some(Ok(mut frame))) => {
-                    let Some(data) = frame.data_ref() else { return Poll::Ready(Some(Ok(frame))) };
-                    if let Some(meter) = &self.plan.meter {
-                        if self.event_stream {
-                            meter.frame(|| super::sse::carries_output(data));
-                        }
-                        // One event, one token: an estimate for streams
-                        // that say nothing of their usage.
-                        meter.data_events(super::sse::count_data_events(data));
+                Poll::Ready(Some(Ok(frame))) => {
+                    if let Some(frame) = self.pass_on(frame) {
+                        return Poll::Ready(Some(Ok(frame)));
                     }
-                    if let Some(head) = self.head.as_mut().filter(|head| head.len() < HEAD_BYTES) {
-                        let room = HEAD_BYTES - head.len();
-                        head.extend_from_slice(&data[..data.len().min(room)]);
-                    }
-                    self.tail.extend_from_slice(data);
-                    if self.tail.len() > 2 * TAIL_BYTES {
-                        self.tail.drain(..self.tail.len() - TAIL_BYTES);
-                    }
-                    if let Some(progress) = self.progress.as_mut() {
-                        let meter = self.plan.meter.as_ref();
-                        let passed = progress.push(data.clone(), |seen| {
-                            if let Some(meter) = meter {
-                                match seen {
-                                    super::progress::Noticed::Progress(read) => meter.no_token(read),
-                                    super::progress::Noticed::NoToken => meter.no_token(None),
-                                }
-                            }
-                        });
-                        frame = match passed {
-                            super::progress::Passed::Held => continue,
-                            super::progress::Passed::On(kept) => Frame::data(kept),
-                            super::progress::Passed::Last(kept) => {
-                                self.progress = None;
-                                Frame::data(kept)
-                            }
-                        };
-                    }
-                    let Some(data) = frame.data_ref() else { return Poll::Ready(Some(Ok(frame))) };
-                    if let Some(opening) = self.opening.as_mut() {
-                        let Some(opened) = opening.push(data) else { continue };
-                        self.opening = None;
-                        frame = Frame::data(opened);
-                    }
-                    if let Some(responses) = self.responses.as_mut() {
-                        let Some(data) = frame.data_ref() else { return Poll::Ready(Some(Ok(frame))) };
-                        let Some(filled) = responses.push(data) else { continue };
-                        frame = Frame::data(filled);
-                    }
-                    let Some(data) = frame.data_ref() else { return Poll::Ready(Some(Ok(frame))) };
-                    if self.continuing.is_some() {
-                        // Read event by event, for what was said so far.
-                        match self.read_events(data) {
-                            Some(kept) => return Poll::Ready(Some(Ok(Frame::data(kept)))),
-                            None => continue,
-                        }
-                    }
-                    if self.plan.strip_usage && self.event_stream {
-                        // Whole events only, without the usage chunk the
-                        // client did not ask for.
-                        match self.events.without_usage(data.clone()) {
-                            Some(kept) => return Poll::Ready(Some(Ok(Frame::data(kept)))),
-                            None => continue,
-                        }
-                    }
-                    return Poll::Ready(Some(Ok(frame)));
                 }
-                Poll::Ready(None) => {
-                    self.inner_done = true;
-                    // A progress event cut short: passed on as it is.
-                    if let Some(held) = self.progress.take().and_then(|mut progress| progress.take_rest()) {
-                        return Poll::Ready(Some(Ok(Frame::data(held))));
-                    }
-                    // A first event cut short: passed on as it is.
-                    if let Some(held) = self.opening.take().and_then(|mut opening| opening.take_rest()) {
-                        return Poll::Ready(Some(Ok(Frame::data(held))));
-                    }
-                    if let Some(held) = self.responses.take().and_then(|mut responses| responses.take_rest()) {
-                        return Poll::Ready(Some(Ok(Frame::data(held))));
-                    }
-                    let complete = self.closed_complete();
-                    // A last event without its blank line: passed on as it
-                    // is, unless the stream goes on elsewhere.
-                    if !self.events.is_empty() && (self.continuing.is_none() || complete) {
-                        return Poll::Ready(Some(Ok(Frame::data(self.events.take_rest()))));
-                    }
-                    return self.end(cx, Ended::Closed { complete }, None);
-                }
+                Poll::Ready(None) => return self.node_ended(cx),
                 Poll::Ready(Some(Err(error))) => {
                     let complete = self.event_stream && self.checks_end() && self.ended_well();
                     return self.end(cx, Ended::Failed { complete }, Some(error));
@@ -460,6 +343,133 @@ impl Streaming {
                 Poll::Pending => return Poll::Pending,
             }
         }
+    }
+
+    /// While a broken stream asks the nodes left to continue it: the
+    /// continuation's first bytes (a note saying where it went on), or
+    /// the error that none could. `None` when it is not asking.
+    fn poll_continuation(&mut self, cx: &mut Context<'_>) -> Option<Polled> {
+        let continuing = self.continuing.as_mut()?;
+        let asking = continuing.asking.as_mut()?;
+        let Poll::Ready((next, left)) = asking.as_mut().poll(cx) else { return Some(Poll::Pending) };
+        continuing.asking = None;
+        continuing.left = left;
+        let Some(OpenStream { body, guard, endpoint, .. }) = next else {
+            let error = ApiError::new(
+                inferyes_proto::ErrorKind::Upstream,
+                format!("node `{}` failed in the middle of the stream and no node could continue it", self.endpoint.id),
+                ErrorCode::UpstreamBroken,
+            )
+            .in_shape(self.plan.errors);
+            self.finish(Outcome::Broken);
+            self.ended = true;
+            return Some(Poll::Ready(Some(Ok(Frame::data(error.event())))));
+        };
+        continuing.continuation.metrics.continuations.inc();
+        let note = format!(
+            ": continued on node {} after node {} broke ({} chunks in)\n\n",
+            endpoint.id, self.endpoint.id, continuing.generated
+        );
+        continuing.continued = true;
+        // What the first node said of the prompt is not the stream's now.
+        self.progress = None;
+        if let Some(meter) = &self.plan.meter {
+            meter.forget_progress();
+        }
+        self.guard = guard;
+        self.endpoint = endpoint;
+        self.inner = body;
+        self.inner_done = false;
+        self.events = super::sse::Events::default();
+        self.tail.clear();
+        Some(Poll::Ready(Some(Ok(Frame::data(Bytes::from(note))))))
+    }
+
+    /// A frame from the node as the client gets it, counted and kept for
+    /// the stream's end on the way; `None` while it is held (part of an
+    /// event the next frames complete, or one the client does not get).
+    fn pass_on(&mut self, mut frame: Frame<Bytes>) -> Option<Frame<Bytes>> {
+        let Some(data) = frame.data_ref() else { return Some(frame) };
+        if let Some(meter) = &self.plan.meter {
+            if self.event_stream {
+                meter.frame(|| super::sse::carries_output(data));
+            }
+            // One event, one token: an estimate for streams that say
+            // nothing of their usage.
+            meter.data_events(super::sse::count_data_events(data));
+        }
+        if let Some(head) = self.head.as_mut().filter(|head| head.len() < HEAD_BYTES) {
+            let room = HEAD_BYTES - head.len();
+            head.extend_from_slice(&data[..data.len().min(room)]);
+        }
+        self.tail.extend_from_slice(data);
+        if self.tail.len() > 2 * TAIL_BYTES {
+            self.tail.drain(..self.tail.len() - TAIL_BYTES);
+        }
+        if let Some(progress) = self.progress.as_mut() {
+            let meter = self.plan.meter.as_ref();
+            let passed = progress.push(data.clone(), |seen| {
+                if let Some(meter) = meter {
+                    match seen {
+                        super::progress::Noticed::Progress(read) => meter.no_token(read),
+                        super::progress::Noticed::NoToken => meter.no_token(None),
+                    }
+                }
+            });
+            frame = match passed {
+                super::progress::Passed::Held => return None,
+                super::progress::Passed::On(kept) => Frame::data(kept),
+                super::progress::Passed::Last(kept) => {
+                    self.progress = None;
+                    Frame::data(kept)
+                }
+            };
+        }
+        let Some(data) = frame.data_ref() else { return Some(frame) };
+        if let Some(opening) = self.opening.as_mut() {
+            let opened = opening.push(data)?;
+            self.opening = None;
+            frame = Frame::data(opened);
+        }
+        if let Some(responses) = self.responses.as_mut() {
+            let Some(data) = frame.data_ref() else { return Some(frame) };
+            frame = Frame::data(responses.push(data)?);
+        }
+        let Some(data) = frame.data_ref() else { return Some(frame) };
+        if self.continuing.is_some() {
+            // Read event by event, for what was said so far.
+            return self.read_events(data).map(Frame::data);
+        }
+        if self.plan.strip_usage && self.event_stream {
+            // Whole events only, without the usage chunk the client did
+            // not ask for.
+            return self.events.without_usage(data.clone()).map(Frame::data);
+        }
+        Some(frame)
+    }
+
+    /// The node's body ended: what it left unfinished passed on as it is,
+    /// then the stream's end.
+    fn node_ended(&mut self, cx: &mut Context<'_>) -> Polled {
+        self.inner_done = true;
+        // A progress event cut short: passed on as it is.
+        if let Some(held) = self.progress.take().and_then(|mut progress| progress.take_rest()) {
+            return Poll::Ready(Some(Ok(Frame::data(held))));
+        }
+        // A first event cut short: passed on as it is.
+        if let Some(held) = self.opening.take().and_then(|mut opening| opening.take_rest()) {
+            return Poll::Ready(Some(Ok(Frame::data(held))));
+        }
+        if let Some(held) = self.responses.take().and_then(|mut responses| responses.take_rest()) {
+            return Poll::Ready(Some(Ok(Frame::data(held))));
+        }
+        let complete = self.closed_complete();
+        // A last event without its blank line: passed on as it is, unless
+        // the stream goes on elsewhere.
+        if !self.events.is_empty() && (self.continuing.is_none() || complete) {
+            return Poll::Ready(Some(Ok(Frame::data(self.events.take_rest()))));
+        }
+        self.end(cx, Ended::Closed { complete }, None)
     }
 
     /// The whole events `data` completes, as passed on to a stream that
