@@ -240,114 +240,46 @@ async fn forward(proxy: Proxy, request: Request<Incoming>) -> Response {
 async fn forward_in_span(proxy: Proxy, request: Request<Incoming>) -> Response {
     let span = tracing::Span::current();
     let (mut parts, body) = request.into_parts();
-    // Only the jobs a data plane sends, as it sends them: never the
-    // servers' own endpoints, which save, restore and erase conversations'
-    // caches (`/slots`, and llama-swap's `/upstream/<model>/...` to any of
-    // them) or change a server for everyone (`/props`, LoRA scales, model
-    // loads).
-    let Some(row) = inferyes_proto::kinds::row(parts.uri.path()).filter(|_| parts.method == http::Method::POST) else {
-        return error(ErrorKind::NotFound, "not a job this node serves", "not_found");
+    let job = match Job::of(&proxy.state, &parts) {
+        Ok(job) => job,
+        Err(refused) => return refused.answer(),
     };
-    // Header values are shared, not copied; the session outlives the
-    // request (its residency is updated when the answer ends).
-    let model_header = parts.headers.get(MODEL_HEADER).cloned();
-    let model = model_header.as_ref().and_then(|v| v.to_str().ok());
-    // Data planes send no session key longer than this: a longer one comes
-    // from a client that reached the proxy some other way, and is left out
-    // so it cannot fill the residency table.
-    let session = parts
-        .headers
-        .get(SESSION_HEADER)
-        .and_then(|v| v.to_str().ok())
-        .filter(|v| v.len() <= inferyes_proto::headers::MAX_SESSION_KEY_BYTES)
-        .map(str::to_string);
-    let handle = match parts.headers.get(BACKEND_HEADER).and_then(|v| v.to_str().ok()) {
-        Some(id) => proxy.state.backend(id),
-        None => proxy.state.backend_for_model(model),
+    let (handle, backend_id) = (job.handle, job.handle.probe.id.as_str());
+    let origin = match addressed(handle, &mut parts) {
+        Ok(origin) => origin,
+        Err(refused) => return refused.answer(),
     };
-    let Some(handle) = handle else {
-        return error(ErrorKind::NotFound, "no backend on this node serves the request", "backend_not_found");
-    };
-    let index = proxy.state.backends.iter().position(|b| std::ptr::eq(b, handle)).unwrap_or(0);
-    let backend_id = handle.probe.id.as_str();
-
-    let path = parts.uri.path_and_query().cloned().unwrap_or_else(|| PathAndQuery::from_static("/"));
-    let Some((uri, host, origin)) = handle.url.origin_form(&path) else {
-        if handle.url.origin().is_none() {
-            let message = format!("backend `{backend_id}` has a URL this agent cannot reach");
-            return error(ErrorKind::Upstream, &message, "backend_unreachable");
-        }
-        return error(ErrorKind::BadRequest, "request path cannot be forwarded", "invalid_path");
-    };
-    parts.uri = uri;
-    // Backends speak HTTP/1.1, whatever a data plane spoke to this proxy.
-    parts.version = http::Version::HTTP_11;
-    strip_headers(&mut parts.headers);
-    parts.headers.insert(header::HOST, host);
     span.record("backend", backend_id);
     inferyes_net::telemetry::inject(&span, &mut parts.headers);
-    if let Some(value) = &handle.authorization {
-        parts.headers.insert(header::AUTHORIZATION, value.clone());
-    }
 
     // In flight from here: a turn waiting for its conversation's restore
     // holds its backend as much as one being answered, and the load the
     // node reports says so.
-    let mut guard = InFlight::enter(Arc::clone(&proxy.state), index);
-    let restored = match (&session, model) {
+    let mut guard = InFlight::enter(Arc::clone(&proxy.state), job.index);
+    let restored = match (&job.session, job.model()) {
         (Some(session), Some(model)) => {
-            crate::slots::keeper::bring_back(&proxy.state, index, session, model).await;
+            crate::slots::keeper::bring_back(&proxy.state, job.index, session, model).await;
             proxy.state.turn_begins(session, backend_id, model)
         }
         _ => None,
     };
-
     // For a log line: the request's span is a trace, not log context.
     let request_id = parts.headers.get(REQUEST_ID_HEADER).cloned();
     let started = Instant::now();
-    // Sent again only to servers that stop a job whose connection closes:
-    // an upstream provider may have taken it.
-    let replays = handle.probe.kind != crate::config::BackendKind::Openai;
-    let keeping = if replays { Keeping::reserve(&proxy.kept, &parts.headers) } else { None };
-    let mut unchecked = None;
-    let sent = match keeping {
-        Some(keeping) => {
-            let Ok(kept) = collect(body).await else {
-                // Its sender went away, or sent more than it said.
-                return error(ErrorKind::BadRequest, "the request's body did not arrive whole", "body_incomplete");
-            };
-            unchecked = restored.map(|restored| Unchecked { restored, body: kept.clone(), kind: row.kind });
-            let again = copy(&parts, kept.clone());
-            let request = Request::from_parts(parts, Either::Left(Full::new(kept)));
-            let sent = proxy.client.send_replayable(origin, request, again).await;
-            drop(keeping);
-            sent
-        }
-        None => proxy.client.send(origin, Request::from_parts(parts, Either::Right(body))).await,
+    let (sent, unchecked) = match send(&proxy, &job, (parts, body), origin, restored).await {
+        Ok(sent) => sent,
+        Err(refused) => return refused.answer(),
     };
     match sent {
         Ok(response) => {
+            guard.served = response.status().is_success();
             let (mut parts, body) = response.into_parts();
             span.record("http.response.status_code", parts.status.as_u16());
             strip_answer_headers(&mut parts.headers);
-            // Only an answer held a slot: refusals and errors would make
-            // the slot time per request look short.
-            guard.served = parts.status.is_success();
-            // llama-server's word for a job the model cannot do (infill
-            // without FIM tokens, embeddings from a chat server): routing
-            // is told, and sends no more of them here.
-            if parts.status == StatusCode::NOT_IMPLEMENTED
-                && let Some(model) = model
-                && inferyes_proto::kinds::refused_whole(row.kind)
-                // An upstream provider's 501 may be about the request.
-                && handle.probe.kind != crate::config::BackendKind::Openai
-                && handle.learn_unsupported(model, row.kind, Instant::now())
-            {
-                proxy.state.changed.notify_one();
-            }
+            job.learn_from(&proxy.state, parts.status);
             // A stream's first event says part of its usage; a whole answer
             // says it once, at its end.
-            let reads_head = row.usage == inferyes_proto::kinds::UsageIn::HeadAndTail
+            let reads_head = job.row.usage == inferyes_proto::kinds::UsageIn::HeadAndTail
                 && parts
                     .headers
                     .get(header::CONTENT_TYPE)
@@ -358,7 +290,7 @@ async fn forward_in_span(proxy: Proxy, request: Request<Incoming>) -> Response {
                 guard,
                 started,
                 first_byte: false,
-                session,
+                session: job.session,
                 unchecked,
                 head: reads_head.then(Vec::new),
                 tail: Vec::new(),
@@ -372,6 +304,138 @@ async fn forward_in_span(proxy: Proxy, request: Request<Incoming>) -> Response {
             error(ErrorKind::Upstream, &format!("backend `{backend_id}` is unreachable"), "backend_unreachable")
         }
     }
+}
+
+/// A request this proxy does not send on, and why, as the error it answers.
+struct Refused(ErrorKind, String, &'static str);
+
+impl Refused {
+    fn answer(self) -> Response {
+        error(self.0, &self.1, self.2)
+    }
+}
+
+/// What a request asks of this node: its job, the backend to do it, the
+/// model and the conversation it names.
+struct Job<'s> {
+    row: &'static inferyes_proto::kinds::Row,
+    handle: &'s BackendHandle,
+    /// The backend's place in the node's list.
+    index: usize,
+    /// Shared, not copied.
+    model_header: Option<http::HeaderValue>,
+    /// Outlives the request: its residency is updated when the answer ends.
+    session: Option<String>,
+}
+
+impl<'s> Job<'s> {
+    /// Only the jobs a data plane sends, as it sends them: never the
+    /// servers' own endpoints, which save, restore and erase
+    /// conversations' caches (`/slots`, and llama-swap's
+    /// `/upstream/<model>/...` to any of them) or change a server for
+    /// everyone (`/props`, LoRA scales, model loads).
+    fn of(state: &'s AgentState, parts: &http::request::Parts) -> Result<Job<'s>, Refused> {
+        let Some(row) = inferyes_proto::kinds::row(parts.uri.path()).filter(|_| parts.method == http::Method::POST)
+        else {
+            return Err(Refused(ErrorKind::NotFound, "not a job this node serves".into(), "not_found"));
+        };
+        let model_header = parts.headers.get(MODEL_HEADER).cloned();
+        // Data planes send no session key longer than this: a longer one
+        // comes from a client that reached the proxy some other way, and is
+        // left out so it cannot fill the residency table.
+        let session = parts
+            .headers
+            .get(SESSION_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .filter(|v| v.len() <= inferyes_proto::headers::MAX_SESSION_KEY_BYTES)
+            .map(str::to_string);
+        let handle = match parts.headers.get(BACKEND_HEADER).and_then(|v| v.to_str().ok()) {
+            Some(id) => state.backend(id),
+            None => state.backend_for_model(model_header.as_ref().and_then(|v| v.to_str().ok())),
+        };
+        let Some(handle) = handle else {
+            return Err(Refused(
+                ErrorKind::NotFound,
+                "no backend on this node serves the request".into(),
+                "backend_not_found",
+            ));
+        };
+        let index = state.backends.iter().position(|b| std::ptr::eq(b, handle)).unwrap_or(0);
+        Ok(Job { row, handle, index, model_header, session })
+    }
+
+    fn model(&self) -> Option<&str> {
+        self.model_header.as_ref().and_then(|v| v.to_str().ok())
+    }
+
+    /// llama-server's word for a job the model cannot do (infill without
+    /// FIM tokens, embeddings from a chat server): routing is told, and
+    /// sends no more of them here.
+    fn learn_from(&self, state: &AgentState, status: StatusCode) {
+        if status == StatusCode::NOT_IMPLEMENTED
+            && let Some(model) = self.model()
+            && inferyes_proto::kinds::refused_whole(self.row.kind)
+            // An upstream provider's 501 may be about the request.
+            && self.handle.probe.kind != crate::config::BackendKind::Openai
+            && self.handle.learn_unsupported(model, self.row.kind, Instant::now())
+        {
+            state.changed.notify_one();
+        }
+    }
+}
+
+/// The request made the backend's: its URL, HTTP/1.1 (whatever a data
+/// plane spoke to this proxy), its headers cleaned, the backend's host
+/// and credential. The backend's origin, to send it to.
+fn addressed<'h>(handle: &'h BackendHandle, parts: &mut http::request::Parts) -> Result<&'h pool::Origin, Refused> {
+    let path = parts.uri.path_and_query().cloned().unwrap_or_else(|| PathAndQuery::from_static("/"));
+    let Some((uri, host, origin)) = handle.url.origin_form(&path) else {
+        if handle.url.origin().is_none() {
+            let message = format!("backend `{}` has a URL this agent cannot reach", handle.probe.id);
+            return Err(Refused(ErrorKind::Upstream, message, "backend_unreachable"));
+        }
+        return Err(Refused(ErrorKind::BadRequest, "request path cannot be forwarded".into(), "invalid_path"));
+    };
+    parts.uri = uri;
+    parts.version = http::Version::HTTP_11;
+    strip_headers(&mut parts.headers);
+    parts.headers.insert(header::HOST, host);
+    if let Some(value) = &handle.authorization {
+        parts.headers.insert(header::AUTHORIZATION, value.clone());
+    }
+    Ok(origin)
+}
+
+/// Sends the request to the backend; its body kept, where the backend
+/// stops a job whose connection closes, to be sent once more if the
+/// connection closed as it was written (an upstream provider may have
+/// taken it), and to check a restored conversation's next turn by.
+async fn send(
+    proxy: &Proxy,
+    job: &Job<'_>,
+    (parts, body): (http::request::Parts, Incoming),
+    origin: &pool::Origin,
+    restored: Option<Arc<[i32]>>,
+) -> Result<(Result<http::Response<pool::Incoming<Upload>>, pool::Error>, Option<Unchecked>), Refused> {
+    let replays = job.handle.probe.kind != crate::config::BackendKind::Openai;
+    let keeping = if replays { Keeping::reserve(&proxy.kept, &parts.headers) } else { None };
+    let Some(keeping) = keeping else {
+        return Ok((proxy.client.send(origin, Request::from_parts(parts, Either::Right(body))).await, None));
+    };
+    let Ok(kept) = collect(body).await else {
+        // Its sender went away, or sent more than it said.
+        return Err(Refused(
+            ErrorKind::BadRequest,
+            "the request's body did not arrive whole".into(),
+            "body_incomplete",
+        ));
+    };
+    let unchecked = restored.map(|restored| Unchecked { restored, body: kept.clone(), kind: job.row.kind });
+    let again = copy(&parts, kept.clone());
+    let request = Request::from_parts(parts, Either::Left(Full::new(kept)));
+    let sent = proxy.client.send_replayable(origin, request, again).await;
+    drop(keeping);
+    Ok((sent, unchecked))
 }
 
 /// A body's bytes held in the proxy's count of kept bodies, until dropped.
