@@ -260,7 +260,7 @@ where
     // Connections whose PROXY header was read, by tasks of their own.
     let (relayed, mut relayed_rx) = mpsc::unbounded_channel::<Handed>();
     loop {
-        let mut connection = tokio::select! {
+        let connection = tokio::select! {
             () = shutdown.cancelled() => break,
             Some(relayed) = relayed_rx.recv() => relayed,
             (stream, peer) = acceptor.accept() => {
@@ -285,26 +285,38 @@ where
                 Handed { stream, peer, ticket: ticket.ticket }
             }
         };
-        loop {
-            let Some(index) = (0..workers.len()).min_by_key(|&i| workers[i].open.load(Ordering::Relaxed)) else {
-                return Err(std::io::Error::other("every worker thread has stopped"));
-            };
-            let worker = &workers[index];
-            worker.open.fetch_add(1, Ordering::Relaxed);
-            match worker.connections.send(connection) {
-                Ok(()) => break,
-                Err(mpsc::error::SendError(returned)) => {
-                    // A worker that stopped (a bug panicked it) would have
-                    // the fewest connections forever: it takes none again.
-                    tracing::error!("a {name} worker thread stopped; serving on the others");
-                    workers.swap_remove(index);
-                    connection = returned;
-                }
+        hand_to_least_busy(&mut workers, connection, name)?;
+    }
+    drop(acceptor);
+    finish(workers, shutdown_grace, past_grace).await;
+    // Returning drops `stop_now`'s guard: workers still running stop.
+    Ok(())
+}
+
+/// Hands `connection` to the worker with the fewest open. A worker that
+/// stopped (a bug panicked it) would have the fewest connections forever:
+/// it takes none again.
+fn hand_to_least_busy(workers: &mut Vec<WorkerHandle>, mut connection: Handed, name: &str) -> std::io::Result<()> {
+    loop {
+        let Some(index) = (0..workers.len()).min_by_key(|&i| workers[i].open.load(Ordering::Relaxed)) else {
+            return Err(std::io::Error::other("every worker thread has stopped"));
+        };
+        let worker = &workers[index];
+        worker.open.fetch_add(1, Ordering::Relaxed);
+        match worker.connections.send(connection) {
+            Ok(()) => return Ok(()),
+            Err(mpsc::error::SendError(returned)) => {
+                tracing::error!("a {name} worker thread stopped; serving on the others");
+                workers.swap_remove(index);
+                connection = returned;
             }
         }
     }
-    drop(acceptor);
-    // Closing the inboxes tells each worker to finish its connections.
+}
+
+/// Closing the inboxes tells each worker to finish its connections: they
+/// have `grace` to, then what still runs is cut (`past_grace`).
+async fn finish(workers: Vec<WorkerHandle>, grace: Duration, past_grace: CancellationToken) {
     let finished: Vec<_> = workers.into_iter().map(|worker| worker.finished).collect();
     let all_finished = async {
         for finished in finished {
@@ -312,16 +324,11 @@ where
         }
     };
     tokio::pin!(all_finished);
-    if tokio::time::timeout(shutdown_grace, &mut all_finished).await.is_err() {
-        tracing::warn!(
-            grace_ms = shutdown_grace.as_millis(),
-            "requests still in flight after the shutdown grace; ending them"
-        );
+    if tokio::time::timeout(grace, &mut all_finished).await.is_err() {
+        tracing::warn!(grace_ms = grace.as_millis(), "requests still in flight after the shutdown grace; ending them");
         past_grace.cancel();
         let _ = tokio::time::timeout(Duration::from_secs(1), all_finished).await;
     }
-    // Returning drops `stop_now`'s guard: workers still running stop.
-    Ok(())
 }
 
 impl ConnectionLimit {
@@ -465,27 +472,7 @@ where
                 tick.tick().await;
             }
         });
-        let mut builder = Builder::new(TokioExecutor::new());
-        // Without a timer hyper has no header read timeout at all: a client
-        // could hold a connection (and a shutdown) with half a request.
-        builder.http1().timer(hyper_util::rt::TokioTimer::new()).header_read_timeout(self.header_read_timeout);
-        builder
-            .http2()
-            .max_concurrent_streams(self.http2_streams)
-            .timer(hyper_util::rt::TokioTimer::new())
-            .keep_alive_interval(HTTP2_PING_INTERVAL)
-            .keep_alive_timeout(HTTP2_PING_TIMEOUT);
-        // The protocol is chosen before hyper sees the connection (by ALPN,
-        // or by the first bytes): its own sniffing has no timeout. (Plain
-        // `serve_connection` follows a builder's version; the one "with
-        // upgrades" sniffs whatever it is told. Upgrades are hop-by-hop:
-        // no proxy here passes one on.)
-        // A stranger's connection is offered no more streams than any open
-        // listener's, whatever its members are offered: each stream is a
-        // request held open.
-        let mut strangers = builder.clone().http2_only();
-        strangers.http2().max_concurrent_streams(self.http2_streams.min(DEFAULT_HTTP2_STREAMS));
-        let builders = Arc::new((builder.clone().http1_only(), builder.http2_only(), strangers));
+        let builders = Arc::new(builders(self.header_read_timeout, self.http2_streams));
         let (first_byte_timeout, max_requests) = (self.header_read_timeout, self.max_requests);
         // Every connection's task, waited for on shutdown.
         let connections = tokio_util::task::TaskTracker::new();
@@ -582,6 +569,33 @@ where
             () = self.stop_now.cancelled() => {}
         }
     }
+}
+
+/// The connection builders a worker serves with: HTTP/1.1 only, HTTP/2
+/// only for members, and HTTP/2 only for strangers. The protocol is chosen
+/// before hyper sees the connection (by ALPN, or by the first bytes): its
+/// own sniffing has no timeout. (Plain `serve_connection` follows a
+/// builder's version; the one "with upgrades" sniffs whatever it is told.
+/// Upgrades are hop-by-hop: no proxy here passes one on.) A stranger's
+/// connection is offered no more streams than any open listener's,
+/// whatever its members are offered: each stream is a request held open.
+fn builders(
+    header_read_timeout: Duration,
+    http2_streams: u32,
+) -> (Builder<TokioExecutor>, Builder<TokioExecutor>, Builder<TokioExecutor>) {
+    let mut builder = Builder::new(TokioExecutor::new());
+    // Without a timer hyper has no header read timeout at all: a client
+    // could hold a connection (and a shutdown) with half a request.
+    builder.http1().timer(hyper_util::rt::TokioTimer::new()).header_read_timeout(header_read_timeout);
+    builder
+        .http2()
+        .max_concurrent_streams(http2_streams)
+        .timer(hyper_util::rt::TokioTimer::new())
+        .keep_alive_interval(HTTP2_PING_INTERVAL)
+        .keep_alive_timeout(HTTP2_PING_TIMEOUT);
+    let mut strangers = builder.clone().http2_only();
+    strangers.http2().max_concurrent_streams(http2_streams.min(DEFAULT_HTTP2_STREAMS));
+    (builder.clone().http1_only(), builder.http2_only(), strangers)
 }
 
 /// Serves `connection` until shutdown begins (`draining`), it goes idle,
