@@ -376,6 +376,41 @@ struct Round {
     making_room: BTreeSet<(String, String)>,
 }
 
+impl Round {
+    /// What the outstanding orders hold: loads their memory, unloads the
+    /// room they make; and loads under way that placement did not ask
+    /// for (a client's cold load, a former leader's order) their memory
+    /// too.
+    fn of(fleet: &Fleet, placing: &Placing) -> Round {
+        let mut round = Round::default();
+        for outstanding in &placing.outstanding {
+            let order = &outstanding.order;
+            let key = (order.node_id.clone(), order.model.clone());
+            match order.action() {
+                PlacementAction::Load => {
+                    let size = fleet.node(&order.node_id).map_or(0, |n| footprint(n, &order.model));
+                    *round.reserved.entry(order.node_id.clone()).or_default() += size;
+                    round.loading.insert(key);
+                }
+                _ => {
+                    round.unloading.insert(key);
+                    if let Some(model) = &outstanding.room_for {
+                        round.making_room.insert((order.node_id.clone(), model.clone()));
+                    }
+                }
+            }
+        }
+        for node in &fleet.nodes {
+            for (_, m) in node.models().filter(|(_, m)| m.state == ModelState::Loading) {
+                if !round.loading.contains(&(node.id.clone(), m.id.clone())) {
+                    *round.reserved.entry(node.id.clone()).or_default() += footprint(node, &m.id);
+                }
+            }
+        }
+        round
+    }
+}
+
 /// The orders to issue next, given what is outstanding: for each model
 /// declared, loads until it is warm (or loading) on its minimum of nodes,
 /// on the best nodes that can take it, with what must be unloaded to make
@@ -385,34 +420,7 @@ pub fn plan(fleet: &Fleet, policy: &RoutingPolicy, placing: &Placing, settings: 
     if policy.placement_off {
         return Vec::new();
     }
-    let mut round = Round::default();
-    for outstanding in &placing.outstanding {
-        let order = &outstanding.order;
-        let key = (order.node_id.clone(), order.model.clone());
-        match order.action() {
-            PlacementAction::Load => {
-                let size = fleet.node(&order.node_id).map_or(0, |n| footprint(n, &order.model));
-                *round.reserved.entry(order.node_id.clone()).or_default() += size;
-                round.loading.insert(key);
-            }
-            _ => {
-                round.unloading.insert(key);
-                if let Some(model) = &outstanding.room_for {
-                    round.making_room.insert((order.node_id.clone(), model.clone()));
-                }
-            }
-        }
-    }
-
-    // Loads under way that this placement did not ask for (a client's cold
-    // load, a former leader's order) take their memory too.
-    for node in &fleet.nodes {
-        for (_, m) in node.models().filter(|(_, m)| m.state == ModelState::Loading) {
-            if !round.loading.contains(&(node.id.clone(), m.id.clone())) {
-                *round.reserved.entry(node.id.clone()).or_default() += footprint(node, &m.id);
-            }
-        }
-    }
+    let mut round = Round::of(fleet, placing);
     let planning = Planning { fleet, policy, placing, settings, now_ms };
     let mut actions = Vec::new();
     for model in declared(policy) {
@@ -481,26 +489,7 @@ pub fn plan(fleet: &Fleet, policy: &RoutingPolicy, placing: &Placing, settings: 
         // Never below the minimum, whatever the maximum says.
         if want.max > 0 && warm > want.max.max(want.min) as usize && coming == 0 {
             // One at a time: the next round sees it gone.
-            let idlest = fleet
-                .nodes
-                .iter()
-                .filter(|n| n.warm(model) && !round.unloading.contains(&(n.id.clone(), model.to_string())))
-                .filter_map(|n| {
-                    let (backend, m) = n.models().find(|(_, m)| m.id == model && m.state == ModelState::Loaded)?;
-                    let idle = backend.places
-                        && backend.in_flight == 0
-                        && now_ms.saturating_sub(m.last_used_ms) >= settings.idle_ms
-                        && !placing.busy(&n.id)
-                        && !round.touched.contains(&n.id)
-                        && !placing.backed_off(&n.id, model, now_ms);
-                    idle.then(|| (m.last_used_ms, n.id.clone(), backend.id.clone()))
-                })
-                .min();
-            if let Some((_, node, backend)) = idlest {
-                round.unloading.insert((node.clone(), model.to_string()));
-                round.touched.insert(node.clone());
-                actions.push(Action { action: Kind::Unload, node, backend, model: model.to_string(), room_for: None });
-            }
+            actions.extend(planning.unload_idlest(&mut round, model));
         }
     }
     actions
@@ -536,6 +525,32 @@ struct Planning<'a> {
 }
 
 impl Planning<'_> {
+    /// An unload of `model` from the node where it has been idle longest
+    /// (idle: nothing in flight, unused for the idle time, no order under
+    /// way or backed off there), if any.
+    fn unload_idlest(&self, round: &mut Round, model: &str) -> Option<Action> {
+        let (placing, settings, now_ms) = (self.placing, self.settings, self.now_ms);
+        let (_, node, backend) = self
+            .fleet
+            .nodes
+            .iter()
+            .filter(|n| n.warm(model) && !round.unloading.contains(&(n.id.clone(), model.to_string())))
+            .filter_map(|n| {
+                let (backend, m) = n.models().find(|(_, m)| m.id == model && m.state == ModelState::Loaded)?;
+                let idle = backend.places
+                    && backend.in_flight == 0
+                    && now_ms.saturating_sub(m.last_used_ms) >= settings.idle_ms
+                    && !placing.busy(&n.id)
+                    && !round.touched.contains(&n.id)
+                    && !placing.backed_off(&n.id, model, now_ms);
+                idle.then(|| (m.last_used_ms, n.id.clone(), backend.id.clone()))
+            })
+            .min()?;
+        round.unloading.insert((node.clone(), model.to_string()));
+        round.touched.insert(node.clone());
+        Some(Action { action: Kind::Unload, node, backend, model: model.to_string(), room_for: None })
+    }
+
     /// The best node to load `model` on: one that needs the fewest unloads
     /// to take it under its threshold, then the one with the most memory
     /// free after, then the first by id.
