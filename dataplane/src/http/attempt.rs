@@ -22,7 +22,7 @@ use crate::error::{ApiError, ErrorCode};
 use crate::routing::{MAX_TARGETS, Route, Weighed};
 use crate::snapshot::{RoutingSnapshot, Target};
 use crate::targets::{ColdLoad, Endpoint, InFlight, Observed, Witness};
-use crate::turns::{Sent, SentTurns};
+use crate::turns::{Seen, Sent, SentTurns};
 use crate::usage::{Meter, Outcome, Served};
 
 pub const NODE_HEADER: HeaderName = HeaderName::from_static("x-inferyes-node");
@@ -60,15 +60,18 @@ pub(crate) struct SessionTurn {
     pub session: u64,
     /// The prompt's tokens, as estimated.
     pub tokens: u32,
+    /// Where the reports had the session as the turn was sent.
+    pub reported: Option<Seen>,
 }
 
 impl SessionTurn {
     fn answered(&self, hop: &Hop) {
         let sent = Sent {
             node: hop.node_key,
-            backend: hop.backend_index,
+            backend: Arc::clone(&hop.backend_id),
             tokens: self.tokens,
             sent_unix_ms: inferyes_proto::unix_ms(),
+            reported: self.reported,
         };
         self.turns.sent(self.session, sent);
     }
@@ -78,10 +81,10 @@ impl SessionTurn {
 /// the cold load an attempt there waits on, if any.
 pub(crate) struct Hop {
     pub endpoint: Arc<Endpoint>,
-    /// Its node's key and its backend's index in the node's record: where
-    /// a session's turn answered here is.
+    /// Its node's key and its backend's id: where a session's turn
+    /// answered here is.
     pub node_key: u64,
-    pub backend_index: u32,
+    pub backend_id: Arc<str>,
     /// The backend's id, as a header value.
     pub backend: Option<HeaderValue>,
     /// The backend tells a stream's prompt progress when asked.
@@ -120,7 +123,7 @@ impl Hops {
                 Some(Hop {
                     endpoint: Arc::clone(&node.endpoint),
                     node_key: node.key,
-                    backend_index: u32::try_from(target.backend).ok()?,
+                    backend_id: Arc::clone(&backend.id),
                     backend: backend.id_header.clone(),
                     progress: backend.reports_progress,
                     load: route.loads_at(index).then(|| cold_load(snapshot, model, *target)).flatten(),
@@ -488,7 +491,7 @@ mod tests {
         let hop = |endpoint: &Arc<Endpoint>, reason| Hop {
             endpoint: Arc::clone(endpoint),
             node_key: inferyes_proto::hash::stable_hash(endpoint.id.as_bytes()),
-            backend_index: 0,
+            backend_id: Arc::from("b0"),
             backend: None,
             progress: false,
             load: None,
@@ -528,7 +531,7 @@ mod tests {
             body: Bytes::from_static(b"{}"),
             stream: false,
             asks_progress: false,
-            turn: Some(SessionTurn { turns: Arc::clone(&turns), session: 7, tokens: 300 }),
+            turn: Some(SessionTurn { turns: Arc::clone(&turns), session: 7, tokens: 300, reported: None }),
         };
         let Ok(Answer::Whole(answer)) = attempts.run(&mut out, &mut hops, Purpose::First).await else {
             panic!("an answer from b")
@@ -544,6 +547,21 @@ mod tests {
         assert!(hops.peek().is_none(), "no node left to try");
         let home = turns.latest(7, inferyes_proto::unix_ms()).expect("the turn's home recorded");
         let b_key = inferyes_proto::hash::stable_hash(b"b");
-        assert_eq!((home.node, home.backend, home.tokens), (b_key, 0, 300), "where it was answered");
+        assert_eq!((home.node, &*home.backend, home.tokens), (b_key, "b0", 300), "where it was answered");
+
+        // A turn its node refuses is no home there.
+        let refused = node(http::StatusCode::BAD_REQUEST, r#"{"error":{"message":"no","code":400}}"#).await;
+        let c = endpoint("c", &refused);
+        let mut hops: Hops = [hop(&c, "placed")].into_iter().collect();
+        let mut out = Outbound {
+            path_and_query: PathAndQuery::from_static("/v1/chat/completions"),
+            headers: HeaderMap::new(),
+            body: Bytes::from_static(b"{}"),
+            stream: false,
+            asks_progress: false,
+            turn: Some(SessionTurn { turns: Arc::clone(&turns), session: 8, tokens: 300, reported: None }),
+        };
+        assert!(attempts.run(&mut out, &mut hops, Purpose::First).await.is_err(), "the node's refusal");
+        assert_eq!(turns.latest(8, inferyes_proto::unix_ms()), None);
     }
 }

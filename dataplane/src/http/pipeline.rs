@@ -520,10 +520,15 @@ impl<'s> Exchange<'s> {
     fn outbound(&self, prepared: Prepared, model: &str, view: &RoutingView) -> (Outbound, bool, ProgressEvents) {
         let Prepared { path_and_query, headers, body, strip_usage, progress, form } = prepared;
         let facts = Facts { model, session: self.facts.session.as_deref(), request_id: &self.request_id, form };
-        let turn = self.facts.session.as_deref().map(|session| SessionTurn {
-            turns: Arc::clone(self.state.snapshots.node_states().turns()),
-            session: crate::snapshot::session_hash(session),
-            tokens: estimated_prompt_tokens(body.len(), view),
+        let turn = self.facts.session.as_deref().map(|session| {
+            let session = crate::snapshot::session_hash(session);
+            let snapshots = &self.state.snapshots;
+            SessionTurn {
+                turns: Arc::clone(snapshots.node_states().turns()),
+                session,
+                tokens: estimated_prompt_tokens(body.len(), view),
+                reported: snapshots.current().and_then(|snapshot| snapshot.reported(session)),
+            }
         });
         let out = Outbound {
             path_and_query,

@@ -1,6 +1,8 @@
-//! Which backend gets a request: a pure function of the snapshot and the
-//! request's facts. No I/O, no clocks, no randomness: every data plane
-//! holding the same snapshot makes the same choice for the same session.
+//! Which backend gets a request: a pure function of the snapshot, this
+//! data plane's own state of its nodes ([`Local`]) and the request's
+//! facts. No I/O, no clocks, no randomness: data planes holding the same
+//! snapshot make the same choice for a session, but where one sent its
+//! latest turn and the reports do not show it yet.
 //!
 //! In order of preference (design §3):
 //! 1. capable: serves this kind of request for this model, with a context
@@ -665,23 +667,33 @@ pub fn slot_room(snapshot: &RoutingSnapshot, model: &str, route: &Route) -> Opti
     Some(low)
 }
 
-/// Where `session`'s cache is: where it was used last, of where its
-/// node's agent reports it and where this data plane sent its latest turn
-/// (which no report may show yet). Both at one backend: the larger count
-/// of tokens, the reported one being the server's own, the sent one at
-/// least the prompt that turn read.
+/// Where `session`'s cache is: where its node's agent reports it, or
+/// where this data plane sent its latest turn while the reports have not
+/// moved on from what they said then ([`crate::turns`]). Both at one
+/// backend: the larger count of tokens, the reported one being the
+/// server's own, the sent one at least the prompt that turn read.
 pub fn residence(snapshot: &RoutingSnapshot, local: &impl Local, session: &str, now_ms: u64) -> Option<Resident> {
+    residences(snapshot, local, session, now_ms)[0]
+}
+
+/// [`residence`], then the other of the two where they differ: a home to
+/// try where the first cannot take the turn.
+fn residences(snapshot: &RoutingSnapshot, local: &impl Local, session: &str, now_ms: u64) -> [Option<Resident>; 2] {
     let key = crate::snapshot::session_hash(session);
     let reported = snapshot.resident_by_hash(key);
-    let sent = local.sent_turn(key, now_ms).and_then(|sent| snapshot.sent_to(sent));
-    match (reported, sent) {
-        (Some(reported), Some(sent)) if reported.target == sent.target => Some(Resident {
-            tokens: reported.tokens.max(sent.tokens),
-            last_seen_unix_ms: reported.last_seen_unix_ms.max(sent.last_seen_unix_ms),
-            ..reported
-        }),
-        (Some(reported), Some(sent)) if reported.last_seen_unix_ms >= sent.last_seen_unix_ms => Some(reported),
-        (reported, sent) => sent.or(reported),
+    let Some(sent) = local.sent_turn(key, now_ms) else { return [reported, None] };
+    let Some(sent_to) = snapshot.sent_to(&sent) else { return [reported, None] };
+    match reported {
+        Some(reported) if reported.target == sent_to.target => {
+            [Some(Resident { tokens: reported.tokens.max(sent_to.tokens), ..reported }), None]
+        }
+        // Another data plane's turn went elsewhere since, and it is reported.
+        Some(reported) if snapshot.reported(key) != sent.reported => [Some(reported), Some(sent_to)],
+        Some(reported) => [Some(sent_to), Some(reported)],
+        // Reported at the same node when the turn was sent, and gone from
+        // there since: its server dropped it (restarted, or evicted it).
+        None if sent.reported.is_some_and(|then| then.node == sent.node) => [None, None],
+        None => [Some(sent_to), None],
     }
 }
 
@@ -702,7 +714,7 @@ pub fn select(snapshot: &RoutingSnapshot, local: &impl Local, request: &RouteReq
     };
     let affinity = request.mode == Mode::Policy;
     let session = request.session.filter(|_| affinity);
-    let resident = session.and_then(|s| residence(snapshot, local, s, request.now_ms));
+    let [resident, fallback] = session.map_or([None, None], |s| residences(snapshot, local, s, request.now_ms));
     let home = resident.map(|r| r.target);
 
     let strategy = match request.mode {
@@ -719,10 +731,9 @@ pub fn select(snapshot: &RoutingSnapshot, local: &impl Local, request: &RouteReq
         });
         at.map(|at| (at, r))
     };
-    // Where the last turn went cannot take this one (its node drains, say):
-    // then where the agents report the session, if elsewhere.
-    let reported = || session.and_then(|s| snapshot.resident(s)).filter(|r| Some(r.target) != home);
-    if let Some((at, resident)) = resident.and_then(home_at).or_else(|| reported().and_then(home_at)) {
+    // The first home cannot take this turn (its node drains, say): the
+    // other, where there is one.
+    if let Some((at, resident)) = resident.and_then(home_at).or_else(|| fallback.and_then(home_at)) {
         return Ok(route_session_home(&seen, placements, at, resident, request, &capable, &fits));
     }
     let session_key = session.map(|s| stable_hash(s.as_bytes()));

@@ -37,7 +37,7 @@ impl Local for Own {
     }
 
     fn sent_turn(&self, session: u64, _: u64) -> Option<crate::turns::Sent> {
-        self.sent.get(&session).copied()
+        self.sent.get(&session).cloned()
     }
 }
 
@@ -233,13 +233,15 @@ fn a_resident_session_goes_home() {
 }
 
 /// `session`'s latest turn, as this data plane sent it to `node`'s first
-/// backend at `sent_unix_ms`.
-fn sent(session: &str, node: &str, tokens: u32, sent_unix_ms: u64) -> Own {
+/// backend while the reports had it at `reported` (node, last seen).
+fn sent(session: &str, node: &str, tokens: u32, reported: Option<(&str, u64)>) -> Own {
+    let key = |node: &str| inferyes_proto::hash::stable_hash(node.as_bytes());
     let turn = crate::turns::Sent {
-        node: inferyes_proto::hash::stable_hash(node.as_bytes()),
-        backend: 0,
+        node: key(node),
+        backend: Arc::from("b0"),
         tokens,
-        sent_unix_ms,
+        sent_unix_ms: 999_000,
+        reported: reported.map(|(node, last_seen_unix_ms)| crate::turns::Seen { node: key(node), last_seen_unix_ms }),
     };
     Own { sent: HashMap::from([(crate::snapshot::session_hash(session), turn)]), ..Own::default() }
 }
@@ -251,7 +253,7 @@ fn a_later_turn_goes_where_the_last_was_sent_before_any_report_shows_it() {
     // Its first turn went to another node (its placement was busy then),
     // and no agent has reported the session yet.
     let elsewhere = ["a", "b", "c", "d"].into_iter().find(|n| *n != placed).unwrap();
-    let own = sent("conv", elsewhere, 500, 999_000);
+    let own = sent("conv", elsewhere, 500, None);
     let route = select(&s, &own, &later_turn()).unwrap();
     assert_eq!((first_node(&s, &route), route.reason), (elsewhere.to_string(), RouteReason::Resident));
     let found = residence(&s, &own, "conv", 1_000_000).unwrap();
@@ -262,28 +264,41 @@ fn a_later_turn_goes_where_the_last_was_sent_before_any_report_shows_it() {
         Spec { session_last_seen_ms: 998_000, ..home(spec("b")) },
         spec("c"),
     ]);
-    let route = select(&drained, &sent("conv", "a", 1_200, 999_000), &later_turn()).unwrap();
+    let route = select(&drained, &sent("conv", "a", 1_200, Some(("b", 998_000))), &later_turn()).unwrap();
     assert_eq!((first_node(&drained, &route), route.reason), ("b".into(), RouteReason::Resident));
-    // A record of a node the snapshot does not hold is no home.
-    let gone = sent("conv", "e", 500, 999_000);
-    assert_eq!(residence(&s, &gone, "conv", 1_000_000), None);
-    assert_eq!(first_node(&s, &select(&s, &gone, &chat(Some("conv"))).unwrap()), placed);
+    // A record of a node, or a backend, the snapshot does not hold is no
+    // home.
+    for gone in [sent("conv", "e", 500, None), Own { sent: HashMap::new(), ..Own::default() }] {
+        assert_eq!(residence(&s, &gone, "conv", 1_000_000), None);
+        assert_eq!(first_node(&s, &select(&s, &gone, &chat(Some("conv"))).unwrap()), placed);
+    }
+    let mut other_backend = sent("conv", elsewhere, 500, None);
+    other_backend.sent.values_mut().for_each(|turn| turn.backend = Arc::from("b1"));
+    assert_eq!(residence(&s, &other_backend, "conv", 1_000_000), None);
 }
 
 #[test]
-fn of_a_reported_home_and_a_sent_turn_the_later_use_is_the_home() {
-    let reported_at = 998_000;
-    let at_b = Spec { session_last_seen_ms: reported_at, ..home(spec("b")) };
+fn a_sent_turn_is_the_home_until_the_reports_move_on() {
+    let at_b = Spec { session_last_seen_ms: 998_000, ..home(spec("b")) };
     let s = snapshot(&[spec("a"), at_b, spec("c")]);
     let home_of = |own: &Own| {
-        let found = residence(&s, own, "conv", 1_000_000).unwrap();
-        (node_of(&s, found.target), found.tokens)
+        let found = residence(&s, own, "conv", 1_000_000).map(|found| (node_of(&s, found.target), found.tokens));
+        found.unwrap_or_default()
     };
-    assert_eq!(home_of(&sent("conv", "c", 1_200, reported_at + 1)), ("c".into(), 1_200), "sent since");
-    assert_eq!(home_of(&sent("conv", "c", 1_200, reported_at - 1)), ("b".into(), 1_000), "used at b since");
-    // One node both ways: the larger count.
-    assert_eq!(home_of(&sent("conv", "b", 1_200, reported_at - 1)), ("b".into(), 1_200));
-    assert_eq!(home_of(&sent("conv", "b", 800, reported_at + 1)), ("b".into(), 1_000));
+    // Sent to c while the reports had it at b, as they still do: c, whatever
+    // the clocks say.
+    assert_eq!(home_of(&sent("conv", "c", 1_200, Some(("b", 998_000)))), ("c".into(), 1_200));
+    // The reports moved on since (another data plane's turn at b): b.
+    assert_eq!(home_of(&sent("conv", "c", 1_200, Some(("b", 990_000)))), ("b".into(), 1_000));
+    assert_eq!(home_of(&sent("conv", "c", 1_200, None)), ("b".into(), 1_000));
+    // One backend both ways: the larger count.
+    assert_eq!(home_of(&sent("conv", "b", 1_200, Some(("b", 998_000)))), ("b".into(), 1_200));
+    assert_eq!(home_of(&sent("conv", "b", 800, None)), ("b".into(), 1_000));
+    // Reported at a when the turn went there, and dropped by a since: no
+    // home left.
+    let none = snapshot(&[spec("a"), spec("b")]);
+    assert_eq!(residence(&none, &sent("conv", "a", 1_200, Some(("a", 990_000))), "conv", 1_000_000), None);
+    assert!(residence(&none, &sent("conv", "a", 1_200, Some(("b", 990_000))), "conv", 1_000_000).is_some());
 }
 
 #[test]

@@ -336,10 +336,17 @@ impl RoutingSnapshot {
 
     /// Where a turn this data plane sent went, as a residence in this
     /// snapshot: `None` where its node or backend is not in it.
-    pub fn sent_to(&self, sent: crate::turns::Sent) -> Option<Resident> {
+    pub fn sent_to(&self, sent: &crate::turns::Sent) -> Option<Resident> {
         let node = *self.node_index.get(&sent.node)?;
-        let backend = usize::try_from(sent.backend).ok().filter(|b| *b < self.nodes[node].backends.len())?;
+        let backend = self.nodes[node].backends.iter().position(|b| b.id == sent.backend)?;
         Some(Resident { target: Target { node, backend }, tokens: sent.tokens, last_seen_unix_ms: sent.sent_unix_ms })
+    }
+
+    /// Where the reports have the session whose key hashes to `session`,
+    /// as far as telling it from a later report goes.
+    pub fn reported(&self, session: u64) -> Option<crate::turns::Seen> {
+        let entry = self.sessions.get(session)?;
+        Some(crate::turns::Seen { node: entry.node, last_seen_unix_ms: entry.last_seen_unix_ms })
     }
 
     /// Sessions resident anywhere in the fleet.
