@@ -266,6 +266,12 @@ fn a_later_turn_goes_where_the_last_was_sent_before_any_report_shows_it() {
     ]);
     let route = select(&drained, &sent("conv", "a", 1_200, Some(("b", 998_000))), &later_turn()).unwrap();
     assert_eq!((first_node(&drained, &route), route.reason), ("b".into(), RouteReason::Resident));
+    // Or one this data plane holds out after a failure.
+    let reported_at_b = snapshot(&[spec("a"), Spec { session_last_seen_ms: 998_000, ..home(spec("b")) }]);
+    let held_out =
+        Own { ejected_until: HashMap::from([(0, 2_000_000)]), ..sent("conv", "a", 1_200, Some(("b", 998_000))) };
+    let route = select(&reported_at_b, &held_out, &later_turn()).unwrap();
+    assert_eq!((first_node(&reported_at_b, &route), route.reason), ("b".into(), RouteReason::Resident));
     // A record of a node, or a backend, the snapshot does not hold is no
     // home.
     for gone in [sent("conv", "e", 500, None), Own { sent: HashMap::new(), ..Own::default() }] {
