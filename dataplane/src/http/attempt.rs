@@ -525,14 +525,15 @@ mod tests {
             share: None,
             weighed: &expected,
         };
-        let mut out = Outbound {
+        let outbound = |session| Outbound {
             path_and_query: PathAndQuery::from_static("/v1/chat/completions"),
             headers: HeaderMap::new(),
             body: Bytes::from_static(b"{}"),
             stream: false,
             asks_progress: false,
-            turn: Some(SessionTurn { turns: Arc::clone(&turns), session: 7, tokens: 300, reported: None }),
+            turn: Some(SessionTurn { turns: Arc::clone(&turns), session, tokens: 300, reported: None }),
         };
+        let mut out = outbound(7);
         let Ok(Answer::Whole(answer)) = attempts.run(&mut out, &mut hops, Purpose::First).await else {
             panic!("an answer from b")
         };
@@ -553,14 +554,7 @@ mod tests {
         let refused = node(http::StatusCode::BAD_REQUEST, r#"{"error":{"message":"no","code":400}}"#).await;
         let c = endpoint("c", &refused);
         let mut hops: Hops = [hop(&c, "placed")].into_iter().collect();
-        let mut out = Outbound {
-            path_and_query: PathAndQuery::from_static("/v1/chat/completions"),
-            headers: HeaderMap::new(),
-            body: Bytes::from_static(b"{}"),
-            stream: false,
-            asks_progress: false,
-            turn: Some(SessionTurn { turns: Arc::clone(&turns), session: 8, tokens: 300, reported: None }),
-        };
+        let mut out = outbound(8);
         assert!(attempts.run(&mut out, &mut hops, Purpose::First).await.is_err(), "the node's refusal");
         assert_eq!(turns.latest(8, inferyes_proto::unix_ms()), None);
     }
