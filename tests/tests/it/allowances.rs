@@ -4,14 +4,13 @@
 
 use std::time::Duration;
 
-use bytes::Bytes;
 use http::{Method, StatusCode};
 use inferyes_dataplane::auth::AuthMode;
 use inferyes_proto::v1::CreateKeyRequest;
 use inferyes_tests::{ControllerHandle, DataplaneHandle};
 use serde_json::json;
 
-use crate::support::{Fleet, chat_body, chat_sim, create_key, scraped};
+use crate::support::{Fleet, chat_body, chat_sim, create_key, long_story, scraped, slow_sim};
 use crate::usage::rolled_up;
 
 const DATA_PLANES: usize = 4;
@@ -124,20 +123,13 @@ async fn burst_of_240_against_60_a_minute(fleet: &Fleet, others: &[DataplaneHand
     assert!(served >= 56, "{served} served: the key's parts add up to its limit");
 }
 
-/// A node slow enough that a stream stays in flight while a test looks.
-fn slow_sim() -> inferyes_sim::SimConfig {
-    inferyes_sim::SimConfig { decode_tokens_per_second: 5.0, ..chat_sim("chat") }
-}
-
 async fn open_stream(
     http: &inferyes_tests::HttpClient,
     url: &str,
     bearer: &str,
 ) -> Result<http::Response<hyper::body::Incoming>, StatusCode> {
-    let body = json!({"model": "chat", "stream": true, "max_tokens": 200,
-                      "messages": [{"role": "user", "content": "tell me a long story"}]});
     let url = format!("{url}/v1/chat/completions");
-    let response = http.start(Method::POST, &url, Bytes::from(body.to_string()), &[("authorization", bearer)]).await;
+    let response = http.start(Method::POST, &url, long_story(), &[("authorization", bearer)]).await;
     match response.status() {
         StatusCode::OK => Ok(response),
         status => Err(status),

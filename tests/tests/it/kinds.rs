@@ -11,7 +11,7 @@ use inferyes_proto::v1::{CreateKeyRequest, ModelState};
 use inferyes_sim::{SimConfig, SimJob, SimMode, SimModel};
 use serde_json::json;
 
-use crate::support::{Fleet, chat_body, chat_sim, create_key};
+use crate::support::{Fleet, chat_body, chat_sim, create_key, state_of};
 
 /// A llama-swap fronting a chat model, whisper, a speech server and a
 /// stable-diffusion server, all loaded.
@@ -99,11 +99,6 @@ async fn uploads_are_routed_by_their_form_s_model_and_forwarded_byte_for_byte() 
     // no such path, and says so.
     let chat = fleet.http.send(Method::POST, &url, upload(Some("elsewhere"), b"x").into(), &[FORM]).await;
     assert_eq!((chat.status, chat.openai_error()["code"].as_str()), (StatusCode::NOT_FOUND, Some("not_found")));
-}
-
-fn state_of(fleet: &Fleet, model: &str) -> Option<ModelState> {
-    let snapshot = fleet.dataplane.store.current()?;
-    snapshot.placements(model)?.first().map(|p| p.state)
 }
 
 #[tokio::test]

@@ -4,7 +4,6 @@
 
 use std::time::Duration;
 
-use bytes::Bytes;
 use http::{Method, StatusCode};
 use inferyes_dataplane::auth::AuthMode;
 use inferyes_proto::v1::CreateKeyRequest;
@@ -12,12 +11,7 @@ use inferyes_tests::TestResponse;
 use serde_json::json;
 use tokio::io::AsyncWriteExt;
 
-use crate::support::{Fleet, chat_body, chat_sim, create_key};
-
-/// A node slow enough that a stream stays in flight while a test looks.
-fn slow_sim() -> inferyes_sim::SimConfig {
-    inferyes_sim::SimConfig { decode_tokens_per_second: 5.0, ..chat_sim("chat") }
-}
+use crate::support::{Fleet, chat_body, chat_sim, create_key, long_story, slow_sim};
 
 async fn key(fleet: &Fleet, name: &str, tenant: &str, max_concurrent: u32) -> String {
     let request = CreateKeyRequest { name: name.into(), tenant: tenant.into(), max_concurrent, ..Default::default() };
@@ -26,11 +20,8 @@ async fn key(fleet: &Fleet, name: &str, tenant: &str, max_concurrent: u32) -> St
 
 /// A stream of many tokens, open (its head read) until dropped.
 async fn open_stream(fleet: &Fleet, bearer: &str) -> http::Response<hyper::body::Incoming> {
-    let body = json!({"model": "chat", "stream": true, "max_tokens": 200,
-                      "messages": [{"role": "user", "content": "tell me a long story"}]});
     let url = format!("{}/v1/chat/completions", fleet.dataplane.url);
-    let response =
-        fleet.http.start(Method::POST, &url, Bytes::from(body.to_string()), &[("authorization", bearer)]).await;
+    let response = fleet.http.start(Method::POST, &url, long_story(), &[("authorization", bearer)]).await;
     assert_eq!(response.status(), StatusCode::OK);
     response
 }

@@ -23,6 +23,25 @@ pub fn chat_sim(model: &str) -> SimConfig {
     SimConfig { prefill_tokens_per_second: 1e6, decode_tokens_per_second: 1e5, ..SimConfig::llama_server(model) }
 }
 
+/// A simulated llama-server serving `chat` at five tokens a second: a
+/// stream of [`long_story`] stays open for as long as a test needs.
+pub fn slow_sim() -> SimConfig {
+    SimConfig { decode_tokens_per_second: 5.0, ..chat_sim("chat") }
+}
+
+/// A streamed chat request for `chat` of 200 tokens at most.
+pub fn long_story() -> bytes::Bytes {
+    let body = json!({"model": "chat", "stream": true, "max_tokens": 200,
+                      "messages": [{"role": "user", "content": "tell me a long story"}]});
+    bytes::Bytes::from(body.to_string())
+}
+
+/// The state of `model`'s first placement in the data plane's snapshot.
+pub fn state_of(fleet: &Fleet, model: &str) -> Option<inferyes_proto::v1::ModelState> {
+    let snapshot = fleet.dataplane.store.current()?;
+    snapshot.placements(model)?.first().map(|p| p.state)
+}
+
 impl Fleet {
     pub async fn start(sims: Vec<SimConfig>) -> Fleet {
         Self::start_with(sims, |_| {}).await

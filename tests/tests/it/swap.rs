@@ -11,7 +11,7 @@ use inferyes_sim::{SimConfig, SimModel};
 use inferyes_tests::client::next_chunk;
 use serde_json::json;
 
-use crate::support::{Fleet, chat_body};
+use crate::support::{Fleet, chat_body, state_of};
 
 /// A llama-swap serving `alpha` (loaded) and `beta`, one at a time.
 pub fn swap(legacy: bool) -> SimConfig {
@@ -25,11 +25,6 @@ pub fn swap(legacy: bool) -> SimConfig {
         llama_swap_legacy: legacy,
         ..SimConfig::llama_swap(["alpha", "beta"])
     }
-}
-
-fn state_of(fleet: &Fleet, model: &str) -> Option<ModelState> {
-    let snapshot = fleet.dataplane.store.current()?;
-    snapshot.placements(model)?.first().map(|p| p.state)
 }
 
 #[tokio::test]
