@@ -30,7 +30,9 @@ to later turns' time to first token.
 --concurrent runs every conversation as its own user, all at once, each
 sending its next turn as soon as the last is answered; without it, turns go
 one at a time, interleaved across conversations (turn 1 of each, then turn 2
-of each...).
+of each...). With --arrivals S the users start S seconds apart, and with
+--think S each waits S seconds between a reply and its next turn: real
+conversations arriving over time rather than a burst.
 
 --compare-tier (with --move-caches) runs each Inferyes row twice, with the
 agents' KV tiers on (the default: each turn's slot saved to disk when it
@@ -171,14 +173,19 @@ def run_workload(url, api_key, strategy, args, repetition=0):
     if args.concurrent:
         errors = []
 
-        def user(conversation):
+        def user(conversation, arrives_s):
+            # A load generator's clock, not a wait for an event: users come
+            # `--arrivals` apart and read each reply for `--think`.
+            time.sleep(arrives_s)
             try:
                 for index in range(args.turns):
+                    if index:
+                        time.sleep(args.think)
                     conversation.turn(client, index, args.max_tokens)
             except Exception as error:  # noqa: BLE001 - reported after the run
                 errors.append(error)
 
-        threads = [threading.Thread(target=user, args=(c,)) for c in conversations]
+        threads = [threading.Thread(target=user, args=(c, i * args.arrivals)) for i, c in enumerate(conversations)]
         for thread in threads:
             thread.start()
         for thread in threads:
@@ -344,6 +351,10 @@ def main():
     parser.add_argument("--system-tokens", type=int, default=1000)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--concurrent", action="store_true", help="every conversation its own user, all at once")
+    parser.add_argument("--arrivals", type=float, default=0.0,
+                        help="with --concurrent: seconds between one user's first turn and the next's")
+    parser.add_argument("--think", type=float, default=0.0,
+                        help="with --concurrent: seconds a user waits between a reply and its next turn")
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
     parser.add_argument("--no-queue", action="store_true",
                         help="data planes send every request on at once, to wait in the servers' queues")
@@ -359,6 +370,8 @@ def main():
 
     if args.turns < 2:
         parser.error("--turns must be 2 or more: later turns are what is measured")
+    if (args.arrivals or args.think) and not args.concurrent:
+        parser.error("--arrivals and --think shape users' turns: they need --concurrent")
     if args.compare_tier and not args.move_caches:
         parser.error("--compare-tier needs --move-caches: the tier keeps what the servers save")
     fleet = Fleet(Path(tempfile.mkdtemp(prefix="inferyes-bench-chat-")))
@@ -395,6 +408,8 @@ def main():
     finally:
         fleet.stop()
     mode = "at once" if args.concurrent else "one request at a time"
+    if args.arrivals or args.think:
+        mode = f"arriving {args.arrivals:g} s apart, {args.think:g} s between a reply and the next turn"
     print(f"\n{args.conversations} conversations {mode}, {args.turns} turns, ~{args.system_tokens}-token "
           f"system prompts; {args.nodes} nodes x {args.slots} slots, --cache-ram {args.cache_ram}\n")
     print(table(results))
