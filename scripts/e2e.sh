@@ -12,6 +12,18 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 "$root/scripts/deps.sh" test
 
+# The agents these suites start refuse to save or take a conversation's
+# slot with less than 4 GiB free where they keep it (moves.min_free_bytes,
+# here the temporary directory): on a fuller disk the move and KV tier
+# tests would fail without saying why.
+tmp=${TMPDIR:-/tmp}
+free_kib=$(df -Pk "$tmp" | awk 'NR == 2 { print $4 }')
+if [ "$free_kib" -lt $((5 * 1024 * 1024)) ]; then
+  echo "e2e: $tmp has $((free_kib / 1024)) MiB free; the agents need 4 GiB to move and keep conversations' caches," \
+    "and the suites 1 GiB more: free some space (or set TMPDIR) and run again" >&2
+  exit 1
+fi
+
 llama=$("$root/scripts/llama-server.sh")
 gguf=$("$root/scripts/real-model.sh")
 venv=$("$root/scripts/venv.sh")
