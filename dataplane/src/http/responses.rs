@@ -20,23 +20,35 @@ use serde_json::{Map, Value};
 /// carry the whole answer. A longer one goes on as it is.
 const MAX_EVENT: usize = 4 << 20;
 
+/// The most output items remembered: a stream opens one a message or call,
+/// and one with more is hostile or broken; past it the oldest is forgotten.
+const MAX_ITEMS: usize = 64;
+
 /// Counts a Responses stream's events and output, and fills in what its
 /// events leave out.
 pub(crate) struct EventFields {
     events: super::sse::Events,
     /// The next event's sequence number.
     sequence: u64,
-    /// The output item open now: its index and id.
-    item: Option<(u64, Option<String>)>,
+    /// The output items opened, oldest first. llama-server closes a message
+    /// after the function calls opened after it, so an event is matched to
+    /// its item by id, not taken to be about the last one opened.
+    items: Vec<Item>,
     /// Output items opened so far.
-    items: u64,
-    /// The open item's content parts opened so far.
+    opened: u64,
+}
+
+/// An output item of the stream.
+struct Item {
+    index: u64,
+    id: Option<String>,
+    /// Its content parts opened so far.
     parts: u64,
 }
 
 impl Default for EventFields {
     fn default() -> EventFields {
-        EventFields { events: super::sse::Events::with_limit(MAX_EVENT), sequence: 0, item: None, items: 0, parts: 0 }
+        EventFields { events: super::sse::Events::with_limit(MAX_EVENT), sequence: 0, items: Vec::new(), opened: 0 }
     }
 }
 
@@ -123,11 +135,13 @@ impl EventFields {
                 return missing;
             }
             "response.output_item.added" => {
-                let index = fields.get("output_index").and_then(Value::as_u64).unwrap_or(self.items);
+                let index = fields.get("output_index").and_then(Value::as_u64).unwrap_or(self.opened);
                 let id = fields.get("item").and_then(|item| item.get("id")?.as_str()).map(str::to_string);
-                self.items = index.saturating_add(1);
-                self.item = Some((index, id));
-                self.parts = 0;
+                self.opened = index.saturating_add(1);
+                if self.items.len() == MAX_ITEMS {
+                    self.items.remove(0);
+                }
+                self.items.push(Item { index, id, parts: 0 });
             }
             _ => {}
         }
@@ -140,23 +154,29 @@ impl EventFields {
         if !is_about_an_item(kind) {
             return missing;
         }
-        let Some((index, id)) = &self.item else { return missing };
+        // An event about an item not opened (or forgotten) is taken to be
+        // about the last one opened, as one without an id is.
+        let named = fields.get("item_id").or_else(|| fields.get("item")?.get("id")).and_then(Value::as_str);
+        let at = named
+            .and_then(|named| self.items.iter().rposition(|item| item.id.as_deref() == Some(named)))
+            .or(self.items.len().checked_sub(1));
+        let Some(item) = at.and_then(|at| self.items.get_mut(at)) else { return missing };
         if !fields.contains_key("output_index") {
-            missing.fields.push(("output_index", Value::from(*index)));
+            missing.fields.push(("output_index", Value::from(item.index)));
         }
         if !kind.starts_with("response.output_item.")
             && !fields.contains_key("item_id")
-            && let Some(id) = id
+            && let Some(id) = &item.id
         {
             missing.fields.push(("item_id", Value::from(id.as_str())));
         }
         if is_about_a_part(kind) {
             let part = if kind == "response.content_part.added" {
-                let part = fields.get("content_index").and_then(Value::as_u64).unwrap_or(self.parts);
-                self.parts = part.saturating_add(1);
+                let part = fields.get("content_index").and_then(Value::as_u64).unwrap_or(item.parts);
+                item.parts = part.saturating_add(1);
                 part
             } else {
-                self.parts.saturating_sub(1)
+                item.parts.saturating_sub(1)
             };
             if !fields.contains_key("content_index") {
                 missing.fields.push(("content_index", Value::from(part)));
@@ -266,6 +286,48 @@ mod tests {
         // Everything else is as the server wrote it.
         assert_eq!(events[5]["delta"], " there");
         assert!(String::from_utf8_lossy(&out).starts_with("event: response.created\ndata: {"));
+    }
+
+    #[test]
+    fn a_message_closed_after_the_call_opened_after_it_keeps_its_own_index() {
+        // llama-server b11434 opens a function call while the message
+        // before it is open, and closes the message after the call's
+        // arguments.
+        let (msg, call) = (r#""item_id":"msg_1""#, r#""item_id":"fc_2""#);
+        let stream = [
+            event(
+                "response.output_item.added",
+                r#"{"type":"response.output_item.added","item":{"id":"msg_1","type":"message"}}"#,
+            ),
+            event("response.content_part.added", &format!(r#"{{"type":"response.content_part.added",{msg}}}"#)),
+            event(
+                "response.output_text.delta",
+                &format!(r#"{{"type":"response.output_text.delta",{msg},"delta":"a"}}"#),
+            ),
+            event(
+                "response.output_item.added",
+                r#"{"type":"response.output_item.added","item":{"id":"fc_2","type":"function_call"}}"#,
+            ),
+            event(
+                "response.function_call_arguments.delta",
+                &format!(r#"{{"type":"response.function_call_arguments.delta",{call},"delta":"{{}}"}}"#),
+            ),
+            event("response.output_text.done", &format!(r#"{{"type":"response.output_text.done",{msg},"text":"a"}}"#)),
+            event("response.content_part.done", &format!(r#"{{"type":"response.content_part.done",{msg}}}"#)),
+            event(
+                "response.output_item.done",
+                r#"{"type":"response.output_item.done","item":{"id":"msg_1","type":"message"}}"#,
+            ),
+            event(
+                "response.output_item.done",
+                r#"{"type":"response.output_item.done","item":{"id":"fc_2","type":"function_call"}}"#,
+            ),
+        ]
+        .concat();
+        let events = data_of(&EventFields::default().push(stream.as_bytes()).unwrap());
+        let about: Vec<_> = events.iter().map(|e| (e["output_index"].as_u64(), e["content_index"].as_u64())).collect();
+        let (message, part, call) = ((Some(0), None), (Some(0), Some(0)), (Some(1), None));
+        assert_eq!(about, [message, part, part, call, call, part, part, message, call]);
     }
 
     #[test]
