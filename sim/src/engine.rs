@@ -628,17 +628,24 @@ impl Lease {
 
     /// Decodes the next token; `None` once `n_predict` tokens were produced.
     pub(crate) async fn next_piece(&mut self) -> Option<&'static str> {
+        let piece = self.generator.piece(self.generated);
+        self.decode(piece).await.then_some(piece)
+    }
+
+    /// Decodes `piece` as the next token, one a request's form dictates (as
+    /// a grammar holds a model to a tool call); false once `n_predict`
+    /// tokens were produced.
+    pub(crate) async fn decode(&mut self, piece: &str) -> bool {
         if self.generated >= self.n_predict {
-            return None;
+            return false;
         }
         let d = self.engine.timing.per_token();
         pause(d).await;
-        let piece = self.generator.piece(self.generated);
         self.engine.lock().record_token(self.admission.slot, self.pending.take(), d.as_secs_f64());
         self.pending = Some(token_id(piece));
         self.generated += 1;
         self.engine.stats.add_completion_token();
-        Some(piece)
+        true
     }
 
     pub(crate) fn timings(&self) -> Timings {

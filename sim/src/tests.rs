@@ -551,6 +551,118 @@ async fn messages_and_responses_are_answered_whole_and_streamed_as_llama_server_
 }
 
 #[tokio::test]
+async fn a_required_tool_call_is_written_after_a_word_and_streamed_as_llama_server_does() {
+    let r = start(fast(SimConfig::llama_server("qwen"))).await;
+    let schema = json!({"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]});
+    let question = [user("What is the weather in Paris?")];
+
+    // Chat: the word as content, then the call's name with its first
+    // piece of arguments, the rest, and the call's finish reason.
+    let chat = json!({"model": "qwen", "max_tokens": 64, "messages": question, "tool_choice": "required",
+                      "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": schema}}]});
+    let (_, whole) = r.post("/v1/chat/completions", chat.clone()).await;
+    let choice = &whole["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls", "{whole}");
+    let call = &choice["message"]["tool_calls"][0];
+    assert_eq!(call["function"]["name"], "get_weather");
+    let arguments: Value = serde_json::from_str(call["function"]["arguments"].as_str().unwrap()).unwrap();
+    assert!(arguments["city"].is_string(), "{arguments}");
+    let mut streamed = chat.clone();
+    streamed["stream"] = json!(true);
+    let resp = r.send(Method::POST, "/v1/chat/completions", Some("application/json"), streamed.to_string()).await;
+    let chunks: Vec<Value> =
+        sse_events(resp).await.iter().filter(|d| *d != "[DONE]").map(|d| serde_json::from_str(d).unwrap()).collect();
+    let deltas: Vec<&Value> = chunks.iter().map(|c| &c["choices"][0]["delta"]).collect();
+    let text: String = deltas.iter().filter_map(|d| d["content"].as_str()).collect();
+    assert_eq!(choice["message"]["content"], text.as_str(), "the same greedy answer");
+    let calls: Vec<&Value> = deltas.iter().filter_map(|d| d["tool_calls"].get(0)).collect();
+    assert_eq!(
+        (calls[0]["id"].as_str().map(str::len), &calls[0]["function"]["name"]),
+        (Some(32), &json!("get_weather"))
+    );
+    assert!(calls[1..].iter().all(|c| c.get("id").is_none() && c["function"].get("name").is_none()));
+    let streamed_arguments: String = calls.iter().map(|c| c["function"]["arguments"].as_str().unwrap()).collect();
+    assert_eq!(streamed_arguments, call["function"]["arguments"].as_str().unwrap());
+    assert_eq!(chunks.last().unwrap()["choices"][0]["finish_reason"], "tool_calls");
+
+    // Cut at its limit, the call is the limit's.
+    let mut cut = chat.clone();
+    cut["max_tokens"] = json!(12);
+    let (_, whole) = r.post("/v1/chat/completions", cut).await;
+    assert_eq!(whole["choices"][0]["finish_reason"], "length", "{whole}");
+    assert_eq!(whole["usage"]["completion_tokens"], 12);
+
+    // Messages: a text block, then the tool's block with its input's JSON.
+    let messages = json!({"model": "qwen", "max_tokens": 64, "messages": question, "stream": true,
+                          "stop_sequences": ["</tool_call>"],
+                          "tools": [{"name": "get_weather", "input_schema": schema}],
+                          "tool_choice": {"type": "tool", "name": "get_weather"}});
+    let resp = r.send(Method::POST, "/v1/messages", Some("application/json"), messages.to_string()).await;
+    let events = named_events(resp).await;
+    let tool = events.iter().find(|(name, d)| name == "content_block_start" && d["index"] == 1).unwrap();
+    assert_eq!(
+        (&tool.1["content_block"]["type"], &tool.1["content_block"]["name"]),
+        (&json!("tool_use"), &json!("get_weather"))
+    );
+    let partial: String = events
+        .iter()
+        .filter(|(_, d)| d["delta"]["type"] == "input_json_delta")
+        .map(|(_, d)| d["delta"]["partial_json"].as_str().unwrap())
+        .collect();
+    assert_eq!(serde_json::from_str::<Value>(&partial).unwrap(), arguments, "the same call, the same prompt");
+    let stops = events.iter().filter(|(name, _)| name == "content_block_stop").count();
+    let delta = events.iter().find(|(name, _)| name == "message_delta").unwrap();
+    assert_eq!((stops, &delta.1["delta"]["stop_reason"]), (2, &json!("tool_use")));
+    assert_eq!(delta.1["delta"]["stop_sequence"], "</tool_call>", "the stop sequence the call ended with");
+
+    // Responses: the message's item, then the call's, closed after it.
+    let responses = json!({"model": "qwen", "max_output_tokens": 64, "input": "What is the weather in Paris?",
+                           "stream": true, "tool_choice": {"type": "function", "name": "get_weather"},
+                           "tools": [{"type": "function", "name": "get_weather", "parameters": schema}]});
+    let resp = r.send(Method::POST, "/v1/responses", Some("application/json"), responses.to_string()).await;
+    let events = named_events(resp).await;
+    let items: Vec<(&str, &str)> = events
+        .iter()
+        .filter(|(name, _)| name.starts_with("response.output_item."))
+        .map(|(name, d)| (name.as_str(), d["item"]["type"].as_str().unwrap()))
+        .collect();
+    assert_eq!(
+        items,
+        [
+            ("response.output_item.added", "message"),
+            ("response.output_item.added", "function_call"),
+            ("response.output_item.done", "message"),
+            ("response.output_item.done", "function_call"),
+        ]
+    );
+    let output = &events.last().unwrap().1["response"]["output"];
+    assert_eq!((&output[1]["name"], &output[1]["status"]), (&json!("get_weather"), &json!("completed")));
+    r.stop().await;
+}
+
+#[tokio::test]
+async fn a_call_sent_back_extends_the_prompt_that_made_it() {
+    let r = start(fast(SimConfig::llama_server("qwen"))).await;
+    let tools = json!([{"type": "function", "function": {"name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]);
+    let mut messages = vec![user("What is the weather in Paris?")];
+    let asked =
+        json!({"model": "qwen", "max_tokens": 64, "messages": messages, "tools": tools, "tool_choice": "required"});
+    let (_, first) = r.post("/v1/chat/completions", asked).await;
+    let message = first["choices"][0]["message"].clone();
+    let written =
+        first["usage"]["prompt_tokens"].as_u64().unwrap() + first["usage"]["completion_tokens"].as_u64().unwrap();
+    messages.push(message);
+    messages.push(json!({"role": "tool", "tool_call_id": "x", "content": "Sunny."}));
+    let (_, next) =
+        r.post("/v1/chat/completions", json!({"model": "qwen", "max_tokens": 2, "messages": messages})).await;
+    // All the first turn's prompt and answer is cached, but the answer's last
+    // token, which never entered the cache.
+    assert_eq!(next["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap(), written - 1, "{next}");
+    r.stop().await;
+}
+
+#[tokio::test]
 async fn llama_swap_mode() {
     let mut cfg = fast(SimConfig::llama_swap(["a", "b"]));
     // Slow enough that the held stream below stays in flight.

@@ -38,22 +38,23 @@ pub(crate) fn token_id(piece: &str) -> u32 {
 /// Splits text into tokens: a maximal run of ASCII alphanumerics, or any other
 /// single character.
 pub(crate) fn tokenize(text: &str) -> Vec<u32> {
-    let mut out = Vec::new();
-    let mut run_start: Option<usize> = None;
-    for (i, c) in text.char_indices() {
-        if c.is_ascii_alphanumeric() {
-            run_start.get_or_insert(i);
-            continue;
-        }
-        if let Some(start) = run_start.take() {
-            out.push(token_id(&text[start..i]));
-        }
-        out.push(token_id(&text[i..i + c.len_utf8()]));
-    }
-    if let Some(start) = run_start {
-        out.push(token_id(&text[start..]));
-    }
-    out
+    pieces(text).map(token_id).collect()
+}
+
+/// The pieces of text each token stands for, in order.
+pub(crate) fn pieces(text: &str) -> impl Iterator<Item = &str> {
+    let mut rest = text;
+    std::iter::from_fn(move || {
+        let first = rest.chars().next()?;
+        let len = if first.is_ascii_alphanumeric() {
+            rest.find(|c: char| !c.is_ascii_alphanumeric()).unwrap_or(rest.len())
+        } else {
+            first.len_utf8()
+        };
+        let (piece, after) = rest.split_at(len);
+        rest = after;
+        Some(piece)
+    })
 }
 
 /// One chat message after its content parts were joined.

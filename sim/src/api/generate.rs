@@ -16,12 +16,13 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tracing::debug;
 
-use super::reply::{Reply, Shape};
+use super::call::{self, Call, Part};
+use super::reply::{Reply, Shape, Written};
 use super::{BadRequest, Kind, admit_error, json_response, shutting_down};
 use crate::Inner;
 use crate::engine::{AdmitError, Engine, Lease};
 use crate::swap::InFlight;
-use crate::tokens::{ChatMessage, render_chatml, tokenize};
+use crate::tokens::{ChatMessage, Generator, render_chatml, tokenize};
 
 /// A generation as a request asks for it.
 #[derive(Debug)]
@@ -39,6 +40,13 @@ pub(super) struct Request {
     id_slot: Option<usize>,
     shape: Shape,
     model: String,
+    /// The tool call the request requires.
+    call: Option<Call>,
+    /// The client's stop sequences (`stop`, or the Messages API's
+    /// `stop_sequences`): they end a call's text where it ends with one.
+    /// Plain text is written to its limit, as the simulated model's words
+    /// rarely make one.
+    stop: Vec<String>,
 }
 
 /// Tokens of a prompt read at a time: llama-server's default
@@ -93,7 +101,14 @@ pub(super) fn parse_request(s: &Inner, engine: &Engine, kind: Kind, req: &Value)
     let progress = stream
         && matches!(shape, Shape::Chat | Shape::Completion)
         && req.get("return_progress").and_then(Value::as_bool).unwrap_or(false);
-    Ok(Request { prompt: tokenize(&text), n_predict, limited, stream, include_usage, progress, id_slot, shape, model })
+    let prompt = tokenize(&text);
+    let call = Call::required(kind, req, Generator::new(&prompt));
+    let stop = match req.get(if kind == Kind::Messages { "stop_sequences" } else { "stop" }) {
+        Some(Value::String(stop)) => vec![stop.clone()],
+        Some(Value::Array(stops)) => stops.iter().filter_map(Value::as_str).map(str::to_owned).collect(),
+        _ => Vec::new(),
+    };
+    Ok(Request { prompt, n_predict, limited, stream, include_usage, progress, id_slot, shape, model, call, stop })
 }
 
 /// The prompt a request of `kind` makes, as the chat template renders it
@@ -146,21 +161,30 @@ fn chat_messages(req: &Value) -> Result<Vec<ChatMessage>, BadRequest> {
                     return Err(BadRequest::new("'content' must be a string or an array of content parts"));
                 }
             };
-            Ok(ChatMessage { role: role.to_owned(), content })
+            let calls = m.get("tool_calls").and_then(Value::as_array).into_iter().flatten();
+            let calls = calls.filter_map(|c| {
+                Some(call::render(c.pointer("/function/name")?.as_str()?, c.pointer("/function/arguments")?.as_str()?))
+            });
+            Ok(ChatMessage { role: role.to_owned(), content: content + &calls.collect::<String>() })
         })
         .collect()
 }
 
-/// The text of an Anthropic content: a string, or its text blocks (other
-/// blocks, which a text model cannot read, are left out, as llama-server
-/// leaves them).
+/// The text of an Anthropic content: a string, or its text blocks, tool
+/// calls as the model wrote them and tool results' text (other blocks,
+/// which a text model cannot read, are left out, as llama-server leaves
+/// them).
 fn anthropic_text(content: Option<&Value>) -> String {
     match content {
         Some(Value::String(text)) => text.clone(),
         Some(Value::Array(blocks)) => blocks
             .iter()
-            .filter(|b| b.get("type").and_then(Value::as_str) == Some("text"))
-            .filter_map(|b| b.get("text").and_then(Value::as_str))
+            .filter_map(|b| match b.get("type").and_then(Value::as_str)? {
+                "text" => Some(b.get("text")?.as_str()?.to_owned()),
+                "tool_use" => Some(call::render(b.get("name")?.as_str()?, &b.get("input")?.to_string())),
+                "tool_result" => Some(anthropic_text(b.get("content"))),
+                _ => None,
+            })
             .collect(),
         _ => String::new(),
     }
@@ -196,14 +220,22 @@ fn responses_input(req: &Value) -> Result<Vec<ChatMessage>, BadRequest> {
         Some(Value::Array(items)) if items.iter().all(Value::is_object) => items
             .iter()
             .map(|item| {
-                let content = match item.get("content") {
-                    Some(Value::String(text)) => text.clone(),
-                    Some(Value::Array(parts)) => {
-                        parts.iter().filter_map(|p| p.get("text").and_then(Value::as_str)).collect()
+                let text = |key: &str| item.get(key).and_then(Value::as_str).unwrap_or_default().to_owned();
+                let (role, content) = match item.get("type").and_then(Value::as_str) {
+                    Some("function_call") => ("assistant", call::render(&text("name"), &text("arguments"))),
+                    Some("function_call_output") => ("tool", text("output")),
+                    _ => {
+                        let content = match item.get("content") {
+                            Some(Value::String(text)) => text.clone(),
+                            Some(Value::Array(parts)) => {
+                                parts.iter().filter_map(|p| p.get("text").and_then(Value::as_str)).collect()
+                            }
+                            _ => String::new(),
+                        };
+                        (item.get("role").and_then(Value::as_str).unwrap_or("user"), content)
                     }
-                    _ => String::new(),
                 };
-                ChatMessage { role: item.get("role").and_then(Value::as_str).unwrap_or("user").to_owned(), content }
+                ChatMessage { role: role.to_owned(), content }
             })
             .collect(),
         Some(_) => return Err(BadRequest::new("'input' must be a string or array of objects")),
@@ -231,7 +263,8 @@ pub(super) async fn generate(
     request: Request,
     in_flight: Option<InFlight>,
 ) -> Response {
-    let Request { prompt, n_predict, limited, stream, include_usage, progress, id_slot, shape, model } = request;
+    let Request { prompt, n_predict, limited, stream, include_usage, progress, id_slot, shape, model, call, stop } =
+        request;
     let shutdown = s.shutdown.clone();
     // Waiting for a slot and the prompt evaluation happen before any byte is
     // sent, as llama-server waits for the first result before its headers;
@@ -257,7 +290,7 @@ pub(super) async fn generate(
         cached_tokens = lease.cached(),
         "sim request admitted"
     );
-    let reply = Reply::new(shape, model, limited);
+    let reply = Reply::new(shape, model, limited, call.as_ref().map(|call| call.name.as_str()));
 
     if stream {
         let (tx, rx) = mpsc::channel::<Result<Bytes, Infallible>>(16);
@@ -265,7 +298,7 @@ pub(super) async fn generate(
             // Held until the stream ends so llama-swap's limit counts it.
             let _in_flight = in_flight;
             tokio::select! {
-                () = stream_reply(&mut lease, &reply, (include_usage, progress), &tx) => {}
+                () = stream_reply(&mut lease, &reply, Writing::new(call.as_ref(), &stop), (include_usage, progress), &tx) => {}
                 // Ending the stream lets graceful shutdown complete.
                 () = shutdown.cancelled() => {}
             }
@@ -276,21 +309,60 @@ pub(super) async fn generate(
         return resp;
     }
 
-    let decoded = async {
-        let mut text = String::new();
-        while let Some(piece) = lease.next_piece().await {
-            text.push_str(piece);
-        }
-        text
-    };
-    let text = tokio::select! {
-        t = decoded => t,
+    let mut writing = Writing::new(call.as_ref(), &stop);
+    let decoded = async { while writing.next(&mut lease).await.is_some() {} };
+    tokio::select! {
+        () = decoded => {}
         () = shutdown.cancelled() => return shutting_down(),
-    };
+    }
     let timings = lease.timings();
     drop(lease);
     drop(in_flight);
-    json_response(StatusCode::OK, reply.whole(&text, &timings))
+    json_response(StatusCode::OK, reply.whole(&writing.written, &timings))
+}
+
+/// The model's answer as it is decoded: without a call, text until its
+/// limit; with one, what the call's script holds.
+struct Writing<'a> {
+    call: Option<&'a Call>,
+    stop: &'a [String],
+    /// The script's next piece.
+    at: usize,
+    /// The script written so far, whole.
+    script: String,
+    written: Written,
+}
+
+impl<'a> Writing<'a> {
+    fn new(call: Option<&'a Call>, stop: &'a [String]) -> Writing<'a> {
+        Writing { call, stop, at: 0, script: String::new(), written: Written::default() }
+    }
+
+    /// Decodes the next piece: it and what it is part of, `None` once the
+    /// model stopped or reached its limit.
+    async fn next(&mut self, lease: &mut Lease) -> Option<(&'a str, Part)> {
+        let Some(call) = self.call else {
+            let piece = lease.next_piece().await?;
+            self.written.text.push_str(piece);
+            return Some((piece, Part::Text));
+        };
+        let Some((piece, part)) = call.script.get(self.at).filter(|_| self.written.stop_sequence.is_none()) else {
+            self.written.finished = true;
+            return None;
+        };
+        if !lease.decode(piece).await {
+            return None;
+        }
+        self.at += 1;
+        match part {
+            Part::Text => self.written.text.push_str(piece),
+            Part::Arguments => self.written.arguments.get_or_insert_default().push_str(piece),
+            Part::Frame => {}
+        }
+        self.script.push_str(piece);
+        self.written.stop_sequence = self.stop.iter().find(|stop| self.script.ends_with(stop.as_str())).cloned();
+        Some((piece, *part))
+    }
 }
 
 /// Emits the answer token by token. Returns early when the client went
@@ -298,6 +370,7 @@ pub(super) async fn generate(
 async fn stream_reply(
     lease: &mut Lease,
     reply: &Reply,
+    mut writing: Writing<'_>,
     (include_usage, progress): (bool, bool),
     tx: &mpsc::Sender<Result<Bytes, Infallible>>,
 ) {
@@ -318,15 +391,21 @@ async fn stream_reply(
             return;
         }
     }
-    let mut text = String::new();
-    while let Some(piece) = lease.next_piece().await {
-        text.push_str(piece);
-        if tx.send(Ok(reply.piece(piece))).await.is_err() {
-            debug!(generated = lease.generated(), "sim client went away mid-stream");
-            return;
+    let mut opened = false;
+    while let Some((piece, part)) = writing.next(lease).await {
+        let events = match part {
+            Part::Text => vec![reply.piece(piece)],
+            Part::Frame => continue,
+            Part::Arguments => reply.arguments(piece, !std::mem::replace(&mut opened, true)),
+        };
+        for event in events {
+            if tx.send(Ok(event)).await.is_err() {
+                debug!(generated = lease.generated(), "sim client went away mid-stream");
+                return;
+            }
         }
     }
-    for event in reply.closing(&text, &lease.timings(), include_usage) {
+    for event in reply.closing(&writing.written, &lease.timings(), include_usage) {
         if tx.send(Ok(event)).await.is_err() {
             return;
         }

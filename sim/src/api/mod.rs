@@ -1,10 +1,12 @@
 //! The simulator's HTTP surface, one module per server it plays:
 //! llama-server with one model ([`server`]), its router mode ([`router`])
 //! and llama-swap ([`llama_swap`]); the inference paths they share
-//! ([`jobs`]), generation ([`generate`]) and its answers in each API's
-//! shape ([`reply`]); and the simulator's own GPU endpoint ([`gpu`]).
+//! ([`jobs`]), generation ([`generate`]), the tool call a request requires
+//! ([`call`]) and its answers in each API's shape ([`reply`]); and the
+//! simulator's own GPU endpoint ([`gpu`]).
 //! Errors are in llama-server's envelope unless llama-swap answers itself.
 
+mod call;
 mod generate;
 mod gpu;
 mod jobs;

@@ -2,7 +2,8 @@
 //! as a stream of events, as llama-server b11434 writes each: OpenAI's chat
 //! and completions (chunks, `data: [DONE]`), the Anthropic Messages API
 //! (`message_start` … `message_stop`) and OpenAI's Responses API
-//! (`response.created` … `response.completed`).
+//! (`response.created` … `response.completed`); with the tool call a
+//! request required ([`super::call`]) after the text.
 
 use bytes::Bytes;
 use serde_json::{Value, json};
@@ -30,6 +31,21 @@ pub(super) struct Reply {
     /// Its length was the client's limit: a Messages answer that reaches it
     /// stops for `max_tokens`.
     limited: bool,
+    /// The tool call the request required: its tool's name, and the call's
+    /// id.
+    call: Option<(String, String)>,
+}
+
+/// What the model wrote: its text, the arguments of the call it began
+/// (where it began one), whether it finished the call and stopped by
+/// itself rather than at its limit, and the client's stop sequence its
+/// call ended with.
+#[derive(Default)]
+pub(super) struct Written {
+    pub(super) text: String,
+    pub(super) arguments: Option<String>,
+    pub(super) finished: bool,
+    pub(super) stop_sequence: Option<String>,
 }
 
 fn random_id(prefix: &str) -> String {
@@ -38,7 +54,7 @@ fn random_id(prefix: &str) -> String {
 }
 
 impl Reply {
-    pub(super) fn new(shape: Shape, model: String, limited: bool) -> Reply {
+    pub(super) fn new(shape: Shape, model: String, limited: bool, call: Option<&str>) -> Reply {
         // llama-server's Messages answers keep its chat completions' ids.
         let id = match shape {
             Shape::Chat | Shape::Messages => random_id("chatcmpl-"),
@@ -46,18 +62,26 @@ impl Reply {
             Shape::Responses => random_id("resp_"),
         };
         let item_id = if shape == Shape::Responses { random_id("msg_") } else { String::new() };
-        Reply { shape, id, item_id, created: unix_now(), model, limited }
+        let call = call.map(|name| (name.to_owned(), random_id("")));
+        Reply { shape, id, item_id, created: unix_now(), model, limited, call }
     }
 
     /// The answer read whole.
-    pub(super) fn whole(&self, text: &str, t: &Timings) -> Value {
+    pub(super) fn whole(&self, written: &Written, t: &Timings) -> Value {
+        let text = written.text.as_str();
+        let call = self.call.as_ref().zip(written.arguments.as_deref());
         match self.shape {
             Shape::Chat | Shape::Completion => {
+                let finish = self.finish_reason(written);
                 let choice = if self.shape == Shape::Chat {
-                    json!([{"finish_reason": "length", "index": 0,
-                            "message": {"role": "assistant", "content": text}}])
+                    let mut message = json!({"role": "assistant", "content": text});
+                    if let Some(((name, id), arguments)) = call {
+                        message["tool_calls"] = json!([{"type": "function", "id": id,
+                            "function": {"name": name, "arguments": arguments}}]);
+                    }
+                    json!([{"finish_reason": finish, "index": 0, "message": message}])
                 } else {
-                    json!([{"text": text, "index": 0, "logprobs": null, "finish_reason": "length"}])
+                    json!([{"text": text, "index": 0, "logprobs": null, "finish_reason": finish}])
                 };
                 let mut body = self.envelope(false, choice);
                 body["usage"] = usage(t);
@@ -68,10 +92,10 @@ impl Reply {
                 "id": self.id,
                 "type": "message",
                 "role": "assistant",
-                "content": [{"type": "text", "text": text}],
+                "content": messages_content(text, call),
                 "model": self.model,
-                "stop_reason": self.stop_reason(),
-                "stop_sequence": null,
+                "stop_reason": self.stop_reason(written),
+                "stop_sequence": written.stop_sequence,
                 "usage": {"cache_read_input_tokens": t.cache_n, "input_tokens": t.prompt_n, "output_tokens": t.predicted_n},
             }),
             Shape::Responses => json!({
@@ -80,7 +104,7 @@ impl Reply {
                 "id": self.id,
                 "model": self.model,
                 "object": "response",
-                "output": [self.output_item(text)],
+                "output": self.output(written),
                 "status": "completed",
                 "usage": responses_usage(t),
             }),
@@ -162,15 +186,53 @@ impl Reply {
         }
     }
 
-    /// The events a stream ends with, once it said `text`; chat's usage
+    /// The events that carry a piece of the call's arguments; the first
+    /// piece opens the call, with its name and id.
+    pub(super) fn arguments(&self, piece: &str, first: bool) -> Vec<Bytes> {
+        let Some((name, id)) = &self.call else { return vec![self.piece(piece)] };
+        match self.shape {
+            Shape::Chat | Shape::Completion => {
+                let call = if first {
+                    json!({"index": 0, "id": id, "type": "function", "function": {"name": name, "arguments": piece}})
+                } else {
+                    json!({"index": 0, "function": {"arguments": piece}})
+                };
+                let delta = json!([{"finish_reason": null, "index": 0, "delta": {"tool_calls": [call]}}]);
+                vec![data(&self.envelope(true, delta))]
+            }
+            Shape::Messages => {
+                let start = json!({"type": "content_block_start", "index": 1,
+                                   "content_block": {"type": "tool_use", "id": id, "name": name}});
+                let delta = json!({"type": "content_block_delta", "index": 1,
+                                   "delta": {"type": "input_json_delta", "partial_json": piece}});
+                let events =
+                    [first.then(|| event("content_block_start", &start)), Some(event("content_block_delta", &delta))];
+                events.into_iter().flatten().collect()
+            }
+            Shape::Responses => {
+                let added = json!({"type": "response.output_item.added", "item": self.call_item("", "in_progress")});
+                let delta = json!({"type": "response.function_call_arguments.delta", "delta": piece,
+                                   "item_id": format!("fc_{id}")});
+                let events = [
+                    first.then(|| event("response.output_item.added", &added)),
+                    Some(event("response.function_call_arguments.delta", &delta)),
+                ];
+                events.into_iter().flatten().collect()
+            }
+        }
+    }
+
+    /// The events a stream ends with, once it wrote `written`; chat's usage
     /// chunk where the client asked for it.
-    pub(super) fn closing(&self, text: &str, t: &Timings, include_usage: bool) -> Vec<Bytes> {
+    pub(super) fn closing(&self, written: &Written, t: &Timings, include_usage: bool) -> Vec<Bytes> {
+        let text = written.text.as_str();
+        let finish = self.finish_reason(written);
         match self.shape {
             // Chat's last chunk carries the timings, or, where the client
             // asked for usage, a chunk of its own carries both; a
             // completion's last chunk carries both, asked or not.
             Shape::Chat => {
-                let mut last = self.envelope(true, self.delta_choice(None, Some("length")));
+                let mut last = self.envelope(true, self.delta_choice(None, Some(finish)));
                 let mut events = Vec::new();
                 if include_usage {
                     let mut chunk = self.envelope(true, json!([]));
@@ -185,24 +247,29 @@ impl Reply {
                 events
             }
             Shape::Completion => {
-                let mut last = self.envelope(true, self.delta_choice(None, Some("length")));
+                let mut last = self.envelope(true, self.delta_choice(None, Some(finish)));
                 last["usage"] = usage(t);
                 last["timings"] = timings(t);
                 vec![data(&last), Bytes::from_static(b"data: [DONE]\n\n")]
             }
-            Shape::Messages => vec![
-                event("content_block_stop", &json!({"type": "content_block_stop", "index": 0})),
-                event(
+            Shape::Messages => {
+                let blocks = if written.arguments.is_some() { 2 } else { 1 };
+                let mut events: Vec<Bytes> = (0..blocks)
+                    .map(|index| event("content_block_stop", &json!({"type": "content_block_stop", "index": index})))
+                    .collect();
+                events.push(event(
                     "message_delta",
                     &json!({"type": "message_delta",
-                            "delta": {"stop_reason": self.stop_reason(), "stop_sequence": null},
+                            "delta": {"stop_reason": self.stop_reason(written), "stop_sequence": written.stop_sequence},
                             "usage": {"output_tokens": t.predicted_n}}),
-                ),
-                event("message_stop", &json!({"type": "message_stop"})),
-            ],
+                ));
+                events.push(event("message_stop", &json!({"type": "message_stop"})));
+                events
+            }
             Shape::Responses => {
                 let part = json!({"type": "output_text", "annotations": [], "logprobs": [], "text": text});
-                vec![
+                let output = self.output(written);
+                let mut events = vec![
                     event(
                         "response.output_text.done",
                         &json!({"type": "response.output_text.done", "item_id": self.item_id, "text": text}),
@@ -211,37 +278,66 @@ impl Reply {
                         "response.content_part.done",
                         &json!({"type": "response.content_part.done", "item_id": self.item_id, "part": part}),
                     ),
-                    event(
+                ];
+                // The call's item closes after the message before it, as
+                // llama-server closes them.
+                for item in &output {
+                    events.push(event(
                         "response.output_item.done",
-                        &json!({"type": "response.output_item.done", "item": self.output_item(text)}),
-                    ),
-                    event(
-                        "response.completed",
-                        &json!({
-                            "type": "response.completed",
-                            "response": {
-                                "id": self.id, "object": "response", "created_at": self.created,
-                                "status": "completed", "model": self.model,
-                                "output": [self.output_item(text)], "usage": responses_usage(t),
-                            },
-                            "timings": timings(t),
-                        }),
-                    ),
-                ]
+                        &json!({"type": "response.output_item.done", "item": item}),
+                    ));
+                }
+                events.push(event(
+                    "response.completed",
+                    &json!({
+                        "type": "response.completed",
+                        "response": {
+                            "id": self.id, "object": "response", "created_at": self.created,
+                            "status": "completed", "model": self.model,
+                            "output": output, "usage": responses_usage(t),
+                        },
+                        "timings": timings(t),
+                    }),
+                ));
+                events
             }
         }
     }
 
-    fn stop_reason(&self) -> &'static str {
+    /// A chat or completions answer's finish reason: a finished call's, a
+    /// stop sequence's, or the limit's (the simulated model writes until
+    /// it).
+    fn finish_reason(&self, written: &Written) -> &'static str {
+        match (written.finished, written.arguments.is_some()) {
+            (true, true) => "tool_calls",
+            (true, false) => "stop",
+            (false, _) => "length",
+        }
+    }
+
+    fn stop_reason(&self, written: &Written) -> &'static str {
+        if written.finished {
+            return if written.arguments.is_some() { "tool_use" } else { "stop_sequence" };
+        }
         if self.limited { "max_tokens" } else { "end_turn" }
     }
 
-    /// The Responses API's output: one message of the answer's text.
-    fn output_item(&self, text: &str) -> Value {
-        json!({
+    /// The Responses API's output: a message of the answer's text, then the
+    /// call where one was begun.
+    fn output(&self, written: &Written) -> Vec<Value> {
+        let message = json!({
             "type": "message", "status": "completed", "id": self.item_id, "role": "assistant",
-            "content": [{"type": "output_text", "annotations": [], "logprobs": [], "text": text}],
-        })
+            "content": [{"type": "output_text", "annotations": [], "logprobs": [], "text": written.text}],
+        });
+        let call = written.arguments.as_deref().map(|arguments| self.call_item(arguments, "completed"));
+        std::iter::once(message).chain(call.flatten()).collect()
+    }
+
+    /// The Responses API's item of the call, with `arguments` so far.
+    fn call_item(&self, arguments: &str, status: &str) -> Option<Value> {
+        let (name, id) = self.call.as_ref()?;
+        Some(json!({"id": format!("fc_{id}"), "type": "function_call", "status": status, "arguments": arguments,
+                    "call_id": format!("call_{id}"), "name": name}))
     }
 
     /// A chat or completions body or chunk around `choices`.
@@ -272,6 +368,15 @@ impl Reply {
         }
         json!([{"text": piece.unwrap_or(""), "index": 0, "logprobs": null, "finish_reason": finish}])
     }
+}
+
+/// A Messages answer's content: its text, then the call where one was
+/// begun (arguments cut at the limit are no JSON object: an empty input).
+fn messages_content(text: &str, call: Option<(&(String, String), &str)>) -> Value {
+    let text = json!({"type": "text", "text": text});
+    let Some(((name, id), arguments)) = call else { return json!([text]) };
+    let input = serde_json::from_str::<Value>(arguments).ok().filter(Value::is_object);
+    json!([text, {"type": "tool_use", "id": id, "name": name, "input": input.unwrap_or_else(|| json!({}))}])
 }
 
 /// An event of OpenAI's chat and completions streams.
