@@ -1,16 +1,26 @@
 """The official SDKs' streaming helpers against a fleet, as people use them:
 OpenAI's `responses.stream()` and `chat.completions.stream()`, the Responses
 API's raw events with every field the spec gives them, and Anthropic's
-`messages.stream()`. Run by the end-to-end suite on real llama-server
+`messages.stream()`; each with text and with a function call, and the
+call's result sent back. Run by the end-to-end suite on real llama-server
 fleets and by the quickstart's smoke test on the simulated one:
 
     python sdk_helpers.py BASE_URL MODEL [API_KEY]
 """
 
+import json
 import sys
 
 import anthropic
 import openai
+
+# The tool every call is made to: a required call, at temperature 0, so the
+# model's answer is the same each run, stopped at the call's closing tag in
+# the template's form (deploy/local/gemma.jinja), so the model makes one.
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+           "additionalProperties": False}
+QUESTION = "What is the weather in Paris?"
+CALL_END = ["</tool_call>"]
 
 # Fields the OpenAI spec gives the events about an output item's content.
 CONTENT_FIELDS = ("output_index", "content_index", "item_id")
@@ -44,6 +54,31 @@ def responses_events(client, model):
     return events
 
 
+def responses_stream_call(client, model):
+    """`responses.stream()` with a required function call: the call's
+    argument deltas are the final response's arguments, item by item, and
+    the result sent back is read as the next turn."""
+    tool = {"type": "function", "name": "get_weather", "description": "The weather in a city",
+            "parameters": WEATHER, "strict": True}
+    with client.responses.stream(model=model, input=QUESTION, tools=[tool], tool_choice="required",
+                                 max_output_tokens=64, temperature=0, extra_body={"stop": CALL_END}) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    calls = [item for item in final.output if item.type == "function_call"]
+    assert calls and calls[0].name == "get_weather", final
+    for call in calls:
+        deltas = [e.delta for e in events
+                  if e.type == "response.function_call_arguments.delta" and e.item_id == call.id]
+        assert "".join(deltas) == call.arguments, (deltas, call)
+    assert json.loads(calls[0].arguments)["city"], calls[0]
+    answer = client.responses.create(model=model, max_output_tokens=8, temperature=0, tools=[tool], input=[
+        {"role": "user", "content": QUESTION},
+        {"type": "function_call", "call_id": calls[0].call_id, "name": "get_weather", "arguments": calls[0].arguments},
+        {"type": "function_call_output", "call_id": calls[0].call_id, "output": "Sunny, 21 C."}])
+    assert answer.status == "completed" and answer.usage.input_tokens > final.usage.input_tokens, answer
+    return final
+
+
 def chat_stream(client, model):
     """`chat.completions.stream()`: the final completion is what streamed.
     A reply cut at its limit is the SDK's LengthFinishReasonError, which
@@ -57,6 +92,33 @@ def chat_stream(client, model):
             final = cut.completion
     assert text and final.choices[0].message.content == text, (text, final)
     assert final.choices[0].finish_reason in ("stop", "length"), final
+    return final
+
+
+def chat_stream_call(client, model):
+    """`chat.completions.stream()` with a required function call: the
+    SDK's argument events add up to the final completion's call, and the
+    call's result sent back is read as the next turn."""
+    tool = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                             "parameters": WEATHER, "strict": True}}
+    messages = [{"role": "user", "content": QUESTION}]
+    with client.chat.completions.stream(model=model, max_tokens=64, temperature=0, messages=messages,
+                                        tools=[tool], tool_choice="required", stop=CALL_END,
+                                        stream_options={"include_usage": True}) as stream:
+        done = [e for e in stream if e.type == "tool_calls.function.arguments.done"]
+        try:
+            final = stream.get_final_completion()
+        except openai.LengthFinishReasonError as cut:
+            final = cut.completion
+    calls = final.choices[0].message.tool_calls
+    assert calls and calls[0].function.name == "get_weather", final
+    assert done and done[0].name == "get_weather" and done[0].arguments == calls[0].function.arguments, (done, calls)
+    assert json.loads(calls[0].function.arguments)["city"], calls[0]
+    messages += [{"role": "assistant", "tool_calls": [calls[0].model_dump(include={"id", "type", "function"})]},
+                 {"role": "tool", "tool_call_id": calls[0].id, "content": "Sunny, 21 C."}]
+    answer = client.chat.completions.create(model=model, max_tokens=8, temperature=0, messages=messages,
+                                            tools=[tool])
+    assert answer.usage.prompt_tokens > final.usage.prompt_tokens, answer
     return final
 
 
@@ -75,12 +137,43 @@ def messages_stream(base_url, api_key, model):
     return final
 
 
-def check(base_url, model, api_key="none"):
+def messages_stream_tool_use(base_url, api_key, model):
+    """Anthropic's `messages.stream()` with a forced tool: the `input_json`
+    deltas build the final message's tool input, and the tool's result sent
+    back is read as the next turn."""
+    claude = anthropic.Anthropic(base_url=base_url, api_key=api_key, max_retries=0, timeout=120)
+    tool = {"name": "get_weather", "description": "The weather in a city", "input_schema": WEATHER}
+    conversation = [{"role": "user", "content": QUESTION}]
+    with claude.messages.stream(model=model, max_tokens=64, messages=conversation, tools=[tool],
+                                tool_choice={"type": "tool", "name": "get_weather"}, stop_sequences=CALL_END,
+                                extra_body={"temperature": 0}) as stream:
+        partial = "".join(e.partial_json for e in stream if e.type == "input_json")
+        final = stream.get_final_message()
+    uses = [block for block in final.content if block.type == "tool_use"]
+    assert uses and uses[0].name == "get_weather" and uses[0].input["city"], final
+    assert partial.startswith(json.dumps(uses[0].input, separators=(",", ":"))[:1]) and "city" in partial, partial
+    assert final.stop_reason in ("tool_use", "max_tokens"), final
+    conversation += [{"role": "assistant", "content": [uses[0].model_dump(include={"type", "id", "name", "input"})]},
+                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": uses[0].id,
+                                                   "content": "Sunny, 21 C."}]}]
+    answer = claude.messages.create(model=model, max_tokens=8, messages=conversation, tools=[tool])
+    assert answer.usage.input_tokens + (answer.usage.cache_read_input_tokens or 0) > \
+        final.usage.input_tokens + (final.usage.cache_read_input_tokens or 0), answer
+    return final
+
+
+def check(base_url, model, api_key="none", calls=True):
+    """Every helper; with `calls`, each with a function call too, which
+    needs a model whose template offers tools."""
     client = openai.OpenAI(base_url=f"{base_url}/v1", api_key=api_key, max_retries=0, timeout=120)
     responses_stream(client, model)
     responses_events(client, model)
     chat_stream(client, model)
     messages_stream(base_url, api_key, model)
+    if calls:
+        responses_stream_call(client, model)
+        chat_stream_call(client, model)
+        messages_stream_tool_use(base_url, api_key, model)
 
 
 if __name__ == "__main__":

@@ -66,7 +66,9 @@ def test_streaming_chat_with_and_without_usage(client):
 
 
 def test_every_sdk_streaming_helper(fleet):
-    sdk_helpers.check(fleet.url, "tiny-chat", fleet.api_key)
+    # The tiny model's template offers no tools: the calls are checked on
+    # the real model's fleet and the quickstart's.
+    sdk_helpers.check(fleet.url, "tiny-chat", fleet.api_key, calls=False)
 
 
 def test_completions(client):

@@ -45,6 +45,16 @@ def events(text):
     return out
 
 
+def simulator(fleet, model):
+    """A simulated llama-server of `model` beside `fleet`'s: its URL."""
+    port = free_port()
+    fleet.spawn(f"simulator-{model}", [str(fleet.bin / "inferyes-agent"), "simulate", "--listen",
+                                       f"127.0.0.1:{port}", "--model", model])
+    url = f"http://127.0.0.1:{port}"
+    wait_until("the simulator healthy", lambda: http_get(f"{url}/health")[0] == 200)
+    return url
+
+
 def plain(answer):
     return answer.isascii() and answer.replace(" ", "").isalpha()
 
@@ -67,11 +77,7 @@ def plain_prompt(url):
 
 def test_the_simulator_answers_every_api_in_the_real_server_s_shapes(fleet):
     real = fleet.llama["node-a"]
-    port = free_port()
-    sim = f"http://127.0.0.1:{port}"
-    fleet.spawn("simulator", [str(fleet.bin / "inferyes-agent"), "simulate", "--listen", f"127.0.0.1:{port}",
-                              "--model", "tiny-chat"])
-    wait_until("the simulator healthy", lambda: http_get(f"{sim}/health")[0] == 200)
+    sim = simulator(fleet, "tiny-chat")
     prompt = plain_prompt(real)
     said = [{"role": "user", "content": prompt}]
     common = {"model": "tiny-chat", "temperature": 0}
@@ -112,3 +118,36 @@ def test_the_simulator_answers_every_api_in_the_real_server_s_shapes(fleet):
         assert usage["input_tokens"] == json.loads(counted)["input_tokens"], url
         assert usage["input_tokens_details"]["cached_tokens"] > 0, url
         assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"] == usage["input_tokens"] + 3
+
+
+def runs(stream):
+    """A stream's events with each run of like events taken once: a model
+    writes as many deltas as it writes pieces."""
+    return [event for i, event in enumerate(stream) if i == 0 or event != stream[i - 1]]
+
+
+def test_the_simulator_makes_a_required_tool_call_in_the_real_server_s_shapes(gemma):
+    # The real model under deploy/local/gemma.jinja, which offers tools in
+    # the Hermes form llama-server parses: at temperature 0 it writes a few
+    # words, then the call, and the stop sequence ends it there.
+    real = gemma.llama["node-a"]
+    sim = simulator(gemma, "gemma")
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    said = [{"role": "user", "content": "What is the weather in Paris?"}]
+    common = {"model": "gemma", "temperature": 0}
+    chat = {**common, "max_tokens": 64, "messages": said, "stop": ["</tool_call>"], "tool_choice": "required",
+            "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": schema}}]}
+    messages = {**common, "max_tokens": 64, "messages": said, "stop_sequences": ["</tool_call>"],
+                "tool_choice": {"type": "tool", "name": "get_weather"},
+                "tools": [{"name": "get_weather", "input_schema": schema}]}
+    responses = {**common, "max_output_tokens": 64, "input": said, "stop": ["</tool_call>"],
+                 "tool_choice": {"type": "function", "name": "get_weather"},
+                 "tools": [{"type": "function", "name": "get_weather", "parameters": schema}]}
+    cases = [("/v1/chat/completions", chat), ("/v1/messages", messages), ("/v1/responses", responses)]
+    for path, body in cases + [(path, {**body, "stream": True}) for path, body in cases]:
+        answers = {}
+        for name, url in (("real", real), ("simulated", sim)):
+            status, text = post(url, path, body)
+            assert '"get_weather"' in text, (name, path, text)
+            answers[name] = (status, runs(events(text)) if body.get("stream") else shape(json.loads(text)))
+        assert answers["simulated"] == answers["real"], f"{path} {json.dumps(body)}"
