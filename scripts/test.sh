@@ -7,26 +7,36 @@ set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
-"$root/scripts/deps.sh" test
 
-echo "== cargo fmt" >&2
+# Each stage is named with the time it starts at, so a slow run shows
+# where its time went.
+started=$SECONDS
+stage() {
+  local at=$((SECONDS - started))
+  printf '== [%d:%02d] %s\n' $((at / 60)) $((at % 60)) "$*" >&2
+}
+
+stage "dependencies"
+"$root/scripts/deps.sh" test
+stage "cargo fmt"
 cargo fmt --all --check
-echo "== cargo clippy" >&2
+stage "cargo clippy"
 cargo clippy --workspace --all-targets --locked -- -D warnings
-echo "== unit and integration tests" >&2
+stage "unit and integration tests"
 if cargo nextest --version >/dev/null 2>&1; then
   cargo nextest run --workspace --locked --no-fail-fast
 else
   cargo test --workspace --locked --no-fail-fast
 fi
-echo "== fuzz: the request scanner, the upload form reader, the SSE tail, the snapshot decoder" >&2
+stage "fuzz: the request scanner, the upload form reader, the SSE tail, the snapshot decoder"
 FUZZ_SECONDS=${FUZZ_SECONDS:-60} "$root/scripts/fuzz.sh"
-echo "== end to end: real llama-server nodes, the OpenAI client" >&2
+stage "end to end: real llama-server nodes, the OpenAI client"
 "$root/scripts/e2e.sh"
-echo "== quickstart" >&2
+stage "quickstart"
 "$root/scripts/smoke-quickstart.sh"
-echo "== the profile-optimised build: the image's recipe, on a small training load" >&2
+stage "the profile-optimised build: the image's recipe, on a small training load"
 # Its training fleet runs on the debug binaries the end-to-end suite built:
 # only the optimised data plane is built in release.
 target="${CARGO_TARGET_DIR:-$root/target}"
 PGO_DIR="$target/pgo-check" "$root/scripts/pgo.sh" --packages dataplane --requests 300 --check --plain "$target/debug"
+stage "done"
