@@ -336,6 +336,12 @@ def test_a_node_with_no_idle_slot_refuses_a_slot_file_before_it_is_sent(movers):
         sent = slot_headers(fleet, body, int(time.time() * 1000) + 300_000, length=64 << 20)
         status, answer = put_slot(fleet.ctl("node", "node-b")["proxy_url"], sent, body)
         assert (status, answer["error"]["code"]) == (503, "no_free_slot"), answer
+        # A file small enough is read whole before the refusal: its sender
+        # hears the refusal, not a connection closed under its write.
+        body = bytes(24 << 20)
+        sent = slot_headers(fleet, body, int(time.time() * 1000) + 300_000, session="root-small")
+        status, answer = put_slot(fleet.ctl("node", "node-b")["proxy_url"], sent, body)
+        assert (status, answer["error"]["code"]) == (503, "no_free_slot"), answer
     finally:
         for stream in streams:
             stream.close()

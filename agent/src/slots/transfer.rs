@@ -286,7 +286,16 @@ impl Intake {
         // sender need not send it. The marks as they are, unless a restore
         // holds them.
         let marked = handle.restore_marks.try_lock().map(|r| r.clone()).unwrap_or_default();
-        free_slot(&list_slots(&self.client, url, api_key).await?, &marked).ok_or_else(no_free_slot)?;
+        if free_slot(&list_slots(&self.client, url, api_key).await?, &marked).is_none() {
+            // A file small enough is read into the void first: its sender
+            // then hears this refusal, where a connection closed under its
+            // write would read to it as a failed move. A large one is
+            // spared the sending.
+            if length <= READ_REFUSED_BYTES {
+                read_into_the_void(body).await;
+            }
+            return Err(no_free_slot());
+        }
         let name = slot_file_name("in").map_err(|e| refused(ErrorKind::Internal, e, "write_failed"))?;
         let file = SlotFile(slots.join(&name));
         let bytes = write_body(body, &file.0, length, &digest).await?;
@@ -520,6 +529,16 @@ fn check_room(dir: &std::path::Path, length: u64, arriving: u64, min_free: u64) 
 
 /// Writes a slot file's body to `path`: exactly `length` bytes, whose
 /// SHA-256 is `digest`. Its bytes.
+/// The largest file a refused move is read whole before its refusal is
+/// sent.
+const READ_REFUSED_BYTES: u64 = 32 << 20;
+
+/// Reads `body` to its end (its length was checked against
+/// [`READ_REFUSED_BYTES`]), or until bytes stop coming or it breaks off.
+async fn read_into_the_void(mut body: Incoming) {
+    while let Ok(Some(Ok(_))) = tokio::time::timeout(RECEIVE_IDLE, body.frame()).await {}
+}
+
 async fn write_body(body: Incoming, path: &std::path::Path, length: u64, digest: &str) -> Result<u64, Refused> {
     use tokio::io::AsyncWriteExt as _;
     let io = |e: std::io::Error| refused(ErrorKind::Internal, format!("slot file not written: {e}"), "write_failed");
