@@ -13,6 +13,8 @@
 //! whole; the last ones carry the whole answer's text, so an event may be
 //! long.
 
+use std::collections::VecDeque;
+
 use bytes::Bytes;
 use serde_json::{Map, Value};
 
@@ -24,6 +26,11 @@ const MAX_EVENT: usize = 4 << 20;
 /// and one with more is hostile or broken; past it the oldest is forgotten.
 const MAX_ITEMS: usize = 64;
 
+/// The longest item id remembered and looked up (llama-server's are 35
+/// bytes): a longer one is not, so a hostile backend's items cost at most
+/// this much each to keep and to compare.
+const MAX_ID_BYTES: usize = 256;
+
 /// Counts a Responses stream's events and output, and fills in what its
 /// events leave out.
 pub(crate) struct EventFields {
@@ -33,7 +40,7 @@ pub(crate) struct EventFields {
     /// The output items opened, oldest first. llama-server closes a message
     /// after the function calls opened after it, so an event is matched to
     /// its item by id, not taken to be about the last one opened.
-    items: Vec<Item>,
+    items: VecDeque<Item>,
     /// Output items opened so far.
     opened: u64,
 }
@@ -48,7 +55,12 @@ struct Item {
 
 impl Default for EventFields {
     fn default() -> EventFields {
-        EventFields { events: super::sse::Events::with_limit(MAX_EVENT), sequence: 0, items: Vec::new(), opened: 0 }
+        EventFields {
+            events: super::sse::Events::with_limit(MAX_EVENT),
+            sequence: 0,
+            items: VecDeque::new(),
+            opened: 0,
+        }
     }
 }
 
@@ -136,12 +148,13 @@ impl EventFields {
             }
             "response.output_item.added" => {
                 let index = fields.get("output_index").and_then(Value::as_u64).unwrap_or(self.opened);
-                let id = fields.get("item").and_then(|item| item.get("id")?.as_str()).map(str::to_string);
+                let id = fields.get("item").and_then(|item| item.get("id")?.as_str());
+                let id = id.filter(|id| id.len() <= MAX_ID_BYTES).map(str::to_string);
                 self.opened = index.saturating_add(1);
                 if self.items.len() == MAX_ITEMS {
-                    self.items.remove(0);
+                    self.items.pop_front();
                 }
-                self.items.push(Item { index, id, parts: 0 });
+                self.items.push_back(Item { index, id, parts: 0 });
             }
             _ => {}
         }
@@ -158,6 +171,7 @@ impl EventFields {
         // about the last one opened, as one without an id is.
         let named = fields.get("item_id").or_else(|| fields.get("item")?.get("id")).and_then(Value::as_str);
         let at = named
+            .filter(|named| named.len() <= MAX_ID_BYTES)
             .and_then(|named| self.items.iter().rposition(|item| item.id.as_deref() == Some(named)))
             .or(self.items.len().checked_sub(1));
         let Some(item) = at.and_then(|at| self.items.get_mut(at)) else { return missing };
@@ -328,6 +342,32 @@ mod tests {
         let about: Vec<_> = events.iter().map(|e| (e["output_index"].as_u64(), e["content_index"].as_u64())).collect();
         let (message, part, call) = ((Some(0), None), (Some(0), Some(0)), (Some(1), None));
         assert_eq!(about, [message, part, part, call, call, part, part, message, call]);
+    }
+
+    #[test]
+    fn past_the_items_remembered_the_oldest_are_forgotten_and_long_ids_never_kept() {
+        let mut stream = String::new();
+        for i in 0..70 {
+            let added = format!(r#"{{"type":"response.output_item.added","item":{{"id":"i{i}"}}}}"#);
+            stream += &event("response.output_item.added", &added);
+        }
+        let long = "x".repeat(MAX_ID_BYTES + 1);
+        stream += &event(
+            "response.output_item.added",
+            &format!(r#"{{"type":"response.output_item.added","item":{{"id":"{long}"}}}}"#),
+        );
+        for named in ["i69", "i0", long.as_str()] {
+            let done = format!(r#"{{"type":"response.function_call_arguments.delta","item_id":"{named}"}}"#);
+            stream += &event("response.function_call_arguments.delta", &done);
+        }
+        let mut fields = EventFields::default();
+        let events = data_of(&fields.push(stream.as_bytes()).unwrap());
+        let indexes: Vec<_> = events[71..].iter().map(|e| e["output_index"].as_u64()).collect();
+        // i69 is remembered; i0 was forgotten and the long id never kept:
+        // both are taken to be about the last item opened.
+        assert_eq!(indexes, [Some(69), Some(70), Some(70)]);
+        assert_eq!(fields.items.len(), MAX_ITEMS);
+        assert!(fields.items.iter().all(|item| item.id.as_ref().is_none_or(|id| id.len() <= MAX_ID_BYTES)));
     }
 
     #[test]
