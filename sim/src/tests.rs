@@ -659,6 +659,24 @@ async fn a_call_sent_back_extends_the_prompt_that_made_it() {
     // All the first turn's prompt and answer is cached, but the answer's last
     // token, which never entered the cache.
     assert_eq!(next["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap(), written - 1, "{next}");
+
+    // The same of the Responses API, whose output is a message and the call
+    // apart: sent back as they came, they are the turn the model wrote.
+    let tools = json!([{"type": "function", "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}]);
+    let question = json!({"role": "user", "content": "And in Rome?"});
+    let asked = json!({"model": "qwen", "max_output_tokens": 64, "input": [question], "tools": tools,
+                       "tool_choice": "required"});
+    let (_, first) = r.post("/v1/responses", asked).await;
+    let usage = &first["usage"];
+    let written = usage["input_tokens"].as_u64().unwrap() + usage["output_tokens"].as_u64().unwrap();
+    let output = first["output"].as_array().unwrap();
+    let call_id = output[1]["call_id"].clone();
+    let mut input = vec![question];
+    input.extend(output.iter().cloned());
+    input.push(json!({"type": "function_call_output", "call_id": call_id, "output": "Sunny."}));
+    let (_, next) = r.post("/v1/responses", json!({"model": "qwen", "max_output_tokens": 2, "input": input})).await;
+    assert_eq!(next["usage"]["input_tokens_details"]["cached_tokens"].as_u64().unwrap(), written - 1, "{next}");
     r.stop().await;
 }
 

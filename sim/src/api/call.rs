@@ -8,6 +8,8 @@
 //! A request that offers tools without requiring one is answered in text,
 //! as a model may answer it.
 
+use std::collections::HashSet;
+
 use serde_json::{Map, Value, json};
 
 use super::Kind;
@@ -37,8 +39,10 @@ impl Call {
     /// `generator`, so the same request gets the same call.
     pub(super) fn required(kind: Kind, req: &Value, generator: Generator) -> Option<Call> {
         let choice = req.get("tool_choice")?;
+        // The tool the choice names; `None` where any tool will do.
         let named = match (kind, choice) {
-            (Kind::Chat | Kind::Responses, Value::String(choice)) => (choice == "required").then_some(None)?,
+            (Kind::Chat | Kind::Responses, Value::String(choice)) if choice == "required" => None,
+            (Kind::Chat | Kind::Responses, Value::String(_)) => return None,
             (Kind::Chat, _) => Some(choice.pointer("/function/name")?.as_str()?),
             (Kind::Responses, _) => Some(choice.get("name")?.as_str()?),
             (Kind::Messages, _) => match choice.get("type")?.as_str()? {
@@ -54,7 +58,7 @@ impl Call {
                 Kind::Messages => (tool.get("name")?, tool.get("input_schema")),
                 _ => (tool.get("name")?, tool.get("parameters")),
             };
-            let name = name.as_str()?;
+            let name = name.as_str().filter(|name| is_a_tool_name(name))?;
             named.is_none_or(|named| named == name).then_some((name, schema))
         })?;
         let arguments = arguments_for(schema, generator.piece(2)).to_string();
@@ -67,6 +71,16 @@ impl Call {
         Some(Call { name: name.to_owned(), script })
     }
 }
+
+/// A name as OpenAI's API takes a tool's: at most 64 letters, digits,
+/// underscores and dashes. A model is not asked to call any other.
+fn is_a_tool_name(name: &str) -> bool {
+    (1..=64).contains(&name.len()) && name.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-'))
+}
+
+/// The most properties given a value: the call stays a few tokens
+/// whatever schema a client sends.
+const MAX_PROPERTIES: usize = 32;
 
 /// What follows a call's arguments.
 const CLOSE: &str = "}\n</tool_call>";
@@ -83,19 +97,23 @@ pub(super) fn render(name: &str, arguments: &str) -> String {
     format!("{}{arguments}{CLOSE}", opening(name))
 }
 
-/// Arguments that fit `schema`: each required property (every property
-/// where none is required) given a value of its type.
+/// Arguments that fit `schema` at its top level: each required property
+/// (every property where none is required) named as a tool may be, up to
+/// [`MAX_PROPERTIES`], given a value of its type (nested schemas, enums
+/// and formats are not followed).
 fn arguments_for(schema: Option<&Value>, word: &str) -> Value {
     let properties = schema.and_then(|s| s.get("properties")).and_then(Value::as_object);
-    let required: Option<Vec<&str>> = schema
+    let required: Option<HashSet<&str>> = schema
         .and_then(|s| s.get("required"))
         .and_then(Value::as_array)
         .map(|names| names.iter().filter_map(Value::as_str).collect());
     let mut arguments = Map::new();
-    for (name, property) in properties.into_iter().flatten() {
-        if required.as_ref().is_some_and(|required| !required.contains(&name.as_str())) {
-            continue;
-        }
+    let wanted = properties
+        .into_iter()
+        .flatten()
+        .filter(|(name, _)| is_a_tool_name(name))
+        .filter(|(name, _)| required.as_ref().is_none_or(|required| required.contains(name.as_str())));
+    for (name, property) in wanted.take(MAX_PROPERTIES) {
         let value = match property.get("type").and_then(Value::as_str) {
             Some("string") => Value::from(word),
             Some("integer" | "number") => Value::from(1),
@@ -160,17 +178,21 @@ mod tests {
         assert!(Call::required(Kind::Chat, &json!({"tool_choice": "required"}), generator()).is_none());
         let auto = json!({"tools": [{"name": "get_weather"}], "tool_choice": {"type": "auto"}});
         assert!(Call::required(Kind::Messages, &auto, generator()).is_none());
+        for name in ["", "a b", "get_\"weather", &"x".repeat(65)] {
+            let odd = json!({"tools": [{"name": name}], "tool_choice": {"type": "any"}});
+            assert!(Call::required(Kind::Messages, &odd, generator()).is_none(), "{name}");
+        }
     }
 
     #[test]
     fn the_script_is_what_the_history_renders_after_the_text() {
         let req =
-            json!({"tools": [{"name": "get_\"weather", "input_schema": weather()}], "tool_choice": {"type": "any"}});
+            json!({"tools": [{"name": "get-weather", "input_schema": weather()}], "tool_choice": {"type": "any"}});
         let call = Call::required(Kind::Messages, &req, generator()).unwrap();
         let text: String = call.script.iter().filter(|(_, p)| *p == Part::Text).map(|(p, _)| p.as_str()).collect();
         let written: String = call.script.iter().map(|(p, _)| p.as_str()).collect();
         assert_eq!(written, format!("{text}{}", render(&call.name, &arguments(&call))));
-        assert!(written.contains(r#"{"name": "get_\"weather", "arguments": {"city":"#), "{written}");
+        assert!(written.contains(r#"{"name": "get-weather", "arguments": {"city":"#), "{written}");
         // Each piece is one token of what was written.
         assert_eq!(tokenize(&written).len(), call.script.len());
     }

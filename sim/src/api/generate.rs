@@ -43,9 +43,9 @@ pub(super) struct Request {
     /// The tool call the request requires.
     call: Option<Call>,
     /// The client's stop sequences (`stop`, or the Messages API's
-    /// `stop_sequences`): they end a call's text where it ends with one.
-    /// Plain text is written to its limit, as the simulated model's words
-    /// rarely make one.
+    /// `stop_sequences`): one that the call's closing tag ends with ends
+    /// it there. They are not looked for in text, which is written to its
+    /// limit: the simulated model's words rarely make one.
     stop: Vec<String>,
 }
 
@@ -217,11 +217,12 @@ fn responses_input(req: &Value) -> Result<Vec<ChatMessage>, BadRequest> {
     let input = match req.get("input") {
         None | Some(Value::Null) => return Err(BadRequest::new("'input' is required")),
         Some(Value::String(text)) => vec![ChatMessage { role: "user".into(), content: text.clone() }],
-        Some(Value::Array(items)) if items.iter().all(Value::is_object) => items
-            .iter()
-            .map(|item| {
+        Some(Value::Array(items)) if items.iter().all(Value::is_object) => {
+            let mut messages: Vec<ChatMessage> = Vec::with_capacity(items.len());
+            for item in items {
                 let text = |key: &str| item.get(key).and_then(Value::as_str).unwrap_or_default().to_owned();
-                let (role, content) = match item.get("type").and_then(Value::as_str) {
+                let kind = item.get("type").and_then(Value::as_str);
+                let (role, content) = match kind {
                     Some("function_call") => ("assistant", call::render(&text("name"), &text("arguments"))),
                     Some("function_call_output") => ("tool", text("output")),
                     _ => {
@@ -235,9 +236,17 @@ fn responses_input(req: &Value) -> Result<Vec<ChatMessage>, BadRequest> {
                         (item.get("role").and_then(Value::as_str).unwrap_or("user"), content)
                     }
                 };
-                ChatMessage { role: role.to_owned(), content }
-            })
-            .collect(),
+                // A call is part of the turn the model wrote it in: after
+                // its text, as the model wrote them.
+                match messages.last_mut() {
+                    Some(last) if kind == Some("function_call") && last.role == "assistant" => {
+                        last.content.push_str(&content);
+                    }
+                    _ => messages.push(ChatMessage { role: role.to_owned(), content }),
+                }
+            }
+            messages
+        }
         Some(_) => return Err(BadRequest::new("'input' must be a string or array of objects")),
     };
     Ok(instructions.into_iter().chain(input).collect())
@@ -360,7 +369,13 @@ impl<'a> Writing<'a> {
             Part::Frame => {}
         }
         self.script.push_str(piece);
-        self.written.stop_sequence = self.stop.iter().find(|stop| self.script.ends_with(stop.as_str())).cloned();
+        // Looked for where the call closes only: there a stop hides nothing
+        // the client was sent (llama-server would hold back and cut a stop
+        // met in text).
+        if *part == Part::Frame && self.written.arguments.is_some() {
+            let stop = self.stop.iter().filter(|stop| !stop.is_empty());
+            self.written.stop_sequence = stop.into_iter().find(|stop| self.script.ends_with(stop.as_str())).cloned();
+        }
         Some((piece, *part))
     }
 }
