@@ -271,7 +271,7 @@ impl Intake {
         self.check_backend(handle, text(headers, &SLOT_FINGERPRINT).unwrap_or_default(), model, tokens)?;
 
         let slots = handle.probe.slots.as_ref().map(|s| s.dir.clone()).unwrap_or_default();
-        let (_arriving, others) = Arriving::add(&self.arriving, length);
+        let (arriving, others) = Arriving::add(&self.arriving, length);
         let min_free = self.min_free_bytes;
         let dir = slots.clone();
         // A shared volume's statvfs may take a while: not on the runtime.
@@ -291,8 +291,9 @@ impl Intake {
             // then hears this refusal, where a connection closed under its
             // write would read to it as a failed move. A large one is
             // spared the sending.
+            drop(arriving);
             if length <= READ_REFUSED_BYTES {
-                read_into_the_void(body).await;
+                read_into_the_void(body, length).await;
             }
             return Err(no_free_slot());
         }
@@ -527,18 +528,24 @@ fn check_room(dir: &std::path::Path, length: u64, arriving: u64, min_free: u64) 
     Err(refused(ErrorKind::Unavailable, message, "no_room"))
 }
 
-/// Writes a slot file's body to `path`: exactly `length` bytes, whose
-/// SHA-256 is `digest`. Its bytes.
 /// The largest file a refused move is read whole before its refusal is
 /// sent.
 const READ_REFUSED_BYTES: u64 = 32 << 20;
 
-/// Reads `body` to its end (its length was checked against
-/// [`READ_REFUSED_BYTES`]), or until bytes stop coming or it breaks off.
-async fn read_into_the_void(mut body: Incoming) {
-    while let Ok(Some(Ok(_))) = tokio::time::timeout(RECEIVE_IDLE, body.frame()).await {}
+/// Reads `body` to its end, or until bytes stop coming, it breaks off or
+/// more than `length` (at most [`READ_REFUSED_BYTES`]) came.
+async fn read_into_the_void(mut body: Incoming, length: u64) {
+    let mut read = 0u64;
+    while let Ok(Some(Ok(frame))) = tokio::time::timeout(RECEIVE_IDLE, body.frame()).await {
+        read = read.saturating_add(frame.data_ref().map_or(0, |data| data.len() as u64));
+        if read > length.min(READ_REFUSED_BYTES) {
+            return;
+        }
+    }
 }
 
+/// Writes a slot file's body to `path`: exactly `length` bytes, whose
+/// SHA-256 is `digest`. Its bytes.
 async fn write_body(body: Incoming, path: &std::path::Path, length: u64, digest: &str) -> Result<u64, Refused> {
     use tokio::io::AsyncWriteExt as _;
     let io = |e: std::io::Error| refused(ErrorKind::Internal, format!("slot file not written: {e}"), "write_failed");
