@@ -133,11 +133,15 @@ def test_the_simulator_makes_a_required_tool_call_in_the_real_server_s_shapes(ge
     real = gemma.llama["node-a"]
     sim = simulator(gemma, "gemma")
     schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
-    said = [{"role": "user", "content": "What is the weather in Paris?"}]
+    # Told to: a tool choice does not hold the real model to a call.
+    said = [{"role": "system", "content": "Answer by calling a tool."},
+            {"role": "user", "content": "What is the weather in Paris?"}]
     common = {"model": "gemma", "temperature": 0}
-    chat = {**common, "max_tokens": 64, "messages": said, "stop": ["</tool_call>"], "tool_choice": "required",
+    chat = {**common, "max_tokens": 64, "messages": said, "stop": ["</tool_call>"],
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
             "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": schema}}]}
-    messages = {**common, "max_tokens": 64, "messages": said, "stop_sequences": ["</tool_call>"],
+    messages = {**common, "max_tokens": 64, "system": said[0]["content"], "messages": said[1:],
+                "stop_sequences": ["</tool_call>"],
                 "tool_choice": {"type": "tool", "name": "get_weather"},
                 "tools": [{"name": "get_weather", "input_schema": schema}]}
     responses = {**common, "max_output_tokens": 64, "input": said, "stop": ["</tool_call>"],
@@ -149,5 +153,29 @@ def test_the_simulator_makes_a_required_tool_call_in_the_real_server_s_shapes(ge
         for name, url in (("real", real), ("simulated", sim)):
             status, text = post(url, path, body)
             assert '"get_weather"' in text, (name, path, text)
-            answers[name] = (status, runs(events(text)) if body.get("stream") else shape(json.loads(text)))
+            answers[name] = (status, runs(events(text)) if body.get("stream") else shape(json.loads(text)),
+                             ended(text))
         assert answers["simulated"] == answers["real"], f"{path} {json.dumps(body)}"
+
+
+def ended(text):
+    """How an answer, whole or streamed, says it ended: the values of its
+    `finish_reason`, `stop_reason` and `stop_sequence` wherever they are
+    set."""
+    said = set()
+
+    def visit(value):
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if key in ("finish_reason", "stop_reason", "stop_sequence", "status") and item is not None:
+                    said.add((key, item))
+                visit(item)
+        elif isinstance(value, list):
+            for item in value:
+                visit(item)
+    for line in text.splitlines():
+        if line.startswith("data: {"):
+            visit(json.loads(line[len("data: "):]))
+    if text.startswith("{"):
+        visit(json.loads(text))
+    return sorted(said)
