@@ -46,14 +46,21 @@ order for the servers' own least-recently-used host caches.
 install smg==1.13.0`: scripts/bench-chat.sh installs it in the benchmark's
 environment when asked), given the llama-server URLs directly with its
 `cache_aware` policy: the best text-prefix router, on the same nodes.
+--routers N gives each row N routers behind a balancer: N data planes, or N
+SMG instances with their mesh on; the load generator deals each request to
+the next router in turn, so a conversation's turns go through different
+ones.
 --repeat N runs every row N times, the order reversed each time (A B, B A,
 A B...), each run with conversations of its own on freshly restarted
 servers, and reports each row's mean and spread (min-max).
 """
 
 import argparse
+import itertools
 import json
+import os
 import random
+import subprocess
 import sys
 import tempfile
 import threading
@@ -164,11 +171,25 @@ def summarize(strategy, conversations, wall):
     }
 
 
-def run_workload(url, api_key, strategy, args, repetition=0):
+class RoundRobin:
+    """A balancer in front of a row's routers: each request goes to the
+    next one in turn, whichever conversation it is of."""
+
+    def __init__(self, urls, api_key):
+        self.clients = [OpenAI(base_url=f"{url}/v1", api_key=api_key, max_retries=0, timeout=600) for url in urls]
+        self.turns = itertools.count()
+
+    @property
+    def chat(self):
+        # itertools.count's next is atomic under the GIL: users' threads share it.
+        return self.clients[next(self.turns) % len(self.clients)].chat
+
+
+def run_workload(urls, api_key, strategy, args, repetition=0):
     rng = random.Random(f"{args.seed}-{strategy}-{repetition}")
     conversations = [Conversation(f"{strategy}-{repetition}-{i}", system_prompt(rng, args.system_tokens))
                      for i in range(args.conversations)]
-    client = OpenAI(base_url=f"{url}/v1", api_key=api_key, max_retries=0, timeout=600)
+    client = RoundRobin(urls, api_key)
     started = time.monotonic()
     if args.concurrent:
         errors = []
@@ -219,28 +240,70 @@ def start_fleet(fleet, args):
                                   f"host_cache_tokens = {host_cache}\n{slots}")], tier)
     fleet.tier_on = bool(tier)
     extra = "queue = false" if args.no_queue else ""
+    # Each row's routers: its URLs, which the load generator deals requests
+    # to in turn. SMG's start for their rows only (see start_smg).
     fleet.urls = {}
     for name in args.strategies.split(","):
-        if name == "smg":
-            fleet.urls[name] = start_smg(fleet)
+        if name in PEERS:
             continue
         strategy, own = VARIANTS.get(name, (name, ""))
-        fleet.urls[name] = fleet.start_dataplane(f"dataplane-{name}", strategy, {MODEL: args.nodes},
-                                                 extra=f"{extra}\n{own}")
+        fleet.urls[name] = [fleet.start_dataplane(f"dataplane-{name}-{i}", strategy, {MODEL: args.nodes},
+                                                  extra=f"{extra}\n{own}") for i in range(args.routers)]
 
 
-def start_smg(fleet):
-    """SMG, its cache-aware policy over the llama-server URLs. Its
-    `smg` command is beside the benchmark's Python."""
+def start_smg(fleet, routers):
+    """SMG, its cache-aware policy over the llama-server URLs: `routers`
+    instances, meshed where there are several (each joins the others'
+    mesh, which shares their trees of what each worker holds). Started for
+    its row and stopped after it: meshed instances keep a core busy between
+    them even when no request comes, which would slow the other rows' nodes
+    on a small machine. Its `smg` command is beside the benchmark's
+    Python."""
     smg = Path(sys.executable).with_name("smg")
     if not smg.is_file():
         raise RuntimeError(f"no {smg}: pip install smg=={SMG_VERSION} into this environment")
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    fleet.spawn("smg", [str(smg), "launch", "--host", "127.0.0.1", "--port", str(port),
-                        "--worker-urls", *fleet.llama.values(), "--policy", "cache_aware"])
-    wait_until("smg serving", lambda: http_get(f"{url}/v1/models")[0] == 200, timeout=60)
-    return url
+    ports = [(free_port(), free_port()) for _ in range(routers)]
+    urls = []
+    for i, (port, mesh) in enumerate(ports):
+        # Its metrics on a port of its own (by default every instance's is 29000).
+        command = [str(smg), "launch", "--host", "127.0.0.1", "--port", str(port),
+                   "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+                   "--worker-urls", *fleet.llama.values(), "--policy", "cache_aware"]
+        if routers > 1:
+            peers = [f"127.0.0.1:{other}" for j, (_, other) in enumerate(ports) if j != i]
+            command += ["--enable-mesh", "--mesh-server-name", f"smg-{i}", "--mesh-host", "127.0.0.1",
+                        "--mesh-port", str(mesh), "--mesh-peer-urls", *peers]
+        fleet.spawn(f"smg-{i}", command)
+        urls.append(f"http://127.0.0.1:{port}")
+    for url in urls:
+        wait_until("smg serving", lambda url=url: http_get(f"{url}/v1/models")[0] == 200, timeout=60)
+    return urls
+
+
+def router_cpu_s(fleet, strategy):
+    """CPU seconds the row's routers (its data planes, or its SMG
+    instances) have used so far, from /proc."""
+    prefixes = ("smg-",) if strategy in PEERS else (f"dataplane-{strategy}-",)
+    ticks = 0
+    for name, process in fleet.processes:
+        if name.startswith(prefixes) and process.poll() is None:
+            fields = Path(f"/proc/{process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            ticks += int(fields[11]) + int(fields[12])  # utime, stime
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def stop_smg(fleet):
+    """Stops every SMG instance; one that does not stop in 10 s is killed."""
+    stopping = [(name, process) for name, process in fleet.processes if name.startswith("smg-")]
+    fleet.processes = [(name, process) for name, process in fleet.processes if not name.startswith("smg-")]
+    for _, process in stopping:
+        process.terminate()
+    for _, process in stopping:
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 def start_server(fleet, node, args, port=None):
@@ -288,12 +351,13 @@ def restart_servers(fleet, args):
     auth = {"Authorization": f"Bearer {fleet.api_key}"}
 
     def all_warm():
-        for name, url in fleet.urls.items():
+        for name, urls in fleet.urls.items():
             if name in PEERS:
                 continue
-            model = json.loads(http_get(f"{url}/v1/models/{MODEL}", headers=auth)[1])
-            if model["inferyes"]["warm_nodes"] != args.nodes:
-                return False
+            for url in urls:
+                model = json.loads(http_get(f"{url}/v1/models/{MODEL}", headers=auth)[1])
+                if model["inferyes"]["warm_nodes"] != args.nodes:
+                    return False
         return True
 
     wait_until("every node warm again", all_warm, timeout=60)
@@ -301,12 +365,13 @@ def restart_servers(fleet, args):
 
 def table(results):
     lines = ["| data plane | first-turn TTFT p50 | p99 | later-turn TTFT p50 | p99 | KV reuse vs oracle "
-             "| session moves (carried) | wall |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| session moves (carried) | wall | routers' CPU |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         lines.append(
             f"| {r['strategy']} | {r['first_ttft_p50_ms']:,.0f} ms | {r['first_ttft_p99_ms']:,.0f} ms "
             f"| {r['later_ttft_p50_ms']:,.0f} ms | {r['later_ttft_p99_ms']:,.0f} ms "
-            f"| {100 * r['kv_reuse_of_oracle']:.1f}% | {moved(r)} | {r['wall_s']:.1f} s |")
+            f"| {100 * r['kv_reuse_of_oracle']:.1f}% | {moved(r)} | {r['wall_s']:.1f} s "
+            f"| {r['router_cpu_s']:.1f} s |")
     return "\n".join(lines)
 
 
@@ -318,8 +383,8 @@ def moved(r):
 
 def spread(results):
     """Each row's mean and range over its repetitions."""
-    lines = ["| row | runs | wall | KV reuse vs oracle | first-turn TTFT p50 | later-turn TTFT p50 | later p99 |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| row | runs | wall | KV reuse vs oracle | first-turn TTFT p50 | later-turn TTFT p50 | later p99 "
+             "| routers' CPU |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     rows = {}
     for r in results:
         rows.setdefault(r["strategy"], []).append(r)
@@ -330,7 +395,7 @@ def spread(results):
             return f"{mean:.{digits}f}{unit} ({min(values):.{digits}f}-{max(values):.{digits}f})"
         lines.append(f"| {name} | {len(runs)} | {cell('wall_s')} | {cell('kv_reuse_of_oracle', 100, '%')} "
                      f"| {cell('first_ttft_p50_ms', 1e-3)} | {cell('later_ttft_p50_ms', 1e-3)} "
-                     f"| {cell('later_ttft_p99_ms', 1e-3)} |")
+                     f"| {cell('later_ttft_p99_ms', 1e-3)} | {cell('router_cpu_s')} |")
     return "\n".join(lines)
 
 
@@ -364,6 +429,8 @@ def main():
                         help="each Inferyes row also with the agents' KV tiers off (needs --move-caches)")
     parser.add_argument("--repeat", type=int, default=1,
                         help="runs of every row, the order reversed each time")
+    parser.add_argument("--routers", type=int, default=1,
+                        help="each row's routers (data planes; SMG instances, meshed), requests dealt in turn")
     parser.add_argument("--seed", default="bench")
     parser.add_argument("--json", type=Path, help="write the results and every turn here")
     args = parser.parse_args()
@@ -391,12 +458,20 @@ def main():
                 restart_servers(fleet, args)
             print(f"running {strategy} ({repetition + 1} of {args.repeat})...", file=sys.stderr, flush=True)
             restored = tier_events(fleet, "restored") if args.move_caches else 0
-            result, conversations = run_workload(fleet.urls[base], fleet.api_key, strategy, args, repetition)
+            if base == "smg":
+                fleet.urls[base] = start_smg(fleet, args.routers)
+            try:
+                cpu = router_cpu_s(fleet, base)
+                result, conversations = run_workload(fleet.urls[base], fleet.api_key, strategy, args, repetition)
+                result["router_cpu_s"] = router_cpu_s(fleet, base) - cpu
+            finally:
+                if base == "smg":
+                    stop_smg(fleet)
             result["repetition"] = repetition
             if args.move_caches:
                 result["tier_restored"] = tier_events(fleet, "restored") - restored
             if base not in PEERS:
-                result["carried"] = routed(fleet, fleet.urls[base], "carried")
+                result["carried"] = sum(routed(fleet, url, "carried") for url in fleet.urls[base])
                 # What routing saw and decided, from the dashboard: the rates
                 # each backend reported and the recent decisions with every
                 # candidate's cost terms.
@@ -410,8 +485,9 @@ def main():
     mode = "at once" if args.concurrent else "one request at a time"
     if args.arrivals or args.think:
         mode = f"arriving {args.arrivals:g} s apart, {args.think:g} s between a reply and the next turn"
+    routers = f"; {args.routers} routers a row, requests dealt in turn" if args.routers > 1 else ""
     print(f"\n{args.conversations} conversations {mode}, {args.turns} turns, ~{args.system_tokens}-token "
-          f"system prompts; {args.nodes} nodes x {args.slots} slots, --cache-ram {args.cache_ram}\n")
+          f"system prompts; {args.nodes} nodes x {args.slots} slots, --cache-ram {args.cache_ram}{routers}\n")
     print(table(results))
     if args.repeat > 1:
         print(f"\nMean (min-max) over {args.repeat} runs each:\n")
