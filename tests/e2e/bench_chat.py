@@ -46,10 +46,12 @@ order for the servers' own least-recently-used host caches.
 install smg==1.13.0`: scripts/bench-chat.sh installs it in the benchmark's
 environment when asked), given the llama-server URLs directly with its
 `cache_aware` policy: the best text-prefix router, on the same nodes.
---routers N gives each row N routers behind a balancer: N data planes, or N
-SMG instances with their mesh on; the load generator deals each request to
-the next router in turn, so a conversation's turns go through different
-ones.
+--routers N gives each row N routers behind a round-robin balancer: N data
+planes, or N SMG instances with their mesh on; the load generator deals
+each request to the next router in turn, so a conversation's turns go
+through whichever router the requests of all users leave it (the turns
+record which: `router`, and each row how many later turns changed
+router: `router_switches`).
 --repeat N runs every row N times, the order reversed each time (A B, B A,
 A B...), each run with conversations of its own on freshly restarted
 servers, and reports each row's mean and spread (min-max).
@@ -112,7 +114,8 @@ class Conversation:
         self.messages = [{"role": "system", "content": system}]
         self.turns = []
 
-    def turn(self, client, index, max_tokens):
+    def turn(self, balancer, index, max_tokens):
+        router, client = balancer.pick()
         self.messages.append({"role": "user", "content": f"Question {index}: where does the next road lead?"})
         started = time.monotonic()
         first, text, usage, last = None, "", None, None
@@ -141,7 +144,7 @@ class Conversation:
         self.messages.append({"role": "assistant", "content": text})
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
         self.turns.append({
-            "conversation": self.name, "turn": index, "node": node, "route": route,
+            "conversation": self.name, "turn": index, "node": node, "route": route, "router": router,
             "ttft_s": first if first is not None else time.monotonic() - started,
             "seconds": time.monotonic() - started, "prompt_tokens": usage["prompt_tokens"],
             "completion_tokens": usage["completion_tokens"], "cached_tokens": cached,
@@ -149,7 +152,7 @@ class Conversation:
 
 
 def summarize(strategy, conversations, wall):
-    first, later, moves, reused, best = [], [], 0, 0, 0
+    first, later, moves, reused, best, switches = [], [], 0, 0, 0, 0
     for conversation in conversations:
         for previous, turn in zip([None] + conversation.turns, conversation.turns):
             if previous is None:
@@ -157,6 +160,7 @@ def summarize(strategy, conversations, wall):
                 continue
             later.append(turn["ttft_s"])
             moves += turn["node"] != previous["node"]
+            switches += turn["router"] != previous["router"]
             oracle = previous["prompt_tokens"] + previous["completion_tokens"]
             best += oracle
             reused += min(turn["cached_tokens"], oracle)
@@ -167,22 +171,28 @@ def summarize(strategy, conversations, wall):
         "first_ttft_p50_ms": 1000 * percentile(first, 50), "first_ttft_p99_ms": 1000 * percentile(first, 99),
         "later_ttft_p50_ms": 1000 * percentile(later, 50), "later_ttft_p99_ms": 1000 * percentile(later, 99),
         "kv_reuse_of_oracle": reused / best if best else None, "session_moves": moves,
+        # Later turns that went through another router than the turn before.
+        "router_switches": switches,
         "later_turns": len(later), "wall_s": wall,
     }
 
 
 class RoundRobin:
-    """A balancer in front of a row's routers: each request goes to the
-    next one in turn, whichever conversation it is of."""
+    """A round-robin balancer in front of a row's routers: each request
+    goes to the next one in turn, whichever conversation it is of, so
+    which router a conversation's next turn meets falls as the requests
+    of all users come. (Turns taken one at a time, with as many
+    conversations as a multiple of the routers, each keep to one.)"""
 
     def __init__(self, urls, api_key):
         self.clients = [OpenAI(base_url=f"{url}/v1", api_key=api_key, max_retries=0, timeout=600) for url in urls]
         self.turns = itertools.count()
 
-    @property
-    def chat(self):
+    def pick(self):
+        """The next router: its place, and a client of it."""
         # itertools.count's next is atomic under the GIL: users' threads share it.
-        return self.clients[next(self.turns) % len(self.clients)].chat
+        router = next(self.turns) % len(self.clients)
+        return router, self.clients[router]
 
 
 def run_workload(urls, api_key, strategy, args, repetition=0):
@@ -282,13 +292,19 @@ def start_smg(fleet, routers):
 
 def router_cpu_s(fleet, strategy):
     """CPU seconds the row's routers (its data planes, or its SMG
-    instances) have used so far, from /proc."""
-    prefixes = ("smg-",) if strategy in PEERS else (f"dataplane-{strategy}-",)
+    instances) have used so far, from /proc. Inferyes's agents and
+    controller, which run for every row, are not counted."""
+    prefix = "smg" if strategy in PEERS else f"dataplane-{strategy}"
     ticks = 0
     for name, process in fleet.processes:
-        if name.startswith(prefixes) and process.poll() is None:
+        # The row's own: `dataplane-policy-0`, not `dataplane-policy-no-carry-0`.
+        if name.rsplit("-", 1)[0] != prefix:
+            continue
+        try:
             fields = Path(f"/proc/{process.pid}/stat").read_text().rsplit(")", 1)[1].split()
-            ticks += int(fields[11]) + int(fields[12])  # utime, stime
+        except FileNotFoundError:
+            continue  # it ended
+        ticks += int(fields[11]) + int(fields[12])  # utime, stime
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
