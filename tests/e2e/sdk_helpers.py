@@ -28,6 +28,9 @@ RESULT = "Sunny, 21 C."
 # told to.
 SYSTEM = "Answer by calling a tool."
 CALL_END = ["</tool_call>"]
+# The fewest tokens a call to get_weather takes in a prompt, tags and all
+# (about 25 of Gemma's, more of the simulator's).
+CALL_TOKENS = 15
 
 # Fields the OpenAI spec gives the events about an output item's content.
 CONTENT_FIELDS = ("output_index", "content_index", "item_id")
@@ -138,16 +141,17 @@ def chat_stream_call(client, model):
     if len(message.tool_calls) > 1 or final.choices[0].finish_reason == "tool_calls":
         # The SDK says a call is done when the next begins, or the answer ends.
         assert done and done[0].name == "get_weather" and done[0].arguments == call.function.arguments, done
-    messages += [{"role": "assistant", "content": message.content,
-                  "tool_calls": [call.model_dump(include={"id", "type", "function"})]},
-                 {"role": "tool", "tool_call_id": call.id, "content": RESULT}]
-    answer = client.chat.completions.create(model=model, max_tokens=8, temperature=0, messages=messages,
+    said = [{"role": "assistant", "content": message.content,
+             "tool_calls": [call.model_dump(include={"id", "type", "function"})]},
+            {"role": "tool", "tool_call_id": call.id, "content": RESULT}]
+    answer = client.chat.completions.create(model=model, max_tokens=8, temperature=0, messages=messages + said,
                                             tools=[tool])
-    # A cut stream's completion has no usage: the question's prompt asked
-    # again, alone.
-    asked = client.chat.completions.create(model=model, max_tokens=1, temperature=0, messages=messages[:2],
-                                           tools=[tool])
-    assert answer.usage.prompt_tokens > asked.usage.prompt_tokens, (answer, asked)
+    # The same turn with the call left out (its text, the result as the
+    # user's): the call is in the prompt only where this one is shorter.
+    unsaid = [{"role": "assistant", "content": message.content}, {"role": "user", "content": RESULT}]
+    without = client.chat.completions.create(model=model, max_tokens=1, temperature=0, messages=messages + unsaid,
+                                             tools=[tool])
+    assert answer.usage.prompt_tokens >= without.usage.prompt_tokens + CALL_TOKENS, (answer.usage, without.usage)
     return final
 
 
@@ -186,13 +190,17 @@ def messages_stream_tool_use(base_url, api_key, model):
     assert json.loads(partial) == use.input, (partial, use)
     assert final.stop_reason in ("tool_use", "max_tokens"), final
     said = [block.model_dump(include={"type", "text", "id", "name", "input"}) for block in final.content[:first + 1]]
-    conversation += [{"role": "assistant", "content": said},
-                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": RESULT}]}]
-    answer = claude.messages.create(model=model, system=SYSTEM, max_tokens=8, messages=conversation, tools=[tool])
+    answer = claude.messages.create(model=model, system=SYSTEM, max_tokens=8, tools=[tool], messages=conversation + [
+        {"role": "assistant", "content": said},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": RESULT}]}])
+    # The same turn with the call left out, as in chat_stream_call.
+    text = [block for block in said if block["type"] == "text"]
+    without = claude.messages.create(model=model, system=SYSTEM, max_tokens=1, tools=[tool], messages=conversation + [
+        {"role": "assistant", "content": text}, {"role": "user", "content": RESULT}])
 
     def prompt(usage):
         return usage.input_tokens + (usage.cache_read_input_tokens or 0)
-    assert prompt(answer.usage) > prompt(final.usage), answer
+    assert prompt(answer.usage) >= prompt(without.usage) + CALL_TOKENS, (answer.usage, without.usage)
     return final
 
 
