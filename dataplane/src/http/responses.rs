@@ -13,9 +13,12 @@
 //! whole; the last ones carry the whole answer's text, so an event may be
 //! long.
 
+use std::borrow::Cow;
 use std::collections::VecDeque;
 
 use bytes::Bytes;
+use serde::Deserialize;
+use serde_json::value::RawValue;
 use serde_json::{Map, Value};
 
 /// The longest event read whole: a Responses stream's last events each
@@ -89,13 +92,19 @@ impl EventFields {
             return;
         };
         let json = &event[start..end];
-        let Ok(Value::Object(mut fields)) = serde_json::from_slice::<Value>(json) else {
+        let Some(open) = json.iter().position(|b| !b.is_ascii_whitespace()).filter(|at| json[*at] == b'{') else {
             out.extend_from_slice(event);
             return;
         };
-        let missing = self.missing(&fields);
-        if let Some(Value::Object(response)) = fields.get_mut("response")
-            && missing.response_output
+        let Ok(head) = serde_json::from_slice::<Head<'_>>(json) else {
+            out.extend_from_slice(event);
+            return;
+        };
+        let missing = self.missing(&head);
+        if missing.response_output
+            && json.len() <= MAX_OPENING
+            && let Ok(mut fields) = serde_json::from_slice::<Map<String, Value>>(json)
+            && let Some(Value::Object(response)) = fields.get_mut("response")
         {
             // The opening response, small: written anew with its list.
             response.insert("output".into(), Value::Array(Vec::new()));
@@ -108,12 +117,8 @@ impl EventFields {
             out.extend_from_slice(&event[end..]);
             return;
         }
-        let Some(open) = json.iter().position(|b| *b == b'{') else {
-            out.extend_from_slice(event);
-            return;
-        };
         out.extend_from_slice(&event[..start + open + 1]);
-        let empty = fields.is_empty();
+        let empty = json[open + 1..].iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'}');
         for (i, (key, value)) in missing.fields.iter().enumerate() {
             if i > 0 {
                 out.push(b',');
@@ -128,11 +133,12 @@ impl EventFields {
         out.extend_from_slice(&event[start + open + 1..]);
     }
 
-    /// What `fields`, the next event's, lacks; the counts moved on past it.
-    fn missing(&mut self, fields: &Map<String, Value>) -> Missing {
+    /// What `head`, the next event's, lacks; the counts moved on past it.
+    fn missing(&mut self, head: &Head<'_>) -> Missing {
         let mut missing = Missing::default();
-        let kind = fields.get("type").and_then(Value::as_str).unwrap_or_default();
-        match fields.get("sequence_number").and_then(Value::as_u64) {
+        let kind = text(head.kind).unwrap_or_default();
+        let kind = kind.as_ref();
+        match number(head.sequence_number) {
             Some(given) => self.sequence = given.saturating_add(1),
             None => {
                 missing.fields.push(("sequence_number", Value::from(self.sequence)));
@@ -141,15 +147,15 @@ impl EventFields {
         }
         match kind {
             "response.created" | "response.in_progress" | "response.queued" => {
-                missing.response_output = fields
-                    .get("response")
-                    .is_some_and(|response| response.is_object() && response.get("output").is_none());
+                missing.response_output = head
+                    .response
+                    .and_then(|response| serde_json::from_str::<ResponseHead<'_>>(response.get()).ok())
+                    .is_some_and(|response| response.output.is_none());
                 return missing;
             }
             "response.output_item.added" => {
-                let index = fields.get("output_index").and_then(Value::as_u64).unwrap_or(self.opened);
-                let id = fields.get("item").and_then(|item| item.get("id")?.as_str());
-                let id = id.filter(|id| id.len() <= MAX_ID_BYTES).map(str::to_string);
+                let index = number(head.output_index).unwrap_or(self.opened);
+                let id = item_id(head.item).map(Cow::into_owned);
                 self.opened = index.saturating_add(1);
                 if self.items.len() == MAX_ITEMS {
                     self.items.pop_front();
@@ -158,9 +164,7 @@ impl EventFields {
             }
             _ => {}
         }
-        if matches!(kind, "response.output_text.delta" | "response.output_text.done")
-            && !fields.contains_key("logprobs")
-        {
+        if matches!(kind, "response.output_text.delta" | "response.output_text.done") && head.logprobs.is_none() {
             missing.fields.push(("logprobs", Value::Array(Vec::new())));
         }
         // Events about the response as a whole carry no item.
@@ -169,35 +173,99 @@ impl EventFields {
         }
         // An event about an item not opened (or forgotten) is taken to be
         // about the last one opened, as one without an id is.
-        let named = fields.get("item_id").or_else(|| fields.get("item")?.get("id")).and_then(Value::as_str);
+        let named = text(head.item_id).or_else(|| item_id(head.item));
         let at = named
-            .filter(|named| named.len() <= MAX_ID_BYTES)
-            .and_then(|named| self.items.iter().rposition(|item| item.id.as_deref() == Some(named)))
+            .and_then(|named| self.items.iter().rposition(|item| item.id.as_deref() == Some(named.as_ref())))
             .or(self.items.len().checked_sub(1));
         let Some(item) = at.and_then(|at| self.items.get_mut(at)) else { return missing };
-        if !fields.contains_key("output_index") {
+        if head.output_index.is_none() {
             missing.fields.push(("output_index", Value::from(item.index)));
         }
         if !kind.starts_with("response.output_item.")
-            && !fields.contains_key("item_id")
+            && head.item_id.is_none()
             && let Some(id) = &item.id
         {
             missing.fields.push(("item_id", Value::from(id.as_str())));
         }
         if is_about_a_part(kind) {
             let part = if kind == "response.content_part.added" {
-                let part = fields.get("content_index").and_then(Value::as_u64).unwrap_or(item.parts);
+                let part = number(head.content_index).unwrap_or(item.parts);
                 item.parts = part.saturating_add(1);
                 part
             } else {
                 item.parts.saturating_sub(1)
             };
-            if !fields.contains_key("content_index") {
+            if head.content_index.is_none() {
                 missing.fields.push(("content_index", Value::from(part)));
             }
         }
         missing
     }
+}
+
+/// The longest opening event (`response.created`, `response.in_progress`,
+/// `response.queued`) written anew with its `output` list; a longer one
+/// goes on without it.
+const MAX_OPENING: usize = 64 << 10;
+
+/// The fields of an event that filling it reads, as the backend wrote them.
+/// The rest is skipped as it is read, never built: an event may be
+/// megabytes, and a backend is not trusted with this process's memory.
+#[derive(Deserialize)]
+struct Head<'a> {
+    #[serde(rename = "type", borrow, default)]
+    kind: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    sequence_number: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    output_index: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    content_index: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    item_id: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    logprobs: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    item: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    response: Option<&'a RawValue>,
+}
+
+/// Of an item or a response, the field read.
+#[derive(Deserialize)]
+struct ItemHead<'a> {
+    #[serde(borrow, default)]
+    id: Option<&'a RawValue>,
+}
+
+#[derive(Deserialize)]
+struct ResponseHead<'a> {
+    #[serde(borrow, default)]
+    output: Option<&'a RawValue>,
+}
+
+/// A field's whole number, where it is one.
+fn number(raw: Option<&RawValue>) -> Option<u64> {
+    serde_json::from_str(raw?.get()).ok()
+}
+
+/// A field's string, where it is one of at most [`MAX_ID_BYTES`] (an
+/// event's type or an item's id; a longer one is not kept or compared).
+fn text(raw: Option<&RawValue>) -> Option<Cow<'_, str>> {
+    let raw = raw?.get();
+    if raw.len() > MAX_ID_BYTES + 2 || !raw.starts_with('"') {
+        return None;
+    }
+    serde_json::from_str(raw).ok()
+}
+
+/// The id of an event's `item`, where it is an object with one.
+fn item_id(item: Option<&RawValue>) -> Option<Cow<'_, str>> {
+    let item = item?.get();
+    item.starts_with('{')
+        .then(|| serde_json::from_str::<ItemHead<'_>>(item).ok())
+        .flatten()
+        .and_then(|item| text(item.id))
 }
 
 /// The fields an event lacks, in the order they are written.
@@ -368,6 +436,26 @@ mod tests {
         assert_eq!(indexes, [Some(69), Some(70), Some(70)]);
         assert_eq!(fields.items.len(), MAX_ITEMS);
         assert!(fields.items.iter().all(|item| item.id.as_ref().is_none_or(|id| id.len() <= MAX_ID_BYTES)));
+    }
+
+    #[test]
+    fn what_filling_does_not_read_is_passed_over_not_built() {
+        // An item of a million numbers is skipped as it is read; the
+        // event is still numbered and placed.
+        let numbers = vec!["0"; 1 << 20].join(",");
+        let added = format!(r#"{{"type":"response.output_item.added","item":{{"id":"m","content":[{numbers}]}}}}"#);
+        let mut fields = EventFields::default();
+        let events = data_of(&fields.push(event("response.output_item.added", &added).as_bytes()).unwrap());
+        assert_eq!((events[0]["sequence_number"].as_u64(), events[0]["output_index"].as_u64()), (Some(0), Some(0)));
+        // Data that is not an object goes as it is, and a long opening
+        // response goes without its `output` list, its bytes as they came.
+        let array = event("response.created", r#"["response.created"]"#);
+        assert_eq!(EventFields::default().push(array.as_bytes()).unwrap(), array.as_bytes());
+        let long = "x".repeat(MAX_OPENING);
+        let opening = format!(r#"{{"type":"response.created","response":{{"id":"{long}"}}}}"#);
+        let out = EventFields::default().push(event("response.created", &opening).as_bytes()).unwrap();
+        assert_eq!(data_of(&out)[0]["response"].get("output"), None);
+        assert!(String::from_utf8_lossy(&out).ends_with(&format!("{}\n\n", &opening[1..])));
     }
 
     #[test]
