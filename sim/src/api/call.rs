@@ -61,7 +61,7 @@ impl Call {
             let name = name.as_str().filter(|name| is_a_tool_name(name))?;
             named.is_none_or(|named| named == name).then_some((name, schema))
         })?;
-        let arguments = arguments_for(schema, generator.piece(2)).to_string();
+        let arguments = arguments_for(schema, generator.piece(2))?.to_string();
         let mut script: Vec<(String, Part)> =
             [generator.piece(0), generator.piece(1)].into_iter().map(|p| (p.to_owned(), Part::Text)).collect();
         for (text, part) in [(opening(name).as_str(), Part::Frame), (&arguments, Part::Arguments), (CLOSE, Part::Frame)]
@@ -78,7 +78,7 @@ fn is_a_tool_name(name: &str) -> bool {
     (1..=64).contains(&name.len()) && name.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-'))
 }
 
-/// The most properties given a value: the call stays a few tokens
+/// The most properties given a value: a call stays a few hundred tokens
 /// whatever schema a client sends.
 const MAX_PROPERTIES: usize = 32;
 
@@ -97,11 +97,16 @@ pub(super) fn render(name: &str, arguments: &str) -> String {
     format!("{}{arguments}{CLOSE}", opening(name))
 }
 
+/// The longest property name given a value.
+const MAX_PROPERTY_NAME: usize = 256;
+
 /// Arguments that fit `schema` at its top level: each required property
-/// (every property where none is required) named as a tool may be, up to
-/// [`MAX_PROPERTIES`], given a value of its type (nested schemas, enums
-/// and formats are not followed).
-fn arguments_for(schema: Option<&Value>, word: &str) -> Value {
+/// (every property where none is required) given a value of its type
+/// (nested schemas, enums and formats are not followed). `None` where
+/// they would be more than [`MAX_PROPERTIES`] or one's name longer than
+/// [`MAX_PROPERTY_NAME`]: such a schema is answered in text rather than
+/// with a call that leaves a required property out.
+fn arguments_for(schema: Option<&Value>, word: &str) -> Option<Value> {
     let properties = schema.and_then(|s| s.get("properties")).and_then(Value::as_object);
     let required: Option<HashSet<&str>> = schema
         .and_then(|s| s.get("required"))
@@ -111,9 +116,11 @@ fn arguments_for(schema: Option<&Value>, word: &str) -> Value {
     let wanted = properties
         .into_iter()
         .flatten()
-        .filter(|(name, _)| is_a_tool_name(name))
         .filter(|(name, _)| required.as_ref().is_none_or(|required| required.contains(name.as_str())));
-    for (name, property) in wanted.take(MAX_PROPERTIES) {
+    for (name, property) in wanted {
+        if arguments.len() == MAX_PROPERTIES || name.len() > MAX_PROPERTY_NAME {
+            return None;
+        }
         let value = match property.get("type").and_then(Value::as_str) {
             Some("string") => Value::from(word),
             Some("integer" | "number") => Value::from(1),
@@ -124,7 +131,7 @@ fn arguments_for(schema: Option<&Value>, word: &str) -> Value {
         };
         arguments.insert(name.clone(), value);
     }
-    Value::Object(arguments)
+    Some(Value::Object(arguments))
 }
 
 #[cfg(test)]
@@ -182,6 +189,20 @@ mod tests {
             let odd = json!({"tools": [{"name": name}], "tool_choice": {"type": "any"}});
             assert!(Call::required(Kind::Messages, &odd, generator()).is_none(), "{name}");
         }
+        // A schema whose required properties cannot all be given a value.
+        let many: Map<String, Value> =
+            (0..=MAX_PROPERTIES).map(|i| (format!("p{i}"), json!({"type": "string"}))).collect();
+        let long: Map<String, Value> =
+            [("x".repeat(MAX_PROPERTY_NAME + 1), json!({"type": "string"}))].into_iter().collect();
+        for properties in [many, long] {
+            let schema = json!({"type": "object", "properties": properties});
+            let req = json!({"tools": [{"name": "f", "input_schema": schema}], "tool_choice": {"type": "any"}});
+            assert!(Call::required(Kind::Messages, &req, generator()).is_none());
+        }
+        // Names a tool could not have are still a property's.
+        let schema = json!({"type": "object", "properties": {"user.name": {"type": "string"}}});
+        let req = json!({"tools": [{"name": "f", "input_schema": schema}], "tool_choice": {"type": "any"}});
+        assert!(arguments(&Call::required(Kind::Messages, &req, generator()).unwrap()).contains("user.name"));
     }
 
     #[test]
