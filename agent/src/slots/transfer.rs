@@ -532,16 +532,24 @@ fn check_room(dir: &std::path::Path, length: u64, arriving: u64, min_free: u64) 
 /// sent.
 const READ_REFUSED_BYTES: u64 = 32 << 20;
 
-/// Reads `body` to its end, or until bytes stop coming, it breaks off or
-/// more than `length` (at most [`READ_REFUSED_BYTES`]) came.
+/// How long a refused file is read at most: a sender trickling it holds
+/// one of the node's intake permits no longer.
+const READ_REFUSED_WITHIN: Duration = Duration::from_secs(30);
+
+/// Reads `body` to its end, or until bytes stop coming, it breaks off,
+/// more than `length` (at most [`READ_REFUSED_BYTES`]) came, or
+/// [`READ_REFUSED_WITHIN`] passed.
 async fn read_into_the_void(mut body: Incoming, length: u64) {
-    let mut read = 0u64;
-    while let Ok(Some(Ok(frame))) = tokio::time::timeout(RECEIVE_IDLE, body.frame()).await {
-        read = read.saturating_add(frame.data_ref().map_or(0, |data| data.len() as u64));
-        if read > length.min(READ_REFUSED_BYTES) {
-            return;
+    let read_all = async {
+        let mut read = 0u64;
+        while let Ok(Some(Ok(frame))) = tokio::time::timeout(RECEIVE_IDLE, body.frame()).await {
+            read = read.saturating_add(frame.data_ref().map_or(0, |data| data.len() as u64));
+            if read > length.min(READ_REFUSED_BYTES) {
+                return;
+            }
         }
-    }
+    };
+    let _ = tokio::time::timeout(READ_REFUSED_WITHIN, read_all).await;
 }
 
 /// Writes a slot file's body to `path`: exactly `length` bytes, whose
