@@ -440,13 +440,18 @@ mod tests {
 
     #[test]
     fn what_filling_does_not_read_is_passed_over_not_built() {
-        // An item of a million numbers is skipped as it is read; the
-        // event is still numbered and placed.
+        // An item of a million numbers, nested deeper than a whole parse
+        // goes (serde_json stops at 128 levels), is skipped as it is read:
+        // the event is still numbered and placed.
         let numbers = vec!["0"; 1 << 20].join(",");
-        let added = format!(r#"{{"type":"response.output_item.added","item":{{"id":"m","content":[{numbers}]}}}}"#);
+        let (deep, up) = ("[".repeat(200), "]".repeat(200));
+        let added = format!(
+            r#"{{"type":"response.output_item.added","item":{{"id":"m","content":[{numbers}],"deep":{deep}{up}}}}}"#
+        );
         let mut fields = EventFields::default();
-        let events = data_of(&fields.push(event("response.output_item.added", &added).as_bytes()).unwrap());
-        assert_eq!((events[0]["sequence_number"].as_u64(), events[0]["output_index"].as_u64()), (Some(0), Some(0)));
+        let out = fields.push(event("response.output_item.added", &added).as_bytes()).unwrap();
+        let filled = "event: response.output_item.added\ndata: {\"sequence_number\":0,\"output_index\":0,\"type\"";
+        assert!(String::from_utf8_lossy(&out).starts_with(filled));
         // Data that is not an object goes as it is, and a long opening
         // response goes without its `output` list, its bytes as they came.
         let array = event("response.created", r#"["response.created"]"#);

@@ -189,6 +189,20 @@ mod tests {
             let odd = json!({"tools": [{"name": name}], "tool_choice": {"type": "any"}});
             assert!(Call::required(Kind::Messages, &odd, generator()).is_none(), "{name}");
         }
+        // At the bounds, a call: as many properties as may be given, a
+        // name as long as may be, more properties of which few are required.
+        let most: Map<String, Value> =
+            (0..MAX_PROPERTIES).map(|i| (format!("p{i}"), json!({"type": "string"}))).collect();
+        let longest: Map<String, Value> =
+            [("x".repeat(MAX_PROPERTY_NAME), json!({"type": "string"}))].into_iter().collect();
+        let few = json!({"type": "object", "required": ["p0"], "properties":
+            (0..=MAX_PROPERTIES).map(|i| (format!("p{i}"), json!({"type": "string"}))).collect::<Map<String, Value>>()});
+        for schema in
+            [json!({"type": "object", "properties": most}), json!({"type": "object", "properties": longest}), few]
+        {
+            let req = json!({"tools": [{"name": "f", "input_schema": schema}], "tool_choice": {"type": "any"}});
+            assert!(Call::required(Kind::Messages, &req, generator()).is_some(), "{schema}");
+        }
         // A schema whose required properties cannot all be given a value.
         let many: Map<String, Value> =
             (0..=MAX_PROPERTIES).map(|i| (format!("p{i}"), json!({"type": "string"}))).collect();
