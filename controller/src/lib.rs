@@ -17,6 +17,7 @@ pub mod peers;
 pub mod placement;
 pub mod reconcile;
 pub mod residency;
+pub mod slot_shares;
 
 pub mod snapshot;
 pub mod store;
@@ -273,6 +274,7 @@ impl Parts<'_> {
             serve_after: tokio::time::Instant::now() + self.config.startup_grace(),
             activity: Arc::clone(&self.activity),
             allowances: Arc::default(),
+            slot_shares: Arc::default(),
             store: self.store.clone(),
             proxy_key: presented.map(inferyes_proto::bearer::proxy_key).unwrap_or_default(),
             proxy_credential: presented.map(inferyes_proto::bearer::proxy_credential).unwrap_or_default(),

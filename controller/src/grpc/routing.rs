@@ -3,8 +3,8 @@ use std::sync::Arc;
 
 use inferyes_proto::v1::routing_service_server::{RoutingService, RoutingServiceServer};
 use inferyes_proto::v1::{
-    Allowances, DataPlaneReport, FollowLiveRequest, LiveUpdate, ReportAck, SnapshotUpdate, SubscribeRequest, UsageAck,
-    UsageBatch, snapshot_update,
+    Allowances, DataPlaneReport, FlowParts, FollowLiveRequest, LiveUpdate, ReportAck, SnapshotUpdate, SubscribeRequest,
+    UsageAck, UsageBatch, snapshot_update,
 };
 use tokio::sync::mpsc;
 use tokio_stream::Stream;
@@ -33,6 +33,9 @@ pub struct RoutingSvc {
     /// What the data planes reporting here asked of the keys' fleet-wide
     /// limits, and so each one's parts.
     pub allowances: Arc<std::sync::Mutex<crate::allowances::Books>>,
+    /// What each flow held of the data planes reporting here, and so each
+    /// one's parts of the busy models' slots.
+    pub slot_shares: Arc<std::sync::Mutex<crate::slot_shares::Loads>>,
     pub store: crate::store::EtcdStore,
     /// The data planes' tokens, presented with every call: snapshots carry
     /// the keys' hashes and the fleet's sessions, and usage written here is
@@ -151,6 +154,37 @@ impl RoutingSvc {
     }
 }
 
+impl RoutingSvc {
+    /// Takes what each flow held of a data plane and gives its parts of the
+    /// busy models' slots back; `None` before the fleet is loaded.
+    fn flow_parts_for(&self, report: &DataPlaneReport) -> Option<FlowParts> {
+        let snapshot = self.snapshots.borrow().clone()?;
+        let now = std::time::Instant::now();
+        let mut loads = self.slot_shares.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        loads.report(&report.dataplane_id, &report.flows, now);
+        Some(loads.parts(&report.dataplane_id, |model| model_slots(&snapshot, model), now))
+    }
+}
+
+/// The slots of the backends that hold `model` loaded, fleet-wide; 0
+/// (unknown) where one of them does not say how many it has.
+fn model_slots(snapshot: &Snapshot, model: &str) -> u32 {
+    let mut slots = 0u32;
+    let backends = snapshot.nodes().filter_map(|node| node.status.as_ref()).flat_map(|status| &status.backends);
+    for backend in backends {
+        let holds =
+            |m: &inferyes_proto::v1::Model| m.id == model && m.state() == inferyes_proto::v1::ModelState::Loaded;
+        if !backend.models.iter().any(holds) {
+            continue;
+        }
+        if backend.slots_total == 0 {
+            return 0;
+        }
+        slots = slots.saturating_add(backend.slots_total);
+    }
+    slots
+}
+
 /// Keeps one batch well inside etcd's request size limit (1.5 MiB).
 const MAX_RECORDS_PER_BATCH: usize = 2000;
 const MAX_DELTAS_PER_BATCH: usize = 100;
@@ -209,8 +243,9 @@ impl RoutingService for RoutingSvc {
             return Err(Status::invalid_argument("a report needs the data plane's id"));
         }
         let allowances = self.allowances_for(&report);
+        let flow_parts = self.flow_parts_for(&report);
         self.activity.record(report, tokio::time::Instant::now());
-        Ok(Response::new(ReportAck { allowances: Some(allowances?) }))
+        Ok(Response::new(ReportAck { allowances: Some(allowances?), flow_parts }))
     }
 
     async fn record_usage(&self, request: Request<UsageBatch>) -> Result<Response<UsageAck>, Status> {
