@@ -12,6 +12,7 @@ pub mod queue;
 pub mod report;
 pub mod routing;
 pub mod shares;
+pub mod slot_shares;
 pub mod snapshot;
 pub mod targets;
 pub mod turns;
@@ -109,6 +110,7 @@ pub async fn run(
         || http::Forwarder::new(&forwarder_settings, client_tls.clone(), hard_stop.clone(), Arc::clone(&budget));
     let queue = config.queue().map(|limits| Arc::new(queue::Queue::new(limits, &snapshots, Arc::clone(&metrics))));
     let tickets: Arc<std::sync::atomic::AtomicU64> = Arc::default();
+    let freed = Arc::clone(snapshots.node_states().freed());
     let state = http::AppState {
         snapshots,
         forwarder: forwarder(),
@@ -129,6 +131,7 @@ pub async fn run(
             shares::Shares::new(key, tenant)
         },
         allowances: Arc::default(),
+        slot_shares: slot_shares::SlotShares::new(freed),
     };
     // Cancelled once no request can record usage any more: the ledger then
     // flushes what is left and ends; reports end once it has.
@@ -141,6 +144,7 @@ pub async fn run(
             snapshots: Arc::clone(&state.snapshots),
             queue: state.queue.clone(),
             allowances: Arc::clone(&state.allowances),
+            slot_shares: Arc::clone(&state.slot_shares),
             shares: Arc::clone(&state.shares),
             ledger: Arc::clone(&state.ledger),
             controllers: controllers.clone(),

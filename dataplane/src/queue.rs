@@ -34,6 +34,9 @@ pub struct Ask {
     pub carry: bool,
     /// Whose it is: an error as it leaves names only models it may use.
     pub caller: crate::auth::Caller,
+    /// Its place in its flow's share of the model's slots: it leaves only
+    /// while the flow has fewer running than its part here.
+    pub slot: Option<Arc<crate::slot_shares::Hold>>,
 }
 
 /// How a wait ends.
@@ -146,6 +149,11 @@ impl Queue {
         Ok(Place { queue: Arc::clone(self), ticket, receiver, done: false })
     }
 
+    /// Lets out what may start now: a flow held back may not be any more.
+    pub fn nudge(&self) {
+        self.freed.wake();
+    }
+
     /// The request of `ticket` has ended: see [`Room::settle`].
     pub fn settle(&self, ticket: Ticket, flow: &str, weight: u32, charged: u64, spent: u64) {
         self.lock().room.settle(ticket, flow, weight, charged, spent);
@@ -208,6 +216,7 @@ impl Queue {
     /// waited too long, on `snapshot`.
     fn dispatch(&self, snapshot: &Arc<RoutingSnapshot>, tickets: &std::sync::atomic::AtomicU64) {
         let now_ms = inferyes_proto::unix_ms();
+        let now = std::time::Instant::now();
         let mut inner = self.lock();
         let Inner { room, waiters, left } = &mut *inner;
         for ticket in room.expired(now_ms) {
@@ -241,6 +250,11 @@ impl Queue {
         };
         let leaving = room.leave_startable(now_ms, expected_ms, |ticket, entry| {
             let ask = &waiters.get(&ticket)?.ask;
+            // Its flow runs its part of the model's slots here: it waits,
+            // others like it need not.
+            if ask.slot.as_ref().is_some_and(|slot| !slot.may_start(now)) {
+                return None;
+            }
             let like = Shape {
                 model: Arc::clone(&entry.model),
                 kind: ask.kind,
@@ -282,6 +296,9 @@ impl Queue {
                         return None;
                     };
                     route.targets.first().inspect(|target| frozen.entered(target.node));
+                    if let Some(slot) = &ask.slot {
+                        slot.start();
+                    }
                     Some(Turn::Go { route: Box::new(route), snapshot: Arc::clone(snapshot), reserved })
                 }
                 Err(RouteError::ModelNotFound { .. }) => {

@@ -1,7 +1,9 @@
 //! Tells every controller what this data plane did lately: its routing
 //! decisions and the nodes it holds ejected, for the fleet dashboard; and
 //! what the keys asked of it, for which the answer brings back this data
-//! plane's parts of their fleet-wide limits ([`crate::allowance`]).
+//! plane's parts of their fleet-wide limits ([`crate::allowance`]); and
+//! what each flow held of it, for its parts of the busy models' slots
+//! ([`crate::slot_shares`]).
 //!
 //! Decisions are best effort by design. The request path only offers a
 //! decision to a bounded queue (never waits, never allocates a connection);
@@ -63,6 +65,7 @@ pub struct Reporter {
     pub snapshots: Arc<SnapshotStore>,
     pub queue: Option<Arc<crate::queue::Queue>>,
     pub allowances: Arc<crate::allowance::Allowances>,
+    pub slot_shares: Arc<crate::slot_shares::SlotShares>,
     pub shares: Arc<crate::shares::Shares>,
     pub ledger: Arc<crate::usage::Ledger>,
     pub controllers: crate::Controllers,
@@ -116,7 +119,13 @@ impl Reporter {
                     let Some((from, asked)) = sending.remove(&id) else { continue };
                     match answer {
                         Some(Ok(Ok(answer))) => {
-                            self.allowances.take(from, answer.allowances, asked, std::time::Instant::now());
+                            let now = std::time::Instant::now();
+                            self.allowances.take(from, answer.allowances, asked, now);
+                            self.slot_shares.take(from, answer.flow_parts, now);
+                            // A flow held back may start now.
+                            if let Some(queue) = &self.queue {
+                                queue.nudge();
+                            }
                         }
                         Some(Ok(Err(status))) => tracing::debug!(code = ?status.code(), from, "report refused"),
                         Some(Err(_)) => tracing::debug!(from, "report timed out"),
@@ -165,6 +174,7 @@ impl Reporter {
             dropped: self.log.dropped.swap(0, Ordering::Relaxed),
             queued: self.queue.as_ref().map(|queue| queue.waiting(MAX_QUEUED_FLOWS)).unwrap_or_default(),
             demand: self.allowances.demand(&self.limited_in_flight(), &self.budgets_held()),
+            flows: self.slot_shares.loads(),
             ..DataPlaneReport::default()
         }
     }

@@ -285,7 +285,8 @@ pub struct Freed {
 }
 
 impl Freed {
-    fn signal(&self) {
+    /// Wakes the waiter where requests wait.
+    pub(crate) fn signal(&self) {
         if self.watched.load(Ordering::Relaxed) {
             self.notify.notify_one();
         }

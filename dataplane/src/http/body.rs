@@ -35,7 +35,7 @@ impl Budget {
     /// Nothing held yet, against `budget` and, where the request has one,
     /// its caller's `share`.
     pub fn reservation(budget: &Arc<Budget>, share: Option<&Arc<Share>>) -> Reservation {
-        Reservation { budget: Arc::clone(budget), share: share.cloned(), bytes: 0 }
+        Reservation { budget: Arc::clone(budget), share: share.cloned(), bytes: 0, slot: None }
     }
 }
 
@@ -49,11 +49,13 @@ pub enum Full {
 }
 
 /// Bytes held against a [`Budget`] and a caller's [`Share`], given back
-/// when dropped. It keeps the share (a request in flight) as long.
+/// when dropped. It keeps the share (a request in flight) as long, and
+/// the request's place in its flow's slot share.
 pub struct Reservation {
     budget: Arc<Budget>,
     share: Option<Arc<Share>>,
     bytes: usize,
+    slot: Option<Arc<crate::slot_shares::Hold>>,
 }
 
 impl std::fmt::Debug for Reservation {
@@ -85,6 +87,15 @@ impl Reservation {
     /// The caller's share this reservation keeps.
     pub fn share(&self) -> Option<&Arc<Share>> {
         self.share.as_ref()
+    }
+
+    /// Keeps the request's place in its flow's slot share as long.
+    pub fn keep_slot(&mut self, slot: Arc<crate::slot_shares::Hold>) {
+        self.slot = Some(slot);
+    }
+
+    pub fn slot(&self) -> Option<&Arc<crate::slot_shares::Hold>> {
+        self.slot.as_ref()
     }
 
     /// Gives back the bytes held but keeps the caller's share: the request

@@ -82,6 +82,8 @@ pub struct AppState {
     pub shares: Arc<crate::shares::Shares>,
     /// This data plane's parts of the keys' fleet-wide limits.
     pub allowances: Arc<crate::allowance::Allowances>,
+    /// This data plane's parts of the busy models' slots, by flow.
+    pub slot_shares: Arc<crate::slot_shares::SlotShares>,
 }
 
 impl AppState {

@@ -171,22 +171,29 @@ impl<'s> Exchange<'s> {
         let view = parse_request_view(self.row, &parts.headers, &body)?;
         let model = snapshot.resolve(&view.model);
         let rate = self.admit(&caller, &snapshot, &view, model, body.len())?;
+        self.hold_slot(&caller, model);
         let prepared = self.prepare(parts, body, &view, model, &caller);
         let answered = match self.route(&snapshot, &view, model, prepared.body.len()) {
             Ok(mut route) => match self.state.queue.clone() {
-                Some(queue) if route.waits || queue.holds_any() => {
+                Some(queue) if route.waits || queue.holds_any() || !self.may_start() => {
                     self.queued(&queue, (&caller, class), (&snapshot, route), model, prepared, &view).await
                 }
                 // The gateway decides who waits: a request it sends on holds
                 // its slot from here, or waits where another took it.
                 Some(queue) => match crate::queue::take_slot(&snapshot, model, &route) {
-                    Ok(reserved) => self.answer(&snapshot, route, reserved, model, prepared, &view).await,
+                    Ok(reserved) => {
+                        self.started();
+                        self.answer(&snapshot, route, reserved, model, prepared, &view).await
+                    }
                     Err(crate::queue::SlotTaken) => {
                         route.waits = true;
                         self.queued(&queue, (&caller, class), (&snapshot, route), model, prepared, &view).await
                     }
                 },
-                None => self.answer(&snapshot, route, None, model, prepared, &view).await,
+                None => {
+                    self.started();
+                    self.answer(&snapshot, route, None, model, prepared, &view).await
+                }
             },
             Err(error) => Err(error),
         };
@@ -199,6 +206,31 @@ impl<'s> Exchange<'s> {
                 error.headers.extend(rate);
                 Err(error)
             }
+        }
+    }
+
+    /// Counts a keyed request in its flow's share of `model`'s slots
+    /// ([`crate::slot_shares`]) for as long as its reservation lives: a
+    /// stream, to its end.
+    fn hold_slot(&mut self, caller: &Caller, model: &str) {
+        let (Caller::Key(grant), Some(held)) = (caller, self.held.as_mut()) else { return };
+        let weight = grant.weight.clamp(1, inferyes_proto::apikey::MAX_WEIGHT);
+        held.keep_slot(Arc::new(self.state.slot_shares.hold(&keyed_flow(grant), model, weight)));
+    }
+
+    fn slot(&self) -> Option<&Arc<crate::slot_shares::Hold>> {
+        self.held.as_ref()?.slot()
+    }
+
+    /// Whether the request's flow may have one more running here now.
+    fn may_start(&self) -> bool {
+        self.slot().is_none_or(|slot| slot.may_start(std::time::Instant::now()))
+    }
+
+    /// Counts the request running in its flow's share: it goes to a node.
+    fn started(&self) {
+        if let Some(slot) = self.slot() {
+            slot.start();
         }
     }
 
@@ -377,10 +409,8 @@ impl<'s> Exchange<'s> {
         // A tenant's keys are one flow; keyless requests, one per client
         // address, all named `_open` in metrics (addresses are not bounded).
         let (flow, flow_label, whose) = match caller {
-            Caller::Key(grant) if grant.tenant.is_empty() => {
-                (format!("k:{}", grant.key_id), grant.key_id.as_str(), "key")
-            }
-            Caller::Key(grant) => (format!("t:{}", grant.tenant), grant.tenant.as_str(), "tenant"),
+            Caller::Key(grant) if grant.tenant.is_empty() => (keyed_flow(grant), grant.key_id.as_str(), "key"),
+            Caller::Key(grant) => (keyed_flow(grant), grant.tenant.as_str(), "tenant"),
             Caller::Open => (format!("a:{}", inferyes_net::admit::peer_of(self.client)), "_open", "client"),
         };
         let prompt_tokens = estimated_prompt_tokens(prepared.body.len(), view);
@@ -409,6 +439,7 @@ impl<'s> Exchange<'s> {
             mode: self.state.mode,
             carry: self.state.carry,
             caller: caller.clone(),
+            slot: self.slot().cloned(),
         };
         let entered = queue.enter(entry, ask, flow_label);
         // Let in, its flow is charged its cost: made good by what it spends.
@@ -419,8 +450,10 @@ impl<'s> Exchange<'s> {
         // Sent on past the queue's bounds only while its slot is free.
         if entered.is_err()
             && !route.waits
+            && self.may_start()
             && let Ok(reserved) = crate::queue::take_slot(snapshot, model, &route)
         {
+            self.started();
             return self.answer(snapshot, route, reserved, model, prepared, view).await;
         }
         let mut place = entered.map_err(|not_in| {
@@ -974,4 +1007,9 @@ async fn read_body(
             ApiError::new(ErrorKind::BadRequest, "the request body could not be read", ErrorCode::InvalidBody)
         }
     })
+}
+
+/// A keyed caller's flow: its tenant, or its key where it has none.
+fn keyed_flow(grant: &inferyes_proto::v1::ApiKey) -> String {
+    if grant.tenant.is_empty() { format!("k:{}", grant.key_id) } else { format!("t:{}", grant.tenant) }
 }

@@ -18,7 +18,7 @@ const DATA_PLANES: usize = 4;
 /// A fleet of one node with four data planes, each knowing it splits the
 /// keys' limits with the three others. With a second controller, the
 /// three data planes the test adds list it as well as the first.
-async fn four_data_planes(
+pub(crate) async fn four_data_planes(
     sim: inferyes_sim::SimConfig,
     second_controller: bool,
 ) -> (Fleet, Vec<DataplaneHandle>, Option<ControllerHandle>) {
@@ -59,16 +59,16 @@ async fn four_data_planes(
     (fleet, others, second)
 }
 
-fn urls(fleet: &Fleet, others: &[DataplaneHandle]) -> Vec<String> {
+pub(crate) fn urls(fleet: &Fleet, others: &[DataplaneHandle]) -> Vec<String> {
     std::iter::once(fleet.dataplane.url.clone()).chain(others.iter().map(|d| d.url.clone())).collect()
 }
 
-fn admin_urls(fleet: &Fleet, others: &[DataplaneHandle]) -> Vec<String> {
+pub(crate) fn admin_urls(fleet: &Fleet, others: &[DataplaneHandle]) -> Vec<String> {
     std::iter::once(fleet.dataplane.admin_url.clone()).chain(others.iter().map(|d| d.admin_url.clone())).collect()
 }
 
 /// Creates a key and waits until every data plane knows it.
-async fn key(fleet: &Fleet, others: &[DataplaneHandle], request: CreateKeyRequest) -> String {
+pub(crate) async fn key(fleet: &Fleet, others: &[DataplaneHandle], request: CreateKeyRequest) -> String {
     key_and_id(fleet, others, request).await.0
 }
 

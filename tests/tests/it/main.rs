@@ -18,6 +18,7 @@ mod placement;
 mod queue;
 mod routing;
 mod shares;
+mod slot_shares;
 mod support;
 mod swap;
 mod tls;
