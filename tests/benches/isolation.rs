@@ -11,7 +11,7 @@
 //! ```sh
 //! cargo bench -p inferyes-tests --bench isolation                     # 30 s of flood each
 //! cargo bench -p inferyes-tests --bench isolation -- --seconds 60 --streams 64
-//! cargo bench -p inferyes-tests --bench isolation -- --dataplanes 2   # A's streams and B's chats spread over two
+//! cargo bench -p inferyes-tests --bench isolation -- --dataplanes 4   # A's streams dealt over four, B's chats through the first
 //! ```
 
 use std::sync::Arc;
@@ -66,15 +66,14 @@ async fn stream(http: &HttpClient, url: &str, bearer: &str, text: String, max_to
     ttft
 }
 
-/// B's requests, one at a time, each to the next of `urls`, for `length`:
-/// their times to first token.
-async fn light(http: &HttpClient, urls: &[String], bearer: &str, length: Duration) -> (Vec<Duration>, usize) {
+/// B's requests, one at a time, through `url`, for `length`: their times
+/// to first token.
+async fn light(http: &HttpClient, url: &str, bearer: &str, length: Duration) -> (Vec<Duration>, usize) {
     let until = Instant::now() + length;
     let (mut ttfts, mut failed) = (Vec::new(), 0);
     let mut i = 0;
     while Instant::now() < until {
         i += 1;
-        let url = &urls[i % urls.len()];
         match stream(http, url, bearer, format!("light question {i}: how are you?"), 8).await {
             Some(ttft) => ttfts.push(ttft),
             None => failed += 1,
@@ -141,10 +140,12 @@ async fn run(queue: bool, streams: usize, seconds: u64, dataplanes_count: usize)
     }
     let (heavy, light_bearer) = (format!("Bearer {}", secrets[0]), format!("Bearer {}", secrets[1]));
     let http = HttpClient::default();
-    // Each of A's streams on one data plane, in turn; B's requests too.
+    // Each of A's streams on one data plane, in turn; B's requests all
+    // through the first: fair shares hold across data planes, not only
+    // within each one's queue.
     let urls: Vec<String> = dataplanes.iter().map(|d| format!("{}/v1/chat/completions", d.url)).collect();
 
-    let idle = light(&http, &urls, &light_bearer, Duration::from_secs(5)).await.0;
+    let idle = light(&http, &urls[0], &light_bearer, Duration::from_secs(5)).await.0;
 
     let stop = Arc::new(AtomicBool::new(false));
     let (done, failed) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
@@ -172,7 +173,7 @@ async fn run(queue: bool, streams: usize, seconds: u64, dataplanes_count: usize)
         .collect();
     // Until the flood fills every slot and its backlog has formed.
     tokio::time::sleep(Duration::from_secs(5)).await;
-    let (flooded, light_failed) = light(&http, &urls, &light_bearer, Duration::from_secs(seconds)).await;
+    let (flooded, light_failed) = light(&http, &urls[0], &light_bearer, Duration::from_secs(seconds)).await;
     stop.store(true, Ordering::Relaxed);
     for task in flood {
         task.abort();
