@@ -81,7 +81,6 @@ impl Loads {
             .map(|l| FlowLoad {
                 weight: l.weight.clamp(1, inferyes_proto::apikey::MAX_WEIGHT),
                 demand: l.demand.min(MAX_DEMAND),
-                running: l.running.min(MAX_DEMAND),
                 ..l.clone()
             })
             .collect();
@@ -220,7 +219,7 @@ mod tests {
     use super::*;
 
     fn load(flow: &str, demand: u32) -> FlowLoad {
-        FlowLoad { flow: flow.into(), model: "chat".into(), weight: 1, demand, running: 0 }
+        FlowLoad { flow: flow.into(), model: "chat".into(), weight: 1, demand }
     }
 
     fn part_of(parts: &FlowParts, flow: &str) -> Option<u32> {

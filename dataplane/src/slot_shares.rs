@@ -116,7 +116,6 @@ impl SlotShares {
                     model: count.model.clone(),
                     weight: count.weight,
                     demand: count.peak,
-                    running: count.running,
                 };
                 count.peak = count.held;
                 load
@@ -238,13 +237,12 @@ mod tests {
         let light = shares.hold("t:b", "chat", 1);
         drop(light);
         let loads = shares.loads();
-        let named: Vec<(&str, u32, u32, u32)> =
-            loads.iter().map(|l| (l.flow.as_str(), l.weight, l.demand, l.running)).collect();
-        assert_eq!(named, vec![("t:a", 2, 3, 1), ("t:b", 1, 1, 0)]);
+        let named: Vec<(&str, u32, u32)> = loads.iter().map(|l| (l.flow.as_str(), l.weight, l.demand)).collect();
+        assert_eq!(named, vec![("t:a", 2, 3), ("t:b", 1, 1)]);
         drop(holds);
         let loads = shares.loads();
         assert_eq!(loads.len(), 1, "t:b held nothing since");
-        assert_eq!((loads[0].demand, loads[0].running), (3, 0), "t:a held three until they ended");
+        assert_eq!(loads[0].demand, 3, "t:a held three until they ended");
         assert!(shares.loads().is_empty());
     }
 }
