@@ -47,8 +47,6 @@ const MAX_DEMAND: u32 = 1 << 20;
 #[derive(Default)]
 pub struct Loads {
     dataplanes: BTreeMap<String, Heard>,
-    /// The first report's time: a flow's ties turn from it.
-    since: Option<Instant>,
 }
 
 struct Heard {
@@ -62,14 +60,20 @@ struct Want {
     weight: u32,
     demand: u64,
     /// By data plane.
-    at: Vec<(u64, u32)>,
+    at: Vec<(usize, u32)>,
+}
+
+/// Which of a busy model's flows and data planes get the slots left over
+/// from whole shares now: every controller counts turns from Unix time
+/// alike, so the parts data planes take the least of agree.
+pub fn turn_at(unix_ms: u64) -> u64 {
+    unix_ms / 1000 / TURN_EVERY.as_secs()
 }
 
 impl Loads {
     /// Takes a data plane's report: what it says replaces what it said.
     /// Entries past the bounds, or with names too long, are left out.
     pub fn report(&mut self, dataplane: &str, loads: &[FlowLoad], now: Instant) {
-        self.since.get_or_insert(now);
         self.dataplanes.retain(|_, heard| now.saturating_duration_since(heard.at) < GONE_AFTER);
         if !self.dataplanes.contains_key(dataplane) && self.dataplanes.len() >= MAX_DATAPLANES {
             return;
@@ -87,49 +91,49 @@ impl Loads {
         self.dataplanes.insert(dataplane.to_string(), Heard { at: now, loads });
     }
 
-    /// `dataplane`'s parts of the busy models' slots, `slots` giving each
-    /// model's slots in the fleet (0: unknown, never busy).
-    pub fn parts(&self, dataplane: &str, slots: impl Fn(&str) -> u32, now: Instant) -> FlowParts {
-        let Some(own) = self.dataplanes.get(dataplane) else { return FlowParts::default() };
-        let live = || self.dataplanes.iter().filter(|(_, h)| now.saturating_duration_since(h.at) < GONE_AFTER);
+    /// `dataplane`'s parts of the busy models' slots at `turn`
+    /// ([`turn_at`]), `slots` giving each model's slots in the fleet (0:
+    /// unknown, never busy).
+    pub fn parts(&self, dataplane: &str, slots: impl Fn(&str) -> u32, now: Instant, turn: u64) -> FlowParts {
+        let live: Vec<(&String, &Heard)> =
+            self.dataplanes.iter().filter(|(_, h)| now.saturating_duration_since(h.at) < GONE_AFTER).collect();
+        let Some(place) = live.iter().position(|(id, _)| *id == dataplane) else { return FlowParts::default() };
         // Only the models this data plane sends to are weighed.
         let mut models: BTreeMap<&str, BTreeMap<&str, Want>> =
-            own.loads.iter().map(|l| (l.model.as_str(), BTreeMap::new())).collect();
-        for (place, (_, heard)) in live().enumerate() {
+            live[place].1.loads.iter().map(|l| (l.model.as_str(), BTreeMap::new())).collect();
+        for (at, (_, heard)) in live.iter().enumerate() {
             for load in &heard.loads {
                 let Some(flows) = models.get_mut(load.model.as_str()) else { continue };
                 let want = flows.entry(load.flow.as_str()).or_default();
                 want.weight = want.weight.max(load.weight);
                 want.demand += u64::from(load.demand);
-                want.at.push((place as u64, load.demand));
+                want.at.push((at, load.demand));
             }
         }
-        let place = live().position(|(id, _)| id == dataplane).unwrap_or(0) as u64;
-        // Ties in a flow's split go round the data planes, so that none is
-        // held at nothing for long.
-        let turn = self.since.map_or(0, |since| now.saturating_duration_since(since).as_secs() / TURN_EVERY.as_secs());
         let mut parts = Vec::new();
         for (model, flows) in &models {
-            let capacity = slots(model);
-            let wanted: u64 = flows.values().map(|w| w.demand).sum();
             // A flow alone has no one to be fair to, and a data plane alone
             // orders its flows fairly in its own queue: parts would only
             // leave slots idle.
-            let dataplanes: std::collections::BTreeSet<u64> =
-                flows.values().flat_map(|want| want.at.iter().map(|(place, _)| *place)).collect();
-            if capacity == 0 || wanted <= u64::from(capacity) || flows.len() < 2 || dataplanes.len() < 2 {
+            let dataplanes: std::collections::BTreeSet<usize> =
+                flows.values().flat_map(|want| want.at.iter().map(|(at, _)| *at)).collect();
+            if flows.len() < 2 || dataplanes.len() < 2 {
+                continue;
+            }
+            let capacity = u64::from(slots(model));
+            let wanted: u64 = flows.values().map(|w| w.demand).sum();
+            if capacity == 0 || wanted <= capacity {
                 continue;
             }
             let wants: Vec<(u32, u64)> = flows.values().map(|w| (w.weight, w.demand)).collect();
-            for ((flow, want), share) in flows.iter().zip(fair_shares(u64::from(capacity), &wants, turn as usize)) {
-                let Some(index) = want.at.iter().position(|(p, _)| *p == place) else { continue };
+            for ((flow, want), share) in flows.iter().zip(fair_shares(capacity, &wants, turn as usize)) {
+                let Some(index) = want.at.iter().position(|(at, _)| *at == place) else { continue };
                 let demands: Vec<u64> = want.at.iter().map(|(_, d)| u64::from(*d)).collect();
-                let rotation = turn.wrapping_add(fastish(flow)) as usize;
-                let part = split(share, &demands, rotation)[index];
+                let rotation = turn.wrapping_add(flow_offset(flow)) as usize;
                 parts.push(FlowPart {
                     flow: (*flow).to_string(),
                     model: (*model).to_string(),
-                    slots: u32::try_from(part).unwrap_or(u32::MAX),
+                    slots: u32::try_from(split(share, &demands, rotation)[index]).unwrap_or(u32::MAX),
                 });
             }
         }
@@ -137,21 +141,24 @@ impl Loads {
     }
 }
 
-/// A stable number of a flow's name: flows take their turns at different
-/// data planes.
-fn fastish(flow: &str) -> u64 {
+/// Where a flow's turns start among the data planes, by its name: flows
+/// take their turns at different data planes.
+fn flow_offset(flow: &str) -> u64 {
     flow.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
 }
 
 /// Each flow's weighted max-min fair share of `capacity` whole slots, by
 /// `(weight, demand)`: flows wanting less than an even share by weight
-/// get what they want, the rest split what is left by weight. The shares
-/// add up to the capacity where the flows want that much; a fraction left
-/// over goes to the largest remainders, equal ones in turn from the flow
-/// at `rotation`. Every flow gets one slot at least: where more flows
-/// want slots than there are, whole shares cannot be fair, and the turns
-/// between them are the data planes' own queues'.
+/// get what they want, the rest split what is left by weight, one slot at
+/// least each; the slots left over from the fractions go round the flows,
+/// from the one at `rotation`. Where more flows want slots than there are,
+/// each gets one: whole shares cannot be fair, and the turns between them
+/// are the data planes' own queues'.
 pub fn fair_shares(capacity: u64, wants: &[(u32, u64)], rotation: usize) -> Vec<u64> {
+    let wanting = wants.iter().filter(|(_, demand)| *demand > 0).count() as u64;
+    if wanting > capacity {
+        return wants.iter().map(|(_, demand)| (*demand).min(1)).collect();
+    }
     let mut order: Vec<usize> = (0..wants.len()).collect();
     // Least demand per weight first: those are satisfied first.
     order.sort_by(|&a, &b| {
@@ -170,16 +177,13 @@ pub fn fair_shares(capacity: u64, wants: &[(u32, u64)], rotation: usize) -> Vec<
         left -= exact[i];
         weight_left -= weight;
     }
-    let mut shares = whole(&exact, capacity, |i| wants[i].1, rotation);
-    for (share, (_, demand)) in shares.iter_mut().zip(wants) {
-        *share = (*share).max(1).min(*demand);
-    }
-    shares
+    whole(&exact, capacity, |i| wants[i].1, rotation)
 }
 
 /// A flow's `share` split among the data planes by what it wanted at
-/// each, whole slots adding up to the share (or all it wanted); equal
-/// remainders go first to the data plane at `rotation`, then on in turn.
+/// each, in whole slots adding up to the share (or all it wanted), one at
+/// least each. Where the share is fewer slots than the data planes that
+/// want it, one each goes to as many as it has, in turn from `rotation`.
 pub fn split(share: u64, demands: &[u64], rotation: usize) -> Vec<u64> {
     let total: u64 = demands.iter().sum();
     if total == 0 {
@@ -189,24 +193,51 @@ pub fn split(share: u64, demands: &[u64], rotation: usize) -> Vec<u64> {
     whole(&exact, share.min(total), |i| demands[i], rotation)
 }
 
-/// Whole numbers from `exact` adding up to `total` (where their caps
-/// allow): the floors, then one more each by largest remainder, never past
-/// `cap(i)`; equal remainders in turn from `rotation`.
+/// Whole numbers near `exact` adding up to `total`, each within `cap(i)`
+/// and, where `total` allows, one at least where `cap(i)` is not 0. Where
+/// it does not, one each to `total` of them, in turn from `rotation`.
+/// Otherwise the floors; past `total`, one back at a time from the part
+/// furthest over its exact share; short of it, one more at a time by
+/// largest remainder, equal ones in turn from `rotation`.
 fn whole(exact: &[f64], total: u64, cap: impl Fn(usize) -> u64, rotation: usize) -> Vec<u64> {
-    let mut parts: Vec<u64> = exact.iter().enumerate().map(|(i, x)| (x.floor() as u64).min(cap(i))).collect();
     let n = exact.len().max(1);
-    let mut order: Vec<usize> = (0..exact.len()).collect();
-    // Remainders in millionths: shares that are equal on paper stay equal
-    // past floating point's last digits, and take their turns.
-    let remainder = |i: usize| ((exact[i] - exact[i].floor()) * 1e6).round() as u64;
     let turn = |i: usize| (i + n - rotation % n) % n;
+    let mut order: Vec<usize> = (0..exact.len()).collect();
+    let wanting: Vec<usize> = {
+        let mut wanting: Vec<usize> = order.iter().copied().filter(|&i| cap(i) > 0).collect();
+        wanting.sort_by_key(|&i| turn(i));
+        wanting
+    };
+    let mut parts = vec![0u64; exact.len()];
+    if (wanting.len() as u64) > total {
+        for &i in wanting.iter().take(total as usize) {
+            parts[i] = 1;
+        }
+        return parts;
+    }
+    for &i in &wanting {
+        parts[i] = (exact[i].floor() as u64).max(1).min(cap(i));
+    }
+    // Amounts in millionths: parts that are equal on paper stay equal past
+    // floating point's last digits, and take their turns.
+    let millionths = |x: f64| (x * 1e6).round() as i64;
+    while parts.iter().sum::<u64>() > total {
+        let over = |i: usize| millionths(parts[i] as f64 - exact[i]);
+        let Some(&i) =
+            wanting.iter().filter(|&&i| parts[i] > 1).max_by_key(|&&i| (over(i), std::cmp::Reverse(turn(i))))
+        else {
+            break;
+        };
+        parts[i] -= 1;
+    }
+    let remainder = |i: usize| millionths(exact[i] - exact[i].floor());
     order.sort_by_key(|&i| (std::cmp::Reverse(remainder(i)), turn(i)));
     let mut left = total.saturating_sub(parts.iter().sum());
     for i in order {
         if left == 0 {
             break;
         }
-        if parts[i] < cap(i) {
+        if parts[i] < cap(i) && parts[i] as f64 <= exact[i] {
             parts[i] += 1;
             left -= 1;
         }
@@ -234,6 +265,9 @@ mod tests {
         // Three even flows of eight slots: the two left over go round.
         let turns: Vec<Vec<u64>> = (0..3).map(|r| fair_shares(8, &[(1, 9), (1, 9), (1, 9)], r)).collect();
         assert_eq!(turns, vec![vec![3, 3, 2], vec![2, 3, 3], vec![3, 2, 3]]);
+        // One slot at least each, and never more than there are.
+        assert_eq!(fair_shares(3, &[(10, 9), (1, 9), (1, 9)], 0), vec![1, 1, 1]);
+        assert_eq!(fair_shares(4, &[(10, 9), (1, 9), (1, 9)], 0), vec![2, 1, 1]);
         // More flows than slots: one each.
         assert_eq!(fair_shares(2, &[(1, 9), (1, 9), (1, 9)], 0), vec![1, 1, 1]);
         // Less wanted than there is: each what it wants.
@@ -241,14 +275,24 @@ mod tests {
     }
 
     #[test]
-    fn a_share_is_split_by_demand_in_whole_slots_and_its_ties_turn() {
+    fn a_share_is_split_by_demand_in_whole_slots_and_every_data_plane_has_its_turn() {
         assert_eq!(split(7, &[16, 16, 16, 16], 0), vec![2, 2, 2, 1]);
         assert_eq!(split(7, &[16, 16, 16, 16], 3), vec![2, 2, 1, 2]);
         assert_eq!(split(6, &[10, 2], 0), vec![5, 1]);
         assert_eq!(split(5, &[1, 1], 0), vec![1, 1], "never more than a data plane wanted");
+        assert_eq!(split(3, &[100, 1, 1], 0), vec![1, 1, 1], "one each, however little wanted");
         assert_eq!(split(0, &[4, 4], 1), vec![0, 0]);
-        let turns: Vec<Vec<u64>> = (0..3).map(|r| split(1, &[5, 5, 5], r)).collect();
+        // Fewer slots than data planes: each in turn, whatever it wanted.
+        let turns: Vec<Vec<u64>> = (0..3).map(|r| split(1, &[5, 3, 1], r)).collect();
         assert_eq!(turns, vec![vec![1, 0, 0], vec![0, 1, 0], vec![0, 0, 1]]);
+        for (share, demands) in [(9u64, vec![7u64, 3, 2, 8]), (4, vec![1, 1, 9]), (13, vec![2, 2, 2])] {
+            let parts = split(share, &demands, 1);
+            assert_eq!(
+                parts.iter().sum::<u64>(),
+                share.min(demands.iter().sum()),
+                "{share} over {demands:?}: {parts:?}"
+            );
+        }
     }
 
     #[test]
@@ -260,23 +304,24 @@ mod tests {
             loads.report(dp, &[load("t:heavy", 12)], now);
         }
         let slots = |model: &str| if model == "chat" { 2 } else { 0 };
-        assert_eq!(part_of(&loads.parts("dp-0", slots, now), "t:light"), Some(1));
-        let heavy: u32 = ["dp-1", "dp-2", "dp-3"]
-            .iter()
-            .map(|dp| part_of(&loads.parts(dp, slots, now), "t:heavy").expect("heavy is held back"))
-            .sum();
-        assert_eq!(heavy, 1, "the flood shares the other slot");
-        assert_eq!(part_of(&loads.parts("dp-1", slots, now), "t:light"), None, "dp-1 sends light nothing");
+        assert_eq!(part_of(&loads.parts("dp-0", slots, now, 0), "t:light"), Some(1));
+        for turn in 0..3 {
+            let heavy: Vec<u32> = ["dp-1", "dp-2", "dp-3"]
+                .iter()
+                .map(|dp| part_of(&loads.parts(dp, slots, now, turn), "t:heavy").expect("heavy is held back"))
+                .collect();
+            assert_eq!(heavy.iter().sum::<u32>(), 1, "the flood shares the other slot, a data plane at a time");
+        }
+        assert_eq!(part_of(&loads.parts("dp-1", slots, now, 0), "t:light"), None, "dp-1 sends light nothing");
 
         // One data plane alone is fair in its own queue.
         let mut alone = Loads::default();
         alone.report("dp-0", &[load("t:light", 1), load("t:heavy", 12)], now);
-        assert!(alone.parts("dp-0", slots, now).parts.is_empty());
-
+        assert!(alone.parts("dp-0", slots, now, 0).parts.is_empty());
         // With slots to spare, nothing is held back.
-        assert!(loads.parts("dp-1", |_| 40, now).parts.is_empty());
+        assert!(loads.parts("dp-1", |_| 40, now, 0).parts.is_empty());
         // Nor by a model of unknown slots.
-        assert!(loads.parts("dp-1", |_| 0, now).parts.is_empty());
+        assert!(loads.parts("dp-1", |_| 0, now, 0).parts.is_empty());
     }
 
     #[test]
@@ -285,11 +330,12 @@ mod tests {
         let mut loads = Loads::default();
         loads.report("dp-0", &[load("t:light", 1)], now);
         loads.report("dp-1", &[load("t:heavy", 12)], now);
-        assert_eq!(part_of(&loads.parts("dp-1", |_| 2, now), "t:heavy"), Some(1));
+        assert_eq!(part_of(&loads.parts("dp-1", |_| 2, now, 0), "t:heavy"), Some(1));
         let later = now + GONE_AFTER;
+        assert!(loads.parts("dp-1", |_| 2, later, 0).parts.is_empty(), "dp-1 is gone itself");
         loads.report("dp-2", &[load("t:heavy", 12)], later);
-        assert!(loads.parts("dp-0", |_| 2, later).parts.is_empty(), "dp-0 is gone");
-        assert!(loads.parts("dp-2", |_| 2, later).parts.is_empty(), "the heavy flow is alone now");
+        assert!(loads.parts("dp-0", |_| 2, later, 0).parts.is_empty(), "dp-0 is gone");
+        assert!(loads.parts("dp-2", |_| 2, later, 0).parts.is_empty(), "the heavy flow is alone now");
     }
 
     #[test]
@@ -309,6 +355,13 @@ mod tests {
         }
         assert_eq!(loads.dataplanes.len(), MAX_DATAPLANES);
         let past = format!("more-{}", MAX_DATAPLANES - 1);
-        assert!(loads.parts(&past, |_| 1, now).parts.is_empty(), "one past the bound is not followed");
+        assert!(loads.parts(&past, |_| 1, now, 0).parts.is_empty(), "one past the bound is not followed");
+    }
+
+    #[test]
+    fn every_controller_counts_the_same_turns() {
+        let step = TURN_EVERY.as_millis() as u64;
+        assert_eq!(turn_at(5 * step), turn_at(5 * step + step - 1));
+        assert_eq!(turn_at(5 * step) + 1, turn_at(6 * step));
     }
 }

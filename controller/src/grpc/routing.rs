@@ -162,7 +162,8 @@ impl RoutingSvc {
         let now = std::time::Instant::now();
         let mut loads = self.slot_shares.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         loads.report(&report.dataplane_id, &report.flows, now);
-        Some(loads.parts(&report.dataplane_id, |model| model_slots(&snapshot, model), now))
+        let turn = crate::slot_shares::turn_at(inferyes_proto::unix_ms());
+        Some(loads.parts(&report.dataplane_id, |model| model_slots(&snapshot, model), now, turn))
     }
 }
 
