@@ -98,12 +98,13 @@ impl RoutingSvc {
     }
 
     /// Takes what a data plane's keys asked of it and what it holds, and
-    /// gives its parts of their limits back. A data plane whose report is
-    /// refused (a twin, one past the data planes followed) is given
-    /// nothing. Without a snapshot, or for a report older than one taken,
-    /// the answer is an error: the data plane keeps what it holds of this
-    /// controller's split, which stops counting once another answers.
-    fn allowances_for(&self, report: &DataPlaneReport) -> Result<Allowances, Status> {
+    /// gives its parts of their limits back, and whether the report was
+    /// taken. A data plane whose report is refused (a twin, one past the
+    /// data planes followed) is given nothing. Without a snapshot, or for
+    /// a report older than one taken, the answer is an error: the data
+    /// plane keeps what it holds of this controller's split, which stops
+    /// counting once another answers.
+    fn allowances_for(&self, report: &DataPlaneReport) -> Result<(Allowances, bool), Status> {
         let Some(snapshot) = self.snapshots.borrow().clone() else {
             return Err(Status::unavailable("this controller has not loaded the fleet from etcd yet"));
         };
@@ -140,15 +141,16 @@ impl RoutingSvc {
         };
         let mut books = self.allowances.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         match books.report(&taken, limits, now) {
-            Ok(()) => Ok(books
-                .allowances(&report.dataplane_id, limits, spent, now)
-                .unwrap_or_else(crate::allowances::nothing)),
+            Ok(()) => Ok((
+                books.allowances(&report.dataplane_id, limits, spent, now).unwrap_or_else(crate::allowances::nothing),
+                true,
+            )),
             Err(crate::allowances::Refused::Stale) => {
                 Err(Status::aborted("a later report of this data plane was taken, or one came too soon after it"))
             }
             Err(refused) => {
                 tracing::warn!(?refused, dataplane = %report.dataplane_id, "a data plane's report gets no parts of the keys' limits");
-                Ok(crate::allowances::nothing())
+                Ok((crate::allowances::nothing(), false))
             }
         }
     }
@@ -244,9 +246,14 @@ impl RoutingService for RoutingSvc {
             return Err(Status::invalid_argument("a report needs the data plane's id"));
         }
         let allowances = self.allowances_for(&report);
-        let flow_parts = self.flow_parts_for(&report);
+        // A twin's report, or one past the data planes followed, would
+        // stand for another data plane's loads.
+        let flow_parts = match &allowances {
+            Ok((_, true)) => self.flow_parts_for(&report),
+            _ => None,
+        };
         self.activity.record(report, tokio::time::Instant::now());
-        Ok(Response::new(ReportAck { allowances: Some(allowances?), flow_parts }))
+        Ok(Response::new(ReportAck { allowances: Some(allowances?.0), flow_parts }))
     }
 
     async fn record_usage(&self, request: Request<UsageBatch>) -> Result<Response<UsageAck>, Status> {
