@@ -117,10 +117,12 @@ async fn run(queue: bool, streams: usize, seconds: u64, dataplanes_count: usize)
         sims.push(sim);
     }
     let mut dataplanes = Vec::new();
-    for _ in 0..dataplanes_count {
+    for i in 0..dataplanes_count {
+        // Each its own id: the controllers split shares among them.
         let dataplane = DataplaneHandle::start_with(&[controller.url()], |c| {
             c.auth = AuthMode::Keys;
             c.queue = queue;
+            c.dataplane_id = format!("dp-{i}");
         })
         .await;
         dataplane.wait_for_nodes(&["node-0", "node-1"]).await;
