@@ -295,10 +295,12 @@ impl Queue {
                         blocked.insert(like);
                         return None;
                     };
-                    route.targets.first().inspect(|target| frozen.entered(target.node));
-                    if let Some(slot) = &ask.slot {
-                        slot.start();
+                    // A request of its flow started past the check above
+                    // meanwhile: the slot goes back (`reserved` dropped).
+                    if ask.slot.as_ref().is_some_and(|slot| !slot.try_start(now)) {
+                        return None;
                     }
+                    route.targets.first().inspect(|target| frozen.entered(target.node));
                     Some(Turn::Go { route: Box::new(route), snapshot: Arc::clone(snapshot), reserved })
                 }
                 Err(RouteError::ModelNotFound { .. }) => {

@@ -155,12 +155,31 @@ impl Hold {
         SlotShares::part(&inner, &self.key, now).is_none_or(|part| running < part)
     }
 
-    /// Counts it running: it is sent to a node. Once.
-    pub fn start(&self) {
-        if !self.running.swap(true, Ordering::Relaxed) {
+    /// Counts it running, where its flow may have one more running for
+    /// its model here now: checked and counted in one step, so that two
+    /// requests starting at once do not both take the part's last place.
+    /// True where it runs already.
+    pub fn try_start(&self, now: Instant) -> bool {
+        if self.running.load(Ordering::Relaxed) {
+            return true;
+        }
+        let mut inner = self.shares.lock();
+        let part = SlotShares::part(&inner, &self.key, now);
+        let Some(count) = inner.counts.get_mut(&self.key) else { return true };
+        if part.is_some_and(|part| count.running >= part) {
+            return false;
+        }
+        count.running += 1;
+        self.running.store(true, Ordering::Relaxed);
+        true
+    }
+
+    /// Counts it no longer running: the slot it was to take was taken.
+    pub fn unstart(&self) {
+        if self.running.swap(false, Ordering::Relaxed) {
             let mut inner = self.shares.lock();
             if let Some(count) = inner.counts.get_mut(&self.key) {
-                count.running += 1;
+                count.running = count.running.saturating_sub(1);
             }
         }
     }
@@ -201,18 +220,21 @@ mod tests {
         let second = shares.hold("t:heavy", "chat", 1);
         assert!(second.may_start(now), "not held back before a controller says so");
         shares.take(0, parts("t:heavy", 1), now);
-        assert!(first.may_start(now));
-        first.start();
-        first.start();
+        assert!(first.try_start(now));
+        assert!(first.try_start(now), "once running, it runs");
         assert!(!second.may_start(now), "its one part is running");
-        assert!(shares.hold("t:light", "chat", 1).may_start(now), "another flow is not held back");
+        assert!(!second.try_start(now));
+        assert!(shares.hold("t:light", "chat", 1).try_start(now), "another flow is not held back");
+        first.unstart();
+        assert!(second.try_start(now), "the slot first was to take was taken");
+        second.unstart();
+        assert!(first.try_start(now));
         drop(first);
-        assert!(second.may_start(now));
+        assert!(second.try_start(now));
         // Parts lapse without a controller.
-        second.start();
         let third = shares.hold("t:heavy", "chat", 1);
         assert!(!third.may_start(now));
-        assert!(third.may_start(now + STALE_AFTER));
+        assert!(third.try_start(now + STALE_AFTER));
     }
 
     #[test]
@@ -220,7 +242,7 @@ mod tests {
         let shares = Arc::new(SlotShares::default());
         let now = Instant::now();
         let running = shares.hold("t:a", "chat", 1);
-        running.start();
+        assert!(running.try_start(now));
         let waiting = shares.hold("t:a", "chat", 1);
         shares.take(0, parts("t:a", 3), now);
         shares.take(1, parts("t:a", 1), now);
@@ -233,7 +255,7 @@ mod tests {
     fn a_report_names_the_most_each_flow_held_since_the_last() {
         let shares = Arc::new(SlotShares::default());
         let holds: Vec<Hold> = (0..3).map(|_| shares.hold("t:a", "chat", 2)).collect();
-        holds[0].start();
+        assert!(holds[0].try_start(Instant::now()));
         let light = shares.hold("t:b", "chat", 1);
         drop(light);
         let loads = shares.loads();

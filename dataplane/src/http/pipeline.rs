@@ -175,25 +175,20 @@ impl<'s> Exchange<'s> {
         let prepared = self.prepare(parts, body, &view, model, &caller);
         let answered = match self.route(&snapshot, &view, model, prepared.body.len()) {
             Ok(mut route) => match self.state.queue.clone() {
-                Some(queue) if route.waits || queue.holds_any() || !self.may_start() => {
+                Some(queue) if route.waits || queue.holds_any() || !self.try_start() => {
                     self.queued(&queue, (&caller, class), (&snapshot, route), model, prepared, &view).await
                 }
                 // The gateway decides who waits: a request it sends on holds
                 // its slot from here, or waits where another took it.
                 Some(queue) => match crate::queue::take_slot(&snapshot, model, &route) {
-                    Ok(reserved) => {
-                        self.started();
-                        self.answer(&snapshot, route, reserved, model, prepared, &view).await
-                    }
+                    Ok(reserved) => self.answer(&snapshot, route, reserved, model, prepared, &view).await,
                     Err(crate::queue::SlotTaken) => {
+                        self.unstart();
                         route.waits = true;
                         self.queued(&queue, (&caller, class), (&snapshot, route), model, prepared, &view).await
                     }
                 },
-                None => {
-                    self.started();
-                    self.answer(&snapshot, route, None, model, prepared, &view).await
-                }
+                None => self.answer(&snapshot, route, None, model, prepared, &view).await,
             },
             Err(error) => Err(error),
         };
@@ -222,15 +217,16 @@ impl<'s> Exchange<'s> {
         self.held.as_ref()?.slot()
     }
 
-    /// Whether the request's flow may have one more running here now.
-    fn may_start(&self) -> bool {
-        self.slot().is_none_or(|slot| slot.may_start(std::time::Instant::now()))
+    /// Counts the request running in its flow's share, where the flow may
+    /// have one more running here now: it goes to a node.
+    fn try_start(&self) -> bool {
+        self.slot().is_none_or(|slot| slot.try_start(std::time::Instant::now()))
     }
 
-    /// Counts the request running in its flow's share: it goes to a node.
-    fn started(&self) {
+    /// Counts it no longer running: the slot it was to take was taken.
+    fn unstart(&self) {
         if let Some(slot) = self.slot() {
-            slot.start();
+            slot.unstart();
         }
     }
 
@@ -448,13 +444,11 @@ impl<'s> Exchange<'s> {
             meter.settles(Box::new(move |spent| queue.settle(ticket, &flow, weight, charged, spent)));
         }
         // Sent on past the queue's bounds only while its slot is free.
-        if entered.is_err()
-            && !route.waits
-            && self.may_start()
-            && let Ok(reserved) = crate::queue::take_slot(snapshot, model, &route)
-        {
-            self.started();
-            return self.answer(snapshot, route, reserved, model, prepared, view).await;
+        if entered.is_err() && !route.waits && self.try_start() {
+            match crate::queue::take_slot(snapshot, model, &route) {
+                Ok(reserved) => return self.answer(snapshot, route, reserved, model, prepared, view).await,
+                Err(crate::queue::SlotTaken) => self.unstart(),
+            }
         }
         let mut place = entered.map_err(|not_in| {
             let error = match not_in.why {
