@@ -15,10 +15,22 @@ const FLOOD: usize = 36;
 
 #[tokio::test]
 async fn a_tenant_at_one_data_plane_gets_its_share_of_slots_a_flood_through_three_holds() {
+    light_through_one_against_a_flood_through_three(false).await;
+}
+
+#[tokio::test]
+async fn shares_hold_where_data_planes_report_to_two_controllers() {
+    // dp-0 lists the first controller only, its three peers both: the
+    // second sees the flood alone and splits nothing, and each data plane
+    // takes the least part the controllers that split give it.
+    light_through_one_against_a_flood_through_three(true).await;
+}
+
+async fn light_through_one_against_a_flood_through_three(second_controller: bool) {
     // One node of two slots, 40 tokens a second in each: a flood request
     // holds a slot half a second, the flood 9 s in all.
     let sim = inferyes_sim::SimConfig { slots: 2, decode_tokens_per_second: 40.0, ..chat_sim("chat") };
-    let (fleet, others, _) = four_data_planes(sim, false).await;
+    let (fleet, others, _second) = four_data_planes(sim, second_controller).await;
     let tenant = |name: &str| CreateKeyRequest { name: name.into(), tenant: name.into(), ..Default::default() };
     let heavy = key(&fleet, &others, tenant("heavy")).await;
     let light = key(&fleet, &others, tenant("light")).await;
