@@ -169,15 +169,15 @@ async fn lead(
     shutdown: &CancellationToken,
 ) -> Result<(), StoreError> {
     let mut lease = store.grant_lease(LEADER_TTL).await?;
-    // Campaigning waits for the current leader to go; the lease must stay
-    // alive meanwhile, or this controller would lead with a dead lease.
-    let campaign = store.campaign_usage_leader(controller_id, lease.id);
-    tokio::pin!(campaign);
+    store.stand_for_usage_leader(controller_id, lease.id).await?;
+    // Until the leader before goes, each keep-alive looks whether it has:
+    // a read, which etcd keeps no history of.
     let mut keepalive = tokio::time::interval(LEADER_TTL / 3);
     loop {
-        tokio::select! {
-            result = &mut campaign => { result?; break; }
-            _ = keepalive.tick() => store.keep_alive(&mut lease).await?,
+        keepalive.tick().await;
+        store.keep_alive(&mut lease).await?;
+        if store.leads_usage(lease.id).await? {
+            break;
         }
     }
     tracing::info!("leading the usage ledger and placement");

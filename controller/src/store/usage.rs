@@ -149,10 +149,35 @@ impl EtcdStore {
         Ok(())
     }
 
-    /// Campaigns for the ledger's leadership under `lease`; returns once
-    /// this controller leads.
-    pub async fn campaign_usage_leader(&self, controller_id: &str, lease: i64) -> Result<Vec<u8>, StoreError> {
-        let response = self.client.clone().campaign(self.keys().usage("leader"), controller_id, lease).await?;
-        Ok(response.leader().map(|l| l.key().to_vec()).unwrap_or_default())
+    /// Stands for the ledger's leadership under `lease`: a key of its own
+    /// under `leader/`, written once. The keys and the rule are those of
+    /// etcd's elections, so controllers that campaign through etcd's
+    /// election API take part in the same one; but no call waits here for
+    /// the leader to go, which the client's timeout would cut short, and
+    /// each try would then write a new key.
+    pub async fn stand_for_usage_leader(&self, controller_id: &str, lease: i64) -> Result<(), StoreError> {
+        let key = self.candidacy(lease);
+        let txn = Txn::new().when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)]).and_then([TxnOp::put(
+            key,
+            controller_id,
+            Some(etcd_client::PutOptions::new().with_lease(lease)),
+        )]);
+        self.client.clone().txn(txn).await?;
+        Ok(())
+    }
+
+    /// Whether the candidacy under `lease` leads: the oldest one alive does.
+    pub async fn leads_usage(&self, lease: i64) -> Result<bool, StoreError> {
+        let options = GetOptions::new()
+            .with_prefix()
+            .with_keys_only()
+            .with_sort(SortTarget::Create, SortOrder::Ascend)
+            .with_limit(1);
+        let response = self.client.clone().get(self.keys().usage("leader/"), Some(options)).await?;
+        Ok(response.kvs().first().is_some_and(|kv| kv.key() == self.candidacy(lease).as_bytes()))
+    }
+
+    fn candidacy(&self, lease: i64) -> String {
+        self.keys().usage(&format!("leader/{lease:x}"))
     }
 }

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use inferyes_dataplane::snapshot::RoutingSnapshot;
 use inferyes_proto::v1::{DrainRequest, ModelState};
 use inferyes_sim::{SimConfig, SimMode, SimModel};
-use inferyes_tests::{AgentHandle, ControllerHandle, DataplaneHandle, Etcd, HttpClient, SimHandle};
+use inferyes_tests::{AgentHandle, ControllerHandle, DataplaneHandle, Etcd, HttpClient, SimHandle, eventually};
 
 const LOAD: Duration = Duration::from_millis(600);
 /// What placement may add to a load: the drain reaching the leader, its
@@ -195,6 +195,42 @@ async fn room_is_made_on_a_backend_at_its_limit_before_the_load() {
     agent.stop().await;
     controller.stop().await;
     sim.stop().await;
+}
+
+/// Waiting to lead outlasts the etcd client's 5 s timeout on a call: a
+/// controller that waited in one call wrote a new candidacy (and deleted
+/// the last) every time it ran out, for as long as the leader lived.
+#[tokio::test]
+async fn a_controller_waiting_to_lead_writes_nothing_to_etcd() {
+    let etcd = Etcd::start().await;
+    let http = HttpClient::default();
+    let one = ControllerHandle::start(&etcd.endpoint(), "controller-1").await;
+    eventually("the first controller leads", Duration::from_secs(10), || async {
+        metric(&http, &one, "inferyes_controller_placement_leading", "").await == 1.0
+    })
+    .await;
+    let two = ControllerHandle::start(&etcd.endpoint(), "controller-2").await;
+    let mut client = etcd.client().await.expect("etcd");
+    let candidacies = etcd_client::GetOptions::new().with_prefix().with_count_only();
+    eventually("the second controller stands", Duration::from_secs(10), || {
+        let (mut client, options) = (client.clone(), candidacies.clone());
+        async move { client.get("/inferyes/v1-usage/leader/", Some(options)).await.is_ok_and(|r| r.count() == 2) }
+    })
+    .await;
+    let revision = |response: etcd_client::GetResponse| response.header().map_or(0, |h| h.revision());
+    let before = revision(client.get("/", None).await.expect("etcd"));
+    // No event marks a write that does not happen: this waits past the
+    // client's timeout instead.
+    tokio::time::sleep(Duration::from_secs(7)).await;
+    let after = revision(client.get("/", None).await.expect("etcd"));
+    assert_eq!(after, before, "etcd's revision while the second controller waited");
+
+    one.stop().await;
+    eventually("the second controller leads once the first is gone", Duration::from_secs(10), || async {
+        metric(&http, &two, "inferyes_controller_placement_leading", "").await == 1.0
+    })
+    .await;
+    two.stop().await;
 }
 
 #[tokio::test]
