@@ -1,32 +1,40 @@
 //! Controller scale: 1,000 agents of 1,000 resident sessions each, every
 //! node gaining 50 new sessions a second and serving 50 repeat turns,
-//! against one controller and a real etcd, with four data planes
-//! subscribed.
+//! against one controller (or `CONTROLLERS` of them, following each
+//! other) and a real etcd, with four data planes subscribed.
 //!
 //! ```sh
 //! cargo bench -p inferyes-tests --bench controller_scale
 //! SECONDS=600 cargo bench -p inferyes-tests --bench controller_scale   # etcd over 10 minutes
 //! AGENTS=200 SESSIONS=500 NEW=20 cargo bench -p inferyes-tests --bench controller_scale
+//! # Three controllers, agents and data planes dealt round robin over them:
+//! CONTROLLERS=3 cargo bench -p inferyes-tests --bench controller_scale
+//! # 10,000 nodes of 100 sessions, ten agents' streams to a connection:
+//! AGENTS=10000 SESSIONS=100 NEW=5 REPEATS=5 AGENTS_PER_CONNECTION=10 cargo bench -p inferyes-tests --bench controller_scale
 //! # Only the agents, joined to a fleet running elsewhere, for SECONDS:
 //! CONTROLLER=http://127.0.0.1:7070 JOIN_TOKEN=... cargo bench -p inferyes-tests --bench controller_scale
 //! ```
 //!
 //! The agents are light: each is one real `AgentService.Join` stream on its
-//! own connection, speaking the protocol the agent speaks (register, a full
+//! own connection (or `AGENTS_PER_CONNECTION` streams to one, where a
+//! process's descriptors would not hold a connection each), speaking the
+//! protocol the agent speaks (register, a full
 //! residency table, then every `TICK_MS` a status with its slots' load and
 //! a numbered residency delta: new sessions in, as many of the oldest out,
 //! repeat turns' sessions updated), without polling any backend.
 //!
 //! Two phases, in one run: a tenth of the rate, then the whole rate, to
 //! show etcd's traffic does not follow the requests. Measured:
-//! - controller CPU, from its runtime's threads (`/proc/self/task`), and
-//!   etcd's CPU (`/proc/<pid>`), in cores;
+//! - each controller's CPU, from its runtime's threads (`/proc/self/task`),
+//!   and etcd's CPU (`/proc/<pid>`), in cores;
 //! - etcd revisions per second and the bytes its clients send it per second
 //!   (its own `etcd_network_client_grpc_received_bytes_total`), per phase;
 //! - etcd's database size when the fleet has joined and at the end;
 //! - the full snapshot and the live deltas on the wire;
 //! - propagation: from an agent sending a new session to each data plane's
 //!   session index holding it (p50, p99, max), one probe per agent a second;
+//!   with several controllers, a data plane follows a controller other than
+//!   most agents' own, so most probes cross a peer link;
 //! - the data planes' memory: the process's resident memory before and after
 //!   they subscribed, per data plane.
 
@@ -41,7 +49,7 @@ use inferyes_proto::v1::agent_message::Msg;
 use inferyes_proto::v1::agent_service_client::AgentServiceClient;
 use inferyes_proto::v1::routing_service_client::RoutingServiceClient;
 use inferyes_proto::v1::{
-    AgentMessage, Backend, BackendKind, Gpu, GpuSource, Health, Model, ModelState, NodeStatus, Register,
+    AgentMessage, Backend, BackendKind, Gpu, GpuSource, Health, Heartbeat, Model, ModelState, NodeStatus, Register,
     ResidencyUpdate, ResidentSession, SubscribeRequest, snapshot_update,
 };
 use inferyes_tests::{Etcd, HttpClient};
@@ -78,20 +86,27 @@ fn main() {
     };
     let seconds: u64 = env("SECONDS", 20);
     let data_planes: usize = env("DATA_PLANES", 4);
+    let controllers: usize = env("CONTROLLERS", 1usize).max(1);
+    let per_connection: usize = env("AGENTS_PER_CONNECTION", 1usize).max(1);
     if let Ok(controller) = std::env::var("CONTROLLER") {
         let token: String = env("JOIN_TOKEN", inferyes_tests::fleet::JOIN_TOKEN.to_string());
-        join_only(&controller, &token, agents, profile, seconds);
+        join_only(&controller, &token, agents, per_connection, profile, seconds);
         return;
     }
 
-    // Three runtimes, so the controller's CPU can be told apart: its own
-    // (threads named `controller`), the data planes', and this harness's.
-    let controller_rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .thread_name("controller")
-        .enable_all()
-        .build()
-        .expect("runtime");
+    // A runtime per controller, so each one's CPU can be told apart (its
+    // threads are named `controller-<i>`), one for the data planes, and
+    // this harness's.
+    let controller_rts: Vec<tokio::runtime::Runtime> = (0..controllers)
+        .map(|i| {
+            tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .thread_name(format!("controller-{i}"))
+                .enable_all()
+                .build()
+                .expect("runtime")
+        })
+        .collect();
     let dataplane_rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .thread_name("dataplane")
@@ -104,63 +119,57 @@ fn main() {
     harness_rt.block_on(async {
         let etcd = Etcd::start().await;
         let shutdown = CancellationToken::new();
-
-        let grpc = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-        let http = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-        let (grpc_addr, http_addr) = (grpc.local_addr().expect("bound"), http.local_addr().expect("bound"));
-        let config = inferyes_controller::Config {
-            controller_id: "scale".into(),
-            etcd_endpoints: vec![etcd.endpoint()],
-            grpc_listen: grpc_addr,
-            http_listen: http_addr,
-            startup_grace_ms: 0,
-            admin_token: Some(inferyes_tests::fleet::ADMIN_TOKEN.into()),
-            join_token: Some(inferyes_tests::fleet::JOIN_TOKEN.into()),
-            dataplane_token: Some(inferyes_tests::fleet::DATAPLANE_TOKEN.into()),
-            ..Default::default()
-        };
-        config.validate().expect("valid controller config");
-        let controller_token = shutdown.clone();
-        let controller = controller_rt.spawn(async move {
-            grpc.set_nonblocking(true).expect("nonblocking");
-            http.set_nonblocking(true).expect("nonblocking");
-            let listeners = inferyes_controller::Listeners {
-                grpc: tokio::net::TcpListener::from_std(grpc).expect("listener"),
-                http: tokio::net::TcpListener::from_std(http).expect("listener"),
-            };
-            inferyes_controller::run(config, listeners, controller_token).await
-        });
-        let controller_url = format!("http://{grpc_addr}");
-        let metrics_url = format!("http://{http_addr}/metrics");
+        let fleet: Vec<Controller> = controller_rts
+            .iter()
+            .enumerate()
+            .map(|(i, runtime)| Controller::start(i, runtime, &etcd, agents, shutdown.clone()))
+            .collect();
         let client = HttpClient::default();
-        inferyes_tests::eventually("the controller is ready", Duration::from_secs(20), || {
-            let (client, url) = (client.clone(), format!("http://{http_addr}/readyz"));
-            async move { client.get(&url).await.status == http::StatusCode::OK }
-        })
-        .await;
+        for controller in &fleet {
+            inferyes_tests::eventually("the controller is ready", Duration::from_secs(20), || {
+                let (client, url) = (client.clone(), format!("{}/readyz", controller.http_url));
+                async move { client.get(&url).await.status == http::StatusCode::OK }
+            })
+            .await;
+        }
+        let grpc_urls: Vec<String> = fleet.iter().map(|c| c.grpc_url.clone()).collect();
+        let metrics_urls: Vec<String> = fleet.iter().map(|c| format!("{}/metrics", c.http_url)).collect();
 
-        let swarm = Swarm::new(&controller_url, inferyes_tests::fleet::JOIN_TOKEN, profile, shutdown.clone());
+        let swarm =
+            Swarm::new(&grpc_urls, inferyes_tests::fleet::JOIN_TOKEN, profile, per_connection, shutdown.clone());
         let started = Instant::now();
         swarm.join(agents).await;
-        inferyes_tests::eventually("every node in the snapshot", Duration::from_secs(300), || {
-            let (client, url) = (client.clone(), metrics_url.clone());
+        inferyes_tests::eventually("every node in every controller's snapshot", Duration::from_secs(600), || {
+            let (client, urls) = (client.clone(), metrics_urls.clone());
             async move {
-                let text = String::from_utf8_lossy(&client.get(&url).await.body).to_string();
-                metric(&text, "inferyes_controller_nodes{state=\"active\"}") == agents as f64
+                for url in urls {
+                    let text = String::from_utf8_lossy(&client.get(&url).await.body).to_string();
+                    if metric(&text, "inferyes_controller_nodes{state=\"active\"}") != agents as f64 {
+                        return false;
+                    }
+                }
+                true
             }
         })
         .await;
         println!("{agents} agents of {} sessions joined in {:.1} s", profile.sessions, started.elapsed().as_secs_f64());
 
         // The data planes: the real subscription, index and decode, each
-        // into its own store, each with a watcher timing the probes.
+        // into its own store, each with a watcher timing the probes. Each
+        // follows the controllers in its own order: behind a balancer they
+        // spread over them.
         let rss_before = resident_bytes();
         let latencies: Arc<Mutex<Vec<Duration>>> = Arc::default();
         let mut stores = Vec::new();
         for i in 0..data_planes {
             let store = Arc::new(SnapshotStore::default());
+            // Each starts at another controller, as a balancer spreads them;
+            // with several, most probes come from another one's agents,
+            // across a peer link.
+            let mut addresses = grpc_urls.clone();
+            addresses.rotate_left(i % controllers);
             let controllers = inferyes_dataplane::Controllers {
-                addresses: vec![controller_url.clone()],
+                addresses,
                 tls: inferyes_proto::tls::Tls::default(),
                 bearer: inferyes_proto::bearer::Bearer::new(Some(inferyes_tests::fleet::DATAPLANE_TOKEN))
                     .expect("a token"),
@@ -190,7 +199,7 @@ fn main() {
         // One raw subscriber for sizes on the wire.
         let sizes: Arc<Mutex<Sizes>> = Arc::default();
         let measuring = Arc::new(AtomicBool::new(false));
-        tokio::spawn(measure_sizes(controller_url.clone(), Arc::clone(&sizes), Arc::clone(&measuring)));
+        tokio::spawn(measure_sizes(grpc_urls[0].clone(), Arc::clone(&sizes), Arc::clone(&measuring)));
         tokio::time::sleep(Duration::from_secs(2)).await;
         let db_start = etcd_db_size(&etcd).await;
 
@@ -198,18 +207,24 @@ fn main() {
         swarm.rate.store(100, Ordering::Relaxed);
         tokio::time::sleep(Duration::from_secs(2)).await;
         let low_seconds = seconds.clamp(5, 20);
-        let low_before = Sample::take(&client, &metrics_url, &etcd).await;
+        let rejoins = || swarm.rejoins.load(Ordering::Relaxed);
+        let rejoins_at_start = rejoins();
+        let low_before = Sample::take(&client, &metrics_urls, &etcd).await;
+        let low_rejoins = rejoins();
         tokio::time::sleep(Duration::from_secs(low_seconds)).await;
-        let low_after = Sample::take(&client, &metrics_url, &etcd).await;
+        let low_after = Sample::take(&client, &metrics_urls, &etcd).await;
+        let low_rejoins = rejoins() - low_rejoins;
 
         swarm.rate.store(1000, Ordering::Relaxed);
         tokio::time::sleep(Duration::from_secs(2)).await;
         latencies.lock().expect("lock").clear();
         swarm.probing.store(true, Ordering::Relaxed);
         measuring.store(true, Ordering::Relaxed);
-        let before = Sample::take(&client, &metrics_url, &etcd).await;
+        let before = Sample::take(&client, &metrics_urls, &etcd).await;
+        let whole_rejoins = rejoins();
         tokio::time::sleep(Duration::from_secs(seconds)).await;
-        let after = Sample::take(&client, &metrics_url, &etcd).await;
+        let after = Sample::take(&client, &metrics_urls, &etcd).await;
+        let whole_rejoins = rejoins() - whole_rejoins;
         measuring.store(false, Ordering::Relaxed);
         swarm.probing.store(false, Ordering::Relaxed);
         let db_end = etcd_db_size(&etcd).await;
@@ -238,10 +253,17 @@ fn main() {
             per_second((2.0 * profile.new + profile.repeats) / 10.0),
             per_second(2.0 * profile.new + profile.repeats)
         );
+        let cores = |before: &Sample, after: &Sample, window: f64| {
+            let each: Vec<String> = (before.controller_cpu.iter().zip(&after.controller_cpu))
+                .map(|(b, a)| format!("{:.2}", (a - b) / window))
+                .collect();
+            each.join(" · ")
+        };
         println!(
-            "| controller CPU | {:.2} cores | {:.2} cores |",
-            (low_after.controller_cpu - low_before.controller_cpu) / low_window,
-            (after.controller_cpu - before.controller_cpu) / window
+            "| controller CPU{} | {} cores | {} cores |",
+            if controllers > 1 { ", each" } else { "" },
+            cores(&low_before, &low_after, low_window),
+            cores(&before, &after, window)
         );
         println!(
             "| etcd CPU | {:.2} cores | {:.2} cores |",
@@ -268,9 +290,13 @@ fn main() {
             low_after.resyncs - low_before.resyncs,
             after.resyncs - before.resyncs
         );
+        println!(
+            "| agents dropped by their controller (as silent) and joined again | {low_rejoins} | {whole_rejoins} |"
+        );
         println!();
         println!("| measure | value |");
         println!("|---|---:|");
+        println!("| agents dropped and joined again while the data planes subscribed | {rejoins_at_start} |");
         println!("| etcd database, fleet joined | {:.2} MiB |", mib(db_start as f64));
         println!("| etcd database, end | {:.2} MiB |", mib(db_end as f64));
         println!("| full snapshot on the wire | {:.1} MiB |", mib(sizes.full as f64));
@@ -284,25 +310,78 @@ fn main() {
         println!("| propagation p99 | {} |", ms(percentile(0.99)));
         println!("| propagation max | {} |", ms(latencies.last().copied()));
         println!("| propagation samples | {} |", latencies.len());
-        println!(
-            "| data plane memory, each ({} sessions) | {:.0} MiB |",
-            stores[0].sessions().len(),
-            mib(rss_after.saturating_sub(rss_before) as f64 / data_planes as f64)
-        );
+        for (why, count) in swarm.ends.lock().expect("lock").iter() {
+            println!("| agent streams ended: {why} | {count} |");
+        }
+        // With several controllers the process's growth meanwhile holds
+        // their peers' copies too, arriving as the data planes subscribe.
+        if controllers == 1 {
+            let held = stores[0].sessions().len();
+            let each = rss_after.saturating_sub(rss_before) as f64 / data_planes as f64;
+            println!("| data plane memory, each ({held} sessions) | {:.0} MiB |", mib(each));
+            println!("| data plane memory per resident session | {:.0} bytes |", each / held.max(1) as f64);
+        }
 
         shutdown.cancel();
-        let _ = tokio::time::timeout(Duration::from_secs(10), controller).await;
+        for controller in fleet {
+            let _ = tokio::time::timeout(Duration::from_secs(10), controller.task).await;
+        }
     });
+}
+
+/// One controller of the fleet, on a runtime of its own.
+struct Controller {
+    grpc_url: String,
+    http_url: String,
+    task: tokio::task::JoinHandle<anyhow::Result<()>>,
+}
+
+impl Controller {
+    fn start(
+        index: usize,
+        runtime: &tokio::runtime::Runtime,
+        etcd: &Etcd,
+        agents: usize,
+        shutdown: CancellationToken,
+    ) -> Controller {
+        let grpc = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let http = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let (grpc_addr, http_addr) = (grpc.local_addr().expect("bound"), http.local_addr().expect("bound"));
+        let defaults = inferyes_controller::Config::default();
+        let config = inferyes_controller::Config {
+            controller_id: format!("scale-{index}"),
+            etcd_endpoints: vec![etcd.endpoint()],
+            grpc_listen: grpc_addr,
+            http_listen: http_addr,
+            startup_grace_ms: 0,
+            max_nodes: defaults.max_nodes.max(agents),
+            admin_token: Some(inferyes_tests::fleet::ADMIN_TOKEN.into()),
+            join_token: Some(inferyes_tests::fleet::JOIN_TOKEN.into()),
+            dataplane_token: Some(inferyes_tests::fleet::DATAPLANE_TOKEN.into()),
+            ..defaults
+        };
+        config.validate().expect("valid controller config");
+        let task = runtime.spawn(async move {
+            grpc.set_nonblocking(true).expect("nonblocking");
+            http.set_nonblocking(true).expect("nonblocking");
+            let listeners = inferyes_controller::Listeners {
+                grpc: tokio::net::TcpListener::from_std(grpc).expect("listener"),
+                http: tokio::net::TcpListener::from_std(http).expect("listener"),
+            };
+            inferyes_controller::run(config, listeners, shutdown).await
+        });
+        Controller { grpc_url: format!("http://{grpc_addr}"), http_url: format!("http://{http_addr}"), task }
+    }
 }
 
 /// Joins the agents to a fleet running elsewhere (the proxy benchmark's,
 /// say, to route with a 1,000-node snapshot) and keeps them reporting for
 /// `seconds`.
-fn join_only(controller: &str, token: &str, agents: usize, profile: Profile, seconds: u64) {
+fn join_only(controller: &str, token: &str, agents: usize, per_connection: usize, profile: Profile, seconds: u64) {
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().expect("runtime");
     runtime.block_on(async {
         let shutdown = CancellationToken::new();
-        Swarm::new(controller, token, profile, shutdown.clone()).join(agents).await;
+        Swarm::new(&[controller.to_string()], token, profile, per_connection, shutdown.clone()).join(agents).await;
         println!("{agents} agents joined {controller}; reporting for {seconds} s");
         tokio::time::sleep(Duration::from_secs(seconds)).await;
         shutdown.cancel();
@@ -312,36 +391,63 @@ fn join_only(controller: &str, token: &str, agents: usize, profile: Profile, sec
 /// What the simulated agents share.
 #[derive(Clone)]
 struct Swarm {
-    controller: String,
+    /// Agents are dealt over these, a connection's worth at a time.
+    controllers: Arc<[String]>,
     join_token: Arc<str>,
     profile: Profile,
+    per_connection: usize,
     /// Thousandths of the profile's rate the agents run at.
     rate: Arc<AtomicU64>,
     /// Set: each agent sends a probe a second.
     probing: Arc<AtomicBool>,
     probes: Probes,
     joined: Arc<AtomicU64>,
+    /// Streams that ended and were joined again.
+    rejoins: Arc<AtomicU64>,
+    /// Why streams ended, as the controllers said.
+    ends: Arc<Mutex<std::collections::BTreeMap<String, u64>>>,
     shutdown: CancellationToken,
 }
 
 impl Swarm {
-    fn new(controller: &str, join_token: &str, profile: Profile, shutdown: CancellationToken) -> Swarm {
+    fn new(
+        controllers: &[String],
+        join_token: &str,
+        profile: Profile,
+        per_connection: usize,
+        shutdown: CancellationToken,
+    ) -> Swarm {
         Swarm {
-            controller: controller.to_string(),
+            controllers: Arc::from(controllers),
             join_token: Arc::from(join_token),
             profile,
+            per_connection,
             rate: Arc::new(AtomicU64::new(1000)),
             probing: Arc::default(),
             probes: Probes::default(),
             joined: Arc::default(),
+            rejoins: Arc::default(),
+            ends: Arc::default(),
             shutdown,
         }
     }
 
+    fn ended(&self, why: &str) {
+        *self.ends.lock().expect("lock").entry(why.to_string()).or_default() += 1;
+    }
+
     /// Starts `agents` agents and waits until every one has joined.
     async fn join(&self, agents: usize) {
-        for index in 0..agents {
-            tokio::spawn(agent(index, self.clone()));
+        let per = self.per_connection;
+        for first in (0..agents).step_by(per) {
+            let swarm = self.clone();
+            tokio::spawn(async move {
+                let url = &swarm.controllers[(first / per) % swarm.controllers.len()];
+                let Some(channel) = connect(url, first, &swarm.shutdown).await else { return };
+                for index in first..(first + per).min(agents) {
+                    tokio::spawn(agent(index, channel.clone(), swarm.clone()));
+                }
+            });
         }
         inferyes_tests::eventually("every agent joined", Duration::from_secs(300), || {
             let joined = Arc::clone(&self.joined);
@@ -358,100 +464,164 @@ fn per_tick(rng: &mut fastrand::Rng, per_second: f64, tick: Duration) -> usize {
     expected.floor() as usize + usize::from(rng.f64() < expected.fract())
 }
 
-/// One agent: a join stream with the real protocol, a report every tick.
-async fn agent(index: usize, swarm: Swarm) {
-    let mut rng = fastrand::Rng::with_seed(index as u64);
-    let profile = swarm.profile;
-    let mut status = node_status(index);
-    let (tx, rx) = mpsc::channel::<AgentMessage>(64);
-    let mut client = loop {
-        match AgentServiceClient::connect(swarm.controller.clone()).await {
-            Ok(client) => break client,
+/// A connection to a controller, tried until it opens: past its share of
+/// connections not yet proven, a controller refuses more from one address.
+async fn connect(url: &str, seed: usize, shutdown: &CancellationToken) -> Option<tonic::transport::Channel> {
+    let mut rng = fastrand::Rng::with_seed(seed as u64);
+    let endpoint = tonic::transport::Endpoint::from_shared(url.to_string()).expect("a controller's URL");
+    loop {
+        match endpoint.connect().await {
+            Ok(channel) => return Some(channel),
+            Err(_) if shutdown.is_cancelled() => return None,
             Err(_) => tokio::time::sleep(Duration::from_millis(200 + rng.u64(..300))).await,
         }
+    }
+}
+
+/// One agent: a join stream with the real protocol, a report every tick.
+/// As a real agent does, it joins again, with its whole table, when its
+/// stream ends (a starved controller takes it for silent and drops it).
+async fn agent(index: usize, channel: tonic::transport::Channel, swarm: Swarm) {
+    let mut node = SimulatedNode {
+        index,
+        rng: fastrand::Rng::with_seed(index as u64),
+        status: node_status(index),
+        next: 0,
+        sessions: VecDeque::new(),
     };
-    let _ = tx
-        .send(AgentMessage {
-            msg: Some(Msg::Register(Register {
-                status: Some(status.clone()),
-                join_token: swarm.join_token.to_string(),
-                instance: format!("swarm{index:0>16}"),
-            })),
-        })
-        .await;
-    let mut next = 0usize;
-    let key = |next: &mut usize| {
-        *next += 1;
-        format!("n{index}-s{next}")
-    };
-    let mut sessions: VecDeque<String> = (0..profile.sessions).map(|_| key(&mut next)).collect();
-    let mut seq = 1u64;
-    let full = ResidencyUpdate {
-        seq,
-        full: true,
-        upserted: sessions.iter().map(|key| session(key, 1)).collect(),
-        removed: Vec::new(),
-    };
-    let _ = tx.send(AgentMessage { msg: Some(Msg::Residency(full)) }).await;
-    let mut inbound = match client.join(tokio_stream::wrappers::ReceiverStream::new(rx)).await {
-        Ok(response) => response.into_inner(),
-        Err(status) => panic!("agent {index} could not join: {status}"),
-    };
-    swarm.joined.fetch_add(1, Ordering::Relaxed);
-    // Spread the reports over the tick, as independent agents would be.
-    tokio::time::sleep(Duration::from_millis(rng.u64(..profile.tick.as_millis() as u64))).await;
-    let mut ticker = tokio::time::interval(profile.tick);
-    let mut probed_at = Instant::now();
+    for _ in 0..swarm.profile.sessions {
+        let fresh = node.fresh_key();
+        node.sessions.push_back(fresh);
+    }
+    let mut joined = false;
     loop {
-        tokio::select! {
-            () = swarm.shutdown.cancelled() => return,
-            message = inbound.message() => match message {
-                Ok(Some(_)) => continue,
-                _ => return,
-            },
-            _ = ticker.tick() => {}
-        }
-        let rate = swarm.rate.load(Ordering::Relaxed) as f64 / 1000.0;
-        let new = per_tick(&mut rng, profile.new * rate, profile.tick);
-        let repeats = per_tick(&mut rng, profile.repeats * rate, profile.tick);
-        if new + repeats == 0 {
-            continue;
-        }
-        let now = inferyes_proto::unix_ms();
-        let mut upserted = Vec::with_capacity(new + repeats);
-        let mut removed = Vec::with_capacity(new);
-        for _ in 0..repeats {
-            if let Some(key) = sessions.get(rng.usize(..sessions.len().max(1))) {
-                upserted.push(session(key, now));
-            }
-        }
-        for _ in 0..new {
-            let fresh = key(&mut next);
-            upserted.push(session(&fresh, now));
-            sessions.push_back(fresh);
-            if let Some(oldest) = sessions.pop_front() {
-                removed.push(oldest);
-            }
-        }
-        seq += 1;
-        let probe = (new > 0 && swarm.probing.load(Ordering::Relaxed) && probed_at.elapsed() >= Duration::from_secs(1))
-            .then(|| stable_hash(sessions.back().map(String::as_bytes).unwrap_or_default()));
-        let delta = ResidencyUpdate { seq, full: false, upserted, removed };
-        if tx.send(AgentMessage { msg: Some(Msg::Residency(delta)) }).await.is_err() {
+        node.serve(AgentServiceClient::new(channel.clone()), &swarm, &mut joined).await;
+        if swarm.shutdown.is_cancelled() {
             return;
         }
-        if let Some(probe) = probe {
-            probed_at = Instant::now();
-            swarm.probes.lock().expect("lock").push((probe, probed_at));
+        swarm.rejoins.fetch_add(1, Ordering::Relaxed);
+        tokio::time::sleep(Duration::from_millis(500 + node.rng.u64(..1500))).await;
+    }
+}
+
+/// What an agent keeps between its streams.
+struct SimulatedNode {
+    index: usize,
+    rng: fastrand::Rng,
+    status: NodeStatus,
+    /// The number of the next session key.
+    next: usize,
+    sessions: VecDeque<String>,
+}
+
+impl SimulatedNode {
+    fn fresh_key(&mut self) -> String {
+        self.next += 1;
+        format!("n{}-s{}", self.index, self.next)
+    }
+
+    /// One join stream, until it ends or the run does.
+    async fn serve(
+        &mut self,
+        mut client: AgentServiceClient<tonic::transport::Channel>,
+        swarm: &Swarm,
+        joined: &mut bool,
+    ) {
+        let profile = swarm.profile;
+        let (tx, rx) = mpsc::channel::<AgentMessage>(64);
+        let register = Register {
+            status: Some(self.status.clone()),
+            join_token: swarm.join_token.to_string(),
+            instance: format!("swarm{:0>16}", self.index),
+        };
+        let _ = tx.send(AgentMessage { msg: Some(Msg::Register(register)) }).await;
+        let mut seq = 1u64;
+        let full = ResidencyUpdate {
+            seq,
+            full: true,
+            upserted: self.sessions.iter().map(|key| session(key, 1)).collect(),
+            removed: Vec::new(),
+        };
+        let _ = tx.send(AgentMessage { msg: Some(Msg::Residency(full)) }).await;
+        let mut inbound = match client.join(tokio_stream::wrappers::ReceiverStream::new(rx)).await {
+            Ok(response) => response.into_inner(),
+            Err(_) => return,
+        };
+        if !*joined {
+            *joined = true;
+            swarm.joined.fetch_add(1, Ordering::Relaxed);
         }
-        // Each turn moves the slots: the load changes with the traffic.
-        let backend = &mut status.backends[0];
-        backend.slots_busy = rng.u32(0..=8);
-        backend.in_flight = backend.slots_busy;
-        backend.requests_deferred = u32::from(rng.f64() < 0.05);
-        backend.tokens_per_second = f64::from(rng.u32(100..2000));
-        if tx.send(AgentMessage { msg: Some(Msg::Status(status.clone())) }).await.is_err() {
-            return;
+        // Spread the reports over the tick, as independent agents would be.
+        tokio::time::sleep(Duration::from_millis(self.rng.u64(..profile.tick.as_millis() as u64))).await;
+        let mut ticker = tokio::time::interval(profile.tick);
+        let mut probed_at = Instant::now();
+        let mut sent_at = Instant::now();
+        loop {
+            tokio::select! {
+                () = swarm.shutdown.cancelled() => return,
+                message = inbound.message() => match message {
+                    Ok(Some(_)) => continue,
+                    Ok(None) => return swarm.ended("closed"),
+                    Err(status) => return swarm.ended(status.message()),
+                },
+                _ = ticker.tick() => {}
+            }
+            let rate = swarm.rate.load(Ordering::Relaxed) as f64 / 1000.0;
+            let new = per_tick(&mut self.rng, profile.new * rate, profile.tick);
+            let repeats = per_tick(&mut self.rng, profile.repeats * rate, profile.tick);
+            if new + repeats == 0 {
+                // As the agent does, a heartbeat where nothing else went
+                // for a second: a controller drops a silent agent.
+                if sent_at.elapsed() >= Duration::from_secs(1) {
+                    sent_at = Instant::now();
+                    if tx.send(AgentMessage { msg: Some(Msg::Heartbeat(Heartbeat {})) }).await.is_err() {
+                        return;
+                    }
+                }
+                continue;
+            }
+            sent_at = Instant::now();
+            let now = inferyes_proto::unix_ms();
+            let mut upserted = Vec::with_capacity(new + repeats);
+            let mut removed = Vec::with_capacity(new);
+            // Repeat turns go to sessions this tick does not evict: a delta
+            // applies its removals first, so one both used and evicted would
+            // stay resident at the controller and not here.
+            let len = self.sessions.len();
+            for _ in 0..repeats {
+                if let Some(key) = self.sessions.get(self.rng.usize(new.min(len.saturating_sub(1))..len.max(1))) {
+                    upserted.push(session(key, now));
+                }
+            }
+            for _ in 0..new {
+                let fresh = self.fresh_key();
+                upserted.push(session(&fresh, now));
+                self.sessions.push_back(fresh);
+                if let Some(oldest) = self.sessions.pop_front() {
+                    removed.push(oldest);
+                }
+            }
+            seq += 1;
+            let probe =
+                (new > 0 && swarm.probing.load(Ordering::Relaxed) && probed_at.elapsed() >= Duration::from_secs(1))
+                    .then(|| stable_hash(self.sessions.back().map(String::as_bytes).unwrap_or_default()));
+            let delta = ResidencyUpdate { seq, full: false, upserted, removed };
+            if tx.send(AgentMessage { msg: Some(Msg::Residency(delta)) }).await.is_err() {
+                return;
+            }
+            if let Some(probe) = probe {
+                probed_at = Instant::now();
+                swarm.probes.lock().expect("lock").push((probe, probed_at));
+            }
+            // Each turn moves the slots: the load changes with the traffic.
+            let backend = &mut self.status.backends[0];
+            backend.slots_busy = self.rng.u32(0..=8);
+            backend.in_flight = backend.slots_busy;
+            backend.requests_deferred = u32::from(self.rng.f64() < 0.05);
+            backend.tokens_per_second = f64::from(self.rng.u32(100..2000));
+            if tx.send(AgentMessage { msg: Some(Msg::Status(self.status.clone())) }).await.is_err() {
+                return;
+            }
         }
     }
 }
@@ -586,7 +756,8 @@ async fn measure_sizes(controller: String, sizes: Arc<Mutex<Sizes>>, measuring: 
 
 struct Sample {
     at: Instant,
-    controller_cpu: f64,
+    /// Each controller's, in cores-seconds.
+    controller_cpu: Vec<f64>,
     etcd_cpu: f64,
     node_writes: f64,
     revision: i64,
@@ -595,20 +766,25 @@ struct Sample {
 }
 
 impl Sample {
-    async fn take(client: &HttpClient, metrics_url: &str, etcd: &Etcd) -> Sample {
-        let text = String::from_utf8_lossy(&client.get(metrics_url).await.body).to_string();
+    /// The controllers' counters are summed over them.
+    async fn take(client: &HttpClient, metrics_urls: &[String], etcd: &Etcd) -> Sample {
+        let mut texts = Vec::new();
+        for url in metrics_urls {
+            texts.push(String::from_utf8_lossy(&client.get(url).await.body).to_string());
+        }
+        let sum = |series: &str| texts.iter().map(|text| metric(text, series)).sum::<f64>();
         let etcd_text =
             String::from_utf8_lossy(&client.get(&format!("{}/metrics", etcd.endpoint())).await.body).to_string();
         let mut kv = etcd_client::Client::connect([etcd.endpoint()], None).await.expect("etcd");
         let revision = kv.get("/", None).await.expect("etcd get").header().map_or(0, |h| h.revision());
         Sample {
             at: Instant::now(),
-            controller_cpu: thread_cpu_seconds("controller"),
+            controller_cpu: (0..metrics_urls.len()).map(|i| thread_cpu_seconds(&format!("controller-{i}"))).collect(),
             etcd_cpu: process_cpu_seconds(etcd.pid()),
-            node_writes: metric(&text, "inferyes_controller_node_writes_total"),
+            node_writes: sum("inferyes_controller_node_writes_total"),
             revision,
             etcd_received: metric(&etcd_text, "etcd_network_client_grpc_received_bytes_total"),
-            resyncs: metric(&text, "inferyes_controller_live_resyncs_total"),
+            resyncs: sum("inferyes_controller_live_resyncs_total"),
         }
     }
 }
