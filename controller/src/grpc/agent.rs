@@ -725,12 +725,16 @@ impl AgentSvc {
         let mut renew = tokio::time::interval_at(tokio::time::Instant::now() + renew_every, renew_every);
 
         let end = loop {
+            // Biased: what the agent sent is read before its silence is
+            // judged, so a controller starved of CPU for a while finds the
+            // messages that waited instead of dropping their sender.
             let step = tokio::select! {
+                biased;
                 () = self.shutdown.cancelled() => Err(End::Shutdown),
                 () = taken.cancelled() => Err(End::Taken),
                 message = inbound.message() => match message {
                     Ok(Some(AgentMessage { msg: Some(msg) })) => {
-                        heard.now();
+                        let _handling = heard.handling();
                         stream.heard(msg, &tx).await
                     }
                     Ok(Some(AgentMessage { msg: None })) => {
@@ -860,11 +864,19 @@ impl Live {
 struct LastHeard {
     since: Instant,
     ms: std::sync::atomic::AtomicU64,
+    /// A message is being handled: the stream is not listening, and
+    /// what it waits on (the controller's own queues, the agent's channel,
+    /// which a timeout bounds) is not the agent's silence.
+    handling: std::sync::atomic::AtomicBool,
 }
 
 impl LastHeard {
     fn new() -> LastHeard {
-        LastHeard { since: Instant::now(), ms: std::sync::atomic::AtomicU64::new(0) }
+        LastHeard {
+            since: Instant::now(),
+            ms: std::sync::atomic::AtomicU64::new(0),
+            handling: std::sync::atomic::AtomicBool::new(false),
+        }
     }
 
     fn now(&self) {
@@ -872,9 +884,29 @@ impl LastHeard {
         self.ms.store(ms, std::sync::atomic::Ordering::Relaxed);
     }
 
+    /// Heard now, and until the guard drops: silence counts again from
+    /// the end of the handling.
+    fn handling(&self) -> Handling<'_> {
+        self.now();
+        self.handling.store(true, std::sync::atomic::Ordering::Relaxed);
+        Handling(self)
+    }
+
     fn ago(&self) -> Duration {
+        if self.handling.load(std::sync::atomic::Ordering::Relaxed) {
+            return Duration::ZERO;
+        }
         let at = Duration::from_millis(self.ms.load(std::sync::atomic::Ordering::Relaxed));
         self.since.elapsed().saturating_sub(at)
+    }
+}
+
+struct Handling<'a>(&'a LastHeard);
+
+impl Drop for Handling<'_> {
+    fn drop(&mut self) {
+        self.0.now();
+        self.0.handling.store(false, std::sync::atomic::Ordering::Relaxed);
     }
 }
 
@@ -1131,6 +1163,20 @@ mod tests {
                 _ => "other",
             })
             .collect()
+    }
+
+    #[test]
+    fn an_agent_is_not_silent_while_the_controller_handles_its_message() {
+        let a_minute_ago = Instant::now().checked_sub(Duration::from_secs(60)).expect("a minute after boot");
+        let heard = LastHeard { since: a_minute_ago, ..LastHeard::new() };
+        assert!(heard.ago() >= Duration::from_secs(60), "last heard as the stream began");
+        let handling = heard.handling();
+        // A message heard a minute ago, held up since by the controller's
+        // own queues.
+        heard.ms.store(0, std::sync::atomic::Ordering::Relaxed);
+        assert_eq!(heard.ago(), Duration::ZERO, "while its message is handled");
+        drop(handling);
+        assert!(heard.ago() < Duration::from_secs(1), "silence counts from the handling's end");
     }
 
     #[test]
