@@ -17,7 +17,7 @@ use tokio_util::sync::CancellationToken;
 
 pub use inferyes_proto::usage::{add, hour_of, hour_start_ms, merge};
 
-use crate::store::{Application, EtcdStore, StoreError};
+use crate::store::{Application, EtcdStore, Lease, StoreError};
 
 /// How long raw records and roll-ups are kept.
 #[derive(Clone, Copy, Debug)]
@@ -146,10 +146,10 @@ pub async fn run(
 ) {
     let mut backoff = inferyes_net::backoff::RECONNECT;
     loop {
-        let result = tokio::select! {
-            () = shutdown.cancelled() => return,
-            result = lead(&store, &controller_id, retention, &leading, &shutdown) => result,
-        };
+        // `lead` ends on shutdown itself, revoking its lease: dropped
+        // instead, its candidacy would hold the others back until the
+        // lease ran out.
+        let result = lead(&store, &controller_id, retention, &leading, &shutdown).await;
         leading.send_replace(None);
         match result {
             Ok(()) => return,
@@ -161,6 +161,9 @@ pub async fn run(
     }
 }
 
+/// Stands, waits to lead, and leads, under one lease; revokes it when it
+/// ends, however it ends, so that no candidacy of this controller stays
+/// ahead of the next.
 async fn lead(
     store: &EtcdStore,
     controller_id: &str,
@@ -169,15 +172,37 @@ async fn lead(
     shutdown: &CancellationToken,
 ) -> Result<(), StoreError> {
     let mut lease = store.grant_lease(LEADER_TTL).await?;
+    let result = stand_and_lead(store, &mut lease, controller_id, retention, leading, shutdown).await;
+    leading.send_replace(None);
+    // Best effort: a lease not revoked runs out.
+    let _ = tokio::time::timeout(LEADER_TTL / 3, store.revoke(lease)).await;
+    result
+}
+
+async fn stand_and_lead(
+    store: &EtcdStore,
+    lease: &mut Lease,
+    controller_id: &str,
+    retention: Retention,
+    leading: &tokio::sync::watch::Sender<Option<i64>>,
+    shutdown: &CancellationToken,
+) -> Result<(), StoreError> {
     store.stand_for_usage_leader(controller_id, lease.id).await?;
     // Until the leader before goes, each keep-alive looks whether it has:
     // a read, which etcd keeps no history of.
     let mut keepalive = tokio::time::interval(LEADER_TTL / 3);
     loop {
-        keepalive.tick().await;
-        store.keep_alive(&mut lease).await?;
-        if store.leads_usage(lease.id).await? {
-            break;
+        tokio::select! {
+            () = shutdown.cancelled() => return Ok(()),
+            _ = keepalive.tick() => {}
+        }
+        store.keep_alive(lease).await?;
+        match store.leads_usage(lease.id).await {
+            Ok(true) => break,
+            Ok(false) => {}
+            // Looked at again at the next keep-alive, from the same place
+            // in the line.
+            Err(error) => tracing::debug!(%error, "the ledger's leader could not be read; looking again"),
         }
     }
     tracing::info!("leading the usage ledger and placement");
@@ -187,12 +212,8 @@ async fn lead(
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
-            () = shutdown.cancelled() => {
-                leading.send_replace(None);
-                let _ = store.revoke(lease).await;
-                return Ok(());
-            }
-            _ = keepalive.tick() => store.keep_alive(&mut lease).await?,
+            () = shutdown.cancelled() => return Ok(()),
+            _ = keepalive.tick() => store.keep_alive(lease).await?,
             _ = ticker.tick() => {
                 for (batch, revision) in store.pending_usage(BATCHES_PER_ROUND).await? {
                     apply(store, batch, revision).await?;

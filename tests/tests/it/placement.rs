@@ -210,23 +210,27 @@ async fn a_controller_waiting_to_lead_writes_nothing_to_etcd() {
     })
     .await;
     let two = ControllerHandle::start(&etcd.endpoint(), "controller-2").await;
-    let mut client = etcd.client().await.expect("etcd");
-    let candidacies = etcd_client::GetOptions::new().with_prefix().with_count_only();
-    eventually("the second controller stands", Duration::from_secs(10), || {
-        let (mut client, options) = (client.clone(), candidacies.clone());
-        async move { client.get("/inferyes/v1-usage/leader/", Some(options)).await.is_ok_and(|r| r.count() == 2) }
-    })
-    .await;
-    let revision = |response: etcd_client::GetResponse| response.header().map_or(0, |h| h.revision());
-    let before = revision(client.get("/", None).await.expect("etcd"));
+    let client = etcd.client().await.expect("etcd");
+    // Each candidacy, by when it was written.
+    let candidacies = || {
+        let mut client = client.clone();
+        async move {
+            let options = etcd_client::GetOptions::new().with_prefix().with_keys_only();
+            let response = client.get("/inferyes/v1-usage/leader/", Some(options)).await.expect("etcd");
+            response.kvs().iter().map(|kv| (kv.key().to_vec(), kv.create_revision())).collect::<Vec<_>>()
+        }
+    };
+    eventually("the second controller stands", Duration::from_secs(10), || async { candidacies().await.len() == 2 })
+        .await;
+    let before = candidacies().await;
     // No event marks a write that does not happen: this waits past the
     // client's timeout instead.
     tokio::time::sleep(Duration::from_secs(7)).await;
-    let after = revision(client.get("/", None).await.expect("etcd"));
-    assert_eq!(after, before, "etcd's revision while the second controller waited");
+    assert_eq!(candidacies().await, before, "the candidacies while the second controller waited");
 
+    // The first's candidacy goes with its stop, not at its lease's end.
     one.stop().await;
-    eventually("the second controller leads once the first is gone", Duration::from_secs(10), || async {
+    eventually("the second controller leads once the first is gone", Duration::from_secs(5), || async {
         metric(&http, &two, "inferyes_controller_placement_leading", "").await == 1.0
     })
     .await;
