@@ -213,7 +213,14 @@ async fn stand_and_lead(
     loop {
         tokio::select! {
             () = shutdown.cancelled() => return Ok(()),
-            _ = keepalive.tick() => store.keep_alive(lease).await?,
+            _ = keepalive.tick() => {
+                store.keep_alive(lease).await?;
+                // A candidacy deleted by hand leaves its lease alive, and
+                // the next one leads: this one steps down.
+                if let Ok(false) = store.leads_usage(lease.id).await {
+                    return Err(StoreError::Invalid("another candidacy leads the usage ledger".into()));
+                }
+            }
             _ = ticker.tick() => {
                 for (batch, revision) in store.pending_usage(BATCHES_PER_ROUND).await? {
                     apply(store, batch, revision).await?;

@@ -238,6 +238,39 @@ async fn a_controller_waiting_to_lead_writes_nothing_to_etcd() {
 }
 
 #[tokio::test]
+async fn a_leader_whose_candidacy_is_deleted_steps_down() {
+    let etcd = Etcd::start().await;
+    let http = HttpClient::default();
+    let one = ControllerHandle::start(&etcd.endpoint(), "controller-1").await;
+    eventually("the first controller leads", Duration::from_secs(10), || async {
+        metric(&http, &one, "inferyes_controller_placement_leading", "").await == 1.0
+    })
+    .await;
+    let two = ControllerHandle::start(&etcd.endpoint(), "controller-2").await;
+    let mut client = etcd.client().await.expect("etcd");
+    let options = etcd_client::GetOptions::new()
+        .with_prefix()
+        .with_sort(etcd_client::SortTarget::Create, etcd_client::SortOrder::Ascend);
+    let prefix = "/inferyes/v1-usage/leader/";
+    eventually("the second controller stands", Duration::from_secs(10), || {
+        let (mut client, options) = (client.clone(), options.clone());
+        async move { client.get(prefix, Some(options)).await.is_ok_and(|r| r.kvs().len() == 2) }
+    })
+    .await;
+    let leading = client.get(prefix, Some(options)).await.expect("etcd").kvs()[0].key().to_vec();
+    client.delete(leading, None).await.expect("etcd");
+
+    eventually("the first steps down and the second leads", Duration::from_secs(5), || async {
+        let first = metric(&http, &one, "inferyes_controller_placement_leading", "").await;
+        let second = metric(&http, &two, "inferyes_controller_placement_leading", "").await;
+        (first, second) == (0.0, 1.0)
+    })
+    .await;
+    one.stop().await;
+    two.stop().await;
+}
+
+#[tokio::test]
 async fn of_two_controllers_only_the_elected_one_places_models() {
     let etcd = Etcd::start().await;
     let one = ControllerHandle::start(&etcd.endpoint(), "controller-1").await;
