@@ -197,6 +197,34 @@ async fn room_is_made_on_a_backend_at_its_limit_before_the_load() {
     sim.stop().await;
 }
 
+const CANDIDACIES: &str = "/inferyes/v1-usage/leader/";
+
+/// The ledger's candidacies, oldest first, with when each was written.
+async fn candidacies(etcd: &Etcd) -> Vec<(Vec<u8>, i64)> {
+    let mut client = etcd.client().await.expect("etcd");
+    let options = etcd_client::GetOptions::new()
+        .with_prefix()
+        .with_keys_only()
+        .with_sort(etcd_client::SortTarget::Create, etcd_client::SortOrder::Ascend);
+    let response = client.get(CANDIDACIES, Some(options)).await.expect("etcd");
+    response.kvs().iter().map(|kv| (kv.key().to_vec(), kv.create_revision())).collect()
+}
+
+/// Two controllers: the first leading the ledger, the second standing.
+async fn a_leader_and_a_candidate(etcd: &Etcd, http: &HttpClient) -> (ControllerHandle, ControllerHandle) {
+    let one = ControllerHandle::start(&etcd.endpoint(), "controller-1").await;
+    eventually("the first controller leads", Duration::from_secs(10), || async {
+        metric(http, &one, "inferyes_controller_placement_leading", "").await == 1.0
+    })
+    .await;
+    let two = ControllerHandle::start(&etcd.endpoint(), "controller-2").await;
+    eventually("the second controller stands", Duration::from_secs(10), || async {
+        candidacies(etcd).await.len() == 2
+    })
+    .await;
+    (one, two)
+}
+
 /// Waiting to lead outlasts the etcd client's 5 s timeout on a call: a
 /// controller that waited in one call wrote a new candidacy (and deleted
 /// the last) every time it ran out, for as long as the leader lived.
@@ -204,29 +232,12 @@ async fn room_is_made_on_a_backend_at_its_limit_before_the_load() {
 async fn a_controller_waiting_to_lead_writes_nothing_to_etcd() {
     let etcd = Etcd::start().await;
     let http = HttpClient::default();
-    let one = ControllerHandle::start(&etcd.endpoint(), "controller-1").await;
-    eventually("the first controller leads", Duration::from_secs(10), || async {
-        metric(&http, &one, "inferyes_controller_placement_leading", "").await == 1.0
-    })
-    .await;
-    let two = ControllerHandle::start(&etcd.endpoint(), "controller-2").await;
-    let client = etcd.client().await.expect("etcd");
-    // Each candidacy, by when it was written.
-    let candidacies = || {
-        let mut client = client.clone();
-        async move {
-            let options = etcd_client::GetOptions::new().with_prefix().with_keys_only();
-            let response = client.get("/inferyes/v1-usage/leader/", Some(options)).await.expect("etcd");
-            response.kvs().iter().map(|kv| (kv.key().to_vec(), kv.create_revision())).collect::<Vec<_>>()
-        }
-    };
-    eventually("the second controller stands", Duration::from_secs(10), || async { candidacies().await.len() == 2 })
-        .await;
-    let before = candidacies().await;
+    let (one, two) = a_leader_and_a_candidate(&etcd, &http).await;
+    let before = candidacies(&etcd).await;
     // No event marks a write that does not happen: this waits past the
     // client's timeout instead.
     tokio::time::sleep(Duration::from_secs(7)).await;
-    assert_eq!(candidacies().await, before, "the candidacies while the second controller waited");
+    assert_eq!(candidacies(&etcd).await, before, "the candidacies while the second controller waited");
 
     // The first's candidacy goes with its stop, not at its lease's end.
     one.stop().await;
@@ -241,24 +252,9 @@ async fn a_controller_waiting_to_lead_writes_nothing_to_etcd() {
 async fn a_leader_whose_candidacy_is_deleted_steps_down() {
     let etcd = Etcd::start().await;
     let http = HttpClient::default();
-    let one = ControllerHandle::start(&etcd.endpoint(), "controller-1").await;
-    eventually("the first controller leads", Duration::from_secs(10), || async {
-        metric(&http, &one, "inferyes_controller_placement_leading", "").await == 1.0
-    })
-    .await;
-    let two = ControllerHandle::start(&etcd.endpoint(), "controller-2").await;
-    let mut client = etcd.client().await.expect("etcd");
-    let options = etcd_client::GetOptions::new()
-        .with_prefix()
-        .with_sort(etcd_client::SortTarget::Create, etcd_client::SortOrder::Ascend);
-    let prefix = "/inferyes/v1-usage/leader/";
-    eventually("the second controller stands", Duration::from_secs(10), || {
-        let (mut client, options) = (client.clone(), options.clone());
-        async move { client.get(prefix, Some(options)).await.is_ok_and(|r| r.kvs().len() == 2) }
-    })
-    .await;
-    let leading = client.get(prefix, Some(options)).await.expect("etcd").kvs()[0].key().to_vec();
-    client.delete(leading, None).await.expect("etcd");
+    let (one, two) = a_leader_and_a_candidate(&etcd, &http).await;
+    let (leading, _) = candidacies(&etcd).await.remove(0);
+    etcd.client().await.expect("etcd").delete(leading, None).await.expect("etcd");
 
     eventually("the first steps down and the second leads", Duration::from_secs(5), || async {
         let first = metric(&http, &one, "inferyes_controller_placement_leading", "").await;
